@@ -1,0 +1,49 @@
+"""Plain data objects that cross the engine's layer boundaries.
+
+Lifecycle: the sampler makes ``TokenLogprob``s, the engine core's ``step()``
+returns ``CoreOutput``s (token ids only, one per request that made progress),
+the output processor turns those into text deltas, and the offline API
+collects ``RequestOutput``s. Workers forward ``CoreOutput`` fields over gRPC.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one chosen token and, optionally, its top alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+    """(token_id, logprob) of the top-n tokens, most likely first."""
+
+
+@dataclass
+class CoreOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: Optional[list[TokenLogprob]] = None
+    finish_reason: Optional[str] = None
+    """None while running; "stop" (EOS or stop token), "length", "abort",
+    or "prefill_done" for a prefill-only request whose KV is held for hand-off."""
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """The offline API's result for one prompt (vLLM shape, flattened to n=1)."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: Optional[str]
+    logprobs: Optional[list[TokenLogprob]] = None
+    finished: bool = True

@@ -1,0 +1,1 @@
+"""kvtransfer package."""
