@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from proto import worker_pb2 as proto_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -22,3 +23,521 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
+
+
+class DecodeWorkerStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Reserve = channel.unary_unary(
+                '/pdserve.internal.v1.DecodeWorker/Reserve',
+                request_serializer=proto_dot_worker__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.ReserveResponse.FromString,
+                _registered_method=True)
+        self.Decode = channel.unary_stream(
+                '/pdserve.internal.v1.DecodeWorker/Decode',
+                request_serializer=proto_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.DecodeChunk.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/pdserve.internal.v1.DecodeWorker/Abort',
+                request_serializer=proto_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.AbortResponse.FromString,
+                _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/pdserve.internal.v1.DecodeWorker/GetInfo',
+                request_serializer=proto_dot_worker__pb2.GetInfoRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.WorkerInfo.FromString,
+                _registered_method=True)
+
+
+class DecodeWorkerServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Reserve(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Decode(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetInfo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_DecodeWorkerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=proto_dot_worker__pb2.ReserveRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.ReserveResponse.SerializeToString,
+            ),
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=proto_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.DecodeChunk.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=proto_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.AbortResponse.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=proto_dot_worker__pb2.GetInfoRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.internal.v1.DecodeWorker', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.internal.v1.DecodeWorker', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class DecodeWorker:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.DecodeWorker/Reserve',
+            proto_dot_worker__pb2.ReserveRequest.SerializeToString,
+            proto_dot_worker__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.internal.v1.DecodeWorker/Decode',
+            proto_dot_worker__pb2.DecodeRequest.SerializeToString,
+            proto_dot_worker__pb2.DecodeChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.DecodeWorker/Abort',
+            proto_dot_worker__pb2.AbortRequest.SerializeToString,
+            proto_dot_worker__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.DecodeWorker/GetInfo',
+            proto_dot_worker__pb2.GetInfoRequest.SerializeToString,
+            proto_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class PrefillWorkerStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Prefill = channel.unary_stream(
+                '/pdserve.internal.v1.PrefillWorker/Prefill',
+                request_serializer=proto_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.PrefillEvent.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/pdserve.internal.v1.PrefillWorker/Abort',
+                request_serializer=proto_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.AbortResponse.FromString,
+                _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/pdserve.internal.v1.PrefillWorker/GetInfo',
+                request_serializer=proto_dot_worker__pb2.GetInfoRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.WorkerInfo.FromString,
+                _registered_method=True)
+
+
+class PrefillWorkerServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetInfo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PrefillWorkerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Prefill': grpc.unary_stream_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=proto_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.PrefillEvent.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=proto_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.AbortResponse.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=proto_dot_worker__pb2.GetInfoRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.internal.v1.PrefillWorker', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.internal.v1.PrefillWorker', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PrefillWorker:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.internal.v1.PrefillWorker/Prefill',
+            proto_dot_worker__pb2.PrefillRequest.SerializeToString,
+            proto_dot_worker__pb2.PrefillEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.PrefillWorker/Abort',
+            proto_dot_worker__pb2.AbortRequest.SerializeToString,
+            proto_dot_worker__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.PrefillWorker/GetInfo',
+            proto_dot_worker__pb2.GetInfoRequest.SerializeToString,
+            proto_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class ColocatedWorkerStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Generate = channel.unary_stream(
+                '/pdserve.internal.v1.ColocatedWorker/Generate',
+                request_serializer=proto_dot_worker__pb2.ColocatedRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.DecodeChunk.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/pdserve.internal.v1.ColocatedWorker/Abort',
+                request_serializer=proto_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.AbortResponse.FromString,
+                _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/pdserve.internal.v1.ColocatedWorker/GetInfo',
+                request_serializer=proto_dot_worker__pb2.GetInfoRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.WorkerInfo.FromString,
+                _registered_method=True)
+
+
+class ColocatedWorkerServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Generate(self, request, context):
+        """Streams every token, the first one included, as DecodeChunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetInfo(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ColocatedWorkerServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=proto_dot_worker__pb2.ColocatedRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.DecodeChunk.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=proto_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.AbortResponse.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=proto_dot_worker__pb2.GetInfoRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.internal.v1.ColocatedWorker', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.internal.v1.ColocatedWorker', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ColocatedWorker:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.internal.v1.ColocatedWorker/Generate',
+            proto_dot_worker__pb2.ColocatedRequest.SerializeToString,
+            proto_dot_worker__pb2.DecodeChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.ColocatedWorker/Abort',
+            proto_dot_worker__pb2.AbortRequest.SerializeToString,
+            proto_dot_worker__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.ColocatedWorker/GetInfo',
+            proto_dot_worker__pb2.GetInfoRequest.SerializeToString,
+            proto_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
