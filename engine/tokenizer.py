@@ -1,0 +1,177 @@
+"""Text <-> token ids for any Hugging Face model directory, and the built-in tokenizer.
+
+Lifecycle: built once per engine (``Tokenizer.from_dir(path)`` for a HF model
+directory, ``Tokenizer.builtin()`` for the tokenizer shipped in
+``engine/assets/tokenizer`` that the ``tiny`` and ``bench`` models share), then
+shared read-only by the router (encode, chat template), the offline API and the
+output processors (decode). It wraps a ``tokenizers.Tokenizer`` (the Rust
+backend transformers' fast tokenizers use) and reads the few fields of
+``tokenizer_config.json`` that change behaviour: bos/eos tokens (plain strings or
+AddedToken dicts), ``add_bos_token`` and the Jinja chat template, which is
+rendered in a sandboxed environment because templates ship with downloaded models.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import tokenizers
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+BUILTIN_DIR = Path(__file__).parent / "assets" / "tokenizer"
+
+
+def _token_content(tok: Any) -> Optional[str]:
+    """A special token given as a string or as an AddedToken dict -> its text."""
+    if tok is None:
+        return None
+    if isinstance(tok, str):
+        return tok
+    if isinstance(tok, dict) and isinstance(tok.get("content"), str):
+        return tok["content"]
+    raise ValueError(f"special token must be a string or an AddedToken dict, got {tok!r}")
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class Tokenizer:
+    """A fast tokenizer plus the special-token and chat-template settings of one model."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, config: Optional[dict] = None,
+                 eos_token_id_fallback: Optional[int] = None) -> None:
+        config = dict(config or {})
+        self._tok = backend
+        self.bos_token: Optional[str] = _token_content(config.get("bos_token"))
+        self.eos_token: Optional[str] = _token_content(config.get("eos_token"))
+        self.pad_token: Optional[str] = _token_content(config.get("pad_token"))
+        self.bos_token_id: Optional[int] = self._id_of(self.bos_token)
+        eos_id = self._id_of(self.eos_token)
+        self.eos_token_id: Optional[int] = eos_id if eos_id is not None else eos_token_id_fallback
+        self.pad_token_id: Optional[int] = self._id_of(self.pad_token)
+        # HF's fast tokenizers prepend bos themselves when add_bos_token is set; a
+        # tokenizer.json post-processor may also do it, so we never add a second one.
+        self.add_bos_token: bool = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
+        self.chat_template: Optional[str] = self._pick_template(config.get("chat_template"))
+        added = backend.get_added_tokens_decoder()
+        self.all_special_ids: list[int] = sorted(i for i, t in added.items() if t.special)
+        self._special_set = frozenset(self.all_special_ids)
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self._template_cache = None
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_dir(cls, path: Union[str, Path]) -> "Tokenizer":
+        """Load ``tokenizer.json`` (+ ``tokenizer_config.json``, ``chat_template.jinja``) from a HF dir."""
+        d = Path(path)
+        tj = d / "tokenizer.json"
+        if not tj.is_file():
+            raise ValueError(f"model path {str(d)!r} has no tokenizer.json")
+        backend = tokenizers.Tokenizer.from_file(str(tj))
+        config: dict = {}
+        cfg_path = d / "tokenizer_config.json"
+        if cfg_path.is_file():
+            config = json.loads(cfg_path.read_text(encoding="utf-8"))
+        # transformers v5 writes the template beside the config instead of inside it.
+        jinja_path = d / "chat_template.jinja"
+        if jinja_path.is_file() and not config.get("chat_template"):
+            config["chat_template"] = jinja_path.read_text(encoding="utf-8")
+        if "bos_token" not in config or "eos_token" not in config:
+            stm = d / "special_tokens_map.json"
+            if stm.is_file():
+                for k, v in json.loads(stm.read_text(encoding="utf-8")).items():
+                    config.setdefault(k, v)
+        eos_fallback = None
+        for name in ("generation_config.json", "config.json"):
+            p = d / name
+            if p.is_file():
+                eos = json.loads(p.read_text(encoding="utf-8")).get("eos_token_id")
+                if isinstance(eos, list) and eos:
+                    eos = eos[0]
+                if isinstance(eos, int):
+                    eos_fallback = eos
+                    break
+        return cls(backend, config, eos_token_id_fallback=eos_fallback)
+
+    @classmethod
+    def builtin(cls) -> "Tokenizer":
+        """The byte-level BPE (vocab 8192) shared by the built-in ``tiny`` and ``bench`` models."""
+        return cls.from_dir(BUILTIN_DIR)
+
+    # -- encode / decode ------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens`` the model's bos (if it uses one) leads."""
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a string, got {type(text).__name__}")
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; invalid UTF-8 byte runs decode to U+FFFD (as in transformers)."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Union[int, Sequence[int]]) -> Union[Optional[str], list[Optional[str]]]:
+        """Vocabulary strings of ``ids`` (one id -> one string, like transformers)."""
+        if isinstance(ids, int):
+            return self._tok.id_to_token(ids)
+        return [self._tok.id_to_token(int(i)) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: Union[str, Sequence[str]]) -> Union[Optional[int], list[Optional[int]]]:
+        if isinstance(tokens, str):
+            return self._tok.token_to_id(tokens)
+        return [self._tok.token_to_id(t) for t in tokens]
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special_set
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    # -- chat -----------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render ``messages`` ([{role, content}, ...]) with the model's chat template."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat_template")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str):
+                raise ValueError(f"messages[{i}].role must be a string")
+        if self._template_cache is None:
+            # Same settings as transformers: sandboxed (templates come with downloaded
+            # models), trim/lstrip blocks so templates written for HF render identically.
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = _strftime_now
+            self._template_cache = env.from_string(self.chat_template)
+        return self._template_cache.render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+    @staticmethod
+    def _pick_template(t: Any) -> Optional[str]:
+        # A list of named templates is allowed by HF; "default" is the one used for chat.
+        if t is None or isinstance(t, str):
+            return t
+        if isinstance(t, list):
+            named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+            return named.get("default") or next(iter(named.values()), None)
+        raise ValueError(f"chat_template must be a string or a list of named templates, got {type(t).__name__}")
+
+    def _id_of(self, token: Optional[str]) -> Optional[int]:
+        return None if token is None else self._tok.token_to_id(token)
