@@ -1,0 +1,269 @@
+"""Batched token sampling: penalties, filters and seeded draws for many requests at once.
+
+Lifecycle: one ``Sampler`` per engine, created with the model's vocabulary size.
+Each step the model runner hands it the last-position logits of every request
+that needs a token (``[B, V]``) plus one ``SamplingRequest`` per row (that
+request's params and token history); ``sample`` returns one token id per row
+and, where asked, its ``TokenLogprob``. It keeps no per-request state: all
+history comes in with the call, which is what lets a prefill worker sample
+token 0 and a decode worker tokens 1.. and still agree with an offline run.
+
+Processing order (as transformers applies its processors and warpers):
+repetition penalty (over prompt + output, transformers' semantics), frequency
+and presence penalties (over output only, OpenAI's semantics), min_tokens (EOS
+and stop_token_ids masked), then for sampled rows temperature, top-k, top-p,
+min-p, typical-p, and finally the draw. Greedy rows (temperature 0) take the
+argmax after the penalties. Every step is a tensor op over the whole batch with
+per-row parameters; rows whose parameter is neutral pass through unchanged.
+
+Randomness: a draw is an exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)``
+per token, which picks token j with probability ``p_j``. For a seeded request the
+noise for output token ``i`` comes from a generator seeded by ``mix(seed, i)``,
+so it depends only on ``(seed, i)`` (not on the batch, not on the process).
+Unseeded rows share the engine's generator.
+
+Logprobs follow vLLM's default: the log-softmax of the raw model logits, before
+penalties, temperature and filters, so they describe the model, not the sampler.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from engine.outputs import TokenLogprob
+from engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def seed_for_token(seed: int, index: int) -> int:
+    """A 63-bit generator seed that depends only on (request seed, output token index).
+
+    splitmix64 finaliser over both inputs: neighbouring seeds and indices give
+    unrelated streams (seeding torch directly with seed + i would correlate them).
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass
+class SamplingRequest:
+    """One row of a sampling batch: a request's params and its token history."""
+
+    params: SamplingParams
+    """The request's sampling parameters."""
+    prompt_token_ids: list[int]
+    """Prompt tokens (repetition penalty looks at these too)."""
+    output_token_ids: list[int]
+    """Tokens generated so far; its length is the index of the token being sampled."""
+    eos_token_id: Optional[int] = None
+    """Masked while fewer than min_tokens have been generated."""
+    generator: Optional[torch.Generator] = None
+    """Generator for unseeded draws (the engine's); None uses the sampler's own."""
+    generator_fallback: Optional[torch.Generator] = None
+    """Alias of ``generator`` (the name docs/interfaces.md uses); either may be set."""
+
+
+class Sampler:
+    """Picks the next token for each row of a logits batch (see the module docstring)."""
+
+    def __init__(self, vocab_size: int, seed: int = 0) -> None:
+        if not isinstance(vocab_size, int) or vocab_size <= 0:
+            raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    # -- public ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor,
+               reqs: list[SamplingRequest]) -> tuple[list[int], list[Optional[TokenLogprob]]]:
+        """Next token id per row and, for rows whose params ask for logprobs, a TokenLogprob."""
+        if logits.dim() != 2 or logits.shape[0] != len(reqs):
+            raise ValueError(f"logits must be [len(reqs)={len(reqs)}, V], got {tuple(logits.shape)}")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns, fewer than vocab_size {self.vocab_size}")
+        B = len(reqs)
+        if B == 0:
+            return [], []
+        # Padded model vocabularies have columns no tokenizer id maps to; never sample them.
+        raw = logits[:, : self.vocab_size].float()
+        params = [r.params for r in reqs]
+        want_lp = [p.logprobs is not None for p in params]
+        need_penalty = any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                           or p.presence_penalty != 0.0 for p in params)
+        need_min = any(len(r.output_token_ids) < r.params.min_tokens for r in reqs)
+
+        # Fast path: plain greedy batch, the common case for evals and load tests.
+        if all(p.greedy for p in params) and not need_penalty and not need_min:
+            tokens = raw.argmax(dim=-1)
+            return tokens.tolist(), self._logprobs(raw, tokens, params, want_lp)
+
+        x = raw.clone()
+        if need_penalty:
+            x = self._apply_penalties(x, reqs)
+        if need_min:
+            x = self._apply_min_tokens(x, reqs)
+
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        tokens = x.argmax(dim=-1)
+        if sampled_rows:
+            idx = torch.tensor(sampled_rows, device=x.device)
+            sub = x.index_select(0, idx)
+            sub = self._warp(sub, [params[i] for i in sampled_rows])
+            probs = torch.softmax(sub, dim=-1)
+            noise = self._exponential_noise(probs, [reqs[i] for i in sampled_rows])
+            drawn = (probs / noise).argmax(dim=-1)
+            tokens = tokens.index_copy(0, idx, drawn)
+        return tokens.tolist(), self._logprobs(raw, tokens, params, want_lp)
+
+    # -- processors -----------------------------------------------------------------------------
+
+    def _apply_penalties(self, x: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
+        B, V = x.shape
+        dev = x.device
+        rep = torch.tensor([r.params.repetition_penalty for r in reqs], device=dev).unsqueeze(1)
+        freq = torch.tensor([r.params.frequency_penalty for r in reqs], device=dev).unsqueeze(1)
+        pres = torch.tensor([r.params.presence_penalty for r in reqs], device=dev).unsqueeze(1)
+        out_counts = self._counts([r.output_token_ids for r in reqs], B, V, dev)
+        if bool((rep != 1.0).any()):
+            seen = self._counts([r.prompt_token_ids for r in reqs], B, V, dev) + out_counts > 0
+            # transformers: shrink a seen token's logit toward "less likely" whatever its sign.
+            penalised = torch.where(x < 0, x * rep, x / rep)
+            x = torch.where(seen, penalised, x)
+        # OpenAI: logit -= count * frequency_penalty + (count > 0) * presence_penalty.
+        x = x - out_counts * freq - (out_counts > 0).float() * pres
+        return x
+
+    def _apply_min_tokens(self, x: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, r in enumerate(reqs):
+            if len(r.output_token_ids) >= r.params.min_tokens:
+                continue
+            banned = set(r.params.stop_token_ids)
+            if r.eos_token_id is not None:
+                banned.add(r.eos_token_id)
+            for t in banned:
+                if 0 <= t < self.vocab_size:
+                    rows.append(i)
+                    cols.append(t)
+        if rows:
+            x = x.clone()
+            x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = float("-inf")
+        return x
+
+    def _warp(self, x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, typical-p over the sampled rows (transformers' maths)."""
+        B, V = x.shape
+        dev = x.device
+        neg_inf = float("-inf")
+        temp = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
+        x = x / temp
+        top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k < V for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_x, sorted_idx = torch.sort(x, dim=-1, descending=False)
+            if any(k < V for k in top_k):
+                # Keep ties with the k-th largest value, as TopKLogitsWarper does.
+                kth_pos = torch.tensor([V - k for k in top_k], device=dev).unsqueeze(1)
+                kth = sorted_x.gather(1, kth_pos)
+                remove_sorted = sorted_x < kth
+                sorted_x = sorted_x.masked_fill(remove_sorted, neg_inf)
+            if any(p < 1.0 for p in top_p):
+                cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+                tp = torch.tensor(top_p, device=dev).unsqueeze(1)
+                remove_sorted = cum <= (1 - tp)
+                remove_sorted[:, -1] = False
+                sorted_x = sorted_x.masked_fill(remove_sorted, neg_inf)
+            x = torch.empty_like(x).scatter_(1, sorted_idx, sorted_x)
+        if any(p.min_p > 0.0 for p in params):
+            probs = torch.softmax(x, dim=-1)
+            mp = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+            remove = probs < mp * probs.amax(dim=-1, keepdim=True)
+            remove.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
+            x = x.masked_fill(remove, neg_inf)
+        if any(p.typical_p < 1.0 for p in params):
+            x = self._typical(x, params)
+        return x
+
+    @staticmethod
+    def _typical(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        dev = x.device
+        mass = torch.tensor([p.typical_p for p in params], device=dev).unsqueeze(1)
+        active = torch.tensor([p.typical_p < 1.0 for p in params], device=dev).unsqueeze(1)
+        normalized = torch.log_softmax(x, dim=-1)
+        p = normalized.exp()
+        ent = -(normalized * p).nansum(-1, keepdim=True)
+        shifted = (-normalized - ent).abs()
+        sorted_scores, sorted_idx = torch.sort(shifted, dim=-1, descending=False)
+        cum = x.gather(-1, sorted_idx).softmax(dim=-1).cumsum(dim=-1)
+        last_ind = (cum < mass).sum(dim=1).clamp_(max=x.shape[-1] - 1)
+        remove_sorted = sorted_scores > sorted_scores.gather(1, last_ind.view(-1, 1))
+        remove_sorted[:, :1] = False
+        remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
+        # Rows with typical_p == 1 skip the filter: its cumsum can reach 1.0 early
+        # through rounding and would cut real tokens.
+        return x.masked_fill(remove & active, float("-inf"))
+
+    # -- randomness and logprobs ----------------------------------------------------------------
+
+    def _exponential_noise(self, probs: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
+        n, V = probs.shape
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(reqs) if r.params.seed is None]
+        if unseeded:
+            gen = reqs[unseeded[0]].generator or reqs[unseeded[0]].generator_fallback or self.generator
+            q = torch.empty((len(unseeded), V), device=gen.device).exponential_(generator=gen)
+            noise[torch.tensor(unseeded, device=probs.device)] = q.to(probs.device)
+        for i, r in enumerate(reqs):
+            if r.params.seed is None:
+                continue
+            # A fresh generator per (seed, token index): the only state a seeded draw has.
+            g = torch.Generator(device=probs.device)
+            g.manual_seed(seed_for_token(r.params.seed, len(r.output_token_ids)))
+            noise[i].exponential_(generator=g)
+        # A zero draw would turn p/E into inf or nan (nan wins argmax); keep E > 0.
+        return noise.clamp_min_(1e-30)
+
+    @staticmethod
+    def _counts(seqs: list[list[int]], B: int, V: int, dev: torch.device) -> torch.Tensor:
+        """[B, V] float counts of each token id in each row's sequence (one scatter_add)."""
+        counts = torch.zeros((B, V + 1), device=dev)
+        max_len = max((len(s) for s in seqs), default=0)
+        if max_len == 0:
+            return counts[:, :V]
+        # Pad with V (a dump column dropped below) so one scatter covers ragged rows.
+        padded = torch.full((B, max_len), V, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            if s:
+                t = torch.tensor(s, dtype=torch.long)
+                padded[i, : len(s)] = t.clamp_(0, V)
+        counts.scatter_add_(1, padded.to(dev), torch.ones((B, max_len), device=dev))
+        return counts[:, :V]
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams],
+                  want: list[bool]) -> list[Optional[TokenLogprob]]:
+        if not any(want):
+            return [None] * len(params)
+        rows = [i for i, w in enumerate(want) if w]
+        idx = torch.tensor(rows, device=raw.device)
+        lp = torch.log_softmax(raw.index_select(0, idx), dim=-1)
+        chosen = tokens.index_select(0, idx)
+        chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        n_top = max(params[i].logprobs for i in rows)
+        top_vals, top_ids = (lp.topk(n_top, dim=-1) if n_top > 0 else (None, None))
+        out: list[Optional[TokenLogprob]] = [None] * len(params)
+        chosen_l = chosen.tolist()
+        tv = top_vals.tolist() if top_vals is not None else None
+        ti = top_ids.tolist() if top_ids is not None else None
+        for j, i in enumerate(rows):
+            k = params[i].logprobs
+            top = list(zip(ti[j][:k], tv[j][:k])) if k else []
+            out[i] = TokenLogprob(token_id=chosen_l[j], logprob=chosen_lp[j], top=top)
+        return out
