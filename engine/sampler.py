@@ -103,23 +103,40 @@ class Sampler:
             tokens = raw.argmax(dim=-1)
             return tokens.tolist(), self._logprobs(raw, tokens, params, want_lp)
 
+        x = self._process(raw, reqs, need_penalty, need_min)
+        tokens = x.argmax(dim=-1)
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled_rows:
+            idx = torch.tensor(sampled_rows, device=x.device)
+            probs = torch.softmax(x.index_select(0, idx), dim=-1)
+            noise = self._exponential_noise(probs, [reqs[i] for i in sampled_rows])
+            tokens = tokens.index_copy(0, idx, (probs / noise).argmax(dim=-1))
+        return tokens.tolist(), self._logprobs(raw, tokens, params, want_lp)
+
+    @torch.inference_mode()
+    def processed_logits(self, logits: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
+        """The logits each row's token is picked from: argmax for greedy rows, softmax draw otherwise.
+
+        Filtered tokens are -inf. Exposed so tests and tools can check the
+        distribution itself rather than samples of it.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(reqs):
+            raise ValueError(f"logits must be [len(reqs)={len(reqs)}, V], got {tuple(logits.shape)}")
+        return self._process(logits[:, : self.vocab_size].float(), reqs, True, True)
+
+    def _process(self, raw: torch.Tensor, reqs: list[SamplingRequest], need_penalty: bool,
+                 need_min: bool) -> torch.Tensor:
         x = raw.clone()
         if need_penalty:
             x = self._apply_penalties(x, reqs)
         if need_min:
             x = self._apply_min_tokens(x, reqs)
-
-        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-        tokens = x.argmax(dim=-1)
+        sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if sampled_rows:
             idx = torch.tensor(sampled_rows, device=x.device)
-            sub = x.index_select(0, idx)
-            sub = self._warp(sub, [params[i] for i in sampled_rows])
-            probs = torch.softmax(sub, dim=-1)
-            noise = self._exponential_noise(probs, [reqs[i] for i in sampled_rows])
-            drawn = (probs / noise).argmax(dim=-1)
-            tokens = tokens.index_copy(0, idx, drawn)
-        return tokens.tolist(), self._logprobs(raw, tokens, params, want_lp)
+            warped = self._warp(x.index_select(0, idx), [reqs[i].params for i in sampled_rows])
+            x = x.index_copy(0, idx, warped)
+        return x
 
     # -- processors -----------------------------------------------------------------------------
 
