@@ -1,0 +1,137 @@
+"""The benchmark client: sends a workload to a PDServe endpoint and times every streamed message.
+
+Lifecycle: ``run_benchmark(target, requests, ...)`` opens one ``grpc.aio``
+channel, starts the clock, and launches one task per request; each task sleeps
+until its scheduled offset, waits for a slot under ``max_concurrency`` (if any),
+sends ``Generate`` with the prompt's token ids, ``max_tokens`` and
+``ignore_eos=True`` (so the output length is forced), and stamps each streamed
+message that carries tokens on the client's monotonic clock. When every task
+has ended (a finished stream, an RPC error or the per-request deadline), the
+channel is closed and the records plus the wall duration are returned. A
+request error never ends the run; it is recorded with its gRPC status.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import grpc
+
+from loadtest.stats import RequestRecord
+from loadtest.workload import BenchRequest, ModelLimits
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ClientConfig:
+    """How requests are sent."""
+
+    target: str
+    """HOST:PORT of the router (or any PDServe endpoint)."""
+    temperature: float = 0.0
+    """Sampling temperature sent with every request (0 = greedy)."""
+    max_concurrency: Optional[int] = None
+    """At most this many requests in flight; None = no cap beyond the arrival schedule."""
+    request_timeout_s: float = 600.0
+    """gRPC deadline of each Generate call."""
+
+
+def check_target(target: str) -> str:
+    """HOST:PORT with a numeric port, else ValueError naming --target."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"target must be HOST:PORT, got {target!r}")
+    return target
+
+
+async def fetch_model_info(target: str, timeout_s: float = 30.0) -> pb.ModelInfo:
+    """GetModelInfo, waiting up to ``timeout_s`` for the server to come up."""
+    check_target(target)
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.PDServeStub(channel)
+        return await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True)
+
+
+def limits_from_info(info: pb.ModelInfo) -> ModelLimits:
+    """The limits a workload must respect, from the server's ModelInfo."""
+    return ModelLimits(vocab_size=info.vocab_size, max_context_length=info.max_context_length,
+                       max_prompt_tokens=info.max_prompt_tokens, max_new_tokens=info.max_new_tokens)
+
+
+async def _send_one(stub: pb_grpc.PDServeStub, req: BenchRequest, cfg: ClientConfig, t0: float,
+                    sem: Optional[asyncio.Semaphore]) -> RequestRecord:
+    rec = RequestRecord(request_id=req.request_id, prompt_len=len(req.prompt_token_ids),
+                        expected_output_len=req.max_tokens, scheduled_s=req.arrival_s)
+    delay = t0 + req.arrival_s - time.perf_counter()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    if sem is not None:
+        await sem.acquire()
+    try:
+        message = pb.GenerateRequest(request_id=req.request_id, token_ids=req.prompt_token_ids,
+                                     max_tokens=req.max_tokens, temperature=cfg.temperature, ignore_eos=True)
+        rec.start_s = time.perf_counter() - t0
+        usage_tokens = 0
+        call = stub.Generate(message, timeout=cfg.request_timeout_s)
+        try:
+            async for resp in call:
+                now = time.perf_counter() - t0
+                if resp.token_ids:
+                    rec.chunk_times_s.append(now)
+                    rec.chunk_tokens.append(len(resp.token_ids))
+                if resp.finish_reason:
+                    rec.finish_reason = resp.finish_reason
+                if resp.HasField("usage"):
+                    usage_tokens = resp.usage.completion_tokens
+            rec.end_s = time.perf_counter() - t0
+            rec.output_tokens = usage_tokens or sum(rec.chunk_tokens)
+            if rec.finish_reason == "abort":
+                rec.error = "finish_reason=abort"
+            elif not rec.chunk_times_s:
+                rec.error = "stream ended without tokens"
+            else:
+                rec.success = True
+        except grpc.aio.AioRpcError as e:
+            rec.end_s = time.perf_counter() - t0
+            rec.output_tokens = sum(rec.chunk_tokens)
+            rec.error = f"{e.code().name}: {e.details()}"
+            log.warning("request %s failed: %s", req.request_id, rec.error)
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+    finally:
+        if sem is not None:
+            sem.release()
+    return rec
+
+
+async def run_benchmark(cfg: ClientConfig, requests: list[BenchRequest],
+                        on_done: Optional[Callable[[RequestRecord], None]] = None
+                        ) -> tuple[list[RequestRecord], float]:
+    """Send ``requests`` on their schedule; returns (records in request order, wall duration in s)."""
+    check_target(cfg.target)
+    if cfg.max_concurrency is not None and cfg.max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {cfg.max_concurrency}")
+    if not cfg.request_timeout_s > 0:
+        raise ValueError(f"request_timeout must be > 0 s, got {cfg.request_timeout_s}")
+    sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+    # Many concurrent streams share one HTTP/2 connection, as a real client's would.
+    async with grpc.aio.insecure_channel(cfg.target) as channel:
+        stub = pb_grpc.PDServeStub(channel)
+        t0 = time.perf_counter()
+
+        async def one(req: BenchRequest) -> RequestRecord:
+            rec = await _send_one(stub, req, cfg, t0, sem)
+            if on_done is not None:
+                on_done(rec)
+            return rec
+
+        records = await asyncio.gather(*(one(r) for r in requests))
+        duration = time.perf_counter() - t0
+    return list(records), duration
