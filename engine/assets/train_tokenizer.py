@@ -59,8 +59,6 @@ def train(out_dir: Path, lib_dir: Path) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    # trim_offsets=False keeps offsets byte-exact; bos is added by our Tokenizer, not here.
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
         min_frequency=2,
@@ -70,6 +68,14 @@ def train(out_dir: Path, lib_dir: Path) -> Tokenizer:
     )
     files = corpus_files(lib_dir)
     tok.train_from_iterator(iter_texts(files), trainer=trainer, length=len(files))
+    # bos is added by the post-processor (as Llama 3's tokenizer.json does), so every
+    # reader of tokenizer.json (ours, transformers, vLLM) agrees on the prompt ids.
+    bos = SPECIAL_TOKENS[0]
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                      special_tokens=[(bos, tok.token_to_id(bos))]),
+    ])
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"), pretty=False)
     config = {
