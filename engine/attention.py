@@ -1,0 +1,161 @@
+"""Paged causal self-attention and rotary embeddings.
+
+Lifecycle: once per engine step the model runner builds one ``AttentionMetadata``
+(where each new token's K/V goes in the paged cache, the block tables and masks
+of the decode batch, one ``PrefillSpan`` per prefill chunk); every layer then
+calls ``paged_attention`` with it, which first writes the step's K/V into the
+layer's cache and then reads K/V back through the block tables. The metadata is
+dropped at the end of the step.
+
+The flat batch holds the decode tokens first (one per sequence), then each
+prefill chunk's tokens. Decode attends over a padded [B, Hkv, L, D] gather of
+the cache with a length mask (one SDPA call for the whole batch, the query heads
+of a KV group folded into the query-length axis so GQA needs no K/V copies). A
+prefill chunk with no earlier context attends to its own fresh K/V with
+``is_causal``; a later chunk (chunked prefill, or re-prefill after preemption)
+gathers its sequence's cached K/V and uses an explicit causal mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class PrefillSpan:
+    """One prefill chunk in the flat batch."""
+
+    start: int
+    """First row of the chunk in the flat token batch."""
+    end: int
+    """One past its last row."""
+    num_computed: int
+    """Tokens of this sequence already in the cache before the chunk (its first position)."""
+    block_table: Tensor
+    """Block ids (int64) covering num_computed + chunk length tokens."""
+    masks: dict = field(default_factory=dict)
+    """window -> bool mask [n, ctx] (True = attend), filled lazily and shared by all layers."""
+
+    @property
+    def ctx_len(self) -> int:
+        return self.num_computed + self.end - self.start
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step description of where K/V are written and read."""
+
+    slot_mapping: Tensor
+    """[T] int64 flat slot (block * block_size + offset) for each token's K/V."""
+    num_decode: int
+    """The first num_decode rows are single-token decodes."""
+    decode_block_tables: Optional[Tensor] = None
+    """[B, max_blocks] int64, padded with block 0 (masked out)."""
+    decode_ctx_lens: Optional[Tensor] = None
+    """[B] int64 context length including the new token."""
+    prefills: list = field(default_factory=list)
+    """PrefillSpan per prefill chunk, in batch order."""
+    decode_masks: dict = field(default_factory=dict)
+    """window -> bool mask [B, 1, 1, L], filled lazily and shared by all layers."""
+    block_size: int = 16
+    """Tokens per block (to size the padded decode gather)."""
+
+    def decode_mask(self, window: Optional[int]) -> Tensor:
+        m = self.decode_masks.get(window)
+        if m is None:
+            L = self.decode_block_tables.shape[1] * self.block_size
+            idx = torch.arange(L, device=self.slot_mapping.device)
+            ctx = self.decode_ctx_lens[:, None]
+            m = idx[None, :] < ctx
+            if window is not None:
+                # the new token sits at ctx-1; HF keeps keys with q - k < window
+                m &= idx[None, :] > ctx - 1 - window
+            m = m[:, None, None, :]
+            self.decode_masks[window] = m
+        return m
+
+
+def prefill_mask(span: PrefillSpan, window: Optional[int], device: torch.device) -> Tensor:
+    """Bool [n, ctx] mask: query at position p sees keys k <= p (and p - k < window)."""
+    m = span.masks.get(window)
+    if m is None:
+        n, ctx = span.end - span.start, span.ctx_len
+        q_pos = torch.arange(span.num_computed, ctx, device=device)[:, None]
+        k_pos = torch.arange(ctx, device=device)[None, :]
+        m = k_pos <= q_pos
+        if window is not None:
+            m &= k_pos > q_pos - window
+        span.masks[window] = m
+    return m
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE (HF layout). x [T, heads, D]; cos/sin [T, 1, D/2] in x's dtype."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
+    """Scatter this step's K/V [T, Hkv, D] into the layer's paged cache [N, bs, Hkv, D]."""
+    n, bs, hkv, d = k_cache.shape
+    k_cache.view(n * bs, hkv, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(n * bs, hkv, d).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                    meta: AttentionMetadata, window: Optional[int]) -> Tensor:
+    """Write k/v into the cache, then attend. q [T, H, D], k/v [T, Hkv, D] -> [T, H*D]."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    T, H, D = q.shape
+    hkv = k.shape[1]
+    group = H // hkv
+    B = meta.num_decode
+    if B == T:
+        return _decode(q, k_cache, v_cache, meta, window, group).reshape(T, H * D)
+    out = q.new_empty(T, H, D)
+    if B:
+        out[:B] = _decode(q[:B], k_cache, v_cache, meta, window, group)
+    for span in meta.prefills:
+        out[span.start:span.end] = _prefill(q, k, v, k_cache, v_cache, span, window, group)
+    return out.view(T, H * D)
+
+
+def _decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+            window: Optional[int], group: int) -> Tensor:
+    B, H, D = q.shape
+    hkv = k_cache.shape[2]
+    bt = meta.decode_block_tables
+    # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]; the gather is one copy of the live context
+    kd = k_cache[bt].view(B, -1, hkv, D).transpose(1, 2)
+    vd = v_cache[bt].view(B, -1, hkv, D).transpose(1, 2)
+    # fold the query heads sharing a KV head into the query axis: [B, Hkv, G, D]
+    qd = q.view(B, hkv, group, D)
+    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask(window))
+    return o.reshape(B, H, D)
+
+
+def _prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, span: PrefillSpan,
+             window: Optional[int], group: int) -> Tensor:
+    s, e = span.start, span.end
+    n = e - s
+    qs = q[s:e].transpose(0, 1)  # [H, n, D]
+    hkv, D = k.shape[1], k.shape[2]
+    if span.num_computed == 0:
+        ks, vs = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
+    else:
+        ctx = span.ctx_len
+        ks = k_cache[span.block_table].view(-1, hkv, D)[:ctx].transpose(0, 1)
+        vs = v_cache[span.block_table].view(-1, hkv, D)[:ctx].transpose(0, 1)
+    if group > 1:
+        ks = ks.repeat_interleave(group, dim=0)
+        vs = vs.repeat_interleave(group, dim=0)
+    if span.num_computed == 0 and (window is None or window >= n):
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+    else:
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=prefill_mask(span, window, q.device))
+    return o.transpose(0, 1)

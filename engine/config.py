@@ -1,0 +1,231 @@
+"""Engine and model configuration.
+
+Lifecycle: the caller builds an ``EngineConfig`` (validated in ``__post_init__``);
+``engine.loader`` turns ``EngineConfig.model`` into a ``ModelConfig`` (from a
+built-in name or a Hugging Face ``config.json``) once, at engine start; both are
+read-only afterwards and are what the model, the KV cache and the scheduler size
+themselves from.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """'float32' | 'bfloat16' | 'float16' (also 'fp32', 'bf16', 'fp16', 'half') -> torch dtype."""
+    aliases = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+    key = aliases.get(str(name), str(name))
+    if key not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[key]
+
+
+@dataclass
+class EngineConfig:
+    """Everything an ``LLMEngine`` needs to start."""
+
+    model: str = "tiny"
+    """'tiny' | 'bench' | path to a Hugging Face model directory."""
+    dtype: str = "float32"
+    """Weights, activations and KV cache dtype: float32 | bfloat16 | float16."""
+    device: str = "cpu"
+    """torch device string ('cpu', 'cuda', 'cuda:1')."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_kv_blocks: Optional[int] = None
+    """Number of KV blocks; None sizes the cache from kv_cache_memory_bytes."""
+    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    """KV cache budget (K and V of all layers) when num_kv_blocks is None."""
+    max_num_seqs: int = 64
+    """Most sequences in the running batch."""
+    max_num_batched_tokens: int = 2048
+    """Per-step token budget; longer prompts are prefilled in chunks."""
+    max_model_len: Optional[int] = None
+    """Longest prompt + output; None uses the model's max_position_embeddings."""
+    seed: int = 0
+    """Seed of the engine RNG used for unseeded sampling."""
+    num_threads: Optional[int] = None
+    """torch.set_num_threads at engine start (None leaves torch's setting)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        parse_dtype(self.dtype)
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device is not a valid torch device: {self.device!r}") from e
+        for name, lo in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
+                         ("kv_cache_memory_bytes", 1)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        for name in ("num_kv_blocks", "max_model_len", "num_threads"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be None or an integer >= 1, got {v!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return parse_dtype(self.dtype)
+
+
+@dataclass
+class ModelConfig:
+    """Shape and numerics of one Llama-family decoder (the subset of HF config.json we use)."""
+
+    architecture: str = "LlamaForCausalLM"
+    """HF architecture name."""
+    vocab_size: int = 8192
+    """Rows of the embedding / LM head."""
+    hidden_size: int = 128
+    """Residual stream width."""
+    intermediate_size: int = 256
+    """SwiGLU inner width."""
+    num_hidden_layers: int = 2
+    """Decoder layers."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_key_value_heads: int = 2
+    """KV heads (GQA when fewer than query heads)."""
+    head_dim: int = 32
+    """Per-head width."""
+    max_position_embeddings: int = 2048
+    """Longest sequence the positions table covers."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    rope_scaling: Optional[dict] = None
+    """None or {'rope_type': 'llama3'|'linear'|'default', ...} as in HF."""
+    tie_word_embeddings: bool = False
+    """LM head shares the embedding matrix."""
+    attention_bias: bool = False
+    """q/k/v projections have biases (Qwen2)."""
+    sliding_windows: list = field(default_factory=list)
+    """Per layer: None (full attention) or the window size W (keys with q - k < W)."""
+    torch_dtype: torch.dtype = torch.float32
+    """Runtime dtype."""
+    bos_token_id: Optional[int] = None
+    """From config.json; the tokenizer's wins when present."""
+    eos_token_ids: list = field(default_factory=list)
+    """From config.json; the tokenizer's wins when present."""
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architectures: unsupported {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.sliding_windows:
+            self.sliding_windows = [None] * self.num_hidden_layers
+        if len(self.sliding_windows) != self.num_hidden_layers:
+            raise ValueError("sliding_windows must have one entry per layer")
+        rt = (self.rope_scaling or {}).get("rope_type", "default")
+        if rt not in ("default", "llama3", "linear"):
+            raise ValueError(f"rope_scaling.rope_type {rt!r} is not supported (default, linear, llama3)")
+
+    @property
+    def num_params(self) -> int:
+        h, i, v, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        qkv = h * d * (self.num_attention_heads + 2 * self.num_key_value_heads)
+        per_layer = qkv + self.num_attention_heads * d * h + 3 * h * i + 2 * h
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer + h
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], dtype: torch.dtype) -> "ModelConfig":
+        """Read a HF ``config.json`` dict (transformers 4.x and 5.x rope layouts)."""
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                       "qwen2": "Qwen2ForCausalLM"}.get(cfg.get("model_type", ""), "")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architectures: unsupported {arch or cfg.get('model_type')!r}; "
+                             f"supported: {SUPPORTED_ARCHITECTURES}")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {act!r}")
+        if cfg.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported")
+        n_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // n_heads
+        n_layers = int(cfg["num_hidden_layers"])
+        # transformers 5 writes rope_parameters; 4.x wrote rope_theta + rope_scaling.
+        rope = dict(cfg.get("rope_parameters") or {})
+        scaling = dict(cfg.get("rope_scaling") or {})
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        params = {k: v for k, v in {**scaling, **rope}.items() if k != "rope_theta"}
+        if "type" in params and "rope_type" not in params:
+            params["rope_type"] = params.pop("type")
+        if params.get("rope_type", "default") == "default":
+            params = None
+        if params and params.get("rope_type") == "llama3":
+            params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+        windows = _sliding_windows(arch, cfg, n_layers)
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([int(x) for x in eos] if isinstance(eos, list) else [int(eos)])
+        return cls(
+            architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]), num_hidden_layers=n_layers,
+            num_attention_heads=n_heads, num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(head_dim), max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=params,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            sliding_windows=windows, torch_dtype=dtype, bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids)
+
+
+def _sliding_windows(arch: str, cfg: dict, n_layers: int) -> list:
+    """Per-layer window sizes, following each architecture's HF rules."""
+    w = cfg.get("sliding_window")
+    if arch == "LlamaForCausalLM" or w is None:
+        return [None] * n_layers
+    w = int(w)
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        return [w if t == "sliding_attention" else None for t in layer_types]
+    if arch == "Qwen2ForCausalLM":
+        if not cfg.get("use_sliding_window", False):
+            return [None] * n_layers
+        first = int(cfg.get("max_window_layers", n_layers))
+        return [w if i >= first else None for i in range(n_layers)]
+    return [w] * n_layers
+
+
+def rope_inv_freq(mc: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in float32, with HF's default/linear/llama3 scaling."""
+    d = mc.head_dim
+    inv = 1.0 / (mc.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = mc.rope_scaling or {}
+    rt = sc.get("rope_type", "default")
+    if rt == "linear":
+        inv = inv / float(sc["factor"])
+    elif rt == "llama3":
+        factor = float(sc["factor"])
+        low, high = float(sc["low_freq_factor"]), float(sc["high_freq_factor"])
+        old = float(sc["original_max_position_embeddings"])
+        low_wl, high_wl = old / low, old / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv

@@ -1,0 +1,39 @@
+"""The paged KV cache tensors.
+
+Lifecycle: allocated once at engine start (``allocate_kv_caches``), sized either
+by an explicit block count or by a memory budget (``num_blocks_for_budget``),
+and never reallocated: every layer owns a (K, V) pair of shape
+[num_blocks, block_size, num_kv_heads, head_dim] that the attention writes into
+through slot indices and reads back through block tables. The same tensors are
+what the KV transfer layer sends and receives (by block id), which is why the
+layout is part of the engine's public interface.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from engine.config import ModelConfig
+
+
+def bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of all layers for one block."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * mc.num_hidden_layers * block_size * mc.num_key_value_heads * mc.head_dim * elem
+
+
+def num_blocks_for_budget(mc: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+    """How many blocks fit in budget_bytes; ValueError if not even one."""
+    n = budget_bytes // bytes_per_block(mc, block_size, dtype)
+    if n < 1:
+        raise ValueError(f"kv_cache_memory_bytes={budget_bytes} is smaller than one KV block "
+                         f"({bytes_per_block(mc, block_size, dtype)} bytes)")
+    return int(n)
+
+
+def allocate_kv_caches(mc: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> list[tuple[Tensor, Tensor]]:
+    """Zeroed (K, V) per layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+    shape = (num_blocks, block_size, mc.num_key_value_heads, mc.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(mc.num_hidden_layers)]

@@ -1,0 +1,238 @@
+"""LLMEngine: the model runtime core that the offline LLM and both worker roles wrap.
+
+Lifecycle: ``LLMEngine(EngineConfig)`` loads the model and tokenizer, sizes and
+allocates the paged KV cache, and builds the scheduler and the model runner.
+Callers then ``add_request`` (or, on a decode worker, ``reserve`` +
+``add_prefilled_request``) and call ``step()`` in a loop while
+``has_unfinished_requests()``; each step is schedule -> run -> postprocess and
+returns one ``CoreOutput`` per request that produced a token or finished.
+Finished requests free their blocks at once; prefill-only requests keep theirs
+(finish_reason "prefill_done") until ``release``; ``abort_request`` frees
+everything a request holds, wherever it is. Token ids only: text, stop strings
+and detokenization live in ``engine.detokenizer``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
+from engine.loader import default_eos, load_model, load_model_config, load_tokenizer
+from engine.model_runner import ModelRunner, RunnerOutput
+from engine.outputs import CoreOutput, TokenLogprob
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence, check_stop
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache (see docs/interfaces.md)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if not isinstance(config, EngineConfig):
+            raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.model_config: ModelConfig = load_model_config(config)
+        mc = self.model_config
+        self.block_size = config.block_size
+        dtype, device = config.torch_dtype, torch.device(config.device)
+        n_blocks = config.num_kv_blocks or num_blocks_for_budget(mc, self.block_size, dtype,
+                                                                  config.kv_cache_memory_bytes)
+        self.num_total_blocks = n_blocks
+        # one sequence alone must always fit, so a sequence never waits forever for blocks
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings, n_blocks * self.block_size)
+        self.tokenizer = load_tokenizer(config)
+        self.eos_token_id = default_eos(mc, self.tokenizer)
+        model = load_model(config, mc, self.max_model_len)
+        self.kv_caches: list[tuple[Tensor, Tensor]] = allocate_kv_caches(mc, n_blocks, self.block_size, dtype, device)
+        self.block_manager = BlockManager(n_blocks, self.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        generator = torch.Generator().manual_seed(config.seed)
+        self.runner = ModelRunner(model, self.kv_caches, self.block_size, Sampler(mc.vocab_size, config.seed),
+                                  generator)
+        self.layer_done_callback: Optional[Callable[[int, list[str]], None]] = None
+        self._seqs: dict[str, Sequence] = {}
+        self._pending: list[CoreOutput] = []  # outputs decided outside step(), emitted by the next step
+        logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d",
+                    config.model, config.dtype, config.device, n_blocks, self.block_size, self.max_model_len)
+
+    # -- state ----------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def model(self):
+        return self.runner.model
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    def get_block_table(self, request_id: str) -> list[int]:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            raise ValueError(f"request_id {request_id!r} is not known to this engine")
+        return list(seq.block_table)
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    prefill_only: bool = False) -> None:
+        """Queue a prompt; ValueError for a duplicate id, bad tokens or a prompt that cannot fit."""
+        seq = self._new_seq(request_id, prompt_token_ids, params, prefill_only)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+        logger.debug("request %s added: %d prompt tokens, prefill_only=%s", request_id,
+                     len(seq.prompt_token_ids), prefill_only)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request wherever it is (waiting, running, held, reserved) and free its blocks."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return
+        self.scheduler.finish(seq)
+        self._pending = [o for o in self._pending if o.request_id != request_id]
+        logger.debug("request %s aborted", request_id)
+
+    def release(self, request_id: str) -> None:
+        """Free a prefill-only request's held blocks (after its KV was sent); unknown ids are ignored."""
+        self.abort_request(request_id)
+
+    def reserve(self, request_id: str, num_tokens: int) -> Optional[list[int]]:
+        """Take blocks for num_tokens of KV about to arrive; None if there are not enough free blocks."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
+            raise ValueError(f"num_tokens must be a positive integer, got {num_tokens!r}")
+        if num_tokens >= self.max_model_len:
+            raise ValueError(f"num_tokens ({num_tokens}) must be < max_model_len ({self.max_model_len})")
+        n = self.block_manager.blocks_for(num_tokens)
+        if not self.block_manager.can_allocate(n):
+            return None
+        seq = Sequence(request_id, [], SamplingParams(), eos_token_id=self.eos_token_id)
+        seq.block_table = self.block_manager.allocate(n)
+        seq.status = SeqStatus.RESERVED
+        seq.num_prefill = num_tokens
+        self.scheduler.reserved[request_id] = seq
+        self._seqs[request_id] = seq
+        return list(seq.block_table)
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+                              params: SamplingParams, first_logprob: Optional[TokenLogprob] = None) -> None:
+        """A reserved request whose prompt KV now sits in its blocks joins the batch with its first token.
+
+        The first token is not emitted again; if it already ends the request (EOS, stop token,
+        max_tokens=1) the next step() returns CoreOutput(request_id, [], finish_reason) and frees it.
+        """
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status != SeqStatus.RESERVED:
+            raise ValueError(f"request_id {request_id!r} has no reservation (call reserve first)")
+        fresh = self._new_seq(request_id, prompt_token_ids, params, False, check_id=False)
+        if len(fresh.prompt_token_ids) > seq.num_prefill:
+            raise ValueError(f"prompt_token_ids has {len(fresh.prompt_token_ids)} tokens, more than the "
+                             f"{seq.num_prefill} reserved for {request_id!r}")
+        if not isinstance(first_token_id, int) or not 0 <= first_token_id < self.model_config.vocab_size:
+            raise ValueError(f"first_token_id must be a token id in [0, {self.model_config.vocab_size}), "
+                             f"got {first_token_id!r}")
+        del self.scheduler.reserved[request_id]
+        fresh.block_table = seq.block_table
+        fresh.num_computed = len(fresh.prompt_token_ids)
+        fresh.append(first_token_id)
+        self._seqs[request_id] = fresh
+        self.scheduler.add_prefilled(fresh)
+        reason = check_stop(fresh, self.max_model_len)
+        if reason is not None:
+            self._finish(fresh)
+            self._pending.append(CoreOutput(request_id, [], None, reason, len(fresh.prompt_token_ids)))
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[CoreOutput]:
+        """One scheduling step: schedule -> run -> postprocess."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        result = self.runner.execute(sched, self._layer_hook(sched))
+        self._advance(sched)
+        return outputs + self._postprocess(result)
+
+    def _layer_hook(self, sched: SchedulerOutput) -> Optional[Callable[[int], None]]:
+        cb = self.layer_done_callback
+        if cb is None:
+            return None
+        done = [s.request_id for s, n in sched.prefills if s.num_computed + n == s.num_prefill]
+        done += [s.request_id for s in sched.decodes if s.num_computed + 1 == s.num_prefill]
+        if not done:
+            return None
+        return lambda layer: cb(layer, done)
+
+    @staticmethod
+    def _advance(sched: SchedulerOutput) -> None:
+        for seq in sched.decodes:
+            seq.num_computed += 1
+        for seq, n in sched.prefills:
+            seq.num_computed += n
+
+    def _postprocess(self, result: RunnerOutput) -> list[CoreOutput]:
+        outputs = []
+        for seq, tok, lp in zip(result.seqs, result.token_ids, result.logprobs):
+            seq.append(tok)
+            lps = [lp] if seq.params.logprobs is not None and lp is not None else None
+            reason = check_stop(seq, self.max_model_len)
+            if seq.prefill_only:
+                self.scheduler.hold(seq)
+                reason = "prefill_done"
+            elif reason is not None:
+                self._finish(seq)
+            outputs.append(CoreOutput(seq.request_id, [tok], lps, reason, len(seq.prompt_token_ids)))
+        return outputs
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self._seqs.pop(seq.request_id, None)
+
+    # -- validation -----------------------------------------------------------------------------
+
+    def _new_seq(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 prefill_only: bool, check_id: bool = True) -> Sequence:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if check_id and request_id in self._seqs:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
+            raise ValueError("prompt_token_ids must be a list of token ids")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        V = self.model_config.vocab_size
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V:
+                raise ValueError(f"prompt_token_ids: {t!r} is not a token id in [0, {V})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt_token_ids has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             "(prompt plus at least one new token)")
+        return Sequence(request_id, ids, params, prefill_only=prefill_only, eos_token_id=self.eos_token_id)

@@ -1,0 +1,183 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) running over a paged KV cache.
+
+Lifecycle: ``engine.loader`` builds a ``CausalLM`` from a ``ModelConfig`` on the
+target device and dtype, fills it with ``load_weights`` (HF tensor names in,
+q/k/v and gate/up fused on the way) or ``init_random``, and puts it in eval mode.
+Every engine step then calls ``forward`` once on the flat token batch (all
+sequences' new tokens back to back) with that step's ``AttentionMetadata`` and
+the per-layer caches, and ``compute_logits`` on the rows that sample.
+
+Why fused projections: one [h, (H+2Hkv)D] and one [h, 2I] GEMM per layer instead
+of five small ones halves the per-layer op count, which is what decode at small
+batch is bound by on CPU.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.attention import AttentionMetadata, apply_rope, paged_attention
+from engine.config import ModelConfig, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    """Pre-norm RMSNorm computed in float32 like HF, scaled in the model dtype."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.shape = (size,)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + SwiGLU block with residuals."""
+
+    def __init__(self, mc: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+        self.window = mc.sliding_windows[layer_idx]
+        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(mc.hidden_size, qkv_out, bias=mc.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, mc.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(mc.hidden_size, 2 * mc.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(mc.intermediate_size, mc.hidden_size, bias=False)
+        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
+        self.intermediate_size = mc.intermediate_size
+
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata,
+                kv_cache: tuple[Tensor, Tensor]) -> Tensor:
+        T = h.shape[0]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(self.input_layernorm(h)).view(T, H + 2 * Hkv, D)
+        qk = apply_rope(qkv[:, :H + Hkv], cos, sin)
+        attn = paged_attention(qk[:, :H], qk[:, H:], qkv[:, H + Hkv:], kv_cache[0], kv_cache[1], meta, self.window)
+        h = h + self.o_proj(attn)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).split(self.intermediate_size, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
+
+
+class CausalLM(nn.Module):
+    """Embedding -> decoder layers -> final norm -> LM head (optionally tied)."""
+
+    def __init__(self, mc: ModelConfig, max_positions: Optional[int] = None) -> None:
+        super().__init__()
+        self.config = mc
+        self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(mc, i) for i in range(mc.num_hidden_layers))
+        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
+        self.lm_head = None if mc.tie_word_embeddings else nn.Linear(mc.hidden_size, mc.vocab_size, bias=False)
+        self.max_positions = max_positions or mc.max_position_embeddings
+        self.rope_cos: Optional[Tensor] = None
+        self.rope_sin: Optional[Tensor] = None
+
+    def finalize(self) -> "CausalLM":
+        """Build the rope tables on the weights' device/dtype (after loading) and switch to eval."""
+        w = self.embed_tokens.weight
+        # one cos/sin table for all positions, indexed per step (no per-step trig); computed in
+        # float32 and cast like HF does
+        inv = rope_inv_freq(self.config).to(w.device)
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device=w.device), inv)
+        self.rope_cos = freqs.cos().to(w.dtype)
+        self.rope_sin = freqs.sin().to(w.dtype)
+        return self.eval().requires_grad_(False)
+
+    @property
+    def lm_weight(self) -> Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[Tensor, Tensor]],
+                layer_hook: Optional[Callable[[int], None]] = None) -> Tensor:
+        """input_ids/positions [T] -> final-normed hidden states [T, hidden]."""
+        h = self.embed_tokens(input_ids)
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, meta, kv_caches[i])
+            if layer_hook is not None:
+                layer_hook(i)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[N, hidden] -> float32 logits [N, vocab]."""
+        return F.linear(hidden, self.lm_weight).float()
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def init_random(self, seed: int, std: float) -> None:
+        """Deterministic N(0, std) weights (norms at 1, biases at 0), same on every device."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in sorted(self.named_parameters()):
+                if name.endswith("layernorm.weight") or name == "norm.weight":
+                    p.fill_(1.0)
+                elif name.endswith(".bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+
+    _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp|input_layernorm|post_attention_layernorm)\.?(.*)$")
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; raises ValueError on missing/unknown/mis-shaped."""
+        mc = self.config
+        H, Hkv, D, I = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, mc.intermediate_size
+        qkv_rows = {"q_proj": (0, H * D), "k_proj": (H * D, (H + Hkv) * D), "v_proj": ((H + Hkv) * D, (H + 2 * Hkv) * D)}
+        gu_rows = {"gate_proj": (0, I), "up_proj": (I, 2 * I)}
+        expected: dict[str, int] = {}  # target name -> rows still to fill
+        params = dict(self.named_parameters())
+        for name, p in params.items():
+            expected[name] = p.shape[0]
+        for hf_name, tensor in weights:
+            if "rotary_emb" in hf_name:
+                continue
+            target, rows = self._map_name(hf_name, qkv_rows, gu_rows)
+            if target is None and hf_name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied checkpoints sometimes still store it; the embedding wins
+            if target is None or target not in params:
+                raise ValueError(f"weights: unexpected tensor {hf_name!r} for {mc.architecture}")
+            p = params[target]
+            dst = p.data if rows is None else p.data[rows[0]:rows[1]]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"weights: {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            with torch.no_grad():
+                dst.copy_(tensor.to(dtype=dst.dtype, device=dst.device))
+            expected[target] -= dst.shape[0]
+        missing = sorted(n for n, left in expected.items() if left != 0)
+        if missing:
+            raise ValueError(f"weights: missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    def _map_name(self, hf_name: str, qkv_rows: dict, gu_rows: dict) -> tuple[Optional[str], Optional[tuple]]:
+        if hf_name == "model.embed_tokens.weight":
+            return "embed_tokens.weight", None
+        if hf_name == "model.norm.weight":
+            return "norm.weight", None
+        if hf_name == "lm_head.weight":
+            return ("lm_head.weight", None) if self.lm_head is not None else (None, None)
+        m = self._LAYER_RE.match(hf_name)
+        if not m:
+            return None, None
+        i, block, rest = m.group(1), m.group(2), m.group(3)
+        if block in ("input_layernorm", "post_attention_layernorm"):
+            return f"layers.{i}.{block}.{rest}", None
+        proj, _, kind = rest.partition(".")
+        if proj in qkv_rows:
+            return f"layers.{i}.qkv_proj.{kind}", qkv_rows[proj]
+        if proj in gu_rows:
+            return f"layers.{i}.gate_up_proj.{kind}", gu_rows[proj]
+        if proj == "o_proj":
+            return f"layers.{i}.o_proj.{kind}", None
+        if proj == "down_proj":
+            return f"layers.{i}.down_proj.{kind}", None
+        return None, None

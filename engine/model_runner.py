@@ -1,0 +1,108 @@
+"""Turn a SchedulerOutput into one model forward and sampled tokens.
+
+Lifecycle: one ``ModelRunner`` per engine, owning the model, the KV caches and
+the sampler. Each step ``execute`` flattens the scheduled work into one token
+batch (decodes first, then prefill chunks), builds the step's
+``AttentionMetadata`` (K/V slots, decode block tables, prefill spans), runs the
+model once under ``torch.inference_mode``, computes logits only for rows that
+sample (decodes and last prefill chunks) and samples them. It returns a plain
+``RunnerOutput``; the engine does all sequence bookkeeping.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from engine.attention import AttentionMetadata, PrefillSpan
+from engine.model import CausalLM
+from engine.outputs import TokenLogprob
+from engine.sampler import Sampler, SamplingRequest
+from engine.scheduler import SchedulerOutput, Sequence
+
+
+@dataclass
+class RunnerOutput:
+    """Sampled tokens for the sequences that sampled this step, in the same order."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Optional[TokenLogprob]] = field(default_factory=list)
+
+
+class ModelRunner:
+    """Model + KV caches + sampler on one device."""
+
+    def __init__(self, model: CausalLM, kv_caches: list[tuple[Tensor, Tensor]], block_size: int,
+                 sampler: Sampler, generator: torch.Generator) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sampler = sampler
+        self.generator = generator
+        self.device = model.embed_tokens.weight.device
+
+    def execute(self, sched: SchedulerOutput,
+                layer_hook: Optional[Callable[[int], None]] = None) -> RunnerOutput:
+        input_ids, positions, meta, sample_rows, sample_seqs = self._prepare(sched)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, meta, self.kv_caches, layer_hook)
+            if not sample_seqs:
+                return RunnerOutput()
+            if len(sample_rows) != hidden.shape[0]:
+                hidden = hidden[torch.tensor(sample_rows, device=self.device)]
+            logits = self.model.compute_logits(hidden)
+        reqs = [SamplingRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.eos_token_id,
+                                generator=self.generator) for s in sample_seqs]
+        tokens, logprobs = self.sampler.sample(logits, reqs)
+        return RunnerOutput(sample_seqs, tokens, logprobs)
+
+    def _prepare(self, sched: SchedulerOutput):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        B = len(sched.decodes)
+        ctx_lens: list[int] = []
+        tables: list[list[int]] = []
+        for row, seq in enumerate(sched.decodes):
+            p = seq.num_computed
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            ctx_lens.append(p + 1)
+            tables.append(seq.block_table)
+            if p + 1 == seq.num_tokens:
+                sample_rows.append(row)
+                sample_seqs.append(seq)
+        meta = AttentionMetadata(slot_mapping=None, num_decode=B, block_size=bs)  # type: ignore[arg-type]
+        dev = self.device
+        if B:
+            width = max(len(t) for t in tables)
+            # pad with block 0: those positions are masked out, the values never matter
+            padded = [t + [0] * (width - len(t)) for t in tables]
+            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
+            meta.decode_ctx_lens = torch.tensor(ctx_lens, dtype=torch.long, device=dev)
+        row = B
+        prefill_slots: list[Tensor] = []
+        for seq, n in sched.prefills:
+            p0 = seq.num_computed
+            ids.extend(seq.token_ids[p0:p0 + n])
+            pos.extend(range(p0, p0 + n))
+            bt = torch.tensor(seq.block_table, dtype=torch.long, device=dev)
+            pr = torch.arange(p0, p0 + n, device=dev)
+            prefill_slots.append(bt[pr // bs] * bs + pr % bs)
+            meta.prefills.append(PrefillSpan(row, row + n, p0, bt))
+            row += n
+            if p0 + n == seq.num_tokens:
+                sample_rows.append(row - 1)
+                sample_seqs.append(seq)
+        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        meta.slot_mapping = torch.cat([slot_t, *prefill_slots]) if prefill_slots else slot_t
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        return input_ids, positions, meta, sample_rows, sample_seqs

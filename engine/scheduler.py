@@ -1,0 +1,206 @@
+"""Sequences and the continuous-batching scheduler.
+
+Lifecycle of a sequence: ``add`` puts it at the back of the waiting queue;
+``schedule`` admits it into the running batch when the step's token budget, the
+seq limit and the free KV blocks allow, prefilling it in chunks of at most the
+remaining budget; once its whole prompt is in the cache every step gives it one
+decode token; the engine removes it with ``finish`` (stop/length/abort) or, for a
+prefill-only request, ``hold``s it (out of the batch, blocks kept until
+released). Decode-role requests skip the queue: ``reserve`` takes blocks for a
+prompt prefilled elsewhere and ``add_prefilled`` puts it straight into the
+running batch.
+
+Policy, each step (vLLM v1 style, decode-first, mixed batches):
+1. Running sequences in arrival order get their tokens first: one per decoding
+   sequence, the next chunk for one still prefilling. A sequence that needs a new
+   block when none is free preempts the most recently admitted running sequence
+   (recompute: its blocks are freed and it goes to the FRONT of the waiting
+   queue with prompt + generated tokens to re-prefill), possibly itself.
+2. If nothing was preempted, waiting sequences are admitted in FIFO order with
+   the leftover budget; the first one that cannot get blocks for its chunk stops
+   admission (new work waits, no overtaking).
+"""
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from engine.block_manager import BlockManager
+from engine.outputs import TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    HELD = "held"          # prefill-only, done, blocks kept for hand-off
+    RESERVED = "reserved"  # decode role: blocks taken, KV arriving
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request's tokens, KV blocks and progress."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prefill_only: bool = False
+    eos_token_id: Optional[int] = None
+    token_ids: list[int] = field(default_factory=list)
+    """Prompt + generated so far (the sampler sees output_token_ids)."""
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    """Tokens whose K/V are in the cache."""
+    num_prefill: int = 0
+    """Tokens to prefill since (re)admission: prompt, or prompt + outputs after preemption."""
+    status: SeqStatus = SeqStatus.WAITING
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        self.num_prefill = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def append(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step: (sequence, number of new tokens) pairs, decodes first."""
+
+    decodes: list[Sequence] = field(default_factory=list)
+    """Sequences computing exactly one token."""
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)
+    """(sequence, chunk length > 1)."""
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+
+class Scheduler:
+    """Waiting queue + running batch over one BlockManager."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.held: dict[str, Sequence] = {}
+        self.reserved: dict[str, Sequence] = {}
+
+    # -- queues ---------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_prefilled(self, seq: Sequence) -> None:
+        """A reserved sequence whose prompt KV has arrived joins the running batch."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def hold(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        seq.status = SeqStatus.HELD
+        self.held[seq.request_id] = seq
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove seq from wherever it is and free its blocks."""
+        if seq.status == SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status == SeqStatus.HELD:
+            del self.held[seq.request_id]
+        elif seq.status == SeqStatus.RESERVED:
+            del self.reserved[seq.request_id]
+        if seq.block_table:
+            self.bm.free(seq.block_table)
+        seq.status = SeqStatus.FINISHED
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the policy -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            while not self.bm.ensure(seq.block_table, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status != SeqStatus.RUNNING:
+                break  # seq preempted itself: it was the last running one
+            self._take(out, seq, n)
+            budget -= n
+            i += 1
+        while (self.waiting and budget > 0 and not out.preempted
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self.bm.ensure(seq.block_table, seq.num_computed + n):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self._take(out, seq, n)
+            budget -= n
+        return out
+
+    @staticmethod
+    def _take(out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        if n == 1:
+            out.decodes.append(seq)
+        else:
+            out.prefills.append((seq, n))
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the KV, re-prefill prompt + outputs later, ahead of new work."""
+        self.running.remove(seq)
+        self.bm.free(seq.block_table)
+        seq.num_computed = 0
+        seq.num_prefill = seq.num_tokens
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+
+def check_stop(seq: Sequence, max_model_len: int) -> Optional[str]:
+    """Finish reason after seq's newest token, or None to keep going (stop strings are not checked here)."""
+    p = seq.params
+    tok = seq.output_token_ids[-1]
+    n_out = len(seq.output_token_ids)
+    if n_out >= p.min_tokens:
+        if not p.ignore_eos and seq.eos_token_id is not None and tok == seq.eos_token_id:
+            return "stop"
+        if tok in p.stop_token_ids:
+            return "stop"
+    if n_out >= p.max_tokens or seq.num_tokens >= max_model_len:
+        return "length"
+    return None
+
+
