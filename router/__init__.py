@@ -1,1 +1,6 @@
-"""router package."""
+"""The router: public gRPC API, validation, tokenization, worker selection, streaming, cancellation."""
+from router.config import RouterConfig
+from router.server import RouterServer
+from router.worker_source import StaticWorkerSource, WorkerSource
+
+__all__ = ["RouterConfig", "RouterServer", "StaticWorkerSource", "WorkerSource"]

@@ -1,0 +1,130 @@
+"""One background thread that owns an engine (``engine.step()`` is not thread-safe).
+
+Lifecycle: a worker builds ``EngineLoop(engine, name, on_outputs, poll)`` and
+``start()``s it. gRPC handler threads never touch the engine: they ``call(fn)``
+(run ``fn(engine)`` on the loop thread and wait for its result) or ``post(fn)``
+(fire and forget). Each iteration the loop runs the queued commands, then the
+role's ``poll()`` (kvtransfer progress, deadlines), then one ``engine.step()``
+when there is work, handing its outputs to ``on_outputs`` (still on the loop
+thread, which routes them to per-request queues). ``stop()`` ends the thread;
+commands still queued fail with RuntimeError so no caller waits forever.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable, Optional, TypeVar
+
+from engine.outputs import CoreOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineLoop:
+    """Serializes all engine access onto one thread."""
+
+    def __init__(self, engine: Any, name: str, on_outputs: Callable[[list[CoreOutput]], None],
+                 poll: Optional[Callable[[], bool]] = None, idle_wait_s: float = 0.05,
+                 busy_poll_s: float = 0.001) -> None:
+        """``poll()`` returns True while it has pending work (then the loop waits only ``busy_poll_s``)."""
+        self.engine = engine
+        self.name = name
+        self._on_outputs = on_outputs
+        self._poll = poll
+        self._idle_wait_s = idle_wait_s
+        self._busy_poll_s = busy_poll_s
+        self._cmds: "queue.SimpleQueue[tuple[Callable[[Any], Any], Optional[Future]]]" = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.error: Optional[BaseException] = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError(f"{self.name}: loop already started")
+        self._thread = threading.Thread(target=self._run, name=f"{self.name}-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def in_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def call(self, fn: Callable[[Any], T], timeout_s: Optional[float] = 30.0) -> T:
+        """Run ``fn(engine)`` on the loop thread and return its result (or raise its exception)."""
+        if self.in_loop():
+            return fn(self.engine)
+        if not self.alive:
+            raise RuntimeError(f"{self.name}: engine loop is not running")
+        fut: Future = Future()
+        self._cmds.put((fn, fut))
+        return fut.result(timeout=timeout_s)
+
+    def post(self, fn: Callable[[Any], Any]) -> None:
+        """Queue ``fn(engine)`` for the loop thread without waiting."""
+        if self.in_loop():
+            fn(self.engine)
+            return
+        self._cmds.put((fn, None))
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._cmds.put((lambda _e: None, None))  # wake the loop
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+        self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        while True:
+            try:
+                _fn, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if fut is not None and not fut.done():
+                fut.set_exception(RuntimeError(f"{self.name}: engine loop stopped"))
+
+    def _run_cmd(self, fn: Callable[[Any], Any], fut: Optional[Future]) -> None:
+        try:
+            res = fn(self.engine)
+        except BaseException as e:  # the caller gets it; the loop carries on
+            if fut is not None:
+                fut.set_exception(e)
+            else:
+                log.exception("%s: posted command failed", self.name)
+            return
+        if fut is not None:
+            fut.set_result(res)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = False
+                while True:
+                    try:
+                        fn, fut = self._cmds.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._run_cmd(fn, fut)
+                if self._poll is not None:
+                    busy = bool(self._poll())
+                if self.engine.has_unfinished_requests():
+                    outs = self.engine.step()
+                    if outs:
+                        self._on_outputs(outs)
+                    continue
+                # idle: sleep on the command queue so a new request wakes us at once
+                try:
+                    fn, fut = self._cmds.get(timeout=self._busy_poll_s if busy else self._idle_wait_s)
+                except queue.Empty:
+                    continue
+                self._run_cmd(fn, fut)
+        except BaseException as e:
+            self.error = e
+            log.exception("%s: engine loop died", self.name)
+        finally:
+            self._stop.set()
+            self._fail_pending()

@@ -1,0 +1,228 @@
+"""What every worker role shares: gRPC shell, engine, engine loop, KV endpoint, metrics, drain.
+
+Lifecycle: ``Worker(cfg)`` builds nothing heavy. ``start()`` = ``bind()`` (gRPC
+server up, health NOT_SERVING) + ``load()`` (engine, kvtransfer endpoint,
+metrics, engine loop; health SERVING). While serving, handler threads talk to
+the engine only through ``self.loop``; the role keeps its per-request state in
+``self.requests`` (touched only on the loop thread). ``drain(timeout_s)``
+flips health to NOT_SERVING, refuses new requests (UNAVAILABLE), waits for the
+in-flight ones to finish, then ``stop()``s: server, loop, KV endpoint, metrics.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import grpc
+
+from prefill_worker.config import WorkerConfig
+from prefill_worker.engine_loop import EngineLoop
+from prefill_worker.serving import GrpcServing
+from proto import worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(Exception):
+    """A request failed on the worker; the handler ends its RPC with ``code``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class WorkerBase:
+    """Base of PrefillWorker, DecodeWorker and ColocatedWorker (see module docstring)."""
+
+    role = "worker"
+    needs_kv = True
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self._serving = GrpcServing(f"{self.role}-{cfg.worker_id}", cfg.host, cfg.port, cfg.max_rpc_threads)
+        self.engine: Any = None
+        self.loop: Optional[EngineLoop] = None
+        self.kv: Any = None
+        self.metrics: Any = None
+        self.metrics_address = ""
+        self._metrics_stop: Optional[Callable[[], None]] = None
+        self.requests: dict[str, Any] = {}
+        self._ready = False
+        self._draining = False
+        self._stopped = False
+        # load snapshot refreshed by the loop thread, so info() never touches the engine
+        self._load = worker_pb2.WorkerInfo()
+        self._load_lock = threading.Lock()
+
+    # ---- lifecycle ----------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        return self._serving.address
+
+    def start(self) -> "WorkerBase":
+        self.bind()
+        self.load()
+        return self
+
+    def bind(self) -> str:
+        """Start the gRPC server (health NOT_SERVING until ``load`` finishes)."""
+        return self._serving.start(self.register_services)
+
+    def load(self) -> None:
+        """Build the engine, KV endpoint, metrics and loop; then report SERVING."""
+        from engine.llm_engine import LLMEngine
+        from metrics import PDServeMetrics
+
+        self.engine = LLMEngine(self.cfg.engine)
+        if self.needs_kv:
+            from kvtransfer import KVEndpoint
+
+            self.kv = KVEndpoint(self.cfg.kv_name, self.cfg.kv_store, backend=self.cfg.kv_backend,
+                                 timeout_s=self.cfg.transfer_timeout_s)
+        self.metrics = PDServeMetrics(self.cfg.served_model_name, self.role, self.cfg.worker_id)
+        if self.cfg.serve_metrics:
+            self.metrics_address, self._metrics_stop = self.metrics.serve(host=self.cfg.host, port=0)
+        self.setup_engine(self.engine)
+        self.loop = EngineLoop(self.engine, f"{self.role}-{self.cfg.worker_id}", self.on_outputs, self._poll)
+        self._snapshot(self.engine)
+        self.loop.start()
+        self._ready = True
+        if not self._draining:
+            self._serving.set_serving(True)
+        log.info("%s %s ready on %s (kv %s)", self.role, self.cfg.worker_id, self.address, self.cfg.kv_name)
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Stop taking requests, finish in-flight ones (up to ``timeout_s``), stop. True if all finished."""
+        self._draining = True
+        self._serving.set_serving(False)
+        deadline = time.monotonic() + timeout_s
+        while self.requests and time.monotonic() < deadline and self.loop is not None and self.loop.alive:
+            time.sleep(0.02)
+        clean = not self.requests
+        self.stop()
+        return clean
+
+    def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self._ready = False
+        self._serving.stop(0.5)
+        if self.loop is not None:
+            self.loop.stop()
+        if self.kv is not None:
+            self.kv.shutdown()
+        if self._metrics_stop is not None:
+            self._metrics_stop()
+
+    # ---- load reporting -----------------------------------------------------------
+    def _snapshot(self, eng: Any) -> None:
+        info = worker_pb2.WorkerInfo(
+            num_total_blocks=eng.num_total_blocks, num_free_blocks=eng.num_free_blocks,
+            num_running=eng.num_running, num_waiting=eng.num_waiting,
+            queued_prompt_tokens=self.queued_prompt_tokens(), block_size=eng.block_size)
+        with self._load_lock:
+            self._load = info
+        if self.metrics is not None:
+            self.metrics.set_running(info.num_running)
+            self.metrics.set_waiting(info.num_waiting)
+            self.metrics.set_kv_cache_usage(1.0 - info.num_free_blocks / max(1, info.num_total_blocks))
+
+    def info(self) -> worker_pb2.WorkerInfo:
+        """This worker's registry record with its live load."""
+        with self._load_lock:
+            info = worker_pb2.WorkerInfo()
+            info.CopyFrom(self._load)
+        info.worker_id = self.cfg.worker_id
+        info.role = self.role
+        info.grpc_address = self.address
+        info.kv_name = self.cfg.kv_name or ""
+        info.metrics_address = self.metrics_address
+        info.model_name = self.cfg.served_model_name
+        info.ready = self._ready and not self._draining and self.loop is not None and self.loop.alive
+        info.updated_at = time.time()
+        info.node_id = self.cfg.node_id
+        return info
+
+    def GetInfo(self, request: Any, context: grpc.ServicerContext) -> worker_pb2.WorkerInfo:
+        return self.info()
+
+    def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResponse:
+        if self.loop is None or not self.loop.alive:
+            return worker_pb2.AbortResponse(found=False)
+        return worker_pb2.AbortResponse(found=bool(self.loop.call(lambda e: self.abort(request.request_id))))
+
+    # ---- helpers for handlers -------------------------------------------------------
+    def check_accepting(self, request_id: str) -> None:
+        if not request_id:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty")
+        if self._draining or not self._ready or self.loop is None or not self.loop.alive:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                               f"{self.role} worker {self.cfg.worker_id} is not serving (request {request_id})")
+
+    def stream_events(self, request_id: str, q: "queue.Queue", context: grpc.ServicerContext,
+                      is_last: Callable[[Any], bool]) -> Iterator[Any]:
+        """Yield items the loop puts in ``q`` until ``is_last(item)``; a RequestError ends the RPC."""
+        while True:
+            try:
+                item = q.get(timeout=0.25)
+            except queue.Empty:
+                if self.loop is None or not self.loop.alive:
+                    raise RequestError(grpc.StatusCode.INTERNAL,
+                                       f"{self.role} worker {self.cfg.worker_id}: engine loop stopped "
+                                       f"(request {request_id})")
+                if not context.is_active():
+                    return
+                continue
+            if isinstance(item, RequestError):
+                raise item
+            yield item
+            if is_last(item):
+                return
+
+    def guard(self, request_id: str, context: grpc.ServicerContext, body: Iterator[Any]) -> Iterator[Any]:
+        """Run a streaming handler body: map RequestError to a status; abort the request if the RPC ends early."""
+        done = False
+
+        def on_end() -> None:
+            if not done and self.loop is not None and self.loop.alive:
+                self.loop.post(lambda e: self.abort(request_id))
+
+        context.add_callback(on_end)
+        try:
+            yield from body
+            done = True
+        except RequestError as e:
+            done = True  # the loop already dropped the request
+            log.warning("%s %s: request %s failed: %s", self.role, self.cfg.worker_id, request_id, e.message)
+            context.abort(e.code, e.message)
+
+    # ---- role hooks (run on the loop thread) ----------------------------------------
+    def register_services(self, server: grpc.Server) -> list[str]:
+        raise NotImplementedError
+
+    def setup_engine(self, engine: Any) -> None:
+        """Install engine callbacks before the loop starts."""
+
+    def on_outputs(self, outs: list) -> None:
+        raise NotImplementedError
+
+    def poll(self) -> bool:
+        """Advance KV transfers and deadlines; True while something is pending."""
+        return False
+
+    def abort(self, request_id: str) -> bool:
+        """Drop the request and free its blocks; True if it was known."""
+        raise NotImplementedError
+
+    def queued_prompt_tokens(self) -> int:
+        return 0
+
+    def _poll(self) -> bool:
+        busy = self.poll()
+        self._snapshot(self.engine)
+        return busy

@@ -1,0 +1,68 @@
+"""Configuration of the router.
+
+Lifecycle: built by the caller (the cluster, a test), checked once in
+``__post_init__`` (``ValueError`` naming the field), read-only afterwards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+MODES = ("disaggregated", "colocated")
+
+
+@dataclass
+class RouterConfig:
+    """Router settings: model (for tokenizer and limits), binding, admission and timeouts."""
+
+    model: str = "tiny"
+    """Model the workers serve: "tiny", "bench" or a HF directory (tokenizer and limits come from it)."""
+    model_name: Optional[str] = None
+    """Name reported to clients and in metrics; None means ``model``."""
+    host: str = "127.0.0.1"
+    """Interface the public gRPC server binds."""
+    port: int = 0
+    """Public gRPC port; 0 picks a free one."""
+    mode: str = "disaggregated"
+    """"disaggregated" (prefill pool + decode pool) or "colocated" (one pool does both)."""
+    max_queue: int = 256
+    """Requests in flight at once; more get RESOURCE_EXHAUSTED."""
+    max_new_tokens: Optional[int] = None
+    """Largest max_tokens accepted; None means the context length minus one."""
+    max_context_length: Optional[int] = None
+    """Override the model's context length (prompt + max_tokens); None: the model's."""
+    reserve_timeout_s: float = 5.0
+    """Deadline of a Reserve call on a decode worker."""
+    first_token_timeout_s: float = 60.0
+    """Prefill call -> first token (queueing included)."""
+    transfer_timeout_s: float = 30.0
+    """First token -> prefill worker confirms the KV arrived."""
+    request_timeout_s: float = 600.0
+    """Whole request, when the client gives no deadline."""
+    max_attempts: int = 2
+    """Worker pairs tried for one request; retries happen only before any token reached the client."""
+    max_rpc_threads: int = 256
+    """gRPC handler threads (each streaming request holds one)."""
+    serve_metrics: bool = True
+    """Serve the router's Prometheus /metrics on a free port of ``host``."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        for name in ("reserve_timeout_s", "first_token_timeout_s", "transfer_timeout_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_context_length is not None and self.max_context_length < 2:
+            raise ValueError(f"max_context_length must be >= 2, got {self.max_context_length}")
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or self.model

@@ -1,0 +1,29 @@
+"""The router's view of the model: its tokenizer and its limits, without loading weights.
+
+Lifecycle: ``load_model_view(cfg)`` runs once in ``RouterServer.start()``; the
+tokenizer and ``ModelLimits`` it returns are read-only for the router's life
+(the tokenizer is thread-safe for encode/decode).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from router.config import RouterConfig
+from router.validation import ModelLimits
+
+
+def load_model_view(cfg: RouterConfig) -> tuple[Any, ModelLimits]:
+    """(tokenizer or None, limits) of ``cfg.model``; ValueError naming ``model`` when it cannot be read."""
+    from engine.config import EngineConfig
+    from engine.loader import default_eos, load_model_config, load_tokenizer
+
+    ecfg = EngineConfig(model=cfg.model)
+    mc = load_model_config(ecfg)
+    tok = load_tokenizer(ecfg)
+    ctx = mc.max_position_embeddings
+    if cfg.max_context_length is not None:
+        ctx = min(ctx, cfg.max_context_length)
+    eos = default_eos(mc, tok)
+    limits = ModelLimits(model_name=cfg.served_model_name, max_context_length=ctx, vocab_size=mc.vocab_size,
+                         eos_token_id=-1 if eos is None else eos, max_new_tokens=cfg.max_new_tokens)
+    return tok, limits

@@ -1,0 +1,306 @@
+"""One request through the disaggregated path: reserve on D, prefill on P, decode on D.
+
+Lifecycle: the router servicer builds ``DisaggregatedFlow(deps, vreq, t0)`` for a
+validated request and iterates ``run()``, which yields the client's
+``GenerateResponse``s:
+1. pick a decode worker D (free blocks, load) and ``Reserve`` the prompt's blocks there
+   (D posts its KV receive before any byte is sent); pick a prefill worker P (queued tokens);
+2. ``Prefill`` on P -> the first token, streamed to the client at once (TTFT);
+   a failure before this point retries on another pair (``max_attempts``);
+3. P's ``TransferDone`` (the KV landed on D), then ``Decode`` on D streams the rest;
+4. every token goes through one ``OutputProcessor`` (text deltas, stop strings: a stop
+   string finishes the stream and aborts D); the last response carries usage and timings.
+``cancel()`` (client cancel or deadline, from a gRPC callback thread) cancels the live
+worker calls; on any abnormal end ``run()`` sends Abort to both workers so they free
+their blocks. Failures end with ``FlowError`` (a gRPC status and a message with the
+request id), never a hang: every worker call has a deadline.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import grpc
+
+from engine.detokenizer import OutputProcessor
+from proto import pdserve_pb2, worker_pb2
+from proto.convert import logprob_from_proto, logprobs_to_proto, params_to_wire
+from proto.worker_pb2 import WorkerInfo
+from router.clients import WorkerClients
+from router.config import RouterConfig
+from router.selection import WorkerSelector
+from router.validation import ValidatedRequest
+from router.worker_source import WorkerSource
+
+log = logging.getLogger(__name__)
+
+# Worker failures worth another worker pair (only before the client saw a token).
+_RETRIABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+class FlowError(Exception):
+    """The request ends with this gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class FlowDeps:
+    """What a flow uses from its router (shared by all requests)."""
+
+    cfg: RouterConfig
+    source: WorkerSource
+    selector: WorkerSelector
+    clients: WorkerClients
+    tokenizer: Any
+    metrics: Any = None
+
+
+class DisaggregatedFlow:
+    """Drives one request (see module docstring)."""
+
+    def __init__(self, deps: FlowDeps, vreq: ValidatedRequest, t0: float, deadline: float) -> None:
+        self.deps = deps
+        self.req = vreq
+        self.rid = vreq.request_id
+        self.t0 = t0
+        self.deadline = deadline
+        self._lock = threading.Lock()
+        self._calls: list[Any] = []
+        self._cancelled = False
+        self.decode_worker: Optional[WorkerInfo] = None
+        self.prefill_worker: Optional[WorkerInfo] = None
+        self._d_held = False
+        self._p_held = False
+
+    # ---- cancellation (any thread) ---------------------------------------------------
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            calls = list(self._calls)
+        for c in calls:
+            c.cancel()
+
+    def _track(self, call: Any) -> Any:
+        with self._lock:
+            self._calls.append(call)
+            cancelled = self._cancelled
+        if cancelled:
+            call.cancel()
+        return call
+
+    def _remaining(self, cap: float) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise FlowError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {self.rid}: deadline exceeded")
+        return min(cap, left)
+
+    def _rpc_error(self, e: grpc.RpcError, what: str) -> FlowError:
+        if self._cancelled:
+            return FlowError(grpc.StatusCode.CANCELLED, f"request {self.rid} cancelled")
+        code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+        details = e.details() if hasattr(e, "details") else str(e)
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= self.deadline:
+            return FlowError(code, f"request {self.rid}: deadline exceeded during {what}")
+        if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+            code = grpc.StatusCode.UNAVAILABLE  # the worker went away mid-call
+        return FlowError(code, f"request {self.rid}: {what} failed: {details}")
+
+    # ---- worker choice ---------------------------------------------------------------
+    def _reserve(self, excluded: set[str]) -> worker_pb2.ReserveResponse:
+        deps, n = self.deps, len(self.req.prompt_token_ids)
+        decodes = [w for w in deps.source.list("decode") if w.worker_id not in excluded]
+        ranked = deps.selector.ranked_decode(decodes, -(-n // max(1, decodes[0].block_size or 16)) if decodes else 0)
+        if not ranked:
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: no ready decode worker")
+        prefills = [w for w in deps.source.list("prefill") if w.worker_id not in excluded]
+        ranked_p = deps.selector.ranked_prefill(prefills)
+        if not ranked_p:
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: no ready prefill worker")
+        p = ranked_p[0]
+        exhausted = 0
+        for d in ranked:
+            try:
+                resp = deps.clients.decode(d.grpc_address).Reserve(
+                    worker_pb2.ReserveRequest(request_id=self.rid, prompt_token_ids=self.req.prompt_token_ids,
+                                              params=params_to_wire(self.req.params), prefill_kv_name=p.kv_name),
+                    timeout=self._remaining(deps.cfg.reserve_timeout_s))
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    exhausted += 1
+                elif e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise self._rpc_error(e, f"reserve on decode worker {d.worker_id}") from None
+                log.info("request %s: decode worker %s refused reserve: %s", self.rid, d.worker_id, e.details())
+                continue
+            self.decode_worker, self.prefill_worker = d, p
+            deps.selector.acquire(d.worker_id)
+            self._d_held = True
+            return resp
+        if exhausted:
+            raise FlowError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"request {self.rid}: no decode worker can hold {n} prompt tokens")
+        raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: no decode worker reachable")
+
+    def _release_workers(self) -> None:
+        if self._d_held and self.decode_worker is not None:
+            self.deps.selector.release(self.decode_worker.worker_id)
+            self._d_held = False
+        self._release_prefill()
+
+    def _release_prefill(self) -> None:
+        if self._p_held and self.prefill_worker is not None:
+            self.deps.selector.release(self.prefill_worker.worker_id, len(self.req.prompt_token_ids))
+            self._p_held = False
+
+    def _abort_workers(self) -> None:
+        """Best effort: both workers drop the request and free its blocks."""
+        msg = worker_pb2.AbortRequest(request_id=self.rid)
+        for w, stub in ((self.decode_worker, self.deps.clients.decode),
+                        (self.prefill_worker, self.deps.clients.prefill)):
+            if w is None:
+                continue
+            try:
+                stub(w.grpc_address).Abort(msg, timeout=1.0)
+            except grpc.RpcError as e:
+                log.info("request %s: abort on %s failed: %s", self.rid, w.worker_id, e.code())
+
+    # ---- the request -------------------------------------------------------------------
+    def _start(self) -> tuple[Any, worker_pb2.FirstToken, float]:
+        """Reserve + prefill until the first token, retrying other workers on retriable failures."""
+        excluded: set[str] = set()
+        last: Optional[FlowError] = None
+        cfg = self.deps.cfg
+        for attempt in range(cfg.max_attempts):
+            p_stream = None
+            try:
+                resv = self._reserve(excluded)
+                p = self.prefill_worker
+                self.deps.selector.acquire(p.worker_id, len(self.req.prompt_token_ids))
+                self._p_held = True
+                t_call = time.monotonic()
+                p_stream = self._track(self.deps.clients.prefill(p.grpc_address).Prefill(
+                    worker_pb2.PrefillRequest(
+                        request_id=self.rid, prompt_token_ids=self.req.prompt_token_ids,
+                        params=params_to_wire(self.req.params), dest_kv_name=resv.kv_name,
+                        dest_block_ids=resv.block_ids, dest_block_size=resv.block_size),
+                    timeout=self._remaining(cfg.first_token_timeout_s + cfg.transfer_timeout_s)))
+                try:
+                    ev = next(p_stream)
+                except grpc.RpcError as e:
+                    raise self._rpc_error(e, f"prefill on {p.worker_id}") from None
+                except StopIteration:
+                    raise FlowError(grpc.StatusCode.INTERNAL,
+                                    f"request {self.rid}: prefill worker {p.worker_id} sent no first token") from None
+                if not ev.HasField("first_token"):
+                    raise FlowError(grpc.StatusCode.INTERNAL,
+                                    f"request {self.rid}: prefill worker {p.worker_id} sent {ev.WhichOneof('event')} first")
+                return p_stream, ev.first_token, t_call
+            except FlowError as e:
+                last = e
+                if p_stream is not None:
+                    p_stream.cancel()
+                self._abort_workers()
+                for w in (self.decode_worker, self.prefill_worker):
+                    if w is not None and e.code == grpc.StatusCode.UNAVAILABLE:
+                        excluded.add(w.worker_id)
+                self._release_workers()
+                self.decode_worker = self.prefill_worker = None
+                if e.code not in _RETRIABLE or self._cancelled:
+                    raise
+                log.warning("request %s: attempt %d failed: %s", self.rid, attempt + 1, e.message)
+        assert last is not None
+        raise last
+
+    def run(self) -> Iterator[pdserve_pb2.GenerateResponse]:
+        ok = False
+        try:
+            yield from self._run()
+            ok = True
+        finally:
+            if not ok:
+                self.cancel()
+                self._abort_workers()
+            self._release_workers()
+
+    def _run(self) -> Iterator[pdserve_pb2.GenerateResponse]:
+        deps, cfg, rid = self.deps, self.deps.cfg, self.rid
+        params = self.req.params
+        want_lp = params.logprobs is not None
+        proc = OutputProcessor(deps.tokenizer, self.req.prompt_token_ids, params)
+        p_stream, ft, t_call = self._start()
+
+        t_first = time.monotonic()
+        timings = pdserve_pb2.Timings(queue_s=(t_call - self.t0) + ft.queue_s, prefill_s=ft.prefill_s,
+                                      ttft_s=t_first - self.t0)
+        first_lp = logprob_from_proto(ft.logprob) if ft.HasField("logprob") else None
+        delta = proc.process([ft.token_id], [first_lp] if want_lp and first_lp is not None else None)
+        if deps.metrics is not None:
+            deps.metrics.observe_ttft(timings.ttft_s)
+        last_tok = t_first
+        if proc.finished:  # a stop string in the very first token: D is not needed
+            p_stream.cancel()
+            self._abort_workers()
+            yield self._final(delta, proc, timings, ft, t_first)
+            return
+        yield self._response(delta)
+
+        try:
+            ev = next(p_stream)
+        except grpc.RpcError as e:
+            raise self._rpc_error(e, f"KV transfer from {self.prefill_worker.worker_id}") from None
+        except StopIteration:
+            raise FlowError(grpc.StatusCode.INTERNAL, f"request {rid}: prefill stream ended before TransferDone") from None
+        timings.kv_transfer_s = ev.transfer_done.kv_transfer_s
+        self._release_prefill()
+
+        d = self.decode_worker
+        first_msg = worker_pb2.DecodeRequest(request_id=rid, first_token_id=ft.token_id)
+        if ft.HasField("logprob"):
+            first_msg.first_logprob.CopyFrom(ft.logprob)
+        d_stream = self._track(deps.clients.decode(d.grpc_address).Decode(
+            first_msg, timeout=self._remaining(cfg.request_timeout_s)))
+        try:
+            for chunk in d_stream:
+                if not chunk.token_ids and not chunk.finish_reason:
+                    continue  # the "KV arrived, decoding" marker
+                lps = [logprob_from_proto(m) for m in chunk.logprobs] if want_lp and chunk.logprobs else None
+                delta = proc.process(list(chunk.token_ids), lps, chunk.finish_reason or None)
+                now = time.monotonic()
+                if deps.metrics is not None and chunk.token_ids:
+                    deps.metrics.observe_itl(now - last_tok)
+                last_tok = now
+                if proc.finished:
+                    if not chunk.finish_reason:  # stopped by a stop string: D would go on
+                        d_stream.cancel()
+                        self._abort_workers()
+                    yield self._final(delta, proc, timings, ft, t_first)
+                    return
+                if delta.token_ids or delta.text:
+                    yield self._response(delta)
+        except grpc.RpcError as e:
+            raise self._rpc_error(e, f"decode on {d.worker_id}") from None
+        raise FlowError(grpc.StatusCode.INTERNAL, f"request {rid}: decode stream from {d.worker_id} ended "
+                                                  f"without a finish reason")
+
+    def _response(self, delta: Any) -> pdserve_pb2.GenerateResponse:
+        return pdserve_pb2.GenerateResponse(request_id=self.rid, token_ids=delta.token_ids, text=delta.text,
+                                            logprobs=logprobs_to_proto(delta.logprobs))
+
+    def _final(self, delta: Any, proc: OutputProcessor, timings: pdserve_pb2.Timings,
+               ft: worker_pb2.FirstToken, t_first: float) -> pdserve_pb2.GenerateResponse:
+        now = time.monotonic()
+        timings.total_s = now - self.t0
+        timings.decode_s = now - t_first
+        resp = self._response(delta)
+        resp.finish_reason = proc.finish_reason or ""
+        resp.usage.CopyFrom(pdserve_pb2.Usage(prompt_tokens=len(self.req.prompt_token_ids),
+                                              completion_tokens=len(proc.token_ids),
+                                              cached_tokens=ft.num_cached_tokens))
+        resp.timings.CopyFrom(timings)
+        return resp

@@ -1,0 +1,66 @@
+"""Worker selection: which decode and prefill worker serve a request.
+
+Lifecycle: one ``WorkerSelector`` per router. For each admitted request the
+router asks ``ranked_decode`` / ``ranked_prefill`` for candidates (best first),
+calls ``acquire`` on the ones it uses and ``release`` when the request ends.
+Registry load fields lag by up to one heartbeat, so the selector adds its own
+count of in-flight requests per worker: a burst spreads over the pool at once.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+from proto.worker_pb2 import WorkerInfo
+
+
+class WorkerSelector:
+    """Scores ready workers by reported load plus this router's in-flight count."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight: Counter[str] = Counter()
+        # prompt tokens this router sent to each prefill worker that are not yet prefilled
+        self._pending_tokens: Counter[str] = Counter()
+
+    def in_flight(self, worker_id: str) -> int:
+        with self._lock:
+            return self._in_flight[worker_id]
+
+    def acquire(self, worker_id: str, prompt_tokens: int = 0) -> None:
+        with self._lock:
+            self._in_flight[worker_id] += 1
+            self._pending_tokens[worker_id] += prompt_tokens
+
+    def release(self, worker_id: str, prompt_tokens: int = 0) -> None:
+        with self._lock:
+            self._in_flight[worker_id] -= 1
+            self._pending_tokens[worker_id] -= prompt_tokens
+            if self._in_flight[worker_id] <= 0:
+                del self._in_flight[worker_id]
+                self._pending_tokens.pop(worker_id, None)
+
+    def ranked_decode(self, workers: list[WorkerInfo], needed_blocks: int) -> list[WorkerInfo]:
+        """Ready decode workers likely to fit ``needed_blocks``; most free blocks, least load first."""
+        with self._lock:
+            inflight = dict(self._in_flight)
+        ready = [w for w in workers if w.ready]
+
+        def key(w: WorkerInfo) -> tuple:
+            load = w.num_running + w.num_waiting + inflight.get(w.worker_id, 0)
+            free_frac = w.num_free_blocks / max(1, w.num_total_blocks)
+            return (-free_frac, load, w.worker_id)
+
+        # a stale record may under-report free blocks; keep those last rather than dropping them
+        fits = [w for w in ready if w.num_free_blocks >= needed_blocks]
+        rest = [w for w in ready if w.num_free_blocks < needed_blocks]
+        return sorted(fits, key=key) + sorted(rest, key=key)
+
+    def ranked_prefill(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
+        """Ready prefill workers, fewest queued prompt tokens (reported + ours in flight) first."""
+        with self._lock:
+            pending = dict(self._pending_tokens)
+            inflight = dict(self._in_flight)
+        ready = [w for w in workers if w.ready]
+        return sorted(ready, key=lambda w: (w.queued_prompt_tokens + pending.get(w.worker_id, 0),
+                                            inflight.get(w.worker_id, 0), w.worker_id))

@@ -1,0 +1,113 @@
+"""Validation of a public ``GenerateRequest`` into engine-ready values.
+
+Lifecycle: the router servicer calls ``validate_generate`` once per request,
+before admission. It checks the request's shape (prompt xor token_ids), runs
+the tokenizer, applies the model's limits and builds an ``engine.SamplingParams``
+(whose own checks name the offending field). Any problem raises ``ValueError``
+with a message that names the field; the servicer maps it to INVALID_ARGUMENT.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from engine.sampling_params import SamplingParams
+from proto import pdserve_pb2
+
+MAX_REQUEST_ID_LEN = 256
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the router enforces for one model."""
+
+    model_name: str
+    """Served model name (reported by GetModelInfo)."""
+    max_context_length: int
+    """Prompt tokens + max_tokens must fit in this."""
+    vocab_size: int
+    """token_ids and stop_token_ids must be in [0, vocab_size)."""
+    eos_token_id: int = -1
+    """Reported by GetModelInfo; -1 when the model has none."""
+    max_new_tokens: Optional[int] = None
+    """Largest max_tokens accepted; None means the context length."""
+
+    def __post_init__(self) -> None:
+        if self.max_context_length < 2:
+            raise ValueError(f"max_context_length must be >= 2, got {self.max_context_length}")
+        if self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+
+    @property
+    def max_tokens_limit(self) -> int:
+        return self.max_new_tokens if self.max_new_tokens is not None else self.max_context_length - 1
+
+
+@dataclass
+class ValidatedRequest:
+    """A request that passed validation: what the router sends to the workers."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+def _decimal(x: float) -> float:
+    # proto floats are float32: 0.7 arrives as 0.699999988...; clients mean the decimal
+    # they wrote, and the offline API (the reference) sees that decimal.
+    return float(f"{x:.7g}")
+
+
+def _check_ids(name: str, ids: list[int], vocab_size: int) -> None:
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
+
+
+def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
+                      tokenize: Callable[[str], list[int]]) -> ValidatedRequest:
+    """Check ``req`` against ``limits``; raise ValueError naming the field."""
+    request_id = req.request_id or uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
+        raise ValueError(f"request_id must be printable and at most {MAX_REQUEST_ID_LEN} characters")
+    has_prompt, has_ids = req.prompt != "", len(req.token_ids) > 0
+    if has_prompt and has_ids:
+        raise ValueError("prompt and token_ids are both set: give one, not both")
+    if not has_prompt and not has_ids:
+        raise ValueError("prompt is empty and token_ids is empty: give one of them")
+    if has_ids:
+        ids = list(req.token_ids)
+        _check_ids("token_ids", ids, limits.vocab_size)
+    else:
+        ids = list(tokenize(req.prompt))
+        if not ids:
+            raise ValueError("prompt tokenizes to zero tokens")
+
+    max_tokens = req.max_tokens if req.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if max_tokens > limits.max_tokens_limit:
+        raise ValueError(f"max_tokens must be <= {limits.max_tokens_limit}, got {max_tokens}")
+    if len(ids) >= limits.max_context_length:
+        raise ValueError(f"prompt is {len(ids)} tokens; the context length is {limits.max_context_length}")
+    if len(ids) + max_tokens > limits.max_context_length:
+        raise ValueError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                         f"the context length {limits.max_context_length}")
+    _check_ids("stop_token_ids", list(req.stop_token_ids), limits.vocab_size)
+
+    kw: dict = dict(max_tokens=max_tokens, stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
+                    ignore_eos=req.ignore_eos, skip_special_tokens=not req.skip_special_tokens_off)
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty", "typical_p"):
+        if req.HasField(name):
+            kw[name] = _decimal(getattr(req, name))
+    for name in ("top_k", "seed", "logprobs", "min_tokens"):
+        if req.HasField(name):
+            kw[name] = getattr(req, name)
+    # SamplingParams' own checks name the field (temperature, top_p, seed, logprobs...).
+    params = SamplingParams(**kw)
+    return ValidatedRequest(request_id=request_id, prompt=req.prompt if has_prompt else None,
+                            prompt_token_ids=ids, params=params)
