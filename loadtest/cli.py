@@ -22,6 +22,7 @@ import logging
 import math
 import sys
 import uuid
+from pathlib import Path
 from typing import Optional
 
 import grpc
@@ -60,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     load.add_argument("--request-timeout", type=float, default=600.0, help="deadline of each request (s)")
+    load.add_argument("--ready-timeout", type=float, default=30.0,
+                      help="how long to wait for the target to answer GetModelInfo (s)")
     out = p.add_argument_group("output")
     out.add_argument("--goodput", nargs="+", metavar="NAME:MS",
                      help="SLOs for goodput, e.g. ttft:500 tpot:50 (e2el too)")
@@ -92,7 +95,7 @@ async def _bench(args: argparse.Namespace) -> int:
     if args.num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {args.num_prompts}")
     try:
-        info = await fetch_model_info(args.target, timeout_s=30.0)
+        info = await fetch_model_info(args.target, timeout_s=args.ready_timeout)
     except grpc.aio.AioRpcError as e:
         print(f"error: target {args.target} unreachable: {e.code().name}: {e.details()}", file=sys.stderr)
         return 2
@@ -128,7 +131,10 @@ async def _bench(args: argparse.Namespace) -> int:
         path = save_result(args.save_result, summary, settings, records)
         print(f"result saved to {path}")
     if args.plot:
-        title = f"{settings['dataset']} @ {settings['request_rate']} req/s"
+        if args.trace:
+            title = f"{Path(args.trace).name} (length x{args.length_scale}, time x{args.time_scale})"
+        else:
+            title = f"random in={args.input_len} out={args.output_len} @ {settings['request_rate']} req/s"
         for path in write_plots(args.plot, records, title):
             print(f"plot saved to {path}")
     errors = sorted({r.error for r in records if r.error})

@@ -80,8 +80,9 @@ async def _send_one(stub: pb_grpc.PDServeStub, req: BenchRequest, cfg: ClientCon
         usage_tokens = 0
         call = stub.Generate(message, timeout=cfg.request_timeout_s)
         try:
+            last_msg_s = rec.start_s
             async for resp in call:
-                now = time.perf_counter() - t0
+                now = last_msg_s = time.perf_counter() - t0
                 if resp.token_ids:
                     rec.chunk_times_s.append(now)
                     rec.chunk_tokens.append(len(resp.token_ids))
@@ -89,7 +90,8 @@ async def _send_one(stub: pb_grpc.PDServeStub, req: BenchRequest, cfg: ClientCon
                     rec.finish_reason = resp.finish_reason
                 if resp.HasField("usage"):
                     usage_tokens = resp.usage.completion_tokens
-            rec.end_s = time.perf_counter() - t0
+            # E2EL ends at the last message, not at the stream's trailing status (vLLM: most_recent_timestamp).
+            rec.end_s = last_msg_s
             rec.output_tokens = usage_tokens or sum(rec.chunk_tokens)
             if rec.finish_reason == "abort":
                 rec.error = "finish_reason=abort"
