@@ -29,6 +29,11 @@ from proto.convert import logprob_from_proto, logprobs_to_proto, wire_to_params
 log = logging.getLogger(__name__)
 
 
+def _state(s: Any) -> str:
+    # kvtransfer.TransferState is a str enum; compare by name so either form works
+    return str(getattr(s, "name", s))
+
+
 @dataclass
 class _DecodeReq:
     """One reserved or running sequence on this worker (loop-thread state)."""
@@ -98,7 +103,10 @@ class DecodeWorker(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
     def _reserve(self, eng: Any, rid: str, prompt: list[int], params: Any, peer: str) -> list[int]:
         if rid in self.requests:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already reserved here")
-        blocks = eng.reserve(rid, len(prompt))
+        try:
+            blocks = eng.reserve(rid, len(prompt))
+        except ValueError as e:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: {e} (request {rid})") from None
         if blocks is None:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"decode worker {self.cfg.worker_id}: not enough free KV blocks for "
@@ -106,9 +114,10 @@ class DecodeWorker(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         try:
             handle = self.kv.recv(peer, rid, eng.kv_caches, blocks, len(prompt),
                                   deadline_s=self.cfg.transfer_timeout_s)
-        except ValueError as e:
+        except Exception as e:  # a bad peer name or a broken endpoint: free the blocks again
             eng.abort_request(rid)
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{e} (request {rid})") from None
+            code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, ValueError) else grpc.StatusCode.UNAVAILABLE
+            raise RequestError(code, f"kv recv: {e} (request {rid})") from None
         self.requests[rid] = _DecodeReq(rid, prompt, params, handle)
         return list(blocks)
 
@@ -126,21 +135,23 @@ class DecodeWorker(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         req.decode_called_at = time.monotonic()
 
     def poll(self) -> bool:
-        from kvtransfer import TransferState
-
         now = time.monotonic()
         for req in list(self.requests.values()):
             if req.failure is not None and now - req.reserved_at > self.cfg.reserve_timeout_s:
                 self.requests.pop(req.request_id, None)
             if req.running or req.failure is not None:
                 continue
-            state = self.kv.poll(req.handle)
-            if state == TransferState.FAILED:
+            state = _state(self.kv.poll(req.handle))
+            if state == "FAILED":
                 self._fail(req, grpc.StatusCode.UNAVAILABLE,
                            f"KV for request {req.request_id} did not arrive: {self.kv.failure(req.handle)}")
-            elif state == TransferState.DONE and req.out is not None:
-                self.engine.add_prefilled_request(req.request_id, req.prompt_token_ids, req.first_token_id,
-                                                  req.params, first_logprob=req.first_logprob)
+            elif state == "DONE" and req.out is not None:
+                try:
+                    self.engine.add_prefilled_request(req.request_id, req.prompt_token_ids, req.first_token_id,
+                                                      req.params, first_logprob=req.first_logprob)
+                except ValueError as e:
+                    self._fail(req, grpc.StatusCode.INVALID_ARGUMENT, f"{e} (request {req.request_id})")
+                    continue
                 req.running = True
                 req.last_token_at = now
                 req.out.put(worker_pb2.DecodeChunk(kv_wait_s=now - req.decode_called_at))
@@ -177,9 +188,7 @@ class DecodeWorker(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             req.failure = err
 
     def _free(self, req: _DecodeReq) -> None:
-        from kvtransfer import TransferState
-
-        if self.kv.poll(req.handle) not in (TransferState.DONE, TransferState.FAILED):
+        if _state(self.kv.poll(req.handle)) not in ("DONE", "FAILED"):
             self.kv.cancel(req.handle)
         self.engine.abort_request(req.request_id)
 

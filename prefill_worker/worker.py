@@ -30,6 +30,11 @@ from proto.convert import logprob_to_proto, wire_to_params
 log = logging.getLogger(__name__)
 
 
+def _state(s: Any) -> str:
+    # kvtransfer.TransferState is a str enum; compare by name so either form works
+    return str(getattr(s, "name", s))
+
+
 @dataclass
 class _PrefillReq:
     """One prompt in flight on this worker (loop-thread state)."""
@@ -43,6 +48,7 @@ class _PrefillReq:
     scheduled: Optional[float] = None
     first_token_at: Optional[float] = None
     handle: Any = None
+    error: Optional[RequestError] = None  # set inside step() (layer callback), reported after it
     in_engine: bool = True  # False once the first token is out (KV held for sending)
 
 
@@ -103,17 +109,27 @@ class PrefillWorker(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
         self.requests[req.request_id] = req
 
     def _on_layer_done(self, layer: int, request_ids: list[str]) -> None:
+        # runs inside engine.step(): never raise, or the whole batch fails
         for rid in request_ids:
             req = self.requests.get(rid)
-            if req is None:
+            if req is None or req.error is not None:
                 continue
-            if req.handle is None:
-                req.scheduled = req.scheduled or time.monotonic()
-                bs = self.engine.block_size
-                src = self.engine.get_block_table(rid)[: -(-len(req.prompt_token_ids) // bs)]
-                req.handle = self.kv.send(req.dest_kv_name, rid, self.engine.kv_caches, src,
-                                          len(req.prompt_token_ids), deadline_s=self.cfg.transfer_timeout_s)
-            self.kv.layer_ready(req.handle, layer)
+            try:
+                if req.handle is None:
+                    req.scheduled = req.scheduled or time.monotonic()
+                    req.handle = self._open_send(req, layers_ready=False)
+                self.kv.layer_ready(req.handle, layer)
+            except Exception as e:
+                log.warning("prefill %s: request %s: KV send failed: %s", self.cfg.worker_id, rid, e)
+                req.error = RequestError(grpc.StatusCode.UNAVAILABLE,
+                                         f"KV send of request {rid} to {req.dest_kv_name} failed: {e}")
+
+    def _open_send(self, req: _PrefillReq, layers_ready: bool) -> Any:
+        bs = self.engine.block_size
+        src = self.engine.get_block_table(req.request_id)[: -(-len(req.prompt_token_ids) // bs)]
+        return self.kv.send(req.dest_kv_name, req.request_id, self.engine.kv_caches, src,
+                            len(req.prompt_token_ids), deadline_s=self.cfg.transfer_timeout_s,
+                            layers_ready=layers_ready)
 
     def on_outputs(self, outs: list) -> None:
         now = time.monotonic()
@@ -128,13 +144,15 @@ class PrefillWorker(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
                 continue
             req.first_token_at = now
             req.in_engine = False
-            if req.handle is None:
-                # no layer callback ran (should not happen); send everything now
-                bs = self.engine.block_size
-                src = self.engine.get_block_table(req.request_id)[: -(-len(req.prompt_token_ids) // bs)]
-                req.handle = self.kv.send(req.dest_kv_name, req.request_id, self.engine.kv_caches, src,
-                                          len(req.prompt_token_ids), deadline_s=self.cfg.transfer_timeout_s,
-                                          layers_ready=True)
+            if req.error is None and req.handle is None:
+                try:  # no layer callback ran (prefix fully cached?): send every layer now
+                    req.handle = self._open_send(req, layers_ready=True)
+                except Exception as e:
+                    req.error = RequestError(grpc.StatusCode.UNAVAILABLE,
+                                             f"KV send of request {req.request_id} failed: {e}")
+            if req.error is not None:
+                self._fail(req, req.error.code, req.error.message)
+                continue
             scheduled = req.scheduled or req.arrived
             ft = worker_pb2.FirstToken(token_id=o.new_token_ids[0], queue_s=scheduled - req.arrived,
                                        prefill_s=now - scheduled, num_cached_tokens=o.num_cached_tokens)
@@ -145,23 +163,21 @@ class PrefillWorker(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
             req.out.put(worker_pb2.PrefillEvent(first_token=ft))
 
     def poll(self) -> bool:
-        from kvtransfer import TransferState
-
         for req in list(self.requests.values()):
             if req.in_engine or req.handle is None:
                 continue
-            state = self.kv.poll(req.handle)
-            if state == TransferState.DONE:
+            state = _state(self.kv.poll(req.handle))
+            if state == "DONE":
                 del self.requests[req.request_id]
                 self.engine.release(req.request_id)
                 req.out.put(worker_pb2.PrefillEvent(
                     transfer_done=worker_pb2.TransferDone(kv_transfer_s=time.monotonic() - req.first_token_at)))
-            elif state == TransferState.FAILED:
+            elif state == "FAILED":
                 self._fail(req, grpc.StatusCode.UNAVAILABLE,
                            f"KV transfer of request {req.request_id} to {req.dest_kv_name} failed: "
                            f"{self.kv.failure(req.handle)}")
         for st in self.kv.take_completed():
-            if st.direction == "send" and st.state == TransferState.DONE:
+            if st.direction == "send" and _state(st.state) == "DONE":
                 self.metrics.observe_kv_transfer(st.seconds, st.num_bytes)
         return bool(self.requests)
 

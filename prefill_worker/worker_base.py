@@ -79,10 +79,7 @@ class WorkerBase:
 
         self.engine = LLMEngine(self.cfg.engine)
         if self.needs_kv:
-            from kvtransfer import KVEndpoint
-
-            self.kv = KVEndpoint(self.cfg.kv_name, self.cfg.kv_store, backend=self.cfg.kv_backend,
-                                 timeout_s=self.cfg.transfer_timeout_s)
+            self.kv = self.make_kv_endpoint()
         self.metrics = PDServeMetrics(self.cfg.served_model_name, self.role, self.cfg.worker_id)
         if self.cfg.serve_metrics:
             self.metrics_address, self._metrics_stop = self.metrics.serve(host=self.cfg.host, port=0)
@@ -118,6 +115,13 @@ class WorkerBase:
             self.kv.shutdown()
         if self._metrics_stop is not None:
             self._metrics_stop()
+
+    def make_kv_endpoint(self) -> Any:
+        """This worker's kvtransfer endpoint (one per worker, named ``cfg.kv_name``)."""
+        from kvtransfer import KVEndpoint
+
+        return KVEndpoint(self.cfg.kv_name, self.cfg.kv_store, backend=self.cfg.kv_backend,
+                          timeout_s=self.cfg.transfer_timeout_s)
 
     # ---- load reporting -----------------------------------------------------------
     def _snapshot(self, eng: Any) -> None:
