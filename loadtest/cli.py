@@ -73,9 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _settings(args: argparse.Namespace, info, request_rate: Optional[float], num_clipped: int) -> dict:
+def _settings(args: argparse.Namespace, info, request_rate: Optional[float], num_sent: int,
+              num_clipped: int) -> dict:
     s = {"target": args.target, "model_id": info.model_name, "mode": info.mode,
-         "num_prompts": args.num_prompts, "request_rate": request_rate if request_rate is not None else "trace",
+         "num_prompts": num_sent, "request_rate": request_rate if request_rate is not None else "trace",
          "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
          "temperature": args.temperature, "num_clipped_to_model_limits": num_clipped}
     if args.trace:
@@ -90,7 +91,12 @@ def _settings(args: argparse.Namespace, info, request_rate: Optional[float], num
 
 
 async def _bench(args: argparse.Namespace) -> int:
-    percentiles = [float(x) for x in args.percentiles.split(",") if x.strip()]
+    try:
+        percentiles = [float(x) for x in args.percentiles.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"percentiles must be comma-separated numbers, got {args.percentiles!r}") from None
+    if not all(0 <= p <= 100 for p in percentiles):
+        raise ValueError(f"percentiles must be within [0, 100], got {args.percentiles!r}")
     slos = parse_goodput(args.goodput)
     if args.num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {args.num_prompts}")
@@ -124,7 +130,7 @@ async def _bench(args: argparse.Namespace) -> int:
     with tqdm(total=len(workload.requests), disable=args.disable_tqdm, desc="bench", unit="req") as bar:
         records, duration = await run_benchmark(cfg, workload.requests, on_done=lambda _r: bar.update(1))
 
-    settings = _settings(args, info, request_rate, workload.num_clipped)
+    settings = _settings(args, info, request_rate, len(workload.requests), workload.num_clipped)
     summary = summarize(records, duration, percentiles, slos or None)
     print_summary(summary, settings)
     if args.save_result:
@@ -159,6 +165,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # asyncio.run has cancelled every in-flight call by now
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

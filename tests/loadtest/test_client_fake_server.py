@@ -131,6 +131,8 @@ def test_cli_bad_input(tmp_path, capsys):
     assert main(["--target", "127.0.0.1:1", "--goodput", "speed:3", "--disable-tqdm"]) == 2
     assert "goodput" in capsys.readouterr().err
     assert main(["--target", "127.0.0.1:1", "--max-concurrency", "0"]) == 2
+    assert main(["--target", "127.0.0.1:1", "--percentiles", "50,abc", "--disable-tqdm"]) == 2
+    assert "percentiles" in capsys.readouterr().err
     assert main([]) == 2  # argparse: --target is required
     # nothing listens on port 1: reported, not hung
     assert main(["--target", "127.0.0.1:1", "--ready-timeout", "0.5", "--disable-tqdm"]) == 2
