@@ -1,0 +1,132 @@
+"""Start real role servers on loopback for the role tests, and the offline reference.
+
+``start_roles(kv=...)`` builds prefill and decode workers (real engines on the
+``tiny`` model, real gRPC servers on free ports) and a router in front of them
+with a StaticWorkerSource; ``kv="gloo"`` uses the real kvtransfer over a torch
+TCPStore on a free port, ``kv="fake"`` the in-process fake (worker-layer tests).
+``offline(...)`` runs the same prompts through the engine alone: the reference.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import grpc
+import torch
+
+from decode_worker import DecodeWorker, DecodeWorkerConfig
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from prefill_worker import PrefillWorker, PrefillWorkerConfig
+from proto import pdserve_pb2, pdserve_pb2_grpc
+from router import RouterConfig, RouterServer, StaticWorkerSource
+from tests.roles.fake_kv import FakeKVEndpoint, FakeKVHub
+
+
+def engine_config(**kw: Any) -> EngineConfig:
+    base = dict(model="tiny", num_kv_blocks=256, num_threads=1, max_num_batched_tokens=512)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+@dataclass
+class Roles:
+    prefills: list
+    decodes: list
+    router: RouterServer
+    source: StaticWorkerSource
+    channel: grpc.Channel
+    stub: pdserve_pb2_grpc.PDServeStub
+    store: Any = None
+    extra: list = field(default_factory=list)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.router.stop()
+        for w in [*self.prefills, *self.decodes, *self.extra]:
+            w.stop()
+
+    def idle(self) -> bool:
+        """Every worker holds no request and all its blocks are free."""
+        return all(not w.requests and w.info().num_free_blocks == w.info().num_total_blocks
+                   for w in [*self.prefills, *self.decodes])
+
+    def wait_idle(self, timeout_s: float = 1.0) -> bool:
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self.idle():
+                return True
+            time.sleep(0.01)
+        return self.idle()
+
+
+def _worker_classes(kv: str):
+    if kv != "fake":
+        return PrefillWorker, DecodeWorker, None
+    hub = FakeKVHub()
+
+    class FakeP(PrefillWorker):
+        def make_kv_endpoint(self):
+            return FakeKVEndpoint(self.cfg.kv_name, hub)
+
+    class FakeD(DecodeWorker):
+        def make_kv_endpoint(self):
+            return FakeKVEndpoint(self.cfg.kv_name, hub)
+
+    return FakeP, FakeD, hub
+
+
+def make_store(kv: str) -> Any:
+    if kv == "fake":
+        return "fake"
+    return torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def start_roles(kv: str = "gloo", n_prefill: int = 1, n_decode: int = 1, engine: Optional[dict] = None,
+                decode_engine: Optional[dict] = None, router: Optional[dict] = None,
+                transfer_timeout_s: float = 10.0, tag: str = "") -> Roles:
+    P, D, _hub = _worker_classes(kv)
+    store = make_store(kv)
+    backend = "gloo" if kv == "fake" else kv
+    prefills, decodes = [], []
+    try:
+        for i in range(n_prefill):
+            prefills.append(P(PrefillWorkerConfig(f"{tag}p{i}", engine=engine_config(**(engine or {})), kv_store=store,
+                                                  kv_backend=backend, transfer_timeout_s=transfer_timeout_s,
+                                                  serve_metrics=False)).start())
+        for i in range(n_decode):
+            decodes.append(D(DecodeWorkerConfig(f"{tag}d{i}", engine=engine_config(**(decode_engine or engine or {})),
+                                                kv_store=store, kv_backend=backend,
+                                                transfer_timeout_s=transfer_timeout_s,
+                                                serve_metrics=False)).start())
+        source = StaticWorkerSource([w.info for w in [*prefills, *decodes]])
+        r = RouterServer(RouterConfig(serve_metrics=False, **(router or {})), source).start()
+    except BaseException:
+        for w in [*prefills, *decodes]:
+            w.stop()
+        raise
+    ch = grpc.insecure_channel(r.address)
+    return Roles(prefills, decodes, r, source, ch, pdserve_pb2_grpc.PDServeStub(ch), store)
+
+
+def collect(stub: pdserve_pb2_grpc.PDServeStub, timeout: float = 60.0, **kw: Any) -> list[pdserve_pb2.GenerateResponse]:
+    return list(stub.Generate(pdserve_pb2.GenerateRequest(**kw), timeout=timeout))
+
+
+def joined(resps: list) -> tuple[list[int], str, str]:
+    return ([t for r in resps for t in r.token_ids], "".join(r.text for r in resps), resps[-1].finish_reason)
+
+
+_OFFLINE: dict = {}
+
+
+def offline(prompts: list, params: list[SamplingParams]) -> list:
+    """engine.LLM("tiny").generate: (token_ids, text, finish_reason, logprobs) per prompt."""
+    from engine import LLM
+
+    llm = _OFFLINE.get("tiny")
+    if llm is None:
+        llm = _OFFLINE["tiny"] = LLM(model="tiny", num_kv_blocks=256, num_threads=1)
+    outs = llm.generate(prompts, params)
+    return [(o.token_ids, o.text, o.finish_reason, o.logprobs) for o in outs]
