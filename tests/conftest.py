@@ -10,7 +10,8 @@ Fixtures:
 - ``redis_server``: a running ``cluster.redis_server.EmbeddedRedis`` (``.url``, ``.port``, ``.pid``);
 - ``redis_url``: its URL;
 - ``redis_namespace``: a fresh namespace per test; its keys are deleted after the test;
-- ``ray_local``: a local Ray instance (4 logical CPUs, no dashboard) in this
+- ``ray_local``: a local Ray instance (6 logical CPUs, custom resources
+  ``prefill``/``decode``, no dashboard) in this
   process; yields the Ray address. Code under test sees ``ray.is_initialized()``
   and reuses it instead of starting its own.
 """
@@ -64,7 +65,10 @@ def ray_local():
     # A short private temp dir: Ray puts unix sockets under it (path length limits)
     # and a private one keeps side-by-side sessions apart.
     temp_dir = tempfile.mkdtemp(prefix="pdr", dir="/tmp")
-    ctx = ray.init(num_cpus=4, include_dashboard=False, _temp_dir=temp_dir,
+    # 6 logical CPUs: a 2+2 cluster plus room to scale (actors are mostly idle; 2 real cores suffice).
+    # The node offers the pool labels, so worker actors really request {"prefill"|"decode": 0.01}.
+    ctx = ray.init(num_cpus=6, resources={"prefill": 1, "decode": 1}, include_dashboard=False,
+                   _temp_dir=temp_dir,
                    namespace=f"pdserve-test-{uuid.uuid4().hex[:8]}", logging_level="ERROR",
                    log_to_driver=False,
                    runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})

@@ -1,0 +1,370 @@
+"""Start and stop a whole pdserve cluster: Redis, Ray, worker pools, router.
+
+Lifecycle of a ``Cluster(ClusterConfig(...))``:
+
+``start()``
+  1. Redis: the given ``redis_url``, or a private ``EmbeddedRedis`` on a free port.
+  2. Ray: the given ``ray_address`` (``"auto"`` joins ``ray start``/KubeRay), an
+     already-initialized Ray in this process (tests share one), or a private
+     local instance (own temp dir, no dashboard) that this cluster owns.
+  3. Pools: ``num_prefill`` + ``num_decode`` worker actors (``cluster.worker_actor``),
+     started in parallel; each registers itself in the Redis registry under
+     this cluster's namespace and heartbeats. The kvtransfer rendezvous is the
+     same Redis under ``{namespace}:kvt``, so it needs no extra port.
+  4. Router: in this process, reading the pools from the registry.
+``scale_pool(role, n)``
+  adds actors, or drains the newest ones (deregister first, finish in-flight
+  requests) and then kills them.
+``stop()``
+  router, actors (stop + kill), the namespace's Redis keys, then Ray and Redis
+  if this cluster started them. Idempotent; also run by ``with Cluster(...)``.
+
+Everything is per instance (namespace, ports, temp dirs): two clusters run
+side by side on one machine, even on one Redis.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import ray
+
+from cluster.redis_server import EmbeddedRedis, RedisServerConfig
+from cluster.registry import Registry, WorkerInfo
+from cluster.worker_actor import WorkerActor, WorkerSpec, actor_options
+
+log = logging.getLogger(__name__)
+
+POOLS = ("prefill", "decode")
+
+
+@dataclass
+class ClusterConfig:
+    """How to run one cluster."""
+
+    model: str = "tiny"
+    """Model every worker serves: "tiny", "bench" or a Hugging Face directory."""
+    num_prefill: int = 1
+    """Prefill workers at start."""
+    num_decode: int = 1
+    """Decode workers at start."""
+    router_host: str = "127.0.0.1"
+    """Interface of the public gRPC server."""
+    router_port: int = 0
+    """Public gRPC port; 0 picks a free one."""
+    redis_url: Optional[str] = None
+    """External Redis; None starts a private embedded one."""
+    ray_address: Optional[str] = None
+    """Ray to join ("auto", "host:port", "ray://..."); None uses this process's Ray or starts a local one."""
+    namespace: Optional[str] = None
+    """Registry/kvtransfer namespace; None makes a unique one."""
+    worker_host: Optional[str] = None
+    """Interface workers bind; None: loopback on a local Ray, the node IP on a joined one."""
+    cpus_per_worker: float = 1.0
+    """Ray CPUs per worker actor (also its torch thread count)."""
+    ray_num_cpus: Optional[int] = None
+    """Logical CPUs of a locally started Ray; None: enough for the pools plus headroom to scale."""
+    engine_overrides: dict = field(default_factory=dict)
+    """Extra engine.config.EngineConfig fields for every worker (e.g. num_kv_blocks, max_num_seqs)."""
+    router_overrides: dict = field(default_factory=dict)
+    """Extra router.config.RouterConfig fields."""
+    ttl_s: float = 3.0
+    """Registry TTL: a silent worker leaves routing after this long."""
+    heartbeat_interval_s: float = 1.0
+    """Seconds between worker heartbeats."""
+    start_timeout_s: float = 300.0
+    """Deadline for a worker actor to be placed, load its model and register."""
+    drain_timeout_s: float = 30.0
+    """How long a removed worker may take to finish its in-flight requests."""
+    worker_factory: Optional[Callable[..., Any]] = None
+    """Role builder ``(role, worker_id, cfg, node_ip, node_id) -> RoleWorker``; None builds the real roles."""
+    router_factory: Optional[Callable[..., Any]] = None
+    """Router builder ``(cfg, registry) -> router`` with start()/stop()/address; None builds router.RouterServer.
+    Pass ``False`` for no router (pool-only tests)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_prefill", "num_decode"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        if not isinstance(self.router_port, int) or not 0 <= self.router_port < 65536:
+            raise ValueError(f"router_port must be in [0, 65535], got {self.router_port!r}")
+        if not self.cpus_per_worker > 0:
+            raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker!r}")
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        if self.ray_num_cpus is not None and self.ray_num_cpus < 1:
+            raise ValueError(f"ray_num_cpus must be >= 1, got {self.ray_num_cpus!r}")
+        if not (0 < self.heartbeat_interval_s < self.ttl_s):
+            raise ValueError(f"heartbeat_interval_s must be in (0, ttl_s), got {self.heartbeat_interval_s!r}")
+        for name in ("start_timeout_s", "drain_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+
+def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: Any,
+                      node_ip: str, node_id: str) -> Any:
+    """The real prefill/decode role object for one actor (runs inside the actor)."""
+    from engine.config import EngineConfig
+
+    host = cfg.worker_host or ("127.0.0.1" if cfg.ray_address is None else node_ip)
+    engine = EngineConfig(model=cfg.model, num_threads=max(1, int(cfg.cpus_per_worker)),
+                          **cfg.engine_overrides)
+    common = dict(worker_id=worker_id, engine=engine, kv_store=kv_store, host=host, node_id=node_id)
+    if role == "prefill":
+        from prefill_worker.config import PrefillWorkerConfig
+        from prefill_worker.worker import PrefillWorker
+
+        return PrefillWorker(PrefillWorkerConfig(**common))
+    if role == "decode":
+        from decode_worker.config import DecodeWorkerConfig
+        from decode_worker.worker import DecodeWorker
+
+        return DecodeWorker(DecodeWorkerConfig(**common))
+    raise ValueError(f"role must be one of {POOLS}, got {role!r}")
+
+
+def build_router(cfg: ClusterConfig, registry: Registry) -> Any:
+    """The real router, reading worker pools from ``registry``."""
+    from router.config import RouterConfig
+    from router.server import RouterServer
+
+    rcfg = RouterConfig(model=cfg.model, host=cfg.router_host, port=cfg.router_port, **cfg.router_overrides)
+    return RouterServer(rcfg, registry)
+
+
+@dataclass
+class _Member:
+    worker_id: str
+    role: str
+    handle: Any
+    info: Optional[WorkerInfo] = None
+
+
+class Cluster:
+    """One running pdserve cluster (see module docstring)."""
+
+    def __init__(self, config: Optional[ClusterConfig] = None) -> None:
+        self.config = config or ClusterConfig()
+        self.namespace = self.config.namespace or f"pdserve-{uuid.uuid4().hex[:10]}"
+        self.redis_url: Optional[str] = None
+        self.registry: Optional[Registry] = None
+        self.router: Any = None
+        self._redis: Optional[EmbeddedRedis] = None
+        self._owns_ray = False
+        self._ray_tmp: Optional[str] = None
+        self._members: dict[str, list[_Member]] = {r: [] for r in POOLS}
+        self._next_index: dict[str, int] = {r: 0 for r in POOLS}
+        self._lock = threading.RLock()
+        self._started = False
+        self._stopped = False
+
+    # ---- start ----------------------------------------------------------------------
+    def start(self) -> "Cluster":
+        """Bring up Redis, Ray, the pools and the router; on any failure, tear down what started."""
+        if self._started:
+            raise RuntimeError("cluster already started")
+        self._started = True
+        try:
+            self._start_redis()
+            self._start_ray()
+            self.scale_pool("prefill", self.config.num_prefill)
+            self.scale_pool("decode", self.config.num_decode)
+            self._start_router()
+        except BaseException:
+            self.stop()
+            raise
+        log.info("cluster %s up: router %s, %d prefill, %d decode", self.namespace, self.router_address,
+                 len(self._members["prefill"]), len(self._members["decode"]))
+        return self
+
+    def _start_redis(self) -> None:
+        if self.config.redis_url:
+            self.redis_url = self.config.redis_url
+        else:
+            # Reachable from other nodes only when workers are: bind wide if we join a multi-node Ray.
+            host = "127.0.0.1" if self.config.ray_address is None else "0.0.0.0"
+            self._redis = EmbeddedRedis(RedisServerConfig(host=host)).start()
+            self.redis_url = self._redis.url
+            if host == "0.0.0.0":
+                self.redis_url = f"redis://{ray.util.get_node_ip_address()}:{self._redis.port}/0"
+        self.registry = Registry(self.redis_url, self.namespace, ttl_s=self.config.ttl_s)
+        self.registry.ping()
+
+    def _start_ray(self) -> None:
+        if self.config.ray_address is not None:
+            ray.init(address=self.config.ray_address, namespace=self.namespace, log_to_driver=False,
+                     ignore_reinit_error=True)
+            self._owns_ray = True  # our driver connection; the Ray cluster itself outlives us
+            return
+        if ray.is_initialized():
+            return
+        want = self.config.num_prefill + self.config.num_decode
+        num_cpus = self.config.ray_num_cpus or max(os.cpu_count() or 1, int(want * self.config.cpus_per_worker) + 2)
+        # A short private temp dir: Ray's unix sockets live under it, and it keeps two clusters apart.
+        self._ray_tmp = tempfile.mkdtemp(prefix="pdray", dir="/tmp")
+        ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=self._ray_tmp,
+                 namespace=self.namespace, logging_level="WARNING", log_to_driver=False)
+        self._owns_ray = True
+
+    def _start_router(self) -> None:
+        factory = self.config.router_factory
+        if factory is False:
+            return
+        self.router = (factory or build_router)(self.config, self.registry)
+        self.router.start()
+
+    # ---- pools ----------------------------------------------------------------------
+    def _spec(self, role: str, worker_id: str) -> WorkerSpec:
+        factory = self.config.worker_factory or build_role_worker
+        # The actor gets the config without the factories (they may hold launcher-only state).
+        shipped = dataclasses.replace(self.config, worker_factory=None, router_factory=None)
+        return WorkerSpec(worker_id=worker_id, role=role,
+                          factory=functools.partial(factory, role, worker_id, shipped, self.kv_store_url),
+                          redis_url=self.redis_url, namespace=self.namespace, ttl_s=self.config.ttl_s,
+                          heartbeat_interval_s=self.config.heartbeat_interval_s,
+                          num_threads=max(1, int(self.config.cpus_per_worker)))
+
+    @property
+    def kv_store_url(self) -> Any:
+        """The kvtransfer rendezvous every worker of this cluster uses (the cluster's Redis, own namespace)."""
+        try:
+            from kvtransfer import StoreConfig
+
+            return StoreConfig(self.redis_url, namespace=f"{self.namespace}:kvt")
+        except ImportError:  # kvtransfer not built yet: stand-in roles ignore it
+            return self.redis_url
+
+    def scale_pool(self, role: str, n: int) -> list[WorkerInfo]:
+        """Grow or shrink one pool to ``n`` workers (removal drains first); returns the pool's records."""
+        if role not in POOLS:
+            raise ValueError(f"role must be one of {POOLS}, got {role!r}")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"n must be an integer >= 0, got {n!r}")
+        if self.registry is None or self._stopped:
+            raise RuntimeError("cluster is not running")
+        with self._lock:
+            pool = self._members[role]
+            if n > len(pool):
+                self._add(role, n - len(pool))
+            elif n < len(pool):
+                self._remove(role, len(pool) - n)
+            return [m.info for m in self._members[role]]
+
+    def _add(self, role: str, count: int) -> None:
+        resources = ray.cluster_resources()
+        new: list[_Member] = []
+        for _ in range(count):
+            worker_id = f"{role}-{self._next_index[role]}"
+            self._next_index[role] += 1
+            opts = actor_options(role, self.config.cpus_per_worker, cluster_resources=resources)
+            handle = WorkerActor.options(**opts).remote(self._spec(role, worker_id))
+            new.append(_Member(worker_id, role, handle))
+        refs = [m.handle.start.remote() for m in new]
+        try:
+            ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.config.start_timeout_s)
+            if pending:
+                raise TimeoutError(f"{len(pending)} {role} worker(s) not started within "
+                                   f"{self.config.start_timeout_s}s (not enough resources to place them?)")
+            infos = ray.get(refs)
+        except BaseException:
+            for m in new:
+                self._kill(m)
+            raise
+        for m, info in zip(new, infos):
+            m.info = info
+        self._members[role].extend(new)
+        log.info("cluster %s: +%d %s (%s)", self.namespace, count, role, ", ".join(m.worker_id for m in new))
+
+    def _remove(self, role: str, count: int) -> None:
+        pool = self._members[role]
+        leaving, self._members[role] = pool[-count:], pool[:-count]
+        refs = [m.handle.drain.remote(self.config.drain_timeout_s) for m in leaving]
+        ray.wait(refs, num_returns=len(refs), timeout=self.config.drain_timeout_s + 10)
+        for m in leaving:
+            self._kill(m)
+        log.info("cluster %s: -%d %s (%s)", self.namespace, count, role, ", ".join(m.worker_id for m in leaving))
+
+    def _kill(self, m: _Member) -> None:
+        try:
+            ray.kill(m.handle, no_restart=True)
+        except Exception as e:  # already dead
+            log.debug("kill %s: %s", m.worker_id, e)
+        if self.registry is not None:
+            try:
+                self.registry.deregister(m.worker_id)
+            except Exception as e:
+                log.warning("deregister %s: %s", m.worker_id, e)
+
+    # ---- views ----------------------------------------------------------------------
+    @property
+    def router_address(self) -> Optional[str]:
+        """host:port of the public gRPC API (None without a router)."""
+        return getattr(self.router, "address", None) if self.router is not None else None
+
+    def actors(self, role: str) -> list[Any]:
+        """Ray actor handles of one pool (oldest first)."""
+        return [m.handle for m in self._members[role]]
+
+    def worker_ids(self, role: str) -> list[str]:
+        """Worker ids of one pool (oldest first)."""
+        return [m.worker_id for m in self._members[role]]
+
+    def metrics_addresses(self) -> dict[str, str]:
+        """component -> host:port serving /metrics (router and every worker that serves one)."""
+        out: dict[str, str] = {}
+        addr = getattr(self.router, "metrics_address", "") if self.router is not None else ""
+        if addr:
+            out["router"] = addr
+        for info in self.registry.list() if self.registry is not None else []:
+            if info.metrics_address:
+                out[info.worker_id] = info.metrics_address
+        return out
+
+    # ---- stop -----------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop everything this cluster started; safe to call twice."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            if self.router is not None:
+                try:
+                    self.router.stop()
+                except Exception as e:
+                    log.warning("router stop: %s", e)
+            members = [m for r in POOLS for m in self._members[r]]
+            if members and ray.is_initialized():
+                refs = [m.handle.stop.remote() for m in members]
+                ray.wait(refs, num_returns=len(refs), timeout=15)
+                for m in members:
+                    self._kill(m)
+            self._members = {r: [] for r in POOLS}
+            if self.registry is not None:
+                try:
+                    self.registry.clear()  # worker records and kvtransfer rendezvous keys
+                except Exception as e:
+                    log.warning("registry clear: %s", e)
+                self.registry.close()
+            if self._owns_ray:
+                ray.shutdown()
+            if self._ray_tmp:
+                shutil.rmtree(self._ray_tmp, ignore_errors=True)
+            if self._redis is not None:
+                self._redis.stop()
+            log.info("cluster %s stopped", self.namespace)
+
+    def __enter__(self) -> "Cluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,124 @@
+"""Cluster pool mechanics on real Ray + real Redis, with the model-free stand-in role.
+
+The real roles are exercised end to end in tests/e2e; here the launcher's own
+jobs are checked: actors placed with the pool resources, registered and
+heartbeating, scaled up and drained down, silent workers expiring, and
+nothing left behind.
+"""
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.launcher import Cluster, ClusterConfig
+from cluster.registry import Registry
+from cluster.worker_actor import actor_options, pool_resources
+from tests.cluster.stand_in_worker import StandInWorker
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def _config(redis_url: str, **kw) -> ClusterConfig:
+    return ClusterConfig(redis_url=redis_url, worker_factory=StandInWorker, router_factory=False,
+                         ttl_s=2.0, heartbeat_interval_s=0.5, start_timeout_s=60, **kw)
+
+
+def _actor_gone(handle, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.pid.remote(), timeout=2)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_pools_register_scale_drain_and_leave_nothing(ray_local, redis_url):
+    cluster = Cluster(_config(redis_url, num_prefill=1, num_decode=1)).start()
+    try:
+        reg = Registry(redis_url, cluster.namespace)
+        assert [w.worker_id for w in reg.list("prefill")] == ["prefill-0"]
+        assert [w.worker_id for w in reg.list("decode")] == ["decode-0"]
+        for w in reg.list():
+            assert w.ready and w.node_id, w
+            assert _health(w.grpc_address) == health_pb2.HealthCheckResponse.SERVING
+        # Each actor's torch uses exactly its CPU share.
+        assert ray.get(cluster.actors("prefill")[0].torch_threads.remote()) == 1
+
+        infos = cluster.scale_pool("decode", 2)
+        assert [i.worker_id for i in infos] == ["decode-0", "decode-1"]
+        assert [w.worker_id for w in reg.list("decode")] == ["decode-0", "decode-1"]
+
+        leaving = cluster.actors("decode")[1]
+        leaving_addr = reg.get("decode-1").grpc_address
+        cluster.scale_pool("decode", 1)
+        # Drained: out of routing at once, its server and actor gone.
+        assert [w.worker_id for w in reg.list("decode")] == ["decode-0"]
+        assert _actor_gone(leaving)
+        with pytest.raises(grpc.RpcError):
+            _health(leaving_addr)
+        # New workers get fresh ids (a restarted pool never reuses a live id).
+        cluster.scale_pool("prefill", 2)
+        assert cluster.worker_ids("prefill") == ["prefill-0", "prefill-1"]
+        handles = cluster.actors("prefill") + cluster.actors("decode")
+    finally:
+        cluster.stop()
+    assert all(_actor_gone(h) for h in handles)
+    assert reg.keys() == []
+    cluster.stop()  # idempotent
+
+
+def test_dead_worker_leaves_routing_within_5s(ray_local, redis_url):
+    with Cluster(_config(redis_url, num_prefill=1, num_decode=0)) as cluster:
+        reg = Registry(redis_url, cluster.namespace)
+        assert len(reg.list("prefill")) == 1
+        # A crash, not a drain: no deregister, only the missing heartbeats tell.
+        ray.kill(cluster.actors("prefill")[0], no_restart=True)
+        start = time.monotonic()
+        while reg.list("prefill") and time.monotonic() - start < 6:
+            time.sleep(0.1)
+        assert reg.list("prefill") == [] and time.monotonic() - start < 5.0
+
+
+def test_two_clusters_on_one_redis_stay_apart(ray_local, redis_url):
+    with Cluster(_config(redis_url, num_prefill=1, num_decode=0)) as a, \
+            Cluster(_config(redis_url, num_prefill=0, num_decode=1)) as b:
+        assert a.namespace != b.namespace
+        ra, rb = Registry(redis_url, a.namespace), Registry(redis_url, b.namespace)
+        assert [w.role for w in ra.list()] == ["prefill"]
+        assert [w.role for w in rb.list()] == ["decode"]
+
+
+def test_placement_resources_follow_node_labels():
+    assert pool_resources("prefill", {"CPU": 4, "prefill": 2}) == {"prefill": 0.01}
+    assert pool_resources("decode", {"CPU": 4, "prefill": 2}) == {}
+    assert pool_resources("colocated", {"CPU": 4, "prefill": 2, "decode": 2}) == {}
+    opts = actor_options("decode", 2, cluster_resources={"decode": 1})
+    assert opts["num_cpus"] == 2 and opts["resources"] == {"decode": 0.01}
+    assert opts["runtime_env"]["env_vars"]["OMP_NUM_THREADS"] == "2"
+    with pytest.raises(ValueError, match="num_cpus"):
+        actor_options("decode", 0, cluster_resources={})
+
+
+def test_bad_config_and_scale_arguments(ray_local, redis_url):
+    with pytest.raises(ValueError, match="num_prefill"):
+        ClusterConfig(num_prefill=-1)
+    with pytest.raises(ValueError, match="router_port"):
+        ClusterConfig(router_port=70000)
+    with pytest.raises(ValueError, match="heartbeat_interval_s"):
+        ClusterConfig(ttl_s=1.0, heartbeat_interval_s=2.0)
+    with Cluster(_config(redis_url, num_prefill=0, num_decode=0)) as cluster:
+        with pytest.raises(ValueError, match="role"):
+            cluster.scale_pool("router", 1)
+        with pytest.raises(ValueError, match="n must"):
+            cluster.scale_pool("decode", -1)
+    with pytest.raises(RuntimeError, match="not running"):
+        cluster.scale_pool("decode", 1)
