@@ -1,1 +1,44 @@
-"""engine package."""
+"""pdserve's model runtime: models, paged KV cache, scheduler, sampler, tokenizer, offline API.
+
+Lifecycle: importing ``engine`` is cheap (no torch, no model); the public names
+below are loaded on first use. ``from engine import LLM, SamplingParams`` is the
+offline API; the worker roles build an ``LLMEngine`` from an ``EngineConfig``.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "SamplingParams": "engine.sampling_params",
+    "RequestOutput": "engine.outputs",
+    "CoreOutput": "engine.outputs",
+    "TokenLogprob": "engine.outputs",
+    "LLMEngine": "engine.llm_engine",
+    "EngineConfig": "engine.config",
+    "Tokenizer": "engine.tokenizer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from engine.config import EngineConfig
+    from engine.llm import LLM
+    from engine.llm_engine import LLMEngine
+    from engine.outputs import CoreOutput, RequestOutput, TokenLogprob
+    from engine.sampling_params import SamplingParams
+    from engine.tokenizer import Tokenizer
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

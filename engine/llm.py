@@ -1,0 +1,152 @@
+"""The offline API: ``LLM(model).generate(prompts, params)`` -> ``list[RequestOutput]``.
+
+Lifecycle: ``LLM(...)`` builds one ``LLMEngine`` (model, tokenizer, KV cache)
+and keeps it for its own life. Each ``generate`` call tokenizes the prompts,
+adds one core request per prompt with an ``OutputProcessor`` beside it, steps
+the engine until every request has finished, and returns the outputs in input
+order. Text, stop strings and logprob bookkeeping happen in the output
+processor, exactly as the router does it, so offline text equals cluster text;
+when a stop string ends a request the core request is aborted so its blocks go
+back at once. If anything fails mid-way, every request this call added is
+aborted before the error propagates, so the engine is left clean.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.detokenizer import OutputProcessor
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptType = Union[str, list[int], dict]
+PromptsType = Union[str, list[int], Sequence[PromptType]]
+
+
+class LLM:
+    """An engine for offline batched generation (the vLLM ``LLM`` shape, n=1)."""
+
+    def __init__(self, model: str = "tiny", dtype: str = "float32", device: str = "cpu",
+                 **engine_kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device, **engine_kwargs))
+        self._next_id = 0
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptsType,
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in the order of ``prompts``.
+
+        ``prompts``: a string, a list of strings, one prompt as a list of token ids,
+        a list of such lists, or ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}`` dicts.
+        ``params``: one SamplingParams for all, or one per prompt (None: defaults).
+        """
+        texts, token_lists = self._normalize_prompts(prompts)
+        plist = self._normalize_params(params, len(token_lists))
+        eng = self.llm_engine
+        rids: list[str] = []
+        procs: dict[str, OutputProcessor] = {}
+        pending: set[str] = set()
+        try:
+            for ids, p in zip(token_lists, plist):
+                rid = f"llm-{self._next_id}"
+                self._next_id += 1
+                eng.add_request(rid, ids, p)
+                rids.append(rid)
+                pending.add(rid)
+                procs[rid] = OutputProcessor(eng.tokenizer, ids, p)
+            bar = tqdm(total=len(rids), desc="generate", unit="req", disable=not use_tqdm)
+            with bar:
+                while pending:
+                    if not eng.has_unfinished_requests():
+                        # The core finished requests we never saw finish: a bug, not a hang.
+                        raise RuntimeError(f"engine idle with {len(pending)} unfinished requests")
+                    for out in eng.step():
+                        proc = procs.get(out.request_id)
+                        if proc is None or out.request_id not in pending:
+                            continue
+                        delta = proc.process(out.new_token_ids, out.logprobs, out.finish_reason)
+                        if delta.finish_reason is None:
+                            continue
+                        if out.finish_reason is None:
+                            # A stop string ended it here; the core does not know yet.
+                            eng.abort_request(out.request_id)
+                        pending.discard(out.request_id)
+                        bar.update(1)
+                        logger.debug("request %s finished: %s", out.request_id, delta.finish_reason)
+        finally:
+            for rid in pending:
+                eng.abort_request(rid)
+        results = []
+        for rid, text, ids in zip(rids, texts, token_lists):
+            proc = procs[rid]
+            results.append(RequestOutput(
+                request_id=rid, prompt=text, prompt_token_ids=list(ids), token_ids=list(proc.token_ids),
+                text=proc.text, finish_reason=proc.finish_reason, logprobs=proc.logprobs, finished=True))
+        return results
+
+    # -- input normalisation --------------------------------------------------------------------
+
+    def _normalize_prompts(self, prompts: PromptsType) -> tuple[list[Optional[str]], list[list[int]]]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError(f"prompts must be a string, a list of strings or token-id lists, "
+                             f"got {type(prompts).__name__}")
+        if prompts and all(_is_token_id(t) for t in prompts):
+            prompts = [list(prompts)]  # a single prompt given as token ids
+        texts: list[Optional[str]] = []
+        ids: list[list[int]] = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, dict):
+                if "prompt_token_ids" in p:
+                    p = p["prompt_token_ids"]
+                elif "prompt" in p:
+                    p = p["prompt"]
+                else:
+                    raise ValueError(f"prompts[{i}] dict needs 'prompt' or 'prompt_token_ids'")
+            if isinstance(p, str):
+                if not p:
+                    raise ValueError(f"prompts[{i}] is an empty string")
+                texts.append(p)
+                ids.append(self.tokenizer.encode(p))
+            elif isinstance(p, (list, tuple)) and p and all(_is_token_id(t) for t in p):
+                texts.append(None)
+                ids.append([int(t) for t in p])
+            else:
+                raise ValueError(f"prompts[{i}] must be a non-empty string or a non-empty list of "
+                                 f"non-negative token ids, got {p!r:.80}")
+        return texts, ids
+
+    @staticmethod
+    def _normalize_params(params: Union[SamplingParams, Sequence[SamplingParams], None],
+                          n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if isinstance(params, (list, tuple)):
+            if len(params) != n:
+                raise ValueError(f"params has {len(params)} entries for {n} prompts")
+            for i, p in enumerate(params):
+                if not isinstance(p, SamplingParams):
+                    raise ValueError(f"params[{i}] must be SamplingParams, got {type(p).__name__}")
+            return list(params)
+        raise ValueError(f"params must be SamplingParams or a list of them, got {type(params).__name__}")
+
+
+def _is_token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
