@@ -1,0 +1,98 @@
+"""Shared helpers for the engine-core tests: small HF checkpoints and greedy runs.
+
+Checkpoints are random-initialised ``transformers`` models (initializer_range 0.1
+so greedy continuations do not collapse onto one token) saved with
+``save_pretrained`` to tmp dirs; transformers itself is the reference.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+VOCAB = 512
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    torch.set_num_threads(2)
+    yield
+
+
+def hf_config(arch: str, **over):
+    """A small transformers config of the given architecture (GQA 4 heads / 2 KV heads)."""
+    import transformers
+
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                initializer_range=0.1, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    base.update(over)
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config}[arch]
+    return cls(**base)
+
+
+def make_checkpoint(tmp: Path, arch: str, seed: int = 0, max_shard_size: Optional[str] = None, **over):
+    """Random HF model saved to tmp (safetensors); returns (dir, the float32 transformers model)."""
+    import transformers
+
+    cfg = hf_config(arch, **over)
+    cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+           "qwen2": transformers.Qwen2ForCausalLM}[arch]
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    if getattr(cfg, "attention_bias", False) or arch == "qwen2":
+        # HF zero-initialises biases; random ones make the bias path observable
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("_proj.bias"):
+                    p.normal_(0, 0.1)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(tmp, **kw)
+    return tmp, model
+
+
+def make_engine(path, **over) -> LLMEngine:
+    kw = dict(model=str(path), dtype="float32", num_kv_blocks=256, block_size=4)
+    kw.update(over)
+    return LLMEngine(EngineConfig(**kw))
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def run_engine(eng: LLMEngine, prompts: dict, params: SamplingParams, max_steps: int = 10_000) -> dict:
+    """Add all prompts, step to completion; returns id -> generated token ids."""
+    for rid, p in prompts.items():
+        eng.add_request(rid, p, params)
+    out = {rid: [] for rid in prompts}
+    for _ in range(max_steps):
+        if not eng.has_unfinished_requests():
+            break
+        for o in eng.step():
+            out[o.request_id].extend(o.new_token_ids)
+    else:
+        raise AssertionError("engine did not finish")
+    return out
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy continuation (KV cache on, no EOS stop)."""
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def prompts_of(lengths, seed: int = 1, vocab: int = VOCAB) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
