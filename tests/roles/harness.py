@@ -24,6 +24,10 @@ from router import RouterConfig, RouterServer, StaticWorkerSource
 from tests.roles.fake_kv import FakeKVEndpoint, FakeKVHub
 
 
+# The KV transport the role tests use: the real kvtransfer ("gloo") unless noted.
+KV = "fake"  # TODO: "gloo" once kvtransfer lands
+
+
 def engine_config(**kw: Any) -> EngineConfig:
     base = dict(model="tiny", num_kv_blocks=256, num_threads=1, max_num_batched_tokens=512)
     base.update(kw)
@@ -61,7 +65,7 @@ class Roles:
         return self.idle()
 
 
-def _worker_classes(kv: str):
+def worker_classes(kv: str = KV):
     if kv != "fake":
         return PrefillWorker, DecodeWorker, None
     hub = FakeKVHub()
@@ -77,16 +81,16 @@ def _worker_classes(kv: str):
     return FakeP, FakeD, hub
 
 
-def make_store(kv: str) -> Any:
+def make_store(kv: str = KV) -> Any:
     if kv == "fake":
         return "fake"
     return torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def start_roles(kv: str = "gloo", n_prefill: int = 1, n_decode: int = 1, engine: Optional[dict] = None,
+def start_roles(kv: str = KV, n_prefill: int = 1, n_decode: int = 1, engine: Optional[dict] = None,
                 decode_engine: Optional[dict] = None, router: Optional[dict] = None,
                 transfer_timeout_s: float = 10.0, tag: str = "") -> Roles:
-    P, D, _hub = _worker_classes(kv)
+    P, D, _hub = worker_classes(kv)
     store = make_store(kv)
     backend = "gloo" if kv == "fake" else kv
     prefills, decodes = [], []

@@ -14,9 +14,8 @@ import torch
 
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2
-from tests.roles.harness import collect, joined, offline, start_roles
+from tests.roles.harness import KV, collect, joined, offline, start_roles
 
-KV = "fake"  # TODO: gloo once kvtransfer lands
 
 PROMPTS = [
     "def add(a, b):",

@@ -1,0 +1,109 @@
+"""DecodeWorker over real gRPC: reservation, its errors, abort, drain while busy."""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from decode_worker import DecodeWorker, DecodeWorkerConfig
+from engine.sampling_params import SamplingParams
+from proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from proto.convert import params_to_wire
+from tests.roles.harness import engine_config, make_store, start_roles, worker_classes
+
+DecodeWorker = worker_classes()[1]  # noqa: F811  (the fake-KV subclass until kvtransfer lands)
+
+PARAMS = params_to_wire(SamplingParams(max_tokens=4))
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = DecodeWorker(DecodeWorkerConfig("dw0", engine=engine_config(num_kv_blocks=8), kv_store=make_store(),
+                                        serve_metrics=False, reserve_timeout_s=0.5)).start()
+    ch = grpc.insecure_channel(w.address)
+    yield w, worker_pb2_grpc.DecodeWorkerStub(ch)
+    ch.close()
+    w.stop()
+
+
+def _reserve(stub, rid, n):
+    return stub.Reserve(worker_pb2.ReserveRequest(request_id=rid, prompt_token_ids=[1] * n, params=PARAMS,
+                                                  prefill_kv_name="some-prefill"), timeout=10)
+
+
+def test_reserve_abort_and_capacity(worker):
+    w, stub = worker
+    r = _reserve(stub, "a", 40)
+    assert len(r.block_ids) == 3 and r.block_size == 16 and r.kv_name == "dw0"
+    assert w.info().num_free_blocks == 5
+    with pytest.raises(grpc.RpcError) as ei:
+        _reserve(stub, "a", 4)
+    assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    with pytest.raises(grpc.RpcError) as ei:
+        _reserve(stub, "b", 100)   # 7 blocks > 5 free
+    assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "b" in ei.value.details()
+    assert stub.Abort(worker_pb2.AbortRequest(request_id="a"), timeout=5).found is True
+    assert w.info().num_free_blocks == 8
+    assert stub.Abort(worker_pb2.AbortRequest(request_id="a"), timeout=5).found is False
+
+
+def test_bad_reserve_and_unknown_decode(worker):
+    w, stub = worker
+    for req, field in [
+        (worker_pb2.ReserveRequest(request_id="c", prompt_token_ids=[], params=PARAMS, prefill_kv_name="p"),
+         "prompt_token_ids"),
+        (worker_pb2.ReserveRequest(request_id="c", prompt_token_ids=[1], params=PARAMS, prefill_kv_name=""),
+         "prefill_kv_name"),
+        (worker_pb2.ReserveRequest(request_id="c", prompt_token_ids=[1], prefill_kv_name="p"), "max_tokens"),
+        (worker_pb2.ReserveRequest(request_id="", prompt_token_ids=[1], params=PARAMS, prefill_kv_name="p"),
+         "request_id"),
+    ]:
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.Reserve(req, timeout=10)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in ei.value.details()
+    with pytest.raises(grpc.RpcError) as ei:
+        list(stub.Decode(worker_pb2.DecodeRequest(request_id="never", first_token_id=3), timeout=10))
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND and "never" in ei.value.details()
+    assert w.info().num_free_blocks == 8
+
+
+def test_reservation_without_decode_expires(worker):
+    w, stub = worker
+    _reserve(stub, "orphan", 20)
+    assert w.info().num_free_blocks == 6
+    end = time.monotonic() + 3
+    while w.info().num_free_blocks != 8 and time.monotonic() < end:
+        time.sleep(0.02)
+    assert w.info().num_free_blocks == 8
+
+
+def test_drain_finishes_inflight_request_while_not_serving():
+    roles = start_roles(tag="drain-")
+    try:
+        d = roles.decodes[0]
+        s = roles.stub.Generate(pdserve_pb2.GenerateRequest(prompt="a", max_tokens=60, ignore_eos=True,
+                                                            temperature=0.0), timeout=30)
+        next(s)
+        res = []
+        t = threading.Thread(target=lambda: res.append(d.drain(20.0)))
+        t.start()
+        time.sleep(0.05)
+        with grpc.insecure_channel(d.address) as ch:
+            st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+        assert st == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert d.info().ready is False
+        rest = list(s)
+        assert rest[-1].finish_reason == "length" and rest[-1].usage.completion_tokens == 60
+        t.join(20)
+        assert res == [True]
+    finally:
+        roles.close()
