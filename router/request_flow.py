@@ -44,10 +44,12 @@ _RETRIABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 class FlowError(Exception):
     """The request ends with this gRPC status."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, worker_id: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.worker_id = worker_id
+        """The worker whose call failed ("" when none did): a retry avoids it."""
 
 
 @dataclass
@@ -101,7 +103,7 @@ class DisaggregatedFlow:
             raise FlowError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {self.rid}: deadline exceeded")
         return min(cap, left)
 
-    def _rpc_error(self, e: grpc.RpcError, what: str) -> FlowError:
+    def _rpc_error(self, e: grpc.RpcError, what: str, worker_id: str = "") -> FlowError:
         if self._cancelled:
             return FlowError(grpc.StatusCode.CANCELLED, f"request {self.rid} cancelled")
         code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
@@ -110,7 +112,7 @@ class DisaggregatedFlow:
             return FlowError(code, f"request {self.rid}: deadline exceeded during {what}")
         if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
             code = grpc.StatusCode.UNAVAILABLE  # the worker went away mid-call
-        return FlowError(code, f"request {self.rid}: {what} failed: {details}")
+        return FlowError(code, f"request {self.rid}: {what} failed: {details}", worker_id)
 
     # ---- worker choice ---------------------------------------------------------------
     def _reserve(self, excluded: set[str]) -> worker_pb2.ReserveResponse:
@@ -193,7 +195,7 @@ class DisaggregatedFlow:
                 try:
                     ev = next(p_stream)
                 except grpc.RpcError as e:
-                    raise self._rpc_error(e, f"prefill on {p.worker_id}") from None
+                    raise self._rpc_error(e, f"prefill on {p.worker_id}", p.worker_id) from None
                 except StopIteration:
                     raise FlowError(grpc.StatusCode.INTERNAL,
                                     f"request {self.rid}: prefill worker {p.worker_id} sent no first token") from None
@@ -206,9 +208,8 @@ class DisaggregatedFlow:
                 if p_stream is not None:
                     p_stream.cancel()
                 self._abort_workers()
-                for w in (self.decode_worker, self.prefill_worker):
-                    if w is not None and e.code == grpc.StatusCode.UNAVAILABLE:
-                        excluded.add(w.worker_id)
+                if e.worker_id:
+                    excluded.add(e.worker_id)
                 self._release_workers()
                 self.decode_worker = self.prefill_worker = None
                 if e.code not in _RETRIABLE or self._cancelled:

@@ -108,3 +108,20 @@ def test_decode_worker_dies_midstream_gives_unavailable_not_hang():
         assert roles.prefills[0].requests == {}
     finally:
         roles.close()
+
+
+def test_dead_prefill_worker_before_first_token_retries_on_another():
+    roles = start_roles(kv=KV, n_prefill=2, tag="retry-")
+    try:
+        dead = roles.prefills[0]
+        stale = dead.info()  # the registry still lists it (heartbeat TTL not yet expired)
+        roles.source.remove_where(dead.cfg.worker_id)
+        roles.source.add(stale)
+        dead.stop()
+        want = joined(collect(roles.stub, prompt="def g(x):", max_tokens=6, temperature=0.0))
+        assert len(want[0]) == 6 and want[2] == "length"
+        assert roles.router.selector.ranked_prefill(roles.source.list("prefill"))[0].worker_id == stale.worker_id
+        assert roles.wait_idle(1.0) or all(not w.requests for w in roles.decodes)
+        assert roles.decodes[0].info().num_free_blocks == roles.decodes[0].info().num_total_blocks
+    finally:
+        roles.close()
