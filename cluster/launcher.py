@@ -121,13 +121,11 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
                           **cfg.engine_overrides)
     common = dict(worker_id=worker_id, engine=engine, kv_store=kv_store, host=host, node_id=node_id)
     if role == "prefill":
-        from prefill_worker.config import PrefillWorkerConfig
-        from prefill_worker.worker import PrefillWorker
+        from prefill_worker import PrefillWorker, PrefillWorkerConfig
 
         return PrefillWorker(PrefillWorkerConfig(**common))
     if role == "decode":
-        from decode_worker.config import DecodeWorkerConfig
-        from decode_worker.worker import DecodeWorker
+        from decode_worker import DecodeWorker, DecodeWorkerConfig
 
         return DecodeWorker(DecodeWorkerConfig(**common))
     raise ValueError(f"role must be one of {POOLS}, got {role!r}")
@@ -135,8 +133,7 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
 
 def build_router(cfg: ClusterConfig, registry: Registry) -> Any:
     """The real router, reading worker pools from ``registry``."""
-    from router.config import RouterConfig
-    from router.server import RouterServer
+    from router import RouterConfig, RouterServer
 
     rcfg = RouterConfig(model=cfg.model, host=cfg.router_host, port=cfg.router_port, **cfg.router_overrides)
     return RouterServer(rcfg, registry)
