@@ -114,6 +114,25 @@ def start_roles(kv: str = KV, n_prefill: int = 1, n_decode: int = 1, engine: Opt
     return Roles(prefills, decodes, r, source, ch, pdserve_pb2_grpc.PDServeStub(ch), store)
 
 
+def start_colocated(n: int = 1, engine: Optional[dict] = None, router: Optional[dict] = None,
+                    tag: str = "") -> Roles:
+    from decode_worker import ColocatedWorker, ColocatedWorkerConfig
+
+    workers = []
+    try:
+        for i in range(n):
+            workers.append(ColocatedWorker(ColocatedWorkerConfig(f"{tag}c{i}", engine=engine_config(**(engine or {})),
+                                                                 serve_metrics=False)).start())
+        source = StaticWorkerSource([w.info for w in workers])
+        r = RouterServer(RouterConfig(serve_metrics=False, mode="colocated", **(router or {})), source).start()
+    except BaseException:
+        for w in workers:
+            w.stop()
+        raise
+    ch = grpc.insecure_channel(r.address)
+    return Roles([], workers, r, source, ch, pdserve_pb2_grpc.PDServeStub(ch))
+
+
 def collect(stub: pdserve_pb2_grpc.PDServeStub, timeout: float = 60.0, **kw: Any) -> list[pdserve_pb2.GenerateResponse]:
     return list(stub.Generate(pdserve_pb2.GenerateRequest(**kw), timeout=timeout))
 

@@ -1,0 +1,80 @@
+"""Router in colocated mode + ColocatedWorker equal the offline engine; cancel frees blocks."""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from engine.sampling_params import SamplingParams
+from proto import pdserve_pb2
+from tests.roles.harness import collect, joined, offline, start_colocated
+
+PROMPTS = ["def add(a, b):", "x", "# " + "the quick brown fox jumps over the lazy dog " * 12, "return None"]
+
+
+@pytest.fixture(scope="module")
+def colo():
+    torch.set_num_threads(1)
+    r = start_colocated(n=1, tag="colo-")
+    yield r
+    r.close()
+
+
+def test_greedy_concurrent_equal_offline(colo):
+    ref = offline(PROMPTS, [SamplingParams(max_tokens=10, temperature=0.0)] * len(PROMPTS))
+    got = [None] * len(PROMPTS)
+
+    def run(i):
+        got[i] = collect(colo.stub, prompt=PROMPTS[i], max_tokens=10, temperature=0.0)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    for (ids, text, reason, _), resps in zip(ref, got):
+        assert joined(resps) == (ids, text, reason)
+        assert resps[-1].usage.completion_tokens == len(ids) and resps[-1].timings.ttft_s > 0
+    assert colo.wait_idle(1.0)
+
+
+def test_seeded_and_stop_string_equal_offline(colo):
+    sp = SamplingParams(max_tokens=12, temperature=0.9, seed=11)
+    ref = offline([PROMPTS[0]], [sp])[0]
+    assert joined(collect(colo.stub, prompt=PROMPTS[0], max_tokens=12, temperature=0.9, seed=11))[:2] == ref[:2]
+    full = offline([PROMPTS[3]], [SamplingParams(max_tokens=20, temperature=0.0)])[0][1]
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    ref = offline([PROMPTS[3]], [SamplingParams(max_tokens=20, temperature=0.0, stop=[stop])])[0]
+    got = joined(collect(colo.stub, prompt=PROMPTS[3], max_tokens=20, temperature=0.0, stop=[stop]))
+    assert got[1:] == (ref[1], "stop")
+    assert colo.wait_idle(1.0)
+
+
+def test_cancel_frees_blocks_and_info(colo):
+    s = colo.stub.Generate(pdserve_pb2.GenerateRequest(prompt="a", max_tokens=1500, ignore_eos=True,
+                                                       temperature=0.0), timeout=30)
+    next(s)
+    next(s)
+    w = colo.decodes[0]
+    assert w.info().num_running == 1 and w.info().role == "colocated"
+    s.cancel()
+    assert colo.wait_idle(1.0)
+    info = colo.stub.GetModelInfo(pdserve_pb2.GetModelInfoRequest())
+    assert info.mode == "colocated" and info.num_prefill_workers == 1
+
+
+def test_no_colocated_worker_is_unavailable():
+    from router import RouterConfig, RouterServer, StaticWorkerSource
+    from proto import pdserve_pb2_grpc
+
+    r = RouterServer(RouterConfig(serve_metrics=False, mode="colocated"), StaticWorkerSource()).start()
+    try:
+        with grpc.insecure_channel(r.address) as ch:
+            with pytest.raises(grpc.RpcError) as ei:
+                collect(pdserve_pb2_grpc.PDServeStub(ch), timeout=5, prompt="a")
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "colocated" in ei.value.details()
+    finally:
+        r.stop()
