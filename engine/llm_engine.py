@@ -81,6 +81,10 @@ class LLMEngine:
         return len(self.scheduler.waiting)
 
     @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    @property
     def model(self):
         return self.runner.model
 

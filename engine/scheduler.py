@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from engine.block_manager import BlockManager
-from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -104,6 +103,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.held: dict[str, Sequence] = {}
         self.reserved: dict[str, Sequence] = {}
+        self.num_preemptions = 0
+        """Total preemptions so far (a metric, and lets tests see that preemption happened)."""
 
     # -- queues ---------------------------------------------------------------------------------
 
@@ -185,6 +186,7 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_prefill = seq.num_tokens
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
