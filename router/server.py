@@ -61,16 +61,25 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         return self._in_flight
 
     def start(self) -> "RouterServer":
+        self.bind()
+        self.load()
+        return self
+
+    def bind(self) -> str:
+        """Start the gRPC server (health NOT_SERVING until ``load`` finishes)."""
+        return self._serving.start(self._register)
+
+    def load(self) -> None:
+        """Load the tokenizer and limits, start metrics, then report SERVING."""
         from metrics import PDServeMetrics
 
-        self._serving.start(self._register)
         self.tokenizer, self.limits = load_model_view(self.cfg)
         self.metrics = PDServeMetrics(self.cfg.served_model_name, "router", "router")
         if self.cfg.serve_metrics:
             self.metrics_address, self._metrics_stop = self.metrics.serve(host=self.cfg.host, port=0)
-        self._serving.set_serving(True)
+        if not self._draining:
+            self._serving.set_serving(True)
         log.info("router on %s (%s mode)", self.address, self.cfg.mode)
-        return self
 
     def _register(self, server: grpc.Server) -> list[str]:
         pdserve_pb2_grpc.add_PDServeServicer_to_server(self, server)
