@@ -342,7 +342,8 @@ class Cluster:
             members = [m for r in POOLS for m in self._members[r]]
             if members and ray.is_initialized():
                 refs = [m.handle.stop.remote() for m in members]
-                ray.wait(refs, num_returns=len(refs), timeout=15)
+                # Bounded: `pdserve up` must exit within seconds of SIGTERM; a hung actor is killed anyway.
+                ray.wait(refs, num_returns=len(refs), timeout=5)
                 for m in members:
                     self._kill(m)
             self._members = {r: [] for r in POOLS}
