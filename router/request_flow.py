@@ -215,8 +215,7 @@ class DisaggregatedFlow:
                 if e.code not in _RETRIABLE or self._cancelled:
                     raise
                 log.warning("request %s: attempt %d failed: %s", self.rid, attempt + 1, e.message)
-        assert last is not None
-        raise last
+        raise last or FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: no attempt made")
 
     def run(self) -> Iterator[pdserve_pb2.GenerateResponse]:
         ok = False
