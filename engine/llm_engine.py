@@ -14,6 +14,7 @@ and detokenization live in ``engine.detokenizer``.
 from __future__ import annotations
 
 import logging
+import numbers
 from typing import Callable, Optional
 
 import torch
@@ -233,9 +234,10 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt_token_ids must not be empty")
         V = self.model_config.vocab_size
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < V:
+        for j, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < V:
                 raise ValueError(f"prompt_token_ids: {t!r} is not a token id in [0, {V})")
+            ids[j] = int(t)  # numpy / tensor-item ints become plain ints
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt_token_ids has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(prompt plus at least one new token)")
