@@ -16,11 +16,18 @@ min-p, typical-p, and finally the draw. Greedy rows (temperature 0) take the
 argmax after the penalties. Every step is a tensor op over the whole batch with
 per-row parameters; rows whose parameter is neutral pass through unchanged.
 
-Randomness: a draw is an exponential race, ``argmax(p / E)`` with ``E ~ Exp(1)``
-per token, which picks token j with probability ``p_j``. For a seeded request the
-noise for output token ``i`` comes from a generator seeded by ``mix(seed, i)``,
-so it depends only on ``(seed, i)`` (not on the batch, not on the process).
-Unseeded rows share the engine's generator.
+Randomness: a draw is inverse-CDF sampling with one uniform ``u`` per row
+(the first token whose cumulative probability exceeds ``u``). For a seeded
+request, ``u`` for output token ``i`` is computed from ``mix(seed, i)`` in plain
+integer arithmetic, so it depends only on ``(seed, i)``: not on the batch, the
+process, the device or torch's RNG. Unseeded rows draw ``u`` from the engine's
+generator. One number per row instead of one per vocabulary entry keeps the
+draw cheap on CPU.
+
+Filters keep every token tied with the cut-off value (a threshold compare
+instead of transformers' scatter of a sorted mask); with distinct logits the
+kept sets are identical. Top-p looks at the 256 most likely tokens first and
+sorts the whole row only when those do not reach the requested mass.
 
 Logprobs follow vLLM's default: the log-softmax of the raw model logits, before
 penalties, temperature and filters, so they describe the model, not the sampler.
@@ -48,6 +55,11 @@ def seed_for_token(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def uniform_for_token(seed: int, index: int) -> float:
+    """The uniform in [0, 1) that draws output token ``index`` of a request with ``seed``."""
+    return (seed_for_token(seed, index) >> 10) / float(1 << 53)
 
 
 @dataclass
@@ -104,13 +116,16 @@ class Sampler:
             return tokens.tolist(), self._logprobs(raw, tokens, params, want_lp)
 
         x = self._process(raw, reqs, need_penalty, need_min)
-        tokens = x.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled_rows:
-            idx = torch.tensor(sampled_rows, device=x.device)
-            probs = torch.softmax(x.index_select(0, idx), dim=-1)
-            noise = self._exponential_noise(probs, [reqs[i] for i in sampled_rows])
-            tokens = tokens.index_copy(0, idx, (probs / noise).argmax(dim=-1))
+        if len(sampled_rows) == B:  # all sampled: no row shuffling
+            tokens = self._draw(torch.softmax(x, dim=-1), reqs)
+        else:
+            tokens = x.argmax(dim=-1)
+            if sampled_rows:
+                idx = torch.tensor(sampled_rows, device=x.device)
+                probs = torch.softmax(x.index_select(0, idx), dim=-1)
+                drawn = self._draw(probs, [reqs[i] for i in sampled_rows])
+                tokens = tokens.index_copy(0, idx, drawn)
         return tokens.tolist(), self._logprobs(raw, tokens, params, want_lp)
 
     @torch.inference_mode()
@@ -132,7 +147,9 @@ class Sampler:
         if need_min:
             x = self._apply_min_tokens(x, reqs)
         sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
-        if sampled_rows:
+        if len(sampled_rows) == len(reqs):
+            x = self._warp(x, [r.params for r in reqs])
+        elif sampled_rows:
             idx = torch.tensor(sampled_rows, device=x.device)
             warped = self._warp(x.index_select(0, idx), [reqs[i].params for i in sampled_rows])
             x = x.index_copy(0, idx, warped)
@@ -182,37 +199,54 @@ class Sampler:
         temp = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
         x = x / temp
         top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
-        top_p = [p.top_p for p in params]
-        if any(k < V for k in top_k) or any(p < 1.0 for p in top_p):
-            sorted_x, sorted_idx = torch.sort(x, dim=-1, descending=False)
-            if any(k < V for k in top_k):
-                # Keep ties with the k-th largest value, as TopKLogitsWarper does.
-                kth_pos = torch.tensor([V - k for k in top_k], device=dev).unsqueeze(1)
-                kth = sorted_x.gather(1, kth_pos)
-                remove_sorted = sorted_x < kth
-                sorted_x = sorted_x.masked_fill(remove_sorted, neg_inf)
-            if any(p < 1.0 for p in top_p):
-                cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
-                tp = torch.tensor(top_p, device=dev).unsqueeze(1)
-                remove_sorted = cum <= (1 - tp)
-                remove_sorted[:, -1] = False
-                sorted_x = sorted_x.masked_fill(remove_sorted, neg_inf)
-            x = torch.empty_like(x).scatter_(1, sorted_idx, sorted_x)
+        if any(k < V for k in top_k):
+            # k-th largest value per row from one topk; ties with it are kept, as in TopKLogitsWarper.
+            vals = torch.topk(x, max(k for k in top_k if k < V), dim=-1).values
+            pos = torch.tensor([min(k, vals.shape[1]) - 1 for k in top_k], device=dev).unsqueeze(1)
+            kth = torch.where(torch.tensor(top_k, device=dev).unsqueeze(1) < V, vals.gather(1, pos),
+                              torch.full_like(pos, neg_inf, dtype=x.dtype))
+            x = x.masked_fill(x < kth, neg_inf)
+        if any(p.top_p < 1.0 for p in params):
+            x = self._top_p(x, torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1))
         if any(p.min_p > 0.0 for p in params):
             probs = torch.softmax(x, dim=-1)
             mp = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
             remove = probs < mp * probs.amax(dim=-1, keepdim=True)
             remove.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
             x = x.masked_fill(remove, neg_inf)
-        if any(p.typical_p < 1.0 for p in params):
-            x = self._typical(x, params)
+        typical_rows = [i for i, p in enumerate(params) if p.typical_p < 1.0]
+        if typical_rows:
+            idx = torch.tensor(typical_rows, device=dev)
+            mass = torch.tensor([params[i].typical_p for i in typical_rows], device=dev).unsqueeze(1)
+            x = x.index_copy(0, idx, self._typical(x.index_select(0, idx), mass))
         return x
 
     @staticmethod
-    def _typical(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        dev = x.device
-        mass = torch.tensor([p.typical_p for p in params], device=dev).unsqueeze(1)
-        active = torch.tensor([p.typical_p < 1.0 for p in params], device=dev).unsqueeze(1)
+    def _top_p(x: torch.Tensor, top_p: torch.Tensor, candidates: int = 256) -> torch.Tensor:
+        """TopPLogitsWarper: drop a token when the mass of the tokens above it reaches top_p."""
+        V = x.shape[1]
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        k = min(candidates, V)
+        vals = torch.topk(x, k, dim=-1).values          # sorted, most likely first
+        probs = (vals - lse).exp()
+        above = probs.cumsum(dim=-1) - probs             # mass strictly above each candidate
+        keep = above < top_p
+        # Resolved: the cut falls inside the candidates (or they are the whole row).
+        resolved = (~keep).any(dim=-1) | (k == V)
+        n_keep = keep.sum(dim=-1, keepdim=True).clamp_(min=1)
+        cut = vals.gather(1, n_keep - 1)
+        if not bool(resolved.all()):
+            rows = (~resolved).nonzero().squeeze(1)
+            full = torch.sort(x.index_select(0, rows), dim=-1, descending=True).values
+            fp = (full - lse.index_select(0, rows)).exp()
+            fkeep = (fp.cumsum(dim=-1) - fp) < top_p.index_select(0, rows)
+            fn = fkeep.sum(dim=-1, keepdim=True).clamp_(min=1)
+            cut = cut.index_copy(0, rows, full.gather(1, fn - 1))
+        return x.masked_fill(x < cut, float("-inf"))
+
+    @staticmethod
+    def _typical(x: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+        """TypicalLogitsWarper on rows that use it (it needs a full sort by surprise distance)."""
         normalized = torch.log_softmax(x, dim=-1)
         p = normalized.exp()
         ent = -(normalized * p).nansum(-1, keepdim=True)
@@ -220,32 +254,31 @@ class Sampler:
         sorted_scores, sorted_idx = torch.sort(shifted, dim=-1, descending=False)
         cum = x.gather(-1, sorted_idx).softmax(dim=-1).cumsum(dim=-1)
         last_ind = (cum < mass).sum(dim=1).clamp_(max=x.shape[-1] - 1)
-        remove_sorted = sorted_scores > sorted_scores.gather(1, last_ind.view(-1, 1))
-        remove_sorted[:, :1] = False
-        remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
-        # Rows with typical_p == 1 skip the filter: its cumsum can reach 1.0 early
-        # through rounding and would cut real tokens.
-        return x.masked_fill(remove & active, float("-inf"))
+        cut = sorted_scores.gather(1, last_ind.view(-1, 1))
+        # The most typical token always stays (it is <= cut by construction).
+        return x.masked_fill(shifted > cut, float("-inf"))
 
     # -- randomness and logprobs ----------------------------------------------------------------
 
-    def _exponential_noise(self, probs: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
-        n, V = probs.shape
-        noise = torch.empty_like(probs)
+    def _draw(self, probs: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
+        """Inverse-CDF draw, one uniform per row (seeded rows: a function of (seed, index) only)."""
+        n = probs.shape[0]
+        u = [0.0] * n
         unseeded = [i for i, r in enumerate(reqs) if r.params.seed is None]
         if unseeded:
             gen = reqs[unseeded[0]].generator or reqs[unseeded[0]].generator_fallback or self.generator
-            q = torch.empty((len(unseeded), V), device=gen.device).exponential_(generator=gen)
-            noise[torch.tensor(unseeded, device=probs.device)] = q.to(probs.device)
+            draws = torch.rand(len(unseeded), generator=gen, device=gen.device, dtype=torch.float64).tolist()
+            for i, v in zip(unseeded, draws):
+                u[i] = v
         for i, r in enumerate(reqs):
-            if r.params.seed is None:
-                continue
-            # A fresh generator per (seed, token index): the only state a seeded draw has.
-            g = torch.Generator(device=probs.device)
-            g.manual_seed(seed_for_token(r.params.seed, len(r.output_token_ids)))
-            noise[i].exponential_(generator=g)
-        # A zero draw would turn p/E into inf or nan (nan wins argmax); keep E > 0.
-        return noise.clamp_min_(1e-30)
+            if r.params.seed is not None:
+                u[i] = uniform_for_token(r.params.seed, len(r.output_token_ids))
+        # float64 cumsum: boundaries within 1e-12 of where exact arithmetic puts them, so
+        # the same u picks the same token on any device.
+        cdf = probs.double().cumsum(dim=-1)
+        target = torch.tensor(u, dtype=torch.float64, device=probs.device).unsqueeze(1) * cdf[:, -1:]
+        # right=True: first index whose cdf exceeds target, which always has p > 0.
+        return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
     @staticmethod
     def _counts(seqs: list[list[int]], B: int, V: int, dev: torch.device) -> torch.Tensor:

@@ -235,3 +235,23 @@ def test_bad_logits_shape_raises():
         Sampler(V).sample(torch.zeros(1, V - 1), [req(SamplingParams())])
     with pytest.raises(ValueError, match="vocab_size"):
         Sampler(0)
+
+
+def test_top_p_on_flat_rows_beyond_the_candidate_window():
+    # Rows 0-1 are nearly flat over 1000 tokens, so the 256 most likely tokens hold less
+    # than top_p and the full-sort path runs; rows 2-3 are peaked (resolved in the window).
+    v = 1000
+    g = torch.Generator().manual_seed(8)
+    logits = torch.cat([torch.randn(2, v, generator=g) * 0.1, torch.randn(2, v, generator=g) * 6])
+    s = Sampler(v)
+    for top_k in (0, 600):
+        params = SamplingParams(temperature=0.9, top_p=0.85, top_k=top_k)
+        ours = s.processed_logits(logits, [req(params) for _ in range(4)])
+        ref = TemperatureLogitsWarper(0.9)(None, logits.clone())
+        if top_k:
+            ref = TopKLogitsWarper(top_k)(None, ref)
+        ref = TopPLogitsWarper(0.85)(None, ref)
+        same_distribution(ours, ref)
+        kept = torch.isfinite(ref).sum(-1)
+        assert (kept[:2] > 256).all() and (kept[2:] < 256).all()
+
