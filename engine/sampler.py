@@ -46,7 +46,7 @@ _MASK64 = (1 << 64) - 1
 
 
 def seed_for_token(seed: int, index: int) -> int:
-    """A 63-bit generator seed that depends only on (request seed, output token index).
+    """A 63-bit hash that depends only on (request seed, output token index).
 
     splitmix64 finaliser over both inputs: neighbouring seeds and indices give
     unrelated streams (seeding torch directly with seed + i would correlate them).
@@ -282,19 +282,17 @@ class Sampler:
 
     @staticmethod
     def _counts(seqs: list[list[int]], B: int, V: int, dev: torch.device) -> torch.Tensor:
-        """[B, V] float counts of each token id in each row's sequence (one scatter_add)."""
-        counts = torch.zeros((B, V + 1), device=dev)
-        max_len = max((len(s) for s in seqs), default=0)
-        if max_len == 0:
-            return counts[:, :V]
-        # Pad with V (a dump column dropped below) so one scatter covers ragged rows.
-        padded = torch.full((B, max_len), V, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            if s:
-                t = torch.tensor(s, dtype=torch.long)
-                padded[i, : len(s)] = t.clamp_(0, V)
-        counts.scatter_add_(1, padded.to(dev), torch.ones((B, max_len), device=dev))
-        return counts[:, :V]
+        """[B, V] float counts of each token id in each row's sequence (one accumulate)."""
+        counts = torch.zeros((B, V), device=dev)
+        lens = [len(q) for q in seqs]
+        if sum(lens) == 0:
+            return counts
+        flat = torch.tensor([t for q in seqs for t in q], dtype=torch.long)
+        rows = torch.repeat_interleave(torch.arange(B), torch.tensor(lens))
+        valid = (flat >= 0) & (flat < V)  # ids outside the vocabulary can't be penalised
+        flat, rows = flat[valid], rows[valid]
+        counts.index_put_((rows.to(dev), flat.to(dev)), torch.ones(len(flat), device=dev), accumulate=True)
+        return counts
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams],
