@@ -36,6 +36,8 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="tiny", help="tiny | bench | path to a Hugging Face model dir (default tiny)")
     p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
+    p.add_argument("--colocated", type=int, default=0, metavar="K",
+                   help="run K colocated workers instead of prefill/decode pools (the baseline)")
     p.add_argument("--host", default="127.0.0.1", help="router bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="router port, 0 = free port (default 50051)")
     p.add_argument("--redis-url", default=None, help="external Redis (default: a private embedded one)")
@@ -80,6 +82,8 @@ def _check_up_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--prefill must be >= 0, got {args.prefill}")
     if args.decode < 0:
         raise ValueError(f"--decode must be >= 0, got {args.decode}")
+    if args.colocated < 0:
+        raise ValueError(f"--colocated must be >= 0, got {args.colocated}")
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.model not in BUILTIN_MODELS and not os.path.isdir(args.model):
@@ -120,7 +124,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         engine_overrides["num_kv_blocks"] = args.num_kv_blocks
     if args.max_num_seqs is not None:
         engine_overrides["max_num_seqs"] = args.max_num_seqs
+    if args.colocated:  # one mode per router: colocated replaces the two pools
+        args.prefill = args.decode = 0
     cfg = ClusterConfig(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
+                        num_colocated=args.colocated,
                         router_host=args.host, router_port=args.port, redis_url=args.redis_url,
                         ray_address=args.address, namespace=args.namespace,
                         cpus_per_worker=args.cpus_per_worker, engine_overrides=engine_overrides)
@@ -160,7 +167,9 @@ def _print_endpoints(cluster) -> None:
     for name, addr in sorted(cluster.metrics_addresses().items()):
         lines.append(f"  metrics  {name:<12} http://{addr}/metrics")
     lines.append(f"  redis    {cluster.redis_url}  namespace {cluster.namespace}")
-    lines.append(f"  workers  prefill={len(cluster.worker_ids('prefill'))} decode={len(cluster.worker_ids('decode'))}")
+    pools = " ".join(f"{r}={len(cluster.worker_ids(r))}" for r in ("prefill", "decode", "colocated")
+                     if cluster.worker_ids(r))
+    lines.append(f"  workers  {pools} ({cluster.config.mode})")
     print("\n".join(lines), flush=True)
 
 

