@@ -40,6 +40,11 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        # The window must start on a character boundary: a leading partial character
+        # decodes to U+FFFD and (with byte fallback) can swallow the space a decoder
+        # would otherwise keep, so drop tokens until it decodes cleanly.
+        while context and self._decode(context).startswith(_REPLACEMENT):
+            context = context[1:]
         # A prompt that ends inside a character would leave U+FFFD in the prefix and
         # make every later diff wrong; start from an empty window instead.
         if context and self._decode(context).endswith(_REPLACEMENT):

@@ -60,6 +60,45 @@ def test_prompt_ending_mid_character(tok):
         assert out == tok.decode(ids[cut:])
 
 
+def sentencepiece_style() -> Tokenizer:
+    """A Llama-2-like tokenizer: Metaspace-style normaliser, byte fallback, decoder strips one leading space."""
+    import json
+
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, normalizers, trainers
+
+    t = RustTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    t.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    t.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                   decoders.Strip(" ", 1, 0)])
+    t.train_from_iterator(["hello world this is a test of the sentencepiece style tokenizer"] * 10,
+                          trainer=trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"],
+                                                      show_progress=False))
+    spec = json.loads(t.to_str())
+    for b in range(256):  # byte-fallback pieces are ordinary vocabulary entries, as in Llama's
+        spec["model"]["vocab"].setdefault(f"<0x{b:02X}>", len(spec["model"]["vocab"]))
+    return Tokenizer(RustTokenizer.from_str(json.dumps(spec)), {"bos_token": "<s>", "eos_token": "</s>"})
+
+
+def test_sentencepiece_leading_space_and_byte_fallback():
+    tok = sentencepiece_style()
+    text = "hello 世界 world 🙂 this is a test"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok.convert_ids_to_tokens(i).startswith("<0x") for i in ids)  # byte fallback in play
+    checked = 0
+    for cut in range(1, len(ids)):
+        prompt_text = tok.decode(ids[:cut])
+        if prompt_text.endswith("\ufffd"):
+            continue
+        # What the user sees after the prompt: the full text minus the prompt's text, so the
+        # space the decoder strips at the start of a sequence is kept between the two.
+        expected = tok.decode(ids)[len(prompt_text):]
+        deltas = stream(tok, ids[cut:], prompt=ids[:cut])
+        assert "".join(deltas) == expected
+        checked += 1
+    assert checked >= 5
+
+
 def feed(proc, ids, finish_at_end="length"):
     deltas = []
     for j, t in enumerate(ids):
