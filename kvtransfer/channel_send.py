@@ -1,0 +1,226 @@
+"""The sending end of a pair channel (rank 0): frames out, acknowledgements in.
+
+Lifecycle: ``KVEndpoint.send`` registers a transfer here; each ``layer_ready``
+queues a data frame for that layer (``all_layers_ready`` one frame for the
+rest), in the order the producer finishes them, whatever the request. The
+channel thread takes frames in order, builds the pair on first need, sends the
+header then the payload in chunks (gathering chunk i+1 from the source blocks
+while chunk i is on the wire), and marks the frame that completes a transfer
+as its last. The generation's ack thread listens for the receiver's one answer
+per transfer: DONE on success, FAILED with the receiver's reason otherwise.
+
+Failure: past its deadline a transfer fails here; if its frame is on the wire
+at that moment the receiver is not taking bytes, so the pair is broken; if it
+had started but is between frames an abort frame tells the receiver at once.
+A transfer whose very first frame hit a broken pair is retried on the next
+generation (the receiver cannot have placed any of it).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from kvtransfer.channel import BACKSTOP_S, IDLE_WAIT_S, PairChannel
+from kvtransfer.layout import FramePlan, direct_view, gather
+from kvtransfer.transfer import Transfer, TransferState
+from kvtransfer.transport import PairBroken, PairGroup
+from kvtransfer.wire import (ACK_BYTES, ACK_OK, FLAG_LAST, HEADER_BYTES, KIND_ABORT, KIND_DATA, Ack,
+                             FrameHeader, FramingError, dtype_code)
+
+ACK_GRACE_S = 1.0
+"""How long past a transfer's deadline its acknowledgement may still come before the pair is declared hung."""
+
+
+class SendChannel(PairChannel):
+    """One ordered sender -> receiver channel, sender side."""
+
+    rank = 0
+    role = "send"
+
+    def __init__(self, ep, peer: str):
+        self.queue: deque[tuple[str, Transfer, int, int, bool]] = deque()
+        self.live: dict[int, Transfer] = {}
+        self.unacked: dict[int, Transfer] = {}
+        self.current_t: Transfer | None = None
+        self._hdr = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        self._staging: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2
+        super().__init__(ep, peer)
+
+    # -- called by the endpoint, under its lock --------------------------------------------------
+    def add(self, t: Transfer) -> None:
+        self.live[t.transfer_id] = t
+
+    def enqueue(self, t: Transfer, lo: int, hi: int, last: bool) -> None:
+        self.queue.append(("data", t, lo, hi, last))
+        self.cond.notify_all()
+
+    def expire(self, t: Transfer, reason: str) -> str | None:
+        """Fail ``t`` (deadline or cancel); returns a reason to break the pair, if it must be."""
+        if not t.fail(reason):
+            return None
+        if self.current_t is t:
+            return f"receiver {self.peer!r} did not take {t.request_id!r}'s bytes in time"
+        if t.started and t.started_gen == self.gen and not t.last_sent:
+            self.queue.append(("abort", t, 0, 0, True))
+            self.cond.notify_all()
+        return None
+
+    # -- threads ---------------------------------------------------------------------------------
+    def _main(self) -> None:
+        while True:
+            with self.cond:
+                while self.closed is None and not self.queue:
+                    self.cond.wait()
+                if self.closed is not None:
+                    return
+                item = self.queue[0]
+                kind, t, lo, hi, last = item
+                group, gen = self.group, self.gen
+                if kind == "data" and t.final:
+                    # a failed transfer sends no more data; one abort frame if the receiver saw some
+                    if t.started and t.started_gen == gen and group is not None and not t.last_sent:
+                        kind, last = "abort", True
+                    else:
+                        self.queue.popleft()
+                        continue
+                if kind == "abort" and (t.last_sent or t.started_gen != gen or group is None):
+                    self.queue.popleft()
+                    continue
+                if group is None:
+                    pending = [x[1].deadline for x in self.queue if not x[1].final]
+                    deadline = max(pending, default=0.0)
+            if group is None:
+                if not self._build(deadline):
+                    with self.cond:
+                        self.cond.wait(0.02)
+                continue
+            first = False
+            with self.cond:
+                if kind == "data" and not t.started:
+                    first = True
+                    t.started, t.started_gen = True, gen
+                    t.state = TransferState.TRANSFERRING
+                    self.unacked[t.transfer_id] = t
+                self.current_t = t
+            try:
+                self._send_frame(group, kind, t, lo, hi, last)
+            except PairBroken as e:
+                with self.cond:
+                    self.current_t = None
+                    if first and not t.final:
+                        # never fully seen by this receiver generation: retry it on the next one
+                        t.started = False
+                        t.state = TransferState.PENDING
+                        self.unacked.pop(t.transfer_id, None)
+                self.break_pair(gen, f"send failed: {e}")
+                continue
+            with self.cond:
+                self.current_t = None
+                if self.queue and self.queue[0] is item:
+                    self.queue.popleft()
+                if last:
+                    t.last_sent = True
+                if kind == "data":
+                    t.layers_done.update(range(lo, hi))
+
+    def _buf(self, i: int, nbytes: int) -> torch.Tensor:
+        if self._staging[i].numel() < nbytes:
+            self._staging[i] = torch.empty(nbytes, dtype=torch.uint8)
+        return self._staging[i][:nbytes]
+
+    def _send_frame(self, group: PairGroup, kind: str, t: Transfer, lo: int, hi: int, last: bool) -> None:
+        timeout = max(t.deadline - time.monotonic(), 0.0) + BACKSTOP_S
+        if kind == "abort":
+            hdr = FrameHeader(KIND_ABORT, t.transfer_id, t.request_id, flags=FLAG_LAST)
+            group.isend(hdr.pack(self._hdr), 0).wait(timeout)
+            return
+        lay = t.layout
+        plan = FramePlan(lay, t.tokens.num_tokens, lo, hi, self.ep.chunk_bytes)
+        hdr = FrameHeader(KIND_DATA, t.transfer_id, t.request_id, lo, hi, lay.num_layers, t.tokens.num_tokens,
+                          lay.num_kv_heads, lay.head_dim, dtype_code(lay.dtype), plan.chunk_bytes,
+                          plan.payload_nbytes, FLAG_LAST if last else 0)
+        head_op = group.isend(hdr.pack(self._hdr), 0)
+        inflight: deque = deque()
+        for i in range(plan.num_chunks):
+            if len(inflight) == 2:
+                # the oldest send used staging buffer i % 2: it must be done before we refill it
+                inflight.popleft().wait(timeout)
+            segs = plan.chunk_segments(i)
+            view = direct_view(t.kv_caches, t.tokens, segs)
+            if view is None:
+                view = gather(t.kv_caches, t.tokens, segs, self._buf(i % 2, plan.chunk_bytes))
+            inflight.append(group.isend(view, 0))
+            with self.cond:
+                t.mark_wire(view.numel())
+        head_op.wait(timeout)
+        while inflight:
+            inflight.popleft().wait(timeout)
+
+    def _gen_main(self, group: PairGroup, gen: int) -> None:
+        """Ack listener of one generation: one answer per transfer that put a frame on it."""
+        buf = torch.empty(ACK_BYTES, dtype=torch.uint8)
+        while True:
+            with self.cond:
+                if self.gen != gen or self.closed is not None:
+                    return
+            try:
+                group.irecv(buf, 1).wait(IDLE_WAIT_S)
+                ack = Ack.unpack(buf)
+            except (PairBroken, FramingError) as e:
+                self.break_pair(gen, f"ack receive failed: {e}")
+                return
+            with self.cond:
+                t = self.unacked.pop(ack.transfer_id, None)
+                if t is None:
+                    continue
+                if ack.status == ACK_OK:
+                    changed = t.complete()
+                else:
+                    changed = t.fail(f"rejected by receiver {self.peer!r}: {ack.reason}")
+                    if changed and not t.last_sent:
+                        self.queue.append(("abort", t, 0, 0, True))
+                        self.cond.notify_all()
+                self.live.pop(t.transfer_id, None)
+            if changed:
+                self.ep._finished(t)
+
+    # -- failure hooks ---------------------------------------------------------------------------
+    def _on_break_locked(self, reason: str) -> list:
+        failed = [t for t in self.unacked.values() if t.fail(reason)]
+        self.unacked.clear()
+        for t in failed:
+            self.live.pop(t.transfer_id, None)
+        return failed
+
+    def _on_close_locked(self, reason: str) -> list:
+        failed = [t for t in self.live.values() if t.fail(reason)]
+        self.live.clear()
+        self.unacked.clear()
+        self.queue.clear()
+        return failed
+
+    def reap(self, now: float) -> None:
+        breaks: list[tuple[int, str]] = []
+        failed: list[Transfer] = []
+        with self.cond:
+            for tid, t in list(self.live.items()):
+                if t.final:
+                    if tid not in self.unacked:
+                        del self.live[tid]
+                    continue
+                if now >= t.deadline:
+                    why = self.expire(t, f"deadline exceeded after {t.timeout_s:.3f} s "
+                                         f"({len(t.layers_done)}/{t.layout.num_layers} layers sent to {self.peer!r})")
+                    failed.append(t)
+                    if why:
+                        breaks.append((self.gen, why))
+            for t in self.unacked.values():
+                if now > t.deadline + ACK_GRACE_S:
+                    breaks.append((self.gen, f"no acknowledgement from {self.peer!r} for {t.request_id!r}"))
+                    break
+        for t in failed:
+            self.ep._finished(t)
+        for gen, why in breaks:
+            self.break_pair(gen, why)

@@ -1,0 +1,176 @@
+"""Paged KV cache layout: validation, and the token-level gather/scatter of frames.
+
+Lifecycle: ``CacheLayout.of`` validates an engine's ``kv_caches`` when a send or
+receive is submitted; ``TokenRows`` maps token positions ``0..num_tokens-1`` to
+rows of a layer's flattened ``[num_blocks * block_size, heads, head_dim]`` cache
+through the transfer's block ids; ``FramePlan`` cuts one frame's payload (layers
+``lo..hi-1``, K then V, token-major) into chunks that the channel threads gather
+into (sender) or scatter out of (receiver). Because the payload is addressed by
+token, not by block, the two sides may use different block sizes.
+
+Chunks whose rows are contiguous in the cache are sent from (or received into)
+the cache itself, skipping the staging copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Shape facts of one side's paged KV cache."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's K (or V) in one layer."""
+        return self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @classmethod
+    def of(cls, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> "CacheLayout":
+        """Validate the engine's per-layer (k, v) caches; ValueError naming kv_caches otherwise."""
+        if not isinstance(kv_caches, (list, tuple)) or len(kv_caches) == 0:
+            raise ValueError("kv_caches must be a non-empty list of (k, v) tensor pairs per layer")
+        first = None
+        for i, pair in enumerate(kv_caches):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise ValueError(f"kv_caches[{i}] must be a (k, v) pair")
+            for name, t in zip("kv", pair):
+                if not isinstance(t, torch.Tensor):
+                    raise ValueError(f"kv_caches[{i}].{name} must be a torch.Tensor")
+                if t.dim() != 4:
+                    raise ValueError(f"kv_caches[{i}].{name} must be [num_blocks, block_size, "
+                                     f"num_kv_heads, head_dim], got shape {tuple(t.shape)}")
+                if not t.is_contiguous():
+                    raise ValueError(f"kv_caches[{i}].{name} must be contiguous")
+                if first is None:
+                    first = t
+                elif t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                    raise ValueError(f"kv_caches[{i}].{name} is {tuple(t.shape)} {t.dtype} on {t.device}, "
+                                     f"but kv_caches[0].k is {tuple(first.shape)} {first.dtype} on {first.device}")
+        assert first is not None
+        nb, bs, nh, hd = first.shape
+        if min(nb, bs, nh, hd) <= 0:
+            raise ValueError(f"kv_caches tensors must have no empty dimension, got {tuple(first.shape)}")
+        return cls(len(kv_caches), nb, bs, nh, hd, first.dtype, first.device)
+
+
+class TokenRows:
+    """Flat cache row of every token position of one transfer, on one side."""
+
+    def __init__(self, layout: CacheLayout, block_ids: Sequence[int], num_tokens: int, field: str):
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
+            raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        try:
+            ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"{field} must be a sequence of ints") from None
+        needed = -(-num_tokens // layout.block_size)
+        if ids.numel() < needed:
+            raise ValueError(f"{field} has {ids.numel()} blocks of {layout.block_size} tokens, "
+                             f"too few for num_tokens={num_tokens}")
+        ids = ids[:needed]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= layout.num_blocks):
+            raise ValueError(f"{field} must be in [0, {layout.num_blocks}), got {ids.tolist()}")
+        if torch.unique(ids).numel() != ids.numel():
+            raise ValueError(f"{field} must not repeat a block, got {ids.tolist()}")
+        pos = torch.arange(num_tokens, dtype=torch.int64)
+        self.rows = ids[pos // layout.block_size] * layout.block_size + pos % layout.block_size
+        # run id of each row: rows [a, b) are contiguous in memory iff run[a] == run[b-1]
+        step = torch.ones(num_tokens, dtype=torch.int64)
+        step[1:] = (self.rows[1:] - self.rows[:-1] != 1).to(torch.int64)
+        self.run = torch.cumsum(step, 0)
+        self.num_tokens = num_tokens
+
+    def contiguous(self, a: int, b: int) -> bool:
+        """True when token rows a..b-1 are one contiguous stretch of the cache."""
+        return bool(self.run[a] == self.run[b - 1])
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of one frame chunk that lies in one layer's K or V."""
+
+    layer: int
+    kv: int
+    """0 for K, 1 for V."""
+    tok_lo: int
+    tok_hi: int
+
+
+class FramePlan:
+    """Chunking of a frame's payload: layers lo..hi-1, each K rows then V rows."""
+
+    def __init__(self, layout: CacheLayout, num_tokens: int, layer_lo: int, layer_hi: int, chunk_bytes: int):
+        self.row_bytes = layout.row_bytes
+        self.num_tokens = num_tokens
+        self.layer_lo, self.layer_hi = layer_lo, layer_hi
+        self.total_rows = (layer_hi - layer_lo) * 2 * num_tokens
+        self.rows_per_chunk = max(1, chunk_bytes // self.row_bytes)
+        self.chunk_bytes = self.rows_per_chunk * self.row_bytes
+        self.payload_nbytes = self.total_rows * self.row_bytes
+
+    def chunk_segments(self, i: int) -> list[Segment]:
+        """The (layer, K|V, token range) pieces making up chunk i, in payload order."""
+        r = i * self.rows_per_chunk
+        end = min(r + self.rows_per_chunk, self.total_rows)
+        out = []
+        while r < end:
+            seg, tok = divmod(r, self.num_tokens)
+            take = min(end - r, self.num_tokens - tok)
+            out.append(Segment(self.layer_lo + seg // 2, seg % 2, tok, tok + take))
+            r += take
+        return out
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.total_rows // self.rows_per_chunk)
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    """A layer's cache as [num_blocks * block_size, heads, head_dim] (a view)."""
+    return t.view(t.shape[0] * t.shape[1], t.shape[2], t.shape[3])
+
+
+def direct_view(kv_caches, tokens: TokenRows, segs: list[Segment]) -> torch.Tensor | None:
+    """The cache bytes of a single-segment contiguous chunk, as a uint8 view; else None."""
+    if len(segs) != 1:
+        return None
+    s = segs[0]
+    if not tokens.contiguous(s.tok_lo, s.tok_hi):
+        return None
+    start = int(tokens.rows[s.tok_lo])
+    return flat(kv_caches[s.layer][s.kv])[start:start + s.tok_hi - s.tok_lo].reshape(-1).view(torch.uint8)
+
+
+def gather(kv_caches, tokens: TokenRows, segs: list[Segment], out: torch.Tensor) -> torch.Tensor:
+    """Copy a chunk's rows from the cache into the uint8 staging buffer ``out``; returns the filled part."""
+    t0 = kv_caches[0][0]
+    rows = out.view(t0.dtype).view(-1, t0.shape[2], t0.shape[3])
+    n = 0
+    for s in segs:
+        k = s.tok_hi - s.tok_lo
+        torch.index_select(flat(kv_caches[s.layer][s.kv]), 0, tokens.rows[s.tok_lo:s.tok_hi], out=rows[n:n + k])
+        n += k
+    return out[: n * t0.shape[2] * t0.shape[3] * t0.element_size()]
+
+
+def scatter(kv_caches, tokens: TokenRows, segs: list[Segment], buf: torch.Tensor) -> None:
+    """Copy a received chunk (uint8 ``buf``) into the cache rows of its tokens."""
+    t0 = kv_caches[0][0]
+    rows = buf.view(t0.dtype).view(-1, t0.shape[2], t0.shape[3])
+    n = 0
+    for s in segs:
+        k = s.tok_hi - s.tok_lo
+        flat(kv_caches[s.layer][s.kv]).index_copy_(0, tokens.rows[s.tok_lo:s.tok_hi], rows[n:n + k])
+        n += k

@@ -1,0 +1,76 @@
+"""Pair rendezvous through the key-value store: who builds which group, under which prefix.
+
+Lifecycle: each endpoint publishes its incarnation (a random id per process
+start) under ``inc/<name>`` when it starts, so a worker restarted under the
+same name is a new incarnation. To build a pair the sender (rank 0) reads the
+receiver's current incarnation, picks a fresh group key
+``<sender>.<inc>><receiver>.<inc>.<n>`` and publishes it as the pair's offer;
+the receiver (rank 1) accepts the offer only if it names its own incarnation
+and differs from the last key it used. Both then build the group under
+``pg/<key>``, so a rebuilt pair never reads a stale rendezvous, and an offer
+meant for a dead incarnation is never accepted by its successor.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Callable
+
+import torch.distributed as dist
+
+
+class RendezvousTimeout(RuntimeError):
+    """The peer did not show up in the store in time."""
+
+
+class Rendezvous:
+    """One endpoint's view of the store: its incarnation, and offers to and from peers."""
+
+    def __init__(self, store: dist.Store, namespace: str, name: str):
+        self.store = dist.PrefixStore(namespace, store)
+        self.hub = getattr(store, "hub", None)  # only an InprocStore has one
+        self.name = name
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.store.set(f"inc/{name}", self.incarnation)
+
+    def _poll(self, fn: Callable[[], str | None], timeout_s: float, what: str,
+              stop: Callable[[], bool]) -> str:
+        deadline = time.monotonic() + timeout_s
+        pause = 0.0005
+        while True:
+            got = fn()
+            if got is not None:
+                return got
+            if stop():
+                raise RendezvousTimeout(f"stopped while waiting for {what}")
+            if time.monotonic() >= deadline:
+                raise RendezvousTimeout(f"{what} did not appear within {timeout_s:.2f} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+    def _get(self, key: str) -> str | None:
+        # check first: a plain get blocks until the store's own timeout
+        if not self.store.check([key]):
+            return None
+        return self.store.get(key).decode()
+
+    def offer(self, receiver: str, n: int, timeout_s: float, stop: Callable[[], bool]) -> str:
+        """Sender side: publish a fresh group key for (self -> receiver); returns the group prefix."""
+        inc_r = self._poll(lambda: self._get(f"inc/{receiver}"), timeout_s,
+                           f"kv endpoint {receiver!r}", stop)
+        key = f"{self.name}.{self.incarnation}>{receiver}.{inc_r}.{n}"
+        self.store.set(f"offer/{self.name}>{receiver}", key)
+        return key
+
+    def accept(self, sender: str, last_key: str | None, timeout_s: float, stop: Callable[[], bool]) -> str:
+        """Receiver side: wait for a new offer from ``sender`` to this incarnation; returns its key."""
+        mine = f">{self.name}.{self.incarnation}."
+
+        def fresh() -> str | None:
+            key = self._get(f"offer/{sender}>{self.name}")
+            return key if key is not None and mine in key and key != last_key else None
+        return self._poll(fresh, timeout_s, f"a pair offer from {sender!r}", stop)
+
+    def group_store(self, key: str) -> tuple[dist.Store, str]:
+        """The (store, prefix) the pair group for ``key`` is built on."""
+        return self.store, f"pg/{key}"

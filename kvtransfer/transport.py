@@ -1,0 +1,234 @@
+"""Two-rank pair groups chosen by backend name: gloo, nccl, inproc.
+
+Lifecycle: a channel thread calls ``open_pair(backend, store, prefix, rank,
+timeout_s)`` once the rendezvous (rendezvous.py) has agreed on a fresh
+``prefix``; it blocks until the peer joins or ``timeout_s`` passes. The group
+then carries tagged point-to-point messages: ``isend``/``irecv`` return an op
+whose ``wait(timeout_s)`` blocks at most that long. Any error or timeout means
+the pair is broken (gloo closes the connection on a timed-out wait, which the
+peer sees at once): the channel drops the group with ``close()`` and builds a
+new one under a new prefix on next use.
+
+The groups are constructed directly (``ProcessGroupGloo(store, rank, 2, ...)``)
+rather than through ``init_process_group``, so a process holds any number of
+them and no process-wide default group exists.
+"""
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from typing import Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+
+KILL_TAG = 0x7FFF  # never sent on; a timed-out receive on it closes the pair
+
+
+class PairBroken(RuntimeError):
+    """The pair group failed (peer gone, timeout, closed); it must be rebuilt."""
+
+
+class PairOp(Protocol):
+    def wait(self, timeout_s: float) -> None: ...
+
+
+class PairGroup(Protocol):
+    """A connected two-rank group: rank 0 sends KV, rank 1 receives it."""
+
+    def isend(self, t: torch.Tensor, tag: int) -> PairOp: ...
+    def irecv(self, t: torch.Tensor, tag: int) -> PairOp: ...
+    def close(self) -> None: ...
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    # gloo treats 0 as "use the default"; keep at least a millisecond
+    return datetime.timedelta(seconds=max(seconds, 0.001))
+
+
+class _TorchOp:
+    def __init__(self, work, sync: Callable[[], None] | None = None):
+        self._work, self._sync = work, sync
+
+    def wait(self, timeout_s: float) -> None:
+        try:
+            self._work.wait(_td(timeout_s))
+            if self._sync is not None:
+                self._sync()
+        except RuntimeError as e:
+            raise PairBroken(str(e).splitlines()[0][:300]) from None
+
+
+class TorchPair:
+    """A ``torch.distributed`` ProcessGroup of size two, used for tagged p2p only."""
+
+    def __init__(self, pg, rank: int, cuda: bool):
+        self._pg, self._peer, self._cuda = pg, 1 - rank, cuda
+
+    def _live(self):
+        if self._pg is None:
+            raise PairBroken("pair closed")
+        return self._pg
+
+    def isend(self, t: torch.Tensor, tag: int) -> PairOp:
+        try:
+            return _TorchOp(self._live().send([t], self._peer, tag), self._sync)
+        except RuntimeError as e:
+            raise PairBroken(str(e).splitlines()[0][:300]) from None
+
+    def irecv(self, t: torch.Tensor, tag: int) -> PairOp:
+        try:
+            return _TorchOp(self._live().recv([t], self._peer, tag), self._sync)
+        except RuntimeError as e:
+            raise PairBroken(str(e).splitlines()[0][:300]) from None
+
+    @property
+    def _sync(self) -> Callable[[], None] | None:
+        # NCCL work completes on the GPU stream; callers read the bytes on the host side
+        return torch.cuda.current_stream().synchronize if self._cuda else None
+
+    def close(self) -> None:
+        """Break the pair now: wakes every thread blocked on it here, and the peer sees EOF.
+
+        ``pg.abort()`` neither wakes blocked gloo waits nor closes the sockets; a wait that
+        times out does both (gloo closes the pair on an application timeout), so time out a
+        receive on a tag no one sends on.
+        """
+        pg, self._pg = self._pg, None
+        if pg is None:
+            return
+        try:
+            pg.recv([torch.empty(1, dtype=torch.uint8)], self._peer, KILL_TAG).wait(_td(0.001))
+        except RuntimeError:
+            pass  # expected: that is the closure
+        if self._cuda:
+            try:
+                pg.abort()
+            except RuntimeError:
+                pass
+
+
+def _open_gloo(store: dist.Store, rank: int, timeout_s: float) -> TorchPair:
+    pg = dist.ProcessGroupGloo(store, rank, 2, _td(timeout_s))
+    return TorchPair(pg, rank, cuda=False)
+
+
+def _open_nccl(store: dist.Store, rank: int, timeout_s: float) -> TorchPair:
+    # Not exercised on this CPU-only project machine; same protocol as gloo on CUDA tensors.
+    if not torch.cuda.is_available():
+        raise PairBroken("backend 'nccl' needs CUDA, and none is available")
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = _td(timeout_s)
+    pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
+    return TorchPair(pg, rank, cuda=True)
+
+
+class _Mailbox:
+    """One direction of an in-process pair: tagged FIFO queues of tensor copies."""
+
+    def __init__(self):
+        self._qs: dict[int, queue.Queue] = {}
+        self._lock = threading.Lock()
+        self.closed: str | None = None
+
+    def q(self, tag: int) -> queue.Queue:
+        with self._lock:
+            return self._qs.setdefault(tag, queue.Queue())
+
+
+class _InprocOp:
+    def __init__(self, fn: Callable[[float], None]):
+        self._fn = fn
+
+    def wait(self, timeout_s: float) -> None:
+        self._fn(timeout_s)
+
+
+class InprocPair:
+    """Same-process pair over queues: for unit tests of the layers above transports."""
+
+    def __init__(self, out_box: _Mailbox, in_box: _Mailbox):
+        self._out, self._in = out_box, in_box
+
+    def _check(self) -> None:
+        for box in (self._out, self._in):
+            if box.closed:
+                raise PairBroken(box.closed)
+
+    def isend(self, t: torch.Tensor, tag: int) -> PairOp:
+        self._check()
+        self._out.q(tag).put(t.clone())
+        return _InprocOp(lambda timeout_s: self._check())
+
+    def irecv(self, t: torch.Tensor, tag: int) -> PairOp:
+        self._check()
+
+        def wait(timeout_s: float) -> None:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                self._check()
+                try:
+                    got = self._in.q(tag).get(timeout=min(0.02, max(deadline - time.monotonic(), 0.0)))
+                    break
+                except queue.Empty:
+                    if time.monotonic() >= deadline:
+                        self.close("timed out waiting for recv")
+                        raise PairBroken(f"timed out after {timeout_s:.3f} s waiting for recv") from None
+            if got.numel() != t.numel() or got.dtype != t.dtype:
+                self.close("message size mismatch")
+                raise PairBroken(f"message of {got.numel()} {got.dtype} into buffer of {t.numel()} {t.dtype}")
+            t.copy_(got)
+        return _InprocOp(wait)
+
+    def close(self, reason: str = "pair closed") -> None:
+        for box in (self._out, self._in):
+            if box.closed is None:
+                box.closed = reason
+
+
+class InprocHub:
+    """Where in-process pairs meet; lives on an ``InprocStore`` shared by the endpoints."""
+
+    def __init__(self):
+        self._lock = threading.Condition()
+        self._pairs: dict[str, tuple[_Mailbox, _Mailbox, set[int]]] = {}
+
+    def connect(self, prefix: str, rank: int, timeout_s: float) -> InprocPair:
+        with self._lock:
+            boxes = self._pairs.setdefault(prefix, (_Mailbox(), _Mailbox(), set()))
+            boxes[2].add(rank)
+            self._lock.notify_all()
+            if not self._lock.wait_for(lambda: len(boxes[2]) == 2, timeout=timeout_s):
+                boxes[2].discard(rank)
+                raise PairBroken(f"peer did not join pair {prefix!r} within {timeout_s:.3f} s")
+            self._pairs.pop(prefix, None) if rank == 1 else None
+        to_one, to_zero = boxes[0], boxes[1]
+        return InprocPair(to_one, to_zero) if rank == 0 else InprocPair(to_zero, to_one)
+
+
+BACKENDS = ("gloo", "nccl", "inproc")
+
+
+def open_pair(backend: str, store: dist.Store, prefix: str, rank: int, timeout_s: float,
+              hub: InprocHub | None = None) -> PairGroup:
+    """Build the pair group for ``prefix`` as ``rank`` (0 sender, 1 receiver); PairBroken on failure.
+
+    ``hub`` is the inproc backend's meeting place (``InprocStore.hub``); other backends ignore it.
+    """
+    try:
+        if backend == "gloo":
+            return _open_gloo(dist.PrefixStore(prefix, store), rank, timeout_s)
+        if backend == "nccl":
+            return _open_nccl(dist.PrefixStore(prefix, store), rank, timeout_s)
+        if backend == "inproc":
+            if hub is None:
+                raise PairBroken("backend 'inproc' needs an InprocStore shared by both endpoints")
+            return hub.connect(prefix, rank, timeout_s)
+    except PairBroken:
+        raise
+    except (RuntimeError, ValueError) as e:
+        raise PairBroken(f"building {backend} pair failed: {str(e).splitlines()[0][:300]}") from None
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
