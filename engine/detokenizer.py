@@ -35,7 +35,7 @@ _NOT_FINAL = frozenset({"prefill_done"})
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas that never split a UTF-8 character."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
+    def __init__(self, tokenizer: Optional[Tokenizer], prompt_token_ids: Sequence[int],
                  skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -83,6 +83,8 @@ class IncrementalDetokenizer:
         return out
 
     def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:  # a model without tokenizer files: token ids only, no text
+            return ""
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
 
@@ -109,8 +111,10 @@ class Delta:
 class OutputProcessor:
     """Per-request detokenization, stop-string matching and hold-back (see module docstring)."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
+    def __init__(self, tokenizer: Optional[Tokenizer], prompt_token_ids: Sequence[int],
                  params: SamplingParams) -> None:
+        if tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         self.params = params
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self._stops: list[str] = list(params.stop)

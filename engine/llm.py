@@ -39,10 +39,11 @@ class LLM:
         self._next_id = 0
 
     @property
-    def tokenizer(self) -> Tokenizer:
+    def tokenizer(self) -> Optional[Tokenizer]:
+        """None for a model directory without tokenizer files (token-id prompts only)."""
         return self.llm_engine.tokenizer
 
-    def get_tokenizer(self) -> Tokenizer:
+    def get_tokenizer(self) -> Optional[Tokenizer]:
         return self.llm_engine.tokenizer
 
     def generate(self, prompts: PromptsType,
@@ -64,10 +65,11 @@ class LLM:
             for ids, p in zip(token_lists, plist):
                 rid = f"llm-{self._next_id}"
                 self._next_id += 1
+                proc = OutputProcessor(eng.tokenizer, ids, p)
                 eng.add_request(rid, ids, p)
                 rids.append(rid)
                 pending.add(rid)
-                procs[rid] = OutputProcessor(eng.tokenizer, ids, p)
+                procs[rid] = proc
             bar = tqdm(total=len(rids), desc="generate", unit="req", disable=not use_tqdm)
             with bar:
                 while pending:
@@ -121,6 +123,9 @@ class LLM:
             if isinstance(p, str):
                 if not p:
                     raise ValueError(f"prompts[{i}] is an empty string")
+                if self.tokenizer is None:
+                    raise ValueError(f"prompts[{i}] is text but this model has no tokenizer.json; "
+                                     "pass token ids")
                 texts.append(p)
                 ids.append(self.tokenizer.encode(p))
             elif isinstance(p, (list, tuple)) and p and all(_is_token_id(t) for t in p):

@@ -134,6 +134,23 @@ def test_bad_inputs_raise_and_leave_engine_clean(llm):
     assert_engine_clean(llm)
 
 
+def test_model_dir_without_tokenizer_takes_token_ids(llm, tmp_path):
+    d = save_builtin("tiny", tmp_path / "tiny")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (d / name).unlink(missing_ok=True)
+    bare = LLM(str(d), num_kv_blocks=32, num_threads=1)
+    assert bare.get_tokenizer() is None
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    out = bare.generate([ids], greedy(5))[0]
+    assert out.token_ids == llm.generate([ids], greedy(5))[0].token_ids  # same weights, same tokens
+    assert out.text == ""
+    with pytest.raises(ValueError, match="prompts"):
+        bare.generate("text needs a tokenizer")
+    with pytest.raises(ValueError, match="stop"):
+        bare.generate([ids], greedy(5, stop=["x"]))
+    assert_engine_clean(bare)
+
+
 def test_cli_prints_the_offline_completion(llm):
     expected = llm.generate("import os", greedy(6))[0].text
     env = dict(os.environ, OMP_NUM_THREADS="1")
