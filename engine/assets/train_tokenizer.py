@@ -21,8 +21,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 VOCAB_SIZE = 8192
 SPECIAL_TOKENS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>"]
-# A ChatML-like template: each message framed by <|im_start|>role ... <|im_end|>.
+# A ChatML-like template: each message framed by <|im_start|>role ... <|im_end|>. It opens
+# with bos because chat prompts are encoded without special tokens (as transformers does).
 CHAT_TEMPLATE = (
+    "{{ bos_token }}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}"

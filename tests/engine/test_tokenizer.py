@@ -61,9 +61,12 @@ def test_chat_template_matches_transformers(tok, hf):
     for gen in (True, False):
         ours = tok.apply_chat_template(msgs, add_generation_prompt=gen)
         assert ours == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
-    assert ours.startswith("<|im_start|>system\nBe brief.<|im_end|>\n")
-    # The chat markers are single special tokens.
+    assert ours.startswith("<|bos|><|im_start|>system\nBe brief.<|im_end|>\n")
+    # Chat prompts are encoded without adding special tokens: exactly one bos, from the template;
+    # the chat markers are single special tokens.
     ids = tok.encode(ours, add_special_tokens=False)
+    assert ids == hf.encode(ours, add_special_tokens=False)
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
     assert tok.convert_tokens_to_ids("<|im_start|>") in ids
 
 
