@@ -47,7 +47,6 @@ class PairChannel:
         self.gen = 0
         self.closed: str | None = None
         self.last_key: str | None = None
-        self.offers = 0
         self._threads: list[threading.Thread] = []
         self._spawn(self._main, f"kv-{self.role}-{ep.name}-{peer}")
 
@@ -80,8 +79,7 @@ class PairChannel:
             return False
         try:
             if self.rank == 0:
-                self.offers += 1
-                key = self.ep._rdv.offer(self.peer, self.offers, remaining, stop)
+                key = self.ep._rdv.offer(self.peer, remaining, stop)
             else:
                 key = self.ep._rdv.accept(self.peer, self.last_key, remaining, stop)
                 self.last_key = key

@@ -12,6 +12,7 @@ meant for a dead incarnation is never accepted by its successor.
 """
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from typing import Callable
@@ -31,6 +32,7 @@ class Rendezvous:
         self.hub = getattr(store, "hub", None)  # only an InprocStore has one
         self.name = name
         self.incarnation = uuid.uuid4().hex[:12]
+        self._seq = itertools.count(1)
         self.store.set(f"inc/{name}", self.incarnation)
 
     def _poll(self, fn: Callable[[], str | None], timeout_s: float, what: str,
@@ -54,11 +56,13 @@ class Rendezvous:
             return None
         return self.store.get(key).decode()
 
-    def offer(self, receiver: str, n: int, timeout_s: float, stop: Callable[[], bool]) -> str:
-        """Sender side: publish a fresh group key for (self -> receiver); returns the group prefix."""
+    def offer(self, receiver: str, timeout_s: float, stop: Callable[[], bool]) -> str:
+        """Sender side: publish a fresh group key for (self -> receiver); returns the key."""
         inc_r = self._poll(lambda: self._get(f"inc/{receiver}"), timeout_s,
                            f"kv endpoint {receiver!r}", stop)
-        key = f"{self.name}.{self.incarnation}>{receiver}.{inc_r}.{n}"
+        # the counter is per endpoint, not per channel: a channel re-created after close() must not
+        # repeat a key the receiver already used
+        key = f"{self.name}.{self.incarnation}>{receiver}.{inc_r}.{next(self._seq)}"
         self.store.set(f"offer/{self.name}>{receiver}", key)
         return key
 

@@ -30,6 +30,8 @@ class CacheSpec:
     dtype: str = "float32"
     seed: int | None = None
     """Random contents from this seed; None means zeros (a receiver)."""
+    alt_dtype: str | None = None
+    """Also hold a second cache of this dtype (to send mismatched transfers from)."""
 
 
 def make_cache(spec: CacheSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -68,6 +70,7 @@ def _main(conn, name: str, store_url: str, spec: CacheSpec, timeout_s: float, ch
     from kvtransfer import KVEndpoint
 
     cache = make_cache(spec)
+    alt = make_cache(CacheSpec(**{**spec.__dict__, "dtype": spec.alt_dtype})) if spec.alt_dtype else None
     ep = KVEndpoint(name, store_url, backend="gloo", timeout_s=timeout_s, chunk_bytes=chunk_bytes)
     handles = {}
     conn.send(("ready", os.getpid()))
@@ -82,9 +85,10 @@ def _main(conn, name: str, store_url: str, spec: CacheSpec, timeout_s: float, ch
                 key, peer, rid, blocks, n, deadline = args
                 handles[key] = ep.recv(peer, rid, cache, blocks, n, deadline_s=deadline)
                 out = None
-            elif cmd == "send":
+            elif cmd in ("send", "send_alt"):
                 key, peer, rid, blocks, n, layers, deadline = args
-                h = handles[key] = ep.send(peer, rid, cache, blocks, n, deadline_s=deadline)
+                src = alt if cmd == "send_alt" else cache
+                h = handles[key] = ep.send(peer, rid, src, blocks, n, deadline_s=deadline)
                 for i in (range(spec.num_layers) if layers == "all" else layers):
                     ep.layer_ready(h, i)
                 out = None
@@ -119,7 +123,10 @@ class Agent:
 
     def __init__(self, name: str, store_url: str, spec: CacheSpec, timeout_s: float = 5.0,
                  chunk_bytes: int = 1 << 20):
-        ctx = mp.get_context("spawn")
+        # forkserver: torch is imported once by the server, then each agent is a cheap fork of a
+        # process that never started a thread pool or a process group (unlike forking the test process)
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "kvtransfer", "tests.kvtransfer.agent"])
         self.name = name
         self.spec = spec
         self.conn, child = ctx.Pipe()

@@ -1,0 +1,243 @@
+"""KVEndpoint behaviour over the in-process backend (and gloo threads on a real Redis rendezvous).
+
+Each test builds its own store, so nothing is shared between tests; the inproc
+backend runs the full channel protocol (headers, acks, rejections, deadlines)
+without sockets.
+"""
+import threading
+import time
+
+import pytest
+import torch
+
+from kvtransfer import InprocStore, KVEndpoint, StoreConfig, TransferState
+from tests.kvtransfer.agent import CacheSpec, make_cache, token_checksum, untouched_except
+
+torch.set_num_threads(1)
+DONE, FAILED, PENDING = TransferState.DONE, TransferState.FAILED, TransferState.PENDING
+
+
+def _until(pred, timeout_s: float = 3.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.002)
+
+
+@pytest.fixture
+def pair():
+    st = InprocStore()
+    p = KVEndpoint("p0", st, backend="inproc", timeout_s=3.0, chunk_bytes=4096)
+    d = KVEndpoint("d0", st, backend="inproc", timeout_s=3.0, chunk_bytes=4096)
+    try:
+        yield p, d
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+SRC = CacheSpec(num_layers=3, num_blocks=32, block_size=4, seed=7)
+DST = CacheSpec(num_layers=3, num_blocks=40, block_size=6)
+
+
+def test_interleaved_requests_per_layer_land_in_their_blocks(pair):
+    p, d = pair
+    src, dst = make_cache(SRC), make_cache(DST)
+    reqs = {  # request -> (src blocks, dst blocks, tokens)
+        "a": ([3, 9, 1, 30, 4], [10, 2, 33], 17),
+        "b": ([0, 5], [7], 5),
+        "c": ([8, 7, 6, 2, 11, 12, 13], [0, 1, 39, 20, 21], 25),
+    }
+    # the receiver posts in one order, the sender submits in another, and layers interleave
+    rh = {r: d.recv("p0", r, dst, v[1], v[2]) for r, v in sorted(reqs.items(), reverse=True)}
+    sh = {r: p.send("d0", r, src, v[0], v[2]) for r, v in reqs.items()}
+    assert all(d.poll(h) == PENDING for h in rh.values())
+    for layer in range(3):
+        for r in ("b", "c", "a"):
+            p.layer_ready(sh[r], layer)
+    for r in reqs:
+        assert p.wait(sh[r], 5) == DONE, p.failure(sh[r])
+        assert d.wait(rh[r], 5) == DONE, d.failure(rh[r])
+        assert token_checksum(src, reqs[r][0], reqs[r][2]) == token_checksum(dst, reqs[r][1], reqs[r][2])
+    assert untouched_except(dst, [(v[1], v[2]) for v in reqs.values()])
+    sent = {s.request_id: s for s in p.take_completed()}
+    row = 2 * 16 * 4  # heads * head_dim * float32
+    assert sent["c"].num_bytes == 3 * 2 * 25 * row and sent["c"].state == DONE and sent["c"].layers_done == 3
+    assert p.take_completed() == []
+
+
+def test_layers_ready_shortcut_and_partial_last_block(pair):
+    p, d = pair
+    src, dst = make_cache(SRC), make_cache(DST)
+    hr = d.recv("p0", "r", dst, [4, 5], 7)
+    hs = p.send("d0", "r", src, [1, 2], 7, layers_ready=True)
+    assert p.wait(hs, 5) == DONE and d.wait(hr, 5) == DONE
+    assert token_checksum(src, [1, 2], 7) == token_checksum(dst, [4, 5], 7)
+    assert d.stats(hr).num_bytes == p.stats(hs).num_bytes > 0
+
+
+def test_dtype_mismatch_rejected_on_both_sides_then_channel_works(pair):
+    p, d = pair
+    dst = make_cache(DST)
+    half = make_cache(CacheSpec(num_layers=3, num_blocks=32, block_size=4, seed=1, dtype="float16"))
+    hr = d.recv("p0", "bad", dst, [0, 1], 8)
+    hs = p.send("d0", "bad", half, [0, 1], 8, layers_ready=True)
+    assert d.wait(hr, 5) == FAILED and "dtype mismatch" in d.failure(hr)
+    assert p.wait(hs, 5) == FAILED and "dtype mismatch" in p.failure(hs)
+    assert "float16" in p.failure(hs) and "float32" in p.failure(hs)
+    assert untouched_except(dst, [])  # a rejected payload is drained, never written
+    src = make_cache(SRC)
+    hr = d.recv("p0", "good", dst, [2, 3], 8)
+    hs = p.send("d0", "good", src, [5, 6], 8, layers_ready=True)
+    assert p.wait(hs, 5) == DONE and d.wait(hr, 5) == DONE
+    assert token_checksum(src, [5, 6], 8) == token_checksum(dst, [2, 3], 8)
+
+
+@pytest.mark.parametrize("spec,tokens,match", [
+    (CacheSpec(num_layers=3, num_blocks=32, block_size=4, head_dim=8, seed=1), 8, "shape mismatch"),
+    (CacheSpec(num_layers=2, num_blocks=32, block_size=4, seed=1), 8, "num_layers mismatch"),
+    (SRC, 9, "num_tokens mismatch"),
+])
+def test_header_mismatch_rejected(pair, spec, tokens, match):
+    p, d = pair
+    dst = make_cache(DST)
+    hr = d.recv("p0", "x", dst, [0, 1], 8)
+    hs = p.send("d0", "x", make_cache(spec), [0, 1, 2], tokens, layers_ready=True)
+    assert p.wait(hs, 5) == FAILED and match in p.failure(hs)
+    assert d.wait(hr, 5) == FAILED and match in d.failure(hr)
+
+
+def test_unposted_request_is_drained_and_reported(pair):
+    p, d = pair
+    d.recv("p0", "other", make_cache(DST), [0], 3)  # the channel exists, but not for "ghost"
+    hs = p.send("d0", "ghost", make_cache(SRC), [0], 3, layers_ready=True)
+    assert p.wait(hs, 5) == FAILED and "no receive posted for request 'ghost'" in p.failure(hs)
+
+
+def test_deadline_fails_both_sides_when_producer_stalls(pair):
+    p, d = pair
+    src, dst = make_cache(SRC), make_cache(DST)
+    hr = d.recv("p0", "slow", dst, [0, 1], 8, deadline_s=0.5)
+    hs = p.send("d0", "slow", src, [0, 1], 8, deadline_s=0.4)
+    p.layer_ready(hs, 0)  # layer 0 leaves, layers 1 and 2 never become ready
+    t0 = time.monotonic()
+    assert p.wait(hs, 3) == FAILED and "deadline exceeded" in p.failure(hs)
+    assert d.wait(hr, 3) == FAILED
+    assert time.monotonic() - t0 < 1.0
+    # the sender's abort frame reached the receiver before its own deadline, or its deadline did
+    assert "aborted by sender" in d.failure(hr) or "deadline exceeded" in d.failure(hr)
+    assert d.stats(hr).layers_done == 1
+
+
+def test_cancel_on_receiver_reaches_sender(pair):
+    p, d = pair
+    src, dst = make_cache(SRC), make_cache(DST)
+    hr = d.recv("p0", "c", dst, [0, 1], 8)
+    hs = p.send("d0", "c", src, [0, 1], 8)
+    p.layer_ready(hs, 0)
+    _until(lambda: d.stats(hr).layers_done == 1)
+    d.cancel(hr)
+    d.cancel(hr)  # idempotent
+    assert d.poll(hr) == FAILED and d.failure(hr) == "cancelled"
+    assert p.wait(hs, 3) == FAILED and "cancelled" in p.failure(hs)
+
+
+def test_close_fails_in_flight_and_channel_reopens(pair):
+    p, d = pair
+    src, dst = make_cache(SRC), make_cache(DST)
+    hr = d.recv("p0", "k", dst, [0, 1], 8)
+    hs = p.send("d0", "k", src, [0, 1], 8)
+    p.layer_ready(hs, 0)
+    _until(lambda: d.stats(hr).layers_done == 1)
+    t0 = time.monotonic()
+    p.close("d0")
+    assert p.poll(hs) == FAILED and "closed" in p.failure(hs)
+    assert d.wait(hr, 3) == FAILED and "broken" in d.failure(hr)  # the pair broke under it
+    assert time.monotonic() - t0 < 1.0
+    hr = d.recv("p0", "k2", dst, [2, 3], 8)
+    hs = p.send("d0", "k2", src, [2, 3], 8, layers_ready=True)
+    assert p.wait(hs, 5) == DONE and d.wait(hr, 5) == DONE
+
+
+def test_bad_arguments_raise_value_error_naming_field(pair):
+    p, d = pair
+    src = make_cache(SRC)
+    with pytest.raises(ValueError, match="src_block_ids"):
+        p.send("d0", "r", src, [0], 8)
+    with pytest.raises(ValueError, match="dst_block_ids"):
+        d.recv("p0", "r", src, [99, 100], 8)
+    with pytest.raises(ValueError, match="num_tokens"):
+        p.send("d0", "r", src, [0], -1)
+    with pytest.raises(ValueError, match="deadline_s"):
+        p.send("d0", "r", src, [0], 1, deadline_s=0)
+    with pytest.raises(ValueError, match="request_id"):
+        p.send("d0", "", src, [0], 1)
+    with pytest.raises(ValueError, match="peer"):
+        p.send("p0", "r", src, [0], 1)
+    with pytest.raises(ValueError, match="kv_caches"):
+        p.send("d0", "r", [], [0], 1)
+    h = p.send("d0", "r", src, [0], 1)
+    with pytest.raises(ValueError, match="layer_idx"):
+        p.layer_ready(h, 3)
+    d.recv("p0", "dup", src, [0], 1)
+    with pytest.raises(ValueError, match="request_id 'dup' already has a receive"):
+        d.recv("p0", "dup", src, [1], 1)
+    with pytest.raises(ValueError, match="backend"):
+        KVEndpoint("x", InprocStore(), backend="tcp")
+    with pytest.raises(ValueError, match="store"):
+        KVEndpoint("x", "http://nowhere:1")
+    with pytest.raises(ValueError, match="timeout_s"):
+        KVEndpoint("x", InprocStore(), backend="inproc", timeout_s=-1)
+
+
+def test_gloo_pairs_rendezvous_through_redis(redis_url, redis_namespace):
+    """Two endpoints in one process, gloo groups in threads, rendezvous on a real Redis server."""
+    cfg = StoreConfig(redis_url, namespace=f"{redis_namespace}:kvt")
+    p = KVEndpoint("p0", cfg, backend="gloo", timeout_s=5.0)
+    d = KVEndpoint("d0", cfg, backend="gloo", timeout_s=5.0)
+    try:
+        src, dst = make_cache(SRC), make_cache(DST)
+        hr = d.recv("p0", "r1", dst, [3, 4, 5], 13)
+        hs = p.send("d0", "r1", src, [9, 1, 2, 7], 13)
+        for i in range(3):
+            p.layer_ready(hs, i)
+        assert p.wait(hs, 10) == DONE, p.failure(hs)
+        assert d.wait(hr, 10) == DONE, d.failure(hr)
+        assert token_checksum(src, [9, 1, 2, 7], 13) == token_checksum(dst, [3, 4, 5], 13)
+        import redis
+        keys = redis.Redis.from_url(redis_url).keys(f"{redis_namespace}:kvt/*")
+        assert any(b"/inc/p0" in k for k in keys) and any(b"/offer/p0>d0" in k for k in keys)
+    finally:
+        p.shutdown()
+        d.shutdown()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kv-") and t.is_alive()
+                and ("-p0" in t.name or "-d0" in t.name)]
+
+
+def test_corrupt_frame_breaks_pair_which_is_rebuilt(pair, monkeypatch):
+    """A header whose framing is garbage cannot be skipped: the pair is dropped and rebuilt."""
+    import kvtransfer.channel_send as cs
+
+    p, d = pair
+    src, dst = make_cache(SRC), make_cache(DST)
+    real_pack = cs.FrameHeader.pack
+    calls = []
+
+    def corrupt_first(self, out=None):
+        buf = real_pack(self, out)
+        if not calls:
+            buf[0] ^= 0xFF  # breaks the magic
+        calls.append(1)
+        return buf
+
+    monkeypatch.setattr(cs.FrameHeader, "pack", corrupt_first)
+    hr = d.recv("p0", "garbled", dst, [0, 1], 8, deadline_s=1.0)
+    hs = p.send("d0", "garbled", src, [0, 1], 8, layers_ready=True)
+    assert p.wait(hs, 3) == FAILED and "bad frame" in p.failure(hs) or "broken" in p.failure(hs)
+    assert d.wait(hr, 3) == FAILED  # its header never parsed: it fails by its deadline
+    assert untouched_except(dst, [])
+    hr = d.recv("p0", "next", dst, [2, 3], 8)
+    hs = p.send("d0", "next", src, [4, 5], 8, layers_ready=True)
+    assert p.wait(hs, 5) == DONE and d.wait(hr, 5) == DONE
+    assert token_checksum(src, [4, 5], 8) == token_checksum(dst, [2, 3], 8)
