@@ -45,16 +45,21 @@ from engine.sampling_params import SamplingParams
 _MASK64 = (1 << 64) - 1
 
 
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser: a bijection on 64-bit ints that scatters nearby inputs."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
 def seed_for_token(seed: int, index: int) -> int:
     """A 63-bit hash that depends only on (request seed, output token index).
 
-    splitmix64 finaliser over both inputs: neighbouring seeds and indices give
-    unrelated streams (seeding torch directly with seed + i would correlate them).
+    The seed is mixed before the index is added, so (seed, index) pairs never alias
+    the way a linear combination could; neighbouring seeds and indices give unrelated values.
     """
-    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+    z = (_mix64(seed & _MASK64) + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    return _mix64(z) & ((1 << 63) - 1)
 
 
 def uniform_for_token(seed: int, index: int) -> float:
