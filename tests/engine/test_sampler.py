@@ -255,3 +255,35 @@ def test_top_p_on_flat_rows_beyond_the_candidate_window():
         kept = torch.isfinite(ref).sum(-1)
         assert (kept[:2] > 256).all() and (kept[2:] < 256).all()
 
+
+
+_CHILD = """
+import json, sys, torch
+from engine.sampler import Sampler, SamplingRequest
+from engine.sampling_params import SamplingParams
+torch.manual_seed(12345)  # a different global RNG state from the parent's
+rows = [torch.randn(64, generator=torch.Generator().manual_seed(100 + i)) for i in range(12)]
+p = SamplingParams(temperature=1.0, top_k=40, seed=1234)
+s = Sampler(64, seed=999)
+out = []
+for i in range(1, 12):  # a "decode worker": tokens 1.., token 0 came from elsewhere
+    hist = [int(t) for t in json.loads(sys.argv[1])[:i]]
+    toks, _ = s.sample(rows[i].unsqueeze(0), [SamplingRequest(p, [1, 2], hist, None)])
+    out.append(toks[0])
+print(json.dumps(out))
+"""
+
+
+def test_seeded_tokens_equal_across_processes():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    rows = [torch.randn(V, generator=torch.Generator().manual_seed(100 + i)) for i in range(12)]
+    offline = run_seq(Sampler(V), rows, SamplingParams(temperature=1.0, top_k=40, seed=1234))
+    env = dict(__import__("os").environ, PYTHONHASHSEED="7", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(offline)], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == offline[1:]
