@@ -116,6 +116,9 @@ def wait_serving(address: str, timeout_s: float) -> None:
 
 def cmd_up(args: argparse.Namespace) -> int:
     """``pdserve up``: run until a signal, then stop everything that was started."""
+    # Ray's driver otherwise installs a C++ "failure" handler for SIGTERM that aborts the process
+    # before our handler can stop the cluster cleanly. Ray reads it at import, hence before the import.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     from cluster.launcher import Cluster, ClusterConfig
 
     _check_up_args(args)
@@ -144,12 +147,19 @@ def cmd_up(args: argparse.Namespace) -> int:
     cluster = Cluster(cfg)
     try:
         cluster.start()
+        # ray.init installs its own SIGTERM handler (sys.exit(15)); take SIGTERM back for a clean stop.
+        for s in previous:
+            signal.signal(s, on_signal)
         wait_serving(cluster.router_address, args.ready_timeout)
         _print_endpoints(cluster)
         while not stop.wait(1.0):
             pass
     except _Shutdown as e:
         print(f"pdserve: {e}, stopping", file=sys.stderr, flush=True)
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:  # Ray's handler fired while the cluster was still starting
+            raise
+        print("pdserve: SIGTERM, stopping", file=sys.stderr, flush=True)
     finally:
         stopping = True
         try:

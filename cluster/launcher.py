@@ -37,6 +37,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import psutil
 import ray
 
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
@@ -176,6 +177,7 @@ class Cluster:
         self._redis: Optional[EmbeddedRedis] = None
         self._owns_ray = False
         self._ray_tmp: Optional[str] = None
+        self._ray_procs: list = []
         self._members: dict[str, list[_Member]] = {r: [] for r in POOLS}
         self._next_index: dict[str, int] = {r: 0 for r in POOLS}
         self._lock = threading.RLock()
@@ -226,9 +228,12 @@ class Cluster:
         num_cpus = self.config.ray_num_cpus or max(os.cpu_count() or 1, int(want * self.config.cpus_per_worker) + 2)
         # A short private temp dir: Ray's unix sockets live under it, and it keeps two clusters apart.
         self._ray_tmp = tempfile.mkdtemp(prefix="pdray", dir="/tmp")
+        before = {p.pid for p in psutil.Process().children()}
         ray.init(num_cpus=num_cpus, include_dashboard=False, _temp_dir=self._ray_tmp,
                  namespace=self.namespace, logging_level="WARNING", log_to_driver=False)
         self._owns_ray = True
+        # The processes ray.init just spawned (GCS, raylet, ...): stop() makes sure they and theirs are gone.
+        self._ray_procs = [p for p in psutil.Process().children() if p.pid not in before]
 
     def _start_router(self) -> None:
         factory = self.config.router_factory
@@ -374,12 +379,31 @@ class Cluster:
                     log.warning("registry clear: %s", e)
                 self.registry.close()
             if self._owns_ray:
-                ray.shutdown()
+                self._shutdown_ray()
             if self._ray_tmp:
                 shutil.rmtree(self._ray_tmp, ignore_errors=True)
             if self._redis is not None:
                 self._redis.stop()
             log.info("cluster %s stopped", self.namespace)
+
+    def _shutdown_ray(self) -> None:
+        # Collect descendants before shutdown: once the raylet exits its workers lose their parent link.
+        procs: list[psutil.Process] = []
+        for p in self._ray_procs:
+            try:
+                procs += [p, *p.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+        ray.shutdown()
+        # Ray's workers exit on their own shortly after the raylet; wait, then kill stragglers, so
+        # `pdserve up` never leaves a process behind.
+        _, alive = psutil.wait_procs(procs, timeout=5)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=2)
 
     def __enter__(self) -> "Cluster":
         return self.start()

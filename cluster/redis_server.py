@@ -188,7 +188,9 @@ class EmbeddedRedis:
         ]
         return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-                                cwd=self._tmpdir)
+                                # Own session: a terminal's Ctrl-C hits only the launcher, which then
+                                # stops the server itself, after the workers have left the registry.
+                                start_new_session=True, cwd=self._tmpdir)
 
     def _wait_ready(self, proc: subprocess.Popen, port: int) -> Optional[str]:
         deadline = time.monotonic() + self.config.startup_timeout_s
