@@ -48,13 +48,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
             ignore_eos=args.ignore_eos)
         llm = LLM(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.num_threads)
-        prompts = args.prompt
         if args.chat:
-            tok = llm.get_tokenizer()
-            # The template already holds bos where the model wants it; encode without adding another.
-            prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]),
-                                  add_special_tokens=False) for p in prompts]
-        outputs = llm.generate(prompts, params)
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+        else:
+            outputs = llm.generate(args.prompt, params)
     except ValueError as e:
         ap.error(str(e))
     for i, out in enumerate(outputs):

@@ -100,6 +100,27 @@ class LLM:
                 text=proc.text, finish_reason=proc.finish_reason, logprobs=proc.logprobs, finished=True))
         return results
 
+    def chat(self, messages: Union[list[dict], list[list[dict]]],
+             params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate replies to one conversation ([{role, content}, ...]) or a list of them.
+
+        Each conversation is rendered with the model's chat template (which carries
+        its own bos) and encoded without adding special tokens, as transformers does.
+        """
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("messages need a tokenizer with a chat_template; this model has none")
+        if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
+            messages = [messages]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a conversation (list of dicts) or a list of conversations")
+        texts = [tok.apply_chat_template(conv, add_generation_prompt=True) for conv in messages]
+        outs = self.generate([tok.encode(t, add_special_tokens=False) for t in texts], params, use_tqdm)
+        for out, text in zip(outs, texts):
+            out.prompt = text
+        return outs
+
     # -- input normalisation --------------------------------------------------------------------
 
     def _normalize_prompts(self, prompts: PromptsType) -> tuple[list[Optional[str]], list[list[int]]]:

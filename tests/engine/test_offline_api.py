@@ -118,6 +118,19 @@ def test_stop_token_ids_and_logprobs(llm):
     assert_engine_clean(llm)
 
 
+def test_chat_renders_template_once_with_one_bos(llm):
+    tok = llm.get_tokenizer()
+    conv = [{"role": "user", "content": "Write a loop"}]
+    out = llm.chat(conv, greedy(4))[0]
+    assert out.prompt == "<|bos|><|im_start|>user\nWrite a loop<|im_end|>\n<|im_start|>assistant\n"
+    assert out.prompt_token_ids.count(tok.bos_token_id) == 1 and out.prompt_token_ids[0] == tok.bos_token_id
+    assert out.token_ids == llm.generate([out.prompt_token_ids], greedy(4))[0].token_ids
+    assert len(llm.chat([conv, conv + [{"role": "assistant", "content": "ok"}]], greedy(2))) == 2
+    with pytest.raises(ValueError, match="messages"):
+        llm.chat([])
+    assert_engine_clean(llm)
+
+
 def test_bad_inputs_raise_and_leave_engine_clean(llm):
     assert llm.generate([]) == []
     with pytest.raises(ValueError, match="prompts"):
