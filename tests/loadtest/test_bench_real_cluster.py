@@ -1,8 +1,8 @@
 """End to end: `pdserve bench` (loadtest.cli.main) against a real router + 1 prefill + 1 decode worker.
 
 Real parts throughout: engines on the built-in ``tiny`` model, gRPC servers on free loopback ports, KV moved
-by the real kvtransfer (gloo, rendezvous in a real Redis server on a free port: tests/conftest.py). A colocated router + worker run is here
-too, as the second serving mode the bench must drive. The router's own Prometheus counters are an
+by the real kvtransfer (gloo; rendezvous in a real Redis server on a free port, from tests/conftest.py).
+A colocated router + worker run is here too, as the second serving mode the bench must drive. The router's own Prometheus counters are an
 independent tally to check the client's counts against.
 """
 from __future__ import annotations
