@@ -143,9 +143,11 @@ async def _bench(args: argparse.Namespace) -> int:
             title = f"random in={args.input_len} out={args.output_len} @ {settings['request_rate']} req/s"
         for path in write_plots(args.plot, records, title):
             print(f"plot saved to {path}")
-    errors = sorted({r.error for r in records if r.error})
-    for e in errors[:5]:
-        print(f"error seen: {e}", file=sys.stderr)
+    # Group failures by status (the text before ':'), with one example each: ids make every message unique.
+    examples: dict[str, str] = {}
+    for kind, n in summary["error_counts"].items():
+        examples[kind] = next(r.error for r in records if r.error.split(":", 1)[0] == kind)
+        print(f"{n} request(s) failed with {kind}, e.g. {examples[kind]}", file=sys.stderr)
     return 0 if summary["completed"] > 0 else 1
 
 

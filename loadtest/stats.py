@@ -128,6 +128,16 @@ def max_concurrency_seen(records: Iterable[RequestRecord]) -> int:
     return peak
 
 
+def error_counts(records: Iterable[RequestRecord]) -> dict[str, int]:
+    """Failed requests per kind: the error's text before the first ':' (the gRPC status name)."""
+    counts: dict[str, int] = {}
+    for r in records:
+        if not r.success:
+            kind = (r.error or "unknown").split(":", 1)[0]
+            counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def _pword(p: float) -> str:
     return str(int(p)) if float(p).is_integer() else str(p)
 
@@ -160,6 +170,7 @@ def summarize(records: list[RequestRecord], duration_s: float, percentiles: Iter
         "output_throughput": total_output / duration_s,
         "total_token_throughput": (total_input + total_output) / duration_s,
         "max_concurrent_requests": max_concurrency_seen(records),
+        "error_counts": error_counts(records),
     }
     if goodput_slos_ms:
         good = sum(1 for r in ok if meets_slos(r, goodput_slos_ms))

@@ -72,6 +72,7 @@ def test_errors_are_recorded_not_fatal(tmp_path):
     # indices 0 and 3 fail (multiples of 3)
     assert rc == 0 and res["completed"] == 4 and res["failed"] == 2
     assert sum(e.startswith("RESOURCE_EXHAUSTED") for e in res["errors"]) == 2
+    assert res["error_counts"] == {"RESOURCE_EXHAUSTED": 2}
 
 
 def test_cli_synthetic_json_and_plots(tmp_path, capsys):

@@ -62,6 +62,7 @@ def test_summary_counts_and_throughputs():
     assert s["output_throughput"] == pytest.approx(7 / 4)         # 1.75 tok/s
     assert s["total_token_throughput"] == pytest.approx(67 / 4)   # 16.75 tok/s
     assert "request_goodput" not in s  # only with SLOs
+    assert s["error_counts"] == {"UNAVAILABLE": 1}  # D's status name
 
 
 def test_summary_latency_stats_ms():
