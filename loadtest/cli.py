@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="HOST:PORT of the router")
+    p.add_argument("--target", default="localhost:50051",
+                   help="HOST:PORT of the router (default localhost:50051, where `pdserve up` puts it)")
     src = p.add_argument_group("workload")
     src.add_argument("--trace", help="CSV trace (TIMESTAMP, ContextTokens, GeneratedTokens) to replay")
     src.add_argument("--trace-start", type=int, default=0, help="first trace row to replay (0-based)")

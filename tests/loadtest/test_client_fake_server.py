@@ -134,7 +134,7 @@ def test_cli_bad_input(tmp_path, capsys):
     assert main(["--target", "127.0.0.1:1", "--max-concurrency", "0"]) == 2
     assert main(["--target", "127.0.0.1:1", "--percentiles", "50,abc", "--disable-tqdm"]) == 2
     assert "percentiles" in capsys.readouterr().err
-    assert main([]) == 2  # argparse: --target is required
+    assert main(["--target", "127.0.0.1:1", "--no-such-flag"]) == 2  # argparse error -> status, not exception
     # nothing listens on port 1: reported, not hung
     assert main(["--target", "127.0.0.1:1", "--ready-timeout", "0.5", "--disable-tqdm"]) == 2
     assert "unreachable" in capsys.readouterr().err
