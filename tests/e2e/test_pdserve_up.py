@@ -1,0 +1,167 @@
+"""`pdserve up` as a real subprocess: two clusters side by side, served, then SIGTERM leaves nothing behind.
+
+Cluster A (1 prefill + 1 decode) runs on its own embedded Redis; cluster B
+(one colocated worker, the baseline mode) uses the test session's Redis
+(``--redis-url``) so we can check that its keys are gone after exit.
+Both start their own private Ray instance, next to the one the test process
+may hold.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+
+import grpc
+import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cluster.registry import Registry
+from engine.sampling_params import SamplingParams
+from tests.e2e.helpers import generate, offline
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _pdserve() -> list[str]:
+    script = os.path.join(os.path.dirname(sys.executable), "pdserve")
+    return [script] if os.access(script, os.X_OK) else [sys.executable, "-m", "cluster.cli"]
+
+
+class UpProcess:
+    """A `pdserve up` subprocess whose stdout is read on a thread (so the pipe never fills)."""
+
+    def __init__(self, *args: str) -> None:
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        env = dict(os.environ, OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0")
+        self.proc = subprocess.Popen([*_pdserve(), "up", "--port", "0", *args], cwd=REPO, env=env,
+                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True)
+        self.lines: list[str] = []
+        self.serving = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith("pdserve SERVING"):
+                self.serving.set()
+
+    def wait_serving(self, timeout_s: float) -> None:
+        end = time.monotonic() + timeout_s
+        while not self.serving.wait(0.5):
+            if self.proc.poll() is not None or time.monotonic() > end:
+                raise AssertionError(f"pdserve up not SERVING (rc={self.proc.poll()}):\n{self.tail()}")
+
+    def tail(self) -> str:
+        self.stderr.seek(0)
+        return "\n".join(self.lines) + "\n--- stderr ---\n" + self.stderr.read()[-4000:]
+
+    @property
+    def router(self) -> str:
+        return re.search(r"router=(\S+)", self.lines[0]).group(1)
+
+    def ports(self) -> set[int]:
+        """Every port the process printed: router, metrics endpoints, Redis."""
+        text = "\n".join(self.lines)
+        return {int(p) for p in re.findall(r"(?:router=|http://|redis://)[\w.\-]+:(\d+)", text)}
+
+    def descendants(self) -> list[psutil.Process]:
+        return psutil.Process(self.proc.pid).children(recursive=True)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            for p in self.descendants():
+                p.kill()
+            self.proc.kill()
+            self.proc.wait(10)
+        self.stderr.close()
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def test_two_pdserve_up_side_by_side_serve_and_sigterm_leaves_nothing(redis_url):
+    ns_b = f"e2e-up-{uuid.uuid4().hex[:8]}"
+    a = UpProcess("--num-kv-blocks", "128")
+    b = UpProcess("--num-kv-blocks", "128", "--redis-url", redis_url, "--namespace", ns_b, "--colocated", "1")
+    try:
+        a.wait_serving(240)
+        b.wait_serving(240)
+        assert a.router != b.router
+        for up in (a, b):
+            assert _health(up.router) == health_pb2.HealthCheckResponse.SERVING
+            assert any("/metrics" in line for line in up.lines), up.lines
+        ref = offline(["def main():"], [SamplingParams(max_tokens=8, temperature=0.0)])[0]
+        assert generate(a.router, prompt="def main():", max_tokens=8, temperature=0.0)[:3] == ref
+        assert generate(b.router, prompt="def main():", max_tokens=8, temperature=0.0)[:3] == ref
+        # The CLI client streams the same text to stdout.
+        r = subprocess.run([*_pdserve(), "generate", "def main():", "--target", a.router, "--max-tokens", "8",
+                            "--temperature", "0"], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout == ref[1] + "\n", (r.stdout, r.stderr)
+        reg_b = Registry(redis_url, ns_b)
+        assert {w.role for w in reg_b.list()} == {"colocated"}
+
+        procs = {up: up.descendants() for up in (a, b)}
+        shared_redis_port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+        ports = {up: up.ports() - {shared_redis_port} for up in (a, b)}  # B's Redis is not B's to stop
+        assert all(len(p) >= 3 for p in procs.values()), procs  # Ray's processes and the worker actors
+        assert len(ports[a]) >= 4 and len(ports[b]) >= 3, ports  # router, worker + router metrics, Redis (A)
+        for up in (a, b):
+            up.proc.send_signal(signal.SIGTERM)
+        for up in (a, b):
+            t0 = time.monotonic()
+            rc = up.proc.wait(timeout=15)
+            assert rc == 0, up.tail()
+            assert time.monotonic() - t0 < 10.0, "pdserve up took more than 10 s to stop"
+        time.sleep(0.5)
+        for up in (a, b):
+            left = [p for p in procs[up] if _alive(p)]
+            assert not left, [(p.pid, p.name()) for p in left]
+            assert not [p for p in ports[up] if _listening(p)], ports[up]
+        assert reg_b.keys() == [], "cluster B left keys in the shared Redis"
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_pdserve_cli_bad_arguments_exit_2_naming_the_flag():
+    for args, flag in ((["up", "--prefill", "-1"], "--prefill"), (["up", "--model", "/no/such/dir"], "--model"),
+                       (["up", "--port", "70000"], "--port"),
+                       (["generate", "hi", "--max-tokens", "0"], "--max-tokens")):
+        r = subprocess.run([*_pdserve(), *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, (args, r.stderr)
+        assert flag in r.stderr, (args, r.stderr)
+
+
+def test_pdserve_generate_unreachable_target_fails_fast():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    r = subprocess.run([*_pdserve(), "generate", "hi", "--target", f"127.0.0.1:{port}", "--timeout", "3"],
+                       cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "UNAVAILABLE" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 30
