@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import grpc
+import torch
 
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.worker_base import RequestError, WorkerBase
@@ -109,7 +110,13 @@ class PrefillWorker(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
         self.requests[req.request_id] = req
 
     def _on_layer_done(self, layer: int, request_ids: list[str]) -> None:
-        # runs inside engine.step(): never raise, or the whole batch fails
+        # runs inside engine.step() under torch.inference_mode: tensors kvtransfer makes here must be
+        # normal ones, since its channel threads update them outside inference mode
+        with torch.inference_mode(False):
+            self._layers_ready(layer, request_ids)
+
+    def _layers_ready(self, layer: int, request_ids: list[str]) -> None:
+        # never raise: an exception here would fail the whole batch's step
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is None or req.error is not None:

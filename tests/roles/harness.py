@@ -25,7 +25,7 @@ from tests.roles.fake_kv import FakeKVEndpoint, FakeKVHub
 
 
 # The KV transport the role tests use: the real kvtransfer ("gloo") unless noted.
-KV = "fake"  # TODO: "gloo" once kvtransfer lands
+KV = "gloo"
 
 
 def engine_config(**kw: Any) -> EngineConfig:
@@ -81,10 +81,20 @@ def worker_classes(kv: str = KV):
     return FakeP, FakeD, hub
 
 
+_STORES: list = []  # TCPStore servers stay up for the test session (cheap; each on its own free port)
+
+
 def make_store(kv: str = KV) -> Any:
+    """The kv_store a worker config gets: a tcp:// URL of a fresh TCPStore served by this process.
+
+    A URL, not the Store object: each endpoint then opens its own client, so two endpoints in
+    one process never wait on each other through one shared client connection.
+    """
     if kv == "fake":
         return "fake"
-    return torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    st = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    _STORES.append(st)
+    return f"tcp://127.0.0.1:{st.port}"
 
 
 def start_roles(kv: str = KV, n_prefill: int = 1, n_decode: int = 1, engine: Optional[dict] = None,
