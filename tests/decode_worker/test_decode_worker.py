@@ -13,9 +13,7 @@ from decode_worker import DecodeWorker, DecodeWorkerConfig
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from proto.convert import params_to_wire
-from tests.roles.harness import engine_config, make_store, start_roles, worker_classes
-
-DecodeWorker = worker_classes()[1]  # noqa: F811  (the fake-KV subclass until kvtransfer lands)
+from tests.roles.harness import engine_config, make_store, start_roles
 
 PARAMS = params_to_wire(SamplingParams(max_tokens=4))
 

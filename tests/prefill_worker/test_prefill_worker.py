@@ -13,9 +13,7 @@ from prefill_worker import PrefillWorker, PrefillWorkerConfig
 from proto import worker_pb2, worker_pb2_grpc
 from proto.convert import params_to_wire
 from engine.sampling_params import SamplingParams
-from tests.roles.harness import engine_config, make_store, worker_classes
-
-PrefillWorker = worker_classes()[0]  # noqa: F811  (the fake-KV subclass until kvtransfer lands)
+from tests.roles.harness import engine_config, make_store
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

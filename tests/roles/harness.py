@@ -2,8 +2,8 @@
 
 ``start_roles(kv=...)`` builds prefill and decode workers (real engines on the
 ``tiny`` model, real gRPC servers on free ports) and a router in front of them
-with a StaticWorkerSource; ``kv="gloo"`` uses the real kvtransfer over a torch
-TCPStore on a free port, ``kv="fake"`` the in-process fake (worker-layer tests).
+with a StaticWorkerSource; ``kv="gloo"`` uses kvtransfer's gloo backend over a torch
+TCPStore on a free port, ``kv="inproc"`` its same-process backend.
 ``offline(...)`` runs the same prompts through the engine alone: the reference.
 """
 from __future__ import annotations
@@ -21,7 +21,6 @@ from engine.sampling_params import SamplingParams
 from prefill_worker import PrefillWorker, PrefillWorkerConfig
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from router import RouterConfig, RouterServer, StaticWorkerSource
-from tests.roles.fake_kv import FakeKVEndpoint, FakeKVHub
 
 
 # The KV transport the role tests use: the real kvtransfer ("gloo") unless noted.
@@ -65,22 +64,6 @@ class Roles:
         return self.idle()
 
 
-def worker_classes(kv: str = KV):
-    if kv != "fake":
-        return PrefillWorker, DecodeWorker, None
-    hub = FakeKVHub()
-
-    class FakeP(PrefillWorker):
-        def make_kv_endpoint(self):
-            return FakeKVEndpoint(self.cfg.kv_name, hub)
-
-    class FakeD(DecodeWorker):
-        def make_kv_endpoint(self):
-            return FakeKVEndpoint(self.cfg.kv_name, hub)
-
-    return FakeP, FakeD, hub
-
-
 _STORES: list = []  # TCPStore servers stay up for the test session (cheap; each on its own free port)
 
 
@@ -90,8 +73,10 @@ def make_store(kv: str = KV) -> Any:
     A URL, not the Store object: each endpoint then opens its own client, so two endpoints in
     one process never wait on each other through one shared client connection.
     """
-    if kv == "fake":
-        return "fake"
+    if kv == "inproc":
+        from kvtransfer import InprocStore
+
+        return InprocStore()
     st = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     _STORES.append(st)
     return f"tcp://127.0.0.1:{st.port}"
@@ -100,9 +85,9 @@ def make_store(kv: str = KV) -> Any:
 def start_roles(kv: str = KV, n_prefill: int = 1, n_decode: int = 1, engine: Optional[dict] = None,
                 decode_engine: Optional[dict] = None, router: Optional[dict] = None,
                 transfer_timeout_s: float = 10.0, tag: str = "") -> Roles:
-    P, D, _hub = worker_classes(kv)
+    P, D = PrefillWorker, DecodeWorker
     store = make_store(kv)
-    backend = "gloo" if kv == "fake" else kv
+    backend = kv
     prefills, decodes = [], []
     try:
         for i in range(n_prefill):

@@ -158,3 +158,14 @@ def test_client_deadline_ends_with_deadline_exceeded_and_frees(roles):
         collect(roles.stub, timeout=0.5, prompt=PROMPTS[0], max_tokens=1800, ignore_eos=True, temperature=0.0)
     assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert roles.wait_idle(1.0)
+
+
+def test_inproc_kv_backend_by_name_gives_the_same_tokens():
+    ref = offline([PROMPTS[1]], [SamplingParams(max_tokens=8, temperature=0.0)])[0]
+    r = start_roles(kv="inproc", tag="inproc-")
+    try:
+        assert r.decodes[0].kv is not None and r.decodes[0].cfg.kv_backend == "inproc"
+        assert joined(collect(r.stub, prompt=PROMPTS[1], max_tokens=8, temperature=0.0)) == ref[:3]
+        assert r.wait_idle(1.0)
+    finally:
+        r.close()
