@@ -25,8 +25,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CONNECT_SLICE_S = 1.0
-"""Longest single attempt to build a group; attempts repeat until the work's deadline."""
 IDLE_WAIT_S = 3600.0
 """Listening waits on an idle pair: gloo closes the pair if they time out; it is rebuilt on use."""
 BACKSTOP_S = 2.0
@@ -84,8 +82,11 @@ class PairChannel:
                 key = self.ep._rdv.accept(self.peer, self.last_key, remaining, stop)
                 self.last_key = key
             store, prefix = self.ep._rdv.group_store(key)
-            slice_s = max(min(deadline - time.monotonic(), CONNECT_SLICE_S), 0.05)
-            group = open_pair(self.ep.backend, store, prefix, self.rank, slice_s, self.ep._rdv.hub)
+            # One attempt per key, lasting until the work's deadline: gloo cannot retry a key (its
+            # published address goes stale), and short attempts with fresh keys can leave the two
+            # sides chasing each other's previous key forever.
+            wait_s = max(deadline - time.monotonic(), 0.05)
+            group = open_pair(self.ep.backend, store, prefix, self.rank, wait_s, self.ep._rdv.hub)
         except (PairBroken, RendezvousTimeout) as e:
             log.debug("kv %s %s<->%s: build failed: %s", self.role, self.ep.name, self.peer, e)
             return False

@@ -28,8 +28,8 @@ from kvtransfer.channel import BACKSTOP_S, IDLE_WAIT_S, PairChannel
 from kvtransfer.layout import FramePlan, direct_view, scatter
 from kvtransfer.transfer import Transfer, TransferState
 from kvtransfer.transport import PairBroken, PairGroup
-from kvtransfer.wire import (ACK_OK, ACK_REJECTED, HEADER_BYTES, KIND_ABORT, Ack, FrameHeader, FramingError,
-                             code_dtype)
+from kvtransfer.wire import (ACK_OK, ACK_REJECTED, HEAD_MSG_BYTES, HEADER_BYTES, INLINE_BYTES, KIND_ABORT,
+                             TAG_ACK, TAG_HEAD, TAG_PAYLOAD, Ack, FrameHeader, FramingError, code_dtype)
 
 UNMATCHED_GRACE_S = 0.5
 """How long a first frame waits for its receive to be posted before it is rejected."""
@@ -62,15 +62,19 @@ class RecvChannel(PairChannel):
         self.live[t.transfer_id] = t
         self.cond.notify_all()
 
-    def _answer(self, wire_tid: int, status: int, reason: str = "") -> None:
-        """Queue the one ack of ``wire_tid``. Caller holds the lock."""
+    def _answer(self, wire_tid: int, status: int, reason: str = "", sink: list | None = None) -> None:
+        """Record the one ack of ``wire_tid``: into ``sink`` (sent by the caller once the lock is
+        released) or the ack thread's queue. Caller holds the lock."""
         if wire_tid in self.answered:
             return
         self.answered[wire_tid] = None
         while len(self.answered) > ANSWERED_MEMORY:
             self.answered.popitem(last=False)
-        self.acks.append(Ack(wire_tid, status, reason))
-        self.cond.notify_all()
+        if sink is not None:
+            sink.append(Ack(wire_tid, status, reason))
+        else:
+            self.acks.append(Ack(wire_tid, status, reason))
+            self.cond.notify_all()
 
     def expire(self, t: Transfer, reason: str) -> str | None:
         """Fail ``t`` (deadline or cancel); returns a reason to break the pair, if it must be."""
@@ -88,7 +92,7 @@ class RecvChannel(PairChannel):
 
     # -- threads ---------------------------------------------------------------------------------
     def _main(self) -> None:
-        hdr_buf = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        heads = [torch.empty(HEAD_MSG_BYTES, dtype=torch.uint8) for _ in range(2)]
         while True:
             with self.cond:
                 while self.closed is None and self.group is None and not self.posted:
@@ -103,11 +107,18 @@ class RecvChannel(PairChannel):
                         self.cond.wait(0.02)
                 continue
             try:
-                group.irecv(hdr_buf, 0).wait(IDLE_WAIT_S)
-                hdr = FrameHeader.unpack(hdr_buf)
-                if hdr.chunk_bytes > MAX_CHUNK_BYTES:
-                    raise FramingError(f"chunk_bytes {hdr.chunk_bytes} over the {MAX_CHUNK_BYTES} limit")
-                self._on_frame(group, hdr)
+                # a head receive is always posted, so the sender's next header never waits on us
+                k = 0
+                pending = group.irecv(heads[k], TAG_HEAD)
+                while True:
+                    pending.wait(IDLE_WAIT_S)
+                    buf = heads[k]
+                    k ^= 1
+                    pending = group.irecv(heads[k], TAG_HEAD)
+                    hdr = FrameHeader.unpack(buf)
+                    if hdr.chunk_bytes > MAX_CHUNK_BYTES:
+                        raise FramingError(f"chunk_bytes {hdr.chunk_bytes} over the {MAX_CHUNK_BYTES} limit")
+                    self._on_frame(group, hdr, buf)
             except PairBroken as e:
                 self.break_pair(gen, f"connection to sender lost: {e}")
             except FramingError as e:
@@ -150,14 +161,19 @@ class RecvChannel(PairChannel):
         want = (hdr.layer_hi - hdr.layer_lo) * 2 * hdr.num_tokens * lay.row_bytes
         if hdr.payload_nbytes != want:
             return f"payload_nbytes {hdr.payload_nbytes} != {want} for this layer range"
+        rows = (hdr.layer_hi - hdr.layer_lo) * 2 * hdr.num_tokens
+        inline = min(rows, INLINE_BYTES // lay.row_bytes) * lay.row_bytes
+        if hdr.inline_nbytes != inline:
+            return f"inline_nbytes {hdr.inline_nbytes} != {inline} for this frame"
         if hdr.chunk_bytes % lay.row_bytes:
             return f"chunk_bytes {hdr.chunk_bytes} is not a multiple of the {lay.row_bytes}-byte token row"
         return None
 
-    def _on_frame(self, group: PairGroup, hdr: FrameHeader) -> None:
+    def _on_frame(self, group: PairGroup, hdr: FrameHeader, head: torch.Tensor) -> None:
         tid = hdr.transfer_id
         t: Transfer | None = None
-        failed: list[Transfer] = []
+        ended: list[Transfer] = []
+        acks: list[Ack] = []
         with self.cond:
             if tid in self.open:
                 t = self.open[tid]
@@ -166,72 +182,77 @@ class RecvChannel(PairChannel):
                     del self.open[tid]
                     if t.fail(f"{why} ({self.peer!r})" if hdr.kind == KIND_ABORT else
                               f"rejected frame from {self.peer!r}: {why}"):
-                        failed.append(t)
-                    self._answer(tid, ACK_REJECTED, why)
+                        ended.append(t)
+                    self._answer(tid, ACK_REJECTED, why, acks)
                     t = None
             elif tid not in self.answered:
                 if hdr.kind == KIND_ABORT:
-                    self._answer(tid, ACK_REJECTED, "aborted by sender")
+                    self._answer(tid, ACK_REJECTED, "aborted by sender", acks)
                 else:
                     t, why = self._match(hdr)
                     if why:
                         if t is not None:
-                            failed.append(t)
-                        self._answer(tid, ACK_REJECTED, why)
+                            ended.append(t)
+                        self._answer(tid, ACK_REJECTED, why, acks)
                         t = None
                     else:
                         self.open[tid] = t
             self.current_t = t
-        for f in failed:
-            self.ep._finished(f)
-        if hdr.kind == KIND_ABORT:
-            return
-        try:
-            self._receive_payload(group, hdr, t)
-        finally:
+        if hdr.kind != KIND_ABORT:
+            try:
+                self._receive_payload(group, hdr, head, t)
+            finally:
+                with self.cond:
+                    self.current_t = None
             with self.cond:
-                self.current_t = None
-        with self.cond:
-            if t is None or self.open.get(tid) is not t:
-                return  # drained, or failed meanwhile (its answer is already queued)
-            t.layers_done.update(range(hdr.layer_lo, hdr.layer_hi))
-            if len(t.layers_done) == t.layout.num_layers:
-                del self.open[tid]
-                t.complete()
-                self._answer(tid, ACK_OK)
-            elif hdr.last:
-                del self.open[tid]
-                t.fail(f"sender {self.peer!r} ended the transfer after {len(t.layers_done)} of "
-                       f"{t.layout.num_layers} layers")
-                self._answer(tid, ACK_REJECTED, "transfer ended with layers missing")
-            else:
-                return
-            self.live.pop(t.transfer_id, None)
-        self.ep._finished(t)
+                if t is not None and self.open.get(tid) is t:
+                    t.layers_done.update(range(hdr.layer_lo, hdr.layer_hi))
+                    if len(t.layers_done) == t.layout.num_layers:
+                        del self.open[tid]
+                        t.complete()
+                        self._answer(tid, ACK_OK, "", acks)
+                        ended.append(t)  # finished: hand to the endpoint's bookkeeping
+                    elif hdr.last:
+                        del self.open[tid]
+                        t.fail(f"sender {self.peer!r} ended the transfer after {len(t.layers_done)} of "
+                               f"{t.layout.num_layers} layers")
+                        self._answer(tid, ACK_REJECTED, "transfer ended with layers missing", acks)
+                        ended.append(t)
+        for ack in acks:
+            # sent from this thread: the sender's ack listener always has a receive posted
+            group.isend(ack.pack(), TAG_ACK).wait(self.ep.timeout_s + BACKSTOP_S)
+        for f in ended:
+            with self.cond:
+                self.live.pop(f.transfer_id, None)
+            self.ep._finished(f)
 
     def _buf(self, i: int, nbytes: int) -> torch.Tensor:
         if self._staging[i].numel() < nbytes:
             self._staging[i] = torch.empty(nbytes, dtype=torch.uint8)
         return self._staging[i][:nbytes]
 
-    def _receive_payload(self, group: PairGroup, hdr: FrameHeader, t: Transfer | None) -> None:
+    def _receive_payload(self, group: PairGroup, hdr: FrameHeader, head: torch.Tensor, t: Transfer | None) -> None:
         sizes = hdr.chunks()
         if t is None:  # drain
             for i, n in enumerate(sizes):
-                group.irecv(self._buf(i % 2, n), 0).wait(self.ep.timeout_s + BACKSTOP_S)
+                group.irecv(self._buf(i % 2, n), TAG_PAYLOAD).wait(self.ep.timeout_s + BACKSTOP_S)
             return
         timeout = max(t.deadline - time.monotonic(), 0.0) + BACKSTOP_S
-        plan = FramePlan(t.layout, hdr.num_tokens, hdr.layer_lo, hdr.layer_hi, hdr.chunk_bytes)
+        plan = FramePlan(t.layout, hdr.num_tokens, hdr.layer_lo, hdr.layer_hi, hdr.chunk_bytes, hdr.inline_nbytes)
         inflight: deque = deque()
 
         def post(i: int) -> None:
             segs = plan.chunk_segments(i)
             view = direct_view(t.kv_caches, t.tokens, segs)
             buf = None if view is not None else self._buf(i % 2, sizes[i])
-            inflight.append((group.irecv(view if view is not None else buf, 0), buf, segs))
+            inflight.append((group.irecv(view if view is not None else buf, TAG_PAYLOAD), buf, segs))
 
         for i in range(min(2, len(sizes))):
             post(i)
+        if plan.inline_rows:
+            scatter(t.kv_caches, t.tokens, plan.inline_segments(), head[HEADER_BYTES:HEADER_BYTES + plan.inline_nbytes])
+            with self.cond:
+                t.mark_wire(plan.inline_nbytes)
         for i in range(len(sizes)):
             op, buf, segs = inflight.popleft()
             op.wait(timeout)
@@ -243,7 +264,7 @@ class RecvChannel(PairChannel):
                 post(i + 2)
 
     def _gen_main(self, group: PairGroup, gen: int) -> None:
-        """Ack sender of one generation."""
+        """Sends the acks the reaper decides (deadline, cancel) while the channel thread waits on the wire."""
         while True:
             with self.cond:
                 while self.gen == gen and self.closed is None and not self.acks:
@@ -252,12 +273,11 @@ class RecvChannel(PairChannel):
                     return
                 ack = self.acks.popleft()
             try:
-                group.isend(ack.pack(), 1).wait(self.ep.timeout_s + BACKSTOP_S)
+                group.isend(ack.pack(), TAG_ACK).wait(self.ep.timeout_s + BACKSTOP_S)
             except PairBroken as e:
                 self.break_pair(gen, f"ack send failed: {e}")
                 return
 
-    # -- failure hooks ---------------------------------------------------------------------------
     def _on_break_locked(self, reason: str) -> list:
         failed = [t for t in self.open.values() if t.fail(reason)]
         self.open.clear()

@@ -26,8 +26,9 @@ from kvtransfer.channel import BACKSTOP_S, IDLE_WAIT_S, PairChannel
 from kvtransfer.layout import FramePlan, direct_view, gather
 from kvtransfer.transfer import Transfer, TransferState
 from kvtransfer.transport import PairBroken, PairGroup
-from kvtransfer.wire import (ACK_BYTES, ACK_OK, FLAG_LAST, HEADER_BYTES, KIND_ABORT, KIND_DATA, Ack,
-                             FrameHeader, FramingError, dtype_code)
+from kvtransfer.wire import (ACK_BYTES, ACK_OK, FLAG_LAST, HEAD_MSG_BYTES, HEADER_BYTES, INLINE_BYTES,
+                             KIND_ABORT, KIND_DATA, TAG_ACK, TAG_HEAD, TAG_PAYLOAD, Ack, FrameHeader,
+                             FramingError, dtype_code)
 
 ACK_GRACE_S = 1.0
 """How long past a transfer's deadline its acknowledgement may still come before the pair is declared hung."""
@@ -44,7 +45,7 @@ class SendChannel(PairChannel):
         self.live: dict[int, Transfer] = {}
         self.unacked: dict[int, Transfer] = {}
         self.current_t: Transfer | None = None
-        self._hdr = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        self._hdr = torch.empty(HEAD_MSG_BYTES, dtype=torch.uint8)
         self._staging: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2
         super().__init__(ep, peer)
 
@@ -77,13 +78,22 @@ class SendChannel(PairChannel):
                     return
                 item = self.queue[0]
                 kind, t, lo, hi, last = item
+                # layers that became ready back to back go out as one frame
+                taken = 1
+                while kind == "data" and taken < len(self.queue):
+                    k2, t2, lo2, hi2, last2 = self.queue[taken]
+                    if k2 != "data" or t2 is not t or lo2 != hi:
+                        break
+                    hi, last = hi2, last2
+                    taken += 1
                 group, gen = self.group, self.gen
                 if kind == "data" and t.final:
                     # a failed transfer sends no more data; one abort frame if the receiver saw some
                     if t.started and t.started_gen == gen and group is not None and not t.last_sent:
                         kind, last = "abort", True
                     else:
-                        self.queue.popleft()
+                        for _ in range(taken):
+                            self.queue.popleft()
                         continue
                 if kind == "abort" and (t.last_sent or t.started_gen != gen or group is None):
                     self.queue.popleft()
@@ -119,7 +129,8 @@ class SendChannel(PairChannel):
             with self.cond:
                 self.current_t = None
                 if self.queue and self.queue[0] is item:
-                    self.queue.popleft()
+                    for _ in range(taken if kind == "data" else 1):
+                        self.queue.popleft()
                 if last:
                     t.last_sent = True
                 if kind == "data":
@@ -134,14 +145,20 @@ class SendChannel(PairChannel):
         timeout = max(t.deadline - time.monotonic(), 0.0) + BACKSTOP_S
         if kind == "abort":
             hdr = FrameHeader(KIND_ABORT, t.transfer_id, t.request_id, flags=FLAG_LAST)
-            group.isend(hdr.pack(self._hdr), 0).wait(timeout)
+            group.isend(hdr.pack(self._hdr), TAG_HEAD).wait(timeout)
             return
         lay = t.layout
-        plan = FramePlan(lay, t.tokens.num_tokens, lo, hi, self.ep.chunk_bytes)
+        plan = FramePlan(lay, t.tokens.num_tokens, lo, hi, self.ep.chunk_bytes, INLINE_BYTES)
         hdr = FrameHeader(KIND_DATA, t.transfer_id, t.request_id, lo, hi, lay.num_layers, t.tokens.num_tokens,
                           lay.num_kv_heads, lay.head_dim, dtype_code(lay.dtype), plan.chunk_bytes,
-                          plan.payload_nbytes, FLAG_LAST if last else 0)
-        head_op = group.isend(hdr.pack(self._hdr), 0)
+                          plan.payload_nbytes, plan.inline_nbytes, FLAG_LAST if last else 0)
+        hdr.pack(self._hdr)
+        if plan.inline_rows:
+            gather(t.kv_caches, t.tokens, plan.inline_segments(),
+                   self._hdr[HEADER_BYTES:HEADER_BYTES + plan.inline_nbytes])
+        head_op = group.isend(self._hdr, TAG_HEAD)
+        with self.cond:
+            t.mark_wire(plan.inline_nbytes)
         inflight: deque = deque()
         for i in range(plan.num_chunks):
             if len(inflight) == 2:
@@ -151,7 +168,7 @@ class SendChannel(PairChannel):
             view = direct_view(t.kv_caches, t.tokens, segs)
             if view is None:
                 view = gather(t.kv_caches, t.tokens, segs, self._buf(i % 2, plan.chunk_bytes))
-            inflight.append(group.isend(view, 0))
+            inflight.append(group.isend(view, TAG_PAYLOAD))
             with self.cond:
                 t.mark_wire(view.numel())
         head_op.wait(timeout)
@@ -166,7 +183,7 @@ class SendChannel(PairChannel):
                 if self.gen != gen or self.closed is not None:
                     return
             try:
-                group.irecv(buf, 1).wait(IDLE_WAIT_S)
+                group.irecv(buf, TAG_ACK).wait(IDLE_WAIT_S)
                 ack = Ack.unpack(buf)
             except (PairBroken, FramingError) as e:
                 self.break_pair(gen, f"ack receive failed: {e}")

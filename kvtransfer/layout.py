@@ -109,9 +109,14 @@ class Segment:
 
 
 class FramePlan:
-    """Chunking of a frame's payload: layers lo..hi-1, each K rows then V rows."""
+    """Chunking of a frame's payload: layers lo..hi-1, each K rows then V rows.
 
-    def __init__(self, layout: CacheLayout, num_tokens: int, layer_lo: int, layer_hi: int, chunk_bytes: int):
+    The first ``inline_rows`` rows ride in the head message; the rest go in chunks of
+    ``rows_per_chunk`` rows.
+    """
+
+    def __init__(self, layout: CacheLayout, num_tokens: int, layer_lo: int, layer_hi: int, chunk_bytes: int,
+                 inline_bytes: int = 0):
         self.row_bytes = layout.row_bytes
         self.num_tokens = num_tokens
         self.layer_lo, self.layer_hi = layer_lo, layer_hi
@@ -119,11 +124,11 @@ class FramePlan:
         self.rows_per_chunk = max(1, chunk_bytes // self.row_bytes)
         self.chunk_bytes = self.rows_per_chunk * self.row_bytes
         self.payload_nbytes = self.total_rows * self.row_bytes
+        self.inline_rows = min(self.total_rows, inline_bytes // self.row_bytes)
+        self.inline_nbytes = self.inline_rows * self.row_bytes
 
-    def chunk_segments(self, i: int) -> list[Segment]:
-        """The (layer, K|V, token range) pieces making up chunk i, in payload order."""
-        r = i * self.rows_per_chunk
-        end = min(r + self.rows_per_chunk, self.total_rows)
+    def segments(self, r: int, end: int) -> list[Segment]:
+        """The (layer, K|V, token range) pieces of payload rows r..end-1, in payload order."""
         out = []
         while r < end:
             seg, tok = divmod(r, self.num_tokens)
@@ -132,9 +137,17 @@ class FramePlan:
             r += take
         return out
 
+    def inline_segments(self) -> list[Segment]:
+        return self.segments(0, self.inline_rows)
+
+    def chunk_segments(self, i: int) -> list[Segment]:
+        """The pieces making up chunk i (after the inline rows)."""
+        r = self.inline_rows + i * self.rows_per_chunk
+        return self.segments(r, min(r + self.rows_per_chunk, self.total_rows))
+
     @property
     def num_chunks(self) -> int:
-        return -(-self.total_rows // self.rows_per_chunk)
+        return -(-(self.total_rows - self.inline_rows) // self.rows_per_chunk)
 
 
 def flat(t: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,14 @@
 """Wire format of a pair channel: fixed-size frame headers and acknowledgements.
 
-Lifecycle: for every frame the sender packs a ``FrameHeader`` into a 256-byte
-uint8 tensor and sends it before the frame's payload; the receiver unpacks it
-with ``FrameHeader.unpack`` before it posts any payload receive, so it never
-guesses a size. Every transfer the receiver has seen a frame of is answered by
-exactly one ``Ack`` (success or rejection) on the reverse tag.
+Lifecycle: for every frame the sender packs a ``FrameHeader`` into the first
+256 bytes of a fixed-size head message (``HEAD_MSG_BYTES``) on ``TAG_HEAD``;
+the rest of that message carries the first ``inline_nbytes`` of the payload,
+so a small frame is one message. The remaining payload follows in
+``chunk_bytes`` messages on ``TAG_PAYLOAD``. The receiver keeps a head receive
+posted at all times and unpacks each header before it posts any payload
+receive, so it never guesses a size. Every transfer the receiver has seen a
+frame of is answered by exactly one ``Ack`` (success or rejection) on
+``TAG_ACK``.
 
 Framing (what a receiver needs to stay in step: magic, version, kind, payload
 byte count and chunk size) is separated from meaning (request id, layers,
@@ -20,6 +24,10 @@ from dataclasses import dataclass
 import torch
 
 HEADER_BYTES = 256
+INLINE_BYTES = 32 << 10
+"""Payload bytes carried inside the head message itself."""
+HEAD_MSG_BYTES = HEADER_BYTES + INLINE_BYTES
+TAG_HEAD, TAG_ACK, TAG_PAYLOAD = 0, 1, 2
 ACK_BYTES = 256
 MAGIC = 0x4B565431  # "KVT1"
 ACK_MAGIC = 0x4B565441  # "KVTA"
@@ -49,8 +57,8 @@ _CODES = {v: k for k, v in _DTYPES.items()}
 
 # magic, version, kind, flags, transfer id, layer_lo, layer_hi, num_layers,
 # num_tokens, num_kv_heads, head_dim, dtype code, chunk_bytes, payload_nbytes,
-# request id length; then the request id bytes.
-_HEAD = struct.Struct("<IHHIQIIIIIIIQQH")
+# inline_nbytes, request id length; then the request id bytes.
+_HEAD = struct.Struct("<IHHIQIIIIIIIQQIH")
 _ACK = struct.Struct("<IIQIH")
 
 
@@ -92,6 +100,8 @@ class FrameHeader:
     chunk_bytes: int = 0
     """Payload is sent as messages of this many bytes (the last may be shorter)."""
     payload_nbytes: int = 0
+    inline_nbytes: int = 0
+    """The first payload bytes, carried in the head message after the header."""
     flags: int = 0
 
     @property
@@ -100,10 +110,11 @@ class FrameHeader:
         return bool(self.flags & FLAG_LAST)
 
     def chunks(self) -> list[int]:
-        """Byte sizes of the payload messages that follow this header."""
-        if self.payload_nbytes == 0:
+        """Byte sizes of the payload messages that follow the head message."""
+        rest = self.payload_nbytes - self.inline_nbytes
+        if rest <= 0:
             return []
-        n, rem = divmod(self.payload_nbytes, self.chunk_bytes)
+        n, rem = divmod(rest, self.chunk_bytes)
         return [self.chunk_bytes] * n + ([rem] if rem else [])
 
     def pack(self, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,23 +122,27 @@ class FrameHeader:
         rid = self.request_id.encode()
         if not rid or len(rid) > MAX_REQUEST_ID_BYTES:
             raise ValueError(f"request_id must be 1..{MAX_REQUEST_ID_BYTES} bytes of UTF-8, got {len(rid)}")
-        if self.payload_nbytes and self.chunk_bytes <= 0:
-            raise ValueError("chunk_bytes must be positive when there is a payload")
+        if self.payload_nbytes > self.inline_nbytes and self.chunk_bytes <= 0:
+            raise ValueError("chunk_bytes must be positive when the payload does not fit inline")
+        if not 0 <= self.inline_nbytes <= min(INLINE_BYTES, self.payload_nbytes):
+            raise ValueError(f"inline_nbytes must be in [0, min({INLINE_BYTES}, payload_nbytes)]")
         raw = _HEAD.pack(MAGIC, VERSION, self.kind, self.flags, self.transfer_id, self.layer_lo,
                          self.layer_hi, self.num_layers, self.num_tokens, self.num_kv_heads,
-                         self.head_dim, self.dtype, self.chunk_bytes, self.payload_nbytes, len(rid)) + rid
+                         self.head_dim, self.dtype, self.chunk_bytes, self.payload_nbytes, self.inline_nbytes,
+                         len(rid)) + rid
         buf = out if out is not None else torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        buf.zero_()
-        buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        head = buf[:HEADER_BYTES]
+        head.zero_()
+        head[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         return buf
 
     @classmethod
     def unpack(cls, buf: torch.Tensor) -> "FrameHeader":
         """Parse a received header; FramingError if it cannot be trusted to skip the payload."""
-        raw = bytes(buf.numpy().tobytes()) if buf.numel() == HEADER_BYTES else b""
-        if len(raw) != HEADER_BYTES:
+        if buf.numel() < HEADER_BYTES:
             raise FramingError(f"header must be {HEADER_BYTES} bytes, got {buf.numel()}")
-        (magic, version, kind, flags, tid, lo, hi, nl, nt, nh, hd, dt, chunk, nbytes,
+        raw = bytes(buf[:HEADER_BYTES].numpy().tobytes())
+        (magic, version, kind, flags, tid, lo, hi, nl, nt, nh, hd, dt, chunk, nbytes, inline,
          rid_len) = _HEAD.unpack_from(raw)
         if magic != MAGIC:
             raise FramingError(f"bad header magic 0x{magic:08x} (expected 0x{MAGIC:08x})")
@@ -135,7 +150,9 @@ class FrameHeader:
             raise FramingError(f"unsupported wire version {version} (this side speaks {VERSION})")
         if kind not in (KIND_DATA, KIND_ABORT):
             raise FramingError(f"unknown frame kind {kind}")
-        if nbytes and chunk <= 0:
+        if not 0 <= inline <= min(INLINE_BYTES, nbytes):
+            raise FramingError(f"inline_nbytes={inline} out of range for payload_nbytes={nbytes}")
+        if nbytes > inline and chunk <= 0:
             raise FramingError(f"frame has payload_nbytes={nbytes} but chunk_bytes={chunk}")
         if rid_len == 0 or rid_len > MAX_REQUEST_ID_BYTES:
             raise FramingError(f"bad request id length {rid_len}")
@@ -146,7 +163,7 @@ class FrameHeader:
             raise FramingError("request id is not UTF-8") from None
         return cls(kind=kind, transfer_id=tid, request_id=rid, layer_lo=lo, layer_hi=hi,
                    num_layers=nl, num_tokens=nt, num_kv_heads=nh, head_dim=hd, dtype=dt,
-                   chunk_bytes=chunk, payload_nbytes=nbytes, flags=flags)
+                   chunk_bytes=chunk, payload_nbytes=nbytes, inline_nbytes=inline, flags=flags)
 
 
 @dataclass

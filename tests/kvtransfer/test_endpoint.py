@@ -241,3 +241,21 @@ def test_corrupt_frame_breaks_pair_which_is_rebuilt(pair, monkeypatch):
     hs = p.send("d0", "next", src, [4, 5], 8, layers_ready=True)
     assert p.wait(hs, 5) == DONE and d.wait(hr, 5) == DONE
     assert token_checksum(src, [4, 5], 8) == token_checksum(dst, [2, 3], 8)
+
+
+def test_frames_larger_than_inline_go_in_chunks_and_arrive_intact(pair):
+    """1 KiB token rows: each layer is 200 KiB, so most of it travels in 4 KiB payload chunks."""
+    p, d = pair
+    src = make_cache(CacheSpec(num_layers=3, num_blocks=64, block_size=4, num_kv_heads=4, head_dim=64, seed=9))
+    dst = make_cache(CacheSpec(num_layers=3, num_blocks=40, block_size=6, num_kv_heads=4, head_dim=64))
+    sb = list(range(63, 38, -1))      # 25 blocks of 4, descending: contiguous only within a block
+    db = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 0, 1]  # 17 blocks of 6, mostly contiguous
+    hr = d.recv("p0", "big", dst, db, 100)
+    hs = p.send("d0", "big", src, sb, 100)
+    for layer in (0, 1, 2):
+        p.layer_ready(hs, layer)
+    assert p.wait(hs, 10) == DONE, p.failure(hs)
+    assert d.wait(hr, 10) == DONE, d.failure(hr)
+    assert token_checksum(src, sb, 100) == token_checksum(dst, db, 100)
+    assert untouched_except(dst, [(db, 100)])
+    assert d.stats(hr).num_bytes == 3 * 2 * 100 * 1024
