@@ -50,7 +50,7 @@ def _kv_geometry(nbytes: int) -> tuple[int, int, int]:
 
 
 def _cache(num_blocks: int, block_size: int, layers: int = LAYERS, heads: int = HEADS, dim: int = HEAD_DIM,
-           dtype=DTYPE, fill: bool = True):
+           dtype=DTYPE, fill: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
     mk = (lambda: torch.randn(num_blocks, block_size, heads, dim).to(dtype)) if fill else (
         lambda: torch.zeros(num_blocks, block_size, heads, dim, dtype=dtype))
     return [(mk(), mk()) for _ in range(layers)]
@@ -62,7 +62,8 @@ def _shuffled(n: int, seed: int) -> list[int]:
     return ids
 
 
-def receiver(conn, store_port: int, sizes: list[int], reps: int, threads: int) -> None:
+def receiver(conn, store_port: int, threads: int) -> None:
+    """The receiving process: answers one command per measured operation."""
     torch.set_num_threads(threads)
     from kvtransfer import KVEndpoint
 
@@ -73,141 +74,145 @@ def receiver(conn, store_port: int, sizes: list[int], reps: int, threads: int) -
     sock, _ = lsock.accept()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     ep = KVEndpoint("bench-d", f"tcp://127.0.0.1:{store_port}", timeout_s=120.0)
-    small = _cache(4, 16, layers=1, heads=1, dim=64, dtype=torch.float32, fill=False)
+    bufs: dict[int, torch.Tensor] = {}
+    caches: dict[tuple, list] = {}
+    pending = {}
+    one = torch.ones(1, dtype=torch.uint8)
     while True:
         cmd, *args = conn.recv()
         if cmd == "stop":
             break
-        if cmd == "raw":
-            n, count = args
-            buf = torch.empty(n, dtype=torch.uint8)
-            for _ in range(count + 1):
-                pg.recv([buf], 0, 0).wait()
-                pg.send([torch.ones(1, dtype=torch.uint8)], 0, 1).wait()
-            conn.send("ok")
+        if cmd == "raw":  # receive n bytes, reply 1 byte
+            (n,) = args
+            buf = bufs.setdefault(n, torch.empty(n, dtype=torch.uint8))
+            conn.send("ready")
+            pg.recv([buf], 0, 0).wait()
+            pg.send([one], 0, 1).wait()
         elif cmd == "tcp":
             (n,) = args
-            buf = bytearray(n)
-            view = memoryview(buf)
-            for _ in range(reps + 1):
-                got = 0
-                while got < n:
-                    got += sock.recv_into(view[got:], n - got)
-                sock.sendall(b"k")
-            conn.send("ok")
-        elif cmd == "kv":
-            (n,) = args
-            tokens, _, dst_blocks = _kv_geometry(n)
-            cache = _cache(dst_blocks, DST_BS, fill=False)
-            ids = _shuffled(dst_blocks, 2)
-            hs = [ep.recv("bench-p", f"kv-{n}-{i}", cache, ids, tokens) for i in range(reps + 1)]
-            conn.send("posted")
-            for h in hs:
-                ep.wait(h, 120)
-            conn.send([ep.poll(h).value for h in hs])
-            del cache
-        elif cmd == "small":
-            (count,) = args
-            hs = [ep.recv("bench-p", f"small-{i}", small, [1], 16) for i in range(count)]
-            conn.send("posted")
-            for h in hs:
-                ep.wait(h, 120)
-            conn.send("ok")
+            buf = bufs.setdefault(n, torch.empty(n, dtype=torch.uint8))
+            view = memoryview(buf.numpy())
+            conn.send("ready")
+            got = 0
+            while got < n:
+                got += sock.recv_into(view[got:], n - got)
+            sock.sendall(b"k")
+        elif cmd == "kv":  # post a receive; the sender times send() -> its DONE (our ack)
+            geom, rid, tokens, ids = args
+            cache = caches.get(geom)
+            if cache is None:
+                caches.clear()
+                cache = caches[geom] = _cache(*geom, fill=False)
+            pending[rid] = ep.recv("bench-p", rid, cache, ids, tokens)
+            conn.send("ready")
+        elif cmd == "check":
+            (rid,) = args
+            h = pending.pop(rid)
+            ep.wait(h, 120)
+            conn.send(ep.poll(h).value)
     ep.shutdown()
     sock.close()
     lsock.close()
 
 
-def _time(fn, reps: int) -> list[float]:
-    fn()  # warm-up (connections, allocations)
-    out = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256])
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--small-count", type=int, default=300)
+    ap.add_argument("--reps", type=int, default=5, help="measured rounds per size (after one warm-up round)")
+    ap.add_argument("--small-count", type=int, default=200)
     ap.add_argument("--chunk-mib", type=float, default=4.0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from kvtransfer import KVEndpoint, TransferState
     from rich.console import Console
     from rich.table import Table
 
-    sizes = [m << 20 for m in args.sizes_mib]
+    from kvtransfer import KVEndpoint, TransferState
+
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=receiver, args=(child_conn, store.port, sizes, args.reps, args.threads), daemon=True)
+    proc = ctx.Process(target=receiver, args=(child_conn, store.port, args.threads), daemon=True)
     proc.start()
-    results = {"sizes": [], "fixed": {}}
+    results: dict = {"sizes": [], "fixed": {}, "reps": args.reps, "chunk_mib": args.chunk_mib}
     try:
         pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, datetime.timedelta(seconds=120))
         sock = socket.create_connection(("127.0.0.1", conn.recv()))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         ep = KVEndpoint("bench-p", store, timeout_s=120.0, chunk_bytes=int(args.chunk_mib * (1 << 20)))
         ack = torch.empty(1, dtype=torch.uint8)
-        for n in sizes:
-            row = {"bytes": n}
-            src = torch.randint(0, 255, (n,), dtype=torch.uint8)
-            conn.send(("raw", n, args.reps))
-            t = _time(lambda: (pg.send([src], 1, 0).wait(), pg.recv([ack], 1, 1).wait()), args.reps)
-            assert conn.recv() == "ok"
-            row["gloo_raw_s"] = statistics.median(t)
-            payload = memoryview(src.numpy())
-            conn.send(("tcp", n))
-            t = _time(lambda: (sock.sendall(payload), sock.recv(1)), args.reps)
-            assert conn.recv() == "ok"
-            row["tcp_s"] = statistics.median(t)
-            del src, payload
-            tokens, src_blocks, _ = _kv_geometry(n)
-            cache = _cache(src_blocks, SRC_BS)
-            ids = _shuffled(src_blocks, 1)
-            conn.send(("kv", n))
-            assert conn.recv() == "posted"
-            it = iter(range(args.reps + 1))
+        seq = iter(range(1 << 30))
 
-            def one() -> None:
-                h = ep.send("bench-d", f"kv-{n}-{next(it)}", cache, ids, tokens)
-                for layer in range(LAYERS):
+        def raw(src: torch.Tensor) -> float:
+            conn.send(("raw", src.numel()))
+            assert conn.recv() == "ready"
+            t0 = time.perf_counter()
+            pg.send([src], 1, 0).wait()
+            pg.recv([ack], 1, 1).wait()
+            return time.perf_counter() - t0
+
+        def tcp(src: torch.Tensor) -> float:
+            conn.send(("tcp", src.numel()))
+            assert conn.recv() == "ready"
+            t0 = time.perf_counter()
+            sock.sendall(memoryview(src.numpy()))
+            sock.recv(1)
+            return time.perf_counter() - t0
+
+        def kv(cache, ids, tokens, dst_geom, dst_ids, per_layer: bool) -> float:
+            rid = f"kv-{next(seq)}"
+            conn.send(("kv", dst_geom, rid, tokens, dst_ids))
+            assert conn.recv() == "ready"
+            t0 = time.perf_counter()
+            h = ep.send("bench-d", rid, cache, ids, tokens, layers_ready=not per_layer)
+            if per_layer:
+                for layer in range(len(cache)):
                     ep.layer_ready(h, layer)
-                if ep.wait(h, 120) != TransferState.DONE:
-                    raise RuntimeError(ep.failure(h))
-            t = _time(one, args.reps)
-            states = conn.recv()
-            assert all(s == "done" for s in states), states
-            row["kv_s"] = statistics.median(t)
-            row["kv_bytes"] = tokens * LAYERS * 2 * ROW
+            state = ep.wait(h, 120)
+            dt = time.perf_counter() - t0
+            conn.send(("check", rid))
+            if state != TransferState.DONE or conn.recv() != "done":
+                raise RuntimeError(f"transfer {rid} failed: {ep.failure(h)}")
+            return dt
+
+        for mib in args.sizes_mib:
+            n = mib << 20
+            tokens, src_blocks, dst_blocks = _kv_geometry(n)
+            src = torch.randint(0, 255, (n,), dtype=torch.uint8)
+            cache = _cache(src_blocks, SRC_BS)
+            dst_geom = (dst_blocks, DST_BS)
+            order_s, order_d = list(range(src_blocks)), list(range(dst_blocks))
+            shuf_s, shuf_d = _shuffled(src_blocks, 1), _shuffled(dst_blocks, 2)
+            t: dict[str, list[float]] = {"gloo": [], "tcp": [], "kv_contig": [], "kv_shuffled": []}
+            for rep in range(args.reps + 1):  # interleaved, so load changes hit every method alike
+                sample = {"gloo": raw(src), "tcp": tcp(src),
+                          "kv_contig": kv(cache, order_s, tokens, dst_geom, order_d, True),
+                          "kv_shuffled": kv(cache, shuf_s, tokens, dst_geom, shuf_d, True)}
+                if rep:
+                    for k, v in sample.items():
+                        t[k].append(v)
+            kv_bytes = tokens * LAYERS * 2 * ROW
+            row = {"bytes": n, "kv_bytes": kv_bytes}
+            for k, v in t.items():
+                row[f"{k}_s"] = statistics.median(v)
+                row[f"{k}_gibps"] = (kv_bytes if k.startswith("kv") else n) / row[f"{k}_s"] / GIB
             results["sizes"].append(row)
-            del cache
+            del src, cache
         # fixed cost: one block of 16 tokens, one layer, 1 head x 64 fp32 = 8 KiB
         small = _cache(4, 16, layers=1, heads=1, dim=64, dtype=torch.float32)
-        conn.send(("small", args.small_count + 1))
-        assert conn.recv() == "posted"
-        it = iter(range(args.small_count + 1))
-
-        def tiny() -> None:
-            h = ep.send("bench-d", f"small-{next(it)}", small, [2], 16, layers_ready=True)
-            if ep.wait(h, 120) != TransferState.DONE:
-                raise RuntimeError(ep.failure(h))
-        t = _time(tiny, args.small_count)
-        assert conn.recv() == "ok"
-        results["fixed"]["kv_one_block_s"] = statistics.median(t)
         nb = 16 * 64 * 4 * 2
         buf = torch.ones(nb, dtype=torch.uint8)
-        conn.send(("raw", nb, args.small_count))
-        t = _time(lambda: (pg.send([buf], 1, 0).wait(), pg.recv([ack], 1, 1).wait()), args.small_count)
-        assert conn.recv() == "ok"
-        results["fixed"]["gloo_round_trip_s"] = statistics.median(t)
-        results["fixed"]["bytes"] = nb
+        kv_t, raw_t = [], []
+        for i in range(args.small_count + 1):
+            a = kv(small, [2], 16, (4, 16, 1, 1, 64, torch.float32), [1], False)
+            b = raw(buf)
+            if i:
+                kv_t.append(a)
+                raw_t.append(b)
+        results["fixed"] = {"bytes": nb, "kv_one_block_s": statistics.median(kv_t),
+                            "gloo_round_trip_s": statistics.median(raw_t),
+                            "kv_one_block_p90_s": sorted(kv_t)[int(0.9 * len(kv_t))]}
         conn.send(("stop",))
         ep.shutdown()
         sock.close()
@@ -217,17 +222,19 @@ def main() -> None:
             proc.kill()
             proc.join()
 
-    table = Table(title=f"kvtransfer vs raw links on loopback (median of {args.reps}; GiB/s)")
-    for col in ("payload", "gloo raw", "tcp socket", "kvtransfer", "kv / gloo"):
+    table = Table(title=f"kvtransfer vs raw links on loopback, GiB/s (median of {args.reps}, interleaved)")
+    for col in ("payload", "gloo raw", "tcp", "kv contig", "kv shuffled", "contig/gloo", "shuffled/gloo"):
         table.add_column(col, justify="right")
     for r in results["sizes"]:
-        g, s, k = r["bytes"] / r["gloo_raw_s"] / GIB, r["bytes"] / r["tcp_s"] / GIB, r["kv_bytes"] / r["kv_s"] / GIB
-        r.update(gloo_gibps=g, tcp_gibps=s, kv_gibps=k, kv_over_gloo=k / g)
-        table.add_row(f"{r['bytes'] >> 20} MiB", f"{g:.2f}", f"{s:.2f}", f"{k:.2f}", f"{k / g:.0%}")
-    Console().print(table)
+        g = r["gloo_gibps"]
+        table.add_row(f"{r['bytes'] >> 20} MiB", f"{g:.2f}", f"{r['tcp_gibps']:.2f}", f"{r['kv_contig_gibps']:.2f}",
+                      f"{r['kv_shuffled_gibps']:.2f}", f"{r['kv_contig_gibps'] / g:.0%}",
+                      f"{r['kv_shuffled_gibps'] / g:.0%}")
+    Console(width=130).print(table)
     f = results["fixed"]
-    print(f"fixed cost, one-block transfer ({f['bytes']} B): kvtransfer {f['kv_one_block_s'] * 1e3:.3f} ms "
-          f"(median of {args.small_count}); raw gloo send + 1-byte reply {f['gloo_round_trip_s'] * 1e3:.3f} ms")
+    print(f"fixed cost, one-block transfer ({f['bytes']} B): kvtransfer median {f['kv_one_block_s'] * 1e3:.3f} ms "
+          f"(p90 {f['kv_one_block_p90_s'] * 1e3:.3f} ms, n={args.small_count}); "
+          f"raw gloo send + 1-byte reply {f['gloo_round_trip_s'] * 1e3:.3f} ms")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)

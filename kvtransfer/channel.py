@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 3600.0
 """Listening waits on an idle pair: gloo closes the pair if they time out; it is rebuilt on use."""
+WINDOW = 4
+"""Payload messages in flight per frame: hides the wake-up latency of the thread that posts the next one
+(milliseconds on a loaded host); each side keeps this many staging buffers of chunk_bytes."""
 BACKSTOP_S = 2.0
 """Slack past a transfer's deadline for waits on its bytes; the reaper normally acts first."""
 

@@ -24,7 +24,7 @@ from collections import OrderedDict, deque
 
 import torch
 
-from kvtransfer.channel import BACKSTOP_S, IDLE_WAIT_S, PairChannel
+from kvtransfer.channel import BACKSTOP_S, IDLE_WAIT_S, WINDOW, PairChannel
 from kvtransfer.layout import FramePlan, direct_view, scatter
 from kvtransfer.transfer import Transfer, TransferState
 from kvtransfer.transport import PairBroken, PairGroup
@@ -51,7 +51,7 @@ class RecvChannel(PairChannel):
         self.acks: deque[Ack] = deque()
         self.live: dict[int, Transfer] = {}
         self.current_t: Transfer | None = None
-        self._staging: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2
+        self._staging: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * WINDOW
         super().__init__(ep, peer)
 
     # -- called by the endpoint, under its lock --------------------------------------------------
@@ -161,8 +161,7 @@ class RecvChannel(PairChannel):
         want = (hdr.layer_hi - hdr.layer_lo) * 2 * hdr.num_tokens * lay.row_bytes
         if hdr.payload_nbytes != want:
             return f"payload_nbytes {hdr.payload_nbytes} != {want} for this layer range"
-        rows = (hdr.layer_hi - hdr.layer_lo) * 2 * hdr.num_tokens
-        inline = min(rows, INLINE_BYTES // lay.row_bytes) * lay.row_bytes
+        inline = hdr.payload_nbytes if hdr.payload_nbytes <= INLINE_BYTES else 0
         if hdr.inline_nbytes != inline:
             return f"inline_nbytes {hdr.inline_nbytes} != {inline} for this frame"
         if hdr.chunk_bytes % lay.row_bytes:
@@ -174,6 +173,7 @@ class RecvChannel(PairChannel):
         t: Transfer | None = None
         ended: list[Transfer] = []
         acks: list[Ack] = []
+        completing: Transfer | None = None
         with self.cond:
             if tid in self.open:
                 t = self.open[tid]
@@ -208,19 +208,32 @@ class RecvChannel(PairChannel):
                 if t is not None and self.open.get(tid) is t:
                     t.layers_done.update(range(hdr.layer_lo, hdr.layer_hi))
                     if len(t.layers_done) == t.layout.num_layers:
+                        # DONE only once the sender has its ack: a receiver that shuts down right
+                        # after DONE must not leave the sender without an answer
                         del self.open[tid]
-                        t.complete()
                         self._answer(tid, ACK_OK, "", acks)
-                        ended.append(t)  # finished: hand to the endpoint's bookkeeping
+                        completing = t
                     elif hdr.last:
                         del self.open[tid]
                         t.fail(f"sender {self.peer!r} ended the transfer after {len(t.layers_done)} of "
                                f"{t.layout.num_layers} layers")
                         self._answer(tid, ACK_REJECTED, "transfer ended with layers missing", acks)
                         ended.append(t)
-        for ack in acks:
-            # sent from this thread: the sender's ack listener always has a receive posted
-            group.isend(ack.pack(), TAG_ACK).wait(self.ep.timeout_s + BACKSTOP_S)
+        try:
+            for ack in acks:
+                # sent from this thread: the sender's ack listener always has a receive posted
+                group.isend(ack.pack(), TAG_ACK).wait(self.ep.timeout_s + BACKSTOP_S)
+        except PairBroken as e:
+            if completing is not None:
+                with self.cond:
+                    completing.fail(f"all layers placed, but the acknowledgement to {self.peer!r} failed: {e}")
+                    self.live.pop(completing.transfer_id, None)
+                self.ep._finished(completing)
+            raise
+        if completing is not None:
+            with self.cond:
+                completing.complete()
+            ended.append(completing)
         for f in ended:
             with self.cond:
                 self.live.pop(f.transfer_id, None)
@@ -232,22 +245,23 @@ class RecvChannel(PairChannel):
         return self._staging[i][:nbytes]
 
     def _receive_payload(self, group: PairGroup, hdr: FrameHeader, head: torch.Tensor, t: Transfer | None) -> None:
-        sizes = hdr.chunks()
+        plan = FramePlan(hdr.row_bytes, hdr.num_tokens, hdr.layer_lo, hdr.layer_hi, hdr.chunk_bytes,
+                         hdr.inline_nbytes)
+        sizes = plan.sizes
         if t is None:  # drain
             for i, n in enumerate(sizes):
                 group.irecv(self._buf(i % 2, n), TAG_PAYLOAD).wait(self.ep.timeout_s + BACKSTOP_S)
             return
         timeout = max(t.deadline - time.monotonic(), 0.0) + BACKSTOP_S
-        plan = FramePlan(t.layout, hdr.num_tokens, hdr.layer_lo, hdr.layer_hi, hdr.chunk_bytes, hdr.inline_nbytes)
         inflight: deque = deque()
 
         def post(i: int) -> None:
             segs = plan.chunk_segments(i)
             view = direct_view(t.kv_caches, t.tokens, segs)
-            buf = None if view is not None else self._buf(i % 2, sizes[i])
+            buf = None if view is not None else self._buf(i % WINDOW, sizes[i])
             inflight.append((group.irecv(view if view is not None else buf, TAG_PAYLOAD), buf, segs))
 
-        for i in range(min(2, len(sizes))):
+        for i in range(min(WINDOW, len(sizes))):
             post(i)
         if plan.inline_rows:
             scatter(t.kv_caches, t.tokens, plan.inline_segments(), head[HEADER_BYTES:HEADER_BYTES + plan.inline_nbytes])
@@ -260,8 +274,8 @@ class RecvChannel(PairChannel):
                 scatter(t.kv_caches, t.tokens, segs, buf)
             with self.cond:
                 t.mark_wire(sizes[i])
-            if i + 2 < len(sizes):
-                post(i + 2)
+            if i + WINDOW < len(sizes):
+                post(i + WINDOW)
 
     def _gen_main(self, group: PairGroup, gen: int) -> None:
         """Sends the acks the reaper decides (deadline, cancel) while the channel thread waits on the wire."""

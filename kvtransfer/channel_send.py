@@ -22,7 +22,7 @@ from collections import deque
 
 import torch
 
-from kvtransfer.channel import BACKSTOP_S, IDLE_WAIT_S, PairChannel
+from kvtransfer.channel import BACKSTOP_S, IDLE_WAIT_S, WINDOW, PairChannel
 from kvtransfer.layout import FramePlan, direct_view, gather
 from kvtransfer.transfer import Transfer, TransferState
 from kvtransfer.transport import PairBroken, PairGroup
@@ -46,7 +46,7 @@ class SendChannel(PairChannel):
         self.unacked: dict[int, Transfer] = {}
         self.current_t: Transfer | None = None
         self._hdr = torch.empty(HEAD_MSG_BYTES, dtype=torch.uint8)
-        self._staging: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2
+        self._staging: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * WINDOW
         super().__init__(ep, peer)
 
     # -- called by the endpoint, under its lock --------------------------------------------------
@@ -148,7 +148,7 @@ class SendChannel(PairChannel):
             group.isend(hdr.pack(self._hdr), TAG_HEAD).wait(timeout)
             return
         lay = t.layout
-        plan = FramePlan(lay, t.tokens.num_tokens, lo, hi, self.ep.chunk_bytes, INLINE_BYTES)
+        plan = FramePlan(lay.row_bytes, t.tokens.num_tokens, lo, hi, self.ep.chunk_bytes, INLINE_BYTES)
         hdr = FrameHeader(KIND_DATA, t.transfer_id, t.request_id, lo, hi, lay.num_layers, t.tokens.num_tokens,
                           lay.num_kv_heads, lay.head_dim, dtype_code(lay.dtype), plan.chunk_bytes,
                           plan.payload_nbytes, plan.inline_nbytes, FLAG_LAST if last else 0)
@@ -161,13 +161,13 @@ class SendChannel(PairChannel):
             t.mark_wire(plan.inline_nbytes)
         inflight: deque = deque()
         for i in range(plan.num_chunks):
-            if len(inflight) == 2:
-                # the oldest send used staging buffer i % 2: it must be done before we refill it
+            if len(inflight) == WINDOW:
+                # the oldest send used staging buffer i % WINDOW: it must be done before we refill it
                 inflight.popleft().wait(timeout)
             segs = plan.chunk_segments(i)
             view = direct_view(t.kv_caches, t.tokens, segs)
             if view is None:
-                view = gather(t.kv_caches, t.tokens, segs, self._buf(i % 2, plan.chunk_bytes))
+                view = gather(t.kv_caches, t.tokens, segs, self._buf(i % WINDOW, plan.sizes[i]))
             inflight.append(group.isend(view, TAG_PAYLOAD))
             with self.cond:
                 t.mark_wire(view.numel())

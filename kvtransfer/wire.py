@@ -105,17 +105,15 @@ class FrameHeader:
     flags: int = 0
 
     @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's K (or V) in one layer, as the sender laid it out."""
+        dt = _DTYPES.get(self.dtype)
+        return self.num_kv_heads * self.head_dim * (dt.itemsize if dt is not None else 0)
+
+    @property
     def last(self) -> bool:
         """True on the last frame of a transfer (final data frame, or an abort)."""
         return bool(self.flags & FLAG_LAST)
-
-    def chunks(self) -> list[int]:
-        """Byte sizes of the payload messages that follow the head message."""
-        rest = self.payload_nbytes - self.inline_nbytes
-        if rest <= 0:
-            return []
-        n, rem = divmod(rest, self.chunk_bytes)
-        return [self.chunk_bytes] * n + ([rem] if rem else [])
 
     def pack(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """Serialize into a HEADER_BYTES uint8 tensor (``out`` if given)."""
@@ -124,8 +122,8 @@ class FrameHeader:
             raise ValueError(f"request_id must be 1..{MAX_REQUEST_ID_BYTES} bytes of UTF-8, got {len(rid)}")
         if self.payload_nbytes > self.inline_nbytes and self.chunk_bytes <= 0:
             raise ValueError("chunk_bytes must be positive when the payload does not fit inline")
-        if not 0 <= self.inline_nbytes <= min(INLINE_BYTES, self.payload_nbytes):
-            raise ValueError(f"inline_nbytes must be in [0, min({INLINE_BYTES}, payload_nbytes)]")
+        if self.inline_nbytes not in (0, self.payload_nbytes) or self.inline_nbytes > INLINE_BYTES:
+            raise ValueError(f"inline_nbytes must be 0 or the whole payload (at most {INLINE_BYTES})")
         raw = _HEAD.pack(MAGIC, VERSION, self.kind, self.flags, self.transfer_id, self.layer_lo,
                          self.layer_hi, self.num_layers, self.num_tokens, self.num_kv_heads,
                          self.head_dim, self.dtype, self.chunk_bytes, self.payload_nbytes, self.inline_nbytes,
@@ -150,8 +148,13 @@ class FrameHeader:
             raise FramingError(f"unsupported wire version {version} (this side speaks {VERSION})")
         if kind not in (KIND_DATA, KIND_ABORT):
             raise FramingError(f"unknown frame kind {kind}")
-        if not 0 <= inline <= min(INLINE_BYTES, nbytes):
-            raise FramingError(f"inline_nbytes={inline} out of range for payload_nbytes={nbytes}")
+        if inline not in (0, nbytes) or inline > INLINE_BYTES:
+            raise FramingError(f"inline_nbytes={inline} is neither 0 nor payload_nbytes={nbytes}")
+        elt = _DTYPES[dt].itemsize if dt in _DTYPES else 0
+        if kind == KIND_DATA and (elt == 0 or nbytes != (hi - lo) * 2 * nt * nh * hd * elt or hi < lo):
+            # without a trustworthy byte count the payload messages cannot even be drained
+            raise FramingError(f"payload_nbytes={nbytes} does not match layers [{lo}, {hi}), {nt} tokens, "
+                               f"{nh}x{hd} of dtype code {dt}")
         if nbytes > inline and chunk <= 0:
             raise FramingError(f"frame has payload_nbytes={nbytes} but chunk_bytes={chunk}")
         if rid_len == 0 or rid_len > MAX_REQUEST_ID_BYTES:

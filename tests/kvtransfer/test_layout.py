@@ -47,16 +47,28 @@ def test_token_rows_validation(blocks, n, match):
 
 def test_frame_plan_segments_cover_payload_in_order():
     lay = CacheLayout.of(_cache(layers=4))
-    plan = FramePlan(lay, num_tokens=7, layer_lo=1, layer_hi=3, chunk_bytes=lay.row_bytes * 5)
-    assert plan.chunk_bytes == 5 * lay.row_bytes and plan.payload_nbytes == 2 * 2 * 7 * lay.row_bytes
+    plan = FramePlan(lay.row_bytes, num_tokens=7, layer_lo=1, layer_hi=3, chunk_bytes=lay.row_bytes * 5)
+    assert plan.payload_nbytes == 2 * 2 * 7 * lay.row_bytes and plan.inline_rows == 0
+    # 7-token segments with 5-row chunks: every segment is cut 5 + 2, never across segments
+    assert plan.sizes == [5 * lay.row_bytes, 2 * lay.row_bytes] * 4
     seen = []
     for i in range(plan.num_chunks):
         segs = plan.chunk_segments(i)
-        assert sum(s.tok_hi - s.tok_lo for s in segs) <= 5
+        assert len(segs) == 1
         for s in segs:
             seen += [(s.layer, s.kv, p) for p in range(s.tok_lo, s.tok_hi)]
     # payload order: layer 1 K rows 0..6, layer 1 V rows, layer 2 K, layer 2 V
     assert seen == [(l, kv, p) for l in (1, 2) for kv in (0, 1) for p in range(7)]
+
+
+def test_frame_plan_packs_small_segments_and_inlines_small_payloads():
+    row = 100
+    plan = FramePlan(row, num_tokens=3, layer_lo=0, layer_hi=4, chunk_bytes=1000)  # 8 segments of 300 B
+    assert plan.sizes == [900, 900, 600]  # three segments a message, then the last two
+    assert [len(plan.chunk_segments(i)) for i in range(3)] == [3, 3, 2]
+    tiny = FramePlan(row, num_tokens=3, layer_lo=0, layer_hi=4, chunk_bytes=1000, inline_bytes=2400)
+    assert tiny.inline_rows == 24 and tiny.sizes == []
+    assert FramePlan(row, 3, 0, 4, 1000, inline_bytes=2399).inline_rows == 0
 
 
 @pytest.mark.parametrize("src_bs,dst_bs", [(4, 4), (4, 3), (5, 8), (16, 1)])
@@ -69,8 +81,8 @@ def test_gather_scatter_moves_tokens_between_block_sizes(src_bs, dst_bs):
     s_lay, d_lay = CacheLayout.of(src), CacheLayout.of(dst)
     s_tok = TokenRows(s_lay, src_blocks, n, "src")
     d_tok = TokenRows(d_lay, dst_blocks, n, "dst")
-    plan = FramePlan(s_lay, n, 0, 3, chunk_bytes=s_lay.row_bytes * 4)
-    staging = torch.empty(plan.chunk_bytes, dtype=torch.uint8)
+    plan = FramePlan(s_lay.row_bytes, n, 0, 3, chunk_bytes=s_lay.row_bytes * 4)
+    staging = torch.empty(max(plan.sizes), dtype=torch.uint8)
     for i in range(plan.num_chunks):
         segs = plan.chunk_segments(i)
         data = gather(src, s_tok, segs, staging).clone()
@@ -87,7 +99,12 @@ def test_direct_view_only_for_contiguous_rows():
     cache = _cache(layers=1, blocks=6, bs=4)
     lay = CacheLayout.of(cache)
     tok = TokenRows(lay, [2, 3, 0], 10, "src")  # rows 8..15 contiguous, then 0..1
-    plan = FramePlan(lay, 10, 0, 1, chunk_bytes=lay.row_bytes * 8)
+    plan = FramePlan(lay.row_bytes, 10, 0, 1, chunk_bytes=lay.row_bytes * 8)
     v = direct_view(cache, tok, plan.chunk_segments(0))
     assert v is not None and torch.equal(v.view(torch.float32), cache[0][0][2:4].reshape(-1))
-    assert direct_view(cache, tok, plan.chunk_segments(1)) is None  # spans K tail and V head
+    v = direct_view(cache, tok, plan.chunk_segments(1))  # tokens 8, 9 of K: block 0 rows 0..1
+    assert v is not None and torch.equal(v.view(torch.float32), cache[0][0][0, :2].reshape(-1))
+    tok = TokenRows(lay, [3, 2, 0], 10, "src")  # rows 12..15 then 8..11: not one stretch
+    assert direct_view(cache, tok, plan.chunk_segments(0)) is None
+    packed = FramePlan(lay.row_bytes, 10, 0, 1, chunk_bytes=lay.row_bytes * 20)  # K and V in one message
+    assert direct_view(cache, TokenRows(lay, [2, 3, 0], 10, "src"), packed.chunk_segments(0)) is None

@@ -9,9 +9,10 @@ from kvtransfer.wire import (ACK_REJECTED, FLAG_LAST, HEADER_BYTES, KIND_ABORT, 
 
 
 def _header(**kw) -> FrameHeader:
+    # layers 2..4, 100 tokens, 8 heads x 128 bf16: 3 * 2 * 100 * 2048 bytes
     base = dict(kind=KIND_DATA, transfer_id=(7 << 40) + 3, request_id="req-é-1", layer_lo=2, layer_hi=5,
-                num_layers=24, num_tokens=1000, num_kv_heads=8, head_dim=128, dtype=dtype_code(torch.bfloat16),
-                chunk_bytes=4096, payload_nbytes=10_000, flags=FLAG_LAST)
+                num_layers=24, num_tokens=100, num_kv_heads=8, head_dim=128, dtype=dtype_code(torch.bfloat16),
+                chunk_bytes=4096, payload_nbytes=3 * 2 * 100 * 2048, flags=FLAG_LAST)
     base.update(kw)
     return FrameHeader(**base)
 
@@ -22,9 +23,7 @@ def test_header_round_trip_is_fixed_size():
     assert buf.dtype == torch.uint8 and buf.numel() == HEADER_BYTES
     back = FrameHeader.unpack(buf)
     assert back == h and back.last
-    assert code_dtype(back.dtype) is torch.bfloat16
-    # the payload is 10_000 bytes in 4096-byte messages: two full, one of the rest
-    assert back.chunks() == [4096, 4096, 1808]
+    assert code_dtype(back.dtype) is torch.bfloat16 and back.row_bytes == 2048
     # first bytes are the little-endian magic, so a hex dump of a frame is recognisable
     assert struct.unpack("<I", bytes(buf[:4].tolist()))[0] == MAGIC
 
@@ -32,7 +31,7 @@ def test_header_round_trip_is_fixed_size():
 def test_abort_header_has_no_payload():
     h = FrameHeader(KIND_ABORT, 5, "r", flags=FLAG_LAST)
     back = FrameHeader.unpack(h.pack())
-    assert back.kind == KIND_ABORT and back.chunks() == []
+    assert back.kind == KIND_ABORT and back.payload_nbytes == 0
 
 
 @pytest.mark.parametrize("offset,value,match", [
@@ -53,6 +52,14 @@ def test_payload_without_chunk_size_is_refused():
     struct.pack_into("<Q", raw, 4 + 2 + 2 + 4 + 8 + 4 * 7, 0)  # chunk_bytes field -> 0
     with pytest.raises(FramingError, match="chunk_bytes"):
         FrameHeader.unpack(torch.frombuffer(raw, dtype=torch.uint8))
+
+
+def test_payload_size_must_match_the_shape_fields():
+    # a byte count that disagrees with layers x tokens x heads x head_dim cannot be drained safely
+    with pytest.raises(FramingError, match="payload_nbytes"):
+        FrameHeader.unpack(_header(payload_nbytes=12345).pack())
+    with pytest.raises(FramingError, match="dtype code 99"):
+        FrameHeader.unpack(_header(dtype=99).pack())
 
 
 def test_request_id_limits_raise_value_error():
