@@ -121,6 +121,11 @@ def test_two_pdserve_up_side_by_side_serve_and_sigterm_leaves_nothing(redis_url)
         r = subprocess.run([*_pdserve(), "generate", "def main():", "--target", a.router, "--max-tokens", "8",
                             "--temperature", "0"], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and r.stdout == ref[1] + "\n", (r.stdout, r.stderr)
+        # `pdserve bench` (loadtest) against cluster B: every request completes.
+        r = subprocess.run([*_pdserve(), "bench", "--target", b.router, "--num-prompts", "6", "--input-len", "24",
+                            "--output-len", "4"], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+        assert re.search(r"Successful requests\D+6\b", r.stdout), r.stdout[-2000:]
         reg_b = Registry(redis_url, ns_b)
         assert {w.role for w in reg_b.list()} == {"colocated"}
 
