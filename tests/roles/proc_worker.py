@@ -22,6 +22,11 @@ def run_worker(role: str, worker_id: str, kv_store: str, engine_kw: dict, ready_
 
             w = PrefillWorker(PrefillWorkerConfig(worker_id, engine=engine_config(**engine_kw), kv_store=kv_store,
                                                   serve_metrics=False, transfer_timeout_s=20.0))
+        elif role == "colocated":
+            from decode_worker import ColocatedWorker, ColocatedWorkerConfig
+
+            w = ColocatedWorker(ColocatedWorkerConfig(worker_id, engine=engine_config(**engine_kw),
+                                                      serve_metrics=False))
         else:
             from decode_worker import DecodeWorker, DecodeWorkerConfig
 
