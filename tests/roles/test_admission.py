@@ -125,3 +125,29 @@ def test_dead_prefill_worker_before_first_token_retries_on_another():
         assert roles.decodes[0].info().num_free_blocks == roles.decodes[0].info().num_total_blocks
     finally:
         roles.close()
+
+
+def test_kv_transfer_failure_after_first_token_is_unavailable_and_frees():
+    # the registry names the wrong KV endpoint for the prefill worker: the decode worker waits for
+    # KV from "ghost", the prefill worker's send is rejected -> an error, never a hang
+    roles = start_roles(kv=KV, tag="kvfail-", transfer_timeout_s=3.0)
+    try:
+        p = roles.prefills[0]
+        bad = p.info()
+        bad.kv_name = "ghost"
+        roles.source.remove_where(p.cfg.worker_id)
+        roles.source.add(bad)
+        t = time.monotonic()
+        s = roles.stub.Generate(pdserve_pb2.GenerateRequest(prompt="def f(x):", max_tokens=8, temperature=0.0,
+                                                            request_id="req-kv"), timeout=30)
+        got = []
+        with pytest.raises(grpc.RpcError) as ei:
+            for r in s:
+                got.append(r)
+        assert time.monotonic() - t < 8
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, ei.value
+        assert "req-kv" in ei.value.details()
+        assert sum(len(r.token_ids) for r in got) <= 1  # at most the first token reached the client
+        assert roles.wait_idle(4.0), [w.info() for w in roles.prefills + roles.decodes]
+    finally:
+        roles.close()
