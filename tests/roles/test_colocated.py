@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
