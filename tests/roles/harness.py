@@ -84,7 +84,7 @@ def make_store(kv: str = KV) -> Any:
 
 def start_roles(kv: str = KV, n_prefill: int = 1, n_decode: int = 1, engine: Optional[dict] = None,
                 decode_engine: Optional[dict] = None, router: Optional[dict] = None,
-                transfer_timeout_s: float = 10.0, tag: str = "") -> Roles:
+                transfer_timeout_s: float = 10.0, tag: str = "", metrics: bool = False) -> Roles:
     P, D = PrefillWorker, DecodeWorker
     store = make_store(kv)
     backend = kv
@@ -93,14 +93,14 @@ def start_roles(kv: str = KV, n_prefill: int = 1, n_decode: int = 1, engine: Opt
         for i in range(n_prefill):
             prefills.append(P(PrefillWorkerConfig(f"{tag}p{i}", engine=engine_config(**(engine or {})), kv_store=store,
                                                   kv_backend=backend, transfer_timeout_s=transfer_timeout_s,
-                                                  serve_metrics=False)).start())
+                                                  serve_metrics=metrics)).start())
         for i in range(n_decode):
             decodes.append(D(DecodeWorkerConfig(f"{tag}d{i}", engine=engine_config(**(decode_engine or engine or {})),
                                                 kv_store=store, kv_backend=backend,
                                                 transfer_timeout_s=transfer_timeout_s,
-                                                serve_metrics=False)).start())
+                                                serve_metrics=metrics)).start())
         source = StaticWorkerSource([w.info for w in [*prefills, *decodes]])
-        r = RouterServer(RouterConfig(serve_metrics=False, **(router or {})), source).start()
+        r = RouterServer(RouterConfig(serve_metrics=metrics, **(router or {})), source).start()
     except BaseException:
         for w in [*prefills, *decodes]:
             w.stop()
@@ -117,7 +117,7 @@ def start_colocated(n: int = 1, engine: Optional[dict] = None, router: Optional[
     try:
         for i in range(n):
             workers.append(ColocatedWorker(ColocatedWorkerConfig(f"{tag}c{i}", engine=engine_config(**(engine or {})),
-                                                                 serve_metrics=False)).start())
+                                                                 serve_metrics=metrics)).start())
         source = StaticWorkerSource([w.info for w in workers])
         r = RouterServer(RouterConfig(serve_metrics=False, mode="colocated", **(router or {})), source).start()
     except BaseException:
