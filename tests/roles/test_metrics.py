@@ -1,6 +1,8 @@
 """Each role serves Prometheus /metrics on its own free port and records its part of a request."""
 from __future__ import annotations
 
+import threading
+import time
 import urllib.request
 
 import torch
@@ -43,3 +45,6 @@ def test_router_and_workers_export_their_series():
         assert _total(d, "pdserve:inter_token_latency_seconds_count") == 2 * 4  # tokens 2..5 of each request
     finally:
         roles.close()
+    # nothing of these workers keeps running: engine loops, gRPC and KV channel threads are gone
+    time.sleep(0.2)
+    assert [t.name for t in threading.enumerate() if "met-" in t.name and t.is_alive()] == []
