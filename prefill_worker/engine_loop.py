@@ -28,12 +28,14 @@ class EngineLoop:
 
     def __init__(self, engine: Any, name: str, on_outputs: Callable[[list[CoreOutput]], None],
                  poll: Optional[Callable[[], bool]] = None, idle_wait_s: float = 0.05,
-                 busy_poll_s: float = 0.001) -> None:
-        """``poll()`` returns True while it has pending work (then the loop waits only ``busy_poll_s``)."""
+                 busy_poll_s: float = 0.001, on_death: Optional[Callable[[BaseException], None]] = None) -> None:
+        """``poll()`` returns True while it has pending work (then the loop waits only ``busy_poll_s``);
+        ``on_death(exc)`` runs on the loop thread if an engine step (or a hook) raises."""
         self.engine = engine
         self.name = name
         self._on_outputs = on_outputs
         self._poll = poll
+        self._on_death = on_death
         self._idle_wait_s = idle_wait_s
         self._busy_poll_s = busy_poll_s
         self._cmds: "queue.SimpleQueue[tuple[Callable[[Any], Any], Optional[Future]]]" = queue.SimpleQueue()
@@ -125,6 +127,8 @@ class EngineLoop:
         except BaseException as e:
             self.error = e
             log.exception("%s: engine loop died", self.name)
+            if self._on_death is not None:
+                self._on_death(e)
         finally:
             self._stop.set()
             self._fail_pending()

@@ -84,7 +84,8 @@ class WorkerBase:
         if self.cfg.serve_metrics:
             self.metrics_address, self._metrics_stop = self.metrics.serve(host=self.cfg.host, port=0)
         self.setup_engine(self.engine)
-        self.loop = EngineLoop(self.engine, f"{self.role}-{self.cfg.worker_id}", self.on_outputs, self._poll)
+        self.loop = EngineLoop(self.engine, f"{self.role}-{self.cfg.worker_id}", self.on_outputs, self._poll,
+                               on_death=lambda _e: self._serving.set_serving(False))
         self._snapshot(self.engine)
         self.loop.start()
         self._ready = True

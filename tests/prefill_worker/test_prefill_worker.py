@@ -113,3 +113,43 @@ def test_reflection_lists_services():
         assert {"pdserve.internal.v1.PrefillWorker", "grpc.health.v1.Health"} <= names
     finally:
         w.stop()
+
+
+def test_engine_loop_death_fails_requests_and_flips_health():
+    from prefill_worker.engine_loop import EngineLoop
+
+    class Boom:
+        def has_unfinished_requests(self):
+            return True
+
+        def step(self):
+            raise RuntimeError("device lost")
+
+    died = []
+    loop = EngineLoop(Boom(), "boom", on_outputs=lambda outs: None, on_death=died.append)
+    loop.start()
+    loop._thread.join(5)
+    assert not loop.alive and isinstance(loop.error, RuntimeError) and died == [loop.error]
+    with pytest.raises(RuntimeError, match="not running"):
+        loop.call(lambda e: 1)
+
+
+def test_engine_loop_runs_commands_in_its_thread_and_reports_errors():
+    import threading as th
+
+    from prefill_worker.engine_loop import EngineLoop
+
+    class Idle:
+        def has_unfinished_requests(self):
+            return False
+
+    loop = EngineLoop(Idle(), "idle", on_outputs=lambda outs: None)
+    loop.start()
+    try:
+        assert loop.call(lambda e: th.current_thread().name) == "idle-engine"
+        with pytest.raises(ValueError, match="bad"):
+            loop.call(lambda e: (_ for _ in ()).throw(ValueError("bad")))
+        assert loop.alive  # a failing command does not kill the loop
+    finally:
+        loop.stop()
+    assert not loop.alive
