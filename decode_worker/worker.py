@@ -8,7 +8,8 @@ Lifecycle of one request (state on the loop thread in ``self.requests``):
    sees the receive DONE, then ``engine.add_prefilled_request`` puts it in the running batch.
    A FAILED receive (deadline, peer lost, cancelled) ends the stream with UNAVAILABLE.
 3. Each ``engine.step()`` output goes to the handler as a DecodeChunk; the last carries the
-   finish reason. A Decode that never comes is freed after ``reserve_timeout_s``.
+   finish reason. A Decode that never comes is freed after ``reserve_timeout_s`` (or the
+   receive deadline plus a margin, when longer).
 An abort (RPC, cancelled stream) cancels the receive and frees the blocks at any stage.
 """
 from __future__ import annotations
@@ -43,6 +44,7 @@ class _DecodeReq:
     params: Any
     handle: Any
     reserved_at: float = field(default_factory=time.monotonic)
+    expires_at: float = 0.0  # a reservation with no Decode call by then is freed
     out: Optional["queue.Queue"] = None  # set by Decode
     first_token_id: int = -1
     first_logprob: Any = None
@@ -79,8 +81,12 @@ class DecodeWorker(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                 params = wire_to_params(request.params)
             except ValueError as e:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"params: {e} (request {rid})") from None
+            if request.kv_timeout_s < 0:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"kv_timeout_s must be >= 0, got {request.kv_timeout_s} (request {rid})")
+            kv_timeout = request.kv_timeout_s or self.cfg.transfer_timeout_s
             blocks = self.loop.call(lambda eng: self._reserve(eng, rid, list(request.prompt_token_ids),
-                                                              params, request.prefill_kv_name))
+                                                              params, request.prefill_kv_name, kv_timeout))
         except RequestError as e:
             context.abort(e.code, e.message)
         return worker_pb2.ReserveResponse(block_ids=blocks, block_size=self.engine.block_size,
@@ -100,7 +106,8 @@ class DecodeWorker(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         yield from self.stream_events(rid, out, context, lambda ch: ch.finish_reason != "")
 
     # ---- loop thread ----------------------------------------------------------------
-    def _reserve(self, eng: Any, rid: str, prompt: list[int], params: Any, peer: str) -> list[int]:
+    def _reserve(self, eng: Any, rid: str, prompt: list[int], params: Any, peer: str,
+                 kv_timeout_s: float) -> list[int]:
         if rid in self.requests:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already reserved here")
         try:
@@ -113,12 +120,15 @@ class DecodeWorker(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                                f"{len(prompt)} tokens (free {eng.num_free_blocks}) (request {rid})")
         try:
             handle = self.kv.recv(peer, rid, eng.kv_caches, blocks, len(prompt),
-                                  deadline_s=self.cfg.transfer_timeout_s)
+                                  deadline_s=kv_timeout_s)
         except Exception as e:  # a bad peer name or a broken endpoint: free the blocks again
             eng.abort_request(rid)
             code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, ValueError) else grpc.StatusCode.UNAVAILABLE
             raise RequestError(code, f"kv recv: {e} (request {rid})") from None
-        self.requests[rid] = _DecodeReq(rid, prompt, params, handle)
+        req = _DecodeReq(rid, prompt, params, handle)
+        # the router calls Decode only after the KV arrived, so wait at least that long for it
+        req.expires_at = req.reserved_at + max(self.cfg.reserve_timeout_s, kv_timeout_s + 5.0)
+        self.requests[rid] = req
         return list(blocks)
 
     def _activate(self, rid: str, first_token: int, first_logprob: Any, out: "queue.Queue") -> None:
@@ -137,7 +147,7 @@ class DecodeWorker(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
     def poll(self) -> bool:
         now = time.monotonic()
         for req in list(self.requests.values()):
-            if req.failure is not None and now - req.reserved_at > self.cfg.reserve_timeout_s:
+            if req.failure is not None and now > req.expires_at:
                 self.requests.pop(req.request_id, None)
             if req.running or req.failure is not None:
                 continue
@@ -155,9 +165,10 @@ class DecodeWorker(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                 req.running = True
                 req.last_token_at = now
                 req.out.put(worker_pb2.DecodeChunk(kv_wait_s=now - req.decode_called_at))
-            elif req.out is None and now - req.reserved_at > self.cfg.reserve_timeout_s:
+            elif req.out is None and now > req.expires_at:
                 self._fail(req, grpc.StatusCode.DEADLINE_EXCEEDED,
-                           f"request {req.request_id}: no Decode call within {self.cfg.reserve_timeout_s} s")
+                           f"request {req.request_id}: no Decode call within "
+                           f"{req.expires_at - req.reserved_at:.1f} s of its reservation")
         self.kv.take_completed()
         return any(not r.running and r.failure is None for r in self.requests.values())
 
@@ -184,7 +195,7 @@ class DecodeWorker(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             self.requests.pop(req.request_id, None)
             req.out.put(err)
         else:
-            # keep the record so the coming Decode call learns why (dropped after reserve_timeout_s)
+            # keep the record so the coming Decode call learns why (dropped at expires_at)
             req.failure = err
 
     def _free(self, req: _DecodeReq) -> None:

@@ -94,16 +94,18 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_kv_name")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_kv_name", "kv_timeout_s")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_KV_NAME_FIELD_NUMBER: _ClassVar[int]
+    KV_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: WireSamplingParams
     prefill_kv_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WireSamplingParams, _Mapping]] = ..., prefill_kv_name: _Optional[str] = ...) -> None: ...
+    kv_timeout_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WireSamplingParams, _Mapping]] = ..., prefill_kv_name: _Optional[str] = ..., kv_timeout_s: _Optional[float] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("block_ids", "block_size", "kv_name")

@@ -131,7 +131,9 @@ class DisaggregatedFlow:
             try:
                 resp = deps.clients.decode(d.grpc_address).Reserve(
                     worker_pb2.ReserveRequest(request_id=self.rid, prompt_token_ids=self.req.prompt_token_ids,
-                                              params=params_to_wire(self.req.params), prefill_kv_name=p.kv_name),
+                                              params=params_to_wire(self.req.params), prefill_kv_name=p.kv_name,
+                                              kv_timeout_s=self._remaining(deps.cfg.first_token_timeout_s
+                                                                           + deps.cfg.transfer_timeout_s)),
                     timeout=self._remaining(deps.cfg.reserve_timeout_s))
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -26,16 +26,17 @@ def _threads():
 @pytest.fixture(scope="module")
 def worker():
     w = DecodeWorker(DecodeWorkerConfig("dw0", engine=engine_config(num_kv_blocks=8), kv_store=make_store(),
-                                        serve_metrics=False, reserve_timeout_s=0.5)).start()
+                                        serve_metrics=False)).start()
     ch = grpc.insecure_channel(w.address)
     yield w, worker_pb2_grpc.DecodeWorkerStub(ch)
     ch.close()
     w.stop()
 
 
-def _reserve(stub, rid, n):
+def _reserve(stub, rid, n, kv_timeout_s=0.0):
     return stub.Reserve(worker_pb2.ReserveRequest(request_id=rid, prompt_token_ids=[1] * n, params=PARAMS,
-                                                  prefill_kv_name="some-prefill"), timeout=10)
+                                                  prefill_kv_name="some-prefill", kv_timeout_s=kv_timeout_s),
+                        timeout=10)
 
 
 def test_reserve_abort_and_capacity(worker):
@@ -74,14 +75,35 @@ def test_bad_reserve_and_unknown_decode(worker):
     assert w.info().num_free_blocks == 8
 
 
-def test_reservation_without_decode_expires(worker):
+def test_reservation_whose_kv_never_comes_is_freed_and_decode_learns_why(worker):
     w, stub = worker
-    _reserve(stub, "orphan", 20)
+    _reserve(stub, "orphan", 20, kv_timeout_s=0.5)
     assert w.info().num_free_blocks == 6
     end = time.monotonic() + 3
     while w.info().num_free_blocks != 8 and time.monotonic() < end:
         time.sleep(0.02)
     assert w.info().num_free_blocks == 8
+    with pytest.raises(grpc.RpcError) as ei:
+        list(stub.Decode(worker_pb2.DecodeRequest(request_id="orphan", first_token_id=3), timeout=10))
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "orphan" in ei.value.details()
+    with pytest.raises(grpc.RpcError) as ei:
+        _reserve(stub, "neg", 4, kv_timeout_s=-1)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_timeout_s" in ei.value.details()
+
+
+def test_reservation_lives_as_long_as_its_receive_deadline():
+    w = DecodeWorker(DecodeWorkerConfig("dw1", engine=engine_config(num_kv_blocks=8), kv_store=make_store(),
+                                        serve_metrics=False, reserve_timeout_s=0.3)).start()
+    try:
+        with grpc.insecure_channel(w.address) as ch:
+            stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+            _reserve(stub, "late", 20, kv_timeout_s=60.0)
+            assert w.info().num_free_blocks == 6
+            time.sleep(0.5)
+            assert w.info().num_free_blocks == 6  # the KV may still come: the receive deadline rules
+            assert "late" in w.requests
+    finally:
+        w.stop()
 
 
 def test_drain_finishes_inflight_request_while_not_serving():
