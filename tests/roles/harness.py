@@ -110,7 +110,7 @@ def start_roles(kv: str = KV, n_prefill: int = 1, n_decode: int = 1, engine: Opt
 
 
 def start_colocated(n: int = 1, engine: Optional[dict] = None, router: Optional[dict] = None,
-                    tag: str = "") -> Roles:
+                    tag: str = "", metrics: bool = False) -> Roles:
     from decode_worker import ColocatedWorker, ColocatedWorkerConfig
 
     workers = []
