@@ -180,7 +180,8 @@ class WorkerBase:
                     raise RequestError(grpc.StatusCode.INTERNAL,
                                        f"{self.role} worker {self.cfg.worker_id}: engine loop stopped "
                                        f"(request {request_id})")
-                if not context.is_active():
+                if not context.is_active():  # the caller went away: free what the request holds
+                    self.loop.post(lambda e: self.abort(request_id))
                     return
                 continue
             if isinstance(item, RequestError):
