@@ -32,129 +32,21 @@ import os
 import shutil
 import tempfile
 import threading
-import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import psutil
 import ray
 
+from cluster.config import POOLS, ClusterConfig, build_role_worker, build_router
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from cluster.registry import Registry, WorkerInfo
 from cluster.worker_actor import WorkerActor, WorkerSpec, actor_options
 
 log = logging.getLogger(__name__)
 
-POOLS = ("prefill", "decode", "colocated")
-
-
-@dataclass
-class ClusterConfig:
-    """How to run one cluster."""
-
-    model: str = "tiny"
-    """Model every worker serves: "tiny", "bench" or a Hugging Face directory."""
-    num_prefill: int = 1
-    """Prefill workers at start."""
-    num_decode: int = 1
-    """Decode workers at start."""
-    num_colocated: int = 0
-    """Colocated workers (prefill and decode in one engine); > 0 runs the router in colocated mode."""
-    router_host: str = "127.0.0.1"
-    """Interface of the public gRPC server."""
-    router_port: int = 0
-    """Public gRPC port; 0 picks a free one."""
-    redis_url: Optional[str] = None
-    """External Redis; None starts a private embedded one."""
-    ray_address: Optional[str] = None
-    """Ray to join ("auto", "host:port", "ray://..."); None uses this process's Ray or starts a local one."""
-    namespace: Optional[str] = None
-    """Registry/kvtransfer namespace; None makes a unique one."""
-    worker_host: Optional[str] = None
-    """Interface workers bind; None: loopback on a local Ray, the node IP on a joined one."""
-    cpus_per_worker: float = 1.0
-    """Ray CPUs per worker actor (also its torch thread count)."""
-    ray_num_cpus: Optional[int] = None
-    """Logical CPUs of a locally started Ray; None: enough for the pools plus headroom to scale."""
-    engine_overrides: dict = field(default_factory=dict)
-    """Extra engine.config.EngineConfig fields for every worker (e.g. num_kv_blocks, max_num_seqs)."""
-    router_overrides: dict = field(default_factory=dict)
-    """Extra router.config.RouterConfig fields."""
-    ttl_s: float = 3.0
-    """Registry TTL: a silent worker leaves routing after this long."""
-    heartbeat_interval_s: float = 1.0
-    """Seconds between worker heartbeats."""
-    start_timeout_s: float = 300.0
-    """Deadline for a worker actor to be placed, load its model and register."""
-    drain_timeout_s: float = 30.0
-    """How long a removed worker may take to finish its in-flight requests."""
-    worker_factory: Optional[Callable[..., Any]] = None
-    """Role builder ``(role, worker_id, cfg, node_ip, node_id) -> RoleWorker``; None builds the real roles."""
-    router_factory: Optional[Callable[..., Any]] = None
-    """Router builder ``(cfg, registry) -> router`` with start()/stop()/address; None builds router.RouterServer.
-    Pass ``False`` for no router (pool-only tests)."""
-
-    def __post_init__(self) -> None:
-        for name in ("num_prefill", "num_decode", "num_colocated"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
-        if not isinstance(self.router_port, int) or not 0 <= self.router_port < 65536:
-            raise ValueError(f"router_port must be in [0, 65535], got {self.router_port!r}")
-        if not self.cpus_per_worker > 0:
-            raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker!r}")
-        if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
-        if self.ray_num_cpus is not None and self.ray_num_cpus < 1:
-            raise ValueError(f"ray_num_cpus must be >= 1, got {self.ray_num_cpus!r}")
-        if not (0 < self.heartbeat_interval_s < self.ttl_s):
-            raise ValueError(f"heartbeat_interval_s must be in (0, ttl_s), got {self.heartbeat_interval_s!r}")
-        for name in ("start_timeout_s", "drain_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.num_colocated and (self.num_prefill or self.num_decode):
-            raise ValueError("num_colocated must be 0 when num_prefill or num_decode is set "
-                             "(the router runs one mode: disaggregated or colocated)")
-
-    @property
-    def mode(self) -> str:
-        """The router's mode: "colocated" when the cluster runs colocated workers, else "disaggregated"."""
-        return "colocated" if self.num_colocated else "disaggregated"
-
-
-def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: Any,
-                      node_ip: str, node_id: str) -> Any:
-    """The real prefill/decode role object for one actor (runs inside the actor)."""
-    from engine.config import EngineConfig
-
-    host = cfg.worker_host or ("127.0.0.1" if cfg.ray_address is None else node_ip)
-    engine = EngineConfig(model=cfg.model, num_threads=max(1, int(cfg.cpus_per_worker)),
-                          **cfg.engine_overrides)
-    common = dict(worker_id=worker_id, engine=engine, kv_store=kv_store, host=host, node_id=node_id)
-    if role == "prefill":
-        from prefill_worker import PrefillWorker, PrefillWorkerConfig
-
-        return PrefillWorker(PrefillWorkerConfig(**common))
-    if role == "decode":
-        from decode_worker import DecodeWorker, DecodeWorkerConfig
-
-        return DecodeWorker(DecodeWorkerConfig(**common))
-    if role == "colocated":
-        from decode_worker import ColocatedWorker, ColocatedWorkerConfig
-
-        common.pop("kv_store")  # one engine does both phases: no KV moves
-        return ColocatedWorker(ColocatedWorkerConfig(**common))
-    raise ValueError(f"role must be one of {POOLS}, got {role!r}")
-
-
-def build_router(cfg: ClusterConfig, registry: Registry) -> Any:
-    """The real router, reading worker pools from ``registry``."""
-    from router import RouterConfig, RouterServer
-
-    rcfg = RouterConfig(model=cfg.model, host=cfg.router_host, port=cfg.router_port, mode=cfg.mode,
-                        **cfg.router_overrides)
-    return RouterServer(rcfg, registry)
+__all__ = ["Cluster", "ClusterConfig", "POOLS"]
 
 
 @dataclass

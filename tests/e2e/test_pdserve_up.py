@@ -76,12 +76,18 @@ class UpProcess:
     def descendants(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children(recursive=True)
 
-    def kill(self) -> None:
+    def close(self) -> None:
+        """After a failed test: stop gracefully (so its temp dirs go too), SIGKILL only if that hangs."""
         if self.proc.poll() is None:
-            for p in self.descendants():
-                p.kill()
-            self.proc.kill()
-            self.proc.wait(10)
+            kids = self.descendants()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                for p in kids:
+                    p.kill()
+                self.proc.kill()
+                self.proc.wait(10)
         self.stderr.close()
 
 
@@ -148,8 +154,8 @@ def test_two_pdserve_up_side_by_side_serve_and_sigterm_leaves_nothing(redis_url)
             assert not [p for p in ports[up] if _listening(p)], ports[up]
         assert reg_b.keys() == [], "cluster B left keys in the shared Redis"
     finally:
-        a.kill()
-        b.kill()
+        a.close()
+        b.close()
 
 
 def test_pdserve_cli_bad_arguments_exit_2_naming_the_flag():
