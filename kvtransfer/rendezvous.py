@@ -12,6 +12,7 @@ meant for a dead incarnation is never accepted by its successor.
 """
 from __future__ import annotations
 
+import datetime
 import itertools
 import time
 import uuid
@@ -29,6 +30,8 @@ class Rendezvous:
 
     def __init__(self, store: dist.Store, namespace: str, name: str):
         self.store = dist.PrefixStore(namespace, store)
+        self._base = store
+        self._namespace = namespace
         self.hub = getattr(store, "hub", None)  # only an InprocStore has one
         self.name = name
         self.incarnation = uuid.uuid4().hex[:12]
@@ -76,5 +79,16 @@ class Rendezvous:
         return self._poll(fresh, timeout_s, f"a pair offer from {sender!r}", stop)
 
     def group_store(self, key: str) -> tuple[dist.Store, str]:
-        """The (store, prefix) the pair group for ``key`` is built on."""
-        return self.store, f"pg/{key}"
+        """The (store, prefix) the pair group for ``key`` is built on.
+
+        A TCPStore client serializes its calls, and gloo's rendezvous blocks in ``wait``
+        until the peer shows up: two pairs built at once through one client would stall each
+        other (measured: half of concurrent in-process builds timed out). So each build gets
+        its own client connection; the group keeps it alive as long as it needs it.
+        """
+        prefix = f"pg/{key}"
+        if isinstance(self._base, dist.TCPStore):
+            own = dist.TCPStore(self._base.host, self._base.port, is_master=False,
+                                timeout=datetime.timedelta(seconds=60))
+            return dist.PrefixStore(self._namespace, own), prefix
+        return self.store, prefix
