@@ -207,7 +207,14 @@ class RecvChannel(PairChannel):
             with self.cond:
                 if t is not None and self.open.get(tid) is t:
                     t.layers_done.update(range(hdr.layer_lo, hdr.layer_hi))
-                    if len(t.layers_done) == t.layout.num_layers:
+                    if len(t.layers_done) == t.layout.num_layers and time.monotonic() > t.deadline:
+                        # bytes that arrive late (say, we were stalled) do not count: the sender
+                        # has given up on them by its own deadline too
+                        del self.open[tid]
+                        t.fail(f"deadline exceeded after {t.timeout_s:.3f} s (all layers arrived too late)")
+                        self._answer(tid, ACK_REJECTED, "receiver deadline exceeded", acks)
+                        ended.append(t)
+                    elif len(t.layers_done) == t.layout.num_layers:
                         # DONE only once the sender has its ack: a receiver that shuts down right
                         # after DONE must not leave the sender without an answer
                         del self.open[tid]

@@ -158,3 +158,39 @@ def test_dtype_mismatch_rejected_and_channel_keeps_working(store_url):
         assert p.call("checksum", [4, 5], 20) == d.call("checksum", [2, 3], 20)
     finally:
         _stop(agents)
+
+
+def test_hung_receiver_fails_sender_within_deadline_and_pair_recovers(store_url):
+    import os
+    import signal
+
+    # 2048 tokens x 1 KiB rows: 4 MiB per layer, more than loopback socket buffers hold
+    spec_p = CacheSpec(num_layers=3, num_blocks=128, block_size=16, num_kv_heads=4, head_dim=64, seed=6)
+    spec_d = CacheSpec(num_layers=3, num_blocks=256, block_size=16, num_kv_heads=4, head_dim=64)
+    p, d = Agent("P", store_url, spec_p), Agent("D", store_url, spec_d)
+    agents = [p, d]
+    blocks = list(range(128))
+    try:
+        _start(p, d)
+        d.call("recv", "r1", "P", "r1", blocks, 2048, 3.0)
+        p.call("send", "r1", "D", "r1", blocks, 2048, [0], 2.0)
+        _until_state(d, "r1", "transferring")
+        os.kill(d.proc.pid, signal.SIGSTOP)  # alive but not reading: a hung peer
+        try:
+            t0 = time.monotonic()
+            p.call("layer", "r1", 1)
+            p.call("layer", "r1", 2)
+            state, failure, _ = wait_state(p, "r1", 10)
+            assert state == "failed" and "deadline exceeded" in failure, failure
+            assert time.monotonic() - t0 < 2.5
+        finally:
+            os.kill(d.proc.pid, signal.SIGCONT)
+        state, failure, _ = wait_state(d, "r1", 10)
+        assert state == "failed", failure  # pair broken under it, or its own deadline passed
+        d.call("recv", "r2", "P", "r2", list(range(128, 256)), 2048, 10.0)
+        p.call("send", "r2", "D", "r2", blocks, 2048, "all", 10.0)
+        assert wait_state(p, "r2", 15)[:2] == ("done", None)
+        assert wait_state(d, "r2", 15)[:2] == ("done", None)
+        assert p.call("checksum", blocks, 2048) == d.call("checksum", list(range(128, 256)), 2048)
+    finally:
+        _stop(agents)
