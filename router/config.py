@@ -26,7 +26,9 @@ class RouterConfig:
     mode: str = "disaggregated"
     """"disaggregated" (prefill pool + decode pool) or "colocated" (one pool does both)."""
     max_queue: int = 256
-    """Requests in flight at once; more get RESOURCE_EXHAUSTED."""
+    """Requests the router holds at once (in progress + waiting for decode KV capacity); more get RESOURCE_EXHAUSTED at once."""
+    queue_timeout_s: float = 300.0
+    """Longest a request waits in the router queue for decode KV capacity before RESOURCE_EXHAUSTED."""
     max_new_tokens: Optional[int] = None
     """Largest max_tokens accepted; None means the context length minus one."""
     max_context_length: Optional[int] = None
@@ -55,7 +57,7 @@ class RouterConfig:
             raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        for name in ("reserve_timeout_s", "first_token_timeout_s", "transfer_timeout_s", "request_timeout_s"):
+        for name in ("queue_timeout_s", "reserve_timeout_s", "first_token_timeout_s", "transfer_timeout_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:

@@ -4,7 +4,10 @@ Lifecycle: the router servicer builds ``DisaggregatedFlow(deps, vreq, t0)`` for 
 validated request and iterates ``run()``, which yields the client's
 ``GenerateResponse``s:
 1. pick a decode worker D (free blocks, load) and ``Reserve`` the prompt's blocks there
-   (D posts its KV receive before any byte is sent); pick a prefill worker P (queued tokens);
+   (D posts its KV receive before any byte is sent); pick a prefill worker P (queued tokens).
+   When no decode worker has the blocks free, the request waits in the router's
+   ``AdmissionQueue`` (FIFO, woken as requests finish, backoff retries) up to
+   ``queue_timeout_s``; a prompt larger than every decode worker's whole KV fails at once;
 2. ``Prefill`` on P -> the first token, streamed to the client at once (TTFT);
    a failure before this point retries on another pair (``max_attempts``);
 3. P's ``TransferDone`` (the KV landed on D), then ``Decode`` on D streams the rest;
@@ -29,6 +32,7 @@ from engine.detokenizer import OutputProcessor
 from proto import pdserve_pb2, worker_pb2
 from proto.convert import logprob_from_proto, logprobs_to_proto, params_to_wire
 from proto.worker_pb2 import WorkerInfo
+from router.admission import AdmissionQueue, QueueStop
 from router.clients import WorkerClients
 from router.config import RouterConfig
 from router.selection import WorkerSelector
@@ -39,17 +43,22 @@ log = logging.getLogger(__name__)
 
 # Worker failures worth another worker pair (only before the client saw a token).
 _RETRIABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# Backoff between reservation retries while queued; capacity freed by this router wakes the head sooner.
+_FIRST_BACKOFF_S = 0.01
+_MAX_BACKOFF_S = 0.25
 
 
 class FlowError(Exception):
     """The request ends with this gRPC status."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, worker_id: str = "") -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, worker_id: str = "", final: bool = False) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.worker_id = worker_id
         """The worker whose call failed ("" when none did): a retry avoids it."""
+        self.final = final
+        """No other worker pair would do better (queue timeout, a prompt no decode worker can ever hold)."""
 
 
 @dataclass
@@ -62,6 +71,8 @@ class FlowDeps:
     clients: WorkerClients
     tokenizer: Any
     metrics: Any = None
+    admission: Optional[AdmissionQueue] = None
+    """The router's wait queue for KV capacity; None: fail at once when no decode worker has room."""
 
 
 class DisaggregatedFlow:
@@ -80,6 +91,8 @@ class DisaggregatedFlow:
         self.prefill_worker: Optional[WorkerInfo] = None
         self._d_held = False
         self._p_held = False
+        # arrival order in the admission queue, fixed now so racing requests queue as they arrived
+        self._seq = deps.admission.next_seq() if deps.admission is not None else 0
 
     # ---- cancellation (any thread) ---------------------------------------------------
     def cancel(self) -> None:
@@ -88,6 +101,8 @@ class DisaggregatedFlow:
             calls = list(self._calls)
         for c in calls:
             c.cancel()
+        if self.deps.admission is not None:
+            self.deps.admission.wake()  # a queued request leaves the queue at once
 
     def _track(self, call: Any) -> Any:
         with self._lock:
@@ -116,11 +131,64 @@ class DisaggregatedFlow:
 
     # ---- worker choice ---------------------------------------------------------------
     def _reserve(self, excluded: set[str]) -> worker_pb2.ReserveResponse:
+        """Reserve the prompt's blocks on a decode worker, waiting in the admission queue while none has room."""
+        adm = self.deps.admission
+        if adm is None or not adm.has_waiters():  # nobody ahead: try at once
+            resp = self._try_reserve(excluded)
+            if resp is not None:
+                return resp
+            if adm is None:
+                raise FlowError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {self.rid}: no decode worker can "
+                                                                    f"hold {len(self.req.prompt_token_ids)} prompt tokens")
+        ticket = adm.enter(self._seq, self.rid)
+        log.info("request %s: queued for decode KV capacity (%d waiting)", self.rid, len(adm))
+        until = min(ticket.entered_at + self.deps.cfg.queue_timeout_s, self.deadline)
+        backoff = _FIRST_BACKOFF_S
+        try:
+            while True:
+                adm.wait_turn(ticket, until, self._stop_reason)
+                epoch = adm.epoch
+                resp = self._try_reserve(excluded)
+                if resp is not None:
+                    log.info("request %s: left the queue after %.3f s", self.rid, time.monotonic() - ticket.entered_at)
+                    return resp
+                adm.wait_capacity(epoch, backoff, until, self._stop_reason)
+                backoff = min(2 * backoff, _MAX_BACKOFF_S)
+        except QueueStop as e:
+            raise self._queue_error(e.reason, time.monotonic() - ticket.entered_at) from None
+        finally:
+            adm.leave(ticket)
+
+    def _stop_reason(self) -> Optional[str]:
+        return "cancelled" if self._cancelled else None
+
+    def _queue_error(self, reason: str, waited: float) -> FlowError:
+        if reason == "cancelled":
+            return FlowError(grpc.StatusCode.CANCELLED, f"request {self.rid} cancelled after {waited:.2f} s "
+                                                        f"queued for decode KV capacity", final=True)
+        if time.monotonic() >= self.deadline:
+            return FlowError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {self.rid}: deadline exceeded after "
+                                                                f"{waited:.2f} s queued for decode KV capacity",
+                             final=True)
+        return FlowError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"request {self.rid}: waited {waited:.2f} s in the router queue for decode KV capacity "
+                         f"(queue_timeout_s={self.deps.cfg.queue_timeout_s:g}); no decode worker freed "
+                         f"{len(self.req.prompt_token_ids)} prompt tokens' blocks", final=True)
+
+    def _try_reserve(self, excluded: set[str]) -> Optional[worker_pb2.ReserveResponse]:
+        """One pass over the decode workers: their reservation, or None if every reachable one is full."""
         deps, n = self.deps, len(self.req.prompt_token_ids)
         decodes = [w for w in deps.source.list("decode") if w.worker_id not in excluded]
-        ranked = deps.selector.ranked_decode(decodes, -(-n // max(1, decodes[0].block_size or 16)) if decodes else 0)
-        if not ranked:
+        ready = [w for w in decodes if w.ready]
+        if not ready:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: no ready decode worker")
+        needed = -(-n // max(1, ready[0].block_size or 16))
+        totals = [w.num_total_blocks for w in ready]
+        if all(t > 0 for t in totals) and needed > max(totals):  # waiting would never help
+            raise FlowError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"request {self.rid}: prompt of {n} tokens needs {needed} KV blocks, more than any "
+                            f"decode worker holds in total (largest: {max(totals)})", final=True)
+        ranked = deps.selector.ranked_decode(ready, needed)
         prefills = [w for w in deps.source.list("prefill") if w.worker_id not in excluded]
         ranked_p = deps.selector.ranked_prefill(prefills)
         if not ranked_p:
@@ -140,21 +208,22 @@ class DisaggregatedFlow:
                     exhausted += 1
                 elif e.code() != grpc.StatusCode.UNAVAILABLE:
                     raise self._rpc_error(e, f"reserve on decode worker {d.worker_id}") from None
-                log.info("request %s: decode worker %s refused reserve: %s", self.rid, d.worker_id, e.details())
+                log.debug("request %s: decode worker %s refused reserve: %s", self.rid, d.worker_id, e.details())
                 continue
             self.decode_worker, self.prefill_worker = d, p
             deps.selector.acquire(d.worker_id)
             self._d_held = True
             return resp
         if exhausted:
-            raise FlowError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"request {self.rid}: no decode worker can hold {n} prompt tokens")
+            return None
         raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: no decode worker reachable")
 
     def _release_workers(self) -> None:
         if self._d_held and self.decode_worker is not None:
             self.deps.selector.release(self.decode_worker.worker_id)
             self._d_held = False
+            if self.deps.admission is not None:
+                self.deps.admission.capacity_freed()  # its blocks are free (or being freed) on the decode worker
         self._release_prefill()
 
     def _release_prefill(self) -> None:
@@ -214,7 +283,7 @@ class DisaggregatedFlow:
                     excluded.add(e.worker_id)
                 self._release_workers()
                 self.decode_worker = self.prefill_worker = None
-                if e.code not in _RETRIABLE or self._cancelled:
+                if e.code not in _RETRIABLE or e.final or self._cancelled:
                     raise
                 log.warning("request %s: attempt %d failed: %s", self.rid, attempt + 1, e.message)
         raise last or FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: no attempt made")

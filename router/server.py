@@ -3,8 +3,10 @@
 Lifecycle: ``RouterServer(cfg, workers)`` -> ``start()`` loads the tokenizer and
 limits (no weights), binds (port 0 = free), serves health (SERVING once loaded) and
 reflection. Each ``Generate`` is validated (INVALID_ARGUMENT naming the field),
-admitted against ``max_queue`` (RESOURCE_EXHAUSTED), then driven by a flow
-(``DisaggregatedFlow``, or ``ColocatedFlow`` in colocated mode) whose responses
+admitted against ``max_queue`` (RESOURCE_EXHAUSTED at once when the router already holds
+that many, running or waiting), then driven by a flow (``DisaggregatedFlow``, which
+waits in the router's ``AdmissionQueue`` while no decode worker has KV room, or
+``ColocatedFlow`` in colocated mode, where the worker queues) whose responses
 stream to the client; a client cancel or deadline cancels the flow, which aborts
 the request on its workers. ``stop()`` (or ``drain``) ends serving.
 """
@@ -19,6 +21,7 @@ import grpc
 
 from prefill_worker.serving import GrpcServing
 from proto import pdserve_pb2, pdserve_pb2_grpc
+from router.admission import AdmissionQueue
 from router.clients import WorkerClients
 from router.config import RouterConfig
 from router.model_info import load_model_view
@@ -51,6 +54,7 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         self._lock = threading.Lock()
         self._in_flight = 0
         self._draining = False
+        self.admission = AdmissionQueue(on_change=lambda n: self._update_gauges())
 
     @property
     def address(self) -> str:
@@ -59,6 +63,20 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
     @property
     def num_in_flight(self) -> int:
         return self._in_flight
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting in the admission queue for decode KV capacity."""
+        return len(self.admission)
+
+    def _update_gauges(self) -> None:
+        # num_requests_waiting: queued for KV capacity; num_requests_running: the rest the router holds
+        if self.metrics is None:
+            return
+        with self._lock:
+            waiting = len(self.admission)
+            self.metrics.set_waiting(waiting)
+            self.metrics.set_running(max(0, self._in_flight - waiting))
 
     def start(self) -> "RouterServer":
         self.bind()
@@ -126,17 +144,21 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
                 admitted = True
         if not admitted:
             self._error(context, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"request {vreq.request_id}: router queue is full ({self.cfg.max_queue} in flight)")
+                        f"request {vreq.request_id}: router queue is full ({self.cfg.max_queue} requests "
+                        f"in flight, {len(self.admission)} of them waiting for KV capacity)")
+        self._update_gauges()
         try:
             yield from self._serve(vreq, context, t0)
         finally:
             with self._lock:
                 self._in_flight -= 1
+            self._update_gauges()
 
     def _serve(self, vreq: Any, context: grpc.ServicerContext, t0: float) -> Iterator[pdserve_pb2.GenerateResponse]:
         remaining = context.time_remaining()
         budget = self.cfg.request_timeout_s if remaining is None else min(remaining, self.cfg.request_timeout_s)
-        deps = FlowDeps(self.cfg, self.workers, self.selector, self.clients, self.tokenizer, self.metrics)
+        deps = FlowDeps(self.cfg, self.workers, self.selector, self.clients, self.tokenizer, self.metrics,
+                        self.admission)
         if self.cfg.mode == "colocated":
             from router.colocated_flow import ColocatedFlow
 

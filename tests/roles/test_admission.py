@@ -1,15 +1,17 @@
-"""Admission and availability: empty pools, queue bound, decode capacity, worker death."""
+"""Admission and availability: empty pools, queue bound, waiting for decode KV capacity, worker death."""
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
 import pytest
 import torch
 
+from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2
 from router import RouterConfig, RouterServer, StaticWorkerSource
-from tests.roles.harness import KV, collect, joined, start_roles
+from tests.roles.harness import KV, collect, joined, offline, start_roles
 
 
 
@@ -54,16 +56,182 @@ def _long_stream(roles, n_prompt_tokens=100, **kw):
                                                            ignore_eos=True, temperature=0.0, **kw), timeout=60)
 
 
-def test_decode_worker_full_is_resource_exhausted_then_served(small):
-    s1 = _long_stream(small, 100)   # 7 of 8 blocks on the decode worker
-    next(s1)
-    with pytest.raises(grpc.RpcError) as ei:
-        collect(small.stub, timeout=10, token_ids=[5] * 40, max_tokens=2, request_id="req-full")
-    assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "req-full" in ei.value.details()
-    assert joined(list(s1))[2] == "length"
+class _Hold:
+    """Holds blocks on the decode worker with a bare Reserve (no KV ever sent) until released: a blocker
+    that lasts exactly as long as the test wants, unlike a decoding request."""
+
+    def __init__(self, roles, n_tokens, rid="hold"):
+        from proto import worker_pb2, worker_pb2_grpc
+        from proto.convert import params_to_wire
+
+        self.rid = rid
+        self.ch = grpc.insecure_channel(roles.decodes[0].address)
+        self.stub = worker_pb2_grpc.DecodeWorkerStub(self.ch)
+        self.stub.Reserve(worker_pb2.ReserveRequest(request_id=rid, prompt_token_ids=[5] * n_tokens,
+                                                    params=params_to_wire(SamplingParams(max_tokens=1)),
+                                                    prefill_kv_name=roles.prefills[0].cfg.worker_id,
+                                                    kv_timeout_s=30.0), timeout=10)
+
+    def release(self):
+        from proto import worker_pb2
+
+        self.stub.Abort(worker_pb2.AbortRequest(request_id=self.rid), timeout=5)
+        self.ch.close()
+
+
+def _wait_for(cond, timeout_s=5.0):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return cond()
+
+
+def _gauge(roles, name):
+    for line in roles.router.metrics.render().decode().splitlines():
+        if line.startswith(f"pdserve:{name}{{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no {name} gauge")
+
+
+def _in_thread(fn):
+    box = {}
+
+    def run():
+        try:
+            box["out"] = fn()
+        except Exception as e:  # re-raised by the caller's checks
+            box["err"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, box
+
+
+def test_decode_worker_full_queues_then_served_equal_offline(small):
+    # the old behaviour was RESOURCE_EXHAUSTED at once; now the request waits for s1's blocks
+    hold = _Hold(small, 100)   # 7 of 8 blocks on the decode worker
+    t_submit = time.monotonic()
+    t, box = _in_thread(lambda: collect(small.stub, timeout=30, token_ids=[7] * 40, max_tokens=3,
+                                        temperature=0.0, ignore_eos=True, request_id="req-wait"))
+    assert _wait_for(lambda: small.router.num_waiting == 1)
+    t_seen = time.monotonic()
+    assert _gauge(small, "num_requests_waiting") == 1.0
+    assert _gauge(small, "num_requests_running") == 0.0
+    time.sleep(0.3)   # still waiting: the blocks are still held
+    assert small.router.num_waiting == 1 and t.is_alive()
+    hold.release()    # freed behind the router's back: its backoff retries find the room
+    t.join(30)
+    assert "err" not in box, box.get("err")
+    ids, _text, reason = joined(box["out"])
+    ref = offline([[7] * 40], [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)])[0]
+    assert (ids, reason) == (ref[0], ref[2]) and reason == "length"
+    # it was still queued when we looked, so its queue time covers at least that long
+    assert box["out"][-1].timings.queue_s >= t_seen - t_submit
+    assert box["out"][-1].timings.ttft_s >= box["out"][-1].timings.queue_s
+    assert small.router.num_waiting == 0 and _gauge(small, "num_requests_waiting") == 0.0
     assert small.wait_idle(1.0)
-    assert joined(collect(small.stub, token_ids=[5] * 40, max_tokens=2))[2] == "length"
+
+
+def test_prompt_larger_than_any_decode_kv_fails_at_once(small):
+    t = time.monotonic()
+    with pytest.raises(grpc.RpcError) as ei:   # 200 tokens = 13 blocks of 16 > the worker's 8
+        collect(small.stub, timeout=10, token_ids=[5] * 200, max_tokens=2, request_id="req-huge")
+    assert time.monotonic() - t < 2
+    assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "req-huge" in ei.value.details() and "13 KV blocks" in ei.value.details()
+    assert small.router.num_waiting == 0 and small.wait_idle(1.0)
+
+
+def test_full_queue_rejects_at_once_and_cancelled_waiter_leaks_nothing(small):
+    # max_queue=2: one request decoding + one waiting for KV fill the router
+    s1 = _long_stream(small, 4)   # one request in progress (its few blocks are not the point)
+    next(s1)
+    hold = _Hold(small, 80)       # 5 more blocks held: 40 tokens (3 blocks) cannot fit
+    s2 = small.stub.Generate(pdserve_pb2.GenerateRequest(token_ids=[5] * 40, max_tokens=2, request_id="req-q"),
+                             timeout=30)
+    t2, box2 = _in_thread(lambda: list(s2))
+    assert _wait_for(lambda: small.router.num_waiting == 1)
+    t = time.monotonic()
+    with pytest.raises(grpc.RpcError) as ei:
+        collect(small.stub, timeout=10, token_ids=[5] * 4, max_tokens=2, request_id="req-over")
+    assert time.monotonic() - t < 1
+    assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "req-over" in ei.value.details() and "queue is full" in ei.value.details()
+    # cancel the queued one: it leaves the queue and holds nothing anywhere
+    s2.cancel()
+    t2.join(5)
+    assert box2["err"].code() == grpc.StatusCode.CANCELLED
+    assert _wait_for(lambda: small.router.num_waiting == 0 and small.router.num_in_flight == 1, 2.0)
+    assert "req-q" not in small.decodes[0].requests and "req-q" not in small.prefills[0].requests
+    assert _gauge(small, "num_requests_waiting") == 0.0
+    assert joined(list(s1))[2] == "length"
+    hold.release()
+    assert small.wait_idle(1.0)
+    assert _wait_for(lambda: small.router.num_in_flight == 0, 1.0)
+    assert _gauge(small, "num_requests_running") == 0.0
+
+
+def test_queue_timeout_and_deadline_while_queued(small):
+    r2 = RouterServer(RouterConfig(serve_metrics=False, queue_timeout_s=0.4), small.source).start()
+    ch = grpc.insecure_channel(r2.address)
+    try:
+        from proto import pdserve_pb2_grpc
+
+        hold = _Hold(small, 100)
+        t = time.monotonic()
+        with pytest.raises(grpc.RpcError) as ei:
+            collect(pdserve_pb2_grpc.PDServeStub(ch), timeout=10, token_ids=[5] * 40, max_tokens=2,
+                    request_id="req-qto")
+        assert 0.35 < time.monotonic() - t < 3
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "req-qto" in ei.value.details() and "queue_timeout_s=0.4" in ei.value.details()
+        with pytest.raises(grpc.RpcError) as ei:   # the client's deadline ends the wait too
+            collect(small.stub, timeout=0.3, token_ids=[5] * 40, max_tokens=2, request_id="req-dl")
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert _wait_for(lambda: small.router.num_waiting == 0 and r2.num_waiting == 0, 2.0)
+        assert "req-qto" not in small.decodes[0].requests and "req-dl" not in small.decodes[0].requests
+        hold.release()
+        assert small.wait_idle(1.0)
+    finally:
+        ch.close()
+        r2.stop()
+
+
+@pytest.fixture(scope="module")
+def two_fit():
+    # 8 blocks of 16 tokens; each request below needs 3-4 blocks over its life: about 2 fit at once
+    r = start_roles(kv=KV, decode_engine=dict(num_kv_blocks=8), tag="fit2-")
+    yield r
+    r.close()
+
+
+def test_many_concurrent_requests_on_small_decode_kv_all_equal_offline(two_fit):
+    prompts = [("# item %d: " % i) + "alpha beta gamma delta " * (3 + i % 3) for i in range(8)]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True) for _ in prompts]
+    ref = offline(prompts, params)
+    seen = {"max_waiting": 0}
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            seen["max_waiting"] = max(seen["max_waiting"], two_fit.router.num_waiting)
+            time.sleep(0.002)
+
+    w = threading.Thread(target=watch)
+    w.start()
+    threads = [_in_thread(lambda p=p: collect(two_fit.stub, timeout=60, prompt=p, max_tokens=12,
+                                              temperature=0.0, ignore_eos=True)) for p in prompts]
+    for t, _ in threads:
+        t.join(60)
+    stop.set()
+    w.join()
+    for (t, box), (ids, text, reason, _lp) in zip(threads, ref):
+        assert "err" not in box, box.get("err")
+        assert joined(box["out"]) == (ids, text, reason)
+    assert seen["max_waiting"] >= 1   # the KV really was too small for all at once
+    assert two_fit.wait_idle(2.0) and two_fit.router.num_waiting == 0
 
 
 def test_queue_bound_is_resource_exhausted(small):

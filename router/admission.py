@@ -1,0 +1,139 @@
+"""The router's wait queue for decode KV capacity (disaggregated mode).
+
+Lifecycle: one ``AdmissionQueue`` per router. A request whose prompt blocks no decode
+worker can reserve right now does not fail: it takes a ``ticket`` (ordered by its
+arrival, so requests that raced to the fast path keep their arrival order), waits
+until it is at the head of the queue, retries the reservation, and between tries
+sleeps on a condition that ``capacity_freed()`` wakes (this router's requests
+finishing or aborting on a decode worker) or a backoff timer fires (blocks freed by
+other routers, or a decode worker's reservation expiring). The head leaving, with
+or without blocks, lets the next one try at once. A request that arrives while
+others wait joins the tail instead of trying, so it cannot overtake them (FIFO).
+``wake()`` (client cancel) makes every waiter re-check its stop condition.
+The queue itself holds no worker resources: leaving it (``leave``, always in a
+``finally``) is all the clean-up a cancelled or timed-out waiter needs.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+
+@dataclass(order=True)
+class Ticket:
+    """One request's place in the queue; ordered by arrival number."""
+
+    seq: int
+    """Arrival number (``next_seq()`` when the request arrived)."""
+    request_id: str = field(compare=False)
+    """For logs and errors."""
+    entered_at: float = field(compare=False, default=0.0)
+    """time.monotonic() when it joined the queue."""
+
+
+class QueueStop(Exception):
+    """A waiter stopped waiting: ``reason`` is "cancelled", "deadline" or "timeout"."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class AdmissionQueue:
+    """FIFO of requests waiting for decode KV blocks (see module docstring)."""
+
+    def __init__(self, on_change: Optional[Callable[[int], None]] = None) -> None:
+        self._cond = threading.Condition()
+        self._waiters: list[Ticket] = []  # sorted by seq; short, so a list beats a heap here
+        self._seq = itertools.count()
+        self._epoch = 0  # bumped by capacity_freed: a waiter that saw it change retries at once
+        self._on_change = on_change
+
+    def next_seq(self) -> int:
+        """An arrival number; take it when the request arrives, before any reservation attempt."""
+        return next(self._seq)
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._waiters)
+
+    def has_waiters(self) -> bool:
+        with self._cond:
+            return bool(self._waiters)
+
+    def enter(self, seq: int, request_id: str) -> Ticket:
+        """Join the queue in arrival order."""
+        t = Ticket(seq, request_id, time.monotonic())
+        with self._cond:
+            i = len(self._waiters)
+            while i > 0 and self._waiters[i - 1].seq > seq:
+                i -= 1
+            self._waiters.insert(i, t)
+            n = len(self._waiters)
+            self._cond.notify_all()
+        self._changed(n)
+        return t
+
+    def leave(self, ticket: Ticket) -> None:
+        """Leave the queue (served, failed or gave up); the next waiter may try at once. Idempotent."""
+        with self._cond:
+            try:
+                self._waiters.remove(ticket)
+            except ValueError:
+                return
+            n = len(self._waiters)
+            self._cond.notify_all()
+        self._changed(n)
+
+    def capacity_freed(self) -> None:
+        """Some decode blocks were (probably) freed: the head retries now instead of after its backoff."""
+        with self._cond:
+            self._epoch += 1
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Make every waiter re-check its stop condition (a client cancelled)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    @property
+    def epoch(self) -> int:
+        with self._cond:
+            return self._epoch
+
+    def wait_turn(self, ticket: Ticket, until: float, stop: Callable[[], Optional[str]]) -> None:
+        """Block until ``ticket`` is at the head. ``stop()`` returning a reason, or ``until`` passing, raises QueueStop."""
+        with self._cond:
+            while True:
+                self._check(until, stop)
+                if self._waiters and self._waiters[0] is ticket:
+                    return
+                self._cond.wait(timeout=max(0.0, min(0.5, until - time.monotonic())))
+
+    def wait_capacity(self, seen_epoch: int, timeout_s: float, until: float,
+                      stop: Callable[[], Optional[str]]) -> None:
+        """Sleep up to ``timeout_s`` (the backoff) or until capacity is freed after ``seen_epoch``."""
+        end = min(until, time.monotonic() + timeout_s)
+        with self._cond:
+            while self._epoch == seen_epoch:
+                self._check(until, stop)
+                left = end - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(timeout=left)
+            self._check(until, stop)
+
+    @staticmethod
+    def _check(until: float, stop: Callable[[], Optional[str]]) -> None:
+        reason = stop()
+        if reason:
+            raise QueueStop(reason)
+        if time.monotonic() >= until:
+            raise QueueStop("timeout")
+
+    def _changed(self, n: int) -> None:
+        if self._on_change is not None:
+            self._on_change(n)
