@@ -17,6 +17,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
 from kvtransfer.rendezvous import RendezvousTimeout
 from kvtransfer.transport import PairBroken, PairGroup, open_pair
 
@@ -60,7 +62,10 @@ class PairChannel:
 
     def _guard(self, fn, *args) -> None:
         try:
-            fn(*args)
+            # engines allocate their caches (and call send/recv) under torch.inference_mode; inference
+            # tensors may only be written inside it, and it is a per-thread mode
+            with torch.inference_mode():
+                fn(*args)
         except Exception as e:  # noqa: BLE001 - a channel thread must never die silently
             log.exception("kv %s channel %s<->%s crashed", self.role, self.ep.name, self.peer)
             self.close(f"channel thread crashed: {e!r}")

@@ -259,3 +259,18 @@ def test_frames_larger_than_inline_go_in_chunks_and_arrive_intact(pair):
     assert token_checksum(src, sb, 100) == token_checksum(dst, db, 100)
     assert untouched_except(dst, [(db, 100)])
     assert d.stats(hr).num_bytes == 3 * 2 * 100 * 1024
+
+
+def test_caches_made_under_inference_mode(pair):
+    """Engines allocate caches and call send/recv under torch.inference_mode; channel threads must cope."""
+    p, d = pair
+    with torch.inference_mode():
+        src = make_cache(CacheSpec(num_layers=2, num_blocks=8, num_kv_heads=8, head_dim=64, seed=3))
+        dst = make_cache(CacheSpec(num_layers=2, num_blocks=8, num_kv_heads=8, head_dim=64))
+        hr = d.recv("p0", "im", dst, [1, 2, 3], 40)
+        hs = p.send("d0", "im", src, [4, 5, 6], 40)
+        p.layer_ready(hs, 0)
+    p.all_layers_ready(hs)
+    assert p.wait(hs, 5) == DONE, p.failure(hs)
+    assert d.wait(hr, 5) == DONE, d.failure(hr)
+    assert token_checksum(src, [4, 5, 6], 40) == token_checksum(dst, [1, 2, 3], 40)
