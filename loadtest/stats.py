@@ -196,3 +196,49 @@ def per_request_arrays(records: list[RequestRecord]) -> dict:
         "start_times": [r.start_s for r in records],
         "errors": [r.error for r in records],
     }
+
+
+def slo_attainment(records: list[RequestRecord], slos_ms: dict[str, float]) -> float:
+    """Fraction of ALL requests (failed ones count as missing) meeting every SLO; 0.0 for no requests.
+
+    DistServe's "SLO attainment": the denominator is every request sent, so a
+    server cannot raise its attainment by rejecting work.
+    """
+    if not slos_ms:
+        raise ValueError("slos_ms: give at least one SLO (ttft/tpot/e2el in ms)")
+    if not records:
+        return 0.0
+    return sum(1 for r in records if meets_slos(r, slos_ms)) / len(records)
+
+
+def goodput_rate(points: Iterable[tuple[float, float]], goal: float = 0.9,
+                 interpolate: bool = False) -> float:
+    """DistServe's goodput: the highest request rate whose SLO attainment is at least ``goal``.
+
+    ``points`` are (request_rate, attainment) pairs of one system. Walking the
+    rates upwards, the answer is the last rate before the first one that misses
+    the goal (a lucky pass above a failure does not count: the system is not
+    sustainably serving there); 0.0 when the lowest rate misses. With
+    ``interpolate``, the crossing between that last passing rate and the first
+    failing one is placed by linear interpolation of attainment (how DistServe
+    reads the rate off its attainment-vs-rate curves).
+    """
+    if not 0.0 < goal <= 1.0:
+        raise ValueError(f"goal must be within (0, 1], got {goal}")
+    pts = sorted((float(r), float(a)) for r, a in points)
+    if not pts:
+        raise ValueError("points: need at least one (rate, attainment) pair")
+    for r, a in pts:
+        if not r > 0:
+            raise ValueError(f"points: request rates must be > 0, got {r}")
+        if not 0.0 <= a <= 1.0:
+            raise ValueError(f"points: attainment must be within [0, 1], got {a}")
+    best, prev = 0.0, None
+    for r, a in pts:
+        if a < goal:
+            if interpolate and prev is not None:
+                r0, a0 = prev
+                return r0 + (r - r0) * (a0 - goal) / (a0 - a)
+            return best
+        best, prev = r, (r, a)
+    return best

@@ -127,3 +127,43 @@ def test_empty_and_bad_duration():
     assert s["completed"] == 0 and s["mean_ttft_ms"] == 0.0 and s["p99_e2el_ms"] == 0.0
     with pytest.raises(ValueError, match="duration"):
         summarize(records(), 0.0)
+
+
+# ---- SLO attainment and DistServe goodput (hand-worked) ------------------------------
+def _rec(rid: str, ttft: float, tpot: float, n: int = 11, ok: bool = True):
+    from loadtest.stats import RequestRecord
+
+    # first token at `ttft`, then n-1 tokens evenly `tpot` apart: TPOT = tpot exactly
+    times = [ttft + i * tpot for i in range(n)]
+    return RequestRecord(rid, 10, n, start_s=0.0, chunk_times_s=times, chunk_tokens=[1] * n,
+                         end_s=times[-1], output_tokens=n, success=ok)
+
+
+def test_slo_attainment_counts_failed_requests_in_the_denominator():
+    from loadtest.stats import slo_attainment
+
+    recs = [_rec("a", 0.1, 0.02), _rec("b", 0.3, 0.02), _rec("c", 0.1, 0.06), _rec("d", 0.1, 0.01, ok=False)]
+    # SLOs ttft 200 ms, tpot 50 ms: a meets both; b misses TTFT; c misses TPOT; d failed -> 1 of 4
+    assert slo_attainment(recs, {"ttft": 200, "tpot": 50}) == 0.25
+    assert slo_attainment(recs, {"ttft": 400}) == 0.75   # a, b, c
+    assert slo_attainment([], {"ttft": 1}) == 0.0
+    with pytest.raises(ValueError, match="slos_ms"):
+        slo_attainment(recs, {})
+
+
+def test_goodput_rate_is_last_rate_before_first_miss():
+    from loadtest.stats import goodput_rate
+
+    pts = [(1.0, 1.0), (2.0, 0.95), (3.0, 0.8), (4.0, 0.92)]   # 4.0 passes by luck after 3.0 failed
+    assert goodput_rate(pts, 0.9) == 2.0
+    assert goodput_rate(list(reversed(pts)), 0.9) == 2.0          # order of the input does not matter
+    # interpolated: between (2, 0.95) and (3, 0.80) attainment crosses 0.9 one third of the way: 2 + 1/3
+    assert goodput_rate(pts, 0.9, interpolate=True) == pytest.approx(2 + 1 / 3)
+    assert goodput_rate([(1.0, 0.5), (2.0, 0.4)], 0.9) == 0.0     # misses even at the lowest rate
+    assert goodput_rate([(1.0, 0.5)], 0.9, interpolate=True) == 0.0
+    assert goodput_rate([(1.0, 0.9), (2.0, 1.0)], 0.9) == 2.0     # never misses: the highest tested rate
+    for bad, field in [([], "points"), ([(0.0, 1.0)], "rates"), ([(1.0, 1.5)], "attainment")]:
+        with pytest.raises(ValueError, match=field):
+            goodput_rate(bad, 0.9)
+    with pytest.raises(ValueError, match="goal"):
+        goodput_rate(pts, 0.0)
