@@ -63,6 +63,11 @@ class AttentionMetadata:
     """window -> bool mask [B, 1, 1, L], filled lazily and shared by all layers."""
     block_size: int = 16
     """Tokens per block (to size the padded decode gather)."""
+    rows: Optional[Tensor] = None
+    """For a ``keep`` view: [B] int64 rows of the flat batch whose queries it describes."""
+    keep: Optional["AttentionMetadata"] = None
+    """Rows that need hidden states after the last layer (the sampling rows), described as
+    single-query decodes over their whole context; None when every row is needed."""
 
     def decode_mask(self, window: Optional[int]) -> Tensor:
         m = self.decode_masks.get(window)
@@ -116,25 +121,29 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: T
     group = H // hkv
     B = meta.num_decode
     if B == T:
-        return _decode(q, k_cache, v_cache, meta, window, group).reshape(T, H * D)
+        return decode_attention(q, k_cache, v_cache, meta, window).reshape(T, H * D)
     out = q.new_empty(T, H, D)
     if B:
-        out[:B] = _decode(q[:B], k_cache, v_cache, meta, window, group)
+        out[:B] = decode_attention(q[:B], k_cache, v_cache, meta, window)
     for span in meta.prefills:
         out[span.start:span.end] = _prefill(q, k, v, k_cache, v_cache, span, window, group)
     return out.view(T, H * D)
 
 
-def _decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-            window: Optional[int], group: int) -> Tensor:
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                     window: Optional[int]) -> Tensor:
+    """One query per sequence over its cached context: q [B, H, D] -> [B, H, D]."""
     B, H, D = q.shape
     hkv = k_cache.shape[2]
+    group = H // hkv
     bt = meta.decode_block_tables
     # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]; the gather is one copy of the live context
-    kd = k_cache[bt].view(B, -1, hkv, D).transpose(1, 2)
-    vd = v_cache[bt].view(B, -1, hkv, D).transpose(1, 2)
+    # (index_select on the flattened table is ~5x faster than advanced indexing here)
+    flat = bt.view(-1)
+    kd = k_cache.index_select(0, flat).view(B, -1, hkv, D).transpose(1, 2)
+    vd = v_cache.index_select(0, flat).view(B, -1, hkv, D).transpose(1, 2)
     # fold the query heads sharing a KV head into the query axis: [B, Hkv, G, D]
-    qd = q.view(B, hkv, group, D)
+    qd = q.reshape(B, hkv, group, D)
     o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask(window))
     return o.reshape(B, H, D)
 
@@ -149,8 +158,8 @@ def _prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, 
         ks, vs = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
     else:
         ctx = span.ctx_len
-        ks = k_cache[span.block_table].view(-1, hkv, D)[:ctx].transpose(0, 1)
-        vs = v_cache[span.block_table].view(-1, hkv, D)[:ctx].transpose(0, 1)
+        ks = k_cache.index_select(0, span.block_table).view(-1, hkv, D)[:ctx].transpose(0, 1)
+        vs = v_cache.index_select(0, span.block_table).view(-1, hkv, D)[:ctx].transpose(0, 1)
     if group > 1:
         ks = ks.repeat_interleave(group, dim=0)
         vs = vs.repeat_interleave(group, dim=0)

@@ -83,25 +83,26 @@ def builtin_state_dict(name: str) -> dict[str, torch.Tensor]:
 
 
 def to_hf_state_dict(model: "torch.nn.Module") -> dict[str, torch.Tensor]:
-    """Split the fused projections back into HF tensor names."""
+    """Our fused, transposed weights back under HF tensor names and [out, in] shapes."""
     mc = model.config
     H, Hkv, D, I = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, mc.intermediate_size
     out = {"model.embed_tokens.weight": model.embed_tokens.weight, "model.norm.weight": model.norm.weight}
-    if model.lm_head is not None:
-        out["lm_head.weight"] = model.lm_head.weight
+    if not mc.tie_word_embeddings:
+        out["lm_head.weight"] = model.lm_head.weight_t.t()
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
-        for kind in ("weight", "bias"):
-            t = getattr(layer.qkv_proj, kind)
-            if t is None:
-                continue
-            out[p + f"self_attn.q_proj.{kind}"] = t[:H * D]
-            out[p + f"self_attn.k_proj.{kind}"] = t[H * D:(H + Hkv) * D]
-            out[p + f"self_attn.v_proj.{kind}"] = t[(H + Hkv) * D:]
-        out[p + "self_attn.o_proj.weight"] = layer.o_proj.weight
-        out[p + "mlp.gate_proj.weight"] = layer.gate_up_proj.weight[:I]
-        out[p + "mlp.up_proj.weight"] = layer.gate_up_proj.weight[I:]
-        out[p + "mlp.down_proj.weight"] = layer.down_proj.weight
+        w = layer.qkv_proj.weight_t.t()
+        b = layer.qkv_proj.bias
+        for name, (lo, hi) in (("q_proj", (0, H * D)), ("k_proj", (H * D, (H + Hkv) * D)),
+                               ("v_proj", ((H + Hkv) * D, (H + 2 * Hkv) * D))):
+            out[p + f"self_attn.{name}.weight"] = w[lo:hi]
+            if b is not None:
+                out[p + f"self_attn.{name}.bias"] = b[lo:hi]
+        out[p + "self_attn.o_proj.weight"] = layer.o_proj.weight_t.t()
+        gu = layer.gate_up_proj.weight_t.t()
+        out[p + "mlp.gate_proj.weight"] = gu[:I]
+        out[p + "mlp.up_proj.weight"] = gu[I:]
+        out[p + "mlp.down_proj.weight"] = layer.down_proj.weight_t.t()
         out[p + "input_layernorm.weight"] = layer.input_layernorm.weight
         out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
     return {k: v.detach().contiguous().clone() for k, v in out.items()}

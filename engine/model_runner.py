@@ -51,9 +51,7 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, meta, self.kv_caches, layer_hook)
             if not sample_seqs:
                 return RunnerOutput()
-            if len(sample_rows) != hidden.shape[0]:
-                hidden = hidden[torch.tensor(sample_rows, device=self.device)]
-            logits = self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden)  # hidden holds only the sampling rows
         reqs = [SamplingRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.eos_token_id,
                                 generator=self.generator) for s in sample_seqs]
         tokens, logprobs = self.sampler.sample(logits, reqs)
@@ -101,8 +99,26 @@ class ModelRunner:
             if p0 + n == seq.num_tokens:
                 sample_rows.append(row - 1)
                 sample_seqs.append(seq)
+        if len(sample_rows) != row:
+            meta.keep = self._keep_view(sample_rows, sample_seqs, bs)
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         meta.slot_mapping = torch.cat([slot_t, *prefill_slots]) if prefill_slots else slot_t
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        if meta.keep is not None:
+            meta.keep.slot_mapping = meta.slot_mapping
         return input_ids, positions, meta, sample_rows, sample_seqs
+
+    def _keep_view(self, rows: list[int], seqs: list[Sequence], bs: int) -> AttentionMetadata:
+        """The sampling rows as single-query decodes over their full context (for the last layer)."""
+        dev = self.device
+        keep = AttentionMetadata(slot_mapping=None, num_decode=len(rows), block_size=bs,  # type: ignore[arg-type]
+                                 rows=torch.tensor(rows, dtype=torch.long, device=dev))
+        if rows:
+            # the sampling row is the sequence's last token: its context is every token it has
+            tables = [s.block_table for s in seqs]
+            width = max(len(t) for t in tables)
+            keep.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                                    dtype=torch.long, device=dev)
+            keep.decode_ctx_lens = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long, device=dev)
+        return keep

@@ -46,6 +46,7 @@ def engine_logits(eng, tokens: list[int], prompt_len: int) -> torch.Tensor:
             assert bm.ensure(seq.block_table, seq.num_computed + n)
             sched = SchedulerOutput(prefills=[(seq, n)]) if n > 1 else SchedulerOutput(decodes=[seq])
             ids, pos, meta, _, _ = eng.runner._prepare(sched)
+            meta.keep = None  # logits for every prompt row, not only the sampling one
             hidden = eng.model(ids, pos, meta, eng.kv_caches)
             rows.append(eng.model.compute_logits(hidden))
             seq.num_computed += n
@@ -65,11 +66,17 @@ def test_logits_match_transformers(case):
         ref = hf(torch.tensor([tokens])).logits[0].float()
     got = engine_logits(eng, tokens, len(prompt))
     assert got.shape == (len(tokens), ref.shape[1])
-    # the last engine row predicts past the HF sequence; compare the overlapping rows
-    diff = (got[:len(tokens)] - ref).abs().max().item()
+    diff = (got - ref).abs().max().item()
     assert diff < 1e-4, f"{name}: max-abs logits diff {diff}"
     # a real check that the tolerance is meaningful: logits have O(1) spread
     assert ref.std().item() > 0.1
+    # the engine's own step (last layer pruned to the sampling row) gives the same distribution
+    eng.add_request("lp", prompt, SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))
+    (out,) = eng.step()
+    ref_lp = torch.log_softmax(ref[len(prompt) - 1], -1)
+    top = ref_lp.topk(5)
+    assert [t for t, _ in out.logprobs[0].top] == top.indices.tolist()
+    assert max(abs(lp - r) for (_, lp), r in zip(out.logprobs[0].top, top.values.tolist())) < 1e-4
     assert eng.num_free_blocks == eng.num_total_blocks
 
 
