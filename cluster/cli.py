@@ -17,6 +17,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -88,10 +89,21 @@ def _check_up_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.model not in BUILTIN_MODELS and not os.path.isdir(args.model):
         raise ValueError(f"--model must be one of {BUILTIN_MODELS} or a model directory, got {args.model!r}")
+    if args.port:
+        _check_port_free(args.host, args.port)
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise ValueError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+
+
+def _check_port_free(host: str, port: int) -> None:
+    # Fail in a second, not after Ray and the workers have started (the router binds last).
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"--port {port} on {host} is not available: {e.strerror}") from None
 
 
 def wait_serving(address: str, timeout_s: float) -> None:

@@ -159,12 +159,18 @@ def test_two_pdserve_up_side_by_side_serve_and_sigterm_leaves_nothing(redis_url)
 
 
 def test_pdserve_cli_bad_arguments_exit_2_naming_the_flag():
-    for args, flag in ((["up", "--prefill", "-1"], "--prefill"), (["up", "--model", "/no/such/dir"], "--model"),
-                       (["up", "--port", "70000"], "--port"),
-                       (["generate", "hi", "--max-tokens", "0"], "--max-tokens")):
-        r = subprocess.run([*_pdserve(), *args], cwd=REPO, capture_output=True, text=True, timeout=60)
-        assert r.returncode == 2, (args, r.stderr)
-        assert flag in r.stderr, (args, r.stderr)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        busy_port = str(busy.getsockname()[1])
+        for args, flag in ((["up", "--prefill", "-1"], "--prefill"), (["up", "--model", "/no/such/dir"], "--model"),
+                           (["up", "--port", "70000"], "--port"), (["up", "--port", busy_port], "--port"),
+                           (["generate", "hi", "--max-tokens", "0"], "--max-tokens")):
+            t0 = time.monotonic()
+            r = subprocess.run([*_pdserve(), *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+            assert r.returncode == 2, (args, r.stderr)
+            assert flag in r.stderr, (args, r.stderr)
+            assert time.monotonic() - t0 < 20, f"{args}: bad input must fail before starting a cluster"
 
 
 def test_pdserve_generate_unreachable_target_fails_fast():
