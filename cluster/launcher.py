@@ -156,7 +156,8 @@ class Cluster:
             return self.redis_url
 
     def scale_pool(self, role: str, n: int) -> list[WorkerInfo]:
-        """Grow or shrink one pool to ``n`` workers (removal drains first); returns the pool's records."""
+        """Grow or shrink one pool to ``n`` live workers (dead actors are dropped and replaced; removal
+        drains first); returns the pool's records."""
         if role not in POOLS:
             raise ValueError(f"role must be one of {POOLS}, got {role!r}")
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
@@ -167,12 +168,31 @@ class Cluster:
         if self.registry is None or self._stopped:
             raise RuntimeError("cluster is not running")
         with self._lock:
+            self._drop_dead(role)
             pool = self._members[role]
             if n > len(pool):
                 self._add(role, n - len(pool))
             elif n < len(pool):
                 self._remove(role, len(pool) - n)
             return [m.info for m in self._members[role]]
+
+    def _drop_dead(self, role: str) -> None:
+        # A crashed actor is already out of routing (its key expired); forget it so the pool size is live workers.
+        pool = self._members[role]
+        if not pool:
+            return
+        refs = [m.handle.pid.remote() for m in pool]
+        ray.wait(refs, num_returns=len(refs), timeout=10)
+        alive = []
+        for m, ref in zip(pool, refs):
+            try:
+                ray.get(ref, timeout=0)
+                alive.append(m)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                log.warning("cluster %s: %s is gone (%s); dropping it", self.namespace, m.worker_id,
+                            type(e).__name__)
+                self._kill(m)
+        self._members[role] = alive
 
     def _add(self, role: str, count: int) -> None:
         resources = ray.cluster_resources()

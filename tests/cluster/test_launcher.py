@@ -76,7 +76,7 @@ def test_pools_register_scale_drain_and_leave_nothing(ray_local, redis_url):
     cluster.stop()  # idempotent
 
 
-def test_dead_worker_leaves_routing_within_5s(ray_local, redis_url):
+def test_dead_worker_leaves_routing_within_5s_and_is_replaced(ray_local, redis_url):
     with Cluster(_config(redis_url, num_prefill=1, num_decode=0)) as cluster:
         reg = Registry(redis_url, cluster.namespace)
         assert len(reg.list("prefill")) == 1
@@ -86,6 +86,10 @@ def test_dead_worker_leaves_routing_within_5s(ray_local, redis_url):
         while reg.list("prefill") and time.monotonic() - start < 6:
             time.sleep(0.1)
         assert reg.list("prefill") == [] and time.monotonic() - start < 5.0
+        # scale_pool counts live workers: the dead one is replaced under a fresh id.
+        infos = cluster.scale_pool("prefill", 1)
+        assert [i.worker_id for i in infos] == ["prefill-1"] == cluster.worker_ids("prefill")
+        assert [w.worker_id for w in reg.list("prefill")] == ["prefill-1"]
 
 
 def test_two_clusters_on_one_redis_stay_apart(ray_local, redis_url):
