@@ -71,30 +71,31 @@ class TokenRows:
     def __init__(self, layout: CacheLayout, block_ids: Sequence[int], num_tokens: int, field: str):
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
             raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        bs = layout.block_size
+        needed = -(-num_tokens // bs)
         try:
-            ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
-        except (TypeError, ValueError, RuntimeError):
+            ids = [int(i) for i in list(block_ids)[:needed]]
+        except (TypeError, ValueError):
             raise ValueError(f"{field} must be a sequence of ints") from None
-        needed = -(-num_tokens // layout.block_size)
-        if ids.numel() < needed:
-            raise ValueError(f"{field} has {ids.numel()} blocks of {layout.block_size} tokens, "
-                             f"too few for num_tokens={num_tokens}")
-        ids = ids[:needed]
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= layout.num_blocks):
-            raise ValueError(f"{field} must be in [0, {layout.num_blocks}), got {ids.tolist()}")
-        if torch.unique(ids).numel() != ids.numel():
-            raise ValueError(f"{field} must not repeat a block, got {ids.tolist()}")
-        pos = torch.arange(num_tokens, dtype=torch.int64)
-        self.rows = ids[pos // layout.block_size] * layout.block_size + pos % layout.block_size
-        # run id of each row: rows [a, b) are contiguous in memory iff run[a] == run[b-1]
-        step = torch.ones(num_tokens, dtype=torch.int64)
-        step[1:] = (self.rows[1:] - self.rows[:-1] != 1).to(torch.int64)
-        self.run = torch.cumsum(step, 0)
+        if len(ids) < needed:
+            raise ValueError(f"{field} has {len(ids)} blocks of {bs} tokens, too few for num_tokens={num_tokens}")
+        if min(ids) < 0 or max(ids) >= layout.num_blocks:
+            raise ValueError(f"{field} must be in [0, {layout.num_blocks}), got {ids}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{field} must not repeat a block, got {ids}")
+        # built with two tensor ops: this runs on the caller's thread for every send/recv
+        self.rows = (torch.tensor(ids, dtype=torch.int64)[:, None] * bs
+                     + torch.arange(bs, dtype=torch.int64)).reshape(-1)[:num_tokens]
+        # run id per block: tokens [a, b) are one contiguous stretch iff their blocks share a run
+        self._run = [0] * len(ids)
+        for j in range(1, len(ids)):
+            self._run[j] = self._run[j - 1] + (ids[j] != ids[j - 1] + 1)
+        self.block_size = bs
         self.num_tokens = num_tokens
 
     def contiguous(self, a: int, b: int) -> bool:
         """True when token rows a..b-1 are one contiguous stretch of the cache."""
-        return bool(self.run[a] == self.run[b - 1])
+        return self._run[a // self.block_size] == self._run[(b - 1) // self.block_size]
 
 
 @dataclass(frozen=True)
