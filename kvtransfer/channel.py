@@ -50,6 +50,7 @@ class PairChannel:
         self.gen = 0
         self.closed: str | None = None
         self.last_key: str | None = None
+        self.build_error: str | None = None
         self._threads: list[threading.Thread] = []
         self._spawn(self._main, f"kv-{self.role}-{ep.name}-{peer}")
 
@@ -83,6 +84,8 @@ class PairChannel:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
+        if self.build_error is None:
+            self.build_error = f"rendezvous with {self.peer!r} still in progress"
         try:
             if self.rank == 0:
                 key = self.ep._rdv.offer(self.peer, remaining, stop)
@@ -97,12 +100,14 @@ class PairChannel:
             group = open_pair(self.ep.backend, store, prefix, self.rank, wait_s, self.ep._rdv.hub)
         except (PairBroken, RendezvousTimeout) as e:
             log.debug("kv %s %s<->%s: build failed: %s", self.role, self.ep.name, self.peer, e)
+            self.build_error = str(e)
             return False
         with self.cond:
             if self.closed is not None:
                 group.close()
                 return False
             self.group = group
+            self.build_error = None
             self.gen += 1
             gen = self.gen
             self.cond.notify_all()
@@ -157,6 +162,12 @@ class PairChannel:
         for th in list(self._threads):
             if th is not threading.current_thread():
                 th.join(max(end - time.monotonic(), 0.0))
+
+    def not_connected_note(self) -> str:
+        """'; pair not connected: <why>' while no group is up and the last build failed, else ''."""
+        if self.group is None and self.build_error:
+            return f"; pair not connected: {self.build_error}"
+        return ""
 
     # -- reaper hook -----------------------------------------------------------------------------
     def reap(self, now: float) -> None:

@@ -324,7 +324,7 @@ class RecvChannel(PairChannel):
                     del self.live[tid]
                     continue
                 if now >= t.deadline:
-                    what = ("waiting for the sender" if t.state == TransferState.PENDING else
+                    what = (f"waiting for the sender{self.not_connected_note()}" if t.state == TransferState.PENDING else
                             f"{len(t.layers_done)}/{t.layout.num_layers} layers received")
                     why = self.expire(t, f"deadline exceeded after {t.timeout_s:.3f} s ({what} from {self.peer!r})")
                     failed.append(t)

@@ -229,7 +229,8 @@ class SendChannel(PairChannel):
                     continue
                 if now >= t.deadline:
                     why = self.expire(t, f"deadline exceeded after {t.timeout_s:.3f} s "
-                                         f"({len(t.layers_done)}/{t.layout.num_layers} layers sent to {self.peer!r})")
+                                         f"({len(t.layers_done)}/{t.layout.num_layers} layers sent to {self.peer!r}"
+                                         f"{self.not_connected_note()})")
                     failed.append(t)
                     if why:
                         breaks.append((self.gen, why))

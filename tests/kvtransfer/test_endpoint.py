@@ -274,3 +274,14 @@ def test_caches_made_under_inference_mode(pair):
     assert p.wait(hs, 5) == DONE, p.failure(hs)
     assert d.wait(hr, 5) == DONE, d.failure(hr)
     assert token_checksum(src, [4, 5, 6], 40) == token_checksum(dst, [1, 2, 3], 40)
+
+
+def test_unknown_peer_fails_at_deadline_saying_why():
+    st = InprocStore()
+    with KVEndpoint("p0", st, backend="inproc", timeout_s=3.0) as p:
+        t0 = time.monotonic()
+        h = p.send("nobody", "r", make_cache(SRC), [0], 3, deadline_s=0.3, layers_ready=True)
+        assert p.wait(h, 3) == FAILED
+        assert time.monotonic() - t0 < 1.0
+        assert "deadline exceeded" in p.failure(h) and "pair not connected" in p.failure(h)
+        assert "'nobody'" in p.failure(h)
