@@ -1,21 +1,24 @@
 """Bandwidth and fixed cost of a kvtransfer pair channel against raw links, in one run.
 
 Lifecycle: the script serves a TCPStore on a free port, spawns one receiver
-process, and (as the sender) measures, for each payload size, three ways of
-moving the same bytes between the two processes on loopback:
+process, and (as the sender) measures, for each payload size, four ways of
+moving the same bytes between the two processes on loopback, interleaved
+round by round so that load changes on the host hit all of them alike:
 
 - ``gloo raw``: one contiguous uint8 tensor through a ProcessGroupGloo send/recv
-  (the ceiling for the channel, which uses gloo underneath);
-- ``tcp socket``: ``sendall`` / ``recv_into`` on a loopback TCP connection;
-- ``kvtransfer``: a paged KV cache (block size 16 on the sender, 32 on the
-  receiver, shuffled block ids so gather and scatter are real) sent layer by
-  layer through ``KVEndpoint.send`` and received by ``KVEndpoint.recv``;
-  timed from ``send()`` to the sender's DONE, which needs the receiver's
-  acknowledgement that every byte is in place.
+  plus a 1-byte reply (the ceiling for the channel, which uses gloo underneath);
+- ``tcp``: ``sendall`` / ``recv_into`` on a loopback TCP connection, 1-byte reply;
+- ``kv contig``: a paged fp16 KV cache (8 layers, 8 KV heads x 128; block size 16
+  on the sender, 32 on the receiver) with block ids in order, sent layer by
+  layer through ``KVEndpoint.send`` into a posted ``KVEndpoint.recv``; timed from
+  ``send()`` to the sender's DONE, which needs the receiver's acknowledgement
+  that every byte is in place (contiguous blocks travel zero-copy);
+- ``kv shuffled``: the same with shuffled block ids on both sides, so every
+  byte is gathered on the sender and scattered on the receiver.
 
 Then the fixed cost: the median time of a one-block transfer (16 tokens, one
-layer, 8 KiB) against a raw gloo round trip of the same bytes plus a 1-byte
-reply. Results print as a table (rich) and optionally as JSON.
+layer, 1 head x 64 fp32 = 8 KiB) against a raw gloo send of the same bytes plus
+a 1-byte reply. Results print as a table (rich) and optionally as JSON.
 
 Usage: python benchmarks/kvtransfer_bandwidth.py [--sizes-mib 1 4 16 64 256] [--reps 5] [--json out.json]
 """
