@@ -220,13 +220,35 @@ class Cluster:
         log.info("cluster %s: +%d %s (%s)", self.namespace, count, role, ", ".join(m.worker_id for m in new))
 
     def _remove(self, role: str, count: int) -> None:
-        pool = self._members[role]
-        leaving, self._members[role] = pool[-count:], pool[:-count]
+        self._retire(self._members[role][-count:])
+
+    def remove_worker(self, worker_id: str) -> bool:
+        """Drain one worker (out of routing at once, in-flight requests finish) and stop it.
+
+        Returns True if all its requests finished within ``drain_timeout_s``; ValueError for an unknown id."""
+        with self._lock:
+            for role in POOLS:
+                for m in self._members[role]:
+                    if m.worker_id == worker_id:
+                        return self._retire([m])
+        raise ValueError(f"worker_id {worker_id!r} is not a worker of cluster {self.namespace}")
+
+    def _retire(self, leaving: list[_Member]) -> bool:
+        gone = {id(m) for m in leaving}
+        for role in POOLS:
+            self._members[role] = [m for m in self._members[role] if id(m) not in gone]
         refs = [m.handle.drain.remote(self.config.drain_timeout_s) for m in leaving]
-        ray.wait(refs, num_returns=len(refs), timeout=self.config.drain_timeout_s + 10)
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.drain_timeout_s + 10)
+        clean = len(ready) == len(refs)
+        for ref in ready:
+            try:
+                clean = bool(ray.get(ref)) and clean
+            except ray.exceptions.RayError:
+                clean = False
         for m in leaving:
             self._kill(m)
-        log.info("cluster %s: -%d %s (%s)", self.namespace, count, role, ", ".join(m.worker_id for m in leaving))
+        log.info("cluster %s: retired %s (clean=%s)", self.namespace, ", ".join(m.worker_id for m in leaving), clean)
+        return clean
 
     def _kill(self, m: _Member) -> None:
         try:

@@ -6,6 +6,7 @@ reference for every output is ``engine.LLM("tiny")`` offline.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
@@ -162,6 +163,38 @@ def _served_counts(reg: Registry) -> dict[str, float]:
     sample = {"prefill": "pdserve:request_prefill_time_seconds_count",
               "decode": "pdserve:request_decode_time_seconds_count"}
     return {w.worker_id: metric_value(w.metrics_address, sample[w.role]) for w in reg.list()}
+
+
+def test_draining_a_busy_decode_worker_lets_its_stream_finish(cluster, redis_url):
+    if len(cluster.worker_ids("decode")) < 2:
+        cluster.scale_pool("decode", 2)
+    assert _wait_idle(cluster, 2.0)
+    reg = Registry(redis_url, cluster.namespace)
+    prompt = mixed_prompts(32)[7]
+    ref = offline([prompt], [SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)])[0]
+    with grpc.insecure_channel(cluster.router_address) as ch:
+        stream = pdserve_pb2_grpc.PDServeStub(ch).Generate(
+            pdserve_pb2.GenerateRequest(prompt=prompt, max_tokens=200, ignore_eos=True, temperature=0.0), timeout=120)
+        got = [next(stream) for _ in range(3)]  # past the first token: the decode worker is streaming
+        busy = [i.worker_id for i in ray.get([a.info.remote() for a in cluster.actors("decode")])
+                if i.num_free_blocks < i.num_total_blocks]
+        assert len(busy) == 1, busy
+        result: dict = {}
+        drainer = threading.Thread(target=lambda: result.update(clean=cluster.remove_worker(busy[0])))
+        drainer.start()
+        # Out of routing at once, while its stream goes on.
+        end = time.monotonic() + 2.0
+        while busy[0] in [w.worker_id for w in reg.list("decode")] and time.monotonic() < end:
+            time.sleep(0.02)
+        assert busy[0] not in [w.worker_id for w in reg.list("decode")]
+        rest = list(stream)
+        drainer.join(60)
+    # Tokens kept coming after the worker left routing: the drain overlapped a live stream.
+    assert sum(len(r.token_ids) for r in rest) > 0
+    got += rest
+    assert [t for r in got for t in r.token_ids] == ref[0] and got[-1].finish_reason == "length"
+    assert result == {"clean": True}
+    assert busy[0] not in cluster.worker_ids("decode")
 
 
 def test_scale_down_drains_and_cluster_keeps_serving(cluster, redis_url):
