@@ -28,7 +28,7 @@ from kvtransfer.channel import BACKSTOP_S, IDLE_WAIT_S, WINDOW, PairChannel
 from kvtransfer.layout import FramePlan, direct_view, scatter
 from kvtransfer.transfer import Transfer, TransferState
 from kvtransfer.transport import PairBroken, PairGroup
-from kvtransfer.wire import (ACK_OK, ACK_REJECTED, HEAD_MSG_BYTES, HEADER_BYTES, INLINE_BYTES, KIND_ABORT,
+from kvtransfer.wire import (ACK_OK, ACK_REJECTED, HEAD_MSG_BYTES, HEADER_BYTES, KIND_ABORT,
                              TAG_ACK, TAG_HEAD, TAG_PAYLOAD, Ack, FrameHeader, FramingError, code_dtype)
 
 UNMATCHED_GRACE_S = 0.5
@@ -161,9 +161,8 @@ class RecvChannel(PairChannel):
         want = (hdr.layer_hi - hdr.layer_lo) * 2 * hdr.num_tokens * lay.row_bytes
         if hdr.payload_nbytes != want:
             return f"payload_nbytes {hdr.payload_nbytes} != {want} for this layer range"
-        inline = hdr.payload_nbytes if hdr.payload_nbytes <= INLINE_BYTES else 0
-        if hdr.inline_nbytes != inline:
-            return f"inline_nbytes {hdr.inline_nbytes} != {inline} for this frame"
+        if hdr.inline_nbytes not in (0, hdr.payload_nbytes):  # the sender decides (CUDA senders never inline)
+            return f"inline_nbytes {hdr.inline_nbytes} is neither 0 nor the payload size"
         if hdr.chunk_bytes % lay.row_bytes:
             return f"chunk_bytes {hdr.chunk_bytes} is not a multiple of the {lay.row_bytes}-byte token row"
         return None
@@ -246,9 +245,9 @@ class RecvChannel(PairChannel):
                 self.live.pop(f.transfer_id, None)
             self.ep._finished(f)
 
-    def _buf(self, i: int, nbytes: int) -> torch.Tensor:
-        if self._staging[i].numel() < nbytes:
-            self._staging[i] = torch.empty(nbytes, dtype=torch.uint8)
+    def _buf(self, i: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        if self._staging[i].numel() < nbytes or self._staging[i].device != device:
+            self._staging[i] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return self._staging[i][:nbytes]
 
     def _receive_payload(self, group: PairGroup, hdr: FrameHeader, head: torch.Tensor, t: Transfer | None) -> None:
@@ -257,7 +256,8 @@ class RecvChannel(PairChannel):
         sizes = plan.sizes
         if t is None:  # drain
             for i, n in enumerate(sizes):
-                group.irecv(self._buf(i % 2, n), TAG_PAYLOAD).wait(self.ep.timeout_s + BACKSTOP_S)
+                group.irecv(self._buf(i % WINDOW, n, group.data_device), TAG_PAYLOAD).wait(
+                    self.ep.timeout_s + BACKSTOP_S)
             return
         timeout = max(t.deadline - time.monotonic(), 0.0) + BACKSTOP_S
         inflight: deque = deque()
@@ -265,13 +265,14 @@ class RecvChannel(PairChannel):
         def post(i: int) -> None:
             segs = plan.chunk_segments(i)
             view = direct_view(t.kv_caches, t.tokens, segs)
-            buf = None if view is not None else self._buf(i % WINDOW, sizes[i])
+            buf = None if view is not None else self._buf(i % WINDOW, sizes[i], t.layout.device)
             inflight.append((group.irecv(view if view is not None else buf, TAG_PAYLOAD), buf, segs))
 
         for i in range(min(WINDOW, len(sizes))):
             post(i)
         if plan.inline_rows:
-            scatter(t.kv_caches, t.tokens, plan.inline_segments(), head[HEADER_BYTES:HEADER_BYTES + plan.inline_nbytes])
+            inline = head[HEADER_BYTES:HEADER_BYTES + plan.inline_nbytes].to(t.layout.device)
+            scatter(t.kv_caches, t.tokens, plan.inline_segments(), inline)
             with self.cond:
                 t.mark_wire(plan.inline_nbytes)
         for i in range(len(sizes)):

@@ -136,9 +136,9 @@ class SendChannel(PairChannel):
                 if kind == "data":
                     t.layers_done.update(range(lo, hi))
 
-    def _buf(self, i: int, nbytes: int) -> torch.Tensor:
-        if self._staging[i].numel() < nbytes:
-            self._staging[i] = torch.empty(nbytes, dtype=torch.uint8)
+    def _buf(self, i: int, nbytes: int, device: torch.device) -> torch.Tensor:
+        if self._staging[i].numel() < nbytes or self._staging[i].device != device:
+            self._staging[i] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return self._staging[i][:nbytes]
 
     def _send_frame(self, group: PairGroup, kind: str, t: Transfer, lo: int, hi: int, last: bool) -> None:
@@ -148,7 +148,9 @@ class SendChannel(PairChannel):
             group.isend(hdr.pack(self._hdr), TAG_HEAD).wait(timeout)
             return
         lay = t.layout
-        plan = FramePlan(lay.row_bytes, t.tokens.num_tokens, lo, hi, self.ep.chunk_bytes, INLINE_BYTES)
+        # the head message is a CPU tensor: CUDA caches (nccl) send every payload byte as chunks
+        inline = INLINE_BYTES if lay.device.type == "cpu" else 0
+        plan = FramePlan(lay.row_bytes, t.tokens.num_tokens, lo, hi, self.ep.chunk_bytes, inline)
         hdr = FrameHeader(KIND_DATA, t.transfer_id, t.request_id, lo, hi, lay.num_layers, t.tokens.num_tokens,
                           lay.num_kv_heads, lay.head_dim, dtype_code(lay.dtype), plan.chunk_bytes,
                           plan.payload_nbytes, plan.inline_nbytes, FLAG_LAST if last else 0)
@@ -167,7 +169,7 @@ class SendChannel(PairChannel):
             segs = plan.chunk_segments(i)
             view = direct_view(t.kv_caches, t.tokens, segs)
             if view is None:
-                view = gather(t.kv_caches, t.tokens, segs, self._buf(i % WINDOW, plan.sizes[i]))
+                view = gather(t.kv_caches, t.tokens, segs, self._buf(i % WINDOW, plan.sizes[i], lay.device))
             inflight.append(group.isend(view, TAG_PAYLOAD))
             with self.cond:
                 t.mark_wire(view.numel())

@@ -30,7 +30,7 @@ from kvtransfer.layout import CacheLayout, TokenRows
 from kvtransfer.rendezvous import Rendezvous
 from kvtransfer.store import StoreConfig, open_store
 from kvtransfer.transfer import Transfer, TransferHandle, TransferState, TransferStats, id_source
-from kvtransfer.transport import BACKENDS
+from kvtransfer.transport import BACKENDS, nccl_unavailable
 from kvtransfer.wire import MAX_REQUEST_ID_BYTES, dtype_code
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ class KVEndpoint:
             raise ValueError(f"name must be a non-empty string without '/', '>' or spaces, got {name!r}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "nccl" and nccl_unavailable():
+            raise ValueError(f"backend 'nccl' cannot run here: {nccl_unavailable()}")
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
         if not isinstance(chunk_bytes, int) or chunk_bytes < 4096:

@@ -85,7 +85,7 @@ class TokenRows:
             raise ValueError(f"{field} must not repeat a block, got {ids}")
         # built with two tensor ops: this runs on the caller's thread for every send/recv
         self.rows = (torch.tensor(ids, dtype=torch.int64)[:, None] * bs
-                     + torch.arange(bs, dtype=torch.int64)).reshape(-1)[:num_tokens]
+                     + torch.arange(bs, dtype=torch.int64)).reshape(-1)[:num_tokens].to(layout.device)
         # run id per block: tokens [a, b) are one contiguous stretch iff their blocks share a run
         self._run = [0] * len(ids)
         for j in range(1, len(ids)):

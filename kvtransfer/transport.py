@@ -41,6 +41,8 @@ class PairOp(Protocol):
 class PairGroup(Protocol):
     """A connected two-rank group: rank 0 sends KV, rank 1 receives it."""
 
+    data_device: torch.device
+
     def isend(self, t: torch.Tensor, tag: int) -> PairOp: ...
     def irecv(self, t: torch.Tensor, tag: int) -> PairOp: ...
     def close(self) -> None: ...
@@ -52,45 +54,58 @@ def _td(seconds: float) -> datetime.timedelta:
 
 
 class _TorchOp:
-    def __init__(self, work, sync: Callable[[], None] | None = None):
-        self._work, self._sync = work, sync
+    def __init__(self, work, device: torch.device | None = None):
+        self._work, self._device = work, device
 
     def wait(self, timeout_s: float) -> None:
         try:
             self._work.wait(_td(timeout_s))
-            if self._sync is not None:
-                self._sync()
+            if self._device is not None:
+                # NCCL completes on a GPU stream; the bytes are read or reused right after
+                torch.cuda.current_stream(self._device).synchronize()
         except RuntimeError as e:
             raise PairBroken(str(e).splitlines()[0][:300]) from None
 
 
 class TorchPair:
-    """A ``torch.distributed`` ProcessGroup of size two, used for tagged p2p only."""
+    """Two-rank ``torch.distributed`` groups used for tagged p2p only.
 
-    def __init__(self, pg, rank: int, cuda: bool):
-        self._pg, self._peer, self._cuda = pg, 1 - rank, cuda
+    Control messages (head messages, acks) are small CPU tensors and always go over the gloo
+    group; with the nccl backend, CUDA payload chunks go over a second, NCCL group built
+    under the same rendezvous key. NCCL ignores tags, which is fine: only payload chunks use
+    it, and both sides post them in the same order.
+    """
 
-    def _live(self):
+    def __init__(self, gloo, rank: int, nccl=None):
+        self._pg, self._nccl, self._peer = gloo, nccl, 1 - rank
+
+    @property
+    def data_device(self) -> torch.device:
+        """Where payload buffers must live for this pair."""
+        return torch.device("cuda", torch.cuda.current_device()) if self._nccl is not None else torch.device("cpu")
+
+    def _route(self, t: torch.Tensor):
         if self._pg is None:
             raise PairBroken("pair closed")
-        return self._pg
+        if t.is_cuda:
+            if self._nccl is None:
+                raise PairBroken("CUDA tensor on a gloo pair: use backend 'nccl'")
+            return self._nccl, t.device
+        return self._pg, None
 
     def isend(self, t: torch.Tensor, tag: int) -> PairOp:
+        pg, dev = self._route(t)
         try:
-            return _TorchOp(self._live().send([t], self._peer, tag), self._sync)
+            return _TorchOp(pg.send([t], self._peer, tag), dev)
         except RuntimeError as e:
             raise PairBroken(str(e).splitlines()[0][:300]) from None
 
     def irecv(self, t: torch.Tensor, tag: int) -> PairOp:
+        pg, dev = self._route(t)
         try:
-            return _TorchOp(self._live().recv([t], self._peer, tag), self._sync)
+            return _TorchOp(pg.recv([t], self._peer, tag), dev)
         except RuntimeError as e:
             raise PairBroken(str(e).splitlines()[0][:300]) from None
-
-    @property
-    def _sync(self) -> Callable[[], None] | None:
-        # NCCL work completes on the GPU stream; callers read the bytes on the host side
-        return torch.cuda.current_stream().synchronize if self._cuda else None
 
     def close(self) -> None:
         """Break the pair now: wakes every thread blocked on it here, and the peer sees EOF.
@@ -100,15 +115,16 @@ class TorchPair:
         receive on a tag no one sends on.
         """
         pg, self._pg = self._pg, None
+        nccl, self._nccl = self._nccl, None
         if pg is None:
             return
         try:
             pg.recv([torch.empty(1, dtype=torch.uint8)], self._peer, KILL_TAG).wait(_td(0.001))
         except RuntimeError:
             pass  # expected: that is the closure
-        if self._cuda:
+        if nccl is not None:
             try:
-                pg.abort()
+                nccl.abort()  # NCCL's abort does unblock pending NCCL work
             except RuntimeError:
                 pass
 
@@ -155,17 +171,28 @@ def _open_gloo(store: dist.Store, rank: int, timeout_s: float) -> TorchPair:
     before = _socket_fds()
     pg = dist.ProcessGroupGloo(store, rank, 2, _td(timeout_s))
     _set_nodelay(_socket_fds() - before)
-    return TorchPair(pg, rank, cuda=False)
+    return TorchPair(pg, rank)
+
+
+def nccl_unavailable() -> str | None:
+    """Why the nccl backend cannot run in this process, or None."""
+    if not hasattr(dist, "ProcessGroupNCCL"):
+        return "this torch build has no NCCL"
+    if not torch.cuda.is_available():
+        return "no CUDA device is available"
+    return None
 
 
 def _open_nccl(store: dist.Store, rank: int, timeout_s: float) -> TorchPair:
-    # Not exercised on this CPU-only project machine; same protocol as gloo on CUDA tensors.
-    if not torch.cuda.is_available():
-        raise PairBroken("backend 'nccl' needs CUDA, and none is available")
+    # Written against torch 2.13's API but never run here (the project machine has no GPU).
+    why = nccl_unavailable()
+    if why:
+        raise PairBroken(f"backend 'nccl': {why}")
+    control = _open_gloo(dist.PrefixStore("gloo", store), rank, timeout_s)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = _td(timeout_s)
-    pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
-    return TorchPair(pg, rank, cuda=True)
+    nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, 2, opts)
+    return TorchPair(control._pg, rank, nccl)
 
 
 class _Mailbox:
@@ -194,6 +221,7 @@ class InprocPair:
 
     def __init__(self, out_box: _Mailbox, in_box: _Mailbox):
         self._out, self._in = out_box, in_box
+        self.data_device = torch.device("cpu")
 
     def _check(self) -> None:
         for box in (self._out, self._in):

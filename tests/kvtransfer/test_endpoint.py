@@ -189,6 +189,9 @@ def test_bad_arguments_raise_value_error_naming_field(pair):
         KVEndpoint("x", "http://nowhere:1")
     with pytest.raises(ValueError, match="timeout_s"):
         KVEndpoint("x", InprocStore(), backend="inproc", timeout_s=-1)
+    if not torch.cuda.is_available():  # this project's machine: the nccl path is implemented but cannot run
+        with pytest.raises(ValueError, match="backend 'nccl' cannot run here"):
+            KVEndpoint("x", InprocStore(), backend="nccl")
 
 
 def test_gloo_pairs_rendezvous_through_redis(redis_url, redis_namespace):
