@@ -260,16 +260,26 @@ class RecvChannel(PairChannel):
                     self.ep.timeout_s + BACKSTOP_S)
             return
         timeout = max(t.deadline - time.monotonic(), 0.0) + BACKSTOP_S
-        inflight: deque = deque()
+        inflight: deque = deque()  # (op, staging buffer or None, segments), in chunk order
+        posted = staged = 0
 
-        def post(i: int) -> None:
-            segs = plan.chunk_segments(i)
-            view = direct_view(t.kv_caches, t.tokens, segs)
-            buf = None if view is not None else self._buf(i % WINDOW, sizes[i], t.layout.device)
-            inflight.append((group.irecv(view if view is not None else buf, TAG_PAYLOAD), buf, segs))
+        def post_more() -> None:
+            # receives straight into the cache need no buffer, so all of them are posted at once;
+            # staged ones are limited to WINDOW buffers, recycled in order
+            nonlocal posted, staged
+            while posted < len(sizes):
+                segs = plan.chunk_segments(posted)
+                view = direct_view(t.kv_caches, t.tokens, segs)
+                buf = None
+                if view is None:
+                    if sum(1 for x in inflight if x[1] is not None) == WINDOW:
+                        return
+                    buf = view = self._buf(staged % WINDOW, sizes[posted], t.layout.device)
+                    staged += 1
+                inflight.append((group.irecv(view, TAG_PAYLOAD), buf, segs))
+                posted += 1
 
-        for i in range(min(WINDOW, len(sizes))):
-            post(i)
+        post_more()
         if plan.inline_rows:
             inline = head[HEADER_BYTES:HEADER_BYTES + plan.inline_nbytes].to(t.layout.device)
             scatter(t.kv_caches, t.tokens, plan.inline_segments(), inline)
@@ -282,8 +292,7 @@ class RecvChannel(PairChannel):
                 scatter(t.kv_caches, t.tokens, segs, buf)
             with self.cond:
                 t.mark_wire(sizes[i])
-            if i + WINDOW < len(sizes):
-                post(i + WINDOW)
+            post_more()
 
     def _gen_main(self, group: PairGroup, gen: int) -> None:
         """Sends the acks the reaper decides (deadline, cancel) while the channel thread waits on the wire."""

@@ -161,21 +161,26 @@ class SendChannel(PairChannel):
         head_op = group.isend(self._hdr, TAG_HEAD)
         with self.cond:
             t.mark_wire(plan.inline_nbytes)
-        inflight: deque = deque()
+        ops = [head_op]
+        slot_ops: list = [None] * WINDOW  # the send that last used each staging buffer
+        staged = 0
         for i in range(plan.num_chunks):
-            if len(inflight) == WINDOW:
-                # the oldest send used staging buffer i % WINDOW: it must be done before we refill it
-                inflight.popleft().wait(timeout)
             segs = plan.chunk_segments(i)
             view = direct_view(t.kv_caches, t.tokens, segs)
             if view is None:
-                view = gather(t.kv_caches, t.tokens, segs, self._buf(i % WINDOW, plan.sizes[i], lay.device))
-            inflight.append(group.isend(view, TAG_PAYLOAD))
+                k = staged % WINDOW
+                staged += 1
+                if slot_ops[k] is not None:
+                    slot_ops[k].wait(timeout)  # its bytes must be gone before we refill the buffer
+                view = gather(t.kv_caches, t.tokens, segs, self._buf(k, plan.sizes[i], lay.device))
+                op = slot_ops[k] = group.isend(view, TAG_PAYLOAD)
+            else:
+                op = group.isend(view, TAG_PAYLOAD)  # straight from the cache: no buffer to recycle
+            ops.append(op)
             with self.cond:
                 t.mark_wire(view.numel())
-        head_op.wait(timeout)
-        while inflight:
-            inflight.popleft().wait(timeout)
+        for op in ops:
+            op.wait(timeout)
 
     def _gen_main(self, group: PairGroup, gen: int) -> None:
         """Ack listener of one generation: one answer per transfer that put a frame on it."""

@@ -56,10 +56,14 @@ def _td(seconds: float) -> datetime.timedelta:
 class _TorchOp:
     def __init__(self, work, device: torch.device | None = None):
         self._work, self._device = work, device
+        self._done = False
 
     def wait(self, timeout_s: float) -> None:
+        if self._done:  # waiting twice is allowed (a staging slot, then the frame's end)
+            return
         try:
             self._work.wait(_td(timeout_s))
+            self._done = True
             if self._device is not None:
                 # NCCL completes on a GPU stream; the bytes are read or reused right after
                 torch.cuda.current_stream(self._device).synchronize()
