@@ -109,14 +109,20 @@ class Segment:
     tok_hi: int
 
 
+SEGMENT_ALONE_BYTES = 256 << 10
+"""Segments at least this big get messages of their own (zero-copy when their rows are contiguous);
+smaller ones are packed, since a message costs about as much as moving this many bytes on loopback."""
+
+
 class FramePlan:
     """How one frame's payload (layers lo..hi-1, each K rows then V rows) is cut into messages.
 
     A payload of at most ``inline_bytes`` rides whole in the head message. Otherwise each
     (layer, K|V) *segment* of ``num_tokens`` rows is cut into chunks of at most
     ``chunk_bytes`` that never straddle two segments (so a chunk over contiguous cache rows
-    is sent from, or received into, the cache itself), and segments smaller than a chunk
-    are packed several to a message. Both sides derive the same plan from header fields.
+    is sent from, or received into, the cache itself), and segments under
+    ``SEGMENT_ALONE_BYTES`` are packed several to a message. Both sides derive the same
+    plan from header fields.
     """
 
     def __init__(self, row_bytes: int, num_tokens: int, layer_lo: int, layer_hi: int, chunk_bytes: int,
@@ -134,7 +140,7 @@ class FramePlan:
         self.chunk_bytes = per * row_bytes
         if self.inline_rows:
             return
-        if num_tokens >= per:
+        if num_tokens >= per or num_tokens * row_bytes >= SEGMENT_ALONE_BYTES:
             for seg in range(nseg):
                 base = seg * num_tokens
                 self.ranges += [(base + a, base + min(a + per, num_tokens)) for a in range(0, num_tokens, per)]

@@ -69,6 +69,9 @@ def test_frame_plan_packs_small_segments_and_inlines_small_payloads():
     tiny = FramePlan(row, num_tokens=3, layer_lo=0, layer_hi=4, chunk_bytes=1000, inline_bytes=2400)
     assert tiny.inline_rows == 24 and tiny.sizes == []
     assert FramePlan(row, 3, 0, 4, 1000, inline_bytes=2399).inline_rows == 0
+    # 1 MiB segments are never packed, even under a 4 MiB chunk size: each can go zero-copy
+    big = FramePlan(2048, 512, 0, 8, 4 << 20)
+    assert big.sizes == [1 << 20] * 16 and all(len(big.chunk_segments(i)) == 1 for i in range(16))
 
 
 @pytest.mark.parametrize("src_bs,dst_bs", [(4, 4), (4, 3), (5, 8), (16, 1)])
@@ -106,5 +109,5 @@ def test_direct_view_only_for_contiguous_rows():
     assert v is not None and torch.equal(v.view(torch.float32), cache[0][0][0, :2].reshape(-1))
     tok = TokenRows(lay, [3, 2, 0], 10, "src")  # rows 12..15 then 8..11: not one stretch
     assert direct_view(cache, tok, plan.chunk_segments(0)) is None
-    packed = FramePlan(lay.row_bytes, 10, 0, 1, chunk_bytes=lay.row_bytes * 20)  # K and V in one message
+    packed = FramePlan(lay.row_bytes, 10, 0, 1, chunk_bytes=lay.row_bytes * 20)  # small: K and V in one message
     assert direct_view(cache, TokenRows(lay, [2, 3, 0], 10, "src"), packed.chunk_segments(0)) is None
