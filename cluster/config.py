@@ -38,7 +38,7 @@ class ClusterConfig:
     ray_address: Optional[str] = None
     """Ray to join ("auto", "host:port", "ray://..."); None uses this process's Ray or starts a local one."""
     namespace: Optional[str] = None
-    """Registry/kvtransfer namespace; None makes a unique one."""
+    """Registry/kvtransfer namespace; None makes a unique one. Must be unique per cluster: stop() deletes its keys."""
     worker_host: Optional[str] = None
     """Interface workers bind; None: loopback on a local Ray, the node IP on a joined one."""
     cpus_per_worker: float = 1.0

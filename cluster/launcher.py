@@ -91,8 +91,8 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
-        log.info("cluster %s up: router %s, %d prefill, %d decode", self.namespace, self.router_address,
-                 len(self._members["prefill"]), len(self._members["decode"]))
+        log.info("cluster %s up: router %s, workers %s", self.namespace, self.router_address,
+                 {r: len(m) for r, m in self._members.items() if m})
         return self
 
     def _start_redis(self) -> None:
@@ -109,12 +109,11 @@ class Cluster:
         self.registry.ping()
 
     def _start_ray(self) -> None:
-        if self.config.ray_address is not None:
-            ray.init(address=self.config.ray_address, namespace=self.namespace, log_to_driver=False,
-                     ignore_reinit_error=True)
-            self._owns_ray = True  # our driver connection; the Ray cluster itself outlives us
+        if ray.is_initialized():  # this process already has Ray (tests, an embedding app): share, never shut down
             return
-        if ray.is_initialized():
+        if self.config.ray_address is not None:
+            ray.init(address=self.config.ray_address, namespace=self.namespace, log_to_driver=False)
+            self._owns_ray = True  # our driver connection; the Ray cluster itself outlives us
             return
         want = self.config.num_prefill + self.config.num_decode + self.config.num_colocated
         num_cpus = self.config.ray_num_cpus or max(os.cpu_count() or 1, int(want * self.config.cpus_per_worker) + 2)
@@ -146,14 +145,11 @@ class Cluster:
                           num_threads=max(1, int(self.config.cpus_per_worker)))
 
     @property
-    def kv_store_url(self) -> Any:
+    def kv_store_url(self) -> Any:  # a kvtransfer.StoreConfig
         """The kvtransfer rendezvous every worker of this cluster uses (the cluster's Redis, own namespace)."""
-        try:
-            from kvtransfer import StoreConfig
+        from kvtransfer import StoreConfig
 
-            return StoreConfig(self.redis_url, namespace=f"{self.namespace}:kvt")
-        except ImportError:  # kvtransfer not built yet: stand-in roles ignore it
-            return self.redis_url
+        return StoreConfig(self.redis_url, namespace=f"{self.namespace}:kvt")
 
     def scale_pool(self, role: str, n: int) -> list[WorkerInfo]:
         """Grow or shrink one pool to ``n`` live workers (dead actors are dropped and replaced; removal

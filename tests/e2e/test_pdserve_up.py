@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 import uuid
+from typing import Optional
 
 import grpc
 import psutil
@@ -38,9 +39,9 @@ def _pdserve() -> list[str]:
 class UpProcess:
     """A `pdserve up` subprocess whose stdout is read on a thread (so the pipe never fills)."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: Optional[dict] = None) -> None:
         self.stderr = tempfile.TemporaryFile(mode="w+")
-        env = dict(os.environ, OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0")
+        env = dict(env or os.environ, OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0")
         self.proc = subprocess.Popen([*_pdserve(), "up", "--port", "0", *args], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=self.stderr, text=True)
         self.lines: list[str] = []

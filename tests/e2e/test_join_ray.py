@@ -1,0 +1,102 @@
+"""`pdserve up --address` joins an existing Ray cluster (as on KubeRay) and places pools by node resources.
+
+A private Ray head (`ray start --head`, its own temp dir and a free GCS port) offers
+the custom resources ``prefill`` and ``decode`` the way the KubeRay worker groups in
+k8s/raycluster.yaml do. ``pdserve up --address`` must place one worker on each
+(``ray status`` shows 0.01 of each in use), serve, and on SIGTERM remove its actors
+while leaving the head it did not start running. The head is then stopped by the
+ids of its own processes (found by its private temp dir), never by name.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+import psutil
+import pytest
+
+from engine.sampling_params import SamplingParams
+from tests.e2e.helpers import generate, offline
+from tests.e2e.test_pdserve_up import REPO, UpProcess, _pdserve
+
+# Token auth would need the head's token in the driver's environment; this private head is loopback-only.
+ENV = dict(os.environ, RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1")
+
+
+def _ray_cli() -> str:
+    return os.path.join(os.path.dirname(_pdserve()[0]), "ray")
+
+
+@pytest.fixture
+def ray_head():
+    tmp = tempfile.mkdtemp(prefix="pdh", dir="/tmp")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def head_procs() -> list[psutil.Process]:
+        found = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if tmp in " ".join(p.info["cmdline"] or []):
+                    found.append(p)
+            except psutil.Error:
+                pass
+        return found
+
+    r = subprocess.run([_ray_cli(), "start", "--head", f"--port={port}", "--num-cpus=4",
+                        "--resources", '{"prefill": 1, "decode": 1}', f"--temp-dir={tmp}",
+                        "--include-dashboard=false", "--disable-usage-stats"],
+                       capture_output=True, text=True, timeout=120, env=ENV)
+    try:
+        assert r.returncode == 0, r.stderr[-2000:]
+        yield f"127.0.0.1:{port}", head_procs
+    finally:
+        procs = head_procs()
+        for p in procs:
+            try:
+                p.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        for p in alive:
+            p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _ray_status(address: str) -> str:
+    return subprocess.run([_ray_cli(), "status", f"--address={address}"], capture_output=True, text=True,
+                          timeout=60, env=ENV).stdout
+
+
+def test_pdserve_up_joins_ray_and_places_pools_by_resource(ray_head):
+    address, head_procs = ray_head
+    head_before = {p.pid for p in head_procs()}
+    up = UpProcess("--address", address, "--num-kv-blocks", "64", env=ENV)
+    try:
+        up.wait_serving(240)
+        status = _ray_status(address)
+        # One prefill and one decode actor, each holding its sliver of the node label.
+        assert re.search(r"0\.01\d*/1\.0 prefill", status), status
+        assert re.search(r"0\.01\d*/1\.0 decode", status), status
+        ref = offline(["def f():"], [SamplingParams(max_tokens=8, temperature=0.0)])[0]
+        assert generate(up.router, prompt="def f():", max_tokens=8, temperature=0.0)[:3] == ref
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(timeout=15) == 0, up.tail()
+    finally:
+        up.close()
+    # The head pdserve joined is still there, with its workers gone.
+    assert head_before <= {p.pid for p in head_procs()}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        status = _ray_status(address)
+        if re.search(r" 0\.0/1\.0 prefill", status) and re.search(r" 0\.0/1\.0 decode", status):
+            break
+        time.sleep(0.5)
+    assert re.search(r" 0\.0/1\.0 prefill", status) and re.search(r" 0\.0/1\.0 decode", status), status
