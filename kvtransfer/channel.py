@@ -98,7 +98,9 @@ class PairChannel:
             # sides chasing each other's previous key forever.
             wait_s = max(deadline - time.monotonic(), 0.05)
             group = open_pair(self.ep.backend, store, prefix, self.rank, wait_s, self.ep._rdv.hub)
-        except (PairBroken, RendezvousTimeout) as e:
+        except Exception as e:  # noqa: BLE001 - store down, peer gone, gloo refusal: all mean "not now"
+            if not isinstance(e, (PairBroken, RendezvousTimeout)):
+                e = f"{type(e).__name__}: {e}"
             log.debug("kv %s %s<->%s: build failed: %s", self.role, self.ep.name, self.peer, e)
             self.build_error = str(e)
             return False
