@@ -19,6 +19,7 @@ mid-frame, so the pair is broken.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict, deque
 
@@ -30,6 +31,8 @@ from kvtransfer.transfer import Transfer, TransferState
 from kvtransfer.transport import PairBroken, PairGroup
 from kvtransfer.wire import (ACK_OK, ACK_REJECTED, HEAD_MSG_BYTES, HEADER_BYTES, KIND_ABORT,
                              TAG_ACK, TAG_HEAD, TAG_PAYLOAD, Ack, FrameHeader, FramingError, code_dtype)
+
+log = logging.getLogger(__name__)
 
 UNMATCHED_GRACE_S = 0.5
 """How long a first frame waits for its receive to be posted before it is rejected."""
@@ -192,6 +195,9 @@ class RecvChannel(PairChannel):
                     if why:
                         if t is not None:
                             ended.append(t)
+                        else:  # nobody on this side will see a handle fail: say it here
+                            log.warning("kv recv %s <- %s request_id=%s: frame drained and rejected: %s",
+                                        self.ep.name, self.peer, hdr.request_id, why)
                         self._answer(tid, ACK_REJECTED, why, acks)
                         t = None
                     else:
