@@ -39,6 +39,10 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
     p.add_argument("--colocated", type=int, default=0, metavar="K",
                    help="run K colocated workers instead of prefill/decode pools (the baseline)")
+    p.add_argument("--autoscale", action="store_true",
+                   help="run the planner: each pool scales between its start size and --max-prefill/--max-decode")
+    p.add_argument("--max-prefill", type=int, default=4, help="most prefill workers with --autoscale (default 4)")
+    p.add_argument("--max-decode", type=int, default=4, help="most decode workers with --autoscale (default 4)")
     p.add_argument("--host", default="127.0.0.1", help="router bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="router port, 0 = free port (default 50051)")
     p.add_argument("--redis-url", default=None, help="external Redis (default: a private embedded one)")
@@ -89,6 +93,10 @@ def _check_up_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.model not in BUILTIN_MODELS and not os.path.isdir(args.model):
         raise ValueError(f"--model must be one of {BUILTIN_MODELS} or a model directory, got {args.model!r}")
+    if args.autoscale:
+        for name, lo, hi in (("prefill", args.prefill, args.max_prefill), ("decode", args.decode, args.max_decode)):
+            if not args.colocated and hi < max(lo, 1):
+                raise ValueError(f"--max-{name} must be >= max(--{name}, 1), got {hi}")
     if args.port:
         _check_port_free(args.host, args.port)
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
@@ -132,6 +140,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     # before our handler can stop the cluster cleanly. Ray reads it at import, hence before the import.
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     from cluster.launcher import Cluster, ClusterConfig
+    from cluster.planner import Planner, PlannerConfig
 
     _check_up_args(args)
     engine_overrides = {}
@@ -157,13 +166,19 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     cluster = Cluster(cfg)
+    planner = None
     try:
         cluster.start()
+        if args.autoscale:
+            planner = Planner(cluster, PlannerConfig(
+                min_prefill=args.prefill, max_prefill=max(args.max_prefill, args.prefill, 1),
+                min_decode=args.decode, max_decode=max(args.max_decode, args.decode, 1),
+                min_colocated=args.colocated, max_colocated=max(args.colocated, args.max_decode, 1))).start()
         # ray.init installs its own SIGTERM handler (sys.exit(15)); take SIGTERM back for a clean stop.
         for s in previous:
             signal.signal(s, on_signal)
         wait_serving(cluster.router_address, args.ready_timeout)
-        _print_endpoints(cluster)
+        _print_endpoints(cluster, planner)
         while not stop.wait(1.0):
             pass
     except _Shutdown as e:
@@ -175,6 +190,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         stopping = True
         try:
+            if planner is not None:
+                planner.stop()
             cluster.stop()
         finally:
             for s, h in previous.items():
@@ -183,7 +200,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_endpoints(cluster) -> None:
+def _print_endpoints(cluster, planner) -> None:
     lines = [f"pdserve SERVING router={cluster.router_address}",
              f"  router   {cluster.router_address}  (gRPC pdserve.v1.PDServe, health, reflection)"]
     for name, addr in sorted(cluster.metrics_addresses().items()):
@@ -192,6 +209,9 @@ def _print_endpoints(cluster) -> None:
     pools = " ".join(f"{r}={len(cluster.worker_ids(r))}" for r in ("prefill", "decode", "colocated")
                      if cluster.worker_ids(r))
     lines.append(f"  workers  {pools} ({cluster.config.mode})")
+    if planner is not None:
+        bounds = ", ".join(f"{r} {'..'.join(map(str, planner.config.bounds(r)))}" for r in planner.roles())
+        lines.append(f"  planner  {bounds} (every {planner.config.interval_s:g} s)")
     print("\n".join(lines), flush=True)
 
 

@@ -32,6 +32,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -73,6 +74,7 @@ class Cluster:
         self._members: dict[str, list[_Member]] = {r: [] for r in POOLS}
         self._next_index: dict[str, int] = {r: 0 for r in POOLS}
         self._lock = threading.RLock()
+        self._stopping = threading.Event()
         self._started = False
         self._stopped = False
 
@@ -201,7 +203,13 @@ class Cluster:
             new.append(_Member(worker_id, role, handle))
         refs = [m.handle.start.remote() for m in new]
         try:
-            ready, pending = ray.wait(refs, num_returns=len(refs), timeout=self.config.start_timeout_s)
+            # Short waits, so stop() (a signal, the planner's owner) never waits out a slow model load.
+            deadline = time.monotonic() + self.config.start_timeout_s
+            pending = refs
+            while pending and time.monotonic() < deadline and not self._stopping.is_set():
+                _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+            if self._stopping.is_set():
+                raise RuntimeError("cluster is stopping")
             if pending:
                 raise TimeoutError(f"{len(pending)} {role} worker(s) not started within "
                                    f"{self.config.start_timeout_s}s (not enough resources to place them?)")
@@ -234,8 +242,12 @@ class Cluster:
         for role in POOLS:
             self._members[role] = [m for m in self._members[role] if id(m) not in gone]
         refs = [m.handle.drain.remote(self.config.drain_timeout_s) for m in leaving]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.config.drain_timeout_s + 10)
-        clean = len(ready) == len(refs)
+        deadline = time.monotonic() + self.config.drain_timeout_s + 10
+        pending = refs
+        while pending and time.monotonic() < deadline and not self._stopping.is_set():
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
+        ready = [r for r in refs if r not in pending]
+        clean = not pending
         for ref in ready:
             try:
                 clean = bool(ray.get(ref)) and clean
@@ -285,6 +297,7 @@ class Cluster:
     # ---- stop -----------------------------------------------------------------------
     def stop(self) -> None:
         """Stop everything this cluster started; safe to call twice."""
+        self._stopping.set()  # a scale in progress (another thread) gives up and releases the lock
         with self._lock:
             if self._stopped:
                 return

@@ -7,6 +7,8 @@ stops at once. It loads no model, so a launcher test takes seconds.
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 from concurrent import futures
 
@@ -21,6 +23,8 @@ class StandInWorker:
 
     def __init__(self, role: str, worker_id: str, cfg, kv_store, node_ip: str, node_id: str) -> None:
         self.role, self.worker_id, self.node_id = role, worker_id, node_id
+        # Planner tests steer the reported load through a JSON file: {"queued_prompt_tokens": n, "num_free_blocks": m}
+        self.load_file = cfg.engine_overrides.get("load_file")
         self.inflight = 0
         self._draining = False
         self._server = None
@@ -36,8 +40,14 @@ class StandInWorker:
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
 
     def info(self) -> WorkerInfo:
+        load = {}
+        if self.load_file and os.path.exists(self.load_file):
+            with open(self.load_file) as f:
+                load = json.load(f)
         return WorkerInfo(worker_id=self.worker_id, role=self.role, grpc_address=self.address,
-                          kv_name=self.worker_id, num_total_blocks=64, num_free_blocks=64,
+                          kv_name=self.worker_id, num_total_blocks=64,
+                          num_free_blocks=load.get("num_free_blocks", 64),
+                          queued_prompt_tokens=load.get("queued_prompt_tokens", 0),
                           num_running=self.inflight, ready=not self._draining, block_size=16)
 
     def drain(self, timeout_s: float = 30.0) -> bool:

@@ -1,7 +1,7 @@
 """`pdserve up` as a real subprocess: two clusters side by side, served, then SIGTERM leaves nothing behind.
 
 Cluster A (1 prefill + 1 decode) runs on its own embedded Redis; cluster B
-(one colocated worker, the baseline mode) uses the test session's Redis
+(one colocated worker, the baseline mode, with the planner on) uses the test session's Redis
 (``--redis-url``) so we can check that its keys are gone after exit.
 Both start their own private Ray instance, next to the one the test process
 may hold.
@@ -113,7 +113,8 @@ def _health(address: str) -> int:
 def test_two_pdserve_up_side_by_side_serve_and_sigterm_leaves_nothing(redis_url):
     ns_b = f"e2e-up-{uuid.uuid4().hex[:8]}"
     a = UpProcess("--num-kv-blocks", "128")
-    b = UpProcess("--num-kv-blocks", "128", "--redis-url", redis_url, "--namespace", ns_b, "--colocated", "1")
+    b = UpProcess("--num-kv-blocks", "128", "--redis-url", redis_url, "--namespace", ns_b, "--colocated", "1",
+                  "--autoscale")
     try:
         a.wait_serving(240)
         b.wait_serving(240)
@@ -121,6 +122,7 @@ def test_two_pdserve_up_side_by_side_serve_and_sigterm_leaves_nothing(redis_url)
         for up in (a, b):
             assert _health(up.router) == health_pb2.HealthCheckResponse.SERVING
             assert any("/metrics" in line for line in up.lines), up.lines
+        assert any(line.startswith("  planner  colocated 1..") for line in b.lines), b.lines
         ref = offline(["def main():"], [SamplingParams(max_tokens=8, temperature=0.0)])[0]
         assert generate(a.router, prompt="def main():", max_tokens=8, temperature=0.0)[:3] == ref
         assert generate(b.router, prompt="def main():", max_tokens=8, temperature=0.0)[:3] == ref
@@ -166,6 +168,7 @@ def test_pdserve_cli_bad_arguments_exit_2_naming_the_flag():
         busy_port = str(busy.getsockname()[1])
         for args, flag in ((["up", "--prefill", "-1"], "--prefill"), (["up", "--model", "/no/such/dir"], "--model"),
                            (["up", "--port", "70000"], "--port"), (["up", "--port", busy_port], "--port"),
+                           (["up", "--autoscale", "--max-decode", "0"], "--max-decode"),
                            (["generate", "hi", "--max-tokens", "0"], "--max-tokens")):
             t0 = time.monotonic()
             r = subprocess.run([*_pdserve(), *args], cwd=REPO, capture_output=True, text=True, timeout=60)

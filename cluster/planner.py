@@ -1,0 +1,157 @@
+"""The planner: scales each pool on its own bottleneck signal, read from the registry.
+
+Lifecycle: ``Planner(cluster, PlannerConfig(...)).start()`` runs a daemon thread
+that every ``interval_s`` reads the live ``WorkerInfo`` records of each pool the
+cluster serves, asks ``decide`` for a step (+1, 0 or -1 workers) and applies it
+with ``Cluster.scale_pool`` (a removal drains the newest worker first). After a
+change a pool waits ``cooldown_s`` before the next one, so a new worker's load
+shows up in the registry before the planner judges again. ``stop()`` ends the
+thread; the workers stay as they are.
+
+Signals (why these): prefill is compute-bound, so its backlog is the queued
+prompt tokens per worker; decode (and colocated) is memory-bound, so it is the KV
+cache usage, and any request waiting for blocks means the pool is full now. With
+several nodes, Ray's autoscaler adds nodes when a new actor's ``prefill``/
+``decode`` resource cannot be placed.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from cluster.registry import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PlannerConfig:
+    """Bounds and thresholds of the planner."""
+
+    interval_s: float = 5.0
+    """Seconds between decisions."""
+    cooldown_s: float = 30.0
+    """After scaling a pool, wait this long before changing it again."""
+    min_prefill: int = 1
+    """Fewest prefill workers."""
+    max_prefill: int = 4
+    """Most prefill workers."""
+    min_decode: int = 1
+    """Fewest decode workers."""
+    max_decode: int = 4
+    """Most decode workers."""
+    min_colocated: int = 1
+    """Fewest colocated workers (colocated mode)."""
+    max_colocated: int = 4
+    """Most colocated workers (colocated mode)."""
+    prefill_tokens_high: int = 4096
+    """Queued prompt tokens per prefill worker above which one is added."""
+    prefill_tokens_low: int = 256
+    """Queued prompt tokens per prefill worker below which one is removed."""
+    kv_usage_high: float = 0.8
+    """Mean KV cache usage (fraction) of a decode/colocated pool above which a worker is added."""
+    kv_usage_low: float = 0.3
+    """Mean KV cache usage below which a worker is removed (if nothing waits)."""
+
+    def __post_init__(self) -> None:
+        for role in ("prefill", "decode", "colocated"):
+            lo, hi = getattr(self, f"min_{role}"), getattr(self, f"max_{role}")
+            if not isinstance(lo, int) or lo < 0:
+                raise ValueError(f"min_{role} must be an integer >= 0, got {lo!r}")
+            if not isinstance(hi, int) or hi < max(lo, 1):
+                raise ValueError(f"max_{role} must be an integer >= max(min_{role}, 1), got {hi!r}")
+        if not self.interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {self.interval_s!r}")
+        if self.cooldown_s < 0:
+            raise ValueError(f"cooldown_s must be >= 0, got {self.cooldown_s!r}")
+        if not 0 <= self.prefill_tokens_low < self.prefill_tokens_high:
+            raise ValueError("prefill_tokens_low must be >= 0 and < prefill_tokens_high, got "
+                             f"{self.prefill_tokens_low!r} / {self.prefill_tokens_high!r}")
+        if not 0.0 <= self.kv_usage_low < self.kv_usage_high <= 1.0:
+            raise ValueError("kv_usage_low and kv_usage_high must satisfy 0 <= low < high <= 1, got "
+                             f"{self.kv_usage_low!r} / {self.kv_usage_high!r}")
+
+    def bounds(self, role: str) -> tuple[int, int]:
+        """(min, max) workers of a pool."""
+        return getattr(self, f"min_{role}"), getattr(self, f"max_{role}")
+
+
+def decide(role: str, workers: Sequence[WorkerInfo], current: int, cfg: PlannerConfig) -> int:
+    """The next size of a pool of ``current`` workers, given their live records (one step at a time)."""
+    lo, hi = cfg.bounds(role)
+    if current < lo:
+        return lo  # below the floor (a crash, a fresh start): restore at once
+    if current > hi:
+        return hi
+    ready = [w for w in workers if w.ready]
+    if not ready:
+        return current  # nothing to judge yet (workers starting): no flapping
+    if role == "prefill":
+        per_worker = sum(w.queued_prompt_tokens for w in ready) / len(ready)
+        high, low = per_worker > cfg.prefill_tokens_high, per_worker < cfg.prefill_tokens_low
+    else:
+        usage = sum(1.0 - w.num_free_blocks / max(1, w.num_total_blocks) for w in ready) / len(ready)
+        waiting = sum(w.num_waiting for w in ready)
+        high = usage > cfg.kv_usage_high or waiting > 0
+        low = usage < cfg.kv_usage_low and waiting == 0
+    if high and current < hi:
+        return current + 1
+    if low and current > lo:
+        return current - 1
+    return current
+
+
+class Planner:
+    """Runs ``decide`` for each pool of a ``Cluster`` on a timer (see module docstring)."""
+
+    def __init__(self, cluster: Any, config: Optional[PlannerConfig] = None) -> None:
+        self.cluster = cluster
+        self.config = config or PlannerConfig()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._last_change: dict[str, float] = {}
+        self.decisions: list[tuple[float, str, int, int]] = []
+        """(time, role, old size, new size) of every change made, oldest first."""
+
+    def roles(self) -> tuple[str, ...]:
+        """The pools this cluster serves."""
+        return ("colocated",) if self.cluster.config.mode == "colocated" else ("prefill", "decode")
+
+    def tick(self) -> None:
+        """One round of decisions (the thread calls this every interval_s; tests may call it directly)."""
+        now = time.monotonic()
+        for role in self.roles():
+            current = len(self.cluster.worker_ids(role))
+            target = decide(role, self.cluster.registry.list(role), current, self.config)
+            cooling = now - self._last_change.get(role, -1e18) < self.config.cooldown_s
+            lo, hi = self.config.bounds(role)
+            if target == current or (cooling and lo <= current <= hi):
+                continue
+            log.info("planner: %s pool %d -> %d", role, current, target)
+            self.cluster.scale_pool(role, target)
+            self._last_change[role] = time.monotonic()
+            self.decisions.append((time.time(), role, current, target))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.interval_s):
+            try:
+                self.tick()
+            except Exception as e:  # keep planning: a failed scale (no resources yet) is retried next tick
+                log.warning("planner tick failed: %s", e)
+
+    def start(self) -> "Planner":
+        """Start the planning thread."""
+        if self._thread is not None:
+            raise RuntimeError("planner already started")
+        self._thread = threading.Thread(target=self._run, name="pdserve-planner", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop planning (waits for a running tick); the pools keep their size."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.config.interval_s + 120)
