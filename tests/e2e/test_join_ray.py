@@ -64,9 +64,13 @@ def ray_head():
                 p.terminate()
             except psutil.NoSuchProcess:
                 pass
-        _, alive = psutil.wait_procs(procs, timeout=10)
-        for p in alive:
-            p.kill()
+        _, alive = psutil.wait_procs(procs, timeout=3)
+        for p in alive:  # some Ray daemons linger on SIGTERM; these are ours (our temp dir), so kill them
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=5)
         shutil.rmtree(tmp, ignore_errors=True)
 
 
