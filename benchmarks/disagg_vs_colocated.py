@@ -1,136 +1,272 @@
-"""Disaggregated (1 prefill + 1 decode worker) against colocated (1 worker) serving, same load, one run.
+"""Disaggregated (1 prefill + 1 decode worker) vs colocated (2 workers) serving on a conversation trace.
 
-Lifecycle: for each mode the script serves a TCPStore on a free port (the KV
-rendezvous), spawns the mode's workers as separate processes (real engines,
-real gRPC, gloo KV transfer between prefill and decode), starts a router in this
-process reading the workers' live load over GetInfo, and replays the same
-synthetic load with ``pdserve bench`` (``loadtest.cli``) against it; then it
-stops everything and prints both result tables side by side (ratios, not
-absolute numbers, are the point: disaggregation keeps long prefills from
-stalling decode steps, which shows in ITL/TPOT tails).
+Lifecycle: the script loads a slice of the Azure LLM conversation trace (read
+from ``../shared/traces``, never copied), scales its lengths to fit the model on
+this machine, and keeps that one list of requests (same prompts, same lengths,
+same arrival pattern) for every point. For each mode it starts a ``Deployment``
+(workers in their own processes, each pinned to its own core with one torch
+thread; the router and this load generator share the machine, unpinned), warms
+it up, and for each request rate replays the slice with its inter-arrival times
+rescaled to that mean rate (``loadtest``'s client and stats). Before the colocated
+runs it measures the unloaded latency of one request at a time (the slice's median
+and 90th-percentile prompts): the SLOs are multiples of it (DistServe's practice):
+TTFT SLO = ``--ttft-slo-scale`` x unloaded TTFT of the p90 prompt (with a 90%
+attainment goal the p90 prompt must fit, with room to queue behind others), TPOT SLO
+= ``--tpot-slo-scale`` x unloaded TPOT (one sequence decoding alone).
+Per rate and mode it reports p50/p99 TTFT, p99 ITL, mean TPOT and SLO attainment
+(requests meeting both SLOs / requests sent), then goodput in DistServe's sense
+(the highest rate with attainment >= 90%), the ratios to the goals (disaggregated
+p99 ITL <= 1/3 of colocated; goodput >= 2x), a JSON file and PNG plots in ``--out``.
 
-Usage: python benchmarks/disagg_vs_colocated.py [--model tiny] [--num-prompts 48] [--input-len 384]
-       [--output-len 48] [--request-rate 6] [--seed 1] [--json out.json]
+Usage:
+    python benchmarks/disagg_vs_colocated.py                 # the recorded run (bench model, ~12-15 min)
+    python benchmarks/disagg_vs_colocated.py --quick         # smoke run: tiny model, few requests (~1 min)
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
-import multiprocessing as mp
+import os
+import platform
+import statistics
 import sys
-import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
-KEYS = ("request_throughput", "output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
-        "mean_tpot_ms", "p99_tpot_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms")
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules when run as a script
+
+from disagg_deploy import Deployment, usable_cores  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+MODES = ("colocated", "disaggregated")  # colocated first: it also hosts the unloaded calibration
 
 
-def _worker(role: str, worker_id: str, model: str, kv_store: str, q: Any, stop: Any) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    from engine.config import EngineConfig
-
-    eng = EngineConfig(model=model, num_threads=1)
-    if role == "prefill":
-        from prefill_worker import PrefillWorker, PrefillWorkerConfig
-        w = PrefillWorker(PrefillWorkerConfig(worker_id, engine=eng, kv_store=kv_store, serve_metrics=False))
-    elif role == "decode":
-        from decode_worker import DecodeWorker, DecodeWorkerConfig
-        w = DecodeWorker(DecodeWorkerConfig(worker_id, engine=eng, kv_store=kv_store, serve_metrics=False))
-    else:
-        from decode_worker import ColocatedWorker, ColocatedWorkerConfig
-        w = ColocatedWorker(ColocatedWorkerConfig(worker_id, engine=eng, serve_metrics=False))
-    w.start()
-    q.put((role, w.address))
-    stop.wait(3600)
-    w.stop()
-
-
-def run_mode(mode: str, ns: argparse.Namespace) -> dict:
-    import grpc
-    import torch
-
-    from loadtest.cli import main as bench_main
-    from proto import worker_pb2, worker_pb2_grpc
-    from router import RouterConfig, RouterServer, StaticWorkerSource
-
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    url = f"tcp://127.0.0.1:{store.port}"
-    ctx = mp.get_context("spawn")
-    roles = ["prefill", "decode"] if mode == "disaggregated" else ["colocated"]
-    procs, stops, q = [], [], ctx.Queue()
-    stubs = {"prefill": worker_pb2_grpc.PrefillWorkerStub, "decode": worker_pb2_grpc.DecodeWorkerStub,
-             "colocated": worker_pb2_grpc.ColocatedWorkerStub}
-    channels, router = [], None
-    try:
-        for i, role in enumerate(roles):
-            stop = ctx.Event()
-            p = ctx.Process(target=_worker, args=(role, f"bench-{role}{i}", ns.model, url, q, stop), daemon=True)
-            p.start()
-            procs.append(p)
-            stops.append(stop)
-        infos = []
-        for _ in roles:
-            role, addr = q.get(timeout=300)
-            ch = grpc.insecure_channel(addr)
-            channels.append(ch)
-            stub = stubs[role](ch)
-            infos.append(lambda stub=stub: stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5))
-        router = RouterServer(RouterConfig(model=ns.model, mode=mode, serve_metrics=False),
-                              StaticWorkerSource(infos)).start()
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "result.json"
-            rc = bench_main(["--target", router.address, "--num-prompts", str(ns.num_prompts),
-                             "--input-len", str(ns.input_len), "--output-len", str(ns.output_len),
-                             "--range-ratio", "0.25", "--request-rate", str(ns.request_rate),
-                             "--seed", str(ns.seed), "--disable-tqdm", "--save-result", str(out)])
-            if rc != 0:
-                raise RuntimeError(f"{mode}: pdserve bench exited with {rc}")
-            return json.loads(out.read_text())
-    finally:
-        if router is not None:
-            router.stop()
-        for ch in channels:
-            ch.close()
-        for stop in stops:
-            stop.set()
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-
-
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--num-prompts", type=int, default=48)
-    ap.add_argument("--input-len", type=int, default=384)
-    ap.add_argument("--output-len", type=int, default=48)
-    ap.add_argument("--request-rate", type=float, default=6.0)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--json", type=Path, default=None, help="write both results here")
-    ns = ap.parse_args(argv)
-    results = {mode: run_mode(mode, ns) for mode in ("disaggregated", "colocated")}
+    ap.add_argument("--model", default="bench", help="built-in model or HF dir (default: bench)")
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Azure conversation trace CSV")
+    ap.add_argument("--trace-start", type=int, default=0, help="first trace row of the slice")
+    ap.add_argument("--num-requests", type=int, default=32, help="requests per (mode, rate) point")
+    ap.add_argument("--length-scale", type=float, default=0.25, help="multiply the trace's prompt/output lengths")
+    ap.add_argument("--rates", default="0.25,0.5,0.75,1,1.5,2", help="comma-separated mean request rates (req/s)")
+    ap.add_argument("--ttft-slo-scale", type=float, default=3.0, help="TTFT SLO = this x unloaded TTFT of the p90 prompt")
+    ap.add_argument("--tpot-slo-scale", type=float, default=3.0, help="TPOT SLO = this x unloaded TPOT")
+    ap.add_argument("--goal", type=float, default=0.9, help="SLO attainment that counts as served (DistServe: 0.9)")
+    ap.add_argument("--cdf-rate", type=float, default=None, help="rate of the TTFT CDF plot (default: middle rate)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids")
+    ap.add_argument("--request-timeout", type=float, default=300.0, help="deadline of each request (s)")
+    ap.add_argument("--out", type=Path, default=REPO / "out" / "disagg_vs_colocated", help="JSON + PNG folder")
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, 8 requests, 2 rates")
+    return ap
 
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ns = build_parser().parse_args(argv)
+    if ns.quick:
+        ns.model, ns.num_requests, ns.rates = "tiny", 8, "4,16"
+    try:
+        ns.rate_list = sorted({float(r) for r in ns.rates.split(",") if r.strip()})
+    except ValueError:
+        raise SystemExit(f"--rates: expected comma-separated numbers, got {ns.rates!r}")
+    if not ns.rate_list or min(ns.rate_list) <= 0:
+        raise SystemExit(f"--rates: need positive rates, got {ns.rates!r}")
+    if ns.num_requests < 2:
+        raise SystemExit(f"--num-requests must be >= 2, got {ns.num_requests}")
+    if not ns.trace.is_file():
+        raise SystemExit(f"--trace: no such file {ns.trace}")
+    if ns.cdf_rate is None:
+        ns.cdf_rate = ns.rate_list[len(ns.rate_list) // 2]
+    return ns
+
+
+def machine_info() -> dict:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    import torch
+
+    return {"cpu": cpu, "usable_cores": usable_cores(), "python": platform.python_version(),
+            "torch": torch.__version__, "platform": platform.platform(), "loadavg_start": os.getloadavg()}
+
+
+def _run(target: str, reqs: list, timeout_s: float, max_concurrency: int | None = None) -> tuple[list, float]:
+    from loadtest.client import ClientConfig, run_benchmark
+
+    cfg = ClientConfig(target=target, request_timeout_s=timeout_s, max_concurrency=max_concurrency)
+    return asyncio.run(run_benchmark(cfg, reqs))
+
+
+def _limits(target: str) -> Any:
+    from loadtest.client import fetch_model_info, limits_from_info
+
+    return limits_from_info(asyncio.run(fetch_model_info(target, 60.0)))
+
+
+def _requests(lengths: list, arrivals: list, limits: Any, seed: int, prefix: str) -> list:
+    from loadtest.workload import build_workload
+
+    # the same seed gives the same prompt ids every time: identical requests across modes and rates
+    return build_workload(lengths, arrivals, limits, seed=seed, id_prefix=prefix).requests
+
+
+def warm_up(dep: Deployment, lengths: list, limits: Any, seed: int, timeout_s: float) -> None:
+    """Four requests at once, then two alone: both workers compile their paths before the clock counts."""
+    reqs = _requests(lengths[:4], [0.0] * 4, limits, seed + 1, "warm")
+    recs, _ = _run(dep.target, reqs, timeout_s)
+    recs += _run(dep.target, _requests(lengths[:2], [0.0, 0.0], limits, seed + 2, "warm2"), timeout_s, 1)[0]
+    if not all(r.success for r in recs):
+        raise RuntimeError(f"{dep.mode}: warm-up failed: {[r.error for r in recs if not r.success]}")
+
+
+def calibrate(dep: Deployment, prompt_lens: dict, limits: Any, seed: int, timeout_s: float,
+              n: int = 3, out_len: int = 33) -> dict:
+    """Unloaded latency: ``n`` requests per prompt length, one at a time; medians of TTFT (per length) and TPOT."""
+    from loadtest.stats import tpot_s, ttft_s
+
+    out: dict = {"mode": dep.mode, "requests_per_length": n, "output_len": out_len, "prompt_lens": prompt_lens}
+    tpots = []
+    for name, plen in prompt_lens.items():
+        reqs = _requests([(plen, out_len)] * n, [0.0] * n, limits, seed + 3, f"calib-{name}")
+        recs, _ = _run(dep.target, reqs, timeout_s, max_concurrency=1)
+        if not all(r.success for r in recs):
+            raise RuntimeError(f"calibration failed: {[r.error for r in recs if not r.success]}")
+        out[f"ttft_{name}_s"] = statistics.median(ttft_s(r) for r in recs)
+        tpots += [tpot_s(r) for r in recs]
+    out["tpot_s"] = statistics.median(tpots)
+    return out
+
+
+def run_point(dep: Deployment, rate: float, rows: list, lengths: list, limits: Any, ns: argparse.Namespace) -> dict:
+    """Replay the slice at mean ``rate`` req/s; the summary plus per-request arrays."""
+    from loadtest.stats import per_request_arrays, summarize
+
+    span = rows[-1].arrival_s
+    # rescale the trace's gaps so N-1 gaps average 1/rate: same burst pattern at every rate
+    factor = (len(rows) - 1) / (rate * span) if span > 0 else 0.0
+    arrivals = [r.arrival_s * factor for r in rows]
+    reqs = _requests(lengths, arrivals, limits, ns.seed, f"{dep.mode[:4]}-r{rate:g}")
+    t = time.monotonic()
+    records, duration = _run(dep.target, reqs, ns.request_timeout)
+    summary = summarize(records, duration, percentiles=(50, 90, 99))
+    print(f"  {dep.mode:13s} rate {rate:5.2f} req/s: {summary['completed']}/{len(records)} ok in "
+          f"{time.monotonic() - t:5.1f} s, p99 TTFT {summary['p99_ttft_ms']:8.1f} ms, "
+          f"p99 ITL {summary['p99_itl_ms']:7.1f} ms, mean TPOT {summary['mean_tpot_ms']:6.1f} ms", flush=True)
+    # a finished request's decode blocks are freed right after its last token: let the workers settle
+    end = time.monotonic() + 10
+    while dep.router.num_in_flight and time.monotonic() < end:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    return {"rate": rate, "summary": summary, "records": records, **per_request_arrays(records)}
+
+
+def analyse(points: dict, slos_ms: dict, goal: float) -> dict:
+    """Attainment per point, goodput per mode and the goal ratios."""
+    from loadtest.stats import goodput_rate, slo_attainment
+
+    out: dict = {"per_mode": {}, "ratios": {}}
+    for mode, pts in points.items():
+        for p in pts:
+            p["attainment"] = slo_attainment(p["records"], slos_ms)
+            p["attainment_ttft"] = slo_attainment(p["records"], {"ttft": slos_ms["ttft"]})
+            p["attainment_tpot"] = slo_attainment(p["records"], {"tpot": slos_ms["tpot"]})
+        curve = [(p["rate"], p["attainment"]) for p in pts]
+        out["per_mode"][mode] = {"goodput_rate": goodput_rate(curve, goal),
+                                 "goodput_rate_interpolated": goodput_rate(curve, goal, interpolate=True)}
+    d, c = points["disaggregated"], points["colocated"]
+    out["ratios"]["p99_itl_disagg_over_coloc"] = {
+        p["rate"]: (p["summary"]["p99_itl_ms"] / q["summary"]["p99_itl_ms"] if q["summary"]["p99_itl_ms"] else None)
+        for p, q in zip(d, c)}
+    for key in ("goodput_rate", "goodput_rate_interpolated"):
+        gd, gc = out["per_mode"]["disaggregated"][key], out["per_mode"]["colocated"][key]
+        out["ratios"][f"{key}_disagg_over_coloc"] = gd / gc if gc else (float("inf") if gd else None)
+    return out
+
+
+def print_report(points: dict, analysis: dict, slos_ms: dict, calib: dict, ns: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"{ns.model}: {ns.num_prompts} requests, ~{ns.input_len} in / {ns.output_len} out, "
-                    f"{ns.request_rate} req/s")
-    t.add_column("metric")
-    t.add_column("disaggregated", justify="right")
-    t.add_column("colocated", justify="right")
-    t.add_column("dis / colo", justify="right")
-    for k in KEYS:
-        a, b = results["disaggregated"].get(k), results["colocated"].get(k)
-        if a is None or b is None:
-            continue
-        t.add_row(k, f"{a:.2f}", f"{b:.2f}", f"{a / b:.2f}" if b else "-")
-    Console().print(t)
-    if ns.json is not None:
-        ns.json.write_text(json.dumps(results, indent=2))
+    con = Console(width=150)
+    con.print(f"SLOs: TTFT <= {slos_ms['ttft']:.0f} ms ({ns.ttft_slo_scale:g} x unloaded {calib['ttft_p90_s'] * 1e3:.0f} ms"
+              f" of the p90 prompt, {calib['prompt_lens']['p90']} tokens),"
+              f" TPOT <= {slos_ms['tpot']:.1f} ms ({ns.tpot_slo_scale:g} x unloaded {calib['tpot_s'] * 1e3:.1f} ms);"
+              f" goal: {ns.goal:.0%} of requests meet both")
+    t = Table(title=f"{ns.model}: {ns.num_requests} requests/point from {ns.trace.name} "
+                    f"(rows {ns.trace_start}+, lengths x{ns.length_scale:g})")
+    for col in ("rate req/s", "mode", "ok", "p50 TTFT ms", "p99 TTFT ms", "p99 ITL ms", "mean TPOT ms",
+                "attain TTFT", "attain TPOT", "attain both", "p99 ITL D/C"):
+        t.add_column(col, justify="right")
+    ratios = analysis["ratios"]["p99_itl_disagg_over_coloc"]
+    for i, rate in enumerate(ns.rate_list):
+        for mode in MODES:
+            p = points[mode][i]
+            s = p["summary"]
+            ratio = ratios.get(rate) if mode == "disaggregated" else None
+            t.add_row(f"{rate:g}", {"colocated": "coloc", "disaggregated": "disagg"}[mode], f"{s['completed']}/{s['completed'] + s['failed']}",
+                      f"{s['median_ttft_ms']:.0f}", f"{s['p99_ttft_ms']:.0f}", f"{s['p99_itl_ms']:.0f}",
+                      f"{s['mean_tpot_ms']:.1f}", f"{p['attainment_ttft']:.0%}", f"{p['attainment_tpot']:.0%}",
+                      f"{p['attainment']:.0%}", "" if ratio is None else f"{ratio:.2f}")
+    con.print(t)
+    pm = analysis["per_mode"]
+    for mode in MODES:
+        con.print(f"goodput {mode}: {pm[mode]['goodput_rate']:g} req/s (tested rates), "
+                  f"{pm[mode]['goodput_rate_interpolated']:.2f} req/s (interpolated)")
+    r = analysis["ratios"]
+    con.print(f"goodput disagg/coloc: {r['goodput_rate_disagg_over_coloc']} (tested rates), "
+              f"{r['goodput_rate_interpolated_disagg_over_coloc']} (interpolated); goal >= 2")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
+    from loadtest.trace import load_trace, scale_trace
+    from loadtest.workload import trace_lengths
+
+    cores = usable_cores()[:2]
+    info = machine_info()
+    rows = scale_trace(load_trace(ns.trace, ns.trace_start, ns.num_requests), ns.length_scale, 1.0)
+    lengths = trace_lengths(rows)
+    plens = sorted(p for p, _ in lengths)
+    median_prompt = int(statistics.median(plens))
+    p90_prompt = int(round(float(np.percentile(plens, 90))))
+    print(f"{len(rows)} requests from {ns.trace.name}, lengths x{ns.length_scale:g}: prompt median {median_prompt}, "
+          f"p90 {p90_prompt}, max {max(p for p, _ in lengths)}; output median {int(statistics.median(o for _, o in lengths))}; "
+          f"cores {cores}; load average {info['loadavg_start']}", flush=True)
+    points: dict = {}
+    calib: dict = {}
+    pinning: dict = {}
+    t_all = time.monotonic()
+    for mode in MODES:
+        t = time.monotonic()
+        with Deployment(mode, ns.model, cores) as dep:
+            limits = _limits(dep.target)
+            pinning[mode] = dep.pinning
+            print(f"{mode}: up in {time.monotonic() - t:.1f} s, workers pinned {dep.pinning}", flush=True)
+            warm_up(dep, lengths, limits, ns.seed, ns.request_timeout)
+            if not calib:
+                calib = calibrate(dep, {"p50": median_prompt, "p90": p90_prompt}, limits, ns.seed,
+                                  ns.request_timeout)
+                print(f"unloaded ({mode}): TTFT {calib['ttft_p50_s'] * 1e3:.1f} ms (prompt {median_prompt}), "
+                      f"{calib['ttft_p90_s'] * 1e3:.1f} ms (prompt {p90_prompt}); "
+                      f"TPOT {calib['tpot_s'] * 1e3:.1f} ms", flush=True)
+            points[mode] = [run_point(dep, rate, rows, lengths, limits, ns) for rate in ns.rate_list]
+    slos_ms = {"ttft": ns.ttft_slo_scale * calib["ttft_p90_s"] * 1e3, "tpot": ns.tpot_slo_scale * calib["tpot_s"] * 1e3}
+    analysis = analyse(points, slos_ms, ns.goal)
+    print_report(points, analysis, slos_ms, calib, ns)
+    info["loadavg_end"] = os.getloadavg()
+    ns.out.mkdir(parents=True, exist_ok=True)
+    result = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ns).items()},
+              "machine": info, "pinning": pinning, "wall_s": time.monotonic() - t_all,
+              "calibration": calib, "slos_ms": slos_ms, **analysis,
+              "points": {m: [{k: v for k, v in p.items() if k != "records"} for p in pts] for m, pts in points.items()}}
+    (ns.out / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    from disagg_plots import write_plots
+
+    write_plots(result, ns.out, ns.cdf_rate, ns.goal)
+    print(f"wrote {ns.out / 'result.json'} and plots in {ns.out} ({time.monotonic() - t_all:.0f} s in all)")
     return 0
 
 
