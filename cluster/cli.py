@@ -191,7 +191,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         stopping = True
         try:
             if planner is not None:
-                planner.stop()
+                planner.stop(wait=False)  # cluster.stop() interrupts a scale it may be in
             cluster.stop()
         finally:
             for s, h in previous.items():

@@ -150,8 +150,9 @@ class Planner:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop planning (waits for a running tick); the pools keep their size."""
+    def stop(self, wait: bool = True) -> None:
+        """Stop planning; the pools keep their size. ``wait=False`` returns at once (a tick in progress
+        ends when ``Cluster.stop()`` interrupts its scaling)."""
         self._stop.set()
-        if self._thread is not None:
+        if wait and self._thread is not None:
             self._thread.join(timeout=self.config.interval_s + 120)

@@ -23,7 +23,8 @@ class StandInWorker:
 
     def __init__(self, role: str, worker_id: str, cfg, kv_store, node_ip: str, node_id: str) -> None:
         self.role, self.worker_id, self.node_id = role, worker_id, node_id
-        # Planner tests steer the reported load through a JSON file: {"queued_prompt_tokens": n, "num_free_blocks": m}
+        # Tests steer the stand-in through a JSON file:
+        # {"queued_prompt_tokens": n, "num_free_blocks": m, "start_delay_s": s}
         self.load_file = cfg.engine_overrides.get("load_file")
         self.inflight = 0
         self._draining = False
@@ -32,6 +33,8 @@ class StandInWorker:
         self.address = ""
 
     def start(self) -> None:
+        delay = self._load().get("start_delay_s", 0)  # a slow "model load", for stop-during-start tests
+        time.sleep(delay)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         port = self._server.add_insecure_port("127.0.0.1:0")
@@ -39,11 +42,14 @@ class StandInWorker:
         self.address = f"127.0.0.1:{port}"
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
 
-    def info(self) -> WorkerInfo:
-        load = {}
+    def _load(self) -> dict:
         if self.load_file and os.path.exists(self.load_file):
             with open(self.load_file) as f:
-                load = json.load(f)
+                return json.load(f)
+        return {}
+
+    def info(self) -> WorkerInfo:
+        load = self._load()
         return WorkerInfo(worker_id=self.worker_id, role=self.role, grpc_address=self.address,
                           kv_name=self.worker_id, num_total_blocks=64,
                           num_free_blocks=load.get("num_free_blocks", 64),

@@ -7,6 +7,8 @@ nothing left behind.
 """
 from __future__ import annotations
 
+import json
+import threading
 import time
 
 import grpc
@@ -126,3 +128,28 @@ def test_bad_config_and_scale_arguments(ray_local, redis_url):
             cluster.scale_pool("decode", -1)
     with pytest.raises(RuntimeError, match="not running"):
         cluster.scale_pool("decode", 1)
+
+
+def test_stop_interrupts_a_slow_scale_up(ray_local, redis_url, tmp_path):
+    load_file = str(tmp_path / "load.json")
+    cluster = Cluster(_config(redis_url, num_prefill=0, num_decode=0,
+                              engine_overrides={"load_file": load_file})).start()
+    with open(load_file, "w") as f:
+        json.dump({"start_delay_s": 60}, f)  # every new worker "loads a model" for a minute
+    errors: list = []
+    scaler = threading.Thread(target=lambda: _catch(errors, cluster.scale_pool, "prefill", 1))
+    scaler.start()
+    time.sleep(2.0)  # the actor is placed and inside its slow start
+    t0 = time.monotonic()
+    cluster.stop()
+    scaler.join(30)
+    assert time.monotonic() - t0 < 15, "stop() waited for the slow start"
+    assert len(errors) == 1 and "stopping" in str(errors[0]), errors
+    assert Registry(redis_url, cluster.namespace).keys() == []
+
+
+def _catch(errors: list, fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception as e:
+        errors.append(e)
