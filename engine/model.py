@@ -7,9 +7,12 @@ Every engine step then calls ``forward`` once on the flat token batch (all
 sequences' new tokens back to back) with that step's ``AttentionMetadata`` and
 the per-layer caches, and ``compute_logits`` on the rows that sample.
 
-Why fused projections: one [h, (H+2Hkv)D] and one [h, 2I] GEMM per layer instead
-of five small ones halves the per-layer op count, which is what decode at small
-batch is bound by on CPU.
+Hot-path choices (measured on the 2-core CPU box, see docs/benchmarks.md):
+fused projections (one [h, (H+2Hkv)D] and one [h, 2I] GEMM per layer instead of
+five) halve the per-layer op count; weights are stored [in, out] so batch-1
+decode runs row-vector GEMMs (~1.8x faster than nn.Linear's layout there); the
+last layer computes attention output, o_proj and MLP only for the rows that
+sample (a 2048-token prefill needs one row), after writing every row's K/V.
 """
 from __future__ import annotations
 
