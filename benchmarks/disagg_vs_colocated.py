@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cdf-rate", type=float, default=None, help="rate of the TTFT CDF plot (default: middle rate)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the prompts' token ids")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="deadline of each request (s)")
-    ap.add_argument("--out", type=Path, default=REPO / "out" / "disagg_vs_colocated", help="JSON + PNG folder")
+    ap.add_argument("--out", type=Path, default=REPO / "results" / "disagg_vs_colocated", help="JSON + PNG folder")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, 8 requests, 2 rates")
     return ap
 

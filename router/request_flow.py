@@ -10,7 +10,9 @@ validated request and iterates ``run()``, which yields the client's
    ``queue_timeout_s``; a prompt larger than every decode worker's whole KV fails at once;
 2. ``Prefill`` on P -> the first token, streamed to the client at once (TTFT);
    a failure before this point retries on another pair (``max_attempts``);
-3. P's ``TransferDone`` (the KV landed on D), then ``Decode`` on D streams the rest;
+3. ``Decode`` on D at once (D starts when the KV has landed) streams the rest, while a
+   ``TransferWatch`` reads P's ``TransferDone`` (or the transfer's failure, which cancels
+   the decode call) on its own thread;
 4. every token goes through one ``OutputProcessor`` (text deltas, stop strings: a stop
    string finishes the stream and aborts D); the last response carries usage and timings.
 ``cancel()`` (client cancel or deadline, from a gRPC callback thread) cancels the live
@@ -36,6 +38,7 @@ from router.admission import AdmissionQueue, QueueStop
 from router.clients import WorkerClients
 from router.config import RouterConfig
 from router.selection import WorkerSelector
+from router.transfer_watch import TransferWatch
 from router.validation import ValidatedRequest
 from router.worker_source import WorkerSource
 
@@ -227,9 +230,12 @@ class DisaggregatedFlow:
         self._release_prefill()
 
     def _release_prefill(self) -> None:
-        if self._p_held and self.prefill_worker is not None:
-            self.deps.selector.release(self.prefill_worker.worker_id, len(self.req.prompt_token_ids))
+        with self._lock:  # the transfer watch's thread and the flow's both call this
+            if not (self._p_held and self.prefill_worker is not None):
+                return
             self._p_held = False
+            wid = self.prefill_worker.worker_id
+        self.deps.selector.release(wid, len(self.req.prompt_token_ids))
 
     def _abort_workers(self) -> None:
         """Best effort: both workers drop the request and free its blocks."""
@@ -321,21 +327,21 @@ class DisaggregatedFlow:
             return
         yield self._response(delta)
 
-        try:
-            ev = next(p_stream)
-        except grpc.RpcError as e:
-            raise self._rpc_error(e, f"KV transfer from {self.prefill_worker.worker_id}") from None
-        except StopIteration:
-            raise FlowError(grpc.StatusCode.INTERNAL, f"request {rid}: prefill stream ended before TransferDone") from None
-        timings.kv_transfer_s = ev.transfer_done.kv_transfer_s
-        self._release_prefill()
+        pid = self.prefill_worker.worker_id
 
+        def transfer_error(e: Optional[grpc.RpcError], why: str) -> FlowError:
+            if e is not None:
+                return self._rpc_error(e, f"KV transfer from {pid}")
+            return FlowError(grpc.StatusCode.INTERNAL, f"request {rid}: KV transfer from {pid}: {why}")
+
+        watch = TransferWatch(p_stream, rid, self._release_prefill, transfer_error)
         d = self.decode_worker
         first_msg = worker_pb2.DecodeRequest(request_id=rid, first_token_id=ft.token_id)
         if ft.HasField("logprob"):
             first_msg.first_logprob.CopyFrom(ft.logprob)
         d_stream = self._track(deps.clients.decode(d.grpc_address).Decode(
             first_msg, timeout=self._remaining(cfg.request_timeout_s)))
+        watch.guard(d_stream)
         try:
             for chunk in d_stream:
                 if not chunk.token_ids and not chunk.finish_reason:
@@ -350,12 +356,18 @@ class DisaggregatedFlow:
                     if not chunk.finish_reason:  # stopped by a stop string: D would go on
                         d_stream.cancel()
                         self._abort_workers()
+                    if watch.done():
+                        timings.kv_transfer_s = watch.kv_transfer_s or 0.0
                     yield self._final(delta, proc, timings, ft, t_first)
                     return
                 if delta.token_ids or delta.text:
                     yield self._response(delta)
         except grpc.RpcError as e:
+            if watch.error is not None:
+                raise watch.error from None
             raise self._rpc_error(e, f"decode on {d.worker_id}") from None
+        if watch.error is not None:
+            raise watch.error
         raise FlowError(grpc.StatusCode.INTERNAL, f"request {rid}: decode stream from {d.worker_id} ended "
                                                   f"without a finish reason")
 

@@ -1,0 +1,82 @@
+"""The router streams decode tokens without waiting for the prefill worker's TransferDone.
+
+A prefill worker reports TransferDone only between engine steps; a busy one (a long
+prompt in its current step) used to hold every other request's second token for up
+to a whole step. Here the prefill worker's poll is held (as if stuck in one long
+step) right after the first token: the request must still complete, equal to the
+offline engine, and once the hold ends the prefill worker frees everything.
+Real workers, gRPC and gloo KV transfer.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from engine.sampling_params import SamplingParams
+from proto import pdserve_pb2
+from tests.roles.harness import KV, collect, joined, offline, start_roles
+
+
+@pytest.fixture(scope="module")
+def roles():
+    torch.set_num_threads(1)
+    r = start_roles(kv=KV, tag="tw-", transfer_timeout_s=5.0)
+    yield r
+    r.close()
+
+
+def _hold_poll(worker):
+    """While the returned event is set, the worker's loop does not poll (no TransferDone, no deadlines)."""
+    real = worker.poll
+    hold = threading.Event()
+    hold.set()
+    worker.poll = lambda: True if hold.is_set() else real()
+    return hold, real
+
+
+def test_tokens_flow_while_prefill_worker_withholds_transfer_done(roles):
+    prompt = "def fib(n):\n    if n < 2:"
+    ref = offline([prompt], [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)])[0]
+    p = roles.prefills[0]
+    hold, real = _hold_poll(p)
+    try:
+        t = time.monotonic()
+        resps = collect(roles.stub, timeout=4.0, prompt=prompt, max_tokens=10, temperature=0.0, ignore_eos=True,
+                        request_id="req-tw")
+        assert time.monotonic() - t < 4.0
+        assert joined(resps) == (ref[0], ref[1], "length")
+        assert p.requests, "the prefill worker should still hold the request (TransferDone withheld)"
+    finally:
+        hold.clear()
+        p.poll = real
+    assert roles.wait_idle(3.0)   # TransferDone after all: the prefill worker frees its blocks
+    end = time.monotonic() + 2
+    while roles.router.selector.in_flight(p.cfg.worker_id) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert roles.router.selector.in_flight(p.cfg.worker_id) == 0
+
+
+def test_transfer_failure_still_ends_the_stream_with_unavailable(roles):
+    # the KV send is rejected (wrong peer name for the prefill worker): the decode call, started
+    # before TransferDone, is cancelled by the failed transfer rather than waiting for its KV
+    p = roles.prefills[0]
+    bad = p.info()
+    bad.kv_name = "ghost"
+    roles.source.remove_where(p.cfg.worker_id)
+    roles.source.add(bad)
+    try:
+        t = time.monotonic()
+        with pytest.raises(grpc.RpcError) as ei:
+            list(roles.stub.Generate(pdserve_pb2.GenerateRequest(prompt="x = 1", max_tokens=6, temperature=0.0,
+                                                                 request_id="req-twf"), timeout=20))
+        assert time.monotonic() - t < 8
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "req-twf" in ei.value.details() and "KV transfer" in ei.value.details()
+    finally:
+        roles.source.remove_where(p.cfg.worker_id)
+        roles.source.add(p.info)
+    assert roles.wait_idle(4.0)
