@@ -90,6 +90,7 @@ class DisaggregatedFlow:
         self._lock = threading.Lock()
         self._calls: list[Any] = []
         self._cancelled = False
+        self._succeeded = False
         self.decode_worker: Optional[WorkerInfo] = None
         self.prefill_worker: Optional[WorkerInfo] = None
         self._d_held = False
@@ -100,6 +101,10 @@ class DisaggregatedFlow:
     # ---- cancellation (any thread) ---------------------------------------------------
     def cancel(self) -> None:
         with self._lock:
+            if self._succeeded:
+                # gRPC runs this callback after a normal end too: the prefill stream may still be
+                # about to deliver TransferDone, and cancelling it would abort a finished transfer
+                return
             self._cancelled = True
             calls = list(self._calls)
         for c in calls:
@@ -299,6 +304,8 @@ class DisaggregatedFlow:
         try:
             yield from self._run()
             ok = True
+            with self._lock:
+                self._succeeded = True
         finally:
             if not ok:
                 self.cancel()

@@ -49,7 +49,8 @@ def test_tokens_flow_while_prefill_worker_withholds_transfer_done(roles):
                         request_id="req-tw")
         assert time.monotonic() - t < 4.0
         assert joined(resps) == (ref[0], ref[1], "length")
-        assert p.requests, "the prefill worker should still hold the request (TransferDone withheld)"
+        time.sleep(0.3)   # the router's end-of-RPC callback must not cancel the still-open prefill stream
+        assert "req-tw" in p.requests, "the prefill worker should still hold the request (TransferDone withheld)"
     finally:
         hold.clear()
         p.poll = real
