@@ -228,6 +228,25 @@ def print_report(points: dict, analysis: dict, slos_ms: dict, calib: dict, ns: a
               f"{r['goodput_rate_interpolated_disagg_over_coloc']} (interpolated); goal >= 2")
 
 
+def markdown_table(result: dict) -> str:
+    """The per-rate table of both modes as Markdown (for docs/benchmarks.md)."""
+    pts, ratios = result["points"], result["ratios"].get("p99_itl_disagg_over_coloc", {})
+    lines = ["| rate (req/s) | mode | ok | p50 TTFT (ms) | p99 TTFT (ms) | p99 ITL (ms) | mean TPOT (ms) "
+             "| TTFT SLO met | TPOT SLO met | both met | p99 ITL disagg/coloc |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    modes = [m for m in MODES if m in pts]
+    for i in range(len(pts[modes[0]])):
+        for mode in modes:
+            p = pts[mode][i]
+            s = p["summary"]
+            r = ratios.get(p["rate"]) if mode == "disaggregated" else None
+            lines.append(f"| {p['rate']:g} | {mode} | {s['completed']}/{s['completed'] + s['failed']} "
+                         f"| {s['median_ttft_ms']:.0f} | {s['p99_ttft_ms']:.0f} | {s['p99_itl_ms']:.0f} "
+                         f"| {s['mean_tpot_ms']:.1f} | {p['attainment_ttft']:.0%} | {p['attainment_tpot']:.0%} "
+                         f"| **{p['attainment']:.0%}** | {'' if r is None else f'{r:.2f}'} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     from loadtest.trace import load_trace, scale_trace
@@ -270,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
               "machine": info, "pinning": pinning, "wall_s": time.monotonic() - t_all,
               "calibration": calib, "slos_ms": slos_ms, **analysis,
               "points": {m: [{k: v for k, v in p.items() if k != "records"} for p in pts] for m, pts in points.items()}}
+    (ns.out / "table.md").write_text(markdown_table(result))
     (ns.out / "result.json").write_text(json.dumps(result, indent=1, default=str))
     from disagg_plots import write_plots
 
