@@ -19,7 +19,7 @@ Per rate and mode it reports p50/p99 TTFT, p99 ITL, mean TPOT and SLO attainment
 p99 ITL <= 1/3 of colocated; goodput >= 2x), a JSON file and PNG plots in ``--out``.
 
 Usage:
-    python benchmarks/disagg_vs_colocated.py                 # the recorded run (bench model, ~12-15 min)
+    python benchmarks/disagg_vs_colocated.py                 # the recorded run (bench model, ~11 min on a quiet 2-core host)
     python benchmarks/disagg_vs_colocated.py --quick         # smoke run: tiny model, few requests (~1 min)
 """
 from __future__ import annotations
