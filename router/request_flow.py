@@ -204,6 +204,8 @@ class DisaggregatedFlow:
         p = ranked_p[0]
         exhausted = 0
         for d in ranked:
+            # count the request against d before the call, so concurrent requests rank d as busier now
+            deps.selector.acquire(d.worker_id)
             try:
                 resp = deps.clients.decode(d.grpc_address).Reserve(
                     worker_pb2.ReserveRequest(request_id=self.rid, prompt_token_ids=self.req.prompt_token_ids,
@@ -212,6 +214,7 @@ class DisaggregatedFlow:
                                                                            + deps.cfg.transfer_timeout_s)),
                     timeout=self._remaining(deps.cfg.reserve_timeout_s))
             except grpc.RpcError as e:
+                deps.selector.release(d.worker_id)
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     exhausted += 1
                 elif e.code() != grpc.StatusCode.UNAVAILABLE:
@@ -219,7 +222,6 @@ class DisaggregatedFlow:
                 log.debug("request %s: decode worker %s refused reserve: %s", self.rid, d.worker_id, e.details())
                 continue
             self.decode_worker, self.prefill_worker = d, p
-            deps.selector.acquire(d.worker_id)
             self._d_held = True
             return resp
         if exhausted:

@@ -41,15 +41,17 @@ class WorkerSelector:
                 self._pending_tokens.pop(worker_id, None)
 
     def ranked_decode(self, workers: list[WorkerInfo], needed_blocks: int) -> list[WorkerInfo]:
-        """Ready decode workers likely to fit ``needed_blocks``; most free blocks, least load first."""
+        """Ready decode workers likely to fit ``needed_blocks``; least load, then most free blocks, first."""
         with self._lock:
             inflight = dict(self._in_flight)
         ready = [w for w in workers if w.ready]
 
         def key(w: WorkerInfo) -> tuple:
+            # load first: free blocks in the registry lag a heartbeat, while this router's own
+            # in-flight count moves at once, so a burst spreads instead of piling on one worker
             load = w.num_running + w.num_waiting + inflight.get(w.worker_id, 0)
             free_frac = w.num_free_blocks / max(1, w.num_total_blocks)
-            return (-free_frac, load, w.worker_id)
+            return (load, -free_frac, w.worker_id)
 
         # a stale record may under-report free blocks; keep those last rather than dropping them
         fits = [w for w in ready if w.num_free_blocks >= needed_blocks]

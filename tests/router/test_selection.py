@@ -15,10 +15,11 @@ def p(wid, queued, ready=True):
     return WorkerInfo(worker_id=wid, role="prefill", queued_prompt_tokens=queued, ready=ready)
 
 
-def test_decode_prefers_free_blocks_then_load_and_skips_not_ready():
+def test_decode_prefers_load_then_free_blocks_and_skips_not_ready():
     s = WorkerSelector()
     ws = [d("a", 10), d("b", 90), d("c", 90, running=5), d("x", 100, ready=False)]
-    assert [w.worker_id for w in s.ranked_decode(ws, needed_blocks=1)] == ["b", "c", "a"]
+    # a and b are idle: b has more free blocks; c is busier than both
+    assert [w.worker_id for w in s.ranked_decode(ws, needed_blocks=1)] == ["b", "a", "c"]
     # a worker that cannot fit the prompt goes last
     assert [w.worker_id for w in s.ranked_decode(ws, needed_blocks=50)] == ["b", "c", "a"]
     assert [w.worker_id for w in s.ranked_decode([d("a", 10), d("b", 5)], needed_blocks=8)] == ["a", "b"]
@@ -33,6 +34,15 @@ def test_in_flight_spreads_a_burst_before_heartbeats():
     assert second != first
     s.release(first)
     assert s.in_flight(first) == 0
+
+
+def test_burst_spreads_even_when_reported_free_blocks_differ():
+    # the registry still reports b as emptier (its record predates the requests this router just sent it)
+    s = WorkerSelector()
+    ws = [d("a", 40), d("b", 60)]
+    assert s.ranked_decode(ws, 1)[0].worker_id == "b"
+    s.acquire("b")
+    assert s.ranked_decode(ws, 1)[0].worker_id == "a"
 
 
 def test_prefill_by_queued_tokens_including_ours():
