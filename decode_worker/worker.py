@@ -24,15 +24,11 @@ import grpc
 
 from decode_worker.config import DecodeWorkerConfig
 from prefill_worker.worker_base import RequestError, WorkerBase
+from kvtransfer import TransferState
 from proto import worker_pb2, worker_pb2_grpc
 from proto.convert import logprob_from_proto, logprobs_to_proto, wire_to_params
 
 log = logging.getLogger(__name__)
-
-
-def _state(s: Any) -> str:
-    # kvtransfer.TransferState is a str enum; compare by name so either form works
-    return str(getattr(s, "name", s))
 
 
 @dataclass
@@ -151,11 +147,11 @@ class DecodeWorker(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                 self.requests.pop(req.request_id, None)
             if req.running or req.failure is not None:
                 continue
-            state = _state(self.kv.poll(req.handle))
-            if state == "FAILED":
+            state = self.kv.poll(req.handle)
+            if state == TransferState.FAILED:
                 self._fail(req, grpc.StatusCode.UNAVAILABLE,
                            f"KV for request {req.request_id} did not arrive: {self.kv.failure(req.handle)}")
-            elif state == "DONE" and req.out is not None:
+            elif state == TransferState.DONE and req.out is not None:
                 try:
                     self.engine.add_prefilled_request(req.request_id, req.prompt_token_ids, req.first_token_id,
                                                       req.params, first_logprob=req.first_logprob)
@@ -199,7 +195,7 @@ class DecodeWorker(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
             req.failure = err
 
     def _free(self, req: _DecodeReq) -> None:
-        if _state(self.kv.poll(req.handle)) not in ("DONE", "FAILED"):
+        if self.kv.poll(req.handle) not in (TransferState.DONE, TransferState.FAILED):
             self.kv.cancel(req.handle)
         self.engine.abort_request(req.request_id)
 

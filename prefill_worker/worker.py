@@ -25,15 +25,11 @@ import torch
 
 from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.worker_base import RequestError, WorkerBase
+from kvtransfer import TransferState
 from proto import worker_pb2, worker_pb2_grpc
 from proto.convert import logprob_to_proto, wire_to_params
 
 log = logging.getLogger(__name__)
-
-
-def _state(s: Any) -> str:
-    # kvtransfer.TransferState is a str enum; compare by name so either form works
-    return str(getattr(s, "name", s))
 
 
 @dataclass
@@ -173,18 +169,18 @@ class PrefillWorker(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
         for req in list(self.requests.values()):
             if req.in_engine or req.handle is None:
                 continue
-            state = _state(self.kv.poll(req.handle))
-            if state == "DONE":
+            state = self.kv.poll(req.handle)
+            if state == TransferState.DONE:
                 del self.requests[req.request_id]
                 self.engine.release(req.request_id)
                 req.out.put(worker_pb2.PrefillEvent(
                     transfer_done=worker_pb2.TransferDone(kv_transfer_s=time.monotonic() - req.first_token_at)))
-            elif state == "FAILED":
+            elif state == TransferState.FAILED:
                 self._fail(req, grpc.StatusCode.UNAVAILABLE,
                            f"KV transfer of request {req.request_id} to {req.dest_kv_name} failed: "
                            f"{self.kv.failure(req.handle)}")
         for st in self.kv.take_completed():
-            if st.direction == "send" and _state(st.state) == "DONE":
+            if st.direction == "send" and st.state == TransferState.DONE:
                 self.metrics.observe_kv_transfer(st.seconds, st.num_bytes)
         return bool(self.requests)
 
