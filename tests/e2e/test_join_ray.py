@@ -79,14 +79,25 @@ def _ray_status(address: str) -> str:
                           timeout=60, env=ENV).stdout
 
 
+def _wait_status(address: str, patterns: tuple[str, ...], timeout: float) -> str:
+    """Poll `ray status` until every pattern matches or `timeout` passes; return the last status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = _ray_status(address)
+        if all(re.search(p, status) for p in patterns) or time.monotonic() > deadline:
+            return status
+        time.sleep(0.5)
+
+
 def test_pdserve_up_joins_ray_and_places_pools_by_resource(ray_head):
     address, head_procs = ray_head
     head_before = {p.pid for p in head_procs()}
     up = UpProcess("--address", address, "--num-kv-blocks", "64", env=ENV)
     try:
         up.wait_serving(240)
-        status = _ray_status(address)
-        # One prefill and one decode actor, each holding its sliver of the node label.
+        # One prefill and one decode actor, each holding its sliver of the node label. `ray status`
+        # reads the autoscaler's periodic snapshot, which can lag the placement by a few seconds.
+        status = _wait_status(address, (r"0\.01\d*/1\.0 prefill", r"0\.01\d*/1\.0 decode"), 30)
         assert re.search(r"0\.01\d*/1\.0 prefill", status), status
         assert re.search(r"0\.01\d*/1\.0 decode", status), status
         ref = offline(["def f():"], [SamplingParams(max_tokens=8, temperature=0.0)])[0]
@@ -97,10 +108,5 @@ def test_pdserve_up_joins_ray_and_places_pools_by_resource(ray_head):
         up.close()
     # The head pdserve joined is still there, with its workers gone.
     assert head_before <= {p.pid for p in head_procs()}
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        status = _ray_status(address)
-        if re.search(r" 0\.0/1\.0 prefill", status) and re.search(r" 0\.0/1\.0 decode", status):
-            break
-        time.sleep(0.5)
+    status = _wait_status(address, (r" 0\.0/1\.0 prefill", r" 0\.0/1\.0 decode"), 30)
     assert re.search(r" 0\.0/1\.0 prefill", status) and re.search(r" 0\.0/1\.0 decode", status), status
