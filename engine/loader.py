@@ -61,7 +61,7 @@ def load_model(cfg: EngineConfig, mc: ModelConfig, max_positions: int) -> Causal
             model.load_state_dict(cpu.state_dict())
     else:
         model.load_weights(iter_safetensors(_model_dir(cfg.model)))
-    return model.finalize()
+    return model.finalize(cfg.cpu_gemm)
 
 
 def load_tokenizer(cfg: EngineConfig):
