@@ -17,8 +17,8 @@ from typing import Any, Iterator, Optional
 
 import grpc
 
-from prefill_worker.config import WorkerConfig
-from prefill_worker.worker_base import RequestError, WorkerBase
+from worker_common.config import WorkerConfig
+from worker_common.worker_base import RequestError, WorkerBase
 from proto import worker_pb2, worker_pb2_grpc
 from proto.convert import logprobs_to_proto, wire_to_params
 

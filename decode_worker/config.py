@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefill_worker.config import WorkerConfig
+from worker_common.config import WorkerConfig
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional
 import grpc
 
 from decode_worker.config import DecodeWorkerConfig
-from prefill_worker.worker_base import RequestError, WorkerBase
+from worker_common.worker_base import RequestError, WorkerBase
 from kvtransfer import TransferState
 from proto import worker_pb2, worker_pb2_grpc
 from proto.convert import logprob_from_proto, logprobs_to_proto, wire_to_params

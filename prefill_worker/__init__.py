@@ -1,8 +1,9 @@
 """The prefill role: gRPC servicer, prefill loop on the engine, hand-off of KV to kvtransfer.
 
-Also home of what every worker role shares (``serving``, ``engine_loop``, ``worker_base``, ``config``).
+What every role shares (gRPC serving, the engine thread, ``WorkerBase``, ``WorkerConfig``) lives in
+``worker_common``.
 """
-from prefill_worker.config import PrefillWorkerConfig, WorkerConfig
+from prefill_worker.config import PrefillWorkerConfig
 from prefill_worker.worker import PrefillWorker
 
-__all__ = ["PrefillWorker", "PrefillWorkerConfig", "WorkerConfig"]
+__all__ = ["PrefillWorker", "PrefillWorkerConfig"]

@@ -1,4 +1,4 @@
-"""Configuration of a worker role (prefill here; decode and colocated reuse the base).
+"""Configuration of the prefill role.
 
 Lifecycle: built by the caller (the cluster's Ray actor, a test, a CLI), checked
 once in ``__post_init__`` (``ValueError`` naming the field), then read-only for
@@ -6,64 +6,9 @@ the life of the worker.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
 
-
-def _default_engine_config() -> Any:
-    from engine.config import EngineConfig  # imported lazily: building a config must not load torch models
-
-    return EngineConfig()
-
-
-@dataclass
-class WorkerConfig:
-    """Settings every worker role shares."""
-
-    worker_id: str
-    """Unique id of this worker in its cluster (also the default kvtransfer endpoint name)."""
-    engine: Any = field(default_factory=_default_engine_config)
-    """engine.config.EngineConfig of the engine this worker runs."""
-    kv_store: Any = None
-    """kvtransfer rendezvous: "tcp://host:port", "redis://host:port/db", a StoreConfig or a torch Store."""
-    kv_backend: str = "gloo"
-    """kvtransfer backend by name: "gloo", "nccl", or "inproc" (same-process tests)."""
-    kv_name: Optional[str] = None
-    """kvtransfer endpoint name; None means worker_id."""
-    host: str = "127.0.0.1"
-    """Interface the gRPC server binds."""
-    port: int = 0
-    """gRPC port; 0 picks a free one."""
-    transfer_timeout_s: float = 30.0
-    """Deadline of one KV transfer, from submission (covers queueing behind other prompts)."""
-    model_name: Optional[str] = None
-    """Served model name in WorkerInfo; None means engine.model."""
-    max_rpc_threads: int = 128
-    """gRPC handler threads (each streaming request holds one)."""
-    serve_metrics: bool = True
-    """Serve this worker's Prometheus /metrics on a free port of ``host``."""
-    node_id: str = ""
-    """Where the worker runs (informational, copied into WorkerInfo)."""
-
-    role = "worker"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.worker_id, str) or not self.worker_id or not self.worker_id.isprintable():
-            raise ValueError(f"worker_id must be a non-empty printable string, got {self.worker_id!r}")
-        if self.kv_name is None:
-            self.kv_name = self.worker_id
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if not self.transfer_timeout_s > 0:
-            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
-        if self.max_rpc_threads < 1:
-            raise ValueError(f"max_rpc_threads must be >= 1, got {self.max_rpc_threads}")
-        if not isinstance(self.kv_backend, str) or not self.kv_backend:
-            raise ValueError(f"kv_backend must be a backend name, got {self.kv_backend!r}")
-
-    @property
-    def served_model_name(self) -> str:
-        return self.model_name or str(getattr(self.engine, "model", "unknown"))
+from worker_common.config import WorkerConfig
 
 
 @dataclass

@@ -24,7 +24,7 @@ import grpc
 import torch
 
 from prefill_worker.config import PrefillWorkerConfig
-from prefill_worker.worker_base import RequestError, WorkerBase
+from worker_common.worker_base import RequestError, WorkerBase
 from kvtransfer import TransferState
 from proto import worker_pb2, worker_pb2_grpc
 from proto.convert import logprob_to_proto, wire_to_params

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import grpc
 
-from prefill_worker.serving import GrpcServing
+from worker_common.serving import GrpcServing
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from router.admission import AdmissionQueue
 from router.clients import WorkerClients

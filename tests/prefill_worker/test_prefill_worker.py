@@ -116,7 +116,7 @@ def test_reflection_lists_services():
 
 
 def test_engine_loop_death_fails_requests_and_flips_health():
-    from prefill_worker.engine_loop import EngineLoop
+    from worker_common.engine_loop import EngineLoop
 
     class Boom:
         def has_unfinished_requests(self):
@@ -137,7 +137,7 @@ def test_engine_loop_death_fails_requests_and_flips_health():
 def test_engine_loop_runs_commands_in_its_thread_and_reports_errors():
     import threading as th
 
-    from prefill_worker.engine_loop import EngineLoop
+    from worker_common.engine_loop import EngineLoop
 
     class Idle:
         def has_unfinished_requests(self):

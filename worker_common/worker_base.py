@@ -18,9 +18,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import grpc
 
-from prefill_worker.config import WorkerConfig
-from prefill_worker.engine_loop import EngineLoop
-from prefill_worker.serving import GrpcServing
+from worker_common.config import WorkerConfig
+from worker_common.engine_loop import EngineLoop
+from worker_common.serving import GrpcServing
 from proto import worker_pb2
 
 log = logging.getLogger(__name__)
