@@ -268,7 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.monotonic()
     for mode in ns.mode_list:
         t = time.monotonic()
-        with Deployment(mode, ns.model, cores) as dep:
+        # prefix caching off: the same requests are replayed at every rate, so a warm cache would
+        # make later rates' prefills free and the rates incomparable
+        with Deployment(mode, ns.model, cores, engine_kw={"enable_prefix_caching": False}) as dep:
             limits = _limits(dep.target)
             pinning[mode] = dep.pinning
             print(f"{mode}: up in {time.monotonic() - t:.1f} s, workers pinned {dep.pinning}", flush=True)

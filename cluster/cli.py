@@ -52,6 +52,8 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpus-per-worker", type=float, default=1.0, help="Ray CPUs (and torch threads) per worker")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker (default: by memory)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per decode worker")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="turn off the engines' automatic prefix caching (on by default)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for SERVING")
     p.add_argument("--log-level", default="WARNING", help="Python log level (default WARNING)")
 
@@ -148,6 +150,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         engine_overrides["num_kv_blocks"] = args.num_kv_blocks
     if args.max_num_seqs is not None:
         engine_overrides["max_num_seqs"] = args.max_num_seqs
+    if args.no_prefix_caching:
+        engine_overrides["enable_prefix_caching"] = False
     if args.colocated:  # one mode per router: colocated replaces the two pools
         args.prefill = args.decode = 0
     cfg = ClusterConfig(model=args.model, num_prefill=args.prefill, num_decode=args.decode,

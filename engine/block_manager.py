@@ -1,4 +1,4 @@
-"""Ownership of the paged KV cache's blocks.
+"""Ownership of the paged KV cache's blocks, with automatic prefix caching.
 
 Lifecycle: one ``BlockManager`` per engine, sized once from the KV cache. The
 scheduler grows a sequence's block table with ``ensure`` before each step that
@@ -8,28 +8,62 @@ waits or preempts), the decode role takes a whole table up front with
 preemption, release of a held prefill) hands its table back with ``free``.
 Blocks carry reference counts so a table can be shared (``fork``); a block goes
 back to the free list only when its last holder frees it.
+
+Prefix caching (``enable_caching``, vLLM v1's design): once a block is full its
+content is named by a chained key, (key of the previous block, its tokens), and
+``register`` records key -> block. A freed block keeps its content and its key
+while it sits in the free list, which is kept in LRU order; ``allocate`` takes
+the least recently freed block and only then forgets its key (eviction). A new
+sequence asks ``lookup`` for the longest run of its leading full blocks that is
+cached and takes them with ``acquire`` (refcount + 1, out of the free list), so
+their K/V is not computed again. Full blocks are never written again, so sharing
+them between running sequences is safe. Keys compare the tokens themselves, so a
+hit is exact up to a collision of the 64-bit hash of the parent key.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+BlockKey = tuple
+"""(hash of the parent block's key or None, tuple of the block's token ids)."""
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int,
+               parent: Optional[BlockKey] = None) -> list[BlockKey]:
+    """Chained keys of the first ``num_blocks`` full blocks of token_ids (after ``parent``)."""
+    out: list[BlockKey] = []
+    for i in range(num_blocks):
+        parent = (None if parent is None else hash(parent), tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        out.append(parent)
+    return out
 
 
 class BlockManager:
-    """Free list + reference counts over block ids 0..num_blocks-1."""
+    """LRU free list + reference counts over block ids 0..num_blocks-1, and the prefix cache index."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        # free blocks, least recently freed first; a cached one keeps its key until it is reused
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._refs = [0] * num_blocks
+        self._key_of: list[Optional[BlockKey]] = [None] * num_blocks
+        self._cached: dict[BlockKey, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no sequence holds (cached ones included: they are evicted on demand)."""
         return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold num_tokens tokens."""
@@ -39,14 +73,22 @@ class BlockManager:
         return num_blocks <= len(self._free)
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take num_blocks fresh blocks (refcount 1); ValueError if not enough are free."""
+        """Take num_blocks fresh blocks (refcount 1), evicting the least recently freed cached ones;
+        ValueError if not enough are free."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > len(self._free):
             raise ValueError(f"cannot allocate {num_blocks} blocks: only {len(self._free)} free")
-        out = [self._free.popleft() for _ in range(num_blocks)]
-        for b in out:
+        out = []
+        for _ in range(num_blocks):
+            b, _ = self._free.popitem(last=False)
+            key = self._key_of[b]
+            if key is not None:
+                self._key_of[b] = None
+                if self._cached.get(key) == b:
+                    del self._cached[key]
             self._refs[b] = 1
+            out.append(b)
         return out
 
     def ensure(self, block_table: list[int], num_tokens: int) -> bool:
@@ -68,14 +110,47 @@ class BlockManager:
         return list(block_table)
 
     def free(self, block_table: list[int]) -> None:
-        """Drop one reference to each block; blocks with none left return to the free list."""
+        """Drop one reference to each block; blocks with none left return to the free list.
+
+        The table's tail goes back first, so its last blocks are evicted before its first ones
+        (a later request is likelier to share a short prefix than a long one)."""
         for b in reversed(block_table):
             if self._refs[b] <= 0:
                 raise ValueError(f"double free of block {b}")
             self._refs[b] -= 1
             if self._refs[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
         block_table.clear()
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]
+
+    # -- prefix cache ---------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Blocks holding the longest cached run of ``keys`` from the first one (not acquired)."""
+        if not self.enable_caching:
+            return []
+        out = []
+        for key in keys:
+            b = self._cached.get(key)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def acquire(self, blocks: Sequence[int]) -> list[int]:
+        """Take a reference to cached blocks (out of the free list if no one held them); the new table."""
+        for b in blocks:
+            if self._refs[b] == 0:
+                del self._free[b]
+            self._refs[b] += 1
+        return list(blocks)
+
+    def register(self, block: int, key: BlockKey) -> None:
+        """Record that full block ``block`` holds the tokens named by ``key`` (first holder wins)."""
+        if not self.enable_caching or self._key_of[block] is not None:
+            return
+        if key not in self._cached:
+            self._cached[key] = block
+            self._key_of[block] = key

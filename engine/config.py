@@ -53,6 +53,9 @@ class EngineConfig:
     """Seed of the engine RNG used for unseeded sampling."""
     num_threads: Optional[int] = None
     """torch.set_num_threads at engine start (None leaves torch's setting)."""
+    enable_prefix_caching: bool = True
+    """Reuse the K/V of full blocks whose token prefix was computed before (vLLM's automatic prefix
+    caching); freed blocks keep their content until reused, least recently freed first."""
     cpu_gemm: str = "onednn"
     """CPU linear layers: 'onednn' (weights prepacked once for oneDNN's blocked GEMM, 1.2-3x faster
     than MKL sgemm here; falls back to 'torch' where oneDNN lacks the dtype) | 'torch' (torch.mm)."""
@@ -74,6 +77,8 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1, got {v!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.cpu_gemm not in ("onednn", "torch"):
             raise ValueError(f"cpu_gemm must be 'onednn' or 'torch', got {self.cpu_gemm!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

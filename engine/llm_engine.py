@@ -56,7 +56,7 @@ class LLMEngine:
         self.eos_token_id = default_eos(mc, self.tokenizer)
         model = load_model(config, mc, self.max_model_len)
         self.kv_caches: list[tuple[Tensor, Tensor]] = allocate_kv_caches(mc, n_blocks, self.block_size, dtype, device)
-        self.block_manager = BlockManager(n_blocks, self.block_size)
+        self.block_manager = BlockManager(n_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         generator = torch.Generator().manual_seed(config.seed)
         self.runner = ModelRunner(model, self.kv_caches, self.block_size, Sampler(mc.vocab_size, config.seed),
@@ -84,6 +84,16 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache so far (counted at admission)."""
+        return self.scheduler.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of prefix_cache_queries, the tokens whose K/V was reused instead of computed."""
+        return self.scheduler.prefix_cache_hits
 
     @property
     def model(self):
@@ -181,6 +191,7 @@ class LLMEngine:
             return outputs
         result = self.runner.execute(sched, self._layer_hook(sched))
         self._advance(sched)
+        self.scheduler.commit(sched)
         return outputs + self._postprocess(result)
 
     def _layer_hook(self, sched: SchedulerOutput) -> Optional[Callable[[int], None]]:

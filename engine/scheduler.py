@@ -18,7 +18,12 @@ Policy, each step (vLLM v1 style, decode-first, mixed batches):
    queue with prompt + generated tokens to re-prefill), possibly itself.
 2. If nothing was preempted, waiting sequences are admitted in FIFO order with
    the leftover budget; the first one that cannot get blocks for its chunk stops
-   admission (new work waits, no overtaking).
+   admission (new work waits, no overtaking). With prefix caching a sequence
+   admitted with nothing computed first takes the cached blocks of its longest
+   cached prefix (leaving at least its last token to compute, whose logits it
+   needs) and prefills only the rest.
+3. After the step, ``commit`` names every block that became full in the block
+   manager's prefix cache.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockKey, BlockManager, block_keys
 from engine.sampling_params import SamplingParams
 
 
@@ -58,6 +63,10 @@ class Sequence:
     """Tokens to prefill since (re)admission: prompt, or prompt + outputs after preemption."""
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
+    block_keys: list[BlockKey] = field(default_factory=list)
+    """Prefix-cache keys of the leading full blocks of block_table that are computed."""
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache at the last admission."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -105,6 +114,10 @@ class Scheduler:
         self.reserved: dict[str, Sequence] = {}
         self.num_preemptions = 0
         """Total preemptions so far (a metric, and lets tests see that preemption happened)."""
+        self.prefix_cache_queries = 0
+        """Tokens of sequences admitted with nothing computed (looked up in the prefix cache)."""
+        self.prefix_cache_hits = 0
+        """Of those, tokens whose K/V came from the prefix cache."""
 
     # -- queues ---------------------------------------------------------------------------------
 
@@ -162,15 +175,60 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
+            hit = self._take_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.bm.ensure(seq.block_table, seq.num_computed + n):
+                if hit:  # give the cached blocks back: it retries from scratch next step
+                    self.bm.free(seq.block_table)
+                    seq.num_computed = 0
+                    seq.block_keys = []
                 break
+            if hit is not None:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += seq.num_computed
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self._take(out, seq, n)
             budget -= n
         return out
+
+    def _take_cached_prefix(self, seq: Sequence) -> Optional[int]:
+        """Give a sequence with nothing computed the cached blocks of its longest cached prefix.
+
+        Returns how many blocks it got, or None when no lookup was made (caching off, or the
+        sequence already has K/V)."""
+        if not self.bm.enable_caching or seq.num_computed or seq.block_table:
+            return None
+        bs = self.bm.block_size
+        keys = block_keys(seq.token_ids, bs, (seq.num_tokens - 1) // bs)
+        blocks = self.bm.lookup(keys)
+        seq.num_cached_tokens = len(blocks) * bs
+        if not blocks:
+            return 0
+        seq.block_table = self.bm.acquire(blocks)
+        seq.block_keys = keys[:len(blocks)]
+        seq.num_computed = len(blocks) * bs
+        return len(blocks)
+
+    def commit(self, sched: SchedulerOutput) -> None:
+        """After a step: name the blocks its sequences filled in the prefix cache."""
+        if not self.bm.enable_caching:
+            return
+        bs = self.bm.block_size
+        for seq in [*sched.decodes, *(s for s, _ in sched.prefills)]:
+            self.commit_seq(seq, bs)
+
+    def commit_seq(self, seq: Sequence, bs: int) -> None:
+        full = min(seq.num_computed // bs, len(seq.block_table))
+        have = len(seq.block_keys)
+        if full <= have:
+            return
+        parent = seq.block_keys[-1] if have else None
+        new = block_keys(seq.token_ids[have * bs:full * bs], bs, full - have, parent)
+        for i, key in enumerate(new, have):
+            self.bm.register(seq.block_table[i], key)
+        seq.block_keys.extend(new)
 
     @staticmethod
     def _take(out: SchedulerOutput, seq: Sequence, n: int) -> None:
@@ -184,6 +242,7 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.free(seq.block_table)
         seq.num_computed = 0
+        seq.block_keys = []
         seq.num_prefill = seq.num_tokens
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -104,6 +104,10 @@ class PDServeMetrics:
         self._kv_bytes = counter("kv_transfer_bytes", "Number of KV-cache bytes transferred.")
         self._prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self._gen_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        self._pc_queries = counter("prefix_cache_queries",
+                                   "Prefix cache queries, in terms of number of queried tokens.")
+        self._pc_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self._pc_seen = (0, 0)
         self._success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
                                 LABELS + ("finished_reason",), registry=reg)
         self._errors = Counter(PREFIX + "request_errors", "Count of requests ended by an error, by gRPC status code.",
@@ -149,6 +153,17 @@ class PDServeMetrics:
 
     def inc_generation_tokens(self, n: int) -> None:
         self._gen_tokens.inc(_check_count("generation_tokens", n))
+
+    def set_prefix_cache_totals(self, queries: int, hits: int) -> None:
+        """The engine's running totals of prefix-cache query and hit tokens; the counters move by
+        the difference since the last call (a smaller total, e.g. a new engine, restarts the base)."""
+        q, h = _check_count("prefix_cache_queries", queries), _check_count("prefix_cache_hits", hits)
+        q0, h0 = self._pc_seen
+        if q < q0 or h < h0:
+            q0 = h0 = 0
+        self._pc_queries.inc(q - q0)
+        self._pc_hits.inc(h - h0)
+        self._pc_seen = (q, h)
 
     def inc_success(self, finished_reason: str) -> None:
         """A request finished normally ("stop", "length", "abort" or another reason)."""

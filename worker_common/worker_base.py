@@ -136,6 +136,7 @@ class WorkerBase:
             self.metrics.set_running(info.num_running)
             self.metrics.set_waiting(info.num_waiting)
             self.metrics.set_kv_cache_usage(1.0 - info.num_free_blocks / max(1, info.num_total_blocks))
+            self.metrics.set_prefix_cache_totals(eng.prefix_cache_queries, eng.prefix_cache_hits)
 
     def info(self) -> worker_pb2.WorkerInfo:
         """This worker's registry record with its live load."""

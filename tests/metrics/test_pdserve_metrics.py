@@ -167,3 +167,19 @@ def test_two_instances_do_not_collide():
     finally:
         stop_a()
         stop_b()
+
+
+def test_prefix_cache_counters_follow_engine_totals():
+    m = PDServeMetrics(**LABELS)
+    m.set_prefix_cache_totals(100, 0)
+    m.set_prefix_cache_totals(164, 48)
+    m.set_prefix_cache_totals(164, 48)  # no new admissions: no movement
+    t = m.render()
+    assert value(t, "pdserve:prefix_cache_queries_total") == 164
+    assert value(t, "pdserve:prefix_cache_hits_total") == 48
+    m.set_prefix_cache_totals(10, 2)  # a new engine restarted its totals: counters never go back
+    t = m.render()
+    assert value(t, "pdserve:prefix_cache_queries_total") == 174
+    assert value(t, "pdserve:prefix_cache_hits_total") == 50
+    with pytest.raises(ValueError, match="prefix_cache_hits"):
+        m.set_prefix_cache_totals(1, -1)
