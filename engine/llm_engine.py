@@ -222,7 +222,8 @@ class LLMEngine:
                 reason = "prefill_done"
             elif reason is not None:
                 self._finish(seq)
-            outputs.append(CoreOutput(seq.request_id, [tok], lps, reason, len(seq.prompt_token_ids)))
+            outputs.append(CoreOutput(seq.request_id, [tok], lps, reason, len(seq.prompt_token_ids),
+                                      seq.num_cached_tokens))
         return outputs
 
     def _finish(self, seq: Sequence) -> None:

@@ -203,7 +203,8 @@ class Scheduler:
         bs = self.bm.block_size
         keys = block_keys(seq.token_ids, bs, (seq.num_tokens - 1) // bs)
         blocks = self.bm.lookup(keys)
-        seq.num_cached_tokens = len(blocks) * bs
+        if not seq.output_token_ids:  # what the request reports: its first admission, not a recompute
+            seq.num_cached_tokens = len(blocks) * bs
         if not blocks:
             return 0
         seq.block_table = self.bm.acquire(blocks)
