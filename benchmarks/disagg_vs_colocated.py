@@ -19,7 +19,7 @@ Per rate and mode it reports p50/p99 TTFT, p99 ITL, mean TPOT and SLO attainment
 p99 ITL <= 1/3 of colocated; goodput >= 2x), a JSON file and PNG plots in ``--out``.
 
 Usage:
-    python benchmarks/disagg_vs_colocated.py                 # the recorded run (bench model, ~11 min on a quiet 2-core host)
+    python benchmarks/disagg_vs_colocated.py                 # the recorded run (bench model, ~7 min on a quiet 2-core host)
     python benchmarks/disagg_vs_colocated.py --quick         # smoke run: tiny model, few requests (~1 min)
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--trace-start", type=int, default=0, help="first trace row of the slice")
     ap.add_argument("--num-requests", type=int, default=32, help="requests per (mode, rate) point")
     ap.add_argument("--length-scale", type=float, default=0.25, help="multiply the trace's prompt/output lengths")
-    ap.add_argument("--rates", default="0.25,0.5,0.75,1,1.5,2", help="comma-separated mean request rates (req/s)")
+    ap.add_argument("--rates", default="0.5,1,1.5,2,2.5,3,4", help="comma-separated mean request rates (req/s)")
     ap.add_argument("--ttft-slo-scale", type=float, default=3.0, help="TTFT SLO = this x unloaded TTFT of the p90 prompt")
     ap.add_argument("--tpot-slo-scale", type=float, default=3.0, help="TPOT SLO = this x unloaded TPOT")
     ap.add_argument("--goal", type=float, default=0.9, help="SLO attainment that counts as served (DistServe: 0.9)")
