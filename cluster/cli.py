@@ -54,6 +54,12 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per decode worker")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="turn off the engines' automatic prefix caching (on by default)")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
+                   help="conditional disaggregation: prompts of at most N tokens are prefilled on the decode "
+                        "worker itself (default 0: always use the prefill pool)")
+    p.add_argument("--prefill-queue-max-tokens", type=int, default=None, metavar="N",
+                   help="conditional disaggregation: prefill on the decode worker when every prefill worker has "
+                        ">= N prompt tokens queued (default: never)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for SERVING")
     p.add_argument("--log-level", default="WARNING", help="Python log level (default WARNING)")
 
@@ -103,6 +109,10 @@ def _check_up_args(args: argparse.Namespace) -> None:
         _check_port_free(args.host, args.port)
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise ValueError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
+    if args.local_prefill_max_tokens < 0:
+        raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {args.local_prefill_max_tokens}")
+    if args.prefill_queue_max_tokens is not None and args.prefill_queue_max_tokens < 0:
+        raise ValueError(f"--prefill-queue-max-tokens must be >= 0, got {args.prefill_queue_max_tokens}")
     if args.max_num_seqs is not None and args.max_num_seqs < 1:
         raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
 
@@ -152,13 +162,16 @@ def cmd_up(args: argparse.Namespace) -> int:
         engine_overrides["max_num_seqs"] = args.max_num_seqs
     if args.no_prefix_caching:
         engine_overrides["enable_prefix_caching"] = False
+    router_overrides = {"local_prefill_max_tokens": args.local_prefill_max_tokens,
+                        "prefill_queue_max_tokens": args.prefill_queue_max_tokens}
     if args.colocated:  # one mode per router: colocated replaces the two pools
         args.prefill = args.decode = 0
     cfg = ClusterConfig(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                         num_colocated=args.colocated,
                         router_host=args.host, router_port=args.port, redis_url=args.redis_url,
                         ray_address=args.address, namespace=args.namespace,
-                        cpus_per_worker=args.cpus_per_worker, engine_overrides=engine_overrides)
+                        cpus_per_worker=args.cpus_per_worker, engine_overrides=engine_overrides,
+                        router_overrides=router_overrides)
     stop = threading.Event()
     stopping = False
 

@@ -22,6 +22,7 @@ from typing import Any, Iterator, Optional
 
 import grpc
 
+from decode_worker.colocated import LocalGenerate, _ColoReq
 from decode_worker.config import DecodeWorkerConfig
 from worker_common.worker_base import RequestError, WorkerBase
 from kvtransfer import TransferState
@@ -50,8 +51,14 @@ class _DecodeReq:
     last_token_at: float = 0.0
 
 
-class DecodeWorker(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
-    """gRPC decode worker around one engine (see module docstring)."""
+class DecodeWorker(LocalGenerate, WorkerBase, worker_pb2_grpc.DecodeWorkerServicer,
+                   worker_pb2_grpc.ColocatedWorkerServicer):
+    """gRPC decode worker around one engine (see module docstring).
+
+    It also serves the colocated ``Generate`` RPC (``LocalGenerate``): a router doing conditional
+    disaggregation sends short prompts here to be prefilled in this engine, skipping the prefill
+    pool and the KV transfer. Those requests sit in ``self.requests`` as ``_ColoReq``.
+    """
 
     role = "decode"
 
@@ -62,7 +69,8 @@ class DecodeWorker(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
 
     def register_services(self, server: grpc.Server) -> list[str]:
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self, server)
-        return [worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name]
+        return [worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name,
+                self.register_local_generate(server)]
 
     # ---- RPC handlers (gRPC threads) ------------------------------------------------
     def Reserve(self, request: worker_pb2.ReserveRequest, context: grpc.ServicerContext) -> worker_pb2.ReserveResponse:
@@ -143,6 +151,8 @@ class DecodeWorker(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
     def poll(self) -> bool:
         now = time.monotonic()
         for req in list(self.requests.values()):
+            if isinstance(req, _ColoReq):
+                continue  # prefilled here: the engine runs it like any other request
             if req.failure is not None and now > req.expires_at:
                 self.requests.pop(req.request_id, None)
             if req.running or req.failure is not None:
@@ -166,12 +176,16 @@ class DecodeWorker(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
                            f"request {req.request_id}: no Decode call within "
                            f"{req.expires_at - req.reserved_at:.1f} s of its reservation")
         self.kv.take_completed()
-        return any(not r.running and r.failure is None for r in self.requests.values())
+        return any(isinstance(r, _DecodeReq) and not r.running and r.failure is None
+                   for r in self.requests.values())
 
     def on_outputs(self, outs: list) -> None:
         now = time.monotonic()
         for o in outs:
             req = self.requests.get(o.request_id)
+            if isinstance(req, _ColoReq):
+                self.local_output(req, o, now)
+                continue
             if req is None or req.out is None:
                 continue
             if o.new_token_ids:
@@ -200,10 +214,14 @@ class DecodeWorker(WorkerBase, worker_pb2_grpc.DecodeWorkerServicer):
         self.engine.abort_request(req.request_id)
 
     def abort(self, request_id: str) -> bool:
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is None:
             return False
         log.info("decode %s: abort request %s", self.cfg.worker_id, request_id)
+        if isinstance(req, _ColoReq):
+            self.local_abort(req)
+            return True
+        del self.requests[request_id]
         if req.failure is None:
             self._free(req)
         if req.out is not None:

@@ -108,6 +108,9 @@ class PDServeMetrics:
                                    "Prefix cache queries, in terms of number of queried tokens.")
         self._pc_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self._pc_seen = (0, 0)
+        self._local_prefill = counter("local_prefill_requests",
+                                      "Requests the router had a decode worker prefill itself (conditional "
+                                      "disaggregation).")
         self._success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
                                 LABELS + ("finished_reason",), registry=reg)
         self._errors = Counter(PREFIX + "request_errors", "Count of requests ended by an error, by gRPC status code.",
@@ -164,6 +167,9 @@ class PDServeMetrics:
         self._pc_queries.inc(q - q0)
         self._pc_hits.inc(h - h0)
         self._pc_seen = (q, h)
+
+    def inc_local_prefill(self) -> None:
+        self._local_prefill.inc()
 
     def inc_success(self, finished_reason: str) -> None:
         """A request finished normally ("stop", "length", "abort" or another reason)."""

@@ -5,6 +5,7 @@ ready colocated worker (running + waiting + this router's in-flight count, then
 queued prompt tokens), call its ``Generate`` stream and pass every chunk through
 the request's ``OutputProcessor``. A failure before the first token retries on
 another worker; cancel/deadline/stop-string handling is the same.
+``LocalPrefillFlow`` runs the same flow on a decode worker (conditional disaggregation).
 """
 from __future__ import annotations
 
@@ -25,10 +26,13 @@ log = logging.getLogger(__name__)
 class ColocatedFlow(DisaggregatedFlow):
     """Drives one request on a colocated worker (see module docstring)."""
 
+    pool = "colocated"
+    """Registry role of the workers this flow runs whole requests on."""
+
     def _pick(self, excluded: set[str]) -> Any:
-        ws = [w for w in self.deps.source.list("colocated") if w.ready and w.worker_id not in excluded]
+        ws = [w for w in self.deps.source.list(self.pool) if w.ready and w.worker_id not in excluded]
         if not ws:
-            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: no ready colocated worker")
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: no ready {self.pool} worker")
         sel = self.deps.selector
         return min(ws, key=lambda w: (w.num_running + w.num_waiting + sel.in_flight(w.worker_id),
                                       w.queued_prompt_tokens, w.worker_id))
@@ -102,3 +106,11 @@ class ColocatedFlow(DisaggregatedFlow):
                 continue
             raise FlowError(grpc.StatusCode.INTERNAL,
                             f"request {self.rid}: stream from {w.worker_id} ended without a finish reason")
+
+
+class LocalPrefillFlow(ColocatedFlow):
+    """Conditional disaggregation: a disaggregated-mode request prefilled on a decode worker itself
+    (its colocated ``Generate``), chosen by ``router.selection.prefill_locally``. The same flow as
+    colocated mode, over the decode pool: no Reserve, no prefill worker, no KV transfer."""
+
+    pool = "decode"

@@ -41,6 +41,14 @@ class RouterConfig:
     """First token -> prefill worker confirms the KV arrived."""
     request_timeout_s: float = 600.0
     """Whole request, when the client gives no deadline."""
+    local_prefill_max_tokens: int = 0
+    """Conditional disaggregation (NVIDIA Dynamo's rule), disaggregated mode only: a prompt of at most
+    this many tokens is prefilled on the decode worker itself (its colocated ``Generate``), skipping the
+    prefill pool and the KV transfer. 0 = every prompt goes through the prefill pool."""
+    prefill_queue_max_tokens: Optional[int] = None
+    """Conditional disaggregation: when even the least-loaded ready prefill worker has at least this many
+    prompt tokens queued (reported, plus this router's not yet answered), any prompt is prefilled on the
+    decode worker instead. None = never for this reason."""
     max_attempts: int = 2
     """Worker pairs tried for one request; retries happen only before any token reached the client."""
     max_rpc_threads: int = 256
@@ -60,6 +68,14 @@ class RouterConfig:
         for name in ("queue_timeout_s", "reserve_timeout_s", "first_token_timeout_s", "transfer_timeout_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if isinstance(self.local_prefill_max_tokens, bool) or not isinstance(self.local_prefill_max_tokens, int) \
+                or self.local_prefill_max_tokens < 0:
+            raise ValueError(f"local_prefill_max_tokens must be an int >= 0, got {self.local_prefill_max_tokens!r}")
+        if self.prefill_queue_max_tokens is not None and (
+                isinstance(self.prefill_queue_max_tokens, bool) or not isinstance(self.prefill_queue_max_tokens, int)
+                or self.prefill_queue_max_tokens < 0):
+            raise ValueError(f"prefill_queue_max_tokens must be None or an int >= 0, "
+                             f"got {self.prefill_queue_max_tokens!r}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_context_length is not None and self.max_context_length < 2:

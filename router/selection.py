@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from typing import Optional
 
 from proto.worker_pb2 import WorkerInfo
 
@@ -66,3 +67,21 @@ class WorkerSelector:
         ready = [w for w in workers if w.ready]
         return sorted(ready, key=lambda w: (w.queued_prompt_tokens + pending.get(w.worker_id, 0),
                                             inflight.get(w.worker_id, 0), w.worker_id))
+
+    def prefill_backlog(self, workers: list[WorkerInfo]) -> Optional[int]:
+        """Queued prompt tokens (reported + ours in flight) of the least-loaded ready prefill worker;
+        None when there is none."""
+        with self._lock:
+            pending = dict(self._pending_tokens)
+        backlog = [w.queued_prompt_tokens + pending.get(w.worker_id, 0) for w in workers if w.ready]
+        return min(backlog) if backlog else None
+
+
+def prefill_locally(local_max_tokens: int, queue_max_tokens: Optional[int], prompt_tokens: int,
+                    backlog: Optional[int]) -> bool:
+    """Conditional disaggregation: prefill on the decode worker when the prompt is short enough to
+    cost the decode batch little, or when the prefill pool is backed up past ``queue_max_tokens``.
+    (Dynamo disaggregates when the prompt is long AND the prefill queue is short; this is its negation.)"""
+    if prompt_tokens <= local_max_tokens:
+        return True
+    return queue_max_tokens is not None and backlog is not None and backlog >= queue_max_tokens

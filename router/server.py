@@ -26,7 +26,7 @@ from router.clients import WorkerClients
 from router.config import RouterConfig
 from router.model_info import load_model_view
 from router.request_flow import DisaggregatedFlow, FlowDeps, FlowError
-from router.selection import WorkerSelector
+from router.selection import WorkerSelector, prefill_locally
 from router.validation import ModelLimits, validate_generate
 from router.worker_source import WorkerSource
 
@@ -154,6 +154,15 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
                 self._in_flight -= 1
             self._update_gauges()
 
+    def _local_prefill(self, prompt_tokens: int) -> bool:
+        cfg = self.cfg
+        if cfg.local_prefill_max_tokens == 0 and cfg.prefill_queue_max_tokens is None:
+            return False
+        backlog = None
+        if cfg.prefill_queue_max_tokens is not None and prompt_tokens > cfg.local_prefill_max_tokens:
+            backlog = self.selector.prefill_backlog(self.workers.list("prefill"))
+        return prefill_locally(cfg.local_prefill_max_tokens, cfg.prefill_queue_max_tokens, prompt_tokens, backlog)
+
     def _serve(self, vreq: Any, context: grpc.ServicerContext, t0: float) -> Iterator[pdserve_pb2.GenerateResponse]:
         remaining = context.time_remaining()
         budget = self.cfg.request_timeout_s if remaining is None else min(remaining, self.cfg.request_timeout_s)
@@ -163,6 +172,12 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             from router.colocated_flow import ColocatedFlow
 
             flow: Any = ColocatedFlow(deps, vreq, t0, t0 + budget)
+        elif self._local_prefill(len(vreq.prompt_token_ids)):
+            from router.colocated_flow import LocalPrefillFlow
+
+            log.debug("request %s: prefilled on a decode worker (conditional disaggregation)", vreq.request_id)
+            self.metrics.inc_local_prefill()
+            flow = LocalPrefillFlow(deps, vreq, t0, t0 + budget)
         else:
             flow = DisaggregatedFlow(deps, vreq, t0, t0 + budget)
         context.add_callback(flow.cancel)  # client cancel / deadline: stop the worker calls at once
