@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-requests", type=int, default=32, help="requests per (mode, rate) point")
     ap.add_argument("--length-scale", type=float, default=0.25, help="multiply the trace's prompt/output lengths")
     ap.add_argument("--rates", default="0.5,1,1.5,2,2.5,3,4", help="comma-separated mean request rates (req/s)")
+    ap.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                    help="disaggregated mode: the router's conditional disaggregation, prompts of at most this many "
+                         "tokens are prefilled on the decode worker (default 0: off)")
+    ap.add_argument("--prefill-queue-max-tokens", type=int, default=None,
+                    help="disaggregated mode: prefill on the decode worker while the prefill worker has at least "
+                         "this many prompt tokens queued (default: off)")
     ap.add_argument("--ttft-slo-scale", type=float, default=3.0, help="TTFT SLO = this x unloaded TTFT of the p90 prompt")
     ap.add_argument("--tpot-slo-scale", type=float, default=3.0, help="TPOT SLO = this x unloaded TPOT")
     ap.add_argument("--goal", type=float, default=0.9, help="SLO attainment that counts as served (DistServe: 0.9)")
@@ -270,7 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         t = time.monotonic()
         # prefix caching off: the same requests are replayed at every rate, so a warm cache would
         # make later rates' prefills free and the rates incomparable
-        with Deployment(mode, ns.model, cores, engine_kw={"enable_prefix_caching": False}) as dep:
+        router_kw = {}
+        if mode == "disaggregated":
+            router_kw = {"local_prefill_max_tokens": ns.local_prefill_max_tokens,
+                         "prefill_queue_max_tokens": ns.prefill_queue_max_tokens}
+        with Deployment(mode, ns.model, cores, engine_kw={"enable_prefix_caching": False},
+                        router_kw=router_kw) as dep:
             limits = _limits(dep.target)
             pinning[mode] = dep.pinning
             print(f"{mode}: up in {time.monotonic() - t:.1f} s, workers pinned {dep.pinning}", flush=True)
