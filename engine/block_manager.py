@@ -61,10 +61,6 @@ class BlockManager:
         """Blocks no sequence holds (cached ones included: they are evicted on demand)."""
         return len(self._free)
 
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._cached)
-
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold num_tokens tokens."""
         return -(-num_tokens // self.block_size)
