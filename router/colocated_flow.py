@@ -34,8 +34,9 @@ class ColocatedFlow(DisaggregatedFlow):
         if not ws:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: no ready {self.pool} worker")
         sel = self.deps.selector
-        return min(ws, key=lambda w: (w.num_running + w.num_waiting + sel.in_flight(w.worker_id),
-                                      w.queued_prompt_tokens, w.worker_id))
+        ranked = sorted(ws, key=lambda w: (w.num_running + w.num_waiting + sel.in_flight(w.worker_id),
+                                           w.queued_prompt_tokens, w.worker_id))
+        return self._route_by_prefix(ranked)[0]
 
     def _abort_workers(self) -> None:
         w = self.decode_worker
@@ -58,6 +59,7 @@ class ColocatedFlow(DisaggregatedFlow):
         cached = 0
         for attempt in range(cfg.max_attempts):
             w = self._pick(excluded)
+            self._record_prefix(w)
             self.decode_worker = w
             deps.selector.acquire(w.worker_id)
             self._d_held = True

@@ -49,6 +49,13 @@ class RouterConfig:
     """Conditional disaggregation: when even the least-loaded ready prefill worker has at least this many
     prompt tokens queued (reported, plus this router's not yet answered), any prompt is prefilled on the
     decode worker instead. None = never for this reason."""
+    prefix_aware_routing: bool = True
+    """Send a prompt to the prefill (or colocated) worker this router last sent its longest prefix to,
+    where the engine's prefix cache likely still holds it (as SGLang's and llm-d's routers do), unless
+    that worker's queue is more than ``prefix_balance_tokens`` prompt tokens longer than the least
+    loaded one's."""
+    prefix_balance_tokens: int = 2048
+    """How much longer a queue (in prompt tokens) prefix-aware routing accepts for a cache hit."""
     max_attempts: int = 2
     """Worker pairs tried for one request; retries happen only before any token reached the client."""
     max_rpc_threads: int = 256
@@ -76,6 +83,11 @@ class RouterConfig:
                 or self.prefill_queue_max_tokens < 0):
             raise ValueError(f"prefill_queue_max_tokens must be None or an int >= 0, "
                              f"got {self.prefill_queue_max_tokens!r}")
+        if not isinstance(self.prefix_aware_routing, bool):
+            raise ValueError(f"prefix_aware_routing must be a bool, got {self.prefix_aware_routing!r}")
+        if isinstance(self.prefix_balance_tokens, bool) or not isinstance(self.prefix_balance_tokens, int) \
+                or self.prefix_balance_tokens < 0:
+            raise ValueError(f"prefix_balance_tokens must be an int >= 0, got {self.prefix_balance_tokens!r}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_context_length is not None and self.max_context_length < 2:

@@ -37,6 +37,7 @@ from proto.worker_pb2 import WorkerInfo
 from router.admission import AdmissionQueue, QueueStop
 from router.clients import WorkerClients
 from router.config import RouterConfig
+from router.prefix_index import PrefixIndex, prompt_block_hashes
 from router.selection import WorkerSelector
 from router.transfer_watch import TransferWatch
 from router.validation import ValidatedRequest
@@ -76,6 +77,8 @@ class FlowDeps:
     metrics: Any = None
     admission: Optional[AdmissionQueue] = None
     """The router's wait queue for KV capacity; None: fail at once when no decode worker has room."""
+    prefixes: Optional[PrefixIndex] = None
+    """Which worker was sent which prompt prefix (prefix-aware routing); None: route by load only."""
 
 
 class DisaggregatedFlow:
@@ -95,6 +98,7 @@ class DisaggregatedFlow:
         self.prefill_worker: Optional[WorkerInfo] = None
         self._d_held = False
         self._p_held = False
+        self._hashes_by_bs: dict[int, list[int]] = {}  # the prompt's prefix-cache block hashes, by block size
         # arrival order in the admission queue, fixed now so racing requests queue as they arrived
         self._seq = deps.admission.next_seq() if deps.admission is not None else 0
 
@@ -138,6 +142,24 @@ class DisaggregatedFlow:
         return FlowError(code, f"request {self.rid}: {what} failed: {details}", worker_id)
 
     # ---- worker choice ---------------------------------------------------------------
+    def _prefix_hashes(self, block_size: int) -> list[int]:
+        if block_size not in self._hashes_by_bs:
+            self._hashes_by_bs[block_size] = prompt_block_hashes(self.req.prompt_token_ids, block_size)
+        return self._hashes_by_bs[block_size]
+
+    def _route_by_prefix(self, ranked: list[WorkerInfo]) -> list[WorkerInfo]:
+        """Prefix-aware routing over ``ranked`` (best first by load); unchanged when it is off."""
+        deps = self.deps
+        if deps.prefixes is None or not deps.cfg.prefix_aware_routing or len(ranked) < 2:
+            return ranked
+        matches = {w.worker_id: deps.prefixes.match(w.worker_id, self._prefix_hashes(w.block_size)) for w in ranked}
+        return deps.selector.prefer_cached(ranked, matches, deps.cfg.prefix_balance_tokens)
+
+    def _record_prefix(self, w: WorkerInfo) -> None:
+        """``w`` is about to prefill this prompt, so its prefix cache will hold the prompt's blocks."""
+        if self.deps.prefixes is not None and self.deps.cfg.prefix_aware_routing:
+            self.deps.prefixes.record(w.worker_id, self._prefix_hashes(w.block_size))
+
     def _reserve(self, excluded: set[str]) -> worker_pb2.ReserveResponse:
         """Reserve the prompt's blocks on a decode worker, waiting in the admission queue while none has room."""
         adm = self.deps.admission
@@ -198,7 +220,7 @@ class DisaggregatedFlow:
                             f"decode worker holds in total (largest: {max(totals)})", final=True)
         ranked = deps.selector.ranked_decode(ready, needed)
         prefills = [w for w in deps.source.list("prefill") if w.worker_id not in excluded]
-        ranked_p = deps.selector.ranked_prefill(prefills)
+        ranked_p = self._route_by_prefix(deps.selector.ranked_prefill(prefills))
         if not ranked_p:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: no ready prefill worker")
         p = ranked_p[0]
@@ -267,6 +289,7 @@ class DisaggregatedFlow:
             try:
                 resv = self._reserve(excluded)
                 p = self.prefill_worker
+                self._record_prefix(p)
                 self.deps.selector.acquire(p.worker_id, len(self.req.prompt_token_ids))
                 self._p_held = True
                 t_call = time.monotonic()

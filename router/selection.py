@@ -68,6 +68,25 @@ class WorkerSelector:
         return sorted(ready, key=lambda w: (w.queued_prompt_tokens + pending.get(w.worker_id, 0),
                                             inflight.get(w.worker_id, 0), w.worker_id))
 
+    def prefer_cached(self, ranked: list[WorkerInfo], matches: dict[str, int], slack_tokens: int) -> list[WorkerInfo]:
+        """Prefix-aware routing: move the worker with the longest cached prefix (``matches``: worker id ->
+        leading blocks it holds) to the front of ``ranked`` (best first, by load), unless its queue is more
+        than ``slack_tokens`` prompt tokens longer than the front worker's. Ties keep the load order."""
+        if not ranked:
+            return ranked
+        best = max(ranked, key=lambda w: matches.get(w.worker_id, 0))
+        if matches.get(best.worker_id, 0) == 0 or best is ranked[0]:
+            return ranked
+        with self._lock:
+            pending = dict(self._pending_tokens)
+
+        def queued(w: WorkerInfo) -> int:
+            return w.queued_prompt_tokens + pending.get(w.worker_id, 0)
+
+        if queued(best) - queued(ranked[0]) > slack_tokens:
+            return ranked
+        return [best] + [w for w in ranked if w is not best]
+
     def prefill_backlog(self, workers: list[WorkerInfo]) -> Optional[int]:
         """Queued prompt tokens (reported + ours in flight) of the least-loaded ready prefill worker;
         None when there is none."""

@@ -25,6 +25,7 @@ from router.admission import AdmissionQueue
 from router.clients import WorkerClients
 from router.config import RouterConfig
 from router.model_info import load_model_view
+from router.prefix_index import PrefixIndex
 from router.request_flow import DisaggregatedFlow, FlowDeps, FlowError
 from router.selection import WorkerSelector, prefill_locally
 from router.validation import ModelLimits, validate_generate
@@ -45,6 +46,7 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         self.workers = workers
         self._serving = GrpcServing("router", cfg.host, cfg.port, cfg.max_rpc_threads)
         self.selector = WorkerSelector()
+        self.prefixes = PrefixIndex()  # which worker was sent which prompt prefix (prefix-aware routing)
         self.clients = WorkerClients()
         self.tokenizer: Any = None
         self.limits: Optional[ModelLimits] = None
@@ -167,7 +169,7 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         remaining = context.time_remaining()
         budget = self.cfg.request_timeout_s if remaining is None else min(remaining, self.cfg.request_timeout_s)
         deps = FlowDeps(self.cfg, self.workers, self.selector, self.clients, self.tokenizer, self.metrics,
-                        self.admission)
+                        self.admission, self.prefixes)
         if self.cfg.mode == "colocated":
             from router.colocated_flow import ColocatedFlow
 
