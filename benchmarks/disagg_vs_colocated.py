@@ -276,10 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         t = time.monotonic()
         # prefix caching off: the same requests are replayed at every rate, so a warm cache would
         # make later rates' prefills free and the rates incomparable
-        router_kw = {}
+        # prefix-aware routing off too: with the engines' caches off its hints would only skew load balance
+        router_kw: dict = {"prefix_aware_routing": False}
         if mode == "disaggregated":
-            router_kw = {"local_prefill_max_tokens": ns.local_prefill_max_tokens,
-                         "prefill_queue_max_tokens": ns.prefill_queue_max_tokens}
+            router_kw.update(local_prefill_max_tokens=ns.local_prefill_max_tokens,
+                             prefill_queue_max_tokens=ns.prefill_queue_max_tokens)
         with Deployment(mode, ns.model, cores, engine_kw={"enable_prefix_caching": False},
                         router_kw=router_kw) as dep:
             limits = _limits(dep.target)
