@@ -78,17 +78,17 @@ class LocalGenerate:
             params = wire_to_params(request.params)
         except ValueError as e:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"params: {e} (request {rid})") from None
-        req = _ColoReq(rid, len(request.prompt_token_ids))
-        ids = list(request.prompt_token_ids)
-        self.loop.call(lambda eng: self._add_local(eng, req, ids, params))
+        req = _ColoReq(rid, len(request.prompt_token_ids) + len(request.resume_token_ids))
+        ids, resume = list(request.prompt_token_ids), list(request.resume_token_ids)
+        self.loop.call(lambda eng: self._add_local(eng, req, ids, params, resume))
         yield from self.stream_events(rid, req.out, context, lambda ch: ch.finish_reason != "")
 
     # ---- loop thread ----------------------------------------------------------------
-    def _add_local(self, eng: Any, req: _ColoReq, ids: list[int], params: Any) -> None:
+    def _add_local(self, eng: Any, req: _ColoReq, ids: list[int], params: Any, resume: list[int]) -> None:
         if req.request_id in self.requests:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request {req.request_id} is already running here")
         try:
-            eng.add_request(req.request_id, ids, params)
+            eng.add_request(req.request_id, ids, params, resume_token_ids=resume or None)
         except ValueError as e:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{e} (request {req.request_id})") from None
         self.requests[req.request_id] = req

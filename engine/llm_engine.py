@@ -111,9 +111,26 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    prefill_only: bool = False) -> None:
-        """Queue a prompt; ValueError for a duplicate id, bad tokens or a prompt that cannot fit."""
+                    prefill_only: bool = False, resume_token_ids: Optional[list[int]] = None) -> None:
+        """Queue a prompt; ValueError for a duplicate id, bad tokens or a prompt that cannot fit.
+
+        ``resume_token_ids`` (migration): outputs this request already produced elsewhere. They are
+        prefilled with the prompt and sampling goes on at output index len(resume_token_ids), exactly
+        as after a recompute preemption, so seeded draws and penalties continue where they left off."""
         seq = self._new_seq(request_id, prompt_token_ids, params, prefill_only)
+        if resume_token_ids:
+            if prefill_only:
+                raise ValueError("resume_token_ids cannot be combined with prefill_only")
+            outs = self._check_ids("resume_token_ids", resume_token_ids)
+            if len(outs) >= params.max_tokens:
+                raise ValueError(f"resume_token_ids has {len(outs)} tokens, not fewer than max_tokens "
+                                 f"({params.max_tokens}): nothing is left to generate")
+            if len(seq.prompt_token_ids) + len(outs) >= self.max_model_len:
+                raise ValueError(f"prompt ({len(seq.prompt_token_ids)}) plus resume_token_ids ({len(outs)}) "
+                                 f"leave no room under max_model_len ({self.max_model_len})")
+            for t in outs:
+                seq.append(t)
+            seq.num_prefill = seq.num_tokens
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         logger.debug("request %s added: %d prompt tokens, prefill_only=%s", request_id,
@@ -232,6 +249,18 @@ class LLMEngine:
 
     # -- validation -----------------------------------------------------------------------------
 
+    def _check_ids(self, field: str, token_ids) -> list[int]:
+        """A list of plain-int token ids in the vocabulary; ValueError naming ``field`` otherwise."""
+        if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+            raise ValueError(f"{field} must be a list of token ids")
+        ids = list(token_ids)
+        V = self.model_config.vocab_size
+        for j, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < V:
+                raise ValueError(f"{field}: {t!r} is not a token id in [0, {V})")
+            ids[j] = int(t)  # numpy / tensor-item ints become plain ints
+        return ids
+
     def _new_seq(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prefill_only: bool, check_id: bool = True) -> Sequence:
         if not isinstance(request_id, str) or not request_id:
@@ -240,16 +269,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt_token_ids, (str, bytes)) or not hasattr(prompt_token_ids, "__iter__"):
-            raise ValueError("prompt_token_ids must be a list of token ids")
-        ids = list(prompt_token_ids)
+        ids = self._check_ids("prompt_token_ids", prompt_token_ids)
         if not ids:
             raise ValueError("prompt_token_ids must not be empty")
-        V = self.model_config.vocab_size
-        for j, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < V:
-                raise ValueError(f"prompt_token_ids: {t!r} is not a token id in [0, {V})")
-            ids[j] = int(t)  # numpy / tensor-item ints become plain ints
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt_token_ids has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(prompt plus at least one new token)")

@@ -108,6 +108,8 @@ class PDServeMetrics:
                                    "Prefix cache queries, in terms of number of queried tokens.")
         self._pc_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self._pc_seen = (0, 0)
+        self._migrations = counter("request_migrations",
+                                   "Requests resumed on another worker after theirs failed mid-stream.")
         self._local_prefill = counter("local_prefill_requests",
                                       "Requests the router had a decode worker prefill itself (conditional "
                                       "disaggregation).")
@@ -167,6 +169,9 @@ class PDServeMetrics:
         self._pc_queries.inc(q - q0)
         self._pc_hits.inc(h - h0)
         self._pc_seen = (q, h)
+
+    def inc_migration(self) -> None:
+        self._migrations.inc()
 
     def inc_local_prefill(self) -> None:
         self._local_prefill.inc()

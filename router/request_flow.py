@@ -397,11 +397,100 @@ class DisaggregatedFlow:
         except grpc.RpcError as e:
             if watch.error is not None:
                 raise watch.error from None
-            raise self._rpc_error(e, f"decode on {d.worker_id}") from None
+            err = self._rpc_error(e, f"decode on {d.worker_id}", d.worker_id)
+            if err.code not in _RETRIABLE or self._cancelled or cfg.max_attempts < 2:
+                raise err from None
+            # migration: the decode worker is gone mid-stream; another one prefills prompt + the
+            # tokens already streamed and goes on from there (no prefill worker, no KV transfer)
+            log.warning("request %s: decode on %s failed after %d tokens, resuming on another decode worker: %s",
+                        rid, d.worker_id, len(proc.token_ids), err.message)
+            if deps.metrics is not None:
+                deps.metrics.inc_migration()
+            self._abort_workers()
+            self._release_workers()
+            self.prefill_worker = None
+            yield from self._run_whole("decode", proc, timings, {d.worker_id}, cfg.max_attempts - 1, t_first,
+                                       ft.num_cached_tokens)
+            return
         if watch.error is not None:
             raise watch.error
         raise FlowError(grpc.StatusCode.INTERNAL, f"request {rid}: decode stream from {d.worker_id} ended "
                                                   f"without a finish reason")
+
+    # ---- whole requests on one worker: colocated mode, local prefill, migration ----------------
+    def _pick_whole(self, pool: str, excluded: set[str]) -> WorkerInfo:
+        ws = [w for w in self.deps.source.list(pool) if w.ready and w.worker_id not in excluded]
+        if not ws:
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: no ready {pool} worker")
+        sel = self.deps.selector
+        ranked = sorted(ws, key=lambda w: (w.num_running + w.num_waiting + sel.in_flight(w.worker_id),
+                                           w.queued_prompt_tokens, w.worker_id))
+        return self._route_by_prefix(ranked)[0]
+
+    def _run_whole(self, pool: str, proc: OutputProcessor, timings: pdserve_pb2.Timings, excluded: set[str],
+                   attempts: int, t_first: float = 0.0, cached: int = 0) -> Iterator[pdserve_pb2.GenerateResponse]:
+        """Run the request on one worker of ``pool`` (its colocated ``Generate``), passing every chunk
+        through ``proc``. Every attempt sends the output tokens the client already has as
+        ``resume_token_ids``, so a worker lost mid-stream (UNAVAILABLE) is replaced by another that
+        prefills prompt + outputs and goes on exactly where the stream stopped (migration); a failure
+        before any token is a plain retry. ``timings.ttft_s`` set means the first token is out already."""
+        deps, cfg = self.deps, self.deps.cfg
+        want_lp = self.req.params.logprobs is not None
+        for attempt in range(attempts):
+            w = self._pick_whole(pool, excluded)
+            self._record_prefix(w)
+            self.decode_worker = w
+            deps.selector.acquire(w.worker_id)
+            self._d_held = True
+            t_call = time.monotonic()
+            stream = self._track(deps.clients.colocated(w.grpc_address).Generate(
+                worker_pb2.ColocatedRequest(request_id=self.rid, prompt_token_ids=self.req.prompt_token_ids,
+                                            params=params_to_wire(self.req.params),
+                                            resume_token_ids=proc.token_ids),
+                timeout=self._remaining(cfg.request_timeout_s)))
+            try:
+                for chunk in stream:
+                    now = time.monotonic()
+                    if not timings.ttft_s:
+                        t_first = now
+                        cached = chunk.num_cached_tokens
+                        timings.queue_s = (t_call - self.t0) + chunk.queue_s
+                        timings.prefill_s = chunk.prefill_s
+                        timings.ttft_s = now - self.t0
+                        if deps.metrics is not None:
+                            deps.metrics.observe_ttft(timings.ttft_s)
+                    lps = [logprob_from_proto(m) for m in chunk.logprobs] if want_lp and chunk.logprobs else None
+                    delta = proc.process(list(chunk.token_ids), lps, chunk.finish_reason or None)
+                    if proc.finished:
+                        if not chunk.finish_reason:
+                            stream.cancel()
+                            self._abort_workers()
+                        timings.total_s = now - self.t0
+                        timings.decode_s = now - t_first
+                        resp = self._response(delta)
+                        resp.finish_reason = proc.finish_reason or ""
+                        resp.usage.CopyFrom(pdserve_pb2.Usage(prompt_tokens=len(self.req.prompt_token_ids),
+                                                              completion_tokens=len(proc.token_ids),
+                                                              cached_tokens=cached))
+                        resp.timings.CopyFrom(timings)
+                        yield resp
+                        return
+                    if delta.token_ids or delta.text:
+                        yield self._response(delta)
+            except grpc.RpcError as e:
+                err = self._rpc_error(e, f"generate on {w.worker_id}", w.worker_id)
+                self._release_workers()
+                if err.code not in _RETRIABLE or self._cancelled or attempt + 1 == attempts:
+                    raise err from None
+                excluded.add(w.worker_id)
+                log.warning("request %s: attempt %d on %s failed after %d tokens, %s: %s", self.rid, attempt + 1,
+                            w.worker_id, len(proc.token_ids), "resuming elsewhere" if proc.token_ids else "retrying",
+                            err.message)
+                if proc.token_ids and deps.metrics is not None:
+                    deps.metrics.inc_migration()
+                continue
+            raise FlowError(grpc.StatusCode.INTERNAL,
+                            f"request {self.rid}: stream from {w.worker_id} ended without a finish reason")
 
     def _response(self, delta: Any) -> pdserve_pb2.GenerateResponse:
         return pdserve_pb2.GenerateResponse(request_id=self.rid, token_ids=delta.token_ids, text=delta.text,

@@ -173,3 +173,48 @@ def test_half_dtypes_run_and_stay_close(dtype, prompt, free_run):
     assert len(out) == 8 and all(0 <= t < 8192 for t in out)
     # the first greedy token of a std-0.1 model has a wide margin; reduced precision keeps it
     assert out[0] == free_run[0]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=20, temperature=0.9, top_k=50, seed=99, repetition_penalty=1.3,
+                   frequency_penalty=0.5, presence_penalty=0.3, ignore_eos=True),
+], ids=["greedy", "seeded_with_penalties"])
+def test_resume_continues_exactly_where_the_outputs_stopped(params):
+    """Migration: a request resumed with its first k outputs (on a fresh engine, as after a worker
+    died) produces the same remaining tokens as the uninterrupted run."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    prompt = list(range(300, 323))
+    full = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=64, num_threads=1))
+    full.add_request("a", prompt, params)
+    want = []
+    while full.has_unfinished_requests():
+        for o in full.step():
+            want.extend(o.new_token_ids)
+    assert len(want) == 20
+    for k in (1, 7, 19):
+        eng = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=64, num_threads=1))
+        eng.add_request("a", prompt, params, resume_token_ids=want[:k])
+        got = []
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                got.extend(o.new_token_ids)
+        assert got == want[k:], k
+        assert eng.num_free_blocks == eng.num_total_blocks
+
+
+def test_resume_rejects_what_cannot_continue():
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=64, num_threads=1))
+    sp = SamplingParams(max_tokens=3)
+    with pytest.raises(ValueError, match="resume_token_ids.*max_tokens"):
+        eng.add_request("a", [5, 6], sp, resume_token_ids=[1, 2, 3])
+    with pytest.raises(ValueError, match="resume_token_ids: 99999"):
+        eng.add_request("a", [5, 6], sp, resume_token_ids=[99999])
+    with pytest.raises(ValueError, match="prefill_only"):
+        eng.add_request("a", [5, 6], sp, resume_token_ids=[1], prefill_only=True)
+    assert not eng.has_unfinished_requests() and eng.num_free_blocks == eng.num_total_blocks
