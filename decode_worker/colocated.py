@@ -21,9 +21,9 @@ from typing import Any, Iterator, Optional
 import grpc
 
 from worker_common.config import WorkerConfig
-from worker_common.worker_base import RequestError, WorkerBase
+from worker_common.worker_base import RequestError, WorkerBase, request_params
 from proto import worker_pb2, worker_pb2_grpc
-from proto.convert import logprobs_to_proto, wire_to_params
+from proto.convert import logprobs_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +74,7 @@ class LocalGenerate:
     def _generate(self, request: worker_pb2.ColocatedRequest, context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeChunk]:
         rid = request.request_id
         self.check_accepting(rid)
-        try:
-            params = wire_to_params(request.params)
-        except ValueError as e:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"params: {e} (request {rid})") from None
+        params = request_params(request.params, rid)
         req = _ColoReq(rid, len(request.prompt_token_ids) + len(request.resume_token_ids))
         ids, resume = list(request.prompt_token_ids), list(request.resume_token_ids)
         self.loop.call(lambda eng: self._add_local(eng, req, ids, params, resume))

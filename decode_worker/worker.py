@@ -24,10 +24,10 @@ import grpc
 
 from decode_worker.colocated import LocalGenerate, _ColoReq
 from decode_worker.config import DecodeWorkerConfig
-from worker_common.worker_base import RequestError, WorkerBase
+from worker_common.worker_base import RequestError, WorkerBase, request_params
 from kvtransfer import TransferState
 from proto import worker_pb2, worker_pb2_grpc
-from proto.convert import logprob_from_proto, logprobs_to_proto, wire_to_params
+from proto.convert import logprob_from_proto, logprobs_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +81,7 @@ class DecodeWorker(LocalGenerate, WorkerBase, worker_pb2_grpc.DecodeWorkerServic
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids is empty (request {rid})")
             if not request.prefill_kv_name:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prefill_kv_name is empty (request {rid})")
-            try:
-                params = wire_to_params(request.params)
-            except ValueError as e:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"params: {e} (request {rid})") from None
+            params = request_params(request.params, rid)
             if request.kv_timeout_s < 0:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"kv_timeout_s must be >= 0, got {request.kv_timeout_s} (request {rid})")

@@ -24,10 +24,10 @@ import grpc
 import torch
 
 from prefill_worker.config import PrefillWorkerConfig
-from worker_common.worker_base import RequestError, WorkerBase
+from worker_common.worker_base import RequestError, WorkerBase, request_params
 from kvtransfer import TransferState
 from proto import worker_pb2, worker_pb2_grpc
-from proto.convert import logprob_to_proto, wire_to_params
+from proto.convert import logprob_to_proto
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +81,7 @@ class PrefillWorker(WorkerBase, worker_pb2_grpc.PrefillWorkerServicer):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids is empty (request {rid})")
         if not request.dest_kv_name:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"dest_kv_name is empty (request {rid})")
-        try:
-            params = wire_to_params(request.params)
-        except ValueError as e:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"params: {e} (request {rid})") from None
+        params = request_params(request.params, rid)
         req = _PrefillReq(rid, list(request.prompt_token_ids), request.dest_kv_name, request.dest_block_size)
         dest_blocks = list(request.dest_block_ids)
         self.loop.call(lambda eng: self._add(eng, req, params, dest_blocks))

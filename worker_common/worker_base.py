@@ -35,6 +35,16 @@ class RequestError(Exception):
         self.message = message
 
 
+def request_params(wire: Any, request_id: str) -> Any:
+    """A request's wire sampling params as engine SamplingParams; INVALID_ARGUMENT naming the field if bad."""
+    from proto.convert import wire_to_params
+
+    try:
+        return wire_to_params(wire)
+    except ValueError as e:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"params: {e} (request {request_id})") from None
+
+
 class WorkerBase:
     """Base of PrefillWorker, DecodeWorker and ColocatedWorker (see module docstring)."""
 

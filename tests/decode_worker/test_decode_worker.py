@@ -127,3 +127,35 @@ def test_drain_finishes_inflight_request_while_not_serving():
         assert res == [True]
     finally:
         roles.close()
+
+
+def test_local_generate_rejects_bad_input_and_keeps_serving(worker):
+    """The colocated Generate a decode worker serves for conditional disaggregation and migration."""
+    w, _ = worker
+    ch = grpc.insecure_channel(w.address)
+    stub = worker_pb2_grpc.ColocatedWorkerStub(ch)
+    try:
+        bad = worker_pb2.WireSamplingParams()
+        bad.CopyFrom(PARAMS)
+        bad.temperature = -1.0
+        cases = [
+            (worker_pb2.ColocatedRequest(request_id="lg1", prompt_token_ids=[5, 6], params=bad), "params"),
+            (worker_pb2.ColocatedRequest(request_id="lg2", prompt_token_ids=[5, 99999], params=PARAMS),
+             "prompt_token_ids"),
+            (worker_pb2.ColocatedRequest(request_id="lg3", prompt_token_ids=[5, 6], params=PARAMS,
+                                         resume_token_ids=[1, 2, 3, 4]), "resume_token_ids"),  # max_tokens=4
+        ]
+        for req, field in cases:
+            with pytest.raises(grpc.RpcError) as ei:
+                list(stub.Generate(req, timeout=10))
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value
+            assert field in ei.value.details() and req.request_id in ei.value.details()
+        out = list(stub.Generate(worker_pb2.ColocatedRequest(request_id="lg4", prompt_token_ids=[5, 6], params=PARAMS,
+                                                             resume_token_ids=[7]), timeout=10))
+        assert sum(len(c.token_ids) for c in out) == 3 and out[-1].finish_reason == "length"
+        end = time.monotonic() + 1.0  # the load record refreshes on the engine loop's next pass
+        while time.monotonic() < end and w.info().num_free_blocks != 8:
+            time.sleep(0.01)
+        assert not w.requests and w.info().num_free_blocks == 8
+    finally:
+        ch.close()
