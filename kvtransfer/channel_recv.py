@@ -25,7 +25,7 @@ from collections import OrderedDict, deque
 
 import torch
 
-from kvtransfer.channel import BACKSTOP_S, IDLE_WAIT_S, WINDOW, PairChannel
+from kvtransfer.channel import BACKSTOP_S, IDLE_WAIT_S, WINDOW, ChannelHost, PairChannel
 from kvtransfer.layout import FramePlan, direct_view, scatter
 from kvtransfer.transfer import Transfer, TransferState
 from kvtransfer.transport import PairBroken, PairGroup
@@ -47,15 +47,12 @@ class RecvChannel(PairChannel):
     rank = 1
     role = "recv"
 
-    def __init__(self, ep, peer: str):
+    def __init__(self, host: ChannelHost, peer: str):
         self.posted: dict[str, Transfer] = {}
         self.open: dict[int, Transfer] = {}
         self.answered: OrderedDict[int, None] = OrderedDict()
         self.acks: deque[Ack] = deque()
-        self.live: dict[int, Transfer] = {}
-        self.current_t: Transfer | None = None
-        self._staging: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * WINDOW
-        super().__init__(ep, peer)
+        super().__init__(host, peer)
 
     # -- called by the endpoint, under its lock --------------------------------------------------
     def post(self, t: Transfer) -> None:
@@ -197,7 +194,7 @@ class RecvChannel(PairChannel):
                             ended.append(t)
                         else:  # nobody on this side will see a handle fail: say it here
                             log.warning("kv recv %s <- %s request_id=%s: frame drained and rejected: %s",
-                                        self.ep.name, self.peer, hdr.request_id, why)
+                                        self.host.name, self.peer, hdr.request_id, why)
                         self._answer(tid, ACK_REJECTED, why, acks)
                         t = None
                     else:
@@ -234,27 +231,19 @@ class RecvChannel(PairChannel):
         try:
             for ack in acks:
                 # sent from this thread: the sender's ack listener always has a receive posted
-                group.isend(ack.pack(), TAG_ACK).wait(self.ep.timeout_s + BACKSTOP_S)
+                group.isend(ack.pack(), TAG_ACK).wait(self.host.timeout_s + BACKSTOP_S)
         except PairBroken as e:
             if completing is not None:
                 with self.cond:
                     completing.fail(f"all layers placed, but the acknowledgement to {self.peer!r} failed: {e}")
-                    self.live.pop(completing.transfer_id, None)
-                self.ep._finished(completing)
+                self._release(completing)
             raise
         if completing is not None:
             with self.cond:
                 completing.complete()
             ended.append(completing)
         for f in ended:
-            with self.cond:
-                self.live.pop(f.transfer_id, None)
-            self.ep._finished(f)
-
-    def _buf(self, i: int, nbytes: int, device: torch.device) -> torch.Tensor:
-        if self._staging[i].numel() < nbytes or self._staging[i].device != device:
-            self._staging[i] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return self._staging[i][:nbytes]
+            self._release(f)
 
     def _receive_payload(self, group: PairGroup, hdr: FrameHeader, head: torch.Tensor, t: Transfer | None) -> None:
         plan = FramePlan(hdr.row_bytes, hdr.num_tokens, hdr.layer_lo, hdr.layer_hi, hdr.chunk_bytes,
@@ -263,7 +252,7 @@ class RecvChannel(PairChannel):
         if t is None:  # drain
             for i, n in enumerate(sizes):
                 group.irecv(self._buf(i % WINDOW, n, group.data_device), TAG_PAYLOAD).wait(
-                    self.ep.timeout_s + BACKSTOP_S)
+                    self.host.timeout_s + BACKSTOP_S)
             return
         timeout = max(t.deadline - time.monotonic(), 0.0) + BACKSTOP_S
         inflight: deque = deque()  # (op, staging buffer or None, segments), in chunk order
@@ -310,45 +299,24 @@ class RecvChannel(PairChannel):
                     return
                 ack = self.acks.popleft()
             try:
-                group.isend(ack.pack(), TAG_ACK).wait(self.ep.timeout_s + BACKSTOP_S)
+                group.isend(ack.pack(), TAG_ACK).wait(self.host.timeout_s + BACKSTOP_S)
             except PairBroken as e:
                 self.break_pair(gen, f"ack send failed: {e}")
                 return
 
-    def _on_break_locked(self, reason: str) -> list:
-        failed = [t for t in self.open.values() if t.fail(reason)]
+    # -- failure hooks ---------------------------------------------------------------------------
+    def _take_generation_locked(self) -> list[Transfer]:
+        taken = list(self.open.values())
         self.open.clear()
         self.acks.clear()
-        for t in failed:
-            self.live.pop(t.transfer_id, None)
-        return failed
+        return taken
 
-    def _on_close_locked(self, reason: str) -> list:
-        failed = [t for t in self.live.values() if t.fail(reason)]
-        self.live.clear()
+    def _clear_locked(self) -> None:
         self.posted.clear()
         self.open.clear()
         self.acks.clear()
-        return failed
 
-    def reap(self, now: float) -> None:
-        breaks: list[tuple[int, str]] = []
-        failed: list[Transfer] = []
-        with self.cond:
-            for tid, t in list(self.live.items()):
-                if t.final:
-                    del self.live[tid]
-                    continue
-                if now >= t.deadline:
-                    what = (f"waiting for the sender{self.not_connected_note()}" if t.state == TransferState.PENDING else
-                            f"{len(t.layers_done)}/{t.layout.num_layers} layers received")
-                    why = self.expire(t, f"deadline exceeded after {t.timeout_s:.3f} s ({what} from {self.peer!r})")
-                    failed.append(t)
-                    del self.live[tid]
-                    if why:
-                        breaks.append((self.gen, why))
-        for t in failed:
-            self.ep._finished(t)
-        for gen, why in breaks:
-            self.break_pair(gen, why)
-
+    def _progress_locked(self, t: Transfer) -> str:
+        what = (f"waiting for the sender{self.not_connected_note()}" if t.state == TransferState.PENDING else
+                f"{len(t.layers_done)}/{t.layout.num_layers} layers received")
+        return f"{what} from {self.peer!r}"

@@ -22,7 +22,7 @@ from collections import deque
 
 import torch
 
-from kvtransfer.channel import BACKSTOP_S, IDLE_WAIT_S, WINDOW, PairChannel
+from kvtransfer.channel import BACKSTOP_S, IDLE_WAIT_S, WINDOW, ChannelHost, PairChannel
 from kvtransfer.layout import FramePlan, direct_view, gather
 from kvtransfer.transfer import Transfer, TransferState
 from kvtransfer.transport import PairBroken, PairGroup
@@ -40,14 +40,11 @@ class SendChannel(PairChannel):
     rank = 0
     role = "send"
 
-    def __init__(self, ep, peer: str):
+    def __init__(self, host: ChannelHost, peer: str):
         self.queue: deque[tuple[str, Transfer, int, int, bool]] = deque()
-        self.live: dict[int, Transfer] = {}
         self.unacked: dict[int, Transfer] = {}
-        self.current_t: Transfer | None = None
         self._hdr = torch.empty(HEAD_MSG_BYTES, dtype=torch.uint8)
-        self._staging: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * WINDOW
-        super().__init__(ep, peer)
+        super().__init__(host, peer)
 
     # -- called by the endpoint, under its lock --------------------------------------------------
     def add(self, t: Transfer) -> None:
@@ -136,11 +133,6 @@ class SendChannel(PairChannel):
                 if kind == "data":
                     t.layers_done.update(range(lo, hi))
 
-    def _buf(self, i: int, nbytes: int, device: torch.device) -> torch.Tensor:
-        if self._staging[i].numel() < nbytes or self._staging[i].device != device:
-            self._staging[i] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return self._staging[i][:nbytes]
-
     def _send_frame(self, group: PairGroup, kind: str, t: Transfer, lo: int, hi: int, last: bool) -> None:
         timeout = max(t.deadline - time.monotonic(), 0.0) + BACKSTOP_S
         if kind == "abort":
@@ -150,7 +142,7 @@ class SendChannel(PairChannel):
         lay = t.layout
         # the head message is a CPU tensor: CUDA caches (nccl) send every payload byte as chunks
         inline = INLINE_BYTES if lay.device.type == "cpu" else 0
-        plan = FramePlan(lay.row_bytes, t.tokens.num_tokens, lo, hi, self.ep.chunk_bytes, inline)
+        plan = FramePlan(lay.row_bytes, t.tokens.num_tokens, lo, hi, self.host.chunk_bytes, inline)
         hdr = FrameHeader(KIND_DATA, t.transfer_id, t.request_id, lo, hi, lay.num_layers, t.tokens.num_tokens,
                           lay.num_kv_heads, lay.head_dim, dtype_code(lay.dtype), plan.chunk_bytes,
                           plan.payload_nbytes, plan.inline_nbytes, FLAG_LAST if last else 0)
@@ -208,44 +200,27 @@ class SendChannel(PairChannel):
                         self.cond.notify_all()
                 self.live.pop(t.transfer_id, None)
             if changed:
-                self.ep._finished(t)
+                self.host.finished(t)
 
     # -- failure hooks ---------------------------------------------------------------------------
-    def _on_break_locked(self, reason: str) -> list:
-        failed = [t for t in self.unacked.values() if t.fail(reason)]
+    def _take_generation_locked(self) -> list[Transfer]:
+        taken = list(self.unacked.values())
         self.unacked.clear()
-        for t in failed:
-            self.live.pop(t.transfer_id, None)
-        return failed
+        return taken
 
-    def _on_close_locked(self, reason: str) -> list:
-        failed = [t for t in self.live.values() if t.fail(reason)]
-        self.live.clear()
+    def _clear_locked(self) -> None:
         self.unacked.clear()
         self.queue.clear()
-        return failed
 
-    def reap(self, now: float) -> None:
-        breaks: list[tuple[int, str]] = []
-        failed: list[Transfer] = []
-        with self.cond:
-            for tid, t in list(self.live.items()):
-                if t.final:
-                    if tid not in self.unacked:
-                        del self.live[tid]
-                    continue
-                if now >= t.deadline:
-                    why = self.expire(t, f"deadline exceeded after {t.timeout_s:.3f} s "
-                                         f"({len(t.layers_done)}/{t.layout.num_layers} layers sent to {self.peer!r}"
-                                         f"{self.not_connected_note()})")
-                    failed.append(t)
-                    if why:
-                        breaks.append((self.gen, why))
-            for t in self.unacked.values():
-                if now > t.deadline + ACK_GRACE_S:
-                    breaks.append((self.gen, f"no acknowledgement from {self.peer!r} for {t.request_id!r}"))
-                    break
-        for t in failed:
-            self.ep._finished(t)
-        for gen, why in breaks:
-            self.break_pair(gen, why)
+    def _progress_locked(self, t: Transfer) -> str:
+        return f"{len(t.layers_done)}/{t.layout.num_layers} layers sent to {self.peer!r}{self.not_connected_note()}"
+
+    def _holds_locked(self, t: Transfer) -> bool:
+        # a transfer stays until its acknowledgement comes (or its generation ends)
+        return t.transfer_id in self.unacked
+
+    def _overdue_locked(self, now: float) -> str | None:
+        for t in self.unacked.values():
+            if now > t.deadline + ACK_GRACE_S:
+                return f"no acknowledgement from {self.peer!r} for {t.request_id!r}"
+        return None

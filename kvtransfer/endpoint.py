@@ -4,8 +4,9 @@ Lifecycle: a prefill or decode worker creates one endpoint at start with its
 unique name; the endpoint publishes its incarnation in the store and starts a
 reaper thread that enforces deadlines. ``send``/``recv`` validate their
 arguments, create the peer's channel on first use (channels build their pair
-groups lazily and do all I/O on their own threads) and return a handle at
-once; the worker loop then calls ``poll``. ``close(peer)`` drops one peer's
+groups lazily and do all I/O on their own threads; each is handed the
+endpoint's ``ChannelHost`` and reports every transfer that ends through its
+``finished``) and return a handle at once; the worker loop then calls ``poll``. ``close(peer)`` drops one peer's
 channels, failing what is in flight; ``shutdown`` drops all and stops the
 threads.
 
@@ -24,6 +25,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from kvtransfer.channel import ChannelHost
 from kvtransfer.channel_recv import RecvChannel
 from kvtransfer.channel_send import SendChannel
 from kvtransfer.layout import CacheLayout, TokenRows
@@ -59,8 +61,9 @@ class KVEndpoint:
         self.timeout_s = float(timeout_s)
         self.chunk_bytes = chunk_bytes
         self._store, namespace = open_store(store)
-        self._rdv = Rendezvous(self._store, namespace, name)
         self._lock = threading.RLock()
+        self._host = ChannelHost(name, backend, self.timeout_s, chunk_bytes, self._lock,
+                                 Rendezvous(self._store, namespace, name), self._finished)
         self._send: dict[str, SendChannel] = {}
         self._recv: dict[str, RecvChannel] = {}
         self._live: dict[int, Transfer] = {}
@@ -69,7 +72,7 @@ class KVEndpoint:
         self._stopped = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name=f"kv-reaper-{name}", daemon=True)
         self._reaper.start()
-        log.info("kv endpoint %s up (backend %s, incarnation %s)", name, backend, self._rdv.incarnation)
+        log.info("kv endpoint %s up (backend %s, incarnation %s)", name, backend, self._host.rendezvous.incarnation)
 
     # -- submission ------------------------------------------------------------------------------
     def _new(self, direction: str, peer: str, request_id: str, kv_caches, block_ids, num_tokens: int,
@@ -105,7 +108,7 @@ class KVEndpoint:
         with self._lock:
             ch = self._send.get(peer)
             if ch is None or ch.closed is not None:
-                ch = self._send[peer] = SendChannel(self, peer)
+                ch = self._send[peer] = SendChannel(self._host, peer)
             self._live[t.transfer_id] = t
             ch.add(t)
             h = TransferHandle(t, ch)
@@ -121,7 +124,7 @@ class KVEndpoint:
         with self._lock:
             ch = self._recv.get(peer)
             if ch is None or ch.closed is not None:
-                ch = self._recv[peer] = RecvChannel(self, peer)
+                ch = self._recv[peer] = RecvChannel(self._host, peer)
             ch.post(t)
             self._live[t.transfer_id] = t
         log.debug("kv recv %s <- %s request_id=%s id=%d", self.name, peer, request_id, t.transfer_id)
@@ -209,6 +212,7 @@ class KVEndpoint:
             return out
 
     def _finished(self, t: Transfer) -> None:
+        """The channels' ``ChannelHost.finished``: move ``t`` from in flight to completed, and log it."""
         with self._lock:
             if self._live.pop(t.transfer_id, None) is None:
                 return
