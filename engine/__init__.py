@@ -18,12 +18,20 @@ _EXPORTS = {
     "LLMEngine": "engine.llm_engine",
     "EngineConfig": "engine.config",
     "Tokenizer": "engine.tokenizer",
+    "OutputProcessor": "engine.detokenizer",
+    "prefix_block_hashes": "engine.block_manager",
+    "load_model_config": "engine.loader",
+    "load_tokenizer": "engine.loader",
+    "default_eos": "engine.loader",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
+    from engine.block_manager import prefix_block_hashes
     from engine.config import EngineConfig
+    from engine.detokenizer import OutputProcessor
+    from engine.loader import default_eos, load_model_config, load_tokenizer
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
     from engine.outputs import CoreOutput, RequestOutput, TokenLogprob

@@ -39,6 +39,15 @@ def block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int,
     return out
 
 
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Hashes of the prefix-cache keys of a prompt's full blocks, as an engine with ``block_size`` names
+    them (the last token always recomputes, so a prompt of exactly k blocks yields k - 1). Routers use
+    these to remember which worker was sent which prefix, without knowing the keys' shape."""
+    if block_size < 1:
+        return []
+    return [hash(k) for k in block_keys(token_ids, block_size, (len(token_ids) - 1) // block_size)]
+
+
 class BlockManager:
     """LRU free list + reference counts over block ids 0..num_blocks-1, and the prefix cache index."""
 

@@ -14,8 +14,7 @@ from router.validation import ModelLimits
 
 def load_model_view(cfg: RouterConfig) -> tuple[Any, ModelLimits]:
     """(tokenizer or None, limits) of ``cfg.model``; ValueError naming ``model`` when it cannot be read."""
-    from engine.config import EngineConfig
-    from engine.loader import default_eos, load_model_config, load_tokenizer
+    from engine import EngineConfig, default_eos, load_model_config, load_tokenizer
 
     ecfg = EngineConfig(model=cfg.model)
     mc = load_model_config(ecfg)

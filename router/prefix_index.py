@@ -14,15 +14,6 @@ import threading
 from collections import OrderedDict
 from typing import Sequence
 
-from engine.block_manager import block_keys
-
-
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Hashes of the chained keys of the prompt's full blocks (the engine's prefix-cache keys)."""
-    if block_size < 1:
-        return []
-    return [hash(k) for k in block_keys(token_ids, block_size, (len(token_ids) - 1) // block_size)]
-
 
 class PrefixIndex:
     """Per worker, an LRU set of block-key hashes this router sent there."""

@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from engine.sampling_params import SamplingParams
+from engine import SamplingParams
 from proto import pdserve_pb2
 
 MAX_REQUEST_ID_LEN = 256

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2
@@ -36,6 +37,14 @@ def _stream_killing(roles, workers, kw: dict, rid: str, after: int) -> tuple[lis
     return ids, reason
 
 
+def _migrations(roles) -> float:
+    """The router's pdserve:request_migrations_total, read from its /metrics text."""
+    for fam in text_string_to_metric_families(roles.router.metrics.render().decode()):
+        if fam.name == "pdserve:request_migrations":
+            return sum(s.value for s in fam.samples if s.name.endswith("_total"))
+    raise AssertionError("pdserve:request_migrations_total is not exported")
+
+
 def test_decode_worker_lost_midstream_resumes_on_another():
     torch.set_num_threads(1)
     want = offline([PROMPT], [SamplingParams(**GREEDY)])[0]
@@ -45,7 +54,7 @@ def test_decode_worker_lost_midstream_resumes_on_another():
         ids, reason = _stream_killing(roles, roles.decodes, GREEDY, "mig-d", after=5)
         assert time.monotonic() - t < 30
         assert (ids, reason) == (want[0], want[2])
-        assert "pdserve:request_migrations_total" in roles.router.metrics.render().decode()
+        assert _migrations(roles) == 1
         live = [w for w in roles.decodes if w.loop is not None and w.loop.alive]
         assert len(live) == 1 and not live[0].requests
         assert roles.prefills[0].requests == {}
@@ -58,7 +67,9 @@ def test_colocated_worker_lost_midstream_resumes_on_another():
     want = offline([PROMPT], [SamplingParams(**GREEDY)])[0]
     roles = start_colocated(n=2, tag="migc-")
     try:
+        assert _migrations(roles) == 0
         ids, reason = _stream_killing(roles, roles.decodes, GREEDY, "mig-colo", after=3)
         assert (ids, reason) == (want[0], want[2])
+        assert _migrations(roles) == 1
     finally:
         roles.close()

@@ -5,7 +5,8 @@ import pytest
 
 from engine.block_manager import block_keys
 from proto.worker_pb2 import WorkerInfo
-from router.prefix_index import PrefixIndex, prompt_block_hashes
+from engine import prefix_block_hashes as prompt_block_hashes
+from router.prefix_index import PrefixIndex
 from router.selection import WorkerSelector
 
 

@@ -1,0 +1,132 @@
+"""The front-end-neutral router: what every public API (gRPC, HTTP) shares.
+
+Lifecycle: one ``RouterCore(cfg, workers)`` per router process. ``load()`` reads the
+tokenizer and the model's limits (no weights) and builds the metrics. Each front end
+validates its own request format into a ``ValidatedRequest`` and iterates
+``core.generate(vreq, t0, time_remaining, on_cancel)``: the core admits it against
+``max_queue`` (RESOURCE_EXHAUSTED at once past it), builds a ``RequestFlow``, hands its
+``cancel`` to the front end's transport (``on_cancel``), yields the flow's ``FlowEvent``s and
+keeps the request metrics (tokens, success, end-to-end latency, in-flight gauges). A front end
+reports every error it answers with through ``count_error`` so ``request_errors_total``
+sees them all. ``draining`` makes ``generate`` refuse new requests (UNAVAILABLE).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import grpc
+
+from router.admission import AdmissionQueue
+from router.clients import WorkerClients
+from router.config import RouterConfig
+from router.events import FlowError, FlowEvent
+from router.model_info import load_model_view
+from router.placement import Placer
+from router.prefix_index import PrefixIndex
+from router.request_flow import FlowDeps, RequestFlow
+from router.selection import WorkerSelector
+from router.validation import ModelLimits, ValidatedRequest
+from router.worker_source import WorkerSource
+
+log = logging.getLogger(__name__)
+
+
+class RouterCore:
+    """Admission, flows and request metrics, shared by every front end (see module docstring)."""
+
+    def __init__(self, cfg: RouterConfig, workers: WorkerSource) -> None:
+        if not isinstance(cfg, RouterConfig):
+            raise ValueError(f"cfg must be a RouterConfig, got {type(cfg).__name__}")
+        if not callable(getattr(workers, "list", None)):
+            raise ValueError("workers must have a list(role) method (a WorkerSource)")
+        self.cfg = cfg
+        self.workers = workers
+        self.selector = WorkerSelector()
+        self.prefixes = PrefixIndex()  # which worker was sent which prompt prefix (prefix-aware routing)
+        self.clients = WorkerClients()
+        self.admission = AdmissionQueue(on_change=lambda n: self._update_gauges())
+        self.placer = Placer(cfg, workers, self.selector, self.clients, self.admission, self.prefixes)
+        self.tokenizer: Any = None
+        self.limits: Optional[ModelLimits] = None
+        self.metrics: Any = None
+        self.draining = False
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._in_flight
+
+    def load(self) -> None:
+        """Tokenizer, limits and metrics (no model weights)."""
+        from metrics import PDServeMetrics
+
+        self.tokenizer, self.limits = load_model_view(self.cfg)
+        self.metrics = PDServeMetrics(self.cfg.served_model_name, "router", "router")
+
+    def close(self) -> None:
+        self.clients.close()
+
+    def tokenize(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("prompt: this model has no tokenizer; send token_ids")
+        return self.tokenizer.encode(text)
+
+    def count_error(self, code: grpc.StatusCode) -> None:
+        if self.metrics is not None:
+            self.metrics.inc_error(code)
+
+    def _update_gauges(self) -> None:
+        # num_requests_waiting: queued for KV capacity; num_requests_running: the rest the router holds
+        if self.metrics is None:
+            return
+        with self._lock:
+            waiting = len(self.admission)
+            self.metrics.set_waiting(waiting)
+            self.metrics.set_running(max(0, self._in_flight - waiting))
+
+    def generate(self, vreq: ValidatedRequest, t0: float, time_remaining: Optional[float],
+                 on_cancel: Callable[[Callable[[], None]], Any]) -> Iterator[FlowEvent]:
+        """Run one validated request: its events, or FlowError (overload, placement, worker failures)."""
+        if self.limits is None or self.draining:
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, "router is not serving")
+        with self._lock:
+            admitted = self._in_flight < self.cfg.max_queue
+            if admitted:
+                self._in_flight += 1
+        if not admitted:
+            raise FlowError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"request {vreq.request_id}: router queue is full ({self.cfg.max_queue} requests "
+                            f"in flight, {len(self.admission)} of them waiting for KV capacity)")
+        self._update_gauges()
+        try:
+            budget = self.cfg.request_timeout_s if time_remaining is None else min(time_remaining,
+                                                                                 self.cfg.request_timeout_s)
+            flow = RequestFlow(FlowDeps(self.cfg, self.placer, self.tokenizer, self.metrics), vreq, t0,
+                               t0 + budget, self.admission.next_seq())
+            on_cancel(flow.cancel)  # client cancel / deadline: stop the worker calls at once
+            yield from self._counted(flow, vreq, t0)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+            self._update_gauges()
+
+    def _counted(self, flow: RequestFlow, vreq: ValidatedRequest, t0: float) -> Iterator[FlowEvent]:
+        m = self.metrics
+        m.inc_prompt_tokens(len(vreq.prompt_token_ids))
+        n_out = 0
+        try:
+            for ev in flow.run():
+                n_out += len(ev.token_ids)
+                if ev.finish_reason:
+                    m.observe_e2e(time.monotonic() - t0)
+                    m.inc_success(ev.finish_reason)
+                yield ev
+        except FlowError as e:
+            log.warning("request %s: %s %s", vreq.request_id, e.code.name, e.message)
+            raise
+        finally:
+            m.inc_generation_tokens(n_out)

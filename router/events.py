@@ -1,0 +1,70 @@
+"""What a request flow hands its front end: plain events, and one error type with a status.
+
+Lifecycle: a ``RequestFlow`` yields ``FlowEvent``s while a request runs (token ids, the
+text they complete, logprobs); the last one carries ``finish_reason``, ``usage`` and
+``timings``. A failure ends the iteration with ``FlowError``, whose ``code`` is the
+status the front end answers with (gRPC uses it as is; the HTTP front end maps it to an
+HTTP status). Nothing here knows gRPC messages or JSON: each front end renders these.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import grpc
+
+from engine import TokenLogprob
+
+
+@dataclass
+class Usage:
+    """Token counts of a finished request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    """Prompt tokens whose KV came from a prefix cache."""
+
+
+@dataclass
+class Timings:
+    """Where a request's time went, in seconds (0 when a phase did not happen)."""
+
+    queue_s: float = 0.0
+    """Arrival -> its prefill started (router queue, worker queue)."""
+    prefill_s: float = 0.0
+    kv_transfer_s: float = 0.0
+    """Prefill worker's first token -> the decode worker acknowledged the KV (0 when no KV moved or unknown)."""
+    decode_s: float = 0.0
+    """First token -> last token."""
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+
+
+@dataclass
+class FlowEvent:
+    """A piece of a request's output. The last one of a stream has ``finish_reason`` set."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    """Text these tokens complete (stop strings already cut)."""
+    logprobs: Optional[list[TokenLogprob]] = None
+    """One per token id, when the request asked for logprobs."""
+    finish_reason: Optional[str] = None
+    """"stop", "length" or "abort" on the last event."""
+    usage: Optional[Usage] = None
+    timings: Optional[Timings] = None
+
+
+class FlowError(Exception):
+    """The request ends with status ``code`` and ``message`` (which names the request, never an address)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, worker_id: str = "", final: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.worker_id = worker_id
+        """The worker whose call failed ("" when none did): a retry avoids it."""
+        self.final = final
+        """No other worker would do better (queue timeout, a prompt no decode worker can ever hold)."""

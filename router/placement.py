@@ -1,0 +1,261 @@
+"""Where a request runs: the ``Placement`` record and the ``Placer`` that makes and releases it.
+
+Lifecycle: for each attempt of a request the flow asks the ``Placer`` for a placement:
+- ``route(scope)`` chooses how the request runs: ``PAIR`` (reserve on a decode worker D,
+  prefill on a prefill worker P, KV moves P -> D) or whole on one worker of a pool
+  (``"colocated"`` in colocated mode; ``"decode"`` for conditional disaggregation);
+- ``place_pair`` ranks the decode workers, reserves the prompt's blocks on one (waiting in
+  the router's FIFO ``AdmissionQueue`` while none has room), and picks P (least queued
+  prompt tokens, then prefix-aware routing);
+- ``place_whole`` picks the least-loaded worker of a pool (prefix-aware too).
+A placement records the chosen workers, the reservation and which load counts this router
+holds on them (``held``). ``release(placement)`` gives back whatever is still held (it is
+idempotent and thread-safe: the transfer watch releases P early, the flow the rest);
+``abort(placement, rid)`` asks each worker to drop the request and free its blocks.
+``recovery(...)`` decides, in one place, what a failed attempt leads to: fail, retry
+elsewhere (nothing streamed yet) or migrate (tokens streamed: another worker resumes).
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import grpc
+
+from proto import worker_pb2
+from proto.worker_pb2 import WorkerInfo
+from router.admission import AdmissionQueue, QueueStop
+from router.clients import WorkerClients
+from router.config import RouterConfig
+from router.events import FlowError
+from router.prefix_index import PrefixIndex
+from router.scope import RequestScope
+from router.selection import WorkerSelector, prefill_locally
+from router.worker_source import WorkerSource
+
+log = logging.getLogger(__name__)
+
+PAIR = "pair"
+"""Route: reserve on a decode worker, prefill on a prefill worker, KV moves between them."""
+RETRIABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+"""Worker failures worth another worker."""
+# Backoff between reservation retries while queued; capacity freed by this router wakes the head sooner.
+_FIRST_BACKOFF_S = 0.01
+_MAX_BACKOFF_S = 0.25
+
+
+@dataclass
+class Placement:
+    """Where one attempt of a request runs, and what this router holds there."""
+
+    route: str
+    """``PAIR``, or the pool whose worker runs the whole request ("colocated", "decode")."""
+    decode: Optional[WorkerInfo] = None
+    """The decode worker of a pair, or the worker running the whole request."""
+    prefill: Optional[WorkerInfo] = None
+    """The prefill worker of a pair."""
+    reservation: Optional[worker_pb2.ReserveResponse] = None
+    """The blocks reserved on ``decode`` (pairs only)."""
+    held: set[str] = field(default_factory=set)
+    """Load counts this router holds: "decode" (on ``decode``) and "prefill" (on ``prefill``)."""
+
+    def workers(self) -> list[WorkerInfo]:
+        return [w for w in (self.decode, self.prefill) if w is not None]
+
+
+class Recovery(enum.Enum):
+    """What a failed attempt leads to."""
+
+    FAIL = "fail"
+    RETRY = "retry"
+    """Nothing reached the client: run the request again, avoiding the failed worker."""
+    MIGRATE = "migrate"
+    """Tokens reached the client: another worker prefills prompt + those tokens and goes on."""
+
+
+def recovery(err: FlowError, scope: RequestScope, streamed_tokens: int, attempts_left: int) -> Recovery:
+    """The one rule for retries and migration."""
+    if err.code not in RETRIABLE or err.final or scope.cancelled or attempts_left < 1:
+        return Recovery.FAIL
+    return Recovery.MIGRATE if streamed_tokens else Recovery.RETRY
+
+
+class Placer:
+    """Chooses, holds and releases workers for requests (see module docstring). One per router."""
+
+    def __init__(self, cfg: RouterConfig, source: WorkerSource, selector: WorkerSelector, clients: WorkerClients,
+                 admission: Optional[AdmissionQueue] = None, prefixes: Optional[PrefixIndex] = None) -> None:
+        self.cfg = cfg
+        self.source = source
+        self.selector = selector
+        self.clients = clients
+        self.admission = admission
+        """The wait queue for decode KV capacity; None: RESOURCE_EXHAUSTED at once when no decode worker has room."""
+        self.prefixes = prefixes
+        """Which worker was sent which prompt prefix; None: route by load only."""
+        self._lock = threading.Lock()
+
+    # ---- route ---------------------------------------------------------------------------------
+    def route(self, scope: RequestScope) -> str:
+        """How this request runs: colocated mode runs it whole; conditional disaggregation may run a
+        short prompt (or any while the prefill pool is backed up) whole on a decode worker."""
+        cfg, n = self.cfg, scope.num_prompt_tokens
+        if cfg.mode == "colocated":
+            return "colocated"
+        if cfg.local_prefill_max_tokens == 0 and cfg.prefill_queue_max_tokens is None:
+            return PAIR
+        backlog = None
+        if cfg.prefill_queue_max_tokens is not None and n > cfg.local_prefill_max_tokens:
+            backlog = self.selector.prefill_backlog(self.source.list("prefill"))
+        return "decode" if prefill_locally(cfg.local_prefill_max_tokens, cfg.prefill_queue_max_tokens, n,
+                                           backlog) else PAIR
+
+    # ---- prefix-aware routing --------------------------------------------------------------------
+    def _by_prefix(self, scope: RequestScope, ranked: list[WorkerInfo]) -> list[WorkerInfo]:
+        """``ranked`` (best first by load) with the longest cached prefix moved first, within the slack."""
+        if self.prefixes is None or not self.cfg.prefix_aware_routing or len(ranked) < 2:
+            return ranked
+        matches = {w.worker_id: self.prefixes.match(w.worker_id, scope.prefix_hashes(w.block_size)) for w in ranked}
+        return self.selector.prefer_cached(ranked, matches, self.cfg.prefix_balance_tokens)
+
+    def _record_prefix(self, scope: RequestScope, w: WorkerInfo) -> None:
+        """``w`` is about to prefill this prompt, so its prefix cache will hold the prompt's blocks."""
+        if self.prefixes is not None and self.cfg.prefix_aware_routing:
+            self.prefixes.record(w.worker_id, scope.prefix_hashes(w.block_size))
+
+    # ---- whole requests on one worker --------------------------------------------------------------
+    def place_whole(self, scope: RequestScope, pool: str, excluded: set[str]) -> Placement:
+        """The least-loaded ready worker of ``pool`` (prefix-aware), with its load count held."""
+        ws = [w for w in self.source.list(pool) if w.ready and w.worker_id not in excluded]
+        if not ws:
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no ready {pool} worker")
+        sel = self.selector
+        ranked = sorted(ws, key=lambda w: (w.num_running + w.num_waiting + sel.in_flight(w.worker_id),
+                                           w.queued_prompt_tokens, w.worker_id))
+        w = self._by_prefix(scope, ranked)[0]
+        self._record_prefix(scope, w)
+        sel.acquire(w.worker_id)
+        return Placement(route=pool, decode=w, held={"decode"})
+
+    # ---- pairs -----------------------------------------------------------------------------------
+    def place_pair(self, scope: RequestScope, excluded: set[str]) -> Placement:
+        """Reserve the prompt's blocks on a decode worker (queueing while none has room), pick the
+        prefill worker; both load counts held."""
+        adm = self.admission
+        if adm is None or not adm.has_waiters():  # nobody ahead: try at once
+            p = self._try_pair(scope, excluded)
+            if p is not None:
+                return p
+            if adm is None:
+                raise FlowError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {scope.rid}: no decode worker can "
+                                                                    f"hold {scope.num_prompt_tokens} prompt tokens")
+        ticket = adm.enter(scope.seq, scope.rid)
+        log.info("request %s: queued for decode KV capacity (%d waiting)", scope.rid, len(adm))
+        until = min(ticket.entered_at + self.cfg.queue_timeout_s, scope.deadline)
+        backoff = _FIRST_BACKOFF_S
+        try:
+            while True:
+                adm.wait_turn(ticket, until, scope.stop_reason)
+                epoch = adm.epoch
+                p = self._try_pair(scope, excluded)
+                if p is not None:
+                    log.info("request %s: left the queue after %.3f s", scope.rid, time.monotonic() - ticket.entered_at)
+                    return p
+                adm.wait_capacity(epoch, backoff, until, scope.stop_reason)
+                backoff = min(2 * backoff, _MAX_BACKOFF_S)
+        except QueueStop as e:
+            raise self._queue_error(scope, e.reason, time.monotonic() - ticket.entered_at) from None
+        finally:
+            adm.leave(ticket)
+
+    def _queue_error(self, scope: RequestScope, reason: str, waited: float) -> FlowError:
+        what = f"{waited:.2f} s queued for decode KV capacity"
+        if reason == "cancelled":
+            return FlowError(grpc.StatusCode.CANCELLED, f"request {scope.rid} cancelled after {what}", final=True)
+        if time.monotonic() >= scope.deadline:
+            return FlowError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {scope.rid}: deadline exceeded after "
+                                                                f"{what}", final=True)
+        return FlowError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"request {scope.rid}: waited {waited:.2f} s in the router queue for decode KV capacity "
+                         f"(queue_timeout_s={self.cfg.queue_timeout_s:g}); no decode worker freed "
+                         f"{scope.num_prompt_tokens} prompt tokens' blocks", final=True)
+
+    def _try_pair(self, scope: RequestScope, excluded: set[str]) -> Optional[Placement]:
+        """One pass over the decode workers: a placement, or None if every reachable one is full."""
+        n, sel = scope.num_prompt_tokens, self.selector
+        ready = [w for w in self.source.list("decode") if w.ready and w.worker_id not in excluded]
+        if not ready:
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no ready decode worker")
+        needed = -(-n // max(1, ready[0].block_size or 16))
+        totals = [w.num_total_blocks for w in ready]
+        if all(t > 0 for t in totals) and needed > max(totals):  # waiting would never help
+            raise FlowError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"request {scope.rid}: prompt of {n} tokens needs {needed} KV blocks, more than any "
+                            f"decode worker holds in total (largest: {max(totals)})", final=True)
+        prefills = [w for w in self.source.list("prefill") if w.worker_id not in excluded]
+        ranked_p = self._by_prefix(scope, sel.ranked_prefill(prefills))
+        if not ranked_p:
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no ready prefill worker")
+        p = ranked_p[0]
+        exhausted = 0
+        cfg = self.cfg
+        for d in sel.ranked_decode(ready, needed):
+            # count the request against d before the call, so concurrent requests rank d as busier now
+            sel.acquire(d.worker_id)
+            try:
+                resv = self.clients.decode(d.grpc_address).Reserve(
+                    worker_pb2.ReserveRequest(request_id=scope.rid, prompt_token_ids=scope.prompt_token_ids,
+                                              params=scope.wire_params, prefill_kv_name=p.kv_name,
+                                              kv_timeout_s=scope.remaining(cfg.first_token_timeout_s
+                                                                           + cfg.transfer_timeout_s)),
+                    timeout=scope.remaining(cfg.reserve_timeout_s))
+            except grpc.RpcError as e:
+                sel.release(d.worker_id)
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    exhausted += 1
+                elif e.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise scope.rpc_error(e, f"reserve on decode worker {d.worker_id}") from None
+                log.debug("request %s: decode worker %s refused reserve: %s", scope.rid, d.worker_id, e.details())
+                continue
+            self._record_prefix(scope, p)
+            sel.acquire(p.worker_id, n)
+            return Placement(route=PAIR, decode=d, prefill=p, reservation=resv, held={"decode", "prefill"})
+        if exhausted:
+            return None
+        raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no decode worker reachable")
+
+    # ---- release ---------------------------------------------------------------------------------
+    def release(self, p: Optional[Placement], scope: RequestScope, what: tuple[str, ...] = ("decode", "prefill")) -> None:
+        """Give back the load counts ``p`` still holds among ``what`` (idempotent, any thread)."""
+        if p is None:
+            return
+        with self._lock:
+            gone = [h for h in what if h in p.held]
+            p.held.difference_update(gone)
+        if "decode" in gone and p.decode is not None:
+            self.selector.release(p.decode.worker_id)
+            if self.admission is not None and p.route == PAIR:
+                self.admission.capacity_freed()  # its blocks are free (or being freed) on the decode worker
+        if "prefill" in gone and p.prefill is not None:
+            self.selector.release(p.prefill.worker_id, scope.num_prompt_tokens)
+
+    def abort(self, p: Optional[Placement], rid: str) -> None:
+        """Best effort: every worker of ``p`` drops the request and frees its blocks."""
+        if p is None:
+            return
+        msg = worker_pb2.AbortRequest(request_id=rid)
+        if p.route == PAIR:
+            stubs = [(p.decode, self.clients.decode), (p.prefill, self.clients.prefill)]
+        else:
+            stubs = [(p.decode, self.clients.colocated)]
+        for w, stub in stubs:
+            if w is None:
+                continue
+            try:
+                stub(w.grpc_address).Abort(msg, timeout=1.0)
+            except grpc.RpcError as e:
+                log.info("request %s: abort on %s failed: %s", rid, w.worker_id, e.code())

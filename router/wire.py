@@ -1,0 +1,41 @@
+"""Conversions between the router's values and the worker wire protocol (``proto/worker.proto``).
+
+Lifecycle: stateless helpers. The router turns a validated ``SamplingParams`` into
+``WireSamplingParams`` once per request (``RequestScope``), reads the workers'
+``pdserve.v1.TokenLogprob``s into the engine's ``TokenLogprob`` for its front-end-neutral
+events, and the gRPC front end renders those back into the public message. The worker side
+has its own mirror (``worker_common.wire``): ``proto/`` imports nothing of the project.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from engine import SamplingParams, TokenLogprob
+from proto import pdserve_pb2, worker_pb2
+
+
+def params_to_wire(p: SamplingParams) -> worker_pb2.WireSamplingParams:
+    """Every field set explicitly, so defaults on either side never matter."""
+    w = worker_pb2.WireSamplingParams(
+        max_tokens=p.max_tokens, min_tokens=p.min_tokens, temperature=p.temperature, top_p=p.top_p,
+        top_k=p.top_k, min_p=p.min_p, typical_p=p.typical_p, repetition_penalty=p.repetition_penalty,
+        frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+        stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos,
+        skip_special_tokens=p.skip_special_tokens,
+    )
+    if p.seed is not None:
+        w.seed = p.seed
+    if p.logprobs is not None:
+        w.logprobs = p.logprobs
+    return w
+
+
+def logprobs_from_wire(msgs: Sequence[pdserve_pb2.TokenLogprob]) -> list[TokenLogprob]:
+    return [TokenLogprob(token_id=m.token_id, logprob=m.logprob, top=[(t.token_id, t.logprob) for t in m.top])
+            for m in msgs]
+
+
+def logprobs_to_public(lps: Optional[Sequence[TokenLogprob]]) -> list[pdserve_pb2.TokenLogprob]:
+    return [pdserve_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                     top=[pdserve_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+            for lp in lps or []]
