@@ -107,14 +107,28 @@ def _check_up_args(args: argparse.Namespace) -> None:
                 raise ValueError(f"--max-{name} must be >= max(--{name}, 1), got {hi}")
     if args.port:
         _check_port_free(args.host, args.port)
-    if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
-        raise ValueError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
-    if args.local_prefill_max_tokens < 0:
-        raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {args.local_prefill_max_tokens}")
-    if args.prefill_queue_max_tokens is not None and args.prefill_queue_max_tokens < 0:
-        raise ValueError(f"--prefill-queue-max-tokens must be >= 0, got {args.prefill_queue_max_tokens}")
-    if args.max_num_seqs is not None and args.max_num_seqs < 1:
-        raise ValueError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    # the fields the configs own are checked by the configs themselves, reported under the flag's name
+    from engine.config import EngineConfig
+    from router.config import RouterConfig
+
+    engine_kw = {k: v for k, v in (("num_kv_blocks", args.num_kv_blocks), ("max_num_seqs", args.max_num_seqs))
+                 if v is not None}
+    for build, kw in ((RouterConfig, dict(local_prefill_max_tokens=args.local_prefill_max_tokens,
+                                          prefill_queue_max_tokens=args.prefill_queue_max_tokens)),
+                      (EngineConfig, engine_kw)):
+        try:
+            build(**kw)
+        except ValueError as e:
+            raise _as_flag_error(e, kw) from None
+
+
+def _as_flag_error(e: ValueError, fields: dict) -> ValueError:
+    """A config's "field must be ..." error, named by the command-line flag that set the field."""
+    msg = str(e)
+    for name in fields:
+        if msg.startswith(name + " "):
+            return ValueError("--" + name.replace("_", "-") + msg[len(name):])
+    return e
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -1,0 +1,135 @@
+"""router.placement over plain data: the route rule, the retry/migrate rule, whole-request placement and
+release (no workers are called here; tests/roles drive placements against real workers)."""
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+
+from engine import SamplingParams, TokenLogprob
+from proto.worker_pb2 import WorkerInfo
+from router.clients import WorkerClients
+from router.config import RouterConfig
+from router.events import FlowError, FlowEvent, Timings, Usage
+from router.placement import PAIR, Placement, Placer, Recovery, recovery
+from router.scope import RequestScope
+from router.selection import WorkerSelector
+from router.server import render
+from router.validation import ValidatedRequest
+from router.worker_source import StaticWorkerSource
+
+
+def _scope(n_tokens: int = 40, rid: str = "r1", deadline: float = 1e12) -> RequestScope:
+    vreq = ValidatedRequest(rid, None, list(range(1, n_tokens + 1)), SamplingParams(max_tokens=4))
+    return RequestScope(vreq, 0.0, deadline)
+
+
+def _w(wid: str, role: str, running: int = 0, queued: int = 0, ready: bool = True) -> WorkerInfo:
+    return WorkerInfo(worker_id=wid, role=role, num_running=running, queued_prompt_tokens=queued, ready=ready,
+                      block_size=16, num_total_blocks=64, num_free_blocks=64, grpc_address=f"{wid}:1")
+
+
+def _placer(workers: list[WorkerInfo], **cfg) -> Placer:
+    return Placer(RouterConfig(serve_metrics=False, **cfg), StaticWorkerSource(workers), WorkerSelector(),
+                  WorkerClients())
+
+
+@pytest.mark.parametrize("code, final, streamed, left, want", [
+    (grpc.StatusCode.UNAVAILABLE, False, 0, 1, Recovery.RETRY),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, False, 0, 1, Recovery.RETRY),
+    (grpc.StatusCode.UNAVAILABLE, False, 7, 1, Recovery.MIGRATE),
+    (grpc.StatusCode.UNAVAILABLE, False, 7, 0, Recovery.FAIL),        # no attempt left
+    (grpc.StatusCode.UNAVAILABLE, True, 0, 3, Recovery.FAIL),         # another worker would not do better
+    (grpc.StatusCode.INVALID_ARGUMENT, False, 0, 3, Recovery.FAIL),   # the request itself is wrong
+    (grpc.StatusCode.DEADLINE_EXCEEDED, False, 3, 3, Recovery.FAIL),
+])
+def test_recovery_rule(code, final, streamed, left, want):
+    assert recovery(FlowError(code, "x", final=final), _scope(), streamed, left) is want
+
+
+def test_recovery_never_after_cancel():
+    s = _scope()
+    s.cancel()
+    assert recovery(FlowError(grpc.StatusCode.UNAVAILABLE, "x"), s, 0, 3) is Recovery.FAIL
+
+
+def test_route_by_mode_and_conditional_disaggregation():
+    ws = [_w("p0", "prefill", queued=5000), _w("d0", "decode")]
+    assert _placer(ws).route(_scope(40)) == PAIR
+    assert _placer(ws, mode="colocated").route(_scope(40)) == "colocated"
+    short = _placer(ws, local_prefill_max_tokens=64)
+    assert (short.route(_scope(40)), short.route(_scope(100))) == ("decode", PAIR)
+    backed_up = _placer(ws, prefill_queue_max_tokens=4096)  # p0 has 5000 tokens queued
+    assert backed_up.route(_scope(100)) == "decode"
+    assert _placer([_w("p0", "prefill", queued=10), _w("d0", "decode")],
+                   prefill_queue_max_tokens=4096).route(_scope(100)) == PAIR
+
+
+def test_place_whole_picks_least_loaded_ready_and_holds_it_until_release():
+    ws = [_w("c0", "colocated", running=3), _w("c1", "colocated", running=1), _w("c2", "colocated", ready=False)]
+    pl = _placer(ws)
+    s = _scope()
+    first = pl.place_whole(s, "colocated", set())
+    assert (first.decode.worker_id, first.held, first.route) == ("c1", {"decode"}, "colocated")
+    assert pl.selector.in_flight("c1") == 1
+    # c1 now counts 1 + 1 in flight, c0 3: c1 again; excluded c1 -> c0
+    assert pl.place_whole(_scope(rid="r2"), "colocated", {"c1"}).decode.worker_id == "c0"
+    pl.release(first, s)
+    pl.release(first, s)  # idempotent
+    assert pl.selector.in_flight("c1") == 0 and first.held == set()
+    with pytest.raises(FlowError) as e:
+        pl.place_whole(s, "colocated", {"c0", "c1"})
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and "no ready colocated worker" in e.value.message
+
+
+def test_release_of_a_pair_is_thread_safe_and_partial():
+    pl = _placer([])
+    s = _scope(40)
+    d, p = _w("d0", "decode"), _w("p0", "prefill")
+    pl.selector.acquire("d0")
+    pl.selector.acquire("p0", 40)
+    pl.selector.acquire("p0", 40)  # another request of this router on p0: its count must survive
+    placement = Placement(route=PAIR, decode=d, prefill=p, held={"decode", "prefill"})
+    threads = [threading.Thread(target=pl.release, args=(placement, s, ("prefill",))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert (pl.selector.in_flight("p0"), pl.selector.in_flight("d0"), placement.held) == (1, 1, {"decode"})
+    assert pl.selector.prefill_backlog([p]) == 40  # this request's 40 pending prompt tokens went with it
+    pl.release(placement, s)
+    assert pl.selector.in_flight("d0") == 0 and not placement.held
+
+
+def test_scope_deadline_and_cancel_of_tracked_calls():
+    class Call:
+        cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+    s = _scope(deadline=0.0)
+    with pytest.raises(FlowError) as e:
+        s.remaining(5.0)
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "r1" in e.value.message
+    live = _scope()
+    a = live.track(Call())
+    assert live.cancel() and a.cancelled
+    assert live.track(Call()).cancelled  # a call made after the cancel is cancelled at once
+    done = _scope()
+    done.finish()
+    b = done.track(Call())
+    assert done.cancel() is False and not b.cancelled  # a late callback after a normal end does nothing
+
+
+def test_render_final_event_as_grpc_response():
+    ev = FlowEvent("r9", [5, 6], "ab", [TokenLogprob(5, -0.5, [(5, -0.5), (7, -1.0)]), TokenLogprob(6, -0.1, [])],
+                   finish_reason="length", usage=Usage(3, 2, 1), timings=Timings(queue_s=0.1, ttft_s=0.2, total_s=0.4))
+    r = render(ev)
+    assert (r.request_id, list(r.token_ids), r.text, r.finish_reason) == ("r9", [5, 6], "ab", "length")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.cached_tokens) == (3, 2, 1)
+    assert [(t.token_id, t.logprob) for t in r.logprobs[0].top] == [(5, -0.5), (7, -1.0)]
+    assert abs(r.timings.total_s - 0.4) < 1e-6 and abs(r.timings.queue_s - 0.1) < 1e-6
+    mid = render(FlowEvent("r9", [1], "x"))
+    assert not mid.finish_reason and not mid.HasField("usage") and not mid.HasField("timings")
