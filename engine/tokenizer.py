@@ -133,6 +133,14 @@ class Tokenizer:
             return self._tok.token_to_id(tokens)
         return [self._tok.token_to_id(t) for t in tokens]
 
+    def max_input_bytes_per_token(self) -> int:
+        """An upper bound on the UTF-8 input bytes one token can stand for, so a server can reject a text
+        that cannot fit a context from its length alone, before encoding it: the longest token's text in
+        UTF-8 (byte-level and sentencepiece pieces spell a byte with at least one byte), times 4 when a
+        normalizer could shrink the input first (NFKC and friends shrink at most that much)."""
+        longest = max((len(t.encode("utf-8")) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return max(1, longest) * (4 if self._tok.normalizer is not None else 1)
+
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_set
 

@@ -113,6 +113,10 @@ class PDServeMetrics:
         self._local_prefill = counter("local_prefill_requests",
                                       "Requests the router had a decode worker prefill itself (conditional "
                                       "disaggregation).")
+        self._degraded = Counter(PREFIX + "degraded_requests",
+                                 "Requests served on a fallback path because a pool had no live worker "
+                                 "(reason: no_prefill = prefilled on a decode worker; no_decode = run whole on a "
+                                 "colocated worker).", LABELS + ("reason",), registry=reg)
         self._success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
                                 LABELS + ("finished_reason",), registry=reg)
         self._errors = Counter(PREFIX + "request_errors", "Count of requests ended by an error, by gRPC status code.",
@@ -172,6 +176,10 @@ class PDServeMetrics:
 
     def inc_migration(self) -> None:
         self._migrations.inc()
+
+    def inc_degraded(self, reason: str) -> None:
+        """A request served on a fallback path (``reason``: "no_prefill" or "no_decode")."""
+        self._degraded.labels(*self._labels, reason).inc()
 
     def inc_local_prefill(self) -> None:
         self._local_prefill.inc()

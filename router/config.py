@@ -25,8 +25,10 @@ class RouterConfig:
     """Public gRPC port; 0 picks a free one."""
     mode: str = "disaggregated"
     """"disaggregated" (prefill pool + decode pool) or "colocated" (one pool does both)."""
-    max_queue: int = 256
-    """Requests the router holds at once (in progress + waiting for decode KV capacity); more get RESOURCE_EXHAUSTED at once."""
+    max_num_requests: int = 192
+    """Requests the router holds at once (in progress + waiting for decode KV capacity); more get
+    RESOURCE_EXHAUSTED at once. Below ``max_rpc_threads``, so the bound fires before gRPC runs out of
+    handler threads (each streaming call holds one)."""
     queue_timeout_s: float = 300.0
     """Longest a request waits in the router queue for decode KV capacity before RESOURCE_EXHAUSTED."""
     max_new_tokens: Optional[int] = None
@@ -60,6 +62,8 @@ class RouterConfig:
     """Worker pairs tried for one request; retries happen only before any token reached the client."""
     max_rpc_threads: int = 256
     """gRPC handler threads (each streaming request holds one)."""
+    worker_view_refresh_s: float = 0.25
+    """How often the router re-reads the worker registry in the background (requests never wait on it)."""
     serve_metrics: bool = True
     """Serve the router's Prometheus /metrics on a free port of ``host``."""
 
@@ -68,11 +72,14 @@ class RouterConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {self.max_queue}")
+        if self.max_num_requests < 1:
+            raise ValueError(f"max_num_requests must be >= 1, got {self.max_num_requests}")
+        if self.max_num_requests >= self.max_rpc_threads:
+            raise ValueError(f"max_num_requests must be < max_rpc_threads ({self.max_rpc_threads}) so overload is "
+                             f"answered before the RPC threads run out, got {self.max_num_requests}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        for name in ("queue_timeout_s", "reserve_timeout_s", "first_token_timeout_s", "transfer_timeout_s", "request_timeout_s"):
+        for name in ("worker_view_refresh_s", "queue_timeout_s", "reserve_timeout_s", "first_token_timeout_s", "transfer_timeout_s", "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if isinstance(self.local_prefill_max_tokens, bool) or not isinstance(self.local_prefill_max_tokens, int) \

@@ -1,10 +1,11 @@
 """The front-end-neutral router: what every public API (gRPC, HTTP) shares.
 
 Lifecycle: one ``RouterCore(cfg, workers)`` per router process. ``load()`` reads the
-tokenizer and the model's limits (no weights) and builds the metrics. Each front end
+tokenizer and the model's limits (no weights), builds the metrics and starts the
+``WorkerView`` (the pools as routing sees them, refreshed in the background). Each front end
 validates its own request format into a ``ValidatedRequest`` and iterates
 ``core.generate(vreq, t0, time_remaining, on_cancel)``: the core admits it against
-``max_queue`` (RESOURCE_EXHAUSTED at once past it), builds a ``RequestFlow``, hands its
+``max_num_requests`` (RESOURCE_EXHAUSTED at once past it), builds a ``RequestFlow``, hands its
 ``cancel`` to the front end's transport (``on_cancel``), yields the flow's ``FlowEvent``s and
 keeps the request metrics (tokens, success, end-to-end latency, in-flight gauges). A front end
 reports every error it answers with through ``count_error`` so ``request_errors_total``
@@ -30,6 +31,7 @@ from router.request_flow import FlowDeps, RequestFlow
 from router.selection import WorkerSelector
 from router.validation import ModelLimits, ValidatedRequest
 from router.worker_source import WorkerSource
+from router.worker_view import WorkerView
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +45,13 @@ class RouterCore:
         if not callable(getattr(workers, "list", None)):
             raise ValueError("workers must have a list(role) method (a WorkerSource)")
         self.cfg = cfg
-        self.workers = workers
+        self.view = WorkerView(workers, cfg.worker_view_refresh_s)
+        """The pools as routing sees them: refreshed in the background, failed workers out at once."""
         self.selector = WorkerSelector()
         self.prefixes = PrefixIndex()  # which worker was sent which prompt prefix (prefix-aware routing)
         self.clients = WorkerClients()
         self.admission = AdmissionQueue(on_change=lambda n: self._update_gauges())
-        self.placer = Placer(cfg, workers, self.selector, self.clients, self.admission, self.prefixes)
+        self.placer = Placer(cfg, self.view, self.selector, self.clients, self.admission, self.prefixes)
         self.tokenizer: Any = None
         self.limits: Optional[ModelLimits] = None
         self.metrics: Any = None
@@ -66,8 +69,10 @@ class RouterCore:
 
         self.tokenizer, self.limits = load_model_view(self.cfg)
         self.metrics = PDServeMetrics(self.cfg.served_model_name, "router", "router")
+        self.view.start()
 
     def close(self) -> None:
+        self.view.stop()
         self.clients.close()
 
     def tokenize(self, text: str) -> list[int]:
@@ -94,12 +99,12 @@ class RouterCore:
         if self.limits is None or self.draining:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, "router is not serving")
         with self._lock:
-            admitted = self._in_flight < self.cfg.max_queue
+            admitted = self._in_flight < self.cfg.max_num_requests
             if admitted:
                 self._in_flight += 1
         if not admitted:
             raise FlowError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"request {vreq.request_id}: router queue is full ({self.cfg.max_queue} requests "
+                            f"request {vreq.request_id}: router queue is full ({self.cfg.max_num_requests} requests "
                             f"in flight, {len(self.admission)} of them waiting for KV capacity)")
         self._update_gauges()
         try:

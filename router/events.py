@@ -60,10 +60,13 @@ class FlowEvent:
 class FlowError(Exception):
     """The request ends with status ``code`` and ``message`` (which names the request, never an address)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, worker_id: str = "", final: bool = False) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, worker_id: str = "", final: bool = False,
+                 degrade: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.degrade = degrade
+        """Set when a pool had no live worker ("no_prefill", "no_decode"): a fallback path may serve it."""
         self.worker_id = worker_id
         """The worker whose call failed ("" when none did): a retry avoids it."""
         self.final = final

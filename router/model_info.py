@@ -23,6 +23,8 @@ def load_model_view(cfg: RouterConfig) -> tuple[Any, ModelLimits]:
     if cfg.max_context_length is not None:
         ctx = min(ctx, cfg.max_context_length)
     eos = default_eos(mc, tok)
+    max_bytes = None if tok is None else (ctx - 1) * tok.max_input_bytes_per_token()
     limits = ModelLimits(model_name=cfg.served_model_name, max_context_length=ctx, vocab_size=mc.vocab_size,
-                         eos_token_id=-1 if eos is None else eos, max_new_tokens=cfg.max_new_tokens)
+                         eos_token_id=-1 if eos is None else eos, max_new_tokens=cfg.max_new_tokens,
+                         max_prompt_bytes=max_bytes)
     return tok, limits

@@ -189,7 +189,8 @@ class Placer:
         n, sel = scope.num_prompt_tokens, self.selector
         ready = [w for w in self.source.list("decode") if w.ready and w.worker_id not in excluded]
         if not ready:
-            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no ready decode worker")
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no ready decode worker",
+                            final=True, degrade="no_decode")
         needed = -(-n // max(1, ready[0].block_size or 16))
         totals = [w.num_total_blocks for w in ready]
         if all(t > 0 for t in totals) and needed > max(totals):  # waiting would never help
@@ -199,7 +200,8 @@ class Placer:
         prefills = [w for w in self.source.list("prefill") if w.worker_id not in excluded]
         ranked_p = self._by_prefix(scope, sel.ranked_prefill(prefills))
         if not ranked_p:
-            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no ready prefill worker")
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no ready prefill worker",
+                            final=True, degrade="no_prefill")
         p = ranked_p[0]
         exhausted = 0
         cfg = self.cfg
@@ -217,7 +219,9 @@ class Placer:
                 sel.release(d.worker_id)
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     exhausted += 1
-                elif e.code() != grpc.StatusCode.UNAVAILABLE:
+                elif e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.suspect(d.worker_id)
+                else:
                     raise scope.rpc_error(e, f"reserve on decode worker {d.worker_id}") from None
                 log.debug("request %s: decode worker %s refused reserve: %s", scope.rid, d.worker_id, e.details())
                 continue
@@ -227,6 +231,25 @@ class Placer:
         if exhausted:
             return None
         raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no decode worker reachable")
+
+    # ---- failures ----------------------------------------------------------------------------------
+    def suspect(self, worker_id: str) -> None:
+        """A call to ``worker_id`` failed as if it were gone: out of routing until it heartbeats again."""
+        if hasattr(self.source, "suspect"):
+            self.source.suspect(worker_id)
+
+    def failed(self, err: FlowError) -> None:
+        """Note a failed attempt: a worker that looked gone leaves routing at once."""
+        if err.code == grpc.StatusCode.UNAVAILABLE and err.worker_id:
+            self.suspect(err.worker_id)
+
+    def fallback(self, reason: str) -> Optional[str]:
+        """The pool that can serve a request whole when ``reason`` says a pool is empty, or None:
+        no prefill worker -> decode workers prefill themselves; no decode worker -> colocated workers."""
+        pool = {"no_prefill": "decode", "no_decode": "colocated"}.get(reason)
+        if pool is None or not any(w.ready for w in self.source.list(pool)):
+            return None
+        return pool
 
     # ---- release ---------------------------------------------------------------------------------
     def release(self, p: Optional[Placement], scope: RequestScope, what: tuple[str, ...] = ("decode", "prefill")) -> None:

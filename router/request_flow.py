@@ -86,13 +86,24 @@ class RequestFlow:
             placer.release(self.placement, self.scope)
 
     def _run(self) -> Iterator[FlowEvent]:
-        route = self.deps.placer.route(self.scope)
+        placer, metrics = self.deps.placer, self.deps.metrics
+        route = placer.route(self.scope)
         if route == PAIR:
-            yield from self._run_pair()
-            return
-        if route == "decode" and self.deps.metrics is not None:
+            try:
+                yield from self._run_pair()
+                return
+            except FlowError as e:
+                # a pool with no live worker: serve it whole elsewhere (slower, but served), if nothing streamed yet
+                pool = placer.fallback(e.degrade) if e.degrade and not self.proc.token_ids else None
+                if pool is None:
+                    raise
+                log.warning("request %s: %s; running it whole on a %s worker", self.rid, e.message, pool)
+                if metrics is not None:
+                    metrics.inc_degraded(e.degrade)
+                route = pool
+        elif route == "decode" and metrics is not None:
             log.debug("request %s: prefilled on a decode worker (conditional disaggregation)", self.rid)
-            self.deps.metrics.inc_local_prefill()
+            metrics.inc_local_prefill()
         yield from self._run_whole(route, set(), self.deps.cfg.max_attempts)
 
     # ---- output ------------------------------------------------------------------------------
@@ -155,6 +166,7 @@ class RequestFlow:
                                                               f"sent {ev.WhichOneof('event')} first")
                 return p_stream, ev.first_token, t_call
             except FlowError as e:
+                placer.failed(e)
                 if p_stream is not None:
                     p_stream.cancel()
                 placer.abort(self.placement, self.rid)
@@ -213,6 +225,7 @@ class RequestFlow:
             if watch.error is not None:
                 raise watch.error from None
             err = scope.rpc_error(e, f"decode on {d.worker_id}", d.worker_id)
+            placer.failed(err)
             if recovery(err, scope, len(self.proc.token_ids), cfg.max_attempts - 1) is not Recovery.MIGRATE:
                 raise err from None
             log.warning("request %s: decode on %s failed after %d tokens, resuming on another decode worker: %s",
@@ -259,6 +272,7 @@ class RequestFlow:
                         yield ev
             except grpc.RpcError as e:
                 err = scope.rpc_error(e, f"generate on {w.worker_id}", w.worker_id)
+                placer.failed(err)
                 placer.release(pl, scope)
                 move = recovery(err, scope, len(self.proc.token_ids), attempts - attempt - 1)
                 if move is Recovery.FAIL:

@@ -10,6 +10,7 @@ still be delivering TransferDone).
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any, Optional
@@ -20,6 +21,15 @@ from engine import SamplingParams
 from router.events import FlowError
 from router.validation import ValidatedRequest
 from router.wire import params_to_wire
+
+
+_ADDRESS = re.compile(r"(?:ipv4:|ipv6:|unix:|dns:)\S+|\[[0-9A-Fa-f:.]+\](?::\d+)?|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b"
+                      r"|\blocalhost:\d+\b")
+
+
+def scrub(details: str) -> str:
+    """A worker's error text without network addresses (clients see it; the cluster's layout is not theirs)."""
+    return _ADDRESS.sub("<address>", details)[:500]
 
 
 class RequestScope:
@@ -91,9 +101,9 @@ class RequestScope:
         details = e.details() if hasattr(e, "details") else str(e)
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= self.deadline:
             return FlowError(code, f"request {self.rid}: deadline exceeded during {what}")
-        if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-            code = grpc.StatusCode.UNAVAILABLE  # the worker went away mid-call
-        return FlowError(code, f"request {self.rid}: {what} failed: {details}", worker_id)
+        if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
+            code = grpc.StatusCode.UNAVAILABLE  # the worker went away mid-call, or broke: another may serve it
+        return FlowError(code, f"request {self.rid}: {what} failed: {scrub(details or code.name)}", worker_id)
 
     def prefix_hashes(self, block_size: int) -> list[int]:
         """The prompt's prefix-cache block hashes for workers with this block size (computed once)."""

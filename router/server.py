@@ -16,6 +16,7 @@ import time
 from typing import Any, Callable, Iterator, NoReturn, Optional
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from router.config import RouterConfig
@@ -110,8 +111,33 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         log.info("router on %s (%s mode)", self.address, self.cfg.mode)
 
     def _register(self, server: grpc.Server) -> list[str]:
-        pdserve_pb2_grpc.add_PDServeServicer_to_server(self, server)
-        return [pdserve_pb2.DESCRIPTOR.services_by_name["PDServe"].full_name]
+        # The handlers take raw bytes and parse them themselves: a message grpc's own deserializer cannot
+        # read (invalid UTF-8 in a string, a truncated message) would otherwise end as INTERNAL.
+        P = pdserve_pb2
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self._parsed(self.Generate, P.GenerateRequest), response_serializer=P.GenerateResponse.SerializeToString),
+            "Tokenize": grpc.unary_unary_rpc_method_handler(
+                self._parsed(self.Tokenize, P.TokenizeRequest), response_serializer=P.TokenizeResponse.SerializeToString),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+                self._parsed(self.GetModelInfo, P.GetModelInfoRequest),
+                response_serializer=P.ModelInfo.SerializeToString),
+        }
+        name = P.DESCRIPTOR.services_by_name["PDServe"].full_name
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+        return [name]
+
+    def _parsed(self, method: Callable[[Any, grpc.ServicerContext], Any], msg_cls: Any) -> Callable:
+        def handler(raw: bytes, context: grpc.ServicerContext) -> Any:
+            try:
+                request = msg_cls.FromString(raw)
+            except DecodeError as e:
+                self._error(context, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the request is not a valid {msg_cls.DESCRIPTOR.full_name} message (a string field "
+                            f"that is not UTF-8, or a truncated message): {e}")
+            return method(request, context)
+
+        return handler
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """NOT_SERVING, refuse new requests, wait for in-flight ones, stop. True if all finished."""
@@ -142,11 +168,18 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             vreq = validate_generate(request, core.limits, core.tokenize)
         except ValueError as e:
             self._error(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        failure: Optional[FlowError] = None
         try:
             for ev in core.generate(vreq, t0, context.time_remaining(), context.add_callback):
                 yield render(ev)
         except FlowError as e:
-            self._error(context, e.code, e.message)
+            failure = e
+        except Exception:  # a bug, not the client's fault: logged whole, answered without internals
+            log.exception("request %s: unexpected router error", vreq.request_id)
+            failure = FlowError(grpc.StatusCode.UNAVAILABLE, f"request {vreq.request_id}: the router failed "
+                                                             f"to serve it (logged); retry")
+        if failure is not None:
+            self._error(context, failure.code, failure.message)
 
     def _error(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
         self.core.count_error(code)
@@ -168,8 +201,9 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         from engine import SamplingParams
 
         roles = ("colocated", "colocated") if self.cfg.mode == "colocated" else ("prefill", "decode")
-        n_p = len([w for w in self.workers.list(roles[0]) if w.ready])
-        n_d = n_p if self.cfg.mode == "colocated" else len([w for w in self.workers.list(roles[1]) if w.ready])
+        view = self.core.view
+        n_p = len([w for w in view.list(roles[0]) if w.ready])
+        n_d = n_p if self.cfg.mode == "colocated" else len([w for w in view.list(roles[1]) if w.ready])
         return pdserve_pb2.ModelInfo(
             model_name=lim.model_name, max_context_length=lim.max_context_length, vocab_size=lim.vocab_size,
             max_new_tokens=lim.max_tokens_limit, max_prompt_tokens=lim.max_context_length - 1,

@@ -17,6 +17,11 @@ from proto import pdserve_pb2
 
 MAX_REQUEST_ID_LEN = 256
 DEFAULT_MAX_TOKENS = 16
+MAX_STOP_STRINGS = 64
+"""At most this many stop strings per request (stop matching runs on every token)."""
+MAX_STOP_STRING_CHARS = 512
+"""Each stop string at most this long."""
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,9 @@ class ModelLimits:
     """Reported by GetModelInfo; -1 when the model has none."""
     max_new_tokens: Optional[int] = None
     """Largest max_tokens accepted; None means the context length."""
+    max_prompt_bytes: Optional[int] = None
+    """A prompt text longer than this (UTF-8 bytes) cannot fit the context whatever it says, so it is
+    rejected before tokenizing; None: no such bound (no tokenizer)."""
 
     def __post_init__(self) -> None:
         if self.max_context_length < 2:
@@ -67,6 +75,18 @@ def _check_ids(name: str, ids: list[int], vocab_size: int) -> None:
             raise ValueError(f"{name}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
 
 
+def _check_stops(req: pdserve_pb2.GenerateRequest) -> None:
+    """Stop lists are matched on every generated token: bound them before any work."""
+    if len(req.stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop has {len(req.stop)} strings; at most {MAX_STOP_STRINGS} are accepted")
+    for i, st in enumerate(req.stop):
+        if len(st) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop[{i}] is {len(st)} characters; at most {MAX_STOP_STRING_CHARS} are accepted")
+    if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"stop_token_ids has {len(req.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
+                         f"are accepted")
+
+
 def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
                       tokenize: Callable[[str], list[int]]) -> ValidatedRequest:
     """Check ``req`` against ``limits``; raise ValueError naming the field."""
@@ -78,10 +98,20 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
         raise ValueError("prompt and token_ids are both set: give one, not both")
     if not has_prompt and not has_ids:
         raise ValueError("prompt is empty and token_ids is empty: give one of them")
+    _check_stops(req)
     if has_ids:
+        if len(req.token_ids) >= limits.max_context_length:
+            raise ValueError(f"token_ids has {len(req.token_ids)} tokens; the context length is "
+                             f"{limits.max_context_length}")
         ids = list(req.token_ids)
         _check_ids("token_ids", ids, limits.vocab_size)
     else:
+        if limits.max_prompt_bytes is not None and len(req.prompt) > limits.max_prompt_bytes // 4:
+            n_bytes = len(req.prompt.encode("utf-8", "surrogatepass"))
+            if n_bytes > limits.max_prompt_bytes:
+                raise ValueError(f"prompt is {n_bytes} bytes: more than the context length "
+                                 f"({limits.max_context_length} tokens) can hold for this tokenizer "
+                                 f"(at most {limits.max_prompt_bytes} bytes)")
         ids = list(tokenize(req.prompt))
         if not ids:
             raise ValueError("prompt tokenizes to zero tokens")

@@ -1,9 +1,10 @@
 """Where the router learns which workers exist and how loaded they are.
 
-Lifecycle: the router calls ``source.list(role)`` on every request it admits
-(cheap for both implementations). The cluster passes its Redis ``Registry``
-(heartbeated ``WorkerInfo`` records); tests and single-process set-ups pass a
-``StaticWorkerSource`` that asks each live worker object for ``info()``.
+Lifecycle: the router reads a source through its ``WorkerView`` (router/worker_view.py):
+the cluster passes its Redis ``Registry`` (heartbeated ``WorkerInfo`` records), which the
+view polls in the background, so no request waits on Redis; tests and single-process
+set-ups pass a ``StaticWorkerSource`` (``in_process``: it asks each live worker object for
+``info()``, no round trip), which the view reads directly.
 """
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ InfoLike = Union[WorkerInfo, Callable[[], WorkerInfo]]
 
 class StaticWorkerSource:
     """A fixed set of workers: WorkerInfo records, or callables returning live ones (``worker.info``)."""
+
+    in_process = True
+    """``list`` costs no round trip: the router's view reads it on every request instead of polling."""
 
     def __init__(self, workers: Iterable[InfoLike] = ()) -> None:
         self._lock = threading.Lock()

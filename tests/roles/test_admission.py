@@ -46,7 +46,7 @@ def test_no_workers_is_unavailable_and_health_serving():
 @pytest.fixture(scope="module")
 def small():
     # decode worker with 8 blocks of 16 tokens: one long prompt fills it
-    r = start_roles(kv=KV, decode_engine=dict(num_kv_blocks=8), router=dict(max_queue=2), tag="adm-")
+    r = start_roles(kv=KV, decode_engine=dict(num_kv_blocks=8), router=dict(max_num_requests=2), tag="adm-")
     yield r
     r.close()
 
@@ -145,7 +145,7 @@ def test_prompt_larger_than_any_decode_kv_fails_at_once(small):
 
 
 def test_full_queue_rejects_at_once_and_cancelled_waiter_leaks_nothing(small):
-    # max_queue=2: one request decoding + one waiting for KV fill the router
+    # max_num_requests=2: one request decoding + one waiting for KV fill the router
     s1 = _long_stream(small, 4)   # one request in progress (its few blocks are not the point)
     next(s1)
     hold = _Hold(small, 80)       # 5 more blocks held: 40 tokens (3 blocks) cannot fit

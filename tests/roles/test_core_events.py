@@ -55,7 +55,7 @@ def test_core_events_equal_offline_for_pair_and_local_paths(local):
 
 
 def test_core_overload_is_a_flow_error_with_status():
-    roles = start_roles(tag="core-o-", router=dict(max_queue=1))
+    roles = start_roles(tag="core-o-", router=dict(max_num_requests=1))
     try:
         core = roles.router.core
         params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)

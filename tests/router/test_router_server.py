@@ -16,7 +16,7 @@ def _health(addr: str) -> int:
 
 
 def test_config_validation_names_fields():
-    for kw, field in [(dict(mode="both"), "mode"), (dict(max_queue=0), "max_queue"), (dict(port=-1), "port"),
+    for kw, field in [(dict(mode="both"), "mode"), (dict(max_num_requests=0), "max_num_requests"), (dict(port=-1), "port"),
                       (dict(reserve_timeout_s=0), "reserve_timeout_s"), (dict(max_attempts=0), "max_attempts")]:
         with pytest.raises(ValueError, match=field):
             RouterConfig(**kw)
