@@ -60,6 +60,12 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-queue-max-tokens", type=int, default=None, metavar="N",
                    help="conditional disaggregation: prefill on the decode worker when every prefill worker has "
                         ">= N prompt tokens queued (default: never)")
+    p.add_argument("--max-num-requests", type=int, default=None, metavar="N",
+                   help="requests the router holds at once (running + queued); past it a request gets "
+                        "RESOURCE_EXHAUSTED at once (router default 192; must stay below its 256 RPC threads)")
+    p.add_argument("--check-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between the supervisor's health checks of the workers; a dead or stuck "
+                        "worker is replaced under a new id (default 1)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for SERVING")
     p.add_argument("--log-level", default="WARNING", help="Python log level (default WARNING)")
 
@@ -113,13 +119,22 @@ def _check_up_args(args: argparse.Namespace) -> None:
 
     engine_kw = {k: v for k, v in (("num_kv_blocks", args.num_kv_blocks), ("max_num_seqs", args.max_num_seqs))
                  if v is not None}
-    for build, kw in ((RouterConfig, dict(local_prefill_max_tokens=args.local_prefill_max_tokens,
-                                          prefill_queue_max_tokens=args.prefill_queue_max_tokens)),
-                      (EngineConfig, engine_kw)):
+    if not args.check_interval > 0:
+        raise ValueError(f"--check-interval must be > 0, got {args.check_interval}")
+    for build, kw in ((RouterConfig, _router_overrides(args)), (EngineConfig, engine_kw)):
         try:
             build(**kw)
         except ValueError as e:
             raise _as_flag_error(e, kw) from None
+
+
+def _router_overrides(args: argparse.Namespace) -> dict:
+    """The RouterConfig fields ``pdserve up``'s flags set."""
+    out = {"local_prefill_max_tokens": args.local_prefill_max_tokens,
+           "prefill_queue_max_tokens": args.prefill_queue_max_tokens}
+    if args.max_num_requests is not None:
+        out["max_num_requests"] = args.max_num_requests
+    return out
 
 
 def _as_flag_error(e: ValueError, fields: dict) -> ValueError:
@@ -167,6 +182,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     from cluster.launcher import Cluster, ClusterConfig
     from cluster.planner import Planner, PlannerConfig
+    from cluster.supervisor import Supervisor, SupervisorConfig
 
     _check_up_args(args)
     engine_overrides = {}
@@ -176,8 +192,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         engine_overrides["max_num_seqs"] = args.max_num_seqs
     if args.no_prefix_caching:
         engine_overrides["enable_prefix_caching"] = False
-    router_overrides = {"local_prefill_max_tokens": args.local_prefill_max_tokens,
-                        "prefill_queue_max_tokens": args.prefill_queue_max_tokens}
+    router_overrides = _router_overrides(args)
     if args.colocated:  # one mode per router: colocated replaces the two pools
         args.prefill = args.decode = 0
     cfg = ClusterConfig(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
@@ -197,14 +212,18 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     cluster = Cluster(cfg)
-    planner = None
+    planner = supervisor = None
     try:
         cluster.start()
+        # Always on: a dead or stuck worker is replaced (new id) so every pool keeps its size; the floors
+        # are the start sizes, which are also the planner's minimums.
+        supervisor = Supervisor(cluster, SupervisorConfig(check_interval_s=args.check_interval)).start()
         if args.autoscale:
             planner = Planner(cluster, PlannerConfig(
                 min_prefill=args.prefill, max_prefill=max(args.max_prefill, args.prefill, 1),
                 min_decode=args.decode, max_decode=max(args.max_decode, args.decode, 1),
-                min_colocated=args.colocated, max_colocated=max(args.colocated, args.max_decode, 1))).start()
+                min_colocated=args.colocated, max_colocated=max(args.colocated, args.max_decode, 1)),
+                supervisor=supervisor).start()
         # ray.init installs its own SIGTERM handler (sys.exit(15)); take SIGTERM back for a clean stop.
         for s in previous:
             signal.signal(s, on_signal)
@@ -221,8 +240,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         stopping = True
         try:
-            if planner is not None:
-                planner.stop(wait=False)  # cluster.stop() interrupts a scale it may be in
+            for loop in (planner, supervisor):
+                if loop is not None:
+                    loop.stop(wait=False)  # cluster.stop() interrupts a scale it may be in
             cluster.stop()
         finally:
             for s, h in previous.items():

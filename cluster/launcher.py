@@ -16,6 +16,10 @@ Lifecycle of a ``Cluster(ClusterConfig(...))``:
 ``scale_pool(role, n)``
   adds actors, or drains the newest ones (deregister first, finish in-flight
   requests) and then kills them.
+``replace_workers(role, ids, floor)``
+  forgets failed members (kill, deregister) and starts as many new actors
+  under new ids; ``cluster.supervisor.Supervisor`` calls it when a probe finds
+  an actor dead or stuck (``pdserve up`` always runs one).
 ``stop()``
   router, actors (stop + kill), the namespace's Redis keys, then Ray and Redis
   if this cluster started them. Idempotent; also run by ``with Cluster(...)``.
@@ -35,7 +39,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import psutil
 import ray
@@ -223,6 +227,36 @@ class Cluster:
         self._members[role].extend(new)
         log.info("cluster %s: +%d %s (%s)", self.namespace, count, role, ", ".join(m.worker_id for m in new))
 
+    def replace_workers(self, role: str, worker_ids: Sequence[str], floor: int = 0) -> list[str]:
+        """Forget the failed members ``worker_ids`` (kill, deregister) and start new ones under new ids, so
+        the pool is back at its size before the failure, and at least ``floor``; returns the new ids.
+
+        Ids no longer in the pool (already dropped by a concurrent ``scale_pool``) are skipped, so a failure
+        seen by both the supervisor and the planner is replaced once."""
+        if role not in POOLS:
+            raise ValueError(f"role must be one of {POOLS}, got {role!r}")
+        if not isinstance(floor, int) or isinstance(floor, bool) or floor < 0:
+            raise ValueError(f"floor must be an integer >= 0, got {floor!r}")
+        with self._lock:
+            if self.registry is None or self._stopped or self._stopping.is_set():
+                raise RuntimeError("cluster is not running")
+            pool = self._members[role]
+            failed = set(worker_ids)
+            target = max(len(pool), floor)
+            gone = [m for m in pool if m.worker_id in failed]
+            self._members[role] = [m for m in pool if m.worker_id not in failed]
+            for m in gone:
+                self._kill(m)
+            before = {m.worker_id for m in self._members[role]}
+            missing = target - len(self._members[role])
+            if missing > 0:
+                self._add(role, missing)
+            new_ids = [m.worker_id for m in self._members[role] if m.worker_id not in before]
+            if gone or new_ids:
+                log.warning("cluster %s: replaced %s %s with %s", self.namespace, role,
+                            [m.worker_id for m in gone], new_ids)
+            return new_ids
+
     def _remove(self, role: str, count: int) -> None:
         self._retire(self._members[role][-count:])
 
@@ -282,6 +316,11 @@ class Cluster:
     def worker_ids(self, role: str) -> list[str]:
         """Worker ids of one pool (oldest first)."""
         return [m.worker_id for m in self._members[role]]
+
+    def members(self, role: str) -> list[tuple[str, Any]]:
+        """(worker id, actor handle) of one pool, oldest first; a snapshot read without the cluster's lock
+        (a scale in progress holds it for a model load), so health probes never wait behind one."""
+        return [(m.worker_id, m.handle) for m in list(self._members[role])]
 
     def metrics_addresses(self) -> dict[str, str]:
         """component -> host:port serving /metrics (router and every worker that serves one)."""

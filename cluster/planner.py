@@ -6,7 +6,9 @@ cluster serves, asks ``decide`` for a step (+1, 0 or -1 workers) and applies it
 with ``Cluster.scale_pool`` (a removal drains the newest worker first). After a
 change a pool waits ``cooldown_s`` before the next one, so a new worker's load
 shows up in the registry before the planner judges again. ``stop()`` ends the
-thread; the workers stay as they are.
+thread; the workers stay as they are. Given the cluster's ``Supervisor``, the
+planner counts a pool as the workers the supervisor last saw live and ready,
+and leaves replacing dead or stuck workers to it.
 
 Signals (why these): prefill is compute-bound, so its backlog is the queued
 prompt tokens per worker; decode (and colocated) is memory-bound, so it is the KV
@@ -107,9 +109,12 @@ def decide(role: str, workers: Sequence[WorkerInfo], current: int, cfg: PlannerC
 class Planner:
     """Runs ``decide`` for each pool of a ``Cluster`` on a timer (see module docstring)."""
 
-    def __init__(self, cluster: Any, config: Optional[PlannerConfig] = None) -> None:
+    def __init__(self, cluster: Any, config: Optional[PlannerConfig] = None, supervisor: Any = None) -> None:
         self.cluster = cluster
         self.config = config or PlannerConfig()
+        self.supervisor = supervisor
+        """A ``cluster.supervisor.Supervisor`` whose view of live ready workers sizes the pools; None counts
+        the cluster's members, live or not."""
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._last_change: dict[str, float] = {}
@@ -120,11 +125,19 @@ class Planner:
         """The pools this cluster serves."""
         return ("colocated",) if self.cluster.config.mode == "colocated" else ("prefill", "decode")
 
+    def live(self, role: str) -> list[str]:
+        """Worker ids of ``role`` the planner counts (the supervisor's live ready view when it has one)."""
+        if self.supervisor is not None:
+            return self.supervisor.live_ready(role)
+        return self.cluster.worker_ids(role)
+
     def tick(self) -> None:
         """One round of decisions (the thread calls this every interval_s; tests may call it directly)."""
         now = time.monotonic()
         for role in self.roles():
-            current = len(self.cluster.worker_ids(role))
+            # Live ready workers only: a dead actor the supervisor is about to replace must not count (else a
+            # pool at its floor never grows back), and both act through absolute targets: one replacement.
+            current = len(self.live(role))
             target = decide(role, self.cluster.registry.list(role), current, self.config)
             cooling = now - self._last_change.get(role, -1e18) < self.config.cooldown_s
             lo, hi = self.config.bounds(role)
