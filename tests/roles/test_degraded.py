@@ -1,0 +1,62 @@
+"""Degrade instead of failing: with no live prefill worker the decode workers prefill requests themselves;
+with no live decode worker a colocated worker serves them whole. Output equals the offline engine's and
+``pdserve:degraded_requests_total{reason}`` counts each. Real router, workers and gloo KV."""
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine import SamplingParams
+from tests.roles.harness import collect, engine_config, joined, offline, start_roles
+
+PROMPT = "def degrade(pool):"
+KW = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def _degraded(roles) -> dict[str, float]:
+    for fam in text_string_to_metric_families(roles.router.metrics.render().decode()):
+        if fam.name == "pdserve:degraded_requests":
+            return {s.labels["reason"]: s.value for s in fam.samples if s.name.endswith("_total")}
+    return {}
+
+
+def test_no_prefill_worker_decode_workers_prefill_themselves():
+    torch.set_num_threads(1)
+    want = offline([PROMPT], [SamplingParams(**KW)])[0]
+    roles = start_roles(tag="deg-p-")
+    try:
+        assert joined(collect(roles.stub, prompt=PROMPT, **KW)) == want[:3]
+        assert _degraded(roles) == {}
+        roles.prefills[0].stop()  # the whole prefill pool is gone
+        got = collect(roles.stub, prompt=PROMPT, **KW)
+        assert joined(got) == want[:3]
+        assert got[-1].timings.kv_transfer_s == 0  # no KV moved: prefilled where it decoded
+        assert _degraded(roles) == {"no_prefill": 1.0}
+        assert roles.wait_idle(5.0)
+    finally:
+        roles.close()
+
+
+def test_no_decode_worker_colocated_worker_serves_it_whole():
+    from decode_worker import ColocatedWorker, ColocatedWorkerConfig
+
+    torch.set_num_threads(1)
+    want = offline([PROMPT], [SamplingParams(**KW)])[0]
+    roles = start_roles(tag="deg-d-")
+    colo = ColocatedWorker(ColocatedWorkerConfig("deg-d-c0", engine=engine_config(), serve_metrics=False)).start()
+    roles.extra.append(colo)
+    roles.source.add(colo.info)
+    try:
+        roles.decodes[0].stop()
+        got = collect(roles.stub, prompt=PROMPT, **KW)
+        assert joined(got) == want[:3]
+        assert _degraded(roles) == {"no_decode": 1.0}
+        # and with nothing that can decode at all, the client gets UNAVAILABLE, not a hang or UNKNOWN
+        colo.stop()
+        with pytest.raises(grpc.RpcError) as e:
+            collect(roles.stub, prompt=PROMPT, **KW)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "no ready decode worker" in e.value.details()
+    finally:
+        roles.close()
