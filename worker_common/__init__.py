@@ -1,10 +1,13 @@
 """What every worker role shares: gRPC serving (health, reflection), the engine thread, the
-request bookkeeping of ``WorkerBase`` and the base ``WorkerConfig``.
+request records and sets (``worker_common.request``), wire conversions (``worker_common.wire``),
+``WorkerBase`` and the base ``WorkerConfig``.
 
 Lifecycle: nothing runs at import; each role (prefill_worker, decode_worker) builds its worker
-on ``WorkerBase`` and a config on ``WorkerConfig``; the router reuses ``GrpcServing``.
+on ``WorkerBase``, its requests on ``WorkerRequest``/``RequestSet`` and a config on
+``WorkerConfig``; the router reuses ``GrpcServing``.
 """
 from worker_common.config import WorkerConfig
-from worker_common.worker_base import RequestError, WorkerBase
+from worker_common.request import RequestError, RequestSet, WorkerRequest
+from worker_common.worker_base import WorkerBase
 
-__all__ = ["RequestError", "WorkerBase", "WorkerConfig"]
+__all__ = ["RequestError", "RequestSet", "WorkerBase", "WorkerConfig", "WorkerRequest"]

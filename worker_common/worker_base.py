@@ -1,12 +1,14 @@
 """What every worker role shares: gRPC shell, engine, engine loop, KV endpoint, metrics, drain.
 
-Lifecycle: ``Worker(cfg)`` builds nothing heavy. ``start()`` = ``bind()`` (gRPC
-server up, health NOT_SERVING) + ``load()`` (engine, kvtransfer endpoint,
-metrics, engine loop; health SERVING). While serving, handler threads talk to
-the engine only through ``self.loop``; the role keeps its per-request state in
-``self.requests`` (touched only on the loop thread). ``drain(timeout_s)``
-flips health to NOT_SERVING, refuses new requests (UNAVAILABLE), waits for the
-in-flight ones to finish, then ``stop()``s: server, loop, KV endpoint, metrics.
+Lifecycle: ``Worker(cfg)`` builds nothing heavy; the role's ``__init__`` lists the
+``RequestSet``s that will hold its requests (``self.request_sets``). ``start()`` =
+``bind()`` (gRPC server up, health NOT_SERVING) + ``load()`` (engine, kvtransfer
+endpoint, metrics, engine loop; health SERVING). While serving, handler threads
+talk to the engine only through ``self.loop``; on the loop thread each engine
+output, poll and abort goes to the request set that holds the request's id.
+``drain(timeout_s)`` flips health to NOT_SERVING, refuses new requests
+(UNAVAILABLE), waits until no set holds a request, then ``stop()``s: server,
+loop, KV endpoint, metrics.
 """
 from __future__ import annotations
 
@@ -20,33 +22,21 @@ import grpc
 
 from worker_common.config import WorkerConfig
 from worker_common.engine_loop import EngineLoop
+from worker_common.request import RequestError, RequestSet, request_params
 from worker_common.serving import GrpcServing
 from proto import worker_pb2
+
+__all__ = ["RequestError", "WorkerBase", "request_params"]  # the errors and params check, re-exported
 
 log = logging.getLogger(__name__)
 
 
-class RequestError(Exception):
-    """A request failed on the worker; the handler ends its RPC with ``code``."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-def request_params(wire: Any, request_id: str) -> Any:
-    """A request's wire sampling params as engine SamplingParams; INVALID_ARGUMENT naming the field if bad."""
-    from proto.convert import wire_to_params
-
-    try:
-        return wire_to_params(wire)
-    except ValueError as e:
-        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"params: {e} (request {request_id})") from None
-
-
 class WorkerBase:
-    """Base of PrefillWorker, DecodeWorker and ColocatedWorker (see module docstring)."""
+    """Base of PrefillWorker, DecodeWorker and ColocatedWorker (see module docstring).
+
+    It serves the ``Abort`` and ``GetInfo`` RPCs every worker service has; a role adds its own RPCs
+    and registers itself as the servicer of its services (no generated servicer base classes, so
+    no base class order decides which ``Abort`` gRPC calls)."""
 
     role = "worker"
     needs_kv = True
@@ -60,7 +50,7 @@ class WorkerBase:
         self.metrics: Any = None
         self.metrics_address = ""
         self._metrics_stop: Optional[Callable[[], None]] = None
-        self.requests: dict[str, Any] = {}
+        self.request_sets: list[RequestSet] = []  # the role fills it: one set per kind of request
         self._ready = False
         self._draining = False
         self._stopped = False
@@ -108,9 +98,9 @@ class WorkerBase:
         self._draining = True
         self._serving.set_serving(False)
         deadline = time.monotonic() + timeout_s
-        while self.requests and time.monotonic() < deadline and self.loop is not None and self.loop.alive:
+        while self.num_requests() and time.monotonic() < deadline and self.loop is not None and self.loop.alive:
             time.sleep(0.02)
-        clean = not self.requests
+        clean = not self.num_requests()
         self.stop()
         return clean
 
@@ -218,26 +208,67 @@ class WorkerBase:
             log.warning("%s %s: request %s failed: %s", self.role, self.cfg.worker_id, request_id, e.message)
             context.abort(e.code, e.message)
 
-    # ---- role hooks (run on the loop thread) ----------------------------------------
+    # ---- the requests held, by set ----------------------------------------------------
+    def num_requests(self) -> int:
+        """How many requests the worker holds (any thread; drain waits for 0)."""
+        return sum(len(rs) for rs in self.request_sets)
+
+    @property
+    def requests(self) -> dict[str, Any]:
+        """A snapshot of every held request by id, whatever its set (tests, debugging)."""
+        held: dict[str, Any] = {}
+        for rs in self.request_sets:
+            held.update(rs.snapshot())
+        return held
+
+    def holder(self, request_id: str) -> Optional[RequestSet]:
+        """The set holding ``request_id``, or None."""
+        for rs in self.request_sets:
+            if request_id in rs:
+                return rs
+        return None
+
+    def check_new(self, request_id: str, state: str) -> None:
+        """ALREADY_EXISTS if any set holds ``request_id`` (``state``: what the new request would be)."""
+        if self.holder(request_id) is not None:
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id} is already {state} here")
+
+    # ---- loop thread: route to the holding set ----------------------------------------
+    def on_outputs(self, outs: list) -> None:
+        now = time.monotonic()
+        for o in outs:
+            for rs in self.request_sets:
+                req = rs.get(o.request_id)
+                if req is not None:
+                    rs.on_output(req, o, now)
+                    break
+
+    def poll(self) -> bool:
+        """Advance KV transfers and deadlines of every set; True while something is pending."""
+        now = time.monotonic()
+        busy = False
+        for rs in self.request_sets:
+            busy = rs.poll(now) or busy
+        return busy
+
+    def abort(self, request_id: str) -> bool:
+        """Drop the request, free its blocks, end its stream as CANCELLED; True if it was known."""
+        rs = self.holder(request_id)
+        if rs is None:
+            return False
+        log.info("%s %s: abort request %s", self.role, self.cfg.worker_id, request_id)
+        return rs.abort(request_id)
+
+    def queued_prompt_tokens(self) -> int:
+        return sum(rs.queued_prompt_tokens() for rs in self.request_sets)
+
+    # ---- role hooks -------------------------------------------------------------------
     def register_services(self, server: grpc.Server) -> list[str]:
+        """Add the role's servicers (this object, or ones it holds); return their full service names."""
         raise NotImplementedError
 
     def setup_engine(self, engine: Any) -> None:
-        """Install engine callbacks before the loop starts."""
-
-    def on_outputs(self, outs: list) -> None:
-        raise NotImplementedError
-
-    def poll(self) -> bool:
-        """Advance KV transfers and deadlines; True while something is pending."""
-        return False
-
-    def abort(self, request_id: str) -> bool:
-        """Drop the request and free its blocks; True if it was known."""
-        raise NotImplementedError
-
-    def queued_prompt_tokens(self) -> int:
-        return 0
+        """Install engine callbacks before the loop starts (loop thread from then on)."""
 
     def _poll(self) -> bool:
         busy = self.poll()

@@ -159,3 +159,25 @@ def test_local_generate_rejects_bad_input_and_keeps_serving(worker):
         assert not w.requests and w.info().num_free_blocks == 8
     finally:
         ch.close()
+
+
+def test_local_and_disaggregated_requests_are_one_id_space(worker):
+    """A reserved id is refused by the local Generate; either service's Abort reaches either kind."""
+    w, stub = worker
+    ch = grpc.insecure_channel(w.address)
+    colo = worker_pb2_grpc.ColocatedWorkerStub(ch)
+    try:
+        _reserve(stub, "both", 20, kv_timeout_s=60.0)
+        assert "both" in w.disagg and "both" not in w.local and set(w.requests) == {"both"}
+        with pytest.raises(grpc.RpcError) as ei:
+            list(colo.Generate(worker_pb2.ColocatedRequest(request_id="both", prompt_token_ids=[5, 6], params=PARAMS),
+                               timeout=10))
+        assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS and "both" in ei.value.details()
+        assert w.num_requests() == 1
+        assert colo.Abort(worker_pb2.AbortRequest(request_id="both"), timeout=5).found is True
+        end = time.monotonic() + 1.0  # the load record refreshes on the engine loop's next pass
+        while time.monotonic() < end and w.info().num_free_blocks != 8:
+            time.sleep(0.01)
+        assert w.num_requests() == 0 and w.info().num_free_blocks == 8
+    finally:
+        ch.close()

@@ -1,0 +1,139 @@
+"""A request held by a worker: the shared record, the error that ends it, and the set that holds it.
+
+Lifecycle: a role's RPC handler (gRPC thread) checks the wire params (``request_params``), builds a
+record (a ``WorkerRequest`` subclass with the role's own fields) and hands it to the loop thread,
+where the role's ``RequestSet`` holds it by id. The loop puts the request's stream items into
+``req.out``; the handler yields them until the last one, or raises the ``RequestError`` it finds
+there. A request leaves its set when it finishes, fails (``drop(req, err)``: free what it holds,
+end its stream with ``err``) or is aborted (``abort(id)``: the same with CANCELLED).
+
+A worker holds one ``RequestSet`` per kind of request it serves (a decode worker: requests
+prefilled elsewhere and whole requests prefilled here) and routes each engine output, poll and
+abort to the set that knows the id; no set ever sees another's records.
+"""
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, Optional, TypeVar
+
+import grpc
+
+if TYPE_CHECKING:
+    from engine.outputs import CoreOutput
+    from worker_common.worker_base import WorkerBase
+
+
+class RequestError(Exception):
+    """A request failed on the worker; the handler ends its RPC with ``code``."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def request_params(wire: Any, request_id: str) -> Any:
+    """A request's wire sampling params as engine SamplingParams; INVALID_ARGUMENT naming the field if bad."""
+    from worker_common.wire import wire_to_params
+
+    try:
+        return wire_to_params(wire)
+    except ValueError as e:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"params: {e} (request {request_id})") from None
+
+
+@dataclass
+class WorkerRequest:
+    """What every role keeps of a request (loop-thread state); roles subclass it with their own fields."""
+
+    request_id: str
+    out: "queue.Queue[Any]" = field(default_factory=queue.Queue, kw_only=True)
+    """The request's stream: items for the handler to yield, or the RequestError that ends it."""
+    arrived: float = field(default_factory=time.monotonic, kw_only=True)
+    """When the worker took the request (monotonic seconds): queue times and deadlines count from here."""
+
+    def fail(self, err: RequestError) -> None:
+        """End the request's stream with ``err`` (the handler raises it)."""
+        self.out.put(err)
+
+    def cancel(self) -> None:
+        """End the request's stream as aborted."""
+        self.fail(RequestError(grpc.StatusCode.CANCELLED, f"request {self.request_id} aborted"))
+
+
+R = TypeVar("R", bound=WorkerRequest)
+
+
+class RequestSet(Generic[R]):
+    """The requests of one kind a worker holds, by id (touched on its loop thread only).
+
+    Built by its worker (a ``WorkerBase``), whose engine, KV endpoint, metrics and handler helpers
+    it uses once ``load()`` has made them. Subclasses say how to free a request (``free``), what an
+    engine output means for it (``on_output``) and, if they wait on something besides the engine,
+    how to advance it (``poll``)."""
+
+    def __init__(self, worker: "WorkerBase") -> None:
+        self.worker = worker
+        self._reqs: dict[str, R] = {}
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._reqs
+
+    def get(self, request_id: str) -> Optional[R]:
+        return self._reqs.get(request_id)
+
+    def records(self) -> list[R]:
+        """The held records (a copy: callers may drop requests while iterating)."""
+        return list(self._reqs.values())
+
+    def snapshot(self) -> dict[str, R]:
+        """A copy of the id -> record map (safe to read from any thread)."""
+        return dict(self._reqs)
+
+    def hold(self, req: R) -> None:
+        """Start holding ``req``; the caller has checked its id is new on the worker."""
+        if req.request_id in self._reqs:
+            raise ValueError(f"request {req.request_id} is already held")
+        self._reqs[req.request_id] = req
+
+    def release(self, req: R) -> None:
+        """Stop holding ``req`` (it finished); its engine state is the caller's to settle."""
+        self._reqs.pop(req.request_id, None)
+
+    def drop(self, req: R, err: Optional[RequestError]) -> None:
+        """Stop holding ``req``, free what it holds, and end its stream with ``err`` (if any)."""
+        self._reqs.pop(req.request_id, None)
+        self.free(req)
+        if err is not None:
+            req.fail(err)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop the request and end its stream as CANCELLED; True if this set held it."""
+        req = self._reqs.pop(request_id, None)
+        if req is None:
+            return False
+        self.free(req)
+        req.cancel()
+        return True
+
+    # ---- hooks (loop thread) --------------------------------------------------------
+    def free(self, req: R) -> None:
+        """Give back what ``req`` holds in the engine and the KV endpoint."""
+        raise NotImplementedError
+
+    def on_output(self, req: R, out: "CoreOutput", now: float) -> None:
+        """One engine output of a request this set holds."""
+        raise NotImplementedError
+
+    def poll(self, now: float) -> bool:
+        """Advance what the engine does not (KV transfers, deadlines); True while something is pending."""
+        return False
+
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens of held requests not yet prefilled (the router's load signal)."""
+        return 0
