@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from decode_worker import DecodeWorker, DecodeWorkerConfig
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
-from proto.convert import params_to_wire
+from router.wire import params_to_wire
 from tests.roles.harness import engine_config, make_store, start_roles
 
 PARAMS = params_to_wire(SamplingParams(max_tokens=4))

@@ -10,7 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from prefill_worker import PrefillWorker, PrefillWorkerConfig
 from proto import worker_pb2, worker_pb2_grpc
-from proto.convert import params_to_wire
+from router.wire import params_to_wire
 from engine.sampling_params import SamplingParams
 from tests.roles.harness import engine_config, make_store
 

@@ -62,7 +62,7 @@ class _Hold:
 
     def __init__(self, roles, n_tokens, rid="hold"):
         from proto import worker_pb2, worker_pb2_grpc
-        from proto.convert import params_to_wire
+        from router.wire import params_to_wire
 
         self.rid = rid
         self.ch = grpc.insecure_channel(roles.decodes[0].address)

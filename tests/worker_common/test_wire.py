@@ -6,7 +6,7 @@ import pytest
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2, worker_pb2
-from proto.convert import params_to_wire  # the router's side; moves to router.wire
+from router.wire import params_to_wire  # the router's side of the wire
 from worker_common.wire import logprob_from_proto, logprob_to_proto, logprobs_to_proto, wire_to_params
 
 # every field away from its default, and no two numeric fields equal, so a swapped or dropped field shows
