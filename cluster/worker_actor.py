@@ -14,8 +14,14 @@ Lifecycle (driven by ``cluster.launcher.Cluster``):
    stops at once), then lets the role finish its in-flight requests and stop.
 4. ``stop()``: the same without waiting; the launcher then ``ray.kill``s the actor.
 
+If Redis goes away, the heartbeat thread keeps the worker up and keeps trying
+with exponential backoff (capped at ``ttl_s``); every heartbeat writes the
+whole record and the index entry, so when Redis is back, even restarted empty,
+the worker is registered again within about ``ttl_s``.
+
 If the actor process dies instead, heartbeats stop and the registry drops it
-within the TTL; nothing else needs cleaning.
+within the TTL; the launcher's ``Supervisor`` notices sooner (its probe fails),
+deregisters it and starts a replacement under a new id.
 
 The role object only has to offer ``start()``, ``info() -> WorkerInfo``,
 ``drain(timeout_s) -> bool`` and ``stop()`` (``prefill_worker``/``decode_worker``
@@ -30,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 import ray
+from redis.backoff import ExponentialWithJitterBackoff
 
 from cluster.registry import Registry, WorkerInfo
 
@@ -122,6 +129,10 @@ class _WorkerActor:
         self.registry = Registry(spec.redis_url, spec.namespace, ttl_s=spec.ttl_s)
         self._stop_beat = threading.Event()
         self._beat: Optional[threading.Thread] = None
+        self.reregistrations = 0
+        """Times the heartbeat got through again after failing (Redis down, restarted)."""
+        self.failing = 0
+        """Heartbeats failed in a row right now (0 while Redis answers)."""
         self._lock = threading.Lock()
         self._node_id = ray.get_runtime_context().get_node_id()
         self._node_ip = ray.util.get_node_ip_address()
@@ -150,11 +161,29 @@ class _WorkerActor:
         return info
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop_beat.wait(self.spec.heartbeat_interval_s):
+        interval = self.spec.heartbeat_interval_s
+        # While Redis is away, retry less and less often, but never slower than the TTL: once it is back
+        # (even restarted empty) the worker re-enters routing within about ttl_s.
+        backoff = ExponentialWithJitterBackoff(cap=max(interval, self.spec.ttl_s), base=interval / 2)
+        failures = 0
+        wait = interval
+        while not self._stop_beat.wait(wait):
             try:
+                # A full write (record + index set), so it also re-registers into a restarted, empty Redis.
                 self.registry.heartbeat(self._info())
-            except Exception as e:  # keep beating: Redis hiccups are transient, the TTL covers gaps
-                log.warning("worker %s heartbeat failed: %s", self.spec.worker_id, e)
+            except Exception as e:  # never let Redis (or a role hiccup) end the loop: the worker stays up
+                failures += 1
+                self.failing = failures
+                wait = backoff.compute(failures)
+                if failures == 1 or failures % 30 == 0:
+                    log.warning("worker %s heartbeat failed (%d in a row, next try in %.1f s): %s",
+                                self.spec.worker_id, failures, wait, e)
+                continue
+            if failures:
+                log.warning("worker %s re-registered after %d failed heartbeats", self.spec.worker_id, failures)
+                self.reregistrations += 1
+                failures = self.failing = 0
+            wait = interval
 
     def info(self) -> WorkerInfo:
         """The live record (what the next heartbeat will publish)."""
@@ -167,6 +196,12 @@ class _WorkerActor:
         import torch
 
         return torch.get_num_threads()
+
+    def heartbeat_stats(self) -> dict[str, Any]:
+        """{"alive": the heartbeat thread runs, "failing": heartbeats failed in a row now,
+        "reregistrations": recoveries after failed heartbeats}."""
+        return {"alive": self._beat is not None and self._beat.is_alive(), "failing": self.failing,
+                "reregistrations": self.reregistrations}
 
     def pid(self) -> int:
         """The actor's process id (tests check it is gone after stop)."""
