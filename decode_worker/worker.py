@@ -114,6 +114,7 @@ class DisaggregatedRequests(RequestSet[_DecodeReq]):
         # the router calls Decode only after the KV arrived, so wait at least that long for it
         req.expires_at = req.arrived + max(w.cfg.reserve_timeout_s, kv_timeout_s + 5.0)
         self.hold(req)
+        w.refresh_load()  # the reply's caller sees the blocks taken in info()
         return list(blocks)
 
     def _activate(self, rid: str, first_token: int, first_logprob: Any) -> Any:

@@ -125,6 +125,11 @@ class WorkerBase:
                           timeout_s=self.cfg.transfer_timeout_s)
 
     # ---- load reporting -----------------------------------------------------------
+    def refresh_load(self) -> None:
+        """Re-read the engine's load now (loop thread): before replying to an RPC that changed it,
+        so ``info()`` agrees with the reply instead of lagging one loop pass behind."""
+        self._snapshot(self.engine)
+
     def _snapshot(self, eng: Any) -> None:
         info = worker_pb2.WorkerInfo(
             num_total_blocks=eng.num_total_blocks, num_free_blocks=eng.num_free_blocks,
@@ -160,7 +165,13 @@ class WorkerBase:
     def Abort(self, request: worker_pb2.AbortRequest, context: grpc.ServicerContext) -> worker_pb2.AbortResponse:
         if self.loop is None or not self.loop.alive:
             return worker_pb2.AbortResponse(found=False)
-        return worker_pb2.AbortResponse(found=bool(self.loop.call(lambda e: self.abort(request.request_id))))
+
+        def abort(eng: Any) -> bool:
+            found = self.abort(request.request_id)
+            self.refresh_load()  # the caller's next info() already sees the blocks freed
+            return found
+
+        return worker_pb2.AbortResponse(found=bool(self.loop.call(abort)))
 
     # ---- helpers for handlers -------------------------------------------------------
     def check_accepting(self, request_id: str) -> None:
