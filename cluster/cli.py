@@ -7,6 +7,13 @@ the router address and metrics endpoints -> block until SIGINT/SIGTERM ->
 it started them, router) and deletes its Redis keys -> exit 0. A signal that
 arrives while the cluster is still starting aborts the start the same way.
 
+``pdserve up`` also runs a ``Supervisor`` (always) that replaces dead or stuck
+workers under new ids, and with ``--autoscale`` a ``Planner``. With
+``--namespace NS`` it first deletes what a killed run left in that namespace.
+
+``pdserve down --namespace NS --redis-url URL`` is that clean-up alone, for
+after a ``pdserve up`` was SIGKILLed (see its ``--help`` for what Ray leaves).
+
 ``pdserve generate PROMPT`` is a thin client of the public API (streams text
 deltas to stdout); ``pdserve bench ...`` hands its arguments to
 ``loadtest.cli.main``.
@@ -86,11 +93,55 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--usage", action="store_true", help="print finish reason, usage and timings to stderr")
 
 
+_DOWN_EPILOG = """\
+What a SIGKILLed `pdserve up` leaves (measured with Ray 2.60, private local Ray, one machine):
+  - Redis: its kvtransfer rendezvous keys ({ns}:kvt/...), which never expire; the worker records
+    ({ns}:worker:*, {ns}:workers) expire by themselves within the TTL (3 s) once the actors are gone
+    (all gone 5 s after the kill). `pdserve down` removes the rest; `pdserve up --namespace NS`
+    does the same before it starts.
+  - Ray: gcs_server, raylet and Ray's Python helper processes die with the driver at once; the
+    worker actors and idle Ray workers within 5 s (they fate-share with their owner, the driver);
+    the orphaned ray::DashboardAgent and ray::RuntimeEnvAgent processes linger (still alive 60 s
+    after the kill, gone at 120 s), and the private temp dir /tmp/pdray* (logs, sockets) stays
+    until removed by hand. `pdserve down` does not touch processes or files.
+  (Not measured: a joined Ray cluster, --address; there the Ray processes are not pdserve's.)
+"""
+
+
+def _add_down(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("down", help="remove what a killed `pdserve up` left in Redis",
+                       description="Delete every Redis key of one namespace (worker records, index, kvtransfer "
+                                   "rendezvous keys) left by a `pdserve up` that was killed (SIGKILL, a lost "
+                                   "node) and print them. Refuses while workers of that namespace still "
+                                   "heartbeat (a running cluster).",
+                       epilog=_DOWN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--namespace", required=True, help="the namespace the dead `pdserve up` used")
+    p.add_argument("--redis-url", required=True, help="the Redis it used, e.g. redis://host:6379/0")
+    p.add_argument("--wait", type=float, default=15.0, metavar="S",
+                   help="seconds to wait for the dead run's worker records to expire (default 15)")
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    """``pdserve down``: delete a dead run's keys from Redis and list them on stdout."""
+    from cluster.registry import Registry
+
+    if not args.wait >= 0:
+        raise ValueError(f"--wait must be >= 0, got {args.wait}")
+    with Registry(args.redis_url, args.namespace) as reg:
+        reg.ping()
+        keys = reg.clear_stale(wait_s=args.wait)
+    for key in keys:
+        print(f"removed {key}")
+    print(f"pdserve down: removed {len(keys)} key(s) of namespace {args.namespace}", flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``pdserve`` argument parser (``bench`` is parsed by loadtest)."""
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{up,generate,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{up,down,generate,bench}")
     _add_up(sub)
+    _add_down(sub)
     _add_generate(sub)
     sub.add_parser("bench", help="load-test a running cluster (see `pdserve bench --help`)", add_help=False)
     return parser
@@ -327,6 +378,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "up":
             return cmd_up(args)
+        if args.command == "down":
+            return cmd_down(args)
         return cmd_generate(args)
     except ValueError as e:
         print(f"pdserve {args.command}: {e}", file=sys.stderr)

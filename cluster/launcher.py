@@ -4,6 +4,8 @@ Lifecycle of a ``Cluster(ClusterConfig(...))``:
 
 ``start()``
   1. Redis: the given ``redis_url``, or a private ``EmbeddedRedis`` on a free port.
+     With a given ``namespace``, what a killed run left there is deleted first
+     (``Registry.clear_stale``; refused while live workers still heartbeat in it).
   2. Ray: the given ``ray_address`` (``"auto"`` joins ``ray start``/KubeRay), an
      already-initialized Ray in this process (tests share one), or a private
      local instance (own temp dir, no dashboard) that this cluster owns.
@@ -113,6 +115,10 @@ class Cluster:
                 self.redis_url = f"redis://{ray.util.get_node_ip_address()}:{self._redis.port}/0"
         self.registry = Registry(self.redis_url, self.namespace, ttl_s=self.config.ttl_s)
         self.registry.ping()
+        if self.config.namespace:
+            # A named namespace may hold what a killed run left (kvtransfer rendezvous keys never expire);
+            # a running cluster's live workers make this raise instead of taking its keys.
+            self.registry.clear_stale(wait_s=2 * self.config.ttl_s + 5)
 
     def _start_ray(self) -> None:
         if ray.is_initialized():  # this process already has Ray (tests, an embedding app): share, never shut down

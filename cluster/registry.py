@@ -181,6 +181,30 @@ class Registry:
         keys = self.keys()
         return int(self._redis.delete(*keys)) if keys else 0
 
+    def clear_stale(self, wait_s: float = 15.0, poll_s: float = 0.2) -> list[str]:
+        """Remove what a dead run left in this namespace; returns the deleted keys.
+
+        A run killed with SIGKILL leaves its kvtransfer rendezvous keys (``{ns}:kvt...``, no TTL) and, for a
+        few seconds, its workers' records (their actors die with the driver, then the TTL drops the keys).
+        Waits up to ``wait_s`` for live worker records to expire; if some still heartbeat after that, the
+        namespace belongs to a running cluster and nothing is deleted (RuntimeError)."""
+        if not wait_s >= 0:
+            raise ValueError(f"wait_s must be >= 0, got {wait_s!r}")
+        deadline = time.monotonic() + wait_s
+        while True:
+            live = [w.worker_id for w in self.list()]
+            if not live:
+                break
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"namespace {self.namespace} has live workers {live} (still heartbeating "
+                                   f"after {wait_s:g} s): a running cluster uses it; stop that one first")
+            time.sleep(poll_s)
+        keys = self.keys()
+        if keys:
+            self._redis.delete(*keys)
+            log.warning("removed %d stale key(s) of namespace %s: %s", len(keys), self.namespace, keys)
+        return keys
+
     def ping(self) -> bool:
         """True when Redis answers."""
         return bool(self._redis.ping())
