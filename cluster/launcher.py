@@ -259,7 +259,7 @@ class Cluster:
                 self._add(role, missing)
             new_ids = [m.worker_id for m in self._members[role] if m.worker_id not in before]
             if gone or new_ids:
-                log.warning("cluster %s: replaced %s %s with %s", self.namespace, role,
+                log.info("cluster %s: replaced %s %s with %s", self.namespace, role,
                             [m.worker_id for m in gone], new_ids)
             return new_ids
 
