@@ -55,24 +55,34 @@ def _poll_until(pred, timeout_s: float, what: str):
 
 
 class RedisStore(dist.Store):
-    """A ``torch.distributed.Store`` on Redis (usable by ProcessGroupGloo's rendezvous)."""
+    """A ``torch.distributed.Store`` on Redis (usable by ProcessGroupGloo's rendezvous).
 
-    def __init__(self, url: str, timeout_s: float = 30.0):
+    Every key it writes expires ``key_ttl_s`` after its last write: rendezvous keys are read only while a
+    pair group is being built (seconds), so a cancelled or crashed rendezvous, or a whole cluster killed
+    with SIGKILL, leaves nothing in Redis past the TTL."""
+
+    def __init__(self, url: str, timeout_s: float = 30.0, key_ttl_s: float = 600.0):
         super().__init__()
         import redis  # the cluster's Redis client; imported here so gloo-only users need not load it
 
+        if not key_ttl_s > timeout_s:
+            raise ValueError(f"key_ttl_s must be > timeout_s ({timeout_s}), got {key_ttl_s!r}")
         self._r = redis.Redis.from_url(url, socket_timeout=max(timeout_s, 1.0))
         self._timeout_s = timeout_s
+        self._ttl_ms = int(key_ttl_s * 1000)
 
     # torch's c10d calls these through its Python trampoline
     def set(self, key: str, value) -> None:
-        self._r.set(key, value if isinstance(value, (bytes, bytearray)) else str(value).encode())
+        self._r.set(key, value if isinstance(value, (bytes, bytearray)) else str(value).encode(), px=self._ttl_ms)
 
     def get(self, key: str) -> bytes:
         return _poll_until(lambda: self._r.get(key), self._timeout_s, f"key {key!r}")
 
     def add(self, key: str, value: int) -> int:
-        return int(self._r.incrby(key, value))
+        pipe = self._r.pipeline(transaction=True)
+        pipe.incrby(key, value)
+        pipe.pexpire(key, self._ttl_ms)
+        return int(pipe.execute()[0])
 
     def compare_set(self, key: str, expected, desired) -> bytes:
         expected = expected.encode() if isinstance(expected, str) else bytes(expected)
@@ -81,9 +91,9 @@ class RedisStore(dist.Store):
         # expected is empty; return the value now stored (or the current one on mismatch)
         script = ("local v = redis.call('GET', KEYS[1]) "
                   "if (v == false and ARGV[1] == '') or v == ARGV[1] then "
-                  "redis.call('SET', KEYS[1], ARGV[2]) return ARGV[2] end "
+                  "redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return ARGV[2] end "
                   "if v == false then return ARGV[1] end return v")
-        return bytes(self._r.eval(script, 1, key, expected, desired))
+        return bytes(self._r.eval(script, 1, key, expected, desired, self._ttl_ms))
 
     def wait(self, keys, timeout=None) -> None:
         t = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else self._timeout_s

@@ -45,3 +45,21 @@ def test_bad_store_urls(url, match):
         open_store(url)
     with pytest.raises(ValueError, match="namespace"):
         open_store(StoreConfig("tcp://127.0.0.1:1", namespace="a/b"))
+
+
+def test_redis_store_keys_expire(redis_url, redis_namespace):
+    """Every key the rendezvous writes carries a TTL, so a killed cluster leaves nothing that outlives it."""
+    import redis
+
+    st = RedisStore(redis_url, timeout_s=1.0, key_ttl_s=120.0)
+    prefix = f"{redis_namespace}:ttl"
+    _exercise(st, prefix)
+    st.add(f"{prefix}/counter", 1)
+    dist.PrefixStore(f"{prefix}/pg", st).set("rank0", "addr")
+    r = redis.Redis.from_url(redis_url)
+    keys = list(r.scan_iter(match=f"{prefix}/*"))
+    assert len(keys) >= 4
+    ttls = {k.decode(): r.pttl(k) for k in keys}
+    assert all(0 < t <= 120_000 for t in ttls.values()), ttls
+    with pytest.raises(ValueError, match="key_ttl_s"):
+        RedisStore(redis_url, timeout_s=30.0, key_ttl_s=10.0)
