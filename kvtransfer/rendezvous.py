@@ -36,7 +36,12 @@ class Rendezvous:
         self.name = name
         self.incarnation = uuid.uuid4().hex[:12]
         self._seq = itertools.count(1)
-        self.store.set(f"inc/{name}", self.incarnation)
+        self.publish()
+
+    def publish(self) -> None:
+        """(Re)write this endpoint's incarnation. Store keys may expire (the Redis store's TTL) or vanish
+        (a restarted Redis), so a receiver publishes again each time it waits for an offer."""
+        self.store.set(f"inc/{self.name}", self.incarnation)
 
     def _poll(self, fn: Callable[[], str | None], timeout_s: float, what: str,
               stop: Callable[[], bool]) -> str:
@@ -72,6 +77,7 @@ class Rendezvous:
     def accept(self, sender: str, last_key: str | None, timeout_s: float, stop: Callable[[], bool]) -> str:
         """Receiver side: wait for a new offer from ``sender`` to this incarnation; returns its key."""
         mine = f">{self.name}.{self.incarnation}."
+        self.publish()  # the sender looks this up first; it may have expired since the endpoint started
 
         def fresh() -> str | None:
             key = self._get(f"offer/{sender}>{self.name}")

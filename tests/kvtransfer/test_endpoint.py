@@ -288,3 +288,21 @@ def test_unknown_peer_fails_at_deadline_saying_why():
         assert time.monotonic() - t0 < 1.0
         assert "deadline exceeded" in p.failure(h) and "pair not connected" in p.failure(h)
         assert "'nobody'" in p.failure(h)
+
+
+def test_receiver_republishes_its_incarnation_when_the_store_lost_it():
+    """Rendezvous keys expire (the Redis store's TTL) or vanish (a restarted Redis): a receiver that has been
+    up for longer still pairs with a new sender, because it publishes its incarnation again when it waits."""
+    st = InprocStore()
+    d = KVEndpoint("d0", st, backend="inproc", timeout_s=3.0)
+    p = KVEndpoint("p1", st, backend="inproc", timeout_s=3.0)
+    try:
+        assert st.delete_key("kvt/inc/d0")  # the receiver's incarnation, gone as if it had expired
+        src, dst = make_cache(SRC), make_cache(DST)
+        hr = d.recv("p1", "r", dst, [4, 5], 7)
+        hs = p.send("d0", "r", src, [1, 2], 7, layers_ready=True)
+        assert p.wait(hs, 5) == DONE, p.failure(hs)
+        assert d.wait(hr, 5) == DONE and token_checksum(src, [1, 2], 7) == token_checksum(dst, [4, 5], 7)
+    finally:
+        p.shutdown()
+        d.shutdown()
