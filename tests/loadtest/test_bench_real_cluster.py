@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.cli import main
 
-TRACE = Path(__file__).resolve().parents[2] / "../shared/traces/azure_llm_2023_conv.csv"
+TRACE = Path(__file__).resolve().parents[1] / "data/azure_llm_2023_conv_first400.csv"  # see tests/data/README.md
 
 SUMMARY_KEYS = ["completed", "failed", "duration", "request_throughput", "output_throughput",
                 "total_token_throughput", "total_input_tokens", "total_output_tokens", "input_lens", "output_lens",

@@ -18,7 +18,7 @@ from loadtest.stats import itls_s, summarize, tpot_s, ttft_s
 from loadtest.workload import BenchRequest
 from tests.loadtest.fake_server import FakeConfig, FakePDServe
 
-TRACE = Path(__file__).resolve().parents[2] / "../shared/traces/azure_llm_2023_conv.csv"
+TRACE = Path(__file__).resolve().parents[1] / "data/azure_llm_2023_conv_first400.csv"  # see tests/data/README.md
 
 
 def test_client_times_the_stream():
