@@ -95,7 +95,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 _DOWN_EPILOG = """\
 What a SIGKILLed `pdserve up` leaves (measured with Ray 2.60, private local Ray, one machine):
-  - Redis: its kvtransfer rendezvous keys ({ns}:kvt/...), which never expire; the worker records
+  - Redis: its kvtransfer rendezvous keys ({ns}:kvt/...), which expire 10 min after their last write
+    (they never did before that TTL was added: measured then); the worker records
     ({ns}:worker:*, {ns}:workers) expire by themselves within the TTL (3 s) once the actors are gone
     (all gone 5 s after the kill). `pdserve down` removes the rest; `pdserve up --namespace NS`
     does the same before it starts.

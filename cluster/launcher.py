@@ -116,7 +116,7 @@ class Cluster:
         self.registry = Registry(self.redis_url, self.namespace, ttl_s=self.config.ttl_s)
         self.registry.ping()
         if self.config.namespace:
-            # A named namespace may hold what a killed run left (kvtransfer rendezvous keys never expire);
+            # A named namespace may hold what a killed run left (kvtransfer rendezvous keys live 10 min);
             # a running cluster's live workers make this raise instead of taking its keys.
             self.registry.clear_stale(wait_s=2 * self.config.ttl_s + 5)
 
