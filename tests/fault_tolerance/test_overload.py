@@ -8,20 +8,16 @@ from collections import Counter
 
 import grpc
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from engine import SamplingParams
-from tests.roles.harness import collect, joined, offline, start_roles
+from tests.roles.harness import collect, counter_values, joined, offline, start_roles
 
 BOUND = 4
 KW = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 
 def _errors_by_code(roles) -> dict[str, float]:
-    for fam in text_string_to_metric_families(roles.router.metrics.render().decode()):
-        if fam.name == "pdserve:request_errors":
-            return {s.labels["code"]: s.value for s in fam.samples if s.name.endswith("_total")}
-    return {}
+    return counter_values(roles.router.metrics, "pdserve:request_errors", "code")
 
 
 def test_three_times_the_bound_gives_only_ok_and_resource_exhausted():

@@ -148,3 +148,19 @@ def offline(prompts: list, params: list[SamplingParams]) -> list:
         llm = _OFFLINE["tiny"] = LLM(model="tiny", num_kv_blocks=256, num_threads=1)
     outs = llm.generate(prompts, params)
     return [(o.token_ids, o.text, o.finish_reason, o.logprobs) for o in outs]
+
+
+def counter_values(metrics: Any, name: str, label: Optional[str] = None) -> dict[str, float]:
+    """A Prometheus counter's ``_total`` values read from ``metrics.render()`` (what /metrics serves), keyed by
+    ``label``'s value ("" for all series summed when ``label`` is None); {} when the counter has no series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(metrics.render().decode()):
+        if fam.name != name:
+            continue
+        for smp in fam.samples:
+            if smp.name.endswith("_total"):
+                key = smp.labels[label] if label else ""
+                out[key] = out.get(key, 0.0) + smp.value
+    return out

@@ -6,20 +6,16 @@ from __future__ import annotations
 import grpc
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from engine import SamplingParams
-from tests.roles.harness import collect, engine_config, joined, offline, start_roles
+from tests.roles.harness import collect, counter_values, engine_config, joined, offline, start_roles
 
 PROMPT = "def degrade(pool):"
 KW = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def _degraded(roles) -> dict[str, float]:
-    for fam in text_string_to_metric_families(roles.router.metrics.render().decode()):
-        if fam.name == "pdserve:degraded_requests":
-            return {s.labels["reason"]: s.value for s in fam.samples if s.name.endswith("_total")}
-    return {}
+    return counter_values(roles.router.metrics, "pdserve:degraded_requests", "reason")
 
 
 def test_no_prefill_worker_decode_workers_prefill_themselves():

@@ -13,11 +13,10 @@ from __future__ import annotations
 import time
 
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2
-from tests.roles.harness import offline, start_colocated, start_roles
+from tests.roles.harness import counter_values, offline, start_colocated, start_roles
 
 PROMPT = "def migrate(worker):"
 GREEDY = dict(max_tokens=1000, temperature=0.0, ignore_eos=True)
@@ -39,10 +38,7 @@ def _stream_killing(roles, workers, kw: dict, rid: str, after: int) -> tuple[lis
 
 def _migrations(roles) -> float:
     """The router's pdserve:request_migrations_total, read from its /metrics text."""
-    for fam in text_string_to_metric_families(roles.router.metrics.render().decode()):
-        if fam.name == "pdserve:request_migrations":
-            return sum(s.value for s in fam.samples if s.name.endswith("_total"))
-    raise AssertionError("pdserve:request_migrations_total is not exported")
+    return counter_values(roles.router.metrics, "pdserve:request_migrations")[""]
 
 
 def test_decode_worker_lost_midstream_resumes_on_another():
