@@ -2,16 +2,19 @@
 
 Lifecycle: one ``WorkerClients`` per router. Stubs are made on first use of an
 address and reused by every request (a channel multiplexes many calls);
-``close()`` at router stop closes them all. Addresses that vanish from the
+``close()`` at router stop closes them all. With a cluster secret, every call carries it
+(``authorization: Bearer``), as the workers require. Addresses that vanish from the
 registry keep an idle channel until then, which is cheap.
 """
 from __future__ import annotations
 
 import threading
+from typing import Any, Optional
 
 import grpc
 
 from proto import worker_pb2_grpc
+from worker_common.auth import bearer_metadata
 
 # Worker streams carry few, small messages; keepalive notices a dead worker's connection.
 _CHANNEL_OPTIONS = [
@@ -21,12 +24,37 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+class _WithMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds fixed metadata (the cluster secret) to every call on a channel."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._metadata = metadata
+
+    def _details(self, d: Any) -> Any:
+        md = tuple(d.metadata or ()) + self._metadata
+        return d._replace(metadata=md) if hasattr(d, "_replace") else _Details(d, md)
+
+    def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        return continuation(self._details(client_call_details), request)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, d: Any, metadata: tuple) -> None:
+        self.method, self.timeout, self.credentials = d.method, d.timeout, d.credentials
+        self.wait_for_ready, self.compression = getattr(d, "wait_for_ready", None), getattr(d, "compression", None)
+        self.metadata = metadata
+
+
 class WorkerClients:
     """Cached channels and stubs keyed by worker gRPC address."""
 
-    def __init__(self) -> None:
+    def __init__(self, cluster_secret: Optional[str] = None) -> None:
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
+        self._auth = _WithMetadata(bearer_metadata(cluster_secret)) if cluster_secret else None
 
     def _channel(self, address: str) -> grpc.Channel:
         if not address:
@@ -35,6 +63,8 @@ class WorkerClients:
             ch = self._channels.get(address)
             if ch is None:
                 ch = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                if self._auth is not None:
+                    ch = grpc.intercept_channel(ch, self._auth)
                 self._channels[address] = ch
             return ch
 

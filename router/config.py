@@ -5,7 +5,7 @@ Lifecycle: built by the caller (the cluster, a test), checked once in
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 MODES = ("disaggregated", "colocated")
@@ -66,6 +66,17 @@ class RouterConfig:
     """How often the router re-reads the worker registry in the background (requests never wait on it)."""
     serve_metrics: bool = True
     """Serve the router's Prometheus /metrics on a free port of ``host``."""
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    """Public API keys: when any is set, every Generate/Tokenize/GetModelInfo call must carry one as
+    ``authorization: Bearer <key>`` (UNAUTHENTICATED otherwise); health and reflection stay open."""
+    ssl_certfile: Optional[str] = None
+    """PEM certificate chain: serve the public API over TLS (with ``ssl_keyfile``)."""
+    ssl_keyfile: Optional[str] = None
+    """PEM private key of ``ssl_certfile``."""
+    ssl_ca_certs: Optional[str] = None
+    """PEM CA bundle: require clients to present a certificate it signed (mutual TLS)."""
+    cluster_secret: Optional[str] = field(default=None, repr=False)
+    """Presented to the workers on every internal call (their ``WorkerConfig.cluster_secret``)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -99,6 +110,19 @@ class RouterConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_context_length is not None and self.max_context_length < 2:
             raise ValueError(f"max_context_length must be >= 2, got {self.max_context_length}")
+        self._check_security()
+
+    def _check_security(self) -> None:
+        if isinstance(self.api_keys, str) or not all(isinstance(k, str) and k for k in self.api_keys):
+            raise ValueError("api_keys must be a tuple of non-empty strings (their values are not shown)")
+        self.api_keys = tuple(self.api_keys)
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile must be given together")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ValueError("ssl_ca_certs (mutual TLS) needs ssl_certfile and ssl_keyfile")
+        if self.cluster_secret is not None and (not isinstance(self.cluster_secret, str) or
+                                                len(self.cluster_secret) < 16):
+            raise ValueError("cluster_secret must be a string of at least 16 characters (its value is not shown)")
 
     @property
     def served_model_name(self) -> str:

@@ -49,7 +49,7 @@ class RouterCore:
         """The pools as routing sees them: refreshed in the background, failed workers out at once."""
         self.selector = WorkerSelector()
         self.prefixes = PrefixIndex()  # which worker was sent which prompt prefix (prefix-aware routing)
-        self.clients = WorkerClients()
+        self.clients = WorkerClients(cfg.cluster_secret)
         self.admission = AdmissionQueue(on_change=lambda n: self._update_gauges())
         self.placer = Placer(cfg, self.view, self.selector, self.clients, self.admission, self.prefixes)
         self.tokenizer: Any = None

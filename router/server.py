@@ -25,6 +25,7 @@ from router.events import FlowError, FlowEvent
 from router.validation import ModelLimits, validate_generate
 from router.wire import logprobs_to_public
 from router.worker_source import WorkerSource
+from worker_common.auth import BearerAuth, TlsFiles
 from worker_common.serving import GrpcServing
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,9 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         self.core = RouterCore(cfg, workers)
         self.cfg = cfg
         self.workers = workers
-        self._serving = GrpcServing("router", cfg.host, cfg.port, cfg.max_rpc_threads)
+        auth = BearerAuth(cfg.api_keys, "router") if cfg.api_keys else None
+        tls = TlsFiles(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs) if cfg.ssl_certfile else None
+        self._serving = GrpcServing("router", cfg.host, cfg.port, cfg.max_rpc_threads, auth=auth, tls=tls)
         self.metrics_address = ""
         self._metrics_stop: Optional[Callable[[], None]] = None
 

@@ -44,6 +44,10 @@ class WorkerConfig:
     """Serve this worker's Prometheus /metrics on a free port of ``host``."""
     node_id: str = ""
     """Where the worker runs (informational, copied into WorkerInfo)."""
+    cluster_secret: Optional[str] = field(default=None, repr=False)
+    """When set, every call to this worker's gRPC API (Reserve, Prefill, Decode, Generate, Abort, GetInfo) must
+    carry it as ``authorization: Bearer <secret>``, else UNAUTHENTICATED before any work; health and reflection
+    stay open. Never logged (kept out of repr)."""
 
     role = "worker"
 
@@ -58,6 +62,9 @@ class WorkerConfig:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
         if self.max_rpc_threads < 1:
             raise ValueError(f"max_rpc_threads must be >= 1, got {self.max_rpc_threads}")
+        if self.cluster_secret is not None and (not isinstance(self.cluster_secret, str) or
+                                                len(self.cluster_secret) < 16):
+            raise ValueError("cluster_secret must be a string of at least 16 characters (its value is not shown)")
         if not isinstance(self.kv_backend, str) or not self.kv_backend:
             raise ValueError(f"kv_backend must be a backend name, got {self.kv_backend!r}")
 

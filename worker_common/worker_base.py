@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import grpc
 
+from worker_common.auth import BearerAuth
 from worker_common.config import WorkerConfig
 from worker_common.engine_loop import EngineLoop
 from worker_common.request import RequestError, RequestSet, request_params
@@ -43,7 +44,10 @@ class WorkerBase:
 
     def __init__(self, cfg: WorkerConfig) -> None:
         self.cfg = cfg
-        self._serving = GrpcServing(f"{self.role}-{cfg.worker_id}", cfg.host, cfg.port, cfg.max_rpc_threads)
+        auth = (BearerAuth([cfg.cluster_secret], f"{self.role} worker {cfg.worker_id}")
+                if cfg.cluster_secret else None)
+        self._serving = GrpcServing(f"{self.role}-{cfg.worker_id}", cfg.host, cfg.port, cfg.max_rpc_threads,
+                                    auth=auth)
         self.engine: Any = None
         self.loop: Optional[EngineLoop] = None
         self.kv: Any = None
