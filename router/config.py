@@ -66,6 +66,9 @@ class RouterConfig:
     """How often the router re-reads the worker registry in the background (requests never wait on it)."""
     serve_metrics: bool = True
     """Serve the router's Prometheus /metrics on a free port of ``host``."""
+    http_port: Optional[int] = None
+    """OpenAI-compatible HTTP API (``router.http_api``) on this port of ``host``; 0 picks a free one;
+    None: no HTTP API."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     """Public API keys: when any is set, every Generate/Tokenize/GetModelInfo call must carry one as
     ``authorization: Bearer <key>`` (UNAUTHENTICATED otherwise); health and reflection stay open."""
@@ -83,6 +86,8 @@ class RouterConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be None or in [0, 65535], got {self.http_port}")
         if self.max_num_requests < 1:
             raise ValueError(f"max_num_requests must be >= 1, got {self.max_num_requests}")
         if self.max_num_requests >= self.max_rpc_threads:

@@ -2,7 +2,8 @@
 
 Lifecycle: ``RouterServer(cfg, workers)`` -> ``start()`` = ``bind()`` (port 0 = free; health
 NOT_SERVING, reflection) + ``load()`` (the ``RouterCore`` reads the tokenizer and limits, no
-weights; metrics endpoint; health SERVING). Each ``Generate`` is validated
+weights; metrics endpoint; the OpenAI-compatible HTTP API when ``cfg.http_port`` is set;
+health SERVING). Each ``Generate`` is validated
 (INVALID_ARGUMENT naming the field), then run by the core (admission, the request flow),
 whose front-end-neutral ``FlowEvent``s this servicer renders as ``GenerateResponse``s and
 whose ``FlowError`` becomes the call's status; a client cancel or deadline reaches the flow
@@ -61,6 +62,13 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         self._serving = GrpcServing("router", cfg.host, cfg.port, cfg.max_rpc_threads, auth=auth, tls=tls)
         self.metrics_address = ""
         self._metrics_stop: Optional[Callable[[], None]] = None
+        self.http: Optional[Any] = None
+        """The OpenAI-compatible HTTP front end (``router.http_api.HttpApi``) when ``cfg.http_port`` is set."""
+
+    @property
+    def http_address(self) -> str:
+        """"host:port" of the HTTP API ("" when off)."""
+        return self.http.address if self.http is not None else ""
 
     @property
     def address(self) -> str:
@@ -109,6 +117,11 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         self.core.load()
         if self.cfg.serve_metrics:
             self.metrics_address, self._metrics_stop = self.core.metrics.serve(host=self.cfg.host, port=0)
+        if self.cfg.http_port is not None:
+            from router.http_api import HttpApi
+
+            self.http = HttpApi(self.core, self.cfg.host, self.cfg.http_port, self.cfg.api_keys)
+            self.http.start()
         if not self.core.draining:
             self._serving.set_serving(True)
         log.info("router on %s (%s mode)", self.address, self.cfg.mode)
@@ -154,6 +167,8 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         return clean
 
     def stop(self) -> None:
+        if self.http is not None:
+            self.http.stop()
         self._serving.stop(0.5)
         self.core.close()
         if self._metrics_stop is not None:

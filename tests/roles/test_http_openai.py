@@ -1,0 +1,126 @@
+"""The OpenAI-compatible HTTP API, driven by the official ``openai`` client (and raw httpx for SSE details and a
+disconnect), over the real router, prefill and decode workers and gloo KV. Greedy text equals the offline
+engine's; errors come back in OpenAI's shape with the matching HTTP status; a client that goes away frees the
+request's blocks on both workers."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+import torch
+
+from engine import SamplingParams
+from tests.roles.harness import counter_values, offline, start_roles
+
+KEY = "http-test-key-0123456789"
+
+
+@pytest.fixture(scope="module")
+def roles():
+    torch.set_num_threads(1)
+    r = start_roles(tag="http-", router=dict(http_port=0, api_keys=(KEY,), max_num_requests=8))
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def client(roles):
+    return openai.OpenAI(base_url=f"http://{roles.router.http_address}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _offline_text(prompt, **kw) -> tuple:
+    ids, text, reason, _ = offline([prompt], [SamplingParams(**kw)])[0]
+    return ids, text, reason
+
+
+def test_models_health_metrics(roles, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    base = f"http://{roles.router.http_address}"
+    assert httpx.get(f"{base}/health", timeout=10).status_code == 200  # open without a key
+    m = httpx.get(f"{base}/metrics", timeout=10)
+    assert m.status_code == 200 and "pdserve:request_success_total" in m.text
+
+
+def test_completion_equals_offline_with_usage_and_logprobs(client):
+    ids, text, reason = _offline_text("def add(a, b):", max_tokens=12, temperature=0.0, ignore_eos=True)
+    r = client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=12, temperature=0,
+                                  logprobs=2, extra_body={"ignore_eos": True})
+    c = r.choices[0]
+    assert (c.text, c.finish_reason) == (text, reason) == (text, "length")
+    assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
+    assert len(c.logprobs.tokens) == 12 and all(len(t) <= 3 for t in c.logprobs.top_logprobs)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_streamed_completion_and_chat(client, roles):
+    _, text, _ = _offline_text("import os", max_tokens=10, temperature=0.0, ignore_eos=True)
+    chunks = list(client.completions.create(model="tiny", prompt="import os", max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    # chat: the template renders, the engine continues the rendered ids exactly as offline
+    tok = roles.router.tokenizer
+    msgs = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A loop, please."}]
+    ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True), add_special_tokens=False)
+    want = offline([ids], [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)])[0][1]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].message.content == want and r.usage.prompt_tokens == len(ids)
+    streamed = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
+                                              stream=True, extra_body={"ignore_eos": True})
+    parts = list(streamed)
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == want
+
+
+def test_batch_prompts_and_n_with_seeds(client):
+    kw = dict(max_tokens=6, temperature=0.9, seed=11, ignore_eos=True)
+    r = client.completions.create(model="tiny", prompt=["a = 1", "b = 2"], n=2, max_tokens=6, temperature=0.9,
+                                  seed=11, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    want = [offline([p], [SamplingParams(**{**kw, "seed": 11 + i})])[0][1] for p in ("a = 1", "b = 2") for i in (0, 1)]
+    assert [c.text for c in r.choices] == want
+    ids = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert ids.choices[0].text == offline([[5, 6, 7, 8]], [SamplingParams(max_tokens=4, temperature=0.0,
+                                                                          ignore_eos=True)])[0][1]
+
+
+def test_errors_have_openai_shape_and_status(roles, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert "gpt-4" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, temperature=-1)
+    assert "temperature" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=10**6)
+    assert "max_tokens" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=2)
+    bad_key = openai.OpenAI(base_url=f"http://{roles.router.http_address}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.models.list()
+    raw = httpx.post(f"http://{roles.router.http_address}/v1/completions", content=b"{not json",
+                     headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"}, timeout=10)
+    assert raw.status_code == 400 and "error" in raw.json()
+
+
+def test_disconnect_cancels_and_frees_blocks(roles):
+    gen = lambda: counter_values(roles.router.metrics, "pdserve:generation_tokens").get("", 0.0)  # noqa: E731
+    before = gen()
+    url = f"http://{roles.router.http_address}/v1/completions"
+    body = {"model": "tiny", "prompt": "def forever():", "max_tokens": 1500, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", url, json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["index"] == 0
+    # the client closed the stream after one chunk: both workers drop the request and free its blocks
+    assert roles.wait_idle(20.0)
+    assert roles.router.num_in_flight == 0
+    assert gen() - before < 1500  # it was cut short, not run to its 1500 tokens
