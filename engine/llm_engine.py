@@ -272,6 +272,8 @@ class LLMEngine:
         ids = self._check_ids("prompt_token_ids", prompt_token_ids)
         if not ids:
             raise ValueError("prompt_token_ids must not be empty")
+        if params.logit_bias:
+            self._check_ids("logit_bias", params.logit_bias.keys())
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt_token_ids has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(prompt plus at least one new token)")

@@ -114,13 +114,14 @@ class Sampler:
         need_penalty = any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
                            or p.presence_penalty != 0.0 for p in params)
         need_min = any(len(r.output_token_ids) < r.params.min_tokens for r in reqs)
+        need_bias = any(p.logit_bias for p in params)
 
         # Fast path: plain greedy batch, the common case for evals and load tests.
-        if all(p.greedy for p in params) and not need_penalty and not need_min:
+        if all(p.greedy for p in params) and not need_penalty and not need_min and not need_bias:
             tokens = raw.argmax(dim=-1)
             return tokens.tolist(), self._logprobs(raw, tokens, params, want_lp)
 
-        x = self._process(raw, reqs, need_penalty, need_min)
+        x = self._process(raw, reqs, need_penalty, need_min, need_bias)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled_rows) == B:  # all sampled: no row shuffling
             tokens = self._draw(torch.softmax(x, dim=-1), reqs)
@@ -142,13 +143,15 @@ class Sampler:
         """
         if logits.dim() != 2 or logits.shape[0] != len(reqs):
             raise ValueError(f"logits must be [len(reqs)={len(reqs)}, V], got {tuple(logits.shape)}")
-        return self._process(logits[:, : self.vocab_size].float(), reqs, True, True)
+        return self._process(logits[:, : self.vocab_size].float(), reqs, True, True, True)
 
     def _process(self, raw: torch.Tensor, reqs: list[SamplingRequest], need_penalty: bool,
-                 need_min: bool) -> torch.Tensor:
+                 need_min: bool, need_bias: bool = False) -> torch.Tensor:
         x = raw.clone()
         if need_penalty:
             x = self._apply_penalties(x, reqs)
+        if need_bias:
+            x = self._apply_logit_bias(x, reqs)
         if need_min:
             x = self._apply_min_tokens(x, reqs)
         sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
@@ -176,6 +179,22 @@ class Sampler:
             x = torch.where(seen, penalised, x)
         # OpenAI: logit -= count * frequency_penalty + (count > 0) * presence_penalty.
         x = x - out_counts * freq - (out_counts > 0).float() * pres
+        return x
+
+    def _apply_logit_bias(self, x: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        for i, r in enumerate(reqs):
+            for t, b in (r.params.logit_bias or {}).items():
+                if 0 <= t < self.vocab_size:
+                    rows.append(i)
+                    cols.append(t)
+                    vals.append(b)
+        if rows:
+            dev = x.device
+            x = x.index_put((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                            torch.tensor(vals, device=dev, dtype=x.dtype), accumulate=True)
         return x
 
     def _apply_min_tokens(self, x: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:

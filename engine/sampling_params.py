@@ -50,8 +50,12 @@ class SamplingParams:
     """None: no logprobs; 0: logprob of the chosen token; n > 0: also the top-n alternatives."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
+    logit_bias: Optional[dict[int, float]] = None
+    """OpenAI semantics: added to the model's logit of each token id before sampling (in [-100, 100]; -100
+    in effect bans a token, +100 forces it); logprobs still describe the model's own distribution."""
 
     MAX_LOGPROBS = 20
+    MAX_LOGIT_BIAS = 1024
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +87,22 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
         if self.logprobs is not None:
             self._check_int("logprobs", 0, self.MAX_LOGPROBS)
+        if self.logit_bias is not None:
+            self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+        if len(self.logit_bias) > self.MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {self.MAX_LOGIT_BIAS}")
+        clean: dict[int, float] = {}
+        for t, b in self.logit_bias.items():
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or not -100 <= b <= 100:
+                raise ValueError(f"logit_bias[{t}] must be a number in [-100, 100], got {b!r}")
+            clean[t] = float(b)
+        self.logit_bias = clean or None
 
     @property
     def greedy(self) -> bool:

@@ -25,45 +25,49 @@ _sym_db = _symbol_database.Default()
 from proto import pdserve_pb2 as proto_dot_pdserve__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\x13pdserve.internal.v1\x1a\x13proto/pdserve.proto\"\xc4\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x0f\n\x07kv_name\x18\x04 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x05 \x01(\t\x12\x12\n\nmodel_name\x18\x06 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\x05\x12\x13\n\x0bnum_running\x18\t \x01(\x05\x12\x13\n\x0bnum_waiting\x18\n \x01(\x05\x12\x1c\n\x14queued_prompt_tokens\x18\x0b \x01(\x03\x12\r\n\x05ready\x18\x0c \x01(\x08\x12\x12\n\nblock_size\x18\r \x01(\x05\x12\x12\n\nupdated_at\x18\x0e \x01(\x01\x12\x0f\n\x07node_id\x18\x0f \x01(\t\"\xf9\x02\n\x12WireSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x12\n\nmin_tokens\x18\x02 \x01(\x05\x12\x13\n\x0btemperature\x18\x03 \x01(\x01\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x01\x12\x11\n\ttypical_p\x18\x07 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xa6\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x37\n\x06params\x18\x03 \x01(\x0b\x32\'.pdserve.internal.v1.WireSamplingParams\x12\x17\n\x0fprefill_kv_name\x18\x04 \x01(\t\x12\x14\n\x0ckv_timeout_s\x18\x05 \x01(\x01\"I\n\x0fReserveResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x0f\n\x07kv_name\x18\x03 \x01(\t\"l\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12/\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xb5\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x11\n\tkv_wait_s\x18\x04 \x01(\x01\x12\x0f\n\x07queue_s\x18\x05 \x01(\x01\x12\x11\n\tprefill_s\x18\x06 \x01(\x01\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\"\xbe\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x37\n\x06params\x18\x03 \x01(\x0b\x32\'.pdserve.internal.v1.WireSamplingParams\x12\x14\n\x0c\x64\x65st_kv_name\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x65st_block_ids\x18\x05 \x03(\x05\x12\x17\n\x0f\x64\x65st_block_size\x18\x06 \x01(\x05\"\x88\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"%\n\x0cTransferDone\x12\x15\n\rkv_transfer_s\x18\x01 \x01(\x01\"\x8b\x01\n\x0cPrefillEvent\x12\x36\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x1f.pdserve.internal.v1.FirstTokenH\x00\x12:\n\rtransfer_done\x18\x02 \x01(\x0b\x32!.pdserve.internal.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"\x93\x01\n\x10\x43olocatedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x37\n\x06params\x18\x03 \x01(\x0b\x32\'.pdserve.internal.v1.WireSamplingParams\x12\x18\n\x10resume_token_ids\x18\x04 \x03(\x05\x32\xd7\x02\n\x0c\x44\x65\x63odeWorker\x12T\n\x07Reserve\x12#.pdserve.internal.v1.ReserveRequest\x1a$.pdserve.internal.v1.ReserveResponse\x12P\n\x06\x44\x65\x63ode\x12\".pdserve.internal.v1.DecodeRequest\x1a .pdserve.internal.v1.DecodeChunk0\x01\x12N\n\x05\x41\x62ort\x12!.pdserve.internal.v1.AbortRequest\x1a\".pdserve.internal.v1.AbortResponse\x12O\n\x07GetInfo\x12#.pdserve.internal.v1.GetInfoRequest\x1a\x1f.pdserve.internal.v1.WorkerInfo2\x85\x02\n\rPrefillWorker\x12S\n\x07Prefill\x12#.pdserve.internal.v1.PrefillRequest\x1a!.pdserve.internal.v1.PrefillEvent0\x01\x12N\n\x05\x41\x62ort\x12!.pdserve.internal.v1.AbortRequest\x1a\".pdserve.internal.v1.AbortResponse\x12O\n\x07GetInfo\x12#.pdserve.internal.v1.GetInfoRequest\x1a\x1f.pdserve.internal.v1.WorkerInfo2\x89\x02\n\x0f\x43olocatedWorker\x12U\n\x08Generate\x12%.pdserve.internal.v1.ColocatedRequest\x1a .pdserve.internal.v1.DecodeChunk0\x01\x12N\n\x05\x41\x62ort\x12!.pdserve.internal.v1.AbortRequest\x1a\".pdserve.internal.v1.AbortResponse\x12O\n\x07GetInfo\x12#.pdserve.internal.v1.GetInfoRequest\x1a\x1f.pdserve.internal.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/worker.proto\x12\x13pdserve.internal.v1\x1a\x13proto/pdserve.proto\"\xc4\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x0f\n\x07kv_name\x18\x04 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x05 \x01(\t\x12\x12\n\nmodel_name\x18\x06 \x01(\t\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x08 \x01(\x05\x12\x13\n\x0bnum_running\x18\t \x01(\x05\x12\x13\n\x0bnum_waiting\x18\n \x01(\x05\x12\x1c\n\x14queued_prompt_tokens\x18\x0b \x01(\x03\x12\r\n\x05ready\x18\x0c \x01(\x08\x12\x12\n\nblock_size\x18\r \x01(\x05\x12\x12\n\nupdated_at\x18\x0e \x01(\x01\x12\x0f\n\x07node_id\x18\x0f \x01(\t\"\xf7\x03\n\x12WireSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x12\n\nmin_tokens\x18\x02 \x01(\x05\x12\x13\n\x0btemperature\x18\x03 \x01(\x01\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x01\x12\x11\n\ttypical_p\x18\x07 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x01\x88\x01\x01\x12\x1b\n\x13skip_special_tokens\x18\x10 \x01(\x08\x12J\n\nlogit_bias\x18\x11 \x03(\x0b\x32\x36.pdserve.internal.v1.WireSamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetInfoRequest\"\xa6\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x37\n\x06params\x18\x03 \x01(\x0b\x32\'.pdserve.internal.v1.WireSamplingParams\x12\x17\n\x0fprefill_kv_name\x18\x04 \x01(\t\x12\x14\n\x0ckv_timeout_s\x18\x05 \x01(\x01\"I\n\x0fReserveResponse\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x0f\n\x07kv_name\x18\x03 \x01(\t\"l\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12/\n\rfirst_logprob\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\xb5\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x11\n\tkv_wait_s\x18\x04 \x01(\x01\x12\x0f\n\x07queue_s\x18\x05 \x01(\x01\x12\x11\n\tprefill_s\x18\x06 \x01(\x01\x12\x19\n\x11num_cached_tokens\x18\x07 \x01(\x05\"\xbe\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x37\n\x06params\x18\x03 \x01(\x0b\x32\'.pdserve.internal.v1.WireSamplingParams\x12\x14\n\x0c\x64\x65st_kv_name\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x65st_block_ids\x18\x05 \x03(\x05\x12\x17\n\x0f\x64\x65st_block_size\x18\x06 \x01(\x05\"\x88\x01\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12)\n\x07logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x0f\n\x07queue_s\x18\x03 \x01(\x01\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\"%\n\x0cTransferDone\x12\x15\n\rkv_transfer_s\x18\x01 \x01(\x01\"\x8b\x01\n\x0cPrefillEvent\x12\x36\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32\x1f.pdserve.internal.v1.FirstTokenH\x00\x12:\n\rtransfer_done\x18\x02 \x01(\x0b\x32!.pdserve.internal.v1.TransferDoneH\x00\x42\x07\n\x05\x65vent\"\x93\x01\n\x10\x43olocatedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x37\n\x06params\x18\x03 \x01(\x0b\x32\'.pdserve.internal.v1.WireSamplingParams\x12\x18\n\x10resume_token_ids\x18\x04 \x03(\x05\x32\xd7\x02\n\x0c\x44\x65\x63odeWorker\x12T\n\x07Reserve\x12#.pdserve.internal.v1.ReserveRequest\x1a$.pdserve.internal.v1.ReserveResponse\x12P\n\x06\x44\x65\x63ode\x12\".pdserve.internal.v1.DecodeRequest\x1a .pdserve.internal.v1.DecodeChunk0\x01\x12N\n\x05\x41\x62ort\x12!.pdserve.internal.v1.AbortRequest\x1a\".pdserve.internal.v1.AbortResponse\x12O\n\x07GetInfo\x12#.pdserve.internal.v1.GetInfoRequest\x1a\x1f.pdserve.internal.v1.WorkerInfo2\x85\x02\n\rPrefillWorker\x12S\n\x07Prefill\x12#.pdserve.internal.v1.PrefillRequest\x1a!.pdserve.internal.v1.PrefillEvent0\x01\x12N\n\x05\x41\x62ort\x12!.pdserve.internal.v1.AbortRequest\x1a\".pdserve.internal.v1.AbortResponse\x12O\n\x07GetInfo\x12#.pdserve.internal.v1.GetInfoRequest\x1a\x1f.pdserve.internal.v1.WorkerInfo2\x89\x02\n\x0f\x43olocatedWorker\x12U\n\x08Generate\x12%.pdserve.internal.v1.ColocatedRequest\x1a .pdserve.internal.v1.DecodeChunk0\x01\x12N\n\x05\x41\x62ort\x12!.pdserve.internal.v1.AbortRequest\x1a\".pdserve.internal.v1.AbortResponse\x12O\n\x07GetInfo\x12#.pdserve.internal.v1.GetInfoRequest\x1a\x1f.pdserve.internal.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_WIRESAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_WIRESAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_WORKERINFO']._serialized_start=65
   _globals['_WORKERINFO']._serialized_end=389
   _globals['_WIRESAMPLINGPARAMS']._serialized_start=392
-  _globals['_WIRESAMPLINGPARAMS']._serialized_end=769
-  _globals['_ABORTREQUEST']._serialized_start=771
-  _globals['_ABORTREQUEST']._serialized_end=805
-  _globals['_ABORTRESPONSE']._serialized_start=807
-  _globals['_ABORTRESPONSE']._serialized_end=837
-  _globals['_GETINFOREQUEST']._serialized_start=839
-  _globals['_GETINFOREQUEST']._serialized_end=855
-  _globals['_RESERVEREQUEST']._serialized_start=858
-  _globals['_RESERVEREQUEST']._serialized_end=1024
-  _globals['_RESERVERESPONSE']._serialized_start=1026
-  _globals['_RESERVERESPONSE']._serialized_end=1099
-  _globals['_DECODEREQUEST']._serialized_start=1101
-  _globals['_DECODEREQUEST']._serialized_end=1209
-  _globals['_DECODECHUNK']._serialized_start=1212
-  _globals['_DECODECHUNK']._serialized_end=1393
-  _globals['_PREFILLREQUEST']._serialized_start=1396
-  _globals['_PREFILLREQUEST']._serialized_end=1586
-  _globals['_FIRSTTOKEN']._serialized_start=1589
-  _globals['_FIRSTTOKEN']._serialized_end=1725
-  _globals['_TRANSFERDONE']._serialized_start=1727
-  _globals['_TRANSFERDONE']._serialized_end=1764
-  _globals['_PREFILLEVENT']._serialized_start=1767
-  _globals['_PREFILLEVENT']._serialized_end=1906
-  _globals['_COLOCATEDREQUEST']._serialized_start=1909
-  _globals['_COLOCATEDREQUEST']._serialized_end=2056
-  _globals['_DECODEWORKER']._serialized_start=2059
-  _globals['_DECODEWORKER']._serialized_end=2402
-  _globals['_PREFILLWORKER']._serialized_start=2405
-  _globals['_PREFILLWORKER']._serialized_end=2666
-  _globals['_COLOCATEDWORKER']._serialized_start=2669
-  _globals['_COLOCATEDWORKER']._serialized_end=2934
+  _globals['_WIRESAMPLINGPARAMS']._serialized_end=895
+  _globals['_WIRESAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=825
+  _globals['_WIRESAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=873
+  _globals['_ABORTREQUEST']._serialized_start=897
+  _globals['_ABORTREQUEST']._serialized_end=931
+  _globals['_ABORTRESPONSE']._serialized_start=933
+  _globals['_ABORTRESPONSE']._serialized_end=963
+  _globals['_GETINFOREQUEST']._serialized_start=965
+  _globals['_GETINFOREQUEST']._serialized_end=981
+  _globals['_RESERVEREQUEST']._serialized_start=984
+  _globals['_RESERVEREQUEST']._serialized_end=1150
+  _globals['_RESERVERESPONSE']._serialized_start=1152
+  _globals['_RESERVERESPONSE']._serialized_end=1225
+  _globals['_DECODEREQUEST']._serialized_start=1227
+  _globals['_DECODEREQUEST']._serialized_end=1335
+  _globals['_DECODECHUNK']._serialized_start=1338
+  _globals['_DECODECHUNK']._serialized_end=1519
+  _globals['_PREFILLREQUEST']._serialized_start=1522
+  _globals['_PREFILLREQUEST']._serialized_end=1712
+  _globals['_FIRSTTOKEN']._serialized_start=1715
+  _globals['_FIRSTTOKEN']._serialized_end=1851
+  _globals['_TRANSFERDONE']._serialized_start=1853
+  _globals['_TRANSFERDONE']._serialized_end=1890
+  _globals['_PREFILLEVENT']._serialized_start=1893
+  _globals['_PREFILLEVENT']._serialized_end=2032
+  _globals['_COLOCATEDREQUEST']._serialized_start=2035
+  _globals['_COLOCATEDREQUEST']._serialized_end=2182
+  _globals['_DECODEWORKER']._serialized_start=2185
+  _globals['_DECODEWORKER']._serialized_end=2528
+  _globals['_PREFILLWORKER']._serialized_start=2531
+  _globals['_PREFILLWORKER']._serialized_end=2792
+  _globals['_COLOCATEDWORKER']._serialized_start=2795
+  _globals['_COLOCATEDWORKER']._serialized_end=3060
 # @@protoc_insertion_point(module_scope)

@@ -113,8 +113,6 @@ def to_generate_request(req: _Sampling, *, prompt: Optional[str] = None, token_i
                         logprobs: Optional[int] = None, max_tokens: Optional[int] = None,
                         seed: Optional[int] = None) -> pdserve_pb2.GenerateRequest:
     """The gRPC-shaped request the router validates (one choice of one prompt)."""
-    if req.logit_bias:
-        raise ValueError("logit_bias is not supported yet by this server")
     g = pdserve_pb2.GenerateRequest(ignore_eos=req.ignore_eos, skip_special_tokens_off=not req.skip_special_tokens)
     if prompt is not None:
         g.prompt = prompt
@@ -139,6 +137,11 @@ def to_generate_request(req: _Sampling, *, prompt: Optional[str] = None, token_i
         g.seed = seed
     if logprobs is not None:
         g.logprobs = logprobs
+    for t, b in (req.logit_bias or {}).items():
+        try:
+            g.logit_bias[int(t)] = b
+        except (ValueError, OverflowError):
+            raise ValueError(f"logit_bias keys must be token ids, got {t!r}") from None
     return g
 
 

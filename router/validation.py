@@ -127,6 +127,11 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
         raise ValueError(f"max_tokens: prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                          f"the context length {limits.max_context_length}")
     _check_ids("stop_token_ids", list(req.stop_token_ids), limits.vocab_size)
+    if len(req.logit_bias) > SamplingParams.MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(req.logit_bias)} entries; at most {SamplingParams.MAX_LOGIT_BIAS}")
+    for t in req.logit_bias:
+        if not 0 <= t < limits.vocab_size:
+            raise ValueError(f"logit_bias key {t} is outside the vocabulary [0, {limits.vocab_size})")
 
     kw: dict = dict(max_tokens=max_tokens, stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
                     ignore_eos=req.ignore_eos, skip_special_tokens=not req.skip_special_tokens_off)
@@ -137,6 +142,8 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
     for name in ("top_k", "seed", "logprobs", "min_tokens"):
         if req.HasField(name):
             kw[name] = getattr(req, name)
+    if req.logit_bias:
+        kw["logit_bias"] = {int(t): _decimal(b) for t, b in req.logit_bias.items()}
     # SamplingParams' own checks name the field (temperature, top_p, seed, logprobs...).
     params = SamplingParams(**kw)
     return ValidatedRequest(request_id=request_id, prompt=req.prompt if has_prompt else None,

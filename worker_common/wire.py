@@ -29,6 +29,7 @@ def wire_to_params(w: worker_pb2.WireSamplingParams) -> SamplingParams:
         stop_token_ids=list(w.stop_token_ids), ignore_eos=w.ignore_eos,
         logprobs=w.logprobs if w.HasField("logprobs") else None,
         skip_special_tokens=w.skip_special_tokens,
+        logit_bias=dict(w.logit_bias) or None,
     )
 
 

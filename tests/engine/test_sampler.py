@@ -287,3 +287,35 @@ def test_seeded_tokens_equal_across_processes():
                           cwd=Path(__file__).resolve().parents[2], env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == offline[1:]
+
+
+def test_logit_bias_forces_bans_and_shifts_like_adding_to_logits():
+    """OpenAI's logit_bias: the bias is added to the logit before sampling (checked against adding it by hand)."""
+    from engine.sampler import Sampler, SamplingRequest
+
+    V = 50
+    torch.manual_seed(0)
+    logits = torch.randn(3, V)
+    top = int(logits[0].argmax())
+    forced, banned = (top + 7) % V, top
+    s = Sampler(V)
+    reqs = [SamplingRequest(SamplingParams(temperature=0.0, logit_bias={forced: 100.0}), [1], []),
+            SamplingRequest(SamplingParams(temperature=0.0, logit_bias={banned: -100.0}), [1], []),
+            SamplingRequest(SamplingParams(temperature=0.7, logit_bias={3: 2.5, 9: -1.25}, seed=5), [1], [])]
+    toks, _ = s.sample(logits.clone(), reqs)
+    assert toks[0] == forced
+    assert toks[1] == int(torch.cat([logits[1][:banned], torch.tensor([-1e9]), logits[1][banned + 1:]]).argmax())
+    expect = logits[2].clone()
+    expect[3] += 2.5
+    expect[9] -= 1.25
+    got = s.processed_logits(logits.clone(), reqs)[2]
+    plain = s.processed_logits(logits[2:].clone(), [SamplingRequest(SamplingParams(temperature=0.7, seed=5), [1], [])])[0]
+    # the warped (temperature-scaled) logits move by bias / temperature exactly where the bias is
+    assert torch.allclose(got - plain, (expect - logits[2]) / 0.7, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias, match", [({-1: 1.0}, "non-negative"), ({3: 101.0}, r"logit_bias\[3\]"),
+                                         ({3: float("nan")}, r"logit_bias\[3\]"), ([1, 2], "dict")])
+def test_logit_bias_validation_names_field(bias, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(logit_bias=bias)

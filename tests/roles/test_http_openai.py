@@ -124,3 +124,16 @@ def test_disconnect_cancels_and_frees_blocks(roles):
     assert roles.wait_idle(20.0)
     assert roles.router.num_in_flight == 0
     assert gen() - before < 1500  # it was cut short, not run to its 1500 tokens
+
+
+def test_logit_bias_reaches_the_workers(client):
+    """logit_bias goes router -> wire -> worker sampler: the cluster's output equals offline with the same bias."""
+    bias = {42: 100.0, 7: -100.0}
+    want = offline(["x = "], [SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logit_bias=bias)])[0]
+    assert want[0] == [42] * 5  # a +100 bias forces the token (independent of the model's weights)
+    r = client.completions.create(model="tiny", prompt="x = ", max_tokens=5, temperature=0,
+                                  logit_bias={"42": 100, "7": -100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want[1]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, logit_bias={"99999": 1})
+    assert "logit_bias" in e.value.body["message"]
