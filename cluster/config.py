@@ -6,9 +6,13 @@ read-only. ``Cluster`` ships a copy (without the factories) to every worker
 actor, where ``build_role_worker`` turns it into a ``PrefillWorker`` /
 ``DecodeWorker`` / ``ColocatedWorker``; ``build_router`` makes the router in
 the launcher process.
+
+Secrets (``api_keys``, ``cluster_secret``) travel inside the config objects Ray
+pickles to the actors, never on a command line, and are kept out of ``repr``.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -29,8 +33,12 @@ class ClusterConfig:
     """Decode workers at start."""
     num_colocated: int = 0
     """Colocated workers (prefill and decode in one engine); > 0 runs the router in colocated mode."""
-    router_host: str = "127.0.0.1"
-    """Interface of the public gRPC server."""
+    host: str = "127.0.0.1"
+    """Interface every listener of this process binds (router gRPC and metrics, the embedded Redis) and, on a
+    local Ray, the workers' too (gRPC, metrics, gloo). Multi-node: this node's own address. A wildcard
+    ("0.0.0.0", "::") only when given explicitly."""
+    router_host: Optional[str] = None
+    """Interface of the public gRPC server (and the router's metrics); None: ``host``."""
     router_port: int = 0
     """Public gRPC port; 0 picks a free one."""
     redis_url: Optional[str] = None
@@ -40,7 +48,8 @@ class ClusterConfig:
     namespace: Optional[str] = None
     """Registry/kvtransfer namespace; None makes a unique one. Must be unique per cluster: stop() deletes its keys."""
     worker_host: Optional[str] = None
-    """Interface workers bind; None: loopback on a local Ray, the node IP on a joined one."""
+    """Interface workers bind (gRPC, metrics, gloo); None: ``host`` on a local Ray, the Ray node IP of each
+    worker's node on a joined one."""
     cpus_per_worker: float = 1.0
     """Ray CPUs per worker actor (also its torch thread count)."""
     ray_num_cpus: Optional[int] = None
@@ -62,6 +71,18 @@ class ClusterConfig:
     router_factory: Optional[Callable[..., Any]] = None
     """Router builder ``(cfg, registry) -> router`` with start()/stop()/address; None builds router.RouterServer.
     Pass ``False`` for no router (pool-only tests)."""
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    """Public API keys (router.RouterConfig.api_keys): none = the public API is open."""
+    ssl_certfile: Optional[str] = None
+    """PEM certificate chain: the router serves TLS (with ``ssl_keyfile``)."""
+    ssl_keyfile: Optional[str] = None
+    """PEM key of ``ssl_certfile``."""
+    ssl_ca_certs: Optional[str] = None
+    """PEM CA bundle: the router requires client certificates it signed (mutual TLS)."""
+    cluster_secret: Optional[str] = field(default=None, repr=False)
+    """Shared secret of the cluster plane: the router presents it on every call to a worker, which refuses
+    calls without it. None: ``Cluster`` generates one (``secrets.token_urlsafe(32)``). Give the same one to
+    every process of a cluster that spans several launchers."""
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_colocated"):
@@ -81,6 +102,14 @@ class ClusterConfig:
         for name in ("start_timeout_s", "drain_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host must be an interface address, got {self.host!r}")
+        if isinstance(self.api_keys, str) or not all(isinstance(k, str) and k for k in self.api_keys):
+            raise ValueError("api_keys must be a tuple of non-empty strings (their values are not shown)")
+        self.api_keys = tuple(self.api_keys)
+        if self.cluster_secret is not None and (not isinstance(self.cluster_secret, str)
+                                                or len(self.cluster_secret) < 16):
+            raise ValueError("cluster_secret must be a string of at least 16 characters (its value is not shown)")
         if self.num_colocated and (self.num_prefill or self.num_decode):
             raise ValueError("num_colocated must be 0 when num_prefill or num_decode is set "
                              "(the router runs one mode: disaggregated or colocated)")
@@ -95,11 +124,15 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
                       node_ip: str, node_id: str) -> Any:
     """The real prefill/decode role object for one actor (runs inside the actor)."""
     from engine.config import EngineConfig
+    from kvtransfer import StoreConfig
 
-    host = cfg.worker_host or ("127.0.0.1" if cfg.ray_address is None else node_ip)
+    host = cfg.worker_host or (cfg.host if cfg.ray_address is None else node_ip)
     engine = EngineConfig(model=cfg.model, num_threads=max(1, int(cfg.cpus_per_worker)),
                           **cfg.engine_overrides)
-    common = dict(worker_id=worker_id, engine=engine, kv_store=kv_store, host=host, node_id=node_id)
+    if isinstance(kv_store, StoreConfig):  # gloo listens on the worker's interface, not the hostname's
+        kv_store = dataclasses.replace(kv_store, host=host)
+    common = dict(worker_id=worker_id, engine=engine, kv_store=kv_store, host=host, node_id=node_id,
+                  cluster_secret=cfg.cluster_secret)
     if role == "prefill":
         from prefill_worker import PrefillWorker, PrefillWorkerConfig
 
@@ -120,6 +153,8 @@ def build_router(cfg: ClusterConfig, registry: Registry) -> Any:
     """The real router, reading worker pools from ``registry``."""
     from router import RouterConfig, RouterServer
 
-    rcfg = RouterConfig(model=cfg.model, host=cfg.router_host, port=cfg.router_port, mode=cfg.mode,
-                        **cfg.router_overrides)
+    security = dict(api_keys=cfg.api_keys, ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile,
+                    ssl_ca_certs=cfg.ssl_ca_certs, cluster_secret=cfg.cluster_secret)
+    rcfg = RouterConfig(model=cfg.model, host=cfg.router_host or cfg.host, port=cfg.router_port, mode=cfg.mode,
+                        **{**security, **cfg.router_overrides})
     return RouterServer(rcfg, registry)

@@ -3,7 +3,12 @@
 Lifecycle of a ``Cluster(ClusterConfig(...))``:
 
 ``start()``
-  1. Redis: the given ``redis_url``, or a private ``EmbeddedRedis`` on a free port.
+  0. ``__init__``: a ``cluster_secret`` is generated unless the config has one; the
+     router presents it to every worker, which refuses callers without it.
+  1. Redis: the given ``redis_url`` (may carry a password, or ``rediss://``), or a
+     private ``EmbeddedRedis`` on a free port of ``config.host`` with a generated
+     password. The URL with its password (``redis_url``) is a secret: logs and
+     banners show ``display_redis_url``.
      With a given ``namespace``, what a killed run left there is deleted first
      (``Registry.clear_stale``; refused while live workers still heartbeat in it).
   2. Ray: the given ``ray_address`` (``"auto"`` joins ``ray start``/KubeRay), an
@@ -35,6 +40,7 @@ import dataclasses
 import functools
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -47,11 +53,14 @@ import psutil
 import ray
 
 from cluster.config import POOLS, ClusterConfig, build_role_worker, build_router
-from cluster.redis_server import EmbeddedRedis, RedisServerConfig
+from cluster.redis_server import EmbeddedRedis, RedisServerConfig, mask_url, url_with_password
 from cluster.registry import Registry, WorkerInfo
 from cluster.worker_actor import WorkerActor, WorkerSpec, actor_options
 
 log = logging.getLogger(__name__)
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_WILDCARD = ("0.0.0.0", "::", "")
 
 __all__ = ["Cluster", "ClusterConfig", "POOLS"]
 
@@ -68,7 +77,10 @@ class Cluster:
     """One running pdserve cluster (see module docstring)."""
 
     def __init__(self, config: Optional[ClusterConfig] = None) -> None:
-        self.config = config or ClusterConfig()
+        config = config or ClusterConfig()
+        if config.cluster_secret is None:  # the cluster plane is never open: members share a fresh secret
+            config = dataclasses.replace(config, cluster_secret=secrets.token_urlsafe(32))
+        self.config = config
         self.namespace = self.config.namespace or f"pdserve-{uuid.uuid4().hex[:10]}"
         self.redis_url: Optional[str] = None
         self.registry: Optional[Registry] = None
@@ -107,12 +119,18 @@ class Cluster:
         if self.config.redis_url:
             self.redis_url = self.config.redis_url
         else:
-            # Reachable from other nodes only when workers are: bind wide if we join a multi-node Ray.
-            host = "127.0.0.1" if self.config.ray_address is None else "0.0.0.0"
+            # Bound to `host` only, never widened behind the user's back; password-protected either way.
+            host = self.config.host
+            if self.config.ray_address is not None and host in _LOOPBACK:
+                log.warning("embedded Redis binds %s: workers on other nodes cannot reach it (give --host "
+                            "this node's address, or --redis-url)", host)
+            if host in _WILDCARD:
+                log.warning("embedded Redis binds every interface (host %s was given explicitly)", host)
             self._redis = EmbeddedRedis(RedisServerConfig(host=host)).start()
             self.redis_url = self._redis.url
-            if host == "0.0.0.0":
-                self.redis_url = f"redis://{ray.util.get_node_ip_address()}:{self._redis.port}/0"
+            if host in _WILDCARD and self.config.ray_address is not None:
+                self.redis_url = url_with_password("redis", ray.util.get_node_ip_address(), self._redis.port,
+                                                   self._redis.password)
         self.registry = Registry(self.redis_url, self.namespace, ttl_s=self.config.ttl_s)
         self.registry.ping()
         if self.config.namespace:
@@ -310,6 +328,11 @@ class Cluster:
                 log.warning("deregister %s: %s", m.worker_id, e)
 
     # ---- views ----------------------------------------------------------------------
+    @property
+    def display_redis_url(self) -> str:
+        """The cluster's Redis URL with its password masked (for logs and banners)."""
+        return mask_url(self.redis_url)
+
     @property
     def router_address(self) -> Optional[str]:
         """host:port of the public gRPC API (None without a router)."""

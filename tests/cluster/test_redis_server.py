@@ -49,7 +49,8 @@ def test_start_serves_and_stop_leaves_nothing():
     pid, port, url = server.pid, server.port, server.url
     tmpdir = server._tmpdir
     try:
-        assert port > 0 and url == f"redis://127.0.0.1:{port}/0"
+        assert port > 0 and url == f"redis://:{server.password}@127.0.0.1:{port}/0"
+        assert len(server.password) >= 32 and server.display_url == f"redis://:***@127.0.0.1:{port}/0"
         client = redis.Redis.from_url(url)
         assert client.ping()
         client.set("k", "v")

@@ -218,6 +218,46 @@ def test_gloo_pairs_rendezvous_through_redis(redis_url, redis_namespace):
                 and ("-p0" in t.name or "-d0" in t.name)]
 
 
+def test_gloo_pairs_listen_and_connect_on_the_given_host_only(redis_url, redis_namespace):
+    """``host`` pins gloo to one interface: 127.0.0.2 (loopback, but not what the hostname resolves to), so
+    every TCP socket the pair opens listens on or connects to 127.0.0.2, none on a wildcard."""
+    import psutil
+
+    me = psutil.Process()
+    before = {(c.laddr, c.raddr) for c in me.net_connections("tcp")}
+    cfg = StoreConfig(redis_url, namespace=f"{redis_namespace}:kvt", host="127.0.0.2")
+    p = KVEndpoint("p0", cfg, backend="gloo", timeout_s=5.0)
+    d = KVEndpoint("d0", StoreConfig(redis_url, namespace=f"{redis_namespace}:kvt"), backend="gloo",
+                   timeout_s=5.0, host="127.0.0.2")
+    try:
+        src, dst = make_cache(SRC), make_cache(DST)
+        hr = d.recv("p0", "r1", dst, [3, 4, 5], 13)
+        hs = p.send("d0", "r1", src, [9, 1, 2, 7], 13)
+        for i in range(3):
+            p.layer_ready(hs, i)
+        assert p.wait(hs, 10) == DONE, p.failure(hs)
+        assert d.wait(hr, 10) == DONE, d.failure(hr)
+        redis_port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+        new = [c for c in me.net_connections("tcp") if (c.laddr, c.raddr) not in before
+               and redis_port not in (c.laddr.port, c.raddr.port if c.raddr else None)]
+        # Listeners bind 127.0.0.2; connections go to 127.0.0.2 (the kernel picks the connecting side's
+        # source address, 127.0.0.1 on loopback).
+        assert any(c.raddr for c in new), new  # the pair's connection(s)
+        assert all(c.laddr.ip == "127.0.0.2" for c in new if c.status == psutil.CONN_LISTEN), new
+        assert all("127.0.0.2" in (c.laddr.ip, c.raddr.ip) for c in new if c.raddr), new
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_store_config_repr_and_errors_hide_the_redis_password():
+    cfg = StoreConfig("redis://:s3cret-pass@127.0.0.1:1/0", namespace="x")
+    assert "s3cret" not in repr(cfg) and "redis://:***@127.0.0.1:1/0" in repr(cfg)
+    with pytest.raises(ValueError) as e:
+        KVEndpoint("p0", StoreConfig("http://:s3cret-pass@127.0.0.1:1/0"), backend="gloo")
+    assert "s3cret" not in str(e.value) and "***" in str(e.value)
+
+
 def test_corrupt_frame_breaks_pair_which_is_rebuilt(pair, monkeypatch):
     """A header whose framing is garbage cannot be skipped: the pair is dropped and rebuilt."""
     import kvtransfer.channel_send as cs

@@ -37,7 +37,7 @@ def test_inproc_store_semantics():
 
 
 @pytest.mark.parametrize("url,match", [
-    ("http://x:1", "redis:// or tcp://"),
+    ("http://x:1", "rediss:// or tcp://"),
     ("tcp://hostonly", "tcp://host:port"),
 ])
 def test_bad_store_urls(url, match):
