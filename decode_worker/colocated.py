@@ -43,7 +43,6 @@ class _LocalReq(WorkerRequest):
     prompt_len: int = 0
     scheduled: Optional[float] = None  # its prompt's first prefill chunk ran (queue time ends)
     first_at: Optional[float] = None
-    last_at: float = 0.0
 
 
 class LocalRequests(RequestSet[_LocalReq]):
@@ -97,9 +96,7 @@ class LocalRequests(RequestSet[_LocalReq]):
             chunk.num_cached_tokens = o.num_cached_tokens
             metrics.observe_queue_time(chunk.queue_s)
             metrics.observe_prefill_time(chunk.prefill_s)
-        elif o.new_token_ids:
-            metrics.observe_itl(now - req.last_at)
-        req.last_at = now
+        # no ITL here: it is the router's series (it sees the gaps the client sees)
         if o.finish_reason:
             self.release(req)
             metrics.observe_decode_time(now - req.first_at)

@@ -49,7 +49,6 @@ class _DecodeReq(WorkerRequest):
     decode_called_at: float = 0.0
     running: bool = False
     failure: Optional[RequestError] = None  # failed before Decode came: kept to tell it why
-    last_token_at: float = 0.0
 
 
 class DisaggregatedRequests(RequestSet[_DecodeReq]):
@@ -150,7 +149,6 @@ class DisaggregatedRequests(RequestSet[_DecodeReq]):
                     self._fail(req, grpc.StatusCode.INVALID_ARGUMENT, f"{e} (request {req.request_id})")
                     continue
                 req.running = True
-                req.last_token_at = now
                 req.out.put(worker_pb2.DecodeChunk(kv_wait_s=now - req.decode_called_at))
             elif not req.decoding and now > req.expires_at:
                 self._fail(req, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -162,15 +160,12 @@ class DisaggregatedRequests(RequestSet[_DecodeReq]):
     def on_output(self, req: _DecodeReq, o: Any, now: float) -> None:
         if not req.decoding:
             return
-        metrics = self.worker.metrics
-        if o.new_token_ids:
-            metrics.observe_itl(now - req.last_token_at)
-            req.last_token_at = now
+        # no ITL here: it is the router's series (it sees the gaps the client sees)
         chunk = worker_pb2.DecodeChunk(token_ids=o.new_token_ids, logprobs=logprobs_to_proto(o.logprobs),
                                        finish_reason=o.finish_reason or "")
         if o.finish_reason:
             self.release(req)
-            metrics.observe_decode_time(now - req.decode_called_at)
+            self.worker.metrics.observe_decode_time(now - req.decode_called_at)
         req.out.put(chunk)
 
     def _fail(self, req: _DecodeReq, code: grpc.StatusCode, message: str) -> None:

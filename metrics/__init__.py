@@ -1,15 +1,20 @@
-"""Prometheus metrics for pdserve components: one registry per component, vLLM names with a ``pdserve:`` prefix."""
+"""Prometheus metrics for pdserve components: one registry per component, vLLM names with a ``pdserve:`` prefix,
+each series registered and recorded only by the role that owns it (``OWNERS``)."""
 from metrics.exporter import serve_registry
 from metrics.pdserve_metrics import (
     FINISH_REASONS,
     ITL_BUCKETS,
     KV_TRANSFER_BUCKETS,
+    OWNERS,
     PREFIX,
     REQUEST_LATENCY_BUCKETS,
     ROLES,
     TTFT_BUCKETS,
+    WORKER_ROLES,
     PDServeMetrics,
+    owner_of,
+    series_of,
 )
 
-__all__ = ["PDServeMetrics", "serve_registry", "PREFIX", "ROLES", "FINISH_REASONS",
-           "TTFT_BUCKETS", "ITL_BUCKETS", "REQUEST_LATENCY_BUCKETS", "KV_TRANSFER_BUCKETS"]
+__all__ = ["PDServeMetrics", "serve_registry", "PREFIX", "ROLES", "WORKER_ROLES", "OWNERS", "owner_of", "series_of",
+           "FINISH_REASONS", "TTFT_BUCKETS", "ITL_BUCKETS", "REQUEST_LATENCY_BUCKETS", "KV_TRANSFER_BUCKETS"]

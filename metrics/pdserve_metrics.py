@@ -1,4 +1,4 @@
-"""Prometheus metrics of one pdserve component (router, prefill or decode worker).
+"""Prometheus metrics of one pdserve component (router, prefill, decode or colocated worker).
 
 Lifecycle: a component builds one ``PDServeMetrics(model_name, role, worker)``
 when it starts; the instance owns a private ``CollectorRegistry`` (never the
@@ -13,11 +13,20 @@ Names are vLLM's with a ``pdserve:`` prefix instead of ``vllm:``, and histogram
 buckets are vLLM's (``vllm/v1/metrics/loggers.py``), so dashboards and alerts
 written for vLLM carry over by swapping the prefix. Every series carries the
 labels ``model_name``, ``role`` and ``worker``.
+
+Each series has exactly one owner, split as vLLM splits them (``SERIES`` below):
+request-level series, what the client sees, belong to the router (vLLM's API
+server / output processor); engine-level series belong to the workers (vLLM's
+engine core). A component registers only its own role's series, so a dashboard
+that sums a name over every pod counts each thing once, and never reads a 0
+from a role that cannot know the value. Calling a method for a series this role
+does not own raises ``RuntimeError`` naming the series and its owner: a wiring
+bug fails loudly in tests instead of exporting a second, meaningless copy.
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Union
+from typing import Any, Callable, Union
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -27,6 +36,7 @@ from metrics.exporter import serve_registry
 PREFIX = "pdserve:"
 LABELS = ("model_name", "role", "worker")
 ROLES = ("router", "prefill", "decode", "colocated")
+WORKER_ROLES = ("prefill", "decode", "colocated")
 FINISH_REASONS = ("stop", "length", "abort")
 
 # vLLM's buckets, copied so the histograms line up with vLLM dashboards.
@@ -39,6 +49,72 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 # vLLM has no core KV-transfer histogram; a transfer sits on the TTFT path and
 # spans sub-millisecond (loopback) to seconds (cross-node), like TTFT itself.
 KV_TRANSFER_BUCKETS = TTFT_BUCKETS
+
+# Owners: "router" (request-level, vLLM's front end) or "worker" (engine-level: prefill, decode, colocated).
+ROUTER, WORKER = "router", "worker"
+OWNER_ROLES = {ROUTER: ("router",), WORKER: WORKER_ROLES}
+
+# Every series: exported name (without the prefix, as /metrics shows it) -> (owner, type, help, buckets or
+# extra label). Counters are declared without "_total" (prometheus-client appends it).
+SERIES: dict[str, tuple[str, str, str, Any]] = {
+    # --- router: what the client sees ---
+    "time_to_first_token_seconds": (ROUTER, "histogram", "Histogram of time to first token in seconds.",
+                                    TTFT_BUCKETS),
+    "inter_token_latency_seconds": (ROUTER, "histogram", "Histogram of inter-token latency in seconds.",
+                                    ITL_BUCKETS),
+    "e2e_request_latency_seconds": (ROUTER, "histogram", "Histogram of e2e request latency in seconds.",
+                                    REQUEST_LATENCY_BUCKETS),
+    "request_success_total": (ROUTER, "counter", "Count of successfully processed requests.", "finished_reason"),
+    "request_errors_total": (ROUTER, "counter", "Count of requests ended by an error, by gRPC status code.",
+                             "code"),
+    "prompt_tokens_total": (ROUTER, "counter", "Number of prefill tokens processed.", None),
+    "generation_tokens_total": (ROUTER, "counter", "Number of generation tokens processed.", None),
+    "request_migrations_total": (ROUTER, "counter",
+                                 "Requests resumed on another worker after theirs failed mid-stream.", None),
+    "local_prefill_requests_total": (ROUTER, "counter", "Requests the router had a decode worker prefill itself "
+                                     "(conditional disaggregation).", None),
+    "degraded_requests_total": (ROUTER, "counter", "Requests served on a fallback path because a pool had no live "
+                                "worker (reason: no_prefill = prefilled on a decode worker; no_decode = run whole "
+                                "on a colocated worker).", "reason"),
+    "router_requests_in_flight": (ROUTER, "gauge", "Requests the router holds (admitted, not finished), those "
+                                  "waiting for KV capacity included.", None),
+    "router_requests_waiting": (ROUTER, "gauge", "Requests in the router's admission queue, waiting for KV "
+                                "capacity on a decode worker.", None),
+    # --- workers: what the engine sees ---
+    "num_requests_running": (WORKER, "gauge", "Number of requests in model execution batches.", None),
+    "num_requests_waiting": (WORKER, "gauge", "Number of requests waiting to be processed.", None),
+    "kv_cache_usage_perc": (WORKER, "gauge", "KV-cache usage. 1 means 100 percent usage.", None),
+    "request_queue_time_seconds": (WORKER, "histogram", "Histogram of time spent in WAITING phase for request.",
+                                   REQUEST_LATENCY_BUCKETS),
+    "request_prefill_time_seconds": (WORKER, "histogram", "Histogram of time spent in PREFILL phase for request.",
+                                     REQUEST_LATENCY_BUCKETS),
+    "request_decode_time_seconds": (WORKER, "histogram", "Histogram of time spent in DECODE phase for request.",
+                                    REQUEST_LATENCY_BUCKETS),
+    "kv_transfer_time_seconds": (WORKER, "histogram",
+                                 "Histogram of KV-cache transfer time (prefill -> decode) in seconds.",
+                                 KV_TRANSFER_BUCKETS),
+    "kv_transfer_bytes_total": (WORKER, "counter", "Number of KV-cache bytes transferred.", None),
+    "prefix_cache_queries_total": (WORKER, "counter",
+                                   "Prefix cache queries, in terms of number of queried tokens.", None),
+    "prefix_cache_hits_total": (WORKER, "counter", "Prefix cache hits, in terms of number of cached tokens.", None),
+}
+OWNERS: dict[str, str] = {name: spec[0] for name, spec in SERIES.items()}
+"""Series name (as exported, without the prefix) -> owner: "router" or "worker"."""
+
+
+def owner_of(name: str) -> str:
+    """The owner ("router" or "worker") of a series, named with or without the ``pdserve:`` prefix."""
+    key = name[len(PREFIX):] if name.startswith(PREFIX) else name
+    if key not in OWNERS:
+        raise ValueError(f"{name!r} is not a pdserve series")
+    return OWNERS[key]
+
+
+def series_of(role: str) -> tuple[str, ...]:
+    """The series names (without the prefix) a component of ``role`` registers."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+    return tuple(n for n, owner in OWNERS.items() if role in OWNER_ROLES[owner])
 
 
 def _check_label(field: str, value: str) -> str:
@@ -61,7 +137,7 @@ def _check_count(field: str, n: int) -> int:
 
 
 class PDServeMetrics:
-    """All pdserve series of one component, in a registry of its own."""
+    """The pdserve series one component owns, in a registry of its own."""
 
     def __init__(self, model_name: str, role: str, worker: str,
                  registry: CollectorRegistry | None = None) -> None:
@@ -71,141 +147,133 @@ class PDServeMetrics:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.model_name, self.role, self.worker = model_name, role, worker
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        labels = (model_name, role, worker)
-        reg = self.registry
-
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, LABELS, buckets=buckets, registry=reg).labels(*labels)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, LABELS, registry=reg).labels(*labels)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, LABELS, registry=reg).labels(*labels)
-
-        self._ttft = hist("time_to_first_token_seconds",
-                          "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self._itl = hist("inter_token_latency_seconds",
-                         "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self._e2e = hist("e2e_request_latency_seconds",
-                         "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
-        self._queue = hist("request_queue_time_seconds",
-                           "Histogram of time spent in WAITING phase for request.",
-                           REQUEST_LATENCY_BUCKETS)
-        self._prefill = hist("request_prefill_time_seconds",
-                             "Histogram of time spent in PREFILL phase for request.",
-                             REQUEST_LATENCY_BUCKETS)
-        self._decode = hist("request_decode_time_seconds",
-                            "Histogram of time spent in DECODE phase for request.",
-                            REQUEST_LATENCY_BUCKETS)
-        self._kv_time = hist("kv_transfer_time_seconds",
-                             "Histogram of KV-cache transfer time (prefill -> decode) in seconds.",
-                             KV_TRANSFER_BUCKETS)
-        self._kv_bytes = counter("kv_transfer_bytes", "Number of KV-cache bytes transferred.")
-        self._prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
-        self._gen_tokens = counter("generation_tokens", "Number of generation tokens processed.")
-        self._pc_queries = counter("prefix_cache_queries",
-                                   "Prefix cache queries, in terms of number of queried tokens.")
-        self._pc_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self._labels = labels = (model_name, role, worker)
+        # name -> the labelled child, or the parent when the series has one more label (bound per call)
+        self._series: dict[str, Any] = {}
+        for name in series_of(role):
+            _owner, kind, doc, extra = SERIES[name]
+            full = PREFIX + (name[:-len("_total")] if kind == "counter" else name)
+            if kind == "histogram":
+                self._series[name] = Histogram(full, doc, LABELS, buckets=extra,
+                                               registry=self.registry).labels(*labels)
+            elif kind == "gauge":
+                self._series[name] = Gauge(full, doc, LABELS, registry=self.registry).labels(*labels)
+            elif extra is None:
+                self._series[name] = Counter(full, doc, LABELS, registry=self.registry).labels(*labels)
+            else:
+                self._series[name] = Counter(full, doc, LABELS + (extra,), registry=self.registry)
+        if role == "router":
+            # Pre-create the usual reasons so rate() queries see 0 rather than no series (as vLLM does).
+            for reason in FINISH_REASONS:
+                self._series["request_success_total"].labels(*labels, reason)
         self._pc_seen = (0, 0)
-        self._migrations = counter("request_migrations",
-                                   "Requests resumed on another worker after theirs failed mid-stream.")
-        self._local_prefill = counter("local_prefill_requests",
-                                      "Requests the router had a decode worker prefill itself (conditional "
-                                      "disaggregation).")
-        self._degraded = Counter(PREFIX + "degraded_requests",
-                                 "Requests served on a fallback path because a pool had no live worker "
-                                 "(reason: no_prefill = prefilled on a decode worker; no_decode = run whole on a "
-                                 "colocated worker).", LABELS + ("reason",), registry=reg)
-        self._success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
-                                LABELS + ("finished_reason",), registry=reg)
-        self._errors = Counter(PREFIX + "request_errors", "Count of requests ended by an error, by gRPC status code.",
-                               LABELS + ("code",), registry=reg)
-        # Pre-create the usual reasons so rate() queries see 0 rather than no series (as vLLM does).
-        for reason in FINISH_REASONS:
-            self._success.labels(*labels, reason)
-        self._running = gauge("num_requests_running", "Number of requests in model execution batches.")
-        self._waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
-        self._kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self._labels = labels
+
+    def owns(self, name: str) -> bool:
+        """Whether this component registers the series ``name`` (with or without the prefix)."""
+        return self.role in OWNER_ROLES[owner_of(name)]
+
+    def _get(self, name: str) -> Any:
+        series = self._series.get(name)
+        if series is None:
+            owner = OWNERS[name]
+            raise RuntimeError(
+                f"{PREFIX}{name} is owned by the {owner} (roles: {', '.join(OWNER_ROLES[owner])}); this "
+                f"{self.role!r} component ({self.worker}) must not record it (see metrics.OWNERS)")
+        return series
 
     # --- request timings (seconds) ---
     def observe_ttft(self, seconds: float) -> None:
-        self._ttft.observe(_check_seconds("ttft", seconds))
+        self._get("time_to_first_token_seconds").observe(_check_seconds("ttft", seconds))
 
     def observe_itl(self, seconds: float) -> None:
-        self._itl.observe(_check_seconds("itl", seconds))
+        self._get("inter_token_latency_seconds").observe(_check_seconds("itl", seconds))
 
     def observe_e2e(self, seconds: float) -> None:
-        self._e2e.observe(_check_seconds("e2e", seconds))
+        self._get("e2e_request_latency_seconds").observe(_check_seconds("e2e", seconds))
 
     def observe_queue_time(self, seconds: float) -> None:
-        self._queue.observe(_check_seconds("queue_time", seconds))
+        self._get("request_queue_time_seconds").observe(_check_seconds("queue_time", seconds))
 
     def observe_prefill_time(self, seconds: float) -> None:
-        self._prefill.observe(_check_seconds("prefill_time", seconds))
+        self._get("request_prefill_time_seconds").observe(_check_seconds("prefill_time", seconds))
 
     def observe_decode_time(self, seconds: float) -> None:
-        self._decode.observe(_check_seconds("decode_time", seconds))
+        self._get("request_decode_time_seconds").observe(_check_seconds("decode_time", seconds))
 
     def observe_kv_transfer(self, seconds: float, num_bytes: int) -> None:
         """One finished KV transfer: its duration and its payload size."""
-        self._kv_time.observe(_check_seconds("kv_transfer_time", seconds))
-        self._kv_bytes.inc(_check_count("num_bytes", num_bytes))
+        hist, total = self._get("kv_transfer_time_seconds"), self._get("kv_transfer_bytes_total")
+        seconds, num_bytes = _check_seconds("kv_transfer_time", seconds), _check_count("num_bytes", num_bytes)
+        hist.observe(seconds)
+        total.inc(num_bytes)
 
     # --- counters ---
     def inc_kv_transfer_bytes(self, n: int) -> None:
-        self._kv_bytes.inc(_check_count("kv_transfer_bytes", n))
+        self._get("kv_transfer_bytes_total").inc(_check_count("kv_transfer_bytes", n))
 
     def inc_prompt_tokens(self, n: int) -> None:
-        self._prompt_tokens.inc(_check_count("prompt_tokens", n))
+        self._get("prompt_tokens_total").inc(_check_count("prompt_tokens", n))
 
     def inc_generation_tokens(self, n: int) -> None:
-        self._gen_tokens.inc(_check_count("generation_tokens", n))
+        self._get("generation_tokens_total").inc(_check_count("generation_tokens", n))
 
     def set_prefix_cache_totals(self, queries: int, hits: int) -> None:
         """The engine's running totals of prefix-cache query and hit tokens; the counters move by
         the difference since the last call (a smaller total, e.g. a new engine, restarts the base)."""
+        pc_queries, pc_hits = self._get("prefix_cache_queries_total"), self._get("prefix_cache_hits_total")
         q, h = _check_count("prefix_cache_queries", queries), _check_count("prefix_cache_hits", hits)
         q0, h0 = self._pc_seen
         if q < q0 or h < h0:
             q0 = h0 = 0
-        self._pc_queries.inc(q - q0)
-        self._pc_hits.inc(h - h0)
+        pc_queries.inc(q - q0)
+        pc_hits.inc(h - h0)
         self._pc_seen = (q, h)
 
     def inc_migration(self) -> None:
-        self._migrations.inc()
+        self._get("request_migrations_total").inc()
 
     def inc_degraded(self, reason: str) -> None:
         """A request served on a fallback path (``reason``: "no_prefill" or "no_decode")."""
-        self._degraded.labels(*self._labels, reason).inc()
+        self._get("degraded_requests_total").labels(*self._labels, _check_label("reason", reason)).inc()
 
     def inc_local_prefill(self) -> None:
-        self._local_prefill.inc()
+        self._get("local_prefill_requests_total").inc()
 
     def inc_success(self, finished_reason: str) -> None:
         """A request finished normally ("stop", "length", "abort" or another reason)."""
-        self._success.labels(*self._labels, _check_label("finished_reason", finished_reason)).inc()
+        counter = self._get("request_success_total")
+        counter.labels(*self._labels, _check_label("finished_reason", finished_reason)).inc()
 
     def inc_error(self, code: Union[grpc.StatusCode, str]) -> None:
         """A request ended in an error; ``code`` is a gRPC status (enum or its name, e.g. "UNAVAILABLE")."""
+        counter = self._get("request_errors_total")
         name = code.name if isinstance(code, grpc.StatusCode) else _check_label("code", code)
-        self._errors.labels(*self._labels, name).inc()
+        counter.labels(*self._labels, name).inc()
 
     # --- gauges ---
     def set_running(self, n: int) -> None:
-        self._running.set(_check_count("num_requests_running", n))
+        """The engine's running requests (a worker's; the router's own queue is ``set_router_in_flight``)."""
+        self._get("num_requests_running").set(_check_count("num_requests_running", n))
 
     def set_waiting(self, n: int) -> None:
-        self._waiting.set(_check_count("num_requests_waiting", n))
+        """The engine's waiting requests (a worker's; the router's own queue is ``set_router_waiting``)."""
+        self._get("num_requests_waiting").set(_check_count("num_requests_waiting", n))
 
     def set_kv_cache_usage(self, fraction: float) -> None:
         """Fraction of KV blocks in use, 0..1 (vLLM's ``kv_cache_usage_perc`` is a fraction too)."""
+        gauge = self._get("kv_cache_usage_perc")
         fraction = float(fraction)
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"kv_cache_usage must be within [0, 1], got {fraction!r}")
-        self._kv_usage.set(fraction)
+        gauge.set(fraction)
+
+    def set_router_in_flight(self, n: int) -> None:
+        """Requests the router holds, its waiting ones included (``pdserve:router_requests_in_flight``)."""
+        self._get("router_requests_in_flight").set(_check_count("router_requests_in_flight", n))
+
+    def set_router_waiting(self, n: int) -> None:
+        """Requests in the router's admission queue (``pdserve:router_requests_waiting``)."""
+        self._get("router_requests_waiting").set(_check_count("router_requests_waiting", n))
 
     # --- exposition ---
     def render(self) -> bytes:

@@ -85,13 +85,13 @@ class RouterCore:
             self.metrics.inc_error(code)
 
     def _update_gauges(self) -> None:
-        # num_requests_waiting: queued for KV capacity; num_requests_running: the rest the router holds
+        # The router's own queue, under names of its own (num_requests_running/waiting are the engines'):
+        # in flight = every request it holds, the waiting ones included; waiting = queued for KV capacity.
         if self.metrics is None:
             return
         with self._lock:
-            waiting = len(self.admission)
-            self.metrics.set_waiting(waiting)
-            self.metrics.set_running(max(0, self._in_flight - waiting))
+            self.metrics.set_router_in_flight(self._in_flight)
+            self.metrics.set_router_waiting(len(self.admission))
 
     def generate(self, vreq: ValidatedRequest, t0: float, time_remaining: Optional[float],
                  on_cancel: Callable[[Callable[[], None]], Any]) -> Iterator[FlowEvent]:

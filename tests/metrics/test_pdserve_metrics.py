@@ -8,13 +8,20 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from metrics import PDServeMetrics
+from metrics import OWNERS, ROLES, PDServeMetrics, owner_of, series_of
 
-HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-              "request_queue_time_seconds", "request_prefill_time_seconds", "kv_transfer_time_seconds"]
-COUNTERS = ["kv_transfer_bytes", "prompt_tokens", "generation_tokens", "request_success"]
-GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
+ROUTER_HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"]
+ROUTER_COUNTERS = ["request_success", "request_errors", "prompt_tokens", "generation_tokens", "request_migrations",
+                   "local_prefill_requests", "degraded_requests"]
+ROUTER_GAUGES = ["router_requests_in_flight", "router_requests_waiting"]
+WORKER_HISTOGRAMS = ["request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                     "kv_transfer_time_seconds"]
+WORKER_COUNTERS = ["kv_transfer_bytes", "prefix_cache_queries", "prefix_cache_hits"]
+WORKER_GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
+ROUTER_NAMES = ROUTER_HISTOGRAMS + ROUTER_COUNTERS + ROUTER_GAUGES
+WORKER_NAMES = WORKER_HISTOGRAMS + WORKER_COUNTERS + WORKER_GAUGES
 LABELS = {"model_name": "tiny", "role": "decode", "worker": "decode-0"}
+ROUTER = {"model_name": "tiny", "role": "router", "worker": "router"}
 
 
 def samples(text: bytes) -> dict[tuple[str, tuple], float]:
@@ -26,83 +33,177 @@ def samples(text: bytes) -> dict[tuple[str, tuple], float]:
     return out
 
 
-def value(text: bytes, name: str, **extra: str) -> float:
-    return samples(text)[(name, tuple(sorted({**LABELS, **extra}.items())))]
+def value(text: bytes, name: str, labels: dict | None = None, **extra: str) -> float:
+    return samples(text)[(name, tuple(sorted({**(labels or LABELS), **extra}.items())))]
 
 
-def test_names_types_and_labels_in_render():
-    m = PDServeMetrics(**LABELS)
-    fams = {f.name: f for f in text_string_to_metric_families(m.render().decode())}
-    for name in HISTOGRAMS:
-        assert fams[f"pdserve:{name}"].type == "histogram", name
-    for name in COUNTERS:
-        assert fams[f"pdserve:{name}"].type == "counter", name
-    for name in GAUGES:
-        assert fams[f"pdserve:{name}"].type == "gauge", name
+def families(m: PDServeMetrics) -> dict:
+    """{family name: family} of what ``m`` exports, the prometheus-client ``_created`` gauges left out."""
+    return {f.name: f for f in text_string_to_metric_families(m.render().decode()) if not f.name.endswith("_created")}
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_each_role_registers_exactly_its_own_series(role):
+    labels = {"model_name": "tiny", "role": role, "worker": f"{role}-0"}
+    fams = families(PDServeMetrics(**labels))
+    kinds = ((ROUTER_HISTOGRAMS, "histogram"), (ROUTER_COUNTERS, "counter"), (ROUTER_GAUGES, "gauge")) \
+        if role == "router" else ((WORKER_HISTOGRAMS, "histogram"), (WORKER_COUNTERS, "counter"),
+                                  (WORKER_GAUGES, "gauge"))
+    want = {f"pdserve:{n}": kind for names, kind in kinds for n in names}
+    assert {name: f.type for name, f in fams.items()} == want
     # every series carries the three identity labels
-    for name in HISTOGRAMS + COUNTERS + GAUGES:
-        for s in fams[f"pdserve:{name}"].samples:
-            assert {k: s.labels[k] for k in LABELS} == LABELS, (name, s.labels)
+    for fam in fams.values():
+        for s in fam.samples:
+            assert {k: s.labels[k] for k in labels} == labels, (fam.name, s.labels)
+    # series_of and the owner table agree with what is registered (counters are listed with "_total")
+    listed = {n[:-len("_total")] if n.endswith("_total") else n for n in series_of(role)}
+    assert {f"pdserve:{n}" for n in listed} == set(want)
+
+
+def test_owner_table_splits_router_and_workers():
+    assert set(OWNERS.values()) == {"router", "worker"}
+    exported = {n + "_total" if n in ROUTER_COUNTERS + WORKER_COUNTERS else n for n in ROUTER_NAMES + WORKER_NAMES}
+    assert set(OWNERS) == exported
+    assert owner_of("pdserve:inter_token_latency_seconds") == "router"
+    assert owner_of("kv_cache_usage_perc") == "worker"
+    assert owner_of("router_requests_waiting") == "router"
+    assert set(series_of("router")).isdisjoint(series_of("decode"))
+    assert series_of("prefill") == series_of("decode") == series_of("colocated")
+    assert PDServeMetrics(**ROUTER).owns("pdserve:request_success_total")
+    assert not PDServeMetrics(**LABELS).owns("request_success_total")
+    with pytest.raises(ValueError, match="not a pdserve series"):
+        owner_of("vllm:foo")
+
+
+# (method call, series it records) for every recording method; each must refuse the role that does not own it
+ROUTER_CALLS = [
+    (lambda m: m.observe_ttft(0.1), "time_to_first_token_seconds"),
+    (lambda m: m.observe_itl(0.1), "inter_token_latency_seconds"),
+    (lambda m: m.observe_e2e(0.1), "e2e_request_latency_seconds"),
+    (lambda m: m.inc_prompt_tokens(1), "prompt_tokens_total"),
+    (lambda m: m.inc_generation_tokens(1), "generation_tokens_total"),
+    (lambda m: m.inc_success("stop"), "request_success_total"),
+    (lambda m: m.inc_error("UNAVAILABLE"), "request_errors_total"),
+    (lambda m: m.inc_migration(), "request_migrations_total"),
+    (lambda m: m.inc_local_prefill(), "local_prefill_requests_total"),
+    (lambda m: m.inc_degraded("no_prefill"), "degraded_requests_total"),
+    (lambda m: m.set_router_in_flight(1), "router_requests_in_flight"),
+    (lambda m: m.set_router_waiting(1), "router_requests_waiting"),
+]
+WORKER_CALLS = [
+    (lambda m: m.observe_queue_time(0.1), "request_queue_time_seconds"),
+    (lambda m: m.observe_prefill_time(0.1), "request_prefill_time_seconds"),
+    (lambda m: m.observe_decode_time(0.1), "request_decode_time_seconds"),
+    (lambda m: m.observe_kv_transfer(0.1, 8), "kv_transfer_time_seconds"),
+    (lambda m: m.inc_kv_transfer_bytes(8), "kv_transfer_bytes_total"),
+    (lambda m: m.set_prefix_cache_totals(4, 2), "prefix_cache_queries_total"),
+    (lambda m: m.set_running(1), "num_requests_running"),
+    (lambda m: m.set_waiting(1), "num_requests_waiting"),
+    (lambda m: m.set_kv_cache_usage(0.5), "kv_cache_usage_perc"),
+]
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_call_for_a_series_the_role_does_not_own_raises(role):
+    m = PDServeMetrics("tiny", role, "w")
+    own, foreign = (ROUTER_CALLS, WORKER_CALLS) if role == "router" else (WORKER_CALLS, ROUTER_CALLS)
+    for call, _name in own:
+        call(m)
+    before = m.render()
+    for call, name in foreign:
+        owner = "router" if role != "router" else "worker"
+        with pytest.raises(RuntimeError, match=rf"pdserve:{name} is owned by the {owner}.*'{role}'"):
+            call(m)
+    # a refused call registers nothing and records nothing
+    strip = lambda t: {k: v for k, v in samples(t).items() if not k[0].endswith("_created")}  # noqa: E731
+    assert strip(m.render()) == strip(before)
+
+
+def test_router_success_reasons_are_precreated():
     # vLLM pre-creates finished_reason series so they read 0 before any request
+    m = PDServeMetrics(**ROUTER)
     for reason in ("stop", "length", "abort"):
-        assert value(m.render(), "pdserve:request_success_total", finished_reason=reason) == 0.0
+        assert value(m.render(), "pdserve:request_success_total", ROUTER, finished_reason=reason) == 0.0
     # the text form uses the exact names users grep for
     text = m.render().decode()
-    assert 'pdserve:prompt_tokens_total{model_name="tiny",role="decode",worker="decode-0"} 0.0' in text
-    assert "pdserve:kv_transfer_bytes_total{" in text
+    assert 'pdserve:prompt_tokens_total{model_name="tiny",role="router",worker="router"} 0.0' in text
+    assert "pdserve:router_requests_in_flight{" in text
+    assert "kv_cache_usage_perc" not in text and "num_requests_running" not in text
+    w = PDServeMetrics(**LABELS).render().decode()
+    assert "pdserve:kv_transfer_bytes_total{" in w and 'pdserve:kv_cache_usage_perc{' in w
+    assert "request_success" not in w and "inter_token_latency" not in w and "router_requests" not in w
 
 
 def test_histograms_use_vllm_buckets_and_move():
-    m = PDServeMetrics(**LABELS)
+    r = PDServeMetrics(**ROUTER)
     # vLLM's TTFT buckets are ..., 0.02, 0.04, ...: 0.03 s lands above 0.02 and within 0.04.
-    m.observe_ttft(0.03)
-    m.observe_ttft(0.5)  # 0.5 is itself a bucket edge; le is inclusive
-    t = m.render()
-    assert value(t, "pdserve:time_to_first_token_seconds_bucket", le="0.02") == 0
-    assert value(t, "pdserve:time_to_first_token_seconds_bucket", le="0.04") == 1
-    assert value(t, "pdserve:time_to_first_token_seconds_bucket", le="0.5") == 2
-    assert value(t, "pdserve:time_to_first_token_seconds_count") == 2
-    assert value(t, "pdserve:time_to_first_token_seconds_sum") == pytest.approx(0.53)
+    r.observe_ttft(0.03)
+    r.observe_ttft(0.5)  # 0.5 is itself a bucket edge; le is inclusive
+    t = r.render()
+    assert value(t, "pdserve:time_to_first_token_seconds_bucket", ROUTER, le="0.02") == 0
+    assert value(t, "pdserve:time_to_first_token_seconds_bucket", ROUTER, le="0.04") == 1
+    assert value(t, "pdserve:time_to_first_token_seconds_bucket", ROUTER, le="0.5") == 2
+    assert value(t, "pdserve:time_to_first_token_seconds_count", ROUTER) == 2
+    assert value(t, "pdserve:time_to_first_token_seconds_sum", ROUTER) == pytest.approx(0.53)
     # vLLM's ITL buckets start at 0.01; request-latency buckets start at 0.3
-    m.observe_itl(0.012)
-    m.observe_e2e(0.4)
+    r.observe_itl(0.012)
+    r.observe_e2e(0.4)
+    t = r.render()
+    assert value(t, "pdserve:inter_token_latency_seconds_bucket", ROUTER, le="0.01") == 0
+    assert value(t, "pdserve:inter_token_latency_seconds_bucket", ROUTER, le="0.025") == 1
+    assert value(t, "pdserve:e2e_request_latency_seconds_bucket", ROUTER, le="0.3") == 0
+    assert value(t, "pdserve:e2e_request_latency_seconds_bucket", ROUTER, le="0.5") == 1
+    m = PDServeMetrics(**LABELS)
     m.observe_queue_time(0.1)
     m.observe_prefill_time(2.0)
+    m.observe_decode_time(0.9)
     t = m.render()
-    assert value(t, "pdserve:inter_token_latency_seconds_bucket", le="0.01") == 0
-    assert value(t, "pdserve:inter_token_latency_seconds_bucket", le="0.025") == 1
-    assert value(t, "pdserve:e2e_request_latency_seconds_bucket", le="0.3") == 0
-    assert value(t, "pdserve:e2e_request_latency_seconds_bucket", le="0.5") == 1
     assert value(t, "pdserve:request_queue_time_seconds_bucket", le="0.3") == 1
     assert value(t, "pdserve:request_prefill_time_seconds_bucket", le="1.5") == 0
     assert value(t, "pdserve:request_prefill_time_seconds_bucket", le="2.0") == 1
+    assert value(t, "pdserve:request_decode_time_seconds_bucket", le="0.8") == 0
+    assert value(t, "pdserve:request_decode_time_seconds_bucket", le="1.0") == 1
 
 
 def test_counters_and_gauges_move():
+    r = PDServeMetrics(**ROUTER)
+    r.inc_prompt_tokens(100)
+    r.inc_prompt_tokens(28)
+    r.inc_generation_tokens(7)
+    r.inc_success("stop")
+    r.inc_success("stop")
+    r.inc_success("length")
+    r.inc_error(grpc.StatusCode.UNAVAILABLE)
+    r.inc_error("INVALID_ARGUMENT")
+    r.inc_migration()
+    r.inc_local_prefill()
+    r.inc_degraded("no_decode")
+    r.set_router_in_flight(4)
+    r.set_router_waiting(1)
+    t = r.render()
+    assert value(t, "pdserve:prompt_tokens_total", ROUTER) == 128
+    assert value(t, "pdserve:generation_tokens_total", ROUTER) == 7
+    assert value(t, "pdserve:request_success_total", ROUTER, finished_reason="stop") == 2
+    assert value(t, "pdserve:request_success_total", ROUTER, finished_reason="length") == 1
+    assert value(t, "pdserve:request_success_total", ROUTER, finished_reason="abort") == 0
+    assert value(t, "pdserve:request_errors_total", ROUTER, code="UNAVAILABLE") == 1
+    assert value(t, "pdserve:request_errors_total", ROUTER, code="INVALID_ARGUMENT") == 1
+    assert value(t, "pdserve:request_migrations_total", ROUTER) == 1
+    assert value(t, "pdserve:local_prefill_requests_total", ROUTER) == 1
+    assert value(t, "pdserve:degraded_requests_total", ROUTER, reason="no_decode") == 1
+    assert value(t, "pdserve:router_requests_in_flight", ROUTER) == 4
+    assert value(t, "pdserve:router_requests_waiting", ROUTER) == 1
+    r.set_router_in_flight(0)
+    assert value(r.render(), "pdserve:router_requests_in_flight", ROUTER) == 0
     m = PDServeMetrics(**LABELS)
-    m.inc_prompt_tokens(100)
-    m.inc_prompt_tokens(28)
-    m.inc_generation_tokens(7)
     m.observe_kv_transfer(0.004, 4096)
     m.inc_kv_transfer_bytes(1024)
-    m.inc_success("stop")
-    m.inc_success("stop")
-    m.inc_success("length")
-    m.inc_error(grpc.StatusCode.UNAVAILABLE)
-    m.inc_error("INVALID_ARGUMENT")
     m.set_running(3)
     m.set_waiting(5)
     m.set_kv_cache_usage(0.25)
     t = m.render()
-    assert value(t, "pdserve:prompt_tokens_total") == 128
-    assert value(t, "pdserve:generation_tokens_total") == 7
     assert value(t, "pdserve:kv_transfer_bytes_total") == 4096 + 1024
     assert value(t, "pdserve:kv_transfer_time_seconds_count") == 1
-    assert value(t, "pdserve:request_success_total", finished_reason="stop") == 2
-    assert value(t, "pdserve:request_success_total", finished_reason="length") == 1
-    assert value(t, "pdserve:request_success_total", finished_reason="abort") == 0
-    assert value(t, "pdserve:request_errors_total", code="UNAVAILABLE") == 1
-    assert value(t, "pdserve:request_errors_total", code="INVALID_ARGUMENT") == 1
     assert value(t, "pdserve:num_requests_running") == 3
     assert value(t, "pdserve:num_requests_waiting") == 5
     assert value(t, "pdserve:kv_cache_usage_perc") == 0.25
@@ -115,21 +216,25 @@ def test_bad_input_names_the_field():
         PDServeMetrics("tiny", "bogus", "w")
     with pytest.raises(ValueError, match="model_name"):
         PDServeMetrics("", "decode", "w")
-    m = PDServeMetrics(**LABELS)
+    r = PDServeMetrics(**ROUTER)
     with pytest.raises(ValueError, match="ttft"):
-        m.observe_ttft(-1.0)
+        r.observe_ttft(-1.0)
     with pytest.raises(ValueError, match="prompt_tokens"):
-        m.inc_prompt_tokens(-3)
+        r.inc_prompt_tokens(-3)
+    with pytest.raises(ValueError, match="router_requests_waiting"):
+        r.set_router_waiting(-1)
+    # a rejected observation leaves the series untouched
+    assert value(r.render(), "pdserve:time_to_first_token_seconds_count", ROUTER) == 0
+    m = PDServeMetrics(**LABELS)
     with pytest.raises(ValueError, match="kv_cache_usage"):
         m.set_kv_cache_usage(1.5)
     with pytest.raises(ValueError, match="num_bytes"):
         m.observe_kv_transfer(0.1, -1)
-    # a rejected observation leaves the series untouched
-    assert value(m.render(), "pdserve:time_to_first_token_seconds_count") == 0
+    assert value(m.render(), "pdserve:kv_transfer_time_seconds_count") == 0
 
 
 def test_http_endpoint_serves_on_free_port_and_stops():
-    m = PDServeMetrics(**LABELS)
+    m = PDServeMetrics(**ROUTER)
     m.inc_generation_tokens(11)
     address, stop = m.serve()
     try:
@@ -138,7 +243,7 @@ def test_http_endpoint_serves_on_free_port_and_stops():
         with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
             assert resp.status == 200
             body = resp.read()
-        assert value(body, "pdserve:generation_tokens_total") == 11
+        assert value(body, "pdserve:generation_tokens_total", ROUTER) == 11
     finally:
         stop()
     stop()  # idempotent
@@ -151,10 +256,10 @@ def test_two_instances_do_not_collide():
     # and no cross-talk. Also serve both at once on distinct free ports.
     a = PDServeMetrics("tiny", "prefill", "w")
     b = PDServeMetrics("tiny", "prefill", "w")
-    a.inc_prompt_tokens(5)
-    b.inc_prompt_tokens(2)
+    a.inc_kv_transfer_bytes(5)
+    b.inc_kv_transfer_bytes(2)
     lab = {"model_name": "tiny", "role": "prefill", "worker": "w"}
-    key = ("pdserve:prompt_tokens_total", tuple(sorted(lab.items())))
+    key = ("pdserve:kv_transfer_bytes_total", tuple(sorted(lab.items())))
     assert samples(a.render())[key] == 5
     assert samples(b.render())[key] == 2
     addr_a, stop_a = a.serve()

@@ -1,4 +1,5 @@
-"""Each role serves Prometheus /metrics on its own free port and records its part of a request."""
+"""Each role serves Prometheus /metrics on its own free port and records only the series it owns:
+request-level ones on the router, engine-level ones on the workers (metrics.OWNERS), as vLLM splits them."""
 from __future__ import annotations
 
 import threading
@@ -6,14 +7,20 @@ import time
 import urllib.request
 
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
+from metrics import OWNERS
+from proto import pdserve_pb2
 from tests.roles.harness import KV, collect, joined, start_roles
 
 
+def _text(address: str) -> str:
+    return urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+
+
 def _scrape(address: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
     out: dict[str, float] = {}
-    for line in text.splitlines():
+    for line in _text(address).splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             out[name.split("{")[0] + ("{" + name.split("{", 1)[1] if "{" in name else "")] = float(value)
@@ -22,6 +29,17 @@ def _scrape(address: str) -> dict[str, float]:
 
 def _total(m: dict[str, float], metric: str) -> float:
     return sum(v for k, v in m.items() if k.split("{")[0] == metric)
+
+
+def _series_names(text: str) -> set[str]:
+    """The pdserve series a /metrics text exports, as OWNERS names them (counters with "_total"), from the
+    parsed families (prometheus-client's "_created" companions left out)."""
+    names = set()
+    for fam in text_string_to_metric_families(text):
+        if fam.name.endswith("_created") or not fam.name.startswith("pdserve:"):
+            continue
+        names.add(fam.name[len("pdserve:"):] + ("_total" if fam.type == "counter" else ""))
+    return names
 
 
 def test_router_and_workers_export_their_series():
@@ -38,13 +56,62 @@ def test_router_and_workers_export_their_series():
         assert _total(r, "pdserve:time_to_first_token_seconds_count") == 2
         assert _total(r, "pdserve:generation_tokens_total") == 10
         assert r['pdserve:request_success_total{finished_reason="length",model_name="tiny",role="router",worker="router"}'] == 2
+        # ITL is the router's: the gaps the client sees, tokens 2..5 of each request; no worker records it
+        assert _total(r, "pdserve:inter_token_latency_seconds_count") == 2 * 4
         assert _total(p, "pdserve:kv_transfer_time_seconds_count") == 2
         assert _total(p, "pdserve:kv_transfer_bytes_total") > 0
         assert _total(p, "pdserve:request_prefill_time_seconds_count") == 2
         assert _total(d, "pdserve:request_decode_time_seconds_count") == 2
-        assert _total(d, "pdserve:inter_token_latency_seconds_count") == 2 * 4  # tokens 2..5 of each request
+        assert _total(d, "pdserve:inter_token_latency_seconds_count") == 0
+        assert r['pdserve:router_requests_in_flight{model_name="tiny",role="router",worker="router"}'] == 0
+        assert r['pdserve:router_requests_waiting{model_name="tiny",role="router",worker="router"}'] == 0
     finally:
         roles.close()
     # nothing of these workers keeps running: engine loops, gRPC and KV channel threads are gone
     time.sleep(0.2)
     assert [t.name for t in threading.enumerate() if "met-" in t.name and t.is_alive()] == []
+
+
+def test_each_series_is_exported_by_one_kind_of_component_only():
+    """What a vLLM dashboard summing a name over every pod sees: one owner per name, no meaningless zeros."""
+    torch.set_num_threads(1)
+    roles = start_roles(kv=KV, n_decode=2, tag="own-", metrics=True)
+    try:
+        n_requests = 4
+        for i in range(n_requests):
+            resps = collect(roles.stub, prompt=f"def f{i}(x):", max_tokens=4, temperature=0.0)
+            assert joined(resps)[2] == "length"
+        # one more, held mid-stream: a decode worker holds its KV blocks while we scrape
+        stream = roles.stub.Generate(pdserve_pb2.GenerateRequest(prompt="x = [1, 2, 3]", max_tokens=200,
+                                                                 ignore_eos=True, temperature=0.0), timeout=60)
+        next(stream), next(stream)
+        workers = [*roles.prefills, *roles.decodes]
+        texts = {"router": _text(roles.router.metrics_address)}
+        texts.update({w.cfg.worker_id: _text(w.metrics_address) for w in workers})
+        usage = {w.cfg.worker_id: _total(_scrape(w.metrics_address), "pdserve:kv_cache_usage_perc") for w in workers}
+        r = _scrape(roles.router.metrics_address)
+        stream.cancel()
+
+        exported = {who: _series_names(t) for who, t in texts.items()}
+        router_names = exported.pop("router")
+        worker_names = set().union(*exported.values())
+        # each name in exactly one kind of component's /metrics text, and that kind is its owner
+        assert router_names.isdisjoint(worker_names), router_names & worker_names
+        assert router_names == {n for n, o in OWNERS.items() if o == "router"}
+        for who, names in exported.items():  # every worker exports the whole engine-level set
+            assert names == {n for n, o in OWNERS.items() if o == "worker"}, who
+        assert router_names | worker_names == set(OWNERS)
+
+        assert _total(r, "pdserve:request_success_total") == n_requests  # the held one is still streaming
+        assert _total(r, "pdserve:router_requests_in_flight") == 1 and _total(r, "pdserve:router_requests_waiting") == 0
+        assert "kv_cache_usage_perc" not in texts["router"] and "num_requests_running" not in texts["router"]
+        # KV usage: a fraction per worker, so their sum is within [0, number of workers]; the held stream's
+        # decode worker shows blocks in use, and nothing is left in use once every request is done
+        assert all(0.0 <= u <= 1.0 for u in usage.values()), usage
+        assert 0.0 < sum(usage[w.cfg.worker_id] for w in roles.decodes) <= len(roles.decodes)
+        assert roles.wait_idle(5.0)
+        time.sleep(0.2)  # a loop pass or two re-reads the load after the last release
+        after = [_scrape(w.metrics_address) for w in workers]
+        assert sum(_total(m, "pdserve:kv_cache_usage_perc") for m in after) == 0.0
+    finally:
+        roles.close()
