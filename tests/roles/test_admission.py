@@ -117,8 +117,8 @@ def test_decode_worker_full_queues_then_served_equal_offline(small):
                                         temperature=0.0, ignore_eos=True, request_id="req-wait"))
     assert _wait_for(lambda: small.router.num_waiting == 1)
     t_seen = time.monotonic()
-    assert _gauge(small, "num_requests_waiting") == 1.0
-    assert _gauge(small, "num_requests_running") == 0.0
+    assert _gauge(small, "router_requests_waiting") == 1.0
+    assert _gauge(small, "router_requests_in_flight") == 1.0  # the waiting one is held by the router too
     time.sleep(0.3)   # still waiting: the blocks are still held
     assert small.router.num_waiting == 1 and t.is_alive()
     hold.release()    # freed behind the router's back: its backoff retries find the room
@@ -130,7 +130,7 @@ def test_decode_worker_full_queues_then_served_equal_offline(small):
     # it was still queued when we looked, so its queue time covers at least that long
     assert box["out"][-1].timings.queue_s >= t_seen - t_submit
     assert box["out"][-1].timings.ttft_s >= box["out"][-1].timings.queue_s
-    assert small.router.num_waiting == 0 and _gauge(small, "num_requests_waiting") == 0.0
+    assert small.router.num_waiting == 0 and _gauge(small, "router_requests_waiting") == 0.0
     assert small.wait_idle(1.0)
 
 
@@ -165,12 +165,12 @@ def test_full_queue_rejects_at_once_and_cancelled_waiter_leaks_nothing(small):
     assert box2["err"].code() == grpc.StatusCode.CANCELLED
     assert _wait_for(lambda: small.router.num_waiting == 0 and small.router.num_in_flight == 1, 2.0)
     assert "req-q" not in small.decodes[0].requests and "req-q" not in small.prefills[0].requests
-    assert _gauge(small, "num_requests_waiting") == 0.0
+    assert _gauge(small, "router_requests_waiting") == 0.0
     assert joined(list(s1))[2] == "length"
     hold.release()
     assert small.wait_idle(1.0)
     assert _wait_for(lambda: small.router.num_in_flight == 0, 1.0)
-    assert _gauge(small, "num_requests_running") == 0.0
+    assert _gauge(small, "router_requests_in_flight") == 0.0
 
 
 def test_queue_timeout_and_deadline_while_queued(small):
