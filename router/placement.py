@@ -54,6 +54,8 @@ class Placement:
 
     route: str
     """``PAIR``, or the pool whose worker runs the whole request ("colocated", "decode")."""
+    request_id: str = ""
+    """The id the workers of this placement know the request by (``RequestScope.next_worker_request_id``)."""
     decode: Optional[WorkerInfo] = None
     """The decode worker of a pair, or the worker running the whole request."""
     prefill: Optional[WorkerInfo] = None
@@ -139,7 +141,7 @@ class Placer:
         w = self._by_prefix(scope, ranked)[0]
         self._record_prefix(scope, w)
         sel.acquire(w.worker_id)
-        return Placement(route=pool, decode=w, held={"decode"})
+        return Placement(route=pool, request_id=scope.next_worker_request_id(), decode=w, held={"decode"})
 
     # ---- pairs -----------------------------------------------------------------------------------
     def place_pair(self, scope: RequestScope, excluded: set[str]) -> Placement:
@@ -205,12 +207,13 @@ class Placer:
         p = ranked_p[0]
         exhausted = 0
         cfg = self.cfg
+        wrid = scope.next_worker_request_id()
         for d in sel.ranked_decode(ready, needed):
             # count the request against d before the call, so concurrent requests rank d as busier now
             sel.acquire(d.worker_id)
             try:
                 resv = self.clients.decode(d.grpc_address).Reserve(
-                    worker_pb2.ReserveRequest(request_id=scope.rid, prompt_token_ids=scope.prompt_token_ids,
+                    worker_pb2.ReserveRequest(request_id=wrid, prompt_token_ids=scope.prompt_token_ids,
                                               params=scope.wire_params, prefill_kv_name=p.kv_name,
                                               kv_timeout_s=scope.remaining(cfg.first_token_timeout_s
                                                                            + cfg.transfer_timeout_s)),
@@ -227,7 +230,8 @@ class Placer:
                 continue
             self._record_prefix(scope, p)
             sel.acquire(p.worker_id, n)
-            return Placement(route=PAIR, decode=d, prefill=p, reservation=resv, held={"decode", "prefill"})
+            return Placement(route=PAIR, request_id=wrid, decode=d, prefill=p, reservation=resv,
+                             held={"decode", "prefill"})
         if exhausted:
             return None
         raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no decode worker reachable")
@@ -266,10 +270,11 @@ class Placer:
         if "prefill" in gone and p.prefill is not None:
             self.selector.release(p.prefill.worker_id, scope.num_prompt_tokens)
 
-    def abort(self, p: Optional[Placement], rid: str) -> None:
+    def abort(self, p: Optional[Placement]) -> None:
         """Best effort: every worker of ``p`` drops the request and frees its blocks."""
         if p is None:
             return
+        rid = p.request_id
         msg = worker_pb2.AbortRequest(request_id=rid)
         if p.route == PAIR:
             stubs = [(p.decode, self.clients.decode), (p.prefill, self.clients.prefill)]

@@ -82,7 +82,7 @@ class RequestFlow:
         finally:
             if not ok:
                 self.cancel()
-                placer.abort(self.placement, self.rid)
+                placer.abort(self.placement)
             placer.release(self.placement, self.scope)
 
     def _run(self) -> Iterator[FlowEvent]:
@@ -151,7 +151,7 @@ class RequestFlow:
                 t_call = time.monotonic()
                 p_stream = scope.track(self.deps.placer.clients.prefill(p.grpc_address).Prefill(
                     worker_pb2.PrefillRequest(
-                        request_id=self.rid, prompt_token_ids=scope.prompt_token_ids, params=scope.wire_params,
+                        request_id=pl.request_id, prompt_token_ids=scope.prompt_token_ids, params=scope.wire_params,
                         dest_kv_name=resv.kv_name, dest_block_ids=resv.block_ids, dest_block_size=resv.block_size),
                     timeout=scope.remaining(cfg.first_token_timeout_s + cfg.transfer_timeout_s)))
                 try:
@@ -159,17 +159,18 @@ class RequestFlow:
                 except grpc.RpcError as e:
                     raise scope.rpc_error(e, f"prefill on {p.worker_id}", p.worker_id) from None
                 except StopIteration:
-                    raise FlowError(grpc.StatusCode.INTERNAL,
-                                    f"request {self.rid}: prefill worker {p.worker_id} sent no first token") from None
+                    raise FlowError(grpc.StatusCode.UNAVAILABLE,
+                                    f"request {self.rid}: prefill worker {p.worker_id} sent no first token",
+                                    p.worker_id) from None
                 if not ev.HasField("first_token"):
-                    raise FlowError(grpc.StatusCode.INTERNAL, f"request {self.rid}: prefill worker {p.worker_id} "
-                                                              f"sent {ev.WhichOneof('event')} first")
+                    raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: prefill worker {p.worker_id} "
+                                                                 f"sent {ev.WhichOneof('event')} first", p.worker_id)
                 return p_stream, ev.first_token, t_call
             except FlowError as e:
                 placer.failed(e)
                 if p_stream is not None:
                     p_stream.cancel()
-                placer.abort(self.placement, self.rid)
+                placer.abort(self.placement)
                 placer.release(self.placement, scope)
                 self.placement = None
                 if e.worker_id:
@@ -186,7 +187,7 @@ class RequestFlow:
         ev = self._emit([ft.token_id], [ft.logprob] if ft.HasField("logprob") else [], always=True)
         if self.proc.finished:  # a stop string in the very first token: D is not needed
             p_stream.cancel()
-            placer.abort(self.placement, rid)
+            placer.abort(self.placement)
             yield ev
             return
         yield ev
@@ -197,10 +198,10 @@ class RequestFlow:
         def transfer_error(e: Optional[grpc.RpcError], why: str) -> FlowError:
             if e is not None:
                 return scope.rpc_error(e, f"KV transfer from {pid}")
-            return FlowError(grpc.StatusCode.INTERNAL, f"request {rid}: KV transfer from {pid}: {why}")
+            return FlowError(grpc.StatusCode.UNAVAILABLE, f"request {rid}: KV transfer from {pid}: {why}")
 
         watch = TransferWatch(p_stream, rid, lambda: placer.release(pl, scope, ("prefill",)), transfer_error)
-        first_msg = worker_pb2.DecodeRequest(request_id=rid, first_token_id=ft.token_id)
+        first_msg = worker_pb2.DecodeRequest(request_id=pl.request_id, first_token_id=ft.token_id)
         if ft.HasField("logprob"):
             first_msg.first_logprob.CopyFrom(ft.logprob)
         d_stream = scope.track(placer.clients.decode(d.grpc_address).Decode(
@@ -216,7 +217,7 @@ class RequestFlow:
                         self.timings.kv_transfer_s = watch.kv_transfer_s or 0.0  # ev.timings is self.timings
                     if not chunk.finish_reason:  # stopped by a stop string: D would go on
                         d_stream.cancel()
-                        placer.abort(pl, rid)
+                        placer.abort(pl)
                     yield ev
                     return
                 if ev is not None:
@@ -232,14 +233,14 @@ class RequestFlow:
                         rid, d.worker_id, len(self.proc.token_ids), err.message)
             if self.deps.metrics is not None:
                 self.deps.metrics.inc_migration()
-            placer.abort(pl, rid)
+            placer.abort(pl)
             placer.release(pl, scope)
             self.placement = None
             yield from self._run_whole("decode", {d.worker_id}, cfg.max_attempts - 1)
             return
         if watch.error is not None:
             raise watch.error
-        raise FlowError(grpc.StatusCode.INTERNAL, f"request {rid}: decode stream from {d.worker_id} ended "
+        raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {rid}: decode stream from {d.worker_id} ended "
                                                   f"without a finish reason")
 
     # ---- whole requests on one worker: colocated mode, local prefill, migration -------------------------
@@ -254,7 +255,7 @@ class RequestFlow:
             w = pl.decode
             t_call = time.monotonic()
             stream = scope.track(placer.clients.colocated(w.grpc_address).Generate(
-                worker_pb2.ColocatedRequest(request_id=self.rid, prompt_token_ids=scope.prompt_token_ids,
+                worker_pb2.ColocatedRequest(request_id=pl.request_id, prompt_token_ids=scope.prompt_token_ids,
                                             params=scope.wire_params, resume_token_ids=self.proc.token_ids),
                 timeout=scope.remaining(cfg.request_timeout_s)))
             try:
@@ -265,7 +266,7 @@ class RequestFlow:
                     if self.proc.finished:
                         if not chunk.finish_reason:
                             stream.cancel()
-                            placer.abort(pl, self.rid)
+                            placer.abort(pl)
                         yield ev
                         return
                     if ev is not None:
@@ -283,5 +284,5 @@ class RequestFlow:
                 if move is Recovery.MIGRATE and self.deps.metrics is not None:
                     self.deps.metrics.inc_migration()
                 continue
-            raise FlowError(grpc.StatusCode.INTERNAL,
+            raise FlowError(grpc.StatusCode.UNAVAILABLE,
                             f"request {self.rid}: stream from {w.worker_id} ended without a finish reason")

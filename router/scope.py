@@ -50,6 +50,16 @@ class RequestScope:
         self._cancelled = False
         self._finished = False
         self._hashes_by_bs: dict[int, list[int]] = {}
+        self._worker_ids = 0
+
+    def next_worker_request_id(self) -> str:
+        """The id the workers know one placement of this request by: the client's id for the first, then
+        ``<id>~2``, ``<id>~3``... A retry or a migration never reuses an id a worker may still hold (an abort
+        that timed out, a reply lost in transit), so no worker answers ALREADY_EXISTS to a retry."""
+        with self._lock:
+            self._worker_ids += 1
+            n = self._worker_ids
+        return self.rid if n == 1 else f"{self.rid}~{n}"
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -133,3 +133,15 @@ def test_render_final_event_as_grpc_response():
     assert abs(r.timings.total_s - 0.4) < 1e-6 and abs(r.timings.queue_s - 0.1) < 1e-6
     mid = render(FlowEvent("r9", [1], "x"))
     assert not mid.finish_reason and not mid.HasField("usage") and not mid.HasField("timings")
+
+
+def test_each_placement_has_its_own_worker_request_id():
+    """A retry or migration never reuses the id a worker may still hold (an abort that timed out): the first
+    placement uses the client's id, later ones a suffixed one, so a worker never answers ALREADY_EXISTS."""
+    ws = [_w("c0", "colocated"), _w("c1", "colocated")]
+    pl = _placer(ws)
+    s = _scope(rid="req-7")
+    first = pl.place_whole(s, "colocated", set())
+    second = pl.place_whole(s, "colocated", {first.decode.worker_id})
+    third = pl.place_whole(s, "colocated", set())
+    assert (first.request_id, second.request_id, third.request_id) == ("req-7", "req-7~2", "req-7~3")

@@ -32,7 +32,8 @@ def _ids(view: WorkerView, role: str) -> list[str]:
 
 
 def test_view_serves_through_a_redis_restart():
-    redis = EmbeddedRedis().start()
+    password = "view-test-password-0123"
+    redis = EmbeddedRedis(RedisServerConfig(password=password)).start()
     port = redis.port
     ns = "view-" + uuid.uuid4().hex[:8]
     reg = Registry(redis.url, ns, ttl_s=30.0, socket_timeout_s=0.5, retries=0)
@@ -46,7 +47,7 @@ def test_view_serves_through_a_redis_restart():
         assert _wait(lambda: view.last_error is not None)
         assert _ids(view, "decode") == ["d0"] and _ids(view, "prefill") == ["p0"]
         # back on the same port, empty: the view follows what the workers write again
-        redis = EmbeddedRedis(RedisServerConfig(port=port)).start()
+        redis = EmbeddedRedis(RedisServerConfig(port=port, password=password)).start()
         reg.register(_info("d1", "decode"))
         assert _wait(lambda: _ids(view, "decode") == ["d1"]), _ids(view, "decode")
         assert view.last_error is None
