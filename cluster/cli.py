@@ -30,7 +30,14 @@ import threading
 import time
 from typing import Optional, Sequence
 
+from loadtest.auth import API_KEY_ENV, ClientAuth, add_client_auth_args, client_auth_from_args
+
 BUILTIN_MODELS = ("tiny", "bench")
+CLUSTER_SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
+"""Environment variable with the cluster secret (else --cluster-secret-file, else a generated one)."""
+REDIS_URL_ENV = "PDSERVE_REDIS_URL"
+"""Environment variable with the Redis URL (keeps its password off argv)."""
+SECRET_ENVS = (API_KEY_ENV, CLUSTER_SECRET_ENV, REDIS_URL_ENV)
 
 
 class _Shutdown(BaseException):
@@ -50,9 +57,15 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="run the planner: each pool scales between its start size and --max-prefill/--max-decode")
     p.add_argument("--max-prefill", type=int, default=4, help="most prefill workers with --autoscale (default 4)")
     p.add_argument("--max-decode", type=int, default=4, help="most decode workers with --autoscale (default 4)")
-    p.add_argument("--host", default="127.0.0.1", help="router bind address (default 127.0.0.1)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address every listener binds: router gRPC and metrics, the embedded Redis and, on a "
+                        "local Ray, the workers' gRPC, metrics and gloo (default 127.0.0.1; multi-node: this "
+                        "node's own address; a wildcard such as 0.0.0.0 only when given here)")
     p.add_argument("--port", type=int, default=50051, help="router port, 0 = free port (default 50051)")
-    p.add_argument("--redis-url", default=None, help="external Redis (default: a private embedded one)")
+    p.add_argument("--redis-url", default=None,
+                   help=f"external Redis, redis://:PASSWORD@host:port/db or rediss:// for TLS (default: "
+                        f"${REDIS_URL_ENV}, else a private embedded one with a generated password); a password "
+                        f"on argv is visible in ps: prefer ${REDIS_URL_ENV}")
     p.add_argument("--address", default=None,
                    help="Ray cluster to join, e.g. auto (default: start a private local Ray)")
     p.add_argument("--namespace", default=None, help="registry namespace (default: a unique one)")
@@ -75,6 +88,19 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                         "worker is replaced under a new id (default 1)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for SERVING")
     p.add_argument("--log-level", default="WARNING", help="Python log level (default WARNING)")
+    sec = p.add_argument_group("security", "Secrets are read from files or the environment, never printed; see "
+                                           "docs/security.md.")
+    sec.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                     help="PEM certificate chain: serve the public gRPC API over TLS (with --ssl-keyfile)")
+    sec.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="PEM private key of --ssl-certfile")
+    sec.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                     help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    sec.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                     help=f"require 'authorization: Bearer KEY' on the public API (repeatable). Visible in ps: "
+                          f"prefer ${API_KEY_ENV} (comma-separated keys)")
+    sec.add_argument("--cluster-secret-file", default=None, metavar="FILE",
+                     help=f"file holding the secret the router presents to the workers (or ${CLUSTER_SECRET_ENV}; "
+                          f"default: a fresh one per run). Give the same one to every launcher of one cluster")
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -91,6 +117,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="generate past EOS")
     p.add_argument("--timeout", type=float, default=120.0, help="request deadline in seconds (default 120)")
     p.add_argument("--usage", action="store_true", help="print finish reason, usage and timings to stderr")
+    add_client_auth_args(p)
 
 
 _DOWN_EPILOG = """\
@@ -117,7 +144,9 @@ def _add_down(sub: argparse._SubParsersAction) -> None:
                                    "heartbeat (a running cluster).",
                        epilog=_DOWN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--namespace", required=True, help="the namespace the dead `pdserve up` used")
-    p.add_argument("--redis-url", required=True, help="the Redis it used, e.g. redis://host:6379/0")
+    p.add_argument("--redis-url", default=None,
+                   help=f"the Redis it used, e.g. redis://:PASSWORD@host:6379/0 (default ${REDIS_URL_ENV}; a "
+                        f"password on argv is visible in ps)")
     p.add_argument("--wait", type=float, default=15.0, metavar="S",
                    help="seconds to wait for the dead run's worker records to expire (default 15)")
 
@@ -128,7 +157,10 @@ def cmd_down(args: argparse.Namespace) -> int:
 
     if not args.wait >= 0:
         raise ValueError(f"--wait must be >= 0, got {args.wait}")
-    with Registry(args.redis_url, args.namespace) as reg:
+    redis_url = _redis_url(args)
+    if redis_url is None:
+        raise ValueError(f"--redis-url (or ${REDIS_URL_ENV}) is required")
+    with Registry(redis_url, args.namespace) as reg:
         reg.ping()
         keys = reg.clear_stale(wait_s=args.wait)
     for key in keys:
@@ -163,6 +195,14 @@ def _check_up_args(args: argparse.Namespace) -> None:
         for name, lo, hi in (("prefill", args.prefill, args.max_prefill), ("decode", args.decode, args.max_decode)):
             if not args.colocated and hi < max(lo, 1):
                 raise ValueError(f"--max-{name} must be >= max(--{name}, 1), got {hi}")
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        raise ValueError("--ssl-certfile and --ssl-keyfile must be given together")
+    if args.ssl_ca_certs is not None and args.ssl_certfile is None:
+        raise ValueError("--ssl-ca-certs (mutual TLS) needs --ssl-certfile and --ssl-keyfile")
+    for flag, path in (("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile),
+                       ("--ssl-ca-certs", args.ssl_ca_certs)):
+        if path is not None and not os.access(path, os.R_OK):
+            raise ValueError(f"{flag}: cannot read {path!r}")
     if args.port:
         _check_port_free(args.host, args.port)
     # the fields the configs own are checked by the configs themselves, reported under the flag's name
@@ -207,13 +247,15 @@ def _check_port_free(host: str, port: int) -> None:
             raise ValueError(f"--port {port} on {host} is not available: {e.strerror}") from None
 
 
-def wait_serving(address: str, timeout_s: float) -> None:
-    """Block until ``address`` answers grpc.health SERVING; TimeoutError otherwise."""
+def wait_serving(address: str, timeout_s: float, auth: Optional[ClientAuth] = None) -> None:
+    """Block until ``address`` answers grpc.health SERVING; TimeoutError otherwise.
+
+    ``auth``: TLS trust (and client certificate) for a router serving TLS; health needs no API key."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
+    with (auth or ClientAuth()).channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             try:
@@ -227,6 +269,70 @@ def wait_serving(address: str, timeout_s: float) -> None:
             time.sleep(0.2)
 
 
+def _redis_url(args: argparse.Namespace) -> Optional[str]:
+    """--redis-url, else $PDSERVE_REDIS_URL; warns when a password was given on argv (ps shows it)."""
+    from cluster.redis_server import mask_url
+
+    if args.redis_url:
+        if mask_url(args.redis_url) != args.redis_url:
+            print(f"pdserve: warning: the --redis-url password is visible to every user of this machine (ps); "
+                  f"set ${REDIS_URL_ENV} instead", file=sys.stderr)
+        return args.redis_url
+    return os.environ.get(REDIS_URL_ENV) or None
+
+
+def _read_secret_file(path: str) -> str:
+    try:
+        st = os.stat(path)
+        with open(path, "r") as f:
+            secret = f.read().strip()
+    except OSError as e:
+        raise ValueError(f"--cluster-secret-file: cannot read {path!r}: {e.strerror}") from None
+    if st.st_mode & 0o077:
+        print(f"pdserve: warning: --cluster-secret-file {path} is readable by other users (chmod 600 it)",
+              file=sys.stderr)
+    return secret
+
+
+def _up_secrets(args: argparse.Namespace) -> tuple[tuple[str, ...], Optional[str], Optional[str]]:
+    """(API keys, cluster secret or None to generate one, Redis URL or None) from flags, files and the
+    environment. The variables are then removed from this process's environment, so the Ray processes it
+    starts (and their actors) do not inherit them: the secrets reach the actors inside their configs."""
+    keys = list(args.api_key)
+    if keys:
+        print(f"pdserve: warning: --api-key is visible to every user of this machine (ps); "
+              f"set ${API_KEY_ENV} (comma-separated) instead", file=sys.stderr)
+    keys += [k.strip() for k in os.environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    if any(not k or any(c.isspace() for c in k) for k in keys):
+        raise ValueError("--api-key: keys must be non-empty without whitespace (values not shown)")
+    if args.cluster_secret_file:
+        secret = _read_secret_file(args.cluster_secret_file)
+    else:
+        secret = os.environ.get(CLUSTER_SECRET_ENV) or None
+    if secret is not None and len(secret) < 16:
+        raise ValueError(f"--cluster-secret-file/${CLUSTER_SECRET_ENV}: the cluster secret must be at least "
+                         f"16 characters (value not shown); make one with python -c 'import secrets; "
+                         f"print(secrets.token_urlsafe(32))'")
+    redis_url = _redis_url(args)
+    for name in SECRET_ENVS:
+        os.environ.pop(name, None)
+    return tuple(dict.fromkeys(keys)), secret, redis_url
+
+
+def _wait_listening(address: str, timeout_s: float) -> None:
+    """Block until a TCP connection to ``address`` succeeds; TimeoutError otherwise."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"router {address} not listening within {timeout_s}s") from None
+            time.sleep(0.2)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     """``pdserve up``: run until a signal, then stop everything that was started."""
     # Ray's driver otherwise installs a C++ "failure" handler for SIGTERM that aborts the process
@@ -237,6 +343,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from cluster.supervisor import Supervisor, SupervisorConfig
 
     _check_up_args(args)
+    api_keys, cluster_secret, redis_url = _up_secrets(args)
     engine_overrides = {}
     if args.num_kv_blocks is not None:
         engine_overrides["num_kv_blocks"] = args.num_kv_blocks
@@ -249,10 +356,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         args.prefill = args.decode = 0
     cfg = ClusterConfig(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                         num_colocated=args.colocated,
-                        router_host=args.host, router_port=args.port, redis_url=args.redis_url,
+                        host=args.host, router_port=args.port, redis_url=redis_url,
                         ray_address=args.address, namespace=args.namespace,
                         cpus_per_worker=args.cpus_per_worker, engine_overrides=engine_overrides,
-                        router_overrides=router_overrides)
+                        router_overrides=router_overrides, api_keys=api_keys, ssl_certfile=args.ssl_certfile,
+                        ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
+                        cluster_secret=cluster_secret)
     stop = threading.Event()
     stopping = False
 
@@ -262,6 +371,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         stop.set()
         raise _Shutdown(signal.Signals(signum).name)
 
+    cluster_secret_source = ("file" if args.cluster_secret_file else
+                             "environment" if cluster_secret else "generated for this run")
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     cluster = Cluster(cfg)
     planner = supervisor = None
@@ -279,8 +390,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         # ray.init installs its own SIGTERM handler (sys.exit(15)); take SIGTERM back for a clean stop.
         for s in previous:
             signal.signal(s, on_signal)
-        wait_serving(cluster.router_address, args.ready_timeout)
-        _print_endpoints(cluster, planner)
+        if args.ssl_certfile is None:
+            wait_serving(cluster.router_address, args.ready_timeout)
+        else:
+            # The router reported SERVING in-process when it started. A gRPC probe over its TLS port would need
+            # to verify the router's certificate (issued by a CA this process may not hold) and, with mutual
+            # TLS, a client certificate: check that the port answers instead.
+            _wait_listening(cluster.router_address, args.ready_timeout)
+        _print_endpoints(cluster, planner, args, cluster_secret_source)
         while not stop.wait(1.0):
             pass
     except _Shutdown as e:
@@ -303,12 +420,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_endpoints(cluster, planner) -> None:
+def _print_endpoints(cluster, planner, args: argparse.Namespace, secret_source: str) -> None:
+    # No secret is printed: keys are counted, the Redis URL is masked.
+    tls = ("mutual TLS" if args.ssl_ca_certs else "TLS") if args.ssl_certfile else "plaintext"
+    keys = cluster.config.api_keys
     lines = [f"pdserve SERVING router={cluster.router_address}",
-             f"  router   {cluster.router_address}  (gRPC pdserve.v1.PDServe, health, reflection)"]
+             f"  router   {cluster.router_address}  (gRPC pdserve.v1.PDServe, health, reflection; {tls}, "
+             + (f"{len(keys)} API key(s) required)" if keys else "no API key: open to whoever reaches it)")]
     for name, addr in sorted(cluster.metrics_addresses().items()):
         lines.append(f"  metrics  {name:<12} http://{addr}/metrics")
-    lines.append(f"  redis    {cluster.redis_url}  namespace {cluster.namespace}")
+    lines.append(f"  redis    {cluster.display_redis_url}  namespace {cluster.namespace}")
+    lines.append(f"  cluster  workers accept only the cluster secret ({secret_source})")
     pools = " ".join(f"{r}={len(cluster.worker_ids(r))}" for r in ("prefill", "decode", "colocated")
                      if cluster.worker_ids(r))
     lines.append(f"  workers  {pools} ({cluster.config.mode})")
@@ -334,9 +456,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                          ("seed", args.seed)):
         if value is not None:
             setattr(req, field, value)
+    auth = client_auth_from_args(args)
     last = None
-    with grpc.insecure_channel(args.target) as ch:
-        call = pdserve_pb2_grpc.PDServeStub(ch).Generate(req, timeout=args.timeout)
+    with auth.channel(args.target) as ch:
+        call = pdserve_pb2_grpc.PDServeStub(ch).Generate(req, timeout=args.timeout, metadata=auth.metadata())
         try:
             for resp in call:
                 if resp.text:

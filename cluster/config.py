@@ -41,8 +41,9 @@ class ClusterConfig:
     """Interface of the public gRPC server (and the router's metrics); None: ``host``."""
     router_port: int = 0
     """Public gRPC port; 0 picks a free one."""
-    redis_url: Optional[str] = None
-    """External Redis; None starts a private embedded one."""
+    redis_url: Optional[str] = field(default=None, repr=False)
+    """External Redis (``redis://:PASSWORD@host:port/db``, ``rediss://`` for TLS); None starts a private
+    embedded one with a generated password. Kept out of repr (it may carry the password)."""
     ray_address: Optional[str] = None
     """Ray to join ("auto", "host:port", "ray://..."); None uses this process's Ray or starts a local one."""
     namespace: Optional[str] = None

@@ -29,6 +29,7 @@ import grpc
 from tqdm import tqdm
 
 from loadtest.arrivals import gamma_arrivals, trace_arrivals
+from loadtest.auth import add_client_auth_args, client_auth_from_args
 from loadtest.client import ClientConfig, check_target, fetch_model_info, limits_from_info, run_benchmark
 from loadtest.report import print_summary, save_result, write_plots
 from loadtest.stats import parse_goodput, summarize
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="localhost:50051",
                    help="HOST:PORT of the router (default localhost:50051, where `pdserve up` puts it)")
+    add_client_auth_args(p)
     src = p.add_argument_group("workload")
     src.add_argument("--trace", help="CSV trace (TIMESTAMP, ContextTokens, GeneratedTokens) to replay")
     src.add_argument("--trace-start", type=int, default=0, help="first trace row to replay (0-based)")
@@ -102,7 +104,7 @@ async def _bench(args: argparse.Namespace) -> int:
     if args.num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {args.num_prompts}")
     try:
-        info = await fetch_model_info(args.target, timeout_s=args.ready_timeout)
+        info = await fetch_model_info(args.target, timeout_s=args.ready_timeout, auth=args.auth)
     except grpc.aio.AioRpcError as e:
         print(f"error: target {args.target} unreachable: {e.code().name}: {e.details()}", file=sys.stderr)
         return 2
@@ -126,7 +128,8 @@ async def _bench(args: argparse.Namespace) -> int:
                     workload.num_clipped, len(lengths), limits.max_context_length, limits.max_prompt_tokens,
                     limits.max_new_tokens)
     cfg = ClientConfig(target=args.target, temperature=args.temperature,
-                       max_concurrency=args.max_concurrency, request_timeout_s=args.request_timeout)
+                       max_concurrency=args.max_concurrency, request_timeout_s=args.request_timeout,
+                       auth=args.auth)
 
     with tqdm(total=len(workload.requests), disable=args.disable_tqdm, desc="bench", unit="req") as bar:
         records, duration = await run_benchmark(cfg, workload.requests, on_done=lambda _r: bar.update(1))
@@ -162,6 +165,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         check_target(args.target)
+        args.auth = client_auth_from_args(args)
+        args.auth.credentials()  # an unreadable --ssl-* file is bad input (exit 2), found before any call
         if args.max_concurrency is not None and args.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {args.max_concurrency}")
         return asyncio.run(_bench(args))

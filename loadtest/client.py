@@ -1,25 +1,27 @@
 """The benchmark client: sends a workload to a PDServe endpoint and times every streamed message.
 
 Lifecycle: ``run_benchmark(target, requests, ...)`` opens one ``grpc.aio``
-channel, starts the clock, and launches one task per request; each task sleeps
-until its scheduled offset, waits for a slot under ``max_concurrency`` (if any),
-sends ``Generate`` with the prompt's token ids, ``max_tokens`` and
-``ignore_eos=True`` (so the output length is forced), and stamps each streamed
-message that carries tokens on the client's monotonic clock. When every task
-has ended (a finished stream, an RPC error or the per-request deadline), the
-channel is closed and the records plus the wall duration are returned. A
-request error never ends the run; it is recorded with its gRPC status.
+channel (TLS and an API key per ``ClientConfig.auth``), starts the clock, and
+launches one task per request; each task sleeps until its scheduled offset,
+waits for a slot under ``max_concurrency`` (if any), sends ``Generate`` with
+the prompt's token ids, ``max_tokens`` and ``ignore_eos=True`` (so the output
+length is forced), and stamps each streamed message that carries tokens on the
+client's monotonic clock. When every task has ended (a finished stream, an RPC
+error or the per-request deadline), the channel is closed and the records plus
+the wall duration are returned. A request error never ends the run; it is
+recorded with its gRPC status.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import grpc
 
+from loadtest.auth import ClientAuth
 from loadtest.stats import RequestRecord
 from loadtest.workload import BenchRequest, ModelLimits
 from proto import pdserve_pb2 as pb
@@ -40,6 +42,8 @@ class ClientConfig:
     """At most this many requests in flight; None = no cap beyond the arrival schedule."""
     request_timeout_s: float = 600.0
     """gRPC deadline of each Generate call."""
+    auth: ClientAuth = field(default_factory=ClientAuth)
+    """API key and TLS settings (``loadtest.auth``); the default is a plaintext channel without a key."""
 
 
 def check_target(target: str) -> str:
@@ -50,12 +54,15 @@ def check_target(target: str) -> str:
     return target
 
 
-async def fetch_model_info(target: str, timeout_s: float = 30.0) -> pb.ModelInfo:
+async def fetch_model_info(target: str, timeout_s: float = 30.0, auth: Optional[ClientAuth] = None
+                           ) -> pb.ModelInfo:
     """GetModelInfo, waiting up to ``timeout_s`` for the server to come up."""
     check_target(target)
-    async with grpc.aio.insecure_channel(target) as channel:
+    auth = auth or ClientAuth()
+    async with auth.aio_channel(target) as channel:
         stub = pb_grpc.PDServeStub(channel)
-        return await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True)
+        return await stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True,
+                                       metadata=auth.metadata())
 
 
 def limits_from_info(info: pb.ModelInfo) -> ModelLimits:
@@ -78,7 +85,7 @@ async def _send_one(stub: pb_grpc.PDServeStub, req: BenchRequest, cfg: ClientCon
                                      max_tokens=req.max_tokens, temperature=cfg.temperature, ignore_eos=True)
         rec.start_s = time.perf_counter() - t0
         usage_tokens = 0
-        call = stub.Generate(message, timeout=cfg.request_timeout_s)
+        call = stub.Generate(message, timeout=cfg.request_timeout_s, metadata=cfg.auth.metadata())
         try:
             last_msg_s = rec.start_s
             async for resp in call:
@@ -124,7 +131,7 @@ async def run_benchmark(cfg: ClientConfig, requests: list[BenchRequest],
         raise ValueError(f"request_timeout must be > 0 s, got {cfg.request_timeout_s}")
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     # Many concurrent streams share one HTTP/2 connection, as a real client's would.
-    async with grpc.aio.insecure_channel(cfg.target) as channel:
+    async with cfg.auth.aio_channel(cfg.target) as channel:
         stub = pb_grpc.PDServeStub(channel)
         t0 = time.perf_counter()
 

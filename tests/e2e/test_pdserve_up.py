@@ -70,9 +70,9 @@ class UpProcess:
         return re.search(r"router=(\S+)", self.lines[0]).group(1)
 
     def ports(self) -> set[int]:
-        """Every port the process printed: router, metrics endpoints, Redis."""
+        """Every port the process printed: router, metrics endpoints, Redis (its URL masked: redis://:***@...)."""
         text = "\n".join(self.lines)
-        return {int(p) for p in re.findall(r"(?:router=|http://|redis://)[\w.\-]+:(\d+)", text)}
+        return {int(p) for p in re.findall(r"(?:router=|http://|redis://(?::\*\*\*@)?)[\w.\-]+:(\d+)", text)}
 
     def descendants(self) -> list[psutil.Process]:
         return psutil.Process(self.proc.pid).children(recursive=True)
