@@ -58,6 +58,10 @@ class RouterConfig:
     loaded one's."""
     prefix_balance_tokens: int = 2048
     """How much longer a queue (in prompt tokens) prefix-aware routing accepts for a cache hit."""
+    pool_wait_s: float = 15.0
+    """How long a request waits for an empty pool (no live decode, or colocated, worker and no fallback) to get
+    a worker back before UNAVAILABLE: the supervisor replaces a dead worker within seconds, so a lone worker's
+    crash delays requests instead of failing them. 0: fail at once."""
     max_attempts: int = 2
     """Worker pairs tried for one request; retries happen only before any token reached the client."""
     max_rpc_threads: int = 256
@@ -93,6 +97,8 @@ class RouterConfig:
         if self.max_num_requests >= self.max_rpc_threads:
             raise ValueError(f"max_num_requests must be < max_rpc_threads ({self.max_rpc_threads}) so overload is "
                              f"answered before the RPC threads run out, got {self.max_num_requests}")
+        if not self.pool_wait_s >= 0:
+            raise ValueError(f"pool_wait_s must be >= 0, got {self.pool_wait_s}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         for name in ("worker_view_refresh_s", "queue_timeout_s", "reserve_timeout_s", "first_token_timeout_s", "transfer_timeout_s", "request_timeout_s"):

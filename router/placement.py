@@ -134,7 +134,8 @@ class Placer:
         """The least-loaded ready worker of ``pool`` (prefix-aware), with its load count held."""
         ws = [w for w in self.source.list(pool) if w.ready and w.worker_id not in excluded]
         if not ws:
-            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no ready {pool} worker")
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no ready {pool} worker",
+                            degrade="" if excluded else f"no_{pool}")
         sel = self.selector
         ranked = sorted(ws, key=lambda w: (w.num_running + w.num_waiting + sel.in_flight(w.worker_id),
                                            w.queued_prompt_tokens, w.worker_id))
@@ -254,6 +255,17 @@ class Placer:
         if pool is None or not any(w.ready for w in self.source.list(pool)):
             return None
         return pool
+
+    def wait_for_pool(self, scope: RequestScope, pool: str) -> bool:
+        """Wait (up to ``pool_wait_s``, the deadline, or a cancel) for ``pool`` to have a ready worker again."""
+        until = min(time.monotonic() + self.cfg.pool_wait_s, scope.deadline)
+        pause = 0.02
+        while time.monotonic() < until and not scope.cancelled:
+            if any(w.ready for w in self.source.list(pool)):
+                return True
+            time.sleep(pause)
+            pause = min(2 * pause, 0.25)
+        return any(w.ready for w in self.source.list(pool)) and not scope.cancelled
 
     # ---- release ---------------------------------------------------------------------------------
     def release(self, p: Optional[Placement], scope: RequestScope, what: tuple[str, ...] = ("decode", "prefill")) -> None:

@@ -88,23 +88,34 @@ class RequestFlow:
     def _run(self) -> Iterator[FlowEvent]:
         placer, metrics = self.deps.placer, self.deps.metrics
         route = placer.route(self.scope)
-        if route == PAIR:
-            try:
-                yield from self._run_pair()
-                return
-            except FlowError as e:
-                # a pool with no live worker: serve it whole elsewhere (slower, but served), if nothing streamed yet
-                pool = placer.fallback(e.degrade) if e.degrade and not self.proc.token_ids else None
-                if pool is None:
-                    raise
-                log.warning("request %s: %s; running it whole on a %s worker", self.rid, e.message, pool)
-                if metrics is not None:
-                    metrics.inc_degraded(e.degrade)
-                route = pool
-        elif route == "decode" and metrics is not None:
+        if route == "decode" and metrics is not None:
             log.debug("request %s: prefilled on a decode worker (conditional disaggregation)", self.rid)
             metrics.inc_local_prefill()
-        yield from self._run_whole(route, set(), self.deps.cfg.max_attempts)
+        waited = False
+        while True:
+            try:
+                if route == PAIR:
+                    yield from self._run_pair()
+                else:
+                    yield from self._run_whole(route, set(), self.deps.cfg.max_attempts)
+                return
+            except FlowError as e:
+                if not e.degrade or self.proc.token_ids:
+                    raise
+                # a pool with no live worker: serve it whole elsewhere (slower, but served) ...
+                pool = placer.fallback(e.degrade) if route == PAIR else None
+                if pool is not None:
+                    log.warning("request %s: %s; running it whole on a %s worker", self.rid, e.message, pool)
+                    if metrics is not None:
+                        metrics.inc_degraded(e.degrade)
+                    route = pool
+                    continue
+                # ... or wait, bounded, for the supervisor to bring the pool back
+                empty = e.degrade[len("no_"):]
+                if waited or not placer.wait_for_pool(self.scope, empty):
+                    raise
+                log.info("request %s: the %s pool is back; going on", self.rid, empty)
+                waited = True
 
     # ---- output ------------------------------------------------------------------------------
     def _first_token(self, t_call: float, worker_queue_s: float, prefill_s: float, cached: int) -> None:

@@ -40,7 +40,7 @@ def test_no_decode_worker_colocated_worker_serves_it_whole():
 
     torch.set_num_threads(1)
     want = offline([PROMPT], [SamplingParams(**KW)])[0]
-    roles = start_roles(tag="deg-d-")
+    roles = start_roles(tag="deg-d-", router=dict(pool_wait_s=0.5))
     colo = ColocatedWorker(ColocatedWorkerConfig("deg-d-c0", engine=engine_config(), serve_metrics=False)).start()
     roles.extra.append(colo)
     roles.source.add(colo.info)
@@ -49,10 +49,40 @@ def test_no_decode_worker_colocated_worker_serves_it_whole():
         got = collect(roles.stub, prompt=PROMPT, **KW)
         assert joined(got) == want[:3]
         assert _degraded(roles) == {"no_decode": 1.0}
-        # and with nothing that can decode at all, the client gets UNAVAILABLE, not a hang or UNKNOWN
+        # and with nothing that can decode at all (past pool_wait_s), the client gets UNAVAILABLE, not a hang
         colo.stop()
         with pytest.raises(grpc.RpcError) as e:
             collect(roles.stub, prompt=PROMPT, **KW)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "no ready decode worker" in e.value.details()
+    finally:
+        roles.close()
+
+
+def test_a_request_waits_for_an_empty_decode_pool_to_come_back():
+    """With no decode worker and no fallback, a request waits (pool_wait_s) for the supervisor's replacement
+    instead of failing; here a new decode worker joins while it waits, and it is served equal to offline."""
+    import threading
+    import time
+
+    from decode_worker import DecodeWorker, DecodeWorkerConfig
+
+    torch.set_num_threads(1)
+    want = offline([PROMPT], [SamplingParams(**KW)])[0]
+    roles = start_roles(tag="deg-w-", router=dict(pool_wait_s=60.0))
+    try:
+        roles.decodes[0].stop()
+        box: dict = {}
+        t = threading.Thread(target=lambda: box.update(out=collect(roles.stub, timeout=90, prompt=PROMPT, **KW)))
+        t.start()
+        end = time.monotonic() + 20
+        while roles.router.num_in_flight != 1 and time.monotonic() < end:
+            time.sleep(0.02)
+        assert roles.router.num_in_flight == 1 and t.is_alive()  # waiting, not failed
+        d1 = DecodeWorker(DecodeWorkerConfig("deg-w-d1", engine=engine_config(), kv_store=roles.store,
+                                             kv_backend="gloo", serve_metrics=False)).start()
+        roles.extra.append(d1)
+        roles.source.add(d1.info)
+        t.join(90)
+        assert joined(box["out"]) == want[:3]
     finally:
         roles.close()
