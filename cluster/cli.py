@@ -62,6 +62,8 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                         "local Ray, the workers' gRPC, metrics and gloo (default 127.0.0.1; multi-node: this "
                         "node's own address; a wildcard such as 0.0.0.0 only when given here)")
     p.add_argument("--port", type=int, default=50051, help="router port, 0 = free port (default 50051)")
+    p.add_argument("--http-port", type=int, default=8000, metavar="PORT",
+                   help="OpenAI-compatible HTTP API port on --host (default 8000; 0 turns it off)")
     p.add_argument("--redis-url", default=None,
                    help=f"external Redis, redis://:PASSWORD@host:port/db or rediss:// for TLS (default: "
                         f"${REDIS_URL_ENV}, else a private embedded one with a generated password); a password "
@@ -205,6 +207,10 @@ def _check_up_args(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag}: cannot read {path!r}")
     if args.port:
         _check_port_free(args.host, args.port)
+    if not 0 <= args.http_port < 65536:
+        raise ValueError(f"--http-port must be in [0, 65535] (0 turns the HTTP API off), got {args.http_port}")
+    if args.http_port:
+        _check_port_free(args.host, args.http_port, "--http-port")
     # the fields the configs own are checked by the configs themselves, reported under the flag's name
     from engine.config import EngineConfig
     from router.config import RouterConfig
@@ -226,6 +232,7 @@ def _router_overrides(args: argparse.Namespace) -> dict:
            "prefill_queue_max_tokens": args.prefill_queue_max_tokens}
     if args.max_num_requests is not None:
         out["max_num_requests"] = args.max_num_requests
+    out["http_port"] = args.http_port or None  # 0: no HTTP API
     return out
 
 
@@ -238,13 +245,13 @@ def _as_flag_error(e: ValueError, fields: dict) -> ValueError:
     return e
 
 
-def _check_port_free(host: str, port: int) -> None:
+def _check_port_free(host: str, port: int, flag: str = "--port") -> None:
     # Fail in a second, not after Ray and the workers have started (the router binds last).
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         try:
             s.bind((host, port))
         except OSError as e:
-            raise ValueError(f"--port {port} on {host} is not available: {e.strerror}") from None
+            raise ValueError(f"{flag} {port} on {host} is not available: {e.strerror}") from None
 
 
 def wait_serving(address: str, timeout_s: float, auth: Optional[ClientAuth] = None) -> None:
@@ -427,6 +434,9 @@ def _print_endpoints(cluster, planner, args: argparse.Namespace, secret_source: 
     lines = [f"pdserve SERVING router={cluster.router_address}",
              f"  router   {cluster.router_address}  (gRPC pdserve.v1.PDServe, health, reflection; {tls}, "
              + (f"{len(keys)} API key(s) required)" if keys else "no API key: open to whoever reaches it)")]
+    http = getattr(cluster.router, "http_address", "")
+    if http:
+        lines.append(f"  http     http://{http}/v1  (OpenAI-compatible: completions, chat, models; /health)")
     for name, addr in sorted(cluster.metrics_addresses().items()):
         lines.append(f"  metrics  {name:<12} http://{addr}/metrics")
     lines.append(f"  redis    {cluster.display_redis_url}  namespace {cluster.namespace}")

@@ -257,8 +257,10 @@ class Placer:
         return pool
 
     def wait_for_pool(self, scope: RequestScope, pool: str) -> bool:
-        """Wait (up to ``pool_wait_s``, the deadline, or a cancel) for ``pool`` to have a ready worker again."""
-        until = min(time.monotonic() + self.cfg.pool_wait_s, scope.deadline)
+        """Wait (up to ``pool_wait_s``, or a cancel) for ``pool`` to have a ready worker again. The wait ends a
+        little before the request's deadline, so the client hears why (UNAVAILABLE) rather than its own timeout."""
+        now = time.monotonic()
+        until = min(now + self.cfg.pool_wait_s, scope.deadline - min(1.0, 0.2 * max(0.0, scope.deadline - now)))
         pause = 0.02
         while time.monotonic() < until and not scope.cancelled:
             if any(w.ready for w in self.source.list(pool)):

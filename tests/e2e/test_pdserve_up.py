@@ -21,9 +21,11 @@ import uuid
 from typing import Optional
 
 import grpc
+import openai
 import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cluster.redis_server import pick_free_port
 from cluster.registry import Registry
 from engine.sampling_params import SamplingParams
 from tests.e2e.helpers import generate, offline
@@ -42,6 +44,8 @@ class UpProcess:
     def __init__(self, *args: str, env: Optional[dict] = None) -> None:
         self.stderr = tempfile.TemporaryFile(mode="w+")
         env = dict(env or os.environ, OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0")
+        if "--http-port" not in args:
+            args = ("--http-port", "0", *args)  # no HTTP API unless asked: two clusters must not share a port
         self.proc = subprocess.Popen([*_pdserve(), "up", "--port", "0", *args], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=self.stderr, text=True)
         self.lines: list[str] = []
@@ -112,7 +116,8 @@ def _health(address: str) -> int:
 
 def test_two_pdserve_up_side_by_side_serve_and_sigterm_leaves_nothing(redis_url):
     ns_b = f"e2e-up-{uuid.uuid4().hex[:8]}"
-    a = UpProcess("--num-kv-blocks", "128")
+    http_port = pick_free_port()
+    a = UpProcess("--num-kv-blocks", "128", "--http-port", str(http_port))
     b = UpProcess("--num-kv-blocks", "128", "--redis-url", redis_url, "--namespace", ns_b, "--colocated", "1",
                   "--autoscale")
     try:
@@ -130,6 +135,11 @@ def test_two_pdserve_up_side_by_side_serve_and_sigterm_leaves_nothing(redis_url)
         r = subprocess.run([*_pdserve(), "generate", "def main():", "--target", a.router, "--max-tokens", "8",
                             "--temperature", "0"], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and r.stdout == ref[1] + "\n", (r.stdout, r.stderr)
+        # The OpenAI-compatible HTTP API of cluster A, through the official client: the same text.
+        assert any(line.startswith(f"  http     http://127.0.0.1:{http_port}/v1") for line in a.lines), a.lines
+        oai = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0, timeout=60)
+        done = oai.completions.create(model="tiny", prompt="def main():", max_tokens=8, temperature=0)
+        assert done.choices[0].text == ref[1]
         # `pdserve bench` (loadtest) against cluster B: every request completes.
         r = subprocess.run([*_pdserve(), "bench", "--target", b.router, "--num-prompts", "6", "--input-len", "24",
                             "--output-len", "4"], cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -142,7 +152,8 @@ def test_two_pdserve_up_side_by_side_serve_and_sigterm_leaves_nothing(redis_url)
         shared_redis_port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
         ports = {up: up.ports() - {shared_redis_port} for up in (a, b)}  # B's Redis is not B's to stop
         assert all(len(p) >= 3 for p in procs.values()), procs  # Ray's processes and the worker actors
-        assert len(ports[a]) >= 4 and len(ports[b]) >= 3, ports  # router, worker + router metrics, Redis (A)
+        assert len(ports[a]) >= 5 and len(ports[b]) >= 3, ports  # router, HTTP (A), worker + router metrics, Redis (A)
+        assert http_port in ports[a]
         for up in (a, b):
             up.proc.send_signal(signal.SIGTERM)
         for up in (a, b):

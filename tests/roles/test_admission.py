@@ -23,7 +23,7 @@ def _threads():
 def test_no_workers_is_unavailable_and_health_serving():
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    r = RouterServer(RouterConfig(serve_metrics=False), StaticWorkerSource()).start()
+    r = RouterServer(RouterConfig(serve_metrics=False, pool_wait_s=0), StaticWorkerSource()).start()
     try:
         ch = grpc.insecure_channel(r.address)
         from proto import pdserve_pb2_grpc
@@ -255,7 +255,7 @@ def test_queue_bound_is_resource_exhausted(small):
 
 
 def test_decode_worker_dies_midstream_gives_unavailable_not_hang():
-    roles = start_roles(kv=KV, tag="die-")
+    roles = start_roles(kv=KV, tag="die-", router=dict(pool_wait_s=0))  # no replacement comes here
     try:
         s = roles.stub.Generate(pdserve_pb2.GenerateRequest(prompt="a", max_tokens=1500, ignore_eos=True,
                                                             temperature=0.0, request_id="req-die"), timeout=30)
