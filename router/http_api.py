@@ -23,6 +23,7 @@ import hmac
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 from typing import Any, AsyncIterator, Callable, Iterable, Optional
@@ -37,6 +38,7 @@ from router import openai_protocol as oa
 from router.core import RouterCore
 from router.events import FlowError, FlowEvent
 from router.validation import validate_generate
+from worker_common.auth import TlsFiles
 
 log = logging.getLogger(__name__)
 
@@ -88,12 +90,14 @@ class HttpApi:
     """OpenAI-compatible HTTP server in the router process (see module docstring)."""
 
     def __init__(self, core: RouterCore, host: str = "127.0.0.1", port: int = 0,
-                 api_keys: Iterable[str] = ()) -> None:
+                 api_keys: Iterable[str] = (), tls: Optional[TlsFiles] = None) -> None:
+        """``tls``: serve HTTPS with the same certificate (and client CA, for mutual TLS) as the gRPC API."""
         if not 0 <= port < 65536:
             raise ValueError(f"http port must be in [0, 65535], got {port}")
         self.core = core
         self.host, self._port = host, port
         self._keys = [k.encode() for k in api_keys if k]
+        self._tls = tls
         self.app = self._build_app()
         self._server: Optional[uvicorn.Server] = None
         self._thread: Optional[threading.Thread] = None
@@ -104,8 +108,13 @@ class HttpApi:
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self._port))
+        tls_kw: dict = {}
+        if self._tls is not None:
+            tls_kw = dict(ssl_certfile=self._tls.certfile, ssl_keyfile=self._tls.keyfile)
+            if self._tls.ca_certs:
+                tls_kw.update(ssl_ca_certs=self._tls.ca_certs, ssl_cert_reqs=ssl.CERT_REQUIRED)
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=1)
+                                timeout_graceful_shutdown=1, **tls_kw)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="router-http", daemon=True)

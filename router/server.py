@@ -120,7 +120,9 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         if self.cfg.http_port is not None:
             from router.http_api import HttpApi
 
-            self.http = HttpApi(self.core, self.cfg.host, self.cfg.http_port, self.cfg.api_keys)
+            tls = (TlsFiles(self.cfg.ssl_certfile, self.cfg.ssl_keyfile, self.cfg.ssl_ca_certs)
+                   if self.cfg.ssl_certfile else None)
+            self.http = HttpApi(self.core, self.cfg.host, self.cfg.http_port, self.cfg.api_keys, tls)
             self.http.start()
         if not self.core.draining:
             self._serving.set_serving(True)
