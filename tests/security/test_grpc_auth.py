@@ -167,17 +167,21 @@ def test_secrets_are_not_in_reprs():
 
 
 def test_http_api_serves_https_with_the_same_certificate_and_keys(pki):
+    import ssl
+
     import httpx
 
     r = RouterServer(RouterConfig(serve_metrics=False, http_port=0, api_keys=(KEY,), ssl_certfile=pki["cert"],
                                   ssl_keyfile=pki["key"]), StaticWorkerSource()).start()
     try:
         base = "https://" + r.http_address.replace("127.0.0.1", "localhost")
-        ok = httpx.get(f"{base}/v1/models", headers={"authorization": f"Bearer {KEY}"}, verify=pki["ca"], timeout=10)
+        ok = httpx.get(f"{base}/v1/models", headers={"authorization": f"Bearer {KEY}"}, verify=ssl.create_default_context(cafile=pki["ca"]),
+                       timeout=10)
         assert ok.status_code == 200 and ok.json()["data"][0]["id"] == "tiny"
-        assert httpx.get(f"{base}/v1/models", verify=pki["ca"], timeout=10).status_code == 401
+        assert httpx.get(f"{base}/v1/models", verify=ssl.create_default_context(cafile=pki["ca"]),
+                         timeout=10).status_code == 401
         with pytest.raises(httpx.ConnectError):
-            httpx.get(f"{base}/health", verify=pki["other_ca"], timeout=10)
+            httpx.get(f"{base}/health", verify=ssl.create_default_context(cafile=pki["other_ca"]), timeout=10)
         with pytest.raises(httpx.HTTPError):  # plaintext HTTP on the TLS port
             httpx.get(base.replace("https://", "http://") + "/health", timeout=10)
     finally:
