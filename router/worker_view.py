@@ -5,7 +5,9 @@ load. For a remote source (the Redis ``Registry``: any source not marked ``in_pr
 re-reads every role each ``refresh_s`` and swaps in the new snapshot; requests read the
 snapshot (``list(role)``), so a burst costs Redis nothing and a Redis outage does not stop
 serving: the last good view stays in use (logged once per outage, with backoff between
-retries) until Redis answers again. An in-process source (``StaticWorkerSource``, whose
+retries) until Redis answers again; for ``rejoin_grace_s`` after that, workers the new
+answer does not list yet are kept (a restarted, empty Redis hears from each live worker
+at its next heartbeat). An in-process source (``StaticWorkerSource``, whose
 ``list`` asks live worker objects) is read directly, since it costs no round trip.
 
 ``suspect(worker_id)`` takes a worker out of routing at once when a call to it fails as if
@@ -32,9 +34,15 @@ _MAX_BACKOFF_S = 5.0
 class WorkerView:
     """A ``WorkerSource`` served from memory (see module docstring)."""
 
-    def __init__(self, source: WorkerSource, refresh_s: float = 0.25) -> None:
+    def __init__(self, source: WorkerSource, refresh_s: float = 0.25, rejoin_grace_s: float = 5.0) -> None:
+        """``rejoin_grace_s``: after an outage, how long workers of the last good view that the source does not
+        list yet stay routable (a restarted, empty Redis learns of live workers one heartbeat at a time)."""
         if not refresh_s > 0:
             raise ValueError(f"refresh_s must be > 0, got {refresh_s!r}")
+        if not rejoin_grace_s >= 0:
+            raise ValueError(f"rejoin_grace_s must be >= 0, got {rejoin_grace_s!r}")
+        self.rejoin_grace_s = rejoin_grace_s
+        self._back_at: Optional[float] = None  # when the source answered again after an outage
         self.source = source
         self.refresh_s = refresh_s
         self.background = not getattr(source, "in_process", False)
@@ -76,9 +84,19 @@ class WorkerView:
                 log.warning("worker view: source unavailable, routing from the last view: %s", type(e).__name__)
             self.last_error = f"{type(e).__name__}: {e}"
             return False
+        now = time.monotonic()
         if self.last_error is not None:
             log.info("worker view: source is back")
+            self._back_at = now
         with self._lock:
+            if self._back_at is not None and now - self._back_at < self.rejoin_grace_s:
+                # a restarted registry may not list live workers until their next heartbeat: keep the ones
+                # the last good view had (a call that fails still takes one out, through suspect())
+                for role in ROLES:
+                    seen = {w.worker_id for w in snap[role]}
+                    snap[role] += [w for w in self._snapshot[role] if w.worker_id not in seen]
+            else:
+                self._back_at = None
             self._snapshot = snap
             self.last_error = None
             self.last_refresh = time.monotonic()

@@ -37,7 +37,7 @@ def test_view_serves_through_a_redis_restart():
     port = redis.port
     ns = "view-" + uuid.uuid4().hex[:8]
     reg = Registry(redis.url, ns, ttl_s=30.0, socket_timeout_s=0.5, retries=0)
-    view = WorkerView(reg, refresh_s=0.05)
+    view = WorkerView(reg, refresh_s=0.05, rejoin_grace_s=3.0)
     try:
         reg.register(_info("d0", "decode"))
         reg.register(_info("p0", "prefill"))
@@ -49,8 +49,12 @@ def test_view_serves_through_a_redis_restart():
         # back on the same port, empty: the view follows what the workers write again
         redis = EmbeddedRedis(RedisServerConfig(port=port, password=password)).start()
         reg.register(_info("d1", "decode"))
+        # right after the restart the empty registry lists only d1; d0 and p0 stay routable for the grace
+        assert _wait(lambda: view.last_error is None and "d1" in _ids(view, "decode"))
+        assert sorted(_ids(view, "decode")) == ["d0", "d1"] and _ids(view, "prefill") == ["p0"]
+        # past the grace, only what the registry lists (d0 and p0 never re-registered: they are gone)
         assert _wait(lambda: _ids(view, "decode") == ["d1"]), _ids(view, "decode")
-        assert view.last_error is None
+        assert _ids(view, "prefill") == []
     finally:
         view.stop()
         reg.close()
