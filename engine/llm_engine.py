@@ -174,6 +174,9 @@ class LLMEngine:
                               params: SamplingParams, first_logprob: Optional[TokenLogprob] = None) -> None:
         """A reserved request whose prompt KV now sits in its blocks joins the batch with its first token.
 
+        With prefix caching on, the prompt's full blocks are registered in the cache at once, so requests
+        added right after (sibling choices of the same prompt) share them.
+
         The first token is not emitted again; if it already ends the request (EOS, stop token,
         max_tokens=1) the next step() returns CoreOutput(request_id, [], finish_reason) and frees it.
         """
@@ -193,6 +196,10 @@ class LLMEngine:
         fresh.append(first_token_id)
         self._seqs[request_id] = fresh
         self.scheduler.add_prefilled(fresh)
+        if self.block_manager.enable_caching:
+            # the arrived KV is as good as computed here: name its full blocks in the prefix cache now, so
+            # a request added next (a sibling choice of the same prompt) reuses them instead of recomputing
+            self.scheduler.commit_seq(fresh, self.block_size)
         reason = check_stop(fresh, self.max_model_len)
         if reason is not None:
             self._finish(fresh)

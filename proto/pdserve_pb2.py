@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/pdserve.proto\x12\npdserve.v1\"\xf1\x05\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x15\n\x08logprobs\x18\x10 \x01(\x05H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x11 \x01(\x05H\n\x88\x01\x01\x12\x16\n\ttypical_p\x18\x12 \x01(\x02H\x0b\x88\x01\x01\x12\x1f\n\x17skip_special_tokens_off\x18\x13 \x01(\x08\x12>\n\nlogit_bias\x18\x14 \x03(\x0b\x32*.pdserve.v1.GenerateRequest.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\r\n\x0b_min_tokensB\x0c\n\n_typical_p\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"w\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x06 \x01(\x01\"\xd2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x07 \x01(\x0b\x32\x13.pdserve.v1.Timings\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xf5\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x19\n\x11max_prompt_tokens\x18\x05 \x01(\x05\x12\x14\n\x0cmax_logprobs\x18\x06 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x07 \x01(\x05\x12\x1b\n\x13num_prefill_workers\x18\x08 \x01(\x05\x12\x1a\n\x12num_decode_workers\x18\t \x01(\x05\x12\x0c\n\x04mode\x18\n \x01(\t2\xe1\x01\n\x07PDServe\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/pdserve.proto\x12\npdserve.v1\"\x87\x06\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x04H\x08\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x15\n\x08logprobs\x18\x10 \x01(\x05H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x11 \x01(\x05H\n\x88\x01\x01\x12\x16\n\ttypical_p\x18\x12 \x01(\x02H\x0b\x88\x01\x01\x12\x1f\n\x17skip_special_tokens_off\x18\x13 \x01(\x08\x12>\n\nlogit_bias\x18\x14 \x03(\x0b\x32*.pdserve.v1.GenerateRequest.LogitBiasEntry\x12\x0e\n\x01n\x18\x15 \x01(\x05H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\r\n\x0b_min_tokensB\x0c\n\n_typical_pB\x04\n\x02_n\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"w\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x03 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x04 \x01(\x01\x12\x0f\n\x07total_s\x18\x05 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x06 \x01(\x01\"\xe1\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x07 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\r\n\x05index\x18\x08 \x01(\x05\";\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x15\n\x13GetModelInfoRequest\"\xf5\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x1a\n\x12max_context_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x19\n\x11max_prompt_tokens\x18\x05 \x01(\x05\x12\x14\n\x0cmax_logprobs\x18\x06 \x01(\x05\x12\x14\n\x0c\x65os_token_id\x18\x07 \x01(\x05\x12\x1b\n\x13num_prefill_workers\x18\x08 \x01(\x05\x12\x1a\n\x12num_decode_workers\x18\t \x01(\x05\x12\x0c\n\x04mode\x18\n \x01(\t2\xe1\x01\n\x07PDServe\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=36
-  _globals['_GENERATEREQUEST']._serialized_end=789
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=563
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=611
-  _globals['_TOPLOGPROB']._serialized_start=791
-  _globals['_TOPLOGPROB']._serialized_end=838
-  _globals['_TOKENLOGPROB']._serialized_start=840
-  _globals['_TOKENLOGPROB']._serialized_end=926
-  _globals['_USAGE']._serialized_start=928
-  _globals['_USAGE']._serialized_end=1008
-  _globals['_TIMINGS']._serialized_start=1010
-  _globals['_TIMINGS']._serialized_end=1129
-  _globals['_GENERATERESPONSE']._serialized_start=1132
-  _globals['_GENERATERESPONSE']._serialized_end=1342
-  _globals['_TOKENIZEREQUEST']._serialized_start=1344
-  _globals['_TOKENIZEREQUEST']._serialized_end=1403
-  _globals['_TOKENIZERESPONSE']._serialized_start=1405
-  _globals['_TOKENIZERESPONSE']._serialized_end=1458
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1460
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1481
-  _globals['_MODELINFO']._serialized_start=1484
-  _globals['_MODELINFO']._serialized_end=1729
-  _globals['_PDSERVE']._serialized_start=1732
-  _globals['_PDSERVE']._serialized_end=1957
+  _globals['_GENERATEREQUEST']._serialized_end=811
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=579
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=627
+  _globals['_TOPLOGPROB']._serialized_start=813
+  _globals['_TOPLOGPROB']._serialized_end=860
+  _globals['_TOKENLOGPROB']._serialized_start=862
+  _globals['_TOKENLOGPROB']._serialized_end=948
+  _globals['_USAGE']._serialized_start=950
+  _globals['_USAGE']._serialized_end=1030
+  _globals['_TIMINGS']._serialized_start=1032
+  _globals['_TIMINGS']._serialized_end=1151
+  _globals['_GENERATERESPONSE']._serialized_start=1154
+  _globals['_GENERATERESPONSE']._serialized_end=1379
+  _globals['_TOKENIZEREQUEST']._serialized_start=1381
+  _globals['_TOKENIZEREQUEST']._serialized_end=1440
+  _globals['_TOKENIZERESPONSE']._serialized_start=1442
+  _globals['_TOKENIZERESPONSE']._serialized_end=1495
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1497
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1518
+  _globals['_MODELINFO']._serialized_start=1521
+  _globals['_MODELINFO']._serialized_end=1766
+  _globals['_PDSERVE']._serialized_start=1769
+  _globals['_PDSERVE']._serialized_end=1994
 # @@protoc_insertion_point(module_scope)

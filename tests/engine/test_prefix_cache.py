@@ -166,3 +166,36 @@ def test_prefill_only_request_reuses_cache_and_hands_off_full_kv(checkpoint):
             out.extend(o.new_token_ids)
     assert out == hf_greedy(hf, prompt, 10)
     assert d_eng.num_free_blocks == d_eng.num_total_blocks
+
+
+def test_arrived_kv_is_in_the_prefix_cache_for_sibling_requests(checkpoint):
+    """n > 1 on a decode worker: after ``add_prefilled_request`` the arrived prompt's full blocks are named in
+    the prefix cache at once, so a sibling added right after reuses them (only the tail is computed) and both
+    continue exactly as transformers does from the full prompt."""
+    path, hf = checkpoint
+    p_eng = make_engine(path, block_size=BS)
+    prompt = prompts_of([23], seed=21)[0]  # 5 full blocks of 4 + 3 tokens
+    p_eng.add_request("r", prompt, greedy(6), prefill_only=True)
+    first = None
+    while p_eng.has_unfinished_requests():
+        for o in p_eng.step():
+            first = o.new_token_ids[0]
+    table = p_eng.get_block_table("r")
+    d_eng = make_engine(path, block_size=BS)
+    d_table = d_eng.reserve("r", len(prompt))
+    for (pk, pv), (dk, dv) in zip(p_eng.kv_caches, d_eng.kv_caches):
+        dk[d_table] = pk[table[:len(d_table)]]
+        dv[d_table] = pv[table[:len(d_table)]]
+    p_eng.release("r")
+    d_eng.add_prefilled_request("r", prompt, first, greedy(6))
+    d_eng.add_request("r#1", prompt, greedy(6))  # before any step
+    outs: dict = {"r": [first], "r#1": []}
+    cached = {}
+    while d_eng.has_unfinished_requests():
+        for o in d_eng.step():
+            outs[o.request_id].extend(o.new_token_ids)
+            cached.setdefault(o.request_id, o.num_cached_tokens)
+    want = hf_greedy(hf, prompt, 6)
+    assert outs["r"] == want and outs["r#1"] == want
+    assert cached["r#1"] == 20  # the 5 full blocks came from the arrived KV; only 3 tokens were computed
+    assert d_eng.num_free_blocks == d_eng.num_total_blocks
