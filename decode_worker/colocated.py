@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import grpc
 
+from decode_worker import choices
 from worker_common.config import WorkerConfig
 from worker_common.request import RequestError, RequestSet, WorkerRequest, request_params
 from worker_common.wire import logprobs_to_proto
@@ -43,6 +44,8 @@ class _LocalReq(WorkerRequest):
     prompt_len: int = 0
     scheduled: Optional[float] = None  # its prompt's first prefill chunk ran (queue time ends)
     first_at: Optional[float] = None
+    prompt: list = field(default_factory=list)  # kept while siblings wait to start
+    siblings: list = field(default_factory=list)  # n > 1: params of choices 1..n-1, started after its prefill
 
 
 class LocalRequests(RequestSet[_LocalReq]):
@@ -61,10 +64,16 @@ class LocalRequests(RequestSet[_LocalReq]):
         w, rid = self.worker, request.request_id
         w.check_accepting(rid)
         params = request_params(request.params, rid)
+        siblings = choices.sibling_params(request.siblings, rid)
+        if siblings and request.resume_token_ids:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"siblings cannot be combined with resume_token_ids (request {rid})")
         req = _LocalReq(rid, prompt_len=len(request.prompt_token_ids) + len(request.resume_token_ids))
         ids, resume = list(request.prompt_token_ids), list(request.resume_token_ids)
+        if siblings:
+            req.prompt, req.siblings = ids, siblings
         w.loop.call(lambda eng: self._add(eng, req, ids, params, resume))
-        yield from w.stream_events(rid, req.out, context, lambda ch: ch.finish_reason != "")
+        yield from w.stream_events(rid, req.out, context, choices.is_last(req))
 
     # ---- loop thread ----------------------------------------------------------------
     def _add(self, eng: Any, req: _LocalReq, ids: list[int], params: Any, resume: list[int]) -> None:
@@ -87,7 +96,16 @@ class LocalRequests(RequestSet[_LocalReq]):
 
     def on_output(self, req: _LocalReq, o: Any, now: float) -> None:
         chunk = worker_pb2.DecodeChunk(token_ids=o.new_token_ids, logprobs=logprobs_to_proto(o.logprobs),
-                                       finish_reason=o.finish_reason or "")
+                                       finish_reason=o.finish_reason or "", index=req.index)
+        if req.siblings:  # its prompt is prefilled (its blocks are in the prefix cache): start the others
+            siblings, req.siblings = req.siblings, []
+            try:
+                choices.start_siblings(self, self.worker.engine, req, req.prompt, siblings,
+                                       lambda cid, p: _LocalReq(cid, prompt_len=len(req.prompt)))
+            except RequestError as e:
+                self.drop(req, e)
+                return
+            req.prompt = []
         metrics = self.worker.metrics
         if req.first_at is None:
             req.first_at = now
@@ -99,8 +117,15 @@ class LocalRequests(RequestSet[_LocalReq]):
         # no ITL here: it is the router's series (it sees the gaps the client sees)
         if o.finish_reason:
             self.release(req)
+            choices.finish_choice(req, chunk)
             metrics.observe_decode_time(now - req.first_at)
         req.out.put(chunk)
+
+    def abort(self, request_id: str) -> bool:
+        one = choices.one_choice(self, request_id)
+        if one is not None:
+            return choices.end_choice(self, one)
+        return super().abort(request_id)
 
     def free(self, req: _LocalReq) -> None:
         self.worker.engine.abort_request(req.request_id)

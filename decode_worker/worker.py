@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import grpc
 
+from decode_worker import choices
 from decode_worker.colocated import LocalRequests, register_colocated_service
 from decode_worker.config import DecodeWorkerConfig
 from worker_common.request import RequestError, RequestSet, WorkerRequest, request_params
@@ -49,6 +50,7 @@ class _DecodeReq(WorkerRequest):
     decode_called_at: float = 0.0
     running: bool = False
     failure: Optional[RequestError] = None  # failed before Decode came: kept to tell it why
+    siblings: list = field(default_factory=list)  # n > 1: params of choices 1..n-1, started with the KV
 
 
 class DisaggregatedRequests(RequestSet[_DecodeReq]):
@@ -87,8 +89,9 @@ class DisaggregatedRequests(RequestSet[_DecodeReq]):
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {w.cfg.worker_id} is not serving "
                                                             f"(request {rid})")
         lp = logprob_from_proto(request.first_logprob) if request.HasField("first_logprob") else None
-        out = w.loop.call(lambda eng: self._activate(rid, request.first_token_id, lp))
-        yield from w.stream_events(rid, out, context, lambda ch: ch.finish_reason != "")
+        siblings = choices.sibling_params(request.siblings, rid)
+        req = w.loop.call(lambda eng: self._activate(rid, request.first_token_id, lp, siblings))
+        yield from w.stream_events(rid, req.out, context, choices.is_last(req))
 
     # ---- loop thread ----------------------------------------------------------------
     def _reserve(self, eng: Any, rid: str, prompt: list[int], params: Any, peer: str,
@@ -116,7 +119,7 @@ class DisaggregatedRequests(RequestSet[_DecodeReq]):
         w.refresh_load()  # the reply's caller sees the blocks taken in info()
         return list(blocks)
 
-    def _activate(self, rid: str, first_token: int, first_logprob: Any) -> Any:
+    def _activate(self, rid: str, first_token: int, first_logprob: Any, siblings: list) -> _DecodeReq:
         req = self.get(rid)
         if req is None:
             raise RequestError(grpc.StatusCode.NOT_FOUND, f"request {rid} is not reserved on decode worker "
@@ -127,8 +130,9 @@ class DisaggregatedRequests(RequestSet[_DecodeReq]):
             self.release(req)
             raise req.failure
         req.decoding, req.first_token_id, req.first_logprob = True, first_token, first_logprob
+        req.siblings = siblings
         req.decode_called_at = time.monotonic()
-        return req.out
+        return req
 
     def poll(self, now: float) -> bool:
         kv, eng = self.worker.kv, self.worker.engine
@@ -149,6 +153,11 @@ class DisaggregatedRequests(RequestSet[_DecodeReq]):
                     self._fail(req, grpc.StatusCode.INVALID_ARGUMENT, f"{e} (request {req.request_id})")
                     continue
                 req.running = True
+                try:  # n > 1: the other choices reuse the prompt's blocks that just arrived
+                    choices.start_siblings(self, eng, req, req.prompt_token_ids, req.siblings, self._sibling)
+                except RequestError as e:
+                    self._fail(req, e.code, e.message)
+                    continue
                 req.out.put(worker_pb2.DecodeChunk(kv_wait_s=now - req.decode_called_at))
             elif not req.decoding and now > req.expires_at:
                 self._fail(req, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -157,16 +166,30 @@ class DisaggregatedRequests(RequestSet[_DecodeReq]):
         kv.take_completed()
         return any(not r.running and r.failure is None for r in self.records())
 
+    def _sibling(self, request_id: str, params: Any) -> _DecodeReq:
+        return _DecodeReq(request_id, [], params, None, decoding=True, running=True,
+                          decode_called_at=time.monotonic())
+
     def on_output(self, req: _DecodeReq, o: Any, now: float) -> None:
         if not req.decoding:
             return
         # no ITL here: it is the router's series (it sees the gaps the client sees)
         chunk = worker_pb2.DecodeChunk(token_ids=o.new_token_ids, logprobs=logprobs_to_proto(o.logprobs),
-                                       finish_reason=o.finish_reason or "")
+                                       finish_reason=o.finish_reason or "", index=req.index)
+        if req.index and req.first_token_id < 0:  # a sibling's first output: it was prefilled here
+            req.first_token_id = o.new_token_ids[0] if o.new_token_ids else 0
+            chunk.num_cached_tokens = o.num_cached_tokens
         if o.finish_reason:
             self.release(req)
+            choices.finish_choice(req, chunk)
             self.worker.metrics.observe_decode_time(now - req.decode_called_at)
         req.out.put(chunk)
+
+    def abort(self, request_id: str) -> bool:
+        one = choices.one_choice(self, request_id)
+        if one is not None:
+            return choices.end_choice(self, one)
+        return super().abort(request_id)
 
     def _fail(self, req: _DecodeReq, code: grpc.StatusCode, message: str) -> None:
         err = RequestError(code, message)
@@ -181,7 +204,7 @@ class DisaggregatedRequests(RequestSet[_DecodeReq]):
         if req.failure is not None:
             return  # freed when it failed
         kv = self.worker.kv
-        if kv.poll(req.handle) not in (TransferState.DONE, TransferState.FAILED):
+        if req.handle is not None and kv.poll(req.handle) not in (TransferState.DONE, TransferState.FAILED):
             kv.cancel(req.handle)
         self.worker.engine.abort_request(req.request_id)
 

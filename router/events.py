@@ -1,8 +1,8 @@
 """What a request flow hands its front end: plain events, and one error type with a status.
 
 Lifecycle: a ``RequestFlow`` yields ``FlowEvent``s while a request runs (token ids, the
-text they complete, logprobs); the last one carries ``finish_reason``, ``usage`` and
-``timings``. A failure ends the iteration with ``FlowError``, whose ``code`` is the
+text they complete, logprobs, and with n > 1 the choice ``index``); each choice's last event
+carries its ``finish_reason``, and the request's very last one also ``usage`` and ``timings``. A failure ends the iteration with ``FlowError``, whose ``code`` is the
 status the front end answers with (gRPC uses it as is; the HTTP front end maps it to an
 HTTP status). Nothing here knows gRPC messages or JSON: each front end renders these.
 """
@@ -52,9 +52,12 @@ class FlowEvent:
     logprobs: Optional[list[TokenLogprob]] = None
     """One per token id, when the request asked for logprobs."""
     finish_reason: Optional[str] = None
-    """"stop", "length" or "abort" on the last event."""
+    """"stop", "length" or "abort" on the last event of a choice."""
     usage: Optional[Usage] = None
+    """On the last event of the request (all choices finished): completion tokens of every choice."""
     timings: Optional[Timings] = None
+    index: int = 0
+    """n > 1: the choice these tokens belong to."""
 
 
 class FlowError(Exception):

@@ -12,9 +12,8 @@ that disconnects cancels its flows (the workers free its blocks). Errors are Ope
 with the HTTP status matching the flow's status code. With API keys configured every ``/v1``
 call needs ``Authorization: Bearer <key>`` (401 otherwise); ``/health`` and ``/metrics`` stay open.
 
-``n`` > 1 runs n flows (seeds ``seed``, ``seed + 1``, ...); they share the prompt's prefill only
-through the prefix cache of the worker prefix-aware routing sends them to, not one prefill and one
-KV transfer (see docs/interfaces.md).
+``n`` > 1 is one flow per prompt whose n choices share one prefill and one KV transfer (choice i
+samples with ``seed + i``), as in gRPC.
 """
 from __future__ import annotations
 
@@ -44,11 +43,13 @@ log = logging.getLogger(__name__)
 
 
 class _Choice:
-    """One flow (one choice of one prompt) running on its own thread, its events pushed to an asyncio queue."""
+    """One flow (one prompt, its ``n`` choices) running on its own thread, its events pushed to an asyncio queue
+    as (choice index over the whole request, item): prompt ``index`` owns choices ``index * n ..``."""
 
     def __init__(self, core: RouterCore, index: int, greq: Any, loop: asyncio.AbstractEventLoop,
-                 out: "asyncio.Queue[tuple[int, Any]]", timeout_s: Optional[float]) -> None:
+                 out: "asyncio.Queue[tuple[int, Any]]", timeout_s: Optional[float], n: int = 1) -> None:
         self.index = index
+        self.n = n
         self._cancel: list[Callable[[], None]] = []
         self._cancelled = False
         self._core, self._greq, self._loop, self._out, self._timeout_s = core, greq, loop, out, timeout_s
@@ -68,13 +69,13 @@ class _Choice:
         for cb in list(self._cancel):
             cb()
 
-    def _put(self, item: Any) -> None:
-        self._loop.call_soon_threadsafe(self._out.put_nowait, (self.index, item))
+    def _put(self, item: Any, choice: int = 0) -> None:
+        self._loop.call_soon_threadsafe(self._out.put_nowait, (self.index * self.n + choice, item))
 
     def _run(self) -> None:
         try:
             for ev in self._core.generate(self.vreq, time.monotonic(), self._timeout_s, self._on_cancel):
-                self._put(ev)
+                self._put(ev, ev.index)
         except FlowError as e:
             self._core.count_error(e.code)
             self._put(e)
@@ -163,6 +164,12 @@ class HttpApi:
             return JSONResponse(oa.error_body(400, f"{where}: {first.get('msg', 'invalid request')}", where or None),
                                 status_code=400)
 
+        @app.exception_handler(Exception)
+        async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+            log.error("HTTP %s %s: unexpected router error", request.method, request.url.path, exc_info=exc)
+            return JSONResponse(oa.error_body(503, "the router failed to serve this request (logged); retry"),
+                                status_code=503)
+
         @app.get("/health")
         async def health() -> Response:
             ok = self.core.limits is not None and not self.core.draining
@@ -218,11 +225,11 @@ class HttpApi:
             if not prompts:
                 raise ValueError("prompt is empty")
         out = []
-        for prompt in prompts:
-            for i in range(body.n):
-                seed = None if body.seed is None else body.seed + i
-                kw = dict(prompt=prompt) if isinstance(prompt, str) else dict(token_ids=list(prompt))
-                out.append(oa.to_generate_request(body, logprobs=lp, max_tokens=max_tokens, seed=seed, **kw))
+        for prompt in prompts:  # one flow per prompt; its n choices share one prefill (choice i: seed + i)
+            kw = dict(prompt=prompt) if isinstance(prompt, str) else dict(token_ids=list(prompt))
+            g = oa.to_generate_request(body, logprobs=lp, max_tokens=max_tokens, seed=body.seed, **kw)
+            g.n = body.n
+            out.append(g)
         return out
 
     def _render_chat(self, body: oa.ChatCompletionRequest) -> list[int]:
@@ -244,7 +251,8 @@ class HttpApi:
         queue: asyncio.Queue = asyncio.Queue()
 
         def prepare() -> list[_Choice]:  # tokenizing: off the event loop
-            return [_Choice(core, i, g, loop, queue, None) for i, g in enumerate(self._generate_requests(body, chat))]
+            return [_Choice(core, i, g, loop, queue, None, body.n)
+                    for i, g in enumerate(self._generate_requests(body, chat))]
 
         try:
             choices = await asyncio.to_thread(prepare)
@@ -254,7 +262,7 @@ class HttpApi:
         except ValueError as e:
             core.count_error(grpc.StatusCode.INVALID_ARGUMENT)
             return self._error(400, str(e))
-        n_prompt = sum(len(c.vreq.prompt_token_ids) for c in choices[::body.n])
+        n_prompt = sum(len(c.vreq.prompt_token_ids) for c in choices)
         rid = oa.new_id("chatcmpl" if chat else "cmpl")
         for c in choices:
             c.start()
@@ -263,7 +271,7 @@ class HttpApi:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._sse(events, rid, chat, body.model or core.limits.model_name,
                                                include_usage, n_prompt), media_type="text/event-stream")
-        return await self._collect(events, rid, chat, len(choices), n_prompt)
+        return await self._collect(events, rid, chat, len(choices) * body.n, n_prompt)
 
     async def _events(self, choices: list[_Choice], queue: asyncio.Queue,
                       request: Request) -> AsyncIterator[tuple[int, Any]]:
@@ -304,6 +312,7 @@ class HttpApi:
                         lps[idx][k] = lps[idx][k] + v
             if item.finish_reason:
                 reasons[idx] = item.finish_reason
+            if item.usage is not None:  # the last event of a flow: its choices' tokens together
                 usages.append(item.usage)
         model = self.core.limits.model_name
         if chat:
@@ -348,7 +357,7 @@ class HttpApi:
                     choice = {"index": idx, "text": item.text, "finish_reason": item.finish_reason,
                               "logprobs": oa.completion_logprobs(item, detok, offsets.get(idx, 0))}
                     offsets[idx] = offsets.get(idx, 0) + len(item.text)
-                if item.finish_reason:
+                if item.usage is not None:
                     usages.append(item.usage)
                 yield chunk([choice])
             if include_usage:

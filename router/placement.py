@@ -80,8 +80,11 @@ class Recovery(enum.Enum):
 
 
 def recovery(err: FlowError, scope: RequestScope, streamed_tokens: int, attempts_left: int) -> Recovery:
-    """The one rule for retries and migration."""
+    """The one rule for retries and migration. A request with several choices (n > 1) is retried only while
+    nothing reached the client: each choice would need its own resume."""
     if err.code not in RETRIABLE or err.final or scope.cancelled or attempts_left < 1:
+        return Recovery.FAIL
+    if streamed_tokens and scope.n > 1:
         return Recovery.FAIL
     return Recovery.MIGRATE if streamed_tokens else Recovery.RETRY
 
@@ -283,6 +286,17 @@ class Placer:
                 self.admission.capacity_freed()  # its blocks are free (or being freed) on the decode worker
         if "prefill" in gone and p.prefill is not None:
             self.selector.release(p.prefill.worker_id, scope.num_prompt_tokens)
+
+    def abort_choice(self, p: Placement, index: int) -> None:
+        """Best effort: the worker running ``p`` ends choice ``index`` alone (a stop string ended it here)."""
+        w = p.decode
+        if w is None:
+            return
+        stub = self.clients.decode if p.route == PAIR else self.clients.colocated
+        try:
+            stub(w.grpc_address).Abort(worker_pb2.AbortRequest(request_id=f"{p.request_id}#{index}"), timeout=1.0)
+        except grpc.RpcError as e:
+            log.info("request %s: abort of choice %d on %s failed: %s", p.request_id, index, w.worker_id, e.code())
 
     def abort(self, p: Optional[Placement]) -> None:
         """Best effort: every worker of ``p`` drops the request and frees its blocks."""

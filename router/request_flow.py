@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Generator, Iterator, Optional, Sequence
 
 import grpc
 
@@ -61,12 +61,25 @@ class RequestFlow:
         self.rid = vreq.request_id
         self.placement: Optional[Placement] = None
         """Where the current attempt runs (None between attempts)."""
-        self.proc = OutputProcessor(deps.tokenizer, vreq.prompt_token_ids, vreq.params)
+        self.procs = [OutputProcessor(deps.tokenizer, vreq.prompt_token_ids, p) for p in self.scope.choice_params]
+        """One output processor per choice (n > 1: one prefill, n decoded sequences)."""
         self.timings = Timings()
         self.cached_tokens = 0
         self._want_lp = vreq.params.logprobs is not None
         self._t_first = 0.0
-        self._last_tok = 0.0
+        self._last_tok = [0.0] * len(self.procs)
+
+    @property
+    def proc(self) -> OutputProcessor:
+        """Choice 0's output processor (the only one when n = 1)."""
+        return self.procs[0]
+
+    def streamed(self) -> int:
+        """Output tokens the client has, over all choices."""
+        return sum(len(p.token_ids) for p in self.procs)
+
+    def done(self) -> bool:
+        return all(p.finished for p in self.procs)
 
     def cancel(self) -> None:
         """Client cancel or deadline (any thread): stop every worker call; a queued request leaves the queue."""
@@ -100,7 +113,7 @@ class RequestFlow:
                     yield from self._run_whole(route, set(), self.deps.cfg.max_attempts)
                 return
             except FlowError as e:
-                if not e.degrade or self.proc.token_ids:
+                if not e.degrade or self.streamed():
                     raise
                 # a pool with no live worker: serve it whole elsewhere (slower, but served) ...
                 pool = placer.fallback(e.degrade) if route == PAIR else None
@@ -120,32 +133,40 @@ class RequestFlow:
     # ---- output ------------------------------------------------------------------------------
     def _first_token(self, t_call: float, worker_queue_s: float, prefill_s: float, cached: int) -> None:
         now = time.monotonic()
-        self._t_first = self._last_tok = now
+        self._t_first = now
+        self._last_tok = [now] * len(self.procs)
         self.cached_tokens = cached
         t = self.timings
         t.queue_s, t.prefill_s, t.ttft_s = (t_call - self.scope.t0) + worker_queue_s, prefill_s, now - self.scope.t0
         if self.deps.metrics is not None:
             self.deps.metrics.observe_ttft(t.ttft_s)
 
-    def _emit(self, token_ids: Sequence[int], wire_logprobs: Sequence[Any], finish_reason: str = "",
+    def _emit(self, index: int, token_ids: Sequence[int], wire_logprobs: Sequence[Any], finish_reason: str = "",
               always: bool = False) -> Optional[FlowEvent]:
-        """Pass a worker's tokens through the output processor: the event to send (None: nothing new yet)."""
+        """Pass a worker's tokens for choice ``index`` through its output processor: the event to send (None:
+        nothing new yet). The choice's last event has its finish reason; the request's last, usage and timings."""
+        if not 0 <= index < len(self.procs):
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: a worker sent choice {index} of "
+                                                         f"{len(self.procs)}")
+        proc = self.procs[index]
+        was_finished = proc.finished
         lps = logprobs_from_wire(wire_logprobs) if self._want_lp and wire_logprobs else None
-        not_first = bool(self.proc.token_ids)
-        delta = self.proc.process(list(token_ids), lps, finish_reason or None)
+        not_first = bool(proc.token_ids)
+        delta = proc.process(list(token_ids), lps, finish_reason or None)
         now = time.monotonic()
-        if token_ids:
+        if token_ids and not was_finished:
             if not_first and self.deps.metrics is not None:
-                self.deps.metrics.observe_itl(now - self._last_tok)
-            self._last_tok = now
-        ev = FlowEvent(self.rid, delta.token_ids, delta.text, delta.logprobs)
-        if self.proc.finished:
-            t = self.timings
-            t.total_s, t.decode_s = now - self.scope.t0, now - self._t_first
-            ev.finish_reason = self.proc.finish_reason
-            ev.usage = Usage(prompt_tokens=self.scope.num_prompt_tokens,
-                             completion_tokens=len(self.proc.token_ids), cached_tokens=self.cached_tokens)
-            ev.timings = t
+                self.deps.metrics.observe_itl(now - self._last_tok[index])
+            self._last_tok[index] = now
+        ev = FlowEvent(self.rid, delta.token_ids, delta.text, delta.logprobs, index=index)
+        if proc.finished and not was_finished:
+            ev.finish_reason = proc.finish_reason
+            if self.done():
+                t = self.timings
+                t.total_s, t.decode_s = now - self.scope.t0, now - self._t_first
+                ev.usage = Usage(prompt_tokens=self.scope.num_prompt_tokens, completion_tokens=self.streamed(),
+                                 cached_tokens=self.cached_tokens)
+                ev.timings = t
             return ev
         return ev if (always or ev.token_ids or ev.text) else None
 
@@ -195,8 +216,8 @@ class RequestFlow:
         cfg, placer, scope, rid = self.deps.cfg, self.deps.placer, self.scope, self.rid
         p_stream, ft, t_call = self._start_pair()
         self._first_token(t_call, ft.queue_s, ft.prefill_s, ft.num_cached_tokens)
-        ev = self._emit([ft.token_id], [ft.logprob] if ft.HasField("logprob") else [], always=True)
-        if self.proc.finished:  # a stop string in the very first token: D is not needed
+        ev = self._emit(0, [ft.token_id], [ft.logprob] if ft.HasField("logprob") else [], always=True)
+        if self.done():  # a stop string in the very first token: D is not needed
             p_stream.cancel()
             placer.abort(self.placement)
             yield ev
@@ -212,36 +233,30 @@ class RequestFlow:
             return FlowError(grpc.StatusCode.UNAVAILABLE, f"request {rid}: KV transfer from {pid}: {why}")
 
         watch = TransferWatch(p_stream, rid, lambda: placer.release(pl, scope, ("prefill",)), transfer_error)
-        first_msg = worker_pb2.DecodeRequest(request_id=pl.request_id, first_token_id=ft.token_id)
+        first_msg = worker_pb2.DecodeRequest(request_id=pl.request_id, first_token_id=ft.token_id,
+                                             siblings=scope.sibling_wires)
         if ft.HasField("logprob"):
             first_msg.first_logprob.CopyFrom(ft.logprob)
         d_stream = scope.track(placer.clients.decode(d.grpc_address).Decode(
             first_msg, timeout=scope.remaining(cfg.request_timeout_s)))
         watch.guard(d_stream)
+
+        def transfer_time() -> None:
+            if watch.done():
+                self.timings.kv_transfer_s = watch.kv_transfer_s or 0.0  # the last event's timings object
+
         try:
-            for chunk in d_stream:
-                if not chunk.token_ids and not chunk.finish_reason:
-                    continue  # the "KV arrived, decoding" marker
-                ev = self._emit(chunk.token_ids, chunk.logprobs, chunk.finish_reason)
-                if self.proc.finished:
-                    if watch.done():
-                        self.timings.kv_transfer_s = watch.kv_transfer_s or 0.0  # ev.timings is self.timings
-                    if not chunk.finish_reason:  # stopped by a stop string: D would go on
-                        d_stream.cancel()
-                        placer.abort(pl)
-                    yield ev
-                    return
-                if ev is not None:
-                    yield ev
+            if (yield from self._consume(d_stream, pl, transfer_time)):
+                return
         except grpc.RpcError as e:
             if watch.error is not None:
                 raise watch.error from None
             err = scope.rpc_error(e, f"decode on {d.worker_id}", d.worker_id)
             placer.failed(err)
-            if recovery(err, scope, len(self.proc.token_ids), cfg.max_attempts - 1) is not Recovery.MIGRATE:
+            if recovery(err, scope, self.streamed(), cfg.max_attempts - 1) is not Recovery.MIGRATE:
                 raise err from None
             log.warning("request %s: decode on %s failed after %d tokens, resuming on another decode worker: %s",
-                        rid, d.worker_id, len(self.proc.token_ids), err.message)
+                        rid, d.worker_id, self.streamed(), err.message)
             if self.deps.metrics is not None:
                 self.deps.metrics.inc_migration()
             placer.abort(pl)
@@ -254,6 +269,36 @@ class RequestFlow:
         raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {rid}: decode stream from {d.worker_id} ended "
                                                   f"without a finish reason")
 
+    def _consume(self, stream: Any, pl: Placement, on_done: Optional[Callable[[], None]] = None,
+                 first_chunk: Optional[Callable[[Any], None]] = None) -> Generator[FlowEvent, None, bool]:
+        """A worker's chunks as events until every choice finished (True), or the stream ended first (False).
+        A stop string ends its choice: the last open one ends the request (the stream is cancelled and the
+        workers abort it); another only has that choice aborted on the worker, and the rest go on."""
+        placer = self.deps.placer
+        for chunk in stream:
+            if first_chunk is not None:
+                first_chunk(chunk)
+            if not chunk.token_ids and not chunk.finish_reason:
+                continue  # the "KV arrived, decoding" marker
+            i = chunk.index
+            was = 0 <= i < len(self.procs) and self.procs[i].finished
+            ev = self._emit(i, chunk.token_ids, chunk.logprobs, chunk.finish_reason)
+            stopped_here = self.procs[i].finished and not was and not chunk.finish_reason
+            if self.done():
+                if on_done is not None:
+                    on_done()
+                if stopped_here:  # stopped by a stop string: the worker would go on
+                    stream.cancel()
+                    placer.abort(pl)
+                if ev is not None:
+                    yield ev
+                return True
+            if stopped_here:
+                placer.abort_choice(pl, i)
+            if ev is not None:
+                yield ev
+        return False
+
     # ---- whole requests on one worker: colocated mode, local prefill, migration -------------------------
     def _run_whole(self, pool: str, excluded: set[str], attempts: int) -> Iterator[FlowEvent]:
         """Run the request on one worker of ``pool`` (its colocated ``Generate``). Every attempt sends the
@@ -265,33 +310,30 @@ class RequestFlow:
             self.placement = pl = placer.place_whole(scope, pool, excluded)
             w = pl.decode
             t_call = time.monotonic()
+            resume = self.proc.token_ids if scope.n == 1 else []  # several choices never migrate (recovery)
             stream = scope.track(placer.clients.colocated(w.grpc_address).Generate(
                 worker_pb2.ColocatedRequest(request_id=pl.request_id, prompt_token_ids=scope.prompt_token_ids,
-                                            params=scope.wire_params, resume_token_ids=self.proc.token_ids),
+                                            params=scope.wire_params, resume_token_ids=resume,
+                                            siblings=scope.sibling_wires),
                 timeout=scope.remaining(cfg.request_timeout_s)))
+
+            def first(chunk: Any) -> None:
+                if not self.timings.ttft_s:
+                    self._first_token(t_call, chunk.queue_s, chunk.prefill_s, chunk.num_cached_tokens)
+
             try:
-                for chunk in stream:
-                    if not self.timings.ttft_s:
-                        self._first_token(t_call, chunk.queue_s, chunk.prefill_s, chunk.num_cached_tokens)
-                    ev = self._emit(chunk.token_ids, chunk.logprobs, chunk.finish_reason)
-                    if self.proc.finished:
-                        if not chunk.finish_reason:
-                            stream.cancel()
-                            placer.abort(pl)
-                        yield ev
-                        return
-                    if ev is not None:
-                        yield ev
+                if (yield from self._consume(stream, pl, first_chunk=first)):
+                    return
             except grpc.RpcError as e:
                 err = scope.rpc_error(e, f"generate on {w.worker_id}", w.worker_id)
                 placer.failed(err)
                 placer.release(pl, scope)
-                move = recovery(err, scope, len(self.proc.token_ids), attempts - attempt - 1)
+                move = recovery(err, scope, self.streamed(), attempts - attempt - 1)
                 if move is Recovery.FAIL:
                     raise err from None
                 excluded.add(w.worker_id)
                 log.warning("request %s: attempt %d on %s failed after %d tokens, %s: %s", self.rid, attempt + 1,
-                            w.worker_id, len(self.proc.token_ids), move.value, err.message)
+                            w.worker_id, self.streamed(), move.value, err.message)
                 if move is Recovery.MIGRATE and self.deps.metrics is not None:
                     self.deps.metrics.inc_migration()
                 continue

@@ -39,7 +39,12 @@ class RequestScope:
         self.rid = vreq.request_id
         self.prompt_token_ids: list[int] = vreq.prompt_token_ids
         self.params: SamplingParams = vreq.params
-        self.wire_params = params_to_wire(vreq.params)
+        self.n = vreq.n
+        self.choice_params: list[SamplingParams] = vreq.choice_params()
+        """Each choice's params (choice i: seed + i); choice 0's are the request's own."""
+        self.wire_params = params_to_wire(self.choice_params[0])
+        self.sibling_wires = [params_to_wire(p) for p in self.choice_params[1:]]
+        """The wire params of choices 1..n-1 (what a worker's ``siblings`` field carries)."""
         self.t0 = t0
         """time.monotonic() when the request arrived."""
         self.deadline = deadline

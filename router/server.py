@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 def render(ev: FlowEvent) -> pdserve_pb2.GenerateResponse:
     """One flow event as the public gRPC response."""
     resp = pdserve_pb2.GenerateResponse(request_id=ev.request_id, token_ids=ev.token_ids, text=ev.text,
-                                        logprobs=logprobs_to_public(ev.logprobs))
+                                        logprobs=logprobs_to_public(ev.logprobs), index=ev.index)
     if ev.finish_reason:
         resp.finish_reason = ev.finish_reason
     if ev.usage is not None:

@@ -8,6 +8,7 @@ with a message that names the field; the servicer maps it to INVALID_ARGUMENT.
 """
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -22,6 +23,8 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 512
 """Each stop string at most this long."""
 MAX_STOP_TOKEN_IDS = 1024
+MAX_N = 16
+"""At most this many choices per prompt."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,17 @@ class ValidatedRequest:
     prompt: Optional[str]
     prompt_token_ids: list[int]
     params: SamplingParams
+    n: int = 1
+    """Choices for this prompt: one prefill, one KV transfer, ``n`` decoded sequences."""
+
+    def choice_params(self) -> list[SamplingParams]:
+        """Each choice's params: choice i samples with ``seed + i`` when a seed is set (so choice 0 is the
+        single-choice request), unseeded otherwise."""
+        if self.n == 1:
+            return [self.params]
+        seed = self.params.seed
+        return [dataclasses.replace(self.params, seed=None if seed is None else (seed + i) % 2**63)
+                for i in range(self.n)]
 
 
 def _decimal(x: float) -> float:
@@ -146,5 +160,8 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
         kw["logit_bias"] = {int(t): _decimal(b) for t, b in req.logit_bias.items()}
     # SamplingParams' own checks name the field (temperature, top_p, seed, logprobs...).
     params = SamplingParams(**kw)
+    n = req.n if req.HasField("n") else 1
+    if not 1 <= n <= MAX_N:
+        raise ValueError(f"n must be in [1, {MAX_N}], got {n}")
     return ValidatedRequest(request_id=request_id, prompt=req.prompt if has_prompt else None,
-                            prompt_token_ids=ids, params=params)
+                            prompt_token_ids=ids, params=params, n=n)

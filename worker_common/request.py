@@ -53,6 +53,10 @@ class WorkerRequest:
     """The request's stream: items for the handler to yield, or the RequestError that ends it."""
     arrived: float = field(default_factory=time.monotonic, kw_only=True)
     """When the worker took the request (monotonic seconds): queue times and deadlines count from here."""
+    index: int = field(default=0, kw_only=True)
+    """n > 1: which choice of its request this is (0: the request itself)."""
+    choices: Optional[Any] = field(default=None, kw_only=True)
+    """n > 1: the ``Choices`` record its request's choices share (decode_worker.choices); None otherwise."""
 
     def fail(self, err: RequestError) -> None:
         """End the request's stream with ``err`` (the handler raises it)."""
@@ -77,12 +81,24 @@ class RequestSet(Generic[R]):
     def __init__(self, worker: "WorkerBase") -> None:
         self.worker = worker
         self._reqs: dict[str, R] = {}
+        self._groups: dict[str, set[str]] = {}  # n > 1: a request's id -> the ids of its choices still held
 
     def __len__(self) -> int:
         return len(self._reqs)
 
     def __contains__(self, request_id: object) -> bool:
-        return request_id in self._reqs
+        # a request whose own choice finished is still here while another of its choices runs
+        return request_id in self._reqs or request_id in self._groups
+
+    def _take(self, request_id: str) -> Optional[R]:
+        req = self._reqs.pop(request_id, None)
+        if req is not None and req.choices is not None:
+            members = self._groups.get(req.choices.root)
+            if members is not None:
+                members.discard(request_id)
+                if not members:
+                    del self._groups[req.choices.root]
+        return req
 
     def get(self, request_id: str) -> Optional[R]:
         return self._reqs.get(request_id)
@@ -100,25 +116,40 @@ class RequestSet(Generic[R]):
         if req.request_id in self._reqs:
             raise ValueError(f"request {req.request_id} is already held")
         self._reqs[req.request_id] = req
+        if req.choices is not None:
+            self._groups.setdefault(req.choices.root, set()).add(req.request_id)
 
     def release(self, req: R) -> None:
         """Stop holding ``req`` (it finished); its engine state is the caller's to settle."""
-        self._reqs.pop(req.request_id, None)
+        self._take(req.request_id)
 
     def drop(self, req: R, err: Optional[RequestError]) -> None:
         """Stop holding ``req``, free what it holds, and end its stream with ``err`` (if any)."""
-        self._reqs.pop(req.request_id, None)
+        self._take(req.request_id)
         self.free(req)
         if err is not None:
             req.fail(err)
 
-    def abort(self, request_id: str) -> bool:
-        """Drop the request and end its stream as CANCELLED; True if this set held it."""
-        req = self._reqs.pop(request_id, None)
+    def abort_quietly(self, request_id: str) -> bool:
+        """Drop a request and free what it holds without touching its stream (a choice whose stream its
+        request's abort ends); True if held."""
+        req = self._take(request_id)
         if req is None:
             return False
         self.free(req)
-        req.cancel()
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Drop the request (with every choice of it still held) and end its stream as CANCELLED; True if this
+        set held it."""
+        ids = [request_id] if request_id in self._reqs else []
+        ids += sorted(self._groups.get(request_id, set()) - {request_id})
+        if not ids:
+            return False
+        reqs = [self._reqs[i] for i in ids]
+        for r in reqs:
+            self.abort_quietly(r.request_id)
+        reqs[0].cancel()  # the choices share one stream: one CANCELLED ends it
         return True
 
     # ---- hooks (loop thread) --------------------------------------------------------

@@ -236,11 +236,13 @@ class WorkerBase:
             held.update(rs.snapshot())
         return held
 
-    def holder(self, request_id: str) -> Optional[RequestSet]:
-        """The set holding ``request_id``, or None."""
-        for rs in self.request_sets:
-            if request_id in rs:
-                return rs
+    def holder(self, request_id: str, choice: bool = False) -> Optional[RequestSet]:
+        """The set holding ``request_id``, or None. ``choice``: an abort may name one choice of a request with
+        n > 1 as ``<id>#<i>``; then the set holding ``<id>`` answers too."""
+        for rid in (request_id, request_id.rpartition("#")[0] if choice else ""):
+            for rs in self.request_sets:
+                if rid and rid in rs:
+                    return rs
         return None
 
     def check_new(self, request_id: str, state: str) -> None:
@@ -268,7 +270,7 @@ class WorkerBase:
 
     def abort(self, request_id: str) -> bool:
         """Drop the request, free its blocks, end its stream as CANCELLED; True if it was known."""
-        rs = self.holder(request_id)
+        rs = self.holder(request_id, choice=True)
         if rs is None:
             return False
         log.info("%s %s: abort request %s", self.role, self.cfg.worker_id, request_id)
