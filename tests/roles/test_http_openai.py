@@ -137,3 +137,44 @@ def test_logit_bias_reaches_the_workers(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="x", max_tokens=2, logit_bias={"99999": 1})
     assert "logit_bias" in e.value.body["message"]
+
+
+def test_async_client_streams_equal_offline(roles):
+    import asyncio
+
+    _, text, _ = _offline_text("for i in range(", max_tokens=9, temperature=0.0, ignore_eos=True)
+
+    async def run() -> tuple[str, str]:
+        aclient = openai.AsyncOpenAI(base_url=f"http://{roles.router.http_address}/v1", api_key=KEY,
+                                     max_retries=0, timeout=60)
+        try:
+            done = await aclient.completions.create(model="tiny", prompt="for i in range(", max_tokens=9,
+                                                    temperature=0, extra_body={"ignore_eos": True})
+            parts = []
+            async for c in await aclient.completions.create(model="tiny", prompt="for i in range(", max_tokens=9,
+                                                            temperature=0, stream=True,
+                                                            extra_body={"ignore_eos": True}):
+                parts.append(c.choices[0].text)
+            return done.choices[0].text, "".join(parts)
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(run()) == (text, text)
+
+
+def test_n3_with_seed_is_reproducible_and_shares_one_prefill(roles, client):
+    """n=3 over HTTP: one prefill on the prefill worker, the siblings reuse the transferred blocks on the decode
+    worker (engine counters), each choice equals offline with seed + i, and a second call gives the same."""
+    prompt = list(range(500, 541))  # 41 token ids: 2 full blocks of 16
+    kw = dict(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
+    want = [offline([prompt], [SamplingParams(**{**kw, "seed": 3 + i})])[0][1] for i in range(3)]
+    p_eng, d_eng = roles.prefills[0].engine, roles.decodes[0].engine
+    q_p, h_d = p_eng.prefix_cache_queries, d_eng.prefix_cache_hits
+    r = client.completions.create(model="tiny", prompt=prompt, n=3, max_tokens=6, temperature=0.8, seed=3,
+                                  extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == want
+    assert p_eng.prefix_cache_queries - q_p == 41 and d_eng.prefix_cache_hits - h_d == 2 * 32
+    again = client.completions.create(model="tiny", prompt=prompt, n=3, max_tokens=6, temperature=0.8, seed=3,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == want
+    assert r.usage.completion_tokens == 18 and r.usage.prompt_tokens == 41
