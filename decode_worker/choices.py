@@ -14,7 +14,7 @@ without it siblings recompute the whole prompt, with the same tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import grpc
 
@@ -116,5 +116,19 @@ def end_choice(rs: RequestSet, req: WorkerRequest) -> bool:
     return True
 
 
-__all__ = ["Choices", "MAX_CHOICES", "end_choice", "finish_choice", "is_last", "one_choice",
+R = TypeVar("R", bound=WorkerRequest)
+
+
+class ChoiceRequestSet(RequestSet[R]):
+    """A request set whose requests may have several choices: an abort naming one choice (``<id>#<i>``) ends
+    only that choice; the request's own id ends them all."""
+
+    def abort(self, request_id: str) -> bool:
+        one = one_choice(self, request_id)
+        if one is not None:
+            return end_choice(self, one)
+        return super().abort(request_id)
+
+
+__all__ = ["ChoiceRequestSet", "Choices", "MAX_CHOICES", "end_choice", "finish_choice", "is_last", "one_choice",
            "sibling_params", "start_siblings"]

@@ -22,7 +22,7 @@ import grpc
 
 from decode_worker import choices
 from worker_common.config import WorkerConfig
-from worker_common.request import RequestError, RequestSet, WorkerRequest, request_params
+from worker_common.request import RequestError, WorkerRequest, request_params
 from worker_common.wire import logprobs_to_proto
 from worker_common.worker_base import WorkerBase
 from proto import worker_pb2, worker_pb2_grpc
@@ -48,7 +48,7 @@ class _LocalReq(WorkerRequest):
     siblings: list = field(default_factory=list)  # n > 1: params of choices 1..n-1, started after its prefill
 
 
-class LocalRequests(RequestSet[_LocalReq]):
+class LocalRequests(choices.ChoiceRequestSet[_LocalReq]):
     """The whole requests on its worker's engine, and the body of the ``Generate`` RPC that adds them."""
 
     def queued_prompt_tokens(self) -> int:
@@ -120,12 +120,6 @@ class LocalRequests(RequestSet[_LocalReq]):
             choices.finish_choice(req, chunk)
             metrics.observe_decode_time(now - req.first_at)
         req.out.put(chunk)
-
-    def abort(self, request_id: str) -> bool:
-        one = choices.one_choice(self, request_id)
-        if one is not None:
-            return choices.end_choice(self, one)
-        return super().abort(request_id)
 
     def free(self, req: _LocalReq) -> None:
         self.worker.engine.abort_request(req.request_id)

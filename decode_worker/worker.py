@@ -27,7 +27,7 @@ import grpc
 from decode_worker import choices
 from decode_worker.colocated import LocalRequests, register_colocated_service
 from decode_worker.config import DecodeWorkerConfig
-from worker_common.request import RequestError, RequestSet, WorkerRequest, request_params
+from worker_common.request import RequestError, WorkerRequest, request_params
 from worker_common.wire import logprob_from_proto, logprobs_to_proto
 from worker_common.worker_base import WorkerBase
 from kvtransfer import TransferState
@@ -53,7 +53,7 @@ class _DecodeReq(WorkerRequest):
     siblings: list = field(default_factory=list)  # n > 1: params of choices 1..n-1, started with the KV
 
 
-class DisaggregatedRequests(RequestSet[_DecodeReq]):
+class DisaggregatedRequests(choices.ChoiceRequestSet[_DecodeReq]):
     """The ``Reserve``/``Decode`` RPC bodies and the sequences whose KV comes from a prefill worker."""
 
     # ---- RPC handlers (gRPC threads) ------------------------------------------------
@@ -184,12 +184,6 @@ class DisaggregatedRequests(RequestSet[_DecodeReq]):
             choices.finish_choice(req, chunk)
             self.worker.metrics.observe_decode_time(now - req.decode_called_at)
         req.out.put(chunk)
-
-    def abort(self, request_id: str) -> bool:
-        one = choices.one_choice(self, request_id)
-        if one is not None:
-            return choices.end_choice(self, one)
-        return super().abort(request_id)
 
     def _fail(self, req: _DecodeReq, code: grpc.StatusCode, message: str) -> None:
         err = RequestError(code, message)
