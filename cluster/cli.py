@@ -49,6 +49,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                        description="Start Redis (unless --redis-url), Ray (unless --address), prefill and decode "
                                    "worker actors and the router; stop all of it on SIGINT/SIGTERM.")
     p.add_argument("--model", default="tiny", help="tiny | bench | path to a Hugging Face model dir (default tiny)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name to clients (/v1/models, ModelInfo, the requests' model field) and in "
+                        "metric labels (default: the built-in name or the model directory's basename)")
     p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
     p.add_argument("--colocated", type=int, default=0, metavar="K",
@@ -193,6 +196,9 @@ def _check_up_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.model not in BUILTIN_MODELS and not os.path.isdir(args.model):
         raise ValueError(f"--model must be one of {BUILTIN_MODELS} or a model directory, got {args.model!r}")
+    if args.served_model_name is not None and (not args.served_model_name.strip()
+                                               or not args.served_model_name.isprintable()):
+        raise ValueError(f"--served-model-name must be a non-empty printable name, got {args.served_model_name!r}")
     if args.autoscale:
         for name, lo, hi in (("prefill", args.prefill, args.max_prefill), ("decode", args.decode, args.max_decode)):
             if not args.colocated and hi < max(lo, 1):
@@ -361,7 +367,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     router_overrides = _router_overrides(args)
     if args.colocated:  # one mode per router: colocated replaces the two pools
         args.prefill = args.decode = 0
-    cfg = ClusterConfig(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
+    cfg = ClusterConfig(model=args.model, served_model_name=args.served_model_name,
+                        num_prefill=args.prefill, num_decode=args.decode,
                         num_colocated=args.colocated,
                         host=args.host, router_port=args.port, redis_url=redis_url,
                         ray_address=args.address, namespace=args.namespace,
@@ -439,6 +446,7 @@ def _print_endpoints(cluster, planner, args: argparse.Namespace, secret_source: 
         lines.append(f"  http     http://{http}/v1  (OpenAI-compatible: completions, chat, models; /health)")
     for name, addr in sorted(cluster.metrics_addresses().items()):
         lines.append(f"  metrics  {name:<12} http://{addr}/metrics")
+    lines.append(f"  model    {cluster.config.served_model_name}  (served name: requests, /v1/models, metric labels)")
     lines.append(f"  redis    {cluster.display_redis_url}  namespace {cluster.namespace}")
     lines.append(f"  cluster  workers accept only the cluster secret ({secret_source})")
     pools = " ".join(f"{r}={len(cluster.worker_ids(r))}" for r in ("prefill", "decode", "colocated")

@@ -13,6 +13,7 @@ pickles to the actors, never on a command line, and are kept out of ``repr``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -27,6 +28,10 @@ class ClusterConfig:
 
     model: str = "tiny"
     """Model every worker serves: "tiny", "bench" or a Hugging Face directory."""
+    served_model_name: Optional[str] = None
+    """The model's name to clients (/v1/models, ModelInfo, the ``model`` field they send) and in every
+    component's metric labels and registry record; None: ``model``'s last path component (the built-in
+    name, or the model directory's basename), never a filesystem path."""
     num_prefill: int = 1
     """Prefill workers at start."""
     num_decode: int = 1
@@ -96,6 +101,12 @@ class ClusterConfig:
             raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker!r}")
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        if self.served_model_name is None:
+            self.served_model_name = default_served_model_name(self.model)
+        if not isinstance(self.served_model_name, str) or not self.served_model_name.strip() \
+                or not self.served_model_name.isprintable():
+            raise ValueError(f"served_model_name must be a non-empty printable string, got "
+                             f"{self.served_model_name!r}")
         if self.ray_num_cpus is not None and self.ray_num_cpus < 1:
             raise ValueError(f"ray_num_cpus must be >= 1, got {self.ray_num_cpus!r}")
         if not (0 < self.heartbeat_interval_s < self.ttl_s):
@@ -121,6 +132,13 @@ class ClusterConfig:
         return "colocated" if self.num_colocated else "disaggregated"
 
 
+def default_served_model_name(model: str) -> str:
+    """The name a model is served under when none is given: a built-in name as it is, a model directory's
+    basename ("/models/Qwen2.5-0.5B/" -> "Qwen2.5-0.5B"); the path itself never reaches clients or labels."""
+    name = os.path.basename(os.path.normpath(os.path.expanduser(model)))
+    return name if name not in ("", ".", "..", os.sep) else "model"
+
+
 def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: Any,
                       node_ip: str, node_id: str) -> Any:
     """The real prefill/decode role object for one actor (runs inside the actor)."""
@@ -133,7 +151,7 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
     if isinstance(kv_store, StoreConfig):  # gloo listens on the worker's interface, not the hostname's
         kv_store = dataclasses.replace(kv_store, host=host)
     common = dict(worker_id=worker_id, engine=engine, kv_store=kv_store, host=host, node_id=node_id,
-                  cluster_secret=cfg.cluster_secret)
+                  cluster_secret=cfg.cluster_secret, model_name=cfg.served_model_name)
     if role == "prefill":
         from prefill_worker import PrefillWorker, PrefillWorkerConfig
 
@@ -157,5 +175,5 @@ def build_router(cfg: ClusterConfig, registry: Registry) -> Any:
     security = dict(api_keys=cfg.api_keys, ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile,
                     ssl_ca_certs=cfg.ssl_ca_certs, cluster_secret=cfg.cluster_secret)
     rcfg = RouterConfig(model=cfg.model, host=cfg.router_host or cfg.host, port=cfg.router_port, mode=cfg.mode,
-                        **{**security, **cfg.router_overrides})
+                        **{"model_name": cfg.served_model_name, **security, **cfg.router_overrides})
     return RouterServer(rcfg, registry)

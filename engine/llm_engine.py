@@ -64,6 +64,8 @@ class LLMEngine:
         self.layer_done_callback: Optional[Callable[[int, list[str]], None]] = None
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[CoreOutput] = []  # outputs decided outside step(), emitted by the next step
+        self._num_steps = 0
+        self._num_scheduled_tokens = 0
         logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d",
                     config.model, config.dtype, config.device, n_blocks, self.block_size, self.max_model_len)
 
@@ -84,6 +86,16 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    @property
+    def num_steps(self) -> int:
+        """Steps that ran a batch so far (a metric: with ``num_scheduled_tokens``, tokens per step)."""
+        return self._num_steps
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens computed over all steps so far: prompt chunks plus one per decoding sequence."""
+        return self._num_scheduled_tokens
 
     @property
     def prefix_cache_queries(self) -> int:
@@ -214,6 +226,8 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         result = self.runner.execute(sched, self._layer_hook(sched))
+        self._num_steps += 1
+        self._num_scheduled_tokens += sched.num_tokens
         self._advance(sched)
         self.scheduler.commit(sched)
         return outputs + self._postprocess(result)

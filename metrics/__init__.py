@@ -3,18 +3,23 @@ each series registered and recorded only by the role that owns it (``OWNERS``)."
 from metrics.exporter import serve_registry
 from metrics.pdserve_metrics import (
     FINISH_REASONS,
+    ITERATION_TOKENS_BUCKETS,
     ITL_BUCKETS,
     KV_TRANSFER_BUCKETS,
     OWNERS,
+    PARAMS_N_BUCKETS,
     PREFIX,
     REQUEST_LATENCY_BUCKETS,
     ROLES,
+    TPOT_BUCKETS,
     TTFT_BUCKETS,
     WORKER_ROLES,
     PDServeMetrics,
     owner_of,
     series_of,
+    token_buckets,
 )
 
 __all__ = ["PDServeMetrics", "serve_registry", "PREFIX", "ROLES", "WORKER_ROLES", "OWNERS", "owner_of", "series_of",
-           "FINISH_REASONS", "TTFT_BUCKETS", "ITL_BUCKETS", "REQUEST_LATENCY_BUCKETS", "KV_TRANSFER_BUCKETS"]
+           "FINISH_REASONS", "TTFT_BUCKETS", "ITL_BUCKETS", "REQUEST_LATENCY_BUCKETS", "KV_TRANSFER_BUCKETS",
+           "TPOT_BUCKETS", "ITERATION_TOKENS_BUCKETS", "PARAMS_N_BUCKETS", "token_buckets"]

@@ -12,7 +12,10 @@ for tests and for components that ship metrics some other way.
 Names are vLLM's with a ``pdserve:`` prefix instead of ``vllm:``, and histogram
 buckets are vLLM's (``vllm/v1/metrics/loggers.py``), so dashboards and alerts
 written for vLLM carry over by swapping the prefix. Every series carries the
-labels ``model_name``, ``role`` and ``worker``.
+labels ``model_name`` (the served model name, never a filesystem path), ``role``
+and ``worker``. Each registry also has prometheus-client's process, platform and
+GC collectors (``process_*``, ``python_*``: per process, unlabelled), as vLLM's
+server has them.
 
 Each series has exactly one owner, split as vLLM splits them (``SERIES`` below):
 request-level series, what the client sees, belong to the router (vLLM's API
@@ -26,10 +29,11 @@ bug fails loudly in tests instead of exporting a second, meaningless copy.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, PlatformCollector,
+                               ProcessCollector, generate_latest)
 
 from metrics.exporter import serve_registry
 
@@ -46,6 +50,17 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                            40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM's request_time_per_output_token_seconds buckets are its ITL buckets.
+TPOT_BUCKETS = ITL_BUCKETS
+# vLLM's iteration_tokens_total buckets (tokens scheduled in one engine step).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# vLLM's request_params_n buckets.
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
+# Token-count histograms (request_prompt_tokens, ...) use vLLM's 1-2-5 series up to the model's context length,
+# known only when the component is built: the table names them by this marker (``token_buckets``).
+MODEL_LEN_BUCKETS = "1-2-5 up to max_model_len"
+DEFAULT_MAX_MODEL_LEN = 1_000_000
+"""The top of the token-count buckets when a component does not give its model's context length."""
 # vLLM has no core KV-transfer histogram; a transfer sits on the TTFT path and
 # spans sub-millisecond (loopback) to seconds (cross-node), like TTFT itself.
 KV_TRANSFER_BUCKETS = TTFT_BUCKETS
@@ -64,6 +79,15 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
                                     ITL_BUCKETS),
     "e2e_request_latency_seconds": (ROUTER, "histogram", "Histogram of e2e request latency in seconds.",
                                     REQUEST_LATENCY_BUCKETS),
+    "request_time_per_output_token_seconds": (ROUTER, "histogram",
+                                              "Histogram of time_per_output_token_seconds per request.",
+                                              TPOT_BUCKETS),
+    "request_prompt_tokens": (ROUTER, "histogram", "Number of prefill tokens processed.", MODEL_LEN_BUCKETS),
+    "request_generation_tokens": (ROUTER, "histogram", "Number of generation tokens processed.",
+                                  MODEL_LEN_BUCKETS),
+    "request_params_n": (ROUTER, "histogram", "Histogram of the n request parameter.", PARAMS_N_BUCKETS),
+    "request_params_max_tokens": (ROUTER, "histogram", "Histogram of the max_tokens request parameter.",
+                                  MODEL_LEN_BUCKETS),
     "request_success_total": (ROUTER, "counter", "Count of successfully processed requests.", "finished_reason"),
     "request_errors_total": (ROUTER, "counter", "Count of requests ended by an error, by gRPC status code.",
                              "code"),
@@ -97,6 +121,9 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
     "prefix_cache_queries_total": (WORKER, "counter",
                                    "Prefix cache queries, in terms of number of queried tokens.", None),
     "prefix_cache_hits_total": (WORKER, "counter", "Prefix cache hits, in terms of number of cached tokens.", None),
+    "num_preemptions_total": (WORKER, "counter", "Cumulative number of preemption from the engine.", None),
+    "iteration_tokens_total": (WORKER, "histogram", "Histogram of number of tokens per engine_step.",
+                               ITERATION_TOKENS_BUCKETS),
 }
 OWNERS: dict[str, str] = {name: spec[0] for name, spec in SERIES.items()}
 """Series name (as exported, without the prefix) -> owner: "router" or "worker"."""
@@ -115,6 +142,18 @@ def series_of(role: str) -> tuple[str, ...]:
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     return tuple(n for n, owner in OWNERS.items() if role in OWNER_ROLES[owner])
+
+
+def token_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's ``build_1_2_5_buckets``: 1, 2, 5, 10, 20, 50, ... up to ``max_model_len`` (inclusive)."""
+    max_model_len = _check_count("max_model_len", max_model_len)
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 def _check_label(field: str, value: str) -> str:
@@ -140,13 +179,24 @@ class PDServeMetrics:
     """The pdserve series one component owns, in a registry of its own."""
 
     def __init__(self, model_name: str, role: str, worker: str,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, max_model_len: int | None = None,
+                 process_collectors: bool = True) -> None:
+        """``max_model_len``: the model's context length, the top of the token-count buckets (vLLM's);
+        None: ``DEFAULT_MAX_MODEL_LEN``. ``process_collectors``: register prometheus-client's process,
+        platform and GC collectors (``process_*``, ``python_*``) too, as vLLM's server has them."""
         _check_label("model_name", model_name)
         _check_label("worker", worker)
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        tokens = token_buckets(DEFAULT_MAX_MODEL_LEN if max_model_len is None else max_model_len)
+        if not tokens:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len!r}")
         self.model_name, self.role, self.worker = model_name, role, worker
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        if process_collectors:
+            ProcessCollector(registry=self.registry)
+            PlatformCollector(registry=self.registry)
+            GCCollector(registry=self.registry)
         self._labels = labels = (model_name, role, worker)
         # name -> the labelled child, or the parent when the series has one more label (bound per call)
         self._series: dict[str, Any] = {}
@@ -154,7 +204,7 @@ class PDServeMetrics:
             _owner, kind, doc, extra = SERIES[name]
             full = PREFIX + (name[:-len("_total")] if kind == "counter" else name)
             if kind == "histogram":
-                self._series[name] = Histogram(full, doc, LABELS, buckets=extra,
+                self._series[name] = Histogram(full, doc, LABELS, buckets=tokens if extra == MODEL_LEN_BUCKETS else extra,
                                                registry=self.registry).labels(*labels)
             elif kind == "gauge":
                 self._series[name] = Gauge(full, doc, LABELS, registry=self.registry).labels(*labels)
@@ -167,6 +217,7 @@ class PDServeMetrics:
             for reason in FINISH_REASONS:
                 self._series["request_success_total"].labels(*labels, reason)
         self._pc_seen = (0, 0)
+        self._engine_seen = (0, 0, 0)  # preemptions, steps, scheduled tokens (set_engine_totals)
 
     def owns(self, name: str) -> bool:
         """Whether this component registers the series ``name`` (with or without the prefix)."""
@@ -207,6 +258,30 @@ class PDServeMetrics:
         hist.observe(seconds)
         total.inc(num_bytes)
 
+    def observe_finished_request(self, prompt_tokens: int, generation_tokens: int, tpot_s: Optional[float],
+                                 n: int = 1, max_tokens: Optional[int] = None) -> None:
+        """A request that finished normally, once, at its last event (vLLM records these per finished
+        request): its prompt and generated token counts (every choice's), its time per output token
+        (None: fewer than two output tokens, nothing to average) and its ``n`` and ``max_tokens``
+        parameters (None: not given). Nothing is recorded when any value is rejected."""
+        names = ("request_prompt_tokens", "request_generation_tokens", "request_time_per_output_token_seconds",
+                 "request_params_n", "request_params_max_tokens")
+        prompt_h, gen_h, tpot_h, n_h, max_h = (self._get(name) for name in names)
+        prompt_tokens = _check_count("prompt_tokens", prompt_tokens)
+        generation_tokens = _check_count("generation_tokens", generation_tokens)
+        tpot = None if tpot_s is None else _check_seconds("tpot", tpot_s)
+        n = _check_count("n", n)
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        max_tokens = None if max_tokens is None else _check_count("max_tokens", max_tokens)
+        prompt_h.observe(prompt_tokens)
+        gen_h.observe(generation_tokens)
+        if tpot is not None:
+            tpot_h.observe(tpot)
+        n_h.observe(n)
+        if max_tokens:  # as vLLM: only when the request set it
+            max_h.observe(max_tokens)
+
     # --- counters ---
     def inc_kv_transfer_bytes(self, n: int) -> None:
         self._get("kv_transfer_bytes_total").inc(_check_count("kv_transfer_bytes", n))
@@ -228,6 +303,27 @@ class PDServeMetrics:
         pc_queries.inc(q - q0)
         pc_hits.inc(h - h0)
         self._pc_seen = (q, h)
+
+    def set_engine_totals(self, preemptions: int, steps: int, scheduled_tokens: int) -> None:
+        """The engine's running totals of preemptions, steps and tokens scheduled over those steps.
+        ``num_preemptions_total`` moves by the difference since the last call; each new step is one
+        ``iteration_tokens_total`` observation of its tokens (a worker calls this once per engine-loop
+        pass, so one step at most is new; several new steps share their tokens evenly). A smaller total
+        (a new engine) restarts the base, as ``set_prefix_cache_totals``."""
+        preempt_c, iter_h = self._get("num_preemptions_total"), self._get("iteration_tokens_total")
+        p = _check_count("num_preemptions", preemptions)
+        s, t = _check_count("num_steps", steps), _check_count("num_scheduled_tokens", scheduled_tokens)
+        p0, s0, t0 = self._engine_seen
+        if p < p0:
+            p0 = 0
+        if s < s0 or t < t0:
+            s0 = t0 = 0
+        preempt_c.inc(p - p0)
+        if s > s0:
+            per_step = (t - t0) / (s - s0)
+            for _ in range(s - s0):
+                iter_h.observe(per_step)
+        self._engine_seen = (p, s, t)
 
     def inc_migration(self) -> None:
         self._get("request_migrations_total").inc()

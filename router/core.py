@@ -68,7 +68,8 @@ class RouterCore:
         from metrics import PDServeMetrics
 
         self.tokenizer, self.limits = load_model_view(self.cfg)
-        self.metrics = PDServeMetrics(self.cfg.served_model_name, "router", "router")
+        self.metrics = PDServeMetrics(self.cfg.served_model_name, "router", "router",
+                                      max_model_len=self.limits.max_context_length)
         self.view.start()
 
     def close(self) -> None:
@@ -123,12 +124,19 @@ class RouterCore:
         m = self.metrics
         m.inc_prompt_tokens(len(vreq.prompt_token_ids))
         n_out = 0
+        per_choice: dict[int, int] = {}
         try:
             for ev in flow.run():
                 n_out += len(ev.token_ids)
+                per_choice[ev.index] = per_choice.get(ev.index, 0) + len(ev.token_ids)
                 if ev.finish_reason:
                     m.observe_e2e(time.monotonic() - t0)
                     m.inc_success(ev.finish_reason)
+                if ev.usage is not None:  # the request's last event: TPOT over its longest choice's decode
+                    longest = max(per_choice.values())
+                    tpot = ev.timings.decode_s / (longest - 1) if ev.timings is not None and longest > 1 else None
+                    m.observe_finished_request(len(vreq.prompt_token_ids), n_out, tpot, vreq.n,
+                                               vreq.params.max_tokens)
                 yield ev
         except FlowError as e:
             log.warning("request %s: %s %s", vreq.request_id, e.code.name, e.message)

@@ -146,6 +146,8 @@ class WorkerBase:
             self.metrics.set_waiting(info.num_waiting)
             self.metrics.set_kv_cache_usage(1.0 - info.num_free_blocks / max(1, info.num_total_blocks))
             self.metrics.set_prefix_cache_totals(eng.prefix_cache_queries, eng.prefix_cache_hits)
+            # once per loop pass, so each engine step is one iteration_tokens_total observation
+            self.metrics.set_engine_totals(eng.num_preemptions, eng.num_steps, eng.num_scheduled_tokens)
 
     def info(self) -> worker_pb2.WorkerInfo:
         """This worker's registry record with its live load."""

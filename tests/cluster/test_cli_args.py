@@ -40,3 +40,36 @@ def test_max_num_requests_reaches_the_router_config():
     assert overrides["max_num_requests"] == 100
     assert RouterConfig(**overrides).max_num_requests == 100
     assert "max_num_requests" not in _router_overrides(build_parser().parse_args(["up"]))  # router default
+
+
+def test_served_model_name_reaches_router_and_workers(tmp_path):
+    """`--served-model-name` names the model everywhere (router ModelInfo and /v1/models, metric labels, the
+    workers' records); without it the name is the built-in one or the model directory's basename, no path."""
+    from cluster.config import ClusterConfig, build_role_worker, build_router
+    from router import StaticWorkerSource
+
+    args = build_parser().parse_args(["up", "--served-model-name", "acme/coder-7b"])
+    _check_up_args(args)
+    assert args.served_model_name == "acme/coder-7b"
+    with pytest.raises(ValueError) as e:
+        _check_up_args(build_parser().parse_args(["up", "--served-model-name", " "]))
+    assert str(e.value).startswith("--served-model-name must be")
+
+    model_dir = tmp_path / "models" / "Qwen2.5-0.5B"
+    model_dir.mkdir(parents=True)
+    assert ClusterConfig().served_model_name == "tiny"
+    assert ClusterConfig(model="bench").served_model_name == "bench"
+    assert ClusterConfig(model=str(model_dir) + "/").served_model_name == "Qwen2.5-0.5B"
+    with pytest.raises(ValueError, match="served_model_name"):
+        ClusterConfig(served_model_name="")
+
+    cfg = ClusterConfig(model="tiny", served_model_name=args.served_model_name)
+    router = build_router(cfg, StaticWorkerSource([]))
+    assert router.cfg.model_name == router.cfg.served_model_name == "acme/coder-7b"
+    worker = build_role_worker("colocated", "c0", cfg, None, "127.0.0.1", "n0")
+    assert worker.cfg.served_model_name == "acme/coder-7b"
+    assert worker.info().model_name == "acme/coder-7b"
+    path_cfg = ClusterConfig(model=str(model_dir))
+    assert build_router(path_cfg, StaticWorkerSource([])).cfg.served_model_name == "Qwen2.5-0.5B"
+    assert build_role_worker("colocated", "c1", path_cfg, None, "127.0.0.1", "n0").cfg.served_model_name \
+        == "Qwen2.5-0.5B"

@@ -9,14 +9,17 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from metrics import OWNERS, ROLES, PDServeMetrics, owner_of, series_of
+from metrics.pdserve_metrics import SERIES
 
-ROUTER_HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"]
+ROUTER_HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                     "request_time_per_output_token_seconds", "request_prompt_tokens", "request_generation_tokens",
+                     "request_params_n", "request_params_max_tokens"]
 ROUTER_COUNTERS = ["request_success", "request_errors", "prompt_tokens", "generation_tokens", "request_migrations",
                    "local_prefill_requests", "degraded_requests"]
 ROUTER_GAUGES = ["router_requests_in_flight", "router_requests_waiting"]
 WORKER_HISTOGRAMS = ["request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
-                     "kv_transfer_time_seconds"]
-WORKER_COUNTERS = ["kv_transfer_bytes", "prefix_cache_queries", "prefix_cache_hits"]
+                     "kv_transfer_time_seconds", "iteration_tokens_total"]
+WORKER_COUNTERS = ["kv_transfer_bytes", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions"]
 WORKER_GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
 ROUTER_NAMES = ROUTER_HISTOGRAMS + ROUTER_COUNTERS + ROUTER_GAUGES
 WORKER_NAMES = WORKER_HISTOGRAMS + WORKER_COUNTERS + WORKER_GAUGES
@@ -38,8 +41,10 @@ def value(text: bytes, name: str, labels: dict | None = None, **extra: str) -> f
 
 
 def families(m: PDServeMetrics) -> dict:
-    """{family name: family} of what ``m`` exports, the prometheus-client ``_created`` gauges left out."""
-    return {f.name: f for f in text_string_to_metric_families(m.render().decode()) if not f.name.endswith("_created")}
+    """{family name: family} of the pdserve series ``m`` exports, the prometheus-client ``_created`` gauges and
+    the process/Python collectors left out."""
+    return {f.name: f for f in text_string_to_metric_families(m.render().decode())
+            if f.name.startswith("pdserve:") and not f.name.endswith("_created")}
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -56,7 +61,9 @@ def test_each_role_registers_exactly_its_own_series(role):
         for s in fam.samples:
             assert {k: s.labels[k] for k in labels} == labels, (fam.name, s.labels)
     # series_of and the owner table agree with what is registered (counters are listed with "_total")
-    listed = {n[:-len("_total")] if n.endswith("_total") else n for n in series_of(role)}
+    # (a histogram keeps "_total" when vLLM's name has it: iteration_tokens_total)
+    listed = {n[:-len("_total")] if n.endswith("_total") and SERIES[n][1] == "counter" else n
+              for n in series_of(role)}
     assert {f"pdserve:{n}" for n in listed} == set(want)
 
 
@@ -89,6 +96,7 @@ ROUTER_CALLS = [
     (lambda m: m.inc_degraded("no_prefill"), "degraded_requests_total"),
     (lambda m: m.set_router_in_flight(1), "router_requests_in_flight"),
     (lambda m: m.set_router_waiting(1), "router_requests_waiting"),
+    (lambda m: m.observe_finished_request(3, 4, 0.01, 1, 4), "request_prompt_tokens"),
 ]
 WORKER_CALLS = [
     (lambda m: m.observe_queue_time(0.1), "request_queue_time_seconds"),
@@ -100,6 +108,7 @@ WORKER_CALLS = [
     (lambda m: m.set_running(1), "num_requests_running"),
     (lambda m: m.set_waiting(1), "num_requests_waiting"),
     (lambda m: m.set_kv_cache_usage(0.5), "kv_cache_usage_perc"),
+    (lambda m: m.set_engine_totals(1, 1, 8), "num_preemptions_total"),
 ]
 
 
@@ -115,7 +124,8 @@ def test_a_call_for_a_series_the_role_does_not_own_raises(role):
         with pytest.raises(RuntimeError, match=rf"pdserve:{name} is owned by the {owner}.*'{role}'"):
             call(m)
     # a refused call registers nothing and records nothing
-    strip = lambda t: {k: v for k, v in samples(t).items() if not k[0].endswith("_created")}  # noqa: E731
+    strip = lambda t: {k: v for k, v in samples(t).items()  # noqa: E731
+                       if k[0].startswith("pdserve:") and not k[0].endswith("_created")}
     assert strip(m.render()) == strip(before)
 
 
@@ -288,3 +298,72 @@ def test_prefix_cache_counters_follow_engine_totals():
     assert value(t, "pdserve:prefix_cache_hits_total") == 50
     with pytest.raises(ValueError, match="prefix_cache_hits"):
         m.set_prefix_cache_totals(1, -1)
+
+
+def test_finished_request_histograms_use_vllm_buckets():
+    """TPOT with vLLM's buckets (its ITL ones); token counts in vLLM's 1-2-5 series up to the context length;
+    n in 1, 2, 5, 10, 20; all observed once per finished request, on the router only."""
+    r = PDServeMetrics(**ROUTER, max_model_len=2048)
+    r.observe_finished_request(prompt_tokens=37, generation_tokens=5, tpot_s=0.03, n=1, max_tokens=16)
+    r.observe_finished_request(prompt_tokens=200, generation_tokens=1, tpot_s=None, n=3, max_tokens=None)
+    t = r.render()
+    fam = {f.name: f for f in text_string_to_metric_families(t.decode())}
+    edges = sorted({float(s.labels["le"]) for s in fam["pdserve:request_prompt_tokens"].samples
+                    if s.name.endswith("_bucket")})
+    assert edges == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, float("inf")]
+    assert value(t, "pdserve:request_prompt_tokens_bucket", ROUTER, le="20.0") == 0
+    assert value(t, "pdserve:request_prompt_tokens_bucket", ROUTER, le="50.0") == 1
+    assert value(t, "pdserve:request_prompt_tokens_bucket", ROUTER, le="200.0") == 2
+    assert value(t, "pdserve:request_prompt_tokens_sum", ROUTER) == 237
+    assert value(t, "pdserve:request_generation_tokens_bucket", ROUTER, le="1.0") == 1
+    assert value(t, "pdserve:request_generation_tokens_bucket", ROUTER, le="5.0") == 2
+    # TPOT: only the request with two or more output tokens has one; 0.03 s lies in vLLM's (0.025, 0.05]
+    assert value(t, "pdserve:request_time_per_output_token_seconds_count", ROUTER) == 1
+    assert value(t, "pdserve:request_time_per_output_token_seconds_bucket", ROUTER, le="0.025") == 0
+    assert value(t, "pdserve:request_time_per_output_token_seconds_bucket", ROUTER, le="0.05") == 1
+    assert value(t, "pdserve:request_params_n_bucket", ROUTER, le="1.0") == 1
+    assert value(t, "pdserve:request_params_n_bucket", ROUTER, le="5.0") == 2
+    # max_tokens only when the request set it (as vLLM)
+    assert value(t, "pdserve:request_params_max_tokens_count", ROUTER) == 1
+    assert value(t, "pdserve:request_params_max_tokens_bucket", ROUTER, le="10.0") == 0
+    assert value(t, "pdserve:request_params_max_tokens_bucket", ROUTER, le="20.0") == 1
+    # a rejected call records nothing
+    with pytest.raises(ValueError, match="generation_tokens"):
+        r.observe_finished_request(prompt_tokens=3, generation_tokens=-1, tpot_s=0.1)
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        r.observe_finished_request(prompt_tokens=3, generation_tokens=1, tpot_s=0.1, n=0)
+    assert value(r.render(), "pdserve:request_prompt_tokens_count", ROUTER) == 2
+
+
+def test_engine_totals_drive_preemptions_and_iteration_tokens():
+    m = PDServeMetrics(**LABELS)
+    m.set_engine_totals(preemptions=0, steps=0, scheduled_tokens=0)  # a fresh engine: nothing yet
+    m.set_engine_totals(preemptions=0, steps=1, scheduled_tokens=40)  # a 40-token prefill step
+    m.set_engine_totals(preemptions=2, steps=2, scheduled_tokens=43)  # a 3-sequence decode step, 2 preemptions
+    m.set_engine_totals(preemptions=2, steps=2, scheduled_tokens=43)  # no step since: no movement
+    t = m.render()
+    assert value(t, "pdserve:num_preemptions_total") == 2
+    assert value(t, "pdserve:iteration_tokens_total_count") == 2
+    assert value(t, "pdserve:iteration_tokens_total_sum") == 43
+    # vLLM's buckets: 1, 8, 16, 32, 64, ...
+    assert value(t, "pdserve:iteration_tokens_total_bucket", le="1.0") == 0
+    assert value(t, "pdserve:iteration_tokens_total_bucket", le="8.0") == 1
+    assert value(t, "pdserve:iteration_tokens_total_bucket", le="32.0") == 1
+    assert value(t, "pdserve:iteration_tokens_total_bucket", le="64.0") == 2
+    m.set_engine_totals(preemptions=1, steps=1, scheduled_tokens=1)  # a new engine: counters never go back
+    t = m.render()
+    assert value(t, "pdserve:num_preemptions_total") == 3
+    assert value(t, "pdserve:iteration_tokens_total_count") == 3
+    assert value(t, "pdserve:iteration_tokens_total_bucket", le="1.0") == 1
+    with pytest.raises(ValueError, match="num_scheduled_tokens"):
+        m.set_engine_totals(1, 1, -1)
+
+
+def test_process_and_python_collectors_are_on_per_registry():
+    for m in (PDServeMetrics(**ROUTER), PDServeMetrics(**LABELS)):
+        names = {f.name for f in text_string_to_metric_families(m.render().decode())}
+        assert {"python_info", "python_gc_objects_collected", "process_cpu_seconds",
+                "process_resident_memory_bytes"} <= names, names
+    # off on request (a caller whose registry already has them)
+    off = PDServeMetrics(**ROUTER, process_collectors=False).render().decode()
+    assert "python_info" not in off and "process_cpu_seconds_total" not in off

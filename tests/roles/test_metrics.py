@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from metrics import OWNERS
 from proto import pdserve_pb2
-from tests.roles.harness import KV, collect, joined, start_roles
+from tests.roles.harness import KV, collect, joined, start_colocated, start_roles
 
 
 def _text(address: str) -> str:
@@ -65,6 +65,25 @@ def test_router_and_workers_export_their_series():
         assert _total(d, "pdserve:inter_token_latency_seconds_count") == 0
         assert r['pdserve:router_requests_in_flight{model_name="tiny",role="router",worker="router"}'] == 0
         assert r['pdserve:router_requests_waiting{model_name="tiny",role="router",worker="router"}'] == 0
+        # vLLM's per-request histograms, once per finished request, on the router only
+        n_prompt = len(roles.router.core.tokenize("def f(x):"))
+        assert _total(r, "pdserve:request_prompt_tokens_count") == 2
+        assert _total(r, "pdserve:request_prompt_tokens_sum") == 2 * n_prompt
+        assert _total(r, "pdserve:request_generation_tokens_sum") == 10
+        assert _total(r, "pdserve:request_params_n_sum") == 2 and _total(r, "pdserve:request_params_max_tokens_sum") == 10
+        # TPOT: each request's decode span over its 4 tokens after the first; ITL's mean is the same gaps' mean
+        assert _total(r, "pdserve:request_time_per_output_token_seconds_count") == 2
+        tpot_sum = _total(r, "pdserve:request_time_per_output_token_seconds_sum")
+        assert tpot_sum > 0 and abs(tpot_sum * 4 - _total(r, "pdserve:inter_token_latency_seconds_sum")) < 0.05
+        # engine steps: the prefill worker ran each prompt in one step, the decode worker 4 one-token steps each
+        assert _total(p, "pdserve:iteration_tokens_total_count") == 2
+        assert _total(p, "pdserve:iteration_tokens_total_sum") == 2 * n_prompt
+        assert _total(d, "pdserve:iteration_tokens_total_count") == 8 and _total(d, "pdserve:iteration_tokens_total_sum") == 8
+        assert _total(p, "pdserve:num_preemptions_total") == 0 and _total(d, "pdserve:num_preemptions_total") == 0
+        # process and Python collectors, on every component's own endpoint
+        for m in (r, p, d):
+            assert m["process_cpu_seconds_total"] > 0 and "process_resident_memory_bytes" in m
+            assert any(k.startswith("python_info{") for k in m)
     finally:
         roles.close()
     # nothing of these workers keeps running: engine loops, gRPC and KV channel threads are gone
@@ -113,5 +132,38 @@ def test_each_series_is_exported_by_one_kind_of_component_only():
         time.sleep(0.2)  # a loop pass or two re-reads the load after the last release
         after = [_scrape(w.metrics_address) for w in workers]
         assert sum(_total(m, "pdserve:kv_cache_usage_perc") for m in after) == 0.0
+    finally:
+        roles.close()
+
+
+def test_worker_counts_preemptions_and_step_tokens_of_its_engine():
+    """num_preemptions_total and iteration_tokens_total follow the engine's own totals: a colocated worker with
+    too few KV blocks for four long requests preempts, and every step it ran is one observation."""
+    torch.set_num_threads(1)
+    roles = start_colocated(n=1, engine={"num_kv_blocks": 8}, tag="pre-", metrics=True)
+    try:
+        w = roles.decodes[0]
+        errors: list = []
+
+        def one(i: int) -> None:
+            try:
+                collect(roles.stub, prompt=f"item {i} = [", max_tokens=40, ignore_eos=True, temperature=0.0)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert roles.wait_idle(5.0)
+        time.sleep(0.2)  # a loop pass re-reads the engine's totals
+        m = _scrape(w.metrics_address)
+        eng = w.engine
+        assert eng.num_preemptions > 0
+        assert _total(m, "pdserve:num_preemptions_total") == eng.num_preemptions
+        assert _total(m, "pdserve:iteration_tokens_total_count") == eng.num_steps
+        assert _total(m, "pdserve:iteration_tokens_total_sum") == eng.num_scheduled_tokens
     finally:
         roles.close()
