@@ -7,13 +7,15 @@ instead of argv, which ``ps`` shows to every user: a key given on argv draws a
 warning). Each call then sends ``auth.metadata()`` (``authorization: Bearer KEY``)
 on a channel from ``auth.channel(target)`` / ``auth.aio_channel(target)``: plaintext
 without ``ssl_ca_certs``, else TLS trusting those roots (and presenting a client
-certificate for mutual TLS). The key is kept out of ``repr`` and never printed.
+certificate for mutual TLS). HTTP clients (the OpenAI backend of ``pdserve bench``)
+send ``auth.http_headers()`` and verify an ``https://`` server with ``auth.ssl_context()``. The key is kept out of ``repr`` and never printed.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import ssl
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -65,6 +67,23 @@ class ClientAuth:
             root_certificates=_read("--ssl-ca-certs", self.ssl_ca_certs),
             private_key=_read("--ssl-keyfile", self.ssl_keyfile),
             certificate_chain=_read("--ssl-certfile", self.ssl_certfile))
+
+    def http_headers(self) -> dict[str, str]:
+        """HTTP headers carrying the API key (OpenAI's ``Authorization: Bearer``; empty without one)."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def ssl_context(self) -> Optional[ssl.SSLContext]:
+        """TLS context for an ``https://`` base URL: the ``ssl_ca_certs`` roots (and a client certificate), or
+        None to use the system's roots; ValueError naming the flag of an unreadable file."""
+        if not self.tls:
+            return None
+        _read("--ssl-ca-certs", self.ssl_ca_certs)
+        ctx = ssl.create_default_context(cafile=self.ssl_ca_certs)
+        if self.ssl_certfile is not None:
+            _read("--ssl-certfile", self.ssl_certfile)
+            _read("--ssl-keyfile", self.ssl_keyfile)
+            ctx.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+        return ctx
 
     def options(self) -> list[tuple[str, Any]]:
         return [("grpc.ssl_target_name_override", self.ssl_server_name)] if self.ssl_server_name else []

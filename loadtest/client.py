@@ -90,6 +90,7 @@ async def _send_one(stub: pb_grpc.PDServeStub, req: BenchRequest, cfg: ClientCon
             last_msg_s = rec.start_s
             async for resp in call:
                 now = last_msg_s = time.perf_counter() - t0
+                rec.generated_text += resp.text
                 if resp.token_ids:
                     rec.chunk_times_s.append(now)
                     rec.chunk_tokens.append(len(resp.token_ids))

@@ -48,14 +48,19 @@ def summary_table(summary: dict, settings: dict) -> Table:
             ("Total input tokens", summary["total_input_tokens"]),
             ("Total generated tokens", summary["total_output_tokens"]),
             ("Request throughput (req/s)", summary["request_throughput"])]
+    if settings.get("label"):
+        rows.insert(0, ("Label", settings["label"]))
     if "request_goodput" in summary:
         rows.append(("Request goodput (req/s)", summary["request_goodput"]))
     rows += [("Output token throughput (tok/s)", summary["output_throughput"]),
+             ("Peak output token throughput (tok/s)", summary.get("max_output_tokens_per_s", 0.0)),
              ("Total token throughput (tok/s)", summary["total_token_throughput"])]
     for name, value in rows:
         t.add_row(name, _fmt(value))
     pcts = [k.split("_")[0] for k in summary if k.startswith("p") and k.endswith("_ttft_ms")]
     for key, title, short in _SECTIONS:
+        if f"mean_{key}_ms" not in summary:  # not among --percentile-metrics
+            continue
         t.add_section()
         t.add_row(f"[bold]{title}[/bold]", "")
         t.add_row(f"Mean {short} (ms)", _fmt(summary[f"mean_{key}_ms"]))
@@ -71,9 +76,26 @@ def print_summary(summary: dict, settings: dict, file: Optional[TextIO] = None) 
 
 
 def result_dict(summary: dict, settings: dict, records: list[RequestRecord]) -> dict:
-    """Summary + settings + per-request arrays, the shape saved to JSON."""
+    """Summary + settings + per-request arrays, the shape saved to JSON (``settings["backend"]``: which front end;
+    ``settings["metadata"]``: ``--metadata`` pairs, written as top-level keys as vLLM does)."""
+    settings = dict(settings)
+    metadata = settings.pop("metadata", None) or {}
     return {"date": datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S"), "backend": "pdserve-grpc",
-            **settings, **summary, **per_request_arrays(records)}
+            **settings, **metadata, **summary, **per_request_arrays(records)}
+
+
+def default_result_name(settings: dict, date: Optional[str] = None) -> str:
+    """vLLM's file name: ``{label}-{rate}qps[-concurrencyN]-{model}-{date}.json`` (ramp-up: both rates)."""
+    date = date or datetime.now().strftime("%Y%m%d-%H%M%S")
+    label = settings.get("label") or settings.get("backend", "pdserve")
+    conc = f"-concurrency{settings['max_concurrency']}" if settings.get("max_concurrency") is not None else ""
+    model = str(settings.get("model_id", "model")).rstrip("/").split("/")[-1]
+    if settings.get("ramp_up_strategy"):
+        rate = (f"ramp-up-{settings['ramp_up_strategy']}-{settings['ramp_up_start_rps']}qps-"
+                f"{settings['ramp_up_end_rps']}qps")
+    else:
+        rate = f"{settings.get('request_rate')}qps"
+    return f"{label}-{rate}{conc}-{model}-{date}.json"
 
 
 def save_result(path: str | Path, summary: dict, settings: dict, records: list[RequestRecord]) -> Path:

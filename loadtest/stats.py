@@ -52,8 +52,10 @@ class RequestRecord:
     """Tokens received (usage.completion_tokens when the server sent it)."""
     success: bool = False
     error: str = ""
-    """gRPC status name and details when it failed."""
+    """Status name (gRPC) or HTTP status and details when it failed."""
     finish_reason: str = ""
+    generated_text: str = ""
+    """The text streamed back (vLLM's ``generated_texts``)."""
 
 
 def ttft_s(rec: RequestRecord) -> Optional[float]:
@@ -142,11 +144,49 @@ def _pword(p: float) -> str:
     return str(int(p)) if float(p).is_integer() else str(p)
 
 
+def max_output_tokens_per_s(records: Iterable[RequestRecord]) -> float:
+    """Most output tokens received in one whole second of the run (vLLM's ``max_output_tokens_per_s``).
+
+    Seconds are counted from the first request's send; each message's tokens
+    fall into the second it arrived in (vLLM counts a chunk as one token; a
+    message here carries a known number, counted whole).
+    """
+    ok = [r for r in records if r.success and r.chunk_times_s]
+    if not ok:
+        return 0.0
+    t0 = min(r.start_s for r in ok)
+    buckets: dict[int, int] = {}
+    for r in ok:
+        for t, n in zip(r.chunk_times_s, r.chunk_tokens):
+            b = int(t - t0)
+            buckets[b] = buckets.get(b, 0) + n
+    return float(max(buckets.values()))
+
+
+def parse_percentile_metrics(text: str) -> list[str]:
+    """"ttft,tpot" -> ["ttft", "tpot"]; ValueError naming --percentile-metrics otherwise."""
+    names = [x.strip().lower() for x in text.split(",") if x.strip()]
+    bad = [n for n in names if n not in LATENCY_METRICS]
+    if not names or bad:
+        raise ValueError(f"--percentile-metrics: expected a comma-separated subset of {','.join(LATENCY_METRICS)}, "
+                         f"got {text!r}")
+    return names
+
+
 def summarize(records: list[RequestRecord], duration_s: float, percentiles: Iterable[float] = (99,),
-              goodput_slos_ms: Optional[dict[str, float]] = None) -> dict:
-    """The run's summary with `vllm bench serve`'s keys (latencies in ms, throughputs per second)."""
+              goodput_slos_ms: Optional[dict[str, float]] = None,
+              percentile_metrics: Iterable[str] = LATENCY_METRICS) -> dict:
+    """The run's summary with `vllm bench serve`'s keys (latencies in ms, throughputs per second).
+
+    ``mean_/median_/std_/pNN_<metric>_ms`` are written for the ``percentile_metrics`` only (vLLM's
+    ``--percentile-metrics``), in that order.
+    """
     if not duration_s > 0:
         raise ValueError(f"duration must be > 0 s, got {duration_s}")
+    percentiles = list(percentiles)
+    metrics = list(percentile_metrics)
+    if any(m not in LATENCY_METRICS for m in metrics):
+        raise ValueError(f"percentile_metrics must be within {LATENCY_METRICS}, got {metrics}")
     ok = [r for r in records if r.success]
     per_metric: dict[str, list[float]] = {"ttft": [], "tpot": [], "itl": [], "e2el": []}
     for r in ok:
@@ -169,6 +209,7 @@ def summarize(records: list[RequestRecord], duration_s: float, percentiles: Iter
         "request_throughput": len(ok) / duration_s,
         "output_throughput": total_output / duration_s,
         "total_token_throughput": (total_input + total_output) / duration_s,
+        "max_output_tokens_per_s": max_output_tokens_per_s(records),
         "max_concurrent_requests": max_concurrency_seen(records),
         "error_counts": error_counts(records),
     }
@@ -176,7 +217,7 @@ def summarize(records: list[RequestRecord], duration_s: float, percentiles: Iter
         good = sum(1 for r in ok if meets_slos(r, goodput_slos_ms))
         out["request_goodput"] = good / duration_s
         out["goodput_slos_ms"] = dict(goodput_slos_ms)
-    for name in LATENCY_METRICS:
+    for name in metrics:
         ms = [v * 1000.0 for v in per_metric[name]]
         out[f"mean_{name}_ms"] = float(np.mean(ms)) if ms else 0.0
         out[f"median_{name}_ms"] = percentile(ms, 50)
@@ -187,13 +228,16 @@ def summarize(records: list[RequestRecord], duration_s: float, percentiles: Iter
 
 
 def per_request_arrays(records: list[RequestRecord]) -> dict:
-    """The per-request lists vLLM's result JSON carries (input_lens, output_lens, ttfts, itls, errors), in s."""
+    """The per-request lists vLLM's result JSON carries (input_lens, output_lens, ttfts, itls, latencies,
+    generated_texts, errors; times in s)."""
     return {
         "input_lens": [r.prompt_len for r in records],
         "output_lens": [r.output_tokens if r.success else 0 for r in records],
         "ttfts": [ttft_s(r) or 0.0 for r in records],
         "itls": [itls_s(r) for r in records],
+        "latencies": [e2el_s(r) if r.success else 0.0 for r in records],
         "start_times": [r.start_s for r in records],
+        "generated_texts": [r.generated_text for r in records],
         "errors": [r.error for r in records],
     }
 

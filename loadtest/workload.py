@@ -3,9 +3,12 @@
 Lifecycle: after ``GetModelInfo`` the CLI builds the workload once, before the
 clock starts: each ``BenchRequest`` has its prompt token ids (random ids within
 the model's vocabulary from a seeded RNG, so a rerun sends the same prompts),
-its forced output length and its send offset. Lengths that do not fit the
-model's limits are clipped, and how many were clipped is reported, so a replay
-never fails on requests the server was never able to take.
+its forced output length and its send offset. With ``prefix_len`` (vLLM's
+``--random-prefix-len``) every prompt starts with the same ``prefix_len`` random
+ids, drawn once, before its own random part. Lengths that do not fit the
+model's limits are clipped (the prompt's tail goes first, so the shared prefix
+survives), and how many were clipped is reported, so a replay never fails on
+requests the server was never able to take.
 """
 from __future__ import annotations
 
@@ -79,8 +82,14 @@ def _clip(prompt_len: int, output_len: int, lim: ModelLimits) -> tuple[int, int]
 
 
 def build_workload(lengths: list[tuple[int, int]], arrivals: list[float], limits: ModelLimits,
-                   seed: int = 0, id_prefix: str = "bench") -> Workload:
-    """Requests with random prompts of the given lengths, sent at ``arrivals``, clipped to ``limits``."""
+                   seed: int = 0, id_prefix: str = "bench", prefix_len: int = 0) -> Workload:
+    """Requests with random prompts of the given lengths, sent at ``arrivals``, clipped to ``limits``.
+
+    ``prefix_len`` > 0: each prompt is one shared random prefix of that many ids followed by its own
+    random ids of the given length (vLLM's random dataset: total = prefix_len + input_len).
+    """
+    if prefix_len < 0:
+        raise ValueError(f"--random-prefix-len must be >= 0, got {prefix_len}")
     if len(lengths) != len(arrivals):
         raise ValueError(f"arrivals: {len(arrivals)} offsets for {len(lengths)} requests")
     if limits.vocab_size < 1:
@@ -88,12 +97,14 @@ def build_workload(lengths: list[tuple[int, int]], arrivals: list[float], limits
     if limits.max_context_length == 1:
         raise ValueError("max_context_length 1 leaves no room for a prompt and an output token")
     rng = np.random.default_rng(seed)
+    prefix = rng.integers(0, limits.vocab_size, size=prefix_len).tolist() if prefix_len else []
     reqs: list[BenchRequest] = []
     clipped = 0
     for i, ((p, o), t) in enumerate(zip(lengths, arrivals)):
+        p += prefix_len
         cp, co = _clip(p, o, limits)
         clipped += (cp, co) != (p, o)
-        ids = rng.integers(0, limits.vocab_size, size=cp).tolist()
+        ids = (prefix + rng.integers(0, limits.vocab_size, size=p - prefix_len).tolist())[:cp]
         reqs.append(BenchRequest(f"{id_prefix}-{i}", ids, co, float(t)))
     return Workload(reqs, clipped)
 

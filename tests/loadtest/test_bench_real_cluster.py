@@ -35,7 +35,8 @@ def _engine():
 class Cluster:
     """Router in front of real workers, started in this process; ``close()`` stops them all."""
 
-    def __init__(self, mode: str, redis_url: str) -> None:
+    def __init__(self, mode: str, redis_url: str, http: bool = False, api_keys: tuple[str, ...] = ()) -> None:
+        """``http``: the router serves the OpenAI-compatible HTTP API too, on a free port (``http_url``)."""
         from router import RouterConfig, RouterServer, StaticWorkerSource
 
         self.workers: list = []
@@ -58,7 +59,8 @@ class Cluster:
 
                 self.workers.append(ColocatedWorker(ColocatedWorkerConfig("bench-c0", engine=_engine())).start())
             source = StaticWorkerSource([w.info for w in self.workers])
-            self.router = RouterServer(RouterConfig(mode=mode), source).start()
+            cfg = RouterConfig(mode=mode, http_port=0 if http else None, api_keys=api_keys)
+            self.router = RouterServer(cfg, source).start()
         except BaseException:
             self.close()
             raise
@@ -66,6 +68,10 @@ class Cluster:
     @property
     def target(self) -> str:
         return self.router.address
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.router.http_address}"
 
     def router_counters(self) -> dict[str, float]:
         """Sums of the router's request/token counters, scraped from its /metrics endpoint."""
