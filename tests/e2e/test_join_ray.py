@@ -2,7 +2,7 @@
 
 A private Ray head (`ray start --head`, its own temp dir and a free GCS port) offers
 the custom resources ``prefill`` and ``decode`` the way the KubeRay worker groups in
-k8s/raycluster.yaml do. ``pdserve up --address`` must place one worker on each
+k8s/base/raycluster.yaml do. ``pdserve up --address`` must place one worker on each
 (``ray status`` shows 0.01 of each in use), serve, and on SIGTERM remove its actors
 while leaving the head it did not start running. The head is then stopped by the
 ids of its own processes (found by its private temp dir), never by name.
