@@ -102,6 +102,8 @@ class ClusterConfig:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
         if self.served_model_name is None:
+            from engine.names import default_served_model_name
+
             self.served_model_name = default_served_model_name(self.model)
         if not isinstance(self.served_model_name, str) or not self.served_model_name.strip() \
                 or not self.served_model_name.isprintable():
@@ -130,13 +132,6 @@ class ClusterConfig:
     def mode(self) -> str:
         """The router's mode: "colocated" when the cluster runs colocated workers, else "disaggregated"."""
         return "colocated" if self.num_colocated else "disaggregated"
-
-
-def default_served_model_name(model: str) -> str:
-    """The name a model is served under when none is given: a built-in name as it is, a model directory's
-    basename ("/models/Qwen2.5-0.5B/" -> "Qwen2.5-0.5B"); the path itself never reaches clients or labels."""
-    name = os.path.basename(os.path.normpath(os.path.expanduser(model)))
-    return name if name not in ("", ".", "..", os.sep) else "model"
 
 
 def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: Any,

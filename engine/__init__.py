@@ -23,6 +23,7 @@ _EXPORTS = {
     "load_model_config": "engine.loader",
     "load_tokenizer": "engine.loader",
     "default_eos": "engine.loader",
+    "default_served_model_name": "engine.names",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -30,6 +31,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # pragma: no cover
     from engine.block_manager import prefix_block_hashes
     from engine.config import EngineConfig
+    from engine.names import default_served_model_name
     from engine.detokenizer import OutputProcessor
     from engine.loader import default_eos, load_model_config, load_tokenizer
     from engine.llm import LLM

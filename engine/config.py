@@ -239,3 +239,4 @@ def rope_inv_freq(mc: ModelConfig) -> torch.Tensor:
         medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
         inv = torch.where(medium, smoothed, scaled)
     return inv
+

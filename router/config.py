@@ -137,4 +137,7 @@ class RouterConfig:
 
     @property
     def served_model_name(self) -> str:
-        return self.model_name or self.model
+        """``model_name``, else the model's built-in name or directory basename (never a path)."""
+        from engine import default_served_model_name
+
+        return self.model_name or default_served_model_name(self.model)

@@ -70,4 +70,6 @@ class WorkerConfig:
 
     @property
     def served_model_name(self) -> str:
-        return self.model_name or str(getattr(self.engine, "model", "unknown"))
+        from engine import default_served_model_name
+
+        return self.model_name or default_served_model_name(str(getattr(self.engine, "model", "unknown")))
