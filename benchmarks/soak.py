@@ -256,6 +256,9 @@ class Chaos:
         self.rng = random.Random(ns.seed)
         self.faults: list[dict] = []
         self.rss: dict[str, list[tuple[float, int]]] = defaultdict(list)
+        self.redis_stats: list[tuple[float, int, int, int]] = []
+        """(t, redis incarnation, used_memory bytes, keys): what Redis holds, beside its RSS."""
+        self._redis_client: Any = None
         self.pids: dict[str, int] = {}
         self.redis_incarnation = 1
         self.stop = threading.Event()
@@ -290,6 +293,16 @@ class Chaos:
                 self.rss[name].append((round(t, 1), psutil.Process(pid).memory_info().rss))
             except (psutil.NoSuchProcess, TypeError):
                 pass
+        try:
+            import redis as redis_py
+
+            if self._redis_client is None or self._redis_client[0] != self.redis_incarnation:
+                self._redis_client = (self.redis_incarnation, redis_py.Redis.from_url(self.redis.url, socket_timeout=2))
+            r = self._redis_client[1]
+            self.redis_stats.append((round(t, 1), self.redis_incarnation, int(r.info("memory")["used_memory"]),
+                                     int(r.dbsize())))
+        except Exception:  # Redis down (a fault): no sample
+            pass
 
     def start(self, t0: float) -> None:
         self.t0 = t0
@@ -679,6 +692,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         res["faults"] = chaos.faults
         res["windows"] = windows(recs, ns.window_s, ns.duration_s)
         res["rss"] = rss_summary(chaos.rss)
+        res["redis_stats"] = chaos.redis_stats
+        if chaos.redis_stats:
+            peak = max(chaos.redis_stats, key=lambda x: x[2])
+            print(f"redis used_memory peak {peak[2] / 2**20:.1f} MiB ({peak[3]} keys) at t={peak[0]} s; "
+                  f"last {chaos.redis_stats[-1][2] / 2**20:.1f} MiB ({chaos.redis_stats[-1][3]} keys)", flush=True)
         res["rss_series"] = {k: v for k, v in chaos.rss.items()}
         res["blocks_at_end"] = blocks
         res["keys_left"] = keys_left
@@ -702,6 +720,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             "unchecked_worker_infos": sum("error" in b for b in blocks)}
         res["wall_s_total"] = time.monotonic() - t_all
         print_report(res)
+        if ns.out.is_dir():  # a folder was given: the result goes inside it
+            ns.out = ns.out / "result.json"
+        ns.out.parent.mkdir(parents=True, exist_ok=True)
         ns.out.write_text(json.dumps(res, indent=1, default=str))
         print(f"wrote {ns.out} (log {log_path}); {res['wall_s_total']:.0f} s in all")
         s = res["summary"]
