@@ -259,18 +259,21 @@ class Placer:
             return None
         return pool
 
-    def wait_for_pool(self, scope: RequestScope, pool: str) -> bool:
-        """Wait (up to ``pool_wait_s``, or a cancel) for ``pool`` to have a ready worker again. The wait ends a
+    def wait_for_pool(self, scope: RequestScope, pool: str, excluded: frozenset[str] = frozenset()) -> bool:
+        """Wait (up to ``pool_wait_s``, or a cancel) for ``pool`` to have a ready worker (not in ``excluded``) again. The wait ends a
         little before the request's deadline, so the client hears why (UNAVAILABLE) rather than its own timeout."""
         now = time.monotonic()
         until = min(now + self.cfg.pool_wait_s, scope.deadline - min(1.0, 0.2 * max(0.0, scope.deadline - now)))
         pause = 0.02
+        def ready() -> bool:
+            return any(w.ready and w.worker_id not in excluded for w in self.source.list(pool))
+
         while time.monotonic() < until and not scope.cancelled:
-            if any(w.ready for w in self.source.list(pool)):
+            if ready():
                 return True
             time.sleep(pause)
             pause = min(2 * pause, 0.25)
-        return any(w.ready for w in self.source.list(pool)) and not scope.cancelled
+        return ready() and not scope.cancelled
 
     # ---- release ---------------------------------------------------------------------------------
     def release(self, p: Optional[Placement], scope: RequestScope, what: tuple[str, ...] = ("decode", "prefill")) -> None:

@@ -306,8 +306,17 @@ class RequestFlow:
         another that prefills prompt + outputs and goes on where the stream stopped (migration); a
         failure before any token is a plain retry."""
         cfg, placer, scope = self.deps.cfg, self.deps.placer, self.scope
+        waited = False
         for attempt in range(attempts):
-            self.placement = pl = placer.place_whole(scope, pool, excluded)
+            try:
+                self.placement = pl = placer.place_whole(scope, pool, excluded)
+            except FlowError as e:
+                # a migration (or retry) whose pool has no other live worker yet: wait, bounded, for the
+                # supervisor's replacement instead of failing a request that is half streamed
+                if e.degrade or not excluded or waited or not placer.wait_for_pool(scope, pool, frozenset(excluded)):
+                    raise
+                waited = True
+                self.placement = pl = placer.place_whole(scope, pool, excluded)
             w = pl.decode
             t_call = time.monotonic()
             resume = self.proc.token_ids if scope.n == 1 else []  # several choices never migrate (recovery)

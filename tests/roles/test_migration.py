@@ -69,3 +69,36 @@ def test_colocated_worker_lost_midstream_resumes_on_another():
         assert _migrations(roles) == 1
     finally:
         roles.close()
+
+
+def test_lone_decode_worker_lost_midstream_resumes_on_its_replacement():
+    """One decode worker, killed mid-stream: the migration waits (pool_wait_s) for a replacement to join (here
+    started by the test, as the supervisor does in a cluster) and resumes there token-exact."""
+    import threading
+
+    from decode_worker import DecodeWorker, DecodeWorkerConfig
+    from tests.roles.harness import engine_config
+
+    torch.set_num_threads(1)
+    want = offline([PROMPT], [SamplingParams(**GREEDY)])[0]
+    roles = start_roles(n_decode=1, tag="migl-", router=dict(pool_wait_s=60.0))
+
+    def replace_when_dead() -> None:
+        end = time.monotonic() + 60
+        while roles.decodes[0].loop is not None and roles.decodes[0].loop.alive and time.monotonic() < end:
+            time.sleep(0.02)
+        d1 = DecodeWorker(DecodeWorkerConfig("migl-d1", engine=engine_config(), kv_store=roles.store,
+                                             kv_backend="gloo", serve_metrics=False)).start()
+        roles.extra.append(d1)
+        roles.source.add(d1.info)
+
+    joiner = threading.Thread(target=replace_when_dead, daemon=True)
+    joiner.start()
+    try:
+        ids, reason = _stream_killing(roles, roles.decodes, GREEDY, "mig-lone", after=5)
+        assert (ids, reason) == (want[0], want[2])
+        assert _migrations(roles) == 1
+        joiner.join(30)
+        assert not roles.extra[0].requests
+    finally:
+        roles.close()
