@@ -54,7 +54,8 @@ def procs():
             assert got[0] != "error", got[1]
             addrs[role] = got[0]
         infos, chans = zip(*(_live_info(addrs[k], k) for k in ("prefill", "decode")))
-        router = RouterServer(RouterConfig(serve_metrics=False), StaticWorkerSource(list(infos))).start()
+        # no supervisor here: nothing replaces a killed worker, so the router must not wait for one
+        router = RouterServer(RouterConfig(serve_metrics=False, pool_wait_s=0), StaticWorkerSource(list(infos))).start()
         ch = grpc.insecure_channel(router.address)
         yield pdserve_pb2_grpc.PDServeStub(ch), ps, infos
         ch.close()
