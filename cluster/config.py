@@ -134,6 +134,21 @@ class ClusterConfig:
         return "colocated" if self.num_colocated else "disaggregated"
 
 
+WORKER_METRICS_PORT_ENV = "PDSERVE_WORKER_METRICS_PORT"
+"""Set on a node (a Kubernetes pod) that runs one worker: that worker serves /metrics on this fixed port."""
+
+
+def worker_metrics_port(environ: Optional[dict] = None) -> int:
+    """The fixed worker /metrics port from ``PDSERVE_WORKER_METRICS_PORT`` (read inside the actor, on its
+    node); 0 (a free port) when unset. ValueError naming the variable when it is not a port."""
+    raw = (os.environ if environ is None else environ).get(WORKER_METRICS_PORT_ENV, "").strip()
+    if not raw:
+        return 0
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise ValueError(f"{WORKER_METRICS_PORT_ENV} must be a port in [1, 65535], got {raw!r}")
+    return int(raw)
+
+
 def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: Any,
                       node_ip: str, node_id: str) -> Any:
     """The real prefill/decode role object for one actor (runs inside the actor)."""
@@ -146,7 +161,8 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
     if isinstance(kv_store, StoreConfig):  # gloo listens on the worker's interface, not the hostname's
         kv_store = dataclasses.replace(kv_store, host=host)
     common = dict(worker_id=worker_id, engine=engine, kv_store=kv_store, host=host, node_id=node_id,
-                  cluster_secret=cfg.cluster_secret, model_name=cfg.served_model_name)
+                  cluster_secret=cfg.cluster_secret, model_name=cfg.served_model_name,
+                  metrics_port=worker_metrics_port())
     if role == "prefill":
         from prefill_worker import PrefillWorker, PrefillWorkerConfig
 

@@ -41,7 +41,10 @@ class WorkerConfig:
     max_rpc_threads: int = 128
     """gRPC handler threads (each streaming request holds one)."""
     serve_metrics: bool = True
-    """Serve this worker's Prometheus /metrics on a free port of ``host``."""
+    """Serve this worker's Prometheus /metrics on ``host``."""
+    metrics_port: int = 0
+    """Port of that /metrics; 0 picks a free one (several workers per node). Kubernetes, with one worker per
+    pod, sets a fixed one (``PDSERVE_WORKER_METRICS_PORT``) so a PodMonitor can scrape it."""
     node_id: str = ""
     """Where the worker runs (informational, copied into WorkerInfo)."""
     cluster_secret: Optional[str] = field(default=None, repr=False)
@@ -58,6 +61,8 @@ class WorkerConfig:
             self.kv_name = self.worker_id
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
         if self.max_rpc_threads < 1:

@@ -86,7 +86,8 @@ class WorkerBase:
             self.kv = self.make_kv_endpoint()
         self.metrics = PDServeMetrics(self.cfg.served_model_name, self.role, self.cfg.worker_id)
         if self.cfg.serve_metrics:
-            self.metrics_address, self._metrics_stop = self.metrics.serve(host=self.cfg.host, port=0)
+            self.metrics_address, self._metrics_stop = self.metrics.serve(host=self.cfg.host,
+                                                                          port=self.cfg.metrics_port)
         self.setup_engine(self.engine)
         self.loop = EngineLoop(self.engine, f"{self.role}-{self.cfg.worker_id}", self.on_outputs, self._poll,
                                on_death=lambda _e: self._serving.set_serving(False))
