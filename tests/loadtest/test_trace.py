@@ -1,5 +1,5 @@
 """loadtest.trace on a slice of the real Azure conversation trace (tests/data, the first 400 rows of
-../shared/traces/azure_llm_2023_conv.csv), and the workload built from it."""
+the team's azure_llm_2023_conv.csv), and the workload built from it."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,7 +45,7 @@ def test_scale_lengths_and_times():
 
 
 def test_trace_statistics_match_readme():
-    # ../shared/traces/README.md: conversation prompts median 1020, outputs median 129 over the whole hour;
+    # the traces' README (source in tests/data/README.md): prompts median 1020, outputs median 129 over the hour;
     # the first 400 rows should be in that neighbourhood (a gross parsing error would not be).
     rows = load_trace(TRACE)
     assert len(rows) == 400
