@@ -14,10 +14,11 @@ recorded with its gRPC status.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import AsyncIterator, Callable, Optional
 
 import grpc
 
@@ -71,8 +72,10 @@ def limits_from_info(info: pb.ModelInfo) -> ModelLimits:
                        max_prompt_tokens=info.max_prompt_tokens, max_new_tokens=info.max_new_tokens)
 
 
-async def _send_one(stub: pb_grpc.PDServeStub, req: BenchRequest, cfg: ClientConfig, t0: float,
-                    sem: Optional[asyncio.Semaphore]) -> RequestRecord:
+@contextlib.asynccontextmanager
+async def scheduled(req: BenchRequest, t0: float, sem: Optional[asyncio.Semaphore]) -> AsyncIterator[RequestRecord]:
+    """Wait for ``req``'s arrival time and a concurrency slot; yield its record; give the slot back.
+    Both backends (gRPC here, OpenAI in loadtest.openai_client) send every request inside this."""
     rec = RequestRecord(request_id=req.request_id, prompt_len=len(req.prompt_token_ids),
                         expected_output_len=req.max_tokens, scheduled_s=req.arrival_s)
     delay = t0 + req.arrival_s - time.perf_counter()
@@ -81,6 +84,15 @@ async def _send_one(stub: pb_grpc.PDServeStub, req: BenchRequest, cfg: ClientCon
     if sem is not None:
         await sem.acquire()
     try:
+        yield rec
+    finally:
+        if sem is not None:
+            sem.release()
+
+
+async def _send_one(stub: pb_grpc.PDServeStub, req: BenchRequest, cfg: ClientConfig, t0: float,
+                    sem: Optional[asyncio.Semaphore]) -> RequestRecord:
+    async with scheduled(req, t0, sem) as rec:
         message = pb.GenerateRequest(request_id=req.request_id, token_ids=req.prompt_token_ids,
                                      max_tokens=req.max_tokens, temperature=cfg.temperature, ignore_eos=True)
         rec.start_s = time.perf_counter() - t0
@@ -115,9 +127,6 @@ async def _send_one(stub: pb_grpc.PDServeStub, req: BenchRequest, cfg: ClientCon
         except asyncio.CancelledError:
             call.cancel()
             raise
-    finally:
-        if sem is not None:
-            sem.release()
     return rec
 
 

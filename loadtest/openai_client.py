@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from loadtest.auth import ClientAuth
-from loadtest.client import ClientConfig
+from loadtest.client import ClientConfig, scheduled
 from loadtest.stats import RequestRecord
 from loadtest.workload import BenchRequest
 
@@ -111,14 +111,7 @@ def completion_body(req: BenchRequest, model: str, temperature: float) -> dict:
 
 async def _send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest, cfg: ClientConfig,
                     t0: float, sem: Optional[asyncio.Semaphore]) -> RequestRecord:
-    rec = RequestRecord(request_id=req.request_id, prompt_len=len(req.prompt_token_ids),
-                        expected_output_len=req.max_tokens, scheduled_s=req.arrival_s)
-    delay = t0 + req.arrival_s - time.perf_counter()
-    if delay > 0:
-        await asyncio.sleep(delay)
-    if sem is not None:
-        await sem.acquire()
-    try:
+    async with scheduled(req, t0, sem) as rec:
         body = completion_body(req, model, cfg.temperature)
         rec.start_s = time.perf_counter() - t0
         usage_tokens = 0
@@ -173,9 +166,6 @@ async def _send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchR
             rec.error = "stream ended without tokens"
         else:
             rec.success = True
-    finally:
-        if sem is not None:
-            sem.release()
     return rec
 
 
