@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import grpc
 
@@ -90,6 +90,23 @@ async def scheduled(req: BenchRequest, t0: float, sem: Optional[asyncio.Semaphor
             sem.release()
 
 
+async def send_all(requests: list[BenchRequest],
+                   send: Callable[[BenchRequest, float], Awaitable[RequestRecord]],
+                   on_done: Optional[Callable[[RequestRecord], None]] = None) -> tuple[list[RequestRecord], float]:
+    """Send every request at once (each waits for its own arrival time inside ``send(req, t0)``); returns the
+    records and the wall time from the common start ``t0``. Shared by both backends."""
+    t0 = time.perf_counter()
+
+    async def one(req: BenchRequest) -> RequestRecord:
+        rec = await send(req, t0)
+        if on_done is not None:
+            on_done(rec)
+        return rec
+
+    records = await asyncio.gather(*(one(r) for r in requests))
+    return list(records), time.perf_counter() - t0
+
+
 async def _send_one(stub: pb_grpc.PDServeStub, req: BenchRequest, cfg: ClientConfig, t0: float,
                     sem: Optional[asyncio.Semaphore]) -> RequestRecord:
     async with scheduled(req, t0, sem) as rec:
@@ -143,14 +160,4 @@ async def run_benchmark(cfg: ClientConfig, requests: list[BenchRequest],
     # Many concurrent streams share one HTTP/2 connection, as a real client's would.
     async with cfg.auth.aio_channel(cfg.target) as channel:
         stub = pb_grpc.PDServeStub(channel)
-        t0 = time.perf_counter()
-
-        async def one(req: BenchRequest) -> RequestRecord:
-            rec = await _send_one(stub, req, cfg, t0, sem)
-            if on_done is not None:
-                on_done(rec)
-            return rec
-
-        records = await asyncio.gather(*(one(r) for r in requests))
-        duration = time.perf_counter() - t0
-    return list(records), duration
+        return await send_all(requests, lambda req, t0: _send_one(stub, req, cfg, t0, sem), on_done)

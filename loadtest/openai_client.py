@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from loadtest.auth import ClientAuth
-from loadtest.client import ClientConfig, scheduled
+from loadtest.client import ClientConfig, scheduled, send_all
 from loadtest.stats import RequestRecord
 from loadtest.workload import BenchRequest
 
@@ -180,14 +180,4 @@ async def run_openai_benchmark(cfg: ClientConfig, base_url: str, model: str, req
         raise ValueError(f"request_timeout must be > 0 s, got {cfg.request_timeout_s}")
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     async with _client(cfg.auth, cfg.request_timeout_s) as client:
-        t0 = time.perf_counter()
-
-        async def one(req: BenchRequest) -> RequestRecord:
-            rec = await _send_one(client, url, model, req, cfg, t0, sem)
-            if on_done is not None:
-                on_done(rec)
-            return rec
-
-        records = await asyncio.gather(*(one(r) for r in requests))
-        duration = time.perf_counter() - t0
-    return list(records), duration
+        return await send_all(requests, lambda req, t0: _send_one(client, url, model, req, cfg, t0, sem), on_done)
