@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router import openai_protocol as oa
 from router.core import RouterCore
-from router.events import FlowError, FlowEvent
+from router.events import FlowError
 from router.validation import validate_generate
 from worker_common.auth import TlsFiles
 

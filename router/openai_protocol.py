@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional, Union
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
@@ -185,5 +185,3 @@ def chat_logprobs(ev: FlowEvent, detok: Any) -> Optional[dict]:
 def created() -> int:
     return int(time.time())
 
-
-ObjectKind = Literal["text_completion", "chat.completion", "chat.completion.chunk"]
