@@ -68,25 +68,37 @@ def test_greedy_choices_are_identical_and_equal_offline(roles):
 
 
 def test_a_stop_string_ends_only_its_choice(roles):
-    """Choice 1 meets a stop string early: it alone is aborted on the decode worker; the others run on."""
+    """Choice 1 meets a stop string early: it alone is aborted on the decode worker (the engine computes far fewer
+    tokens than when it runs to max_tokens); the others run on, each equal to offline."""
+    kw = {**SEEDED, "max_tokens": 60}
     tok = roles.router.tokenizer
-    texts = [tok.decode(t) for t in _want(3, **SEEDED)]
-    stop = next((texts[1][i:i + 3] for i in range(2, len(texts[1]) - 3)
+    texts = [tok.decode(t) for t in _want(3, **kw)]
+    # a 3-character piece early in choice 1's text that the other choices never produce (seed 40 has one)
+    stop = next((texts[1][i:i + 3] for i in range(2, min(30, len(texts[1]) - 3))
                  if texts[1][i:i + 3].strip() and texts[1][i:i + 3] not in texts[0] + texts[2]), None)
-    if stop is None:
-        pytest.skip("no 3-character stop string unique to choice 1 in these outputs")  # not reached with seed 40
-    want = [offline([PROMPT_IDS], [SamplingParams(**{**SEEDED, "seed": 40 + i}, stop=[stop])])[0] for i in range(3)]
-    resps = list(roles.stub.Generate(pdserve_pb2.GenerateRequest(token_ids=PROMPT_IDS, n=3, stop=[stop], **SEEDED),
-                                     timeout=60))
-    got_text = defaultdict(str)
-    reasons = {}
+    assert stop is not None, texts
+    want = [offline([PROMPT_IDS], [SamplingParams(**{**kw, "seed": 40 + i}, stop=[stop])])[0] for i in range(3)]
+    d_eng = roles.decodes[0].engine
+
+    def run(stops: list[str]) -> tuple[list, int]:
+        before = d_eng.num_scheduled_tokens
+        resps = list(roles.stub.Generate(pdserve_pb2.GenerateRequest(token_ids=PROMPT_IDS, n=3, stop=stops, **kw),
+                                         timeout=60))
+        assert roles.wait_idle(5.0)
+        return resps, d_eng.num_scheduled_tokens - before
+
+    _, full_work = run([])
+    resps, stopped_work = run([stop])
+    got_text, reasons = defaultdict(str), {}
     for r in resps:
         got_text[r.index] += r.text
         if r.finish_reason:
             reasons[r.index] = r.finish_reason
     assert [got_text[i] for i in range(3)] == [w[1] for w in want]
     assert reasons == {0: "length", 1: "stop", 2: "length"}
-    assert roles.wait_idle(5.0)
+    stopped_at = len(want[1][0])
+    # choice 1 stopped after stopped_at of 60 tokens; without the worker-side abort it would run all 60
+    assert stopped_work < full_work - (60 - stopped_at) // 2, (stopped_work, full_work, stopped_at)
 
 
 @pytest.mark.parametrize("mode", ["local-prefill", "colocated"])
