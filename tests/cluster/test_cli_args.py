@@ -32,8 +32,6 @@ def test_defaults_pass():
 def test_max_num_requests_reaches_the_router_config():
     from router.config import RouterConfig
 
-    if "max_num_requests" not in RouterConfig.__dataclass_fields__:
-        pytest.skip("RouterConfig.max_num_requests not there yet (router rename in progress)")
     args = build_parser().parse_args(["up", "--max-num-requests", "100"])
     _check_up_args(args)
     overrides = _router_overrides(args)
