@@ -49,3 +49,39 @@ def test_three_times_the_bound_gives_only_ok_and_resource_exhausted():
         assert joined(collect(roles.stub, prompt=prompts[0], **KW)) == want[0][:3]
     finally:
         roles.close()
+
+
+def test_oversized_requests_are_refused_while_normal_ones_are_served():
+    """Callers flooding the router with 3.9 MB prompts and 10,000 stop strings get INVALID_ARGUMENT (refused
+    before any tokenizing or stop matching, tests/router/test_limits.py), while a normal request beside them
+    is served equal to the offline engine."""
+    import threading
+
+    torch.set_num_threads(1)
+    want = offline(["def ok():"], [SamplingParams(**KW)])[0]
+    roles = start_roles(tag="big-")
+    huge = ("x = 1\n" * 700_000)[:3_900_000]
+    codes: list[str] = []
+    stop = threading.Event()
+
+    def flood(kind: str) -> None:
+        kw = dict(prompt=huge, max_tokens=4) if kind == "prompt" else dict(prompt="a", stop=["s" * 390] * 10_000)
+        while not stop.is_set():
+            try:
+                collect(roles.stub, timeout=60, **kw)
+                codes.append("OK")
+            except grpc.RpcError as e:
+                codes.append(e.code().name)
+
+    floods = [threading.Thread(target=flood, args=(k,), daemon=True) for k in ("prompt", "prompt", "stops")]
+    try:
+        for t in floods:
+            t.start()
+        got = [joined(collect(roles.stub, timeout=60, prompt="def ok():", **KW)) for _ in range(3)]
+        assert got == [want[:3]] * 3
+    finally:
+        stop.set()
+        for t in floods:
+            t.join(60)
+        roles.close()
+    assert codes and set(codes) == {"INVALID_ARGUMENT"}, Counter(codes)
