@@ -172,9 +172,12 @@ def test_rediss_url_with_password_reaches_redis_over_tls(server, tmp_path):
             assert [w.worker_id for w in reg.list()] == ["p0"]
             reg.clear()
         store, _ = open_store(StoreConfig(url, namespace=f"{ns}:kvt"))
-        store.set(f"{ns}:kvt/a", b"x")
-        assert store.get(f"{ns}:kvt/a") == b"x"
-        store.delete_key(f"{ns}:kvt/a")
+        try:
+            store.set(f"{ns}:kvt/a", b"x")
+            assert store.get(f"{ns}:kvt/a") == b"x"
+            store.delete_key(f"{ns}:kvt/a")
+        finally:
+            store.close()  # a TLS client left to the garbage collector crashed a later test (SIGBUS in close)
         # A client that does not trust this CA is refused by its own TLS check.
         other = tmp_path / "other.pem"
         trustme.CA().cert_pem.write_to_path(str(other))
