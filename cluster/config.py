@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 from cluster.registry import Registry
 
 POOLS = ("prefill", "decode", "colocated")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
@@ -89,6 +90,15 @@ class ClusterConfig:
     """Shared secret of the cluster plane: the router presents it on every call to a worker, which refuses
     calls without it. None: ``Cluster`` generates one (``secrets.token_urlsafe(32)``). Give the same one to
     every process of a cluster that spans several launchers."""
+    detached: bool = False
+    """Workers are detached, named Ray actors of the deployment (``namespace``, also their Ray namespace): they
+    outlive this process. ``start()`` takes the deployment's controller lease (``cluster.ownership``) and
+    adopts the live workers an earlier controller started; ``stop()`` leaves them serving (``teardown()`` stops
+    them). Needs a ``namespace`` and a Ray that outlives this process (``ray_address``, or a Ray this process
+    already joined). ``pdserve controller`` runs this way."""
+    device: str = "auto"
+    """"cpu", "cuda", or "auto" (cuda when the Ray cluster offers GPUs, else cpu). On cuda every worker actor
+    asks Ray for one GPU, its engine runs there and KV moves over NCCL."""
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_colocated"):
@@ -124,6 +134,11 @@ class ClusterConfig:
         if self.cluster_secret is not None and (not isinstance(self.cluster_secret, str)
                                                 or len(self.cluster_secret) < 16):
             raise ValueError("cluster_secret must be a string of at least 16 characters (its value is not shown)")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.detached and not self.namespace:
+            raise ValueError("namespace must be set when detached is true (it names the deployment whose workers "
+                             "outlive this process)")
         if self.num_colocated and (self.num_prefill or self.num_decode):
             raise ValueError("num_colocated must be 0 when num_prefill or num_decode is set "
                              "(the router runs one mode: disaggregated or colocated)")
@@ -156,13 +171,14 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
     from kvtransfer import StoreConfig
 
     host = cfg.worker_host or (cfg.host if cfg.ray_address is None else node_ip)
+    cuda = cfg.device == "cuda"  # resolved by Cluster.start(); Ray gave this actor one GPU (cuda:0 here)
     engine = EngineConfig(model=cfg.model, num_threads=max(1, int(cfg.cpus_per_worker)),
-                          **cfg.engine_overrides)
+                          **{"device": "cuda" if cuda else "cpu", **cfg.engine_overrides})
     if isinstance(kv_store, StoreConfig):  # gloo listens on the worker's interface, not the hostname's
         kv_store = dataclasses.replace(kv_store, host=host)
     common = dict(worker_id=worker_id, engine=engine, kv_store=kv_store, host=host, node_id=node_id,
                   cluster_secret=cfg.cluster_secret, model_name=cfg.served_model_name,
-                  metrics_port=worker_metrics_port())
+                  metrics_port=worker_metrics_port(), kv_backend="nccl" if cuda else "gloo")
     if role == "prefill":
         from prefill_worker import PrefillWorker, PrefillWorkerConfig
 

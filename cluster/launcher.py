@@ -31,6 +31,19 @@ Lifecycle of a ``Cluster(ClusterConfig(...))``:
   router, actors (stop + kill), the namespace's Redis keys, then Ray and Redis
   if this cluster started them. Idempotent; also run by ``with Cluster(...)``.
 
+With ``detached=True`` (``pdserve controller``) this object is the deployment's
+controller, not the owner of its workers' lives: ``start()`` takes the
+deployment's lease (``cluster.ownership.ControllerLease``; a second controller
+waits), adopts the live named workers an earlier controller started (pools are
+grown to the configured sizes, never shrunk at adoption) and starts new ones as
+detached actors named by their worker ids ``{role}-{generation}-{n}``.
+``stop()`` then only stops this process's router and releases the lease: the
+workers keep serving and heartbeating. ``teardown()`` stops them and deletes the
+namespace's keys (``pdserve down --address`` does it from outside).
+
+``device`` "auto" resolves at start: "cuda" when the Ray cluster offers GPUs.
+On cuda each worker actor asks Ray for one GPU.
+
 Everything is per instance (namespace, ports, temp dirs): two clusters run
 side by side on one machine, even on one Redis.
 """
@@ -53,6 +66,7 @@ import psutil
 import ray
 
 from cluster.config import POOLS, ClusterConfig, build_role_worker, build_router
+from cluster.ownership import ControllerLease, detached_workers
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig, mask_url, url_with_password
 from cluster.registry import Registry, WorkerInfo
 from cluster.worker_actor import WorkerActor, WorkerSpec, actor_options
@@ -82,6 +96,11 @@ class Cluster:
             config = dataclasses.replace(config, cluster_secret=secrets.token_urlsafe(32))
         self.config = config
         self.namespace = self.config.namespace or f"pdserve-{uuid.uuid4().hex[:10]}"
+        self.generation = uuid.uuid4().hex[:6]
+        """This controller's generation: in detached mode, the ids of the workers it starts carry it."""
+        self.adopted: list[str] = []
+        """Worker ids taken over from an earlier controller at start (detached mode)."""
+        self._lease: Optional[ControllerLease] = None
         self.redis_url: Optional[str] = None
         self.registry: Optional[Registry] = None
         self.router: Any = None
@@ -105,8 +124,12 @@ class Cluster:
         try:
             self._start_redis()
             self._start_ray()
+            self._resolve_device()
+            if self.config.detached:
+                self._adopt()
             for role in POOLS:
-                self.scale_pool(role, getattr(self.config, f"num_{role}"))
+                # adoption never shrinks a pool: the planner that grew it (or its successor) decides that
+                self.scale_pool(role, max(getattr(self.config, f"num_{role}"), len(self._members[role])))
             self._start_router()
         except BaseException:
             self.stop()
@@ -133,7 +156,12 @@ class Cluster:
                                                    self._redis.password)
         self.registry = Registry(self.redis_url, self.namespace, ttl_s=self.config.ttl_s)
         self.registry.ping()
-        if self.config.namespace:
+        if self.config.detached:
+            # The deployment's workers (and their keys) belong to it, not to us: take the lease, clear nothing.
+            self._lease = ControllerLease(self.redis_url, self.namespace, self.generation,
+                                          ttl_s=max(10.0, 3 * self.config.ttl_s))
+            self._lease.acquire(wait_s=self.config.start_timeout_s)
+        elif self.config.namespace:
             # A named namespace may hold what a killed run left (kvtransfer rendezvous keys live 10 min);
             # a running cluster's live workers make this raise instead of taking its keys.
             self.registry.clear_stale(wait_s=2 * self.config.ttl_s + 5)
@@ -141,6 +169,9 @@ class Cluster:
     def _start_ray(self) -> None:
         if ray.is_initialized():  # this process already has Ray (tests, an embedding app): share, never shut down
             return
+        if self.config.detached and self.config.ray_address is None:
+            raise ValueError("detached workers need a Ray that outlives this process: give ray_address (pdserve "
+                             "controller --address), or join Ray before start()")
         if self.config.ray_address is not None:
             ray.init(address=self.config.ray_address, namespace=self.namespace, log_to_driver=False)
             self._owns_ray = True  # our driver connection; the Ray cluster itself outlives us
@@ -155,6 +186,42 @@ class Cluster:
         self._owns_ray = True
         # The processes ray.init just spawned (GCS, raylet, ...): stop() makes sure they and theirs are gone.
         self._ray_procs = [p for p in psutil.Process().children() if p.pid not in before]
+
+    def _resolve_device(self) -> None:
+        gpus = ray.cluster_resources().get("GPU", 0)
+        device = self.config.device
+        if device == "auto":
+            device = "cuda" if gpus > 0 else "cpu"
+        elif device == "cuda" and gpus <= 0:
+            raise ValueError("device is 'cuda' but the Ray cluster offers no GPU (ray.cluster_resources() has no "
+                             "'GPU'); use device 'cpu' or join a Ray cluster with GPU nodes")
+        if device != self.config.device:
+            self.config = dataclasses.replace(self.config, device=device)
+            log.info("cluster %s: device auto -> %s (%g GPUs in the Ray cluster)", self.namespace, device, gpus)
+
+    def _adopt(self) -> None:
+        """Take over the deployment's live detached workers (an earlier controller started them)."""
+        found = detached_workers(self.namespace)
+        if not found:
+            return
+        refs = {wid: h.info.remote() for wid, h in found.items()}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=30)
+        for wid, ref in sorted(refs.items()):
+            handle = found[wid]
+            try:
+                info = ray.get(ref, timeout=0)
+            except (ray.exceptions.RayError, TimeoutError) as e:  # dead, stuck or never started: replace it
+                log.warning("cluster %s: not adopting %s (%s); stopping it", self.namespace, wid, type(e).__name__)
+                self._kill(_Member(wid, "", handle))
+                continue
+            if info.role not in POOLS or info.worker_id != wid:
+                log.warning("cluster %s: named actor %s reports %s/%s; leaving it alone", self.namespace, wid,
+                            info.worker_id, info.role)
+                continue
+            self._members[info.role].append(_Member(wid, info.role, handle, info))
+            self.adopted.append(wid)
+        if self.adopted:
+            log.info("cluster %s: generation %s adopted %s", self.namespace, self.generation, self.adopted)
 
     def _start_router(self) -> None:
         factory = self.config.router_factory
@@ -224,9 +291,13 @@ class Cluster:
         resources = ray.cluster_resources()
         new: list[_Member] = []
         for _ in range(count):
-            worker_id = f"{role}-{self._next_index[role]}"
+            n = self._next_index[role]
+            worker_id = f"{role}-{self.generation}-{n}" if self.config.detached else f"{role}-{n}"
             self._next_index[role] += 1
-            opts = actor_options(role, self.config.cpus_per_worker, cluster_resources=resources)
+            opts = actor_options(role, self.config.cpus_per_worker, cluster_resources=resources,
+                                 num_gpus=1 if self.config.device == "cuda" else 0)
+            if self.config.detached:  # the deployment's, by name: a later controller adopts it
+                opts.update(name=worker_id, namespace=self.namespace, lifetime="detached")
             handle = WorkerActor.options(**opts).remote(self._spec(role, worker_id))
             new.append(_Member(worker_id, role, handle))
         refs = [m.handle.start.remote() for m in new]
@@ -363,8 +434,22 @@ class Cluster:
         return out
 
     # ---- stop -----------------------------------------------------------------------
-    def stop(self) -> None:
-        """Stop everything this cluster started; safe to call twice."""
+    @property
+    def lease_lost(self) -> bool:
+        """Detached mode: another controller took the deployment over (this one must stop managing)."""
+        return self._lease is not None and self._lease.lost.is_set()
+
+    def teardown(self) -> None:
+        """Stop the workers too (and delete the namespace's keys), even in detached mode."""
+        self.stop(teardown=True)
+
+    def stop(self, teardown: Optional[bool] = None) -> None:
+        """Stop everything this cluster started; safe to call twice.
+
+        ``teardown`` (default: not ``detached``): also stop the workers and delete the namespace's keys. A
+        detached controller's plain stop leaves the workers serving for the next controller and the routers."""
+        if teardown is None:
+            teardown = not self.config.detached
         self._stopping.set()  # a scale in progress (another thread) gives up and releases the lock
         with self._lock:
             if self._stopped:
@@ -375,6 +460,9 @@ class Cluster:
                     self.router.stop()
                 except Exception as e:
                     log.warning("router stop: %s", e)
+            if not teardown:
+                self._leave_workers()
+                return
             members = [m for r in POOLS for m in self._members[r]]
             if members and ray.is_initialized():
                 refs = [m.handle.stop.remote() for m in members]
@@ -388,14 +476,27 @@ class Cluster:
                     self.registry.clear()  # worker records and kvtransfer rendezvous keys
                 except Exception as e:
                     log.warning("registry clear: %s", e)
-                self.registry.close()
-            if self._owns_ray:
-                self._shutdown_ray()
-            if self._ray_tmp:
-                shutil.rmtree(self._ray_tmp, ignore_errors=True)
-            if self._redis is not None:
-                self._redis.stop()
+            self._close()
             log.info("cluster %s stopped", self.namespace)
+
+    def _leave_workers(self) -> None:
+        # Detached: the workers and their keys stay; only this process's connections go.
+        log.info("cluster %s: controller generation %s leaves %s serving", self.namespace, self.generation,
+                 {r: [m.worker_id for m in ms] for r, ms in self._members.items() if ms})
+        self._members = {r: [] for r in POOLS}
+        self._close()
+
+    def _close(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+        if self.registry is not None:
+            self.registry.close()
+        if self._owns_ray:
+            self._shutdown_ray()
+        if self._ray_tmp:
+            shutil.rmtree(self._ray_tmp, ignore_errors=True)
+        if self._redis is not None:
+            self._redis.stop()
 
     def _shutdown_ray(self) -> None:
         # Collect descendants before shutdown: once the raylet exits its workers lose their parent link.

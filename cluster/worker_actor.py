@@ -98,13 +98,16 @@ def pool_resources(role: str, cluster_resources: Optional[dict] = None) -> dict[
 
 
 def actor_options(role: str, num_cpus: float, name: Optional[str] = None,
-                  cluster_resources: Optional[dict] = None) -> dict[str, Any]:
-    """Ray ``.options()`` for one worker actor of ``role``."""
+                  cluster_resources: Optional[dict] = None, num_gpus: float = 0) -> dict[str, Any]:
+    """Ray ``.options()`` for one worker actor of ``role`` (``num_gpus``: 1 on a CUDA deployment)."""
     if not num_cpus > 0:
         raise ValueError(f"num_cpus must be > 0, got {num_cpus!r}")
+    if not num_gpus >= 0:
+        raise ValueError(f"num_gpus must be >= 0, got {num_gpus!r}")
     threads = str(max(1, int(num_cpus)))
     opts: dict[str, Any] = {
         "num_cpus": num_cpus,
+        "num_gpus": num_gpus,
         "resources": pool_resources(role, cluster_resources),
         # Several calls at once: info() and heartbeats must not wait behind a long drain().
         "max_concurrency": 8,

@@ -39,14 +39,18 @@ def _pdserve() -> list[str]:
 
 
 class UpProcess:
-    """A `pdserve up` subprocess whose stdout is read on a thread (so the pipe never fills)."""
+    """A `pdserve up` (or `controller`, `router`) subprocess whose stdout is read on a thread (so the pipe never
+    fills); ready once it prints its banner (SERVING, or CONTROLLING for a controller)."""
 
-    def __init__(self, *args: str, env: Optional[dict] = None) -> None:
+    def __init__(self, *args: str, env: Optional[dict] = None, command: str = "up") -> None:
         self.stderr = tempfile.TemporaryFile(mode="w+")
         env = dict(env or os.environ, OMP_NUM_THREADS="1", RAY_DEDUP_LOGS="0")
-        if "--http-port" not in args:
-            args = ("--http-port", "0", *args)  # no HTTP API unless asked: two clusters must not share a port
-        self.proc = subprocess.Popen([*_pdserve(), "up", "--port", "0", *args], cwd=REPO, env=env,
+        if command != "controller":
+            if "--http-port" not in args:
+                args = ("--http-port", "0", *args)  # no HTTP API unless asked: two clusters must not share a port
+            args = ("--port", "0", *args)
+        self.banner = "pdserve CONTROLLING" if command == "controller" else "pdserve SERVING"
+        self.proc = subprocess.Popen([*_pdserve(), command, *args], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=self.stderr, text=True)
         self.lines: list[str] = []
         self.serving = threading.Event()
@@ -56,14 +60,14 @@ class UpProcess:
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
-            if line.startswith("pdserve SERVING"):
+            if line.startswith(self.banner):
                 self.serving.set()
 
     def wait_serving(self, timeout_s: float) -> None:
         end = time.monotonic() + timeout_s
         while not self.serving.wait(0.5):
             if self.proc.poll() is not None or time.monotonic() > end:
-                raise AssertionError(f"pdserve up not SERVING (rc={self.proc.poll()}):\n{self.tail()}")
+                raise AssertionError(f"no {self.banner!r} (rc={self.proc.poll()}):\n{self.tail()}")
 
     def tail(self) -> str:
         self.stderr.seek(0)

@@ -1,0 +1,144 @@
+"""Who owns a deployment's worker pools: one controller at a time, per generation.
+
+A *deployment* is one registry namespace (also the Ray namespace its detached
+worker actors are named in). Its pools outlive every router and every
+controller process: routers only read the registry, and a controller
+(``pdserve controller``, a ``Cluster`` with ``detached=True``) only manages.
+
+Lifecycle of a ``ControllerLease(redis_url, namespace, generation)``:
+
+1. ``acquire(wait_s)``: ``SET {ns}:controller <generation> NX PX ttl``, retried
+   until the key is free (the previous controller released it, or died and its
+   TTL ran out) or ``wait_s`` passes (``TimeoutError`` naming the holder). A
+   rolling update's new controller therefore waits for the old one to leave.
+2. A daemon thread renews the lease every ``ttl/3`` while the value is still ours
+   (compare-and-set in one Lua script). If it finds another owner, or cannot
+   renew before the TTL runs out, ``lost`` is set: the controller stops
+   managing (its supervisor and planner must not fight a successor).
+3. ``release()``: deletes the key only if it is still ours.
+
+``detached_workers(namespace)`` lists the deployment's live, named worker
+actors (name = worker id), so a new controller adopts them instead of starting
+new ones. Worker ids carry the generation of the controller that started them
+(``prefill-<generation>-<n>``), so the keys a new generation writes never
+collide with the ones an older one wrote, and no controller deletes another's.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Optional
+
+import redis
+
+from cluster.redis_server import mask_url
+
+log = logging.getLogger(__name__)
+
+_RENEW = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  return redis.call('pexpire', KEYS[1], ARGV[2])
+end
+return 0
+"""
+_RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+  return redis.call('del', KEYS[1])
+end
+return 0
+"""
+
+
+class ControllerLease:
+    """The single-controller lease of one deployment (see module docstring)."""
+
+    def __init__(self, redis_url: str, namespace: str, generation: str, ttl_s: float = 10.0) -> None:
+        if not generation or not generation.isalnum():
+            raise ValueError(f"generation must be a non-empty alphanumeric string, got {generation!r}")
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s!r}")
+        self.namespace = namespace
+        self.generation = generation
+        self.ttl_s = float(ttl_s)
+        self.key = f"{namespace}:controller"
+        self.lost = threading.Event()
+        """Set when the lease was taken over or could not be renewed in time."""
+        self._redis = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._display = mask_url(redis_url)
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def holder(self) -> Optional[str]:
+        """The generation holding the lease now, or None."""
+        v = self._redis.get(self.key)
+        return v.decode() if v is not None else None
+
+    def acquire(self, wait_s: float = 60.0, poll_s: float = 0.25) -> "ControllerLease":
+        """Take the lease, waiting up to ``wait_s`` for the current holder to leave; starts renewing."""
+        ttl_ms = max(1, int(self.ttl_s * 1000))
+        deadline = time.monotonic() + wait_s
+        announced = False
+        while not self._redis.set(self.key, self.generation, nx=True, px=ttl_ms):
+            holder = self.holder()
+            if holder == self.generation:  # ours already (a retry after a lost reply)
+                break
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"deployment {self.namespace} is managed by controller generation {holder} "
+                                   f"(lease {self.key} on {self._display}); it did not leave within {wait_s:g} s")
+            if not announced:
+                log.warning("deployment %s: waiting for controller generation %s to leave", self.namespace, holder)
+                announced = True
+            time.sleep(poll_s)
+        log.info("deployment %s: controller generation %s holds the lease", self.namespace, self.generation)
+        self._thread = threading.Thread(target=self._renew_loop, name=f"lease-{self.namespace}", daemon=True)
+        self._thread.start()
+        return self
+
+    def _renew_loop(self) -> None:
+        ttl_ms = max(1, int(self.ttl_s * 1000))
+        last_ok = time.monotonic()
+        while not self._stop.wait(self.ttl_s / 3):
+            try:
+                if not int(self._redis.eval(_RENEW, 1, self.key, self.generation, ttl_ms)):
+                    # Gone (Redis restarted empty) or another owner: take it back only if nobody holds it.
+                    if not self._redis.set(self.key, self.generation, nx=True, px=ttl_ms):
+                        log.error("deployment %s: lease taken by generation %s; generation %s stops managing",
+                                  self.namespace, self.holder(), self.generation)
+                        self.lost.set()
+                        return
+                last_ok = time.monotonic()
+            except redis.RedisError as e:
+                if time.monotonic() - last_ok > self.ttl_s:
+                    log.error("deployment %s: lease not renewed for %.0f s (%s); generation %s stops managing",
+                              self.namespace, time.monotonic() - last_ok, e, self.generation)
+                    self.lost.set()
+                    return
+
+    def release(self) -> None:
+        """Stop renewing and give the lease up if it is still ours; idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            self._redis.eval(_RELEASE, 1, self.key, self.generation)
+        except redis.RedisError as e:  # the TTL frees it anyway
+            log.warning("deployment %s: lease release failed: %s", self.namespace, e)
+        self._redis.close()
+
+
+def detached_workers(namespace: str) -> dict[str, Any]:
+    """worker id -> actor handle of every named actor in Ray namespace ``namespace`` (the deployment's
+    detached workers; dead ones are not listed by Ray)."""
+    import ray
+
+    out: dict[str, Any] = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry.get("namespace") != namespace:
+            continue
+        name = entry["name"]
+        try:
+            out[name] = ray.get_actor(name, namespace=namespace)
+        except ValueError:  # died between the listing and the lookup
+            continue
+    return out
