@@ -66,6 +66,10 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
                    help="run the planner: each pool scales between its start size and --max-prefill/--max-decode")
     p.add_argument("--max-prefill", type=int, default=4, help="most prefill workers with --autoscale (default 4)")
     p.add_argument("--max-decode", type=int, default=4, help="most decode workers with --autoscale (default 4)")
+    p.add_argument("--planner-interval", type=float, default=5.0, metavar="S",
+                   help="seconds between the planner's decisions with --autoscale (default 5)")
+    p.add_argument("--planner-cooldown", type=float, default=30.0, metavar="S",
+                   help="seconds a pool waits after a change before the planner changes it again (default 30)")
     p.add_argument("--cpus-per-worker", type=float, default=1.0, help="Ray CPUs (and torch threads) per worker")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the engines run: cuda gives every worker actor one Ray GPU and moves KV over "
@@ -179,6 +183,9 @@ def _check_pool_args(args: argparse.Namespace) -> None:
         for name, lo, hi in (("prefill", args.prefill, args.max_prefill), ("decode", args.decode, args.max_decode)):
             if not args.colocated and hi < max(lo, 1):
                 raise ValueError(f"--max-{name} must be >= max(--{name}, 1), got {hi}")
+    for flag in ("planner_interval", "planner_cooldown"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if not args.check_interval > 0:
         raise ValueError(f"--check-interval must be > 0, got {args.check_interval}")
     from engine.config import EngineConfig
@@ -435,7 +442,8 @@ def _start_loops(cluster, args: argparse.Namespace) -> tuple:
         planner = Planner(cluster, PlannerConfig(
             min_prefill=args.prefill, max_prefill=max(args.max_prefill, args.prefill, 1),
             min_decode=args.decode, max_decode=max(args.max_decode, args.decode, 1),
-            min_colocated=args.colocated, max_colocated=max(args.colocated, args.max_decode, 1)),
+            min_colocated=args.colocated, max_colocated=max(args.colocated, args.max_decode, 1),
+            interval_s=args.planner_interval, cooldown_s=args.planner_cooldown),
             supervisor=supervisor).start()
     return supervisor, planner
 

@@ -1,0 +1,136 @@
+"""A multi-node Ray cluster on one machine, with Ray's fake-multinode autoscaler.
+
+``autoscaling_head(node_types)`` runs ``ray start --head`` on a free port and a
+private temp dir, with ``--autoscaling-config`` naming Ray's ``fake_multinode``
+provider: the autoscaler launches each worker node as a separate raylet on this
+machine (what ``ray.cluster_utils.AutoscalingCluster`` does, without its
+``ray stop --force``, which would kill every Ray on the machine, the test
+session's included). ``min_workers`` nodes of each type start at once; more start
+when actors cannot be placed, up to ``max_workers``.
+
+The config follows Ray's ``autoscaler/_private/fake_multi_node/example.yaml``
+(Apache-2.0, github.com/ray-project/ray); the head offers no CPU, so every
+worker actor lands on a worker node of its type.
+
+Teardown kills every process whose command line names the private temp dir
+(raylets, GCS, the monitor), never by name.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Iterator
+
+import psutil
+
+from tests.e2e.test_pdserve_up import _pdserve
+
+ENV = dict(os.environ, RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", RAY_FAKE_CLUSTER="1",
+           AUTOSCALER_UPDATE_INTERVAL_S="1")
+
+
+def _config(node_types: dict, gcs_address: str) -> dict:
+    types = {name: {"resources": res, "node_config": {}, "min_workers": lo, "max_workers": hi}
+             for name, (res, lo, hi) in node_types.items()}
+    types["ray.head.default"] = {"resources": {"CPU": 0}, "node_config": {}, "max_workers": 0}
+    return {"cluster_name": "pdserve-test", "max_workers": sum(hi for _, _, hi in node_types.values()),
+            "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
+                         "disable_launch_config_check": True, "gcs_address": gcs_address},
+            "available_node_types": types, "head_node_type": "ray.head.default", "auth": {},
+            "upscaling_speed": 1.0, "idle_timeout_minutes": 60, "docker": {}, "initialization_commands": [],
+            "setup_commands": [], "head_setup_commands": [], "worker_setup_commands": [],
+            "head_start_ray_commands": [], "worker_start_ray_commands": [], "file_mounts": {},
+            "cluster_synced_files": [], "file_mounts_sync_continuously": False, "rsync_exclude": [],
+            "rsync_filter": []}
+
+
+def _ray_cli() -> str:
+    return os.path.join(os.path.dirname(_pdserve()[0]), "ray")
+
+
+def procs_of(tmp: str) -> list[psutil.Process]:
+    """Every process whose command line names ``tmp`` (this head's private temp dir)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if tmp in " ".join(p.info["cmdline"] or []):
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+@contextlib.contextmanager
+def autoscaling_head(node_types: dict) -> Iterator[str]:
+    """``node_types``: name -> (resources incl. CPU, min_workers, max_workers). Yields the GCS address."""
+    tmp = tempfile.mkdtemp(prefix="pdm", dir="/tmp")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    config = os.path.join(tmp, "autoscaling.json")
+    with open(config, "w") as f:
+        json.dump(_config(node_types, address), f)
+    try:
+        r = subprocess.run([_ray_cli(), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                            "--num-cpus=0", f"--temp-dir={tmp}", f"--autoscaling-config={config}",
+                            "--include-dashboard=false", "--disable-usage-stats"],
+                           capture_output=True, text=True, timeout=120, env=ENV)
+        assert r.returncode == 0, r.stderr[-3000:]
+        yield address
+    finally:
+        procs = procs_of(tmp)
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+        _, alive = psutil.wait_procs(procs, timeout=3)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(alive, timeout=5)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+_NODES = """
+import json, ray
+ray.init(address={address!r}, logging_level="ERROR", log_to_driver=False)
+print(json.dumps([{{"id": n["NodeID"], "alive": n["Alive"], "resources": n["Resources"]}} for n in ray.nodes()]))
+"""
+
+
+def nodes(address: str) -> list[dict]:
+    """Every node Ray knows: {"id", "alive", "resources"} (read by a short-lived driver)."""
+    r = subprocess.run([sys.executable, "-c", _NODES.format(address=address)], capture_output=True, text=True,
+                       timeout=120, env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def wait_nodes(address: str, want: dict, timeout: float) -> list[dict]:
+    """Poll until the live nodes offering each resource in ``want`` number at least ``want[resource]``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        live = [n for n in nodes(address) if n["alive"]]
+        if all(sum(1 for n in live if n["resources"].get(r, 0) > 0) >= k for r, k in want.items()):
+            return live
+        if time.monotonic() > deadline:
+            raise AssertionError(f"nodes {want} not up within {timeout} s: {live}")
+        time.sleep(1.0)
+
+
+def raylet_of_port(port: int) -> psutil.Process:
+    """The raylet hosting the worker process that listens on ``port`` (the actor's parent)."""
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+            parent = psutil.Process(c.pid).parent()
+            assert parent is not None and re.search(r"raylet", " ".join(parent.cmdline())), parent.cmdline()
+            return parent
+    raise AssertionError(f"nothing listens on port {port}")
