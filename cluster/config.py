@@ -149,6 +149,19 @@ class ClusterConfig:
         return "colocated" if self.num_colocated else "disaggregated"
 
 
+def resolve_device(device: str, num_gpus: float) -> str:
+    """The device the workers use: ``device``, with "auto" = "cuda" when the Ray cluster offers GPUs
+    (``num_gpus`` > 0, from ``ray.cluster_resources()``), else "cpu". ValueError for "cuda" without GPUs."""
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    if device == "auto":
+        return "cuda" if num_gpus > 0 else "cpu"
+    if device == "cuda" and not num_gpus > 0:
+        raise ValueError("device is 'cuda' but the Ray cluster offers no GPU (ray.cluster_resources() has no "
+                         "'GPU'); use device 'cpu' or join a Ray cluster with GPU nodes")
+    return device
+
+
 WORKER_METRICS_PORT_ENV = "PDSERVE_WORKER_METRICS_PORT"
 """Set on a node (a Kubernetes pod) that runs one worker: that worker serves /metrics on this fixed port."""
 

@@ -65,7 +65,7 @@ from typing import Any, Optional, Sequence
 import psutil
 import ray
 
-from cluster.config import POOLS, ClusterConfig, build_role_worker, build_router
+from cluster.config import POOLS, ClusterConfig, build_role_worker, build_router, resolve_device
 from cluster.ownership import ControllerLease, detached_workers
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig, mask_url, url_with_password
 from cluster.registry import Registry, WorkerInfo
@@ -189,12 +189,7 @@ class Cluster:
 
     def _resolve_device(self) -> None:
         gpus = ray.cluster_resources().get("GPU", 0)
-        device = self.config.device
-        if device == "auto":
-            device = "cuda" if gpus > 0 else "cpu"
-        elif device == "cuda" and gpus <= 0:
-            raise ValueError("device is 'cuda' but the Ray cluster offers no GPU (ray.cluster_resources() has no "
-                             "'GPU'); use device 'cpu' or join a Ray cluster with GPU nodes")
+        device = resolve_device(self.config.device, gpus)
         if device != self.config.device:
             self.config = dataclasses.replace(self.config, device=device)
             log.info("cluster %s: device auto -> %s (%g GPUs in the Ray cluster)", self.namespace, device, gpus)
