@@ -88,6 +88,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="router port, 0 = free port (default 50051)")
     p.add_argument("--http-port", type=int, default=8000, metavar="PORT",
                    help="OpenAI-compatible HTTP API port on --host (default 8000; 0 turns it off)")
+    p.add_argument("--health-port", type=int, default=0, metavar="PORT",
+                   help="a plaintext gRPC port on --host offering only grpc.health.v1, for probes that speak no "
+                        "TLS (the kubelet's) when the API serves TLS (default 0: none)")
     p.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
                    help="conditional disaggregation: prompts of at most N tokens are prefilled on the decode "
                         "worker itself (default 0: always use the prefill pool)")
@@ -162,6 +165,8 @@ def add_serve_commands(sub: argparse._SubParsersAction) -> None:
     add_model_args(p)
     p.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated",
                    help="route to prefill+decode pools or to colocated workers (default disaggregated)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM: NOT_SERVING at once, then up to S seconds for in-flight requests (default 30)")
     add_router_args(p)
     add_cluster_args(p, ray=False, split=True)
 
@@ -210,6 +215,8 @@ def _check_router_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--http-port must be in [0, 65535] (0 turns the HTTP API off), got {args.http_port}")
     if args.http_port:
         _check_port_free(args.host, args.http_port, "--http-port")
+    if args.health_port:
+        _check_port_free(args.host, args.health_port, "--health-port")
     from router.config import RouterConfig
 
     _check_config(RouterConfig, _router_overrides(args))
@@ -246,6 +253,7 @@ def _router_overrides(args: argparse.Namespace) -> dict:
     if args.max_num_requests is not None:
         out["max_num_requests"] = args.max_num_requests
     out["http_port"] = args.http_port or None  # 0: no HTTP API
+    out["health_port"] = args.health_port or None
     return out
 
 
@@ -535,6 +543,8 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     _check_model_args(args)
     _check_router_args(args)
+    if not args.drain_timeout >= 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     api_keys, cluster_secret, redis_url = _split_secrets(args)
     colocated = args.mode == "colocated"
     # A router reads pools; the config's pool sizes only pick its mode.
@@ -554,6 +564,8 @@ def cmd_router(args: argparse.Namespace) -> int:
                  f"{mask_url(redis_url)}; workers are the controller's: this router only reads the registry"]
         if http:
             lines.append(f"  http     http://{http}/v1  (OpenAI-compatible: completions, chat, models; /health)")
+        if router.health_address:
+            lines.append(f"  health   {router.health_address}  (plaintext grpc.health.v1 only, for probes)")
         metrics = getattr(router, "metrics_address", "")
         if metrics:
             lines.append(f"  metrics  http://{metrics}/metrics")
@@ -561,7 +573,10 @@ def cmd_router(args: argparse.Namespace) -> int:
 
     def stop() -> None:
         try:
-            router.stop()  # drains its own requests; never touches a worker or a registry key
+            # NOT_SERVING, refuse new requests, let in-flight ones finish; never touches a worker or a registry key
+            if not router.drain(args.drain_timeout):
+                print(f"pdserve: router drain left requests unfinished after {args.drain_timeout:g} s",
+                      file=sys.stderr, flush=True)
         finally:
             registry.close()
 
@@ -578,6 +593,9 @@ def _print_endpoints(cluster, planner, args: argparse.Namespace, secret_source: 
     http = getattr(cluster.router, "http_address", "")
     if http:
         lines.append(f"  http     http://{http}/v1  (OpenAI-compatible: completions, chat, models; /health)")
+    health = getattr(cluster.router, "health_address", "")
+    if health:
+        lines.append(f"  health   {health}  (plaintext grpc.health.v1 only, for probes)")
     for name, addr in sorted(cluster.metrics_addresses().items()):
         lines.append(f"  metrics  {name:<12} http://{addr}/metrics")
     lines.append(f"  model    {cluster.config.served_model_name}  (served name: requests, /v1/models, metric labels)")

@@ -73,6 +73,10 @@ class RouterConfig:
     http_port: Optional[int] = None
     """OpenAI-compatible HTTP API (``router.http_api``) on this port of ``host``; 0 picks a free one;
     None: no HTTP API."""
+    health_port: Optional[int] = None
+    """A second, plaintext gRPC server on this port of ``host`` offering only ``grpc.health.v1`` (and reflection
+    of it), mirroring the public server's status: the kubelet's gRPC probes speak no TLS, so a router serving
+    TLS is probed here. 0 picks a free one; None: none."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     """Public API keys: when any is set, every Generate/Tokenize/GetModelInfo call must carry one as
     ``authorization: Bearer <key>`` (UNAUTHENTICATED otherwise); health and reflection stay open."""
@@ -92,6 +96,8 @@ class RouterConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError(f"http_port must be None or in [0, 65535], got {self.http_port}")
+        if self.health_port is not None and not 0 <= self.health_port < 65536:
+            raise ValueError(f"health_port must be None or in [0, 65535], got {self.health_port}")
         if self.max_num_requests < 1:
             raise ValueError(f"max_num_requests must be >= 1, got {self.max_num_requests}")
         if self.max_num_requests >= self.max_rpc_threads:

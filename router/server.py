@@ -3,7 +3,8 @@
 Lifecycle: ``RouterServer(cfg, workers)`` -> ``start()`` = ``bind()`` (port 0 = free; health
 NOT_SERVING, reflection) + ``load()`` (the ``RouterCore`` reads the tokenizer and limits, no
 weights; metrics endpoint; the OpenAI-compatible HTTP API when ``cfg.http_port`` is set;
-health SERVING). Each ``Generate`` is validated
+health SERVING; with ``cfg.health_port`` a second, plaintext server offers only health, mirroring it,
+for probes that speak no TLS). Each ``Generate`` is validated
 (INVALID_ARGUMENT naming the field), then run by the core (admission, the request flow),
 whose front-end-neutral ``FlowEvent``s this servicer renders as ``GenerateResponse``s and
 whose ``FlowError`` becomes the call's status; a client cancel or deadline reaches the flow
@@ -61,6 +62,9 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         tls = TlsFiles(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs) if cfg.ssl_certfile else None
         self._serving = GrpcServing("router", cfg.host, cfg.port, cfg.max_rpc_threads, auth=auth, tls=tls)
         self.metrics_address = ""
+        self._health_serving: Optional[GrpcServing] = None
+        self.health_address = ""
+        """"host:port" of the plaintext health-only server (``cfg.health_port``; "" when off)."""
         self._metrics_stop: Optional[Callable[[], None]] = None
         self.http: Optional[Any] = None
         """The OpenAI-compatible HTTP front end (``router.http_api.HttpApi``) when ``cfg.http_port`` is set."""
@@ -110,7 +114,16 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
 
     def bind(self) -> str:
         """Start the gRPC server (health NOT_SERVING until ``load`` finishes)."""
-        return self._serving.start(self._register)
+        address = self._serving.start(self._register)
+        if self.cfg.health_port is not None:
+            self._health_serving = GrpcServing("router-health", self.cfg.host, self.cfg.health_port, max_workers=4)
+            self.health_address = self._health_serving.start(lambda server: [])
+        return address
+
+    def _set_serving(self, serving: bool) -> None:
+        self._serving.set_serving(serving)
+        if self._health_serving is not None:
+            self._health_serving.set_serving(serving)
 
     def load(self) -> None:
         """Load the tokenizer and limits, start metrics, then report SERVING."""
@@ -125,7 +138,7 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             self.http = HttpApi(self.core, self.cfg.host, self.cfg.http_port, self.cfg.api_keys, tls)
             self.http.start()
         if not self.core.draining:
-            self._serving.set_serving(True)
+            self._set_serving(True)
         log.info("router on %s (%s mode)", self.address, self.cfg.mode)
 
     def _register(self, server: grpc.Server) -> list[str]:
@@ -160,7 +173,7 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
     def drain(self, timeout_s: float = 30.0) -> bool:
         """NOT_SERVING, refuse new requests, wait for in-flight ones, stop. True if all finished."""
         self.core.draining = True
-        self._serving.set_serving(False)
+        self._set_serving(False)
         deadline = time.monotonic() + timeout_s
         while self.core.num_in_flight and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -172,6 +185,8 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         if self.http is not None:
             self.http.stop()
         self._serving.stop(0.5)
+        if self._health_serving is not None:
+            self._health_serving.stop(0)
         self.core.close()
         if self._metrics_stop is not None:
             self._metrics_stop()

@@ -128,6 +128,40 @@ def test_mutual_tls_requires_a_client_certificate(pki):
         r.stop()
 
 
+def test_plaintext_health_port_mirrors_a_tls_router_and_offers_nothing_else(pki):
+    """The kubelet's gRPC probes speak no TLS: a TLS router offers plaintext health on --health-port only."""
+    r = RouterServer(RouterConfig(serve_metrics=False, ssl_certfile=pki["cert"], ssl_keyfile=pki["key"],
+                                  api_keys=(KEY,), health_port=0), StaticWorkerSource()).start()
+    try:
+        assert r.health_address and r.health_address != r.address
+        with grpc.insecure_channel(r.health_address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+                health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as e:  # the API is not there, key or no key
+                pdserve_pb2_grpc.PDServeStub(ch).GetModelInfo(pdserve_pb2.GetModelInfoRequest(), timeout=10,
+                                                              metadata=(("authorization", f"Bearer {KEY}"),))
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            r.drain(timeout_s=1)  # draining (then stopped): probes see NOT_SERVING, then nothing
+            with pytest.raises(grpc.RpcError) as e:
+                health.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        r.stop()
+
+
+def test_health_port_follows_draining(pki):
+    r = RouterServer(RouterConfig(serve_metrics=False, health_port=0), StaticWorkerSource()).start()
+    try:
+        with grpc.insecure_channel(r.health_address) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            r._set_serving(False)  # what drain() does first
+            assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        r.stop()
+
+
 def test_worker_refuses_callers_without_the_cluster_secret(cluster):
     p, d, _ = cluster
     free = d.info().num_free_blocks
