@@ -368,7 +368,8 @@ def check_monitors(docs: list[Doc]) -> list[str]:
 
 def check_raycluster_rules(docs: list[Doc]) -> list[str]:
     """What the CRD schema cannot say: KubeRay's own validation (ray-operator/controllers/ray/utils/
-    validation.go) and the sizes the controller's planner must be able to reach."""
+    validation.go), the sizes the controller's planner must be able to reach, and the controller's --device
+    against the GPUs the groups offer."""
     problems = []
     rcs = find(docs, "RayCluster")
     if len(rcs) != 1:
@@ -415,6 +416,17 @@ def check_raycluster_rules(docs: list[Doc]) -> list[str]:
         if cpu is None or float(args.get("cpus-per-worker", "1")) != float(cpu):
             problems.append(f"{name}: the pod offers CPU {cpu} to Ray but a worker takes "
                             f"--cpus-per-worker={args.get('cpus-per-worker', '1')} (want one worker per pod)")
+    # --device=cuda gives every worker actor one Ray GPU: the groups must offer one (and only then).
+    device = args.get("device", "auto")
+    gpu = {n: (g.get("resources") or {}).get("GPU") for n, g in groups.items() if n in ("prefill", "decode")}
+    if device == "cuda":
+        for name, n in gpu.items():
+            if n != "1":
+                problems.append(f"controller --device=cuda but the {name} group offers GPU {n} (want '1': one "
+                                f"worker, one GPU per pod)")
+    elif any(gpu.values()):
+        problems.append(f"controller --device={device} but the worker groups offer a GPU (want --device=cuda; "
+                        f"auto would fall back to cpu while no GPU pod has joined Ray)")
     return problems
 
 

@@ -270,6 +270,8 @@ BREAKS = {
         ("min out of step", lambda d: _set_arg(_ctl(d), "prefill", "2"), "minReplicas"),
         ("planner off", lambda d: _ctl(d).update(args=[a for a in _ctl(d)["args"] if a != "--autoscale"]),
          "--autoscale"),
+        ("cuda without GPUs", lambda d: _set_arg(_ctl(d), "device", "cuda"), "GPU"),
+        ("GPUs unused", lambda d: _group(d, "decode")["resources"].update(GPU="1"), "--device=cuda"),
     ],
 }
 
@@ -302,6 +304,10 @@ def test_gpu_overlay_adds_gpus_only_to_the_worker_groups():
         for pod in (_router(docs), _controller(docs)):
             assert "nvidia.com/gpu" not in pod["containers"][0]["resources"].get("limits", {})
             assert "nodeSelector" not in pod and "tolerations" not in pod
+        # The controller runs the pools on the device the overlay provides (one --device, at the end).
+        devices = [a for a in _ctl(docs)["args"] if a.startswith("--device")]
+        assert devices == [f"--device={'cuda' if want else 'cpu'}"], f"{path}: controller {devices}"
+        assert not any(a.startswith("--device") for a in _router(docs)["containers"][0]["args"])
 
 
 @needs_kustomize
