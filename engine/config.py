@@ -59,6 +59,10 @@ class EngineConfig:
     cpu_gemm: str = "onednn"
     """CPU linear layers: 'onednn' (weights prepacked once for oneDNN's blocked GEMM, 1.2-3x faster
     than MKL sgemm here; falls back to 'torch' where oneDNN lacks the dtype) | 'torch' (torch.mm)."""
+    speculative_config: Optional[Any] = None
+    """Speculative decoding (``engine.speculative``): vLLM's dict, e.g. ``{"method": "ngram",
+    "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}``, or a
+    ``SpeculativeConfig``; parsed into a ``SpeculativeConfig`` here. None: off."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -83,6 +87,9 @@ class EngineConfig:
             raise ValueError(f"cpu_gemm must be 'onednn' or 'torch', got {self.cpu_gemm!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        from engine.speculative import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def torch_dtype(self) -> torch.dtype:

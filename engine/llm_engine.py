@@ -6,6 +6,11 @@ Callers then ``add_request`` (or, on a decode worker, ``reserve`` +
 ``add_prefilled_request``) and call ``step()`` in a loop while
 ``has_unfinished_requests()``; each step is schedule -> run -> postprocess and
 returns one ``CoreOutput`` per request that produced a token or finished.
+With ``speculative_config`` set, each step first proposes draft tokens for the
+decoding sequences (``engine.speculative``), the runner verifies them in the
+same forward, and a sequence may advance by several tokens per step (a
+``CoreOutput`` then carries them all); blocks only rejected drafts used are
+freed at once.
 Finished requests free their blocks at once; prefill-only requests keep theirs
 (finish_reason "prefill_done") until ``release``; ``abort_request`` frees
 everything a request holds, wherever it is. Token ids only: text, stop strings
@@ -29,6 +34,7 @@ from engine.outputs import CoreOutput, TokenLogprob
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence, check_stop
+from engine.speculative import NgramProposer, SpecDecodeStats, accept
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +72,10 @@ class LLMEngine:
         self._pending: list[CoreOutput] = []  # outputs decided outside step(), emitted by the next step
         self._num_steps = 0
         self._num_scheduled_tokens = 0
+        self.spec_config = config.speculative_config
+        self._proposer = NgramProposer(self.spec_config) if self.spec_config is not None else None
+        self.spec_stats = SpecDecodeStats()
+        """Speculative decoding counters (drafts, draft tokens, accepted tokens, per position)."""
         logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d",
                     config.model, config.dtype, config.device, n_blocks, self.block_size, self.max_model_len)
 
@@ -222,6 +232,8 @@ class LLMEngine:
     def step(self) -> list[CoreOutput]:
         """One scheduling step: schedule -> run -> postprocess."""
         outputs, self._pending = self._pending, []
+        if self._proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
@@ -232,12 +244,25 @@ class LLMEngine:
         self.scheduler.commit(sched)
         return outputs + self._postprocess(result)
 
+    def _propose(self) -> None:
+        """Draft tokens for every running sequence that decodes this step (one token left to compute)."""
+        k = self.spec_config.num_speculative_tokens
+        for seq in self.scheduler.running:
+            seq.spec_token_ids = []
+            if seq.prefill_only or seq.num_tokens - seq.num_computed != 1:
+                continue
+            # never draft past what the request may still emit (the verified step emits drafts + 1)
+            room = min(k, seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                       self.max_model_len - seq.num_tokens - 1)
+            if room > 0:
+                seq.spec_token_ids = self._proposer.propose(seq.token_ids, room)
+
     def _layer_hook(self, sched: SchedulerOutput) -> Optional[Callable[[int], None]]:
         cb = self.layer_done_callback
         if cb is None:
             return None
         done = [s.request_id for s, n in sched.prefills if s.num_computed + n == s.num_prefill]
-        done += [s.request_id for s in sched.decodes if s.num_computed + 1 == s.num_prefill]
+        done += [s.request_id for s in [*sched.decodes, *sched.verifies] if s.num_computed + 1 == s.num_prefill]
         if not done:
             return None
         return lambda layer: cb(layer, done)
@@ -248,21 +273,50 @@ class LLMEngine:
             seq.num_computed += 1
         for seq, n in sched.prefills:
             seq.num_computed += n
+        for seq in sched.verifies:
+            seq.num_computed += 1  # its last token; accepted drafts are counted once known
 
     def _postprocess(self, result: RunnerOutput) -> list[CoreOutput]:
         outputs = []
-        for seq, tok, lp in zip(result.seqs, result.token_ids, result.logprobs):
-            seq.append(tok)
-            lps = [lp] if seq.params.logprobs is not None and lp is not None else None
-            reason = check_stop(seq, self.max_model_len)
+        i = 0
+        while i < len(result.seqs):
+            seq = result.seqs[i]
+            n = 1 + len(seq.spec_token_ids)
+            toks, lps = result.token_ids[i:i + n], result.logprobs[i:i + n]
+            i += n
+            if n > 1:
+                toks = accept(seq.spec_token_ids, toks)
+                self.spec_stats.record(n - 1, len(toks) - 1)
+            out: list[int] = []
+            reason = None
+            for tok in toks:
+                seq.append(tok)
+                out.append(tok)
+                reason = check_stop(seq, self.max_model_len)
+                if reason is not None:
+                    break
+            if n > 1:
+                seq.num_computed += len(out) - 1  # the accepted drafts' K/V are right; the last token is new
+                seq.spec_token_ids = []
+            want_lp = seq.params.logprobs is not None and all(lp is not None for lp in lps[:len(out)])
             if seq.prefill_only:
                 self.scheduler.hold(seq)
                 reason = "prefill_done"
             elif reason is not None:
                 self._finish(seq)
-            outputs.append(CoreOutput(seq.request_id, [tok], lps, reason, len(seq.prompt_token_ids),
-                                      seq.num_cached_tokens))
+            elif n > 1:
+                self._trim_blocks(seq)
+            outputs.append(CoreOutput(seq.request_id, out, list(lps[:len(out)]) if want_lp else None, reason,
+                                      len(seq.prompt_token_ids), seq.num_cached_tokens))
         return outputs
+
+    def _trim_blocks(self, seq: Sequence) -> None:
+        """Free the blocks a verification took that only rejected drafts used (positions >= num_tokens)."""
+        keep = self.block_manager.blocks_for(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            tail = seq.block_table[keep:]
+            del seq.block_table[keep:]
+            self.block_manager.free(tail)
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)

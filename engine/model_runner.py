@@ -5,8 +5,10 @@ the sampler. Each step ``execute`` flattens the scheduled work into one token
 batch (decodes first, then prefill chunks), builds the step's
 ``AttentionMetadata`` (K/V slots, decode block tables, prefill spans), runs the
 model once under ``torch.inference_mode``, computes logits only for rows that
-sample (decodes and last prefill chunks) and samples them. It returns a plain
-``RunnerOutput``; the engine does all sequence bookkeeping.
+sample (decodes, last prefill chunks, and every position of a speculative
+verification: the last token and each draft) and samples them. It returns a
+plain ``RunnerOutput``; the engine does all sequence bookkeeping, including
+which drafts are accepted.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from engine.scheduler import SchedulerOutput, Sequence
 
 @dataclass
 class RunnerOutput:
-    """Sampled tokens for the sequences that sampled this step, in the same order."""
+    """Sampled tokens for the sequences that sampled this step, one row each, in the same order; a
+    verifying sequence has 1 + len(spec_token_ids) consecutive rows (one per position)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -46,14 +49,14 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput,
                 layer_hook: Optional[Callable[[int], None]] = None) -> RunnerOutput:
-        input_ids, positions, meta, sample_rows, sample_seqs = self._prepare(sched)
+        input_ids, positions, meta, sample_rows, sample_seqs, histories = self._prepare(sched)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, meta, self.kv_caches, layer_hook)
             if not sample_seqs:
                 return RunnerOutput()
             logits = self.model.compute_logits(hidden)  # hidden holds only the sampling rows
-        reqs = [SamplingRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.eos_token_id,
-                                generator=self.generator) for s in sample_seqs]
+        reqs = [SamplingRequest(s.params, s.prompt_token_ids, h, s.eos_token_id, generator=self.generator)
+                for s, h in zip(sample_seqs, histories)]
         tokens, logprobs = self.sampler.sample(logits, reqs)
         return RunnerOutput(sample_seqs, tokens, logprobs)
 
@@ -64,6 +67,8 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
+        sample_ctx: list[int] = []
+        histories: list[list[int]] = []  # each sampling row's output history
         B = len(sched.decodes)
         ctx_lens: list[int] = []
         tables: list[list[int]] = []
@@ -77,6 +82,8 @@ class ModelRunner:
             if p + 1 == seq.num_tokens:
                 sample_rows.append(row)
                 sample_seqs.append(seq)
+                sample_ctx.append(seq.num_tokens)
+                histories.append(seq.output_token_ids)
         meta = AttentionMetadata(slot_mapping=None, num_decode=B, block_size=bs)  # type: ignore[arg-type]
         dev = self.device
         if B:
@@ -87,38 +94,51 @@ class ModelRunner:
             meta.decode_ctx_lens = torch.tensor(ctx_lens, dtype=torch.long, device=dev)
         row = B
         prefill_slots: list[Tensor] = []
-        for seq, n in sched.prefills:
+        # prefill chunks, then verifications: the last token and the drafts of a decoding sequence, a chunk
+        # whose every position samples
+        chunks = [(s, n, s.token_ids[s.num_computed:s.num_computed + n], False) for s, n in sched.prefills]
+        chunks += [(s, 1 + len(s.spec_token_ids), [s.token_ids[s.num_computed], *s.spec_token_ids], True)
+                   for s in sched.verifies]
+        for seq, n, chunk_ids, verify in chunks:
             p0 = seq.num_computed
-            ids.extend(seq.token_ids[p0:p0 + n])
+            ids.extend(chunk_ids)
             pos.extend(range(p0, p0 + n))
             bt = torch.tensor(seq.block_table, dtype=torch.long, device=dev)
             pr = torch.arange(p0, p0 + n, device=dev)
             prefill_slots.append(bt[pr // bs] * bs + pr % bs)
             meta.prefills.append(PrefillSpan(row, row + n, p0, bt))
             row += n
-            if p0 + n == seq.num_tokens:
+            if verify:
+                for j in range(n):
+                    sample_rows.append(row - n + j)
+                    sample_seqs.append(seq)
+                    sample_ctx.append(p0 + j + 1)
+                    histories.append(seq.output_token_ids + seq.spec_token_ids[:j])
+            elif p0 + n == seq.num_tokens:
                 sample_rows.append(row - 1)
                 sample_seqs.append(seq)
+                sample_ctx.append(seq.num_tokens)
+                histories.append(seq.output_token_ids)
         if len(sample_rows) != row:
-            meta.keep = self._keep_view(sample_rows, sample_seqs, bs)
+            meta.keep = self._keep_view(sample_rows, sample_seqs, sample_ctx, bs)
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         meta.slot_mapping = torch.cat([slot_t, *prefill_slots]) if prefill_slots else slot_t
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         if meta.keep is not None:
             meta.keep.slot_mapping = meta.slot_mapping
-        return input_ids, positions, meta, sample_rows, sample_seqs
+        return input_ids, positions, meta, sample_rows, sample_seqs, histories
 
-    def _keep_view(self, rows: list[int], seqs: list[Sequence], bs: int) -> AttentionMetadata:
-        """The sampling rows as single-query decodes over their full context (for the last layer)."""
+    def _keep_view(self, rows: list[int], seqs: list[Sequence], ctx: list[int], bs: int) -> AttentionMetadata:
+        """The sampling rows as single-query decodes over their context (``ctx``: keys up to and including
+        the row's own position) for the last layer."""
         dev = self.device
         keep = AttentionMetadata(slot_mapping=None, num_decode=len(rows), block_size=bs,  # type: ignore[arg-type]
                                  rows=torch.tensor(rows, dtype=torch.long, device=dev))
         if rows:
-            # the sampling row is the sequence's last token: its context is every token it has
             tables = [s.block_table for s in seqs]
             width = max(len(t) for t in tables)
             keep.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
                                                     dtype=torch.long, device=dev)
-            keep.decode_ctx_lens = torch.tensor([s.num_tokens for s in seqs], dtype=torch.long, device=dev)
+            keep.decode_ctx_lens = torch.tensor(ctx, dtype=torch.long, device=dev)
         return keep

@@ -67,6 +67,8 @@ class Sequence:
     """Prefix-cache keys of the leading full blocks of block_table that are computed."""
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache at the last admission."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens to verify this step (speculative decoding); set before ``schedule``, trimmed by it."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -90,15 +92,18 @@ class SchedulerOutput:
     """Sequences computing exactly one token."""
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)
     """(sequence, chunk length > 1)."""
+    verifies: list[Sequence] = field(default_factory=list)
+    """Decoding sequences that also verify their ``spec_token_ids`` (1 + len(spec) positions each)."""
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.decodes and not self.prefills
+        return not self.decodes and not self.prefills and not self.verifies
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
+        return len(self.decodes) + sum(n for _, n in self.prefills) + sum(1 + len(s.spec_token_ids)
+                                                                          for s in self.verifies)
 
 
 class Scheduler:
@@ -161,6 +166,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
+            if seq.spec_token_ids:
+                # a decoding sequence with drafts: its last token plus as many drafts as budget and blocks
+                # allow (drafts go first when blocks are short: nobody is preempted for a guess)
+                del seq.spec_token_ids[max(0, budget - 1):]
+                if seq.spec_token_ids and not self.bm.ensure(seq.block_table,
+                                                             seq.num_computed + 1 + len(seq.spec_token_ids)):
+                    seq.spec_token_ids.clear()
             while not self.bm.ensure(seq.block_table, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -169,8 +181,12 @@ class Scheduler:
                     break
             if seq.status != SeqStatus.RUNNING:
                 break  # seq preempted itself: it was the last running one
-            self._take(out, seq, n)
-            budget -= n
+            if seq.spec_token_ids:
+                out.verifies.append(seq)
+                budget -= 1 + len(seq.spec_token_ids)
+            else:
+                self._take(out, seq, n)
+                budget -= n
             i += 1
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.max_num_seqs):
@@ -217,7 +233,7 @@ class Scheduler:
         if not self.bm.enable_caching:
             return
         bs = self.bm.block_size
-        for seq in [*sched.decodes, *(s for s, _ in sched.prefills)]:
+        for seq in [*sched.decodes, *(s for s, _ in sched.prefills), *sched.verifies]:
             self.commit_seq(seq, bs)
 
     def commit_seq(self, seq: Sequence, bs: int) -> None:
@@ -241,6 +257,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the KV, re-prefill prompt + outputs later, ahead of new work."""
         self.running.remove(seq)
+        seq.spec_token_ids.clear()
         self.bm.free(seq.block_table)
         seq.num_computed = 0
         seq.block_keys = []

@@ -1,0 +1,156 @@
+"""Speculative decoding: propose k tokens cheaply, verify them with one target forward, keep what agrees.
+
+Lifecycle: ``SpeculativeConfig.parse(EngineConfig.speculative_config)`` once at
+engine start (vLLM's dict: ``{"method": "ngram", "num_speculative_tokens": k,
+"prompt_lookup_min": 1, "prompt_lookup_max": 4}``). Every step, before
+scheduling, the engine asks the ``NgramProposer`` for up to k draft tokens per
+decoding sequence (``Sequence.spec_token_ids``); the scheduler gives such a
+sequence 1 + k query positions (its last token and the drafts) when the step's
+budget and blocks allow; the model runner computes logits at all of them in one
+forward through the paged cache and samples every position with the ordinary
+sampler, position j seeing the history extended by drafts 1..j; ``accept`` then
+keeps the drafts up to the first one that differs from the sampled token and
+adds the sampled token at that position (or the bonus token after the last
+draft). The engine advances the sequence by what was accepted and frees the
+blocks that only rejected drafts used (their stale K/V slots beyond the
+sequence's length are never attended to and are overwritten later).
+
+Why this is lossless, also for sampling: an n-gram draft is deterministic (its
+distribution q is one-hot on the draft d), so Leviathan et al.'s rule "accept d
+with probability min(1, p(d)/q(d)) = p(d), else draw from max(p - q, 0)
+normalised" is exactly "draw x ~ p; accept if x == d, else emit x". Each
+position is drawn by the same sampler with the same history and, for a seeded
+request, the same uniform (a function of the seed and the output index only)
+as without speculation. Hence greedy output is identical, and a seeded sampled
+request is token-for-token identical to the same request without speculation;
+an unseeded one follows the same distribution (its uniforms come from the
+engine generator in a different order).
+
+Counters follow vLLM's spec-decode metrics: drafts (sequence-steps that
+verified at least one draft token), draft tokens, accepted tokens, and
+accepted tokens per draft position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence as Seq
+
+import numpy as np
+
+METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """What to speculate with (vLLM's ``speculative_config`` keys)."""
+
+    method: str = "ngram"
+    """"ngram" (prompt lookup: the continuation of the latest earlier occurrence of the context's last n
+    tokens); "draft_model" is not available yet (it needs a trained draft for the built-in models)."""
+    num_speculative_tokens: int = 4
+    """Draft tokens proposed per step (k)."""
+    prompt_lookup_min: int = 1
+    """Shortest suffix n-gram to look up."""
+    prompt_lookup_max: int = 4
+    """Longest suffix n-gram to look up (longer matches are tried first)."""
+    model: Optional[str] = None
+    """The draft model (method "draft_model")."""
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {METHODS}, got {self.method!r}")
+        if self.method == "draft_model":
+            raise ValueError("speculative_config.method 'draft_model' is not implemented yet; use 'ngram'")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {v!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+
+    @classmethod
+    def parse(cls, value: Any) -> Optional["SpeculativeConfig"]:
+        """None, a SpeculativeConfig, or vLLM's dict (unknown keys are a ValueError naming them)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or None, got {type(value).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
+class NgramProposer:
+    """Prompt-lookup drafts: find the latest earlier occurrence of the last n tokens (n from
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``) and propose the tokens that followed it."""
+
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        self.cfg = cfg
+
+    def propose(self, token_ids: Seq[int], k: int) -> list[int]:
+        """Up to ``k`` draft tokens continuing ``token_ids`` (empty when no n-gram recurs)."""
+        L = len(token_ids)
+        if k < 1 or L < self.cfg.prompt_lookup_min + 1:
+            return []
+        arr = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.cfg.prompt_lookup_max, L - 1), self.cfg.prompt_lookup_min - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(arr[:L - 1], n)  # starts 0 .. L-1-n
+            hits = np.flatnonzero((windows == arr[L - n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n  # the latest occurrence: its continuation is the freshest guess
+                return arr[start:start + k].tolist()
+        return []
+
+
+def accept(drafts: Seq[int], sampled: Seq[int]) -> list[int]:
+    """The tokens a verified step emits: the drafts up to the first one the target disagrees with, then the
+    target's own token at that position (``sampled[j]`` is what the target drew at position j, with drafts
+    ``0..j-1`` in its history; ``len(sampled) == len(drafts) + 1``)."""
+    if len(sampled) != len(drafts) + 1:
+        raise ValueError(f"need one sampled token per draft plus one, got {len(sampled)} for {len(drafts)}")
+    out = []
+    for d, t in zip(drafts, sampled):
+        out.append(t)
+        if t != d:
+            return out
+    out.append(sampled[-1])
+    return out
+
+
+@dataclass
+class SpecDecodeStats:
+    """Running totals (vLLM's ``spec_decode`` counters)."""
+
+    num_drafts: int = 0
+    """Sequence-steps that verified at least one draft token."""
+    num_draft_tokens: int = 0
+    """Draft tokens verified."""
+    num_accepted_tokens: int = 0
+    """Draft tokens accepted."""
+    accepted_per_pos: list = field(default_factory=list)
+    """accepted_per_pos[i]: times the draft at position i was accepted."""
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """One verified sequence-step with ``num_drafts`` draft tokens, of which the first ``num_accepted``
+        were accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_drafts:
+            self.accepted_per_pos.extend([0] * (num_drafts - len(self.accepted_per_pos)))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verified sequence-step (accepted drafts + the target's own token)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

@@ -1,0 +1,213 @@
+"""Speculative decoding in the engine: proposals, acceptance, and outputs identical to plain decoding.
+
+The built-in ``tiny`` model has random weights, so its text never repeats and real n-gram drafts are
+almost never accepted. To exercise verification, acceptance and rollback for real, most engine tests
+swap in an *oracle* proposer that drafts the plain engine's own continuation (every draft is right),
+optionally with a wrong token at a chosen draft position (everything from there is rejected). Every
+output is compared with the plain engine on the same prompts: greedy tokens, seeded sampled tokens and
+their logprobs must be identical, and every KV block must be free afterwards.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.speculative import NgramProposer, SpecDecodeStats, SpeculativeConfig, accept
+
+SRC = '''def walk(root):
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                yield os.path.join(dirpath, name)
+'''
+PROMPTS = [SRC, SRC[:60], "import os\nimport sys\n", SRC[40:200]]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    torch.set_num_threads(1)
+
+
+# ---- units ----------------------------------------------------------------------------------------------
+def test_ngram_proposes_the_continuation_of_the_latest_longest_match():
+    prop = NgramProposer(SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=3))
+    #           0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 1, 5, 6, 8, 2, 5, 6]
+    # suffix (5, 6) occurs at 0 and 4: the latest (4) is continued by 8, 2, 5, 6
+    assert prop.propose(tokens, 3) == [8, 2, 5]
+    assert prop.propose(tokens, 10) == [8, 2, 5, 6]  # only what follows, never past the end
+    # a 3-gram match wins over a later 1-gram match: (1, 2, 3) recurs at 0, continued by 9
+    assert prop.propose([1, 2, 3, 9, 3, 4, 1, 2, 3], 2) == [9, 3]
+    assert prop.propose([1, 2, 3, 4], 4) == []  # nothing recurs
+    assert prop.propose([7], 4) == []
+    assert prop.propose(tokens, 0) == []
+    strict = NgramProposer(SpeculativeConfig(prompt_lookup_min=2, prompt_lookup_max=2))
+    assert strict.propose([4, 1, 9, 4], 2) == []  # only a 1-gram recurs
+
+
+def test_accept_keeps_drafts_until_the_first_disagreement():
+    assert accept([1, 2, 3], [1, 2, 3, 4]) == [1, 2, 3, 4]   # all accepted + the bonus token
+    assert accept([1, 2, 3], [1, 9, 3, 4]) == [1, 9]         # the target's token replaces the first miss
+    assert accept([1, 2, 3], [8, 2, 3, 4]) == [8]
+    assert accept([], [5]) == [5]
+    with pytest.raises(ValueError):
+        accept([1, 2], [1, 2])
+
+
+def test_stats():
+    s = SpecDecodeStats()
+    s.record(4, 2)
+    s.record(2, 2)
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.accepted_per_pos) == (2, 6, 4, [2, 2, 0, 0])
+    assert s.acceptance_rate == pytest.approx(4 / 6)
+    assert s.mean_accepted_length == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"method": "eagle"}, "method must be one of"),
+    ({"method": "draft_model", "model": "tiny"}, "not implemented yet"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"k": 4}, "unknown key"),
+    ("ngram", "must be a dict"),
+])
+def test_bad_configs_name_the_field(cfg, match):
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(speculative_config=cfg)
+
+
+# ---- the engine -----------------------------------------------------------------------------------------
+class Oracle:
+    """Drafts the plain engine's continuation of each prompt; ``wrong_at``: that draft position is wrong."""
+
+    def __init__(self, refs: dict[tuple, list[int]], vocab: int, wrong_at: Optional[int] = None) -> None:
+        self.refs, self.vocab, self.wrong_at = refs, vocab, wrong_at
+        self.calls = 0
+
+    def propose(self, token_ids, k: int) -> list[int]:
+        self.calls += 1
+        for prompt, out in self.refs.items():
+            if tuple(token_ids[:len(prompt)]) == prompt:
+                done = len(token_ids) - len(prompt)
+                drafts = list(out[done:done + k])
+                if self.wrong_at is not None and len(drafts) > self.wrong_at:
+                    drafts[self.wrong_at] = (drafts[self.wrong_at] + 1) % self.vocab
+                return drafts
+        raise AssertionError("unknown prompt")
+
+
+_BASE: dict = {}
+
+
+def _base() -> LLM:
+    if "llm" not in _BASE:
+        _BASE["llm"] = LLM("tiny", num_kv_blocks=256)
+    return _BASE["llm"]
+
+
+def _run(llm: LLM, prompts, params):
+    outs = llm.generate(prompts, params)
+    return [(o.token_ids, o.finish_reason, [(lp.token_id, round(lp.logprob, 4)) for lp in (o.logprobs or [])])
+            for o in outs]
+
+
+def _spec_llm(oracle_wrong_at: Optional[int] = "none", params=None, prompts=PROMPTS, **kw) -> LLM:
+    llm = LLM("tiny", speculative_config=NGRAM, **{"num_kv_blocks": 256, **kw})
+    if oracle_wrong_at != "none":
+        base = _base()
+        ids = [base.tokenizer.encode(p) for p in prompts]
+        refs = {tuple(i): o.token_ids for i, o in zip(ids, base.generate(prompts, params))}
+        llm.llm_engine._proposer = Oracle(refs, llm.llm_engine.model_config.vocab_size, oracle_wrong_at)
+    return llm
+
+
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True, logprobs=3)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("wrong_at", [None, 0, 2], ids=["all-right", "first-wrong", "third-wrong"])
+def test_outputs_equal_plain_decoding_and_acceptance_matches_the_drafts(params, wrong_at):
+    llm = _spec_llm(wrong_at, params)
+    eng = llm.llm_engine
+    assert _run(llm, PROMPTS, params) == _run(_base(), PROMPTS, params)
+    st = eng.spec_stats
+    assert st.num_drafts > 0
+    want = {None: st.num_draft_tokens, 0: 0}.get(wrong_at)
+    if want is not None:
+        assert st.num_accepted_tokens == want
+    else:  # exactly the drafts before the wrong one, every time (or fewer where fewer were drafted)
+        assert 0 < st.num_accepted_tokens <= wrong_at * st.num_drafts
+        assert st.accepted_per_pos[wrong_at] == 0 and st.accepted_per_pos[0] > 0
+    if wrong_at is None:  # all right: about 5 tokens a step instead of 1
+        assert eng.num_steps < 40
+    assert eng.num_free_blocks == eng.num_total_blocks
+
+
+def test_real_ngram_proposer_keeps_outputs_identical():
+    prompts = ["a b a b a b a b a b", SRC * 2]
+    llm = LLM("tiny", num_kv_blocks=256, speculative_config=NGRAM)
+    assert _run(llm, prompts, GREEDY) == _run(_base(), prompts, GREEDY)
+    assert llm.llm_engine.spec_stats.num_drafts > 0  # the prompts repeat: drafts were made and verified
+    assert llm.llm_engine.num_free_blocks == llm.llm_engine.num_total_blocks
+
+
+def test_stop_token_inside_accepted_drafts_and_max_tokens_cut_exactly():
+    base_out = _base().generate([SRC], GREEDY)[0].token_ids
+    stop_tok = base_out[6]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_tok])
+    llm = _spec_llm(None, GREEDY, prompts=[SRC])
+    assert _run(llm, [SRC], params) == _run(_base(), [SRC], params)
+    for m in (1, 2, 5, 7):
+        p = SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+        got = _run(llm, [SRC], p)
+        assert got == _run(_base(), [SRC], p) and len(got[0][0]) == m
+    assert llm.llm_engine.num_free_blocks == llm.llm_engine.num_total_blocks
+
+
+def test_mixed_batches_preemption_and_prefix_caching():
+    # 24 blocks of 16 tokens for 6 requests of ~60-190 tokens: sequences are preempted and recomputed, long
+    # prompts prefill in chunks of 48 tokens next to verifying sequences, and repeated prompts hit the cache.
+    prompts = PROMPTS + [SRC, SRC[:60]]
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    llm = _spec_llm(None, params, prompts=prompts, num_kv_blocks=24, max_num_batched_tokens=48)
+    eng = llm.llm_engine
+    assert _run(llm, prompts, params) == _run(_base(), prompts, params)
+    assert eng.num_preemptions > 0
+    assert eng.prefix_cache_hits > 0
+    assert eng.spec_stats.num_accepted_tokens > 0
+    assert eng.num_free_blocks == eng.num_total_blocks
+
+
+def test_abort_mid_speculation_frees_everything():
+    llm = _spec_llm(None, GREEDY)
+    eng = llm.llm_engine
+    ids = llm.tokenizer.encode(SRC)
+    eng.add_request("r", ids, GREEDY)
+    for _ in range(3):
+        eng.step()
+    assert eng.spec_stats.num_drafts > 0
+    eng.abort_request("r")
+    eng.step()
+    assert not eng.has_unfinished_requests()
+    assert eng.num_free_blocks == eng.num_total_blocks
+
+
+def test_rejected_drafts_give_their_blocks_back_at_once():
+    # every draft is wrong: each verification takes blocks for 1 + 4 positions, keeps 1 token
+    llm = _spec_llm(0, GREEDY, prompts=[SRC[:47]])  # 47 + 1 tokens: the drafts spill into a new block
+    eng = llm.llm_engine
+    eng.add_request("r", llm.tokenizer.encode(SRC[:47]), GREEDY)
+    bm = eng.block_manager
+    while eng.has_unfinished_requests():
+        eng.step()
+        for seq in eng.scheduler.running:
+            assert len(seq.block_table) <= bm.blocks_for(seq.num_tokens), (seq.num_tokens, seq.block_table)
+            assert eng.num_total_blocks - eng.num_free_blocks == len(seq.block_table)
+    assert eng.spec_stats.num_drafts > 0 and eng.spec_stats.num_accepted_tokens == 0
