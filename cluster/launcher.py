@@ -36,7 +36,10 @@ controller, not the owner of its workers' lives: ``start()`` takes the
 deployment's lease (``cluster.ownership.ControllerLease``; a second controller
 waits), adopts the live named workers an earlier controller started (pools are
 grown to the configured sizes, never shrunk at adoption) and starts new ones as
-detached actors named by their worker ids ``{role}-{generation}-{n}``.
+detached actors named by their worker ids ``{role}-{generation}-{n}``. A live
+worker serving another model than this controller's is not adopted: it keeps
+serving until its replacement is up, then it is drained and stopped (a model
+change rolls the pools).
 ``stop()`` then only stops this process's router and releases the lease: the
 workers keep serving and heartbeating. ``teardown()`` stops them and deletes the
 namespace's keys (``pdserve down --address`` does it from outside).
@@ -101,6 +104,7 @@ class Cluster:
         self.adopted: list[str] = []
         """Worker ids taken over from an earlier controller at start (detached mode)."""
         self._lease: Optional[ControllerLease] = None
+        self._outdated: list[_Member] = []  # live workers of another model, retired once replaced
         self.redis_url: Optional[str] = None
         self.registry: Optional[Registry] = None
         self.router: Any = None
@@ -130,6 +134,11 @@ class Cluster:
             for role in POOLS:
                 # adoption never shrinks a pool: the planner that grew it (or its successor) decides that
                 self.scale_pool(role, max(getattr(self.config, f"num_{role}"), len(self._members[role])))
+            if self._outdated:
+                log.warning("cluster %s: retiring workers of another model: %s", self.namespace,
+                            [m.worker_id for m in self._outdated])
+                self._retire(self._outdated)
+                self._outdated = []
             self._start_router()
         except BaseException:
             self.stop()
@@ -213,7 +222,11 @@ class Cluster:
                 log.warning("cluster %s: named actor %s reports %s/%s; leaving it alone", self.namespace, wid,
                             info.worker_id, info.role)
                 continue
-            self._members[info.role].append(_Member(wid, info.role, handle, info))
+            member = _Member(wid, info.role, handle, info)
+            if info.model_name != self.config.served_model_name:
+                self._outdated.append(member)
+                continue
+            self._members[info.role].append(member)
             self.adopted.append(wid)
         if self.adopted:
             log.info("cluster %s: generation %s adopted %s", self.namespace, self.generation, self.adopted)

@@ -78,6 +78,15 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per decode worker")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="turn off the engines' automatic prefix caching (on by default)")
+    p.add_argument("--speculative-method", choices=("ngram",), default=None,
+                   help="speculative decoding in the decode (and colocated) workers: ngram = prompt-lookup drafts, "
+                        "verified in the same forward; greedy and seeded output is unchanged (default: off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="draft tokens per step with --speculative-method (default 4)")
+    p.add_argument("--prompt-lookup-min", type=int, default=1, metavar="N",
+                   help="shortest n-gram the ngram drafts look up (default 1)")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N",
+                   help="longest n-gram the ngram drafts look up (default 4)")
     p.add_argument("--check-interval", type=float, default=1.0, metavar="S",
                    help="seconds between the supervisor's health checks of the workers; a dead or stuck "
                         "worker is replaced under a new id (default 1)")
@@ -243,6 +252,11 @@ def _engine_overrides(args: argparse.Namespace, checked_only: bool = False) -> d
            if v is not None}
     if args.no_prefix_caching and not checked_only:
         out["enable_prefix_caching"] = False
+    if args.speculative_method:
+        out["speculative_config"] = {"method": args.speculative_method,
+                                     "num_speculative_tokens": args.num_speculative_tokens,
+                                     "prompt_lookup_min": args.prompt_lookup_min,
+                                     "prompt_lookup_max": args.prompt_lookup_max}
     return out
 
 
@@ -260,6 +274,11 @@ def _router_overrides(args: argparse.Namespace) -> dict:
 def _as_flag_error(e: ValueError, fields: dict) -> ValueError:
     """A config's "field must be ..." error, named by the command-line flag that set the field."""
     msg = str(e)
+    if msg.startswith("speculative_config.") and "speculative_config" in fields:  # its keys are flags too
+        rest = msg[len("speculative_config."):]
+        name = rest.split(" ", 1)[0]
+        flag = "--speculative-method" if name == "method" else "--" + name.replace("_", "-")
+        return ValueError(flag + rest[len(name):])
     for name in fields:
         if msg.startswith(name + " "):
             return ValueError("--" + name.replace("_", "-") + msg[len(name):])

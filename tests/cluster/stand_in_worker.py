@@ -23,6 +23,7 @@ class StandInWorker:
 
     def __init__(self, role: str, worker_id: str, cfg, kv_store, node_ip: str, node_id: str) -> None:
         self.role, self.worker_id, self.node_id = role, worker_id, node_id
+        self.model_name = cfg.served_model_name
         # Tests steer the stand-in through a JSON file:
         # {"queued_prompt_tokens": n, "num_free_blocks": m, "start_delay_s": s}
         self.load_file = cfg.engine_overrides.get("load_file")
@@ -51,7 +52,7 @@ class StandInWorker:
     def info(self) -> WorkerInfo:
         load = self._load()
         return WorkerInfo(worker_id=self.worker_id, role=self.role, grpc_address=self.address,
-                          kv_name=self.worker_id, num_total_blocks=64,
+                          kv_name=self.worker_id, model_name=self.model_name, num_total_blocks=64,
                           num_free_blocks=load.get("num_free_blocks", 64),
                           queued_prompt_tokens=load.get("queued_prompt_tokens", 0),
                           num_running=self.inflight, ready=not self._draining, block_size=16)

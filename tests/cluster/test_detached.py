@@ -1,0 +1,90 @@
+"""Detached mode (the controller's ``Cluster``) on real Ray + real Redis, with the model-free stand-in role.
+
+The split deployment runs end to end in tests/e2e/test_deployment.py (processes, real roles). Here the
+launcher's own rules are checked quickly, in one process: a detached controller's stop leaves its named
+workers serving; the next one adopts them (same ids, same actors), grows a pool under its own generation
+and never shrinks one; workers of another model are replaced, then retired; a second controller cannot
+take the lease while the first holds it; teardown stops every worker and deletes every key.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from cluster.launcher import Cluster, ClusterConfig
+from cluster.ownership import ControllerLease, detached_workers
+from cluster.registry import Registry
+from tests.cluster.stand_in_worker import StandInWorker
+
+
+def _cfg(redis_url: str, ns: str, **kw) -> ClusterConfig:
+    return ClusterConfig(**{"redis_url": redis_url, "namespace": ns, "detached": True, "worker_factory": StandInWorker,
+                            "router_factory": False, "ttl_s": 2.0, "heartbeat_interval_s": 0.5,
+                            "start_timeout_s": 60, "num_prefill": 1, "num_decode": 1, **kw})
+
+
+def test_controllers_come_and_go_workers_stay(ray_local, redis_url, redis_namespace):
+    ns = redis_namespace
+    reg = Registry(redis_url, ns)
+    c1 = Cluster(_cfg(redis_url, ns)).start()
+    first = {w.worker_id: w.grpc_address for w in reg.list()}
+    assert sorted(first) == [f"decode-{c1.generation}-0", f"prefill-{c1.generation}-0"]
+    handles = detached_workers(ns)
+    assert sorted(handles) == sorted(first)
+    pids = {wid: ray.get(h.pid.remote()) for wid, h in handles.items()}
+    c1.stop()  # detached: the workers stay, and so do their keys
+    assert {w.worker_id: w.grpc_address for w in reg.list()} == first
+
+    c2 = Cluster(_cfg(redis_url, ns, num_decode=2)).start()
+    try:
+        assert c2.generation != c1.generation
+        assert sorted(c2.adopted) == sorted(first)
+        assert c2.worker_ids("decode") == [f"decode-{c1.generation}-0", f"decode-{c2.generation}-0"]
+        assert {wid: ray.get(h.pid.remote()) for wid, h in detached_workers(ns).items() if wid in pids} == pids
+        # a second controller waits for the lease, then gives up naming the holder
+        with pytest.raises(TimeoutError, match=f"generation {c2.generation}"):
+            ControllerLease(redis_url, ns, "other1").acquire(wait_s=1.0)
+    finally:
+        c2.stop()
+    # fewer wanted than there are: adoption never shrinks a pool
+    c3 = Cluster(_cfg(redis_url, ns, num_decode=1)).start()
+    try:
+        assert len(c3.worker_ids("decode")) == 2 and not [w for w in c3.worker_ids("decode") if c3.generation in w]
+    finally:
+        c3.teardown()
+    assert detached_workers(ns) == {}
+    assert reg.keys() == []
+    reg.close()
+
+
+def test_workers_of_another_model_are_replaced_then_retired(ray_local, redis_url, redis_namespace):
+    ns = redis_namespace
+    reg = Registry(redis_url, ns)
+    c1 = Cluster(_cfg(redis_url, ns, num_decode=0, served_model_name="old-model")).start()
+    old = c1.worker_ids("prefill")
+    old_handle = detached_workers(ns)[old[0]]
+    c1.stop()
+    c2 = Cluster(_cfg(redis_url, ns, num_decode=0, served_model_name="new-model")).start()
+    try:
+        assert c2.adopted == []
+        assert c2.worker_ids("prefill") == [f"prefill-{c2.generation}-0"]
+        assert [(w.worker_id, w.model_name) for w in reg.list()] == [(f"prefill-{c2.generation}-0", "new-model")]
+        deadline = time.monotonic() + 30
+        while True:  # the old actor is gone
+            try:
+                ray.get(old_handle.pid.remote(), timeout=2)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                break
+            assert time.monotonic() < deadline, "the old model's worker still runs"
+            time.sleep(0.2)
+    finally:
+        c2.teardown()
+    assert reg.keys() == []
+    reg.close()
+
+
+def test_detached_needs_a_namespace_and_a_lasting_ray():
+    with pytest.raises(ValueError, match="namespace must be set"):
+        ClusterConfig(detached=True)
