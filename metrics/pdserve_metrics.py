@@ -124,6 +124,12 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
     "num_preemptions_total": (WORKER, "counter", "Cumulative number of preemption from the engine.", None),
     "iteration_tokens_total": (WORKER, "histogram", "Histogram of number of tokens per engine_step.",
                                ITERATION_TOKENS_BUCKETS),
+    # --- workers: speculative decoding (vLLM's spec_decode series) ---
+    "spec_decode_num_drafts_total": (WORKER, "counter", "Number of spec decoding drafts.", None),
+    "spec_decode_num_draft_tokens_total": (WORKER, "counter", "Number of draft tokens.", None),
+    "spec_decode_num_accepted_tokens_total": (WORKER, "counter", "Number of accepted tokens.", None),
+    "spec_decode_num_accepted_tokens_per_pos_total": (WORKER, "counter",
+                                                      "Accepted tokens per draft position.", "position"),
 }
 OWNERS: dict[str, str] = {name: spec[0] for name, spec in SERIES.items()}
 """Series name (as exported, without the prefix) -> owner: "router" or "worker"."""
@@ -218,6 +224,7 @@ class PDServeMetrics:
                 self._series["request_success_total"].labels(*labels, reason)
         self._pc_seen = (0, 0)
         self._engine_seen = (0, 0, 0)  # preemptions, steps, scheduled tokens (set_engine_totals)
+        self._spec_seen: tuple = (0, 0, 0, ())  # drafts, draft tokens, accepted, per position (set_spec_totals)
 
     def owns(self, name: str) -> bool:
         """Whether this component registers the series ``name`` (with or without the prefix)."""
@@ -324,6 +331,27 @@ class PDServeMetrics:
             for _ in range(s - s0):
                 iter_h.observe(per_step)
         self._engine_seen = (p, s, t)
+
+    def set_spec_decode_totals(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
+                               accepted_per_pos: "list[int] | tuple[int, ...]") -> None:
+        """The engine's running speculative-decoding totals (``engine.speculative.SpecDecodeStats``); the
+        counters move by the difference since the last call (smaller totals, a new engine, restart the base)."""
+        now = (_check_count("num_drafts", num_drafts), _check_count("num_draft_tokens", num_draft_tokens),
+               _check_count("num_accepted_tokens", num_accepted_tokens),
+               tuple(_check_count("accepted_per_pos", v) for v in accepted_per_pos))
+        before = self._spec_seen
+        if any(a < b for a, b in zip(now[:3], before[:3])) or len(now[3]) < len(before[3]):
+            before = (0, 0, 0, ())
+        for name, a, b in zip(("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                               "spec_decode_num_accepted_tokens_total"), now[:3], before[:3]):
+            if a > b:
+                self._get(name).inc(a - b)
+        per_pos = self._get("spec_decode_num_accepted_tokens_per_pos_total")
+        for pos, a in enumerate(now[3]):
+            b = before[3][pos] if pos < len(before[3]) else 0
+            if a > b:
+                per_pos.labels(*self._labels, str(pos)).inc(a - b)
+        self._spec_seen = now
 
     def inc_migration(self) -> None:
         self._get("request_migrations_total").inc()

@@ -149,6 +149,9 @@ class WorkerBase:
             self.metrics.set_prefix_cache_totals(eng.prefix_cache_queries, eng.prefix_cache_hits)
             # once per loop pass, so each engine step is one iteration_tokens_total observation
             self.metrics.set_engine_totals(eng.num_preemptions, eng.num_steps, eng.num_scheduled_tokens)
+            st = eng.spec_stats
+            self.metrics.set_spec_decode_totals(st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens,
+                                                st.accepted_per_pos)
 
     def info(self) -> worker_pb2.WorkerInfo:
         """This worker's registry record with its live load."""

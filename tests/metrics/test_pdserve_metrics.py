@@ -19,7 +19,9 @@ ROUTER_COUNTERS = ["request_success", "request_errors", "prompt_tokens", "genera
 ROUTER_GAUGES = ["router_requests_in_flight", "router_requests_waiting"]
 WORKER_HISTOGRAMS = ["request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
                      "kv_transfer_time_seconds", "iteration_tokens_total"]
-WORKER_COUNTERS = ["kv_transfer_bytes", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions"]
+WORKER_COUNTERS = ["kv_transfer_bytes", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+                   "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+                   "spec_decode_num_accepted_tokens_per_pos"]
 WORKER_GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
 ROUTER_NAMES = ROUTER_HISTOGRAMS + ROUTER_COUNTERS + ROUTER_GAUGES
 WORKER_NAMES = WORKER_HISTOGRAMS + WORKER_COUNTERS + WORKER_GAUGES
@@ -367,3 +369,19 @@ def test_process_and_python_collectors_are_on_per_registry():
     # off on request (a caller whose registry already has them)
     off = PDServeMetrics(**ROUTER, process_collectors=False).render().decode()
     assert "python_info" not in off and "process_cpu_seconds_total" not in off
+
+
+def test_spec_decode_totals_move_by_their_differences():
+    m = PDServeMetrics(**LABELS)
+    m.set_spec_decode_totals(2, 8, 5, [2, 2, 1, 0])
+    m.set_spec_decode_totals(3, 12, 6, [3, 2, 1, 0])
+    text = m.render()
+    assert value(text, "pdserve:spec_decode_num_drafts_total") == 3
+    assert value(text, "pdserve:spec_decode_num_draft_tokens_total") == 12
+    assert value(text, "pdserve:spec_decode_num_accepted_tokens_total") == 6
+    assert [value(text, "pdserve:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+            for i in range(3)] == [3, 2, 1]
+    m.set_spec_decode_totals(1, 4, 4, [1, 1, 1, 1])  # a new engine: its totals count from zero again
+    assert value(m.render(), "pdserve:spec_decode_num_accepted_tokens_total") == 10
+    with pytest.raises(ValueError):
+        m.set_spec_decode_totals(-1, 0, 0, [])
