@@ -45,7 +45,7 @@ def engine_logits(eng, tokens: list[int], prompt_len: int) -> torch.Tensor:
             n = prompt_len if step == 0 else 1
             assert bm.ensure(seq.block_table, seq.num_computed + n)
             sched = SchedulerOutput(prefills=[(seq, n)]) if n > 1 else SchedulerOutput(decodes=[seq])
-            ids, pos, meta, _, _ = eng.runner._prepare(sched)
+            ids, pos, meta, _, _, _ = eng.runner._prepare(sched)
             meta.keep = None  # logits for every prompt row, not only the sampling one
             hidden = eng.model(ids, pos, meta, eng.kv_caches)
             rows.append(eng.model.compute_logits(hidden))

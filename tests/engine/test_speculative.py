@@ -211,3 +211,81 @@ def test_rejected_drafts_give_their_blocks_back_at_once():
             assert len(seq.block_table) <= bm.blocks_for(seq.num_tokens), (seq.num_tokens, seq.block_table)
             assert eng.num_total_blocks - eng.num_free_blocks == len(seq.block_table)
     assert eng.spec_stats.num_drafts > 0 and eng.spec_stats.num_accepted_tokens == 0
+
+
+CHI2_DF7_P001 = 24.322  # chi-square critical value, 7 degrees of freedom, p = 0.001 (standard tables)
+
+
+def _triple_probs(prompt_ids: list[int]) -> dict[tuple, float]:
+    """P(t0, t1, t2) under top_k=2, temperature 1: per position, the softmax of the two largest raw logits
+    (from the plain engine's top-2 logprobs of each prefix)."""
+    base = _base()
+
+    def top2(ids):
+        o = base.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, logprobs=2))[0]
+        (a, la), (b, lb) = o.logprobs[0].top
+        z = torch.tensor([la, lb]).softmax(0).tolist()
+        return {a: z[0], b: z[1]}
+
+    out = {}
+    for t0, p0 in top2(prompt_ids).items():
+        for t1, p1 in top2(prompt_ids + [t0]).items():
+            for t2, p2 in top2(prompt_ids + [t0, t1]).items():
+                out[(t0, t1, t2)] = p0 * p1 * p2
+    return out
+
+
+def _chi2(counts: dict, probs: dict, n: int) -> float:
+    assert set(counts) <= set(probs), set(counts) - set(probs)
+    return sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in probs.items())
+
+
+def test_unseeded_sampling_under_speculation_follows_the_target_distribution(monkeypatch):
+    """Chi-square of (t0, t1, t2) frequencies against the target's exact distribution (8 outcomes), with
+    drafts that are right about half the time; a broken acceptance rule (keep every draft) must fail it."""
+    prompt_ids = _base().tokenizer.encode("def walk(root):\n")
+    probs = _triple_probs(prompt_ids)
+    likely = {}  # prefix -> its most likely next token: the drafts
+    for (t0, t1, t2), _ in sorted(probs.items(), key=lambda kv: -kv[1]):
+        likely.setdefault((t0,), t1)
+        likely.setdefault((t0, t1), t2)
+
+    class Likely:
+        def propose(self, token_ids, k):
+            gen = tuple(token_ids[len(prompt_ids):])
+            drafts = []
+            while len(drafts) < k and gen + tuple(drafts) in likely:
+                drafts.append(likely[gen + tuple(drafts)])
+            return drafts
+
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=2, ignore_eos=True)
+    n = 1600
+
+    def frequencies() -> dict:
+        llm = LLM("tiny", num_kv_blocks=512, max_num_seqs=64, speculative_config=NGRAM, seed=123)
+        llm.llm_engine._proposer = Likely()
+        counts: dict = {}
+        for o in llm.generate([prompt_ids] * n, params):
+            counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+        assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+        return counts
+
+    good = _chi2(frequencies(), probs, n)
+    assert good < CHI2_DF7_P001  # 5.0 here (the mean of chi2(7) is 7)
+    import engine.llm_engine as le
+
+    monkeypatch.setattr(le, "accept", lambda drafts, sampled: [*drafts, sampled[-1]])
+    bad = _chi2(frequencies(), probs, n)
+    assert bad > CHI2_DF7_P001  # about 1400 here
+
+
+def test_stop_strings_cut_multi_token_steps_like_plain_decoding():
+    base_out = _base().generate([SRC], GREEDY)[0]
+    stop = base_out.text[9:13]  # a piece of text the oracle's accepted drafts will carry past
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop])
+    llm = _spec_llm(None, GREEDY, prompts=[SRC])
+    got, want = llm.generate([SRC], params)[0], _base().generate([SRC], params)[0]
+    assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert want.finish_reason == "stop" and len(want.text) < len(base_out.text)
+    assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
+    assert llm.llm_engine.num_free_blocks == llm.llm_engine.num_total_blocks
