@@ -499,21 +499,28 @@ def cmd_up(args: argparse.Namespace) -> int:
                         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
                         cluster_secret=cluster_secret)
     cluster = Cluster(cfg)
+
+    def ready(planner) -> None:
+        _wait_router(cluster.router_address, args)
+        _print_endpoints(cluster, planner, args, _secret_source(args, cluster_secret))
+
+    return _run_cluster(cluster, args, ready)
+
+
+def _run_cluster(cluster, args: argparse.Namespace, ready: Callable[[object], None],
+                 failed: Callable[[], Optional[str]] = lambda: None) -> int:
+    """Start ``cluster`` with its supervisor (and planner), ``ready(planner)``, run until a signal, stop."""
     loops: list = []
 
     def start() -> None:
         cluster.start()
         loops.extend(_start_loops(cluster, args))
 
-    def ready() -> None:
-        _wait_router(cluster.router_address, args)
-        _print_endpoints(cluster, loops[1], args, _secret_source(args, cluster_secret))
-
     def stop() -> None:
         _stop_loops(loops)
-        cluster.stop()
+        cluster.stop()  # a detached controller's stop leaves the workers serving
 
-    return run_until_signal(start, ready, stop)
+    return run_until_signal(start, lambda: ready(loops[1]), stop, failed)
 
 
 def cmd_controller(args: argparse.Namespace) -> int:
@@ -527,32 +534,22 @@ def cmd_controller(args: argparse.Namespace) -> int:
     cfg = ClusterConfig(**_pool_config_kwargs(args), redis_url=redis_url, cluster_secret=cluster_secret,
                         detached=True, router_factory=False, start_timeout_s=args.ready_timeout)
     cluster = Cluster(cfg)
-    loops: list = []
 
-    def start() -> None:
-        cluster.start()
-        loops.extend(_start_loops(cluster, args))
-
-    def ready() -> None:
+    def ready(planner) -> None:
         pools = " ".join(f"{r}={','.join(cluster.worker_ids(r))}" for r in ("prefill", "decode", "colocated")
                          if cluster.worker_ids(r))
         lines = [f"pdserve CONTROLLING deployment={cluster.namespace} generation={cluster.generation}",
                  f"  workers  {pools} (device {cluster.config.device}; detached: they outlive this process)",
                  f"  adopted  {', '.join(cluster.adopted) or 'none'}",
                  f"  redis    {cluster.display_redis_url}"]
-        if loops[1] is not None:
-            bounds = ", ".join(f"{r} {'..'.join(map(str, loops[1].config.bounds(r)))}" for r in loops[1].roles())
-            lines.append(f"  planner  {bounds} (every {loops[1].config.interval_s:g} s)")
+        if planner is not None:
+            lines.append(_planner_line(planner))
         print("\n".join(lines), flush=True)
-
-    def stop() -> None:
-        _stop_loops(loops)
-        cluster.stop()  # detached: leaves the workers serving
 
     def failed() -> Optional[str]:
         return "another controller took the deployment's lease" if cluster.lease_lost else None
 
-    return run_until_signal(start, ready, stop, failed)
+    return _run_cluster(cluster, args, ready, failed)
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -624,6 +621,10 @@ def _print_endpoints(cluster, planner, args: argparse.Namespace, secret_source: 
                      if cluster.worker_ids(r))
     lines.append(f"  workers  {pools} ({cluster.config.mode}, device {cluster.config.device})")
     if planner is not None:
-        bounds = ", ".join(f"{r} {'..'.join(map(str, planner.config.bounds(r)))}" for r in planner.roles())
-        lines.append(f"  planner  {bounds} (every {planner.config.interval_s:g} s)")
+        lines.append(_planner_line(planner))
     print("\n".join(lines), flush=True)
+
+
+def _planner_line(planner) -> str:
+    bounds = ", ".join(f"{r} {'..'.join(map(str, planner.config.bounds(r)))}" for r in planner.roles())
+    return f"  planner  {bounds} (every {planner.config.interval_s:g} s)"

@@ -24,6 +24,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from tests.e2e.helpers import generate, offline
 from tests.e2e.test_pdserve_up import UpProcess, _pdserve
+from tests.multinode.ray_nodes import procs_of
 
 # Token auth would need the head's token in the driver's environment; this private head is loopback-only.
 ENV = dict(os.environ, RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1")
@@ -45,14 +46,7 @@ def ray_head():
     port, client_port = ports
 
     def head_procs() -> list[psutil.Process]:
-        found = []
-        for p in psutil.process_iter(["cmdline"]):
-            try:
-                if tmp in " ".join(p.info["cmdline"] or []):
-                    found.append(p)
-            except psutil.Error:
-                pass
-        return found
+        return procs_of(tmp, port)
 
     r = subprocess.run([_ray_cli(), "start", "--head", f"--port={port}", f"--ray-client-server-port={client_port}",
                         "--num-cpus=4",

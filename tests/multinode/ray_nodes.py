@@ -56,12 +56,14 @@ def _ray_cli() -> str:
     return os.path.join(os.path.dirname(_pdserve()[0]), "ray")
 
 
-def procs_of(tmp: str) -> list[psutil.Process]:
-    """Every process whose command line names ``tmp`` (this head's private temp dir)."""
+def procs_of(tmp: str, gcs_port: int = 0) -> list[psutil.Process]:
+    """Every process whose command line names ``tmp`` (this head's private temp dir) and, with ``gcs_port``,
+    the Ray client servers of that head (their command lines name its GCS address, not the temp dir)."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if tmp in " ".join(p.info["cmdline"] or []):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if tmp in cmd or (gcs_port and "ray.util.client.server" in cmd and f":{gcs_port} " in cmd + " "):
                 found.append(p)
         except psutil.Error:
             pass
@@ -87,7 +89,7 @@ def autoscaling_head(node_types: dict) -> Iterator[str]:
         assert r.returncode == 0, r.stderr[-3000:]
         yield address
     finally:
-        procs = procs_of(tmp)
+        procs = procs_of(tmp, port)
         for p in procs:
             with contextlib.suppress(psutil.Error):
                 p.terminate()

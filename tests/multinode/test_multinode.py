@@ -73,6 +73,21 @@ def _node_of(registry: Registry, worker_id: str) -> str:
     return info.node_id
 
 
+def _wait_ready(registry: Registry, worker_id: str, timeout: float) -> None:
+    _wait_for(lambda: registry.get(worker_id) is not None and registry.get(worker_id).ready, timeout,
+              f"{worker_id} registered and ready")
+
+
+def _serve_more_then_stop(load: Load, up: UpProcess, more: int) -> None:
+    """``more`` requests served after the event, every result equal to offline, then a clean SIGTERM."""
+    served = len(load.results)
+    _wait_for(lambda: len(load.results) >= served + more, 180, "requests served after the event")
+    load.stop()
+    load.check_equal_offline()
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(120) == 0, up.tail()
+
+
 def _up(address: str, redis_url: str, ns: str, *args: str) -> UpProcess:
     return UpProcess("--address", address, "--namespace", ns, "--check-interval", "0.5", *args,
                      env=dict(ENV, PDSERVE_REDIS_URL=redis_url))
@@ -98,15 +113,9 @@ def test_pools_on_their_node_types_and_a_lost_node_is_replaced_on_a_survivor(red
             port = int(registry.get("decode-0").grpc_address.rpartition(":")[2])
             raylet = raylet_of_port(port)
             raylet.send_signal(signal.SIGKILL)
-            _wait_for(lambda: registry.get("decode-1") is not None and registry.get("decode-1").ready, 180,
-                      "a replacement decode worker")
+            _wait_ready(registry, "decode-1", 180)
             assert _node_of(registry, "decode-1") in survivors
-            served = len(load.results)
-            _wait_for(lambda: len(load.results) >= served + 6, 180, "requests served after the replacement")
-            load.stop()
-            load.check_equal_offline()
-            up.proc.send_signal(signal.SIGTERM)
-            assert up.proc.wait(120) == 0, up.tail()
+            _serve_more_then_stop(load, up, 6)
         finally:
             if load is not None:
                 load.stop()
@@ -128,19 +137,13 @@ def test_planner_growing_past_the_nodes_makes_the_autoscaler_add_a_node(redis_ur
             up.wait_serving(300)
             prompts = [p for p in mixed_prompts(40) if 150 < len(p) < 300][:6]
             load = Load(up.router, 4, prompts, max_tokens=64, temperature=0.0, ignore_eos=True)
-            _wait_for(lambda: registry.get("decode-1") is not None and registry.get("decode-1").ready, 300,
-                      "the planner's second decode worker")
+            _wait_ready(registry, "decode-1", 300)
             grown = wait_nodes(address, {"decode": 2}, 60)
             new_node = _node_of(registry, "decode-1")
             assert new_node not in before, "decode-1 should run on a node the autoscaler added"
             assert "decode" in {n["id"]: n["resources"] for n in grown}[new_node]
             assert new_node != _node_of(registry, "decode-0")
-            served = len(load.results)
-            _wait_for(lambda: len(load.results) >= served + 4, 180, "requests served after the scale-up")
-            load.stop()
-            load.check_equal_offline()
-            up.proc.send_signal(signal.SIGTERM)
-            assert up.proc.wait(120) == 0, up.tail()
+            _serve_more_then_stop(load, up, 4)
         finally:
             if load is not None:
                 load.stop()
