@@ -76,9 +76,6 @@ def test_broken_kustomization_fails_to_build(tmp_path):
 
 @needs_kustomize
 def test_dashboard_configmap():
-    if not (K8S / "dashboards" / "pdserve.json").exists():
-        pytest.skip("k8s/dashboards/pdserve.json is not in the tree yet (the dashboard is written separately); "
-                    "k8s/dashboards/kustomization.yaml generates its ConfigMap once it is")
     docs = render(K8S / "dashboards")
     cm = one(docs, "ConfigMap", "pdserve-dashboard")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
