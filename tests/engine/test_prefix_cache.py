@@ -137,6 +137,26 @@ def test_seeded_sampling_is_the_same_with_a_cached_prefix(checkpoint):
     assert eng.prefix_cache_hits == 28
 
 
+def _hand_off(p_eng, path, prompt, params):
+    """Prefill ``prompt`` as request "r" on ``p_eng`` (prefill-only), copy its K/V into a fresh engine's
+    reserved blocks (what kvtransfer does), release it on ``p_eng`` and add it there as prefilled; returns
+    (the decode engine, the first token)."""
+    p_eng.add_request("r", prompt, params, prefill_only=True)
+    first = None
+    while p_eng.has_unfinished_requests():
+        for o in p_eng.step():
+            first = o.new_token_ids[0]
+    table = p_eng.get_block_table("r")
+    d_eng = make_engine(path, block_size=BS)
+    d_table = d_eng.reserve("r", len(prompt))
+    for (pk, pv), (dk, dv) in zip(p_eng.kv_caches, d_eng.kv_caches):
+        dk[d_table] = pk[table[:len(d_table)]]
+        dv[d_table] = pv[table[:len(d_table)]]
+    p_eng.release("r")
+    d_eng.add_prefilled_request("r", prompt, first, params)
+    return d_eng, first
+
+
 def test_prefill_only_request_reuses_cache_and_hands_off_full_kv(checkpoint):
     """The prefill role: a cached prefix is not recomputed, yet the held block table covers the
     whole prompt, so the hand-off ships every token's K/V (checked by decoding from a copy)."""
@@ -145,21 +165,9 @@ def test_prefill_only_request_reuses_cache_and_hands_off_full_kv(checkpoint):
     prompt = prompts_of([27], seed=14)[0]
     run_engine(p_eng, {"warm": prompt[:20] + [9]}, greedy(1))
     hits = p_eng.prefix_cache_hits
-    p_eng.add_request("r", prompt, greedy(10), prefill_only=True)
-    first = None
-    while p_eng.has_unfinished_requests():
-        for o in p_eng.step():
-            first = o.new_token_ids[0]
+    d_eng, first = _hand_off(p_eng, path, prompt, greedy(10))
     assert p_eng.prefix_cache_hits - hits == 20
-    table = p_eng.get_block_table("r")
-    d_eng = make_engine(path, block_size=BS)
-    d_table = d_eng.reserve("r", len(prompt))
-    for (pk, pv), (dk, dv) in zip(p_eng.kv_caches, d_eng.kv_caches):
-        dk[d_table] = pk[table[:len(d_table)]]
-        dv[d_table] = pv[table[:len(d_table)]]
-    p_eng.release("r")
     assert p_eng.num_free_blocks == p_eng.num_total_blocks
-    d_eng.add_prefilled_request("r", prompt, first, greedy(10))
     out = [first]
     while d_eng.has_unfinished_requests():
         for o in d_eng.step():
@@ -173,21 +181,8 @@ def test_arrived_kv_is_in_the_prefix_cache_for_sibling_requests(checkpoint):
     the prefix cache at once, so a sibling added right after reuses them (only the tail is computed) and both
     continue exactly as transformers does from the full prompt."""
     path, hf = checkpoint
-    p_eng = make_engine(path, block_size=BS)
     prompt = prompts_of([23], seed=21)[0]  # 5 full blocks of 4 + 3 tokens
-    p_eng.add_request("r", prompt, greedy(6), prefill_only=True)
-    first = None
-    while p_eng.has_unfinished_requests():
-        for o in p_eng.step():
-            first = o.new_token_ids[0]
-    table = p_eng.get_block_table("r")
-    d_eng = make_engine(path, block_size=BS)
-    d_table = d_eng.reserve("r", len(prompt))
-    for (pk, pv), (dk, dv) in zip(p_eng.kv_caches, d_eng.kv_caches):
-        dk[d_table] = pk[table[:len(d_table)]]
-        dv[d_table] = pv[table[:len(d_table)]]
-    p_eng.release("r")
-    d_eng.add_prefilled_request("r", prompt, first, greedy(6))
+    d_eng, first = _hand_off(make_engine(path, block_size=BS), path, prompt, greedy(6))
     d_eng.add_request("r#1", prompt, greedy(6))  # before any step
     outs: dict = {"r": [first], "r#1": []}
     cached = {}

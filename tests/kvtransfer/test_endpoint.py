@@ -194,20 +194,25 @@ def test_bad_arguments_raise_value_error_naming_field(pair):
             KVEndpoint("x", InprocStore(), backend="nccl")
 
 
+def _send_13_tokens(p: KVEndpoint, d: KVEndpoint) -> None:
+    """p0 -> d0: request r1's 13 tokens, every layer, landing intact in d0's blocks 3, 4, 5."""
+    src, dst = make_cache(SRC), make_cache(DST)
+    hr = d.recv("p0", "r1", dst, [3, 4, 5], 13)
+    hs = p.send("d0", "r1", src, [9, 1, 2, 7], 13)
+    for i in range(3):
+        p.layer_ready(hs, i)
+    assert p.wait(hs, 10) == DONE, p.failure(hs)
+    assert d.wait(hr, 10) == DONE, d.failure(hr)
+    assert token_checksum(src, [9, 1, 2, 7], 13) == token_checksum(dst, [3, 4, 5], 13)
+
+
 def test_gloo_pairs_rendezvous_through_redis(redis_url, redis_namespace):
     """Two endpoints in one process, gloo groups in threads, rendezvous on a real Redis server."""
     cfg = StoreConfig(redis_url, namespace=f"{redis_namespace}:kvt")
     p = KVEndpoint("p0", cfg, backend="gloo", timeout_s=5.0)
     d = KVEndpoint("d0", cfg, backend="gloo", timeout_s=5.0)
     try:
-        src, dst = make_cache(SRC), make_cache(DST)
-        hr = d.recv("p0", "r1", dst, [3, 4, 5], 13)
-        hs = p.send("d0", "r1", src, [9, 1, 2, 7], 13)
-        for i in range(3):
-            p.layer_ready(hs, i)
-        assert p.wait(hs, 10) == DONE, p.failure(hs)
-        assert d.wait(hr, 10) == DONE, d.failure(hr)
-        assert token_checksum(src, [9, 1, 2, 7], 13) == token_checksum(dst, [3, 4, 5], 13)
+        _send_13_tokens(p, d)
         import redis
         keys = redis.Redis.from_url(redis_url).keys(f"{redis_namespace}:kvt/*")
         assert any(b"/inc/p0" in k for k in keys) and any(b"/offer/p0>d0" in k for k in keys)
@@ -230,13 +235,7 @@ def test_gloo_pairs_listen_and_connect_on_the_given_host_only(redis_url, redis_n
     d = KVEndpoint("d0", StoreConfig(redis_url, namespace=f"{redis_namespace}:kvt"), backend="gloo",
                    timeout_s=5.0, host="127.0.0.2")
     try:
-        src, dst = make_cache(SRC), make_cache(DST)
-        hr = d.recv("p0", "r1", dst, [3, 4, 5], 13)
-        hs = p.send("d0", "r1", src, [9, 1, 2, 7], 13)
-        for i in range(3):
-            p.layer_ready(hs, i)
-        assert p.wait(hs, 10) == DONE, p.failure(hs)
-        assert d.wait(hr, 10) == DONE, d.failure(hr)
+        _send_13_tokens(p, d)
         redis_port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
         new = [c for c in me.net_connections("tcp") if (c.laddr, c.raddr) not in before
                and redis_port not in (c.laddr.port, c.raddr.port if c.raddr else None)]
