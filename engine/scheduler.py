@@ -15,7 +15,10 @@ Policy, each step (vLLM v1 style, decode-first, mixed batches):
    sequence, the next chunk for one still prefilling. A sequence that needs a new
    block when none is free preempts the most recently admitted running sequence
    (recompute: its blocks are freed and it goes to the FRONT of the waiting
-   queue with prompt + generated tokens to re-prefill), possibly itself.
+   queue with prompt + generated tokens to re-prefill), possibly itself. Then
+   decoding sequences with speculative drafts (``spec_token_ids``) get as many
+   extra positions as the leftover budget and free blocks allow (never by
+   preempting; none if anyone was preempted); they run as ``verifies``.
 2. If nothing was preempted, waiting sequences are admitted in FIFO order with
    the leftover budget; the first one that cannot get blocks for its chunk stops
    admission (new work waits, no overtaking). With prefix caching a sequence
@@ -166,13 +169,6 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if seq.spec_token_ids:
-                # a decoding sequence with drafts: its last token plus as many drafts as budget and blocks
-                # allow (drafts go first when blocks are short: nobody is preempted for a guess)
-                del seq.spec_token_ids[max(0, budget - 1):]
-                if seq.spec_token_ids and not self.bm.ensure(seq.block_table,
-                                                             seq.num_computed + 1 + len(seq.spec_token_ids)):
-                    seq.spec_token_ids.clear()
             while not self.bm.ensure(seq.block_table, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -181,13 +177,10 @@ class Scheduler:
                     break
             if seq.status != SeqStatus.RUNNING:
                 break  # seq preempted itself: it was the last running one
-            if seq.spec_token_ids:
-                out.verifies.append(seq)
-                budget -= 1 + len(seq.spec_token_ids)
-            else:
-                self._take(out, seq, n)
-                budget -= n
+            self._take(out, seq, n)
+            budget -= n
             i += 1
+        budget = self._add_drafts(out, budget)
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
@@ -208,6 +201,27 @@ class Scheduler:
             self._take(out, seq, n)
             budget -= n
         return out
+
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> int:
+        """Second pass over this step's decodes: a sequence with drafts verifies as many as the budget and the
+        free blocks left allow, once every running sequence has its own token (so drafts never preempt
+        anyone, and are dropped when either is short or someone was preempted). Returns the budget left."""
+        decoding = {id(s) for s in out.decodes}
+        for seq in self.running:
+            if id(seq) not in decoding:
+                seq.spec_token_ids.clear()  # not decoding this step: no stale drafts
+        plain = []
+        for seq in out.decodes:
+            spec = seq.spec_token_ids
+            del spec[budget:]
+            if spec and not out.preempted and self.bm.ensure(seq.block_table, seq.num_computed + 1 + len(spec)):
+                out.verifies.append(seq)
+                budget -= len(spec)
+            else:
+                spec.clear()
+                plain.append(seq)
+        out.decodes = plain
+        return budget
 
     def _take_cached_prefix(self, seq: Sequence) -> Optional[int]:
         """Give a sequence with nothing computed the cached blocks of its longest cached prefix.

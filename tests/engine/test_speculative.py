@@ -289,3 +289,35 @@ def test_stop_strings_cut_multi_token_steps_like_plain_decoding():
     assert want.finish_reason == "stop" and len(want.text) < len(base_out.text)
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
     assert llm.llm_engine.num_free_blocks == llm.llm_engine.num_total_blocks
+
+
+def test_drafts_never_take_the_block_another_sequence_needs_for_its_own_token():
+    """One free block; sequence A's drafts would need it, sequence B needs it for its next token. B gets it,
+    A decodes without drafts, nobody is preempted (drafts used to be given blocks first, which preempted B)."""
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler, SeqStatus, Sequence
+
+    bm = BlockManager(3, 4, enable_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a = Sequence("a", [1, 2, 3], GREEDY, token_ids=[1, 2, 3, 4])  # 4 tokens, 3 computed: 1 block holds them
+    b = Sequence("b", [5, 6, 7, 8], GREEDY, token_ids=[5, 6, 7, 8, 9])  # 5 tokens, 4 computed: needs block 2
+    for seq, computed in ((a, 3), (b, 4)):
+        seq.num_computed = computed
+        seq.block_table = bm.allocate(1)
+        seq.status = SeqStatus.RUNNING
+        sched.running.append(seq)
+    a.spec_token_ids = [7, 7, 7]
+    out = sched.schedule()
+    assert out.preempted == [] and out.verifies == []
+    assert [s.request_id for s in out.decodes] == ["a", "b"]
+    assert a.spec_token_ids == [] and len(b.block_table) == 2
+    # with a block to spare, the same drafts are verified (trimmed to what the budget allows)
+    bm2 = BlockManager(4, 4, enable_caching=False)
+    sched2 = Scheduler(bm2, max_num_seqs=8, max_num_batched_tokens=4)
+    for seq in (a, b):
+        seq.block_table = bm2.allocate(1)
+        sched2.running.append(seq)
+    b.num_computed = 4
+    a.spec_token_ids = [7, 7, 7]
+    out = sched2.schedule()
+    assert out.preempted == [] and [s.request_id for s in out.verifies] == ["a"] and a.spec_token_ids == [7, 7]
