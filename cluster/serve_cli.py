@@ -224,8 +224,16 @@ def _check_router_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--http-port must be in [0, 65535] (0 turns the HTTP API off), got {args.http_port}")
     if args.http_port:
         _check_port_free(args.host, args.http_port, "--http-port")
+    if not 0 <= args.health_port < 65536:
+        raise ValueError(f"--health-port must be in [0, 65535] (0: none), got {args.health_port}")
     if args.health_port:
         _check_port_free(args.host, args.health_port, "--health-port")
+    given = [(f, p) for f, p in (("--port", args.port), ("--http-port", args.http_port),
+                                 ("--health-port", args.health_port)) if p]
+    for i, (f1, p1) in enumerate(given):
+        for f2, p2 in given[i + 1:]:
+            if p1 == p2:
+                raise ValueError(f"{f2} {p2} is also {f1}: give each listener its own port")
     from router.config import RouterConfig
 
     _check_config(RouterConfig, _router_overrides(args))

@@ -15,12 +15,25 @@ from cluster.cli import _check_up_args, _router_overrides, build_parser
     (["--max-num-requests", "0"], "--max-num-requests"),
     (["--max-num-requests", "256"], "--max-num-requests"),  # must stay below the router's 256 RPC threads
     (["--check-interval", "0"], "--check-interval"),
+    (["--planner-interval", "0"], "--planner-interval"),
+    (["--speculative-method", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens"),
+    (["--speculative-method", "ngram", "--prompt-lookup-min", "0"], "--prompt-lookup-min"),
+    (["--health-port", "70000"], "--health-port"),
 ])
 def test_bad_flag_is_named(argv, flag):
     args = build_parser().parse_args(["up", *argv])
     with pytest.raises(ValueError) as e:
         _check_up_args(args)
     assert str(e.value).startswith(flag + " must be")
+
+
+def test_one_port_for_two_listeners_is_refused():
+    from cluster.redis_server import pick_free_port
+
+    port = pick_free_port()
+    args = build_parser().parse_args(["up", "--port", str(port), "--http-port", "0", "--health-port", str(port)])
+    with pytest.raises(ValueError, match=f"--health-port {port} is also --port"):
+        _check_up_args(args)
 
 
 def test_defaults_pass():

@@ -92,12 +92,12 @@ def test_workers_outlive_routers_and_controllers(ray_head, redis_url, tmp_path):
         assert _workers(registry) == first  # the same worker processes: ids and their bound ports
 
         assert _stop(c1) == 0, c1.tail()
-        stop_at = time.monotonic()
+        stop_at, stop_wall = time.monotonic(), time.time()  # updated_at is wall-clock (unix) time
         # Several registry TTLs (3 s) later the records are still refreshed: the workers heartbeat on their own.
         _wait_for(lambda: time.monotonic() - stop_at > 10 and _workers(registry) == first, 60,
                   "workers still registered 10 s after their controller left")
         _greedy_equal_offline(r2.router)
-        assert registry.get(f"decode-{gen1}-0").updated_at > stop_at + 5
+        assert registry.get(f"decode-{gen1}-0").updated_at > stop_wall + 5
 
         c2 = spawn("controller", *pool[:-2], "--decode", "2")
         c2.wait_serving(240)
