@@ -21,13 +21,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from cluster.serve_cli import (  # noqa: F401  (re-exported: the flags' names and checks live there)
-    BUILTIN_MODELS, CLUSTER_SECRET_ENV, REDIS_URL_ENV, SECRET_ENVS, _check_up_args, _redis_url, _router_overrides,
-    _up_secrets, add_serve_commands, cmd_controller, cmd_router, cmd_up, wait_serving)
+from cluster.serve_cli import REDIS_URL_ENV, _redis_url, add_serve_commands, cmd_controller, cmd_router, cmd_up
 from loadtest.auth import add_client_auth_args, client_auth_from_args
-
-__all__ = ["BUILTIN_MODELS", "CLUSTER_SECRET_ENV", "REDIS_URL_ENV", "SECRET_ENVS", "build_parser", "cmd_down",
-           "cmd_generate", "main", "wait_serving", "_check_up_args", "_router_overrides", "_up_secrets"]
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.cli import _check_up_args, _router_overrides, build_parser
+from cluster.cli import build_parser
+from cluster.serve_cli import _check_up_args, _router_overrides
 
 
 @pytest.mark.parametrize("argv, flag", [

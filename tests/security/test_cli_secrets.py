@@ -10,7 +10,8 @@ import subprocess
 
 import pytest
 
-from cluster import cli
+from cluster import serve_cli as cli
+from cluster.cli import build_parser
 from cluster.config import ClusterConfig
 from cluster.worker_actor import WorkerSpec
 from loadtest.auth import ClientAuth, client_auth_from_args
@@ -20,7 +21,7 @@ SECRET = "s3cret-" + "x" * 24
 
 
 def _up_args(*argv: str) -> argparse.Namespace:
-    return cli.build_parser().parse_args(["up", *argv])
+    return build_parser().parse_args(["up", *argv])
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ import psutil
 import pytest
 import redis
 
-from cluster.cli import wait_serving
+from cluster.serve_cli import wait_serving
 from engine.sampling_params import SamplingParams
 from loadtest.auth import ClientAuth
 from tests.e2e.helpers import offline
