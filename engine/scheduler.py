@@ -206,6 +206,8 @@ class Scheduler:
         """Second pass over this step's decodes: a sequence with drafts verifies as many as the budget and the
         free blocks left allow, once every running sequence has its own token (so drafts never preempt
         anyone, and are dropped when either is short or someone was preempted). Returns the budget left."""
+        if not any(s.spec_token_ids for s in self.running):
+            return budget  # no speculation this step (or at all): nothing to do
         decoding = {id(s) for s in out.decodes}
         for seq in self.running:
             if id(seq) not in decoding:
