@@ -62,7 +62,7 @@ def test_workers_outlive_routers_and_controllers(ray_head, redis_url, tmp_path):
     # The GCS address. The Ray client (ray://, what k8s/ uses) passed this test in three local runs, then failed
     # once in a fresh-clone CI run: Ray's proxy could not start its per-client server ("Starting Ray client
     # server failed") under load, so CI does not depend on it (docs/deploy.md says what was checked).
-    address, _, _ = ray_head
+    address, _ = ray_head
     ns = f"deploy-{uuid.uuid4().hex[:8]}"
     env = dict(ENV, PDSERVE_REDIS_URL=redis_url, PDSERVE_CLUSTER_SECRET=secrets.token_urlsafe(32))
     pool = ("--address", address, "--namespace", ns, "--num-kv-blocks", "64", "--check-interval", "0.5")

@@ -36,26 +36,22 @@ def _ray_cli() -> str:
 
 @pytest.fixture
 def ray_head():
-    """(GCS address, a function listing the head's processes, Ray client address ray://...)."""
+    """(GCS address, a function listing the head's processes)."""
     tmp = tempfile.mkdtemp(prefix="pdh", dir="/tmp")
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    port, client_port = ports
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
 
     def head_procs() -> list[psutil.Process]:
         return procs_of(tmp, port)
 
-    r = subprocess.run([_ray_cli(), "start", "--head", f"--port={port}", f"--ray-client-server-port={client_port}",
-                        "--num-cpus=4",
+    r = subprocess.run([_ray_cli(), "start", "--head", f"--port={port}", "--num-cpus=4",
                         "--resources", '{"prefill": 1, "decode": 1}', f"--temp-dir={tmp}",
                         "--include-dashboard=false", "--disable-usage-stats"],
                        capture_output=True, text=True, timeout=120, env=ENV)
     try:
         assert r.returncode == 0, r.stderr[-2000:]
-        yield f"127.0.0.1:{port}", head_procs, f"ray://127.0.0.1:{client_port}"
+        yield f"127.0.0.1:{port}", head_procs
     finally:
         procs = head_procs()
         for p in procs:
@@ -89,7 +85,7 @@ def _wait_status(address: str, patterns: tuple[str, ...], timeout: float) -> str
 
 
 def test_pdserve_up_joins_ray_and_places_pools_by_resource(ray_head):
-    address, head_procs, _ = ray_head
+    address, head_procs = ray_head
     head_before = {p.pid for p in head_procs()}
     up = UpProcess("--address", address, "--num-kv-blocks", "64", env=ENV)
     try:
