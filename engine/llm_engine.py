@@ -73,7 +73,17 @@ class LLMEngine:
         self._num_steps = 0
         self._num_scheduled_tokens = 0
         self.spec_config = config.speculative_config
-        self._proposer = NgramProposer(self.spec_config) if self.spec_config is not None else None
+        self._proposer = None
+        if self.spec_config is not None and self.spec_config.method == "draft_model":
+            from engine.draft_model import DraftModelProposer
+
+            # as many draft blocks as target blocks, plus room for every sequence's k drafts past its end
+            k = self.spec_config.num_speculative_tokens
+            extra = config.max_num_seqs * (self.block_manager.blocks_for(k) + 1)
+            self._proposer = DraftModelProposer(config, self.spec_config.model, mc.vocab_size, n_blocks + extra,
+                                                self.block_size, self.max_model_len)
+        elif self.spec_config is not None:
+            self._proposer = NgramProposer(self.spec_config)
         self.spec_stats = SpecDecodeStats()
         """Speculative decoding counters (drafts, draft tokens, accepted tokens, per position)."""
         logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d",
@@ -164,6 +174,8 @@ class LLMEngine:
         if seq is None:
             return
         self.scheduler.finish(seq)
+        if self._proposer is not None:
+            self._proposer.release(request_id)
         self._pending = [o for o in self._pending if o.request_id != request_id]
         logger.debug("request %s aborted", request_id)
 
@@ -247,6 +259,8 @@ class LLMEngine:
     def _propose(self) -> None:
         """Draft tokens for every running sequence that decodes this step (one token left to compute)."""
         k = self.spec_config.num_speculative_tokens
+        todo: list[Sequence] = []
+        items = []
         for seq in self.scheduler.running:
             seq.spec_token_ids = []
             if seq.prefill_only or seq.num_tokens - seq.num_computed != 1:
@@ -255,7 +269,10 @@ class LLMEngine:
             room = min(k, seq.params.max_tokens - len(seq.output_token_ids) - 1,
                        self.max_model_len - seq.num_tokens - 1)
             if room > 0:
-                seq.spec_token_ids = self._proposer.propose(seq.token_ids, room)
+                todo.append(seq)
+                items.append((seq.request_id, seq.token_ids, room))
+        for seq, drafts in zip(todo, self._proposer.propose_many(items)):
+            seq.spec_token_ids = drafts
 
     def _layer_hook(self, sched: SchedulerOutput) -> Optional[Callable[[int], None]]:
         cb = self.layer_done_callback
@@ -320,6 +337,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
+        if self._proposer is not None:
+            self._proposer.release(seq.request_id)
         self._seqs.pop(seq.request_id, None)
 
     # -- validation -----------------------------------------------------------------------------

@@ -2,8 +2,10 @@
 
 Lifecycle: ``SpeculativeConfig.parse(EngineConfig.speculative_config)`` once at
 engine start (vLLM's dict: ``{"method": "ngram", "num_speculative_tokens": k,
-"prompt_lookup_min": 1, "prompt_lookup_max": 4}``). Every step, before
-scheduling, the engine asks the ``NgramProposer`` for up to k draft tokens per
+"prompt_lookup_min": 1, "prompt_lookup_max": 4}`` or ``{"method": "draft_model",
+"model": "tiny-draft", "num_speculative_tokens": k}``). Every step, before
+scheduling, the engine asks its proposer (``NgramProposer`` here, or
+``engine.draft_model.DraftModelProposer``) for up to k draft tokens per
 decoding sequence (``Sequence.spec_token_ids``); the scheduler gives such a
 sequence 1 + k query positions (its last token and the drafts) when the step's
 budget and blocks allow; the model runner computes logits at all of them in one
@@ -15,7 +17,7 @@ draft). The engine advances the sequence by what was accepted and frees the
 blocks that only rejected drafts used (their stale K/V slots beyond the
 sequence's length are never attended to and are overwritten later).
 
-Why this is lossless, also for sampling: an n-gram draft is deterministic (its
+Why this is lossless, also for sampling: an n-gram or greedy-draft-model draft is deterministic (its
 distribution q is one-hot on the draft d), so Leviathan et al.'s rule "accept d
 with probability min(1, p(d)/q(d)) = p(d), else draw from max(p - q, 0)
 normalised" is exactly "draw x ~ p; accept if x == d, else emit x". Each
@@ -46,21 +48,25 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     """"ngram" (prompt lookup: the continuation of the latest earlier occurrence of the context's last n
-    tokens); "draft_model" is not available yet (it needs a trained draft for the built-in models)."""
+    tokens) or "draft_model" (the greedy continuation of a small model sharing the target's tokenizer,
+    ``engine.draft_model``; inferred when only ``model`` is given)."""
     num_speculative_tokens: int = 4
     """Draft tokens proposed per step (k)."""
     prompt_lookup_min: int = 1
-    """Shortest suffix n-gram to look up."""
+    """Shortest suffix n-gram to look up (method "ngram")."""
     prompt_lookup_max: int = 4
-    """Longest suffix n-gram to look up (longer matches are tried first)."""
+    """Longest suffix n-gram to look up (longer matches are tried first; method "ngram")."""
     model: Optional[str] = None
     """The draft model (method "draft_model")."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {METHODS}, got {self.method!r}")
-        if self.method == "draft_model":
-            raise ValueError("speculative_config.method 'draft_model' is not implemented yet; use 'ngram'")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise ValueError("speculative_config.model must name the draft model (a built-in name such as "
+                             "'tiny-draft' or a HF directory) when method is 'draft_model'")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError("speculative_config.model is only used with method 'draft_model'")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer in [1, 16], got {k!r}")
@@ -82,6 +88,8 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        if "model" in value and "method" not in value:
+            value = {**value, "method": "draft_model"}  # as vLLM infers it
         return cls(**value)
 
 
@@ -105,6 +113,14 @@ class NgramProposer:
                 start = int(hits[-1]) + n  # the latest occurrence: its continuation is the freshest guess
                 return arr[start:start + k].tolist()
         return []
+
+
+    def propose_many(self, items: Seq[tuple[str, Seq[int], int]]) -> list[list[int]]:
+        """Drafts for each (request_id, token_ids, room) (the proposers' common interface)."""
+        return [self.propose(toks, room) for _, toks, room in items]
+
+    def release(self, request_id: str) -> None:
+        """A request ended (n-grams keep no per-request state)."""
 
 
 def accept(drafts: Seq[int], sampled: Seq[int]) -> list[int]:

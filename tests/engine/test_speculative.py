@@ -1,7 +1,7 @@
 """Speculative decoding in the engine: proposals, acceptance, and outputs identical to plain decoding.
 
-The built-in ``tiny`` model has random weights, so its text never repeats and real n-gram drafts are
-almost never accepted. To exercise verification, acceptance and rollback for real, most engine tests
+Real drafts (n-grams here, the trained draft model in test_draft_model.py) are right only sometimes.
+To exercise verification, acceptance and rollback on every path, most engine tests
 swap in an *oracle* proposer that drafts the plain engine's own continuation (every draft is right),
 optionally with a wrong token at a chosen draft position (everything from there is rejected). Every
 output is compared with the plain engine on the same prompts: greedy tokens, seeded sampled tokens and
@@ -69,7 +69,8 @@ def test_stats():
 
 @pytest.mark.parametrize("cfg, match", [
     ({"method": "eagle"}, "method must be one of"),
-    ({"method": "draft_model", "model": "tiny"}, "not implemented yet"),
+    ({"method": "draft_model"}, "speculative_config.model must name the draft"),
+    ({"method": "ngram", "model": "tiny-draft"}, "only used with method 'draft_model'"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"k": 4}, "unknown key"),
@@ -83,7 +84,7 @@ def test_bad_configs_name_the_field(cfg, match):
 
 
 # ---- the engine -----------------------------------------------------------------------------------------
-class Oracle:
+class Oracle(NgramProposer):
     """Drafts the plain engine's continuation of each prompt; ``wrong_at``: that draft position is wrong."""
 
     def __init__(self, refs: dict[tuple, list[int]], vocab: int, wrong_at: Optional[int] = None) -> None:
@@ -112,9 +113,17 @@ def _base() -> LLM:
 
 
 def _run(llm: LLM, prompts, params):
-    outs = llm.generate(prompts, params)
-    return [(o.token_ids, o.finish_reason, [(lp.token_id, round(lp.logprob, 4)) for lp in (o.logprobs or [])])
-            for o in outs]
+    """Per prompt: tokens, finish reason and (token, logprob) pairs; compare results with ``_same``."""
+    return [(o.token_ids, o.finish_reason, [(lp.token_id, lp.logprob) for lp in (o.logprobs or [])])
+            for o in llm.generate(prompts, params)]
+
+
+def _same(a, b) -> bool:
+    """Identical tokens and finish reasons; logprobs within 1e-4 (a verification computes them in a
+    differently shaped batch than plain decoding, so the last float bits may differ)."""
+    return len(a) == len(b) and all(
+        x[:2] == y[:2] and [t for t, _ in x[2]] == [t for t, _ in y[2]]
+        and all(abs(p - q) < 1e-4 for (_, p), (_, q) in zip(x[2], y[2])) for x, y in zip(a, b))
 
 
 def _spec_llm(oracle_wrong_at: Optional[int] = "none", params=None, prompts=PROMPTS, **kw) -> LLM:
@@ -136,7 +145,7 @@ SEEDED = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=11, ign
 def test_outputs_equal_plain_decoding_and_acceptance_matches_the_drafts(params, wrong_at):
     llm = _spec_llm(wrong_at, params)
     eng = llm.llm_engine
-    assert _run(llm, PROMPTS, params) == _run(_base(), PROMPTS, params)
+    assert _same(_run(llm, PROMPTS, params), _run(_base(), PROMPTS, params))
     st = eng.spec_stats
     assert st.num_drafts > 0
     want = {None: st.num_draft_tokens, 0: 0}.get(wrong_at)
@@ -153,7 +162,7 @@ def test_outputs_equal_plain_decoding_and_acceptance_matches_the_drafts(params, 
 def test_real_ngram_proposer_keeps_outputs_identical():
     prompts = ["a b a b a b a b a b", SRC * 2]
     llm = LLM("tiny", num_kv_blocks=256, speculative_config=NGRAM)
-    assert _run(llm, prompts, GREEDY) == _run(_base(), prompts, GREEDY)
+    assert _same(_run(llm, prompts, GREEDY), _run(_base(), prompts, GREEDY))
     assert llm.llm_engine.spec_stats.num_drafts > 0  # the prompts repeat: drafts were made and verified
     assert llm.llm_engine.num_free_blocks == llm.llm_engine.num_total_blocks
 
@@ -163,11 +172,11 @@ def test_stop_token_inside_accepted_drafts_and_max_tokens_cut_exactly():
     stop_tok = base_out[6]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_tok])
     llm = _spec_llm(None, GREEDY, prompts=[SRC])
-    assert _run(llm, [SRC], params) == _run(_base(), [SRC], params)
+    assert _same(_run(llm, [SRC], params), _run(_base(), [SRC], params))
     for m in (1, 2, 5, 7):
         p = SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
         got = _run(llm, [SRC], p)
-        assert got == _run(_base(), [SRC], p) and len(got[0][0]) == m
+        assert _same(got, _run(_base(), [SRC], p)) and len(got[0][0]) == m
     assert llm.llm_engine.num_free_blocks == llm.llm_engine.num_total_blocks
 
 
@@ -178,7 +187,7 @@ def test_mixed_batches_preemption_and_prefix_caching():
     params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     llm = _spec_llm(None, params, prompts=prompts, num_kv_blocks=24, max_num_batched_tokens=48)
     eng = llm.llm_engine
-    assert _run(llm, prompts, params) == _run(_base(), prompts, params)
+    assert _same(_run(llm, prompts, params), _run(_base(), prompts, params))
     assert eng.num_preemptions > 0
     assert eng.prefix_cache_hits > 0
     assert eng.spec_stats.num_accepted_tokens > 0
@@ -250,7 +259,10 @@ def test_unseeded_sampling_under_speculation_follows_the_target_distribution(mon
         likely.setdefault((t0,), t1)
         likely.setdefault((t0, t1), t2)
 
-    class Likely:
+    class Likely(NgramProposer):
+        def __init__(self) -> None:
+            pass
+
         def propose(self, token_ids, k):
             gen = tuple(token_ids[len(prompt_ids):])
             drafts = []
