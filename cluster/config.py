@@ -185,8 +185,11 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
 
     host = cfg.worker_host or (cfg.host if cfg.ray_address is None else node_ip)
     cuda = cfg.device == "cuda"  # resolved by Cluster.start(); Ray gave this actor one GPU (cuda:0 here)
+    overrides = dict(cfg.engine_overrides)
+    if role == "prefill":
+        overrides.pop("speculative_config", None)  # prefill workers never decode: no drafts, no draft model
     engine = EngineConfig(model=cfg.model, num_threads=max(1, int(cfg.cpus_per_worker)),
-                          **{"device": "cuda" if cuda else "cpu", **cfg.engine_overrides})
+                          **{"device": "cuda" if cuda else "cpu", **overrides})
     if isinstance(kv_store, StoreConfig):  # gloo listens on the worker's interface, not the hostname's
         kv_store = dataclasses.replace(kv_store, host=host)
     common = dict(worker_id=worker_id, engine=engine, kv_store=kv_store, host=host, node_id=node_id,

@@ -78,11 +78,15 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per decode worker")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="turn off the engines' automatic prefix caching (on by default)")
-    p.add_argument("--speculative-method", choices=("ngram",), default=None,
+    p.add_argument("--speculative-method", choices=("ngram", "draft_model"), default=None,
                    help="speculative decoding in the decode (and colocated) workers: ngram = prompt-lookup drafts, "
-                        "verified in the same forward; greedy and seeded output is unchanged (default: off)")
+                        "draft_model = a small model's drafts (--speculative-model); drafts are verified in the "
+                        "same forward, greedy and seeded output is unchanged (default: off)")
+    p.add_argument("--speculative-model", default=None, metavar="MODEL",
+                   help="the draft model (a built-in name such as tiny-draft, or a HF directory sharing the "
+                        "target's tokenizer); implies --speculative-method draft_model")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
-                   help="draft tokens per step with --speculative-method (default 4)")
+                   help="draft tokens per step with --speculative-method or --speculative-model (default 4)")
     p.add_argument("--prompt-lookup-min", type=int, default=1, metavar="N",
                    help="shortest n-gram the ngram drafts look up (default 1)")
     p.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N",
@@ -204,7 +208,20 @@ def _check_pool_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--check-interval must be > 0, got {args.check_interval}")
     from engine.config import EngineConfig
 
-    _check_config(EngineConfig, _engine_overrides(args, checked_only=True))
+    overrides = _engine_overrides(args, checked_only=True)
+    _check_config(EngineConfig, overrides)
+    spec = overrides.get("speculative_config") or {}
+    if spec.get("method") == "draft_model":  # a bad draft is a flag error now, not a worker crash later
+        from engine.loader import load_model_config
+
+        try:
+            draft = load_model_config(EngineConfig(model=spec["model"]))
+            target = load_model_config(EngineConfig(model=args.model))
+        except ValueError as e:
+            raise ValueError(f"--speculative-model: {e}") from e
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"--speculative-model {spec['model']!r} has vocab_size {draft.vocab_size}, "
+                             f"--model has {target.vocab_size}: a draft must share the target's tokenizer")
 
 
 def _check_router_args(args: argparse.Namespace) -> None:
@@ -260,11 +277,16 @@ def _engine_overrides(args: argparse.Namespace, checked_only: bool = False) -> d
            if v is not None}
     if args.no_prefix_caching and not checked_only:
         out["enable_prefix_caching"] = False
-    if args.speculative_method:
-        out["speculative_config"] = {"method": args.speculative_method,
-                                     "num_speculative_tokens": args.num_speculative_tokens,
+    method = args.speculative_method or ("draft_model" if args.speculative_model else None)
+    if method == "ngram":
+        out["speculative_config"] = {"method": method, "num_speculative_tokens": args.num_speculative_tokens,
                                      "prompt_lookup_min": args.prompt_lookup_min,
                                      "prompt_lookup_max": args.prompt_lookup_max}
+        if args.speculative_model:
+            out["speculative_config"]["model"] = args.speculative_model  # refused by the config, by name
+    elif method == "draft_model":
+        out["speculative_config"] = {"method": method, "num_speculative_tokens": args.num_speculative_tokens,
+                                     "model": args.speculative_model}
     return out
 
 
@@ -285,7 +307,8 @@ def _as_flag_error(e: ValueError, fields: dict) -> ValueError:
     if msg.startswith("speculative_config.") and "speculative_config" in fields:  # its keys are flags too
         rest = msg[len("speculative_config."):]
         name = rest.split(" ", 1)[0]
-        flag = "--speculative-method" if name == "method" else "--" + name.replace("_", "-")
+        flag = {"method": "--speculative-method", "model": "--speculative-model"}.get(
+            name, "--" + name.replace("_", "-"))
         return ValueError(flag + rest[len(name):])
     for name in fields:
         if msg.startswith(name + " "):

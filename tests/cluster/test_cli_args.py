@@ -28,6 +28,28 @@ def test_bad_flag_is_named(argv, flag):
     assert str(e.value).startswith(flag + " must be")
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-method", "draft_model"], "--speculative-model must name the draft model"),
+    (["--speculative-model", "no-such-model"], "--speculative-model: model 'no-such-model' is not a built-in"),
+    (["--speculative-method", "ngram", "--speculative-model", "tiny-draft"],
+     "--speculative-model is only used with method 'draft_model'"),
+])
+def test_bad_draft_model_flags_are_named(argv, message):
+    args = build_parser().parse_args(["up", *argv])
+    with pytest.raises(ValueError) as e:
+        _check_up_args(args)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_speculative_model_flag_sets_the_draft_model():
+    from cluster.serve_cli import _engine_overrides
+
+    args = build_parser().parse_args(["up", "--speculative-model", "tiny-draft", "--num-speculative-tokens", "3"])
+    _check_up_args(args)
+    assert _engine_overrides(args)["speculative_config"] == {"method": "draft_model", "model": "tiny-draft",
+                                                             "num_speculative_tokens": 3}
+
+
 def test_one_port_for_two_listeners_is_refused():
     from cluster.redis_server import pick_free_port
 
