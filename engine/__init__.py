@@ -2,7 +2,8 @@
 
 Lifecycle: importing ``engine`` is cheap (no torch, no model); the public names
 below are loaded on first use. ``from engine import LLM, SamplingParams`` is the
-offline API; the worker roles build an ``LLMEngine`` from an ``EngineConfig``.
+offline API (``BeamSearchParams`` for ``LLM.beam_search``); the worker roles
+build an ``LLMEngine`` from an ``EngineConfig``.
 """
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS = {
     "LLM": "engine.llm",
     "SamplingParams": "engine.sampling_params",
+    "BeamSearchParams": "engine.beam_search",
+    "BeamSearchOutput": "engine.beam_search",
+    "BeamSearchSequence": "engine.beam_search",
     "RequestOutput": "engine.outputs",
     "CoreOutput": "engine.outputs",
     "TokenLogprob": "engine.outputs",
@@ -29,6 +33,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
+    from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
     from engine.block_manager import prefix_block_hashes
     from engine.config import EngineConfig
     from engine.names import default_served_model_name

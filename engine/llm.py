@@ -9,6 +9,9 @@ processor, exactly as the router does it, so offline text equals cluster text;
 when a stop string ends a request the core request is aborted so its blocks go
 back at once. If anything fails mid-way, every request this call added is
 aborted before the error propagates, so the engine is left clean.
+``beam_search`` drives the same engine through ``engine.beam_search`` (no
+scheduler; the prompts' KV blocks are shared by their beams) and frees every
+block it took before it returns or raises.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
+from engine.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from engine.config import EngineConfig
 from engine.detokenizer import OutputProcessor
 from engine.llm_engine import LLMEngine
@@ -99,6 +103,17 @@ class LLM:
                 request_id=rid, prompt=text, prompt_token_ids=list(ids), token_ids=list(proc.token_ids),
                 text=proc.text, finish_reason=proc.finish_reason, logprobs=proc.logprobs, finished=True))
         return results
+
+    def beam_search(self, prompts: PromptsType, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam-search every prompt (vLLM's ``LLM.beam_search``; transformers' beam search semantics).
+
+        ``prompts`` as for ``generate``. Returns one ``BeamSearchOutput`` per prompt, in order, each with
+        ``params.beam_width`` sequences ranked best first. ValueError if the engine is busy (requests of
+        another caller still unfinished), for bad prompts, or when one prompt's beams cannot fit the KV cache.
+        """
+        texts, token_lists = self._normalize_prompts(prompts)
+        results = run_beam_search(self.llm_engine, token_lists, params)
+        return [BeamSearchOutput(seqs, text, list(ids)) for seqs, text, ids in zip(results, texts, token_lists)]
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              params: Union[SamplingParams, Sequence[SamplingParams], None] = None,

@@ -1,0 +1,342 @@
+"""Beam search over the engine's paged KV cache: vLLM's ``LLM.beam_search`` with transformers' semantics.
+
+Lifecycle: ``LLM.beam_search`` (or ``run_beam_search``) takes an ``LLMEngine`` with no unfinished
+requests and owns it until the call returns; the scheduler is bypassed, the search drives the model
+and the block manager itself. Prompts wait in input order and are admitted while the worst case of
+their beams' blocks fits the blocks free at the start (so an allocation never fails mid-search) and
+the live beams stay within ``max_num_seqs``. Each step is one model forward: every newly admitted
+prompt is prefilled whole (once), and every live beam of the other prompts decodes its last token;
+the rows' float32 log-softmax over the vocabulary then goes to each prompt's ``_PromptSearch``,
+which does exactly one iteration of transformers' ``_beam_search`` (5.x): top 2W continuations of
+the accumulated log-probs, the W best that did not stop run on, the W best finished hypotheses are
+kept by length-penalised score, and transformers' early-stop heuristic decides when to quit.
+
+KV sharing: a prompt's table is prefilled once; every beam descends from it through ``fork``
+(reference counts), so the prompt's blocks and a parent's history are shared, never recomputed.
+When a beam is about to write its next token into a block someone else still holds (the partial
+last block of a parent with several children), that block is first copied, K and V of every layer,
+to a fresh block (copy-on-write); the last holder writes in place. Full blocks are never written.
+A prompt's blocks go back as soon as it is done, and every table the search took is freed when it
+returns or raises, so the engine's free block count is back where it started.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Optional, Union
+
+import torch
+from torch import Tensor
+
+from engine.attention import AttentionMetadata, PrefillSpan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from engine.llm_engine import LLMEngine
+
+NEG = -1.0e9
+"""transformers' score offset for continuations that may not run on (and for unused beams)."""
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters, plus transformers' ``early_stopping``."""
+
+    beam_width: int
+    """Beams kept per prompt (W), and sequences returned per prompt; in [1, MAX_BEAM_WIDTH]."""
+    max_tokens: int
+    """Maximum number of new tokens (also capped by the engine's max_model_len)."""
+    ignore_eos: bool = False
+    """Never finish a hypothesis on EOS (all hypotheses then run max_tokens)."""
+    temperature: float = 0.0
+    """Only 0 (deterministic beam search) is supported."""
+    length_penalty: float = 1.0
+    """Finished score = cum_logprob / generated_len ** length_penalty (generated_len counts EOS)."""
+    include_stop_str_in_output: bool = False
+    """Keep the EOS token at the end of a stopped sequence's ``tokens`` (as vLLM)."""
+    early_stopping: Union[bool, str] = False
+    """transformers' semantics and default (vLLM's old beam search defaulted to False too): True stops a
+    prompt once W hypotheses finished; False stops when the best running beam, scored at its current
+    length, cannot beat the worst finished one; "never" likewise, but scores it at max_tokens when
+    length_penalty > 0 (the canonical search)."""
+
+    MAX_BEAM_WIDTH = 64
+
+    def __post_init__(self) -> None:
+        for name, lo, hi in (("beam_width", 1, self.MAX_BEAM_WIDTH), ("max_tokens", 1, None)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+                raise ValueError(f"{name} must be an integer in [{lo}, {hi or 'inf'}], got {v!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("temperature", "length_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+            setattr(self, name, float(v))
+        if self.temperature != 0.0:
+            raise ValueError(f"temperature must be 0 (only deterministic beam search is supported), "
+                             f"got {self.temperature}")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished hypothesis (vLLM's shape, plus transformers' ranking score)."""
+
+    tokens: list[int]
+    """Prompt + generated tokens (EOS only with include_stop_str_in_output)."""
+    cum_logprob: float = 0.0
+    """Sum of the generated tokens' log-probabilities (EOS included)."""
+    score: float = 0.0
+    """cum_logprob / generated_len ** length_penalty: the ranking key (transformers' sequences_scores)."""
+    text: str = ""
+    """Detokenized generated text ("" when the engine has no tokenizer)."""
+    finish_reason: Optional[str] = None
+    """"stop" (EOS) or "length"."""
+
+
+@dataclass
+class BeamSearchOutput:
+    """The beam_width best hypotheses of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+    prompt: Optional[str] = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Beam:
+    tokens: list[int]
+    """Prompt + generated. A running beam's table holds K/V for all but its last token, which its next
+    decode writes; a just-admitted prompt's blocks get its K/V from its prefill."""
+    table: list[int]
+
+
+@dataclass
+class _Hyp:
+    score: float
+    cum: float
+    tokens: list[int]
+    reason: str
+
+
+class _PromptSearch:
+    """transformers' beam state for one prompt: running beams, the W best finished, the early-stop flag."""
+
+    def __init__(self, prompt: list[int], max_new: int, params: BeamSearchParams, eos: Optional[int]) -> None:
+        W = params.beam_width
+        self.prompt, self.max_new, self.p = prompt, max_new, params
+        self.eos = None if params.ignore_eos else eos
+        self.running: list[_Beam] = []
+        # only the first beam may expand at first, so the W beams do not all pick the same token
+        self.scores = torch.full((W,), NEG, dtype=torch.float32)
+        self.scores[0] = 0.0
+        self.finished: list[_Hyp] = []
+        self.improvable = True
+        self.generated = 0
+        self.done = False
+
+    def step(self, logprobs: Tensor, parents: list[_Beam]) -> list[tuple[_Beam, int]]:
+        """One iteration over the parents' log-probs [W, V]; the (parent, token) of the next running beams."""
+        W, V = logprobs.shape
+        pen, es = self.p.length_penalty, self.p.early_stopping
+        self.generated += 1
+        t = self.generated
+        vals, idx = torch.topk((logprobs + self.scores[:, None]).view(-1), 2 * W)
+        src, toks = (idx // V).tolist(), (idx % V).tolist()
+        eos = [tok == self.eos for tok in toks]
+        hit = [e or t >= self.max_new for e in eos]
+        # finished hypotheses: only the top W continuations count, and only while the prompt can improve
+        if self.improvable and not (es is True and len(self.finished) == W):
+            fin = (vals[:W] / (t ** pen)).tolist()
+            cums = vals[:W].tolist()
+            for j in range(W):
+                if hit[j]:
+                    self.finished.append(_Hyp(fin[j], cums[j], parents[src[j]].tokens + [toks[j]],
+                                              "stop" if eos[j] else "length"))
+            self.finished.sort(key=lambda h: -h.score)
+            del self.finished[W:]
+        shifted = vals + torch.tensor(hit, dtype=torch.float32) * NEG
+        keep = torch.topk(shifted, W).indices
+        self.scores = shifted[keep]
+        nxt = [(parents[src[k]], toks[k]) for k in keep.tolist()]
+        if len(self.finished) == W:
+            hyp_len = self.max_new if es == "never" and pen > 0.0 else t
+            best = (self.scores[:1] / (hyp_len ** pen)).item()
+            self.improvable = self.improvable and best > min(h.score for h in self.finished)
+        self.done = (not self.improvable or (es is True and len(self.finished) == W) or t >= self.max_new)
+        return [] if self.done else nxt
+
+
+class BeamSearcher:
+    """Runs a batch of prompts' beam searches on one engine (see the module docstring)."""
+
+    def __init__(self, engine: "LLMEngine", params: BeamSearchParams,
+                 on_step: Optional[Callable[[list[list[int]]], None]] = None) -> None:
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        if engine.has_unfinished_requests():
+            raise ValueError("beam search needs the engine to itself: it has unfinished requests")
+        self.eng, self.params, self.on_step = engine, params, on_step
+        """on_step(tables): called after each forward with the block tables of the beams it decoded."""
+        self.bm = engine.block_manager
+        self.bs = engine.block_size
+        self.device = engine.runner.device
+        self._owned: list[list[int]] = []  # every table taken; freed ones are empty
+
+    def need(self, prompt_len: int, max_new: int) -> int:
+        """Most blocks one prompt's search holds at once: its full prompt blocks, shared, plus W private
+        tails (the last token's K/V is never computed)."""
+        shared = prompt_len // self.bs
+        return shared + self.params.beam_width * (self.bm.blocks_for(prompt_len + max_new - 1) - shared)
+
+    def run(self, prompts: list[list[int]]) -> list[list[BeamSearchSequence]]:
+        eng, W = self.eng, self.params.beam_width
+        budget = self.bm.num_free_blocks
+        states: list[_PromptSearch] = []
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise ValueError(f"prompts[{i}] must not be empty")
+            V = eng.model_config.vocab_size
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < V:
+                    raise ValueError(f"prompts[{i}]: {t!r} is not a token id in [0, {V})")
+            if len(ids) >= eng.max_model_len:
+                raise ValueError(f"prompts[{i}] has {len(ids)} tokens; max_model_len is {eng.max_model_len}")
+            st = _PromptSearch(list(ids), min(self.params.max_tokens, eng.max_model_len - len(ids)),
+                               self.params, eng.eos_token_id)
+            if self.need(len(ids), st.max_new) > budget:
+                raise ValueError(f"prompts[{i}] needs up to {self.need(len(ids), st.max_new)} KV blocks for "
+                                 f"beam_width={W}; the engine has {budget} free")
+            states.append(st)
+        waiting, active = deque(states), []
+        max_beams = max(eng.config.max_num_seqs, W)
+        try:
+            while waiting or active:
+                used = sum(self.need(len(s.prompt), s.max_new) for s in active)
+                new: list[_PromptSearch] = []
+                while waiting and used + self.need(len(waiting[0].prompt), waiting[0].max_new) <= budget \
+                        and W * (len(active) + 1) <= max_beams:
+                    s = waiting.popleft()
+                    used += self.need(len(s.prompt), s.max_new)
+                    s.running = [_Beam(s.prompt, self._own(self.bm.allocate(self.bm.blocks_for(len(s.prompt)))))]
+                    active.append(s)
+                    new.append(s)
+                old = [s for s in active if s not in new]
+                decodes = [b for s in old for b in s.running]
+                logprobs = self._forward(decodes, [s.running[0] for s in new])
+                if self.on_step is not None:
+                    self.on_step([b.table for b in decodes])
+                row = 0
+                for s in old:
+                    self._advance(s, logprobs[row:row + W], s.running)
+                    row += W
+                for s in new:
+                    self._advance(s, logprobs[row].expand(W, -1), s.running * W)
+                    row += 1
+                active = [s for s in active if not s.done]
+                self._owned = [t for t in self._owned if t]
+        finally:
+            for t in self._owned:
+                if t:
+                    self.bm.free(t)
+            self._owned = []
+        return [self._results(s) for s in states]
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _own(self, table: list[int]) -> list[int]:
+        self._owned.append(table)
+        return table
+
+    def _advance(self, s: _PromptSearch, logprobs: Tensor, parents: list[_Beam]) -> None:
+        """One search step for s; children fork their parent's table before the parents let theirs go."""
+        children = [_Beam(p.tokens + [tok], self._own(self.bm.fork(p.table))) for p, tok in s.step(logprobs, parents)]
+        for p in {id(p): p for p in parents}.values():
+            self.bm.free(p.table)
+        s.running = children
+
+    def _make_writable(self, beams: list[_Beam]) -> None:
+        """Give each beam a private block at the position its last token is written to (copy-on-write)."""
+        src: list[int] = []
+        dst: list[int] = []
+        for b in beams:
+            i = (len(b.tokens) - 1) // self.bs
+            if i == len(b.table):
+                b.table.extend(self.bm.allocate(1))
+            elif self.bm.ref_count(b.table[i]) > 1:
+                (fresh,) = self.bm.allocate(1)
+                src.append(b.table[i])
+                dst.append(fresh)
+                self.bm.free([b.table[i]])  # siblings still hold it, so its content stays until the copy
+                b.table[i] = fresh
+        if src:
+            s = torch.tensor(src, dtype=torch.long, device=self.device)
+            d = torch.tensor(dst, dtype=torch.long, device=self.device)
+            with torch.inference_mode():
+                for k, v in self.eng.kv_caches:
+                    k.index_copy_(0, d, k.index_select(0, s))
+                    v.index_copy_(0, d, v.index_select(0, s))
+
+    def _forward(self, decodes: list[_Beam], prefills: list[_Beam]) -> Tensor:
+        """One forward: decodes' last tokens, then each prompt whole; float32 log-probs [rows, V], one row per
+        decode and one (the last position) per prompt."""
+        self._make_writable(decodes)
+        bs, dev = self.bs, self.device
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for b in decodes:
+            p = len(b.tokens) - 1
+            ids.append(b.tokens[p])
+            pos.append(p)
+            slots.append(b.table[p // bs] * bs + p % bs)
+        meta = AttentionMetadata(slot_mapping=None, num_decode=len(decodes), block_size=bs)  # type: ignore[arg-type]
+        rows = list(range(len(decodes)))
+        for b in prefills:
+            n, start = len(b.tokens), len(ids)
+            ids.extend(b.tokens)
+            pos.extend(range(n))
+            slots.extend(b.table[p // bs] * bs + p % bs for p in range(n))
+            meta.prefills.append(PrefillSpan(start, start + n, 0, torch.tensor(b.table, dtype=torch.long, device=dev)))
+            rows.append(start + n - 1)
+        if decodes:
+            self._decode_view(meta, decodes, [len(b.tokens) for b in decodes])
+        meta.slot_mapping = torch.tensor(slots, dtype=torch.long, device=dev)
+        if len(rows) != len(ids):
+            # only the sampling rows need the last layer's attention output and MLP
+            meta.keep = AttentionMetadata(slot_mapping=meta.slot_mapping, num_decode=len(rows), block_size=bs,
+                                          rows=torch.tensor(rows, dtype=torch.long, device=dev))
+            self._decode_view(meta.keep, decodes + prefills, [len(b.tokens) for b in decodes + prefills])
+        with torch.inference_mode():
+            hidden = self.eng.model(torch.tensor(ids, dtype=torch.long, device=dev),
+                                    torch.tensor(pos, dtype=torch.long, device=dev), meta, self.eng.kv_caches)
+            logits = self.eng.model.compute_logits(hidden)
+            return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+    def _decode_view(self, meta: AttentionMetadata, beams: list[_Beam], ctx: list[int]) -> None:
+        width = max(len(b.table) for b in beams)
+        # pad with block 0: positions past a row's context are masked out
+        meta.decode_block_tables = torch.tensor([b.table + [0] * (width - len(b.table)) for b in beams],
+                                                dtype=torch.long, device=self.device)
+        meta.decode_ctx_lens = torch.tensor(ctx, dtype=torch.long, device=self.device)
+
+    def _results(self, s: _PromptSearch) -> list[BeamSearchSequence]:
+        tok = self.eng.tokenizer
+        out = []
+        for h in s.finished:
+            tokens = h.tokens
+            if h.reason == "stop" and not self.params.include_stop_str_in_output:
+                tokens = tokens[:-1]
+            text = tok.decode(tokens[len(s.prompt):]) if tok is not None else ""
+            out.append(BeamSearchSequence(tokens, h.cum, h.score, text, h.reason))
+        return out
+
+
+def run_beam_search(engine: "LLMEngine", prompts: list[list[int]], params: BeamSearchParams,
+                    on_step: Optional[Callable[[list[list[int]]], None]] = None) -> list[list[BeamSearchSequence]]:
+    """Beam-search every prompt (token ids) on ``engine``; per prompt its beam_width best sequences, best first."""
+    return BeamSearcher(engine, params, on_step).run(prompts)
