@@ -1,12 +1,16 @@
-"""Built-in models that need no download: ``tiny`` (tests, `pdserve up`) and ``bench`` (benchmarks).
+"""Built-in models that need no download: ``tiny`` and ``tiny-draft`` (trained), ``bench`` (random).
 
 Lifecycle: ``engine.loader`` asks ``builtin_spec(name)`` for a spec when
-``EngineConfig.model`` is a built-in name, builds the model from its HF-style
-config dict and fills it with deterministic seeded weights (same tokens on every
+``EngineConfig.model`` is a built-in name. ``tiny`` (the default model of tests and
+``pdserve up``) and ``tiny-draft`` (its speculative-decoding draft) are small Llamas
+trained on the Python standard library's sources by ``engine/assets/train_models.py``;
+their config and float16 weights are committed under ``engine/assets/models/<name>/``
+and loaded like any HF checkpoint. ``bench`` (the benchmark shape) is built from its
+config dict and filled with deterministic seeded weights (same numbers on every
 machine and in every process, which is what lets a prefill worker and a decode
-worker agree). Both share the byte-level BPE tokenizer committed in
+worker agree). All share the byte-level BPE tokenizer committed in
 ``engine/assets/tokenizer``. ``save_builtin`` writes a built-in model as a normal
-HF directory (config.json + model.safetensors + tokenizer files), so
+HF directory (config.json + float32 model.safetensors + tokenizer files), so
 ``transformers`` can load exactly the same weights (the benchmark does).
 """
 from __future__ import annotations
@@ -15,7 +19,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -32,6 +36,8 @@ class BuiltinSpec:
     """Weight RNG seed."""
     init_std: float
     """Std of the normal weight init (large enough that greedy text does not collapse)."""
+    checkpoint: Optional[Path] = None
+    """Directory with the trained weights (model.safetensors); None = seeded random weights."""
 
 
 def _llama(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, max_pos: int) -> dict:
@@ -45,9 +51,19 @@ def _llama(hidden: int, layers: int, heads: int, kv_heads: int, inter: int, max_
     }
 
 
+_MODELS = Path(__file__).parent / "assets" / "models"
+
+
+def _trained(name: str) -> BuiltinSpec:
+    d = _MODELS / name
+    return BuiltinSpec(name, json.loads((d / "config.json").read_text()), seed=0, init_std=0.0, checkpoint=d)
+
+
 _SPECS = {
-    "tiny": BuiltinSpec("tiny", _llama(hidden=128, layers=4, heads=4, kv_heads=2, inter=384, max_pos=2048),
-                        seed=1234, init_std=0.1),
+    # ~9.4M parameters (tied embeddings), trained: see engine/assets/train_models.py and docs/benchmarks.md
+    "tiny": _trained("tiny"),
+    # ~1.4M parameters, trained the same way: the speculative-decoding draft of tiny
+    "tiny-draft": _trained("tiny-draft"),
     # ~81M parameters: the benchmark model of the engine issue
     "bench": BuiltinSpec("bench", _llama(hidden=768, layers=12, heads=12, kv_heads=4, inter=2048, max_pos=4096),
                          seed=4321, init_std=0.02),
@@ -74,6 +90,11 @@ def builtin_state_dict(name: str) -> dict[str, torch.Tensor]:
     from engine.model import CausalLM
 
     spec = builtin_spec(name)
+    if spec.checkpoint is not None:
+        from safetensors.torch import load_file
+
+        # stored float16; the engine computes in float32 from exactly these upcast values
+        return {k: v.float() for k, v in load_file(str(spec.checkpoint / "model.safetensors")).items()}
     mc = ModelConfig.from_hf_dict(spec.hf_config, torch.float32)
     with torch.device("meta"):
         model = CausalLM(mc)

@@ -1,7 +1,8 @@
 """Turn ``EngineConfig.model`` into a ready model, its config and its tokenizer.
 
 Lifecycle: called once by ``LLMEngine.__init__``. A built-in name ('tiny',
-'bench') builds the seeded model from ``engine.builtin``; anything else must be a
+'tiny-draft', 'bench') loads the committed trained weights or builds the seeded
+model (``engine.builtin``); anything else must be a
 local Hugging Face directory (never the network): ``config.json``, weights in
 ``model.safetensors`` or sharded with ``model.safetensors.index.json``, and
 optionally ``tokenizer.json`` (+ ``tokenizer_config.json``). Weights are
@@ -48,7 +49,9 @@ def load_model(cfg: EngineConfig, mc: ModelConfig, max_positions: int) -> Causal
     with torch.device("meta"):
         model = CausalLM(mc, max_positions=max_positions)
     model = model.to_empty(device=device).to(cfg.torch_dtype)
-    if cfg.model in BUILTIN_NAMES:
+    if cfg.model in BUILTIN_NAMES and builtin_spec(cfg.model).checkpoint is not None:
+        model.load_weights(iter_safetensors(builtin_spec(cfg.model).checkpoint))
+    elif cfg.model in BUILTIN_NAMES:
         spec = builtin_spec(cfg.model)
         if device.type == "cpu" and cfg.torch_dtype == torch.float32:
             model.init_random(spec.seed, spec.init_std)
