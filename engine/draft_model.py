@@ -83,7 +83,10 @@ class DraftModelProposer:
         if st is None:
             st = self._seqs[rid] = _DraftSeq()
             return st
-        # keep the drafts the target accepted (same token at the same position): their K/V are right
+        # keep the drafts the target accepted (same token at the same position): their K/V are right. The
+        # last token is always recomputed (it yields the first draft), so at most L - 1 - n are kept; after an
+        # ordinary verification that bound alone selects exactly the accepted drafts, and the token check
+        # guards any other way the sequence could have changed
         n = st.num_computed
         keep = 0
         for d in st.written:

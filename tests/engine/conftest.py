@@ -97,3 +97,17 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
 def prompts_of(lengths, seed: int = 1, vocab: int = VOCAB) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def outputs_of(llm, prompts, params) -> list:
+    """Per prompt: tokens, finish reason and (token, logprob) pairs; compare results with ``same_outputs``."""
+    return [(o.token_ids, o.finish_reason, [(lp.token_id, lp.logprob) for lp in (o.logprobs or [])])
+            for o in llm.generate(prompts, params)]
+
+
+def same_outputs(a, b) -> bool:
+    """Identical tokens and finish reasons; logprobs within 1e-4 (a verification computes them in a
+    differently shaped batch than plain decoding, so the last float bits may differ)."""
+    return len(a) == len(b) and all(
+        x[:2] == y[:2] and [t for t, _ in x[2]] == [t for t, _ in y[2]]
+        and all(abs(p - q) < 1e-4 for (_, p), (_, q) in zip(x[2], y[2])) for x, y in zip(a, b))

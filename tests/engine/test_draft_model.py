@@ -13,6 +13,8 @@ import torch
 
 from engine import LLM, SamplingParams
 
+from .conftest import outputs_of as _run, same_outputs as _same
+
 SRC = '''import os
 
 
@@ -44,20 +46,6 @@ def _llm(name: str, **kw) -> LLM:
     if key not in _CACHE:
         _CACHE[key] = LLM(name, **kw)
     return _CACHE[key]
-
-
-def _run(llm: LLM, prompts, params):
-    """Per prompt: tokens, finish reason and (token, logprob) pairs; compare results with ``_same``."""
-    return [(o.token_ids, o.finish_reason, [(lp.token_id, lp.logprob) for lp in (o.logprobs or [])])
-            for o in llm.generate(prompts, params)]
-
-
-def _same(a, b) -> bool:
-    """Identical tokens and finish reasons; logprobs within 1e-4 (a verification computes them in a
-    differently shaped batch than plain decoding, so the last float bits may differ)."""
-    return len(a) == len(b) and all(
-        x[:2] == y[:2] and [t for t, _ in x[2]] == [t for t, _ in y[2]]
-        and all(abs(p - q) < 1e-4 for (_, p), (_, q) in zip(x[2], y[2])) for x, y in zip(a, b))
 
 
 def _all_free(llm: LLM) -> bool:

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+
+from .conftest import outputs_of as _run, same_outputs as _same
 from engine.speculative import NgramProposer, SpecDecodeStats, SpeculativeConfig, accept
 
 SRC = '''def walk(root):
@@ -110,20 +112,6 @@ def _base() -> LLM:
     if "llm" not in _BASE:
         _BASE["llm"] = LLM("tiny", num_kv_blocks=256)
     return _BASE["llm"]
-
-
-def _run(llm: LLM, prompts, params):
-    """Per prompt: tokens, finish reason and (token, logprob) pairs; compare results with ``_same``."""
-    return [(o.token_ids, o.finish_reason, [(lp.token_id, lp.logprob) for lp in (o.logprobs or [])])
-            for o in llm.generate(prompts, params)]
-
-
-def _same(a, b) -> bool:
-    """Identical tokens and finish reasons; logprobs within 1e-4 (a verification computes them in a
-    differently shaped batch than plain decoding, so the last float bits may differ)."""
-    return len(a) == len(b) and all(
-        x[:2] == y[:2] and [t for t, _ in x[2]] == [t for t, _ in y[2]]
-        and all(abs(p - q) < 1e-4 for (_, p), (_, q) in zip(x[2], y[2])) for x, y in zip(a, b))
 
 
 def _spec_llm(oracle_wrong_at: Optional[int] = "none", params=None, prompts=PROMPTS, **kw) -> LLM:
