@@ -77,7 +77,8 @@ class LLMEngine:
         if self.spec_config is not None and self.spec_config.method == "draft_model":
             from engine.draft_model import DraftModelProposer
 
-            # as many draft blocks as target blocks, plus room for every sequence's k drafts past its end
+            # as many draft blocks as target blocks, plus room for every sequence's k drafts past its end. The
+            # draft's cache is memory on top of kv_cache_memory_bytes (a quarter of it for tiny-draft on tiny)
             k = self.spec_config.num_speculative_tokens
             extra = config.max_num_seqs * (self.block_manager.blocks_for(k) + 1)
             self._proposer = DraftModelProposer(config, self.spec_config.model, mc.vocab_size, n_blocks + extra,
