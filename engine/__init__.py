@@ -16,6 +16,7 @@ _EXPORTS = {
     "BeamSearchParams": "engine.beam_search",
     "BeamSearchOutput": "engine.beam_search",
     "BeamSearchSequence": "engine.beam_search",
+    "PromptBeamSearch": "engine.beam_search",
     "RequestOutput": "engine.outputs",
     "CoreOutput": "engine.outputs",
     "TokenLogprob": "engine.outputs",
@@ -33,7 +34,7 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+    from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, PromptBeamSearch
     from engine.block_manager import prefix_block_hashes
     from engine.config import EngineConfig
     from engine.names import default_served_model_name

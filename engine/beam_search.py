@@ -6,7 +6,7 @@ and the block manager itself. Prompts wait in input order and are admitted while
 their beams' blocks fits the blocks free at the start (so an allocation never fails mid-search) and
 the live beams stay within ``max_num_seqs``. Each step is one model forward: every newly admitted
 prompt is prefilled whole (once), and every live beam of the other prompts decodes its last token;
-the rows' float32 log-softmax over the vocabulary then goes to each prompt's ``_PromptSearch``,
+the rows' float32 log-softmax over the vocabulary then goes to each prompt's ``PromptBeamSearch``,
 which does exactly one iteration of transformers' ``_beam_search`` (5.x): top 2W continuations of
 the accumulated log-probs, the W best that did not stop run on, the W best finished hypotheses are
 kept by length-penalised score, and transformers' early-stop heuristic decides when to quit.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -123,8 +123,12 @@ class _Hyp:
     reason: str
 
 
-class _PromptSearch:
-    """transformers' beam state for one prompt: running beams, the W best finished, the early-stop flag."""
+class PromptBeamSearch:
+    """transformers' beam state for one prompt: running beams, the W best finished, the early-stop flag.
+
+    Engine-neutral: ``step`` takes the parents' log-probability rows and the parents themselves (anything with
+    ``tokens``: prompt + generated), so the router's cluster beam search (``router.beam_search``) runs the very
+    same algorithm over log-probs it gathered from workers."""
 
     def __init__(self, prompt: list[int], max_new: int, params: BeamSearchParams, eos: Optional[int]) -> None:
         W = params.beam_width
@@ -139,8 +143,11 @@ class _PromptSearch:
         self.generated = 0
         self.done = False
 
-    def step(self, logprobs: Tensor, parents: list[_Beam]) -> list[tuple[_Beam, int]]:
-        """One iteration over the parents' log-probs [W, V]; the (parent, token) of the next running beams."""
+    def step(self, logprobs: Tensor, parents: list) -> list[tuple[Any, int]]:
+        """One iteration over the parents' log-probs [W, V] (row i belongs to ``parents[i]``; at the first step
+        the prompt's one row repeated W times, with the prompt W times); the (parent, token) of the next running
+        beams, W of them, or [] once ``done``. A row only has to be exact on the values that can reach the top
+        2W: a row that is -inf outside its own top 2W log-probs gives the same result."""
         W, V = logprobs.shape
         pen, es = self.p.length_penalty, self.p.early_stopping
         self.generated += 1
@@ -170,6 +177,18 @@ class _PromptSearch:
         self.done = (not self.improvable or (es is True and len(self.finished) == W) or t >= self.max_new)
         return [] if self.done else nxt
 
+    def results(self, tokenizer: Any = None, skip_special_tokens: bool = True) -> list[BeamSearchSequence]:
+        """The finished hypotheses, best first (W of them once ``done``), detokenized with ``tokenizer``."""
+        out = []
+        for h in self.finished:
+            tokens = h.tokens
+            if h.reason == "stop" and not self.p.include_stop_str_in_output:
+                tokens = tokens[:-1]
+            new = tokens[len(self.prompt):]
+            text = tokenizer.decode(new, skip_special_tokens=skip_special_tokens) if tokenizer is not None else ""
+            out.append(BeamSearchSequence(tokens, h.cum, h.score, text, h.reason))
+        return out
+
 
 class BeamSearcher:
     """Runs a batch of prompts' beam searches on one engine (see the module docstring)."""
@@ -196,7 +215,7 @@ class BeamSearcher:
     def run(self, prompts: list[list[int]]) -> list[list[BeamSearchSequence]]:
         eng, W = self.eng, self.params.beam_width
         budget = self.bm.num_free_blocks
-        states: list[_PromptSearch] = []
+        states: list[PromptBeamSearch] = []
         for i, ids in enumerate(prompts):
             if not ids:
                 raise ValueError(f"prompts[{i}] must not be empty")
@@ -206,7 +225,7 @@ class BeamSearcher:
                     raise ValueError(f"prompts[{i}]: {t!r} is not a token id in [0, {V})")
             if len(ids) >= eng.max_model_len:
                 raise ValueError(f"prompts[{i}] has {len(ids)} tokens; max_model_len is {eng.max_model_len}")
-            st = _PromptSearch(list(ids), min(self.params.max_tokens, eng.max_model_len - len(ids)),
+            st = PromptBeamSearch(list(ids), min(self.params.max_tokens, eng.max_model_len - len(ids)),
                                self.params, eng.eos_token_id)
             if self.need(len(ids), st.max_new) > budget:
                 raise ValueError(f"prompts[{i}] needs up to {self.need(len(ids), st.max_new)} KV blocks for "
@@ -217,7 +236,7 @@ class BeamSearcher:
         try:
             while waiting or active:
                 used = sum(self.need(len(s.prompt), s.max_new) for s in active)
-                new: list[_PromptSearch] = []
+                new: list[PromptBeamSearch] = []
                 while waiting and used + self.need(len(waiting[0].prompt), waiting[0].max_new) <= budget \
                         and W * (len(active) + 1) <= max_beams:
                     s = waiting.popleft()
@@ -252,7 +271,7 @@ class BeamSearcher:
         self._owned.append(table)
         return table
 
-    def _advance(self, s: _PromptSearch, logprobs: Tensor, parents: list[_Beam]) -> None:
+    def _advance(self, s: PromptBeamSearch, logprobs: Tensor, parents: list[_Beam]) -> None:
         """One search step for s; children fork their parent's table before the parents let theirs go."""
         children = [_Beam(p.tokens + [tok], self._own(self.bm.fork(p.table))) for p, tok in s.step(logprobs, parents)]
         for p in {id(p): p for p in parents}.values():
@@ -324,16 +343,8 @@ class BeamSearcher:
                                                 dtype=torch.long, device=self.device)
         meta.decode_ctx_lens = torch.tensor(ctx, dtype=torch.long, device=self.device)
 
-    def _results(self, s: _PromptSearch) -> list[BeamSearchSequence]:
-        tok = self.eng.tokenizer
-        out = []
-        for h in s.finished:
-            tokens = h.tokens
-            if h.reason == "stop" and not self.params.include_stop_str_in_output:
-                tokens = tokens[:-1]
-            text = tok.decode(tokens[len(s.prompt):]) if tok is not None else ""
-            out.append(BeamSearchSequence(tokens, h.cum, h.score, text, h.reason))
-        return out
+    def _results(self, s: PromptBeamSearch) -> list[BeamSearchSequence]:
+        return s.results(self.eng.tokenizer)
 
 
 def run_beam_search(engine: "LLMEngine", prompts: list[list[int]], params: BeamSearchParams,

@@ -5,7 +5,8 @@ tokenizer and the model's limits (no weights), builds the metrics and starts the
 ``WorkerView`` (the pools as routing sees them, refreshed in the background). Each front end
 validates its own request format into a ``ValidatedRequest`` and iterates
 ``core.generate(vreq, t0, time_remaining, on_cancel)``: the core admits it against
-``max_num_requests`` (RESOURCE_EXHAUSTED at once past it), builds a ``RequestFlow``, hands its
+``max_num_requests`` (RESOURCE_EXHAUSTED at once past it), builds a ``RequestFlow`` (a ``BeamFlow`` for beam
+search, which runs its steps as sub-flows), hands its
 ``cancel`` to the front end's transport (``on_cancel``), yields the flow's ``FlowEvent``s and
 keeps the request metrics (tokens, success, end-to-end latency, in-flight gauges). A front end
 reports every error it answers with through ``count_error`` so ``request_errors_total``
@@ -111,8 +112,16 @@ class RouterCore:
         try:
             budget = self.cfg.request_timeout_s if time_remaining is None else min(time_remaining,
                                                                                  self.cfg.request_timeout_s)
-            flow = RequestFlow(FlowDeps(self.cfg, self.placer, self.tokenizer, self.metrics), vreq, t0,
-                               t0 + budget, self.admission.next_seq())
+            deps = FlowDeps(self.cfg, self.placer, self.tokenizer, self.metrics)
+            flow: Any
+            if vreq.beam is not None:
+                from router.beam_search import BeamFlow
+
+                eos = self.limits.eos_token_id
+                flow = BeamFlow(deps, vreq, t0, t0 + budget, self.admission.next_seq, self.limits.vocab_size,
+                                None if eos < 0 else eos)
+            else:
+                flow = RequestFlow(deps, vreq, t0, t0 + budget, self.admission.next_seq())
             on_cancel(flow.cancel)  # client cancel / deadline: stop the worker calls at once
             yield from self._counted(flow, vreq, t0)
         finally:
@@ -120,7 +129,7 @@ class RouterCore:
                 self._in_flight -= 1
             self._update_gauges()
 
-    def _counted(self, flow: RequestFlow, vreq: ValidatedRequest, t0: float) -> Iterator[FlowEvent]:
+    def _counted(self, flow: Any, vreq: ValidatedRequest, t0: float) -> Iterator[FlowEvent]:
         m = self.metrics
         m.inc_prompt_tokens(len(vreq.prompt_token_ids))
         n_out = 0

@@ -57,7 +57,11 @@ class FlowEvent:
     """On the last event of the request (all choices finished): completion tokens of every choice."""
     timings: Optional[Timings] = None
     index: int = 0
-    """n > 1: the choice these tokens belong to."""
+    """n > 1: the choice these tokens belong to; beam search: the sequence's rank (0 = best)."""
+    score: Optional[float] = None
+    """Beam search: the sequence's length-penalised score (what it is ranked by)."""
+    cum_logprob: Optional[float] = None
+    """Beam search: the sum of its generated tokens' log-probabilities."""
 
 
 class FlowError(Exception):

@@ -13,7 +13,8 @@ with the HTTP status matching the flow's status code. With API keys configured e
 call needs ``Authorization: Bearer <key>`` (401 otherwise); ``/health`` and ``/metrics`` stay open.
 
 ``n`` > 1 is one flow per prompt whose n choices share one prefill and one KV transfer (choice i
-samples with ``seed + i``), as in gRPC.
+samples with ``seed + i``), as in gRPC. ``use_beam_search`` (vLLM's) makes ``n`` the beam width: the flow is a
+beam search (``router.beam_search``) whose n best sequences are the choices, best first; not streamed.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from router import openai_protocol as oa
 from router.core import RouterCore
 from router.events import FlowError
-from router.validation import validate_generate
+from router.validation import MAX_BEAM_WIDTH, validate_generate
 from worker_common.auth import TlsFiles
 
 log = logging.getLogger(__name__)
@@ -228,7 +229,12 @@ class HttpApi:
         for prompt in prompts:  # one flow per prompt; its n choices share one prefill (choice i: seed + i)
             kw = dict(prompt=prompt) if isinstance(prompt, str) else dict(token_ids=list(prompt))
             g = oa.to_generate_request(body, logprobs=lp, max_tokens=max_tokens, seed=body.seed, **kw)
-            g.n = body.n
+            if body.use_beam_search:
+                if body.n > MAX_BEAM_WIDTH:
+                    raise ValueError(f"n (the beam width, with use_beam_search) must be in [1, {MAX_BEAM_WIDTH}], "
+                                     f"got {body.n}")
+            else:
+                g.n = body.n
             out.append(g)
         return out
 

@@ -69,6 +69,10 @@ class _Sampling(BaseModel):
     min_tokens: Optional[int] = None
     skip_special_tokens: bool = True
     stop_token_ids: Optional[list[int]] = None
+    use_beam_search: bool = False
+    """vLLM's: beam search with ``n`` beams; the n best sequences come back as the choices, best first."""
+    length_penalty: Optional[float] = None
+    early_stopping: Optional[Union[bool, str]] = None
 
 
 class CompletionRequest(_Sampling):
@@ -137,6 +141,16 @@ def to_generate_request(req: _Sampling, *, prompt: Optional[str] = None, token_i
         g.seed = seed
     if logprobs is not None:
         g.logprobs = logprobs
+    if req.use_beam_search:
+        if req.stream:
+            raise ValueError("stream: beam search answers once the search ends; use stream: false")
+        g.beam_width = req.n
+        if req.length_penalty is not None:
+            g.length_penalty = req.length_penalty
+        if req.early_stopping is not None:
+            g.early_stopping = str(req.early_stopping).lower()
+    elif req.length_penalty is not None or req.early_stopping is not None:
+        raise ValueError("length_penalty and early_stopping need use_beam_search: true")
     for t, b in (req.logit_bias or {}).items():
         try:
             g.logit_bias[int(t)] = b

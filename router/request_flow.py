@@ -55,8 +55,12 @@ class FlowDeps:
 class RequestFlow:
     """Drives one request (see module docstring)."""
 
-    def __init__(self, deps: FlowDeps, vreq: ValidatedRequest, t0: float, deadline: float, seq: int = 0) -> None:
+    def __init__(self, deps: FlowDeps, vreq: ValidatedRequest, t0: float, deadline: float, seq: int = 0,
+                 route: Optional[str] = None) -> None:
+        """``route``: run it this way ("decode", "colocated": whole on a worker of that pool) instead of the
+        placer's choice (a beam search step runs whole where its history is cached)."""
         self.deps = deps
+        self._route = route
         self.scope = RequestScope(vreq, t0, deadline, seq)
         self.rid = vreq.request_id
         self.placement: Optional[Placement] = None
@@ -100,8 +104,8 @@ class RequestFlow:
 
     def _run(self) -> Iterator[FlowEvent]:
         placer, metrics = self.deps.placer, self.deps.metrics
-        route = placer.route(self.scope)
-        if route == "decode" and metrics is not None:
+        route = self._route or placer.route(self.scope)
+        if route == "decode" and self._route is None and metrics is not None:
             log.debug("request %s: prefilled on a decode worker (conditional disaggregation)", self.rid)
             metrics.inc_local_prefill()
         waited = False

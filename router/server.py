@@ -39,6 +39,8 @@ def render(ev: FlowEvent) -> pdserve_pb2.GenerateResponse:
                                         logprobs=logprobs_to_public(ev.logprobs), index=ev.index)
     if ev.finish_reason:
         resp.finish_reason = ev.finish_reason
+    if ev.score is not None:
+        resp.score, resp.cum_logprob = ev.score, ev.cum_logprob
     if ev.usage is not None:
         u = ev.usage
         resp.usage.CopyFrom(pdserve_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,

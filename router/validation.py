@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from engine import SamplingParams
+from engine import BeamSearchParams, SamplingParams
 from proto import pdserve_pb2
 
 MAX_REQUEST_ID_LEN = 256
@@ -25,6 +25,11 @@ MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_N = 16
 """At most this many choices per prompt."""
+MAX_BEAM_WIDTH = min(BeamSearchParams.MAX_BEAM_WIDTH, SamplingParams.MAX_LOGPROBS // 2)
+"""The cluster's beam search reads each beam's top 2 x beam_width log-probs from a worker."""
+_NOT_WITH_BEAMS = ("n", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "frequency_penalty",
+                   "presence_penalty", "seed", "logprobs", "min_tokens")
+"""Optional request fields that mean sampling (or per-token output) and so cannot go with beam_width."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,8 @@ class ValidatedRequest:
     params: SamplingParams
     n: int = 1
     """Choices for this prompt: one prefill, one KV transfer, ``n`` decoded sequences."""
+    beam: Optional[BeamSearchParams] = None
+    """Set for a beam search request (``beam_width``): the router runs the search (``router.beam_search``)."""
 
     def choice_params(self) -> list[SamplingParams]:
         """Each choice's params: choice i samples with ``seed + i`` when a seed is set (so choice 0 is the
@@ -158,6 +165,11 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
             kw[name] = getattr(req, name)
     if req.logit_bias:
         kw["logit_bias"] = {int(t): _decimal(b) for t, b in req.logit_bias.items()}
+    if req.HasField("beam_width"):
+        return _beam_request(req, request_id, ids, has_prompt, kw)
+    for name, given in (("length_penalty", req.HasField("length_penalty")), ("early_stopping", req.early_stopping)):
+        if given:
+            raise ValueError(f"{name} is a beam search parameter: set beam_width too")
     # SamplingParams' own checks name the field (temperature, top_p, seed, logprobs...).
     params = SamplingParams(**kw)
     n = req.n if req.HasField("n") else 1
@@ -165,3 +177,30 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
         raise ValueError(f"n must be in [1, {MAX_N}], got {n}")
     return ValidatedRequest(request_id=request_id, prompt=req.prompt if has_prompt else None,
                             prompt_token_ids=ids, params=params, n=n)
+
+
+def _beam_request(req: pdserve_pb2.GenerateRequest, request_id: str, ids: list[int], has_prompt: bool,
+                  kw: dict) -> ValidatedRequest:
+    """A beam search request: deterministic, no sampling knobs, width bounded by what a worker reports."""
+    width = req.beam_width
+    if not 1 <= width <= MAX_BEAM_WIDTH:
+        raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {width}")
+    for name in _NOT_WITH_BEAMS:
+        if req.HasField(name):
+            raise ValueError(f"{name} cannot be used with beam_width: beam search is deterministic and "
+                             f"returns its beam_width best sequences")
+    for name in ("stop", "stop_token_ids", "logit_bias"):
+        if len(getattr(req, name)):
+            raise ValueError(f"{name} cannot be used with beam_width: beam search stops on EOS or max_tokens")
+    if req.HasField("temperature") and req.temperature != 0.0:
+        raise ValueError(f"temperature must be 0 (or unset) with beam_width, got {_decimal(req.temperature)}")
+    early = {"": False, "false": False, "true": True, "never": "never"}.get(req.early_stopping.lower())
+    if early is None:
+        raise ValueError(f"early_stopping must be 'true', 'false' or 'never', got {req.early_stopping!r}")
+    length_penalty = _decimal(req.length_penalty) if req.HasField("length_penalty") else 1.0
+    beam = BeamSearchParams(beam_width=width, max_tokens=kw["max_tokens"], ignore_eos=req.ignore_eos,
+                            length_penalty=length_penalty, early_stopping=early)
+    params = SamplingParams(max_tokens=kw["max_tokens"], temperature=0.0, ignore_eos=req.ignore_eos,
+                            skip_special_tokens=kw["skip_special_tokens"])
+    return ValidatedRequest(request_id=request_id, prompt=req.prompt if has_prompt else None,
+                            prompt_token_ids=ids, params=params, n=width, beam=beam)

@@ -141,13 +141,22 @@ _OFFLINE: dict = {}
 
 def offline(prompts: list, params: list[SamplingParams]) -> list:
     """engine.LLM("tiny").generate: (token_ids, text, finish_reason, logprobs) per prompt."""
+    outs = _offline_llm().generate(prompts, params)
+    return [(o.token_ids, o.text, o.finish_reason, o.logprobs) for o in outs]
+
+
+def offline_beams(prompt: list, params: Any) -> list:
+    """engine.LLM("tiny").beam_search on one prompt (token ids): its ranked ``BeamSearchSequence``s."""
+    return _offline_llm().beam_search([prompt], params)[0].sequences
+
+
+def _offline_llm() -> Any:
     from engine import LLM
 
     llm = _OFFLINE.get("tiny")
     if llm is None:
         llm = _OFFLINE["tiny"] = LLM(model="tiny", num_kv_blocks=256, num_threads=1)
-    outs = llm.generate(prompts, params)
-    return [(o.token_ids, o.text, o.finish_reason, o.logprobs) for o in outs]
+    return llm
 
 
 def counter_values(metrics: Any, name: str, label: Optional[str] = None) -> dict[str, float]:
