@@ -50,6 +50,16 @@ class _Beam:
     """Prompt + generated so far."""
 
 
+def sparse_rows(tops: list[list[tuple[int, float]]], vocab_size: int) -> torch.Tensor:
+    """[len(tops), vocab_size] float32 log-probs: each row's (token, log-prob) pairs, -inf elsewhere. Given each
+    beam's top 2W, ``PromptBeamSearch.step`` on these rows equals it on the full rows (module docstring, 2)."""
+    rows = torch.full((len(tops), vocab_size), float("-inf"), dtype=torch.float32)
+    for j, top in enumerate(tops):
+        rows[j, torch.tensor([t for t, _ in top], dtype=torch.long)] = torch.tensor([lp for _, lp in top],
+                                                                                   dtype=torch.float32)
+    return rows
+
+
 class BeamFlow:
     """One beam search request through the cluster (see the module docstring)."""
 
@@ -102,21 +112,18 @@ class BeamFlow:
         step = self.steps
         route = None if step == 1 else ("colocated" if self.deps.cfg.mode == "colocated" else "decode")
         futures = [pool.submit(self._top, beam, f"{self.rid}/beam{step}.{j}", route) for j, beam in enumerate(beams)]
-        rows = torch.full((len(beams), self._vocab), float("-inf"), dtype=torch.float32)
+        tops: list[list[tuple[int, float]]] = []
         failure: Optional[BaseException] = None
-        for j, fut in enumerate(futures):
+        for fut in futures:
             try:
-                top = fut.result()
+                tops.append(fut.result())
             except BaseException as e:  # noqa: BLE001 - the first failure ends the search, the others are cancelled
                 if failure is None:
                     failure = e
                     self.cancel()
-                continue
-            ids = torch.tensor([t for t, _ in top], dtype=torch.long)
-            rows[j, ids] = torch.tensor([lp for _, lp in top], dtype=torch.float32)
         if failure is not None:
             raise failure
-        return rows
+        return sparse_rows(tops, self._vocab)
 
     def _top(self, beam: _Beam, sub_id: str, route: Optional[str]) -> list[tuple[int, float]]:
         """The top 2W (token, log-prob) of the token after ``beam``, from one sub-request."""
