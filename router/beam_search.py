@@ -37,7 +37,6 @@ import torch
 
 from engine import PromptBeamSearch, SamplingParams
 from router.events import FlowError, FlowEvent, Timings, Usage
-from router.placement import PAIR
 from router.request_flow import FlowDeps, RequestFlow
 from router.validation import ValidatedRequest
 
