@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine.kernels import cpu_kernels
+from engine.quant import dequantize_kv, quantize_kv
+
 
 @dataclass
 class PrefillSpan:
@@ -106,8 +109,11 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
-    """Scatter this step's K/V [T, Hkv, D] into the layer's paged cache [N, bs, Hkv, D]."""
+    """Scatter this step's K/V [T, Hkv, D] into the layer's paged cache [N, bs, Hkv, D] (an int8 cache,
+    [N, bs, Hkv, D + 4], gets the rows quantized with their scales: engine/quant.py)."""
     n, bs, hkv, d = k_cache.shape
+    if k_cache.dtype == torch.int8:
+        k, v = quantize_kv(k), quantize_kv(v)
     k_cache.view(n * bs, hkv, d).index_copy_(0, slot_mapping, k)
     v_cache.view(n * bs, hkv, d).index_copy_(0, slot_mapping, v)
 
@@ -132,7 +138,22 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: T
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
                      window: Optional[int]) -> Tensor:
-    """One query per sequence over its cached context: q [B, H, D] -> [B, H, D]."""
+    """One query per sequence over its cached context: q [B, H, D] -> [B, H, D].
+
+    On CPU with pdserve's kernels built (engine/kernels.py) this is one C++ call that reads K/V in
+    place through the block table; elsewhere it gathers the context and runs SDPA."""
+    if q.device.type == "cpu" and q.shape[-1] % 16 == 0:
+        k = cpu_kernels()
+        if k is not None:
+            out = k.paged_decode_attention(q.float().contiguous(), k_cache, v_cache, meta.decode_block_tables,
+                                           meta.decode_ctx_lens, window or 0, q.shape[-1] ** -0.5)
+            return out.to(q.dtype)
+    return gather_decode_attention(q, k_cache, v_cache, meta, window)
+
+
+def gather_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
+                            window: Optional[int]) -> Tensor:
+    """``decode_attention`` by gather + SDPA: the reference the kernel is tested against."""
     B, H, D = q.shape
     hkv = k_cache.shape[2]
     group = H // hkv
@@ -140,12 +161,17 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attentio
     # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]; the gather is one copy of the live context
     # (index_select on the flattened table is ~5x faster than advanced indexing here)
     flat = bt.view(-1)
-    kd = k_cache.index_select(0, flat).view(B, -1, hkv, D).transpose(1, 2)
-    vd = v_cache.index_select(0, flat).view(B, -1, hkv, D).transpose(1, 2)
+    kd = _rows(k_cache.index_select(0, flat), q.dtype).view(B, -1, hkv, D).transpose(1, 2)
+    vd = _rows(v_cache.index_select(0, flat), q.dtype).view(B, -1, hkv, D).transpose(1, 2)
     # fold the query heads sharing a KV head into the query axis: [B, Hkv, G, D]
     qd = q.reshape(B, hkv, group, D)
     o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask(window))
     return o.reshape(B, H, D)
+
+
+def _rows(gathered: Tensor, dtype: torch.dtype) -> Tensor:
+    """Gathered cache rows as values: int8 rows are dequantized, float rows pass through."""
+    return dequantize_kv(gathered, dtype) if gathered.dtype == torch.int8 else gathered
 
 
 def _prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, span: PrefillSpan,
@@ -158,8 +184,8 @@ def _prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, 
         ks, vs = k[s:e].transpose(0, 1), v[s:e].transpose(0, 1)
     else:
         ctx = span.ctx_len
-        ks = k_cache.index_select(0, span.block_table).view(-1, hkv, D)[:ctx].transpose(0, 1)
-        vs = v_cache.index_select(0, span.block_table).view(-1, hkv, D)[:ctx].transpose(0, 1)
+        ks = _rows(k_cache.index_select(0, span.block_table), q.dtype).view(-1, hkv, D)[:ctx].transpose(0, 1)
+        vs = _rows(v_cache.index_select(0, span.block_table), q.dtype).view(-1, hkv, D)[:ctx].transpose(0, 1)
     if group > 1:
         ks = ks.repeat_interleave(group, dim=0)
         vs = vs.repeat_interleave(group, dim=0)

@@ -59,6 +59,15 @@ class EngineConfig:
     cpu_gemm: str = "onednn"
     """CPU linear layers: 'onednn' (weights prepacked once for oneDNN's blocked GEMM, 1.2-3x faster
     than MKL sgemm here; falls back to 'torch' where oneDNN lacks the dtype) | 'torch' (torch.mm)."""
+    quantization: Optional[str] = None
+    """Weight-only quantization at load, from the floating-point checkpoint (engine/quant.py): None |
+    'int8' (per output channel) | 'int4' (group-wise, ``quantization_group_size`` inputs per scale;
+    the LM head stays int8). Decode runs pdserve's CPU kernels (engine/kernels.py)."""
+    quantization_group_size: int = 128
+    """Inputs per int4 scale: a multiple of 32 dividing every layer's input width."""
+    kv_cache_dtype: str = "auto"
+    """vLLM's knob: 'auto' (the model dtype) | 'int8' (per-token, per-head scales stored in each
+    cached row; ~4x the tokens of a float32 cache, ~2x of a 16-bit one in the same memory)."""
     speculative_config: Optional[Any] = None
     """Speculative decoding (``engine.speculative``): vLLM's dict, e.g. ``{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}``, or a
@@ -85,6 +94,13 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.cpu_gemm not in ("onednn", "torch"):
             raise ValueError(f"cpu_gemm must be 'onednn' or 'torch', got {self.cpu_gemm!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
+        g = self.quantization_group_size
+        if not isinstance(g, int) or isinstance(g, bool) or g < 32 or g % 32:
+            raise ValueError(f"quantization_group_size must be a positive multiple of 32, got {g!r}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         from engine.speculative import SpeculativeConfig
@@ -94,6 +110,11 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return parse_dtype(self.dtype)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache tensors' dtype: the model dtype, or int8."""
+        return torch.int8 if self.kv_cache_dtype == "int8" else self.torch_dtype
 
 
 @dataclass

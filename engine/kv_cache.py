@@ -16,10 +16,16 @@ from torch import Tensor
 from engine.config import ModelConfig
 
 
+def row_width(mc: ModelConfig, dtype: torch.dtype) -> int:
+    """Elements per cached (token, KV head) row: head_dim, plus 4 bytes of float32 scale for int8
+    (engine/quant.py's ``quantize_kv``)."""
+    return mc.head_dim + 4 if dtype == torch.int8 else mc.head_dim
+
+
 def bytes_per_block(mc: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """K and V of all layers for one block."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * mc.num_hidden_layers * block_size * mc.num_key_value_heads * mc.head_dim * elem
+    return 2 * mc.num_hidden_layers * block_size * mc.num_key_value_heads * row_width(mc, dtype) * elem
 
 
 def num_blocks_for_budget(mc: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
@@ -33,7 +39,8 @@ def num_blocks_for_budget(mc: ModelConfig, block_size: int, dtype: torch.dtype, 
 
 def allocate_kv_caches(mc: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> list[tuple[Tensor, Tensor]]:
-    """Zeroed (K, V) per layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
-    shape = (num_blocks, block_size, mc.num_key_value_heads, mc.head_dim)
+    """Zeroed (K, V) per layer, each [num_blocks, block_size, num_kv_heads, row_width] (row_width is
+    head_dim, or head_dim + 4 for an int8 cache: each row carries its scale)."""
+    shape = (num_blocks, block_size, mc.num_key_value_heads, row_width(mc, dtype))
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(mc.num_hidden_layers)]

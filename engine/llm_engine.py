@@ -51,8 +51,9 @@ class LLMEngine:
         self.model_config: ModelConfig = load_model_config(config)
         mc = self.model_config
         self.block_size = config.block_size
-        dtype, device = config.torch_dtype, torch.device(config.device)
-        n_blocks = config.num_kv_blocks or num_blocks_for_budget(mc, self.block_size, dtype,
+        device = torch.device(config.device)
+        cache_dtype = config.cache_dtype
+        n_blocks = config.num_kv_blocks or num_blocks_for_budget(mc, self.block_size, cache_dtype,
                                                                   config.kv_cache_memory_bytes)
         self.num_total_blocks = n_blocks
         # one sequence alone must always fit, so a sequence never waits forever for blocks
@@ -61,7 +62,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config)
         self.eos_token_id = default_eos(mc, self.tokenizer)
         model = load_model(config, mc, self.max_model_len)
-        self.kv_caches: list[tuple[Tensor, Tensor]] = allocate_kv_caches(mc, n_blocks, self.block_size, dtype, device)
+        self.kv_caches: list[tuple[Tensor, Tensor]] = allocate_kv_caches(mc, n_blocks, self.block_size, cache_dtype,
+                                                                             device)
         self.block_manager = BlockManager(n_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         generator = torch.Generator().manual_seed(config.seed)
@@ -87,8 +89,9 @@ class LLMEngine:
             self._proposer = NgramProposer(self.spec_config)
         self.spec_stats = SpecDecodeStats()
         """Speculative decoding counters (drafts, draft tokens, accepted tokens, per position)."""
-        logger.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d",
-                    config.model, config.dtype, config.device, n_blocks, self.block_size, self.max_model_len)
+        logger.info("engine ready: model=%s dtype=%s quantization=%s kv_cache_dtype=%s device=%s kv_blocks=%d x %d "
+                    "tokens, max_model_len=%d", config.model, config.dtype, config.quantization,
+                    config.kv_cache_dtype, config.device, n_blocks, self.block_size, self.max_model_len)
 
     # -- state ----------------------------------------------------------------------------------
 

@@ -64,7 +64,7 @@ def load_model(cfg: EngineConfig, mc: ModelConfig, max_positions: int) -> Causal
             model.load_state_dict(cpu.state_dict())
     else:
         model.load_weights(iter_safetensors(_model_dir(cfg.model)))
-    return model.finalize(cfg.cpu_gemm)
+    return model.finalize(cfg.cpu_gemm, cfg.quantization, cfg.quantization_group_size)
 
 
 def load_tokenizer(cfg: EngineConfig):

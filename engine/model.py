@@ -25,6 +25,8 @@ from torch import Tensor, nn
 
 from engine.attention import AttentionMetadata, apply_rope, decode_attention, paged_attention, write_kv
 from engine.config import ModelConfig, rope_inv_freq
+from engine.kernels import cpu_kernels
+from engine.quant import QUANTIZATIONS, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 
 class RMSNorm(nn.Module):
@@ -60,6 +62,49 @@ class Linear(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: Optional[Tensor] = None
+        self.qweight: Optional[Tensor] = None  # int8 [N, K] or packed int4 [N, K/2]
+        self.qscale: Optional[Tensor] = None
+        self.qmethod: Optional[str] = None
+        self.qgroup = 0
+
+    def quantize(self, method: str, group: int = 128) -> None:
+        """Replace the float weight by its weight-only quantized form (engine/quant.py), once, at load.
+
+        Forward then runs pdserve's CPU kernel for up to ``SMALL_M`` rows (decode: reads 1/4 or 1/8
+        of the fp32 bytes) and dequantize + GEMM above that (prefill is compute-bound: the one
+        dequantization per call is small next to the GEMM), or dequantize + GEMM everywhere when the
+        kernels are not built (other devices, no compiler)."""
+        w = self.weight_t.detach().t()
+        if method == "int8":
+            self.qweight, self.qscale = quantize_int8(w)
+        elif method == "int4":
+            self.qweight, self.qscale = quantize_int4(w, group)
+            self.qgroup = group
+        else:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {method!r}")
+        self.qmethod = method
+        self.register_parameter("weight_t", None)
+
+    SMALL_M = 32
+
+    def _quantized_forward(self, x: Tensor) -> Tensor:
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, shape[-1])
+        k = cpu_kernels() if x.device.type == "cpu" else None
+        bias = None if self.bias is None else self.bias.float()
+        if k is not None and x2.shape[0] <= self.SMALL_M:
+            xf = x2.float().contiguous()
+            if self.qmethod == "int8":
+                y = k.linear_int8(xf, self.qweight, self.qscale, bias)
+            else:
+                y = k.linear_int4(xf, self.qweight, self.qscale, self.qgroup, bias)
+        else:
+            if self.qmethod == "int8":
+                w = dequantize_int8(self.qweight, self.qscale)
+            else:
+                w = dequantize_int4(self.qweight, self.qscale, self.qgroup)
+            y = F.linear(x2.float(), w, bias)
+        return y.to(dtype).reshape(*shape[:-1], y.shape[-1])
 
     def pack(self) -> bool:
         """Prepack for oneDNN (CPU, float32/bfloat16); False, unchanged, where oneDNN cannot."""
@@ -76,6 +121,8 @@ class Linear(nn.Module):
         return True
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.qweight is not None:
+            return self._quantized_forward(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.bias is None:
@@ -137,14 +184,21 @@ class CausalLM(nn.Module):
         self.rope_cos: Optional[Tensor] = None
         self.rope_sin: Optional[Tensor] = None
 
-    def finalize(self, cpu_gemm: str = "onednn") -> "CausalLM":
-        """Build the rope tables on the weights' device/dtype (after loading), prepack the linear
-        layers for oneDNN when on CPU and ``cpu_gemm == "onednn"``, and switch to eval."""
+    def finalize(self, cpu_gemm: str = "onednn", quantization: Optional[str] = None,
+                 group_size: int = 128) -> "CausalLM":
+        """Build the rope tables on the weights' device/dtype (after loading), quantize the linear
+        layers (``quantization``: 'int8' everywhere, or 'int4' group-wise in the decoder layers with the
+        LM head at int8, the way llama.cpp's q4_0 keeps its output layer wider) or else prepack them
+        for oneDNN when on CPU and ``cpu_gemm == "onednn"``, and switch to eval."""
         w = self.embed_tokens.weight
         if self.config.tie_word_embeddings:
             with torch.no_grad():
                 self.lm_head.weight_t.copy_(w.t())
-        if cpu_gemm == "onednn" and w.device.type == "cpu":
+        if quantization is not None:
+            for name, m in self.named_modules():
+                if isinstance(m, Linear):
+                    m.quantize("int8" if name == "lm_head" else quantization, group_size)
+        elif cpu_gemm == "onednn" and w.device.type == "cpu":
             for m in self.modules():
                 if isinstance(m, Linear):
                     m.pack()

@@ -1,0 +1,348 @@
+// pdserve CPU kernels: small-M linear layers over fp32 / int8 / int4 weights and paged decode attention.
+//
+// Built at first use by engine/kernels.py (torch.utils.cpp_extension, -O3 -march=native), so the
+// vector code below compiles to whatever the machine offers: GCC vector extensions of 16 floats become
+// one AVX-512 register, two AVX2 registers, or four SSE registers. Everything is parallel over output
+// columns (linears) or (sequence, KV head) pairs (attention) with at::parallel_for, i.e. torch's own
+// OpenMP pool, so the kernels share the engine's threads instead of adding a second pool.
+//
+// Weight formats (see engine/quant.py, which makes them):
+//   fp32: w [N, K] float, row n is output n.
+//   int8: w [N, K] int8 and scale [N] float: W[n, k] = w[n, k] * scale[n] (per output channel).
+//   int4: w [N, K/2] uint8 and scale [N, K/G] float, G % 32 == 0: in each run of 32 values of a row,
+//         byte j (0..15) holds value j in its low nibble and value j + 16 in its high nibble, both
+//         stored as q + 8 (q in [-8, 7]); W[n, k] = q * scale[n, k / G].
+// KV cache formats for paged attention, [num_blocks, block_size, Hkv, Dp]:
+//   float32 or bfloat16 with Dp = D; int8 with Dp = D + 4, the last 4 bytes of each (token, head) row
+//   being that row's float32 scale (x = q * scale).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+inline v16f load_f(const float* p) { v16f v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store_f(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
+inline v16f splat(float x) { return v16f{} + x; }
+// Widening loads of 16 narrow integers into 16 int32 lanes. GCC lowers __builtin_convertvector of
+// 8- and 16-bit vectors lane by lane, so these use the one-instruction widening moves directly.
+template <class T>
+inline v16i widen_scalar(const void* p) {
+  T t[16]; std::memcpy(t, p, sizeof t);
+  v16i r;
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+  return r;
+}
+#if defined(__AVX512F__)
+inline v16i widen_i8(const void* p) { return (v16i)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+inline v16i widen_u8(const void* p) { return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+inline v16i widen_u16(const void* p) { return (v16i)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)); }
+#elif defined(__AVX2__)
+inline v16i join(__m256i lo, __m256i hi) {
+  v16i r; std::memcpy(&r, &lo, 32); std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32); return r;
+}
+inline v16i widen_i8(const void* p) {
+  __m128i a = _mm_loadu_si128((const __m128i*)p);
+  return join(_mm256_cvtepi8_epi32(a), _mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
+}
+inline v16i widen_u8(const void* p) {
+  __m128i a = _mm_loadu_si128((const __m128i*)p);
+  return join(_mm256_cvtepu8_epi32(a), _mm256_cvtepu8_epi32(_mm_srli_si128(a, 8)));
+}
+inline v16i widen_u16(const void* p) {
+  const __m128i* q = (const __m128i*)p;
+  return join(_mm256_cvtepu16_epi32(_mm_loadu_si128(q)), _mm256_cvtepu16_epi32(_mm_loadu_si128(q + 1)));
+}
+#else
+inline v16i widen_i8(const void* p) { return widen_scalar<int8_t>(p); }
+inline v16i widen_u8(const void* p) { return widen_scalar<uint8_t>(p); }
+inline v16i widen_u16(const void* p) { return widen_scalar<uint16_t>(p); }
+#endif
+
+inline v16f to_f(v16i v) { return __builtin_convertvector(v, v16f); }
+inline v16f load_b(const int8_t* p) { return to_f(widen_i8(p)); }
+inline v16f load_bf16(const uint16_t* p) {
+  v16i w = widen_u16(p) << 16;
+  v16f f; std::memcpy(&f, &w, sizeof f);
+  return f;
+}
+inline float hsum(v16f v) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+// ---- linear: y[M, N] = x[M, K] W^T (+ bias) for small M -------------------------------------------
+
+constexpr int NR = 4;   // output rows per tile: their weights are read once for all M inputs
+constexpr int MR = 4;   // inputs per pass: 16 accumulators stay in registers with AVX-512
+
+struct Fp32W {
+  const float* w; int64_t K;
+  inline v16f row(int64_t n, int64_t k) const { return load_f(w + n * K + k); }
+  inline float out_scale(int64_t) const { return 1.f; }
+};
+struct Int8W {
+  const int8_t* w; const float* scale; int64_t K;
+  inline v16f row(int64_t n, int64_t k) const { return load_b(w + n * K + k); }
+  inline float out_scale(int64_t n) const { return scale[n]; }
+};
+
+template <class W, int R>
+inline void tile(const W& wt, const float* x, int64_t ldx, int64_t m0, int64_t mr, int64_t n,
+                 int64_t K, float* y, int64_t ldy, const float* bias) {
+  v16f acc[MR][R];
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = v16f{};
+  for (int64_t k = 0; k < K; k += 16) {
+    v16f wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = wt.row(n + r, k);
+    for (int i = 0; i < MR; ++i) {
+      if (i >= mr) break;
+      v16f xv = load_f(x + (m0 + i) * ldx + k);
+      for (int r = 0; r < R; ++r) acc[i][r] += xv * wv[r];
+    }
+  }
+  for (int i = 0; i < mr; ++i)
+    for (int r = 0; r < R; ++r) {
+      float v = hsum(acc[i][r]) * wt.out_scale(n + r);
+      y[(m0 + i) * ldy + n + r] = bias ? v + bias[n + r] : v;
+    }
+}
+
+template <class W>
+void linear_rows(const W& wt, const float* x, int64_t M, int64_t K, int64_t N, float* y,
+                 const float* bias) {
+  // grain: enough tiles per task that a thread streams a long contiguous slice of the weight
+  at::parallel_for(0, (N + NR - 1) / NR, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t n = t * NR;
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        int64_t mr = std::min<int64_t>(MR, M - m0);
+        if (n + NR <= N) tile<W, NR>(wt, x, K, m0, mr, n, K, y, N, bias);
+        else for (int64_t j = n; j < N; ++j) tile<W, 1>(wt, x, K, m0, mr, j, K, y, N, bias);
+      }
+    }
+  });
+}
+
+// int4: weights scaled per group while loading, so the accumulators need no per-group step.
+void int4_rows(const uint8_t* w, const float* scale, int64_t G, const float* x, int64_t M, int64_t K,
+               int64_t N, float* y, const float* bias) {
+  const int64_t ngroups = K / G, half = K / 2;
+  at::parallel_for(0, (N + NR - 1) / NR, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = t * NR, R = std::min<int64_t>(NR, N - n);
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int64_t mr = std::min<int64_t>(MR, M - m0);
+        v16f acc[MR][NR];
+        for (int i = 0; i < MR; ++i)
+          for (int r = 0; r < NR; ++r) acc[i][r] = v16f{};
+        for (int64_t k = 0; k < K; k += 32) {
+          v16f lo[NR], hi[NR];
+          for (int r = 0; r < NR; ++r) {
+            if (r >= R) { lo[r] = hi[r] = v16f{}; continue; }
+            v16i q = widen_u8(w + (n + r) * half + k / 2);
+            v16f s = splat(scale[(n + r) * ngroups + k / G]);
+            lo[r] = __builtin_convertvector((q & 15) - 8, v16f) * s;
+            hi[r] = __builtin_convertvector((q >> 4) - 8, v16f) * s;
+          }
+          for (int i = 0; i < MR; ++i) {
+            if (i >= mr) break;
+            const float* xp = x + (m0 + i) * K + k;
+            v16f xl = load_f(xp), xh = load_f(xp + 16);
+            for (int r = 0; r < NR; ++r) acc[i][r] += xl * lo[r] + xh * hi[r];
+          }
+        }
+        for (int i = 0; i < mr; ++i)
+          for (int r = 0; r < R; ++r) {
+            float v = hsum(acc[i][r]);
+            y[(m0 + i) * N + n + r] = bias ? v + bias[n + r] : v;
+          }
+      }
+    }
+  });
+}
+
+void check_x(const torch::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) == K,
+              "x must be a contiguous float32 [M, ", K, "] tensor");
+  TORCH_CHECK(K % 16 == 0, "K must be a multiple of 16");
+}
+
+const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == N,
+              "bias must be float32 [N]");
+  return bias->data_ptr<float>();
+}
+
+torch::Tensor linear_fp32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+  const int64_t N = w.size(0), K = w.size(1);
+  check_x(x, K);
+  TORCH_CHECK(w.scalar_type() == torch::kFloat && w.is_contiguous(), "w must be contiguous float32 [N, K]");
+  auto y = torch::empty({x.size(0), N}, x.options());
+  linear_rows(Fp32W{w.data_ptr<float>(), K}, x.data_ptr<float>(), x.size(0), K, N, y.data_ptr<float>(),
+              bias_ptr(bias, N));
+  return y;
+}
+
+torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
+  const int64_t N = w.size(0), K = w.size(1);
+  check_x(x, K);
+  TORCH_CHECK(w.scalar_type() == torch::kChar && w.is_contiguous(), "w must be contiguous int8 [N, K]");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.numel() == N && scale.is_contiguous(), "scale must be float32 [N]");
+  auto y = torch::empty({x.size(0), N}, x.options());
+  linear_rows(Int8W{w.data_ptr<int8_t>(), scale.data_ptr<float>(), K}, x.data_ptr<float>(), x.size(0), K, N,
+              y.data_ptr<float>(), bias_ptr(bias, N));
+  return y;
+}
+
+torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale, int64_t group,
+                          c10::optional<torch::Tensor> bias) {
+  const int64_t N = w.size(0), K = 2 * w.size(1);
+  check_x(x, K);
+  TORCH_CHECK(group % 32 == 0 && K % group == 0, "group must be a multiple of 32 dividing K");
+  TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous(), "w must be contiguous uint8 [N, K/2]");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == N * (K / group),
+              "scale must be float32 [N, K/group]");
+  auto y = torch::empty({x.size(0), N}, x.options());
+  int4_rows(w.data_ptr<uint8_t>(), scale.data_ptr<float>(), group, x.data_ptr<float>(), x.size(0), K, N,
+            y.data_ptr<float>(), bias_ptr(bias, N));
+  return y;
+}
+
+// ---- paged decode attention ----------------------------------------------------------------------
+
+enum class KV { F32, BF16, I8 };
+
+// One cached row (token, kv head) as D floats, 16 at a time.
+struct Row {
+  const uint8_t* p; KV kind; int64_t D;
+  inline v16f at(int64_t d) const {
+    switch (kind) {
+      case KV::F32: return load_f(reinterpret_cast<const float*>(p) + d);
+      case KV::BF16: return load_bf16(reinterpret_cast<const uint16_t*>(p) + d);
+      default: return load_b(reinterpret_cast<const int8_t*>(p) + d);
+    }
+  }
+  inline float scale() const {
+    if (kind != KV::I8) return 1.f;
+    float s; std::memcpy(&s, p + D, sizeof s); return s;
+  }
+};
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor ctx_lens, int64_t window,
+                                     double sm_scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q must be contiguous float32 [B, H, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache and v_cache must be contiguous [num_blocks, block_size, Hkv, Dp] of one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && block_tables.is_contiguous() && block_tables.dim() == 2,
+              "block_tables must be contiguous int64 [B, max_blocks]");
+  TORCH_CHECK(ctx_lens.scalar_type() == torch::kLong && ctx_lens.is_contiguous(), "ctx_lens must be int64 [B]");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t NB = k_cache.size(0), bs = k_cache.size(1), Hkv = k_cache.size(2), Dp = k_cache.size(3);
+  const int64_t maxb = block_tables.size(1);
+  TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16");
+  TORCH_CHECK(H % Hkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.size(0) == B && ctx_lens.numel() == B, "block_tables/ctx_lens must have B rows");
+  KV kind;
+  int64_t esize;
+  switch (k_cache.scalar_type()) {
+    case torch::kFloat: kind = KV::F32; esize = 4; TORCH_CHECK(Dp == D, "float32 cache rows must be D wide"); break;
+    case torch::kBFloat16: kind = KV::BF16; esize = 2; TORCH_CHECK(Dp == D, "bfloat16 cache rows must be D wide"); break;
+    case torch::kChar: kind = KV::I8; esize = 1; TORCH_CHECK(Dp == D + 4, "int8 cache rows must be D + 4 bytes"); break;
+    default: TORCH_CHECK(false, "unsupported KV cache dtype");
+  }
+  const int64_t G = H / Hkv, row_bytes = Dp * esize;
+  const auto* kb = static_cast<const uint8_t*>(k_cache.data_ptr());
+  const auto* vb = static_cast<const uint8_t*>(v_cache.data_ptr());
+  const auto* bt = block_tables.data_ptr<int64_t>();
+  const auto* lens = ctx_lens.data_ptr<int64_t>();
+  const float* qp = q.data_ptr<float>();
+  auto out = torch::empty_like(q);
+  float* op = out.data_ptr<float>();
+  const float scale = static_cast<float>(sm_scale);
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> scores;
+    std::vector<v16f> acc(G * (D / 16));
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = p / Hkv, h = p % Hkv, ctx = lens[b];
+      const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
+      const int64_t L = ctx - start;
+      TORCH_CHECK(ctx >= 1 && (ctx + bs - 1) / bs <= maxb, "ctx_lens out of range of the block table");
+      scores.assign(G * L, 0.f);
+      auto row = [&](const uint8_t* base, int64_t t) {
+        const int64_t blk = bt[b * maxb + t / bs];
+        TORCH_CHECK(blk >= 0 && blk < NB, "block id out of range");
+        return Row{base + ((blk * bs + t % bs) * Hkv + h) * row_bytes, kind, D};
+      };
+      // scores = q . k * scale, per query head of the group
+      for (int64_t t = 0; t < L; ++t) {
+        Row k = row(kb, start + t);
+        v16f s[64];
+        const int64_t g_n = std::min<int64_t>(G, 64);
+        for (int64_t g = 0; g < g_n; ++g) s[g] = v16f{};
+        for (int64_t d = 0; d < D; d += 16) {
+          v16f kv = k.at(d);
+          for (int64_t g = 0; g < g_n; ++g) s[g] += load_f(qp + (b * H + h * G + g) * D + d) * kv;
+        }
+        const float ks = k.scale() * scale;
+        for (int64_t g = 0; g < g_n; ++g) scores[g * L + t] = hsum(s[g]) * ks;
+        for (int64_t g = 64; g < G; ++g) {  // groups beyond 64 heads: rare, plain loop
+          v16f a{};
+          for (int64_t d = 0; d < D; d += 16) a += load_f(qp + (b * H + h * G + g) * D + d) * k.at(d);
+          scores[g * L + t] = hsum(a) * ks;
+        }
+      }
+      // softmax per query head
+      for (int64_t g = 0; g < G; ++g) {
+        float* sc = scores.data() + g * L;
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < L; ++t) mx = std::max(mx, sc[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < L; ++t) { sc[t] = std::exp(sc[t] - mx); sum += sc[t]; }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
+      }
+      // out = sum_t p_t v_t
+      std::fill(acc.begin(), acc.end(), v16f{});
+      for (int64_t t = 0; t < L; ++t) {
+        Row v = row(vb, start + t);
+        const float vs = v.scale();
+        for (int64_t d = 0; d < D; d += 16) {
+          v16f vv = v.at(d) * vs;
+          for (int64_t g = 0; g < G; ++g) acc[g * (D / 16) + d / 16] += splat(scores[g * L + t]) * vv;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; d += 16) store_f(op + (b * H + h * G + g) * D + d, acc[g * (D / 16) + d / 16]);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_fp32", &linear_fp32, "y = x w^T (+ bias), w float32 [N, K]");
+  m.def("linear_int8", &linear_int8, "y = x (w * scale)^T (+ bias), w int8 [N, K], scale [N]");
+  m.def("linear_int4", &linear_int4, "y = x W^T (+ bias), W int4 group-wise (see file header)");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one query per sequence over its paged K/V read in place through the block table");
+}

@@ -1,0 +1,77 @@
+"""Weight-only and KV-cache quantization formats: round to nearest, scales kept in float32.
+
+Lifecycle: pure functions. ``CausalLM.finalize`` calls ``quantize_int8`` / ``quantize_int4`` once per
+linear layer at load (from the floating-point checkpoint) when ``EngineConfig.quantization`` asks for
+it; the attention calls ``quantize_kv`` on every step's new K/V rows when ``kv_cache_dtype="int8"``
+and ``dequantize_kv`` where it reads the cache without the C++ kernel. The formats are the ones
+engine/csrc/cpu_kernels.cpp reads:
+
+- **int8 weights, per output channel**: ``q [N, K] int8``, ``scale [N] float32``, ``W = q * scale``,
+  ``scale = max|W[n]| / 127``, so ``|W - q * scale| <= scale / 2``.
+- **int4 weights, group-wise** (llama.cpp's q4_0 rule per group of ``G`` inputs): ``d = m / -8`` where
+  ``m`` is the group's value of largest magnitude, ``q = clamp(round(W / d), -8, 7)``; so ``m`` is
+  exact and ``|W - q * d| <= |d| / 2`` except where the clamp at 7 bites (``<= |d|``). Packed two to
+  a byte: in each run of 32 inputs, byte ``j`` holds ``q[j] + 8`` in its low nibble and
+  ``q[j + 16] + 8`` in its high nibble. ``scale [N, K / G] float32``.
+- **int8 KV rows**: each cached (token, KV head) row of ``D`` values becomes ``D + 4`` int8 bytes: the
+  values ``round(x / s)`` with ``s = max|x| / 127``, then ``s`` itself as 4 bytes of float32. The
+  scale travels inside the row, so every block copy (copy-on-write, KV transfer, the gather) moves
+  values and scales together without knowing the format.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+QUANTIZATIONS = ("int8", "int4")
+KV_CACHE_DTYPES = ("auto", "int8")
+
+
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """W [N, K] float -> (q [N, K] int8, scale [N] float32), per output channel."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
+    return q.float() * scale[:, None]
+
+
+def quantize_int4(w: Tensor, group: int) -> tuple[Tensor, Tensor]:
+    """W [N, K] float -> (packed [N, K/2] uint8, scale [N, K/group] float32); group % 32 == 0."""
+    N, K = w.shape
+    if group % 32 or K % group:
+        raise ValueError(f"quantization_group_size must be a multiple of 32 that divides {K}, got {group}")
+    g = w.float().reshape(N, K // group, group)
+    idx = g.abs().argmax(dim=2, keepdim=True)
+    d = (g.gather(2, idx) / -8.0).squeeze(2)
+    d = torch.where(d == 0, torch.ones_like(d), d)
+    q = torch.round(g / d[..., None]).clamp_(-8, 7).to(torch.int16) + 8  # 0..15
+    runs = q.reshape(N, K // 32, 2, 16)
+    packed = (runs[:, :, 0] | (runs[:, :, 1] << 4)).to(torch.uint8).reshape(N, K // 2)
+    return packed.contiguous(), d.contiguous()
+
+
+def dequantize_int4(packed: Tensor, scale: Tensor, group: int) -> Tensor:
+    N, half = packed.shape
+    K = 2 * half
+    b = packed.reshape(N, K // 32, 16).to(torch.int16)
+    q = torch.stack((b & 15, b >> 4), dim=2).reshape(N, K // group, group) - 8
+    return (q.float() * scale[..., None]).reshape(N, K)
+
+
+def quantize_kv(x: Tensor) -> Tensor:
+    """K or V rows [..., D] float -> int8 [..., D + 4] (values, then the row's float32 scale)."""
+    x = x.float()
+    s = (x.abs().amax(dim=-1, keepdim=True) / 127.0).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(x / s).clamp_(-127, 127).to(torch.int8)
+    return torch.cat((q, s.view(torch.int8)), dim=-1)
+
+
+def dequantize_kv(q: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """int8 rows [..., D + 4] -> [..., D] in dtype."""
+    D = q.shape[-1] - 4
+    s = q[..., D:].contiguous().view(torch.float32)
+    return (q[..., :D].float() * s).to(dtype)
