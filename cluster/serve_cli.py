@@ -78,6 +78,15 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per decode worker")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="turn off the engines' automatic prefix caching (on by default)")
+    p.add_argument("--quantization", choices=("int8", "int4"), default=None,
+                   help="weight-only quantization of every worker's model at load: int8 per output channel, int4 "
+                        "group-wise (default: off, float weights)")
+    p.add_argument("--quantization-group-size", type=int, default=128, metavar="G",
+                   help="inputs per int4 scale, a multiple of 32 (default 128)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+                   help="KV cache of every worker: auto = the model dtype, int8 = quantized with per-token, "
+                        "per-head scales (about 4x the tokens of float32 in the same memory, and a quarter of "
+                        "the bytes shipped from prefill to decode); default auto")
     p.add_argument("--speculative-method", choices=("ngram", "draft_model"), default=None,
                    help="speculative decoding in the decode (and colocated) workers: ngram = prompt-lookup drafts, "
                         "draft_model = a small model's drafts (--speculative-model); drafts are verified in the "
@@ -277,6 +286,11 @@ def _engine_overrides(args: argparse.Namespace, checked_only: bool = False) -> d
            if v is not None}
     if args.no_prefix_caching and not checked_only:
         out["enable_prefix_caching"] = False
+    if args.quantization is not None:
+        out["quantization"] = args.quantization
+        out["quantization_group_size"] = args.quantization_group_size
+    if args.kv_cache_dtype != "auto":
+        out["kv_cache_dtype"] = args.kv_cache_dtype
     method = args.speculative_method or ("draft_model" if args.speculative_model else None)
     if method == "ngram":
         out["speculative_config"] = {"method": method, "num_speculative_tokens": args.num_speculative_tokens,

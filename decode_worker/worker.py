@@ -66,6 +66,12 @@ class DisaggregatedRequests(choices.ChoiceRequestSet[_DecodeReq]):
             if not request.prefill_kv_name:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prefill_kv_name is empty (request {rid})")
             params = request_params(request.params, rid)
+            mine = w.engine.kv_cache_dtype
+            if request.prefill_kv_cache_dtype and request.prefill_kv_cache_dtype != mine:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"kv_cache_dtype mismatch: prefill peer {request.prefill_kv_name!r} caches KV as "
+                                   f"{request.prefill_kv_cache_dtype}, decode worker {w.cfg.worker_id} as {mine}; "
+                                   f"start both pools with the same --kv-cache-dtype and --dtype (request {rid})")
             if request.kv_timeout_s < 0:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                    f"kv_timeout_s must be >= 0, got {request.kv_timeout_s} (request {rid})")

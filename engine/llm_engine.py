@@ -27,6 +27,7 @@ from torch import Tensor
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
+from engine.kernels import cpu_kernels
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from engine.loader import default_eos, load_model, load_model_config, load_tokenizer
 from engine.model_runner import ModelRunner, RunnerOutput
@@ -53,6 +54,8 @@ class LLMEngine:
         self.block_size = config.block_size
         device = torch.device(config.device)
         cache_dtype = config.cache_dtype
+        self.kv_cache_dtype = str(cache_dtype).removeprefix("torch.")
+        """The KV cache tensors' dtype by name ('float32', 'int8', ...): what a KV transfer peer must match."""
         n_blocks = config.num_kv_blocks or num_blocks_for_budget(mc, self.block_size, cache_dtype,
                                                                   config.kv_cache_memory_bytes)
         self.num_total_blocks = n_blocks
@@ -61,6 +64,8 @@ class LLMEngine:
                                  mc.max_position_embeddings, n_blocks * self.block_size)
         self.tokenizer = load_tokenizer(config)
         self.eos_token_id = default_eos(mc, self.tokenizer)
+        if device.type == "cpu":
+            cpu_kernels()  # build (first start on this machine) or load them now, never mid-request
         model = load_model(config, mc, self.max_model_len)
         self.kv_caches: list[tuple[Tensor, Tensor]] = allocate_kv_caches(mc, n_blocks, self.block_size, cache_dtype,
                                                                              device)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "grpc_address", "kv_name", "metrics_address", "model_name", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "queued_prompt_tokens", "ready", "block_size", "updated_at", "node_id")
+    __slots__ = ("worker_id", "role", "grpc_address", "kv_name", "metrics_address", "model_name", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "queued_prompt_tokens", "ready", "block_size", "updated_at", "node_id", "kv_cache_dtype")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class WorkerInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     grpc_address: str
@@ -39,7 +40,8 @@ class WorkerInfo(_message.Message):
     block_size: int
     updated_at: float
     node_id: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., kv_name: _Optional[str] = ..., metrics_address: _Optional[str] = ..., model_name: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., block_size: _Optional[int] = ..., updated_at: _Optional[float] = ..., node_id: _Optional[str] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., kv_name: _Optional[str] = ..., metrics_address: _Optional[str] = ..., model_name: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., block_size: _Optional[int] = ..., updated_at: _Optional[float] = ..., node_id: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class WireSamplingParams(_message.Message):
     __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "logit_bias")
@@ -103,18 +105,20 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_kv_name", "kv_timeout_s")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_kv_name", "kv_timeout_s", "prefill_kv_cache_dtype")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_KV_NAME_FIELD_NUMBER: _ClassVar[int]
     KV_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: WireSamplingParams
     prefill_kv_name: str
     kv_timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WireSamplingParams, _Mapping]] = ..., prefill_kv_name: _Optional[str] = ..., kv_timeout_s: _Optional[float] = ...) -> None: ...
+    prefill_kv_cache_dtype: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WireSamplingParams, _Mapping]] = ..., prefill_kv_name: _Optional[str] = ..., kv_timeout_s: _Optional[float] = ..., prefill_kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("block_ids", "block_size", "kv_name")

@@ -219,6 +219,7 @@ class Placer:
                 resv = self.clients.decode(d.grpc_address).Reserve(
                     worker_pb2.ReserveRequest(request_id=wrid, prompt_token_ids=scope.prompt_token_ids,
                                               params=scope.wire_params, prefill_kv_name=p.kv_name,
+                                              prefill_kv_cache_dtype=p.kv_cache_dtype,
                                               kv_timeout_s=scope.remaining(cfg.first_token_timeout_s
                                                                            + cfg.transfer_timeout_s)),
                     timeout=scope.remaining(cfg.reserve_timeout_s))

@@ -139,7 +139,8 @@ class WorkerBase:
         info = worker_pb2.WorkerInfo(
             num_total_blocks=eng.num_total_blocks, num_free_blocks=eng.num_free_blocks,
             num_running=eng.num_running, num_waiting=eng.num_waiting,
-            queued_prompt_tokens=self.queued_prompt_tokens(), block_size=eng.block_size)
+            queued_prompt_tokens=self.queued_prompt_tokens(), block_size=eng.block_size,
+            kv_cache_dtype=eng.kv_cache_dtype)
         with self._load_lock:
             self._load = info
         if self.metrics is not None:

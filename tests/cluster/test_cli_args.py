@@ -20,6 +20,7 @@ from cluster.serve_cli import _check_up_args, _router_overrides
     (["--speculative-method", "ngram", "--num-speculative-tokens", "0"], "--num-speculative-tokens"),
     (["--speculative-method", "ngram", "--prompt-lookup-min", "0"], "--prompt-lookup-min"),
     (["--health-port", "70000"], "--health-port"),
+    (["--quantization", "int4", "--quantization-group-size", "48"], "--quantization-group-size"),
 ])
 def test_bad_flag_is_named(argv, flag):
     args = build_parser().parse_args(["up", *argv])
@@ -48,6 +49,17 @@ def test_speculative_model_flag_sets_the_draft_model():
     _check_up_args(args)
     assert _engine_overrides(args)["speculative_config"] == {"method": "draft_model", "model": "tiny-draft",
                                                              "num_speculative_tokens": 3}
+
+
+def test_quantization_flags_reach_every_worker_engine():
+    from cluster.serve_cli import _engine_overrides
+
+    args = build_parser().parse_args(["up", "--quantization", "int4", "--quantization-group-size", "64",
+                                      "--kv-cache-dtype", "int8"])
+    _check_up_args(args)
+    o = _engine_overrides(args)
+    assert (o["quantization"], o["quantization_group_size"], o["kv_cache_dtype"]) == ("int4", 64, "int8")
+    assert "quantization" not in _engine_overrides(build_parser().parse_args(["up"]))
 
 
 def test_one_port_for_two_listeners_is_refused():
