@@ -8,9 +8,12 @@ layer's cache and then reads K/V back through the block tables. The metadata is
 dropped at the end of the step.
 
 The flat batch holds the decode tokens first (one per sequence), then each
-prefill chunk's tokens. Decode attends over a padded [B, Hkv, L, D] gather of
-the cache with a length mask (one SDPA call for the whole batch, the query heads
-of a KV group folded into the query-length axis so GQA needs no K/V copies). A
+prefill chunk's tokens. On CPU, decode is one call of pdserve's paged kernel
+(engine/csrc), which reads K/V in place through the block tables; elsewhere (or
+without the kernels) it attends over a padded [B, Hkv, L, D] gather of the cache
+with a length mask (one SDPA call for the whole batch, the query heads of a KV
+group folded into the query-length axis so GQA needs no K/V copies). An int8
+cache (``kv_cache_dtype="int8"``) is written quantized and read dequantized. A
 prefill chunk with no earlier context attends to its own fresh K/V with
 ``is_causal``; a later chunk (chunked prefill, or re-prefill after preemption)
 gathers its sequence's cached K/V and uses an explicit causal mask.
