@@ -59,6 +59,7 @@ RunFn = Callable[[list[list[int]], int], None]
 OURS = {
     "ours": {},
     "ours_torchgemm": {"cpu_gemm": "torch"},  # torch.mm instead of prepacked oneDNN (not a peer)
+    "ours_pdgemm": {"cpu_gemm": "pdserve"},  # fp32 through pdserve's kernel (M <= 32), MKL above
     "ours_int8": {"quantization": "int8"},
     "ours_int4": {"quantization": "int4"},
     "ours_kv8": {"kv_cache_dtype": "int8"},

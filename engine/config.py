@@ -58,7 +58,9 @@ class EngineConfig:
     caching); freed blocks keep their content until reused, least recently freed first."""
     cpu_gemm: str = "onednn"
     """CPU linear layers: 'onednn' (weights prepacked once for oneDNN's blocked GEMM, 1.2-3x faster
-    than MKL sgemm here; falls back to 'torch' where oneDNN lacks the dtype) | 'torch' (torch.mm)."""
+    than MKL sgemm here; falls back to 'torch' where oneDNN lacks the dtype) | 'pdserve' (float32 weights
+    kept dense, pdserve's CPU kernel for up to 32 rows, MKL above; 'onednn' where the kernels are not
+    built) | 'torch' (torch.mm)."""
     quantization: Optional[str] = None
     """Weight-only quantization at load, from the floating-point checkpoint (engine/quant.py): None |
     'int8' (per output channel) | 'int4' (group-wise, ``quantization_group_size`` inputs per scale;
@@ -92,8 +94,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be None or an integer >= 1, got {v!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
-        if self.cpu_gemm not in ("onednn", "torch"):
-            raise ValueError(f"cpu_gemm must be 'onednn' or 'torch', got {self.cpu_gemm!r}")
+        if self.cpu_gemm not in ("onednn", "torch", "pdserve"):
+            raise ValueError(f"cpu_gemm must be 'onednn', 'pdserve' or 'torch', got {self.cpu_gemm!r}")
         if self.quantization not in (None, "int8", "int4"):
             raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
         g = self.quantization_group_size

@@ -75,13 +75,17 @@ class Linear(nn.Module):
         dequantization per call is small next to the GEMM), or dequantize + GEMM everywhere when the
         kernels are not built (other devices, no compiler)."""
         w = self.weight_t.detach().t()
-        if method == "int8":
+        if method == "fp32":  # not quantized: the dense [N, K] weight for pdserve's fp32 kernel
+            self.qweight = w.float().contiguous()
+        elif method == "int8":
             self.qweight, self.qscale = quantize_int8(w)
         elif method == "int4":
             self.qweight, self.qscale = quantize_int4(w, group)
             self.qgroup = group
         else:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {method!r}")
+        if method != "fp32" and self.bias is not None:
+            self.bias.data = self.bias.data.float()
         self.qmethod = method
         self.register_parameter("weight_t", None)
 
@@ -94,12 +98,16 @@ class Linear(nn.Module):
         bias = None if self.bias is None else self.bias.float()
         if k is not None and x2.shape[0] <= self.SMALL_M:
             xf = x2.float().contiguous()
-            if self.qmethod == "int8":
+            if self.qmethod == "fp32":
+                y = k.linear_fp32(xf, self.qweight, bias)
+            elif self.qmethod == "int8":
                 y = k.linear_int8(xf, self.qweight, self.qscale, bias)
             else:
                 y = k.linear_int4(xf, self.qweight, self.qscale, self.qgroup, bias)
         else:
-            if self.qmethod == "int8":
+            if self.qmethod == "fp32":
+                w = self.qweight
+            elif self.qmethod == "int8":
                 w = dequantize_int8(self.qweight, self.qscale)
             else:
                 w = dequantize_int4(self.qweight, self.qscale, self.qgroup)
@@ -189,7 +197,8 @@ class CausalLM(nn.Module):
         """Build the rope tables on the weights' device/dtype (after loading), quantize the linear
         layers (``quantization``: 'int8' everywhere, or 'int4' group-wise in the decoder layers with the
         LM head at int8, the way llama.cpp's q4_0 keeps its output layer wider) or else prepack them
-        for oneDNN when on CPU and ``cpu_gemm == "onednn"``, and switch to eval."""
+        for oneDNN when on CPU and ``cpu_gemm == "onednn"`` (or keep them dense for pdserve's kernel with
+        ``cpu_gemm == "pdserve"``), and switch to eval."""
         w = self.embed_tokens.weight
         if self.config.tie_word_embeddings:
             with torch.no_grad():
@@ -198,7 +207,12 @@ class CausalLM(nn.Module):
             for name, m in self.named_modules():
                 if isinstance(m, Linear):
                     m.quantize("int8" if name == "lm_head" else quantization, group_size)
-        elif cpu_gemm == "onednn" and w.device.type == "cpu":
+        elif cpu_gemm == "pdserve" and w.device.type == "cpu" and w.dtype == torch.float32 \
+                and cpu_kernels() is not None:
+            for m in self.modules():
+                if isinstance(m, Linear):
+                    m.quantize("fp32")
+        elif cpu_gemm in ("onednn", "pdserve") and w.device.type == "cpu":
             for m in self.modules():
                 if isinstance(m, Linear):
                     m.pack()
