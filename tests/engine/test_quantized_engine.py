@@ -101,3 +101,17 @@ def test_int4_group_that_does_not_divide_a_layer_is_refused_at_load():
     # tiny's layers take 384 and 1024 inputs: 256 divides neither 384 evenly
     with pytest.raises(ValueError, match="quantization_group_size"):
         LLMEngine(EngineConfig(model="tiny", quantization="int4", quantization_group_size=256))
+
+
+def test_every_cpu_gemm_choice_gives_the_same_logits():
+    """The float32 kernel choices (oneDNN prepacked, pdserve's kernel, torch.mm) compute the same model:
+    log-probabilities within float32 rounding and identical greedy picks, teacher-forced on the text."""
+    out = {}
+    for gemm in ("onednn", "pdserve", "torch"):
+        eng = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=128, cpu_gemm=gemm))
+        if gemm == "pdserve":
+            assert eng.runner.model.lm_head.qmethod == "fp32"  # the kernel path really is the one measured
+        out[gemm] = prompt_logprobs(eng, eng.tokenizer.encode(TEXT), chunk_size=16)
+    for gemm in ("pdserve", "torch"):
+        torch.testing.assert_close(out[gemm][0], out["onednn"][0], rtol=0, atol=2e-4)
+        assert torch.equal(out[gemm][1], out["onednn"][1])
