@@ -16,6 +16,11 @@ round by round so that load changes on the host hit all of them alike:
 - ``kv shuffled``: the same with shuffled block ids on both sides, so every
   byte is gathered on the sender and scattered on the receiver.
 
+With ``--kv-cache-dtype int8``, also per prompt: a prompt of each ``--prompt-tokens`` length in the
+``bench`` model's KV geometry (12 layers, 4 KV heads x 64) sent from a float32 cache and from an int8
+cache (each row 64 values + its 4-byte float32 scale, as the engine stores it), interleaved: bytes per
+prompt token and transfer time, int8 against float32.
+
 Then the fixed cost: the median time of a one-block transfer (16 tokens, one
 layer, 1 head x 64 fp32 = 8 KiB) against a raw gloo send of the same bytes plus
 a 1-byte reply. Results print as a table (rich) and optionally as JSON.
@@ -126,6 +131,9 @@ def main() -> None:
     ap.add_argument("--chunk-mib", type=float, default=4.0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+                    help="int8: also compare a prompt's transfer from an int8 cache with float32 (bench geometry)")
+    ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[512, 2048, 8192])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from rich.console import Console
@@ -202,6 +210,23 @@ def main() -> None:
                 row[f"{k}_gibps"] = (kv_bytes if k.startswith("kv") else n) / row[f"{k}_s"] / GIB
             results["sizes"].append(row)
             del src, cache
+        if args.kv_cache_dtype == "int8":  # per prompt, bench geometry: float32 rows vs int8 rows + scale
+            results["per_prompt"] = []
+            for n_tok in args.prompt_tokens:
+                nb = -(-n_tok // 16)
+                row = {"tokens": n_tok}
+                caches = {"float32": (_cache(nb, 16, 12, 4, 64, torch.float32), (nb, 16, 12, 4, 64, torch.float32)),
+                          "int8": (_cache(nb, 16, 12, 4, 68, torch.int8), (nb, 16, 12, 4, 68, torch.int8))}
+                ts: dict[str, list[float]] = {k: [] for k in caches}
+                for rep in range(args.reps + 1):
+                    for k, (c, geom) in caches.items():
+                        dt = kv(c, list(range(nb)), n_tok, geom, list(range(nb)), True)
+                        if rep:
+                            ts[k].append(dt)
+                for k in caches:
+                    row[f"{k}_bytes_per_token"] = 12 * 2 * 4 * (64 * 4 if k == "float32" else 68)
+                    row[f"{k}_s"] = statistics.median(ts[k])
+                results["per_prompt"].append(row)
         # fixed cost: one block of 16 tokens, one layer, 1 head x 64 fp32 = 8 KiB
         small = _cache(4, 16, layers=1, heads=1, dim=64, dtype=torch.float32)
         nb = 16 * 64 * 4 * 2
@@ -238,6 +263,11 @@ def main() -> None:
     print(f"fixed cost, one-block transfer ({f['bytes']} B): kvtransfer median {f['kv_one_block_s'] * 1e3:.3f} ms "
           f"(p90 {f['kv_one_block_p90_s'] * 1e3:.3f} ms, n={args.small_count}); "
           f"raw gloo send + 1-byte reply {f['gloo_round_trip_s'] * 1e3:.3f} ms")
+    for r in results.get("per_prompt", []):
+        print(f"prompt of {r['tokens']} tokens (bench geometry): float32 {r['float32_bytes_per_token']} B/token "
+              f"{r['float32_s'] * 1e3:.2f} ms, int8 {r['int8_bytes_per_token']} B/token {r['int8_s'] * 1e3:.2f} ms: "
+              f"bytes x{r['int8_bytes_per_token'] / r['float32_bytes_per_token']:.3f}, "
+              f"time x{r['int8_s'] / r['float32_s']:.3f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=1)
