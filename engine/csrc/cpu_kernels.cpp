@@ -84,6 +84,25 @@ inline float hsum(v16f v) {
   return s;
 }
 
+// 16 vectors -> one vector of their 16 horizontal sums, in order (a transpose-and-add tree: 15 adds)
+inline v16f fold(v16f a, v16f b, int level) {
+  switch (level) {
+    case 0: return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                   __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    case 1: return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                   __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    case 2: return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                   __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    default: return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+                    __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  }
+}
+inline v16f reduce16(v16f* s) {
+  for (int level = 0, n = 16; n > 1; ++level, n /= 2)
+    for (int i = 0; i < n / 2; ++i) s[i] = fold(s[2 * i], s[2 * i + 1], level);
+  return s[0];
+}
+
 // ---- linear: y[M, N] = x[M, K] W^T (+ bias) for small M -------------------------------------------
 
 constexpr int NR = 4;   // output rows per tile: their weights are read once for all M inputs
@@ -228,19 +247,19 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
 
 enum class KV { F32, BF16, I8 };
 
-// One cached row (token, kv head) as D floats, 16 at a time.
+// One cached row (token, kv head) as D floats, 16 at a time; the cache format is a template parameter
+// so the inner loops carry no branch on it.
+template <KV K>
 struct Row {
-  const uint8_t* p; KV kind; int64_t D;
+  const uint8_t* p; int64_t D;
   inline v16f at(int64_t d) const {
-    switch (kind) {
-      case KV::F32: return load_f(reinterpret_cast<const float*>(p) + d);
-      case KV::BF16: return load_bf16(reinterpret_cast<const uint16_t*>(p) + d);
-      default: return load_b(reinterpret_cast<const int8_t*>(p) + d);
-    }
+    if constexpr (K == KV::F32) return load_f(reinterpret_cast<const float*>(p) + d);
+    else if constexpr (K == KV::BF16) return load_bf16(reinterpret_cast<const uint16_t*>(p) + d);
+    else return load_b(reinterpret_cast<const int8_t*>(p) + d);
   }
   inline float scale() const {
-    if (kind != KV::I8) return 1.f;
-    float s; std::memcpy(&s, p + D, sizeof s); return s;
+    if constexpr (K != KV::I8) return 1.f;
+    else { float s; std::memcpy(&s, p + D, sizeof s); return s; }
   }
 };
 
@@ -278,6 +297,15 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   float* op = out.data_ptr<float>();
   const float scale = static_cast<float>(sm_scale);
 
+  for (int64_t b = 0; b < B; ++b) {  // validate once, so the hot loops index without checks
+    const int64_t ctx = lens[b];
+    TORCH_CHECK(ctx >= 1 && (ctx + bs - 1) / bs <= maxb, "ctx_lens out of range of the block table");
+    for (int64_t i = 0; i < (ctx + bs - 1) / bs; ++i)
+      TORCH_CHECK(bt[b * maxb + i] >= 0 && bt[b * maxb + i] < NB, "block id out of range");
+  }
+  auto run = [&](auto kind_c) {
+  constexpr KV KIND = decltype(kind_c)::value;
+  using R = Row<KIND>;
   at::parallel_for(0, B * Hkv, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> scores;
     std::vector<v16f> acc(G * (D / 16));
@@ -285,29 +313,37 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       const int64_t b = p / Hkv, h = p % Hkv, ctx = lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
       const int64_t L = ctx - start;
-      TORCH_CHECK(ctx >= 1 && (ctx + bs - 1) / bs <= maxb, "ctx_lens out of range of the block table");
-      scores.assign(G * L, 0.f);
+      scores.resize(G * L);
       auto row = [&](const uint8_t* base, int64_t t) {
         const int64_t blk = bt[b * maxb + t / bs];
-        TORCH_CHECK(blk >= 0 && blk < NB, "block id out of range");
-        return Row{base + ((blk * bs + t % bs) * Hkv + h) * row_bytes, kind, D};
+        return R{base + ((blk * bs + t % bs) * Hkv + h) * row_bytes, D};
       };
-      // scores = q . k * scale, per query head of the group
-      for (int64_t t = 0; t < L; ++t) {
-        Row k = row(kb, start + t);
-        v16f s[64];
-        const int64_t g_n = std::min<int64_t>(G, 64);
-        for (int64_t g = 0; g < g_n; ++g) s[g] = v16f{};
-        for (int64_t d = 0; d < D; d += 16) {
-          v16f kv = k.at(d);
-          for (int64_t g = 0; g < g_n; ++g) s[g] += load_f(qp + (b * H + h * G + g) * D + d) * kv;
+      // scores = q . k * scale, per query head of the group: 16 tokens at a time, their 16 partial-sum
+      // vectors folded into one vector of 16 scores (reduce16) instead of 16 horizontal sums
+      int64_t t = 0;
+      for (; t + 16 <= L; t += 16) {
+        R ks[16];
+        float kscale[16];
+        for (int j = 0; j < 16; ++j) { ks[j] = row(kb, start + t + j); kscale[j] = ks[j].scale() * scale; }
+        const v16f sv = load_f(kscale);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qp + (b * H + h * G + g) * D;
+          v16f s[16];
+          for (int j = 0; j < 16; ++j) s[j] = v16f{};
+          for (int64_t d = 0; d < D; d += 16) {
+            const v16f qv = load_f(qg + d);
+            for (int j = 0; j < 16; ++j) s[j] += qv * ks[j].at(d);
+          }
+          store_f(scores.data() + g * L + t, reduce16(s) * sv);
         }
-        const float ks = k.scale() * scale;
-        for (int64_t g = 0; g < g_n; ++g) scores[g * L + t] = hsum(s[g]) * ks;
-        for (int64_t g = 64; g < G; ++g) {  // groups beyond 64 heads: rare, plain loop
+      }
+      for (; t < L; ++t) {
+        R k = row(kb, start + t);
+        const float ksc = k.scale() * scale;
+        for (int64_t g = 0; g < G; ++g) {
           v16f a{};
           for (int64_t d = 0; d < D; d += 16) a += load_f(qp + (b * H + h * G + g) * D + d) * k.at(d);
-          scores[g * L + t] = hsum(a) * ks;
+          scores[g * L + t] = hsum(a) * ksc;
         }
       }
       // softmax per query head
@@ -323,7 +359,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       // out = sum_t p_t v_t
       std::fill(acc.begin(), acc.end(), v16f{});
       for (int64_t t = 0; t < L; ++t) {
-        Row v = row(vb, start + t);
+        R v = row(vb, start + t);
         const float vs = v.scale();
         for (int64_t d = 0; d < D; d += 16) {
           v16f vv = v.at(d) * vs;
@@ -334,6 +370,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
         for (int64_t d = 0; d < D; d += 16) store_f(op + (b * H + h * G + g) * D + d, acc[g * (D / 16) + d / 16]);
     }
   });
+  };
+  switch (kind) {
+    case KV::F32: run(std::integral_constant<KV, KV::F32>{}); break;
+    case KV::BF16: run(std::integral_constant<KV, KV::BF16>{}); break;
+    default: run(std::integral_constant<KV, KV::I8>{}); break;
+  }
   return out;
 }
 
