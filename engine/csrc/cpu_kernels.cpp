@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -141,55 +142,49 @@ inline void tile(const W& wt, const float* x, int64_t ldx, int64_t m0, int64_t m
     }
 }
 
+// int4: row(n, k) for k % 16 == 0 is the low (k % 32 < 16) or high nibbles of that run's 16 bytes, scaled
+// by the group's scale; out_scale is 1.
+struct Int4W {
+  const uint8_t* w; const float* scale; int64_t K, G;
+  inline v16f row(int64_t n, int64_t k) const {
+    v16i q = widen_u8(w + n * (K / 2) + (k / 32) * 16);
+    q = (k & 16) ? (q >> 4) : (q & 15);
+    return to_f(q - 8) * splat(scale[n * (K / G) + k / G]);
+  }
+  inline float out_scale(int64_t) const { return 1.f; }
+};
+
+// A tile of rows already widened to float32 (row r of the tile at buf + r * K), with the source's scales.
+template <class W>
+struct Widened {
+  const float* buf; const W& src; int64_t n0, K;
+  inline v16f row(int64_t n, int64_t k) const { return load_f(buf + (n - n0) * K + k); }
+  inline float out_scale(int64_t n) const { return src.out_scale(n); }
+};
+
 template <class W>
 void linear_rows(const W& wt, const float* x, int64_t M, int64_t K, int64_t N, float* y,
                  const float* bias) {
   // grain: enough tiles per task that a thread streams a long contiguous slice of the weight
+  constexpr bool narrow = !std::is_same_v<W, Fp32W>;
   at::parallel_for(0, (N + NR - 1) / NR, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf;
     for (int64_t t = t0; t < t1; ++t) {
       int64_t n = t * NR;
+      if (narrow && M > MR && n + NR <= N) {
+        // several passes over this tile: widen its narrow rows once, then every pass reads floats
+        buf.resize(NR * K);
+        for (int r = 0; r < NR; ++r)
+          for (int64_t k = 0; k < K; k += 16) store_f(buf.data() + r * K + k, wt.row(n + r, k));
+        Widened<W> wide{buf.data(), wt, n, K};
+        for (int64_t m0 = 0; m0 < M; m0 += MR)
+          tile<Widened<W>, NR>(wide, x, K, m0, std::min<int64_t>(MR, M - m0), n, K, y, N, bias);
+        continue;
+      }
       for (int64_t m0 = 0; m0 < M; m0 += MR) {
         int64_t mr = std::min<int64_t>(MR, M - m0);
         if (n + NR <= N) tile<W, NR>(wt, x, K, m0, mr, n, K, y, N, bias);
         else for (int64_t j = n; j < N; ++j) tile<W, 1>(wt, x, K, m0, mr, j, K, y, N, bias);
-      }
-    }
-  });
-}
-
-// int4: weights scaled per group while loading, so the accumulators need no per-group step.
-void int4_rows(const uint8_t* w, const float* scale, int64_t G, const float* x, int64_t M, int64_t K,
-               int64_t N, float* y, const float* bias) {
-  const int64_t ngroups = K / G, half = K / 2;
-  at::parallel_for(0, (N + NR - 1) / NR, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n = t * NR, R = std::min<int64_t>(NR, N - n);
-      for (int64_t m0 = 0; m0 < M; m0 += MR) {
-        const int64_t mr = std::min<int64_t>(MR, M - m0);
-        v16f acc[MR][NR];
-        for (int i = 0; i < MR; ++i)
-          for (int r = 0; r < NR; ++r) acc[i][r] = v16f{};
-        for (int64_t k = 0; k < K; k += 32) {
-          v16f lo[NR], hi[NR];
-          for (int r = 0; r < NR; ++r) {
-            if (r >= R) { lo[r] = hi[r] = v16f{}; continue; }
-            v16i q = widen_u8(w + (n + r) * half + k / 2);
-            v16f s = splat(scale[(n + r) * ngroups + k / G]);
-            lo[r] = __builtin_convertvector((q & 15) - 8, v16f) * s;
-            hi[r] = __builtin_convertvector((q >> 4) - 8, v16f) * s;
-          }
-          for (int i = 0; i < MR; ++i) {
-            if (i >= mr) break;
-            const float* xp = x + (m0 + i) * K + k;
-            v16f xl = load_f(xp), xh = load_f(xp + 16);
-            for (int r = 0; r < NR; ++r) acc[i][r] += xl * lo[r] + xh * hi[r];
-          }
-        }
-        for (int i = 0; i < mr; ++i)
-          for (int r = 0; r < R; ++r) {
-            float v = hsum(acc[i][r]);
-            y[(m0 + i) * N + n + r] = bias ? v + bias[n + r] : v;
-          }
       }
     }
   });
@@ -238,8 +233,8 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
   TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == N * (K / group),
               "scale must be float32 [N, K/group]");
   auto y = torch::empty({x.size(0), N}, x.options());
-  int4_rows(w.data_ptr<uint8_t>(), scale.data_ptr<float>(), group, x.data_ptr<float>(), x.size(0), K, N,
-            y.data_ptr<float>(), bias_ptr(bias, N));
+  linear_rows(Int4W{w.data_ptr<uint8_t>(), scale.data_ptr<float>(), K, group}, x.data_ptr<float>(), x.size(0), K,
+              N, y.data_ptr<float>(), bias_ptr(bias, N));
   return y;
 }
 
