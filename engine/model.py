@@ -70,7 +70,7 @@ class Linear(nn.Module):
     def quantize(self, method: str, group: int = 128) -> None:
         """Replace the float weight by its weight-only quantized form (engine/quant.py), once, at load.
 
-        Forward then runs pdserve's CPU kernel for up to ``SMALL_M`` rows (decode: reads 1/4 or 1/8
+        Forward then runs pdserve's CPU kernel for up to ``SMALL_M[method]`` rows (decode: reads 1/4 or 1/8
         of the fp32 bytes) and dequantize + GEMM above that (prefill is compute-bound: the one
         dequantization per call is small next to the GEMM), or dequantize + GEMM everywhere when the
         kernels are not built (other devices, no compiler)."""
@@ -89,14 +89,17 @@ class Linear(nn.Module):
         self.qmethod = method
         self.register_parameter("weight_t", None)
 
-    SMALL_M = 32
+    # Most rows that run through pdserve's kernel; more go to one float GEMM (MKL). Quantized weights must
+    # be dequantized for that GEMM (a full write and read of the layer in float32 per call), so they stay
+    # in the kernel longer (docs/benchmarks.md, "CPU kernels").
+    SMALL_M = {"fp32": 32, "int8": 64, "int4": 64}
 
     def _quantized_forward(self, x: Tensor) -> Tensor:
         shape, dtype = x.shape, x.dtype
         x2 = x.reshape(-1, shape[-1])
         k = cpu_kernels() if x.device.type == "cpu" else None
         bias = None if self.bias is None else self.bias.float()
-        if k is not None and x2.shape[0] <= self.SMALL_M:
+        if k is not None and x2.shape[0] <= self.SMALL_M[self.qmethod]:
             xf = x2.float().contiguous()
             if self.qmethod == "fp32":
                 y = k.linear_fp32(xf, self.qweight, bias)

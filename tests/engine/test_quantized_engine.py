@@ -115,3 +115,12 @@ def test_every_cpu_gemm_choice_gives_the_same_logits():
     for gemm in ("pdserve", "torch"):
         torch.testing.assert_close(out[gemm][0], out["onednn"][0], rtol=0, atol=2e-4)
         assert torch.equal(out[gemm][1], out["onednn"][1])
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_prefill_gemm_and_decode_kernel_compute_the_same_model(method):
+    """Chunks of 128 rows take the dequantize + GEMM path, chunks of 16 the kernel: same log-probabilities."""
+    eng = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=128, quantization=method))
+    ids = eng.tokenizer.encode(TEXT)
+    small, big = prompt_logprobs(eng, ids, chunk_size=16), prompt_logprobs(eng, ids, chunk_size=128)
+    torch.testing.assert_close(big[0], small[0], rtol=0, atol=2e-4)
