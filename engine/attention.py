@@ -145,13 +145,16 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attentio
 
     On CPU with pdserve's kernels built (engine/kernels.py) this is one C++ call that reads K/V in
     place through the block table; elsewhere it gathers the context and runs SDPA."""
-    if q.device.type == "cpu" and q.shape[-1] % 16 == 0:
+    if q.device.type == "cpu" and q.shape[-1] % 16 == 0 and k_cache.dtype in _KERNEL_CACHE_DTYPES:
         k = cpu_kernels()
         if k is not None:
             out = k.paged_decode_attention(q.float().contiguous(), k_cache, v_cache, meta.decode_block_tables,
                                            meta.decode_ctx_lens, window or 0, q.shape[-1] ** -0.5)
             return out.to(q.dtype)
     return gather_decode_attention(q, k_cache, v_cache, meta, window)
+
+
+_KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 
 def gather_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
