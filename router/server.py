@@ -207,7 +207,7 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             self._error(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         failure: Optional[FlowError] = None
         try:
-            for ev in core.generate(vreq, t0, context.time_remaining(), context.add_callback):
+            for ev in core.generate(vreq, t0, context.time_remaining(), _on_termination(context)):
                 yield render(ev)
         except FlowError as e:
             failure = e
@@ -246,3 +246,13 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             max_new_tokens=lim.max_tokens_limit, max_prompt_tokens=lim.max_context_length - 1,
             max_logprobs=SamplingParams.MAX_LOGPROBS, eos_token_id=lim.eos_token_id,
             num_prefill_workers=n_p, num_decode_workers=n_d, mode=self.cfg.mode)
+
+
+def _on_termination(context: grpc.ServicerContext) -> Callable[[Callable[[], None]], None]:
+    """Register a flow's ``cancel`` to run when the RPC ends (client cancel, deadline, disconnect). A client may
+    cancel before the flow exists: ``add_callback`` then refuses (the RPC already ended) and the cancel runs at
+    once. Without that, a request that yields nothing until it is done (beam search) would run to its end."""
+    def register(cb: Callable[[], None]) -> None:
+        if not context.add_callback(cb):
+            cb()
+    return register

@@ -221,7 +221,8 @@ class WorkerBase:
             if not done and self.loop is not None and self.loop.alive:
                 self.loop.post(lambda e: self.abort(request_id))
 
-        context.add_callback(on_end)
+        if not context.add_callback(on_end):  # the RPC already ended; the body's waits see it inactive too
+            on_end()
         try:
             yield from body
             done = True

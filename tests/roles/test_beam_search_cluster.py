@@ -124,14 +124,15 @@ def test_temperature_zero_is_accepted(roles):
 def test_cancel_stops_the_search_and_frees_everything(roles):
     """A long search (8 beams x 200 steps) cancelled once it is under way: the flow ends at once (the router
     holds nothing in flight) and every worker is idle with all blocks free."""
+    d_eng = roles.decodes[0].engine
+    before = d_eng.prefix_cache_queries
     call = roles.stub.Generate(pdserve_pb2.GenerateRequest(token_ids=TOKEN_PROMPT, beam_width=8, max_tokens=200,
                                                            ignore_eos=True), timeout=300)
     got: list = []
     reader = threading.Thread(target=lambda: got.append(_drain(call)), daemon=True)
     reader.start()
-    d_eng = roles.decodes[0].engine
     end = time.monotonic() + 60
-    while d_eng.prefix_cache_queries == 0 or roles.router.num_in_flight == 0:  # beams are being scored
+    while d_eng.prefix_cache_queries == before:  # the decode worker scores beams: step 2 is under way
         assert time.monotonic() < end, "the search never started"
         time.sleep(0.01)
     start_queries = d_eng.prefix_cache_queries
@@ -145,6 +146,41 @@ def test_cancel_stops_the_search_and_frees_everything(roles):
     assert roles.wait_idle(10.0)
     # 8 beams x 200 steps is ~1600 sub-requests; a cancelled search stopped far short of that
     assert d_eng.prefix_cache_queries - start_queries < 400 * (len(TOKEN_PROMPT) + 200)
+
+
+class _EndedContext:
+    """A servicer context whose RPC already ended (the client cancelled before the flow was built): grpc's
+    ``add_callback`` then refuses the callback, as its documentation says."""
+
+    def __init__(self) -> None:
+        self.aborted: list = []
+
+    def add_callback(self, cb) -> bool:
+        return False
+
+    def time_remaining(self):
+        return None
+
+    def is_active(self) -> bool:
+        return False
+
+    def abort(self, code, details):
+        self.aborted.append((code, details))
+        raise grpc.RpcError(details)
+
+
+def test_a_cancel_before_the_flow_exists_still_stops_it(roles):
+    """The race behind a CI failure: the client cancels between the router taking the call and registering the
+    flow's cancel. The flow must be cancelled at once, not run its 1600 sub-requests to the end."""
+    ctx = _EndedContext()
+    d_eng = roles.decodes[0].engine
+    before = d_eng.prefix_cache_queries
+    req = pdserve_pb2.GenerateRequest(token_ids=TOKEN_PROMPT, beam_width=8, max_tokens=200, ignore_eos=True)
+    with pytest.raises(grpc.RpcError):
+        list(roles.router.Generate(req, ctx))
+    assert [c for c, _ in ctx.aborted] == [grpc.StatusCode.CANCELLED]
+    assert d_eng.prefix_cache_queries == before  # no beam reached a decode worker
+    assert roles.wait_idle(10.0)
 
 
 def _drain(call) -> object:
