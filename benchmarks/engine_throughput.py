@@ -383,7 +383,9 @@ def report(results: dict[str, dict], limit_gbs: float, weight_bytes: int) -> Non
         gbs = results["ours"]["decode_b1"] * weight_bytes / 1e9
         print(f"\nours fp32 batch 1 streams {gbs:.1f} GB/s of weights = {gbs / limit_gbs:.0%} of the "
               f"{limit_gbs:.1f} GB/s limit (goal >= 80%)")
-    peers = [n for n in names if n.startswith(("hf_", "vllm", "llamacpp"))]
+    # fp32 goals are against the fp32 peers (the table: transformers, vLLM-CPU, llama.cpp f32); each
+    # quantized width against llama.cpp at the same width
+    peers = [n for n in names if n.startswith(("hf_", "vllm")) or n == "llamacpp_f32"]
 
     def check(ours: str, metric: str, ref: list[str], goal: float) -> None:
         ref = [r for r in ref if r in results]
