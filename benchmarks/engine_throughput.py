@@ -329,8 +329,11 @@ def main() -> None:
         for c in wanted:
             if c not in (*OURS, "hf_dynamic", "hf_static", "vllm_cpu", *LLAMA):
                 raise SystemExit(f"--contenders: unknown {c!r}")
-        limit = streaming_limit_gbs(args.threads)
-        print(f"memory streaming limit: {limit:.1f} GB/s (float32 sum over 1 GiB, {args.threads} threads)", flush=True)
+        # the limit moves with the host's other tenants: measured before, between and after the contenders,
+        # and the highest reading is the limit the goals are held to
+        limits = [streaming_limit_gbs(args.threads)]
+        print(f"memory streaming limit: {limits[0]:.1f} GB/s (float32 sum over 1 GiB, {args.threads} threads)",
+              flush=True)
         runs: dict[str, RunFn] = {}
         for c, overrides in OURS.items():
             if c in wanted:
@@ -342,6 +345,7 @@ def main() -> None:
             results.update(measure(runs, args.repeats))
             for c in runs:
                 print(c, json.dumps({k: round(v, 1) for k, v in results[c].items()}), flush=True)
+            limits.append(streaming_limit_gbs(args.threads))
         if "vllm_cpu" in wanted:
             if not args.vllm_python:
                 print("vllm_cpu: skipped (no --vllm-python)", flush=True)
@@ -365,6 +369,9 @@ def main() -> None:
                             print(c, json.dumps({k: round(v, 1) for k, v in results[c].items()}), flush=True)
                 except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
                     print(f"llama.cpp: not measured: {e}", flush=True)
+                limits.append(streaming_limit_gbs(args.threads))
+        limit = max(limits)
+        print("memory streaming limit readings: " + ", ".join(f"{v:.1f}" for v in limits) + " GB/s", flush=True)
 
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
