@@ -1,0 +1,75 @@
+"""One decode-shaped linear layer from DRAM: pdserve's CPU kernels and oneDNN against the memory limit, in one run.
+
+Lifecycle: a one-shot script. It makes ``--copies`` distinct [N, K] float32 weights (together far beyond the
+last-level cache, so every call reads DRAM, as a decode step over a whole model does), their oneDNN-prepacked,
+int8 and int4 forms, and times one pass over all copies at M input rows for each format, interleaved round by
+round, best of ``--repeats``; the reference is a float32 sum over a tensor of the same total size, timed in
+the same rounds. Prints GB/s of weight bytes read and the fraction of the sum's rate.
+
+Usage: python benchmarks/cpu_linear.py [--n 2048] [--k 768] [--m 1 8 32] [--copies 48] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.kernels import cpu_kernels  # noqa: E402
+from engine.quant import quantize_int4, quantize_int8  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=2048, help="output features")
+    ap.add_argument("--k", type=int, default=768, help="input features")
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 32], help="input rows (decode batch sizes)")
+    ap.add_argument("--copies", type=int, default=48, help="distinct weights cycled through")
+    ap.add_argument("--group", type=int, default=128, help="int4 group size")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    kern = cpu_kernels()
+    if kern is None:
+        raise SystemExit("pdserve's CPU kernels did not build here (see the warning above)")
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(args.n, args.k, generator=g) for _ in range(args.copies)]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws]
+    q8 = [quantize_int8(w) for w in ws]
+    q4 = [quantize_int4(w, args.group) for w in ws]
+    fp32_bytes = args.copies * args.n * args.k * 4
+    big = torch.ones(fp32_bytes // 4)
+    print(f"{args.copies} x [{args.n}, {args.k}] weights ({fp32_bytes / 2**20:.0f} MiB in float32), "
+          f"{args.threads} threads, {torch.__version__}")
+    print(f"{'M':>3} {'format':<16} {'GB/s':>7} {'of sum':>7}")
+    for m in args.m:
+        x = torch.randn(m, args.k, generator=g)
+        cases: dict[str, tuple[Callable[[int], object], int]] = {
+            "sum (reference)": (lambda i: big.sum() if i == 0 else None, fp32_bytes),
+            "fp32 oneDNN": (lambda i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""),
+                            fp32_bytes),
+            "fp32 pdserve": (lambda i: kern.linear_fp32(x, ws[i], None), fp32_bytes),
+            "int8 pdserve": (lambda i: kern.linear_int8(x, *q8[i], None), fp32_bytes // 4),
+            "int4 pdserve": (lambda i: kern.linear_int4(x, *q4[i], args.group, None), fp32_bytes // 8),
+        }
+        best = {name: float("inf") for name in cases}
+        for _ in range(args.repeats + 1):  # the first round warms up
+            for name, (f, _) in cases.items():
+                t = time.perf_counter()
+                for i in range(args.copies):
+                    f(i)
+                best[name] = min(best[name], time.perf_counter() - t)
+        ref = fp32_bytes / best["sum (reference)"] / 1e9
+        for name, (_, nbytes) in cases.items():
+            gbs = nbytes / best[name] / 1e9
+            print(f"{m:>3} {name:<16} {gbs:7.1f} {gbs / ref:7.0%}")
+
+
+if __name__ == "__main__":
+    main()
