@@ -91,7 +91,7 @@ class Linear(nn.Module):
 
     # Most rows that run through pdserve's kernel; more go to one float GEMM (MKL). Quantized weights must
     # be dequantized for that GEMM (a full write and read of the layer in float32 per call), so they stay
-    # in the kernel longer (docs/benchmarks.md, "CPU kernels").
+    # in the kernel longer (docs/benchmarks.md, runs G and H; benchmarks/cpu_linear.py).
     SMALL_M = {"fp32": 32, "int8": 64, "int4": 64}
 
     def _quantized_forward(self, x: Tensor) -> Tensor:
