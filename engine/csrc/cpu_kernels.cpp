@@ -31,14 +31,36 @@
 
 namespace {
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2: a 64-byte GCC vector has no machine mode here, so GCC keeps it in memory and every operation
+// goes through loads and stores (measured: the linears 5-20x slower than this). A pair of native 8-float
+// vectors with the few operators the kernels use compiles to register-resident ymm code instead.
+#define PD_V16_PAIR 1
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+struct v16f { v8f lo, hi; };
+struct v16i { v8i lo, hi; };
+inline v16f operator+(v16f a, v16f b) { return {a.lo + b.lo, a.hi + b.hi}; }
+inline v16f operator*(v16f a, v16f b) { return {a.lo * b.lo, a.hi * b.hi}; }
+inline v16f operator*(v16f a, float b) { return {a.lo * b, a.hi * b}; }
+inline v16f& operator+=(v16f& a, v16f b) { a.lo += b.lo; a.hi += b.hi; return a; }
+inline v16i operator>>(v16i a, int n) { return {a.lo >> n, a.hi >> n}; }
+inline v16i operator<<(v16i a, int n) { return {a.lo << n, a.hi << n}; }
+inline v16i operator&(v16i a, int n) { return {a.lo & n, a.hi & n}; }
+inline v16i operator-(v16i a, int n) { return {a.lo - n, a.hi - n}; }
+inline v16f load_f(const float* p) { v8f a, b; std::memcpy(&a, p, 32); std::memcpy(&b, p + 8, 32); return {a, b}; }
+inline void store_f(float* p, v16f v) { std::memcpy(p, &v.lo, 32); std::memcpy(p + 8, &v.hi, 32); }
+inline v16f splat(float x) { return {v8f{} + x, v8f{} + x}; }
+#else
 typedef float v16f __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
-
 inline v16f load_f(const float* p) { v16f v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store_f(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
 inline v16f splat(float x) { return v16f{} + x; }
+#endif
 // Widening loads of 16 narrow integers into 16 int32 lanes. GCC lowers __builtin_convertvector of
 // 8- and 16-bit vectors lane by lane, so these use the one-instruction widening moves directly.
+#ifndef PD_V16_PAIR
 template <class T>
 inline v16i widen_scalar(const void* p) {
   T t[16]; std::memcpy(t, p, sizeof t);
@@ -46,14 +68,13 @@ inline v16i widen_scalar(const void* p) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
   return r;
 }
+#endif
 #if defined(__AVX512F__)
 inline v16i widen_i8(const void* p) { return (v16i)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 inline v16i widen_u8(const void* p) { return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 inline v16i widen_u16(const void* p) { return (v16i)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)); }
 #elif defined(__AVX2__)
-inline v16i join(__m256i lo, __m256i hi) {
-  v16i r; std::memcpy(&r, &lo, 32); std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32); return r;
-}
+inline v16i join(__m256i lo, __m256i hi) { return {(v8i)lo, (v8i)hi}; }
 inline v16i widen_i8(const void* p) {
   __m128i a = _mm_loadu_si128((const __m128i*)p);
   return join(_mm256_cvtepi8_epi32(a), _mm256_cvtepi8_epi32(_mm_srli_si128(a, 8)));
@@ -72,8 +93,20 @@ inline v16i widen_u8(const void* p) { return widen_scalar<uint8_t>(p); }
 inline v16i widen_u16(const void* p) { return widen_scalar<uint16_t>(p); }
 #endif
 
+#ifdef PD_V16_PAIR
+inline v16f to_f(v16i v) { return {__builtin_convertvector(v.lo, v8f), __builtin_convertvector(v.hi, v8f)}; }
+inline v16f load_bf16(const uint16_t* p) {
+  v16i w = widen_u16(p) << 16;
+  return {(v8f)w.lo, (v8f)w.hi};
+}
+inline float hsum(v16f v) {
+  v8f a = v.lo + v.hi;
+  float s = 0.f;
+  for (int i = 0; i < 8; ++i) s += a[i];
+  return s;
+}
+#else
 inline v16f to_f(v16i v) { return __builtin_convertvector(v, v16f); }
-inline v16f load_b(const int8_t* p) { return to_f(widen_i8(p)); }
 inline v16f load_bf16(const uint16_t* p) {
   v16i w = widen_u16(p) << 16;
   v16f f; std::memcpy(&f, &w, sizeof f);
@@ -84,7 +117,17 @@ inline float hsum(v16f v) {
   for (int i = 0; i < 16; ++i) s += v[i];
   return s;
 }
+#endif
+inline v16f load_b(const int8_t* p) { return to_f(widen_i8(p)); }
 
+#ifdef PD_V16_PAIR
+// 16 vectors -> one vector of their 16 horizontal sums, in order
+inline v16f reduce16(v16f* s) {
+  float r[16];
+  for (int j = 0; j < 16; ++j) r[j] = hsum(s[j]);
+  return load_f(r);
+}
+#else
 // 16 vectors -> one vector of their 16 horizontal sums, in order (a transpose-and-add tree: 15 adds)
 inline v16f fold(v16f a, v16f b, int level) {
   switch (level) {
@@ -103,11 +146,19 @@ inline v16f reduce16(v16f* s) {
     for (int i = 0; i < n / 2; ++i) s[i] = fold(s[2 * i], s[2 * i + 1], level);
   return s[0];
 }
+#endif
 
 // ---- linear: y[M, N] = x[M, K] W^T (+ bias) for small M -------------------------------------------
 
+// The tile fits the register file: with AVX-512 (32 registers of 16 floats) 4 output rows x 4 inputs keep
+// 16 accumulators in registers; with AVX2 (16 registers of 8 floats, a v16f takes two) 2 x 2 does.
+#ifdef PD_V16_PAIR
+constexpr int NR = 2;
+constexpr int MR = 2;
+#else
 constexpr int NR = 4;   // output rows per tile: their weights are read once for all M inputs
-constexpr int MR = 4;   // inputs per pass: 16 accumulators stay in registers with AVX-512
+constexpr int MR = 4;   // inputs per pass
+#endif
 
 // Each weight type gives row(n, k): W[n, k..k+15] as floats, and row2(n, k): W[n, k..k+31] as two halves.
 struct Fp32W {
