@@ -2,7 +2,7 @@
 
 Lifecycle: a one-shot script. It makes ``--copies`` distinct [N, K] float32 weights (together far beyond the
 last-level cache, so every call reads DRAM, as a decode step over a whole model does), their oneDNN-prepacked,
-int8 and int4 forms, and times one pass over all copies at M input rows for each format, interleaved round by
+int8 and int4 forms (read weight-only, and as w8a8 / w4a8 with int8 activations), and times one pass over all copies at M input rows for each format, interleaved round by
 round, best of ``--repeats``; the reference is a float32 sum over a tensor of the same total size, timed in
 the same rounds. Prints GB/s of weight bytes read and the fraction of the sum's rate.
 
@@ -57,6 +57,8 @@ def main() -> None:
             "fp32 pdserve": (lambda i: kern.linear_fp32(x, ws[i], None), fp32_bytes),
             "int8 pdserve": (lambda i: kern.linear_int8(x, *q8[i], None), fp32_bytes // 4),
             "int4 pdserve": (lambda i: kern.linear_int4(x, *q4[i], args.group, None), fp32_bytes // 8),
+            "w8a8 pdserve": (lambda i: kern.linear_w8a8(x, *q8[i], None), fp32_bytes // 4),
+            "w4a8 pdserve": (lambda i: kern.linear_w4a8(x, *q4[i], args.group, None), fp32_bytes // 8),
         }
         best = {name: float("inf") for name in cases}
         for _ in range(args.repeats + 1):  # the first round warms up

@@ -62,6 +62,8 @@ OURS = {
     "ours_pdgemm": {"cpu_gemm": "pdserve"},  # fp32 through pdserve's kernel (M <= 32), MKL above
     "ours_int8": {"quantization": "int8"},
     "ours_int4": {"quantization": "int4"},
+    "ours_w8a8": {"quantization": "w8a8"},  # int8 weights, int8 activations (integer dots, like q8_0)
+    "ours_w4a8": {"quantization": "w4a8"},  # int4 weights, int8 activations (like q4_0)
     "ours_kv8": {"kv_cache_dtype": "int8"},
     "ours_int8_kv8": {"quantization": "int8", "kv_cache_dtype": "int8"},
 }
@@ -408,7 +410,8 @@ def report(results: dict[str, dict], limit_gbs: float, weight_bytes: int) -> Non
     check("ours", "decode_b8", peers, 1.1)
     check("ours", "decode_b32", peers, 1.3)
     check("ours", "prefill_2048", peers, 1.3)
-    for ours, ref in (("ours_int8", "llamacpp_q8_0"), ("ours_int4", "llamacpp_q4_0")):
+    for ours, ref in (("ours_int8", "llamacpp_q8_0"), ("ours_int4", "llamacpp_q4_0"),
+                      ("ours_w8a8", "llamacpp_q8_0"), ("ours_w4a8", "llamacpp_q4_0")):
         check(ours, "decode_b1", [ref], 1.0)
         check(ours, "decode_b8", [ref], 1.5)
         check(ours, "decode_b32", [ref], 1.5)

@@ -32,6 +32,8 @@ SETTINGS = {
     "int8 weights": {"quantization": "int8"},
     "int4 weights (g128)": {"quantization": "int4"},
     "int4 weights (g32)": {"quantization": "int4", "quantization_group_size": 32},
+    "w8a8 (int8 weights and activations)": {"quantization": "w8a8"},
+    "w4a8 (int4 g128 weights, int8 activations)": {"quantization": "w4a8"},
     "int8 KV cache": {"kv_cache_dtype": "int8"},
     "int8 weights + int8 KV": {"quantization": "int8", "kv_cache_dtype": "int8"},
 }

@@ -78,9 +78,10 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per decode worker")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="turn off the engines' automatic prefix caching (on by default)")
-    p.add_argument("--quantization", choices=("int8", "int4"), default=None,
-                   help="weight-only quantization of every worker's model at load: int8 per output channel, int4 "
-                        "group-wise (default: off, float weights)")
+    p.add_argument("--quantization", choices=("int8", "int4", "w8a8", "w4a8"), default=None,  # engine.quant.QUANTIZATIONS
+                   help="quantization of every worker's model at load: int8 per output channel, int4 group-wise "
+                        "(weight-only), or w8a8 / w4a8 (the same weights, activations rounded to int8 per 32 "
+                        "values: integer dot products); default: off, float weights")
     p.add_argument("--quantization-group-size", type=int, default=128, metavar="G",
                    help="inputs per int4 scale, a multiple of 32 (default 128)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",

@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import torch
 
+from engine.quant import QUANTIZATIONS
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -64,7 +66,9 @@ class EngineConfig:
     quantization: Optional[str] = None
     """Weight-only quantization at load, from the floating-point checkpoint (engine/quant.py): None |
     'int8' (per output channel) | 'int4' (group-wise, ``quantization_group_size`` inputs per scale;
-    the LM head stays int8). Decode runs pdserve's CPU kernels (engine/kernels.py)."""
+    the LM head stays int8) | 'w8a8' / 'w4a8' (the same weights, and every linear's input rounded to
+    int8 per 32 values so decode runs integer dot products; the LM head stays w8a8). Decode runs
+    pdserve's CPU kernels (engine/kernels.py)."""
     quantization_group_size: int = 128
     """Inputs per int4 scale: a multiple of 32 dividing every layer's input width."""
     kv_cache_dtype: str = "auto"
@@ -96,8 +100,9 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.cpu_gemm not in ("onednn", "torch", "pdserve"):
             raise ValueError(f"cpu_gemm must be 'onednn', 'pdserve' or 'torch', got {self.cpu_gemm!r}")
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization must be None, 'int8' or 'int4', got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {', '.join(map(repr, QUANTIZATIONS))}, "
+                             f"got {self.quantization!r}")
         g = self.quantization_group_size
         if not isinstance(g, int) or isinstance(g, bool) or g < 32 or g % 32:
             raise ValueError(f"quantization_group_size must be a positive multiple of 32, got {g!r}")

@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from engine.attention import AttentionMetadata, apply_rope, decode_attention, paged_attention, write_kv
 from engine.config import ModelConfig, rope_inv_freq
 from engine.kernels import cpu_kernels
-from engine.quant import QUANTIZATIONS, dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from engine.quant import (ACT_BLOCK, QUANTIZATIONS, dequantize_int4, dequantize_int8, fake_quantize_act, quantize_int4,
+                          quantize_int8)
 
 
 class RMSNorm(nn.Module):
@@ -73,13 +74,18 @@ class Linear(nn.Module):
         Forward then runs pdserve's CPU kernel for up to ``SMALL_M[method]`` rows (decode: reads 1/4 or 1/8
         of the fp32 bytes) and dequantize + GEMM above that (prefill is compute-bound: the one
         dequantization per call is small next to the GEMM), or dequantize + GEMM everywhere when the
-        kernels are not built (other devices, no compiler)."""
+        kernels are not built (other devices, no compiler). 'w8a8' / 'w4a8' store the int8 / int4 weights
+        and also round the input to int8 per 32 values (engine/quant.py quantize_act): the kernel does
+        integer dots; the GEMM path applies the same rounding to x first, so both give the same numbers."""
         w = self.weight_t.detach().t()
         if method == "fp32":  # not quantized: the dense [N, K] weight for pdserve's fp32 kernel
             self.qweight = w.float().contiguous()
-        elif method == "int8":
+        elif method in ("w8a8", "w4a8") and w.shape[1] % ACT_BLOCK:
+            raise ValueError(f"quantization {method!r} rounds inputs in blocks of {ACT_BLOCK} values; this model has "
+                             f"a linear layer with {w.shape[1]} inputs")
+        elif method in ("int8", "w8a8"):
             self.qweight, self.qscale = quantize_int8(w)
-        elif method == "int4":
+        elif method in ("int4", "w4a8"):
             self.qweight, self.qscale = quantize_int4(w, group)
             self.qgroup = group
         else:
@@ -92,29 +98,39 @@ class Linear(nn.Module):
     # Most rows that run through pdserve's kernel; more go to one float GEMM (MKL). Quantized weights must
     # be dequantized for that GEMM (a full write and read of the layer in float32 per call), so they stay
     # in the kernel longer (docs/benchmarks.md, runs G and H; benchmarks/cpu_linear.py).
-    SMALL_M = {"fp32": 32, "int8": 64, "int4": 64}
+    SMALL_M = {"fp32": 32, "int8": 64, "int4": 64, "w8a8": 64, "w4a8": 64}
 
     def _quantized_forward(self, x: Tensor) -> Tensor:
         shape, dtype = x.shape, x.dtype
         x2 = x.reshape(-1, shape[-1])
         k = cpu_kernels() if x.device.type == "cpu" else None
         bias = None if self.bias is None else self.bias.float()
-        if k is not None and x2.shape[0] <= self.SMALL_M[self.qmethod]:
+        method = self.qmethod
+        if method in ("w8a8", "w4a8") and k is not None:
+            qc = k.qchunk()  # the integer-dot kernels walk K (and the int4 groups) in chunks of this many values
+            if x2.shape[-1] % qc or (method == "w4a8" and self.qgroup % qc):
+                k = None
+        if k is not None and x2.shape[0] <= self.SMALL_M[method]:
             xf = x2.float().contiguous()
-            if self.qmethod == "fp32":
+            if method == "fp32":
                 y = k.linear_fp32(xf, self.qweight, bias)
-            elif self.qmethod == "int8":
+            elif method == "int8":
                 y = k.linear_int8(xf, self.qweight, self.qscale, bias)
-            else:
+            elif method == "int4":
                 y = k.linear_int4(xf, self.qweight, self.qscale, self.qgroup, bias)
+            elif method == "w8a8":
+                y = k.linear_w8a8(xf, self.qweight, self.qscale, bias)
+            else:
+                y = k.linear_w4a8(xf, self.qweight, self.qscale, self.qgroup, bias)
         else:
-            if self.qmethod == "fp32":
+            if method == "fp32":
                 w = self.qweight
-            elif self.qmethod == "int8":
+            elif method in ("int8", "w8a8"):
                 w = dequantize_int8(self.qweight, self.qscale)
             else:
                 w = dequantize_int4(self.qweight, self.qscale, self.qgroup)
-            y = F.linear(x2.float(), w, bias)
+            xf = fake_quantize_act(x2) if method in ("w8a8", "w4a8") else x2.float()
+            y = F.linear(xf, w, bias)
         return y.to(dtype).reshape(*shape[:-1], y.shape[-1])
 
     def pack(self) -> bool:
@@ -199,7 +215,8 @@ class CausalLM(nn.Module):
                  group_size: int = 128) -> "CausalLM":
         """Build the rope tables on the weights' device/dtype (after loading), quantize the linear
         layers (``quantization``: 'int8' everywhere, or 'int4' group-wise in the decoder layers with the
-        LM head at int8, the way llama.cpp's q4_0 keeps its output layer wider) or else prepack them
+        LM head at int8, the way llama.cpp's q4_0 keeps its output layer wider; 'w8a8' everywhere, or
+        'w4a8' with the LM head at w8a8) or else prepack them
         for oneDNN when on CPU and ``cpu_gemm == "onednn"`` (or keep them dense for pdserve's kernel with
         ``cpu_gemm == "pdserve"``), and switch to eval."""
         w = self.embed_tokens.weight
@@ -209,7 +226,8 @@ class CausalLM(nn.Module):
         if quantization is not None:
             for name, m in self.named_modules():
                 if isinstance(m, Linear):
-                    m.quantize("int8" if name == "lm_head" else quantization, group_size)
+                    head = "w8a8" if quantization in ("w8a8", "w4a8") else "int8"
+                    m.quantize(head if name == "lm_head" else quantization, group_size)
         elif cpu_gemm == "pdserve" and w.device.type == "cpu" and w.dtype == torch.float32 \
                 and cpu_kernels() is not None:
             for m in self.modules():

@@ -13,6 +13,12 @@ engine/csrc/cpu_kernels.cpp reads:
   exact and ``|W - q * d| <= |d| / 2`` except where the clamp at 7 bites (``<= |d|``). Packed two to
   a byte: in each run of 32 inputs, byte ``j`` holds ``q[j] + 8`` in its low nibble and
   ``q[j + 16] + 8`` in its high nibble. ``scale [N, K / G] float32``.
+- **w8a8 / w4a8**: the int8 / int4 weights above, and every linear's input rounded to int8 on the fly
+  in blocks of 32 values (llama.cpp's q8_0 rule, which its q8_0 and q4_0 dot products use):
+  ``a = round_half_even(x * (127 / amax))``, ``s = amax / 127`` (0 for an all-zero block), so the inner
+  products are exact integer dots (VNNI ``dpbusd``) and ``|x - a * s| <= s / 2``. ``quantize_act`` is
+  the reference the kernels are tested against; ``fake_quantize_act`` is what the torch path applies
+  to the input before a float GEMM, so prefill and decode round the same way.
 - **int8 KV rows**: each cached (token, KV head) row of ``D`` values becomes ``D + 4`` int8 bytes: the
   values ``round(x / s)`` with ``s = max|x| / 127``, then ``s`` itself as 4 bytes of float32. The
   scale travels inside the row, so every block copy (copy-on-write, KV transfer, the gather) moves
@@ -23,7 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")
+ACT_BLOCK = 32
 KV_CACHE_DTYPES = ("auto", "int8")
 
 
@@ -60,6 +67,24 @@ def dequantize_int4(packed: Tensor, scale: Tensor, group: int) -> Tensor:
     b = packed.reshape(N, K // 32, 16).to(torch.int16)
     q = torch.stack((b & 15, b >> 4), dim=2).reshape(N, K // group, group) - 8
     return (q.float() * scale[..., None]).reshape(N, K)
+
+
+def quantize_act(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [..., K] float (K % 32 == 0) -> (a [..., K] int8, s [..., K/32] float32): int8 per block of 32."""
+    *lead, K = x.shape
+    if K % ACT_BLOCK:
+        raise ValueError(f"activation quantization needs the input width to be a multiple of {ACT_BLOCK}, got {K}")
+    b = x.float().reshape(*lead, K // ACT_BLOCK, ACT_BLOCK)
+    amax = b.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    a = torch.round(b * inv).clamp_(-127, 127).to(torch.int8)
+    return a.reshape(*lead, K), (amax / 127.0).squeeze(-1)
+
+
+def fake_quantize_act(x: Tensor) -> Tensor:
+    """x rounded through ``quantize_act`` and back, in float32."""
+    a, s = quantize_act(x)
+    return (a.float().reshape(*s.shape, ACT_BLOCK) * s[..., None]).reshape(a.shape)
 
 
 def quantize_kv(x: Tensor) -> Tensor:

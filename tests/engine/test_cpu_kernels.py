@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, gather_decode_attention
 from engine.kernels import cpu_kernels
-from engine.quant import (dequantize_int4, dequantize_int8, dequantize_kv, quantize_int4, quantize_int8,
-                          quantize_kv)
+from engine.quant import (dequantize_int4, dequantize_int8, dequantize_kv, fake_quantize_act, quantize_act,
+                          quantize_int4, quantize_int8, quantize_kv)
 
 DISABLED = os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0"
 
@@ -103,6 +103,69 @@ def test_linear_kernels_refuse_bad_shapes_with_a_message(kern):
     p, d = quantize_int4(w, 32)
     with pytest.raises(RuntimeError, match="group"):
         kern.linear_int4(torch.randn(2, 64), p, d, 48, None)
+
+
+# ---- integer-dot (w8a8 / w4a8) kernels -----------------------------------------------------------------
+def test_activation_rounding_is_the_documented_rule():
+    # one block whose largest magnitude is 127: the scale is exactly 1, so the ints are x rounded half to even
+    x = torch.zeros(2, 64)
+    x[0, :8] = torch.tensor([127.0, 2.5, 3.5, -2.5, -0.5, 0.49, 1.5, -126.6])
+    x[0, 32:] = torch.linspace(-3, 1, 32)  # a second block with its own scale; row 1 is all zeros
+    a, s = quantize_act(x)
+    assert a.dtype == torch.int8 and s.shape == (2, 2)
+    assert a[0, :8].tolist() == [127, 2, 4, -2, 0, 0, 2, -127]
+    assert s[0, 0].item() == 1.0 and s[0, 1].item() == pytest.approx(3 / 127)
+    assert a[0, 32].item() == -127  # each block's largest magnitude maps to 127
+    assert (a[1] == 0).all() and (s[1] == 0).all()  # an all-zero block has scale 0, not NaN
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(5, 256, generator=g) * torch.logspace(-4, 2, 5)[:, None]
+    a, s = quantize_act(y)
+    err = (fake_quantize_act(y) - y).abs().view(5, 8, 32)
+    assert (err <= s[..., None] / 2 * (1 + 1e-5)).all()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_act(torch.randn(2, 48))
+
+
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 33])
+def test_integer_dot_kernels_match_torch_on_the_rounded_input(kern, M):
+    """y = round(x) (W)^T with exact integer dots: equal to torch's float GEMM on the rounded input up to float
+    rounding, and clearly not the unrounded product (the input really is rounded, the same way)."""
+    g = torch.Generator().manual_seed(100 + M)
+    K, N = 512, 70  # N: not a multiple of any tile
+    w = torch.randn(N, K, generator=g)
+    x = torch.randn(M, K, generator=g) * torch.logspace(-2, 1, K // 32).repeat_interleave(32)  # blocks differ
+    x[0, 64:96] = 0  # an all-zero block
+    b = torch.randn(N, generator=g)
+    xq = fake_quantize_act(x)
+    q, s = quantize_int8(w)
+    cases = [("w8a8", lambda bias: kern.linear_w8a8(x, q, s, bias), dequantize_int8(q, s))]
+    for group in (64, 128, 512):
+        if group % kern.qchunk() == 0:
+            p, d = quantize_int4(w, group)
+            cases.append((f"w4a8 g{group}", lambda bias, p=p, d=d, group=group: kern.linear_w4a8(x, p, d, group, bias),
+                          dequantize_int4(p, d, group)))
+    for name, run, wd in cases:
+        for bias in (None, b):
+            got, ref, unrounded = run(bias), F.linear(xq, wd, bias), F.linear(x, wd, bias)
+            scale = ref.abs().max().item()
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=2e-5 * scale, msg=name)
+            # the activation rounding moves y by ~0.3% of its scale; the kernel must follow the rounded input
+            assert (got - ref).abs().max() < 0.05 * (unrounded - ref).abs().max(), name
+
+
+def test_integer_dot_kernels_refuse_bad_shapes_with_a_message(kern):
+    qc = kern.qchunk()
+    assert qc in (32, 64)
+    q, s = quantize_int8(torch.randn(8, 96))
+    if 96 % qc:
+        with pytest.raises(RuntimeError, match="multiple of"):
+            kern.linear_w8a8(torch.randn(2, 96), q, s, None)
+    p, d = quantize_int4(torch.randn(8, 128), 32)
+    if qc == 64:
+        with pytest.raises(RuntimeError, match="group"):
+            kern.linear_w4a8(torch.randn(2, 128), p, d, 32, None)
+    with pytest.raises(RuntimeError, match="x must be"):
+        kern.linear_w8a8(torch.randn(2, 64), *quantize_int8(torch.randn(8, 128)), None)
 
 
 # ---- paged decode attention -----------------------------------------------------------------------------
