@@ -27,7 +27,7 @@ from engine.attention import AttentionMetadata, apply_rope, decode_attention, pa
 from engine.config import ModelConfig, rope_inv_freq
 from engine.kernels import cpu_kernels
 from engine.quant import (ACT_BLOCK, QUANTIZATIONS, dequantize_int4, dequantize_int8, fake_quantize_act, quantize_int4,
-                          quantize_int8)
+                          quantize_int8, step_order)
 
 
 class RMSNorm(nn.Module):
@@ -67,6 +67,8 @@ class Linear(nn.Module):
         self.qscale: Optional[Tensor] = None
         self.qmethod: Optional[str] = None
         self.qgroup = 0
+        self.qkernel = True  # w8a8 / w4a8: whether the integer-dot kernel can run this layer (set at quantize)
+        self.qorder: Optional[Tensor] = None  # w8a8 on the kernel: the column order qweight is stored in
 
     def quantize(self, method: str, group: int = 128) -> None:
         """Replace the float weight by its weight-only quantized form (engine/quant.py), once, at load.
@@ -90,6 +92,15 @@ class Linear(nn.Module):
             self.qgroup = group
         else:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {method!r}")
+        if method in ("w8a8", "w4a8"):
+            # the integer-dot kernel runs this layer iff it takes K (and the int4 group) in whole steps;
+            # w8a8 weights are then stored in the kernel's step order
+            k = cpu_kernels() if w.device.type == "cpu" else None
+            step = k.qstep() if k is not None else 0
+            self.qkernel = bool(step) and w.shape[1] % step == 0 and (method == "w8a8" or group % step == 0)
+            if self.qkernel and method == "w8a8":
+                self.qorder = step_order(w.shape[1], step)
+                self.qweight = self.qweight[:, self.qorder].contiguous()
         if method != "fp32" and self.bias is not None:
             self.bias.data = self.bias.data.float()
         self.qmethod = method
@@ -106,10 +117,8 @@ class Linear(nn.Module):
         k = cpu_kernels() if x.device.type == "cpu" else None
         bias = None if self.bias is None else self.bias.float()
         method = self.qmethod
-        if method in ("w8a8", "w4a8") and k is not None:
-            qc = k.qchunk()  # the integer-dot kernels walk K (and the int4 groups) in chunks of this many values
-            if x2.shape[-1] % qc or (method == "w4a8" and self.qgroup % qc):
-                k = None
+        if method in ("w8a8", "w4a8") and not self.qkernel:
+            k = None
         if k is not None and x2.shape[0] <= self.SMALL_M[method]:
             xf = x2.float().contiguous()
             if method == "fp32":
@@ -130,6 +139,8 @@ class Linear(nn.Module):
             else:
                 w = dequantize_int4(self.qweight, self.qscale, self.qgroup)
             xf = fake_quantize_act(x2) if method in ("w8a8", "w4a8") else x2.float()
+            if self.qorder is not None:
+                xf = xf[:, self.qorder]
             y = F.linear(xf, w, bias)
         return y.to(dtype).reshape(*shape[:-1], y.shape[-1])
 

@@ -18,7 +18,9 @@ engine/csrc/cpu_kernels.cpp reads:
   ``a = round_half_even(x * (127 / amax))``, ``s = amax / 127`` (0 for an all-zero block), so the inner
   products are exact integer dots (VNNI ``dpbusd``) and ``|x - a * s| <= s / 2``. ``quantize_act`` is
   the reference the kernels are tested against; ``fake_quantize_act`` is what the torch path applies
-  to the input before a float GEMM, so prefill and decode round the same way.
+  to the input before a float GEMM, so prefill and decode round the same way. Where the kernel runs,
+  w8a8 weights are stored with their columns in the kernel's ``step_order`` (the GEMM path gathers the
+  input's columns the same way: a dot product does not depend on the order of its terms).
 - **int8 KV rows**: each cached (token, KV head) row of ``D`` values becomes ``D + 4`` int8 bytes: the
   values ``round(x / s)`` with ``s = max|x| / 127``, then ``s`` itself as 4 bytes of float32. The
   scale travels inside the row, so every block copy (copy-on-write, KV transfer, the gather) moves
@@ -85,6 +87,20 @@ def fake_quantize_act(x: Tensor) -> Tensor:
     """x rounded through ``quantize_act`` and back, in float32."""
     a, s = quantize_act(x)
     return (a.float().reshape(*s.shape, ACT_BLOCK) * s[..., None]).reshape(a.shape)
+
+
+def step_order(K: int, step: int) -> Tensor:
+    """The order in which the integer-dot kernels read K values (engine/csrc/cpu_kernels.cpp, W8A8 section):
+    a step of ``step`` values is two halves of ``step / 2`` bytes; byte j of the first half is value
+    32 * (j // 16) + j % 16 of the step, byte j of the second half the value 16 after it (the low and high
+    nibbles of the int4 format). ``order[p]`` is the natural index of position p; identity for step 32."""
+    if step % 32 or K % step:
+        raise ValueError(f"step must be a multiple of 32 dividing K={K}, got {step}")
+    half = step // 2
+    p = torch.arange(step)
+    j = p % half
+    within = 32 * (j // 16) + 16 * (p // half) + j % 16
+    return (torch.arange(0, K, step)[:, None] + within[None, :]).reshape(K)
 
 
 def quantize_kv(x: Tensor) -> Tensor:

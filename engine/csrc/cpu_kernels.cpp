@@ -346,37 +346,43 @@ torch::Tensor linear_int4(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
 // Then y[m, n] = out_scale[n] * sum_blocks s_b * (sum_{k in b} a[k] * q[n, k]) (* the weight group's scale
 // for int4), so every inner product is exact integer arithmetic: the VNNI instruction dpbusd does 64
 // (AVX-512) or 32 (AVX-VNNI) byte multiplies into 16 / 8 int32 lanes at once; plain AVX2 uses
-// maddubs + madd. The weights are the int8 / int4 formats above, unchanged.
+// maddubs + madd; other builds a scalar loop.
 //
-// The kernel walks K in chunks of QC values (64 with AVX-512 VNNI, else 32); lane j of a chunk holds the
-// dot of 4 activation bytes with 4 weight bytes. dpbusd multiplies unsigned by signed bytes, so the weight
-// goes in as an unsigned value q + offset (int8: q ^ 0x80 = q + 128; int4: the stored nibble q + 8) and
-// each lane starts from -offset * (sum of its 4 activation bytes), precomputed once per call with the
-// activation's per-lane scale. The int4 chunk on AVX-512 is [low nibbles of 32 bytes | high nibbles], i.e.
-// values 0-15, 32-47, 16-31, 48-63 of the chunk, and the activation is stored in that order.
+// A step covers QS = 2 * VB values as two byte vectors A and B of VB bytes (VB = 64 with AVX-512 VNNI,
+// 32 with AVX2, 16 in the scalar build): byte j of A is value 32 * (j / 16) + j % 16 of the step, byte j
+// of B the value 16 after it. That is exactly the low and the high nibbles of VB bytes of the int4 format
+// (one load, an and and a shift), and it puts lane l of A and lane l of B in the same 32-block, so both
+// dot products go into one int32 accumulator before the one conversion to float per step. int8 weights
+// are stored in this order by engine/model.py (``w8a8_order``); the activations are put in it here. In
+// the scalar build (VB = 16) the order is the natural one.
+//
+// dpbusd multiplies unsigned by signed bytes, so the weight goes in as an unsigned value q + offset (int8:
+// q ^ 0x80 = q + 128; int4: the stored nibble q + 8) and each lane starts from -offset * (the sum of its
+// activation bytes), precomputed once per call with the activation's per-lane scale.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define PD_Q_ISA 3
-constexpr int QC = 64;
+constexpr int VB = 64;
 #elif defined(__AVX2__)
 #define PD_Q_ISA 2
-constexpr int QC = 32;
+constexpr int VB = 32;
 #else
 #define PD_Q_ISA 0
-constexpr int QC = 32;
+constexpr int VB = 16;
 #endif
-constexpr int QL = QC / 4;  // int32 lanes per chunk
+constexpr int QS = 2 * VB;  // values per step
+constexpr int QL = VB / 4;  // int32 lanes per vector
 
-// the chunk position p holds value src_pos(p) of its chunk
-inline int src_pos(int p, bool nibble_layout) {
-  if (!nibble_layout || QC != 64) return p;
-  return p < 16 ? p : p < 32 ? p + 16 : p < 48 ? p - 16 : p;
+// position p (0 .. QS-1) of a step holds value src_pos(p) of the step
+inline int src_pos(int p) {
+  const int half = p / VB, j = p % VB;
+  return 32 * (j / 16) + 16 * half + j % 16;
 }
 
-// x [M, K] float -> a [M, K] int8 (chunk layout), lane scale [M, K/4] float, lane start [M, K/4] int32
+// x [M, K] float -> a [M, K] int8 (step order), lane scale [M, K/8] float, lane start [M, K/8] int32
 struct QAct {
   std::vector<int8_t> a; std::vector<float> sc; std::vector<int32_t> start;
   int64_t K;
-  QAct(const float* x, int64_t M, int64_t K_, bool nibble_layout, int offset) : a(M * K_), sc(M * K_ / 4), start(M * K_ / 4), K(K_) {
+  QAct(const float* x, int64_t M, int64_t K_, int offset) : a(M * K_), sc(M * K_ / 8), start(M * K_ / 8), K(K_) {
     std::vector<int8_t> q(K);
     std::vector<float> bs(K / 32);
     for (int64_t m = 0; m < M; ++m) {
@@ -392,15 +398,16 @@ struct QAct {
         }
       }
       int8_t* am = a.data() + m * K;
-      for (int64_t c = 0; c < K / QC; ++c)
-        for (int p = 0; p < QC; ++p) am[c * QC + p] = q[c * QC + src_pos(p, nibble_layout)];
-      for (int64_t l = 0; l < K / 4; ++l) {
-        const int64_t c = l / QL, p = (l % QL) * 4;
-        sc[m * (K / 4) + l] = bs[(c * QC + src_pos(p, nibble_layout)) / 32];
-        int32_t s = 0;
-        for (int t = 0; t < 4; ++t) s += am[l * 4 + t];
-        start[m * (K / 4) + l] = -offset * s;
-      }
+      for (int64_t c = 0; c < K / QS; ++c)
+        for (int p = 0; p < QS; ++p) am[c * QS + p] = q[c * QS + src_pos(p)];
+      // lane l of step c: bytes 4l .. 4l+3 of A and of B, both in block c * QS / 32 + l / 4
+      for (int64_t c = 0; c < K / QS; ++c)
+        for (int l = 0; l < QL; ++l) {
+          int32_t s = 0;
+          for (int t = 0; t < 4; ++t) s += am[c * QS + 4 * l + t] + am[c * QS + VB + 4 * l + t];
+          sc[m * (K / 8) + c * QL + l] = bs[c * QS / 32 + l / 4];
+          start[m * (K / 8) + c * QL + l] = -offset * s;
+        }
     }
   }
 };
@@ -414,6 +421,14 @@ inline qfv qsplat(float s) { return _mm512_set1_ps(s); }
 inline qfv qmul(qfv a, qfv b) { return _mm512_mul_ps(a, b); }
 inline qfv qfma(qiv d, qfv s, qfv acc) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc); }
 inline float qsum(qfv v) { return _mm512_reduce_add_ps(v); }
+inline qiv dot_us(qiv acc, qiv u, qiv a) { return _mm512_dpbusd_epi32(acc, u, a); }
+inline qiv qxor80(qiv v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
+inline void nibbles(const uint8_t* p, qiv& lo, qiv& hi) {
+  const qiv v = qload(p), m = _mm512_set1_epi8(0x0F);
+  lo = _mm512_and_si512(v, m);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+}
+#define PD_Q_VNNI 1
 #elif PD_Q_ISA == 2
 typedef __m256i qiv; typedef __m256 qfv;
 inline qiv qload(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
@@ -428,107 +443,94 @@ inline float qsum(qfv v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define PD_Q_VNNI 1
+#endif
 // unsigned bytes u times signed bytes a, 4 to a lane, added to acc
 inline qiv dot_us(qiv acc, qiv u, qiv a) {
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #if defined(__AVXVNNI__)
   return _mm256_dpbusd_avx_epi32(acc, u, a);
-#else
+#elif defined(PD_Q_VNNI)
   return _mm256_dpbusd_epi32(acc, u, a);
-#endif
 #else
-  // |u| <= 15 here (int4 nibbles), so the 16-bit pair sums of maddubs cannot saturate
+  // only for int4 nibbles here (|u| <= 15), so the 16-bit pair sums of maddubs cannot saturate
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
 #endif
 }
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-#define PD_Q_VNNI256 1
-#endif
+inline qiv qxor80(qiv v) { return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80))); }
+inline void nibbles(const uint8_t* p, qiv& lo, qiv& hi) {
+  const qiv v = qload(p), m = _mm256_set1_epi8(0x0F);
+  lo = _mm256_and_si256(v, m);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+}
 #endif
 
 #if PD_Q_ISA >= 2
-#if PD_Q_ISA == 3 || defined(PD_Q_VNNI256)
+#ifdef PD_Q_VNNI
 constexpr int I8_OFFSET = 128;  // int8 weights enter dpbusd as q ^ 0x80
 #else
 constexpr int I8_OFFSET = 0;    // plain AVX2: |q| and sign(a, q) through maddubs, no offset
 #endif
 
+// int8 weights [N, K] in step order (see above), scale [N]
 struct I8Q {
   const int8_t* w; const float* scale; int64_t K;
   int64_t cpg = 0;  // one group: the whole row
   static constexpr bool grouped = false;
-  inline qiv load(int64_t n, int64_t c) const {
-#if PD_Q_ISA == 3
-    return _mm512_xor_si512(qload(w + n * K + c * QC), _mm512_set1_epi8(static_cast<char>(0x80)));
-#elif defined(PD_Q_VNNI256)
-    return _mm256_xor_si256(qload(w + n * K + c * QC), _mm256_set1_epi8(static_cast<char>(0x80)));
+  inline void load(int64_t n, int64_t c, qiv& A, qiv& B) const {
+    const int8_t* p = w + n * K + c * QS;
+#ifdef PD_Q_VNNI
+    A = qxor80(qload(p)); B = qxor80(qload(p + VB));
 #else
-    return qload(w + n * K + c * QC);
+    A = qload(p); B = qload(p + VB);
 #endif
   }
-  static inline qiv dot(qiv start, qiv wv, qiv a) {
-#if PD_Q_ISA == 3
-    return _mm512_dpbusd_epi32(start, wv, a);
-#elif defined(PD_Q_VNNI256)
-    return dot_us(start, wv, a);
+  static inline qiv dot(qiv acc, qiv wv, qiv a) {
+#ifdef PD_Q_VNNI
+    return dot_us(acc, wv, a);
 #else
     // |q| <= 127 and |a| <= 127: pair sums stay within int16
     __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(a, wv));
-    return _mm256_add_epi32(start, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 #endif
   }
   inline float out_scale(int64_t n) const { return scale[n]; }
   inline float group_scale(int64_t, int64_t) const { return 1.f; }
 };
 
+// int4 weights in their storage format: VB bytes are one step's low (A) and high (B) nibbles
 struct I4Q {
-  const uint8_t* w; const float* scale; int64_t K, ng, cpg;  // cpg: chunks per group
+  const uint8_t* w; const float* scale; int64_t K, ng, cpg;  // cpg: steps per group
   static constexpr bool grouped = true;
-  inline qiv load(int64_t n, int64_t c) const {
-#if PD_Q_ISA == 3
-    __m256i v = _mm256_loadu_si256((const __m256i*)(w + n * (K / 2) + c * 32));
-    const __m256i m = _mm256_set1_epi8(0x0F);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m)),
-                              _mm256_and_si256(_mm256_srli_epi16(v, 4), m), 1);
-#else
-    __m128i v = _mm_loadu_si128((const __m128i*)(w + n * (K / 2) + c * 16));
-    const __m128i m = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
-#endif
-  }
-  static inline qiv dot(qiv start, qiv wv, qiv a) {
-#if PD_Q_ISA == 3
-    return _mm512_dpbusd_epi32(start, wv, a);
-#else
-    return dot_us(start, wv, a);
-#endif
-  }
+  inline void load(int64_t n, int64_t c, qiv& A, qiv& B) const { nibbles(w + n * (K / 2) + c * VB, A, B); }
+  static inline qiv dot(qiv acc, qiv wv, qiv a) { return dot_us(acc, wv, a); }
   inline float out_scale(int64_t) const { return 1.f; }
   inline float group_scale(int64_t n, int64_t g) const { return scale[n * ng + g]; }
 };
 
-// y[m0 .. m0+MRc-1, n .. n+R-1] from R weight rows, each chunk loaded once for the MRc inputs
+// y[m0 .. m0+MRc-1, n .. n+R-1] from R weight rows, each step of them loaded once for the MRc inputs
 template <class W, int R, int MRc>
 inline void qtile(const W& wt, const QAct& qa, int64_t m0, int64_t n, float* y, int64_t ldy, const float* bias) {
-  const int64_t K = qa.K, nc = K / QC;
-  const int64_t cpg = W::grouped ? wt.cpg : nc;
+  const int64_t K = qa.K, ns = K / QS;
+  const int64_t cpg = W::grouped ? wt.cpg : ns;
   qfv acc[MRc][R];
   for (int i = 0; i < MRc; ++i)
     for (int r = 0; r < R; ++r) acc[i][r] = qzero();
-  for (int64_t c0 = 0, g = 0; c0 < nc; c0 += cpg, ++g) {
+  for (int64_t c0 = 0, g = 0; c0 < ns; c0 += cpg, ++g) {
     qfv gs[R];
     if constexpr (W::grouped)
       for (int r = 0; r < R; ++r) gs[r] = qsplat(wt.group_scale(n + r, g));
     for (int64_t c = c0; c < c0 + cpg; ++c) {
-      qiv wv[R];
-      for (int r = 0; r < R; ++r) wv[r] = wt.load(n + r, c);
+      qiv wa[R], wb[R];
+      for (int r = 0; r < R; ++r) wt.load(n + r, c, wa[r], wb[r]);
       for (int i = 0; i < MRc; ++i) {
         const int64_t m = m0 + i;
-        const qiv av = qload(qa.a.data() + m * K + c * QC);
-        const qiv st = qload(qa.start.data() + m * (K / 4) + c * QL);
-        const qfv sv = qloadf(qa.sc.data() + m * (K / 4) + c * QL);
+        const int8_t* am = qa.a.data() + m * K + c * QS;
+        const qiv aa = qload(am), ab = qload(am + VB);
+        const qiv st = qload(qa.start.data() + m * (K / 8) + c * QL);
+        const qfv sv = qloadf(qa.sc.data() + m * (K / 8) + c * QL);
         for (int r = 0; r < R; ++r) {
-          const qiv d = W::dot(st, wv[r], av);
+          const qiv d = W::dot(W::dot(st, wa[r], aa), wb[r], ab);
           if constexpr (W::grouped) acc[i][r] = qfma(d, qmul(sv, gs[r]), acc[i][r]);
           else acc[i][r] = qfma(d, sv, acc[i][r]);
         }
@@ -570,9 +572,11 @@ void qlinear_rows(const W& wt, const QAct& qa, int64_t M, int64_t N, float* y, c
 constexpr int I8_OFFSET = 0;
 #endif
 
-// Scalar form of the same arithmetic (builds without AVX2): exact int32 block dots, then the scales.
+// Scalar form of the same arithmetic (builds without AVX2, where the step order is the natural one):
+// exact int32 block dots, then the scales.
 void qlinear_scalar(const QAct& qa, int64_t M, int64_t N, bool int4, const void* w, const float* scale,
                     int64_t group, float* y, const float* bias) {
+  static_assert(PD_Q_ISA != 0 || QS == 32, "the scalar build reads values in their natural order");
   const int64_t K = qa.K;
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     std::vector<int32_t> q(K);
@@ -583,12 +587,12 @@ void qlinear_scalar(const QAct& qa, int64_t M, int64_t N, bool int4, const void*
                     : static_cast<const int8_t*>(w)[n * K + k];
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* am = qa.a.data() + m * K;
-        const float* sm = qa.sc.data() + m * (K / 4);
+        const float* sm = qa.sc.data() + m * (K / 8);  // 4 lanes per block of 32
         float acc = 0.f;
         for (int64_t b = 0; b < K / 32; ++b) {
           int32_t d = 0;
           for (int t = 0; t < 32; ++t) d += static_cast<int32_t>(am[b * 32 + t]) * q[b * 32 + t];
-          acc += static_cast<float>(d) * sm[b * 8] * (int4 ? scale[n * (K / group) + b * 32 / group] : 1.f);
+          acc += static_cast<float>(d) * sm[b * 4] * (int4 ? scale[n * (K / group) + b * 32 / group] : 1.f);
         }
         const float v = acc * (int4 ? 1.f : scale[n]);
         y[m * N + n] = bias ? v + bias[n] : v;
@@ -600,15 +604,15 @@ void qlinear_scalar(const QAct& qa, int64_t M, int64_t N, bool int4, const void*
 torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
   const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
   check_x(x, K);
-  TORCH_CHECK(K % QC == 0, "K must be a multiple of ", QC);
-  TORCH_CHECK(w.scalar_type() == torch::kChar && w.is_contiguous(), "w must be contiguous int8 [N, K]");
+  TORCH_CHECK(K % QS == 0, "K must be a multiple of ", QS);
+  TORCH_CHECK(w.scalar_type() == torch::kChar && w.is_contiguous(), "w must be contiguous int8 [N, K] in step order");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.numel() == N && scale.is_contiguous(), "scale must be float32 [N]");
   auto y = torch::empty({M, N}, x.options());
 #if PD_Q_ISA >= 2
-  QAct qa(x.data_ptr<float>(), M, K, false, I8_OFFSET);
+  QAct qa(x.data_ptr<float>(), M, K, I8_OFFSET);
   qlinear_rows(I8Q{w.data_ptr<int8_t>(), scale.data_ptr<float>(), K}, qa, M, N, y.data_ptr<float>(), bias_ptr(bias, N));
 #else
-  QAct qa(x.data_ptr<float>(), M, K, false, 0);
+  QAct qa(x.data_ptr<float>(), M, K, 0);
   qlinear_scalar(qa, M, N, false, w.data_ptr<int8_t>(), scale.data_ptr<float>(), 0, y.data_ptr<float>(), bias_ptr(bias, N));
 #endif
   return y;
@@ -618,25 +622,26 @@ torch::Tensor linear_w4a8(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
                           c10::optional<torch::Tensor> bias) {
   const int64_t N = w.size(0), K = 2 * w.size(1), M = x.size(0);
   check_x(x, K);
-  TORCH_CHECK(K % QC == 0 && group % QC == 0 && K % group == 0, "K and group must be multiples of ", QC,
+  TORCH_CHECK(K % QS == 0 && group % QS == 0 && K % group == 0, "K and group must be multiples of ", QS,
               " and group must divide K");
   TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous(), "w must be contiguous uint8 [N, K/2]");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == N * (K / group),
               "scale must be float32 [N, K/group]");
   auto y = torch::empty({M, N}, x.options());
 #if PD_Q_ISA >= 2
-  QAct qa(x.data_ptr<float>(), M, K, true, 8);
-  qlinear_rows(I4Q{w.data_ptr<uint8_t>(), scale.data_ptr<float>(), K, K / group, group / QC}, qa, M, N,
+  QAct qa(x.data_ptr<float>(), M, K, 8);
+  qlinear_rows(I4Q{w.data_ptr<uint8_t>(), scale.data_ptr<float>(), K, K / group, group / QS}, qa, M, N,
                y.data_ptr<float>(), bias_ptr(bias, N));
 #else
-  QAct qa(x.data_ptr<float>(), M, K, true, 0);
+  QAct qa(x.data_ptr<float>(), M, K, 0);
   qlinear_scalar(qa, M, N, true, w.data_ptr<uint8_t>(), scale.data_ptr<float>(), group, y.data_ptr<float>(), bias_ptr(bias, N));
 #endif
   return y;
 }
 
-// the chunk the integer-dot kernels need K and the int4 group to be multiples of
-int64_t qchunk() { return QC; }
+// values per step of the integer-dot kernels: K and the int4 group must be multiples of it, and w8a8
+// weights are stored in its step order (engine/quant.py step_order)
+int64_t qstep() { return QS; }
 
 // ---- paged decode attention ----------------------------------------------------------------------
 
@@ -780,9 +785,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp32", &linear_fp32, "y = x w^T (+ bias), w float32 [N, K]");
   m.def("linear_int8", &linear_int8, "y = x (w * scale)^T (+ bias), w int8 [N, K], scale [N]");
   m.def("linear_int4", &linear_int4, "y = x W^T (+ bias), W int4 group-wise (see file header)");
-  m.def("linear_w8a8", &linear_w8a8, "y = x (w * scale)^T (+ bias) with x rounded to int8 per 32 values");
+  m.def("linear_w8a8", &linear_w8a8, "y = x (w * scale)^T (+ bias), w in step order, x rounded to int8 per 32 values");
   m.def("linear_w4a8", &linear_w4a8, "int4 group-wise W (see file header) with x rounded to int8 per 32 values");
-  m.def("qchunk", &qchunk, "the multiple of which K and the int4 group must be for linear_w8a8 / linear_w4a8");
+  m.def("qstep", &qstep, "values per step of linear_w8a8 / linear_w4a8 (see the file's W8A8 section)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query per sequence over its paged K/V read in place through the block table");
 }

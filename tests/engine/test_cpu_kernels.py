@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from engine.attention import AttentionMetadata, gather_decode_attention
 from engine.kernels import cpu_kernels
 from engine.quant import (dequantize_int4, dequantize_int8, dequantize_kv, fake_quantize_act, quantize_act,
-                          quantize_int4, quantize_int8, quantize_kv)
+                          quantize_int4, quantize_int8, quantize_kv, step_order)
 
 DISABLED = os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0"
 
@@ -138,9 +138,10 @@ def test_integer_dot_kernels_match_torch_on_the_rounded_input(kern, M):
     b = torch.randn(N, generator=g)
     xq = fake_quantize_act(x)
     q, s = quantize_int8(w)
-    cases = [("w8a8", lambda bias: kern.linear_w8a8(x, q, s, bias), dequantize_int8(q, s))]
+    qs = q[:, step_order(K, kern.qstep())].contiguous()  # w8a8 weights are stored in the kernel's order
+    cases = [("w8a8", lambda bias: kern.linear_w8a8(x, qs, s, bias), dequantize_int8(q, s))]
     for group in (64, 128, 512):
-        if group % kern.qchunk() == 0:
+        if group % kern.qstep() == 0:
             p, d = quantize_int4(w, group)
             cases.append((f"w4a8 g{group}", lambda bias, p=p, d=d, group=group: kern.linear_w4a8(x, p, d, group, bias),
                           dequantize_int4(p, d, group)))
@@ -153,15 +154,35 @@ def test_integer_dot_kernels_match_torch_on_the_rounded_input(kern, M):
             assert (got - ref).abs().max() < 0.05 * (unrounded - ref).abs().max(), name
 
 
+def test_step_order_is_the_int4_nibble_order():
+    assert torch.equal(step_order(96, 32), torch.arange(96))  # the scalar build: natural order
+    for step in (64, 128):
+        order = step_order(256, step)
+        assert sorted(order.tolist()) == list(range(256))
+        # the first half of a step is the low nibbles of step/2 bytes of the int4 format, the second half the
+        # high nibbles (the format's documented packing: byte j of a 32-run holds values j and j + 16)
+        w = torch.tensor([[(k * 7) % 16 - 8 for k in range(256)]], dtype=torch.float32)  # value 0 is -8: d = 1
+        packed, d = quantize_int4(w, 256)
+        assert d.item() == 1.0
+        q = w[0].long() + 8  # d = 1: the stored nibbles
+        b = packed[0].long()
+        for c in range(256 // step):
+            chunk = b[c * step // 2:(c + 1) * step // 2]
+            assert torch.equal(q[order[c * step:c * step + step // 2]], chunk & 15)
+            assert torch.equal(q[order[c * step + step // 2:(c + 1) * step]], chunk >> 4)
+    with pytest.raises(ValueError, match="step"):
+        step_order(96, 64)
+
+
 def test_integer_dot_kernels_refuse_bad_shapes_with_a_message(kern):
-    qc = kern.qchunk()
-    assert qc in (32, 64)
+    qc = kern.qstep()
+    assert qc in (32, 64, 128)
     q, s = quantize_int8(torch.randn(8, 96))
     if 96 % qc:
         with pytest.raises(RuntimeError, match="multiple of"):
             kern.linear_w8a8(torch.randn(2, 96), q, s, None)
     p, d = quantize_int4(torch.randn(8, 128), 32)
-    if qc == 64:
+    if qc > 32:
         with pytest.raises(RuntimeError, match="group"):
             kern.linear_w4a8(torch.randn(2, 128), p, d, 32, None)
     with pytest.raises(RuntimeError, match="x must be"):
