@@ -189,6 +189,21 @@ def test_integer_dot_kernels_refuse_bad_shapes_with_a_message(kern):
         kern.linear_w8a8(torch.randn(2, 64), *quantize_int8(torch.randn(8, 128)), None)
 
 
+# ---- per-layer small ops -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("M", [1, 7, 300])
+def test_rms_norm_and_silu_mul_match_torch(kern, M):
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, 384, generator=g) * torch.logspace(-3, 2, M)[:, None]  # rows of very different size
+    w = torch.randn(384, generator=g)
+    torch.testing.assert_close(kern.rms_norm(x, w, 1e-6), F.rms_norm(x, (384,), w, 1e-6), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kern.rms_norm(x, w, 10.0), F.rms_norm(x, (384,), w, 10.0), rtol=1e-5, atol=1e-6)
+    gu = torch.randn(M, 2 * 160, generator=g) * 6
+    gate, up = gu.split(160, dim=-1)
+    torch.testing.assert_close(kern.silu_mul(gu), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="w must be"):
+        kern.rms_norm(x, w[:10], 1e-6)
+
+
 # ---- paged decode attention -----------------------------------------------------------------------------
 def _paged_case(seed: int, B: int, H: int, Hkv: int, D: int, bs: int, dtype: torch.dtype, max_ctx: int = 70):
     """A cache with blocks scattered in random order and ragged contexts, and its decode metadata."""
