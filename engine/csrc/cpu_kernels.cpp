@@ -160,16 +160,24 @@ constexpr int NR = 4;   // output rows per tile: their weights are read once for
 constexpr int MR = 4;   // inputs per pass
 #endif
 
+// Weight rows are short (K values: a few hundred bytes to a few KB) and a tile reads R of them side by side,
+// a pattern the hardware prefetcher does not follow from one tile to the next: every step also prefetches
+// the same step of the rows PF_TILES tiles ahead (measured: benchmarks/cpu_linear.py, docs/benchmarks.md).
+constexpr int PF_TILES = 4;
+inline void prefetch_line(const void* p) { __builtin_prefetch(p, 0, 3); }
+
 // Each weight type gives row(n, k): W[n, k..k+15] as floats, and row2(n, k): W[n, k..k+31] as two halves.
 struct Fp32W {
   const float* w; int64_t K;
   inline v16f row(int64_t n, int64_t k) const { return load_f(w + n * K + k); }
+  inline void prefetch(int64_t n, int64_t k) const { prefetch_line(w + n * K + k); }
   inline void row2(int64_t n, int64_t k, v16f& lo, v16f& hi) const { lo = row(n, k); hi = row(n, k + 16); }
   inline float out_scale(int64_t) const { return 1.f; }
 };
 struct Int8W {
   const int8_t* w; const float* scale; int64_t K;
   inline v16f row(int64_t n, int64_t k) const { return load_b(w + n * K + k); }
+  inline void prefetch(int64_t n, int64_t k) const { if (k % 64 == 0) prefetch_line(w + n * K + k); }
   inline void row2(int64_t n, int64_t k, v16f& lo, v16f& hi) const { lo = row(n, k); hi = row(n, k + 16); }
   inline float out_scale(int64_t n) const { return scale[n]; }
 };
@@ -187,6 +195,7 @@ inline void tile(const W& wt, const float* x, int64_t ldx, int64_t m0, int64_t n
   // accumulators and 8 weight vectors would spill
   if constexpr (MRc <= 2) for (; k + 32 <= K; k += 32) {
     v16f lo[R], hi[R];
+    for (int r = 0; r < R; ++r) { wt.prefetch(n + r + PF_TILES * R, k); wt.prefetch(n + r + PF_TILES * R, k + 16); }
     for (int r = 0; r < R; ++r) wt.row2(n + r, k, lo[r], hi[r]);
     for (int i = 0; i < MRc; ++i) {
       const float* xi = x + (m0 + i) * ldx + k;
@@ -196,6 +205,7 @@ inline void tile(const W& wt, const float* x, int64_t ldx, int64_t m0, int64_t n
   }
   for (; k < K; k += 16) {
     v16f wv[R];
+    for (int r = 0; r < R; ++r) wt.prefetch(n + r + PF_TILES * R, k);
     for (int r = 0; r < R; ++r) wv[r] = wt.row(n + r, k);
     for (int i = 0; i < MRc; ++i) {
       v16f xv = load_f(x + (m0 + i) * ldx + k);
@@ -226,6 +236,7 @@ inline void tile_rows(const W& wt, const float* x, int64_t ldx, int64_t m0, int6
 // gidx[k / 16] is k's group: a table, so the inner loops carry no integer division.
 struct Int4W {
   const uint8_t* w; const float* scale; int64_t K, ng; const int32_t* gidx;
+  inline void prefetch(int64_t n, int64_t k) const { if (k % 128 == 0) prefetch_line(w + n * (K / 2) + k / 2); }
   inline v16f row(int64_t n, int64_t k) const {
     v16i q = widen_u8(w + n * (K / 2) + (k / 32) * 16);
     return lookup((k & 16) ? (q >> 4) : (q & 15), scale[n * ng + gidx[k >> 4]]);
@@ -255,6 +266,7 @@ template <class W>
 struct Widened {
   const float* buf; const W& src; int64_t n0, K;
   inline v16f row(int64_t n, int64_t k) const { return load_f(buf + (n - n0) * K + k); }
+  inline void prefetch(int64_t, int64_t) const {}  // already in cache
   inline void row2(int64_t n, int64_t k, v16f& lo, v16f& hi) const { lo = row(n, k); hi = row(n, k + 16); }
   inline float out_scale(int64_t n) const { return src.out_scale(n); }
 };
@@ -477,6 +489,9 @@ struct I8Q {
   const int8_t* w; const float* scale; int64_t K;
   int64_t cpg = 0;  // one group: the whole row
   static constexpr bool grouped = false;
+  inline void prefetch(int64_t n, int64_t c) const {
+    for (int b = 0; b < QS; b += 64) prefetch_line(w + n * K + c * QS + b);
+  }
   inline void load(int64_t n, int64_t c, qiv& A, qiv& B) const {
     const int8_t* p = w + n * K + c * QS;
 #ifdef PD_Q_VNNI
@@ -502,6 +517,9 @@ struct I8Q {
 struct I4Q {
   const uint8_t* w; const float* scale; int64_t K, ng, cpg;  // cpg: steps per group
   static constexpr bool grouped = true;
+  inline void prefetch(int64_t n, int64_t c) const {
+    for (int b = 0; b < VB; b += 64) prefetch_line(w + n * (K / 2) + c * VB + b);
+  }
   inline void load(int64_t n, int64_t c, qiv& A, qiv& B) const { nibbles(w + n * (K / 2) + c * VB, A, B); }
   static inline qiv dot(qiv acc, qiv wv, qiv a) { return dot_us(acc, wv, a); }
   inline float out_scale(int64_t) const { return 1.f; }
@@ -522,6 +540,7 @@ inline void qtile(const W& wt, const QAct& qa, int64_t m0, int64_t n, float* y, 
       for (int r = 0; r < R; ++r) gs[r] = qsplat(wt.group_scale(n + r, g));
     for (int64_t c = c0; c < c0 + cpg; ++c) {
       qiv wa[R], wb[R];
+      for (int r = 0; r < R; ++r) wt.prefetch(n + r + PF_TILES * R, c);
       for (int r = 0; r < R; ++r) wt.load(n + r, c, wa[r], wb[r]);
       for (int i = 0; i < MRc; ++i) {
         const int64_t m = m0 + i;
