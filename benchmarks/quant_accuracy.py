@@ -8,7 +8,7 @@ forward, so every chunk after a window's first reads the int8 KV cache when one 
 int8 weights, int4 weights (group 128 and 32), int8 KV cache, int8 weights + int8 KV. It prints
 perplexity, its ratio to float32, the mean |logprob difference| and how often the greedy pick agrees.
 
-Usage: python benchmarks/quant_accuracy.py [--tokens 32768] [--chunk 16] [--lib /usr/lib/python3.11]
+Usage: python benchmarks/quant_accuracy.py [--tokens 32768] [--chunk 16] [--lib /usr/lib/python3.11] [--only w8a8 w4a8]
 """
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--lib", default=sysconfig.get_paths()["stdlib"], help="the standard library sources")
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--only", nargs="+", default=None, metavar="WORD",
+                    help="run fp32 (the reference) and the settings whose name contains one of these words")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     _, held = load_corpus(Path(args.lib))
@@ -55,6 +57,8 @@ def main() -> None:
     ref = None
     print(f"{'setting':<26}{'perplexity':>11}{'vs fp32':>9}{'mean |dlogp|':>14}{'greedy agree':>14}{'s':>6}")
     for name, kw in SETTINGS.items():
+        if args.only and name != "fp32" and not any(w in name for w in args.only):
+            continue
         eng = LLM(args.model, num_kv_blocks=64, **kw).llm_engine
         t = time.perf_counter()
         scored = [prompt_logprobs(eng, w, args.chunk) for w in windows]

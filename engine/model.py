@@ -186,12 +186,38 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
         self.intermediate_size = mc.intermediate_size
+        self.fused = None  # pdserve_cpu_kernels.DecodeLayer, set by CausalLM.finalize where it can run
+        self.fused_max_rows = 0
+
+    _METHOD_CODES = {"fp32": 0, "int8": 1, "int4": 2, "w8a8": 3, "w4a8": 4}
+
+    def build_fused(self) -> bool:
+        """Hand this layer's weights to the C++ decode layer (engine/csrc: the same kernels, one call per
+        layer for a batch of single-token decodes) where every linear runs on pdserve's kernels; False,
+        unchanged, elsewhere (oneDNN-packed or torch linears, no kernels, not float32 on CPU)."""
+        k = cpu_kernels()
+        lins = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        if (k is None or self.head_dim % 16 or self.input_layernorm.weight.device.type != "cpu"
+                or self.input_layernorm.weight.dtype != torch.float32
+                or any(m.qweight is None or not m.qkernel or m.qweight.device.type != "cpu" for m in lins)):
+            return False
+        specs = [(self._METHOD_CODES[m.qmethod], m.qweight, m.qscale,
+                  None if m.bias is None else m.bias.detach().float().contiguous(), m.qgroup) for m in lins]
+        self.fused = k.DecodeLayer(*specs, self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach(),
+                                   self.input_layernorm.eps, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   self.window or 0, self.head_dim ** -0.5)
+        self.fused_max_rows = min(Linear.SMALL_M[m.qmethod] for m in lins)
+        return True
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata,
                 kv_cache: tuple[Tensor, Tensor], keep: Optional[AttentionMetadata] = None) -> Tensor:
         """One block. With ``keep`` (last layer only) K/V are written for every row but the rest of the
         block runs only for the rows in keep.rows, each attending as a single query over its cache."""
         T = h.shape[0]
+        if self.fused is not None and keep is None and 0 < meta.num_decode == T <= self.fused_max_rows:
+            # a batch of single-token decodes: the whole block in one C++ call (same kernels, same numbers)
+            return self.fused.forward(h, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping,
+                                      meta.decode_block_tables, meta.decode_ctx_lens)
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(self.input_layernorm(h)).view(T, H + 2 * Hkv, D)
         qk = apply_rope(qkv[:, :H + Hkv], cos, sin)
@@ -255,6 +281,8 @@ class CausalLM(nn.Module):
             for m in self.modules():
                 if isinstance(m, Linear):
                     m.pack()
+        for layer in self.layers:  # where every linear runs on pdserve's kernels, decode runs a layer per call
+            layer.build_fused()
         # one cos/sin table for all positions, indexed per step (no per-step trig); computed in
         # float32 and cast like HF does
         inv = rope_inv_freq(self.config).to(w.device)
