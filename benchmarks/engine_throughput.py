@@ -304,6 +304,60 @@ def streaming_limit_gbs(threads: int, mbytes: int = 1024) -> float:
     return x.numel() * 4 / best / 1e9
 
 
+def run_round(args: argparse.Namespace, runs: dict, wanted: list[str], model_dir: str,
+              limits: list[float], peers_first: bool = False) -> dict[str, dict]:
+    """One pass over every wanted contender (ours first, or the peers first); appends streaming-limit
+    readings."""
+    results: dict[str, dict] = {}
+    if peers_first:
+        results.update(run_peers(args, wanted, model_dir, limits))
+    if runs:
+        results.update(measure(runs, args.repeats))
+        for c in runs:
+            print(c, json.dumps({k: round(v, 1) for k, v in results[c].items()}), flush=True)
+        limits.append(streaming_limit_gbs(args.threads))
+    if "vllm_cpu" in wanted:
+        if not args.vllm_python:
+            print("vllm_cpu: skipped (no --vllm-python)", flush=True)
+        else:
+            try:
+                results["vllm_cpu"] = bench_vllm(args.vllm_python, model_dir, args.repeats, args.threads)
+                print("vllm_cpu", json.dumps({k: round(v, 1) for k, v in results["vllm_cpu"].items()}),
+                      flush=True)
+            except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
+                print(f"vllm_cpu: not measured: {e}", flush=True)
+    if not peers_first:
+        results.update(run_peers(args, wanted, model_dir, limits))
+    return results
+
+
+def run_peers(args: argparse.Namespace, wanted: list[str], model_dir: str, limits: list[float]) -> dict[str, dict]:
+    """llama.cpp at every wanted width (its own interpreter)."""
+    results: dict[str, dict] = {}
+    quants = [c[len("llamacpp_"):] for c in wanted if c in LLAMA]
+    if quants:
+        if not (args.llama_python and args.llama_src):
+            print("llama.cpp: skipped (no --llama-python / --llama-src)", flush=True)
+        else:
+            try:
+                results.update(bench_llamacpp(args.llama_python, args.llama_src, model_dir, quants,
+                                              args.repeats, args.threads))
+                for c in LLAMA:
+                    if c in results:
+                        print(c, json.dumps({k: round(v, 1) for k, v in results[c].items()}), flush=True)
+            except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
+                print(f"llama.cpp: not measured: {e}", flush=True)
+            limits.append(streaming_limit_gbs(args.threads))
+    return results
+
+
+def merge(best: dict[str, dict], new: dict[str, dict]) -> None:
+    """Keep each contender's best value of every metric over the rounds."""
+    for c, m in new.items():
+        for k, v in m.items():
+            best.setdefault(c, {})[k] = max(v, best.get(c, {}).get(k, float("-inf")))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (best is kept)")
@@ -316,10 +370,14 @@ def main() -> None:
     ap.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python built from source")
     ap.add_argument("--llama-src", default=None,
                     help="the unpacked llama-cpp-python source distribution (its vendor/llama.cpp converter)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="alternate our contenders and the peers this many times, keeping each one's best: a "
+                         "shared host's memory bandwidth moves on a minutes scale, so one pass can favour whoever "
+                         "ran in the fast phase")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
-    if args.repeats < 1 or args.threads < 1:
-        raise SystemExit("--repeats and --threads must be >= 1")
+    if args.repeats < 1 or args.threads < 1 or args.rounds < 1:
+        raise SystemExit("--repeats, --threads and --rounds must be >= 1")
     torch.set_num_threads(args.threads)
 
     results: dict[str, dict] = {}
@@ -343,35 +401,10 @@ def main() -> None:
         for c in ("hf_dynamic", "hf_static"):
             if c in wanted:
                 runs[c] = make_hf(model_dir, c[3:])
-        if runs:
-            results.update(measure(runs, args.repeats))
-            for c in runs:
-                print(c, json.dumps({k: round(v, 1) for k, v in results[c].items()}), flush=True)
-            limits.append(streaming_limit_gbs(args.threads))
-        if "vllm_cpu" in wanted:
-            if not args.vllm_python:
-                print("vllm_cpu: skipped (no --vllm-python)", flush=True)
-            else:
-                try:
-                    results["vllm_cpu"] = bench_vllm(args.vllm_python, model_dir, args.repeats, args.threads)
-                    print("vllm_cpu", json.dumps({k: round(v, 1) for k, v in results["vllm_cpu"].items()}),
-                          flush=True)
-                except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
-                    print(f"vllm_cpu: not measured: {e}", flush=True)
-        quants = [c[len("llamacpp_"):] for c in wanted if c in LLAMA]
-        if quants:
-            if not (args.llama_python and args.llama_src):
-                print("llama.cpp: skipped (no --llama-python / --llama-src)", flush=True)
-            else:
-                try:
-                    results.update(bench_llamacpp(args.llama_python, args.llama_src, model_dir, quants,
-                                                  args.repeats, args.threads))
-                    for c in LLAMA:
-                        if c in results:
-                            print(c, json.dumps({k: round(v, 1) for k, v in results[c].items()}), flush=True)
-                except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
-                    print(f"llama.cpp: not measured: {e}", flush=True)
-                limits.append(streaming_limit_gbs(args.threads))
+        for rnd in range(args.rounds):
+            if args.rounds > 1:
+                print(f"-- round {rnd + 1} of {args.rounds}", flush=True)
+            merge(results, run_round(args, runs, wanted, model_dir, limits, peers_first=rnd % 2 == 1))
         limit = max(limits)
         print("memory streaming limit readings: " + ", ".join(f"{v:.1f}" for v in limits) + " GB/s", flush=True)
 
