@@ -62,6 +62,16 @@ def test_quantization_flags_reach_every_worker_engine():
     assert "quantization" not in _engine_overrides(build_parser().parse_args(["up"]))
 
 
+def test_the_cli_offers_every_engine_quantization():
+    from cluster.serve_cli import _engine_overrides
+    from engine.quant import QUANTIZATIONS
+
+    for q in QUANTIZATIONS:  # the flag's choices are spelled out in serve_cli (no torch import there)
+        args = build_parser().parse_args(["up", "--quantization", q])
+        _check_up_args(args)
+        assert _engine_overrides(args)["quantization"] == q
+
+
 def test_one_port_for_two_listeners_is_refused():
     from cluster.redis_server import pick_free_port
 
