@@ -38,12 +38,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.shape = (size,)
+        self.use_kernel = False  # set by CausalLM.finalize when the model's linears run on pdserve's kernels
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32:
-            k = cpu_kernels() if x.device.type == "cpu" and x.dim() == 2 else None
-            if k is not None:  # one call instead of torch's ~7 kernels (~16 us each norm at batch 1)
-                return k.rms_norm(x.contiguous(), self.weight, self.eps)
+            if self.use_kernel and x.dim() == 2 and x.device.type == "cpu":
+                # one call instead of torch's ~7 kernels (~16 us a norm at batch 1); the fused decode layer
+                # uses the same kernel, so both paths round alike
+                return cpu_kernels().rms_norm(x.contiguous(), self.weight, self.eps)
             return F.rms_norm(x, self.shape, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype)
 
@@ -188,6 +190,7 @@ class DecoderLayer(nn.Module):
         self.intermediate_size = mc.intermediate_size
         self.fused = None  # pdserve_cpu_kernels.DecodeLayer, set by CausalLM.finalize where it can run
         self.fused_max_rows = 0
+        self.kernel_small_ops = False  # silu * mul through pdserve's kernel (with the fused layer's numerics)
 
     _METHOD_CODES = {"fp32": 0, "int8": 1, "int4": 2, "w8a8": 3, "w4a8": 4}
 
@@ -207,6 +210,10 @@ class DecoderLayer(nn.Module):
                                    self.input_layernorm.eps, self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.window or 0, self.head_dim ** -0.5)
         self.fused_max_rows = min(Linear.SMALL_M[m.qmethod] for m in lins)
+        # the Python path of this layer (prefill, mixed and verify steps) then uses the same norm and
+        # silu * mul kernels as the fused one
+        self.kernel_small_ops = True
+        self.input_layernorm.use_kernel = self.post_attention_layernorm.use_kernel = True
         return True
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata,
@@ -233,9 +240,8 @@ class DecoderLayer(nn.Module):
             attn = decode_attention(q, kv_cache[0], kv_cache[1], keep, self.window).reshape(q.shape[0], H * D)
         h = h + self.o_proj(attn)
         gate_up = self.gate_up_proj(self.post_attention_layernorm(h))
-        k = cpu_kernels() if gate_up.device.type == "cpu" and gate_up.dtype == torch.float32 else None
-        if k is not None:
-            return h + self.down_proj(k.silu_mul(gate_up.contiguous()))
+        if self.kernel_small_ops and gate_up.dtype == torch.float32:
+            return h + self.down_proj(cpu_kernels().silu_mul(gate_up.contiguous()))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return h + self.down_proj(F.silu(gate) * up)
 
@@ -281,8 +287,10 @@ class CausalLM(nn.Module):
             for m in self.modules():
                 if isinstance(m, Linear):
                     m.pack()
-        for layer in self.layers:  # where every linear runs on pdserve's kernels, decode runs a layer per call
-            layer.build_fused()
+        # where every linear runs on pdserve's kernels, decode runs a layer per call. The default fp32 path
+        # (oneDNN) keeps torch's norms: its numerics stay those of every earlier release
+        fused = [layer.build_fused() for layer in self.layers]
+        self.norm.use_kernel = bool(fused) and all(fused)
         # one cos/sin table for all positions, indexed per step (no per-step trig); computed in
         # float32 and cast like HF does
         inv = rope_inv_freq(self.config).to(w.device)

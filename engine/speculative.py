@@ -26,7 +26,13 @@ request, the same uniform (a function of the seed and the output index only)
 as without speculation. Hence greedy output is identical, and a seeded sampled
 request is token-for-token identical to the same request without speculation;
 an unseeded one follows the same distribution (its uniforms come from the
-engine generator in a different order).
+engine generator in a different order). In floating point this holds as far as
+the verification pass (k + 1 rows per sequence, the prefill attention path)
+computes the same logits as a one-token decode step; they agree to about 1e-6
+in a log-probability, not bit for bit, so a seeded draw whose uniform falls
+within that of a boundary of the sampling CDF (or a greedy exact near-tie) can
+come out differently. Measured: changing only the rounding of the RMSNorm made
+one of 8 seeded 24-token requests of tests/e2e/test_spec_cluster.py diverge.
 
 Counters follow vLLM's spec-decode metrics: drafts (sequence-steps that
 verified at least one draft token), draft tokens, accepted tokens, and
