@@ -16,6 +16,7 @@ sample (a 2048-token prefill needs one row), after writing every row's K/V.
 """
 from __future__ import annotations
 
+import logging
 import re
 from typing import Callable, Iterable, Optional
 
@@ -28,6 +29,8 @@ from engine.config import ModelConfig, rope_inv_freq
 from engine.kernels import cpu_kernels
 from engine.quant import (ACT_BLOCK, QUANTIZATIONS, dequantize_int4, dequantize_int8, fake_quantize_act, quantize_int4,
                           quantize_int8, step_order)
+
+log = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -65,6 +68,7 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        self.in_features = in_features
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: Optional[Tensor] = None
@@ -198,11 +202,13 @@ class DecoderLayer(nn.Module):
         """Hand this layer's weights to the C++ decode layer (engine/csrc: the same kernels, one call per
         layer for a batch of single-token decodes) where every linear runs on pdserve's kernels; False,
         unchanged, elsewhere (oneDNN-packed or torch linears, no kernels, not float32 on CPU)."""
-        k = cpu_kernels()
         lins = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
-        if (k is None or self.head_dim % 16 or self.input_layernorm.weight.device.type != "cpu"
+        if (self.head_dim % 16 or self.input_layernorm.weight.device.type != "cpu"
                 or self.input_layernorm.weight.dtype != torch.float32
                 or any(m.qweight is None or not m.qkernel or m.qweight.device.type != "cpu" for m in lins)):
+            return False  # (checked before cpu_kernels(), which would build the CPU extension for a GPU model)
+        k = cpu_kernels()
+        if k is None:
             return False
         specs = [(self._METHOD_CODES[m.qmethod], m.qweight, m.qscale,
                   None if m.bias is None else m.bias.detach().float().contiguous(), m.qgroup) for m in lins]
@@ -278,6 +284,11 @@ class CausalLM(nn.Module):
                 if isinstance(m, Linear):
                     head = "w8a8" if quantization in ("w8a8", "w4a8") else "int8"
                     m.quantize(head if name == "lm_head" else quantization, group_size)
+            slow = sorted({m.in_features for m in self.modules() if isinstance(m, Linear) and not m.qkernel})
+            if slow and w.device.type == "cpu" and cpu_kernels() is not None:
+                log.warning("quantization %r: layers with %s inputs (group %d) are not whole steps of the "
+                            "integer-dot kernel (%d values); they run the slower dequantize + GEMM path",
+                            quantization, slow, group_size, cpu_kernels().qstep())
         elif cpu_gemm == "pdserve" and w.device.type == "cpu" and w.dtype == torch.float32 \
                 and cpu_kernels() is not None:
             for m in self.modules():

@@ -477,12 +477,15 @@ inline void nibbles(const uint8_t* p, qiv& lo, qiv& hi) {
 }
 #endif
 
-#if PD_Q_ISA >= 2
+// what the weight's bytes are offset by where they enter the dot product (each lane starts at -offset * sum a)
 #ifdef PD_Q_VNNI
 constexpr int I8_OFFSET = 128;  // int8 weights enter dpbusd as q ^ 0x80
 #else
-constexpr int I8_OFFSET = 0;    // plain AVX2: |q| and sign(a, q) through maddubs, no offset
+constexpr int I8_OFFSET = 0;    // plain AVX2: |q| and sign(a, q) through maddubs; scalar: signed products
 #endif
+constexpr int I4_OFFSET = PD_Q_ISA >= 2 ? 8 : 0;  // the stored nibble q + 8; the scalar loop subtracts the 8
+
+#if PD_Q_ISA >= 2
 
 // int8 weights [N, K] in step order (see above), scale [N]
 struct I8Q {
@@ -588,9 +591,6 @@ void qlinear_rows(const W& wt, const QAct& qa, int64_t M, int64_t N, float* y, c
   });
 }
 #else
-constexpr int I8_OFFSET = 0;
-#endif
-
 // Scalar form of the same arithmetic (builds without AVX2, where the step order is the natural one):
 // exact int32 block dots, then the scales.
 void qlinear_scalar(const QAct& qa, int64_t M, int64_t N, bool int4, const void* w, const float* scale,
@@ -619,6 +619,7 @@ void qlinear_scalar(const QAct& qa, int64_t M, int64_t N, bool int4, const void*
     }
   });
 }
+#endif
 
 torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
   const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
@@ -627,11 +628,10 @@ torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
   TORCH_CHECK(w.scalar_type() == torch::kChar && w.is_contiguous(), "w must be contiguous int8 [N, K] in step order");
   TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.numel() == N && scale.is_contiguous(), "scale must be float32 [N]");
   auto y = torch::empty({M, N}, x.options());
-#if PD_Q_ISA >= 2
   QAct qa(x.data_ptr<float>(), M, K, I8_OFFSET);
+#if PD_Q_ISA >= 2
   qlinear_rows(I8Q{w.data_ptr<int8_t>(), scale.data_ptr<float>(), K}, qa, M, N, y.data_ptr<float>(), bias_ptr(bias, N));
 #else
-  QAct qa(x.data_ptr<float>(), M, K, 0);
   qlinear_scalar(qa, M, N, false, w.data_ptr<int8_t>(), scale.data_ptr<float>(), 0, y.data_ptr<float>(), bias_ptr(bias, N));
 #endif
   return y;
@@ -647,12 +647,11 @@ torch::Tensor linear_w4a8(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
   TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == N * (K / group),
               "scale must be float32 [N, K/group]");
   auto y = torch::empty({M, N}, x.options());
+  QAct qa(x.data_ptr<float>(), M, K, I4_OFFSET);
 #if PD_Q_ISA >= 2
-  QAct qa(x.data_ptr<float>(), M, K, 8);
   qlinear_rows(I4Q{w.data_ptr<uint8_t>(), scale.data_ptr<float>(), K, K / group, group / QS}, qa, M, N,
                y.data_ptr<float>(), bias_ptr(bias, N));
 #else
-  QAct qa(x.data_ptr<float>(), M, K, 0);
   qlinear_scalar(qa, M, N, true, w.data_ptr<uint8_t>(), scale.data_ptr<float>(), group, y.data_ptr<float>(), bias_ptr(bias, N));
 #endif
   return y;

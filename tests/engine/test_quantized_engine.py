@@ -151,3 +151,21 @@ def test_quantized_prefill_gemm_and_decode_kernel_compute_the_same_model(method)
     d = (big[0] - small[0]).abs()
     assert d.mean().item() < 0.0045 and d.quantile(0.99).item() < 0.025, (d.mean().item(), d.quantile(0.99).item())
     assert (big[1] == small[1]).float().mean().item() >= 0.98
+
+
+def test_a_w4a8_group_the_kernel_cannot_step_through_warns_once_and_still_runs(caplog):
+    from engine.kernels import cpu_kernels
+    k = cpu_kernels()
+    if k is None:
+        pytest.skip("pdserve's CPU kernels are not built here")
+    with caplog.at_level("WARNING", logger="engine.model"):
+        llm = LLM("tiny", quantization="w4a8", quantization_group_size=64, num_kv_blocks=64)
+    warned = [r for r in caplog.records if "integer-dot kernel" in r.getMessage()]
+    model = llm.llm_engine.runner.model
+    if k.qstep() > 64:  # AVX-512: 128-value steps; tiny's layers take 384 and 1024 inputs
+        assert len(warned) == 1 and "[384, 1024]" in warned[0].getMessage()
+        assert all(layer.fused is None for layer in model.layers)
+    else:
+        assert not warned and all(layer.fused is not None for layer in model.layers)
+    out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert all(len(o.token_ids) == 8 for o in out)
