@@ -60,6 +60,7 @@ OURS = {
     "ours": {},
     "ours_torchgemm": {"cpu_gemm": "torch"},  # torch.mm instead of prepacked oneDNN (not a peer)
     "ours_pdgemm": {"cpu_gemm": "pdserve"},  # fp32 through pdserve's kernel (M <= 32), MKL above
+    "ours_onednn_only": {"cpu_gemm": "onednn_only"},  # every fp32 product on oneDNN (the default before panels)
     "ours_int8": {"quantization": "int8"},
     "ours_int4": {"quantization": "int4"},
     "ours_w8a8": {"quantization": "w8a8"},  # int8 weights, int8 activations (integer dots, like q8_0)

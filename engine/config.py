@@ -60,7 +60,9 @@ class EngineConfig:
     caching); freed blocks keep their content until reused, least recently freed first."""
     cpu_gemm: str = "onednn"
     """CPU linear layers: 'onednn' (weights prepacked once for oneDNN's blocked GEMM, 1.2-3x faster
-    than MKL sgemm here; falls back to 'torch' where oneDNN lacks the dtype) | 'pdserve' (float32 weights
+    than MKL sgemm here; products of up to 64 rows, i.e. decode, run pdserve's panel kernel on the same
+    packed bytes where oneDNN's layout allows, and decode layers run fused; falls back to 'torch' where
+    oneDNN lacks the dtype) | 'onednn_only' (the same packing, every product on oneDNN) | 'pdserve' (float32 weights
     kept dense, pdserve's CPU kernel for up to 32 rows, MKL above; 'onednn' where the kernels are not
     built) | 'torch' (torch.mm)."""
     quantization: Optional[str] = None
@@ -98,8 +100,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be None or an integer >= 1, got {v!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
-        if self.cpu_gemm not in ("onednn", "torch", "pdserve"):
-            raise ValueError(f"cpu_gemm must be 'onednn', 'pdserve' or 'torch', got {self.cpu_gemm!r}")
+        if self.cpu_gemm not in ("onednn", "onednn_only", "torch", "pdserve"):
+            raise ValueError(f"cpu_gemm must be 'onednn', 'onednn_only', 'pdserve' or 'torch', got {self.cpu_gemm!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be None or one of {', '.join(map(repr, QUANTIZATIONS))}, "
                              f"got {self.quantization!r}")

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from engine.attention import AttentionMetadata, apply_rope, decode_attention, paged_attention, write_kv
 from engine.config import ModelConfig, rope_inv_freq
-from engine.kernels import cpu_kernels
+from engine.kernels import cpu_kernels, onednn_panels
 from engine.quant import (ACT_BLOCK, QUANTIZATIONS, dequantize_int4, dequantize_int8, fake_quantize_act, quantize_int4,
                           quantize_int8, step_order)
 
@@ -64,14 +64,21 @@ class Linear(nn.Module):
     the prepacked weight, 1.2x to 3x faster than MKL sgemm on the dense one at the decode and
     prefill shapes of the bench model (docs/benchmarks.md). This is what vLLM's CPU backend does
     (prepacked oneDNN matmul). Weights cannot be read back after packing; export happens before.
+
+    Where oneDNN's packed layout is panels of outputs (checked against the dense weight at pack time,
+    engine/kernels.py ``onednn_panels``), products of up to ``PANEL_MAX_M`` rows (decode) run pdserve's
+    ``linear_panel`` kernel on the same packed bytes instead: it streams them faster at batch 1 to 8 and
+    matches oneDNN up to 64 rows (benchmarks/cpu_linear.py), gives a row the same bits whatever the batch,
+    and lets a decoder layer run as one fused C++ call. Larger products (prefill) stay on oneDNN.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.in_features = in_features
+        self.in_features, self.out_features = in_features, out_features
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: Optional[Tensor] = None
+        self.panel: Optional[Tensor] = None  # float32 [NP, K, B] view of `packed` for linear_panel (not owning it)
         self.qweight: Optional[Tensor] = None  # int8 [N, K] or packed int4 [N, K/2]
         self.qscale: Optional[Tensor] = None
         self.qmethod: Optional[str] = None
@@ -164,13 +171,32 @@ class Linear(nn.Module):
         except RuntimeError:  # e.g. bfloat16 on a CPU without the instructions oneDNN needs
             return False
         self.packed = packed
+        if w.dtype == torch.float32 and cpu_kernels() is not None:
+            self.panel = onednn_panels(packed, w.detach().t())
         self.register_parameter("weight_t", None)
         return True
+
+    # Most rows a product on the packed weight runs through linear_panel; more go to oneDNN (prefill).
+    PANEL_MAX_M = 64
+
+    def on_kernels(self) -> bool:
+        """Whether pdserve's CPU kernels run this layer's small products (what the fused layer needs)."""
+        if self.panel is not None:
+            return True
+        return self.qweight is not None and self.qkernel and self.qweight.device.type == "cpu"
+
+    def small_m(self) -> int:
+        """Most rows of a product that runs on pdserve's kernel (see on_kernels)."""
+        return self.PANEL_MAX_M if self.panel is not None else self.SMALL_M[self.qmethod]
 
     def forward(self, x: Tensor) -> Tensor:
         if self.qweight is not None:
             return self._quantized_forward(x)
         if self.packed is not None:
+            if self.panel is not None and x.dtype == torch.float32 and x.numel() <= self.PANEL_MAX_M * self.in_features:
+                x2 = x.reshape(-1, self.in_features).contiguous()
+                y = cpu_kernels().linear_panel(x2, self.panel, self.out_features, self.bias)
+                return y.reshape(*x.shape[:-1], self.out_features)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.bias is None:
             return torch.mm(x, self.weight_t)
@@ -197,25 +223,29 @@ class DecoderLayer(nn.Module):
         self.kernel_small_ops = False  # silu * mul through pdserve's kernel (with the fused layer's numerics)
 
     _METHOD_CODES = {"fp32": 0, "int8": 1, "int4": 2, "w8a8": 3, "w4a8": 4}
+    _PANEL_CODE = 5  # float32 on oneDNN's packed panels (Linear.panel)
 
     def build_fused(self) -> bool:
         """Hand this layer's weights to the C++ decode layer (engine/csrc: the same kernels, one call per
         layer for a batch of single-token decodes) where every linear runs on pdserve's kernels; False,
-        unchanged, elsewhere (oneDNN-packed or torch linears, no kernels, not float32 on CPU)."""
+        unchanged, elsewhere (oneDNN layouts other than panels, torch linears, no kernels, not float32 on
+        CPU)."""
         lins = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         if (self.head_dim % 16 or self.input_layernorm.weight.device.type != "cpu"
                 or self.input_layernorm.weight.dtype != torch.float32
-                or any(m.qweight is None or not m.qkernel or m.qweight.device.type != "cpu" for m in lins)):
+                or not all(m.on_kernels() for m in lins)):
             return False  # (checked before cpu_kernels(), which would build the CPU extension for a GPU model)
         k = cpu_kernels()
         if k is None:
             return False
-        specs = [(self._METHOD_CODES[m.qmethod], m.qweight, m.qscale,
+        specs = [(self._PANEL_CODE, m.panel, None, None if m.bias is None else m.bias.detach().float().contiguous(),
+                  m.out_features) if m.panel is not None else
+                 (self._METHOD_CODES[m.qmethod], m.qweight, m.qscale,
                   None if m.bias is None else m.bias.detach().float().contiguous(), m.qgroup) for m in lins]
         self.fused = k.DecodeLayer(*specs, self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach(),
                                    self.input_layernorm.eps, self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.window or 0, self.head_dim ** -0.5)
-        self.fused_max_rows = min(Linear.SMALL_M[m.qmethod] for m in lins)
+        self.fused_max_rows = min(m.small_m() for m in lins)
         # the Python path of this layer (prefill, mixed and verify steps) then uses the same norm and
         # silu * mul kernels as the fused one
         self.kernel_small_ops = True
@@ -273,8 +303,9 @@ class CausalLM(nn.Module):
         layers (``quantization``: 'int8' everywhere, or 'int4' group-wise in the decoder layers with the
         LM head at int8, the way llama.cpp's q4_0 keeps its output layer wider; 'w8a8' everywhere, or
         'w4a8' with the LM head at w8a8) or else prepack them
-        for oneDNN when on CPU and ``cpu_gemm == "onednn"`` (or keep them dense for pdserve's kernel with
-        ``cpu_gemm == "pdserve"``), and switch to eval."""
+        for oneDNN when on CPU and ``cpu_gemm == "onednn"`` (small products then run pdserve's panel kernel
+        on the packed bytes where it can; ``"onednn_only"`` keeps every product on oneDNN), or keep them
+        dense for pdserve's row kernel with ``cpu_gemm == "pdserve"``, and switch to eval."""
         w = self.embed_tokens.weight
         if self.config.tie_word_embeddings:
             with torch.no_grad():
@@ -294,12 +325,14 @@ class CausalLM(nn.Module):
             for m in self.modules():
                 if isinstance(m, Linear):
                     m.quantize("fp32")
-        elif cpu_gemm in ("onednn", "pdserve") and w.device.type == "cpu":
+        elif cpu_gemm in ("onednn", "onednn_only", "pdserve") and w.device.type == "cpu":
             for m in self.modules():
                 if isinstance(m, Linear):
                     m.pack()
-        # where every linear runs on pdserve's kernels, decode runs a layer per call. The default fp32 path
-        # (oneDNN) keeps torch's norms: its numerics stay those of every earlier release
+                    if cpu_gemm == "onednn_only":
+                        m.panel = None
+        # where every linear runs on pdserve's kernels (the default oneDNN-packed fp32 path included, where
+        # its layout is panels), decode runs a layer per call
         fused = [layer.build_fused() for layer in self.layers]
         self.norm.use_kernel = bool(fused) and all(fused)
         # one cos/sin table for all positions, indexed per step (no per-step trig); computed in

@@ -324,6 +324,94 @@ torch::Tensor linear_fp32(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   return y;
 }
 
+// ---- fp32 on oneDNN's prepacked layout ---------------------------------------------------------------
+// oneDNN prepacks a linear's [N, K] weight (engine/model.py Linear.pack) in panels of B outputs, K-major inside
+// a panel: p[n / B][k][n % B] = W[n, k], N padded up to a multiple of B (B = 64 with torch 2.13 on AVX2 and
+// AVX-512). That is the layout a small-M product wants: a step over k reads B contiguous weights and does
+// one broadcast FMA per input row, with no horizontal sums. engine/model.py compares every packed weight
+// with its dense original under this layout at load and hands it here only where they are equal, so the
+// decode path reads the one prepacked copy of the weights (no second layout in memory) and oneDNN keeps the
+// large-M products (prefill).
+//
+// Every output is one float accumulation over k in order (then + bias), whatever the tile, so a row's
+// result does not depend on the batch it came in (tested: tests/engine/test_cpu_kernels.py).
+#ifdef PD_V16_PAIR
+constexpr int PNV = 2;  // vectors of 16 outputs per tile (AVX2: 4 of the 16 ymm registers)
+constexpr int PMR = 2;  // input rows per tile: 2 x 2 x 2 ymm accumulators
+#else
+constexpr int PNV = 4;  // a whole 64-wide panel step: 4 zmm
+constexpr int PMR = 6;  // 24 zmm accumulators
+#endif
+
+template <int NV, int MRc>
+inline void panel_tile(const float* p, int64_t K, int64_t B, const float* x, int64_t ldx, float* y,
+                       int64_t ldy, int64_t ncols, const float* bias) {
+  v16f acc[MRc][NV];
+  for (int i = 0; i < MRc; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = v16f{};
+  for (int64_t k = 0; k < K; ++k) {
+    const float* pk = p + k * B;
+    prefetch_line(pk + 8 * B);
+    if constexpr (NV > 2) prefetch_line(pk + 8 * B + 32);
+    v16f w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = load_f(pk + 16 * v);
+    for (int i = 0; i < MRc; ++i) {
+      const v16f xb = splat(x[i * ldx + k]);
+      for (int v = 0; v < NV; ++v) acc[i][v] += xb * w[v];
+    }
+  }
+  for (int i = 0; i < MRc; ++i) {
+    float out[16 * NV];
+    for (int v = 0; v < NV; ++v) store_f(out + 16 * v, acc[i][v]);
+    for (int64_t j = 0; j < ncols; ++j) y[i * ldy + j] = bias ? out[j] + bias[j] : out[j];
+  }
+}
+
+template <int NV>
+inline void panel_rows(const float* p, int64_t K, int64_t B, const float* x, int64_t ldx, int64_t mr, float* y,
+                       int64_t ldy, int64_t ncols, const float* bias) {
+  switch (mr) {
+    case 1: panel_tile<NV, 1>(p, K, B, x, ldx, y, ldy, ncols, bias); break;
+    case 2: panel_tile<NV, 2>(p, K, B, x, ldx, y, ldy, ncols, bias); break;
+#ifndef PD_V16_PAIR
+    case 3: panel_tile<NV, 3>(p, K, B, x, ldx, y, ldy, ncols, bias); break;
+    case 4: panel_tile<NV, 4>(p, K, B, x, ldx, y, ldy, ncols, bias); break;
+    case 5: panel_tile<NV, 5>(p, K, B, x, ldx, y, ldy, ncols, bias); break;
+#endif
+    default: panel_tile<NV, PMR>(p, K, B, x, ldx, y, ldy, ncols, bias); break;
+  }
+}
+
+// y [M, N] = x [M, K] W^T (+ bias) with W as panels p [NP, K, B] (see above), N <= NP * B.
+torch::Tensor linear_panel(torch::Tensor x, torch::Tensor p, int64_t N, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(p.dim() == 3 && p.scalar_type() == torch::kFloat && p.is_contiguous(),
+              "p must be contiguous float32 [panels, K, B]");
+  const int64_t NP = p.size(0), K = p.size(1), B = p.size(2), M = x.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) == K,
+              "x must be a contiguous float32 [M, ", K, "] tensor");
+  TORCH_CHECK(B % 16 == 0 && N > (NP - 1) * B && N <= NP * B, "panels of B % 16 == 0 outputs must cover N");
+  const float* bp = bias_ptr(bias, N);
+  auto y = torch::empty({M, N}, x.options());
+  const float* pp = p.data_ptr<float>(); const float* xp = x.data_ptr<float>(); float* yp = y.data_ptr<float>();
+  const int64_t TW = 16 * PNV, per_panel = (B + TW - 1) / TW;
+  at::parallel_for(0, NP * per_panel, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t panel = t / per_panel, c = (t % per_panel) * TW;  // first column of the tile in its panel
+      const int64_t n = panel * B + c, ncols = std::min<int64_t>({TW, B - c, N - n});
+      if (ncols <= 0) continue;
+      const float* pt = pp + panel * K * B + c;
+      for (int64_t m0 = 0; m0 < M; m0 += PMR) {
+        const int64_t mr = std::min<int64_t>(PMR, M - m0);
+        const float* b = bp ? bp + n : nullptr;
+        if (B - c >= TW) panel_rows<PNV>(pt, K, B, xp + m0 * K, K, mr, yp + m0 * N + n, N, ncols, b);
+        else for (int64_t j = 0; j < B - c && j < N - n; j += 16)  // a panel narrower than the tile
+          panel_rows<1>(pt + j, K, B, xp + m0 * K, K, mr, yp + m0 * N + n + j, N, std::min<int64_t>(16, N - n - j), b ? b + j : nullptr);
+      }
+    }
+  });
+  return y;
+}
+
 torch::Tensor linear_int8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> bias) {
   const int64_t N = w.size(0), K = w.size(1);
   check_x(x, K);
@@ -843,7 +931,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // K/V write are compiled without fast-math so they round exactly like the torch ops they replace: the fused
 // layer gives the same numbers as DecoderLayer.forward (tests/engine/test_fused_decode.py).
 
-// One linear layer's weights in one of the kernel formats: 0 fp32, 1 int8, 2 int4, 3 w8a8, 4 w4a8.
+// One linear layer's weights in one of the kernel formats: 0 fp32, 1 int8, 2 int4, 3 w8a8, 4 w4a8, 5 fp32 in
+// oneDNN's panels (w [NP, K, B], group = N).
 struct KLinear {
   int64_t method;
   torch::Tensor w;
@@ -855,6 +944,7 @@ struct KLinear {
       case 1: return linear_int8(x, w, *scale, bias);
       case 2: return linear_int4(x, w, *scale, group, bias);
       case 3: return linear_w8a8(x, w, *scale, bias);
+      case 5: return linear_panel(x, w, group, bias);
       default: return linear_w4a8(x, w, *scale, group, bias);
     }
   }
@@ -862,8 +952,8 @@ struct KLinear {
 using KLinearSpec = std::tuple<int64_t, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t>;
 KLinear make_linear(const KLinearSpec& s) {
   KLinear l{std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s), std::get<4>(s)};
-  TORCH_CHECK(l.method >= 0 && l.method <= 4, "linear method must be 0..4");
-  TORCH_CHECK(l.method == 0 || l.scale.has_value(), "a quantized linear needs its scale");
+  TORCH_CHECK(l.method >= 0 && l.method <= 5, "linear method must be 0..5");
+  TORCH_CHECK(l.method == 0 || l.method == 5 || l.scale.has_value(), "a quantized linear needs its scale");
   return l;
 }
 
@@ -975,6 +1065,7 @@ struct DecodeLayer {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp32", &linear_fp32, "y = x w^T (+ bias), w float32 [N, K]");
+  m.def("linear_panel", &linear_panel, "y = x W^T (+ bias), W float32 in oneDNN's panels [NP, K, B] (see the source)");
   m.def("linear_int8", &linear_int8, "y = x (w * scale)^T (+ bias), w int8 [N, K], scale [N]");
   m.def("linear_int4", &linear_int4, "y = x W^T (+ bias), W int4 group-wise (see file header)");
   m.def("linear_w8a8", &linear_w8a8, "y = x (w * scale)^T (+ bias), w in step order, x rounded to int8 per 32 values");
@@ -986,7 +1077,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<const KLinearSpec&, const KLinearSpec&, const KLinearSpec&, const KLinearSpec&, torch::Tensor,
                           torch::Tensor, double, int64_t, int64_t, int64_t, int64_t, double>(),
            "(qkv, o, gate_up, down, in_norm, post_norm, eps, H, Hkv, D, window, sm_scale); a linear is "
-           "(method 0 fp32 | 1 int8 | 2 int4 | 3 w8a8 | 4 w4a8, w, scale or None, bias or None, group)")
+           "(method 0 fp32 | 1 int8 | 2 int4 | 3 w8a8 | 4 w4a8 | 5 fp32 panels, w, scale or None, bias or None, "
+           "group; N for panels)")
       .def("forward", &DecodeLayer::forward, "one decoder layer for T single-token decodes (see the source)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query per sequence over its paged K/V read in place through the block table");

@@ -105,6 +105,66 @@ def test_linear_kernels_refuse_bad_shapes_with_a_message(kern):
         kern.linear_int4(torch.randn(2, 64), p, d, 48, None)
 
 
+# ---- fp32 on oneDNN's packed panels ---------------------------------------------------------------------
+def _panels(w: torch.Tensor, B: int) -> torch.Tensor:
+    """The panel layout written out independently of oneDNN: p[n // B][k][n % B] = w[n, k], zero padding."""
+    N, K = w.shape
+    NP = -(-N // B)
+    pad = torch.zeros(NP * B, K)
+    pad[:N] = w
+    return pad.view(NP, B, K).transpose(1, 2).contiguous()
+
+
+@pytest.mark.parametrize("B", [16, 48, 64])  # 48: panels narrower than the 64-wide AVX-512 tile
+@pytest.mark.parametrize("N,K", [(70, 48), (64, 256), (200, 272)])
+def test_panel_kernel_matches_float64_and_a_row_does_not_depend_on_its_batch(kern, B, N, K):
+    g = torch.Generator().manual_seed(N + K + B)
+    w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    p = _panels(w, B)
+    x = torch.randn(64, K, generator=g)
+    for bias in (None, b):
+        ref = F.linear(x.double(), w.double(), None if bias is None else bias.double()).float()
+        alone = torch.cat([kern.linear_panel(x[i:i + 1].contiguous(), p, N, bias) for i in range(64)])
+        torch.testing.assert_close(alone, ref, rtol=1e-5, atol=1e-4)
+        for M in (2, 3, 6, 7, 13, 64):  # every row tile size and remainder of both builds
+            assert torch.equal(kern.linear_panel(x[:M].contiguous(), p, N, bias), alone[:M])
+
+
+def test_panel_kernel_refuses_panels_that_do_not_cover_n(kern):
+    p = _panels(torch.randn(70, 32), 16)  # 5 panels: 65..80 outputs
+    with pytest.raises(RuntimeError, match="cover N"):
+        kern.linear_panel(torch.randn(1, 32), p, 90, None)
+    with pytest.raises(RuntimeError, match="x must be"):
+        kern.linear_panel(torch.randn(1, 16), p, 70, None)
+
+
+def test_onednn_panels_reads_the_packed_weight_and_refuses_what_is_not_it(kern):
+    from engine.kernels import onednn_panels
+    g = torch.Generator().manual_seed(5)
+    for N, K in ((200, 96), (128, 64)):
+        w = torch.randn(N, K, generator=g)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+        view = onednn_panels(packed, w)
+        if view is None:
+            # oneDNN picked another layout; only acceptable off the x86 builds this was measured on
+            assert "avx2" not in " ".join(cpu_isa_flags_for_test()), "torch 2.13's oneDNN packs in panels on AVX2/AVX-512"
+            continue
+        assert torch.equal(view[:, :, :].transpose(1, 2).reshape(-1, K)[:N], w)
+        x = torch.randn(5, K, generator=g)
+        torch.testing.assert_close(kern.linear_panel(x, view, N, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
+        # a dense weight that is not the packed one, its transpose, or a plain tensor: no view
+        other = w.clone()
+        other[N - 1, K - 1] += 1
+        assert onednn_panels(packed, other) is None
+        assert onednn_panels(packed, w.t().contiguous()) is None
+        assert onednn_panels(w, w) is None
+
+
+def cpu_isa_flags_for_test() -> list[str]:
+    from engine.kernels import cpu_isa_flags
+    return cpu_isa_flags()
+
+
 # ---- integer-dot (w8a8 / w4a8) kernels -----------------------------------------------------------------
 def test_activation_rounding_is_the_documented_rule():
     # one block whose largest magnitude is 127: the scale is exactly 1, so the ints are x rounded half to even

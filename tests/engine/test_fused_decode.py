@@ -54,10 +54,11 @@ def _same(a, b) -> None:
 
 
 @pytest.mark.parametrize("kw", [
+    {}, {"kv_cache_dtype": "int8"},  # the default: fp32 on oneDNN's packed panels
     {"cpu_gemm": "pdserve"}, {"quantization": "int8"}, {"quantization": "int4"}, {"quantization": "w8a8"},
     {"quantization": "w4a8"}, {"quantization": "w8a8", "kv_cache_dtype": "int8"},
     {"cpu_gemm": "pdserve", "kv_cache_dtype": "int8"}],
-    ids=lambda kw: "-".join(map(str, kw.values())))
+    ids=lambda kw: "-".join(map(str, kw.values())) or "default")
 def test_fused_decode_layers_give_identical_outputs(kw):
     fused, plain, counters = _pair("tiny", **kw)
     p = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=3)

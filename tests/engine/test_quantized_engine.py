@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.kernels import cpu_kernels
 from engine.kv_cache import bytes_per_block
 from engine.scoring import prompt_logprobs
 
@@ -107,15 +108,21 @@ def test_int4_group_that_does_not_divide_a_layer_is_refused_at_load():
 
 
 def test_every_cpu_gemm_choice_gives_the_same_logits():
-    """The float32 kernel choices (oneDNN prepacked, pdserve's kernel, torch.mm) compute the same model:
-    log-probabilities within float32 rounding and identical greedy picks, teacher-forced on the text."""
+    """The float32 kernel choices (oneDNN prepacked with pdserve's panel kernel for small products, oneDNN
+    only, pdserve's row kernel, torch.mm) compute the same model: log-probabilities within float32 rounding
+    and identical greedy picks, teacher-forced on the text (chunks of 16 rows: the small-product paths)."""
     out = {}
-    for gemm in ("onednn", "pdserve", "torch"):
+    for gemm in ("onednn", "onednn_only", "pdserve", "torch"):
         eng = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=128, cpu_gemm=gemm))
+        head = eng.runner.model.lm_head
         if gemm == "pdserve":
-            assert eng.runner.model.lm_head.qmethod == "fp32"  # the kernel path really is the one measured
+            assert head.qmethod == "fp32"  # the kernel path really is the one measured
+        if gemm == "onednn" and cpu_kernels() is not None:
+            assert head.panel is not None  # (torch 2.13's oneDNN packs in panels on AVX2 / AVX-512)
+        if gemm == "onednn_only":
+            assert head.packed is not None and head.panel is None
         out[gemm] = prompt_logprobs(eng, eng.tokenizer.encode(TEXT), chunk_size=16)
-    for gemm in ("pdserve", "torch"):
+    for gemm in ("onednn_only", "pdserve", "torch"):
         torch.testing.assert_close(out[gemm][0], out["onednn"][0], rtol=0, atol=2e-4)
         assert torch.equal(out[gemm][1], out["onednn"][1])
 
