@@ -2,7 +2,8 @@
 
 Lifecycle: a one-shot script. It makes ``--copies`` distinct [N, K] float32 weights (together far beyond the
 last-level cache, so every call reads DRAM, as a decode step over a whole model does), their oneDNN-prepacked,
-int8 and int4 forms (read weight-only, and as w8a8 / w4a8 with int8 activations), and times one pass over all copies at M input rows for each format, interleaved round by
+int8 and int4 forms (read weight-only, and as w8a8 / w4a8 with int8 activations), and times pdserve's panel
+kernel on the oneDNN-packed bytes beside oneDNN itself, and times one pass over all copies at M input rows for each format, interleaved round by
 round, best of ``--repeats``; the reference is a float32 sum over a tensor of the same total size, timed in
 the same rounds. Prints GB/s of weight bytes read and the fraction of the sum's rate.
 
@@ -20,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.kernels import cpu_kernels  # noqa: E402
+from engine.kernels import cpu_kernels, onednn_panels  # noqa: E402
 from engine.quant import quantize_int4, quantize_int8  # noqa: E402
 
 
@@ -41,6 +42,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(args.n, args.k, generator=g) for _ in range(args.copies)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws]
+    panels = [onednn_panels(p, w) for p, w in zip(packed, ws)]  # views of the same packed bytes
     q8 = [quantize_int8(w) for w in ws]
     q4 = [quantize_int4(w, args.group) for w in ws]
     fp32_bytes = args.copies * args.n * args.k * 4
@@ -55,11 +57,14 @@ def main() -> None:
             "fp32 oneDNN": (lambda i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""),
                             fp32_bytes),
             "fp32 pdserve": (lambda i: kern.linear_fp32(x, ws[i], None), fp32_bytes),
+            "fp32 panels": (lambda i: kern.linear_panel(x, panels[i], args.n, None), fp32_bytes),
             "int8 pdserve": (lambda i: kern.linear_int8(x, *q8[i], None), fp32_bytes // 4),
             "int4 pdserve": (lambda i: kern.linear_int4(x, *q4[i], args.group, None), fp32_bytes // 8),
             "w8a8 pdserve": (lambda i: kern.linear_w8a8(x, *q8[i], None), fp32_bytes // 4),
             "w4a8 pdserve": (lambda i: kern.linear_w4a8(x, *q4[i], args.group, None), fp32_bytes // 8),
         }
+        if panels[0] is None:
+            del cases["fp32 panels"]  # oneDNN packed another layout on this machine
         best = {name: float("inf") for name in cases}
         for _ in range(args.repeats + 1):  # the first round warms up
             for name, (f, _) in cases.items():

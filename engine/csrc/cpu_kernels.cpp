@@ -351,8 +351,6 @@ inline void panel_tile(const float* p, int64_t K, int64_t B, const float* x, int
     for (int v = 0; v < NV; ++v) acc[i][v] = v16f{};
   for (int64_t k = 0; k < K; ++k) {
     const float* pk = p + k * B;
-    prefetch_line(pk + 8 * B);
-    if constexpr (NV > 2) prefetch_line(pk + 8 * B + 32);
     v16f w[NV];
     for (int v = 0; v < NV; ++v) w[v] = load_f(pk + 16 * v);
     for (int i = 0; i < MRc; ++i) {
