@@ -2,8 +2,9 @@
 
 Lifecycle: a one-shot script. It makes ``--copies`` distinct [N, K] float32 weights (together far beyond the
 last-level cache, so every call reads DRAM, as a decode step over a whole model does), their oneDNN-prepacked,
-int8 and int4 forms (read weight-only, and as w8a8 / w4a8 with int8 activations), and times pdserve's panel
-kernel on the oneDNN-packed bytes beside oneDNN itself, and times one pass over all copies at M input rows for each format, interleaved round by
+int8 and int4 forms (read weight-only, and as w8a8 / w4a8 with int8 activations, by the row kernels and, on
+AVX2 / AVX-512 builds, the integer panel kernels), and times pdserve's panel kernel on the oneDNN-packed bytes
+beside oneDNN itself, and times one pass over all copies at M input rows for each format, interleaved round by
 round, best of ``--repeats``; the reference is a float32 sum over a tensor of the same total size, timed in
 the same rounds. Prints GB/s of weight bytes read and the fraction of the sum's rate.
 
@@ -22,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.kernels import cpu_kernels, onednn_panels  # noqa: E402
-from engine.quant import quantize_int4, quantize_int8  # noqa: E402
+from engine.quant import quantize_int4, quantize_int8, step_order, to_panels_w4a8, to_panels_w8a8  # noqa: E402
 
 
 def main() -> None:
@@ -45,6 +46,11 @@ def main() -> None:
     panels = [onednn_panels(p, w) for p, w in zip(packed, ws)]  # views of the same packed bytes
     q8 = [quantize_int8(w) for w in ws]
     q4 = [quantize_int4(w, args.group) for w in ws]
+    pw = kern.qpanel_width()
+    order = step_order(args.k, kern.qstep())
+    q8rows = [(q[:, order].contiguous(), s) for q, s in q8]  # the row kernel's stored order
+    q8p = [to_panels_w8a8(q, s, pw, kern.qpanel_unsigned()) for q, s in q8] if pw else []
+    q4p = [to_panels_w4a8(p, d, args.group, pw) for p, d in q4] if pw else []
     fp32_bytes = args.copies * args.n * args.k * 4
     big = torch.ones(fp32_bytes // 4)
     print(f"{args.copies} x [{args.n}, {args.k}] weights ({fp32_bytes / 2**20:.0f} MiB in float32), "
@@ -60,9 +66,13 @@ def main() -> None:
             "fp32 panels": (lambda i: kern.linear_panel(x, panels[i], args.n, None), fp32_bytes),
             "int8 pdserve": (lambda i: kern.linear_int8(x, *q8[i], None), fp32_bytes // 4),
             "int4 pdserve": (lambda i: kern.linear_int4(x, *q4[i], args.group, None), fp32_bytes // 8),
-            "w8a8 pdserve": (lambda i: kern.linear_w8a8(x, *q8[i], None), fp32_bytes // 4),
+            "w8a8 pdserve": (lambda i: kern.linear_w8a8(x, *q8rows[i], None), fp32_bytes // 4),
             "w4a8 pdserve": (lambda i: kern.linear_w4a8(x, *q4[i], args.group, None), fp32_bytes // 8),
         }
+        if pw:  # the integer panel kernels (what the engine uses on AVX2 / AVX-512 builds)
+            cases["w8a8 panels"] = (lambda i: kern.linear_w8a8_panels(x, *q8p[i], args.n, None), fp32_bytes // 4)
+            cases["w4a8 panels"] = (lambda i: kern.linear_w4a8_panels(x, *q4p[i], args.n, args.group, None),
+                                    fp32_bytes // 8)
         if panels[0] is None:
             del cases["fp32 panels"]  # oneDNN packed another layout on this machine
         best = {name: float("inf") for name in cases}

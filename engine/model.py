@@ -27,8 +27,9 @@ from torch import Tensor, nn
 from engine.attention import AttentionMetadata, apply_rope, decode_attention, paged_attention, write_kv
 from engine.config import ModelConfig, rope_inv_freq
 from engine.kernels import cpu_kernels, onednn_panels
-from engine.quant import (ACT_BLOCK, QUANTIZATIONS, dequantize_int4, dequantize_int8, fake_quantize_act, quantize_int4,
-                          quantize_int8, step_order)
+from engine.quant import (ACT_BLOCK, QUANTIZATIONS, dequantize_int4, dequantize_int8, fake_quantize_act,
+                          from_panels_w4a8, from_panels_w8a8, quantize_int4, quantize_int8, step_order, to_panels_w4a8,
+                          to_panels_w8a8)
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,9 @@ class Linear(nn.Module):
         self.qmethod: Optional[str] = None
         self.qgroup = 0
         self.qkernel = True  # w8a8 / w4a8: whether the integer-dot kernel can run this layer (set at quantize)
-        self.qorder: Optional[Tensor] = None  # w8a8 on the kernel: the column order qweight is stored in
+        self.qorder: Optional[Tensor] = None  # w8a8 on the row kernel: the column order qweight is stored in
+        self.qpanels = False  # w8a8 / w4a8 stored in the integer panel kernels' format (engine/quant.py)
+        self.qunsigned = False  # (w8a8 panels: bytes stored as q ^ 0x80, the VNNI builds)
 
     def quantize(self, method: str, group: int = 128) -> None:
         """Replace the float weight by its weight-only quantized form (engine/quant.py), once, at load.
@@ -109,12 +112,20 @@ class Linear(nn.Module):
         else:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {method!r}")
         if method in ("w8a8", "w4a8"):
-            # the integer-dot kernel runs this layer iff it takes K (and the int4 group) in whole steps;
+            # AVX2 / AVX-512 builds: the integer panel kernels (any K and int4 group in whole 32-blocks). Else
+            # the integer-dot row kernel runs this layer iff it takes K (and the int4 group) in whole steps;
             # w8a8 weights are then stored in the kernel's step order
             k = cpu_kernels() if w.device.type == "cpu" else None
+            pw = k.qpanel_width() if k is not None else 0
+            if pw and (method == "w8a8" or group % ACT_BLOCK == 0):
+                self.qpanels, self.qunsigned = True, method == "w8a8" and k.qpanel_unsigned()
+                if method == "w8a8":
+                    self.qweight, self.qscale = to_panels_w8a8(self.qweight, self.qscale, pw, self.qunsigned)
+                else:
+                    self.qweight, self.qscale = to_panels_w4a8(self.qweight, self.qscale, group, pw)
             step = k.qstep() if k is not None else 0
-            self.qkernel = bool(step) and w.shape[1] % step == 0 and (method == "w8a8" or group % step == 0)
-            if self.qkernel and method == "w8a8":
+            self.qkernel = self.qpanels or (bool(step) and w.shape[1] % step == 0 and (method == "w8a8" or group % step == 0))
+            if self.qkernel and not self.qpanels and method == "w8a8":
                 self.qorder = step_order(w.shape[1], step)
                 self.qweight = self.qweight[:, self.qorder].contiguous()
         if method != "fp32" and self.bias is not None:
@@ -143,6 +154,10 @@ class Linear(nn.Module):
                 y = k.linear_int8(xf, self.qweight, self.qscale, bias)
             elif method == "int4":
                 y = k.linear_int4(xf, self.qweight, self.qscale, self.qgroup, bias)
+            elif self.qpanels and method == "w8a8":
+                y = k.linear_w8a8_panels(xf, self.qweight, self.qscale, self.out_features, bias)
+            elif self.qpanels:
+                y = k.linear_w4a8_panels(xf, self.qweight, self.qscale, self.out_features, self.qgroup, bias)
             elif method == "w8a8":
                 y = k.linear_w8a8(xf, self.qweight, self.qscale, bias)
             else:
@@ -150,6 +165,10 @@ class Linear(nn.Module):
         else:
             if method == "fp32":
                 w = self.qweight
+            elif self.qpanels and method == "w8a8":
+                w = from_panels_w8a8(self.qweight, self.qscale, self.out_features, self.qunsigned)
+            elif self.qpanels:
+                w = from_panels_w4a8(self.qweight, self.qscale, self.out_features, self.qgroup)
             elif method in ("int8", "w8a8"):
                 w = dequantize_int8(self.qweight, self.qscale)
             else:
@@ -224,6 +243,7 @@ class DecoderLayer(nn.Module):
 
     _METHOD_CODES = {"fp32": 0, "int8": 1, "int4": 2, "w8a8": 3, "w4a8": 4}
     _PANEL_CODE = 5  # float32 on oneDNN's packed panels (Linear.panel)
+    _QPANEL_CODES = {"w8a8": 6, "w4a8": 7}  # the integer panel formats (Linear.qpanels)
 
     def build_fused(self) -> bool:
         """Hand this layer's weights to the C++ decode layer (engine/csrc: the same kernels, one call per
@@ -238,10 +258,13 @@ class DecoderLayer(nn.Module):
         k = cpu_kernels()
         if k is None:
             return False
-        specs = [(self._PANEL_CODE, m.panel, None, None if m.bias is None else m.bias.detach().float().contiguous(),
-                  m.out_features) if m.panel is not None else
-                 (self._METHOD_CODES[m.qmethod], m.qweight, m.qscale,
-                  None if m.bias is None else m.bias.detach().float().contiguous(), m.qgroup) for m in lins]
+        def spec(m: Linear) -> tuple:
+            bias = None if m.bias is None else m.bias.detach().float().contiguous()
+            if m.panel is not None:
+                return (self._PANEL_CODE, m.panel, None, bias, 0, m.out_features)
+            code = self._QPANEL_CODES[m.qmethod] if m.qpanels else self._METHOD_CODES[m.qmethod]
+            return (code, m.qweight, m.qscale, bias, m.qgroup, m.out_features)
+        specs = [spec(m) for m in lins]
         self.fused = k.DecodeLayer(*specs, self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach(),
                                    self.input_layernorm.eps, self.num_heads, self.num_kv_heads, self.head_dim,
                                    self.window or 0, self.head_dim ** -0.5)
@@ -315,11 +338,6 @@ class CausalLM(nn.Module):
                 if isinstance(m, Linear):
                     head = "w8a8" if quantization in ("w8a8", "w4a8") else "int8"
                     m.quantize(head if name == "lm_head" else quantization, group_size)
-            slow = sorted({m.in_features for m in self.modules() if isinstance(m, Linear) and not m.qkernel})
-            if slow and w.device.type == "cpu" and cpu_kernels() is not None:
-                log.warning("quantization %r: layers with %s inputs (group %d) are not whole steps of the "
-                            "integer-dot kernel (%d values); they run the slower dequantize + GEMM path",
-                            quantization, slow, group_size, cpu_kernels().qstep())
         elif cpu_gemm == "pdserve" and w.device.type == "cpu" and w.dtype == torch.float32 \
                 and cpu_kernels() is not None:
             for m in self.modules():

@@ -2,7 +2,8 @@
 
 Lifecycle: one ``ModelRunner`` per engine, owning the model, the KV caches and
 the sampler. Each step ``execute`` flattens the scheduled work into one token
-batch (decodes first, then prefill chunks), builds the step's
+batch (decodes and every position of a speculative verification first, each a
+one-token decode row, then prefill chunks), builds the step's
 ``AttentionMetadata`` (K/V slots, decode block tables, prefill spans), runs the
 model once under ``torch.inference_mode``, computes logits only for rows that
 sample (decodes, last prefill chunks, and every position of a speculative
@@ -84,6 +85,25 @@ class ModelRunner:
                 sample_seqs.append(seq)
                 sample_ctx.append(seq.num_tokens)
                 histories.append(seq.output_token_ids)
+        # verifications: the last token and the drafts of a decoding sequence, every position sampling. Each
+        # position is a decode row of its own (its context ends at its position; the step writes every row's
+        # K/V before any row reads), so a verified position is computed exactly as a one-token decode of it
+        # would be: the same kernels on the same row, bit for bit wherever the linears give a row the same
+        # bits in any batch (pdserve's CPU kernels; engine/speculative.py says what that buys)
+        for seq in sched.verifies:
+            p0 = seq.num_computed
+            for j, tok in enumerate([seq.token_ids[p0], *seq.spec_token_ids]):
+                p = p0 + j
+                ids.append(tok)
+                pos.append(p)
+                slots.append(seq.block_table[p // bs] * bs + p % bs)
+                ctx_lens.append(p + 1)
+                tables.append(seq.block_table)
+                sample_rows.append(B)
+                sample_seqs.append(seq)
+                sample_ctx.append(p + 1)
+                histories.append(seq.output_token_ids + seq.spec_token_ids[:j])
+                B += 1
         meta = AttentionMetadata(slot_mapping=None, num_decode=B, block_size=bs)  # type: ignore[arg-type]
         dev = self.device
         if B:
@@ -94,12 +114,8 @@ class ModelRunner:
             meta.decode_ctx_lens = torch.tensor(ctx_lens, dtype=torch.long, device=dev)
         row = B
         prefill_slots: list[Tensor] = []
-        # prefill chunks, then verifications: the last token and the drafts of a decoding sequence, a chunk
-        # whose every position samples
-        chunks = [(s, n, s.token_ids[s.num_computed:s.num_computed + n], False) for s, n in sched.prefills]
-        chunks += [(s, 1 + len(s.spec_token_ids), [s.token_ids[s.num_computed], *s.spec_token_ids], True)
-                   for s in sched.verifies]
-        for seq, n, chunk_ids, verify in chunks:
+        for seq, n in sched.prefills:
+            chunk_ids = seq.token_ids[seq.num_computed:seq.num_computed + n]
             p0 = seq.num_computed
             ids.extend(chunk_ids)
             pos.extend(range(p0, p0 + n))
@@ -108,13 +124,7 @@ class ModelRunner:
             prefill_slots.append(bt[pr // bs] * bs + pr % bs)
             meta.prefills.append(PrefillSpan(row, row + n, p0, bt))
             row += n
-            if verify:
-                for j in range(n):
-                    sample_rows.append(row - n + j)
-                    sample_seqs.append(seq)
-                    sample_ctx.append(p0 + j + 1)
-                    histories.append(seq.output_token_ids + seq.spec_token_ids[:j])
-            elif p0 + n == seq.num_tokens:
+            if p0 + n == seq.num_tokens:
                 sample_rows.append(row - 1)
                 sample_seqs.append(seq)
                 sample_ctx.append(seq.num_tokens)

@@ -20,7 +20,9 @@ engine/csrc/cpu_kernels.cpp reads:
   the reference the kernels are tested against; ``fake_quantize_act`` is what the torch path applies
   to the input before a float GEMM, so prefill and decode round the same way. Where the kernel runs,
   w8a8 weights are stored with their columns in the kernel's ``step_order`` (the GEMM path gathers the
-  input's columns the same way: a dot product does not depend on the order of its terms).
+  input's columns the same way: a dot product does not depend on the order of its terms). On AVX2 and
+  AVX-512 builds the model stores them in the integer panel kernels' formats instead (``to_panels_w8a8``
+  / ``to_panels_w4a8``: panels of outputs, 4 inputs per int32 lane, like oneDNN's fp32 panels).
 - **int8 KV rows**: each cached (token, KV head) row of ``D`` values becomes ``D + 4`` int8 bytes: the
   values ``round(x / s)`` with ``s = max|x| / 127``, then ``s`` itself as 4 bytes of float32. The
   scale travels inside the row, so every block copy (copy-on-write, KV transfer, the gather) moves
@@ -101,6 +103,62 @@ def step_order(K: int, step: int) -> Tensor:
     j = p % half
     within = 32 * (j // 16) + 16 * (p // half) + j % 16
     return (torch.arange(0, K, step)[:, None] + within[None, :]).reshape(K)
+
+
+def int4_levels(packed: Tensor) -> Tensor:
+    """The stored nibbles ``q + 8`` (0..15) of the int4 format as uint8 [N, K], in natural order."""
+    N = packed.shape[0]
+    runs = packed.view(N, -1, 16)
+    return torch.cat([runs & 15, runs >> 4], dim=2).reshape(N, -1)
+
+
+def _pad_rows(t: Tensor, rows: int, value: int | float = 0) -> Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
+
+
+def to_panels_w8a8(q: Tensor, scale: Tensor, pw: int, unsigned: bool) -> tuple[Tensor, Tensor]:
+    """int8 [N, K] + scale [N] -> the integer panel kernels' w8a8 format (engine/csrc/cpu_kernels.cpp,
+    "W8A8 / W4A8 on panels"): uint8 [NP, K/4, pw, 4] with byte (o, t) of quad j = q[p * pw + o, 4j + t]
+    (``^ 0x80`` where ``unsigned``: the VNNI builds), and scale padded to [NP * pw]. Zero rows pad N."""
+    N, K = q.shape
+    NP = -(-N // pw)
+    u = _pad_rows(q, NP * pw).view(torch.uint8)
+    if unsigned:
+        u = u ^ 0x80
+    return u.view(NP, pw, K // 4, 4).permute(0, 2, 1, 3).contiguous(), _pad_rows(scale.float(), NP * pw).contiguous()
+
+
+def from_panels_w8a8(p: Tensor, scale: Tensor, N: int, unsigned: bool) -> Tensor:
+    """The float32 [N, K] weight of ``to_panels_w8a8``'s format."""
+    NP, Kq, pw, _ = p.shape
+    u = p.permute(0, 2, 1, 3).reshape(NP * pw, Kq * 4)[:N]
+    if unsigned:
+        u = u ^ 0x80
+    return u.view(torch.int8).float() * scale[:N, None]
+
+
+def to_panels_w4a8(packed: Tensor, scale: Tensor, group: int, pw: int) -> tuple[Tensor, Tensor]:
+    """The int4 format + group scales [N, K/G] -> the w4a8 panel format: uint8 [NP, K/8, pw, 4] with byte
+    (o, t) of octet j holding the stored nibble of input 8j + t low and of 8j + 4 + t high; scales
+    [NP, K/G, pw] float32. Padding rows hold level 0 (nibble 8) with scale 0."""
+    N = packed.shape[0]
+    lv = _pad_rows(int4_levels(packed), -(-N // pw) * pw, 8)
+    NP, K = lv.shape[0] // pw, lv.shape[1]
+    o = lv.view(NP, pw, K // 8, 2, 4)
+    p = (o[:, :, :, 0] | (o[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
+    s = _pad_rows(scale.float(), NP * pw).view(NP, pw, K // group).permute(0, 2, 1).contiguous()
+    return p, s
+
+
+def from_panels_w4a8(p: Tensor, scale: Tensor, N: int, group: int) -> Tensor:
+    """The float32 [N, K] weight of ``to_panels_w4a8``'s format."""
+    NP, Ko, pw, _ = p.shape
+    b = p.permute(0, 2, 1, 3)  # [NP, pw, K/8, 4]
+    lv = torch.stack([b & 15, b >> 4], dim=3).reshape(NP * pw, Ko * 8)[:N]
+    s = scale.permute(0, 2, 1).reshape(NP * pw, -1)[:N]
+    return (lv.float() - 8) * s.repeat_interleave(group, dim=1)
 
 
 def quantize_kv(x: Tensor) -> Tensor:

@@ -747,6 +747,209 @@ torch::Tensor linear_w4a8(torch::Tensor x, torch::Tensor w, torch::Tensor scale,
 // weights are stored in its step order (engine/quant.py step_order)
 int64_t qstep() { return QS; }
 
+// ---- W8A8 / W4A8 on panels (AVX2 and AVX-512 builds) ---------------------------------------------------
+// The same arithmetic as above (activations rounded per 32 values, exact int32 dots per 32-block, then the
+// scales), with the weights stored the way the fp32 panels are: a panel of PW outputs (one int32 vector:
+// 16 with AVX-512, 8 with AVX2), K-major inside, 4 inputs of an output per int32 lane. A step over 4 inputs
+// is one weight vector and, per input row, one broadcast of those 4 activation bytes into every lane and one
+// dpbusd: no horizontal sums, no reordering of the activations, and a 32-block's int32 accumulator is
+// converted to float once per row and PW outputs (the row layout above converts once per row and output).
+//   w8a8: [NP, K/4, PW, 4] bytes, byte (o, t) of quad j is W[panel * PW + o, 4j + t] as q ^ 0x80 with
+//         VNNI (dpbusd takes it unsigned; lanes start at -128 * sum a) and as q without (maddubs on |q|).
+//   w4a8: [NP, K/8, PW, 4] bytes, byte (o, t) of octet j holds W[., 8j + t] + 8 in its low nibble and
+//         W[., 8j + 4 + t] + 8 in its high nibble; group scales [NP, K/group, PW] float.
+// N is padded to a multiple of PW with zero weights. pack_w8a8_panels / pack_w4a8_panels make these from
+// engine/quant.py's int8 [N, K] / int4 formats; dequant_*_panels give the float [N, K] weight back (the
+// GEMM path above 64 rows). Each output is the same sequence of operations whatever the tile, so a row's
+// result does not depend on its batch.
+#if PD_Q_ISA >= 2
+constexpr int PW = VB / 4;  // outputs per panel
+#if PD_Q_ISA == 3
+constexpr int QNV = 4, QMR = 3;  // panels x rows per tile: 12 int32 + 12 float accumulators
+inline qiv qbcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+inline qiv qset1(int32_t v) { return _mm512_set1_epi32(v); }
+#else
+constexpr int QNV = 2, QMR = 2;
+inline qiv qbcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+inline qiv qset1(int32_t v) { return _mm256_set1_epi32(v); }
+#endif
+
+// x [M, K] -> int8 [M, K] in natural order, per 32-block: scale and lane start -offset * sum(block)
+struct QActP {
+  std::vector<int8_t> a; std::vector<float> sc; std::vector<int32_t> start;
+  int64_t K;
+  QActP(const float* x, int64_t M, int64_t K_, int offset) : a(M * K_), sc(M * K_ / 32), start(M * K_ / 32), K(K_) {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const float* xb = x + m * K + b * 32;
+        float amax = 0.f;
+        for (int t = 0; t < 32; ++t) amax = std::max(amax, std::fabs(xb[t]));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t s = 0;
+        for (int t = 0; t < 32; ++t) {
+          const float v = std::nearbyint(xb[t] * inv);
+          const auto q = static_cast<int8_t>(std::min(127.f, std::max(-127.f, v)));
+          a[m * K + b * 32 + t] = q;
+          s += q;
+        }
+        sc[m * (K / 32) + b] = amax / 127.f;
+        start[m * (K / 32) + b] = -offset * s;
+      }
+  }
+};
+
+// dot for the panel formats: VNNI takes the stored unsigned bytes; plain AVX2 w8a8 stores q signed and
+// multiplies |q| by a with q's sign (pair sums stay within int16); int4 nibbles (<= 15) go straight in
+inline qiv pdot8(qiv acc, qiv w, qiv a) {
+#ifdef PD_Q_VNNI
+  return dot_us(acc, w, a);
+#else
+  __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+}
+#ifdef PD_Q_VNNI
+constexpr int P8_OFFSET = 128;
+#else
+constexpr int P8_OFFSET = 0;
+#endif
+
+// y[m0 .. m0+MRc-1, NV panels from panel p0]: INT4 selects the w4a8 format
+template <bool INT4, int NV, int MRc>
+inline void qpanel_tile(const uint8_t* w, const float* scale, int64_t K, int64_t ng, int64_t bpg,
+                        const QActP& qa, int64_t m0, int64_t p0, float* y, int64_t ldy, int64_t N,
+                        const float* bias) {
+  const int64_t pbytes = K * PW;  // bytes per panel (int4: half)
+  const int64_t pstride = INT4 ? pbytes / 2 : pbytes;
+  const int64_t nb = K / 32;
+  qfv facc[MRc][NV];
+  for (int i = 0; i < MRc; ++i)
+    for (int v = 0; v < NV; ++v) facc[i][v] = qzero();
+  for (int64_t b = 0; b < nb; ++b) {
+    qiv iacc[MRc][NV];
+    for (int i = 0; i < MRc; ++i) {
+      const qiv st = qset1(qa.start[(m0 + i) * nb + b]);
+      for (int v = 0; v < NV; ++v) iacc[i][v] = st;
+    }
+    if constexpr (INT4) {
+      for (int j = 0; j < 4; ++j) {  // 4 octets of inputs per block
+        const int64_t o = b * 4 + j;
+        qiv lo[NV], hi[NV];
+        for (int v = 0; v < NV; ++v) nibbles(w + (p0 + v) * pstride + o * VB, lo[v], hi[v]);
+        for (int i = 0; i < MRc; ++i) {
+          const int8_t* am = qa.a.data() + (m0 + i) * K + o * 8;
+          const qiv a0 = qbcast(am), a1 = qbcast(am + 4);
+          for (int v = 0; v < NV; ++v) iacc[i][v] = dot_us(dot_us(iacc[i][v], lo[v], a0), hi[v], a1);
+        }
+      }
+      const int64_t g = b / bpg;
+      qfv gs[NV];
+      for (int v = 0; v < NV; ++v) gs[v] = qloadf(scale + ((p0 + v) * ng + g) * PW);
+      for (int i = 0; i < MRc; ++i) {
+        const qfv s = qsplat(qa.sc[(m0 + i) * nb + b]);
+        for (int v = 0; v < NV; ++v) facc[i][v] = qfma(iacc[i][v], qmul(s, gs[v]), facc[i][v]);
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) {  // 8 quads of inputs per block
+        const int64_t q = b * 8 + j;
+        qiv wv[NV];
+        for (int v = 0; v < NV; ++v) wv[v] = qload(w + (p0 + v) * pstride + q * VB);
+        for (int i = 0; i < MRc; ++i) {
+          const qiv ab = qbcast(qa.a.data() + (m0 + i) * K + q * 4);
+          for (int v = 0; v < NV; ++v) iacc[i][v] = pdot8(iacc[i][v], wv[v], ab);
+        }
+      }
+      for (int i = 0; i < MRc; ++i) {
+        const qfv s = qsplat(qa.sc[(m0 + i) * nb + b]);
+        for (int v = 0; v < NV; ++v) facc[i][v] = qfma(iacc[i][v], s, facc[i][v]);
+      }
+    }
+  }
+  for (int i = 0; i < MRc; ++i)
+    for (int v = 0; v < NV; ++v) {
+      float out[PW];
+      qfv r = facc[i][v];
+      if constexpr (!INT4) r = qmul(r, qloadf(scale + (p0 + v) * PW));
+#if PD_Q_ISA == 3
+      _mm512_storeu_ps(out, r);
+#else
+      _mm256_storeu_ps(out, r);
+#endif
+      const int64_t n = (p0 + v) * PW;
+      for (int o = 0; o < PW && n + o < N; ++o) y[(m0 + i) * ldy + n + o] = bias ? out[o] + bias[n + o] : out[o];
+    }
+}
+
+template <bool INT4, int NV>
+inline void qpanel_rows(const uint8_t* w, const float* scale, int64_t K, int64_t ng, int64_t bpg, const QActP& qa,
+                        int64_t m0, int64_t mr, int64_t p0, float* y, int64_t ldy, int64_t N, const float* bias) {
+  switch (mr) {
+    case 1: qpanel_tile<INT4, NV, 1>(w, scale, K, ng, bpg, qa, m0, p0, y, ldy, N, bias); break;
+#if PD_Q_ISA == 3
+    case 2: qpanel_tile<INT4, NV, 2>(w, scale, K, ng, bpg, qa, m0, p0, y, ldy, N, bias); break;
+#endif
+    default: qpanel_tile<INT4, NV, QMR>(w, scale, K, ng, bpg, qa, m0, p0, y, ldy, N, bias); break;
+  }
+}
+
+template <bool INT4>
+void qpanel_linear(const uint8_t* w, const float* scale, int64_t K, int64_t N, int64_t group, const QActP& qa,
+                   int64_t M, float* y, const float* bias) {
+  const int64_t NP = (N + PW - 1) / PW, ng = INT4 ? K / group : 1, bpg = INT4 ? group / 32 : 1;
+  at::parallel_for(0, (NP + QNV - 1) / QNV, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t p0 = t * QNV;
+      for (int64_t m0 = 0; m0 < M; m0 += QMR) {
+        const int64_t mr = std::min<int64_t>(QMR, M - m0);
+        if (p0 + QNV <= NP) qpanel_rows<INT4, QNV>(w, scale, K, ng, bpg, qa, m0, mr, p0, y, N, N, bias);
+        else for (int64_t p = p0; p < NP; ++p) qpanel_rows<INT4, 1>(w, scale, K, ng, bpg, qa, m0, mr, p, y, N, N, bias);
+      }
+    }
+  });
+}
+
+torch::Tensor linear_w8a8_panels(torch::Tensor x, torch::Tensor w, torch::Tensor scale, int64_t N,
+                                 c10::optional<torch::Tensor> bias) {
+  const int64_t K = x.size(1), NP = (N + PW - 1) / PW;
+  check_x(x, K);
+  TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
+  TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous() && w.numel() == NP * K * PW,
+              "w must be the contiguous uint8 panels of pack_w8a8_panels for N outputs and K inputs");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == NP * PW,
+              "scale must be float32 [N padded to the panel width]");
+  auto y = torch::empty({x.size(0), N}, x.options());
+  QActP qa(x.data_ptr<float>(), x.size(0), K, P8_OFFSET);
+  qpanel_linear<false>(w.data_ptr<uint8_t>(), scale.data_ptr<float>(), K, N, 0, qa, x.size(0), y.data_ptr<float>(),
+                       bias_ptr(bias, N));
+  return y;
+}
+
+torch::Tensor linear_w4a8_panels(torch::Tensor x, torch::Tensor w, torch::Tensor scale, int64_t N, int64_t group,
+                                 c10::optional<torch::Tensor> bias) {
+  const int64_t K = x.size(1), NP = (N + PW - 1) / PW;
+  check_x(x, K);
+  TORCH_CHECK(group % 32 == 0 && K % group == 0, "group must be a multiple of 32 that divides K");
+  TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous() && w.numel() == NP * K * PW / 2,
+              "w must be the contiguous uint8 panels of pack_w4a8_panels for N outputs and K inputs");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == NP * (K / group) * PW,
+              "scale must be float32 [panels, K/group, panel width]");
+  auto y = torch::empty({x.size(0), N}, x.options());
+  QActP qa(x.data_ptr<float>(), x.size(0), K, I4_OFFSET);
+  qpanel_linear<true>(w.data_ptr<uint8_t>(), scale.data_ptr<float>(), K, N, group, qa, x.size(0), y.data_ptr<float>(),
+                      bias_ptr(bias, N));
+  return y;
+}
+#endif
+
+// outputs per panel of the integer panel kernels; 0 where they are not built (the scalar build)
+int64_t qpanel_width() {
+#if PD_Q_ISA >= 2
+  return PW;
+#else
+  return 0;
+#endif
+}
+
 // ---- small per-layer ops at float32 (torch runs each as several kernels: ~16 us for an RMSNorm at batch 1) ----
 
 // y = w * (x / sqrt(mean(x^2) + eps)) row by row: HF's LlamaRMSNorm at float32
@@ -929,28 +1132,32 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // K/V write are compiled without fast-math so they round exactly like the torch ops they replace: the fused
 // layer gives the same numbers as DecoderLayer.forward (tests/engine/test_fused_decode.py).
 
-// One linear layer's weights in one of the kernel formats: 0 fp32, 1 int8, 2 int4, 3 w8a8, 4 w4a8, 5 fp32 in
-// oneDNN's panels (w [NP, K, B], group = N).
+// One linear layer's weights in one of the kernel formats: 0 fp32, 1 int8, 2 int4, 3 w8a8, 4 w4a8 (rows), 5 fp32
+// in oneDNN's panels, 6 w8a8 / 7 w4a8 in the integer panel formats; N is the layer's output count.
 struct KLinear {
   int64_t method;
   torch::Tensor w;
   c10::optional<torch::Tensor> scale, bias;
-  int64_t group;
+  int64_t group, N;
   torch::Tensor operator()(const torch::Tensor& x) const {
     switch (method) {
       case 0: return linear_fp32(x, w, bias);
       case 1: return linear_int8(x, w, *scale, bias);
       case 2: return linear_int4(x, w, *scale, group, bias);
       case 3: return linear_w8a8(x, w, *scale, bias);
-      case 5: return linear_panel(x, w, group, bias);
+      case 5: return linear_panel(x, w, N, bias);
+#if PD_Q_ISA >= 2
+      case 6: return linear_w8a8_panels(x, w, *scale, N, bias);
+      case 7: return linear_w4a8_panels(x, w, *scale, N, group, bias);
+#endif
       default: return linear_w4a8(x, w, *scale, group, bias);
     }
   }
 };
-using KLinearSpec = std::tuple<int64_t, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t>;
+using KLinearSpec = std::tuple<int64_t, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, int64_t>;
 KLinear make_linear(const KLinearSpec& s) {
-  KLinear l{std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s), std::get<4>(s)};
-  TORCH_CHECK(l.method >= 0 && l.method <= 5, "linear method must be 0..5");
+  KLinear l{std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s), std::get<4>(s), std::get<5>(s)};
+  TORCH_CHECK(l.method >= 0 && l.method <= (PD_Q_ISA >= 2 ? 7 : 5), "linear method out of range for this build");
   TORCH_CHECK(l.method == 0 || l.method == 5 || l.scale.has_value(), "a quantized linear needs its scale");
   return l;
 }
@@ -1068,6 +1275,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int4", &linear_int4, "y = x W^T (+ bias), W int4 group-wise (see file header)");
   m.def("linear_w8a8", &linear_w8a8, "y = x (w * scale)^T (+ bias), w in step order, x rounded to int8 per 32 values");
   m.def("linear_w4a8", &linear_w4a8, "int4 group-wise W (see file header) with x rounded to int8 per 32 values");
+#if PD_Q_ISA >= 2
+  m.def("linear_w8a8_panels", &linear_w8a8_panels, "w8a8 with the weights in the integer panel format (see the source)");
+  m.def("linear_w4a8_panels", &linear_w4a8_panels, "w4a8 with the weights in the integer panel format (see the source)");
+#endif
+  m.def("qpanel_width", &qpanel_width, "outputs per panel of the integer panel kernels, 0 where not built");
+  m.def("qpanel_unsigned", []() {
+#ifdef PD_Q_VNNI
+    return true;
+#else
+    return false;
+#endif
+  }, "whether w8a8 panels store q ^ 0x80 (the VNNI builds)");
   m.def("qstep", &qstep, "values per step of linear_w8a8 / linear_w4a8 (see the file's W8A8 section)");
   m.def("rms_norm", &rms_norm, "w * x / sqrt(mean(x^2) + eps) per row, float32");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from gate_up [M, 2I], float32");
@@ -1075,8 +1294,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<const KLinearSpec&, const KLinearSpec&, const KLinearSpec&, const KLinearSpec&, torch::Tensor,
                           torch::Tensor, double, int64_t, int64_t, int64_t, int64_t, double>(),
            "(qkv, o, gate_up, down, in_norm, post_norm, eps, H, Hkv, D, window, sm_scale); a linear is "
-           "(method 0 fp32 | 1 int8 | 2 int4 | 3 w8a8 | 4 w4a8 | 5 fp32 panels, w, scale or None, bias or None, "
-           "group; N for panels)")
+           "(method 0 fp32 | 1 int8 | 2 int4 | 3 w8a8 | 4 w4a8 | 5 fp32 panels | 6 w8a8 panels | 7 w4a8 panels, w, "
+           "scale or None, bias or None, group, N)")
       .def("forward", &DecodeLayer::forward, "one decoder layer for T single-token decodes (see the source)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query per sequence over its paged K/V read in place through the block table");

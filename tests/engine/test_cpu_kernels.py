@@ -14,8 +14,9 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, gather_decode_attention
 from engine.kernels import cpu_kernels
-from engine.quant import (dequantize_int4, dequantize_int8, dequantize_kv, fake_quantize_act, quantize_act,
-                          quantize_int4, quantize_int8, quantize_kv, step_order)
+from engine.quant import (dequantize_int4, dequantize_int8, dequantize_kv, fake_quantize_act, from_panels_w4a8,
+                          from_panels_w8a8, int4_levels, quantize_act, quantize_int4, quantize_int8, quantize_kv,
+                          step_order, to_panels_w4a8, to_panels_w8a8)
 
 DISABLED = os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0"
 
@@ -212,6 +213,59 @@ def test_integer_dot_kernels_match_torch_on_the_rounded_input(kern, M):
             torch.testing.assert_close(got, ref, rtol=1e-4, atol=2e-5 * scale, msg=name)
             # the activation rounding moves y by ~0.3% of its scale; the kernel must follow the rounded input
             assert (got - ref).abs().max() < 0.05 * (unrounded - ref).abs().max(), name
+
+
+@pytest.mark.parametrize("K", [96, 512])  # 96: three 32-blocks, not a whole row-kernel step
+def test_integer_panel_kernels_match_torch_on_the_rounded_input_in_any_batch(kern, K):
+    """The panel formats (engine/quant.py to_panels_*) through linear_w8a8_panels / linear_w4a8_panels: torch's
+    float GEMM on the rounded input up to float rounding, not the unrounded product, and a row's bits the
+    same alone as in a batch of any size (every tile size and remainder)."""
+    pw = kern.qpanel_width()
+    if not pw:
+        pytest.skip("this build has no integer panel kernels (no AVX2)")
+    g = torch.Generator().manual_seed(K)
+    N = 70  # not a multiple of the panel width or of a tile
+    w = torch.randn(N, K, generator=g)
+    x = torch.randn(13, K, generator=g) * torch.logspace(-2, 1, K // 32).repeat_interleave(32)
+    x[0, 32:64] = 0  # an all-zero block
+    b = torch.randn(N, generator=g)
+    q, s = quantize_int8(w)
+    pq, ps = to_panels_w8a8(q, s, pw, kern.qpanel_unsigned())
+    cases = [("w8a8", lambda xx, bias: kern.linear_w8a8_panels(xx, pq, ps, N, bias), dequantize_int8(q, s))]
+    for group in (32, K):
+        p4, d4 = quantize_int4(w, group)
+        pp, pd = to_panels_w4a8(p4, d4, group, pw)
+        cases.append((f"w4a8 g{group}", lambda xx, bias, pp=pp, pd=pd, group=group:
+                      kern.linear_w4a8_panels(xx, pp, pd, N, group, bias), dequantize_int4(p4, d4, group)))
+    xq = fake_quantize_act(x)
+    for name, run, wd in cases:
+        for bias in (None, b):
+            got, ref, unrounded = run(x, bias), F.linear(xq, wd, bias), F.linear(x, wd, bias)
+            scale = ref.abs().max().item()
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=2e-5 * scale, msg=name)
+            assert (got - ref).abs().max() < 0.05 * (unrounded - ref).abs().max(), name
+            alone = torch.cat([run(x[i:i + 1].contiguous(), bias) for i in range(13)])
+            assert torch.equal(alone, got), name
+            for M in (2, 3, 4, 7):
+                assert torch.equal(run(x[:M].contiguous(), bias), got[:M]), name
+
+
+def test_integer_panel_formats_round_trip():
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(37, 256, generator=g)
+    q, s = quantize_int8(w)
+    for unsigned in (True, False):
+        for pw in (8, 16):
+            p, ps = to_panels_w8a8(q, s, pw, unsigned)
+            assert p.shape == (-(-37 // pw), 64, pw, 4) and p.dtype == torch.uint8
+            assert torch.equal(from_panels_w8a8(p, ps, 37, unsigned), dequantize_int8(q, s))
+    p4, d4 = quantize_int4(w, 64)
+    p, ps = to_panels_w4a8(p4, d4, 64, 16)
+    assert p.shape == (3, 32, 16, 4) and ps.shape == (3, 4, 16)
+    assert torch.equal(from_panels_w4a8(p, ps, 37, 64), dequantize_int4(p4, d4, 64))
+    # byte (o, t) of octet j: input 8j + t low, 8j + 4 + t high (the documented layout, checked on one byte)
+    lv = int4_levels(p4)
+    assert p[0, 2, 5, 1].item() == lv[5, 17].item() | (lv[5, 21].item() << 4)
 
 
 def test_step_order_is_the_int4_nibble_order():
