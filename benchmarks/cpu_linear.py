@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.kernels import cpu_kernels, onednn_panels  # noqa: E402
-from engine.quant import quantize_int4, quantize_int8, step_order, to_panels_w4a8, to_panels_w8a8  # noqa: E402
+from engine.quant import (quantize_int4, quantize_int8, step_order, to_panels_int8, to_panels_w4a8,  # noqa: E402
+                          to_panels_w8a8)
 
 
 def main() -> None:
@@ -49,6 +50,7 @@ def main() -> None:
     pw = kern.qpanel_width()
     order = step_order(args.k, kern.qstep())
     q8rows = [(q[:, order].contiguous(), s) for q, s in q8]  # the row kernel's stored order
+    q8i = [to_panels_int8(q, s) for q, s in q8]
     q8p = [to_panels_w8a8(q, s, pw, kern.qpanel_unsigned()) for q, s in q8] if pw else []
     q4p = [to_panels_w4a8(p, d, args.group, pw) for p, d in q4] if pw else []
     fp32_bytes = args.copies * args.n * args.k * 4
@@ -65,6 +67,7 @@ def main() -> None:
             "fp32 pdserve": (lambda i: kern.linear_fp32(x, ws[i], None), fp32_bytes),
             "fp32 panels": (lambda i: kern.linear_panel(x, panels[i], args.n, None), fp32_bytes),
             "int8 pdserve": (lambda i: kern.linear_int8(x, *q8[i], None), fp32_bytes // 4),
+            "int8 panels": (lambda i: kern.linear_int8_panels(x, *q8i[i], args.n, None), fp32_bytes // 4),
             "int4 pdserve": (lambda i: kern.linear_int4(x, *q4[i], args.group, None), fp32_bytes // 8),
             "w8a8 pdserve": (lambda i: kern.linear_w8a8(x, *q8rows[i], None), fp32_bytes // 4),
             "w4a8 pdserve": (lambda i: kern.linear_w4a8(x, *q4[i], args.group, None), fp32_bytes // 8),

@@ -28,8 +28,8 @@ from engine.attention import AttentionMetadata, apply_rope, decode_attention, pa
 from engine.config import ModelConfig, rope_inv_freq
 from engine.kernels import cpu_kernels, onednn_panels
 from engine.quant import (ACT_BLOCK, QUANTIZATIONS, dequantize_int4, dequantize_int8, fake_quantize_act,
-                          from_panels_w4a8, from_panels_w8a8, quantize_int4, quantize_int8, step_order, to_panels_w4a8,
-                          to_panels_w8a8)
+                          from_panels_int8, from_panels_w4a8, from_panels_w8a8, quantize_int4, quantize_int8, step_order,
+                          to_panels_int8, to_panels_w4a8, to_panels_w8a8)
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Linear(nn.Module):
         self.qgroup = 0
         self.qkernel = True  # w8a8 / w4a8: whether the integer-dot kernel can run this layer (set at quantize)
         self.qorder: Optional[Tensor] = None  # w8a8 on the row kernel: the column order qweight is stored in
-        self.qpanels = False  # w8a8 / w4a8 stored in the integer panel kernels' format (engine/quant.py)
+        self.qpanels = False  # int8 / w8a8 / w4a8 stored in a panel format of the kernels (engine/quant.py)
         self.qunsigned = False  # (w8a8 panels: bytes stored as q ^ 0x80, the VNNI builds)
 
     def quantize(self, method: str, group: int = 128) -> None:
@@ -106,6 +106,10 @@ class Linear(nn.Module):
                              f"a linear layer with {w.shape[1]} inputs")
         elif method in ("int8", "w8a8"):
             self.qweight, self.qscale = quantize_int8(w)
+            if method == "int8" and w.device.type == "cpu" and cpu_kernels() is not None:
+                # the panel layout: one contiguous stream per output panel (engine/csrc, "fp32 on oneDNN's ...")
+                self.qweight, self.qscale = to_panels_int8(self.qweight, self.qscale)
+                self.qpanels = True
         elif method in ("int4", "w4a8"):
             self.qweight, self.qscale = quantize_int4(w, group)
             self.qgroup = group
@@ -150,6 +154,8 @@ class Linear(nn.Module):
             xf = x2.float().contiguous()
             if method == "fp32":
                 y = k.linear_fp32(xf, self.qweight, bias)
+            elif method == "int8" and self.qpanels:
+                y = k.linear_int8_panels(xf, self.qweight, self.qscale, self.out_features, bias)
             elif method == "int8":
                 y = k.linear_int8(xf, self.qweight, self.qscale, bias)
             elif method == "int4":
@@ -167,6 +173,8 @@ class Linear(nn.Module):
                 w = self.qweight
             elif self.qpanels and method == "w8a8":
                 w = from_panels_w8a8(self.qweight, self.qscale, self.out_features, self.qunsigned)
+            elif self.qpanels and method == "int8":
+                w = from_panels_int8(self.qweight, self.qscale, self.out_features)
             elif self.qpanels:
                 w = from_panels_w4a8(self.qweight, self.qscale, self.out_features, self.qgroup)
             elif method in ("int8", "w8a8"):
@@ -243,7 +251,7 @@ class DecoderLayer(nn.Module):
 
     _METHOD_CODES = {"fp32": 0, "int8": 1, "int4": 2, "w8a8": 3, "w4a8": 4}
     _PANEL_CODE = 5  # float32 on oneDNN's packed panels (Linear.panel)
-    _QPANEL_CODES = {"w8a8": 6, "w4a8": 7}  # the integer panel formats (Linear.qpanels)
+    _QPANEL_CODES = {"w8a8": 6, "w4a8": 7, "int8": 8}  # the panel formats (Linear.qpanels)
 
     def build_fused(self) -> bool:
         """Hand this layer's weights to the C++ decode layer (engine/csrc: the same kernels, one call per

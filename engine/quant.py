@@ -22,7 +22,8 @@ engine/csrc/cpu_kernels.cpp reads:
   w8a8 weights are stored with their columns in the kernel's ``step_order`` (the GEMM path gathers the
   input's columns the same way: a dot product does not depend on the order of its terms). On AVX2 and
   AVX-512 builds the model stores them in the integer panel kernels' formats instead (``to_panels_w8a8``
-  / ``to_panels_w4a8``: panels of outputs, 4 inputs per int32 lane, like oneDNN's fp32 panels).
+  / ``to_panels_w4a8``: panels of outputs, 4 inputs per int32 lane, like oneDNN's fp32 panels); int8
+  weight-only weights likewise in ``to_panels_int8`` (oneDNN's fp32 panel layout with int8 values).
 - **int8 KV rows**: each cached (token, KV head) row of ``D`` values becomes ``D + 4`` int8 bytes: the
   values ``round(x / s)`` with ``s = max|x| / 127``, then ``s`` itself as 4 bytes of float32. The
   scale travels inside the row, so every block copy (copy-on-write, KV transfer, the gather) moves
@@ -116,6 +117,22 @@ def _pad_rows(t: Tensor, rows: int, value: int | float = 0) -> Tensor:
     if t.shape[0] == rows:
         return t
     return torch.cat([t, t.new_full((rows - t.shape[0], *t.shape[1:]), value)])
+
+
+def to_panels_int8(q: Tensor, scale: Tensor, width: int = 64) -> tuple[Tensor, Tensor]:
+    """int8 [N, K] + scale [N] -> the weight-only panel format of ``linear_int8_panels`` (the layout of
+    oneDNN's fp32 panels): int8 [NP, K, width] with p[n // width][k][n % width] = q[n, k], scale [NP * width];
+    zero rows pad N."""
+    N, K = q.shape
+    NP = -(-N // width)
+    p = _pad_rows(q, NP * width).view(NP, width, K).transpose(1, 2).contiguous()
+    return p, _pad_rows(scale.float(), NP * width).contiguous()
+
+
+def from_panels_int8(p: Tensor, scale: Tensor, N: int) -> Tensor:
+    """The float32 [N, K] weight of ``to_panels_int8``'s format."""
+    NP, K, width = p.shape
+    return p.transpose(1, 2).reshape(NP * width, K)[:N].float() * scale[:N, None]
 
 
 def to_panels_w8a8(q: Tensor, scale: Tensor, pw: int, unsigned: bool) -> tuple[Tensor, Tensor]:

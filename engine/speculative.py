@@ -27,12 +27,19 @@ as without speculation. Hence greedy output is identical, and a seeded sampled
 request is token-for-token identical to the same request without speculation;
 an unseeded one follows the same distribution (its uniforms come from the
 engine generator in a different order). In floating point this holds as far as
-the verification pass (k + 1 rows per sequence, the prefill attention path)
-computes the same logits as a one-token decode step; they agree to about 1e-6
-in a log-probability, not bit for bit, so a seeded draw whose uniform falls
-within that of a boundary of the sampling CDF (or a greedy exact near-tie) can
-come out differently. Measured: changing only the rounding of the RMSNorm made
-one of 8 seeded 24-token requests of tests/e2e/test_spec_cluster.py diverge.
+the verification pass computes the same logits as a one-token decode step.
+Each verified position runs as a one-token decode row of its own (its context
+ends at its position; engine/model_runner.py), so the two differ only where a
+row's result depends on the batch around it. pdserve's CPU kernels (the default
+fp32 panels, every quantization, the fused layers, the paged decode attention)
+give a row the same bits in any batch of up to 64 rows, so there verification
+is bit-identical to plain decoding, logprobs included (tested exactly in
+tests/engine/test_speculative.py). Elsewhere (oneDNN-only or torch linears,
+CUDA, steps of more than 64 rows) the logits agree to about 1e-6, and a seeded
+draw whose uniform falls within that of a boundary of the sampling CDF (or a
+greedy exact near-tie) can come out differently: before verification became
+decode rows, changing only the rounding of the RMSNorm made one of 8 seeded
+24-token requests of tests/e2e/test_spec_cluster.py diverge.
 
 Counters follow vLLM's spec-decode metrics: drafts (sequence-steps that
 verified at least one draft token), draft tokens, accepted tokens, and

@@ -343,16 +343,21 @@ constexpr int PNV = 4;  // a whole 64-wide panel step: 4 zmm
 constexpr int PMR = 6;  // 24 zmm accumulators
 #endif
 
-template <int NV, int MRc>
-inline void panel_tile(const float* p, int64_t K, int64_t B, const float* x, int64_t ldx, float* y,
-                       int64_t ldy, int64_t ncols, const float* bias) {
+// The weight as it is read: float32 as is, or int8 widened in registers (its per-output scale applied once
+// at the end: int8 panels [NP, K, B] and scale [NP * B], engine/quant.py to_panels_int8).
+inline v16f panel_load(const float* p) { return load_f(p); }
+inline v16f panel_load(const int8_t* p) { return load_b(p); }
+
+template <class T, int NV, int MRc>
+inline void panel_tile(const T* p, int64_t K, int64_t B, const float* x, int64_t ldx, float* y,
+                       int64_t ldy, int64_t ncols, const float* scale, const float* bias) {
   v16f acc[MRc][NV];
   for (int i = 0; i < MRc; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = v16f{};
   for (int64_t k = 0; k < K; ++k) {
-    const float* pk = p + k * B;
+    const T* pk = p + k * B;
     v16f w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = load_f(pk + 16 * v);
+    for (int v = 0; v < NV; ++v) w[v] = panel_load(pk + 16 * v);
     for (int i = 0; i < MRc; ++i) {
       const v16f xb = splat(x[i * ldx + k]);
       for (int v = 0; v < NV; ++v) acc[i][v] += xb * w[v];
@@ -360,53 +365,77 @@ inline void panel_tile(const float* p, int64_t K, int64_t B, const float* x, int
   }
   for (int i = 0; i < MRc; ++i) {
     float out[16 * NV];
-    for (int v = 0; v < NV; ++v) store_f(out + 16 * v, acc[i][v]);
+    for (int v = 0; v < NV; ++v) store_f(out + 16 * v, scale ? acc[i][v] * load_f(scale + 16 * v) : acc[i][v]);
     for (int64_t j = 0; j < ncols; ++j) y[i * ldy + j] = bias ? out[j] + bias[j] : out[j];
   }
 }
 
-template <int NV>
-inline void panel_rows(const float* p, int64_t K, int64_t B, const float* x, int64_t ldx, int64_t mr, float* y,
-                       int64_t ldy, int64_t ncols, const float* bias) {
+template <class T, int NV>
+inline void panel_rows(const T* p, int64_t K, int64_t B, const float* x, int64_t ldx, int64_t mr, float* y,
+                       int64_t ldy, int64_t ncols, const float* scale, const float* bias) {
   switch (mr) {
-    case 1: panel_tile<NV, 1>(p, K, B, x, ldx, y, ldy, ncols, bias); break;
-    case 2: panel_tile<NV, 2>(p, K, B, x, ldx, y, ldy, ncols, bias); break;
+    case 1: panel_tile<T, NV, 1>(p, K, B, x, ldx, y, ldy, ncols, scale, bias); break;
+    case 2: panel_tile<T, NV, 2>(p, K, B, x, ldx, y, ldy, ncols, scale, bias); break;
 #ifndef PD_V16_PAIR
-    case 3: panel_tile<NV, 3>(p, K, B, x, ldx, y, ldy, ncols, bias); break;
-    case 4: panel_tile<NV, 4>(p, K, B, x, ldx, y, ldy, ncols, bias); break;
-    case 5: panel_tile<NV, 5>(p, K, B, x, ldx, y, ldy, ncols, bias); break;
+    case 3: panel_tile<T, NV, 3>(p, K, B, x, ldx, y, ldy, ncols, scale, bias); break;
+    case 4: panel_tile<T, NV, 4>(p, K, B, x, ldx, y, ldy, ncols, scale, bias); break;
+    case 5: panel_tile<T, NV, 5>(p, K, B, x, ldx, y, ldy, ncols, scale, bias); break;
 #endif
-    default: panel_tile<NV, PMR>(p, K, B, x, ldx, y, ldy, ncols, bias); break;
+    default: panel_tile<T, NV, PMR>(p, K, B, x, ldx, y, ldy, ncols, scale, bias); break;
   }
 }
 
-// y [M, N] = x [M, K] W^T (+ bias) with W as panels p [NP, K, B] (see above), N <= NP * B.
-torch::Tensor linear_panel(torch::Tensor x, torch::Tensor p, int64_t N, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(p.dim() == 3 && p.scalar_type() == torch::kFloat && p.is_contiguous(),
-              "p must be contiguous float32 [panels, K, B]");
-  const int64_t NP = p.size(0), K = p.size(1), B = p.size(2), M = x.size(0);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) == K,
-              "x must be a contiguous float32 [M, ", K, "] tensor");
-  TORCH_CHECK(B % 16 == 0 && N > (NP - 1) * B && N <= NP * B, "panels of B % 16 == 0 outputs must cover N");
-  const float* bp = bias_ptr(bias, N);
-  auto y = torch::empty({M, N}, x.options());
-  const float* pp = p.data_ptr<float>(); const float* xp = x.data_ptr<float>(); float* yp = y.data_ptr<float>();
+template <class T>
+void panel_linear(const T* pp, int64_t NP, int64_t K, int64_t B, const float* xp, int64_t M, float* yp, int64_t N,
+                  const float* sp, const float* bp) {
   const int64_t TW = 16 * PNV, per_panel = (B + TW - 1) / TW;
   at::parallel_for(0, NP * per_panel, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t panel = t / per_panel, c = (t % per_panel) * TW;  // first column of the tile in its panel
       const int64_t n = panel * B + c, ncols = std::min<int64_t>({TW, B - c, N - n});
       if (ncols <= 0) continue;
-      const float* pt = pp + panel * K * B + c;
+      const T* pt = pp + panel * K * B + c;
+      const float* s = sp ? sp + n : nullptr;
       for (int64_t m0 = 0; m0 < M; m0 += PMR) {
         const int64_t mr = std::min<int64_t>(PMR, M - m0);
         const float* b = bp ? bp + n : nullptr;
-        if (B - c >= TW) panel_rows<PNV>(pt, K, B, xp + m0 * K, K, mr, yp + m0 * N + n, N, ncols, b);
+        if (B - c >= TW) panel_rows<T, PNV>(pt, K, B, xp + m0 * K, K, mr, yp + m0 * N + n, N, ncols, s, b);
         else for (int64_t j = 0; j < B - c && j < N - n; j += 16)  // a panel narrower than the tile
-          panel_rows<1>(pt + j, K, B, xp + m0 * K, K, mr, yp + m0 * N + n + j, N, std::min<int64_t>(16, N - n - j), b ? b + j : nullptr);
+          panel_rows<T, 1>(pt + j, K, B, xp + m0 * K, K, mr, yp + m0 * N + n + j, N,
+                           std::min<int64_t>(16, N - n - j), s ? s + j : nullptr, b ? b + j : nullptr);
       }
     }
   });
+}
+
+void check_panels(const torch::Tensor& x, const torch::Tensor& p, int64_t N) {
+  TORCH_CHECK(p.dim() == 3 && p.is_contiguous(), "p must be contiguous [panels, K, B]");
+  const int64_t NP = p.size(0), K = p.size(1), B = p.size(2);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) == K,
+              "x must be a contiguous float32 [M, ", K, "] tensor");
+  TORCH_CHECK(B % 16 == 0 && N > (NP - 1) * B && N <= NP * B, "panels of B % 16 == 0 outputs must cover N");
+}
+
+// y [M, N] = x [M, K] W^T (+ bias) with W as float32 panels p [NP, K, B] (see above), N <= NP * B.
+torch::Tensor linear_panel(torch::Tensor x, torch::Tensor p, int64_t N, c10::optional<torch::Tensor> bias) {
+  check_panels(x, p, N);
+  TORCH_CHECK(p.scalar_type() == torch::kFloat, "p must be float32");
+  auto y = torch::empty({x.size(0), N}, x.options());
+  panel_linear(p.data_ptr<float>(), p.size(0), p.size(1), p.size(2), x.data_ptr<float>(), x.size(0), y.data_ptr<float>(),
+               N, nullptr, bias_ptr(bias, N));
+  return y;
+}
+
+// int8 weight-only in the same panels: W[n, k] = p[n / B][k][n % B] * scale[n], scale [NP * B].
+torch::Tensor linear_int8_panels(torch::Tensor x, torch::Tensor p, torch::Tensor scale, int64_t N,
+                                 c10::optional<torch::Tensor> bias) {
+  check_panels(x, p, N);
+  TORCH_CHECK(p.scalar_type() == torch::kChar, "p must be int8");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == p.size(0) * p.size(2),
+              "scale must be float32 [panels * B]");
+  auto y = torch::empty({x.size(0), N}, x.options());
+  panel_linear(p.data_ptr<int8_t>(), p.size(0), p.size(1), p.size(2), x.data_ptr<float>(), x.size(0),
+               y.data_ptr<float>(), N, scale.data_ptr<float>(), bias_ptr(bias, N));
   return y;
 }
 
@@ -749,23 +778,24 @@ int64_t qstep() { return QS; }
 
 // ---- W8A8 / W4A8 on panels (AVX2 and AVX-512 builds) ---------------------------------------------------
 // The same arithmetic as above (activations rounded per 32 values, exact int32 dots per 32-block, then the
-// scales), with the weights stored the way the fp32 panels are: a panel of PW outputs (one int32 vector:
-// 16 with AVX-512, 8 with AVX2), K-major inside, 4 inputs of an output per int32 lane. A step over 4 inputs
-// is one weight vector and, per input row, one broadcast of those 4 activation bytes into every lane and one
-// dpbusd: no horizontal sums, no reordering of the activations, and a 32-block's int32 accumulator is
-// converted to float once per row and PW outputs (the row layout above converts once per row and output).
-//   w8a8: [NP, K/4, PW, 4] bytes, byte (o, t) of quad j is W[panel * PW + o, 4j + t] as q ^ 0x80 with
+// scales), with the weights stored the way the fp32 panels are: a panel of QW outputs (64 with AVX-512, 16
+// with AVX2: QNV int32 vectors of PW lanes), K-major inside, 4 inputs of an output per int32 lane. A step over
+// 4 inputs is QNV weight vectors and, per input row, one broadcast of those 4 activation bytes into every
+// lane and one dpbusd per vector: no horizontal sums, no reordering of the activations, a 32-block's int32
+// accumulator is converted to float once per row and PW outputs (the row layout above converts once per row
+// and output), and a tile reads one contiguous stream.
+//   w8a8: [NP, K/4, QW, 4] bytes, byte (o, t) of quad j is W[panel * QW + o, 4j + t] as q ^ 0x80 with
 //         VNNI (dpbusd takes it unsigned; lanes start at -128 * sum a) and as q without (maddubs on |q|).
-//   w4a8: [NP, K/8, PW, 4] bytes, byte (o, t) of octet j holds W[., 8j + t] + 8 in its low nibble and
-//         W[., 8j + 4 + t] + 8 in its high nibble; group scales [NP, K/group, PW] float.
-// N is padded to a multiple of PW with zero weights. pack_w8a8_panels / pack_w4a8_panels make these from
-// engine/quant.py's int8 [N, K] / int4 formats; dequant_*_panels give the float [N, K] weight back (the
-// GEMM path above 64 rows). Each output is the same sequence of operations whatever the tile, so a row's
+//   w4a8: [NP, K/8, QW, 4] bytes, byte (o, t) of octet j holds W[., 8j + t] + 8 in its low nibble and
+//         W[., 8j + 4 + t] + 8 in its high nibble; group scales [NP, K/group, QW] float.
+// N is padded to a multiple of QW with zero weights. engine/quant.py to_panels_w8a8 / to_panels_w4a8 make these
+// from its int8 [N, K] / int4 formats, and from_panels_* give the float [N, K] weight back (the GEMM path above
+// 64 rows). Each output is the same sequence of operations whatever the tile, so a row's
 // result does not depend on its batch.
 #if PD_Q_ISA >= 2
 constexpr int PW = VB / 4;  // outputs per panel
 #if PD_Q_ISA == 3
-constexpr int QNV = 4, QMR = 3;  // panels x rows per tile: 12 int32 + 12 float accumulators
+constexpr int QNV = 4, QMR = 3;  // vectors x rows per tile: 12 int32 + 12 float accumulators
 inline qiv qbcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
 inline qiv qset1(int32_t v) { return _mm512_set1_epi32(v); }
 #else
@@ -773,6 +803,7 @@ constexpr int QNV = 2, QMR = 2;
 inline qiv qbcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 inline qiv qset1(int32_t v) { return _mm256_set1_epi32(v); }
 #endif
+constexpr int QW = QNV * PW;  // outputs per panel of the stored format: one tile
 
 // x [M, K] -> int8 [M, K] in natural order, per 32-block: scale and lane start -offset * sum(block)
 struct QActP {
@@ -819,8 +850,9 @@ template <bool INT4, int NV, int MRc>
 inline void qpanel_tile(const uint8_t* w, const float* scale, int64_t K, int64_t ng, int64_t bpg,
                         const QActP& qa, int64_t m0, int64_t p0, float* y, int64_t ldy, int64_t N,
                         const float* bias) {
-  const int64_t pbytes = K * PW;  // bytes per panel (int4: half)
-  const int64_t pstride = INT4 ? pbytes / 2 : pbytes;
+  // a tile's NV panels are interleaved per 4 (int4: 8) inputs, so a tile reads one contiguous stream
+  const int64_t T = p0 / QNV, step = QNV * VB, tstride = (INT4 ? K / 8 : K / 4) * step;
+  const uint8_t* wt = w + T * tstride + (p0 % QNV) * VB;
   const int64_t nb = K / 32;
   qfv facc[MRc][NV];
   for (int i = 0; i < MRc; ++i)
@@ -835,7 +867,7 @@ inline void qpanel_tile(const uint8_t* w, const float* scale, int64_t K, int64_t
       for (int j = 0; j < 4; ++j) {  // 4 octets of inputs per block
         const int64_t o = b * 4 + j;
         qiv lo[NV], hi[NV];
-        for (int v = 0; v < NV; ++v) nibbles(w + (p0 + v) * pstride + o * VB, lo[v], hi[v]);
+        for (int v = 0; v < NV; ++v) nibbles(wt + o * step + v * VB, lo[v], hi[v]);
         for (int i = 0; i < MRc; ++i) {
           const int8_t* am = qa.a.data() + (m0 + i) * K + o * 8;
           const qiv a0 = qbcast(am), a1 = qbcast(am + 4);
@@ -844,7 +876,7 @@ inline void qpanel_tile(const uint8_t* w, const float* scale, int64_t K, int64_t
       }
       const int64_t g = b / bpg;
       qfv gs[NV];
-      for (int v = 0; v < NV; ++v) gs[v] = qloadf(scale + ((p0 + v) * ng + g) * PW);
+      for (int v = 0; v < NV; ++v) gs[v] = qloadf(scale + (T * ng + g) * (QNV * PW) + ((p0 % QNV) + v) * PW);
       for (int i = 0; i < MRc; ++i) {
         const qfv s = qsplat(qa.sc[(m0 + i) * nb + b]);
         for (int v = 0; v < NV; ++v) facc[i][v] = qfma(iacc[i][v], qmul(s, gs[v]), facc[i][v]);
@@ -853,7 +885,7 @@ inline void qpanel_tile(const uint8_t* w, const float* scale, int64_t K, int64_t
       for (int j = 0; j < 8; ++j) {  // 8 quads of inputs per block
         const int64_t q = b * 8 + j;
         qiv wv[NV];
-        for (int v = 0; v < NV; ++v) wv[v] = qload(w + (p0 + v) * pstride + q * VB);
+        for (int v = 0; v < NV; ++v) wv[v] = qload(wt + q * step + v * VB);
         for (int i = 0; i < MRc; ++i) {
           const qiv ab = qbcast(qa.a.data() + (m0 + i) * K + q * 4);
           for (int v = 0; v < NV; ++v) iacc[i][v] = pdot8(iacc[i][v], wv[v], ab);
@@ -895,27 +927,22 @@ inline void qpanel_rows(const uint8_t* w, const float* scale, int64_t K, int64_t
 template <bool INT4>
 void qpanel_linear(const uint8_t* w, const float* scale, int64_t K, int64_t N, int64_t group, const QActP& qa,
                    int64_t M, float* y, const float* bias) {
-  const int64_t NP = (N + PW - 1) / PW, ng = INT4 ? K / group : 1, bpg = INT4 ? group / 32 : 1;
-  at::parallel_for(0, (NP + QNV - 1) / QNV, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p0 = t * QNV;
-      for (int64_t m0 = 0; m0 < M; m0 += QMR) {
-        const int64_t mr = std::min<int64_t>(QMR, M - m0);
-        if (p0 + QNV <= NP) qpanel_rows<INT4, QNV>(w, scale, K, ng, bpg, qa, m0, mr, p0, y, N, N, bias);
-        else for (int64_t p = p0; p < NP; ++p) qpanel_rows<INT4, 1>(w, scale, K, ng, bpg, qa, m0, mr, p, y, N, N, bias);
-      }
-    }
+  const int64_t NT = (N + QW - 1) / QW, ng = INT4 ? K / group : 1, bpg = INT4 ? group / 32 : 1;
+  at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t m0 = 0; m0 < M; m0 += QMR)
+        qpanel_rows<INT4, QNV>(w, scale, K, ng, bpg, qa, m0, std::min<int64_t>(QMR, M - m0), t * QNV, y, N, N, bias);
   });
 }
 
 torch::Tensor linear_w8a8_panels(torch::Tensor x, torch::Tensor w, torch::Tensor scale, int64_t N,
                                  c10::optional<torch::Tensor> bias) {
-  const int64_t K = x.size(1), NP = (N + PW - 1) / PW;
+  const int64_t K = x.size(1), NP = (N + QW - 1) / QW;
   check_x(x, K);
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32");
-  TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous() && w.numel() == NP * K * PW,
-              "w must be the contiguous uint8 panels of pack_w8a8_panels for N outputs and K inputs");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == NP * PW,
+  TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous() && w.numel() == NP * K * QW,
+              "w must be the contiguous uint8 panels of to_panels_w8a8 for N outputs and K inputs");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == NP * QW,
               "scale must be float32 [N padded to the panel width]");
   auto y = torch::empty({x.size(0), N}, x.options());
   QActP qa(x.data_ptr<float>(), x.size(0), K, P8_OFFSET);
@@ -926,12 +953,12 @@ torch::Tensor linear_w8a8_panels(torch::Tensor x, torch::Tensor w, torch::Tensor
 
 torch::Tensor linear_w4a8_panels(torch::Tensor x, torch::Tensor w, torch::Tensor scale, int64_t N, int64_t group,
                                  c10::optional<torch::Tensor> bias) {
-  const int64_t K = x.size(1), NP = (N + PW - 1) / PW;
+  const int64_t K = x.size(1), NP = (N + QW - 1) / QW;
   check_x(x, K);
   TORCH_CHECK(group % 32 == 0 && K % group == 0, "group must be a multiple of 32 that divides K");
-  TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous() && w.numel() == NP * K * PW / 2,
-              "w must be the contiguous uint8 panels of pack_w4a8_panels for N outputs and K inputs");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == NP * (K / group) * PW,
+  TORCH_CHECK(w.scalar_type() == torch::kByte && w.is_contiguous() && w.numel() == NP * K * QW / 2,
+              "w must be the contiguous uint8 panels of to_panels_w4a8 for N outputs and K inputs");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == NP * (K / group) * QW,
               "scale must be float32 [panels, K/group, panel width]");
   auto y = torch::empty({x.size(0), N}, x.options());
   QActP qa(x.data_ptr<float>(), x.size(0), K, I4_OFFSET);
@@ -941,10 +968,10 @@ torch::Tensor linear_w4a8_panels(torch::Tensor x, torch::Tensor w, torch::Tensor
 }
 #endif
 
-// outputs per panel of the integer panel kernels; 0 where they are not built (the scalar build)
+// outputs per panel of the integer panel kernels' formats; 0 where they are not built (the scalar build)
 int64_t qpanel_width() {
 #if PD_Q_ISA >= 2
-  return PW;
+  return QW;
 #else
   return 0;
 #endif
@@ -1133,7 +1160,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // layer gives the same numbers as DecoderLayer.forward (tests/engine/test_fused_decode.py).
 
 // One linear layer's weights in one of the kernel formats: 0 fp32, 1 int8, 2 int4, 3 w8a8, 4 w4a8 (rows), 5 fp32
-// in oneDNN's panels, 6 w8a8 / 7 w4a8 in the integer panel formats; N is the layer's output count.
+// in oneDNN's panels, 6 w8a8 / 7 w4a8 in the integer panel formats, 8 int8 in float-style panels; N is the layer's
+// output count.
 struct KLinear {
   int64_t method;
   torch::Tensor w;
@@ -1146,6 +1174,7 @@ struct KLinear {
       case 2: return linear_int4(x, w, *scale, group, bias);
       case 3: return linear_w8a8(x, w, *scale, bias);
       case 5: return linear_panel(x, w, N, bias);
+      case 8: return linear_int8_panels(x, w, *scale, N, bias);
 #if PD_Q_ISA >= 2
       case 6: return linear_w8a8_panels(x, w, *scale, N, bias);
       case 7: return linear_w4a8_panels(x, w, *scale, N, group, bias);
@@ -1157,7 +1186,8 @@ struct KLinear {
 using KLinearSpec = std::tuple<int64_t, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, int64_t>;
 KLinear make_linear(const KLinearSpec& s) {
   KLinear l{std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s), std::get<4>(s), std::get<5>(s)};
-  TORCH_CHECK(l.method >= 0 && l.method <= (PD_Q_ISA >= 2 ? 7 : 5), "linear method out of range for this build");
+  TORCH_CHECK(l.method >= 0 && l.method <= 8 && (PD_Q_ISA >= 2 || l.method < 6 || l.method == 8),
+              "linear method out of range for this build");
   TORCH_CHECK(l.method == 0 || l.method == 5 || l.scale.has_value(), "a quantized linear needs its scale");
   return l;
 }
@@ -1270,6 +1300,7 @@ struct DecodeLayer {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp32", &linear_fp32, "y = x w^T (+ bias), w float32 [N, K]");
+  m.def("linear_int8_panels", &linear_int8_panels, "int8 weight-only in panels [NP, K, B] with scale [NP * B]");
   m.def("linear_panel", &linear_panel, "y = x W^T (+ bias), W float32 in oneDNN's panels [NP, K, B] (see the source)");
   m.def("linear_int8", &linear_int8, "y = x (w * scale)^T (+ bias), w int8 [N, K], scale [N]");
   m.def("linear_int4", &linear_int4, "y = x W^T (+ bias), W int4 group-wise (see file header)");
@@ -1294,7 +1325,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<const KLinearSpec&, const KLinearSpec&, const KLinearSpec&, const KLinearSpec&, torch::Tensor,
                           torch::Tensor, double, int64_t, int64_t, int64_t, int64_t, double>(),
            "(qkv, o, gate_up, down, in_norm, post_norm, eps, H, Hkv, D, window, sm_scale); a linear is "
-           "(method 0 fp32 | 1 int8 | 2 int4 | 3 w8a8 | 4 w4a8 | 5 fp32 panels | 6 w8a8 panels | 7 w4a8 panels, w, "
+           "(method 0 fp32 | 1 int8 | 2 int4 | 3 w8a8 | 4 w4a8 | 5 fp32 panels | 6 w8a8 panels | 7 w4a8 panels | "
+           "8 int8 panels, w, "
            "scale or None, bias or None, group, N)")
       .def("forward", &DecodeLayer::forward, "one decoder layer for T single-token decodes (see the source)");
   m.def("paged_decode_attention", &paged_decode_attention,

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, gather_decode_attention
 from engine.kernels import cpu_kernels
-from engine.quant import (dequantize_int4, dequantize_int8, dequantize_kv, fake_quantize_act, from_panels_w4a8,
-                          from_panels_w8a8, int4_levels, quantize_act, quantize_int4, quantize_int8, quantize_kv,
-                          step_order, to_panels_w4a8, to_panels_w8a8)
+from engine.quant import (dequantize_int4, dequantize_int8, dequantize_kv, fake_quantize_act, from_panels_int8,
+                          from_panels_w4a8, from_panels_w8a8, int4_levels, quantize_act, quantize_int4, quantize_int8,
+                          quantize_kv, step_order, to_panels_int8, to_panels_w4a8, to_panels_w8a8)
 
 DISABLED = os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0"
 
@@ -129,6 +129,23 @@ def test_panel_kernel_matches_float64_and_a_row_does_not_depend_on_its_batch(ker
         torch.testing.assert_close(alone, ref, rtol=1e-5, atol=1e-4)
         for M in (2, 3, 6, 7, 13, 64):  # every row tile size and remainder of both builds
             assert torch.equal(kern.linear_panel(x[:M].contiguous(), p, N, bias), alone[:M])
+
+
+@pytest.mark.parametrize("N,K", [(70, 48), (200, 272)])
+def test_int8_panel_kernel_matches_torch_and_a_row_does_not_depend_on_its_batch(kern, N, K):
+    g = torch.Generator().manual_seed(N * K)
+    w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    q, s = quantize_int8(w)
+    p, ps = to_panels_int8(q, s)
+    assert p.shape == (-(-N // 64), K, 64) and torch.equal(from_panels_int8(p, ps, N), dequantize_int8(q, s))
+    x = torch.randn(13, K, generator=g)
+    for bias in (None, b):
+        got = kern.linear_int8_panels(x, p, ps, N, bias)
+        torch.testing.assert_close(got, F.linear(x, dequantize_int8(q, s), bias), rtol=1e-5, atol=1e-4)
+        alone = torch.cat([kern.linear_int8_panels(x[i:i + 1].contiguous(), p, ps, N, bias) for i in range(13)])
+        assert torch.equal(alone, got)
+        for M in (2, 3, 6, 7):
+            assert torch.equal(kern.linear_int8_panels(x[:M].contiguous(), p, ps, N, bias), got[:M])
 
 
 def test_panel_kernel_refuses_panels_that_do_not_cover_n(kern):
