@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.kernels import cpu_kernels, onednn_panels  # noqa: E402
-from engine.quant import (quantize_int4, quantize_int8, step_order, to_panels_int8, to_panels_w4a8,  # noqa: E402
-                          to_panels_w8a8)
+from engine.quant import (quantize_int4, quantize_int8, step_order, to_panels_int4, to_panels_int8,  # noqa: E402
+                          to_panels_w4a8, to_panels_w8a8)
 
 
 def main() -> None:
@@ -51,6 +51,7 @@ def main() -> None:
     order = step_order(args.k, kern.qstep())
     q8rows = [(q[:, order].contiguous(), s) for q, s in q8]  # the row kernel's stored order
     q8i = [to_panels_int8(q, s) for q, s in q8]
+    q4i = [to_panels_int4(p, d, args.group) for p, d in q4]
     q8p = [to_panels_w8a8(q, s, pw, kern.qpanel_unsigned()) for q, s in q8] if pw else []
     q4p = [to_panels_w4a8(p, d, args.group, pw) for p, d in q4] if pw else []
     fp32_bytes = args.copies * args.n * args.k * 4
@@ -69,6 +70,7 @@ def main() -> None:
             "int8 pdserve": (lambda i: kern.linear_int8(x, *q8[i], None), fp32_bytes // 4),
             "int8 panels": (lambda i: kern.linear_int8_panels(x, *q8i[i], args.n, None), fp32_bytes // 4),
             "int4 pdserve": (lambda i: kern.linear_int4(x, *q4[i], args.group, None), fp32_bytes // 8),
+            "int4 panels": (lambda i: kern.linear_int4_panels(x, *q4i[i], args.n, args.group, None), fp32_bytes // 8),
             "w8a8 pdserve": (lambda i: kern.linear_w8a8(x, *q8rows[i], None), fp32_bytes // 4),
             "w4a8 pdserve": (lambda i: kern.linear_w4a8(x, *q4[i], args.group, None), fp32_bytes // 8),
         }

@@ -28,8 +28,8 @@ from engine.attention import AttentionMetadata, apply_rope, decode_attention, pa
 from engine.config import ModelConfig, rope_inv_freq
 from engine.kernels import cpu_kernels, onednn_panels
 from engine.quant import (ACT_BLOCK, QUANTIZATIONS, dequantize_int4, dequantize_int8, fake_quantize_act,
-                          from_panels_int8, from_panels_w4a8, from_panels_w8a8, quantize_int4, quantize_int8, step_order,
-                          to_panels_int8, to_panels_w4a8, to_panels_w8a8)
+                          from_panels_int4, from_panels_int8, from_panels_w4a8, from_panels_w8a8, quantize_int4, quantize_int8, step_order,
+                          to_panels_int4, to_panels_int8, to_panels_w4a8, to_panels_w8a8)
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,9 @@ class Linear(nn.Module):
         elif method in ("int4", "w4a8"):
             self.qweight, self.qscale = quantize_int4(w, group)
             self.qgroup = group
+            if method == "int4" and w.device.type == "cpu" and cpu_kernels() is not None:
+                self.qweight, self.qscale = to_panels_int4(self.qweight, self.qscale, group)
+                self.qpanels = True
         else:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {method!r}")
         if method in ("w8a8", "w4a8"):
@@ -158,6 +161,8 @@ class Linear(nn.Module):
                 y = k.linear_int8_panels(xf, self.qweight, self.qscale, self.out_features, bias)
             elif method == "int8":
                 y = k.linear_int8(xf, self.qweight, self.qscale, bias)
+            elif method == "int4" and self.qpanels:
+                y = k.linear_int4_panels(xf, self.qweight, self.qscale, self.out_features, self.qgroup, bias)
             elif method == "int4":
                 y = k.linear_int4(xf, self.qweight, self.qscale, self.qgroup, bias)
             elif self.qpanels and method == "w8a8":
@@ -175,6 +180,8 @@ class Linear(nn.Module):
                 w = from_panels_w8a8(self.qweight, self.qscale, self.out_features, self.qunsigned)
             elif self.qpanels and method == "int8":
                 w = from_panels_int8(self.qweight, self.qscale, self.out_features)
+            elif self.qpanels and method == "int4":
+                w = from_panels_int4(self.qweight, self.qscale, self.out_features, self.qgroup)
             elif self.qpanels:
                 w = from_panels_w4a8(self.qweight, self.qscale, self.out_features, self.qgroup)
             elif method in ("int8", "w8a8"):
@@ -251,7 +258,7 @@ class DecoderLayer(nn.Module):
 
     _METHOD_CODES = {"fp32": 0, "int8": 1, "int4": 2, "w8a8": 3, "w4a8": 4}
     _PANEL_CODE = 5  # float32 on oneDNN's packed panels (Linear.panel)
-    _QPANEL_CODES = {"w8a8": 6, "w4a8": 7, "int8": 8}  # the panel formats (Linear.qpanels)
+    _QPANEL_CODES = {"w8a8": 6, "w4a8": 7, "int8": 8, "int4": 9}  # the panel formats (Linear.qpanels)
 
     def build_fused(self) -> bool:
         """Hand this layer's weights to the C++ decode layer (engine/csrc: the same kernels, one call per

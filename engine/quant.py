@@ -23,7 +23,8 @@ engine/csrc/cpu_kernels.cpp reads:
   input's columns the same way: a dot product does not depend on the order of its terms). On AVX2 and
   AVX-512 builds the model stores them in the integer panel kernels' formats instead (``to_panels_w8a8``
   / ``to_panels_w4a8``: panels of outputs, 4 inputs per int32 lane, like oneDNN's fp32 panels); int8
-  weight-only weights likewise in ``to_panels_int8`` (oneDNN's fp32 panel layout with int8 values).
+  weight-only weights likewise in ``to_panels_int8`` / ``to_panels_int4`` (oneDNN's fp32 panel layout with
+  int8 values, or two int4 outputs per byte with the group scales beside them).
 - **int8 KV rows**: each cached (token, KV head) row of ``D`` values becomes ``D + 4`` int8 bytes: the
   values ``round(x / s)`` with ``s = max|x| / 127``, then ``s`` itself as 4 bytes of float32. The
   scale travels inside the row, so every block copy (copy-on-write, KV transfer, the gather) moves
@@ -133,6 +134,29 @@ def from_panels_int8(p: Tensor, scale: Tensor, N: int) -> Tensor:
     """The float32 [N, K] weight of ``to_panels_int8``'s format."""
     NP, K, width = p.shape
     return p.transpose(1, 2).reshape(NP * width, K)[:N].float() * scale[:N, None]
+
+
+def to_panels_int4(packed: Tensor, scale: Tensor, group: int, width: int = 64) -> tuple[Tensor, Tensor]:
+    """The int4 format + group scales [N, K/G] -> the weight-only panel format of ``linear_int4_panels``:
+    uint8 [NP, K, width/2], byte j of row k holding output j's stored nibble low and output j + width/2's
+    high; scales [NP, K/G, width] float32. Padding outputs hold level 0 (nibble 8) with scale 0."""
+    N = packed.shape[0]
+    NP = -(-N // width)
+    lv = _pad_rows(int4_levels(packed), NP * width, 8)
+    K = lv.shape[1]
+    t = lv.view(NP, width, K).transpose(1, 2)  # [NP, K, width]
+    half = width // 2
+    p = (t[:, :, :half] | (t[:, :, half:] << 4)).contiguous()
+    s = _pad_rows(scale.float(), NP * width).view(NP, width, -1).transpose(1, 2).contiguous()
+    return p, s
+
+
+def from_panels_int4(p: Tensor, scale: Tensor, N: int, group: int) -> Tensor:
+    """The float32 [N, K] weight of ``to_panels_int4``'s format."""
+    NP, K, half = p.shape
+    lv = torch.cat([p & 15, p >> 4], dim=2).transpose(1, 2).reshape(NP * 2 * half, K)[:N]
+    s = scale.transpose(1, 2).reshape(NP * 2 * half, -1)[:N]
+    return (lv.float() - 8) * s.repeat_interleave(group, dim=1)
 
 
 def to_panels_w8a8(q: Tensor, scale: Tensor, pw: int, unsigned: bool) -> tuple[Tensor, Tensor]:

@@ -343,21 +343,56 @@ constexpr int PNV = 4;  // a whole 64-wide panel step: 4 zmm
 constexpr int PMR = 6;  // 24 zmm accumulators
 #endif
 
-// The weight as it is read: float32 as is, or int8 widened in registers (its per-output scale applied once
-// at the end: int8 panels [NP, K, B] and scale [NP * B], engine/quant.py to_panels_int8).
-inline v16f panel_load(const float* p) { return load_f(p); }
-inline v16f panel_load(const int8_t* p) { return load_b(p); }
+// The weight as the panel kernel reads it, one k step (NV vectors of 16 outputs from column c of the panel)
+// per call, k increasing by one from 0: float32 as is; int8 widened in registers (its per-output scale
+// applied once at the end: [NP, K, B] and scale [NP * B], engine/quant.py to_panels_int8); int4 as
+// [NP, K, B/2] bytes, byte j of a k row holding output j (low nibble) and j + B/2 (high), stored q + 8,
+// with group scales [NP, K/G, B] (to_panels_int4), turned into (q - 8) * scale in registers.
+template <class T>
+struct PanelPlain {
+  const T* p; int64_t B;
+  template <int NV> inline void step(int64_t k, v16f* w) {
+    for (int v = 0; v < NV; ++v) w[v] = load(p + k * B + 16 * v);
+  }
+  static inline v16f load(const float* q) { return load_f(q); }
+  static inline v16f load(const int8_t* q) { return load_b(q); }
+};
+struct PanelI4 {
+  const uint8_t* p; int64_t B, c, G;
+  const float* gs;   // this panel's scales [ng, B]
+  int64_t left = 0;  // inputs left in the current group
+  template <int NV> inline void step(int64_t k, v16f* w) {
+    if (left == 0) { gs = k ? gs + B : gs; left = G; }
+    --left;
+    const uint8_t* row = p + k * (B / 2);
+    for (int v = 0; v < NV; ++v) {
+      const int64_t col = c + 16 * v;
+      const v16i q = widen_u8(row + col % (B / 2));
+      w[v] = to_f((col >= B / 2 ? q >> 4 : q & 15) - 8) * load_f(gs + col);
+      opaque(w[v]);
+    }
+  }
+  // the weight is (q - 8) * scale, rounded, before any row uses it: without this barrier fast-math may
+  // reassociate x * ((q - 8) * scale) differently in a 1-row and a 6-row tile, and a row's bits would depend
+  // on its batch (tested)
+  static inline void opaque(v16f& v) {
+#ifdef PD_V16_PAIR
+    asm("" : "+x"(v.lo), "+x"(v.hi));
+#else
+    asm("" : "+v"(v));
+#endif
+  }
+};
 
-template <class T, int NV, int MRc>
-inline void panel_tile(const T* p, int64_t K, int64_t B, const float* x, int64_t ldx, float* y,
-                       int64_t ldy, int64_t ncols, const float* scale, const float* bias) {
+template <class PA, int NV, int MRc>
+inline void panel_tile(PA pa, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t ncols,
+                       const float* scale, const float* bias) {
   v16f acc[MRc][NV];
   for (int i = 0; i < MRc; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = v16f{};
   for (int64_t k = 0; k < K; ++k) {
-    const T* pk = p + k * B;
     v16f w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = panel_load(pk + 16 * v);
+    pa.template step<NV>(k, w);
     for (int i = 0; i < MRc; ++i) {
       const v16f xb = splat(x[i * ldx + k]);
       for (int v = 0; v < NV; ++v) acc[i][v] += xb * w[v];
@@ -370,23 +405,24 @@ inline void panel_tile(const T* p, int64_t K, int64_t B, const float* x, int64_t
   }
 }
 
-template <class T, int NV>
-inline void panel_rows(const T* p, int64_t K, int64_t B, const float* x, int64_t ldx, int64_t mr, float* y,
+template <class PA, int NV>
+inline void panel_rows(const PA& pa, int64_t K, const float* x, int64_t ldx, int64_t mr, float* y,
                        int64_t ldy, int64_t ncols, const float* scale, const float* bias) {
   switch (mr) {
-    case 1: panel_tile<T, NV, 1>(p, K, B, x, ldx, y, ldy, ncols, scale, bias); break;
-    case 2: panel_tile<T, NV, 2>(p, K, B, x, ldx, y, ldy, ncols, scale, bias); break;
+    case 1: panel_tile<PA, NV, 1>(pa, K, x, ldx, y, ldy, ncols, scale, bias); break;
+    case 2: panel_tile<PA, NV, 2>(pa, K, x, ldx, y, ldy, ncols, scale, bias); break;
 #ifndef PD_V16_PAIR
-    case 3: panel_tile<T, NV, 3>(p, K, B, x, ldx, y, ldy, ncols, scale, bias); break;
-    case 4: panel_tile<T, NV, 4>(p, K, B, x, ldx, y, ldy, ncols, scale, bias); break;
-    case 5: panel_tile<T, NV, 5>(p, K, B, x, ldx, y, ldy, ncols, scale, bias); break;
+    case 3: panel_tile<PA, NV, 3>(pa, K, x, ldx, y, ldy, ncols, scale, bias); break;
+    case 4: panel_tile<PA, NV, 4>(pa, K, x, ldx, y, ldy, ncols, scale, bias); break;
+    case 5: panel_tile<PA, NV, 5>(pa, K, x, ldx, y, ldy, ncols, scale, bias); break;
 #endif
-    default: panel_tile<T, NV, PMR>(p, K, B, x, ldx, y, ldy, ncols, scale, bias); break;
+    default: panel_tile<PA, NV, PMR>(pa, K, x, ldx, y, ldy, ncols, scale, bias); break;
   }
 }
 
-template <class T>
-void panel_linear(const T* pp, int64_t NP, int64_t K, int64_t B, const float* xp, int64_t M, float* yp, int64_t N,
+// make(panel, c): the accessor of panel `panel` from its column c
+template <class Make>
+void panel_linear(Make make, int64_t NP, int64_t K, int64_t B, const float* xp, int64_t M, float* yp, int64_t N,
                   const float* sp, const float* bp) {
   const int64_t TW = 16 * PNV, per_panel = (B + TW - 1) / TW;
   at::parallel_for(0, NP * per_panel, 1, [&](int64_t t0, int64_t t1) {
@@ -394,15 +430,14 @@ void panel_linear(const T* pp, int64_t NP, int64_t K, int64_t B, const float* xp
       const int64_t panel = t / per_panel, c = (t % per_panel) * TW;  // first column of the tile in its panel
       const int64_t n = panel * B + c, ncols = std::min<int64_t>({TW, B - c, N - n});
       if (ncols <= 0) continue;
-      const T* pt = pp + panel * K * B + c;
       const float* s = sp ? sp + n : nullptr;
       for (int64_t m0 = 0; m0 < M; m0 += PMR) {
         const int64_t mr = std::min<int64_t>(PMR, M - m0);
         const float* b = bp ? bp + n : nullptr;
-        if (B - c >= TW) panel_rows<T, PNV>(pt, K, B, xp + m0 * K, K, mr, yp + m0 * N + n, N, ncols, s, b);
+        if (B - c >= TW) panel_rows<decltype(make(panel, c)), PNV>(make(panel, c), K, xp + m0 * K, K, mr, yp + m0 * N + n, N, ncols, s, b);
         else for (int64_t j = 0; j < B - c && j < N - n; j += 16)  // a panel narrower than the tile
-          panel_rows<T, 1>(pt + j, K, B, xp + m0 * K, K, mr, yp + m0 * N + n + j, N,
-                           std::min<int64_t>(16, N - n - j), s ? s + j : nullptr, b ? b + j : nullptr);
+          panel_rows<decltype(make(panel, c)), 1>(make(panel, c + j), K, xp + m0 * K, K, mr, yp + m0 * N + n + j, N,
+                                                  std::min<int64_t>(16, N - n - j), s ? s + j : nullptr, b ? b + j : nullptr);
       }
     }
   });
@@ -421,8 +456,10 @@ torch::Tensor linear_panel(torch::Tensor x, torch::Tensor p, int64_t N, c10::opt
   check_panels(x, p, N);
   TORCH_CHECK(p.scalar_type() == torch::kFloat, "p must be float32");
   auto y = torch::empty({x.size(0), N}, x.options());
-  panel_linear(p.data_ptr<float>(), p.size(0), p.size(1), p.size(2), x.data_ptr<float>(), x.size(0), y.data_ptr<float>(),
-               N, nullptr, bias_ptr(bias, N));
+  const float* pp = p.data_ptr<float>();
+  const int64_t K = p.size(1), B = p.size(2);
+  panel_linear([&](int64_t panel, int64_t c) { return PanelPlain<float>{pp + panel * K * B + c, B}; }, p.size(0), K, B,
+               x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), N, nullptr, bias_ptr(bias, N));
   return y;
 }
 
@@ -434,8 +471,30 @@ torch::Tensor linear_int8_panels(torch::Tensor x, torch::Tensor p, torch::Tensor
   TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == p.size(0) * p.size(2),
               "scale must be float32 [panels * B]");
   auto y = torch::empty({x.size(0), N}, x.options());
-  panel_linear(p.data_ptr<int8_t>(), p.size(0), p.size(1), p.size(2), x.data_ptr<float>(), x.size(0),
-               y.data_ptr<float>(), N, scale.data_ptr<float>(), bias_ptr(bias, N));
+  const int8_t* pp = p.data_ptr<int8_t>();
+  const int64_t K = p.size(1), B = p.size(2);
+  panel_linear([&](int64_t panel, int64_t c) { return PanelPlain<int8_t>{pp + panel * K * B + c, B}; }, p.size(0), K, B,
+               x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), N, scale.data_ptr<float>(), bias_ptr(bias, N));
+  return y;
+}
+
+// int4 weight-only in panels: p [NP, K, B/2] uint8, scale [NP, K/group, B] (see PanelI4).
+torch::Tensor linear_int4_panels(torch::Tensor x, torch::Tensor p, torch::Tensor scale, int64_t N, int64_t group,
+                                 c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(p.dim() == 3 && p.is_contiguous() && p.scalar_type() == torch::kByte, "p must be contiguous uint8 [panels, K, B/2]");
+  const int64_t NP = p.size(0), K = p.size(1), B = 2 * p.size(2);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(1) == K,
+              "x must be a contiguous float32 [M, ", K, "] tensor");
+  TORCH_CHECK(B % 32 == 0 && N > (NP - 1) * B && N <= NP * B, "panels of B % 32 == 0 outputs must cover N");
+  TORCH_CHECK(group > 0 && K % group == 0, "group must divide K");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == NP * (K / group) * B,
+              "scale must be float32 [panels, K/group, B]");
+  auto y = torch::empty({x.size(0), N}, x.options());
+  const uint8_t* pp = p.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  const int64_t ng = K / group;
+  panel_linear([&](int64_t panel, int64_t c) { return PanelI4{pp + panel * K * (B / 2), B, c, group, sp + panel * ng * B}; },
+               NP, K, B, x.data_ptr<float>(), x.size(0), y.data_ptr<float>(), N, nullptr, bias_ptr(bias, N));
   return y;
 }
 
@@ -1160,8 +1219,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // layer gives the same numbers as DecoderLayer.forward (tests/engine/test_fused_decode.py).
 
 // One linear layer's weights in one of the kernel formats: 0 fp32, 1 int8, 2 int4, 3 w8a8, 4 w4a8 (rows), 5 fp32
-// in oneDNN's panels, 6 w8a8 / 7 w4a8 in the integer panel formats, 8 int8 in float-style panels; N is the layer's
-// output count.
+// in oneDNN's panels, 6 w8a8 / 7 w4a8 in the integer panel formats, 8 int8 / 9 int4 in float-style panels; N is
+// the layer's output count.
 struct KLinear {
   int64_t method;
   torch::Tensor w;
@@ -1175,6 +1234,7 @@ struct KLinear {
       case 3: return linear_w8a8(x, w, *scale, bias);
       case 5: return linear_panel(x, w, N, bias);
       case 8: return linear_int8_panels(x, w, *scale, N, bias);
+      case 9: return linear_int4_panels(x, w, *scale, N, group, bias);
 #if PD_Q_ISA >= 2
       case 6: return linear_w8a8_panels(x, w, *scale, N, bias);
       case 7: return linear_w4a8_panels(x, w, *scale, N, group, bias);
@@ -1186,7 +1246,7 @@ struct KLinear {
 using KLinearSpec = std::tuple<int64_t, torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, int64_t>;
 KLinear make_linear(const KLinearSpec& s) {
   KLinear l{std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s), std::get<4>(s), std::get<5>(s)};
-  TORCH_CHECK(l.method >= 0 && l.method <= 8 && (PD_Q_ISA >= 2 || l.method < 6 || l.method == 8),
+  TORCH_CHECK(l.method >= 0 && l.method <= 9 && (PD_Q_ISA >= 2 || l.method < 6 || l.method >= 8),
               "linear method out of range for this build");
   TORCH_CHECK(l.method == 0 || l.method == 5 || l.scale.has_value(), "a quantized linear needs its scale");
   return l;
@@ -1300,6 +1360,7 @@ struct DecodeLayer {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp32", &linear_fp32, "y = x w^T (+ bias), w float32 [N, K]");
+  m.def("linear_int4_panels", &linear_int4_panels, "int4 weight-only in panels [NP, K, B/2] with group scales [NP, K/G, B]");
   m.def("linear_int8_panels", &linear_int8_panels, "int8 weight-only in panels [NP, K, B] with scale [NP * B]");
   m.def("linear_panel", &linear_panel, "y = x W^T (+ bias), W float32 in oneDNN's panels [NP, K, B] (see the source)");
   m.def("linear_int8", &linear_int8, "y = x (w * scale)^T (+ bias), w int8 [N, K], scale [N]");
@@ -1326,7 +1387,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           torch::Tensor, double, int64_t, int64_t, int64_t, int64_t, double>(),
            "(qkv, o, gate_up, down, in_norm, post_norm, eps, H, Hkv, D, window, sm_scale); a linear is "
            "(method 0 fp32 | 1 int8 | 2 int4 | 3 w8a8 | 4 w4a8 | 5 fp32 panels | 6 w8a8 panels | 7 w4a8 panels | "
-           "8 int8 panels, w, "
+           "8 int8 panels | 9 int4 panels, w, "
            "scale or None, bias or None, group, N)")
       .def("forward", &DecodeLayer::forward, "one decoder layer for T single-token decodes (see the source)");
   m.def("paged_decode_attention", &paged_decode_attention,

@@ -14,9 +14,11 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, gather_decode_attention
 from engine.kernels import cpu_kernels
-from engine.quant import (dequantize_int4, dequantize_int8, dequantize_kv, fake_quantize_act, from_panels_int8,
+from engine.quant import (dequantize_int4, dequantize_int8, dequantize_kv, fake_quantize_act, from_panels_int4,
+                          from_panels_int8,
                           from_panels_w4a8, from_panels_w8a8, int4_levels, quantize_act, quantize_int4, quantize_int8,
-                          quantize_kv, step_order, to_panels_int8, to_panels_w4a8, to_panels_w8a8)
+                          quantize_kv, step_order, to_panels_int4, to_panels_int8, to_panels_w4a8,
+                          to_panels_w8a8)
 
 DISABLED = os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0"
 
@@ -146,6 +148,25 @@ def test_int8_panel_kernel_matches_torch_and_a_row_does_not_depend_on_its_batch(
         assert torch.equal(alone, got)
         for M in (2, 3, 6, 7):
             assert torch.equal(kern.linear_int8_panels(x[:M].contiguous(), p, ps, N, bias), got[:M])
+
+
+@pytest.mark.parametrize("group", [32, 96])  # 96: a group that is not a power of two
+def test_int4_panel_kernel_matches_torch_and_a_row_does_not_depend_on_its_batch(kern, group):
+    N, K = 90, 288
+    g = torch.Generator().manual_seed(group)
+    w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    p4, d4 = quantize_int4(w, group)
+    p, ps = to_panels_int4(p4, d4, group)
+    assert p.shape == (2, K, 32) and ps.shape == (2, K // group, 64)
+    assert torch.equal(from_panels_int4(p, ps, N, group), dequantize_int4(p4, d4, group))
+    x = torch.randn(13, K, generator=g)
+    for bias in (None, b):
+        got = kern.linear_int4_panels(x, p, ps, N, group, bias)
+        torch.testing.assert_close(got, F.linear(x, dequantize_int4(p4, d4, group), bias), rtol=1e-5, atol=1e-4)
+        alone = torch.cat([kern.linear_int4_panels(x[i:i + 1].contiguous(), p, ps, N, group, bias) for i in range(13)])
+        assert torch.equal(alone, got)
+        for M in (2, 3, 6, 7):
+            assert torch.equal(kern.linear_int4_panels(x[:M].contiguous(), p, ps, N, group, bias), got[:M])
 
 
 def test_panel_kernel_refuses_panels_that_do_not_cover_n(kern):
