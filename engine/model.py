@@ -28,8 +28,8 @@ from engine.attention import AttentionMetadata, apply_rope, decode_attention, pa
 from engine.config import ModelConfig, rope_inv_freq
 from engine.kernels import cpu_kernels, onednn_panels
 from engine.quant import (ACT_BLOCK, QUANTIZATIONS, dequantize_int4, dequantize_int8, fake_quantize_act,
-                          from_panels_int4, from_panels_int8, from_panels_w4a8, from_panels_w8a8, quantize_int4, quantize_int8, step_order,
-                          to_panels_int4, to_panels_int8, to_panels_w4a8, to_panels_w8a8)
+                          from_panels_int4, from_panels_int8, from_panels_w4a8, from_panels_w8a8, quantize_int4,
+                          quantize_int8, step_order, to_panels_int4, to_panels_int8, to_panels_w4a8, to_panels_w8a8)
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: Optional[Tensor] = None
         self.panel: Optional[Tensor] = None  # float32 [NP, K, B] view of `packed` for linear_panel (not owning it)
-        self.qweight: Optional[Tensor] = None  # int8 [N, K] or packed int4 [N, K/2]
+        self.qweight: Optional[Tensor] = None  # a panel format on CPU with kernels, else int8 [N, K] / int4 [N, K/2]
         self.qscale: Optional[Tensor] = None
         self.qmethod: Optional[str] = None
         self.qgroup = 0
@@ -157,14 +157,10 @@ class Linear(nn.Module):
             xf = x2.float().contiguous()
             if method == "fp32":
                 y = k.linear_fp32(xf, self.qweight, bias)
-            elif method == "int8" and self.qpanels:
+            elif method == "int8":  # (stored in panels wherever the kernels exist)
                 y = k.linear_int8_panels(xf, self.qweight, self.qscale, self.out_features, bias)
-            elif method == "int8":
-                y = k.linear_int8(xf, self.qweight, self.qscale, bias)
-            elif method == "int4" and self.qpanels:
-                y = k.linear_int4_panels(xf, self.qweight, self.qscale, self.out_features, self.qgroup, bias)
             elif method == "int4":
-                y = k.linear_int4(xf, self.qweight, self.qscale, self.qgroup, bias)
+                y = k.linear_int4_panels(xf, self.qweight, self.qscale, self.out_features, self.qgroup, bias)
             elif self.qpanels and method == "w8a8":
                 y = k.linear_w8a8_panels(xf, self.qweight, self.qscale, self.out_features, bias)
             elif self.qpanels:

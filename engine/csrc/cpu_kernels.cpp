@@ -376,10 +376,12 @@ struct PanelI4 {
   // reassociate x * ((q - 8) * scale) differently in a 1-row and a 6-row tile, and a row's bits would depend
   // on its batch (tested)
   static inline void opaque(v16f& v) {
-#ifdef PD_V16_PAIR
+#if defined(PD_V16_PAIR)
     asm("" : "+x"(v.lo), "+x"(v.hi));
-#else
+#elif defined(__AVX512F__)
     asm("" : "+v"(v));
+#else
+    asm("" : "+m"(v));  // without AVX-512 or AVX2 a 64-byte vector lives in memory
 #endif
   }
 };
@@ -888,21 +890,8 @@ struct QActP {
   }
 };
 
-// dot for the panel formats: VNNI takes the stored unsigned bytes; plain AVX2 w8a8 stores q signed and
-// multiplies |q| by a with q's sign (pair sums stay within int16); int4 nibbles (<= 15) go straight in
-inline qiv pdot8(qiv acc, qiv w, qiv a) {
-#ifdef PD_Q_VNNI
-  return dot_us(acc, w, a);
-#else
-  __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(a, w));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-#endif
-}
-#ifdef PD_Q_VNNI
-constexpr int P8_OFFSET = 128;
-#else
-constexpr int P8_OFFSET = 0;
-#endif
+// The w8a8 panels store their bytes as the row format does (q ^ 0x80 with VNNI, q without), so their dot and
+// lane offset are I8Q's; int4 nibbles (<= 15) go straight into dot_us.
 
 // y[m0 .. m0+MRc-1, NV panels from panel p0]: INT4 selects the w4a8 format
 template <bool INT4, int NV, int MRc>
@@ -947,7 +936,7 @@ inline void qpanel_tile(const uint8_t* w, const float* scale, int64_t K, int64_t
         for (int v = 0; v < NV; ++v) wv[v] = qload(wt + q * step + v * VB);
         for (int i = 0; i < MRc; ++i) {
           const qiv ab = qbcast(qa.a.data() + (m0 + i) * K + q * 4);
-          for (int v = 0; v < NV; ++v) iacc[i][v] = pdot8(iacc[i][v], wv[v], ab);
+          for (int v = 0; v < NV; ++v) iacc[i][v] = I8Q::dot(iacc[i][v], wv[v], ab);
         }
       }
       for (int i = 0; i < MRc; ++i) {
@@ -1004,7 +993,7 @@ torch::Tensor linear_w8a8_panels(torch::Tensor x, torch::Tensor w, torch::Tensor
   TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == NP * QW,
               "scale must be float32 [N padded to the panel width]");
   auto y = torch::empty({x.size(0), N}, x.options());
-  QActP qa(x.data_ptr<float>(), x.size(0), K, P8_OFFSET);
+  QActP qa(x.data_ptr<float>(), x.size(0), K, I8_OFFSET);
   qpanel_linear<false>(w.data_ptr<uint8_t>(), scale.data_ptr<float>(), K, N, 0, qa, x.size(0), y.data_ptr<float>(),
                        bias_ptr(bias, N));
   return y;
