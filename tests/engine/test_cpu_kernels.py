@@ -13,12 +13,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, gather_decode_attention
-from engine.kernels import cpu_kernels
+from engine.kernels import cpu_isa_flags, cpu_kernels, onednn_panels
 from engine.quant import (dequantize_int4, dequantize_int8, dequantize_kv, fake_quantize_act, from_panels_int4,
-                          from_panels_int8,
-                          from_panels_w4a8, from_panels_w8a8, int4_levels, quantize_act, quantize_int4, quantize_int8,
-                          quantize_kv, step_order, to_panels_int4, to_panels_int8, to_panels_w4a8,
-                          to_panels_w8a8)
+                          from_panels_int8, from_panels_w4a8, from_panels_w8a8, int4_levels, quantize_act,
+                          quantize_int4, quantize_int8, quantize_kv, step_order, to_panels_int4, to_panels_int8,
+                          to_panels_w4a8, to_panels_w8a8)
 
 DISABLED = os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0"
 
@@ -178,7 +177,6 @@ def test_panel_kernel_refuses_panels_that_do_not_cover_n(kern):
 
 
 def test_onednn_panels_reads_the_packed_weight_and_refuses_what_is_not_it(kern):
-    from engine.kernels import onednn_panels
     g = torch.Generator().manual_seed(5)
     for N, K in ((200, 96), (128, 64)):
         w = torch.randn(N, K, generator=g)
@@ -186,9 +184,9 @@ def test_onednn_panels_reads_the_packed_weight_and_refuses_what_is_not_it(kern):
         view = onednn_panels(packed, w)
         if view is None:
             # oneDNN picked another layout; only acceptable off the x86 builds this was measured on
-            assert "avx2" not in " ".join(cpu_isa_flags_for_test()), "torch 2.13's oneDNN packs in panels on AVX2/AVX-512"
+            assert "avx2" not in cpu_isa_flags(), "torch 2.13's oneDNN packs in panels on AVX2/AVX-512"
             continue
-        assert torch.equal(view[:, :, :].transpose(1, 2).reshape(-1, K)[:N], w)
+        assert torch.equal(view.transpose(1, 2).reshape(-1, K)[:N], w)
         x = torch.randn(5, K, generator=g)
         torch.testing.assert_close(kern.linear_panel(x, view, N, None), F.linear(x, w), rtol=1e-5, atol=1e-4)
         # a dense weight that is not the packed one, its transpose, or a plain tensor: no view
@@ -197,11 +195,6 @@ def test_onednn_panels_reads_the_packed_weight_and_refuses_what_is_not_it(kern):
         assert onednn_panels(packed, other) is None
         assert onednn_panels(packed, w.t().contiguous()) is None
         assert onednn_panels(w, w) is None
-
-
-def cpu_isa_flags_for_test() -> list[str]:
-    from engine.kernels import cpu_isa_flags
-    return cpu_isa_flags()
 
 
 # ---- integer-dot (w8a8 / w4a8) kernels -----------------------------------------------------------------
