@@ -92,10 +92,13 @@ class Linear(nn.Module):
     def quantize(self, method: str, group: int = 128) -> None:
         """Replace the float weight by its weight-only quantized form (engine/quant.py), once, at load.
 
-        Forward then runs pdserve's CPU kernel for up to ``SMALL_M[method]`` rows (decode: reads 1/4 or 1/8
-        of the fp32 bytes) and dequantize + GEMM above that (prefill is compute-bound: the one
-        dequantization per call is small next to the GEMM), or dequantize + GEMM everywhere when the
-        kernels are not built (other devices, no compiler). 'w8a8' / 'w4a8' store the int8 / int4 weights
+        Forward then runs pdserve's CPU kernel: for any number of rows where the weights are stored in one of
+        the kernels' panel formats (``qpanels``: int8 / int4 wherever the kernels are built, w8a8 / w4a8 on
+        AVX2 / AVX-512), since there the kernel also beats dequantize + GEMM at prefill sizes (1.1x for
+        int8 / int4, 2-3x for w8a8 / w4a8 at 2048 rows, docs/benchmarks.md run Q) and no float copy of the
+        layer is made; otherwise for up to ``SMALL_M[method]`` rows (decode: reads 1/4 or 1/8 of the fp32
+        bytes) and dequantize + GEMM above that, or dequantize + GEMM everywhere when the kernels are not
+        built (other devices, no compiler). 'w8a8' / 'w4a8' store the int8 / int4 weights
         and also round the input to int8 per 32 values (engine/quant.py quantize_act): the kernel does
         integer dots; the GEMM path applies the same rounding to x first, so both give the same numbers."""
         w = self.weight_t.detach().t()
@@ -140,9 +143,10 @@ class Linear(nn.Module):
         self.qmethod = method
         self.register_parameter("weight_t", None)
 
-    # Most rows that run through pdserve's kernel; more go to one float GEMM (MKL). Quantized weights must
-    # be dequantized for that GEMM (a full write and read of the layer in float32 per call), so they stay
-    # in the kernel longer (docs/benchmarks.md, runs G and H; benchmarks/cpu_linear.py).
+    # Most rows that run through pdserve's kernel where the weights are not in panels (see quantize); more
+    # go to one float GEMM (MKL). Quantized weights must be dequantized for that GEMM (a full write and read
+    # of the layer in float32 per call), so they stay in the kernel longer (docs/benchmarks.md, runs G and
+    # H; benchmarks/cpu_linear.py).
     SMALL_M = {"fp32": 32, "int8": 64, "int4": 64, "w8a8": 64, "w4a8": 64}
 
     def _quantized_forward(self, x: Tensor) -> Tensor:
@@ -153,7 +157,7 @@ class Linear(nn.Module):
         method = self.qmethod
         if method in ("w8a8", "w4a8") and not self.qkernel:
             k = None
-        if k is not None and x2.shape[0] <= self.SMALL_M[method]:
+        if k is not None and (self.qpanels or x2.shape[0] <= self.SMALL_M[method]):
             xf = x2.float().contiguous()
             if method == "fp32":
                 y = k.linear_fp32(xf, self.qweight, bias)

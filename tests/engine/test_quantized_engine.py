@@ -142,11 +142,21 @@ def test_w4a8_keeps_the_lm_head_at_w8a8():
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "w8a8", "w4a8"])
-def test_quantized_prefill_gemm_and_decode_kernel_compute_the_same_model(method):
-    """Chunks of 128 rows take the dequantize + GEMM path, chunks of 16 the kernel: same log-probabilities."""
+def test_quantized_prefill_gemm_and_decode_kernel_compute_the_same_model(method, monkeypatch):
+    """The dequantize + GEMM path (chunks of 128 rows with the kernels hidden: what runs where they are not
+    built, or above SMALL_M rows for weights not in panels) and the kernels (chunks of 16): same
+    log-probabilities."""
+    import engine.model
     eng = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=128, quantization=method))
     ids = eng.tokenizer.encode(TEXT)
-    small, big = prompt_logprobs(eng, ids, chunk_size=16), prompt_logprobs(eng, ids, chunk_size=128)
+    small = prompt_logprobs(eng, ids, chunk_size=16)
+    with monkeypatch.context() as m:
+        m.setattr(engine.model, "cpu_kernels", lambda: None)
+        for mod in eng.runner.model.modules():  # the norm and silu kernels too
+            for flag in ("use_kernel", "kernel_small_ops"):
+                if getattr(mod, flag, False):
+                    m.setattr(mod, flag, False)
+        big = prompt_logprobs(eng, ids, chunk_size=128)
     if method in ("int8", "int4"):
         torch.testing.assert_close(big[0], small[0], rtol=0, atol=2e-4)
         return
@@ -158,6 +168,35 @@ def test_quantized_prefill_gemm_and_decode_kernel_compute_the_same_model(method)
     d = (big[0] - small[0]).abs()
     assert d.mean().item() < 0.0045 and d.quantile(0.99).item() < 0.025, (d.mean().item(), d.quantile(0.99).item())
     assert (big[1] == small[1]).float().mean().item() >= 0.98
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "w8a8", "w4a8"])
+def test_weights_in_panels_run_on_the_kernel_at_prefill_sizes_too(method):
+    """Weights stored in the kernels' panels take the kernel at any number of rows (it beats dequantize +
+    GEMM there too, docs/benchmarks.md run Q): a row of a 200-row product has the bits it has alone, as a
+    decode row. The dequantize + GEMM path gives other bits (it rounds differently), so this fails if
+    prefill-sized products leave the kernel."""
+    import torch.nn.functional as F
+    from engine.model import Linear
+    k = cpu_kernels()
+    if k is None:
+        pytest.skip("pdserve's CPU kernels are not built here")
+    g = torch.Generator().manual_seed(7)
+    lin = Linear(256, 160, bias=True)
+    with torch.no_grad():
+        lin.weight_t.copy_(torch.randn(256, 160, generator=g))  # [in, out]
+        lin.bias.copy_(torch.randn(160, generator=g))
+    w = lin.weight_t.detach().t().clone()
+    lin.quantize(method, group=64)
+    if not lin.qpanels:
+        pytest.skip(f"{method} is not stored in panels on this build")
+    x = torch.randn(200, 256, generator=g)
+    y = lin(x)
+    for i in (0, 77, 199):
+        assert torch.equal(lin(x[i:i + 1]), y[i:i + 1])
+    # and it is the product of the quantized weight (4-bit rounding of w: a loose bound, far below |y|)
+    err = (y - F.linear(x, w, lin.bias)).abs().mean() / y.abs().mean()
+    assert err < (0.02 if method in ("int8", "w8a8") else 0.2), err.item()
 
 
 def test_a_w4a8_group_of_64_runs_on_the_integer_kernels(caplog):
