@@ -94,11 +94,11 @@ class Linear(nn.Module):
 
         Forward then runs pdserve's CPU kernel: for any number of rows where the weights are stored in one of
         the kernels' panel formats (``qpanels``: int8 / int4 wherever the kernels are built, w8a8 / w4a8 on
-        AVX2 / AVX-512), since there the kernel also beats dequantize + GEMM at prefill sizes (1.1x for
-        int8 / int4, 2-3x for w8a8 / w4a8 at 2048 rows, docs/benchmarks.md run Q) and no float copy of the
-        layer is made; otherwise for up to ``SMALL_M[method]`` rows (decode: reads 1/4 or 1/8 of the fp32
-        bytes) and dequantize + GEMM above that, or dequantize + GEMM everywhere when the kernels are not
-        built (other devices, no compiler). 'w8a8' / 'w4a8' store the int8 / int4 weights
+        AVX2 / AVX-512), since there the kernel also beats dequantize + GEMM at prefill sizes (1.2-4.7x for
+        int8 / int4, 2.3-17x for w8a8 / w4a8 from 2048 down to 128 rows; benchmarks/quant_prefill_linears.py,
+        docs/benchmarks.md run R) and no float copy of the layer is made; otherwise for up to
+        ``SMALL_M[method]`` rows (decode: reads 1/4 or 1/8 of the fp32 bytes) and dequantize + GEMM above
+        that, or dequantize + GEMM everywhere when the kernels are not built (other devices, no compiler). 'w8a8' / 'w4a8' store the int8 / int4 weights
         and also round the input to int8 per 32 values (engine/quant.py quantize_act): the kernel does
         integer dots; the GEMM path applies the same rounding to x first, so both give the same numbers."""
         w = self.weight_t.detach().t()
