@@ -48,6 +48,13 @@ inline v16i operator>>(v16i a, int n) { return {a.lo >> n, a.hi >> n}; }
 inline v16i operator<<(v16i a, int n) { return {a.lo << n, a.hi << n}; }
 inline v16i operator&(v16i a, int n) { return {a.lo & n, a.hi & n}; }
 inline v16i operator-(v16i a, int n) { return {a.lo - n, a.hi - n}; }
+inline v16f operator-(v16f a, v16f b) { return {a.lo - b.lo, a.hi - b.hi}; }
+inline v16f operator+(v16f a, float b) { return {a.lo + b, a.hi + b}; }
+inline v16f operator-(v16f a, float b) { return {a.lo - b, a.hi - b}; }
+inline v16i operator+(v16i a, int n) { return {a.lo + n, a.hi + n}; }
+inline v16i operator-(v16i a, v16i b) { return {a.lo - b.lo, a.hi - b.hi}; }
+inline v16f vmax(v16f a, v16f b) { return {a.lo > b.lo ? a.lo : b.lo, a.hi > b.hi ? a.hi : b.hi}; }
+inline v16f vmin(v16f a, v16f b) { return {a.lo < b.lo ? a.lo : b.lo, a.hi < b.hi ? a.hi : b.hi}; }
 inline v16f load_f(const float* p) { v8f a, b; std::memcpy(&a, p, 32); std::memcpy(&b, p + 8, 32); return {a, b}; }
 inline void store_f(float* p, v16f v) { std::memcpy(p, &v.lo, 32); std::memcpy(p + 8, &v.hi, 32); }
 inline v16f splat(float x) { return {v8f{} + x, v8f{} + x}; }
@@ -57,7 +64,43 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 inline v16f load_f(const float* p) { v16f v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store_f(float* p, v16f v) { std::memcpy(p, &v, sizeof v); }
 inline v16f splat(float x) { return v16f{} + x; }
+inline v16f vmax(v16f a, v16f b) { return a > b ? a : b; }
+inline v16f vmin(v16f a, v16f b) { return a < b ? a : b; }
 #endif
+inline v16i as_i(v16f v) { v16i r; std::memcpy(&r, &v, sizeof r); return r; }
+inline v16f as_f(v16i v) { v16f r; std::memcpy(&r, &v, sizeof r); return r; }
+// A compiler barrier: v is computed here, as written, before any later use (no instruction is emitted);
+// -ffast-math may not fold or reassociate across it.
+__attribute__((always_inline)) inline void opaque(v16f& v) {
+#if defined(PD_V16_PAIR)
+  asm("" : "+x"(v.lo), "+x"(v.hi));
+#elif defined(__AVX512F__)
+  asm("" : "+v"(v));
+#else
+  asm("" : "+m"(v));  // without AVX-512 or AVX2 a 64-byte vector lives in memory
+#endif
+}
+// e^x in 16 lanes: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n), x
+// clamped to [-87.3, 88.3] so 2^n stays a normal float; relative error within a few ulp of std::exp. One
+// call replaces 16 calls of libm's scalar expf (the softmax of paged decode attention).
+inline v16f exp16(v16f x) {
+  x = vmin(vmax(x, splat(-87.3f)), splat(88.3f));
+  const float magic = 12582912.f;  // 1.5 * 2^23: x * log2(e) + magic holds round(x * log2(e)) in its low bits
+  v16f t = x * 1.44269504088896341f + magic;
+  opaque(t);  // fast-math would fold (t - magic) back into x * log2(e)
+  const v16f n = t - magic;
+  v16f r = x - n * 0.693359375f;  // ln 2 in two parts (Cody-Waite), kept apart
+  opaque(r);
+  r = r - n * -2.12194440e-4f;
+  v16f p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  return p * as_f(((as_i(t) - as_i(splat(magic))) + 127) << 23);
+}
 // Widening loads of 16 narrow integers into 16 int32 lanes. GCC lowers __builtin_convertvector of
 // 8- and 16-bit vectors lane by lane, so these use the one-instruction widening moves directly.
 #ifndef PD_V16_PAIR
@@ -1187,17 +1230,22 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     for (int64_t i = 0; i < (ctx + bs - 1) / bs; ++i)
       TORCH_CHECK(bt[b * maxb + i] >= 0 && bt[b * maxb + i] < NB, "block id out of range");
   }
-  auto run = [&](auto kind_c) {
+  // DVC: D / 16 where it is known at compile time (head_dim 64 or 128: the accumulators of a query head
+  // then live in registers), 0 otherwise
+  auto run = [&](auto kind_c, auto dv_c) {
   constexpr KV KIND = decltype(kind_c)::value;
+  constexpr int DVC = decltype(dv_c)::value;
+  const int64_t DV = DVC ? DVC : D / 16;
   using R = Row<KIND>;
+  constexpr int T = 16;  // tokens per block of V
   at::parallel_for(0, B * Hkv, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> scores;
-    std::vector<v16f> acc(G * (D / 16));
+    std::vector<float> scores, vbuf(KIND == KV::F32 ? 0 : T * D);
+    std::vector<v16f> acc(G * DV);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b = p / Hkv, h = p % Hkv, ctx = lens[b];
       const int64_t start = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;
-      const int64_t L = ctx - start;
-      scores.resize(G * L);
+      const int64_t L = ctx - start, Lp = (L + 15) / 16 * 16;  // Lp: L padded to whole vectors
+      scores.resize(G * Lp);
       auto row = [&](const uint8_t* base, int64_t t) {
         const int64_t blk = bt[b * maxb + t / bs];
         return R{base + ((blk * bs + t % bs) * Hkv + h) * row_bytes, D};
@@ -1209,16 +1257,26 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
         R ks[16];
         float kscale[16];
         for (int j = 0; j < 16; ++j) { ks[j] = row(kb, start + t + j); kscale[j] = ks[j].scale() * scale; }
+        // the cache rows of a block are Hkv rows apart and blocks lie anywhere: fetch the next 16 K rows and
+        // these tokens' V rows (read by the output pass) while this block computes
+        for (int j = 0; j < 16; ++j) {
+          const uint8_t* vr = row(vb, start + t + j).p;
+          for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(vr + o, 0, 3);
+          if (t + 16 + j < L) {
+            const uint8_t* kr = row(kb, start + t + 16 + j).p;
+            for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(kr + o, 0, 3);
+          }
+        }
         const v16f sv = load_f(kscale);
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qp + (b * H + h * G + g) * D;
           v16f s[16];
           for (int j = 0; j < 16; ++j) s[j] = v16f{};
-          for (int64_t d = 0; d < D; d += 16) {
+          for (int64_t d = 0; d < DV * 16; d += 16) {
             const v16f qv = load_f(qg + d);
             for (int j = 0; j < 16; ++j) s[j] += qv * ks[j].at(d);
           }
-          store_f(scores.data() + g * L + t, reduce16(s) * sv);
+          store_f(scores.data() + g * Lp + t, reduce16(s) * sv);
         }
       }
       for (; t < L; ++t) {
@@ -1226,39 +1284,81 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
         const float ksc = k.scale() * scale;
         for (int64_t g = 0; g < G; ++g) {
           v16f a{};
-          for (int64_t d = 0; d < D; d += 16) a += load_f(qp + (b * H + h * G + g) * D + d) * k.at(d);
-          scores[g * L + t] = hsum(a) * ksc;
+          for (int64_t d = 0; d < DV * 16; d += 16) a += load_f(qp + (b * H + h * G + g) * D + d) * k.at(d);
+          scores[g * Lp + t] = hsum(a) * ksc;
         }
       }
-      // softmax per query head
+      // softmax numerators per query head, 16 at a time (the padding past L becomes exp(-inf) = 0); the
+      // division by their sum is applied to the output
+      float inv[64];
+      std::vector<float> inv_big(G > 64 ? G : 0);
+      float* invs = G > 64 ? inv_big.data() : inv;
       for (int64_t g = 0; g < G; ++g) {
-        float* sc = scores.data() + g * L;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < L; ++t) mx = std::max(mx, sc[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) { sc[t] = std::exp(sc[t] - mx); sum += sc[t]; }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
+        float* sc = scores.data() + g * Lp;
+        for (int64_t t = L; t < Lp; ++t) sc[t] = -std::numeric_limits<float>::infinity();
+        v16f mv = splat(-std::numeric_limits<float>::infinity());
+        for (int64_t t = 0; t < Lp; t += 16) mv = vmax(mv, load_f(sc + t));
+        float mvs[16];
+        store_f(mvs, mv);
+        float mx = mvs[0];
+        for (int j = 1; j < 16; ++j) mx = std::max(mx, mvs[j]);
+        v16f sum{};
+        for (int64_t t = 0; t < Lp; t += 16) {
+          const v16f e = exp16(load_f(sc + t) - mx);
+          store_f(sc + t, e);
+          sum += e;
+        }
+        invs[g] = 1.f / hsum(sum);
       }
-      // out = sum_t p_t v_t
+      // out = sum_t p_t v_t / sum_t p_t, V in blocks of T tokens (as float rows: the cache's own rows for
+      // float32, else converted and scaled once into vbuf), each block applied to every query head
       std::fill(acc.begin(), acc.end(), v16f{});
-      for (int64_t t = 0; t < L; ++t) {
-        R v = row(vb, start + t);
-        const float vs = v.scale();
-        for (int64_t d = 0; d < D; d += 16) {
-          v16f vv = v.at(d) * vs;
-          for (int64_t g = 0; g < G; ++g) acc[g * (D / 16) + d / 16] += splat(scores[g * L + t]) * vv;
+      for (int64_t t0 = 0; t0 < L; t0 += T) {
+        const int nt = (int)std::min<int64_t>(T, L - t0);
+        const float* vr[T];
+        for (int j = 0; j < nt; ++j) {
+          const R v = row(vb, start + t0 + j);
+          if constexpr (KIND == KV::F32) {
+            vr[j] = reinterpret_cast<const float*>(v.p);
+          } else {
+            const float vs = v.scale();
+            for (int64_t d = 0; d < DV * 16; d += 16) store_f(vbuf.data() + j * D + d, v.at(d) * vs);
+            vr[j] = vbuf.data() + j * D;
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const float* pg = scores.data() + g * Lp + t0;
+          v16f* ag = acc.data() + g * DV;
+          if constexpr (DVC > 0) {
+            v16f a[DVC];
+            for (int dv = 0; dv < DVC; ++dv) a[dv] = ag[dv];
+            for (int j = 0; j < nt; ++j) {
+              const v16f pj = splat(pg[j]);
+              for (int dv = 0; dv < DVC; ++dv) a[dv] += pj * load_f(vr[j] + 16 * dv);
+            }
+            for (int dv = 0; dv < DVC; ++dv) ag[dv] = a[dv];
+          } else {
+            for (int j = 0; j < nt; ++j) {
+              const v16f pj = splat(pg[j]);
+              for (int64_t dv = 0; dv < DV; ++dv) ag[dv] += pj * load_f(vr[j] + 16 * dv);
+            }
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; d += 16) store_f(op + (b * H + h * G + g) * D + d, acc[g * (D / 16) + d / 16]);
+        for (int64_t dv = 0; dv < DV; ++dv) store_f(op + (b * H + h * G + g) * D + 16 * dv, acc[g * DV + dv] * invs[g]);
     }
   });
   };
+  auto by_d = [&](auto kind_c) {
+    if (D == 64) run(kind_c, std::integral_constant<int, 4>{});
+    else if (D == 128) run(kind_c, std::integral_constant<int, 8>{});
+    else run(kind_c, std::integral_constant<int, 0>{});
+  };
   switch (kind) {
-    case KV::F32: run(std::integral_constant<KV, KV::F32>{}); break;
-    case KV::BF16: run(std::integral_constant<KV, KV::BF16>{}); break;
-    default: run(std::integral_constant<KV, KV::I8>{}); break;
+    case KV::F32: by_d(std::integral_constant<KV, KV::F32>{}); break;
+    case KV::BF16: by_d(std::integral_constant<KV, KV::BF16>{}); break;
+    default: by_d(std::integral_constant<KV, KV::I8>{}); break;
   }
   return out;
 }

@@ -387,6 +387,17 @@ def test_paged_decode_kernel_equals_gather_sdpa_fp32(kern, H, Hkv, bs, window):
         torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("D", [32, 80, 128])  # 128: the compiled-in accumulator path; 32 / 80: the general one
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+def test_paged_decode_kernel_head_dims(kern, D, dtype):
+    for window in (None, 7):
+        q, k, v, meta = _paged_case(11, B=4, H=8, Hkv=2, D=D, bs=16, dtype=dtype, max_ctx=150)
+        ref = gather_decode_attention(q, k, v, meta, window)
+        out = kern.paged_decode_attention(q, k, v, meta.decode_block_tables, meta.decode_ctx_lens, window or 0,
+                                          D ** -0.5)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
 def test_paged_decode_kernel_reads_bf16_and_int8_caches(kern, dtype):
     for window in (None, 9):
