@@ -52,7 +52,8 @@ def main() -> None:
         sys.exit("pdserve's CPU kernels are not built here")
     pw, unsigned, G = k.qpanel_width(), k.qpanel_unsigned(), args.group
     print(f"{args.threads} threads, torch {torch.__version__}; ms, best of {args.repeats}")
-    print(f"{'layer':>10} {'rows':>5} {'format':<6} {'kernel':>8} {'dequant+GEMM':>13} {'speed-up':>9} {'fp32 GEMM':>10}")
+    print(f"{'layer':>10} {'rows':>5} {'format':<6} {'kernel':>8} {'dequant+GEMM':>13} {'speed-up':>9} "
+          f"{'fp32 GEMM':>10}")
     for shape in args.shapes:
         N, K = (int(v) for v in shape.split("x"))
         g = torch.Generator().manual_seed(0)

@@ -86,7 +86,7 @@ class Linear(nn.Module):
         self.qgroup = 0
         self.qkernel = True  # w8a8 / w4a8: whether the integer-dot kernel can run this layer (set at quantize)
         self.qorder: Optional[Tensor] = None  # w8a8 on the row kernel: the column order qweight is stored in
-        self.qpanels = False  # int8 / w8a8 / w4a8 stored in a panel format of the kernels (engine/quant.py)
+        self.qpanels = False  # stored in one of the kernels' panel formats (engine/quant.py to_panels_*)
         self.qunsigned = False  # (w8a8 panels: bytes stored as q ^ 0x80, the VNNI builds)
 
     def quantize(self, method: str, group: int = 128) -> None:
@@ -98,9 +98,10 @@ class Linear(nn.Module):
         int8 / int4, 2.3-17x for w8a8 / w4a8 from 2048 down to 128 rows; benchmarks/quant_prefill_linears.py,
         docs/benchmarks.md run R) and no float copy of the layer is made; otherwise for up to
         ``SMALL_M[method]`` rows (decode: reads 1/4 or 1/8 of the fp32 bytes) and dequantize + GEMM above
-        that, or dequantize + GEMM everywhere when the kernels are not built (other devices, no compiler). 'w8a8' / 'w4a8' store the int8 / int4 weights
-        and also round the input to int8 per 32 values (engine/quant.py quantize_act): the kernel does
-        integer dots; the GEMM path applies the same rounding to x first, so both give the same numbers."""
+        that, or dequantize + GEMM everywhere when the kernels are not built (other devices, no compiler).
+        'w8a8' / 'w4a8' store the int8 / int4 weights and also round the input to int8 per 32 values
+        (engine/quant.py quantize_act): the kernel does integer dots; the GEMM path applies the same
+        rounding to x first, so both give the same numbers."""
         w = self.weight_t.detach().t()
         if method == "fp32":  # not quantized: the dense [N, K] weight for pdserve's fp32 kernel
             self.qweight = w.float().contiguous()
@@ -127,14 +128,15 @@ class Linear(nn.Module):
             # w8a8 weights are then stored in the kernel's step order
             k = cpu_kernels() if w.device.type == "cpu" else None
             pw = k.qpanel_width() if k is not None else 0
-            if pw and (method == "w8a8" or group % ACT_BLOCK == 0):
+            if pw:  # (an int4 group is always whole 32-blocks: quantize_int4 checks it)
                 self.qpanels, self.qunsigned = True, method == "w8a8" and k.qpanel_unsigned()
                 if method == "w8a8":
                     self.qweight, self.qscale = to_panels_w8a8(self.qweight, self.qscale, pw, self.qunsigned)
                 else:
                     self.qweight, self.qscale = to_panels_w4a8(self.qweight, self.qscale, group, pw)
             step = k.qstep() if k is not None else 0
-            self.qkernel = self.qpanels or (bool(step) and w.shape[1] % step == 0 and (method == "w8a8" or group % step == 0))
+            self.qkernel = self.qpanels or (bool(step) and w.shape[1] % step == 0
+                                            and (method == "w8a8" or group % step == 0))
             if self.qkernel and not self.qpanels and method == "w8a8":
                 self.qorder = step_order(w.shape[1], step)
                 self.qweight = self.qweight[:, self.qorder].contiguous()
@@ -159,20 +161,17 @@ class Linear(nn.Module):
             k = None
         if k is not None and (self.qpanels or x2.shape[0] <= self.SMALL_M[method]):
             xf = x2.float().contiguous()
+            w, sc, n, g = self.qweight, self.qscale, self.out_features, self.qgroup
             if method == "fp32":
-                y = k.linear_fp32(xf, self.qweight, bias)
-            elif method == "int8":  # (stored in panels wherever the kernels exist)
-                y = k.linear_int8_panels(xf, self.qweight, self.qscale, self.out_features, bias)
+                y = k.linear_fp32(xf, w, bias)
+            elif method == "int8":
+                y = k.linear_int8_panels(xf, w, sc, n, bias) if self.qpanels else k.linear_int8(xf, w, sc, bias)
             elif method == "int4":
-                y = k.linear_int4_panels(xf, self.qweight, self.qscale, self.out_features, self.qgroup, bias)
-            elif self.qpanels and method == "w8a8":
-                y = k.linear_w8a8_panels(xf, self.qweight, self.qscale, self.out_features, bias)
-            elif self.qpanels:
-                y = k.linear_w4a8_panels(xf, self.qweight, self.qscale, self.out_features, self.qgroup, bias)
+                y = k.linear_int4_panels(xf, w, sc, n, g, bias) if self.qpanels else k.linear_int4(xf, w, sc, g, bias)
             elif method == "w8a8":
-                y = k.linear_w8a8(xf, self.qweight, self.qscale, bias)
+                y = k.linear_w8a8_panels(xf, w, sc, n, bias) if self.qpanels else k.linear_w8a8(xf, w, sc, bias)
             else:
-                y = k.linear_w4a8(xf, self.qweight, self.qscale, self.qgroup, bias)
+                y = k.linear_w4a8_panels(xf, w, sc, n, g, bias) if self.qpanels else k.linear_w4a8(xf, w, sc, g, bias)
         else:
             if method == "fp32":
                 w = self.qweight

@@ -388,9 +388,9 @@ constexpr int PMR = 6;  // 24 zmm accumulators
 
 // The weight as the panel kernel reads it, one k step (NV vectors of 16 outputs from column c of the panel)
 // per call, k increasing by one from 0: float32 as is; int8 widened in registers (its per-output scale
-// applied once at the end: [NP, K, B] and scale [NP * B], engine/quant.py to_panels_int8); int4 as
-// [NP, K, B/2] bytes, byte j of a k row holding output j (low nibble) and j + B/2 (high), stored q + 8,
-// with group scales [NP, K/G, B] (to_panels_int4), turned into (q - 8) * scale in registers.
+// applied once at the end: [NP, K, B] and scale [NP * B], engine/quant.py to_panels_int8). int4 (PanelI4
+// below) is [NP, K, B/2] bytes, byte j of a k row holding output j (low nibble) and j + B/2 (high), stored
+// q + 8, with group scales [NP, K/G, B] (to_panels_int4), and has its own tile (panel_tile_i4).
 template <class T>
 struct PanelPlain {
   const T* p; int64_t B;
@@ -957,8 +957,8 @@ int64_t qstep() { return QS; }
 //   w4a8: [NP, K/8, QW, 4] bytes, byte (o, t) of octet j holds W[., 8j + t] + 8 in its low nibble and
 //         W[., 8j + 4 + t] + 8 in its high nibble; group scales [NP, K/group, QW] float.
 // N is padded to a multiple of QW with zero weights. engine/quant.py to_panels_w8a8 / to_panels_w4a8 make these
-// from its int8 [N, K] / int4 formats, and from_panels_* give the float [N, K] weight back (the GEMM path above
-// 64 rows). Each output is the same sequence of operations whatever the tile, so a row's
+// from its int8 [N, K] / int4 formats, and from_panels_* give the float [N, K] weight back (the dequantize + GEMM
+// path where the kernels do not run). Each output is the same sequence of operations whatever the tile, so a row's
 // result does not depend on its batch.
 #if PD_Q_ISA >= 2
 constexpr int PW = VB / 4;  // outputs per panel
@@ -1239,7 +1239,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   using R = Row<KIND>;
   constexpr int T = 16;  // tokens per block of V
   at::parallel_for(0, B * Hkv, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> scores, vbuf(KIND == KV::F32 ? 0 : T * D);
+    std::vector<float> scores, vbuf(KIND == KV::F32 ? 0 : T * D), invs(G);
     std::vector<v16f> acc(G * DV);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b = p / Hkv, h = p % Hkv, ctx = lens[b];
@@ -1290,9 +1290,6 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       }
       // softmax numerators per query head, 16 at a time (the padding past L becomes exp(-inf) = 0); the
       // division by their sum is applied to the output
-      float inv[64];
-      std::vector<float> inv_big(G > 64 ? G : 0);
-      float* invs = G > 64 ? inv_big.data() : inv;
       for (int64_t g = 0; g < G; ++g) {
         float* sc = scores.data() + g * Lp;
         for (int64_t t = L; t < Lp; ++t) sc[t] = -std::numeric_limits<float>::infinity();

@@ -115,7 +115,7 @@ def test_every_cpu_gemm_choice_gives_the_same_logits():
     for gemm in ("onednn", "onednn_only", "pdserve", "torch"):
         eng = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=128, cpu_gemm=gemm))
         head = eng.runner.model.lm_head
-        if gemm == "pdserve":
+        if gemm == "pdserve" and cpu_kernels() is not None:
             assert head.qmethod == "fp32"  # the kernel path really is the one measured
         if gemm == "onednn" and cpu_kernels() is not None:
             assert head.panel is not None  # (torch 2.13's oneDNN packs in panels on AVX2 / AVX-512)
@@ -199,18 +199,15 @@ def test_weights_in_panels_run_on_the_kernel_at_prefill_sizes_too(method):
     assert err < (0.02 if method in ("int8", "w8a8") else 0.2), err.item()
 
 
-def test_a_w4a8_group_of_64_runs_on_the_integer_kernels(caplog):
+def test_a_w4a8_group_of_64_runs_on_the_integer_kernels():
     """The integer panel kernels take any int4 group in whole 32-blocks (the row kernel needed whole
     128-value steps on AVX-512, so group 64 used to fall back to dequantize + GEMM with a warning)."""
-    from engine.kernels import cpu_kernels
     k = cpu_kernels()
     if k is None:
         pytest.skip("pdserve's CPU kernels are not built here")
-    with caplog.at_level("WARNING", logger="engine.model"):
-        llm = LLM("tiny", quantization="w4a8", quantization_group_size=64, num_kv_blocks=64)
-    warned = [r for r in caplog.records if "integer-dot kernel" in r.getMessage()]
+    llm = LLM("tiny", quantization="w4a8", quantization_group_size=64, num_kv_blocks=64)
     model = llm.llm_engine.runner.model
-    assert not warned and all(layer.fused is not None for layer in model.layers)
+    assert all(layer.fused is not None for layer in model.layers)
     assert model.layers[0].qkv_proj.qpanels == (k.qpanel_width() > 0)
     out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert all(len(o.token_ids) == 8 for o in out)
