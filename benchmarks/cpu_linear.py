@@ -5,10 +5,12 @@ last-level cache, so every call reads DRAM, as a decode step over a whole model 
 int8 and int4 forms (read weight-only, and as w8a8 / w4a8 with int8 activations, by the row kernels and, on
 AVX2 / AVX-512 builds, the integer panel kernels), and times pdserve's panel kernel on the oneDNN-packed bytes
 beside oneDNN itself, and times one pass over all copies at M input rows for each format, interleaved round by
-round, best of ``--repeats``; the reference is a float32 sum over a tensor of the same total size, timed in
+round, best of ``--repeats``; the panel kernels run once per ``--prefetch`` distance (bytes of their weight
+stream prefetched ahead; 0 = none), so their machine-dependent setting is measured in the same rounds; the reference is a float32 sum over a tensor of the same total size, timed in
 the same rounds. Prints GB/s of weight bytes read and the fraction of the sum's rate.
 
 Usage: python benchmarks/cpu_linear.py [--n 2048] [--k 768] [--m 1 8 32] [--copies 48] [--threads 2]
+       [--prefetch 0 4096]
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=128, help="int4 group size")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--prefetch", type=int, nargs="+", default=None,
+                    help="prefetch distances (bytes) to run the panel kernels with; default: the tuned one")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kern = cpu_kernels()
@@ -58,7 +62,8 @@ def main() -> None:
     big = torch.ones(fp32_bytes // 4)
     print(f"{args.copies} x [{args.n}, {args.k}] weights ({fp32_bytes / 2**20:.0f} MiB in float32), "
           f"{args.threads} threads, {torch.__version__}")
-    print(f"{'M':>3} {'format':<16} {'GB/s':>7} {'of sum':>7}")
+    print(f"prefetch (one row, several rows): {kern.panel_prefetch()} bytes unless named")
+    print(f"{'M':>3} {'format':<22} {'GB/s':>7} {'of sum':>7}")
     for m in args.m:
         x = torch.randn(m, args.k, generator=g)
         cases: dict[str, tuple[Callable[[int], object], int]] = {
@@ -80,9 +85,17 @@ def main() -> None:
                                     fp32_bytes // 8)
         if panels[0] is None:
             del cases["fp32 panels"]  # oneDNN packed another layout on this machine
+        pfs = {name: None for name in cases}
+        if args.prefetch is not None:  # every panel case once per distance
+            for name in [n for n in cases if "panels" in n]:
+                f_nb = cases.pop(name)
+                for pf in args.prefetch:
+                    cases[f"{name} pf{pf}"], pfs[f"{name} pf{pf}"] = f_nb, pf
         best = {name: float("inf") for name in cases}
         for _ in range(args.repeats + 1):  # the first round warms up
             for name, (f, _) in cases.items():
+                if pfs.get(name) is not None:
+                    kern.set_panel_prefetch(pfs[name], pfs[name])
                 t = time.perf_counter()
                 for i in range(args.copies):
                     f(i)
@@ -90,7 +103,7 @@ def main() -> None:
         ref = fp32_bytes / best["sum (reference)"] / 1e9
         for name, (_, nbytes) in cases.items():
             gbs = nbytes / best[name] / 1e9
-            print(f"{m:>3} {name:<16} {gbs:7.1f} {gbs / ref:7.0%}")
+            print(f"{m:>3} {name:<22} {gbs:7.1f} {gbs / ref:7.0%}")
 
 
 if __name__ == "__main__":

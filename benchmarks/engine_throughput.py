@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.builtin import save_builtin  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.kernels import cpu_kernels  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -61,6 +62,8 @@ OURS = {
     "ours_torchgemm": {"cpu_gemm": "torch"},  # torch.mm instead of prepacked oneDNN (not a peer)
     "ours_pdgemm": {"cpu_gemm": "pdserve"},  # fp32 through pdserve's kernel (M <= 32), MKL above
     "ours_onednn_only": {"cpu_gemm": "onednn_only"},  # every fp32 product on oneDNN (the default before panels)
+    "ours_nopf": {"panel_prefetch": (0, 0)},  # fp32 with the panel kernels' prefetch off (not what load tunes)
+    "ours_int8_nopf": {"quantization": "int8", "panel_prefetch": (0, 0)},
     "ours_int8": {"quantization": "int8"},
     "ours_int4": {"quantization": "int4"},
     "ours_w8a8": {"quantization": "w8a8"},  # int8 weights, int8 activations (integer dots, like q8_0)
@@ -71,13 +74,20 @@ OURS = {
 LLAMA = ("llamacpp_f32", "llamacpp_q8_0", "llamacpp_q4_0")
 
 
-def make_ours(model_dir: str, threads: int, **overrides) -> RunFn:
-    """run(prompts, new_tokens) on our LLMEngine."""
+def make_ours(model_dir: str, threads: int, panel_prefetch: Optional[tuple[int, int]] = None,
+              **overrides) -> RunFn:
+    """run(prompts, new_tokens) on our LLMEngine. The panel kernels' prefetch distances are process-wide and
+    tuned at each load (engine/kernels.py): each contender keeps what its own load chose (or
+    ``panel_prefetch``) and sets it before every run, since contenders are interleaved."""
     eng = LLMEngine(EngineConfig(model=model_dir, dtype="float32", num_threads=threads, max_num_seqs=64,
                                  max_num_batched_tokens=2048, kv_cache_memory_bytes=1 << 30,
                                  enable_prefix_caching=False, **overrides))  # rounds repeat prompts
+    kern = cpu_kernels()
+    pf = (panel_prefetch or tuple(kern.panel_prefetch())) if kern is not None else None
 
     def run(ps: list[list[int]], n: int) -> None:
+        if pf is not None:
+            kern.set_panel_prefetch(*pf)
         sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         for i, p in enumerate(ps):
             eng.add_request(str(i), p, sp)

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from engine.attention import AttentionMetadata, apply_rope, decode_attention, paged_attention, write_kv
 from engine.config import ModelConfig, rope_inv_freq
-from engine.kernels import cpu_kernels, onednn_panels
+from engine.kernels import cpu_kernels, onednn_panels, tune_panel_prefetch
 from engine.quant import (ACT_BLOCK, QUANTIZATIONS, dequantize_int4, dequantize_int8, fake_quantize_act,
                           from_panels_int4, from_panels_int8, from_panels_w4a8, from_panels_w8a8, quantize_int4,
                           quantize_int8, step_order, to_panels_int4, to_panels_int8, to_panels_w4a8, to_panels_w8a8)
@@ -334,6 +334,18 @@ class CausalLM(nn.Module):
         self.rope_cos: Optional[Tensor] = None
         self.rope_sin: Optional[Tensor] = None
 
+    def _tune_kernels(self) -> None:
+        """Measure the panel kernels' prefetch distance on this machine and these weights (engine/kernels.py
+        tune_panel_prefetch); nothing where no linear runs on a panel kernel."""
+        products = []
+        for m in self.modules():
+            if isinstance(m, Linear) and m.panel is not None:
+                products.append((m.forward, m.in_features, m.panel.numel() * 4))
+            elif isinstance(m, Linear) and m.qpanels and m.qweight is not None and m.qweight.device.type == "cpu":
+                products.append((m.forward, m.in_features, m.qweight.numel() * m.qweight.element_size()))
+        if products:
+            tune_panel_prefetch(products)
+
     def finalize(self, cpu_gemm: str = "onednn", quantization: Optional[str] = None,
                  group_size: int = 128) -> "CausalLM":
         """Build the rope tables on the weights' device/dtype (after loading), quantize the linear
@@ -367,6 +379,7 @@ class CausalLM(nn.Module):
         # its layout is panels), decode runs a layer per call
         fused = [layer.build_fused() for layer in self.layers]
         self.norm.use_kernel = bool(fused) and all(fused)
+        self._tune_kernels()
         # one cos/sin table for all positions, indexed per step (no per-step trig); computed in
         # float32 and cast like HF does
         inv = rope_inv_freq(self.config).to(w.device)

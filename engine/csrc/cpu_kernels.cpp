@@ -22,6 +22,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -378,6 +379,16 @@ torch::Tensor linear_fp32(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 //
 // Every output is one float accumulation over k in order (then + bias), whatever the tile, so a row's
 // result does not depend on the batch it came in (tested: tests/engine/test_cpu_kernels.py).
+// Software prefetch of the panel kernels' weight stream (fp32, int8, int4, w8a8, w4a8 panels): how many bytes
+// of its stream a tile requests ahead of its loads, for products of one input row ([0]) and of several ([1]);
+// 0 = none. Whether it pays depends on the machine, so engine/kernels.py measures it once per process
+// (tune_panel_prefetch) and sets it here. Measured: on Zen 4 prefetching a batch-1 stream cost a third of
+// its rate; on an Intel Xeon (Emerald Rapids) it left batch 1 as it was and sped up 8 and 32 rows by 1.2-1.5x,
+// where a tile re-reads its panel from L2 for every row group (docs/benchmarks.md). No result changes:
+// prefetches load nothing into registers.
+std::atomic<int64_t> g_panel_pf[2] = {0, 0};
+inline int64_t panel_pf_bytes(int64_t M) { return g_panel_pf[M > 1 ? 1 : 0].load(std::memory_order_relaxed); }
+
 #ifdef PD_V16_PAIR
 constexpr int PNV = 2;  // vectors of 16 outputs per tile (AVX2: 4 of the 16 ymm registers)
 constexpr int PMR = 2;  // input rows per tile: 2 x 2 x 2 ymm accumulators
@@ -396,6 +407,10 @@ struct PanelPlain {
   const T* p; int64_t B;
   template <int NV> inline void step(int64_t k, v16f* w) {
     for (int v = 0; v < NV; ++v) w[v] = load(p + k * B + 16 * v);
+  }
+  template <int NV> static constexpr int64_t step_bytes() { return 16 * NV * sizeof(T); }
+  template <int NV> inline void prefetch(int64_t k) const {
+    for (int64_t b = 0; b < step_bytes<NV>(); b += 64) prefetch_line(reinterpret_cast<const char*>(p + k * B) + b);
   }
   static inline v16f load(const float* q) { return load_f(q); }
   static inline v16f load(const int8_t* q) { return load_b(q); }
@@ -430,6 +445,9 @@ struct PanelI4 {
     return to_f((high ? q >> 4 : q & 15) - 8);
 #endif
   }
+  // the bytes a tile of NV vectors reads at input k: half a line at most (B <= 128), one prefetch a step
+  template <int NV> static constexpr int64_t step_bytes() { return 8 * NV; }
+  template <int NV> inline void prefetch(int64_t k) const { prefetch_line(p + k * (B / 2) + (c < B / 2 ? c : c - B / 2)); }
   // the levels q - 8 (exact floats) of NV vectors of 16 outputs from column c at input k
   template <int NV, Mode M> __attribute__((always_inline)) inline void levels(int64_t k, v16f* w) const {
     const uint8_t* row = p + k * (B / 2);
@@ -449,9 +467,9 @@ struct PanelI4 {
   }
 };
 
-template <int NV, int MRc, PanelI4::Mode MODE>
+template <int NV, int MRc, PanelI4::Mode MODE, bool PF>
 inline void panel_tile_i4_mode(const PanelI4& pa, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
-                               int64_t ncols, const float* bias) {
+                               int64_t ncols, const float* bias, int64_t pfd) {
   float out[MRc][16 * NV];  // the sums of the finished groups
   for (int i = 0; i < MRc; ++i)
     for (int j = 0; j < 16 * NV; ++j) out[i][j] = 0.f;
@@ -462,6 +480,7 @@ inline void panel_tile_i4_mode(const PanelI4& pa, int64_t K, const float* x, int
       for (int v = 0; v < NV; ++v) acc[i][v] = v16f{};
     for (int64_t k = k0; k < k0 + pa.G; ++k) {
       v16f w[NV];
+      if constexpr (PF) pa.template prefetch<NV>(k + pfd);
       pa.template levels<NV, MODE>(k, w);
       for (int i = 0; i < MRc; ++i) {
         const v16f xb = splat(x[i * ldx + k]);
@@ -475,25 +494,26 @@ inline void panel_tile_i4_mode(const PanelI4& pa, int64_t K, const float* x, int
     for (int64_t j = 0; j < ncols; ++j) y[i * ldy + j] = bias ? out[i][j] + bias[j] : out[i][j];
 }
 
-template <int NV, int MRc>
-inline void panel_tile_i4(const PanelI4& pa, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
-                          int64_t ncols, const float* bias) {
+template <int NV, int MRc, bool PF>
+inline void panel_tile_i4_pf(const PanelI4& pa, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
+                             int64_t ncols, const float* bias, int64_t pfd) {
   switch (pa.mode<NV>()) {
-    case PanelI4::WHOLE: panel_tile_i4_mode<NV, MRc, PanelI4::WHOLE>(pa, K, x, ldx, y, ldy, ncols, bias); break;
-    case PanelI4::LOW: panel_tile_i4_mode<NV, MRc, PanelI4::LOW>(pa, K, x, ldx, y, ldy, ncols, bias); break;
-    case PanelI4::HIGH: panel_tile_i4_mode<NV, MRc, PanelI4::HIGH>(pa, K, x, ldx, y, ldy, ncols, bias); break;
-    default: panel_tile_i4_mode<NV, MRc, PanelI4::ANY>(pa, K, x, ldx, y, ldy, ncols, bias); break;
+    case PanelI4::WHOLE: panel_tile_i4_mode<NV, MRc, PanelI4::WHOLE, PF>(pa, K, x, ldx, y, ldy, ncols, bias, pfd); break;
+    case PanelI4::LOW: panel_tile_i4_mode<NV, MRc, PanelI4::LOW, PF>(pa, K, x, ldx, y, ldy, ncols, bias, pfd); break;
+    case PanelI4::HIGH: panel_tile_i4_mode<NV, MRc, PanelI4::HIGH, PF>(pa, K, x, ldx, y, ldy, ncols, bias, pfd); break;
+    default: panel_tile_i4_mode<NV, MRc, PanelI4::ANY, PF>(pa, K, x, ldx, y, ldy, ncols, bias, pfd); break;
   }
 }
 
-template <class PA, int NV, int MRc>
+template <class PA, int NV, int MRc, bool PF>
 inline void panel_tile(PA pa, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t ncols,
-                       const float* scale, const float* bias) {
+                       const float* scale, const float* bias, int64_t pfd) {
   v16f acc[MRc][NV];
   for (int i = 0; i < MRc; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = v16f{};
   for (int64_t k = 0; k < K; ++k) {
     v16f w[NV];
+    if constexpr (PF) pa.template prefetch<NV>(k + pfd);
     pa.template step<NV>(k, w);
     for (int i = 0; i < MRc; ++i) {
       const v16f xb = splat(x[i * ldx + k]);
@@ -507,25 +527,33 @@ inline void panel_tile(PA pa, int64_t K, const float* x, int64_t ldx, float* y, 
   }
 }
 
+// pfb: bytes of prefetch ahead (see g_panel_pf), turned into k steps of this tile's stream
+template <class PA, int NV, int MRc, bool PF>
+inline void tile_pf(const PA& pa, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t ncols,
+                    const float* scale, const float* bias, int64_t pfd) {
+  if constexpr (std::is_same<PA, PanelI4>::value) panel_tile_i4_pf<NV, MRc, PF>(pa, K, x, ldx, y, ldy, ncols, bias, pfd);
+  else panel_tile<PA, NV, MRc, PF>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfd);
+}
 template <class PA, int NV, int MRc>
 inline void tile(const PA& pa, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t ncols,
-                 const float* scale, const float* bias) {
-  if constexpr (std::is_same<PA, PanelI4>::value) panel_tile_i4<NV, MRc>(pa, K, x, ldx, y, ldy, ncols, bias);
-  else panel_tile<PA, NV, MRc>(pa, K, x, ldx, y, ldy, ncols, scale, bias);
+                 const float* scale, const float* bias, int64_t pfb) {
+  const int64_t pfd = pfb / PA::template step_bytes<NV>();
+  if (pfd > 0) tile_pf<PA, NV, MRc, true>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfd);
+  else tile_pf<PA, NV, MRc, false>(pa, K, x, ldx, y, ldy, ncols, scale, bias, 0);
 }
 
 template <class PA, int NV>
 inline void panel_rows(const PA& pa, int64_t K, const float* x, int64_t ldx, int64_t mr, float* y,
-                       int64_t ldy, int64_t ncols, const float* scale, const float* bias) {
+                       int64_t ldy, int64_t ncols, const float* scale, const float* bias, int64_t pfb) {
   switch (mr) {
-    case 1: tile<PA, NV, 1>(pa, K, x, ldx, y, ldy, ncols, scale, bias); break;
-    case 2: tile<PA, NV, 2>(pa, K, x, ldx, y, ldy, ncols, scale, bias); break;
+    case 1: tile<PA, NV, 1>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb); break;
+    case 2: tile<PA, NV, 2>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb); break;
 #ifndef PD_V16_PAIR
-    case 3: tile<PA, NV, 3>(pa, K, x, ldx, y, ldy, ncols, scale, bias); break;
-    case 4: tile<PA, NV, 4>(pa, K, x, ldx, y, ldy, ncols, scale, bias); break;
-    case 5: tile<PA, NV, 5>(pa, K, x, ldx, y, ldy, ncols, scale, bias); break;
+    case 3: tile<PA, NV, 3>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb); break;
+    case 4: tile<PA, NV, 4>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb); break;
+    case 5: tile<PA, NV, 5>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb); break;
 #endif
-    default: tile<PA, NV, PMR>(pa, K, x, ldx, y, ldy, ncols, scale, bias); break;
+    default: tile<PA, NV, PMR>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb); break;
   }
 }
 
@@ -533,7 +561,7 @@ inline void panel_rows(const PA& pa, int64_t K, const float* x, int64_t ldx, int
 template <class Make>
 void panel_linear(Make make, int64_t NP, int64_t K, int64_t B, const float* xp, int64_t M, float* yp, int64_t N,
                   const float* sp, const float* bp) {
-  const int64_t TW = 16 * PNV, per_panel = (B + TW - 1) / TW;
+  const int64_t TW = 16 * PNV, per_panel = (B + TW - 1) / TW, pfb = panel_pf_bytes(M);
   at::parallel_for(0, NP * per_panel, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t panel = t / per_panel, c = (t % per_panel) * TW;  // first column of the tile in its panel
@@ -543,10 +571,10 @@ void panel_linear(Make make, int64_t NP, int64_t K, int64_t B, const float* xp, 
       for (int64_t m0 = 0; m0 < M; m0 += PMR) {
         const int64_t mr = std::min<int64_t>(PMR, M - m0);
         const float* b = bp ? bp + n : nullptr;
-        if (B - c >= TW) panel_rows<decltype(make(panel, c)), PNV>(make(panel, c), K, xp + m0 * K, K, mr, yp + m0 * N + n, N, ncols, s, b);
+        if (B - c >= TW) panel_rows<decltype(make(panel, c)), PNV>(make(panel, c), K, xp + m0 * K, K, mr, yp + m0 * N + n, N, ncols, s, b, pfb);
         else for (int64_t j = 0; j < B - c && j < N - n; j += 16)  // a panel narrower than the tile
           panel_rows<decltype(make(panel, c)), 1>(make(panel, c + j), K, xp + m0 * K, K, mr, yp + m0 * N + n + j, N,
-                                                  std::min<int64_t>(16, N - n - j), s ? s + j : nullptr, b ? b + j : nullptr);
+                                                  std::min<int64_t>(16, N - n - j), s ? s + j : nullptr, b ? b + j : nullptr, pfb);
       }
     }
   });
@@ -1001,10 +1029,11 @@ struct QActP {
 // lane offset are I8Q's; int4 nibbles (<= 15) go straight into dot_us.
 
 // y[m0 .. m0+MRc-1, NV panels from panel p0]: INT4 selects the w4a8 format
-template <bool INT4, int NV, int MRc>
+// pfd: prefetch this many quads (w8a8) / octets (w4a8) of the tile's stream ahead (PF only)
+template <bool INT4, int NV, int MRc, bool PF>
 inline void qpanel_tile(const uint8_t* w, const float* scale, int64_t K, int64_t ng, int64_t bpg,
                         const QActP& qa, int64_t m0, int64_t p0, float* y, int64_t ldy, int64_t N,
-                        const float* bias) {
+                        const float* bias, int64_t pfd) {
   // a tile's NV panels are interleaved per 4 (int4: 8) inputs, so a tile reads one contiguous stream
   const int64_t T = p0 / QNV, step = QNV * VB, tstride = (INT4 ? K / 8 : K / 4) * step;
   const uint8_t* wt = w + T * tstride + (p0 % QNV) * VB;
@@ -1022,6 +1051,7 @@ inline void qpanel_tile(const uint8_t* w, const float* scale, int64_t K, int64_t
       for (int j = 0; j < 4; ++j) {  // 4 octets of inputs per block
         const int64_t o = b * 4 + j;
         qiv lo[NV], hi[NV];
+        if constexpr (PF) for (int v = 0; v < NV; ++v) prefetch_line(wt + (o + pfd) * step + v * VB);
         for (int v = 0; v < NV; ++v) nibbles(wt + o * step + v * VB, lo[v], hi[v]);
         for (int i = 0; i < MRc; ++i) {
           const int8_t* am = qa.a.data() + (m0 + i) * K + o * 8;
@@ -1040,6 +1070,7 @@ inline void qpanel_tile(const uint8_t* w, const float* scale, int64_t K, int64_t
       for (int j = 0; j < 8; ++j) {  // 8 quads of inputs per block
         const int64_t q = b * 8 + j;
         qiv wv[NV];
+        if constexpr (PF) for (int v = 0; v < NV; ++v) prefetch_line(wt + (q + pfd) * step + v * VB);
         for (int v = 0; v < NV; ++v) wv[v] = qload(wt + q * step + v * VB);
         for (int i = 0; i < MRc; ++i) {
           const qiv ab = qbcast(qa.a.data() + (m0 + i) * K + q * 4);
@@ -1067,26 +1098,35 @@ inline void qpanel_tile(const uint8_t* w, const float* scale, int64_t K, int64_t
     }
 }
 
+template <bool INT4, int NV, bool PF>
+inline void qpanel_rows_pf(const uint8_t* w, const float* scale, int64_t K, int64_t ng, int64_t bpg, const QActP& qa,
+                           int64_t m0, int64_t mr, int64_t p0, float* y, int64_t ldy, int64_t N, const float* bias,
+                           int64_t pfd) {
+  switch (mr) {
+    case 1: qpanel_tile<INT4, NV, 1, PF>(w, scale, K, ng, bpg, qa, m0, p0, y, ldy, N, bias, pfd); break;
+#if PD_Q_ISA == 3
+    case 2: qpanel_tile<INT4, NV, 2, PF>(w, scale, K, ng, bpg, qa, m0, p0, y, ldy, N, bias, pfd); break;
+#endif
+    default: qpanel_tile<INT4, NV, QMR, PF>(w, scale, K, ng, bpg, qa, m0, p0, y, ldy, N, bias, pfd); break;
+  }
+}
 template <bool INT4, int NV>
 inline void qpanel_rows(const uint8_t* w, const float* scale, int64_t K, int64_t ng, int64_t bpg, const QActP& qa,
-                        int64_t m0, int64_t mr, int64_t p0, float* y, int64_t ldy, int64_t N, const float* bias) {
-  switch (mr) {
-    case 1: qpanel_tile<INT4, NV, 1>(w, scale, K, ng, bpg, qa, m0, p0, y, ldy, N, bias); break;
-#if PD_Q_ISA == 3
-    case 2: qpanel_tile<INT4, NV, 2>(w, scale, K, ng, bpg, qa, m0, p0, y, ldy, N, bias); break;
-#endif
-    default: qpanel_tile<INT4, NV, QMR>(w, scale, K, ng, bpg, qa, m0, p0, y, ldy, N, bias); break;
-  }
+                        int64_t m0, int64_t mr, int64_t p0, float* y, int64_t ldy, int64_t N, const float* bias,
+                        int64_t pfb) {
+  const int64_t pfd = pfb / (QNV * VB);  // a quad / octet step of a whole tile is QNV * VB bytes
+  if (pfd > 0) qpanel_rows_pf<INT4, NV, true>(w, scale, K, ng, bpg, qa, m0, mr, p0, y, ldy, N, bias, pfd);
+  else qpanel_rows_pf<INT4, NV, false>(w, scale, K, ng, bpg, qa, m0, mr, p0, y, ldy, N, bias, 0);
 }
 
 template <bool INT4>
 void qpanel_linear(const uint8_t* w, const float* scale, int64_t K, int64_t N, int64_t group, const QActP& qa,
                    int64_t M, float* y, const float* bias) {
-  const int64_t NT = (N + QW - 1) / QW, ng = INT4 ? K / group : 1, bpg = INT4 ? group / 32 : 1;
+  const int64_t NT = (N + QW - 1) / QW, ng = INT4 ? K / group : 1, bpg = INT4 ? group / 32 : 1, pfb = panel_pf_bytes(M);
   at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t m0 = 0; m0 < M; m0 += QMR)
-        qpanel_rows<INT4, QNV>(w, scale, K, ng, bpg, qa, m0, std::min<int64_t>(QMR, M - m0), t * QNV, y, N, N, bias);
+        qpanel_rows<INT4, QNV>(w, scale, K, ng, bpg, qa, m0, std::min<int64_t>(QMR, M - m0), t * QNV, y, N, N, bias, pfb);
   });
 }
 
@@ -1529,6 +1569,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;
 #endif
   }, "whether w8a8 panels store q ^ 0x80 (the VNNI builds)");
+  m.def("set_panel_prefetch", [](int64_t one_row, int64_t rows) {
+    TORCH_CHECK(one_row >= 0 && rows >= 0, "prefetch distances must be >= 0 bytes");
+    g_panel_pf[0] = one_row; g_panel_pf[1] = rows;
+  }, "bytes of its weight stream a panel tile prefetches ahead: for one input row, for several (0 = none)");
+  m.def("panel_prefetch", []() { return std::make_pair(g_panel_pf[0].load(), g_panel_pf[1].load()); },
+        "the (one row, several rows) prefetch distances in bytes");
   m.def("qstep", &qstep, "values per step of linear_w8a8 / linear_w4a8 (see the file's W8A8 section)");
   m.def("rms_norm", &rms_norm, "w * x / sqrt(mean(x^2) + eps) per row, float32");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from gate_up [M, 2I], float32");

@@ -416,3 +416,90 @@ def test_paged_decode_kernel_refuses_out_of_range_tables(kern):
     bad[0, 0] = k.shape[0] + 5
     with pytest.raises(RuntimeError, match="block id out of range"):
         kern.paged_decode_attention(q, k, v, bad, meta.decode_ctx_lens, 0, 0.125)
+
+
+# ---- panel prefetch (machine-tuned, engine/kernels.py tune_panel_prefetch) ------------------------------
+@pytest.fixture
+def keep_prefetch(kern):
+    saved = tuple(kern.panel_prefetch())
+    yield kern
+    kern.set_panel_prefetch(*saved)
+
+
+def test_panel_prefetch_distance_changes_no_result(keep_prefetch):
+    """Every panel kernel (fp32, int8, int4, w8a8, w4a8) gives the same bits at every prefetch distance, at one
+    row and at several, including distances far past the end of the weights (a prefetch never faults)."""
+    kern = keep_prefetch
+    g = torch.Generator().manual_seed(5)
+    N, K, group = 130, 256, 64
+    w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
+    q8, s8 = quantize_int8(w)
+    p4, d4 = quantize_int4(w, group)
+    cases = {"fp32": lambda x, p=_panels(w, 64): kern.linear_panel(x, p, N, b),
+             "int8": lambda x, pp=to_panels_int8(q8, s8): kern.linear_int8_panels(x, *pp, N, b),
+             "int4": lambda x, pp=to_panels_int4(p4, d4, group): kern.linear_int4_panels(x, *pp, N, group, b)}
+    pw = kern.qpanel_width()
+    if pw:
+        pq = to_panels_w8a8(q8, s8, pw, kern.qpanel_unsigned())
+        pq4 = to_panels_w4a8(p4, d4, group, pw)
+        cases["w8a8"] = lambda x: kern.linear_w8a8_panels(x, *pq, N, b)
+        cases["w4a8"] = lambda x: kern.linear_w4a8_panels(x, *pq4, N, group, b)
+    x = torch.randn(9, K, generator=g)
+    for name, run in cases.items():
+        kern.set_panel_prefetch(0, 0)
+        ref = {m: run(x[:m].contiguous()) for m in (1, 9)}
+        for pf in (64, 256, 2048, 8192, 1 << 24):
+            kern.set_panel_prefetch(pf, pf)
+            assert tuple(kern.panel_prefetch()) == (pf, pf)
+            for m in (1, 9):
+                assert torch.equal(run(x[:m].contiguous()), ref[m]), (name, pf, m)
+
+
+def test_set_panel_prefetch_refuses_negative_distances(keep_prefetch):
+    with pytest.raises(RuntimeError, match="prefetch distances must be >= 0"):
+        keep_prefetch.set_panel_prefetch(-1, 0)
+
+
+def test_tune_panel_prefetch_measures_a_candidate_and_the_environment_overrides(keep_prefetch, monkeypatch):
+    from engine.kernels import PREFETCH_CANDIDATES, tune_panel_prefetch
+
+    kern = keep_prefetch
+    g = torch.Generator().manual_seed(6)
+    ws = [torch.randn(256, 512, generator=g) for _ in range(4)]
+    products = [(lambda x, p=_panels(w, 64): kern.linear_panel(x, p, 256, None), 512, w.numel() * 4) for w in ws]
+    calls = []
+    counted = [(lambda x, run=run: calls.append(x.shape[0]) or run(x), k, n) for run, k, n in products]
+    monkeypatch.delenv("PDSERVE_PANEL_PREFETCH", raising=False)
+    kern.set_panel_prefetch(12345, 12345)  # not a candidate: tuning must replace it
+    chosen = tune_panel_prefetch(counted, rounds=2)
+    assert chosen[0] in PREFETCH_CANDIDATES and chosen[1] in PREFETCH_CANDIDATES
+    assert tuple(kern.panel_prefetch()) == chosen
+    # warm-up + 2 rounds, every candidate, every product, at 1 and at 8 rows
+    assert sorted(set(calls)) == [1, 8] and len(calls) == 2 * 3 * len(PREFETCH_CANDIDATES) * len(products)
+    for text, want in (("4096", (4096, 4096)), ("0,8192", (0, 8192)), (" 64 , 128 ", (64, 128))):
+        monkeypatch.setenv("PDSERVE_PANEL_PREFETCH", text)
+        calls.clear()
+        assert tune_panel_prefetch(counted) == want and tuple(kern.panel_prefetch()) == want
+        assert not calls, "a distance set in the environment is not measured"
+    for bad in ("fast", "-1", "1,2,3", ""):
+        monkeypatch.setenv("PDSERVE_PANEL_PREFETCH", bad)
+        with pytest.raises(ValueError, match="PDSERVE_PANEL_PREFETCH"):
+            tune_panel_prefetch(counted)
+
+
+def test_loading_a_model_tunes_the_prefetch(keep_prefetch, monkeypatch, tmp_path):
+    """finalize measures the distances on the model's own panel linears (fp32 packed panels, quantized panels)."""
+    from engine.kernels import PREFETCH_CANDIDATES
+    from .conftest import make_checkpoint, make_engine
+
+    kern = keep_prefetch
+    path, _ = make_checkpoint(tmp_path, "llama")
+    monkeypatch.delenv("PDSERVE_PANEL_PREFETCH", raising=False)
+    for quant in (None, "int8"):
+        kern.set_panel_prefetch(12345, 12345)
+        make_engine(path, quantization=quant)
+        got = tuple(kern.panel_prefetch())
+        assert got[0] in PREFETCH_CANDIDATES and got[1] in PREFETCH_CANDIDATES, (quant, got)
+    monkeypatch.setenv("PDSERVE_PANEL_PREFETCH", "1024,4096")
+    make_engine(path)
+    assert tuple(kern.panel_prefetch()) == (1024, 4096)
