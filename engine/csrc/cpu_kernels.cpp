@@ -412,6 +412,9 @@ struct PanelPlain {
   template <int NV> inline void prefetch(int64_t k) const {
     for (int64_t b = 0; b < step_bytes<NV>(); b += 64) prefetch_line(reinterpret_cast<const char*>(p + k * B) + b);
   }
+  template <int NV> inline void prefetch_l2(int64_t k) const {
+    for (int64_t b = 0; b < step_bytes<NV>(); b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p + k * B) + b, 0, 2);
+  }
   static inline v16f load(const float* q) { return load_f(q); }
   static inline v16f load(const int8_t* q) { return load_b(q); }
 };
@@ -448,6 +451,9 @@ struct PanelI4 {
   // the bytes a tile of NV vectors reads at input k: half a line at most (B <= 128), one prefetch a step
   template <int NV> static constexpr int64_t step_bytes() { return 8 * NV; }
   template <int NV> inline void prefetch(int64_t k) const { prefetch_line(p + k * (B / 2) + (c < B / 2 ? c : c - B / 2)); }
+  template <int NV> inline void prefetch_l2(int64_t k) const {
+    __builtin_prefetch(p + k * (B / 2) + (c < B / 2 ? c : c - B / 2), 0, 2);
+  }
   // the levels q - 8 (exact floats) of NV vectors of 16 outputs from column c at input k
   template <int NV, Mode M> __attribute__((always_inline)) inline void levels(int64_t k, v16f* w) const {
     const uint8_t* row = p + k * (B / 2);
@@ -467,9 +473,28 @@ struct PanelI4 {
   }
 };
 
+// What a tile prefetches besides the k steps pfd ahead of its own stream: a tile whose panel was read before (a
+// second, third, ... group of rows) has its next stream come from L2 and its arithmetic to do, so it also requests
+// part of `next`, the tile this thread runs after it, into L2: rows [k0, k0 + K / R) of it, one every R of its own
+// steps, R being the number of such passes. The first pass over the next tile then finds it in L2 instead of waiting
+// on memory (measured on the Emerald Rapids Xeon, fp32 weights: the bench model's linears 1.13x faster at 32 rows,
+// 1.07x at 16; int8 unchanged).
+template <class PA>
+struct Ahead {
+  int64_t pfd = 0;              // own stream: k steps ahead (0: no prefetch at all)
+  const PA* next = nullptr;     // the next tile into L2, or none
+  int64_t R = 1, k0 = 0;
+  // at every step of a PF tile: the own stream pfd ahead, and one row of `next` every R steps
+  template <int NV> __attribute__((always_inline)) inline void step(const PA& pa, int64_t k, int64_t& cnt, int64_t& kk) const {
+    pa.template prefetch<NV>(k + pfd);
+    if (next && ++cnt == R) { cnt = 0; next->template prefetch_l2<NV>(kk++); }
+  }
+};
+
 template <int NV, int MRc, PanelI4::Mode MODE, bool PF>
 inline void panel_tile_i4_mode(const PanelI4& pa, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
-                               int64_t ncols, const float* bias, int64_t pfd) {
+                               int64_t ncols, const float* bias, const Ahead<PanelI4>& ah) {
+  int64_t cnt = 0, kk = ah.k0;
   float out[MRc][16 * NV];  // the sums of the finished groups
   for (int i = 0; i < MRc; ++i)
     for (int j = 0; j < 16 * NV; ++j) out[i][j] = 0.f;
@@ -480,7 +505,7 @@ inline void panel_tile_i4_mode(const PanelI4& pa, int64_t K, const float* x, int
       for (int v = 0; v < NV; ++v) acc[i][v] = v16f{};
     for (int64_t k = k0; k < k0 + pa.G; ++k) {
       v16f w[NV];
-      if constexpr (PF) pa.template prefetch<NV>(k + pfd);
+      if constexpr (PF) ah.template step<NV>(pa, k, cnt, kk);
       pa.template levels<NV, MODE>(k, w);
       for (int i = 0; i < MRc; ++i) {
         const v16f xb = splat(x[i * ldx + k]);
@@ -496,24 +521,25 @@ inline void panel_tile_i4_mode(const PanelI4& pa, int64_t K, const float* x, int
 
 template <int NV, int MRc, bool PF>
 inline void panel_tile_i4_pf(const PanelI4& pa, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy,
-                             int64_t ncols, const float* bias, int64_t pfd) {
+                             int64_t ncols, const float* bias, const Ahead<PanelI4>& ah) {
   switch (pa.mode<NV>()) {
-    case PanelI4::WHOLE: panel_tile_i4_mode<NV, MRc, PanelI4::WHOLE, PF>(pa, K, x, ldx, y, ldy, ncols, bias, pfd); break;
-    case PanelI4::LOW: panel_tile_i4_mode<NV, MRc, PanelI4::LOW, PF>(pa, K, x, ldx, y, ldy, ncols, bias, pfd); break;
-    case PanelI4::HIGH: panel_tile_i4_mode<NV, MRc, PanelI4::HIGH, PF>(pa, K, x, ldx, y, ldy, ncols, bias, pfd); break;
-    default: panel_tile_i4_mode<NV, MRc, PanelI4::ANY, PF>(pa, K, x, ldx, y, ldy, ncols, bias, pfd); break;
+    case PanelI4::WHOLE: panel_tile_i4_mode<NV, MRc, PanelI4::WHOLE, PF>(pa, K, x, ldx, y, ldy, ncols, bias, ah); break;
+    case PanelI4::LOW: panel_tile_i4_mode<NV, MRc, PanelI4::LOW, PF>(pa, K, x, ldx, y, ldy, ncols, bias, ah); break;
+    case PanelI4::HIGH: panel_tile_i4_mode<NV, MRc, PanelI4::HIGH, PF>(pa, K, x, ldx, y, ldy, ncols, bias, ah); break;
+    default: panel_tile_i4_mode<NV, MRc, PanelI4::ANY, PF>(pa, K, x, ldx, y, ldy, ncols, bias, ah); break;
   }
 }
 
 template <class PA, int NV, int MRc, bool PF>
 inline void panel_tile(PA pa, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t ncols,
-                       const float* scale, const float* bias, int64_t pfd) {
+                       const float* scale, const float* bias, const Ahead<PA>& ah) {
+  int64_t cnt = 0, kk = ah.k0;
   v16f acc[MRc][NV];
   for (int i = 0; i < MRc; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = v16f{};
   for (int64_t k = 0; k < K; ++k) {
     v16f w[NV];
-    if constexpr (PF) pa.template prefetch<NV>(k + pfd);
+    if constexpr (PF) ah.template step<NV>(pa, k, cnt, kk);
     pa.template step<NV>(k, w);
     for (int i = 0; i < MRc; ++i) {
       const v16f xb = splat(x[i * ldx + k]);
@@ -527,33 +553,34 @@ inline void panel_tile(PA pa, int64_t K, const float* x, int64_t ldx, float* y, 
   }
 }
 
-// pfb: bytes of prefetch ahead (see g_panel_pf), turned into k steps of this tile's stream
 template <class PA, int NV, int MRc, bool PF>
 inline void tile_pf(const PA& pa, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t ncols,
-                    const float* scale, const float* bias, int64_t pfd) {
-  if constexpr (std::is_same<PA, PanelI4>::value) panel_tile_i4_pf<NV, MRc, PF>(pa, K, x, ldx, y, ldy, ncols, bias, pfd);
-  else panel_tile<PA, NV, MRc, PF>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfd);
+                    const float* scale, const float* bias, const Ahead<PA>& ah) {
+  if constexpr (std::is_same<PA, PanelI4>::value) panel_tile_i4_pf<NV, MRc, PF>(pa, K, x, ldx, y, ldy, ncols, bias, ah);
+  else panel_tile<PA, NV, MRc, PF>(pa, K, x, ldx, y, ldy, ncols, scale, bias, ah);
 }
+// pfb: bytes of prefetch ahead (see g_panel_pf), turned into k steps of this tile's stream; next, R, k0: see Ahead
 template <class PA, int NV, int MRc>
 inline void tile(const PA& pa, int64_t K, const float* x, int64_t ldx, float* y, int64_t ldy, int64_t ncols,
-                 const float* scale, const float* bias, int64_t pfb) {
-  const int64_t pfd = pfb / PA::template step_bytes<NV>();
-  if (pfd > 0) tile_pf<PA, NV, MRc, true>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfd);
-  else tile_pf<PA, NV, MRc, false>(pa, K, x, ldx, y, ldy, ncols, scale, bias, 0);
+                 const float* scale, const float* bias, int64_t pfb, const PA* next, int64_t R, int64_t k0) {
+  const Ahead<PA> ah{pfb / PA::template step_bytes<NV>(), next, R, k0};
+  if (ah.pfd > 0) tile_pf<PA, NV, MRc, true>(pa, K, x, ldx, y, ldy, ncols, scale, bias, ah);
+  else tile_pf<PA, NV, MRc, false>(pa, K, x, ldx, y, ldy, ncols, scale, bias, ah);
 }
 
 template <class PA, int NV>
 inline void panel_rows(const PA& pa, int64_t K, const float* x, int64_t ldx, int64_t mr, float* y,
-                       int64_t ldy, int64_t ncols, const float* scale, const float* bias, int64_t pfb) {
+                       int64_t ldy, int64_t ncols, const float* scale, const float* bias, int64_t pfb,
+                       const PA* next = nullptr, int64_t R = 1, int64_t k0 = 0) {
   switch (mr) {
-    case 1: tile<PA, NV, 1>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb); break;
-    case 2: tile<PA, NV, 2>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb); break;
+    case 1: tile<PA, NV, 1>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb, next, R, k0); break;
+    case 2: tile<PA, NV, 2>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb, next, R, k0); break;
 #ifndef PD_V16_PAIR
-    case 3: tile<PA, NV, 3>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb); break;
-    case 4: tile<PA, NV, 4>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb); break;
-    case 5: tile<PA, NV, 5>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb); break;
+    case 3: tile<PA, NV, 3>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb, next, R, k0); break;
+    case 4: tile<PA, NV, 4>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb, next, R, k0); break;
+    case 5: tile<PA, NV, 5>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb, next, R, k0); break;
 #endif
-    default: tile<PA, NV, PMR>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb); break;
+    default: tile<PA, NV, PMR>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb, next, R, k0); break;
   }
 }
 
@@ -562,18 +589,25 @@ template <class Make>
 void panel_linear(Make make, int64_t NP, int64_t K, int64_t B, const float* xp, int64_t M, float* yp, int64_t N,
                   const float* sp, const float* bp) {
   const int64_t TW = 16 * PNV, per_panel = (B + TW - 1) / TW, pfb = panel_pf_bytes(M);
+  const int64_t passes = M / PMR - 1;  // whole row groups after the first: they prefetch the next tile (Ahead)
+  using PA = decltype(make(0, 0));
   at::parallel_for(0, NP * per_panel, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t panel = t / per_panel, c = (t % per_panel) * TW;  // first column of the tile in its panel
       const int64_t n = panel * B + c, ncols = std::min<int64_t>({TW, B - c, N - n});
       if (ncols <= 0) continue;
       const float* s = sp ? sp + n : nullptr;
+      const int64_t pn = (t + 1) / per_panel, cn = ((t + 1) % per_panel) * TW;
+      const bool has_next = pfb > 0 && passes > 0 && t + 1 < t1 && B - cn >= TW && pn * B + cn < N;
+      const PA next = make(has_next ? pn : panel, has_next ? cn : c);
       for (int64_t m0 = 0; m0 < M; m0 += PMR) {
-        const int64_t mr = std::min<int64_t>(PMR, M - m0);
+        const int64_t mr = std::min<int64_t>(PMR, M - m0), pass = m0 / PMR;
         const float* b = bp ? bp + n : nullptr;
-        if (B - c >= TW) panel_rows<decltype(make(panel, c)), PNV>(make(panel, c), K, xp + m0 * K, K, mr, yp + m0 * N + n, N, ncols, s, b, pfb);
+        const bool ahead = has_next && pass >= 1 && pass <= passes;
+        if (B - c >= TW) panel_rows<PA, PNV>(make(panel, c), K, xp + m0 * K, K, mr, yp + m0 * N + n, N, ncols, s, b, pfb,
+                                             ahead ? &next : nullptr, passes, ahead ? (pass - 1) * K / passes : 0);
         else for (int64_t j = 0; j < B - c && j < N - n; j += 16)  // a panel narrower than the tile
-          panel_rows<decltype(make(panel, c)), 1>(make(panel, c + j), K, xp + m0 * K, K, mr, yp + m0 * N + n + j, N,
+          panel_rows<PA, 1>(make(panel, c + j), K, xp + m0 * K, K, mr, yp + m0 * N + n + j, N,
                                                   std::min<int64_t>(16, N - n - j), s ? s + j : nullptr, b ? b + j : nullptr, pfb);
       }
     }

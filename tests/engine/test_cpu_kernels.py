@@ -428,7 +428,8 @@ def keep_prefetch(kern):
 
 def test_panel_prefetch_distance_changes_no_result(keep_prefetch):
     """Every panel kernel (fp32, int8, int4, w8a8, w4a8) gives the same bits at every prefetch distance, at one
-    row and at several, including distances far past the end of the weights (a prefetch never faults)."""
+    row and at several, including distances far past the end of the weights (a prefetch never faults), and
+    the same bits as torch's product on the weights (so a prefetching path cannot be wrong in both)."""
     kern = keep_prefetch
     g = torch.Generator().manual_seed(5)
     N, K, group = 130, 256, 64
@@ -444,15 +445,18 @@ def test_panel_prefetch_distance_changes_no_result(keep_prefetch):
         pq4 = to_panels_w4a8(p4, d4, group, pw)
         cases["w8a8"] = lambda x: kern.linear_w8a8_panels(x, *pq, N, b)
         cases["w4a8"] = lambda x: kern.linear_w4a8_panels(x, *pq4, N, group, b)
-    x = torch.randn(9, K, generator=g)
+    x = torch.randn(20, K, generator=g)
+    rows = (1, 9, 20)  # 20: several whole row groups, whose later passes also prefetch the next tile (Ahead)
     for name, run in cases.items():
         kern.set_panel_prefetch(0, 0)
-        ref = {m: run(x[:m].contiguous()) for m in (1, 9)}
+        ref = {m: run(x[:m].contiguous()) for m in rows}
         for pf in (64, 256, 2048, 8192, 1 << 24):
             kern.set_panel_prefetch(pf, pf)
             assert tuple(kern.panel_prefetch()) == (pf, pf)
-            for m in (1, 9):
+            for m in rows:
                 assert torch.equal(run(x[:m].contiguous()), ref[m]), (name, pf, m)
+        if name == "fp32":
+            torch.testing.assert_close(ref[20], F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
 def test_set_panel_prefetch_refuses_negative_distances(keep_prefetch):
