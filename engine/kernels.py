@@ -173,9 +173,10 @@ def tune_panel_prefetch(products: Sequence[tuple[Callable[[torch.Tensor], object
     if not picked:
         return tuple(mod.panel_prefetch())
     chosen = []
+    gen = torch.Generator().manual_seed(0)  # its own: loading a model must not move the global RNG
     with torch.inference_mode():
         for m in (1, 8):
-            xs = {k: torch.randn(m, k) for k in {k for _, k in picked}}
+            xs = {k: torch.randn(m, k, generator=gen) for k in sorted({k for _, k in picked})}
             best = {pf: float("inf") for pf in PREFETCH_CANDIDATES}
             for r in range(rounds + 1):  # the first round warms up
                 for pf in PREFETCH_CANDIDATES:

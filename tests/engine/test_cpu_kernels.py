@@ -475,7 +475,12 @@ def test_tune_panel_prefetch_measures_a_candidate_and_the_environment_overrides(
     counted = [(lambda x, run=run: calls.append(x.shape[0]) or run(x), k, n) for run, k, n in products]
     monkeypatch.delenv("PDSERVE_PANEL_PREFETCH", raising=False)
     kern.set_panel_prefetch(12345, 12345)  # not a candidate: tuning must replace it
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
     chosen = tune_panel_prefetch(counted, rounds=2)
+    assert torch.equal(torch.rand(1), before), "tuning moved the global RNG (seeded user code would change)"
+
     assert chosen[0] in PREFETCH_CANDIDATES and chosen[1] in PREFETCH_CANDIDATES
     assert tuple(kern.panel_prefetch()) == chosen
     # warm-up + 2 rounds, every candidate, every product, at 1 and at 8 rows
