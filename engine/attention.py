@@ -14,8 +14,9 @@ without the kernels) it attends over a padded [B, Hkv, L, D] gather of the cache
 with a length mask (one SDPA call for the whole batch, the query heads of a KV
 group folded into the query-length axis so GQA needs no K/V copies). An int8
 cache (``kv_cache_dtype="int8"``) is written quantized and read dequantized. A
-prefill chunk with no earlier context attends to its own fresh K/V with
-``is_causal``; a later chunk (chunked prefill, or re-prefill after preemption)
+prefill chunk with no earlier context attends to its own fresh K/V: on CPU at
+float32 through pdserve's flash-style prefill kernel (engine/csrc
+``prefill_attention``, GQA without copies), elsewhere SDPA with ``is_causal``; a later chunk (chunked prefill, or re-prefill after preemption)
 gathers its sequence's cached K/V and uses an explicit causal mask.
 """
 from __future__ import annotations
@@ -184,6 +185,13 @@ def _prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, 
              window: Optional[int], group: int) -> Tensor:
     s, e = span.start, span.end
     n = e - s
+    D = q.shape[-1]
+    if (span.num_computed == 0 and q.device.type == "cpu" and q.dtype == torch.float32 and D % 16 == 0
+            and D <= 256):
+        kern = cpu_kernels()
+        if kern is not None:  # a prompt over itself: pdserve's flash-style kernel (engine/csrc), GQA in place
+            return kern.prefill_attention(q[s:e].contiguous(), k[s:e].contiguous(), v[s:e].contiguous(),
+                                          window or 0, D ** -0.5)
     qs = q[s:e].transpose(0, 1)  # [H, n, D]
     hkv, D = k.shape[1], k.shape[2]
     if span.num_computed == 0:

@@ -1580,6 +1580,148 @@ struct DecodeLayer {
   }
 };
 
+// ---- causal prefill attention ------------------------------------------------------------------------
+// A prompt with no cached context attending to itself: q [n, H, D], k / v [n, Hkv, D] float32, causal, an
+// optional sliding window (query i sees keys j with i - window < j <= i). Flash-style: a tile of PQ query rows of
+// one head against blocks of PK keys, an online softmax per row, the scores and the output accumulated in
+// registers through the same broadcast-FMA microkernel as the panel linears: K is transposed once per call to
+// [Hkv, D, n] so a step over d is PK/16 contiguous key vectors times one broadcast per query row, and a step over
+// keys is D/16 contiguous V vectors times one broadcast of each row's probability. Blocks past a tile's causal
+// limit or before its window are skipped. Parallel over (query head, tile), head-major, so both threads get the
+// same mix of short and long rows. Masked scores are -1e30 (finite under -ffast-math), whose exp is ~1e-38.
+// K and V are first copied per KV head into contiguous blocks (K as [Hkv, blocks, D, PK], V as [Hkv, n, D]): read
+// in place, a block's rows sit a power of two apart (n * 4 or Hkv * D * 4 bytes) and crowd a few L1 sets.
+constexpr int PQ = 6;    // query rows per tile
+constexpr int PKV = 4;   // key vectors per block: PK = 64 keys
+constexpr int PK = 16 * PKV;
+
+template <int DVC>
+void prefill_tile(const float* q, const float* kt, const float* v, float* out, int64_t n, int64_t H, int64_t Hkv,
+                  int64_t D, int64_t np, int64_t hq, int64_t i0, int64_t window, float scale) {
+  const int64_t G = H / Hkv, h = hq / G, DV = DVC ? DVC : D / 16;
+  const float* kth = kt + h * D * np;  // [np / PK, D, PK]
+  const float* vh = v + h * np * D;     // [np, D]
+  int64_t pos[PQ];
+  for (int r = 0; r < PQ; ++r) pos[r] = std::min<int64_t>(i0 + r, n - 1);  // rows past n repeat the last one
+  const int64_t hi = pos[PQ - 1] + 1;                                     // keys [lo, hi) matter to this tile
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, pos[0] - window + 1) : 0;
+  float qs[PQ][256];  // the tile's query rows, pre-scaled (D <= 256)
+  for (int r = 0; r < PQ; ++r)
+    for (int64_t d = 0; d < D; ++d) qs[r][d] = q[(pos[r] * H + hq) * D + d] * scale;
+  float m[PQ], l[PQ];
+  alignas(64) float o[PQ][256];
+  alignas(64) float p[PQ][PK];
+  for (int r = 0; r < PQ; ++r) {
+    m[r] = -1e30f; l[r] = 0.f;
+    for (int64_t d = 0; d < D; ++d) o[r][d] = 0.f;
+  }
+  for (int64_t j0 = lo / PK * PK; j0 < hi; j0 += PK) {
+    // scores of PQ rows x PK keys
+    v16f s[PQ][PKV];
+    for (int r = 0; r < PQ; ++r)
+      for (int c = 0; c < PKV; ++c) s[r][c] = v16f{};
+    for (int64_t d = 0; d < D; ++d) {
+      v16f kv[PKV];
+      for (int c = 0; c < PKV; ++c) kv[c] = load_f(kth + (j0 * D + d * PK) + 16 * c);
+      for (int r = 0; r < PQ; ++r) {
+        const v16f qb = splat(qs[r][d]);
+        for (int c = 0; c < PKV; ++c) s[r][c] += qb * kv[c];
+      }
+    }
+    for (int r = 0; r < PQ; ++r)
+      for (int c = 0; c < PKV; ++c) store_f(p[r] + 16 * c, s[r][c]);
+    const bool edge = j0 + PK > pos[0] + 1 || (window > 0 && j0 <= pos[PQ - 1] - window);
+    for (int r = 0; r < PQ; ++r) {
+      if (edge)
+        for (int j = 0; j < PK; ++j) {
+          const int64_t key = j0 + j;
+          if (key > pos[r] || (window > 0 && key <= pos[r] - window)) p[r][j] = -1e30f;
+        }
+      v16f mv = load_f(p[r]);
+      for (int c = 1; c < PKV; ++c) mv = vmax(mv, load_f(p[r] + 16 * c));
+      float mvs[16];
+      store_f(mvs, mv);
+      float bm = mvs[0];
+      for (int j = 1; j < 16; ++j) bm = std::max(bm, mvs[j]);
+      const float mn = std::max(m[r], bm), alpha = std::exp(m[r] - mn);
+      v16f sum{};
+      for (int c = 0; c < PKV; ++c) {
+        const v16f e = exp16(load_f(p[r] + 16 * c) - mn);
+        store_f(p[r] + 16 * c, e);
+        sum += e;
+      }
+      l[r] = l[r] * alpha + hsum(sum);
+      m[r] = mn;
+      if (alpha != 1.f)
+        for (int64_t dv = 0; dv < DV; ++dv) store_f(o[r] + 16 * dv, load_f(o[r] + 16 * dv) * alpha);
+    }
+    // o += p v over the block's keys (those below n), D/16 vectors at a time in chunks of 4
+    const int64_t nk = std::min<int64_t>(PK, n - j0);
+    for (int64_t dc = 0; dc < DV; dc += 4) {
+      const int nv = (int)std::min<int64_t>(4, DV - dc);
+      v16f a[PQ][4];
+      for (int r = 0; r < PQ; ++r)
+        for (int c = 0; c < nv; ++c) a[r][c] = load_f(o[r] + 16 * (dc + c));
+      for (int64_t j = 0; j < nk; ++j) {
+        const float* vr = vh + (j0 + j) * D + 16 * dc;
+        v16f vv[4];
+        for (int c = 0; c < nv; ++c) vv[c] = load_f(vr + 16 * c);
+        for (int r = 0; r < PQ; ++r) {
+          const v16f pb = splat(p[r][j]);
+          for (int c = 0; c < nv; ++c) a[r][c] += pb * vv[c];
+        }
+      }
+      for (int r = 0; r < PQ; ++r)
+        for (int c = 0; c < nv; ++c) store_f(o[r] + 16 * (dc + c), a[r][c]);
+    }
+  }
+  for (int r = 0; r < PQ && i0 + r < n; ++r) {
+    const float inv = 1.f / l[r];
+    for (int64_t dv = 0; dv < DV; ++dv) store_f(out + ((i0 + r) * H + hq) * D + 16 * dv, load_f(o[r] + 16 * dv) * inv);
+  }
+}
+
+torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t window, double sm_scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(), "q must be contiguous float32 [n, H, D]");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes() && k.scalar_type() == torch::kFloat &&
+              v.scalar_type() == torch::kFloat && k.is_contiguous() && v.is_contiguous(),
+              "k and v must be contiguous float32 [n, Hkv, D] of one shape");
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2), Hkv = k.size(1);
+  TORCH_CHECK(k.size(0) == n && k.size(2) == D, "k/v must have q's tokens and head_dim");
+  TORCH_CHECK(D % 16 == 0 && D <= 256, "head_dim must be a multiple of 16, at most 256");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0 = none)");
+  auto out = torch::empty_like(q);
+  if (n == 0) return out;
+  const int64_t np = (n + PK - 1) / PK * PK;  // keys padded to whole blocks (zeros; masked)
+  auto kt = torch::zeros({Hkv, np / PK, D, PK}, q.options());
+  auto vt = torch::zeros({Hkv, np, D}, q.options());
+  const float* kp = k.data_ptr<float>(); const float* vsrc = v.data_ptr<float>();
+  float* ktp = kt.data_ptr<float>(); float* vtp = vt.data_ptr<float>();
+  at::parallel_for(0, Hkv * (np / PK), 1, [&](int64_t a, int64_t b) {
+    for (int64_t hb = a; hb < b; ++hb) {
+      const int64_t h = hb / (np / PK), j0 = (hb % (np / PK)) * PK;
+      for (int64_t j = j0; j < std::min(n, j0 + PK); ++j) {
+        const float* kr = kp + (j * Hkv + h) * D;
+        for (int64_t d = 0; d < D; ++d) ktp[(hb * D + d) * PK + (j - j0)] = kr[d];
+        std::memcpy(vtp + (h * np + j) * D, vsrc + (j * Hkv + h) * D, D * sizeof(float));
+      }
+    }
+  });
+  const float* qp = q.data_ptr<float>(); const float* vp = vtp; float* op = out.data_ptr<float>();
+  const float scale = static_cast<float>(sm_scale);
+  const int64_t tiles = (n + PQ - 1) / PQ;
+  at::parallel_for(0, H * tiles, 1, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) {
+      const int64_t hq = t / tiles, i0 = (t % tiles) * PQ;
+      if (D == 64) prefill_tile<4>(qp, ktp, vp, op, n, H, Hkv, D, np, hq, i0, window, scale);
+      else if (D == 128) prefill_tile<8>(qp, ktp, vp, op, n, H, Hkv, D, np, hq, i0, window, scale);
+      else prefill_tile<0>(qp, ktp, vp, op, n, H, Hkv, D, np, hq, i0, window, scale);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1620,6 +1762,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "8 int8 panels | 9 int4 panels, w, "
            "scale or None, bias or None, group, N)")
       .def("forward", &DecodeLayer::forward, "one decoder layer for T single-token decodes (see the source)");
+  m.def("prefill_attention", &prefill_attention,
+        "(q [n, H, D], k / v [n, Hkv, D], window, scale): causal attention of a prompt over itself, float32");
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query per sequence over its paged K/V read in place through the block table");
 }

@@ -512,3 +512,43 @@ def test_loading_a_model_tunes_the_prefetch(keep_prefetch, monkeypatch, tmp_path
     monkeypatch.setenv("PDSERVE_PANEL_PREFETCH", "1024,4096")
     make_engine(path)
     assert tuple(kern.panel_prefetch()) == (1024, 4096)
+
+
+# ---- causal prefill attention ------------------------------------------------------------------------
+def _prefill_reference(q, k, v, window):
+    """Causal (and windowed: i - window < j <= i) attention in float64 through torch's SDPA with an explicit mask."""
+    n, H, D = q.shape
+    G = H // k.shape[1]
+    qs = q.transpose(0, 1).unsqueeze(0).double()
+    ks = k.transpose(0, 1).repeat_interleave(G, 0).unsqueeze(0).double()
+    vs = v.transpose(0, 1).repeat_interleave(G, 0).unsqueeze(0).double()
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    m = j <= i
+    if window:
+        m &= j > i - window
+    return F.scaled_dot_product_attention(qs, ks, vs, attn_mask=m)[0].transpose(0, 1).float()
+
+
+@pytest.mark.parametrize("n,H,Hkv,D,window", [
+    (1, 4, 2, 64, 0), (6, 4, 4, 64, 0), (7, 3, 1, 64, 0),  # one tile, a tile and a row, MQA
+    (70, 6, 2, 64, 0), (130, 4, 1, 128, 0), (100, 4, 2, 80, 0),  # block edges, D 128 and a D without a template
+    (200, 4, 2, 64, 5), (200, 4, 2, 64, 70), (333, 8, 2, 32, 100),  # windows shorter than a tile, than a block
+    (150, 4, 2, 64, 150)])  # a window as long as the prompt
+def test_prefill_attention_kernel_matches_float64_sdpa(kern, n, H, Hkv, D, window):
+    g = torch.Generator().manual_seed(n * 7 + D + window)
+    q, k, v = (torch.randn(n, h, D, generator=g) * 2 for h in (H, Hkv, Hkv))
+    got = kern.prefill_attention(q, k, v, window, D ** -0.5)
+    torch.testing.assert_close(got, _prefill_reference(q, k, v, window), rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_kernel_refuses_bad_shapes_with_a_message(kern):
+    q, k = torch.randn(8, 4, 64), torch.randn(8, 2, 64)
+    for args, msg in (((q, k, k[:, :1].expand(8, 2, 64), 0), "k and v must be contiguous"),
+                      ((q, torch.randn(8, 3, 64), torch.randn(8, 3, 64), 0), "multiple of KV heads"),
+                      ((torch.randn(8, 4, 40), torch.randn(8, 2, 40), torch.randn(8, 2, 40), 0), "multiple of 16"),
+                      ((q, torch.randn(9, 2, 64), torch.randn(9, 2, 64), 0), "q's tokens"),
+                      ((q.double(), k, k, 0), "q must be contiguous float32"),
+                      ((q, k, k, -1), "window must be >= 0")):
+        with pytest.raises(RuntimeError, match=msg):
+            kern.prefill_attention(*args, 0.125)
+    assert kern.prefill_attention(q[:0], k[:0], k[:0], 0, 0.125).shape == (0, 4, 64)
