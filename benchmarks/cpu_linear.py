@@ -39,7 +39,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--prefetch", type=int, nargs="+", default=None,
-                    help="prefetch distances (bytes) to run the panel kernels with; default: the tuned one")
+                    help="prefetch distances (bytes) to run the panel kernels with; default: none (this script loads no "
+                         "model, so nothing tunes it)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     kern = cpu_kernels()

@@ -132,15 +132,10 @@ def _parse_prefetch(text: str) -> tuple[int, int]:
     parts = [p.strip() for p in text.split(",")]
     if len(parts) == 1:
         parts = parts * 2
-    try:
-        one, many = (int(p) for p in parts)
-    except ValueError:
-        raise ValueError(f"PDSERVE_PANEL_PREFETCH must be 'BYTES' or 'ONE_ROW,ROWS' (non-negative integers), "
-                         f"got {text!r}") from None
-    if len(parts) != 2 or one < 0 or many < 0:
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):  # isdigit: no sign, so no negatives
         raise ValueError(f"PDSERVE_PANEL_PREFETCH must be 'BYTES' or 'ONE_ROW,ROWS' (non-negative integers), "
                          f"got {text!r}")
-    return one, many
+    return int(parts[0]), int(parts[1])
 
 
 def tune_panel_prefetch(products: Sequence[tuple[Callable[[torch.Tensor], object], int, int]],
@@ -150,8 +145,8 @@ def tune_panel_prefetch(products: Sequence[tuple[Callable[[torch.Tensor], object
 
     ``products``: (run, in_features, weight bytes) of the model's panel linears (run(x) computes one
     product). Whether software prefetch pays depends on the CPU: measured, it cost a third of the batch-1
-    rate on a Zen 4 and sped 8 to 32 rows up 1.2-1.5x (and int8 / int4 batch 1 up to 3x) on an Emerald Rapids
-    Xeon (docs/benchmarks.md), so it is measured here, once per load: each of ``PREFETCH_CANDIDATES`` runs
+    rate on a Zen 4 and sped 8 to 32 rows up 1.3-1.4x (and int8 / int4 batch 1 1.6-1.8x) on an Emerald Rapids
+    Xeon (docs/benchmarks.md, runs M and U), so it is measured here, once per load: each of ``PREFETCH_CANDIDATES`` runs
     the linears (up to ``_TUNE_BYTES`` of weights) at 1 and at 8 rows, interleaved over ``rounds`` rounds,
     best time of each; a distance replaces "none" only when it is at least 3% faster. Prefetches change no
     result, only speed. ``PDSERVE_PANEL_PREFETCH=BYTES`` or ``ONE_ROW,ROWS`` sets the distances instead (the
