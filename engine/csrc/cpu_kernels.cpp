@@ -83,7 +83,8 @@ __attribute__((always_inline)) inline void opaque(v16f& v) {
 }
 // e^x in 16 lanes: Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n), x
 // clamped to [-87.3, 88.3] so 2^n stays a normal float; relative error within a few ulp of std::exp. One
-// call replaces 16 calls of libm's scalar expf (the softmax of paged decode attention).
+// call replaces 16 calls of libm's scalar expf (the softmax of paged decode attention). With AVX-512 the 2^n
+// factor is one vscalefps (the same bits: n is an integer in the normal range after the clamp).
 inline v16f exp16(v16f x) {
   x = vmin(vmax(x, splat(-87.3f)), splat(88.3f));
   const float magic = 12582912.f;  // 1.5 * 2^23: x * log2(e) + magic holds round(x * log2(e)) in its low bits
@@ -100,7 +101,11 @@ inline v16f exp16(v16f x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.f;
+#if defined(__AVX512F__)
+  return (v16f)_mm512_scalef_ps((__m512)p, (__m512)n);
+#else
   return p * as_f(((as_i(t) - as_i(splat(magic))) + 127) << 23);
+#endif
 }
 // Widening loads of 16 narrow integers into 16 int32 lanes. GCC lowers __builtin_convertvector of
 // 8- and 16-bit vectors lane by lane, so these use the one-instruction widening moves directly.
@@ -149,6 +154,14 @@ inline float hsum(v16f v) {
   for (int i = 0; i < 8; ++i) s += a[i];
   return s;
 }
+// the largest of the 16 lanes, by a log2 tree of shuffles (no 16-step scalar chain)
+inline float hmax(v16f v) {
+  v8f a = v.lo > v.hi ? v.lo : v.hi, b;
+  b = __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3); a = a > b ? a : b;
+  b = __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5); a = a > b ? a : b;
+  b = __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6); a = a > b ? a : b;
+  return a[0];
+}
 #else
 inline v16f to_f(v16i v) { return __builtin_convertvector(v, v16f); }
 inline v16f load_bf16(const uint16_t* p) {
@@ -160,6 +173,13 @@ inline float hsum(v16f v) {
   float s = 0.f;
   for (int i = 0; i < 16; ++i) s += v[i];
   return s;
+}
+inline float hmax(v16f v) {
+  v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
 }
 #endif
 inline v16f load_b(const int8_t* p) { return to_f(widen_i8(p)); }
@@ -1594,6 +1614,7 @@ struct DecodeLayer {
 constexpr int PQ = 6;    // query rows per tile
 constexpr int PKV = 4;   // key vectors per block: PK = 64 keys
 constexpr int PK = 16 * PKV;
+constexpr float LAZY = 8.f;  // see the online softmax in prefill_tile
 
 template <int DVC>
 void prefill_tile(const float* q, const float* kt, const float* v, float* out, int64_t n, int64_t H, int64_t Hkv,
@@ -1608,11 +1629,12 @@ void prefill_tile(const float* q, const float* kt, const float* v, float* out, i
   float qs[PQ][256];  // the tile's query rows, pre-scaled (D <= 256)
   for (int r = 0; r < PQ; ++r)
     for (int64_t d = 0; d < D; ++d) qs[r][d] = q[(pos[r] * H + hq) * D + d] * scale;
-  float m[PQ], l[PQ];
+  float m[PQ];
+  v16f lv[PQ];
   alignas(64) float o[PQ][256];
   alignas(64) float p[PQ][PK];
   for (int r = 0; r < PQ; ++r) {
-    m[r] = -1e30f; l[r] = 0.f;
+    m[r] = -1e30f; lv[r] = v16f{};
     for (int64_t d = 0; d < D; ++d) o[r][d] = 0.f;
   }
   for (int64_t j0 = lo / PK * PK; j0 < hi; j0 += PK) {
@@ -1628,32 +1650,35 @@ void prefill_tile(const float* q, const float* kt, const float* v, float* out, i
         for (int c = 0; c < PKV; ++c) s[r][c] += qb * kv[c];
       }
     }
-    for (int r = 0; r < PQ; ++r)
-      for (int c = 0; c < PKV; ++c) store_f(p[r] + 16 * c, s[r][c]);
-    const bool edge = j0 + PK > pos[0] + 1 || (window > 0 && j0 <= pos[PQ - 1] - window);
-    for (int r = 0; r < PQ; ++r) {
-      if (edge)
+    // Masks only on blocks that cross the diagonal or the window's start.
+    if (j0 + PK > pos[0] + 1 || (window > 0 && j0 <= pos[PQ - 1] - window))
+      for (int r = 0; r < PQ; ++r) {
+        for (int c = 0; c < PKV; ++c) store_f(p[r] + 16 * c, s[r][c]);
         for (int j = 0; j < PK; ++j) {
           const int64_t key = j0 + j;
           if (key > pos[r] || (window > 0 && key <= pos[r] - window)) p[r][j] = -1e30f;
         }
-      v16f mv = load_f(p[r]);
-      for (int c = 1; c < PKV; ++c) mv = vmax(mv, load_f(p[r] + 16 * c));
-      float mvs[16];
-      store_f(mvs, mv);
-      float bm = mvs[0];
-      for (int j = 1; j < 16; ++j) bm = std::max(bm, mvs[j]);
-      const float mn = std::max(m[r], bm), alpha = std::exp(m[r] - mn);
-      v16f sum{};
-      for (int c = 0; c < PKV; ++c) {
-        const v16f e = exp16(load_f(p[r] + 16 * c) - mn);
-        store_f(p[r] + 16 * c, e);
-        sum += e;
+        for (int c = 0; c < PKV; ++c) s[r][c] = load_f(p[r] + 16 * c);
       }
-      l[r] = l[r] * alpha + hsum(sum);
-      m[r] = mn;
-      if (alpha != 1.f)
+    // Online softmax with a lazy maximum: a row's reference m moves (rescaling l and o) only when a score
+    // exceeds it by more than LAZY, so most blocks skip the rescale; exp(s - m) <= e^LAZY keeps l and o far
+    // from overflow, and o / l is unchanged by which m was used. l is kept per lane, summed at the end.
+    for (int r = 0; r < PQ; ++r) {
+      v16f mv = s[r][0];
+      for (int c = 1; c < PKV; ++c) mv = vmax(mv, s[r][c]);
+      const float bm = hmax(mv);
+      if (bm > m[r] + LAZY) {
+        const float alpha = std::exp(m[r] - bm);
+        m[r] = bm;
+        lv[r] = lv[r] * alpha;
         for (int64_t dv = 0; dv < DV; ++dv) store_f(o[r] + 16 * dv, load_f(o[r] + 16 * dv) * alpha);
+      }
+      const v16f mr = splat(m[r]);
+      for (int c = 0; c < PKV; ++c) {
+        const v16f e = exp16(s[r][c] - mr);
+        store_f(p[r] + 16 * c, e);
+        lv[r] += e;
+      }
     }
     // o += p v over the block's keys (those below n), D/16 vectors at a time in chunks of 4
     const int64_t nk = std::min<int64_t>(PK, n - j0);
@@ -1676,7 +1701,7 @@ void prefill_tile(const float* q, const float* kt, const float* v, float* out, i
     }
   }
   for (int r = 0; r < PQ && i0 + r < n; ++r) {
-    const float inv = 1.f / l[r];
+    const float inv = 1.f / hsum(lv[r]);
     for (int64_t dv = 0; dv < DV; ++dv) store_f(out + ((i0 + r) * H + hq) * D + 16 * dv, load_f(o[r] + 16 * dv) * inv);
   }
 }

@@ -541,6 +541,33 @@ def test_prefill_attention_kernel_matches_float64_sdpa(kern, n, H, Hkv, D, windo
     torch.testing.assert_close(got, _prefill_reference(q, k, v, window), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [0, 90])
+def test_prefill_attention_kernel_when_scores_climb_along_the_keys(kern, window):
+    """Keys grow along the prompt, so each row's maximum score rises block after block by more than the
+    kernel's lazy-rescale margin (8): the running sum and output must be rescaled mid-row each time, and the
+    rise over a row (~100) would overflow e^x if the reference maximum never moved. With random scores (the
+    test above) the first block's maximum is almost never beaten by that much."""
+    g = torch.Generator().manual_seed(11)
+    n, H, Hkv, D = 300, 4, 2, 64
+    q = torch.randn(n, H, D, generator=g).abs() + 0.5
+    k = (torch.randn(n, Hkv, D, generator=g).abs() + 0.5) * torch.linspace(0.05, 1.0, n)[:, None, None]
+    v = torch.randn(n, Hkv, D, generator=g)
+    scale = 8.0 * D ** -0.5  # scores reach ~110, rising ~23 per 64-key block
+    got = kern.prefill_attention(q, k, v, window, scale)
+    ref = _prefill_reference(q * 8, k, v, window)
+    # Scores this large lose ~1e-5 to float32 rounding in any kernel: the bound is what torch's float32 SDPA
+    # reaches on the same input (3.5e-5 here), with a factor 2 of slack.
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    mask = (j <= i) & ((j > i - window) if window else True)
+    sdpa = F.scaled_dot_product_attention((q * 8).transpose(0, 1).unsqueeze(0),
+                                          k.transpose(0, 1).repeat_interleave(2, 0).unsqueeze(0),
+                                          v.transpose(0, 1).repeat_interleave(2, 0).unsqueeze(0),
+                                          attn_mask=mask)[0].transpose(0, 1)
+    bound = 2 * (sdpa - ref).abs().max().item()
+    assert 1e-6 < bound < 1e-4
+    assert (got - ref).abs().max().item() <= bound
+
+
 def test_prefill_attention_kernel_refuses_bad_shapes_with_a_message(kern):
     q, k = torch.randn(8, 4, 64), torch.randn(8, 2, 64)
     for args, msg in (((q, k, k[:, :1].expand(8, 2, 64), 0), "k and v must be contiguous"),
