@@ -189,9 +189,9 @@ def _prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, 
     if (span.num_computed == 0 and q.device.type == "cpu" and q.dtype == torch.float32 and D % 16 == 0
             and D <= 256):
         kern = cpu_kernels()
-        if kern is not None:  # a prompt over itself: pdserve's flash-style kernel (engine/csrc), GQA in place
-            return kern.prefill_attention(q[s:e].contiguous(), k[s:e].contiguous(), v[s:e].contiguous(),
-                                          window or 0, D ** -0.5)
+        if kern is not None:  # a prompt over itself: pdserve's flash-style kernel (engine/csrc), GQA in place,
+            # q / k / v read as strided views of the qkv projection (no copies)
+            return kern.prefill_attention(q[s:e], k[s:e], v[s:e], window or 0, D ** -0.5)
     qs = q[s:e].transpose(0, 1)  # [H, n, D]
     hkv, D = k.shape[1], k.shape[2]
     if span.num_computed == 0:

@@ -300,12 +300,16 @@ class DecoderLayer(nn.Module):
                                       meta.decode_block_tables, meta.decode_ctx_lens)
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(self.input_layernorm(h)).view(T, H + 2 * Hkv, D)
-        qk = apply_rope(qkv[:, :H + Hkv], cos, sin)
+        if self.kernel_small_ops and qkv.dtype == torch.float32 and qkv.is_contiguous():
+            cpu_kernels().rope_(qkv, cos, sin, H + Hkv)  # in place, the fused decode layer's arithmetic
+            qk = qkv
+        else:
+            qk = apply_rope(qkv[:, :H + Hkv], cos, sin)
         if keep is None:
-            attn = paged_attention(qk[:, :H], qk[:, H:], qkv[:, H + Hkv:], kv_cache[0], kv_cache[1], meta,
+            attn = paged_attention(qk[:, :H], qk[:, H:H + Hkv], qkv[:, H + Hkv:], kv_cache[0], kv_cache[1], meta,
                                    self.window)
         else:
-            write_kv(kv_cache[0], kv_cache[1], qk[:, H:], qkv[:, H + Hkv:], meta.slot_mapping)
+            write_kv(kv_cache[0], kv_cache[1], qk[:, H:H + Hkv], qkv[:, H + Hkv:], meta.slot_mapping)
             if keep.num_decode == 0:
                 return h[:0]
             h = h.index_select(0, keep.rows)

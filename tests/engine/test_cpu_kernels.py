@@ -342,8 +342,9 @@ def test_rms_norm_and_silu_mul_match_torch(kern, M):
     w = torch.randn(384, generator=g)
     torch.testing.assert_close(kern.rms_norm(x, w, 1e-6), F.rms_norm(x, (384,), w, 1e-6), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(kern.rms_norm(x, w, 10.0), F.rms_norm(x, (384,), w, 10.0), rtol=1e-5, atol=1e-6)
-    gu = torch.randn(M, 2 * 160, generator=g) * 6
-    gate, up = gu.split(160, dim=-1)
+    gu = torch.randn(M, 2 * 170, generator=g) * 6  # 10 vectors of 16 and a tail of 10
+    gu[:, :4] = torch.tensor([-120.0, -90.0, 90.0, 120.0])  # past exp's float range either way
+    gate, up = gu.split(170, dim=-1)
     torch.testing.assert_close(kern.silu_mul(gu), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="w must be"):
         kern.rms_norm(x, w[:10], 1e-6)
@@ -541,6 +542,40 @@ def test_prefill_attention_kernel_matches_float64_sdpa(kern, n, H, Hkv, D, windo
     torch.testing.assert_close(got, _prefill_reference(q, k, v, window), rtol=1e-5, atol=1e-5)
 
 
+def test_prefill_attention_kernel_reads_strided_views_of_one_qkv_output(kern):
+    """The engine passes q, k and v as views into the qkv projection's rows (row stride (H + 2 Hkv) D): the
+    same numbers as contiguous copies, for the whole prompt and for a slice of it (a later prompt in a batch)."""
+    g = torch.Generator().manual_seed(5)
+    T, H, Hkv, D = 150, 6, 2, 64
+    qkv = torch.randn(T, H + 2 * Hkv, D, generator=g)
+    q, k, v = qkv[:, :H], qkv[:, H:H + Hkv], qkv[:, H + Hkv:]
+    assert not q.is_contiguous()
+    for s, e in ((0, T), (37, 120)):
+        got = kern.prefill_attention(q[s:e], k[s:e], v[s:e], 0, D ** -0.5)
+        want = kern.prefill_attention(q[s:e].contiguous(), k[s:e].contiguous(), v[s:e].contiguous(), 0, D ** -0.5)
+        assert torch.equal(got, want)
+        torch.testing.assert_close(got, _prefill_reference(q[s:e], k[s:e], v[s:e], 0), rtol=1e-5, atol=1e-5)
+
+
+def test_rope_kernel_matches_apply_rope_in_place_on_the_leading_heads(kern):
+    from engine.attention import apply_rope
+
+    g = torch.Generator().manual_seed(3)
+    T, Hq, Hkv, D = 33, 6, 2, 80
+    qkv = torch.randn(T, Hq + 2 * Hkv, D, generator=g) * 3
+    ang = torch.rand(T, 1, D // 2, generator=g) * 100
+    cos, sin = ang.cos(), ang.sin()
+    want = torch.cat((apply_rope(qkv[:, :Hq + Hkv], cos, sin), qkv[:, Hq + Hkv:]), dim=1)
+    x = qkv.clone()
+    assert kern.rope_(x, cos, sin, Hq + Hkv) is None
+    torch.testing.assert_close(x, want, rtol=1e-5, atol=1e-5)  # FMA contraction may move the last bit
+    assert torch.equal(x[:, Hq + Hkv:], qkv[:, Hq + Hkv:])  # V untouched
+    for args, msg in (((qkv[:, :4], cos, sin, 2), "contiguous"), ((qkv, cos[:5], sin, 2), "cos/sin"),
+                      ((qkv, cos, sin, Hq + 2 * Hkv + 1), "heads must be")):
+        with pytest.raises(RuntimeError, match=msg):
+            kern.rope_(*args)
+
+
 @pytest.mark.parametrize("window", [0, 90])
 def test_prefill_attention_kernel_when_scores_climb_along_the_keys(kern, window):
     """Keys grow along the prompt, so each row's maximum score rises block after block by more than the
@@ -570,11 +605,13 @@ def test_prefill_attention_kernel_when_scores_climb_along_the_keys(kern, window)
 
 def test_prefill_attention_kernel_refuses_bad_shapes_with_a_message(kern):
     q, k = torch.randn(8, 4, 64), torch.randn(8, 2, 64)
-    for args, msg in (((q, k, k[:, :1].expand(8, 2, 64), 0), "k and v must be contiguous"),
+    for args, msg in (((q, k, k[:, :1].expand(8, 2, 64), 0), "k and v must be CPU float32"),
+                      ((q, k.transpose(0, 1).contiguous().transpose(0, 1), k, 0), "heads contiguous"),
+                      ((q[:, :, ::2], k[:, :, ::2], k[:, :, ::2], 0), "q must be CPU float32"),
                       ((q, torch.randn(8, 3, 64), torch.randn(8, 3, 64), 0), "multiple of KV heads"),
                       ((torch.randn(8, 4, 40), torch.randn(8, 2, 40), torch.randn(8, 2, 40), 0), "multiple of 16"),
                       ((q, torch.randn(9, 2, 64), torch.randn(9, 2, 64), 0), "q's tokens"),
-                      ((q.double(), k, k, 0), "q must be contiguous float32"),
+                      ((q.double(), k, k, 0), "q must be CPU float32"),
                       ((q, k, k, -1), "window must be >= 0")):
         with pytest.raises(RuntimeError, match=msg):
             kern.prefill_attention(*args, 0.125)
