@@ -16,8 +16,11 @@ group folded into the query-length axis so GQA needs no K/V copies). An int8
 cache (``kv_cache_dtype="int8"``) is written quantized and read dequantized. A
 prefill chunk with no earlier context attends to its own fresh K/V: on CPU at
 float32 through pdserve's flash-style prefill kernel (engine/csrc
-``prefill_attention``, GQA without copies), elsewhere SDPA with ``is_causal``; a later chunk (chunked prefill, or re-prefill after preemption)
-gathers its sequence's cached K/V and uses an explicit causal mask.
+``prefill_attention``, GQA without copies), elsewhere SDPA with ``is_causal``. A
+later chunk (chunked prefill, a prefix-cache hit, re-prefill after preemption)
+attends over its whole context: on CPU at float32 the same kernel reads the
+cached K/V through the block table (``prefill_attention_paged``, any cache
+dtype); elsewhere it gathers the cached K/V and uses SDPA with an explicit mask.
 """
 from __future__ import annotations
 
@@ -186,12 +189,15 @@ def _prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, 
     s, e = span.start, span.end
     n = e - s
     D = q.shape[-1]
-    if (span.num_computed == 0 and q.device.type == "cpu" and q.dtype == torch.float32 and D % 16 == 0
-            and D <= 256):
+    if q.device.type == "cpu" and q.dtype == torch.float32 and D % 16 == 0 and D <= 256:
         kern = cpu_kernels()
-        if kern is not None:  # a prompt over itself: pdserve's flash-style kernel (engine/csrc), GQA in place,
-            # q / k / v read as strided views of the qkv projection (no copies)
-            return kern.prefill_attention(q[s:e], k[s:e], v[s:e], window or 0, D ** -0.5)
+        if kern is not None:  # pdserve's flash-style kernel (engine/csrc), GQA in place, q read as a strided view
+            if span.num_computed == 0:  # a prompt over itself: k / v as views of the qkv projection (no copies)
+                return kern.prefill_attention(q[s:e], k[s:e], v[s:e], window or 0, D ** -0.5)
+            # a later chunk or a prefix-cache hit: the context's K/V (this chunk's written above) read through
+            # the block table, dequantized per row, instead of gathered whole and handed to SDPA with a mask
+            return kern.prefill_attention_paged(q[s:e], k_cache, v_cache, span.block_table, span.ctx_len,
+                                                window or 0, D ** -0.5)
     qs = q[s:e].transpose(0, 1)  # [H, n, D]
     hkv, D = k.shape[1], k.shape[2]
     if span.num_computed == 0:
