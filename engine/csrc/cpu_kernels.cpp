@@ -1290,6 +1290,18 @@ struct Row {
   }
 };
 
+// The cache format of a [num_blocks, block_size, Hkv, Dp] cache of head_dim D, its row width checked.
+KV kv_kind(const torch::Tensor& cache, int64_t D) {
+  const int64_t Dp = cache.size(3);
+  switch (cache.scalar_type()) {
+    case torch::kFloat: TORCH_CHECK(Dp == D, "float32 cache rows must be D wide"); return KV::F32;
+    case torch::kBFloat16: TORCH_CHECK(Dp == D, "bfloat16 cache rows must be D wide"); return KV::BF16;
+    case torch::kChar: TORCH_CHECK(Dp == D + 4, "int8 cache rows must be D + 4 bytes"); return KV::I8;
+    default: TORCH_CHECK(false, "unsupported KV cache dtype");
+  }
+  return KV::F32;  // not reached: TORCH_CHECK(false) throws
+}
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor ctx_lens, int64_t window,
                                      double sm_scale) {
@@ -1306,14 +1318,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16");
   TORCH_CHECK(H % Hkv == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(block_tables.size(0) == B && ctx_lens.numel() == B, "block_tables/ctx_lens must have B rows");
-  KV kind;
-  int64_t esize;
-  switch (k_cache.scalar_type()) {
-    case torch::kFloat: kind = KV::F32; esize = 4; TORCH_CHECK(Dp == D, "float32 cache rows must be D wide"); break;
-    case torch::kBFloat16: kind = KV::BF16; esize = 2; TORCH_CHECK(Dp == D, "bfloat16 cache rows must be D wide"); break;
-    case torch::kChar: kind = KV::I8; esize = 1; TORCH_CHECK(Dp == D + 4, "int8 cache rows must be D + 4 bytes"); break;
-    default: TORCH_CHECK(false, "unsupported KV cache dtype");
-  }
+  const KV kind = kv_kind(k_cache, D);
+  const int64_t esize = k_cache.element_size();
   const int64_t G = H / Hkv, row_bytes = Dp * esize;
   const auto* kb = static_cast<const uint8_t*>(k_cache.data_ptr());
   const auto* vb = static_cast<const uint8_t*>(v_cache.data_ptr());
@@ -1811,14 +1817,8 @@ torch::Tensor prefill_attention_paged(torch::Tensor q, torch::Tensor k_cache, to
   TORCH_CHECK(bs > 0 && (ctx_len + bs - 1) / bs <= block_table.numel(), "block_table must cover ctx_len tokens");
   const int64_t* bt = block_table.data_ptr<int64_t>();
   for (int64_t i = 0; i < (ctx_len + bs - 1) / bs; ++i) TORCH_CHECK(bt[i] >= 0 && bt[i] < NB, "block id out of range");
-  KV kind;
-  int64_t esize;
-  switch (k_cache.scalar_type()) {
-    case torch::kFloat: kind = KV::F32; esize = 4; TORCH_CHECK(Dp == D, "float32 cache rows must be D wide"); break;
-    case torch::kBFloat16: kind = KV::BF16; esize = 2; TORCH_CHECK(Dp == D, "bfloat16 cache rows must be D wide"); break;
-    case torch::kChar: kind = KV::I8; esize = 1; TORCH_CHECK(Dp == D + 4, "int8 cache rows must be D + 4 bytes"); break;
-    default: TORCH_CHECK(false, "unsupported KV cache dtype");
-  }
+  const KV kind = kv_kind(k_cache, D);
+  const int64_t esize = k_cache.element_size();
   const auto* kb = static_cast<const uint8_t*>(k_cache.data_ptr());
   const auto* vb = static_cast<const uint8_t*>(v_cache.data_ptr());
   const int64_t row_bytes = Dp * esize;
