@@ -98,7 +98,7 @@ def prefill_mask(span: PrefillSpan, window: Optional[int], device: torch.device)
     """Bool [n, ctx] mask: query at position p sees keys k <= p (and p - k < window)."""
     m = span.masks.get(window)
     if m is None:
-        n, ctx = span.end - span.start, span.ctx_len
+        ctx = span.ctx_len
         q_pos = torch.arange(span.num_computed, ctx, device=device)[:, None]
         k_pos = torch.arange(ctx, device=device)[None, :]
         m = k_pos <= q_pos
