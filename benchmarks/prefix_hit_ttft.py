@@ -8,9 +8,11 @@ settings round by round and keeping each one's best of ``--repeats``:
 
 * ``kernel``: what the engine runs (engine/attention.py ``_prefill`` -> ``prefill_attention_paged``: the chunk
   attends over the context through the block table);
-* ``gather``: the path before it, put back for this run by handing ``_prefill`` a kernel module whose
-  ``prefill_attention_paged`` gathers the sequence's blocks with ``index_select``, repeats K/V per query head
-  and calls SDPA with an explicit causal mask.
+* ``gather``: the path before it, which engine/attention.py still runs where the kernels are missing: for this
+  run ``attention.cpu_kernels`` answers None, so ``_prefill`` gathers the sequence's blocks with
+  ``index_select``, repeats K/V per query head and calls SDPA with an explicit causal mask. (The last layer's
+  one-row attention for the sampled token then also takes the gather path, one query row beside 512.
+  RoPE, silu and the linears are untouched: engine/model.py holds its own reference to the kernels.)
 
 Usage: python benchmarks/prefix_hit_ttft.py [--cached 512 1536 3072] [--new 512] [--repeats 5] [--threads 2]
 """
@@ -23,7 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -33,28 +34,6 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.kernels import cpu_kernels  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-
-
-def gather_sdpa(q, k_cache, v_cache, table, ctx, window, scale):
-    """The replaced path: the context's blocks gathered whole, GQA by repeat_interleave, SDPA with a mask."""
-    n, H, D = q.shape
-    hkv = k_cache.shape[2]
-    ks = k_cache.index_select(0, table).view(-1, hkv, D)[:ctx].transpose(0, 1).repeat_interleave(H // hkv, 0)
-    vs = v_cache.index_select(0, table).view(-1, hkv, D)[:ctx].transpose(0, 1).repeat_interleave(H // hkv, 0)
-    i, j = torch.arange(ctx - n, ctx)[:, None], torch.arange(ctx)[None, :]
-    mask = (j <= i) & ((j > i - window) if window else True)
-    return F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), ks.unsqueeze(0), vs.unsqueeze(0),
-                                          attn_mask=mask, scale=scale)[0].transpose(0, 1)
-
-
-class _GatherKernels:
-    """The real kernel module with prefill_attention_paged swapped for the gather path."""
-
-    def __init__(self, real) -> None:
-        self._real = real
-
-    def __getattr__(self, name):
-        return gather_sdpa if name == "prefill_attention_paged" else getattr(self._real, name)
 
 
 def main() -> None:
@@ -67,7 +46,7 @@ def main() -> None:
     real = cpu_kernels()
     if real is None:
         raise SystemExit("pdserve's CPU kernels did not build here (see the warning above)")
-    settings = {"kernel": lambda: real, "gather": lambda: _GatherKernels(real)}
+    settings = {"kernel": lambda: real, "gather": lambda: None}
     g = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         model = str(save_builtin("bench", Path(tmp) / "bench"))
