@@ -1,0 +1,229 @@
+"""The cost model a simulation runs on: a profile's fitted step, transfer and router costs.
+
+Lifecycle: ``pdserve profile`` (simulator/profile.py) measures an engine's steps, the KV
+link and the router on one machine and writes ``profile.json``; ``load_profile(path)``
+reads and checks it once into a ``Profile``; the simulator asks its ``CostModel`` for the
+duration of every engine step it schedules (from the step's ``StepFeatures``), of every KV
+transfer and of the router's per-request and per-token work. Nothing here measures or
+touches a model: it is arithmetic on the profile's fitted coefficients, so a test can hand
+the simulator a profile with round numbers and check its latencies by hand.
+
+The step model (one engine step = one forward of a mixed batch, plus sampling):
+
+    seconds = lin(T) + per_sampled_row_s * S + per_prefill_pair_s * PA + per_decode_ctx_s * DC
+
+with T the step's tokens (prefill chunk tokens + one per decoding sequence), S the rows
+that sample, PA the prefill chunks' attention pairs (sum over chunks of n * (c + (n + 1) / 2)
+for a chunk of n tokens after c cached or computed ones) and DC the decoding sequences'
+context lengths summed. ``lin`` is piecewise linear over measured token counts (``knots``):
+the linear layers' cost is not linear in rows on a CPU (weight-bound at 1 row, compute-bound
+at hundreds), so a straight line would be wrong at both ends. Past the last knot it goes on
+with the last segment's slope.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+PROFILE_SCHEMA = "pdserve-profile/1"
+"""The ``schema`` field of every profile this version reads and writes."""
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What one engine step computes, in the units the step model prices."""
+
+    tokens: int = 0
+    """T: prefill chunk tokens + one per decoding sequence."""
+    sampled: int = 0
+    """S: rows that sample a token (decodes and last prefill chunks)."""
+    prefill_pairs: float = 0.0
+    """PA: query-key pairs of the prefill chunks' attention."""
+    decode_ctx: int = 0
+    """DC: sum of the decoding sequences' context lengths."""
+
+
+@dataclass
+class StepModel:
+    """Fitted step costs (see the module docstring)."""
+
+    knots: list[int]
+    """Token counts T where ``knot_s`` was fitted, increasing, first >= 1."""
+    knot_s: list[float]
+    """lin(T) at each knot, seconds."""
+    per_sampled_row_s: float = 0.0
+    per_prefill_pair_s: float = 0.0
+    per_decode_ctx_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.knots) < 2 or len(self.knots) != len(self.knot_s):
+            raise ValueError("step model: need >= 2 knots and one knot_s per knot")
+        if any(b <= a for a, b in zip(self.knots, self.knots[1:])) or self.knots[0] < 1:
+            raise ValueError(f"step model: knots must increase from >= 1, got {self.knots}")
+        for name in ("per_sampled_row_s", "per_prefill_pair_s", "per_decode_ctx_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"step model: {name} must be a finite number >= 0, got {v!r}")
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in self.knot_s):
+            raise ValueError("step model: knot_s must be finite numbers >= 0")
+
+    def lin(self, tokens: float) -> float:
+        """The token term lin(T): linear between knots, extended by the end segments' slopes (>= 0)."""
+        k, y = self.knots, self.knot_s
+        if tokens <= 0:
+            return 0.0
+        i = bisect.bisect_right(k, tokens)
+        i = min(max(i, 1), len(k) - 1)
+        x0, x1, y0, y1 = k[i - 1], k[i], y[i - 1], y[i]
+        return max(0.0, y0 + (y1 - y0) * (tokens - x0) / (x1 - x0))
+
+    def seconds(self, f: StepFeatures) -> float:
+        if f.tokens <= 0:
+            return 0.0
+        return (self.lin(f.tokens) + self.per_sampled_row_s * f.sampled
+                + self.per_prefill_pair_s * f.prefill_pairs + self.per_decode_ctx_s * f.decode_ctx)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"knots": list(self.knots), "knot_s": list(self.knot_s), "per_sampled_row_s": self.per_sampled_row_s,
+                "per_prefill_pair_s": self.per_prefill_pair_s, "per_decode_ctx_s": self.per_decode_ctx_s}
+
+
+@dataclass
+class LinkModel:
+    """One KV transport: seconds = latency_s + bytes / bytes_per_s."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+@dataclass
+class Profile:
+    """A machine's measured costs for one model configuration (``profile.json``)."""
+
+    model: str
+    dtype: str
+    quantization: Optional[str]
+    kv_cache_dtype: str
+    device: str
+    threads: Optional[int]
+    block_size: int
+    num_layers: int
+    kv_bytes_per_token: int
+    """K and V of every layer for one token, in the cache's dtype: what a transfer ships per prompt token."""
+    max_model_len: int
+    step: StepModel
+    links: dict[str, LinkModel] = field(default_factory=dict)
+    """KV transport name ('gloo', 'nccl') -> link model."""
+    router_per_request_s: float = 0.0
+    """Router work per request that delays its first token (validation, tokenizing, placement, RPC set-up)."""
+    router_per_token_s: float = 0.0
+    """Router work per streamed token that delays the token (detokenizing, stop strings, proto, gRPC write)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Where and how it was measured: pdserve commit and version, torch version, CPU, flags, date, samples."""
+
+    def link(self, name: str) -> LinkModel:
+        if name not in self.links:
+            raise ValueError(f"profile has no KV link {name!r} (it has {sorted(self.links) or 'none'})")
+        return self.links[name]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": PROFILE_SCHEMA, "model": self.model, "dtype": self.dtype, "quantization": self.quantization,
+                "kv_cache_dtype": self.kv_cache_dtype, "device": self.device, "threads": self.threads,
+                "block_size": self.block_size, "num_layers": self.num_layers,
+                "kv_bytes_per_token": self.kv_bytes_per_token, "max_model_len": self.max_model_len,
+                "step": self.step.to_dict(),
+                "links": {k: {"latency_s": v.latency_s, "bytes_per_s": v.bytes_per_s} for k, v in self.links.items()},
+                "router": {"per_request_s": self.router_per_request_s, "per_token_s": self.router_per_token_s},
+                "meta": self.meta}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "profile") -> "Profile":
+        """Parse and check; ValueError naming ``where`` and the field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected a JSON object")
+        if d.get("schema") != PROFILE_SCHEMA:
+            raise ValueError(f"{where}: schema is {d.get('schema')!r}, this pdserve reads {PROFILE_SCHEMA!r} "
+                             "(take a new profile with `pdserve profile`)")
+        try:
+            step = StepModel(**d["step"])
+            links = {str(k): LinkModel(float(v["latency_s"]), float(v["bytes_per_s"]))
+                     for k, v in (d.get("links") or {}).items()}
+            router = d.get("router") or {}
+            p = cls(model=str(d["model"]), dtype=str(d["dtype"]), quantization=d.get("quantization"),
+                    kv_cache_dtype=str(d.get("kv_cache_dtype", "auto")), device=str(d.get("device", "cpu")),
+                    threads=d.get("threads"), block_size=int(d["block_size"]), num_layers=int(d["num_layers"]),
+                    kv_bytes_per_token=int(d["kv_bytes_per_token"]), max_model_len=int(d["max_model_len"]),
+                    step=step, links=links, router_per_request_s=float(router.get("per_request_s", 0.0)),
+                    router_per_token_s=float(router.get("per_token_s", 0.0)), meta=dict(d.get("meta") or {}))
+        except KeyError as e:
+            raise ValueError(f"{where}: missing field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+        for name in ("block_size", "num_layers", "kv_bytes_per_token", "max_model_len"):
+            if getattr(p, name) < 1:
+                raise ValueError(f"{where}: {name} must be >= 1, got {getattr(p, name)}")
+        for name, link in p.links.items():
+            if not (link.latency_s >= 0 and link.bytes_per_s > 0 and math.isfinite(link.bytes_per_s)):
+                raise ValueError(f"{where}: links.{name} needs latency_s >= 0 and bytes_per_s > 0")
+        if p.router_per_request_s < 0 or p.router_per_token_s < 0:
+            raise ValueError(f"{where}: router costs must be >= 0")
+        return p
+
+    def check_matches(self, *, model: Optional[str] = None, dtype: Optional[str] = None,
+                      quantization: Optional[str] = "", kv_cache_dtype: Optional[str] = None,
+                      where: str = "profile") -> None:
+        """ValueError when the profile was taken for another configuration than the one simulated."""
+        for name, want in (("model", model), ("dtype", dtype), ("kv_cache_dtype", kv_cache_dtype)):
+            if want is not None and getattr(self, name) != want:
+                raise ValueError(f"{where}: measured {name}={getattr(self, name)!r}, but the run asks for {want!r}; "
+                                 f"take a profile with `pdserve profile --{name.replace('_', '-')} {want}`")
+        if quantization != "" and self.quantization != quantization:
+            raise ValueError(f"{where}: measured quantization={self.quantization!r}, but the run asks for "
+                             f"{quantization!r}")
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read ``profile.json``; ValueError naming the file on any problem."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--profile: no such file {str(p)!r}")
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--profile {p}: not a JSON file ({e})") from None
+    prof = Profile.from_dict(d, where=f"--profile {p}")
+    from simulator import PDSERVE_VERSION
+
+    made_by = prof.meta.get("pdserve_version")
+    if made_by is not None and made_by != PDSERVE_VERSION:
+        raise ValueError(f"--profile {p}: taken by pdserve {made_by}, this is {PDSERVE_VERSION}; take a new one")
+    return prof
+
+
+def step_features(sched: Any) -> StepFeatures:
+    """The features of an ``engine.scheduler.SchedulerOutput``, read BEFORE the step advances its sequences
+    (``num_computed`` is still where the step starts). The profiler and the simulator both price steps
+    through this one function, so what is measured is what is simulated."""
+    tokens = sched.num_tokens
+    sampled = len(sched.decodes)
+    pairs = 0.0
+    ctx = 0
+    for seq in sched.decodes:
+        ctx += seq.num_computed + 1
+    for seq in sched.verifies:
+        k = 1 + len(seq.spec_token_ids)
+        sampled += k
+        ctx += k * (seq.num_computed + 1) + k * (k - 1) // 2
+    for seq, n in sched.prefills:
+        c = seq.num_computed
+        pairs += n * (c + (n + 1) / 2)
+        if c + n == seq.num_tokens:
+            sampled += 1
+    return StepFeatures(tokens=tokens, sampled=sampled, prefill_pairs=pairs, decode_ctx=ctx)
