@@ -118,11 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``pdserve`` argument parser (``bench`` is parsed by loadtest)."""
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{up,controller,router,down,generate,bench}")
+                                metavar="{up,controller,router,down,generate,bench,simulate,plan}")
     add_serve_commands(sub)
     _add_down(sub)
     _add_generate(sub)
     sub.add_parser("bench", help="load-test a running cluster (see `pdserve bench --help`)", add_help=False)
+    sub.add_parser("simulate", help="simulate a deployment on a profile (see `pdserve simulate --help`)",
+                   add_help=False)
+    sub.add_parser("plan", help="size a deployment for a workload and SLOs (see `pdserve plan --help`)",
+                   add_help=False)
     return parser
 
 
@@ -180,6 +184,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from loadtest.cli import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "simulate":
+        from simulator.cli import main as simulate_main
+
+        return simulate_main(argv[1:])
+    if argv and argv[0] == "plan":
+        from simulator.plan import main as plan_main
+
+        return plan_main(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

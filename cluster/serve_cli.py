@@ -76,6 +76,9 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
                         "NCCL; auto = cuda when the Ray cluster offers GPUs, else cpu (default auto)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker (default: by memory)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per decode worker")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="every engine's per-step token budget: prompts longer than N are prefilled in chunks "
+                        "(chunked prefill), mixed with decodes (default 2048; `pdserve plan` recommends one)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="turn off the engines' automatic prefix caching (on by default)")
     p.add_argument("--quantization", choices=("int8", "int4", "w8a8", "w4a8"), default=None,  # engine.quant.QUANTIZATIONS
@@ -283,7 +286,8 @@ def _check_config(build: Callable, kw: dict) -> None:
 
 def _engine_overrides(args: argparse.Namespace, checked_only: bool = False) -> dict:
     """The EngineConfig fields the pool flags set."""
-    out = {k: v for k, v in (("num_kv_blocks", args.num_kv_blocks), ("max_num_seqs", args.max_num_seqs))
+    out = {k: v for k, v in (("num_kv_blocks", args.num_kv_blocks), ("max_num_seqs", args.max_num_seqs),
+                             ("max_num_batched_tokens", args.max_num_batched_tokens))
            if v is not None}
     if args.no_prefix_caching and not checked_only:
         out["enable_prefix_caching"] = False

@@ -69,16 +69,9 @@ class LLMEngine:
         model = load_model(config, mc, self.max_model_len)
         self.kv_caches: list[tuple[Tensor, Tensor]] = allocate_kv_caches(mc, n_blocks, self.block_size, cache_dtype,
                                                                              device)
-        self.block_manager = BlockManager(n_blocks, self.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         generator = torch.Generator().manual_seed(config.seed)
-        self.runner = ModelRunner(model, self.kv_caches, self.block_size, Sampler(mc.vocab_size, config.seed),
-                                  generator)
-        self.layer_done_callback: Optional[Callable[[int, list[str]], None]] = None
-        self._seqs: dict[str, Sequence] = {}
-        self._pending: list[CoreOutput] = []  # outputs decided outside step(), emitted by the next step
-        self._num_steps = 0
-        self._num_scheduled_tokens = 0
+        self._init_core(n_blocks, ModelRunner(model, self.kv_caches, self.block_size,
+                                              Sampler(mc.vocab_size, config.seed), generator))
         self.spec_config = config.speculative_config
         self._proposer = None
         if self.spec_config is not None and self.spec_config.method == "draft_model":
@@ -97,6 +90,48 @@ class LLMEngine:
         logger.info("engine ready: model=%s dtype=%s quantization=%s kv_cache_dtype=%s device=%s kv_blocks=%d x %d "
                     "tokens, max_model_len=%d", config.model, config.dtype, config.quantization,
                     config.kv_cache_dtype, config.device, n_blocks, self.block_size, self.max_model_len)
+
+    def _init_core(self, n_blocks: int, runner: ModelRunner) -> None:
+        """The bookkeeping every engine has, whatever runs its steps: blocks, scheduler, runner, request maps."""
+        config = self.config
+        self.block_manager = BlockManager(n_blocks, self.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = runner
+        self.layer_done_callback: Optional[Callable[[int, list[str]], None]] = None
+        self._seqs: dict[str, Sequence] = {}
+        self._pending: list[CoreOutput] = []  # outputs decided outside step(), emitted by the next step
+        self._num_steps = 0
+        self._num_scheduled_tokens = 0
+
+    @classmethod
+    def with_runner(cls, config: EngineConfig, model_config: ModelConfig, runner: "ModelRunner",
+                    num_blocks: int, eos_token_id: Optional[int] = None) -> "LLMEngine":
+        """An engine whose steps ``runner.execute(sched, hook)`` runs instead of a model: the same scheduler,
+        block manager, request API and step bookkeeping, no weights, tokenizer or KV tensors. The simulator
+        (``simulator.engine_sim``) drives pdserve's own policy code this way on a virtual clock. Speculative
+        decoding is not available here."""
+        if not isinstance(config, EngineConfig):
+            raise ValueError(f"config must be an EngineConfig, got {type(config).__name__}")
+        if config.speculative_config is not None:
+            raise ValueError("with_runner: speculative decoding needs a model (speculative_config must be None)")
+        if not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        self = cls.__new__(cls)
+        self.config = config
+        self.model_config = model_config
+        self.block_size = config.block_size
+        self.kv_cache_dtype = str(config.cache_dtype).removeprefix("torch.")
+        self.num_total_blocks = num_blocks
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings, num_blocks * self.block_size)
+        self.tokenizer = None
+        self.eos_token_id = eos_token_id
+        self.kv_caches = []
+        self._init_core(num_blocks, runner)
+        self.spec_config = None
+        self._proposer = None
+        self.spec_stats = SpecDecodeStats()
+        return self
 
     # -- state ----------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ import math
 import sys
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import grpc
 from tqdm import tqdm
@@ -70,6 +70,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=None,
                    help="draw random prompt ids from [0, N) (--backend openai; instead of --tokenizer)")
     add_client_auth_args(p)
+    _, load, out = add_workload_args(p)  # the client-only flags join its groups
+    load.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    load.add_argument("--num-warmups", type=int, default=0,
+                      help="requests (copies of the first one) sent before the run and not counted")
+    load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    load.add_argument("--request-timeout", type=float, default=600.0, help="deadline of each request (s)")
+    load.add_argument("--ready-timeout", type=float, default=30.0,
+                      help="how long to wait for the target to answer GetModelInfo / GET /v1/models (s)")
+    out.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
+    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    return p
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> tuple[Any, Any, Any]:
+    """The workload, load and output flags ``pdserve bench`` and ``pdserve simulate`` share (vLLM's names);
+    returns their three argument groups ("workload", "load", "output") for command-specific flags."""
     src = p.add_argument_group("workload")
     src.add_argument("--dataset-name", choices=("random", "trace"), default=None,
                      help="random lengths, or a trace replay (default: trace when --trace is given, else random)")
@@ -100,15 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(instead of --request-rate)")
     load.add_argument("--ramp-up-start-rps", type=float, default=None, help="ramp-up: rate of the first request")
     load.add_argument("--ramp-up-end-rps", type=float, default=None, help="ramp-up: rate of the last request")
-    load.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    load.add_argument("--num-warmups", type=int, default=0,
-                      help="requests (copies of the first one) sent before the run and not counted")
-    load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
     load.add_argument("--ignore-eos", action="store_true",
                       help="accepted for vLLM command lines; always on (outputs are forced to their length)")
-    load.add_argument("--request-timeout", type=float, default=600.0, help="deadline of each request (s)")
-    load.add_argument("--ready-timeout", type=float, default=30.0,
-                      help="how long to wait for the target to answer GetModelInfo / GET /v1/models (s)")
     out = p.add_argument_group("output")
     out.add_argument("--goodput", nargs="+", metavar="NAME:MS",
                      help="SLOs for goodput, e.g. ttft:500 tpot:50 (e2el too)")
@@ -128,9 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="folder of the result JSON (with --save-result; default: the current folder)")
     out.add_argument("--result-filename", default=None, metavar="NAME",
                      help="file name of the result JSON in --result-dir (with --save-result)")
-    out.add_argument("--plot", metavar="DIR", help="write PNG plots into DIR")
-    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-    return p
+    return src, load, out
 
 
 def parse_metadata(items: Optional[list[str]]) -> dict[str, str]:
@@ -171,10 +178,16 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--vocab-size must be >= 1, got {args.vocab_size}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {args.max_concurrency}")
-    if args.num_prompts < 1:
-        raise ValueError(f"num_prompts must be >= 1, got {args.num_prompts}")
     if args.num_warmups < 0:
         raise ValueError(f"--num-warmups must be >= 0, got {args.num_warmups}")
+    check_workload_args(args)
+
+
+def check_workload_args(args: argparse.Namespace) -> None:
+    """Checks of ``add_workload_args``' flags; ValueError naming the flag. Sets ``dataset_name`` when
+    left to its default and the parsed ``percentile_list``, ``percentile_metric_list``, ``metadata_dict``, ``slos``."""
+    if args.num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {args.num_prompts}")
     if args.random_prefix_len < 0:
         raise ValueError(f"--random-prefix-len must be >= 0, got {args.random_prefix_len}")
     if args.dataset_name is None:
@@ -253,6 +266,28 @@ def _settings(args: argparse.Namespace, model_name: str, mode: str, request_rate
     return s
 
 
+def workload_lengths_and_arrivals(args: argparse.Namespace) -> tuple[Optional[float], list[tuple[int, int]],
+                                                                       list[float]]:
+    """(request rate as reported, (prompt, output) lengths, send offsets) of the flags' workload: trace rows
+    scaled by --length-scale / --time-scale, or random lengths; arrivals from the trace, Poisson/gamma at
+    --request-rate, or a ramp-up. ValueError on a bad trace (naming the file and row)."""
+    request_rate = args.request_rate
+    if args.dataset_name == "trace":
+        rows = scale_trace(load_trace(args.trace, args.trace_start, args.num_prompts),
+                           args.length_scale, args.time_scale)
+        lengths = trace_lengths(rows)
+        arrivals = (trace_arrivals([r.arrival_s for r in rows]) if request_rate is None
+                    else gamma_arrivals(len(rows), request_rate, args.burstiness, args.seed))
+    else:
+        lengths = synthetic_lengths(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed)
+        request_rate = math.inf if request_rate is None else request_rate
+        arrivals = gamma_arrivals(len(lengths), request_rate, args.burstiness, args.seed)
+    if args.ramp_up_strategy:
+        arrivals = ramp_up_arrivals(len(lengths), args.ramp_up_strategy, args.ramp_up_start_rps,
+                                    args.ramp_up_end_rps, args.burstiness, args.seed)
+    return request_rate, lengths, arrivals
+
+
 async def _target_info(args: argparse.Namespace) -> tuple[str, str, ModelLimits]:
     """(model name, serving mode, limits) of the target; ConnectionError when it never answered."""
     if args.backend == "grpc":
@@ -281,20 +316,7 @@ async def _bench(args: argparse.Namespace) -> int:
         print(f"error: target {where} unreachable: {e}", file=sys.stderr)
         return 2
 
-    request_rate = args.request_rate
-    if args.dataset_name == "trace":
-        rows = scale_trace(load_trace(args.trace, args.trace_start, args.num_prompts),
-                           args.length_scale, args.time_scale)
-        lengths = trace_lengths(rows)
-        arrivals = (trace_arrivals([r.arrival_s for r in rows]) if request_rate is None
-                    else gamma_arrivals(len(rows), request_rate, args.burstiness, args.seed))
-    else:
-        lengths = synthetic_lengths(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed)
-        request_rate = math.inf if request_rate is None else request_rate
-        arrivals = gamma_arrivals(len(lengths), request_rate, args.burstiness, args.seed)
-    if args.ramp_up_strategy:
-        arrivals = ramp_up_arrivals(len(lengths), args.ramp_up_strategy, args.ramp_up_start_rps,
-                                    args.ramp_up_end_rps, args.burstiness, args.seed)
+    request_rate, lengths, arrivals = workload_lengths_and_arrivals(args)
     # A unique prefix keeps request ids (and so server logs) of concurrent benches apart.
     id_prefix = f"bench-{uuid.uuid4().hex[:8]}"
     workload = build_workload(lengths, arrivals, limits, seed=args.seed, id_prefix=id_prefix,

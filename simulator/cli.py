@@ -1,0 +1,207 @@
+"""`pdserve simulate`: replay a workload through a simulated deployment and report what `pdserve bench` would.
+
+Lifecycle: ``main(argv)`` parses ``pdserve bench``'s workload, load and output flags (the same
+functions build them: ``loadtest.cli.add_workload_args``) plus ``--profile`` and the deployment's
+flags as ``pdserve up`` spells them; checks everything before any work (exit 2 with the flag
+named); builds the same requests a ``pdserve bench`` with those flags would send (same lengths,
+arrivals, seeds; prompts from the trace's ``hash_ids`` when it has them, so shared prefixes hit
+the prefix cache); runs ``simulator.cluster_sim.Simulation`` on a virtual clock; prints the same
+summary table and, with ``--save-result``, writes the same JSON keys as ``pdserve bench`` plus a
+``simulation`` block (per-pool utilisation, the deployment, the profile's provenance).
+
+Example::
+
+    pdserve profile --model bench --out bench.json
+    pdserve simulate --profile bench.json --trace ../shared/traces/azure_llm_2023_conv.csv \\
+        --num-prompts 200 --length-scale 0.25 --request-rate 2 --prefill 1 --decode 1 \\
+        --goodput ttft:2000 tpot:100 --save-result sim.json
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from loadtest.cli import add_workload_args, check_workload_args, result_path, workload_lengths_and_arrivals
+from loadtest.report import print_summary, save_result
+from loadtest.stats import RequestRecord, summarize
+from loadtest.trace import HASH_BLOCK_TOKENS, load_trace
+from loadtest.workload import ModelLimits, build_workload
+from simulator.cluster_sim import PoolStats, SimConfig, SimRequest, Simulation
+from simulator.costs import Profile, load_profile
+
+log = logging.getLogger(__name__)
+
+SIM_VOCAB = 32000
+"""Vocabulary random prompt ids are drawn from (only equality of ids matters to the simulated engines)."""
+
+
+def add_deployment_args(p: argparse.ArgumentParser, pools: bool = True) -> None:
+    """The deployment flags, spelled as ``pdserve up`` spells them."""
+    g = p.add_argument_group("deployment (as `pdserve up` takes them)")
+    if pools:
+        g.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)")
+        g.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
+        g.add_argument("--colocated", type=int, default=0, metavar="K",
+                       help="K colocated workers instead of prefill/decode pools")
+        g.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
+                       help="every engine's per-step token budget (chunked prefill; default 2048)")
+        g.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
+                       help="conditional disaggregation: prompts of at most N tokens prefill on the decode worker")
+        g.add_argument("--prefill-queue-max-tokens", type=int, default=None, metavar="N",
+                       help="conditional disaggregation: prefill on the decode worker while the prefill pool has "
+                            "N prompt tokens queued")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker (default: by memory)")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=256 * 1024 * 1024,
+                   help="KV cache per worker when --num-kv-blocks is not given (the engine's default 256 MiB)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="running sequences per engine (default 64)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="engines do not reuse cached prompt prefixes")
+    g.add_argument("--max-num-requests", type=int, default=192, metavar="N",
+                   help="router-wide bound on requests held (default 192, the router's)")
+    g.add_argument("--kv-link", default="gloo", help="KV transport of the profile to price transfers with (gloo)")
+    g.add_argument("--quantization", default=None, help="must match the profile's (checked)")
+    g.add_argument("--kv-cache-dtype", default=None, help="must match the profile's (checked)")
+
+
+def sim_config_from_args(args: argparse.Namespace, **over: Any) -> SimConfig:
+    kw = dict(mode="colocated" if args.colocated else "disaggregated", prefill=args.prefill, decode=args.decode,
+              colocated=args.colocated, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_seqs=args.max_num_seqs, num_kv_blocks=args.num_kv_blocks,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=not args.no_prefix_caching,
+              local_prefill_max_tokens=args.local_prefill_max_tokens,
+              prefill_queue_max_tokens=args.prefill_queue_max_tokens, max_num_requests=args.max_num_requests,
+              kv_link=args.kv_link)
+    kw.update(over)
+    return SimConfig(**kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve simulate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", required=True, metavar="FILE", help="profile.json from `pdserve profile`")
+    p.add_argument("--model", default=None, help="the model the profile must have measured (checked)")
+    add_workload_args(p)
+    add_deployment_args(p)
+    return p
+
+
+def check_profile_args(args: argparse.Namespace) -> Profile:
+    prof = load_profile(args.profile)
+    prof.check_matches(model=args.model, kv_cache_dtype=args.kv_cache_dtype,
+                       quantization=args.quantization if args.quantization is not None else "",
+                       where=f"--profile {args.profile}")
+    return prof
+
+
+def _hash_prompt(hashes: tuple[int, ...], length: int, block: int, seed: int) -> list[int]:
+    """A prompt whose i-th block of ``block`` tokens is a function of ``hashes[i]`` alone (then unique ids)."""
+    out: list[int] = []
+    for h in hashes:
+        if len(out) >= length:
+            break
+        rng = np.random.default_rng([seed, h & 0xFFFFFFFF, h >> 32 & 0xFFFFFFFF])
+        out.extend(rng.integers(0, SIM_VOCAB, size=block).tolist())
+    if len(out) < length:
+        rng = np.random.default_rng([seed, 1 << 31, length, len(hashes)] + list(hashes[:4]))
+        out.extend(rng.integers(0, SIM_VOCAB, size=length - len(out)).tolist())
+    return out[:length]
+
+
+def requests_from_args(args: argparse.Namespace, profile: Profile) -> tuple[list[SimRequest], Any, int]:
+    """(requests, request rate as reported, how many were clipped to the model's length): what `pdserve bench`
+    with the same flags would send."""
+    rate, lengths, arrivals = workload_lengths_and_arrivals(args)
+    limits = ModelLimits(vocab_size=SIM_VOCAB, max_context_length=profile.max_model_len)
+    wl = build_workload(lengths, arrivals, limits, seed=args.seed, id_prefix="sim", prefix_len=args.random_prefix_len)
+    reqs = [SimRequest(r.request_id, r.arrival_s, r.prompt_token_ids, r.max_tokens) for r in wl.requests]
+    if args.dataset_name == "trace":
+        rows = load_trace(args.trace, args.trace_start, args.num_prompts)
+        if any(r.hash_ids for r in rows):
+            block = max(1, int(round(HASH_BLOCK_TOKENS * args.length_scale)))
+            for r, row in zip(reqs, rows):
+                r.prompt_token_ids = _hash_prompt(row.hash_ids, len(r.prompt_token_ids), block, args.seed)
+    return reqs, rate, wl.num_clipped
+
+
+def run_simulation(profile: Profile, cfg: SimConfig, requests: list[SimRequest]
+                   ) -> tuple[list[RequestRecord], float, dict[str, PoolStats]]:
+    """(records, duration in virtual seconds, per-pool stats)."""
+    sim = Simulation(profile, cfg)
+    records = sim.run(requests)
+    duration = max([r.end_s for r in records] + [1e-9])
+    return records, duration, sim.pool_stats()
+
+
+def simulation_block(cfg: SimConfig, pools: dict[str, PoolStats], duration: float, profile: Profile,
+                     wall_s: float) -> dict:
+    return {"deployment": cfg.label(), "pdserve_up_flags": cfg.up_flags(), "num_workers": cfg.num_workers,
+            "pools": {role: {"workers": s.workers, "utilisation": s.utilisation(duration), "steps": s.steps,
+                             "tokens": s.tokens} for role, s in pools.items()},
+            "profile": {"model": profile.model, "dtype": profile.dtype, "quantization": profile.quantization,
+                        "device": profile.device, "threads": profile.threads,
+                        **{k: profile.meta.get(k) for k in ("pdserve_commit", "date", "cpu", "device_name")}},
+            "wall_seconds": wall_s}
+
+
+def _settings(args: argparse.Namespace, profile: Profile, cfg: SimConfig, rate: Any, n: int, clipped: int) -> dict:
+    s = {"backend": "pdserve-simulate", "endpoint_type": "simulation", "label": args.label or "simulate",
+         "model_id": profile.model, "mode": cfg.mode, "num_prompts": n,
+         "request_rate": rate if rate is not None else "trace", "burstiness": args.burstiness,
+         "max_concurrency": None, "seed": args.seed, "temperature": 0.0, "num_warmups": 0,
+         "percentile_metrics": ",".join(args.percentile_metric_list),
+         "metric_percentiles": ",".join(f"{p:g}" for p in args.percentile_list),
+         "num_clipped_to_model_limits": clipped}
+    if args.dataset_name == "trace":
+        s.update(dataset="trace", dataset_name="trace", trace=args.trace, trace_start=args.trace_start,
+                 length_scale=args.length_scale, time_scale=args.time_scale)
+    else:
+        s.update(dataset="random", dataset_name="random", input_len=args.input_len, output_len=args.output_len,
+                 range_ratio=args.range_ratio, random_prefix_len=args.random_prefix_len)
+    if args.ramp_up_strategy:
+        s.update(request_rate="ramp-up", ramp_up_strategy=args.ramp_up_strategy,
+                 ramp_up_start_rps=args.ramp_up_start_rps, ramp_up_end_rps=args.ramp_up_end_rps)
+    if isinstance(s["request_rate"], float) and math.isinf(s["request_rate"]):
+        s["request_rate"] = "inf"
+    s["metadata"] = args.metadata_dict
+    return s
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of `pdserve simulate`; 0 when a request completed, 1 when none did, 2 on bad input."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        check_workload_args(args)
+        profile = check_profile_args(args)
+        cfg = sim_config_from_args(args)
+        requests, rate, clipped = requests_from_args(args, profile)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    records, duration, pools = run_simulation(profile, cfg, requests)
+    wall = time.perf_counter() - t0
+    settings = _settings(args, profile, cfg, rate, len(requests), clipped)
+    summary = summarize(records, duration, args.percentile_list, args.slos or None, args.percentile_metric_list)
+    summary["simulation"] = simulation_block(cfg, pools, duration, profile, wall)
+    print_summary(summary, settings)
+    util = ", ".join(f"{r} {s.utilisation(duration):.0%}" for r, s in pools.items())
+    print(f"simulated {cfg.label()}: {len(requests)} requests over {duration:.1f} virtual s in {wall:.1f} s; "
+          f"utilisation {util}")
+    if args.save_result:
+        path = save_result(result_path(args, settings), summary, settings, records)
+        print(f"result saved to {path}")
+    return 0 if summary["completed"] > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,497 @@
+"""A discrete-event simulation of one pdserve deployment on a virtual clock.
+
+Lifecycle: ``Simulation(profile, SimConfig(...))`` builds the workers (each an engine from
+``simulator.engine_sim``: pdserve's own ``Scheduler`` and ``BlockManager``) and the router's
+own policy objects: a ``router.placement.Placer`` over a ``WorkerSelector``, a ``PrefixIndex``
+and a ``RouterConfig``, reading live ``WorkerInfo`` records of the simulated workers. ``run(requests)``
+replays ``SimRequest``s (arrival time, prompt token ids, forced output length) and returns one
+``loadtest.stats.RequestRecord`` per request, the same records ``pdserve bench`` fills, so the
+summary, the JSON and the goodput are computed by the same code as for a real run.
+
+What happens to a request (times on the virtual clock):
+1. It arrives; past ``max_num_requests`` held requests it fails with RESOURCE_EXHAUSTED (the router's
+   bound). After ``router_per_request_s`` the router's ``Placer.route`` decides: colocated, whole on a
+   decode worker (conditional disaggregation), or a prefill/decode pair.
+2. A pair: ``Placer._try_pair`` ranks the decode workers and reserves the prompt's blocks on one (the
+   simulated ``Reserve`` runs ``engine.reserve``; its answer comes back at that worker's next step
+   boundary, as the worker's engine loop answers it). No room anywhere: the request joins the router's
+   FIFO admission queue and its head retries whenever a pair request's decode blocks are released.
+3. The prefill worker adds the prompt as prefill-only; at the end of the step that completes it, the
+   first token goes to the client (+ ``router_per_token_s``) and the KV transfer, which overlaps the
+   last step layer by layer, completes at ``max(end + link(bytes / layers), start + link(bytes))``.
+   The prefill worker releases the blocks then; the decode worker adds the request to its batch at
+   its next step boundary after the KV arrived.
+4. Whole requests (colocated, or conditional disaggregation) run on one engine from prompt to end.
+5. Every token reaches the client ``router_per_token_s`` after the step that produced it; at the finish
+   the router releases its counts (``Placer.release``), which may let the admission queue's head in.
+
+Commands to a worker that is in the middle of a step wait for its end, as the real ``EngineLoop`` runs
+commands between steps. Not modelled: migration and failures, speculative decoding, n > 1, beam search,
+the registry's heartbeat lag (the router reads live load), network latency other than the KV link,
+CPU contention between the router and the workers.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import grpc
+
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+from loadtest.stats import RequestRecord
+from proto import worker_pb2
+from proto.worker_pb2 import WorkerInfo
+from router.config import RouterConfig
+from router.events import FlowError
+from router.placement import PAIR, Placement, Placer
+from router.prefix_index import PrefixIndex
+from router.scope import RequestScope
+from router.selection import WorkerSelector
+from router.validation import ValidatedRequest
+from simulator.costs import Profile
+from simulator.engine_sim import SIM_TOKEN, sim_engine
+
+MODES = ("disaggregated", "colocated")
+
+
+@dataclass
+class SimConfig:
+    """One deployment, spelled as ``pdserve up`` spells it."""
+
+    mode: str = "disaggregated"
+    """'disaggregated' (prefill + decode pools) or 'colocated'."""
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0
+    """Workers per pool (colocated mode uses ``colocated``)."""
+    max_num_batched_tokens: int = 2048
+    """Every engine's per-step token budget (the chunk size of chunked prefill)."""
+    max_num_seqs: int = 64
+    num_kv_blocks: Optional[int] = None
+    """KV blocks per worker; None: ``kv_cache_memory_bytes`` over the profile's bytes per block."""
+    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    enable_prefix_caching: bool = True
+    local_prefill_max_tokens: int = 0
+    prefill_queue_max_tokens: Optional[int] = None
+    max_num_requests: int = 192
+    queue_timeout_s: float = 300.0
+    kv_link: str = "gloo"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("prefill", "decode", "colocated"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"--{name} must be an integer >= 0, got {v!r}")
+        if self.mode == "colocated" and self.colocated < 1:
+            raise ValueError("--colocated must be >= 1 in colocated mode (a budget of 0 workers serves nothing)")
+        if self.mode == "disaggregated" and (self.prefill < 1 or self.decode < 1):
+            raise ValueError("disaggregated mode needs --prefill >= 1 and --decode >= 1")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_num_requests"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
+
+    @property
+    def num_workers(self) -> int:
+        return self.colocated if self.mode == "colocated" else self.prefill + self.decode
+
+    def label(self) -> str:
+        if self.mode == "colocated":
+            return f"colocated {self.colocated} (chunk {self.max_num_batched_tokens})"
+        cd = f", local<={self.local_prefill_max_tokens}" if self.local_prefill_max_tokens else ""
+        if self.prefill_queue_max_tokens is not None:
+            cd += f", backlog>={self.prefill_queue_max_tokens}"
+        return f"disaggregated {self.prefill}P+{self.decode}D (chunk {self.max_num_batched_tokens}{cd})"
+
+    def up_flags(self) -> str:
+        """The ``pdserve up`` flags that run this deployment."""
+        if self.mode == "colocated":
+            f = f"--colocated {self.colocated}"
+        else:
+            f = f"--prefill {self.prefill} --decode {self.decode}"
+            if self.local_prefill_max_tokens:
+                f += f" --local-prefill-max-tokens {self.local_prefill_max_tokens}"
+            if self.prefill_queue_max_tokens is not None:
+                f += f" --prefill-queue-max-tokens {self.prefill_queue_max_tokens}"
+        f += f" --max-num-batched-tokens {self.max_num_batched_tokens}"
+        if self.num_kv_blocks is not None:
+            f += f" --num-kv-blocks {self.num_kv_blocks}"
+        return f
+
+
+@dataclass
+class SimRequest:
+    """One request of a simulated workload."""
+
+    request_id: str
+    arrival_s: float
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+class _RpcError(grpc.RpcError):
+    """What a simulated worker call fails with (the Placer reads ``code()`` and ``details()``)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class SimWorker:
+    """One worker: an engine, its pending commands, and its step in progress."""
+
+    def __init__(self, sim: "Simulation", worker_id: str, role: str, cfg: EngineConfig, num_blocks: int) -> None:
+        self.sim = sim
+        self.worker_id = worker_id
+        self.role = role
+        self.engine, self.runner = sim_engine(cfg, sim.profile, num_blocks)
+        self.busy_until: Optional[float] = None
+        """End of the step in progress; None when idle."""
+        self._commands: list[Callable[[], None]] = []
+        self.handlers: dict[str, Callable[[Any, float], None]] = {}
+        """Engine request id -> called with each of its outputs at the end of the step that made it."""
+        self.unprefilled: dict[str, int] = {}
+        """Requests whose first token is not out yet -> prompt tokens (the worker's queued_prompt_tokens)."""
+        self._info: Optional[WorkerInfo] = None
+
+    # -- what the router sees -----------------------------------------------------------------
+    def info(self) -> WorkerInfo:
+        if self._info is None:
+            e = self.engine
+            self._info = WorkerInfo(worker_id=self.worker_id, role=self.role, grpc_address=self.worker_id,
+                                    kv_name=self.worker_id, num_total_blocks=e.num_total_blocks,
+                                    num_free_blocks=e.num_free_blocks, num_running=e.num_running,
+                                    num_waiting=e.num_waiting, queued_prompt_tokens=sum(self.unprefilled.values()),
+                                    ready=True, block_size=e.block_size, kv_cache_dtype=e.kv_cache_dtype)
+        return self._info
+
+    def changed(self) -> None:
+        self._info = None
+
+    # -- the engine loop -----------------------------------------------------------------------
+    def submit(self, cmd: Callable[[], None]) -> None:
+        """Run ``cmd`` (an engine call) now if idle, else at the end of the step in progress."""
+        if self.busy_until is None:
+            cmd()
+            self.changed()
+            self._kick()
+        else:
+            self._commands.append(cmd)
+
+    def boundary(self) -> float:
+        """When a command submitted now would run."""
+        return self.sim.now if self.busy_until is None else self.busy_until
+
+    def _kick(self) -> None:
+        if self.busy_until is not None:
+            return
+        eng = self.engine
+        if not eng.has_unfinished_requests():
+            return
+        steps = eng.num_steps
+        outs = eng.step()
+        self.changed()
+        if eng.num_steps == steps:  # nothing could be scheduled: only outputs decided outside a step
+            self._deliver(outs, self.sim.now)
+            return
+        d = self.runner.last_seconds
+        self.busy_until = self.sim.now + d
+        self.sim.at(self.busy_until, lambda: self._step_done(outs, d))
+
+    def _step_done(self, outs: list, duration: float) -> None:
+        self.busy_until = None
+        self._deliver(outs, self.sim.now, duration)
+        cmds, self._commands = self._commands, []
+        for c in cmds:
+            c()
+        self.changed()
+        self._kick()
+
+    def _deliver(self, outs: list, now: float, duration: float = 0.0) -> None:
+        for o in outs:
+            h = self.handlers.get(o.request_id)
+            if h is not None:
+                h(o, duration)
+
+
+class _SimSource:
+    """The router's worker source: live records of the simulated workers."""
+
+    in_process = True
+
+    def __init__(self, workers: list[SimWorker]) -> None:
+        self._by_role: dict[str, list[SimWorker]] = {}
+        for w in workers:
+            self._by_role.setdefault(w.role, []).append(w)
+
+    def list(self, role: str) -> list[WorkerInfo]:
+        return [w.info() for w in self._by_role.get(role, [])]
+
+
+class _SimStub:
+    def __init__(self, worker: SimWorker) -> None:
+        self.worker = worker
+
+    def Reserve(self, req: worker_pb2.ReserveRequest, timeout: float = 0.0) -> worker_pb2.ReserveResponse:
+        eng = self.worker.engine
+        blocks = eng.reserve(req.request_id, len(req.prompt_token_ids))
+        self.worker.changed()
+        if blocks is None:
+            raise _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.worker.worker_id}: too few free blocks")
+        return worker_pb2.ReserveResponse(block_ids=blocks, block_size=eng.block_size, kv_name=self.worker.worker_id)
+
+
+class _SimClients:
+    def __init__(self, workers: dict[str, SimWorker]) -> None:
+        self._stubs = {wid: _SimStub(w) for wid, w in workers.items()}
+
+    def decode(self, address: str) -> _SimStub:
+        return self._stubs[address]
+
+    prefill = colocated = decode
+
+
+@dataclass
+class _Flow:
+    """One request's journey through the simulated cluster."""
+
+    req: SimRequest
+    record: RequestRecord
+    scope: RequestScope
+    params: SamplingParams
+    placement: Optional[Placement] = None
+    queued_at: Optional[float] = None
+    kv_at: Optional[float] = None
+    first_token_at: Optional[float] = None
+
+
+@dataclass
+class PoolStats:
+    """Per-pool utilisation of one simulation."""
+
+    workers: int
+    busy_s: float
+    steps: int
+    tokens: int
+
+    def utilisation(self, duration_s: float) -> float:
+        return self.busy_s / (self.workers * duration_s) if self.workers and duration_s > 0 else 0.0
+
+
+class Simulation:
+    """The virtual clock, the workers and the router (see module docstring)."""
+
+    def __init__(self, profile: Profile, cfg: SimConfig) -> None:
+        self.profile = profile
+        self.cfg = cfg
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._tick = itertools.count()
+        blocks = cfg.num_kv_blocks or cfg.kv_cache_memory_bytes // (profile.kv_bytes_per_token * profile.block_size)
+        if blocks < 1:
+            raise ValueError(f"--kv-cache-memory-bytes {cfg.kv_cache_memory_bytes} holds no KV block of "
+                             f"{profile.kv_bytes_per_token * profile.block_size} bytes")
+        ecfg = EngineConfig(model="sim", block_size=profile.block_size, num_kv_blocks=blocks,
+                            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                            enable_prefix_caching=cfg.enable_prefix_caching)
+        pools = ({"colocated": cfg.colocated} if cfg.mode == "colocated"
+                 else {"prefill": cfg.prefill, "decode": cfg.decode})
+        self.workers: dict[str, SimWorker] = {}
+        for role, n in pools.items():
+            for i in range(n):
+                wid = f"{role}-{i}"
+                self.workers[wid] = SimWorker(self, wid, role, ecfg, blocks)
+        self.num_blocks = blocks
+        self.link = profile.link(cfg.kv_link) if cfg.mode == "disaggregated" else None
+        rcfg = RouterConfig(model="sim", mode=cfg.mode, serve_metrics=False,
+                            max_num_requests=cfg.max_num_requests,
+                            max_rpc_threads=max(256, cfg.max_num_requests + 1),
+                            local_prefill_max_tokens=cfg.local_prefill_max_tokens,
+                            prefill_queue_max_tokens=cfg.prefill_queue_max_tokens,
+                            queue_timeout_s=cfg.queue_timeout_s)
+        self.selector = WorkerSelector()
+        self.placer = Placer(rcfg, _SimSource(list(self.workers.values())), self.selector,
+                             _SimClients(self.workers), admission=None, prefixes=PrefixIndex())
+        self._queue: deque[_Flow] = deque()
+        self._in_flight = 0
+        self._arrivals = itertools.count()
+
+    # -- the clock ------------------------------------------------------------------------------
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (t, next(self._tick), fn))
+
+    def run(self, requests: list[SimRequest]) -> list[RequestRecord]:
+        """Replay ``requests`` to the end; one record per request, in the given order."""
+        flows = []
+        for r in requests:
+            if not r.prompt_token_ids or r.max_tokens < 1:
+                raise ValueError(f"request {r.request_id}: needs a prompt and max_tokens >= 1")
+            rec = RequestRecord(r.request_id, len(r.prompt_token_ids), r.max_tokens, scheduled_s=r.arrival_s,
+                                start_s=r.arrival_s)
+            vreq = ValidatedRequest(r.request_id, None, r.prompt_token_ids,
+                                    SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0.0))
+            scope = RequestScope(vreq, r.arrival_s, math.inf)
+            flow = _Flow(r, rec, scope, vreq.params)
+            flows.append(flow)
+            self.at(r.arrival_s, lambda f=flow: self._arrive(f))
+        while self._events:
+            t, _, fn = heapq.heappop(self._events)
+            self.now = t
+            fn()
+        return [f.record for f in flows]
+
+    def pool_stats(self) -> dict[str, PoolStats]:
+        out: dict[str, PoolStats] = {}
+        for w in self.workers.values():
+            s = out.setdefault(w.role, PoolStats(0, 0.0, 0, 0))
+            s.workers += 1
+            s.busy_s += w.runner.busy_seconds
+            s.steps += w.engine.num_steps
+            s.tokens += w.engine.num_scheduled_tokens
+        return out
+
+    # -- a request ------------------------------------------------------------------------------
+    def _arrive(self, f: _Flow) -> None:
+        if self._in_flight >= self.cfg.max_num_requests:
+            self._fail(f, "RESOURCE_EXHAUSTED: router queue is full", admitted=False)
+            return
+        self._in_flight += 1
+        f.scope.seq = next(self._arrivals)
+        self.at(self.now + self.profile.router_per_request_s, lambda: self._place(f))
+
+    def _place(self, f: _Flow) -> None:
+        try:
+            route = self.placer.route(f.scope)
+            if route == PAIR:
+                if self._queue:  # others wait for decode capacity: no overtaking
+                    self._enqueue(f)
+                    return
+                p = self.placer._try_pair(f.scope, set())
+                if p is None:
+                    self._enqueue(f)
+                    return
+                self._start_pair(f, p)
+            else:
+                self._start_whole(f, self.placer.place_whole(f.scope, route, set()))
+        except FlowError as e:
+            self._fail(f, f"{e.code.name}: {e}")
+
+    def _enqueue(self, f: _Flow) -> None:
+        f.queued_at = self.now
+        self._queue.append(f)
+
+    def _drain_queue(self) -> None:
+        """Decode capacity was freed: the queue's head retries, and the next while they get in."""
+        while self._queue:
+            f = self._queue[0]
+            if self.now - (f.queued_at or self.now) > self.cfg.queue_timeout_s:
+                self._queue.popleft()
+                self._fail(f, "RESOURCE_EXHAUSTED: waited past queue_timeout_s for decode KV capacity")
+                continue
+            try:
+                p = self.placer._try_pair(f.scope, set())
+            except FlowError as e:
+                self._queue.popleft()
+                self._fail(f, f"{e.code.name}: {e}")
+                continue
+            if p is None:
+                return
+            self._queue.popleft()
+            self._start_pair(f, p)
+
+    def _start_pair(self, f: _Flow, p: Placement) -> None:
+        f.placement = p
+        d, pw = self.workers[p.decode.worker_id], self.workers[p.prefill.worker_id]
+        wid, prompt = p.request_id, f.req.prompt_token_ids
+
+        def on_prefill(out: Any, step_s: float) -> None:
+            if out.finish_reason != "prefill_done":
+                return
+            pw.handlers.pop(wid, None)
+            pw.unprefilled.pop(wid, None)
+            self._tokens(f, 1)
+            nbytes = len(prompt) * self.profile.kv_bytes_per_token
+            L = self.profile.num_layers
+            done = max(self.now + self.link.seconds(nbytes / L), self.now - step_s + self.link.seconds(nbytes))
+            self.at(done, lambda: kv_arrived(done))
+
+        def kv_arrived(t: float) -> None:
+            f.kv_at = t
+            pw.submit(lambda: pw.engine.release(wid))
+            self.placer.release(p, f.scope, ("prefill",))
+            d.handlers[wid] = lambda out, _s: self._on_output(f, out)
+            d.submit(lambda: d.engine.add_prefilled_request(wid, prompt, SIM_TOKEN, f.params))
+
+        def send_prefill() -> None:
+            pw.handlers[wid] = on_prefill
+            pw.unprefilled[wid] = len(prompt)
+            pw.submit(lambda: pw.engine.add_request(wid, prompt, f.params, prefill_only=True))
+
+        # the Reserve reply comes when the decode worker's loop runs it: at its step boundary
+        t = d.boundary()
+        if t > self.now:
+            self.at(t, send_prefill)
+        else:
+            send_prefill()
+
+    def _start_whole(self, f: _Flow, p: Placement) -> None:
+        f.placement = p
+        w = self.workers[p.decode.worker_id]
+        wid = p.request_id
+        w.handlers[wid] = lambda out, _s: self._on_output(f, out, w)
+        w.unprefilled[wid] = len(f.req.prompt_token_ids)
+        w.submit(lambda: w.engine.add_request(wid, f.req.prompt_token_ids, f.params))
+
+    def _on_output(self, f: _Flow, out: Any, whole_on: Optional[SimWorker] = None) -> None:
+        if whole_on is not None and f.first_token_at is None:
+            whole_on.unprefilled.pop(out.request_id, None)
+        if out.new_token_ids:
+            self._tokens(f, len(out.new_token_ids))
+        if out.finish_reason is not None:
+            w = self.workers[f.placement.decode.worker_id]
+            w.handlers.pop(out.request_id, None)
+            self._finish(f, out.finish_reason)
+
+    def _tokens(self, f: _Flow, n: int) -> None:
+        t = self.now + self.profile.router_per_token_s
+        if f.first_token_at is None:
+            f.first_token_at = t
+        f.record.chunk_times_s.append(t)
+        f.record.chunk_tokens.append(n)
+        f.record.output_tokens += n
+
+    def _finish(self, f: _Flow, reason: str) -> None:
+        rec = f.record
+        rec.end_s = rec.chunk_times_s[-1] if rec.chunk_times_s else self.now
+        rec.success = True
+        rec.finish_reason = reason
+        self._in_flight -= 1
+        p = f.placement
+        self.placer.release(p, f.scope)
+        if p is not None and p.route == PAIR:
+            self._drain_queue()
+
+    def _fail(self, f: _Flow, error: str, admitted: bool = True) -> None:
+        rec = f.record
+        rec.end_s = self.now
+        rec.success = False
+        rec.error = error
+        if admitted:
+            self._in_flight -= 1
