@@ -393,6 +393,8 @@ class LLMEngine:
             raise ValueError(f"{field} must be a list of token ids")
         ids = list(token_ids)
         V = self.model_config.vocab_size
+        if all(type(t) is int for t in ids) and (not ids or (min(ids) >= 0 and max(ids) < V)):
+            return ids  # the common case, checked at C speed: plain ints (not bools) within the vocabulary
         for j, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < V:
                 raise ValueError(f"{field}: {t!r} is not a token id in [0, {V})")

@@ -170,6 +170,7 @@ class SimWorker:
         self.unprefilled: dict[str, int] = {}
         """Requests whose first token is not out yet -> prompt tokens (the worker's queued_prompt_tokens)."""
         self._info: Optional[WorkerInfo] = None
+        self._kick_due = False
 
     # -- what the router sees -----------------------------------------------------------------
     def info(self) -> WorkerInfo:
@@ -191,13 +192,19 @@ class SimWorker:
         if self.busy_until is None:
             cmd()
             self.changed()
-            self._kick()
+            if not self._kick_due:  # step once every command of this instant is in (they batch together)
+                self._kick_due = True
+                self.sim.at(self.sim.now, self._due_kick)
         else:
             self._commands.append(cmd)
 
     def boundary(self) -> float:
         """When a command submitted now would run."""
         return self.sim.now if self.busy_until is None else self.busy_until
+
+    def _due_kick(self) -> None:
+        self._kick_due = False
+        self._kick()
 
     def _kick(self) -> None:
         if self.busy_until is not None:

@@ -1,0 +1,237 @@
+"""The simulator against hand-computed cases, and proof that it drives pdserve's own policy objects.
+
+The profile here has round numbers, so every latency below is worked out by hand from the module
+docstring of simulator/cluster_sim.py and the step model of simulator/costs.py, not copied from the
+simulator's output.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.llm_engine import LLMEngine
+from engine.scheduler import Scheduler
+from loadtest.stats import itls_s, ttft_s
+from router.placement import Placer
+from router.selection import WorkerSelector
+from simulator import cli
+from simulator.cluster_sim import SimConfig, SimRequest, Simulation
+from simulator.costs import LinkModel, Profile, StepModel
+
+R_REQ, R_TOK = 0.005, 0.001
+KVB = 1000  # bytes per token
+LAYERS = 4
+
+
+def lin(t: int) -> float:
+    return 0.01 + 0.001 * (t - 1)
+
+
+def make_profile(**kw) -> Profile:
+    base = dict(model="sim-test", dtype="float32", quantization=None, kv_cache_dtype="auto", device="cpu", threads=1,
+                block_size=16, num_layers=LAYERS, kv_bytes_per_token=KVB, max_model_len=4096,
+                step=StepModel(knots=[1, 1001], knot_s=[0.01, 1.01], per_sampled_row_s=0.0,
+                               per_prefill_pair_s=1e-6, per_decode_ctx_s=1e-5),
+                links={"gloo": LinkModel(0.002, 1e6)}, router_per_request_s=R_REQ, router_per_token_s=R_TOK)
+    base.update(kw)
+    return Profile(**base)
+
+
+def prefill_s(n: int, c: int = 0) -> float:
+    return lin(n) + 1e-6 * n * (c + (n + 1) / 2)
+
+
+def decode_s(ctx: int) -> float:
+    return lin(1) + 1e-5 * ctx
+
+
+def run(cfg: SimConfig, reqs: list[SimRequest], profile: Profile | None = None):
+    sim = Simulation(profile or make_profile(), cfg)
+    return sim, sim.run(reqs)
+
+
+def test_one_request_on_one_colocated_worker_exact():
+    sim, [rec] = run(SimConfig(mode="colocated", colocated=1), [SimRequest("a", 0.0, list(range(100)), 4)])
+    t = R_REQ + prefill_s(100)
+    assert rec.success and rec.output_tokens == 4
+    assert ttft_s(rec) == pytest.approx(t + R_TOK, abs=1e-12)
+    expect = [t]
+    for ctx in (101, 102, 103):  # decode of output k attends over prompt + k tokens
+        expect.append(expect[-1] + decode_s(ctx))
+    assert rec.chunk_times_s == pytest.approx([x + R_TOK for x in expect], abs=1e-12)
+    assert itls_s(rec) == pytest.approx([decode_s(c) for c in (101, 102, 103)], abs=1e-12)
+    stats = sim.pool_stats()["colocated"]
+    assert stats.steps == 4 and stats.busy_s == pytest.approx(expect[-1] - R_REQ, abs=1e-12)
+
+
+def test_one_request_disaggregated_exact():
+    sim, [rec] = run(SimConfig(mode="disaggregated"), [SimRequest("a", 0.0, list(range(100)), 3)])
+    start = R_REQ
+    end = start + prefill_s(100)
+    assert ttft_s(rec) == pytest.approx(end + R_TOK, abs=1e-12)  # the first token does not wait for the KV
+    nbytes = 100 * KVB
+    link = lambda b: 0.002 + b / 1e6  # noqa: E731
+    kv = max(end + link(nbytes / LAYERS), start + link(nbytes))  # layer by layer during the last step
+    assert kv == pytest.approx(end + link(nbytes / LAYERS))  # here the last layer's share decides
+    t2 = kv + decode_s(101)
+    t3 = t2 + decode_s(102)
+    assert rec.chunk_times_s == pytest.approx([end + R_TOK, t2 + R_TOK, t3 + R_TOK], abs=1e-12)
+    pools = sim.pool_stats()
+    assert pools["prefill"].steps == 1 and pools["decode"].steps == 2
+    assert all(w.engine.num_free_blocks == w.engine.num_total_blocks for w in sim.workers.values())
+
+
+def test_slow_link_bounds_the_transfer_by_its_total_bytes():
+    prof = make_profile(links={"gloo": LinkModel(0.0, 1e4)})  # 100 KB at 10 KB/s: 10 s, far beyond the prefill
+    sim, [rec] = run(SimConfig(), [SimRequest("a", 0.0, list(range(100)), 2)], prof)
+    start, end = R_REQ, R_REQ + prefill_s(100)
+    kv = start + 100 * KVB / 1e4
+    assert rec.chunk_times_s[1] == pytest.approx(kv + decode_s(101) + R_TOK, abs=1e-9)
+    assert ttft_s(rec) == pytest.approx(end + R_TOK, abs=1e-12)
+
+
+def test_two_requests_queue_behind_each_other():
+    reqs = [SimRequest("a", 0.0, list(range(100)), 3), SimRequest("b", 0.0, list(range(500, 550)), 2)]
+    _, (a, b) = run(SimConfig(mode="colocated", colocated=1, max_num_seqs=1), reqs)
+    a_end = R_REQ + prefill_s(100) + decode_s(101) + decode_s(102)
+    assert a.end_s == pytest.approx(a_end + R_TOK, abs=1e-12)
+    # b was admitted at arrival but the engine runs one sequence at a time: it prefills after a's last step
+    b_first = a_end + prefill_s(50)
+    assert ttft_s(b) == pytest.approx(b_first + R_TOK, abs=1e-12)
+    assert b.end_s == pytest.approx(b_first + decode_s(51) + R_TOK, abs=1e-12)
+
+
+def test_batched_prefill_shares_one_step():
+    reqs = [SimRequest("a", 0.0, list(range(100)), 1), SimRequest("b", 0.0, list(range(500, 550)), 1)]
+    _, (a, b) = run(SimConfig(mode="colocated", colocated=1), reqs)
+    step = lin(150) + 1e-6 * (100 * 101 / 2 + 50 * 51 / 2)
+    assert ttft_s(a) == pytest.approx(R_REQ + step + R_TOK, abs=1e-12)
+    assert ttft_s(b) == pytest.approx(R_REQ + step + R_TOK, abs=1e-12)
+
+
+def test_preemption_when_blocks_run_out():
+    # 3 blocks of 16: two 16-token prompts take one each; the first to need a second block takes the last one,
+    # the other then preempts itself (the most recent) and recomputes after the first finishes
+    reqs = [SimRequest("a", 0.0, list(range(16)), 20), SimRequest("b", 0.0, list(range(100, 116)), 20)]
+    sim, (a, b) = run(SimConfig(mode="colocated", colocated=1, num_kv_blocks=3), reqs)
+    eng = sim.workers["colocated-0"].engine
+    assert eng.num_preemptions >= 1
+    assert a.success and b.success and a.output_tokens == 20 and b.output_tokens == 20
+    assert b.end_s > a.end_s
+    assert eng.num_free_blocks == 3
+
+
+def test_admission_queue_waits_for_decode_blocks():
+    # the decode worker holds 8 blocks = 128 tokens: two 100-token prompts cannot be reserved together
+    reqs = [SimRequest("a", 0.0, list(range(100)), 5), SimRequest("b", 0.001, list(range(200, 300)), 2)]
+    _, (a, b) = run(SimConfig(num_kv_blocks=8), reqs)
+    assert a.success and b.success
+    assert ttft_s(b) + b.start_s > a.end_s - R_TOK  # b's prefill began only after a freed its blocks
+
+
+def test_router_bound_refuses_at_once():
+    reqs = [SimRequest("a", 0.0, list(range(10)), 5), SimRequest("b", 0.0, list(range(10)), 5)]
+    _, (a, b) = run(SimConfig(mode="colocated", colocated=1, max_num_requests=1), reqs)
+    assert a.success and not b.success and b.error.startswith("RESOURCE_EXHAUSTED")
+
+
+def test_conditional_disaggregation_runs_short_prompts_on_decode():
+    reqs = [SimRequest("short", 0.0, list(range(50)), 2), SimRequest("long", 0.5, list(range(300)), 2)]
+    sim, (s, lng) = run(SimConfig(local_prefill_max_tokens=64), reqs)
+    pools = sim.pool_stats()
+    assert pools["prefill"].steps == 1  # only the long prompt was prefilled there
+    assert ttft_s(s) == pytest.approx(R_REQ + prefill_s(50) + R_TOK, abs=1e-12)
+
+
+def test_it_drives_the_routers_and_engines_own_objects(monkeypatch):
+    sim = Simulation(make_profile(), SimConfig(prefill=2, decode=2))
+    assert type(sim.placer) is Placer and type(sim.selector) is WorkerSelector
+    for w in sim.workers.values():
+        assert type(w.engine) is LLMEngine and type(w.engine.scheduler) is Scheduler
+    # the router's conditional-disaggregation rule decides: patch it and every request runs whole on decode
+    monkeypatch.setattr("router.placement.prefill_locally", lambda *a: True)
+    reqs = [SimRequest(f"r{i}", 0.1 * i, list(range(300)), 2) for i in range(3)]
+    sim, recs = run(SimConfig(local_prefill_max_tokens=1), reqs)  # 300 > 1: the unpatched rule says prefill pool
+    assert all(r.success for r in recs) and sim.pool_stats()["prefill"].steps == 0
+    monkeypatch.undo()
+    sim, recs = run(SimConfig(local_prefill_max_tokens=1), reqs)
+    assert sim.pool_stats()["prefill"].steps > 0
+
+
+def test_decode_ranking_spreads_load():
+    reqs = [SimRequest(f"r{i}", 0.0, list(range(i * 1000, i * 1000 + 40)), 30) for i in range(4)]
+    sim, recs = run(SimConfig(prefill=1, decode=2), reqs)
+    assert all(r.success for r in recs)
+    assert all(w.engine.num_steps > 0 for w in sim.workers.values() if w.role == "decode")
+
+
+# ---- the command line -----------------------------------------------------------------------------------
+
+def _write_profile(tmp_path, **kw):
+    p = tmp_path / "profile.json"
+    p.write_text(json.dumps(make_profile(**kw).to_dict()))
+    return p
+
+
+def test_cli_writes_bench_keys(tmp_path, capsys):
+    prof = _write_profile(tmp_path)
+    out = tmp_path / "r.json"
+    rc = cli.main(["--profile", str(prof), "--trace", "tests/data/azure_llm_2023_conv_first400.csv",
+                   "--num-prompts", "40", "--length-scale", "0.1", "--request-rate", "4", "--goodput", "ttft:500",
+                   "tpot:50", "--save-result", str(out)])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    for key in ("completed", "request_goodput", "median_ttft_ms", "mean_tpot_ms", "p99_itl_ms", "ttfts", "itls"):
+        assert key in d, key
+    assert d["completed"] == 40 and d["simulation"]["pools"]["decode"]["workers"] == 1
+    assert "--prefill 1 --decode 1" in d["simulation"]["pdserve_up_flags"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--colocated", "0", "--prefill", "0"], "--prefill"),
+    (["--model", "other"], "model"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+    (["--num-prompts", "0"], "num_prompts"),
+])
+def test_cli_bad_input(tmp_path, capsys, args, needle):
+    prof = _write_profile(tmp_path)
+    out = tmp_path / "r.json"
+    rc = cli.main(["--profile", str(prof), "--dataset-name", "random", "--num-prompts", "5", *args,
+                   "--save-result", str(out)])
+    assert rc == 2 and needle in capsys.readouterr().err and not out.exists()
+
+
+def test_cli_bad_trace_and_profile(tmp_path, capsys):
+    prof = _write_profile(tmp_path)
+    bad = tmp_path / "t.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,10,5\n2023-11-16 18:15:45.1,10,5\n")
+    assert cli.main(["--profile", str(prof), "--trace", str(bad)]) == 2
+    assert "t.csv row 1" in capsys.readouterr().err
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,ten,5\n")
+    assert cli.main(["--profile", str(prof), "--trace", str(bad)]) == 2
+    assert "row 0" in capsys.readouterr().err
+    old = tmp_path / "old.json"
+    d = make_profile().to_dict()
+    d["meta"]["pdserve_version"] = "0.0.1"
+    old.write_text(json.dumps(d))
+    assert cli.main(["--profile", str(old), "--dataset-name", "random", "--num-prompts", "2"]) == 2
+    assert "0.0.1" in capsys.readouterr().err
+    assert cli.main(["--profile", str(tmp_path / "none.json"), "--num-prompts", "2"]) == 2
+
+
+def test_mooncake_hash_ids_share_prefixes(tmp_path):
+    prof = _write_profile(tmp_path)
+    tr = tmp_path / "m.jsonl"
+    rows = [{"timestamp": 1000 * i, "input_length": 1100, "output_length": 2, "hash_ids": [7, 8, 100 + i]}
+            for i in range(3)]
+    tr.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    args = cli.build_parser().parse_args(["--profile", str(prof), "--trace", str(tr), "--colocated", "1"])
+    cli.check_workload_args(args)
+    reqs, _, _ = cli.requests_from_args(args, make_profile())
+    assert [r.arrival_s for r in reqs] == [0.0, 1.0, 2.0]
+    assert reqs[0].prompt_token_ids[:1024] == reqs[2].prompt_token_ids[:1024]
+    assert reqs[0].prompt_token_ids[1024:] != reqs[2].prompt_token_ids[1024:]
+    sim, recs = run(cli.sim_config_from_args(args), reqs)
+    eng = sim.workers["colocated-0"].engine
+    assert eng.prefix_cache_hits >= 2 * 1024  # the later two found the shared 1024 tokens cached
