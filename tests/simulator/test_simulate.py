@@ -235,3 +235,38 @@ def test_mooncake_hash_ids_share_prefixes(tmp_path):
     sim, recs = run(cli.sim_config_from_args(args), reqs)
     eng = sim.workers["colocated-0"].engine
     assert eng.prefix_cache_hits >= 2 * 1024  # the later two found the shared 1024 tokens cached
+
+
+# ---- the planner ------------------------------------------------------------------------------------------
+
+def test_goodput_bisection_finds_the_threshold():
+    from simulator.plan import Point, goodput_of
+
+    def probe(rate: float) -> Point:
+        return Point(rate, 1.0 if rate <= 3.7 else 0.5, 0.0, 0.0, {})
+
+    g, at, probes = goodput_of(probe, 0.5, 1.0, 0.9)
+    assert 3.7 * 0.96 <= g <= 3.7 and at.rate == g and len(probes) <= 14
+    g, at, _ = goodput_of(lambda r: Point(r, 0.0, 0.0, 0.0, {}), 0.5, 1.0, 0.9)
+    assert g == 0.0 and at is None
+
+
+def test_plan_cli(tmp_path, capsys):
+    from simulator import plan
+
+    prof = _write_profile(tmp_path)
+    out = tmp_path / "plan.json"
+    common = ["--profile", str(prof), "--dataset-name", "random", "--input-len", "200", "--output-len", "20",
+              "--num-prompts", "60", "--chunk-sizes", "512", "--local-prefill", "0"]
+    assert plan.main([*common, "--workers", "2", "--ttft-slo-ms", "2000", "--tpot-slo-ms", "100",
+                      "--save-result", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert set(d["best"]) == {"colocated", "disaggregated"}
+    for mode, best in d["best"].items():  # the recommendation is the best of what it simulated
+        assert best["goodput_rps"] == max(c["goodput_rps"] for c in d["candidates"] if c["mode"] == mode) > 0
+    assert "pdserve up --colocated 2" in capsys.readouterr().out
+    # SLOs nothing meets (a TTFT below one prefill step), a budget of 0: exit 2, the flags named
+    assert plan.main([*common, "--workers", "2", "--ttft-slo-ms", "1", "--tpot-slo-ms", "100"]) == 2
+    assert "--ttft-slo-ms 1" in capsys.readouterr().err
+    assert plan.main([*common, "--workers", "0", "--ttft-slo-ms", "100", "--tpot-slo-ms", "100"]) == 2
+    assert "--workers" in capsys.readouterr().err

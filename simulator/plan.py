@@ -1,0 +1,336 @@
+"""`pdserve plan`: the deployment that serves a workload within its SLOs, found in the simulator.
+
+Lifecycle: ``main(argv)`` reads a profile, a workload (``pdserve bench``'s flags: a trace's lengths or
+random lengths), the SLOs (``--ttft-slo-ms``, ``--tpot-slo-ms``) and either a worker budget
+(``--workers N``: the best configurations of N workers) or a target rate (``--target-rate R``: the
+fewest workers that serve R). For each candidate configuration it finds the goodput, DistServe's
+measure: the highest Poisson (or ``--burstiness``) request rate at which at least ``--goal`` (90%) of the
+requests meet both SLOs, by bisection on the rate with one simulation per probe (``goodput_of``).
+Candidates: colocated N workers at each chunk size (``--chunk-sizes``); disaggregated P:D for every
+split (a coarse-to-fine search when N is large) at each chunk size, with conditional disaggregation off
+and at each ``--local-prefill`` threshold. It prints the best disaggregated and best colocated side by
+side (goodput, per worker, each pool's utilisation, p90 TTFT and mean TPOT at that rate) and the
+``pdserve up`` flags of each, and with ``--save-result`` writes every candidate's numbers as JSON.
+
+The same arrival seed is used for every candidate and rate, so candidates are compared on the same
+request sequence (only its time axis is rescaled).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from loadtest.arrivals import gamma_arrivals
+from loadtest.cli import add_workload_args, check_workload_args
+from loadtest.stats import percentile, slo_attainment, tpot_s, ttft_s
+from simulator.cli import add_deployment_args, check_profile_args, requests_from_args, run_simulation
+from simulator.cluster_sim import SimConfig, SimRequest
+from simulator.costs import Profile
+
+
+@dataclass
+class Point:
+    """One simulated (configuration, rate)."""
+
+    rate: float
+    attainment: float
+    p90_ttft_ms: float
+    mean_tpot_ms: float
+    utilisation: dict[str, float]
+
+
+@dataclass
+class Candidate:
+    cfg: SimConfig
+    goodput: float = 0.0
+    """Highest rate (req/s) with attainment >= goal; 0 if even the lowest probe misses."""
+    at_goodput: Optional[Point] = None
+    probes: list[Point] = field(default_factory=list)
+
+    @property
+    def per_worker(self) -> float:
+        return self.goodput / self.cfg.num_workers
+
+    def as_dict(self) -> dict[str, Any]:
+        p = self.at_goodput
+        return {"deployment": self.cfg.label(), "pdserve_up_flags": self.cfg.up_flags(), "mode": self.cfg.mode,
+                "workers": self.cfg.num_workers, "goodput_rps": self.goodput, "goodput_per_worker": self.per_worker,
+                "at_goodput": None if p is None else p.__dict__,
+                "probes": [q.__dict__ for q in self.probes]}
+
+
+def at_rate(reqs: list[SimRequest], rate: float, burstiness: float, seed: int) -> list[SimRequest]:
+    """The same requests, arriving at ``rate`` req/s (gamma gaps of shape ``burstiness``; 1 = Poisson)."""
+    arr = gamma_arrivals(len(reqs), rate, burstiness, seed)
+    return [replace(r, arrival_s=t) for r, t in zip(reqs, arr)]
+
+
+def simulate_point(profile: Profile, cfg: SimConfig, reqs: list[SimRequest], rate: float, slos: dict[str, float],
+                   burstiness: float, seed: int) -> Point:
+    records, duration, pools = run_simulation(profile, cfg, at_rate(reqs, rate, burstiness, seed))
+    ok = [r for r in records if r.success]
+    ttfts = [ttft_s(r) for r in ok if ttft_s(r) is not None]
+    tpots = [t for t in (tpot_s(r) for r in ok) if t is not None]
+    return Point(rate, slo_attainment(records, slos),
+                 1000 * percentile(ttfts, 90) if ttfts else math.inf,
+                 1000 * sum(tpots) / len(tpots) if tpots else 0.0,
+                 {role: s.utilisation(duration) for role, s in pools.items()})
+
+
+def goodput_of(probe: Callable[[float], Point], lo: float, hi: float, goal: float, rel_tol: float = 0.04,
+               max_probes: int = 14) -> tuple[float, Optional[Point], list[Point]]:
+    """Bisection for the highest passing rate in [lo, hi] (hi doubles while it still passes)."""
+    probes: list[Point] = []
+    first = probe(lo)
+    probes.append(first)
+    if first.attainment < goal:
+        return 0.0, None, probes
+    best = first
+    top = probe(hi)
+    probes.append(top)
+    while top.attainment >= goal and len(probes) < max_probes:
+        best, lo, hi = top, hi, hi * 2
+        top = probe(hi)
+        probes.append(top)
+    while hi - lo > rel_tol * lo and len(probes) < max_probes:
+        mid = math.sqrt(lo * hi)
+        p = probe(mid)
+        probes.append(p)
+        if p.attainment >= goal:
+            best, lo = p, mid
+        else:
+            hi = mid
+    return best.rate, best, probes
+
+
+def candidates(n: int, chunks: list[int], locals_: list[int], base: SimConfig, modes: list[str]) -> list[SimConfig]:
+    out = []
+    if "colocated" in modes:
+        out += [replace(base, mode="colocated", colocated=n, prefill=0, decode=0, max_num_batched_tokens=c,
+                        local_prefill_max_tokens=0) for c in chunks]
+    if "disaggregated" in modes and n >= 2:
+        if n <= 16:
+            splits = range(1, n)
+        else:  # every 1/16th of the budget; the best region is refined by ``refine_splits``
+            splits = sorted({max(1, min(n - 1, round(n * k / 16))) for k in range(1, 16)})
+        for p in splits:
+            for c in chunks:
+                for loc in locals_:
+                    out.append(replace(base, mode="disaggregated", prefill=p, decode=n - p, colocated=0,
+                                       max_num_batched_tokens=c, local_prefill_max_tokens=loc))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", required=True, metavar="FILE", help="profile.json from `pdserve profile`")
+    p.add_argument("--model", default=None, help="the model the profile must have measured (checked)")
+    p.add_argument("--ttft-slo-ms", type=float, required=True, help="time-to-first-token SLO (ms)")
+    p.add_argument("--tpot-slo-ms", type=float, required=True, help="time-per-output-token SLO (ms)")
+    p.add_argument("--goal", type=float, default=0.9, help="fraction of requests that must meet both SLOs (0.9)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--workers", type=int, help="worker budget: the best configurations of this many workers")
+    what.add_argument("--target-rate", type=float, help="req/s to serve: the fewest workers that serve it")
+    p.add_argument("--chunk-sizes", default="256,512,1024,2048",
+                   help="--max-num-batched-tokens values to try (comma-separated)")
+    p.add_argument("--local-prefill", default="0,auto",
+                   help="--local-prefill-max-tokens values to try for disaggregated configurations ('auto': the "
+                        "workload's 25th and 50th percentile prompt lengths)")
+    p.add_argument("--modes", default="colocated,disaggregated", help="which kinds of deployment to consider")
+    p.add_argument("--max-workers", type=int, default=1024, help="--target-rate: the largest deployment to try")
+    add_workload_args(p)
+    add_deployment_args(p, pools=False)
+    return p
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        vals = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not vals or vals[0] < 1:
+        raise ValueError(f"{flag}: need integers >= 1, got {text!r}")
+    return vals
+
+
+def check_args(args: argparse.Namespace) -> None:
+    check_workload_args(args)
+    if not (args.ttft_slo_ms > 0 and args.tpot_slo_ms > 0):
+        raise ValueError("--ttft-slo-ms and --tpot-slo-ms must be > 0")
+    if not 0 < args.goal <= 1:
+        raise ValueError(f"--goal must be within (0, 1], got {args.goal}")
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers must be >= 1 (a budget of {args.workers} workers serves nothing)")
+    if args.target_rate is not None and not args.target_rate > 0:
+        raise ValueError(f"--target-rate must be > 0, got {args.target_rate}")
+    args.chunk_list = _int_list(args.chunk_sizes, "--chunk-sizes")
+    args.mode_list = [m for m in args.modes.split(",") if m]
+    if not args.mode_list or any(m not in ("colocated", "disaggregated") for m in args.mode_list):
+        raise ValueError(f"--modes: expected colocated and/or disaggregated, got {args.modes!r}")
+    if args.workers == 1 and args.mode_list == ["disaggregated"]:
+        raise ValueError("--workers 1 cannot be disaggregated (it needs a prefill and a decode worker)")
+
+
+def _locals(text: str, reqs: list[SimRequest]) -> list[int]:
+    out: set[int] = set()
+    lens = sorted(len(r.prompt_token_ids) for r in reqs)
+    for x in text.split(","):
+        x = x.strip()
+        if x == "auto":
+            out.update({lens[len(lens) // 4], lens[len(lens) // 2]})
+        elif x:
+            try:
+                v = int(x)
+            except ValueError:
+                raise ValueError(f"--local-prefill: expected integers or 'auto', got {x!r}") from None
+            if v < 0:
+                raise ValueError(f"--local-prefill: values must be >= 0, got {v}")
+            out.add(v)
+    return sorted(out) or [0]
+
+
+class Planner:
+    """Goodput of deployments for one workload, profile and SLOs."""
+
+    def __init__(self, profile: Profile, reqs: list[SimRequest], slos: dict[str, float], goal: float,
+                 burstiness: float, seed: int, base: SimConfig) -> None:
+        self.profile, self.reqs, self.slos, self.goal = profile, reqs, slos, goal
+        self.burstiness, self.seed, self.base = burstiness, seed, base
+        self.simulations = 0
+        # a first rate guess: what one worker could do if every step were a lone request's (an upper bound)
+        mean_p = sum(len(r.prompt_token_ids) for r in reqs) / len(reqs)
+        mean_o = sum(r.max_tokens for r in reqs) / len(reqs)
+        step = profile.step
+        one = step.lin(mean_p) + step.lin(1) * mean_o / 32  # a prefill + a share of batched decode steps
+        self.rate_per_worker_guess = 1.0 / max(one, 1e-6)
+
+    def evaluate(self, cfg: SimConfig) -> Candidate:
+        def probe(rate: float) -> Point:
+            self.simulations += 1
+            return simulate_point(self.profile, cfg, self.reqs, rate, self.slos, self.burstiness, self.seed)
+
+        lo = 0.05 * self.rate_per_worker_guess * cfg.num_workers
+        g, at, probes = goodput_of(probe, lo, 4 * lo, self.goal)
+        return Candidate(cfg, g, at, probes)
+
+    def best_of(self, cfgs: list[SimConfig]) -> tuple[list[Candidate], dict[str, Candidate]]:
+        done = [self.evaluate(c) for c in cfgs]
+        best: dict[str, Candidate] = {}
+        for c in done:
+            if c.goodput > 0 and (c.cfg.mode not in best or c.goodput > best[c.cfg.mode].goodput):
+                best[c.cfg.mode] = c
+        # refine a large budget's P:D split around the best coarse one
+        b = best.get("disaggregated")
+        if b is not None and b.cfg.num_workers > 16:
+            n, step = b.cfg.num_workers, max(1, b.cfg.num_workers // 16)
+            extra = [replace(b.cfg, prefill=p, decode=n - p) for p in range(max(1, b.cfg.prefill - step + 1),
+                                                                            min(n - 1, b.cfg.prefill + step))
+                     if p != b.cfg.prefill and step > 1 and (p - b.cfg.prefill) % max(1, step // 4) == 0]
+            for c in (self.evaluate(x) for x in extra):
+                done.append(c)
+                if c.goodput > best["disaggregated"].goodput:
+                    best["disaggregated"] = c
+        return done, best
+
+
+def _table(best: dict[str, Candidate], title: str) -> Table:
+    t = Table(title=title)
+    t.add_column("")
+    cols = [m for m in ("disaggregated", "colocated") if m in best]
+    for m in cols:
+        t.add_column(f"best {m}", justify="right")
+    rows = [("deployment", lambda c: c.cfg.label()), ("workers", lambda c: str(c.cfg.num_workers)),
+            ("goodput (req/s)", lambda c: f"{c.goodput:.3g}"), ("per worker (req/s)", lambda c: f"{c.per_worker:.3g}"),
+            ("p90 TTFT at goodput (ms)", lambda c: f"{c.at_goodput.p90_ttft_ms:.0f}"),
+            ("mean TPOT at goodput (ms)", lambda c: f"{c.at_goodput.mean_tpot_ms:.1f}"),
+            ("utilisation", lambda c: ", ".join(f"{k} {v:.0%}" for k, v in c.at_goodput.utilisation.items()))]
+    for name, fn in rows:
+        t.add_row(name, *[fn(best[m]) for m in cols])
+    return t
+
+
+def plan_budget(planner: Planner, n: int, chunks: list[int], locals_: list[int], modes: list[str]
+                ) -> tuple[list[Candidate], dict[str, Candidate]]:
+    return planner.best_of(candidates(n, chunks, locals_, planner.base, modes))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of `pdserve plan`; 0 with a recommendation, 2 on bad input or SLOs nothing meets."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    try:
+        check_args(args)
+        profile = check_profile_args(args)
+        reqs, _, _ = requests_from_args(args, profile)
+        locals_ = _locals(args.local_prefill, reqs)
+        base = SimConfig(num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                         max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
+                         max_num_requests=args.max_num_requests, kv_link=args.kv_link)
+        if "disaggregated" in args.mode_list:
+            profile.link(args.kv_link)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    slos = {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms}
+    planner = Planner(profile, reqs, slos, args.goal, args.burstiness, args.seed, base)
+    t0 = time.perf_counter()
+    if args.workers is not None:
+        n = args.workers
+        done, best = plan_budget(planner, n, args.chunk_list, locals_, args.mode_list)
+    else:
+        n, done, best = 1 if "colocated" in args.mode_list else 2, [], {}
+        while True:
+            d, b = plan_budget(planner, n, args.chunk_list, locals_, args.mode_list)
+            done += d
+            if any(c.goodput >= args.target_rate for c in b.values()):
+                best = {m: c for m, c in b.items()}
+                break
+            if n >= args.max_workers:
+                best = b
+                break
+            top = max([c.goodput for c in b.values()] + [0.0])
+            # next budget: proportional to the shortfall (goodput grows about linearly with workers), at least +1
+            n = min(args.max_workers, max(n + 1, math.ceil(n * args.target_rate / top)) if top > 0 else 2 * n)
+    wall = time.perf_counter() - t0
+    if not best:
+        lone = min((c.probes[0] for c in done if c.probes), key=lambda p: p.p90_ttft_ms, default=None)
+        hint = "" if lone is None else (f"; at the lowest rate tried the best p90 TTFT was {lone.p90_ttft_ms:.0f} ms "
+                                        f"and mean TPOT {lone.mean_tpot_ms:.1f} ms")
+        print(f"error: no configuration of {n} workers meets --ttft-slo-ms {args.ttft_slo_ms:g} and --tpot-slo-ms "
+              f"{args.tpot_slo_ms:g} for {args.goal:.0%} of requests at any rate{hint}", file=sys.stderr)
+        return 2
+    title = (f"{len(reqs)} requests, SLOs TTFT {args.ttft_slo_ms:g} ms / TPOT {args.tpot_slo_ms:g} ms at "
+             f"{args.goal:.0%}, profile {profile.model} on {profile.device} ({profile.meta.get('cpu', '?')})")
+    Console().print(_table(best, title))
+    if args.target_rate is not None and not any(c.goodput >= args.target_rate for c in best.values()):
+        print(f"note: even {n} workers (--max-workers) do not reach {args.target_rate:g} req/s")
+    for m, c in best.items():
+        print(f"{m}: pdserve up {c.cfg.up_flags()}")
+    if "disaggregated" in best and "colocated" in best:
+        r = best["disaggregated"].per_worker / best["colocated"].per_worker
+        print(f"disaggregated / colocated goodput per worker: {r:.2f}x")
+    print(f"{planner.simulations} simulations in {wall:.1f} s")
+    if args.save_result:
+        path = Path(args.save_result if isinstance(args.save_result, str) else "plan.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"slos_ms": slos, "goal": args.goal, "num_requests": len(reqs),
+                                    "best": {m: c.as_dict() for m, c in best.items()},
+                                    "candidates": [c.as_dict() for c in done]}, indent=1))
+        print(f"plan saved to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
