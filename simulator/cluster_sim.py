@@ -76,6 +76,7 @@ class SimConfig:
     """KV blocks per worker; None: ``kv_cache_memory_bytes`` over the profile's bytes per block."""
     kv_cache_memory_bytes: int = 256 * 1024 * 1024
     enable_prefix_caching: bool = True
+    prefix_aware_routing: bool = True
     local_prefill_max_tokens: int = 0
     prefill_queue_max_tokens: Optional[int] = None
     max_num_requests: int = 192
@@ -332,7 +333,7 @@ class Simulation:
                             max_rpc_threads=max(256, cfg.max_num_requests + 1),
                             local_prefill_max_tokens=cfg.local_prefill_max_tokens,
                             prefill_queue_max_tokens=cfg.prefill_queue_max_tokens,
-                            queue_timeout_s=cfg.queue_timeout_s)
+                            queue_timeout_s=cfg.queue_timeout_s, prefix_aware_routing=cfg.prefix_aware_routing)
         self.selector = WorkerSelector()
         self.placer = Placer(rcfg, _SimSource(list(self.workers.values())), self.selector,
                              _SimClients(self.workers), admission=None, prefixes=PrefixIndex())

@@ -1,0 +1,180 @@
+"""The simulator against real runs: the same requests through a real deployment and through `pdserve simulate`.
+
+Lifecycle: the script reads a profile (``pdserve profile`` taken the same day on this machine, with
+the workers' thread count) and a slice of a trace; for each configuration (colocated 2, disaggregated
+1+1, disaggregated 1+1 with conditional disaggregation; chunk size by flag) it starts a real
+``Deployment`` (benchmarks/disagg_deploy.py: pinned worker processes with one torch thread, a router
+in this process), warms it up, and replays the slice at each request rate (the trace's own gaps
+rescaled to the mean rate, as benchmarks/disagg_vs_colocated.py does). Each point's exact requests
+(prompt ids, lengths, arrival times) are then simulated with the profile. It reports, per point, the
+real and simulated p50 / p90 TTFT, mean TPOT and p99 ITL with their relative errors, SLO attainment at
+fixed SLOs (``--ttft-slo-ms`` / ``--tpot-slo-ms``), the goodput (DistServe: highest tested rate with
+attainment >= 90%) of each, and the median absolute error per metric; ``--out`` gets result.json and
+table.md. Prefix caching is off in both (the same requests are replayed at every rate).
+
+Usage:
+    pdserve profile --model bench --out /tmp/bench-profile.json
+    python benchmarks/sim_validation.py --profile /tmp/bench-profile.json            # ~15 min on 2 cores
+    python benchmarks/sim_validation.py --profile P --quick                          # smoke: tiny, 2 rates
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules when run as a script
+
+from disagg_deploy import Deployment, usable_cores  # noqa: E402
+from disagg_vs_colocated import DEFAULT_TRACE, _limits, _requests, _run, machine_info, warm_up  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+METRICS = ("median_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "p99_itl_ms")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", type=Path, required=True, help="profile.json of this machine and model")
+    ap.add_argument("--model", default="bench")
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--trace-start", type=int, default=0)
+    ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--length-scale", type=float, default=0.25)
+    ap.add_argument("--rates", default="0.5,1,1.5,2,3")
+    ap.add_argument("--configs", default="colocated,disaggregated,conditional",
+                    help="colocated (2 workers), disaggregated (1+1), conditional (1+1, --local-prefill-max-tokens)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="every engine's chunk size")
+    ap.add_argument("--local-prefill-max-tokens", type=int, default=192, help="the conditional configuration's")
+    ap.add_argument("--ttft-slo-ms", type=float, default=2000.0)
+    ap.add_argument("--tpot-slo-ms", type=float, default=100.0)
+    ap.add_argument("--goal", type=float, default=0.9)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--request-timeout", type=float, default=300.0)
+    ap.add_argument("--out", type=Path, default=REPO / "results" / "sim_validation")
+    ap.add_argument("--quick", action="store_true", help="tiny model, 12 requests, 2 rates, colocated + disaggregated")
+    return ap
+
+
+def sim_config(name: str, ns: argparse.Namespace) -> Any:
+    from simulator.cluster_sim import SimConfig
+
+    base = dict(max_num_batched_tokens=ns.max_num_batched_tokens, enable_prefix_caching=False,
+                prefix_aware_routing=False)
+    if name == "colocated":
+        return SimConfig(mode="colocated", colocated=2, prefill=0, decode=0, **base)
+    return SimConfig(local_prefill_max_tokens=ns.local_prefill_max_tokens if name == "conditional" else 0, **base)
+
+
+def deployment(name: str, ns: argparse.Namespace, cores: list[int]) -> Deployment:
+    engine_kw = {"enable_prefix_caching": False, "max_num_batched_tokens": ns.max_num_batched_tokens}
+    router_kw: dict = {"prefix_aware_routing": False}
+    if name == "conditional":
+        router_kw["local_prefill_max_tokens"] = ns.local_prefill_max_tokens
+    return Deployment("colocated" if name == "colocated" else "disaggregated", ns.model, cores,
+                      engine_kw=engine_kw, router_kw=router_kw)
+
+
+def _summary(records: list, duration: float) -> dict:
+    from loadtest.stats import summarize
+
+    return summarize(records, duration, percentiles=(50, 90, 99))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    if ns.quick:
+        ns.model, ns.num_requests, ns.rates, ns.configs = "tiny", 12, "2,6", "colocated,disaggregated"
+    from loadtest.stats import goodput_rate, slo_attainment
+    from loadtest.trace import load_trace, scale_trace
+    from loadtest.workload import trace_lengths
+    from simulator.cli import run_simulation
+    from simulator.cluster_sim import SimRequest
+    from simulator.costs import load_profile
+
+    profile = load_profile(ns.profile)
+    if profile.model != ns.model:
+        raise SystemExit(f"--profile {ns.profile} measured {profile.model!r}, not --model {ns.model!r}")
+    rates = sorted(float(r) for r in ns.rates.split(","))
+    names = [c for c in ns.configs.split(",") if c]
+    cores = usable_cores()[:2]
+    info = machine_info()
+    rows = scale_trace(load_trace(ns.trace, ns.trace_start, ns.num_requests), ns.length_scale, 1.0)
+    lengths = trace_lengths(rows)
+    span = rows[-1].arrival_s
+    slos = {"ttft": ns.ttft_slo_ms, "tpot": ns.tpot_slo_ms}
+    print(f"{len(rows)} requests, prompt median {statistics.median(p for p, _ in lengths):.0f}, output median "
+          f"{statistics.median(o for _, o in lengths):.0f}; cores {cores}; load {info['loadavg_start']}", flush=True)
+    result: dict = {"machine": info, "settings": {k: str(v) for k, v in vars(ns).items()}, "slos_ms": slos,
+                    "profile_meta": {k: profile.meta.get(k) for k in ("pdserve_commit", "date", "cpu", "threads")},
+                    "configs": {}}
+    t_all = time.monotonic()
+    for name in names:
+        cfg = sim_config(name, ns)
+        pts = []
+        with deployment(name, ns, cores) as dep:
+            limits = _limits(dep.target)
+            warm_up(dep, lengths, limits, ns.seed, ns.request_timeout)
+            for rate in rates:
+                factor = (len(rows) - 1) / (rate * span) if span > 0 else 0.0
+                arrivals = [r.arrival_s * factor for r in rows]
+                reqs = _requests(lengths, arrivals, limits, ns.seed, f"{name[:4]}-r{rate:g}")
+                real, duration = _run(dep.target, reqs, ns.request_timeout)
+                end = time.monotonic() + 10
+                while dep.router.num_in_flight and time.monotonic() < end:
+                    time.sleep(0.05)
+                time.sleep(0.5)
+                sreqs = [SimRequest(r.request_id, r.arrival_s, r.prompt_token_ids, r.max_tokens) for r in reqs]
+                simmed, sdur, pools = run_simulation(profile, cfg, sreqs)
+                rs, ss = _summary(real, duration), _summary(simmed, sdur)
+                p = {"rate": rate, "real": {m: rs[m] for m in METRICS}, "sim": {m: ss[m] for m in METRICS},
+                     "real_ok": rs["completed"], "sim_ok": ss["completed"],
+                     "real_attainment": slo_attainment(real, slos), "sim_attainment": slo_attainment(simmed, slos),
+                     "sim_utilisation": {k: v.utilisation(sdur) for k, v in pools.items()}}
+                p["error"] = {m: (p["sim"][m] - p["real"][m]) / p["real"][m] if p["real"][m] else None
+                              for m in METRICS}
+                pts.append(p)
+                print(f"  {name:13s} {rate:4g} req/s  " + "  ".join(
+                    f"{m} {p['real'][m]:7.1f}/{p['sim'][m]:7.1f} ({p['error'][m]:+.0%})" for m in METRICS)
+                    + f"  attain {p['real_attainment']:.0%}/{p['sim_attainment']:.0%}", flush=True)
+        mae = {m: statistics.median(abs(p["error"][m]) for p in pts if p["error"][m] is not None) for m in METRICS}
+        result["configs"][name] = {
+            "deployment": cfg.label(), "points": pts, "median_abs_error": mae,
+            "goodput_real": goodput_rate([(p["rate"], p["real_attainment"]) for p in pts], ns.goal),
+            "goodput_sim": goodput_rate([(p["rate"], p["sim_attainment"]) for p in pts], ns.goal)}
+        c = result["configs"][name]
+        print(f"{name}: median |error| " + ", ".join(f"{m} {v:.1%}" for m, v in mae.items())
+              + f"; goodput real {c['goodput_real']:g} vs sim {c['goodput_sim']:g} req/s", flush=True)
+    result["wall_s"] = time.monotonic() - t_all
+    info["loadavg_end"] = os.getloadavg()
+    ns.out.mkdir(parents=True, exist_ok=True)
+    (ns.out / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    (ns.out / "table.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+def markdown(result: dict) -> str:
+    lines = ["| config | rate (req/s) | p50 TTFT real / sim (ms) | p90 TTFT real / sim (ms) | mean TPOT real / sim (ms) "
+             "| p99 ITL real / sim (ms) | attainment real / sim |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, c in result["configs"].items():
+        for p in c["points"]:
+            cells = [f"{p['real'][m]:.0f} / {p['sim'][m]:.0f} ({p['error'][m]:+.0%})" if m != "mean_tpot_ms" else
+                     f"{p['real'][m]:.1f} / {p['sim'][m]:.1f} ({p['error'][m]:+.0%})" for m in METRICS]
+            lines.append(f"| {name} | {p['rate']:g} | " + " | ".join(cells)
+                         + f" | {p['real_attainment']:.0%} / {p['sim_attainment']:.0%} |")
+    lines += ["", "| config | median abs error p50 TTFT | p90 TTFT | mean TPOT | p99 ITL | goodput real / sim (req/s) |",
+              "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for name, c in result["configs"].items():
+        e = c["median_abs_error"]
+        lines.append(f"| {name} | {e['median_ttft_ms']:.1%} | {e['p90_ttft_ms']:.1%} | {e['mean_tpot_ms']:.1%} "
+                     f"| {e['p99_itl_ms']:.1%} | {c['goodput_real']:g} / {c['goodput_sim']:g} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
