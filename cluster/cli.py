@@ -1,4 +1,5 @@
-"""The ``pdserve`` command: ``up``/``controller``/``router`` serve, ``down`` cleans up, ``generate``, ``bench``.
+"""The ``pdserve`` command: ``up``/``controller``/``router`` serve, ``down`` cleans up, ``generate``, ``bench``,
+``profile``.
 
 The serving commands live in ``cluster.serve_cli`` (its docstring tells their
 lifecycles): ``up`` runs a whole cluster in one process; ``controller`` and
@@ -11,7 +12,8 @@ teardown of a ``pdserve controller`` deployment).
 
 ``pdserve generate PROMPT`` is a thin client of the public API (streams text
 deltas to stdout); ``pdserve bench ...`` hands its arguments to
-``loadtest.cli.main``.
+``loadtest.cli.main``; ``pdserve profile ...`` (measure this machine's step, KV
+link and router costs into ``profile.json``) to ``simulator.profile.main``.
 """
 from __future__ import annotations
 
@@ -118,11 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``pdserve`` argument parser (``bench`` is parsed by loadtest)."""
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{up,controller,router,down,generate,bench,simulate,plan}")
+                                metavar="{up,controller,router,down,generate,bench,profile,simulate,plan}")
     add_serve_commands(sub)
     _add_down(sub)
     _add_generate(sub)
     sub.add_parser("bench", help="load-test a running cluster (see `pdserve bench --help`)", add_help=False)
+    sub.add_parser("profile", help="measure this machine's step, KV link and router costs into profile.json "
+                                   "(see `pdserve profile --help`)", add_help=False)
     sub.add_parser("simulate", help="simulate a deployment on a profile (see `pdserve simulate --help`)",
                    add_help=False)
     sub.add_parser("plan", help="size a deployment for a workload and SLOs (see `pdserve plan --help`)",
@@ -184,6 +188,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from loadtest.cli import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "profile":
+        from simulator.profile import main as profile_main
+
+        return profile_main(argv[1:])
     if argv and argv[0] == "simulate":
         from simulator.cli import main as simulate_main
 

@@ -1,0 +1,762 @@
+"""``pdserve profile``: measure what a serving simulation needs on this machine and write ``profile.json``.
+
+Lifecycle: ``main(argv)`` checks its flags (exit 2, ``error: ...`` naming the flag, nothing written),
+then measures, in this order, each part but the first optional:
+
+1. **Engine steps**: one ``LLMEngine`` for the given model and numerics runs real requests (random
+   token ids, greedy, ``ignore_eos``); every ``engine.step()`` is timed, and its features are read by
+   a wrapper around ``scheduler.schedule`` through ``simulator.costs.step_features`` (the one pricing
+   the simulator uses too). The grid: pure decode at batch sizes 1..64 at a short, a medium and a long
+   context; one prompt of n tokens for n on a geometric grid up to ``--max-num-batched-tokens``, fresh
+   and after a cached prefix (prefix caching turns a second prompt sharing a prefix into a chunk with
+   context c > 0); and mixed steps (a prompt chunk plus B decoding sequences). Each point runs once to
+   warm up, then ``--reps`` times; its median is kept. ``fit_step_model`` fits the ``StepModel`` to the
+   points by non-negative least squares on relative residuals (``nnls``). The steps that filled the
+   decode batches are kept as ``fill`` samples, out of the fit: a check on steps the fit never saw.
+2. **KV link** (``--skip-link``): this model's paged KV (its layers, heads, row width and cache dtype)
+   sent through kvtransfer's own ``KVEndpoint`` over gloo to a second process on loopback, 64 KB to
+   64 MB; ``fit_link`` fits ``LinkModel(latency_s, bytes_per_s)``. NCCL needs two GPUs: not measured
+   here, and meta.notes says so.
+3. **Router** (``--skip-router``): a colocated worker and a ``RouterServer`` on loopback gRPC in this
+   process; TTFT of short prompts minus the engine's own prefill step gives ``router_per_request_s``,
+   the mean token gap of one greedy stream minus the engine's own one-sequence decode step gives
+   ``router_per_token_s`` (both clamped at 0; the raw numbers stay in meta.router).
+
+Then it writes ``--out`` through a temporary file and a rename (never half a profile) and prints a
+summary. Every measured sample, the fit's errors and where it ran (commit, torch, CPU and its flags,
+device, date, command line, wall time) go to ``meta``.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import random
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from simulator.costs import LinkModel, Profile, StepFeatures, StepModel, step_features
+
+MIB = 1 << 20
+RELEVANT_CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                      "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "sve")
+LINK_SIZES = (64 << 10, 256 << 10, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB)
+LINK_SIZES_QUICK = (64 << 10, 1 * MIB, 16 * MIB)
+ROUTER_PROMPT_TOKENS = 16
+
+
+# -- fitting ---------------------------------------------------------------------------------------
+
+def nnls(A: Any, b: Any, max_iter: Optional[int] = None) -> np.ndarray:
+    """min ||A x - b|| subject to x >= 0 (Lawson and Hanson's active set method), columns scaled to
+    unit norm first so coefficients of very different sizes (seconds per step, per attention pair)
+    are solved on one footing."""
+    A = np.asarray(A, dtype=float)
+    b = np.asarray(b, dtype=float)
+    m, n = A.shape
+    norms = np.linalg.norm(A, axis=0)
+    norms[norms == 0] = 1.0
+    As = A / norms
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    tol = 10 * np.finfo(float).eps * max(m, n) * max(1.0, float(np.abs(As).sum(axis=0).max()))
+    max_iter = max_iter or 3 * n + 30
+    it = 0
+    w = As.T @ (b - As @ x)
+    while not passive.all() and (w[~passive] > tol).any() and it < max_iter:
+        passive[int(np.argmax(np.where(passive, -np.inf, w)))] = True
+        while it < max_iter:
+            it += 1
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(As[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            # step from x towards z as far as feasibility allows; the variables that hit 0 leave the set
+            neg = passive & (z <= 0)
+            den = x[neg] - z[neg]
+            alpha = float(np.min(np.where(den > 0, x[neg] / np.where(den > 0, den, 1.0), 0.0)))
+            x = x + alpha * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+        w = As.T @ (b - As @ x)
+    return np.maximum(x, 0.0) / norms
+
+
+def choose_knots(token_counts: Sequence[float], ratio: float = 1.5) -> list[int]:
+    """A geometric subset of the measured token counts: each kept count at least ``ratio`` times the
+    one before, the smallest and the largest always kept (each knot then has samples on it)."""
+    ts = sorted({int(t) for t in token_counts if t >= 1})
+    if len(ts) < 2:
+        raise ValueError(f"the step model needs steps of at least 2 distinct token counts, got {ts}")
+    kept = [ts[0]]
+    for t in ts[1:]:
+        if t >= kept[-1] * ratio:
+            kept.append(t)
+    if kept[-1] != ts[-1]:
+        if len(kept) > 1 and ts[-1] < kept[-1] * ratio:
+            kept[-1] = ts[-1]
+        else:
+            kept.append(ts[-1])
+    return kept
+
+
+def _row(f: StepFeatures, knots: Sequence[int]) -> list[float]:
+    """The step model's seconds as a linear function of (knot_s..., per_sampled_row_s, per_prefill_pair_s,
+    per_decode_ctx_s): lin(T) is a combination of hat functions over the knots, extended past the ends
+    with the end segments' slopes, exactly as ``StepModel.lin`` reads it."""
+    row = [0.0] * (len(knots) + 3)
+    i = min(max(bisect.bisect_right(knots, f.tokens), 1), len(knots) - 1)
+    w = (f.tokens - knots[i - 1]) / (knots[i] - knots[i - 1])
+    row[i - 1], row[i] = 1.0 - w, w
+    row[-3:] = [float(f.sampled), float(f.prefill_pairs), float(f.decode_ctx)]
+    return row
+
+
+def fit_step_model(samples: Sequence[tuple[StepFeatures, float]], knots: Optional[Sequence[int]] = None) -> StepModel:
+    """Least-squares ``StepModel`` over (features, seconds) samples, every coefficient >= 0, residuals
+    relative (each row divided by its measured seconds, so a 1 ms decode counts as much as a 1 s prefill)."""
+    samples = [(f, s) for f, s in samples if f.tokens >= 1 and s > 0]
+    knots = list(knots) if knots is not None else choose_knots([f.tokens for f, _ in samples])
+    A = np.array([_row(f, knots) for f, _ in samples]) / np.array([[s] for _, s in samples])
+    x = nnls(A, np.ones(len(samples)))
+    return StepModel(knots=[int(k) for k in knots], knot_s=[float(v) for v in x[:len(knots)]],
+                     per_sampled_row_s=float(x[-3]), per_prefill_pair_s=float(x[-2]), per_decode_ctx_s=float(x[-1]))
+
+
+def fit_link(nbytes: Sequence[float], seconds: Sequence[float]) -> LinkModel:
+    """seconds = latency_s + bytes / bytes_per_s by least squares on relative residuals, both terms >= 0."""
+    A = np.array([[1.0, float(b)] for b in nbytes]) / np.array([[s] for s in seconds])
+    lat, inv_bw = nnls(A, np.ones(len(seconds)))
+    if not inv_bw > 0:
+        raise RuntimeError(f"KV link: the transfer times do not grow with size ({list(zip(nbytes, seconds))})")
+    return LinkModel(latency_s=float(lat), bytes_per_s=float(1.0 / inv_bw))
+
+
+def fit_errors(model: StepModel, samples: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """Median and max |predicted / measured - 1| per sample kind, and over all fitted kinds ("all")."""
+    by: dict[str, list[float]] = {}
+    for s in samples:
+        f = StepFeatures(s["tokens"], s["sampled"], s["prefill_pairs"], s["decode_ctx"])
+        err = abs(model.seconds(f) / s["seconds"] - 1.0)
+        by.setdefault(s["kind"], []).append(err)
+        if s["kind"] != "fill":
+            by.setdefault("all", []).append(err)
+    return {k: {"n": len(v), "median_rel_err": statistics.median(v), "max_rel_err": max(v)} for k, v in by.items()}
+
+
+# -- engine steps ----------------------------------------------------------------------------------
+
+class StepProbe:
+    """Drives one engine: adds requests, times steps, reads each step's features as it is scheduled."""
+
+    def __init__(self, engine: Any, cuda: bool, seed: int) -> None:
+        import torch
+
+        from engine.sampling_params import SamplingParams
+
+        self.engine = engine
+        self._params = SamplingParams
+        self._sync = torch.cuda.synchronize if cuda else (lambda: None)
+        self._rng = random.Random(seed)
+        self._ids = iter(range(1 << 62))
+        self._features: Optional[StepFeatures] = None
+        self._ctx = 0
+        self.fill: list[dict] = []
+        real = engine.scheduler.schedule
+
+        def schedule():  # read BEFORE the step advances the sequences (costs.step_features' contract)
+            out = real()
+            self._features = None if out.is_empty else step_features(out)
+            self._ctx = max((s.num_computed for s, _ in out.prefills), default=0)
+            return out
+
+        engine.scheduler.schedule = schedule
+
+    def tokens(self, n: int) -> list[int]:
+        v = self.engine.model_config.vocab_size
+        return [self._rng.randrange(v) for _ in range(n)]
+
+    def add(self, prompt: list[int], max_tokens: int) -> str:
+        rid = f"p{next(self._ids)}"
+        self.engine.add_request(rid, prompt, self._params(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
+        return rid
+
+    def step(self) -> tuple[Optional[StepFeatures], float, int]:
+        """One timed ``engine.step()``: (its features, seconds, the context of its prompt chunk)."""
+        self._features = None
+        self._sync()
+        t0 = time.perf_counter()
+        self.engine.step()
+        self._sync()
+        return self._features, time.perf_counter() - t0, self._ctx
+
+    def running(self) -> list:
+        return list(self.engine.scheduler.running)
+
+    def all_decoding(self) -> bool:
+        sch = self.engine.scheduler
+        return not sch.waiting and all(s.num_tokens - s.num_computed == 1 for s in sch.running)
+
+    def fill_until_decoding(self) -> None:
+        """Step until every running sequence decodes; those steps are kept as ``fill`` samples."""
+        while not self.all_decoding():
+            f, dt, ctx = self.step()
+            if f is not None:
+                self.fill.append(_sample("fill", [(f, dt)], ctx=ctx))
+
+    def drain(self) -> None:
+        for s in self.running() + list(self.engine.scheduler.waiting):
+            self.engine.abort_request(s.request_id)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+
+def _sample(kind: str, reps: list[tuple[StepFeatures, float]], **extra: Any) -> dict:
+    """One grid point: the median seconds of its repetitions and their mean features."""
+    fs = [f for f, _ in reps]
+    return {"kind": kind, "tokens": fs[0].tokens, "sampled": fs[0].sampled,
+            "prefill_pairs": statistics.fmean(f.prefill_pairs for f in fs),
+            "decode_ctx": round(statistics.fmean(f.decode_ctx for f in fs)),
+            "seconds": statistics.median(dt for _, dt in reps), "reps_s": [dt for _, dt in reps], **extra}
+
+
+def _pow2_grid(lo: int, hi: int, factor: int) -> list[int]:
+    out, n = [], lo
+    while n < hi:
+        out.append(n)
+        n *= factor
+    return out + [hi] if hi >= lo else out
+
+
+def measure_engine(probe: StepProbe, cfg: Any, quick: bool, reps: int, router_stream: int) -> tuple[list[dict], dict]:
+    """The grid (module docstring, part 1). Returns (samples, reference timings for the router part)."""
+    eng = probe.engine
+    L, M, bs = eng.max_model_len, cfg.max_num_batched_tokens, eng.block_size
+    kv_tokens = eng.num_total_blocks * bs
+    samples: list[dict] = []
+
+    def point(kind: str, once: Callable[[], tuple[Optional[StepFeatures], float, int]], **extra: Any) -> None:
+        got = []
+        for i in range(reps + 1):  # the first run warms this shape up and is dropped
+            f, dt, ctx = once()
+            if f is not None and i:
+                got.append((f, dt))
+        if got:
+            samples.append(_sample(kind, got, ctx=ctx, **extra))
+
+    def prefill_once(prefix: list[int], n: int) -> Callable[[], tuple[Optional[StepFeatures], float, int]]:
+        def once():
+            if prefix:  # (re)names the prefix in the cache; a cheap one-chunk step when it still is
+                probe.add(prefix + probe.tokens(1), 1)
+                while eng.has_unfinished_requests():
+                    eng.step()
+            probe.add(prefix + probe.tokens(n), 1)
+            out = probe.step()
+            while eng.has_unfinished_requests():
+                eng.step()
+            return out
+        return once
+
+    def batch_once(k: int, n: int) -> Callable[[], tuple[Optional[StepFeatures], float, int]]:
+        def once():
+            for _ in range(k):
+                probe.add(probe.tokens(n), 1)
+            out = probe.step()
+            while eng.has_unfinished_requests():
+                eng.step()
+            return out
+        return once
+
+    # warm-up: the allocator, oneDNN's primitives and the kernels see a prompt and a small batch once
+    for _ in range(2):
+        probe.add(probe.tokens(min(M, L - 1, 256)), 8)
+        probe.add(probe.tokens(16), 8)
+        while eng.has_unfinished_requests():
+            eng.step()
+
+    # pure prefill, fresh and after a cached prefix
+    top = min(M, L - 2)
+    ns = _pow2_grid(4 if quick else 2, top, 4 if quick else 2)
+    for n in ns:
+        point("prefill", prefill_once([], n), n=n)
+    # several prompts in one step: lin(T) at large T without the attention of one long prompt (which the
+    # pair term alone would otherwise have to tell apart from it)
+    for T in ns:
+        k = min(cfg.max_num_seqs, T // 16)
+        if k >= 2:
+            point("prefill_batch", batch_once(k, T // k), n=T // k, prompts=k)
+    hit_ctx = sorted({c for c in ((L // 4,) if quick else (L // 4, L // 2)) if c >= bs})
+    for c in hit_ctx:
+        c -= c % bs
+        prefix = probe.tokens(c)
+        for n in ns:
+            if c + n <= L - 2:
+                point("prefill_hit", prefill_once(prefix, n), n=n)
+
+    # pure decode (and mixed steps on the medium context), batch sizes largest first
+    margin = 64 + 8 * (reps + 1) * 4  # tokens a sequence may still grow by while its level is measured
+    levels = [min(64, L // 8), min(256 if quick else L // 4, L - 2 * margin)]
+    if not quick:
+        levels.append(min(3 * L // 4, L - 2 * margin))
+    levels = sorted({c for c in levels if c >= 2})
+    mixed_ns = [n for n in ((64,) if quick else (16, 128, 512)) if n < M]
+    for li, c in enumerate(levels):
+        per_seq = -(-(c + margin) // bs) * bs
+        cap = min(cfg.max_num_seqs, kv_tokens // per_seq, 16 if quick else 64)
+        Bs = [b for b in ((1, 4, 16) if quick else (1, 2, 4, 8, 16, 32, 64)) if b <= cap]
+        if cap not in Bs and cap >= 1 and cap == cfg.max_num_seqs:
+            Bs.append(cap)
+        if not Bs:
+            continue
+        for _ in range(Bs[-1]):
+            probe.add(probe.tokens(c - 1), max(2, L - c - 1))
+        probe.fill_until_decoding()
+        for B in reversed(Bs):
+            for s in probe.running()[B:]:
+                eng.abort_request(s.request_id)
+            point("decode", probe.step, batch=B)
+            if li == 1 and B in ((4,) if quick else (4, 32)):
+                for n in mixed_ns:
+                    if n + B > M:
+                        continue
+
+                    def mixed(n=n):
+                        rid = probe.add(probe.tokens(n), 2)
+                        out = probe.step()
+                        eng.abort_request(rid)
+                        return out
+                    point("mixed", mixed, batch=B, n=n)
+        probe.drain()
+
+    ref: dict = {}
+    if router_stream:  # the engine's own time for what the router part sends: a short prompt, one stream
+        p = ROUTER_PROMPT_TOKENS
+        firsts = []
+        for _ in range(reps + 3):
+            probe.add(probe.tokens(p), 1)
+            firsts.append(probe.step()[1])
+            probe.drain()
+        probe.add(probe.tokens(p), router_stream)
+        probe.step()
+        gaps = []
+        while eng.has_unfinished_requests():
+            gaps.append(probe.step()[1])
+        ref = {"prompt_tokens": p, "engine_prefill_s": statistics.median(firsts[1:]),
+               "stream_tokens": router_stream, "engine_decode_s": statistics.fmean(gaps[1:] or gaps)}
+    return samples, ref
+
+
+# -- KV link ---------------------------------------------------------------------------------------
+
+def _link_cache(geom: tuple, num_blocks: int, fill: bool) -> list:
+    import torch
+
+    layers, bs, heads, width, dtype_name = geom
+    dtype = getattr(torch, dtype_name)
+    shape = (num_blocks, bs, heads, width)
+    if fill:
+        mk = (lambda: torch.randint(-100, 100, shape, dtype=dtype)) if dtype == torch.int8 else (
+            lambda: torch.randn(shape).to(dtype))
+    else:
+        mk = lambda: torch.zeros(shape, dtype=dtype)  # noqa: E731
+    return [(mk(), mk()) for _ in range(layers)]
+
+
+def _link_receiver(conn: Any, store_port: int, geom: tuple, num_blocks: int, threads: int) -> None:
+    """The second process: posts one receive per command and reports its end state."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from kvtransfer import KVEndpoint
+
+    ep = KVEndpoint("profile-d", f"tcp://127.0.0.1:{store_port}", timeout_s=120.0, host="127.0.0.1")
+    cache = _link_cache(geom, num_blocks, fill=False)
+    conn.send("up")
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "stop":
+            break
+        _, rid, tokens = cmd
+        h = ep.recv("profile-p", rid, cache, list(range(-(-tokens // geom[1]))), tokens)
+        conn.send("ready")
+        ep.wait(h, 120)
+        conn.send(ep.poll(h).value)
+    ep.shutdown()
+
+
+def measure_link(geom: tuple, kv_bytes_per_token: int, sizes: Sequence[int], reps: int, threads: int) -> list[dict]:
+    """Seconds from ``send()`` to DONE (the receiver's acknowledgement) for each size, median of ``reps``."""
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    from kvtransfer import KVEndpoint, TransferState
+
+    bs = geom[1]
+    token_counts = [max(1, round(s / kv_bytes_per_token)) for s in sizes]
+    num_blocks = -(-max(token_counts) // bs)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=_link_receiver, args=(child_conn, store.port, geom, num_blocks, threads), daemon=True)
+    proc.start()
+    out = []
+    ep = None
+    try:
+        if not conn.poll(120) or conn.recv() != "up":
+            raise RuntimeError("KV link: the receiving process did not start")
+        ep = KVEndpoint("profile-p", store, timeout_s=120.0, host="127.0.0.1")
+        cache = _link_cache(geom, num_blocks, fill=True)
+        seq = iter(range(1 << 30))
+
+        def once(tokens: int) -> tuple[float, int]:
+            rid = f"link-{next(seq)}"
+            conn.send(("recv", rid, tokens))
+            if conn.recv() != "ready":
+                raise RuntimeError("KV link: the receiver did not post its receive")
+            t0 = time.perf_counter()
+            h = ep.send("profile-d", rid, cache, list(range(-(-tokens // bs))), tokens, layers_ready=True)
+            state = ep.wait(h, 120)
+            dt = time.perf_counter() - t0
+            if state != TransferState.DONE or conn.recv() != "done":
+                raise RuntimeError(f"KV link: transfer {rid} failed: {ep.failure(h)}")
+            return dt, ep.stats(h).num_bytes
+
+        once(token_counts[0])  # the pair group's rendezvous and first connection
+        for tokens in token_counts:
+            ts = [once(tokens) for _ in range(reps + 1)][1:]
+            out.append({"tokens": tokens, "bytes": ts[0][1], "seconds": statistics.median(t for t, _ in ts),
+                        "reps_s": [t for t, _ in ts]})
+        conn.send(("stop",))
+    finally:
+        if ep is not None:
+            ep.shutdown()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return out
+
+
+# -- router ----------------------------------------------------------------------------------------
+
+def measure_router(cfg: Any, model: str, ref: dict, quick: bool, seed: int) -> dict:
+    """TTFT and token gaps through a real router and colocated worker on loopback (module docstring, 3)."""
+    import grpc
+
+    from decode_worker import ColocatedWorker, ColocatedWorkerConfig
+    from proto import pdserve_pb2, pdserve_pb2_grpc
+    from router import RouterConfig, RouterServer, StaticWorkerSource
+
+    rng = random.Random(seed + 1)
+    worker = ColocatedWorker(ColocatedWorkerConfig("profile-c0", engine=cfg, serve_metrics=False)).start()
+    router = None
+    try:
+        router = RouterServer(RouterConfig(model=model, mode="colocated", serve_metrics=False),
+                              StaticWorkerSource([worker.info])).start()
+        vocab = worker.engine.model_config.vocab_size
+        with grpc.insecure_channel(router.address) as ch:
+            stub = pdserve_pb2_grpc.PDServeStub(ch)
+
+            def run(max_tokens: int) -> list[tuple[float, int]]:
+                req = pdserve_pb2.GenerateRequest(token_ids=[rng.randrange(vocab) for _ in range(ref["prompt_tokens"])],
+                                                  max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                t0 = time.perf_counter()
+                got = [(time.perf_counter() - t0, len(r.token_ids)) for r in stub.Generate(req, timeout=120)]
+                return [(t, k) for t, k in got if k]
+
+            for _ in range(3):  # connections, threads and the worker's first steps
+                run(4)
+            ttfts = [run(1)[0][0] for _ in range(8 if quick else 20)]
+            gaps = []
+            for _ in range(2 if quick else 3):
+                got = run(ref["stream_tokens"])
+                n_after = sum(k for _, k in got[1:])
+                if n_after:
+                    gaps.append((got[-1][0] - got[0][0]) / n_after)
+    finally:
+        if router is not None:
+            router.stop()
+        worker.stop()
+    ttft, gap = statistics.median(ttfts), statistics.median(gaps)
+    return {**ref, "ttft_s": ttft, "ttft_samples_s": ttfts, "token_gap_s": gap, "token_gap_samples_s": gaps,
+            "per_request_raw_s": ttft - ref["engine_prefill_s"], "per_token_raw_s": gap - ref["engine_decode_s"]}
+
+
+# -- where it ran ----------------------------------------------------------------------------------
+
+def _git_commit() -> str:
+    try:
+        r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parents[1],
+                           capture_output=True, text=True, timeout=10)
+        return r.stdout.strip() if r.returncode == 0 and r.stdout.strip() else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _cpu() -> tuple[str, list[str]]:
+    name, flags = platform.processor() or platform.machine(), []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, val = line.partition(":")
+            if key.strip() == "model name" and name in ("", platform.processor() or platform.machine()):
+                name = val.strip()
+            elif key.strip() in ("flags", "Features") and not flags:
+                flags = val.split()
+    except OSError:
+        pass
+    return name, [f for f in RELEVANT_CPU_FLAGS if f in flags]
+
+
+# -- command line ----------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve profile",
+                                description="Measure this machine's engine steps, KV link and router costs for one "
+                                            "model configuration and write a profile for `pdserve simulate`.")
+    p.add_argument("--model", default="tiny", help="built-in model (tiny, bench) or a Hugging Face model directory")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    p.add_argument("--quantization", default="none", help="none | int8 | int4 | w8a8 | w4a8 (default none)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | int8 (default auto)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the engine, as each worker gets in a deployment (default 1; nothing pinned)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="the engine's step budget: the largest prompt chunk measured (default 2048)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="the engine's largest batch (default 64)")
+    p.add_argument("--max-model-len", type=int, default=None, help="the engine's context length (default: the model's)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=256 * MIB,
+                   help="KV cache budget when --num-kv-blocks is not given (default 256 MiB)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory-bytes)")
+    p.add_argument("--reps", type=int, default=None, help="measured repetitions per point (default 5; 2 with --quick)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
+    p.add_argument("--skip-link", action="store_true", help="do not measure the KV link (the profile has no links)")
+    p.add_argument("--skip-router", action="store_true", help="do not measure the router (its costs stay 0)")
+    p.add_argument("--quick", action="store_true", help="a coarse grid in a few seconds (tests, smoke checks)")
+    p.add_argument("--out", default="profile.json", help="where to write the profile (default profile.json)")
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for anything that would fail later; nothing is measured or written yet."""
+    from engine.builtin import BUILTIN_NAMES
+    from engine.config import parse_dtype
+    from engine.quant import KV_CACHE_DTYPES, QUANTIZATIONS
+
+    if args.model not in BUILTIN_NAMES and not (Path(args.model) / "config.json").is_file():
+        raise ValueError(f"--model: {args.model!r} is neither a built-in model ({', '.join(BUILTIN_NAMES)}) nor a "
+                         "Hugging Face model directory (with config.json)")
+    try:
+        args.dtype = str(parse_dtype(args.dtype)).removeprefix("torch.")
+    except ValueError as e:
+        raise ValueError(f"--dtype: {e}") from None
+    if args.quantization not in ("none", *QUANTIZATIONS):
+        raise ValueError(f"--quantization must be none or one of {', '.join(QUANTIZATIONS)}, got {args.quantization!r}")
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {args.kv_cache_dtype!r}")
+    if args.device not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {args.device!r}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: torch sees no CUDA device here")
+    for flag, lo in (("threads", 1), ("max_num_batched_tokens", 2), ("max_num_seqs", 1), ("max_model_len", 3),
+                     ("block_size", 1), ("kv_cache_memory_bytes", 1), ("num_kv_blocks", 1), ("reps", 1)):
+        v = getattr(args, flag)
+        if v is not None and v < lo:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= {lo}, got {v}")
+    out = Path(args.out)
+    if out.is_dir():
+        raise ValueError(f"--out {args.out!r} is a directory")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {args.out!r}: {str(parent)!r} is not a writable directory")
+
+
+def _write_atomic(path: Path, data: dict) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=1)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
+    """Measure and fit (the module docstring); returns the profile, writes nothing."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.kv_cache import bytes_per_block, row_width
+    from engine.llm_engine import LLMEngine
+    from simulator import PDSERVE_VERSION
+
+    t_start = time.perf_counter()
+    reps = args.reps or (2 if args.quick else 5)
+    quant = None if args.quantization == "none" else args.quantization
+    cfg = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                       num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=args.max_model_len, seed=args.seed, num_threads=args.threads,
+                       quantization=quant, kv_cache_dtype=args.kv_cache_dtype)
+    notes: list[str] = []
+    try:
+        engine = LLMEngine(cfg)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"the engine did not start: {e}") from None
+    mc, cache_dtype = engine.model_config, cfg.cache_dtype
+    kvbpt = bytes_per_block(mc, cfg.block_size, cache_dtype) // cfg.block_size
+    elem = torch.empty((), dtype=cache_dtype).element_size()
+    width = row_width(mc, cache_dtype)
+    derivation = (f"2 (K,V) x {mc.num_hidden_layers} layers x {mc.num_key_value_heads} KV heads x {width} "
+                  f"{'(head_dim + 4 bytes of float32 scale per row) ' if cache_dtype == torch.int8 else ''}"
+                  f"x {elem} B ({str(cache_dtype).removeprefix('torch.')}) = {kvbpt} B")
+    engine_info = {"max_model_len": engine.max_model_len, "num_kv_blocks": engine.num_total_blocks,
+                   "block_size": engine.block_size}
+    do_router = not args.skip_router
+    stream = (32 if args.quick else 128) if do_router else 0
+    probe = StepProbe(engine, args.device == "cuda", args.seed)
+    t0 = time.perf_counter()
+    samples, ref = measure_engine(probe, cfg, args.quick, reps, stream)
+    fill = probe.fill
+    engine_s = time.perf_counter() - t0
+    if engine.num_preemptions:
+        notes.append(f"{engine.num_preemptions} preemption(s) while measuring steps: the KV cache is tight for the "
+                     "grid (give more --kv-cache-memory-bytes)")
+    del probe, engine
+    gc.collect()
+
+    fit_samples = [s for s in samples if s["kind"] != "fill"]
+    knots = choose_knots([s["tokens"] for s in fit_samples if s["kind"] in ("decode", "prefill", "prefill_batch")])
+    step = fit_step_model([(StepFeatures(s["tokens"], s["sampled"], s["prefill_pairs"], s["decode_ctx"]), s["seconds"])
+                           for s in fit_samples], knots)
+    errors = fit_errors(step, fit_samples + fill)
+
+    links: dict[str, LinkModel] = {}
+    link_samples: list[dict] = []
+    link_s = 0.0
+    if not args.skip_link:
+        t0 = time.perf_counter()
+        geom = (mc.num_hidden_layers, cfg.block_size, mc.num_key_value_heads, width,
+                str(cache_dtype).removeprefix("torch."))
+        link_samples = measure_link(geom, kvbpt, LINK_SIZES_QUICK if args.quick else LINK_SIZES, reps, args.threads)
+        links["gloo"] = fit_link([s["bytes"] for s in link_samples], [s["seconds"] for s in link_samples])
+        for s in link_samples:
+            s["predicted_s"] = links["gloo"].seconds(s["bytes"])
+        link_s = time.perf_counter() - t0
+    if args.device == "cuda" and (torch.cuda.device_count() < 2 or args.skip_link):
+        notes.append(f"nccl not measured: NCCL needs two GPUs, this machine has {torch.cuda.device_count()}"
+                     if not args.skip_link else "links not measured (--skip-link)")
+    elif args.skip_link:
+        notes.append("links not measured (--skip-link)")
+    elif args.device == "cuda":
+        notes.append("nccl not measured: pdserve profile measures the gloo link only")
+
+    router: dict = {}
+    router_s = 0.0
+    if do_router:
+        t0 = time.perf_counter()
+        try:
+            router = measure_router(cfg, args.model, ref, args.quick, args.seed)
+        except Exception as e:
+            if args.device != "cuda":
+                raise
+            notes.append(f"router not measured on cuda: {type(e).__name__}: {e}")
+        router_s = time.perf_counter() - t0
+    else:
+        notes.append("router not measured (--skip-router): its costs are 0")
+    notes.append("router costs: token-id prompts of 16 tokens (no tokenizing), colocated worker, loopback gRPC")
+
+    cpu_name, cpu_flags = _cpu()
+    meta = {
+        "pdserve_version": PDSERVE_VERSION, "pdserve_commit": _git_commit(), "torch_version": torch.__version__,
+        "python_version": platform.python_version(), "cpu_model": cpu_name, "cpu_flags": cpu_flags,
+        "cpu_count": os.cpu_count(), "threads": args.threads,
+        "device_name": torch.cuda.get_device_name() if args.device == "cuda" else cpu_name,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["pdserve", "profile", *argv]),
+        "wall_s": round(time.perf_counter() - t_start, 3),
+        "phase_s": {"engine": round(engine_s, 3), "link": round(link_s, 3), "router": round(router_s, 3)},
+        "kv_bytes_per_token_derivation": derivation,
+        "engine": {**engine_info, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                   "max_num_seqs": cfg.max_num_seqs, "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes,
+                   "cpu_gemm": cfg.cpu_gemm, "reps": reps, "quick": args.quick},
+        "fit": {"method": "non-negative least squares (Lawson-Hanson) on relative residuals", "errors": errors},
+        "notes": notes, "samples": samples + fill, "link_samples": link_samples, "router": router,
+    }
+    return Profile(model=args.model, dtype=args.dtype, quantization=quant, kv_cache_dtype=args.kv_cache_dtype,
+                   device=args.device, threads=args.threads, block_size=cfg.block_size,
+                   num_layers=mc.num_hidden_layers, kv_bytes_per_token=kvbpt, max_model_len=engine_info["max_model_len"],
+                   step=step, links=links, router_per_request_s=max(0.0, router.get("per_request_raw_s", 0.0)),
+                   router_per_token_s=max(0.0, router.get("per_token_raw_s", 0.0)), meta=meta)
+
+
+def summary(p: Profile, out: str) -> str:
+    s, m = p.step, p.meta
+    lines = [f"pdserve profile: {p.model} {p.dtype} quantization={p.quantization} kv={p.kv_cache_dtype} on {p.device} "
+             f"({m['device_name']}, {p.threads} thread(s)) in {m['wall_s']:.1f} s -> {out}",
+             "  step lin(T): " + ", ".join(f"T={k}: {v * 1e3:.3f} ms" for k, v in zip(s.knots, s.knot_s)),
+             f"  per sampled row {s.per_sampled_row_s * 1e6:.2f} us, per prefill pair {s.per_prefill_pair_s * 1e9:.3f} ns, "
+             f"per decode ctx token {s.per_decode_ctx_s * 1e9:.2f} ns",
+             "  fit |pred/meas - 1|: " + ", ".join(f"{k} median {v['median_rel_err']:.1%} max {v['max_rel_err']:.1%} "
+                                                     f"(n={v['n']})" for k, v in m["fit"]["errors"].items())]
+    for name, link in p.links.items():
+        lines.append(f"  KV link {name}: latency {link.latency_s * 1e3:.3f} ms, {link.bytes_per_s / (1 << 30):.2f} GiB/s "
+                     f"({p.kv_bytes_per_token} B/token)")
+    r = m.get("router") or {}
+    if r:
+        lines.append(f"  router: per request {p.router_per_request_s * 1e3:.3f} ms (TTFT {r['ttft_s'] * 1e3:.2f} - engine "
+                     f"{r['engine_prefill_s'] * 1e3:.2f}), per token {p.router_per_token_s * 1e6:.1f} us (gap "
+                     f"{r['token_gap_s'] * 1e3:.3f} - engine {r['engine_decode_s'] * 1e3:.3f} ms)")
+    lines += [f"  note: {n}" for n in m["notes"]]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``pdserve profile ...``: 0 when the profile is written, 2 for bad input (nothing written), 1 if a part failed."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or argparse's own usage error (it names the flag)
+        return int(e.code or 0)
+    try:
+        _check(args)
+        prof = profile(args, argv)
+    except ValueError as e:
+        print(f"pdserve profile: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # a part that could not run here: say which and why, write nothing
+        print(f"pdserve profile: failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    Profile.from_dict(json.loads(json.dumps(prof.to_dict())), where="the new profile")  # what load_profile reads
+    try:
+        _write_atomic(Path(args.out), prof.to_dict())
+    except OSError as e:
+        print(f"pdserve profile: error: --out {args.out!r}: {e}", file=sys.stderr)
+        return 2
+    print(summary(prof, args.out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

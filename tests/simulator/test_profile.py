@@ -1,0 +1,178 @@
+"""``pdserve profile`` (simulator/profile.py): the fit against hand-written models, one real quick profile of
+``tiny`` read back through ``load_profile``, and bad input refused with nothing written."""
+from __future__ import annotations
+
+import random
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from simulator import PDSERVE_VERSION
+from simulator.costs import StepFeatures, StepModel, load_profile
+from simulator.profile import _row, fit_link, fit_step_model, main, nnls
+
+# a hand-written step model: what a CPU engine's steps roughly look like, in round numbers
+TRUE = StepModel(knots=[1, 4, 16, 64, 256, 1024], knot_s=[1e-3, 1.2e-3, 2e-3, 5e-3, 15e-3, 55e-3],
+                 per_sampled_row_s=2e-5, per_prefill_pair_s=3e-8, per_decode_ctx_s=2.5e-7)
+
+
+def _grid() -> list[StepFeatures]:
+    """Decode, prefill (fresh and after a cached prefix) and mixed steps, as the profiler measures them."""
+    fs = []
+    for b in (1, 2, 4, 8, 16, 32, 64):
+        for ctx in (64, 512, 1536):
+            fs.append(StepFeatures(tokens=b, sampled=b, decode_ctx=b * ctx))
+    for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
+        for c in (0, 256, 1024):
+            fs.append(StepFeatures(tokens=n, sampled=1, prefill_pairs=n * (c + (n + 1) / 2)))
+    for k, n in ((4, 16), (16, 16), (64, 16)):
+        fs.append(StepFeatures(tokens=k * n, sampled=k, prefill_pairs=k * n * (n + 1) / 2))
+    for b, n in ((4, 64), (16, 256)):
+        fs.append(StepFeatures(tokens=b + n, sampled=b + 1, prefill_pairs=n * (n + 1) / 2, decode_ctx=b * 512))
+    return fs
+
+
+def test_nnls_small_case_by_hand():
+    # min (x1 - 2)^2 + (x2 + 1)^2 + (x1 + x2 - 1)^2 with x >= 0: x2 = 0 (it wants -1), then x1 = 1.5
+    x = nnls([[1, 0], [0, 1], [1, 1]], [2, -1, 1])
+    assert x == pytest.approx([1.5, 0.0], abs=1e-12)
+    # an interior optimum is the plain least-squares solution
+    assert nnls([[1, 0], [0, 2], [1, 1]], [1, 4, 3]) == pytest.approx([1.0, 2.0], abs=1e-9)
+
+
+def test_fit_recovers_a_known_step_model():
+    fs = _grid()
+    got = fit_step_model([(f, TRUE.seconds(f)) for f in fs], TRUE.knots)
+    assert got.knot_s == pytest.approx(TRUE.knot_s, rel=1e-6)
+    assert got.per_sampled_row_s == pytest.approx(TRUE.per_sampled_row_s, rel=1e-6)
+    assert got.per_prefill_pair_s == pytest.approx(TRUE.per_prefill_pair_s, rel=1e-6)
+    assert got.per_decode_ctx_s == pytest.approx(TRUE.per_decode_ctx_s, rel=1e-6)
+
+    # with 3% multiplicative noise the coefficients still come back within a few percent
+    rng = random.Random(7)
+    noisy = fit_step_model([(f, TRUE.seconds(f) * (1 + rng.uniform(-0.03, 0.03))) for f in fs], TRUE.knots)
+    assert noisy.knot_s == pytest.approx(TRUE.knot_s, rel=0.05)
+    assert noisy.per_prefill_pair_s == pytest.approx(TRUE.per_prefill_pair_s, rel=0.05)
+    assert noisy.per_decode_ctx_s == pytest.approx(TRUE.per_decode_ctx_s, rel=0.05)
+
+
+def test_fit_keeps_coefficients_non_negative():
+    # steps that get FASTER with decode context: unconstrained least squares would price a context token
+    # below zero; the fit must hold it at 0 and still fit the rest
+    fs = _grid()
+    base = StepModel(TRUE.knots, TRUE.knot_s, TRUE.per_sampled_row_s, TRUE.per_prefill_pair_s, 0.0)
+    secs = [base.seconds(f) - 4e-8 * f.decode_ctx for f in fs]
+    assert min(secs) > 0
+    A = np.array([_row(f, TRUE.knots) for f in fs]) / np.array(secs)[:, None]
+    assert np.linalg.lstsq(A, np.ones(len(fs)), rcond=None)[0][-1] < 0  # the data does push it below 0
+    got = fit_step_model(list(zip(fs, secs)), TRUE.knots)
+    assert got.per_decode_ctx_s == 0.0
+    assert min(got.knot_s) >= 0 and got.per_sampled_row_s >= 0 and got.per_prefill_pair_s >= 0
+    # and it is the constrained optimum (Karush-Kuhn-Tucker): along each coefficient above 0 the squared error
+    # is flat, along each one held at 0 it grows (the gradient pushes below 0)
+    x = np.array([*got.knot_s, got.per_sampled_row_s, got.per_prefill_pair_s, got.per_decode_ctx_s])
+    grad = A.T @ (1 - A @ x) / np.linalg.norm(A, axis=0)  # per unit-norm column: comparable across coefficients
+    assert (np.abs(grad[x > 0]) < 1e-8).all()
+    assert (grad[x == 0] < 1e-8).all() and grad[-1] < -1e-3
+
+
+def test_fit_link_recovers_latency_and_bandwidth():
+    sizes = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
+    link = fit_link(sizes, [2e-4 + b / 3e9 for b in sizes])
+    assert link.latency_s == pytest.approx(2e-4, rel=1e-6)
+    assert link.bytes_per_s == pytest.approx(3e9, rel=1e-6)
+
+
+def _git_head() -> str:
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+
+
+def test_quick_profile_of_tiny(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["--model", "tiny", "--quick", "--out", str(out)]) == 0
+    assert "KV link gloo" in capsys.readouterr().out
+    prof = load_profile(out)  # schema, fields and the version check
+    assert (prof.model, prof.dtype, prof.quantization, prof.kv_cache_dtype, prof.device) == (
+        "tiny", "float32", None, "auto", "cpu")
+    # tiny: 4 layers, 2 KV heads of 64 float32 values, K and V
+    assert prof.kv_bytes_per_token == 2 * 4 * 2 * 64 * 4
+    assert (prof.num_layers, prof.block_size, prof.max_model_len, prof.threads) == (4, 16, 2048, 1)
+    assert prof.meta["pdserve_version"] == PDSERVE_VERSION
+    assert prof.meta["pdserve_commit"] == _git_head() and len(prof.meta["pdserve_commit"]) == 40
+    assert prof.meta["command"].startswith("pdserve profile --model tiny --quick")
+    # the step model predicts its own decode and prefill samples: median relative error within 25%
+    by_kind: dict[str, list[float]] = {}
+    for s in prof.meta["samples"]:
+        f = StepFeatures(s["tokens"], s["sampled"], s["prefill_pairs"], s["decode_ctx"])
+        by_kind.setdefault(s["kind"], []).append(abs(prof.step.seconds(f) / s["seconds"] - 1))
+    assert {"decode", "prefill", "prefill_hit", "prefill_batch", "mixed"} <= set(by_kind)
+    for kind in ("decode", "prefill"):
+        assert len(by_kind[kind]) >= 3
+        assert float(np.median(by_kind[kind])) < 0.25, (kind, by_kind[kind])
+    decodes = [s for s in prof.meta["samples"] if s["kind"] == "decode"]
+    assert {s["batch"] for s in decodes} >= {1, 4, 16}
+    assert any(s["kind"] == "prefill_hit" and s["ctx"] > 0 for s in prof.meta["samples"])
+    # a real gloo link: positive bandwidth, and a bigger payload takes longer
+    gloo = prof.link("gloo")
+    assert gloo.bytes_per_s > 0 and gloo.latency_s >= 0
+    link = prof.meta["link_samples"]
+    assert link[-1]["bytes"] > link[0]["bytes"] and link[-1]["seconds"] > link[0]["seconds"]
+    # router costs measured, clamped at 0, raw numbers kept
+    r = prof.meta["router"]
+    assert r["ttft_s"] > 0 and r["token_gap_s"] > 0
+    assert prof.router_per_request_s == max(0.0, r["per_request_raw_s"])
+    assert prof.router_per_token_s == max(0.0, r["per_token_raw_s"])
+    assert not list(tmp_path.glob(".*tmp"))  # no temp file left beside it
+
+
+def test_int8_kv_cache_bytes_include_the_row_scales(tmp_path):
+    out = tmp_path / "p.json"
+    assert main(["--model", "tiny", "--quick", "--kv-cache-dtype", "int8", "--skip-link", "--skip-router",
+                 "--reps", "1", "--out", str(out)]) == 0
+    prof = load_profile(out)
+    # each cached (token, head) row: 64 int8 values + a 4-byte float32 scale
+    assert prof.kv_bytes_per_token == 2 * 4 * 2 * (64 + 4)
+    assert prof.kv_cache_dtype == "int8" and prof.links == {} and prof.router_per_request_s == 0.0
+    assert any("--skip-link" in n for n in prof.meta["notes"])
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--model", "no-such-model"], "--model"),
+    (["--dtype", "float8"], "--dtype"),
+    (["--quantization", "int3"], "--quantization"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
+    (["--device", "tpu"], "--device"),
+    (["--threads", "0"], "--threads"),
+    (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+    (["--kv-cache-memory-bytes", "-5"], "--kv-cache-memory-bytes"),
+    (["--num-kv-blocks", "0"], "--num-kv-blocks"),
+    (["--threads", "two"], "--threads"),
+])
+def test_bad_input_exits_2_naming_the_flag(tmp_path, capsys, args, flag):
+    out = tmp_path / "profile.json"
+    out.write_text("old")
+    assert main([*args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and flag in err
+    assert out.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["profile.json"]
+
+
+def test_unwritable_out_exits_2(tmp_path, capsys):
+    for out in (tmp_path / "missing-dir" / "p.json", tmp_path):
+        assert main(["--model", "tiny", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert "error:" in err and "--out" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pdserve_cli_hands_profile_its_argv(tmp_path, capsys):
+    from cluster.cli import main as pdserve_main
+
+    assert pdserve_main(["profile", "--model", "no-such-model", "--out", str(tmp_path / "p.json")]) == 2
+    assert "pdserve profile: error: --model" in capsys.readouterr().err
+    assert pdserve_main(["profile", "--help"]) == 0
+    assert "--skip-router" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
