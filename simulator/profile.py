@@ -417,7 +417,11 @@ def measure_link(geom: tuple, kv_bytes_per_token: int, sizes: Sequence[int], rep
     out = []
     ep = None
     try:
-        if not conn.poll(120) or conn.recv() != "up":
+        deadline = time.monotonic() + 120
+        while not conn.poll(0.05):
+            if not proc.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"KV link: the receiving process did not start (exit code {proc.exitcode})")
+        if conn.recv() != "up":
             raise RuntimeError("KV link: the receiving process did not start")
         ep = KVEndpoint("profile-p", store, timeout_s=120.0, host="127.0.0.1")
         cache = _link_cache(geom, num_blocks, fill=True)

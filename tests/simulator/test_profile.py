@@ -112,6 +112,12 @@ def test_quick_profile_of_tiny(tmp_path, capsys):
     for kind in ("decode", "prefill"):
         assert len(by_kind[kind]) >= 3
         assert float(np.median(by_kind[kind])) < 0.25, (kind, by_kind[kind])
+    # and the attention of a long prompt is priced: the longest fresh prompt too (a fit that forgets the pair
+    # term misses it by a third on this grid)
+    longest = max((s for s in prof.meta["samples"] if s["kind"] == "prefill"), key=lambda s: s["tokens"])
+    assert longest["tokens"] >= 1024 and prof.step.per_prefill_pair_s > 0
+    f = StepFeatures(longest["tokens"], longest["sampled"], longest["prefill_pairs"], longest["decode_ctx"])
+    assert prof.step.seconds(f) == pytest.approx(longest["seconds"], rel=0.15)
     decodes = [s for s in prof.meta["samples"] if s["kind"] == "decode"]
     assert {s["batch"] for s in decodes} >= {1, 4, 16}
     assert any(s["kind"] == "prefill_hit" and s["ctx"] > 0 for s in prof.meta["samples"])
