@@ -485,9 +485,9 @@ def measure_router(cfg: Any, model: str, ref: dict, quick: bool, seed: int) -> d
 
             for _ in range(3):  # connections, threads and the worker's first steps
                 run(4)
-            ttfts = [run(1)[0][0] for _ in range(8 if quick else 20)]
+            ttfts = [run(1)[0][0] for _ in range(8 if quick else 30)]
             gaps = []
-            for _ in range(2 if quick else 3):
+            for _ in range(2 if quick else 5):
                 got = run(ref["stream_tokens"])
                 n_after = sum(k for _, k in got[1:])
                 if n_after:
