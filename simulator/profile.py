@@ -114,15 +114,24 @@ def choose_knots(token_counts: Sequence[float], ratio: float = 1.5) -> list[int]
     return kept
 
 
+_TERMS = (("sampled", "per_sampled_row_s"), ("prefill_pairs", "per_prefill_pair_s"),
+          ("decode_ctx", "per_decode_ctx_s"), ("prefill_ctx", "per_prefill_ctx_s"))
+"""(StepFeatures field, StepModel coefficient) of each linear term besides lin(T)."""
+
+
+def _features(s: dict) -> StepFeatures:
+    return StepFeatures(s["tokens"], s["sampled"], s["prefill_pairs"], s["decode_ctx"], s.get("prefill_ctx", 0))
+
+
 def _row(f: StepFeatures, knots: Sequence[int]) -> list[float]:
-    """The step model's seconds as a linear function of (knot_s..., per_sampled_row_s, per_prefill_pair_s,
-    per_decode_ctx_s): lin(T) is a combination of hat functions over the knots, extended past the ends
-    with the end segments' slopes, exactly as ``StepModel.lin`` reads it."""
-    row = [0.0] * (len(knots) + 3)
+    """The step model's seconds as a linear function of (knot_s..., then the ``_TERMS`` coefficients): lin(T)
+    is a combination of hat functions over the knots, extended past the ends with the end segments' slopes,
+    exactly as ``StepModel.lin`` reads it."""
+    row = [0.0] * (len(knots) + len(_TERMS))
     i = min(max(bisect.bisect_right(knots, f.tokens), 1), len(knots) - 1)
     w = (f.tokens - knots[i - 1]) / (knots[i] - knots[i - 1])
     row[i - 1], row[i] = 1.0 - w, w
-    row[-3:] = [float(f.sampled), float(f.prefill_pairs), float(f.decode_ctx)]
+    row[len(knots):] = [float(getattr(f, feature)) for feature, _ in _TERMS]
     return row
 
 
@@ -134,7 +143,7 @@ def fit_step_model(samples: Sequence[tuple[StepFeatures, float]], knots: Optiona
     A = np.array([_row(f, knots) for f, _ in samples]) / np.array([[s] for _, s in samples])
     x = nnls(A, np.ones(len(samples)))
     return StepModel(knots=[int(k) for k in knots], knot_s=[float(v) for v in x[:len(knots)]],
-                     per_sampled_row_s=float(x[-3]), per_prefill_pair_s=float(x[-2]), per_decode_ctx_s=float(x[-1]))
+                     **{coef: float(v) for (_, coef), v in zip(_TERMS, x[len(knots):])})
 
 
 def fit_link(nbytes: Sequence[float], seconds: Sequence[float]) -> LinkModel:
@@ -150,8 +159,7 @@ def fit_errors(model: StepModel, samples: Sequence[dict]) -> dict[str, dict[str,
     """Median and max |predicted / measured - 1| per sample kind, and over all fitted kinds ("all")."""
     by: dict[str, list[float]] = {}
     for s in samples:
-        f = StepFeatures(s["tokens"], s["sampled"], s["prefill_pairs"], s["decode_ctx"])
-        err = abs(model.seconds(f) / s["seconds"] - 1.0)
+        err = abs(model.seconds(_features(s)) / s["seconds"] - 1.0)
         by.setdefault(s["kind"], []).append(err)
         if s["kind"] != "fill":
             by.setdefault("all", []).append(err)
@@ -231,6 +239,7 @@ def _sample(kind: str, reps: list[tuple[StepFeatures, float]], **extra: Any) -> 
     return {"kind": kind, "tokens": fs[0].tokens, "sampled": fs[0].sampled,
             "prefill_pairs": statistics.fmean(f.prefill_pairs for f in fs),
             "decode_ctx": round(statistics.fmean(f.decode_ctx for f in fs)),
+            "prefill_ctx": round(statistics.fmean(f.prefill_ctx for f in fs)),
             "seconds": statistics.median(dt for _, dt in reps), "reps_s": [dt for _, dt in reps], **extra}
 
 
@@ -651,8 +660,7 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
 
     fit_samples = [s for s in samples if s["kind"] != "fill"]
     knots = choose_knots([s["tokens"] for s in fit_samples if s["kind"] in ("decode", "prefill", "prefill_batch")])
-    step = fit_step_model([(StepFeatures(s["tokens"], s["sampled"], s["prefill_pairs"], s["decode_ctx"]), s["seconds"])
-                           for s in fit_samples], knots)
+    step = fit_step_model([(_features(s), s["seconds"]) for s in fit_samples], knots)
     errors = fit_errors(step, fit_samples + fill)
 
     links: dict[str, LinkModel] = {}
@@ -720,7 +728,7 @@ def summary(p: Profile, out: str) -> str:
              f"({m['device_name']}, {p.threads} thread(s)) in {m['wall_s']:.1f} s -> {out}",
              "  step lin(T): " + ", ".join(f"T={k}: {v * 1e3:.3f} ms" for k, v in zip(s.knots, s.knot_s)),
              f"  per sampled row {s.per_sampled_row_s * 1e6:.2f} us, per prefill pair {s.per_prefill_pair_s * 1e9:.3f} ns, "
-             f"per decode ctx token {s.per_decode_ctx_s * 1e9:.2f} ns",
+             f"per decode ctx token {s.per_decode_ctx_s * 1e9:.2f} ns, per prefill ctx key {s.per_prefill_ctx_s * 1e9:.1f} ns",
              "  fit |pred/meas - 1|: " + ", ".join(f"{k} median {v['median_rel_err']:.1%} max {v['max_rel_err']:.1%} "
                                                      f"(n={v['n']})" for k, v in m["fit"]["errors"].items())]
     for name, link in p.links.items():

@@ -15,7 +15,7 @@ from simulator.profile import _row, fit_link, fit_step_model, main, nnls
 
 # a hand-written step model: what a CPU engine's steps roughly look like, in round numbers
 TRUE = StepModel(knots=[1, 4, 16, 64, 256, 1024], knot_s=[1e-3, 1.2e-3, 2e-3, 5e-3, 15e-3, 55e-3],
-                 per_sampled_row_s=2e-5, per_prefill_pair_s=3e-8, per_decode_ctx_s=2.5e-7)
+                 per_sampled_row_s=2e-5, per_prefill_pair_s=3e-8, per_decode_ctx_s=2.5e-7, per_prefill_ctx_s=1e-6)
 
 
 def _grid() -> list[StepFeatures]:
@@ -26,11 +26,12 @@ def _grid() -> list[StepFeatures]:
             fs.append(StepFeatures(tokens=b, sampled=b, decode_ctx=b * ctx))
     for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
         for c in (0, 256, 1024):
-            fs.append(StepFeatures(tokens=n, sampled=1, prefill_pairs=n * (c + (n + 1) / 2)))
+            fs.append(StepFeatures(tokens=n, sampled=1, prefill_pairs=n * (c + (n + 1) / 2), prefill_ctx=c + n))
     for k, n in ((4, 16), (16, 16), (64, 16)):
-        fs.append(StepFeatures(tokens=k * n, sampled=k, prefill_pairs=k * n * (n + 1) / 2))
+        fs.append(StepFeatures(tokens=k * n, sampled=k, prefill_pairs=k * n * (n + 1) / 2, prefill_ctx=k * n))
     for b, n in ((4, 64), (16, 256)):
-        fs.append(StepFeatures(tokens=b + n, sampled=b + 1, prefill_pairs=n * (n + 1) / 2, decode_ctx=b * 512))
+        fs.append(StepFeatures(tokens=b + n, sampled=b + 1, prefill_pairs=n * (n + 1) / 2, decode_ctx=b * 512,
+                               prefill_ctx=n))
     return fs
 
 
@@ -49,6 +50,7 @@ def test_fit_recovers_a_known_step_model():
     assert got.per_sampled_row_s == pytest.approx(TRUE.per_sampled_row_s, rel=1e-6)
     assert got.per_prefill_pair_s == pytest.approx(TRUE.per_prefill_pair_s, rel=1e-6)
     assert got.per_decode_ctx_s == pytest.approx(TRUE.per_decode_ctx_s, rel=1e-6)
+    assert got.per_prefill_ctx_s == pytest.approx(TRUE.per_prefill_ctx_s, rel=1e-6)
 
     # with 3% multiplicative noise the coefficients still come back within a few percent
     rng = random.Random(7)
@@ -56,26 +58,29 @@ def test_fit_recovers_a_known_step_model():
     assert noisy.knot_s == pytest.approx(TRUE.knot_s, rel=0.05)
     assert noisy.per_prefill_pair_s == pytest.approx(TRUE.per_prefill_pair_s, rel=0.05)
     assert noisy.per_decode_ctx_s == pytest.approx(TRUE.per_decode_ctx_s, rel=0.05)
+    assert noisy.per_prefill_ctx_s == pytest.approx(TRUE.per_prefill_ctx_s, rel=0.1)
 
 
 def test_fit_keeps_coefficients_non_negative():
     # steps that get FASTER with decode context: unconstrained least squares would price a context token
     # below zero; the fit must hold it at 0 and still fit the rest
     fs = _grid()
-    base = StepModel(TRUE.knots, TRUE.knot_s, TRUE.per_sampled_row_s, TRUE.per_prefill_pair_s, 0.0)
+    base = StepModel(TRUE.knots, TRUE.knot_s, TRUE.per_sampled_row_s, TRUE.per_prefill_pair_s, 0.0,
+                     TRUE.per_prefill_ctx_s)
     secs = [base.seconds(f) - 4e-8 * f.decode_ctx for f in fs]
     assert min(secs) > 0
     A = np.array([_row(f, TRUE.knots) for f in fs]) / np.array(secs)[:, None]
-    assert np.linalg.lstsq(A, np.ones(len(fs)), rcond=None)[0][-1] < 0  # the data does push it below 0
+    assert np.linalg.lstsq(A, np.ones(len(fs)), rcond=None)[0][-2] < 0  # the data does push it below 0
     got = fit_step_model(list(zip(fs, secs)), TRUE.knots)
     assert got.per_decode_ctx_s == 0.0
-    assert min(got.knot_s) >= 0 and got.per_sampled_row_s >= 0 and got.per_prefill_pair_s >= 0
+    assert min(got.knot_s) >= 0 and min(got.per_sampled_row_s, got.per_prefill_pair_s, got.per_prefill_ctx_s) >= 0
     # and it is the constrained optimum (Karush-Kuhn-Tucker): along each coefficient above 0 the squared error
     # is flat, along each one held at 0 it grows (the gradient pushes below 0)
-    x = np.array([*got.knot_s, got.per_sampled_row_s, got.per_prefill_pair_s, got.per_decode_ctx_s])
+    x = np.array([*got.knot_s, got.per_sampled_row_s, got.per_prefill_pair_s, got.per_decode_ctx_s,
+                  got.per_prefill_ctx_s])
     grad = A.T @ (1 - A @ x) / np.linalg.norm(A, axis=0)  # per unit-norm column: comparable across coefficients
     assert (np.abs(grad[x > 0]) < 1e-8).all()
-    assert (grad[x == 0] < 1e-8).all() and grad[-1] < -1e-3
+    assert (grad[x == 0] < 1e-8).all() and grad[-2] < -1e-3
 
 
 def test_fit_link_recovers_latency_and_bandwidth():
@@ -106,7 +111,7 @@ def test_quick_profile_of_tiny(tmp_path, capsys):
     # the step model predicts its own decode and prefill samples: median relative error within 25%
     by_kind: dict[str, list[float]] = {}
     for s in prof.meta["samples"]:
-        f = StepFeatures(s["tokens"], s["sampled"], s["prefill_pairs"], s["decode_ctx"])
+        f = StepFeatures(s["tokens"], s["sampled"], s["prefill_pairs"], s["decode_ctx"], s["prefill_ctx"])
         by_kind.setdefault(s["kind"], []).append(abs(prof.step.seconds(f) / s["seconds"] - 1))
     assert {"decode", "prefill", "prefill_hit", "prefill_batch", "mixed"} <= set(by_kind)
     for kind in ("decode", "prefill"):
@@ -116,11 +121,13 @@ def test_quick_profile_of_tiny(tmp_path, capsys):
     # term misses it by a third on this grid)
     longest = max((s for s in prof.meta["samples"] if s["kind"] == "prefill"), key=lambda s: s["tokens"])
     assert longest["tokens"] >= 1024 and prof.step.per_prefill_pair_s > 0
-    f = StepFeatures(longest["tokens"], longest["sampled"], longest["prefill_pairs"], longest["decode_ctx"])
+    f = StepFeatures(longest["tokens"], longest["sampled"], longest["prefill_pairs"], longest["decode_ctx"],
+                     longest["prefill_ctx"])
     assert prof.step.seconds(f) == pytest.approx(longest["seconds"], rel=0.15)
     decodes = [s for s in prof.meta["samples"] if s["kind"] == "decode"]
     assert {s["batch"] for s in decodes} >= {1, 4, 16}
-    assert any(s["kind"] == "prefill_hit" and s["ctx"] > 0 for s in prof.meta["samples"])
+    hits = [s for s in prof.meta["samples"] if s["kind"] == "prefill_hit"]
+    assert hits and all(s["ctx"] > 0 and s["prefill_ctx"] == s["ctx"] + s["n"] for s in hits)
     # a real gloo link: positive bandwidth, and a bigger payload takes longer
     gloo = prof.link("gloo")
     assert gloo.bytes_per_s > 0 and gloo.latency_s >= 0
