@@ -9,7 +9,8 @@ then measures, in this order, each part but the first optional:
    the simulator uses too). The grid: pure decode at batch sizes 1..64 at a short, a medium and a long
    context; one prompt of n tokens for n on a geometric grid up to ``--max-num-batched-tokens``, fresh
    and after a cached prefix (prefix caching turns a second prompt sharing a prefix into a chunk with
-   context c > 0); and mixed steps (a prompt chunk plus B decoding sequences). Each point runs once to
+   context c > 0); k prompts of T / k tokens in one step (lin(T) at large T apart from one long prompt's
+   attention); and mixed steps (a prompt chunk plus B decoding sequences). Each point runs once to
    warm up, then ``--reps`` times; its median is kept. ``fit_step_model`` fits the ``StepModel`` to the
    points by non-negative least squares on relative residuals (``nnls``). The steps that filled the
    decode batches are kept as ``fill`` samples, out of the fit: a check on steps the fit never saw.
@@ -696,7 +697,10 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
         router_s = time.perf_counter() - t0
     else:
         notes.append("router not measured (--skip-router): its costs are 0")
-    notes.append("router costs: token-id prompts of 16 tokens (no tokenizing), colocated worker, loopback gRPC")
+    if router:
+        notes.append(f"router costs: prompts of {ROUTER_PROMPT_TOKENS} token ids (no tokenizing) through a colocated "
+                     "worker on loopback gRPC, router, worker and client in this one process (one GIL; a deployment "
+                     "runs them apart, so these are upper bounds)")
 
     cpu_name, cpu_flags = _cpu()
     meta = {
