@@ -721,28 +721,32 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
     }
     return Profile(model=args.model, dtype=args.dtype, quantization=quant, kv_cache_dtype=args.kv_cache_dtype,
                    device=args.device, threads=args.threads, block_size=cfg.block_size,
-                   num_layers=mc.num_hidden_layers, kv_bytes_per_token=kvbpt, max_model_len=engine_info["max_model_len"],
+                   num_layers=mc.num_hidden_layers, kv_bytes_per_token=kvbpt,
+                   max_model_len=engine_info["max_model_len"],
                    step=step, links=links, router_per_request_s=max(0.0, router.get("per_request_raw_s", 0.0)),
                    router_per_token_s=max(0.0, router.get("per_token_raw_s", 0.0)), meta=meta)
 
 
 def summary(p: Profile, out: str) -> str:
+    """The few lines ``pdserve profile`` prints: fitted numbers, fit errors, link, router, wall time."""
     s, m = p.step, p.meta
-    lines = [f"pdserve profile: {p.model} {p.dtype} quantization={p.quantization} kv={p.kv_cache_dtype} on {p.device} "
-             f"({m['device_name']}, {p.threads} thread(s)) in {m['wall_s']:.1f} s -> {out}",
+    errors = ", ".join(f"{k} median {v['median_rel_err']:.1%} max {v['max_rel_err']:.1%} (n={v['n']})"
+                       for k, v in m["fit"]["errors"].items())
+    lines = [f"pdserve profile: {p.model} {p.dtype} quantization={p.quantization} kv={p.kv_cache_dtype} on "
+             f"{p.device} ({m['device_name']}, {p.threads} thread(s)) in {m['wall_s']:.1f} s -> {out}",
              "  step lin(T): " + ", ".join(f"T={k}: {v * 1e3:.3f} ms" for k, v in zip(s.knots, s.knot_s)),
-             f"  per sampled row {s.per_sampled_row_s * 1e6:.2f} us, per prefill pair {s.per_prefill_pair_s * 1e9:.3f} ns, "
-             f"per decode ctx token {s.per_decode_ctx_s * 1e9:.2f} ns, per prefill ctx key {s.per_prefill_ctx_s * 1e9:.1f} ns",
-             "  fit |pred/meas - 1|: " + ", ".join(f"{k} median {v['median_rel_err']:.1%} max {v['max_rel_err']:.1%} "
-                                                     f"(n={v['n']})" for k, v in m["fit"]["errors"].items())]
+             f"  per sampled row {s.per_sampled_row_s * 1e6:.2f} us, per prefill pair "
+             f"{s.per_prefill_pair_s * 1e9:.3f} ns, per decode ctx token {s.per_decode_ctx_s * 1e9:.2f} ns, "
+             f"per prefill ctx key {s.per_prefill_ctx_s * 1e9:.1f} ns",
+             f"  fit |pred/meas - 1|: {errors}"]
     for name, link in p.links.items():
-        lines.append(f"  KV link {name}: latency {link.latency_s * 1e3:.3f} ms, {link.bytes_per_s / (1 << 30):.2f} GiB/s "
-                     f"({p.kv_bytes_per_token} B/token)")
+        lines.append(f"  KV link {name}: latency {link.latency_s * 1e3:.3f} ms, "
+                     f"{link.bytes_per_s / (1 << 30):.2f} GiB/s ({p.kv_bytes_per_token} B/token)")
     r = m.get("router") or {}
     if r:
-        lines.append(f"  router: per request {p.router_per_request_s * 1e3:.3f} ms (TTFT {r['ttft_s'] * 1e3:.2f} - engine "
-                     f"{r['engine_prefill_s'] * 1e3:.2f}), per token {p.router_per_token_s * 1e6:.1f} us (gap "
-                     f"{r['token_gap_s'] * 1e3:.3f} - engine {r['engine_decode_s'] * 1e3:.3f} ms)")
+        lines.append(f"  router: per request {p.router_per_request_s * 1e3:.3f} ms (TTFT {r['ttft_s'] * 1e3:.2f} - "
+                     f"engine {r['engine_prefill_s'] * 1e3:.2f}), per token {p.router_per_token_s * 1e6:.1f} us "
+                     f"(gap {r['token_gap_s'] * 1e3:.3f} - engine {r['engine_decode_s'] * 1e3:.3f} ms)")
     lines += [f"  note: {n}" for n in m["notes"]]
     return "\n".join(lines)
 
