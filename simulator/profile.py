@@ -116,12 +116,14 @@ def choose_knots(token_counts: Sequence[float], ratio: float = 1.5) -> list[int]
 
 
 _TERMS = (("sampled", "per_sampled_row_s"), ("prefill_pairs", "per_prefill_pair_s"),
-          ("decode_ctx", "per_decode_ctx_s"), ("prefill_ctx", "per_prefill_ctx_s"))
+          ("decode_ctx", "per_decode_ctx_s"), ("prefill_ctx", "per_prefill_ctx_s"),
+          ("prefill_chunks", "per_prefill_chunk_s"))
 """(StepFeatures field, StepModel coefficient) of each linear term besides lin(T)."""
 
 
 def _features(s: dict) -> StepFeatures:
-    return StepFeatures(s["tokens"], s["sampled"], s["prefill_pairs"], s["decode_ctx"], s.get("prefill_ctx", 0))
+    return StepFeatures(s["tokens"], s["sampled"], s["prefill_pairs"], s["decode_ctx"], s.get("prefill_ctx", 0),
+                        s.get("prefill_chunks", 0))
 
 
 def _row(f: StepFeatures, knots: Sequence[int]) -> list[float]:
@@ -241,6 +243,7 @@ def _sample(kind: str, reps: list[tuple[StepFeatures, float]], **extra: Any) -> 
             "prefill_pairs": statistics.fmean(f.prefill_pairs for f in fs),
             "decode_ctx": round(statistics.fmean(f.decode_ctx for f in fs)),
             "prefill_ctx": round(statistics.fmean(f.prefill_ctx for f in fs)),
+            "prefill_chunks": round(statistics.fmean(f.prefill_chunks for f in fs)),
             "seconds": statistics.median(dt for _, dt in reps), "reps_s": [dt for _, dt in reps], **extra}
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from simulator import PDSERVE_VERSION
 from simulator.costs import StepFeatures, StepModel, load_profile
-from simulator.profile import _row, fit_link, fit_step_model, main, nnls
+from simulator.profile import _TERMS, _row, fit_link, fit_step_model, main, nnls
 
 # a hand-written step model: what a CPU engine's steps roughly look like, in round numbers
 TRUE = StepModel(knots=[1, 4, 16, 64, 256, 1024], knot_s=[1e-3, 1.2e-3, 2e-3, 5e-3, 15e-3, 55e-3],
@@ -61,6 +61,10 @@ def test_fit_recovers_a_known_step_model():
     assert noisy.per_prefill_ctx_s == pytest.approx(TRUE.per_prefill_ctx_s, rel=0.1)
 
 
+DC = len(TRUE.knots) + [name for _, name in _TERMS].index("per_decode_ctx_s")
+"""The decode-context coefficient's column in the fit's design matrix."""
+
+
 def test_fit_keeps_coefficients_non_negative():
     # steps that get FASTER with decode context: unconstrained least squares would price a context token
     # below zero; the fit must hold it at 0 and still fit the rest
@@ -70,7 +74,7 @@ def test_fit_keeps_coefficients_non_negative():
     secs = [base.seconds(f) - 4e-8 * f.decode_ctx for f in fs]
     assert min(secs) > 0
     A = np.array([_row(f, TRUE.knots) for f in fs]) / np.array(secs)[:, None]
-    assert np.linalg.lstsq(A, np.ones(len(fs)), rcond=None)[0][-2] < 0  # the data does push it below 0
+    assert np.linalg.lstsq(A, np.ones(len(fs)), rcond=None)[0][DC] < 0  # the data does push it below 0
     got = fit_step_model(list(zip(fs, secs)), TRUE.knots)
     assert got.per_decode_ctx_s == 0.0
     assert min(got.knot_s) >= 0 and min(got.per_sampled_row_s, got.per_prefill_pair_s, got.per_prefill_ctx_s) >= 0
@@ -80,7 +84,7 @@ def test_fit_keeps_coefficients_non_negative():
                   got.per_prefill_ctx_s])
     grad = A.T @ (1 - A @ x) / np.linalg.norm(A, axis=0)  # per unit-norm column: comparable across coefficients
     assert (np.abs(grad[x > 0]) < 1e-8).all()
-    assert (grad[x == 0] < 1e-8).all() and grad[-2] < -1e-3
+    assert (grad[x == 0] < 1e-8).all() and grad[DC] < -1e-3
 
 
 def test_fit_link_recovers_latency_and_bandwidth():
