@@ -80,8 +80,7 @@ def test_fit_keeps_coefficients_non_negative():
     assert min(got.knot_s) >= 0 and min(got.per_sampled_row_s, got.per_prefill_pair_s, got.per_prefill_ctx_s) >= 0
     # and it is the constrained optimum (Karush-Kuhn-Tucker): along each coefficient above 0 the squared error
     # is flat, along each one held at 0 it grows (the gradient pushes below 0)
-    x = np.array([*got.knot_s, got.per_sampled_row_s, got.per_prefill_pair_s, got.per_decode_ctx_s,
-                  got.per_prefill_ctx_s])
+    x = np.array([*got.knot_s, *(getattr(got, name) for _, name in _TERMS)])
     grad = A.T @ (1 - A @ x) / np.linalg.norm(A, axis=0)  # per unit-norm column: comparable across coefficients
     assert (np.abs(grad[x > 0]) < 1e-8).all()
     assert (grad[x == 0] < 1e-8).all() and grad[DC] < -1e-3
