@@ -54,6 +54,9 @@ class LocalRequests(choices.ChoiceRequestSet[_LocalReq]):
     def queued_prompt_tokens(self) -> int:
         return sum(r.prompt_len for r in self.records() if r.first_at is None)
 
+    def prefilled_prompt_tokens(self, req: _LocalReq) -> int:
+        return req.prompt_len if req.index == 0 else 0  # a sibling reuses choice 0's prompt
+
     # ---- RPC handler (gRPC threads) -------------------------------------------------
     def generate(self, request: worker_pb2.ColocatedRequest,
                  context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeChunk]:

@@ -55,6 +55,9 @@ class PrefillRequests(RequestSet[_PrefillReq]):
     def queued_prompt_tokens(self) -> int:
         return sum(len(r.prompt_token_ids) for r in self.records() if r.first_token_at is None)
 
+    def prefilled_prompt_tokens(self, req: _PrefillReq) -> int:
+        return len(req.prompt_token_ids)
+
     # ---- RPC handler (gRPC threads) -------------------------------------------------
     def prefill(self, request: worker_pb2.PrefillRequest,
                 context: grpc.ServicerContext) -> Iterator[worker_pb2.PrefillEvent]:

@@ -82,6 +82,10 @@ class RequestSet(Generic[R]):
         self.worker = worker
         self._reqs: dict[str, R] = {}
         self._groups: dict[str, set[str]] = {}  # n > 1: a request's id -> the ids of its choices still held
+        self.requests_total = 0
+        """Requests held so far that this worker prefills (``prefilled_prompt_tokens`` > 0): WorkerInfo's counter."""
+        self.prompt_tokens_total = 0
+        """Their prompt tokens."""
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -116,6 +120,10 @@ class RequestSet(Generic[R]):
         if req.request_id in self._reqs:
             raise ValueError(f"request {req.request_id} is already held")
         self._reqs[req.request_id] = req
+        n = self.prefilled_prompt_tokens(req)
+        if n > 0:
+            self.requests_total += 1
+            self.prompt_tokens_total += n
         if req.choices is not None:
             self._groups.setdefault(req.choices.root, set()).add(req.request_id)
 
@@ -167,4 +175,9 @@ class RequestSet(Generic[R]):
 
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens of held requests not yet prefilled (the router's load signal)."""
+        return 0
+
+    def prefilled_prompt_tokens(self, req: R) -> int:
+        """The prompt tokens this worker will prefill for ``req``, counted once when it is held (the SLA
+        planner's arrival counters); 0: not a new request here (KV prefilled elsewhere, a sibling choice)."""
         return 0

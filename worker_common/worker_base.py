@@ -61,6 +61,10 @@ class WorkerBase:
         # load snapshot refreshed by the loop thread, so info() never touches the engine
         self._load = worker_pb2.WorkerInfo()
         self._load_lock = threading.Lock()
+        self.output_tokens_total = 0
+        """Tokens the engine sampled for held requests (loop thread; WorkerInfo's counter)."""
+        self.requests_finished_total = 0
+        """Requests (choice 0) whose last token the engine sampled here (loop thread; WorkerInfo's counter)."""
 
     # ---- lifecycle ----------------------------------------------------------------
     @property
@@ -140,7 +144,10 @@ class WorkerBase:
             num_total_blocks=eng.num_total_blocks, num_free_blocks=eng.num_free_blocks,
             num_running=eng.num_running, num_waiting=eng.num_waiting,
             queued_prompt_tokens=self.queued_prompt_tokens(), block_size=eng.block_size,
-            kv_cache_dtype=eng.kv_cache_dtype)
+            kv_cache_dtype=eng.kv_cache_dtype,
+            requests_total=sum(rs.requests_total for rs in self.request_sets),
+            prompt_tokens_total=sum(rs.prompt_tokens_total for rs in self.request_sets),
+            output_tokens_total=self.output_tokens_total, requests_finished_total=self.requests_finished_total)
         with self._load_lock:
             self._load = info
         if self.metrics is not None:
@@ -265,6 +272,9 @@ class WorkerBase:
             for rs in self.request_sets:
                 req = rs.get(o.request_id)
                 if req is not None:
+                    self.output_tokens_total += len(o.new_token_ids)
+                    if o.finish_reason and o.finish_reason != "prefill_done" and req.index == 0:
+                        self.requests_finished_total += 1
                     rs.on_output(req, o, now)
                     break
 
