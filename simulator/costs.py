@@ -11,7 +11,7 @@ the simulator a profile with round numbers and check its latencies by hand.
 The step model (one engine step = one forward of a mixed batch, plus sampling):
 
     seconds = lin(T) + per_sampled_row_s * S + per_prefill_pair_s * PA + per_decode_ctx_s * DC
-              + per_prefill_ctx_s * PC + per_prefill_chunk_s * PN
+              + per_prefill_ctx_s * PC + per_prefill_chunk_s * PN + per_prefill_cached_pair_s * PX
 
 with T the step's tokens (prefill chunk tokens + one per decoding sequence), S the rows
 that sample, PA the prefill chunks' attention pairs (sum over chunks of n * (c + (n + 1) / 2)
@@ -20,7 +20,9 @@ context lengths summed and PC the keys the prefill chunks read (sum over chunks 
 the CPU prefill kernel gathers every key of a chunk's context once, whatever n, so a few new
 tokens after a long cached prefix cost far more than their pairs (``per_prefill_ctx_s`` is
 optional in profile.json, 0 when absent); PN the step's prefill chunks (each is its own attention call and
-metadata: about 0.6 ms a chunk on a GPU, where launches dominate; optional too). ``lin`` is piecewise linear over measured token counts (``knots``):
+metadata: about 1 ms a chunk on a GPU, where launches dominate; optional too) and PX the pairs between
+chunks and the context before them (n * c per chunk; on a GPU a later chunk attends through a gathered
+context and a mask, dearer than a fresh prompt's causal flash attention; optional). ``lin`` is piecewise linear over measured token counts (``knots``):
 the linear layers' cost is not linear in rows on a CPU (weight-bound at 1 row, compute-bound
 at hundreds), so a straight line would be wrong at both ends. Past the last knot it goes on
 with the last segment's slope.
@@ -52,6 +54,10 @@ class StepFeatures:
     """DC: sum of the decoding sequences' context lengths."""
     prefill_ctx: int = 0
     """PC: keys the prefill chunks' attention reads (c + n per chunk of n tokens after c)."""
+    prefill_cached_pairs: float = 0.0
+    """PX: of the prefill pairs, those between a chunk's tokens and the c keys before it (n * c per chunk): on a
+    GPU a later chunk attends through a gathered context and a materialised mask, dearer per pair than a fresh
+    prompt's causal flash attention."""
     prefill_chunks: int = 0
     """PN: prefill chunks in the step (each costs its own attention call and metadata: ~0.6 ms a chunk on a
     GPU, where kernel launches dominate small work)."""
@@ -70,6 +76,7 @@ class StepModel:
     per_decode_ctx_s: float = 0.0
     per_prefill_ctx_s: float = 0.0
     per_prefill_chunk_s: float = 0.0
+    per_prefill_cached_pair_s: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.knots) < 2 or len(self.knots) != len(self.knot_s):
@@ -77,7 +84,7 @@ class StepModel:
         if any(b <= a for a, b in zip(self.knots, self.knots[1:])) or self.knots[0] < 1:
             raise ValueError(f"step model: knots must increase from >= 1, got {self.knots}")
         for name in ("per_sampled_row_s", "per_prefill_pair_s", "per_decode_ctx_s", "per_prefill_ctx_s",
-                     "per_prefill_chunk_s"):
+                     "per_prefill_chunk_s", "per_prefill_cached_pair_s"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"step model: {name} must be a finite number >= 0, got {v!r}")
@@ -99,12 +106,14 @@ class StepModel:
             return 0.0
         return (self.lin(f.tokens) + self.per_sampled_row_s * f.sampled
                 + self.per_prefill_pair_s * f.prefill_pairs + self.per_decode_ctx_s * f.decode_ctx
-                + self.per_prefill_ctx_s * f.prefill_ctx + self.per_prefill_chunk_s * f.prefill_chunks)
+                + self.per_prefill_ctx_s * f.prefill_ctx + self.per_prefill_chunk_s * f.prefill_chunks
+                + self.per_prefill_cached_pair_s * f.prefill_cached_pairs)
 
     def to_dict(self) -> dict[str, Any]:
         return {"knots": list(self.knots), "knot_s": list(self.knot_s), "per_sampled_row_s": self.per_sampled_row_s,
                 "per_prefill_pair_s": self.per_prefill_pair_s, "per_decode_ctx_s": self.per_decode_ctx_s,
-                "per_prefill_ctx_s": self.per_prefill_ctx_s, "per_prefill_chunk_s": self.per_prefill_chunk_s}
+                "per_prefill_ctx_s": self.per_prefill_ctx_s, "per_prefill_chunk_s": self.per_prefill_chunk_s,
+                "per_prefill_cached_pair_s": self.per_prefill_cached_pair_s}
 
 
 @dataclass
@@ -231,6 +240,7 @@ def step_features(sched: Any) -> StepFeatures:
     pairs = 0.0
     ctx = 0
     keys = 0
+    cached = 0
     for seq in sched.decodes:
         ctx += seq.num_computed + 1
     for seq in sched.verifies:
@@ -241,7 +251,8 @@ def step_features(sched: Any) -> StepFeatures:
         c = seq.num_computed
         pairs += n * (c + (n + 1) / 2)
         keys += c + n
+        cached += n * c
         if c + n == seq.num_tokens:
             sampled += 1
     return StepFeatures(tokens=tokens, sampled=sampled, prefill_pairs=pairs, decode_ctx=ctx, prefill_ctx=keys,
-                        prefill_chunks=len(sched.prefills))
+                        prefill_chunks=len(sched.prefills), prefill_cached_pairs=cached)

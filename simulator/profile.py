@@ -117,13 +117,13 @@ def choose_knots(token_counts: Sequence[float], ratio: float = 1.5) -> list[int]
 
 _TERMS = (("sampled", "per_sampled_row_s"), ("prefill_pairs", "per_prefill_pair_s"),
           ("decode_ctx", "per_decode_ctx_s"), ("prefill_ctx", "per_prefill_ctx_s"),
-          ("prefill_chunks", "per_prefill_chunk_s"))
+          ("prefill_chunks", "per_prefill_chunk_s"), ("prefill_cached_pairs", "per_prefill_cached_pair_s"))
 """(StepFeatures field, StepModel coefficient) of each linear term besides lin(T)."""
 
 
 def _features(s: dict) -> StepFeatures:
     return StepFeatures(s["tokens"], s["sampled"], s["prefill_pairs"], s["decode_ctx"], s.get("prefill_ctx", 0),
-                        s.get("prefill_chunks", 0))
+                        s.get("prefill_chunks", 0), s.get("prefill_cached_pairs", 0.0))
 
 
 def _row(f: StepFeatures, knots: Sequence[int]) -> list[float]:
@@ -244,6 +244,7 @@ def _sample(kind: str, reps: list[tuple[StepFeatures, float]], **extra: Any) -> 
             "decode_ctx": round(statistics.fmean(f.decode_ctx for f in fs)),
             "prefill_ctx": round(statistics.fmean(f.prefill_ctx for f in fs)),
             "prefill_chunks": round(statistics.fmean(f.prefill_chunks for f in fs)),
+            "prefill_cached_pairs": statistics.fmean(f.prefill_cached_pairs for f in fs),
             "seconds": statistics.median(dt for _, dt in reps), "reps_s": [dt for _, dt in reps], **extra}
 
 
@@ -740,7 +741,8 @@ def summary(p: Profile, out: str) -> str:
              "  step lin(T): " + ", ".join(f"T={k}: {v * 1e3:.3f} ms" for k, v in zip(s.knots, s.knot_s)),
              f"  per sampled row {s.per_sampled_row_s * 1e6:.2f} us, per prefill pair "
              f"{s.per_prefill_pair_s * 1e9:.3f} ns, per decode ctx token {s.per_decode_ctx_s * 1e9:.2f} ns, "
-             f"per prefill ctx key {s.per_prefill_ctx_s * 1e9:.1f} ns",
+             f"per prefill ctx key {s.per_prefill_ctx_s * 1e9:.1f} ns, per prefill chunk "
+             f"{s.per_prefill_chunk_s * 1e6:.1f} us, per cached-context pair {s.per_prefill_cached_pair_s * 1e9:.3f} ns",
              f"  fit |pred/meas - 1|: {errors}"]
     for name, link in p.links.items():
         lines.append(f"  KV link {name}: latency {link.latency_s * 1e3:.3f} ms, "

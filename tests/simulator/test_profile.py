@@ -16,7 +16,7 @@ from simulator.profile import _TERMS, _row, fit_link, fit_step_model, main, nnls
 # a hand-written step model: what a CPU engine's steps roughly look like, in round numbers
 TRUE = StepModel(knots=[1, 4, 16, 64, 256, 1024], knot_s=[1e-3, 1.2e-3, 2e-3, 5e-3, 15e-3, 55e-3],
                  per_sampled_row_s=2e-5, per_prefill_pair_s=3e-8, per_decode_ctx_s=2.5e-7, per_prefill_ctx_s=1e-6,
-                 per_prefill_chunk_s=3e-4)
+                 per_prefill_chunk_s=3e-4, per_prefill_cached_pair_s=2e-8)
 
 
 def _grid() -> list[StepFeatures]:
@@ -28,7 +28,7 @@ def _grid() -> list[StepFeatures]:
     for n in (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024):
         for c in (0, 256, 1024):
             fs.append(StepFeatures(tokens=n, sampled=1, prefill_pairs=n * (c + (n + 1) / 2), prefill_ctx=c + n,
-                                   prefill_chunks=1))
+                                   prefill_chunks=1, prefill_cached_pairs=n * c))
     for k, n in ((4, 16), (16, 16), (64, 16)):
         fs.append(StepFeatures(tokens=k * n, sampled=k, prefill_pairs=k * n * (n + 1) / 2, prefill_ctx=k * n,
                                prefill_chunks=k))
@@ -55,6 +55,7 @@ def test_fit_recovers_a_known_step_model():
     assert got.per_decode_ctx_s == pytest.approx(TRUE.per_decode_ctx_s, rel=1e-6)
     assert got.per_prefill_ctx_s == pytest.approx(TRUE.per_prefill_ctx_s, rel=1e-6)
     assert got.per_prefill_chunk_s == pytest.approx(TRUE.per_prefill_chunk_s, rel=1e-6)
+    assert got.per_prefill_cached_pair_s == pytest.approx(TRUE.per_prefill_cached_pair_s, rel=1e-6)
 
     # with 3% multiplicative noise the coefficients still come back within a few percent
     rng = random.Random(7)
@@ -74,7 +75,7 @@ def test_fit_keeps_coefficients_non_negative():
     # below zero; the fit must hold it at 0 and still fit the rest
     fs = _grid()
     base = StepModel(TRUE.knots, TRUE.knot_s, TRUE.per_sampled_row_s, TRUE.per_prefill_pair_s, 0.0,
-                     TRUE.per_prefill_ctx_s, TRUE.per_prefill_chunk_s)
+                     TRUE.per_prefill_ctx_s, TRUE.per_prefill_chunk_s, TRUE.per_prefill_cached_pair_s)
     secs = [base.seconds(f) - 4e-8 * f.decode_ctx for f in fs]
     assert min(secs) > 0
     A = np.array([_row(f, TRUE.knots) for f in fs]) / np.array(secs)[:, None]
