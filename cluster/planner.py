@@ -2,7 +2,7 @@
 
 Lifecycle: ``Planner(cluster, PlannerConfig(...)).start()`` runs a daemon thread
 that every ``interval_s`` reads the live ``WorkerInfo`` records of each pool the
-cluster serves, asks ``decide`` for a step (+1, 0 or -1 workers) and applies it
+cluster serves, asks its policy for each pool's target size and applies it
 with ``Cluster.scale_pool`` (a removal drains the newest worker first). After a
 change a pool waits ``cooldown_s`` before the next one, so a new worker's load
 shows up in the registry before the planner judges again. ``stop()`` ends the
@@ -10,10 +10,18 @@ thread; the workers stay as they are. Given the cluster's ``Supervisor``, the
 planner counts a pool as the workers the supervisor last saw live and ready,
 and leaves replacing dead or stuck workers to it.
 
-Signals (why these): prefill is compute-bound, so its backlog is the queued
-prompt tokens per worker; decode (and colocated) is memory-bound, so it is the KV
-cache usage, and any request waiting for blocks means the pool is full now. With
-several nodes, Ray's autoscaler adds nodes when a new actor's ``prefill``/
+Policies, chosen by name (``PlannerConfig.policy``, ``--planner``):
+
+- ``threshold`` (the default): ``decide`` moves a pool one worker at a time on
+  its bottleneck signal. Prefill is compute-bound, so its backlog is the queued
+  prompt tokens per worker; decode (and colocated) is memory-bound, so it is the
+  KV cache usage, and any request waiting for blocks means the pool is full now.
+- ``sla``: ``cluster.sla_planner.SlaPolicy`` sizes every pool for the SLOs from
+  the offered load it measures with the workers' counters (arrival rate, prompt
+  and output lengths over a sliding window) and a profile's step model; it may
+  move a pool by several workers at once, within the bounds and the cooldown.
+
+With several nodes, Ray's autoscaler adds nodes when a new actor's ``prefill``/
 ``decode`` resource cannot be placed.
 """
 from __future__ import annotations
@@ -22,9 +30,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from cluster.registry import WorkerInfo
+from cluster.sla_planner import SlaConfig, SlaPolicy
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +66,16 @@ class PlannerConfig:
     """Mean KV cache usage (fraction) of a decode/colocated pool above which a worker is added."""
     kv_usage_low: float = 0.3
     """Mean KV cache usage below which a worker is removed (if nothing waits)."""
+    policy: str = "threshold"
+    """Which policy sizes the pools: "threshold" (``decide``) or "sla" (``cluster.sla_planner``)."""
+    sla: Optional[SlaConfig] = None
+    """The profile, SLOs and knobs of the "sla" policy (required by it, unused by "threshold")."""
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {tuple(POLICIES)}, got {self.policy!r}")
+        if self.policy == "sla" and not isinstance(self.sla, SlaConfig):
+            raise ValueError("sla must be an SlaConfig (profile and SLOs) when policy is 'sla'")
         for role in ("prefill", "decode", "colocated"):
             lo, hi = getattr(self, f"min_{role}"), getattr(self, f"max_{role}")
             if not isinstance(lo, int) or lo < 0:
@@ -106,15 +123,39 @@ def decide(role: str, workers: Sequence[WorkerInfo], current: int, cfg: PlannerC
     return current
 
 
-class Planner:
-    """Runs ``decide`` for each pool of a ``Cluster`` on a timer (see module docstring)."""
+class ThresholdPolicy:
+    """The ``threshold`` policy: ``decide`` for each pool, one step at a time."""
 
-    def __init__(self, cluster: Any, config: Optional[PlannerConfig] = None, supervisor: Any = None) -> None:
+    name = "threshold"
+
+    def __init__(self, cfg: PlannerConfig, mode: str) -> None:
+        self.cfg = cfg
+
+    def targets(self, infos: dict[str, list[WorkerInfo]], current: dict[str, int], now: float) -> dict[str, int]:
+        return {role: decide(role, infos[role], n, self.cfg) for role, n in current.items()}
+
+
+def _sla_policy(cfg: PlannerConfig, mode: str) -> SlaPolicy:
+    return SlaPolicy(cfg.sla, mode, cfg.bounds)
+
+
+POLICIES: dict[str, Callable[[PlannerConfig, str], Any]] = {"threshold": ThresholdPolicy, "sla": _sla_policy}
+"""Planner policies by name: ``(config, cluster mode) -> object with targets(infos, current, now)``."""
+
+
+class Planner:
+    """Runs its policy for each pool of a ``Cluster`` on a timer (see module docstring)."""
+
+    def __init__(self, cluster: Any, config: Optional[PlannerConfig] = None, supervisor: Any = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cluster = cluster
         self.config = config or PlannerConfig()
         self.supervisor = supervisor
         """A ``cluster.supervisor.Supervisor`` whose view of live ready workers sizes the pools; None counts
         the cluster's members, live or not."""
+        self.clock = clock
+        """Seconds for cooldowns and the policy's windows (a simulation passes its virtual clock)."""
+        self.policy = POLICIES[self.config.policy](self.config, self.cluster.config.mode)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._last_change: dict[str, float] = {}
@@ -133,20 +174,22 @@ class Planner:
 
     def tick(self) -> None:
         """One round of decisions (the thread calls this every interval_s; tests may call it directly)."""
-        now = time.monotonic()
-        for role in self.roles():
-            # Live ready workers only: a dead actor the supervisor is about to replace must not count (else a
-            # pool at its floor never grows back), and both act through absolute targets: one replacement.
-            current = len(self.live(role))
-            target = decide(role, self.cluster.registry.list(role), current, self.config)
+        now = self.clock()
+        roles = self.roles()
+        # Live ready workers only: a dead actor the supervisor is about to replace must not count (else a
+        # pool at its floor never grows back), and both act through absolute targets: one replacement.
+        current = {role: len(self.live(role)) for role in roles}
+        targets = self.policy.targets({role: self.cluster.registry.list(role) for role in roles}, current, now)
+        for role in roles:
+            target = targets[role]
             cooling = now - self._last_change.get(role, -1e18) < self.config.cooldown_s
             lo, hi = self.config.bounds(role)
-            if target == current or (cooling and lo <= current <= hi):
+            if target == current[role] or (cooling and lo <= current[role] <= hi):
                 continue
-            log.info("planner: %s pool %d -> %d", role, current, target)
+            log.info("planner (%s): %s pool %d -> %d", self.policy.name, role, current[role], target)
             self.cluster.scale_pool(role, target)
-            self._last_change[role] = time.monotonic()
-            self.decisions.append((time.time(), role, current, target))
+            self._last_change[role] = self.clock()
+            self.decisions.append((time.time(), role, current[role], target))
 
     def _run(self) -> None:
         while not self._stop.wait(self.config.interval_s):

@@ -70,6 +70,17 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
                    help="seconds between the planner's decisions with --autoscale (default 5)")
     p.add_argument("--planner-cooldown", type=float, default=30.0, metavar="S",
                    help="seconds a pool waits after a change before the planner changes it again (default 30)")
+    p.add_argument("--planner", choices=("threshold", "sla"), default="threshold",
+                   help="the --autoscale policy: threshold = one worker at a time on queued prompt tokens and KV "
+                        "usage; sla = each pool sized for the SLOs from the observed request rate and lengths "
+                        "with --profile's step model (needs --ttft-slo-ms, --tpot-slo-ms, --profile; default "
+                        "threshold)")
+    p.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS",
+                   help="--planner sla: time-to-first-token SLO (90th percentile) the pools are sized for")
+    p.add_argument("--tpot-slo-ms", type=float, default=None, metavar="MS",
+                   help="--planner sla: time-per-output-token SLO the pools are sized for")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="--planner sla: profile.json of this model on this hardware (`pdserve profile`)")
     p.add_argument("--cpus-per-worker", type=float, default=1.0, help="Ray CPUs (and torch threads) per worker")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the engines run: cuda gives every worker actor one Ray GPU and moves KV over "
@@ -217,6 +228,7 @@ def _check_pool_args(args: argparse.Namespace) -> None:
     for flag in ("planner_interval", "planner_cooldown"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    args.sla_profile = _check_sla_args(args)
     if not args.check_interval > 0:
         raise ValueError(f"--check-interval must be > 0, got {args.check_interval}")
     from engine.config import EngineConfig
@@ -235,6 +247,50 @@ def _check_pool_args(args: argparse.Namespace) -> None:
         if draft.vocab_size != target.vocab_size:
             raise ValueError(f"--speculative-model {spec['model']!r} has vocab_size {draft.vocab_size}, "
                              f"--model has {target.vocab_size}: a draft must share the target's tokenizer")
+
+
+def _check_sla_args(args: argparse.Namespace):
+    """--planner sla's flags; the loaded profile (a ``simulator.costs.Profile``), or None for --planner
+    threshold."""
+    if args.planner != "sla":
+        for flag in ("ttft_slo_ms", "tpot_slo_ms", "profile"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} is only used by --planner sla")
+        return None
+    if not args.autoscale:
+        raise ValueError("--planner sla needs --autoscale (without it no planner runs)")
+    for flag in ("ttft_slo_ms", "tpot_slo_ms", "profile"):
+        if getattr(args, flag) is None:
+            raise ValueError(f"--planner sla needs --{flag.replace('_', '-')}")
+    for flag in ("ttft_slo_ms", "tpot_slo_ms"):
+        v = getattr(args, flag)
+        if not (v > 0 and v < float("inf")):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a number > 0, got {v}")
+    from simulator.costs import load_profile
+
+    prof = load_profile(args.profile)  # ValueError naming --profile and the file
+    prof.check_matches(model=args.model, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                       where=f"--profile {args.profile}")
+    if args.colocated == 0 and "gloo" not in prof.links and "nccl" not in prof.links:
+        raise ValueError(f"--profile {args.profile}: has no KV link measurement (taken with --skip-link?); "
+                         f"--planner sla needs one to size the decode pool")
+    return prof
+
+
+def _sla_config(args: argparse.Namespace):
+    """The ``SlaConfig`` of --planner sla (flags checked by ``_check_sla_args``)."""
+    from cluster.sla_planner import SlaConfig
+    from engine.config import EngineConfig
+
+    prof, eng = args.sla_profile, EngineConfig
+    blocks = args.num_kv_blocks
+    kv_tokens = (blocks * prof.block_size if blocks is not None
+                 else EngineConfig.kv_cache_memory_bytes // prof.kv_bytes_per_token)
+    link = "nccl" if args.device == "cuda" and "nccl" in prof.links else ("gloo" if "gloo" in prof.links
+                                                                         else next(iter(prof.links), "gloo"))
+    return SlaConfig(profile=prof, ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
+                     max_num_batched_tokens=args.max_num_batched_tokens or eng.max_num_batched_tokens,
+                     max_num_seqs=args.max_num_seqs or eng.max_num_seqs, kv_tokens=kv_tokens, kv_link=link)
 
 
 def _check_router_args(args: argparse.Namespace) -> None:
@@ -520,7 +576,8 @@ def _start_loops(cluster, args: argparse.Namespace) -> tuple:
             min_prefill=args.prefill, max_prefill=max(args.max_prefill, args.prefill, 1),
             min_decode=args.decode, max_decode=max(args.max_decode, args.decode, 1),
             min_colocated=args.colocated, max_colocated=max(args.colocated, args.max_decode, 1),
-            interval_s=args.planner_interval, cooldown_s=args.planner_cooldown),
+            interval_s=args.planner_interval, cooldown_s=args.planner_cooldown, policy=args.planner,
+            sla=_sla_config(args) if args.planner == "sla" else None),
             supervisor=supervisor).start()
     return supervisor, planner
 
@@ -677,4 +734,8 @@ def _print_endpoints(cluster, planner, args: argparse.Namespace, secret_source: 
 
 def _planner_line(planner) -> str:
     bounds = ", ".join(f"{r} {'..'.join(map(str, planner.config.bounds(r)))}" for r in planner.roles())
-    return f"  planner  {bounds} (every {planner.config.interval_s:g} s)"
+    how = planner.config.policy
+    sla = planner.config.sla
+    if sla is not None and how == "sla":
+        how += f": TTFT {sla.ttft_slo_ms:g} ms, TPOT {sla.tpot_slo_ms:g} ms"
+    return f"  planner  {bounds} ({how}; every {planner.config.interval_s:g} s)"

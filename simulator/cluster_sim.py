@@ -503,3 +503,170 @@ class Simulation:
         rec.error = error
         if admitted:
             self._in_flight -= 1
+
+    # -- scaling (the planner's view): workers that come and go, counters, a periodic hook ---------------------
+    # Added for the SLA planner's tests; call ``every`` / ``add_worker`` before ``run`` so the initial workers'
+    # counters are kept from the start. The state lives in ``self._scaling`` (made on first use).
+    def _scaling_state(self) -> dict:
+        st = self.__dict__.get("_scaling")
+        if st is None:
+            st = self._scaling = {"added": {}, "removed": {}, "dropped": {}, "draining": [], "next": {},
+                                  "periodic": 0, "counters": {}, "reaping": False}
+            for wid, w in self.workers.items():
+                st["added"][wid] = (w.role, 0.0)
+                self._instrument(w)
+            for role in ("prefill", "decode", "colocated"):
+                st["next"][role] = sum(1 for w in self.workers.values() if w.role == role)
+        return st
+
+    def _instrument(self, w: SimWorker) -> None:
+        """Count what a real worker counts in its WorkerInfo: prompts it takes to prefill (prefill-only or whole
+        requests: ``engine.add_request``), tokens sampled, requests finished."""
+        c = self._scaling_state()["counters"].setdefault(w.worker_id, [0, 0, 0, 0])
+        eng, add, deliver = w.engine, w.engine.add_request, w._deliver
+
+        def add_request(request_id: str, prompt: list, params: Any, *a: Any, **kw: Any) -> Any:
+            out = add(request_id, prompt, params, *a, **kw)
+            c[0] += 1
+            c[1] += len(prompt)
+            return out
+
+        def counting_deliver(outs: list, now: float, duration: float = 0.0) -> None:
+            for o in outs:
+                if o.request_id in w.handlers:
+                    c[2] += len(o.new_token_ids)
+                    if o.finish_reason is not None and o.finish_reason != "prefill_done":
+                        c[3] += 1
+            deliver(outs, now, duration)
+
+        eng.add_request = add_request
+        w._deliver = counting_deliver
+
+    def worker_infos(self, role: Optional[str] = None) -> list[WorkerInfo]:
+        """The registry's view: every worker still up (draining ones too), with the counters a real worker
+        reports (``requests_total``, ``prompt_tokens_total``, ``output_tokens_total``, ``requests_finished_total``)."""
+        st = self._scaling_state()
+        out = []
+        for wid, w in self.workers.items():
+            if role is not None and w.role != role:
+                continue
+            info = WorkerInfo()
+            info.CopyFrom(w.info())
+            r, p, o, f = st["counters"][wid]
+            info.requests_total, info.prompt_tokens_total = r, p
+            info.output_tokens_total, info.requests_finished_total = o, f
+            out.append(info)
+        return out
+
+    def live_worker_ids(self, role: str) -> list[str]:
+        """Workers of ``role`` added and not removed (the pool's size as the planner counts it), oldest first."""
+        st = self._scaling_state()
+        return [wid for wid, w in self.workers.items() if w.role == role and wid not in st["removed"]]
+
+    def add_worker(self, role: str, ready_after_s: float = 0.0) -> str:
+        """A new worker of ``role`` now; it takes requests after ``ready_after_s`` (its model load). Returns its id."""
+        pools = ("colocated",) if self.cfg.mode == "colocated" else ("prefill", "decode")
+        if role not in pools:
+            raise ValueError(f"role must be one of {pools} in {self.cfg.mode} mode, got {role!r}")
+        st = self._scaling_state()
+        wid = f"{role}-{st['next'][role]}"
+        st["next"][role] += 1
+        ecfg = EngineConfig(model="sim", block_size=self.profile.block_size, num_kv_blocks=self.num_blocks,
+                            max_num_seqs=self.cfg.max_num_seqs, max_num_batched_tokens=self.cfg.max_num_batched_tokens,
+                            enable_prefix_caching=self.cfg.enable_prefix_caching)
+        w = SimWorker(self, wid, role, ecfg, self.num_blocks)
+        self._instrument(w)
+        self.workers[wid] = w
+        self.placer.source._by_role.setdefault(role, []).append(w)
+        self.placer.clients._stubs[wid] = _SimStub(w)
+        st["added"][wid] = (role, self.now)
+        if ready_after_s > 0:
+            self._set_ready(w, False)
+            self.at(self.now + ready_after_s, lambda: None if wid in st["removed"] else self._set_ready(w, True))
+        return wid
+
+    def remove_worker(self, role: str) -> Optional[str]:
+        """Drain the newest live worker of ``role`` (as ``Cluster.scale_pool`` does): out of routing at once, dropped
+        once it holds nothing. Returns its id, or None when the pool is empty."""
+        st = self._scaling_state()
+        live = self.live_worker_ids(role)
+        if not live:
+            return None
+        wid = live[-1]
+        w = self.workers[wid]
+        st["removed"][wid] = self.now
+        self._set_ready(w, False)
+        st["draining"].append(w)
+        self._reap()
+        return wid
+
+    def _set_ready(self, w: SimWorker, ready: bool) -> None:
+        if ready:
+            w.__dict__.pop("info", None)  # the class's own info() again
+        else:
+            own = SimWorker.info.__get__(w)
+
+            def not_ready() -> WorkerInfo:
+                i = WorkerInfo()
+                i.CopyFrom(own())
+                i.ready = False
+                return i
+
+            w.info = not_ready  # type: ignore[method-assign]
+
+    def _reap(self) -> None:
+        """Drop the draining workers that hold nothing; look again shortly while some still do."""
+        st = self._scaling_state()
+        keep = []
+        for w in st["draining"]:
+            idle = (w.busy_until is None and not w._commands and not w.handlers and not w.unprefilled
+                    and self.selector.in_flight(w.worker_id) == 0 and not w.engine.has_unfinished_requests())
+            if idle:
+                self.workers.pop(w.worker_id, None)
+                by_role = self.placer.source._by_role.get(w.role, [])
+                if w in by_role:
+                    by_role.remove(w)
+                st["dropped"][w.worker_id] = self.now
+            else:
+                keep.append(w)
+        st["draining"] = keep
+        # look again while other events are due (it counts as a periodic hook: it never keeps the run going)
+        if keep and not st["reaping"] and len(self._events) > st["periodic"]:
+            st["reaping"] = True
+            st["periodic"] += 1
+
+            def again() -> None:
+                st["reaping"] = False
+                st["periodic"] -= 1
+                self._reap()
+
+            self.at(self.now + 0.1, again)
+
+    def every(self, interval_s: float, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` every ``interval_s`` virtual seconds from now on, while anything else is still to happen
+        (arrivals, steps, transfers): the run ends when only such hooks are left."""
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
+        st = self._scaling_state()
+
+        def tick() -> None:
+            st["periodic"] -= 1
+            fn()
+            if len(self._events) > st["periodic"]:
+                st["periodic"] += 1
+                self.at(self.now + interval_s, tick)
+
+        st["periodic"] += 1
+        self.at(self.now + interval_s, tick)
+
+    def worker_seconds(self, until: Optional[float] = None) -> dict[str, float]:
+        """Per pool, the seconds each worker was up: from when it was added (0 for the initial ones) until it was
+        dropped after its drain, or ``until`` (default: now)."""
+        st = self._scaling_state()
+        end = self.now if until is None else until
+        dropped = st["dropped"]
+        out: dict[str, float] = {}
+        for wid, (role, t0) in st["added"].items():
+            t1 = min(dropped.get(wid, end), end)
+            out[role] = out.get(role, 0.0) + max(0.0, t1 - t0)
+        return out
