@@ -122,8 +122,10 @@ _TERMS = (("sampled", "per_sampled_row_s"), ("prefill_pairs", "per_prefill_pair_
 
 
 def _features(s: dict) -> StepFeatures:
-    return StepFeatures(s["tokens"], s["sampled"], s["prefill_pairs"], s["decode_ctx"], s.get("prefill_ctx", 0),
-                        s.get("prefill_chunks", 0), s.get("prefill_cached_pairs", 0.0))
+    return StepFeatures(tokens=s["tokens"], sampled=s["sampled"], prefill_pairs=s["prefill_pairs"],
+                        decode_ctx=s["decode_ctx"], prefill_ctx=s.get("prefill_ctx", 0),
+                        prefill_chunks=s.get("prefill_chunks", 0),
+                        prefill_cached_pairs=s.get("prefill_cached_pairs", 0.0))
 
 
 def _row(f: StepFeatures, knots: Sequence[int]) -> list[float]:
@@ -566,6 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-link", action="store_true", help="do not measure the KV link (the profile has no links)")
     p.add_argument("--skip-router", action="store_true", help="do not measure the router (its costs stay 0)")
     p.add_argument("--quick", action="store_true", help="a coarse grid in a few seconds (tests, smoke checks)")
+    p.add_argument("--refit", default=None, metavar="PROFILE",
+                   help="measure nothing: fit PROFILE's own samples again with this version's step model, to --out")
     p.add_argument("--out", default="profile.json", help="where to write the profile (default profile.json)")
     return p
 
@@ -756,6 +760,24 @@ def summary(p: Profile, out: str) -> str:
     return "\n".join(lines)
 
 
+def refit(prof: Profile, where: str = "--refit") -> Profile:
+    """The same profile with its step model fitted again from its own samples (``meta.samples``) by this version's
+    model and fit: how a profile taken before a fix of the fit or a new term is brought up to date without
+    measuring again (the samples carry every feature by name; a feature they lack reads as 0)."""
+    samples = list(prof.meta.get("samples") or [])
+    fit_samples = [s for s in samples if s.get("kind") != "fill"]
+    if len(fit_samples) < 2:
+        raise ValueError(f"{where}: the profile carries no step samples to fit")
+    knots = choose_knots([s["tokens"] for s in fit_samples if s["kind"] in ("decode", "prefill", "prefill_batch")])
+    prof.step = fit_step_model([(_features(s), s["seconds"]) for s in fit_samples], knots)
+    fit = dict(prof.meta.get("fit") or {})
+    fit["errors"] = fit_errors(prof.step, samples)
+    fit["refit"] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    "pdserve_commit": _git_commit()}
+    prof.meta["fit"] = fit
+    return prof
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``pdserve profile ...``: 0 when the profile is written, 2 for bad input (nothing written), 1 if a part failed."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -765,8 +787,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except SystemExit as e:  # --help, or argparse's own usage error (it names the flag)
         return int(e.code or 0)
     try:
-        _check(args)
-        prof = profile(args, argv)
+        if args.refit:
+            from simulator.costs import load_profile
+
+            prof = refit(load_profile(args.refit))
+        else:
+            _check(args)
+            prof = profile(args, argv)
     except ValueError as e:
         print(f"pdserve profile: error: {e}", file=sys.stderr)
         return 2
