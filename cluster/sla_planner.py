@@ -39,6 +39,7 @@ rho e^(-(1 - rho) t / s)), the 90th percentile TTFT at utilisation rho is
     TTFT90(rho) = r + s + s * max(0, ln(10 rho)) / (1 - rho)
     rho_P = the largest rho <= rho_max with TTFT90(rho) <= TTFT SLO (bisection; TTFT90 grows with rho)
     per-replica throughput mu_P = rho_P / s (req/s);   prefill replicas = ceil(h * lambda / mu_P)
+(conservative: a busy prefill worker batches the prompts queued behind a step, which this ignores).
 
 Decode pool (disaggregated). The prefill worker samples the first token, so a request decodes o_d = max(1, o - 1)
 tokens here, at a mean context of ctx = p + o / 2. One step of B running sequences takes
@@ -63,6 +64,9 @@ bounds cap it. Every size is clamped to the pool's [min, max].
 Hysteresis: a pool grows to its target at once (by as many workers as it takes); it shrinks only to the
 largest target of the last ``scale_down_after_s`` seconds, and not before the policy has watched that long.
 The planner's cooldown still applies between two changes of a pool.
+
+The sizes are not checked by a simulation at run time; tests/cluster/test_sla_planner.py runs this policy
+inside the real ``Planner`` against the simulator (pdserve's own scheduler and router) on a rate ramp.
 """
 from __future__ import annotations
 

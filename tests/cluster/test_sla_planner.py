@@ -303,6 +303,35 @@ def test_good_sla_flags_build_the_planner_config(tmp_path):
     assert plain.planner == "threshold" and plain.sla_profile is None
 
 
+# ---- the counters on real workers -------------------------------------------------------------------------------
+def test_real_workers_count_arrivals_once_and_every_sampled_token():
+    """Real prefill and decode workers (in process, tiny model, gloo KV) behind the real router. A pair request is
+    counted by the prefill worker that prefills it; a short prompt the decode worker prefills itself (conditional
+    disaggregation) by the decode worker; a request with n = 2 once, with both choices' tokens."""
+    import time
+
+    import torch
+
+    from tests.roles.harness import collect, start_roles
+
+    torch.set_num_threads(1)
+    roles = start_roles(tag="sla-", router={"local_prefill_max_tokens": 8})
+    try:
+        common = dict(ignore_eos=True, temperature=0.0)
+        collect(roles.stub, token_ids=list(range(10, 40)), max_tokens=5, **common)  # pair
+        collect(roles.stub, token_ids=list(range(10, 15)), max_tokens=4, **common)  # 5 tokens: on the decode worker
+        collect(roles.stub, token_ids=list(range(50, 80)), max_tokens=3, n=2, **common)  # pair, two choices
+        end = time.monotonic() + 30
+        while roles.decodes[0].info().requests_finished_total < 3 and time.monotonic() < end:
+            time.sleep(0.05)
+        p, d = roles.prefills[0].info(), roles.decodes[0].info()
+    finally:
+        roles.close()
+    assert (p.requests_total, p.prompt_tokens_total, p.output_tokens_total, p.requests_finished_total) == (2, 60, 2, 0)
+    # decode: 4 + 4 (local) + 2 (choice 0 after its first token) + 3 (choice 1, prefilled from the cached prompt)
+    assert (d.requests_total, d.prompt_tokens_total, d.output_tokens_total, d.requests_finished_total) == (1, 5, 13, 3)
+
+
 # ---- the simulator's scaling hooks --------------------------------------------------------------------------------
 def _requests(rate_at, duration_s: float, seed: int = 1) -> list[SimRequest]:
     """Poisson arrivals of rate ``rate_at(t)`` (thinning under its maximum); prompts of 60..140 tokens, outputs of
