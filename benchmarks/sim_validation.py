@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--out", type=Path, default=REPO / "results" / "sim_validation")
     ap.add_argument("--quick", action="store_true", help="tiny model, 12 requests, 2 rates, colocated + disaggregated")
+    ap.add_argument("--resimulate", type=Path, default=None, metavar="RESULT.json",
+                    help="run no deployment: simulate the same requests again (this version's simulator, --profile) "
+                         "against the real numbers of an earlier run's result.json; writes to --out")
     return ap
 
 
@@ -113,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                     "profile_meta": {k: profile.meta.get(k) for k in ("pdserve_commit", "date", "cpu", "threads")},
                     "configs": {}}
     t_all = time.monotonic()
+    if ns.resimulate is not None:
+        return resimulate(ns, profile, rows, lengths, span, slos, result)
     for name in names:
         cfg = sim_config(name, ns)
         pts = []
@@ -151,6 +156,55 @@ def main(argv: list[str] | None = None) -> int:
               + f"; goodput real {c['goodput_real']:g} vs sim {c['goodput_sim']:g} req/s", flush=True)
     result["wall_s"] = time.monotonic() - t_all
     info["loadavg_end"] = os.getloadavg()
+    ns.out.mkdir(parents=True, exist_ok=True)
+    (ns.out / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    (ns.out / "table.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+def _sim_point(name: str, ns: argparse.Namespace, profile: Any, reqs: list, slos: dict, rate: float,
+               real_metrics: dict, real_attainment: float, real_ok: int) -> dict:
+    from loadtest.stats import slo_attainment
+    from simulator.cli import run_simulation
+    from simulator.cluster_sim import SimRequest
+
+    sreqs = [SimRequest(r.request_id, r.arrival_s, r.prompt_token_ids, r.max_tokens) for r in reqs]
+    simmed, sdur, pools = run_simulation(profile, sim_config(name, ns), sreqs)
+    ss = _summary(simmed, sdur)
+    p = {"rate": rate, "real": real_metrics, "sim": {m: ss[m] for m in METRICS}, "real_ok": real_ok,
+         "sim_ok": ss["completed"], "real_attainment": real_attainment, "sim_attainment": slo_attainment(simmed, slos),
+         "sim_utilisation": {k: v.utilisation(sdur) for k, v in pools.items()}}
+    p["error"] = {m: (p["sim"][m] - p["real"][m]) / p["real"][m] if p["real"][m] else None for m in METRICS}
+    return p
+
+
+def _close(name: str, cfg_label: str, pts: list, goal: float) -> dict:
+    from loadtest.stats import goodput_rate
+
+    mae = {m: statistics.median(abs(p["error"][m]) for p in pts if p["error"][m] is not None) for m in METRICS}
+    return {"deployment": cfg_label, "points": pts, "median_abs_error": mae,
+            "goodput_real": goodput_rate([(p["rate"], p["real_attainment"]) for p in pts], goal),
+            "goodput_sim": goodput_rate([(p["rate"], p["sim_attainment"]) for p in pts], goal)}
+
+
+def resimulate(ns: argparse.Namespace, profile: Any, rows: list, lengths: list, span: float, slos: dict,
+               result: dict) -> int:
+    """Simulate an earlier run's points again (same lengths and arrivals; prefix caching is off, so the prompt
+    ids themselves do not matter) and compare with its real numbers."""
+    from loadtest.workload import ModelLimits
+
+    old = json.loads(ns.resimulate.read_text())
+    limits = ModelLimits(vocab_size=8192, max_context_length=profile.max_model_len)
+    result["resimulated_from"] = str(ns.resimulate)
+    for name, c in old["configs"].items():
+        pts = []
+        for q in c["points"]:
+            rate = q["rate"]
+            factor = (len(rows) - 1) / (rate * span) if span > 0 else 0.0
+            reqs = _requests(lengths, [r.arrival_s * factor for r in rows], limits, ns.seed, f"{name[:4]}-r{rate:g}")
+            pts.append(_sim_point(name, ns, profile, reqs, slos, rate, q["real"], q["real_attainment"], q["real_ok"]))
+        result["configs"][name] = _close(name, sim_config(name, ns).label(), pts, ns.goal)
     ns.out.mkdir(parents=True, exist_ok=True)
     (ns.out / "result.json").write_text(json.dumps(result, indent=1, default=str))
     (ns.out / "table.md").write_text(markdown(result))

@@ -17,12 +17,13 @@ What happens to a request (times on the virtual clock):
    boundary, as the worker's engine loop answers it). No room anywhere: the request joins the router's
    FIFO admission queue and its head retries whenever a pair request's decode blocks are released.
 3. The prefill worker adds the prompt as prefill-only; at the end of the step that completes it, the
-   first token goes to the client (+ ``router_per_token_s``) and the KV transfer, which overlaps the
+   first token goes to the client and the KV transfer, which overlaps the
    last step layer by layer, completes at ``max(end + link(bytes / layers), start + link(bytes))``.
    The prefill worker releases the blocks then; the decode worker adds the request to its batch at
    its next step boundary after the KV arrived.
 4. Whole requests (colocated, or conditional disaggregation) run on one engine from prompt to end.
-5. Every token reaches the client ``router_per_token_s`` after the step that produced it; at the finish
+5. Every token reaches the client at the end of the step that produced it (a step's duration includes
+   the serving path's ``router_per_token_s`` for each token it streams: engine_sim.SimRunner); at the finish
    the router releases its counts (``Placer.release``), which may let the admission queue's head in.
 
 Commands to a worker that is in the middle of a step wait for its end, as the real ``EngineLoop`` runs
@@ -478,7 +479,7 @@ class Simulation:
             self._finish(f, out.finish_reason)
 
     def _tokens(self, f: _Flow, n: int) -> None:
-        t = self.now + self.profile.router_per_token_s
+        t = self.now
         if f.first_token_at is None:
             f.first_token_at = t
         f.record.chunk_times_s.append(t)

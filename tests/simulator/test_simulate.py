@@ -38,12 +38,13 @@ def make_profile(**kw) -> Profile:
     return Profile(**base)
 
 
-def prefill_s(n: int, c: int = 0) -> float:
-    return lin(n) + 1e-6 * n * (c + (n + 1) / 2)
+def prefill_s(n: int, c: int = 0, streamed: int = 1) -> float:
+    """A one-chunk prefill step that streams ``streamed`` first tokens (each costs the serving path R_TOK)."""
+    return lin(n) + 1e-6 * n * (c + (n + 1) / 2) + R_TOK * streamed
 
 
 def decode_s(ctx: int) -> float:
-    return lin(1) + 1e-5 * ctx
+    return lin(1) + 1e-5 * ctx + R_TOK
 
 
 def run(cfg: SimConfig, reqs: list[SimRequest], profile: Profile | None = None):
@@ -55,11 +56,11 @@ def test_one_request_on_one_colocated_worker_exact():
     sim, [rec] = run(SimConfig(mode="colocated", colocated=1), [SimRequest("a", 0.0, list(range(100)), 4)])
     t = R_REQ + prefill_s(100)
     assert rec.success and rec.output_tokens == 4
-    assert ttft_s(rec) == pytest.approx(t + R_TOK, abs=1e-12)
+    assert ttft_s(rec) == pytest.approx(t, abs=1e-12)
     expect = [t]
     for ctx in (101, 102, 103):  # decode of output k attends over prompt + k tokens
         expect.append(expect[-1] + decode_s(ctx))
-    assert rec.chunk_times_s == pytest.approx([x + R_TOK for x in expect], abs=1e-12)
+    assert rec.chunk_times_s == pytest.approx(expect, abs=1e-12)
     assert itls_s(rec) == pytest.approx([decode_s(c) for c in (101, 102, 103)], abs=1e-12)
     stats = sim.pool_stats()["colocated"]
     assert stats.steps == 4 and stats.busy_s == pytest.approx(expect[-1] - R_REQ, abs=1e-12)
@@ -69,14 +70,14 @@ def test_one_request_disaggregated_exact():
     sim, [rec] = run(SimConfig(mode="disaggregated"), [SimRequest("a", 0.0, list(range(100)), 3)])
     start = R_REQ
     end = start + prefill_s(100)
-    assert ttft_s(rec) == pytest.approx(end + R_TOK, abs=1e-12)  # the first token does not wait for the KV
+    assert ttft_s(rec) == pytest.approx(end, abs=1e-12)  # the first token does not wait for the KV
     nbytes = 100 * KVB
     link = lambda b: 0.002 + b / 1e6  # noqa: E731
     kv = max(end + link(nbytes / LAYERS), start + link(nbytes))  # layer by layer during the last step
     assert kv == pytest.approx(end + link(nbytes / LAYERS))  # here the last layer's share decides
     t2 = kv + decode_s(101)
     t3 = t2 + decode_s(102)
-    assert rec.chunk_times_s == pytest.approx([end + R_TOK, t2 + R_TOK, t3 + R_TOK], abs=1e-12)
+    assert rec.chunk_times_s == pytest.approx([end, t2, t3], abs=1e-12)
     pools = sim.pool_stats()
     assert pools["prefill"].steps == 1 and pools["decode"].steps == 2
     assert all(w.engine.num_free_blocks == w.engine.num_total_blocks for w in sim.workers.values())
@@ -87,27 +88,27 @@ def test_slow_link_bounds_the_transfer_by_its_total_bytes():
     sim, [rec] = run(SimConfig(), [SimRequest("a", 0.0, list(range(100)), 2)], prof)
     start, end = R_REQ, R_REQ + prefill_s(100)
     kv = start + 100 * KVB / 1e4
-    assert rec.chunk_times_s[1] == pytest.approx(kv + decode_s(101) + R_TOK, abs=1e-9)
-    assert ttft_s(rec) == pytest.approx(end + R_TOK, abs=1e-12)
+    assert rec.chunk_times_s[1] == pytest.approx(kv + decode_s(101), abs=1e-9)
+    assert ttft_s(rec) == pytest.approx(end, abs=1e-12)
 
 
 def test_two_requests_queue_behind_each_other():
     reqs = [SimRequest("a", 0.0, list(range(100)), 3), SimRequest("b", 0.0, list(range(500, 550)), 2)]
     _, (a, b) = run(SimConfig(mode="colocated", colocated=1, max_num_seqs=1), reqs)
     a_end = R_REQ + prefill_s(100) + decode_s(101) + decode_s(102)
-    assert a.end_s == pytest.approx(a_end + R_TOK, abs=1e-12)
+    assert a.end_s == pytest.approx(a_end, abs=1e-12)
     # b was admitted at arrival but the engine runs one sequence at a time: it prefills after a's last step
     b_first = a_end + prefill_s(50)
-    assert ttft_s(b) == pytest.approx(b_first + R_TOK, abs=1e-12)
-    assert b.end_s == pytest.approx(b_first + decode_s(51) + R_TOK, abs=1e-12)
+    assert ttft_s(b) == pytest.approx(b_first, abs=1e-12)
+    assert b.end_s == pytest.approx(b_first + decode_s(51), abs=1e-12)
 
 
 def test_batched_prefill_shares_one_step():
     reqs = [SimRequest("a", 0.0, list(range(100)), 1), SimRequest("b", 0.0, list(range(500, 550)), 1)]
     _, (a, b) = run(SimConfig(mode="colocated", colocated=1), reqs)
-    step = lin(150) + 1e-6 * (100 * 101 / 2 + 50 * 51 / 2)
-    assert ttft_s(a) == pytest.approx(R_REQ + step + R_TOK, abs=1e-12)
-    assert ttft_s(b) == pytest.approx(R_REQ + step + R_TOK, abs=1e-12)
+    step = lin(150) + 1e-6 * (100 * 101 / 2 + 50 * 51 / 2) + 2 * R_TOK  # two first tokens streamed
+    assert ttft_s(a) == pytest.approx(R_REQ + step, abs=1e-12)
+    assert ttft_s(b) == pytest.approx(R_REQ + step, abs=1e-12)
 
 
 def test_preemption_when_blocks_run_out():
@@ -127,7 +128,7 @@ def test_admission_queue_waits_for_decode_blocks():
     reqs = [SimRequest("a", 0.0, list(range(100)), 5), SimRequest("b", 0.001, list(range(200, 300)), 2)]
     _, (a, b) = run(SimConfig(num_kv_blocks=8), reqs)
     assert a.success and b.success
-    assert ttft_s(b) + b.start_s > a.end_s - R_TOK  # b's prefill began only after a freed its blocks
+    assert ttft_s(b) + b.start_s > a.end_s  # b's prefill began only after a freed its blocks
 
 
 def test_router_bound_refuses_at_once():
@@ -141,7 +142,7 @@ def test_conditional_disaggregation_runs_short_prompts_on_decode():
     sim, (s, lng) = run(SimConfig(local_prefill_max_tokens=64), reqs)
     pools = sim.pool_stats()
     assert pools["prefill"].steps == 1  # only the long prompt was prefilled there
-    assert ttft_s(s) == pytest.approx(R_REQ + prefill_s(50) + R_TOK, abs=1e-12)
+    assert ttft_s(s) == pytest.approx(R_REQ + prefill_s(50), abs=1e-12)
 
 
 def test_it_drives_the_routers_and_engines_own_objects(monkeypatch):

@@ -1,0 +1,130 @@
+"""Capacity at scale from a profile: best disaggregated vs best colocated goodput per worker at 8 to 512 workers.
+
+Lifecycle: for each workload (the conversation and code traces at their real lengths with Poisson
+arrivals, and the conversation trace with bursty arrivals, gamma shape 0.25) and each worker budget
+(``--workers``, default 8,32,128,512) it runs ``pdserve plan``'s search (simulator/plan.py) on the given
+profile and SLOs. Small budgets search every P:D split, chunk size and local-prefill threshold; past
+``--full-search-max`` workers the search keeps the chunk sizes and the P share (prefill workers over all)
+that won at the largest fully searched budget and tries shares around it (a budget 16x larger does not
+need its chunk size found again; its P:D share is what scale changes). Requests per simulation grow with
+the budget (``--requests-per-worker``, at least ``--min-requests``), drawn from the trace from its start.
+It prints one Markdown table per profile (goodput, per worker, the winning deployments, disaggregated /
+colocated) and writes the plan JSONs into ``--out``.
+
+Usage:
+    python benchmarks/capacity.py --profile docs/profiles/h200-llama-8b-shape-bf16.json --ttft-slo-ms 2000 \\
+        --tpot-slo-ms 50 --out results/capacity-h200
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from simulator.cluster_sim import SimConfig, SimRequest  # noqa: E402
+from simulator.costs import load_profile  # noqa: E402
+from simulator.plan import Planner, candidates  # noqa: E402
+
+TRACES = REPO.parent / "shared" / "traces"
+WORKLOADS = {"conversation": ("azure_llm_2023_conv.csv", 1.0), "code": ("azure_llm_2023_code.csv", 1.0),
+             "conversation, bursty (gamma 0.25)": ("azure_llm_2023_conv.csv", 0.25)}
+
+
+def trace_requests(path: Path, n: int, max_len: int, seed: int) -> list[SimRequest]:
+    from loadtest.trace import load_trace
+    from loadtest.workload import ModelLimits, build_workload, trace_lengths
+
+    rows = load_trace(path, 0, n)
+    wl = build_workload(trace_lengths(rows), [0.0] * len(rows), ModelLimits(vocab_size=32000, max_context_length=max_len),
+                        seed=seed, id_prefix="cap")
+    return [SimRequest(r.request_id, 0.0, r.prompt_token_ids, r.max_tokens) for r in wl.requests]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", type=Path, required=True)
+    ap.add_argument("--ttft-slo-ms", type=float, required=True)
+    ap.add_argument("--tpot-slo-ms", type=float, required=True)
+    ap.add_argument("--workers", default="8,32,128,512")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--chunk-sizes", default="512,2048")
+    ap.add_argument("--local-prefill", default="0,auto")
+    ap.add_argument("--requests-per-worker", type=int, default=25)
+    ap.add_argument("--min-requests", type=int, default=400)
+    ap.add_argument("--full-search-max", type=int, default=32)
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=256 * 1024 * 1024)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--traces", type=Path, default=TRACES)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=REPO / "results" / "capacity")
+    ns = ap.parse_args(argv)
+    from simulator.plan import _locals
+
+    prof = load_profile(ns.profile)
+    budgets = sorted(int(x) for x in ns.workers.split(","))
+    chunks = sorted(int(x) for x in ns.chunk_sizes.split(","))
+    slos = {"ttft": ns.ttft_slo_ms, "tpot": ns.tpot_slo_ms}
+    ns.out.mkdir(parents=True, exist_ok=True)
+    lines = [f"Profile {ns.profile.name}: {prof.model} {prof.dtype} on {prof.meta.get('device_name', prof.device)}; "
+             f"SLOs TTFT {ns.ttft_slo_ms:g} ms, TPOT {ns.tpot_slo_ms:g} ms, 90% of requests; "
+             f"KV cache {ns.kv_cache_memory_bytes / 2**30:g} GiB per worker, max {ns.max_num_seqs} sequences\n",
+             "| workload | workers | best disaggregated | goodput (req/s) | per worker | best colocated | goodput (req/s) "
+             "| per worker | disagg / coloc |", "| --- | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: |"]
+    results = []
+    t_all = time.monotonic()
+    for wname in [w for w in ns.workloads.split(",") if w]:
+        fname, burst = WORKLOADS[wname]
+        base = SimConfig(kv_cache_memory_bytes=ns.kv_cache_memory_bytes, max_num_seqs=ns.max_num_seqs,
+                         max_num_requests=100_000)
+        won: dict = {}
+        for n in budgets:
+            t0 = time.monotonic()
+            reqs = trace_requests(ns.traces / fname, max(ns.min_requests, ns.requests_per_worker * n),
+                                  prof.max_model_len, ns.seed)
+            planner = Planner(prof, reqs, slos, 0.9, burst, ns.seed, base)
+            locals_ = _locals(ns.local_prefill, reqs)
+            if n <= ns.full_search_max or not won:
+                cfgs = candidates(n, chunks, locals_, base, ["colocated", "disaggregated"])
+            else:
+                d, c = won.get("disaggregated"), won.get("colocated")
+                cfgs = []
+                if c is not None:
+                    cfgs.append(replace(c, colocated=n))
+                if d is not None:
+                    share = d.prefill / (d.prefill + d.decode)
+                    ps = sorted({min(n - 1, max(1, round(n * (share + k / 32)))) for k in range(-3, 4)})
+                    cfgs += [replace(d, prefill=p, decode=n - p) for p in ps]
+            done, best = planner.best_of(cfgs)
+            if n <= ns.full_search_max:
+                won = {m: c.cfg for m, c in best.items()}
+            d, c = best.get("disaggregated"), best.get("colocated")
+            ratio = (d.per_worker / c.per_worker) if d and c and c.per_worker else None
+            row = {"workload": wname, "workers": n, "requests": len(reqs), "simulations": planner.simulations,
+                   "wall_s": time.monotonic() - t0, "best": {m: b.as_dict() for m, b in best.items()},
+                   "disagg_over_coloc": ratio}
+            results.append(row)
+            print(f"{wname:36s} N={n:4d}: disagg {d.cfg.label() if d else '-'} {d.goodput if d else 0:.3g} req/s | "
+                  f"coloc {c.cfg.label() if c else '-'} {c.goodput if c else 0:.3g} req/s | ratio "
+                  f"{'-' if ratio is None else f'{ratio:.2f}'} ({planner.simulations} sims, "
+                  f"{time.monotonic() - t0:.0f} s)", flush=True)
+            lines.append(f"| {wname} | {n} | {d.cfg.label() if d else 'none meets the SLOs'} | "
+                         f"{d.goodput if d else 0:.3g} | {d.per_worker if d else 0:.3g} | "
+                         f"{c.cfg.label() if c else 'none meets the SLOs'} | {c.goodput if c else 0:.3g} | "
+                         f"{c.per_worker if c else 0:.3g} | {'-' if ratio is None else f'{ratio:.2f}x'} |")
+    (ns.out / "capacity.json").write_text(json.dumps({"profile": str(ns.profile), "slos_ms": slos,
+                                                      "results": results, "wall_s": time.monotonic() - t_all},
+                                                     indent=1))
+    table = "\n".join(lines) + "\n"
+    (ns.out / "capacity.md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
