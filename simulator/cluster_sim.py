@@ -10,7 +10,8 @@ summary, the JSON and the goodput are computed by the same code as for a real ru
 
 What happens to a request (times on the virtual clock):
 1. It arrives; past ``max_num_requests`` held requests it fails with RESOURCE_EXHAUSTED (the router's
-   bound). After ``router_per_request_s`` the router's ``Placer.route`` decides: colocated, whole on a
+   bound). After ``router_per_request_s`` (a pair's prefill starts ``router_per_request_pair_s`` after the
+   arrival instead) the router's ``Placer.route`` decides: colocated, whole on a
    decode worker (conditional disaggregation), or a prefill/decode pair.
 2. A pair: ``Placer._try_pair`` ranks the decode workers and reserves the prompt's blocks on one (the
    simulated ``Reserve`` runs ``engine.reserve``; its answer comes back at that worker's next step
@@ -453,8 +454,10 @@ class Simulation:
             pw.unprefilled[wid] = len(prompt)
             pw.submit(lambda: pw.engine.add_request(wid, prompt, f.params, prefill_only=True))
 
-        # the Reserve reply comes when the decode worker's loop runs it: at its step boundary
-        t = d.boundary()
+        # the Reserve reply comes when the decode worker's loop runs it: at its step boundary; a pair's RPCs
+        # cost the router more than a whole request's (the profile's per_request_pair_s)
+        pair = self.profile.router_per_request_pair_s
+        t = d.boundary() + (0.0 if pair is None else max(0.0, pair - self.profile.router_per_request_s))
         if t > self.now:
             self.at(t, send_prefill)
         else:

@@ -147,6 +147,9 @@ class Profile:
     """KV transport name ('gloo', 'nccl') -> link model."""
     router_per_request_s: float = 0.0
     """Router work per request that delays its first token (validation, tokenizing, placement, RPC set-up)."""
+    router_per_request_pair_s: Optional[float] = None
+    """The same for a prefill/decode pair (a Reserve, the Prefill stream, the first token back); None: as
+    ``router_per_request_s``."""
     router_per_token_s: float = 0.0
     """Router work per streamed token that delays the token (detokenizing, stop strings, proto, gRPC write)."""
     meta: dict[str, Any] = field(default_factory=dict)
@@ -164,7 +167,9 @@ class Profile:
                 "kv_bytes_per_token": self.kv_bytes_per_token, "max_model_len": self.max_model_len,
                 "step": self.step.to_dict(),
                 "links": {k: {"latency_s": v.latency_s, "bytes_per_s": v.bytes_per_s} for k, v in self.links.items()},
-                "router": {"per_request_s": self.router_per_request_s, "per_token_s": self.router_per_token_s},
+                "router": {"per_request_s": self.router_per_request_s, "per_token_s": self.router_per_token_s,
+                           **({} if self.router_per_request_pair_s is None
+                              else {"per_request_pair_s": self.router_per_request_pair_s})},
                 "meta": self.meta}
 
     @classmethod
@@ -185,7 +190,9 @@ class Profile:
                     threads=d.get("threads"), block_size=int(d["block_size"]), num_layers=int(d["num_layers"]),
                     kv_bytes_per_token=int(d["kv_bytes_per_token"]), max_model_len=int(d["max_model_len"]),
                     step=step, links=links, router_per_request_s=float(router.get("per_request_s", 0.0)),
-                    router_per_token_s=float(router.get("per_token_s", 0.0)), meta=dict(d.get("meta") or {}))
+                    router_per_token_s=float(router.get("per_token_s", 0.0)), meta=dict(d.get("meta") or {}),
+                    router_per_request_pair_s=(None if router.get("per_request_pair_s") is None
+                                               else float(router["per_request_pair_s"])))
         except KeyError as e:
             raise ValueError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -196,7 +203,7 @@ class Profile:
         for name, link in p.links.items():
             if not (link.latency_s >= 0 and link.bytes_per_s > 0 and math.isfinite(link.bytes_per_s)):
                 raise ValueError(f"{where}: links.{name} needs latency_s >= 0 and bytes_per_s > 0")
-        if p.router_per_request_s < 0 or p.router_per_token_s < 0:
+        if p.router_per_request_s < 0 or p.router_per_token_s < 0 or (p.router_per_request_pair_s or 0) < 0:
             raise ValueError(f"{where}: router costs must be >= 0")
         return p
 

@@ -513,8 +513,57 @@ def measure_router(cfg: Any, model: str, ref: dict, quick: bool, seed: int) -> d
             router.stop()
         worker.stop()
     ttft, gap = statistics.median(ttfts), statistics.median(gaps)
+    pair = measure_pair_ttft(cfg, model, ref, quick, seed)
     return {**ref, "ttft_s": ttft, "ttft_samples_s": ttfts, "token_gap_s": gap, "token_gap_samples_s": gaps,
-            "per_request_raw_s": ttft - ref["engine_prefill_s"], "per_token_raw_s": gap - ref["engine_decode_s"]}
+            "per_request_raw_s": ttft - ref["engine_prefill_s"], "per_token_raw_s": gap - ref["engine_decode_s"],
+            "pair_ttft_s": pair, "per_request_pair_raw_s": pair - ref["engine_prefill_s"]}
+
+
+def measure_pair_ttft(cfg: Any, model: str, ref: dict, quick: bool, seed: int) -> float:
+    """Median TTFT of the same short prompts through a router and a prefill + decode pair (KV over the
+    same-process transport, so the link is not counted): the disaggregated path's own per-request cost
+    (a Reserve on the decode worker, the Prefill stream, the first token back) against the engine's prefill."""
+    import grpc
+
+    from decode_worker import DecodeWorker, DecodeWorkerConfig
+    from kvtransfer import InprocStore
+    from prefill_worker import PrefillWorker, PrefillWorkerConfig
+    from proto import pdserve_pb2, pdserve_pb2_grpc
+    from router import RouterConfig, RouterServer, StaticWorkerSource
+
+    rng = random.Random(seed + 2)
+    store = InprocStore()
+    workers: list = []
+    router = None
+    try:
+        workers.append(PrefillWorker(PrefillWorkerConfig("profile-p0", engine=cfg, kv_store=store, kv_backend="inproc",
+                                                         serve_metrics=False)).start())
+        workers.append(DecodeWorker(DecodeWorkerConfig("profile-d0", engine=cfg, kv_store=store, kv_backend="inproc",
+                                                       serve_metrics=False)).start())
+        router = RouterServer(RouterConfig(model=model, serve_metrics=False),
+                              StaticWorkerSource([w.info for w in workers])).start()
+        vocab = workers[0].engine.model_config.vocab_size
+        with grpc.insecure_channel(router.address) as ch:
+            stub = pdserve_pb2_grpc.PDServeStub(ch)
+
+            def first(max_tokens: int) -> float:
+                req = pdserve_pb2.GenerateRequest(token_ids=[rng.randrange(vocab) for _ in range(ref["prompt_tokens"])],
+                                                  max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                t0 = time.perf_counter()
+                t = None
+                for r in stub.Generate(req, timeout=120):
+                    if t is None and r.token_ids:
+                        t = time.perf_counter() - t0
+                return t if t is not None else math.inf
+
+            for _ in range(3):
+                first(2)
+            return statistics.median(first(2) for _ in range(8 if quick else 30))
+    finally:
+        if router is not None:
+            router.stop()
+        for w in workers:
+            w.stop()
 
 
 # -- where it ran ----------------------------------------------------------------------------------
@@ -732,7 +781,9 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
                    num_layers=mc.num_hidden_layers, kv_bytes_per_token=kvbpt,
                    max_model_len=engine_info["max_model_len"],
                    step=step, links=links, router_per_request_s=max(0.0, router.get("per_request_raw_s", 0.0)),
-                   router_per_token_s=max(0.0, router.get("per_token_raw_s", 0.0)), meta=meta)
+                   router_per_token_s=max(0.0, router.get("per_token_raw_s", 0.0)),
+                   router_per_request_pair_s=max(0.0, router.get("per_request_pair_raw_s",
+                                                                 router.get("per_request_raw_s", 0.0))), meta=meta)
 
 
 def summary(p: Profile, out: str) -> str:

@@ -271,3 +271,11 @@ def test_plan_cli(tmp_path, capsys):
     assert "--ttft-slo-ms 1" in capsys.readouterr().err
     assert plan.main([*common, "--workers", "0", "--ttft-slo-ms", "100", "--tpot-slo-ms", "100"]) == 2
     assert "--workers" in capsys.readouterr().err
+
+
+def test_pair_requests_pay_the_pair_path_cost():
+    prof = make_profile(router_per_request_pair_s=0.02)
+    _, [rec] = run(SimConfig(), [SimRequest("a", 0.0, list(range(100)), 2)], prof)
+    assert ttft_s(rec) == pytest.approx(0.02 + prefill_s(100), abs=1e-12)
+    _, [rec] = run(SimConfig(mode="colocated", colocated=1), [SimRequest("a", 0.0, list(range(100)), 2)], prof)
+    assert ttft_s(rec) == pytest.approx(R_REQ + prefill_s(100), abs=1e-12)
