@@ -146,6 +146,9 @@ def test_quick_profile_of_tiny(tmp_path, capsys):
     assert r["ttft_s"] > 0 and r["token_gap_s"] > 0
     assert prof.router_per_request_s == max(0.0, r["per_request_raw_s"])
     assert prof.router_per_token_s == max(0.0, r["per_token_raw_s"])
+    # the pair path (Reserve + Prefill stream + first token) was measured on its own, and costs the router more
+    assert prof.router_per_request_pair_s == max(0.0, r["per_request_pair_raw_s"])
+    assert r["pair_ttft_s"] > r["engine_prefill_s"]
     assert not list(tmp_path.glob(".*tmp"))  # no temp file left beside it
 
 
