@@ -47,13 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--length-scale", type=float, default=0.25)
     ap.add_argument("--rates", default="0.5,1,1.5,2,3")
     ap.add_argument("--configs", default="colocated,disaggregated,conditional",
-                    help="colocated (2 workers), disaggregated (1+1), conditional (1+1, --local-prefill-max-tokens)")
+                    help="colocated (2 workers), disaggregated (1+1), conditional (1+1, --local-prefill-max-tokens), "
+                         "each optionally @CHUNK (its --max-num-batched-tokens), e.g. colocated@256,colocated@2048")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512, help="every engine's chunk size")
     ap.add_argument("--local-prefill-max-tokens", type=int, default=192, help="the conditional configuration's")
     ap.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     ap.add_argument("--tpot-slo-ms", type=float, default=100.0)
     ap.add_argument("--goal", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1, help="sweeps of every rate per configuration (noise)")
     ap.add_argument("--request-timeout", type=float, default=300.0)
     ap.add_argument("--out", type=Path, default=REPO / "results" / "sim_validation")
     ap.add_argument("--quick", action="store_true", help="tiny model, 12 requests, 2 rates, colocated + disaggregated")
@@ -63,22 +65,31 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def parse_config(name: str, ns: argparse.Namespace) -> tuple[str, int]:
+    """("colocated" | "disaggregated" | "conditional", chunk size) of a ``--configs`` entry ``KIND[@CHUNK]``."""
+    kind, _, chunk = name.partition("@")
+    if kind not in ("colocated", "disaggregated", "conditional"):
+        raise SystemExit(f"--configs: unknown {kind!r} (colocated, disaggregated, conditional, each optionally @CHUNK)")
+    return kind, int(chunk) if chunk else ns.max_num_batched_tokens
+
+
 def sim_config(name: str, ns: argparse.Namespace) -> Any:
     from simulator.cluster_sim import SimConfig
 
-    base = dict(max_num_batched_tokens=ns.max_num_batched_tokens, enable_prefix_caching=False,
-                prefix_aware_routing=False)
-    if name == "colocated":
+    kind, chunk = parse_config(name, ns)
+    base = dict(max_num_batched_tokens=chunk, enable_prefix_caching=False, prefix_aware_routing=False)
+    if kind == "colocated":
         return SimConfig(mode="colocated", colocated=2, prefill=0, decode=0, **base)
-    return SimConfig(local_prefill_max_tokens=ns.local_prefill_max_tokens if name == "conditional" else 0, **base)
+    return SimConfig(local_prefill_max_tokens=ns.local_prefill_max_tokens if kind == "conditional" else 0, **base)
 
 
 def deployment(name: str, ns: argparse.Namespace, cores: list[int]) -> Deployment:
-    engine_kw = {"enable_prefix_caching": False, "max_num_batched_tokens": ns.max_num_batched_tokens}
+    kind, chunk = parse_config(name, ns)
+    engine_kw = {"enable_prefix_caching": False, "max_num_batched_tokens": chunk}
     router_kw: dict = {"prefix_aware_routing": False}
-    if name == "conditional":
+    if kind == "conditional":
         router_kw["local_prefill_max_tokens"] = ns.local_prefill_max_tokens
-    return Deployment("colocated" if name == "colocated" else "disaggregated", ns.model, cores,
+    return Deployment("colocated" if kind == "colocated" else "disaggregated", ns.model, cores,
                       engine_kw=engine_kw, router_kw=router_kw)
 
 
@@ -95,8 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     from loadtest.stats import goodput_rate, slo_attainment
     from loadtest.trace import load_trace, scale_trace
     from loadtest.workload import trace_lengths
-    from simulator.cli import run_simulation
-    from simulator.cluster_sim import SimRequest
     from simulator.costs import load_profile
 
     profile = load_profile(ns.profile)
@@ -120,40 +129,34 @@ def main(argv: list[str] | None = None) -> int:
         return resimulate(ns, profile, rows, lengths, span, slos, result)
     for name in names:
         cfg = sim_config(name, ns)
-        pts = []
+        reps: list[list[dict]] = [[] for _ in range(ns.repeats)]
         with deployment(name, ns, cores) as dep:
             limits = _limits(dep.target)
             warm_up(dep, lengths, limits, ns.seed, ns.request_timeout)
-            for rate in rates:
-                factor = (len(rows) - 1) / (rate * span) if span > 0 else 0.0
-                arrivals = [r.arrival_s * factor for r in rows]
-                reqs = _requests(lengths, arrivals, limits, ns.seed, f"{name[:4]}-r{rate:g}")
-                real, duration = _run(dep.target, reqs, ns.request_timeout)
-                end = time.monotonic() + 10
-                while dep.router.num_in_flight and time.monotonic() < end:
-                    time.sleep(0.05)
-                time.sleep(0.5)
-                sreqs = [SimRequest(r.request_id, r.arrival_s, r.prompt_token_ids, r.max_tokens) for r in reqs]
-                simmed, sdur, pools = run_simulation(profile, cfg, sreqs)
-                rs, ss = _summary(real, duration), _summary(simmed, sdur)
-                p = {"rate": rate, "real": {m: rs[m] for m in METRICS}, "sim": {m: ss[m] for m in METRICS},
-                     "real_ok": rs["completed"], "sim_ok": ss["completed"],
-                     "real_attainment": slo_attainment(real, slos), "sim_attainment": slo_attainment(simmed, slos),
-                     "sim_utilisation": {k: v.utilisation(sdur) for k, v in pools.items()}}
-                p["error"] = {m: (p["sim"][m] - p["real"][m]) / p["real"][m] if p["real"][m] else None
-                              for m in METRICS}
-                pts.append(p)
-                print(f"  {name:13s} {rate:4g} req/s  " + "  ".join(
-                    f"{m} {p['real'][m]:7.1f}/{p['sim'][m]:7.1f} ({p['error'][m]:+.0%})" for m in METRICS)
-                    + f"  attain {p['real_attainment']:.0%}/{p['sim_attainment']:.0%}", flush=True)
-        mae = {m: statistics.median(abs(p["error"][m]) for p in pts if p["error"][m] is not None) for m in METRICS}
-        result["configs"][name] = {
-            "deployment": cfg.label(), "points": pts, "median_abs_error": mae,
-            "goodput_real": goodput_rate([(p["rate"], p["real_attainment"]) for p in pts], ns.goal),
-            "goodput_sim": goodput_rate([(p["rate"], p["sim_attainment"]) for p in pts], ns.goal)}
-        c = result["configs"][name]
-        print(f"{name}: median |error| " + ", ".join(f"{m} {v:.1%}" for m, v in mae.items())
-              + f"; goodput real {c['goodput_real']:g} vs sim {c['goodput_sim']:g} req/s", flush=True)
+            for rep in range(ns.repeats):  # the whole rate sweep again: the noise between sweeps is visible
+                for rate in rates:
+                    factor = (len(rows) - 1) / (rate * span) if span > 0 else 0.0
+                    arrivals = [r.arrival_s * factor for r in rows]
+                    reqs = _requests(lengths, arrivals, limits, ns.seed, f"{name[:4]}-{rep}-r{rate:g}")
+                    real, duration = _run(dep.target, reqs, ns.request_timeout)
+                    end = time.monotonic() + 10
+                    while dep.router.num_in_flight and time.monotonic() < end:
+                        time.sleep(0.05)
+                    time.sleep(0.5)
+                    rs = _summary(real, duration)
+                    p = _sim_point(name, ns, profile, reqs, slos, rate, {m: rs[m] for m in METRICS},
+                                   slo_attainment(real, slos), rs["completed"])
+                    p["repeat"] = rep
+                    reps[rep].append(p)
+                    print(f"  {name:13s} #{rep} {rate:4g} req/s  " + "  ".join(
+                        f"{m} {p['real'][m]:7.1f}/{p['sim'][m]:7.1f} ({p['error'][m]:+.0%})" for m in METRICS)
+                        + f"  attain {p['real_attainment']:.0%}/{p['sim_attainment']:.0%}", flush=True)
+        c = _close(name, cfg.label(), [p for r in reps for p in r], ns.goal)
+        c["goodput_real_per_repeat"] = [goodput_rate([(p["rate"], p["real_attainment"]) for p in r], ns.goal)
+                                        for r in reps]
+        result["configs"][name] = c
+        print(f"{name}: median |error| " + ", ".join(f"{m} {v:.1%}" for m, v in c["median_abs_error"].items())
+              + f"; goodput real {c['goodput_real_per_repeat']} vs sim {c['goodput_sim']:g} req/s", flush=True)
     result["wall_s"] = time.monotonic() - t_all
     info["loadavg_end"] = os.getloadavg()
     ns.out.mkdir(parents=True, exist_ok=True)
