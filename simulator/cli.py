@@ -23,7 +23,6 @@ import logging
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np

@@ -11,7 +11,8 @@ import pytest
 
 from simulator import PDSERVE_VERSION
 from simulator.costs import StepFeatures, StepModel, load_profile
-from simulator.profile import _TERMS, _row, fit_link, fit_step_model, main, nnls
+from simulator.fit import _TERMS, _row, fit_link, fit_step_model, nnls
+from simulator.profile import main
 
 # a hand-written step model: what a CPU engine's steps roughly look like, in round numbers
 TRUE = StepModel(knots=[1, 4, 16, 64, 256, 1024], knot_s=[1e-3, 1.2e-3, 2e-3, 5e-3, 15e-3, 55e-3],

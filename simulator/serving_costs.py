@@ -1,0 +1,203 @@
+"""Measuring the serving path for a profile: the KV link between two processes, and the router's costs.
+
+Lifecycle: ``pdserve profile`` (simulator/profile.py) calls ``measure_link`` (kvtransfer's own endpoint over
+gloo to a second process on loopback) and ``measure_router`` (a router in front of a colocated worker, then of a
+prefill/decode pair, on loopback gRPC in this process) once each, after the engine's steps; each starts what it
+needs and stops it before returning.
+"""
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from typing import Any, Sequence
+
+# -- KV link ---------------------------------------------------------------------------------------
+
+def _link_cache(geom: tuple, num_blocks: int, fill: bool) -> list:
+    import torch
+
+    layers, bs, heads, width, dtype_name = geom
+    dtype = getattr(torch, dtype_name)
+    shape = (num_blocks, bs, heads, width)
+    if fill:
+        mk = (lambda: torch.randint(-100, 100, shape, dtype=dtype)) if dtype == torch.int8 else (
+            lambda: torch.randn(shape).to(dtype))
+    else:
+        mk = lambda: torch.zeros(shape, dtype=dtype)  # noqa: E731
+    return [(mk(), mk()) for _ in range(layers)]
+
+
+def _link_receiver(conn: Any, store_port: int, geom: tuple, num_blocks: int, threads: int) -> None:
+    """The second process: posts one receive per command and reports its end state."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from kvtransfer import KVEndpoint
+
+    ep = KVEndpoint("profile-d", f"tcp://127.0.0.1:{store_port}", timeout_s=120.0, host="127.0.0.1")
+    cache = _link_cache(geom, num_blocks, fill=False)
+    conn.send("up")
+    while True:
+        cmd = conn.recv()
+        if cmd[0] == "stop":
+            break
+        _, rid, tokens = cmd
+        h = ep.recv("profile-p", rid, cache, list(range(-(-tokens // geom[1]))), tokens)
+        conn.send("ready")
+        ep.wait(h, 120)
+        conn.send(ep.poll(h).value)
+    ep.shutdown()
+
+
+def measure_link(geom: tuple, kv_bytes_per_token: int, sizes: Sequence[int], reps: int, threads: int) -> list[dict]:
+    """Seconds from ``send()`` to DONE (the receiver's acknowledgement) for each size, median of ``reps``."""
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    from kvtransfer import KVEndpoint, TransferState
+
+    bs = geom[1]
+    token_counts = [max(1, round(s / kv_bytes_per_token)) for s in sizes]
+    num_blocks = -(-max(token_counts) // bs)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    proc = ctx.Process(target=_link_receiver, args=(child_conn, store.port, geom, num_blocks, threads), daemon=True)
+    proc.start()
+    out = []
+    ep = None
+    try:
+        deadline = time.monotonic() + 120
+        while not conn.poll(0.05):
+            if not proc.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"KV link: the receiving process did not start (exit code {proc.exitcode})")
+        if conn.recv() != "up":
+            raise RuntimeError("KV link: the receiving process did not start")
+        ep = KVEndpoint("profile-p", store, timeout_s=120.0, host="127.0.0.1")
+        cache = _link_cache(geom, num_blocks, fill=True)
+        seq = iter(range(1 << 30))
+
+        def once(tokens: int) -> tuple[float, int]:
+            rid = f"link-{next(seq)}"
+            conn.send(("recv", rid, tokens))
+            if conn.recv() != "ready":
+                raise RuntimeError("KV link: the receiver did not post its receive")
+            t0 = time.perf_counter()
+            h = ep.send("profile-d", rid, cache, list(range(-(-tokens // bs))), tokens, layers_ready=True)
+            state = ep.wait(h, 120)
+            dt = time.perf_counter() - t0
+            if state != TransferState.DONE or conn.recv() != "done":
+                raise RuntimeError(f"KV link: transfer {rid} failed: {ep.failure(h)}")
+            return dt, ep.stats(h).num_bytes
+
+        once(token_counts[0])  # the pair group's rendezvous and first connection
+        for tokens in token_counts:
+            ts = [once(tokens) for _ in range(reps + 1)][1:]
+            out.append({"tokens": tokens, "bytes": ts[0][1], "seconds": statistics.median(t for t, _ in ts),
+                        "reps_s": [t for t, _ in ts]})
+        conn.send(("stop",))
+    finally:
+        if ep is not None:
+            ep.shutdown()
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return out
+
+
+# -- router ----------------------------------------------------------------------------------------
+
+def measure_router(cfg: Any, model: str, ref: dict, quick: bool, seed: int) -> dict:
+    """TTFT and token gaps through a real router and colocated worker on loopback (module docstring, 3)."""
+    import grpc
+
+    from decode_worker import ColocatedWorker, ColocatedWorkerConfig
+    from proto import pdserve_pb2, pdserve_pb2_grpc
+    from router import RouterConfig, RouterServer, StaticWorkerSource
+
+    rng = random.Random(seed + 1)
+    worker = ColocatedWorker(ColocatedWorkerConfig("profile-c0", engine=cfg, serve_metrics=False)).start()
+    router = None
+    try:
+        router = RouterServer(RouterConfig(model=model, mode="colocated", serve_metrics=False),
+                              StaticWorkerSource([worker.info])).start()
+        vocab = worker.engine.model_config.vocab_size
+        with grpc.insecure_channel(router.address) as ch:
+            stub = pdserve_pb2_grpc.PDServeStub(ch)
+
+            def run(max_tokens: int) -> list[tuple[float, int]]:
+                req = pdserve_pb2.GenerateRequest(token_ids=[rng.randrange(vocab) for _ in range(ref["prompt_tokens"])],
+                                                  max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                t0 = time.perf_counter()
+                got = [(time.perf_counter() - t0, len(r.token_ids)) for r in stub.Generate(req, timeout=120)]
+                return [(t, k) for t, k in got if k]
+
+            for _ in range(3):  # connections, threads and the worker's first steps
+                run(4)
+            ttfts = [run(1)[0][0] for _ in range(8 if quick else 30)]
+            gaps = []
+            for _ in range(2 if quick else 5):
+                got = run(ref["stream_tokens"])
+                n_after = sum(k for _, k in got[1:])
+                if n_after:
+                    gaps.append((got[-1][0] - got[0][0]) / n_after)
+    finally:
+        if router is not None:
+            router.stop()
+        worker.stop()
+    ttft, gap = statistics.median(ttfts), statistics.median(gaps)
+    pair = measure_pair_ttft(cfg, model, ref, quick, seed)
+    return {**ref, "ttft_s": ttft, "ttft_samples_s": ttfts, "token_gap_s": gap, "token_gap_samples_s": gaps,
+            "per_request_raw_s": ttft - ref["engine_prefill_s"], "per_token_raw_s": gap - ref["engine_decode_s"],
+            "pair_ttft_s": pair, "per_request_pair_raw_s": pair - ref["engine_prefill_s"]}
+
+
+def measure_pair_ttft(cfg: Any, model: str, ref: dict, quick: bool, seed: int) -> float:
+    """Median TTFT of the same short prompts through a router and a prefill + decode pair (KV over the
+    same-process transport, so the link is not counted): the disaggregated path's own per-request cost
+    (a Reserve on the decode worker, the Prefill stream, the first token back) against the engine's prefill."""
+    import grpc
+
+    from decode_worker import DecodeWorker, DecodeWorkerConfig
+    from kvtransfer import InprocStore
+    from prefill_worker import PrefillWorker, PrefillWorkerConfig
+    from proto import pdserve_pb2, pdserve_pb2_grpc
+    from router import RouterConfig, RouterServer, StaticWorkerSource
+
+    rng = random.Random(seed + 2)
+    store = InprocStore()
+    workers: list = []
+    router = None
+    try:
+        workers.append(PrefillWorker(PrefillWorkerConfig("profile-p0", engine=cfg, kv_store=store, kv_backend="inproc",
+                                                         serve_metrics=False)).start())
+        workers.append(DecodeWorker(DecodeWorkerConfig("profile-d0", engine=cfg, kv_store=store, kv_backend="inproc",
+                                                       serve_metrics=False)).start())
+        router = RouterServer(RouterConfig(model=model, serve_metrics=False),
+                              StaticWorkerSource([w.info for w in workers])).start()
+        vocab = workers[0].engine.model_config.vocab_size
+        with grpc.insecure_channel(router.address) as ch:
+            stub = pdserve_pb2_grpc.PDServeStub(ch)
+
+            def first(max_tokens: int) -> float:
+                req = pdserve_pb2.GenerateRequest(token_ids=[rng.randrange(vocab) for _ in range(ref["prompt_tokens"])],
+                                                  max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                t0 = time.perf_counter()
+                t = None
+                for r in stub.Generate(req, timeout=120):
+                    if t is None and r.token_ids:
+                        t = time.perf_counter() - t0
+                return t if t is not None else math.inf
+
+            for _ in range(3):
+                first(2)
+            return statistics.median(first(2) for _ in range(8 if quick else 30))
+    finally:
+        if router is not None:
+            router.stop()
+        for w in workers:
+            w.stop()
