@@ -11,7 +11,7 @@ import pytest
 
 from simulator import PDSERVE_VERSION
 from simulator.costs import StepFeatures, StepModel, load_profile
-from simulator.fit import _TERMS, _row, fit_link, fit_step_model, nnls
+from simulator.fit import _TERMS, _features, _row, fit_link, fit_step_model, nnls
 from simulator.profile import main
 
 # a hand-written step model: what a CPU engine's steps roughly look like, in round numbers
@@ -120,7 +120,7 @@ def test_quick_profile_of_tiny(tmp_path, capsys):
     # the step model predicts its own decode and prefill samples: median relative error within 25%
     by_kind: dict[str, list[float]] = {}
     for s in prof.meta["samples"]:
-        f = StepFeatures(s["tokens"], s["sampled"], s["prefill_pairs"], s["decode_ctx"], s["prefill_ctx"])
+        f = _features(s)
         by_kind.setdefault(s["kind"], []).append(abs(prof.step.seconds(f) / s["seconds"] - 1))
     assert {"decode", "prefill", "prefill_hit", "prefill_batch", "mixed"} <= set(by_kind)
     for kind in ("decode", "prefill"):
@@ -130,9 +130,9 @@ def test_quick_profile_of_tiny(tmp_path, capsys):
     # term misses it by a third on this grid)
     longest = max((s for s in prof.meta["samples"] if s["kind"] == "prefill"), key=lambda s: s["tokens"])
     assert longest["tokens"] >= 1024 and prof.step.per_prefill_pair_s > 0
-    f = StepFeatures(longest["tokens"], longest["sampled"], longest["prefill_pairs"], longest["decode_ctx"],
-                     longest["prefill_ctx"])
-    assert prof.step.seconds(f) == pytest.approx(longest["seconds"], rel=0.15)
+    # (30%: the suite must pass beside CPU hogs, which inflate single timings; the fit misses it by more without
+    # the pair term)
+    assert prof.step.seconds(_features(longest)) == pytest.approx(longest["seconds"], rel=0.3)
     decodes = [s for s in prof.meta["samples"] if s["kind"] == "decode"]
     assert {s["batch"] for s in decodes} >= {1, 4, 16}
     hits = [s for s in prof.meta["samples"] if s["kind"] == "prefill_hit"]
