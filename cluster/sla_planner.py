@@ -28,22 +28,28 @@ the observed rate counts only the new ones' share. Estimates over the window [t0
                                                                 would not)
 
 Formulas (``plan``), with lambda the rate, h the headroom factor, M the engine's per-step token budget
-(``max_num_batched_tokens``), r = router_per_request_s + router_per_token_s, L the model's layers, kvb
-its KV bytes per token, link(bytes) the profile's KV link and step(.) its step model:
+(``max_num_batched_tokens``), r the router's work before a prompt reaches its worker (``router_per_request_s``;
+for a prefill/decode pair ``router_per_request_pair_s`` when the profile has it), L the model's layers, kvb
+its KV bytes per token, link(bytes) the profile's KV link and step(.) the duration of one engine step as the
+simulator prices it: the profile's step model plus ``router_per_token_s`` for every row that samples (the
+serving path's work per streamed token runs on the worker's cores: ``simulator.engine_sim``):
 
 Prefill pool (disaggregated). A lone prompt of p tokens takes
     s = prefill_s(p) = sum over its chunks of M tokens (n after c): lin(n) + per_prefill_pair_s * n (c + (n + 1) / 2)
-                       + per_prefill_ctx_s * (c + n), + per_sampled_row_s once (the last chunk samples).
+                       + per_prefill_ctx_s * (c + n), + per_sampled_row_s + router_per_token_s once (the last
+                       chunk samples the first token).
 A worker is one server with Poisson arrivals; taking the M/M/1 tail of the wait (P(wait > t) =
-rho e^(-(1 - rho) t / s)), the 90th percentile TTFT at utilisation rho is
-    TTFT90(rho) = r + s + s * max(0, ln(10 rho)) / (1 - rho)
+rho e^(-(1 - rho) t / s)), and the decode worker's step the Reserve waits for (ITL(B*), below), the 90th
+percentile TTFT at utilisation rho is
+    TTFT90(rho) = r + ITL(B*) + s + s * max(0, ln(10 rho)) / (1 - rho)
     rho_P = the largest rho <= rho_max with TTFT90(rho) <= TTFT SLO (bisection; TTFT90 grows with rho)
     per-replica throughput mu_P = rho_P / s (req/s);   prefill replicas = ceil(h * lambda / mu_P)
 (conservative: a busy prefill worker batches the prompts queued behind a step, which this ignores).
 
 Decode pool (disaggregated). The prefill worker samples the first token, so a request decodes o_d = max(1, o - 1)
 tokens here, at a mean context of ctx = p + o / 2. One step of B running sequences takes
-    ITL(B) = step(T = B, S = B, DC = B * ctx) = lin(B) + per_sampled_row_s * B + per_decode_ctx_s * B * ctx
+    ITL(B) = step(T = B, S = B, DC = B * ctx)
+           = lin(B) + (per_sampled_row_s + router_per_token_s) * B + per_decode_ctx_s * B * ctx
 A request's TPOT also pays its KV hand-off after the first token, kv = max(link(p kvb / L), link(p kvb) - s)
 (layer by layer, overlapped with the last prefill step), and about one step's wait to join the batch:
     TPOT(B) = ITL(B) * (1 + 1 / o_d) + kv / o_d
@@ -57,7 +63,7 @@ steps as the decodes), which stretches every decode step: with B = x * o_d * TPO
     TTFT90(x) = r + s + ITL(B) + s * max(0, ln(10 u)) / (1 - u)   (the step in flight, then the prompts ahead)
     mu_C = the largest x with both within their SLOs (bisection);   colocated replicas = ceil(h * lambda / mu_C)
 
-An SLO no size can meet (TTFT SLO <= r + s, or TPOT(1) above the TPOT SLO) is reported in ``Plan.notes``;
+An SLO no size can meet (TTFT SLO <= r + ITL(B*) + s, or TPOT(1) above the TPOT SLO) is reported in ``Plan.notes``;
 the pool is then sized at utilisation ``rho_infeasible`` (prefill, colocated) or batch 1 (decode), and the
 bounds cap it. Every size is clamped to the pool's [min, max].
 
@@ -166,22 +172,28 @@ class Plan:
 
 
 # ---- the step model's pieces ---------------------------------------------------------------------------------
+def step_seconds(profile: Profile, f: StepFeatures) -> float:
+    """One engine step as the simulator prices it (``simulator.engine_sim.SimRunner``): the step model plus the
+    serving path's work for each token the step streams."""
+    return profile.step.seconds(f) + profile.router_per_token_s * f.sampled
+
+
 def prefill_seconds(profile: Profile, prompt_tokens: float, chunk: int) -> float:
     """A lone fresh prompt of ``prompt_tokens`` (rounded) prefilled in chunks of ``chunk`` tokens."""
     n_total = max(1, int(round(prompt_tokens)))
-    step, c, total = profile.step, 0, 0.0
+    c, total = 0, 0.0
     while c < n_total:
         n = min(chunk, n_total - c)
         last = c + n == n_total
-        total += step.seconds(StepFeatures(tokens=n, sampled=1 if last else 0, prefill_pairs=n * (c + (n + 1) / 2),
-                                           prefill_ctx=c + n))
+        total += step_seconds(profile, StepFeatures(tokens=n, sampled=1 if last else 0,
+                                                    prefill_pairs=n * (c + (n + 1) / 2), prefill_ctx=c + n))
         c += n
     return total
 
 
 def decode_step_seconds(profile: Profile, batch: int, ctx: float) -> float:
     """ITL(B): one decode step of ``batch`` sequences at a mean context of ``ctx`` tokens."""
-    return profile.step.seconds(StepFeatures(tokens=batch, sampled=batch, decode_ctx=int(round(batch * ctx))))
+    return step_seconds(profile, StepFeatures(tokens=batch, sampled=batch, decode_ctx=int(round(batch * ctx))))
 
 
 def kv_handoff_seconds(profile: Profile, prompt_tokens: float, prefill_s: float, link: str) -> float:
@@ -220,11 +232,13 @@ def _replicas(demand: float, per_replica: float) -> int:
 
 
 # ---- per-replica capacities ----------------------------------------------------------------------------------
-def prefill_capacity(cfg: SlaConfig, load: Load, plan: Plan) -> float:
-    """mu_P (req/s) of one prefill worker (module docstring); fills ``plan.detail``."""
+def prefill_capacity(cfg: SlaConfig, load: Load, plan: Plan, decode_itl_s: float) -> float:
+    """mu_P (req/s) of one prefill worker (module docstring); ``decode_itl_s``: the decode worker's step, which
+    the Reserve before every prefill waits for; fills ``plan.detail``."""
     prof = cfg.profile
     s = prefill_seconds(prof, load.prompt_tokens, cfg.max_num_batched_tokens)
-    over = prof.router_per_request_s + prof.router_per_token_s
+    pair = prof.router_per_request_pair_s
+    over = (prof.router_per_request_s if pair is None else max(pair, prof.router_per_request_s)) + decode_itl_s
     slo = cfg.ttft_slo_ms / 1000
     if over + s >= slo:
         plan.notes.append(f"TTFT SLO {cfg.ttft_slo_ms:g} ms is below a lone {load.prompt_tokens:.0f}-token prompt's "
@@ -264,7 +278,7 @@ def colocated_capacity(cfg: SlaConfig, load: Load, plan: Plan) -> float:
     """mu_C (req/s) of one colocated worker (module docstring); fills ``plan.detail``."""
     prof = cfg.profile
     s = prefill_seconds(prof, load.prompt_tokens, cfg.max_num_batched_tokens)
-    over = prof.router_per_request_s + prof.router_per_token_s
+    over = prof.router_per_request_s
     o_d = max(1.0, load.output_tokens - 1)
     ctx = load.prompt_tokens + load.output_tokens / 2
     cap = cfg.max_num_seqs
@@ -319,8 +333,9 @@ def plan(cfg: SlaConfig, load: Load, mode: str = "disaggregated") -> Plan:
         out.per_replica["colocated"] = mu
         out.sizes["colocated"] = _replicas(demand, mu)
         return out
-    mu_p = prefill_capacity(cfg, load, out)
-    mu_d = decode_capacity(cfg, load, out, out.detail["prefill_s"])
+    s = prefill_seconds(cfg.profile, load.prompt_tokens, cfg.max_num_batched_tokens)
+    mu_d = decode_capacity(cfg, load, out, s)
+    mu_p = prefill_capacity(cfg, load, out, out.detail["itl_s"])
     out.per_replica.update(prefill=mu_p, decode=mu_d)
     out.sizes["prefill"] = _replicas(demand, mu_p)
     out.sizes["decode"] = _replicas(demand * out.detail["decode_tokens_per_request"], mu_d)

@@ -39,8 +39,15 @@ def lin(t: float) -> float:
     return 0.01 + 0.001 * (t - 1)
 
 
-S100 = lin(100) + 1e-6 * 100 * 50.5  # a lone 100-token prompt: 0.11405 s
-TTFT_AT_HALF = R_REQ + R_TOK + S100 + S100 * math.log(5) / 0.5  # the TTFT SLO that allows rho = 0.5 exactly
+def itl(b: int, ctx: float = 132) -> float:
+    """A decode step of b sequences at context ctx; every sampled row also pays the router's per-token work."""
+    return lin(b) + R_TOK * b + 1e-5 * b * ctx
+
+
+S100 = lin(100) + 1e-6 * 100 * 50.5 + R_TOK  # a lone 100-token prompt: 0.11505 s
+# the TTFT SLO that allows rho = 0.5 exactly with 100-token prompts, 64 tokens out and the TPOT SLO of 60 ms
+# (whose largest decode batch is 14: the Reserve waits for one decode step, itl(14))
+TTFT_AT_HALF = R_REQ + itl(14) + S100 + S100 * math.log(5) / 0.5
 
 
 def sla(**kw) -> SlaConfig:
@@ -53,28 +60,27 @@ def sla(**kw) -> SlaConfig:
 def test_prefill_time_of_a_prompt_alone_and_in_chunks():
     prof = make_profile()
     assert prefill_seconds(prof, 100, 2048) == pytest.approx(S100)
-    chunked = (lin(64) + 1e-6 * 64 * (0 + 65 / 2)) + (lin(36) + 1e-6 * 36 * (64 + 37 / 2))
-    assert prefill_seconds(prof, 100, 64) == pytest.approx(chunked)
-    assert decode_step_seconds(prof, 21, 132) == pytest.approx(lin(21) + 1e-5 * 21 * 132)
+    chunked = (lin(64) + 1e-6 * 64 * (0 + 65 / 2)) + (lin(36) + 1e-6 * 36 * (64 + 37 / 2) + R_TOK)
+    assert prefill_seconds(prof, 100, 64) == pytest.approx(chunked)  # only the last chunk samples
+    assert decode_step_seconds(prof, 21, 132) == pytest.approx(lin(21) + R_TOK * 21 + 1e-5 * 21 * 132)
 
 
 def test_sizes_against_hand_computed_ones():
     p = plan(sla(), Load(rate=10.0, prompt_tokens=100, output_tokens=64))
-    # prefill: TTFT90(rho) = r + s + s ln(10 rho) / (1 - rho) meets the SLO at rho = 0.5 exactly
-    assert p.detail["rho_prefill"] == pytest.approx(0.5, abs=1e-6)
-    mu_p = 0.5 / S100  # 4.384 req/s per prefill worker
-    assert p.per_replica["prefill"] == pytest.approx(mu_p, rel=1e-5)
-    assert p.sizes["prefill"] == math.ceil(10 / mu_p) == 3
     # decode: ctx = 100 + 64 / 2 = 132, o_d = 63, kv = link(100 * 1000 / 4) = 0.027 s (the last layer's share
     # decides: link(100 kB) - s < 0); TPOT(B) = ITL(B) (1 + 1/63) + 0.027 / 63 <= 60 ms
-    # with ITL(B) = 0.009 + 0.00232 B  ->  B <= 21.4: B* = 21
+    # with ITL(B) = 0.009 + (0.001 + 0.001 + 0.00132) B  ->  B <= 14.9: B* = 14
     assert p.detail["kv_s"] == pytest.approx(0.027)
-    assert p.detail["decode_batch"] == 21
-    itl21 = lin(21) + 1e-5 * 21 * 132
-    assert itl21 * 64 / 63 + 0.027 / 63 <= 0.060 < (lin(22) + 1e-5 * 22 * 132) * 64 / 63 + 0.027 / 63
-    mu_d = 21 / itl21  # 363.8 tokens/s per decode worker
+    assert p.detail["decode_batch"] == 14
+    assert itl(14) * 64 / 63 + 0.027 / 63 <= 0.060 < itl(15) * 64 / 63 + 0.027 / 63
+    mu_d = 14 / itl(14)  # 252.3 tokens/s per decode worker
     assert p.per_replica["decode"] == pytest.approx(mu_d)
-    assert p.sizes["decode"] == math.ceil(10 * 63 / mu_d) == 2
+    assert p.sizes["decode"] == math.ceil(10 * 63 / mu_d) == 3  # 2.50 workers
+    # prefill: TTFT90(rho) = r + ITL(B*) + s + s ln(10 rho) / (1 - rho) meets the SLO at rho = 0.5 exactly
+    assert p.detail["rho_prefill"] == pytest.approx(0.5, abs=1e-6)
+    mu_p = 0.5 / S100  # 4.346 req/s per prefill worker
+    assert p.per_replica["prefill"] == pytest.approx(mu_p, rel=1e-5)
+    assert p.sizes["prefill"] == math.ceil(10 / mu_p) == 3  # 2.30 workers
     assert p.notes == []
 
 
@@ -84,13 +90,13 @@ def test_headroom_batch_caps_and_zero_rate():
     assert plan(sla(max_num_seqs=8), load).detail["decode_batch"] == 8
     assert plan(sla(kv_tokens=5 * 164 + 10), load).detail["decode_batch"] == 5  # 5 sequences of 100 + 64 tokens
     p8 = plan(sla(max_num_seqs=8), load)
-    assert p8.sizes["decode"] == math.ceil(10 * 63 / (8 / (lin(8) + 1e-5 * 8 * 132)))
+    assert p8.sizes["decode"] == math.ceil(10 * 63 / (8 / itl(8)))
     assert plan(sla(), Load(0.0, 0.0, 0.0)).sizes == {"prefill": 0, "decode": 0}
 
 
 def test_slos_no_size_meets_are_noted():
     p = plan(sla(ttft_slo_ms=100, tpot_slo_ms=5), Load(rate=2.0, prompt_tokens=100, output_tokens=64))
-    assert len(p.notes) == 2 and "TTFT SLO 100 ms" in p.notes[0] and "TPOT SLO 5 ms" in p.notes[1]
+    assert len(p.notes) == 2 and "TPOT SLO 5 ms" in p.notes[0] and "TTFT SLO 100 ms" in p.notes[1]
     assert p.detail["rho_prefill"] == 0.5 and p.detail["decode_batch"] == 1
 
 
@@ -220,21 +226,21 @@ def test_planner_with_the_sla_policy_moves_pools_by_several_workers_within_bound
 
     total = [0.0]
     at(0, 0, total)
-    at(5, 10, total)  # 10 req/s over 5 s: prefill 3 (hand-computed above), decode 2: both at once
-    assert c.scaled == [("prefill", 3), ("decode", 2)]
+    at(5, 10, total)  # 10 req/s over 5 s: prefill 3, decode 3 (hand-computed above): both at once
+    assert c.scaled == [("prefill", 3), ("decode", 3)]
     at(10, 40, total)  # the window's rate is now 25 req/s (> max): capped at 4... but prefill cools down
     assert c.scaled[2:] == []
-    at(20, 40, total)  # cooled down (15 s); 450 requests in 20 s: prefill ceil(22.5 / 4.384) = 6, decode
-    assert c.scaled[2:] == [("prefill", 4), ("decode", 4)]  # ceil(22.5 * 63 / 363.8) = 4: both capped at 4
+    at(20, 40, total)  # cooled down (15 s); 450 requests in 20 s: prefill ceil(22.5 / 4.346) = 6, decode
+    assert c.scaled[2:] == [("prefill", 4), ("decode", 4)]  # ceil(22.5 * 63 / 252.3) = 6: both capped at 4
     for t in range(25, 81, 5):  # nothing arrives from now on
         at(t, 0, total)
-    # targets (window 20 s): 25 s: 20 req/s -> 4P 4D; 30 s: 10 req/s -> 3P 2D; 35 s: 8 req/s -> 2P 2D; from 40 s:
-    # 0 -> 1P 1D. Down only to the largest target of the last 30 s: at 60 s that is 30 s's 3P 2D; the next
+    # targets (window 20 s): 25 s: 20 req/s -> 4P 4D; 30 s: 10 req/s -> 3P 3D; 35 s: 8 req/s -> 2P 2D; from 40 s:
+    # 0 -> 1P 1D. Down only to the largest target of the last 30 s: at 60 s that is 30 s's 3P 3D; the next
     # change waits out the cooldown (75 s), when everything since 45 s wanted 1
-    assert c.scaled[4:] == [("prefill", 3), ("decode", 2), ("prefill", 1), ("decode", 1)]
-    assert [d[1:] for d in planner.decisions] == [("prefill", 1, 3), ("decode", 1, 2), ("prefill", 3, 4),
-                                                  ("decode", 2, 4), ("prefill", 4, 3), ("decode", 4, 2),
-                                                  ("prefill", 3, 1), ("decode", 2, 1)]
+    assert c.scaled[4:] == [("prefill", 3), ("decode", 3), ("prefill", 1), ("decode", 1)]
+    assert [d[1:] for d in planner.decisions] == [("prefill", 1, 3), ("decode", 1, 3), ("prefill", 3, 4),
+                                                  ("decode", 3, 4), ("prefill", 4, 3), ("decode", 4, 3),
+                                                  ("prefill", 3, 1), ("decode", 3, 1)]
     assert planner.policy.last_load == Load(0.0, 0.0, pytest.approx(64.0))
 
 
