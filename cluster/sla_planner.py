@@ -35,9 +35,9 @@ simulator prices it: the profile's step model plus ``router_per_token_s`` for ev
 serving path's work per streamed token runs on the worker's cores: ``simulator.engine_sim``):
 
 Prefill pool (disaggregated). A lone prompt of p tokens takes
-    s = prefill_s(p) = sum over its chunks of M tokens (n after c): lin(n) + per_prefill_pair_s * n (c + (n + 1) / 2)
-                       + per_prefill_ctx_s * (c + n), + per_sampled_row_s + router_per_token_s once (the last
-                       chunk samples the first token).
+    s = prefill_s(p) = sum over its chunks of M tokens (n after c) of the step of that chunk alone (T = n,
+                       PA = n (c + (n + 1) / 2), PC = c + n, PX = n c, PN = 1: simulator.costs.step_features),
+                       the last chunk sampling the first token (S = 1).
 A worker is one server with Poisson arrivals; taking the M/M/1 tail of the wait (P(wait > t) =
 rho e^(-(1 - rho) t / s)), and the decode worker's step the Reserve waits for (ITL(B*), below), the 90th
 percentile TTFT at utilisation rho is
@@ -186,7 +186,8 @@ def prefill_seconds(profile: Profile, prompt_tokens: float, chunk: int) -> float
         n = min(chunk, n_total - c)
         last = c + n == n_total
         total += step_seconds(profile, StepFeatures(tokens=n, sampled=1 if last else 0,
-                                                    prefill_pairs=n * (c + (n + 1) / 2), prefill_ctx=c + n))
+                                                    prefill_pairs=n * (c + (n + 1) / 2), prefill_ctx=c + n,
+                                                    prefill_cached_pairs=n * c, prefill_chunks=1))
         c += n
     return total
 
