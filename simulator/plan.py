@@ -4,8 +4,9 @@ Lifecycle: ``main(argv)`` reads a profile, a workload (``pdserve bench``'s flags
 random lengths), the SLOs (``--ttft-slo-ms``, ``--tpot-slo-ms``) and either a worker budget
 (``--workers N``: the best configurations of N workers) or a target rate (``--target-rate R``: the
 fewest workers that serve R). For each candidate configuration it finds the goodput, DistServe's
-measure: the highest Poisson (or ``--burstiness``) request rate at which at least ``--goal`` (90%) of the
-requests meet both SLOs, by bisection on the rate with one simulation per probe (``goodput_of``).
+measure: the highest request rate at which at least ``--goal`` (90%) of the requests meet both SLOs (a
+trace's own arrival pattern rescaled to each rate; with ``--request-rate``, or random lengths, Poisson or
+``--burstiness`` gamma arrivals), by bisection on the rate with one simulation per probe (``goodput_of``).
 Candidates: colocated N workers at each chunk size (``--chunk-sizes``); disaggregated P:D for every
 split (a coarse-to-fine search when N is large) at each chunk size, with conditional disaggregation off
 and at each ``--local-prefill`` threshold. It prints the best disaggregated and best colocated side by
@@ -68,14 +69,20 @@ class Candidate:
                 "probes": [q.__dict__ for q in self.probes]}
 
 
-def at_rate(reqs: list[SimRequest], rate: float, burstiness: float, seed: int) -> list[SimRequest]:
-    """The same requests, arriving at ``rate`` req/s (gamma gaps of shape ``burstiness``; 1 = Poisson)."""
+def at_rate(reqs: list[SimRequest], rate: float, burstiness: Optional[float], seed: int) -> list[SimRequest]:
+    """The same requests, arriving at mean ``rate`` req/s: gamma gaps of shape ``burstiness`` (1 = Poisson), or,
+    with ``burstiness`` None, their own arrival times rescaled (a trace's burst pattern kept, as
+    benchmarks/disagg_vs_colocated.py replays it)."""
+    if burstiness is None:
+        span = reqs[-1].arrival_s - reqs[0].arrival_s
+        f = (len(reqs) - 1) / (rate * span) if span > 0 else 0.0
+        return [replace(r, arrival_s=(r.arrival_s - reqs[0].arrival_s) * f) for r in reqs]
     arr = gamma_arrivals(len(reqs), rate, burstiness, seed)
     return [replace(r, arrival_s=t) for r, t in zip(reqs, arr)]
 
 
 def simulate_point(profile: Profile, cfg: SimConfig, reqs: list[SimRequest], rate: float, slos: dict[str, float],
-                   burstiness: float, seed: int) -> Point:
+                   burstiness: Optional[float], seed: int) -> Point:
     records, duration, pools = run_simulation(profile, cfg, at_rate(reqs, rate, burstiness, seed))
     ok = [r for r in records if r.success]
     ttfts = [ttft_s(r) for r in ok if ttft_s(r) is not None]
@@ -202,7 +209,7 @@ class Planner:
     """Goodput of deployments for one workload, profile and SLOs."""
 
     def __init__(self, profile: Profile, reqs: list[SimRequest], slos: dict[str, float], goal: float,
-                 burstiness: float, seed: int, base: SimConfig) -> None:
+                 burstiness: Optional[float], seed: int, base: SimConfig) -> None:
         self.profile, self.reqs, self.slos, self.goal = profile, reqs, slos, goal
         self.burstiness, self.seed, self.base = burstiness, seed, base
         self.simulations = 0
@@ -284,7 +291,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     slos = {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms}
-    planner = Planner(profile, reqs, slos, args.goal, args.burstiness, args.seed, base)
+    # a trace replayed without --request-rate keeps its own burst pattern at every probed rate
+    own_gaps = args.dataset_name == "trace" and args.request_rate is None
+    planner = Planner(profile, reqs, slos, args.goal, None if own_gaps else args.burstiness, args.seed, base)
     t0 = time.perf_counter()
     if args.workers is not None:
         n = args.workers
