@@ -78,7 +78,13 @@ def main(argv: list[str] | None = None) -> int:
              "| per worker | disagg / coloc |", "| --- | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: |"]
     results = []
     t_all = time.monotonic()
-    for wname in [w for w in ns.workloads.split(",") if w]:
+    names: list[str] = []
+    for w in ns.workloads.split(","):  # a name may hold a comma ("conversation, bursty ..."): glue it back
+        if names and w not in WORKLOADS:
+            names[-1] += "," + w
+        elif w:
+            names.append(w)
+    for wname in names:
         fname, burst = WORKLOADS[wname]
         base = SimConfig(kv_cache_memory_bytes=ns.kv_cache_memory_bytes, max_num_seqs=ns.max_num_seqs,
                          max_num_requests=100_000)
