@@ -251,6 +251,14 @@ def _settings(args: argparse.Namespace, model_name: str, mode: str, request_rate
         s["target"] = args.target
     else:
         s.update(base_url=args.base_url, endpoint="/v1/completions", tokenizer_id=args.tokenizer)
+    s.update(workload_settings(args, s["request_rate"]))
+    s["metadata"] = args.metadata_dict  # report.result_dict writes the pairs as top-level keys
+    return s
+
+
+def workload_settings(args: argparse.Namespace, request_rate: object) -> dict:
+    """The result JSON's keys that describe ``add_workload_args``' workload (``pdserve bench`` and ``simulate``)."""
+    s: dict = {"request_rate": request_rate}
     if args.ramp_up_strategy:
         s.update(request_rate="ramp-up", ramp_up_strategy=args.ramp_up_strategy,
                  ramp_up_start_rps=args.ramp_up_start_rps, ramp_up_end_rps=args.ramp_up_end_rps)
@@ -262,7 +270,6 @@ def _settings(args: argparse.Namespace, model_name: str, mode: str, request_rate
                  range_ratio=args.range_ratio, random_prefix_len=args.random_prefix_len)
     if isinstance(s["request_rate"], float) and math.isinf(s["request_rate"]):
         s["request_rate"] = "inf"  # JSON has no Infinity
-    s["metadata"] = args.metadata_dict  # report.result_dict writes the pairs as top-level keys
     return s
 
 

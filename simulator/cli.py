@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 import time
 from typing import Any, Optional
 
 import numpy as np
 
-from loadtest.cli import add_workload_args, check_workload_args, result_path, workload_lengths_and_arrivals
+from loadtest.cli import (add_workload_args, check_workload_args, result_path, workload_lengths_and_arrivals,
+                          workload_settings)
 from loadtest.report import print_summary, save_result
 from loadtest.stats import RequestRecord, summarize
 from loadtest.trace import HASH_BLOCK_TOKENS, load_trace
@@ -155,17 +155,7 @@ def _settings(args: argparse.Namespace, profile: Profile, cfg: SimConfig, rate: 
          "percentile_metrics": ",".join(args.percentile_metric_list),
          "metric_percentiles": ",".join(f"{p:g}" for p in args.percentile_list),
          "num_clipped_to_model_limits": clipped}
-    if args.dataset_name == "trace":
-        s.update(dataset="trace", dataset_name="trace", trace=args.trace, trace_start=args.trace_start,
-                 length_scale=args.length_scale, time_scale=args.time_scale)
-    else:
-        s.update(dataset="random", dataset_name="random", input_len=args.input_len, output_len=args.output_len,
-                 range_ratio=args.range_ratio, random_prefix_len=args.random_prefix_len)
-    if args.ramp_up_strategy:
-        s.update(request_rate="ramp-up", ramp_up_strategy=args.ramp_up_strategy,
-                 ramp_up_start_rps=args.ramp_up_start_rps, ramp_up_end_rps=args.ramp_up_end_rps)
-    if isinstance(s["request_rate"], float) and math.isinf(s["request_rate"]):
-        s["request_rate"] = "inf"
+    s.update(workload_settings(args, s["request_rate"]))
     s["metadata"] = args.metadata_dict
     return s
 
