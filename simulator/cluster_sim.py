@@ -174,6 +174,11 @@ class SimWorker:
         """Requests whose first token is not out yet -> prompt tokens (the worker's queued_prompt_tokens)."""
         self._info: Optional[WorkerInfo] = None
         self._kick_due = False
+        self.ready = True
+        """In routing: False while its model loads (``Simulation.add_worker``) and once it drains."""
+        self.requests_total = self.prompt_tokens_total = 0
+        self.output_tokens_total = self.requests_finished_total = 0
+        """WorkerInfo's cumulative counters, counted as a real worker counts them (worker_common/worker_base.py)."""
 
     # -- what the router sees -----------------------------------------------------------------
     def info(self) -> WorkerInfo:
@@ -183,7 +188,10 @@ class SimWorker:
                                     kv_name=self.worker_id, num_total_blocks=e.num_total_blocks,
                                     num_free_blocks=e.num_free_blocks, num_running=e.num_running,
                                     num_waiting=e.num_waiting, queued_prompt_tokens=sum(self.unprefilled.values()),
-                                    ready=True, block_size=e.block_size, kv_cache_dtype=e.kv_cache_dtype)
+                                    ready=self.ready, block_size=e.block_size, kv_cache_dtype=e.kv_cache_dtype,
+                                    requests_total=self.requests_total, prompt_tokens_total=self.prompt_tokens_total,
+                                    output_tokens_total=self.output_tokens_total,
+                                    requests_finished_total=self.requests_finished_total)
         return self._info
 
     def changed(self) -> None:
@@ -200,6 +208,13 @@ class SimWorker:
                 self.sim.at(self.sim.now, self._due_kick)
         else:
             self._commands.append(cmd)
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, **kw: Any) -> None:
+        """A prompt this worker prefills (prefill-only, or a whole request): the engine's ``add_request`` at the next
+        step boundary, counted in the arrival counters."""
+        self.requests_total += 1
+        self.prompt_tokens_total += len(prompt)
+        self.submit(lambda: self.engine.add_request(request_id, prompt, params, **kw))
 
     def boundary(self) -> float:
         """When a command submitted now would run."""
@@ -238,21 +253,22 @@ class SimWorker:
         for o in outs:
             h = self.handlers.get(o.request_id)
             if h is not None:
+                self.output_tokens_total += len(o.new_token_ids)
+                if o.finish_reason is not None and o.finish_reason != "prefill_done":
+                    self.requests_finished_total += 1
                 h(o, duration)
 
 
 class _SimSource:
-    """The router's worker source: live records of the simulated workers."""
+    """The router's worker source: live records of the simulation's workers (those added later too)."""
 
     in_process = True
 
-    def __init__(self, workers: list[SimWorker]) -> None:
-        self._by_role: dict[str, list[SimWorker]] = {}
-        for w in workers:
-            self._by_role.setdefault(w.role, []).append(w)
+    def __init__(self, sim: "Simulation") -> None:
+        self.sim = sim
 
     def list(self, role: str) -> list[WorkerInfo]:
-        return [w.info() for w in self._by_role.get(role, [])]
+        return [w.info() for w in self.sim.pools.get(role, [])]
 
 
 class _SimStub:
@@ -269,11 +285,13 @@ class _SimStub:
 
 
 class _SimClients:
-    def __init__(self, workers: dict[str, SimWorker]) -> None:
-        self._stubs = {wid: _SimStub(w) for wid, w in workers.items()}
+    """Stubs of the simulation's workers by address (a worker's address is its id)."""
+
+    def __init__(self, sim: "Simulation") -> None:
+        self.sim = sim
 
     def decode(self, address: str) -> _SimStub:
-        return self._stubs[address]
+        return _SimStub(self.sim.workers[address])
 
     prefill = colocated = decode
 
@@ -318,17 +336,29 @@ class Simulation:
         if blocks < 1:
             raise ValueError(f"--kv-cache-memory-bytes {cfg.kv_cache_memory_bytes} holds no KV block of "
                              f"{profile.kv_bytes_per_token * profile.block_size} bytes")
-        ecfg = EngineConfig(model="sim", block_size=profile.block_size, num_kv_blocks=blocks,
-                            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                            enable_prefix_caching=cfg.enable_prefix_caching)
+        self.num_blocks = blocks
+        self.workers: dict[str, SimWorker] = {}
+        """Every worker up (draining ones too), by id."""
+        self.pools: dict[str, list[SimWorker]] = {}
+        """The same by role, oldest first: what the router lists."""
+        self.added: dict[str, tuple[str, float]] = {}
+        """Worker id -> (role, when it was added): the initial ones at 0, also after they are dropped."""
+        self.removed: dict[str, float] = {}
+        """Worker id -> when it started to drain (out of routing)."""
+        self.dropped: dict[str, float] = {}
+        """Worker id -> when it left, drained."""
+        self._draining: list[SimWorker] = []
+        self._next_id: dict[str, int] = {}
+        self._hooks = 0  # periodic events queued (they never keep a run going by themselves)
+        self._reaping = False
+        self._ecfg = EngineConfig(model="sim", block_size=profile.block_size, num_kv_blocks=blocks,
+                                  max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                  enable_prefix_caching=cfg.enable_prefix_caching)
         pools = ({"colocated": cfg.colocated} if cfg.mode == "colocated"
                  else {"prefill": cfg.prefill, "decode": cfg.decode})
-        self.workers: dict[str, SimWorker] = {}
         for role, n in pools.items():
-            for i in range(n):
-                wid = f"{role}-{i}"
-                self.workers[wid] = SimWorker(self, wid, role, ecfg, blocks)
-        self.num_blocks = blocks
+            for _ in range(n):
+                self._new_worker(role)
         self.link = profile.link(cfg.kv_link) if cfg.mode == "disaggregated" else None
         rcfg = RouterConfig(model="sim", mode=cfg.mode, serve_metrics=False,
                             max_num_requests=cfg.max_num_requests,
@@ -337,11 +367,20 @@ class Simulation:
                             prefill_queue_max_tokens=cfg.prefill_queue_max_tokens,
                             queue_timeout_s=cfg.queue_timeout_s, prefix_aware_routing=cfg.prefix_aware_routing)
         self.selector = WorkerSelector()
-        self.placer = Placer(rcfg, _SimSource(list(self.workers.values())), self.selector,
-                             _SimClients(self.workers), admission=None, prefixes=PrefixIndex())
+        self.placer = Placer(rcfg, _SimSource(self), self.selector, _SimClients(self), admission=None,
+                             prefixes=PrefixIndex())
         self._queue: deque[_Flow] = deque()
         self._in_flight = 0
         self._arrivals = itertools.count()
+
+    def _new_worker(self, role: str) -> SimWorker:
+        n = self._next_id.get(role, 0)
+        self._next_id[role] = n + 1
+        w = SimWorker(self, f"{role}-{n}", role, self._ecfg, self.num_blocks)
+        self.workers[w.worker_id] = w
+        self.pools.setdefault(role, []).append(w)
+        self.added[w.worker_id] = (role, self.now)
+        return w
 
     # -- the clock ------------------------------------------------------------------------------
     def at(self, t: float, fn: Callable[[], None]) -> None:
@@ -452,7 +491,7 @@ class Simulation:
         def send_prefill() -> None:
             pw.handlers[wid] = on_prefill
             pw.unprefilled[wid] = len(prompt)
-            pw.submit(lambda: pw.engine.add_request(wid, prompt, f.params, prefill_only=True))
+            pw.add_request(wid, prompt, f.params, prefill_only=True)
 
         # the Reserve reply comes when the decode worker's loop runs it: at its step boundary; a pair's RPCs
         # cost the router more than a whole request's (the profile's per_request_pair_s)
@@ -469,7 +508,7 @@ class Simulation:
         wid = p.request_id
         w.handlers[wid] = lambda out, _s: self._on_output(f, out, w)
         w.unprefilled[wid] = len(f.req.prompt_token_ids)
-        w.submit(lambda: w.engine.add_request(wid, f.req.prompt_token_ids, f.params))
+        w.add_request(wid, f.req.prompt_token_ids, f.params)
 
     def _on_output(self, f: _Flow, out: Any, whole_on: Optional[SimWorker] = None) -> None:
         if whole_on is not None and f.first_token_at is None:
@@ -508,140 +547,65 @@ class Simulation:
         if admitted:
             self._in_flight -= 1
 
-    # -- scaling (the planner's view): workers that come and go, counters, a periodic hook ---------------------
-    # Added for the SLA planner's tests; call ``every`` / ``add_worker`` before ``run`` so the initial workers'
-    # counters are kept from the start. The state lives in ``self._scaling`` (made on first use).
-    def _scaling_state(self) -> dict:
-        st = self.__dict__.get("_scaling")
-        if st is None:
-            st = self._scaling = {"added": {}, "removed": {}, "dropped": {}, "draining": [], "next": {},
-                                  "periodic": 0, "counters": {}, "reaping": False}
-            for wid, w in self.workers.items():
-                st["added"][wid] = (w.role, 0.0)
-                self._instrument(w)
-            for role in ("prefill", "decode", "colocated"):
-                st["next"][role] = sum(1 for w in self.workers.values() if w.role == role)
-        return st
-
-    def _instrument(self, w: SimWorker) -> None:
-        """Count what a real worker counts in its WorkerInfo: prompts it takes to prefill (prefill-only or whole
-        requests: ``engine.add_request``), tokens sampled, requests finished."""
-        c = self._scaling_state()["counters"].setdefault(w.worker_id, [0, 0, 0, 0])
-        eng, add, deliver = w.engine, w.engine.add_request, w._deliver
-
-        def add_request(request_id: str, prompt: list, params: Any, *a: Any, **kw: Any) -> Any:
-            out = add(request_id, prompt, params, *a, **kw)
-            c[0] += 1
-            c[1] += len(prompt)
-            return out
-
-        def counting_deliver(outs: list, now: float, duration: float = 0.0) -> None:
-            for o in outs:
-                if o.request_id in w.handlers:
-                    c[2] += len(o.new_token_ids)
-                    if o.finish_reason is not None and o.finish_reason != "prefill_done":
-                        c[3] += 1
-            deliver(outs, now, duration)
-
-        eng.add_request = add_request
-        w._deliver = counting_deliver
-
+    # -- scaling (the planner's view): workers that come and go, a periodic hook ----------------------------
     def worker_infos(self, role: Optional[str] = None) -> list[WorkerInfo]:
-        """The registry's view: every worker still up (draining ones too), with the counters a real worker
-        reports (``requests_total``, ``prompt_tokens_total``, ``output_tokens_total``, ``requests_finished_total``)."""
-        st = self._scaling_state()
-        out = []
-        for wid, w in self.workers.items():
-            if role is not None and w.role != role:
-                continue
-            info = WorkerInfo()
-            info.CopyFrom(w.info())
-            r, p, o, f = st["counters"][wid]
-            info.requests_total, info.prompt_tokens_total = r, p
-            info.output_tokens_total, info.requests_finished_total = o, f
-            out.append(info)
-        return out
+        """The registry's view: every worker still up (draining ones too) with the counters a real worker reports."""
+        return [w.info() for w in self.workers.values() if role is None or w.role == role]
 
     def live_worker_ids(self, role: str) -> list[str]:
         """Workers of ``role`` added and not removed (the pool's size as the planner counts it), oldest first."""
-        st = self._scaling_state()
-        return [wid for wid, w in self.workers.items() if w.role == role and wid not in st["removed"]]
+        return [w.worker_id for w in self.pools.get(role, []) if w.worker_id not in self.removed]
 
     def add_worker(self, role: str, ready_after_s: float = 0.0) -> str:
         """A new worker of ``role`` now; it takes requests after ``ready_after_s`` (its model load). Returns its id."""
         pools = ("colocated",) if self.cfg.mode == "colocated" else ("prefill", "decode")
         if role not in pools:
             raise ValueError(f"role must be one of {pools} in {self.cfg.mode} mode, got {role!r}")
-        st = self._scaling_state()
-        wid = f"{role}-{st['next'][role]}"
-        st["next"][role] += 1
-        ecfg = EngineConfig(model="sim", block_size=self.profile.block_size, num_kv_blocks=self.num_blocks,
-                            max_num_seqs=self.cfg.max_num_seqs, max_num_batched_tokens=self.cfg.max_num_batched_tokens,
-                            enable_prefix_caching=self.cfg.enable_prefix_caching)
-        w = SimWorker(self, wid, role, ecfg, self.num_blocks)
-        self._instrument(w)
-        self.workers[wid] = w
-        self.placer.source._by_role.setdefault(role, []).append(w)
-        self.placer.clients._stubs[wid] = _SimStub(w)
-        st["added"][wid] = (role, self.now)
+        w = self._new_worker(role)
         if ready_after_s > 0:
-            self._set_ready(w, False)
-            self.at(self.now + ready_after_s, lambda: None if wid in st["removed"] else self._set_ready(w, True))
-        return wid
+            w.ready = False
+            self.at(self.now + ready_after_s, lambda: self._set_ready(w, w.worker_id not in self.removed))
+        return w.worker_id
 
     def remove_worker(self, role: str) -> Optional[str]:
         """Drain the newest live worker of ``role`` (as ``Cluster.scale_pool`` does): out of routing at once, dropped
         once it holds nothing. Returns its id, or None when the pool is empty."""
-        st = self._scaling_state()
         live = self.live_worker_ids(role)
         if not live:
             return None
-        wid = live[-1]
-        w = self.workers[wid]
-        st["removed"][wid] = self.now
+        w = self.workers[live[-1]]
+        self.removed[w.worker_id] = self.now
         self._set_ready(w, False)
-        st["draining"].append(w)
+        self._draining.append(w)
         self._reap()
-        return wid
+        return w.worker_id
 
-    def _set_ready(self, w: SimWorker, ready: bool) -> None:
-        if ready:
-            w.__dict__.pop("info", None)  # the class's own info() again
-        else:
-            own = SimWorker.info.__get__(w)
-
-            def not_ready() -> WorkerInfo:
-                i = WorkerInfo()
-                i.CopyFrom(own())
-                i.ready = False
-                return i
-
-            w.info = not_ready  # type: ignore[method-assign]
+    @staticmethod
+    def _set_ready(w: SimWorker, ready: bool) -> None:
+        w.ready = ready
+        w.changed()
 
     def _reap(self) -> None:
         """Drop the draining workers that hold nothing; look again shortly while some still do."""
-        st = self._scaling_state()
         keep = []
-        for w in st["draining"]:
+        for w in self._draining:
             idle = (w.busy_until is None and not w._commands and not w.handlers and not w.unprefilled
                     and self.selector.in_flight(w.worker_id) == 0 and not w.engine.has_unfinished_requests())
             if idle:
-                self.workers.pop(w.worker_id, None)
-                by_role = self.placer.source._by_role.get(w.role, [])
-                if w in by_role:
-                    by_role.remove(w)
-                st["dropped"][w.worker_id] = self.now
+                del self.workers[w.worker_id]
+                self.pools[w.role].remove(w)
+                self.dropped[w.worker_id] = self.now
             else:
                 keep.append(w)
-        st["draining"] = keep
+        self._draining = keep
         # look again while other events are due (it counts as a periodic hook: it never keeps the run going)
-        if keep and not st["reaping"] and len(self._events) > st["periodic"]:
-            st["reaping"] = True
-            st["periodic"] += 1
+        if keep and not self._reaping and len(self._events) > self._hooks:
+            self._reaping = True
+            self._hooks += 1
 
             def again() -> None:
-                st["reaping"] = False
-                st["periodic"] -= 1
+                self._reaping = False
+                self._hooks -= 1
                 self._reap()
 
             self.at(self.now + 0.1, again)
@@ -651,26 +615,23 @@ class Simulation:
         (arrivals, steps, transfers): the run ends when only such hooks are left."""
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s!r}")
-        st = self._scaling_state()
 
         def tick() -> None:
-            st["periodic"] -= 1
+            self._hooks -= 1
             fn()
-            if len(self._events) > st["periodic"]:
-                st["periodic"] += 1
+            if len(self._events) > self._hooks:
+                self._hooks += 1
                 self.at(self.now + interval_s, tick)
 
-        st["periodic"] += 1
+        self._hooks += 1
         self.at(self.now + interval_s, tick)
 
     def worker_seconds(self, until: Optional[float] = None) -> dict[str, float]:
         """Per pool, the seconds each worker was up: from when it was added (0 for the initial ones) until it was
         dropped after its drain, or ``until`` (default: now)."""
-        st = self._scaling_state()
         end = self.now if until is None else until
-        dropped = st["dropped"]
         out: dict[str, float] = {}
-        for wid, (role, t0) in st["added"].items():
-            t1 = min(dropped.get(wid, end), end)
+        for wid, (role, t0) in self.added.items():
+            t1 = min(self.dropped.get(wid, end), end)
             out[role] = out.get(role, 0.0) + max(0.0, t1 - t0)
         return out
