@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             d, c = best.get("disaggregated"), best.get("colocated")
             ratio = (d.per_worker / c.per_worker) if d and c and c.per_worker else None
             row = {"workload": wname, "workers": n, "requests": len(reqs), "simulations": planner.simulations,
-                   "wall_s": time.monotonic() - t0, "best": {m: b.as_dict() for m, b in best.items()},
+                   "wall_s": time.monotonic() - t0, "best": {m: b.as_dict(prof) for m, b in best.items()},
                    "disagg_over_coloc": ratio}
             results.append(row)
             print(f"{wname:36s} N={n:4d}: disagg {d.cfg.label() if d else '-'} {d.goodput if d else 0:.3g} req/s | "

@@ -122,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(rows)} requests, prompt median {statistics.median(p for p, _ in lengths):.0f}, output median "
           f"{statistics.median(o for _, o in lengths):.0f}; cores {cores}; load {info['loadavg_start']}", flush=True)
     result: dict = {"machine": info, "settings": {k: str(v) for k, v in vars(ns).items()}, "slos_ms": slos,
-                    "profile_meta": {k: profile.meta.get(k) for k in ("pdserve_commit", "date", "cpu", "threads")},
+                    "profile_meta": {"threads": profile.threads,
+                                     **{k: profile.meta.get(k) for k in ("pdserve_commit", "date", "device_name")}},
                     "configs": {}}
     t_all = time.monotonic()
     if ns.resimulate is not None:

@@ -32,7 +32,8 @@ from loadtest.report import print_summary, save_result
 from loadtest.stats import RequestRecord, summarize
 from loadtest.trace import HASH_BLOCK_TOKENS, load_trace
 from loadtest.workload import ModelLimits, build_workload
-from simulator.cluster_sim import PoolStats, SimConfig, SimRequest, Simulation
+from simulator.cluster_sim import (DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_SEQS, PoolStats, SimConfig, SimRequest,
+                                   Simulation)
 from simulator.costs import Profile, load_profile
 
 log = logging.getLogger(__name__)
@@ -57,9 +58,10 @@ def add_deployment_args(p: argparse.ArgumentParser, pools: bool = True) -> None:
                        help="conditional disaggregation: prefill on the decode worker while the prefill pool has "
                             "N prompt tokens queued")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker (default: by memory)")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=256 * 1024 * 1024,
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES,
                    help="KV cache per worker when --num-kv-blocks is not given (the engine's default 256 MiB)")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="running sequences per engine (default 64)")
+    g.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                   help=f"running sequences per engine (default {DEFAULT_MAX_NUM_SEQS})")
     g.add_argument("--no-prefix-caching", action="store_true", help="engines do not reuse cached prompt prefixes")
     g.add_argument("--max-num-requests", type=int, default=192, metavar="N",
                    help="router-wide bound on requests held (default 192, the router's)")
@@ -118,7 +120,7 @@ def requests_from_args(args: argparse.Namespace, profile: Profile) -> tuple[list
     limits = ModelLimits(vocab_size=SIM_VOCAB, max_context_length=profile.max_model_len)
     wl = build_workload(lengths, arrivals, limits, seed=args.seed, id_prefix="sim", prefix_len=args.random_prefix_len)
     reqs = [SimRequest(r.request_id, r.arrival_s, r.prompt_token_ids, r.max_tokens) for r in wl.requests]
-    if args.dataset_name == "trace":
+    if args.dataset_name == "trace" and str(args.trace).endswith(".jsonl"):  # only JSON lines carry hash_ids
         rows = load_trace(args.trace, args.trace_start, args.num_prompts)
         if any(r.hash_ids for r in rows):
             block = max(1, int(round(HASH_BLOCK_TOKENS * args.length_scale)))
@@ -138,12 +140,12 @@ def run_simulation(profile: Profile, cfg: SimConfig, requests: list[SimRequest]
 
 def simulation_block(cfg: SimConfig, pools: dict[str, PoolStats], duration: float, profile: Profile,
                      wall_s: float) -> dict:
-    return {"deployment": cfg.label(), "pdserve_up_flags": cfg.up_flags(), "num_workers": cfg.num_workers,
+    return {"deployment": cfg.label(), "pdserve_up_flags": cfg.up_flags(profile), "num_workers": cfg.num_workers,
             "pools": {role: {"workers": s.workers, "utilisation": s.utilisation(duration), "steps": s.steps,
                              "tokens": s.tokens} for role, s in pools.items()},
             "profile": {"model": profile.model, "dtype": profile.dtype, "quantization": profile.quantization,
                         "device": profile.device, "threads": profile.threads,
-                        **{k: profile.meta.get(k) for k in ("pdserve_commit", "date", "cpu", "device_name")}},
+                        **{k: profile.meta.get(k) for k in ("pdserve_commit", "date", "device_name")}},
             "wall_seconds": wall_s}
 
 

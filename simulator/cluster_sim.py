@@ -59,6 +59,9 @@ from simulator.costs import Profile
 from simulator.engine_sim import SIM_TOKEN, sim_engine
 
 MODES = ("disaggregated", "colocated")
+DEFAULT_KV_CACHE_BYTES = EngineConfig.kv_cache_memory_bytes
+"""What a worker of ``pdserve up`` gets without --num-kv-blocks: the engine's default budget."""
+DEFAULT_MAX_NUM_SEQS = EngineConfig.max_num_seqs
 
 
 @dataclass
@@ -73,10 +76,10 @@ class SimConfig:
     """Workers per pool (colocated mode uses ``colocated``)."""
     max_num_batched_tokens: int = 2048
     """Every engine's per-step token budget (the chunk size of chunked prefill)."""
-    max_num_seqs: int = 64
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     num_kv_blocks: Optional[int] = None
     """KV blocks per worker; None: ``kv_cache_memory_bytes`` over the profile's bytes per block."""
-    kv_cache_memory_bytes: int = 256 * 1024 * 1024
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
     enable_prefix_caching: bool = True
     prefix_aware_routing: bool = True
     local_prefill_max_tokens: int = 0
@@ -117,8 +120,17 @@ class SimConfig:
             cd += f", backlog>={self.prefill_queue_max_tokens}"
         return f"disaggregated {self.prefill}P+{self.decode}D (chunk {self.max_num_batched_tokens}{cd})"
 
-    def up_flags(self) -> str:
-        """The ``pdserve up`` flags that run this deployment."""
+    def kv_blocks(self, profile: Profile) -> int:
+        """KV blocks per worker: ``num_kv_blocks``, or ``kv_cache_memory_bytes`` over the profile's bytes per block."""
+        blocks = self.num_kv_blocks or self.kv_cache_memory_bytes // (profile.kv_bytes_per_token * profile.block_size)
+        if blocks < 1:
+            raise ValueError(f"--kv-cache-memory-bytes {self.kv_cache_memory_bytes} holds no KV block of "
+                             f"{profile.kv_bytes_per_token * profile.block_size} bytes")
+        return blocks
+
+    def up_flags(self, profile: Profile) -> str:
+        """The ``pdserve up`` flags that run this deployment (``pdserve up`` sizes KV by blocks: a cache budget
+        other than the engine's default becomes ``--num-kv-blocks``)."""
         if self.mode == "colocated":
             f = f"--colocated {self.colocated}"
         else:
@@ -128,8 +140,12 @@ class SimConfig:
             if self.prefill_queue_max_tokens is not None:
                 f += f" --prefill-queue-max-tokens {self.prefill_queue_max_tokens}"
         f += f" --max-num-batched-tokens {self.max_num_batched_tokens}"
-        if self.num_kv_blocks is not None:
-            f += f" --num-kv-blocks {self.num_kv_blocks}"
+        if self.num_kv_blocks is not None or self.kv_cache_memory_bytes != DEFAULT_KV_CACHE_BYTES:
+            f += f" --num-kv-blocks {self.kv_blocks(profile)}"
+        if self.max_num_seqs != DEFAULT_MAX_NUM_SEQS:
+            f += f" --max-num-seqs {self.max_num_seqs}"
+        if not self.enable_prefix_caching:
+            f += " --no-prefix-caching"
         return f
 
 
@@ -332,10 +348,7 @@ class Simulation:
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._tick = itertools.count()
-        blocks = cfg.num_kv_blocks or cfg.kv_cache_memory_bytes // (profile.kv_bytes_per_token * profile.block_size)
-        if blocks < 1:
-            raise ValueError(f"--kv-cache-memory-bytes {cfg.kv_cache_memory_bytes} holds no KV block of "
-                             f"{profile.kv_bytes_per_token * profile.block_size} bytes")
+        blocks = cfg.kv_blocks(profile)
         self.num_blocks = blocks
         self.workers: dict[str, SimWorker] = {}
         """Every worker up (draining ones too), by id."""

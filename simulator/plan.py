@@ -61,9 +61,9 @@ class Candidate:
     def per_worker(self) -> float:
         return self.goodput / self.cfg.num_workers
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, profile: Profile) -> dict[str, Any]:
         p = self.at_goodput
-        return {"deployment": self.cfg.label(), "pdserve_up_flags": self.cfg.up_flags(), "mode": self.cfg.mode,
+        return {"deployment": self.cfg.label(), "pdserve_up_flags": self.cfg.up_flags(profile), "mode": self.cfg.mode,
                 "workers": self.cfg.num_workers, "goodput_rps": self.goodput, "goodput_per_worker": self.per_worker,
                 "at_goodput": None if p is None else p.__dict__,
                 "probes": [q.__dict__ for q in self.probes]}
@@ -237,11 +237,10 @@ class Planner:
                 best[c.cfg.mode] = c
         # refine a large budget's P:D split around the best coarse one
         b = best.get("disaggregated")
-        if b is not None and b.cfg.num_workers > 16:
-            n, step = b.cfg.num_workers, max(1, b.cfg.num_workers // 16)
-            extra = [replace(b.cfg, prefill=p, decode=n - p) for p in range(max(1, b.cfg.prefill - step + 1),
-                                                                            min(n - 1, b.cfg.prefill + step))
-                     if p != b.cfg.prefill and step > 1 and (p - b.cfg.prefill) % max(1, step // 4) == 0]
+        if b is not None and b.cfg.num_workers > 16:  # the coarse grid went in steps of n / 16
+            n, fine = b.cfg.num_workers, max(1, b.cfg.num_workers // 64)
+            ps = {min(n - 1, max(1, b.cfg.prefill + k * fine)) for k in (-3, -2, -1, 1, 2, 3)} - {b.cfg.prefill}
+            extra = [replace(b.cfg, prefill=p, decode=n - p) for p in sorted(ps)]
             for c in (self.evaluate(x) for x in extra):
                 done.append(c)
                 if c.goodput > best["disaggregated"].goodput:
@@ -321,12 +320,12 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{args.tpot_slo_ms:g} for {args.goal:.0%} of requests at any rate{hint}", file=sys.stderr)
         return 2
     title = (f"{len(reqs)} requests, SLOs TTFT {args.ttft_slo_ms:g} ms / TPOT {args.tpot_slo_ms:g} ms at "
-             f"{args.goal:.0%}, profile {profile.model} on {profile.device} ({profile.meta.get('cpu', '?')})")
+             f"{args.goal:.0%}, profile {profile.model} on {profile.device} ({profile.meta.get('device_name', '?')})")
     Console().print(_table(best, title))
     if args.target_rate is not None and not any(c.goodput >= args.target_rate for c in best.values()):
         print(f"note: even {n} workers (--max-workers) do not reach {args.target_rate:g} req/s")
     for m, c in best.items():
-        print(f"{m}: pdserve up {c.cfg.up_flags()}")
+        print(f"{m}: pdserve up {c.cfg.up_flags(profile)}")
     if "disaggregated" in best and "colocated" in best:
         r = best["disaggregated"].per_worker / best["colocated"].per_worker
         print(f"disaggregated / colocated goodput per worker: {r:.2f}x")
@@ -335,8 +334,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         path = Path(args.save_result if isinstance(args.save_result, str) else "plan.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"slos_ms": slos, "goal": args.goal, "num_requests": len(reqs),
-                                    "best": {m: c.as_dict() for m, c in best.items()},
-                                    "candidates": [c.as_dict() for c in done]}, indent=1))
+                                    "best": {m: c.as_dict(profile) for m, c in best.items()},
+                                    "candidates": [c.as_dict(profile) for c in done]}, indent=1))
         print(f"plan saved to {path}")
     return 0
 

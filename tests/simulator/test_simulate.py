@@ -279,3 +279,15 @@ def test_pair_requests_pay_the_pair_path_cost():
     assert ttft_s(rec) == pytest.approx(0.02 + prefill_s(100), abs=1e-12)
     _, [rec] = run(SimConfig(mode="colocated", colocated=1), [SimRequest("a", 0.0, list(range(100)), 2)], prof)
     assert ttft_s(rec) == pytest.approx(R_REQ + prefill_s(100), abs=1e-12)
+
+
+def test_up_flags_carry_what_pdserve_up_needs():
+    prof = make_profile()  # 1000 B a token, 16-token blocks: 16,000 B a block
+    assert SimConfig().up_flags(prof) == "--prefill 1 --decode 1 --max-num-batched-tokens 2048"
+    cfg = SimConfig(mode="colocated", colocated=3, prefill=0, decode=0, max_num_batched_tokens=512,
+                    kv_cache_memory_bytes=1_600_000, max_num_seqs=32, enable_prefix_caching=False)
+    # pdserve up sizes KV by blocks: the budget becomes --num-kv-blocks (1,600,000 / 16,000 = 100)
+    assert cfg.up_flags(prof) == ("--colocated 3 --max-num-batched-tokens 512 --num-kv-blocks 100 --max-num-seqs 32 "
+                                  "--no-prefix-caching")
+    assert SimConfig(local_prefill_max_tokens=64).up_flags(prof).endswith("--local-prefill-max-tokens 64 "
+                                                                           "--max-num-batched-tokens 2048")
