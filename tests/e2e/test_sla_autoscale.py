@@ -130,9 +130,11 @@ def test_worker_counters_reach_the_registry(cluster):
 
     def settled():
         p, d = reg.list("prefill"), reg.list("decode")
-        return (p, d) if sum(w.requests_finished_total for w in d) == 3 else None
+        # each record refreshes on its worker's own heartbeat: wait for both to have seen the third request
+        done = sum(w.requests_finished_total for w in d) == 3 and sum(w.output_tokens_total for w in p) == 3
+        return (p, d) if done else None
 
-    p, d = _wait(settled, 30, "the decode worker's record to count 3 finished requests")
+    p, d = _wait(settled, 30, "the workers' records to count 3 requests")
     assert [w.requests_total for w in p] == [3] and [w.prompt_tokens_total for w in p] == [sum(prompt_tokens)]
     assert [w.requests_total for w in d] == [0]  # its requests were prefilled elsewhere
     assert [w.output_tokens_total for w in p] == [3]  # the first tokens
