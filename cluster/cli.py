@@ -24,7 +24,7 @@ import sys
 from typing import Optional, Sequence
 
 from cluster.serve_cli import REDIS_URL_ENV, _redis_url, add_serve_commands, cmd_controller, cmd_router, cmd_up
-from loadtest.auth import add_client_auth_args, client_auth_from_args
+from transport.client_auth import add_client_auth_args, client_auth_from_args
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:

@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from loadtest.auth import API_KEY_ENV, ClientAuth
+from transport.client_auth import API_KEY_ENV, ClientAuth
 
 BUILTIN_MODELS = ("tiny", "bench")
 CLUSTER_SECRET_ENV = "PDSERVE_CLUSTER_SECRET"

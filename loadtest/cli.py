@@ -37,7 +37,7 @@ import grpc
 from tqdm import tqdm
 
 from loadtest.arrivals import RAMP_UP_STRATEGIES, check_ramp_up, gamma_arrivals, ramp_up_arrivals, trace_arrivals
-from loadtest.auth import add_client_auth_args, client_auth_from_args
+from transport.client_auth import add_client_auth_args, client_auth_from_args
 from loadtest.client import ClientConfig, check_target, fetch_model_info, limits_from_info, run_benchmark
 from loadtest.openai_client import check_base_url, fetch_openai_info, run_openai_benchmark
 from loadtest.report import default_result_name, print_summary, save_result, write_plots

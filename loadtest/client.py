@@ -22,7 +22,7 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import grpc
 
-from loadtest.auth import ClientAuth
+from transport.client_auth import ClientAuth
 from loadtest.stats import RequestRecord
 from loadtest.workload import BenchRequest, ModelLimits
 from proto import pdserve_pb2 as pb
@@ -44,7 +44,7 @@ class ClientConfig:
     request_timeout_s: float = 600.0
     """gRPC deadline of each Generate call."""
     auth: ClientAuth = field(default_factory=ClientAuth)
-    """API key and TLS settings (``loadtest.auth``); the default is a plaintext channel without a key."""
+    """API key and TLS settings (``transport.client_auth``); the default is a plaintext channel without a key."""
 
 
 def check_target(target: str) -> str:

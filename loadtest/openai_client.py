@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from loadtest.auth import ClientAuth
+from transport.client_auth import ClientAuth
 from loadtest.client import ClientConfig, scheduled, send_all
 from loadtest.stats import RequestRecord
 from loadtest.workload import BenchRequest

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import grpc
 
 from proto import worker_pb2_grpc
-from worker_common.auth import bearer_metadata
+from transport.auth import bearer_metadata
 
 # Worker streams carry few, small messages; keepalive notices a dead worker's connection.
 _CHANNEL_OPTIONS = [

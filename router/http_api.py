@@ -38,7 +38,7 @@ from router import openai_protocol as oa
 from router.core import RouterCore
 from router.events import FlowError
 from router.validation import MAX_BEAM_WIDTH, validate_generate
-from worker_common.auth import TlsFiles
+from transport.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,9 @@ from router.events import FlowError, FlowEvent
 from router.validation import ModelLimits, validate_generate
 from router.wire import logprobs_to_public
 from router.worker_source import WorkerSource
-from worker_common.auth import BearerAuth, TlsFiles
-from worker_common.serving import GrpcServing
+from transport.auth import BearerAuth
+from transport.serving import GrpcServing
+from transport.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from transport.ports import check_port
+
 
 def _default_engine_config() -> Any:
     from engine.config import EngineConfig  # imported lazily: building a config must not load torch models
@@ -59,10 +61,8 @@ class WorkerConfig:
             raise ValueError(f"worker_id must be a non-empty printable string, got {self.worker_id!r}")
         if self.kv_name is None:
             self.kv_name = self.worker_id
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if not 0 <= self.metrics_port < 65536:
-            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        check_port(self.port, "port")
+        check_port(self.metrics_port, "metrics_port")
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
         if self.max_rpc_threads < 1:

@@ -20,11 +20,11 @@ from typing import Any, Callable, Iterator, Optional
 
 import grpc
 
-from worker_common.auth import BearerAuth
+from transport.auth import BearerAuth
 from worker_common.config import WorkerConfig
 from worker_common.engine_loop import EngineLoop
 from worker_common.request import RequestError, RequestSet, request_params
-from worker_common.serving import GrpcServing
+from transport.serving import GrpcServing
 from proto import worker_pb2
 
 __all__ = ["RequestError", "WorkerBase", "request_params"]  # the errors and params check, re-exported

@@ -195,7 +195,7 @@ def check_router(docs: list[Doc]) -> list[str]:
     longer than preStop + the router's drain; the secrets through the environment names cluster/serve_cli.py
     reads; and no Ray: no --address, no RAY_* variable (a router reads only Redis)."""
     from cluster.serve_cli import CLUSTER_SECRET_ENV, REDIS_URL_ENV
-    from loadtest.auth import API_KEY_ENV
+    from transport.client_auth import API_KEY_ENV
 
     dep, router, problems = _container(docs, "pdserve-router", "router")
     if router is None:
@@ -254,7 +254,7 @@ def check_controller(docs: list[Doc]) -> list[str]:
     startup one allowing at least max(600 s, --ready-timeout); the model volume and its wait-for-model init
     container; a grace period for its quick stop."""
     from cluster.serve_cli import CLUSTER_SECRET_ENV, REDIS_URL_ENV
-    from loadtest.auth import API_KEY_ENV
+    from transport.client_auth import API_KEY_ENV
 
     dep, ctl, problems = _container(docs, "pdserve-controller", "controller")
     if ctl is None:

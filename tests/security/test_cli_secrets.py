@@ -14,7 +14,7 @@ from cluster import serve_cli as cli
 from cluster.cli import build_parser
 from cluster.config import ClusterConfig
 from cluster.worker_actor import WorkerSpec
-from loadtest.auth import ClientAuth, client_auth_from_args
+from transport.client_auth import ClientAuth, client_auth_from_args
 from tests.e2e.test_pdserve_up import REPO, _pdserve
 
 SECRET = "s3cret-" + "x" * 24

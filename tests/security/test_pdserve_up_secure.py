@@ -30,7 +30,7 @@ import redis
 
 from cluster.serve_cli import wait_serving
 from engine.sampling_params import SamplingParams
-from loadtest.auth import ClientAuth
+from transport.client_auth import ClientAuth
 from tests.e2e.helpers import offline
 from tests.e2e.test_pdserve_up import REPO, UpProcess, _pdserve
 

@@ -1,0 +1,82 @@
+"""Who may call a pdserve gRPC server: bearer keys, for the public API and the cluster plane.
+
+Lifecycle: a server (the router's public API, each worker's internal API) builds a
+``BearerAuth(keys, realm)`` once from its config and hands it to ``GrpcServing`` as an
+interceptor; every call then carries ``authorization: Bearer <key>`` metadata or ends with
+UNAUTHENTICATED before its handler runs (so a refused Reserve reserves nothing). Keys are
+compared in constant time (``hmac.compare_digest``) and never logged or echoed. Health and
+reflection stay open so probes and grpcurl work. On the calling side ``bearer_metadata(key)``
+is what a client attaches (the router to its workers: the cluster secret; clients to the
+router: an API key, through ``transport.client_auth.ClientAuth``). TLS files: ``transport.tls``.
+
+Why bearer metadata and not mTLS alone for the cluster plane: the secret travels by
+environment or file to every process (Ray actors, pods) with no certificate authority to run,
+and it guards the workers' plaintext loopback/pod-network ports the same way vLLM's
+``--api-key`` guards its server. It is a shared secret, not encryption: see docs/security.md.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Any, Callable, Iterable, Optional
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
+                 "grpc.reflection.v1.ServerReflection")
+"""Services every caller may reach (probes, grpcurl's discovery)."""
+
+
+def bearer_metadata(key: str) -> tuple[tuple[str, str], ...]:
+    """The call metadata that presents ``key``."""
+    return (("authorization", f"Bearer {key}"),)
+
+
+def _abort_handler(realm: str) -> Callable[[Any, grpc.ServicerContext], Any]:
+    def deny(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                      f"{realm}: missing or invalid credentials (send 'authorization: Bearer <key>' metadata)")
+    return deny
+
+
+class BearerAuth(grpc.ServerInterceptor):
+    """Refuses calls without one of ``keys`` as a bearer token (constant-time compare)."""
+
+    def __init__(self, keys: Iterable[str], realm: str, open_services: Iterable[str] = OPEN_SERVICES) -> None:
+        self._keys = [k.encode() for k in keys if k]
+        if not self._keys:
+            raise ValueError(f"{realm}: BearerAuth needs at least one non-empty key")
+        self._open = tuple(f"/{s}/" for s in open_services)
+        self._realm = realm
+        deny = _abort_handler(realm)
+        self._deny = {
+            (False, False): grpc.unary_unary_rpc_method_handler(deny),
+            (False, True): grpc.unary_stream_rpc_method_handler(deny),
+            (True, False): grpc.stream_unary_rpc_method_handler(deny),
+            (True, True): grpc.stream_stream_rpc_method_handler(deny),
+        }
+
+    def _allowed(self, metadata: Optional[Iterable[tuple[str, Any]]]) -> bool:
+        presented = b""
+        for k, v in metadata or ():
+            if k == "authorization":
+                raw = v.encode() if isinstance(v, str) else bytes(v)
+                if raw[:7].lower() == b"bearer ":
+                    presented = raw[7:].strip()
+                break
+        ok = False
+        for key in self._keys:  # every key compared, so timing says nothing about which one matched
+            ok |= hmac.compare_digest(presented, key)
+        return ok
+
+    def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
+        method = handler_call_details.method or ""
+        if method.startswith(self._open) or self._allowed(handler_call_details.invocation_metadata):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
+            return None
+        log.info("%s: refused %s (no valid credentials)", self._realm, method)
+        return self._deny[(handler.request_streaming, handler.response_streaming)]
