@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from engine.attention import AttentionMetadata, PrefillSpan
-
 if TYPE_CHECKING:  # pragma: no cover
+    from engine.attention import AttentionMetadata
     from engine.llm_engine import LLMEngine
 
 NEG = -1.0e9
@@ -303,6 +302,9 @@ class BeamSearcher:
     def _forward(self, decodes: list[_Beam], prefills: list[_Beam]) -> Tensor:
         """One forward: decodes' last tokens, then each prompt whole; float32 log-probs [rows, V], one row per
         decode and one (the last position) per prompt."""
+        # imported here: the router runs PromptBeamSearch and must not load the attention/kernel stack
+        from engine.attention import AttentionMetadata, PrefillSpan
+
         self._make_writable(decodes)
         bs, dev = self.bs, self.device
         ids: list[int] = []

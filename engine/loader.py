@@ -16,14 +16,16 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 from safetensors import safe_open
 
 from engine.builtin import BUILTIN_NAMES, builtin_spec, tokenizer_dir
 from engine.config import EngineConfig, ModelConfig
-from engine.model import CausalLM
+
+if TYPE_CHECKING:  # pragma: no cover
+    from engine.model import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,9 @@ def load_model_config(cfg: EngineConfig) -> ModelConfig:
 
 def load_model(cfg: EngineConfig, mc: ModelConfig, max_positions: int) -> CausalLM:
     """Allocate the model on cfg.device in cfg.dtype and fill its weights."""
+    # imported here: reading a config or a tokenizer (the router's model view) must not load the model stack
+    from engine.model import CausalLM
+
     device = torch.device(cfg.device)
     with torch.device("meta"):
         model = CausalLM(mc, max_positions=max_positions)

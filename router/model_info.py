@@ -2,7 +2,10 @@
 
 Lifecycle: ``load_model_view(cfg)`` runs once in ``RouterServer.start()``; the
 tokenizer and ``ModelLimits`` it returns are read-only for the router's life
-(the tokenizer is thread-safe for encode/decode).
+(the tokenizer is thread-safe for encode/decode). It reads ``config.json`` and the
+tokenizer through the engine's public names, which load lazily: the model stack
+(``engine.model``, attention, kernels, the engine loop) is never imported into a router
+process (tests/router/test_model_info.py checks it in a fresh interpreter).
 """
 from __future__ import annotations
 
