@@ -1,0 +1,108 @@
+"""Which package may import which: shared/DESIGN.md's dependency rules as a table, checked on every file.
+
+Every ``import``/``from ... import`` of every module is read with ``ast`` (function-level and
+``TYPE_CHECKING`` imports included: a lazy import is still a dependency), its top-level package
+looked up, and any package not in the importer's row is a violation. The table is the one place
+the rules live in code; change it together with DESIGN.md. ``benchmarks/`` (scripts at the top)
+and ``tests/`` are not packages anyone may import.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ALLOWED: dict[str, frozenset[str]] = {
+    "proto": frozenset(),  # the wire contract: conversions live with the side that owns the types
+    "engine": frozenset(),  # runs alone (offline API, benchmarks)
+    "transport": frozenset({"proto"}),  # ports, TLS, bearer auth, gRPC serving: the bottom both sides share
+    "metrics": frozenset({"transport"}),
+    "kvtransfer": frozenset({"metrics", "transport"}),
+    "worker_common": frozenset({"engine", "kvtransfer", "proto", "metrics", "transport"}),
+    "prefill_worker": frozenset({"worker_common", "engine", "kvtransfer", "proto", "metrics", "transport"}),
+    "decode_worker": frozenset({"worker_common", "engine", "kvtransfer", "proto", "metrics", "transport"}),
+    "router": frozenset({"engine", "proto", "metrics", "transport"}),
+    "loadtest": frozenset({"proto", "transport"}),  # a client: it knows the wire, not the internals
+    # the simulator measures costs through the roles themselves
+    "simulator": frozenset({"engine", "router", "loadtest", "kvtransfer", "worker_common", "prefill_worker",
+                            "decode_worker", "proto", "metrics", "transport"}),
+}
+LIBRARY = frozenset(ALLOWED) | {"cluster"}
+ALLOWED["cluster"] = LIBRARY - {"cluster"}  # launches and wires everything
+ALLOWED["benchmarks"] = LIBRARY  # scripts at the top
+PROJECT = LIBRARY | {"benchmarks", "tests"}
+
+ENGINE_PUBLIC_ONLY = frozenset({"router"})
+"""Packages that may use the engine's public names only (``from engine import ...``), never ``engine.<module>``."""
+
+
+def imports_of(source: str) -> list[tuple[int, str]]:
+    """(line, dotted module) of every absolute import in ``source``, at any depth."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def violations(package: str, name: str, source: str) -> list[str]:
+    """What ``source`` (file ``name`` of ``package``) imports against the table, one line per import."""
+    bad = []
+    for line, module in imports_of(source):
+        top = module.split(".")[0]
+        if top not in PROJECT or top == package:
+            continue
+        if top not in ALLOWED[package]:
+            bad.append(f"{name}:{line}: {package} imports {module} (allowed: {sorted(ALLOWED[package])})")
+        elif top == "engine" and package in ENGINE_PUBLIC_ONLY and module != "engine":
+            bad.append(f"{name}:{line}: {package} imports {module}: use the engine's public names (from engine import)")
+    return bad
+
+
+def _files(package: str) -> list[Path]:
+    return sorted(p for p in (ROOT / package).rglob("*.py") if "csrc" not in p.parts)
+
+
+def test_every_package_of_the_table_exists():
+    assert sorted(p for p in ALLOWED if not (ROOT / p).is_dir()) == []
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_package_imports_only_what_the_table_allows(package: str) -> None:
+    files = _files(package)
+    assert files, f"{package}/ has no Python files"
+    bad = [v for p in files for v in violations(package, str(p.relative_to(ROOT)), p.read_text())]
+    assert bad == []
+
+
+@pytest.mark.parametrize("package,source", [
+    ("proto", "from engine import SamplingParams\n"),
+    ("transport", "import worker_common.config\n"),
+    ("engine", "def f():\n    from router.core import RouterCore\n"),  # a function-level import counts
+    ("kvtransfer", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import engine.model\n"),
+    ("prefill_worker", "from decode_worker.choices import ChoiceGroup\n"),  # the roles never import each other
+    ("decode_worker", "import prefill_worker\n"),
+    ("worker_common", "from decode_worker import DecodeWorker\n"),  # nothing imports upward
+    ("router", "from worker_common.request import RequestSet\n"),
+    ("router", "from engine.model import CausalLM\n"),  # public names only
+    ("loadtest", "from router.core import RouterCore\n"),
+    ("metrics", "import kvtransfer\n"),
+    ("cluster", "import benchmarks.soak\n"),
+    ("simulator", "from tests.waiting import wait_until\n"),
+])
+def test_a_violation_is_caught(package: str, source: str) -> None:
+    assert len(violations(package, "synthetic.py", source)) == 1
+
+
+@pytest.mark.parametrize("package,source", [
+    ("router", "from engine import SamplingParams\nimport grpc\nfrom router.core import RouterCore\n"),
+    ("decode_worker", "def f():\n    from worker_common.request import RequestSet\n    from .choices import x\n"),
+    ("cluster", "import simulator.plan\nfrom prefill_worker import PrefillWorker\n"),
+])
+def test_an_allowed_import_passes(package: str, source: str) -> None:
+    assert violations(package, "synthetic.py", source) == []
