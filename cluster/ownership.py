@@ -19,7 +19,9 @@ Lifecycle of a ``ControllerLease(redis_url, namespace, generation)``:
 
 ``detached_workers(namespace)`` lists the deployment's live, named worker
 actors (name = worker id), so a new controller adopts them instead of starting
-new ones. Worker ids carry the generation of the controller that started them
+new ones; ``find_adoptable(namespace, model_name)`` asks each for its record
+and sorts them into those to adopt, those serving another model (retired once
+replaced: a model change rolls the pools) and those to stop (dead or stuck). Worker ids carry the generation of the controller that started them
 (``prefill-<generation>-<n>``), so the keys a new generation writes never
 collide with the ones an older one wrote, and no controller deletes another's.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import redis
@@ -141,4 +144,43 @@ def detached_workers(namespace: str) -> dict[str, Any]:
             out[name] = ray.get_actor(name, namespace=namespace)
         except ValueError:  # died between the listing and the lookup
             continue
+    return out
+
+
+@dataclass
+class Adoption:
+    """What a new controller finds in its deployment (``find_adoptable``)."""
+
+    live: list[tuple[str, Any, Any]] = field(default_factory=list)
+    """(worker id, actor handle, WorkerInfo) of the workers serving this controller's model: adopt them."""
+    outdated: list[tuple[str, Any, Any]] = field(default_factory=list)
+    """The same of workers serving another model: they keep serving until replaced, then are retired."""
+    unusable: list[tuple[str, Any]] = field(default_factory=list)
+    """(worker id, actor handle) of named actors that did not answer (dead, stuck, never started): stop them."""
+
+
+def find_adoptable(namespace: str, model_name: str, roles: tuple[str, ...], timeout_s: float = 30.0) -> Adoption:
+    """Ask every detached worker of ``namespace`` for its record (at most ``timeout_s`` in all) and sort them
+    (see ``Adoption``). A named actor that reports another id or a role not in ``roles`` is left alone."""
+    import ray
+
+    out = Adoption()
+    found = detached_workers(namespace)
+    if not found:
+        return out
+    refs = {wid: h.info.remote() for wid, h in found.items()}
+    ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    for wid, ref in sorted(refs.items()):
+        handle = found[wid]
+        try:
+            info = ray.get(ref, timeout=0)
+        except (ray.exceptions.RayError, TimeoutError) as e:  # dead, stuck or never started: replace it
+            log.warning("deployment %s: not adopting %s (%s); stopping it", namespace, wid, type(e).__name__)
+            out.unusable.append((wid, handle))
+            continue
+        if info.role not in roles or info.worker_id != wid:
+            log.warning("deployment %s: named actor %s reports %s/%s; leaving it alone", namespace, wid,
+                        info.worker_id, info.role)
+            continue
+        (out.live if info.model_name == model_name else out.outdated).append((wid, handle, info))
     return out

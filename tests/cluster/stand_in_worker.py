@@ -25,7 +25,7 @@ class StandInWorker:
         self.role, self.worker_id, self.node_id = role, worker_id, node_id
         self.model_name = cfg.served_model_name
         # Tests steer the stand-in through a JSON file:
-        # {"queued_prompt_tokens": n, "num_free_blocks": m, "start_delay_s": s}
+        # {"queued_prompt_tokens": n, "num_free_blocks": m, "start_delay_s": s, "starting_file": path}
         self.load_file = cfg.engine_overrides.get("load_file")
         self.inflight = 0
         self._draining = False
@@ -34,8 +34,11 @@ class StandInWorker:
         self.address = ""
 
     def start(self) -> None:
-        delay = self._load().get("start_delay_s", 0)  # a slow "model load", for stop-during-start tests
-        time.sleep(delay)
+        load = self._load()
+        if load.get("starting_file"):  # tells a test that the actor is placed and inside start()
+            with open(load["starting_file"], "a") as f:
+                f.write(self.worker_id + "\n")
+        time.sleep(load.get("start_delay_s", 0))  # a slow "model load", for stop-during-start tests
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         port = self._server.add_insecure_port("127.0.0.1:0")

@@ -20,6 +20,7 @@ from cluster.launcher import Cluster, ClusterConfig
 from cluster.registry import Registry
 from cluster.worker_actor import actor_options, pool_resources
 from tests.cluster.stand_in_worker import StandInWorker
+from tests.waiting import wait_until
 
 
 def _health(address: str) -> int:
@@ -33,14 +34,17 @@ def _config(redis_url: str, **kw) -> ClusterConfig:
 
 
 def _actor_gone(handle, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def gone() -> bool:
         try:
             ray.get(handle.pid.remote(), timeout=2)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             return True
-        time.sleep(0.2)
-    return False
+        return False
+
+    try:
+        return wait_until(gone, timeout=timeout_s, interval=0.2, message="actor still answers")
+    except AssertionError:
+        return False
 
 
 def test_pools_register_scale_drain_and_leave_nothing(ray_local, redis_url):
@@ -85,8 +89,8 @@ def test_dead_worker_leaves_routing_within_5s_and_is_replaced(ray_local, redis_u
         # A crash, not a drain: no deregister, only the missing heartbeats tell.
         ray.kill(cluster.actors("prefill")[0], no_restart=True)
         start = time.monotonic()
-        while reg.list("prefill") and time.monotonic() - start < 6:
-            time.sleep(0.1)
+        wait_until(lambda: reg.list("prefill") == [], timeout=6, interval=0.1,
+                   message="the dead worker's record is still listed")
         assert reg.list("prefill") == [] and time.monotonic() - start < 5.0
         # scale_pool counts live workers: the dead one is replaced under a fresh id.
         infos = cluster.scale_pool("prefill", 1)
@@ -134,12 +138,13 @@ def test_stop_interrupts_a_slow_scale_up(ray_local, redis_url, tmp_path):
     load_file = str(tmp_path / "load.json")
     cluster = Cluster(_config(redis_url, num_prefill=0, num_decode=0,
                               engine_overrides={"load_file": load_file})).start()
-    with open(load_file, "w") as f:
-        json.dump({"start_delay_s": 60}, f)  # every new worker "loads a model" for a minute
+    starting = tmp_path / "starting"
+    with open(load_file, "w") as f:  # every new worker "loads a model" for a minute
+        json.dump({"start_delay_s": 60, "starting_file": str(starting)}, f)
     errors: list = []
     scaler = threading.Thread(target=lambda: _catch(errors, cluster.scale_pool, "prefill", 1))
     scaler.start()
-    time.sleep(2.0)  # the actor is placed and inside its slow start
+    wait_until(starting.exists, timeout=30, interval=0.05, message="the actor never entered its slow start")
     t0 = time.monotonic()
     cluster.stop()
     scaler.join(30)
