@@ -2,7 +2,7 @@
 ``profile``.
 
 The serving commands live in ``cluster.serve_cli`` (its docstring tells their
-lifecycles): ``up`` runs a whole cluster in one process; ``controller`` and
+lifecycles; their flags in ``cluster.up_flags``): ``up`` runs a whole cluster in one process; ``controller`` and
 ``router`` run one deployment split, workers outliving both.
 
 ``pdserve down --namespace NS --redis-url URL`` removes what a SIGKILLed
@@ -23,7 +23,9 @@ import os
 import sys
 from typing import Optional, Sequence
 
-from cluster.serve_cli import REDIS_URL_ENV, _redis_url, add_serve_commands, cmd_controller, cmd_router, cmd_up
+from cluster.serve_cli import cmd_controller, cmd_router, cmd_up
+from cluster.up_flags import add_serve_commands
+from cluster.up_secrets import REDIS_URL_ENV, redis_url_from_args
 from transport.client_auth import add_client_auth_args, client_auth_from_args
 
 
@@ -84,7 +86,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
     if not args.wait >= 0:
         raise ValueError(f"--wait must be >= 0, got {args.wait}")
-    redis_url = _redis_url(args)
+    redis_url = redis_url_from_args(args)
     if redis_url is None:
         raise ValueError(f"--redis-url (or ${REDIS_URL_ENV}) is required")
     with Registry(redis_url, args.namespace) as reg:

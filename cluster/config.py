@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from cluster.registry import Registry
+from transport.ports import check_port
 
 POOLS = ("prefill", "decode", "colocated")
 DEVICES = ("auto", "cpu", "cuda")
@@ -105,8 +106,7 @@ class ClusterConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
-        if not isinstance(self.router_port, int) or not 0 <= self.router_port < 65536:
-            raise ValueError(f"router_port must be in [0, 65535], got {self.router_port!r}")
+        check_port(self.router_port, "router_port")
         if not self.cpus_per_worker > 0:
             raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker!r}")
         if not isinstance(self.model, str) or not self.model:
@@ -172,9 +172,7 @@ def worker_metrics_port(environ: Optional[dict] = None) -> int:
     raw = (os.environ if environ is None else environ).get(WORKER_METRICS_PORT_ENV, "").strip()
     if not raw:
         return 0
-    if not raw.isdigit() or not 0 < int(raw) < 65536:
-        raise ValueError(f"{WORKER_METRICS_PORT_ENV} must be a port in [1, 65535], got {raw!r}")
-    return int(raw)
+    return check_port(int(raw) if raw.isdigit() else raw, WORKER_METRICS_PORT_ENV, allow_zero=False)
 
 
 def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: Any,

@@ -40,6 +40,8 @@ from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 
+from transport.ports import check_port
+
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
@@ -67,8 +69,7 @@ class RedisServerConfig:
     the refusal only). Restarting a server on the same port for the same clients: pass the old one."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.port, int) or not (0 <= self.port <= 65535):
-            raise ValueError(f"port must be an integer in [0, 65535], got {self.port!r}")
+        check_port(self.port, "port")
         if self.startup_timeout_s <= 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s!r}")
         if self.stop_timeout_s <= 0:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from transport.ports import check_port
+
 MODES = ("disaggregated", "colocated")
 
 
@@ -92,12 +94,9 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.http_port is not None and not 0 <= self.http_port < 65536:
-            raise ValueError(f"http_port must be None or in [0, 65535], got {self.http_port}")
-        if self.health_port is not None and not 0 <= self.health_port < 65536:
-            raise ValueError(f"health_port must be None or in [0, 65535], got {self.health_port}")
+        check_port(self.port, "port")
+        check_port(self.http_port, "http_port", allow_none=True)
+        check_port(self.health_port, "health_port", allow_none=True)
         if self.max_num_requests < 1:
             raise ValueError(f"max_num_requests must be >= 1, got {self.max_num_requests}")
         if self.max_num_requests >= self.max_rpc_threads:

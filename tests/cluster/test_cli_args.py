@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from cluster.cli import build_parser
-from cluster.serve_cli import _check_up_args, _router_overrides
+from cluster.up_checks import check_up_args
+from cluster.up_flags import engine_overrides, router_overrides
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -25,7 +26,7 @@ from cluster.serve_cli import _check_up_args, _router_overrides
 def test_bad_flag_is_named(argv, flag):
     args = build_parser().parse_args(["up", *argv])
     with pytest.raises(ValueError) as e:
-        _check_up_args(args)
+        check_up_args(args)
     assert str(e.value).startswith(flag + " must be")
 
 
@@ -38,38 +39,33 @@ def test_bad_flag_is_named(argv, flag):
 def test_bad_draft_model_flags_are_named(argv, message):
     args = build_parser().parse_args(["up", *argv])
     with pytest.raises(ValueError) as e:
-        _check_up_args(args)
+        check_up_args(args)
     assert str(e.value).startswith(message), str(e.value)
 
 
 def test_speculative_model_flag_sets_the_draft_model():
-    from cluster.serve_cli import _engine_overrides
-
     args = build_parser().parse_args(["up", "--speculative-model", "tiny-draft", "--num-speculative-tokens", "3"])
-    _check_up_args(args)
-    assert _engine_overrides(args)["speculative_config"] == {"method": "draft_model", "model": "tiny-draft",
+    check_up_args(args)
+    assert engine_overrides(args)["speculative_config"] == {"method": "draft_model", "model": "tiny-draft",
                                                              "num_speculative_tokens": 3}
 
 
 def test_quantization_flags_reach_every_worker_engine():
-    from cluster.serve_cli import _engine_overrides
-
     args = build_parser().parse_args(["up", "--quantization", "int4", "--quantization-group-size", "64",
                                       "--kv-cache-dtype", "int8"])
-    _check_up_args(args)
-    o = _engine_overrides(args)
+    check_up_args(args)
+    o = engine_overrides(args)
     assert (o["quantization"], o["quantization_group_size"], o["kv_cache_dtype"]) == ("int4", 64, "int8")
-    assert "quantization" not in _engine_overrides(build_parser().parse_args(["up"]))
+    assert "quantization" not in engine_overrides(build_parser().parse_args(["up"]))
 
 
 def test_the_cli_offers_every_engine_quantization():
-    from cluster.serve_cli import _engine_overrides
     from engine.quant import QUANTIZATIONS
 
-    for q in QUANTIZATIONS:  # the flag's choices are spelled out in serve_cli (no torch import there)
+    for q in QUANTIZATIONS:  # the flag's choices are spelled out in up_flags (no torch import there)
         args = build_parser().parse_args(["up", "--quantization", q])
-        _check_up_args(args)
-        assert _engine_overrides(args)["quantization"] == q
+        check_up_args(args)
+        assert engine_overrides(args)["quantization"] == q
 
 
 def test_one_port_for_two_listeners_is_refused():
@@ -78,12 +74,12 @@ def test_one_port_for_two_listeners_is_refused():
     port = pick_free_port()
     args = build_parser().parse_args(["up", "--port", str(port), "--http-port", "0", "--health-port", str(port)])
     with pytest.raises(ValueError, match=f"--health-port {port} is also --port"):
-        _check_up_args(args)
+        check_up_args(args)
 
 
 def test_defaults_pass():
-    _check_up_args(build_parser().parse_args(["up"]))
-    _check_up_args(build_parser().parse_args(["up", "--local-prefill-max-tokens", "128",
+    check_up_args(build_parser().parse_args(["up"]))
+    check_up_args(build_parser().parse_args(["up", "--local-prefill-max-tokens", "128",
                                               "--prefill-queue-max-tokens", "0", "--num-kv-blocks", "64"]))
 
 
@@ -91,11 +87,11 @@ def test_max_num_requests_reaches_the_router_config():
     from router.config import RouterConfig
 
     args = build_parser().parse_args(["up", "--max-num-requests", "100"])
-    _check_up_args(args)
-    overrides = _router_overrides(args)
+    check_up_args(args)
+    overrides = router_overrides(args)
     assert overrides["max_num_requests"] == 100
     assert RouterConfig(**overrides).max_num_requests == 100
-    assert "max_num_requests" not in _router_overrides(build_parser().parse_args(["up"]))  # router default
+    assert "max_num_requests" not in router_overrides(build_parser().parse_args(["up"]))  # router default
 
 
 def test_served_model_name_reaches_router_and_workers(tmp_path):
@@ -105,10 +101,10 @@ def test_served_model_name_reaches_router_and_workers(tmp_path):
     from router import StaticWorkerSource
 
     args = build_parser().parse_args(["up", "--served-model-name", "acme/coder-7b"])
-    _check_up_args(args)
+    check_up_args(args)
     assert args.served_model_name == "acme/coder-7b"
     with pytest.raises(ValueError) as e:
-        _check_up_args(build_parser().parse_args(["up", "--served-model-name", " "]))
+        check_up_args(build_parser().parse_args(["up", "--served-model-name", " "]))
     assert str(e.value).startswith("--served-model-name must be")
 
     model_dir = tmp_path / "models" / "Qwen2.5-0.5B"

@@ -293,19 +293,20 @@ def test_bad_sla_flags_exit_2_naming_the_flag(tmp_path, capsys, extra, message):
 
 def test_good_sla_flags_build_the_planner_config(tmp_path):
     from cluster.cli import build_parser
-    from cluster.serve_cli import _check_pool_args, _sla_config
+    from cluster.up_checks import check_pool_args
+    from cluster.up_flags import sla_config
 
     path = _write_profile(tmp_path)
     args = build_parser().parse_args(["up", "--autoscale", "--planner", "sla", "--ttft-slo-ms", "500",
                                       "--tpot-slo-ms", "50", "--profile", path, "--num-kv-blocks", "100",
                                       "--max-num-seqs", "32"])
-    _check_pool_args(args)
-    cfg = _sla_config(args)
+    check_pool_args(args)
+    cfg = sla_config(args)
     assert (cfg.ttft_slo_ms, cfg.tpot_slo_ms, cfg.max_num_seqs, cfg.kv_tokens, cfg.kv_link) == (500, 50, 32, 1600,
                                                                                                 "gloo")
     assert cfg.profile.model == "tiny"
     plain = build_parser().parse_args(["up", "--autoscale"])
-    _check_pool_args(plain)
+    check_pool_args(plain)
     assert plain.planner == "threshold" and plain.sla_profile is None
 
 

@@ -28,7 +28,7 @@ KUBERNETES_VERSION = "1.33.0"
 
 ROUTER_GRPC_PORT = 50051
 ROUTER_DRAIN_TIMEOUT_S = 30
-"""`pdserve router --drain-timeout` default (cluster/serve_cli.py): in-flight requests get this long on SIGTERM."""
+"""`pdserve router --drain-timeout` default (cluster/up_flags.py): in-flight requests get this long on SIGTERM."""
 ROUTER_STOP_MARGIN_S = 5
 """After the drain: closing the gRPC, HTTP and metrics servers and the Redis pool."""
 ROUTER_DRAIN_S = ROUTER_DRAIN_TIMEOUT_S + ROUTER_STOP_MARGIN_S
@@ -173,7 +173,7 @@ def _container(docs: list[Doc], deployment: str, name: str) -> tuple[Optional[Do
 
 def _check_secret_env(who: str, env: dict, names: tuple[str, ...]) -> list[str]:
     """Each of ``names`` is set and read from a Secret; PDSERVE_REDIS_URL takes its password from a variable."""
-    from cluster.serve_cli import REDIS_URL_ENV
+    from cluster.up_secrets import REDIS_URL_ENV
 
     problems = []
     for name in names:
@@ -192,9 +192,9 @@ def _check_secret_env(who: str, env: dict, names: tuple[str, ...]) -> list[str]:
 def check_router(docs: list[Doc]) -> list[str]:
     """The routers (`pdserve router`, stateless): at least two replicas rolled with RollingUpdate and
     maxUnavailable 0; startup, readiness and liveness gRPC probes on the gRPC port; preStop; a grace period
-    longer than preStop + the router's drain; the secrets through the environment names cluster/serve_cli.py
+    longer than preStop + the router's drain; the secrets through the environment names cluster/up_secrets.py
     reads; and no Ray: no --address, no RAY_* variable (a router reads only Redis)."""
-    from cluster.serve_cli import CLUSTER_SECRET_ENV, REDIS_URL_ENV
+    from cluster.up_secrets import CLUSTER_SECRET_ENV, REDIS_URL_ENV
     from transport.client_auth import API_KEY_ENV
 
     dep, router, problems = _container(docs, "pdserve-router", "router")
@@ -253,7 +253,7 @@ def check_controller(docs: list[Doc]) -> list[str]:
     API); exec startup, readiness and liveness probes that test the deployment's lease key in Redis, the
     startup one allowing at least max(600 s, --ready-timeout); the model volume and its wait-for-model init
     container; a grace period for its quick stop."""
-    from cluster.serve_cli import CLUSTER_SECRET_ENV, REDIS_URL_ENV
+    from cluster.up_secrets import CLUSTER_SECRET_ENV, REDIS_URL_ENV
     from transport.client_auth import API_KEY_ENV
 
     dep, ctl, problems = _container(docs, "pdserve-controller", "controller")

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from cluster import serve_cli as cli
+from cluster import up_secrets as cli
 from cluster.cli import build_parser
 from cluster.config import ClusterConfig
 from cluster.worker_actor import WorkerSpec
@@ -35,7 +35,7 @@ def test_up_secrets_from_environment_and_files_then_removed_from_the_environment
     clean_env.setenv("PDSERVE_API_KEY", "env-key-1, env-key-2")
     clean_env.setenv("PDSERVE_CLUSTER_SECRET", SECRET)
     clean_env.setenv("PDSERVE_REDIS_URL", "redis://:pw-123@10.0.0.5:6379/0")
-    keys, secret, url = cli._up_secrets(_up_args())
+    keys, secret, url = cli.read_up_secrets(_up_args())
     assert keys == ("env-key-1", "env-key-2") and secret == SECRET and url == "redis://:pw-123@10.0.0.5:6379/0"
     assert not [n for n in cli.SECRET_ENVS if n in os.environ]  # Ray's processes will not inherit them
     assert capsys.readouterr().err == ""  # nothing on argv: no warning
@@ -43,7 +43,7 @@ def test_up_secrets_from_environment_and_files_then_removed_from_the_environment
     f = tmp_path / "secret"
     f.write_text(SECRET + "\n")
     f.chmod(0o644)
-    keys, secret, url = cli._up_secrets(_up_args("--api-key", "argv-key", "--cluster-secret-file", str(f),
+    keys, secret, url = cli.read_up_secrets(_up_args("--api-key", "argv-key", "--cluster-secret-file", str(f),
                                                  "--redis-url", "redis://:pw-123@h:1/0"))
     err = capsys.readouterr().err
     assert keys == ("argv-key",) and secret == SECRET
@@ -57,10 +57,10 @@ def test_short_cluster_secret_is_refused_without_showing_it(clean_env, tmp_path)
     f.write_text("tooshort-9")
     f.chmod(0o600)
     with pytest.raises(ValueError) as e:
-        cli._up_secrets(_up_args("--cluster-secret-file", str(f)))
+        cli.read_up_secrets(_up_args("--cluster-secret-file", str(f)))
     assert "16 characters" in str(e.value) and "tooshort-9" not in str(e.value)
     with pytest.raises(ValueError, match="cannot read"):
-        cli._up_secrets(_up_args("--cluster-secret-file", str(tmp_path / "missing")))
+        cli.read_up_secrets(_up_args("--cluster-secret-file", str(tmp_path / "missing")))
 
 
 def test_configs_keep_secrets_out_of_repr():

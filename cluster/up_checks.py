@@ -1,0 +1,164 @@
+"""The checks of ``pdserve up``, ``controller`` and ``router``'s flags: every one before anything starts.
+
+Lifecycle: a command calls ``check_up_args`` (or the parts a split command needs:
+``check_model_args``, ``check_pool_args``, ``check_router_args``) right after parsing, so bad
+input fails in a second with exit status 2 and a ``ValueError`` that names the flag, never
+after Redis, Ray or a worker has started. The fields the configs own are checked by the configs
+themselves (``check_config`` builds one) and their messages are renamed to the flag that set the
+field (``as_flag_error``); a port is checked by ``transport.ports.check_port`` and, when given,
+bound once to see that it is free. ``check_pool_args`` leaves the loaded ``--profile`` of
+``--planner sla`` on ``args.sla_profile``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from typing import Callable
+
+from cluster.up_flags import engine_overrides, router_overrides
+from transport.ports import check_port
+
+BUILTIN_MODELS = ("tiny", "bench")
+
+
+def check_up_args(args: argparse.Namespace) -> None:
+    """Every check of ``pdserve up``'s flags (cheap: before Redis, Ray or a worker starts)."""
+    check_pool_args(args)
+    check_model_args(args)
+    check_router_args(args)
+
+
+def check_model_args(args: argparse.Namespace) -> None:
+    """--model (a built-in name or a directory) and --served-model-name."""
+    if args.model not in BUILTIN_MODELS and not os.path.isdir(args.model):
+        raise ValueError(f"--model must be one of {BUILTIN_MODELS} or a model directory, got {args.model!r}")
+    if args.served_model_name is not None and (not args.served_model_name.strip()
+                                               or not args.served_model_name.isprintable()):
+        raise ValueError(f"--served-model-name must be a non-empty printable name, got {args.served_model_name!r}")
+
+
+def check_pool_args(args: argparse.Namespace) -> None:
+    """The pool flags: sizes, planner bounds and policy, supervisor, the engine fields (by ``EngineConfig``) and
+    a draft model's vocabulary; sets ``args.sla_profile``."""
+    for name in ("prefill", "decode", "colocated"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if args.autoscale:
+        for name, lo, hi in (("prefill", args.prefill, args.max_prefill), ("decode", args.decode, args.max_decode)):
+            if not args.colocated and hi < max(lo, 1):
+                raise ValueError(f"--max-{name} must be >= max(--{name}, 1), got {hi}")
+    for flag in ("planner_interval", "planner_cooldown"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    args.sla_profile = check_sla_args(args)
+    if not args.check_interval > 0:
+        raise ValueError(f"--check-interval must be > 0, got {args.check_interval}")
+    from engine.config import EngineConfig
+
+    overrides = engine_overrides(args, checked_only=True)
+    check_config(EngineConfig, overrides)
+    spec = overrides.get("speculative_config") or {}
+    if spec.get("method") == "draft_model":  # a bad draft is a flag error now, not a worker crash later
+        from engine.loader import load_model_config
+
+        try:
+            draft = load_model_config(EngineConfig(model=spec["model"]))
+            target = load_model_config(EngineConfig(model=args.model))
+        except ValueError as e:
+            raise ValueError(f"--speculative-model: {e}") from e
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"--speculative-model {spec['model']!r} has vocab_size {draft.vocab_size}, "
+                             f"--model has {target.vocab_size}: a draft must share the target's tokenizer")
+
+
+def check_sla_args(args: argparse.Namespace):
+    """--planner sla's flags; the loaded profile (a ``simulator.costs.Profile``), or None for --planner
+    threshold."""
+    if args.planner != "sla":
+        for flag in ("ttft_slo_ms", "tpot_slo_ms", "profile"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')} is only used by --planner sla")
+        return None
+    if not args.autoscale:
+        raise ValueError("--planner sla needs --autoscale (without it no planner runs)")
+    for flag in ("ttft_slo_ms", "tpot_slo_ms", "profile"):
+        if getattr(args, flag) is None:
+            raise ValueError(f"--planner sla needs --{flag.replace('_', '-')}")
+    for flag in ("ttft_slo_ms", "tpot_slo_ms"):
+        v = getattr(args, flag)
+        if not (v > 0 and v < float("inf")):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a number > 0, got {v}")
+    from simulator.costs import load_profile
+
+    prof = load_profile(args.profile)  # ValueError naming --profile and the file
+    prof.check_matches(model=args.model, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+                       where=f"--profile {args.profile}")
+    if args.colocated == 0 and "gloo" not in prof.links and "nccl" not in prof.links:
+        raise ValueError(f"--profile {args.profile}: has no KV link measurement (taken with --skip-link?); "
+                         f"--planner sla needs one to size the decode pool")
+    return prof
+
+
+def check_router_args(args: argparse.Namespace) -> None:
+    """The router flags: ports (valid, free, one per listener), TLS files, the ``RouterConfig`` fields."""
+    check_port(args.port, "--port")
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        raise ValueError("--ssl-certfile and --ssl-keyfile must be given together")
+    if args.ssl_ca_certs is not None and args.ssl_certfile is None:
+        raise ValueError("--ssl-ca-certs (mutual TLS) needs --ssl-certfile and --ssl-keyfile")
+    for flag, path in (("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile),
+                       ("--ssl-ca-certs", args.ssl_ca_certs)):
+        if path is not None and not os.access(path, os.R_OK):
+            raise ValueError(f"{flag}: cannot read {path!r}")
+    if args.port:
+        check_port_free(args.host, args.port)
+    check_port(args.http_port, "--http-port", zero_means="the HTTP API is off")
+    if args.http_port:
+        check_port_free(args.host, args.http_port, "--http-port")
+    check_port(args.health_port, "--health-port", zero_means="none")
+    if args.health_port:
+        check_port_free(args.host, args.health_port, "--health-port")
+    given = [(f, p) for f, p in (("--port", args.port), ("--http-port", args.http_port),
+                                 ("--health-port", args.health_port)) if p]
+    for i, (f1, p1) in enumerate(given):
+        for f2, p2 in given[i + 1:]:
+            if p1 == p2:
+                raise ValueError(f"{f2} {p2} is also {f1}: give each listener its own port")
+    from router.config import RouterConfig
+
+    check_config(RouterConfig, router_overrides(args))
+
+
+def check_config(build: Callable, kw: dict) -> None:
+    """``build(**kw)``; its ``ValueError`` renamed by flag (the fields the configs own are checked by the
+    configs themselves, reported under the flag's name)."""
+    try:
+        build(**kw)
+    except ValueError as e:
+        raise as_flag_error(e, kw) from None
+
+
+def as_flag_error(e: ValueError, fields: dict) -> ValueError:
+    """A config's "field must be ..." error, named by the command-line flag that set the field."""
+    msg = str(e)
+    if msg.startswith("speculative_config.") and "speculative_config" in fields:  # its keys are flags too
+        rest = msg[len("speculative_config."):]
+        name = rest.split(" ", 1)[0]
+        flag = {"method": "--speculative-method", "model": "--speculative-model"}.get(
+            name, "--" + name.replace("_", "-"))
+        return ValueError(flag + rest[len(name):])
+    for name in fields:
+        if msg.startswith(name + " "):
+            return ValueError("--" + name.replace("_", "-") + msg[len(name):])
+    return e
+
+
+def check_port_free(host: str, port: int, flag: str = "--port") -> None:
+    """ValueError naming ``flag`` unless ``port`` can be bound on ``host`` now."""
+    # Fail in a second, not after Ray and the workers have started (the router binds last).
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"{flag} {port} on {host} is not available: {e.strerror}") from None

@@ -1,0 +1,237 @@
+"""The flags of ``pdserve up``, ``controller`` and ``router``, and the config fields they set.
+
+Lifecycle: ``add_serve_commands(sub)`` adds the three subcommands to ``pdserve``'s parser
+(``cluster.cli``); once the command line is parsed and checked (``cluster.up_checks``), the
+commands (``cluster.serve_cli``) turn the flags into config fields with ``pool_config_kwargs``
+(``ClusterConfig``), ``engine_overrides`` (``EngineConfig``), ``router_overrides``
+(``RouterConfig``) and ``sla_config`` (``--planner sla``). Functions of an ``argparse`` parser or
+namespace only: nothing starts here, and nothing heavy is imported before a command needs it.
+"""
+from __future__ import annotations
+
+import argparse
+
+from cluster.up_secrets import CLUSTER_SECRET_ENV, REDIS_URL_ENV
+from transport.client_auth import API_KEY_ENV
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model, --served-model-name."""
+    p.add_argument("--model", default="tiny", help="tiny | bench | path to a Hugging Face model dir (default tiny)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model's name to clients (/v1/models, ModelInfo, the requests' model field) and in "
+                        "metric labels (default: the built-in name or the model directory's basename)")
+
+
+def add_pool_args(p: argparse.ArgumentParser) -> None:
+    """The worker pools: sizes, planner bounds, engine knobs, supervisor, device."""
+    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
+    p.add_argument("--colocated", type=int, default=0, metavar="K",
+                   help="run K colocated workers instead of prefill/decode pools (the baseline)")
+    p.add_argument("--autoscale", action="store_true",
+                   help="run the planner: each pool scales between its start size and --max-prefill/--max-decode")
+    p.add_argument("--max-prefill", type=int, default=4, help="most prefill workers with --autoscale (default 4)")
+    p.add_argument("--max-decode", type=int, default=4, help="most decode workers with --autoscale (default 4)")
+    p.add_argument("--planner-interval", type=float, default=5.0, metavar="S",
+                   help="seconds between the planner's decisions with --autoscale (default 5)")
+    p.add_argument("--planner-cooldown", type=float, default=30.0, metavar="S",
+                   help="seconds a pool waits after a change before the planner changes it again (default 30)")
+    p.add_argument("--planner", choices=("threshold", "sla"), default="threshold",
+                   help="the --autoscale policy: threshold = one worker at a time on queued prompt tokens and KV "
+                        "usage; sla = each pool sized for the SLOs from the observed request rate and lengths "
+                        "with --profile's step model (needs --ttft-slo-ms, --tpot-slo-ms, --profile; default "
+                        "threshold)")
+    p.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS",
+                   help="--planner sla: time-to-first-token SLO (90th percentile) the pools are sized for")
+    p.add_argument("--tpot-slo-ms", type=float, default=None, metavar="MS",
+                   help="--planner sla: time-per-output-token SLO the pools are sized for")
+    p.add_argument("--profile", default=None, metavar="FILE",
+                   help="--planner sla: profile.json of this model on this hardware (`pdserve profile`)")
+    p.add_argument("--cpus-per-worker", type=float, default=1.0, help="Ray CPUs (and torch threads) per worker")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the engines run: cuda gives every worker actor one Ray GPU and moves KV over "
+                        "NCCL; auto = cuda when the Ray cluster offers GPUs, else cpu (default auto)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker (default: by memory)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per decode worker")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="every engine's per-step token budget: prompts longer than N are prefilled in chunks "
+                        "(chunked prefill), mixed with decodes (default 2048; `pdserve plan` recommends one)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="turn off the engines' automatic prefix caching (on by default)")
+    p.add_argument("--quantization", choices=("int8", "int4", "w8a8", "w4a8"), default=None,  # engine.quant.QUANTIZATIONS
+                   help="quantization of every worker's model at load: int8 per output channel, int4 group-wise "
+                        "(weight-only), or w8a8 / w4a8 (the same weights, activations rounded to int8 per 32 "
+                        "values: integer dot products); default: off, float weights")
+    p.add_argument("--quantization-group-size", type=int, default=128, metavar="G",
+                   help="inputs per int4 scale, a multiple of 32 (default 128)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+                   help="KV cache of every worker: auto = the model dtype, int8 = quantized with per-token, "
+                        "per-head scales (about 4x the tokens of float32 in the same memory, and a quarter of "
+                        "the bytes shipped from prefill to decode); default auto")
+    p.add_argument("--speculative-method", choices=("ngram", "draft_model"), default=None,
+                   help="speculative decoding in the decode (and colocated) workers: ngram = prompt-lookup drafts, "
+                        "draft_model = a small model's drafts (--speculative-model); drafts are verified in the "
+                        "same forward, greedy and seeded output is unchanged (default: off)")
+    p.add_argument("--speculative-model", default=None, metavar="MODEL",
+                   help="the draft model (a built-in name such as tiny-draft, or a HF directory sharing the "
+                        "target's tokenizer); implies --speculative-method draft_model")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="draft tokens per step with --speculative-method or --speculative-model (default 4)")
+    p.add_argument("--prompt-lookup-min", type=int, default=1, metavar="N",
+                   help="shortest n-gram the ngram drafts look up (default 1)")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, metavar="N",
+                   help="longest n-gram the ngram drafts look up (default 4)")
+    p.add_argument("--check-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between the supervisor's health checks of the workers; a dead or stuck "
+                        "worker is replaced under a new id (default 1)")
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    """The public front end: ports, admission, conditional disaggregation, TLS and API keys."""
+    p.add_argument("--port", type=int, default=50051, help="router port, 0 = free port (default 50051)")
+    p.add_argument("--http-port", type=int, default=8000, metavar="PORT",
+                   help="OpenAI-compatible HTTP API port on --host (default 8000; 0 turns it off)")
+    p.add_argument("--health-port", type=int, default=0, metavar="PORT",
+                   help="a plaintext gRPC port on --host offering only grpc.health.v1, for probes that speak no "
+                        "TLS (the kubelet's) when the API serves TLS (default 0: none)")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
+                   help="conditional disaggregation: prompts of at most N tokens are prefilled on the decode "
+                        "worker itself (default 0: always use the prefill pool)")
+    p.add_argument("--prefill-queue-max-tokens", type=int, default=None, metavar="N",
+                   help="conditional disaggregation: prefill on the decode worker when every prefill worker has "
+                        ">= N prompt tokens queued (default: never)")
+    p.add_argument("--max-num-requests", type=int, default=None, metavar="N",
+                   help="requests the router holds at once (running + queued); past it a request gets "
+                        "RESOURCE_EXHAUSTED at once (router default 192; must stay below its 256 RPC threads)")
+    sec = p.add_argument_group("public API security", "Secrets are read from files or the environment, never "
+                                                      "printed; see docs/security.md.")
+    sec.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                     help="PEM certificate chain: serve the public gRPC API over TLS (with --ssl-keyfile)")
+    sec.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="PEM private key of --ssl-certfile")
+    sec.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                     help="PEM CA bundle: require client certificates it signed (mutual TLS)")
+    sec.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                     help=f"require 'authorization: Bearer KEY' on the public API (repeatable). Visible in ps: "
+                          f"prefer ${API_KEY_ENV} (comma-separated keys)")
+
+
+def add_cluster_args(p: argparse.ArgumentParser, *, ray: bool = True, split: bool = False) -> None:
+    """Where the cluster lives: interface, Redis, Ray, namespace, the cluster secret, logging.
+
+    ``split``: a controller or router of a deployment, where Redis, the namespace and the secret are given,
+    never made up (every process of the deployment must agree on them)."""
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address every listener binds: router gRPC and metrics, the embedded Redis and, on a "
+                        "local Ray, the workers' gRPC, metrics and gloo (default 127.0.0.1; multi-node: this "
+                        "node's own address; a wildcard such as 0.0.0.0 only when given here)")
+    p.add_argument("--redis-url", default=None,
+                   help=f"{'the deployment' if split else 'external'} Redis, redis://:PASSWORD@host:port/db or "
+                        f"rediss:// for TLS (default: ${REDIS_URL_ENV}"
+                        + ("; required" if split else ", else a private embedded one with a generated password")
+                        + f"); a password on argv is visible in ps: prefer ${REDIS_URL_ENV}")
+    if ray:
+        p.add_argument("--address", default=None, required=split,
+                       help="Ray cluster to join, e.g. auto or ray://head:10001"
+                            + ("" if split else " (default: start a private local Ray)"))
+    p.add_argument("--namespace", default=None, required=split,
+                   help="the deployment: registry namespace" + (" and Ray namespace of its workers" if split
+                                                                else " (default: a unique one)"))
+    p.add_argument("--cluster-secret-file", default=None, metavar="FILE",
+                   help=f"file holding the secret the router presents to the workers (or ${CLUSTER_SECRET_ENV}; "
+                        + ("required: every controller and router of the deployment must share it)" if split else
+                           "default: a fresh one per run). Give the same one to every launcher of one cluster"))
+    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for SERVING")
+    p.add_argument("--log-level", default="WARNING", help="Python log level (default WARNING)")
+
+
+def add_serve_commands(sub: argparse._SubParsersAction) -> None:
+    """The ``up``, ``controller`` and ``router`` subcommands."""
+    p = sub.add_parser("up", help="run a cluster until SIGINT/SIGTERM",
+                       description="Start Redis (unless --redis-url), Ray (unless --address), prefill and decode "
+                                   "worker actors and the router; stop all of it on SIGINT/SIGTERM.")
+    add_model_args(p)
+    add_pool_args(p)
+    add_router_args(p)
+    add_cluster_args(p)
+    p = sub.add_parser("controller", help="own a deployment's worker pools (workers outlive it)",
+                       description="Take the deployment's controller lease, adopt its live detached workers, start "
+                                   "the missing ones, and keep the pools at size (supervisor, --autoscale "
+                                   "planner). On SIGINT/SIGTERM the workers keep serving; `pdserve down "
+                                   "--address` stops them.")
+    add_model_args(p)
+    add_pool_args(p)
+    add_cluster_args(p, split=True)
+    p = sub.add_parser("router", help="a stateless router of a deployment (no Ray)",
+                       description="Serve the public gRPC (and HTTP) API for the workers a controller keeps in "
+                                   "the deployment's registry. Any number can run; each drains on SIGTERM "
+                                   "without touching a worker.")
+    add_model_args(p)
+    p.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated",
+                   help="route to prefill+decode pools or to colocated workers (default disaggregated)")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM: NOT_SERVING at once, then up to S seconds for in-flight requests (default 30)")
+    add_router_args(p)
+    add_cluster_args(p, ray=False, split=True)
+
+
+# ---- flags -> config fields ----------------------------------------------------------------------------
+def pool_config_kwargs(args: argparse.Namespace) -> dict:
+    if args.colocated:  # one mode per router: colocated replaces the two pools
+        args.prefill = args.decode = 0
+    return dict(model=args.model, served_model_name=args.served_model_name, num_prefill=args.prefill,
+                num_decode=args.decode, num_colocated=args.colocated, host=args.host, ray_address=args.address,
+                namespace=args.namespace, cpus_per_worker=args.cpus_per_worker, device=args.device,
+                engine_overrides=engine_overrides(args))
+
+
+def engine_overrides(args: argparse.Namespace, checked_only: bool = False) -> dict:
+    """The EngineConfig fields the pool flags set."""
+    out = {k: v for k, v in (("num_kv_blocks", args.num_kv_blocks), ("max_num_seqs", args.max_num_seqs),
+                             ("max_num_batched_tokens", args.max_num_batched_tokens))
+           if v is not None}
+    if args.no_prefix_caching and not checked_only:
+        out["enable_prefix_caching"] = False
+    if args.quantization is not None:
+        out["quantization"] = args.quantization
+        out["quantization_group_size"] = args.quantization_group_size
+    if args.kv_cache_dtype != "auto":
+        out["kv_cache_dtype"] = args.kv_cache_dtype
+    method = args.speculative_method or ("draft_model" if args.speculative_model else None)
+    if method == "ngram":
+        out["speculative_config"] = {"method": method, "num_speculative_tokens": args.num_speculative_tokens,
+                                     "prompt_lookup_min": args.prompt_lookup_min,
+                                     "prompt_lookup_max": args.prompt_lookup_max}
+        if args.speculative_model:
+            out["speculative_config"]["model"] = args.speculative_model  # refused by the config, by name
+    elif method == "draft_model":
+        out["speculative_config"] = {"method": method, "num_speculative_tokens": args.num_speculative_tokens,
+                                     "model": args.speculative_model}
+    return out
+
+
+def router_overrides(args: argparse.Namespace) -> dict:
+    """The RouterConfig fields the router flags set."""
+    out = {"local_prefill_max_tokens": args.local_prefill_max_tokens,
+           "prefill_queue_max_tokens": args.prefill_queue_max_tokens}
+    if args.max_num_requests is not None:
+        out["max_num_requests"] = args.max_num_requests
+    out["http_port"] = args.http_port or None  # 0: no HTTP API
+    out["health_port"] = args.health_port or None
+    return out
+
+
+def sla_config(args: argparse.Namespace):
+    """The ``SlaConfig`` of --planner sla (flags checked by ``check_sla_args``)."""
+    from cluster.sla_planner import SlaConfig
+    from engine.config import EngineConfig
+
+    prof, eng = args.sla_profile, EngineConfig
+    blocks = args.num_kv_blocks
+    kv_tokens = (blocks * prof.block_size if blocks is not None
+                 else EngineConfig.kv_cache_memory_bytes // prof.kv_bytes_per_token)
+    link = "nccl" if args.device == "cuda" and "nccl" in prof.links else ("gloo" if "gloo" in prof.links
+                                                                         else next(iter(prof.links), "gloo"))
+    return SlaConfig(profile=prof, ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,
+                     max_num_batched_tokens=args.max_num_batched_tokens or eng.max_num_batched_tokens,
+                     max_num_seqs=args.max_num_seqs or eng.max_num_seqs, kv_tokens=kv_tokens, kv_link=link)
