@@ -18,6 +18,13 @@ temp dir. A finalizer and the Linux parent-death signal make sure the server
 never outlives the process that started it, even when ``stop()`` is never
 reached.
 
+``RedisServerConfig(spawn=True)`` launches the server with ``posix_spawn``
+instead of fork + exec, for a caller with live gRPC or Ray threads (forking
+such a process can crash the child before it execs) or one that starts the
+server from a short-lived thread (the parent-death signal fires when that
+thread ends). The server then shares the caller's session and has no
+parent-death signal: ``stop()`` and the finalizer still end it.
+
 Nothing here is global: every instance has its own port, dir and process, so
 two clusters on one machine never share a Redis by accident.
 """
@@ -67,6 +74,9 @@ class RedisServerConfig:
     password: Optional[str] = field(default=None, repr=False)
     """``requirepass``: None generates one (``secrets.token_urlsafe(32)``); "" runs without one (tests of
     the refusal only). Restarting a server on the same port for the same clients: pass the old one."""
+    spawn: bool = False
+    """Launch with ``posix_spawn`` (no fork of the caller): no parent-death signal, no session of its own.
+    For callers with live gRPC/Ray threads, or that start the server from a thread that ends first."""
 
     def __post_init__(self) -> None:
         check_port(self.port, "port")
@@ -248,12 +258,17 @@ class EmbeddedRedis:
         return "\n".join(lines) + "\n"
 
     def _launch(self, binary: str, port: int) -> subprocess.Popen:
+        if self.config.spawn:
+            # Popen uses posix_spawn only without preexec_fn, cwd, a new session or fd closing (Python's own
+            # fds are not inheritable anyway); the config gives the server its dir.
+            how: dict = dict(close_fds=False)
+        else:
+            # Own session: a terminal's Ctrl-C hits only the launcher, which then stops the server itself,
+            # after the workers have left the registry.
+            how = dict(preexec_fn=_die_with_parent, start_new_session=True, cwd=self._tmpdir)
         # "-": read the configuration from stdin, so the password is in neither argv (ps) nor a file.
         proc = subprocess.Popen([binary, "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-                                # Own session: a terminal's Ctrl-C hits only the launcher, which then
-                                # stops the server itself, after the workers have left the registry.
-                                start_new_session=True, cwd=self._tmpdir)
+                                stderr=subprocess.DEVNULL, **how)
         try:
             proc.stdin.write(self._config_text(port).encode())
             proc.stdin.close()

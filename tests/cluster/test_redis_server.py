@@ -129,3 +129,36 @@ def test_bad_config_names_the_field():
         RedisServerConfig(startup_timeout_s=0)
     with pytest.raises(FileNotFoundError):
         EmbeddedRedis(RedisServerConfig(binary="/nonexistent/redis-server")).start()
+
+
+def test_spawned_server_outlives_the_thread_that_started_it():
+    """``spawn=True`` (posix_spawn, no fork): the server shares this process's session and has no parent-death
+    signal, so a fault thread that restarts Redis may end; the default launch dies with its starting thread."""
+    import threading
+
+    from tests.waiting import wait_until
+
+    started: dict = {}
+
+    def start(name: str, spawn: bool) -> None:
+        started[name] = EmbeddedRedis(RedisServerConfig(spawn=spawn)).start()
+
+    for name, spawn in (("spawned", True), ("forked", False)):
+        t = threading.Thread(target=start, args=(name, spawn))
+        t.start()
+        t.join(30)
+    spawned, forked = started["spawned"], started["forked"]
+    try:
+        assert os.getsid(spawned.pid) == os.getsid(0) != os.getsid(forked.pid)
+        # the reference: the forked one got its parent-death signal when its thread ended
+        wait_until(lambda: not _pid_alive(forked.pid), timeout=10, message="forked server outlived its thread")
+        client = redis.Redis.from_url(spawned.url)
+        assert client.ping() and client.config_get("save")["save"] == ""  # same config: stdin, password
+        client.close()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=spawned.port).ping()
+    finally:
+        pid, tmpdir = spawned.pid, spawned._tmpdir
+        spawned.stop()
+        forked.stop()
+    assert _wait_gone(pid) and not os.path.exists(tmpdir)
