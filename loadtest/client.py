@@ -123,6 +123,7 @@ async def _send_one(stub: pb_grpc.PDServeStub, req: BenchRequest, cfg: ClientCon
                 if resp.token_ids:
                     rec.chunk_times_s.append(now)
                     rec.chunk_tokens.append(len(resp.token_ids))
+                    rec.token_ids.extend(resp.token_ids)
                 if resp.finish_reason:
                     rec.finish_reason = resp.finish_reason
                 if resp.HasField("usage"):

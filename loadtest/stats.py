@@ -56,6 +56,8 @@ class RequestRecord:
     finish_reason: str = ""
     generated_text: str = ""
     """The text streamed back (vLLM's ``generated_texts``)."""
+    token_ids: list[int] = field(default_factory=list)
+    """The token ids streamed back (gRPC backend), in order: what a check against the offline engine compares."""
 
 
 def ttft_s(rec: RequestRecord) -> Optional[float]:

@@ -33,6 +33,7 @@ def test_client_times_the_stream():
     assert [r.request_id for r in records] == [f"t-{i}" for i in range(6)]
     for r in records:
         assert r.success and r.output_tokens == 4 and r.finish_reason == "length" and r.chunk_tokens == [1] * 4
+        assert r.token_ids == [7] * 4  # the fake server streams token 7
         # the server sleeps 50 ms before the first token and 20 ms before each later one: token j + 1 cannot
         # arrive before 50 + 20 j ms (a single gap can be shorter when the chunk before it was delivered late,
         # so the bound is on the arrival times, not on each gap)
