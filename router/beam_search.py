@@ -37,6 +37,7 @@ import torch
 
 from engine import PromptBeamSearch, SamplingParams
 from router.events import FlowError, FlowEvent, Timings, Usage
+from router.placement import Route
 from router.request_flow import FlowDeps, RequestFlow
 from router.validation import ValidatedRequest
 
@@ -109,7 +110,7 @@ class BeamFlow:
         """[len(beams), V] log-probs: each beam's top 2W from a worker, -inf elsewhere."""
         self.steps += 1
         step = self.steps
-        route = None if step == 1 else ("colocated" if self.deps.cfg.mode == "colocated" else "decode")
+        route = None if step == 1 else (Route.COLOCATED if self.deps.cfg.mode == "colocated" else Route.DECODE)
         futures = [pool.submit(self._top, beam, f"{self.rid}/beam{step}.{j}", route) for j, beam in enumerate(beams)]
         tops: list[list[tuple[int, float]]] = []
         failure: Optional[BaseException] = None
@@ -124,10 +125,11 @@ class BeamFlow:
             raise failure
         return sparse_rows(tops, self._vocab)
 
-    def _top(self, beam: _Beam, sub_id: str, route: Optional[str]) -> list[tuple[int, float]]:
+    def _top(self, beam: _Beam, sub_id: str, route: Optional[Route]) -> list[tuple[int, float]]:
         """The top 2W (token, log-prob) of the token after ``beam``, from one sub-request."""
         sub = ValidatedRequest(request_id=sub_id, prompt=None, prompt_token_ids=beam.tokens, params=self._sub_params)
-        flow = RequestFlow(FlowDeps(self.deps.cfg, self.deps.placer, None, None), sub, self.t0, self.deadline,
+        flow = RequestFlow(FlowDeps(self.deps.cfg, self.deps.placer, self.deps.calls, None, None), sub, self.t0,
+                           self.deadline,
                            self._next_seq(), route=route)
         with self._lock:
             if self._cancelled:

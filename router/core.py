@@ -31,7 +31,8 @@ from router.prefix_index import PrefixIndex
 from router.request_flow import FlowDeps, RequestFlow
 from router.selection import WorkerSelector
 from router.validation import ModelLimits, ValidatedRequest
-from router.worker_source import WorkerSource
+from router.worker_calls import WorkerCalls
+from router.worker_source import WorkerList
 from router.worker_view import WorkerView
 
 log = logging.getLogger(__name__)
@@ -40,19 +41,21 @@ log = logging.getLogger(__name__)
 class RouterCore:
     """Admission, flows and request metrics, shared by every front end (see module docstring)."""
 
-    def __init__(self, cfg: RouterConfig, workers: WorkerSource) -> None:
+    def __init__(self, cfg: RouterConfig, workers: WorkerList) -> None:
         if not isinstance(cfg, RouterConfig):
             raise ValueError(f"cfg must be a RouterConfig, got {type(cfg).__name__}")
         if not callable(getattr(workers, "list", None)):
-            raise ValueError("workers must have a list(role) method (a WorkerSource)")
+            raise ValueError("workers must have a list(role) method (a WorkerList)")
         self.cfg = cfg
         self.view = WorkerView(workers, cfg.worker_view_refresh_s)
         """The pools as routing sees them: refreshed in the background, failed workers out at once."""
         self.selector = WorkerSelector()
         self.prefixes = PrefixIndex()  # which worker was sent which prompt prefix (prefix-aware routing)
         self.clients = WorkerClients(cfg.cluster_secret)
+        self.calls = WorkerCalls(cfg, self.clients)
+        """Every worker RPC of a request (Reserve for the placer; streams and aborts for the flows)."""
         self.admission = AdmissionQueue(on_change=lambda n: self._update_gauges())
-        self.placer = Placer(cfg, self.view, self.selector, self.clients, self.admission, self.prefixes)
+        self.placer = Placer(cfg, self.view, self.selector, self.calls, self.admission, self.prefixes)
         self.tokenizer: Any = None
         self.limits: Optional[ModelLimits] = None
         self.metrics: Any = None
@@ -112,7 +115,7 @@ class RouterCore:
         try:
             budget = self.cfg.request_timeout_s if time_remaining is None else min(time_remaining,
                                                                                  self.cfg.request_timeout_s)
-            deps = FlowDeps(self.cfg, self.placer, self.tokenizer, self.metrics)
+            deps = FlowDeps(self.cfg, self.placer, self.calls, self.tokenizer, self.metrics)
             flow: Any
             if vreq.beam is not None:
                 from router.beam_search import BeamFlow

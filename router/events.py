@@ -14,6 +14,7 @@ from typing import Optional
 import grpc
 
 from engine import TokenLogprob
+from router.worker_source import Pool
 
 
 @dataclass
@@ -68,12 +69,12 @@ class FlowError(Exception):
     """The request ends with status ``code`` and ``message`` (which names the request, never an address)."""
 
     def __init__(self, code: grpc.StatusCode, message: str, worker_id: str = "", final: bool = False,
-                 degrade: str = "") -> None:
+                 empty_pool: Optional[Pool] = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
-        self.degrade = degrade
-        """Set when a pool had no live worker ("no_prefill", "no_decode"): a fallback path may serve it."""
+        self.empty_pool = empty_pool
+        """Set when this pool had no live worker: a fallback route may serve the request, or the pool come back."""
         self.worker_id = worker_id
         """The worker whose call failed ("" when none did): a retry avoids it."""
         self.final = final

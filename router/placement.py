@@ -1,19 +1,22 @@
-"""Where a request runs: the ``Placement`` record and the ``Placer`` that makes and releases it.
+"""Where a request runs: the ``Placement`` record and the ``Placer`` that ranks workers, decides and releases.
 
 Lifecycle: for each attempt of a request the flow asks the ``Placer`` for a placement:
-- ``route(scope)`` chooses how the request runs: ``PAIR`` (reserve on a decode worker D,
-  prefill on a prefill worker P, KV moves P -> D) or whole on one worker of a pool
-  (``"colocated"`` in colocated mode; ``"decode"`` for conditional disaggregation);
-- ``place_pair`` ranks the decode workers, reserves the prompt's blocks on one (waiting in
-  the router's FIFO ``AdmissionQueue`` while none has room), and picks P (least queued
-  prompt tokens, then prefix-aware routing);
-- ``place_whole`` picks the least-loaded worker of a pool (prefix-aware too).
+- ``route(scope)`` chooses how the request runs (a ``Route``): ``Route.PAIR`` (reserve on a
+  decode worker D, prefill on a prefill worker P, KV moves P -> D) or whole on one worker of
+  a pool (``Route.COLOCATED`` in colocated mode; ``Route.DECODE`` for conditional
+  disaggregation);
+- ``place_pair`` ranks the decode workers, has the best one that has room reserve the
+  prompt's blocks (the RPC is ``WorkerCalls.reserve``'s; waiting in the router's FIFO
+  ``AdmissionQueue`` while none has room), and picks P (least queued prompt tokens, then
+  prefix-aware routing);
+- ``place_whole`` picks the least-loaded worker of a ``Pool`` (prefix-aware too).
 A placement records the chosen workers, the reservation and which load counts this router
-holds on them (``held``). ``release(placement)`` gives back whatever is still held (it is
-idempotent and thread-safe: the transfer watch releases P early, the flow the rest);
-``abort(placement, rid)`` asks each worker to drop the request and free its blocks.
-``recovery(...)`` decides, in one place, what a failed attempt leads to: fail, retry
-elsewhere (nothing streamed yet) or migrate (tokens streamed: another worker resumes).
+holds on them (``held``, a set of ``Hold``). ``release(placement)`` gives back whatever is still
+held (it is idempotent and thread-safe: the transfer watch releases P early, the flow the rest).
+The flow's ``Attempt`` (router/attempt.py) owns a placement while it runs: it aborts it on the
+workers (``WorkerCalls.abort``) and releases it here. ``recovery(...)`` decides, in one place,
+what a failed attempt leads to: fail, retry elsewhere (nothing streamed yet) or migrate
+(tokens streamed: another worker resumes).
 """
 from __future__ import annotations
 
@@ -22,38 +25,81 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import grpc
 
 from proto import worker_pb2
 from proto.worker_pb2 import WorkerInfo
 from router.admission import AdmissionQueue, QueueStop
-from router.clients import WorkerClients
 from router.config import RouterConfig
 from router.events import FlowError
 from router.prefix_index import PrefixIndex
 from router.scope import RequestScope
 from router.selection import WorkerSelector, prefill_locally
-from router.worker_source import WorkerSource
+from router.worker_source import Pool, WorkerSource
+
+if TYPE_CHECKING:
+    from router.worker_calls import WorkerCalls
 
 log = logging.getLogger(__name__)
 
-PAIR = "pair"
-"""Route: reserve on a decode worker, prefill on a prefill worker, KV moves between them."""
 RETRIABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 """Worker failures worth another worker."""
+DEFAULT_BLOCK_SIZE = 16
+"""Blocks per prompt are counted with this when a decode worker's record has no block size yet."""
 # Backoff between reservation retries while queued; capacity freed by this router wakes the head sooner.
 _FIRST_BACKOFF_S = 0.01
 _MAX_BACKOFF_S = 0.25
+
+
+class Route(str, enum.Enum):
+    """How a request runs."""
+
+    PAIR = "pair"
+    """Reserve on a decode worker, prefill on a prefill worker, KV moves between them."""
+    DECODE = "decode"
+    """Whole on a decode worker (conditional disaggregation; a migration of a pair's decode)."""
+    COLOCATED = "colocated"
+    """Whole on a colocated worker (colocated mode; no decode worker left)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def pool(self) -> Pool:
+        """The pool whose worker runs a whole route (``PAIR``: the decode pool, where it reserves)."""
+        return Pool.DECODE if self is Route.PAIR else Pool(self.value)
+
+    @classmethod
+    def whole(cls, pool: Pool) -> "Route":
+        """The route that runs a request whole on a worker of ``pool``."""
+        if pool is Pool.PREFILL:
+            raise ValueError("pool: a prefill worker cannot run a whole request")
+        return cls(pool.value)
+
+
+class Hold(str, enum.Enum):
+    """A load count this router holds for a placement (``WorkerSelector.acquire``)."""
+
+    DECODE = "decode"
+    """On ``Placement.decode``: the pair's decode worker, or the worker running the whole request."""
+    PREFILL = "prefill"
+    """On ``Placement.prefill`` (pairs only), with the prompt's tokens as its pending prefill work."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+ALL_HOLDS = (Hold.DECODE, Hold.PREFILL)
 
 
 @dataclass
 class Placement:
     """Where one attempt of a request runs, and what this router holds there."""
 
-    route: str
-    """``PAIR``, or the pool whose worker runs the whole request ("colocated", "decode")."""
+    route: Route
+    """``Route.PAIR``, or the whole route whose worker runs the request."""
     request_id: str = ""
     """The id the workers of this placement know the request by (``RequestScope.next_worker_request_id``)."""
     decode: Optional[WorkerInfo] = None
@@ -62,8 +108,12 @@ class Placement:
     """The prefill worker of a pair."""
     reservation: Optional[worker_pb2.ReserveResponse] = None
     """The blocks reserved on ``decode`` (pairs only)."""
-    held: set[str] = field(default_factory=set)
-    """Load counts this router holds: "decode" (on ``decode``) and "prefill" (on ``prefill``)."""
+    held: set[Hold] = field(default_factory=set)
+    """Load counts this router holds."""
+
+    def __post_init__(self) -> None:
+        self.route = Route(self.route)
+        self.held = {Hold(h) for h in self.held}
 
     def workers(self) -> list[WorkerInfo]:
         return [w for w in (self.decode, self.prefill) if w is not None]
@@ -92,12 +142,13 @@ def recovery(err: FlowError, scope: RequestScope, streamed_tokens: int, attempts
 class Placer:
     """Chooses, holds and releases workers for requests (see module docstring). One per router."""
 
-    def __init__(self, cfg: RouterConfig, source: WorkerSource, selector: WorkerSelector, clients: WorkerClients,
+    def __init__(self, cfg: RouterConfig, source: WorkerSource, selector: WorkerSelector, calls: "WorkerCalls",
                  admission: Optional[AdmissionQueue] = None, prefixes: Optional[PrefixIndex] = None) -> None:
+        """``calls``: who sends the Reserve RPC (``WorkerCalls``); the Placer only ranks and decides."""
         self.cfg = cfg
         self.source = source
         self.selector = selector
-        self.clients = clients
+        self.calls = calls
         self.admission = admission
         """The wait queue for decode KV capacity; None: RESOURCE_EXHAUSTED at once when no decode worker has room."""
         self.prefixes = prefixes
@@ -105,19 +156,19 @@ class Placer:
         self._lock = threading.Lock()
 
     # ---- route ---------------------------------------------------------------------------------
-    def route(self, scope: RequestScope) -> str:
+    def route(self, scope: RequestScope) -> Route:
         """How this request runs: colocated mode runs it whole; conditional disaggregation may run a
         short prompt (or any while the prefill pool is backed up) whole on a decode worker."""
         cfg, n = self.cfg, scope.num_prompt_tokens
         if cfg.mode == "colocated":
-            return "colocated"
+            return Route.COLOCATED
         if cfg.local_prefill_max_tokens == 0 and cfg.prefill_queue_max_tokens is None:
-            return PAIR
+            return Route.PAIR
         backlog = None
         if cfg.prefill_queue_max_tokens is not None and n > cfg.local_prefill_max_tokens:
-            backlog = self.selector.prefill_backlog(self.source.list("prefill"))
-        return "decode" if prefill_locally(cfg.local_prefill_max_tokens, cfg.prefill_queue_max_tokens, n,
-                                           backlog) else PAIR
+            backlog = self.selector.prefill_backlog(self.source.list(Pool.PREFILL.value))
+        return Route.DECODE if prefill_locally(cfg.local_prefill_max_tokens, cfg.prefill_queue_max_tokens, n,
+                                               backlog) else Route.PAIR
 
     # ---- prefix-aware routing --------------------------------------------------------------------
     def _by_prefix(self, scope: RequestScope, ranked: list[WorkerInfo]) -> list[WorkerInfo]:
@@ -133,19 +184,20 @@ class Placer:
             self.prefixes.record(w.worker_id, scope.prefix_hashes(w.block_size))
 
     # ---- whole requests on one worker --------------------------------------------------------------
-    def place_whole(self, scope: RequestScope, pool: str, excluded: set[str]) -> Placement:
+    def place_whole(self, scope: RequestScope, pool: Pool, excluded: set[str]) -> Placement:
         """The least-loaded ready worker of ``pool`` (prefix-aware), with its load count held."""
-        ws = [w for w in self.source.list(pool) if w.ready and w.worker_id not in excluded]
+        route = Route.whole(Pool(pool))
+        ws = [w for w in self.source.list(route.pool.value) if w.ready and w.worker_id not in excluded]
         if not ws:
-            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no ready {pool} worker",
-                            degrade="" if excluded else f"no_{pool}")
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no ready {route.pool} worker",
+                            empty_pool=None if excluded else route.pool)
         sel = self.selector
         ranked = sorted(ws, key=lambda w: (w.num_running + w.num_waiting + sel.in_flight(w.worker_id),
                                            w.queued_prompt_tokens, w.worker_id))
         w = self._by_prefix(scope, ranked)[0]
         self._record_prefix(scope, w)
         sel.acquire(w.worker_id)
-        return Placement(route=pool, request_id=scope.next_worker_request_id(), decode=w, held={"decode"})
+        return Placement(route=route, request_id=scope.next_worker_request_id(), decode=w, held={Hold.DECODE})
 
     # ---- pairs -----------------------------------------------------------------------------------
     def place_pair(self, scope: RequestScope, excluded: set[str]) -> Placement:
@@ -193,36 +245,29 @@ class Placer:
     def _try_pair(self, scope: RequestScope, excluded: set[str]) -> Optional[Placement]:
         """One pass over the decode workers: a placement, or None if every reachable one is full."""
         n, sel = scope.num_prompt_tokens, self.selector
-        ready = [w for w in self.source.list("decode") if w.ready and w.worker_id not in excluded]
+        ready = [w for w in self.source.list(Pool.DECODE.value) if w.ready and w.worker_id not in excluded]
         if not ready:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no ready decode worker",
-                            final=True, degrade="no_decode")
-        needed = -(-n // max(1, ready[0].block_size or 16))
+                            final=True, empty_pool=Pool.DECODE)
+        needed = -(-n // max(1, ready[0].block_size or DEFAULT_BLOCK_SIZE))
         totals = [w.num_total_blocks for w in ready]
         if all(t > 0 for t in totals) and needed > max(totals):  # waiting would never help
             raise FlowError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"request {scope.rid}: prompt of {n} tokens needs {needed} KV blocks, more than any "
                             f"decode worker holds in total (largest: {max(totals)})", final=True)
-        prefills = [w for w in self.source.list("prefill") if w.worker_id not in excluded]
+        prefills = [w for w in self.source.list(Pool.PREFILL.value) if w.worker_id not in excluded]
         ranked_p = self._by_prefix(scope, sel.ranked_prefill(prefills))
         if not ranked_p:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no ready prefill worker",
-                            final=True, degrade="no_prefill")
+                            final=True, empty_pool=Pool.PREFILL)
         p = ranked_p[0]
         exhausted = 0
-        cfg = self.cfg
         wrid = scope.next_worker_request_id()
         for d in sel.ranked_decode(ready, needed):
             # count the request against d before the call, so concurrent requests rank d as busier now
             sel.acquire(d.worker_id)
             try:
-                resv = self.clients.decode(d.grpc_address).Reserve(
-                    worker_pb2.ReserveRequest(request_id=wrid, prompt_token_ids=scope.prompt_token_ids,
-                                              params=scope.wire_params, prefill_kv_name=p.kv_name,
-                                              prefill_kv_cache_dtype=p.kv_cache_dtype,
-                                              kv_timeout_s=scope.remaining(cfg.first_token_timeout_s
-                                                                           + cfg.transfer_timeout_s)),
-                    timeout=scope.remaining(cfg.reserve_timeout_s))
+                resv = self.calls.reserve(scope, wrid, d, p)
             except grpc.RpcError as e:
                 sel.release(d.worker_id)
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -235,8 +280,8 @@ class Placer:
                 continue
             self._record_prefix(scope, p)
             sel.acquire(p.worker_id, n)
-            return Placement(route=PAIR, request_id=wrid, decode=d, prefill=p, reservation=resv,
-                             held={"decode", "prefill"})
+            return Placement(route=Route.PAIR, request_id=wrid, decode=d, prefill=p, reservation=resv,
+                             held={Hold.DECODE, Hold.PREFILL})
         if exhausted:
             return None
         raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no decode worker reachable")
@@ -244,30 +289,29 @@ class Placer:
     # ---- failures ----------------------------------------------------------------------------------
     def suspect(self, worker_id: str) -> None:
         """A call to ``worker_id`` failed as if it were gone: out of routing until it heartbeats again."""
-        if hasattr(self.source, "suspect"):
-            self.source.suspect(worker_id)
+        self.source.suspect(worker_id)
 
     def failed(self, err: FlowError) -> None:
         """Note a failed attempt: a worker that looked gone leaves routing at once."""
         if err.code == grpc.StatusCode.UNAVAILABLE and err.worker_id:
             self.suspect(err.worker_id)
 
-    def fallback(self, reason: str) -> Optional[str]:
-        """The pool that can serve a request whole when ``reason`` says a pool is empty, or None:
+    def fallback(self, empty: Pool) -> Optional[Route]:
+        """The whole route that can serve a request when pool ``empty`` has no live worker, or None:
         no prefill worker -> decode workers prefill themselves; no decode worker -> colocated workers."""
-        pool = {"no_prefill": "decode", "no_decode": "colocated"}.get(reason)
-        if pool is None or not any(w.ready for w in self.source.list(pool)):
+        pool = _FALLBACK.get(empty)
+        if pool is None or not any(w.ready for w in self.source.list(pool.value)):
             return None
-        return pool
+        return Route.whole(pool)
 
-    def wait_for_pool(self, scope: RequestScope, pool: str, excluded: frozenset[str] = frozenset()) -> bool:
+    def wait_for_pool(self, scope: RequestScope, pool: Pool, excluded: frozenset[str] = frozenset()) -> bool:
         """Wait (up to ``pool_wait_s``, or a cancel) for ``pool`` to have a ready worker (not in ``excluded``) again. The wait ends a
         little before the request's deadline, so the client hears why (UNAVAILABLE) rather than its own timeout."""
         now = time.monotonic()
         until = min(now + self.cfg.pool_wait_s, scope.deadline - min(1.0, 0.2 * max(0.0, scope.deadline - now)))
         pause = 0.02
         def ready() -> bool:
-            return any(w.ready and w.worker_id not in excluded for w in self.source.list(pool))
+            return any(w.ready and w.worker_id not in excluded for w in self.source.list(Pool(pool).value))
 
         while time.monotonic() < until and not scope.cancelled:
             if ready():
@@ -277,45 +321,20 @@ class Placer:
         return ready() and not scope.cancelled
 
     # ---- release ---------------------------------------------------------------------------------
-    def release(self, p: Optional[Placement], scope: RequestScope, what: tuple[str, ...] = ("decode", "prefill")) -> None:
+    def release(self, p: Optional[Placement], scope: RequestScope, what: tuple[Hold, ...] = ALL_HOLDS) -> None:
         """Give back the load counts ``p`` still holds among ``what`` (idempotent, any thread)."""
         if p is None:
             return
         with self._lock:
             gone = [h for h in what if h in p.held]
             p.held.difference_update(gone)
-        if "decode" in gone and p.decode is not None:
+        if Hold.DECODE in gone and p.decode is not None:
             self.selector.release(p.decode.worker_id)
-            if self.admission is not None and p.route == PAIR:
+            if self.admission is not None and p.route is Route.PAIR:
                 self.admission.capacity_freed()  # its blocks are free (or being freed) on the decode worker
-        if "prefill" in gone and p.prefill is not None:
+        if Hold.PREFILL in gone and p.prefill is not None:
             self.selector.release(p.prefill.worker_id, scope.num_prompt_tokens)
 
-    def abort_choice(self, p: Placement, index: int) -> None:
-        """Best effort: the worker running ``p`` ends choice ``index`` alone (a stop string ended it here)."""
-        w = p.decode
-        if w is None:
-            return
-        stub = self.clients.decode if p.route == PAIR else self.clients.colocated
-        try:
-            stub(w.grpc_address).Abort(worker_pb2.AbortRequest(request_id=f"{p.request_id}#{index}"), timeout=1.0)
-        except grpc.RpcError as e:
-            log.info("request %s: abort of choice %d on %s failed: %s", p.request_id, index, w.worker_id, e.code())
 
-    def abort(self, p: Optional[Placement]) -> None:
-        """Best effort: every worker of ``p`` drops the request and frees its blocks."""
-        if p is None:
-            return
-        rid = p.request_id
-        msg = worker_pb2.AbortRequest(request_id=rid)
-        if p.route == PAIR:
-            stubs = [(p.decode, self.clients.decode), (p.prefill, self.clients.prefill)]
-        else:
-            stubs = [(p.decode, self.clients.colocated)]
-        for w, stub in stubs:
-            if w is None:
-                continue
-            try:
-                stub(w.grpc_address).Abort(msg, timeout=1.0)
-            except grpc.RpcError as e:
-                log.info("request %s: abort on %s failed: %s", rid, w.worker_id, e.code())
+_FALLBACK = {Pool.PREFILL: Pool.DECODE, Pool.DECODE: Pool.COLOCATED}
+"""The pool that serves a request whole when the key pool has no live worker."""

@@ -17,8 +17,11 @@ iteration with ``FlowError`` (a status and a message naming the request). The fl
    so a retry before the first token and a migration after it are the same call;
 5. every token passes through one ``OutputProcessor`` (text deltas, stop strings: a stop
    string finishes the stream and aborts the workers); the last event has usage and timings.
-On any abnormal end ``run()`` aborts the request on its workers so they free their blocks, and
-always releases the placement. Every worker call has a deadline, so nothing hangs.
+Each placement runs inside an ``Attempt`` (router/attempt.py), which owns its cleanup: an
+abnormal end (a failure not recovered from, a cancel, the front end closing the stream) aborts
+the request on its workers so they free their blocks; every end releases the placement's load
+counts. The messages, stubs and deadlines of the worker calls are ``WorkerCalls``'; every call
+has a deadline, so nothing hangs.
 """
 from __future__ import annotations
 
@@ -31,13 +34,15 @@ import grpc
 
 from engine import OutputProcessor
 from proto import worker_pb2
+from router.attempt import Attempt
 from router.config import RouterConfig
 from router.events import FlowError, FlowEvent, Timings, Usage
-from router.placement import PAIR, Placement, Placer, Recovery, recovery
+from router.placement import Hold, Placement, Placer, Recovery, Route, recovery
 from router.scope import RequestScope
 from router.transfer_watch import TransferWatch
 from router.validation import ValidatedRequest
 from router.wire import logprobs_from_wire
+from router.worker_calls import WorkerCalls
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +53,7 @@ class FlowDeps:
 
     cfg: RouterConfig
     placer: Placer
+    calls: WorkerCalls
     tokenizer: Any
     metrics: Any = None
 
@@ -56,15 +62,15 @@ class RequestFlow:
     """Drives one request (see module docstring)."""
 
     def __init__(self, deps: FlowDeps, vreq: ValidatedRequest, t0: float, deadline: float, seq: int = 0,
-                 route: Optional[str] = None) -> None:
-        """``route``: run it this way ("decode", "colocated": whole on a worker of that pool) instead of the
-        placer's choice (a beam search step runs whole where its history is cached)."""
+                 route: Optional[Route] = None) -> None:
+        """``route``: run it this way (``Route.DECODE``, ``Route.COLOCATED``: whole on a worker of that pool) instead
+        of the placer's choice (a beam search step runs whole where its history is cached)."""
         self.deps = deps
-        self._route = route
+        self._route = None if route is None else Route(route)
         self.scope = RequestScope(vreq, t0, deadline, seq)
         self.rid = vreq.request_id
-        self.placement: Optional[Placement] = None
-        """Where the current attempt runs (None between attempts)."""
+        self.attempt: Optional[Attempt] = None
+        """The attempt running now (None before the first)."""
         self.procs = [OutputProcessor(deps.tokenizer, vreq.prompt_token_ids, p) for p in self.scope.choice_params]
         """One output processor per choice (n > 1: one prefill, n decoded sequences)."""
         self.timings = Timings()
@@ -77,6 +83,11 @@ class RequestFlow:
     def proc(self) -> OutputProcessor:
         """Choice 0's output processor (the only one when n = 1)."""
         return self.procs[0]
+
+    @property
+    def placement(self) -> Optional[Placement]:
+        """Where the current attempt runs (None before the first)."""
+        return self.attempt.placement if self.attempt is not None else None
 
     def streamed(self) -> int:
         """Output tokens the client has, over all choices."""
@@ -91,7 +102,7 @@ class RequestFlow:
             self.deps.placer.admission.wake()
 
     def run(self) -> Iterator[FlowEvent]:
-        placer, ok = self.deps.placer, False
+        ok = False
         try:
             yield from self._run()
             ok = True
@@ -99,40 +110,53 @@ class RequestFlow:
         finally:
             if not ok:
                 self.cancel()
-                placer.abort(self.placement)
-            placer.release(self.placement, self.scope)
 
     def _run(self) -> Iterator[FlowEvent]:
         placer, metrics = self.deps.placer, self.deps.metrics
         route = self._route or placer.route(self.scope)
-        if route == "decode" and self._route is None and metrics is not None:
+        if route is Route.DECODE and self._route is None and metrics is not None:
             log.debug("request %s: prefilled on a decode worker (conditional disaggregation)", self.rid)
             metrics.inc_local_prefill()
         waited = False
         while True:
             try:
-                if route == PAIR:
+                if route is Route.PAIR:
                     yield from self._run_pair()
                 else:
                     yield from self._run_whole(route, set(), self.deps.cfg.max_attempts)
                 return
             except FlowError as e:
-                if not e.degrade or self.streamed():
+                empty = e.empty_pool
+                if empty is None or self.streamed():
                     raise
                 # a pool with no live worker: serve it whole elsewhere (slower, but served) ...
-                pool = placer.fallback(e.degrade) if route == PAIR else None
-                if pool is not None:
-                    log.warning("request %s: %s; running it whole on a %s worker", self.rid, e.message, pool)
+                whole = placer.fallback(empty) if route is Route.PAIR else None
+                if whole is not None:
+                    log.warning("request %s: %s; running it whole on a %s worker", self.rid, e.message, whole.pool)
                     if metrics is not None:
-                        metrics.inc_degraded(e.degrade)
-                    route = pool
+                        metrics.inc_degraded(f"no_{empty.value}")
+                    route = whole
                     continue
                 # ... or wait, bounded, for the supervisor to bring the pool back
-                empty = e.degrade[len("no_"):]
                 if waited or not placer.wait_for_pool(self.scope, empty):
                     raise
                 log.info("request %s: the %s pool is back; going on", self.rid, empty)
                 waited = True
+
+    def _attempt(self, placement: Placement) -> Attempt:
+        self.attempt = Attempt(self.deps.placer, self.deps.calls, self.scope, placement)
+        return self.attempt
+
+    def _retry(self, e: FlowError, excluded: set[str], attempts_left: int, attempt_no: int) -> bool:
+        """A failed attempt before any token: note it (a worker that looked gone leaves routing, and this
+        request avoids it); True when another attempt should be made."""
+        self.deps.placer.failed(e)
+        if e.worker_id:
+            excluded.add(e.worker_id)
+        if recovery(e, self.scope, 0, attempts_left) is Recovery.FAIL:
+            return False
+        log.warning("request %s: attempt %d failed: %s", self.rid, attempt_no + 1, e.message)
+        return True
 
     # ---- output ------------------------------------------------------------------------------
     def _first_token(self, t_call: float, worker_queue_s: float, prefill_s: float, cached: int) -> None:
@@ -175,60 +199,66 @@ class RequestFlow:
         return ev if (always or ev.token_ids or ev.text) else None
 
     # ---- pair: prefill on P, decode on D --------------------------------------------------------------
-    def _start_pair(self) -> tuple[Any, worker_pb2.FirstToken, float]:
-        """Reserve + prefill until the first token, retrying another pair on retriable failures."""
+    def _run_pair(self) -> Iterator[FlowEvent]:
+        """Reserve + prefill until the first token, retrying another pair on retriable failures; then decode
+        (migrating to another decode worker, whole, if D is lost mid-stream)."""
         cfg, placer, scope = self.deps.cfg, self.deps.placer, self.scope
         excluded: set[str] = set()
-        for attempt in range(cfg.max_attempts):
-            p_stream = None
+        for attempt_no in range(cfg.max_attempts):
+            left = cfg.max_attempts - attempt_no - 1
             try:
-                self.placement = pl = placer.place_pair(scope, excluded)
-                p, resv = pl.prefill, pl.reservation
-                t_call = time.monotonic()
-                p_stream = scope.track(self.deps.placer.clients.prefill(p.grpc_address).Prefill(
-                    worker_pb2.PrefillRequest(
-                        request_id=pl.request_id, prompt_token_ids=scope.prompt_token_ids, params=scope.wire_params,
-                        dest_kv_name=resv.kv_name, dest_block_ids=resv.block_ids, dest_block_size=resv.block_size),
-                    timeout=scope.remaining(cfg.first_token_timeout_s + cfg.transfer_timeout_s)))
-                try:
-                    ev = next(p_stream)
-                except grpc.RpcError as e:
-                    raise scope.rpc_error(e, f"prefill on {p.worker_id}", p.worker_id) from None
-                except StopIteration:
-                    raise FlowError(grpc.StatusCode.UNAVAILABLE,
-                                    f"request {self.rid}: prefill worker {p.worker_id} sent no first token",
-                                    p.worker_id) from None
-                if not ev.HasField("first_token"):
-                    raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: prefill worker {p.worker_id} "
-                                                                 f"sent {ev.WhichOneof('event')} first", p.worker_id)
-                return p_stream, ev.first_token, t_call
+                placement = placer.place_pair(scope, excluded)
             except FlowError as e:
-                placer.failed(e)
-                if p_stream is not None:
-                    p_stream.cancel()
-                placer.abort(self.placement)
-                placer.release(self.placement, scope)
-                self.placement = None
-                if e.worker_id:
-                    excluded.add(e.worker_id)
-                if recovery(e, scope, 0, cfg.max_attempts - attempt - 1) is Recovery.FAIL:
+                if not self._retry(e, excluded, left, attempt_no):
                     raise
-                log.warning("request %s: attempt %d failed: %s", self.rid, attempt + 1, e.message)
+                continue
+            with self._attempt(placement) as at:
+                try:
+                    p_stream, ft, t_call = self._prefill(at)
+                except FlowError as e:
+                    if not self._retry(e, excluded, left, attempt_no):
+                        raise
+                    at.abort()
+                    continue
+                lost = yield from self._decode(at, p_stream, ft, t_call)
+            if lost:  # D is gone mid-stream: another decode worker prefills prompt + outputs and goes on
+                yield from self._run_whole(Route.DECODE, {lost}, cfg.max_attempts - 1)
+            return
         raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: no attempt made")
 
-    def _run_pair(self) -> Iterator[FlowEvent]:
+    def _prefill(self, at: Attempt) -> tuple[Any, worker_pb2.FirstToken, float]:
+        """``Prefill`` on the pair's P until its first token (FlowError naming P if it fails)."""
+        pl, scope = at.placement, self.scope
+        p = pl.prefill
+        t_call = time.monotonic()
+        p_stream = at.track(self.deps.calls.prefill(scope, pl))
+        try:
+            ev = next(p_stream)
+        except grpc.RpcError as e:
+            raise scope.rpc_error(e, f"prefill on {p.worker_id}", p.worker_id) from None
+        except StopIteration:
+            raise FlowError(grpc.StatusCode.UNAVAILABLE,
+                            f"request {self.rid}: prefill worker {p.worker_id} sent no first token",
+                            p.worker_id) from None
+        if not ev.HasField("first_token"):
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: prefill worker {p.worker_id} "
+                                                         f"sent {ev.WhichOneof('event')} first", p.worker_id)
+        return p_stream, ev.first_token, t_call
+
+    def _decode(self, at: Attempt, p_stream: Any, ft: worker_pb2.FirstToken,
+                t_call: float) -> Generator[FlowEvent, None, str]:
+        """The first token, then ``Decode`` on D while the transfer watch reads P's TransferDone. Returns "" when
+        the request is done, or D's id when D was lost mid-stream and the request should migrate."""
         cfg, placer, scope, rid = self.deps.cfg, self.deps.placer, self.scope, self.rid
-        p_stream, ft, t_call = self._start_pair()
         self._first_token(t_call, ft.queue_s, ft.prefill_s, ft.num_cached_tokens)
         ev = self._emit(0, [ft.token_id], [ft.logprob] if ft.HasField("logprob") else [], always=True)
         if self.done():  # a stop string in the very first token: D is not needed
-            p_stream.cancel()
-            placer.abort(self.placement)
+            at.abort()
             yield ev
-            return
+            return ""
         yield ev
 
-        pl = self.placement
+        pl = at.placement
         d, pid = pl.decode, pl.prefill.worker_id
 
         def transfer_error(e: Optional[grpc.RpcError], why: str) -> FlowError:
@@ -236,13 +266,8 @@ class RequestFlow:
                 return scope.rpc_error(e, f"KV transfer from {pid}")
             return FlowError(grpc.StatusCode.UNAVAILABLE, f"request {rid}: KV transfer from {pid}: {why}")
 
-        watch = TransferWatch(p_stream, rid, lambda: placer.release(pl, scope, ("prefill",)), transfer_error)
-        first_msg = worker_pb2.DecodeRequest(request_id=pl.request_id, first_token_id=ft.token_id,
-                                             siblings=scope.sibling_wires)
-        if ft.HasField("logprob"):
-            first_msg.first_logprob.CopyFrom(ft.logprob)
-        d_stream = scope.track(placer.clients.decode(d.grpc_address).Decode(
-            first_msg, timeout=scope.remaining(cfg.request_timeout_s)))
+        watch = TransferWatch(p_stream, rid, lambda: at.release(Hold.PREFILL), transfer_error)
+        d_stream = at.track(self.deps.calls.decode(scope, pl, ft))
         watch.guard(d_stream)
 
         def transfer_time() -> None:
@@ -250,8 +275,8 @@ class RequestFlow:
                 self.timings.kv_transfer_s = watch.kv_transfer_s or 0.0  # the last event's timings object
 
         try:
-            if (yield from self._consume(d_stream, pl, transfer_time)):
-                return
+            if (yield from self._consume(d_stream, at, transfer_time)):
+                return ""
         except grpc.RpcError as e:
             if watch.error is not None:
                 raise watch.error from None
@@ -263,22 +288,19 @@ class RequestFlow:
                         rid, d.worker_id, self.streamed(), err.message)
             if self.deps.metrics is not None:
                 self.deps.metrics.inc_migration()
-            placer.abort(pl)
-            placer.release(pl, scope)
-            self.placement = None
-            yield from self._run_whole("decode", {d.worker_id}, cfg.max_attempts - 1)
-            return
+            at.abort()
+            return d.worker_id
         if watch.error is not None:
             raise watch.error
         raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {rid}: decode stream from {d.worker_id} ended "
                                                   f"without a finish reason")
 
-    def _consume(self, stream: Any, pl: Placement, on_done: Optional[Callable[[], None]] = None,
+    def _consume(self, stream: Any, at: Attempt, on_done: Optional[Callable[[], None]] = None,
                  first_chunk: Optional[Callable[[Any], None]] = None) -> Generator[FlowEvent, None, bool]:
         """A worker's chunks as events until every choice finished (True), or the stream ended first (False).
-        A stop string ends its choice: the last open one ends the request (the stream is cancelled and the
-        workers abort it); another only has that choice aborted on the worker, and the rest go on."""
-        placer = self.deps.placer
+        A stop string ends its choice: the last open one ends the request (the attempt is aborted: its calls
+        cancelled, its workers drop the request); another only has that choice aborted on the worker, and the
+        rest go on."""
         for chunk in stream:
             if first_chunk is not None:
                 first_chunk(chunk)
@@ -292,63 +314,59 @@ class RequestFlow:
                 if on_done is not None:
                     on_done()
                 if stopped_here:  # stopped by a stop string: the worker would go on
-                    stream.cancel()
-                    placer.abort(pl)
+                    at.abort()
                 if ev is not None:
                     yield ev
                 return True
             if stopped_here:
-                placer.abort_choice(pl, i)
+                at.abort_choice(i)
             if ev is not None:
                 yield ev
         return False
 
     # ---- whole requests on one worker: colocated mode, local prefill, migration -------------------------
-    def _run_whole(self, pool: str, excluded: set[str], attempts: int) -> Iterator[FlowEvent]:
-        """Run the request on one worker of ``pool`` (its colocated ``Generate``). Every attempt sends the
+    def _run_whole(self, route: Route, excluded: set[str], attempts: int) -> Iterator[FlowEvent]:
+        """Run the request on one worker of ``route``'s pool (its colocated ``Generate``). Every attempt sends the
         tokens the client already has as ``resume_token_ids``, so a worker lost mid-stream is replaced by
         another that prefills prompt + outputs and goes on where the stream stopped (migration); a
-        failure before any token is a plain retry."""
-        cfg, placer, scope = self.deps.cfg, self.deps.placer, self.scope
+        failure before any token is a plain retry (no abort: the worker's stream already broke)."""
+        placer, scope, pool = self.deps.placer, self.scope, route.pool
         waited = False
-        for attempt in range(attempts):
+        for attempt_no in range(attempts):
             try:
-                self.placement = pl = placer.place_whole(scope, pool, excluded)
+                placement = placer.place_whole(scope, pool, excluded)
             except FlowError as e:
                 # a migration (or retry) whose pool has no other live worker yet: wait, bounded, for the
                 # supervisor's replacement instead of failing a request that is half streamed
-                if e.degrade or not excluded or waited or not placer.wait_for_pool(scope, pool, frozenset(excluded)):
+                if e.empty_pool or not excluded or waited or not placer.wait_for_pool(scope, pool,
+                                                                                      frozenset(excluded)):
                     raise
                 waited = True
-                self.placement = pl = placer.place_whole(scope, pool, excluded)
-            w = pl.decode
-            t_call = time.monotonic()
-            resume = self.proc.token_ids if scope.n == 1 else []  # several choices never migrate (recovery)
-            stream = scope.track(placer.clients.colocated(w.grpc_address).Generate(
-                worker_pb2.ColocatedRequest(request_id=pl.request_id, prompt_token_ids=scope.prompt_token_ids,
-                                            params=scope.wire_params, resume_token_ids=resume,
-                                            siblings=scope.sibling_wires),
-                timeout=scope.remaining(cfg.request_timeout_s)))
+                placement = placer.place_whole(scope, pool, excluded)
+            with self._attempt(placement) as at:
+                w = placement.decode
+                t_call = time.monotonic()
+                resume = self.proc.token_ids if scope.n == 1 else []  # several choices never migrate (recovery)
+                stream = at.track(self.deps.calls.generate(scope, placement, resume))
 
-            def first(chunk: Any) -> None:
-                if not self.timings.ttft_s:
-                    self._first_token(t_call, chunk.queue_s, chunk.prefill_s, chunk.num_cached_tokens)
+                def first(chunk: Any) -> None:
+                    if not self.timings.ttft_s:
+                        self._first_token(t_call, chunk.queue_s, chunk.prefill_s, chunk.num_cached_tokens)
 
-            try:
-                if (yield from self._consume(stream, pl, first_chunk=first)):
-                    return
-            except grpc.RpcError as e:
-                err = scope.rpc_error(e, f"generate on {w.worker_id}", w.worker_id)
-                placer.failed(err)
-                placer.release(pl, scope)
-                move = recovery(err, scope, self.streamed(), attempts - attempt - 1)
-                if move is Recovery.FAIL:
-                    raise err from None
-                excluded.add(w.worker_id)
-                log.warning("request %s: attempt %d on %s failed after %d tokens, %s: %s", self.rid, attempt + 1,
-                            w.worker_id, self.streamed(), move.value, err.message)
-                if move is Recovery.MIGRATE and self.deps.metrics is not None:
-                    self.deps.metrics.inc_migration()
-                continue
-            raise FlowError(grpc.StatusCode.UNAVAILABLE,
-                            f"request {self.rid}: stream from {w.worker_id} ended without a finish reason")
+                try:
+                    if (yield from self._consume(stream, at, first_chunk=first)):
+                        return
+                except grpc.RpcError as e:
+                    err = scope.rpc_error(e, f"generate on {w.worker_id}", w.worker_id)
+                    placer.failed(err)
+                    move = recovery(err, scope, self.streamed(), attempts - attempt_no - 1)
+                    if move is Recovery.FAIL:
+                        raise err from None
+                    excluded.add(w.worker_id)
+                    log.warning("request %s: attempt %d on %s failed after %d tokens, %s: %s", self.rid,
+                                attempt_no + 1, w.worker_id, self.streamed(), move.value, err.message)
+                    if move is Recovery.MIGRATE and self.deps.metrics is not None:
+                        self.deps.metrics.inc_migration()
+                    continue
+                raise FlowError(grpc.StatusCode.UNAVAILABLE,
+                                f"request {self.rid}: stream from {w.worker_id} ended without a finish reason")

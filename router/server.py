@@ -26,7 +26,7 @@ from router.core import RouterCore
 from router.events import FlowError, FlowEvent
 from router.validation import ModelLimits, validate_generate
 from router.wire import logprobs_to_public
-from router.worker_source import WorkerSource
+from router.worker_source import WorkerList
 from transport.auth import BearerAuth
 from transport.serving import GrpcServing
 from transport.tls import TlsFiles
@@ -57,7 +57,7 @@ def render(ev: FlowEvent) -> pdserve_pb2.GenerateResponse:
 class RouterServer(pdserve_pb2_grpc.PDServeServicer):
     """Public gRPC front end (see module docstring)."""
 
-    def __init__(self, cfg: RouterConfig, workers: WorkerSource) -> None:
+    def __init__(self, cfg: RouterConfig, workers: WorkerList) -> None:
         self.core = RouterCore(cfg, workers)
         self.cfg = cfg
         self.workers = workers

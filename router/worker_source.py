@@ -5,22 +5,48 @@ the cluster passes its Redis ``Registry`` (heartbeated ``WorkerInfo`` records), 
 view polls in the background, so no request waits on Redis; tests and single-process
 set-ups pass a ``StaticWorkerSource`` (``in_process``: it asks each live worker object for
 ``info()``, no round trip), which the view reads directly.
+
+Routing reads the ``WorkerView`` as a ``WorkerSource``: the lists, plus ``suspect(worker_id)`` when a
+call to a worker failed as if it were gone. A ``WorkerList`` (``list`` only: the registry) is what a
+router is given; the view adds ``suspect`` on top of it. Pools are the ``Pool`` enum; a source is
+asked by the pool's value (``WorkerInfo.role`` on the wire).
 """
 from __future__ import annotations
 
+import enum
 import threading
 from typing import Callable, Iterable, Protocol, Union, runtime_checkable
 
 from proto.worker_pb2 import WorkerInfo
 
-ROLES = ("prefill", "decode", "colocated")
+
+
+class Pool(str, enum.Enum):
+    """A pool of workers of one role (the value is ``WorkerInfo.role``)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+ROLES = tuple(p.value for p in Pool)
 
 
 @runtime_checkable
-class WorkerSource(Protocol):
-    """Anything with ``list(role) -> list[WorkerInfo]`` (cluster.registry.Registry is one)."""
+class WorkerList(Protocol):
+    """Anything with ``list(role) -> list[WorkerInfo]`` (cluster.registry.Registry is one): what a router is given."""
 
     def list(self, role: str) -> list[WorkerInfo]: ...
+
+
+@runtime_checkable
+class WorkerSource(WorkerList, Protocol):
+    """What placement reads: the lists, and ``suspect`` to take a worker out of routing after a failed call."""
+
+    def suspect(self, worker_id: str) -> None: ...
 
 
 InfoLike = Union[WorkerInfo, Callable[[], WorkerInfo]]
@@ -55,3 +81,6 @@ class StaticWorkerSource:
             workers = list(self._workers)
         infos = [self._resolve(w) for w in workers]
         return [i for i in infos if i.role == role]
+
+    def suspect(self, worker_id: str) -> None:
+        """Nothing to hide: the list is the live workers' own records (a ``WorkerView`` over it hides failed ones)."""

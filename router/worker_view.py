@@ -1,7 +1,7 @@
 """The router's view of the worker pools: refreshed in the background, never a Redis call per request.
 
-Lifecycle: ``RouterCore`` wraps its ``WorkerSource`` in a ``WorkerView`` and ``start()``s it at
-load. For a remote source (the Redis ``Registry``: any source not marked ``in_process``) a daemon thread
+Lifecycle: ``RouterCore`` wraps the ``WorkerList`` it is given in a ``WorkerView`` (the
+``WorkerSource`` placement reads) and ``start()``s it at load. For a remote source (the Redis ``Registry``: any source not marked ``in_process``) a daemon thread
 re-reads every role each ``refresh_s`` and swaps in the new snapshot; requests read the
 snapshot (``list(role)``), so a burst costs Redis nothing and a Redis outage does not stop
 serving: the last good view stays in use (logged once per outage, with backoff between
@@ -24,7 +24,7 @@ import time
 from typing import Optional
 
 from proto.worker_pb2 import WorkerInfo
-from router.worker_source import ROLES, WorkerSource
+from router.worker_source import ROLES, WorkerList
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ _MAX_BACKOFF_S = 5.0
 class WorkerView:
     """A ``WorkerSource`` served from memory (see module docstring)."""
 
-    def __init__(self, source: WorkerSource, refresh_s: float = 0.25, rejoin_grace_s: float = 5.0) -> None:
+    def __init__(self, source: WorkerList, refresh_s: float = 0.25, rejoin_grace_s: float = 5.0) -> None:
         """``rejoin_grace_s``: after an outage, how long workers of the last good view that the source does not
         list yet stay routable (a restarted, empty Redis learns of live workers one heartbeat at a time)."""
         if not refresh_s > 0:

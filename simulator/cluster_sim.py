@@ -14,8 +14,8 @@ What happens to a request (times on the virtual clock):
    arrival instead) the router's ``Placer.route`` decides: colocated, whole on a
    decode worker (conditional disaggregation), or a prefill/decode pair.
 2. A pair: ``Placer._try_pair`` ranks the decode workers and reserves the prompt's blocks on one (the
-   simulated ``Reserve`` runs ``engine.reserve``; its answer comes back at that worker's next step
-   boundary, as the worker's engine loop answers it). No room anywhere: the request joins the router's
+   router's ``WorkerCalls`` sends it; the simulated ``Reserve`` runs ``engine.reserve``; its answer comes
+   back at that worker's next step boundary, as the worker's engine loop answers it). No room anywhere: the request joins the router's
    FIFO admission queue and its head retries whenever a pair request's decode blocks are released.
 3. The prefill worker adds the prompt as prefill-only; at the end of the step that completes it, the
    first token goes to the client and the KV transfer, which overlaps the
@@ -50,11 +50,12 @@ from proto import worker_pb2
 from proto.worker_pb2 import WorkerInfo
 from router.config import RouterConfig
 from router.events import FlowError
-from router.placement import PAIR, Placement, Placer
+from router.placement import Hold, Placement, Placer, Route
 from router.prefix_index import PrefixIndex
 from router.scope import RequestScope
 from router.selection import WorkerSelector
 from router.validation import ValidatedRequest
+from router.worker_calls import WorkerCalls
 from simulator.costs import Profile
 from simulator.engine_sim import SIM_TOKEN, sim_engine
 
@@ -286,6 +287,9 @@ class _SimSource:
     def list(self, role: str) -> list[WorkerInfo]:
         return [w.info() for w in self.sim.pools.get(role, [])]
 
+    def suspect(self, worker_id: str) -> None:
+        """A simulated call never fails as if its worker were gone: nothing to hide."""
+
 
 class _SimStub:
     def __init__(self, worker: SimWorker) -> None:
@@ -380,8 +384,9 @@ class Simulation:
                             prefill_queue_max_tokens=cfg.prefill_queue_max_tokens,
                             queue_timeout_s=cfg.queue_timeout_s, prefix_aware_routing=cfg.prefix_aware_routing)
         self.selector = WorkerSelector()
-        self.placer = Placer(rcfg, _SimSource(self), self.selector, _SimClients(self), admission=None,
-                             prefixes=PrefixIndex())
+        # the router's own WorkerCalls builds the Reserve; the simulated stub answers it from the engine
+        self.placer = Placer(rcfg, _SimSource(self), self.selector, WorkerCalls(rcfg, _SimClients(self)),
+                             admission=None, prefixes=PrefixIndex())
         self._queue: deque[_Flow] = deque()
         self._in_flight = 0
         self._arrivals = itertools.count()
@@ -441,7 +446,7 @@ class Simulation:
     def _place(self, f: _Flow) -> None:
         try:
             route = self.placer.route(f.scope)
-            if route == PAIR:
+            if route is Route.PAIR:
                 if self._queue:  # others wait for decode capacity: no overtaking
                     self._enqueue(f)
                     return
@@ -451,7 +456,7 @@ class Simulation:
                     return
                 self._start_pair(f, p)
             else:
-                self._start_whole(f, self.placer.place_whole(f.scope, route, set()))
+                self._start_whole(f, self.placer.place_whole(f.scope, route.pool, set()))
         except FlowError as e:
             self._fail(f, f"{e.code.name}: {e}")
 
@@ -497,7 +502,7 @@ class Simulation:
         def kv_arrived(t: float) -> None:
             f.kv_at = t
             pw.submit(lambda: pw.engine.release(wid))
-            self.placer.release(p, f.scope, ("prefill",))
+            self.placer.release(p, f.scope, (Hold.PREFILL,))
             d.handlers[wid] = lambda out, _s: self._on_output(f, out)
             d.submit(lambda: d.engine.add_prefilled_request(wid, prompt, SIM_TOKEN, f.params))
 
@@ -549,7 +554,7 @@ class Simulation:
         self._in_flight -= 1
         p = f.placement
         self.placer.release(p, f.scope)
-        if p is not None and p.route == PAIR:
+        if p is not None and p.route is Route.PAIR:
             self._drain_queue()
 
     def _fail(self, f: _Flow, error: str, admitted: bool = True) -> None:

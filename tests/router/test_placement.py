@@ -12,12 +12,13 @@ from proto.worker_pb2 import WorkerInfo
 from router.clients import WorkerClients
 from router.config import RouterConfig
 from router.events import FlowError, FlowEvent, Timings, Usage
-from router.placement import PAIR, Placement, Placer, Recovery, recovery
+from router.placement import Hold, Placement, Placer, Recovery, Route, recovery
 from router.scope import RequestScope
 from router.selection import WorkerSelector
 from router.server import render
 from router.validation import ValidatedRequest
-from router.worker_source import StaticWorkerSource
+from router.worker_calls import WorkerCalls
+from router.worker_source import Pool, StaticWorkerSource
 
 
 def _scope(n_tokens: int = 40, rid: str = "r1", deadline: float = 1e12) -> RequestScope:
@@ -31,8 +32,8 @@ def _w(wid: str, role: str, running: int = 0, queued: int = 0, ready: bool = Tru
 
 
 def _placer(workers: list[WorkerInfo], **cfg) -> Placer:
-    return Placer(RouterConfig(serve_metrics=False, **cfg), StaticWorkerSource(workers), WorkerSelector(),
-                  WorkerClients())
+    rcfg = RouterConfig(serve_metrics=False, **cfg)
+    return Placer(rcfg, StaticWorkerSource(workers), WorkerSelector(), WorkerCalls(rcfg, WorkerClients()))
 
 
 @pytest.mark.parametrize("code, final, streamed, left, want", [
@@ -56,30 +57,30 @@ def test_recovery_never_after_cancel():
 
 def test_route_by_mode_and_conditional_disaggregation():
     ws = [_w("p0", "prefill", queued=5000), _w("d0", "decode")]
-    assert _placer(ws).route(_scope(40)) == PAIR
-    assert _placer(ws, mode="colocated").route(_scope(40)) == "colocated"
+    assert _placer(ws).route(_scope(40)) is Route.PAIR
+    assert _placer(ws, mode="colocated").route(_scope(40)) is Route.COLOCATED
     short = _placer(ws, local_prefill_max_tokens=64)
-    assert (short.route(_scope(40)), short.route(_scope(100))) == ("decode", PAIR)
+    assert (short.route(_scope(40)), short.route(_scope(100))) == (Route.DECODE, Route.PAIR)
     backed_up = _placer(ws, prefill_queue_max_tokens=4096)  # p0 has 5000 tokens queued
-    assert backed_up.route(_scope(100)) == "decode"
+    assert backed_up.route(_scope(100)) is Route.DECODE
     assert _placer([_w("p0", "prefill", queued=10), _w("d0", "decode")],
-                   prefill_queue_max_tokens=4096).route(_scope(100)) == PAIR
+                   prefill_queue_max_tokens=4096).route(_scope(100)) is Route.PAIR
 
 
 def test_place_whole_picks_least_loaded_ready_and_holds_it_until_release():
     ws = [_w("c0", "colocated", running=3), _w("c1", "colocated", running=1), _w("c2", "colocated", ready=False)]
     pl = _placer(ws)
     s = _scope()
-    first = pl.place_whole(s, "colocated", set())
-    assert (first.decode.worker_id, first.held, first.route) == ("c1", {"decode"}, "colocated")
+    first = pl.place_whole(s, Pool.COLOCATED, set())
+    assert (first.decode.worker_id, first.held, first.route) == ("c1", {Hold.DECODE}, Route.COLOCATED)
     assert pl.selector.in_flight("c1") == 1
     # c1 now counts 1 + 1 in flight, c0 3: c1 again; excluded c1 -> c0
-    assert pl.place_whole(_scope(rid="r2"), "colocated", {"c1"}).decode.worker_id == "c0"
+    assert pl.place_whole(_scope(rid="r2"), Pool.COLOCATED, {"c1"}).decode.worker_id == "c0"
     pl.release(first, s)
     pl.release(first, s)  # idempotent
     assert pl.selector.in_flight("c1") == 0 and first.held == set()
     with pytest.raises(FlowError) as e:
-        pl.place_whole(s, "colocated", {"c0", "c1"})
+        pl.place_whole(s, Pool.COLOCATED, {"c0", "c1"})
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and "no ready colocated worker" in e.value.message
 
 
@@ -90,13 +91,13 @@ def test_release_of_a_pair_is_thread_safe_and_partial():
     pl.selector.acquire("d0")
     pl.selector.acquire("p0", 40)
     pl.selector.acquire("p0", 40)  # another request of this router on p0: its count must survive
-    placement = Placement(route=PAIR, decode=d, prefill=p, held={"decode", "prefill"})
-    threads = [threading.Thread(target=pl.release, args=(placement, s, ("prefill",))) for _ in range(8)]
+    placement = Placement(route=Route.PAIR, decode=d, prefill=p, held={Hold.DECODE, Hold.PREFILL})
+    threads = [threading.Thread(target=pl.release, args=(placement, s, (Hold.PREFILL,))) for _ in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert (pl.selector.in_flight("p0"), pl.selector.in_flight("d0"), placement.held) == (1, 1, {"decode"})
+    assert (pl.selector.in_flight("p0"), pl.selector.in_flight("d0"), placement.held) == (1, 1, {Hold.DECODE})
     assert pl.selector.prefill_backlog([p]) == 40  # this request's 40 pending prompt tokens went with it
     pl.release(placement, s)
     assert pl.selector.in_flight("d0") == 0 and not placement.held
@@ -141,7 +142,7 @@ def test_each_placement_has_its_own_worker_request_id():
     ws = [_w("c0", "colocated"), _w("c1", "colocated")]
     pl = _placer(ws)
     s = _scope(rid="req-7")
-    first = pl.place_whole(s, "colocated", set())
-    second = pl.place_whole(s, "colocated", {first.decode.worker_id})
-    third = pl.place_whole(s, "colocated", set())
+    first = pl.place_whole(s, Pool.COLOCATED, set())
+    second = pl.place_whole(s, Pool.COLOCATED, {first.decode.worker_id})
+    third = pl.place_whole(s, Pool.COLOCATED, set())
     assert (first.request_id, second.request_id, third.request_id) == ("req-7", "req-7~2", "req-7~3")
