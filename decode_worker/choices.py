@@ -3,17 +3,23 @@
 Lifecycle: a ``Decode`` (or colocated ``Generate``) call may carry the sampling params of choices
 1..n-1 (``siblings``) besides the request itself (choice 0). Once choice 0's prompt KV is in this
 engine (arrived from the prefill worker, or prefilled here), ``start_siblings`` adds each sibling as
-its own engine request ``<id>#<i>`` with the same prompt: the engine's prefix cache holds the prompt's
-full blocks by then, so a sibling recomputes only the last, partial block and samples its own first
-token with its own seed. All choices share one ``Choices`` record and their parent's stream; each
-chunk carries its choice's ``index``, and the stream ends when the last choice finishes.
-``end_choice`` ends one choice (the router found a stop string in it) without ending the others;
-aborting the request itself ends them all. Sharing needs the engine's prefix cache (on by default);
-without it siblings recompute the whole prompt, with the same tokens.
+its own engine request (``choice_request_id``: the one place such ids are built) with the same
+prompt: the engine's prefix cache holds the prompt's full blocks by then, so a sibling recomputes
+only the last, partial block and samples its own first token with its own seed. All choices share
+one ``Choices`` record and their parent's stream; each chunk carries its choice's ``index``, and the
+stream ends when the last choice finishes. The ``AbortChoice`` RPC (request id + choice index on the
+wire, ``ChoiceRequestSet.abort_choice``) ends one choice (the router found a stop string in it)
+without ending the others; aborting the request itself ends them all. Sharing needs the engine's
+prefix cache (on by default); without it siblings recompute the whole prompt, with the same tokens.
+
+Mixed versions: a router older than ``AbortChoice`` sends ``Abort`` with the choice's engine id
+(``<id>#<i>``); that id is the key this set holds the sibling under, so it ends that choice alone
+(never the shared stream). An older worker answers ``AbortChoice`` UNIMPLEMENTED: the router's
+best-effort abort fails visibly and the choice runs to its own end, its tokens unused.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import grpc
@@ -22,6 +28,14 @@ from proto import worker_pb2
 from worker_common.request import RequestError, RequestSet, WorkerRequest, request_params
 
 MAX_CHOICES = 16
+"""Most choices (n) one request may have on a worker."""
+
+
+def choice_request_id(request_id: str, index: int) -> str:
+    """The engine id of choice ``index`` of ``request_id`` on this worker (choice 0 is the request itself)."""
+    if index < 0:
+        raise ValueError(f"index must be >= 0, got {index}")
+    return request_id if index == 0 else f"{request_id}#{index}"
 
 
 @dataclass
@@ -35,9 +49,21 @@ class Choices:
     last_chunk: Any = None
     """The chunk that took ``open`` to 0, set on the loop thread before it is queued: the handler ends the
     stream after exactly that chunk (it cannot read ``open`` itself, which runs ahead of the queue)."""
+    held: set[str] = field(default_factory=set)
+    """Engine ids of the choices its set still holds."""
 
     def id_of(self, index: int) -> str:
-        return self.root if index == 0 else f"{self.root}#{index}"
+        return choice_request_id(self.root, index)
+
+
+@dataclass
+class ChoiceRequest(WorkerRequest):
+    """A record that may be one choice of several (the decode role's records)."""
+
+    index: int = field(default=0, kw_only=True)
+    """Which choice of its request this is (0: the request itself)."""
+    choices: Optional[Choices] = field(default=None, kw_only=True)
+    """n > 1: the record its request's choices share; None otherwise."""
 
 
 def sibling_params(wires: Sequence[Any], request_id: str) -> list[Any]:
@@ -54,7 +80,7 @@ def sibling_params(wires: Sequence[Any], request_id: str) -> list[Any]:
     return out
 
 
-def is_last(req: WorkerRequest) -> Callable[[Any], bool]:
+def is_last(req: ChoiceRequest) -> Callable[[Any], bool]:
     """The stream's end for ``req``'s handler: its finish, or with choices, the chunk that finished the last."""
     def last(ch: Any) -> bool:
         if not isinstance(ch, worker_pb2.DecodeChunk) or ch.finish_reason == "":
@@ -64,28 +90,7 @@ def is_last(req: WorkerRequest) -> Callable[[Any], bool]:
     return last
 
 
-def start_siblings(rs: RequestSet, eng: Any, root: WorkerRequest, prompt: list[int], params: Sequence[Any],
-                   make: Callable[[str, Any], WorkerRequest]) -> None:
-    """Add choices 1..n-1 of ``root`` to the engine and to ``rs`` (loop thread); ``make(id, params)`` builds
-    a record sharing ``root``'s stream. A sibling the engine refuses fails the whole request."""
-    if not params:
-        return
-    group = root.choices = Choices(root.request_id, open=1 + len(params))
-    for i, p in enumerate(params, 1):
-        cid = group.id_of(i)
-        try:
-            eng.add_request(cid, prompt, p)
-        except ValueError as e:
-            for j in range(1, i):
-                rs.abort_quietly(group.id_of(j))
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"siblings[{i - 1}]: {e} "
-                                                                 f"(request {root.request_id})") from None
-        child = make(cid, p)
-        child.out, child.index, child.choices = root.out, i, group
-        rs.hold(child)
-
-
-def finish_choice(req: WorkerRequest, chunk: Any) -> None:
+def finish_choice(req: ChoiceRequest, chunk: Any) -> None:
     """``req``'s choice finished with ``chunk`` (call before putting it on the stream)."""
     if req.choices is not None:
         req.choices.open -= 1
@@ -93,42 +98,122 @@ def finish_choice(req: WorkerRequest, chunk: Any) -> None:
             req.choices.last_chunk = chunk
 
 
-def one_choice(rs: RequestSet, request_id: str) -> Optional[WorkerRequest]:
-    """The single choice an abort of ``request_id`` names: ``<id>#<i>`` (``<id>#0`` for the request's own
-    choice) of a request with choices; None for a plain id (the whole request)."""
-    base, sep, idx = request_id.rpartition("#")
-    if not sep or not idx.isdigit():
-        return None
-    req = rs.get(base) if idx == "0" else rs.get(request_id)
-    return req if req is not None and req.choices is not None else None
-
-
-def end_choice(rs: RequestSet, req: WorkerRequest) -> bool:
-    """Abort one choice alone (the router found a stop string in it): freed, reported finished with "abort"
-    on the shared stream, the other choices go on. (Aborting the request's own id ends them all:
-    ``RequestSet.abort``.)"""
-    rs.abort_quietly(req.request_id)
-    group = req.choices
-    if group.open > 0:
-        chunk = worker_pb2.DecodeChunk(index=req.index, finish_reason="abort")
-        finish_choice(req, chunk)
-        req.out.put(chunk)
-    return True
-
-
-R = TypeVar("R", bound=WorkerRequest)
+R = TypeVar("R", bound=ChoiceRequest)
 
 
 class ChoiceRequestSet(RequestSet[R]):
-    """A request set whose requests may have several choices: an abort naming one choice (``<id>#<i>``) ends
-    only that choice; the request's own id ends them all."""
+    """A request set whose requests may have several choices: it knows each request's ``Choices`` by the
+    request's id, so the request stays known here while any choice of it runs; ``abort_choice`` ends one
+    choice, ``abort`` of the request's id ends them all."""
+
+    def __init__(self, ctx: Any) -> None:
+        super().__init__(ctx)
+        self._groups: dict[str, Choices] = {}  # a request's id -> its choices, while any is held
+
+    def __contains__(self, request_id: object) -> bool:
+        # a request whose own choice finished is still here while another of its choices runs
+        return super().__contains__(request_id) or request_id in self._groups
+
+    def hold(self, req: R) -> None:
+        super().hold(req)
+        if req.choices is not None:
+            self._groups.setdefault(req.choices.root, req.choices).held.add(req.request_id)
+
+    def _take(self, request_id: str) -> Optional[R]:
+        req = super()._take(request_id)
+        if req is not None and req.choices is not None:
+            group = self._groups.get(req.choices.root)
+            if group is not None:
+                group.held.discard(request_id)
+                if not group.held:
+                    del self._groups[req.choices.root]
+        return req
+
+    def ends_request(self, req: R) -> bool:
+        return req.index == 0  # a request with n choices finishes once
+
+    def start_siblings(self, eng: Any, root: R, prompt: list[int], params: Sequence[Any],
+                       make: Callable[[str, Any], R]) -> None:
+        """Add choices 1..n-1 of ``root`` to the engine and hold them (loop thread); ``make(id, params)`` builds
+        a record, which then shares ``root``'s stream. A sibling the engine refuses fails the whole request."""
+        if not params:
+            return
+        group = root.choices = Choices(root.request_id, open=1 + len(params))
+        self._groups[group.root] = group
+        group.held.add(root.request_id)
+        for i, p in enumerate(params, 1):
+            cid = group.id_of(i)
+            try:
+                eng.add_request(cid, prompt, p)
+            except ValueError as e:
+                for j in range(1, i):
+                    self.abort_quietly(group.id_of(j))
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"siblings[{i - 1}]: {e} "
+                                                                     f"(request {root.request_id})") from None
+            child = make(cid, p)
+            child.out, child.index, child.choices = root.out, i, group
+            self.hold(child)
+
+    def end_choice(self, req: R) -> bool:
+        """Abort one choice alone: freed, reported finished with "abort" on the shared stream, the other choices
+        go on."""
+        self.abort_quietly(req.request_id)
+        group = req.choices
+        if group is not None and group.open > 0:
+            chunk = worker_pb2.DecodeChunk(index=req.index, finish_reason="abort")
+            finish_choice(req, chunk)
+            req.out.put(chunk)
+        return True
+
+    def abort_choice(self, request_id: str, index: int) -> bool:
+        """End choice ``index`` of ``request_id`` alone (the ``AbortChoice`` RPC); False if this set holds no such
+        running choice (not started yet, finished, or a request without choices: nothing else is touched)."""
+        group = self._groups.get(request_id)
+        if group is None or not 0 <= index < MAX_CHOICES:
+            return False
+        req = self.get(group.id_of(index))
+        return req is not None and self.end_choice(req)
 
     def abort(self, request_id: str) -> bool:
-        one = one_choice(self, request_id)
-        if one is not None:
-            return end_choice(self, one)
-        return super().abort(request_id)
+        """Drop the request with every choice of it still held and end the shared stream as CANCELLED; True if
+        held. An id that names a sibling (an older router's per-choice abort) ends that choice alone."""
+        req = self.get(request_id)
+        if req is not None and req.index > 0:
+            return self.end_choice(req)
+        group = self._groups.get(request_id)
+        if group is None:
+            return super().abort(request_id)
+        records = [r for r in (self.get(i) for i in sorted(group.held)) if r is not None]
+        for r in records:
+            self.abort_quietly(r.request_id)
+        if records:
+            records[0].cancel()  # the choices share one stream: one CANCELLED ends it
+        return bool(records)
 
 
-__all__ = ["ChoiceRequestSet", "Choices", "MAX_CHOICES", "end_choice", "finish_choice", "is_last", "one_choice",
-           "sibling_params", "start_siblings"]
+class AbortChoiceServicer:
+    """The ``AbortChoice`` RPC, for a ``WorkerBase`` whose request sets may hold choices (decode, colocated)."""
+
+    def AbortChoice(self, request: worker_pb2.AbortChoiceRequest,
+                    context: grpc.ServicerContext) -> worker_pb2.AbortResponse:
+        rid, index = request.request_id, request.choice_index
+        if not rid or not 0 <= index < MAX_CHOICES:
+            field_name = "request_id" if not rid else "choice_index"
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{field_name}: AbortChoice needs a request id and a choice index in [0, {MAX_CHOICES}), "
+                          f"got {rid!r}, {index}")
+        loop = self.loop  # type: ignore[attr-defined]
+        if loop is None or not loop.alive:
+            return worker_pb2.AbortResponse(found=False)
+
+        def abort(eng: Any) -> bool:
+            rs = self.holder(rid)  # type: ignore[attr-defined]
+            found = isinstance(rs, ChoiceRequestSet) and rs.abort_choice(rid, index)
+            self.refresh_load()  # type: ignore[attr-defined]
+            return found
+
+        return worker_pb2.AbortResponse(found=bool(loop.call(abort)))
+
+
+__all__ = ["AbortChoiceServicer", "ChoiceRequest", "ChoiceRequestSet", "Choices", "MAX_CHOICES",
+           "choice_request_id", "finish_choice", "is_last", "sibling_params"]

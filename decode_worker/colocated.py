@@ -9,7 +9,9 @@ Lifecycle of one request (a ``_LocalReq`` in ``LocalRequests``, loop-thread stat
 engine, prefills and decodes alike) -> every ``step()`` output goes to the handler
 as a DecodeChunk (the first one also carries queue/prefill timings) -> the chunk
 with a finish reason ends the stream. An abort (RPC, cancelled stream) frees the
-blocks at any step. No KV moves, so no kvtransfer endpoint.
+blocks at any step. No KV moves, so no kvtransfer endpoint. ``GenerateServicer`` is the
+RPC (the colocated and the decode worker both serve it); ``LocalRequests`` holds the
+records on the loop thread and sees only the worker's ``RequestContext``.
 """
 from __future__ import annotations
 
@@ -21,11 +23,12 @@ from typing import Any, Iterator, Optional
 import grpc
 
 from decode_worker import choices
+from decode_worker.choices import AbortChoiceServicer, ChoiceRequest, ChoiceRequestSet
+from proto import worker_pb2, worker_pb2_grpc
 from worker_common.config import WorkerConfig
-from worker_common.request import RequestError, WorkerRequest, request_params
+from worker_common.request import RequestError, request_params
 from worker_common.wire import logprobs_to_proto
 from worker_common.worker_base import WorkerBase
-from proto import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,7 @@ class ColocatedWorkerConfig(WorkerConfig):
 
 
 @dataclass
-class _LocalReq(WorkerRequest):
+class _LocalReq(ChoiceRequest):
     """One whole request (prefill + decode) on this worker's engine."""
 
     prompt_len: int = 0
@@ -48,8 +51,8 @@ class _LocalReq(WorkerRequest):
     siblings: list = field(default_factory=list)  # n > 1: params of choices 1..n-1, started after its prefill
 
 
-class LocalRequests(choices.ChoiceRequestSet[_LocalReq]):
-    """The whole requests on its worker's engine, and the body of the ``Generate`` RPC that adds them."""
+class LocalRequests(ChoiceRequestSet[_LocalReq]):
+    """The whole requests on its worker's engine (loop thread; the ``Generate`` RPC is ``GenerateServicer``'s)."""
 
     def queued_prompt_tokens(self) -> int:
         return sum(r.prompt_len for r in self.records() if r.first_at is None)
@@ -57,30 +60,8 @@ class LocalRequests(choices.ChoiceRequestSet[_LocalReq]):
     def prefilled_prompt_tokens(self, req: _LocalReq) -> int:
         return req.prompt_len if req.index == 0 else 0  # a sibling reuses choice 0's prompt
 
-    # ---- RPC handler (gRPC threads) -------------------------------------------------
-    def generate(self, request: worker_pb2.ColocatedRequest,
-                 context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeChunk]:
-        return self.worker.guard(request.request_id, context, self._generate(request, context))
-
-    def _generate(self, request: worker_pb2.ColocatedRequest,
-                  context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeChunk]:
-        w, rid = self.worker, request.request_id
-        w.check_accepting(rid)
-        params = request_params(request.params, rid)
-        siblings = choices.sibling_params(request.siblings, rid)
-        if siblings and request.resume_token_ids:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                               f"siblings cannot be combined with resume_token_ids (request {rid})")
-        req = _LocalReq(rid, prompt_len=len(request.prompt_token_ids) + len(request.resume_token_ids))
-        ids, resume = list(request.prompt_token_ids), list(request.resume_token_ids)
-        if siblings:
-            req.prompt, req.siblings = ids, siblings
-        w.loop.call(lambda eng: self._add(eng, req, ids, params, resume))
-        yield from w.stream_events(rid, req.out, context, choices.is_last(req))
-
-    # ---- loop thread ----------------------------------------------------------------
-    def _add(self, eng: Any, req: _LocalReq, ids: list[int], params: Any, resume: list[int]) -> None:
-        self.worker.check_new(req.request_id, "running")
+    def add(self, eng: Any, req: _LocalReq, ids: list[int], params: Any, resume: list[int]) -> None:
+        """Put ``req`` in the engine and hold it; the caller checked its id is new on the worker."""
         try:
             eng.add_request(req.request_id, ids, params, resume_token_ids=resume or None)
         except ValueError as e:
@@ -103,13 +84,13 @@ class LocalRequests(choices.ChoiceRequestSet[_LocalReq]):
         if req.siblings:  # its prompt is prefilled (its blocks are in the prefix cache): start the others
             siblings, req.siblings = req.siblings, []
             try:
-                choices.start_siblings(self, self.worker.engine, req, req.prompt, siblings,
-                                       lambda cid, p: _LocalReq(cid, prompt_len=len(req.prompt)))
+                self.start_siblings(self.ctx.engine, req, req.prompt, siblings,
+                                    lambda cid, p: _LocalReq(cid, prompt_len=len(req.prompt)))
             except RequestError as e:
                 self.drop(req, e)
                 return
             req.prompt = []
-        metrics = self.worker.metrics
+        metrics = self.ctx.metrics
         if req.first_at is None:
             req.first_at = now
             scheduled = req.scheduled or req.arrived
@@ -125,16 +106,50 @@ class LocalRequests(choices.ChoiceRequestSet[_LocalReq]):
         req.out.put(chunk)
 
     def free(self, req: _LocalReq) -> None:
-        self.worker.engine.abort_request(req.request_id)
+        self.ctx.engine.abort_request(req.request_id)
+
+
+class GenerateServicer:
+    """The colocated ``Generate`` RPC, for a ``WorkerBase`` with a ``local: LocalRequests`` (the colocated and
+    the decode worker): checks on the gRPC thread, one call onto the loop thread, then the stream."""
+
+    local: LocalRequests
+
+    def Generate(self, request: worker_pb2.ColocatedRequest,
+                 context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeChunk]:
+        return self.guard(request.request_id, context, self._generate(request, context))  # type: ignore[attr-defined]
+
+    def _generate(self, request: worker_pb2.ColocatedRequest,
+                  context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeChunk]:
+        w: Any = self
+        rid = request.request_id
+        w.check_accepting(rid)
+        params = request_params(request.params, rid)
+        siblings = choices.sibling_params(request.siblings, rid)
+        if siblings and request.resume_token_ids:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"siblings cannot be combined with resume_token_ids (request {rid})")
+        req = _LocalReq(rid, prompt_len=len(request.prompt_token_ids) + len(request.resume_token_ids))
+        ids, resume = list(request.prompt_token_ids), list(request.resume_token_ids)
+        if siblings:
+            req.prompt, req.siblings = ids, siblings
+
+        def add(eng: Any) -> None:
+            w.check_new(rid, "running")
+            self.local.add(eng, req, ids, params, resume)
+
+        w.loop.call(add)
+        yield from w.stream_events(rid, req.out, context, choices.is_last(req))
 
 
 def register_colocated_service(servicer: Any, server: grpc.Server) -> str:
-    """Serve ``servicer`` (a worker with ``Generate``, ``Abort``, ``GetInfo``) as the ColocatedWorker service."""
+    """Serve ``servicer`` (a worker with ``Generate``, ``Abort``, ``AbortChoice``, ``GetInfo``) as the
+    ColocatedWorker service."""
     worker_pb2_grpc.add_ColocatedWorkerServicer_to_server(servicer, server)
     return worker_pb2.DESCRIPTOR.services_by_name["ColocatedWorker"].full_name
 
 
-class ColocatedWorker(WorkerBase):
+class ColocatedWorker(GenerateServicer, AbortChoiceServicer, WorkerBase):
     """gRPC worker that serves whole requests on one engine (see module docstring)."""
 
     role = "colocated"
@@ -144,7 +159,7 @@ class ColocatedWorker(WorkerBase):
         if not isinstance(cfg, ColocatedWorkerConfig):
             raise ValueError(f"cfg must be a ColocatedWorkerConfig, got {type(cfg).__name__}")
         super().__init__(cfg)
-        self.local = LocalRequests(self)
+        self.local = LocalRequests(self.ctx)
         self.request_sets = [self.local]
 
     def register_services(self, server: grpc.Server) -> list[str]:
@@ -152,7 +167,3 @@ class ColocatedWorker(WorkerBase):
 
     def setup_engine(self, engine: Any) -> None:
         engine.layer_done_callback = self.local.on_layer_done
-
-    def Generate(self, request: worker_pb2.ColocatedRequest,
-                 context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeChunk]:
-        return self.local.generate(request, context)

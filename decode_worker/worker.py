@@ -10,10 +10,13 @@ Lifecycle of one disaggregated request (a ``_DecodeReq`` in ``DisaggregatedReque
 3. Each ``engine.step()`` output goes to the handler as a DecodeChunk; the last carries the
    finish reason. A Decode that never comes is freed after ``reserve_timeout_s`` (or the
    receive deadline plus a margin, when longer).
-An abort (RPC, cancelled stream) cancels the receive and frees the blocks at any stage.
+An abort (RPC, cancelled stream) cancels the receive and frees the blocks at any stage; ``AbortChoice``
+ends one choice of a request with n > 1 (decode_worker.choices).
 
-The worker also serves the colocated ``Generate`` RPC: whole requests prefilled on this engine
-(conditional disaggregation, migration) live in a separate ``LocalRequests`` (decode_worker.colocated).
+``DecodeWorker`` serves the RPCs (checks on gRPC threads, then one call onto the loop thread);
+``DisaggregatedRequests`` holds the records and sees only the worker's ``RequestContext``. The worker
+also serves the colocated ``Generate`` RPC: whole requests prefilled on this engine (conditional
+disaggregation, migration) live in a separate ``LocalRequests`` (decode_worker.colocated).
 """
 from __future__ import annotations
 
@@ -25,19 +28,20 @@ from typing import Any, Iterator, Optional
 import grpc
 
 from decode_worker import choices
-from decode_worker.colocated import LocalRequests, register_colocated_service
+from decode_worker.choices import AbortChoiceServicer, ChoiceRequest, ChoiceRequestSet
+from decode_worker.colocated import GenerateServicer, LocalRequests, register_colocated_service
 from decode_worker.config import DecodeWorkerConfig
-from worker_common.request import RequestError, WorkerRequest, request_params
-from worker_common.wire import logprob_from_proto, logprobs_to_proto
-from worker_common.worker_base import WorkerBase
 from kvtransfer import TransferState
 from proto import worker_pb2, worker_pb2_grpc
+from worker_common.request import RequestContext, RequestError, request_params
+from worker_common.wire import logprob_from_proto, logprobs_to_proto
+from worker_common.worker_base import WorkerBase
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class _DecodeReq(WorkerRequest):
+class _DecodeReq(ChoiceRequest):
     """One reserved or running sequence prefilled elsewhere (``arrived``: when it was reserved)."""
 
     prompt_token_ids: list[int]
@@ -53,83 +57,44 @@ class _DecodeReq(WorkerRequest):
     siblings: list = field(default_factory=list)  # n > 1: params of choices 1..n-1, started with the KV
 
 
-class DisaggregatedRequests(choices.ChoiceRequestSet[_DecodeReq]):
-    """The ``Reserve``/``Decode`` RPC bodies and the sequences whose KV comes from a prefill worker."""
+class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
+    """The sequences whose KV comes from a prefill worker: reserved, waiting for their KV, decoding
+    (loop thread; the ``Reserve``/``Decode`` RPCs are the worker's)."""
 
-    # ---- RPC handlers (gRPC threads) ------------------------------------------------
-    def reserve(self, request: worker_pb2.ReserveRequest, context: grpc.ServicerContext) -> worker_pb2.ReserveResponse:
-        w, rid = self.worker, request.request_id
-        try:
-            w.check_accepting(rid)
-            if not request.prompt_token_ids:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids is empty (request {rid})")
-            if not request.prefill_kv_name:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prefill_kv_name is empty (request {rid})")
-            params = request_params(request.params, rid)
-            mine = w.engine.kv_cache_dtype
-            if request.prefill_kv_cache_dtype and request.prefill_kv_cache_dtype != mine:
-                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
-                                   f"kv_cache_dtype mismatch: prefill peer {request.prefill_kv_name!r} caches KV as "
-                                   f"{request.prefill_kv_cache_dtype}, decode worker {w.cfg.worker_id} as {mine}; "
-                                   f"start both pools with the same --kv-cache-dtype and --dtype (request {rid})")
-            if request.kv_timeout_s < 0:
-                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"kv_timeout_s must be >= 0, got {request.kv_timeout_s} (request {rid})")
-            kv_timeout = request.kv_timeout_s or w.cfg.transfer_timeout_s
-            blocks = w.loop.call(lambda eng: self._reserve(eng, rid, list(request.prompt_token_ids),
-                                                           params, request.prefill_kv_name, kv_timeout))
-        except RequestError as e:
-            context.abort(e.code, e.message)
-        return worker_pb2.ReserveResponse(block_ids=blocks, block_size=w.engine.block_size,
-                                          kv_name=w.cfg.kv_name)
+    def __init__(self, ctx: RequestContext, reserve_timeout_s: float) -> None:
+        super().__init__(ctx)
+        self.reserve_timeout_s = reserve_timeout_s
+        """A reservation whose Decode never comes is freed after this long (or its receive deadline + 5 s)."""
 
-    def decode(self, request: worker_pb2.DecodeRequest,
-               context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeChunk]:
-        return self.worker.guard(request.request_id, context, self._decode(request, context))
-
-    def _decode(self, request: worker_pb2.DecodeRequest,
-                context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeChunk]:
-        w, rid = self.worker, request.request_id
-        # no check_accepting: a draining worker still decodes what it reserved
-        if w.loop is None or not w.loop.alive:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {w.cfg.worker_id} is not serving "
-                                                            f"(request {rid})")
-        lp = logprob_from_proto(request.first_logprob) if request.HasField("first_logprob") else None
-        siblings = choices.sibling_params(request.siblings, rid)
-        req = w.loop.call(lambda eng: self._activate(rid, request.first_token_id, lp, siblings))
-        yield from w.stream_events(rid, req.out, context, choices.is_last(req))
-
-    # ---- loop thread ----------------------------------------------------------------
-    def _reserve(self, eng: Any, rid: str, prompt: list[int], params: Any, peer: str,
-                 kv_timeout_s: float) -> list[int]:
-        w = self.worker
-        w.check_new(rid, "reserved")
+    def reserve(self, eng: Any, rid: str, prompt: list[int], params: Any, peer: str,
+                kv_timeout_s: float) -> list[int]:
+        """Take blocks for ``prompt`` and post the KV receive into them; the caller checked ``rid`` is new."""
         try:
             blocks = eng.reserve(rid, len(prompt))
         except ValueError as e:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: {e} (request {rid})") from None
         if blocks is None:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"decode worker {w.cfg.worker_id}: not enough free KV blocks for "
+                               f"decode worker {self.ctx.worker_id}: not enough free KV blocks for "
                                f"{len(prompt)} tokens (free {eng.num_free_blocks}) (request {rid})")
         try:
-            handle = w.kv.recv(peer, rid, eng.kv_caches, blocks, len(prompt), deadline_s=kv_timeout_s)
+            handle = self.ctx.kv.recv(peer, rid, eng.kv_caches, blocks, len(prompt), deadline_s=kv_timeout_s)
         except Exception as e:  # a bad peer name or a broken endpoint: free the blocks again
             eng.abort_request(rid)
             code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, ValueError) else grpc.StatusCode.UNAVAILABLE
             raise RequestError(code, f"kv recv: {e} (request {rid})") from None
         req = _DecodeReq(rid, prompt, params, handle)
         # the router calls Decode only after the KV arrived, so wait at least that long for it
-        req.expires_at = req.arrived + max(w.cfg.reserve_timeout_s, kv_timeout_s + 5.0)
+        req.expires_at = req.arrived + max(self.reserve_timeout_s, kv_timeout_s + 5.0)
         self.hold(req)
-        w.refresh_load()  # the reply's caller sees the blocks taken in info()
         return list(blocks)
 
-    def _activate(self, rid: str, first_token: int, first_logprob: Any, siblings: list) -> _DecodeReq:
+    def activate(self, rid: str, first_token: int, first_logprob: Any, siblings: list) -> _DecodeReq:
+        """The Decode call came for reserved ``rid``: its record, now streaming to that call."""
         req = self.get(rid)
         if req is None:
             raise RequestError(grpc.StatusCode.NOT_FOUND, f"request {rid} is not reserved on decode worker "
-                                                          f"{self.worker.cfg.worker_id} (expired or aborted)")
+                                                          f"{self.ctx.worker_id} (expired or aborted)")
         if req.decoding:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already decoding")
         if req.failure is not None:
@@ -141,7 +106,7 @@ class DisaggregatedRequests(choices.ChoiceRequestSet[_DecodeReq]):
         return req
 
     def poll(self, now: float) -> bool:
-        kv, eng = self.worker.kv, self.worker.engine
+        kv, eng = self.ctx.kv, self.ctx.engine
         for req in self.records():
             if req.failure is not None and now > req.expires_at:
                 self.release(req)
@@ -160,7 +125,7 @@ class DisaggregatedRequests(choices.ChoiceRequestSet[_DecodeReq]):
                     continue
                 req.running = True
                 try:  # n > 1: the other choices reuse the prompt's blocks that just arrived
-                    choices.start_siblings(self, eng, req, req.prompt_token_ids, req.siblings, self._sibling)
+                    self.start_siblings(eng, req, req.prompt_token_ids, req.siblings, self._sibling)
                 except RequestError as e:
                     self._fail(req, e.code, e.message)
                     continue
@@ -188,7 +153,7 @@ class DisaggregatedRequests(choices.ChoiceRequestSet[_DecodeReq]):
         if o.finish_reason:
             self.release(req)
             choices.finish_choice(req, chunk)
-            self.worker.metrics.observe_decode_time(now - req.decode_called_at)
+            self.ctx.metrics.observe_decode_time(now - req.decode_called_at)
         req.out.put(chunk)
 
     def _fail(self, req: _DecodeReq, code: grpc.StatusCode, message: str) -> None:
@@ -203,13 +168,13 @@ class DisaggregatedRequests(choices.ChoiceRequestSet[_DecodeReq]):
     def free(self, req: _DecodeReq) -> None:
         if req.failure is not None:
             return  # freed when it failed
-        kv = self.worker.kv
+        kv = self.ctx.kv
         if req.handle is not None and kv.poll(req.handle) not in (TransferState.DONE, TransferState.FAILED):
             kv.cancel(req.handle)
-        self.worker.engine.abort_request(req.request_id)
+        self.ctx.engine.abort_request(req.request_id)
 
 
-class DecodeWorker(WorkerBase):
+class DecodeWorker(GenerateServicer, AbortChoiceServicer, WorkerBase):
     """gRPC decode worker around one engine (see module docstring).
 
     Two request sets: ``disagg`` (Reserve/Decode: KV from a prefill worker) and ``local`` (the
@@ -223,8 +188,8 @@ class DecodeWorker(WorkerBase):
         if not isinstance(cfg, DecodeWorkerConfig):
             raise ValueError(f"cfg must be a DecodeWorkerConfig, got {type(cfg).__name__}")
         super().__init__(cfg)
-        self.disagg = DisaggregatedRequests(self)
-        self.local = LocalRequests(self)
+        self.disagg = DisaggregatedRequests(self.ctx, cfg.reserve_timeout_s)
+        self.local = LocalRequests(self.ctx)
         self.request_sets = [self.disagg, self.local]
 
     def register_services(self, server: grpc.Server) -> list[str]:
@@ -238,12 +203,50 @@ class DecodeWorker(WorkerBase):
 
     # ---- RPCs (gRPC threads) ----------------------------------------------------------
     def Reserve(self, request: worker_pb2.ReserveRequest, context: grpc.ServicerContext) -> worker_pb2.ReserveResponse:
-        return self.disagg.reserve(request, context)
+        rid = request.request_id
+        try:
+            self.check_accepting(rid)
+            if not request.prompt_token_ids:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids is empty (request {rid})")
+            if not request.prefill_kv_name:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prefill_kv_name is empty (request {rid})")
+            params = request_params(request.params, rid)
+            mine = self.engine.kv_cache_dtype
+            if request.prefill_kv_cache_dtype and request.prefill_kv_cache_dtype != mine:
+                raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"kv_cache_dtype mismatch: prefill peer {request.prefill_kv_name!r} caches KV as "
+                                   f"{request.prefill_kv_cache_dtype}, decode worker {self.cfg.worker_id} as {mine}; "
+                                   f"start both pools with the same --kv-cache-dtype and --dtype (request {rid})")
+            if request.kv_timeout_s < 0:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"kv_timeout_s must be >= 0, got {request.kv_timeout_s} (request {rid})")
+            kv_timeout = request.kv_timeout_s or self.cfg.transfer_timeout_s
+            prompt, peer = list(request.prompt_token_ids), request.prefill_kv_name
+
+            def reserve(eng: Any) -> list[int]:
+                self.check_new(rid, "reserved")
+                blocks = self.disagg.reserve(eng, rid, prompt, params, peer, kv_timeout)
+                self.refresh_load()  # the reply's caller sees the blocks taken in info()
+                return blocks
+
+            blocks = self.loop.call(reserve)
+        except RequestError as e:
+            context.abort(e.code, e.message)
+        return worker_pb2.ReserveResponse(block_ids=blocks, block_size=self.engine.block_size,
+                                          kv_name=self.cfg.kv_name)
 
     def Decode(self, request: worker_pb2.DecodeRequest,
                context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeChunk]:
-        return self.disagg.decode(request, context)
+        return self.guard(request.request_id, context, self._decode(request, context))
 
-    def Generate(self, request: worker_pb2.ColocatedRequest,
-                 context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeChunk]:
-        return self.local.generate(request, context)
+    def _decode(self, request: worker_pb2.DecodeRequest,
+                context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeChunk]:
+        rid = request.request_id
+        # no check_accepting: a draining worker still decodes what it reserved
+        if self.loop is None or not self.loop.alive:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.cfg.worker_id} is not serving "
+                                                            f"(request {rid})")
+        lp = logprob_from_proto(request.first_logprob) if request.HasField("first_logprob") else None
+        siblings = choices.sibling_params(request.siblings, rid)
+        req = self.loop.call(lambda eng: self.disagg.activate(rid, request.first_token_id, lp, siblings))
+        yield from self.stream_events(rid, req.out, context, choices.is_last(req))

@@ -12,8 +12,9 @@ Lifecycle of one request (a ``_PrefillReq`` in ``PrefillRequests``, loop-thread 
    naming the request. Either way ``engine.release`` frees the blocks.
 An abort (RPC, cancelled stream, drain timeout) cancels the send and frees the blocks at any step.
 
-``PrefillWorker`` is the gRPC shell (``WorkerBase``) around one ``PrefillRequests``, which holds
-the requests and does all of the above.
+``PrefillWorker`` is the gRPC shell (``WorkerBase``): the ``Prefill`` RPC's checks, then one call
+onto the loop thread; ``PrefillRequests`` holds the requests and does all of the above, seeing only
+the worker's ``RequestContext`` (engine, KV endpoint, metrics).
 """
 from __future__ import annotations
 
@@ -25,12 +26,12 @@ from typing import Any, Iterator, Optional
 import grpc
 import torch
 
+from kvtransfer import TransferState
 from prefill_worker.config import PrefillWorkerConfig
-from worker_common.request import RequestError, RequestSet, WorkerRequest, request_params
+from proto import worker_pb2, worker_pb2_grpc
+from worker_common.request import RequestContext, RequestError, RequestSet, WorkerRequest, request_params
 from worker_common.wire import logprob_to_proto
 from worker_common.worker_base import WorkerBase
-from kvtransfer import TransferState
-from proto import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,12 @@ class _PrefillReq(WorkerRequest):
 
 
 class PrefillRequests(RequestSet[_PrefillReq]):
-    """The ``Prefill`` RPC body and the prompts it prefills and ships (see module docstring)."""
+    """The prompts the worker prefills and ships (see module docstring; loop thread)."""
+
+    def __init__(self, ctx: RequestContext, transfer_timeout_s: float) -> None:
+        super().__init__(ctx)
+        self.transfer_timeout_s = transfer_timeout_s
+        """Deadline of one KV send, from its submission."""
 
     def queued_prompt_tokens(self) -> int:
         return sum(len(r.prompt_token_ids) for r in self.records() if r.first_token_at is None)
@@ -58,28 +64,8 @@ class PrefillRequests(RequestSet[_PrefillReq]):
     def prefilled_prompt_tokens(self, req: _PrefillReq) -> int:
         return len(req.prompt_token_ids)
 
-    # ---- RPC handler (gRPC threads) -------------------------------------------------
-    def prefill(self, request: worker_pb2.PrefillRequest,
-                context: grpc.ServicerContext) -> Iterator[worker_pb2.PrefillEvent]:
-        return self.worker.guard(request.request_id, context, self._prefill(request, context))
-
-    def _prefill(self, request: worker_pb2.PrefillRequest,
-                 context: grpc.ServicerContext) -> Iterator[worker_pb2.PrefillEvent]:
-        w, rid = self.worker, request.request_id
-        w.check_accepting(rid)
-        if not request.prompt_token_ids:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids is empty (request {rid})")
-        if not request.dest_kv_name:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"dest_kv_name is empty (request {rid})")
-        params = request_params(request.params, rid)
-        req = _PrefillReq(rid, list(request.prompt_token_ids), request.dest_kv_name, request.dest_block_size)
-        dest_blocks = list(request.dest_block_ids)
-        w.loop.call(lambda eng: self._add(eng, req, params, dest_blocks))
-        yield from w.stream_events(rid, req.out, context, lambda ev: ev.HasField("transfer_done"))
-
-    # ---- loop thread ----------------------------------------------------------------
-    def _add(self, eng: Any, req: _PrefillReq, params: Any, dest_blocks: list[int]) -> None:
-        self.worker.check_new(req.request_id, "prefilling")
+    def add(self, eng: Any, req: _PrefillReq, params: Any, dest_blocks: list[int]) -> None:
+        """Queue ``req``'s prompt in the engine and hold it; the caller checked its id is new on the worker."""
         need = -(-len(req.prompt_token_ids) // max(1, req.block_size))
         if req.block_size <= 0 or len(dest_blocks) < need:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
@@ -108,19 +94,18 @@ class PrefillRequests(RequestSet[_PrefillReq]):
                 if req.handle is None:
                     req.scheduled = req.scheduled or time.monotonic()
                     req.handle = self._open_send(req, layers_ready=False)
-                self.worker.kv.layer_ready(req.handle, layer)
+                self.ctx.kv.layer_ready(req.handle, layer)
             except Exception as e:
-                log.warning("prefill %s: request %s: KV send failed: %s", self.worker.cfg.worker_id, rid, e)
+                log.warning("prefill %s: request %s: KV send failed: %s", self.ctx.worker_id, rid, e)
                 req.error = RequestError(grpc.StatusCode.UNAVAILABLE,
                                          f"KV send of request {rid} to {req.dest_kv_name} failed: {e}")
 
     def _open_send(self, req: _PrefillReq, layers_ready: bool) -> Any:
-        w = self.worker
-        bs = w.engine.block_size
-        src = w.engine.get_block_table(req.request_id)[: -(-len(req.prompt_token_ids) // bs)]
-        return w.kv.send(req.dest_kv_name, req.request_id, w.engine.kv_caches, src,
-                         len(req.prompt_token_ids), deadline_s=w.cfg.transfer_timeout_s,
-                         layers_ready=layers_ready)
+        eng = self.ctx.engine
+        src = eng.get_block_table(req.request_id)[: -(-len(req.prompt_token_ids) // eng.block_size)]
+        return self.ctx.kv.send(req.dest_kv_name, req.request_id, eng.kv_caches, src,
+                                len(req.prompt_token_ids), deadline_s=self.transfer_timeout_s,
+                                layers_ready=layers_ready)
 
     def on_output(self, req: _PrefillReq, o: Any, now: float) -> None:
         if o.finish_reason != "prefill_done" or not o.new_token_ids:
@@ -144,13 +129,13 @@ class PrefillRequests(RequestSet[_PrefillReq]):
                                    prefill_s=now - scheduled, num_cached_tokens=o.num_cached_tokens)
         if o.logprobs:
             ft.logprob.CopyFrom(logprob_to_proto(o.logprobs[0]))
-        metrics = self.worker.metrics
+        metrics = self.ctx.metrics
         metrics.observe_queue_time(ft.queue_s)
         metrics.observe_prefill_time(ft.prefill_s)
         req.out.put(worker_pb2.PrefillEvent(first_token=ft))
 
     def poll(self, now: float) -> bool:
-        w = self.worker
+        w = self.ctx
         for req in self.records():
             if req.in_engine or req.handle is None:
                 continue
@@ -173,7 +158,7 @@ class PrefillRequests(RequestSet[_PrefillReq]):
         self.drop(req, RequestError(code, message))
 
     def free(self, req: _PrefillReq) -> None:
-        w = self.worker
+        w = self.ctx
         if req.handle is not None:
             w.kv.cancel(req.handle)
         if req.in_engine:
@@ -191,7 +176,7 @@ class PrefillWorker(WorkerBase):
         if not isinstance(cfg, PrefillWorkerConfig):
             raise ValueError(f"cfg must be a PrefillWorkerConfig, got {type(cfg).__name__}")
         super().__init__(cfg)
-        self.prefills = PrefillRequests(self)
+        self.prefills = PrefillRequests(self.ctx, cfg.transfer_timeout_s)
         self.request_sets = [self.prefills]
 
     def register_services(self, server: grpc.Server) -> list[str]:
@@ -203,4 +188,23 @@ class PrefillWorker(WorkerBase):
 
     def Prefill(self, request: worker_pb2.PrefillRequest,
                 context: grpc.ServicerContext) -> Iterator[worker_pb2.PrefillEvent]:
-        return self.prefills.prefill(request, context)
+        return self.guard(request.request_id, context, self._prefill(request, context))
+
+    def _prefill(self, request: worker_pb2.PrefillRequest,
+                 context: grpc.ServicerContext) -> Iterator[worker_pb2.PrefillEvent]:
+        rid = request.request_id
+        self.check_accepting(rid)
+        if not request.prompt_token_ids:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids is empty (request {rid})")
+        if not request.dest_kv_name:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"dest_kv_name is empty (request {rid})")
+        params = request_params(request.params, rid)
+        req = _PrefillReq(rid, list(request.prompt_token_ids), request.dest_kv_name, request.dest_block_size)
+        dest_blocks = list(request.dest_block_ids)
+
+        def add(eng: Any) -> None:
+            self.check_new(rid, "prefilling")
+            self.prefills.add(eng, req, params, dest_blocks)
+
+        self.loop.call(add)
+        yield from self.stream_events(rid, req.out, context, lambda ev: ev.HasField("transfer_done"))

@@ -108,6 +108,14 @@ class AbortResponse(_message.Message):
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
+class AbortChoiceRequest(_message.Message):
+    __slots__ = ("request_id", "choice_index")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    choice_index: int
+    def __init__(self, request_id: _Optional[str] = ..., choice_index: _Optional[int] = ...) -> None: ...
+
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -49,6 +49,11 @@ class DecodeWorkerStub:
                 request_serializer=proto_dot_worker__pb2.AbortRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.AbortChoice = channel.unary_unary(
+                '/pdserve.internal.v1.DecodeWorker/AbortChoice',
+                request_serializer=proto_dot_worker__pb2.AbortChoiceRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.AbortResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/pdserve.internal.v1.DecodeWorker/GetInfo',
                 request_serializer=proto_dot_worker__pb2.GetInfoRequest.SerializeToString,
@@ -77,6 +82,12 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AbortChoice(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -99,6 +110,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
                     request_deserializer=proto_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.AbortResponse.SerializeToString,
+            ),
+            'AbortChoice': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortChoice,
+                    request_deserializer=proto_dot_worker__pb2.AbortChoiceRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.AbortResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
@@ -187,6 +203,33 @@ class DecodeWorker:
             target,
             '/pdserve.internal.v1.DecodeWorker/Abort',
             proto_dot_worker__pb2.AbortRequest.SerializeToString,
+            proto_dot_worker__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortChoice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.DecodeWorker/AbortChoice',
+            proto_dot_worker__pb2.AbortChoiceRequest.SerializeToString,
             proto_dot_worker__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
@@ -403,6 +446,11 @@ class ColocatedWorkerStub:
                 request_serializer=proto_dot_worker__pb2.AbortRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.AbortChoice = channel.unary_unary(
+                '/pdserve.internal.v1.ColocatedWorker/AbortChoice',
+                request_serializer=proto_dot_worker__pb2.AbortChoiceRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.AbortResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/pdserve.internal.v1.ColocatedWorker/GetInfo',
                 request_serializer=proto_dot_worker__pb2.GetInfoRequest.SerializeToString,
@@ -426,6 +474,12 @@ class ColocatedWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AbortChoice(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -443,6 +497,11 @@ def add_ColocatedWorkerServicer_to_server(servicer, server):
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
                     request_deserializer=proto_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.AbortResponse.SerializeToString,
+            ),
+            'AbortChoice': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortChoice,
+                    request_deserializer=proto_dot_worker__pb2.AbortChoiceRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.AbortResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
@@ -504,6 +563,33 @@ class ColocatedWorker:
             target,
             '/pdserve.internal.v1.ColocatedWorker/Abort',
             proto_dot_worker__pb2.AbortRequest.SerializeToString,
+            proto_dot_worker__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortChoice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.ColocatedWorker/AbortChoice',
+            proto_dot_worker__pb2.AbortChoiceRequest.SerializeToString,
             proto_dot_worker__pb2.AbortResponse.FromString,
             options,
             channel_credentials,

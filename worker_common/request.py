@@ -9,7 +9,9 @@ end its stream with ``err``) or is aborted (``abort(id)``: the same with CANCELL
 
 A worker holds one ``RequestSet`` per kind of request it serves (a decode worker: requests
 prefilled elsewhere and whole requests prefilled here) and routes each engine output, poll and
-abort to the set that knows the id; no set ever sees another's records.
+abort to the set that knows the id; no set ever sees another's records. A set sees of its worker
+only a ``RequestContext``: the engine, the KV endpoint and the metrics, which the worker fills in
+when it loads; the RPC plumbing (accepting, streaming, ids unique across sets) stays in the worker.
 """
 from __future__ import annotations
 
@@ -22,7 +24,21 @@ import grpc
 
 if TYPE_CHECKING:
     from engine.outputs import CoreOutput
-    from worker_common.worker_base import WorkerBase
+
+
+@dataclass
+class RequestContext:
+    """What a request set uses of its worker. Built empty with the worker; ``WorkerBase.load()`` fills in
+    the engine, the KV endpoint and the metrics before the loop thread (their only user) starts."""
+
+    worker_id: str
+    """The worker's id, for messages."""
+    engine: Any = None
+    """The worker's ``LLMEngine``."""
+    kv: Any = None
+    """Its kvtransfer ``KVEndpoint`` (None for a colocated worker)."""
+    metrics: Any = None
+    """Its ``PDServeMetrics``."""
 
 
 class RequestError(Exception):
@@ -53,10 +69,6 @@ class WorkerRequest:
     """The request's stream: items for the handler to yield, or the RequestError that ends it."""
     arrived: float = field(default_factory=time.monotonic, kw_only=True)
     """When the worker took the request (monotonic seconds): queue times and deadlines count from here."""
-    index: int = field(default=0, kw_only=True)
-    """n > 1: which choice of its request this is (0: the request itself)."""
-    choices: Optional[Any] = field(default=None, kw_only=True)
-    """n > 1: the ``Choices`` record its request's choices share (decode_worker.choices); None otherwise."""
 
     def fail(self, err: RequestError) -> None:
         """End the request's stream with ``err`` (the handler raises it)."""
@@ -73,15 +85,13 @@ R = TypeVar("R", bound=WorkerRequest)
 class RequestSet(Generic[R]):
     """The requests of one kind a worker holds, by id (touched on its loop thread only).
 
-    Built by its worker (a ``WorkerBase``), whose engine, KV endpoint, metrics and handler helpers
-    it uses once ``load()`` has made them. Subclasses say how to free a request (``free``), what an
-    engine output means for it (``on_output``) and, if they wait on something besides the engine,
-    how to advance it (``poll``)."""
+    Built by its worker with the worker's ``RequestContext`` (engine, KV endpoint, metrics: filled in
+    by ``load()``). Subclasses say how to free a request (``free``), what an engine output means for
+    it (``on_output``) and, if they wait on something besides the engine, how to advance it (``poll``)."""
 
-    def __init__(self, worker: "WorkerBase") -> None:
-        self.worker = worker
+    def __init__(self, ctx: RequestContext) -> None:
+        self.ctx = ctx
         self._reqs: dict[str, R] = {}
-        self._groups: dict[str, set[str]] = {}  # n > 1: a request's id -> the ids of its choices still held
         self.requests_total = 0
         """Requests held so far that this worker prefills (``prefilled_prompt_tokens`` > 0): WorkerInfo's counter."""
         self.prompt_tokens_total = 0
@@ -91,18 +101,10 @@ class RequestSet(Generic[R]):
         return len(self._reqs)
 
     def __contains__(self, request_id: object) -> bool:
-        # a request whose own choice finished is still here while another of its choices runs
-        return request_id in self._reqs or request_id in self._groups
+        return request_id in self._reqs
 
     def _take(self, request_id: str) -> Optional[R]:
-        req = self._reqs.pop(request_id, None)
-        if req is not None and req.choices is not None:
-            members = self._groups.get(req.choices.root)
-            if members is not None:
-                members.discard(request_id)
-                if not members:
-                    del self._groups[req.choices.root]
-        return req
+        return self._reqs.pop(request_id, None)
 
     def get(self, request_id: str) -> Optional[R]:
         return self._reqs.get(request_id)
@@ -124,8 +126,6 @@ class RequestSet(Generic[R]):
         if n > 0:
             self.requests_total += 1
             self.prompt_tokens_total += n
-        if req.choices is not None:
-            self._groups.setdefault(req.choices.root, set()).add(req.request_id)
 
     def release(self, req: R) -> None:
         """Stop holding ``req`` (it finished); its engine state is the caller's to settle."""
@@ -139,8 +139,7 @@ class RequestSet(Generic[R]):
             req.fail(err)
 
     def abort_quietly(self, request_id: str) -> bool:
-        """Drop a request and free what it holds without touching its stream (a choice whose stream its
-        request's abort ends); True if held."""
+        """Drop a request and free what it holds without touching its stream (True if held)."""
         req = self._take(request_id)
         if req is None:
             return False
@@ -148,16 +147,12 @@ class RequestSet(Generic[R]):
         return True
 
     def abort(self, request_id: str) -> bool:
-        """Drop the request (with every choice of it still held) and end its stream as CANCELLED; True if this
-        set held it."""
-        ids = [request_id] if request_id in self._reqs else []
-        ids += sorted(self._groups.get(request_id, set()) - {request_id})
-        if not ids:
+        """Drop the request and end its stream as CANCELLED; True if this set held it."""
+        req = self._reqs.get(request_id)
+        if req is None:
             return False
-        reqs = [self._reqs[i] for i in ids]
-        for r in reqs:
-            self.abort_quietly(r.request_id)
-        reqs[0].cancel()  # the choices share one stream: one CANCELLED ends it
+        self.abort_quietly(request_id)
+        req.cancel()
         return True
 
     # ---- hooks (loop thread) --------------------------------------------------------
@@ -181,3 +176,8 @@ class RequestSet(Generic[R]):
         """The prompt tokens this worker will prefill for ``req``, counted once when it is held (the SLA
         planner's arrival counters); 0: not a new request here (KV prefilled elsewhere, a sibling choice)."""
         return 0
+
+    def ends_request(self, req: R) -> bool:
+        """Whether ``req`` finishing finishes a client request (WorkerInfo's ``requests_finished_total``);
+        a set whose records may be one choice of several counts one of them only."""
+        return True

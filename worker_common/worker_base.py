@@ -1,11 +1,12 @@
 """What every worker role shares: gRPC shell, engine, engine loop, KV endpoint, metrics, drain.
 
 Lifecycle: ``Worker(cfg)`` builds nothing heavy; the role's ``__init__`` lists the
-``RequestSet``s that will hold its requests (``self.request_sets``). ``start()`` =
-``bind()`` (gRPC server up, health NOT_SERVING) + ``load()`` (engine, kvtransfer
-endpoint, metrics, engine loop; health SERVING). While serving, handler threads
-talk to the engine only through ``self.loop``; on the loop thread each engine
-output, poll and abort goes to the request set that holds the request's id.
+``RequestSet``s that will hold its requests (``self.request_sets``), each built on the
+worker's ``RequestContext`` (``self.ctx``). ``start()`` = ``bind()`` (gRPC server up,
+health NOT_SERVING) + ``load()`` (engine, kvtransfer endpoint, metrics into the context,
+engine loop; health SERVING). While serving, the role's RPC handlers (gRPC threads) check
+and stream here and talk to the engine only through ``self.loop``; on the loop thread
+each engine output, poll and abort goes to the request set that holds the request's id.
 ``drain(timeout_s)`` flips health to NOT_SERVING, refuses new requests
 (UNAVAILABLE), waits until no set holds a request, then ``stop()``s: server,
 loop, KV endpoint, metrics.
@@ -20,12 +21,12 @@ from typing import Any, Callable, Iterator, Optional
 
 import grpc
 
+from proto import worker_pb2
 from transport.auth import BearerAuth
+from transport.serving import GrpcServing
 from worker_common.config import WorkerConfig
 from worker_common.engine_loop import EngineLoop
-from worker_common.request import RequestError, RequestSet, request_params
-from transport.serving import GrpcServing
-from proto import worker_pb2
+from worker_common.request import RequestContext, RequestError, RequestSet, request_params
 
 __all__ = ["RequestError", "WorkerBase", "request_params"]  # the errors and params check, re-exported
 
@@ -48,10 +49,9 @@ class WorkerBase:
                 if cfg.cluster_secret else None)
         self._serving = GrpcServing(f"{self.role}-{cfg.worker_id}", cfg.host, cfg.port, cfg.max_rpc_threads,
                                     auth=auth)
-        self.engine: Any = None
+        self.ctx = RequestContext(cfg.worker_id)
+        """Engine, KV endpoint and metrics: all a request set sees of this worker (filled by ``load``)."""
         self.loop: Optional[EngineLoop] = None
-        self.kv: Any = None
-        self.metrics: Any = None
         self.metrics_address = ""
         self._metrics_stop: Optional[Callable[[], None]] = None
         self.request_sets: list[RequestSet] = []  # the role fills it: one set per kind of request
@@ -71,6 +71,21 @@ class WorkerBase:
     def address(self) -> str:
         return self._serving.address
 
+    @property
+    def engine(self) -> Any:
+        """The ``LLMEngine`` (None before ``load``)."""
+        return self.ctx.engine
+
+    @property
+    def kv(self) -> Any:
+        """The kvtransfer endpoint (None before ``load``, and for roles without KV)."""
+        return self.ctx.kv
+
+    @property
+    def metrics(self) -> Any:
+        """The worker's metrics (None before ``load``)."""
+        return self.ctx.metrics
+
     def start(self) -> "WorkerBase":
         self.bind()
         self.load()
@@ -85,10 +100,10 @@ class WorkerBase:
         from engine.llm_engine import LLMEngine
         from metrics import PDServeMetrics
 
-        self.engine = LLMEngine(self.cfg.engine)
+        self.ctx.engine = LLMEngine(self.cfg.engine)
         if self.needs_kv:
-            self.kv = self.make_kv_endpoint()
-        self.metrics = PDServeMetrics(self.cfg.served_model_name, self.role, self.cfg.worker_id)
+            self.ctx.kv = self.make_kv_endpoint()
+        self.ctx.metrics = PDServeMetrics(self.cfg.served_model_name, self.role, self.cfg.worker_id)
         if self.cfg.serve_metrics:
             self.metrics_address, self._metrics_stop = self.metrics.serve(host=self.cfg.host,
                                                                           port=self.cfg.metrics_port)
@@ -251,13 +266,11 @@ class WorkerBase:
             held.update(rs.snapshot())
         return held
 
-    def holder(self, request_id: str, choice: bool = False) -> Optional[RequestSet]:
-        """The set holding ``request_id``, or None. ``choice``: an abort may name one choice of a request with
-        n > 1 as ``<id>#<i>``; then the set holding ``<id>`` answers too."""
-        for rid in (request_id, request_id.rpartition("#")[0] if choice else ""):
-            for rs in self.request_sets:
-                if rid and rid in rs:
-                    return rs
+    def holder(self, request_id: str) -> Optional[RequestSet]:
+        """The set holding ``request_id``, or None."""
+        for rs in self.request_sets:
+            if request_id in rs:
+                return rs
         return None
 
     def check_new(self, request_id: str, state: str) -> None:
@@ -273,7 +286,7 @@ class WorkerBase:
                 req = rs.get(o.request_id)
                 if req is not None:
                     self.output_tokens_total += len(o.new_token_ids)
-                    if o.finish_reason and o.finish_reason != "prefill_done" and req.index == 0:
+                    if o.finish_reason and o.finish_reason != "prefill_done" and rs.ends_request(req):
                         self.requests_finished_total += 1
                     rs.on_output(req, o, now)
                     break
@@ -288,7 +301,7 @@ class WorkerBase:
 
     def abort(self, request_id: str) -> bool:
         """Drop the request, free its blocks, end its stream as CANCELLED; True if it was known."""
-        rs = self.holder(request_id, choice=True)
+        rs = self.holder(request_id)
         if rs is None:
             return False
         log.info("%s %s: abort request %s", self.role, self.cfg.worker_id, request_id)

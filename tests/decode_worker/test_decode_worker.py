@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
@@ -14,6 +13,7 @@ from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
 from router.wire import params_to_wire
 from tests.roles.harness import engine_config, make_store, start_roles
+from tests.waiting import wait_until
 
 PARAMS = params_to_wire(SamplingParams(max_tokens=4))
 
@@ -79,10 +79,7 @@ def test_reservation_whose_kv_never_comes_is_freed_and_decode_learns_why(worker)
     w, stub = worker
     _reserve(stub, "orphan", 20, kv_timeout_s=0.5)
     assert w.info().num_free_blocks == 6
-    end = time.monotonic() + 3
-    while w.info().num_free_blocks != 8 and time.monotonic() < end:
-        time.sleep(0.02)
-    assert w.info().num_free_blocks == 8
+    wait_until(lambda: w.info().num_free_blocks == 8, timeout=10, message="the orphan's blocks freed")
     with pytest.raises(grpc.RpcError) as ei:
         list(stub.Decode(worker_pb2.DecodeRequest(request_id="orphan", first_token_id=3), timeout=10))
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "orphan" in ei.value.details()
@@ -99,9 +96,13 @@ def test_reservation_lives_as_long_as_its_receive_deadline():
             stub = worker_pb2_grpc.DecodeWorkerStub(ch)
             _reserve(stub, "late", 20, kv_timeout_s=60.0)
             assert w.info().num_free_blocks == 6
-            time.sleep(0.5)
-            assert w.info().num_free_blocks == 6  # the KV may still come: the receive deadline rules
-            assert "late" in w.requests
+            arrived = w.requests["late"].arrived
+            # a poll as if reserve_timeout_s (0.3 s) had passed: the KV may still come, the receive deadline rules
+            pending, free = w.loop.call(lambda e: (w.disagg.poll(arrived + 0.5), e.num_free_blocks))
+            assert (pending, free) == (True, 6) and "late" in w.requests
+            # past the receive deadline and its margin: freed
+            pending, free = w.loop.call(lambda e: (w.disagg.poll(arrived + 65.5), e.num_free_blocks))
+            assert (pending, free) == (False, 8)
     finally:
         w.stop()
 
@@ -116,10 +117,10 @@ def test_drain_finishes_inflight_request_while_not_serving():
         res = []
         t = threading.Thread(target=lambda: res.append(d.drain(20.0)))
         t.start()
-        time.sleep(0.05)
         with grpc.insecure_channel(d.address) as ch:
-            st = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
-        assert st == health_pb2.HealthCheckResponse.NOT_SERVING
+            health = health_pb2_grpc.HealthStub(ch)
+            wait_until(lambda: health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+                       == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=10, message="health NOT_SERVING")
         assert d.info().ready is False
         rest = list(s)
         assert rest[-1].finish_reason == "length" and rest[-1].usage.completion_tokens == 60
@@ -153,9 +154,8 @@ def test_local_generate_rejects_bad_input_and_keeps_serving(worker):
         out = list(stub.Generate(worker_pb2.ColocatedRequest(request_id="lg4", prompt_token_ids=[5, 6], params=PARAMS,
                                                              resume_token_ids=[7]), timeout=10))
         assert sum(len(c.token_ids) for c in out) == 3 and out[-1].finish_reason == "length"
-        end = time.monotonic() + 1.0  # the load record refreshes on the engine loop's next pass
-        while time.monotonic() < end and w.info().num_free_blocks != 8:
-            time.sleep(0.01)
+        # the load record refreshes on the engine loop's next pass
+        wait_until(lambda: w.info().num_free_blocks == 8, timeout=10, message="blocks freed")
         assert not w.requests and w.info().num_free_blocks == 8
     finally:
         ch.close()
@@ -174,10 +174,13 @@ def test_local_and_disaggregated_requests_are_one_id_space(worker):
                                timeout=10))
         assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS and "both" in ei.value.details()
         assert w.num_requests() == 1
+        # AbortChoice names a choice, never the request: a reserved request without choices stays
+        assert stub.AbortChoice(worker_pb2.AbortChoiceRequest(request_id="both", choice_index=0), timeout=5).found \
+            is False
+        assert w.num_requests() == 1
         assert colo.Abort(worker_pb2.AbortRequest(request_id="both"), timeout=5).found is True
-        end = time.monotonic() + 1.0  # the load record refreshes on the engine loop's next pass
-        while time.monotonic() < end and w.info().num_free_blocks != 8:
-            time.sleep(0.01)
+        # the load record refreshes on the engine loop's next pass
+        wait_until(lambda: w.info().num_free_blocks == 8, timeout=10, message="blocks freed")
         assert w.num_requests() == 0 and w.info().num_free_blocks == 8
     finally:
         ch.close()

@@ -8,14 +8,14 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from proto import worker_pb2
-from worker_common.request import RequestError, RequestSet, WorkerRequest, request_params
+from worker_common.request import RequestContext, RequestError, RequestSet, WorkerRequest, request_params
 
 
 class _Freeing(RequestSet[WorkerRequest]):
     """A set that records what it frees (the real roles free engine blocks and KV handles)."""
 
     def __init__(self) -> None:
-        super().__init__(worker=None)
+        super().__init__(RequestContext("w0"))
         self.freed: list[str] = []
 
     def free(self, req: WorkerRequest) -> None:

@@ -12,21 +12,20 @@ import pytest
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from worker_common.config import WorkerConfig
-from worker_common.request import RequestError, RequestSet, WorkerRequest
+from worker_common.request import RequestContext, RequestError, RequestSet, WorkerRequest
 from worker_common.worker_base import WorkerBase
 
 
 class _Whole(RequestSet[WorkerRequest]):
     """Whole requests on the worker's engine; each output goes to the request's stream."""
 
-    def __init__(self, worker: WorkerBase, busy: bool = False) -> None:
-        super().__init__(worker)
+    def __init__(self, ctx: RequestContext, busy: bool = False) -> None:
+        super().__init__(ctx)
         self.busy = busy
         self.polls = 0
         self.seen: list[str] = []
 
     def add(self, eng: Any, rid: str, max_tokens: int) -> WorkerRequest:
-        self.worker.check_new(rid, "running")
         eng.add_request(rid, [5, 6, 7], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         req = WorkerRequest(rid)
         self.hold(req)
@@ -39,7 +38,7 @@ class _Whole(RequestSet[WorkerRequest]):
         req.out.put(o)
 
     def free(self, req: WorkerRequest) -> None:
-        self.worker.engine.abort_request(req.request_id)
+        self.ctx.engine.abort_request(req.request_id)
 
     def poll(self, now: float) -> bool:
         self.polls += 1
@@ -52,8 +51,15 @@ class _TwoSets(WorkerBase):
 
     def __init__(self, cfg: WorkerConfig) -> None:
         super().__init__(cfg)
-        self.a, self.b = _Whole(self), _Whole(self)
+        self.a, self.b = _Whole(self.ctx), _Whole(self.ctx)
         self.request_sets = [self.a, self.b]
+
+    def add(self, rs: _Whole, rid: str, max_tokens: int) -> WorkerRequest:
+        """What a role's handler does on the loop thread: ids unique across sets, then the set holds it."""
+        def add(eng: Any) -> WorkerRequest:
+            self.check_new(rid, "running")
+            return rs.add(eng, rid, max_tokens)
+        return self.loop.call(add)
 
 
 @pytest.fixture
@@ -79,8 +85,8 @@ def _drain_stream(q: "queue.Queue", timeout_s: float = 30.0) -> list:
 
 
 def test_outputs_go_to_the_set_that_holds_the_request(worker):
-    ra = worker.loop.call(lambda e: worker.a.add(e, "x", 4))
-    rb = worker.loop.call(lambda e: worker.b.add(e, "y", 5))
+    ra = worker.add(worker.a, "x", 4)
+    rb = worker.add(worker.b, "y", 5)
     xa, yb = _drain_stream(ra.out), _drain_stream(rb.out)
     assert sum(len(o.new_token_ids) for o in xa) == 4 and {o.request_id for o in xa} == {"x"}
     assert sum(len(o.new_token_ids) for o in yb) == 5 and {o.request_id for o in yb} == {"y"}
@@ -91,9 +97,9 @@ def test_outputs_go_to_the_set_that_holds_the_request(worker):
 @pytest.mark.parametrize("first, second", [("a", "b"), ("b", "a")])
 def test_an_id_held_by_one_set_is_refused_by_the_other(worker, first, second):
     s1, s2 = getattr(worker, first), getattr(worker, second)
-    worker.loop.call(lambda e: s1.add(e, "dup", 200))
+    worker.add(s1, "dup", 200)
     with pytest.raises(RequestError) as ei:
-        worker.loop.call(lambda e: s2.add(e, "dup", 4))
+        worker.add(s2, "dup", 4)
     assert ei.value.code == grpc.StatusCode.ALREADY_EXISTS and "dup" in ei.value.message
     assert worker.holder("dup") is s1 and set(worker.requests) == {"dup"} and worker.num_requests() == 1
     assert worker.loop.call(lambda e: worker.abort("dup")) is True
@@ -101,7 +107,7 @@ def test_an_id_held_by_one_set_is_refused_by_the_other(worker, first, second):
 
 def test_abort_goes_to_the_holding_set_and_frees_the_blocks(worker):
     total = worker.engine.num_total_blocks
-    rb = worker.loop.call(lambda e: worker.b.add(e, "long", 200))
+    rb = worker.add(worker.b, "long", 200)
     assert worker.loop.call(lambda e: worker.abort("unknown")) is False
     assert worker.loop.call(lambda e: worker.abort("long")) is True
     items = _drain_stream(rb.out)
@@ -126,7 +132,7 @@ def test_queued_prompt_tokens_sum_over_sets(worker):
 
 
 def test_drain_waits_for_requests_in_any_set(worker):
-    rb = worker.loop.call(lambda e: worker.b.add(e, "late", 40))
+    rb = worker.add(worker.b, "late", 40)
     assert worker.drain(30.0) is True
     items = []
     while not rb.out.empty():
