@@ -8,7 +8,6 @@ take the lease while the first holds it; teardown stops every worker and deletes
 """
 from __future__ import annotations
 
-import time
 
 import pytest
 import ray
@@ -17,6 +16,7 @@ from cluster.launcher import Cluster, ClusterConfig
 from cluster.ownership import ControllerLease, detached_workers
 from cluster.registry import Registry
 from tests.cluster.stand_in_worker import StandInWorker
+from tests.waiting import wait_until
 
 
 def _cfg(redis_url: str, ns: str, **kw) -> ClusterConfig:
@@ -71,14 +71,14 @@ def test_workers_of_another_model_are_replaced_then_retired(ray_local, redis_url
         assert c2.adopted == []
         assert c2.worker_ids("prefill") == [f"prefill-{c2.generation}-0"]
         assert [(w.worker_id, w.model_name) for w in reg.list()] == [(f"prefill-{c2.generation}-0", "new-model")]
-        deadline = time.monotonic() + 30
-        while True:  # the old actor is gone
+        def old_gone() -> bool:
             try:
                 ray.get(old_handle.pid.remote(), timeout=2)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-                break
-            assert time.monotonic() < deadline, "the old model's worker still runs"
-            time.sleep(0.2)
+                return True
+            return False
+
+        wait_until(old_gone, timeout=30, interval=0.2, message="the old model's worker still runs")
     finally:
         c2.teardown()
     assert reg.keys() == []

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 
@@ -11,6 +10,7 @@ from cluster.launcher import Cluster, ClusterConfig
 from cluster.planner import Planner, PlannerConfig, decide
 from cluster.registry import Registry, WorkerInfo
 from tests.cluster.stand_in_worker import StandInWorker
+from tests.waiting import wait_until
 
 CFG = PlannerConfig(min_prefill=1, max_prefill=3, min_decode=1, max_decode=2,
                     prefill_tokens_high=1000, prefill_tokens_low=100, kv_usage_high=0.8, kv_usage_low=0.3)
@@ -62,13 +62,14 @@ def _set_load(path: str, **load) -> None:
 
 
 def _wait_registry(reg: Registry, role: str, pred, timeout_s: float = 5.0) -> list[WorkerInfo]:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        infos = reg.list(role)
-        if pred(infos):
-            return infos
-        time.sleep(0.1)
-    raise AssertionError(f"registry never matched: {reg.list(role)}")
+    seen: list = [None]
+
+    def matched() -> bool:
+        seen[0] = reg.list(role)
+        return bool(pred(seen[0]))
+
+    wait_until(matched, timeout=timeout_s, interval=0.1, message=f"registry of {role} never matched")
+    return seen[0]
 
 
 def test_planner_grows_and_shrinks_a_real_pool(ray_local, redis_url, tmp_path):
@@ -92,9 +93,8 @@ def test_planner_grows_and_shrinks_a_real_pool(ray_local, redis_url, tmp_path):
         _set_load(load_file, queued_prompt_tokens=0)
         planner.start()
         try:
-            end = time.monotonic() + 20
-            while len(cluster.worker_ids("prefill")) > 1 and time.monotonic() < end:
-                time.sleep(0.2)
+            wait_until(lambda: len(cluster.worker_ids("prefill")) <= 1, timeout=20, interval=0.2,
+                       message="the planner never drained a prefill worker")
         finally:
             planner.stop()
         assert cluster.worker_ids("prefill") == ["prefill-0"]

@@ -7,7 +7,6 @@ workers: its probes go to the actors, not to Redis).
 """
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import ray
@@ -17,14 +16,11 @@ from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from cluster.registry import Registry
 from cluster.supervisor import Supervisor, SupervisorConfig
 from tests.cluster.stand_in_worker import StandInWorker
+from tests.waiting import wait_until
 
 
 def _wait(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    end = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.1)
+    wait_until(cond, timeout=timeout_s, interval=0.1, message=f"timed out waiting for {what}")
 
 
 def _stats(cluster: Cluster) -> list[dict]:

@@ -8,12 +8,12 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import redis
 
 from cluster.redis_server import EmbeddedRedis, RedisServerConfig
+from tests.waiting import wait_until
 
 
 def _pid_alive(pid: int) -> bool:
@@ -36,12 +36,10 @@ def _port_open(port: int) -> bool:
 
 
 def _wait_gone(pid: int, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not _pid_alive(pid):
-            return True
-        time.sleep(0.05)
-    return False
+    try:
+        return wait_until(lambda: not _pid_alive(pid), timeout=timeout_s, message=f"pid {pid} still alive")
+    except AssertionError:
+        return False
 
 
 def test_start_serves_and_stop_leaves_nothing():
@@ -135,8 +133,6 @@ def test_spawned_server_outlives_the_thread_that_started_it():
     """``spawn=True`` (posix_spawn, no fork): the server shares this process's session and has no parent-death
     signal, so a fault thread that restarts Redis may end; the default launch dies with its starting thread."""
     import threading
-
-    from tests.waiting import wait_until
 
     started: dict = {}
 

@@ -315,11 +315,10 @@ def test_real_workers_count_arrivals_once_and_every_sampled_token():
     """Real prefill and decode workers (in process, tiny model, gloo KV) behind the real router. A pair request is
     counted by the prefill worker that prefills it; a short prompt the decode worker prefills itself (conditional
     disaggregation) by the decode worker; a request with n = 2 once, with both choices' tokens."""
-    import time
-
     import torch
 
     from tests.roles.harness import collect, start_roles
+    from tests.waiting import wait_until
 
     torch.set_num_threads(1)
     roles = start_roles(tag="sla-", router={"local_prefill_max_tokens": 8})
@@ -328,9 +327,8 @@ def test_real_workers_count_arrivals_once_and_every_sampled_token():
         collect(roles.stub, token_ids=list(range(10, 40)), max_tokens=5, **common)  # pair
         collect(roles.stub, token_ids=list(range(10, 15)), max_tokens=4, **common)  # 5 tokens: on the decode worker
         collect(roles.stub, token_ids=list(range(50, 80)), max_tokens=3, n=2, **common)  # pair, two choices
-        end = time.monotonic() + 30
-        while roles.decodes[0].info().requests_finished_total < 3 and time.monotonic() < end:
-            time.sleep(0.05)
+        wait_until(lambda: roles.decodes[0].info().requests_finished_total >= 3, timeout=30,
+                   message="the decode worker never finished 3 requests")
         p, d = roles.prefills[0].info(), roles.decodes[0].info()
     finally:
         roles.close()
