@@ -24,10 +24,11 @@ from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import grpc
 
+from engine.sampling_params import SamplingParams
 from proto import worker_pb2
 from worker_common.request import RequestError, RequestSet, WorkerRequest, request_params
 
-MAX_CHOICES = 16
+MAX_CHOICES = SamplingParams.MAX_N  # the router validates n against the same constant
 """Most choices (n) one request may have on a worker."""
 
 

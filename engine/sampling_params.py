@@ -56,6 +56,9 @@ class SamplingParams:
 
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 1024
+    MAX_N = 16
+    """Choices one request may ask for (n): the router's bound and a decode worker's (1 + siblings); the one
+    constant both sides read."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

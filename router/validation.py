@@ -23,8 +23,6 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 512
 """Each stop string at most this long."""
 MAX_STOP_TOKEN_IDS = 1024
-MAX_N = 16
-"""At most this many choices per prompt."""
 MAX_BEAM_WIDTH = min(BeamSearchParams.MAX_BEAM_WIDTH, SamplingParams.MAX_LOGPROBS // 2)
 """The cluster's beam search reads each beam's top 2 x beam_width log-probs from a worker."""
 _NOT_WITH_BEAMS = ("n", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "frequency_penalty",
@@ -173,8 +171,8 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
     # SamplingParams' own checks name the field (temperature, top_p, seed, logprobs...).
     params = SamplingParams(**kw)
     n = req.n if req.HasField("n") else 1
-    if not 1 <= n <= MAX_N:
-        raise ValueError(f"n must be in [1, {MAX_N}], got {n}")
+    if not 1 <= n <= SamplingParams.MAX_N:
+        raise ValueError(f"n must be in [1, {SamplingParams.MAX_N}], got {n}")
     return ValidatedRequest(request_id=request_id, prompt=req.prompt if has_prompt else None,
                             prompt_token_ids=ids, params=params, n=n)
 
