@@ -7,9 +7,11 @@ Prometheus series), ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/cha
 A request body is parsed (pydantic), turned into the gRPC-shaped ``GenerateRequest`` and validated
 by the same ``validate_generate`` as gRPC, then each choice runs as one ``RequestFlow`` through
 ``core.generate`` on a worker thread (the flows block on gRPC calls to the workers); its
-``FlowEvent``s become a JSON response or server-sent events ending in ``data: [DONE]``. A client
-that disconnects cancels its flows (the workers free its blocks). Errors are OpenAI's JSON shape
-with the HTTP status matching the flow's status code. With API keys configured every ``/v1``
+``FlowEvent``s become a JSON response or server-sent events ending in ``data: [DONE]``, rendered
+by ``router.openai_protocol`` (this module is the transport: app, auth, threads, disconnects). A
+client that disconnects cancels its flows (the workers free its blocks): the server's
+``http.disconnect`` message wakes a watcher task at once, no polling. Errors are OpenAI's JSON
+shape with the HTTP status matching the flow's status code. With API keys configured every ``/v1``
 call needs ``Authorization: Bearer <key>`` (401 otherwise); ``/health`` and ``/metrics`` stay open.
 
 ``n`` > 1 is one flow per prompt whose n choices share one prefill and one KV transfer (choice i
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import socket
 import ssl
@@ -37,10 +38,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from router import openai_protocol as oa
 from router.core import RouterCore
 from router.events import FlowError
-from router.validation import MAX_BEAM_WIDTH, validate_generate
+from router.validation import validate_generate
+from transport.ports import check_port
 from transport.tls import TlsFiles
 
 log = logging.getLogger(__name__)
+
+_DISCONNECTED = object()
+"""Put on a response's event queue when its client went away."""
 
 
 class _Choice:
@@ -94,8 +99,7 @@ class HttpApi:
     def __init__(self, core: RouterCore, host: str = "127.0.0.1", port: int = 0,
                  api_keys: Iterable[str] = (), tls: Optional[TlsFiles] = None) -> None:
         """``tls``: serve HTTPS with the same certificate (and client CA, for mutual TLS) as the gRPC API."""
-        if not 0 <= port < 65536:
-            raise ValueError(f"http port must be in [0, 65535], got {port}")
+        check_port(port, "http_port")
         self.core = core
         self.host, self._port = host, port
         self._keys = [k.encode() for k in api_keys if k]
@@ -204,51 +208,6 @@ class HttpApi:
     def _error(self, status: int, message: str, param: Optional[str] = None) -> JSONResponse:
         return JSONResponse(oa.error_body(status, message, param), status_code=status)
 
-    def _generate_requests(self, body: Any, chat: bool) -> list[Any]:
-        """One GenerateRequest per choice (prompts x n); ValueError names the bad field."""
-        lim = self.core.limits
-        if body.model is not None and body.model != lim.model_name:
-            raise LookupError(f"model {body.model!r} does not exist; this server serves {lim.model_name!r}")
-        if not 1 <= body.n <= 16:
-            raise ValueError(f"n must be in [1, 16], got {body.n}")
-        if chat:
-            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            lp = (body.top_logprobs or 0) if body.logprobs else None
-            if body.top_logprobs is not None and not body.logprobs:
-                raise ValueError("top_logprobs needs logprobs: true")
-            prompts = [self._render_chat(body)]
-        else:
-            if body.echo or body.suffix or (body.best_of not in (None, 1, body.n)):
-                raise ValueError("echo, suffix and best_of are not supported")
-            max_tokens, lp = body.max_tokens, body.logprobs
-            p = body.prompt
-            prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
-            if not prompts:
-                raise ValueError("prompt is empty")
-        out = []
-        for prompt in prompts:  # one flow per prompt; its n choices share one prefill (choice i: seed + i)
-            kw = dict(prompt=prompt) if isinstance(prompt, str) else dict(token_ids=list(prompt))
-            g = oa.to_generate_request(body, logprobs=lp, max_tokens=max_tokens, seed=body.seed, **kw)
-            if body.use_beam_search:
-                if body.n > MAX_BEAM_WIDTH:
-                    raise ValueError(f"n (the beam width, with use_beam_search) must be in [1, {MAX_BEAM_WIDTH}], "
-                                     f"got {body.n}")
-            else:
-                g.n = body.n
-            out.append(g)
-        return out
-
-    def _render_chat(self, body: oa.ChatCompletionRequest) -> list[int]:
-        tok = self.core.tokenizer
-        if tok is None or tok.chat_template is None:
-            raise ValueError("messages: this model has no chat template; use /v1/completions")
-        text = tok.apply_chat_template(oa.message_dicts(body), add_generation_prompt=True)
-        lim = self.core.limits
-        if lim.max_prompt_bytes is not None and len(text.encode("utf-8", "surrogatepass")) > lim.max_prompt_bytes:
-            raise ValueError(f"messages: the conversation is longer than the context length "
-                             f"({lim.max_context_length} tokens) can hold")
-        return tok.encode(text, add_special_tokens=False)  # the template already has the special tokens
-
     async def _serve(self, request: Request, body: Any, chat: bool) -> Response:
         core = self.core
         if core.limits is None or core.draining:
@@ -257,8 +216,10 @@ class HttpApi:
         queue: asyncio.Queue = asyncio.Queue()
 
         def prepare() -> list[_Choice]:  # tokenizing: off the event loop
-            return [_Choice(core, i, g, loop, queue, None, body.n)
-                    for i, g in enumerate(self._generate_requests(body, chat))]
+            lim = core.limits
+            greqs = oa.to_generate_requests(body, chat, lim.model_name,
+                                            lambda b: oa.chat_prompt_ids(b, core.tokenizer, lim))
+            return [_Choice(core, i, g, loop, queue, None, body.n) for i, g in enumerate(greqs)]
 
         try:
             choices = await asyncio.to_thread(prepare)
@@ -270,111 +231,67 @@ class HttpApi:
             return self._error(400, str(e))
         n_prompt = sum(len(c.vreq.prompt_token_ids) for c in choices)
         rid = oa.new_id("chatcmpl" if chat else "cmpl")
+        model, detok = body.model or core.limits.model_name, oa.detokenizer(core.tokenizer)
         for c in choices:
             c.start()
         events = self._events(choices, queue, request)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(events, rid, chat, body.model or core.limits.model_name,
-                                               include_usage, n_prompt), media_type="text/event-stream")
-        return await self._collect(events, rid, chat, len(choices) * body.n, n_prompt)
+            out = oa.EventStream(rid, chat, model, n_prompt, detok, include_usage)
+            return StreamingResponse(self._sse(events, out), media_type="text/event-stream")
+        whole = oa.ResponseBody(rid, chat, core.limits.model_name, len(choices) * body.n, n_prompt, detok)
+        return await self._collect(events, whole)
+
+    @staticmethod
+    async def _watch_disconnect(request: Request, queue: asyncio.Queue) -> None:
+        """Wait for the server's ``http.disconnect`` (the request body is already read, so the next ASGI message
+        is that one: it comes when the client goes away, or once the response is complete), then tell the
+        response's event loop. Cancelled when the response ends first."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        queue.put_nowait((-1, _DISCONNECTED))
 
     async def _events(self, choices: list[_Choice], queue: asyncio.Queue,
                       request: Request) -> AsyncIterator[tuple[int, Any]]:
         """(choice index, FlowEvent | FlowError) until every choice ended; a disconnect cancels them all."""
         live = len(choices)
+        watcher = asyncio.ensure_future(self._watch_disconnect(request, queue))
         try:
             while live:
-                try:
-                    idx, item = await asyncio.wait_for(queue.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        log.info("HTTP client went away: cancelling %d choice(s)", live)
-                        return
-                    continue
+                idx, item = await queue.get()
+                if item is _DISCONNECTED:
+                    log.info("HTTP client went away: cancelling %d choice(s)", live)
+                    return
                 if item is None:
                     live -= 1
                     continue
                 yield idx, item
         finally:
+            watcher.cancel()
             if live:
                 for c in choices:
                     c.cancel()
 
-    async def _collect(self, events: AsyncIterator, rid: str, chat: bool, n: int, n_prompt: int) -> Response:
-        texts, reasons, lps, usages = [""] * n, [None] * n, [None] * n, []
-        detok = self._detok()
+    async def _collect(self, events: AsyncIterator, whole: oa.ResponseBody) -> Response:
         async for idx, item in events:
             if isinstance(item, FlowError):
                 await events.aclose()
                 return self._flow_error(item)
-            texts[idx] += item.text
-            if item.logprobs is not None:
-                block = oa.chat_logprobs(item, detok) if chat else oa.completion_logprobs(item, detok, len(texts[idx]))
-                if lps[idx] is None:
-                    lps[idx] = block
-                else:
-                    for k, v in block.items():
-                        lps[idx][k] = lps[idx][k] + v
-            if item.finish_reason:
-                reasons[idx] = item.finish_reason
-            if item.usage is not None:  # the last event of a flow: its choices' tokens together
-                usages.append(item.usage)
-        model = self.core.limits.model_name
-        if chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": lps[i],
-                        "finish_reason": reasons[i]} for i in range(n)]
-            obj = "chat.completion"
-        else:
-            choices = [{"index": i, "text": texts[i], "logprobs": lps[i], "finish_reason": reasons[i]}
-                       for i in range(n)]
-            obj = "text_completion"
-        return JSONResponse({"id": rid, "object": obj, "created": oa.created(), "model": model, "choices": choices,
-                             "usage": oa.usage_json(usages, n_prompt)})
+            whole.add(idx, item)
+        return JSONResponse(whole.json())
 
-    async def _sse(self, events: AsyncIterator, rid: str, chat: bool, model: str, include_usage: bool,
-                   n_prompt: int) -> AsyncIterator[str]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        started: set[int] = set()
-        usages = []
-        detok = self._detok()
-        offsets: dict[int, int] = {}
-
-        def chunk(choices: list, usage: Optional[dict] = None) -> str:
-            body = {"id": rid, "object": obj, "created": oa.created(), "model": model, "choices": choices}
-            if include_usage:
-                body["usage"] = usage
-            return f"data: {json.dumps(body)}\n\n"
-
+    async def _sse(self, events: AsyncIterator, out: oa.EventStream) -> AsyncIterator[str]:
         try:
             async for idx, item in events:
                 if isinstance(item, FlowError):
-                    status = oa.HTTP_STATUS.get(item.code, 500)
-                    yield f"data: {json.dumps(oa.error_body(status, item.message))}\n\n"
+                    yield out.error(item)
                     break
-                if chat:
-                    delta: dict = {} if idx in started else {"role": "assistant"}
-                    started.add(idx)
-                    if item.text:
-                        delta["content"] = item.text
-                    choice = {"index": idx, "delta": delta, "logprobs": oa.chat_logprobs(item, detok),
-                              "finish_reason": item.finish_reason}
-                else:
-                    choice = {"index": idx, "text": item.text, "finish_reason": item.finish_reason,
-                              "logprobs": oa.completion_logprobs(item, detok, offsets.get(idx, 0))}
-                    offsets[idx] = offsets.get(idx, 0) + len(item.text)
-                if item.usage is not None:
-                    usages.append(item.usage)
-                yield chunk([choice])
-            if include_usage:
-                yield chunk([], oa.usage_json(usages, n_prompt))
-            yield "data: [DONE]\n\n"
+                yield out.chunk(idx, item)
+            for tail in out.end():
+                yield tail
         finally:
             await events.aclose()
 
     def _flow_error(self, e: FlowError) -> JSONResponse:
-        return self._error(oa.HTTP_STATUS.get(e.code, 500), e.message)
-
-    def _detok(self) -> Callable[[int], str]:
-        tok = self.core.tokenizer
-        return (lambda t: tok.decode([t], skip_special_tokens=False)) if tok is not None else str
+        status, body = oa.flow_error(e)
+        return JSONResponse(body, status_code=status)

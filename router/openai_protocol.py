@@ -1,23 +1,29 @@
 """The OpenAI-compatible request and response shapes the HTTP front end speaks.
 
-Lifecycle: stateless. ``router.http_api`` parses a request body into ``CompletionRequest`` or
-``ChatCompletionRequest`` (pydantic, at the external boundary; unknown fields are ignored as
-OpenAI's own server does), turns it into the same ``pdserve.v1.GenerateRequest`` the gRPC front
-end receives (``to_generate_request``), so both front ends share one validation path, and renders
-the flow's ``FlowEvent``s back into OpenAI's JSON (``completion_choice``, ``chat_choice``, usage,
-logprobs, errors). Field names follow OpenAI's API, plus vLLM's extras with vLLM's names.
+Lifecycle: stateless functions, and one renderer per response. ``router.http_api`` parses a
+request body into ``CompletionRequest`` or ``ChatCompletionRequest`` (pydantic, at the external
+boundary; unknown fields are ignored as OpenAI's own server does), turns it into the same
+``pdserve.v1.GenerateRequest``s the gRPC front end receives (``to_generate_requests``: one per
+prompt, its ``n`` choices sharing it), so both front ends share one validation path, and renders
+the flow's ``FlowEvent``s back into OpenAI's JSON: a whole response (``ResponseBody``: ``add``
+each event, then ``json()``) or server-sent events (``EventStream``: ``chunk`` per event, then
+``end()``), with usage, logprobs and errors (``error_body``) in OpenAI's shapes. Field names follow
+OpenAI's API, plus vLLM's extras with vLLM's names.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine import SamplingParams
 from proto import pdserve_pb2
-from router.events import FlowEvent, Usage
+from router.events import FlowError, FlowEvent, Usage
+from router.validation import MAX_BEAM_WIDTH, ModelLimits
 
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
@@ -159,6 +165,53 @@ def to_generate_request(req: _Sampling, *, prompt: Optional[str] = None, token_i
     return g
 
 
+def to_generate_requests(body: _Sampling, chat: bool, model_name: str,
+                         chat_ids: Callable[[ChatCompletionRequest], list[int]]) -> list[pdserve_pb2.GenerateRequest]:
+    """One GenerateRequest per prompt, whose ``n`` choices share its prefill (choice i samples with seed + i).
+    ``chat_ids`` renders a chat's messages to prompt ids. LookupError: another model; ValueError names the field."""
+    if body.model is not None and body.model != model_name:
+        raise LookupError(f"model {body.model!r} does not exist; this server serves {model_name!r}")
+    if not 1 <= body.n <= SamplingParams.MAX_N:
+        raise ValueError(f"n must be in [1, {SamplingParams.MAX_N}], got {body.n}")
+    if chat:
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        lp = (body.top_logprobs or 0) if body.logprobs else None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        prompts: list = [chat_ids(body)]
+    else:
+        if body.echo or body.suffix or (body.best_of not in (None, 1, body.n)):
+            raise ValueError("echo, suffix and best_of are not supported")
+        max_tokens, lp = body.max_tokens, body.logprobs
+        p = body.prompt
+        prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not prompts:
+            raise ValueError("prompt is empty")
+    out = []
+    for prompt in prompts:
+        kw = dict(prompt=prompt) if isinstance(prompt, str) else dict(token_ids=list(prompt))
+        g = to_generate_request(body, logprobs=lp, max_tokens=max_tokens, seed=body.seed, **kw)
+        if body.use_beam_search:
+            if body.n > MAX_BEAM_WIDTH:
+                raise ValueError(f"n (the beam width, with use_beam_search) must be in [1, {MAX_BEAM_WIDTH}], "
+                                 f"got {body.n}")
+        else:
+            g.n = body.n
+        out.append(g)
+    return out
+
+
+def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits) -> list[int]:
+    """A chat's messages through the model's chat template, as prompt token ids (ValueError names the field)."""
+    if tokenizer is None or tokenizer.chat_template is None:
+        raise ValueError("messages: this model has no chat template; use /v1/completions")
+    text = tokenizer.apply_chat_template(message_dicts(body), add_generation_prompt=True)
+    if limits.max_prompt_bytes is not None and len(text.encode("utf-8", "surrogatepass")) > limits.max_prompt_bytes:
+        raise ValueError(f"messages: the conversation is longer than the context length "
+                         f"({limits.max_context_length} tokens) can hold")
+    return tokenizer.encode(text, add_special_tokens=False)  # the template already has the special tokens
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -199,3 +252,101 @@ def chat_logprobs(ev: FlowEvent, detok: Any) -> Optional[dict]:
 def created() -> int:
     return int(time.time())
 
+
+
+def detokenizer(tokenizer: Any) -> Callable[[int], str]:
+    """One token id's text, as logprobs blocks show it (the id itself when the model has no tokenizer)."""
+    return (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer is not None else str
+
+
+def flow_error(e: FlowError) -> tuple[int, dict]:
+    """The HTTP status and OpenAI error body of a flow's failure."""
+    status = HTTP_STATUS.get(e.code, 500)
+    return status, error_body(status, e.message)
+
+
+class ResponseBody:
+    """A whole (non-streamed) response: ``add`` each choice's events, then ``json()``."""
+
+    def __init__(self, rid: str, chat: bool, model: str, n: int, n_prompt: int, detok: Callable[[int], str]) -> None:
+        self.rid, self.chat, self.model, self.n_prompt, self._detok = rid, chat, model, n_prompt, detok
+        self.texts: list[str] = [""] * n
+        self.reasons: list[Optional[str]] = [None] * n
+        self.logprobs: list[Optional[dict]] = [None] * n
+        self.usages: list[Usage] = []
+
+    def add(self, idx: int, ev: FlowEvent) -> None:
+        self.texts[idx] += ev.text
+        if ev.logprobs is not None:
+            block = (chat_logprobs(ev, self._detok) if self.chat
+                     else completion_logprobs(ev, self._detok, len(self.texts[idx])))
+            if self.logprobs[idx] is None:
+                self.logprobs[idx] = block
+            else:
+                for k, v in block.items():
+                    self.logprobs[idx][k] = self.logprobs[idx][k] + v
+        if ev.finish_reason:
+            self.reasons[idx] = ev.finish_reason
+        if ev.usage is not None:  # the last event of a flow: its choices' tokens together
+            self.usages.append(ev.usage)
+
+    def json(self) -> dict:
+        n = len(self.texts)
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": self.texts[i]},
+                        "logprobs": self.logprobs[i], "finish_reason": self.reasons[i]} for i in range(n)]
+            obj = "chat.completion"
+        else:
+            choices = [{"index": i, "text": self.texts[i], "logprobs": self.logprobs[i],
+                        "finish_reason": self.reasons[i]} for i in range(n)]
+            obj = "text_completion"
+        return {"id": self.rid, "object": obj, "created": created(), "model": self.model, "choices": choices,
+                "usage": usage_json(self.usages, self.n_prompt)}
+
+
+class EventStream:
+    """A streamed response as server-sent events: ``chunk`` per event, ``error`` for a failure, ``end()`` last."""
+
+    DONE = "data: [DONE]\n\n"
+
+    def __init__(self, rid: str, chat: bool, model: str, n_prompt: int, detok: Callable[[int], str],
+                 include_usage: bool = False) -> None:
+        self.rid, self.chat, self.model, self.n_prompt, self._detok = rid, chat, model, n_prompt, detok
+        self.include_usage = include_usage
+        self.obj = "chat.completion.chunk" if chat else "text_completion"
+        self._started: set[int] = set()
+        self._offsets: dict[int, int] = {}
+        self.usages: list[Usage] = []
+
+    def _data(self, choices: list, usage: Optional[dict] = None) -> str:
+        body: dict = {"id": self.rid, "object": self.obj, "created": created(), "model": self.model,
+                      "choices": choices}
+        if self.include_usage:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    def chunk(self, idx: int, ev: FlowEvent) -> str:
+        if self.chat:
+            delta: dict = {} if idx in self._started else {"role": "assistant"}
+            self._started.add(idx)
+            if ev.text:
+                delta["content"] = ev.text
+            choice = {"index": idx, "delta": delta, "logprobs": chat_logprobs(ev, self._detok),
+                      "finish_reason": ev.finish_reason}
+        else:
+            offset = self._offsets.get(idx, 0)
+            choice = {"index": idx, "text": ev.text, "finish_reason": ev.finish_reason,
+                      "logprobs": completion_logprobs(ev, self._detok, offset)}
+            self._offsets[idx] = offset + len(ev.text)
+        if ev.usage is not None:
+            self.usages.append(ev.usage)
+        return self._data([choice])
+
+    @staticmethod
+    def error(e: FlowError) -> str:
+        return f"data: {json.dumps(flow_error(e)[1])}\n\n"
+
+    def end(self) -> list[str]:
+        """The closing events: the usage chunk (when asked for) and ``[DONE]``."""
+        tail = [self._data([], usage_json(self.usages, self.n_prompt))] if self.include_usage else []
+        return tail + [self.DONE]
