@@ -11,6 +11,9 @@ decoding sequences (``engine.speculative``), the runner verifies them in the
 same forward, and a sequence may advance by several tokens per step (a
 ``CoreOutput`` then carries them all); blocks only rejected drafts used are
 freed at once.
+Each step that runs a batch leaves its ``IterationStats`` in ``last_step_stats``;
+``make_stats()`` returns a ``SchedulerStats`` (state now, running totals) for
+metrics (``engine.stats``).
 Finished requests free their blocks at once; prefill-only requests keep theirs
 (finish_reason "prefill_done") until ``release``; ``abort_request`` frees
 everything a request holds, wherever it is. Token ids only: text, stop strings
@@ -36,6 +39,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence, check_stop
 from engine.speculative import NgramProposer, SpecDecodeStats, accept
+from engine.stats import IterationStats, SchedulerStats, SpecDecodeTotals
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +106,8 @@ class LLMEngine:
         self._pending: list[CoreOutput] = []  # outputs decided outside step(), emitted by the next step
         self._num_steps = 0
         self._num_scheduled_tokens = 0
+        self.last_step_stats: Optional[IterationStats] = None
+        """What the latest step that ran a batch did (``engine.stats``); None before the first."""
 
     @classmethod
     def with_runner(cls, config: EngineConfig, model_config: ModelConfig, runner: "ModelRunner",
@@ -174,6 +180,10 @@ class LLMEngine:
     @property
     def model(self):
         return self.runner.model
+
+    def make_stats(self) -> SchedulerStats:
+        """The engine's state now and its running totals, as one frozen record (``engine.stats``)."""
+        return SchedulerStats.of(self)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
@@ -294,11 +304,16 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         result = self.runner.execute(sched, self._layer_hook(sched))
+        num_tokens, num_prefill = sched.num_tokens, sched.num_prefill_tokens  # before _advance moves them
         self._num_steps += 1
-        self._num_scheduled_tokens += sched.num_tokens
+        self._num_scheduled_tokens += num_tokens
         self._advance(sched)
         self.scheduler.commit(sched)
-        return outputs + self._postprocess(result)
+        spec_before = SpecDecodeTotals.of(self.spec_stats)
+        outputs += self._postprocess(result)
+        self.last_step_stats = IterationStats.of(sched, num_tokens, num_prefill, spec_before,
+                                                 SpecDecodeTotals.of(self.spec_stats))
+        return outputs
 
     def _propose(self) -> None:
         """Draft tokens for every running sequence that decodes this step (one token left to compute)."""

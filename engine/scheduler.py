@@ -98,6 +98,10 @@ class SchedulerOutput:
     verifies: list[Sequence] = field(default_factory=list)
     """Decoding sequences that also verify their ``spec_token_ids`` (1 + len(spec) positions each)."""
     preempted: list[Sequence] = field(default_factory=list)
+    prefix_cache_queries: int = 0
+    """Tokens of the sequences admitted this step with nothing computed, looked up in the prefix cache."""
+    prefix_cache_hits: int = 0
+    """Of those, the tokens whose K/V came from the prefix cache."""
 
     @property
     def is_empty(self) -> bool:
@@ -107,6 +111,13 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return len(self.decodes) + sum(n for _, n in self.prefills) + sum(1 + len(s.spec_token_ids)
                                                                           for s in self.verifies)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Of ``num_tokens``, the positions before each sequence's ``num_prefill`` (its prompt, or what a
+        preemption left to recompute); the rest are decode positions. Read before the step advances them."""
+        n = sum(min(k, max(0, s.num_prefill - s.num_computed)) for s, k in self.prefills)
+        return n + sum(1 for s in (*self.decodes, *self.verifies) if s.num_computed < s.num_prefill)
 
 
 class Scheduler:
@@ -193,13 +204,15 @@ class Scheduler:
                     seq.block_keys = []
                 break
             if hit is not None:
-                self.prefix_cache_queries += seq.num_tokens
-                self.prefix_cache_hits += seq.num_computed
+                out.prefix_cache_queries += seq.num_tokens
+                out.prefix_cache_hits += seq.num_computed
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self._take(out, seq, n)
             budget -= n
+        self.prefix_cache_queries += out.prefix_cache_queries
+        self.prefix_cache_hits += out.prefix_cache_hits
         return out
 
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> int:

@@ -13,14 +13,15 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from transport.ports import check_port
+
 
 def serve_registry(registry: CollectorRegistry, host: str = "127.0.0.1",
                    port: int = 0) -> tuple[str, Callable[[], None]]:
     """Serve ``registry`` at http://HOST:PORT/metrics; returns ("host:port", stop)."""
     if not isinstance(host, str) or not host:
         raise ValueError(f"host must be a non-empty string, got {host!r}")
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ValueError(f"port must be an int in [0, 65535], got {port!r}")
+    check_port(port, "port")
     # prometheus-client >= 0.20 returns (server, thread), which is what lets us stop it.
     server, thread = start_http_server(port, addr=host, registry=registry)
     bound_port = server.server_address[1]

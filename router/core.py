@@ -69,11 +69,11 @@ class RouterCore:
 
     def load(self) -> None:
         """Tokenizer, limits and metrics (no model weights)."""
-        from metrics import PDServeMetrics
+        from metrics import RouterMetrics
 
         self.tokenizer, self.limits = load_model_view(self.cfg)
-        self.metrics = PDServeMetrics(self.cfg.served_model_name, "router", "router",
-                                      max_model_len=self.limits.max_context_length)
+        self.metrics = RouterMetrics(self.cfg.served_model_name, "router",
+                                     max_model_len=self.limits.max_context_length)
         self.view.start()
 
     def close(self) -> None:

@@ -98,12 +98,12 @@ class WorkerBase:
     def load(self) -> None:
         """Build the engine, KV endpoint, metrics and loop; then report SERVING."""
         from engine.llm_engine import LLMEngine
-        from metrics import PDServeMetrics
+        from metrics import WorkerMetrics
 
         self.ctx.engine = LLMEngine(self.cfg.engine)
         if self.needs_kv:
             self.ctx.kv = self.make_kv_endpoint()
-        self.ctx.metrics = PDServeMetrics(self.cfg.served_model_name, self.role, self.cfg.worker_id)
+        self.ctx.metrics = WorkerMetrics(self.cfg.served_model_name, self.role, self.cfg.worker_id)
         if self.cfg.serve_metrics:
             self.metrics_address, self._metrics_stop = self.metrics.serve(host=self.cfg.host,
                                                                           port=self.cfg.metrics_port)
@@ -166,15 +166,8 @@ class WorkerBase:
         with self._load_lock:
             self._load = info
         if self.metrics is not None:
-            self.metrics.set_running(info.num_running)
-            self.metrics.set_waiting(info.num_waiting)
-            self.metrics.set_kv_cache_usage(1.0 - info.num_free_blocks / max(1, info.num_total_blocks))
-            self.metrics.set_prefix_cache_totals(eng.prefix_cache_queries, eng.prefix_cache_hits)
             # once per loop pass, so each engine step is one iteration_tokens_total observation
-            self.metrics.set_engine_totals(eng.num_preemptions, eng.num_steps, eng.num_scheduled_tokens)
-            st = eng.spec_stats
-            self.metrics.set_spec_decode_totals(st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens,
-                                                st.accepted_per_pos)
+            self.metrics.record_engine(eng.make_stats())
 
     def info(self) -> worker_pb2.WorkerInfo:
         """This worker's registry record with its live load."""

@@ -23,7 +23,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from metrics import ROLES, PDServeMetrics
+from metrics import ROLES, RouterMetrics, WorkerMetrics
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "k8s" / "dashboards" / "pdserve.json"
 
@@ -161,7 +161,8 @@ def load_dashboard() -> dict:
 
 def _component_texts() -> dict[str, str]:
     """/metrics text of a bare component of each role (the owner table's series and the process collectors)."""
-    return {role: PDServeMetrics("tiny", role, f"{role}-0").render().decode() for role in ROLES}
+    return {role: (RouterMetrics("tiny", "router-0") if role == "router" else WorkerMetrics("tiny", role, f"{role}-0"))
+            .render().decode() for role in ROLES}
 
 
 # ---- the tokenizer ----------------------------------------------------------------------------------------

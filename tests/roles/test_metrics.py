@@ -3,7 +3,6 @@ request-level ones on the router, engine-level ones on the workers (metrics.OWNE
 from __future__ import annotations
 
 import threading
-import time
 import urllib.request
 
 import torch
@@ -12,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from metrics import OWNERS
 from proto import pdserve_pb2
 from tests.roles.harness import KV, collect, joined, start_colocated, start_roles
+from tests.waiting import wait_until
 
 
 def _text(address: str) -> str:
@@ -40,6 +40,12 @@ def _series_names(text: str) -> set[str]:
             continue
         names.add(fam.name[len("pdserve:"):] + ("_total" if fam.type == "counter" else ""))
     return names
+
+
+def _no_threads_left(tag: str) -> None:
+    """Nothing of the workers tagged ``tag`` keeps running: engine loops, gRPC and KV channel threads end."""
+    wait_until(lambda: not [t.name for t in threading.enumerate() if tag in t.name and t.is_alive()],
+               timeout=10.0, message=f"threads named {tag!r} ended")
 
 
 def test_router_and_workers_export_their_series():
@@ -87,9 +93,7 @@ def test_router_and_workers_export_their_series():
             assert any(k.startswith("python_info{") for k in m)
     finally:
         roles.close()
-    # nothing of these workers keeps running: engine loops, gRPC and KV channel threads are gone
-    time.sleep(0.2)
-    assert [t.name for t in threading.enumerate() if "met-" in t.name and t.is_alive()] == []
+    _no_threads_left("met-")
 
 
 def test_each_series_is_exported_by_one_kind_of_component_only():
@@ -130,9 +134,9 @@ def test_each_series_is_exported_by_one_kind_of_component_only():
         assert all(0.0 <= u <= 1.0 for u in usage.values()), usage
         assert 0.0 < sum(usage[w.cfg.worker_id] for w in roles.decodes) <= len(roles.decodes)
         assert roles.wait_idle(5.0)
-        time.sleep(0.2)  # a loop pass or two re-reads the load after the last release
-        after = [_scrape(w.metrics_address) for w in workers]
-        assert sum(_total(m, "pdserve:kv_cache_usage_perc") for m in after) == 0.0
+        # a loop pass re-reads the load after the last release; then no worker has a block in use
+        wait_until(lambda: sum(_total(_scrape(w.metrics_address), "pdserve:kv_cache_usage_perc")
+                               for w in workers) == 0.0, timeout=10.0, message="every worker's KV usage back to 0")
     finally:
         roles.close()
 
@@ -159,9 +163,14 @@ def test_worker_counts_preemptions_and_step_tokens_of_its_engine():
             t.join(120)
         assert not errors, errors
         assert roles.wait_idle(5.0)
-        time.sleep(0.2)  # a loop pass re-reads the engine's totals
-        m = _scrape(w.metrics_address)
         eng = w.engine
+
+        def caught_up() -> dict[str, float] | None:
+            """The worker's metrics once a loop pass has re-read the engine's totals after its last step."""
+            m = _scrape(w.metrics_address)
+            return m if _total(m, "pdserve:iteration_tokens_total_count") == eng.num_steps else None
+
+        m = wait_until(caught_up, timeout=10.0, message="the worker's metrics caught up with its engine's steps")
         assert eng.num_preemptions > 0
         assert _total(m, "pdserve:num_preemptions_total") == eng.num_preemptions
         assert _total(m, "pdserve:iteration_tokens_total_count") == eng.num_steps

@@ -1,4 +1,5 @@
-"""Tests of metrics/: names and labels, movement on observation, the HTTP endpoint, isolation."""
+"""Tests of metrics/'s role classes (RouterMetrics, WorkerMetrics) and the owner table: names and labels,
+movement on observation, the methods each role has, the HTTP endpoint, isolation."""
 from __future__ import annotations
 
 import urllib.error
@@ -8,8 +9,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from metrics import OWNERS, ROLES, PDServeMetrics, owner_of, series_of
-from metrics.pdserve_metrics import SERIES
+from engine.stats import IterationStats, SchedulerStats, SpecDecodeTotals
+from metrics import OWNERS, ROLES, ComponentMetrics, RouterMetrics, WorkerMetrics, owner_of, series_of
+from metrics.series import SERIES
 
 ROUTER_HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
                      "request_time_per_output_token_seconds", "request_prompt_tokens", "request_generation_tokens",
@@ -29,6 +31,17 @@ LABELS = {"model_name": "tiny", "role": "decode", "worker": "decode-0"}
 ROUTER = {"model_name": "tiny", "role": "router", "worker": "router"}
 
 
+def component(model_name: str, role: str, worker: str, **kw) -> ComponentMetrics:
+    """The metrics class of ``role``, as the router and the workers build theirs."""
+    if role == "router":
+        return RouterMetrics(model_name, worker, **kw)
+    return WorkerMetrics(model_name, role, worker, **kw)
+
+
+def router(**kw) -> RouterMetrics:
+    return RouterMetrics("tiny", "router", **kw)
+
+
 def samples(text: bytes) -> dict[tuple[str, tuple], float]:
     """{(sample name, sorted labels): value} from the text exposition."""
     out = {}
@@ -42,7 +55,7 @@ def value(text: bytes, name: str, labels: dict | None = None, **extra: str) -> f
     return samples(text)[(name, tuple(sorted({**(labels or LABELS), **extra}.items())))]
 
 
-def families(m: PDServeMetrics) -> dict:
+def families(m: ComponentMetrics) -> dict:
     """{family name: family} of the pdserve series ``m`` exports, the prometheus-client ``_created`` gauges and
     the process/Python collectors left out."""
     return {f.name: f for f in text_string_to_metric_families(m.render().decode())
@@ -52,7 +65,7 @@ def families(m: PDServeMetrics) -> dict:
 @pytest.mark.parametrize("role", ROLES)
 def test_each_role_registers_exactly_its_own_series(role):
     labels = {"model_name": "tiny", "role": role, "worker": f"{role}-0"}
-    fams = families(PDServeMetrics(**labels))
+    fams = families(component(**labels))
     kinds = ((ROUTER_HISTOGRAMS, "histogram"), (ROUTER_COUNTERS, "counter"), (ROUTER_GAUGES, "gauge")) \
         if role == "router" else ((WORKER_HISTOGRAMS, "histogram"), (WORKER_COUNTERS, "counter"),
                                   (WORKER_GAUGES, "gauge"))
@@ -78,62 +91,82 @@ def test_owner_table_splits_router_and_workers():
     assert owner_of("router_requests_waiting") == "router"
     assert set(series_of("router")).isdisjoint(series_of("decode"))
     assert series_of("prefill") == series_of("decode") == series_of("colocated")
-    assert PDServeMetrics(**ROUTER).owns("pdserve:request_success_total")
-    assert not PDServeMetrics(**LABELS).owns("request_success_total")
+    assert router().owns("pdserve:request_success_total")
+    assert not WorkerMetrics(**LABELS).owns("request_success_total")
     with pytest.raises(ValueError, match="not a pdserve series"):
         owner_of("vllm:foo")
 
 
-# (method call, series it records) for every recording method; each must refuse the role that does not own it
+# (method, arguments, series it records) for every recording method of each role's class
 ROUTER_CALLS = [
-    (lambda m: m.observe_ttft(0.1), "time_to_first_token_seconds"),
-    (lambda m: m.observe_itl(0.1), "inter_token_latency_seconds"),
-    (lambda m: m.observe_e2e(0.1), "e2e_request_latency_seconds"),
-    (lambda m: m.inc_prompt_tokens(1), "prompt_tokens_total"),
-    (lambda m: m.inc_generation_tokens(1), "generation_tokens_total"),
-    (lambda m: m.inc_success("stop"), "request_success_total"),
-    (lambda m: m.inc_error("UNAVAILABLE"), "request_errors_total"),
-    (lambda m: m.inc_migration(), "request_migrations_total"),
-    (lambda m: m.inc_local_prefill(), "local_prefill_requests_total"),
-    (lambda m: m.inc_degraded("no_prefill"), "degraded_requests_total"),
-    (lambda m: m.set_router_in_flight(1), "router_requests_in_flight"),
-    (lambda m: m.set_router_waiting(1), "router_requests_waiting"),
-    (lambda m: m.observe_finished_request(3, 4, 0.01, 1, 4), "request_prompt_tokens"),
+    ("observe_ttft", (0.1,), "time_to_first_token_seconds"),
+    ("observe_itl", (0.1,), "inter_token_latency_seconds"),
+    ("observe_e2e", (0.1,), "e2e_request_latency_seconds"),
+    ("inc_prompt_tokens", (1,), "prompt_tokens_total"),
+    ("inc_generation_tokens", (1,), "generation_tokens_total"),
+    ("inc_success", ("stop",), "request_success_total"),
+    ("inc_error", ("UNAVAILABLE",), "request_errors_total"),
+    ("inc_migration", (), "request_migrations_total"),
+    ("inc_local_prefill", (), "local_prefill_requests_total"),
+    ("inc_degraded", ("no_prefill",), "degraded_requests_total"),
+    ("set_router_in_flight", (1,), "router_requests_in_flight"),
+    ("set_router_waiting", (1,), "router_requests_waiting"),
+    ("observe_finished_request", (3, 4, 0.01, 1, 4), "request_prompt_tokens"),
 ]
 WORKER_CALLS = [
-    (lambda m: m.observe_queue_time(0.1), "request_queue_time_seconds"),
-    (lambda m: m.observe_prefill_time(0.1), "request_prefill_time_seconds"),
-    (lambda m: m.observe_decode_time(0.1), "request_decode_time_seconds"),
-    (lambda m: m.observe_kv_transfer(0.1, 8), "kv_transfer_time_seconds"),
-    (lambda m: m.inc_kv_transfer_bytes(8), "kv_transfer_bytes_total"),
-    (lambda m: m.set_prefix_cache_totals(4, 2), "prefix_cache_queries_total"),
-    (lambda m: m.set_running(1), "num_requests_running"),
-    (lambda m: m.set_waiting(1), "num_requests_waiting"),
-    (lambda m: m.set_kv_cache_usage(0.5), "kv_cache_usage_perc"),
-    (lambda m: m.set_engine_totals(1, 1, 8), "num_preemptions_total"),
+    ("observe_queue_time", (0.1,), "request_queue_time_seconds"),
+    ("observe_prefill_time", (0.1,), "request_prefill_time_seconds"),
+    ("observe_decode_time", (0.1,), "request_decode_time_seconds"),
+    ("observe_kv_transfer", (0.1, 8), "kv_transfer_time_seconds"),
+    ("inc_kv_transfer_bytes", (8,), "kv_transfer_bytes_total"),
+    ("set_prefix_cache_totals", (4, 2), "prefix_cache_queries_total"),
+    ("set_running", (1,), "num_requests_running"),
+    ("set_waiting", (1,), "num_requests_waiting"),
+    ("set_kv_cache_usage", (0.5,), "kv_cache_usage_perc"),
+    ("set_engine_totals", (1, 1, 8), "num_preemptions_total"),
+    ("set_spec_decode_totals", (1, 2, 1, [1, 0]), "spec_decode_num_drafts_total"),
+    ("record_engine", (SchedulerStats(num_running=2, num_waiting=1, num_free_blocks=3, num_total_blocks=4,
+                                      num_steps=1, num_scheduled_tokens=3, num_preemptions=0,
+                                      prefix_cache_queries=0, prefix_cache_hits=0),), "num_requests_running"),
 ]
+
+
+def _pdserve_samples(m: ComponentMetrics) -> dict:
+    return {k: v for k, v in samples(m.render()).items()
+            if k[0].startswith("pdserve:") and not k[0].endswith("_created")}
+
+
+def _sample_total(m: ComponentMetrics, series: str) -> float:
+    """The sum of a series' samples (a histogram's _count, a counter's or gauge's values)."""
+    kind = SERIES[series][1]
+    name = "pdserve:" + (series + "_count" if kind == "histogram" else series)
+    return sum(v for (n, _labels), v in _pdserve_samples(m).items() if n == name)
 
 
 @pytest.mark.parametrize("role", ROLES)
-def test_a_call_for_a_series_the_role_does_not_own_raises(role):
-    m = PDServeMetrics("tiny", role, "w")
+def test_each_role_has_methods_for_its_own_series_only(role):
+    """A role's class records its own series, each method moving the series it names; a method for a series
+    the role does not own does not exist (an AttributeError where the wiring bug is written)."""
+    m = component("tiny", role, "w")
     own, foreign = (ROUTER_CALLS, WORKER_CALLS) if role == "router" else (WORKER_CALLS, ROUTER_CALLS)
-    for call, _name in own:
-        call(m)
-    before = m.render()
-    for call, name in foreign:
-        owner = "router" if role != "router" else "worker"
-        with pytest.raises(RuntimeError, match=rf"pdserve:{name} is owned by the {owner}.*'{role}'"):
-            call(m)
-    # a refused call registers nothing and records nothing
-    strip = lambda t: {k: v for k, v in samples(t).items()  # noqa: E731
-                       if k[0].startswith("pdserve:") and not k[0].endswith("_created")}
-    assert strip(m.render()) == strip(before)
+    for method, args, series in own:
+        before = _sample_total(m, series)
+        getattr(m, method)(*args)
+        assert _sample_total(m, series) > before, (method, series)
+    before = _pdserve_samples(m)
+    for method, args, _series in foreign:
+        assert not hasattr(m, method), method
+        with pytest.raises(AttributeError):
+            getattr(m, method)(*args)
+    assert _pdserve_samples(m) == before
+    # every public recording method is in the table above (a new one must say which series it records)
+    recording = {n for n in dir(m) if n.startswith(("observe_", "inc_", "set_", "record_"))}
+    assert recording == {method for method, _a, _s in own}
 
 
 def test_router_success_reasons_are_precreated():
     # vLLM pre-creates finished_reason series so they read 0 before any request
-    m = PDServeMetrics(**ROUTER)
+    m = router()
     for reason in ("stop", "length", "abort"):
         assert value(m.render(), "pdserve:request_success_total", ROUTER, finished_reason=reason) == 0.0
     # the text form uses the exact names users grep for
@@ -141,13 +174,13 @@ def test_router_success_reasons_are_precreated():
     assert 'pdserve:prompt_tokens_total{model_name="tiny",role="router",worker="router"} 0.0' in text
     assert "pdserve:router_requests_in_flight{" in text
     assert "kv_cache_usage_perc" not in text and "num_requests_running" not in text
-    w = PDServeMetrics(**LABELS).render().decode()
+    w = WorkerMetrics(**LABELS).render().decode()
     assert "pdserve:kv_transfer_bytes_total{" in w and 'pdserve:kv_cache_usage_perc{' in w
     assert "request_success" not in w and "inter_token_latency" not in w and "router_requests" not in w
 
 
 def test_histograms_use_vllm_buckets_and_move():
-    r = PDServeMetrics(**ROUTER)
+    r = router()
     # vLLM's TTFT buckets are ..., 0.02, 0.04, ...: 0.03 s lands above 0.02 and within 0.04.
     r.observe_ttft(0.03)
     r.observe_ttft(0.5)  # 0.5 is itself a bucket edge; le is inclusive
@@ -165,7 +198,7 @@ def test_histograms_use_vllm_buckets_and_move():
     assert value(t, "pdserve:inter_token_latency_seconds_bucket", ROUTER, le="0.025") == 1
     assert value(t, "pdserve:e2e_request_latency_seconds_bucket", ROUTER, le="0.3") == 0
     assert value(t, "pdserve:e2e_request_latency_seconds_bucket", ROUTER, le="0.5") == 1
-    m = PDServeMetrics(**LABELS)
+    m = WorkerMetrics(**LABELS)
     m.observe_queue_time(0.1)
     m.observe_prefill_time(2.0)
     m.observe_decode_time(0.9)
@@ -178,7 +211,7 @@ def test_histograms_use_vllm_buckets_and_move():
 
 
 def test_counters_and_gauges_move():
-    r = PDServeMetrics(**ROUTER)
+    r = router()
     r.inc_prompt_tokens(100)
     r.inc_prompt_tokens(28)
     r.inc_generation_tokens(7)
@@ -207,7 +240,7 @@ def test_counters_and_gauges_move():
     assert value(t, "pdserve:router_requests_waiting", ROUTER) == 1
     r.set_router_in_flight(0)
     assert value(r.render(), "pdserve:router_requests_in_flight", ROUTER) == 0
-    m = PDServeMetrics(**LABELS)
+    m = WorkerMetrics(**LABELS)
     m.observe_kv_transfer(0.004, 4096)
     m.inc_kv_transfer_bytes(1024)
     m.set_running(3)
@@ -225,10 +258,18 @@ def test_counters_and_gauges_move():
 
 def test_bad_input_names_the_field():
     with pytest.raises(ValueError, match="role"):
-        PDServeMetrics("tiny", "bogus", "w")
+        WorkerMetrics("tiny", "bogus", "w")
+    with pytest.raises(ValueError, match="role must be one of .* for a worker"):
+        WorkerMetrics("tiny", "router", "w")
     with pytest.raises(ValueError, match="model_name"):
-        PDServeMetrics("", "decode", "w")
-    r = PDServeMetrics(**ROUTER)
+        WorkerMetrics("", "decode", "w")
+    with pytest.raises(ValueError, match="model_name"):
+        RouterMetrics("")
+    with pytest.raises(ValueError, match="worker"):
+        RouterMetrics("tiny", "")
+    with pytest.raises(ValueError, match="max_model_len"):
+        RouterMetrics("tiny", max_model_len=0)
+    r = router()
     with pytest.raises(ValueError, match="ttft"):
         r.observe_ttft(-1.0)
     with pytest.raises(ValueError, match="prompt_tokens"):
@@ -237,7 +278,7 @@ def test_bad_input_names_the_field():
         r.set_router_waiting(-1)
     # a rejected observation leaves the series untouched
     assert value(r.render(), "pdserve:time_to_first_token_seconds_count", ROUTER) == 0
-    m = PDServeMetrics(**LABELS)
+    m = WorkerMetrics(**LABELS)
     with pytest.raises(ValueError, match="kv_cache_usage"):
         m.set_kv_cache_usage(1.5)
     with pytest.raises(ValueError, match="num_bytes"):
@@ -246,7 +287,7 @@ def test_bad_input_names_the_field():
 
 
 def test_http_endpoint_serves_on_free_port_and_stops():
-    m = PDServeMetrics(**ROUTER)
+    m = router()
     m.inc_generation_tokens(11)
     address, stop = m.serve()
     try:
@@ -266,8 +307,8 @@ def test_http_endpoint_serves_on_free_port_and_stops():
 def test_two_instances_do_not_collide():
     # Same names, even the same labels: each owns its registry, so no "Duplicated timeseries" error
     # and no cross-talk. Also serve both at once on distinct free ports.
-    a = PDServeMetrics("tiny", "prefill", "w")
-    b = PDServeMetrics("tiny", "prefill", "w")
+    a = WorkerMetrics("tiny", "prefill", "w")
+    b = WorkerMetrics("tiny", "prefill", "w")
     a.inc_kv_transfer_bytes(5)
     b.inc_kv_transfer_bytes(2)
     lab = {"model_name": "tiny", "role": "prefill", "worker": "w"}
@@ -287,7 +328,7 @@ def test_two_instances_do_not_collide():
 
 
 def test_prefix_cache_counters_follow_engine_totals():
-    m = PDServeMetrics(**LABELS)
+    m = WorkerMetrics(**LABELS)
     m.set_prefix_cache_totals(100, 0)
     m.set_prefix_cache_totals(164, 48)
     m.set_prefix_cache_totals(164, 48)  # no new admissions: no movement
@@ -305,7 +346,7 @@ def test_prefix_cache_counters_follow_engine_totals():
 def test_finished_request_histograms_use_vllm_buckets():
     """TPOT with vLLM's buckets (its ITL ones); token counts in vLLM's 1-2-5 series up to the context length;
     n in 1, 2, 5, 10, 20; all observed once per finished request, on the router only."""
-    r = PDServeMetrics(**ROUTER, max_model_len=2048)
+    r = router(max_model_len=2048)
     r.observe_finished_request(prompt_tokens=37, generation_tokens=5, tpot_s=0.03, n=1, max_tokens=16)
     r.observe_finished_request(prompt_tokens=200, generation_tokens=1, tpot_s=None, n=3, max_tokens=None)
     t = r.render()
@@ -338,7 +379,7 @@ def test_finished_request_histograms_use_vllm_buckets():
 
 
 def test_engine_totals_drive_preemptions_and_iteration_tokens():
-    m = PDServeMetrics(**LABELS)
+    m = WorkerMetrics(**LABELS)
     m.set_engine_totals(preemptions=0, steps=0, scheduled_tokens=0)  # a fresh engine: nothing yet
     m.set_engine_totals(preemptions=0, steps=1, scheduled_tokens=40)  # a 40-token prefill step
     m.set_engine_totals(preemptions=2, steps=2, scheduled_tokens=43)  # a 3-sequence decode step, 2 preemptions
@@ -358,21 +399,30 @@ def test_engine_totals_drive_preemptions_and_iteration_tokens():
     assert value(t, "pdserve:iteration_tokens_total_count") == 3
     assert value(t, "pdserve:iteration_tokens_total_bucket", le="1.0") == 1
     with pytest.raises(ValueError, match="num_scheduled_tokens"):
-        m.set_engine_totals(1, 1, -1)
+        m.set_engine_totals(5, 2, -1)
+    assert value(m.render(), "pdserve:num_preemptions_total") == 3  # a rejected call moves nothing
+    # several steps since the last call share their tokens evenly (a worker reads once per loop pass)
+    m.set_engine_totals(preemptions=1, steps=4, scheduled_tokens=31)
+    t = m.render()
+    assert value(t, "pdserve:iteration_tokens_total_count") == 6
+    assert value(t, "pdserve:num_preemptions_total") == 3  # the rejected call's 5 was never taken as seen
+    assert value(t, "pdserve:iteration_tokens_total_sum") == 43 + 1 + 30  # three steps of 10 tokens
+    assert value(t, "pdserve:iteration_tokens_total_bucket", le="8.0") == 2
+    assert value(t, "pdserve:iteration_tokens_total_bucket", le="16.0") == 5  # 1, 3 and the three 10s
 
 
 def test_process_and_python_collectors_are_on_per_registry():
-    for m in (PDServeMetrics(**ROUTER), PDServeMetrics(**LABELS)):
+    for m in (router(), WorkerMetrics(**LABELS)):
         names = {f.name for f in text_string_to_metric_families(m.render().decode())}
         assert {"python_info", "python_gc_objects_collected", "process_cpu_seconds",
                 "process_resident_memory_bytes"} <= names, names
     # off on request (a caller whose registry already has them)
-    off = PDServeMetrics(**ROUTER, process_collectors=False).render().decode()
+    off = router(process_collectors=False).render().decode()
     assert "python_info" not in off and "process_cpu_seconds_total" not in off
 
 
 def test_spec_decode_totals_move_by_their_differences():
-    m = PDServeMetrics(**LABELS)
+    m = WorkerMetrics(**LABELS)
     m.set_spec_decode_totals(2, 8, 5, [2, 2, 1, 0])
     m.set_spec_decode_totals(3, 12, 6, [3, 2, 1, 0])
     text = m.render()
@@ -385,3 +435,54 @@ def test_spec_decode_totals_move_by_their_differences():
     assert value(m.render(), "pdserve:spec_decode_num_accepted_tokens_total") == 10
     with pytest.raises(ValueError):
         m.set_spec_decode_totals(-1, 0, 0, [])
+
+
+def test_record_engine_takes_the_engines_record():
+    """A worker hands its metrics the engine's SchedulerStats: gauges take the state, counters the running
+    totals' differences (the same as the set_*_totals calls), each new step one iteration_tokens observation."""
+    m = WorkerMetrics(**LABELS)
+
+    def record(**kw) -> SchedulerStats:
+        base = dict(num_running=0, num_waiting=0, num_free_blocks=10, num_total_blocks=10, num_steps=0,
+                    num_scheduled_tokens=0, num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0)
+        return SchedulerStats(**{**base, **kw})
+
+    m.record_engine(record())
+    m.record_engine(record(num_running=3, num_waiting=2, num_free_blocks=6, num_steps=1, num_scheduled_tokens=40,
+                           prefix_cache_queries=48, prefix_cache_hits=16,
+                           last_step=IterationStats(num_prefill_tokens=40, num_running=3)))
+    t = m.render()
+    assert value(t, "pdserve:num_requests_running") == 3
+    assert value(t, "pdserve:num_requests_waiting") == 2
+    assert value(t, "pdserve:kv_cache_usage_perc") == pytest.approx(0.4)
+    assert value(t, "pdserve:prefix_cache_queries_total") == 48
+    assert value(t, "pdserve:prefix_cache_hits_total") == 16
+    assert value(t, "pdserve:iteration_tokens_total_count") == 1
+    assert value(t, "pdserve:iteration_tokens_total_sum") == 40
+    m.record_engine(record(num_running=3, num_free_blocks=0, num_steps=2, num_scheduled_tokens=43,
+                           num_preemptions=1, prefix_cache_queries=48, prefix_cache_hits=16,
+                           spec_decode=SpecDecodeTotals(2, 6, 4, (2, 2, 0))))
+    t = m.render()
+    assert value(t, "pdserve:num_requests_waiting") == 0
+    assert value(t, "pdserve:kv_cache_usage_perc") == 1.0
+    assert value(t, "pdserve:num_preemptions_total") == 1
+    assert value(t, "pdserve:iteration_tokens_total_count") == 2
+    assert value(t, "pdserve:iteration_tokens_total_sum") == 43
+    assert value(t, "pdserve:spec_decode_num_draft_tokens_total") == 6
+    assert value(t, "pdserve:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 2
+    assert value(t, "pdserve:prefix_cache_queries_total") == 48  # unchanged totals: no movement
+    # a record with no blocks at all reads as full (nothing free), not a division by zero
+    m.record_engine(record(num_free_blocks=0, num_total_blocks=0, num_steps=2, num_scheduled_tokens=43,
+                           num_preemptions=1, prefix_cache_queries=48, prefix_cache_hits=16,
+                           spec_decode=SpecDecodeTotals(2, 6, 4, (2, 2, 0))))
+    assert value(m.render(), "pdserve:kv_cache_usage_perc") == 1.0
+
+
+def test_serve_checks_host_and_port():
+    m = WorkerMetrics(**LABELS)
+    with pytest.raises(ValueError, match=r"port must be an integer port in \[0, 65535\] \(0: a free port\)"):
+        m.serve(port=70000)
+    with pytest.raises(ValueError, match="port"):
+        m.serve(port=True)
+    with pytest.raises(ValueError, match="host"):
+        m.serve(host="")
