@@ -26,7 +26,7 @@ from router.core import RouterCore
 from router.events import FlowError, FlowEvent
 from router.validation import ModelLimits, validate_generate
 from router.wire import logprobs_to_public
-from router.worker_source import WorkerList
+from router.worker_source import Pool, WorkerList
 from transport.auth import BearerAuth
 from transport.serving import GrpcServing
 from transport.tls import TlsFiles
@@ -238,10 +238,10 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "router is not serving")
         from engine import SamplingParams
 
-        roles = ("colocated", "colocated") if self.cfg.mode == "colocated" else ("prefill", "decode")
+        pools = (Pool.COLOCATED, Pool.COLOCATED) if self.cfg.mode == "colocated" else (Pool.PREFILL, Pool.DECODE)
         view = self.core.view
-        n_p = len([w for w in view.list(roles[0]) if w.ready])
-        n_d = n_p if self.cfg.mode == "colocated" else len([w for w in view.list(roles[1]) if w.ready])
+        n_p = len([w for w in view.list(pools[0].value) if w.ready])
+        n_d = n_p if self.cfg.mode == "colocated" else len([w for w in view.list(pools[1].value) if w.ready])
         return pdserve_pb2.ModelInfo(
             model_name=lim.model_name, max_context_length=lim.max_context_length, vocab_size=lim.vocab_size,
             max_new_tokens=lim.max_tokens_limit, max_prompt_tokens=lim.max_context_length - 1,

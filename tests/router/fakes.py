@@ -95,6 +95,7 @@ class FakeWorker:
     generate: Script = None
     calls: list[tuple[str, Any]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
+    choices_aborted: list[tuple[str, int]] = field(default_factory=list)
 
     def Reserve(self, req: Any, timeout: float = 0.0) -> Any:
         self.calls.append(("Reserve", req))
@@ -116,6 +117,10 @@ class FakeWorker:
 
     def Abort(self, req: Any, timeout: float = 0.0) -> Any:
         self.aborted.append(req.request_id)
+        return worker_pb2.AbortResponse(found=True)
+
+    def AbortChoice(self, req: Any, timeout: float = 0.0) -> Any:
+        self.choices_aborted.append((req.request_id, req.choice_index))
         return worker_pb2.AbortResponse(found=True)
 
     def called(self, method: str) -> list[Any]:

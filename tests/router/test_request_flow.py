@@ -130,7 +130,7 @@ def test_a_stop_string_in_one_of_two_choices_aborts_that_choice_only(tok):
                                               SamplingParams(max_tokens=2, stop=[" foo"]), n=2), 0.0, 1e12)
     evs = list(flow.run())
     assert [(e.index, e.finish_reason) for e in evs if e.finish_reason] == [(1, "stop"), (0, "length")]
-    assert c0.aborted == ["r1#1"] and evs[-1].usage.completion_tokens == 4
+    assert (c0.choices_aborted, c0.aborted) == ([("r1", 1)], []) and evs[-1].usage.completion_tokens == 4
 
 
 def test_a_cancel_mid_stream_stops_the_calls_and_frees_the_workers():
