@@ -116,3 +116,20 @@ def test_never_sleeps_past_the_deadline():
     with pytest.raises(AssertionError, match="never"):
         wait_until(lambda: False, timeout=0.2, interval=30.0, message="never")
     assert time.monotonic() - start < 10.0
+
+
+def test_a_message_function_describes_the_state_at_the_deadline():
+    state = {"busy": ["w0"]}
+    calls = []
+
+    def describe() -> str:
+        calls.append(1)
+        return f"idle (still busy: {state['busy']})"
+
+    assert wait_until(lambda: True, timeout=1.0, message=describe) is True
+    assert calls == []  # not called when the wait succeeds
+    with pytest.raises(AssertionError, match=r"^idle \(still busy: \['w0', 'w1'\]\) \(waited"):
+        state["busy"].append("w1")
+        wait_until(lambda: False, timeout=0.05, interval=0.01, message=describe)
+    with pytest.raises(AssertionError, match=r"^\(message failed: RuntimeError: boom\) \(waited"):
+        wait_until(lambda: False, timeout=0.01, message=lambda: (_ for _ in ()).throw(RuntimeError("boom")))

@@ -17,7 +17,7 @@ machine, since a wait that succeeds returns as soon as the condition holds.
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Optional, TypeVar, Union
 
 T = TypeVar("T")
 
@@ -25,12 +25,13 @@ _NOTHING = object()
 
 
 def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.05,
-               message: str = "condition not met") -> T:
+               message: Union[str, Callable[[], str]] = "condition not met") -> T:
     """Poll ``predicate`` until it returns a truthy value and return that value.
 
     Raises ``AssertionError`` with ``message``, the last value and the last exception
     seen once ``timeout`` seconds have passed; ``ValueError`` for a negative ``timeout``
-    or a non-positive ``interval``.
+    or a non-positive ``interval``. ``message`` may be a function, called only at the
+    deadline, to describe the state the wait gave up on.
     """
     if timeout < 0:
         raise ValueError(f"timeout must be >= 0, got {timeout!r}")
@@ -54,6 +55,11 @@ def wait_until(predicate: Callable[[], T], timeout: float, interval: float = 0.0
         if remaining <= 0:
             break
         time.sleep(min(interval, remaining))
+    if callable(message):
+        try:
+            message = message()
+        except Exception as e:  # the description must not hide the timeout
+            message = f"(message failed: {type(e).__name__}: {e})"
     seen = "no value returned" if last_value is _NOTHING else f"last value {last_value!r}"
     if last_error is not None:
         seen += f"; last exception {type(last_error).__name__}: {last_error}"

@@ -12,17 +12,10 @@ import torch
 
 from kvtransfer import InprocStore, KVEndpoint, StoreConfig, TransferState
 from tests.kvtransfer.agent import CacheSpec, make_cache, token_checksum, untouched_except
+from tests.waiting import wait_until
 
 torch.set_num_threads(1)
 DONE, FAILED, PENDING = TransferState.DONE, TransferState.FAILED, TransferState.PENDING
-
-
-def _until(pred, timeout_s: float = 3.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.002)
 
 
 @pytest.fixture
@@ -136,7 +129,7 @@ def test_cancel_on_receiver_reaches_sender(pair):
     hr = d.recv("p0", "c", dst, [0, 1], 8)
     hs = p.send("d0", "c", src, [0, 1], 8)
     p.layer_ready(hs, 0)
-    _until(lambda: d.stats(hr).layers_done == 1)
+    wait_until(lambda: d.stats(hr).layers_done == 1, timeout=3.0, interval=0.002, message="layer 0 received")
     d.cancel(hr)
     d.cancel(hr)  # idempotent
     assert d.poll(hr) == FAILED and d.failure(hr) == "cancelled"
@@ -149,7 +142,7 @@ def test_close_fails_in_flight_and_channel_reopens(pair):
     hr = d.recv("p0", "k", dst, [0, 1], 8)
     hs = p.send("d0", "k", src, [0, 1], 8)
     p.layer_ready(hs, 0)
-    _until(lambda: d.stats(hr).layers_done == 1)
+    wait_until(lambda: d.stats(hr).layers_done == 1, timeout=3.0, interval=0.002, message="layer 0 received")
     t0 = time.monotonic()
     p.close("d0")
     assert p.poll(hs) == FAILED and "closed" in p.failure(hs)

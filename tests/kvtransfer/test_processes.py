@@ -12,6 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.kvtransfer.agent import Agent, CacheSpec, wait_state
+from tests.waiting import wait_until
 
 
 @pytest.fixture
@@ -31,14 +32,6 @@ def _start(*agents: Agent) -> list[Agent]:
 def _stop(agents: list[Agent]) -> None:
     for a in agents:
         a.stop()
-
-
-def _until_state(agent: Agent, key: str, want: str, timeout_s: float = 10.0) -> None:
-    end = time.monotonic() + timeout_s
-    while agent.call("poll", key)[0] != want:
-        if time.monotonic() > end:
-            raise AssertionError(f"{agent.name}:{key} never reached {want}")
-        time.sleep(0.01)
 
 
 def test_three_processes_interleaved_per_layer_bit_identical(store_url):
@@ -94,7 +87,8 @@ def test_receiver_killed_mid_transfer_then_restarted(store_url):
         _start(p, d)
         d.call("recv", "r1", "P", "r1", [1, 2, 3, 4], 30, 4.0)
         p.call("send", "r1", "D", "r1", [5, 6], 30, [0], 4.0)  # layer 0 goes; 1 and 2 never become ready
-        _until_state(d, "r1", "transferring")
+        wait_until(lambda: d.call("poll", "r1")[0] == "transferring", timeout=10.0, interval=0.01,
+                   message=f"{d.name}:r1 reached transferring")
         d.kill()
         state, failure, waited = wait_state(p, "r1", 10)
         assert state == "failed" and waited < 4.0, (failure, waited)
@@ -121,7 +115,8 @@ def test_sender_killed_mid_transfer_receiver_fails_then_new_sender_works(store_u
         d.call("recv", "r1", "P", "r1", [1, 2, 3, 4], 30, 6.0)
         d.call("recv", "r2", "P", "r2", [10, 11], 16, 20.0)  # posted, not yet started
         p.call("send", "r1", "D", "r1", [5, 6], 30, [0, 1], 6.0)
-        _until_state(d, "r1", "transferring")
+        wait_until(lambda: d.call("poll", "r1")[0] == "transferring", timeout=10.0, interval=0.01,
+                   message=f"{d.name}:r1 reached transferring")
         p.kill()
         state, failure, waited = wait_state(d, "r1", 10)
         assert state == "failed" and waited < 6.0, (failure, waited)
@@ -174,7 +169,8 @@ def test_hung_receiver_fails_sender_within_deadline_and_pair_recovers(store_url)
         _start(p, d)
         d.call("recv", "r1", "P", "r1", blocks, 2048, 3.0)
         p.call("send", "r1", "D", "r1", blocks, 2048, [0], 2.0)
-        _until_state(d, "r1", "transferring")
+        wait_until(lambda: d.call("poll", "r1")[0] == "transferring", timeout=10.0, interval=0.01,
+                   message=f"{d.name}:r1 reached transferring")
         os.kill(d.proc.pid, signal.SIGSTOP)  # alive but not reading: a hung peer
         try:
             t0 = time.monotonic()

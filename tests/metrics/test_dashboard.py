@@ -14,7 +14,6 @@ import copy
 import json
 import re
 import threading
-import time
 import urllib.request
 from pathlib import Path
 from typing import Iterator
@@ -24,6 +23,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from metrics import ROLES, RouterMetrics, WorkerMetrics
+from tests.waiting import wait_until
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "k8s" / "dashboards" / "pdserve.json"
 
@@ -266,5 +266,5 @@ def test_dashboard_queries_what_a_real_router_and_workers_export():
     # pool sizes: every worker exports the series the panel counts, the router does not
     for who, names in exported.items():
         assert ("pdserve:num_requests_running" in names) == (who != "router"), who
-    time.sleep(0.1)
-    assert [t.name for t in threading.enumerate() if "dash-" in t.name and t.is_alive()] == []
+    wait_until(lambda: not [t.name for t in threading.enumerate() if "dash-" in t.name and t.is_alive()],
+               timeout=10.0, message="every thread of the dashboard test's workers ended")

@@ -8,7 +8,6 @@ TCPStore on a free port, ``kv="inproc"`` its same-process backend.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -21,6 +20,7 @@ from engine.sampling_params import SamplingParams
 from prefill_worker import PrefillWorker, PrefillWorkerConfig
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from router import RouterConfig, RouterServer, StaticWorkerSource
+from tests.waiting import wait_until
 
 
 # The KV transport the role tests use: the real kvtransfer ("gloo") unless noted.
@@ -55,13 +55,21 @@ class Roles:
         return all(not w.requests and w.info().num_free_blocks == w.info().num_total_blocks
                    for w in [*self.prefills, *self.decodes])
 
+    def busy(self) -> list[str]:
+        """What keeps the workers from idle: each worker's held request ids and blocks in use."""
+        out = []
+        for w in [*self.prefills, *self.decodes]:
+            info = w.info()
+            if w.requests or info.num_free_blocks != info.num_total_blocks:
+                out.append(f"{w.cfg.worker_id}: requests {sorted(w.requests)[:5]}, "
+                           f"{info.num_total_blocks - info.num_free_blocks} blocks in use")
+        return out
+
     def wait_idle(self, timeout_s: float = 1.0) -> bool:
-        end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
-            if self.idle():
-                return True
-            time.sleep(0.01)
-        return self.idle()
+        """Wait until ``idle()``; True, or AssertionError naming what is still busy after ``timeout_s``."""
+        wait_until(self.idle, timeout=timeout_s, interval=0.01,
+                   message=lambda: f"workers idle (still busy: {self.busy()})")
+        return True
 
 
 _STORES: list = []  # TCPStore servers stay up for the test session (cheap; each on its own free port)

@@ -12,6 +12,7 @@ from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2
 from router import RouterConfig, RouterServer, StaticWorkerSource
 from tests.roles.harness import KV, collect, joined, offline, start_roles
+from tests.waiting import wait_until
 
 
 
@@ -79,15 +80,6 @@ class _Hold:
         self.ch.close()
 
 
-def _wait_for(cond, timeout_s=5.0):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return cond()
-
-
 def _gauge(roles, name):
     for line in roles.router.metrics.render().decode().splitlines():
         if line.startswith(f"pdserve:{name}{{"):
@@ -115,7 +107,7 @@ def test_decode_worker_full_queues_then_served_equal_offline(small):
     t_submit = time.monotonic()
     t, box = _in_thread(lambda: collect(small.stub, timeout=30, token_ids=[7] * 40, max_tokens=3,
                                         temperature=0.0, ignore_eos=True, request_id="req-wait"))
-    assert _wait_for(lambda: small.router.num_waiting == 1)
+    wait_until(lambda: small.router.num_waiting == 1, timeout=5.0, interval=0.005, message="one request queued")
     t_seen = time.monotonic()
     assert _gauge(small, "router_requests_waiting") == 1.0
     assert _gauge(small, "router_requests_in_flight") == 1.0  # the waiting one is held by the router too
@@ -152,7 +144,7 @@ def test_full_queue_rejects_at_once_and_cancelled_waiter_leaks_nothing(small):
     s2 = small.stub.Generate(pdserve_pb2.GenerateRequest(token_ids=[5] * 40, max_tokens=2, request_id="req-q"),
                              timeout=30)
     t2, box2 = _in_thread(lambda: list(s2))
-    assert _wait_for(lambda: small.router.num_waiting == 1)
+    wait_until(lambda: small.router.num_waiting == 1, timeout=5.0, interval=0.005, message="req-q queued")
     t = time.monotonic()
     with pytest.raises(grpc.RpcError) as ei:
         collect(small.stub, timeout=10, token_ids=[5] * 4, max_tokens=2, request_id="req-over")
@@ -163,13 +155,14 @@ def test_full_queue_rejects_at_once_and_cancelled_waiter_leaks_nothing(small):
     s2.cancel()
     t2.join(5)
     assert box2["err"].code() == grpc.StatusCode.CANCELLED
-    assert _wait_for(lambda: small.router.num_waiting == 0 and small.router.num_in_flight == 1, 2.0)
+    wait_until(lambda: small.router.num_waiting == 0 and small.router.num_in_flight == 1, timeout=2.0,
+               interval=0.005, message="the cancelled request left the queue; s1 still in flight")
     assert "req-q" not in small.decodes[0].requests and "req-q" not in small.prefills[0].requests
     assert _gauge(small, "router_requests_waiting") == 0.0
     assert joined(list(s1))[2] == "length"
     hold.release()
     assert small.wait_idle(1.0)
-    assert _wait_for(lambda: small.router.num_in_flight == 0, 1.0)
+    wait_until(lambda: small.router.num_in_flight == 0, timeout=1.0, interval=0.005, message="nothing in flight")
     assert _gauge(small, "router_requests_in_flight") == 0.0
 
 
@@ -190,7 +183,8 @@ def test_queue_timeout_and_deadline_while_queued(small):
         with pytest.raises(grpc.RpcError) as ei:   # the client's deadline ends the wait too
             collect(small.stub, timeout=0.3, token_ids=[5] * 40, max_tokens=2, request_id="req-dl")
         assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert _wait_for(lambda: small.router.num_waiting == 0 and r2.num_waiting == 0, 2.0)
+        wait_until(lambda: small.router.num_waiting == 0 and r2.num_waiting == 0, timeout=2.0, interval=0.005,
+                   message="both routers' queues empty")
         assert "req-qto" not in small.decodes[0].requests and "req-dl" not in small.decodes[0].requests
         hold.release()
         assert small.wait_idle(1.0)
@@ -247,10 +241,7 @@ def test_queue_bound_is_resource_exhausted(small):
     for s in streams:
         s.cancel()
     assert small.wait_idle(1.0)
-    end = time.monotonic() + 1
-    while small.router.num_in_flight and time.monotonic() < end:
-        time.sleep(0.01)
-    assert small.router.num_in_flight == 0
+    wait_until(lambda: small.router.num_in_flight == 0, timeout=1.0, interval=0.01, message="nothing in flight")
     assert joined(collect(small.stub, prompt="b", max_tokens=2))[2] == "length"
 
 

@@ -10,7 +10,6 @@ field), cancellation and its cleanup (every worker idle with all blocks free aft
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import httpx
@@ -21,6 +20,7 @@ import torch
 from engine import BeamSearchParams
 from proto import pdserve_pb2
 from tests.roles.harness import offline_beams, start_colocated, start_roles
+from tests.waiting import wait_until
 
 KEY = "unused"  # the openai client needs one; this router checks none
 TOKEN_PROMPT = list(range(300, 341))
@@ -131,18 +131,15 @@ def test_cancel_stops_the_search_and_frees_everything(roles):
     got: list = []
     reader = threading.Thread(target=lambda: got.append(_drain(call)), daemon=True)
     reader.start()
-    end = time.monotonic() + 60
-    while d_eng.prefix_cache_queries == before:  # the decode worker scores beams: step 2 is under way
-        assert time.monotonic() < end, "the search never started"
-        time.sleep(0.01)
+    # the decode worker scores beams: step 2 is under way
+    wait_until(lambda: d_eng.prefix_cache_queries != before, timeout=60, interval=0.01,
+               message="the search started")
     start_queries = d_eng.prefix_cache_queries
     call.cancel()
     reader.join(30)
     assert got == [grpc.StatusCode.CANCELLED]
-    end = time.monotonic() + 10
-    while roles.router.num_in_flight:
-        assert time.monotonic() < end, "the beam search went on after the cancel"
-        time.sleep(0.01)
+    wait_until(lambda: not roles.router.num_in_flight, timeout=10, interval=0.01,
+               message="the beam search ended after the cancel")
     assert roles.wait_idle(10.0)
     # 8 beams x 200 steps is ~1600 sub-requests; a cancelled search stopped far short of that
     assert d_eng.prefix_cache_queries - start_queries < 400 * (len(TOKEN_PROMPT) + 200)

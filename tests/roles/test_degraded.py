@@ -9,6 +9,7 @@ import torch
 
 from engine import SamplingParams
 from tests.roles.harness import collect, counter_values, engine_config, joined, offline, start_roles
+from tests.waiting import wait_until
 
 PROMPT = "def degrade(pool):"
 KW = dict(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -62,7 +63,6 @@ def test_a_request_waits_for_an_empty_decode_pool_to_come_back():
     """With no decode worker and no fallback, a request waits (pool_wait_s) for the supervisor's replacement
     instead of failing; here a new decode worker joins while it waits, and it is served equal to offline."""
     import threading
-    import time
 
     from decode_worker import DecodeWorker, DecodeWorkerConfig
 
@@ -74,9 +74,8 @@ def test_a_request_waits_for_an_empty_decode_pool_to_come_back():
         box: dict = {}
         t = threading.Thread(target=lambda: box.update(out=collect(roles.stub, timeout=90, prompt=PROMPT, **KW)))
         t.start()
-        end = time.monotonic() + 20
-        while roles.router.num_in_flight != 1 and time.monotonic() < end:
-            time.sleep(0.02)
+        wait_until(lambda: roles.router.num_in_flight == 1, timeout=20, interval=0.02,
+                   message="the request waits in the router")
         assert roles.router.num_in_flight == 1 and t.is_alive()  # waiting, not failed
         d1 = DecodeWorker(DecodeWorkerConfig("deg-w-d1", engine=engine_config(), kv_store=roles.store,
                                              kv_backend="gloo", serve_metrics=False)).start()

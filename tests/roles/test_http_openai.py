@@ -5,7 +5,6 @@ request's blocks on both workers."""
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
@@ -14,6 +13,7 @@ import torch
 
 from engine import SamplingParams
 from tests.roles.harness import counter_values, offline, start_roles
+from tests.waiting import wait_until
 
 KEY = "http-test-key-0123456789"
 
@@ -125,10 +125,8 @@ def test_disconnect_cancels_and_frees_blocks(roles):
     # the client closed the stream after one chunk: both workers drop the request and free its blocks
     assert roles.wait_idle(20.0)
     # the router notices the disconnect on its own thread, possibly after the workers have freed everything
-    end = time.monotonic() + 20
-    while roles.router.num_in_flight and time.monotonic() < end:
-        time.sleep(0.01)
-    assert roles.router.num_in_flight == 0
+    wait_until(lambda: roles.router.num_in_flight == 0, timeout=20, interval=0.01,
+               message="the router dropped the disconnected request")
     assert gen() - before < 1500  # it was cut short, not run to its 1500 tokens
 
 

@@ -17,6 +17,7 @@ import torch
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2
 from tests.roles.harness import counter_values, offline, start_colocated, start_roles
+from tests.waiting import wait_until
 
 PROMPT = "def migrate(worker):"
 GREEDY = dict(max_tokens=1000, temperature=0.0, ignore_eos=True)
@@ -84,9 +85,8 @@ def test_lone_decode_worker_lost_midstream_resumes_on_its_replacement():
     roles = start_roles(n_decode=1, tag="migl-", router=dict(pool_wait_s=60.0))
 
     def replace_when_dead() -> None:
-        end = time.monotonic() + 60
-        while roles.decodes[0].loop is not None and roles.decodes[0].loop.alive and time.monotonic() < end:
-            time.sleep(0.02)
+        wait_until(lambda: roles.decodes[0].loop is None or not roles.decodes[0].loop.alive, timeout=60,
+                   interval=0.02, message="the lone decode worker died")
         d1 = DecodeWorker(DecodeWorkerConfig("migl-d1", engine=engine_config(), kv_store=roles.store,
                                              kv_backend="gloo", serve_metrics=False)).start()
         roles.extra.append(d1)

@@ -18,6 +18,7 @@ from proto import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router import RouterConfig, RouterServer, StaticWorkerSource
 from tests.roles.harness import collect, joined, offline
 from tests.roles.proc_worker import run_worker
+from tests.waiting import wait_until
 
 
 def _live_info(address: str, kind: str):
@@ -79,9 +80,9 @@ def test_greedy_across_processes_equals_offline(procs):
     ref = offline(prompts, [SamplingParams(max_tokens=12, temperature=0.0)] * 3)
     for p, (ids, text, reason, _) in zip(prompts, ref):
         assert joined(collect(stub, prompt=p, max_tokens=12, temperature=0.0)) == (ids, text, reason)
-    end = time.monotonic() + 1.0  # load records refresh on each engine-loop pass
-    while time.monotonic() < end and not all(i().num_free_blocks == i().num_total_blocks for i in infos):
-        time.sleep(0.01)
+    # load records refresh on each engine-loop pass
+    wait_until(lambda: all(i().num_free_blocks == i().num_total_blocks for i in infos), timeout=1.0, interval=0.01,
+               message="both workers' records show every block free")
     assert [(i().num_free_blocks, i().num_running) for i in infos] == [(256, 0), (256, 0)]
 
 

@@ -13,6 +13,8 @@ import pytest
 
 from engine import LLM, SamplingParams
 
+from tests.waiting import wait_until
+
 from .harness import collect, counter_values, joined, start_roles
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main(argv):\n",
@@ -20,7 +22,19 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main(argv):\n",
 QUANT = {"quantization": "int8", "kv_cache_dtype": "int8"}
 
 
-def _bytes_sent(roles) -> float:
+def _transfers(roles) -> float:
+    """KV sends the prefill workers recorded as done (their kv_transfer_time_seconds observations)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for w in roles.prefills for fam in text_string_to_metric_families(w.metrics.render().decode())
+               if fam.name == "pdserve:kv_transfer_time_seconds" for s in fam.samples if s.name.endswith("_count"))
+
+
+def _bytes_sent(roles, sends: int) -> float:
+    """Bytes the prefill workers sent, once they recorded ``sends`` KV sends: a prefill worker records a send
+    when its loop next polls it, which may come after the client has its last token."""
+    wait_until(lambda: _transfers(roles) == sends, timeout=10.0, interval=0.01,
+               message=lambda: f"{sends} KV sends recorded (recorded: {_transfers(roles)})")
     return sum(counter_values(w.metrics, "pdserve:kv_transfer_bytes").get("", 0.0) for w in roles.prefills)
 
 
@@ -35,7 +49,7 @@ def fp32_bytes_per_token():
     try:
         for p in PROMPTS:
             collect(roles.stub, prompt=p, max_tokens=2, temperature=0.0)
-        return _bytes_sent(roles) / _prompt_tokens(PROMPTS)
+        return _bytes_sent(roles, len(PROMPTS)) / _prompt_tokens(PROMPTS)
     finally:
         roles.close()
 
@@ -47,7 +61,7 @@ def test_int8_cluster_equals_offline_and_ships_a_quarter_of_the_bytes(fp32_bytes
         for p, o in zip(PROMPTS, ref):
             ids, text, reason = joined(collect(roles.stub, prompt=p, max_tokens=16, temperature=0.0))
             assert (ids, text, reason) == (o.token_ids, o.text, o.finish_reason)
-        per_token = _bytes_sent(roles) / _prompt_tokens(PROMPTS)
+        per_token = _bytes_sent(roles, len(PROMPTS)) / _prompt_tokens(PROMPTS)
         # 4 layers x (K + V) x 2 KV heads x 68 bytes = 1088 bytes a token, against 4096 in float32
         assert per_token == pytest.approx(4 * 2 * 2 * 68)
         assert per_token / fp32_bytes_per_token == pytest.approx(68 / 256)
@@ -65,7 +79,7 @@ def test_prefill_and_decode_with_different_kv_dtypes_fail_at_reserve():
         assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         msg = ei.value.details()
         assert "kv_cache_dtype mismatch" in msg and "int8" in msg and "float32" in msg
-        assert _bytes_sent(roles) == 0
+        assert _bytes_sent(roles, 0) == 0
         assert roles.wait_idle(10.0)
     finally:
         roles.close()

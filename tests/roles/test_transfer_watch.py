@@ -19,6 +19,7 @@ import torch
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2
 from tests.roles.harness import KV, collect, joined, offline, start_roles
+from tests.waiting import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +56,8 @@ def test_tokens_flow_while_prefill_worker_withholds_transfer_done(roles):
         hold.clear()
         p.poll = real
     assert roles.wait_idle(3.0)   # TransferDone after all: the prefill worker frees its blocks
-    end = time.monotonic() + 2
-    while roles.router.selector.in_flight(p.cfg.worker_id) and time.monotonic() < end:
-        time.sleep(0.01)
-    assert roles.router.selector.in_flight(p.cfg.worker_id) == 0
+    wait_until(lambda: roles.router.selector.in_flight(p.cfg.worker_id) == 0, timeout=2, interval=0.01,
+               message="the router counts nothing in flight on the prefill worker")
 
 
 def test_transfer_failure_still_ends_the_stream_with_unavailable(roles):
