@@ -7,9 +7,17 @@ profile and SLOs. Small budgets search every P:D split, chunk size and local-pre
 ``--full-search-max`` workers the search keeps the chunk sizes and the P share (prefill workers over all)
 that won at the largest fully searched budget and tries shares around it (a budget 16x larger does not
 need its chunk size found again; its P:D share is what scale changes). Requests per simulation grow with
-the budget (``--requests-per-worker``, at least ``--min-requests``), drawn from the trace from its start.
+the budget (``--requests-per-worker``, at least ``--min-requests``), drawn from the trace from its start;
+or, with ``--probe-seconds T``, each probe at rate R replays ceil(R x T) requests, the whole trace looped
+when it runs out (``simulator.plan.loop_requests``: same lengths and order, arrivals continuing after the
+trace's last one, a new first token each pass so a repeat is no prefix-cache hit), so that at the hundreds
+of req/s a GPU worker serves a probe still lasts T seconds and queues have time to form. ``--prune`` starts
+each candidate's bisection at 0.75x the best goodput of its mode so far and drops it there when it misses
+(one probe per loser), and seeds each budget's first candidates from the previous budget's per-worker
+goodput; ``--won-from`` takes the winners of small budgets from an earlier run's capacity.json, so a run of
+only large budgets need not search the small ones again. The JSON is rewritten after every row.
 It prints one Markdown table per profile (goodput, per worker, the winning deployments, disaggregated /
-colocated) and writes the plan JSONs into ``--out``.
+colocated) and writes capacity.json / capacity.md into ``--out``; bad flags exit 2 naming the flag.
 
 Usage:
     python benchmarks/capacity.py --profile docs/profiles/h200-llama-8b-shape-bf16.json --ttft-slo-ms 2000 \\
@@ -23,6 +31,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -36,7 +45,9 @@ WORKLOADS = {"conversation": ("azure_llm_2023_conv.csv", 1.0), "code": ("azure_l
              "conversation, bursty (gamma 0.25)": ("azure_llm_2023_conv.csv", 0.25)}
 
 
-def trace_requests(path: Path, n: int, max_len: int, seed: int) -> list[SimRequest]:
+def trace_requests(path: Path, n: Optional[int], max_len: int, seed: int) -> list[SimRequest]:
+    """The trace's first ``n`` requests (all of them with None) at their real lengths, arrivals all 0 (each
+    probe sets them)."""
     from loadtest.trace import load_trace
     from loadtest.workload import ModelLimits, build_workload, trace_lengths
 
@@ -44,6 +55,15 @@ def trace_requests(path: Path, n: int, max_len: int, seed: int) -> list[SimReque
     wl = build_workload(trace_lengths(rows), [0.0] * len(rows), ModelLimits(vocab_size=32000, max_context_length=max_len),
                         seed=seed, id_prefix="cap")
     return [SimRequest(r.request_id, 0.0, r.prompt_token_ids, r.max_tokens) for r in wl.requests]
+
+
+def write_json(ns: argparse.Namespace, slos: dict[str, float], results: list[dict], wall_s: float,
+               argv: Optional[list[str]]) -> None:
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ns).items()}
+    (ns.out / "capacity.json").write_text(json.dumps(
+        {"profile": str(ns.profile), "slos_ms": slos, "settings": settings,
+         "command": " ".join(["python benchmarks/capacity.py"] + (sys.argv[1:] if argv is None else argv)),
+         "results": results, "wall_s": wall_s}, indent=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,8 +82,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--traces", type=Path, default=TRACES)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--probe-seconds", type=float, default=None,
+                    help="size each probe by duration: rate x this many seconds of arrivals, the whole trace "
+                         "looped when it runs out (instead of --requests-per-worker)")
+    ap.add_argument("--rel-tol", type=float, default=0.04, help="bisection stops at this relative bracket")
+    ap.add_argument("--prune", action="store_true",
+                    help="start each candidate's bisection at 0.75x the best of its mode so far; drop it there if "
+                         "it misses (one probe per loser)")
+    ap.add_argument("--share-window", type=int, default=3,
+                    help="past --full-search-max: P shares tried = the winner's +- k/32, k <= this")
+    ap.add_argument("--won-from", type=Path, default=None,
+                    help="a capacity.json of an earlier run: its winners (at budgets <= --full-search-max) seed "
+                         "the search of larger budgets, so small budgets need not be searched again")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "capacity")
     ns = ap.parse_args(argv)
+    if ns.probe_seconds is not None and not ns.probe_seconds > 0:
+        ap.error(f"--probe-seconds must be > 0, got {ns.probe_seconds}")
     from simulator.plan import _locals
 
     prof = load_profile(ns.profile)
@@ -89,11 +123,22 @@ def main(argv: list[str] | None = None) -> int:
         base = SimConfig(kv_cache_memory_bytes=ns.kv_cache_memory_bytes, max_num_seqs=ns.max_num_seqs,
                          max_num_requests=100_000)
         won: dict = {}
+        hints: dict[str, float] = {}
+        if ns.won_from is not None:  # the largest fully searched budget's winners of this workload
+            prior = [r for r in json.loads(ns.won_from.read_text())["results"]
+                     if r["workload"] == wname and r["workers"] <= ns.full_search_max]
+            if prior:
+                top = max(prior, key=lambda r: r["workers"])
+                won = {m: SimConfig(**b["config"]) for m, b in top["best"].items()}
+                hints = {m: b["goodput_per_worker"] for m, b in top["best"].items()}
+        whole = trace_requests(ns.traces / fname, None, prof.max_model_len, ns.seed) if ns.probe_seconds else None
         for n in budgets:
             t0 = time.monotonic()
-            reqs = trace_requests(ns.traces / fname, max(ns.min_requests, ns.requests_per_worker * n),
-                                  prof.max_model_len, ns.seed)
-            planner = Planner(prof, reqs, slos, 0.9, burst, ns.seed, base)
+            reqs = whole or trace_requests(ns.traces / fname, max(ns.min_requests, ns.requests_per_worker * n),
+                                           prof.max_model_len, ns.seed)
+            planner = Planner(prof, reqs, slos, 0.9, burst, ns.seed, base, duration_s=ns.probe_seconds,
+                              rel_tol=ns.rel_tol, prune=ns.prune)
+            planner.hints = dict(hints)
             locals_ = _locals(ns.local_prefill, reqs)
             if n <= ns.full_search_max or not won:
                 cfgs = candidates(n, chunks, locals_, base, ["colocated", "disaggregated"])
@@ -104,14 +149,24 @@ def main(argv: list[str] | None = None) -> int:
                     cfgs.append(replace(c, colocated=n))
                 if d is not None:
                     share = d.prefill / (d.prefill + d.decode)
-                    ps = sorted({min(n - 1, max(1, round(n * (share + k / 32)))) for k in range(-3, 4)})
-                    cfgs += [replace(d, prefill=p, decode=n - p) for p in ps]
+                    ps = {min(n - 1, max(1, round(n * (share + k / 32))))
+                          for k in range(-ns.share_window, ns.share_window + 1)}
+                    # the winner's own share first: a pruned search then has the highest bar from the start
+                    p0 = min(n - 1, max(1, round(n * share)))
+                    cfgs += [replace(d, prefill=p, decode=n - p) for p in sorted(ps, key=lambda p: abs(p - p0))]
+            if ns.prune:  # colocated first, then the disaggregated ones from the likeliest winners out
+                cfgs.sort(key=lambda c: (c.mode != "colocated", -c.local_prefill_max_tokens,
+                                         abs(c.prefill - (won["disaggregated"].prefill * n
+                                                          // won["disaggregated"].num_workers
+                                                          if "disaggregated" in won else n // 2))))
             done, best = planner.best_of(cfgs)
             if n <= ns.full_search_max:
                 won = {m: c.cfg for m, c in best.items()}
+            hints = {m: c.per_worker for m, c in best.items()}
             d, c = best.get("disaggregated"), best.get("colocated")
             ratio = (d.per_worker / c.per_worker) if d and c and c.per_worker else None
             row = {"workload": wname, "workers": n, "requests": len(reqs), "simulations": planner.simulations,
+                   "requests_simulated": planner.requests_simulated,
                    "wall_s": time.monotonic() - t0, "best": {m: b.as_dict(prof) for m, b in best.items()},
                    "disagg_over_coloc": ratio}
             results.append(row)
@@ -123,9 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{d.goodput if d else 0:.3g} | {d.per_worker if d else 0:.3g} | "
                          f"{c.cfg.label() if c else 'none meets the SLOs'} | {c.goodput if c else 0:.3g} | "
                          f"{c.per_worker if c else 0:.3g} | {'-' if ratio is None else f'{ratio:.2f}x'} |")
-    (ns.out / "capacity.json").write_text(json.dumps({"profile": str(ns.profile), "slos_ms": slos,
-                                                      "results": results, "wall_s": time.monotonic() - t_all},
-                                                     indent=1))
+            write_json(ns, slos, results, time.monotonic() - t_all, argv)  # after every row: a cut run keeps them
+    write_json(ns, slos, results, time.monotonic() - t_all, argv)
     table = "\n".join(lines) + "\n"
     (ns.out / "capacity.md").write_text(table)
     print(table)

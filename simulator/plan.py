@@ -23,7 +23,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -33,7 +33,7 @@ from rich.table import Table
 from loadtest.arrivals import gamma_arrivals
 from loadtest.cli import add_workload_args, check_workload_args
 from loadtest.stats import percentile, slo_attainment, tpot_s, ttft_s
-from simulator.cli import add_deployment_args, check_profile_args, requests_from_args, run_simulation
+from simulator.cli import SIM_VOCAB, add_deployment_args, check_profile_args, requests_from_args, run_simulation
 from simulator.cluster_sim import SimConfig, SimRequest
 from simulator.costs import Profile
 
@@ -56,6 +56,8 @@ class Candidate:
     """Highest rate (req/s) with attainment >= goal; 0 if even the lowest probe misses."""
     at_goodput: Optional[Point] = None
     probes: list[Point] = field(default_factory=list)
+    pruned_below: Optional[float] = None
+    """Set when a pruned search gave up on it: it misses the goal at this rate (req/s), below the best's."""
 
     @property
     def per_worker(self) -> float:
@@ -64,9 +66,43 @@ class Candidate:
     def as_dict(self, profile: Profile) -> dict[str, Any]:
         p = self.at_goodput
         return {"deployment": self.cfg.label(), "pdserve_up_flags": self.cfg.up_flags(profile), "mode": self.cfg.mode,
+                "config": asdict(self.cfg),
                 "workers": self.cfg.num_workers, "goodput_rps": self.goodput, "goodput_per_worker": self.per_worker,
-                "at_goodput": None if p is None else p.__dict__,
+                "at_goodput": None if p is None else p.__dict__, "pruned_below_rps": self.pruned_below,
                 "probes": [q.__dict__ for q in self.probes]}
+
+
+def loop_requests(reqs: list[SimRequest], n: int, new_prompts: bool = True, vocab: int = SIM_VOCAB
+                  ) -> list[SimRequest]:
+    """The first ``n`` requests of ``reqs`` replayed end to end as often as it takes (a trace looped).
+
+    Pass k (k >= 1) repeats request i as ``{id}~k`` with the same prompt length and ``max_tokens``, in the
+    same order, arriving ``k * period`` later, where period = the trace's span + its mean gap (so pass k
+    starts one mean gap after pass k - 1's last arrival and arrivals never decrease). ``new_prompts``
+    (for traces without ``hash_ids``, whose prompts are each their own): pass k's prompts differ from every
+    other pass's in their first token (shifted by k modulo ``vocab``), so a looped request is no prefix-cache
+    hit on its earlier copy, while prompts that share a prefix within the trace still share it within each
+    pass (the block hashes chain from the first block). ``new_prompts=False`` (traces with ``hash_ids``):
+    a looped request keeps its very prompt, i.e. its prefix hashes, as the trace says it would.
+    ValueError naming the argument for an empty ``reqs`` or a negative ``n``."""
+    if n < 0:
+        raise ValueError(f"loop_requests: n must be >= 0, got {n}")
+    if n and not reqs:
+        raise ValueError("loop_requests: reqs is empty (nothing to loop)")
+    m = len(reqs)
+    if n <= m:
+        return reqs[:n]
+    span = reqs[-1].arrival_s - reqs[0].arrival_s
+    period = span + (span / (m - 1) if m > 1 else 0.0)
+    out = list(reqs)
+    for i in range(m, n):
+        k, r = divmod(i, m)
+        src = reqs[r]
+        prompt = src.prompt_token_ids
+        if new_prompts and prompt:
+            prompt = [(prompt[0] + k) % vocab] + prompt[1:]
+        out.append(SimRequest(f"{src.request_id}~{k}", src.arrival_s + k * period, prompt, src.max_tokens))
+    return out
 
 
 def at_rate(reqs: list[SimRequest], rate: float, burstiness: Optional[float], seed: int) -> list[SimRequest]:
@@ -94,8 +130,10 @@ def simulate_point(profile: Profile, cfg: SimConfig, reqs: list[SimRequest], rat
 
 
 def goodput_of(probe: Callable[[float], Point], lo: float, hi: float, goal: float, rel_tol: float = 0.04,
-               max_probes: int = 14) -> tuple[float, Optional[Point], list[Point]]:
-    """Bisection for the highest passing rate in [lo, hi] (hi doubles while it still passes)."""
+               max_probes: int = 14, grow: float = 2.0) -> tuple[float, Optional[Point], list[Point]]:
+    """Bisection for the highest passing rate in [lo, hi] (hi grows ``grow``-fold while it still passes)."""
+    if not grow > 1:
+        raise ValueError(f"grow must be > 1, got {grow}")
     probes: list[Point] = []
     first = probe(lo)
     probes.append(first)
@@ -105,7 +143,7 @@ def goodput_of(probe: Callable[[float], Point], lo: float, hi: float, goal: floa
     top = probe(hi)
     probes.append(top)
     while top.attainment >= goal and len(probes) < max_probes:
-        best, lo, hi = top, hi, hi * 2
+        best, lo, hi = top, hi, hi * grow
         top = probe(hi)
         probes.append(top)
     while hi - lo > rel_tol * lo and len(probes) < max_probes:
@@ -194,25 +232,52 @@ def _locals(text: str, reqs: list[SimRequest]) -> list[int]:
         x = x.strip()
         if x == "auto":
             out.update({lens[len(lens) // 4], lens[len(lens) // 2]})
+        elif x[:1] == "p" and x[1:].isdigit() and 0 < int(x[1:]) < 100:  # a percentile of the prompt lengths
+            out.add(lens[len(lens) * int(x[1:]) // 100])
         elif x:
             try:
                 v = int(x)
             except ValueError:
-                raise ValueError(f"--local-prefill: expected integers or 'auto', got {x!r}") from None
+                raise ValueError(f"--local-prefill: expected integers, 'auto' or pNN, got {x!r}") from None
             if v < 0:
                 raise ValueError(f"--local-prefill: values must be >= 0, got {v}")
             out.add(v)
     return sorted(out) or [0]
 
 
+PRUNE_BELOW = 0.75
+"""A pruned search's first probe of a candidate: this fraction of the best goodput of its mode so far."""
+PRUNE_HI = 1.15
+"""... and its second: this fraction (doubling on from there while it passes)."""
+
+
 class Planner:
     """Goodput of deployments for one workload, profile and SLOs."""
 
     def __init__(self, profile: Profile, reqs: list[SimRequest], slos: dict[str, float], goal: float,
-                 burstiness: Optional[float], seed: int, base: SimConfig) -> None:
+                 burstiness: Optional[float], seed: int, base: SimConfig, duration_s: Optional[float] = None,
+                 new_prompts: bool = True, rel_tol: float = 0.04, prune: bool = False) -> None:
+        """``duration_s``: each probe replays ``ceil(rate * duration_s)`` requests (``reqs`` looped by
+        ``loop_requests`` when it runs out, ``new_prompts`` passed on) instead of all of ``reqs``, so a probe
+        lasts about as long at 1,000 req/s as at 1 req/s and queues have time to form. ``rel_tol``: the
+        bisection stops when its bracket is that narrow (relative). ``prune``: ``best_of`` starts each
+        candidate's bisection at ``PRUNE_BELOW`` x the best goodput per worker of its mode found so far and
+        gives up on a candidate that misses there (goodput 0, ``pruned_below`` set): it cannot be the best, and
+        a search over many candidates then costs about one probe for each loser."""
+        if not 0 < rel_tol < 1:
+            raise ValueError(f"rel_tol must be within (0, 1), got {rel_tol}")
+        if duration_s is not None and not duration_s > 0:
+            raise ValueError(f"duration_s (--probe-seconds) must be > 0, got {duration_s}")
+        if not reqs:
+            raise ValueError("reqs: the workload has no requests")
         self.profile, self.reqs, self.slos, self.goal = profile, reqs, slos, goal
         self.burstiness, self.seed, self.base = burstiness, seed, base
+        self.duration_s, self.new_prompts, self.rel_tol, self.prune = duration_s, new_prompts, rel_tol, prune
+        self.hints: dict[str, float] = {}
+        """mode -> a goodput per worker to start the first candidate of that mode from (with ``prune``)."""
+        self._looped: list[SimRequest] = reqs
         self.simulations = 0
+        self.requests_simulated = 0
         # a first rate guess: what one worker could do if every step were a lone request's (an upper bound)
         mean_p = sum(len(r.prompt_token_ids) for r in reqs) / len(reqs)
         mean_o = sum(r.max_tokens for r in reqs) / len(reqs)
@@ -220,19 +285,57 @@ class Planner:
         one = step.lin(mean_p) + step.lin(1) * mean_o / 32  # a prefill + a share of batched decode steps
         self.rate_per_worker_guess = 1.0 / max(one, 1e-6)
 
-    def evaluate(self, cfg: SimConfig) -> Candidate:
-        def probe(rate: float) -> Point:
-            self.simulations += 1
-            return simulate_point(self.profile, cfg, self.reqs, rate, self.slos, self.burstiness, self.seed)
+    def requests_at(self, rate: float) -> list[SimRequest]:
+        """The requests a probe at ``rate`` replays: all of them, or ``duration_s`` worth (at least 2)."""
+        if self.duration_s is None:
+            return self.reqs
+        n = max(2, math.ceil(rate * self.duration_s))
+        if len(self._looped) < n:  # grow the looped pool geometrically: a bisection asks for many sizes
+            self._looped = loop_requests(self.reqs, max(n, 2 * len(self._looped)), self.new_prompts)
+        return self._looped[:n]
 
-        lo = 0.05 * self.rate_per_worker_guess * cfg.num_workers
-        g, at, probes = goodput_of(probe, lo, 4 * lo, self.goal)
+    def evaluate(self, cfg: SimConfig, lo: Optional[float] = None, hi: Optional[float] = None) -> Candidate:
+        """``cfg``'s goodput by bisection from ``lo`` (default: a twentieth of the rate guess) and ``hi`` (4 lo)."""
+        def probe(rate: float) -> Point:
+            reqs = self.requests_at(rate)
+            self.simulations += 1
+            self.requests_simulated += len(reqs)
+            return simulate_point(self.profile, cfg, reqs, rate, self.slos, self.burstiness, self.seed)
+
+        if lo is None:
+            lo = 0.05 * self.rate_per_worker_guess * cfg.num_workers
+            g, at, probes = goodput_of(probe, lo, 4 * lo, self.goal, self.rel_tol)
+        else:  # a warm bracket: grow gently past it, a probe at twice the rate costs twice the requests
+            g, at, probes = goodput_of(probe, lo, 2 * lo if hi is None else hi, self.goal, self.rel_tol, grow=1.3)
         return Candidate(cfg, g, at, probes)
 
+    def _bracket(self, cfg: SimConfig, best: dict[str, Candidate]) -> tuple[Optional[float], Optional[float]]:
+        """With ``prune``: where to start a candidate's bisection, from the best per-worker goodput found so far
+        (its own mode's, else the other mode's, wider); (None, None): the cold start from the rate guess."""
+        if not self.prune:
+            return None, None
+        n = cfg.num_workers
+        own = best.get(cfg.mode)
+        if own is not None:
+            return PRUNE_BELOW * own.per_worker * n, PRUNE_HI * own.per_worker * n
+        if cfg.mode in self.hints:  # another budget's best per worker of this mode
+            return 0.6 * self.hints[cfg.mode] * n, 1.2 * self.hints[cfg.mode] * n
+        other = next(iter(best.values()), None)
+        if other is not None:
+            return 0.2 * other.per_worker * n, other.per_worker * n
+        return None, None
+
     def best_of(self, cfgs: list[SimConfig]) -> tuple[list[Candidate], dict[str, Candidate]]:
-        done = [self.evaluate(c) for c in cfgs]
+        done: list[Candidate] = []
         best: dict[str, Candidate] = {}
-        for c in done:
+        for cfg in cfgs:
+            lo, hi = self._bracket(cfg, best)
+            c = self.evaluate(cfg, lo, hi)
+            if c.goodput == 0 and lo is not None and cfg.mode in best:
+                c.pruned_below = lo
+            elif c.goodput == 0 and lo is not None:  # the first of its mode missed a warm bracket: start cold
+                c = self.evaluate(cfg)
+            done.append(c)
             if c.goodput > 0 and (c.cfg.mode not in best or c.goodput > best[c.cfg.mode].goodput):
                 best[c.cfg.mode] = c
         # refine a large budget's P:D split around the best coarse one
@@ -241,7 +344,11 @@ class Planner:
             n, fine = b.cfg.num_workers, max(1, b.cfg.num_workers // 64)
             ps = {min(n - 1, max(1, b.cfg.prefill + k * fine)) for k in (-3, -2, -1, 1, 2, 3)} - {b.cfg.prefill}
             extra = [replace(b.cfg, prefill=p, decode=n - p) for p in sorted(ps)]
-            for c in (self.evaluate(x) for x in extra):
+            for x in extra:
+                lo, hi = self._bracket(x, best)
+                c = self.evaluate(x, lo, hi)
+                if c.goodput == 0 and lo is not None:
+                    c.pruned_below = lo
                 done.append(c)
                 if c.goodput > best["disaggregated"].goodput:
                     best["disaggregated"] = c
