@@ -1,5 +1,6 @@
 """Tests of metrics/'s role classes (RouterMetrics, WorkerMetrics) and the owner table: names and labels,
-movement on observation, the methods each role has, the HTTP endpoint, isolation."""
+movement on observation, the methods each role has, the HTTP endpoint, isolation. The counters a worker
+feeds from its engine's running totals are in test_engine_counters.py."""
 from __future__ import annotations
 
 import urllib.error
@@ -9,9 +10,10 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.stats import IterationStats, SchedulerStats, SpecDecodeTotals
+from engine.stats import SchedulerStats
 from metrics import OWNERS, ROLES, ComponentMetrics, RouterMetrics, WorkerMetrics, owner_of, series_of
 from metrics.series import SERIES
+from tests.metrics.helpers import LABELS, ROUTER, component, families, router, samples, value
 
 ROUTER_HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
                      "request_time_per_output_token_seconds", "request_prompt_tokens", "request_generation_tokens",
@@ -27,41 +29,6 @@ WORKER_COUNTERS = ["kv_transfer_bytes", "prefix_cache_queries", "prefix_cache_hi
 WORKER_GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
 ROUTER_NAMES = ROUTER_HISTOGRAMS + ROUTER_COUNTERS + ROUTER_GAUGES
 WORKER_NAMES = WORKER_HISTOGRAMS + WORKER_COUNTERS + WORKER_GAUGES
-LABELS = {"model_name": "tiny", "role": "decode", "worker": "decode-0"}
-ROUTER = {"model_name": "tiny", "role": "router", "worker": "router"}
-
-
-def component(model_name: str, role: str, worker: str, **kw) -> ComponentMetrics:
-    """The metrics class of ``role``, as the router and the workers build theirs."""
-    if role == "router":
-        return RouterMetrics(model_name, worker, **kw)
-    return WorkerMetrics(model_name, role, worker, **kw)
-
-
-def router(**kw) -> RouterMetrics:
-    return RouterMetrics("tiny", "router", **kw)
-
-
-def samples(text: bytes) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels): value} from the text exposition."""
-    out = {}
-    for fam in text_string_to_metric_families(text.decode()):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def value(text: bytes, name: str, labels: dict | None = None, **extra: str) -> float:
-    return samples(text)[(name, tuple(sorted({**(labels or LABELS), **extra}.items())))]
-
-
-def families(m: ComponentMetrics) -> dict:
-    """{family name: family} of the pdserve series ``m`` exports, the prometheus-client ``_created`` gauges and
-    the process/Python collectors left out."""
-    return {f.name: f for f in text_string_to_metric_families(m.render().decode())
-            if f.name.startswith("pdserve:") and not f.name.endswith("_created")}
-
-
 @pytest.mark.parametrize("role", ROLES)
 def test_each_role_registers_exactly_its_own_series(role):
     labels = {"model_name": "tiny", "role": role, "worker": f"{role}-0"}
@@ -327,22 +294,6 @@ def test_two_instances_do_not_collide():
         stop_b()
 
 
-def test_prefix_cache_counters_follow_engine_totals():
-    m = WorkerMetrics(**LABELS)
-    m.set_prefix_cache_totals(100, 0)
-    m.set_prefix_cache_totals(164, 48)
-    m.set_prefix_cache_totals(164, 48)  # no new admissions: no movement
-    t = m.render()
-    assert value(t, "pdserve:prefix_cache_queries_total") == 164
-    assert value(t, "pdserve:prefix_cache_hits_total") == 48
-    m.set_prefix_cache_totals(10, 2)  # a new engine restarted its totals: counters never go back
-    t = m.render()
-    assert value(t, "pdserve:prefix_cache_queries_total") == 174
-    assert value(t, "pdserve:prefix_cache_hits_total") == 50
-    with pytest.raises(ValueError, match="prefix_cache_hits"):
-        m.set_prefix_cache_totals(1, -1)
-
-
 def test_finished_request_histograms_use_vllm_buckets():
     """TPOT with vLLM's buckets (its ITL ones); token counts in vLLM's 1-2-5 series up to the context length;
     n in 1, 2, 5, 10, 20; all observed once per finished request, on the router only."""
@@ -378,39 +329,6 @@ def test_finished_request_histograms_use_vllm_buckets():
     assert value(r.render(), "pdserve:request_prompt_tokens_count", ROUTER) == 2
 
 
-def test_engine_totals_drive_preemptions_and_iteration_tokens():
-    m = WorkerMetrics(**LABELS)
-    m.set_engine_totals(preemptions=0, steps=0, scheduled_tokens=0)  # a fresh engine: nothing yet
-    m.set_engine_totals(preemptions=0, steps=1, scheduled_tokens=40)  # a 40-token prefill step
-    m.set_engine_totals(preemptions=2, steps=2, scheduled_tokens=43)  # a 3-sequence decode step, 2 preemptions
-    m.set_engine_totals(preemptions=2, steps=2, scheduled_tokens=43)  # no step since: no movement
-    t = m.render()
-    assert value(t, "pdserve:num_preemptions_total") == 2
-    assert value(t, "pdserve:iteration_tokens_total_count") == 2
-    assert value(t, "pdserve:iteration_tokens_total_sum") == 43
-    # vLLM's buckets: 1, 8, 16, 32, 64, ...
-    assert value(t, "pdserve:iteration_tokens_total_bucket", le="1.0") == 0
-    assert value(t, "pdserve:iteration_tokens_total_bucket", le="8.0") == 1
-    assert value(t, "pdserve:iteration_tokens_total_bucket", le="32.0") == 1
-    assert value(t, "pdserve:iteration_tokens_total_bucket", le="64.0") == 2
-    m.set_engine_totals(preemptions=1, steps=1, scheduled_tokens=1)  # a new engine: counters never go back
-    t = m.render()
-    assert value(t, "pdserve:num_preemptions_total") == 3
-    assert value(t, "pdserve:iteration_tokens_total_count") == 3
-    assert value(t, "pdserve:iteration_tokens_total_bucket", le="1.0") == 1
-    with pytest.raises(ValueError, match="num_scheduled_tokens"):
-        m.set_engine_totals(5, 2, -1)
-    assert value(m.render(), "pdserve:num_preemptions_total") == 3  # a rejected call moves nothing
-    # several steps since the last call share their tokens evenly (a worker reads once per loop pass)
-    m.set_engine_totals(preemptions=1, steps=4, scheduled_tokens=31)
-    t = m.render()
-    assert value(t, "pdserve:iteration_tokens_total_count") == 6
-    assert value(t, "pdserve:num_preemptions_total") == 3  # the rejected call's 5 was never taken as seen
-    assert value(t, "pdserve:iteration_tokens_total_sum") == 43 + 1 + 30  # three steps of 10 tokens
-    assert value(t, "pdserve:iteration_tokens_total_bucket", le="8.0") == 2
-    assert value(t, "pdserve:iteration_tokens_total_bucket", le="16.0") == 5  # 1, 3 and the three 10s
-
-
 def test_process_and_python_collectors_are_on_per_registry():
     for m in (router(), WorkerMetrics(**LABELS)):
         names = {f.name for f in text_string_to_metric_families(m.render().decode())}
@@ -419,63 +337,6 @@ def test_process_and_python_collectors_are_on_per_registry():
     # off on request (a caller whose registry already has them)
     off = router(process_collectors=False).render().decode()
     assert "python_info" not in off and "process_cpu_seconds_total" not in off
-
-
-def test_spec_decode_totals_move_by_their_differences():
-    m = WorkerMetrics(**LABELS)
-    m.set_spec_decode_totals(2, 8, 5, [2, 2, 1, 0])
-    m.set_spec_decode_totals(3, 12, 6, [3, 2, 1, 0])
-    text = m.render()
-    assert value(text, "pdserve:spec_decode_num_drafts_total") == 3
-    assert value(text, "pdserve:spec_decode_num_draft_tokens_total") == 12
-    assert value(text, "pdserve:spec_decode_num_accepted_tokens_total") == 6
-    assert [value(text, "pdserve:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
-            for i in range(3)] == [3, 2, 1]
-    m.set_spec_decode_totals(1, 4, 4, [1, 1, 1, 1])  # a new engine: its totals count from zero again
-    assert value(m.render(), "pdserve:spec_decode_num_accepted_tokens_total") == 10
-    with pytest.raises(ValueError):
-        m.set_spec_decode_totals(-1, 0, 0, [])
-
-
-def test_record_engine_takes_the_engines_record():
-    """A worker hands its metrics the engine's SchedulerStats: gauges take the state, counters the running
-    totals' differences (the same as the set_*_totals calls), each new step one iteration_tokens observation."""
-    m = WorkerMetrics(**LABELS)
-
-    def record(**kw) -> SchedulerStats:
-        base = dict(num_running=0, num_waiting=0, num_free_blocks=10, num_total_blocks=10, num_steps=0,
-                    num_scheduled_tokens=0, num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0)
-        return SchedulerStats(**{**base, **kw})
-
-    m.record_engine(record())
-    m.record_engine(record(num_running=3, num_waiting=2, num_free_blocks=6, num_steps=1, num_scheduled_tokens=40,
-                           prefix_cache_queries=48, prefix_cache_hits=16,
-                           last_step=IterationStats(num_prefill_tokens=40, num_running=3)))
-    t = m.render()
-    assert value(t, "pdserve:num_requests_running") == 3
-    assert value(t, "pdserve:num_requests_waiting") == 2
-    assert value(t, "pdserve:kv_cache_usage_perc") == pytest.approx(0.4)
-    assert value(t, "pdserve:prefix_cache_queries_total") == 48
-    assert value(t, "pdserve:prefix_cache_hits_total") == 16
-    assert value(t, "pdserve:iteration_tokens_total_count") == 1
-    assert value(t, "pdserve:iteration_tokens_total_sum") == 40
-    m.record_engine(record(num_running=3, num_free_blocks=0, num_steps=2, num_scheduled_tokens=43,
-                           num_preemptions=1, prefix_cache_queries=48, prefix_cache_hits=16,
-                           spec_decode=SpecDecodeTotals(2, 6, 4, (2, 2, 0))))
-    t = m.render()
-    assert value(t, "pdserve:num_requests_waiting") == 0
-    assert value(t, "pdserve:kv_cache_usage_perc") == 1.0
-    assert value(t, "pdserve:num_preemptions_total") == 1
-    assert value(t, "pdserve:iteration_tokens_total_count") == 2
-    assert value(t, "pdserve:iteration_tokens_total_sum") == 43
-    assert value(t, "pdserve:spec_decode_num_draft_tokens_total") == 6
-    assert value(t, "pdserve:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 2
-    assert value(t, "pdserve:prefix_cache_queries_total") == 48  # unchanged totals: no movement
-    # a record with no blocks at all reads as full (nothing free), not a division by zero
-    m.record_engine(record(num_free_blocks=0, num_total_blocks=0, num_steps=2, num_scheduled_tokens=43,
-                           num_preemptions=1, prefix_cache_queries=48, prefix_cache_hits=16,
-                           spec_decode=SpecDecodeTotals(2, 6, 4, (2, 2, 0))))
-    assert value(m.render(), "pdserve:kv_cache_usage_perc") == 1.0
 
 
 def test_serve_checks_host_and_port():
