@@ -38,7 +38,7 @@ class RequestContext:
     kv: Any = None
     """Its kvtransfer ``KVEndpoint`` (None for a colocated worker)."""
     metrics: Any = None
-    """Its ``PDServeMetrics``."""
+    """Its ``metrics.WorkerMetrics``."""
 
 
 class RequestError(Exception):
