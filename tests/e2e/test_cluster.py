@@ -19,6 +19,7 @@ from cluster.registry import Registry
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from tests.e2e.helpers import generate, metric_value, mixed_prompts, offline, run_concurrently
+from tests.waiting import wait_until
 
 N_REQUESTS = 32
 
@@ -71,13 +72,12 @@ def _idle(c: Cluster) -> bool:
     return all(i.num_free_blocks == i.num_total_blocks and i.num_running == 0 for i in infos)
 
 
-def _wait_idle(c: Cluster, timeout_s: float) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if _idle(c):
-            return True
-        time.sleep(0.02)
-    return _idle(c)
+def _wait_idle(c: Cluster, timeout_s: float) -> None:
+    """Every worker's record shows no running request and every block free (records refresh each loop pass)."""
+    wait_until(lambda: _idle(c), timeout=timeout_s, interval=0.02,
+               message=lambda: "workers idle: " + "; ".join(
+                   f"{i.worker_id}: {i.num_running} running, {i.num_total_blocks - i.num_free_blocks} blocks in use"
+                   for i in ray.get([a.info.remote() for a in _workers(c)])))
 
 
 def test_1p1d_registered_and_serving(cluster, redis_url):
@@ -92,7 +92,7 @@ def test_1p1d_registered_and_serving(cluster, redis_url):
 
 def test_1p1d_32_concurrent_greedy_equal_offline(cluster):
     _greedy_batch(cluster.router_address)
-    assert _wait_idle(cluster, 2.0)
+    _wait_idle(cluster, 2.0)
 
 
 def test_1p1d_seeded_sampling_equals_offline(cluster):
@@ -119,11 +119,11 @@ def test_bad_inputs_get_status_naming_the_field_then_serve(cluster):
         assert name in ei.value.details(), (fields, ei.value.details())
     ref = offline(["def f():"], [SamplingParams(max_tokens=5, temperature=0.0)])[0]
     assert generate(cluster.router_address, prompt="def f():", max_tokens=5, temperature=0.0)[:3] == ref
-    assert _wait_idle(cluster, 1.0)
+    _wait_idle(cluster, 1.0)
 
 
 def test_cancel_midway_frees_both_workers_blocks_within_1s(cluster):
-    assert _wait_idle(cluster, 2.0)
+    _wait_idle(cluster, 2.0)
     with grpc.insecure_channel(cluster.router_address) as ch:
         stream = pdserve_pb2_grpc.PDServeStub(ch).Generate(
             pdserve_pb2.GenerateRequest(prompt=mixed_prompts(32)[5], max_tokens=1500, ignore_eos=True,
@@ -133,7 +133,7 @@ def test_cancel_midway_frees_both_workers_blocks_within_1s(cluster):
         assert not _idle(cluster), "the running sequence should hold decode blocks"
         t0 = time.monotonic()
         stream.cancel()
-        assert _wait_idle(cluster, 1.0), ray.get([a.info.remote() for a in _workers(cluster)])
+        _wait_idle(cluster, 1.0)
         assert time.monotonic() - t0 < 1.0
     ref = offline(["x = 1"], [SamplingParams(max_tokens=3, temperature=0.0)])[0]
     assert generate(cluster.router_address, prompt="x = 1", max_tokens=3, temperature=0.0)[:3] == ref
@@ -155,7 +155,7 @@ def test_2p2d_32_concurrent_greedy_and_seeded_equal_offline(cluster, redis_url):
                          [(p,) for p in mixed_prompts(16)])
     counts = _served_counts(reg)
     assert len(counts) == 4 and all(counts.values()), f"a worker never served: {counts}"
-    assert _wait_idle(cluster, 2.0)
+    _wait_idle(cluster, 2.0)
 
 
 def _served_counts(reg: Registry) -> dict[str, float]:
@@ -168,7 +168,7 @@ def _served_counts(reg: Registry) -> dict[str, float]:
 def test_draining_a_busy_decode_worker_lets_its_stream_finish(cluster, redis_url):
     if len(cluster.worker_ids("decode")) < 2:
         cluster.scale_pool("decode", 2)
-    assert _wait_idle(cluster, 2.0)
+    _wait_idle(cluster, 2.0)
     reg = Registry(redis_url, cluster.namespace)
     prompt = mixed_prompts(32)[7]
     ref = offline([prompt], [SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)])[0]
@@ -183,10 +183,8 @@ def test_draining_a_busy_decode_worker_lets_its_stream_finish(cluster, redis_url
         drainer = threading.Thread(target=lambda: result.update(clean=cluster.remove_worker(busy[0])))
         drainer.start()
         # Out of routing at once, while its stream goes on.
-        end = time.monotonic() + 2.0
-        while busy[0] in [w.worker_id for w in reg.list("decode")] and time.monotonic() < end:
-            time.sleep(0.02)
-        assert busy[0] not in [w.worker_id for w in reg.list("decode")]
+        wait_until(lambda: busy[0] not in [w.worker_id for w in reg.list("decode")], timeout=2.0, interval=0.02,
+                   message=f"{busy[0]} out of the registry's decode pool")
         rest = list(stream)
         drainer.join(60)
     # Tokens kept coming after the worker left routing: the drain overlapped a live stream.

@@ -29,6 +29,7 @@ from cluster.redis_server import pick_free_port
 from cluster.registry import Registry
 from engine.sampling_params import SamplingParams
 from tests.e2e.helpers import generate, offline
+from tests.waiting import wait_until
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -64,10 +65,11 @@ class UpProcess:
                 self.serving.set()
 
     def wait_serving(self, timeout_s: float) -> None:
-        end = time.monotonic() + timeout_s
-        while not self.serving.wait(0.5):
-            if self.proc.poll() is not None or time.monotonic() > end:
-                raise AssertionError(f"no {self.banner!r} (rc={self.proc.poll()}):\n{self.tail()}")
+        """Wait for the banner; AssertionError with the output's tail if it is late or the process exits."""
+        wait_until(lambda: self.serving.is_set() or self.proc.poll() is not None, timeout=timeout_s, interval=0.1,
+                   message=lambda: f"no {self.banner!r} (rc={self.proc.poll()}):\n{self.tail()}")
+        if not self.serving.is_set():
+            raise AssertionError(f"no {self.banner!r} (rc={self.proc.poll()}):\n{self.tail()}")
 
     def tail(self) -> str:
         self.stderr.seek(0)
@@ -165,8 +167,10 @@ def test_two_pdserve_up_side_by_side_serve_and_sigterm_leaves_nothing(redis_url)
             rc = up.proc.wait(timeout=15)
             assert rc == 0, up.tail()
             assert time.monotonic() - t0 < 10.0, "pdserve up took more than 10 s to stop"
-        time.sleep(0.5)
-        for up in (a, b):
+        for up in (a, b):  # the children exit and their ports close soon after their parent
+            wait_until(lambda up=up: not [p for p in procs[up] if _alive(p)]
+                       and not [p for p in ports[up] if _listening(p)], timeout=10.0, interval=0.1,
+                       message="every child of pdserve up exited and its ports closed")
             left = [p for p in procs[up] if _alive(p)]
             assert not left, [(p.pid, p.name()) for p in left]
             assert not [p for p in ports[up] if _listening(p)], ports[up]

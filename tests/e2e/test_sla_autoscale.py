@@ -22,6 +22,7 @@ from cluster.planner import Planner, PlannerConfig
 from cluster.sla_planner import Load, SlaConfig, plan
 from simulator.costs import LinkModel, Profile, StepModel
 from tests.e2e.helpers import generate
+from tests.waiting import wait_until
 
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef mul(a, b):\n    return a * b\n\n\ndef main():\n"
 MAX_TOKENS = 32
@@ -37,16 +38,6 @@ def tiny_profile() -> Profile:
 
 SLA = SlaConfig(profile=tiny_profile(), ttft_slo_ms=1500, tpot_slo_ms=150, headroom=1.2, window_s=8, min_window_s=4,
                 scale_down_after_s=8)
-
-
-def _wait(cond, timeout_s: float, what: str):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
 
 
 class Client:
@@ -134,7 +125,7 @@ def test_worker_counters_reach_the_registry(cluster):
         done = sum(w.requests_finished_total for w in d) == 3 and sum(w.output_tokens_total for w in p) == 3
         return (p, d) if done else None
 
-    p, d = _wait(settled, 30, "the workers' records to count 3 requests")
+    p, d = wait_until(settled, timeout=30, interval=0.1, message="the workers' records to count 3 requests")
     assert [w.requests_total for w in p] == [3] and [w.prompt_tokens_total for w in p] == [sum(prompt_tokens)]
     assert [w.requests_total for w in d] == [0]  # its requests were prefilled elsewhere
     assert [w.output_tokens_total for w in p] == [3]  # the first tokens
@@ -147,21 +138,26 @@ def test_sla_planner_sizes_the_pools_for_the_observed_rate_and_no_request_fails(
     planner.start()
     try:
         client.rate = LOW
-        _wait(lambda: planner.policy.last_load is not None, 60, "the planner's first load estimate")
+        wait_until(lambda: planner.policy.last_load is not None, timeout=60, interval=0.1,
+                   message="the planner's first load estimate")
         seen = client.done()
-        _wait(lambda: client.done() >= seen + 3, 60, "three more requests at the low rate")
+        wait_until(lambda: client.done() >= seen + 3, timeout=60, interval=0.1,
+                   message="three more requests at the low rate")
         low = planner.policy.last_load
         assert _sizes(cluster) == (1, 1) == _predicted(low) and planner.decisions == [], (low, planner.decisions)
 
         client.rate = HIGH
-        _wait(lambda: _sizes(cluster) == (2, 2), 150, f"2P+2D at {HIGH} req/s (decisions {planner.decisions})")
+        wait_until(lambda: _sizes(cluster) == (2, 2), timeout=150, interval=0.1,
+                   message=lambda: f"2P+2D at {HIGH} req/s (decisions {planner.decisions})")
         high = planner.policy.last_load
         assert _predicted(high) == (2, 2), high
         seen = client.done()
-        _wait(lambda: client.done() >= seen + 8, 60, "eight requests on the grown pools")
+        wait_until(lambda: client.done() >= seen + 8, timeout=60, interval=0.1,
+                   message="eight requests on the grown pools")
 
         client.rate = LOW
-        _wait(lambda: _sizes(cluster) == (1, 1), 150, f"1P+1D again at {LOW} req/s (decisions {planner.decisions})")
+        wait_until(lambda: _sizes(cluster) == (1, 1), timeout=150, interval=0.1,
+                   message=lambda: f"1P+1D again at {LOW} req/s (decisions {planner.decisions})")
         assert _predicted(planner.policy.last_load) == (1, 1), planner.policy.last_load
     finally:
         planner.stop()

@@ -42,6 +42,7 @@ from cluster.supervisor import Supervisor, SupervisorConfig
 from engine.sampling_params import SamplingParams
 from tests.e2e.helpers import offline
 from tests.fault_tolerance.load import Replay, Result, TraceRequest, counts, trace_requests
+from tests.waiting import wait_until
 
 ROLES = ("prefill", "decode")
 N = 36                    # requests per scenario
@@ -139,16 +140,6 @@ def _idle(env: Env) -> bool:
     return env.cluster.router.num_in_flight == 0 and bool(kv) and all(f == t > 0 for f, t in kv.values())
 
 
-def _wait(cond: Callable[[], bool], timeout_s: float) -> Optional[float]:
-    """Seconds until ``cond()`` held, or None if it did not within ``timeout_s``."""
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout_s:
-            return None
-        time.sleep(0.1)
-    return time.monotonic() - t0
-
-
 def _router_counts(env: Env) -> Counter:
     """The router's migration and degraded-routing counters."""
     c: Counter = Counter()
@@ -180,16 +171,21 @@ class Outcome:
 def _replay_with_fault(env: Env, case: str, reqs: list[TraceRequest], want: list, inject: Callable[[], None],
                        dead: Optional[str]) -> Outcome:
     # Start from a healthy, idle cluster (also the proof that the previous scenario left it so).
-    assert _wait(lambda: _at_size(_pools(env), None), 60) is not None, f"{case}: not healthy before: {_pools(env)}"
-    assert _wait(lambda: _idle(env), 30) is not None, f"{case}: not idle before: {_kv(env)}"
+    wait_until(lambda: _at_size(_pools(env), None), timeout=60, interval=0.1,
+               message=lambda: f"{case}: not healthy before: {_pools(env)}")
+    wait_until(lambda: _idle(env), timeout=30, interval=0.1, message=lambda: f"{case}: not idle before: {_kv(env)}")
     counters = _router_counts(env)
     replay = Replay(env.cluster.router_address, reqs, timeout_s=REQUEST_TIMEOUT_S).start()
     try:
         streaming = replay.wait_for(submitted=FAULT_AT, streaming=1)
         t_fault = time.monotonic()
         inject()  # returns once the fault is in place (for Redis: killed, down for a while, restarted)
-        healed = _wait(lambda: _at_size(_pools(env), dead), max(0.0, HEAL_DEADLINE_S - (time.monotonic() - t_fault)))
-        heal_s = None if healed is None else time.monotonic() - t_fault
+        try:  # not healed in time is reported with the replay's results (_check), not here
+            wait_until(lambda: _at_size(_pools(env), dead), interval=0.1,
+                       timeout=max(0.0, HEAL_DEADLINE_S - (time.monotonic() - t_fault)))
+            heal_s: Optional[float] = time.monotonic() - t_fault
+        except AssertionError:
+            heal_s = None
         results = replay.join(timeout_s=REQUEST_TIMEOUT_S + 30)
         # The fault is over once the pools are back: each refused request gets one more try.
         failed = [r for r in results if r.code in RETRIABLE]
@@ -224,9 +220,9 @@ def _check(env: Env, out: Outcome, want: list, dead: Optional[str]) -> None:
     for r in out.retried:
         assert (r.token_ids, r.finish_reason) == (want[r.index][0], want[r.index][2]), (
             f"retried request {r.index}: output differs from offline: got {r.token_ids}, want {want[r.index][0]}; {s}")
-    free_s = _wait(lambda: _idle(env), 30)
-    assert free_s is not None, (f"KV blocks not all free (worker -> (free, total)): {_kv(env)}, router in flight "
-                                f"{env.cluster.router.num_in_flight}; {s}")
+    wait_until(lambda: _idle(env), timeout=30, interval=0.1,
+               message=lambda: (f"KV blocks not all free (worker -> (free, total)): {_kv(env)}, router in flight "
+                                f"{env.cluster.router.num_in_flight}; {s}"))
 
 
 def _kill_worker(env: Env, role: str) -> tuple[str, Callable[[], None]]:

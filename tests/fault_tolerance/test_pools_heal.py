@@ -23,6 +23,7 @@ from cluster.registry import Registry
 from cluster.supervisor import Supervisor, SupervisorConfig
 from engine.sampling_params import SamplingParams
 from tests.e2e.helpers import generate, offline
+from tests.waiting import wait_until
 
 HEAL_DEADLINE_S = 30.0  # the bound on the tiny model
 PROMPT = "def main(argv=None) -> int:"
@@ -65,11 +66,10 @@ def test_sigkilled_worker_is_replaced_under_a_new_id(healing, redis_url, role):
     pid = ray.get(handle.pid.remote(), timeout=30)
     t0 = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    while not _healed(cluster, supervisor, reg, role, dead):
-        assert time.monotonic() - t0 < HEAL_DEADLINE_S, (
-            f"{role} pool not healed within {HEAL_DEADLINE_S}s: members {cluster.worker_ids(role)}, "
-            f"registry {[w.worker_id for w in reg.list(role)]}, live {supervisor.live_ready(role)}")
-        time.sleep(0.1)
+    wait_until(lambda: _healed(cluster, supervisor, reg, role, dead), timeout=HEAL_DEADLINE_S, interval=0.1,
+               message=lambda: (f"{role} pool not healed within {HEAL_DEADLINE_S}s: members "
+                                f"{cluster.worker_ids(role)}, registry {[w.worker_id for w in reg.list(role)]}, "
+                                f"live {supervisor.live_ready(role)}"))
     healed_s = time.monotonic() - t0
     print(f"\n{role}: {dead} (pid {pid}) SIGKILLed, replaced by {cluster.worker_ids(role)[0]} "
           f"in {healed_s:.1f} s")
