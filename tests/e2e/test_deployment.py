@@ -27,6 +27,7 @@ from engine.sampling_params import SamplingParams
 from tests.e2e.helpers import generate, offline
 from tests.e2e.test_join_ray import ENV, ray_head  # noqa: F401  (the fixture)
 from tests.e2e.test_pdserve_up import REPO, UpProcess, _pdserve
+from tests.waiting import wait_until
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Config:\n    path"]
 
@@ -45,17 +46,6 @@ def _workers(registry: Registry) -> dict[str, str]:
 def _stop(proc: UpProcess, timeout: float = 60) -> int:
     proc.proc.send_signal(signal.SIGTERM)
     return proc.proc.wait(timeout)
-
-
-def _wait_for(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.25)
 
 
 def test_workers_outlive_routers_and_controllers(ray_head, redis_url, tmp_path):  # noqa: F811
@@ -94,8 +84,8 @@ def test_workers_outlive_routers_and_controllers(ray_head, redis_url, tmp_path):
         assert _stop(c1) == 0, c1.tail()
         stop_at, stop_wall = time.monotonic(), time.time()  # updated_at is wall-clock (unix) time
         # Several registry TTLs (3 s) later the records are still refreshed: the workers heartbeat on their own.
-        _wait_for(lambda: time.monotonic() - stop_at > 10 and _workers(registry) == first, 60,
-                  "workers still registered 10 s after their controller left")
+        wait_until(lambda: time.monotonic() - stop_at > 10 and _workers(registry) == first, timeout=60, interval=0.25,
+                   message="workers still registered 10 s after their controller left")
         _greedy_equal_offline(r2.router)
         assert registry.get(f"decode-{gen1}-0").updated_at > stop_wall + 5
 

@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 
 import psutil
 import pytest
@@ -25,6 +24,7 @@ from engine.sampling_params import SamplingParams
 from tests.e2e.helpers import generate, offline
 from tests.e2e.test_pdserve_up import UpProcess, _pdserve
 from tests.multinode.ray_nodes import procs_of
+from tests.waiting import wait_until
 
 # Token auth would need the head's token in the driver's environment; this private head is loopback-only.
 ENV = dict(os.environ, RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1")
@@ -75,13 +75,13 @@ def _ray_status(address: str) -> str:
 
 
 def _wait_status(address: str, patterns: tuple[str, ...], timeout: float) -> str:
-    """Poll `ray status` until every pattern matches or `timeout` passes; return the last status."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """`ray status` once every pattern matches it (polled); AssertionError with the status after `timeout`."""
+    def matching() -> str | None:
         status = _ray_status(address)
-        if all(re.search(p, status) for p in patterns) or time.monotonic() > deadline:
-            return status
-        time.sleep(0.5)
+        return status if all(re.search(p, status) for p in patterns) else None
+
+    return wait_until(matching, timeout=timeout, interval=0.5,
+                      message=lambda: f"`ray status` matching {patterns}:\n{_ray_status(address)}")
 
 
 def test_pdserve_up_joins_ray_and_places_pools_by_resource(ray_head):

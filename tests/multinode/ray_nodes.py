@@ -26,12 +26,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Iterator
 
 import psutil
 
 from tests.e2e.test_pdserve_up import _pdserve
+from tests.waiting import wait_until
 
 ENV = dict(os.environ, RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", RAY_FAKE_CLUSTER="1",
            AUTOSCALER_UPDATE_INTERVAL_S="1")
@@ -117,15 +117,14 @@ def nodes(address: str) -> list[dict]:
 
 
 def wait_nodes(address: str, want: dict, timeout: float) -> list[dict]:
-    """Poll until the live nodes offering each resource in ``want`` number at least ``want[resource]``."""
-    deadline = time.monotonic() + timeout
-    while True:
+    """Poll until the live nodes offering each resource in ``want`` number at least ``want[resource]``;
+    returns the live nodes."""
+    def enough() -> list[dict] | None:
         live = [n for n in nodes(address) if n["alive"]]
-        if all(sum(1 for n in live if n["resources"].get(r, 0) > 0) >= k for r, k in want.items()):
-            return live
-        if time.monotonic() > deadline:
-            raise AssertionError(f"nodes {want} not up within {timeout} s: {live}")
-        time.sleep(1.0)
+        return live if all(sum(1 for n in live if n["resources"].get(r, 0) > 0) >= k for r, k in want.items()) else None
+
+    return wait_until(enough, timeout=timeout, interval=1.0,
+                      message=lambda: f"nodes {want} up: {[n for n in nodes(address) if n['alive']]}")
 
 
 def raylet_of_port(port: int) -> psutil.Process:

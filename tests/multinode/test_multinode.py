@@ -24,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from cluster.registry import Registry
 from engine.sampling_params import SamplingParams
 from tests.e2e.helpers import generate, mixed_prompts, offline
-from tests.e2e.test_deployment import _wait_for
 from tests.e2e.test_pdserve_up import UpProcess
 from tests.multinode.ray_nodes import ENV, autoscaling_head, raylet_of_port, wait_nodes
+from tests.waiting import wait_until
 
 GREEDY = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -73,15 +73,11 @@ def _node_of(registry: Registry, worker_id: str) -> str:
     return info.node_id
 
 
-def _wait_ready(registry: Registry, worker_id: str, timeout: float) -> None:
-    _wait_for(lambda: registry.get(worker_id) is not None and registry.get(worker_id).ready, timeout,
-              f"{worker_id} registered and ready")
-
-
 def _serve_more_then_stop(load: Load, up: UpProcess, more: int) -> None:
     """``more`` requests served after the event, every result equal to offline, then a clean SIGTERM."""
     served = len(load.results)
-    _wait_for(lambda: len(load.results) >= served + more, 180, "requests served after the event")
+    wait_until(lambda: len(load.results) >= served + more, timeout=180, interval=0.25,
+               message="requests served after the event")
     load.stop()
     load.check_equal_offline()
     up.proc.send_signal(signal.SIGTERM)
@@ -109,11 +105,13 @@ def test_pools_on_their_node_types_and_a_lost_node_is_replaced_on_a_survivor(red
             survivors = {i for i, r in offers.items() if "decode" in r} - {lost}
 
             load = Load(up.router, 3, mixed_prompts(12), **GREEDY)
-            _wait_for(lambda: len(load.results) >= 6, 180, "requests served before the fault")
+            wait_until(lambda: len(load.results) >= 6, timeout=180, interval=0.25,
+                       message="requests served before the fault")
             port = int(registry.get("decode-0").grpc_address.rpartition(":")[2])
             raylet = raylet_of_port(port)
             raylet.send_signal(signal.SIGKILL)
-            _wait_ready(registry, "decode-1", 180)
+            wait_until(lambda: getattr(registry.get("decode-1"), "ready", False), timeout=180, interval=0.25,
+                       message="decode-1 registered and ready")
             assert _node_of(registry, "decode-1") in survivors
             _serve_more_then_stop(load, up, 6)
         finally:
@@ -137,7 +135,8 @@ def test_planner_growing_past_the_nodes_makes_the_autoscaler_add_a_node(redis_ur
             up.wait_serving(300)
             prompts = [p for p in mixed_prompts(40) if 150 < len(p) < 300][:6]
             load = Load(up.router, 4, prompts, max_tokens=64, temperature=0.0, ignore_eos=True)
-            _wait_ready(registry, "decode-1", 300)
+            wait_until(lambda: getattr(registry.get("decode-1"), "ready", False), timeout=300, interval=0.25,
+                       message="decode-1 registered and ready")
             grown = wait_nodes(address, {"decode": 2}, 60)
             new_node = _node_of(registry, "decode-1")
             assert new_node not in before, "decode-1 should run on a node the autoscaler added"
