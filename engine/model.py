@@ -26,7 +26,9 @@ from torch import Tensor, nn
 
 from engine.attention import AttentionMetadata, apply_rope, decode_attention, paged_attention, write_kv
 from engine.config import ModelConfig, rope_inv_freq
-from engine.kernels import cpu_kernels, onednn_panels, tune_panel_prefetch
+from engine.kernels import cpu_kernels
+from engine.onednn_layout import onednn_panels
+from engine.prefetch_tuning import tune_panel_prefetch
 from engine.quant import (ACT_BLOCK, QUANTIZATIONS, dequantize_int4, dequantize_int8, fake_quantize_act,
                           from_panels_int4, from_panels_int8, from_panels_w4a8, from_panels_w8a8, quantize_int4,
                           quantize_int8, step_order, to_panels_int4, to_panels_int8, to_panels_w4a8, to_panels_w8a8)
@@ -88,6 +90,7 @@ class Linear(nn.Module):
         self.qorder: Optional[Tensor] = None  # w8a8 on the row kernel: the column order qweight is stored in
         self.qpanels = False  # stored in one of the kernels' panel formats (engine/quant.py to_panels_*)
         self.qunsigned = False  # (w8a8 panels: bytes stored as q ^ 0x80, the VNNI builds)
+        self.prefetch = None  # the model's PanelPrefetch (engine/prefetch_tuning.py), for the panel kernels
 
     def quantize(self, method: str, group: int = 128) -> None:
         """Replace the float weight by its weight-only quantized form (engine/quant.py), once, at load.
@@ -162,16 +165,17 @@ class Linear(nn.Module):
         if k is not None and (self.qpanels or x2.shape[0] <= self.SMALL_M[method]):
             xf = x2.float().contiguous()
             w, sc, n, g = self.qweight, self.qscale, self.out_features, self.qgroup
+            pf = () if self.prefetch is None else (self.prefetch,)
             if method == "fp32":
                 y = k.linear_fp32(xf, w, bias)
             elif method == "int8":
-                y = k.linear_int8_panels(xf, w, sc, n, bias) if self.qpanels else k.linear_int8(xf, w, sc, bias)
+                y = k.linear_int8_panels(xf, w, sc, n, bias, *pf) if self.qpanels else k.linear_int8(xf, w, sc, bias)
             elif method == "int4":
-                y = k.linear_int4_panels(xf, w, sc, n, g, bias) if self.qpanels else k.linear_int4(xf, w, sc, g, bias)
+                y = k.linear_int4_panels(xf, w, sc, n, g, bias, *pf) if self.qpanels else k.linear_int4(xf, w, sc, g, bias)
             elif method == "w8a8":
-                y = k.linear_w8a8_panels(xf, w, sc, n, bias) if self.qpanels else k.linear_w8a8(xf, w, sc, bias)
+                y = k.linear_w8a8_panels(xf, w, sc, n, bias, *pf) if self.qpanels else k.linear_w8a8(xf, w, sc, bias)
             else:
-                y = k.linear_w4a8_panels(xf, w, sc, n, g, bias) if self.qpanels else k.linear_w4a8(xf, w, sc, g, bias)
+                y = k.linear_w4a8_panels(xf, w, sc, n, g, bias, *pf) if self.qpanels else k.linear_w4a8(xf, w, sc, g, bias)
         else:
             if method == "fp32":
                 w = self.qweight
@@ -228,7 +232,8 @@ class Linear(nn.Module):
         if self.packed is not None:
             if self.panel is not None and x.dtype == torch.float32 and x.numel() <= self.PANEL_MAX_M * self.in_features:
                 x2 = x.reshape(-1, self.in_features).contiguous()
-                y = cpu_kernels().linear_panel(x2, self.panel, self.out_features, self.bias)
+                pf = () if self.prefetch is None else (self.prefetch,)
+                y = cpu_kernels().linear_panel(x2, self.panel, self.out_features, self.bias, *pf)
                 return y.reshape(*x.shape[:-1], self.out_features)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.bias is None:
@@ -259,7 +264,7 @@ class DecoderLayer(nn.Module):
     _PANEL_CODE = 5  # float32 on oneDNN's packed panels (Linear.panel)
     _QPANEL_CODES = {"w8a8": 6, "w4a8": 7, "int8": 8, "int4": 9}  # the panel formats (Linear.qpanels)
 
-    def build_fused(self) -> bool:
+    def build_fused(self, prefetch: object) -> bool:
         """Hand this layer's weights to the C++ decode layer (engine/csrc: the same kernels, one call per
         layer for a batch of single-token decodes) where every linear runs on pdserve's kernels; False,
         unchanged, elsewhere (oneDNN layouts other than panels, torch linears, no kernels, not float32 on
@@ -275,13 +280,13 @@ class DecoderLayer(nn.Module):
         def spec(m: Linear) -> tuple:
             bias = None if m.bias is None else m.bias.detach().float().contiguous()
             if m.panel is not None:
-                return (self._PANEL_CODE, m.panel, None, bias, 0, m.out_features)
+                return (k.WeightFormat(self._PANEL_CODE), m.panel, None, bias, 0, m.out_features)
             code = self._QPANEL_CODES[m.qmethod] if m.qpanels else self._METHOD_CODES[m.qmethod]
-            return (code, m.qweight, m.qscale, bias, m.qgroup, m.out_features)
+            return (k.WeightFormat(code), m.qweight, m.qscale, bias, m.qgroup, m.out_features)
         specs = [spec(m) for m in lins]
         self.fused = k.DecodeLayer(*specs, self.input_layernorm.weight.detach(), self.post_attention_layernorm.weight.detach(),
                                    self.input_layernorm.eps, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   self.window or 0, self.head_dim ** -0.5)
+                                   self.window or 0, self.head_dim ** -0.5, prefetch)
         self.fused_max_rows = min(m.small_m() for m in lins)
         # the Python path of this layer (prefill, mixed and verify steps) then uses the same norm and
         # silu * mul kernels as the fused one
@@ -337,6 +342,8 @@ class CausalLM(nn.Module):
         self.max_positions = max_positions or mc.max_position_embeddings
         self.rope_cos: Optional[Tensor] = None
         self.rope_sin: Optional[Tensor] = None
+        # the panel kernels' prefetch distances, measured for this model at load (engine/prefetch_tuning.py)
+        self.panel_prefetch = None
 
     def _tune_kernels(self) -> None:
         """Measure the panel kernels' prefetch distance on this machine and these weights (engine/kernels.py
@@ -348,7 +355,7 @@ class CausalLM(nn.Module):
             elif isinstance(m, Linear) and m.qpanels and m.qweight is not None and m.qweight.device.type == "cpu":
                 products.append((m.forward, m.in_features, m.qweight.numel() * m.qweight.element_size()))
         if products:
-            tune_panel_prefetch(products)
+            tune_panel_prefetch(products, self.panel_prefetch)
 
     def finalize(self, cpu_gemm: str = "onednn", quantization: Optional[str] = None,
                  group_size: int = 128) -> "CausalLM":
@@ -360,6 +367,8 @@ class CausalLM(nn.Module):
         on the packed bytes where it can; ``"onednn_only"`` keeps every product on oneDNN), or keep them
         dense for pdserve's row kernel with ``cpu_gemm == "pdserve"``, and switch to eval."""
         w = self.embed_tokens.weight
+        kern = cpu_kernels() if w.device.type == "cpu" and (w.dtype == torch.float32 or quantization) else None
+        self.panel_prefetch = kern.PanelPrefetch() if kern is not None else None
         if self.config.tie_word_embeddings:
             with torch.no_grad():
                 self.lm_head.weight_t.copy_(w.t())
@@ -381,7 +390,10 @@ class CausalLM(nn.Module):
                         m.panel = None
         # where every linear runs on pdserve's kernels (the default oneDNN-packed fp32 path included, where
         # its layout is panels), decode runs a layer per call
-        fused = [layer.build_fused() for layer in self.layers]
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.prefetch = self.panel_prefetch
+        fused = [layer.build_fused(self.panel_prefetch) for layer in self.layers]
         self.norm.use_kernel = bool(fused) and all(fused)
         self._tune_kernels()
         # one cos/sin table for all positions, indexed per step (no per-step trig); computed in
