@@ -67,12 +67,8 @@ struct QAct {
   }
 };
 
-// what the weight's bytes are offset by where they enter the dot product (each lane starts at -offset * sum a)
-#ifdef PD_Q_VNNI
-constexpr int I8_OFFSET = 128;  // int8 weights enter dpbusd as q ^ 0x80
-#else
-constexpr int I8_OFFSET = 0;    // plain AVX2: |q| and sign(a, q) through maddubs; scalar: signed products
-#endif
+// what the weight's bytes are offset by where they enter the dot product (each lane starts at -offset * sum a):
+// int8 I8_OFFSET (simd.h), int4
 constexpr int I4_OFFSET = PD_Q_ISA >= 2 ? 8 : 0;  // the stored nibble q + 8; the scalar loop subtracts the 8
 
 #if PD_Q_ISA >= 2
@@ -87,21 +83,9 @@ struct I8Q {
   }
   inline void load(int64_t n, int64_t c, qiv& A, qiv& B) const {
     const int8_t* p = w + n * K + c * QS;
-#ifdef PD_Q_VNNI
-    A = qxor80(qload(p)); B = qxor80(qload(p + VB));
-#else
-    A = qload(p); B = qload(p + VB);
-#endif
+    A = qload_i8w(p); B = qload_i8w(p + VB);
   }
-  static inline qiv dot(qiv acc, qiv wv, qiv a) {
-#ifdef PD_Q_VNNI
-    return dot_us(acc, wv, a);
-#else
-    // |q| <= 127 and |a| <= 127: pair sums stay within int16
-    __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(a, wv));
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-#endif
-  }
+  static inline qiv dot(qiv acc, qiv wv, qiv a) { return dot_i8(acc, wv, a); }
   inline float out_scale(int64_t n) const { return scale[n]; }
   inline float group_scale(int64_t, int64_t) const { return 1.f; }
 };
@@ -271,12 +255,8 @@ int64_t qstep() { return QS; }
 constexpr int PW = VB / 4;  // outputs per panel
 #if PD_Q_ISA == 3
 constexpr int QNV = 4, QMR = 3;  // vectors x rows per tile: 12 int32 + 12 float accumulators
-inline qiv qbcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
-inline qiv qset1(int32_t v) { return _mm512_set1_epi32(v); }
 #else
 constexpr int QNV = 2, QMR = 2;
-inline qiv qbcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
-inline qiv qset1(int32_t v) { return _mm256_set1_epi32(v); }
 #endif
 constexpr int QW = QNV * PW;  // outputs per panel of the stored format: one tile
 
@@ -367,11 +347,7 @@ inline void qpanel_tile(const uint8_t* w, const float* scale, int64_t K, int64_t
       float out[PW];
       qfv r = facc[i][v];
       if constexpr (!INT4) r = qmul(r, qloadf(scale + (p0 + v) * PW));
-#if PD_Q_ISA == 3
-      _mm512_storeu_ps(out, r);
-#else
-      _mm256_storeu_ps(out, r);
-#endif
+      qstoref(out, r);
       const int64_t n = (p0 + v) * PW;
       for (int o = 0; o < PW && n + o < N; ++o) y[(m0 + i) * ldy + n + o] = bias ? out[o] + bias[n + o] : out[o];
     }

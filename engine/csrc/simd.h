@@ -6,7 +6,8 @@
 //                  reduce16 / exp16, and widening loads of narrow integers (widen_i8 / widen_u8 / widen_u16).
 //   integer dots:  qiv / qfv, one native vector of bytes / floats for the w8a8 / w4a8 kernels (PD_Q_ISA: 3 AVX-512
 //                  VNNI, 2 AVX2, 0 scalar; VB bytes per vector, QS values per step, PD_Q_VNNI where dpbusd exists);
-//                  qload / qloadf / qzero / qsplat / qmul / qfma / qsum / dot_us / qxor80 / nibbles.
+//                  qload / qloadf / qzero / qsplat / qmul / qfma / qsum / dot_us / qxor80 / nibbles / qbcast /
+//                  qset1 / qstoref, and the int8-weight dot (qload_i8w, dot_i8, I8_OFFSET).
 // The op files (linear_rows.cpp, panels.cpp, int_dots.cpp, ...) hold no instruction-set #if of their own
 // beyond the tile shapes that follow from these.
 #pragma once
@@ -269,6 +270,44 @@ inline void nibbles(const uint8_t* p, qiv& lo, qiv& hi) {
   lo = _mm256_and_si256(v, m);
   hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
 }
+#endif
+
+
+// broadcasts, stores, and the int8-weight dot: the instructions differ by build, the kernels do not
+#if PD_Q_ISA == 3
+inline qiv qbcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+inline qiv qset1(int32_t v) { return _mm512_set1_epi32(v); }
+inline void qstoref(float* p, qfv v) { _mm512_storeu_ps(p, v); }
+#elif PD_Q_ISA == 2
+inline qiv qbcast(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
+inline qiv qset1(int32_t v) { return _mm256_set1_epi32(v); }
+inline void qstoref(float* p, qfv v) { _mm256_storeu_ps(p, v); }
+#endif
+#if PD_Q_ISA >= 2
+// VB int8 weights as they enter dot_i8: q ^ 0x80 with VNNI (dpbusd takes them unsigned), q without
+inline qiv qload_i8w(const void* p) {
+#ifdef PD_Q_VNNI
+  return qxor80(qload(p));
+#else
+  return qload(p);
+#endif
+}
+// acc + int8 weights (as qload_i8w gives them) times int8 activations a, 4 to an int32 lane
+inline qiv dot_i8(qiv acc, qiv wv, qiv a) {
+#ifdef PD_Q_VNNI
+  return dot_us(acc, wv, a);
+#else
+  // |q| <= 127 and |a| <= 127: pair sums stay within int16
+  __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(a, wv));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+}
+#endif
+// what int8 weights are offset by where they enter the dot product (each lane starts at -offset * sum a)
+#ifdef PD_Q_VNNI
+constexpr int I8_OFFSET = 128;  // int8 weights enter dpbusd as q ^ 0x80
+#else
+constexpr int I8_OFFSET = 0;    // plain AVX2: |q| and sign(a, q) through maddubs; scalar: signed products
 #endif
 
 }  // namespace pdserve
