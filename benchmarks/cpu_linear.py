@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.kernels import cpu_kernels, onednn_panels  # noqa: E402
+from engine.kernels import cpu_kernels  # noqa: E402
+from engine.onednn_layout import onednn_panels  # noqa: E402
 from engine.quant import (quantize_int4, quantize_int8, step_order, to_panels_int4, to_panels_int8,  # noqa: E402
                           to_panels_w4a8, to_panels_w8a8)
 
@@ -63,7 +64,8 @@ def main() -> None:
     big = torch.ones(fp32_bytes // 4)
     print(f"{args.copies} x [{args.n}, {args.k}] weights ({fp32_bytes / 2**20:.0f} MiB in float32), "
           f"{args.threads} threads, {torch.__version__}")
-    print(f"prefetch (one row, several rows): {kern.panel_prefetch()} bytes unless named")
+    dist = kern.PanelPrefetch()  # the panel cases' prefetch distances (a model keeps its own, tuned at load)
+    print(f"prefetch (one row, several rows): {dist.get()} bytes unless named")
     print(f"{'M':>3} {'format':<22} {'GB/s':>7} {'of sum':>7}")
     for m in args.m:
         x = torch.randn(m, args.k, generator=g)
@@ -72,17 +74,17 @@ def main() -> None:
             "fp32 oneDNN": (lambda i: torch.ops.mkldnn._linear_pointwise(x, packed[i], None, "none", [], ""),
                             fp32_bytes),
             "fp32 pdserve": (lambda i: kern.linear_fp32(x, ws[i], None), fp32_bytes),
-            "fp32 panels": (lambda i: kern.linear_panel(x, panels[i], args.n, None), fp32_bytes),
+            "fp32 panels": (lambda i: kern.linear_panel(x, panels[i], args.n, None, dist), fp32_bytes),
             "int8 pdserve": (lambda i: kern.linear_int8(x, *q8[i], None), fp32_bytes // 4),
-            "int8 panels": (lambda i: kern.linear_int8_panels(x, *q8i[i], args.n, None), fp32_bytes // 4),
+            "int8 panels": (lambda i: kern.linear_int8_panels(x, *q8i[i], args.n, None, dist), fp32_bytes // 4),
             "int4 pdserve": (lambda i: kern.linear_int4(x, *q4[i], args.group, None), fp32_bytes // 8),
-            "int4 panels": (lambda i: kern.linear_int4_panels(x, *q4i[i], args.n, args.group, None), fp32_bytes // 8),
+            "int4 panels": (lambda i: kern.linear_int4_panels(x, *q4i[i], args.n, args.group, None, dist), fp32_bytes // 8),
             "w8a8 pdserve": (lambda i: kern.linear_w8a8(x, *q8rows[i], None), fp32_bytes // 4),
             "w4a8 pdserve": (lambda i: kern.linear_w4a8(x, *q4[i], args.group, None), fp32_bytes // 8),
         }
         if pw:  # the integer panel kernels (what the engine uses on AVX2 / AVX-512 builds)
-            cases["w8a8 panels"] = (lambda i: kern.linear_w8a8_panels(x, *q8p[i], args.n, None), fp32_bytes // 4)
-            cases["w4a8 panels"] = (lambda i: kern.linear_w4a8_panels(x, *q4p[i], args.n, args.group, None),
+            cases["w8a8 panels"] = (lambda i: kern.linear_w8a8_panels(x, *q8p[i], args.n, None, dist), fp32_bytes // 4)
+            cases["w4a8 panels"] = (lambda i: kern.linear_w4a8_panels(x, *q4p[i], args.n, args.group, None, dist),
                                     fp32_bytes // 8)
         if panels[0] is None:
             del cases["fp32 panels"]  # oneDNN packed another layout on this machine
@@ -96,7 +98,7 @@ def main() -> None:
         for _ in range(args.repeats + 1):  # the first round warms up
             for name, (f, _) in cases.items():
                 if pfs.get(name) is not None:
-                    kern.set_panel_prefetch(pfs[name], pfs[name])
+                    dist.set(pfs[name], pfs[name])
                 t = time.perf_counter()
                 for i in range(args.copies):
                     f(i)

@@ -20,7 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.kernels import cpu_kernels, onednn_panels  # noqa: E402
+from engine.kernels import cpu_kernels  # noqa: E402
+from engine.onednn_layout import onednn_panels  # noqa: E402
 
 SHAPES = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12 + [(8192, 768)]
 

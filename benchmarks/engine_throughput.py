@@ -40,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.builtin import save_builtin  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.kernels import cpu_kernels  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -76,18 +75,17 @@ LLAMA = ("llamacpp_f32", "llamacpp_q8_0", "llamacpp_q4_0")
 
 def make_ours(model_dir: str, threads: int, panel_prefetch: Optional[tuple[int, int]] = None,
               **overrides) -> RunFn:
-    """run(prompts, new_tokens) on our LLMEngine. The panel kernels' prefetch distances are process-wide and
-    tuned at each load (engine/kernels.py): each contender keeps what its own load chose (or
-    ``panel_prefetch``) and sets it before every run, since contenders are interleaved."""
+    """run(prompts, new_tokens) on our LLMEngine. The panel kernels' prefetch distances are tuned at each load
+    and kept on the loaded model (engine/prefetch_tuning.py): each contender keeps what its own load chose (or
+    ``panel_prefetch``, set on its model)."""
     eng = LLMEngine(EngineConfig(model=model_dir, dtype="float32", num_threads=threads, max_num_seqs=64,
                                  max_num_batched_tokens=2048, kv_cache_memory_bytes=1 << 30,
                                  enable_prefix_caching=False, **overrides))  # rounds repeat prompts
-    kern = cpu_kernels()
-    pf = (panel_prefetch or tuple(kern.panel_prefetch())) if kern is not None else None
+    dist = eng.runner.model.panel_prefetch  # None where the kernels are not built
+    if dist is not None and panel_prefetch is not None:
+        dist.set(*panel_prefetch)
 
     def run(ps: list[list[int]], n: int) -> None:
-        if pf is not None:
-            kern.set_panel_prefetch(*pf)
         sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         for i, p in enumerate(ps):
             eng.add_request(str(i), p, sp)

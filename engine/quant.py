@@ -4,7 +4,7 @@ Lifecycle: pure functions. ``CausalLM.finalize`` calls ``quantize_int8`` / ``qua
 linear layer at load (from the floating-point checkpoint) when ``EngineConfig.quantization`` asks for
 it; the attention calls ``quantize_kv`` on every step's new K/V rows when ``kv_cache_dtype="int8"``
 and ``dequantize_kv`` where it reads the cache without the C++ kernel. The formats are the ones
-engine/csrc/cpu_kernels.cpp reads:
+the kernels in engine/csrc read (linear_rows.cpp, panels.cpp, int_dots.cpp):
 
 - **int8 weights, per output channel**: ``q [N, K] int8``, ``scale [N] float32``, ``W = q * scale``,
   ``scale = max|W[n]| / 127``, so ``|W - q * scale| <= scale / 2``.
@@ -94,7 +94,7 @@ def fake_quantize_act(x: Tensor) -> Tensor:
 
 
 def step_order(K: int, step: int) -> Tensor:
-    """The order in which the integer-dot kernels read K values (engine/csrc/cpu_kernels.cpp, W8A8 section):
+    """The order in which the integer-dot kernels read K values (engine/csrc/int_dots.cpp):
     a step of ``step`` values is two halves of ``step / 2`` bytes; byte j of the first half is value
     32 * (j // 16) + j % 16 of the step, byte j of the second half the value 16 after it (the low and high
     nibbles of the int4 format). ``order[p]`` is the natural index of position p; identity for step 32."""
@@ -160,7 +160,7 @@ def from_panels_int4(p: Tensor, scale: Tensor, N: int, group: int) -> Tensor:
 
 
 def to_panels_w8a8(q: Tensor, scale: Tensor, pw: int, unsigned: bool) -> tuple[Tensor, Tensor]:
-    """int8 [N, K] + scale [N] -> the integer panel kernels' w8a8 format (engine/csrc/cpu_kernels.cpp,
+    """int8 [N, K] + scale [N] -> the integer panel kernels' w8a8 format (engine/csrc/int_dots.cpp,
     "W8A8 / W4A8 on panels"): uint8 [NP, K/4, pw, 4] with byte (o, t) of quad j = q[p * pw + o, 4j + t]
     (``^ 0x80`` where ``unsigned``: the VNNI builds), and scale padded to [NP * pw]. Zero rows pad N."""
     N, K = q.shape

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, gather_decode_attention
-from engine.kernels import cpu_isa_flags, cpu_kernels, onednn_panels
+from engine.kernels import cpu_isa_flags, cpu_kernels
+from engine.onednn_layout import onednn_panels
 from engine.quant import (dequantize_int4, dequantize_int8, dequantize_kv, fake_quantize_act, from_panels_int4,
                           from_panels_int8, from_panels_w4a8, from_panels_w8a8, int4_levels, quantize_act,
                           quantize_int4, quantize_int8, quantize_kv, step_order, to_panels_int4, to_panels_int8,
@@ -419,100 +420,101 @@ def test_paged_decode_kernel_refuses_out_of_range_tables(kern):
         kern.paged_decode_attention(q, k, v, bad, meta.decode_ctx_lens, 0, 0.125)
 
 
-# ---- panel prefetch (machine-tuned, engine/kernels.py tune_panel_prefetch) ------------------------------
-@pytest.fixture
-def keep_prefetch(kern):
-    saved = tuple(kern.panel_prefetch())
-    yield kern
-    kern.set_panel_prefetch(*saved)
-
-
-def test_panel_prefetch_distance_changes_no_result(keep_prefetch):
+# ---- panel prefetch (machine-tuned per model, engine/prefetch_tuning.py) ------------------------------------
+def test_panel_prefetch_distance_changes_no_result(kern):
     """Every panel kernel (fp32, int8, int4, w8a8, w4a8) gives the same bits at every prefetch distance, at one
     row and at several, including distances far past the end of the weights (a prefetch never faults), and
     the same bits as torch's product on the weights (so a prefetching path cannot be wrong in both)."""
-    kern = keep_prefetch
     g = torch.Generator().manual_seed(5)
     N, K, group = 130, 256, 64
     w, b = torch.randn(N, K, generator=g), torch.randn(N, generator=g)
     q8, s8 = quantize_int8(w)
     p4, d4 = quantize_int4(w, group)
-    cases = {"fp32": lambda x, p=_panels(w, 64): kern.linear_panel(x, p, N, b),
-             "int8": lambda x, pp=to_panels_int8(q8, s8): kern.linear_int8_panels(x, *pp, N, b),
-             "int4": lambda x, pp=to_panels_int4(p4, d4, group): kern.linear_int4_panels(x, *pp, N, group, b)}
+    cases = {"fp32": lambda x, pf, p=_panels(w, 64): kern.linear_panel(x, p, N, b, pf),
+             "int8": lambda x, pf, pp=to_panels_int8(q8, s8): kern.linear_int8_panels(x, *pp, N, b, pf),
+             "int4": lambda x, pf, pp=to_panels_int4(p4, d4, group): kern.linear_int4_panels(x, *pp, N, group, b, pf)}
     pw = kern.qpanel_width()
     if pw:
         pq = to_panels_w8a8(q8, s8, pw, kern.qpanel_unsigned())
         pq4 = to_panels_w4a8(p4, d4, group, pw)
-        cases["w8a8"] = lambda x: kern.linear_w8a8_panels(x, *pq, N, b)
-        cases["w4a8"] = lambda x: kern.linear_w4a8_panels(x, *pq4, N, group, b)
+        cases["w8a8"] = lambda x, pf: kern.linear_w8a8_panels(x, *pq, N, b, pf)
+        cases["w4a8"] = lambda x, pf: kern.linear_w4a8_panels(x, *pq4, N, group, b, pf)
     x = torch.randn(20, K, generator=g)
     rows = (1, 9, 20)  # 20: several whole row groups, whose later passes also prefetch the next tile (Ahead)
     for name, run in cases.items():
-        kern.set_panel_prefetch(0, 0)
-        ref = {m: run(x[:m].contiguous()) for m in rows}
+        ref = {m: run(x[:m].contiguous(), kern.PanelPrefetch(0, 0)) for m in rows}
         for pf in (64, 256, 2048, 8192, 1 << 24):
-            kern.set_panel_prefetch(pf, pf)
-            assert tuple(kern.panel_prefetch()) == (pf, pf)
+            dist = kern.PanelPrefetch(pf, pf)
+            assert tuple(dist.get()) == (pf, pf)
             for m in rows:
-                assert torch.equal(run(x[:m].contiguous()), ref[m]), (name, pf, m)
+                assert torch.equal(run(x[:m].contiguous(), dist), ref[m]), (name, pf, m)
         if name == "fp32":
             torch.testing.assert_close(ref[20], F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+            assert torch.equal(kern.linear_panel(x, _panels(w, 64), N, b), ref[20])  # the default: no prefetch
 
 
-def test_set_panel_prefetch_refuses_negative_distances(keep_prefetch):
+def test_panel_prefetch_refuses_negative_distances(kern):
     with pytest.raises(RuntimeError, match="prefetch distances must be >= 0"):
-        keep_prefetch.set_panel_prefetch(-1, 0)
+        kern.PanelPrefetch(-1, 0)
+    pf = kern.PanelPrefetch(64, 128)
+    with pytest.raises(RuntimeError, match="prefetch distances must be >= 0"):
+        pf.set(0, -1)
+    assert tuple(pf.get()) == (64, 128)
 
 
-def test_tune_panel_prefetch_measures_a_candidate_and_the_environment_overrides(keep_prefetch, monkeypatch):
-    from engine.kernels import PREFETCH_CANDIDATES, tune_panel_prefetch
+def test_tune_panel_prefetch_measures_a_candidate_and_the_environment_overrides(kern, monkeypatch):
+    from engine.prefetch_tuning import PREFETCH_CANDIDATES, tune_panel_prefetch
 
-    kern = keep_prefetch
     g = torch.Generator().manual_seed(6)
     ws = [torch.randn(256, 512, generator=g) for _ in range(4)]
-    products = [(lambda x, p=_panels(w, 64): kern.linear_panel(x, p, 256, None), 512, w.numel() * 4) for w in ws]
+    dist = kern.PanelPrefetch(12345, 12345)  # not a candidate: tuning must replace it
+    other = kern.PanelPrefetch(777, 777)  # another model's: tuning must leave it alone
+    products = [(lambda x, p=_panels(w, 64): kern.linear_panel(x, p, 256, None, dist), 512, w.numel() * 4) for w in ws]
     calls = []
     counted = [(lambda x, run=run: calls.append(x.shape[0]) or run(x), k, n) for run, k, n in products]
     monkeypatch.delenv("PDSERVE_PANEL_PREFETCH", raising=False)
-    kern.set_panel_prefetch(12345, 12345)  # not a candidate: tuning must replace it
     torch.manual_seed(123)
     before = torch.rand(1)
     torch.manual_seed(123)
-    chosen = tune_panel_prefetch(counted, rounds=2)
+    chosen = tune_panel_prefetch(counted, dist, rounds=2)
     assert torch.equal(torch.rand(1), before), "tuning moved the global RNG (seeded user code would change)"
 
     assert chosen[0] in PREFETCH_CANDIDATES and chosen[1] in PREFETCH_CANDIDATES
-    assert tuple(kern.panel_prefetch()) == chosen
+    assert tuple(dist.get()) == chosen and tuple(other.get()) == (777, 777)
     # warm-up + 2 rounds, every candidate, every product, at 1 and at 8 rows
     assert sorted(set(calls)) == [1, 8] and len(calls) == 2 * 3 * len(PREFETCH_CANDIDATES) * len(products)
     for text, want in (("4096", (4096, 4096)), ("0,8192", (0, 8192)), (" 64 , 128 ", (64, 128))):
         monkeypatch.setenv("PDSERVE_PANEL_PREFETCH", text)
         calls.clear()
-        assert tune_panel_prefetch(counted) == want and tuple(kern.panel_prefetch()) == want
+        assert tune_panel_prefetch(counted, dist) == want and tuple(dist.get()) == want
         assert not calls, "a distance set in the environment is not measured"
     for bad in ("fast", "-1", "1,2,3", ""):
         monkeypatch.setenv("PDSERVE_PANEL_PREFETCH", bad)
         with pytest.raises(ValueError, match="PDSERVE_PANEL_PREFETCH"):
-            tune_panel_prefetch(counted)
+            tune_panel_prefetch(counted, dist)
+    assert tune_panel_prefetch(counted, None) is None  # no kernels: nothing to tune
 
 
-def test_loading_a_model_tunes_the_prefetch(keep_prefetch, monkeypatch, tmp_path):
-    """finalize measures the distances on the model's own panel linears (fp32 packed panels, quantized panels)."""
-    from engine.kernels import PREFETCH_CANDIDATES
+def test_loading_a_model_tunes_its_own_prefetch(kern, monkeypatch, tmp_path):
+    """finalize measures the distances on the model's own panel linears (fp32 packed panels, quantized panels)
+    and keeps them on that model: a second model loaded later (a draft after its target) leaves the first's
+    distances alone, and its fused layers read the model's own object."""
+    from engine.prefetch_tuning import PREFETCH_CANDIDATES
     from .conftest import make_checkpoint, make_engine
 
-    kern = keep_prefetch
     path, _ = make_checkpoint(tmp_path, "llama")
     monkeypatch.delenv("PDSERVE_PANEL_PREFETCH", raising=False)
     for quant in (None, "int8"):
-        kern.set_panel_prefetch(12345, 12345)
-        make_engine(path, quantization=quant)
-        got = tuple(kern.panel_prefetch())
+        model = make_engine(path, quantization=quant).runner.model
+        got = tuple(model.panel_prefetch.get())
         assert got[0] in PREFETCH_CANDIDATES and got[1] in PREFETCH_CANDIDATES, (quant, got)
+    first = make_engine(path).runner.model
+    first.panel_prefetch.set(64, 128)  # as if it had measured these
     monkeypatch.setenv("PDSERVE_PANEL_PREFETCH", "1024,4096")
-    make_engine(path)
-    assert tuple(kern.panel_prefetch()) == (1024, 4096)
+    second = make_engine(path).runner.model
+    assert tuple(second.panel_prefetch.get()) == (1024, 4096)
+    assert tuple(first.panel_prefetch.get()) == (64, 128), "loading a second model changed the first's prefetch"
+    assert second.panel_prefetch is not first.panel_prefetch
 
 
 # ---- causal prefill attention ------------------------------------------------------------------------
@@ -681,3 +683,25 @@ def test_prefill_attention_kernel_refuses_bad_shapes_with_a_message(kern):
         with pytest.raises(RuntimeError, match=msg):
             kern.prefill_attention(*args, 0.125)
     assert kern.prefill_attention(q[:0], k[:0], k[:0], 0, 0.125).shape == (0, 4, 64)
+
+
+# ---- the build ------------------------------------------------------------------------------------------
+def test_the_build_compiles_every_source_and_its_name_hashes_every_source_and_header(monkeypatch, tmp_path):
+    """A change to any .cpp or .h of engine/csrc must give a new build name (else a stale cached module would
+    load), and every .cpp there is compiled."""
+    import shutil
+
+    import engine.kernels as kernels
+
+    src = tmp_path / "csrc"
+    shutil.copytree(kernels._CSRC, src)
+    monkeypatch.setattr(kernels, "_CSRC", src)
+    assert [p.name for p in kernels.kernel_sources()] == sorted(p.name for p in src.glob("*.cpp"))
+    assert {"simd.h", "kernels.h"} <= {p.name for p in src.glob("*.h")}
+    names = {kernels._build_name()}
+    for f in sorted([*src.glob("*.cpp"), *src.glob("*.h")]):
+        f.write_bytes(f.read_bytes() + b"\n// edited\n")
+        names.add(kernels._build_name())
+    assert len(names) == 1 + len(list(src.glob("*.cpp"))) + len(list(src.glob("*.h")))
+    (src / "extra_op.cpp").write_text("// a new op file\n")
+    assert kernels._build_name() not in names and "extra_op.cpp" in [p.name for p in kernels.kernel_sources()]

@@ -1,4 +1,4 @@
-"""The fused C++ decode layer (engine/csrc/cpu_kernels.cpp DecodeLayer) computes exactly what
+"""The fused C++ decode layer (engine/csrc/decode_layer.cpp DecodeLayer) computes exactly what
 DecoderLayer.forward computes on the same kernels.
 
 Each case runs one engine with the fused layers (what finalize builds wherever every linear runs on

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.float_formats import Dense, Fp32Panels, Fp32Rows, OneDNN
 from engine.kernels import cpu_kernels
 from engine.kv_cache import bytes_per_block
 from engine.scoring import prompt_logprobs
@@ -116,11 +117,13 @@ def test_every_cpu_gemm_choice_gives_the_same_logits():
         eng = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=128, cpu_gemm=gemm))
         head = eng.runner.model.lm_head
         if gemm == "pdserve" and cpu_kernels() is not None:
-            assert head.qmethod == "fp32"  # the kernel path really is the one measured
+            assert type(head.fmt) is Fp32Rows and head.fmt.method == "fp32"  # the kernel path is the one measured
         if gemm == "onednn" and cpu_kernels() is not None:
-            assert head.panel is not None  # (torch 2.13's oneDNN packs in panels on AVX2 / AVX-512)
+            assert type(head.fmt) is Fp32Panels  # (torch 2.13's oneDNN packs in panels on AVX2 / AVX-512)
         if gemm == "onednn_only":
-            assert head.packed is not None and head.panel is None
+            assert type(head.fmt) is OneDNN  # packed, never on the panel kernel
+        if gemm == "torch":
+            assert type(head.fmt) is Dense
         out[gemm] = prompt_logprobs(eng, eng.tokenizer.encode(TEXT), chunk_size=16)
     for gemm in ("onednn_only", "pdserve", "torch"):
         torch.testing.assert_close(out[gemm][0], out["onednn"][0], rtol=0, atol=2e-4)
@@ -137,8 +140,8 @@ def test_activation_quantization_refuses_a_layer_it_cannot_block():
 
 def test_w4a8_keeps_the_lm_head_at_w8a8():
     model = LLMEngine(EngineConfig(model="tiny", quantization="w4a8", num_kv_blocks=16)).runner.model
-    methods = {m.qmethod for n, m in model.named_modules() if n.endswith(("qkv_proj", "down_proj"))}
-    assert methods == {"w4a8"} and model.lm_head.qmethod == "w8a8"
+    methods = {m.fmt.method for n, m in model.named_modules() if n.endswith(("qkv_proj", "down_proj"))}
+    assert methods == {"w4a8"} and model.lm_head.fmt.method == "w8a8"
 
 
 @pytest.mark.parametrize("method", ["int8", "int4", "w8a8", "w4a8"])
@@ -146,16 +149,17 @@ def test_quantized_prefill_gemm_and_decode_kernel_compute_the_same_model(method,
     """The dequantize + GEMM path (chunks of 128 rows with the kernels hidden: what runs where they are not
     built, or above SMALL_M rows for weights not in panels) and the kernels (chunks of 16): same
     log-probabilities."""
-    import engine.model
+    from engine.layer_ops import TORCH_OPS, KernelOps
+    from engine.model import Linear
     eng = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=128, quantization=method))
     ids = eng.tokenizer.encode(TEXT)
     small = prompt_logprobs(eng, ids, chunk_size=16)
     with monkeypatch.context() as m:
-        m.setattr(engine.model, "cpu_kernels", lambda: None)
-        for mod in eng.runner.model.modules():  # the norm and silu kernels too
-            for flag in ("use_kernel", "kernel_small_ops"):
-                if getattr(mod, flag, False):
-                    m.setattr(mod, flag, False)
+        for mod in eng.runner.model.modules():  # every format's fallback, and the norm, RoPE and silu in torch
+            if isinstance(mod, Linear):
+                m.setattr(mod.fmt, "kern", None)
+            if isinstance(getattr(mod, "ops", None), KernelOps):
+                m.setattr(mod, "ops", TORCH_OPS)
         big = prompt_logprobs(eng, ids, chunk_size=128)
     if method in ("int8", "int4"):
         torch.testing.assert_close(big[0], small[0], rtol=0, atol=2e-4)
@@ -187,8 +191,8 @@ def test_weights_in_panels_run_on_the_kernel_at_prefill_sizes_too(method):
         lin.weight_t.copy_(torch.randn(256, 160, generator=g))  # [in, out]
         lin.bias.copy_(torch.randn(160, generator=g))
     w = lin.weight_t.detach().t().clone()
-    lin.quantize(method, group=64)
-    if not lin.qpanels:
+    lin.quantize(method, group=64, kern=k)
+    if not lin.fmt.panels:
         pytest.skip(f"{method} is not stored in panels on this build")
     x = torch.randn(200, 256, generator=g)
     y = lin(x)
@@ -208,6 +212,6 @@ def test_a_w4a8_group_of_64_runs_on_the_integer_kernels():
     llm = LLM("tiny", quantization="w4a8", quantization_group_size=64, num_kv_blocks=64)
     model = llm.llm_engine.runner.model
     assert all(layer.fused is not None for layer in model.layers)
-    assert model.layers[0].qkv_proj.qpanels == (k.qpanel_width() > 0)
+    assert model.layers[0].qkv_proj.fmt.panels == (k.qpanel_width() > 0)
     out = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert all(len(o.token_ids) == 8 for o in out)
