@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 # torch's CPU allocator advises transparent huge pages (madvise) for tensors of 2 MB and more when this variable is
 # set at the process's first tensor allocation; importing ``engine`` sets it unless the user already did (``0``
 # turns it off). Without it each large activation is fresh 4 KB pages: a 2048-token prompt on ``bench`` took ~90K
-# page faults and ~10% more CPU time (docs/benchmarks.md, run V). Set after the first allocation it has no effect.
+# page faults and ~10% more CPU time (docs/benchmarks/history.md, run V). Set after the first allocation it has no effect.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 _EXPORTS = {

@@ -43,7 +43,7 @@ def tune_panel_prefetch(products: Sequence[tuple[Callable[[torch.Tensor], object
     ``products``: (run, in_features, weight bytes) of the model's panel linears (run(x) computes one
     product with ``prefetch``). Whether software prefetch pays depends on the CPU: measured, it cost a third of
     the batch-1 rate on a Zen 4 and sped 8 to 32 rows up 1.3-1.4x (and int8 / int4 batch 1 1.6-1.8x) on an
-    Emerald Rapids Xeon (docs/benchmarks.md, runs M and U), so it is measured here, once per load: each of
+    Emerald Rapids Xeon (docs/benchmarks/history.md, runs M and U), so it is measured here, once per load: each of
     ``PREFETCH_CANDIDATES`` runs the linears (up to ``_TUNE_BYTES`` of weights) at 1 and at 8 rows, interleaved
     over ``rounds`` rounds, best time of each; a distance replaces "none" only when it is at least 3% faster.
     Prefetches change no result, only speed. ``PDSERVE_PANEL_PREFETCH=BYTES`` or ``ONE_ROW,ROWS`` sets the

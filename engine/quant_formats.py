@@ -5,7 +5,7 @@ float weight once, at load, into the format the machine runs best, and every for
 
 - int8 / int4 wherever the kernels are built (CPU): the weight-only panel formats (``Int8Panels`` /
   ``Int4Panels``, engine/quant.py ``to_panels_int8`` / ``to_panels_int4``), on the kernel at any number of rows
-  (1.2-4.7x dequantize + GEMM at prefill sizes, benchmarks/quant_prefill_linears.py, docs/benchmarks.md run R);
+  (1.2-4.7x dequantize + GEMM at prefill sizes, benchmarks/quant_prefill_linears.py, docs/benchmarks/history.md run R);
   elsewhere rows (``Int8`` / ``Int4``), dequantize + GEMM.
 - w8a8 / w4a8 on AVX2 / AVX-512 builds: the integer panel formats (``W8A8Panels`` / ``W4A8Panels``), on the
   kernel at any number of rows (2.3-17x dequantize + GEMM from 2048 down to 128 rows); other builds: rows, on the

@@ -80,11 +80,11 @@ class LinearFormat:
 class KernelFormat(LinearFormat):
     """Weights stored for one of pdserve's kernels (``w``, ``scale``, ``group``): a product on CPU runs the kernel
     (``_kernel``) for any number of rows where the weights are in panels (``panels``: there the kernel also beats
-    dequantize + GEMM at prefill sizes, docs/benchmarks.md run R) and for up to ``small_m`` rows otherwise;
+    dequantize + GEMM at prefill sizes, docs/benchmarks/history.md run R) and for up to ``small_m`` rows otherwise;
     everything else runs the fallback: one GEMM of the input as the kernel sees it (``_act``) with the float
     weight (``dense``). Each subclass's ``pack(w, bias, group, kern, prefetch)`` makes its bytes from the float
     weight W [N, K]. Quantized weights must be dequantized for that GEMM (a full write and read of the layer in
-    float32 per call), so they stay in the kernel longer than fp32 (docs/benchmarks.md, runs G and H)."""
+    float32 per call), so they stay in the kernel longer than fp32 (docs/benchmarks/history.md, runs G and H)."""
     small_m = 64
     panels = False
 

@@ -49,7 +49,7 @@ constexpr int MR = 4;   // inputs per pass
 
 // Weight rows are short (K values: a few hundred bytes to a few KB) and a tile reads R of them side by side,
 // a pattern the hardware prefetcher does not follow from one tile to the next: every step also prefetches
-// the same step of the rows PF_TILES tiles ahead (measured: benchmarks/cpu_linear.py, docs/benchmarks.md).
+// the same step of the rows PF_TILES tiles ahead (measured: benchmarks/cpu_linear.py, docs/benchmarks/history.md).
 constexpr int PF_TILES = 4;
 
 inline void check_x(const torch::Tensor& x, int64_t K) {
@@ -73,7 +73,7 @@ inline const float* bias_ptr(const c10::optional<torch::Tensor>& bias, int64_t N
 // kernel call and to its fused layers: two models in one process (a target and its draft) each keep what they
 // measured. Measured: on Zen 4 prefetching a batch-1 stream cost a third of its rate; on an Intel Xeon (Emerald
 // Rapids) it left batch 1 as it was and sped up 8 and 32 rows by 1.2-1.5x, where a tile re-reads its panel from
-// L2 for every row group (docs/benchmarks.md). No result changes: prefetches load nothing into registers.
+// L2 for every row group (docs/benchmarks/history.md). No result changes: prefetches load nothing into registers.
 struct PanelPrefetch {
   int64_t one_row = 0, rows = 0;
   int64_t bytes(int64_t M) const { return M > 1 ? rows : one_row; }

@@ -123,7 +123,7 @@ void linear_rows(const W& wt, const float* x, int64_t M, int64_t K, int64_t N, f
                  const float* bias) {
   // grain: enough tiles per task that a thread streams a long contiguous slice of the weight.
   // An int4 tile with many 4-row passes is widened to float32 once (its decode costs more than a float
-  // load); int8 decodes in two instructions and is read directly (measured: docs/benchmarks.md).
+  // load); int8 decodes in two instructions and is read directly (measured: docs/benchmarks/history.md).
   constexpr bool narrow = std::is_same_v<W, Int4W>;
   at::parallel_for(0, (N + NR - 1) / NR, 16, [&](int64_t t0, int64_t t1) {
     std::vector<float> buf;

@@ -177,7 +177,7 @@ def test_quantized_prefill_gemm_and_decode_kernel_compute_the_same_model(method,
 @pytest.mark.parametrize("method", ["int8", "int4", "w8a8", "w4a8"])
 def test_weights_in_panels_run_on_the_kernel_at_prefill_sizes_too(method):
     """Weights stored in the kernels' panels take the kernel at any number of rows (it beats dequantize +
-    GEMM there too, docs/benchmarks.md run R): a row of a 200-row product has the bits it has alone, as a
+    GEMM there too, docs/benchmarks/history.md run R): a row of a 200-row product has the bits it has alone, as a
     decode row. The dequantize + GEMM path gives other bits (it rounds differently), so this fails if
     prefill-sized products leave the kernel."""
     import torch.nn.functional as F
