@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             planner = Planner(prof, reqs, slos, 0.9, burst, ns.seed, base, duration_s=ns.probe_seconds,
                               rel_tol=ns.rel_tol, prune=ns.prune)
             planner.hints = dict(hints)
+            planner.refine = n <= ns.full_search_max  # past it, --share-window chose the splits
             locals_ = _locals(ns.local_prefill, reqs)
             if n <= ns.full_search_max or not won:
                 cfgs = candidates(n, chunks, locals_, base, ["colocated", "disaggregated"])
@@ -168,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
             row = {"workload": wname, "workers": n, "requests": len(reqs), "simulations": planner.simulations,
                    "requests_simulated": planner.requests_simulated,
                    "wall_s": time.monotonic() - t0, "best": {m: b.as_dict(prof) for m, b in best.items()},
+                   "candidates": [{"deployment": c.cfg.label(), "goodput_rps": c.goodput,
+                                   "pruned_below_rps": c.pruned_below, "probes": len(c.probes)} for c in done],
                    "disagg_over_coloc": ratio}
             results.append(row)
             print(f"{wname:36s} N={n:4d}: disagg {d.cfg.label() if d else '-'} {d.goodput if d else 0:.3g} req/s | "

@@ -273,6 +273,8 @@ class Planner:
         self.profile, self.reqs, self.slos, self.goal = profile, reqs, slos, goal
         self.burstiness, self.seed, self.base = burstiness, seed, base
         self.duration_s, self.new_prompts, self.rel_tol, self.prune = duration_s, new_prompts, rel_tol, prune
+        self.refine = True
+        """``best_of`` refines a large budget's best P:D split (off when the caller chose the splits itself)."""
         self.hints: dict[str, float] = {}
         """mode -> a goodput per worker to start the first candidate of that mode from (with ``prune``)."""
         self._looped: list[SimRequest] = reqs
@@ -340,7 +342,7 @@ class Planner:
                 best[c.cfg.mode] = c
         # refine a large budget's P:D split around the best coarse one
         b = best.get("disaggregated")
-        if b is not None and b.cfg.num_workers > 16:  # the coarse grid went in steps of n / 16
+        if self.refine and b is not None and b.cfg.num_workers > 16:  # the coarse grid went in steps of n / 16
             n, fine = b.cfg.num_workers, max(1, b.cfg.num_workers // 64)
             ps = {min(n - 1, max(1, b.cfg.prefill + k * fine)) for k in (-3, -2, -1, 1, 2, 3)} - {b.cfg.prefill}
             extra = [replace(b.cfg, prefill=p, decode=n - p) for p in sorted(ps)]

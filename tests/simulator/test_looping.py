@@ -4,7 +4,9 @@ benchmarks/capacity.py sizes each probe by seconds of arrivals (``--probe-second
 requests per second a trace runs out, so it is replayed end to end. These tests pin what a looped request
 keeps (lengths, order, shared prefixes within a pass), what it must not keep (a prefix-cache hit on its
 earlier copy when the trace's prompts are each their own), that arrivals never go back in time, and how
-many requests a probe of a given duration replays. No simulation runs here.
+many requests a probe of a given duration replays; and that the pruned search capacity.py runs
+(``Planner(prune=True)``) picks the winners a full search picks. No simulation runs here (the pruning test
+fakes the probe).
 """
 from __future__ import annotations
 
@@ -95,3 +97,40 @@ def test_a_probe_replays_duration_times_rate_requests(burstiness):
     assert Planner(_profile(), reqs, {"ttft": 1000.0}, 0.9, None, 0, SimConfig()).requests_at(500.0) == reqs
     with pytest.raises(ValueError, match="duration_s"):
         Planner(_profile(), reqs, {"ttft": 1000.0}, 0.9, None, 0, SimConfig(), duration_s=0.0)
+
+
+def test_a_pruned_search_keeps_the_winner_and_drops_losers_after_one_probe(monkeypatch):
+    """``Planner(prune=True).best_of``: each candidate starts at 0.75x the best of its mode so far; one that misses
+    there costs one probe and is marked, and the winners are those a full search finds (a fake probe: a
+    candidate passes up to its capacity)."""
+    import simulator.plan as plan
+    from simulator.plan import Point
+
+    cap = {("colocated", 0): 400.0, ("disaggregated", 4): 300.0, ("disaggregated", 3): 100.0,
+           ("disaggregated", 5): 330.0}
+    calls: list[tuple[str, int, float]] = []
+
+    def fake(profile, cfg, reqs, rate, slos, burstiness, seed):
+        calls.append((cfg.mode, cfg.prefill, rate))
+        return Point(rate, 1.0 if rate <= cap[(cfg.mode, cfg.prefill)] else 0.0, 0.0, 0.0, {})
+
+    monkeypatch.setattr(plan, "simulate_point", fake)
+    reqs = trace(LENGTHS, ARRIVALS)
+    base = SimConfig()
+    cfgs = [SimConfig(mode="colocated", colocated=8, prefill=0, decode=0)] + [
+        SimConfig(mode="disaggregated", prefill=p, decode=8 - p) for p in (4, 3, 5)]
+    full = Planner(_profile(), reqs, {"ttft": 1.0}, 0.9, 1.0, 0, base, rel_tol=0.02)
+    _, want = full.best_of(cfgs)
+    pruned = Planner(_profile(), reqs, {"ttft": 1.0}, 0.9, 1.0, 0, base, rel_tol=0.02, prune=True)
+    done, got = pruned.best_of(cfgs)
+    assert {m: c.cfg for m, c in got.items()} == {m: c.cfg for m, c in want.items()}
+    assert got["disaggregated"].cfg.prefill == 5 and 330 * 0.97 <= got["disaggregated"].goodput <= 330
+    assert 400 * 0.97 <= got["colocated"].goodput <= 400
+    loser = next(c for c in done if c.cfg.prefill == 3)
+    assert len(loser.probes) == 1 and loser.goodput == 0 and loser.pruned_below == pytest.approx(0.75 * 300, rel=0.03)
+    assert pruned.simulations < full.simulations
+    # another budget's hint that overshoots (0.6 x 100 x 8 = 480 > 400): the first candidate starts again cold
+    hinted = Planner(_profile(), reqs, {"ttft": 1.0}, 0.9, 1.0, 0, base, rel_tol=0.02, prune=True)
+    hinted.hints = {"colocated": 100.0}
+    _, got = hinted.best_of(cfgs[:1])
+    assert 400 * 0.97 <= got["colocated"].goodput <= 400
