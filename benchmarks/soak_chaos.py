@@ -80,6 +80,8 @@ class Chaos:
             if pid:
                 procs[f"{wid} (pid {pid})"] = pid
         for name, pid in procs.items():
+            if not pid:  # Redis between kill and restart: psutil.Process(None) would be this process
+                continue
             try:
                 self.rss[name].append((round(t, 1), psutil.Process(pid).memory_info().rss))
             except (psutil.NoSuchProcess, TypeError):
