@@ -39,7 +39,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence, check_stop
 from engine.speculative import NgramProposer, SpecDecodeStats, accept
-from engine.stats import IterationStats, SchedulerStats, SpecDecodeTotals
+from engine.stats import IterationStats, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -309,10 +309,10 @@ class LLMEngine:
         self._num_scheduled_tokens += num_tokens
         self._advance(sched)
         self.scheduler.commit(sched)
-        spec_before = SpecDecodeTotals.of(self.spec_stats)
+        spec_before = self.spec_stats.counts()
         outputs += self._postprocess(result)
         self.last_step_stats = IterationStats.of(sched, num_tokens, num_prefill, spec_before,
-                                                 SpecDecodeTotals.of(self.spec_stats))
+                                                 self.spec_stats.counts())
         return outputs
 
     def _propose(self) -> None:

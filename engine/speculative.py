@@ -175,6 +175,10 @@ class SpecDecodeStats:
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 
+    def counts(self) -> tuple[int, int, int]:
+        """(num_drafts, num_draft_tokens, num_accepted_tokens) now: what a step's record differences."""
+        return self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens
+
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0

@@ -52,16 +52,16 @@ class IterationStats:
 
     @classmethod
     def of(cls, sched: "SchedulerOutput", num_tokens: int, num_prefill_tokens: int,
-           spec_before: "SpecDecodeTotals", spec_after: "SpecDecodeTotals") -> "IterationStats":
+           spec_before: tuple[int, int, int], spec_after: tuple[int, int, int]) -> "IterationStats":
         """The record of the step that ran ``sched``: its token counts as read before the step advanced its
-        sequences (and dropped rejected drafts), and the speculative totals before and after postprocessing."""
+        sequences (and dropped rejected drafts), and the speculative counts (drafts, draft tokens, accepted
+        tokens: ``SpecDecodeStats.counts()``) before and after postprocessing."""
+        (d0, t0, a0), (d1, t1, a1) = spec_before, spec_after
         return cls(num_prefill_tokens=num_prefill_tokens, num_decode_tokens=num_tokens - num_prefill_tokens,
                    num_running=len(sched.decodes) + len(sched.prefills) + len(sched.verifies),
                    num_preemptions=len(sched.preempted), prefix_cache_queries=sched.prefix_cache_queries,
                    prefix_cache_hits=sched.prefix_cache_hits,
-                   spec_num_drafts=spec_after.num_drafts - spec_before.num_drafts,
-                   spec_num_draft_tokens=spec_after.num_draft_tokens - spec_before.num_draft_tokens,
-                   spec_num_accepted_tokens=spec_after.num_accepted_tokens - spec_before.num_accepted_tokens)
+                   spec_num_drafts=d1 - d0, spec_num_draft_tokens=t1 - t0, spec_num_accepted_tokens=a1 - a0)
 
 
 @dataclass(frozen=True, slots=True)
