@@ -1,7 +1,7 @@
 """cluster: running pdserve as a cluster.
 
 - ``redis_server``: an embedded, private redis-server (``EmbeddedRedis``);
-- ``registry``: the TTL'd worker registry in Redis (``Registry``, the router's ``WorkerSource``);
+- ``registry``: the TTL'd worker registry in Redis (``Registry``, the router's ``WorkerList``);
 - ``worker_actor``: a prefill/decode/colocated worker as a Ray actor that heartbeats into the registry;
 - ``config``: ``ClusterConfig`` and how it becomes role objects and a router;
 - ``launcher``: ``Cluster``: start/scale/stop Redis, Ray, the pools and the router, composing

@@ -6,7 +6,7 @@ fields; each write refreshes the key's TTL, so a worker that stops
 heartbeating (crash, partition, hang) vanishes from ``list`` within ``ttl_s``.
 On a clean drain the worker ``deregister``s itself first, so routing stops at
 once. The router reads the pool with ``list(role)`` (this class is the
-router's ``WorkerSource``).
+router's ``router.worker_source.WorkerList``).
 
 Layout (one namespace per cluster, so two clusters can share one Redis):
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from typing import Iterable, Optional, Protocol
+from typing import Iterable, Optional
 
 import redis
 from google.protobuf.message import DecodeError
@@ -42,12 +42,6 @@ WorkerInfo = worker_pb2.WorkerInfo
 ROLES = ("prefill", "decode", "colocated")
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _WORKER_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,256}$")
-
-
-class WorkerSource(Protocol):
-    """What the router needs from a registry: the live workers of a role."""
-
-    def list(self, role: Optional[str] = None) -> list[WorkerInfo]: ...
 
 
 def _check_worker_id(worker_id: str) -> None:

@@ -58,6 +58,7 @@ from router.validation import ValidatedRequest
 from router.worker_calls import WorkerCalls
 from simulator.costs import Profile
 from simulator.engine_sim import SIM_TOKEN, sim_engine
+from transport.errors import StatusRpcError
 
 MODES = ("disaggregated", "colocated")
 DEFAULT_KV_CACHE_BYTES = EngineConfig.kv_cache_memory_bytes
@@ -158,20 +159,6 @@ class SimRequest:
     arrival_s: float
     prompt_token_ids: list[int]
     max_tokens: int
-
-
-class _RpcError(grpc.RpcError):
-    """What a simulated worker call fails with (the Placer reads ``code()`` and ``details()``)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 class SimWorker:
@@ -300,7 +287,7 @@ class _SimStub:
         blocks = eng.reserve(req.request_id, len(req.prompt_token_ids))
         self.worker.changed()
         if blocks is None:
-            raise _RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.worker.worker_id}: too few free blocks")
+            raise StatusRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.worker.worker_id}: too few free blocks")
         return worker_pb2.ReserveResponse(block_ids=blocks, block_size=eng.block_size, kv_name=self.worker.worker_id)
 
 

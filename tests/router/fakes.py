@@ -25,20 +25,7 @@ from router.selection import WorkerSelector
 from router.worker_calls import WorkerCalls
 from router.worker_source import StaticWorkerSource
 from router.worker_view import WorkerView
-
-
-class FakeRpcError(grpc.RpcError):
-    """A failed call, as the flow reads one (``code()``, ``details()``)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str = "") -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
+from transport.errors import StatusRpcError
 
 
 class FakeStream:
@@ -62,14 +49,14 @@ class FakeStream:
 
     def __next__(self) -> Any:
         if self.cancelled:
-            raise FakeRpcError(grpc.StatusCode.CANCELLED, "cancelled")
+            raise StatusRpcError(grpc.StatusCode.CANCELLED, "cancelled")
         if self._msgs:
             return self._msgs.pop(0)
         if self._error is not None:
             raise self._error
         if self._block:
             self._cancelled.wait(self._block_s)
-            raise FakeRpcError(grpc.StatusCode.CANCELLED, "cancelled")
+            raise StatusRpcError(grpc.StatusCode.CANCELLED, "cancelled")
         raise StopIteration
 
 
@@ -135,7 +122,7 @@ class FakeClients:
 
     def _get(self, address: str) -> FakeWorker:
         if address not in self.by_address:
-            raise FakeRpcError(grpc.StatusCode.UNAVAILABLE, f"no worker at {address}")
+            raise StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"no worker at {address}")
         return self.by_address[address]
 
     prefill = decode = colocated = _get

@@ -15,7 +15,8 @@ from router.config import RouterConfig
 from router.core import RouterCore
 from router.http_api import HttpApi
 from router.worker_source import StaticWorkerSource
-from tests.router.fakes import FakeClients, FakeRpcError, FakeStream, FakeWorker, chunk, first_token, info, \
+from transport.errors import StatusRpcError
+from tests.router.fakes import FakeClients, FakeStream, FakeWorker, chunk, first_token, info, \
     transfer_done
 from tests.waiting import wait_until
 
@@ -93,7 +94,7 @@ def test_errors_have_openai_shape_and_the_matching_status(server, workers):
     assert _post(api, "/v1/completions", {"prompt": PROMPT}, key="wrong").status_code == 401
     assert httpx.get(f"http://{api.address}/health", timeout=10).status_code == 200  # open without a key
     # a flow's failure: every decode worker refuses for good -> its status as HTTP
-    workers[1].reserve = FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "bad params")
+    workers[1].reserve = StatusRpcError(grpc.StatusCode.INVALID_ARGUMENT, "bad params")
     r = _post(api, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     assert "reserve on decode worker d0 failed: bad params" in r.json()["error"]["message"]

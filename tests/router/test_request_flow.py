@@ -14,13 +14,14 @@ from router.events import FlowError
 from router.model_info import load_model_view
 from router.request_flow import RequestFlow
 from router.validation import ValidatedRequest
-from tests.router.fakes import (FakeMetrics, FakeRpcError, FakeStream, FakeWorker, chunk, first_token, info,
+from transport.errors import StatusRpcError
+from tests.router.fakes import (FakeMetrics, FakeStream, FakeWorker, chunk, first_token, info,
                                 router_parts, transfer_done)
 from tests.waiting import wait_until
 
 HE, L, LO, WOR, LD, FOO, BAR = 627, 80, 338, 5329, 1247, 5819, 7332
 """Token ids of the tiny model's tokenizer: " he", "l", "lo", " wor", "ld", " foo", " bar"."""
-UNAVAILABLE = FakeRpcError(grpc.StatusCode.UNAVAILABLE, "worker went away")
+UNAVAILABLE = StatusRpcError(grpc.StatusCode.UNAVAILABLE, "worker went away")
 
 
 @pytest.fixture(scope="module")
