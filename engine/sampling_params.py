@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from engine.structured_outputs import StructuredOutputsParams
+
 
 @dataclass
 class SamplingParams:
@@ -54,6 +56,10 @@ class SamplingParams:
     """OpenAI semantics: added to the model's logit of each token id before sampling (in [-100, 100]; -100
     in effect bans a token, +100 forces it); logprobs still describe the model's own distribution."""
 
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    """Constrain the output to a JSON Schema, regex, choice list or grammar (``engine.structured_outputs``);
+    the mask applies before every other processor, so logprobs describe the constrained distribution."""
+
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 1024
     MAX_N = 16
@@ -92,6 +98,17 @@ class SamplingParams:
             self._check_int("logprobs", 0, self.MAX_LOGPROBS)
         if self.logit_bias is not None:
             self._check_logit_bias()
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                  StructuredOutputsParams):
+            if isinstance(self.structured_outputs, dict):
+                unknown = sorted(set(self.structured_outputs) - {"json", "regex", "choice", "grammar",
+                                                                  "json_object"})
+                if unknown:
+                    raise ValueError(f"structured_outputs.{unknown[0]} is not a known field")
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            else:
+                raise ValueError(f"structured_outputs must be StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
 
     def _check_logit_bias(self) -> None:
         if not isinstance(self.logit_bias, dict):

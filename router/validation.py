@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
-from engine import BeamSearchParams, SamplingParams
+from engine import BeamSearchParams, SamplingParams, check_structured_outputs
 from proto import pdserve_pb2
+from router.wire import structured_outputs_from_proto
 
 MAX_REQUEST_ID_LEN = 256
 DEFAULT_MAX_TOKENS = 16
@@ -106,9 +107,19 @@ def _check_stops(req: pdserve_pb2.GenerateRequest) -> None:
                          f"are accepted")
 
 
+def _tokenizer_of(tokenize: Callable[[str], list[int]]) -> Any:
+    """The tokenizer behind ``tokenize`` (``RouterCore.tokenize`` is a bound method of the core that holds it)."""
+    owner = getattr(tokenize, "__self__", None)
+    return getattr(owner, "tokenizer", None) if owner is not None else None
+
+
 def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
-                      tokenize: Callable[[str], list[int]]) -> ValidatedRequest:
-    """Check ``req`` against ``limits``; raise ValueError naming the field."""
+                      tokenize: Callable[[str], list[int]], tokenizer: Any = None) -> ValidatedRequest:
+    """Check ``req`` against ``limits``; raise ValueError naming the field.
+
+    ``structured_outputs`` is compiled against the model's vocabulary here (``engine.check_structured_outputs``,
+    bounded by llguidance's limits) so a bad constraint never reaches a worker; ``tokenizer`` is the model's
+    (default: the one behind ``tokenize``, as the router core passes it)."""
     request_id = req.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
         raise ValueError(f"request_id must be printable and at most {MAX_REQUEST_ID_LEN} characters")
@@ -163,6 +174,14 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
             kw[name] = getattr(req, name)
     if req.logit_bias:
         kw["logit_bias"] = {int(t): _decimal(b) for t, b in req.logit_bias.items()}
+    if req.HasField("structured_outputs"):
+        if req.HasField("beam_width"):
+            raise ValueError("structured_outputs cannot be used with beam_width: beam search keeps no grammar "
+                             "state per beam (use n with temperature instead)")
+        so = structured_outputs_from_proto(req.structured_outputs)
+        check_structured_outputs(so, tokenizer if tokenizer is not None else _tokenizer_of(tokenize),
+                                 limits.vocab_size)
+        kw["structured_outputs"] = so
     if req.HasField("beam_width"):
         return _beam_request(req, request_id, ids, has_prompt, kw)
     for name, given in (("length_penalty", req.HasField("length_penalty")), ("early_stopping", req.early_stopping)):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from engine import SamplingParams, TokenLogprob
+from engine import SamplingParams, StructuredOutputsParams, TokenLogprob
 from proto import pdserve_pb2, worker_pb2
 
 
@@ -29,7 +29,37 @@ def params_to_wire(p: SamplingParams) -> worker_pb2.WireSamplingParams:
         w.logprobs = p.logprobs
     if p.logit_bias:
         w.logit_bias.update(p.logit_bias)
+    if p.structured_outputs is not None:
+        w.structured_outputs.CopyFrom(structured_outputs_to_proto(p.structured_outputs))
     return w
+
+
+def structured_outputs_to_proto(so: StructuredOutputsParams) -> pdserve_pb2.StructuredOutputs:
+    """The constraint as the public/worker message (a schema travels as canonical JSON text)."""
+    k = so.kind
+    if k == "json":
+        return pdserve_pb2.StructuredOutputs(json=so.schema_text())
+    if k == "json_object":
+        return pdserve_pb2.StructuredOutputs(json_object=True)
+    if k == "choice":
+        return pdserve_pb2.StructuredOutputs(choice=pdserve_pb2.StructuredOutputs.Choices(choice=so.choice))
+    return pdserve_pb2.StructuredOutputs(**{k: getattr(so, k)})
+
+
+def structured_outputs_from_proto(m: pdserve_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    """The public message's constraint; ValueError naming ``structured_outputs.<field>`` (none set, an empty
+    choice list, a false json_object, a schema that is not JSON...)."""
+    k = m.WhichOneof("constraint")
+    if k is None:
+        raise ValueError("structured_outputs is set but empty: set one of structured_outputs.json, .regex, "
+                         ".choice, .grammar or .json_object")
+    if k == "json_object":
+        if not m.json_object:
+            raise ValueError("structured_outputs.json_object must be true when given")
+        return StructuredOutputsParams(json_object=True)
+    if k == "choice":
+        return StructuredOutputsParams(choice=list(m.choice.choice))
+    return StructuredOutputsParams(**{k: getattr(m, k)})
 
 
 def logprobs_from_wire(msgs: Sequence[pdserve_pb2.TokenLogprob]) -> list[TokenLogprob]:

@@ -13,6 +13,7 @@ from typing import Optional
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import StructuredOutputsParams
 from proto import pdserve_pb2, worker_pb2
 
 
@@ -30,7 +31,23 @@ def wire_to_params(w: worker_pb2.WireSamplingParams) -> SamplingParams:
         logprobs=w.logprobs if w.HasField("logprobs") else None,
         skip_special_tokens=w.skip_special_tokens,
         logit_bias=dict(w.logit_bias) or None,
+        structured_outputs=(structured_outputs_from_proto(w.structured_outputs)
+                            if w.HasField("structured_outputs") else None),
     )
+
+
+def structured_outputs_from_proto(m: pdserve_pb2.StructuredOutputs) -> StructuredOutputsParams:
+    """The constraint of a (router-checked) message; ValueError naming ``structured_outputs.<field>``."""
+    k = m.WhichOneof("constraint")
+    if k is None:
+        raise ValueError("structured_outputs is set but empty")
+    if k == "json_object":
+        if not m.json_object:
+            raise ValueError("structured_outputs.json_object must be true when given")
+        return StructuredOutputsParams(json_object=True)
+    if k == "choice":
+        return StructuredOutputsParams(choice=list(m.choice.choice))
+    return StructuredOutputsParams(**{k: getattr(m, k)})
 
 
 def logprob_to_proto(lp: TokenLogprob) -> pdserve_pb2.TokenLogprob:
