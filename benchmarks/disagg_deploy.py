@@ -12,6 +12,11 @@ carry). ``target`` is the router's address. Leaving the context stops the router
 signals the workers to stop, joins them (killing any that hang) and closes the
 store. The router and the load generator are NOT pinned: they share the machine
 with the workers.
+
+Options for the serving-overhead benchmark: ``roles`` replaces the mode's two workers (e.g. one
+``("colocated",)``), and ``router_process=True`` runs the router in its own (unpinned) process, as
+``pdserve up`` does, so its CPU time can be read from ``/proc`` apart from the load generator's;
+``pids`` names every process of the deployment.
 """
 from __future__ import annotations
 
@@ -62,13 +67,55 @@ def _worker_main(role: str, worker_id: str, model: str, core: Optional[int], kv_
         w.stop()
 
 
+def _info_source(workers: Sequence[tuple[str, str]]) -> tuple[Any, list[Any]]:
+    """A ``StaticWorkerSource`` whose entries ask each worker's ``GetInfo`` (live load, as a heartbeat carries)."""
+    import grpc
+
+    from proto import worker_pb2, worker_pb2_grpc
+    from router import StaticWorkerSource
+
+    stubs = {"prefill": worker_pb2_grpc.PrefillWorkerStub, "decode": worker_pb2_grpc.DecodeWorkerStub,
+             "colocated": worker_pb2_grpc.ColocatedWorkerStub}
+    channels, infos = [], []
+    for role, addr in workers:
+        ch = grpc.insecure_channel(addr)
+        channels.append(ch)
+        stub = stubs[role](ch)
+        infos.append(lambda stub=stub: stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5))
+    return StaticWorkerSource(infos), channels
+
+
+def _router_main(model: str, mode: str, workers: list, router_kw: dict, ready_q: Any, stop_evt: Any) -> None:
+    try:
+        from router import RouterConfig, RouterServer
+
+        source, channels = _info_source(workers)
+        router = RouterServer(RouterConfig(model=model, mode=mode, serve_metrics=False, **router_kw), source).start()
+    except BaseException:
+        ready_q.put(("", "", traceback.format_exc()))
+        return
+    ready_q.put((router.address, router.http_address, os.getpid()))
+    try:
+        stop_evt.wait(24 * 3600)
+    finally:
+        router.stop()
+        for ch in channels:
+            ch.close()
+
+
 class Deployment:
-    """Workers in pinned processes and a router in this one (see module docstring)."""
+    """Workers in pinned processes and a router in this one or its own (see module docstring)."""
 
     def __init__(self, mode: str, model: str, cores: Sequence[int], engine_kw: Optional[dict] = None,
-                 router_kw: Optional[dict] = None, start_timeout_s: float = 300.0) -> None:
+                 router_kw: Optional[dict] = None, start_timeout_s: float = 300.0,
+                 roles: Optional[Sequence[str]] = None, router_process: bool = False) -> None:
         if mode not in ROLES_BY_MODE:
             raise ValueError(f"mode must be one of {tuple(ROLES_BY_MODE)}, got {mode!r}")
+        self.roles = tuple(roles) if roles is not None else ROLES_BY_MODE[mode]
+        self.router_process = router_process
+        self.pids: dict[str, int] = {}
+        """Process id by name (``router``, ``prefill0``, ``decode1``, ...)."""
+        self._router_addr = ("", "")
         self.mode, self.model = mode, model
         self.cores = list(cores)
         self.engine_kw = dict(engine_kw or {})
@@ -83,7 +130,12 @@ class Deployment:
 
     @property
     def target(self) -> str:
-        return self.router.address
+        return self._router_addr[0] if self.router_process else self.router.address
+
+    @property
+    def http_target(self) -> str:
+        """The OpenAI HTTP API's HOST:PORT ("" unless ``router_kw`` set ``http_port``)."""
+        return self._router_addr[1] if self.router_process else self.router.http_address
 
     def __enter__(self) -> "Deployment":
         try:
@@ -97,41 +149,51 @@ class Deployment:
         self.close()
 
     def _start(self) -> None:
-        import grpc
         import torch
 
-        from proto import worker_pb2, worker_pb2_grpc
-        from router import RouterConfig, RouterServer, StaticWorkerSource
-
         url = ""
-        if self.mode == "disaggregated":
+        if "prefill" in self.roles:
             self._store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
             url = f"tcp://127.0.0.1:{self._store.port}"
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        roles = ROLES_BY_MODE[self.mode]
-        for i, role in enumerate(roles):
+        names = {}
+        for i, role in enumerate(self.roles):
             core = self.cores[i % len(self.cores)] if self.cores else None
             stop = ctx.Event()
             p = ctx.Process(target=_worker_main, daemon=True,
                             args=(role, f"{role}{i}", self.model, core, url, self.engine_kw, q, stop))
             p.start()
+            names[p.pid] = f"{role}{i}"
             self._procs.append(p)
             self._stops.append(stop)
-        stubs = {"prefill": worker_pb2_grpc.PrefillWorkerStub, "decode": worker_pb2_grpc.DecodeWorkerStub,
-                 "colocated": worker_pb2_grpc.ColocatedWorkerStub}
-        infos = []
-        for i in range(len(roles)):
+        workers = []
+        for _ in self.roles:
             role, addr, extra = q.get(timeout=self.start_timeout_s)
             if not addr:
                 raise RuntimeError(f"{self.mode}: a {role} worker failed to start:\n{extra}")
             self.pinning[f"{role}@{addr}"] = extra
-            ch = grpc.insecure_channel(addr)
-            self._channels.append(ch)
-            stub = stubs[role](ch)
-            infos.append(lambda stub=stub: stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5))
+            workers.append((role, addr))
+        self.pids = {name: pid for pid, name in names.items()}
+        if self.router_process:
+            stop = ctx.Event()
+            p = ctx.Process(target=_router_main, daemon=True,
+                            args=(self.model, self.mode, workers, self.router_kw, q, stop))
+            p.start()
+            self._procs.append(p)
+            self._stops.append(stop)
+            addr, http_addr, extra = q.get(timeout=self.start_timeout_s)
+            if not addr:
+                raise RuntimeError(f"{self.mode}: the router failed to start:\n{extra}")
+            self._router_addr = (addr, http_addr)
+            self.pids["router"] = p.pid
+            return
+        from router import RouterConfig, RouterServer
+
+        source, self._channels = _info_source(workers)
         cfg = RouterConfig(model=self.model, mode=self.mode, serve_metrics=False, **self.router_kw)
-        self.router = RouterServer(cfg, StaticWorkerSource(infos)).start()
+        self.router = RouterServer(cfg, source).start()
+        self.pids["router"] = os.getpid()
 
     def close(self) -> None:
         if self.router is not None:

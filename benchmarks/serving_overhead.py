@@ -1,0 +1,321 @@
+"""What the serving path costs: the cluster's tok/s against the offline engine with the workers' own threads.
+
+Usage:
+    python benchmarks/serving_overhead.py                       # tiny and bench, both modes, gRPC and HTTP
+    python benchmarks/serving_overhead.py --models tiny --modes colocated --apis grpc --concurrency 1,32
+    python benchmarks/serving_overhead.py --quick               # a smoke run (tiny, 32 tokens)
+    python benchmarks/serving_overhead.py --py-spy 10           # also sample the router for 10 s at the
+                                                                # largest concurrency (py-spy top functions)
+
+For each model it first runs the offline engine (``engine.LLMEngine``, one thread, in a process pinned to
+one core, as a worker is) on C prompts at once, for every concurrency C, and records its decode tok/s
+(tokens after each request's first, over the time after the last first token) and end-to-end tok/s (every
+token over the whole wall time). Then, for each mode, it starts a deployment as ``benchmarks/disagg_deploy.py``
+builds one: ``colocated`` = one colocated worker pinned to core 0; ``disaggregated`` = a prefill worker on
+core 0 and a decode worker on core 1; workers with one torch thread each, the router in its own unpinned
+process (as ``pdserve up`` runs it), this process as the client. The same C prompts (same token ids,
+greedy, ``ignore_eos``, the same max tokens) go through gRPC ``Generate`` (``loadtest.client``) and the
+OpenAI HTTP ``/v1/completions`` stream (``loadtest.openai_client``), and the same two rates are computed
+from the client's per-chunk arrival times. Ratios cluster / offline come out of the same run.
+
+CPU: each point reads utime+stime of the router and each worker from ``/proc/<pid>/stat`` (psutil) before
+and after, and prints CPU milliseconds per streamed token per process. The client's CPU is this process's.
+
+The host's two cores are shared by the workers, the router and the client: that is the situation a user
+of ``pdserve up`` on such a machine is in, and what the issue measured. Results: docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from disagg_deploy import Deployment, usable_cores  # noqa: E402
+
+MODES = {"colocated": ("colocated",), "disaggregated": ("prefill", "decode")}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="tiny,bench", help="built-in model names or paths, comma-separated")
+    p.add_argument("--modes", default="colocated,disaggregated", help="colocated (1 worker), disaggregated (1+1)")
+    p.add_argument("--apis", default="grpc,http", help="grpc, http (OpenAI /v1/completions, streamed)")
+    p.add_argument("--concurrency", default="1,8,32,128", help="streams at once, comma-separated")
+    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of each request (random ids)")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens of each request (ignore_eos)")
+    p.add_argument("--batch1-max-tokens", type=int, default=256, help="output tokens at concurrency 1")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="engine max_num_seqs (offline and workers alike)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=900.0, help="deadline of each request")
+    p.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
+                   help="sample the router with py-spy for this long during the largest concurrency's gRPC point")
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny, colocated, gRPC, concurrency 1,8, 32 tokens")
+    p.add_argument("--json", default="", help="write every number here")
+    return p
+
+
+def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
+    ns = build_parser().parse_args(argv)
+    if ns.quick:
+        ns.models, ns.modes, ns.apis, ns.concurrency = "tiny", "colocated", "grpc", "1,8"
+        ns.max_tokens = ns.batch1_max_tokens = 32
+    ns.models = [m for m in ns.models.split(",") if m]
+    ns.modes = [m for m in ns.modes.split(",") if m]
+    ns.apis = [a for a in ns.apis.split(",") if a]
+    try:
+        ns.concurrency = [int(c) for c in ns.concurrency.split(",") if c]
+    except ValueError:
+        raise SystemExit(f"--concurrency must be integers separated by commas, got {ns.concurrency!r}") from None
+    for m in ns.modes:
+        if m not in MODES:
+            raise SystemExit(f"--modes: {m!r} is not one of {tuple(MODES)}")
+    for a in ns.apis:
+        if a not in ("grpc", "http"):
+            raise SystemExit(f"--apis: {a!r} is not grpc or http")
+    if not ns.concurrency or min(ns.concurrency) < 1:
+        raise SystemExit("--concurrency: every value must be >= 1")
+    if max(ns.concurrency) > ns.max_num_seqs:
+        raise SystemExit(f"--concurrency {max(ns.concurrency)} exceeds --max-num-seqs {ns.max_num_seqs}")
+    for name in ("prompt_len", "max_tokens", "batch1_max_tokens"):
+        if getattr(ns, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if ns.py_spy and _py_spy_bin() is None:
+        raise SystemExit("--py-spy: the py-spy command is not on PATH (pip install 'pdserve[bench]')")
+    return ns
+
+
+def _tokens_for(c: int, ns: argparse.Namespace) -> int:
+    return ns.batch1_max_tokens if c == 1 else ns.max_tokens
+
+
+def rates(first: list[float], last: list[float], counts: list[int], start: float, end: float) -> dict:
+    """decode tok/s: tokens after each request's first, over the time after the last first token;
+    e2e tok/s: every token over the whole wall time."""
+    after = sum(n - 1 for n in counts)
+    span = max(last) - max(first)
+    return {"decode_tok_s": after / span if span > 0 and after > 0 else float("nan"),
+            "e2e_tok_s": sum(counts) / (end - start) if end > start else float("nan"),
+            "tokens": sum(counts)}
+
+
+# -- the offline reference ----------------------------------------------------------------------------------
+
+def _offline_main(model: str, core: Optional[int], prompts: dict, ns_dict: dict, q: Any) -> None:
+    try:
+        if core is not None:
+            os.sched_setaffinity(0, {core})
+        import torch
+
+        torch.set_num_threads(1)
+        from engine import SamplingParams
+        from engine.config import EngineConfig
+        from engine.llm_engine import LLMEngine
+
+        eng = LLMEngine(EngineConfig(model=model, num_threads=1, max_num_seqs=ns_dict["max_num_seqs"]))
+        out = {}
+        warm = prompts[min(prompts)][:1]
+        for c, plist in [(0, warm)] + sorted(prompts.items()):
+            n = ns_dict["batch1_max_tokens"] if c == 1 else ns_dict["max_tokens"]
+            params = SamplingParams(max_tokens=n if c else 8, temperature=0.0, ignore_eos=True)
+            first: dict[str, float] = {}
+            last: dict[str, float] = {}
+            counts: dict[str, int] = {}
+            t0 = time.perf_counter()
+            for i, ids in enumerate(plist):
+                eng.add_request(f"r{c}-{i}", list(ids), params)
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.new_token_ids:
+                        now = time.perf_counter()
+                        first.setdefault(o.request_id, now)
+                        last[o.request_id] = now
+                        counts[o.request_id] = counts.get(o.request_id, 0) + len(o.new_token_ids)
+            t1 = time.perf_counter()
+            if c:
+                ids = sorted(counts)
+                out[c] = rates([first[i] for i in ids], [last[i] for i in ids], [counts[i] for i in ids], t0, t1)
+        q.put(("ok", out))
+    except BaseException:
+        q.put(("error", traceback.format_exc()))
+
+
+def offline(model: str, prompts: dict, ns: argparse.Namespace) -> dict:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    cores = usable_cores()
+    p = ctx.Process(target=_offline_main, args=(model, cores[0] if cores else None, prompts, vars(ns), q))
+    p.start()
+    status, val = q.get(timeout=3600)
+    p.join(60)
+    if status != "ok":
+        raise RuntimeError(f"offline {model} failed:\n{val}")
+    return val
+
+
+# -- the cluster -----------------------------------------------------------------------------------------
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    import psutil
+
+    out = {}
+    for name, pid in pids.items():
+        t = psutil.Process(pid).cpu_times()
+        out[name] = t.user + t.system
+    return out
+
+
+def _requests(plist: list, n: int, prefix: str) -> list:
+    from loadtest.workload import BenchRequest
+
+    return [BenchRequest(f"{prefix}-{i}", list(ids), n, 0.0) for i, ids in enumerate(plist)]
+
+
+def _send(api: str, dep: Deployment, model: str, reqs: list, timeout_s: float) -> list:
+    from loadtest.client import ClientConfig, run_benchmark
+    from loadtest.openai_client import run_openai_benchmark
+
+    if api == "grpc":
+        cfg = ClientConfig(target=dep.target, request_timeout_s=timeout_s)
+        return asyncio.run(run_benchmark(cfg, reqs))[0]
+    cfg = ClientConfig(target=dep.http_target, request_timeout_s=timeout_s)
+    return asyncio.run(run_openai_benchmark(cfg, f"http://{dep.http_target}", model, reqs))[0]
+
+
+def _py_spy_bin() -> Optional[str]:
+    """py-spy on PATH, or beside this interpreter (a venv's bin/ when it is not activated)."""
+    beside = Path(sys.executable).parent / "py-spy"
+    return shutil.which("py-spy") or (str(beside) if beside.exists() else None)
+
+
+def _py_spy(pid: int, seconds: float, path: Path) -> subprocess.Popen:
+    return subprocess.Popen([str(_py_spy_bin()), "record", "--pid", str(pid), "--duration", str(int(max(1, seconds))),
+                             "--format", "raw", "--output", str(path), "--nonblocking"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def top_functions(raw: Path, n: int = 15) -> list[tuple[str, float]]:
+    """Share of samples in which each function is on the stack's leaf (py-spy's raw = collapsed stacks)."""
+    leaf: dict[str, int] = {}
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        total += int(count)
+        leaf[frames[-1]] = leaf.get(frames[-1], 0) + int(count)
+    return [(f, c / total) for f, c in sorted(leaf.items(), key=lambda kv: -kv[1])[:n]] if total else []
+
+
+def cluster_points(model: str, mode: str, prompts: dict, ns: argparse.Namespace) -> dict:
+    out: dict = {}
+    engine_kw = {"max_num_seqs": ns.max_num_seqs}
+    with Deployment(mode, model, usable_cores(), engine_kw=engine_kw, router_kw={"http_port": 0},
+                    roles=MODES[mode], router_process=True) as dep:
+        for api in ns.apis:  # warm both paths
+            recs = _send(api, dep, model, _requests(prompts[min(prompts)][:2], 8, f"warm-{api}"), ns.timeout_s)
+            if not all(r.success for r in recs):
+                raise RuntimeError(f"{mode} {api}: warm-up failed: {[r.error for r in recs if not r.success]}")
+        for api in ns.apis:
+            for c in ns.concurrency:
+                reqs = _requests(prompts[c], _tokens_for(c, ns), f"{api}{c}")
+                spy = None
+                if ns.py_spy and api == "grpc" and c == max(ns.concurrency):
+                    raw = Path(f"/tmp/pdserve-router-{model}-{mode}-c{c}.txt")
+                    spy = (_py_spy(dep.pids["router"], ns.py_spy, raw), raw)
+                cpu0, self0 = cpu_seconds(dep.pids), time.process_time()
+                recs = _send(api, dep, model, reqs, ns.timeout_s)
+                cpu1, self1 = cpu_seconds(dep.pids), time.process_time()
+                bad = [r.error for r in recs if not r.success]
+                if bad:
+                    raise RuntimeError(f"{mode} {api} c={c}: {len(bad)} failed: {bad[:3]}")
+                ok = [r for r in recs if r.chunk_times_s]
+                point = rates([r.chunk_times_s[0] for r in ok], [r.chunk_times_s[-1] for r in ok],
+                              [r.output_tokens for r in ok], min(r.start_s for r in recs), max(r.end_s for r in recs))
+                tokens = point["tokens"]
+                cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
+                cpu["client"] = self1 - self0
+                point["cpu_ms_per_token"] = {k: 1e3 * v / tokens for k, v in cpu.items()}
+                if spy is not None:
+                    spy[0].wait(ns.py_spy + 60)
+                    point["router_profile"] = top_functions(spy[1]) if spy[1].exists() else []
+                out[(api, c)] = point
+                print(f"  {model} {mode} {api} c={c}: decode {point['decode_tok_s']:.1f} tok/s, "
+                      f"e2e {point['e2e_tok_s']:.1f} tok/s, CPU ms/token "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in point["cpu_ms_per_token"].items()), flush=True)
+    return out
+
+
+def machine_info() -> dict:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "usable_cores": usable_cores(), "python": platform.python_version(),
+            "loadavg_start": os.getloadavg()}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ns = parse_args(argv)
+    from loadtest.workload import ModelLimits, build_workload
+
+    info = machine_info()
+    print(f"machine: {info}", flush=True)
+    results: dict = {"machine": info, "args": {k: v for k, v in vars(ns).items()}, "rows": []}
+    for model in ns.models:
+        from engine import EngineConfig, load_model_config
+
+        limits = ModelLimits(vocab_size=load_model_config(EngineConfig(model=model)).vocab_size)
+        prompts = {c: [r.prompt_token_ids for r in build_workload([(ns.prompt_len, 1)] * c, [0.0] * c, limits,
+                                                                  seed=ns.seed + c).requests]
+                   for c in ns.concurrency}
+        print(f"{model}: offline engine, 1 thread ...", flush=True)
+        ref = offline(model, prompts, ns)
+        for c, r in sorted(ref.items()):
+            print(f"  {model} offline c={c}: decode {r['decode_tok_s']:.1f} tok/s, e2e {r['e2e_tok_s']:.1f} tok/s",
+                  flush=True)
+        for mode in ns.modes:
+            print(f"{model}: {mode} ...", flush=True)
+            pts = cluster_points(model, mode, prompts, ns)
+            for (api, c), p in pts.items():
+                o = ref[c]
+                results["rows"].append({
+                    "model": model, "mode": mode, "api": api, "concurrency": c,
+                    "offline_decode_tok_s": o["decode_tok_s"], "offline_e2e_tok_s": o["e2e_tok_s"],
+                    "decode_tok_s": p["decode_tok_s"], "e2e_tok_s": p["e2e_tok_s"],
+                    "decode_ratio": p["decode_tok_s"] / o["decode_tok_s"], "e2e_ratio": p["e2e_tok_s"] / o["e2e_tok_s"],
+                    "cpu_ms_per_token": p["cpu_ms_per_token"], "router_profile": p.get("router_profile", [])})
+    print("\n| model | mode | api | streams | offline decode | cluster decode | ratio | offline e2e | cluster e2e "
+          "| ratio | router CPU ms/tok | workers CPU ms/tok |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in results["rows"]:
+        cpu = r["cpu_ms_per_token"]
+        workers = sum(v for k, v in cpu.items() if k not in ("router", "client"))
+        print(f"| {r['model']} | {r['mode']} | {r['api']} | {r['concurrency']} | {r['offline_decode_tok_s']:.0f} "
+              f"| {r['decode_tok_s']:.0f} | {r['decode_ratio']:.2f}x | {r['offline_e2e_tok_s']:.0f} "
+              f"| {r['e2e_tok_s']:.0f} | {r['e2e_ratio']:.2f}x | {cpu['router']:.3f} | {workers:.3f} |")
+    for r in results["rows"]:
+        if r["router_profile"]:
+            print(f"\nrouter, {r['model']} {r['mode']} {r['api']} c={r['concurrency']}: leaf functions by share of samples")
+            for fn, share in r["router_profile"]:
+                print(f"  {100 * share:5.1f}%  {fn}")
+    print(f"\nload average at the end: {os.getloadavg()}")
+    if ns.json:
+        Path(ns.json).write_text(json.dumps(results, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
