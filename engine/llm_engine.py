@@ -14,6 +14,12 @@ freed at once.
 Each step that runs a batch leaves its ``IterationStats`` in ``last_step_stats``;
 ``make_stats()`` returns a ``SchedulerStats`` (state now, running totals) for
 metrics (``engine.stats``).
+A request with ``SamplingParams.structured_outputs`` gets a grammar matcher on
+its sequence (``engine.structured_outputs``), built from the constraint plus
+the tokens it already has (a decode worker's first token, a migration's
+``resume_token_ids``); the runner masks its sampling rows, drafts the grammar
+rejects are cut before verification, each accepted token advances the matcher
+and the request finishes with "stop" once the grammar is complete.
 Finished requests free their blocks at once; prefill-only requests keep theirs
 (finish_reason "prefill_done") until ``release``; ``abort_request`` frees
 everything a request holds, wherever it is. Token ids only: text, stop strings
@@ -39,6 +45,7 @@ from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence, check_stop
 from engine.speculative import NgramProposer, SpecDecodeStats, accept
+from engine.structured_outputs import GrammarCompiler
 from engine.stats import IterationStats, SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -106,6 +113,7 @@ class LLMEngine:
         self._pending: list[CoreOutput] = []  # outputs decided outside step(), emitted by the next step
         self._num_steps = 0
         self._num_scheduled_tokens = 0
+        self._grammar: Optional[GrammarCompiler] = None
         self.last_step_stats: Optional[IterationStats] = None
         """What the latest step that ran a batch did (``engine.stats``); None before the first."""
 
@@ -214,6 +222,9 @@ class LLMEngine:
             if len(seq.prompt_token_ids) + len(outs) >= self.max_model_len:
                 raise ValueError(f"prompt ({len(seq.prompt_token_ids)}) plus resume_token_ids ({len(outs)}) "
                                  f"leave no room under max_model_len ({self.max_model_len})")
+            if seq.matcher is not None and not seq.matcher.consume(outs):
+                raise ValueError("resume_token_ids do not follow the request's structured_outputs constraint "
+                                 f"({seq.matcher.error()})")
             for t in outs:
                 seq.append(t)
             seq.num_prefill = seq.num_tokens
@@ -278,6 +289,9 @@ class LLMEngine:
         if not isinstance(first_token_id, int) or not 0 <= first_token_id < self.model_config.vocab_size:
             raise ValueError(f"first_token_id must be a token id in [0, {self.model_config.vocab_size}), "
                              f"got {first_token_id!r}")
+        if fresh.matcher is not None and not fresh.matcher.consume([first_token_id]):
+            raise ValueError(f"first_token_id {first_token_id} does not follow the request's structured_outputs "
+                             f"constraint ({fresh.matcher.error()})")
         del self.scheduler.reserved[request_id]
         fresh.block_table = seq.block_table
         fresh.num_computed = len(fresh.prompt_token_ids)
@@ -289,6 +303,8 @@ class LLMEngine:
             # a request added next (a sibling choice of the same prompt) reuses them instead of recomputing
             self.scheduler.commit_seq(fresh, self.block_size)
         reason = check_stop(fresh, self.max_model_len)
+        if reason is None and fresh.matcher is not None and fresh.matcher.is_stopped():
+            reason = "stop"
         if reason is not None:
             self._finish(fresh)
             self._pending.append(CoreOutput(request_id, [], None, reason, len(fresh.prompt_token_ids)))
@@ -331,6 +347,8 @@ class LLMEngine:
                 todo.append(seq)
                 items.append((seq.request_id, seq.token_ids, room))
         for seq, drafts in zip(todo, self._proposer.propose_many(items)):
+            if seq.matcher is not None and drafts:
+                drafts = list(drafts)[:seq.matcher.valid_prefix(drafts)]  # what the grammar rejects is no draft
             seq.spec_token_ids = drafts
 
     def _layer_hook(self, sched: SchedulerOutput) -> Optional[Callable[[int], None]]:
@@ -369,6 +387,8 @@ class LLMEngine:
                 seq.append(tok)
                 out.append(tok)
                 reason = check_stop(seq, self.max_model_len)
+                if seq.matcher is not None:
+                    reason = self._advance_matcher(seq, tok, reason)
                 if reason is not None:
                     break
             if n > 1:
@@ -385,6 +405,28 @@ class LLMEngine:
             outputs.append(CoreOutput(seq.request_id, out, list(lps[:len(out)]) if want_lp else None, reason,
                                       len(seq.prompt_token_ids), seq.num_cached_tokens))
         return outputs
+
+    @staticmethod
+    def _advance_matcher(seq: Sequence, tok: int, reason: Optional[str]) -> Optional[str]:
+        """Feed an accepted token to the sequence's grammar; "stop" once the grammar is complete."""
+        if not seq.matcher.consume([tok]):
+            # the mask allowed it, so this is a bug: end the request rather than emit what breaks the grammar
+            logger.error("request %s: token %d broke its structured_outputs grammar (%s)", seq.request_id, tok,
+                         seq.matcher.error())
+            return reason or "stop"
+        if reason is None and seq.matcher.is_stopped():
+            return "stop"
+        return reason
+
+    @property
+    def grammar(self) -> GrammarCompiler:
+        """This engine's grammar compiler (llguidance tokenizer + compiled-grammar cache), built on first use."""
+        if self._grammar is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer, and this engine has none")
+            self._grammar = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
+            self.runner.grammar = self._grammar
+        return self._grammar
 
     def _trim_blocks(self, seq: Sequence) -> None:
         """Free the blocks a verification took that only rejected drafts used (positions >= num_tokens)."""
@@ -432,4 +474,7 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt_token_ids has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(prompt plus at least one new token)")
-        return Sequence(request_id, ids, params, prefill_only=prefill_only, eos_token_id=self.eos_token_id)
+        seq = Sequence(request_id, ids, params, prefill_only=prefill_only, eos_token_id=self.eos_token_id)
+        if params.structured_outputs is not None:
+            seq.matcher = self.grammar.new_matcher(params.structured_outputs)  # ValueError names the field
+        return seq

@@ -7,7 +7,10 @@ one-token decode row, then prefill chunks), builds the step's
 ``AttentionMetadata`` (K/V slots, decode block tables, prefill spans), runs the
 model once under ``torch.inference_mode``, computes logits only for rows that
 sample (decodes, last prefill chunks, and every position of a speculative
-verification: the last token and each draft) and samples them. It returns a
+verification: the last token and each draft) and samples them. Sequences
+under a structured-outputs constraint have their masks computed while the
+model runs (``engine.structured_outputs.MaskBatch``, on the engine's grammar
+compiler, ``grammar``, set by the engine on first use). It returns a
 plain ``RunnerOutput``; the engine does all sequence bookkeeping, including
 which drafts are accepted.
 """
@@ -24,6 +27,7 @@ from engine.model import CausalLM
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingRequest
 from engine.scheduler import SchedulerOutput, Sequence
+from engine.structured_outputs import GrammarCompiler, MaskBatch
 
 
 @dataclass
@@ -47,10 +51,15 @@ class ModelRunner:
         self.sampler = sampler
         self.generator = generator
         self.device = model.embed_tokens.weight.device
+        self.grammar: Optional[GrammarCompiler] = None
+        """The engine's grammar compiler once a constrained request arrived (None: no masks to compute)."""
 
     def execute(self, sched: SchedulerOutput,
                 layer_hook: Optional[Callable[[int], None]] = None) -> RunnerOutput:
         input_ids, positions, meta, sample_rows, sample_seqs, histories = self._prepare(sched)
+        masks = None
+        if self.grammar is not None and any(s.matcher is not None for s in sample_seqs):
+            masks = MaskBatch(self.grammar, sample_seqs).start(self.grammar.overlap_masks)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, meta, self.kv_caches, layer_hook)
             if not sample_seqs:
@@ -58,7 +67,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)  # hidden holds only the sampling rows
         reqs = [SamplingRequest(s.params, s.prompt_token_ids, h, s.eos_token_id, generator=self.generator)
                 for s, h in zip(sample_seqs, histories)]
-        tokens, logprobs = self.sampler.sample(logits, reqs)
+        tokens, logprobs = self.sampler.sample(logits, reqs, masks.result() if masks is not None else None)
         return RunnerOutput(sample_seqs, tokens, logprobs)
 
     def _prepare(self, sched: SchedulerOutput):

@@ -8,7 +8,10 @@ and, where asked, its ``TokenLogprob``. It keeps no per-request state: all
 history comes in with the call, which is what lets a prefill worker sample
 token 0 and a decode worker tokens 1.. and still agree with an offline run.
 
-Processing order (as transformers applies its processors and warpers):
+Processing order (as transformers applies its processors and warpers): the
+structured-outputs mask first (``engine.structured_outputs``: forbidden tokens
+become -inf in the raw logits, so every later step, logprobs included, sees
+the constrained distribution; vLLM applies its grammar bitmask the same way), then
 repetition penalty (over prompt + output, transformers' semantics), frequency
 and presence penalties (over output only, OpenAI's semantics), min_tokens (EOS
 and stop_token_ids masked), then for sampled rows temperature, top-k, top-p,
@@ -30,17 +33,20 @@ kept sets are identical. Top-p looks at the 256 most likely tokens first and
 sorts the whole row only when those do not reach the requested mass.
 
 Logprobs follow vLLM's default: the log-softmax of the raw model logits, before
-penalties, temperature and filters, so they describe the model, not the sampler.
+penalties, temperature and filters, so they describe the model, not the sampler
+(under a structured-outputs mask: the masked logits, as in vLLM; alternatives
+the mask forbids are left out of ``top``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import apply_bitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -97,9 +103,12 @@ class Sampler:
     # -- public ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor,
-               reqs: list[SamplingRequest]) -> tuple[list[int], list[Optional[TokenLogprob]]]:
-        """Next token id per row and, for rows whose params ask for logprobs, a TokenLogprob."""
+    def sample(self, logits: torch.Tensor, reqs: list[SamplingRequest],
+               masks: Optional[Any] = None) -> tuple[list[int], list[Optional[TokenLogprob]]]:
+        """Next token id per row and, for rows whose params ask for logprobs, a TokenLogprob.
+
+        ``masks``: the step's structured-outputs masks (``engine.structured_outputs.MaskBatch``: ``rows`` and
+        an int32 ``bitmask``, one row each), applied to the raw logits before anything else."""
         if logits.dim() != 2 or logits.shape[0] != len(reqs):
             raise ValueError(f"logits must be [len(reqs)={len(reqs)}, V], got {tuple(logits.shape)}")
         if logits.shape[1] < self.vocab_size:
@@ -109,6 +118,8 @@ class Sampler:
             return [], []
         # Padded model vocabularies have columns no tokenizer id maps to; never sample them.
         raw = logits[:, : self.vocab_size].float()
+        if masks:
+            raw = apply_bitmask(raw, masks.bitmask, masks.rows)
         params = [r.params for r in reqs]
         want_lp = [p.logprobs is not None for p in params]
         need_penalty = any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
@@ -211,8 +222,12 @@ class Sampler:
                     rows.append(i)
                     cols.append(t)
         if rows:
+            before = x
             x = x.clone()
             x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = float("-inf")
+            dead = torch.isneginf(x).all(dim=-1)
+            if bool(dead.any()):  # a grammar that allows only EOS here: the constraint wins over min_tokens
+                x = torch.where(dead.unsqueeze(1), before, x)
         return x
 
     def _warp(self, x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -336,6 +351,6 @@ class Sampler:
         ti = top_ids.tolist() if top_ids is not None else None
         for j, i in enumerate(rows):
             k = params[i].logprobs
-            top = list(zip(ti[j][:k], tv[j][:k])) if k else []
+            top = [(t, v) for t, v in zip(ti[j][:k], tv[j][:k]) if v != float("-inf")] if k else []
             out[i] = TokenLogprob(token_id=chosen_l[j], logprob=chosen_lp[j], top=top)
         return out

@@ -37,6 +37,7 @@ from typing import Optional
 
 from engine.block_manager import BlockKey, BlockManager, block_keys
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import Matcher
 
 
 class SeqStatus(enum.Enum):
@@ -72,6 +73,9 @@ class Sequence:
     """Prompt tokens found in the prefix cache at the last admission."""
     spec_token_ids: list[int] = field(default_factory=list)
     """Draft tokens to verify this step (speculative decoding); set before ``schedule``, trimmed by it."""
+    matcher: Optional[Matcher] = None
+    """The grammar state of a structured-outputs request (``engine.structured_outputs``): it has consumed
+    exactly ``output_token_ids``; it stays with the sequence through preemption and prefix-cache hits."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -101,7 +101,7 @@ class StructuredOutputsParams:
         if not isinstance(v, dict):
             raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {type(v).__name__}")
         try:
-            text = _json.dumps(v, sort_keys=True, separators=(",", ":"), allow_nan=False)
+            text = _json.dumps(v, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as e:
             raise ValueError(f"structured_outputs.json is not JSON-serialisable: {e}") from None
         if len(text) > MAX_CONSTRAINT_CHARS:
@@ -146,11 +146,12 @@ class StructuredOutputsParams:
         return "json_object"
 
     def schema_text(self) -> Optional[str]:
-        """The JSON Schema as canonical JSON text (sorted keys), or None when ``json`` is not set."""
+        """The JSON Schema as compact JSON text, or None when ``json`` is not set. Key order is kept: it is
+        the order the output's properties come in."""
         if self.json is None:
             return None
         v = _json.loads(self.json) if isinstance(self.json, str) else self.json
-        return _json.dumps(v, sort_keys=True, separators=(",", ":"))
+        return _json.dumps(v, separators=(",", ":"))
 
     def key(self) -> tuple[str, str]:
         """What the grammar cache is keyed by: the kind and its canonical text."""
@@ -214,7 +215,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
 
 
 def _first_line(e: Any) -> str:
-    s = str(e).strip()
+    s = " ".join(str(e).split())  # llguidance's messages draw carets over several lines: one line here
     return s if len(s) <= 600 else s[:600] + "..."
 
 
@@ -288,6 +289,40 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.cache_hits = 0
         self.cache_misses = 0
+        self.compile_s = 0.0
+        """Seconds spent compiling grammars (cache misses)."""
+        self.mask_compute_s = 0.0
+        """Seconds spent computing masks, all steps (on the mask thread when overlapped)."""
+        self.mask_wait_s = 0.0
+        """Seconds the step waited for masks after the logits were ready (the cost not hidden by the forward)."""
+        self.mask_steps = 0
+        self.overlap_masks = True
+        """Compute a step's masks on a worker thread while the model runs (False: inline, before sampling)."""
+        self._executor: Any = None
+        self._pool: Any = None
+
+    @property
+    def executor(self) -> Any:
+        """llguidance's parallel mask executor (its own native threads), made on first use."""
+        if self._executor is None:
+            import os
+
+            self._executor = _llg().LLExecutor(num_threads=max(1, min(4, (os.cpu_count() or 2) // 2)))
+        return self._executor
+
+    def mask_thread(self) -> Any:
+        """The one worker thread that computes a step's masks during the forward (daemon, made on first use)."""
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the mask thread (the engine's ``close``; a compiler left open dies with the process)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     _by_tokenizer: "weakref.WeakKeyDictionary[Any, GrammarCompiler]" = weakref.WeakKeyDictionary()
     """A cache of derived data (one compiler per live tokenizer object), so the router's checks build the
@@ -317,11 +352,13 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 self.cache_hits += 1
                 return g
+        t0 = time.perf_counter()
         g = grammar_text(params)
         is_err, msgs = _llg().LLMatcher.validate_grammar_with_warnings(g, self.ll_tokenizer, limits=self.limits)
         if is_err:
             raise ValueError(f"structured_outputs.{params.kind}: {_first_line(msgs[0] if msgs else 'invalid')}")
         with self._lock:
+            self.compile_s += time.perf_counter() - t0
             self.cache_misses += 1
             self._cache[key] = g
             while len(self._cache) > self._cache_size:
@@ -370,3 +407,89 @@ def check_structured_outputs(params: Optional[StructuredOutputsParams], tokenize
     comp = tokenizer if isinstance(tokenizer, GrammarCompiler) else GrammarCompiler.for_tokenizer(tokenizer,
                                                                                                vocab_size)
     comp.check(params)
+
+
+# -- one step's masks -----------------------------------------------------------------------------------
+
+class MaskBatch:
+    """The bitmasks of one step's constrained sampling rows, computed on a worker thread while the model
+    runs (llguidance drops the GIL while it computes): ``start`` before the forward, ``result`` after the
+    logits. Each constrained sequence gets one row per sampling position: one for a decode or a prompt's
+    last chunk, 1 + len(drafts) for a speculative verification (row j is the mask after drafts 0..j-1;
+    llguidance advances the matcher through the drafts and rolls it back)."""
+
+    def __init__(self, compiler: "GrammarCompiler", sample_seqs: Sequence[Any]) -> None:
+        import torch
+
+        self.rows: list[int] = []
+        """Sampling rows (indices into the step's sampling batch) that have a mask, in bitmask order."""
+        items: list[tuple[Any, int, list[int]]] = []
+        i = 0
+        while i < len(sample_seqs):
+            seq = sample_seqs[i]
+            n = 1 + len(seq.spec_token_ids)
+            m = getattr(seq, "matcher", None)
+            if m is not None:
+                items.append((m.raw, len(self.rows), list(seq.spec_token_ids)))
+                self.rows.extend(range(i, i + n))
+            i += n
+        self.bitmask = torch.full((len(self.rows), compiler.mask_words), -1, dtype=torch.int32)
+        self._items = items
+        self._compiler = compiler
+        self._future: Optional[Future] = None
+        self.compute_s = 0.0
+        """Seconds the masks took to compute (on whichever thread computed them)."""
+
+    def __bool__(self) -> bool:
+        return bool(self.rows)
+
+    def _compute(self) -> None:
+        t0 = time.perf_counter()
+        ex, ptr, width, n = self._compiler.executor, self.bitmask.data_ptr(), self._compiler.mask_words * 4, len(self.rows)
+        plain = [(m, k) for m, k, d in self._items if not d]
+        drafted = [it for it in self._items if it[2]]
+        if plain:
+            ex.unsafe_compute_mask_ptr(plain, ptr, width, n)
+        if drafted:
+            ex.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, width, n)
+        self.compute_s = time.perf_counter() - t0
+
+    def start(self, overlap: bool) -> "MaskBatch":
+        """Compute now (overlap False) or on the compiler's mask thread (overlap True)."""
+        if overlap and self._items:
+            self._future = self._compiler.mask_thread().submit(self._compute)
+        else:
+            self._compute()
+        return self
+
+    def result(self) -> "MaskBatch":
+        """Wait for the masks (the time waited here is the cost the forward did not hide)."""
+        if self._future is not None:
+            t0 = time.perf_counter()
+            self._future.result()
+            self._future = None
+            self._compiler.mask_wait_s += time.perf_counter() - t0
+        self._compiler.mask_compute_s += self.compute_s
+        self._compiler.mask_steps += 1
+        return self
+
+
+def apply_bitmask(x: Any, bitmask: Any, rows: Sequence[int]) -> Any:
+    """``x`` ([B, V] float logits) with the tokens each masked row's bitmask forbids set to -inf (rows not
+    listed are unchanged). Bit t of a row (word t // 32, bit t % 32) allows token t."""
+    import torch
+
+    if not rows:
+        return x
+    R, V = len(rows), x.shape[1]
+    b = bitmask.view(torch.uint8)  # little-endian: token t is bit t % 8 of byte t // 8
+    shifts = torch.arange(8, dtype=torch.uint8)
+    allowed = ((b.unsqueeze(-1) >> shifts) & 1).view(R, -1)[:, :V].bool()
+    if allowed.shape[1] < V:  # a mask narrower than the logits: ids past it are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
+    x = x.clone()
+    if R == x.shape[0] and list(rows) == list(range(R)):
+        return x.masked_fill_(~allowed, float("-inf"))
+    idx = torch.tensor(list(rows), dtype=torch.long, device=x.device)
+    x[idx] = x.index_select(0, idx).masked_fill_(~allowed.to(x.device), float("-inf"))
+    return x
