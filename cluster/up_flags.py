@@ -92,6 +92,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="router port, 0 = free port (default 50051)")
     p.add_argument("--http-port", type=int, default=8000, metavar="PORT",
                    help="OpenAI-compatible HTTP API port on --host (default 8000; 0 turns it off)")
+    p.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json"),  # router.tool_parsers
+                   help="how the HTTP API reads tool calls out of a free answer (tool_choice auto), vLLM's names: "
+                        "hermes (Hermes/Qwen <tool_call>) or llama3_json (default: none; tool_choice required or "
+                        "a named function work without it)")
     p.add_argument("--health-port", type=int, default=0, metavar="PORT",
                    help="a plaintext gRPC port on --host offering only grpc.health.v1, for probes that speak no "
                         "TLS (the kubelet's) when the API serves TLS (default 0: none)")
@@ -218,6 +222,8 @@ def router_overrides(args: argparse.Namespace) -> dict:
         out["max_num_requests"] = args.max_num_requests
     out["http_port"] = args.http_port or None  # 0: no HTTP API
     out["health_port"] = args.health_port or None
+    if args.tool_call_parser is not None:
+        out["tool_call_parser"] = args.tool_call_parser
     return out
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import tokenizers
-from jinja2.exceptions import TemplateError
+from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 BUILTIN_DIR = Path(__file__).parent / "assets" / "tokenizer"
@@ -41,6 +41,13 @@ def _raise_exception(message: str) -> None:
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
+            separators: Optional[tuple] = None, sort_keys: bool = False) -> str:
+    # transformers' filter: jinja2's own tojson escapes <, >, & and ' for HTML, which tool schemas in a
+    # prompt must not get (the model was trained on plain JSON)
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 class Tokenizer:
@@ -150,8 +157,12 @@ class Tokenizer:
     # -- chat -----------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: Optional[list[dict]] = None, continue_final_message: bool = False,
                             **kwargs: Any) -> str:
-        """Render ``messages`` ([{role, content}, ...]) with the model's chat template."""
+        """Render ``messages`` ([{role, content}, ...]) with the model's chat template, as transformers does:
+        ``tools`` (OpenAI-style ``{"type": "function", "function": {...}}`` dicts) is the template's ``tools``
+        variable; ``continue_final_message`` leaves the last message open (no end-of-turn after its content) so
+        the model continues it instead of starting a new turn."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat_template")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -159,6 +170,10 @@ class Tokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m.get("role"), str):
                 raise ValueError(f"messages[{i}].role must be a string")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise ValueError("tools must be a list of dicts")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be set")
         if self._template_cache is None:
             # Same settings as transformers: sandboxed (templates come with downloaded
             # models), trim/lstrip blocks so templates written for HF render identically.
@@ -166,10 +181,25 @@ class Tokenizer:
                                                 extensions=["jinja2.ext.loopcontrols"])
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = _strftime_now
+            env.filters["tojson"] = _tojson
             self._template_cache = env.from_string(self.chat_template)
-        return self._template_cache.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        try:
+            text = self._template_cache.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        except SecurityError:  # the template itself misbehaves: the server's fault, not the conversation's
+            raise
+        except TemplateError as e:  # raise_exception() in the template, a field the conversation lacks
+            raise ValueError(f"the chat template refused the conversation: {e}") from None
+        if continue_final_message:
+            final = messages[-1].get("content") if messages else None
+            if not isinstance(final, str) or final.strip() not in text:
+                raise ValueError("continue_final_message: the final message's content is not a string the "
+                                 "template renders")
+            # cut after the final message's text: its end-of-turn tokens go, the model continues it
+            tail = final if final in text else final.strip()
+            text = text[: text.rindex(tail) + len(tail)]
+        return text
 
     @staticmethod
     def _pick_template(t: Any) -> Optional[str]:

@@ -79,6 +79,10 @@ class RouterConfig:
     """A second, plaintext gRPC server on this port of ``host`` offering only ``grpc.health.v1`` (and reflection
     of it), mirroring the public server's status: the kubelet's gRPC probes speak no TLS, so a router serving
     TLS is probed here. 0 picks a free one; None: none."""
+    tool_call_parser: Optional[str] = None
+    """How the HTTP API reads tool calls out of a free answer (``tool_choice: "auto"``), vLLM's names:
+    "hermes" (Hermes/Qwen ``<tool_call>{...}</tool_call>``) or "llama3_json" (``router.tool_parsers``). None:
+    requests with tools need ``tool_choice`` "none", "required" or a named function."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     """Public API keys: when any is set, every Generate/Tokenize/GetModelInfo call must carry one as
     ``authorization: Bearer <key>`` (UNAUTHENTICATED otherwise); health and reflection stay open."""
@@ -126,6 +130,11 @@ class RouterConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_context_length is not None and self.max_context_length < 2:
             raise ValueError(f"max_context_length must be >= 2, got {self.max_context_length}")
+        from router.tool_parsers import TOOL_CALL_PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS} or None, "
+                             f"got {self.tool_call_parser!r}")
         self._check_security()
 
     def _check_security(self) -> None:

@@ -36,13 +36,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router import openai_protocol as oa
+from router import openai_structured as oas
 from router.core import RouterCore
 from router.events import FlowError
 from router.validation import validate_generate
+from router.wire import structured_outputs_to_proto
 from transport.ports import check_port
 from transport.tls import TlsFiles
 
 log = logging.getLogger(__name__)
+
+_PROTECTED = ("/v1", "/tokenize", "/detokenize")
+"""Paths that need the API key when keys are configured."""
 
 _DISCONNECTED = object()
 """Put on a response's event queue when its client went away."""
@@ -157,7 +162,7 @@ class HttpApi:
 
         @app.middleware("http")
         async def auth(request: Request, call_next: Any) -> Response:
-            if request.url.path.startswith("/v1") and not self._authorized(request):
+            if request.url.path.startswith(_PROTECTED) and not self._authorized(request):
                 return JSONResponse(oa.error_body(401, "missing or invalid API key (send 'Authorization: Bearer "
                                                        "<key>')"), status_code=401)
             return await call_next(request)
@@ -202,6 +207,15 @@ class HttpApi:
         async def chat(body: oa.ChatCompletionRequest, request: Request) -> Response:
             return await self._serve(request, body, chat=True)
 
+        @app.post("/tokenize")
+        async def tokenize(request: Request) -> Response:
+            return await self._tokenize(await self._body(request, oa.TokenizeCompletionRequest,
+                                                         oa.TokenizeChatRequest))
+
+        @app.post("/detokenize")
+        async def detokenize(request: Request) -> Response:
+            return await self._detokenize(await self._body(request, oa.DetokenizeRequest))
+
         return app
 
     # ---- requests ----------------------------------------------------------------------------------
@@ -215,14 +229,22 @@ class HttpApi:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
-        def prepare() -> list[_Choice]:  # tokenizing: off the event loop
+        def prepare() -> tuple[list[_Choice], oas.Plan]:  # tokenizing, compiling a constraint: off the event loop
             lim = core.limits
+            plan = oas.plan(body, chat, core.cfg.tool_call_parser)
             greqs = oa.to_generate_requests(body, chat, lim.model_name,
-                                            lambda b: oa.chat_prompt_ids(b, core.tokenizer, lim))
-            return [_Choice(core, i, g, loop, queue, None, body.n) for i, g in enumerate(greqs)]
+                                            lambda b: oa.chat_prompt_ids(b, core.tokenizer, lim, plan.tools))
+            if plan.constraint is not None:
+                so = structured_outputs_to_proto(plan.constraint)
+                for g in greqs:
+                    g.structured_outputs.CopyFrom(so)
+            try:
+                return [_Choice(core, i, g, loop, queue, None, body.n) for i, g in enumerate(greqs)], plan
+            except ValueError as e:
+                raise ValueError(plan.relabel(str(e))) from None
 
         try:
-            choices = await asyncio.to_thread(prepare)
+            choices, plan = await asyncio.to_thread(prepare)
         except LookupError as e:
             core.count_error(grpc.StatusCode.NOT_FOUND)
             return self._error(404, str(e), "model")
@@ -232,14 +254,19 @@ class HttpApi:
         n_prompt = sum(len(c.vreq.prompt_token_ids) for c in choices)
         rid = oa.new_id("chatcmpl" if chat else "cmpl")
         model, detok = body.model or core.limits.model_name, oa.detokenizer(core.tokenizer)
+        echo = None
+        if not chat and body.echo:  # each choice's answer follows its prompt's text
+            echo = [c.vreq.prompt if c.vreq.prompt is not None else core.tokenizer.decode(c.vreq.prompt_token_ids)
+                    for c in choices for _ in range(body.n)]
         for c in choices:
             c.start()
         events = self._events(choices, queue, request)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            out = oa.EventStream(rid, chat, model, n_prompt, detok, include_usage)
+            out = oa.EventStream(rid, chat, model, n_prompt, detok, include_usage, plan.parser, echo)
             return StreamingResponse(self._sse(events, out), media_type="text/event-stream")
-        whole = oa.ResponseBody(rid, chat, core.limits.model_name, len(choices) * body.n, n_prompt, detok)
+        whole = oa.ResponseBody(rid, chat, core.limits.model_name, len(choices) * body.n, n_prompt, detok,
+                                plan.parser, echo)
         return await self._collect(events, whole)
 
     @staticmethod
@@ -286,11 +313,64 @@ class HttpApi:
                 if isinstance(item, FlowError):
                     yield out.error(item)
                     break
-                yield out.chunk(idx, item)
+                data = out.chunk(idx, item)
+                if data:
+                    yield data
             for tail in out.end():
                 yield tail
         finally:
             await events.aclose()
+
+    # ---- tokenizer endpoints (vLLM's) -------------------------------------------------------------------
+    async def _body(self, request: Request, *models: Any) -> Any:
+        """The JSON body as the first of ``models`` whose required fields it has (RequestValidationError -> 400)."""
+        from pydantic import ValidationError
+
+        try:
+            raw = await request.json()
+        except ValueError:
+            raise RequestValidationError([{"loc": ("body",), "msg": "the body is not valid JSON"}]) from None
+        if not isinstance(raw, dict):
+            raise RequestValidationError([{"loc": ("body",), "msg": "the body must be a JSON object"}])
+        model = models[-1] if "messages" in raw and len(models) > 1 else models[0]
+        try:
+            return model.model_validate(raw)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+
+    async def _tokenize(self, body: Any) -> Response:
+        core = self.core
+        if core.limits is None or core.draining:
+            return self._error(503, "router is not serving")
+        if core.tokenizer is None:
+            return self._error(400, "this model has no tokenizer")
+        if body.model is not None and body.model != core.limits.model_name:
+            return self._error(404, f"model {body.model!r} does not exist; this server serves "
+                                    f"{core.limits.model_name!r}", "model")
+        try:
+            out = await asyncio.to_thread(oa.tokenize_json, body, core.tokenizer, core.limits)
+        except ValueError as e:
+            return self._error(400, str(e))
+        return JSONResponse(out)
+
+    async def _detokenize(self, body: Any) -> Response:
+        core = self.core
+        if core.limits is None or core.draining:
+            return self._error(503, "router is not serving")
+        if body.model is not None and body.model != core.limits.model_name:
+            return self._error(404, f"model {body.model!r} does not exist; this server serves "
+                                    f"{core.limits.model_name!r}", "model")
+        if core.tokenizer is None:
+            return self._error(400, "this model has no tokenizer")
+        if len(body.tokens) > core.limits.max_context_length:
+            return self._error(400, f"tokens has {len(body.tokens)} ids; the context length is "
+                                    f"{core.limits.max_context_length}", "tokens")
+        for i, t in enumerate(body.tokens):
+            if not 0 <= t < core.limits.vocab_size:
+                return self._error(400, f"tokens[{i}] = {t} is outside the vocabulary [0, {core.limits.vocab_size})",
+                                   "tokens")
+        text = await asyncio.to_thread(core.tokenizer.decode, body.tokens, False)
+        return JSONResponse({"prompt": text})
 
     def _flow_error(self, e: FlowError) -> JSONResponse:
         status, body = oa.flow_error(e)

@@ -23,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine import SamplingParams
 from proto import pdserve_pb2
 from router.events import FlowError, FlowEvent, Usage
+from router.openai_structured import ConstraintFields, ToolFields, template_tools
+from router.tool_parsers import ArgsDelta, CallStart, ContentDelta, ToolCallParser, ToolCallStream, new_tool_call_id
 from router.validation import MAX_BEAM_WIDTH, ModelLimits
 
 HTTP_STATUS = {
@@ -49,8 +51,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    """Fields both endpoints share (OpenAI's, then vLLM's extras)."""
+class _Sampling(ConstraintFields):
+    """Fields both endpoints share (OpenAI's, then vLLM's extras); ``response_format`` and vLLM's
+    ``structured_outputs`` come from ``ConstraintFields`` (``router.openai_structured``)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -79,6 +82,8 @@ class _Sampling(BaseModel):
     """vLLM's: beam search with ``n`` beams; the n best sequences come back as the choices, best first."""
     length_penalty: Optional[float] = None
     early_stopping: Optional[Union[bool, str]] = None
+    prompt_logprobs: Optional[int] = None
+    """vLLM's; refused (400): the prefill worker does not return prompt log-probs."""
 
 
 class CompletionRequest(_Sampling):
@@ -94,13 +99,21 @@ class ChatMessage(BaseModel):
 
     role: str
     content: Optional[Union[str, list[dict[str, Any]]]] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    """An assistant turn's calls, as a response gave them (``function.arguments`` as JSON text)."""
+    tool_call_id: Optional[str] = None
+    """A ``tool`` turn: the call it answers."""
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(_Sampling, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
+    # vLLM's chat extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 def message_dicts(req: ChatCompletionRequest) -> list[dict]:
@@ -115,8 +128,30 @@ def message_dicts(req: ChatCompletionRequest) -> list[dict]:
                     raise ValueError(f"messages[{i}].content[{j}]: only text parts are supported")
                 parts.append(part["text"])
             content = "".join(parts)
-        out.append({"role": m.role, "content": content or ""})
+        d: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            d["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
+        out.append(d)
     return out
+
+
+def _template_call(call: dict, where: str) -> dict:
+    """A past call as chat templates read it (transformers' convention, as vLLM passes it): ``function.arguments``
+    a dict, not the JSON text the API carries."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError(f"{where}.function.name must be a string")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise ValueError(f"{where}.function.arguments is not valid JSON") from None
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 def to_generate_request(req: _Sampling, *, prompt: Optional[str] = None, token_ids: Optional[list[int]] = None,
@@ -173,6 +208,8 @@ def to_generate_requests(body: _Sampling, chat: bool, model_name: str,
         raise LookupError(f"model {body.model!r} does not exist; this server serves {model_name!r}")
     if not 1 <= body.n <= SamplingParams.MAX_N:
         raise ValueError(f"n must be in [1, {SamplingParams.MAX_N}], got {body.n}")
+    if body.prompt_logprobs is not None:
+        raise ValueError("prompt_logprobs is not supported (the prefill worker returns no prompt log-probs)")
     if chat:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         lp = (body.top_logprobs or 0) if body.logprobs else None
@@ -180,8 +217,10 @@ def to_generate_requests(body: _Sampling, chat: bool, model_name: str,
             raise ValueError("top_logprobs needs logprobs: true")
         prompts: list = [chat_ids(body)]
     else:
-        if body.echo or body.suffix or (body.best_of not in (None, 1, body.n)):
-            raise ValueError("echo, suffix and best_of are not supported")
+        if body.suffix or (body.best_of not in (None, 1, body.n)):
+            raise ValueError("suffix and best_of are not supported")
+        if body.echo and body.logprobs is not None:
+            raise ValueError("logprobs with echo needs the prompt's log-probs, which are not supported; drop one")
         max_tokens, lp = body.max_tokens, body.logprobs
         p = body.prompt
         prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
@@ -201,15 +240,75 @@ def to_generate_requests(body: _Sampling, chat: bool, model_name: str,
     return out
 
 
-def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits) -> list[int]:
-    """A chat's messages through the model's chat template, as prompt token ids (ValueError names the field)."""
+def render_chat(body: Any, tokenizer: Any, tools: Optional[list[dict]] = None) -> str:
+    """A chat's messages (and tools) through the model's chat template (ValueError names the field)."""
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError("messages: this model has no chat template; use /v1/completions")
-    text = tokenizer.apply_chat_template(message_dicts(body), add_generation_prompt=True)
+    add_gen = body.add_generation_prompt and not body.continue_final_message
+    try:
+        return tokenizer.apply_chat_template(message_dicts(body), add_generation_prompt=add_gen, tools=tools,
+                                             continue_final_message=body.continue_final_message)
+    except ValueError as e:
+        raise ValueError(f"messages: {e}") from None
+
+
+def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits,
+                    tools: Optional[list[dict]] = None) -> list[int]:
+    """A chat's messages through the model's chat template, as prompt token ids (ValueError names the field)."""
+    text = render_chat(body, tokenizer, tools)
     if limits.max_prompt_bytes is not None and len(text.encode("utf-8", "surrogatepass")) > limits.max_prompt_bytes:
         raise ValueError(f"messages: the conversation is longer than the context length "
                          f"({limits.max_context_length} tokens) can hold")
     return tokenizer.encode(text, add_special_tokens=False)  # the template already has the special tokens
+
+
+class TokenizeCompletionRequest(BaseModel):
+    """vLLM's ``POST /tokenize`` with a prompt."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ToolFields):
+    """vLLM's ``POST /tokenize`` with chat messages (rendered by the chat template, tools included)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+def tokenize_json(body: Union[TokenizeCompletionRequest, TokenizeChatRequest], tokenizer: Any,
+                  limits: ModelLimits) -> dict:
+    """vLLM's /tokenize answer: ``count``, ``max_model_len``, ``tokens`` (and ``token_strs`` when asked). A text
+    longer than any prompt the context could hold is refused before it is tokenized (ValueError)."""
+    if isinstance(body, TokenizeChatRequest):
+        text, where = render_chat(body, tokenizer, template_tools(body)), "messages"
+    else:
+        text, where = body.prompt, "prompt"
+    if limits.max_prompt_bytes is not None and len(text.encode("utf-8", "surrogatepass")) > limits.max_prompt_bytes:
+        raise ValueError(f"{where}: the text is longer than the context length ({limits.max_context_length} "
+                         f"tokens) can hold")
+    ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    return {"count": len(ids), "max_model_len": limits.max_context_length, "tokens": ids,
+            "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None}
 
 
 def new_id(prefix: str) -> str:
@@ -265,12 +364,27 @@ def flow_error(e: FlowError) -> tuple[int, dict]:
     return status, error_body(status, e.message)
 
 
-class ResponseBody:
-    """A whole (non-streamed) response: ``add`` each choice's events, then ``json()``."""
+def _finish_reason(reason: Optional[str], parser: Optional[ToolCallParser], called: bool) -> Optional[str]:
+    """OpenAI's: an answer that ended by itself in tool calls finished with "tool_calls" (a named function's call
+    is the answer itself: "stop", as OpenAI has it)."""
+    if reason == "stop" and called and parser is not None and parser.kind != "named":
+        return "tool_calls"
+    return reason
 
-    def __init__(self, rid: str, chat: bool, model: str, n: int, n_prompt: int, detok: Callable[[int], str]) -> None:
+
+def tool_calls_json(calls: list) -> list[dict]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+
+
+class ResponseBody:
+    """A whole (non-streamed) response: ``add`` each choice's events, then ``json()``. ``tool_parser`` reads
+    each chat answer's tool calls; ``echo`` is each choice's prompt text, put before its answer."""
+
+    def __init__(self, rid: str, chat: bool, model: str, n: int, n_prompt: int, detok: Callable[[int], str],
+                 tool_parser: Optional[ToolCallParser] = None, echo: Optional[list[str]] = None) -> None:
         self.rid, self.chat, self.model, self.n_prompt, self._detok = rid, chat, model, n_prompt, detok
-        self.texts: list[str] = [""] * n
+        self.tool_parser = tool_parser
+        self.texts: list[str] = list(echo) if echo is not None else [""] * n
         self.reasons: list[Optional[str]] = [None] * n
         self.logprobs: list[Optional[dict]] = [None] * n
         self.usages: list[Usage] = []
@@ -290,11 +404,23 @@ class ResponseBody:
         if ev.usage is not None:  # the last event of a flow: its choices' tokens together
             self.usages.append(ev.usage)
 
+    def _message(self, i: int) -> tuple[dict, Optional[str]]:
+        text, reason = self.texts[i], self.reasons[i]
+        if self.tool_parser is None:
+            return {"role": "assistant", "content": text}, reason
+        found = self.tool_parser.extract(text)
+        msg: dict = {"role": "assistant", "content": found.content}
+        if found.calls:
+            msg["tool_calls"] = tool_calls_json(found.calls)
+        return msg, _finish_reason(reason, self.tool_parser, bool(found.calls))
+
     def json(self) -> dict:
         n = len(self.texts)
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": self.texts[i]},
-                        "logprobs": self.logprobs[i], "finish_reason": self.reasons[i]} for i in range(n)]
+            choices = []
+            for i in range(n):
+                msg, reason = self._message(i)
+                choices.append({"index": i, "message": msg, "logprobs": self.logprobs[i], "finish_reason": reason})
             obj = "chat.completion"
         else:
             choices = [{"index": i, "text": self.texts[i], "logprobs": self.logprobs[i],
@@ -305,15 +431,23 @@ class ResponseBody:
 
 
 class EventStream:
-    """A streamed response as server-sent events: ``chunk`` per event, ``error`` for a failure, ``end()`` last."""
+    """A streamed response as server-sent events: ``chunk`` per event (an empty string when it says nothing
+    new), ``error`` for a failure, ``end()`` last. With a ``tool_parser`` each chat choice's text goes through
+    its own ``ToolCallStream``: content deltas and OpenAI's ``tool_calls`` deltas (a call's first delta has its
+    index, id, type and name, later ones more of its arguments), as the OpenAI SDK assembles them."""
 
     DONE = "data: [DONE]\n\n"
 
     def __init__(self, rid: str, chat: bool, model: str, n_prompt: int, detok: Callable[[int], str],
-                 include_usage: bool = False) -> None:
+                 include_usage: bool = False, tool_parser: Optional[ToolCallParser] = None,
+                 echo: Optional[list[str]] = None) -> None:
         self.rid, self.chat, self.model, self.n_prompt, self._detok = rid, chat, model, n_prompt, detok
         self.include_usage = include_usage
         self.obj = "chat.completion.chunk" if chat else "text_completion"
+        self.tool_parser = tool_parser
+        self._echo = dict(enumerate(echo)) if echo is not None else {}
+        self._streams: dict[int, ToolCallStream] = {}
+        self._called: set[int] = set()
         self._started: set[int] = set()
         self._offsets: dict[int, int] = {}
         self.usages: list[Usage] = []
@@ -325,21 +459,52 @@ class EventStream:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
+    def _tool_delta(self, idx: int, ev: FlowEvent, delta: dict) -> None:
+        stream = self._streams.get(idx)
+        if stream is None:
+            stream = self._streams[idx] = self.tool_parser.stream()
+        parts = stream.feed(ev.text) + (stream.finish() if ev.finish_reason else [])
+        content = "".join(p.text for p in parts if isinstance(p, ContentDelta))
+        if content:
+            delta["content"] = content
+        calls: dict[int, dict] = {}
+        for p in parts:
+            if isinstance(p, CallStart):
+                self._called.add(idx)
+                calls[p.index] = {"index": p.index, "id": new_tool_call_id(), "type": "function",
+                                  "function": {"name": p.name, "arguments": ""}}
+            elif isinstance(p, ArgsDelta):
+                entry = calls.setdefault(p.index, {"index": p.index, "function": {"arguments": ""}})
+                entry["function"]["arguments"] += p.text
+        if calls:
+            delta["tool_calls"] = list(calls.values())
+
     def chunk(self, idx: int, ev: FlowEvent) -> str:
         if self.chat:
-            delta: dict = {} if idx in self._started else {"role": "assistant"}
+            first = idx not in self._started
+            delta: dict = {"role": "assistant"} if first else {}
             self._started.add(idx)
-            if ev.text:
-                delta["content"] = ev.text
-            choice = {"index": idx, "delta": delta, "logprobs": chat_logprobs(ev, self._detok),
-                      "finish_reason": ev.finish_reason}
+            if self.tool_parser is not None:
+                self._tool_delta(idx, ev, delta)
+                reason = _finish_reason(ev.finish_reason, self.tool_parser, idx in self._called)
+            else:
+                if ev.text:
+                    delta["content"] = ev.text
+                reason = ev.finish_reason
+            lp = chat_logprobs(ev, self._detok)
+            if ev.usage is not None:
+                self.usages.append(ev.usage)
+            if not first and len(delta) == 0 and reason is None and lp is None:
+                return ""  # held back by the tool parser (the start of a tag, a call's name)
+            choice = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": reason}
         else:
             offset = self._offsets.get(idx, 0)
-            choice = {"index": idx, "text": ev.text, "finish_reason": ev.finish_reason,
+            text = self._echo.pop(idx, "") + ev.text
+            choice = {"index": idx, "text": text, "finish_reason": ev.finish_reason,
                       "logprobs": completion_logprobs(ev, self._detok, offset)}
-            self._offsets[idx] = offset + len(ev.text)
-        if ev.usage is not None:
-            self.usages.append(ev.usage)
+            self._offsets[idx] = offset + len(text)
+            if ev.usage is not None:
+                self.usages.append(ev.usage)
         return self._data([choice])
 
     @staticmethod

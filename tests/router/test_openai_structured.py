@@ -1,0 +1,241 @@
+"""Structured outputs and tool calling through the OpenAI-compatible API, driven by the official ``openai`` client
+over a real router, prefill and decode worker (gloo KV) serving the built-in ``tiny`` model: Pydantic models
+through ``chat.completions.parse`` (streamed and not, greedy and seeded, n=3), regex and choice, named, required
+and auto tool calls whose arguments validate against the tool's schema, /tokenize and /detokenize, echo, and bad
+input answered 400 naming the field before any worker works. One cluster for the module (startup is the cost)."""
+from __future__ import annotations
+
+import json
+import re
+from typing import Literal, Optional
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+from pydantic import BaseModel, Field
+
+from engine import SamplingParams, StructuredOutputsParams
+from tests.roles.harness import offline, start_roles
+
+KEY = "structured-test-key-0123456789"
+
+
+@pytest.fixture(scope="module")
+def roles():
+    torch.set_num_threads(1)
+    r = start_roles(tag="so-", router=dict(http_port=0, api_keys=(KEY,), tool_call_parser="hermes"))
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def client(roles):
+    return openai.OpenAI(base_url=f"http://{roles.router.http_address}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _post(roles, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"http://{roles.router.http_address}{path}", json=body,
+                      headers={"authorization": f"Bearer {KEY}"}, timeout=60)
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=8)
+    zip_code: int = Field(ge=1000, le=99999)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=8)
+    age: int = Field(ge=0, le=120)
+    role: Literal["admin", "user", "guest"]
+    address: Address
+    tags: list[Literal["a", "b", "c"]] = Field(max_length=3)
+
+
+class Reading(BaseModel):
+    sensor: Literal["t1", "t2"]
+    value: float = Field(ge=-10.0, le=10.0)
+    ok: bool
+    note: Optional[str] = Field(max_length=6)
+
+
+MSGS = [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": "Describe a person."}]
+
+
+@pytest.mark.parametrize("model", [Person, Reading])
+def test_parse_pydantic_greedy_seeded_and_n3(client, model):
+    r = client.chat.completions.parse(model="tiny", messages=MSGS, response_format=model, temperature=0,
+                                      max_completion_tokens=150)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and isinstance(c.message.parsed, model), c.message.content
+    assert model.model_validate_json(c.message.content) == c.message.parsed
+    seeded = client.chat.completions.parse(model="tiny", messages=MSGS, response_format=model, temperature=1.0,
+                                           seed=7, n=3, max_completion_tokens=150)
+    assert sorted(ch.index for ch in seeded.choices) == [0, 1, 2]
+    assert all(isinstance(ch.message.parsed, model) for ch in seeded.choices), [ch.message.content
+                                                                               for ch in seeded.choices]
+    again = client.chat.completions.parse(model="tiny", messages=MSGS, response_format=model, temperature=1.0,
+                                          seed=7, n=3, max_completion_tokens=150)
+    assert [ch.message.content for ch in again.choices] == [ch.message.content for ch in seeded.choices]
+
+
+def test_streamed_parse_equals_the_whole_answer(client):
+    whole = client.chat.completions.parse(model="tiny", messages=MSGS, response_format=Person, temperature=0,
+                                          max_completion_tokens=150)
+    with client.chat.completions.stream(model="tiny", messages=MSGS, response_format=Person, temperature=0,
+                                        max_completion_tokens=150) as s:
+        final = s.get_final_completion()
+    assert final.choices[0].message.parsed == whole.choices[0].message.parsed
+    assert final.choices[0].message.content == whole.choices[0].message.content
+
+
+def test_json_object_regex_choice_and_offline_equality(client):
+    r = client.chat.completions.create(model="tiny", messages=MSGS, temperature=0, max_tokens=60,
+                                       response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # the constraint keeps it a JSON object's prefix, cut by max_tokens
+        assert r.choices[0].message.content.lstrip().startswith("{")
+    rx = r"[A-Z][a-z]{2,6}-[0-9]{3}"
+    c = client.completions.create(model="tiny", prompt="def f(x):", temperature=0, max_tokens=20,
+                                  extra_body={"structured_outputs": {"regex": rx}})
+    assert re.fullmatch(rx, c.choices[0].text) and c.choices[0].finish_reason == "stop"
+    # greedy constrained output through the cluster = the offline engine's, token for token
+    want = offline(["def f(x):"], [SamplingParams(max_tokens=20, temperature=0.0,
+                                                  structured_outputs=StructuredOutputsParams(regex=rx))])[0]
+    assert c.choices[0].text == want[1]
+    old = client.completions.create(model="tiny", prompt="def f(x):", temperature=0, max_tokens=20,
+                                    extra_body={"guided_regex": rx})
+    assert old.choices[0].text == c.choices[0].text
+    choices = ["alpha", "beta", "gamma delta"]
+    ch = client.chat.completions.create(model="tiny", messages=MSGS, temperature=1.0, seed=3, n=3, max_tokens=10,
+                                        extra_body={"structured_outputs": {"choice": choices}})
+    assert all(x.message.content in choices for x in ch.choices)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                    "unit": {"type": "string", "enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "integer", "minimum": -12,
+                                                                                "maximum": 12}},
+                                       "required": ["tz"], "additionalProperties": False}}}
+TOOLS = [WEATHER, CLOCK]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _check_calls(calls) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_named_and_required_tool_calls(client):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=named, temperature=0,
+                                       max_tokens=40)
+    m = r.choices[0].message
+    assert [c.function.name for c in m.tool_calls] == ["get_time"] and not m.content
+    _check_calls(m.tool_calls)
+    streamed = list(client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=named,
+                                                   temperature=0, max_tokens=40, stream=True))
+    deltas = [tc for ch in streamed for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].function.name == "get_time" and deltas[0].index == 0
+    assert "".join(d.function.arguments or "" for d in deltas) == m.tool_calls[0].function.arguments
+    req = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                         temperature=1.0, seed=5, n=3, max_tokens=120)
+    for ch in req.choices:
+        assert ch.finish_reason == "tool_calls", ch.message
+        _check_calls(ch.message.tool_calls)
+
+
+AUTO_GRAMMAR = r'''
+start: "<tool_call>" call "</tool_call>"
+call: %json{"type": "object", "properties": {"name": {"const": "get_weather"}, "arguments": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"], "additionalProperties": false}}, "required": ["name", "arguments"], "additionalProperties": false, "x-guidance": {"whitespace_flexible": false}}
+'''
+
+
+def test_auto_tool_call_parsed_by_hermes(client):
+    """tool_choice auto: the answer is free text the hermes parser reads; a grammar forces the tiny model to
+    write a call in the Hermes format, so the parse has something to find."""
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, temperature=0, max_tokens=80,
+              extra_body={"structured_outputs": {"grammar": AUTO_GRAMMAR}})
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and [t.function.name for t in c.message.tool_calls] == ["get_weather"]
+    _check_calls(c.message.tool_calls)
+    parts = list(client.chat.completions.create(**kw, stream=True))
+    calls: dict = {}
+    for p in parts:
+        for d in p.choices[0].delta.tool_calls or []:
+            e = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "args": ""})
+            e["args"] += d.function.arguments or ""
+    assert [(e["name"], e["args"]) for e in calls.values()] == [("get_weather", c.message.tool_calls[0].function.arguments)]
+    assert parts[-1].choices[0].finish_reason == "tool_calls"
+    # tool_choice none: the same grammar's text stays content
+    none = client.chat.completions.create(**{**kw, "tool_choice": "none"})
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content.startswith("<tool_call>")
+
+
+def test_tokenize_detokenize_and_echo(roles, client):
+    tok = roles.router.tokenizer
+    r = _post(roles, "/tokenize", {"model": "tiny", "prompt": "def add(a, b):"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["tokens"] == tok.encode("def add(a, b):") and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == roles.router.limits.max_context_length
+    chat = _post(roles, "/tokenize", {"messages": ASK, "tools": TOOLS}).json()
+    assert chat["tokens"] == tok.encode(tok.apply_chat_template(ASK, add_generation_prompt=True, tools=TOOLS),
+                                        add_special_tokens=False)
+    d = _post(roles, "/detokenize", {"model": "tiny", "tokens": body["tokens"]})
+    assert d.status_code == 200 and d.json() == {"prompt": tok.decode(body["tokens"], skip_special_tokens=False)}
+    assert _post(roles, "/detokenize", {"tokens": [10 ** 6]}).status_code == 400
+    assert httpx.post(f"http://{roles.router.http_address}/tokenize", json={"prompt": "x"}, timeout=10).status_code == 401
+    plain = client.completions.create(model="tiny", prompt="import os", max_tokens=5, temperature=0)
+    echoed = client.completions.create(model="tiny", prompt="import os", max_tokens=5, temperature=0, echo=True)
+    assert echoed.choices[0].text == "import os" + plain.choices[0].text
+    parts = list(client.completions.create(model="tiny", prompt="import os", max_tokens=5, temperature=0, echo=True,
+                                           stream=True))
+    assert "".join(p.choices[0].text for p in parts) == echoed.choices[0].text
+
+
+BAD = [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}},
+     "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format.type"),
+    ("/v1/completions", {"structured_outputs": {"regex": "([a-z"}}, "structured_outputs.regex"),
+    ("/v1/completions", {"guided_regex": "([a-z"}, "guided_regex"),
+    ("/v1/chat/completions", {"structured_outputs": {"grammar": "start: foo_undefined"}}, "structured_outputs.grammar"),
+    ("/v1/chat/completions", {"structured_outputs": {"grammar": "start: (("}}, "structured_outputs.grammar"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"parameters": {}}}]},
+     "tools.0.function.name"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
+    ("/v1/chat/completions", {"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ("/v1/chat/completions", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "bogus"}}}}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools[0].function.parameters"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
+     "response_format and guided_regex"),
+    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+]
+
+
+@pytest.mark.parametrize("path,extra,field", BAD)
+def test_bad_input_is_400_naming_the_field_before_any_worker_works(roles, path, extra, field):
+    p_eng, d_eng = roles.prefills[0].engine, roles.decodes[0].engine
+    before = (p_eng.prefix_cache_queries, d_eng.prefix_cache_queries)
+    base = {"model": "tiny", "max_tokens": 5}
+    base.update({"messages": ASK} if path.endswith("chat/completions") else {"prompt": "x"})
+    r = _post(roles, path, {**base, **extra})
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"], r.json()
+    assert (p_eng.prefix_cache_queries, d_eng.prefix_cache_queries) == before
