@@ -191,10 +191,10 @@ def _check_tools(tools: list[ChatTool]) -> None:
         seen[name] = i
 
 
-def required_schema(tools: list[ChatTool]) -> dict:
-    """vLLM's schema for ``tool_choice: "required"``: an array of one or more calls, each one of the tools
-    (``{"name": <its name>, "parameters": <its schema>}``); ``$defs`` of the tools' schemas lifted to the top,
-    where their ``$ref``s point."""
+def required_schema(tools: list[ChatTool], single: bool = False) -> dict:
+    """vLLM's schema for ``tool_choice: "required"``: an array of one or more calls (exactly one with ``single``,
+    i.e. ``parallel_tool_calls: false``), each one of the tools (``{"name": <its name>, "parameters": <its
+    schema>}``); ``$defs`` of the tools' schemas lifted to the top, where their ``$ref``s point."""
     defs: dict[str, Any] = {}
     options = []
     for i, t in enumerate(tools):
@@ -207,6 +207,8 @@ def required_schema(tools: list[ChatTool]) -> dict:
         options.append({"properties": {"name": {"type": "string", "enum": [t.function.name]}, "parameters": params},
                         "required": ["name", "parameters"]})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": options}}
+    if single:
+        schema["maxItems"] = 1
     if defs:
         schema["$defs"] = defs
     return schema
@@ -238,7 +240,7 @@ def _plan_tools(body: ToolFields, tool_call_parser: Optional[str]) -> Plan:
                              'llama3_json); or use tool_choice "required", a named function, or "none"')
         return Plan(tools=template, parser=parser_for(tool_call_parser))
     if choice == "required":
-        params, origin = _constraint("json", required_schema(tools), "tools")
+        params, origin = _constraint("json", required_schema(tools, body.parallel_tool_calls is False), "tools")
         return Plan(tools=template, parser=parser_for("required"), constraint=params, origin=origin)
     name = choice.function.name
     index = next((i for i, t in enumerate(tools) if t.function.name == name), None)

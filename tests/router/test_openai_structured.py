@@ -5,8 +5,11 @@ and auto tool calls whose arguments validate against the tool's schema, /tokeniz
 input answered 400 naming the field before any worker works. One cluster for the module (startup is the cost)."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import re
+from pathlib import Path
 from typing import Literal, Optional
 
 import httpx
@@ -239,3 +242,15 @@ def test_bad_input_is_400_naming_the_field_before_any_worker_works(roles, path, 
     assert r.status_code == 400, r.text
     assert field in r.json()["error"]["message"], r.json()
     assert (p_eng.prefix_cache_queries, d_eng.prefix_cache_queries) == before
+
+
+def test_readme_structured_outputs_example_runs(client):
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    m = re.search(r"<!-- structured-outputs-example[^>]*-->\s*```python\n(.*?)```", text, re.S)
+    assert m, "the README lost its structured-outputs example"
+    out = io.StringIO()
+    scope: dict = {"client": client}
+    with contextlib.redirect_stdout(out):
+        exec(m.group(1), scope)  # noqa: S102 - our own README
+    assert isinstance(scope["r"].choices[0].message.parsed, scope["City"])
+    assert out.getvalue().startswith("name=")
