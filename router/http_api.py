@@ -256,7 +256,7 @@ class HttpApi:
         model, detok = body.model or core.limits.model_name, oa.detokenizer(core.tokenizer)
         echo = None
         if not chat and body.echo:  # each choice's answer follows its prompt's text
-            echo = [c.vreq.prompt if c.vreq.prompt is not None else core.tokenizer.decode(c.vreq.prompt_token_ids)
+            echo = [c.vreq.prompt if c.vreq.prompt is not None else core.tokenizer.decode(c.vreq.prompt_token_ids, False)
                     for c in choices for _ in range(body.n)]
         for c in choices:
             c.start()

@@ -122,7 +122,11 @@ class Plan:
         if self.constraint is None or self.origin == "structured_outputs":
             return message
         head = f"structured_outputs.{self.constraint.kind}"
-        return message.replace(head, self.origin, 1) if message.startswith(head) else message
+        if message.startswith(head):
+            return message.replace(head, self.origin, 1)
+        if message.startswith("structured_outputs"):  # about the constraint as a whole (e.g. with beam search)
+            return message.replace("structured_outputs", self.origin.split(".")[0].split("[")[0], 1)
+        return message
 
 
 def _constraint(kind: str, value: Any, origin: str) -> tuple[StructuredOutputsParams, str]:

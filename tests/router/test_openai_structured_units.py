@@ -58,6 +58,9 @@ def test_constraints_and_relabelled_errors():
              True, None)
     assert p.constraint.json == {"type": "object"} and p.origin == "response_format.json_schema.schema"
     assert p.relabel("structured_outputs.json: bad thing") == "response_format.json_schema.schema: bad thing"
+    assert p.relabel("structured_outputs cannot be used with beam_width") == \
+        "response_format cannot be used with beam_width"
+    assert p.relabel("max_tokens must be >= 1") == "max_tokens must be >= 1"
     assert plan(_chat(response_format={"type": "text"}), True, None).constraint is None
     assert plan(_chat(guided_choice=["a", "b"]), True, None).constraint.choice == ["a", "b"]
     with pytest.raises(ValueError, match="^guided_choice must not be empty"):
@@ -153,3 +156,20 @@ def test_echo_prefixes_each_choice():
     s = oa.EventStream("id", False, "tiny", 3, str, echo=["p0"])
     texts = [json.loads(s.chunk(0, ev)[6:])["choices"][0]["text"] for ev in _events([" x", " y"])]
     assert texts == ["p0 x", " y"]
+
+
+def test_tool_call_parser_flag_reaches_the_router_config():
+    from cluster.cli import build_parser
+    from cluster.up_flags import router_overrides
+    from router.config import RouterConfig
+    from router.tool_parsers import TOOL_CALL_PARSERS
+
+    for cmd in (["up"], ["router", "--namespace", "ns"]):
+        for name in TOOL_CALL_PARSERS:  # the flag's choices are the router's parsers
+            args = build_parser().parse_args([*cmd, "--tool-call-parser", name])
+            assert RouterConfig(**router_overrides(args)).tool_call_parser == name
+    assert RouterConfig(**router_overrides(build_parser().parse_args(["up"]))).tool_call_parser is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--tool-call-parser", "mistral"])
+    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+        RouterConfig(tool_call_parser="mistral")
