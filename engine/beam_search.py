@@ -10,6 +10,11 @@ the rows' float32 log-softmax over the vocabulary then goes to each prompt's ``P
 which does exactly one iteration of transformers' ``_beam_search`` (5.x): top 2W continuations of
 the accumulated log-probs, the W best that did not stop run on, the W best finished hypotheses are
 kept by length-penalised score, and transformers' early-stop heuristic decides when to quit.
+``PromptBeamSearch`` needs no torch: its state is Python floats holding float32 values, and each step's
+arithmetic is rounded to float32 as torch's was. Its two ways in rank the candidates differently:
+``step`` (the engine) takes full log-prob rows and ranks them with ``torch.topk``, as transformers does;
+``step_top`` (the router, which must not load torch) takes each row's top 2W (token, log-prob) pairs and
+ranks them in Python, ties to the lower (row, token); both then run the same update.
 
 KV sharing: a prompt's table is prefilled once; every beam descends from it through ``fork``
 (reference counts), so the prompt's blocks and a parent's history are shared, never recomputed.
@@ -21,20 +26,29 @@ returns or raises, so the engine's free block count is back where it started.
 """
 from __future__ import annotations
 
+import heapq
 import math
+import struct
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch import Tensor
+
     from engine.attention import AttentionMetadata
     from engine.llm_engine import LLMEngine
 
 NEG = -1.0e9
-"""transformers' score offset for continuations that may not run on (and for unused beams)."""
+"""transformers' score offset for continuations that may not run on (and for unused beams); a float32 value."""
+
+_F32 = struct.Struct("f")
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32. One +, -, * or / of two float32 values done in float64 and rounded here equals the
+    float32 operation (53 >= 2 * 24 + 2 bits: the double rounding is harmless), so the search's sums match torch's."""
+    return _F32.unpack(_F32.pack(x))[0]
 
 
 @dataclass
@@ -125,9 +139,9 @@ class _Hyp:
 class PromptBeamSearch:
     """transformers' beam state for one prompt: running beams, the W best finished, the early-stop flag.
 
-    Engine-neutral: ``step`` takes the parents' log-probability rows and the parents themselves (anything with
+    Engine-neutral: a step takes the parents' log-probabilities and the parents themselves (anything with
     ``tokens``: prompt + generated), so the router's cluster beam search (``router.beam_search``) runs the very
-    same algorithm over log-probs it gathered from workers."""
+    same algorithm over log-probs it gathered from workers. No torch here: ``step`` imports it for its ranking."""
 
     def __init__(self, prompt: list[int], max_new: int, params: BeamSearchParams, eos: Optional[int]) -> None:
         W = params.beam_width
@@ -135,43 +149,67 @@ class PromptBeamSearch:
         self.eos = None if params.ignore_eos else eos
         self.running: list[_Beam] = []
         # only the first beam may expand at first, so the W beams do not all pick the same token
-        self.scores = torch.full((W,), NEG, dtype=torch.float32)
-        self.scores[0] = 0.0
+        self.scores: list[float] = [0.0] + [NEG] * (W - 1)
+        """Running beams' cumulative log-probs (float32 values), row-aligned with the next step's parents."""
         self.finished: list[_Hyp] = []
         self.improvable = True
         self.generated = 0
         self.done = False
 
-    def step(self, logprobs: Tensor, parents: list) -> list[tuple[Any, int]]:
+    def step(self, logprobs: "Tensor", parents: list) -> list[tuple[Any, int]]:
         """One iteration over the parents' log-probs [W, V] (row i belongs to ``parents[i]``; at the first step
         the prompt's one row repeated W times, with the prompt W times); the (parent, token) of the next running
         beams, W of them, or [] once ``done``. A row only has to be exact on the values that can reach the top
-        2W: a row that is -inf outside its own top 2W log-probs gives the same result."""
+        2W: a row that is -inf outside its own top 2W log-probs gives the same result. Ranks with ``torch.topk``
+        over the flattened rows, as transformers does (ties: torch's order)."""
+        import torch
+
         W, V = logprobs.shape
+        scores = torch.tensor(self.scores, dtype=torch.float32)
+        vals, idx = torch.topk((logprobs + scores[:, None]).view(-1), 2 * W)
+        return self._update(vals.tolist(), (idx // V).tolist(), (idx % V).tolist(), parents, _keep_torch)
+
+    def step_top(self, tops: Sequence[Sequence[tuple[int, float]]], parents: list) -> list[tuple[Any, int]]:
+        """``step`` on sparse rows, without torch: ``tops[i]`` is (token, log-prob) pairs of ``parents[i]``'s
+        next token, distinct tokens, the rest of the row being -inf (the router's rows: each beam's top 2W from a
+        worker, which gives the exact search, see ``step``). Log-probs are taken as float32, as a float32 row
+        holds them. Candidates are ranked by value, ties to the lower (row, token), i.e. the lower flat index;
+        with no exact ties this is ``step``'s ranking, so both give the same search, bit for bit."""
+        W = len(self.scores)
+        if len(tops) != W or len(parents) != W:
+            raise ValueError(f"step_top needs {W} rows and parents (beam_width), got {len(tops)} and {len(parents)}")
+        cands = ((_f32(_f32(lp) + s), i, tok) for i, (top, s) in enumerate(zip(tops, self.scores)) for tok, lp in top)
+        best = heapq.nlargest(2 * W, cands, key=lambda c: (c[0], -c[1], -c[2]))
+        if len(best) < 2 * W:
+            raise ValueError(f"step_top needs at least {2 * W} candidates (2 x beam_width), got {len(best)}")
+        return self._update([c[0] for c in best], [c[1] for c in best], [c[2] for c in best], parents, _keep_python)
+
+    def _update(self, vals: list[float], src: list[int], toks: list[int], parents: list,
+                keep_best: Callable[[list[float], int], list[int]]) -> list[tuple[Any, int]]:
+        """The rest of one iteration, given the top 2W continuations (value, parent row, token), best first."""
+        W = len(self.scores)
         pen, es = self.p.length_penalty, self.p.early_stopping
         self.generated += 1
         t = self.generated
-        vals, idx = torch.topk((logprobs + self.scores[:, None]).view(-1), 2 * W)
-        src, toks = (idx // V).tolist(), (idx % V).tolist()
         eos = [tok == self.eos for tok in toks]
         hit = [e or t >= self.max_new for e in eos]
         # finished hypotheses: only the top W continuations count, and only while the prompt can improve
         if self.improvable and not (es is True and len(self.finished) == W):
-            fin = (vals[:W] / (t ** pen)).tolist()
-            cums = vals[:W].tolist()
+            div = _f32(t ** pen)
             for j in range(W):
                 if hit[j]:
-                    self.finished.append(_Hyp(fin[j], cums[j], parents[src[j]].tokens + [toks[j]],
+                    self.finished.append(_Hyp(_f32(vals[j] / div), vals[j], parents[src[j]].tokens + [toks[j]],
                                               "stop" if eos[j] else "length"))
             self.finished.sort(key=lambda h: -h.score)
             del self.finished[W:]
-        shifted = vals + torch.tensor(hit, dtype=torch.float32) * NEG
-        keep = torch.topk(shifted, W).indices
-        self.scores = shifted[keep]
-        nxt = [(parents[src[k]], toks[k]) for k in keep.tolist()]
+        # -0.0, not 0.0: what torch's ``vals + hit * NEG`` adds for a non-hit (0.0 + -0.0 keeps the 0.0)
+        shifted = [_f32(v + (NEG if h else -0.0)) for v, h in zip(vals, hit)]
+        keep = keep_best(shifted, W)
+        self.scores = [shifted[k] for k in keep]
+        nxt = [(parents[src[k]], toks[k]) for k in keep]
         if len(self.finished) == W:
             hyp_len = self.max_new if es == "never" and pen > 0.0 else t
-            best = (self.scores[:1] / (hyp_len ** pen)).item()
+            best = _f32(self.scores[0] / _f32(hyp_len ** pen))
             self.improvable = self.improvable and best > min(h.score for h in self.finished)
         self.done = (not self.improvable or (es is True and len(self.finished) == W) or t >= self.max_new)
         return [] if self.done else nxt
@@ -187,6 +225,18 @@ class PromptBeamSearch:
             text = tokenizer.decode(new, skip_special_tokens=skip_special_tokens) if tokenizer is not None else ""
             out.append(BeamSearchSequence(tokens, h.cum, h.score, text, h.reason))
         return out
+
+
+def _keep_torch(shifted: list[float], W: int) -> list[int]:
+    """The W best of ``shifted`` by ``torch.topk`` (the engine's, and transformers', choice among ties)."""
+    import torch
+
+    return torch.topk(torch.tensor(shifted, dtype=torch.float32), W).indices.tolist()
+
+
+def _keep_python(shifted: list[float], W: int) -> list[int]:
+    """The W best of ``shifted``, best first, ties to the earlier (better-ranked) candidate."""
+    return heapq.nlargest(W, range(len(shifted)), key=shifted.__getitem__)
 
 
 class BeamSearcher:
@@ -292,6 +342,8 @@ class BeamSearcher:
                 self.bm.free([b.table[i]])  # siblings still hold it, so its content stays until the copy
                 b.table[i] = fresh
         if src:
+            import torch
+
             s = torch.tensor(src, dtype=torch.long, device=self.device)
             d = torch.tensor(dst, dtype=torch.long, device=self.device)
             with torch.inference_mode():
@@ -302,7 +354,9 @@ class BeamSearcher:
     def _forward(self, decodes: list[_Beam], prefills: list[_Beam]) -> Tensor:
         """One forward: decodes' last tokens, then each prompt whole; float32 log-probs [rows, V], one row per
         decode and one (the last position) per prompt."""
-        # imported here: the router runs PromptBeamSearch and must not load the attention/kernel stack
+        # imported here: the router runs PromptBeamSearch and must not load torch or the attention/kernel stack
+        import torch
+
         from engine.attention import AttentionMetadata, PrefillSpan
 
         self._make_writable(decodes)
@@ -339,6 +393,8 @@ class BeamSearcher:
             return torch.log_softmax(logits.float(), dim=-1).cpu()
 
     def _decode_view(self, meta: AttentionMetadata, beams: list[_Beam], ctx: list[int]) -> None:
+        import torch
+
         width = max(len(b.table) for b in beams)
         # pad with block 0: positions past a row's context are masked out
         meta.decode_block_tables = torch.tensor([b.table + [0] * (width - len(b.table)) for b in beams],

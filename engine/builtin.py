@@ -19,9 +19,10 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
 
-import torch
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 
 @dataclass(frozen=True)
@@ -84,8 +85,10 @@ def tokenizer_dir() -> Path:
     return Path(__file__).parent / "assets" / "tokenizer"
 
 
-def builtin_state_dict(name: str) -> dict[str, torch.Tensor]:
+def builtin_state_dict(name: str) -> dict[str, "torch.Tensor"]:
     """The built-in model's weights under HF names (float32, CPU)."""
+    import torch  # here: the router reads the specs and must not load torch
+
     from engine.config import ModelConfig
     from engine.model import CausalLM
 
@@ -103,7 +106,7 @@ def builtin_state_dict(name: str) -> dict[str, torch.Tensor]:
     return to_hf_state_dict(model)
 
 
-def to_hf_state_dict(model: "torch.nn.Module") -> dict[str, torch.Tensor]:
+def to_hf_state_dict(model: "torch.nn.Module") -> dict[str, "torch.Tensor"]:
     """Our fused, transposed weights back under HF tensor names and [out, in] shapes."""
     mc = model.config
     H, Hkv, D, I = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, mc.intermediate_size

@@ -5,28 +5,47 @@ Lifecycle: the caller builds an ``EngineConfig`` (validated in ``__post_init__``
 built-in name or a Hugging Face ``config.json``) once, at engine start; both are
 read-only afterwards and are what the model, the KV cache and the scheduler size
 themselves from.
+
+No torch here: dtypes are kept as names ('float32', 'bfloat16', 'float16') and mapped to torch dtypes
+on first use (``torch_dtype``, ``cache_dtype``, ``parse_dtype``), so the router, which builds an
+``EngineConfig`` and a ``ModelConfig`` to read the model's limits, never imports torch
+(tests/router/test_router_without_torch.py).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
-import torch
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
-from engine.quant import QUANTIZATIONS
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("bfloat16", "float16", "float32")
+"""The model dtypes, by name (``torch.<name>``)."""
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")
+"""``EngineConfig.quantization`` values (the formats: engine/quant.py, which re-exports this)."""
+KV_CACHE_DTYPES = ("auto", "int8")
+"""``EngineConfig.kv_cache_dtype`` values."""
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    """'float32' | 'bfloat16' | 'float16' (also 'fp32', 'bf16', 'fp16', 'half') -> torch dtype."""
-    aliases = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-    key = aliases.get(str(name), str(name))
-    if key not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {name!r}")
-    return _DTYPES[key]
+def dtype_name(dtype: Union[str, "torch.dtype"]) -> str:
+    """The canonical name ('float32' | 'bfloat16' | 'float16') of a dtype name, alias ('fp32', 'bf16', 'fp16',
+    'half', 'float') or torch dtype; ValueError naming ``dtype`` otherwise. Needs no torch."""
+    name = str(dtype).removeprefix("torch.")
+    key = _DTYPE_ALIASES.get(name, name)
+    if key not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return key
+
+
+def parse_dtype(name: Union[str, "torch.dtype"]) -> "torch.dtype":
+    """'float32' | 'bfloat16' | 'float16' (also 'fp32', 'bf16', 'fp16', 'half') -> torch dtype (imports torch)."""
+    key = dtype_name(name)
+    import torch
+
+    return getattr(torch, key)
 
 
 @dataclass
@@ -84,11 +103,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
-        parse_dtype(self.dtype)
-        try:
-            torch.device(self.device)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"device is not a valid torch device: {self.device!r}") from e
+        dtype_name(self.dtype)
+        if self.device != "cpu":  # the default needs no check, so a router's config never imports torch
+            import torch
+
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"device is not a valid torch device: {self.device!r}") from e
         for name, lo in (("block_size", 1), ("max_num_seqs", 1), ("max_num_batched_tokens", 1),
                          ("kv_cache_memory_bytes", 1)):
             v = getattr(self, name)
@@ -108,7 +130,7 @@ class EngineConfig:
         g = self.quantization_group_size
         if not isinstance(g, int) or isinstance(g, bool) or g < 32 or g % 32:
             raise ValueError(f"quantization_group_size must be a positive multiple of 32, got {g!r}")
-        if self.kv_cache_dtype not in ("auto", "int8"):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
@@ -117,13 +139,18 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":
+        """The model dtype as a torch dtype (imports torch)."""
         return parse_dtype(self.dtype)
 
     @property
-    def cache_dtype(self) -> torch.dtype:
-        """The KV cache tensors' dtype: the model dtype, or int8."""
-        return torch.int8 if self.kv_cache_dtype == "int8" else self.torch_dtype
+    def cache_dtype(self) -> "torch.dtype":
+        """The KV cache tensors' dtype: the model dtype, or int8 (imports torch)."""
+        if self.kv_cache_dtype == "int8":
+            import torch
+
+            return torch.int8
+        return self.torch_dtype
 
 
 @dataclass
@@ -160,14 +187,16 @@ class ModelConfig:
     """q/k/v projections have biases (Qwen2)."""
     sliding_windows: list = field(default_factory=list)
     """Per layer: None (full attention) or the window size W (keys with q - k < W)."""
-    torch_dtype: torch.dtype = torch.float32
-    """Runtime dtype."""
+    dtype: str = "float32"
+    """Runtime dtype, by name ('float32' | 'bfloat16' | 'float16'; aliases and torch dtypes are normalized);
+    ``torch_dtype`` is the torch dtype."""
     bos_token_id: Optional[int] = None
     """From config.json; the tokenizer's wins when present."""
     eos_token_ids: list = field(default_factory=list)
     """From config.json; the tokenizer's wins when present."""
 
     def __post_init__(self) -> None:
+        self.dtype = dtype_name(self.dtype)
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architectures: unsupported {self.architecture!r}; supported: {SUPPORTED_ARCHITECTURES}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -189,6 +218,11 @@ class ModelConfig:
             raise ValueError(f"rope_scaling.rope_type {rt!r} is not supported (default, linear, llama3)")
 
     @property
+    def torch_dtype(self) -> "torch.dtype":
+        """The runtime dtype as a torch dtype (imports torch)."""
+        return parse_dtype(self.dtype)
+
+    @property
     def num_params(self) -> int:
         h, i, v, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
         qkv = h * d * (self.num_attention_heads + 2 * self.num_key_value_heads)
@@ -196,8 +230,9 @@ class ModelConfig:
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer + h
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any], dtype: torch.dtype) -> "ModelConfig":
-        """Read a HF ``config.json`` dict (transformers 4.x and 5.x rope layouts)."""
+    def from_hf_dict(cls, cfg: dict[str, Any], dtype: Union[str, "torch.dtype"] = "float32") -> "ModelConfig":
+        """Read a HF ``config.json`` dict (transformers 4.x and 5.x rope layouts); ``dtype`` is the runtime dtype
+        (a name or a torch dtype), not config.json's."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                        "qwen2": "Qwen2ForCausalLM"}.get(cfg.get("model_type", ""), "")
@@ -235,7 +270,7 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=params,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            sliding_windows=windows, torch_dtype=dtype, bos_token_id=cfg.get("bos_token_id"),
+            sliding_windows=windows, dtype=dtype_name(dtype), bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids)
 
 
@@ -256,8 +291,10 @@ def _sliding_windows(arch: str, cfg: dict, n_layers: int) -> list:
     return [w] * n_layers
 
 
-def rope_inv_freq(mc: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] in float32, with HF's default/linear/llama3 scaling."""
+def rope_inv_freq(mc: ModelConfig) -> "torch.Tensor":
+    """Inverse frequencies [head_dim/2] in float32, with HF's default/linear/llama3 scaling (the model's, at load)."""
+    import torch
+
     d = mc.head_dim
     inv = 1.0 / (mc.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     sc = mc.rope_scaling or {}

@@ -18,13 +18,12 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional
 
-import torch
-from safetensors import safe_open
-
 from engine.builtin import BUILTIN_NAMES, builtin_spec, tokenizer_dir
 from engine.config import EngineConfig, ModelConfig
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from engine.model import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -33,21 +32,23 @@ logger = logging.getLogger(__name__)
 def load_model_config(cfg: EngineConfig) -> ModelConfig:
     """The ModelConfig of a built-in name or of a HF directory's config.json."""
     if cfg.model in BUILTIN_NAMES:
-        return ModelConfig.from_hf_dict(builtin_spec(cfg.model).hf_config, cfg.torch_dtype)
+        return ModelConfig.from_hf_dict(builtin_spec(cfg.model).hf_config, cfg.dtype)
     d = _model_dir(cfg.model)
     try:
         raw = json.loads((d / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"model: cannot read {d / 'config.json'}: {e}") from e
     try:
-        return ModelConfig.from_hf_dict(raw, cfg.torch_dtype)
+        return ModelConfig.from_hf_dict(raw, cfg.dtype)
     except KeyError as e:
         raise ValueError(f"model: config.json lacks required field {e.args[0]!r}") from e
 
 
-def load_model(cfg: EngineConfig, mc: ModelConfig, max_positions: int) -> CausalLM:
+def load_model(cfg: EngineConfig, mc: ModelConfig, max_positions: int) -> "CausalLM":
     """Allocate the model on cfg.device in cfg.dtype and fill its weights."""
-    # imported here: reading a config or a tokenizer (the router's model view) must not load the model stack
+    # imported here: reading a config or a tokenizer (the router's model view) must not load torch or the model stack
+    import torch
+
     from engine.model import CausalLM
 
     device = torch.device(cfg.device)
@@ -85,8 +86,10 @@ def load_tokenizer(cfg: EngineConfig):
     return Tokenizer.from_dir(d)
 
 
-def iter_safetensors(d: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(d: Path) -> Iterator[tuple[str, "torch.Tensor"]]:
     """(name, tensor) for every tensor of a HF dir's single or sharded safetensors checkpoint."""
+    from safetensors import safe_open
+
     index = d / "model.safetensors.index.json"
     if index.is_file():
         try:

@@ -35,9 +35,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")
+from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS  # noqa: F401 - the names live with the config (no torch there)
+
 ACT_BLOCK = 32
-KV_CACHE_DTYPES = ("auto", "int8")
 
 
 def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:

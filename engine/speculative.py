@@ -50,8 +50,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence as Seq
 
-import numpy as np
-
 METHODS = ("ngram", "draft_model")
 
 
@@ -118,6 +116,8 @@ class NgramProposer:
         L = len(token_ids)
         if k < 1 or L < self.cfg.prompt_lookup_min + 1:
             return []
+        import numpy as np  # here: ``EngineConfig`` parses a SpeculativeConfig in the router, which needs no numpy
+
         arr = np.asarray(token_ids, dtype=np.int64)
         for n in range(min(self.cfg.prompt_lookup_max, L - 1), self.cfg.prompt_lookup_min - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(arr[:L - 1], n)  # starts 0 .. L-1-n

@@ -12,9 +12,10 @@ step), and the workers only score:
    normal path's. The first step (the prompt) takes the request's normal route (a prefill/decode pair in
    disaggregated mode); later steps run whole on a decode worker (colocated: on a colocated worker), whose
    prefix cache holds the beam's history, so each step computes only the tokens it has not seen.
-2. The W rows go to the search as log-probs that are -inf outside each row's top 2W. That is exact: the 2W
-   best continuations over all beams are each within their own beam's top 2W (a token outside it is beaten by
-   2W tokens of the same beam).
+2. The W rows go to the search as each row's top 2W (token, log-prob) pairs, the rest of the row taken as -inf
+   (``PromptBeamSearch.step_top``, which merges them in plain Python: the router never loads torch). That is
+   exact: the 2W best continuations over all beams are each within their own beam's top 2W (a token outside
+   it is beaten by 2W tokens of the same beam).
 3. When the search is done, ``run()`` yields the W best sequences, one ``FlowEvent`` each, ``index`` = rank,
    with ``score`` and ``cum_logprob``; the last one also has usage and timings. Nothing streams before that:
    a beam's tokens are not final until the search ends.
@@ -26,6 +27,7 @@ trip to a worker; that is the price of running the search over the cluster's sta
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +35,6 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import grpc
-import torch
 
 from engine import PromptBeamSearch, SamplingParams
 from router.events import FlowError, FlowEvent, Timings, Usage
@@ -48,16 +49,6 @@ log = logging.getLogger(__name__)
 class _Beam:
     tokens: list[int]
     """Prompt + generated so far."""
-
-
-def sparse_rows(tops: list[list[tuple[int, float]]], vocab_size: int) -> torch.Tensor:
-    """[len(tops), vocab_size] float32 log-probs: each row's (token, log-prob) pairs, -inf elsewhere. Given each
-    beam's top 2W, ``PromptBeamSearch.step`` on these rows equals it on the full rows (module docstring, 2)."""
-    rows = torch.full((len(tops), vocab_size), float("-inf"), dtype=torch.float32)
-    for j, top in enumerate(tops):
-        rows[j, torch.tensor([t for t, _ in top], dtype=torch.long)] = torch.tensor([lp for _, lp in top],
-                                                                                   dtype=torch.float32)
-    return rows
 
 
 class BeamFlow:
@@ -96,18 +87,18 @@ class BeamFlow:
         parents: list[_Beam] = [_Beam(list(self.vreq.prompt_token_ids))]
         with ThreadPoolExecutor(max_workers=W, thread_name_prefix=f"beam-{self.rid[:32]}") as pool:
             while True:
-                rows = self._score(pool, parents)
+                tops = self._score(pool, parents)
                 if self.steps == 1:  # the prompt's one row, as W identical parents (the engine does the same)
-                    rows, parents = rows.expand(W, -1), parents * W
-                nxt = self.search.step(rows, parents)
+                    tops, parents = tops * W, parents * W
+                nxt = self.search.step_top(tops, parents)
                 if self.search.done:
                     break
                 parents = [_Beam(p.tokens + [tok]) for p, tok in nxt]
         yield from self._results()
 
     # ---- one step: every live beam scored by a worker ------------------------------------------------
-    def _score(self, pool: ThreadPoolExecutor, beams: list[_Beam]) -> torch.Tensor:
-        """[len(beams), V] log-probs: each beam's top 2W from a worker, -inf elsewhere."""
+    def _score(self, pool: ThreadPoolExecutor, beams: list[_Beam]) -> list[list[tuple[int, float]]]:
+        """Per beam, its top 2W (token, log-prob) from a worker (the rest of its row is -inf)."""
         self.steps += 1
         step = self.steps
         route = None if step == 1 else (Route.COLOCATED if self.deps.cfg.mode == "colocated" else Route.DECODE)
@@ -123,7 +114,7 @@ class BeamFlow:
                     self.cancel()
         if failure is not None:
             raise failure
-        return sparse_rows(tops, self._vocab)
+        return tops
 
     def _top(self, beam: _Beam, sub_id: str, route: Optional[Route]) -> list[tuple[int, float]]:
         """The top 2W (token, log-prob) of the token after ``beam``, from one sub-request."""
@@ -149,6 +140,11 @@ class BeamFlow:
         if top is None or len(top) != min(want, self._vocab):
             raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: a worker sent "
                                                          f"{0 if top is None else len(top)} top log-probs, not {want}")
+        toks = [t for t, _ in top]
+        if len(set(toks)) != len(toks) or not all(0 <= t < self._vocab for t in toks) \
+                or any(math.isnan(lp) for _, lp in top):
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: a worker sent top log-probs that are "
+                                                         f"not distinct token ids in [0, {self._vocab}) with log-probs")
         return top
 
     # ---- the answer --------------------------------------------------------------------------------

@@ -1,9 +1,8 @@
 """The router reads its model view (config, tokenizer, limits) without importing the model stack.
 
 Each check runs in a fresh interpreter, so what another test imported cannot hide an import.
-Torch itself is allowed: the router ranks beams with ``PromptBeamSearch`` (``torch.topk``) and
-``ModelConfig`` carries torch dtypes; what must stay out is the model, its attention and kernels,
-and the engine loop.
+What must stay out is the model, its attention and kernels, and the engine loop; torch itself is
+checked by test_router_without_torch.py.
 """
 from __future__ import annotations
 
