@@ -234,6 +234,11 @@ class HttpApi:
             plan = oas.plan(body, chat, core.cfg.tool_call_parser)
             greqs = oa.to_generate_requests(body, chat, lim.model_name,
                                             lambda b: oa.chat_prompt_ids(b, core.tokenizer, lim, plan.tools))
+            if chat and body.max_tokens is None and body.max_completion_tokens is None and not body.use_beam_search:
+                for g in greqs:  # vLLM's chat default: the answer may take the rest of the context
+                    room = min(lim.max_tokens_limit, lim.max_context_length - len(g.token_ids))
+                    if room >= 1:
+                        g.max_tokens = room
             if plan.constraint is not None:
                 so = structured_outputs_to_proto(plan.constraint)
                 for g in greqs:
