@@ -155,6 +155,12 @@ def test_named_and_required_tool_calls(client):
     for ch in req.choices:
         assert ch.finish_reason == "tool_calls", ch.message
         _check_calls(ch.message.tool_calls)
+    # the SDK's own strict function tools: parse() hands back the arguments as the Pydantic model
+    tool = openai.pydantic_function_tool(Address, name="lookup_address")
+    parsed = client.chat.completions.parse(model="tiny", messages=ASK, tools=[tool], tool_choice="required",
+                                           parallel_tool_calls=False, temperature=0, max_tokens=80)
+    (call,) = parsed.choices[0].message.tool_calls  # parallel_tool_calls false: exactly one
+    assert isinstance(call.function.parsed_arguments, Address)
 
 
 AUTO_GRAMMAR = r'''
@@ -191,7 +197,9 @@ def test_tokenize_detokenize_and_echo(roles, client):
     assert r.status_code == 200
     body = r.json()
     assert body["tokens"] == tok.encode("def add(a, b):") and body["count"] == len(body["tokens"])
-    assert body["max_model_len"] == roles.router.limits.max_context_length
+    assert body["max_model_len"] == roles.router.limits.max_context_length and body["token_strs"] is None
+    strs = _post(roles, "/tokenize", {"prompt": "def add(a, b):", "return_token_strs": True}).json()["token_strs"]
+    assert strs == tok.convert_ids_to_tokens(body["tokens"])
     chat = _post(roles, "/tokenize", {"messages": ASK, "tools": TOOLS}).json()
     assert chat["tokens"] == tok.encode(tok.apply_chat_template(ASK, add_generation_prompt=True, tools=TOOLS),
                                         add_special_tokens=False)
