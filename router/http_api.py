@@ -3,7 +3,11 @@
 Lifecycle: ``HttpApi(core, host, port, api_keys)`` -> ``start()`` binds (port 0 = a free one) and
 serves on a uvicorn thread of its own; ``stop()`` shuts it down. Endpoints, as vLLM's server
 has them: ``GET /health`` (200 while the router serves, else 503), ``GET /metrics`` (the router's
-Prometheus series), ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``.
+Prometheus series), ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, and vLLM's
+``POST /tokenize`` and ``POST /detokenize``. The constraint and tool fields (``response_format``,
+``structured_outputs``, ``tools``, ``tool_choice``) are planned by ``router.openai_structured`` before tokenizing:
+the constraint rides in every ``GenerateRequest`` (compiled by the shared validation), and a tool-call parser
+(``router.tool_parsers``) reads each chat answer into ``tool_calls``.
 A request body is parsed (pydantic), turned into the gRPC-shaped ``GenerateRequest`` and validated
 by the same ``validate_generate`` as gRPC, then each choice runs as one ``RequestFlow`` through
 ``core.generate`` on a worker thread (the flows block on gRPC calls to the workers); its
@@ -11,8 +15,9 @@ by the same ``validate_generate`` as gRPC, then each choice runs as one ``Reques
 by ``router.openai_protocol`` (this module is the transport: app, auth, threads, disconnects). A
 client that disconnects cancels its flows (the workers free its blocks): the server's
 ``http.disconnect`` message wakes a watcher task at once, no polling. Errors are OpenAI's JSON
-shape with the HTTP status matching the flow's status code. With API keys configured every ``/v1``
-call needs ``Authorization: Bearer <key>`` (401 otherwise); ``/health`` and ``/metrics`` stay open.
+shape with the HTTP status matching the flow's status code. With API keys configured every ``/v1``,
+``/tokenize`` and ``/detokenize`` call needs ``Authorization: Bearer <key>`` (401 otherwise); ``/health`` and
+``/metrics`` stay open.
 
 ``n`` > 1 is one flow per prompt whose n choices share one prefill and one KV transfer (choice i
 samples with ``seed + i``), as in gRPC. ``use_beam_search`` (vLLM's) makes ``n`` the beam width: the flow is a

@@ -7,8 +7,10 @@ boundary; unknown fields are ignored as OpenAI's own server does), turns it into
 prompt, its ``n`` choices sharing it), so both front ends share one validation path, and renders
 the flow's ``FlowEvent``s back into OpenAI's JSON: a whole response (``ResponseBody``: ``add``
 each event, then ``json()``) or server-sent events (``EventStream``: ``chunk`` per event, then
-``end()``), with usage, logprobs and errors (``error_body``) in OpenAI's shapes. Field names follow
-OpenAI's API, plus vLLM's extras with vLLM's names.
+``end()``), with usage, logprobs and errors (``error_body``) in OpenAI's shapes; given a ``ToolCallParser``
+both read tool calls out of each chat answer (``message.tool_calls``, streamed ``tool_calls`` deltas,
+``finish_reason: "tool_calls"``), and ``echo`` puts each prompt before its completion. Also vLLM's /tokenize and
+/detokenize bodies (``tokenize_json``). Field names follow OpenAI's API, plus vLLM's extras with vLLM's names.
 """
 from __future__ import annotations
 
