@@ -193,6 +193,9 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
     common = dict(worker_id=worker_id, engine=engine, kv_store=kv_store, host=host, node_id=node_id,
                   cluster_secret=cfg.cluster_secret, model_name=cfg.served_model_name,
                   metrics_port=worker_metrics_port(), kv_backend="nccl" if cuda else "gloo")
+    if isinstance(kv_store, StoreConfig) and kv_store.url.startswith(("redis://", "rediss://", "unix://")):
+        # KV events go to the cluster's Redis under its namespace (the rendezvous is "{namespace}:kvt")
+        common.update(kv_events_url=kv_store.url, kv_events_namespace=kv_store.namespace.removesuffix(":kvt"))
     if role == "prefill":
         from prefill_worker import PrefillWorker, PrefillWorkerConfig
 

@@ -34,6 +34,18 @@ _EXPORTS = {
     "Tokenizer": "engine.tokenizer",
     "OutputProcessor": "engine.detokenizer",
     "prefix_block_hashes": "engine.block_manager",
+    "KVEventBatch": "engine.kv_events",
+    "BlockStored": "engine.kv_events",
+    "BlockRemoved": "engine.kv_events",
+    "AllBlocksCleared": "engine.kv_events",
+    "KVSnapshot": "engine.kv_events",
+    "decode_kv_batch": "engine.kv_events",
+    "decode_kv_snapshot": "engine.kv_events",
+    "kv_stream_key": "engine.kv_events",
+    "kv_snapshot_key": "engine.kv_events",
+    "KV_ENTRY_SEQ": "engine.kv_events",
+    "KV_ENTRY_GEN": "engine.kv_events",
+    "KV_ENTRY_BATCH": "engine.kv_events",
     "load_model_config": "engine.loader",
     "load_tokenizer": "engine.loader",
     "default_eos": "engine.loader",
@@ -45,6 +57,9 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # pragma: no cover
     from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, PromptBeamSearch
     from engine.block_manager import prefix_block_hashes
+    from engine.kv_events import (KV_ENTRY_BATCH, KV_ENTRY_GEN, KV_ENTRY_SEQ, AllBlocksCleared, BlockRemoved,
+                                  BlockStored, KVEventBatch, KVSnapshot, decode_kv_batch, decode_kv_snapshot,
+                                  kv_snapshot_key, kv_stream_key)
     from engine.config import EngineConfig
     from engine.names import default_served_model_name
     from engine.detokenizer import OutputProcessor

@@ -19,33 +19,55 @@ cached and takes them with ``acquire`` (refcount + 1, out of the free list), so
 their K/V is not computed again. Full blocks are never written again, so sharing
 them between running sequences is safe. Keys compare the tokens themselves, so a
 hit is exact up to a collision of the 64-bit hash of the parent key.
+
+Block hashes are process-independent (``block_hash``: blake2b-64 over the parent's hash and the block's
+tokens as little-endian uint64s; the first block's parent is ``ROOT_HASH``), so a router computing
+``prefix_block_hashes`` from a prompt names the same blocks the engines name in their KV events. With
+``enable_events()`` the manager also records what its prefix cache gains and loses, for a worker to
+publish (``take_events``, drained by the owner's thread after each step): ``(STORED, key)`` when a block is
+registered, ``(REMOVED, hash)`` when a cached block is evicted, ``(CLEARED,)`` on ``reset_prefix_cache``.
 """
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
+from hashlib import blake2b
 from typing import Optional, Sequence
 
 BlockKey = tuple
-"""(hash of the parent block's key or None, tuple of the block's token ids)."""
+"""(parent block's hash, tuple of the block's token ids, this block's hash = block_hash(parent, tokens))."""
+ROOT_HASH = 0
+"""The parent hash of a prompt's first block."""
+STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
+"""Kinds of the prefix-cache events ``BlockManager.take_events`` returns."""
+
+
+def block_hash(parent: int, token_ids: Sequence[int]) -> int:
+    """The process-independent 64-bit hash of a block: blake2b (8-byte digest) of the little-endian uint64s
+    (parent hash, *token ids), read as an unsigned little-endian integer. About 1.3 us per 16-token block."""
+    return int.from_bytes(blake2b(array("Q", (parent, *token_ids)).tobytes(), digest_size=8).digest(), "little")
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int,
                parent: Optional[BlockKey] = None) -> list[BlockKey]:
     """Chained keys of the first ``num_blocks`` full blocks of token_ids (after ``parent``)."""
     out: list[BlockKey] = []
+    h = ROOT_HASH if parent is None else parent[2]
     for i in range(num_blocks):
-        parent = (None if parent is None else hash(parent), tuple(token_ids[i * block_size:(i + 1) * block_size]))
-        out.append(parent)
+        toks = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        nh = block_hash(h, toks)
+        out.append((h, toks, nh))
+        h = nh
     return out
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """Hashes of the prefix-cache keys of a prompt's full blocks, as an engine with ``block_size`` names
-    them (the last token always recomputes, so a prompt of exactly k blocks yields k - 1). Routers use
-    these to remember which worker was sent which prefix, without knowing the keys' shape."""
+    them (the last token always recomputes, so a prompt of exactly k blocks yields k - 1). Routers match
+    these against the engines' KV events (and their own mirror), without knowing the keys' shape."""
     if block_size < 1:
         return []
-    return [hash(k) for k in block_keys(token_ids, block_size, (len(token_ids) - 1) // block_size)]
+    return [k[2] for k in block_keys(token_ids, block_size, (len(token_ids) - 1) // block_size)]
 
 
 class BlockManager:
@@ -64,6 +86,7 @@ class BlockManager:
         self._refs = [0] * num_blocks
         self._key_of: list[Optional[BlockKey]] = [None] * num_blocks
         self._cached: dict[BlockKey, int] = {}
+        self._events: Optional[list[tuple]] = None  # prefix-cache events since the last take_events()
 
     @property
     def num_free_blocks(self) -> int:
@@ -92,6 +115,8 @@ class BlockManager:
                 self._key_of[b] = None
                 if self._cached.get(key) == b:
                     del self._cached[key]
+                    if self._events is not None:
+                        self._events.append((REMOVED, key[2]))
             self._refs[b] = 1
             out.append(b)
         return out
@@ -159,3 +184,30 @@ class BlockManager:
         if key not in self._cached:
             self._cached[key] = block
             self._key_of[block] = key
+            if self._events is not None:
+                self._events.append((STORED, key))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached key (vLLM's reset_prefix_cache): only while no block is held; False otherwise."""
+        if any(self._refs):
+            return False
+        self._cached.clear()
+        self._key_of = [None] * self.num_blocks
+        if self._events is not None:
+            self._events.append((CLEARED,))
+        return True
+
+    # -- KV events ------------------------------------------------------------------------------
+
+    def enable_events(self) -> None:
+        """Start recording prefix-cache events (the owner must drain them with ``take_events``)."""
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[tuple]:
+        """The events recorded since the last call, oldest first (empty when events are off)."""
+        ev = self._events
+        if not ev:
+            return []
+        self._events = []
+        return ev

@@ -98,3 +98,28 @@ class RouterMetrics(ComponentMetrics):
     def set_router_waiting(self, n: int) -> None:
         """Requests in the router's admission queue (``pdserve:router_requests_waiting``)."""
         self._series["router_requests_waiting"].set(check_count("router_requests_waiting", n))
+
+    # --- cache-aware routing (router/kv_index.py) ---
+    def inc_kv_events_consumed(self, n: int = 1) -> None:
+        self._series["kv_events_consumed_total"].inc(check_count("kv_events_consumed", n))
+
+    def inc_kv_events_rejected(self, reason: str) -> None:
+        """A KV event batch dropped (``reason``: "malformed", "out_of_order" or "gap")."""
+        self._child("kv_events_rejected_total", check_label("reason", reason)).inc()
+
+    def inc_kv_events_resync(self) -> None:
+        self._series["kv_events_resyncs_total"].inc()
+
+    def inc_kv_events_redis_error(self) -> None:
+        self._series["kv_events_redis_errors_total"].inc()
+
+    def set_kv_events_lag(self, seconds: float) -> None:
+        self._series["kv_events_consumer_lag_seconds"].set(check_seconds("kv_events_lag", seconds))
+
+    def set_kv_index_size(self, blocks: int, workers: int) -> None:
+        self._series["kv_index_blocks"].set(check_count("kv_index_blocks", blocks))
+        self._series["kv_index_workers"].set(check_count("kv_index_workers", workers))
+
+    def inc_routing_decision(self, reason: str) -> None:
+        """A prefill/colocated worker chosen (``reason``: "kv_events", "mirror" or "load_only")."""
+        self._child("routing_decisions_total", check_label("reason", reason)).inc()

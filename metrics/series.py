@@ -86,6 +86,21 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
                                   "waiting for KV capacity included.", None),
     "router_requests_waiting": (ROUTER, "gauge", "Requests in the router's admission queue, waiting for KV "
                                 "capacity on a decode worker.", None),
+    # --- router: cache-aware routing from KV events (router/kv_index.py) ---
+    "kv_events_consumed_total": (ROUTER, "counter", "KV event batches applied to the router's index.", None),
+    "kv_events_rejected_total": (ROUTER, "counter", "KV event batches the router dropped (reason: malformed, "
+                                 "out_of_order, gap = a sequence number skipped, which starts a resync).", "reason"),
+    "kv_events_resyncs_total": (ROUTER, "counter", "Workers whose index entries were rebuilt from a snapshot.", None),
+    "kv_events_consumer_lag_seconds": (ROUTER, "gauge", "Age of the newest KV event batch the router applied when "
+                                       "it applied it (publish time to index).", None),
+    "kv_events_redis_errors_total": (ROUTER, "counter", "Failed reads of the KV event streams (Redis unavailable: "
+                                     "routing goes load-only until a read succeeds).", None),
+    "kv_index_blocks": (ROUTER, "gauge", "(block, worker) pairs in the router's KV event index.", None),
+    "kv_index_workers": (ROUTER, "gauge", "Workers whose KV events the router's index follows in sync.", None),
+    "routing_decisions_total": (ROUTER, "counter", "Prefill/colocated worker choices by what scored them "
+                                "(reason: kv_events, mirror = the router-local mirror while a candidate has no "
+                                "event stream in sync, load_only = prefix routing off or Redis unavailable).",
+                                "reason"),
     # --- workers: what the engine sees ---
     "num_requests_running": (WORKER, "gauge", "Number of requests in model execution batches.", None),
     "num_requests_waiting": (WORKER, "gauge", "Number of requests waiting to be processed.", None),
@@ -106,6 +121,10 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
     "num_preemptions_total": (WORKER, "counter", "Cumulative number of preemption from the engine.", None),
     "iteration_tokens_total": (WORKER, "histogram", "Histogram of number of tokens per engine_step.",
                                ITERATION_TOKENS_BUCKETS),
+    "kv_events_published_total": (WORKER, "counter", "KV event batches the worker appended to its stream.", None),
+    "kv_events_dropped_total": (WORKER, "counter", "KV event batches the worker dropped (reason: queue_full = the "
+                                "publisher fell behind, redis_error = the append failed); consumers resync.",
+                                "reason"),
     # --- workers: speculative decoding (vLLM's spec_decode series) ---
     "spec_decode_num_drafts_total": (WORKER, "counter", "Number of spec decoding drafts.", None),
     "spec_decode_num_draft_tokens_total": (WORKER, "counter", "Number of draft tokens.", None),

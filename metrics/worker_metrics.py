@@ -146,3 +146,11 @@ class WorkerMetrics(ComponentMetrics):
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"kv_cache_usage must be within [0, 1], got {fraction!r}")
         self._series["kv_cache_usage_perc"].set(fraction)
+
+    # --- KV events (worker_common/kv_events.py) ---
+    def inc_kv_events_published(self, n: int = 1) -> None:
+        self._series["kv_events_published_total"].inc(check_count("kv_events_published", n))
+
+    def inc_kv_events_dropped(self, reason: str) -> None:
+        """A KV event batch dropped (``reason``: "queue_full" or "redis_error")."""
+        self._child("kv_events_dropped_total", reason).inc()

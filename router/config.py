@@ -60,6 +60,22 @@ class RouterConfig:
     loaded one's."""
     prefix_balance_tokens: int = 2048
     """How much longer a queue (in prompt tokens) prefix-aware routing accepts for a cache hit."""
+    kv_events: bool = True
+    """Cache-aware routing from the workers' KV events (``router.kv_index``): when the worker list is the Redis
+    registry, follow every worker's event stream into one index of what each prefix cache really holds, and score
+    prefill/colocated candidates with it (``kv_overlap_weight`` etc.); the router-local mirror
+    (``prefix_balance_tokens``' rule) is used only while a candidate's stream is not in sync. False: the mirror only."""
+    kv_overlap_weight: float = 1.0
+    """Score per leading prompt block a candidate already caches (blocks it will not compute)."""
+    kv_load_weight: float = 1.0
+    """Score lost per block of prompt tokens queued on a candidate (reported, plus this router's not yet answered):
+    with 1.0 a cached block and a queued block weigh the same (prefill work)."""
+    kv_request_weight: float = 2.0
+    """Score lost per request running, waiting or in flight from this router on a candidate (decode work and
+    the heartbeat's lag), in blocks."""
+    kv_tie_blocks: float = 1.0
+    """Candidates scoring within this many blocks of the best are a tie, broken at random, so routers deciding
+    at the same instant on the same view spread instead of herding onto one worker. 0: the best, by load order."""
     pool_wait_s: float = 15.0
     """How long a request waits for an empty pool (no live decode, or colocated, worker and no fallback) to get
     a worker back before UNAVAILABLE: the supervisor replaces a dead worker within seconds, so a lone worker's
@@ -126,6 +142,12 @@ class RouterConfig:
         if isinstance(self.prefix_balance_tokens, bool) or not isinstance(self.prefix_balance_tokens, int) \
                 or self.prefix_balance_tokens < 0:
             raise ValueError(f"prefix_balance_tokens must be an int >= 0, got {self.prefix_balance_tokens!r}")
+        if not isinstance(self.kv_events, bool):
+            raise ValueError(f"kv_events must be a bool, got {self.kv_events!r}")
+        for name in ("kv_overlap_weight", "kv_load_weight", "kv_request_weight", "kv_tie_blocks"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_context_length is not None and self.max_context_length < 2:

@@ -2,7 +2,8 @@
 
 Lifecycle: one ``RouterCore(cfg, workers)`` per router process. ``load()`` reads the
 tokenizer and the model's limits (no weights), builds the metrics and starts the
-``WorkerView`` (the pools as routing sees them, refreshed in the background). Each front end
+``WorkerView`` (the pools as routing sees them, refreshed in the background) and, over the Redis
+registry, the ``KVEventConsumer`` that keeps the global ``KVIndex`` of the workers' caches. Each front end
 validates its own request format into a ``ValidatedRequest`` and iterates
 ``core.generate(vreq, t0, time_remaining, on_cancel)``: the core admits it against
 ``max_num_requests`` (RESOURCE_EXHAUSTED at once past it), builds a ``RequestFlow`` (a ``BeamFlow`` for beam
@@ -25,6 +26,7 @@ from router.admission import AdmissionQueue
 from router.clients import WorkerClients
 from router.config import RouterConfig
 from router.events import FlowError, FlowEvent
+from router.kv_index import KVEventConsumer, KVIndex
 from router.model_info import load_model_view
 from router.placement import Placer
 from router.prefix_index import PrefixIndex
@@ -32,7 +34,7 @@ from router.request_flow import FlowDeps, RequestFlow
 from router.selection import WorkerSelector
 from router.validation import ModelLimits, ValidatedRequest
 from router.worker_calls import WorkerCalls
-from router.worker_source import WorkerList
+from router.worker_source import ROLES, WorkerList
 from router.worker_view import WorkerView
 
 log = logging.getLogger(__name__)
@@ -50,12 +52,20 @@ class RouterCore:
         self.view = WorkerView(workers, cfg.worker_view_refresh_s)
         """The pools as routing sees them: refreshed in the background, failed workers out at once."""
         self.selector = WorkerSelector()
-        self.prefixes = PrefixIndex()  # which worker was sent which prompt prefix (prefix-aware routing)
+        self.prefixes = PrefixIndex()  # which worker this router sent which prefix: the fallback of the KV index
         self.clients = WorkerClients(cfg.cluster_secret)
         self.calls = WorkerCalls(cfg, self.clients)
         """Every worker RPC of a request (Reserve for the placer; streams and aborts for the flows)."""
         self.admission = AdmissionQueue(on_change=lambda n: self._update_gauges())
-        self.placer = Placer(cfg, self.view, self.selector, self.calls, self.admission, self.prefixes)
+        self.kv_index = KVIndex()
+        """What every worker's prefix cache holds, from their KV events (filled by ``kv_events``)."""
+        self.kv_events: Optional[KVEventConsumer] = None
+        redis_url, namespace = getattr(workers, "redis_url", None), getattr(workers, "namespace", None)
+        if cfg.kv_events and isinstance(redis_url, str) and isinstance(namespace, str):
+            self.kv_events = KVEventConsumer(self.kv_index, redis_url, namespace, self._worker_ids,
+                                             lambda: self.metrics)
+        self.placer = Placer(cfg, self.view, self.selector, self.calls, self.admission, self.prefixes,
+                             self.kv_events, lambda: self.metrics)
         self.tokenizer: Any = None
         self.limits: Optional[ModelLimits] = None
         self.metrics: Any = None
@@ -75,8 +85,16 @@ class RouterCore:
         self.metrics = RouterMetrics(self.cfg.served_model_name, "router",
                                      max_model_len=self.limits.max_context_length)
         self.view.start()
+        if self.kv_events is not None:
+            self.kv_events.start()
+
+    def _worker_ids(self) -> list[str]:
+        """Every worker routing sees now (the KV event consumer follows exactly these)."""
+        return [w.worker_id for role in ROLES for w in self.view.list(role)]
 
     def close(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.stop()
         self.view.stop()
         self.clients.close()
 

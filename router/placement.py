@@ -10,6 +10,10 @@ Lifecycle: for each attempt of a request the flow asks the ``Placer`` for a plac
   ``AdmissionQueue`` while none has room), and picks P (least queued prompt tokens, then
   prefix-aware routing);
 - ``place_whole`` picks the least-loaded worker of a ``Pool`` (prefix-aware too).
+Prefix-aware routing (``_by_prefix``) scores candidates on the KV event index (``router.kv_index``: what
+every worker's cache really holds, the same whichever router a request enters) while the index follows
+all of them, falls back to this router's own mirror (``router.prefix_index``) while one is out of sync,
+and to load order while Redis is unavailable; each choice is counted by reason.
 A placement records the chosen workers, the reservation and which load counts this router
 holds on them (``held``, a set of ``Hold``). ``release(placement)`` gives back whatever is still
 held (it is idempotent and thread-safe: the transfer watch releases P early, the flow the rest).
@@ -22,10 +26,11 @@ from __future__ import annotations
 
 import enum
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import grpc
 
@@ -36,10 +41,11 @@ from router.config import RouterConfig
 from router.events import FlowError
 from router.prefix_index import PrefixIndex
 from router.scope import RequestScope
-from router.selection import WorkerSelector, prefill_locally
+from router.selection import ScoreWeights, WorkerSelector, prefill_locally
 from router.worker_source import Pool, WorkerSource
 
 if TYPE_CHECKING:
+    from router.kv_index import KVEventConsumer
     from router.worker_calls import WorkerCalls
 
 log = logging.getLogger(__name__)
@@ -143,8 +149,12 @@ class Placer:
     """Chooses, holds and releases workers for requests (see module docstring). One per router."""
 
     def __init__(self, cfg: RouterConfig, source: WorkerSource, selector: WorkerSelector, calls: "WorkerCalls",
-                 admission: Optional[AdmissionQueue] = None, prefixes: Optional[PrefixIndex] = None) -> None:
-        """``calls``: who sends the Reserve RPC (``WorkerCalls``); the Placer only ranks and decides."""
+                 admission: Optional[AdmissionQueue] = None, prefixes: Optional[PrefixIndex] = None,
+                 kv_events: Optional["KVEventConsumer"] = None, metrics: Callable[[], Any] = lambda: None,
+                 rng: Optional[random.Random] = None) -> None:
+        """``calls``: who sends the Reserve RPC (``WorkerCalls``); the Placer only ranks and decides.
+        ``kv_events``: the consumer of the workers' KV events (its ``index`` scores candidates while it is in
+        sync with them); ``metrics``: the router's metrics once built (decisions are counted by reason)."""
         self.cfg = cfg
         self.source = source
         self.selector = selector
@@ -153,6 +163,11 @@ class Placer:
         """The wait queue for decode KV capacity; None: RESOURCE_EXHAUSTED at once when no decode worker has room."""
         self.prefixes = prefixes
         """Which worker was sent which prompt prefix; None: route by load only."""
+        self.kv_events = kv_events
+        self.weights = ScoreWeights(cfg.kv_overlap_weight, cfg.kv_load_weight, cfg.kv_request_weight,
+                                    cfg.kv_tie_blocks)
+        self._metrics = metrics
+        self._rng = rng if rng is not None else random.Random()
         self._lock = threading.Lock()
 
     # ---- route ---------------------------------------------------------------------------------
@@ -172,11 +187,41 @@ class Placer:
 
     # ---- prefix-aware routing --------------------------------------------------------------------
     def _by_prefix(self, scope: RequestScope, ranked: list[WorkerInfo]) -> list[WorkerInfo]:
-        """``ranked`` (best first by load) with the longest cached prefix moved first, within the slack."""
-        if self.prefixes is None or not self.cfg.prefix_aware_routing or len(ranked) < 2:
+        """``ranked`` (best first by load) reordered by what the candidates cache: scored on the KV event index
+        while it follows every candidate, else the router-local mirror's longest match moved first within the
+        slack; load order alone when prefix routing is off or Redis is unavailable. Counted by reason."""
+        if not ranked:
             return ranked
-        matches = {w.worker_id: self.prefixes.match(w.worker_id, scope.prefix_hashes(w.block_size)) for w in ranked}
-        return self.selector.prefer_cached(ranked, matches, self.cfg.prefix_balance_tokens)
+        reason, matches = self._matches(scope, ranked)
+        m = self._metrics()
+        if m is not None:
+            m.inc_routing_decision(reason)
+        if reason == "kv_events":
+            return self.selector.score_cached(ranked, matches, self.weights, self._rng)
+        if reason == "mirror" and len(ranked) > 1:
+            return self.selector.prefer_cached(ranked, matches, self.cfg.prefix_balance_tokens)
+        return ranked
+
+    def _matches(self, scope: RequestScope, ranked: list[WorkerInfo]) -> tuple[str, dict[str, int]]:
+        """(reason, worker id -> leading prompt blocks it caches) for the candidates."""
+        if self.prefixes is None or not self.cfg.prefix_aware_routing:
+            return "load_only", {}
+        kv = self.kv_events
+        if kv is not None:
+            if kv.connected is False:
+                return "load_only", {}  # Redis unavailable: neither the index nor the registry is current
+            if kv.connected and all(kv.synced(w.worker_id) for w in ranked):
+                by_bs: dict[int, list[str]] = {}
+                for w in ranked:
+                    by_bs.setdefault(w.block_size or DEFAULT_BLOCK_SIZE, []).append(w.worker_id)
+                out: dict[str, int] = {}
+                for bs, ids in by_bs.items():
+                    out.update(kv.index.match(ids, scope.prefix_hashes(bs)))
+                return "kv_events", out
+        if len(ranked) < 2:
+            return "mirror", {}
+        return "mirror", {w.worker_id: self.prefixes.match(w.worker_id, scope.prefix_hashes(w.block_size))
+                          for w in ranked}
 
     def _record_prefix(self, scope: RequestScope, w: WorkerInfo) -> None:
         """``w`` is about to prefill this prompt, so its prefix cache will hold the prompt's blocks."""

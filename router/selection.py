@@ -8,11 +8,23 @@ count of in-flight requests per worker: a burst spreads over the pool at once.
 """
 from __future__ import annotations
 
+import random
 import threading
 from collections import Counter
+from dataclasses import dataclass
 from typing import Optional
 
 from proto.worker_pb2 import WorkerInfo
+
+
+@dataclass(frozen=True)
+class ScoreWeights:
+    """The weights of ``WorkerSelector.score_cached`` (``RouterConfig.kv_*``), in blocks."""
+
+    overlap: float = 1.0
+    load: float = 1.0
+    request: float = 2.0
+    tie_blocks: float = 1.0
 
 
 class WorkerSelector:
@@ -86,6 +98,32 @@ class WorkerSelector:
         if queued(best) - queued(ranked[0]) > slack_tokens:
             return ranked
         return [best] + [w for w in ranked if w is not best]
+
+    def score_cached(self, ranked: list[WorkerInfo], matches: dict[str, int], weights: "ScoreWeights",
+                     rng: random.Random) -> list[WorkerInfo]:
+        """Cache-aware routing on the KV event index (the anchors' form): each candidate scores
+        ``overlap * matched blocks - load * queued prompt blocks - request * requests`` (queued tokens and
+        in-flight requests count this router's own not yet reported ones); the best goes first, drawn at random
+        among those within ``weights.tie_blocks`` of it (no herding: routers deciding at the same instant on
+        the same view spread), the rest follow by score (ties keep ``ranked``'s load order)."""
+        if not ranked:
+            return ranked
+        with self._lock:
+            pending = dict(self._pending_tokens)
+            inflight = dict(self._in_flight)
+
+        def score(w: WorkerInfo) -> float:
+            bs = max(1, w.block_size or 16)
+            queued = (w.queued_prompt_tokens + pending.get(w.worker_id, 0)) / bs
+            requests = w.num_running + w.num_waiting + inflight.get(w.worker_id, 0)
+            return (weights.overlap * matches.get(w.worker_id, 0) - weights.load * queued
+                    - weights.request * requests)
+
+        scored = sorted(((score(w), i, w) for i, w in enumerate(ranked)), key=lambda t: (-t[0], t[1]))
+        best = scored[0][0]
+        near = [w for sc, _i, w in scored if sc >= best - weights.tie_blocks] if weights.tie_blocks > 0 else []
+        pick = rng.choice(near) if len(near) > 1 else scored[0][2]
+        return [pick] + [w for _sc, _i, w in scored if w is not pick]
 
     def prefill_backlog(self, workers: list[WorkerInfo]) -> Optional[int]:
         """Queued prompt tokens (reported + ours in flight) of the least-loaded ready prefill worker;

@@ -54,6 +54,13 @@ class WorkerConfig:
     carry it as ``authorization: Bearer <secret>``, else UNAUTHENTICATED before any work; health and reflection
     stay open. Never logged (kept out of repr)."""
 
+    kv_events_url: Optional[str] = field(default=None, repr=False)
+    """Redis the worker publishes its prefix cache's KV events to (``worker_common.kv_events``: stream
+    ``{kv_events_namespace}:kvev:{worker_id}``), for the routers' cache-aware routing; None: no events. May carry
+    a password, so it is kept out of repr."""
+    kv_events_namespace: str = "pdserve"
+    """The deployment's namespace (the registry's) the event keys live under."""
+
     role = "worker"
 
     def __post_init__(self) -> None:
@@ -70,6 +77,11 @@ class WorkerConfig:
         if self.cluster_secret is not None and (not isinstance(self.cluster_secret, str) or
                                                 len(self.cluster_secret) < 16):
             raise ValueError("cluster_secret must be a string of at least 16 characters (its value is not shown)")
+        if self.kv_events_url is not None and (not isinstance(self.kv_events_url, str) or
+                                               not self.kv_events_url.startswith(("redis://", "rediss://", "unix://"))):
+            raise ValueError("kv_events_url must be None or a redis://, rediss:// or unix:// URL")
+        if not isinstance(self.kv_events_namespace, str) or not self.kv_events_namespace:
+            raise ValueError(f"kv_events_namespace must be a non-empty string, got {self.kv_events_namespace!r}")
         if not isinstance(self.kv_backend, str) or not self.kv_backend:
             raise ValueError(f"kv_backend must be a backend name, got {self.kv_backend!r}")
 

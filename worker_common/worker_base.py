@@ -9,7 +9,8 @@ and stream here and talk to the engine only through ``self.loop``; on the loop t
 each engine output, poll and abort goes to the request set that holds the request's id.
 ``drain(timeout_s)`` flips health to NOT_SERVING, refuses new requests
 (UNAVAILABLE), waits until no set holds a request, then ``stop()``s: server,
-loop, KV endpoint, metrics.
+loop, KV event publisher (its stream deleted), KV endpoint, metrics. With ``cfg.kv_events_url`` the engine
+records its prefix cache's events and the loop hands each pass's to the publisher (``_poll``).
 """
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ class WorkerBase:
         self.ctx = RequestContext(cfg.worker_id)
         """Engine, KV endpoint and metrics: all a request set sees of this worker (filled by ``load``)."""
         self.loop: Optional[EngineLoop] = None
+        self.kv_events: Any = None
+        """The KV event publisher (``worker_common.kv_events``) when ``cfg.kv_events_url`` is set, after ``load``."""
         self.metrics_address = ""
         self._metrics_stop: Optional[Callable[[], None]] = None
         self.request_sets: list[RequestSet] = []  # the role fills it: one set per kind of request
@@ -108,6 +111,7 @@ class WorkerBase:
             self.metrics_address, self._metrics_stop = self.metrics.serve(host=self.cfg.host,
                                                                           port=self.cfg.metrics_port)
         self.setup_engine(self.engine)
+        self._start_kv_events(self.engine)
         self.loop = EngineLoop(self.engine, f"{self.role}-{self.cfg.worker_id}", self.on_outputs, self._poll,
                                on_death=lambda _e: self._serving.set_serving(False))
         self._snapshot(self.engine)
@@ -136,10 +140,23 @@ class WorkerBase:
         self._serving.stop(0.5)
         if self.loop is not None:
             self.loop.stop()
+        if self.kv_events is not None:
+            self.kv_events.stop()
         if self.kv is not None:
             self.kv.shutdown()
         if self._metrics_stop is not None:
             self._metrics_stop()
+
+    def _start_kv_events(self, eng: Any) -> None:
+        """Publish the prefix cache's events (stored, evicted, cleared; received blocks are stored too)."""
+        if not self.cfg.kv_events_url or not eng.block_manager.enable_caching:
+            return
+        from worker_common.kv_events import KVEventPublisher
+
+        eng.block_manager.enable_events()
+        medium = "GPU" if str(getattr(self.cfg.engine, "device", "cpu")).startswith("cuda") else "CPU"
+        self.kv_events = KVEventPublisher(self.cfg.kv_events_url, self.cfg.kv_events_namespace, self.cfg.worker_id,
+                                          eng.block_size, medium=medium, metrics=self.metrics).start()
 
     def make_kv_endpoint(self) -> Any:
         """This worker's kvtransfer endpoint (one per worker, named ``cfg.kv_name``)."""
@@ -314,4 +331,6 @@ class WorkerBase:
     def _poll(self) -> bool:
         busy = self.poll()
         self._snapshot(self.engine)
+        if self.kv_events is not None:  # this pass's prefix-cache changes, off the step path (a queue put)
+            self.kv_events.submit(self.engine.block_manager.take_events())
         return busy

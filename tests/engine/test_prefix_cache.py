@@ -30,7 +30,7 @@ def test_block_manager_caches_full_blocks_and_evicts_least_recently_freed():
     bm = BlockManager(4, 2, enable_caching=True)
     toks = [5, 6, 7, 8, 9]
     keys = block_keys(toks, 2, 2)
-    assert keys[1][1] == (7, 8) and keys[1][0] == hash(keys[0])  # chained on the parent's key
+    assert keys[1][1] == (7, 8) and keys[1][0] == keys[0][2]  # chained on the parent's hash
     t = bm.allocate(3)
     held = list(t)  # free() empties the table it is given
     for i, k in enumerate(keys):

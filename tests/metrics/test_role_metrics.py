@@ -19,13 +19,15 @@ ROUTER_HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds
                      "request_time_per_output_token_seconds", "request_prompt_tokens", "request_generation_tokens",
                      "request_params_n", "request_params_max_tokens"]
 ROUTER_COUNTERS = ["request_success", "request_errors", "prompt_tokens", "generation_tokens", "request_migrations",
-                   "local_prefill_requests", "degraded_requests"]
-ROUTER_GAUGES = ["router_requests_in_flight", "router_requests_waiting"]
+                   "local_prefill_requests", "degraded_requests", "kv_events_consumed", "kv_events_rejected",
+                   "kv_events_resyncs", "kv_events_redis_errors", "routing_decisions"]
+ROUTER_GAUGES = ["router_requests_in_flight", "router_requests_waiting", "kv_events_consumer_lag_seconds",
+                 "kv_index_blocks", "kv_index_workers"]
 WORKER_HISTOGRAMS = ["request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
                      "kv_transfer_time_seconds", "iteration_tokens_total"]
 WORKER_COUNTERS = ["kv_transfer_bytes", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
                    "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-                   "spec_decode_num_accepted_tokens_per_pos"]
+                   "spec_decode_num_accepted_tokens_per_pos", "kv_events_published", "kv_events_dropped"]
 WORKER_GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
 ROUTER_NAMES = ROUTER_HISTOGRAMS + ROUTER_COUNTERS + ROUTER_GAUGES
 WORKER_NAMES = WORKER_HISTOGRAMS + WORKER_COUNTERS + WORKER_GAUGES
@@ -79,6 +81,13 @@ ROUTER_CALLS = [
     ("set_router_in_flight", (1,), "router_requests_in_flight"),
     ("set_router_waiting", (1,), "router_requests_waiting"),
     ("observe_finished_request", (3, 4, 0.01, 1, 4), "request_prompt_tokens"),
+    ("inc_kv_events_consumed", (2,), "kv_events_consumed_total"),
+    ("inc_kv_events_rejected", ("gap",), "kv_events_rejected_total"),
+    ("inc_kv_events_resync", (), "kv_events_resyncs_total"),
+    ("inc_kv_events_redis_error", (), "kv_events_redis_errors_total"),
+    ("set_kv_events_lag", (0.5,), "kv_events_consumer_lag_seconds"),
+    ("set_kv_index_size", (3, 1), "kv_index_blocks"),
+    ("inc_routing_decision", ("kv_events",), "routing_decisions_total"),
 ]
 WORKER_CALLS = [
     ("observe_queue_time", (0.1,), "request_queue_time_seconds"),
@@ -95,6 +104,8 @@ WORKER_CALLS = [
     ("record_engine", (SchedulerStats(num_running=2, num_waiting=1, num_free_blocks=3, num_total_blocks=4,
                                       num_steps=1, num_scheduled_tokens=3, num_preemptions=0,
                                       prefix_cache_queries=0, prefix_cache_hits=0),), "num_requests_running"),
+    ("inc_kv_events_published", (), "kv_events_published_total"),
+    ("inc_kv_events_dropped", ("queue_full",), "kv_events_dropped_total"),
 ]
 
 

@@ -12,7 +12,7 @@ from router.selection import WorkerSelector
 
 def test_block_hashes_are_the_engine_keys_hashed():
     ids = list(range(100, 141))  # 41 tokens, block 16: 2 full blocks looked up (the last token is computed)
-    assert prompt_block_hashes(ids, 16) == [hash(k) for k in block_keys(ids, 16, 2)]
+    assert prompt_block_hashes(ids, 16) == [k[2] for k in block_keys(ids, 16, 2)]
     assert prompt_block_hashes(ids[:16], 16) == []  # a one-block prompt recomputes its only block
     # a different first token changes every later hash (chained keys)
     assert set(prompt_block_hashes([7] + ids[1:], 16)).isdisjoint(prompt_block_hashes(ids, 16))

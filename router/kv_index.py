@@ -1,0 +1,334 @@
+"""The router's global KV index: which worker's prefix cache holds which block, built from the workers' KV events.
+
+Lifecycle: ``RouterCore`` builds one ``KVIndex`` and, when its worker list is the Redis registry (it has
+``redis_url`` and ``namespace``) and ``RouterConfig.kv_events`` is on, one ``KVEventConsumer`` whose
+daemon thread follows every listed worker's stream ``{ns}:kvev:{worker_id}`` (``XREAD`` from its last
+entry id; a worker first seen is read from the start of its stream: the replay). Each entry is one
+vLLM ``KVEventBatch`` with the publisher's generation and sequence number (``engine.kv_events``):
+
+- the first entry of a new generation (seq 0, ``AllBlocksCleared``) drops what the worker's earlier
+  process published; later entries apply in order (stored -> add, removed -> drop, cleared -> forget all);
+- a seq that skips ahead (a batch the publisher dropped, or one trimmed from the stream) is a gap: the
+  worker's entries are rebuilt from its snapshot ``{ns}:kvsnap:{worker_id}`` and the stream is re-read
+  after the snapshot's entry id; until that works the worker is out of sync (placement then uses the
+  router-local mirror for it) and the snapshot is retried every ``resync_interval_s``;
+- a malformed entry is dropped, counted and logged with the worker's id, and starts a resync; a seq
+  already applied (out of order, a duplicate) is dropped and counted;
+- a worker the registry no longer lists (drained, killed and expired, suspected) leaves the index at once;
+- a failed read (Redis unavailable) marks the consumer disconnected (placement routes by load only,
+  counted) and retries with backoff; the positions are kept, so it resumes where it stopped.
+
+The consumer only reads Redis (routers never write it). ``stop()`` ends the thread. ``KVIndex`` is a
+plain thread-safe map (block hash -> workers, worker -> block hashes) that placement asks with ``match``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import redis
+
+from engine import (KV_ENTRY_BATCH, KV_ENTRY_GEN, KV_ENTRY_SEQ, AllBlocksCleared, BlockRemoved, BlockStored,
+                    decode_kv_batch, decode_kv_snapshot, kv_snapshot_key, kv_stream_key)
+
+log = logging.getLogger(__name__)
+
+
+class KVIndex:
+    """Block hash -> workers whose prefix cache holds it (and the reverse, to drop a worker at once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._holders: dict[int, set[str]] = {}
+        self._blocks: dict[str, set[int]] = {}
+
+    def store(self, worker_id: str, hashes: Iterable[int]) -> None:
+        with self._lock:
+            mine = self._blocks.setdefault(worker_id, set())
+            for h in hashes:
+                mine.add(h)
+                self._holders.setdefault(h, set()).add(worker_id)
+
+    def remove(self, worker_id: str, hashes: Iterable[int]) -> None:
+        with self._lock:
+            mine = self._blocks.get(worker_id)
+            if mine is None:
+                return
+            for h in hashes:
+                mine.discard(h)
+                self._unhold(h, worker_id)
+
+    def clear(self, worker_id: str) -> None:
+        """Forget everything ``worker_id`` holds."""
+        with self._lock:
+            for h in self._blocks.pop(worker_id, ()):
+                self._unhold(h, worker_id)
+
+    def replace(self, worker_id: str, hashes: Iterable[int]) -> None:
+        """``worker_id`` holds exactly ``hashes`` (a snapshot)."""
+        with self._lock:
+            for h in self._blocks.pop(worker_id, ()):
+                self._unhold(h, worker_id)
+            mine = self._blocks[worker_id] = set(hashes)
+            for h in mine:
+                self._holders.setdefault(h, set()).add(worker_id)
+
+    def _unhold(self, h: int, worker_id: str) -> None:
+        held = self._holders.get(h)
+        if held is not None:
+            held.discard(worker_id)
+            if not held:
+                del self._holders[h]
+
+    def match(self, worker_ids: Iterable[str], hashes: Sequence[int]) -> dict[str, int]:
+        """For each worker, how many leading blocks of ``hashes`` (a prompt's chained block hashes) it holds."""
+        out = {w: 0 for w in worker_ids}
+        live = set(out)
+        with self._lock:
+            for n, h in enumerate(hashes):
+                holders = self._holders.get(h)
+                if not holders:
+                    break
+                live &= holders
+                if not live:
+                    break
+                for w in live:
+                    out[w] = n + 1
+        return out
+
+    def holders(self, h: int) -> set[str]:
+        with self._lock:
+            return set(self._holders.get(h, ()))
+
+    def num_blocks(self, worker_id: Optional[str] = None) -> int:
+        """(block, worker) pairs held (of one worker, or all)."""
+        with self._lock:
+            if worker_id is not None:
+                return len(self._blocks.get(worker_id, ()))
+            return sum(len(b) for b in self._blocks.values())
+
+    def workers(self) -> set[str]:
+        with self._lock:
+            return set(self._blocks)
+
+
+@dataclass
+class _Stream:
+    """Where the consumer is in one worker's stream."""
+
+    last_id: str = "0-0"
+    generation: Optional[str] = None
+    seq: int = -1
+    synced: bool = False
+    next_resync: float = 0.0
+
+
+class KVEventConsumer:
+    """Follows the KV event streams of the listed workers into a ``KVIndex`` (see module docstring)."""
+
+    def __init__(self, index: KVIndex, redis_url: str, namespace: str, worker_ids: Callable[[], Iterable[str]],
+                 metrics: Callable[[], Any] = lambda: None, block_ms: int = 100, resync_interval_s: float = 0.25,
+                 batch_entries: int = 512) -> None:
+        """``worker_ids``: the workers to follow now (the router's view of the registry); ``metrics``: the
+        router's ``RouterMetrics`` once it exists (None before)."""
+        if block_ms < 1 or not resync_interval_s > 0 or batch_entries < 1:
+            raise ValueError("block_ms, resync_interval_s and batch_entries must be positive")
+        self.index = index
+        self.namespace = namespace
+        self._worker_ids = worker_ids
+        self._metrics = metrics
+        self.block_ms = block_ms
+        self.resync_interval_s = resync_interval_s
+        self.batch_entries = batch_entries
+        # a blocking XREAD waits block_ms: the socket must wait longer
+        self._redis = redis.Redis.from_url(redis_url, socket_timeout=max(2.0, 3 * block_ms / 1000),
+                                           socket_connect_timeout=2.0)
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams' sync flags for readers on request threads
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.connected: Optional[bool] = None
+        """None before the first read; then whether the last read of the streams succeeded."""
+        self.applied = 0
+        """Batches applied (tests and the metrics read it)."""
+
+    # ---- what placement asks ---------------------------------------------------------------------
+    def synced(self, worker_id: str) -> bool:
+        """Whether the index follows ``worker_id``'s cache in order (its stream read from a known state)."""
+        with self._lock:
+            st = self._streams.get(worker_id)
+            return st is not None and st.synced
+
+    def num_synced(self) -> int:
+        with self._lock:
+            return sum(1 for st in self._streams.values() if st.synced)
+
+    # ---- thread ---------------------------------------------------------------------------------------
+    def start(self) -> "KVEventConsumer":
+        self._thread = threading.Thread(target=self._run, name="kv-events-consumer", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
+        self._redis.close()
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+                backoff = 0.05
+            except redis.RedisError as e:
+                if self.connected is not False:
+                    log.warning("KV events: Redis unavailable (%s); routing by load only until it answers", e)
+                self.connected = False
+                m = self._metrics()
+                if m is not None:
+                    m.inc_kv_events_redis_error()
+                self._stop.wait(backoff)
+                backoff = min(2 * backoff, 1.0)
+            except Exception:  # never let one bad entry end the thread
+                log.exception("KV events: consumer error")
+                self._stop.wait(0.1)
+
+    def poll_once(self) -> int:
+        """One round: follow the current worker list, read what is new (waiting up to ``block_ms``), retry
+        due resyncs. Returns the entries read. Raises redis errors (the thread backs off on them)."""
+        live = set(self._worker_ids())
+        with self._lock:
+            for gone in [w for w in self._streams if w not in live]:
+                del self._streams[gone]
+                self.index.clear(gone)
+            for w in live:
+                if w not in self._streams:
+                    self._streams[w] = _Stream()
+            positions = {kv_stream_key(self.namespace, w): st.last_id for w, st in self._streams.items()}
+        now = time.monotonic()
+        for w in [w for w, st in list(self._streams.items()) if not st.synced and st.generation is not None
+                  and st.next_resync <= now]:
+            self._resync(w)
+        if not positions:
+            self.connected = True if self._redis.ping() else False
+            self._stop.wait(self.block_ms / 1000)
+            return 0
+        resp = self._redis.xread(positions, count=self.batch_entries, block=self.block_ms)
+        self.connected = True
+        n = 0
+        prefix = kv_stream_key(self.namespace, "")
+        for key, entries in resp or ():
+            key = key.decode() if isinstance(key, bytes) else key
+            w = key[len(prefix):]
+            for entry_id, fields in entries:
+                if w not in self._streams:
+                    break
+                n += 1
+                eid = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                if not self._handle(w, eid, fields):
+                    break  # rewound to a snapshot: the rest of this reply is re-read from there
+        self._update_gauges()
+        return n
+
+    # ---- one entry ------------------------------------------------------------------------------------
+    def _handle(self, w: str, eid: str, fields: dict) -> bool:
+        """Apply one stream entry; False when the stream position was rewound (the caller stops this reply)."""
+        st = self._streams[w]
+        st.last_id = eid
+        try:
+            seq = int(fields[KV_ENTRY_SEQ])
+            gen = fields[KV_ENTRY_GEN].decode()
+            if seq < 0 or not gen:
+                raise ValueError("seq must be >= 0 and gen non-empty")
+        except (KeyError, ValueError, UnicodeDecodeError, AttributeError) as e:
+            self._reject(w, "malformed", f"entry {eid}: bad header: {e!r}")
+            self._lost(w, st)
+            return True
+        if gen != st.generation:  # a new publisher process under this worker id: its old entries go
+            self.index.clear(w)
+            with self._lock:
+                st.generation, st.seq, st.synced = gen, -1, False
+        if seq <= st.seq:
+            self._reject(w, "out_of_order", f"entry {eid}: seq {seq} after {st.seq}")
+            return True
+        if seq != st.seq + 1:
+            self._reject(w, "gap", f"entry {eid}: seq {seq} after {st.seq}: resync from its snapshot")
+            st.seq = seq
+            self._lost(w, st)
+            if time.monotonic() >= st.next_resync and self._resync(w):
+                return False  # rewound: a snapshot older than the stream's start retries at most every interval
+        try:
+            batch = decode_kv_batch(fields[KV_ENTRY_BATCH])
+        except (KeyError, ValueError) as e:
+            self._reject(w, "malformed", f"entry {eid} (seq {seq}): {e}")
+            st.seq = seq
+            self._lost(w, st)
+            return True
+        self._apply(w, batch)
+        st.seq = seq
+        if seq == 0:
+            with self._lock:
+                st.synced = True  # the publisher's first batch: the index holds exactly what it published
+        m = self._metrics()
+        self.applied += 1
+        if m is not None:
+            m.inc_kv_events_consumed()
+            m.set_kv_events_lag(max(0.0, time.time() - batch.ts))
+        return True
+
+    def _apply(self, w: str, batch: Any) -> None:
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                self.index.store(w, ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                self.index.remove(w, ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                self.index.clear(w)
+
+    def _lost(self, w: str, st: _Stream) -> None:
+        """Events of ``w`` were lost: out of sync until a snapshot rebuilds it."""
+        with self._lock:
+            st.synced = False
+
+    def _resync(self, w: str) -> bool:
+        """Rebuild ``w`` from its snapshot and rewind its stream there; False (retry later) when there is none
+        of its current generation."""
+        st = self._streams.get(w)
+        if st is None:
+            return False
+        st.next_resync = time.monotonic() + self.resync_interval_s
+        raw = self._redis.get(kv_snapshot_key(self.namespace, w))
+        if raw is None:
+            return False
+        try:
+            snap = decode_kv_snapshot(raw)
+        except ValueError as e:
+            self._reject(w, "malformed", f"snapshot: {e}")
+            return False
+        if snap.generation != st.generation:
+            return False
+        self.index.replace(w, snap.block_hashes)
+        with self._lock:
+            st.seq, st.last_id, st.synced = snap.seq, snap.stream_id, True
+        m = self._metrics()
+        if m is not None:
+            m.inc_kv_events_resync()
+        log.info("KV events: worker %s resynced from its snapshot (seq %d, %d blocks)", w, snap.seq,
+                 len(snap.block_hashes))
+        return True
+
+    def _reject(self, w: str, reason: str, what: str) -> None:
+        log.warning("KV events from worker %s dropped (%s): %s", w, reason, what)
+        m = self._metrics()
+        if m is not None:
+            m.inc_kv_events_rejected(reason)
+
+    def _update_gauges(self) -> None:
+        m = self._metrics()
+        if m is not None:
+            m.set_kv_index_size(self.index.num_blocks(), self.num_synced())
