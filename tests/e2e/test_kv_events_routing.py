@@ -1,0 +1,205 @@
+"""Cache-aware routing from KV events with several routers: real workers, real routers, a real Redis.
+
+Three colocated workers (real engines on ``tiny``, real gRPC servers) publish their prefix caches' KV events
+to a real Redis and heartbeat into the real registry; three ``RouterServer``s (each with its own registry
+reader and KV event consumer, as three ``pdserve router`` processes would have) route over them. The tests,
+in order, on one shared set of processes:
+
+1. a shared-system-prompt workload entering through all three routers in turn gets the prefix-hit rate it gets
+   through one router (within ``HIT_RATE_POINTS``), no worker serves more than its share plus ``SPREAD_MARGIN``,
+   every routing decision scored on the event index, and greedy output equals the offline engine's;
+2. an eviction on one worker (long prompts sent straight to it through a fourth, single-worker router) is seen
+   by all three routers within ``SEEN_S``, so none routes on that worker's copy of the prefix any more;
+3. a router started late catches up from the streams (replay): its index equals the others';
+4. a worker that leaves the registry (deregistered, stopped) leaves every router's index.
+"""
+from __future__ import annotations
+
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from cluster.registry import Registry
+from decode_worker import ColocatedWorker, ColocatedWorkerConfig
+from engine import prefix_block_hashes
+from engine.sampling_params import SamplingParams
+from proto import pdserve_pb2, pdserve_pb2_grpc
+from router import RouterConfig, RouterServer, StaticWorkerSource
+from tests.roles.harness import engine_config, offline
+from tests.waiting import wait_until
+
+N_WORKERS = 3
+BS = 16
+SYSTEM = 6 * BS  # system prompt tokens: 6 blocks
+USER = 20
+N_REQUESTS = 60
+CONCURRENCY = 6
+MAX_TOKENS = 24
+"""Long enough that a request outlives a heartbeat or so: the reported loads mean something."""
+HIT_RATE_POINTS = 0.06
+"""Most the 3-router hit rate may fall below the 1-router one (fraction of prompt tokens)."""
+SPREAD_MARGIN = 0.6
+"""No worker serves more than (1 + SPREAD_MARGIN) x its share of a run's requests."""
+SEEN_S = 5.0
+
+
+class _Deployment:
+    def __init__(self, redis_url: str, ns: str) -> None:
+        self.registry = Registry(redis_url, ns, ttl_s=2.0)
+        self.workers = [ColocatedWorker(ColocatedWorkerConfig(
+            f"c{i}", engine=engine_config(num_kv_blocks=48), serve_metrics=False, kv_events_url=redis_url,
+            kv_events_namespace=ns)).start() for i in range(N_WORKERS)]
+        self.live = {w.cfg.worker_id: w for w in self.workers}
+        self._stop = threading.Event()
+        self._beat()
+        self._thread = threading.Thread(target=self._beats, daemon=True)
+        self._thread.start()
+        self.routers = [self.router() for _ in range(3)]
+        self.channels = [grpc.insecure_channel(r.address) for r in self.routers]
+        self.stubs = [pdserve_pb2_grpc.PDServeStub(c) for c in self.channels]
+
+    def router(self) -> RouterServer:
+        return RouterServer(RouterConfig(mode="colocated", serve_metrics=False, worker_view_refresh_s=0.1),
+                            self.registry).start()
+
+    def _beat(self) -> None:
+        for w in list(self.live.values()):
+            self.registry.heartbeat(w.info())
+
+    def _beats(self) -> None:
+        while not self._stop.wait(0.25):
+            self._beat()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        for c in self.channels:
+            c.close()
+        for r in self.routers:
+            r.stop()
+        for w in self.workers:
+            w.stop()
+        self.registry.close()
+
+
+@pytest.fixture(scope="module")
+def deployment(redis_url):
+    ns = f"test-kvev-{uuid.uuid4().hex[:8]}"
+    d = _Deployment(redis_url, ns)
+    try:
+        wait_until(lambda: all(r.core.kv_events.num_synced() == N_WORKERS for r in d.routers), timeout=20,
+                   message="every router follows every worker's events")
+        yield d
+    finally:
+        d.close()
+        leftover = Registry(redis_url, ns)
+        try:
+            assert [k for k in leftover.keys() if ":kvev:" in k or ":kvsnap:" in k] == []  # stop deleted them
+            leftover.clear()
+        finally:
+            leftover.close()
+
+
+def _generate(stub, tokens: list[int], max_tokens: int = 4) -> pdserve_pb2.GenerateResponse:
+    resps = list(stub.Generate(pdserve_pb2.GenerateRequest(token_ids=tokens, max_tokens=max_tokens, temperature=0.0),
+                               timeout=60))
+    out = pdserve_pb2.GenerateResponse()
+    out.CopyFrom(resps[-1])
+    del out.token_ids[:]
+    out.token_ids.extend([t for r in resps for t in r.token_ids])
+    return out
+
+
+def _workload(seed: int) -> list[list[int]]:
+    """Two system prompts, each request one of them plus its own user turn."""
+    systems = [[(seed * 1000 + s * 100 + i) % 900 + 20 for i in range(SYSTEM)] for s in range(2)]
+    return [systems[i % 2] + [(seed * 31 + i * 7 + j) % 900 + 20 for j in range(USER)] for i in range(N_REQUESTS)]
+
+
+def _run(d: _Deployment, stubs: list, prompts: list[list[int]]) -> tuple[float, dict[str, int], list]:
+    before = {wid: w.info().requests_total for wid, w in d.live.items()}
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        outs = list(pool.map(lambda i: _generate(stubs[i % len(stubs)], prompts[i], MAX_TOKENS), range(len(prompts))))
+    cached = sum(o.usage.cached_tokens for o in outs)
+    total = sum(o.usage.prompt_tokens for o in outs)
+    served = {wid: w.info().requests_total - before[wid] for wid, w in d.live.items()}
+    return cached / total, served, outs
+
+
+def _decisions(r: RouterServer) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(r.metrics.render().decode()):
+        if fam.name == "pdserve:routing_decisions":
+            for s in fam.samples:
+                if s.name.endswith("_total"):
+                    out[s.labels["reason"]] = s.value
+    return out
+
+
+def test_three_routers_hit_the_cache_as_one_does_and_spread_the_load(deployment):
+    d = deployment
+    one_rate, one_served, _ = _run(d, d.stubs[:1], _workload(1))
+    three_rate, three_served, outs = _run(d, d.stubs, _workload(2))
+    print(f"hit rate: 1 router {one_rate:.3f} {one_served}; 3 routers {three_rate:.3f} {three_served}")
+    assert three_rate >= one_rate - HIT_RATE_POINTS
+    assert three_rate > 0.6  # the system prompts are most of each prompt
+    share = N_REQUESTS / N_WORKERS
+    for served in (one_served, three_served):
+        assert sum(served.values()) == N_REQUESTS
+        assert max(served.values()) <= (1 + SPREAD_MARGIN) * share, served
+    for r in d.routers:
+        assert set(_decisions(r)) <= {"kv_events"}, _decisions(r)  # never fell back: the index was in sync
+    # greedy output is the offline engine's
+    prompts = _workload(2)[:4]
+    ref = offline(prompts, [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)] * 4)
+    assert [list(o.token_ids) for o in outs[:4]] == [r[0] for r in ref]
+
+
+def test_an_eviction_is_seen_by_every_router_and_stops_routing_on_it(deployment):
+    d = deployment
+    w0 = d.workers[0]
+    system = _workload(3)[0][:SYSTEM]
+    hashes = prefix_block_hashes(system + [1], BS)
+    direct = RouterServer(RouterConfig(mode="colocated", serve_metrics=False), StaticWorkerSource([w0.info])).start()
+    try:
+        with grpc.insecure_channel(direct.address) as ch:
+            stub = pdserve_pb2_grpc.PDServeStub(ch)
+            _generate(stub, system + [1, 2, 3])
+            wait_until(lambda: all(r.core.kv_index.match(["c0"], hashes)["c0"] == len(hashes) for r in d.routers),
+                       timeout=SEEN_S, message="every router sees c0 cache the prefix")
+            # two long prompts of other tokens need most of c0's 48 blocks: the prefix is evicted
+            for k in range(2):
+                _generate(stub, [900 + (k * 37 + i) % 90 for i in range(40 * BS)], max_tokens=1)
+        wait_until(lambda: all(r.core.kv_index.match(["c0"], hashes)["c0"] == 0 for r in d.routers),
+                   timeout=SEEN_S, message="every router sees the eviction")
+    finally:
+        direct.stop()
+
+
+def test_a_router_started_late_catches_up_by_replay(deployment):
+    d = deployment
+    late = d.router()
+    try:
+        ref = d.routers[0].core.kv_index
+        wait_until(lambda: late.core.kv_events.num_synced() == N_WORKERS
+                   and all(late.core.kv_index.num_blocks(w) == ref.num_blocks(w) > 0 for w in d.live),
+                   timeout=SEEN_S, message="the late router's index equals the others'")
+        for w in d.live:
+            assert late.core.kv_index.num_blocks(w) == d.routers[1].core.kv_index.num_blocks(w)
+    finally:
+        late.stop()
+
+
+def test_a_worker_that_leaves_the_registry_leaves_every_index(deployment):
+    d = deployment
+    gone = d.live.pop("c2")
+    d.registry.deregister("c2")
+    gone.stop()
+    wait_until(lambda: all("c2" not in r.core.kv_index.workers() and not r.core.kv_events.synced("c2")
+                           for r in d.routers), timeout=SEEN_S, message="c2 gone from every router's index")
+    assert all(r.core.kv_index.num_blocks("c2") == 0 for r in d.routers)
