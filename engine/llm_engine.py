@@ -410,10 +410,11 @@ class LLMEngine:
     def _advance_matcher(seq: Sequence, tok: int, reason: Optional[str]) -> Optional[str]:
         """Feed an accepted token to the sequence's grammar; "stop" once the grammar is complete."""
         if not seq.matcher.consume([tok]):
-            # the mask allowed it, so this is a bug: end the request rather than emit what breaks the grammar
-            logger.error("request %s: token %d broke its structured_outputs grammar (%s)", seq.request_id, tok,
+            # the mask allowed it, so the grammar ran out of a parser limit (engine.structured_outputs.parser_limits:
+            # a pathological regex or schema) or this is a bug: end the request ("abort") rather than go on unconstrained
+            logger.error("request %s: structured_outputs matcher failed at token %d (%s)", seq.request_id, tok,
                          seq.matcher.error())
-            return reason or "stop"
+            return "abort"
         if reason is None and seq.matcher.is_stopped():
             return "stop"
         return reason

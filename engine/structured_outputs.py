@@ -174,14 +174,19 @@ def _llg() -> Any:
 
 
 def parser_limits() -> Any:
-    """llguidance's resource limits for every grammar pdserve compiles (docs/interfaces.md lists them):
-    fuel for building the lexer (~50k/ms: about 20 ms), per-mask lexer fuel and Earley items (a few ms),
-    lexer states (memory: ~1-2 kB each) and grammar size."""
+    """llguidance's resource limits for every grammar pdserve compiles (docs/interfaces.md lists them).
+
+    The one that matters most is ``initial_lexer_fuel``: llguidance's default (1M) lets a regex such as
+    ``(a{1000}){1000}`` precompute its lexer over the whole vocabulary at the first mask (3-4 s and
+    ~450 MB here); at 100K the same regex costs ~55 ms and ~65 MB and is lexed lazily instead. Per mask:
+    at most 100K lexer fuel (~7 ms) and 20K Earley items (~1 ms); lexer states (~1-2 kB each) and grammar
+    size are capped too. A constraint that hits a limit puts its matcher in an error state: the check
+    refuses it (``structured_outputs.<field>: ...``), a running request ends."""
     return _llg().LLParserLimits(
         max_items_in_row=2000,
-        initial_lexer_fuel=1_000_000,
-        step_lexer_fuel=200_000,
-        step_max_items=50_000,
+        initial_lexer_fuel=100_000,
+        step_lexer_fuel=100_000,
+        step_max_items=20_000,
         max_lexer_states=50_000,
         max_grammar_size=200_000,
         verbose_errors=False,
@@ -298,17 +303,7 @@ class GrammarCompiler:
         self.mask_steps = 0
         self.overlap_masks = True
         """Compute a step's masks on a worker thread while the model runs (False: inline, before sampling)."""
-        self._executor: Any = None
         self._pool: Any = None
-
-    @property
-    def executor(self) -> Any:
-        """llguidance's parallel mask executor (its own native threads), made on first use."""
-        if self._executor is None:
-            import os
-
-            self._executor = _llg().LLExecutor(num_threads=max(1, min(4, (os.cpu_count() or 2) // 2)))
-        return self._executor
 
     def mask_thread(self) -> Any:
         """The one worker thread that computes a step's masks during the forward (daemon, made on first use)."""
@@ -386,6 +381,12 @@ class GrammarCompiler:
         if m.is_error() or not any(mask):
             raise ValueError(f"structured_outputs.{params.kind}: no token of the model's vocabulary can start "
                              "an output that satisfies the constraint")
+        # one step further: a lexer too big for the limits (say ``(a{1000}){1000}``) fails at its first token
+        first = next(i for i, b in enumerate(mask) if b)
+        tok = first * 8 + (mask[first] & -mask[first]).bit_length() - 1
+        if tok != self.eos_token_id and not m.consume([tok]):
+            raise ValueError(f"structured_outputs.{params.kind}: too complex for the parser's limits "
+                             f"({_first_line(m.error())})")
 
 
 def _addr(buf: bytearray) -> int:
@@ -444,15 +445,41 @@ class MaskBatch:
         return bool(self.rows)
 
     def _compute(self) -> None:
+        # one matcher after another on this thread (llguidance drops the GIL in each call): a mask costs
+        # ~10-100 us on an 8K vocabulary. llguidance's LLExecutor would spread them over its own threads,
+        # but on a small CPU box those threads fight torch's OpenMP threads (a step of 8 rows took ~7 ms)
         t0 = time.perf_counter()
-        ex, ptr, width, n = self._compiler.executor, self.bitmask.data_ptr(), self._compiler.mask_words * 4, len(self.rows)
-        plain = [(m, k) for m, k, d in self._items if not d]
-        drafted = [it for it in self._items if it[2]]
-        if plain:
-            ex.unsafe_compute_mask_ptr(plain, ptr, width, n)
-        if drafted:
-            ex.unsafe_compute_mask_ptr_with_draft_token(drafted, ptr, width, n)
+        width = self._compiler.mask_words * 4
+        base = self.bitmask.data_ptr()
+        for m, k, drafts in self._items:
+            m.unsafe_compute_mask_ptr(base + k * width, width)
+            if not drafts:
+                continue
+            # verification rows: the mask after each valid draft; the matcher goes back where it was. Rows
+            # after a draft the grammar rejects stay all-allowed: that draft's own row forbids it, so the
+            # target never agrees with it and what is sampled past it is discarded
+            n = m.validate_tokens(drafts)
+            done = 0
+            for j in range(min(n, len(drafts))):
+                if not m.consume_token(drafts[j]):
+                    break
+                done += 1
+                m.unsafe_compute_mask_ptr(base + (k + j + 1) * width, width)
+            if done:
+                m.rollback(done)
+        for m, k, drafts in self._items:
+            if m.is_error():  # a parser limit hit mid-answer: offer only EOS; the engine ends the request
+                self._only_eos(k)
         self.compute_s = time.perf_counter() - t0
+
+    def _only_eos(self, row: int) -> None:
+        eos = self._compiler.eos_token_id
+        self.bitmask[row].zero_()
+        if eos is None:
+            self.bitmask[row].fill_(-1)
+        else:
+            w = 1 << (eos % 32)
+            self.bitmask[row, eos // 32] = w - (1 << 32) if w >= 1 << 31 else w
 
     def start(self, overlap: bool) -> "MaskBatch":
         """Compute now (overlap False) or on the compiler's mask thread (overlap True)."""
@@ -477,19 +504,20 @@ class MaskBatch:
 def apply_bitmask(x: Any, bitmask: Any, rows: Sequence[int]) -> Any:
     """``x`` ([B, V] float logits) with the tokens each masked row's bitmask forbids set to -inf (rows not
     listed are unchanged). Bit t of a row (word t // 32, bit t % 32) allows token t."""
+    import numpy as np
     import torch
 
     if not rows:
         return x
-    R, V = len(rows), x.shape[1]
-    b = bitmask.view(torch.uint8)  # little-endian: token t is bit t % 8 of byte t // 8
-    shifts = torch.arange(8, dtype=torch.uint8)
-    allowed = ((b.unsqueeze(-1) >> shifts) & 1).view(R, -1)[:, :V].bool()
-    if allowed.shape[1] < V:  # a mask narrower than the logits: ids past it are never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, V - allowed.shape[1]), value=False)
-    x = x.clone()
-    if R == x.shape[0] and list(rows) == list(range(R)):
-        return x.masked_fill_(~allowed, float("-inf"))
+    V = x.shape[1]
+    # little-endian int32 words: token t is bit t % 8 of byte t // 8 (numpy unpacks that in C)
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=V, bitorder="little")
+    forbidden = torch.from_numpy(bits) == 0
+    if forbidden.shape[1] < V:  # a mask narrower than the logits: ids past it are never allowed
+        forbidden = torch.nn.functional.pad(forbidden, (0, V - forbidden.shape[1]), value=True)
+    if len(rows) == x.shape[0] and list(rows) == list(range(len(rows))):
+        return x.masked_fill(forbidden.to(x.device), float("-inf"))
     idx = torch.tensor(list(rows), dtype=torch.long, device=x.device)
-    x[idx] = x.index_select(0, idx).masked_fill_(~allowed.to(x.device), float("-inf"))
+    x = x.clone()
+    x[idx] = x.index_select(0, idx).masked_fill_(forbidden.to(x.device), float("-inf"))
     return x

@@ -36,6 +36,7 @@ def _validate(so: SO, **kw):
     (SO(json_object=False), {}, r"structured_outputs\.json_object must be true"),
     (SO(regex=r"[^\x00-\x{10FFFF}]"), {}, r"structured_outputs\.regex: no token"),
     (SO(regex="[a-z]+"), {"beam_width": 2}, r"structured_outputs cannot be used with beam_width"),
+    (SO(regex="(a{1000}){1000}"), {}, r"structured_outputs\.regex: too complex for the parser's limits"),
 ])
 def test_bad_constraints_name_the_field(so, kw, match):
     with pytest.raises(ValueError, match=match):

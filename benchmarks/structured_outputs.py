@@ -1,0 +1,168 @@
+"""Structured outputs on the offline engine: what a constraint costs per step, at the first token and to compile.
+
+Lifecycle: a one-shot script. For each model (``tiny``, ``bench``) it runs the same prompts with and
+without a JSON Schema constraint (an array of objects with bounded numbers, an enum and a bounded string:
+long answers, so every step is masked), greedy, at batch 1 and 8, and reports:
+
+* decode tokens/s = generated tokens after the first / (t_N - t_1), t_N the wall time of the batch with
+  ``--new-tokens`` new tokens, t_1 with one (prompt prefill + first token), best of ``--repeats``;
+* TTFT = t_1 (prefill + first sampled token, the first mask included);
+* the mask cost per step from the engine's own counters (``GrammarCompiler``): time computing the batch's
+  bitmasks (on the mask thread, during the forward) and time the step waited for them after the logits
+  (what the forward did not hide), both as a share of the constrained decode step; and the same with the
+  masks computed inline (``overlap_masks = False``);
+* compile costs: the llguidance tokenizer built from our tokenizer, each schema's grammar (cold:
+  JSON Schema -> grammar -> validated against the vocabulary), a matcher + its first mask;
+* the decode worker's rebuild cost: a matcher made from the constraint and fast-forwarded through a
+  long answer's token ids (what a decode worker or a migration target does per request).
+
+Constrained rows stop when their grammar completes or at ``--new-tokens``; their token counts are what
+the rates divide by. Contenders run one after another: run it on a quiet machine (``nice`` otherwise, and
+say so).
+
+Usage: python benchmarks/structured_outputs.py [--models tiny bench] [--new-tokens 64] [--repeats 3] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from engine.structured_outputs import GrammarCompiler  # noqa: E402
+
+ITEM = {"type": "object", "additionalProperties": False, "required": ["id", "name", "kind", "score"],
+        "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 100000},
+                       "name": {"type": "string", "maxLength": 40},
+                       "kind": {"enum": ["file", "directory", "link"]},
+                       "score": {"type": "number", "minimum": 0, "maximum": 1}}}
+LIST = {"type": "array", "items": ITEM, "minItems": 16, "maxItems": 64}
+"""At least 16 items (well over 100 tokens): constrained rows run to --new-tokens like the free ones."""
+PERSON = {"type": "object", "required": ["name", "age", "address"], "additionalProperties": False,
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "address": {"type": "object", "required": ["city"],
+                                     "properties": {"city": {"type": "string"}, "zip": {"type": "string",
+                                                                                         "pattern": "^[0-9]{5}$"}}},
+                         "emails": {"type": "array", "items": {"type": "string", "format": "email"}}}}
+SCHEMAS = {"list_of_items": LIST, "person_nested": PERSON, "item": ITEM}
+PROMPTS = ["List the files of the project as JSON:", "import os\nimport sys\n\ndef walk(root):\n",
+           "Here is the inventory:", "{", "class Config:\n    path: str\n", "# the records\n",
+           "Describe the directory tree.", "data = "]
+
+
+def run_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, [params] * len(prompts))
+    return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
+
+
+def measure(llm: LLM, batch: int, new_tokens: int, repeats: int, so, overlap: bool = True) -> dict:
+    prompts = PROMPTS[:batch]
+    eng = llm.llm_engine
+    if so is not None:
+        eng.grammar.overlap_masks = overlap
+    p1 = SamplingParams(max_tokens=1, temperature=0.0, structured_outputs=so)
+    pn = SamplingParams(max_tokens=new_tokens, temperature=0.0, structured_outputs=so, ignore_eos=so is None)
+    run_batch(llm, prompts, pn)  # warm (and compile the grammar once)
+    best_rate, best_t1, steps_s, mask = 0.0, float("inf"), None, None
+    for _ in range(repeats):
+        t1, _ = run_batch(llm, prompts, p1)
+        g = eng._grammar
+        before = (g.mask_compute_s, g.mask_wait_s, g.mask_steps) if g is not None else None
+        steps0 = eng.num_steps
+        tn, toks = run_batch(llm, prompts, pn)
+        steps = eng.num_steps - steps0
+        rate = (toks - batch) / max(tn - t1, 1e-9)
+        best_t1 = min(best_t1, t1)
+        if rate > best_rate:
+            best_rate, steps_s = rate, (tn - t1) / max(steps - 1, 1)
+            if so is not None:
+                n = g.mask_steps - before[2]
+                mask = {"compute_ms": 1e3 * (g.mask_compute_s - before[0]) / n,
+                        "wait_ms": 1e3 * (g.mask_wait_s - before[1]) / n, "steps": n,
+                        "tokens": toks}
+    return {"decode_tok_s": best_rate, "ttft_ms": 1e3 * best_t1, "step_ms": 1e3 * steps_s, "mask": mask}
+
+
+def compile_costs(tokenizer, vocab: int) -> dict:
+    out: dict = {}
+    comp = GrammarCompiler(tokenizer, vocab)
+    out["tokenizer_build_ms"] = 1e3 * comp.tokenizer_build_s
+    for name, schema in SCHEMAS.items():
+        c = GrammarCompiler.__new__(GrammarCompiler)
+        c.__dict__.update(comp.__dict__)
+        c._cache, c.compile_s = type(comp._cache)(), 0.0
+        so = StructuredOutputsParams(json=schema)
+        t0 = time.perf_counter()
+        c.compile(so)
+        t1 = time.perf_counter()
+        c.check(so)  # matcher + first mask (compile cached now)
+        t2 = time.perf_counter()
+        out[name] = {"compile_ms": 1e3 * (t1 - t0), "matcher_and_first_mask_ms": 1e3 * (t2 - t1)}
+    return out
+
+
+def rebuild_cost(tokenizer, vocab: int, n_items: int = 60) -> dict:
+    """A decode worker's rebuild: matcher from the constraint, fast-forwarded through a long answer."""
+    comp = GrammarCompiler(tokenizer, vocab)
+    so = StructuredOutputsParams(json=LIST)
+    answer = json.dumps([{"id": i, "name": f"src/module_{i}/file_{i}.py", "kind": "file", "score": 0.5}
+                         for i in range(n_items)], separators=(",", ":"))
+    ids = tokenizer.encode(answer, add_special_tokens=False)
+    comp.new_matcher(so)  # compile once (the worker's cache is warm after the first such request)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        comp.new_matcher(so, ids)
+        best = min(best, time.perf_counter() - t0)
+    return {"answer_tokens": len(ids), "rebuild_ms": 1e3 * best, "us_per_token": 1e6 * best / len(ids)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["tiny", "bench"])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    report: dict = {"machine": {"cpus": os.cpu_count(), "threads": args.threads,
+                               "loadavg_start": os.getloadavg()}, "models": {}}
+    so = StructuredOutputsParams(json=LIST)
+    for model in args.models:
+        llm = LLM(model, num_threads=args.threads, num_kv_blocks=1024)
+        tok, vocab = llm.get_tokenizer(), llm.llm_engine.model_config.vocab_size
+        r: dict = {"compile": compile_costs(tok, vocab), "rebuild": rebuild_cost(tok, vocab)}
+        for batch in (1, 8):
+            free = measure(llm, batch, args.new_tokens, args.repeats, None)
+            con = measure(llm, batch, args.new_tokens, args.repeats, so, overlap=True)
+            inline = measure(llm, batch, args.new_tokens, args.repeats, so, overlap=False)
+            r[f"batch{batch}"] = {"free": free, "json": con, "json_inline_masks": inline}
+            for name, m in (("free", free), ("json", con), ("json, masks inline", inline)):
+                extra = ""
+                if m["mask"]:
+                    mk = m["mask"]
+                    extra = (f"  mask compute {mk['compute_ms']:.3f} ms/step ({100 * mk['compute_ms'] / m['step_ms']:.1f}%)"
+                             f", waited {mk['wait_ms']:.3f} ms/step ({100 * mk['wait_ms'] / m['step_ms']:.1f}%)")
+                print(f"{model:6s} batch {batch} {name:20s} decode {m['decode_tok_s']:8.1f} tok/s  "
+                      f"TTFT {m['ttft_ms']:7.1f} ms  step {m['step_ms']:6.2f} ms{extra}", flush=True)
+        print(f"{model}: compile {json.dumps(r['compile'])}", flush=True)
+        print(f"{model}: rebuild {json.dumps(r['rebuild'])}", flush=True)
+        report["models"][model] = r
+        del llm
+    report["machine"]["loadavg_end"] = os.getloadavg()
+    print(f"load average start {report['machine']['loadavg_start']}, end {report['machine']['loadavg_end']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
