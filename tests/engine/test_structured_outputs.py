@@ -126,9 +126,12 @@ def test_pathological_regex_is_bounded_by_the_parser_limits():
     with pytest.raises(ValueError, match=r"structured_outputs\.regex: too complex for the parser's limits"):
         check_structured_outputs(so(regex="(a{1000}){1000}"), tok)
     assert time.perf_counter() - t0 < 1.0
-    [out] = llm().generate(["aaaa"], SamplingParams(max_tokens=50, temperature=0.0,
-                                                    structured_outputs=so(regex="(a{1000}){1000}")))
+    person = SamplingParams(max_tokens=80, temperature=0.0, structured_outputs=so(json=PERSON))
+    alone = run(llm(), PROMPTS[:1], person)
+    out, other = llm().generate(["aaaa", PROMPTS[0]], [SamplingParams(
+        max_tokens=50, temperature=0.0, structured_outputs=so(regex="(a{1000}){1000}")), person])
     assert out.finish_reason == "abort" and set(out.text) <= {"a"}
+    assert [(other.token_ids, other.text, other.finish_reason)] == alone  # the batch goes on unaffected
 
 
 # ---- the mask -----------------------------------------------------------------------------------------
