@@ -39,7 +39,7 @@ class KVEventPublisher:
     """Publishes one worker's KV events (see module docstring). ``submit`` is for the engine-loop thread only."""
 
     def __init__(self, redis_url: str, namespace: str, worker_id: str, block_size: int, *, medium: str = "CPU",
-                 max_queue: int = 1024, stream_maxlen: int = 10000, ttl_s: float = 60.0,
+                 max_queue: int = 1024, stream_maxlen: int = 10000, ttl_s: float = 10.0,
                  snapshot_interval_s: float = 2.0, metrics: Any = None) -> None:
         if not isinstance(redis_url, str) or not redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("kv_events_url must be a redis://, rediss:// or unix:// URL")

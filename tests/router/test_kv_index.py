@@ -225,3 +225,20 @@ def test_redis_unavailable_is_load_only_and_recovers_by_itself():
         s.consumer.stop()
         pub.stop()
         server.stop()
+
+
+def test_a_new_generation_invalidates_the_old_entries_by_itself(redis_url, redis_namespace, redis_client):
+    """A restarted publisher whose first batches were trimmed away (no AllBlocksCleared reaches the router): its
+    new generation alone drops what the old process published."""
+    key = kv_stream_key(redis_namespace, "w9")
+    old = encode_kv_batch(KVEventBatch(ts=0.0, events=[BlockStored(_hashes(list(range(8))), None, list(range(8)), BS,
+                                                                    None, None)]))
+    redis_client.xadd(key, {KV_ENTRY_SEQ: "0", KV_ENTRY_GEN: "old", KV_ENTRY_BATCH: old})
+    s = _Setup(redis_url, redis_namespace, ["w9"])
+    s.drain(1)
+    assert s.index.num_blocks("w9") == 2 and s.consumer.synced("w9")
+    new = encode_kv_batch(KVEventBatch(ts=0.0, events=[BlockStored([5], None, [1, 2, 3, 4], BS, None, None)]))
+    redis_client.xadd(key, {KV_ENTRY_SEQ: "7", KV_ENTRY_GEN: "new", KV_ENTRY_BATCH: new})
+    s.drain(1)
+    assert s.index.workers() == {"w9"} and s.index.num_blocks("w9") == 1 and s.index.holders(5) == {"w9"}
+    assert not s.consumer.synced("w9")  # seq 0..6 of the new generation are missing: no snapshot yet
