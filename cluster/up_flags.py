@@ -108,6 +108,18 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-requests", type=int, default=None, metavar="N",
                    help="requests the router holds at once (running + queued); past it a request gets "
                         "RESOURCE_EXHAUSTED at once (router default 192; must stay below its 256 RPC threads)")
+    kv = p.add_argument_group("cache-aware routing", "Prefill/colocated workers are scored as overlap x cached "
+                              "prompt blocks - load x queued prompt blocks - request x requests, on the index the "
+                              "workers' KV events build in every router (docs/interfaces.md)")
+    kv.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                    help="ignore the workers' KV events: each router routes on its own mirror of what it sent where")
+    kv.add_argument("--kv-overlap-weight", type=float, default=None, metavar="W", help="per cached block (default 1)")
+    kv.add_argument("--kv-load-weight", type=float, default=None, metavar="W",
+                    help="per block of queued prompt tokens (default 1)")
+    kv.add_argument("--kv-request-weight", type=float, default=None, metavar="W",
+                    help="per running/waiting/in-flight request, in blocks (default 4)")
+    kv.add_argument("--kv-tie-blocks", type=float, default=None, metavar="B",
+                    help="scores within B blocks of the best are drawn at random (no herding; default 1, 0 = off)")
     sec = p.add_argument_group("public API security", "Secrets are read from files or the environment, never "
                                                       "printed; see docs/security.md.")
     sec.add_argument("--ssl-certfile", default=None, metavar="FILE",
@@ -224,6 +236,11 @@ def router_overrides(args: argparse.Namespace) -> dict:
     out["health_port"] = args.health_port or None
     if args.tool_call_parser is not None:
         out["tool_call_parser"] = args.tool_call_parser
+    if not getattr(args, "kv_events", True):
+        out["kv_events"] = False
+    for name in ("kv_overlap_weight", "kv_load_weight", "kv_request_weight", "kv_tie_blocks"):
+        if getattr(args, name, None) is not None:
+            out[name] = getattr(args, name)
     return out
 
 
