@@ -4,9 +4,10 @@ Lifecycle: a one-shot script. For each model (``tiny``, ``bench``) it runs the s
 without a JSON Schema constraint (an array of objects with bounded numbers, an enum and a bounded string:
 long answers, so every step is masked), greedy, at batch 1 and 8, and reports:
 
-* decode tokens/s = generated tokens after the first / (t_N - t_1), t_N the wall time of the batch with
-  ``--new-tokens`` new tokens, t_1 with one (prompt prefill + first token), best of ``--repeats``;
-* TTFT = t_1 (prefill + first sampled token, the first mask included);
+* decode tokens/s = batch / the median decode step (each ``engine.step()`` after the one that produced the
+  first tokens, over ``--repeats`` runs; medians, because the machine is shared);
+* TTFT = median time from adding the batch to the step that produced its first tokens (prefill + first
+  sampled token, the first mask included);
 * the mask cost per step from the engine's own counters (``GrammarCompiler``): time computing the batch's
   bitmasks (on the mask thread, during the forward) and time the step waited for them after the logits
   (what the forward did not hide), both as a share of the constrained decode step; and the same with the
@@ -18,7 +19,7 @@ long answers, so every step is masked), greedy, at batch 1 and 8, and reports:
 
 Constrained rows stop when their grammar completes or at ``--new-tokens``; their token counts are what
 the rates divide by. Contenders run one after another: run it on a quiet machine (``nice`` otherwise, and
-say so).
+say so). The three contenders run interleaved, round after round.
 
 Usage: python benchmarks/structured_outputs.py [--models tiny bench] [--new-tokens 64] [--repeats 3] [--json out.json]
 """
@@ -57,38 +58,63 @@ PROMPTS = ["List the files of the project as JSON:", "import os\nimport sys\n\nd
            "Describe the directory tree.", "data = "]
 
 
-def run_batch(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, [params] * len(prompts))
-    return time.perf_counter() - t0, sum(len(o.token_ids) for o in outs)
+def one_run(llm: LLM, prompts: list[str], params: SamplingParams) -> dict:
+    """Add the batch, step it to the end; each step's wall time and mask counters (deltas)."""
+    eng = llm.llm_engine
+    tok = llm.get_tokenizer()
+    g = eng._grammar
+    t_add = time.perf_counter()
+    for i, p in enumerate(prompts):
+        eng.add_request(f"b{time.monotonic_ns()}-{i}", tok.encode(p), params)
+    steps, first_at, n_tokens = [], None, 0
+    while eng.has_unfinished_requests():
+        before = (g.mask_compute_s, g.mask_wait_s) if g is not None else (0.0, 0.0)
+        t0 = time.perf_counter()
+        outs = eng.step()
+        t1 = time.perf_counter()
+        n_tokens += sum(len(o.new_token_ids) for o in outs)
+        if first_at is None and outs:
+            first_at = t1
+        else:
+            after = (g.mask_compute_s, g.mask_wait_s) if g is not None else (0.0, 0.0)
+            steps.append((t1 - t0, after[0] - before[0], after[1] - before[1]))
+    return {"ttft": first_at - t_add, "steps": steps, "tokens": n_tokens}
 
 
-def measure(llm: LLM, batch: int, new_tokens: int, repeats: int, so, overlap: bool = True) -> dict:
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def measure(llm: LLM, batch: int, new_tokens: int, repeats: int, so) -> dict:
+    """Free, constrained (masks overlapped with the forward) and constrained with inline masks, interleaved
+    per repeat so they share the machine's noise; medians of per-step times (robust to other tenants)."""
     prompts = PROMPTS[:batch]
     eng = llm.llm_engine
-    if so is not None:
-        eng.grammar.overlap_masks = overlap
-    p1 = SamplingParams(max_tokens=1, temperature=0.0, structured_outputs=so)
-    pn = SamplingParams(max_tokens=new_tokens, temperature=0.0, structured_outputs=so, ignore_eos=so is None)
-    run_batch(llm, prompts, pn)  # warm (and compile the grammar once)
-    best_rate, best_t1, steps_s, mask = 0.0, float("inf"), None, None
-    for _ in range(repeats):
-        t1, _ = run_batch(llm, prompts, p1)
-        g = eng._grammar
-        before = (g.mask_compute_s, g.mask_wait_s, g.mask_steps) if g is not None else None
-        steps0 = eng.num_steps
-        tn, toks = run_batch(llm, prompts, pn)
-        steps = eng.num_steps - steps0
-        rate = (toks - batch) / max(tn - t1, 1e-9)
-        best_t1 = min(best_t1, t1)
-        if rate > best_rate:
-            best_rate, steps_s = rate, (tn - t1) / max(steps - 1, 1)
-            if so is not None:
-                n = g.mask_steps - before[2]
-                mask = {"compute_ms": 1e3 * (g.mask_compute_s - before[0]) / n,
-                        "wait_ms": 1e3 * (g.mask_wait_s - before[1]) / n, "steps": n,
-                        "tokens": toks}
-    return {"decode_tok_s": best_rate, "ttft_ms": 1e3 * best_t1, "step_ms": 1e3 * steps_s, "mask": mask}
+    modes = {"free": None, "json": True, "json_inline_masks": False}
+    runs: dict = {m: [] for m in modes}
+    for rep in range(repeats + 1):  # the first round warms up (and compiles the grammar)
+        for mode, overlap in modes.items():
+            c = None if overlap is None else so
+            if c is not None:
+                eng.grammar.overlap_masks = overlap
+            params = SamplingParams(max_tokens=new_tokens, temperature=0.0, structured_outputs=c,
+                                    ignore_eos=c is None)
+            r = one_run(llm, prompts, params)
+            if rep:
+                runs[mode].append(r)
+    out = {}
+    for mode, rs in runs.items():
+        steps = [s for r in rs for s in r["steps"]]
+        step = _median([s[0] for s in steps])
+        out[mode] = {"decode_tok_s": batch / step, "step_ms": 1e3 * step,
+                     "ttft_ms": 1e3 * _median([r["ttft"] for r in rs]),
+                     "tokens_per_run": [r["tokens"] for r in rs]}
+        if mode != "free":
+            out[mode]["mask"] = {"compute_ms": 1e3 * _median([s[1] for s in steps]),
+                                 "wait_ms": 1e3 * _median([s[2] for s in steps]),
+                                 "wait_mean_ms": 1e3 * sum(s[2] for s in steps) / len(steps)}
+    return out
 
 
 def compile_costs(tokenizer, vocab: int) -> dict:
@@ -142,17 +168,18 @@ def main() -> None:
         tok, vocab = llm.get_tokenizer(), llm.llm_engine.model_config.vocab_size
         r: dict = {"compile": compile_costs(tok, vocab), "rebuild": rebuild_cost(tok, vocab)}
         for batch in (1, 8):
-            free = measure(llm, batch, args.new_tokens, args.repeats, None)
-            con = measure(llm, batch, args.new_tokens, args.repeats, so, overlap=True)
-            inline = measure(llm, batch, args.new_tokens, args.repeats, so, overlap=False)
-            r[f"batch{batch}"] = {"free": free, "json": con, "json_inline_masks": inline}
-            for name, m in (("free", free), ("json", con), ("json, masks inline", inline)):
+            m8 = measure(llm, batch, args.new_tokens, args.repeats, so)
+            r[f"batch{batch}"] = m8
+            free = m8["free"]
+            for name in ("free", "json", "json_inline_masks"):
+                m = m8[name]
                 extra = ""
-                if m["mask"]:
+                if "mask" in m:
                     mk = m["mask"]
-                    extra = (f"  mask compute {mk['compute_ms']:.3f} ms/step ({100 * mk['compute_ms'] / m['step_ms']:.1f}%)"
-                             f", waited {mk['wait_ms']:.3f} ms/step ({100 * mk['wait_ms'] / m['step_ms']:.1f}%)")
-                print(f"{model:6s} batch {batch} {name:20s} decode {m['decode_tok_s']:8.1f} tok/s  "
+                    extra = (f"  (x{m['step_ms'] / free['step_ms']:.3f} of free) mask compute {mk['compute_ms']:.3f} ms"
+                             f" ({100 * mk['compute_ms'] / free['step_ms']:.1f}% of a free step), waited "
+                             f"{mk['wait_ms']:.3f} ms median, {mk['wait_mean_ms']:.3f} ms mean")
+                print(f"{model:6s} batch {batch} {name:18s} decode {m['decode_tok_s']:8.1f} tok/s  "
                       f"TTFT {m['ttft_ms']:7.1f} ms  step {m['step_ms']:6.2f} ms{extra}", flush=True)
         print(f"{model}: compile {json.dumps(r['compile'])}", flush=True)
         print(f"{model}: rebuild {json.dumps(r['rebuild'])}", flush=True)
