@@ -39,7 +39,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router import openai_schema
 from router import openai_protocol as oa
 from router import openai_structured as oas
 from router.core import RouterCore
@@ -163,7 +165,9 @@ class HttpApi:
         return ok
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+        openai_schema.install(app, oa.CompletionRequest, oa.ChatCompletionRequest,
+                              (oa.TokenizeCompletionRequest, oa.TokenizeChatRequest), oa.DetokenizeRequest)
 
         @app.middleware("http")
         async def auth(request: Request, call_next: Any) -> Response:
@@ -178,6 +182,15 @@ class HttpApi:
             where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
             return JSONResponse(oa.error_body(400, f"{where}: {first.get('msg', 'invalid request')}", where or None),
                                 status_code=400)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+            # FastAPI's own refusals (a body that is not JSON, an unknown path, a wrong method) in OpenAI's shape
+            msg = str(exc.detail)
+            if exc.status_code == 400:
+                msg = f"the request body could not be read as JSON ({msg})"
+            return JSONResponse(oa.error_body(exc.status_code, msg), status_code=exc.status_code,
+                                headers=getattr(exc, "headers", None))
 
         @app.exception_handler(Exception)
         async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -251,7 +264,10 @@ class HttpApi:
             try:
                 return [_Choice(core, i, g, loop, queue, None, body.n) for i, g in enumerate(greqs)], plan
             except ValueError as e:
-                raise ValueError(plan.relabel(str(e))) from None
+                msg = plan.relabel(str(e))
+                if msg.startswith("token_ids"):  # the gRPC field's name; the client wrote prompt (or messages)
+                    msg = ("messages" if chat else "prompt") + msg[len("token_ids"):]
+                raise ValueError(msg) from None
 
         try:
             choices, plan = await asyncio.to_thread(prepare)

@@ -156,6 +156,15 @@ def _template_call(call: dict, where: str) -> dict:
     return {**call, "function": {**fn, "arguments": args}}
 
 
+def _put(field: str, assign: Callable[[], Any]) -> None:
+    """Run one assignment into a GenerateRequest; a value the wire type cannot hold (an integer past int32 or
+    uint64, say) becomes a ValueError naming the request's field instead of protobuf's bare "Value out of range"."""
+    try:
+        assign()
+    except (ValueError, TypeError, OverflowError) as e:
+        raise ValueError(f"{field}: {e} (outside what the field can hold)") from None
+
+
 def to_generate_request(req: _Sampling, *, prompt: Optional[str] = None, token_ids: Optional[list[int]] = None,
                         logprobs: Optional[int] = None, max_tokens: Optional[int] = None,
                         seed: Optional[int] = None) -> pdserve_pb2.GenerateRequest:
@@ -164,32 +173,32 @@ def to_generate_request(req: _Sampling, *, prompt: Optional[str] = None, token_i
     if prompt is not None:
         g.prompt = prompt
     if token_ids is not None:
-        g.token_ids.extend(token_ids)
+        _put("prompt", lambda: g.token_ids.extend(token_ids))
     if max_tokens is not None:
-        g.max_tokens = max_tokens
+        _put("max_tokens", lambda: setattr(g, "max_tokens", max_tokens))
     if isinstance(req.stop, str):
         g.stop.append(req.stop)
     elif req.stop:
         g.stop.extend(req.stop)
     if req.stop_token_ids:
-        g.stop_token_ids.extend(req.stop_token_ids)
+        _put("stop_token_ids", lambda: g.stop_token_ids.extend(req.stop_token_ids))
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
                  "presence_penalty", "min_tokens"):
         v = getattr(req, name)
         if v is not None:
-            setattr(g, name, v)
+            _put(name, lambda: setattr(g, name, v))
     if seed is not None:
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
-        g.seed = seed
+        _put("seed", lambda: setattr(g, "seed", seed))
     if logprobs is not None:
-        g.logprobs = logprobs
+        _put("logprobs", lambda: setattr(g, "logprobs", logprobs))
     if req.use_beam_search:
         if req.stream:
             raise ValueError("stream: beam search answers once the search ends; use stream: false")
-        g.beam_width = req.n
+        _put("n", lambda: setattr(g, "beam_width", req.n))
         if req.length_penalty is not None:
-            g.length_penalty = req.length_penalty
+            _put("length_penalty", lambda: setattr(g, "length_penalty", req.length_penalty))
         if req.early_stopping is not None:
             g.early_stopping = str(req.early_stopping).lower()
     elif req.length_penalty is not None or req.early_stopping is not None:
