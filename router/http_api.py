@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import socket
 import ssl
@@ -105,13 +106,70 @@ class _Choice:
         self._put(None)
 
 
+MAX_BODY_BYTES = 32 << 20
+"""Largest request body read (32 MiB): a context's worth of prompt text JSON-escaped, a full logit_bias and
+tool schemas fit many times over; more is refused with 413 before it is read, so a client cannot make the
+router buffer 100 MB."""
+
+
+class _BodyLimit:
+    """ASGI wrapper: a request body past ``limit`` bytes is answered 413 (OpenAI's error shape) as soon as its
+    ``Content-Length`` says so, or as soon as a chunked body has sent that much; otherwise the body, read
+    whole, is handed on to the app (which reads it whole anyway)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def _refuse(self, send: Any, status: int, message: str) -> None:
+        body = json.dumps(oa.error_body(status, message)).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        length = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        too_big = f"body: the request body is larger than {self.limit} bytes"
+        if length is not None:
+            if not length.isdigit():
+                return await self._refuse(send, 400, "body: Content-Length is not a number")
+            if int(length) > self.limit:
+                return await self._refuse(send, 413, too_big)
+        body, more = bytearray(), True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+            if len(body) > self.limit:
+                return await self._refuse(send, 413, too_big)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()  # after the body: the disconnect the response's watcher waits for
+
+        await self.app(scope, replay, send)
+
+
 class HttpApi:
     """OpenAI-compatible HTTP server in the router process (see module docstring)."""
 
     def __init__(self, core: RouterCore, host: str = "127.0.0.1", port: int = 0,
-                 api_keys: Iterable[str] = (), tls: Optional[TlsFiles] = None) -> None:
-        """``tls``: serve HTTPS with the same certificate (and client CA, for mutual TLS) as the gRPC API."""
+                 api_keys: Iterable[str] = (), tls: Optional[TlsFiles] = None,
+                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        """``tls``: serve HTTPS with the same certificate (and client CA, for mutual TLS) as the gRPC API;
+        ``max_body_bytes``: larger request bodies get 413 before they are read."""
         check_port(port, "http_port")
+        if max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {max_body_bytes}")
+        self.max_body_bytes = max_body_bytes
         self.core = core
         self.host, self._port = host, port
         self._keys = [k.encode() for k in api_keys if k]
@@ -131,7 +189,8 @@ class HttpApi:
             tls_kw = dict(ssl_certfile=self._tls.certfile, ssl_keyfile=self._tls.keyfile)
             if self._tls.ca_certs:
                 tls_kw.update(ssl_ca_certs=self._tls.ca_certs, ssl_cert_reqs=ssl.CERT_REQUIRED)
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+        config = uvicorn.Config(_BodyLimit(self.app, self.max_body_bytes), log_level="warning", access_log=False,
+                                lifespan="off",
                                 timeout_graceful_shutdown=1, **tls_kw)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
