@@ -9,9 +9,9 @@ long answers, so every step is masked), greedy, at batch 1 and 8, and reports:
 * TTFT = median time from adding the batch to the step that produced its first tokens (prefill + first
   sampled token, the first mask included);
 * the mask cost per step from the engine's own counters (``GrammarCompiler``): time computing the batch's
-  bitmasks (on the mask thread, during the forward) and time the step waited for them after the logits
-  (what the forward did not hide), both as a share of the constrained decode step; and the same with the
-  masks computed inline (``overlap_masks = False``);
+  bitmasks, as a share of the free decode step; masks inline (the engine's default on CPU) and on the mask
+  thread (``overlap_masks = True``, CUDA's default: on CPU the thread waits for the GIL the kernels hold
+  through the forward, which this shows), with the time the step waited for the thread after the logits;
 * compile costs: the llguidance tokenizer built from our tokenizer, each schema's grammar (cold:
   JSON Schema -> grammar -> validated against the vocabulary), a matcher + its first mask;
 * the decode worker's rebuild cost: a matcher made from the constraint and fast-forwarded through a
@@ -87,11 +87,11 @@ def _median(xs: list[float]) -> float:
 
 
 def measure(llm: LLM, batch: int, new_tokens: int, repeats: int, so) -> dict:
-    """Free, constrained (masks overlapped with the forward) and constrained with inline masks, interleaved
+    """Free, constrained (masks inline: the engine's CPU default) and constrained with the mask thread, interleaved
     per repeat so they share the machine's noise; medians of per-step times (robust to other tenants)."""
     prompts = PROMPTS[:batch]
     eng = llm.llm_engine
-    modes = {"free": None, "json": True, "json_inline_masks": False}
+    modes = {"free": None, "json": False, "json_mask_thread": True}
     runs: dict = {m: [] for m in modes}
     for rep in range(repeats + 1):  # the first round warms up (and compiles the grammar)
         for mode, overlap in modes.items():
@@ -135,6 +135,20 @@ def compile_costs(tokenizer, vocab: int) -> dict:
     return out
 
 
+def apply_cost(vocab: int, batch: int = 8, reps: int = 200) -> dict:
+    """The sampler's share: unpacking a batch of bitmasks and setting forbidden logits to -inf (median)."""
+    from engine.structured_outputs import apply_bitmask
+
+    x = torch.randn(batch, vocab)
+    bm = torch.randint(-2**31, 2**31 - 1, (batch, (vocab + 31) // 32), dtype=torch.int32)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        apply_bitmask(x, bm, list(range(batch)))
+        ts.append(time.perf_counter() - t0)
+    return {f"apply_ms_b{batch}": 1e3 * _median(ts)}
+
+
 def rebuild_cost(tokenizer, vocab: int, n_items: int = 60) -> dict:
     """A decode worker's rebuild: matcher from the constraint, fast-forwarded through a long answer."""
     comp = GrammarCompiler(tokenizer, vocab)
@@ -166,12 +180,12 @@ def main() -> None:
     for model in args.models:
         llm = LLM(model, num_threads=args.threads, num_kv_blocks=1024)
         tok, vocab = llm.get_tokenizer(), llm.llm_engine.model_config.vocab_size
-        r: dict = {"compile": compile_costs(tok, vocab), "rebuild": rebuild_cost(tok, vocab)}
+        r: dict = {"compile": compile_costs(tok, vocab), "rebuild": rebuild_cost(tok, vocab), "apply": apply_cost(vocab)}
         for batch in (1, 8):
             m8 = measure(llm, batch, args.new_tokens, args.repeats, so)
             r[f"batch{batch}"] = m8
             free = m8["free"]
-            for name in ("free", "json", "json_inline_masks"):
+            for name in ("free", "json", "json_mask_thread"):
                 m = m8[name]
                 extra = ""
                 if "mask" in m:
@@ -183,6 +197,7 @@ def main() -> None:
                       f"TTFT {m['ttft_ms']:7.1f} ms  step {m['step_ms']:6.2f} ms{extra}", flush=True)
         print(f"{model}: compile {json.dumps(r['compile'])}", flush=True)
         print(f"{model}: rebuild {json.dumps(r['rebuild'])}", flush=True)
+        print(f"{model}: mask application {json.dumps(r['apply'])}", flush=True)
         report["models"][model] = r
         del llm
     report["machine"]["loadavg_end"] = os.getloadavg()

@@ -22,8 +22,9 @@ Lifecycle:
   a prefix-cache hit keeps the sequence, hence its matcher. Nothing is shipped between workers but the
   constraint and token ids.
 * ``MaskBatch`` computes one step's bitmasks (one row per sampling row, drafts of a speculative
-  verification included) on a worker thread while the model runs, and ``apply_bitmask`` turns the
-  rows into -inf logits before the sampler looks at them.
+  verification included), on a worker thread while the model runs where the forward releases the GIL
+  (CUDA) and inline before sampling on CPU (pdserve's CPU kernels hold the GIL through the forward), and
+  ``apply_bitmask`` turns the rows into -inf logits before the sampler looks at them.
 
 Library: llguidance (vLLM's ``guidance`` backend): lazy (no per-grammar precompile over the
 vocabulary), JSON Schema / regex / Lark grammars, no dependencies; xgrammar was not taken because its
@@ -302,7 +303,8 @@ class GrammarCompiler:
         """Seconds the step waited for masks after the logits were ready (the cost not hidden by the forward)."""
         self.mask_steps = 0
         self.overlap_masks = True
-        """Compute a step's masks on a worker thread while the model runs (False: inline, before sampling)."""
+        """Compute a step's masks on a worker thread while the model runs (False: inline, before sampling). The
+        engine turns it off on CPU, where pdserve's kernels hold the GIL through the forward."""
         self._pool: Any = None
 
     def mask_thread(self) -> Any:
@@ -420,7 +422,7 @@ class MaskBatch:
     llguidance advances the matcher through the drafts and rolls it back)."""
 
     def __init__(self, compiler: "GrammarCompiler", sample_seqs: Sequence[Any]) -> None:
-        import torch
+        import numpy as np
 
         self.rows: list[int] = []
         """Sampling rows (indices into the step's sampling batch) that have a mask, in bitmask order."""
@@ -434,7 +436,7 @@ class MaskBatch:
                 items.append((m.raw, len(self.rows), list(seq.spec_token_ids)))
                 self.rows.extend(range(i, i + n))
             i += n
-        self.bitmask = torch.full((len(self.rows), compiler.mask_words), -1, dtype=torch.int32)
+        self.bitmask = np.full((len(self.rows), compiler.mask_words), -1, dtype=np.int32)
         self._items = items
         self._compiler = compiler
         self._future: Optional[Future] = None
@@ -450,7 +452,7 @@ class MaskBatch:
         # but on a small CPU box those threads fight torch's OpenMP threads (a step of 8 rows took ~7 ms)
         t0 = time.perf_counter()
         width = self._compiler.mask_words * 4
-        base = self.bitmask.data_ptr()
+        base = self.bitmask.ctypes.data
         for m, k, drafts in self._items:
             m.unsafe_compute_mask_ptr(base + k * width, width)
             if not drafts:
@@ -474,10 +476,8 @@ class MaskBatch:
 
     def _only_eos(self, row: int) -> None:
         eos = self._compiler.eos_token_id
-        self.bitmask[row].zero_()
-        if eos is None:
-            self.bitmask[row].fill_(-1)
-        else:
+        self.bitmask[row] = 0 if eos is not None else -1
+        if eos is not None:
             w = 1 << (eos % 32)
             self.bitmask[row, eos // 32] = w - (1 << 32) if w >= 1 << 31 else w
 
@@ -501,23 +501,42 @@ class MaskBatch:
         return self
 
 
+def _penalty_table() -> Any:
+    import numpy as np
+
+    return np.array([-np.inf, 0.0], dtype=np.float32)
+
+
 def apply_bitmask(x: Any, bitmask: Any, rows: Sequence[int]) -> Any:
-    """``x`` ([B, V] float logits) with the tokens each masked row's bitmask forbids set to -inf (rows not
-    listed are unchanged). Bit t of a row (word t // 32, bit t % 32) allows token t."""
+    """A copy of ``x`` ([B, V] float logits) with the tokens each masked row's bitmask ([len(rows), W] int32,
+    numpy or torch) forbids set to -inf; rows not listed are unchanged. Bit t of a row (word t // 32, bit
+    t % 32) allows token t. On CPU this is numpy (one thread): a handful of tiny torch ops per step cost
+    milliseconds when torch's OpenMP threads share a small, busy machine."""
     import numpy as np
     import torch
 
-    if not rows:
+    if not len(rows):
         return x
     V = x.shape[1]
-    # little-endian int32 words: token t is bit t % 8 of byte t // 8 (numpy unpacks that in C)
-    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, count=V, bitorder="little")
-    forbidden = torch.from_numpy(bits) == 0
-    if forbidden.shape[1] < V:  # a mask narrower than the logits: ids past it are never allowed
-        forbidden = torch.nn.functional.pad(forbidden, (0, V - forbidden.shape[1]), value=True)
-    if len(rows) == x.shape[0] and list(rows) == list(range(len(rows))):
-        return x.masked_fill(forbidden.to(x.device), float("-inf"))
-    idx = torch.tensor(list(rows), dtype=torch.long, device=x.device)
+    bm = bitmask.numpy() if isinstance(bitmask, torch.Tensor) else bitmask
+    # little-endian int32 words: token t is bit t % 8 of byte t // 8; ids past the mask are forbidden
+    bits = np.unpackbits(np.ascontiguousarray(bm).view(np.uint8), axis=1, count=V, bitorder="little")
+    rows = list(rows)
+    whole = rows == list(range(x.shape[0]))
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        # x + (0 where allowed, -inf where not): a table lookup and an add, branch-free (a boolean-mask store
+        # is ~5x slower)
+        penalty = _penalty_table().take(bits)
+        if whole:
+            return torch.from_numpy(x.numpy() + penalty)
+        xn = x.numpy().copy()
+        xn[rows] += penalty
+        return torch.from_numpy(xn)
+    forbidden = bits == 0
+    f = torch.from_numpy(forbidden).to(x.device)
+    if whole:
+        return x.masked_fill(f, float("-inf"))
+    idx = torch.tensor(rows, dtype=torch.long, device=x.device)
     x = x.clone()
-    x[idx] = x.index_select(0, idx).masked_fill_(forbidden.to(x.device), float("-inf"))
+    x[idx] = x.index_select(0, idx).masked_fill_(f, float("-inf"))
     return x

@@ -308,3 +308,18 @@ def test_migration_resumes_mid_answer_and_rebuilds_the_matcher():
     with pytest.raises(ValueError, match="resume_token_ids do not follow"):
         eng.add_request("bad", prompt, p, resume_token_ids=eng.tokenizer.encode("hello", add_special_tokens=False))
     assert not eng.has_unfinished_requests()
+
+
+def test_masks_computed_on_the_mask_thread_give_the_same_tokens():
+    """The CPU engine computes masks inline (its kernels hold the GIL through the forward); CUDA's default is
+    the mask thread during the forward. Both must give the same tokens, drafts included."""
+    c = so(json=PERSON)
+    params = SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=c)
+    prompts = PROMPTS + ['{"name":"ab","age":1,"tags":["a","b"]}\n{"name":"ab","age":1,"tags":["a","b"]}\n']
+    inline = run(llm(), prompts, params)
+    spec = LLM("tiny", num_kv_blocks=256, speculative_config=SPEC)
+    assert spec.llm_engine.grammar.overlap_masks is False  # CPU default
+    spec.llm_engine.grammar.overlap_masks = True
+    assert run(spec, prompts, params) == inline
+    g = spec.llm_engine.grammar
+    assert g.mask_steps > 0 and g.mask_compute_s > 0 and spec.llm_engine.spec_stats.num_drafts > 0
