@@ -290,7 +290,7 @@ class GrammarCompiler:
         self.tokenizer_build_s = time.perf_counter() - t0
         self.eos_token_id = eos
         self.limits = parser_limits()
-        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], tuple[str, Any]] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.cache_hits = 0
@@ -342,32 +342,40 @@ class GrammarCompiler:
 
     def compile(self, params: StructuredOutputsParams) -> str:
         """The checked grammar of a constraint (cached); ValueError naming the field if it is invalid."""
+        return self._compiled(params)[0]
+
+    def _compiled(self, params: StructuredOutputsParams) -> tuple[str, Any]:
+        """(grammar, a fresh matcher of it to copy) of a constraint, from the LRU cache or compiled now."""
         key = params.key()
         with self._lock:
-            g = self._cache.get(key)
-            if g is not None:
+            hit = self._cache.get(key)
+            if hit is not None:
                 self._cache.move_to_end(key)
                 self.cache_hits += 1
-                return g
+                return hit
         t0 = time.perf_counter()
         g = grammar_text(params)
-        is_err, msgs = _llg().LLMatcher.validate_grammar_with_warnings(g, self.ll_tokenizer, limits=self.limits)
+        llg = _llg()
+        is_err, msgs = llg.LLMatcher.validate_grammar_with_warnings(g, self.ll_tokenizer, limits=self.limits)
         if is_err:
             raise ValueError(f"structured_outputs.{params.kind}: {_first_line(msgs[0] if msgs else 'invalid')}")
+        template = llg.LLMatcher(self.ll_tokenizer, g, log_level=0, limits=self.limits)
+        if template.is_error():
+            raise ValueError(f"structured_outputs.{params.kind}: {_first_line(template.get_error())}")
         with self._lock:
             self.compile_s += time.perf_counter() - t0
             self.cache_misses += 1
-            self._cache[key] = g
+            self._cache[key] = (g, template)
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return g
+        return g, template
 
     def new_matcher(self, params: StructuredOutputsParams, tokens: Sequence[int] = ()) -> Matcher:
-        """A matcher for ``params`` advanced past ``tokens`` (what the sequence has generated so far)."""
-        g = self.compile(params)
-        m = _llg().LLMatcher(self.ll_tokenizer, g, log_level=0, limits=self.limits)
-        if m.is_error():
-            raise ValueError(f"structured_outputs.{params.kind}: {_first_line(m.get_error())}")
+        """A matcher for ``params`` advanced past ``tokens`` (what the sequence has generated so far): a copy
+        of the cached, never advanced matcher of the constraint (~1 us, where building one costs ~0.3-5 ms)."""
+        _, template = self._compiled(params)
+        with self._lock:
+            m = template.deep_copy()
         matcher = Matcher(m)
         if tokens and not matcher.consume(tokens):
             raise ValueError(f"structured_outputs: the tokens generated so far do not follow the constraint "
