@@ -323,3 +323,23 @@ def test_masks_computed_on_the_mask_thread_give_the_same_tokens():
     assert run(spec, prompts, params) == inline
     g = spec.llm_engine.grammar
     assert g.mask_steps > 0 and g.mask_compute_s > 0 and spec.llm_engine.spec_stats.num_drafts > 0
+
+
+def test_sampler_keeps_the_grammar_over_min_tokens_when_only_eos_is_left():
+    """A row whose mask allows only EOS (a matcher out of its limits) while min_tokens bans EOS: the sampler
+    picks EOS rather than drawing from an all -inf row."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    from engine.sampler import Sampler, SamplingRequest
+
+    V, eos = 64, 1
+    bm = np.zeros((2, 2), dtype=np.int32)
+    bm[:, 0] = 1 << eos
+    masks = SimpleNamespace(rows=[0, 1], bitmask=bm)
+    reqs = [SamplingRequest(SamplingParams(temperature=t, min_tokens=5, seed=1), [5, 6], [], eos_token_id=eos)
+            for t in (0.0, 1.0)]
+    logits = torch.randn(2, V)
+    logits[:, eos] = -50.0
+    tokens, _ = Sampler(V).sample(logits, reqs, masks)
+    assert tokens == [eos, eos]
