@@ -111,6 +111,13 @@ def check_router_args(args: argparse.Namespace) -> None:
                        ("--ssl-ca-certs", args.ssl_ca_certs)):
         if path is not None and not os.access(path, os.R_OK):
             raise ValueError(f"{flag}: cannot read {path!r}")
+    if getattr(args, "api_keys_file", None):
+        from transport.api_keys import KeysFile
+
+        try:
+            KeysFile(args.api_keys_file)
+        except ValueError as e:
+            raise ValueError(f"--api-keys-file: {e}") from None
     if args.port:
         check_port_free(args.host, args.port)
     check_port(args.http_port, "--http-port", zero_means="the HTTP API is off")

@@ -130,6 +130,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     sec.add_argument("--api-key", action="append", default=[], metavar="KEY",
                      help=f"require 'authorization: Bearer KEY' on the public API (repeatable). Visible in ps: "
                           f"prefer ${API_KEY_ENV} (comma-separated keys)")
+    sec.add_argument("--api-keys-file", default=None, metavar="FILE",
+                     help="TOML file of named API keys with per-key limits (requests_per_s, tokens_per_min, "
+                          "max_concurrent), re-read when it changes (docs/security.md)")
+    sec.add_argument("--quota-routers", type=int, default=1, metavar="N",
+                     help="router replicas sharing the per-key limits: each enforces 1/N (default 1)")
 
 
 def add_cluster_args(p: argparse.ArgumentParser, *, ray: bool = True, split: bool = False) -> None:
@@ -236,6 +241,10 @@ def router_overrides(args: argparse.Namespace) -> dict:
     out["health_port"] = args.health_port or None
     if args.tool_call_parser is not None:
         out["tool_call_parser"] = args.tool_call_parser
+    if getattr(args, "api_keys_file", None):
+        out["api_keys_file"] = args.api_keys_file
+    if getattr(args, "quota_routers", 1) != 1:
+        out["quota_routers"] = args.quota_routers
     if not getattr(args, "kv_events", True):
         out["kv_events"] = False
     for name in ("kv_overlap_weight", "kv_load_weight", "kv_request_weight", "kv_tie_blocks"):

@@ -102,6 +102,11 @@ class RouterConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     """Public API keys: when any is set, every Generate/Tokenize/GetModelInfo call must carry one as
     ``authorization: Bearer <key>`` (UNAUTHENTICATED otherwise); health and reflection stay open."""
+    api_keys_file: Optional[str] = None
+    """A TOML file of named keys with limits (``transport.api_keys``), re-read when it changes; with it, the
+    router accepts its keys (and ``api_keys`` too, unnamed and unlimited) and enforces each name's quota."""
+    quota_routers: int = 1
+    """Router replicas sharing the deployment's per-key limits: each enforces 1/N of every limit."""
     ssl_certfile: Optional[str] = None
     """PEM certificate chain: serve the public API over TLS (with ``ssl_keyfile``)."""
     ssl_keyfile: Optional[str] = None
@@ -163,6 +168,10 @@ class RouterConfig:
         if isinstance(self.api_keys, str) or not all(isinstance(k, str) and k for k in self.api_keys):
             raise ValueError("api_keys must be a tuple of non-empty strings (their values are not shown)")
         self.api_keys = tuple(self.api_keys)
+        if self.api_keys_file is not None and (not isinstance(self.api_keys_file, str) or not self.api_keys_file):
+            raise ValueError(f"api_keys_file must be a path, got {self.api_keys_file!r}")
+        if isinstance(self.quota_routers, bool) or not isinstance(self.quota_routers, int) or self.quota_routers < 1:
+            raise ValueError(f"quota_routers must be an integer >= 1, got {self.quota_routers!r}")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile and ssl_keyfile must be given together")
         if self.ssl_ca_certs is not None and self.ssl_certfile is None:

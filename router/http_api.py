@@ -26,14 +26,13 @@ beam search (``router.beam_search``) whose n best sequences are the choices, bes
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import socket
 import ssl
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Iterable, Optional
+from typing import Any, AsyncIterator, Callable, Iterable, Optional, Union
 
 import grpc
 import uvicorn
@@ -46,9 +45,11 @@ from router import openai_schema
 from router import openai_protocol as oa
 from router import openai_structured as oas
 from router.core import RouterCore
+from router.quotas import Lease, QuotaBook, QuotaExceeded, max_output_tokens
 from router.events import FlowError
 from router.validation import validate_generate
 from router.wire import structured_outputs_to_proto
+from transport.api_keys import ApiKey, KeySource, KeyTable, bearer_token
 from transport.ports import check_port
 from transport.tls import TlsFiles
 
@@ -162,17 +163,24 @@ class HttpApi:
     """OpenAI-compatible HTTP server in the router process (see module docstring)."""
 
     def __init__(self, core: RouterCore, host: str = "127.0.0.1", port: int = 0,
-                 api_keys: Iterable[str] = (), tls: Optional[TlsFiles] = None,
-                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
-        """``tls``: serve HTTPS with the same certificate (and client CA, for mutual TLS) as the gRPC API;
-        ``max_body_bytes``: larger request bodies get 413 before they are read."""
+                 api_keys: Union[Iterable[str], KeySource, None] = (), tls: Optional[TlsFiles] = None,
+                 max_body_bytes: int = MAX_BODY_BYTES, quotas: Optional[QuotaBook] = None) -> None:
+        """``api_keys``: plain keys or a key source (``transport.api_keys``; the router's, shared with gRPC);
+        ``tls``: serve HTTPS with the same certificate (and client CA, for mutual TLS) as the gRPC API;
+        ``max_body_bytes``: larger request bodies get 413 before they are read; ``quotas``: each key name's share
+        of its limits (the router's, shared with gRPC; None: no limits)."""
         check_port(port, "http_port")
         if max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {max_body_bytes}")
         self.max_body_bytes = max_body_bytes
         self.core = core
         self.host, self._port = host, port
-        self._keys = [k.encode() for k in api_keys if k]
+        if api_keys is None or hasattr(api_keys, "identify"):
+            self._keys: Optional[KeySource] = api_keys  # type: ignore[assignment]
+        else:
+            plain = KeyTable.plain(api_keys)  # type: ignore[arg-type]
+            self._keys = plain if len(plain) else None
+        self.quotas = quotas if quotas is not None else QuotaBook()
         self._tls = tls
         self.app = self._build_app()
         self._server: Optional[uvicorn.Server] = None
@@ -213,15 +221,14 @@ class HttpApi:
         self._server = self._thread = None
 
     # ---- the app -----------------------------------------------------------------------------------
+    def _key(self, request: Request) -> Optional[ApiKey]:
+        """The key the request presents (None: none, a wrong one, or an open API)."""
+        if self._keys is None:
+            return None
+        return self._keys.identify(bearer_token(request.headers.get("authorization", "")))
+
     def _authorized(self, request: Request) -> bool:
-        if not self._keys:
-            return True
-        raw = request.headers.get("authorization", "").encode()
-        presented = raw[7:].strip() if raw[:7].lower() == b"bearer " else b""
-        ok = False
-        for key in self._keys:
-            ok |= hmac.compare_digest(presented, key)
-        return ok
+        return self._keys is None or self._key(request) is not None
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
@@ -343,9 +350,19 @@ class HttpApi:
         if not chat and body.echo:  # each choice's answer follows its prompt's text
             echo = [c.vreq.prompt if c.vreq.prompt is not None else core.tokenizer.decode(c.vreq.prompt_token_ids, False)
                     for c in choices for _ in range(body.n)]
-        for c in choices:
-            c.start()
-        events = self._events(choices, queue, request)
+        try:  # the key's quota, before any worker works
+            lease = self.quotas.admit(self._key(request), n_prompt, sum(max_output_tokens(c.vreq) for c in choices))
+        except QuotaExceeded as e:
+            core.count_error(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            headers = {"Retry-After": e.retry_after_header} if e.retry_after_header is not None else None
+            return JSONResponse(oa.error_body(429, e.message), status_code=429, headers=headers)
+        try:
+            for c in choices:
+                c.start()
+            events = self._leased(self._events(choices, queue, request), lease)
+        except BaseException:
+            lease.release(None)
+            raise
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             out = oa.EventStream(rid, chat, model, n_prompt, detok, include_usage, plan.parser, echo)
@@ -383,6 +400,21 @@ class HttpApi:
             if live:
                 for c in choices:
                     c.cancel()
+
+    @staticmethod
+    async def _leased(events: AsyncIterator[tuple[int, Any]], lease: Lease) -> AsyncIterator[tuple[int, Any]]:
+        """``events``, then the quota lease released with the tokens the flows reported (however the response
+        ends: finished, failed, or the client gone)."""
+        completion: Optional[int] = None
+        try:
+            async for idx, item in events:
+                usage = getattr(item, "usage", None)
+                if usage is not None:
+                    completion = (completion or 0) + usage.completion_tokens
+                yield idx, item
+        finally:
+            await events.aclose()
+            lease.release(completion)
 
     async def _collect(self, events: AsyncIterator, whole: oa.ResponseBody) -> Response:
         async for idx, item in events:

@@ -27,6 +27,8 @@ from router.events import FlowError, FlowEvent
 from router.validation import ModelLimits, validate_generate
 from router.wire import logprobs_to_public
 from router.worker_source import Pool, WorkerList
+from router.quotas import Lease, QuotaBook, QuotaExceeded, max_output_tokens
+from transport.api_keys import bearer_token, key_source
 from transport.auth import BearerAuth
 from transport.serving import GrpcServing
 from transport.tls import TlsFiles
@@ -61,7 +63,11 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         self.core = RouterCore(cfg, workers)
         self.cfg = cfg
         self.workers = workers
-        auth = BearerAuth(cfg.api_keys, "router") if cfg.api_keys else None
+        self.keys = key_source(cfg.api_keys, cfg.api_keys_file)
+        """The accepted API keys (a table, or a keys file re-read on change); None: the API is open."""
+        self.quotas = QuotaBook(cfg.quota_routers)
+        """Each key name's share of its limits (``router.quotas``)."""
+        auth = BearerAuth(self.keys, "router") if self.keys is not None else None
         tls = TlsFiles(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs) if cfg.ssl_certfile else None
         self._serving = GrpcServing("router", cfg.host, cfg.port, cfg.max_rpc_threads, auth=auth, tls=tls)
         self.metrics_address = ""
@@ -138,7 +144,7 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
 
             tls = (TlsFiles(self.cfg.ssl_certfile, self.cfg.ssl_keyfile, self.cfg.ssl_ca_certs)
                    if self.cfg.ssl_certfile else None)
-            self.http = HttpApi(self.core, self.cfg.host, self.cfg.http_port, self.cfg.api_keys, tls)
+            self.http = HttpApi(self.core, self.cfg.host, self.cfg.http_port, self.keys, tls, quotas=self.quotas)
             self.http.start()
         if not self.core.draining:
             self._set_serving(True)
@@ -206,9 +212,13 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             vreq = validate_generate(request, core.limits, core.tokenize)
         except ValueError as e:
             self._error(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        lease = self._admit(vreq, context)
         failure: Optional[FlowError] = None
+        completion: Optional[int] = None
         try:
             for ev in core.generate(vreq, t0, context.time_remaining(), _on_termination(context)):
+                if ev.usage is not None:
+                    completion = (completion or 0) + ev.usage.completion_tokens
                 yield render(ev)
         except FlowError as e:
             failure = e
@@ -216,8 +226,24 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             log.exception("request %s: unexpected router error", vreq.request_id)
             failure = FlowError(grpc.StatusCode.UNAVAILABLE, f"request {vreq.request_id}: the router failed "
                                                              f"to serve it (logged); retry")
+        finally:
+            lease.release(completion)
         if failure is not None:
             self._error(context, failure.code, failure.message)
+
+    def _admit(self, vreq: Any, context: grpc.ServicerContext) -> Lease:
+        """The request's hold on its key's quota; RESOURCE_EXHAUSTED (with ``retry-after`` trailing metadata, in
+        seconds) when the key is over one of its limits."""
+        key = None
+        if self.keys is not None:
+            token = next((bearer_token(v) for k, v in context.invocation_metadata() or () if k == "authorization"), b"")
+            key = self.keys.identify(token)
+        try:
+            return self.quotas.admit(key, len(vreq.prompt_token_ids), max_output_tokens(vreq))
+        except QuotaExceeded as e:
+            if e.retry_after_header is not None:
+                context.set_trailing_metadata((("retry-after", e.retry_after_header),))
+            self._error(context, grpc.StatusCode.RESOURCE_EXHAUSTED, e.message)
 
     def _error(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
         self.core.count_error(code)

@@ -16,11 +16,12 @@ and it guards the workers' plaintext loopback/pod-network ports the same way vLL
 """
 from __future__ import annotations
 
-import hmac
 import logging
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 import grpc
+
+from transport.api_keys import KeySource, KeyTable, bearer_token
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,11 @@ def _abort_handler(realm: str) -> Callable[[Any, grpc.ServicerContext], Any]:
 class BearerAuth(grpc.ServerInterceptor):
     """Refuses calls without one of ``keys`` as a bearer token (constant-time compare)."""
 
-    def __init__(self, keys: Iterable[str], realm: str, open_services: Iterable[str] = OPEN_SERVICES) -> None:
-        self._keys = [k.encode() for k in keys if k]
-        if not self._keys:
+    def __init__(self, keys: Union[Iterable[str], KeySource], realm: str,
+                 open_services: Iterable[str] = OPEN_SERVICES) -> None:
+        """``keys``: plain keys, or a key source (``transport.api_keys``: a table, or a file re-read on change)."""
+        self._source = keys if hasattr(keys, "identify") else KeyTable.plain(keys)  # type: ignore[arg-type]
+        if not len(self._source):
             raise ValueError(f"{realm}: BearerAuth needs at least one non-empty key")
         self._open = tuple(f"/{s}/" for s in open_services)
         self._realm = realm
@@ -62,14 +65,9 @@ class BearerAuth(grpc.ServerInterceptor):
         presented = b""
         for k, v in metadata or ():
             if k == "authorization":
-                raw = v.encode() if isinstance(v, str) else bytes(v)
-                if raw[:7].lower() == b"bearer ":
-                    presented = raw[7:].strip()
+                presented = bearer_token(v)
                 break
-        ok = False
-        for key in self._keys:  # every key compared, so timing says nothing about which one matched
-            ok |= hmac.compare_digest(presented, key)
-        return ok
+        return self._source.identify(presented) is not None  # every key compared (constant time)
 
     def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
         method = handler_call_details.method or ""

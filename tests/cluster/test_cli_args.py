@@ -125,3 +125,19 @@ def test_served_model_name_reaches_router_and_workers(tmp_path):
     assert build_router(path_cfg, StaticWorkerSource([])).cfg.served_model_name == "Qwen2.5-0.5B"
     assert build_role_worker("colocated", "c1", path_cfg, None, "127.0.0.1", "n0").cfg.served_model_name \
         == "Qwen2.5-0.5B"
+
+
+def test_api_keys_file_and_quota_routers_reach_the_router_config(tmp_path):
+    good = tmp_path / "keys.toml"
+    good.write_text('[[key]]\nname = "a"\nkey = "pdk-aaaaaaaa"\nmax_concurrent = 4\n')
+    args = build_parser().parse_args(["up", "--api-keys-file", str(good), "--quota-routers", "2"])
+    check_up_args(args)
+    assert router_overrides(args)["api_keys_file"] == str(good) and router_overrides(args)["quota_routers"] == 2
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[key]]\nname = "a"\nkey = "short"\n')
+    for path, message in ((bad, "key[0].key"), (tmp_path / "missing.toml", "missing.toml")):
+        with pytest.raises(ValueError) as e:
+            check_up_args(build_parser().parse_args(["up", "--api-keys-file", str(path)]))
+        assert "--api-keys-file" in str(e.value) and message in str(e.value)
+    with pytest.raises(ValueError, match="--quota-routers"):
+        check_up_args(build_parser().parse_args(["up", "--quota-routers", "0"]))
