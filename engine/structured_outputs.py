@@ -308,7 +308,8 @@ class GrammarCompiler:
         self._pool: Any = None
 
     def mask_thread(self) -> Any:
-        """The one worker thread that computes a step's masks during the forward (daemon, made on first use)."""
+        """The one worker thread that computes a step's masks during the forward (made on first use; idle
+        between steps, joined by the interpreter at exit)."""
         if self._pool is None:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -316,7 +317,7 @@ class GrammarCompiler:
         return self._pool
 
     def close(self) -> None:
-        """Stop the mask thread (the engine's ``close``; a compiler left open dies with the process)."""
+        """Stop the mask thread (tools that make many engines in one process; an engine never needs to)."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
