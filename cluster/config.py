@@ -91,6 +91,9 @@ class ClusterConfig:
     """Shared secret of the cluster plane: the router presents it on every call to a worker, which refuses
     calls without it. None: ``Cluster`` generates one (``secrets.token_urlsafe(32)``). Give the same one to
     every process of a cluster that spans several launchers."""
+    cluster_tls: Optional[Any] = field(default=None, repr=False)
+    """A ``transport.cluster_tls.ClusterTls``: the cluster plane (router -> workers) runs over mutual TLS with it.
+    None: plaintext behind the cluster secret."""
     detached: bool = False
     """Workers are detached, named Ray actors of the deployment (``namespace``, also their Ray namespace): they
     outlive this process. ``start()`` takes the deployment's controller lease (``cluster.ownership``) and
@@ -191,7 +194,7 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
     if isinstance(kv_store, StoreConfig):  # gloo listens on the worker's interface, not the hostname's
         kv_store = dataclasses.replace(kv_store, host=host)
     common = dict(worker_id=worker_id, engine=engine, kv_store=kv_store, host=host, node_id=node_id,
-                  cluster_secret=cfg.cluster_secret, model_name=cfg.served_model_name,
+                  cluster_secret=cfg.cluster_secret, cluster_tls=cfg.cluster_tls, model_name=cfg.served_model_name,
                   metrics_port=worker_metrics_port(), kv_backend="nccl" if cuda else "gloo")
     if isinstance(kv_store, StoreConfig) and kv_store.url.startswith(("redis://", "rediss://", "unix://")):
         # KV events go to the cluster's Redis under its namespace (the rendezvous is "{namespace}:kvt")
@@ -217,7 +220,7 @@ def build_router(cfg: ClusterConfig, registry: Registry) -> Any:
     from router import RouterConfig, RouterServer
 
     security = dict(api_keys=cfg.api_keys, ssl_certfile=cfg.ssl_certfile, ssl_keyfile=cfg.ssl_keyfile,
-                    ssl_ca_certs=cfg.ssl_ca_certs, cluster_secret=cfg.cluster_secret)
+                    ssl_ca_certs=cfg.ssl_ca_certs, cluster_secret=cfg.cluster_secret, cluster_tls=cfg.cluster_tls)
     rcfg = RouterConfig(model=cfg.model, host=cfg.router_host or cfg.host, port=cfg.router_port, mode=cfg.mode,
                         **{"model_name": cfg.served_model_name, **security, **cfg.router_overrides})
     return RouterServer(rcfg, registry)

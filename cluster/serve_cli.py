@@ -36,7 +36,7 @@ from typing import Callable, Optional
 from cluster.serve_loop import run_until_signal, wait_listening, wait_serving
 from cluster.up_checks import check_model_args, check_pool_args, check_router_args, check_up_args
 from cluster.up_flags import pool_config_kwargs, router_overrides, sla_config
-from cluster.up_secrets import read_split_secrets, read_up_secrets, secret_source
+from cluster.up_secrets import read_cluster_tls, read_split_secrets, read_up_secrets, secret_source
 
 __all__ = ["cmd_up", "cmd_controller", "cmd_router", "run_until_signal", "wait_serving"]
 
@@ -88,7 +88,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     cfg = ClusterConfig(**pool_config_kwargs(args), router_port=args.port, redis_url=redis_url,
                         router_overrides=router_overrides(args), api_keys=api_keys,
                         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
-                        cluster_secret=cluster_secret)
+                        cluster_secret=cluster_secret, cluster_tls=read_cluster_tls(args))
     cluster = Cluster(cfg)
 
     def ready(planner) -> None:
@@ -123,7 +123,8 @@ def cmd_controller(args: argparse.Namespace) -> int:
     check_model_args(args)
     _, cluster_secret, redis_url = read_split_secrets(args)
     cfg = ClusterConfig(**pool_config_kwargs(args), redis_url=redis_url, cluster_secret=cluster_secret,
-                        detached=True, router_factory=False, start_timeout_s=args.ready_timeout)
+                        cluster_tls=read_cluster_tls(args), detached=True, router_factory=False,
+                        start_timeout_s=args.ready_timeout)
     cluster = Cluster(cfg)
 
     def ready(planner) -> None:
@@ -159,7 +160,7 @@ def cmd_router(args: argparse.Namespace) -> int:
                         num_colocated=int(colocated), host=args.host, router_port=args.port, redis_url=redis_url,
                         namespace=args.namespace, router_overrides=router_overrides(args), api_keys=api_keys,
                         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
-                        cluster_secret=cluster_secret)
+                        cluster_secret=cluster_secret, cluster_tls=read_cluster_tls(args))
     registry = Registry(redis_url, args.namespace)
     router = build_router(cfg, registry)
     from cluster.redis_server import mask_url
@@ -207,7 +208,9 @@ def _print_endpoints(cluster, planner, args: argparse.Namespace, secret_source: 
         lines.append(f"  metrics  {name:<12} http://{addr}/metrics")
     lines.append(f"  model    {cluster.config.served_model_name}  (served name: requests, /v1/models, metric labels)")
     lines.append(f"  redis    {cluster.display_redis_url}  namespace {cluster.namespace}")
-    lines.append(f"  cluster  workers accept only the cluster secret ({secret_source})")
+    tls = cluster.config.cluster_tls is not None
+    lines.append(f"  cluster  workers accept only the cluster secret ({secret_source})"
+                 + (", over mutual TLS (cluster CA)" if tls else ""))
     pools = " ".join(f"{r}={len(cluster.worker_ids(r))}" for r in ("prefill", "decode", "colocated")
                      if cluster.worker_ids(r))
     lines.append(f"  workers  {pools} ({cluster.config.mode}, device {cluster.config.device})")

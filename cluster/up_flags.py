@@ -162,6 +162,15 @@ def add_cluster_args(p: argparse.ArgumentParser, *, ray: bool = True, split: boo
                    help=f"file holding the secret the router presents to the workers (or ${CLUSTER_SECRET_ENV}; "
                         + ("required: every controller and router of the deployment must share it)" if split else
                            "default: a fresh one per run). Give the same one to every launcher of one cluster"))
+    if not split:
+        p.add_argument("--cluster-tls", action="store_true",
+                       help="mutual TLS on the cluster plane (router -> workers) with a CA and certificate made "
+                            "for this run; or give --cluster-ca/--cluster-cert/--cluster-key")
+    p.add_argument("--cluster-ca", default=None, metavar="FILE",
+                   help="PEM CA bundle of the cluster plane's mutual TLS (with --cluster-cert, --cluster-key; the "
+                        "certificate must name DNS:pdserve-cluster.internal); docs/security.md")
+    p.add_argument("--cluster-cert", default=None, metavar="FILE", help="PEM certificate every member presents")
+    p.add_argument("--cluster-key", default=None, metavar="FILE", help="PEM key of --cluster-cert")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for SERVING")
     p.add_argument("--log-level", default="WARNING", help="Python log level (default WARNING)")
 

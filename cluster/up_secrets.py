@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from transport.client_auth import API_KEY_ENV
 
@@ -83,6 +83,20 @@ def read_split_secrets(args: argparse.Namespace) -> tuple[tuple[str, ...], str, 
         raise ValueError(f"--cluster-secret-file (or ${CLUSTER_SECRET_ENV}) is required: every controller and "
                          f"router of a deployment must share one cluster secret")
     return keys, secret, redis_url
+
+
+def read_cluster_tls(args: argparse.Namespace) -> Optional[Any]:
+    """The cluster plane's ``transport.cluster_tls.ClusterTls``: read from --cluster-ca/--cluster-cert/--cluster-key,
+    made for this run with --cluster-tls (``pdserve up`` only), or None (plaintext behind the cluster secret)."""
+    from transport import cluster_tls
+
+    files = (args.cluster_ca, args.cluster_cert, args.cluster_key)
+    if any(files):
+        if getattr(args, "cluster_tls", False):
+            raise ValueError("--cluster-tls makes a CA for this run: give it or --cluster-ca/--cluster-cert/"
+                             "--cluster-key, not both")
+        return cluster_tls.from_files(*files)
+    return cluster_tls.generate() if getattr(args, "cluster_tls", False) else None
 
 
 def secret_source(args: argparse.Namespace, secret: Optional[str]) -> str:

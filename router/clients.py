@@ -3,7 +3,8 @@
 Lifecycle: one ``WorkerClients`` per router. Stubs are made on first use of an
 address and reused by every request (a channel multiplexes many calls);
 ``close()`` at router stop closes them all. With a cluster secret, every call carries it
-(``authorization: Bearer``), as the workers require. Addresses that vanish from the
+(``authorization: Bearer``), as the workers require; with the cluster's TLS (``transport.cluster_tls``) every
+channel is mutual TLS. Addresses that vanish from the
 registry keep an idle channel until then, which is cheap.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import grpc
 
 from proto import worker_pb2_grpc
 from transport.auth import bearer_metadata
+from transport.cluster_tls import CHANNEL_OPTIONS, ClusterTls
 
 # Worker streams carry few, small messages; keepalive notices a dead worker's connection.
 _CHANNEL_OPTIONS = [
@@ -51,7 +53,10 @@ class _Details(grpc.ClientCallDetails):
 class WorkerClients:
     """Cached channels and stubs keyed by worker gRPC address."""
 
-    def __init__(self, cluster_secret: Optional[str] = None) -> None:
+    def __init__(self, cluster_secret: Optional[str] = None, cluster_tls: Optional[ClusterTls] = None) -> None:
+        """``cluster_tls``: dial every worker over mutual TLS with the cluster certificate."""
+        self._tls = cluster_tls
+        self._credentials = cluster_tls.channel_credentials() if cluster_tls is not None else None
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._auth = _WithMetadata(bearer_metadata(cluster_secret)) if cluster_secret else None
@@ -62,7 +67,10 @@ class WorkerClients:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                if self._credentials is not None:
+                    ch = grpc.secure_channel(address, self._credentials, options=_CHANNEL_OPTIONS + CHANNEL_OPTIONS)
+                else:
+                    ch = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
                 if self._auth is not None:
                     ch = grpc.intercept_channel(ch, self._auth)
                 self._channels[address] = ch

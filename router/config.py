@@ -6,7 +6,7 @@ Lifecycle: built by the caller (the cluster, a test), checked once in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from transport.ports import check_port
 
@@ -115,6 +115,8 @@ class RouterConfig:
     """PEM CA bundle: require clients to present a certificate it signed (mutual TLS)."""
     cluster_secret: Optional[str] = field(default=None, repr=False)
     """Presented to the workers on every internal call (their ``WorkerConfig.cluster_secret``)."""
+    cluster_tls: Optional[Any] = field(default=None, repr=False)
+    """A ``transport.cluster_tls.ClusterTls``: dial the workers over mutual TLS (their ``WorkerConfig.cluster_tls``)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

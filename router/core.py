@@ -53,7 +53,7 @@ class RouterCore:
         """The pools as routing sees them: refreshed in the background, failed workers out at once."""
         self.selector = WorkerSelector()
         self.prefixes = PrefixIndex()  # which worker this router sent which prefix: the fallback of the KV index
-        self.clients = WorkerClients(cfg.cluster_secret)
+        self.clients = WorkerClients(cfg.cluster_secret, cfg.cluster_tls)
         self.calls = WorkerCalls(cfg, self.clients)
         """Every worker RPC of a request (Reserve for the placer; streams and aborts for the flows)."""
         self.admission = AdmissionQueue(on_change=lambda n: self._update_gauges())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from concurrent import futures
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,8 +28,10 @@ class GrpcServing:
     """One gRPC server with health and reflection, owned by one role instance."""
 
     def __init__(self, name: str, host: str = "127.0.0.1", port: int = 0, max_workers: int = 128,
-                 auth: Optional[grpc.ServerInterceptor] = None, tls: Optional[TlsFiles] = None) -> None:
-        """``auth``: an interceptor that refuses unauthenticated calls (``BearerAuth``); ``tls``: serve TLS."""
+                 auth: Optional[grpc.ServerInterceptor] = None,
+                 tls: Union[TlsFiles, grpc.ServerCredentials, None] = None) -> None:
+        """``auth``: an interceptor that refuses unauthenticated calls (``BearerAuth``); ``tls``: serve TLS, from
+        files (``TlsFiles``) or ready credentials (the cluster plane's, ``transport.cluster_tls``)."""
         check_port(port, "port")
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
@@ -38,7 +40,8 @@ class GrpcServing:
         self._port = port
         self._max_workers = max_workers
         self._auth = auth
-        self._credentials = server_credentials(tls) if tls is not None else None  # read the files now: fail early
+        # files are read now, so a wrong path fails before anything binds
+        self._credentials = server_credentials(tls) if isinstance(tls, TlsFiles) else tls
         self._server: Optional[grpc.Server] = None
         self._health = health.HealthServicer(experimental_non_blocking=True)
         self._service_names: list[str] = []

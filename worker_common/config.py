@@ -53,6 +53,9 @@ class WorkerConfig:
     """When set, every call to this worker's gRPC API (Reserve, Prefill, Decode, Generate, Abort, GetInfo) must
     carry it as ``authorization: Bearer <secret>``, else UNAUTHENTICATED before any work; health and reflection
     stay open. Never logged (kept out of repr)."""
+    cluster_tls: Optional[Any] = field(default=None, repr=False)
+    """A ``transport.cluster_tls.ClusterTls``: serve the gRPC API over TLS, requiring a client certificate the
+    cluster CA signed (mutual TLS). None: plaintext (behind the cluster secret)."""
 
     kv_events_url: Optional[str] = field(default=None, repr=False)
     """Redis the worker publishes its prefix cache's KV events to (``worker_common.kv_events``: stream

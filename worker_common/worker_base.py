@@ -48,8 +48,9 @@ class WorkerBase:
         self.cfg = cfg
         auth = (BearerAuth([cfg.cluster_secret], f"{self.role} worker {cfg.worker_id}")
                 if cfg.cluster_secret else None)
+        tls = cfg.cluster_tls.server_credentials() if cfg.cluster_tls is not None else None
         self._serving = GrpcServing(f"{self.role}-{cfg.worker_id}", cfg.host, cfg.port, cfg.max_rpc_threads,
-                                    auth=auth)
+                                    auth=auth, tls=tls)
         self.ctx = RequestContext(cfg.worker_id)
         """Engine, KV endpoint and metrics: all a request set sees of this worker (filled by ``load``)."""
         self.loop: Optional[EngineLoop] = None

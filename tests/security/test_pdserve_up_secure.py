@@ -105,12 +105,13 @@ def test_secure_pdserve_up_serves_only_with_credentials_binds_host_and_shows_no_
     env = dict(os.environ, PDSERVE_API_KEY=api_key)
     env.pop("PDSERVE_CLUSTER_SECRET", None)
     up = UpProcess("--host", HOST, "--num-kv-blocks", "64", "--ssl-certfile", certs["cert"],
-                   "--ssl-keyfile", certs["key"], "--cluster-secret-file", str(secret_file), env=env)
+                   "--ssl-keyfile", certs["key"], "--cluster-secret-file", str(secret_file), "--cluster-tls", env=env)
     try:
         up.wait_serving(280)
         banner = "\n".join(up.lines)
         assert up.router.startswith(f"{HOST}:"), banner
         assert "TLS, 1 API key(s) required" in banner and "redis://:***@127.0.0.2:" in banner, banner
+        assert "over mutual TLS (cluster CA)" in banner, banner  # the cluster plane too: workers dialled over mTLS
         for secret in (cluster_secret, api_key):
             assert secret not in banner
         redis_port = int(re.search(r"redis://:\*\*\*@[\d.]+:(\d+)", banner).group(1))
