@@ -58,15 +58,16 @@ class ComponentMetrics:
             elif extra is None:
                 self._series[name] = Counter(full, doc, LABELS, registry=self.registry).labels(*labels)
             else:
-                self._series[name] = Counter(full, doc, LABELS + (extra,), registry=self.registry)
+                more = extra if isinstance(extra, tuple) else (extra,)
+                self._series[name] = Counter(full, doc, LABELS + more, registry=self.registry)
 
     def owns(self, name: str) -> bool:
         """Whether this component registers the series ``name`` (with or without the prefix)."""
         return self.role in OWNER_ROLES[owner_of(name)]
 
-    def _child(self, name: str, value: str) -> Any:
-        """The child of a series with one more label than the identity ones (a reason, a code, a position)."""
-        return self._series[name].labels(*self._labels, value)
+    def _child(self, name: str, *values: str) -> Any:
+        """The child of a series with more labels than the identity ones (a reason, a code, a position)."""
+        return self._series[name].labels(*self._labels, *values)
 
     # --- exposition ---
     def render(self) -> bytes:

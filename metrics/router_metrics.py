@@ -99,6 +99,12 @@ class RouterMetrics(ComponentMetrics):
         """Requests in the router's admission queue (``pdserve:router_requests_waiting``)."""
         self._series["router_requests_waiting"].set(check_count("router_requests_waiting", n))
 
+    # --- per-key quotas (router/quotas.py) ---
+    def inc_quota_rejection(self, key_name: str, limit: str) -> None:
+        """A request refused over its key's quota (``router.quotas``): the key's name (never the key) and the
+        limit it was over."""
+        self._child("quota_rejections_total", check_label("key_name", key_name), check_label("limit", limit)).inc()
+
     # --- cache-aware routing (router/kv_index.py) ---
     def inc_kv_events_consumed(self, n: int = 1) -> None:
         self._series["kv_events_consumed_total"].inc(check_count("kv_events_consumed", n))

@@ -101,6 +101,9 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
                                 "(reason: kv_events, mirror = the router-local mirror while a candidate has no "
                                 "event stream in sync, load_only = prefix routing off or Redis unavailable).",
                                 "reason"),
+    "quota_rejections_total": (ROUTER, "counter", "Requests refused because their API key's name was over one of "
+                               "its limits (router.quotas; limit: requests_per_s, tokens_per_min, max_concurrent).",
+                               ("key_name", "limit")),
     # --- workers: what the engine sees ---
     "num_requests_running": (WORKER, "gauge", "Number of requests in model execution batches.", None),
     "num_requests_waiting": (WORKER, "gauge", "Number of requests waiting to be processed.", None),

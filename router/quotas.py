@@ -75,11 +75,14 @@ class Lease:
 class QuotaBook:
     """The router's share of every key name's limits (see module docstring)."""
 
-    def __init__(self, routers: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, routers: int = 1, clock: Callable[[], float] = time.monotonic,
+                 on_refuse: Optional[Callable[[str, str], None]] = None) -> None:
+        """``on_refuse(name, limit)``: called for every refused request (the router's metrics)."""
         if not isinstance(routers, int) or routers < 1:
             raise ValueError(f"quota_routers must be an integer >= 1, got {routers!r}")
         self.routers = routers
         self._clock = clock
+        self._on_refuse = on_refuse
         self._lock = threading.Lock()
         self._names: dict[str, _NameState] = {}
         self.refused: dict[tuple[str, str], int] = {}
@@ -135,6 +138,8 @@ class QuotaBook:
 
     def _refuse(self, name: str, limit: str) -> None:
         self.refused[(name, limit)] = self.refused.get((name, limit), 0) + 1
+        if self._on_refuse is not None:
+            self._on_refuse(name, limit)
 
     def _release(self, name: str, charged: int, unused: int) -> None:
         with self._lock:

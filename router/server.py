@@ -65,7 +65,7 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         self.workers = workers
         self.keys = key_source(cfg.api_keys, cfg.api_keys_file)
         """The accepted API keys (a table, or a keys file re-read on change); None: the API is open."""
-        self.quotas = QuotaBook(cfg.quota_routers)
+        self.quotas = QuotaBook(cfg.quota_routers, on_refuse=self._count_quota_rejection)
         """Each key name's share of its limits (``router.quotas``)."""
         auth = BearerAuth(self.keys, "router") if self.keys is not None else None
         tls = TlsFiles(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs) if cfg.ssl_certfile else None
@@ -230,6 +230,10 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             lease.release(completion)
         if failure is not None:
             self._error(context, failure.code, failure.message)
+
+    def _count_quota_rejection(self, name: str, limit: str) -> None:
+        if self.core.metrics is not None:
+            self.core.metrics.inc_quota_rejection(name, limit)
 
     def _admit(self, vreq: Any, context: grpc.ServicerContext) -> Lease:
         """The request's hold on its key's quota; RESOURCE_EXHAUSTED (with ``retry-after`` trailing metadata, in

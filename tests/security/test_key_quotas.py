@@ -113,6 +113,10 @@ def test_a_flooding_key_is_held_to_its_limit_and_the_other_key_is_served(deploym
         assert "'flooder'" in e.details() and "max_concurrent" in e.details()
         assert dict(e.trailing_metadata()).get("retry-after") == "1"
     assert all(e is None for _, e in calm), [e.details() for _, e in calm if e is not None]
+    rendered = router.core.metrics.render().decode()
+    line = next(ln for ln in rendered.splitlines() if ln.startswith("pdserve:quota_rejections_total{")
+                and 'key_name="flooder"' in ln and 'limit="max_concurrent"' in ln)
+    assert float(line.rsplit(" ", 1)[1]) == len(refused)  # one count per refused request
     # the flooder's 2 plus at most the calm key's one request at a time
     assert peak[0] <= 3, peak[0]
     wait_until(lambda: router.quotas.in_flight("flooder") == 0, timeout=30, message="every lease released")
