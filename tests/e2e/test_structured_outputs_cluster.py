@@ -1,24 +1,29 @@
 """Structured outputs through a real cluster: the constraint crosses the prefill/decode split.
 
-One cluster (real Ray actors, Redis, gRPC, gloo KV transfer): 1 prefill + 1 decode worker whose engines
-speculate with n-grams, and conditional disaggregation on (prompts of at most 4 tokens run whole on the
+One cluster (real Ray actors, Redis, gRPC, gloo KV transfer): 1 prefill + 2 decode workers whose engines
+speculate with n-grams, and conditional disaggregation on (prompts of at most 4 tokens run whole on a
 decode worker, the colocated path; longer ones prefill on the prefill worker, which samples the first
-token under the constraint, and decode on the decode worker, which rebuilds the matcher from the
+token under the constraint, and decode on a decode worker, which rebuilds the matcher from the
 constraint and that token). The reference is the offline engine WITHOUT speculation: greedy and seeded
 constrained outputs must be token-for-token identical to it, and every output must validate. Bad
 constraints get INVALID_ARGUMENT naming the field from the router's check. A
-migration is played at the worker level: the decode worker is asked to resume a JSON answer from its
-first half (``resume_token_ids``, what the router sends after losing a worker) and must finish it exactly
-as the uninterrupted run did.
+migration is played twice: at the worker level (a decode worker asked to resume a JSON answer from its
+first half, ``resume_token_ids``) and for real (the decode worker streaming a long JSON answer is SIGKILLed;
+the router migrates the request to the other one, which rebuilds the matcher from the tokens already
+streamed); both must finish the answer exactly as the uninterrupted offline run did. The kill is the last
+test of the module.
 """
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 
 import grpc
 import jsonschema
 import pytest
+import ray
 import torch
 
 from cluster.launcher import Cluster, ClusterConfig
@@ -26,6 +31,7 @@ from engine import SamplingParams, StructuredOutputsParams
 from proto import pdserve_pb2, pdserve_pb2_grpc, worker_pb2, worker_pb2_grpc
 from router.wire import params_to_wire
 from tests.e2e.helpers import metric_value, offline, run_concurrently
+from tests.waiting import wait_until
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
@@ -47,7 +53,7 @@ CHOICES = ["yes", "no", "maybe later"]
 @pytest.fixture(scope="module")
 def cluster(ray_local, redis_url):
     torch.set_num_threads(1)
-    cfg = ClusterConfig(model="tiny", num_prefill=1, num_decode=1, redis_url=redis_url, start_timeout_s=180,
+    cfg = ClusterConfig(model="tiny", num_prefill=1, num_decode=2, redis_url=redis_url, start_timeout_s=180,
                         engine_overrides=dict(num_kv_blocks=512, speculative_config=NGRAM),
                         router_overrides=dict(local_prefill_max_tokens=4))
     c = Cluster(cfg).start()
@@ -104,8 +110,9 @@ def test_constrained_output_through_the_split_equals_the_offline_engine(cluster)
     for (p, so, kw), (toks, text, reason) in zip(calls, got):
         assert reason == "stop", (p, so, text)
         _valid(so, text)
-    decode = cluster.metrics_addresses()["decode-0"]
-    assert metric_value(decode, "pdserve:spec_decode_num_drafts_total") > 0  # speculation ran on constrained rows
+    metrics = cluster.metrics_addresses()
+    drafts = sum(metric_value(metrics[w], "pdserve:spec_decode_num_drafts_total") for w in cluster.worker_ids("decode"))
+    assert drafts > 0  # speculation ran on constrained rows
 
 
 def test_n_choices_each_follow_their_own_matcher(cluster):
@@ -122,8 +129,7 @@ def test_n_choices_each_follow_their_own_matcher(cluster):
 
 
 def _worker_address(cluster, role: str) -> str:
-    [info] = [w for w in cluster.registry.list() if w.role == role]
-    return info.grpc_address
+    return [w for w in cluster.registry.list() if w.role == role][0].grpc_address
 
 
 def test_a_migrated_json_answer_resumes_on_another_worker_and_stays_valid(cluster):
@@ -165,3 +171,38 @@ def test_bad_constraints_are_invalid_argument_naming_the_field(cluster, so, extr
                 **extra)
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in ei.value.details()
+
+
+# ~100 objects of ~10 tokens: a stream long enough to lose its decode worker in the middle of
+LONG = {"type": "array", "minItems": 100, "maxItems": 100,
+        "items": {"type": "object", "required": ["id", "kind"], "additionalProperties": False,
+                  "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                 "kind": {"enum": ["file", "dir"]}}}}
+
+
+def test_zz_decode_worker_lost_mid_json_answer_migrates_and_the_answer_stays_valid(cluster):
+    """Last in the module: it kills a decode worker."""
+    so = StructuredOutputsParams(json=LONG)
+    prompt = PROMPTS[2]  # through the split
+    [(ref_toks, ref_text, ref_reason)] = offline([prompt], [SamplingParams(max_tokens=1500, temperature=0.0,
+                                                                             structured_outputs=so)])
+    assert ref_reason == "stop" and len(ref_toks) > 500
+    router_metrics = cluster.metrics_addresses()["router"]
+    migrations = metric_value(router_metrics, "pdserve:request_migrations_total")
+    metrics = cluster.metrics_addresses()
+    decode = dict(cluster.members("decode"))
+    with grpc.insecure_channel(cluster.router_address) as ch:
+        stream = pdserve_pb2_grpc.PDServeStub(ch).Generate(pdserve_pb2.GenerateRequest(
+            prompt=prompt, max_tokens=1500, temperature=0.0, structured_outputs=_proto(so)), timeout=120)
+        got = list(next(stream).token_ids)
+        victim = wait_until(lambda: next((w for w in decode if metric_value(
+            metrics[w], "pdserve:num_requests_running") >= 1), None), timeout=30, interval=0.02,
+            message="no decode worker reports the request running")
+        os.kill(ray.get(decode[victim].pid.remote(), timeout=30), signal.SIGKILL)
+        reason = ""
+        for r in stream:
+            got += list(r.token_ids)
+            reason = r.finish_reason or reason
+    assert metric_value(router_metrics, "pdserve:request_migrations_total") == migrations + 1
+    assert len(got) == len(ref_toks) and got == ref_toks and reason == "stop"
+    jsonschema.validate(json.loads(ref_text), LONG)
