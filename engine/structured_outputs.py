@@ -47,8 +47,9 @@ MAX_CHOICES = 1024
 """At most this many choices."""
 MAX_CHOICE_CHARS = 4096
 """Each choice at most this long."""
-GRAMMAR_CACHE_SIZE = 256
-"""Compiled grammars kept per engine (LRU, keyed by the constraint)."""
+GRAMMAR_CACHE_SIZE = 64
+"""Compiled grammars kept per engine and by the router's checker (LRU, keyed by the constraint); each holds the
+lexer states its matchers built (bounded by ``parser_limits``)."""
 
 _FIELDS = ("json", "regex", "choice", "grammar", "json_object")
 
@@ -384,20 +385,26 @@ class GrammarCompiler:
         return matcher
 
     def check(self, params: StructuredOutputsParams) -> None:
-        """Compile ``params`` and compute its first mask: ValueError naming the field if the constraint is
-        invalid, hits a limit, or no token of the vocabulary can start it."""
+        """Compile ``params``, compute its first mask and take one allowed token: ValueError naming the field
+        if the constraint is invalid, hits a limit, or no token of the vocabulary can start it. A refused
+        constraint leaves nothing in the cache."""
         m = self.new_matcher(params)
-        mask = bytearray(self.mask_words * 4)
-        m.raw.unsafe_compute_mask_ptr(_addr(mask), len(mask))
-        if m.is_error() or not any(mask):
-            raise ValueError(f"structured_outputs.{params.kind}: no token of the model's vocabulary can start "
-                             "an output that satisfies the constraint")
-        # one step further: a lexer too big for the limits (say ``(a{1000}){1000}``) fails at its first token
-        first = next(i for i, b in enumerate(mask) if b)
-        tok = first * 8 + (mask[first] & -mask[first]).bit_length() - 1
-        if tok != self.eos_token_id and not m.consume([tok]):
-            raise ValueError(f"structured_outputs.{params.kind}: too complex for the parser's limits "
-                             f"({_first_line(m.error())})")
+        try:
+            mask = bytearray(self.mask_words * 4)
+            m.raw.unsafe_compute_mask_ptr(_addr(mask), len(mask))
+            if m.is_error() or not any(mask):
+                raise ValueError(f"structured_outputs.{params.kind}: no token of the model's vocabulary can start "
+                                 "an output that satisfies the constraint")
+            # one step further: a lexer too big for the limits (say ``(a{1000}){1000}``) fails at its first token
+            first = next(i for i, b in enumerate(mask) if b)
+            tok = first * 8 + (mask[first] & -mask[first]).bit_length() - 1
+            if tok != self.eos_token_id and not m.consume([tok]):
+                raise ValueError(f"structured_outputs.{params.kind}: too complex for the parser's limits "
+                                 f"({_first_line(m.error())})")
+        except ValueError:
+            with self._lock:
+                self._cache.pop(params.key(), None)
+            raise
 
 
 def _addr(buf: bytearray) -> int:

@@ -343,3 +343,11 @@ def test_sampler_keeps_the_grammar_over_min_tokens_when_only_eos_is_left():
     logits[:, eos] = -50.0
     tokens, _ = Sampler(V).sample(logits, reqs, masks)
     assert tokens == [eos, eos]
+
+
+def test_a_refused_constraint_is_not_kept_in_the_cache():
+    comp = GrammarCompiler(llm().get_tokenizer(), 8192)
+    with pytest.raises(ValueError, match="too complex"):
+        comp.check(so(regex="(a{1000}){1000}"))
+    comp.check(so(regex="[ab]+"))
+    assert [k for k, _ in comp._cache] == ["regex"] and comp.cache_misses == 2
