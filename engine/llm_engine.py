@@ -114,7 +114,7 @@ class LLMEngine:
         self._num_steps = 0
         self._num_scheduled_tokens = 0
         self._grammar: Optional[GrammarCompiler] = None
-        self.last_step_stats: Optional[IterationStats] = None
+        self._last_step: Optional[tuple] = None  # what ``last_step_stats`` is built from, on demand
         """What the latest step that ran a batch did (``engine.stats``); None before the first."""
 
     @classmethod
@@ -327,9 +327,20 @@ class LLMEngine:
         self.scheduler.commit(sched)
         spec_before = self.spec_stats.counts()
         outputs += self._postprocess(result)
-        self.last_step_stats = IterationStats.of(sched, num_tokens, num_prefill, spec_before,
-                                                 self.spec_stats.counts())
+        # the record is built when asked for (metrics read it once a scrape, the simulator never): a step only
+        # keeps its inputs, which it must freeze now (the speculative counts move on)
+        self._last_step = (sched, num_tokens, num_prefill, spec_before,
+                           spec_before if self._proposer is None else self.spec_stats.counts())
         return outputs
+
+    @property
+    def last_step_stats(self) -> Optional[IterationStats]:
+        """The ``IterationStats`` of the last step that ran a batch (None before the first)."""
+        if self._last_step is None:
+            return None
+        if not isinstance(self._last_step, IterationStats):
+            self._last_step = IterationStats.of(*self._last_step)
+        return self._last_step
 
     def _propose(self) -> None:
         """Draft tokens for every running sequence that decodes this step (one token left to compute)."""

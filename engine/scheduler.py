@@ -113,15 +113,25 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills) + sum(1 + len(s.spec_token_ids)
-                                                                          for s in self.verifies)
+        n = len(self.decodes)
+        if self.prefills:  # (most steps of a decode worker have none: asked twice a step, keep it cheap)
+            n += sum(k for _, k in self.prefills)
+        if self.verifies:
+            n += sum(1 + len(s.spec_token_ids) for s in self.verifies)
+        return n
 
     @property
     def num_prefill_tokens(self) -> int:
         """Of ``num_tokens``, the positions before each sequence's ``num_prefill`` (its prompt, or what a
         preemption left to recompute); the rest are decode positions. Read before the step advances them."""
-        n = sum(min(k, max(0, s.num_prefill - s.num_computed)) for s, k in self.prefills)
-        return n + sum(1 for s in (*self.decodes, *self.verifies) if s.num_computed < s.num_prefill)
+        n = sum(min(k, max(0, s.num_prefill - s.num_computed)) for s, k in self.prefills) if self.prefills else 0
+        for s in self.decodes:
+            if s.num_computed < s.num_prefill:
+                n += 1
+        for s in self.verifies:
+            if s.num_computed < s.num_prefill:
+                n += 1
+        return n
 
 
 class Scheduler:

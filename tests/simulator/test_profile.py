@@ -125,7 +125,10 @@ def test_quick_profile_of_tiny(tmp_path, capsys):
     assert {"decode", "prefill", "prefill_hit", "prefill_batch", "mixed"} <= set(by_kind)
     for kind in ("decode", "prefill"):
         assert len(by_kind[kind]) >= 3
-        assert float(np.median(by_kind[kind])) < 0.25, (kind, by_kind[kind])
+        # a timing, so the bound is loose: other processes on the cores (CI's CPU hogs) scatter the samples by
+        # tens of percent (0.27 seen under load 7); a fit that is wrong, not noisy, is off by its whole value
+        # (zero coefficients: 1.0), and test_fit_recovers_a_known_step_model checks the fit itself exactly
+        assert float(np.median(by_kind[kind])) < 0.6, (kind, by_kind[kind])
     # and the attention of a long prompt is priced: the longest fresh prompt too (a fit that forgets the pair
     # term misses it by a third on this grid)
     longest = max((s for s in prof.meta["samples"] if s["kind"] == "prefill"), key=lambda s: s["tokens"])
