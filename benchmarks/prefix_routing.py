@@ -106,7 +106,7 @@ class Run:
                                                  StaticWorkerSource([info])).start())
         else:
             cfg = dict(mode="colocated", serve_metrics=False, worker_view_refresh_s=0.25,
-                       kv_events=policy == "kv_events")
+                       kv_events=policy == "kv_events", **args.router_kw)
             self.routers = [RouterServer(RouterConfig(**cfg), self.registry).start() for _ in range(n_routers)]
             if policy == "kv_events":
                 t0 = time.monotonic()
@@ -226,13 +226,21 @@ def main() -> None:
     ap.add_argument("--conversations", type=int, default=12, help="conversations at once (one client thread each)")
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--user-tokens", type=int, default=32)
-    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--output-tokens", type=int, default=64,
+                    help="answer tokens per turn (long enough that a request outlives a heartbeat, as in production)")
     ap.add_argument("--kv-blocks", type=int, default=160, help="KV blocks per worker")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--redis-url", default=None, help="default: an embedded redis-server")
     ap.add_argument("--short", action="store_true", help="a quick run: 4 turns")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--only", default=None, help="comma-separated runs, e.g. kv_events/3,mirror/1 (default: all)")
+    ap.add_argument("--kv-request-weight", type=float, default=None, help="RouterConfig.kv_request_weight")
+    ap.add_argument("--kv-tie-blocks", type=float, default=None, help="RouterConfig.kv_tie_blocks")
+    ap.add_argument("--kv-load-weight", type=float, default=None, help="RouterConfig.kv_load_weight")
     args = ap.parse_args()
+    args.router_kw = {k: v for k, v in (("kv_request_weight", args.kv_request_weight),
+                                        ("kv_tie_blocks", args.kv_tie_blocks),
+                                        ("kv_load_weight", args.kv_load_weight)) if v is not None}
     if args.short:
         args.turns = 4
     server = None
@@ -245,6 +253,8 @@ def main() -> None:
     rows = []
     try:
         for policy, n in (("round_robin", 1), ("mirror", 1), ("mirror", 3), ("kv_events", 1), ("kv_events", 3)):
+            if args.only and f"{policy}/{n}" not in args.only.split(","):
+                continue
             row = measure(args, redis_url, policy, n)
             rows.append(row)
             print(f"{policy:<11} routers={row['routers']!s:<2} hit_rate={row['hit_rate']:.3f} "
@@ -255,7 +265,7 @@ def main() -> None:
         if server is not None:
             server.stop()
     rr = rows[0]
-    for row in rows[1:]:
+    for row in rows[1:] if rr["policy"] == "round_robin" else []:
         print(f"{row['policy']}/{row['routers']} vs round_robin: hit rate {row['hit_rate'] - rr['hit_rate']:+.3f}, "
               f"p90 TTFT x{rr['ttft_p90_ms'] / row['ttft_p90_ms']:.2f} better")
     load = os.getloadavg()

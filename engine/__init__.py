@@ -46,6 +46,7 @@ _EXPORTS = {
     "KV_ENTRY_SEQ": "engine.kv_events",
     "KV_ENTRY_GEN": "engine.kv_events",
     "KV_ENTRY_BATCH": "engine.kv_events",
+    "KV_ENTRY_LOAD": "engine.kv_events",
     "load_model_config": "engine.loader",
     "load_tokenizer": "engine.loader",
     "default_eos": "engine.loader",
@@ -57,9 +58,9 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:  # pragma: no cover
     from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, PromptBeamSearch
     from engine.block_manager import prefix_block_hashes
-    from engine.kv_events import (KV_ENTRY_BATCH, KV_ENTRY_GEN, KV_ENTRY_SEQ, AllBlocksCleared, BlockRemoved,
-                                  BlockStored, KVEventBatch, KVSnapshot, decode_kv_batch, decode_kv_snapshot,
-                                  kv_snapshot_key, kv_stream_key)
+    from engine.kv_events import (KV_ENTRY_BATCH, KV_ENTRY_GEN, KV_ENTRY_LOAD, KV_ENTRY_SEQ, AllBlocksCleared,
+                                  BlockRemoved, BlockStored, KVEventBatch, KVSnapshot, decode_kv_batch,
+                                  decode_kv_snapshot, kv_snapshot_key, kv_stream_key)
     from engine.config import EngineConfig
     from engine.names import default_served_model_name
     from engine.detokenizer import OutputProcessor

@@ -29,6 +29,9 @@ KV_ENTRY_GEN = b"gen"
 """Stream entry field: the publisher's generation (a fresh random id per publisher start)."""
 KV_ENTRY_BATCH = b"batch"
 """Stream entry field: the vLLM-encoded ``KVEventBatch`` bytes."""
+KV_ENTRY_LOAD = b"load"
+"""Optional stream entry field: the worker's load when the batch was made, "running,waiting,queued_prompt_tokens"
+(a batch with no events carries only this: routers learn a worker's load within a step, not a heartbeat)."""
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

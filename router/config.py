@@ -73,6 +73,10 @@ class RouterConfig:
     kv_request_weight: float = 4.0
     """Score lost per request running, waiting or in flight from this router on a candidate (decode work and
     the heartbeat's lag), in blocks."""
+    kv_pending_s: float = 2.0
+    """For this long after sending a prompt to a worker, the router counts the prompt's blocks as cached there even
+    before the worker's events confirm them (they are being computed: a burst sharing a new prefix follows the
+    first request instead of spreading cold misses). 0: the events alone."""
     kv_tie_blocks: float = 1.0
     """Candidates scoring within this many blocks of the best are a tie, broken at random, so routers deciding
     at the same instant on the same view spread instead of herding onto one worker. 0: the best, by load order."""
@@ -151,7 +155,7 @@ class RouterConfig:
             raise ValueError(f"prefix_balance_tokens must be an int >= 0, got {self.prefix_balance_tokens!r}")
         if not isinstance(self.kv_events, bool):
             raise ValueError(f"kv_events must be a bool, got {self.kv_events!r}")
-        for name in ("kv_overlap_weight", "kv_load_weight", "kv_request_weight", "kv_tie_blocks"):
+        for name in ("kv_overlap_weight", "kv_load_weight", "kv_request_weight", "kv_tie_blocks", "kv_pending_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")

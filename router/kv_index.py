@@ -15,6 +15,8 @@ vLLM ``KVEventBatch`` with the publisher's generation and sequence number (``eng
 - a malformed entry is dropped, counted and logged with the worker's id, and starts a resync; a seq
   already applied (out of order, a duplicate) is dropped and counted;
 - a worker the registry no longer lists (drained, killed and expired, suspected) leaves the index at once;
+- an entry's ``load`` field (running, waiting, queued prompt tokens at that step; a changed load alone comes as an
+  empty batch) is kept per worker (``load``): placement weighs this, a step old, instead of the heartbeat's;
 - a failed read (Redis unavailable) marks the consumer disconnected (placement routes by load only,
   counted) and retries with backoff; the positions are kept, so it resumes where it stopped.
 
@@ -31,8 +33,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import redis
 
-from engine import (KV_ENTRY_BATCH, KV_ENTRY_GEN, KV_ENTRY_SEQ, AllBlocksCleared, BlockRemoved, BlockStored,
-                    decode_kv_batch, decode_kv_snapshot, kv_snapshot_key, kv_stream_key)
+from engine import (KV_ENTRY_BATCH, KV_ENTRY_GEN, KV_ENTRY_LOAD, KV_ENTRY_SEQ, AllBlocksCleared, BlockRemoved,
+                    BlockStored, decode_kv_batch, decode_kv_snapshot, kv_snapshot_key, kv_stream_key)
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +126,8 @@ class _Stream:
     seq: int = -1
     synced: bool = False
     next_resync: float = 0.0
+    load: Optional[tuple[int, int, int]] = None
+    """(running, waiting, queued prompt tokens) from the newest entry that carried it."""
 
 
 class KVEventConsumer:
@@ -161,6 +165,13 @@ class KVEventConsumer:
         with self._lock:
             st = self._streams.get(worker_id)
             return st is not None and st.synced
+
+    def load(self, worker_id: str) -> Optional[tuple[int, int, int]]:
+        """``worker_id``'s (running, waiting, queued prompt tokens) as of its newest entry (a step old, not a
+        heartbeat old), or None when none carried it."""
+        with self._lock:
+            st = self._streams.get(worker_id)
+            return None if st is None else st.load
 
     def num_synced(self) -> int:
         with self._lock:
@@ -240,6 +251,15 @@ class KVEventConsumer:
         """Apply one stream entry; False when the stream position was rewound (the caller stops this reply)."""
         st = self._streams[w]
         st.last_id = eid
+        raw_load = fields.get(KV_ENTRY_LOAD)
+        if raw_load is not None:  # the worker's load then, whatever becomes of the batch itself
+            try:
+                r, q, t = (int(x) for x in raw_load.decode().split(","))
+                if min(r, q, t) < 0:
+                    raise ValueError("negative")
+                st.load = (r, q, t)
+            except (ValueError, UnicodeDecodeError) as e:
+                self._reject(w, "malformed", f"entry {eid}: bad load {raw_load!r}: {e}")
         try:
             seq = int(fields[KV_ENTRY_SEQ])
             gen = fields[KV_ENTRY_GEN].decode()

@@ -197,7 +197,9 @@ class Placer:
         if m is not None:
             m.inc_routing_decision(reason)
         if reason == "kv_events":
-            return self.selector.score_cached(ranked, matches, self.weights, self._rng)
+            kv = self.kv_events
+            fresh = {w.worker_id: kv.load(w.worker_id) for w in ranked} if kv is not None else None
+            return self.selector.score_cached(ranked, matches, self.weights, self._rng, fresh)
         if reason == "mirror" and len(ranked) > 1:
             return self.selector.prefer_cached(ranked, matches, self.cfg.prefix_balance_tokens)
         return ranked
@@ -217,6 +219,10 @@ class Placer:
                 out: dict[str, int] = {}
                 for bs, ids in by_bs.items():
                     out.update(kv.index.match(ids, scope.prefix_hashes(bs)))
+                if self.cfg.kv_pending_s > 0:  # what this router just sent, before the worker's events confirm it
+                    for w in ranked:
+                        out[w.worker_id] = max(out[w.worker_id], self.prefixes.match(
+                            w.worker_id, scope.prefix_hashes(w.block_size or DEFAULT_BLOCK_SIZE), self.cfg.kv_pending_s))
                 return "kv_events", out
         if len(ranked) < 2:
             return "mirror", {}

@@ -100,10 +100,13 @@ class WorkerSelector:
         return [best] + [w for w in ranked if w is not best]
 
     def score_cached(self, ranked: list[WorkerInfo], matches: dict[str, int], weights: "ScoreWeights",
-                     rng: random.Random) -> list[WorkerInfo]:
+                     rng: random.Random, fresh: Optional[dict[str, Optional[tuple[int, int, int]]]] = None
+                     ) -> list[WorkerInfo]:
         """Cache-aware routing on the KV event index (the anchors' form): each candidate scores
-        ``overlap * matched blocks - load * queued prompt blocks - request * requests`` (queued tokens and
-        in-flight requests count this router's own not yet reported ones); the best goes first, drawn at random
+        ``overlap * matched blocks - load * queued prompt blocks - request * requests``, with the load from
+        ``fresh`` (worker id -> (running, waiting, queued tokens) from its KV event stream, a step old; at least
+        this router's own in flight) or else from the heartbeat's record plus this router's own not yet reported
+        requests and tokens; the best goes first, drawn at random
         among those within ``weights.tie_blocks`` of it (no herding: routers deciding at the same instant on
         the same view spread), the rest follow by score (ties keep ``ranked``'s load order)."""
         if not ranked:
@@ -114,8 +117,13 @@ class WorkerSelector:
 
         def score(w: WorkerInfo) -> float:
             bs = max(1, w.block_size or 16)
-            queued = (w.queued_prompt_tokens + pending.get(w.worker_id, 0)) / bs
-            requests = w.num_running + w.num_waiting + inflight.get(w.worker_id, 0)
+            load = (fresh or {}).get(w.worker_id)
+            if load is None:  # the heartbeat's record, plus what this router sent since (it lags a heartbeat)
+                queued = (w.queued_prompt_tokens + pending.get(w.worker_id, 0)) / bs
+                requests = w.num_running + w.num_waiting + inflight.get(w.worker_id, 0)
+            else:  # a step old: it already counts what this router sent that reached the worker
+                queued = max(load[2], pending.get(w.worker_id, 0)) / bs
+                requests = max(load[0] + load[1], inflight.get(w.worker_id, 0))
             return (weights.overlap * matches.get(w.worker_id, 0) - weights.load * queued
                     - weights.request * requests)
 

@@ -7,7 +7,10 @@ to forget what an earlier process under this worker id published. After each eng
 thread hands the step's raw events to ``submit``, which never blocks: it numbers the batch, updates the
 publisher's shadow of the cache and puts it in a bounded queue; a full queue drops the batch (counted,
 ``kv_events_dropped_total{reason="queue_full"}``) and its number is skipped, so consumers see the gap and
-resync. The publisher thread encodes each batch (vLLM's msgpack, ``engine.kv_events``) and ``XADD``s it
+resync. Each entry also carries the worker's load at that step (``load``: running, waiting, queued prompt
+tokens), and a changed load is published alone (an empty batch) at most every ``load_interval_s``, so routers
+see a worker's load a step old rather than a heartbeat old. The publisher thread encodes each batch (vLLM's
+msgpack, ``engine.kv_events``) and ``XADD``s it
 to ``{ns}:kvev:{worker_id}`` with ``MAXLEN ~ stream_maxlen`` (the stream is the replay buffer), and every
 ``snapshot_interval_s`` (at once after a drop or a failed append) writes ``{ns}:kvsnap:{worker_id}``:
 the whole cache after batch S and the stream id to replay after. Both keys expire after ``ttl_s``
@@ -27,7 +30,7 @@ from typing import Any, Optional
 import redis
 
 from engine.block_manager import CLEARED, REMOVED, STORED
-from engine.kv_events import (KV_ENTRY_BATCH, KV_ENTRY_GEN, KV_ENTRY_SEQ, KVSnapshot, encode_kv_batch,
+from engine.kv_events import (KV_ENTRY_BATCH, KV_ENTRY_GEN, KV_ENTRY_LOAD, KV_ENTRY_SEQ, KVSnapshot, encode_kv_batch,
                               encode_kv_snapshot, kv_batch_from_raw, kv_snapshot_key, kv_stream_key)
 
 log = logging.getLogger(__name__)
@@ -40,7 +43,7 @@ class KVEventPublisher:
 
     def __init__(self, redis_url: str, namespace: str, worker_id: str, block_size: int, *, medium: str = "CPU",
                  max_queue: int = 1024, stream_maxlen: int = 10000, ttl_s: float = 10.0,
-                 snapshot_interval_s: float = 2.0, metrics: Any = None) -> None:
+                 snapshot_interval_s: float = 2.0, load_interval_s: float = 0.0, metrics: Any = None) -> None:
         if not isinstance(redis_url, str) or not redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("kv_events_url must be a redis://, rediss:// or unix:// URL")
         if block_size < 1:
@@ -58,6 +61,9 @@ class KVEventPublisher:
         self.stream_maxlen = stream_maxlen
         self.ttl_ms = max(1, int(ttl_s * 1000))
         self.snapshot_interval_s = snapshot_interval_s
+        self.load_interval_s = load_interval_s
+        self._last_load: Optional[tuple[int, int, int]] = None
+        self._last_load_t = 0.0
         self.metrics = metrics
         self.generation = ""
         self._redis = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
@@ -80,12 +86,19 @@ class KVEventPublisher:
         self._thread.start()
         return self
 
-    def submit(self, raw: list[tuple]) -> None:
-        """One step's raw events (``BlockManager.take_events()``); never blocks."""
-        if raw:
-            self._submit(raw)
+    def submit(self, raw: list[tuple], load: Optional[tuple[int, int, int]] = None) -> None:
+        """One step's raw events (``BlockManager.take_events()``) and the worker's load then (running, waiting,
+        queued prompt tokens); never blocks. With no events, a changed load alone is published, at most every
+        ``load_interval_s`` (the loop polls again soon, so the last change is never lost)."""
+        now = time.monotonic()
+        if not raw:
+            if load is None or load == self._last_load or now - self._last_load_t < self.load_interval_s:
+                return
+        if load is not None:
+            self._last_load, self._last_load_t = load, now
+        self._submit(raw, load)
 
-    def _submit(self, raw: list[tuple]) -> None:
+    def _submit(self, raw: list[tuple], load: Optional[tuple[int, int, int]] = None) -> None:
         with self._lock:
             shadow = self._shadow
             for ev in raw:
@@ -98,7 +111,7 @@ class KVEventPublisher:
             seq = self._next_seq
             self._next_seq += 1
             try:
-                self._q.put_nowait((seq, time.time(), raw))
+                self._q.put_nowait((seq, time.time(), raw, load))
                 return
             except queue.Full:
                 self._need_snapshot = True
@@ -129,12 +142,14 @@ class KVEventPublisher:
                     self._redis.delete(self.stream, self.snapshot)
                     fresh = False
                 if item is not None:
-                    seq, ts, raw = item
+                    seq, ts, raw, load = item
                     published_seq = seq
-                    payload = encode_kv_batch(kv_batch_from_raw(raw, self.block_size, self.medium, ts))
+                    fields = {KV_ENTRY_SEQ: str(seq), KV_ENTRY_GEN: self.generation,
+                              KV_ENTRY_BATCH: encode_kv_batch(kv_batch_from_raw(raw, self.block_size, self.medium, ts))}
+                    if load is not None:
+                        fields[KV_ENTRY_LOAD] = ",".join(map(str, load))
                     pipe = self._redis.pipeline(transaction=False)
-                    pipe.xadd(self.stream, {KV_ENTRY_SEQ: str(seq), KV_ENTRY_GEN: self.generation, KV_ENTRY_BATCH: payload},
-                              maxlen=self.stream_maxlen, approximate=True)
+                    pipe.xadd(self.stream, fields, maxlen=self.stream_maxlen, approximate=True)
                     pipe.pexpire(self.stream, self.ttl_ms)
                     entry_id = pipe.execute()[0]
                     last_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)

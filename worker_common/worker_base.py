@@ -332,6 +332,8 @@ class WorkerBase:
     def _poll(self) -> bool:
         busy = self.poll()
         self._snapshot(self.engine)
-        if self.kv_events is not None:  # this pass's prefix-cache changes, off the step path (a queue put)
-            self.kv_events.submit(self.engine.block_manager.take_events())
+        if self.kv_events is not None:  # this pass's prefix-cache changes and load, off the step path (a queue put)
+            load = self._load
+            self.kv_events.submit(self.engine.block_manager.take_events(),
+                                  (load.num_running, load.num_waiting, load.queued_prompt_tokens))
         return busy

@@ -87,6 +87,10 @@ def test_score_cached_prefers_the_cache_against_load_and_spreads_ties():
     # equal scores: drawn at random, so routers deciding at once on one view spread instead of herding
     firsts = {sel.score_cached([w("a"), w("b"), w("c")], {}, weights, rng)[0].worker_id for _ in range(60)}
     assert firsts == {"a", "b", "c"}
+    # a load from the worker's event stream (a step old) replaces the heartbeat's stale record
+    stale = [w("a", running=9, queued=400), w("b")]
+    assert sel.score_cached(stale, {"a": 5}, weights, rng)[0].worker_id == "b"
+    assert sel.score_cached(stale, {"a": 5}, weights, rng, {"a": (0, 0, 0), "b": (1, 0, 0)})[0].worker_id == "a"
     # tie_blocks 0 and equal scores: the load order decides
     firsts = {sel.score_cached([w("a"), w("b")], {}, ScoreWeights(tie_blocks=0.0), rng)[0].worker_id
               for _ in range(20)}
@@ -149,6 +153,23 @@ def test_consumer_follows_stores_evictions_and_a_late_router_replays(redis_url, 
         pub.stop()
 
 
+def test_each_entry_carries_the_workers_load_and_a_changed_load_is_published_alone(redis_url, redis_namespace,
+                                                                                     redis_client):
+    pub = _publisher(redis_url, redis_namespace, "w0", load_interval_s=0.0).start()
+    s = _Setup(redis_url, redis_namespace, ["w0"])
+    try:
+        pub.submit(_stored(list(range(8))), (1, 2, 30))
+        wait_until(lambda: (s.drain(1), s.consumer.load("w0") == (1, 2, 30))[1], timeout=5, message="load with events")
+        n = redis_client.xlen(kv_stream_key(redis_namespace, "w0"))
+        pub.submit([], (1, 2, 30))  # unchanged, no events: nothing published
+        pub.submit([], (0, 0, 0))  # changed: an empty batch carries it
+        wait_until(lambda: (s.drain(1), s.consumer.load("w0") == (0, 0, 0))[1], timeout=5, message="load alone")
+        assert redis_client.xlen(kv_stream_key(redis_namespace, "w0")) == n + 1
+        assert s.index.num_blocks("w0") == 2 and s.consumer.synced("w0") and s.rejected() == {}
+    finally:
+        pub.stop()
+
+
 def test_malformed_and_out_of_order_batches_are_dropped_counted_and_logged(redis_url, redis_namespace, redis_client,
                                                                            caplog):
     key = kv_stream_key(redis_namespace, "bad-worker")
@@ -178,7 +199,7 @@ def test_a_gap_resyncs_from_the_snapshot_and_a_new_generation_drops_old_entries(
     try:
         a, b = list(range(8)), list(range(100, 112))
         wait_until(lambda: (s.drain(1), s.consumer.synced("w0"))[1], timeout=5, message="hello batch read")
-        pub._q.put((10**9, 0.0, []))  # hold the queue's one slot: the next batch is dropped (seq skipped)
+        pub._q.put((10**9, 0.0, [], None))  # hold the queue's one slot: the next batch is dropped (seq skipped)
         pub.submit(_stored(a))
         assert pub.dropped == 1
         wait_until(lambda: pub._q.empty(), timeout=5, message="publisher queue drained")
