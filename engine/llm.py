@@ -64,6 +64,7 @@ class LLM:
         eng = self.llm_engine
         rids: list[str] = []
         procs: dict[str, OutputProcessor] = {}
+        prompt_lps: dict[str, list] = {}
         pending: set[str] = set()
         try:
             for ids, p in zip(token_lists, plist):
@@ -84,6 +85,8 @@ class LLM:
                         proc = procs.get(out.request_id)
                         if proc is None or out.request_id not in pending:
                             continue
+                        if out.prompt_logprobs is not None:
+                            prompt_lps[out.request_id] = out.prompt_logprobs
                         delta = proc.process(out.new_token_ids, out.logprobs, out.finish_reason)
                         if delta.finish_reason is None:
                             continue
@@ -101,7 +104,8 @@ class LLM:
             proc = procs[rid]
             results.append(RequestOutput(
                 request_id=rid, prompt=text, prompt_token_ids=list(ids), token_ids=list(proc.token_ids),
-                text=proc.text, finish_reason=proc.finish_reason, logprobs=proc.logprobs, finished=True))
+                text=proc.text, finish_reason=proc.finish_reason, logprobs=proc.logprobs, finished=True,
+                prompt_logprobs=prompt_lps.get(rid)))
         return results
 
     def beam_search(self, prompts: PromptsType, params: BeamSearchParams) -> list[BeamSearchOutput]:

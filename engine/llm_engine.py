@@ -228,6 +228,8 @@ class LLMEngine:
             for t in outs:
                 seq.append(t)
             seq.num_prefill = seq.num_tokens
+        elif params.prompt_logprobs is not None:
+            seq.prompt_logprobs = []  # (a migration's resume: the client has them already)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
         logger.debug("request %s added: %d prompt tokens, prefill_only=%s", request_id,
@@ -383,6 +385,9 @@ class LLMEngine:
 
     def _postprocess(self, result: RunnerOutput) -> list[CoreOutput]:
         outputs = []
+        for seq, first, lps in result.prompt_logprobs:
+            if seq.prompt_logprobs is not None:
+                seq.prompt_logprobs[first:] = lps  # (a chunk recomputed after a preemption replaces its own)
         i = 0
         while i < len(result.seqs):
             seq = result.seqs[i]
@@ -415,6 +420,9 @@ class LLMEngine:
                 self._trim_blocks(seq)
             outputs.append(CoreOutput(seq.request_id, out, list(lps[:len(out)]) if want_lp else None, reason,
                                       len(seq.prompt_token_ids), seq.num_cached_tokens))
+            if seq.prompt_logprobs is not None and out:  # the first output carries the prompt's
+                outputs[-1].prompt_logprobs = [None, *seq.prompt_logprobs]
+                seq.prompt_logprobs = None
         return outputs
 
     @staticmethod

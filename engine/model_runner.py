@@ -7,7 +7,9 @@ one-token decode row, then prefill chunks), builds the step's
 ``AttentionMetadata`` (K/V slots, decode block tables, prefill spans), runs the
 model once under ``torch.inference_mode``, computes logits only for rows that
 sample (decodes, last prefill chunks, and every position of a speculative
-verification: the last token and each draft) and samples them. Sequences
+verification: the last token and each draft) and samples them; a prefill chunk
+of a request asking ``prompt_logprobs`` also keeps its prompt positions' rows
+and gets their raw log-probabilities (no other request pays for it). Sequences
 under a structured-outputs constraint have their masks computed while the
 model runs (``engine.structured_outputs.MaskBatch``, on the engine's grammar
 compiler, ``grammar``, set by the engine on first use). It returns a
@@ -38,6 +40,9 @@ class RunnerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Optional[TokenLogprob]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprob]]] = field(default_factory=list)
+    """(sequence, first position, logprobs): the prompt tokens at positions first + 1, first + 2, ... as predicted
+    by this step's rows of a chunk of a request asking ``prompt_logprobs``."""
 
 
 class ModelRunner:
@@ -53,6 +58,9 @@ class ModelRunner:
         self.device = model.embed_tokens.weight.device
         self.grammar: Optional[GrammarCompiler] = None
         """The engine's grammar compiler once a constrained request arrived (None: no masks to compute)."""
+        self._prompt_rows: list[tuple[Sequence, int, int]] = []
+        """Set by ``_prepare``: (sequence, first position, rows) of the prompt positions whose logprobs this step
+        returns; their hidden rows follow the sampling rows."""
 
     def execute(self, sched: SchedulerOutput,
                 layer_hook: Optional[Callable[[int], None]] = None) -> RunnerOutput:
@@ -62,13 +70,39 @@ class ModelRunner:
             masks = MaskBatch(self.grammar, sample_seqs).start(self.grammar.overlap_masks)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, meta, self.kv_caches, layer_hook)
+            prompt_lps = self._prompt_logprobs(hidden[len(sample_rows):]) if self._prompt_rows else []
             if not sample_seqs:
-                return RunnerOutput()
-            logits = self.model.compute_logits(hidden)  # hidden holds only the sampling rows
+                return RunnerOutput(prompt_logprobs=prompt_lps)
+            logits = self.model.compute_logits(hidden[:len(sample_rows)])  # hidden holds only kept rows
         reqs = [SamplingRequest(s.params, s.prompt_token_ids, h, s.eos_token_id, generator=self.generator)
                 for s, h in zip(sample_seqs, histories)]
         tokens, logprobs = self.sampler.sample(logits, reqs, masks.result() if masks is not None else None)
-        return RunnerOutput(sample_seqs, tokens, logprobs)
+        return RunnerOutput(sample_seqs, tokens, logprobs, prompt_lps)
+
+    PROMPT_LOGITS_ROWS = 256
+    """Prompt rows turned into logits at a time (a long chunk's [rows, vocab] float32 logits stay bounded)."""
+
+    def _prompt_logprobs(self, hidden: Tensor) -> list[tuple[Sequence, int, list[TokenLogprob]]]:
+        """The raw log-softmax of each kept prompt row: the actual next prompt token's logprob and the top-k."""
+        out = []
+        r = 0
+        for seq, first, n in self._prompt_rows:
+            k = seq.params.prompt_logprobs
+            actual = torch.tensor(seq.prompt_token_ids[first + 1:first + 1 + n], dtype=torch.long)
+            lps: list[TokenLogprob] = []
+            for a in range(0, n, self.PROMPT_LOGITS_ROWS):
+                b = min(n, a + self.PROMPT_LOGITS_ROWS)
+                lp = torch.log_softmax(self.model.compute_logits(hidden[r + a:r + b]), dim=-1).cpu()
+                chosen = lp.gather(1, actual[a:b].unsqueeze(1)).squeeze(1).tolist()
+                if k:
+                    top_v, top_i = lp.topk(k, dim=-1)
+                    tops = [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+                else:
+                    tops = [[] for _ in range(b - a)]
+                lps += [TokenLogprob(t, c, top) for t, c, top in zip(actual[a:b].tolist(), chosen, tops)]
+            out.append((seq, first, lps))
+            r += n
+        return out
 
     def _prepare(self, sched: SchedulerOutput):
         bs = self.block_size
@@ -123,6 +157,10 @@ class ModelRunner:
             meta.decode_ctx_lens = torch.tensor(ctx_lens, dtype=torch.long, device=dev)
         row = B
         prefill_slots: list[Tensor] = []
+        self._prompt_rows = []
+        prompt_rows: list[int] = []
+        prompt_seqs: list[Sequence] = []
+        prompt_ctx: list[int] = []
         for seq, n in sched.prefills:
             chunk_ids = seq.token_ids[seq.num_computed:seq.num_computed + n]
             p0 = seq.num_computed
@@ -132,13 +170,25 @@ class ModelRunner:
             pr = torch.arange(p0, p0 + n, device=dev)
             prefill_slots.append(bt[pr // bs] * bs + pr % bs)
             meta.prefills.append(PrefillSpan(row, row + n, p0, bt))
+            if seq.prompt_logprobs is not None:
+                # positions p0 .. predict prompt tokens p0+1 ..; the prompt's last position predicts the first
+                # output (a sampling row), and a recompute past the prompt has nothing to report
+                hi = min(p0 + n, len(seq.prompt_token_ids) - 1)
+                if hi > p0:
+                    self._prompt_rows.append((seq, p0, hi - p0))
+                    prompt_rows.extend(range(row, row + hi - p0))
+                    prompt_seqs.extend([seq] * (hi - p0))
+                    prompt_ctx.extend(range(p0 + 1, hi + 1))
             row += n
             if p0 + n == seq.num_tokens:
                 sample_rows.append(row - 1)
                 sample_seqs.append(seq)
                 sample_ctx.append(seq.num_tokens)
                 histories.append(seq.output_token_ids)
-        if len(sample_rows) != row:
+        if prompt_rows:  # a keep view, as any step with a prefill chunk (rows that do not sample) has
+            meta.keep = self._keep_view(sample_rows + prompt_rows, sample_seqs + prompt_seqs,
+                                        sample_ctx + prompt_ctx, bs)
+        elif len(sample_rows) != row:
             meta.keep = self._keep_view(sample_rows, sample_seqs, sample_ctx, bs)
         slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
         meta.slot_mapping = torch.cat([slot_t, *prefill_slots]) if prefill_slots else slot_t

@@ -33,6 +33,9 @@ class CoreOutput:
     or "prefill_done" for a prefill-only request whose KV is held for hand-off."""
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    """With ``SamplingParams.prompt_logprobs``, on the request's first output only: one per prompt token, None
+    for the first (nothing predicts it), then the actual token's logprob and its top-k alternatives."""
 
 
 @dataclass
@@ -47,3 +50,7 @@ class RequestOutput:
     finish_reason: Optional[str]
     logprobs: Optional[list[TokenLogprob]] = None
     finished: bool = True
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    """vLLM's ``RequestOutput.prompt_logprobs`` when asked for: None first, then per prompt position a
+    ``TokenLogprob`` whose ``token_id``/``logprob`` are the actual prompt token's and ``top`` its top-k (vLLM
+    gives a {token_id: Logprob} dict per position; ``top`` plus the actual token is the same information)."""

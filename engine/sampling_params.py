@@ -50,6 +50,10 @@ class SamplingParams:
     """Keep generating past EOS (load tests force output lengths this way)."""
     logprobs: Optional[int] = None
     """None: no logprobs; 0: logprob of the chosen token; n > 0: also the top-n alternatives."""
+    prompt_logprobs: Optional[int] = None
+    """vLLM's prompt_logprobs: None: none; k >= 0: for each prompt position after the first, the logprob of the
+    actual prompt token plus its top-k alternatives, from the model's raw distribution (no penalties, bias or
+    constraint). Such a request skips the prefix cache (a cached position has no logits to give)."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
     logit_bias: Optional[dict[int, float]] = None
@@ -96,6 +100,8 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
         if self.logprobs is not None:
             self._check_int("logprobs", 0, self.MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self._check_int("prompt_logprobs", 0, self.MAX_LOGPROBS)
         if self.logit_bias is not None:
             self._check_logit_bias()
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,

@@ -24,7 +24,8 @@ Policy, each step (vLLM v1 style, decode-first, mixed batches):
    admission (new work waits, no overtaking). With prefix caching a sequence
    admitted with nothing computed first takes the cached blocks of its longest
    cached prefix (leaving at least its last token to compute, whose logits it
-   needs) and prefills only the rest.
+   needs) and prefills only the rest; one asking for prompt logprobs computes
+   its whole prompt (vLLM does the same).
 3. After the step, ``commit`` names every block that became full in the block
    manager's prefix cache.
 """
@@ -76,6 +77,9 @@ class Sequence:
     matcher: Optional[Matcher] = None
     """The grammar state of a structured-outputs request (``engine.structured_outputs``): it has consumed
     exactly ``output_token_ids``; it stays with the sequence through preemption and prefix-cache hits."""
+    prompt_logprobs: Optional[list] = None
+    """With ``params.prompt_logprobs``: entry j is the ``TokenLogprob`` of prompt token j + 1 (from position j's
+    logits), filled chunk by chunk until the first output emits them (then None again)."""
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -259,6 +263,8 @@ class Scheduler:
         sequence already has K/V)."""
         if not self.bm.enable_caching or seq.num_computed or seq.block_table:
             return None
+        if seq.prompt_logprobs is not None:
+            return None  # it needs the logits of every prompt position, which a cached block does not have
         bs = self.bm.block_size
         keys = block_keys(seq.token_ids, bs, (seq.num_tokens - 1) // bs)
         blocks = self.bm.lookup(keys)
