@@ -27,7 +27,7 @@ from decode_worker.choices import AbortChoiceServicer, ChoiceRequest, ChoiceRequ
 from proto import worker_pb2, worker_pb2_grpc
 from worker_common.config import WorkerConfig
 from worker_common.request import RequestError, request_params
-from worker_common.wire import logprobs_to_proto
+from worker_common.wire import logprobs_to_proto, prompt_logprobs_to_proto
 from worker_common.worker_base import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,8 @@ class LocalRequests(ChoiceRequestSet[_LocalReq]):
     def on_output(self, req: _LocalReq, o: Any, now: float) -> None:
         chunk = worker_pb2.DecodeChunk(token_ids=o.new_token_ids, logprobs=logprobs_to_proto(o.logprobs),
                                        finish_reason=o.finish_reason or "", index=req.index)
+        if o.prompt_logprobs:
+            chunk.prompt_logprobs.extend(prompt_logprobs_to_proto(o.prompt_logprobs))
         if req.siblings:  # its prompt is prefilled (its blocks are in the prefix cache): start the others
             siblings, req.siblings = req.siblings, []
             try:

@@ -30,7 +30,7 @@ from kvtransfer import TransferState
 from prefill_worker.config import PrefillWorkerConfig
 from proto import worker_pb2, worker_pb2_grpc
 from worker_common.request import RequestContext, RequestError, RequestSet, WorkerRequest, request_params
-from worker_common.wire import logprob_to_proto
+from worker_common.wire import logprob_to_proto, prompt_logprobs_to_proto
 from worker_common.worker_base import WorkerBase
 
 log = logging.getLogger(__name__)
@@ -129,6 +129,8 @@ class PrefillRequests(RequestSet[_PrefillReq]):
                                    prefill_s=now - scheduled, num_cached_tokens=o.num_cached_tokens)
         if o.logprobs:
             ft.logprob.CopyFrom(logprob_to_proto(o.logprobs[0]))
+        if o.prompt_logprobs:
+            ft.prompt_logprobs.extend(prompt_logprobs_to_proto(o.prompt_logprobs))
         metrics = self.ctx.metrics
         metrics.observe_queue_time(ft.queue_s)
         metrics.observe_prefill_time(ft.prefill_s)

@@ -63,6 +63,8 @@ class FlowEvent:
     """Beam search: the sequence's length-penalised score (what it is ranked by)."""
     cum_logprob: Optional[float] = None
     """Beam search: the sum of its generated tokens' log-probabilities."""
+    prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
+    """With ``prompt_logprobs`` asked, on choice 0's first event: one per prompt token, None for the first."""
 
 
 class FlowError(Exception):

@@ -350,6 +350,9 @@ class HttpApi:
         if not chat and body.echo:  # each choice's answer follows its prompt's text
             echo = [c.vreq.prompt if c.vreq.prompt is not None else core.tokenizer.decode(c.vreq.prompt_token_ids, False)
                     for c in choices for _ in range(body.n)]
+        echo_first = None  # echo with logprobs: the prompt's logprobs block goes first (from its first token)
+        if echo is not None and body.logprobs is not None and not body.use_beam_search:
+            echo_first = [c.vreq.prompt_token_ids[0] for c in choices for _ in range(body.n)]
         try:  # the key's quota, before any worker works
             lease = self.quotas.admit(self._key(request), n_prompt, sum(max_output_tokens(c.vreq) for c in choices))
         except QuotaExceeded as e:
@@ -365,10 +368,11 @@ class HttpApi:
             raise
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            out = oa.EventStream(rid, chat, model, n_prompt, detok, include_usage, plan.parser, echo)
+            out = oa.EventStream(rid, chat, model, n_prompt, detok, include_usage, plan.parser, echo,
+                                 1 if body.use_beam_search else body.n, echo_first)
             return StreamingResponse(self._sse(events, out), media_type="text/event-stream")
         whole = oa.ResponseBody(rid, chat, core.limits.model_name, len(choices) * body.n, n_prompt, detok,
-                                plan.parser, echo)
+                                plan.parser, echo, 1 if body.use_beam_search else body.n, echo_first)
         return await self._collect(events, whole)
 
     @staticmethod

@@ -9,11 +9,14 @@ the flow's ``FlowEvent``s back into OpenAI's JSON: a whole response (``ResponseB
 each event, then ``json()``) or server-sent events (``EventStream``: ``chunk`` per event, then
 ``end()``), with usage, logprobs and errors (``error_body``) in OpenAI's shapes; given a ``ToolCallParser``
 both read tool calls out of each chat answer (``message.tool_calls``, streamed ``tool_calls`` deltas,
-``finish_reason: "tool_calls"``), and ``echo`` puts each prompt before its completion. Also vLLM's /tokenize and
+``finish_reason: "tool_calls"``), and ``echo`` puts each prompt before its completion (with ``logprobs``, the
+prompt tokens' logprobs before the answer's, the first one null); vLLM's ``prompt_logprobs`` come back as
+``choices[i].prompt_logprobs`` (completions) or a top-level ``prompt_logprobs`` (chat). Also vLLM's /tokenize and
 /detokenize bodies (``tokenize_json``). Field names follow OpenAI's API, plus vLLM's extras with vLLM's names.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -22,7 +25,7 @@ from typing import Any, Callable, Optional, Union
 import grpc
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine import SamplingParams
+from engine import SamplingParams, TokenLogprob
 from proto import pdserve_pb2
 from router.events import FlowError, FlowEvent, Usage
 from router.openai_structured import ConstraintFields, ToolFields, template_tools
@@ -85,7 +88,7 @@ class _Sampling(ConstraintFields):
     length_penalty: Optional[float] = None
     early_stopping: Optional[Union[bool, str]] = None
     prompt_logprobs: Optional[int] = None
-    """vLLM's; refused (400): the prefill worker does not return prompt log-probs."""
+    """vLLM's: each prompt token's logprob and the top-k (not with stream, as in vLLM; 0 there is ignored)."""
 
 
 class CompletionRequest(_Sampling):
@@ -219,8 +222,11 @@ def to_generate_requests(body: _Sampling, chat: bool, model_name: str,
         raise LookupError(f"model {body.model!r} does not exist; this server serves {model_name!r}")
     if not 1 <= body.n <= SamplingParams.MAX_N:
         raise ValueError(f"n must be in [1, {SamplingParams.MAX_N}], got {body.n}")
-    if body.prompt_logprobs is not None:
-        raise ValueError("prompt_logprobs is not supported (the prefill worker returns no prompt log-probs)")
+    prompt_lp = body.prompt_logprobs
+    if prompt_lp is not None and body.stream:
+        if prompt_lp != 0:
+            raise ValueError("prompt_logprobs is not available when stream is true (as in vLLM)")
+        prompt_lp = None
     if chat:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         lp = (body.top_logprobs or 0) if body.logprobs else None
@@ -230,8 +236,9 @@ def to_generate_requests(body: _Sampling, chat: bool, model_name: str,
     else:
         if body.suffix or (body.best_of not in (None, 1, body.n)):
             raise ValueError("suffix and best_of are not supported")
-        if body.echo and body.logprobs is not None:
-            raise ValueError("logprobs with echo needs the prompt's log-probs, which are not supported; drop one")
+        if body.echo and body.logprobs is not None and not body.use_beam_search:
+            # the prompt's own logprobs go before the answer's: ask for them with as many alternatives
+            prompt_lp = body.logprobs if prompt_lp is None else max(prompt_lp, body.logprobs)
         max_tokens, lp = body.max_tokens, body.logprobs
         p = body.prompt
         prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
@@ -241,6 +248,8 @@ def to_generate_requests(body: _Sampling, chat: bool, model_name: str,
     for prompt in prompts:
         kw = dict(prompt=prompt) if isinstance(prompt, str) else dict(token_ids=list(prompt))
         g = to_generate_request(body, logprobs=lp, max_tokens=max_tokens, seed=body.seed, **kw)
+        if prompt_lp is not None:
+            _put("prompt_logprobs", lambda: setattr(g, "prompt_logprobs", prompt_lp))
         if body.use_beam_search:
             if body.n > MAX_BEAM_WIDTH:
                 raise ValueError(f"n (the beam width, with use_beam_search) must be in [1, {MAX_BEAM_WIDTH}], "
@@ -346,6 +355,35 @@ def completion_logprobs(ev: FlowEvent, detok: Any, offset: int) -> Optional[dict
             "top_logprobs": [{detok(t): v for t, v in lp.top} for lp in ev.logprobs], "text_offset": offsets}
 
 
+def prompt_logprobs_json(lps: Optional[list[Optional[TokenLogprob]]], detok: Any) -> Optional[list]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token {token id: {logprob, rank,
+    decoded_token}} holding the actual token and the top-k (rank: 1-based among the top-k; null for an actual
+    token outside them, whose vocabulary rank is not computed)."""
+    if lps is None:
+        return None
+    out: list = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(t): {"logprob": v, "rank": r, "decoded_token": detok(t)} for r, (t, v) in enumerate(lp.top, 1)}
+        entry.setdefault(str(lp.token_id), {"logprob": lp.logprob, "rank": None, "decoded_token": detok(lp.token_id)})
+        out.append(entry)
+    return out
+
+
+def echo_logprobs(first_token: int, lps: list[Optional[TokenLogprob]], detok: Any) -> dict:
+    """The completions logprobs block of an echoed prompt: its tokens from offset 0, the first one's logprob
+    (and top alternatives) null, as vLLM gives them."""
+    tokens = [detok(first_token)] + [detok(lp.token_id) for lp in lps[1:]]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": [None] + [lp.logprob for lp in lps[1:]],
+            "top_logprobs": [None] + [{detok(t): v for t, v in lp.top} for lp in lps[1:]], "text_offset": offsets}
+
+
 def chat_logprobs(ev: FlowEvent, detok: Any) -> Optional[dict]:
     """OpenAI chat's logprobs block for the tokens of one event."""
     if ev.logprobs is None:
@@ -387,20 +425,46 @@ def tool_calls_json(calls: list) -> list[dict]:
     return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
 
+def _joined(first: dict, then: Optional[dict]) -> dict:
+    """Two completions logprobs blocks, one after the other."""
+    return first if then is None else {k: v + then[k] for k, v in first.items()}
+
+
+def _cumulative_offsets(block: Optional[dict]) -> None:
+    """An echoed block's text_offset as vLLM counts it: each token's string after all those before it."""
+    if block is not None:
+        pos, block["text_offset"] = 0, []
+        for t in block["tokens"]:
+            block["text_offset"].append(pos)
+            pos += len(t)
+
+
 class ResponseBody:
     """A whole (non-streamed) response: ``add`` each choice's events, then ``json()``. ``tool_parser`` reads
-    each chat answer's tool calls; ``echo`` is each choice's prompt text, put before its answer."""
+    each chat answer's tool calls; ``echo`` is each choice's prompt text, put before its answer, and
+    ``echo_first`` (echo with logprobs) each choice's first prompt token: the prompt's logprobs block goes before
+    the answer's. Choices come ``n_per_prompt`` to a prompt, whose first carries its ``prompt_logprobs``."""
 
     def __init__(self, rid: str, chat: bool, model: str, n: int, n_prompt: int, detok: Callable[[int], str],
-                 tool_parser: Optional[ToolCallParser] = None, echo: Optional[list[str]] = None) -> None:
+                 tool_parser: Optional[ToolCallParser] = None, echo: Optional[list[str]] = None,
+                 n_per_prompt: int = 1, echo_first: Optional[list[int]] = None) -> None:
         self.rid, self.chat, self.model, self.n_prompt, self._detok = rid, chat, model, n_prompt, detok
         self.tool_parser = tool_parser
         self.texts: list[str] = list(echo) if echo is not None else [""] * n
         self.reasons: list[Optional[str]] = [None] * n
         self.logprobs: list[Optional[dict]] = [None] * n
+        self.prompt_logprobs: list[Optional[list]] = [None] * n
         self.usages: list[Usage] = []
+        self._n_per, self._echo_first = n_per_prompt, echo_first
 
     def add(self, idx: int, ev: FlowEvent) -> None:
+        if ev.prompt_logprobs is not None:  # the prompt's: every choice of it shows them
+            g0 = idx - idx % self._n_per
+            for j in range(g0, g0 + self._n_per):
+                self.prompt_logprobs[j] = ev.prompt_logprobs
+                if self._echo_first is not None:
+                    self.logprobs[j] = _joined(echo_logprobs(self._echo_first[j], ev.prompt_logprobs, self._detok),
+                                               self.logprobs[j])
         self.texts[idx] += ev.text
         if ev.logprobs is not None:
             block = (chat_logprobs(ev, self._detok) if self.chat
@@ -434,11 +498,20 @@ class ResponseBody:
                 choices.append({"index": i, "message": msg, "logprobs": self.logprobs[i], "finish_reason": reason})
             obj = "chat.completion"
         else:
+            if self._echo_first is not None:
+                for block in self.logprobs:
+                    _cumulative_offsets(block)
             choices = [{"index": i, "text": self.texts[i], "logprobs": self.logprobs[i],
                         "finish_reason": self.reasons[i]} for i in range(n)]
+            for c, lps in zip(choices, self.prompt_logprobs):
+                if lps is not None:  # (only when asked for: a plain answer keeps OpenAI's exact shape)
+                    c["prompt_logprobs"] = prompt_logprobs_json(lps, self._detok)
             obj = "text_completion"
-        return {"id": self.rid, "object": obj, "created": created(), "model": self.model, "choices": choices,
+        body = {"id": self.rid, "object": obj, "created": created(), "model": self.model, "choices": choices,
                 "usage": usage_json(self.usages, self.n_prompt)}
+        if self.chat and self.prompt_logprobs[0] is not None:  # vLLM's: the one prompt's, top level
+            body["prompt_logprobs"] = prompt_logprobs_json(self.prompt_logprobs[0], self._detok)
+        return body
 
 
 class EventStream:
@@ -451,7 +524,9 @@ class EventStream:
 
     def __init__(self, rid: str, chat: bool, model: str, n_prompt: int, detok: Callable[[int], str],
                  include_usage: bool = False, tool_parser: Optional[ToolCallParser] = None,
-                 echo: Optional[list[str]] = None) -> None:
+                 echo: Optional[list[str]] = None, n_per_prompt: int = 1,
+                 echo_first: Optional[list[int]] = None) -> None:
+        """``echo_first``: as ``ResponseBody``'s (each choice's first chunk then holds its prompt's logprobs)."""
         self.rid, self.chat, self.model, self.n_prompt, self._detok = rid, chat, model, n_prompt, detok
         self.include_usage = include_usage
         self.obj = "chat.completion.chunk" if chat else "text_completion"
@@ -462,6 +537,9 @@ class EventStream:
         self._started: set[int] = set()
         self._offsets: dict[int, int] = {}
         self.usages: list[Usage] = []
+        self._n_per, self._echo_first = n_per_prompt, echo_first
+        self._prompt_lps: dict[int, list] = {}
+        """First choice of a prompt -> its prompt logprobs (they come on that choice's first event)."""
 
     def _data(self, choices: list, usage: Optional[dict] = None) -> str:
         body: dict = {"id": self.rid, "object": self.obj, "created": created(), "model": self.model,
@@ -510,10 +588,22 @@ class EventStream:
             choice = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": reason}
         else:
             offset = self._offsets.get(idx, 0)
-            text = self._echo.pop(idx, "") + ev.text
-            choice = {"index": idx, "text": text, "finish_reason": ev.finish_reason,
-                      "logprobs": completion_logprobs(ev, self._detok, offset)}
-            self._offsets[idx] = offset + len(text)
+            g0 = idx - idx % self._n_per
+            if ev.prompt_logprobs is not None:
+                self._prompt_lps[g0] = ev.prompt_logprobs
+            first = idx in self._echo
+            echo = self._echo.pop(idx, "")
+            text = echo + ev.text
+            lp = completion_logprobs(ev, self._detok, offset + len(echo))
+            if self._echo_first is not None:  # offsets count token strings from the prompt's first, as vLLM's
+                if first and g0 in self._prompt_lps:
+                    lp = _joined(echo_logprobs(self._echo_first[idx], self._prompt_lps[g0], self._detok), lp)
+                if lp is not None:
+                    ends = list(itertools.accumulate((len(t) for t in lp["tokens"]), initial=offset))
+                    lp["text_offset"], self._offsets[idx] = ends[:-1], ends[-1]
+            else:
+                self._offsets[idx] = offset + len(text)
+            choice = {"index": idx, "text": text, "finish_reason": ev.finish_reason, "logprobs": lp}
             if ev.usage is not None:
                 self.usages.append(ev.usage)
         return self._data([choice])

@@ -170,7 +170,7 @@ class RequestFlow:
             self.deps.metrics.observe_ttft(t.ttft_s)
 
     def _emit(self, index: int, token_ids: Sequence[int], wire_logprobs: Sequence[Any], finish_reason: str = "",
-              always: bool = False) -> Optional[FlowEvent]:
+              always: bool = False, wire_prompt_logprobs: Sequence[Any] = ()) -> Optional[FlowEvent]:
         """Pass a worker's tokens for choice ``index`` through its output processor: the event to send (None:
         nothing new yet). The choice's last event has its finish reason; the request's last, usage and timings."""
         if not 0 <= index < len(self.procs):
@@ -187,6 +187,9 @@ class RequestFlow:
                 self.deps.metrics.observe_itl(now - self._last_tok[index])
             self._last_tok[index] = now
         ev = FlowEvent(self.rid, delta.token_ids, delta.text, delta.logprobs, index=index)
+        if index == 0 and token_ids and not not_first and self.scope.choice_params[0].prompt_logprobs is not None:
+            ev.prompt_logprobs = [None, *logprobs_from_wire(wire_prompt_logprobs)]
+            always = True  # the event carries them even when its token completes no text yet
         if proc.finished and not was_finished:
             ev.finish_reason = proc.finish_reason
             if self.done():
@@ -251,7 +254,8 @@ class RequestFlow:
         the request is done, or D's id when D was lost mid-stream and the request should migrate."""
         cfg, placer, scope, rid = self.deps.cfg, self.deps.placer, self.scope, self.rid
         self._first_token(t_call, ft.queue_s, ft.prefill_s, ft.num_cached_tokens)
-        ev = self._emit(0, [ft.token_id], [ft.logprob] if ft.HasField("logprob") else [], always=True)
+        ev = self._emit(0, [ft.token_id], [ft.logprob] if ft.HasField("logprob") else [], always=True,
+                        wire_prompt_logprobs=ft.prompt_logprobs)
         if self.done():  # a stop string in the very first token: D is not needed
             at.abort()
             yield ev
@@ -308,7 +312,8 @@ class RequestFlow:
                 continue  # the "KV arrived, decoding" marker
             i = chunk.index
             was = 0 <= i < len(self.procs) and self.procs[i].finished
-            ev = self._emit(i, chunk.token_ids, chunk.logprobs, chunk.finish_reason)
+            ev = self._emit(i, chunk.token_ids, chunk.logprobs, chunk.finish_reason,
+                            wire_prompt_logprobs=chunk.prompt_logprobs)
             stopped_here = self.procs[i].finished and not was and not chunk.finish_reason
             if self.done():
                 if on_done is not None:

@@ -40,6 +40,8 @@ def render(ev: FlowEvent) -> pdserve_pb2.GenerateResponse:
     """One flow event as the public gRPC response."""
     resp = pdserve_pb2.GenerateResponse(request_id=ev.request_id, token_ids=ev.token_ids, text=ev.text,
                                         logprobs=logprobs_to_public(ev.logprobs), index=ev.index)
+    if ev.prompt_logprobs:
+        resp.prompt_logprobs.extend(logprobs_to_public(ev.prompt_logprobs[1:]))
     if ev.finish_reason:
         resp.finish_reason = ev.finish_reason
     if ev.score is not None:

@@ -27,7 +27,7 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_BEAM_WIDTH = min(BeamSearchParams.MAX_BEAM_WIDTH, SamplingParams.MAX_LOGPROBS // 2)
 """The cluster's beam search reads each beam's top 2 x beam_width log-probs from a worker."""
 _NOT_WITH_BEAMS = ("n", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "frequency_penalty",
-                   "presence_penalty", "seed", "logprobs", "min_tokens")
+                   "presence_penalty", "seed", "logprobs", "min_tokens", "prompt_logprobs")
 """Optional request fields that mean sampling (or per-token output) and so cannot go with beam_width."""
 
 
@@ -75,11 +75,12 @@ class ValidatedRequest:
 
     def choice_params(self) -> list[SamplingParams]:
         """Each choice's params: choice i samples with ``seed + i`` when a seed is set (so choice 0 is the
-        single-choice request), unseeded otherwise."""
+        single-choice request), unseeded otherwise. Only choice 0 asks for ``prompt_logprobs`` (one prompt)."""
         if self.n == 1:
             return [self.params]
         seed = self.params.seed
-        return [dataclasses.replace(self.params, seed=None if seed is None else (seed + i) % 2**63)
+        return [dataclasses.replace(self.params, seed=None if seed is None else (seed + i) % 2**63,
+                                    prompt_logprobs=self.params.prompt_logprobs if i == 0 else None)
                 for i in range(self.n)]
 
 
@@ -169,7 +170,7 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
                  "presence_penalty", "typical_p"):
         if req.HasField(name):
             kw[name] = _decimal(getattr(req, name))
-    for name in ("top_k", "seed", "logprobs", "min_tokens"):
+    for name in ("top_k", "seed", "logprobs", "min_tokens", "prompt_logprobs"):
         if req.HasField(name):
             kw[name] = getattr(req, name)
     if req.logit_bias:

@@ -27,6 +27,8 @@ def params_to_wire(p: SamplingParams) -> worker_pb2.WireSamplingParams:
         w.seed = p.seed
     if p.logprobs is not None:
         w.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        w.prompt_logprobs = p.prompt_logprobs
     if p.logit_bias:
         w.logit_bias.update(p.logit_bias)
     if p.structured_outputs is not None:

@@ -29,6 +29,7 @@ def wire_to_params(w: worker_pb2.WireSamplingParams) -> SamplingParams:
         seed=w.seed if w.HasField("seed") else None, stop=list(w.stop),
         stop_token_ids=list(w.stop_token_ids), ignore_eos=w.ignore_eos,
         logprobs=w.logprobs if w.HasField("logprobs") else None,
+        prompt_logprobs=w.prompt_logprobs if w.HasField("prompt_logprobs") else None,
         skip_special_tokens=w.skip_special_tokens,
         logit_bias=dict(w.logit_bias) or None,
         structured_outputs=(structured_outputs_from_proto(w.structured_outputs)
@@ -60,6 +61,11 @@ def logprob_to_proto(lp: TokenLogprob) -> pdserve_pb2.TokenLogprob:
 def logprobs_to_proto(lps: Optional[list[TokenLogprob]]) -> list[pdserve_pb2.TokenLogprob]:
     """``logprob_to_proto`` of each; None (logprobs not asked for) gives an empty list."""
     return [logprob_to_proto(lp) for lp in lps or []]
+
+
+def prompt_logprobs_to_proto(lps: Optional[list[Optional[TokenLogprob]]]) -> list[pdserve_pb2.TokenLogprob]:
+    """An engine output's prompt logprobs (None first) as the wire's list, which leaves that None out."""
+    return [logprob_to_proto(lp) for lp in (lps or [])[1:]]
 
 
 def logprob_from_proto(m: pdserve_pb2.TokenLogprob) -> TokenLogprob:

@@ -236,7 +236,8 @@ BAD = [
         "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools[0].function.parameters"),
     ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "guided_regex": "a+"},
      "response_format and guided_regex"),
-    ("/v1/completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
+    ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ("/v1/completions", {"use_beam_search": True, "n": 2, "response_format": {"type": "json_object"}},
      "response_format cannot be used with beam_width"),
 ]
