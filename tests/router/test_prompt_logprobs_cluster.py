@@ -72,7 +72,10 @@ def test_grpc_prompt_logprobs_equal_the_offline_engines(roles, prompt, pair):
 
 
 def test_grpc_n2_only_choice0_and_bad_values(roles):
+    d_eng = roles.decodes[0].engine
+    hits = d_eng.prefix_cache_hits
     resps = collect(roles.stub, prompt=LONG, max_tokens=3, temperature=0.0, n=2, prompt_logprobs=0)
+    assert d_eng.prefix_cache_hits > hits  # choice 1 does not ask: it reuses the prompt's blocks as usual
     with_lps = [r for r in resps if r.prompt_logprobs]
     assert len(with_lps) == 1 and with_lps[0].index == 0
     ref = reference(LONG, 0)
