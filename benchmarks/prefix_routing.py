@@ -228,7 +228,8 @@ def main() -> None:
     ap.add_argument("--user-tokens", type=int, default=32)
     ap.add_argument("--output-tokens", type=int, default=64,
                     help="answer tokens per turn (long enough that a request outlives a heartbeat, as in production)")
-    ap.add_argument("--kv-blocks", type=int, default=160, help="KV blocks per worker")
+    ap.add_argument("--kv-blocks", type=int, default=256,
+                    help="KV blocks per worker (256: a third of headroom over a balanced share of the conversations)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--redis-url", default=None, help="default: an embedded redis-server")
     ap.add_argument("--short", action="store_true", help="a quick run: 4 turns")
