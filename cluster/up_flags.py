@@ -117,7 +117,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-load-weight", type=float, default=None, metavar="W",
                     help="per block of queued prompt tokens (default 1)")
     kv.add_argument("--kv-request-weight", type=float, default=None, metavar="W",
-                    help="per running/waiting/in-flight request, in blocks (default 4)")
+                    help="per running/waiting/in-flight request, in blocks (default 2)")
     kv.add_argument("--kv-tie-blocks", type=float, default=None, metavar="B",
                     help="scores within B blocks of the best are drawn at random (no herding; default 1, 0 = off)")
     sec = p.add_argument_group("public API security", "Secrets are read from files or the environment, never "

@@ -70,7 +70,7 @@ class RouterConfig:
     kv_load_weight: float = 1.0
     """Score lost per block of prompt tokens queued on a candidate (reported, plus this router's not yet answered):
     with 1.0 a cached block and a queued block weigh the same (prefill work)."""
-    kv_request_weight: float = 4.0
+    kv_request_weight: float = 2.0
     """Score lost per request running, waiting or in flight from this router on a candidate (decode work and
     the heartbeat's lag), in blocks."""
     kv_pending_s: float = 2.0

@@ -23,7 +23,7 @@ class ScoreWeights:
 
     overlap: float = 1.0
     load: float = 1.0
-    request: float = 4.0
+    request: float = 2.0
     tie_blocks: float = 1.0
 
 

@@ -70,7 +70,7 @@ def _generate(stub, tokens: list[int]) -> tuple[list[int], int]:
 
 def test_prefill_pool_scored_on_the_index_and_transferred_blocks_are_stored_on_the_receiver(disagg):
     router, workers = disagg
-    system = [(i * 11) % 800 + 30 for i in range(10 * BS)]  # 10 cached blocks outweigh a request (4) and ties
+    system = [(i * 11) % 800 + 30 for i in range(10 * BS)]  # 10 cached blocks outweigh a request (2) and ties
     prompts = [system + [(k * 13 + j) % 800 + 30 for j in range(12)] for k in range(6)]
     hashes = prefix_block_hashes(prompts[0], BS)
     index = router.core.kv_index
