@@ -146,3 +146,50 @@ def test_each_placement_has_its_own_worker_request_id():
     second = pl.place_whole(s, Pool.COLOCATED, {first.decode.worker_id})
     third = pl.place_whole(s, Pool.COLOCATED, set())
     assert (first.request_id, second.request_id, third.request_id) == ("req-7", "req-7~2", "req-7~3")
+
+
+class _Events:
+    """The KV event consumer as placement sees it (``router.kv_index.KVEventConsumer``'s read side)."""
+
+    def __init__(self, index, synced: set[str], connected: bool = True) -> None:
+        self.index, self._synced, self.connected = index, synced, connected
+
+    def synced(self, worker_id: str) -> bool:
+        return worker_id in self._synced
+
+    def load(self, worker_id: str):
+        return None
+
+
+def test_whole_placement_scores_on_the_kv_index_falls_back_to_the_mirror_and_to_load_only():
+    from engine import prefix_block_hashes
+    from metrics import RouterMetrics
+    from router.kv_index import KVIndex
+    from router.prefix_index import PrefixIndex
+
+    ws = [_w("c0", "colocated", running=1), _w("c1", "colocated")]
+    index, mirror = KVIndex(), PrefixIndex()
+    events = _Events(index, {"c0", "c1"})
+    metrics = RouterMetrics("tiny", process_collectors=False)
+    rcfg = RouterConfig(serve_metrics=False, kv_pending_s=0.0)
+    pl = Placer(rcfg, StaticWorkerSource(ws), WorkerSelector(), WorkerCalls(rcfg, WorkerClients()),
+                prefixes=mirror, kv_events=events, metrics=lambda: metrics)
+    s = _scope(n_tokens=200)  # 12 full blocks looked up
+    index.store("c0", prefix_block_hashes(s.prompt_token_ids, 16))
+    mirror.record("c1", prefix_block_hashes(s.prompt_token_ids, 16))  # this router's own (stale) belief
+
+    def pick() -> str:
+        p = pl.place_whole(s, Pool.COLOCATED, set())
+        pl.release(p, s)
+        return p.decode.worker_id
+
+    assert pick() == "c0"  # 12 cached blocks on the index beat one running request (2 blocks)
+    events._synced = {"c1"}  # c0's stream is out of sync: the mirror decides
+    assert pick() == "c1"
+    events.connected = False  # Redis unavailable: load only
+    assert pick() == "c1"
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts = {smp.labels["reason"]: smp.value for fam in text_string_to_metric_families(metrics.render().decode())
+              if fam.name == "pdserve:routing_decisions" for smp in fam.samples if smp.name.endswith("_total")}
+    assert counts == {"kv_events": 1.0, "mirror": 1.0, "load_only": 1.0}
