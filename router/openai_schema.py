@@ -76,6 +76,8 @@ class ChatCompletionResponse(_Open):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: Optional[list[Optional[dict[str, Any]]]] = None
+    """vLLM's, when asked: null, then per prompt token {token id: {logprob, rank, decoded_token}}."""
 
 
 class CompletionChoice(_Open):
@@ -83,6 +85,8 @@ class CompletionChoice(_Open):
     text: str
     logprobs: Optional[dict[str, Any]] = None
     finish_reason: Optional[str] = None
+    prompt_logprobs: Optional[list[Optional[dict[str, Any]]]] = None
+    """vLLM's, when asked: null, then per prompt token {token id: {logprob, rank, decoded_token}}."""
 
 
 class CompletionResponse(_Open):
