@@ -41,7 +41,7 @@ MAX_TOKENS = 24
 """Long enough that a request outlives a heartbeat or so: the reported loads mean something."""
 HIT_RATE_POINTS = 0.06
 """Most the 3-router hit rate may fall below the 1-router one (fraction of prompt tokens)."""
-SPREAD_MARGIN = 0.6
+SPREAD_MARGIN = 0.4
 """No worker serves more than (1 + SPREAD_MARGIN) x its share of a run's requests."""
 SEEN_S = 5.0
 
