@@ -93,13 +93,15 @@ class ModelRunner:
             for a in range(0, n, self.PROMPT_LOGITS_ROWS):
                 b = min(n, a + self.PROMPT_LOGITS_ROWS)
                 lp = torch.log_softmax(self.model.compute_logits(hidden[r + a:r + b]), dim=-1).cpu()
-                chosen = lp.gather(1, actual[a:b].unsqueeze(1)).squeeze(1).tolist()
+                chosen_t = lp.gather(1, actual[a:b].unsqueeze(1))
+                ranks = (lp >= chosen_t).sum(dim=1).tolist()  # vLLM's rank: tokens at least as likely
+                chosen = chosen_t.squeeze(1).tolist()
                 if k:
                     top_v, top_i = lp.topk(k, dim=-1)
                     tops = [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
                 else:
                     tops = [[] for _ in range(b - a)]
-                lps += [TokenLogprob(t, c, top) for t, c, top in zip(actual[a:b].tolist(), chosen, tops)]
+                lps += [TokenLogprob(t, c, top, r) for t, c, top, r in zip(actual[a:b].tolist(), chosen, tops, ranks)]
             out.append((seq, first, lps))
             r += n
         return out

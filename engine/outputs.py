@@ -19,6 +19,8 @@ class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
     """(token_id, logprob) of the top-n tokens, most likely first."""
+    rank: Optional[int] = None
+    """Prompt logprobs only: token_id's 1-based rank in the vocabulary (vLLM's: tokens at least as likely)."""
 
 
 @dataclass

@@ -357,8 +357,7 @@ def completion_logprobs(ev: FlowEvent, detok: Any, offset: int) -> Optional[dict
 
 def prompt_logprobs_json(lps: Optional[list[Optional[TokenLogprob]]], detok: Any) -> Optional[list]:
     """vLLM's ``prompt_logprobs``: None for the first prompt token, then per token {token id: {logprob, rank,
-    decoded_token}} holding the actual token and the top-k (rank: 1-based among the top-k; null for an actual
-    token outside them, whose vocabulary rank is not computed)."""
+    decoded_token}} holding the actual token (rank: its vocabulary rank) and the top-k (rank 1..k)."""
     if lps is None:
         return None
     out: list = []
@@ -367,7 +366,7 @@ def prompt_logprobs_json(lps: Optional[list[Optional[TokenLogprob]]], detok: Any
             out.append(None)
             continue
         entry = {str(t): {"logprob": v, "rank": r, "decoded_token": detok(t)} for r, (t, v) in enumerate(lp.top, 1)}
-        entry.setdefault(str(lp.token_id), {"logprob": lp.logprob, "rank": None, "decoded_token": detok(lp.token_id)})
+        entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": detok(lp.token_id)}
         out.append(entry)
     return out
 

@@ -65,11 +65,13 @@ def structured_outputs_from_proto(m: pdserve_pb2.StructuredOutputs) -> Structure
 
 
 def logprobs_from_wire(msgs: Sequence[pdserve_pb2.TokenLogprob]) -> list[TokenLogprob]:
-    return [TokenLogprob(token_id=m.token_id, logprob=m.logprob, top=[(t.token_id, t.logprob) for t in m.top])
+    return [TokenLogprob(token_id=m.token_id, logprob=m.logprob, top=[(t.token_id, t.logprob) for t in m.top],
+                         rank=m.rank if m.HasField("rank") else None)
             for m in msgs]
 
 
 def logprobs_to_public(lps: Optional[Sequence[TokenLogprob]]) -> list[pdserve_pb2.TokenLogprob]:
     return [pdserve_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                                     top=[pdserve_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+                                     top=[pdserve_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+                                     rank=lp.rank)
             for lp in lps or []]

@@ -55,7 +55,7 @@ def logprob_to_proto(lp: TokenLogprob) -> pdserve_pb2.TokenLogprob:
     """One chosen token's logprob (and its top alternatives, most likely first) as the public message."""
     return pdserve_pb2.TokenLogprob(
         token_id=lp.token_id, logprob=lp.logprob,
-        top=[pdserve_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+        top=[pdserve_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top], rank=lp.rank)
 
 
 def logprobs_to_proto(lps: Optional[list[TokenLogprob]]) -> list[pdserve_pb2.TokenLogprob]:
@@ -70,4 +70,5 @@ def prompt_logprobs_to_proto(lps: Optional[list[Optional[TokenLogprob]]]) -> lis
 
 def logprob_from_proto(m: pdserve_pb2.TokenLogprob) -> TokenLogprob:
     """Inverse of ``logprob_to_proto``."""
-    return TokenLogprob(token_id=m.token_id, logprob=m.logprob, top=[(t.token_id, t.logprob) for t in m.top])
+    return TokenLogprob(token_id=m.token_id, logprob=m.logprob, top=[(t.token_id, t.logprob) for t in m.top],
+                        rank=m.rank if m.HasField("rank") else None)

@@ -35,6 +35,7 @@ def check_against(ref: torch.Tensor, prompt: list[int], got: list) -> None:
         lp, row = got[p], ref[p - 1]
         assert lp.token_id == prompt[p]
         assert abs(lp.logprob - row[prompt[p]].item()) < 1e-4, p
+        assert lp.rank == int((row >= row[prompt[p]]).sum()), p  # vLLM's rank (ties aside)
         top = row.topk(K)
         assert [t for t, _ in lp.top] == top.indices.tolist(), p
         assert max(abs(v - r) for (_, v), r in zip(lp.top, top.values.tolist())) < 1e-4

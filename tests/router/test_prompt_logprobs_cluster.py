@@ -62,7 +62,7 @@ def test_grpc_prompt_logprobs_equal_the_offline_engines(roles, prompt, pair):
     assert len(got) == len(ref.prompt_token_ids) - 1
     assert all(not r.prompt_logprobs for r in resps[1:])
     for m, want in zip(got, ref.prompt_logprobs[1:]):
-        assert m.token_id == want.token_id and same(m.logprob, want.logprob)
+        assert m.token_id == want.token_id and same(m.logprob, want.logprob) and m.rank == want.rank
         assert [t.token_id for t in m.top] == [t for t, _ in want.top]
         assert all(same(t.logprob, v) for t, (_, v) in zip(m.top, want.top))
     assert [t for r in resps for t in r.token_ids] == ref.token_ids  # its output is the plain greedy one
@@ -94,8 +94,10 @@ def check_vllm_shape(got: list, ref) -> None:
     assert got[0] is None and len(got) == len(ref.prompt_token_ids)
     for entry, want in zip(got[1:], ref.prompt_logprobs[1:]):
         assert same(entry[str(want.token_id)]["logprob"], want.logprob)
+        assert entry[str(want.token_id)]["rank"] == want.rank >= 1
         for rank, (t, v) in enumerate(want.top, 1):
-            assert entry[str(t)]["rank"] == rank and same(entry[str(t)]["logprob"], v)
+            assert same(entry[str(t)]["logprob"], v)
+            assert entry[str(t)]["rank"] == (want.rank if t == want.token_id else rank)
 
 
 def test_openai_completions_and_chat_prompt_logprobs(roles, client):
