@@ -8,10 +8,10 @@ thread hands the step's raw events to ``submit``, which never blocks: it numbers
 publisher's shadow of the cache and puts it in a bounded queue; a full queue drops the batch (counted,
 ``kv_events_dropped_total{reason="queue_full"}``) and its number is skipped, so consumers see the gap and
 resync. Each entry also carries the worker's load at that step (``load``: running, waiting, queued prompt
-tokens), and a changed load is published alone (an empty batch) at most every ``load_interval_s``, so routers
-see a worker's load a step old rather than a heartbeat old. The publisher thread encodes each batch (vLLM's
-msgpack, ``engine.kv_events``) and ``XADD``s it
-to ``{ns}:kvev:{worker_id}`` with ``MAXLEN ~ stream_maxlen`` (the stream is the replay buffer), and every
+tokens), and a changed load is published alone (an empty batch; at most every ``load_interval_s``, by default
+on every change), so routers see a worker's load a step old rather than a heartbeat old. The publisher thread
+encodes each batch (vLLM's msgpack, ``engine.kv_events``) and ``XADD``s it to ``{ns}:kvev:{worker_id}`` with
+``MAXLEN ~ stream_maxlen`` (the stream is the replay buffer), and, while the cache changes, every
 ``snapshot_interval_s`` (at once after a drop or a failed append) writes ``{ns}:kvsnap:{worker_id}``:
 the whole cache after batch S and the stream id to replay after. Both keys expire after ``ttl_s``
 unless refreshed (the thread refreshes them while the worker lives), so a killed worker leaves nothing;
@@ -71,6 +71,7 @@ class KVEventPublisher:
         self._lock = threading.Lock()  # guards the shadow and the sequence numbers (loop thread vs publisher)
         self._shadow: set[int] = set()
         self._next_seq = 0
+        self._changed_seq = -1
         self._need_snapshot = False
         self._thread: Optional[threading.Thread] = None
         self.published = 0
@@ -110,6 +111,8 @@ class KVEventPublisher:
                     shadow.clear()
             seq = self._next_seq
             self._next_seq += 1
+            if raw:
+                self._changed_seq = seq  # the cache changed (a load-only batch needs no new snapshot)
             try:
                 self._q.put_nowait((seq, time.time(), raw, load))
                 return
@@ -157,7 +160,8 @@ class KVEventPublisher:
                     if self.metrics is not None:
                         self.metrics.inc_kv_events_published()
                 now = time.monotonic()
-                due = self._need_snapshot or (published_seq > snap_seq and now - last_snap >= self.snapshot_interval_s)
+                changed = min(published_seq, self._changed_seq) > snap_seq
+                due = self._need_snapshot or (changed and now - last_snap >= self.snapshot_interval_s)
                 if due and self._q.empty():
                     written = self._write_snapshot(last_id)
                     if written is not None:
