@@ -102,3 +102,15 @@ def test_offline_llm_shape_and_k0(ckpt):
 def test_validation_names_the_field(bad):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=bad)
+
+
+def test_preempted_mid_prompt_recomputes_its_chunks_once(ckpt):
+    d, hf = ckpt
+    # 10 blocks of 4: "b" decoding grows until it needs a block held by "a", which is preempted mid-prompt
+    # (after some chunks reported their logprobs) and re-prefills from position 0
+    eng = make_engine(d, num_kv_blocks=10, max_num_batched_tokens=8)
+    b, a = prompts_of([6, 30], seed=11)
+    got = run(eng, {"b": (b, SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True)),
+                    "a": (a, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=K))})
+    assert eng.num_preemptions > 0
+    check_against(hf_logprobs(hf, a), a, got["a"][1])
