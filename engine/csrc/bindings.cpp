@@ -44,12 +44,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int4", &linear_int4, "y = x W^T (+ bias), W int4 group-wise (see linear_rows.cpp)");
   m.def("linear_w8a8", &linear_w8a8, "y = x (w * scale)^T (+ bias), w in step order, x rounded to int8 per 32 values");
   m.def("linear_w4a8", &linear_w4a8, "int4 group-wise W (see linear_rows.cpp) with x rounded to int8 per 32 values");
-#if PD_Q_ISA >= 2
-  m.def("linear_w8a8_panels", &linear_w8a8_panels, "w8a8 with the weights in the integer panel format (see int_dots.cpp)",
+  m.def("linear_w8a8_panels", &linear_w8a8_panels,
+        "w8a8 with the weights in the integer panel format (see int_dots.cpp; builds where qpanel_width() > 0)",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("N"), py::arg("bias"), no_pf);
-  m.def("linear_w4a8_panels", &linear_w4a8_panels, "w4a8 with the weights in the integer panel format (see int_dots.cpp)",
+  m.def("linear_w4a8_panels", &linear_w4a8_panels,
+        "w4a8 with the weights in the integer panel format (see int_dots.cpp; builds where qpanel_width() > 0)",
         py::arg("x"), py::arg("w"), py::arg("scale"), py::arg("N"), py::arg("group"), py::arg("bias"), no_pf);
-#endif
   m.def("qpanel_width", &qpanel_width, "outputs per panel of the integer panel kernels, 0 where not built");
   m.def("qpanel_unsigned", &qpanel_unsigned, "whether w8a8 panels store q ^ 0x80 (the VNNI builds)");
   m.def("qstep", &qstep, "values per step of linear_w8a8 / linear_w4a8 (see int_dots.cpp)");

@@ -76,16 +76,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
             for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(kr + o, 0, 3);
           }
         }
-        const v16f sv = load_f(kscale);
+        const v16f sv = load<v16f>(kscale);
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qp + (b * H + h * G + g) * D;
           v16f s[16];
           for (int j = 0; j < 16; ++j) s[j] = v16f{};
           for (int64_t d = 0; d < DV * 16; d += 16) {
-            const v16f qv = load_f(qg + d);
+            const v16f qv = load<v16f>(qg + d);
             for (int j = 0; j < 16; ++j) s[j] += qv * ks[j].at(d);
           }
-          store_f(scores.data() + g * Lp + t, reduce16(s) * sv);
+          store(scores.data() + g * Lp + t, reduce16(s) * sv);
         }
       }
       for (; t < L; ++t) {
@@ -93,7 +93,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
         const float ksc = k.scale() * scale;
         for (int64_t g = 0; g < G; ++g) {
           v16f a{};
-          for (int64_t d = 0; d < DV * 16; d += 16) a += load_f(qp + (b * H + h * G + g) * D + d) * k.at(d);
+          for (int64_t d = 0; d < DV * 16; d += 16) a += load<v16f>(qp + (b * H + h * G + g) * D + d) * k.at(d);
           scores[g * Lp + t] = hsum(a) * ksc;
         }
       }
@@ -102,16 +102,16 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       for (int64_t g = 0; g < G; ++g) {
         float* sc = scores.data() + g * Lp;
         for (int64_t t = L; t < Lp; ++t) sc[t] = -std::numeric_limits<float>::infinity();
-        v16f mv = splat(-std::numeric_limits<float>::infinity());
-        for (int64_t t = 0; t < Lp; t += 16) mv = vmax(mv, load_f(sc + t));
+        v16f mv = splat<v16f>(-std::numeric_limits<float>::infinity());
+        for (int64_t t = 0; t < Lp; t += 16) mv = vmax(mv, load<v16f>(sc + t));
         float mvs[16];
-        store_f(mvs, mv);
+        store(mvs, mv);
         float mx = mvs[0];
         for (int j = 1; j < 16; ++j) mx = std::max(mx, mvs[j]);
         v16f sum{};
         for (int64_t t = 0; t < Lp; t += 16) {
-          const v16f e = exp16(load_f(sc + t) - mx);
-          store_f(sc + t, e);
+          const v16f e = exp16(load<v16f>(sc + t) - mx);
+          store(sc + t, e);
           sum += e;
         }
         invs[g] = 1.f / hsum(sum);
@@ -128,7 +128,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
             vr[j] = reinterpret_cast<const float*>(v.p);
           } else {
             const float vs = v.scale();
-            for (int64_t d = 0; d < DV * 16; d += 16) store_f(vbuf.data() + j * D + d, v.at(d) * vs);
+            for (int64_t d = 0; d < DV * 16; d += 16) store(vbuf.data() + j * D + d, v.at(d) * vs);
             vr[j] = vbuf.data() + j * D;
           }
         }
@@ -139,20 +139,20 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
             v16f a[DVC];
             for (int dv = 0; dv < DVC; ++dv) a[dv] = ag[dv];
             for (int j = 0; j < nt; ++j) {
-              const v16f pj = splat(pg[j]);
-              for (int dv = 0; dv < DVC; ++dv) a[dv] += pj * load_f(vr[j] + 16 * dv);
+              const v16f pj = splat<v16f>(pg[j]);
+              for (int dv = 0; dv < DVC; ++dv) a[dv] += pj * load<v16f>(vr[j] + 16 * dv);
             }
             for (int dv = 0; dv < DVC; ++dv) ag[dv] = a[dv];
           } else {
             for (int j = 0; j < nt; ++j) {
-              const v16f pj = splat(pg[j]);
-              for (int64_t dv = 0; dv < DV; ++dv) ag[dv] += pj * load_f(vr[j] + 16 * dv);
+              const v16f pj = splat<v16f>(pg[j]);
+              for (int64_t dv = 0; dv < DV; ++dv) ag[dv] += pj * load<v16f>(vr[j] + 16 * dv);
             }
           }
         }
       }
       for (int64_t g = 0; g < G; ++g)
-        for (int64_t dv = 0; dv < DV; ++dv) store_f(op + (b * H + h * G + g) * D + 16 * dv, acc[g * DV + dv] * invs[g]);
+        for (int64_t dv = 0; dv < DV; ++dv) store(op + (b * H + h * G + g) * D + 16 * dv, acc[g * DV + dv] * invs[g]);
     }
   });
   };

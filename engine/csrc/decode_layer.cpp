@@ -18,11 +18,9 @@ torch::Tensor KLinear::operator()(const torch::Tensor& x, const PanelPrefetch& p
     case WeightFormat::FP32_PANELS: return linear_panel(x, w, N, bias, pf);
     case WeightFormat::INT8_PANELS: return linear_int8_panels(x, w, *scale, N, bias, pf);
     case WeightFormat::INT4_PANELS: return linear_int4_panels(x, w, *scale, N, group, bias, pf);
-#if PD_Q_ISA >= 2
     case WeightFormat::W8A8_PANELS: return linear_w8a8_panels(x, w, *scale, N, bias, pf);
     case WeightFormat::W4A8_PANELS: return linear_w4a8_panels(x, w, *scale, N, group, bias, pf);
-#endif
-    default: TORCH_CHECK(false, "weight format ", static_cast<int64_t>(format), " has no kernel in this build");
+    default: TORCH_CHECK(false, "weight format ", static_cast<int64_t>(format), " has no kernel");
   }
   return {};  // not reached: TORCH_CHECK(false) throws
 }

@@ -27,7 +27,7 @@ enum class WeightFormat : int64_t {
 
 // whether this build has the kernel of a format (the integer panel formats need AVX2 or AVX-512)
 inline bool format_built(WeightFormat f) {
-  return PD_Q_ISA >= 2 || (f != WeightFormat::W8A8_PANELS && f != WeightFormat::W4A8_PANELS);
+  return Q_ISA >= 2 || (f != WeightFormat::W8A8_PANELS && f != WeightFormat::W4A8_PANELS);
 }
 
 // One linear layer's weights in one of the formats above; N is the layer's output count.

@@ -16,10 +16,11 @@
 //   float32 or bfloat16 with Dp = D; int8 with Dp = D + 4, the last 4 bytes of each (token, head) row
 //   being that row's float32 scale (x = q * scale).
 //
-// Files: simd.h (the vector vocabulary), linear_rows.cpp (fp32 / int8 / int4 weights as rows), panels.cpp (fp32
-// on oneDNN's packed panels, int8 / int4 in the same panels), int_dots.cpp (w8a8 / w4a8: rows and integer panels),
-// norm_act.cpp (RMSNorm, silu * mul, RoPE), decode_attention.cpp, prefill_attention.cpp, decode_layer.cpp (a whole
-// decoder layer per call), bindings.cpp (the Python module, the weight-format enum).
+// Files: simd.h (the one SIMD vocabulary, where every instruction-set choice is made), linear_rows.cpp (fp32 / int8 /
+// int4 weights as rows), panels.cpp (fp32 on oneDNN's packed panels, int8 / int4 in the same panels), int_dots.cpp
+// (w8a8 / w4a8: rows and integer panels), norm_act.cpp (RMSNorm, silu * mul, RoPE), decode_attention.cpp,
+// prefill_attention.cpp, decode_layer.cpp (a whole decoder layer per call), bindings.cpp (the Python module, the
+// weight-format enum).
 #pragma once
 #include "simd.h"
 
@@ -39,13 +40,8 @@ namespace pdserve {
 // ---- linear tiles ----------------------------------------------------------------------------------------
 // The tile fits the register file: with AVX-512 (32 registers of 16 floats) 4 output rows x 4 inputs keep
 // 16 accumulators in registers; with AVX2 (16 registers of 8 floats, a v16f takes two) 2 x 2 does.
-#ifdef PD_V16_PAIR
-constexpr int NR = 2;
-constexpr int MR = 2;
-#else
-constexpr int NR = 4;   // output rows per tile: their weights are read once for all M inputs
-constexpr int MR = 4;   // inputs per pass
-#endif
+constexpr int NR = V16_REGS == 1 ? 4 : 2;  // output rows per tile: their weights are read once for all M inputs
+constexpr int MR = V16_REGS == 1 ? 4 : 2;  // inputs per pass
 
 // Weight rows are short (K values: a few hundred bytes to a few KB) and a tile reads R of them side by side,
 // a pattern the hardware prefetcher does not follow from one tile to the next: every step also prefetches
@@ -88,7 +84,7 @@ template <KV K>
 struct Row {
   const uint8_t* p; int64_t D;
   inline v16f at(int64_t d) const {
-    if constexpr (K == KV::F32) return load_f(reinterpret_cast<const float*>(p) + d);
+    if constexpr (K == KV::F32) return load<v16f>(reinterpret_cast<const float*>(p) + d);
     else if constexpr (K == KV::BF16) return load_bf16(reinterpret_cast<const uint16_t*>(p) + d);
     else return load_b(reinterpret_cast<const int8_t*>(p) + d);
   }
@@ -127,12 +123,11 @@ torch::Tensor linear_int4_panels(torch::Tensor x, torch::Tensor p, torch::Tensor
 torch::Tensor linear_w8a8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, c10::optional<torch::Tensor> bias);
 torch::Tensor linear_w4a8(torch::Tensor x, torch::Tensor w, torch::Tensor scale, int64_t group,
                           c10::optional<torch::Tensor> bias);
-#if PD_Q_ISA >= 2
+// (the integer panels: AVX2 / AVX-512 builds; elsewhere these refuse, and qpanel_width() is 0)
 torch::Tensor linear_w8a8_panels(torch::Tensor x, torch::Tensor w, torch::Tensor scale, int64_t N,
                                  c10::optional<torch::Tensor> bias, const PanelPrefetch& pf);
 torch::Tensor linear_w4a8_panels(torch::Tensor x, torch::Tensor w, torch::Tensor scale, int64_t N, int64_t group,
                                  c10::optional<torch::Tensor> bias, const PanelPrefetch& pf);
-#endif
 int64_t qstep();
 int64_t qpanel_width();
 bool qpanel_unsigned();

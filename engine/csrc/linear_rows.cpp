@@ -16,7 +16,7 @@ namespace pdserve {
 // Each weight type gives row(n, k): W[n, k..k+15] as floats, and row2(n, k): W[n, k..k+31] as two halves.
 struct Fp32W {
   const float* w; int64_t K;
-  inline v16f row(int64_t n, int64_t k) const { return load_f(w + n * K + k); }
+  inline v16f row(int64_t n, int64_t k) const { return load<v16f>(w + n * K + k); }
   inline void prefetch(int64_t n, int64_t k) const { prefetch_line(w + n * K + k); }
   inline void row2(int64_t n, int64_t k, v16f& lo, v16f& hi) const { lo = row(n, k); hi = row(n, k + 16); }
   inline float out_scale(int64_t) const { return 1.f; }
@@ -46,7 +46,7 @@ inline void tile(const W& wt, const float* x, int64_t ldx, int64_t m0, int64_t n
     for (int r = 0; r < R; ++r) wt.row2(n + r, k, lo[r], hi[r]);
     for (int i = 0; i < MRc; ++i) {
       const float* xi = x + (m0 + i) * ldx + k;
-      v16f xl = load_f(xi), xh = load_f(xi + 16);
+      v16f xl = load<v16f>(xi), xh = load<v16f>(xi + 16);
       for (int r = 0; r < R; ++r) acc[i][r] += xl * lo[r] + xh * hi[r];
     }
   }
@@ -55,7 +55,7 @@ inline void tile(const W& wt, const float* x, int64_t ldx, int64_t m0, int64_t n
     for (int r = 0; r < R; ++r) wt.prefetch(n + r + PF_TILES * R, k);
     for (int r = 0; r < R; ++r) wv[r] = wt.row(n + r, k);
     for (int i = 0; i < MRc; ++i) {
-      v16f xv = load_f(x + (m0 + i) * ldx + k);
+      v16f xv = load<v16f>(x + (m0 + i) * ldx + k);
       for (int r = 0; r < R; ++r) acc[i][r] += xv * wv[r];
     }
   }
@@ -78,32 +78,22 @@ inline void tile_rows(const W& wt, const float* x, int64_t ldx, int64_t m0, int6
   }
 }
 
-// int4: row(n, k) for k % 16 == 0 is the low (k % 32 < 16) or high nibbles of that run's 16 bytes, scaled
-// by the group's scale; out_scale is 1.
+// int4: row(n, k) for k % 16 == 0 is the low (k % 32 < 16) or high nibbles of that run's 16 bytes as levels q
+// scaled by the group's scale (int4_scaled); out_scale is 1.
 // gidx[k / 16] is k's group: a table, so the inner loops carry no integer division.
 struct Int4W {
   const uint8_t* w; const float* scale; int64_t K, ng; const int32_t* gidx;
   inline void prefetch(int64_t n, int64_t k) const { if (k % 128 == 0) prefetch_line(w + n * (K / 2) + k / 2); }
   inline v16f row(int64_t n, int64_t k) const {
     v16i q = widen_u8(w + n * (K / 2) + (k / 32) * 16);
-    return lookup((k & 16) ? (q >> 4) : (q & 15), scale[n * ng + gidx[k >> 4]]);
+    return int4_scaled((k & 16) ? (q >> 4) : (q & 15), scale[n * ng + gidx[k >> 4]]);
   }
   // both halves of a 32-value run from one widening load (k % 32 == 0; a run never straddles a group)
   inline void row2(int64_t n, int64_t k, v16f& lo, v16f& hi) const {
     v16i q = widen_u8(w + n * (K / 2) + k / 2);
     float s = scale[n * ng + gidx[k >> 4]];
-    lo = lookup(q & 15, s);
-    hi = lookup(q >> 4, s);
-  }
-  // nibbles (0..15, stored as q + 8) -> (q) * s
-  static inline v16f lookup(v16i nib, float s) {
-#if defined(__AVX512F__)
-    // one permute looks the 16 nibbles up in the group's table of (i - 8) * s
-    const v16f base{-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
-    return (v16f)_mm512_permutexvar_ps((__m512i)nib, (__m512)(base * splat(s)));
-#else
-    return to_f(nib - 8) * splat(s);
-#endif
+    lo = int4_scaled(q & 15, s);
+    hi = int4_scaled(q >> 4, s);
   }
   inline float out_scale(int64_t) const { return 1.f; }
 };
@@ -112,7 +102,7 @@ struct Int4W {
 template <class W>
 struct Widened {
   const float* buf; const W& src; int64_t n0, K;
-  inline v16f row(int64_t n, int64_t k) const { return load_f(buf + (n - n0) * K + k); }
+  inline v16f row(int64_t n, int64_t k) const { return load<v16f>(buf + (n - n0) * K + k); }
   inline void prefetch(int64_t, int64_t) const {}  // already in cache
   inline void row2(int64_t n, int64_t k, v16f& lo, v16f& hi) const { lo = row(n, k); hi = row(n, k + 16); }
   inline float out_scale(int64_t n) const { return src.out_scale(n); }
@@ -133,7 +123,7 @@ void linear_rows(const W& wt, const float* x, int64_t M, int64_t K, int64_t N, f
         // several passes over this tile: widen its narrow rows once, then every pass reads floats
         buf.resize(NR * K);
         for (int r = 0; r < NR; ++r)  // (row2 measured slower here than row)
-          for (int64_t k = 0; k < K; k += 16) store_f(buf.data() + r * K + k, wt.row(n + r, k));
+          for (int64_t k = 0; k < K; k += 16) store(buf.data() + r * K + k, wt.row(n + r, k));
         Widened<W> wide{buf.data(), wt, n, K};
         for (int64_t m0 = 0; m0 < M; m0 += MR)
           tile_rows<Widened<W>, NR>(wide, x, K, m0, std::min<int64_t>(MR, M - m0), n, K, y, N, bias);

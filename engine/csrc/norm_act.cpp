@@ -37,8 +37,8 @@ torch::Tensor silu_mul(torch::Tensor gu) {
       const float* gr = g + m * 2 * I; const float* ur = gr + I; float* yr = yp + m * I;
       int64_t j = 0;
       for (; j + 16 <= I; j += 16) {  // exp16: libm's expf is not vectorized here (6 ms for a 2048 x 2048 prompt)
-        const v16f gv = load_f(gr + j);
-        store_f(yr + j, gv / (exp16(splat(0.f) - gv) + 1.f) * load_f(ur + j));
+        const v16f gv = load<v16f>(gr + j);
+        store(yr + j, gv / (exp16(splat<v16f>(0.f) - gv) + 1.f) * load<v16f>(ur + j));
       }
       for (; j < I; ++j) yr[j] = gr[j] / (1.f + std::exp(-gr[j])) * ur[j];
     }

@@ -17,13 +17,10 @@ namespace pdserve {
 // result does not depend on the batch it came in (tested: tests/engine/test_cpu_kernels.py).
 // (Software prefetch of the weight stream: PanelPrefetch in kernels.h; the distances arrive with each call.)
 
-#ifdef PD_V16_PAIR
-constexpr int PNV = 2;  // vectors of 16 outputs per tile (AVX2: 4 of the 16 ymm registers)
-constexpr int PMR = 2;  // input rows per tile: 2 x 2 x 2 ymm accumulators
-#else
-constexpr int PNV = 4;  // a whole 64-wide panel step: 4 zmm
-constexpr int PMR = 6;  // 24 zmm accumulators
-#endif
+// vectors of 16 outputs x input rows per tile: a whole 64-wide panel step (4 zmm) x 6 rows (24 zmm accumulators);
+// with AVX2 (V16_REGS = 2) 2 x 2 (4 of the 16 ymm registers, 2 x 2 x 2 ymm accumulators)
+constexpr int PNV = V16_REGS == 1 ? 4 : 2;
+constexpr int PMR = V16_REGS == 1 ? 6 : 2;
 
 // The weight as the panel kernel reads it, one k step (NV vectors of 16 outputs from column c of the panel)
 // per call, k increasing by one from 0: float32 as is; int8 widened in registers (its per-output scale
@@ -34,7 +31,10 @@ template <class T>
 struct PanelPlain {
   const T* p; int64_t B;
   template <int NV> inline void step(int64_t k, v16f* w) {
-    for (int v = 0; v < NV; ++v) w[v] = load(p + k * B + 16 * v);
+    for (int v = 0; v < NV; ++v) {
+      if constexpr (std::is_same_v<T, float>) w[v] = load<v16f>(p + k * B + 16 * v);
+      else w[v] = load_b(p + k * B + 16 * v);
+    }
   }
   template <int NV> static constexpr int64_t step_bytes() { return 16 * NV * sizeof(T); }
   template <int NV> inline void prefetch(int64_t k) const {
@@ -43,8 +43,6 @@ struct PanelPlain {
   template <int NV> inline void prefetch_l2(int64_t k) const {
     for (int64_t b = 0; b < step_bytes<NV>(); b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p + k * B) + b, 0, 2);
   }
-  static inline v16f load(const float* q) { return load_f(q); }
-  static inline v16f load(const int8_t* q) { return load_b(q); }
 };
 // int4 weight-only panels: the levels q - 8 are exact small integers, so a tile sums x * (q - 8) over one
 // scale group in registers and scales that sum once at the group's end (out += scale * sum), instead of
@@ -67,15 +65,6 @@ struct PanelI4 {
     if (c >= B / 2) return HIGH;
     return ANY;
   }
-  __attribute__((always_inline)) static inline v16f level(v16i q, bool high) {  // q: bytes in int32 lanes
-#if defined(__AVX512F__)
-    // vpermps reads the low 4 bits of each index: the low nibble as is, the high one shifted down
-    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    return (v16f)_mm512_permutexvar_ps((__m512i)(high ? q >> 4 : q), table);
-#else
-    return to_f((high ? q >> 4 : q & 15) - 8);
-#endif
-  }
   // the bytes a tile of NV vectors reads at input k: half a line at most (B <= 128), one prefetch a step
   template <int NV> static constexpr int64_t step_bytes() { return 8 * NV; }
   template <int NV> inline void prefetch(int64_t k) const { prefetch_line(p + k * (B / 2) + (c < B / 2 ? c : c - B / 2)); }
@@ -88,14 +77,14 @@ struct PanelI4 {
     if constexpr (M == WHOLE) {
       for (int v = 0; v < NV / 2; ++v) {
         const v16i q = widen_u8(row + 16 * v);
-        w[v] = level(q, false);
-        w[v + NV / 2] = level(q, true);
+        w[v] = int4_level(q, false);
+        w[v + NV / 2] = int4_level(q, true);
       }
     } else {
       for (int v = 0; v < NV; ++v) {
         const int64_t col = c + 16 * v;
         const bool high = M == HIGH || (M == ANY && col >= B / 2);
-        w[v] = level(widen_u8(row + (high ? col - B / 2 : col)), high);
+        w[v] = int4_level(widen_u8(row + (high ? col - B / 2 : col)), high);
       }
     }
   }
@@ -136,12 +125,13 @@ inline void panel_tile_i4_mode(const PanelI4& pa, int64_t K, const float* x, int
       if constexpr (PF) ah.template step<NV>(pa, k, cnt, kk);
       pa.template levels<NV, MODE>(k, w);
       for (int i = 0; i < MRc; ++i) {
-        const v16f xb = splat(x[i * ldx + k]);
+        const v16f xb = splat<v16f>(x[i * ldx + k]);
         for (int v = 0; v < NV; ++v) acc[i][v] += xb * w[v];
       }
     }
     for (int i = 0; i < MRc; ++i)
-      for (int v = 0; v < NV; ++v) store_f(out[i] + 16 * v, load_f(out[i] + 16 * v) + acc[i][v] * load_f(s + 16 * v));
+      for (int v = 0; v < NV; ++v)
+        store(out[i] + 16 * v, load<v16f>(out[i] + 16 * v) + acc[i][v] * load<v16f>(s + 16 * v));
   }
   for (int i = 0; i < MRc; ++i)
     for (int64_t j = 0; j < ncols; ++j) y[i * ldy + j] = bias ? out[i][j] + bias[j] : out[i][j];
@@ -170,13 +160,13 @@ inline void panel_tile(PA pa, int64_t K, const float* x, int64_t ldx, float* y, 
     if constexpr (PF) ah.template step<NV>(pa, k, cnt, kk);
     pa.template step<NV>(k, w);
     for (int i = 0; i < MRc; ++i) {
-      const v16f xb = splat(x[i * ldx + k]);
+      const v16f xb = splat<v16f>(x[i * ldx + k]);
       for (int v = 0; v < NV; ++v) acc[i][v] += xb * w[v];
     }
   }
   for (int i = 0; i < MRc; ++i) {
     float out[16 * NV];
-    for (int v = 0; v < NV; ++v) store_f(out + 16 * v, scale ? acc[i][v] * load_f(scale + 16 * v) : acc[i][v]);
+    for (int v = 0; v < NV; ++v) store(out + 16 * v, scale ? acc[i][v] * load<v16f>(scale + 16 * v) : acc[i][v]);
     for (int64_t j = 0; j < ncols; ++j) y[i * ldy + j] = bias ? out[j] + bias[j] : out[j];
   }
 }
@@ -201,15 +191,17 @@ inline void panel_rows(const PA& pa, int64_t K, const float* x, int64_t ldx, int
                        int64_t ldy, int64_t ncols, const float* scale, const float* bias, int64_t pfb,
                        const PA* next = nullptr, int64_t R = 1, int64_t k0 = 0) {
   switch (mr) {
-    case 1: tile<PA, NV, 1>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb, next, R, k0); break;
-    case 2: tile<PA, NV, 2>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb, next, R, k0); break;
-#ifndef PD_V16_PAIR
-    case 3: tile<PA, NV, 3>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb, next, R, k0); break;
-    case 4: tile<PA, NV, 4>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb, next, R, k0); break;
-    case 5: tile<PA, NV, 5>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb, next, R, k0); break;
-#endif
-    default: tile<PA, NV, PMR>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb, next, R, k0); break;
+    case 1: return tile<PA, NV, 1>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb, next, R, k0);
+    case 2: return tile<PA, NV, 2>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb, next, R, k0);
   }
+  if constexpr (PMR == 6) {  // rows 3 to 5 their own tiles too (AVX-512; with AVX2 a tile has 2 rows)
+    switch (mr) {
+      case 3: return tile<PA, NV, 3>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb, next, R, k0);
+      case 4: return tile<PA, NV, 4>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb, next, R, k0);
+      case 5: return tile<PA, NV, 5>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb, next, R, k0);
+    }
+  }
+  tile<PA, NV, PMR>(pa, K, x, ldx, y, ldy, ncols, scale, bias, pfb, next, R, k0);
 }
 
 // make(panel, c): the accessor of panel `panel` from its column c

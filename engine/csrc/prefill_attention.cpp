@@ -50,21 +50,21 @@ void prefill_tile(const float* q, int64_t qrow, const float* kt, const float* v,
       for (int c = 0; c < PKV; ++c) s[r][c] = v16f{};
     for (int64_t d = 0; d < D; ++d) {
       v16f kv[PKV];
-      for (int c = 0; c < PKV; ++c) kv[c] = load_f(kth + (j0 * D + d * PK) + 16 * c);
+      for (int c = 0; c < PKV; ++c) kv[c] = load<v16f>(kth + (j0 * D + d * PK) + 16 * c);
       for (int r = 0; r < PQ; ++r) {
-        const v16f qb = splat(qs[r][d]);
+        const v16f qb = splat<v16f>(qs[r][d]);
         for (int c = 0; c < PKV; ++c) s[r][c] += qb * kv[c];
       }
     }
     // Masks only on blocks that cross the diagonal or the window's start.
     if (j0 + PK > pos[0] + 1 || (window > 0 && j0 <= pos[PQ - 1] - window))
       for (int r = 0; r < PQ; ++r) {
-        for (int c = 0; c < PKV; ++c) store_f(p[r] + 16 * c, s[r][c]);
+        for (int c = 0; c < PKV; ++c) store(p[r] + 16 * c, s[r][c]);
         for (int j = 0; j < PK; ++j) {
           const int64_t key = j0 + j;
           if (key > pos[r] || (window > 0 && key <= pos[r] - window)) p[r][j] = -1e30f;
         }
-        for (int c = 0; c < PKV; ++c) s[r][c] = load_f(p[r] + 16 * c);
+        for (int c = 0; c < PKV; ++c) s[r][c] = load<v16f>(p[r] + 16 * c);
       }
     // Online softmax with a lazy maximum: a row's reference m moves (rescaling l and o) only when a score
     // exceeds it by more than LAZY, so most blocks skip the rescale; exp(s - m) <= e^LAZY keeps l and o far
@@ -77,12 +77,12 @@ void prefill_tile(const float* q, int64_t qrow, const float* kt, const float* v,
         const float alpha = std::exp(m[r] - bm);
         m[r] = bm;
         lv[r] = lv[r] * alpha;
-        for (int64_t dv = 0; dv < DV; ++dv) store_f(o[r] + 16 * dv, load_f(o[r] + 16 * dv) * alpha);
+        for (int64_t dv = 0; dv < DV; ++dv) store(o[r] + 16 * dv, load<v16f>(o[r] + 16 * dv) * alpha);
       }
-      const v16f mr = splat(m[r]);
+      const v16f mr = splat<v16f>(m[r]);
       for (int c = 0; c < PKV; ++c) {
         const v16f e = exp16(s[r][c] - mr);
-        store_f(p[r] + 16 * c, e);
+        store(p[r] + 16 * c, e);
         lv[r] += e;
       }
     }
@@ -92,23 +92,24 @@ void prefill_tile(const float* q, int64_t qrow, const float* kt, const float* v,
       const int nv = (int)std::min<int64_t>(4, DV - dc);
       v16f a[PQ][4];
       for (int r = 0; r < PQ; ++r)
-        for (int c = 0; c < nv; ++c) a[r][c] = load_f(o[r] + 16 * (dc + c));
+        for (int c = 0; c < nv; ++c) a[r][c] = load<v16f>(o[r] + 16 * (dc + c));
       for (int64_t j = 0; j < nk; ++j) {
         const float* vr = vh + (j0 + j) * D + 16 * dc;
         v16f vv[4];
-        for (int c = 0; c < nv; ++c) vv[c] = load_f(vr + 16 * c);
+        for (int c = 0; c < nv; ++c) vv[c] = load<v16f>(vr + 16 * c);
         for (int r = 0; r < PQ; ++r) {
-          const v16f pb = splat(p[r][j]);
+          const v16f pb = splat<v16f>(p[r][j]);
           for (int c = 0; c < nv; ++c) a[r][c] += pb * vv[c];
         }
       }
       for (int r = 0; r < PQ; ++r)
-        for (int c = 0; c < nv; ++c) store_f(o[r] + 16 * (dc + c), a[r][c]);
+        for (int c = 0; c < nv; ++c) store(o[r] + 16 * (dc + c), a[r][c]);
     }
   }
   for (int r = 0; r < PQ && i0 + r < n; ++r) {
     const float inv = 1.f / hsum(lv[r]);
-    for (int64_t dv = 0; dv < DV; ++dv) store_f(out + ((i0 + r) * H + hq) * D + 16 * dv, load_f(o[r] + 16 * dv) * inv);
+    for (int64_t dv = 0; dv < DV; ++dv)
+      store(out + ((i0 + r) * H + hq) * D + 16 * dv, load<v16f>(o[r] + 16 * dv) * inv);
   }
 }
 
@@ -202,8 +203,8 @@ torch::Tensor prefill_attention_paged(torch::Tensor q, torch::Tensor k_cache, to
       const R kr{kb + row, D}, vr{vb + row, D};
       const float ks = kr.scale(), vs = vr.scale();  // int8 rows: q * s, as engine/quant.py dequantize_kv
       for (int64_t d = 0; d < D; d += 16) {
-        store_f(kd + d, kr.at(d) * ks);
-        store_f(vd + d, vr.at(d) * vs);
+        store(kd + d, kr.at(d) * ks);
+        store(vd + d, vr.at(d) * vs);
       }
     });
   };
