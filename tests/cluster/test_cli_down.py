@@ -58,7 +58,7 @@ def test_up_with_a_named_namespace_clears_a_dead_runs_keys_first(ray_local, redi
     _leave_stale_keys(redis_url, redis_namespace)
     cfg = ClusterConfig(redis_url=redis_url, namespace=redis_namespace, worker_factory=StandInWorker,
                         router_factory=False, num_prefill=0, num_decode=1, ttl_s=2.0, heartbeat_interval_s=0.5,
-                        start_timeout_s=60)
+                        start_timeout_s=300)
     with Cluster(cfg) as cluster:
         keys = Registry(redis_url, redis_namespace).keys()
         # The new run's own worker is decode-0 again (ids restart per run); the dead run's kvt keys are gone.

@@ -30,7 +30,7 @@ def _health(address: str) -> int:
 
 def _config(redis_url: str, **kw) -> ClusterConfig:
     return ClusterConfig(redis_url=redis_url, worker_factory=StandInWorker, router_factory=False,
-                         ttl_s=2.0, heartbeat_interval_s=0.5, start_timeout_s=60, **kw)
+                         ttl_s=2.0, heartbeat_interval_s=0.5, start_timeout_s=300, **kw)
 
 
 def _actor_gone(handle, timeout_s: float = 10.0) -> bool:

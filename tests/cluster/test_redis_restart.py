@@ -39,7 +39,7 @@ def test_workers_reregister_into_a_restarted_empty_redis(ray_local):
     redis = EmbeddedRedis().start()
     port = redis.port
     cfg = ClusterConfig(redis_url=redis.url, worker_factory=StandInWorker, router_factory=False,
-                        num_prefill=1, num_decode=1, ttl_s=2.0, heartbeat_interval_s=0.5, start_timeout_s=60)
+                        num_prefill=1, num_decode=1, ttl_s=2.0, heartbeat_interval_s=0.5, start_timeout_s=300)
     cluster = Cluster(cfg).start()
     supervisor = Supervisor(cluster, SupervisorConfig(check_interval_s=0.5)).start()
     try:

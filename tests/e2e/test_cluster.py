@@ -29,7 +29,7 @@ def cluster(ray_local, redis_url):
     torch.set_num_threads(1)
     cfg = ClusterConfig(model="tiny", num_prefill=1, num_decode=1, redis_url=redis_url,
                         engine_overrides=dict(num_kv_blocks=512, max_num_batched_tokens=512),
-                        start_timeout_s=180)
+                        start_timeout_s=600)
     c = Cluster(cfg).start()
     try:
         yield c

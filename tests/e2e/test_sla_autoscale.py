@@ -102,7 +102,7 @@ def _predicted(load: Load) -> tuple[int, int]:
 def cluster(ray_local, redis_url):
     torch.set_num_threads(1)
     cfg = ClusterConfig(model="tiny", num_prefill=1, num_decode=1, redis_url=redis_url,
-                        engine_overrides=dict(num_kv_blocks=256, max_num_batched_tokens=512), start_timeout_s=180)
+                        engine_overrides=dict(num_kv_blocks=256, max_num_batched_tokens=512), start_timeout_s=600)
     c = Cluster(cfg).start()
     try:
         yield c

@@ -25,7 +25,7 @@ PROMPTS = [p * 2 for p in mixed_prompts(6)] + ["a b a b a b a b a b a b", "x = 1
 @pytest.fixture(scope="module", params=[NGRAM, DRAFT], ids=["ngram", "draft_model"])
 def cluster(request, ray_local, redis_url):
     torch.set_num_threads(1)
-    cfg = ClusterConfig(model="tiny", num_prefill=1, num_decode=1, redis_url=redis_url, start_timeout_s=180,
+    cfg = ClusterConfig(model="tiny", num_prefill=1, num_decode=1, redis_url=redis_url, start_timeout_s=600,
                         engine_overrides=dict(num_kv_blocks=512, speculative_config=request.param))
     c = Cluster(cfg).start()
     try:

@@ -53,7 +53,7 @@ CHOICES = ["yes", "no", "maybe later"]
 @pytest.fixture(scope="module")
 def cluster(ray_local, redis_url):
     torch.set_num_threads(1)
-    cfg = ClusterConfig(model="tiny", num_prefill=1, num_decode=2, redis_url=redis_url, start_timeout_s=180,
+    cfg = ClusterConfig(model="tiny", num_prefill=1, num_decode=2, redis_url=redis_url, start_timeout_s=600,
                         engine_overrides=dict(num_kv_blocks=512, speculative_config=NGRAM),
                         router_overrides=dict(local_prefill_max_tokens=4))
     c = Cluster(cfg).start()

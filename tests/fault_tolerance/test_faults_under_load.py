@@ -82,7 +82,7 @@ class Env:
 def env(ray_local, reference):
     redis = EmbeddedRedis().start()  # this module's own: (c) kills it, the session's shared one stays up
     cfg = ClusterConfig(model="tiny", num_prefill=1, num_decode=1, redis_url=redis.url,
-                        engine_overrides=dict(num_kv_blocks=256), start_timeout_s=180)
+                        engine_overrides=dict(num_kv_blocks=256), start_timeout_s=600)
     cluster = supervisor = None
     e = None
     try:
