@@ -92,7 +92,18 @@ class StepModel:
             raise ValueError("step model: knot_s must be finite numbers >= 0")
 
     def lin(self, tokens: float) -> float:
-        """The token term lin(T): linear between knots, extended by the end segments' slopes (>= 0)."""
+        """The token term lin(T): linear between knots, extended by the end segments' slopes (>= 0).
+        Whole token counts are remembered (a simulation asks for the same few hundred millions of times)."""
+        cache = self.__dict__.setdefault("_lin_cache", {})
+        hit = cache.get(tokens)
+        if hit is not None:
+            return hit
+        value = self._lin(tokens)
+        if type(tokens) is int and len(cache) < 65536:
+            cache[tokens] = value
+        return value
+
+    def _lin(self, tokens: float) -> float:
         k, y = self.knots, self.knot_s
         if tokens <= 0:
             return 0.0
