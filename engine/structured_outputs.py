@@ -69,6 +69,22 @@ class StructuredOutputsParams:
     json_object: bool = False
     """The output is some JSON object (OpenAI's ``response_format: json_object``)."""
 
+    @classmethod
+    def of_field(cls, name: Optional[str], value: Any) -> "StructuredOutputsParams":
+        """The constraint a message's one set field names (a proto ``oneof``: ``name`` None when none is set);
+        ValueError naming ``structured_outputs.<field>`` (none set, a false json_object, ...). The one conversion
+        both wire sides (router, workers) use."""
+        if name is None:
+            raise ValueError("structured_outputs is set but empty: set one of structured_outputs.json, .regex, "
+                             ".choice, .grammar or .json_object")
+        if name not in _FIELDS:
+            raise ValueError(f"structured_outputs.{name} is not a constraint (one of {', '.join(_FIELDS)})")
+        if name == "json_object":
+            if value is not True:
+                raise ValueError("structured_outputs.json_object must be true when given")
+            return cls(json_object=True)
+        return cls(**{name: list(value) if name == "choice" else value})
+
     def __post_init__(self) -> None:
         given = [f for f in _FIELDS if (getattr(self, f) is not False if f == "json_object"
                                         else getattr(self, f) is not None)]

@@ -52,16 +52,8 @@ def structured_outputs_from_proto(m: pdserve_pb2.StructuredOutputs) -> Structure
     """The public message's constraint; ValueError naming ``structured_outputs.<field>`` (none set, an empty
     choice list, a false json_object, a schema that is not JSON...)."""
     k = m.WhichOneof("constraint")
-    if k is None:
-        raise ValueError("structured_outputs is set but empty: set one of structured_outputs.json, .regex, "
-                         ".choice, .grammar or .json_object")
-    if k == "json_object":
-        if not m.json_object:
-            raise ValueError("structured_outputs.json_object must be true when given")
-        return StructuredOutputsParams(json_object=True)
-    if k == "choice":
-        return StructuredOutputsParams(choice=list(m.choice.choice))
-    return StructuredOutputsParams(**{k: getattr(m, k)})
+    value = None if k is None else m.choice.choice if k == "choice" else getattr(m, k)
+    return StructuredOutputsParams.of_field(k, value)
 
 
 def logprobs_from_wire(msgs: Sequence[pdserve_pb2.TokenLogprob]) -> list[TokenLogprob]:

@@ -40,15 +40,8 @@ def wire_to_params(w: worker_pb2.WireSamplingParams) -> SamplingParams:
 def structured_outputs_from_proto(m: pdserve_pb2.StructuredOutputs) -> StructuredOutputsParams:
     """The constraint of a (router-checked) message; ValueError naming ``structured_outputs.<field>``."""
     k = m.WhichOneof("constraint")
-    if k is None:
-        raise ValueError("structured_outputs is set but empty")
-    if k == "json_object":
-        if not m.json_object:
-            raise ValueError("structured_outputs.json_object must be true when given")
-        return StructuredOutputsParams(json_object=True)
-    if k == "choice":
-        return StructuredOutputsParams(choice=list(m.choice.choice))
-    return StructuredOutputsParams(**{k: getattr(m, k)})
+    value = None if k is None else m.choice.choice if k == "choice" else getattr(m, k)
+    return StructuredOutputsParams.of_field(k, value)
 
 
 def logprob_to_proto(lp: TokenLogprob) -> pdserve_pb2.TokenLogprob:
