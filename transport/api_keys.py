@@ -186,14 +186,9 @@ class KeysFile:
             self._checked = time.monotonic() if now is None else now
             try:
                 stamp = self._mtime()
-            except ValueError as e:
-                self.reload_errors += 1
-                log.error("%s; keeping the %d keys in force", e, len(self._table))
-                return False
-            if stamp == self._stamp:
-                return False
-            self._stamp = stamp
-            try:
+                if stamp == self._stamp:
+                    return False
+                self._stamp = stamp  # a broken edit is reported once, and read again when it changes
                 table = self._read()
             except ValueError as e:
                 self.reload_errors += 1
