@@ -362,7 +362,7 @@ class HttpApi:
         try:
             for c in choices:
                 c.start()
-            events = self._leased(self._events(choices, queue, request), lease)
+            events = self._events(choices, queue, request, lease)
         except BaseException:
             lease.release(None)
             raise
@@ -384,10 +384,12 @@ class HttpApi:
             pass
         queue.put_nowait((-1, _DISCONNECTED))
 
-    async def _events(self, choices: list[_Choice], queue: asyncio.Queue,
-                      request: Request) -> AsyncIterator[tuple[int, Any]]:
-        """(choice index, FlowEvent | FlowError) until every choice ended; a disconnect cancels them all."""
+    async def _events(self, choices: list[_Choice], queue: asyncio.Queue, request: Request,
+                      lease: Lease) -> AsyncIterator[tuple[int, Any]]:
+        """(choice index, FlowEvent | FlowError) until every choice ended; a disconnect cancels them all. The
+        quota ``lease`` is released at the end, however it comes, with the tokens the flows reported."""
         live = len(choices)
+        completion: Optional[int] = None
         watcher = asyncio.ensure_future(self._watch_disconnect(request, queue))
         try:
             while live:
@@ -398,27 +400,16 @@ class HttpApi:
                 if item is None:
                     live -= 1
                     continue
-                yield idx, item
-        finally:
-            watcher.cancel()
-            if live:
-                for c in choices:
-                    c.cancel()
-
-    @staticmethod
-    async def _leased(events: AsyncIterator[tuple[int, Any]], lease: Lease) -> AsyncIterator[tuple[int, Any]]:
-        """``events``, then the quota lease released with the tokens the flows reported (however the response
-        ends: finished, failed, or the client gone)."""
-        completion: Optional[int] = None
-        try:
-            async for idx, item in events:
                 usage = getattr(item, "usage", None)
                 if usage is not None:
                     completion = (completion or 0) + usage.completion_tokens
                 yield idx, item
         finally:
-            await events.aclose()
             lease.release(completion)
+            watcher.cancel()
+            if live:
+                for c in choices:
+                    c.cancel()
 
     async def _collect(self, events: AsyncIterator, whole: oa.ResponseBody) -> Response:
         async for idx, item in events:
