@@ -41,7 +41,7 @@ from router.config import RouterConfig
 from router.events import FlowError
 from router.prefix_index import PrefixIndex
 from router.scope import RequestScope
-from router.selection import ScoreWeights, WorkerSelector, prefill_locally
+from router.selection import ScoreWeights, WorkerSelector, prefill_locally, shuffle_leading_ties
 from router.worker_source import Pool, WorkerSource
 
 if TYPE_CHECKING:
@@ -243,8 +243,10 @@ class Placer:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no ready {route.pool} worker",
                             empty_pool=None if excluded else route.pool)
         sel = self.selector
-        ranked = sorted(ws, key=lambda w: (w.num_running + w.num_waiting + sel.in_flight(w.worker_id),
-                                           w.queued_prompt_tokens, w.worker_id))
+        def load(w: WorkerInfo) -> tuple[int, int]:
+            return w.num_running + w.num_waiting + sel.in_flight(w.worker_id), w.queued_prompt_tokens
+
+        ranked = shuffle_leading_ties(sorted(ws, key=lambda w: (*load(w), w.worker_id)), load, self._rng)
         w = self._by_prefix(scope, ranked)[0]
         self._record_prefix(scope, w)
         sel.acquire(w.worker_id)
@@ -314,7 +316,7 @@ class Placer:
         p = ranked_p[0]
         exhausted = 0
         wrid = scope.next_worker_request_id()
-        for d in sel.ranked_decode(ready, needed):
+        for d in sel.ranked_decode(ready, needed, self._rng):
             # count the request against d before the call, so concurrent requests rank d as busier now
             sel.acquire(d.worker_id)
             try:

@@ -12,9 +12,13 @@ import random
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from proto.worker_pb2 import WorkerInfo
+
+DECODE_TIE_FREE_FRAC = 0.1
+"""Decode workers with the same load whose free-block fractions differ by at most this are a tie (drawn at random):
+the registry's free blocks lag a heartbeat, so a smaller difference says little."""
 
 
 @dataclass(frozen=True)
@@ -53,23 +57,40 @@ class WorkerSelector:
                 del self._in_flight[worker_id]
                 self._pending_tokens.pop(worker_id, None)
 
-    def ranked_decode(self, workers: list[WorkerInfo], needed_blocks: int) -> list[WorkerInfo]:
-        """Ready decode workers likely to fit ``needed_blocks``; least load, then most free blocks, first."""
+    def ranked_decode(self, workers: list[WorkerInfo], needed_blocks: int, rng: Optional[random.Random] = None,
+                      tie_free_frac: float = DECODE_TIE_FREE_FRAC) -> list[WorkerInfo]:
+        """Ready decode workers likely to fit ``needed_blocks``; least load, then most free blocks, first. With
+        ``rng``, the workers tied with the best (same load, free fraction within ``tie_free_frac`` of the best's)
+        come first in random order: routers ranking the same view at the same instant spread over them instead
+        of all reserving on the one that sorts first (herding); without it ties go by worker id."""
         with self._lock:
             inflight = dict(self._in_flight)
         ready = [w for w in workers if w.ready]
 
+        def load(w: WorkerInfo) -> int:
+            return w.num_running + w.num_waiting + inflight.get(w.worker_id, 0)
+
+        def free_frac(w: WorkerInfo) -> float:
+            return w.num_free_blocks / max(1, w.num_total_blocks)
+
         def key(w: WorkerInfo) -> tuple:
             # load first: free blocks in the registry lag a heartbeat, while this router's own
             # in-flight count moves at once, so a burst spreads instead of piling on one worker
-            load = w.num_running + w.num_waiting + inflight.get(w.worker_id, 0)
-            free_frac = w.num_free_blocks / max(1, w.num_total_blocks)
-            return (load, -free_frac, w.worker_id)
+            return (load(w), -free_frac(w), w.worker_id)
 
         # a stale record may under-report free blocks; keep those last rather than dropping them
-        fits = [w for w in ready if w.num_free_blocks >= needed_blocks]
-        rest = [w for w in ready if w.num_free_blocks < needed_blocks]
-        return sorted(fits, key=key) + sorted(rest, key=key)
+        fits = sorted((w for w in ready if w.num_free_blocks >= needed_blocks), key=key)
+        rest = sorted((w for w in ready if w.num_free_blocks < needed_blocks), key=key)
+        if rng is not None and len(fits) > 1:
+            best = fits[0]
+            n_tied = 1
+            while (n_tied < len(fits) and load(fits[n_tied]) == load(best)
+                   and free_frac(best) - free_frac(fits[n_tied]) <= tie_free_frac):
+                n_tied += 1
+            tied = fits[:n_tied]
+            rng.shuffle(tied)
+            fits = tied + fits[n_tied:]
+        return fits + rest
 
     def ranked_prefill(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
         """Ready prefill workers, fewest queued prompt tokens (reported + ours in flight) first."""
@@ -140,6 +161,21 @@ class WorkerSelector:
             pending = dict(self._pending_tokens)
         backlog = [w.queued_prompt_tokens + pending.get(w.worker_id, 0) for w in workers if w.ready]
         return min(backlog) if backlog else None
+
+
+def shuffle_leading_ties(ranked: list[WorkerInfo], key: Callable[[WorkerInfo], Any],
+                         rng: Optional[random.Random]) -> list[WorkerInfo]:
+    """``ranked`` (sorted by ``key``) with the workers whose ``key`` equals the first's in random order (no herding
+    of routers deciding at the same instant on the same view); unchanged without ``rng``."""
+    if rng is None or len(ranked) < 2:
+        return ranked
+    first = key(ranked[0])
+    n = 1
+    while n < len(ranked) and key(ranked[n]) == first:
+        n += 1
+    tied = ranked[:n]
+    rng.shuffle(tied)
+    return tied + ranked[n:]
 
 
 def prefill_locally(local_max_tokens: int, queue_max_tokens: Optional[int], prompt_tokens: int,

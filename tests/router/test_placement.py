@@ -193,3 +193,43 @@ def test_whole_placement_scores_on_the_kv_index_falls_back_to_the_mirror_and_to_
     counts = {smp.labels["reason"]: smp.value for fam in text_string_to_metric_families(metrics.render().decode())
               if fam.name == "pdserve:routing_decisions" for smp in fam.samples if smp.name.endswith("_total")}
     assert counts == {"kv_events": 1.0, "mirror": 1.0, "load_only": 1.0}
+
+
+class _ReserveAlways:
+    """WorkerCalls' reserve, in process: every decode worker has room (only the choice is under test)."""
+
+    def reserve(self, scope, wrid, d, p):
+        from proto import worker_pb2
+
+        return worker_pb2.ReserveResponse(block_ids=[0], block_size=16, kv_name=d.worker_id)
+
+
+def test_routers_choosing_at_once_spread_over_equal_decode_workers():
+    """Three routers (own selectors, own draws) place one request each at the same instant on the same view of
+    three idle decode workers: tie-by-id sends all three to d0 every time."""
+    import random
+
+    ws = [_w("d0", "decode"), _w("d1", "decode"), _w("d2", "decode"), _w("p0", "prefill")]
+    rcfg = RouterConfig(serve_metrics=False, prefix_aware_routing=False)
+    routers = [Placer(rcfg, StaticWorkerSource(ws), WorkerSelector(), _ReserveAlways(), rng=random.Random(i))
+               for i in range(3)]
+    herded = 0
+    for i in range(60):
+        chosen = [pl._try_pair(_scope(rid=f"r{i}-{k}"), set()).decode.worker_id for k, pl in enumerate(routers)]
+        herded += len(set(chosen)) == 1
+        for pl in routers:  # each request ends before the next round: the views are equal again
+            for wid in chosen:
+                if pl.selector.in_flight(wid):
+                    pl.selector.release(wid)
+            pl.selector.release("p0", 40)
+    assert herded < 20, herded  # at random: 1 round in 9 (about 7 of 60); by id: 60 of 60
+    # whole requests on a decode worker (conditional disaggregation) too
+    whole = [Placer(rcfg, StaticWorkerSource(ws), WorkerSelector(), _ReserveAlways(), rng=random.Random(10 + i))
+             for i in range(3)]
+    herded = 0
+    for i in range(60):
+        ps = [pl.place_whole(_scope(rid=f"w{i}-{k}"), Pool.DECODE, set()) for k, pl in enumerate(whole)]
+        herded += len({p.decode.worker_id for p in ps}) == 1
+        for pl, p in zip(whole, ps):
+            pl.release(p, _scope())
+    assert herded < 20, herded

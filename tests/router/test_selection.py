@@ -70,3 +70,27 @@ def test_static_source_filters_roles_and_calls_live_infos():
     assert src.list("prefill") == []
     with pytest.raises(ValueError, match="role"):
         src.list("bogus")
+
+
+def test_decode_ties_are_drawn_at_random_so_routers_do_not_herd():
+    import random
+
+    from router.selection import shuffle_leading_ties
+
+    # four idle decode workers with (nearly) the same free blocks: every router sees the same view at once
+    ws = [d("a", 90), d("b", 88), d("c", 95), d("e", 90)]
+    rng = random.Random(7)
+    firsts = [WorkerSelector().ranked_decode(ws, 1, rng)[0].worker_id for _ in range(200)]
+    assert set(firsts) == {"a", "b", "c", "e"}  # tie-by-id would give "c" (most free) every time
+    assert max(firsts.count(w) for w in "abce") < 90  # about 50 each
+    # what is not a tie stays ordered: a busier worker, one that cannot fit, much fewer free blocks
+    s = WorkerSelector()
+    ws = [d("a", 90), d("b", 30), d("c", 90, running=1), d("x", 5)]
+    for _ in range(30):
+        assert [w.worker_id for w in s.ranked_decode(ws, 10, rng)] == ["a", "b", "c", "x"]  # load, then free blocks
+    two = [d("a", 90), d("b", 90)]
+    s.acquire("a")  # this router's own in-flight request breaks the tie
+    assert all(s.ranked_decode(two, 1, rng)[0].worker_id == "b" for _ in range(20))
+    # without an rng: by worker id, as before
+    assert [w.worker_id for w in WorkerSelector().ranked_decode([d("b", 90), d("a", 90)], 1)] == ["a", "b"]
+    assert shuffle_leading_ties(ws, lambda w: 0, None) is ws
