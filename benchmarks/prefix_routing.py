@@ -15,10 +15,16 @@ event consumer. Policies:
   awareness, perfectly even counts;
 - ``mirror``: ``RouterConfig(kv_events=False)``: each router's own record of what it sent where (the router
   before issue 28);
-- ``kv_events``: the default: every router scores workers on the index built from the workers' events.
+- ``kv_events``: the default: every router scores workers on the index built from the workers' events, counts the
+  blocks it has just placed as pending on that worker, and shares its placements with the other routers (replica
+  sync, ``{ns}:kvplace``);
+- ``kv_events_nosync``: the same without replica sync (``RouterConfig(kv_replica_sync=False)``): each router knows
+  only its own pending placements (only run with 3 routers: with one there is nobody to share with).
 
 Printed per (policy, routers): prefix-cache hit rate (cached / prompt tokens, from the responses' usage), mean
-and p90 TTFT (client side), and load spread (requests per worker, max over mean). Hit rate and spread do not
+and p90 TTFT (client side), load spread (requests per worker, max over mean), and each turn's outcome (``hit``;
+``system_miss``: a first turn computed its system prompt; ``history_lost``: a later turn left the worker holding
+its history; ``cold``: a later turn found not even its system prompt). Hit rate and spread do not
 depend on machine load; TTFT does (run it on a quiet machine, and read it as a ratio within one run).
 
     nice -n 10 .venv/bin/python benchmarks/prefix_routing.py --short
@@ -106,9 +112,11 @@ class Run:
                                                  StaticWorkerSource([info])).start())
         else:
             cfg = dict(mode="colocated", serve_metrics=False, worker_view_refresh_s=0.25,
-                       kv_events=policy == "kv_events", **args.router_kw)
+                       kv_events=policy.startswith("kv_events"), **args.router_kw)
+            if policy == "kv_events_nosync":
+                cfg["kv_replica_sync"] = False
             self.routers = [RouterServer(RouterConfig(**cfg), self.registry).start() for _ in range(n_routers)]
-            if policy == "kv_events":
+            if policy.startswith("kv_events"):
                 t0 = time.monotonic()
                 while not all(r.core.kv_events.num_synced() == args.workers for r in self.routers):
                     if time.monotonic() - t0 > 30:
@@ -140,6 +148,11 @@ class Run:
                     for s in fam.samples:
                         if s.name.endswith("_total"):
                             out[s.labels["reason"]] = out.get(s.labels["reason"], 0.0) + s.value
+                elif fam.name.startswith("pdserve:kv_replica_"):  # replica sync: shared, dropped, applied
+                    for s in fam.samples:
+                        if s.name.endswith("_total"):
+                            k = fam.name[len("pdserve:"):] + (f"/{s.labels['reason']}" if "reason" in s.labels else "")
+                            out[k] = out.get(k, 0.0) + s.value
         return out
 
     def close(self) -> None:
@@ -157,12 +170,17 @@ class Run:
 
 
 def _conversation(run: Run, c: int, args: argparse.Namespace, systems: list[list[int]], policy: str,
-                  counter: list[int], lock: threading.Lock) -> list[tuple[float, int, int]]:
-    """One conversation's turns: (ttft_s, prompt_tokens, cached_tokens) each."""
+                  counter: list[int], lock: threading.Lock) -> list[tuple[float, int, int, str]]:
+    """One conversation's turns: (ttft_s, prompt_tokens, cached_tokens, outcome) each; outcome (why tokens were
+    recomputed): "hit" (the system prompt on a first turn, the previous turn's prompt on a later one, was cached),
+    "system_miss" (a first turn computed its system prompt), "history_lost" (a later turn found only its system
+    prompt: it left the worker that held its history), "cold" (a later turn found not even that)."""
     from proto import pdserve_pb2
 
     history = list(systems[c % len(systems)])
+    bs = args.block_size
     out = []
+    prev_prompt = 0
     for turn in range(args.turns):
         history += [(c * 7919 + turn * 104729 + j * 31) % 900 + 20 for j in range(args.user_tokens)]
         if policy == "round_robin":
@@ -182,7 +200,15 @@ def _conversation(run: Run, c: int, args: argparse.Namespace, systems: list[list
                 ttft = time.perf_counter() - t0
             tokens.extend(resp.token_ids)
             last = resp
-        out.append((ttft or 0.0, last.usage.prompt_tokens, last.usage.cached_tokens))
+        cached = last.usage.cached_tokens
+        if turn == 0:
+            outcome = "hit" if cached >= args.system_tokens // bs * bs else "system_miss"
+        elif cached >= prev_prompt // bs * bs:
+            outcome = "hit"
+        else:
+            outcome = "history_lost" if cached >= args.system_tokens // bs * bs else "cold"
+        prev_prompt = last.usage.prompt_tokens
+        out.append((ttft or 0.0, last.usage.prompt_tokens, cached, outcome))
         history += tokens
     return out
 
@@ -212,6 +238,7 @@ def measure(args: argparse.Namespace, redis_url: str, policy: str, n_routers: in
                 "ttft_mean_ms": 1000 * statistics.mean(ttfts),
                 "ttft_p90_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
                 "spread_max_over_mean": max(served.values()) / mean_served, "served": served,
+                "outcomes": {k: sum(1 for t in turns if t[3] == k) for k in ("hit", "system_miss", "history_lost", "cold")},
                 "decisions": run.decisions(), "wall_s": wall}
     finally:
         run.close()
@@ -238,10 +265,12 @@ def main() -> None:
     ap.add_argument("--kv-request-weight", type=float, default=None, help="RouterConfig.kv_request_weight")
     ap.add_argument("--kv-tie-blocks", type=float, default=None, help="RouterConfig.kv_tie_blocks")
     ap.add_argument("--kv-load-weight", type=float, default=None, help="RouterConfig.kv_load_weight")
+    ap.add_argument("--kv-pending-s", type=float, default=None, help="RouterConfig.kv_pending_s")
     args = ap.parse_args()
     args.router_kw = {k: v for k, v in (("kv_request_weight", args.kv_request_weight),
                                         ("kv_tie_blocks", args.kv_tie_blocks),
-                                        ("kv_load_weight", args.kv_load_weight)) if v is not None}
+                                        ("kv_load_weight", args.kv_load_weight),
+                                        ("kv_pending_s", args.kv_pending_s)) if v is not None}
     if args.short:
         args.turns = 4
     server = None
@@ -253,14 +282,16 @@ def main() -> None:
         redis_url = server.url
     rows = []
     try:
-        for policy, n in (("round_robin", 1), ("mirror", 1), ("mirror", 3), ("kv_events", 1), ("kv_events", 3)):
+        for policy, n in (("round_robin", 1), ("mirror", 1), ("mirror", 3), ("kv_events", 1), ("kv_events", 3),
+                          ("kv_events_nosync", 3)):
             if args.only and f"{policy}/{n}" not in args.only.split(","):
                 continue
             row = measure(args, redis_url, policy, n)
             rows.append(row)
-            print(f"{policy:<11} routers={row['routers']!s:<2} hit_rate={row['hit_rate']:.3f} "
+            print(f"{policy:<16} routers={row['routers']!s:<2} hit_rate={row['hit_rate']:.3f} "
                   f"ttft_mean={row['ttft_mean_ms']:.1f}ms ttft_p90={row['ttft_p90_ms']:.1f}ms "
-                  f"spread={row['spread_max_over_mean']:.2f} served={row['served']} decisions={row['decisions']} "
+                  f"spread={row['spread_max_over_mean']:.2f} served={row['served']} outcomes={row['outcomes']} "
+                  f"decisions={row['decisions']} "
                   f"wall={row['wall_s']:.1f}s", flush=True)
     finally:
         if server is not None:

@@ -119,6 +119,18 @@ class RouterMetrics(ComponentMetrics):
     def inc_kv_events_redis_error(self) -> None:
         self._series["kv_events_redis_errors_total"].inc()
 
+    def inc_kv_replica_published(self, n: int = 1) -> None:
+        """Placements this router shared with the other routers (router/kv_replica.py)."""
+        self._series["kv_replica_published_total"].inc(check_count("kv_replica_published", n))
+
+    def inc_kv_replica_dropped(self, reason: str, n: int = 1) -> None:
+        """Placements not shared (``reason``: queue_full, redis_error)."""
+        self._child("kv_replica_dropped_total", check_label("reason", reason)).inc(check_count("kv_replica_dropped", n))
+
+    def inc_kv_replica_applied(self, n: int = 1) -> None:
+        """Other routers' placements marked pending in this router's index."""
+        self._series["kv_replica_applied_total"].inc(check_count("kv_replica_applied", n))
+
     def set_kv_events_lag(self, seconds: float) -> None:
         self._series["kv_events_consumer_lag_seconds"].set(check_seconds("kv_events_lag", seconds))
 

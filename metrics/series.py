@@ -95,6 +95,12 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
                                        "it applied it (publish time to index).", None),
     "kv_events_redis_errors_total": (ROUTER, "counter", "Failed reads of the KV event streams (Redis unavailable: "
                                      "routing goes load-only until a read succeeds).", None),
+    "kv_replica_published_total": (ROUTER, "counter", "Placements the router shared with the other routers on "
+                                   "{ns}:kvplace (replica sync: their blocks count as pending on that worker).", None),
+    "kv_replica_dropped_total": (ROUTER, "counter", "Placements the router could not share (reason: queue_full, "
+                                 "redis_error); routing goes on without them.", "reason"),
+    "kv_replica_applied_total": (ROUTER, "counter", "Other routers' placements the router marked pending in its "
+                                 "KV index.", None),
     "kv_index_blocks": (ROUTER, "gauge", "(block, worker) pairs in the router's KV event index.", None),
     "kv_index_workers": (ROUTER, "gauge", "Workers whose KV events the router's index follows in sync.", None),
     "routing_decisions_total": (ROUTER, "counter", "Prefill/colocated worker choices by what scored them "

@@ -74,9 +74,15 @@ class RouterConfig:
     """Score lost per request running, waiting or in flight from this router on a candidate (decode work and
     the heartbeat's lag), in blocks."""
     kv_pending_s: float = 2.0
-    """For this long after sending a prompt to a worker, the router counts the prompt's blocks as cached there even
-    before the worker's events confirm them (they are being computed: a burst sharing a new prefix follows the
-    first request instead of spreading cold misses). 0: the events alone."""
+    """For this long after a prompt is sent to a worker, its blocks count as pending there until the worker's events
+    confirm them: held (a burst sharing a new prefix follows the first request instead of spreading cold misses)
+    and queued prefill work (the load term: blocks pending on a worker, less those the request shares). 0: the
+    events alone (and the worker's reported queue as the load)."""
+    kv_replica_sync: bool = True
+    """Routers share their placements (``router.kv_replica``: a shared Redis stream ``{ns}:kvplace``), so each
+    counts the others' just-placed blocks as pending too, as NVIDIA Dynamo's ``--router-replica-sync``: with several
+    routers the next turn of a conversation finds the blocks another router placed a moment ago. Off the request
+    path (a bounded queue and a thread); Redis down drops the sharing only (counted). False: own placements only."""
     kv_tie_blocks: float = 1.0
     """Candidates scoring within this many blocks of the best are a tie, broken at random, so routers deciding
     at the same instant on the same view spread instead of herding onto one worker. 0: the best, by load order."""
@@ -111,6 +117,9 @@ class RouterConfig:
     router accepts its keys (and ``api_keys`` too, unnamed and unlimited) and enforces each name's quota."""
     quota_routers: int = 1
     """Router replicas sharing the deployment's per-key limits: each enforces 1/N of every limit."""
+    stream_stall_timeout_s: Optional[float] = 60.0
+    """Cut off a streaming client (gRPC stream reset, HTTP connection closed) once one response message has
+    waited this long for it to read (``router.stream_stall``); its request is cancelled on the workers. None: never."""
     ssl_certfile: Optional[str] = None
     """PEM certificate chain: serve the public API over TLS (with ``ssl_keyfile``)."""
     ssl_keyfile: Optional[str] = None
@@ -128,6 +137,8 @@ class RouterConfig:
         check_port(self.port, "port")
         check_port(self.http_port, "http_port", allow_none=True)
         check_port(self.health_port, "health_port", allow_none=True)
+        if self.stream_stall_timeout_s is not None and not self.stream_stall_timeout_s > 0:
+            raise ValueError(f"stream_stall_timeout_s must be > 0 or None, got {self.stream_stall_timeout_s}")
         if self.max_num_requests < 1:
             raise ValueError(f"max_num_requests must be >= 1, got {self.max_num_requests}")
         if self.max_num_requests >= self.max_rpc_threads:
@@ -153,8 +164,9 @@ class RouterConfig:
         if isinstance(self.prefix_balance_tokens, bool) or not isinstance(self.prefix_balance_tokens, int) \
                 or self.prefix_balance_tokens < 0:
             raise ValueError(f"prefix_balance_tokens must be an int >= 0, got {self.prefix_balance_tokens!r}")
-        if not isinstance(self.kv_events, bool):
-            raise ValueError(f"kv_events must be a bool, got {self.kv_events!r}")
+        for name in ("kv_events", "kv_replica_sync"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("kv_overlap_weight", "kv_load_weight", "kv_request_weight", "kv_tie_blocks", "kv_pending_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):

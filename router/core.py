@@ -63,7 +63,8 @@ class RouterCore:
         redis_url, namespace = getattr(workers, "redis_url", None), getattr(workers, "namespace", None)
         if cfg.kv_events and isinstance(redis_url, str) and isinstance(namespace, str):
             self.kv_events = KVEventConsumer(self.kv_index, redis_url, namespace, self._worker_ids,
-                                             lambda: self.metrics)
+                                             lambda: self.metrics, pending_s=cfg.kv_pending_s,
+                                             replica_sync=cfg.kv_replica_sync)
         self.placer = Placer(cfg, self.view, self.selector, self.calls, self.admission, self.prefixes,
                              self.kv_events, lambda: self.metrics)
         self.tokenizer: Any = None

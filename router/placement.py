@@ -192,47 +192,53 @@ class Placer:
         slack; load order alone when prefix routing is off or Redis is unavailable. Counted by reason."""
         if not ranked:
             return ranked
-        reason, matches = self._matches(scope, ranked)
+        reason, matches, shared = self._matches(scope, ranked)
         m = self._metrics()
         if m is not None:
             m.inc_routing_decision(reason)
-        if reason == "kv_events":
-            kv = self.kv_events
-            fresh = {w.worker_id: kv.load(w.worker_id) for w in ranked} if kv is not None else None
-            return self.selector.score_cached(ranked, matches, self.weights, self._rng, fresh)
+        kv = self.kv_events
+        if reason == "kv_events" and kv is not None:
+            fresh = {w.worker_id: kv.load(w.worker_id) for w in ranked}
+            queued = None
+            if kv.pending_s > 0:  # prefill work placed on each, less the blocks this request would wait for anyway
+                queued = {w.worker_id: max(0, kv.index.pending_blocks(w.worker_id) - shared.get(w.worker_id, 0))
+                          for w in ranked}
+            return self.selector.score_cached(ranked, matches, self.weights, self._rng, fresh, queued)
         if reason == "mirror" and len(ranked) > 1:
             return self.selector.prefer_cached(ranked, matches, self.cfg.prefix_balance_tokens)
         return ranked
 
-    def _matches(self, scope: RequestScope, ranked: list[WorkerInfo]) -> tuple[str, dict[str, int]]:
-        """(reason, worker id -> leading prompt blocks it caches) for the candidates."""
+    def _matches(self, scope: RequestScope, ranked: list[WorkerInfo]) -> tuple[str, dict[str, int], dict[str, int]]:
+        """(reason, worker id -> leading prompt blocks it caches, worker id -> how many of those are pending there:
+        placed by a router, not yet confirmed by the worker's events) for the candidates."""
         if self.prefixes is None or not self.cfg.prefix_aware_routing:
-            return "load_only", {}
+            return "load_only", {}, {}
         kv = self.kv_events
         if kv is not None:
             if kv.connected is False:
-                return "load_only", {}  # Redis unavailable: neither the index nor the registry is current
+                return "load_only", {}, {}  # Redis unavailable: neither the index nor the registry is current
             if kv.connected and all(kv.synced(w.worker_id) for w in ranked):
                 by_bs: dict[int, list[str]] = {}
                 for w in ranked:
                     by_bs.setdefault(w.block_size or DEFAULT_BLOCK_SIZE, []).append(w.worker_id)
                 out: dict[str, int] = {}
+                shared: dict[str, int] = {}
                 for bs, ids in by_bs.items():
-                    out.update(kv.index.match(ids, scope.prefix_hashes(bs)))
-                if self.cfg.kv_pending_s > 0:  # what this router just sent, before the worker's events confirm it
-                    for w in ranked:
-                        out[w.worker_id] = max(out[w.worker_id], self.prefixes.match(
-                            w.worker_id, scope.prefix_hashes(w.block_size or DEFAULT_BLOCK_SIZE), self.cfg.kv_pending_s))
-                return "kv_events", out
+                    for wid, (n, pend) in kv.index.match_detail(ids, scope.prefix_hashes(bs)).items():
+                        out[wid], shared[wid] = n, pend
+                return "kv_events", out, shared
         if len(ranked) < 2:
-            return "mirror", {}
+            return "mirror", {}, {}
         return "mirror", {w.worker_id: self.prefixes.match(w.worker_id, scope.prefix_hashes(w.block_size))
-                          for w in ranked}
+                          for w in ranked}, {}
 
     def _record_prefix(self, scope: RequestScope, w: WorkerInfo) -> None:
         """``w`` is about to prefill this prompt, so its prefix cache will hold the prompt's blocks."""
         if self.prefixes is not None and self.cfg.prefix_aware_routing:
-            self.prefixes.record(w.worker_id, scope.prefix_hashes(w.block_size))
+            hashes = scope.prefix_hashes(w.block_size or DEFAULT_BLOCK_SIZE)
+            self.prefixes.record(w.worker_id, hashes)
+            if self.kv_events is not None:  # pending there at once; the other routers hear of it (replica sync)
+                self.kv_events.placed(w.worker_id, hashes)
 
     # ---- whole requests on one worker --------------------------------------------------------------
     def place_whole(self, scope: RequestScope, pool: Pool, excluded: set[str]) -> Placement:

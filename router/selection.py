@@ -121,13 +121,16 @@ class WorkerSelector:
         return [best] + [w for w in ranked if w is not best]
 
     def score_cached(self, ranked: list[WorkerInfo], matches: dict[str, int], weights: "ScoreWeights",
-                     rng: random.Random, fresh: Optional[dict[str, Optional[tuple[int, int, int]]]] = None
-                     ) -> list[WorkerInfo]:
+                     rng: random.Random, fresh: Optional[dict[str, Optional[tuple[int, int, int]]]] = None,
+                     queued_blocks: Optional[dict[str, float]] = None) -> list[WorkerInfo]:
         """Cache-aware routing on the KV event index (the anchors' form): each candidate scores
         ``overlap * matched blocks - load * queued prompt blocks - request * requests``, with the load from
         ``fresh`` (worker id -> (running, waiting, queued tokens) from its KV event stream, a step old; at least
         this router's own in flight) or else from the heartbeat's record plus this router's own not yet reported
-        requests and tokens; the best goes first, drawn at random
+        requests and tokens; with ``queued_blocks`` (worker id -> prefill blocks placed there and not yet confirmed,
+        less those this request shares: ``KVIndex.pending_blocks``) that is the queued term instead of the worker's
+        reported queue, which counts every queued prompt whole though most of a conversation's is a cache hit; the
+        best goes first, drawn at random
         among those within ``weights.tie_blocks`` of it (no herding: routers deciding at the same instant on
         the same view spread), the rest follow by score (ties keep ``ranked``'s load order)."""
         if not ranked:
@@ -143,7 +146,10 @@ class WorkerSelector:
                 queued = (w.queued_prompt_tokens + pending.get(w.worker_id, 0)) / bs
                 requests = w.num_running + w.num_waiting + inflight.get(w.worker_id, 0)
             else:  # a step old: it already counts what this router sent that reached the worker
-                queued = max(load[2], pending.get(w.worker_id, 0)) / bs
+                if queued_blocks is not None:
+                    queued = queued_blocks.get(w.worker_id, 0)
+                else:
+                    queued = max(load[2], pending.get(w.worker_id, 0)) / bs
                 requests = max(load[0] + load[1], inflight.get(w.worker_id, 0))
             return (weights.overlap * matches.get(w.worker_id, 0) - weights.load * queued
                     - weights.request * requests)

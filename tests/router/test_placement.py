@@ -151,8 +151,11 @@ def test_each_placement_has_its_own_worker_request_id():
 class _Events:
     """The KV event consumer as placement sees it (``router.kv_index.KVEventConsumer``'s read side)."""
 
-    def __init__(self, index, synced: set[str], connected: bool = True) -> None:
-        self.index, self._synced, self.connected = index, synced, connected
+    def __init__(self, index, synced: set[str], connected: bool = True, pending_s: float = 0.0) -> None:
+        self.index, self._synced, self.connected, self.pending_s = index, synced, connected, pending_s
+
+    def placed(self, worker_id: str, hashes) -> None:
+        self.index.add_pending(worker_id, hashes, self.pending_s)
 
     def synced(self, worker_id: str) -> bool:
         return worker_id in self._synced
