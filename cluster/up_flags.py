@@ -120,6 +120,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                     help="per running/waiting/in-flight request, in blocks (default 2)")
     kv.add_argument("--kv-tie-blocks", type=float, default=None, metavar="B",
                     help="scores within B blocks of the best are drawn at random (no herding; default 1, 0 = off)")
+    kv.add_argument("--kv-pending-s", type=float, default=None, metavar="S",
+                    help="a placed prompt's blocks count as pending on its worker (held, and queued prefill work) "
+                         "for S seconds or until its KV events confirm them (default 2, 0 = the events alone)")
+    kv.add_argument("--no-kv-replica-sync", dest="kv_replica_sync", action="store_false",
+                    help="do not share placements between routers ({ns}:kvplace): each router counts only its own "
+                         "pending placements")
     sec = p.add_argument_group("public API security", "Secrets are read from files or the environment, never "
                                                       "printed; see docs/security.md.")
     sec.add_argument("--ssl-certfile", default=None, metavar="FILE",
@@ -256,7 +262,9 @@ def router_overrides(args: argparse.Namespace) -> dict:
         out["quota_routers"] = args.quota_routers
     if not getattr(args, "kv_events", True):
         out["kv_events"] = False
-    for name in ("kv_overlap_weight", "kv_load_weight", "kv_request_weight", "kv_tie_blocks"):
+    if not getattr(args, "kv_replica_sync", True):
+        out["kv_replica_sync"] = False
+    for name in ("kv_overlap_weight", "kv_load_weight", "kv_request_weight", "kv_tie_blocks", "kv_pending_s"):
         if getattr(args, name, None) is not None:
             out[name] = getattr(args, name)
     return out

@@ -141,3 +141,14 @@ def test_api_keys_file_and_quota_routers_reach_the_router_config(tmp_path):
         assert "--api-keys-file" in str(e.value) and message in str(e.value)
     with pytest.raises(ValueError, match="--quota-routers"):
         check_up_args(build_parser().parse_args(["up", "--quota-routers", "0"]))
+
+
+@pytest.mark.parametrize("cmd", ["up", "router"])
+def test_replica_sync_and_pending_flags_reach_the_router_config(cmd):
+    from router.config import RouterConfig
+
+    argv = [cmd, "--no-kv-replica-sync", "--kv-pending-s", "0.5"] + (["--namespace", "ns"] if cmd == "router" else [])
+    cfg = RouterConfig(**router_overrides(build_parser().parse_args(argv)))
+    assert (cfg.kv_replica_sync, cfg.kv_pending_s) == (False, 0.5)
+    default = RouterConfig(**router_overrides(build_parser().parse_args([cmd] + argv[4:])))
+    assert (default.kv_replica_sync, default.kv_pending_s) == (True, 2.0)
