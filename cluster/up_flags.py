@@ -108,6 +108,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-requests", type=int, default=None, metavar="N",
                    help="requests the router holds at once (running + queued); past it a request gets "
                         "RESOURCE_EXHAUSTED at once (router default 192; must stay below its 256 RPC threads)")
+    p.add_argument("--stream-stall-timeout-s", type=float, default=60.0, metavar="S",
+                   help="cut off a streaming client that has not read a response message for S seconds (gRPC: "
+                        "stream reset, CANCELLED; HTTP: connection closed); its request is cancelled on the "
+                        "workers. 0: never (default 60)")
     kv = p.add_argument_group("cache-aware routing", "Prefill/colocated workers are scored as overlap x cached "
                               "prompt blocks - load x queued prompt blocks - request x requests, on the index the "
                               "workers' KV events build in every router (docs/interfaces.md)")
@@ -258,6 +262,10 @@ def router_overrides(args: argparse.Namespace) -> dict:
         out["tool_call_parser"] = args.tool_call_parser
     if getattr(args, "api_keys_file", None):
         out["api_keys_file"] = args.api_keys_file
+    stall = getattr(args, "stream_stall_timeout_s", 60.0)
+    if stall < 0:
+        raise ValueError(f"--stream-stall-timeout-s must be >= 0 (0: never), got {stall:g}")
+    out["stream_stall_timeout_s"] = stall or None
     if getattr(args, "quota_routers", 1) != 1:
         out["quota_routers"] = args.quota_routers
     if not getattr(args, "kv_events", True):

@@ -105,6 +105,10 @@ class RouterMetrics(ComponentMetrics):
         limit it was over."""
         self._child("quota_rejections_total", check_label("key_name", key_name), check_label("limit", limit)).inc()
 
+    def inc_stream_stall(self, api: str) -> None:
+        """A stream cut off because its client stopped reading (``router.stream_stall``); ``api``: grpc, http."""
+        self._child("stream_stalls_total", check_label("api", api)).inc()
+
     # --- cache-aware routing (router/kv_index.py) ---
     def inc_kv_events_consumed(self, n: int = 1) -> None:
         self._series["kv_events_consumed_total"].inc(check_count("kv_events_consumed", n))

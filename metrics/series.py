@@ -110,6 +110,9 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
     "quota_rejections_total": (ROUTER, "counter", "Requests refused because their API key's name was over one of "
                                "its limits (router.quotas; limit: requests_per_s, tokens_per_min, max_concurrent).",
                                ("key_name", "limit")),
+    "stream_stalls_total": (ROUTER, "counter", "Streams cut off because the client stopped reading: one response "
+                            "message waited past the router's stall timeout (router.stream_stall; api: grpc, http).",
+                            "api"),
     # --- workers: what the engine sees ---
     "num_requests_running": (WORKER, "gauge", "Number of requests in model execution batches.", None),
     "num_requests_waiting": (WORKER, "gauge", "Number of requests waiting to be processed.", None),

@@ -14,7 +14,10 @@ by the same ``validate_generate`` as gRPC, then each choice runs as one ``Reques
 ``FlowEvent``s become a JSON response or server-sent events ending in ``data: [DONE]``, rendered
 by ``router.openai_protocol`` (this module is the transport: app, auth, threads, disconnects). A
 client that disconnects cancels its flows (the workers free its blocks): the server's
-``http.disconnect`` message wakes a watcher task at once, no polling. Errors are OpenAI's JSON
+``http.disconnect`` message wakes a watcher task at once, no polling. A response holds at most
+``STREAM_BUFFER_EVENTS`` events between its flows and the client (a full buffer stops the flows reading their
+workers), and a streaming response whose client has not read for ``stream_stall_timeout_s`` has its connection
+aborted (``router.stream_stall``), which cancels its flows like a disconnect. Errors are OpenAI's JSON
 shape with the HTTP status matching the flow's status code. With API keys configured every ``/v1``,
 ``/tokenize`` and ``/detokenize`` call needs ``Authorization: Bearer <key>`` (401 otherwise); ``/health`` and
 ``/metrics`` stay open.
@@ -47,6 +50,7 @@ from router import openai_structured as oas
 from router.core import RouterCore
 from router.quotas import Lease, QuotaBook, QuotaExceeded, max_output_tokens
 from router.events import FlowError
+from router.stream_stall import connection_abort, send_within
 from router.validation import validate_generate
 from router.wire import structured_outputs_to_proto
 from transport.api_keys import ApiKey, KeySource, KeyTable, bearer_token
@@ -67,8 +71,12 @@ class _Choice:
     as (choice index over the whole request, item): prompt ``index`` owns choices ``index * n ..``."""
 
     def __init__(self, core: RouterCore, index: int, greq: Any, loop: asyncio.AbstractEventLoop,
-                 out: "asyncio.Queue[tuple[int, Any]]", timeout_s: Optional[float], n: int = 1) -> None:
+                 out: "asyncio.Queue[tuple[int, Any]]", timeout_s: Optional[float], n: int = 1,
+                 slots: Optional[threading.Semaphore] = None) -> None:
+        """``slots``: the response's buffer bound, shared by its choices: one slot per queued item, given back by
+        the consumer (``_events``); a full buffer stops this flow pulling tokens from its worker."""
         self.index = index
+        self._slots = slots
         self.n = n
         self._cancel: list[Callable[[], None]] = []
         self._cancelled = False
@@ -90,6 +98,10 @@ class _Choice:
             cb()
 
     def _put(self, item: Any, choice: int = 0) -> None:
+        if self._slots is not None:
+            while not self._slots.acquire(timeout=0.5):
+                if self._cancelled:  # the response is gone: nobody takes items any more
+                    break
         self._loop.call_soon_threadsafe(self._out.put_nowait, (self.index * self.n + choice, item))
 
     def _run(self) -> None:
@@ -105,6 +117,40 @@ class _Choice:
             self._put(FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.vreq.request_id}: the router "
                                                              f"failed to serve it (logged); retry"))
         self._put(None)
+
+
+STREAM_BUFFER_EVENTS = 64
+"""Flow events one response may hold between its flows and the client; past it the flows stop pulling tokens from
+the workers until the client reads (so a client that never reads costs the router a bounded amount of memory,
+and ``router.stream_stall`` cuts it off)."""
+
+
+class _StallCutResponse(StreamingResponse):
+    """A streaming response whose connection is aborted when one send waits ``stall_s`` for the client."""
+
+    def __init__(self, content: Any, stall_s: Optional[float], on_cut: Callable[[], None], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._stall_s, self._on_cut = stall_s, on_cut
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await super().__call__(scope, receive, send_within(send, self._stall_s, scope.get(_ABORT), self._on_cut))
+
+
+_ABORT = "pdserve.abort"
+"""Scope key of the connection's abort (``router.stream_stall.connection_abort``), set by ``_ExposeAbort``."""
+
+
+class _ExposeAbort:
+    """The outermost ASGI layer: records the server's abort of the request's connection in its scope, where the
+    ``send`` is still the server's own (middleware wraps it further in)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope[_ABORT] = connection_abort(send)
+        await self.app(scope, receive, send)
 
 
 MAX_BODY_BYTES = 32 << 20
@@ -164,15 +210,18 @@ class HttpApi:
 
     def __init__(self, core: RouterCore, host: str = "127.0.0.1", port: int = 0,
                  api_keys: Union[Iterable[str], KeySource, None] = (), tls: Optional[TlsFiles] = None,
-                 max_body_bytes: int = MAX_BODY_BYTES, quotas: Optional[QuotaBook] = None) -> None:
+                 max_body_bytes: int = MAX_BODY_BYTES, quotas: Optional[QuotaBook] = None,
+                 stream_stall_timeout_s: Optional[float] = 60.0) -> None:
         """``api_keys``: plain keys or a key source (``transport.api_keys``; the router's, shared with gRPC);
         ``tls``: serve HTTPS with the same certificate (and client CA, for mutual TLS) as the gRPC API;
         ``max_body_bytes``: larger request bodies get 413 before they are read; ``quotas``: each key name's share
-        of its limits (the router's, shared with gRPC; None: no limits)."""
+        of its limits (the router's, shared with gRPC; None: no limits); ``stream_stall_timeout_s``: a streaming
+        response whose client has not read for this long is cut off (``router.stream_stall``; None: never)."""
         check_port(port, "http_port")
         if max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {max_body_bytes}")
         self.max_body_bytes = max_body_bytes
+        self.stream_stall_timeout_s = stream_stall_timeout_s
         self.core = core
         self.host, self._port = host, port
         if api_keys is None or hasattr(api_keys, "identify"):
@@ -197,7 +246,7 @@ class HttpApi:
             tls_kw = dict(ssl_certfile=self._tls.certfile, ssl_keyfile=self._tls.keyfile)
             if self._tls.ca_certs:
                 tls_kw.update(ssl_ca_certs=self._tls.ca_certs, ssl_cert_reqs=ssl.CERT_REQUIRED)
-        config = uvicorn.Config(_BodyLimit(self.app, self.max_body_bytes), log_level="warning", access_log=False,
+        config = uvicorn.Config(_ExposeAbort(_BodyLimit(self.app, self.max_body_bytes)), log_level="warning", access_log=False,
                                 lifespan="off",
                                 timeout_graceful_shutdown=1, **tls_kw)
         self._server = uvicorn.Server(config)
@@ -312,6 +361,7 @@ class HttpApi:
             return self._error(503, "router is not serving")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
+        slots = threading.Semaphore(STREAM_BUFFER_EVENTS)  # the response's buffer bound
 
         def prepare() -> tuple[list[_Choice], oas.Plan]:  # tokenizing, compiling a constraint: off the event loop
             lim = core.limits
@@ -328,7 +378,7 @@ class HttpApi:
                 for g in greqs:
                     g.structured_outputs.CopyFrom(so)
             try:
-                return [_Choice(core, i, g, loop, queue, None, body.n) for i, g in enumerate(greqs)], plan
+                return [_Choice(core, i, g, loop, queue, None, body.n, slots) for i, g in enumerate(greqs)], plan
             except ValueError as e:
                 msg = plan.relabel(str(e))
                 if msg.startswith("token_ids"):  # the gRPC field's name; the client wrote prompt (or messages)
@@ -362,7 +412,7 @@ class HttpApi:
         try:
             for c in choices:
                 c.start()
-            events = self._events(choices, queue, request, lease)
+            events = self._events(choices, queue, request, lease, slots)
         except BaseException:
             lease.release(None)
             raise
@@ -370,7 +420,8 @@ class HttpApi:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             out = oa.EventStream(rid, chat, model, n_prompt, detok, include_usage, plan.parser, echo,
                                  1 if body.use_beam_search else body.n, echo_first)
-            return StreamingResponse(self._sse(events, out), media_type="text/event-stream")
+            return _StallCutResponse(self._sse(events, out), self.stream_stall_timeout_s, self._count_stall,
+                                     media_type="text/event-stream")
         whole = oa.ResponseBody(rid, chat, core.limits.model_name, len(choices) * body.n, n_prompt, detok,
                                 plan.parser, echo, 1 if body.use_beam_search else body.n, echo_first)
         return await self._collect(events, whole)
@@ -384,8 +435,12 @@ class HttpApi:
             pass
         queue.put_nowait((-1, _DISCONNECTED))
 
+    def _count_stall(self) -> None:
+        if self.core.metrics is not None:
+            self.core.metrics.inc_stream_stall("http")
+
     async def _events(self, choices: list[_Choice], queue: asyncio.Queue, request: Request,
-                      lease: Lease) -> AsyncIterator[tuple[int, Any]]:
+                      lease: Lease, slots: threading.Semaphore) -> AsyncIterator[tuple[int, Any]]:
         """(choice index, FlowEvent | FlowError) until every choice ended; a disconnect cancels them all. The
         quota ``lease`` is released at the end, however it comes, with the tokens the flows reported."""
         live = len(choices)
@@ -397,6 +452,7 @@ class HttpApi:
                 if item is _DISCONNECTED:
                     log.info("HTTP client went away: cancelling %d choice(s)", live)
                     return
+                slots.release()
                 if item is None:
                     live -= 1
                     continue

@@ -3,7 +3,8 @@
 Lifecycle: ``RouterServer(cfg, workers)`` -> ``start()`` = ``bind()`` (port 0 = free; health
 NOT_SERVING, reflection) + ``load()`` (the ``RouterCore`` reads the tokenizer and limits, no
 weights; metrics endpoint; the OpenAI-compatible HTTP API when ``cfg.http_port`` is set;
-health SERVING; with ``cfg.health_port`` a second, plaintext server offers only health, mirroring it,
+health SERVING; the stall watch (``router.stream_stall``) that cuts off a stream whose client stopped
+reading; with ``cfg.health_port`` a second, plaintext server offers only health, mirroring it,
 for probes that speak no TLS). Each ``Generate`` is validated
 (INVALID_ARGUMENT naming the field), then run by the core (admission, the request flow),
 whose front-end-neutral ``FlowEvent``s this servicer renders as ``GenerateResponse``s and
@@ -28,6 +29,7 @@ from router.validation import ModelLimits, validate_generate
 from router.wire import logprobs_to_public
 from router.worker_source import Pool, WorkerList
 from router.quotas import Lease, QuotaBook, QuotaExceeded, max_output_tokens
+from router.stream_stall import StallWatch
 from transport.api_keys import bearer_token, key_source
 from transport.auth import BearerAuth
 from transport.serving import GrpcServing
@@ -79,6 +81,8 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         self._metrics_stop: Optional[Callable[[], None]] = None
         self.http: Optional[Any] = None
         """The OpenAI-compatible HTTP front end (``router.http_api.HttpApi``) when ``cfg.http_port`` is set."""
+        self.stalls = StallWatch(cfg.stream_stall_timeout_s, self._count_stall)
+        """Cuts off gRPC streams whose client stopped reading (``router.stream_stall``)."""
 
     @property
     def http_address(self) -> str:
@@ -141,12 +145,14 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         self.core.load()
         if self.cfg.serve_metrics:
             self.metrics_address, self._metrics_stop = self.core.metrics.serve(host=self.cfg.host, port=0)
+        self.stalls.start()
         if self.cfg.http_port is not None:
             from router.http_api import HttpApi
 
             tls = (TlsFiles(self.cfg.ssl_certfile, self.cfg.ssl_keyfile, self.cfg.ssl_ca_certs)
                    if self.cfg.ssl_certfile else None)
-            self.http = HttpApi(self.core, self.cfg.host, self.cfg.http_port, self.keys, tls, quotas=self.quotas)
+            self.http = HttpApi(self.core, self.cfg.host, self.cfg.http_port, self.keys, tls, quotas=self.quotas,
+                                stream_stall_timeout_s=self.cfg.stream_stall_timeout_s)
             self.http.start()
         if not self.core.draining:
             self._set_serving(True)
@@ -195,6 +201,7 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
     def stop(self) -> None:
         if self.http is not None:
             self.http.stop()
+        self.stalls.stop()
         self._serving.stop(0.5)
         if self._health_serving is not None:
             self._health_serving.stop(0)
@@ -217,11 +224,16 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         lease = self._admit(vreq, context)
         failure: Optional[FlowError] = None
         completion: Optional[int] = None
+        # A reset ends the stream even while gRPC waits on the client's flow-control window; it also runs the
+        # flow's cancel (registered below), which frees the request on the workers.
+        stall = self.stalls.watch(context.cancel)
         try:
             for ev in core.generate(vreq, t0, context.time_remaining(), _on_termination(context)):
                 if ev.usage is not None:
                     completion = (completion or 0) + ev.usage.completion_tokens
+                stall.sending()  # gRPC resumes this generator once the message is sent (the client took it)
                 yield render(ev)
+                stall.sent()
         except FlowError as e:
             failure = e
         except Exception:  # a bug, not the client's fault: logged whole, answered without internals
@@ -229,9 +241,14 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             failure = FlowError(grpc.StatusCode.UNAVAILABLE, f"request {vreq.request_id}: the router failed "
                                                              f"to serve it (logged); retry")
         finally:
+            stall.close()
             lease.release(completion)
         if failure is not None:
             self._error(context, failure.code, failure.message)
+
+    def _count_stall(self, api: str) -> None:
+        if self.core.metrics is not None:
+            self.core.metrics.inc_stream_stall(api)
 
     def _count_quota_rejection(self, name: str, limit: str) -> None:
         if self.core.metrics is not None:

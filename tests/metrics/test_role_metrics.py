@@ -21,7 +21,8 @@ ROUTER_HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds
 ROUTER_COUNTERS = ["request_success", "request_errors", "prompt_tokens", "generation_tokens", "request_migrations",
                    "local_prefill_requests", "degraded_requests", "kv_events_consumed", "kv_events_rejected",
                    "kv_events_resyncs", "kv_events_redis_errors", "kv_replica_published", "kv_replica_dropped",
-                   "kv_replica_applied", "routing_decisions", "quota_rejections"]
+                   "kv_replica_applied", "routing_decisions", "quota_rejections",
+                   "stream_stalls"]
 ROUTER_GAUGES = ["router_requests_in_flight", "router_requests_waiting", "kv_events_consumer_lag_seconds",
                  "kv_index_blocks", "kv_index_workers"]
 WORKER_HISTOGRAMS = ["request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
@@ -93,6 +94,7 @@ ROUTER_CALLS = [
     ("set_kv_index_size", (3, 1), "kv_index_blocks"),
     ("inc_routing_decision", ("kv_events",), "routing_decisions_total"),
     ("inc_quota_rejection", ("team-a", "max_concurrent"), "quota_rejections_total"),
+    ("inc_stream_stall", ("grpc",), "stream_stalls_total"),
 ]
 WORKER_CALLS = [
     ("observe_queue_time", (0.1,), "request_queue_time_seconds"),
