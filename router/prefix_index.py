@@ -6,16 +6,16 @@ a worker it asks ``match`` how many leading blocks of the new prompt each candid
 before. Like SGLang's cache-aware router this is an approximate mirror, not a query of the
 workers: it forgets least recently used keys past ``capacity_blocks`` per worker, and a worker's
 own eviction is not seen, so a match is a hint for ranking, never a correctness input (a wrong
-hint costs a recompute, never a wrong token). Since the KV event index (``router.kv_index``) this mirror is the
-fallback while a worker's events are not in sync, and, for ``RouterConfig.kv_pending_s`` after a send, the
-router's knowledge of blocks a worker is computing now, before its events confirm them.
+hint costs a recompute, never a wrong token). Since the KV event index (``router.kv_index``) this mirror is only the
+fallback while a worker's events are not in sync (blocks a worker is computing now, before its events confirm them,
+are the index's pending blocks: ``KVIndex.add_pending``).
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections import OrderedDict
-from typing import Optional, Sequence
+from typing import Sequence
 
 
 class PrefixIndex:
@@ -28,19 +28,15 @@ class PrefixIndex:
         self._lock = threading.Lock()
         self._by_worker: dict[str, OrderedDict[int, float]] = {}  # block hash -> when it was last sent
 
-    def match(self, worker_id: str, hashes: Sequence[int], max_age_s: Optional[float] = None) -> int:
-        """How many leading blocks of ``hashes`` were sent to ``worker_id`` (and not forgotten); with
-        ``max_age_s``, only blocks sent within that many seconds count (what the worker's KV events may not
-        have confirmed yet)."""
-        oldest = None if max_age_s is None else time.monotonic() - max_age_s
+    def match(self, worker_id: str, hashes: Sequence[int]) -> int:
+        """How many leading blocks of ``hashes`` were sent to ``worker_id`` (and not forgotten)."""
         with self._lock:
             seen = self._by_worker.get(worker_id)
             if not seen:
                 return 0
             n = 0
             for h in hashes:
-                t = seen.get(h)
-                if t is None or (oldest is not None and t < oldest):
+                if h not in seen:
                     break
                 n += 1
             return n

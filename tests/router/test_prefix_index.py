@@ -57,9 +57,3 @@ def test_router_config_rejects_bad_prefix_settings(field, value):
         RouterConfig(**{field: value})
 
 
-def test_match_can_count_only_recent_sends():
-    idx = PrefixIndex()
-    idx.record("p0", [1, 2])
-    assert idx.match("p0", [1, 2], max_age_s=60.0) == 2
-    assert idx.match("p0", [1, 2], max_age_s=0.0) == 0  # older than "now": what the events must confirm
-    assert idx.match("p0", [1, 2]) == 2
