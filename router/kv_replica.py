@@ -15,7 +15,8 @@ drops those entries (``reason="redis_error"``) and backs off: Redis down costs o
 Every router's consumer thread reads the stream in the same ``XREAD`` as the workers' event streams (from its
 newest entry at start: a placement older than the pending window is worth nothing), skips its own entries and
 marks the others' blocks pending on that worker for what is left of ``RouterConfig.kv_pending_s`` (the entry's
-age by the publisher's clock). ``stop()`` ends the thread; the key expires ``ttl_s`` after the last write.
+age by the publisher's clock). ``stop()`` ends the thread and deletes the key (the other routers have read its
+seconds-old entries; the next placement creates it again); otherwise it expires ``ttl_s`` after the last write.
 
 An entry: ``r`` (the publishing router's random id), ``w`` (worker id), ``t`` (publish time, Unix seconds),
 ``h`` (the prompt's block hashes, little-endian unsigned 64-bit, at most ``MAX_HASHES``).
@@ -159,10 +160,19 @@ class PlacementPublisher:
                 time.sleep(wait)  # Redis away: what queues meanwhile is dropped as the queue fills (counted)
                 wait = min(2 * wait, 1.0)
 
-    def stop(self) -> None:
-        """End the thread (what is still queued is dropped)."""
-        if self._thread is None:
-            return
+    def stop(self, delete: bool = True) -> None:
+        """End the thread (what is still queued is dropped) and, with ``delete``, remove the shared stream: its
+        entries are seconds old, so the other routers have read them, and the next placement creates it again (the
+        key would expire ``ttl_s`` later anyway; a stopped deployment leaves no key)."""
+        if self._thread is not None:
+            self._stop_thread()
+        if delete:
+            try:
+                self._redis.delete(self.key)
+            except redis.RedisError as e:
+                log.warning("router %s: could not delete %s (it expires by itself): %s", self.router_id, self.key, e)
+
+    def _stop_thread(self) -> None:
         while True:
             try:
                 self._q.put_nowait(_STOP)

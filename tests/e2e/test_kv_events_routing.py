@@ -101,7 +101,7 @@ def deployment(redis_url):
         d.close()
         leftover = Registry(redis_url, ns)
         try:
-            assert [k for k in leftover.keys() if ":kvev:" in k or ":kvsnap:" in k] == []  # stop deleted them
+            assert [k for k in leftover.keys() if ":kvev:" in k or ":kvsnap:" in k or k.endswith(":kvplace")] == []
             leftover.clear()
         finally:
             leftover.close()
@@ -120,6 +120,7 @@ def roomy(redis_url):
         d.close()
         leftover = Registry(redis_url, ns)
         try:
+            assert [k for k in leftover.keys() if ":kvev:" in k or ":kvsnap:" in k or k.endswith(":kvplace")] == []
             leftover.clear()
         finally:
             leftover.close()

@@ -117,6 +117,7 @@ def test_replica_sync_shows_one_routers_placement_to_the_others(redis_url, redis
         for r in routers:
             r.consumer.stop()
         pub.stop()
+    assert redis.Redis.from_url(redis_url).exists(kv_place_key(redis_namespace)) == 0  # a stopped router deletes it
 
 
 def test_without_replica_sync_a_router_knows_only_its_own_placements(redis_url, redis_namespace):
