@@ -19,15 +19,18 @@ event consumer. Policies:
   blocks it has just placed as pending on that worker, and shares its placements with the other routers (replica
   sync, ``{ns}:kvplace``);
 - ``kv_events_nosync``: the same without replica sync (``RouterConfig(kv_replica_sync=False)``): each router knows
-  only its own pending placements (only run with 3 routers: with one there is nobody to share with).
+  only its own pending placements (with 1 router it should equal ``kv_events``: nobody to share with).
 
 Printed per (policy, routers): prefix-cache hit rate (cached / prompt tokens, from the responses' usage), mean
 and p90 TTFT (client side), load spread (requests per worker, max over mean), and each turn's outcome (``hit``;
 ``system_miss``: a first turn computed its system prompt; ``history_lost``: a later turn left the worker holding
-its history; ``cold``: a later turn found not even its system prompt). Hit rate and spread do not
-depend on machine load; TTFT does (run it on a quiet machine, and read it as a ratio within one run).
+its history; ``cold``: a later turn found not even its system prompt). Hit rate and spread depend on machine load
+only through timing (how close together a burst's decisions fall); TTFT depends on it directly (run it on a quiet
+machine, and read it as a ratio within one run). Runs are noisy (48-72 requests each): ``--repeat N`` runs every row
+N times, interleaved, and prints each row's mean at the end.
 
-    nice -n 10 .venv/bin/python benchmarks/prefix_routing.py --short
+    nice -n 10 .venv/bin/python benchmarks/prefix_routing.py --short       # a quick check (4 turns)
+    .venv/bin/python benchmarks/prefix_routing.py --repeat 3 --json results/prefix_routing.json
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ import time
 import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -260,6 +263,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--redis-url", default=None, help="default: an embedded redis-server")
     ap.add_argument("--short", action="store_true", help="a quick run: 4 turns")
+    ap.add_argument("--repeat", type=int, default=1, help="run every row this many times (interleaved); means at the end")
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--only", default=None, help="comma-separated runs, e.g. kv_events/3,mirror/1 (default: all)")
     ap.add_argument("--kv-request-weight", type=float, default=None, help="RouterConfig.kv_request_weight")
@@ -282,8 +286,9 @@ def main() -> None:
         redis_url = server.url
     rows = []
     try:
-        for policy, n in (("round_robin", 1), ("mirror", 1), ("mirror", 3), ("kv_events", 1), ("kv_events", 3),
-                          ("kv_events_nosync", 3)):
+        for _rep, (policy, n) in ((r, pn) for r in range(args.repeat) for pn in (
+                ("round_robin", 1), ("mirror", 1), ("mirror", 3), ("kv_events_nosync", 1), ("kv_events", 1),
+                ("kv_events_nosync", 3), ("kv_events", 3))):
             if args.only and f"{policy}/{n}" not in args.only.split(","):
                 continue
             row = measure(args, redis_url, policy, n)
@@ -296,15 +301,25 @@ def main() -> None:
     finally:
         if server is not None:
             server.stop()
-    rr = rows[0]
-    for row in rows[1:] if rr["policy"] == "round_robin" else []:
-        print(f"{row['policy']}/{row['routers']} vs round_robin: hit rate {row['hit_rate'] - rr['hit_rate']:+.3f}, "
-              f"p90 TTFT x{rr['ttft_p90_ms'] / row['ttft_p90_ms']:.2f} better")
+    means: dict[str, dict[str, float]] = {}
+    for key in dict.fromkeys(f"{r['policy']}/{r['routers']}" for r in rows):
+        same = [r for r in rows if f"{r['policy']}/{r['routers']}" == key]
+        means[key] = {k: statistics.mean(r[k] for r in same)
+                      for k in ("hit_rate", "ttft_mean_ms", "ttft_p90_ms", "spread_max_over_mean")}
+        m = means[key]
+        each = " ".join(format(r["hit_rate"], ".3f") for r in same)
+        print(f"mean of {len(same)}: {key:<18} hit_rate={m['hit_rate']:.3f} ttft_mean={m['ttft_mean_ms']:.1f}ms "
+              f"ttft_p90={m['ttft_p90_ms']:.1f}ms spread={m['spread_max_over_mean']:.2f} (hit rates {each})")
+    rr = means.get("round_robin/-")
+    for key, m in means.items() if rr is not None else ():
+        if key != "round_robin/-":
+            print(f"{key} vs round_robin: hit rate {m['hit_rate'] - rr['hit_rate']:+.3f}, "
+                  f"p90 TTFT x{rr['ttft_p90_ms'] / m['ttft_p90_ms']:.2f} better")
     load = os.getloadavg()
     print(f"machine load average (1/5/15 min): {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "loadavg": load}, f, indent=1)
+            json.dump({"args": vars(args), "rows": rows, "means": means, "loadavg": load}, f, indent=1)
 
 
 if __name__ == "__main__":
