@@ -165,6 +165,10 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> None:
     """ValueError naming ``flag`` unless ``port`` can be bound on ``host`` now."""
     # Fail in a second, not after Ray and the workers have started (the router binds last).
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        # As the servers themselves bind (gRPC and uvicorn set SO_REUSEADDR): a port whose last owner was killed
+        # keeps its connections in TIME_WAIT for a minute, and a restarted router must still get it (a listener
+        # on the port still makes the bind fail).
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:

@@ -237,7 +237,12 @@ class FaultTolerantHead:
         self.start()
 
     def close(self) -> None:
-        procs = procs_of(self.tmp, self.port)
+        # The raylets' agents rename themselves (ray::DashboardAgent): found as children, not by command line.
+        procs = {p.pid: p for p in procs_of(self.tmp, self.port)}
+        for p in list(procs.values()):
+            with contextlib.suppress(psutil.Error):
+                procs.update((c.pid, c) for c in p.children(recursive=True))
+        procs = list(procs.values())
         for p in procs:
             with contextlib.suppress(psutil.Error):
                 p.kill()
