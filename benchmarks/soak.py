@@ -41,7 +41,11 @@ differed or blocks/keys leaked.
 The faults and the RSS sampler are in ``soak_chaos.py``, the analysis and the
 report in ``soak_report.py`` (beside this script).
 
+``--deployment`` runs the deployment shape instead (separate controller, routers, Ray nodes; clients that retry and
+fail over; kills of routers, the controller, Redis and the GCS; SIGSTOP): ``benchmarks/soak_deploy.py``.
+
 Usage:
+    python benchmarks/soak.py --deployment --prefill 2 --decode 2 --rate 1.5 --duration-s 1800 --fault-every-s 120
     python benchmarks/soak.py                                   # the full soak: 30 min, a kill every 5 min
     python benchmarks/soak.py --duration-s 540 --kill-every-s 120 --window-s 120   # the recorded 9-min run
 """
@@ -98,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--check-requests", type=int, default=32, help="successful requests checked against offline")
     ap.add_argument("--seed", type=int, default=0, help="seeds prompts and the choice of victims")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "soak" / "result.json", help="JSON result file")
+    dep = ap.add_argument_group("--deployment", "the deployment shape instead (benchmarks/soak_deploy.py): "
+                                "controller + 2 routers + workers on a Ray head and worker node, clients that retry")
+    dep.add_argument("--deployment", action="store_true", help="run the deployment-shape chaos soak")
+    from soak_deploy import add_args
+
+    add_args(dep)
     return ap
 
 
@@ -163,6 +173,12 @@ def load_rows(ns: argparse.Namespace, n: int) -> list:
 
 def main(argv: Optional[list[str]] = None) -> int:
     ns = parse_args(argv)
+    if ns.deployment:
+        if ns.rate is None:
+            raise SystemExit("--deployment needs --rate (req/s): it has no capacity probe")
+        import soak_deploy
+
+        return soak_deploy.main(ns)
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     log_path = ns.out.with_suffix(".log")
     logging.basicConfig(level=logging.WARNING, filename=str(log_path), filemode="w",
