@@ -112,6 +112,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="cut off a streaming client that has not read a response message for S seconds (gRPC: "
                         "stream reset, CANCELLED; HTTP: connection closed); its request is cancelled on the "
                         "workers. 0: never (default 60)")
+    p.add_argument("--no-output-streams", dest="output_streams", action="store_false",
+                   help="stream each request's tokens from its worker on its own call, a message per token, instead "
+                        "of one stream per worker with a message per engine step (for comparison; default: streams)")
     kv = p.add_argument_group("cache-aware routing", "Prefill/colocated workers are scored as overlap x cached "
                               "prompt blocks - load x queued prompt blocks - request x requests, on the index the "
                               "workers' KV events build in every router (docs/interfaces.md)")
@@ -268,6 +271,8 @@ def router_overrides(args: argparse.Namespace) -> dict:
     out["stream_stall_timeout_s"] = stall or None
     if getattr(args, "quota_routers", 1) != 1:
         out["quota_routers"] = args.quota_routers
+    if not getattr(args, "output_streams", True):
+        out["output_streams"] = False
     if not getattr(args, "kv_events", True):
         out["kv_events"] = False
     if not getattr(args, "kv_replica_sync", True):

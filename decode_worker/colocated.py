@@ -26,6 +26,7 @@ from decode_worker import choices
 from decode_worker.choices import AbortChoiceServicer, ChoiceRequest, ChoiceRequestSet
 from proto import worker_pb2, worker_pb2_grpc
 from worker_common.config import WorkerConfig
+from worker_common.output_stream import OutputStreamServicer
 from worker_common.request import RequestError, request_params
 from worker_common.wire import logprobs_to_proto, prompt_logprobs_to_proto
 from worker_common.worker_base import WorkerBase
@@ -136,11 +137,20 @@ class GenerateServicer:
         if siblings:
             req.prompt, req.siblings = ids, siblings
 
+        out = w.bind_output(request.output_stream, rid)
+        if out is not None:  # chunks go to the router's output stream; this call is the request's lifetime
+            out.is_last, req.out = choices.is_last(req), out
+
         def add(eng: Any) -> None:
             w.check_new(rid, "running")
             self.local.add(eng, req, ids, params, resume)
 
-        w.loop.call(add)
+        try:
+            w.loop.call(add)
+        except BaseException:
+            if out is not None:
+                out.discard()
+            raise
         yield from w.stream_events(rid, req.out, context, choices.is_last(req))
 
 
@@ -151,7 +161,7 @@ def register_colocated_service(servicer: Any, server: grpc.Server) -> str:
     return worker_pb2.DESCRIPTOR.services_by_name["ColocatedWorker"].full_name
 
 
-class ColocatedWorker(GenerateServicer, AbortChoiceServicer, WorkerBase):
+class ColocatedWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, WorkerBase):
     """gRPC worker that serves whole requests on one engine (see module docstring)."""
 
     role = "colocated"

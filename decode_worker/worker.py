@@ -33,6 +33,7 @@ from decode_worker.colocated import GenerateServicer, LocalRequests, register_co
 from decode_worker.config import DecodeWorkerConfig
 from kvtransfer import TransferState
 from proto import worker_pb2, worker_pb2_grpc
+from worker_common.output_stream import OutputStreamServicer
 from worker_common.request import RequestContext, RequestError, request_params
 from worker_common.wire import logprob_from_proto, logprobs_to_proto
 from worker_common.worker_base import WorkerBase
@@ -174,7 +175,7 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
         self.ctx.engine.abort_request(req.request_id)
 
 
-class DecodeWorker(GenerateServicer, AbortChoiceServicer, WorkerBase):
+class DecodeWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, WorkerBase):
     """gRPC decode worker around one engine (see module docstring).
 
     Two request sets: ``disagg`` (Reserve/Decode: KV from a prefill worker) and ``local`` (the
@@ -248,5 +249,18 @@ class DecodeWorker(GenerateServicer, AbortChoiceServicer, WorkerBase):
                                                             f"(request {rid})")
         lp = logprob_from_proto(request.first_logprob) if request.HasField("first_logprob") else None
         siblings = choices.sibling_params(request.siblings, rid)
-        req = self.loop.call(lambda eng: self.disagg.activate(rid, request.first_token_id, lp, siblings))
+        out = self.bind_output(request.output_stream, rid)
+
+        def activate(eng: Any) -> _DecodeReq:
+            req = self.disagg.activate(rid, request.first_token_id, lp, siblings)
+            if out is not None:  # chunks go to the router's output stream; this call is the request's lifetime
+                out.is_last, req.out = choices.is_last(req), out
+            return req
+
+        try:
+            req = self.loop.call(activate)
+        except BaseException:
+            if out is not None:
+                out.discard()
+            raise
         yield from self.stream_events(rid, req.out, context, choices.is_last(req))

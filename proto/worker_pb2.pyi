@@ -151,16 +151,18 @@ class ReserveResponse(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_name: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "first_token_id", "first_logprob", "siblings")
+    __slots__ = ("request_id", "first_token_id", "first_logprob", "siblings", "output_stream")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     SIBLINGS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_STREAM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token_id: int
     first_logprob: _pdserve_pb2.TokenLogprob
     siblings: _containers.RepeatedCompositeFieldContainer[WireSamplingParams]
-    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_pdserve_pb2.TokenLogprob, _Mapping]] = ..., siblings: _Optional[_Iterable[_Union[WireSamplingParams, _Mapping]]] = ...) -> None: ...
+    output_stream: str
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., first_logprob: _Optional[_Union[_pdserve_pb2.TokenLogprob, _Mapping]] = ..., siblings: _Optional[_Iterable[_Union[WireSamplingParams, _Mapping]]] = ..., output_stream: _Optional[str] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "kv_wait_s", "queue_s", "prefill_s", "num_cached_tokens", "index", "prompt_logprobs")
@@ -231,15 +233,43 @@ class PrefillEvent(_message.Message):
     def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ...) -> None: ...
 
 class ColocatedRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "resume_token_ids", "siblings")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "resume_token_ids", "siblings", "output_stream")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SIBLINGS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_STREAM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: WireSamplingParams
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     siblings: _containers.RepeatedCompositeFieldContainer[WireSamplingParams]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WireSamplingParams, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., siblings: _Optional[_Iterable[_Union[WireSamplingParams, _Mapping]]] = ...) -> None: ...
+    output_stream: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WireSamplingParams, _Mapping]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., siblings: _Optional[_Iterable[_Union[WireSamplingParams, _Mapping]]] = ..., output_stream: _Optional[str] = ...) -> None: ...
+
+class OutputStreamRequest(_message.Message):
+    __slots__ = ("stream_id",)
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    def __init__(self, stream_id: _Optional[str] = ...) -> None: ...
+
+class RequestOutput(_message.Message):
+    __slots__ = ("request_id", "chunk", "last", "error_code", "error_message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    chunk: DecodeChunk
+    last: bool
+    error_code: int
+    error_message: str
+    def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[DecodeChunk, _Mapping]] = ..., last: _Optional[bool] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
+class StepOutputs(_message.Message):
+    __slots__ = ("outputs",)
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ...) -> None: ...

@@ -59,6 +59,11 @@ class DecodeWorkerStub:
                 request_serializer=proto_dot_worker__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.OpenOutputStream = channel.unary_stream(
+                '/pdserve.internal.v1.DecodeWorker/OpenOutputStream',
+                request_serializer=proto_dot_worker__pb2.OutputStreamRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.StepOutputs.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -94,6 +99,12 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenOutputStream(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=proto_dot_worker__pb2.GetInfoRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'OpenOutputStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.OpenOutputStream,
+                    request_deserializer=proto_dot_worker__pb2.OutputStreamRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.StepOutputs.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +274,33 @@ class DecodeWorker:
             '/pdserve.internal.v1.DecodeWorker/GetInfo',
             proto_dot_worker__pb2.GetInfoRequest.SerializeToString,
             proto_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenOutputStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.internal.v1.DecodeWorker/OpenOutputStream',
+            proto_dot_worker__pb2.OutputStreamRequest.SerializeToString,
+            proto_dot_worker__pb2.StepOutputs.FromString,
             options,
             channel_credentials,
             insecure,
@@ -456,6 +499,11 @@ class ColocatedWorkerStub:
                 request_serializer=proto_dot_worker__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.OpenOutputStream = channel.unary_stream(
+                '/pdserve.internal.v1.ColocatedWorker/OpenOutputStream',
+                request_serializer=proto_dot_worker__pb2.OutputStreamRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.StepOutputs.FromString,
+                _registered_method=True)
 
 
 class ColocatedWorkerServicer:
@@ -486,6 +534,12 @@ class ColocatedWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenOutputStream(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ColocatedWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -508,6 +562,11 @@ def add_ColocatedWorkerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=proto_dot_worker__pb2.GetInfoRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'OpenOutputStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.OpenOutputStream,
+                    request_deserializer=proto_dot_worker__pb2.OutputStreamRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.StepOutputs.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -618,6 +677,33 @@ class ColocatedWorker:
             '/pdserve.internal.v1.ColocatedWorker/GetInfo',
             proto_dot_worker__pb2.GetInfoRequest.SerializeToString,
             proto_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenOutputStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.internal.v1.ColocatedWorker/OpenOutputStream',
+            proto_dot_worker__pb2.OutputStreamRequest.SerializeToString,
+            proto_dot_worker__pb2.StepOutputs.FromString,
             options,
             channel_credentials,
             insecure,

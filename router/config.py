@@ -60,6 +60,9 @@ class RouterConfig:
     loaded one's."""
     prefix_balance_tokens: int = 2048
     """How much longer a queue (in prompt tokens) prefix-aware routing accepts for a cache hit."""
+    output_streams: bool = True
+    """Take decode and colocated workers' tokens on one output stream per worker, a message per engine step
+    (``router.output_streams``); False: on each request's own call, a message per token (the way before)."""
     kv_events: bool = True
     """Cache-aware routing from the workers' KV events (``router.kv_index``): when the worker list is the Redis
     registry, follow every worker's event stream into one index of what each prefix cache really holds, and score
@@ -164,7 +167,7 @@ class RouterConfig:
         if isinstance(self.prefix_balance_tokens, bool) or not isinstance(self.prefix_balance_tokens, int) \
                 or self.prefix_balance_tokens < 0:
             raise ValueError(f"prefix_balance_tokens must be an int >= 0, got {self.prefix_balance_tokens!r}")
-        for name in ("kv_events", "kv_replica_sync"):
+        for name in ("kv_events", "kv_replica_sync", "output_streams"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("kv_overlap_weight", "kv_load_weight", "kv_request_weight", "kv_tie_blocks", "kv_pending_s"):

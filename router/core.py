@@ -28,6 +28,7 @@ from router.config import RouterConfig
 from router.events import FlowError, FlowEvent
 from router.kv_index import KVEventConsumer, KVIndex
 from router.model_info import load_model_view
+from router.output_streams import OutputStreams
 from router.placement import Placer
 from router.prefix_index import PrefixIndex
 from router.request_flow import FlowDeps, RequestFlow
@@ -54,7 +55,9 @@ class RouterCore:
         self.selector = WorkerSelector()
         self.prefixes = PrefixIndex()  # which worker this router sent which prefix: the fallback of the KV index
         self.clients = WorkerClients(cfg.cluster_secret, cfg.cluster_tls)
-        self.calls = WorkerCalls(cfg, self.clients)
+        self.streams = OutputStreams(self.clients.colocated) if cfg.output_streams else None
+        """One output stream per decode/colocated worker: its tokens for this router, a message per step."""
+        self.calls = WorkerCalls(cfg, self.clients, self.streams)
         """Every worker RPC of a request (Reserve for the placer; streams and aborts for the flows)."""
         self.admission = AdmissionQueue(on_change=lambda n: self._update_gauges())
         self.kv_index = KVIndex()
@@ -97,6 +100,8 @@ class RouterCore:
         if self.kv_events is not None:
             self.kv_events.stop()
         self.view.stop()
+        if self.streams is not None:
+            self.streams.close()
         self.clients.close()
 
     def tokenize(self, text: str) -> list[int]:

@@ -31,10 +31,12 @@ ABORT_TIMEOUT_S = 1.0
 class WorkerCalls:
     """Builds and sends every worker RPC of a request (see module docstring)."""
 
-    def __init__(self, cfg: RouterConfig, clients: Any) -> None:
-        """``clients``: stubs by address (``router.clients.WorkerClients``, or a fake with the same methods)."""
+    def __init__(self, cfg: RouterConfig, clients: Any, streams: Any = None) -> None:
+        """``clients``: stubs by address (``router.clients.WorkerClients``, or a fake with the same methods);
+        ``streams``: the router's ``OutputStreams`` (None: every request streams on its own call)."""
         self.cfg = cfg
         self.clients = clients
+        self.streams = streams
 
     # ---- placing -----------------------------------------------------------------------------------
     def reserve(self, scope: RequestScope, request_id: str, decode: WorkerInfo,
@@ -64,16 +66,32 @@ class WorkerCalls:
                                        siblings=scope.sibling_wires)
         if first.HasField("logprob"):
             msg.first_logprob.CopyFrom(first.logprob)
-        return self.clients.decode(pl.decode.grpc_address).Decode(
-            msg, timeout=scope.remaining(self.cfg.request_timeout_s))
+        address, timeout = pl.decode.grpc_address, scope.remaining(self.cfg.request_timeout_s)
+
+        def send(stream_id: str) -> Any:
+            msg.output_stream = stream_id
+            return self.clients.decode(address).Decode(msg, timeout=timeout)
+
+        return self._start(address, pl.request_id, send)
 
     def generate(self, scope: RequestScope, pl: Placement, resume_token_ids: Sequence[int]) -> Any:
         """``Generate`` on the worker running the whole request, resuming after ``resume_token_ids``."""
-        return self.clients.colocated(pl.decode.grpc_address).Generate(
-            worker_pb2.ColocatedRequest(request_id=pl.request_id, prompt_token_ids=scope.prompt_token_ids,
-                                        params=scope.wire_params, resume_token_ids=resume_token_ids,
-                                        siblings=scope.sibling_wires),
-            timeout=scope.remaining(self.cfg.request_timeout_s))
+        msg = worker_pb2.ColocatedRequest(request_id=pl.request_id, prompt_token_ids=scope.prompt_token_ids,
+                                          params=scope.wire_params, resume_token_ids=resume_token_ids,
+                                          siblings=scope.sibling_wires)
+        address, timeout = pl.decode.grpc_address, scope.remaining(self.cfg.request_timeout_s)
+
+        def send(stream_id: str) -> Any:
+            msg.output_stream = stream_id
+            return self.clients.colocated(address).Generate(msg, timeout=timeout)
+
+        return self._start(address, pl.request_id, send)
+
+    def _start(self, address: str, request_id: str, send: Any) -> Any:
+        """Send through the worker's output stream when there is one (``router.output_streams``)."""
+        if self.streams is None:
+            return send("")
+        return self.streams.start(address, request_id, send)
 
     # ---- ending ------------------------------------------------------------------------------------
     def _stub(self, pl: Placement, w: WorkerInfo) -> Any:

@@ -4,9 +4,9 @@ Lifecycle: a worker builds ``EngineLoop(engine, name, on_outputs, poll)`` and
 ``start()``s it. gRPC handler threads never touch the engine: they ``call(fn)``
 (run ``fn(engine)`` on the loop thread and wait for its result) or ``post(fn)``
 (fire and forget). Each iteration the loop runs the queued commands, then the
-role's ``poll()`` (kvtransfer progress, deadlines), then one ``engine.step()``
+role's ``poll()`` (kvtransfer progress, deadlines), ``after()``, then one ``engine.step()``
 when there is work, handing its outputs to ``on_outputs`` (still on the loop
-thread, which routes them to per-request queues). ``stop()`` ends the thread;
+thread, which routes them to per-request queues or output streams) and calling ``after()`` again. ``stop()`` ends the thread;
 commands still queued fail with RuntimeError so no caller waits forever.
 """
 from __future__ import annotations
@@ -28,14 +28,18 @@ class EngineLoop:
 
     def __init__(self, engine: Any, name: str, on_outputs: Callable[[list[CoreOutput]], None],
                  poll: Optional[Callable[[], bool]] = None, idle_wait_s: float = 0.05,
-                 busy_poll_s: float = 0.001, on_death: Optional[Callable[[BaseException], None]] = None) -> None:
+                 busy_poll_s: float = 0.001, on_death: Optional[Callable[[BaseException], None]] = None,
+                 after: Optional[Callable[[], None]] = None) -> None:
         """``poll()`` returns True while it has pending work (then the loop waits only ``busy_poll_s``);
-        ``on_death(exc)`` runs on the loop thread if an engine step (or a hook) raises."""
+        ``on_death(exc)`` runs on the loop thread if an engine step (or a hook) raises; ``after()`` runs after
+        each pass's commands and polls, after each step, and after a command that woke an idle loop (the
+        worker's output streams send what the pass put: one message per step)."""
         self.engine = engine
         self.name = name
         self._on_outputs = on_outputs
         self._poll = poll
         self._on_death = on_death
+        self._after = after or (lambda: None)
         self._idle_wait_s = idle_wait_s
         self._busy_poll_s = busy_poll_s
         self._cmds: "queue.SimpleQueue[tuple[Callable[[Any], Any], Optional[Future]]]" = queue.SimpleQueue()
@@ -113,10 +117,12 @@ class EngineLoop:
                     self._run_cmd(fn, fut)
                 if self._poll is not None:
                     busy = bool(self._poll())
+                self._after()
                 if self.engine.has_unfinished_requests():
                     outs = self.engine.step()
                     if outs:
                         self._on_outputs(outs)
+                        self._after()
                     continue
                 # idle: sleep on the command queue so a new request wakes us at once
                 try:
@@ -124,6 +130,7 @@ class EngineLoop:
                 except queue.Empty:
                     continue
                 self._run_cmd(fn, fut)
+                self._after()
         except BaseException as e:
             self.error = e
             log.exception("%s: engine loop died", self.name)

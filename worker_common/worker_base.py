@@ -27,6 +27,7 @@ from transport.auth import BearerAuth
 from transport.serving import GrpcServing
 from worker_common.config import WorkerConfig
 from worker_common.engine_loop import EngineLoop
+from worker_common.output_stream import OutputStreams, StreamedOut
 from worker_common.request import RequestContext, RequestError, RequestSet, request_params
 
 __all__ = ["RequestError", "WorkerBase", "request_params"]  # the errors and params check, re-exported
@@ -59,6 +60,8 @@ class WorkerBase:
         self.metrics_address = ""
         self._metrics_stop: Optional[Callable[[], None]] = None
         self.request_sets: list[RequestSet] = []  # the role fills it: one set per kind of request
+        self.output_streams = OutputStreams(cfg.worker_id)
+        """Routers' output streams (``worker_common.output_stream``: decode and colocated roles serve them)."""
         self._ready = False
         self._draining = False
         self._stopped = False
@@ -114,7 +117,7 @@ class WorkerBase:
         self.setup_engine(self.engine)
         self._start_kv_events(self.engine)
         self.loop = EngineLoop(self.engine, f"{self.role}-{self.cfg.worker_id}", self.on_outputs, self._poll,
-                               on_death=lambda _e: self._serving.set_serving(False))
+                               on_death=lambda _e: self._serving.set_serving(False), after=self.output_streams.flush)
         self._snapshot(self.engine)
         self.loop.start()
         self._ready = True
@@ -138,6 +141,7 @@ class WorkerBase:
             return
         self._stopped = True
         self._ready = False
+        self.output_streams.close_all()
         self._serving.stop(0.5)
         if self.loop is not None:
             self.loop.stop()
@@ -227,7 +231,12 @@ class WorkerBase:
 
     def stream_events(self, request_id: str, q: "queue.Queue", context: grpc.ServicerContext,
                       is_last: Callable[[Any], bool]) -> Iterator[Any]:
-        """Yield items the loop puts in ``q`` until ``is_last(item)``; a RequestError ends the RPC."""
+        """Yield items the loop puts in ``q`` until ``is_last(item)``; a RequestError ends the RPC. A request
+        whose items go to a router's output stream (``q`` a ``StreamedOut``) yields nothing here: the call waits
+        for the request's end and ends with it."""
+        if isinstance(q, StreamedOut):
+            yield from self._await_streamed(request_id, q, context)
+            return
         while True:
             try:
                 item = q.get(timeout=0.25)
@@ -245,6 +254,24 @@ class WorkerBase:
             yield item
             if is_last(item):
                 return
+
+    def _await_streamed(self, request_id: str, out: StreamedOut, context: grpc.ServicerContext) -> Iterator[Any]:
+        while not out.wait(0.25):
+            if self.loop is None or not self.loop.alive:
+                raise RequestError(grpc.StatusCode.INTERNAL,
+                                   f"{self.role} worker {self.cfg.worker_id}: engine loop stopped "
+                                   f"(request {request_id})")
+            if not context.is_active():
+                self.loop.post(lambda e: self.abort(request_id))
+                return
+        if out.error is not None:
+            raise out.error
+        yield from ()
+
+    def bind_output(self, stream_id: str, request_id: str) -> Optional[StreamedOut]:
+        """The request's ``out`` on the router's output stream ``stream_id`` (None for ""); UNAVAILABLE if that
+        stream is not open here (gRPC thread, before the request is added)."""
+        return self.output_streams.bind(stream_id, request_id) if stream_id else None
 
     def guard(self, request_id: str, context: grpc.ServicerContext, body: Iterator[Any]) -> Iterator[Any]:
         """Run a streaming handler body: map RequestError to a status; abort the request if the RPC ends early."""

@@ -1,0 +1,265 @@
+"""The router's end of the workers' output streams: one long-lived stream per worker, one message per step.
+
+Why: a request's chunks used to arrive on its own ``Generate``/``Decode`` call, one gRPC message per token,
+each waking the call's reader thread in the router; at 32 streams that was half of the router's CPU per token
+(docs/benchmarks.md, serving overhead). The worker side and the protocol are in
+``worker_common.output_stream`` and ``proto/worker.proto`` (``OpenOutputStream``).
+
+Lifecycle: one ``OutputStreams`` per router (``RouterCore``), closed at router stop. The first request for a
+worker address opens its stream (``stream_for``; waits, bounded, for the worker's empty first message); a
+reader thread then hands each ``RequestOutput`` to the sink of its request id. ``WorkerCalls`` registers a
+request's sink before sending its ``Generate``/``Decode`` with ``output_stream`` set and returns a
+``StreamedCall``: it iterates like the call's own stream (chunks, then StopIteration after the request's last
+one; a failure raises a ``grpc.RpcError``), and ``cancel()`` cancels the request's call, which the worker sees
+as the abort it always was. The request's call still carries its deadline and its status: a failure status
+reaches the sink through the call's done callback. When a stream breaks (the worker died, restarted or
+closed it), every request on it gets the break as UNAVAILABLE (so the flow retries or migrates) and the
+next request for that address reopens it; a worker without ``OpenOutputStream`` (an older version,
+UNIMPLEMENTED) is streamed the old way, per call, and asked again after ``RETRY_UNSUPPORTED_S``.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from typing import Any, Callable, Optional
+
+import grpc
+
+from proto import worker_pb2
+from transport.errors import StatusRpcError
+
+log = logging.getLogger(__name__)
+
+OPEN_TIMEOUT_S = 5.0
+"""How long a request waits for a new stream's first message before it is streamed on its own call instead."""
+RETRY_UNSUPPORTED_S = 60.0
+"""A worker that answered UNIMPLEMENTED (older version) is asked again after this long (it may be replaced)."""
+LAST_CHUNK_GRACE_S = 10.0
+"""After a request's call ended OK, how long its last chunk may take to arrive on the stream."""
+
+_CALL_OK = object()  # the request's call ended OK (its last chunk is on the stream, maybe still in flight)
+
+
+class _Sink:
+    """One request's chunks (RequestOutput messages), its call's failure, or ``_CALL_OK``."""
+
+    __slots__ = ("q",)
+
+    def __init__(self) -> None:
+        self.q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+
+
+class WorkerStream:
+    """One worker's output stream in this router: the call, its reader thread and the sinks by request id."""
+
+    def __init__(self, stub: Any, address: str, stream_id: str) -> None:
+        self.address, self.stream_id = address, stream_id
+        self._lock = threading.Lock()
+        self._sinks: dict[str, _Sink] = {}
+        self._open = threading.Event()
+        self.broken: Optional[grpc.RpcError] = None
+        """Why the stream ended (None while it is opening or open)."""
+        self.unsupported = False
+        """The worker answered UNIMPLEMENTED: it predates output streams."""
+        self._call = stub.OpenOutputStream(worker_pb2.OutputStreamRequest(stream_id=stream_id))
+        self._thread = threading.Thread(target=self._read, name=f"out-stream-{address}", daemon=True)
+        self._thread.start()
+
+    @property
+    def usable(self) -> bool:
+        return self._open.is_set() and self.broken is None
+
+    def wait_open(self, timeout_s: float) -> bool:
+        """Whether the worker's first message came (False: still opening after ``timeout_s``, or failed)."""
+        self._open.wait(timeout_s)
+        return self.usable
+
+    def register(self, request_id: str) -> Optional[_Sink]:
+        """A sink for ``request_id``'s outputs (None if the stream is broken)."""
+        sink = _Sink()
+        with self._lock:
+            if self.broken is not None:
+                return None
+            self._sinks[request_id] = sink
+        return sink
+
+    def unregister(self, request_id: str, sink: _Sink) -> None:
+        with self._lock:
+            if self._sinks.get(request_id) is sink:
+                del self._sinks[request_id]
+
+    def __len__(self) -> int:
+        return len(self._sinks)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def _read(self) -> None:
+        err: grpc.RpcError
+        try:
+            for msg in self._call:
+                if not self._open.is_set():
+                    self._open.set()
+                    log.info("output stream %s from %s open", self.stream_id, self.address)
+                    continue
+                with self._lock:
+                    sinks = self._sinks
+                    for o in msg.outputs:
+                        sink = sinks.get(o.request_id)
+                        if sink is None:
+                            continue  # the request was cancelled here, or ended
+                        if o.last:
+                            del sinks[o.request_id]
+                        sink.q.put(o)
+            err = StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"output stream from {self.address} ended")
+        except grpc.RpcError as e:
+            err = e
+            self.unsupported = e.code() == grpc.StatusCode.UNIMPLEMENTED
+        except Exception as e:  # never leave sinks waiting on a reader that died
+            log.exception("output stream %s from %s: reader failed", self.stream_id, self.address)
+            err = StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"output stream from {self.address} failed: {e}")
+        with self._lock:
+            self.broken = err
+            sinks, self._sinks = self._sinks, {}
+        self._open.set()
+        if sinks:
+            log.warning("output stream %s from %s broke with %d requests on it: %s", self.stream_id, self.address,
+                        len(sinks), getattr(err, "code", lambda: err)())
+        # the stream's failure reads as the worker's: UNAVAILABLE, which the flow retries or migrates
+        lost = StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"output stream from {self.address} broke: "
+                                                           f"{_details(err)}")
+        for sink in sinks.values():
+            sink.q.put(lost)
+
+
+def _details(e: Any) -> str:
+    try:
+        return f"{e.code().name}: {e.details()}"
+    except Exception:
+        return str(e)
+
+
+class StreamedCall:
+    """A request's ``Generate``/``Decode`` whose chunks come on its worker's output stream: iterates like the
+    call's own response stream; ``cancel()`` cancels the call (the worker aborts the request)."""
+
+    def __init__(self, stream: WorkerStream, request_id: str, sink: _Sink, start: Callable[[], Any]) -> None:
+        self._stream, self._rid, self._sink = stream, request_id, sink
+        self._ended = False
+        try:
+            self._call = start()
+        except BaseException:
+            stream.unregister(request_id, sink)
+            raise
+        self._call.add_done_callback(self._on_done)
+
+    def _on_done(self, call: Any) -> None:
+        code = call.code()
+        self._sink.q.put(_CALL_OK if code == grpc.StatusCode.OK else call)
+
+    def __iter__(self) -> "StreamedCall":
+        return self
+
+    def __next__(self) -> worker_pb2.DecodeChunk:
+        if self._ended:
+            raise StopIteration
+        timeout: Optional[float] = None
+        while True:
+            try:
+                item = self._sink.q.get(timeout=timeout)
+            except queue.Empty:
+                self._end()
+                raise StatusRpcError(grpc.StatusCode.UNAVAILABLE,
+                                     f"request {self._rid}: its call on {self._stream.address} ended but its last "
+                                     f"chunk did not come on the output stream within {LAST_CHUNK_GRACE_S:.0f} s")
+            if item is _CALL_OK:
+                timeout = LAST_CHUNK_GRACE_S  # the last chunk is queued on the stream: it is coming
+                continue
+            if isinstance(item, grpc.RpcError):
+                self._end()
+                raise item
+            if item.error_code:
+                self._end()
+                raise StatusRpcError(_code(item.error_code), item.error_message)
+            if item.last:
+                self._end()
+            return item.chunk
+
+    def _end(self) -> None:
+        self._ended = True
+        self._stream.unregister(self._rid, self._sink)
+
+    def cancel(self) -> None:
+        self._end()
+        self._call.cancel()
+
+    def code(self) -> Any:
+        return self._call.code()
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _code(value: int) -> grpc.StatusCode:
+    """A status code from its number (UNAVAILABLE for a number gRPC does not define: the worker is odd)."""
+    return _CODES.get(value, grpc.StatusCode.UNAVAILABLE)
+
+
+class OutputStreams:
+    """This router's output streams, one per worker address (see module docstring)."""
+
+    def __init__(self, stub_for: Callable[[str], Any], router_id: str = "") -> None:
+        """``stub_for(address)``: a stub with ``OpenOutputStream`` (the ColocatedWorker stub of that address)."""
+        self._stub_for = stub_for
+        self.router_id = router_id or uuid.uuid4().hex[:8]
+        self._lock = threading.Lock()
+        self._streams: dict[str, WorkerStream] = {}
+        self._unsupported: dict[str, float] = {}  # address -> when it said UNIMPLEMENTED
+        self._closed = False
+
+    def stream_for(self, address: str) -> Optional[WorkerStream]:
+        """The open stream of ``address``, opening it if needed (None: the worker cannot stream this way now)."""
+        with self._lock:
+            if self._closed:
+                return None
+            s = self._streams.get(address)
+            if s is not None and s.broken is not None:
+                del self._streams[address]
+                s = None
+            if s is None:
+                since = self._unsupported.get(address)
+                if since is not None and time.monotonic() - since < RETRY_UNSUPPORTED_S:
+                    return None
+                self._unsupported.pop(address, None)
+                s = self._streams[address] = WorkerStream(self._stub_for(address), address,
+                                                          f"{self.router_id}-{uuid.uuid4().hex[:12]}")
+        if s.wait_open(OPEN_TIMEOUT_S):
+            return s
+        with self._lock:
+            if s.unsupported:  # an older worker: per call, and not asked again for a while
+                self._unsupported[address] = time.monotonic()
+            if s.broken is not None and self._streams.get(address) is s:
+                del self._streams[address]
+        return None
+
+    def start(self, address: str, request_id: str, send: Callable[[str], Any]) -> Any:
+        """Send a request with ``send(stream_id)`` (the stub call, "" = no stream) and return what iterates its
+        chunks: a ``StreamedCall`` on the worker's stream, or the call itself when there is no stream."""
+        s = self.stream_for(address)
+        sink = s.register(request_id) if s is not None else None
+        if s is None or sink is None:
+            return send("")
+        return StreamedCall(s, request_id, sink, lambda: send(s.stream_id))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            streams, self._streams = list(self._streams.values()), {}
+        for s in streams:
+            s.cancel()
+
+
+__all__ = ["OutputStreams", "StreamedCall", "WorkerStream"]
