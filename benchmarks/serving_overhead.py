@@ -4,7 +4,7 @@ Usage:
     python benchmarks/serving_overhead.py                       # tiny and bench, both modes, gRPC and HTTP
     python benchmarks/serving_overhead.py --models tiny --modes colocated --apis grpc --concurrency 1,32
     python benchmarks/serving_overhead.py --quick               # a smoke run (tiny, 32 tokens)
-    python benchmarks/serving_overhead.py --py-spy 10           # also sample the router for 10 s at the
+    python benchmarks/serving_overhead.py --py-spy 10           # also sample router and workers for 10 s at the
                                                                 # largest concurrency (py-spy top functions)
 
 For each model it first runs the offline engine (``engine.LLMEngine``, one thread, in a process pinned to
@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from disagg_deploy import Deployment, usable_cores  # noqa: E402
 
 MODES = {"colocated": ("colocated",), "disaggregated": ("prefill", "decode")}
+PATHS = {"streams": True, "per-call": False}  # RouterConfig.output_streams
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=900.0, help="deadline of each request")
     p.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
-                   help="sample the router with py-spy for this long during the largest concurrency's gRPC point")
+                   help="sample the router and every worker with py-spy for this long during the largest concurrency's gRPC point")
+    p.add_argument("--paths", default="streams,per-call",
+                   help="how tokens travel from worker to router: streams (one output stream per worker, a message "
+                        "per step; the default since issue 31), per-call (a message per token on each request's "
+                        "call, as before: the router's --no-output-streams); both: the before and after in one run")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny, colocated, gRPC, concurrency 1,8, 32 tokens")
     p.add_argument("--json", default="", help="write every number here")
     return p
@@ -76,6 +81,10 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     ns.models = [m for m in ns.models.split(",") if m]
     ns.modes = [m for m in ns.modes.split(",") if m]
     ns.apis = [a for a in ns.apis.split(",") if a]
+    ns.paths = [x for x in ns.paths.split(",") if x]
+    for x in ns.paths:
+        if x not in PATHS:
+            raise SystemExit(f"--paths: {x!r} is not one of {tuple(PATHS)}")
     try:
         ns.concurrency = [int(c) for c in ns.concurrency.split(",") if c]
     except ValueError:
@@ -221,10 +230,11 @@ def top_functions(raw: Path, n: int = 15) -> list[tuple[str, float]]:
     return [(f, c / total) for f, c in sorted(leaf.items(), key=lambda kv: -kv[1])[:n]] if total else []
 
 
-def cluster_points(model: str, mode: str, prompts: dict, ns: argparse.Namespace) -> dict:
+def cluster_points(model: str, mode: str, prompts: dict, ns: argparse.Namespace, path: str = "streams") -> dict:
     out: dict = {}
     engine_kw = {"max_num_seqs": ns.max_num_seqs}
-    with Deployment(mode, model, usable_cores(), engine_kw=engine_kw, router_kw={"http_port": 0},
+    router_kw = {"http_port": 0, "output_streams": PATHS[path]}
+    with Deployment(mode, model, usable_cores(), engine_kw=engine_kw, router_kw=router_kw,
                     roles=MODES[mode], router_process=True) as dep:
         for api in ns.apis:  # warm both paths
             recs = _send(api, dep, model, _requests(prompts[min(prompts)][:2], 8, f"warm-{api}"), ns.timeout_s)
@@ -233,10 +243,11 @@ def cluster_points(model: str, mode: str, prompts: dict, ns: argparse.Namespace)
         for api in ns.apis:
             for c in ns.concurrency:
                 reqs = _requests(prompts[c], _tokens_for(c, ns), f"{api}{c}")
-                spy = None
+                spies = {}
                 if ns.py_spy and api == "grpc" and c == max(ns.concurrency):
-                    raw = Path(f"/tmp/pdserve-router-{model}-{mode}-c{c}.txt")
-                    spy = (_py_spy(dep.pids["router"], ns.py_spy, raw), raw)
+                    for name, pid in dep.pids.items():
+                        raw = Path(f"/tmp/pdserve-{name}-{model}-{mode}-{path}-c{c}.txt")
+                        spies[name] = (_py_spy(pid, ns.py_spy, raw), raw)
                 cpu0, self0 = cpu_seconds(dep.pids), time.process_time()
                 recs = _send(api, dep, model, reqs, ns.timeout_s)
                 cpu1, self1 = cpu_seconds(dep.pids), time.process_time()
@@ -250,11 +261,13 @@ def cluster_points(model: str, mode: str, prompts: dict, ns: argparse.Namespace)
                 cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
                 cpu["client"] = self1 - self0
                 point["cpu_ms_per_token"] = {k: 1e3 * v / tokens for k, v in cpu.items()}
-                if spy is not None:
-                    spy[0].wait(ns.py_spy + 60)
-                    point["router_profile"] = top_functions(spy[1]) if spy[1].exists() else []
+                for name, (proc, raw) in spies.items():
+                    proc.wait(ns.py_spy + 60)
+                    point.setdefault("profiles", {})[name] = top_functions(raw) if raw.exists() else []
+                    print(f"    py-spy {name} ({raw}): " + ", ".join(f"{f} {share:.0%}" for f, share
+                                                                  in point["profiles"][name][:8]), flush=True)
                 out[(api, c)] = point
-                print(f"  {model} {mode} {api} c={c}: decode {point['decode_tok_s']:.1f} tok/s, "
+                print(f"  {model} {mode} {path} {api} c={c}: decode {point['decode_tok_s']:.1f} tok/s, "
                       f"e2e {point['e2e_tok_s']:.1f} tok/s, CPU ms/token "
                       + ", ".join(f"{k} {v:.3f}" for k, v in point["cpu_ms_per_token"].items()), flush=True)
     return out
@@ -287,29 +300,30 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"  {model} offline c={c}: decode {r['decode_tok_s']:.1f} tok/s, e2e {r['e2e_tok_s']:.1f} tok/s",
                   flush=True)
         for mode in ns.modes:
-            print(f"{model}: {mode} ...", flush=True)
-            pts = cluster_points(model, mode, prompts, ns)
-            for (api, c), p in pts.items():
-                o = ref[c]
-                results["rows"].append({
-                    "model": model, "mode": mode, "api": api, "concurrency": c,
-                    "offline_decode_tok_s": o["decode_tok_s"], "offline_e2e_tok_s": o["e2e_tok_s"],
-                    "decode_tok_s": p["decode_tok_s"], "e2e_tok_s": p["e2e_tok_s"],
-                    "decode_ratio": p["decode_tok_s"] / o["decode_tok_s"], "e2e_ratio": p["e2e_tok_s"] / o["e2e_tok_s"],
-                    "cpu_ms_per_token": p["cpu_ms_per_token"], "router_profile": p.get("router_profile", [])})
-    print("\n| model | mode | api | streams | offline decode | cluster decode | ratio | offline e2e | cluster e2e "
+            for path in ns.paths:
+                print(f"{model}: {mode}, {path} ...", flush=True)
+                pts = cluster_points(model, mode, prompts, ns, path)
+                for (api, c), p in pts.items():
+                    o = ref[c]
+                    results["rows"].append({
+                        "model": model, "mode": mode, "path": path, "api": api, "concurrency": c,
+                        "offline_decode_tok_s": o["decode_tok_s"], "offline_e2e_tok_s": o["e2e_tok_s"],
+                        "decode_tok_s": p["decode_tok_s"], "e2e_tok_s": p["e2e_tok_s"],
+                        "decode_ratio": p["decode_tok_s"] / o["decode_tok_s"], "e2e_ratio": p["e2e_tok_s"] / o["e2e_tok_s"],
+                        "cpu_ms_per_token": p["cpu_ms_per_token"], "profiles": p.get("profiles", {})})
+    print("\n| model | mode | path | api | streams | offline decode | cluster decode | ratio | offline e2e | cluster e2e "
           "| ratio | router CPU ms/tok | workers CPU ms/tok |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results["rows"]:
         cpu = r["cpu_ms_per_token"]
         workers = sum(v for k, v in cpu.items() if k not in ("router", "client"))
-        print(f"| {r['model']} | {r['mode']} | {r['api']} | {r['concurrency']} | {r['offline_decode_tok_s']:.0f} "
+        print(f"| {r['model']} | {r['mode']} | {r['path']} | {r['api']} | {r['concurrency']} | {r['offline_decode_tok_s']:.0f} "
               f"| {r['decode_tok_s']:.0f} | {r['decode_ratio']:.2f}x | {r['offline_e2e_tok_s']:.0f} "
               f"| {r['e2e_tok_s']:.0f} | {r['e2e_ratio']:.2f}x | {cpu['router']:.3f} | {workers:.3f} |")
     for r in results["rows"]:
-        if r["router_profile"]:
-            print(f"\nrouter, {r['model']} {r['mode']} {r['api']} c={r['concurrency']}: leaf functions by share of samples")
-            for fn, share in r["router_profile"]:
+        for name, prof in r["profiles"].items():
+            print(f"\n{name}, {r['model']} {r['mode']} {r['path']} {r['api']} c={r['concurrency']}: leaf functions by share of samples")
+            for fn, share in prof:
                 print(f"  {100 * share:5.1f}%  {fn}")
     print(f"\nload average at the end: {os.getloadavg()}")
     if ns.json:

@@ -178,11 +178,11 @@ class StreamedCall:
             if item is _CALL_OK:
                 timeout = LAST_CHUNK_GRACE_S  # the last chunk is queued on the stream: it is coming
                 continue
-            if isinstance(item, grpc.RpcError):
-                self._end()
+            if isinstance(item, grpc.RpcError):  # the call failed, or the stream broke: end the call too
+                self.cancel()
                 raise item
             if item.error_code:
-                self._end()
+                self.cancel()
                 raise StatusRpcError(_code(item.error_code), item.error_message)
             if item.last:
                 self._end()

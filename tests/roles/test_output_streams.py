@@ -146,18 +146,46 @@ def test_a_broken_stream_moves_its_requests_and_output_stays_equal_offline():
         r.close()
 
 
-def test_router_stop_aborts_the_requests_on_its_stream():
+def test_a_closed_stream_aborts_its_requests_on_the_worker(colo):
+    """The router's end of a stream goes away while a request's call is still open: the worker aborts the request
+    (frees its blocks, ends its call CANCELLED) instead of generating on for nobody."""
+    w = colo.decodes[0]
+    with grpc.insecure_channel(w.address) as ch:
+        stub = worker_pb2_grpc.ColocatedWorkerStub(ch)
+        stream = stub.OpenOutputStream(worker_pb2.OutputStreamRequest(stream_id="test-closed-stream"))
+        assert not next(stream).outputs  # the stream is open
+        tokens0 = w.output_tokens_total
+        call = stub.Generate(worker_pb2.ColocatedRequest(
+            request_id="on-a-closed-stream", prompt_token_ids=[5, 6, 7],
+            params=params_to_wire(SamplingParams(max_tokens=1500, ignore_eos=True, temperature=0.0)),
+            output_stream="test-closed-stream"), timeout=120)
+        first = next(stream)
+        assert first.outputs[0].request_id == "on-a-closed-stream" and first.outputs[0].chunk.token_ids
+        stream.cancel()
+        assert wait_until(lambda: colo.idle() and len(w.output_streams) == 1, 60), colo.busy()
+        with pytest.raises(grpc.RpcError) as e:
+            list(call)
+        assert e.value.code() == grpc.StatusCode.CANCELLED
+        assert w.output_tokens_total - tokens0 < 1500  # aborted, not run to its end
+
+
+def test_a_broken_stream_cancels_the_requests_call():
+    """The router's end: when a worker's stream breaks, each request on it fails UNAVAILABLE (to retry or
+    migrate) and its own call is cancelled, so the worker stops generating it."""
     torch.set_num_threads(1)
     r = start_colocated(n=1, tag="ostream-stop-")
     try:
+        w = r.decodes[0]
+        tokens0 = w.output_tokens_total
         s = r.stub.Generate(pdserve_pb2.GenerateRequest(prompt="a", max_tokens=1500, ignore_eos=True,
                                                         temperature=0.0), timeout=60)
         next(s)
-        w = r.decodes[0]
         assert len(w.output_streams) == 1 and w.requests
-        r.router.core.streams.close()  # the router's end goes away: the worker drops the stream and its requests
-        assert wait_until(lambda: len(w.output_streams) == 0 and r.idle(), 30), r.busy()
-        s.cancel()
+        w.output_streams.close_all()  # closed on the worker without aborting: only the router's cancel ends it
+        with pytest.raises(grpc.RpcError):
+            list(s)  # no other worker to migrate to
+        assert wait_until(lambda: r.idle(), 60), r.busy()
+        assert w.output_tokens_total - tokens0 < 1500
     finally:
         r.close()
 
