@@ -161,6 +161,9 @@ class _EndedContext:
     def is_active(self) -> bool:
         return False
 
+    def cancel(self) -> None:  # the stall watch's cut-off (never reached: the RPC already ended)
+        pass
+
     def abort(self, code, details):
         self.aborted.append((code, details))
         raise grpc.RpcError(details)
