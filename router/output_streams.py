@@ -105,6 +105,7 @@ class WorkerStream:
                     self._open.set()
                     log.info("output stream %s from %s open", self.stream_id, self.address)
                     continue
+                ready = []
                 with self._lock:
                     sinks = self._sinks
                     for o in msg.outputs:
@@ -113,7 +114,9 @@ class WorkerStream:
                             continue  # the request was cancelled here, or ended
                         if o.last:
                             del sinks[o.request_id]
-                        sink.q.put(o)
+                        ready.append((sink, o))
+                for sink, o in ready:  # each put may switch to its handler thread: not under the lock
+                    sink.q.put(o)
             err = StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"output stream from {self.address} ended")
         except grpc.RpcError as e:
             err = e
