@@ -101,6 +101,8 @@ class Proc:
         self.incarnation = 0
         self.popen: Optional[subprocess.Popen] = None
         self.log: Optional[Path] = None
+        self.held = False
+        """True while a fault owns its restart (the orchestrator thread leaves it alone)."""
 
     def start(self) -> "Proc":
         self.incarnation += 1
@@ -266,10 +268,10 @@ class Deployment:
             out["gcs"] = gcs.pid
         return out
 
-    def restart_redis(self) -> None:
+    def restart_redis(self, port: int, password: str) -> None:
+        """A new Redis on the killed one's ``port``, with its ``password`` (read them before its ``stop()``)."""
         from soak_chaos import spawned_redis
 
-        port, password = self.redis.port, self.redis.password
         self.redis = spawned_redis(port, password)
         self.redis_incarnation += 1
 
@@ -361,6 +363,8 @@ class Chaos:
         self.dep, self.ns = dep, ns
         self.rng = random.Random(ns.seed)
         self.faults: list[dict] = []
+        self.exits: list[dict] = []
+        """Routers or controllers that exited on their own (restarted by ``_orchestrator``)."""
         self.rss: dict[str, list] = defaultdict(list)
         self.redis_stats: list = []
         self.stop = threading.Event()
@@ -372,7 +376,7 @@ class Chaos:
 
     def start(self, t0: float) -> None:
         self.t0 = t0
-        for target in (self._fault_loop, self._sampler):
+        for target in (self._fault_loop, self._sampler, self._orchestrator):
             t = threading.Thread(target=target, daemon=True, name=target.__name__)
             t.start()
             self._threads.append(t)
@@ -381,6 +385,22 @@ class Chaos:
         self.stop.set()
         for t in self._threads:
             t.join(timeout=self.ns.recover_timeout_s + 60)
+
+    def _orchestrator(self) -> None:
+        """What a Deployment does: a router or controller that exits on its own (not killed by a fault) is
+        restarted after ``--restart-after-s``; each such exit is recorded in ``exits``."""
+        while not self.stop.wait(1.0):
+            for proc in [*self.dep.routers, self.dep.controller]:
+                if proc.held or proc.alive() or proc.popen is None:
+                    continue
+                rc = proc.popen.returncode
+                tail = proc.log.read_text(errors="replace")[-400:] if proc.log else ""
+                t = self.now()
+                if self.stop.wait(self.ns.restart_after_s):
+                    return
+                proc.start()
+                self.exits.append({"t_s": round(t, 1), "process": proc.name, "rc": rc, "log_tail": tail})
+                print(f"  [{t:6.0f} s] {proc.name} exited (rc {rc}); restarted", flush=True)
 
     def _sampler(self) -> None:
         import redis as redis_py
@@ -442,6 +462,13 @@ class Chaos:
     def _kill_restart(self, proc: Proc) -> dict:
         """kill -9, then restarts as an orchestrator would: after ``--restart-after-s``, and again (5 s later) each
         time the new process exits before it is ready (a crash loop), until ``--recover-timeout-s``."""
+        proc.held = True
+        try:
+            return self._kill_restart_held(proc)
+        finally:
+            proc.held = False
+
+    def _kill_restart_held(self, proc: Proc) -> dict:
         pid = proc.popen.pid
         proc.kill()
         starts, deadline = 0, time.monotonic() + self.ns.recover_timeout_s
@@ -466,11 +493,11 @@ class Chaos:
         return self._kill_restart(self.dep.controller)
 
     def kill_redis(self) -> dict:
-        pid = self.dep.redis.pid
+        pid, port, password = self.dep.redis.pid, self.dep.redis.port, self.dep.redis.password
         os.kill(pid, signal.SIGKILL)
         self.dep.redis.stop()  # reaps the dead process, removes its dir
         time.sleep(self.ns.restart_after_s)
-        self.dep.restart_redis()
+        self.dep.restart_redis(port, password)
         return {"victim": "redis", "pid": pid}
 
     def kill_gcs(self) -> dict:
@@ -630,6 +657,7 @@ def main(ns: argparse.Namespace) -> int:
         res["kv_free_after_s"] = waited
         res["redis_keys_before_down"] = sorted(dep.registry.keys()) if dep.registry else []
         res["faults"] = chaos.faults
+        res["exits"] = chaos.exits
         res["requests"] = classify(client.recs, chaos.faults)
         res["windows"] = windows(client.recs, ns.window_s, ns.duration_s)
         res["rss_mib"] = {k: {"first": round(v[0][1] / 2**20, 1), "last": round(v[-1][1] / 2**20, 1),
