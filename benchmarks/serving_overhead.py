@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -61,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch1-max-tokens", type=int, default=256, help="output tokens at concurrency 1")
     p.add_argument("--max-num-seqs", type=int, default=128, help="engine max_num_seqs (offline and workers alike)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=3, help="runs of every point (paths taking turns); medians reported")
     p.add_argument("--timeout-s", type=float, default=900.0, help="deadline of each request")
     p.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
                    help="sample the router and every worker with py-spy for this long during the largest concurrency's gRPC point")
@@ -137,7 +140,10 @@ def _offline_main(model: str, core: Optional[int], prompts: dict, ns_dict: dict,
         eng = LLMEngine(EngineConfig(model=model, num_threads=1, max_num_seqs=ns_dict["max_num_seqs"]))
         out = {}
         warm = prompts[min(prompts)][:1]
-        for c, plist in [(0, warm)] + sorted(prompts.items()):
+        runs = [(0, warm, 0)] + [(c, plist, rep) for c, plist in sorted(prompts.items())
+                                 for rep in range(ns_dict["repeat"])]
+        samples: dict[int, list] = {}
+        for c, plist, rep in runs:
             n = ns_dict["batch1_max_tokens"] if c == 1 else ns_dict["max_tokens"]
             params = SamplingParams(max_tokens=n if c else 8, temperature=0.0, ignore_eos=True)
             first: dict[str, float] = {}
@@ -145,7 +151,7 @@ def _offline_main(model: str, core: Optional[int], prompts: dict, ns_dict: dict,
             counts: dict[str, int] = {}
             t0 = time.perf_counter()
             for i, ids in enumerate(plist):
-                eng.add_request(f"r{c}-{i}", list(ids), params)
+                eng.add_request(f"r{c}-{rep}-{i}", list(ids), params)
             while eng.has_unfinished_requests():
                 for o in eng.step():
                     if o.new_token_ids:
@@ -156,7 +162,10 @@ def _offline_main(model: str, core: Optional[int], prompts: dict, ns_dict: dict,
             t1 = time.perf_counter()
             if c:
                 ids = sorted(counts)
-                out[c] = rates([first[i] for i in ids], [last[i] for i in ids], [counts[i] for i in ids], t0, t1)
+                samples.setdefault(c, []).append(rates([first[i] for i in ids], [last[i] for i in ids],
+                                                       [counts[i] for i in ids], t0, t1))
+        for c, pts in samples.items():
+            out[c] = {k: statistics.median(p[k] for p in pts) for k in pts[0]}
         q.put(("ok", out))
     except BaseException:
         q.put(("error", traceback.format_exc()))
@@ -230,47 +239,74 @@ def top_functions(raw: Path, n: int = 15) -> list[tuple[str, float]]:
     return [(f, c / total) for f, c in sorted(leaf.items(), key=lambda kv: -kv[1])[:n]] if total else []
 
 
-def cluster_points(model: str, mode: str, prompts: dict, ns: argparse.Namespace, path: str = "streams") -> dict:
-    out: dict = {}
+def _median_point(points: list[dict]) -> dict:
+    """Each number of the points' median (CPU per process too); profiles from the first point that has them."""
+    out = dict(points[0])
+    for k, v in points[0].items():
+        if isinstance(v, (int, float)):
+            out[k] = statistics.median(p[k] for p in points)
+    out["cpu_ms_per_token"] = {k: statistics.median(p["cpu_ms_per_token"][k] for p in points)
+                               for k in points[0]["cpu_ms_per_token"]}
+    out["repeats"] = len(points)
+    return out
+
+
+def cluster_points(model: str, mode: str, prompts: dict, ns: argparse.Namespace) -> dict:
+    """{(path, api, concurrency): point}: every path's deployment is up at once and the paths take turns at each
+    point, ``--repeat`` times (medians), so a load spike on this shared host hits both sides of a ratio alike."""
+    samples: dict = {}
     engine_kw = {"max_num_seqs": ns.max_num_seqs}
-    router_kw = {"http_port": 0, "output_streams": PATHS[path]}
-    with Deployment(mode, model, usable_cores(), engine_kw=engine_kw, router_kw=router_kw,
-                    roles=MODES[mode], router_process=True) as dep:
-        for api in ns.apis:  # warm both paths
-            recs = _send(api, dep, model, _requests(prompts[min(prompts)][:2], 8, f"warm-{api}"), ns.timeout_s)
-            if not all(r.success for r in recs):
-                raise RuntimeError(f"{mode} {api}: warm-up failed: {[r.error for r in recs if not r.success]}")
+    with contextlib.ExitStack() as stack:
+        deps = {}
+        for path in ns.paths:
+            router_kw = {"http_port": 0, "output_streams": PATHS[path]}
+            deps[path] = stack.enter_context(Deployment(mode, model, usable_cores(), engine_kw=engine_kw,
+                                                        router_kw=router_kw, roles=MODES[mode], router_process=True))
+            for api in ns.apis:  # warm both APIs
+                recs = _send(api, deps[path], model, _requests(prompts[min(prompts)][:2], 8, f"warm-{api}"),
+                             ns.timeout_s)
+                if not all(r.success for r in recs):
+                    raise RuntimeError(f"{mode} {path} {api}: warm-up failed: "
+                                       f"{[r.error for r in recs if not r.success]}")
         for api in ns.apis:
             for c in ns.concurrency:
-                reqs = _requests(prompts[c], _tokens_for(c, ns), f"{api}{c}")
-                spies = {}
-                if ns.py_spy and api == "grpc" and c == max(ns.concurrency):
-                    for name, pid in dep.pids.items():
-                        raw = Path(f"/tmp/pdserve-{name}-{model}-{mode}-{path}-c{c}.txt")
-                        spies[name] = (_py_spy(pid, ns.py_spy, raw), raw)
-                cpu0, self0 = cpu_seconds(dep.pids), time.process_time()
-                recs = _send(api, dep, model, reqs, ns.timeout_s)
-                cpu1, self1 = cpu_seconds(dep.pids), time.process_time()
-                bad = [r.error for r in recs if not r.success]
-                if bad:
-                    raise RuntimeError(f"{mode} {api} c={c}: {len(bad)} failed: {bad[:3]}")
-                ok = [r for r in recs if r.chunk_times_s]
-                point = rates([r.chunk_times_s[0] for r in ok], [r.chunk_times_s[-1] for r in ok],
-                              [r.output_tokens for r in ok], min(r.start_s for r in recs), max(r.end_s for r in recs))
-                tokens = point["tokens"]
-                cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
-                cpu["client"] = self1 - self0
-                point["cpu_ms_per_token"] = {k: 1e3 * v / tokens for k, v in cpu.items()}
-                for name, (proc, raw) in spies.items():
-                    proc.wait(ns.py_spy + 60)
-                    point.setdefault("profiles", {})[name] = top_functions(raw) if raw.exists() else []
-                    print(f"    py-spy {name} ({raw}): " + ", ".join(f"{f} {share:.0%}" for f, share
-                                                                  in point["profiles"][name][:8]), flush=True)
-                out[(api, c)] = point
-                print(f"  {model} {mode} {path} {api} c={c}: decode {point['decode_tok_s']:.1f} tok/s, "
-                      f"e2e {point['e2e_tok_s']:.1f} tok/s, CPU ms/token "
-                      + ", ".join(f"{k} {v:.3f}" for k, v in point["cpu_ms_per_token"].items()), flush=True)
-    return out
+                for rep in range(ns.repeat):
+                    for path, dep in deps.items():
+                        samples.setdefault((path, api, c), []).append(
+                            _point(dep, model, mode, path, api, c, prompts, ns, spy=rep == 0))
+    return {key: _median_point(pts) for key, pts in samples.items()}
+
+
+def _point(dep: Any, model: str, mode: str, path: str, api: str, c: int, prompts: dict, ns: argparse.Namespace,
+           spy: bool) -> dict:
+    reqs = _requests(prompts[c], _tokens_for(c, ns), f"{api}{c}")
+    spies = {}
+    if spy and ns.py_spy and api == "grpc" and c == max(ns.concurrency):
+        for name, pid in dep.pids.items():
+            raw = Path(f"/tmp/pdserve-{name}-{model}-{mode}-{path}-c{c}.txt")
+            spies[name] = (_py_spy(pid, ns.py_spy, raw), raw)
+    cpu0, self0 = cpu_seconds(dep.pids), time.process_time()
+    recs = _send(api, dep, model, reqs, ns.timeout_s)
+    cpu1, self1 = cpu_seconds(dep.pids), time.process_time()
+    bad = [r.error for r in recs if not r.success]
+    if bad:
+        raise RuntimeError(f"{mode} {path} {api} c={c}: {len(bad)} failed: {bad[:3]}")
+    ok = [r for r in recs if r.chunk_times_s]
+    point = rates([r.chunk_times_s[0] for r in ok], [r.chunk_times_s[-1] for r in ok],
+                  [r.output_tokens for r in ok], min(r.start_s for r in recs), max(r.end_s for r in recs))
+    tokens = point["tokens"]
+    cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
+    cpu["client"] = self1 - self0
+    point["cpu_ms_per_token"] = {k: 1e3 * v / tokens for k, v in cpu.items()}
+    for name, (proc, raw) in spies.items():
+        proc.wait(ns.py_spy + 60)
+        point.setdefault("profiles", {})[name] = top_functions(raw) if raw.exists() else []
+        print(f"    py-spy {name} ({raw}): " + ", ".join(f"{f} {share:.0%}" for f, share
+                                                      in point["profiles"][name][:8]), flush=True)
+    print(f"  {model} {mode} {path} {api} c={c}: decode {point['decode_tok_s']:.1f} tok/s, "
+          f"e2e {point['e2e_tok_s']:.1f} tok/s, CPU ms/token "
+          + ", ".join(f"{k} {v:.3f}" for k, v in point["cpu_ms_per_token"].items()), flush=True)
+    return point
 
 
 def machine_info() -> dict:
@@ -300,17 +336,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"  {model} offline c={c}: decode {r['decode_tok_s']:.1f} tok/s, e2e {r['e2e_tok_s']:.1f} tok/s",
                   flush=True)
         for mode in ns.modes:
-            for path in ns.paths:
-                print(f"{model}: {mode}, {path} ...", flush=True)
-                pts = cluster_points(model, mode, prompts, ns, path)
-                for (api, c), p in pts.items():
-                    o = ref[c]
-                    results["rows"].append({
-                        "model": model, "mode": mode, "path": path, "api": api, "concurrency": c,
-                        "offline_decode_tok_s": o["decode_tok_s"], "offline_e2e_tok_s": o["e2e_tok_s"],
-                        "decode_tok_s": p["decode_tok_s"], "e2e_tok_s": p["e2e_tok_s"],
-                        "decode_ratio": p["decode_tok_s"] / o["decode_tok_s"], "e2e_ratio": p["e2e_tok_s"] / o["e2e_tok_s"],
-                        "cpu_ms_per_token": p["cpu_ms_per_token"], "profiles": p.get("profiles", {})})
+            print(f"{model}: {mode}, paths {', '.join(ns.paths)} ...", flush=True)
+            pts = cluster_points(model, mode, prompts, ns)
+            for (path, api, c), p in sorted(pts.items(), key=lambda kv: (ns.paths.index(kv[0][0]), kv[0][1], kv[0][2])):
+                o = ref[c]
+                results["rows"].append({
+                    "model": model, "mode": mode, "path": path, "api": api, "concurrency": c,
+                    "offline_decode_tok_s": o["decode_tok_s"], "offline_e2e_tok_s": o["e2e_tok_s"],
+                    "decode_tok_s": p["decode_tok_s"], "e2e_tok_s": p["e2e_tok_s"],
+                    "decode_ratio": p["decode_tok_s"] / o["decode_tok_s"], "e2e_ratio": p["e2e_tok_s"] / o["e2e_tok_s"],
+                    "cpu_ms_per_token": p["cpu_ms_per_token"], "profiles": p.get("profiles", {}),
+                    "repeats": p["repeats"]})
     print("\n| model | mode | path | api | streams | offline decode | cluster decode | ratio | offline e2e | cluster e2e "
           "| ratio | router CPU ms/tok | workers CPU ms/tok |")
     print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
