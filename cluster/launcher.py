@@ -239,8 +239,14 @@ class Cluster:
     # ---- stop -----------------------------------------------------------------------
     @property
     def lease_lost(self) -> bool:
-        """Detached mode: another controller took the deployment over (this one must stop managing)."""
+        """Detached mode: another controller took the deployment over, or Redis stopped answering long enough that
+        one could have (this one must stop managing)."""
         return self._lease is not None and self._lease.lost.is_set()
+
+    @property
+    def lease_lost_reason(self) -> str:
+        """Why the lease was lost ("" while it is held)."""
+        return self._lease.lost_reason if self._lease is not None and self._lease.lost.is_set() else ""
 
     def teardown(self) -> None:
         """Stop the workers too (and delete the namespace's keys), even in detached mode."""

@@ -67,6 +67,8 @@ class ControllerLease:
         self.key = f"{namespace}:controller"
         self.lost = threading.Event()
         """Set when the lease was taken over or could not be renewed in time."""
+        self.lost_reason = ""
+        """Why ``lost`` was set, for the controller's exit message (another owner, or Redis unreachable)."""
         self._redis = redis.Redis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
         self._display = mask_url(redis_url)
         self._stop = threading.Event()
@@ -106,8 +108,10 @@ class ControllerLease:
                 if not int(self._redis.eval(_RENEW, 1, self.key, self.generation, ttl_ms)):
                     # Gone (Redis restarted empty) or another owner: take it back only if nobody holds it.
                     if not self._redis.set(self.key, self.generation, nx=True, px=ttl_ms):
+                        holder = self.holder()
                         log.error("deployment %s: lease taken by generation %s; generation %s stops managing",
-                                  self.namespace, self.holder(), self.generation)
+                                  self.namespace, holder, self.generation)
+                        self.lost_reason = f"controller generation {holder} took the deployment's lease"
                         self.lost.set()
                         return
                 last_ok = time.monotonic()
@@ -115,6 +119,10 @@ class ControllerLease:
                 if time.monotonic() - last_ok > self.ttl_s:
                     log.error("deployment %s: lease not renewed for %.0f s (%s); generation %s stops managing",
                               self.namespace, time.monotonic() - last_ok, e, self.generation)
+                    # it cannot prove it still holds the lease, so another controller may take over: stop (a
+                    # Deployment restarts it; it takes the lease back once Redis answers and nobody holds it)
+                    self.lost_reason = (f"Redis ({self._display}) did not answer for {self.ttl_s:g} s, so the lease "
+                                        f"could not be renewed: {e}")
                     self.lost.set()
                     return
 

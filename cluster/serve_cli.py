@@ -15,7 +15,8 @@ cluster secret:
   the deployment's lease (a second controller waits for it), adopts the live
   detached workers an earlier controller started, starts the missing ones as
   detached named actors, and runs the supervisor and planner. On SIGTERM it
-  leaves the workers serving; it exits 1 if another controller took the lease.
+  leaves the workers serving; it exits 1 if another controller took the lease, or if Redis did not answer for
+  the lease's TTL (it cannot tell then; its Deployment restarts it), saying which.
 - ``pdserve router --namespace NS`` is a stateless front end: it only reads the
   registry (no Ray), so any number run side by side and each can be restarted,
   scaled or rolled without touching a worker. On SIGTERM it drains and exits.
@@ -139,7 +140,7 @@ def cmd_controller(args: argparse.Namespace) -> int:
         print("\n".join(lines), flush=True)
 
     def failed() -> Optional[str]:
-        return "another controller took the deployment's lease" if cluster.lease_lost else None
+        return (cluster.lease_lost_reason or "the deployment's lease was lost") if cluster.lease_lost else None
 
     return _run_cluster(cluster, args, ready, failed)
 

@@ -88,3 +88,33 @@ def test_workers_of_another_model_are_replaced_then_retired(ray_local, redis_url
 def test_detached_needs_a_namespace_and_a_lasting_ray():
     with pytest.raises(ValueError, match="namespace must be set"):
         ClusterConfig(detached=True)
+
+
+def test_a_lost_lease_says_why(redis_url, redis_namespace):
+    """The lease is lost to another owner (the message names its generation) or because Redis stopped answering (the
+    message names Redis, not a successor that does not exist: the soak's controller said "another controller took
+    the deployment's lease" while Redis was down)."""
+    import redis as redis_lib
+
+    from cluster.redis_server import EmbeddedRedis
+
+    taken = ControllerLease(redis_url, redis_namespace, "mine1", ttl_s=0.6).acquire(wait_s=1.0)
+    try:
+        r = redis_lib.Redis.from_url(redis_url)
+        r.set(taken.key, "thief1")  # another owner, as a split brain would leave it
+        assert taken.lost.wait(10.0)
+        assert "generation thief1" in taken.lost_reason
+        r.delete(taken.key)
+        r.close()
+    finally:
+        taken.release()
+    server = EmbeddedRedis().start()
+    try:
+        lease = ControllerLease(server.url, redis_namespace, "mine2", ttl_s=0.6).acquire(wait_s=1.0)
+    finally:
+        server.stop()  # Redis goes away while the lease is held
+    try:
+        assert lease.lost.wait(15.0)
+        assert "did not answer" in lease.lost_reason and "took" not in lease.lost_reason
+    finally:
+        lease._stop.set()
