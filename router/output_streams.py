@@ -196,8 +196,12 @@ class StreamedCall:
         self._stream.unregister(self._rid, self._sink)
 
     def cancel(self) -> None:
+        """Cancel the request's call (the worker aborts it) and end the iteration: a reader waiting in
+        ``__next__`` gets CANCELLED at once, as from a cancelled call (the call may have ended OK already, and
+        then its cancel wakes nobody)."""
         self._end()
         self._call.cancel()
+        self._sink.q.put(StatusRpcError(grpc.StatusCode.CANCELLED, f"request {self._rid} cancelled"))
 
     def code(self) -> Any:
         return self._call.code()
