@@ -184,7 +184,7 @@ class Deployment:
     def __init__(self, ns: argparse.Namespace, out_dir: Path) -> None:
         from soak_chaos import spawned_redis
 
-        from tests.multinode.ray_nodes import FaultTolerantHead
+        from ray_head import FaultTolerantHead
 
         self.ns = ns
         self.logs = out_dir / "logs"
