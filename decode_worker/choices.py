@@ -102,6 +102,26 @@ def finish_choice(req: ChoiceRequest, chunk: Any) -> None:
 R = TypeVar("R", bound=ChoiceRequest)
 
 
+def start_request(w: Any, output_stream: str, request_id: str, start: Callable[[Any], R]) -> R:
+    """Run ``start(engine)`` on worker ``w``'s loop thread (it adds or activates the request's record and returns
+    it). With ``output_stream`` set the record's chunks go to that router output stream (UNAVAILABLE here if it is
+    not open), bound in the same loop call, before any chunk; if ``start`` fails the binding is undone."""
+    out = w.bind_output(output_stream, request_id)
+
+    def run(eng: Any) -> R:
+        req = start(eng)
+        if out is not None:  # this call is now the request's lifetime only
+            out.is_last, req.out = is_last(req), out
+        return req
+
+    try:
+        return w.loop.call(run)
+    except BaseException:
+        if out is not None:
+            out.discard()
+        raise
+
+
 class ChoiceRequestSet(RequestSet[R]):
     """A request set whose requests may have several choices: it knows each request's ``Choices`` by the
     request's id, so the request stays known here while any choice of it runs; ``abort_choice`` ends one
@@ -217,4 +237,4 @@ class AbortChoiceServicer:
 
 
 __all__ = ["AbortChoiceServicer", "ChoiceRequest", "ChoiceRequestSet", "Choices", "MAX_CHOICES",
-           "choice_request_id", "finish_choice", "is_last", "sibling_params"]
+           "choice_request_id", "finish_choice", "is_last", "sibling_params", "start_request"]

@@ -137,20 +137,12 @@ class GenerateServicer:
         if siblings:
             req.prompt, req.siblings = ids, siblings
 
-        out = w.bind_output(request.output_stream, rid)
-        if out is not None:  # chunks go to the router's output stream; this call is the request's lifetime
-            out.is_last, req.out = choices.is_last(req), out
-
-        def add(eng: Any) -> None:
+        def add(eng: Any) -> _LocalReq:
             w.check_new(rid, "running")
             self.local.add(eng, req, ids, params, resume)
+            return req
 
-        try:
-            w.loop.call(add)
-        except BaseException:
-            if out is not None:
-                out.discard()
-            raise
+        choices.start_request(w, request.output_stream, rid, add)
         yield from w.stream_events(rid, req.out, context, choices.is_last(req))
 
 

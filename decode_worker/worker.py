@@ -249,18 +249,6 @@ class DecodeWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, 
                                                             f"(request {rid})")
         lp = logprob_from_proto(request.first_logprob) if request.HasField("first_logprob") else None
         siblings = choices.sibling_params(request.siblings, rid)
-        out = self.bind_output(request.output_stream, rid)
-
-        def activate(eng: Any) -> _DecodeReq:
-            req = self.disagg.activate(rid, request.first_token_id, lp, siblings)
-            if out is not None:  # chunks go to the router's output stream; this call is the request's lifetime
-                out.is_last, req.out = choices.is_last(req), out
-            return req
-
-        try:
-            req = self.loop.call(activate)
-        except BaseException:
-            if out is not None:
-                out.discard()
-            raise
+        req = choices.start_request(self, request.output_stream, rid,
+                                    lambda eng: self.disagg.activate(rid, request.first_token_id, lp, siblings))
         yield from self.stream_events(rid, req.out, context, choices.is_last(req))

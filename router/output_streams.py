@@ -203,9 +203,6 @@ class StreamedCall:
         self._call.cancel()
         self._sink.q.put(StatusRpcError(grpc.StatusCode.CANCELLED, f"request {self._rid} cancelled"))
 
-    def code(self) -> Any:
-        return self._call.code()
-
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 

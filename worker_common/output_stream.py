@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import uuid
 from typing import Any, Callable, Iterator, Optional
 
 import grpc
@@ -50,6 +49,15 @@ class OutputStream:
         self.closed = False
         self.bound: set[str] = set()
         """Ids of the requests whose last chunk or error is not yet put (aborted when the stream closes)."""
+
+    def bind(self, request_id: str) -> None:
+        """``request_id``'s chunks come here until its last one (aborted if the stream closes first)."""
+        with self._lock:
+            self.bound.add(request_id)
+
+    def unbind(self, request_id: str) -> None:
+        with self._lock:
+            self.bound.discard(request_id)
 
     def put(self, request_id: str, chunk: Any, last: bool, code: int = 0, message: str = "") -> None:
         """Queue one chunk (or, with ``code``, the request's error) for the next message; wakes nobody."""
@@ -118,12 +126,14 @@ class StreamedOut:
     def discard(self) -> None:
         """The request never started (refused): unbind it without sending anything."""
         self._done.set()
-        with self.stream._lock:
-            self.stream.bound.discard(self.request_id)
+        self.stream.unbind(self.request_id)
 
-    def wait(self, timeout_s: float) -> bool:
-        """True once the request's last chunk or error was put."""
-        return self._done.wait(timeout_s)
+    def get(self, timeout: float) -> Optional[RequestError]:
+        """Wait for the request's end, as its handler reads a queue: ``queue.Empty`` while it runs; then its
+        error, or None when its last chunk was put (its chunks went to the stream, none to the handler)."""
+        if not self._done.wait(timeout):
+            raise queue.Empty
+        return self.error
 
 
 class OutputStreams:
@@ -165,8 +175,7 @@ class OutputStreams:
         if s is None or s.closed:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, f"worker {self.worker_id}: output stream {stream_id!r} "
                                                             f"is not open here (request {request_id})")
-        with s._lock:
-            s.bound.add(request_id)
+        s.bind(request_id)
         return StreamedOut(s, request_id)
 
     def flush(self) -> None:
@@ -235,10 +244,4 @@ class OutputStreamServicer:
                 w.loop.post(lambda _e: [w.abort(rid) for rid in bound])
 
 
-def new_stream_id(router_id: str) -> str:
-    """A stream id unique to one router process and worker connection."""
-    return f"{router_id}-{uuid.uuid4().hex[:12]}"
-
-
-__all__ = ["MAX_STREAMS", "OutputStream", "OutputStreamServicer", "OutputStreams", "StreamedOut", "new_stream_id",
-           "step_message"]
+__all__ = ["MAX_STREAMS", "OutputStream", "OutputStreamServicer", "OutputStreams", "StreamedOut", "step_message"]

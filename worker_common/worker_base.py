@@ -234,9 +234,7 @@ class WorkerBase:
         """Yield items the loop puts in ``q`` until ``is_last(item)``; a RequestError ends the RPC. A request
         whose items go to a router's output stream (``q`` a ``StreamedOut``) yields nothing here: the call waits
         for the request's end and ends with it."""
-        if isinstance(q, StreamedOut):
-            yield from self._await_streamed(request_id, q, context)
-            return
+        streamed = isinstance(q, StreamedOut)
         while True:
             try:
                 item = q.get(timeout=0.25)
@@ -251,22 +249,11 @@ class WorkerBase:
                 continue
             if isinstance(item, RequestError):
                 raise item
+            if streamed:  # the request's last chunk went to the stream
+                return
             yield item
             if is_last(item):
                 return
-
-    def _await_streamed(self, request_id: str, out: StreamedOut, context: grpc.ServicerContext) -> Iterator[Any]:
-        while not out.wait(0.25):
-            if self.loop is None or not self.loop.alive:
-                raise RequestError(grpc.StatusCode.INTERNAL,
-                                   f"{self.role} worker {self.cfg.worker_id}: engine loop stopped "
-                                   f"(request {request_id})")
-            if not context.is_active():
-                self.loop.post(lambda e: self.abort(request_id))
-                return
-        if out.error is not None:
-            raise out.error
-        yield from ()
 
     def bind_output(self, stream_id: str, request_id: str) -> Optional[StreamedOut]:
         """The request's ``out`` on the router's output stream ``stream_id`` (None for ""); UNAVAILABLE if that
