@@ -31,8 +31,9 @@ Formulas (``plan``), with lambda the rate, h the headroom factor, M the engine's
 (``max_num_batched_tokens``), r the router's work before a prompt reaches its worker (``router_per_request_s``;
 for a prefill/decode pair ``router_per_request_pair_s`` when the profile has it), L the model's layers, kvb
 its KV bytes per token, link(bytes) the profile's KV link and step(.) the duration of one engine step as the
-simulator prices it: the profile's step model plus ``router_per_token_s`` for every row that samples (the
-serving path's work per streamed token runs on the worker's cores: ``simulator.engine_sim``):
+simulator prices it: the profile's step model plus, for a step that streams, ``router_per_step_s`` and
+``router_per_token_s`` for every row that samples (the serving path's work runs on the worker's cores:
+``simulator.engine_sim``):
 
 Prefill pool (disaggregated). A lone prompt of p tokens takes
     s = prefill_s(p) = sum over its chunks of M tokens (n after c) of the step of that chunk alone (T = n,
@@ -49,7 +50,7 @@ percentile TTFT at utilisation rho is
 Decode pool (disaggregated). The prefill worker samples the first token, so a request decodes o_d = max(1, o - 1)
 tokens here, at a mean context of ctx = p + o / 2. One step of B running sequences takes
     ITL(B) = step(T = B, S = B, DC = B * ctx)
-           = lin(B) + (per_sampled_row_s + router_per_token_s) * B + per_decode_ctx_s * B * ctx
+           = lin(B) + router_per_step_s + (per_sampled_row_s + router_per_token_s) * B + per_decode_ctx_s * B * ctx
 A request's TPOT also pays its KV hand-off after the first token, kv = max(link(p kvb / L), link(p kvb) - s)
 (layer by layer, overlapped with the last prefill step), and about one step's wait to join the batch:
     TPOT(B) = ITL(B) * (1 + 1 / o_d) + kv / o_d
@@ -175,7 +176,8 @@ class Plan:
 def step_seconds(profile: Profile, f: StepFeatures) -> float:
     """One engine step as the simulator prices it (``simulator.engine_sim.SimRunner``): the step model plus the
     serving path's work for each token the step streams."""
-    return profile.step.seconds(f) + profile.router_per_token_s * f.sampled
+    return profile.step.seconds(f) + ((profile.router_per_step_s + profile.router_per_token_s * f.sampled)
+                                      if f.sampled else 0.0)
 
 
 def prefill_seconds(profile: Profile, prompt_tokens: float, chunk: int) -> float:

@@ -66,6 +66,9 @@ def add_deployment_args(p: argparse.ArgumentParser, pools: bool = True) -> None:
     g.add_argument("--max-num-requests", type=int, default=192, metavar="N",
                    help="router-wide bound on requests held (default 192, the router's)")
     g.add_argument("--kv-link", default="gloo", help="KV transport of the profile to price transfers with (gloo)")
+    g.add_argument("--workers-per-host", type=int, default=1, metavar="N",
+                   help="workers sharing one host (one core or GPU each; hosts fill in creation order): steps slow "
+                        "while host mates step, by the profile's co-run model (default 1: no contention)")
     g.add_argument("--quantization", default=None, help="must match the profile's (checked)")
     g.add_argument("--kv-cache-dtype", default=None, help="must match the profile's (checked)")
 
@@ -77,7 +80,7 @@ def sim_config_from_args(args: argparse.Namespace, **over: Any) -> SimConfig:
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=not args.no_prefix_caching,
               local_prefill_max_tokens=args.local_prefill_max_tokens,
               prefill_queue_max_tokens=args.prefill_queue_max_tokens, max_num_requests=args.max_num_requests,
-              kv_link=args.kv_link)
+              kv_link=args.kv_link, workers_per_host=args.workers_per_host)
     kw.update(over)
     return SimConfig(**kw)
 

@@ -28,9 +28,12 @@ What happens to a request (times on the virtual clock):
    the router releases its counts (``Placer.release``), which may let the admission queue's head in.
 
 Commands to a worker that is in the middle of a step wait for its end, as the real ``EngineLoop`` runs
-commands between steps. Not modelled: migration and failures, speculative decoding, n > 1, beam search,
+commands between steps. With ``SimConfig.workers_per_host`` > 1 and a profile that measured co-running
+(``Profile.corun``), workers share hosts in creation order and a step runs slower while its host mates run
+theirs (memory bus, last-level cache): its remaining solo time is rescaled whenever a mate starts or ends a step
+(a fluid model; the step's end event is moved). Not modelled: migration and failures, speculative decoding, n > 1, beam search,
 the registry's heartbeat lag (the router reads live load), network latency other than the KV link,
-CPU contention between the router and the workers.
+CPU taken from the workers by the router and the clients.
 """
 from __future__ import annotations
 
@@ -89,6 +92,10 @@ class SimConfig:
     max_num_requests: int = 192
     queue_timeout_s: float = 300.0
     kv_link: str = "gloo"
+    workers_per_host: int = 1
+    """Workers sharing one host's memory system, in creation order (one core or GPU each). Above 1 a step is
+    slowed while its host's other workers run theirs, by the profile's co-run model (``Profile.corun``); 1 (the
+    default, each worker alone on its host) prices no contention."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -109,6 +116,8 @@ class SimConfig:
             raise ValueError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
+        if not isinstance(self.workers_per_host, int) or self.workers_per_host < 1:
+            raise ValueError(f"--workers-per-host must be an integer >= 1, got {self.workers_per_host!r}")
 
     @property
     def num_workers(self) -> int:
@@ -171,6 +180,12 @@ class SimWorker:
         self.engine, self.runner = sim_engine(cfg, sim.profile, num_blocks)
         self.busy_until: Optional[float] = None
         """End of the step in progress; None when idle."""
+        self.host: list[SimWorker] = [self]
+        """The workers on this one's host, itself included (``SimConfig.workers_per_host``)."""
+        self._step: Optional[list] = None
+        """With co-run pricing, the step in progress: [outputs, start, solo seconds, solo seconds left, segment
+        start, stretch, generation]; its end event is rescheduled whenever a host mate starts or ends a step."""
+        self._gen = 0
         self._commands: list[Callable[[], None]] = []
         self.handlers: dict[str, Callable[[Any, float], None]] = {}
         """Engine request id -> called with each of its outputs at the end of the step that made it."""
@@ -241,8 +256,54 @@ class SimWorker:
             self._deliver(outs, self.sim.now)
             return
         d = self.runner.last_seconds
-        self.busy_until = self.sim.now + d
-        self.sim.at(self.busy_until, lambda: self._step_done(outs, d))
+        if self.sim.corun is None:
+            self.busy_until = self.sim.now + d
+            self.sim.at(self.busy_until, lambda: self._step_done(outs, d))
+            return
+        now = self.sim.now
+        self._step = [outs, now, d, d, now, self._stretch(d), 0]
+        self._schedule_end()
+        self._host_changed()
+
+    # -- co-run pricing (workers_per_host > 1 and a profile with a co-run model) ------------------
+    def _stretch(self, solo_s: float) -> float:
+        busy = sum(1 for w in self.host if w is not self and w.busy_until is not None)
+        return self.sim.corun.stretch(solo_s, busy)
+
+    def _schedule_end(self) -> None:
+        st = self._step
+        self._gen += 1
+        st[6] = gen = self._gen
+        self.busy_until = st[4] + st[3] * st[5]
+        self.sim.at(self.busy_until, lambda: self._corun_end(gen))
+
+    def _rescale(self) -> None:
+        """A host mate started or ended a step: the rest of this one runs at the new pace."""
+        st = self._step
+        if st is None or self.busy_until is None:
+            return
+        now = self.sim.now
+        st[3] = max(0.0, st[3] - (now - st[4]) / st[5])
+        st[4] = now
+        st[5] = self._stretch(st[2])
+        self._schedule_end()
+
+    def _host_changed(self) -> None:
+        for w in self.host:
+            if w is not self:
+                w._rescale()
+
+    def _corun_end(self, gen: int) -> None:
+        st = self._step
+        if st is None or gen != st[6]:
+            return  # rescheduled since
+        outs, start, solo = st[0], st[1], st[2]
+        self._step = None
+        actual = self.sim.now - start
+        self.runner.busy_seconds += actual - solo
+        self.busy_until = None
+        self._host_changed()
+        self._step_done(outs, actual)
 
     def _step_done(self, outs: list, duration: float) -> None:
         self.busy_until = None
@@ -353,6 +414,10 @@ class Simulation:
         """Worker id -> when it left, drained."""
         self._draining: list[SimWorker] = []
         self._next_id: dict[str, int] = {}
+        self.corun = profile.corun if cfg.workers_per_host > 1 else None
+        """The co-run model steps are priced with, or None (one worker per host, or a profile without one)."""
+        self._hosts: dict[int, list[SimWorker]] = {}
+        self._created = 0
         self._hooks = 0  # periodic events queued (they never keep a run going by themselves)
         self._reaping = False
         self._ecfg = EngineConfig(model="sim", block_size=profile.block_size, num_kv_blocks=blocks,
@@ -382,6 +447,10 @@ class Simulation:
         n = self._next_id.get(role, 0)
         self._next_id[role] = n + 1
         w = SimWorker(self, f"{role}-{n}", role, self._ecfg, self.num_blocks)
+        if self.cfg.workers_per_host > 1:  # hosts fill in creation order
+            w.host = self._hosts.setdefault(self._created // self.cfg.workers_per_host, [])
+            w.host.append(w)
+        self._created += 1
         self.workers[w.worker_id] = w
         self.pools.setdefault(role, []).append(w)
         self.added[w.worker_id] = (role, self.now)
@@ -599,6 +668,7 @@ class Simulation:
             if idle:
                 del self.workers[w.worker_id]
                 self.pools[w.role].remove(w)
+                w.host.remove(w)  # its host's core is free (a later worker does not take it: hosts fill in order)
                 self.dropped[w.worker_id] = self.now
             else:
                 keep.append(w)

@@ -139,6 +139,41 @@ class LinkModel:
 
 
 @dataclass
+class CorunModel:
+    """How much slower a step runs while sibling workers on the same host run theirs (``pdserve profile``'s co-run
+    phase): workers pinned to their own cores still share the memory bus and the last-level cache, and a CPU
+    decode step, which streams every weight once, is the first to feel it. Per busy sibling a step of ``d`` solo
+    seconds takes ``const_s + ratio * d`` longer; below the shortest measured step (``min_step_s``) the extra
+    shrinks in proportion, so tiny steps are never stretched more than the shortest measured one. Measured
+    with ``siblings`` busy siblings; more are priced linearly (an extrapolation)."""
+
+    const_s: float
+    ratio: float
+    min_step_s: float
+    siblings: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("const_s", "ratio", "min_step_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"corun: {name} must be a finite number >= 0, got {v!r}")
+        if self.min_step_s <= 0:
+            raise ValueError("corun: min_step_s must be > 0")
+        if not isinstance(self.siblings, int) or self.siblings < 1:
+            raise ValueError(f"corun: siblings must be an integer >= 1, got {self.siblings!r}")
+
+    def stretch(self, solo_s: float, busy_siblings: int) -> float:
+        """Wall seconds per solo second of a ``solo_s`` step while ``busy_siblings`` siblings step beside it."""
+        if busy_siblings <= 0 or solo_s <= 0:
+            return 1.0
+        extra = (self.const_s + self.ratio * max(solo_s, self.min_step_s)) * min(1.0, solo_s / self.min_step_s)
+        return 1.0 + busy_siblings * extra / solo_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"const_s": self.const_s, "ratio": self.ratio, "min_step_s": self.min_step_s, "siblings": self.siblings}
+
+
+@dataclass
 class Profile:
     """A machine's measured costs for one model configuration (``profile.json``)."""
 
@@ -162,7 +197,13 @@ class Profile:
     """The same for a prefill/decode pair (a Reserve, the Prefill stream, the first token back); None: as
     ``router_per_request_s``."""
     router_per_token_s: float = 0.0
-    """Router work per streamed token that delays the token (detokenizing, stop strings, proto, gRPC write)."""
+    """Serving-path work per streamed token that delays the token (detokenizing, stop strings, proto, gRPC write)."""
+    router_per_step_s: float = 0.0
+    """Serving-path work per engine step that streams any token (the loop's pass, one output message per step
+    and stream, the wakeups), whatever the number of tokens."""
+    corun: Optional[CorunModel] = None
+    """Steps slowed by sibling workers on the same host (None: not measured; a simulation with several workers per
+    host then prices no contention)."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Where and how it was measured: pdserve commit and version, torch version, CPU, flags, date, samples."""
 
@@ -179,8 +220,10 @@ class Profile:
                 "step": self.step.to_dict(),
                 "links": {k: {"latency_s": v.latency_s, "bytes_per_s": v.bytes_per_s} for k, v in self.links.items()},
                 "router": {"per_request_s": self.router_per_request_s, "per_token_s": self.router_per_token_s,
+                           "per_step_s": self.router_per_step_s,
                            **({} if self.router_per_request_pair_s is None
                               else {"per_request_pair_s": self.router_per_request_pair_s})},
+                **({} if self.corun is None else {"corun": self.corun.to_dict()}),
                 "meta": self.meta}
 
     @classmethod
@@ -201,9 +244,11 @@ class Profile:
                     threads=d.get("threads"), block_size=int(d["block_size"]), num_layers=int(d["num_layers"]),
                     kv_bytes_per_token=int(d["kv_bytes_per_token"]), max_model_len=int(d["max_model_len"]),
                     step=step, links=links, router_per_request_s=float(router.get("per_request_s", 0.0)),
-                    router_per_token_s=float(router.get("per_token_s", 0.0)), meta=dict(d.get("meta") or {}),
+                    router_per_token_s=float(router.get("per_token_s", 0.0)),
+                    router_per_step_s=float(router.get("per_step_s", 0.0)), meta=dict(d.get("meta") or {}),
                     router_per_request_pair_s=(None if router.get("per_request_pair_s") is None
-                                               else float(router["per_request_pair_s"])))
+                                               else float(router["per_request_pair_s"])),
+                    corun=None if d.get("corun") is None else CorunModel(**d["corun"]))
         except KeyError as e:
             raise ValueError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
@@ -214,7 +259,8 @@ class Profile:
         for name, link in p.links.items():
             if not (link.latency_s >= 0 and link.bytes_per_s > 0 and math.isfinite(link.bytes_per_s)):
                 raise ValueError(f"{where}: links.{name} needs latency_s >= 0 and bytes_per_s > 0")
-        if p.router_per_request_s < 0 or p.router_per_token_s < 0 or (p.router_per_request_pair_s or 0) < 0:
+        if (p.router_per_request_s < 0 or p.router_per_token_s < 0 or p.router_per_step_s < 0
+                or (p.router_per_request_pair_s or 0) < 0):
             raise ValueError(f"{where}: router costs must be >= 0")
         return p
 

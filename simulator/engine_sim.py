@@ -8,7 +8,7 @@ prefill, preemption, prefix cache) and hands the ``SchedulerOutput`` to the runn
 samples a fixed token for every row that samples (``ModelRunner``'s rule: decodes at the end
 of their sequence, last prefill chunks) and prices the step with the profile's step model
 (``simulator.costs.step_features``) plus the serving path's cost of each token it streams
-(``Profile.router_per_token_s``: the gap between a served stream's tokens minus the engine's own step,
+(``Profile.router_per_step_s`` + ``router_per_token_s`` x tokens: token gaps minus the engine's own steps,
 work on the same cores and GIL the engine loop needs, so it lengthens the step rather than delaying
 the token after it). ``runner.last_seconds`` is the step's duration, which the
 simulator puts on its virtual clock.
@@ -41,9 +41,11 @@ class SimRunner:
     def execute(self, sched: SchedulerOutput, layer_hook: Optional[Callable[[int], None]] = None) -> RunnerOutput:
         f = step_features(sched)  # before the engine advances the sequences
         self.last_features = f
-        # a worker's step also pays the serving path's work for each token it streams (the profile's
-        # router_per_token_s: measured as a stream's token gap minus the engine's own step)
-        self.last_seconds = self.profile.step.seconds(f) + self.profile.router_per_token_s * f.sampled
+        # a worker's step also pays the serving path's work: per step that streams and per token streamed (the
+        # profile's router_per_step_s / router_per_token_s: token gaps of 1 and 8 streams minus the engine's steps)
+        p = self.profile
+        self.last_seconds = p.step.seconds(f) + ((p.router_per_step_s + p.router_per_token_s * f.sampled)
+                                                 if f.sampled else 0.0)
         self.busy_seconds += self.last_seconds
         seqs = []
         for seq in sched.decodes:

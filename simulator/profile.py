@@ -20,8 +20,15 @@ then measures, in this order, each part but the first optional:
    here, and meta.notes says so.
 3. **Router** (``--skip-router``): a colocated worker and a ``RouterServer`` on loopback gRPC in this
    process; TTFT of short prompts minus the engine's own prefill step gives ``router_per_request_s``,
-   the mean token gap of one greedy stream minus the engine's own one-sequence decode step gives
-   ``router_per_token_s`` (both clamped at 0; the raw numbers stay in meta.router).
+   the mean token gap of one greedy stream minus the engine's own one-sequence decode step, and the same of
+   8 streams at once against the engine's 8-sequence step, give the serving path's cost of a step that streams
+   (``router_per_step_s``) and of each token it streams (``router_per_token_s``): excess = per_step +
+   per_token x streams (all clamped at 0; the raw numbers stay in meta.router).
+
+4. **Co-running** (``--skip-corun``; CPU only): simulator/corun.py times a few decode and prefill steps
+   alone and again beside ``--corun-siblings`` busy processes running the same engine on this host's other
+   cores, and fits ``CorunModel`` (the extra per busy sibling: a constant plus a share of the solo time), which
+   prices deployments of several workers per host (``pdserve simulate --workers-per-host``).
 
 Then it writes ``--out`` through a temporary file and a rename (never half a profile) and prints a
 summary. Every measured sample, the fit's errors and where it ran (commit, torch, CPU and its flags,
@@ -47,6 +54,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from simulator.costs import LinkModel, Profile, StepFeatures, step_features
 from simulator.fit import _features, choose_knots, fit_errors, fit_link, fit_step_model
+from simulator.corun import fit_corun, measure_corun
 from simulator.serving_costs import measure_link, measure_router
 
 MIB = 1 << 20
@@ -55,6 +63,8 @@ RELEVANT_CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", 
 LINK_SIZES = (64 << 10, 256 << 10, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB)
 LINK_SIZES_QUICK = (64 << 10, 1 * MIB, 16 * MIB)
 ROUTER_PROMPT_TOKENS = 16
+ROUTER_BATCH = 8
+"""Concurrent streams of the router part's second point."""
 
 
 # -- engine steps ----------------------------------------------------------------------------------
@@ -259,6 +269,16 @@ def measure_engine(probe: StepProbe, cfg: Any, quick: bool, reps: int, router_st
             gaps.append(probe.step()[1])
         ref = {"prompt_tokens": p, "engine_prefill_s": statistics.median(firsts[1:]),
                "stream_tokens": router_stream, "engine_decode_s": statistics.fmean(gaps[1:] or gaps)}
+        # and ROUTER_BATCH streams at once: the router part's second point separates its per-step cost from
+        # its per-token one
+        for _ in range(ROUTER_BATCH):
+            probe.add(probe.tokens(p), router_stream)
+        while not probe.all_decoding():
+            probe.step()
+        gaps = []
+        while eng.has_unfinished_requests():
+            gaps.append(probe.step()[1])
+        ref.update(batch=ROUTER_BATCH, engine_decode_batch_s=statistics.fmean(gaps[1:-1] or gaps))
     return samples, ref
 
 
@@ -312,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default 0)")
     p.add_argument("--skip-link", action="store_true", help="do not measure the KV link (the profile has no links)")
     p.add_argument("--skip-router", action="store_true", help="do not measure the router (its costs stay 0)")
+    p.add_argument("--skip-corun", action="store_true",
+                   help="do not measure co-running (steps beside busy sibling workers on this host's other cores)")
+    p.add_argument("--corun-siblings", type=int, default=1,
+                   help="busy sibling workers of the co-run phase (default 1; needs threads x (1 + this) cores)")
     p.add_argument("--quick", action="store_true", help="a coarse grid in a few seconds (tests, smoke checks)")
     p.add_argument("--refit", default=None, metavar="PROFILE",
                    help="measure nothing: fit PROFILE's own samples again with this version's step model, to --out")
@@ -344,7 +368,8 @@ def _check(args: argparse.Namespace) -> None:
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: torch sees no CUDA device here")
     for flag, lo in (("threads", 1), ("max_num_batched_tokens", 2), ("max_num_seqs", 1), ("max_model_len", 3),
-                     ("block_size", 1), ("kv_cache_memory_bytes", 1), ("num_kv_blocks", 1), ("reps", 1)):
+                     ("block_size", 1), ("kv_cache_memory_bytes", 1), ("num_kv_blocks", 1), ("reps", 1),
+                     ("corun_siblings", 1)):
         v = getattr(args, flag)
         if v is not None and v < lo:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= {lo}, got {v}")
@@ -455,6 +480,23 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
                      "worker on loopback gRPC, router, worker and client in this one process (one GIL; a deployment "
                      "runs them apart, so these are upper bounds)")
 
+    corun: dict = {}
+    corun_s = 0.0
+    corun_model = None
+    if args.skip_corun:
+        notes.append("co-running not measured (--skip-corun): a simulation with several workers per host prices "
+                     "no contention")
+    elif args.device != "cpu":
+        notes.append("co-running not measured: measured on CPU workers only (one GPU per worker shares no memory bus)")
+    else:
+        t0 = time.perf_counter()
+        corun = measure_corun(cfg, args.quick, reps, args.corun_siblings)
+        corun_s = time.perf_counter() - t0
+        if "skipped" in corun:
+            notes.append(f"co-running not measured: {corun['skipped']}")
+        else:
+            corun_model = fit_corun(corun["samples"], corun["siblings"])
+
     cpu_name, cpu_flags = _cpu()
     meta = {
         "pdserve_version": PDSERVE_VERSION, "pdserve_commit": _git_commit(), "torch_version": torch.__version__,
@@ -464,13 +506,15 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(["pdserve", "profile", *argv]),
         "wall_s": round(time.perf_counter() - t_start, 3),
-        "phase_s": {"engine": round(engine_s, 3), "link": round(link_s, 3), "router": round(router_s, 3)},
+        "phase_s": {"engine": round(engine_s, 3), "link": round(link_s, 3), "router": round(router_s, 3),
+                    "corun": round(corun_s, 3)},
         "kv_bytes_per_token_derivation": derivation,
         "engine": {**engine_info, "max_num_batched_tokens": cfg.max_num_batched_tokens,
                    "max_num_seqs": cfg.max_num_seqs, "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes,
                    "cpu_gemm": cfg.cpu_gemm, "reps": reps, "quick": args.quick},
         "fit": {"method": "non-negative least squares (Lawson-Hanson) on relative residuals", "errors": errors},
         "notes": notes, "samples": samples + fill, "link_samples": link_samples, "router": router,
+        "corun": corun,
     }
     return Profile(model=args.model, dtype=args.dtype, quantization=quant, kv_cache_dtype=args.kv_cache_dtype,
                    device=args.device, threads=args.threads, block_size=cfg.block_size,
@@ -478,8 +522,10 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
                    max_model_len=engine_info["max_model_len"],
                    step=step, links=links, router_per_request_s=max(0.0, router.get("per_request_raw_s", 0.0)),
                    router_per_token_s=max(0.0, router.get("per_token_raw_s", 0.0)),
+                   router_per_step_s=max(0.0, router.get("per_step_raw_s", 0.0)),
                    router_per_request_pair_s=max(0.0, router.get("per_request_pair_raw_s",
-                                                                 router.get("per_request_raw_s", 0.0))), meta=meta)
+                                                                 router.get("per_request_raw_s", 0.0))),
+                   corun=corun_model, meta=meta)
 
 
 def summary(p: Profile, out: str) -> str:
@@ -501,8 +547,16 @@ def summary(p: Profile, out: str) -> str:
     r = m.get("router") or {}
     if r:
         lines.append(f"  router: per request {p.router_per_request_s * 1e3:.3f} ms (TTFT {r['ttft_s'] * 1e3:.2f} - "
-                     f"engine {r['engine_prefill_s'] * 1e3:.2f}), per token {p.router_per_token_s * 1e6:.1f} us "
-                     f"(gap {r['token_gap_s'] * 1e3:.3f} - engine {r['engine_decode_s'] * 1e3:.3f} ms)")
+                     f"engine {r['engine_prefill_s'] * 1e3:.2f}), per streaming step {p.router_per_step_s * 1e6:.1f} us "
+                     f"+ per token {p.router_per_token_s * 1e6:.1f} us (gap {r['token_gap_s'] * 1e3:.3f} - engine "
+                     f"{r['engine_decode_s'] * 1e3:.3f} ms at 1 stream, "
+                     f"{r.get('token_gap_batch_s', 0) * 1e3:.3f} - {r.get('engine_decode_batch_s', 0) * 1e3:.3f} ms at "
+                     f"{r.get('batch', 0)})")
+    if p.corun is not None:
+        c = p.corun
+        lines.append(f"  co-run: per busy sibling a step takes {c.const_s * 1e3:.2f} ms + {c.ratio:.1%} longer ("
+                     + ", ".join(f"{x['kind']} {x['size']}: {x['solo_s'] * 1e3:.1f} -> {x['corun_s'] * 1e3:.1f} ms"
+                                 for x in (m.get("corun") or {}).get("samples", [])) + ")")
     lines += [f"  note: {n}" for n in m["notes"]]
     return "\n".join(lines)
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 import random
+from concurrent.futures import ThreadPoolExecutor
 import statistics
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 # -- KV link ---------------------------------------------------------------------------------------
 
@@ -139,21 +140,36 @@ def measure_router(cfg: Any, model: str, ref: dict, quick: bool, seed: int) -> d
             for _ in range(3):  # connections, threads and the worker's first steps
                 run(4)
             ttfts = [run(1)[0][0] for _ in range(8 if quick else 30)]
-            gaps = []
-            for _ in range(2 if quick else 5):
-                got = run(ref["stream_tokens"])
+            def gap(got: list[tuple[float, int]]) -> Optional[float]:
                 n_after = sum(k for _, k in got[1:])
-                if n_after:
-                    gaps.append((got[-1][0] - got[0][0]) / n_after)
+                return (got[-1][0] - got[0][0]) / n_after if n_after else None
+
+            gaps = [g for g in (gap(run(ref["stream_tokens"])) for _ in range(2 if quick else 5)) if g is not None]
+            batch = int(ref.get("batch") or 0)
+            batch_gaps: list[float] = []
+            if batch > 1:  # the same streams, `batch` at once: the worker steps them together
+                with ThreadPoolExecutor(batch) as ex:
+                    for _ in range(2 if quick else 3):
+                        got = list(ex.map(lambda _i: run(ref["stream_tokens"]), range(batch)))
+                        batch_gaps += [g for g in map(gap, got) if g is not None]
     finally:
         if router is not None:
             router.stop()
         worker.stop()
-    ttft, gap = statistics.median(ttfts), statistics.median(gaps)
+    ttft, one = statistics.median(ttfts), statistics.median(gaps)
     pair = measure_pair_ttft(cfg, model, ref, quick, seed)
-    return {**ref, "ttft_s": ttft, "ttft_samples_s": ttfts, "token_gap_s": gap, "token_gap_samples_s": gaps,
-            "per_request_raw_s": ttft - ref["engine_prefill_s"], "per_token_raw_s": gap - ref["engine_decode_s"],
-            "pair_ttft_s": pair, "per_request_pair_raw_s": pair - ref["engine_prefill_s"]}
+    out = {**ref, "ttft_s": ttft, "ttft_samples_s": ttfts, "token_gap_s": one, "token_gap_samples_s": gaps,
+           "per_request_raw_s": ttft - ref["engine_prefill_s"], "pair_ttft_s": pair,
+           "per_request_pair_raw_s": pair - ref["engine_prefill_s"]}
+    excess1 = one - ref["engine_decode_s"]
+    if batch_gaps:  # excess(B) = per_step + B x per_token, at B = 1 and B = batch
+        many = statistics.median(batch_gaps)
+        per_token = ((many - ref["engine_decode_batch_s"]) - excess1) / (batch - 1)
+        out.update(token_gap_batch_s=many, token_gap_batch_samples_s=batch_gaps, per_token_raw_s=per_token,
+                   per_step_raw_s=excess1 - max(0.0, per_token))
+    else:  # one point: all of it per token, as before the second point was measured
+        out.update(per_token_raw_s=excess1, per_step_raw_s=0.0)
+    return out
 
 
 def measure_pair_ttft(cfg: Any, model: str, ref: dict, quick: bool, seed: int) -> float:

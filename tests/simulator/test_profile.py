@@ -2,6 +2,7 @@
 ``tiny`` read back through ``load_profile``, and bad input refused with nothing written."""
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from simulator import PDSERVE_VERSION
 from simulator.costs import StepFeatures, StepModel, load_profile
 from simulator.fit import _TERMS, _features, _row, fit_link, fit_step_model, nnls
+from simulator.corun import fit_corun
 from simulator.profile import main
 
 # a hand-written step model: what a CPU engine's steps roughly look like, in round numbers
@@ -106,6 +108,7 @@ def _git_head() -> str:
 
 def test_quick_profile_of_tiny(tmp_path, capsys):
     out = tmp_path / "profile.json"
+    affinity = os.sched_getaffinity(0)
     assert main(["--model", "tiny", "--quick", "--out", str(out)]) == 0
     assert "KV link gloo" in capsys.readouterr().out
     prof = load_profile(out)  # schema, fields and the version check
@@ -150,21 +153,62 @@ def test_quick_profile_of_tiny(tmp_path, capsys):
     assert r["ttft_s"] > 0 and r["token_gap_s"] > 0
     assert prof.router_per_request_s == max(0.0, r["per_request_raw_s"])
     assert prof.router_per_token_s == max(0.0, r["per_token_raw_s"])
+    # the second point (8 streams at once) separates the per-step cost from the per-token one:
+    # excess(B) = per_step + B x per_token at B = 1 and 8
+    assert r["batch"] == 8 and r["token_gap_batch_s"] > 0 and r["engine_decode_batch_s"] > 0
+    excess1, excess8 = r["token_gap_s"] - r["engine_decode_s"], r["token_gap_batch_s"] - r["engine_decode_batch_s"]
+    assert r["per_token_raw_s"] == pytest.approx((excess8 - excess1) / 7)
+    assert prof.router_per_step_s == max(0.0, r["per_step_raw_s"])
     # the pair path (Reserve + Prefill stream + first token) was measured on its own, and costs the router more
     assert prof.router_per_request_pair_s == max(0.0, r["per_request_pair_raw_s"])
     assert r["pair_ttft_s"] > r["engine_prefill_s"]
+    # co-running measured beside one busy sibling on another core (CI has 2), fitted, and this process's
+    # affinity given back
+    c = prof.meta["corun"]
+    if len(affinity) >= 2:
+        assert c["siblings"] == 1 and not set(c["cores"][0]) & set(c["cores"][1])
+        assert {x["kind"] for x in c["samples"]} == {"prefill", "decode"}
+        assert all(x["solo_s"] > 0 and x["corun_s"] > 0 for x in c["samples"])
+        assert prof.corun == fit_corun(c["samples"], 1)
+    else:
+        assert prof.corun is None and "skipped" in c
+    assert os.sched_getaffinity(0) == affinity
     assert not list(tmp_path.glob(".*tmp"))  # no temp file left beside it
 
 
 def test_int8_kv_cache_bytes_include_the_row_scales(tmp_path):
     out = tmp_path / "p.json"
     assert main(["--model", "tiny", "--quick", "--kv-cache-dtype", "int8", "--skip-link", "--skip-router",
-                 "--reps", "1", "--out", str(out)]) == 0
+                 "--skip-corun", "--reps", "1", "--out", str(out)]) == 0
     prof = load_profile(out)
     # each cached (token, head) row: 64 int8 values + a 4-byte float32 scale
     assert prof.kv_bytes_per_token == 2 * 4 * 2 * (64 + 4)
     assert prof.kv_cache_dtype == "int8" and prof.links == {} and prof.router_per_request_s == 0.0
     assert any("--skip-link" in n for n in prof.meta["notes"])
+    assert prof.corun is None and any("--skip-corun" in n for n in prof.meta["notes"])
+
+
+def test_fit_corun_recovers_a_known_model():
+    # extra = 4 ms + 10% of the solo time per busy sibling, measured with 2 siblings busy
+    samples = [{"kind": "decode", "size": 1, "solo_s": s, "corun_s": s + 2 * (0.004 + 0.1 * s)}
+               for s in (0.009, 0.013, 0.05, 0.17)]
+    m = fit_corun(samples, 2)
+    assert (m.const_s, m.ratio, m.min_step_s, m.siblings) == (pytest.approx(0.004), pytest.approx(0.1), 0.009, 2)
+    # a proportional slowdown alone fits through the origin; no slowdown fits zeros (never negative)
+    m = fit_corun([{"solo_s": s, "corun_s": 1.3 * s} for s in (0.01, 0.1, 0.2)], 1)
+    assert (m.const_s, m.ratio) == (pytest.approx(0.0, abs=1e-12), pytest.approx(0.3))
+    m = fit_corun([{"solo_s": s, "corun_s": s * 0.98} for s in (0.01, 0.1)], 1)
+    assert (m.const_s, m.ratio) == (0.0, 0.0)
+
+
+def test_corun_phase_skips_when_the_cores_are_too_few(tmp_path):
+    out = tmp_path / "p.json"
+    many = len(os.sched_getaffinity(0))  # this process and `many` siblings need more cores than it may use
+    assert main(["--model", "tiny", "--quick", "--skip-link", "--skip-router", "--reps", "1",
+                 "--corun-siblings", str(many), "--out", str(out)]) == 0
+    prof = load_profile(out)
+    assert prof.corun is None and "skipped" in prof.meta["corun"]
+    assert any("co-running not measured: needs" in n for n in prof.meta["notes"])
 
 
 @pytest.mark.parametrize("args, flag", [

@@ -17,7 +17,7 @@ from router.placement import Placer
 from router.selection import WorkerSelector
 from simulator import cli
 from simulator.cluster_sim import SimConfig, SimRequest, Simulation
-from simulator.costs import LinkModel, Profile, StepModel
+from simulator.costs import CorunModel, LinkModel, Profile, StepModel
 
 R_REQ, R_TOK = 0.005, 0.001
 KVB = 1000  # bytes per token
@@ -109,6 +109,25 @@ def test_batched_prefill_shares_one_step():
     step = lin(150) + 1e-6 * (100 * 101 / 2 + 50 * 51 / 2) + 2 * R_TOK  # two first tokens streamed
     assert ttft_s(a) == pytest.approx(R_REQ + step, abs=1e-12)
     assert ttft_s(b) == pytest.approx(R_REQ + step, abs=1e-12)
+
+
+def test_serving_path_costs_once_per_streaming_step_plus_per_token():
+    """router_per_step_s is paid by every step that streams a token, once whatever the batch; a prefill chunk
+    that samples nothing streams nothing and pays neither."""
+    R_STEP = 0.002
+    prof = make_profile(router_per_step_s=R_STEP)
+    reqs = [SimRequest("a", 0.0, list(range(100)), 2), SimRequest("b", 0.0, list(range(500, 550)), 2)]
+    _, (a, b) = run(SimConfig(mode="colocated", colocated=1), reqs, prof)
+    first = lin(150) + 1e-6 * (100 * 101 / 2 + 50 * 51 / 2) + R_STEP + 2 * R_TOK
+    second = lin(2) + 1e-5 * (101 + 51) + R_STEP + 2 * R_TOK  # both decode in one step: one R_STEP
+    assert [ttft_s(a), ttft_s(b)] == pytest.approx([R_REQ + first] * 2, abs=1e-12)
+    assert [a.end_s, b.end_s] == pytest.approx([R_REQ + first + second] * 2, abs=1e-12)
+    # chunked: the first 64-token chunk samples nothing; only the last chunk streams the first token
+    _, [c] = run(SimConfig(mode="colocated", colocated=1, max_num_batched_tokens=64),
+                 [SimRequest("c", 0.0, list(range(100)), 1)], prof)
+    chunk1 = lin(64) + 1e-6 * 64 * 65 / 2
+    chunk2 = lin(36) + 1e-6 * 36 * (64 + 37 / 2) + R_STEP + R_TOK
+    assert ttft_s(c) == pytest.approx(R_REQ + chunk1 + chunk2, abs=1e-12)
 
 
 def test_preemption_when_blocks_run_out():
@@ -291,3 +310,51 @@ def test_up_flags_carry_what_pdserve_up_needs():
                                   "--no-prefix-caching")
     assert SimConfig(local_prefill_max_tokens=64).up_flags(prof).endswith("--local-prefill-max-tokens 64 "
                                                                            "--max-num-batched-tokens 2048")
+
+
+# -- co-run: workers sharing a host slow each other's steps --------------------------------------------------------
+
+def test_corun_stretch_is_the_measured_extra_per_busy_sibling():
+    m = CorunModel(const_s=0.004, ratio=0.1, min_step_s=0.01)
+    assert m.stretch(0.02, 0) == 1.0
+    assert m.stretch(0.02, 1) == pytest.approx(1 + (0.004 + 0.1 * 0.02) / 0.02)  # 1.3
+    assert m.stretch(0.02, 2) == pytest.approx(1 + 2 * 0.3)
+    # below the shortest measured step the extra shrinks in proportion: never a larger stretch than there
+    assert m.stretch(0.005, 1) == pytest.approx(m.stretch(0.01, 1)) == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="min_step_s"):
+        CorunModel(const_s=0.0, ratio=0.0, min_step_s=0.0)
+
+
+def test_corun_rescales_a_step_when_its_host_mate_starts_and_ends():
+    """Two colocated workers on one host, a step twice as slow while the other steps (ratio 1, no constant).
+    A's prefill (P solo seconds) starts at R_REQ; B's arrives when A is half done. From then both run at half
+    speed: A ends after P more (its remaining P/2 at stretch 2), B has done P/2 by then and finishes its
+    other P/2 alone. So both first tokens come 1.5 P after their placement."""
+    P = prefill_s(100)
+    prof = make_profile(corun=CorunModel(const_s=0.0, ratio=1.0, min_step_s=0.001))
+    reqs = [SimRequest("a", 0.0, list(range(100)), 1), SimRequest("b", P / 2, list(range(100, 200)), 1)]
+    sim, (a, b) = run(SimConfig(mode="colocated", colocated=2, workers_per_host=2), reqs, prof)
+    assert ttft_s(a) == pytest.approx(R_REQ + 1.5 * P, abs=1e-12)
+    assert ttft_s(b) == pytest.approx(R_REQ + 1.5 * P, abs=1e-12)
+    assert sim.pool_stats()["colocated"].busy_s == pytest.approx(3 * P, abs=1e-12)  # wall time, stretched
+    # one worker per host (the default), or a profile without a co-run model: no contention
+    for cfg, p in ((SimConfig(mode="colocated", colocated=2), prof),
+                   (SimConfig(mode="colocated", colocated=2, workers_per_host=2), make_profile())):
+        _, (a, b) = run(cfg, reqs, p)
+        assert [ttft_s(a), ttft_s(b)] == pytest.approx([R_REQ + P, R_REQ + P], abs=1e-12)
+    # hosts fill in creation order: 1P+1D on one host, so the decode worker's steps slow the prefill's
+    sim = Simulation(prof, SimConfig(mode="disaggregated", workers_per_host=2))
+    assert [w.worker_id for w in sim.workers["prefill-0"].host] == ["prefill-0", "decode-0"]
+    with pytest.raises(ValueError, match="--workers-per-host"):
+        SimConfig(workers_per_host=0)
+
+
+def test_profile_round_trips_its_corun_model():
+    prof = make_profile(corun=CorunModel(const_s=0.003, ratio=0.08, min_step_s=0.008, siblings=1))
+    back = Profile.from_dict(json.loads(json.dumps(prof.to_dict())))
+    assert back.corun == prof.corun
+    assert Profile.from_dict(json.loads(json.dumps(make_profile().to_dict()))).corun is None
+    bad = prof.to_dict()
+    bad["corun"]["ratio"] = -1
+    with pytest.raises(ValueError, match="corun: ratio"):
+        Profile.from_dict(bad)
