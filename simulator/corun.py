@@ -126,7 +126,7 @@ def measure_corun(cfg: Any, quick: bool, reps: int, siblings: int = 1, start_tim
     on both alike, and each point keeps its mean over the rounds, not a median: on the 2-vCPU validation VM
     the slowdown of a decode step beside a busy sibling comes and goes (0 to +60% from one second to the next,
     whatever the sibling runs), so the mean over many rounds is what a long run sees."""
-    rounds = max(reps, 2 if quick else 8)
+    rounds = max(reps, 2 if quick else 16)
     threads = cfg.num_threads or 1
     sets = cores_for(threads, siblings)
     if sets is None:

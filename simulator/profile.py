@@ -267,7 +267,8 @@ def measure_engine(probe: StepProbe, cfg: Any, quick: bool, reps: int, router_st
         gaps = []
         while eng.has_unfinished_requests():
             gaps.append(probe.step()[1])
-        ref = {"prompt_tokens": p, "engine_prefill_s": statistics.median(firsts[1:]),
+        ref = {"prompt_tokens": p, "vocab_size": eng.model_config.vocab_size,
+               "engine_prefill_s": statistics.median(firsts[1:]),
                "stream_tokens": router_stream, "engine_decode_s": statistics.fmean(gaps[1:] or gaps)}
         # and ROUTER_BATCH streams at once: the router part's second point separates its per-step cost from
         # its per-token one
@@ -476,9 +477,12 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
     else:
         notes.append("router not measured (--skip-router): its costs are 0")
     if router:
+        where = ("the worker in its own process on its own core, router and client in this one on another"
+                 if router.get("worker_apart") else
+                 "router, worker and client in this one process (one GIL: too few cores to run them apart, so these "
+                 "are upper bounds)")
         notes.append(f"router costs: prompts of {ROUTER_PROMPT_TOKENS} token ids (no tokenizing) through a colocated "
-                     "worker on loopback gRPC, router, worker and client in this one process (one GIL; a deployment "
-                     "runs them apart, so these are upper bounds)")
+                     f"worker on loopback gRPC, {where}; the pair path's TTFT with all three in this process")
 
     corun: dict = {}
     corun_s = 0.0

@@ -1,18 +1,20 @@
 """Measuring the serving path for a profile: the KV link between two processes, and the router's costs.
 
 Lifecycle: ``pdserve profile`` (simulator/profile.py) calls ``measure_link`` (kvtransfer's own endpoint over
-gloo to a second process on loopback) and ``measure_router`` (a router in front of a colocated worker, then of a
-prefill/decode pair, on loopback gRPC in this process) once each, after the engine's steps; each starts what it
+gloo to a second process on loopback) and ``measure_router`` (a router in this process in front of a colocated
+worker in its own pinned process, as a deployment runs them, this process pinned to another core meanwhile; then
+of a prefill/decode pair in this process, on loopback gRPC) once each, after the engine's steps; each starts what it
 needs and stops it before returning.
 """
 from __future__ import annotations
 
 import math
+import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 import statistics
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 # -- KV link ---------------------------------------------------------------------------------------
 
@@ -112,21 +114,103 @@ def measure_link(geom: tuple, kv_bytes_per_token: int, sizes: Sequence[int], rep
 
 # -- router ----------------------------------------------------------------------------------------
 
+def _worker_process(cfg: Any, cores: list[int], ready: Any, stop: Any) -> None:
+    """The measured colocated worker in its own process, pinned to its own cores, as a deployment runs it."""
+    os.sched_setaffinity(0, cores)
+    import torch
+
+    torch.set_num_threads(len(cores))
+    from decode_worker import ColocatedWorker, ColocatedWorkerConfig
+
+    try:
+        w = ColocatedWorker(ColocatedWorkerConfig("profile-c0", engine=cfg, serve_metrics=False)).start()
+    except BaseException as e:
+        ready.put(("", f"{type(e).__name__}: {e}"))
+        return
+    ready.put((w.address, ""))
+    try:
+        stop.wait(24 * 3600)
+    finally:
+        w.stop()
+
+
+class _WorkerApart:
+    """A colocated worker in a pinned process, this process pinned to other cores while it lives (router and
+    client), or, where the cores are too few, the worker in this process (``apart`` False)."""
+
+    def __init__(self, cfg: Any, start_timeout_s: float = 300.0) -> None:
+        from simulator.corun import cores_for
+
+        self.cfg, self.timeout = cfg, start_timeout_s
+        self.sets = cores_for(cfg.num_threads or 1, 1)
+        self.apart = self.sets is not None
+        self._before = os.sched_getaffinity(0)
+        self._proc: Any = None
+        self._worker: Any = None
+        self._channel: Any = None
+
+    def __enter__(self) -> Callable[[], Any]:
+        """Returns the worker's ``info`` callable (a GetInfo RPC when apart); stops what it started if it fails."""
+        try:
+            return self._enter()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def _enter(self) -> Callable[[], Any]:
+        if not self.apart:
+            from decode_worker import ColocatedWorker, ColocatedWorkerConfig
+
+            self._worker = ColocatedWorker(ColocatedWorkerConfig("profile-c0", engine=self.cfg,
+                                                                 serve_metrics=False)).start()
+            return self._worker.info
+        import multiprocessing as mp
+
+        import grpc
+
+        from proto import worker_pb2, worker_pb2_grpc
+
+        ctx = mp.get_context("spawn")
+        self._stop, ready = ctx.Event(), ctx.Queue()
+        self._proc = ctx.Process(target=_worker_process, args=(self.cfg, self.sets[1], ready, self._stop), daemon=True)
+        self._proc.start()
+        os.sched_setaffinity(0, self.sets[0])
+        addr, err = ready.get(timeout=self.timeout)
+        if err:
+            raise RuntimeError(f"the profiled worker did not start: {err}")
+        self._channel = grpc.insecure_channel(addr)
+        stub = worker_pb2_grpc.ColocatedWorkerStub(self._channel)
+        return lambda: stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._worker is not None:
+            self._worker.stop()
+        if self._proc is not None:
+            self._stop.set()
+            self._proc.join(30)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
+            os.sched_setaffinity(0, self._before)
+        if self._channel is not None:
+            self._channel.close()
+
+
 def measure_router(cfg: Any, model: str, ref: dict, quick: bool, seed: int) -> dict:
     """TTFT and token gaps through a real router and colocated worker on loopback (module docstring, 3)."""
     import grpc
 
-    from decode_worker import ColocatedWorker, ColocatedWorkerConfig
     from proto import pdserve_pb2, pdserve_pb2_grpc
     from router import RouterConfig, RouterServer, StaticWorkerSource
 
     rng = random.Random(seed + 1)
-    worker = ColocatedWorker(ColocatedWorkerConfig("profile-c0", engine=cfg, serve_metrics=False)).start()
     router = None
+    apart = _WorkerApart(cfg)
+    info = apart.__enter__()
     try:
         router = RouterServer(RouterConfig(model=model, mode="colocated", serve_metrics=False),
-                              StaticWorkerSource([worker.info])).start()
-        vocab = worker.engine.model_config.vocab_size
+                              StaticWorkerSource([info])).start()
+        vocab = ref["vocab_size"]
         with grpc.insecure_channel(router.address) as ch:
             stub = pdserve_pb2_grpc.PDServeStub(ch)
 
@@ -155,10 +239,11 @@ def measure_router(cfg: Any, model: str, ref: dict, quick: bool, seed: int) -> d
     finally:
         if router is not None:
             router.stop()
-        worker.stop()
+        apart.__exit__(None, None, None)
     ttft, one = statistics.median(ttfts), statistics.median(gaps)
     pair = measure_pair_ttft(cfg, model, ref, quick, seed)
-    out = {**ref, "ttft_s": ttft, "ttft_samples_s": ttfts, "token_gap_s": one, "token_gap_samples_s": gaps,
+    out = {**ref, "worker_apart": apart.apart, "ttft_s": ttft, "ttft_samples_s": ttfts, "token_gap_s": one,
+           "token_gap_samples_s": gaps,
            "per_request_raw_s": ttft - ref["engine_prefill_s"], "pair_ttft_s": pair,
            "per_request_pair_raw_s": pair - ref["engine_prefill_s"]}
     excess1 = one - ref["engine_decode_s"]
