@@ -156,6 +156,7 @@ def test_quick_profile_of_tiny(tmp_path, capsys):
     # the second point (8 streams at once) separates the per-step cost from the per-token one:
     # excess(B) = per_step + B x per_token at B = 1 and 8
     assert r["batch"] == 8 and r["token_gap_batch_s"] > 0 and r["engine_decode_batch_s"] > 0
+    assert r["worker_apart"] == (len(affinity) >= 2)  # its own pinned process where the cores allow
     excess1, excess8 = r["token_gap_s"] - r["engine_decode_s"], r["token_gap_batch_s"] - r["engine_decode_batch_s"]
     assert r["per_token_raw_s"] == pytest.approx((excess8 - excess1) / 7)
     assert prof.router_per_step_s == max(0.0, r["per_step_raw_s"])

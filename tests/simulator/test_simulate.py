@@ -213,6 +213,7 @@ def test_cli_writes_bench_keys(tmp_path, capsys):
     (["--model", "other"], "model"),
     (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
     (["--num-prompts", "0"], "num_prompts"),
+    (["--workers-per-host", "0"], "--workers-per-host"),
 ])
 def test_cli_bad_input(tmp_path, capsys, args, needle):
     prof = _write_profile(tmp_path)
