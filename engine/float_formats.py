@@ -32,7 +32,8 @@ class Dense(LinearFormat):
 class OneDNN(LinearFormat):
     """Prepacked once into oneDNN's blocked layout (the dense copy dropped); every forward is one oneDNN
     inner product, 1.2x to 3x faster than MKL sgemm on the dense weight at the bench model's shapes
-    (docs/benchmarks.md). This is what vLLM's CPU backend does."""
+    (docs/benchmarks.md). This is what vLLM's CPU backend does. A product of more than 64 rows runs at its row
+    count rounded up to a bucket (``onednn_rows``), so a prefill worker's oneDNN primitives stay few."""
     method = "onednn"
 
     def __init__(self, packed: Tensor, in_features: int, out_features: int, bias: Optional[Tensor]) -> None:
@@ -51,7 +52,46 @@ class OneDNN(LinearFormat):
             return None
 
     def __call__(self, x: Tensor) -> Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        x2 = x.reshape(-1, self.in_features)
+        m = x2.shape[0]
+        rows = onednn_rows(m)
+        if rows != m:  # zero rows up to the bucket: the real rows get the same bits (test_weight_formats.py)
+            xp = x2.new_empty(rows, self.in_features)
+            xp[:m] = x2
+            xp[m:] = 0
+            x2 = xp
+        y = _linear_pointwise(x2, self.packed, self.bias)
+        return y[:m].reshape(*x.shape[:-1], self.out_features)
+
+
+ONEDNN_EXACT_ROWS = 64
+"""Products of up to this many rows run oneDNN at their own row count (decode batches: few distinct counts)."""
+ONEDNN_BUCKETS_PER_OCTAVE = 8
+"""Row buckets per power of two above ``ONEDNN_EXACT_ROWS``: at most 1/8 (12.5%) padding rows."""
+
+
+def onednn_rows(m: int) -> int:
+    """The rows a product of ``m`` rows runs oneDNN with: ``m`` up to ``ONEDNN_EXACT_ROWS``, else ``m`` rounded up
+    to the next of ``ONEDNN_BUCKETS_PER_OCTAVE`` steps per power of two (65 -> 72, 200 -> 208, 300 -> 320,
+    1500 -> 1536).
+
+    Why: torch's oneDNN linear keeps the primitive it creates for each (row count, weight shape) in two LRU
+    caches, oneDNN's (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) and ideep's (``LRU_CACHE_CAPACITY``), 1024 entries
+    each by default, about 0.6 MiB a primitive even at a small layer (256 x 96); RSS stays flat
+    only with both off. A prefill product has as many rows as the step's prompt tokens, so every new prompt
+    length cost a prefill worker about 2.4 MiB (four linear shapes) until the caches filled: ``tiny``, lengths
+    50-400, 640 -> 1378 MiB over 2000 prompts. With the buckets a worker runs at most 40 row counts from 65 to
+    2048 (36 distinct counts for lengths 50-400): 637 -> 700 MiB, flat after the first 100 prompts, outputs
+    bit-identical (docs/reliability.md)."""
+    if m <= ONEDNN_EXACT_ROWS:
+        return m
+    step = max(1, (1 << (m.bit_length() - 1)) // ONEDNN_BUCKETS_PER_OCTAVE)
+    return -(-m // step) * step
+
+
+def _linear_pointwise(x: Tensor, packed: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """oneDNN's inner product of x [M, K] with the packed weight (one place, so a test can see the row counts)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class Fp32Panels(OneDNN):

@@ -13,7 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.float_formats import Dense, Fp32Panels, Fp32Rows, OneDNN, fp32_rows_format, packed_format
+from engine import float_formats
+from engine.float_formats import (Dense, Fp32Panels, Fp32Rows, OneDNN, fp32_rows_format, onednn_rows,
+                                   packed_format)
 from engine.kernels import cpu_kernels
 from engine.quant import fake_quantize_act
 from engine.quant_formats import (W4A8, W8A8, Int4, Int4Panels, Int8, Int8Panels, W4A8Panels, W8A8Panels,
@@ -120,3 +122,67 @@ def test_float_formats(kern):
     dense = Dense(w.t().contiguous(), b)
     assert not dense.on_kernels()
     torch.testing.assert_close(dense(x), ref, rtol=1e-5, atol=1e-4)
+
+
+# -- oneDNN row buckets (docs/reliability.md, the prefill workers' RSS growth) ---------------------------------
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+
+
+def test_onednn_row_buckets_are_few_and_pad_little():
+    assert [onednn_rows(m) for m in (1, 2, 63, 64)] == [1, 2, 63, 64]  # decode batches: their own row count
+    assert [onednn_rows(m) for m in (65, 72, 73, 200, 300, 1500, 2048)] == [72, 72, 80, 208, 320, 1536, 2048]
+    for m in range(1, 4097):
+        assert m <= onednn_rows(m) <= m * 1.125
+    assert len({onednn_rows(m) for m in range(65, 2049)}) == 40
+
+
+@needs_onednn
+def test_onednn_products_run_at_a_bounded_set_of_row_counts(monkeypatch):
+    """torch's oneDNN linear caches a primitive per row count (two LRU caches of 1024 entries, ~0.6 MiB each):
+    a prefill product's rows are the step's prompt tokens, so every prompt length used to be a new primitive.
+    Every product now reaches oneDNN at one of a few bucketed row counts, with the caller's rows back."""
+    w, b, _ = _weights(4)
+    seen: list[int] = []
+
+    def fake(x, packed, bias):
+        seen.append(x.shape[0])
+        return x.new_zeros(x.shape[0], N)
+
+    monkeypatch.setattr(float_formats, "_linear_pointwise", fake)
+    fmt = packed_format(w, b, None, None)
+    assert type(fmt) is OneDNN
+    for m in range(1, 2049):
+        assert fmt(torch.zeros(m, K)).shape == (m, N)
+    assert len(seen) == 2048 and len(set(seen)) <= 64 + 40
+
+
+@needs_onednn
+def test_onednn_padded_rows_give_each_row_the_same_bits(kern):
+    """Zero rows up to the bucket change no bit of the real rows (outputs stay token-identical)."""
+    w, b, _ = _weights(5)
+    g = torch.Generator().manual_seed(6)
+    for fmt in (packed_format(w, b, None, None), packed_format(w, b, kern, kern.PanelPrefetch())):
+        for m in (65, 73, 100, 129, 257, 300, 513):
+            x = torch.randn(m, K, generator=g)
+            exact = torch.ops.mkldnn._linear_pointwise(x, fmt.packed, fmt.bias, "none", [], "")
+            assert torch.equal(fmt(x), exact), m
+            assert torch.equal(fmt(x.view(1, m, K)), exact.view(1, m, N))
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@needs_onednn
+def test_onednn_products_of_many_row_counts_do_not_grow_rss():
+    """200 distinct row counts (65..463) through one oneDNN layer: +127 MiB of RSS before the buckets (a cached
+    primitive per count), +15 MiB with them (22 buckets), measured on the 2-core box."""
+    w, b, _ = _weights(7)
+    fmt = packed_format(w, b, None, None)
+    fmt(torch.zeros(1000, K))
+    before = _rss_mib()
+    for m in range(65, 465, 2):
+        fmt(torch.zeros(m, K))
+    assert _rss_mib() - before < 50
