@@ -176,8 +176,7 @@ class Plan:
 def step_seconds(profile: Profile, f: StepFeatures) -> float:
     """One engine step as the simulator prices it (``simulator.engine_sim.SimRunner``): the step model plus the
     serving path's work for each token the step streams."""
-    return profile.step.seconds(f) + ((profile.router_per_step_s + profile.router_per_token_s * f.sampled)
-                                      if f.sampled else 0.0)
+    return profile.step_seconds(f)
 
 
 def prefill_seconds(profile: Profile, prompt_tokens: float, chunk: int) -> float:

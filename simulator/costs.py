@@ -207,6 +207,13 @@ class Profile:
     meta: dict[str, Any] = field(default_factory=dict)
     """Where and how it was measured: pdserve commit and version, torch version, CPU, flags, date, samples."""
 
+    def step_seconds(self, f: StepFeatures) -> float:
+        """One engine step as a worker runs it: the step model plus, when the step streams any token, the
+        serving path's ``router_per_step_s`` and ``router_per_token_s`` for each token (the simulator's and the
+        SLA planner's one pricing)."""
+        s = self.step.seconds(f)
+        return s + self.router_per_step_s + self.router_per_token_s * f.sampled if f.sampled else s
+
     def link(self, name: str) -> LinkModel:
         if name not in self.links:
             raise ValueError(f"profile has no KV link {name!r} (it has {sorted(self.links) or 'none'})")

@@ -43,9 +43,7 @@ class SimRunner:
         self.last_features = f
         # a worker's step also pays the serving path's work: per step that streams and per token streamed (the
         # profile's router_per_step_s / router_per_token_s: token gaps of 1 and 8 streams minus the engine's steps)
-        p = self.profile
-        self.last_seconds = p.step.seconds(f) + ((p.router_per_step_s + p.router_per_token_s * f.sampled)
-                                                 if f.sampled else 0.0)
+        self.last_seconds = self.profile.step_seconds(f)
         self.busy_seconds += self.last_seconds
         seqs = []
         for seq in sched.decodes:
