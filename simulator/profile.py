@@ -404,6 +404,7 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
     from simulator import PDSERVE_VERSION
 
     t_start = time.perf_counter()
+    load_start = _loadavg()
     reps = args.reps or (2 if args.quick else 5)
     quant = None if args.quantization == "none" else args.quantization
     cfg = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
@@ -442,6 +443,7 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
     knots = choose_knots([s["tokens"] for s in fit_samples if s["kind"] in ("decode", "prefill", "prefill_batch")])
     step = fit_step_model([(_features(s), s["seconds"]) for s in fit_samples], knots)
     errors = fit_errors(step, fit_samples + fill)
+    notes.extend(noisy_fit_notes(errors))
 
     links: dict[str, LinkModel] = {}
     link_samples: list[dict] = []
@@ -510,6 +512,7 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join(["pdserve", "profile", *argv]),
         "wall_s": round(time.perf_counter() - t_start, 3),
+        "loadavg": {"start": load_start, "end": _loadavg()},
         "phase_s": {"engine": round(engine_s, 3), "link": round(link_s, 3), "router": round(router_s, 3),
                     "corun": round(corun_s, 3)},
         "kv_bytes_per_token_derivation": derivation,
@@ -577,10 +580,38 @@ def refit(prof: Profile, where: str = "--refit") -> Profile:
     prof.step = fit_step_model([(_features(s), s["seconds"]) for s in fit_samples], knots)
     fit = dict(prof.meta.get("fit") or {})
     fit["errors"] = fit_errors(prof.step, samples)
+    prof.meta["notes"] = ([n for n in prof.meta.get("notes") or [] if not n.startswith("noisy fit")]
+                          + noisy_fit_notes(fit["errors"]))
     fit["refit"] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "pdserve_commit": _git_commit()}
     prof.meta["fit"] = fit
     return prof
+
+
+NOISY_FIT_MEDIAN = 0.05
+"""A step kind whose fit's median error is above this was most likely measured beside other work: on a quiet host
+the fit is 1-3% median for every kind (docs/benchmarks.md: a profile taken beside a helper's runs fitted decode at
+6.6% and over-predicted TPOT by 17%; retaken on the idle host, 3.2% and 5%)."""
+
+
+def noisy_fit_notes(errors: dict[str, dict[str, float]]) -> list[str]:
+    """Notes (for ``meta.notes`` and the summary) naming each measured step kind whose fit is noisy: its median
+    error above ``NOISY_FIT_MEDIAN``. ``fill`` (steps measured after the fit as a check) is not a fit, so it is left
+    to the summary's own line."""
+    noisy = sorted(k for k, e in errors.items()
+                   if k not in ("all", "fill") and e.get("median_rel_err", 0.0) > NOISY_FIT_MEDIAN)
+    if not noisy:
+        return []
+    what = ", ".join(f"{k} {errors[k]['median_rel_err']:.1%}" for k in noisy)
+    return [f"noisy fit: median error {what} (above {NOISY_FIT_MEDIAN:.0%}): the host was probably busy while "
+            "measuring; retake the profile on an idle host before trusting its predictions"]
+
+
+def _loadavg() -> Optional[list[float]]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
