@@ -12,6 +12,11 @@ from typing import Any, Optional
 from transport.ports import check_port
 
 
+CONTROL_RPC_THREADS = 16
+"""gRPC handler threads a worker keeps from request calls, for Reserve, Abort, GetInfo and the routers' output
+streams (one per router), so those never wait behind requests that hold a thread for their whole life."""
+
+
 def _default_engine_config() -> Any:
     from engine.config import EngineConfig  # imported lazily: building a config must not load torch models
 
@@ -40,8 +45,12 @@ class WorkerConfig:
     """Deadline of one KV transfer, from submission (covers queueing behind other prompts)."""
     model_name: Optional[str] = None
     """Served model name in WorkerInfo; None means engine.model."""
-    max_rpc_threads: int = 128
-    """gRPC handler threads (each streaming request holds one)."""
+    max_rpc_threads: Optional[int] = None
+    """gRPC handler threads. Each request call (Prefill, Decode, Generate) holds one for the request's life, so
+    ``CONTROL_RPC_THREADS`` of them (at most a quarter) are kept for the short calls (Reserve, Abort, GetInfo,
+    output streams, health), and a request call beyond the rest is refused with RESOURCE_EXHAUSTED (the router
+    tries another worker) instead of waiting for a thread while control calls starve. None: room for twice the
+    engine's ``max_num_seqs`` requests (running and as many waiting) plus the control threads, at least 128."""
     serve_metrics: bool = True
     """Serve this worker's Prometheus /metrics on ``host``."""
     metrics_port: int = 0
@@ -75,8 +84,10 @@ class WorkerConfig:
         check_port(self.metrics_port, "metrics_port")
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
-        if self.max_rpc_threads < 1:
-            raise ValueError(f"max_rpc_threads must be >= 1, got {self.max_rpc_threads}")
+        if self.max_rpc_threads is not None and (isinstance(self.max_rpc_threads, bool)
+                                                 or not isinstance(self.max_rpc_threads, int)
+                                                 or self.max_rpc_threads < 2):
+            raise ValueError(f"max_rpc_threads must be None or an integer >= 2, got {self.max_rpc_threads!r}")
         if self.cluster_secret is not None and (not isinstance(self.cluster_secret, str) or
                                                 len(self.cluster_secret) < 16):
             raise ValueError("cluster_secret must be a string of at least 16 characters (its value is not shown)")
@@ -87,6 +98,25 @@ class WorkerConfig:
             raise ValueError(f"kv_events_namespace must be a non-empty string, got {self.kv_events_namespace!r}")
         if not isinstance(self.kv_backend, str) or not self.kv_backend:
             raise ValueError(f"kv_backend must be a backend name, got {self.kv_backend!r}")
+
+    @property
+    def rpc_threads(self) -> int:
+        """The gRPC handler threads this worker runs (``max_rpc_threads``, or its automatic size)."""
+        if self.max_rpc_threads is not None:
+            return self.max_rpc_threads
+        seqs = int(getattr(self.engine, "max_num_seqs", 64) or 64)
+        return max(128, 2 * seqs + CONTROL_RPC_THREADS)
+
+    @property
+    def control_rpc_threads(self) -> int:
+        """Handler threads request calls may not take (kept for control calls): ``CONTROL_RPC_THREADS``, at most a
+        quarter of the pool, at least 1."""
+        return max(1, min(CONTROL_RPC_THREADS, self.rpc_threads // 4))
+
+    @property
+    def max_request_calls(self) -> int:
+        """Request calls (Prefill, Decode, Generate) held at once before the next is refused."""
+        return self.rpc_threads - self.control_rpc_threads
 
     @property
     def served_model_name(self) -> str:

@@ -50,7 +50,7 @@ class WorkerBase:
         auth = (BearerAuth([cfg.cluster_secret], f"{self.role} worker {cfg.worker_id}")
                 if cfg.cluster_secret else None)
         tls = cfg.cluster_tls.server_credentials() if cfg.cluster_tls is not None else None
-        self._serving = GrpcServing(f"{self.role}-{cfg.worker_id}", cfg.host, cfg.port, cfg.max_rpc_threads,
+        self._serving = GrpcServing(f"{self.role}-{cfg.worker_id}", cfg.host, cfg.port, cfg.rpc_threads,
                                     auth=auth, tls=tls)
         self.ctx = RequestContext(cfg.worker_id)
         """Engine, KV endpoint and metrics: all a request set sees of this worker (filled by ``load``)."""
@@ -65,6 +65,11 @@ class WorkerBase:
         self._ready = False
         self._draining = False
         self._stopped = False
+        self._calls_lock = threading.Lock()
+        self._request_calls = 0
+        """Request calls (Prefill, Decode, Generate) in progress: each holds a gRPC handler thread (``guard``)."""
+        self.refused_calls = 0
+        """Request calls refused because ``cfg.max_request_calls`` were held."""
         # load snapshot refreshed by the loop thread, so info() never touches the engine
         self._load = worker_pb2.WorkerInfo()
         self._load_lock = threading.Lock()
@@ -261,7 +266,37 @@ class WorkerBase:
         return self.output_streams.bind(stream_id, request_id) if stream_id else None
 
     def guard(self, request_id: str, context: grpc.ServicerContext, body: Iterator[Any]) -> Iterator[Any]:
-        """Run a streaming handler body: map RequestError to a status; abort the request if the RPC ends early."""
+        """Run a streaming handler body: map RequestError to a status; abort the request if the RPC ends early.
+        A request call beyond ``cfg.max_request_calls`` is refused with RESOURCE_EXHAUSTED before any work, so
+        the handler threads kept for control calls stay free (see ``WorkerConfig.max_rpc_threads``)."""
+        with self._calls_lock:
+            held = self._request_calls
+            if held < self.cfg.max_request_calls:
+                self._request_calls += 1
+        if held >= self.cfg.max_request_calls:
+            self._count_refused_call()
+            log.warning("%s %s: request %s refused: %d request calls held (max %d)", self.role, self.cfg.worker_id,
+                        request_id, held, self.cfg.max_request_calls)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self.role} worker {self.cfg.worker_id} holds {held} request calls, its limit "
+                          f"(max_rpc_threads {self.cfg.rpc_threads} less {self.cfg.control_rpc_threads} kept for "
+                          f"control calls); request {request_id} was not started: retry on another worker")
+        try:
+            yield from self._guarded(request_id, context, body)
+        finally:
+            with self._calls_lock:
+                self._request_calls -= 1
+
+    def _count_refused_call(self) -> None:
+        with self._calls_lock:
+            self.refused_calls += 1
+
+    @property
+    def request_calls(self) -> int:
+        """Request calls in progress (each holding a handler thread)."""
+        return self._request_calls
+
+    def _guarded(self, request_id: str, context: grpc.ServicerContext, body: Iterator[Any]) -> Iterator[Any]:
         done = False
 
         def on_end() -> None:
