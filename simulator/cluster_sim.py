@@ -40,6 +40,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import random
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -96,6 +97,9 @@ class SimConfig:
     """Workers sharing one host's memory system, in creation order (one core or GPU each). Above 1 a step is
     slowed while its host's other workers run theirs, by the profile's co-run model (``Profile.corun``); 1 (the
     default, each worker alone on its host) prices no contention."""
+    seed: int = 0
+    """Seeds the router's random draws (ties between equally good workers): the same seed, configuration and
+    requests give the same simulation, so two runs of one command line agree and a test's numbers are fixed."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -438,7 +442,7 @@ class Simulation:
         self.selector = WorkerSelector()
         # the router's own WorkerCalls builds the Reserve; the simulated stub answers it from the engine
         self.placer = Placer(rcfg, _SimSource(self), self.selector, WorkerCalls(rcfg, _SimClients(self)),
-                             admission=None, prefixes=PrefixIndex())
+                             admission=None, prefixes=PrefixIndex(), rng=random.Random(cfg.seed))
         self._queue: deque[_Flow] = deque()
         self._in_flight = 0
         self._arrivals = itertools.count()

@@ -393,7 +393,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         base = SimConfig(num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                          max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
                          max_num_requests=args.max_num_requests, kv_link=args.kv_link,
-                         workers_per_host=args.workers_per_host)
+                         workers_per_host=args.workers_per_host, seed=args.seed)
         if "disaggregated" in args.mode_list:
             profile.link(args.kv_link)
     except ValueError as e:
