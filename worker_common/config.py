@@ -14,7 +14,9 @@ from transport.ports import check_port
 
 CONTROL_RPC_THREADS = 16
 """gRPC handler threads a worker keeps from request calls, for Reserve, Abort, GetInfo and the routers' output
-streams (one per router), so those never wait behind requests that hold a thread for their whole life."""
+streams, so those never wait behind requests that hold a thread for their whole life. An output stream holds one
+of them for its router's life (one per router), so a deployment with more than about 12 routers per worker should
+raise ``max_rpc_threads`` (the kept threads grow with it, up to a quarter of the pool)."""
 
 
 def _default_engine_config() -> Any:
