@@ -15,8 +15,8 @@ from transport.ports import check_port
 CONTROL_RPC_THREADS = 16
 """gRPC handler threads a worker keeps from request calls, for Reserve, Abort, GetInfo and the routers' output
 streams, so those never wait behind requests that hold a thread for their whole life. An output stream holds one
-of them for its router's life (one per router), so a deployment with more than about 12 routers per worker should
-raise ``max_rpc_threads`` (the kept threads grow with it, up to a quarter of the pool)."""
+of them for its router's life (one per router): with more than about 12 routers per worker fewer than 4 are left
+for the short calls (not made configurable: deployments run a handful of routers)."""
 
 
 def _default_engine_config() -> Any:
