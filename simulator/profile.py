@@ -589,22 +589,26 @@ def refit(prof: Profile, where: str = "--refit") -> Profile:
 
 
 NOISY_FIT_MEDIAN = 0.05
-"""A step kind whose fit's median error is above this was most likely measured beside other work: on a quiet host
-the fit is 1-3% median for every kind (docs/benchmarks.md: a profile taken beside a helper's runs fitted decode at
-6.6% and over-predicted TPOT by 17%; retaken on the idle host, 3.2% and 5%)."""
+"""A step kind whose fit's median error is above this was most likely measured beside other work: on the idle CPU
+host every kind with ``NOISY_FIT_MIN_SAMPLES`` or more samples fitted within 1-3.2% median (two profiles of 26 Nov;
+docs/benchmarks.md), while one taken beside another job fitted decode at 6.6% and over-predicted TPOT by 17%."""
+NOISY_FIT_MIN_SAMPLES = 5
+"""Kinds with fewer samples (``mixed``: 3 on CPU) are not judged: one slow sample moves their median."""
 
 
 def noisy_fit_notes(errors: dict[str, dict[str, float]]) -> list[str]:
     """Notes (for ``meta.notes`` and the summary) naming each measured step kind whose fit is noisy: its median
-    error above ``NOISY_FIT_MEDIAN``. ``fill`` (steps measured after the fit as a check) is not a fit, so it is left
-    to the summary's own line."""
+    error above ``NOISY_FIT_MEDIAN`` over at least ``NOISY_FIT_MIN_SAMPLES`` samples. ``fill`` (steps measured after
+    the fit as a check) is not a fit, so it is left to the summary's own line."""
     noisy = sorted(k for k, e in errors.items()
-                   if k not in ("all", "fill") and e.get("median_rel_err", 0.0) > NOISY_FIT_MEDIAN)
+                   if k not in ("all", "fill") and e.get("n", 0) >= NOISY_FIT_MIN_SAMPLES
+                   and e.get("median_rel_err", 0.0) > NOISY_FIT_MEDIAN)
     if not noisy:
         return []
     what = ", ".join(f"{k} {errors[k]['median_rel_err']:.1%}" for k in noisy)
     return [f"noisy fit: median error {what} (above {NOISY_FIT_MEDIAN:.0%}): the host was probably busy while "
-            "measuring; retake the profile on an idle host before trusting its predictions"]
+            "measuring, or the step model misses a cost of this device; retake the profile on an idle host, and if "
+            "the error stays, read the simulator's predictions with it"]
 
 
 def _loadavg() -> Optional[list[float]]:

@@ -14,7 +14,7 @@ from simulator import PDSERVE_VERSION
 from simulator.costs import StepFeatures, StepModel, load_profile
 from simulator.fit import _TERMS, _features, _row, fit_link, fit_step_model, nnls
 from simulator.corun import fit_corun
-from simulator.profile import NOISY_FIT_MEDIAN, main, noisy_fit_notes
+from simulator.profile import NOISY_FIT_MEDIAN, NOISY_FIT_MIN_SAMPLES, main, noisy_fit_notes
 
 # a hand-written step model: what a CPU engine's steps roughly look like, in round numbers
 TRUE = StepModel(knots=[1, 4, 16, 64, 256, 1024], knot_s=[1e-3, 1.2e-3, 2e-3, 5e-3, 15e-3, 55e-3],
@@ -188,7 +188,10 @@ def test_noisy_fit_is_named_in_a_note():
     assert len(noisy) == 1 and "decode 6.6%" in noisy[0] and "prefill" not in noisy[0] and "idle host" in noisy[0]
     quiet = {"decode": err(0.032), "prefill": err(0.02), "all": err(0.018), "fill": err(0.4)}
     assert noisy_fit_notes(quiet) == []  # fill is a check after the fit, not the fit
-    assert noisy_fit_notes({"mixed": err(NOISY_FIT_MEDIAN)}) == []  # at the bar: not above it
+    assert noisy_fit_notes({"decode": err(NOISY_FIT_MEDIAN)}) == []  # at the bar: not above it
+    # the idle host's profile: 3 mixed steps at 8.5% are too few to judge (one slow sample moves their median)
+    few = {"n": NOISY_FIT_MIN_SAMPLES - 1, "median_rel_err": 0.085, "max_rel_err": 0.095}
+    assert noisy_fit_notes({"decode": err(0.032), "mixed": few}) == []
     two = noisy_fit_notes({"decode": err(0.08), "mixed": err(0.09)})
     assert "decode 8.0%" in two[0] and "mixed 9.0%" in two[0]
 
