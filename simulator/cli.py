@@ -80,7 +80,7 @@ def sim_config_from_args(args: argparse.Namespace, **over: Any) -> SimConfig:
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=not args.no_prefix_caching,
               local_prefill_max_tokens=args.local_prefill_max_tokens,
               prefill_queue_max_tokens=args.prefill_queue_max_tokens, max_num_requests=args.max_num_requests,
-              kv_link=args.kv_link, workers_per_host=args.workers_per_host, seed=getattr(args, "seed", 0) or 0)
+              kv_link=args.kv_link, workers_per_host=args.workers_per_host, seed=args.seed)
     kw.update(over)
     return SimConfig(**kw)
 
