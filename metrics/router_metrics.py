@@ -135,6 +135,10 @@ class RouterMetrics(ComponentMetrics):
         """Other routers' placements marked pending in this router's index."""
         self._series["kv_replica_applied_total"].inc(check_count("kv_replica_applied", n))
 
+    def inc_kv_cold_tie(self, result: str) -> None:
+        """A cold placement's tie broken (``result``: shared, local; router/kv_ties.py)."""
+        self._child("kv_cold_ties_total", check_label("result", result)).inc()
+
     def set_kv_events_lag(self, seconds: float) -> None:
         self._series["kv_events_consumer_lag_seconds"].set(check_seconds("kv_events_lag", seconds))
 

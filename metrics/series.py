@@ -101,6 +101,9 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
                                  "redis_error); routing goes on without them.", "reason"),
     "kv_replica_applied_total": (ROUTER, "counter", "Other routers' placements the router marked pending in its "
                                  "KV index.", None),
+    "kv_cold_ties_total": (ROUTER, "counter", "Placements of a prefix cached nowhere with several equal candidates, "
+                           "by how the tie was broken (result: shared = through {ns}:kvties, so routers deciding "
+                           "at once spread; local = a local draw, Redis unavailable).", "result"),
     "kv_index_blocks": (ROUTER, "gauge", "(block, worker) pairs in the router's KV event index.", None),
     "kv_index_workers": (ROUTER, "gauge", "Workers whose KV events the router's index follows in sync.", None),
     "routing_decisions_total": (ROUTER, "counter", "Prefill/colocated worker choices by what scored them "

@@ -45,6 +45,7 @@ import redis
 from engine import (KV_ENTRY_BATCH, KV_ENTRY_GEN, KV_ENTRY_LOAD, KV_ENTRY_SEQ, AllBlocksCleared, BlockRemoved,
                     BlockStored, decode_kv_batch, decode_kv_snapshot, kv_snapshot_key, kv_stream_key)
 from router.kv_replica import PlacementPublisher, decode_placement, kv_place_key
+from router.kv_ties import ColdTies
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +250,10 @@ class KVEventConsumer:
         self.replica: Optional[PlacementPublisher] = (
             PlacementPublisher(self._redis, namespace, metrics) if replica_sync and pending_s > 0 else None)
         """Shares this router's placements (None: replica sync off)."""
+        self.ties: Optional[ColdTies] = (
+            ColdTies(redis_url, namespace, pending_s / 2, metrics) if replica_sync and pending_s > 0 else None)
+        """Breaks cold placements' ties through Redis, shared with the other routers (``router.kv_ties``; None:
+        replica sync off: each router draws alone)."""
         self._place_key = kv_place_key(namespace)
         self._place_last_id: Optional[str] = None  # None: not read yet (starts at the newest entry)
         self.placements_applied = 0
@@ -300,6 +305,8 @@ class KVEventConsumer:
         self._stop.set()
         if self.replica is not None:
             self.replica.stop()
+        if self.ties is not None:
+            self.ties.stop()
         if self._thread is not None:
             self._thread.join(timeout=5.0)
             self._thread = None

@@ -169,6 +169,8 @@ class Placer:
         self._metrics = metrics
         self._rng = rng if rng is not None else random.Random()
         self._lock = threading.Lock()
+        self._cold_lock = threading.Lock()
+        """One cold placement at a time (``_cold``)."""
 
     # ---- route ---------------------------------------------------------------------------------
     def route(self, scope: RequestScope) -> Route:
@@ -198,15 +200,44 @@ class Placer:
             m.inc_routing_decision(reason)
         kv = self.kv_events
         if reason == "kv_events" and kv is not None:
-            fresh = {w.worker_id: kv.load(w.worker_id) for w in ranked}
-            queued = None
-            if kv.pending_s > 0:  # prefill work placed on each, less the blocks this request would wait for anyway
-                queued = {w.worker_id: max(0, kv.index.pending_blocks(w.worker_id) - shared.get(w.worker_id, 0))
-                          for w in ranked}
-            return self.selector.score_cached(ranked, matches, self.weights, self._rng, fresh, queued)
+            if kv.ties is not None and len(ranked) > 1 and not any(matches.values()):
+                return self._cold(scope, ranked, kv)
+            return self._score(ranked, matches, shared, kv)
         if reason == "mirror" and len(ranked) > 1:
             return self.selector.prefer_cached(ranked, matches, self.cfg.prefix_balance_tokens)
         return ranked
+
+    def _score(self, ranked: list[WorkerInfo], matches: dict[str, int], shared: dict[str, int],
+               kv: "KVEventConsumer", choose: Optional[Callable[[list[WorkerInfo]], Optional[WorkerInfo]]] = None
+               ) -> list[WorkerInfo]:
+        fresh = {w.worker_id: kv.load(w.worker_id) for w in ranked}
+        queued = None
+        if kv.pending_s > 0:  # prefill work placed on each, less the blocks this request would wait for anyway
+            queued = {w.worker_id: max(0, kv.index.pending_blocks(w.worker_id) - shared.get(w.worker_id, 0))
+                      for w in ranked}
+        return self.selector.score_cached(ranked, matches, self.weights, self._rng, fresh, queued, choose)
+
+    def _cold(self, scope: RequestScope, ranked: list[WorkerInfo], kv: "KVEventConsumer") -> list[WorkerInfo]:
+        """A prefix no candidate caches: a tie among the best goes to ``router.kv_ties`` (shared with the other
+        routers, so a burst of new prefixes through several routers spreads). One cold decision at a time in this
+        router, each made pending at once: a second request of this router with the same new prefix, decided while
+        the first waited on Redis, follows it instead of splitting the prefix over two workers."""
+        ties = kv.ties
+        with self._cold_lock:
+            reason, matches, shared = self._matches(scope, ranked)  # placed meanwhile by this router's other threads?
+            if reason != "kv_events" or any(matches.values()):
+                return self._score(ranked, matches, shared, kv)
+
+            def choose(near: list[WorkerInfo]) -> Optional[WorkerInfo]:
+                wid = ties.choose([w.worker_id for w in near])
+                return next((w for w in near if w.worker_id == wid), None)
+
+            order = self._score(ranked, matches, shared, kv, choose)
+            w = order[0]
+            if kv.pending_s > 0:
+                kv.index.add_pending(w.worker_id, scope.prefix_hashes(w.block_size or DEFAULT_BLOCK_SIZE),
+                                     kv.pending_s)
+            return order
 
     def _matches(self, scope: RequestScope, ranked: list[WorkerInfo]) -> tuple[str, dict[str, int], dict[str, int]]:
         """(reason, worker id -> leading prompt blocks it caches, worker id -> how many of those are pending there:

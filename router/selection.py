@@ -122,7 +122,8 @@ class WorkerSelector:
 
     def score_cached(self, ranked: list[WorkerInfo], matches: dict[str, int], weights: "ScoreWeights",
                      rng: random.Random, fresh: Optional[dict[str, Optional[tuple[int, int, int]]]] = None,
-                     queued_blocks: Optional[dict[str, float]] = None) -> list[WorkerInfo]:
+                     queued_blocks: Optional[dict[str, float]] = None,
+                     choose: Optional[Callable[[list[WorkerInfo]], Optional[WorkerInfo]]] = None) -> list[WorkerInfo]:
         """Cache-aware routing on the KV event index (the anchors' form): each candidate scores
         ``overlap * matched blocks - load * queued prompt blocks - request * requests``, with the load from
         ``fresh`` (worker id -> (running, waiting, queued tokens) from its KV event stream, a step old; at least
@@ -132,7 +133,9 @@ class WorkerSelector:
         reported queue, which counts every queued prompt whole though most of a conversation's is a cache hit; the
         best goes first, drawn at random
         among those within ``weights.tie_blocks`` of it (no herding: routers deciding at the same instant on
-        the same view spread), the rest follow by score (ties keep ``ranked``'s load order)."""
+        the same view spread; with ``choose``, the tied candidates in that random order go to it, and its pick,
+        if any, goes first: ``router.kv_ties`` shares the draw between routers), the rest follow by score (ties keep
+        ``ranked``'s load order)."""
         if not ranked:
             return ranked
         with self._lock:
@@ -157,7 +160,11 @@ class WorkerSelector:
         scored = sorted(((score(w), i, w) for i, w in enumerate(ranked)), key=lambda t: (-t[0], t[1]))
         best = scored[0][0]
         near = [w for sc, _i, w in scored if sc >= best - weights.tie_blocks] if weights.tie_blocks > 0 else []
-        pick = rng.choice(near) if len(near) > 1 else scored[0][2]
+        if len(near) > 1 and choose is not None:
+            rng.shuffle(near)
+            pick = choose(near) or near[0]
+        else:
+            pick = rng.choice(near) if len(near) > 1 else scored[0][2]
         return [pick] + [w for _sc, _i, w in scored if w is not pick]
 
     def prefill_backlog(self, workers: list[WorkerInfo]) -> Optional[int]:

@@ -153,6 +153,7 @@ class _Events:
 
     def __init__(self, index, synced: set[str], connected: bool = True, pending_s: float = 0.0) -> None:
         self.index, self._synced, self.connected, self.pending_s = index, synced, connected, pending_s
+        self.ties = None  # cold ties drawn locally (router.kv_ties is tested with real Redis in test_kv_ties.py)
 
     def placed(self, worker_id: str, hashes) -> None:
         self.index.add_pending(worker_id, hashes, self.pending_s)
