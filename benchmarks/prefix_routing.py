@@ -12,7 +12,9 @@ routers are ``RouterServer``s in this process over that registry, each with its 
 event consumer. Policies:
 
 - ``round_robin``: the client sends request i to worker i mod N (a single-worker router each): no prefix
-  awareness, perfectly even counts;
+  awareness, perfectly even counts. Its first turns are not a fair draw when ``--systems`` equals ``--workers``:
+  the opening burst's requests are numbered about in conversation order, conversation c opens with system prompt
+  c mod S, so each system prompt's first turns land on one worker, as a cache-aware router would place them;
 - ``mirror``: ``RouterConfig(kv_events=False)``: each router's own record of what it sent where (the router
   before issue 28);
 - ``kv_events``: the default: every router scores workers on the index built from the workers' events, counts the
@@ -24,7 +26,7 @@ event consumer. Policies:
 Printed per (policy, routers): prefix-cache hit rate (cached / prompt tokens, from the responses' usage), mean
 and p90 TTFT (client side; of all turns, and of the turns after each conversation's first, which routing decides:
 a first turn finds at most its system prompt under any policy, and the opening burst of first turns sets the p90
-of all turns), load spread (requests per worker, max over mean), and each turn's outcome (``hit``;
+of all turns; and of the first turns alone), load spread (requests per worker, max over mean), and each turn's outcome (``hit``;
 ``system_miss``: a first turn computed its system prompt; ``history_lost``: a later turn left the worker holding
 its history; ``cold``: a later turn found not even its system prompt). Hit rate and spread depend on machine load
 only through timing (how close together a burst's decisions fall); TTFT depends on it directly (run it on a quiet
@@ -153,7 +155,7 @@ class Run:
                     for s in fam.samples:
                         if s.name.endswith("_total"):
                             out[s.labels["reason"]] = out.get(s.labels["reason"], 0.0) + s.value
-                elif fam.name.startswith("pdserve:kv_replica_"):  # replica sync: shared, dropped, applied
+                elif fam.name.startswith(("pdserve:kv_replica_", "pdserve:kv_cold_ties")):  # replica sync, cold ties
                     for s in fam.samples:
                         if s.name.endswith("_total"):
                             k = fam.name[len("pdserve:"):] + (f"/{s.labels['reason']}" if "reason" in s.labels else "")
@@ -234,6 +236,7 @@ def measure(args: argparse.Namespace, redis_url: str, policy: str, n_routers: in
         # the turns after each conversation's first: what routing decides (a first turn finds at most its system
         # prompt, the same under every policy, and the opening burst of them sets the p90 of all turns)
         later = sorted(t[0] for conv in convs for t in conv[1:]) or [float("nan")]
+        first = sorted(conv[0][0] for conv in convs if conv)  # the opening burst: every conversation's first turn
         deadline = time.monotonic() + 10  # the counts come with the workers' heartbeats (every 0.5 s)
         while True:
             served = {w: n - before.get(w, 0) for w, n in run.served().items()}
@@ -247,6 +250,8 @@ def measure(args: argparse.Namespace, redis_url: str, policy: str, n_routers: in
                 "ttft_p90_ms": 1000 * ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
                 "later_ttft_mean_ms": 1000 * statistics.mean(later),
                 "later_ttft_p90_ms": 1000 * later[min(len(later) - 1, int(0.9 * len(later)))],
+                "first_ttft_mean_ms": 1000 * statistics.mean(first),
+                "first_ttft_p90_ms": 1000 * first[min(len(first) - 1, int(0.9 * len(first)))],
                 "spread_max_over_mean": max(served.values()) / mean_served, "served": served,
                 "outcomes": {k: sum(1 for t in turns if t[3] == k) for k in ("hit", "system_miss", "history_lost", "cold")},
                 "decisions": run.decisions(), "wall_s": wall}
@@ -313,12 +318,13 @@ def main() -> None:
         same = [r for r in rows if f"{r['policy']}/{r['routers']}" == key]
         means[key] = {k: statistics.mean(r[k] for r in same)
                       for k in ("hit_rate", "ttft_mean_ms", "ttft_p90_ms", "later_ttft_mean_ms", "later_ttft_p90_ms",
-                                "spread_max_over_mean")}
+                                "first_ttft_mean_ms", "first_ttft_p90_ms", "spread_max_over_mean")}
         m = means[key]
         each = " ".join(format(r["hit_rate"], ".3f") for r in same)
         print(f"mean of {len(same)}: {key:<18} hit_rate={m['hit_rate']:.3f} ttft_mean={m['ttft_mean_ms']:.1f}ms "
               f"ttft_p90={m['ttft_p90_ms']:.1f}ms later turns: ttft_mean={m['later_ttft_mean_ms']:.1f}ms "
-              f"ttft_p90={m['later_ttft_p90_ms']:.1f}ms spread={m['spread_max_over_mean']:.2f} (hit rates {each})")
+              f"ttft_p90={m['later_ttft_p90_ms']:.1f}ms first turns: ttft_mean={m['first_ttft_mean_ms']:.1f}ms "
+              f"ttft_p90={m['first_ttft_p90_ms']:.1f}ms spread={m['spread_max_over_mean']:.2f} (hit rates {each})")
     rr = means.get("round_robin/-")
     for key, m in means.items() if rr is not None else ():
         if key != "round_robin/-":
