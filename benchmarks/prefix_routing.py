@@ -12,9 +12,10 @@ routers are ``RouterServer``s in this process over that registry, each with its 
 event consumer. Policies:
 
 - ``round_robin``: the client sends request i to worker i mod N (a single-worker router each): no prefix
-  awareness, perfectly even counts. Its first turns are not a fair draw when ``--systems`` equals ``--workers``:
-  the opening burst's requests are numbered about in conversation order, conversation c opens with system prompt
-  c mod S, so each system prompt's first turns land on one worker, as a cache-aware router would place them;
+  awareness, perfectly even counts. The conversations start in a seeded random order (``--start-order``): started
+  by index (the runs before 27 Nov), the opening burst's requests are numbered about in conversation order, and
+  conversation c opens with system prompt c mod S, so with ``--systems`` equal to ``--workers`` each system
+  prompt's first turns land on one worker, as a cache-aware router would place them (not a fair draw);
 - ``mirror``: ``RouterConfig(kv_events=False)``: each router's own record of what it sent where (the router
   before issue 28);
 - ``kv_events``: the default: every router scores workers on the index built from the workers' events, counts the
@@ -42,6 +43,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import random
 import statistics
 import sys
 import threading
@@ -227,9 +229,12 @@ def measure(args: argparse.Namespace, redis_url: str, policy: str, n_routers: in
         before = run.served()
         lock, counter = threading.Lock(), [0]
         t0 = time.perf_counter()
+        order = list(range(args.conversations))
+        if args.start_order == "shuffled":  # the burst's first turns arrive in an order unrelated to their systems
+            random.Random(args.seed).shuffle(order)
         with ThreadPoolExecutor(args.conversations) as pool:
-            convs = list(pool.map(lambda c: _conversation(run, c, args, systems, policy, counter, lock),
-                                  range(args.conversations)))
+            futs = {c: pool.submit(_conversation, run, c, args, systems, policy, counter, lock) for c in order}
+            convs = [futs[c].result() for c in range(args.conversations)]
         wall = time.perf_counter() - t0
         turns = [t for conv in convs for t in conv]
         ttfts = sorted(t[0] for t in turns)
@@ -275,6 +280,10 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--redis-url", default=None, help="default: an embedded redis-server")
     ap.add_argument("--short", action="store_true", help="a quick run: 4 turns")
+    ap.add_argument("--start-order", choices=("shuffled", "index"), default="shuffled",
+                    help="order the conversations start in: shuffled (seeded by --seed), or by index (the runs before "
+                         "27 Nov: round-robin's first turns then align with the system prompts)")
+    ap.add_argument("--seed", type=int, default=0, help="seeds --start-order shuffled")
     ap.add_argument("--repeat", type=int, default=1, help="run every row this many times (interleaved); means at the end")
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--only", default=None, help="comma-separated runs, e.g. kv_events/3,mirror/1 (default: all)")
