@@ -227,12 +227,14 @@ class KVEventConsumer:
 
     def __init__(self, index: KVIndex, redis_url: str, namespace: str, worker_ids: Callable[[], Iterable[str]],
                  metrics: Callable[[], Any] = lambda: None, block_ms: int = 100, resync_interval_s: float = 0.25,
-                 batch_entries: int = 512, pending_s: float = 2.0, replica_sync: bool = True) -> None:
+                 batch_entries: int = 512, pending_s: float = 2.0, replica_sync: bool = True,
+                 ties_timeout_s: float = 0.25) -> None:
         """``worker_ids``: the workers to follow now (the router's view of the registry); ``metrics``: the
         router's ``RouterMetrics`` once it exists (None before); ``pending_s``: how long a placed prompt's blocks
         count as pending on its worker before its events confirm them (``RouterConfig.kv_pending_s``; 0: never);
         ``replica_sync``: share this router's placements with the other routers and read theirs
-        (``router.kv_replica``; ``RouterConfig.kv_replica_sync``)."""
+        (``router.kv_replica``; ``RouterConfig.kv_replica_sync``), and break cold placements' ties through Redis
+        (``router.kv_ties``, with a socket timeout of ``ties_timeout_s``)."""
         if block_ms < 1 or not resync_interval_s > 0 or batch_entries < 1 or not pending_s >= 0:
             raise ValueError("block_ms, resync_interval_s and batch_entries must be positive, pending_s >= 0")
         self.index = index
@@ -251,7 +253,8 @@ class KVEventConsumer:
             PlacementPublisher(self._redis, namespace, metrics) if replica_sync and pending_s > 0 else None)
         """Shares this router's placements (None: replica sync off)."""
         self.ties: Optional[ColdTies] = (
-            ColdTies(redis_url, namespace, pending_s / 2, metrics) if replica_sync and pending_s > 0 else None)
+            ColdTies(redis_url, namespace, pending_s / 2, metrics, timeout_s=ties_timeout_s)
+            if replica_sync and pending_s > 0 else None)
         """Breaks cold placements' ties through Redis, shared with the other routers (``router.kv_ties``; None:
         replica sync off: each router draws alone)."""
         self._place_key = kv_place_key(namespace)

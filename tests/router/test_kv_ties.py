@@ -46,7 +46,8 @@ def test_routers_deciding_at_once_get_different_workers(redis_url, redis_namespa
     different worker (a local draw from the same order gives all three the first); then the counts are even and the
     first in order wins."""
     metrics = RouterMetrics("tiny", process_collectors=False)
-    ties = [ColdTies(redis_url, redis_namespace, window_s=30.0, metrics=lambda: metrics) for _ in range(3)]
+    ties = [ColdTies(redis_url, redis_namespace, window_s=30.0, metrics=lambda: metrics, timeout_s=10.0)
+            for _ in range(3)]
     try:
         start = threading.Barrier(3)
         got: list = [None] * 3
@@ -73,7 +74,7 @@ def test_routers_deciding_at_once_get_different_workers(redis_url, redis_namespa
 
 def test_old_windows_are_forgotten_and_the_key_expires(redis_url, redis_namespace):
     r = redis.Redis.from_url(redis_url)
-    ties = ColdTies(redis_url, redis_namespace, window_s=0.05)
+    ties = ColdTies(redis_url, redis_namespace, window_s=0.05, timeout_s=10.0)
     key = kv_ties_key(redis_namespace)
     try:
         assert ties.choose(["w0", "w1"]) == "w0"
@@ -111,7 +112,8 @@ class _Router:
 
     def __init__(self, redis_url: str, ns: str) -> None:
         self.index = KVIndex()
-        self.consumer = KVEventConsumer(self.index, redis_url, ns, lambda: WORKERS, block_ms=20, pending_s=5.0)
+        self.consumer = KVEventConsumer(self.index, redis_url, ns, lambda: WORKERS, block_ms=20, pending_s=5.0,
+                                        ties_timeout_s=10.0)  # a loaded CI host must not turn a draw local
         rcfg = RouterConfig(serve_metrics=False)
         self.placer = Placer(rcfg, StaticWorkerSource([_w(w) for w in WORKERS]), WorkerSelector(),
                              WorkerCalls(rcfg, WorkerClients()), prefixes=PrefixIndex(), kv_events=self.consumer)
