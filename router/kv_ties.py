@@ -21,12 +21,13 @@ matter.
 Cost and failure: one round trip per cold tie only (a warm prefix or a clear best never asks); a short socket
 timeout (``timeout_s``, 0.25 s: Redis answers in well under a millisecond, the rest is room for a busy router
 process); on any Redis error the caller draws locally as before (counted: ``pdserve:
-kv_cold_ties_total{result="local"}``) and the next ``backoff_s`` (1 s) skips Redis altogether, so Redis away
-delays at most one placement per second, by at most the timeout. Thread-safe (redis-py's pool); the placer serialises its own cold
-decisions (``Placer``'s cold lock) so two of this router's requests sharing a new prefix do not split it.
+kv_cold_ties_total{result="local"}``) and the next ``backoff_s`` (1 s) skips Redis altogether, so Redis away delays
+at most one placement per second, by at most the timeout. Thread-safe (redis-py's pool); the placer serialises its
+own cold decisions (``Placer``'s cold lock) so two of this router's requests sharing a new prefix do not split it.
 
-Lifecycle: ``RouterCore`` builds one with the KV event consumer (when ``kv_events`` and ``kv_replica_sync`` are on
-and ``kv_pending_s`` > 0), ``stop()`` at shutdown closes the client and deletes the key.
+Lifecycle: the router's ``KVEventConsumer`` builds one (when ``kv_events`` and ``kv_replica_sync`` are on and
+``kv_pending_s`` > 0; its ``ties``), the placer calls ``choose`` from request threads, and the consumer's ``stop()``
+calls ``stop()``, which deletes the key and closes the client.
 """
 from __future__ import annotations
 
