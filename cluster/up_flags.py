@@ -131,8 +131,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                     help="a placed prompt's blocks count as pending on its worker (held, and queued prefill work) "
                          "for S seconds or until its KV events confirm them (default 2, 0 = the events alone)")
     kv.add_argument("--no-kv-replica-sync", dest="kv_replica_sync", action="store_false",
-                    help="do not share placements between routers ({ns}:kvplace): each router counts only its own "
-                         "pending placements")
+                    help="do not share placements between routers ({ns}:kvplace) nor break cold ties through Redis "
+                         "({ns}:kvties): each router counts only its own pending placements and draws alone")
     sec = p.add_argument_group("public API security", "Secrets are read from files or the environment, never "
                                                       "printed; see docs/security.md.")
     sec.add_argument("--ssl-certfile", default=None, metavar="FILE",

@@ -85,7 +85,9 @@ class RouterConfig:
     """Routers share their placements (``router.kv_replica``: a shared Redis stream ``{ns}:kvplace``), so each
     counts the others' just-placed blocks as pending too, as NVIDIA Dynamo's ``--router-replica-sync``: with several
     routers the next turn of a conversation finds the blocks another router placed a moment ago. Off the request
-    path (a bounded queue and a thread); Redis down drops the sharing only (counted). False: own placements only."""
+    path (a bounded queue and a thread); Redis down drops the sharing only (counted). With it, a tie between
+    candidates for a prefix cached nowhere is broken through Redis (``router.kv_ties``, one round trip), so routers
+    opening new prefixes at the same instant spread. False: own placements only, and each router draws alone."""
     kv_tie_blocks: float = 1.0
     """Candidates scoring within this many blocks of the best are a tie, broken at random, so routers deciding
     at the same instant on the same view spread instead of herding onto one worker. 0: the best, by load order."""
