@@ -36,16 +36,31 @@ simulator prices it: the profile's step model plus, for a step that streams, ``r
 ``simulator.engine_sim``):
 
 Prefill pool (disaggregated). A lone prompt of p tokens takes
-    s = prefill_s(p) = sum over its chunks of M tokens (n after c) of the step of that chunk alone (T = n,
-                       PA = n (c + (n + 1) / 2), PC = c + n, PX = n c, PN = 1: simulator.costs.step_features),
-                       the last chunk sampling the first token (S = 1).
-A worker is one server with Poisson arrivals; taking the M/M/1 tail of the wait (P(wait > t) =
-rho e^(-(1 - rho) t / s)), and the decode worker's step the Reserve waits for (ITL(B*), below), the 90th
-percentile TTFT at utilisation rho is
-    TTFT90(rho) = r + ITL(B*) + s + s * max(0, ln(10 rho)) / (1 - rho)
-    rho_P = the largest rho <= rho_max with TTFT90(rho) <= TTFT SLO (bisection; TTFT90 grows with rho)
-    per-replica throughput mu_P = rho_P / s (req/s);   prefill replicas = ceil(h * lambda / mu_P)
-(conservative: a busy prefill worker batches the prompts queued behind a step, which this ignores).
+    s(p) = prefill_s(p) = sum over its chunks of M tokens (n after c) of the step of that chunk alone (T = n,
+                          PA = n (c + (n + 1) / 2), PC = c + n, PX = n c, PN = 1: simulator.costs.step_features),
+                          the last chunk sampling the first token (S = 1); s = s(p) at the mean length.
+The counters give the mean prompt length only; the lengths are taken as exponentially distributed with that mean
+(capped at the profile's max_model_len, stretched to keep the mean), which matches the conversation trace's
+prefill moments on a real profile and is conservative for prompts of one length. Over them (Gauss-Laguerre
+nodes, ``prompt_lengths``):
+    E[s] = the mean lone prefill,   cs2 = Var[s] / E[s]^2
+The router sends each prompt to the ready prefill worker with the fewest queued prompt tokens (about the least work
+left), so the c workers of the pool act as one FCFS queue with c servers (M/G/c), not c separate ones. Offered
+a = lambda E[s] Erlangs, a prompt waits with the Erlang C probability C(c, a), and then about exponentially long
+with mean (1 + cs2) / 2 * E[s] / (c - a) (the M/M/c wait scaled by the service's variability, Allen-Cunneen):
+    W_q(c) = (1 + cs2) / 2 * E[s] / (c - a) * ln(C(c, a) / q)   (0 when C(c, a) <= q)
+the wait's (1 - q) quantile, q = 0.1 - ``long_prompt_share`` (0.03): of the 10% of prompts the SLO lets miss, the
+share is left to the mix's long prompts, which miss a tight SLO by their own prefill whatever the wait. A prompt
+that waited shares its step with the prompts that reached its worker meanwhile (the scheduler packs the queue
+into one step of up to M tokens): x W_q of them at x = lambda / c, about rho W_q of work (rho = a / c), at most
+the rest of a full step:
+    B(c) = min(rho W_q(c), full_s - s),   full_s = the step of M tokens of fresh p-token prompts (M / p of them,
+                                          each sampling; a prompt longer than M: 0)
+With the decode worker's step the Reserve waits for (ITL(B*), below):
+    TTFT90(c) = r + ITL(B*) + E[s] + W_q(c) + B(c)
+    prefill replicas = the smallest c >= h lambda E[s] / rho_max with TTFT90(c) <= TTFT SLO (at lambda h)
+(c grows until it holds; TTFT90 falls to r + ITL(B*) + E[s] as C(c, a) falls below q). ``Plan.per_replica``
+reports h lambda / c, the rate each worker is planned to take.
 
 Decode pool (disaggregated). The prefill worker samples the first token, so a request decodes o_d = max(1, o - 1)
 tokens here, at a mean context of ctx = p + o / 2. One step of B running sequences takes
@@ -64,8 +79,9 @@ steps as the decodes), which stretches every decode step: with B = x * o_d * TPO
     TTFT90(x) = r + s + ITL(B) + s * max(0, ln(10 u)) / (1 - u)   (the step in flight, then the prompts ahead)
     mu_C = the largest x with both within their SLOs (bisection);   colocated replicas = ceil(h * lambda / mu_C)
 
-An SLO no size can meet (TTFT SLO <= r + ITL(B*) + s, or TPOT(1) above the TPOT SLO) is reported in ``Plan.notes``;
-the pool is then sized at utilisation ``rho_infeasible`` (prefill, colocated) or batch 1 (decode), and the
+An SLO no size can meet (TTFT SLO <= r + ITL(B*) + E[s] for prefill, a lone request missing either SLO for
+colocated, or TPOT(1) above the TPOT SLO) is reported in ``Plan.notes``; the pool is then sized at utilisation
+``rho_infeasible`` (prefill: c = ceil(h lambda E[s] / rho_infeasible); colocated) or batch 1 (decode), and the
 bounds cap it. Every size is clamped to the pool's [min, max].
 
 Hysteresis: a pool grows to its target at once (by as many workers as it takes); it shrinks only to the
@@ -73,15 +89,20 @@ largest target of the last ``scale_down_after_s`` seconds, and not before the po
 The planner's cooldown still applies between two changes of a pool.
 
 The sizes are not checked by a simulation at run time; tests/cluster/test_sla_planner.py runs this policy
-inside the real ``Planner`` against the simulator (pdserve's own scheduler and router) on a rate ramp.
+inside the real ``Planner`` against the simulator (pdserve's own scheduler and router) on a rate ramp and checks
+the prefill size against the simulator's smallest pool that meets the TTFT SLO; benchmarks/sla_prefill_sizing.py
+makes that comparison over rates, lengths (one length, the conversation trace's mix) and SLOs.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
+
+from numpy.polynomial.laguerre import laggauss
 
 from simulator.costs import Profile, StepFeatures
 
@@ -113,6 +134,11 @@ class SlaConfig:
     """Highest prefill (colocated: prefill-time) utilisation planned for, whatever the TTFT SLO allows."""
     rho_infeasible: float = 0.5
     """Utilisation planned for when no size meets the TTFT SLO (the prompts alone take longer)."""
+    long_prompt_share: float = 0.07
+    """Of the 10% of prompts the TTFT SLO lets miss, the share left to the length mix's long prompts, which miss a
+    tight SLO by their own prefill whatever the wait (the counters give the mean length only): the prefill pool's
+    wait is planned at its (0.9 + share) quantile. 0.07: in the conversation trace 7% of the prompts take more
+    than twice the mean-length prompt's prefill. 0 plans the wait's 90th percentile."""
     max_num_batched_tokens: int = 2048
     """The engines' per-step token budget (prompts longer than this are prefilled in chunks)."""
     max_num_seqs: int = 64
@@ -138,6 +164,8 @@ class SlaConfig:
         for name in ("rho_max", "rho_infeasible"):
             if not 0 < getattr(self, name) < 1:
                 raise ValueError(f"{name} must be within (0, 1), got {getattr(self, name)!r}")
+        if not 0 <= self.long_prompt_share < 0.1:
+            raise ValueError(f"long_prompt_share must be within [0, 0.1), got {self.long_prompt_share!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -180,12 +208,13 @@ def step_seconds(profile: Profile, f: StepFeatures) -> float:
 
 
 def prefill_seconds(profile: Profile, prompt_tokens: float, chunk: int) -> float:
-    """A lone fresh prompt of ``prompt_tokens`` (rounded) prefilled in chunks of ``chunk`` tokens."""
-    n_total = max(1, int(round(prompt_tokens)))
-    c, total = 0, 0.0
+    """A lone fresh prompt of ``prompt_tokens`` (at least 1; not rounded: the step model is priced at fractional
+    lengths too, so a mean over lengths is exact for the polynomial parts) prefilled in chunks of ``chunk``."""
+    n_total = max(1.0, float(prompt_tokens))
+    c, total = 0.0, 0.0
     while c < n_total:
         n = min(chunk, n_total - c)
-        last = c + n == n_total
+        last = c + n >= n_total
         total += step_seconds(profile, StepFeatures(tokens=n, sampled=1 if last else 0,
                                                     prefill_pairs=n * (c + (n + 1) / 2), prefill_ctx=c + n,
                                                     prefill_cached_pairs=n * c, prefill_chunks=1))
@@ -203,6 +232,72 @@ def kv_handoff_seconds(profile: Profile, prompt_tokens: float, prefill_s: float,
     nbytes = prompt_tokens * profile.kv_bytes_per_token
     lk = profile.link(link)
     return max(lk.seconds(nbytes / profile.num_layers), lk.seconds(nbytes) - prefill_s)
+
+
+LENGTH_NODES = 24
+"""Gauss-Laguerre nodes over the assumed (exponential) prompt lengths: exact for a step model polynomial in the
+length (the pair terms: up to degree 4 for the second moment) away from the chunk and knot kinks."""
+
+
+@functools.lru_cache(maxsize=None)
+def _laguerre(n: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    x, w = laggauss(n)
+    return tuple(float(v) for v in x), tuple(float(v) for v in w)
+
+
+def prompt_lengths(mean_tokens: float, max_len: int, n: int = LENGTH_NODES) -> list[tuple[float, float]]:
+    """(length, weight) pairs of exponentially distributed prompt lengths with mean ``mean_tokens`` (Gauss-Laguerre
+    nodes): capped at ``max_len`` and stretched so that the capped lengths keep the mean (all at ``max_len`` when
+    the mean is that long)."""
+    m = max(1.0, float(mean_tokens))
+    if m >= max_len:
+        return [(float(max_len), 1.0)]
+    x, w = _laguerre(n)
+
+    def mean_at(k: float) -> float:
+        return sum(wi * min(max_len, k * xi) for xi, wi in zip(x, w))
+
+    k = m
+    if mean_at(k) < m * (1 - 1e-12):  # the cap cut the mean: stretch the rest (bisection on the scale)
+        lo, hi = m, 2 * m
+        while mean_at(hi) < m:
+            lo, hi = hi, 2 * hi
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if mean_at(mid) < m else (lo, mid)
+        k = hi
+    return [(min(float(max_len), max(1.0, k * xi)), wi) for xi, wi in zip(x, w)]
+
+
+def prefill_moments(profile: Profile, mean_tokens: float, chunk: int) -> tuple[float, float]:
+    """(E[s], cs^2): the mean lone prefill and its squared coefficient of variation over ``prompt_lengths``."""
+    nodes = prompt_lengths(mean_tokens, profile.max_model_len)
+    vals = [(prefill_seconds(profile, p, chunk), w) for p, w in nodes]
+    es = sum(w * v for v, w in vals)
+    e2 = sum(w * v * v for v, w in vals)
+    return es, max(0.0, e2 / (es * es) - 1)
+
+
+def full_step_seconds(profile: Profile, prompt_tokens: float, chunk: int) -> float:
+    """A step packed to the budget: ``chunk / p`` fresh prompts of p = ``prompt_tokens`` tokens, each sampling its
+    first token (a prompt longer than the budget: one chunk of it, sampling nothing)."""
+    p = max(1.0, min(float(prompt_tokens), chunk))
+    k = chunk / p
+    return step_seconds(profile, StepFeatures(tokens=chunk, sampled=k if prompt_tokens <= chunk else 0,
+                                              prefill_pairs=k * p * (p + 1) / 2, prefill_ctx=chunk,
+                                              prefill_chunks=k))
+
+
+def erlang_c(c: int, a: float) -> float:
+    """P(wait > 0) in an M/M/c queue offered ``a`` Erlangs (1 at a >= c): Erlang B by its recursion, then C."""
+    if a <= 0:
+        return 0.0
+    if a >= c:
+        return 1.0
+    b = 1.0
+    for k in range(1, c + 1):
+        b = a * b / (k + a * b)
+    return c * b / (c - a * (1 - b))
 
 
 def wait_p90(rho: float, service_s: float) -> float:
@@ -234,22 +329,51 @@ def _replicas(demand: float, per_replica: float) -> int:
 
 
 # ---- per-replica capacities ----------------------------------------------------------------------------------
-def prefill_capacity(cfg: SlaConfig, load: Load, plan: Plan, decode_itl_s: float) -> float:
-    """mu_P (req/s) of one prefill worker (module docstring); ``decode_itl_s``: the decode worker's step, which
-    the Reserve before every prefill waits for; fills ``plan.detail``."""
-    prof = cfg.profile
-    s = prefill_seconds(prof, load.prompt_tokens, cfg.max_num_batched_tokens)
+def prefill_ttft90(cfg: SlaConfig, load: Load, rate: float, c: int, decode_itl_s: float) -> float:
+    """TTFT90 (seconds) of ``c`` prefill workers offered ``rate`` req/s (module docstring: the pooled queue); inf
+    past utilisation ``rho_max``."""
+    return _prefill_model(cfg, load, rate, decode_itl_s)[0](c)
+
+
+def _prefill_model(cfg: SlaConfig, load: Load, rate: float, decode_itl_s: float
+                   ) -> tuple[Callable[[int], float], dict[str, float]]:
+    """TTFT90(c) for ``rate`` req/s, and the terms that do not depend on c (s, E[s], cs2, a, r + ITL(B*))."""
+    prof, m_tok = cfg.profile, cfg.max_num_batched_tokens
+    s = prefill_seconds(prof, load.prompt_tokens, m_tok)
+    es, cs2 = prefill_moments(prof, load.prompt_tokens, m_tok)
     pair = prof.router_per_request_pair_s
     over = (prof.router_per_request_s if pair is None else max(pair, prof.router_per_request_s)) + decode_itl_s
+    rest = max(0.0, full_step_seconds(prof, load.prompt_tokens, m_tok) - s)
+    a = rate * es
+    q = 0.1 - cfg.long_prompt_share
+
+    def ttft90(c: int) -> float:
+        if c < 1 or a > cfg.rho_max * c:
+            return math.inf
+        pc = erlang_c(c, a)
+        w = (1 + cs2) / 2 * es / (c - a) * math.log(pc / q) if pc > q else 0.0
+        return over + es + w + min(a / c * w, rest)
+
+    return ttft90, dict(s=s, es=es, cs2=cs2, a=a, over=over)
+
+
+def prefill_size(cfg: SlaConfig, load: Load, rate: float, plan: Plan, decode_itl_s: float) -> int:
+    """Prefill workers for ``rate`` req/s (module docstring): the fewest whose TTFT90 meets the SLO; ``decode_itl_s``:
+    the decode worker's step, which the Reserve before every prefill waits for; fills ``plan.detail``."""
+    ttft90, t = _prefill_model(cfg, load, rate, decode_itl_s)
     slo = cfg.ttft_slo_ms / 1000
-    if over + s >= slo:
-        plan.notes.append(f"TTFT SLO {cfg.ttft_slo_ms:g} ms is below a lone {load.prompt_tokens:.0f}-token prompt's "
-                          f"{1000 * (over + s):.0f} ms: sized at utilisation {cfg.rho_infeasible:g}")
-        rho = cfg.rho_infeasible
+    plan.detail.update(prefill_s=t["s"], prefill_mean_s=t["es"], prefill_cs2=t["cs2"])
+    if t["over"] + t["es"] >= slo:
+        plan.notes.append(f"TTFT SLO {cfg.ttft_slo_ms:g} ms is below the {1000 * (t['over'] + t['es']):.0f} ms a "
+                          f"prompt of a {load.prompt_tokens:.0f}-token mean length takes alone on average: sized at "
+                          f"utilisation {cfg.rho_infeasible:g}")
+        c = max(1, math.ceil(t["a"] / cfg.rho_infeasible - 1e-9))
     else:
-        rho = _bisect_max(lambda x: over + s + wait_p90(x, s) <= slo, 0.1, cfg.rho_max)
-    plan.detail.update(prefill_s=s, rho_prefill=rho)
-    return rho / s
+        c = max(1, math.ceil(t["a"] / cfg.rho_max - 1e-9))
+        while ttft90(c) > slo:  # falls to r + ITL(B*) + E[s] < SLO as c grows
+            c += 1
+    plan.detail.update(rho_prefill=t["a"] / c, prefill_ttft90_s=ttft90(c))
+    return c
 
 
 def decode_capacity(cfg: SlaConfig, load: Load, plan: Plan, prefill_s: float) -> float:
@@ -337,9 +461,9 @@ def plan(cfg: SlaConfig, load: Load, mode: str = "disaggregated") -> Plan:
         return out
     s = prefill_seconds(cfg.profile, load.prompt_tokens, cfg.max_num_batched_tokens)
     mu_d = decode_capacity(cfg, load, out, s)
-    mu_p = prefill_capacity(cfg, load, out, out.detail["itl_s"])
-    out.per_replica.update(prefill=mu_p, decode=mu_d)
-    out.sizes["prefill"] = _replicas(demand, mu_p)
+    n_p = prefill_size(cfg, load, demand, out, out.detail["itl_s"])
+    out.per_replica.update(prefill=demand / n_p, decode=mu_d)
+    out.sizes["prefill"] = n_p
     out.sizes["decode"] = _replicas(demand * out.detail["decode_tokens_per_request"], mu_d)
     return out
 

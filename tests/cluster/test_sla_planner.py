@@ -1,24 +1,27 @@
 """The SLA planner policy: its formulas against hand-computed sizes, hysteresis, the counter window, the flags,
-and the real ``Planner`` driving a simulated cluster (pdserve's own scheduler and router) through a rate ramp.
+the real ``Planner`` driving a simulated cluster (pdserve's own scheduler and router) through a rate ramp, and the
+prefill size against the simulator's smallest pool that meets the TTFT SLO.
 
 The profile has round numbers (as in tests/simulator/test_simulate.py), so every size below is worked out by
 hand from the formulas in cluster/sla_planner.py's docstring, not copied from the code's output.
 """
 from __future__ import annotations
 
+import csv
 import math
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from cluster.planner import Planner, PlannerConfig
 from cluster.sla_planner import (CounterWindow, Hysteresis, Load, SlaConfig, SlaPolicy, decode_step_seconds,
-                                 plan, prefill_seconds)
-from loadtest.stats import slo_attainment, tpot_s, ttft_s
+                                 plan, prefill_moments, prefill_seconds, prompt_lengths)
+from loadtest.stats import percentile, slo_attainment, tpot_s, ttft_s
 from proto.worker_pb2 import WorkerInfo
 from simulator.cluster_sim import SimConfig, SimRequest, Simulation
-from simulator.costs import LinkModel, Profile, StepModel
+from simulator.costs import LinkModel, Profile, StepModel, load_profile
 
 R_REQ, R_TOK = 0.005, 0.001
 
@@ -45,9 +48,32 @@ def itl(b: int, ctx: float = 132) -> float:
 
 
 S100 = lin(100) + 1e-6 * 100 * 50.5 + R_TOK  # a lone 100-token prompt: 0.11505 s
-# the TTFT SLO that allows rho = 0.5 exactly with 100-token prompts, 64 tokens out and the TPOT SLO of 60 ms
-# (whose largest decode batch is 14: the Reserve waits for one decode step, itl(14))
+# a TTFT SLO of 545.86 ms (what the old M/M/1 rule allowed at rho = 0.5 exactly with 100-token prompts, 64 tokens
+# out and the TPOT SLO of 60 ms, whose largest decode batch is 14: the Reserve waits for one decode step, itl(14))
 TTFT_AT_HALF = R_REQ + itl(14) + S100 + S100 * math.log(5) / 0.5
+OVER = R_REQ + itl(14)  # r + ITL(B*) = 0.005 + 0.05548 = 0.06048 s
+# A prompt of p tokens alone (one chunk): s(p) = lin(p) + 1e-6 p (p + 1) / 2 + R_TOK = 0.01 + 0.0010005 p + 5e-7 p^2.
+# Over exponential lengths of mean 100 (E[p] = 100, E[p^2] = 2e4, E[p^3] = 6e6, E[p^4] = 2.4e9):
+#   E[s]   = 0.01 + 0.0010005 * 100 + 5e-7 * 2e4 = 0.12005 s
+#   E[s^2] = 0.01^2 + 2 * 0.01 * 0.0010005 * 100 + (0.0010005^2 + 2 * 0.01 * 5e-7) * 2e4
+#            + 2 * 0.0010005 * 5e-7 * 6e6 + (5e-7)^2 * 2.4e9 = 0.028924005
+#   cs2    = 0.028924005 / 0.12005^2 - 1 = 1.0069387
+ES100 = 0.12005
+CS2_100 = 0.028924005 / ES100 ** 2 - 1
+Q = 0.03  # q = 0.1 - long_prompt_share (0.07): the wait is planned at its 97th percentile
+
+
+def erlang_c_sum(c: int, a: float) -> float:
+    """Erlang C by its textbook sum: (a^c / c!) (c / (c - a)) / (sum_{k<c} a^k / k! + (a^c / c!) (c / (c - a)))."""
+    top = a ** c / math.factorial(c) * c / (c - a)
+    return top / (sum(a ** k / math.factorial(k) for k in range(c)) + top)
+
+
+def ttft90(rate: float, c: int) -> float:
+    """The module docstring's TTFT90(c) with 100-token prompts (mean) written out: r + ITL(B*) + E[s] + W_q + B."""
+    a = rate * ES100
+    w = (1 + CS2_100) / 2 * ES100 / (c - a) * math.log(erlang_c_sum(c, a) / Q)
+    return OVER + ES100 + w + min(a / c * w, 2.180904 - S100)  # a full step: lin(2048) + 20.48 (5050e-6 + R_TOK)
 
 
 def sla(**kw) -> SlaConfig:
@@ -63,6 +89,19 @@ def test_prefill_time_of_a_prompt_alone_and_in_chunks():
     chunked = (lin(64) + 1e-6 * 64 * (0 + 65 / 2)) + (lin(36) + 1e-6 * 36 * (64 + 37 / 2) + R_TOK)
     assert prefill_seconds(prof, 100, 64) == pytest.approx(chunked)  # only the last chunk samples
     assert decode_step_seconds(prof, 21, 132) == pytest.approx(lin(21) + R_TOK * 21 + 1e-5 * 21 * 132)
+    assert prefill_seconds(prof, 100.5, 2048) == pytest.approx(0.01 + 0.0010005 * 100.5 + 5e-7 * 100.5 ** 2)
+
+
+def test_prefill_moments_over_exponential_prompt_lengths():
+    prof = make_profile()
+    es, cs2 = prefill_moments(prof, 100, 2048)
+    assert es == pytest.approx(ES100, rel=1e-6) and cs2 == pytest.approx(1.0069387, rel=1e-6)
+    # near max_model_len the capped lengths are stretched to keep the mean; at or past it every prompt is that long
+    nodes = prompt_lengths(3000, 4096)
+    assert sum(w for _p, w in nodes) == pytest.approx(1.0)
+    assert sum(p * w for p, w in nodes) == pytest.approx(3000) and max(p for p, _w in nodes) == 4096
+    assert prompt_lengths(5000, 4096) == [(4096.0, 1.0)]
+    assert prefill_moments(prof, 5000, 2048) == (pytest.approx(prefill_seconds(prof, 4096, 2048)), 0.0)
 
 
 def test_sizes_against_hand_computed_ones():
@@ -76,17 +115,29 @@ def test_sizes_against_hand_computed_ones():
     mu_d = 14 / itl(14)  # 252.3 tokens/s per decode worker
     assert p.per_replica["decode"] == pytest.approx(mu_d)
     assert p.sizes["decode"] == math.ceil(10 * 63 / mu_d) == 3  # 2.50 workers
-    # prefill: TTFT90(rho) = r + ITL(B*) + s + s ln(10 rho) / (1 - rho) meets the SLO at rho = 0.5 exactly
-    assert p.detail["rho_prefill"] == pytest.approx(0.5, abs=1e-6)
-    mu_p = 0.5 / S100  # 4.346 req/s per prefill worker
-    assert p.per_replica["prefill"] == pytest.approx(mu_p, rel=1e-5)
-    assert p.sizes["prefill"] == math.ceil(10 / mu_p) == 3  # 2.30 workers
+    # prefill: a = 10 * 0.12005 = 1.2005 Erlangs, at least ceil(1.2005 / 0.9) = 2 workers.
+    # c = 2: C = a^2 / (2 + a) = 0.45030; W_q = (1 + 1.0069387) / 2 * 0.12005 / 0.7995 * ln(0.45030 / 0.03) = 0.40814;
+    #        B = min(rho W_q, full - s) = 0.60025 * 0.40814 = 0.24499;
+    #        TTFT90(2) = 0.06048 + 0.12005 + 0.40814 + 0.24499 = 0.83366 s > 0.54586
+    # c = 3: C = 0.14132, W_q = 0.10375, B = 0.40017 * 0.10375 = 0.04152: TTFT90(3) = 0.32580 s: 3 workers
+    assert ttft90(10, 2) == pytest.approx(0.83366, abs=1e-5) and ttft90(10, 3) == pytest.approx(0.32580, abs=1e-5)
+    assert p.detail["prefill_mean_s"] == pytest.approx(ES100, rel=1e-6)
+    assert p.detail["prefill_ttft90_s"] == pytest.approx(ttft90(10, 3), rel=1e-5)
+    assert p.detail["rho_prefill"] == pytest.approx(1.2005 / 3, rel=1e-6)
+    assert p.sizes["prefill"] == 3 and p.per_replica["prefill"] == pytest.approx(10 / 3)
     assert p.notes == []
+    # at 20 req/s (a = 2.401, at least 3 workers): TTFT90(3) = 1.29291 s; c = 4: C = 0.28736, W_q = 0.17023,
+    # B = 0.60025 * 0.17023 = 0.10218: TTFT90(4) = 0.45294 s: 4 workers (the M/M/1 rule wanted ceil(20 / 4.346) = 5)
+    assert ttft90(20, 3) == pytest.approx(1.29291, abs=1e-5) and ttft90(20, 4) == pytest.approx(0.45294, abs=1e-5)
+    assert plan(sla(), Load(rate=20.0, prompt_tokens=100, output_tokens=64)).sizes["prefill"] == 4
 
 
 def test_headroom_batch_caps_and_zero_rate():
     load = Load(rate=10.0, prompt_tokens=100, output_tokens=64)
-    assert plan(sla(headroom=1.5), load).sizes["prefill"] == math.ceil(15 * S100 / 0.5) == 4
+    # 15 req/s planned: TTFT90(3) = 0.57775 s > 0.54586; c = 4: C = 0.12869, W_q = 0.07977, B = 0.03591:
+    # TTFT90(4) = 0.29620 s
+    assert ttft90(15, 3) == pytest.approx(0.57775, abs=1e-5) and ttft90(15, 4) == pytest.approx(0.29620, abs=1e-5)
+    assert plan(sla(headroom=1.5), load).sizes["prefill"] == 4
     assert plan(sla(max_num_seqs=8), load).detail["decode_batch"] == 8
     assert plan(sla(kv_tokens=5 * 164 + 10), load).detail["decode_batch"] == 5  # 5 sequences of 100 + 64 tokens
     p8 = plan(sla(max_num_seqs=8), load)
@@ -97,7 +148,12 @@ def test_headroom_batch_caps_and_zero_rate():
 def test_slos_no_size_meets_are_noted():
     p = plan(sla(ttft_slo_ms=100, tpot_slo_ms=5), Load(rate=2.0, prompt_tokens=100, output_tokens=64))
     assert len(p.notes) == 2 and "TPOT SLO 5 ms" in p.notes[0] and "TTFT SLO 100 ms" in p.notes[1]
-    assert p.detail["rho_prefill"] == 0.5 and p.detail["decode_batch"] == 1
+    # r + ITL(1) + E[s] = 0.005 + 0.01 + 0.001 + 0.00132 + 0.12005 > 0.1 s: sized at utilisation 0.5,
+    # ceil(2 * 0.12005 / 0.5) = 1 worker
+    assert p.sizes["prefill"] == 1 and p.detail["rho_prefill"] == pytest.approx(2 * ES100)
+    assert p.detail["decode_batch"] == 1
+    many = plan(sla(ttft_slo_ms=100), Load(rate=20.0, prompt_tokens=100, output_tokens=64))
+    assert many.sizes["prefill"] == math.ceil(20 * ES100 / 0.5) == 5
 
 
 def test_colocated_capacity_meets_both_slos_and_grows_with_them():
@@ -117,6 +173,8 @@ def test_bad_sla_config_names_the_field():
         sla(tpot_slo_ms=0)
     with pytest.raises(ValueError, match="min_window_s"):
         sla(window_s=10, min_window_s=20)
+    with pytest.raises(ValueError, match="long_prompt_share"):
+        sla(long_prompt_share=0.1)
     with pytest.raises(ValueError, match="sla must be an SlaConfig"):
         PlannerConfig(policy="sla")
     with pytest.raises(ValueError, match="policy must be one of"):
@@ -230,13 +288,16 @@ def test_planner_with_the_sla_policy_moves_pools_by_several_workers_within_bound
     assert c.scaled == [("prefill", 3), ("decode", 3)]
     at(10, 40, total)  # the window's rate is now 25 req/s (> max): capped at 4... but prefill cools down
     assert c.scaled[2:] == []
-    at(20, 40, total)  # cooled down (15 s); 450 requests in 20 s: prefill ceil(22.5 / 4.346) = 6, decode
-    assert c.scaled[2:] == [("prefill", 4), ("decode", 4)]  # ceil(22.5 * 63 / 252.3) = 6: both capped at 4
+    at(20, 40, total)  # cooled down (15 s); 450 requests in 20 s: prefill for 22.5 req/s (more than 4: TTFT90(4)
+    assert ttft90(8, 2) == pytest.approx(0.58196, abs=1e-5) and ttft90(8, 3) == pytest.approx(0.25921, abs=1e-5)
+    assert ttft90(22.5, 4) > TTFT_AT_HALF  # > the 0.45294 s of 20 req/s), decode ceil(22.5 * 63 / 252.3) = 6
+    assert c.scaled[2:] == [("prefill", 4), ("decode", 4)]  # both capped at 4
     for t in range(25, 81, 5):  # nothing arrives from now on
         at(t, 0, total)
-    # targets (window 20 s): 25 s: 20 req/s -> 4P 4D; 30 s: 10 req/s -> 3P 3D; 35 s: 8 req/s -> 2P 2D; from 40 s:
-    # 0 -> 1P 1D. Down only to the largest target of the last 30 s: at 60 s that is 30 s's 3P 3D; the next
-    # change waits out the cooldown (75 s), when everything since 45 s wanted 1
+    # targets (window 20 s): 25 s: 20 req/s -> 4P 4D; 30 s: 10 req/s -> 3P 3D; 35 s: 8 req/s -> 3P (TTFT90(2) =
+    # 0.58196 s > 0.54586, TTFT90(3) = 0.25921 s) 2D; from 40 s: 0 -> 1P 1D. Down only to the largest target of the
+    # last 30 s: at 60 s that is 30 s's 3P 3D; the next change waits out the cooldown (75 s), when everything since
+    # 45 s wanted 1
     assert c.scaled[4:] == [("prefill", 3), ("decode", 3), ("prefill", 1), ("decode", 1)]
     assert [d[1:] for d in planner.decisions] == [("prefill", 1, 3), ("decode", 1, 3), ("prefill", 3, 4),
                                                   ("decode", 3, 4), ("prefill", 4, 3), ("decode", 4, 3),
@@ -458,3 +519,58 @@ def test_sla_policy_follows_a_rate_ramp_within_the_slos_on_fewer_worker_seconds_
     assert len(sim.live_worker_ids("prefill")) + len(sim.live_worker_ids("decode")) < sum(peak.values())  # shrank
     late = [r for r in recs if r.start_s > RAMP_S + HOLD_S + 20]
     assert late and all(ttft_s(r) * 1000 <= TTFT_MS and (tpot_s(r) or 0) * 1000 <= TPOT_MS for r in late)
+
+
+# ---- the prefill size against the simulator -------------------------------------------------------------------------
+QUIET_PROFILE = Path(__file__).resolve().parents[2] / "docs/profiles/cpu-amd-epyc-bench-fp32-1thread-quiet.json"
+TRACE = Path(__file__).resolve().parents[1] / "data/azure_llm_2023_conv_first400.csv"  # see tests/data/README.md
+
+
+def _poisson(rate: float, n: int, lengths: list[tuple[int, int]], max_len: int, seed: int = 1) -> list[SimRequest]:
+    """``n`` Poisson arrivals, each (prompt, output) length pair drawn from ``lengths`` (prompts clipped to fit
+    ``max_len``), unique random token ids (no prefix hits)."""
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(rate)
+        p, o = rng.choice(lengths)
+        o = max(1, o)
+        p = max(1, min(p, max_len - o - 1))
+        out.append(SimRequest(f"r{i}", t, [rng.randrange(1, 32000) for _ in range(p)], o))
+    return out
+
+
+def _sim_p90_ttft(profile: Profile, reqs: list[SimRequest], prefill: int, decode: int) -> float:
+    sim = Simulation(profile, SimConfig(prefill=prefill, decode=decode, num_kv_blocks=8192, max_num_requests=100_000,
+                                        enable_prefix_caching=False, seed=1))
+    recs = sim.run(reqs)
+    assert all(r.success for r in recs)
+    return percentile([ttft_s(r) for r in recs], 90)
+
+
+@pytest.mark.parametrize("case", ["100-token prompts", "the conversation trace's mix"])
+def test_prefill_size_is_the_simulators_smallest_pool_meeting_the_ttft_slo_or_one_more(case):
+    """The planner's prefill size P (headroom 1) against the simulator (pdserve's scheduler and router; a decode pool
+    twice the planner's plus one, KV enough that decode never holds a prefill back): P workers meet the TTFT SLO (no
+    under-sizing) and P - 2 do not (at most one worker more than the smallest pool that does).
+    benchmarks/sla_prefill_sizing.py runs the same comparison over more rates, lengths and SLOs."""
+    if case == "100-token prompts":  # the M/M/1 rule wanted 5 here (ceil(20 / 4.346)); 3 meet the SLO
+        profile, rate, n, slo_ms, tpot_ms = make_profile(), 20.0, 1000, 1000 * TTFT_AT_HALF, 60.0
+        lengths = [(100, 64)]
+    else:  # the measured CPU profile; the M/M/1 rule wanted 1 here, whose p90 TTFT is ~9 s
+        profile, rate, n, slo_ms, tpot_ms = load_profile(QUIET_PROFILE), 1.0, 400, 6000.0, 150.0
+        with open(TRACE) as f:
+            lengths = [(int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in csv.DictReader(f)]
+    reqs = _poisson(rate, n, lengths, profile.max_model_len)
+    mean_p = sum(len(r.prompt_token_ids) for r in reqs) / n
+    mean_o = sum(r.max_tokens for r in reqs) / n
+    p = plan(SlaConfig(profile=profile, ttft_slo_ms=slo_ms, tpot_slo_ms=tpot_ms, headroom=1.0),
+             Load(rate, mean_p, mean_o))
+    size, decode = p.sizes["prefill"], 2 * p.sizes["decode"] + 1
+    at_size = _sim_p90_ttft(profile, reqs, size, decode)
+    below = _sim_p90_ttft(profile, reqs, size - 2, decode) if size > 2 else math.inf
+    print(f"\n{case}: {rate:g} req/s, mean {mean_p:.0f}/{mean_o:.0f} tokens, TTFT SLO {slo_ms:.0f} ms: planner "
+          f"{size}P; simulated p90 TTFT {1000 * at_size:.0f} ms at {size}P"
+          + (f", {1000 * below:.0f} ms at {size - 2}P" if size > 2 else ""))
+    assert at_size * 1000 <= slo_ms, f"{size} prefill workers miss the TTFT SLO: under-sized"
+    assert below * 1000 > slo_ms, f"{size - 2} prefill workers meet the TTFT SLO: over-sized by 2 or more"
