@@ -49,9 +49,9 @@ left), so the c workers of the pool act as one FCFS queue with c servers (M/G/c)
 a = lambda E[s] Erlangs, a prompt waits with the Erlang C probability C(c, a), and then about exponentially long
 with mean (1 + cs2) / 2 * E[s] / (c - a) (the M/M/c wait scaled by the service's variability, Allen-Cunneen):
     W_q(c) = (1 + cs2) / 2 * E[s] / (c - a) * ln(C(c, a) / q)   (0 when C(c, a) <= q)
-the wait's (1 - q) quantile, q = 0.1 - ``long_prompt_share`` (0.03): of the 10% of prompts the SLO lets miss, the
-share is left to the mix's long prompts, which miss a tight SLO by their own prefill whatever the wait. A prompt
-that waited shares its step with the prompts that reached its worker meanwhile (the scheduler packs the queue
+the wait's (1 - q) quantile, q = 0.1 - ``long_prompt_share`` (0.07, so q = 0.03): of the 10% of prompts the SLO
+lets miss, the share is left to the mix's long prompts, which miss a tight SLO by their own prefill whatever the
+wait. A prompt that waited shares its step with the prompts that reached its worker meanwhile (the scheduler packs the queue
 into one step of up to M tokens): x W_q of them at x = lambda / c, about rho W_q of work (rho = a / c), at most
 the rest of a full step:
     B(c) = min(rho W_q(c), full_s - s),   full_s = the step of M tokens of fresh p-token prompts (M / p of them,
