@@ -329,15 +329,10 @@ def _replicas(demand: float, per_replica: float) -> int:
 
 
 # ---- per-replica capacities ----------------------------------------------------------------------------------
-def prefill_ttft90(cfg: SlaConfig, load: Load, rate: float, c: int, decode_itl_s: float) -> float:
-    """TTFT90 (seconds) of ``c`` prefill workers offered ``rate`` req/s (module docstring: the pooled queue); inf
-    past utilisation ``rho_max``."""
-    return _prefill_model(cfg, load, rate, decode_itl_s)[0](c)
-
-
 def _prefill_model(cfg: SlaConfig, load: Load, rate: float, decode_itl_s: float
                    ) -> tuple[Callable[[int], float], dict[str, float]]:
-    """TTFT90(c) for ``rate`` req/s, and the terms that do not depend on c (s, E[s], cs2, a, r + ITL(B*))."""
+    """TTFT90(c) (seconds) of c prefill workers offered ``rate`` req/s (module docstring: the pooled queue; inf past
+    utilisation ``rho_max``), and the terms that do not depend on c (s, E[s], cs2, a, r + ITL(B*))."""
     prof, m_tok = cfg.profile, cfg.max_num_batched_tokens
     s = prefill_seconds(prof, load.prompt_tokens, m_tok)
     es, cs2 = prefill_moments(prof, load.prompt_tokens, m_tok)

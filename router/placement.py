@@ -233,10 +233,8 @@ class Placer:
                 return next((w for w in near if w.worker_id == wid), None)
 
             order = self._score(ranked, matches, shared, kv, choose)
-            w = order[0]
-            if kv.pending_s > 0:
-                kv.index.add_pending(w.worker_id, scope.prefix_hashes(w.block_size or DEFAULT_BLOCK_SIZE),
-                                     kv.pending_s)
+            w = order[0]  # pending here before the lock goes (kv.ties exists only with kv_pending_s > 0)
+            kv.index.add_pending(w.worker_id, scope.prefix_hashes(w.block_size or DEFAULT_BLOCK_SIZE), kv.pending_s)
             return order
 
     def _matches(self, scope: RequestScope, ranked: list[WorkerInfo]) -> tuple[str, dict[str, int], dict[str, int]]:
