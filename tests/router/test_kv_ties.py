@@ -99,7 +99,11 @@ def test_redis_away_draws_locally_and_counts_it():
     ties = ColdTies(f"redis://127.0.0.1:{port}/0", "gone", window_s=1.0, metrics=lambda: metrics, backoff_s=60.0)
     try:
         assert ties.choose(WORKERS) is None
-        assert ties.choose(WORKERS) is None  # within the backoff: not even tried
+        tried = []
+        script = ties._script
+        ties._script = lambda **kw: tried.append(kw) or script(**kw)
+        assert ties.choose(WORKERS) is None
+        assert tried == []  # within the backoff: Redis not even tried
         assert (ties.local, ties.shared) == (2, 0)
         assert _counter(metrics, "pdserve:kv_cold_ties", "result") == {"local": 2.0}
     finally:
