@@ -26,6 +26,7 @@ from router.admission import AdmissionQueue
 from router.clients import WorkerClients
 from router.config import RouterConfig
 from router.events import FlowError, FlowEvent
+from router.flow_pump import HANDOFF, Wait
 from router.kv_index import KVEventConsumer, KVIndex
 from router.model_info import load_model_view
 from router.output_streams import OutputStreams
@@ -123,8 +124,10 @@ class RouterCore:
             self.metrics.set_router_waiting(len(self.admission))
 
     def generate(self, vreq: ValidatedRequest, t0: float, time_remaining: Optional[float],
-                 on_cancel: Callable[[Callable[[], None]], Any]) -> Iterator[FlowEvent]:
-        """Run one validated request: its events, or FlowError (overload, placement, worker failures)."""
+                 on_cancel: Callable[[Callable[[], None]], Any], push: bool = False) -> Iterator[FlowEvent]:
+        """Run one validated request: its events, or FlowError (overload, placement, worker failures). ``push``:
+        the events come with the ``router.flow_pump`` markers, for a ``FlowPump`` to drive (beam search has none:
+        its steps run as plain sub-flows)."""
         if self.limits is None or self.draining:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, "router is not serving")
         with self._lock:
@@ -148,7 +151,7 @@ class RouterCore:
                 flow = BeamFlow(deps, vreq, t0, t0 + budget, self.admission.next_seq, self.limits.vocab_size,
                                 None if eos < 0 else eos)
             else:
-                flow = RequestFlow(deps, vreq, t0, t0 + budget, self.admission.next_seq())
+                flow = RequestFlow(deps, vreq, t0, t0 + budget, self.admission.next_seq(), push=push)
             on_cancel(flow.cancel)  # client cancel / deadline: stop the worker calls at once
             yield from self._counted(flow, vreq, t0)
         finally:
@@ -163,6 +166,9 @@ class RouterCore:
         per_choice: dict[int, int] = {}
         try:
             for ev in flow.run():
+                if ev is HANDOFF or type(ev) is Wait:  # a pushed flow's markers, for its pump
+                    yield ev
+                    continue
                 n_out += len(ev.token_ids)
                 per_choice[ev.index] = per_choice.get(ev.index, 0) + len(ev.token_ids)
                 if ev.finish_reason:

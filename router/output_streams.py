@@ -41,15 +41,40 @@ LAST_CHUNK_GRACE_S = 10.0
 """After a request's call ended OK, how long its last chunk may take to arrive on the stream."""
 
 _CALL_OK = object()  # the request's call ended OK (its last chunk is on the stream, maybe still in flight)
+NOT_PLAIN = object()
+"""``StreamedCall.poll``: the next item is not a plain chunk (a status, an error, the last chunk): call ``next``."""
 
 
 class _Sink:
-    """One request's chunks (RequestOutput messages), its call's failure, or ``_CALL_OK``."""
+    """One request's chunks (RequestOutput messages), its call's failure, or ``_CALL_OK``; and, for a flow driven
+    by pushes (``router.flow_pump``), the callback to run when the next item comes instead of a thread waiting."""
 
-    __slots__ = ("q",)
+    __slots__ = ("q", "_lock", "_waiter", "held")
 
     def __init__(self) -> None:
         self.q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiter: Optional[Callable[[bool], None]] = None
+        self.held: Any = None
+        """An item ``poll`` took but did not return (not a plain chunk): ``__next__`` returns it first."""
+
+    def put(self, item: Any, plain: bool = False) -> None:
+        """Queue ``item``; a registered waiter runs now, in this thread, told whether ``item`` is a ``plain``
+        chunk (put by the stream's reader: the flow may process it right here) or not (a status: elsewhere)."""
+        self.q.put(item)
+        with self._lock:  # a waiter set after the put saw an empty queue would be lost without the lock
+            w, self._waiter = self._waiter, None
+        if w is not None:
+            w(plain)
+
+    def wait(self, waiter: Callable[[bool], None]) -> bool:
+        """Run ``waiter(plain)`` when the next item comes: True; False (and ``waiter`` not kept) when an item is
+        already queued."""
+        with self._lock:
+            if self.held is not None or not self.q.empty():
+                return False
+            self._waiter = waiter
+            return True
 
 
 class WorkerStream:
@@ -115,8 +140,8 @@ class WorkerStream:
                         if o.last:
                             del sinks[o.request_id]
                         ready.append((sink, o))
-                for sink, o in ready:  # each put may switch to its handler thread: not under the lock
-                    sink.q.put(o)
+                for sink, o in ready:  # each put may switch to its handler thread (or run its flow): not under the lock
+                    sink.put(o, not (o.error_code or o.last))
             err = StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"output stream from {self.address} ended")
         except grpc.RpcError as e:
             err = e
@@ -135,7 +160,7 @@ class WorkerStream:
         lost = StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"output stream from {self.address} broke: "
                                                            f"{_details(err)}")
         for sink in sinks.values():
-            sink.q.put(lost)
+            sink.put(lost)
 
 
 def _details(e: Any) -> str:
@@ -161,10 +186,29 @@ class StreamedCall:
 
     def _on_done(self, call: Any) -> None:
         code = call.code()
-        self._sink.q.put(_CALL_OK if code == grpc.StatusCode.OK else call)
+        self._sink.put(_CALL_OK if code == grpc.StatusCode.OK else call)
 
     def __iter__(self) -> "StreamedCall":
         return self
+
+    def poll(self) -> Any:
+        """The next chunk if one is queued and plain (no status, no error): ``None`` when nothing is queued,
+        ``NOT_PLAIN`` when the next item needs ``__next__`` (which may block or raise); never blocks."""
+        sink = self._sink
+        if self._ended or sink.held is not None:
+            return NOT_PLAIN
+        try:
+            item = sink.q.get_nowait()
+        except queue.Empty:
+            return None
+        if item is _CALL_OK or isinstance(item, grpc.RpcError) or item.error_code or item.last:
+            sink.held = item
+            return NOT_PLAIN
+        return item.chunk
+
+    def wait(self, waiter: Callable[[bool], None]) -> bool:
+        """``waiter(plain)`` runs when the next item comes (True), or an item is already here (False)."""
+        return self._sink.wait(waiter)
 
     def __next__(self) -> worker_pb2.DecodeChunk:
         if self._ended:
@@ -172,7 +216,11 @@ class StreamedCall:
         timeout: Optional[float] = None
         while True:
             try:
-                item = self._sink.q.get(timeout=timeout)
+                item = self._sink.held
+                if item is not None:
+                    self._sink.held = None
+                else:
+                    item = self._sink.q.get(timeout=timeout)
             except queue.Empty:
                 self._end()
                 raise StatusRpcError(grpc.StatusCode.UNAVAILABLE,
@@ -201,7 +249,7 @@ class StreamedCall:
         then its cancel wakes nobody)."""
         self._end()
         self._call.cancel()
-        self._sink.q.put(StatusRpcError(grpc.StatusCode.CANCELLED, f"request {self._rid} cancelled"))
+        self._sink.put(StatusRpcError(grpc.StatusCode.CANCELLED, f"request {self._rid} cancelled"))
 
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}

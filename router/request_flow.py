@@ -37,6 +37,8 @@ from proto import worker_pb2
 from router.attempt import Attempt
 from router.config import RouterConfig
 from router.events import FlowError, FlowEvent, Timings, Usage
+from router.flow_pump import HANDOFF, Wait
+from router.output_streams import NOT_PLAIN
 from router.placement import Hold, Placement, Placer, Recovery, Route, recovery
 from router.scope import RequestScope
 from router.transfer_watch import TransferWatch
@@ -62,10 +64,12 @@ class RequestFlow:
     """Drives one request (see module docstring)."""
 
     def __init__(self, deps: FlowDeps, vreq: ValidatedRequest, t0: float, deadline: float, seq: int = 0,
-                 route: Optional[Route] = None) -> None:
+                 route: Optional[Route] = None, push: bool = False) -> None:
         """``route``: run it this way (``Route.DECODE``, ``Route.COLOCATED``: whole on a worker of that pool) instead
-        of the placer's choice (a beam search step runs whole where its history is cached)."""
+        of the placer's choice (a beam search step runs whole where its history is cached). ``push``: ``run``
+        also yields the ``router.flow_pump`` markers (``Wait``, ``HANDOFF``) for a ``FlowPump`` to drive it."""
         self.deps = deps
+        self.push = push
         self._route = None if route is None else Route(route)
         self.scope = RequestScope(vreq, t0, deadline, seq)
         self.rid = vreq.request_id
@@ -300,22 +304,45 @@ class RequestFlow:
                                                   f"without a finish reason")
 
     def _consume(self, stream: Any, at: Attempt, on_done: Optional[Callable[[], None]] = None,
-                 first_chunk: Optional[Callable[[Any], None]] = None) -> Generator[FlowEvent, None, bool]:
+                 first_chunk: Optional[Callable[[Any], None]] = None) -> Generator[Any, None, bool]:
         """A worker's chunks as events until every choice finished (True), or the stream ended first (False).
         A stop string ends its choice: the last open one ends the request (the attempt is aborted: its calls
         cancelled, its workers drop the request); another only has that choice aborted on the worker, and the
-        rest go on."""
-        for chunk in stream:
+        rest go on. Pushed (``push``, a stream that can ``poll``): yields ``Wait`` when no chunk is queued and
+        ``HANDOFF`` before anything that may block (``router.flow_pump``), so a stream's reader thread may run
+        it between two chunks."""
+        push = self.push and hasattr(stream, "poll")
+        it = iter(stream)
+        while True:
+            if push:
+                chunk = stream.poll()
+                if chunk is None:
+                    yield Wait(stream)
+                    continue
+                if chunk is NOT_PLAIN:  # a status, an error or the last chunk: may block, may end the stream
+                    yield HANDOFF
+                    chunk = next(it, None)
+            else:
+                chunk = next(it, None)
+            if chunk is None:
+                return False
             if first_chunk is not None:
                 first_chunk(chunk)
             if not chunk.token_ids and not chunk.finish_reason:
                 continue  # the "KV arrived, decoding" marker
             i = chunk.index
             was = 0 <= i < len(self.procs) and self.procs[i].finished
-            ev = self._emit(i, chunk.token_ids, chunk.logprobs, chunk.finish_reason,
-                            wire_prompt_logprobs=chunk.prompt_logprobs)
+            try:
+                ev = self._emit(i, chunk.token_ids, chunk.logprobs, chunk.finish_reason,
+                                wire_prompt_logprobs=chunk.prompt_logprobs)
+            except Exception:
+                if push:
+                    yield HANDOFF  # the flow's end aborts its workers: not on a stream's reader
+                raise
             stopped_here = self.procs[i].finished and not was and not chunk.finish_reason
             if self.done():
+                if push:
+                    yield HANDOFF
                 if on_done is not None:
                     on_done()
                 if stopped_here:  # stopped by a stop string: the worker would go on
@@ -324,10 +351,11 @@ class RequestFlow:
                     yield ev
                 return True
             if stopped_here:
+                if push:
+                    yield HANDOFF
                 at.abort_choice(i)
             if ev is not None:
                 yield ev
-        return False
 
     # ---- whole requests on one worker: colocated mode, local prefill, migration -------------------------
     def _run_whole(self, route: Route, excluded: set[str], attempts: int) -> Iterator[FlowEvent]:

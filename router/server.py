@@ -1,22 +1,30 @@
 """The router's gRPC front end: the public ``pdserve.v1.PDServe`` service in front of the worker pools.
 
-Lifecycle: ``RouterServer(cfg, workers)`` -> ``start()`` = ``bind()`` (port 0 = free; health
-NOT_SERVING, reflection) + ``load()`` (the ``RouterCore`` reads the tokenizer and limits, no
-weights; metrics endpoint; the OpenAI-compatible HTTP API when ``cfg.http_port`` is set;
-health SERVING; the stall watch (``router.stream_stall``) that cuts off a stream whose client stopped
-reading; with ``cfg.health_port`` a second, plaintext server offers only health, mirroring it,
-for probes that speak no TLS). Each ``Generate`` is validated
-(INVALID_ARGUMENT naming the field), then run by the core (admission, the request flow),
-whose front-end-neutral ``FlowEvent``s this servicer renders as ``GenerateResponse``s and
-whose ``FlowError`` becomes the call's status; a client cancel or deadline reaches the flow
-through the call's callback. ``drain()`` turns health NOT_SERVING, refuses new requests,
-waits for in-flight ones and stops; ``stop()`` ends serving at once.
+Lifecycle: ``RouterServer(cfg, workers)`` -> ``start()`` = ``bind()`` (an asyncio gRPC server on a loop thread of
+its own, ``transport.aio_serving``; port 0 = free; health NOT_SERVING, reflection) + ``load()`` (the
+``RouterCore`` reads the tokenizer and limits, no weights; metrics endpoint; the OpenAI-compatible HTTP API when
+``cfg.http_port`` is set; health SERVING; with ``cfg.health_port`` a second, plaintext server offers only health,
+mirroring it, for probes that speak no TLS). Each ``Generate`` is validated on the loop (INVALID_ARGUMENT naming
+the field; a text prompt is tokenized on the flow pool), admitted against its key's quota, then run by the core
+(admission, the request flow) under a ``FlowPump`` (``router.flow_pump``): the flow's blocking steps run on the
+flow pool (``cfg.max_rpc_threads`` threads), its streaming on the output streams' reader threads, and its
+front-end-neutral ``FlowEvent``s reach this handler through one ``LoopInbox``, which renders them as
+``GenerateResponse``s; its ``FlowError`` becomes the call's status. When the call ends early (client cancel,
+deadline, or a client that took no message for ``cfg.stream_stall_timeout_s``: ``router.stream_stall``) the
+flow's cancel runs, which frees the request on its workers. ``drain()`` turns health NOT_SERVING, refuses new
+requests, waits for in-flight ones and stops; ``stop()`` ends serving at once.
+
+Why asyncio (issue 31): gRPC's synchronous server woke three threads per streamed token and request; here the
+tokens of a whole engine step reach the client with one loop wakeup (docs/benchmarks.md, serving overhead).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
-from typing import Any, Callable, Iterator, NoReturn, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Awaitable, Callable, Optional
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -25,13 +33,14 @@ from proto import pdserve_pb2, pdserve_pb2_grpc
 from router.config import RouterConfig
 from router.core import RouterCore
 from router.events import FlowError, FlowEvent
+from router.flow_pump import END, FlowPump, LoopInbox
 from router.validation import ModelLimits, validate_generate
 from router.wire import logprobs_to_public
 from router.worker_source import Pool, WorkerList
 from router.quotas import Lease, QuotaBook, QuotaExceeded, max_output_tokens
-from router.stream_stall import StallWatch
+from transport.aio_serving import AioGrpcServing
 from transport.api_keys import bearer_token, key_source
-from transport.auth import BearerAuth
+from transport.auth import AioBearerAuth
 from transport.serving import GrpcServing
 from transport.tls import TlsFiles
 
@@ -71,9 +80,13 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         """The accepted API keys (a table, or a keys file re-read on change); None: the API is open."""
         self.quotas = QuotaBook(cfg.quota_routers, on_refuse=self._count_quota_rejection)
         """Each key name's share of its limits (``router.quotas``)."""
-        auth = BearerAuth(self.keys, "router") if self.keys is not None else None
+        auth = AioBearerAuth(self.keys, "router") if self.keys is not None else None
         tls = TlsFiles(cfg.ssl_certfile, cfg.ssl_keyfile, cfg.ssl_ca_certs) if cfg.ssl_certfile else None
-        self._serving = GrpcServing("router", cfg.host, cfg.port, cfg.max_rpc_threads, auth=auth, tls=tls)
+        self._serving = AioGrpcServing("router", cfg.host, cfg.port, auth=auth, tls=tls)
+        self._pool = ThreadPoolExecutor(max_workers=cfg.max_rpc_threads, thread_name_prefix="router-flow")
+        """Where flows run between their streaming stretches (``router.flow_pump``), and blocking handlers."""
+        self._inbox: Optional[LoopInbox] = None
+        """The flows' events to the serving loop (set at ``bind``)."""
         self.metrics_address = ""
         self._health_serving: Optional[GrpcServing] = None
         self.health_address = ""
@@ -81,8 +94,6 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         self._metrics_stop: Optional[Callable[[], None]] = None
         self.http: Optional[Any] = None
         """The OpenAI-compatible HTTP front end (``router.http_api.HttpApi``) when ``cfg.http_port`` is set."""
-        self.stalls = StallWatch(cfg.stream_stall_timeout_s, self._count_stall)
-        """Cuts off gRPC streams whose client stopped reading (``router.stream_stall``)."""
 
     @property
     def http_address(self) -> str:
@@ -130,6 +141,8 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
     def bind(self) -> str:
         """Start the gRPC server (health NOT_SERVING until ``load`` finishes)."""
         address = self._serving.start(self._register)
+        assert self._serving.loop is not None
+        self._inbox = LoopInbox(self._serving.loop)
         if self.cfg.health_port is not None:
             self._health_serving = GrpcServing("router-health", self.cfg.host, self.cfg.health_port, max_workers=4)
             self.health_address = self._health_serving.start(lambda server: [])
@@ -145,7 +158,6 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         self.core.load()
         if self.cfg.serve_metrics:
             self.metrics_address, self._metrics_stop = self.core.metrics.serve(host=self.cfg.host, port=0)
-        self.stalls.start()
         if self.cfg.http_port is not None:
             from router.http_api import HttpApi
 
@@ -158,34 +170,45 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             self._set_serving(True)
         log.info("router on %s (%s mode)", self.address, self.cfg.mode)
 
-    def _register(self, server: grpc.Server) -> list[str]:
+    def _register(self, server: grpc.aio.Server) -> list[str]:
         # The handlers take raw bytes and parse them themselves: a message grpc's own deserializer cannot
         # read (invalid UTF-8 in a string, a truncated message) would otherwise end as INTERNAL.
         P = pdserve_pb2
         handlers = {
             "Generate": grpc.unary_stream_rpc_method_handler(
-                self._parsed(self.Generate, P.GenerateRequest), response_serializer=P.GenerateResponse.SerializeToString),
+                self._parsed(self._generate, P.GenerateRequest), response_serializer=P.GenerateResponse.SerializeToString),
             "Tokenize": grpc.unary_unary_rpc_method_handler(
-                self._parsed(self.Tokenize, P.TokenizeRequest), response_serializer=P.TokenizeResponse.SerializeToString),
+                self._parsed(self._in_pool(self.Tokenize), P.TokenizeRequest),
+                response_serializer=P.TokenizeResponse.SerializeToString),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
-                self._parsed(self.GetModelInfo, P.GetModelInfoRequest),
+                self._parsed(self._in_pool(self.GetModelInfo), P.GetModelInfoRequest),
                 response_serializer=P.ModelInfo.SerializeToString),
         }
         name = P.DESCRIPTOR.services_by_name["PDServe"].full_name
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
         return [name]
 
-    def _parsed(self, method: Callable[[Any, grpc.ServicerContext], Any], msg_cls: Any) -> Callable:
-        def handler(raw: bytes, context: grpc.ServicerContext) -> Any:
+    def _parsed(self, method: Callable[[Any, Any], Awaitable[Any]], msg_cls: Any) -> Callable:
+        async def handler(raw: bytes, context: Any) -> Any:
             try:
-                request = msg_cls.FromString(raw)
-            except DecodeError as e:
-                self._error(context, grpc.StatusCode.INVALID_ARGUMENT,
-                            f"the request is not a valid {msg_cls.DESCRIPTOR.full_name} message (a string field "
-                            f"that is not UTF-8, or a truncated message): {e}")
-            return method(request, context)
+                try:
+                    request = msg_cls.FromString(raw)
+                except DecodeError as e:
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"the request is not a valid {msg_cls.DESCRIPTOR.full_name} message (a string field "
+                                 f"that is not UTF-8, or a truncated message): {e}") from None
+                return await method(request, context)
+            except _Abort as a:
+                self.core.count_error(a.code)
+                await context.abort(a.code, a.message)
 
         return handler
+
+    def _in_pool(self, method: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Awaitable[Any]]:
+        """A blocking handler (tokenizer, the worker view) run on the flow pool, off the event loop."""
+        async def run(request: Any, context: Any) -> Any:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, method, request, context)
+        return run
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """NOT_SERVING, refuse new requests, wait for in-flight ones, stop. True if all finished."""
@@ -201,8 +224,8 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
     def stop(self) -> None:
         if self.http is not None:
             self.http.stop()
-        self.stalls.stop()
         self._serving.stop(0.5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
         if self._health_serving is not None:
             self._health_serving.stop(0)
         self.core.close()
@@ -211,40 +234,68 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             self._metrics_stop = None
 
     # ---- public RPCs ----------------------------------------------------------------
-    def Generate(self, request: pdserve_pb2.GenerateRequest,
-                 context: grpc.ServicerContext) -> Iterator[pdserve_pb2.GenerateResponse]:
+    async def _generate(self, request: pdserve_pb2.GenerateRequest, context: Any) -> None:
+        """Validate, admit, then stream the flow's events as they come (see ``router.flow_pump``)."""
         t0 = time.monotonic()
-        core = self.core
+        core, loop = self.core, asyncio.get_running_loop()
         if core.limits is None or core.draining:
-            self._error(context, grpc.StatusCode.UNAVAILABLE, "router is not serving")
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "router is not serving")
         try:
-            vreq = validate_generate(request, core.limits, core.tokenize)
+            if request.prompt:  # the tokenizer: off the loop
+                vreq = await loop.run_in_executor(self._pool, validate_generate, request, core.limits, core.tokenize)
+            else:
+                vreq = validate_generate(request, core.limits, core.tokenize)
         except ValueError as e:
-            self._error(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         lease = self._admit(vreq, context)
         failure: Optional[FlowError] = None
         completion: Optional[int] = None
-        # A reset ends the stream even while gRPC waits on the client's flow-control window; it also runs the
-        # flow's cancel (registered below), which frees the request on the workers.
-        stall = self.stalls.watch(context.cancel)
+        cancels = _Cancels()
+        events: "asyncio.Queue[Any]" = asyncio.Queue()
+        inbox = self._inbox
+        assert inbox is not None
+        ended = False
         try:
-            for ev in core.generate(vreq, t0, context.time_remaining(), _on_termination(context)):
-                if ev.usage is not None:
-                    completion = (completion or 0) + ev.usage.completion_tokens
-                stall.sending()  # gRPC resumes this generator once the message is sent (the client took it)
-                yield render(ev)
-                stall.sent()
-        except FlowError as e:
-            failure = e
-        except Exception:  # a bug, not the client's fault: logged whole, answered without internals
-            log.exception("request %s: unexpected router error", vreq.request_id)
-            failure = FlowError(grpc.StatusCode.UNAVAILABLE, f"request {vreq.request_id}: the router failed "
-                                                             f"to serve it (logged); retry")
+            gen = core.generate(vreq, t0, context.time_remaining(), cancels.register, push=True)
+            FlowPump(gen, self._pool, lambda item: inbox.put(events, item)).start()
+            while True:
+                item = await events.get()
+                if item is END:
+                    ended = True
+                    break
+                if isinstance(item, BaseException):
+                    ended = True
+                    if isinstance(item, FlowError):
+                        failure = item
+                    else:  # a bug, not the client's fault: logged whole, answered without internals
+                        log.error("request %s: unexpected router error", vreq.request_id, exc_info=item)
+                        failure = FlowError(grpc.StatusCode.UNAVAILABLE, f"request {vreq.request_id}: the router "
+                                                                         f"failed to serve it (logged); retry")
+                    break
+                if item.usage is not None:
+                    completion = (completion or 0) + item.usage.completion_tokens
+                await self._send(context, render(item), vreq.request_id)
         finally:
-            stall.close()
+            if not ended:  # the client cancelled, the deadline passed, or the stream was cut: free the workers
+                cancels.fire()
             lease.release(completion)
         if failure is not None:
-            self._error(context, failure.code, failure.message)
+            raise _Abort(failure.code, failure.message)
+
+    async def _send(self, context: Any, msg: pdserve_pb2.GenerateResponse, rid: str) -> None:
+        """One message to the client; a client that has not taken one for ``stream_stall_timeout_s`` is cut off
+        (its stream reset: the client sees CANCELLED, its flow is cancelled) (``router.stream_stall``)."""
+        timeout = self.cfg.stream_stall_timeout_s
+        if timeout is None:
+            await context.write(msg)
+            return
+        try:
+            await asyncio.wait_for(context.write(msg), timeout)
+        except asyncio.TimeoutError:
+            log.warning("request %s: the client took no message for %.0f s; cutting its stream off", rid, timeout)
+            self._count_stall("grpc")
+            raise _Abort(grpc.StatusCode.CANCELLED, f"request {rid}: the client took no message for {timeout:.0f} s; "
+                                                    f"the stream was cut off") from None
 
     def _count_stall(self, api: str) -> None:
         if self.core.metrics is not None:
@@ -254,7 +305,7 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         if self.core.metrics is not None:
             self.core.metrics.inc_quota_rejection(name, limit)
 
-    def _admit(self, vreq: Any, context: grpc.ServicerContext) -> Lease:
+    def _admit(self, vreq: Any, context: Any) -> Lease:
         """The request's hold on its key's quota; RESOURCE_EXHAUSTED (with ``retry-after`` trailing metadata, in
         seconds) when the key is over one of its limits."""
         key = None
@@ -266,17 +317,12 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         except QuotaExceeded as e:
             if e.retry_after_header is not None:
                 context.set_trailing_metadata((("retry-after", e.retry_after_header),))
-            self._error(context, grpc.StatusCode.RESOURCE_EXHAUSTED, e.message)
-
-    def _error(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-        self.core.count_error(code)
-        context.abort(code, message)
-        raise AssertionError("unreachable: context.abort raises")
+            raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, e.message) from None
 
     def Tokenize(self, request: pdserve_pb2.TokenizeRequest, context: grpc.ServicerContext) -> pdserve_pb2.TokenizeResponse:
         tok = self.core.tokenizer
         if tok is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "text: this model has no tokenizer")
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "text: this model has no tokenizer")
         ids = tok.encode(request.text, add_special_tokens=request.add_special_tokens)
         toks = tok.convert_ids_to_tokens(ids)
         return pdserve_pb2.TokenizeResponse(token_ids=ids, tokens=[t or "" for t in toks])
@@ -284,7 +330,7 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
     def GetModelInfo(self, request: pdserve_pb2.GetModelInfoRequest, context: grpc.ServicerContext) -> pdserve_pb2.ModelInfo:
         lim = self.core.limits
         if lim is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "router is not serving")
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, "router is not serving")
         from engine import SamplingParams
 
         pools = (Pool.COLOCATED, Pool.COLOCATED) if self.cfg.mode == "colocated" else (Pool.PREFILL, Pool.DECODE)
@@ -298,11 +344,36 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             num_prefill_workers=n_p, num_decode_workers=n_d, mode=self.cfg.mode)
 
 
-def _on_termination(context: grpc.ServicerContext) -> Callable[[Callable[[], None]], None]:
-    """Register a flow's ``cancel`` to run when the RPC ends (client cancel, deadline, disconnect). A client may
-    cancel before the flow exists: ``add_callback`` then refuses (the RPC already ended) and the cancel runs at
-    once. Without that, a request that yields nothing until it is done (beam search) would run to its end."""
-    def register(cb: Callable[[], None]) -> None:
-        if not context.add_callback(cb):
+class _Abort(Exception):
+    """The status a public RPC ends with (counted in ``request_errors_total``)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class _Cancels:
+    """A flow's cancel, registered by its pump thread; ``fire`` (the RPC ended early) runs it once, at once if the
+    flow registers it later. Without that, a request that yields nothing until it is done (beam search) would
+    run to its end after a client cancel that came before its flow existed."""
+
+    __slots__ = ("_lock", "_cbs", "_fired")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cbs: list[Callable[[], None]] = []
+        self._fired = False
+
+    def register(self, cb: Callable[[], None]) -> None:
+        with self._lock:
+            if not self._fired:
+                self._cbs.append(cb)
+                return
+        cb()
+
+    def fire(self) -> None:
+        with self._lock:
+            self._fired = True
+            cbs, self._cbs = self._cbs, []
+        for cb in cbs:
             cb()
-    return register

@@ -78,3 +78,36 @@ class BearerAuth(grpc.ServerInterceptor):
             return None
         log.info("%s: refused %s (no valid credentials)", self._realm, method)
         return self._deny[(handler.request_streaming, handler.response_streaming)]
+
+
+def _aio_abort_handler(realm: str) -> Callable[[Any, Any], Any]:
+    async def deny(request: Any, context: Any) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            f"{realm}: missing or invalid credentials (send 'authorization: Bearer <key>' metadata)")
+    return deny
+
+
+class AioBearerAuth(grpc.aio.ServerInterceptor):
+    """``BearerAuth`` for an asyncio server (``transport.aio_serving``): the same keys, realm and open services."""
+
+    def __init__(self, keys: Union[Iterable[str], KeySource], realm: str,
+                 open_services: Iterable[str] = OPEN_SERVICES) -> None:
+        self._check = BearerAuth(keys, realm, open_services)
+        deny = _aio_abort_handler(realm)
+        self._deny = {
+            (False, False): grpc.unary_unary_rpc_method_handler(deny),
+            (False, True): grpc.unary_stream_rpc_method_handler(deny),
+            (True, False): grpc.stream_unary_rpc_method_handler(deny),
+            (True, True): grpc.stream_stream_rpc_method_handler(deny),
+        }
+
+    async def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
+        method = handler_call_details.method or ""
+        chk = self._check
+        if method.startswith(chk._open) or chk._allowed(handler_call_details.invocation_metadata):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
+            return None
+        log.info("%s: refused %s (no valid credentials)", chk._realm, method)
+        return self._deny[(handler.request_streaming, handler.response_streaming)]

@@ -10,6 +10,7 @@ field), cancellation and its cleanup (every worker idle with all blocks free aft
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import httpx
@@ -145,40 +146,24 @@ def test_cancel_stops_the_search_and_frees_everything(roles):
     assert d_eng.prefix_cache_queries - start_queries < 400 * (len(TOKEN_PROMPT) + 200)
 
 
-class _EndedContext:
-    """A servicer context whose RPC already ended (the client cancelled before the flow was built): grpc's
-    ``add_callback`` then refuses the callback, as its documentation says."""
-
-    def __init__(self) -> None:
-        self.aborted: list = []
-
-    def add_callback(self, cb) -> bool:
-        return False
-
-    def time_remaining(self):
-        return None
-
-    def is_active(self) -> bool:
-        return False
-
-    def cancel(self) -> None:  # the stall watch's cut-off (never reached: the RPC already ended)
-        pass
-
-    def abort(self, code, details):
-        self.aborted.append((code, details))
-        raise grpc.RpcError(details)
-
-
 def test_a_cancel_before_the_flow_exists_still_stops_it(roles):
     """The race behind a CI failure: the client cancels between the router taking the call and registering the
-    flow's cancel. The flow must be cancelled at once, not run its 1600 sub-requests to the end."""
-    ctx = _EndedContext()
+    flow's cancel. The gRPC front end's ``_Cancels`` then runs the flow's cancel as it registers: the flow must
+    be cancelled at once, not run its 1600 sub-requests to the end."""
+    from router.events import FlowError
+    from router.server import _Cancels
+    from router.validation import validate_generate
+
+    core = roles.router.core
+    cancels = _Cancels()
+    cancels.fire()  # the RPC ended before the flow existed
     d_eng = roles.decodes[0].engine
     before = d_eng.prefix_cache_queries
     req = pdserve_pb2.GenerateRequest(token_ids=TOKEN_PROMPT, beam_width=8, max_tokens=200, ignore_eos=True)
-    with pytest.raises(grpc.RpcError):
-        list(roles.router.Generate(req, ctx))
-    assert [c for c, _ in ctx.aborted] == [grpc.StatusCode.CANCELLED]
+    vreq = validate_generate(req, core.limits, core.tokenize)
+    with pytest.raises(FlowError) as err:
+        list(core.generate(vreq, time.monotonic(), None, cancels.register, push=True))
+    assert err.value.code == grpc.StatusCode.CANCELLED, err.value
     assert d_eng.prefix_cache_queries == before  # no beam reached a decode worker
     assert roles.wait_idle(10.0)
 

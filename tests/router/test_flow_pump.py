@@ -1,0 +1,215 @@
+"""The flow pump (router/flow_pump.py) and the output stream sinks' waiters it relies on.
+
+Unit tests of the two layers with plain Python producers; the cluster tests (tests/roles, tests/e2e) drive the
+real thing through gRPC clients, and ``test_pushed_flows_stream_on_the_reader_thread`` below checks that the
+router's streaming really runs on the output streams' reader threads."""
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from router.flow_pump import END, HANDOFF, FlowPump, LoopInbox, Wait
+from router.output_streams import _Sink
+from transport.errors import StatusRpcError
+
+
+class _Stream:
+    """A stream a flow waits on: a real ``_Sink`` and the putting side."""
+
+    def __init__(self) -> None:
+        self.sink = _Sink()
+
+    def wait(self, waiter) -> bool:
+        return self.sink.wait(waiter)
+
+    def take(self):
+        return self.sink.q.get_nowait()
+
+
+def _flow(stream: _Stream, n: int, threads: list, blocking_at_end: bool = True):
+    """A pushed flow: n chunks, each processed where it is resumed; HANDOFF before its (blocking) end."""
+    got = 0
+    while got < n:
+        if stream.sink.q.empty():
+            yield Wait(stream)
+            continue
+        item = stream.take()
+        if isinstance(item, grpc.RpcError):
+            yield HANDOFF
+            threads.append(("error", threading.current_thread().name))
+            raise item
+        threads.append((item, threading.current_thread().name))
+        got += 1
+        yield f"ev{item}"
+    if blocking_at_end:
+        yield HANDOFF
+    threads.append(("end", threading.current_thread().name))
+
+
+def _run_pump(gen, pool):
+    out, done = [], threading.Event()
+
+    def emit(item):
+        out.append(item)
+        if item is END or isinstance(item, BaseException):
+            done.set()
+
+    FlowPump(gen, pool, emit).start()
+    return out, done
+
+
+def test_plain_items_resume_the_flow_on_the_putting_thread_and_handoff_moves_it_to_the_pool():
+    stream, threads = _Stream(), []
+    with ThreadPoolExecutor(2, thread_name_prefix="pool") as pool:
+        out, done = _run_pump(_flow(stream, 3, threads), pool)
+        for i in range(3):
+            def reader(i=i):
+                stream.sink.put(i, plain=True)
+            t = threading.Thread(target=reader, name=f"reader-{i}")
+            t.start()
+            t.join()
+        assert done.wait(5)
+    assert out == ["ev0", "ev1", "ev2", END]
+    # the chunks were processed by the threads that put them (each put after the flow waited, or found queued)
+    names = dict(threads)
+    assert all(names[i].startswith(("reader-", "pool")) for i in range(3))
+    assert sum(names[i].startswith("reader-") for i in range(3)) >= 2, threads
+    assert names["end"].startswith("pool"), threads  # the blocking end never runs on a reader
+
+
+def test_a_status_item_resumes_the_flow_on_the_pool_and_its_failure_is_emitted():
+    stream, threads = _Stream(), []
+    with ThreadPoolExecutor(2, thread_name_prefix="pool") as pool:
+        out, done = _run_pump(_flow(stream, 5, threads), pool)
+        started = threading.Event()
+        stream.sink.put(0, plain=True)
+        err = StatusRpcError(grpc.StatusCode.UNAVAILABLE, "stream broke")
+        t = threading.Thread(target=lambda: (started.set(), stream.sink.put(err)), name="reader-x")
+        t.start()
+        t.join()
+        assert done.wait(5)
+    assert out[-1] is err and out[0] == "ev0"
+    assert dict(threads)["error"].startswith("pool"), threads
+
+
+def test_a_waiter_is_never_lost_and_never_runs_twice():
+    """Puts racing the flow's Wait: every item is processed exactly once, in order, by one thread at a time. The
+    producer puts the next item as soon as the last one's event is out, while the flow goes back to waiting: a
+    lost wakeup stops the flow for good."""
+    stream, threads = _Stream(), []
+    n = 3000
+    running = threading.Lock()
+    overlaps = []
+    emitted = threading.Semaphore(0)
+
+    def flow():
+        for ev in _flow(stream, n, threads, blocking_at_end=False):
+            if not running.acquire(blocking=False):
+                overlaps.append(ev)
+            else:
+                running.release()
+            yield ev
+
+    with ThreadPoolExecutor(4, thread_name_prefix="pool") as pool:
+        out = []
+        done = threading.Event()
+
+        def emit(item):
+            out.append(item)
+            emitted.release()
+            if item is END:
+                done.set()
+
+        FlowPump(flow(), pool, emit).start()
+        for i in range(n):
+            stream.sink.put(i, plain=(i % 7 != 0))
+            assert emitted.acquire(timeout=5), f"item {i} was never processed: a wakeup was lost"
+        assert done.wait(5)
+    assert out[-1] is END and out[:-1] == [f"ev{i}" for i in range(n)]
+    assert not overlaps
+
+
+def test_the_sink_refuses_a_waiter_when_an_item_is_queued_and_runs_a_kept_one_once():
+    sink = _Sink()
+    calls = []
+    assert sink.wait(calls.append) is True
+    sink.put("a", plain=True)
+    sink.put("b", plain=False)  # the waiter was used up by "a"
+    assert calls == [True]
+    assert sink.wait(calls.append) is False  # items queued: go on at once
+    sink.held = sink.q.get_nowait()
+    sink.q.get_nowait()
+    assert sink.wait(calls.append) is False  # an item held back by poll counts as queued
+
+
+def test_loop_inbox_wakes_the_loop_once_per_burst_and_keeps_order():
+    loop = asyncio.new_event_loop()
+    drains = []
+    try:
+        class Counted(LoopInbox):
+            def _drain(self) -> None:
+                drains.append(1)
+                super()._drain()
+
+        inbox = Counted(loop)
+        q: asyncio.Queue = asyncio.Queue()
+        for i in range(100):  # the loop is not running: one burst
+            inbox.put(q, i)
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert len(drains) == 1
+        assert [q.get_nowait() for _ in range(100)] == list(range(100))
+        inbox.put(q, "next")  # a new burst after the drain schedules a new one
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert len(drains) == 2 and q.get_nowait() == "next"
+    finally:
+        loop.close()
+    inbox.put(q, "late")  # a closed loop: dropped, no error
+
+
+def test_pushed_flows_stream_on_the_reader_thread():
+    """Through a real router and colocated worker with output streams: the flows' chunks are processed on the
+    output stream's reader thread, and each request costs the flow pool a few tasks, not one per token."""
+    from tests.roles.harness import start_colocated
+
+    roles = start_colocated(n=1, tag="pump-")
+    try:
+        router = roles.router
+        submitted = []
+        pool = router._pool
+        orig_submit = pool.submit
+
+        def counting_submit(fn, *a, **k):
+            submitted.append(1)
+            return orig_submit(fn, *a, **k)
+
+        pool.submit = counting_submit  # type: ignore[method-assign]
+        seen_threads = []
+        from router import request_flow
+
+        orig_emit = request_flow.RequestFlow._emit
+
+        def recording_emit(self, *a, **k):
+            seen_threads.append(threading.current_thread().name)
+            return orig_emit(self, *a, **k)
+
+        request_flow.RequestFlow._emit = recording_emit  # type: ignore[method-assign]
+        try:
+            from proto import pdserve_pb2
+
+            calls = [roles.stub.Generate(pdserve_pb2.GenerateRequest(token_ids=[5, 6, 7], max_tokens=48,
+                                                                     ignore_eos=True), timeout=120)
+                     for _ in range(4)]
+            got = [sum(len(r.token_ids) for r in c) for c in calls]
+        finally:
+            request_flow.RequestFlow._emit = orig_emit  # type: ignore[method-assign]
+            pool.submit = orig_submit  # type: ignore[method-assign]
+        assert got == [48] * 4
+        on_reader = sum(n.startswith("out-stream-") for n in seen_threads)
+        assert on_reader >= 0.7 * len(seen_threads), seen_threads
+        assert len(submitted) <= 4 * 12, len(submitted)  # 4 requests x 48 tokens would be 192 with a task each
+    finally:
+        roles.close()
