@@ -111,8 +111,20 @@ class AioGrpcServing:
         self.loop = self._thread = None
         if loop is None:
             return
+        try:  # the role's own tasks (a watch loop, a handler still finishing) end before their loop does
+            asyncio.run_coroutine_threadsafe(_cancel_tasks(), loop).result(10.0)
+        except Exception:
+            log.debug("%s: cancelling the loop's tasks", self.name, exc_info=True)
         loop.call_soon_threadsafe(loop.stop)
         if thread is not None:
             thread.join(10.0)
         if not loop.is_running():
             loop.close()
+
+
+async def _cancel_tasks() -> None:
+    me = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not me]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
