@@ -29,8 +29,8 @@ class RouterConfig:
     """"disaggregated" (prefill pool + decode pool) or "colocated" (one pool does both)."""
     max_num_requests: int = 192
     """Requests the router holds at once (in progress + waiting for decode KV capacity); more get
-    RESOURCE_EXHAUSTED at once. Below ``max_rpc_threads``, so the bound fires before gRPC runs out of
-    handler threads (each streaming call holds one)."""
+    RESOURCE_EXHAUSTED at once. Below ``max_rpc_threads``, so the bound fires before the flow pool runs out of
+    threads (a request waiting for KV capacity, placement or its prefill holds one)."""
     queue_timeout_s: float = 300.0
     """Longest a request waits in the router queue for decode KV capacity before RESOURCE_EXHAUSTED."""
     max_new_tokens: Optional[int] = None
@@ -98,7 +98,8 @@ class RouterConfig:
     max_attempts: int = 2
     """Worker pairs tried for one request; retries happen only before any token reached the client."""
     max_rpc_threads: int = 256
-    """gRPC handler threads (each streaming request holds one)."""
+    """Threads of the flow pool: a request holds one while it waits on something that blocks (the admission
+    queue, a placement, its prefill, a migration); its token streaming holds none (``router.flow_pump``)."""
     worker_view_refresh_s: float = 0.25
     """How often the router re-reads the worker registry in the background (requests never wait on it)."""
     serve_metrics: bool = True
