@@ -204,8 +204,14 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
                                  f"that is not UTF-8, or a truncated message): {e}") from None
                 return await method(request, context)
             except _Abort as a:
-                self.core.count_error(a.code)
-                await context.abort(a.code, a.message)
+                code, message = a.code, a.message
+            except grpc.aio.AbortError:
+                raise
+            except Exception:  # a bug, not the client's fault: logged whole, answered without internals
+                log.exception("%s: unexpected router error", msg_cls.DESCRIPTOR.name)
+                code, message = grpc.StatusCode.UNAVAILABLE, "the router failed to serve the call (logged); retry"
+            self.core.count_error(code)
+            await context.abort(code, message)
 
         return handler
 

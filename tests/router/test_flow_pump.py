@@ -213,3 +213,28 @@ def test_pushed_flows_stream_on_the_reader_thread():
         assert len(submitted) <= 4 * 12, len(submitted)  # 4 requests x 48 tokens would be 192 with a task each
     finally:
         roles.close()
+
+
+def test_a_router_bug_reaches_the_client_as_unavailable_not_unknown(monkeypatch):
+    """A bug in the front end's own code (here: rendering an event) is logged and answered UNAVAILABLE with a
+    plain message; the router keeps serving."""
+    from proto import pdserve_pb2
+    from router import server as router_server
+    from tests.roles.harness import start_colocated
+
+    roles = start_colocated(n=1, tag="bug-")
+    try:
+        def broken(ev):
+            raise RuntimeError("render bug")
+
+        monkeypatch.setattr(router_server, "render", broken)
+        with pytest.raises(grpc.RpcError) as err:
+            list(roles.stub.Generate(pdserve_pb2.GenerateRequest(token_ids=[5, 6], max_tokens=4), timeout=60))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        assert "render bug" not in err.value.details()
+        monkeypatch.undo()
+        got = list(roles.stub.Generate(pdserve_pb2.GenerateRequest(token_ids=[5, 6], max_tokens=4), timeout=60))
+        assert sum(len(r.token_ids) for r in got) == 4
+        assert roles.wait_idle(10.0)
+    finally:
+        roles.close()
