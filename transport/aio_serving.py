@@ -21,10 +21,10 @@ import threading
 from typing import Any, Callable, Optional, Union
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
 from transport.ports import check_port
+from transport.serving import add_health_reflection_and_bind
 from transport.tls import TlsFiles, server_credentials
 
 log = logging.getLogger(__name__)
@@ -66,15 +66,8 @@ class AioGrpcServing:
                                  options=[("grpc.so_reuseport", 0)])
         self._service_names = list(register(server))
         self._health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            [*self._service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME], server)
-        where = f"{self.host}:{self._port}"
-        port = (server.add_secure_port(where, self._credentials) if self._credentials is not None
-                else server.add_insecure_port(where))
-        if port == 0:
-            raise RuntimeError(f"{self.name}: could not bind {self.host}:{self._port}")
+        port = add_health_reflection_and_bind(server, self._health, self._service_names, self.name, self.host,
+                                              self._port, self._credentials)
         await self._set(False)
         await server.start()
         self._server = server

@@ -24,6 +24,21 @@ from transport.tls import TlsFiles, server_credentials
 log = logging.getLogger(__name__)
 
 
+def add_health_reflection_and_bind(server: object, health_servicer: object, service_names: list[str], name: str,
+                                   host: str, port: int, credentials: Optional[grpc.ServerCredentials]) -> int:
+    """Add health and reflection to a sync or asyncio ``server`` and bind ``host:port`` (TLS with
+    ``credentials``); the bound port (RuntimeError if none)."""
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server)
+    where = f"{host}:{port}"
+    bound = (server.add_secure_port(where, credentials) if credentials is not None  # type: ignore[attr-defined]
+             else server.add_insecure_port(where))  # type: ignore[attr-defined]
+    if bound == 0:
+        raise RuntimeError(f"{name}: could not bind {host}:{port}")
+    return bound
+
+
 class GrpcServing:
     """One gRPC server with health and reflection, owned by one role instance."""
 
@@ -56,15 +71,8 @@ class GrpcServing:
                              interceptors=[self._auth] if self._auth is not None else None,
                              options=[("grpc.so_reuseport", 0)])
         self._service_names = list(register(server))
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            [*self._service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME], server)
-        where = f"{self.host}:{self._port}"
-        port = (server.add_secure_port(where, self._credentials) if self._credentials is not None
-                else server.add_insecure_port(where))
-        if port == 0:
-            raise RuntimeError(f"{self.name}: could not bind {self.host}:{self._port}")
+        port = add_health_reflection_and_bind(server, self._health, self._service_names, self.name, self.host,
+                                              self._port, self._credentials)
         self.set_serving(False)
         server.start()
         self._server = server
