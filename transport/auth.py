@@ -35,11 +35,18 @@ def bearer_metadata(key: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
 
 
-def _abort_handler(realm: str) -> Callable[[Any, grpc.ServicerContext], Any]:
-    def deny(request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                      f"{realm}: missing or invalid credentials (send 'authorization: Bearer <key>' metadata)")
-    return deny
+def _refusal(realm: str) -> str:
+    return f"{realm}: missing or invalid credentials (send 'authorization: Bearer <key>' metadata)"
+
+
+def _deny_table(deny: Callable[[Any, Any], Any]) -> dict[tuple[bool, bool], Any]:
+    """One refusing handler per (request streaming, response streaming) shape."""
+    return {
+        (False, False): grpc.unary_unary_rpc_method_handler(deny),
+        (False, True): grpc.unary_stream_rpc_method_handler(deny),
+        (True, False): grpc.stream_unary_rpc_method_handler(deny),
+        (True, True): grpc.stream_stream_rpc_method_handler(deny),
+    }
 
 
 class BearerAuth(grpc.ServerInterceptor):
@@ -53,38 +60,35 @@ class BearerAuth(grpc.ServerInterceptor):
             raise ValueError(f"{realm}: BearerAuth needs at least one non-empty key")
         self._open = tuple(f"/{s}/" for s in open_services)
         self._realm = realm
-        deny = _abort_handler(realm)
-        self._deny = {
-            (False, False): grpc.unary_unary_rpc_method_handler(deny),
-            (False, True): grpc.unary_stream_rpc_method_handler(deny),
-            (True, False): grpc.stream_unary_rpc_method_handler(deny),
-            (True, True): grpc.stream_stream_rpc_method_handler(deny),
-        }
 
-    def _allowed(self, metadata: Optional[Iterable[tuple[str, Any]]]) -> bool:
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, _refusal(realm))
+
+        self._deny = _deny_table(deny)
+
+    def permits(self, handler_call_details: Any) -> bool:
+        """Whether the call may go on: an open service, or a valid bearer key (every key compared, constant
+        time)."""
+        if (handler_call_details.method or "").startswith(self._open):
+            return True
         presented = b""
-        for k, v in metadata or ():
+        for k, v in handler_call_details.invocation_metadata or ():
             if k == "authorization":
                 presented = bearer_token(v)
                 break
-        return self._source.identify(presented) is not None  # every key compared (constant time)
+        return self._source.identify(presented) is not None
 
-    def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
-        method = handler_call_details.method or ""
-        if method.startswith(self._open) or self._allowed(handler_call_details.invocation_metadata):
-            return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
-        if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
+    def refuse(self, handler: Any, method: str, table: Optional[dict] = None) -> Any:
+        """The refusing handler for ``handler``'s shape (None: unknown method, gRPC answers UNIMPLEMENTED)."""
+        if handler is None:
             return None
         log.info("%s: refused %s (no valid credentials)", self._realm, method)
-        return self._deny[(handler.request_streaming, handler.response_streaming)]
+        return (table or self._deny)[(handler.request_streaming, handler.response_streaming)]
 
-
-def _aio_abort_handler(realm: str) -> Callable[[Any, Any], Any]:
-    async def deny(request: Any, context: Any) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                            f"{realm}: missing or invalid credentials (send 'authorization: Bearer <key>' metadata)")
-    return deny
+    def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
+        if self.permits(handler_call_details):
+            return continuation(handler_call_details)
+        return self.refuse(continuation(handler_call_details), handler_call_details.method or "")
 
 
 class AioBearerAuth(grpc.aio.ServerInterceptor):
@@ -93,21 +97,14 @@ class AioBearerAuth(grpc.aio.ServerInterceptor):
     def __init__(self, keys: Union[Iterable[str], KeySource], realm: str,
                  open_services: Iterable[str] = OPEN_SERVICES) -> None:
         self._check = BearerAuth(keys, realm, open_services)
-        deny = _aio_abort_handler(realm)
-        self._deny = {
-            (False, False): grpc.unary_unary_rpc_method_handler(deny),
-            (False, True): grpc.unary_stream_rpc_method_handler(deny),
-            (True, False): grpc.stream_unary_rpc_method_handler(deny),
-            (True, True): grpc.stream_stream_rpc_method_handler(deny),
-        }
+
+        async def deny(request: Any, context: Any) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, _refusal(realm))
+
+        self._deny = _deny_table(deny)
 
     async def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
-        method = handler_call_details.method or ""
-        chk = self._check
-        if method.startswith(chk._open) or chk._allowed(handler_call_details.invocation_metadata):
+        if self._check.permits(handler_call_details):
             return await continuation(handler_call_details)
-        handler = await continuation(handler_call_details)
-        if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
-            return None
-        log.info("%s: refused %s (no valid credentials)", chk._realm, method)
-        return self._deny[(handler.request_streaming, handler.response_streaming)]
+        return self._check.refuse(await continuation(handler_call_details), handler_call_details.method or "",
+                                  self._deny)
