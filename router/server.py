@@ -14,8 +14,10 @@ deadline, or a client that took no message for ``cfg.stream_stall_timeout_s``: `
 flow's cancel runs, which frees the request on its workers. ``drain()`` turns health NOT_SERVING, refuses new
 requests, waits for in-flight ones and stops; ``stop()`` ends serving at once.
 
-Why asyncio (issue 31): gRPC's synchronous server woke three threads per streamed token and request; here the
-tokens of a whole engine step reach the client with one loop wakeup (docs/benchmarks.md, serving overhead).
+Why asyncio (issue 31): gRPC's synchronous server held a thread per open stream and woke three threads per
+streamed token and request; here no thread is held while a request streams and the events of a whole engine step
+reach the loop in one wakeup. Measured: less router CPU and faster decoding at 32 to 128 streams, no change at
+one (docs/benchmarks.md, "The asyncio front end").
 """
 from __future__ import annotations
 

@@ -85,10 +85,9 @@ def test_a_status_item_resumes_the_flow_on_the_pool_and_its_failure_is_emitted()
     stream, threads = _Stream(), []
     with ThreadPoolExecutor(2, thread_name_prefix="pool") as pool:
         out, done = _run_pump(_flow(stream, 5, threads), pool)
-        started = threading.Event()
         stream.sink.put(0, plain=True)
         err = StatusRpcError(grpc.StatusCode.UNAVAILABLE, "stream broke")
-        t = threading.Thread(target=lambda: (started.set(), stream.sink.put(err)), name="reader-x")
+        t = threading.Thread(target=lambda: stream.sink.put(err), name="reader-x")
         t.start()
         t.join()
         assert done.wait(5)
