@@ -149,7 +149,7 @@ class RouterConfig:
             raise ValueError(f"max_num_requests must be >= 1, got {self.max_num_requests}")
         if self.max_num_requests >= self.max_rpc_threads:
             raise ValueError(f"max_num_requests must be < max_rpc_threads ({self.max_rpc_threads}) so overload is "
-                             f"answered before the RPC threads run out, got {self.max_num_requests}")
+                             f"answered before the flow pool's threads run out, got {self.max_num_requests}")
         if not self.pool_wait_s >= 0:
             raise ValueError(f"pool_wait_s must be >= 0, got {self.pool_wait_s}")
         if self.max_attempts < 1:
