@@ -1,4 +1,4 @@
-"""Disaggregated (1 prefill + 1 decode worker) vs colocated (2 workers) serving on a conversation trace.
+"""Disaggregated (P prefill + D decode workers, default 1+1) vs colocated (N workers, default 2) serving on a trace.
 
 Lifecycle: the script loads a slice of the Azure LLM conversation trace (read
 from ``../shared/traces``, never copied), scales its lengths to fit the model on
@@ -72,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="every worker's KV cache (int8: a quarter of float32's bytes per transferred token)")
     ap.add_argument("--quantization", choices=("int8", "int4", "w8a8", "w4a8"), default=None, help="every worker's weights")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, 8 requests, 2 rates")
+    ap.add_argument("--colocated-workers", type=int, default=2, help="workers of the colocated deployment")
+    ap.add_argument("--prefill-workers", type=int, default=1, help="prefill workers of the disaggregated deployment")
+    ap.add_argument("--decode-workers", type=int, default=1, help="decode workers of the disaggregated deployment")
+    ap.add_argument("--reserve-cores", type=int, default=0,
+                    help="leave this many of the usable cores (the lowest) to the router and the load generator; "
+                         "workers are pinned one per core on the next ones")
     return ap
 
 
@@ -92,9 +98,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ns.mode_list = [m for m in MODES if m in ns.modes.split(",")]
     if not ns.mode_list:
         raise SystemExit(f"--modes: expected some of {MODES}, got {ns.modes!r}")
+    for name in ("colocated_workers", "prefill_workers", "decode_workers"):
+        if getattr(ns, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
+    need = ns.reserve_cores + max(ns.colocated_workers, ns.prefill_workers + ns.decode_workers)
+    if ns.reserve_cores < 0 or need > len(usable_cores()):
+        raise SystemExit(f"--reserve-cores {ns.reserve_cores} + the largest deployment need {need} cores; "
+                         f"{len(usable_cores())} are usable here")
     if ns.cdf_rate is None:
         ns.cdf_rate = ns.rate_list[len(ns.rate_list) // 2]
     return ns
+
+
+def worker_roles(mode: str, ns: argparse.Namespace) -> tuple[str, ...]:
+    """The worker roles of ``mode``'s deployment, from the worker-count flags."""
+    if mode == "colocated":
+        return ("colocated",) * ns.colocated_workers
+    return ("prefill",) * ns.prefill_workers + ("decode",) * ns.decode_workers
 
 
 def machine_info() -> dict:
@@ -261,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     from loadtest.trace import load_trace, scale_trace
     from loadtest.workload import trace_lengths
 
-    cores = usable_cores()[:2]
+    cores = usable_cores()[ns.reserve_cores:]
     info = machine_info()
     rows = scale_trace(load_trace(ns.trace, ns.trace_start, ns.num_requests), ns.length_scale, 1.0)
     lengths = trace_lengths(rows)
@@ -270,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     p90_prompt = int(round(float(np.percentile(plens, 90))))
     print(f"{len(rows)} requests from {ns.trace.name}, lengths x{ns.length_scale:g}: prompt median {median_prompt}, "
           f"p90 {p90_prompt}, max {max(p for p, _ in lengths)}; output median {int(statistics.median(o for _, o in lengths))}; "
-          f"cores {cores}; load average {info['loadavg_start']}", flush=True)
+          f"worker cores {cores[:max(len(worker_roles(m, ns)) for m in MODES)]}; load average {info['loadavg_start']}", flush=True)
     points: dict = {}
     calib: dict = {}
     pinning: dict = {}
@@ -286,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
                              prefill_queue_max_tokens=ns.prefill_queue_max_tokens)
         engine_kw = {"enable_prefix_caching": False, "kv_cache_dtype": ns.kv_cache_dtype,
                      "quantization": ns.quantization}
-        with Deployment(mode, ns.model, cores, engine_kw=engine_kw, router_kw=router_kw) as dep:
+        roles = worker_roles(mode, ns)
+        with Deployment(mode, ns.model, cores[:len(roles)], engine_kw=engine_kw, router_kw=router_kw,
+                        roles=roles) as dep:
             limits = _limits(dep.target)
             pinning[mode] = dep.pinning
             print(f"{mode}: up in {time.monotonic() - t:.1f} s, workers pinned {dep.pinning}", flush=True)

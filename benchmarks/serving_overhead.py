@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128, help="output tokens of each request (ignore_eos)")
     p.add_argument("--batch1-max-tokens", type=int, default=256, help="output tokens at concurrency 1")
     p.add_argument("--max-num-seqs", type=int, default=128, help="engine max_num_seqs (offline and workers alike)")
+    p.add_argument("--device", default="cpu", help="engine device of the offline engine and every worker: cpu, cuda "
+                                                   "(one GPU: colocated only, NCCL needs a GPU per worker)")
+    p.add_argument("--dtype", default="float32", help="engine dtype (offline and workers alike): float32, bfloat16")
+    p.add_argument("--kv-cache-gib", type=float, default=0.25, help="each engine's KV cache budget (GiB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=3, help="runs of every point (paths taking turns); medians reported")
     p.add_argument("--timeout-s", type=float, default=900.0, help="deadline of each request")
@@ -105,9 +109,20 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     for name in ("prompt_len", "max_tokens", "batch1_max_tokens"):
         if getattr(ns, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if ns.device.startswith("cuda") and "disaggregated" in ns.modes:
+        raise SystemExit("--device cuda: only --modes colocated (every worker of a Deployment takes the same device, "
+                         "and NCCL refuses two ranks on one GPU)")
+    if ns.kv_cache_gib <= 0:
+        raise SystemExit("--kv-cache-gib must be > 0")
     if ns.py_spy and _py_spy_bin() is None:
         raise SystemExit("--py-spy: the py-spy command is not on PATH (pip install 'pdserve[bench]')")
     return ns
+
+
+def engine_kw(ns: dict) -> dict:
+    """The EngineConfig fields the offline engine and every worker share (``ns``: the parsed flags, as a dict)."""
+    return {"max_num_seqs": ns["max_num_seqs"], "device": ns["device"], "dtype": ns["dtype"],
+            "kv_cache_memory_bytes": int(ns["kv_cache_gib"] * 2**30)}
 
 
 def _tokens_for(c: int, ns: argparse.Namespace) -> int:
@@ -137,7 +152,8 @@ def _offline_main(model: str, core: Optional[int], prompts: dict, ns_dict: dict,
         from engine.config import EngineConfig
         from engine.llm_engine import LLMEngine
 
-        eng = LLMEngine(EngineConfig(model=model, num_threads=1, max_num_seqs=ns_dict["max_num_seqs"]))
+        eng = LLMEngine(EngineConfig(model=model, num_threads=1, **engine_kw(ns_dict)))
+        sync = torch.cuda.synchronize if ns_dict["device"].startswith("cuda") else (lambda: None)
         out = {}
         warm = prompts[min(prompts)][:1]
         runs = [(0, warm, 0)] + [(c, plist, rep) for c, plist in sorted(prompts.items())
@@ -159,6 +175,7 @@ def _offline_main(model: str, core: Optional[int], prompts: dict, ns_dict: dict,
                         first.setdefault(o.request_id, now)
                         last[o.request_id] = now
                         counts[o.request_id] = counts.get(o.request_id, 0) + len(o.new_token_ids)
+            sync()
             t1 = time.perf_counter()
             if c:
                 ids = sorted(counts)
@@ -255,12 +272,12 @@ def cluster_points(model: str, mode: str, prompts: dict, ns: argparse.Namespace)
     """{(path, api, concurrency): point}: every path's deployment is up at once and the paths take turns at each
     point, ``--repeat`` times (medians), so a load spike on this shared host hits both sides of a ratio alike."""
     samples: dict = {}
-    engine_kw = {"max_num_seqs": ns.max_num_seqs}
+    ekw = engine_kw(vars(ns))
     with contextlib.ExitStack() as stack:
         deps = {}
         for path in ns.paths:
             router_kw = {"http_port": 0, "output_streams": PATHS[path]}
-            deps[path] = stack.enter_context(Deployment(mode, model, usable_cores(), engine_kw=engine_kw,
+            deps[path] = stack.enter_context(Deployment(mode, model, usable_cores(), engine_kw=ekw,
                                                         router_kw=router_kw, roles=MODES[mode], router_process=True))
             for api in ns.apis:  # warm both APIs
                 recs = _send(api, deps[path], model, _requests(prompts[min(prompts)][:2], 8, f"warm-{api}"),
@@ -309,18 +326,24 @@ def _point(dep: Any, model: str, mode: str, path: str, api: str, c: int, prompts
     return point
 
 
-def machine_info() -> dict:
+def machine_info(device: str = "cpu") -> dict:
     cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                 if ln.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "usable_cores": usable_cores(), "python": platform.python_version(),
-            "loadavg_start": os.getloadavg()}
+    info = {"cpu": cpu, "usable_cores": usable_cores(), "python": platform.python_version(),
+            "loadavg_start": os.getloadavg(), "device": device}
+    if device.startswith("cuda"):
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        info["torch"] = torch.__version__
+    return info
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ns = parse_args(argv)
     from loadtest.workload import ModelLimits, build_workload
 
-    info = machine_info()
+    info = machine_info(ns.device)
     print(f"machine: {info}", flush=True)
     results: dict = {"machine": info, "args": {k: v for k, v in vars(ns).items()}, "rows": []}
     for model in ns.models:

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One device lease's serving checks, in one call (a GPU host with 16 cores; see docs/benchmarks.md).
+#
+# Lifecycle: run once on the lent machine from the repository root, with the wheels the image lacks in .whl/
+# and the conversation trace in .devdata/ (both carried; .git/info/exclude ignores them):
+#     bash benchmarks/device_session.sh "$OUT"
+# Phases, each under its own deadline (SIGINT, so deployments close) and each logged as it goes:
+#   1. gpu: the cluster on CUDA for the first time: benchmarks/serving_overhead.py with --device cuda, a colocated
+#      worker on the GPU against the offline engine on the same GPU, a Llama-3.2-1B-shaped bf16 checkpoint
+#      (benchmarks/cuda_engine.py's random weights), gRPC, 1 / 8 / 32 / 128 streams. Disaggregation is not run:
+#      one GPU, and NCCL refuses two ranks on one device.
+#   2. cpu14: benchmarks/disagg_vs_colocated.py on 14 worker cores (2 left to router and client): colocated 14
+#      against 7P+7D with conditional disaggregation, the conversation trace at half length.
+#   3. cpu-overhead: benchmarks/serving_overhead.py on `tiny` with the router on cores of its own.
+# pdserve's CPU kernels are built in the background during phase 1 (one build, cached for every worker).
+# At most 8 files come back from $OUT: the script writes only these.
+set -u
+OUT=${1:?usage: device_session.sh OUT_DIR}
+GPU_S=${GPU_S:-170} CPU14_S=${CPU14_S:-230} OVH_S=${OVH_S:-80}
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
+TRACE=${TRACE:-.devdata/azure_llm_2023_conv.csv}
+log() { echo "[$(date -u +%T)] $*"; }
+cleanup() { pkill -INT -f "multiprocessing.spawn" 2>/dev/null; sleep 2; pkill -KILL -f "multiprocessing.spawn" 2>/dev/null; true; }
+
+log "host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2); $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
+python3 -c "import sys, torch, grpc, google.protobuf as pb; print('python', sys.version.split()[0], 'torch', torch.__version__, 'grpc', grpc.__version__, 'protobuf', pb.__version__, 'cuda', torch.cuda.is_available())" || exit 1
+python3 -c "import router, decode_worker, prefill_worker, loadtest.client" || exit 1
+
+(MAX_JOBS=8 nice -n 5 python3 -m engine.kernels > "$OUT/kernels.log" 2>&1; echo "exit $?" >> "$OUT/kernels.log") &
+KBUILD=$!
+
+log "phase gpu"
+python3 -c "
+import sys, torch; sys.path.insert(0, 'benchmarks')
+from pathlib import Path
+from cuda_engine import make_checkpoint, SHAPES
+make_checkpoint(Path('/tmp/ck1b'), SHAPES['1b'], device='cuda' if torch.cuda.is_available() else 'cpu')" \
+  && timeout -s INT "$GPU_S" python3 benchmarks/serving_overhead.py --models /tmp/ck1b --modes colocated --apis grpc \
+       --paths streams --repeat 2 --concurrency 1,8,32,128 --device cuda --dtype bfloat16 --kv-cache-gib 8 \
+       --json "$OUT/serving_overhead_gpu.json" 2>&1 | tee "$OUT/gpu.log" | grep -v "^\s*$"
+cleanup
+
+log "waiting for the CPU kernel build"
+wait "$KBUILD"; tail -2 "$OUT/kernels.log"
+
+log "phase cpu14"
+timeout -s INT "$CPU14_S" python3 benchmarks/disagg_vs_colocated.py --model bench --trace "$TRACE" --num-requests 140 \
+  --length-scale 0.5 --rates 6,10,15,22 --colocated-workers 14 --prefill-workers 7 --decode-workers 7 \
+  --local-prefill-max-tokens 192 --reserve-cores 2 --out /tmp/cpu14 2>&1 | tee "$OUT/cpu14.log" | grep -v "^\s*$"
+cp /tmp/cpu14/result.json "$OUT/cpu14_result.json" 2>/dev/null
+cleanup
+
+log "phase cpu-overhead"
+timeout -s INT "$OVH_S" python3 benchmarks/serving_overhead.py --models tiny --modes colocated,disaggregated \
+  --apis grpc --paths streams --repeat 1 --concurrency 1,32,128 --json "$OUT/serving_overhead_cpu16.json" 2>&1 \
+  | tee "$OUT/cpu_overhead.log" | grep -v "^\s*$" | tail -12
+cleanup
+log "done"
