@@ -16,7 +16,7 @@
 # At most 8 files come back from $OUT: the script writes only these.
 set -u
 OUT=${1:?usage: device_session.sh OUT_DIR}
-GPU_S=${GPU_S:-170} CPU14_S=${CPU14_S:-230} OVH_S=${OVH_S:-80}
+GPU_S=${GPU_S:-120} CPU14_S=${CPU14_S:-230} OVH_S=${OVH_S:-40}
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -50,8 +50,8 @@ log "waiting for the CPU kernel build"
 wait "$KBUILD"; tail -2 "$OUT/kernels.log"
 
 log "phase cpu14"
-timeout -s INT "$CPU14_S" python3 benchmarks/disagg_vs_colocated.py --model bench --trace "$TRACE" --num-requests 140 \
-  --length-scale 0.5 --rates 6,10,15,22 --colocated-workers 14 --prefill-workers 7 --decode-workers 7 \
+timeout -s INT "$CPU14_S" python3 benchmarks/disagg_vs_colocated.py --model bench --trace "$TRACE" --num-requests 70 \
+  --length-scale 0.5 --rates 1.5,3,4.5 --colocated-workers 14 --prefill-workers 7 --decode-workers 7 \
   --local-prefill-max-tokens 192 --reserve-cores 2 --out /tmp/cpu14 2>&1 | tee "$OUT/cpu14.log" | grep -v "^\s*$"
 cp /tmp/cpu14/result.json "$OUT/cpu14_result.json" 2>/dev/null
 cleanup

@@ -276,7 +276,9 @@ def cluster_points(model: str, mode: str, prompts: dict, ns: argparse.Namespace)
     with contextlib.ExitStack() as stack:
         deps = {}
         for path in ns.paths:
-            router_kw = {"http_port": 0, "output_streams": PATHS[path]}
+            router_kw = {"output_streams": PATHS[path]}
+            if "http" in ns.apis:  # the HTTP front end only where it is measured (its server needs the HTTP extras)
+                router_kw["http_port"] = 0
             deps[path] = stack.enter_context(Deployment(mode, model, usable_cores(), engine_kw=ekw,
                                                         router_kw=router_kw, roles=MODES[mode], router_process=True))
             for api in ns.apis:  # warm both APIs
