@@ -10,14 +10,15 @@ the constraint rides in every ``GenerateRequest`` (compiled by the shared valida
 (``router.tool_parsers``) reads each chat answer into ``tool_calls``.
 A request body is parsed (pydantic), turned into the gRPC-shaped ``GenerateRequest`` and validated
 by the same ``validate_generate`` as gRPC, then each choice runs as one ``RequestFlow`` through
-``core.generate`` on a worker thread (the flows block on gRPC calls to the workers); its
-``FlowEvent``s become a JSON response or server-sent events ending in ``data: [DONE]``, rendered
-by ``router.openai_protocol`` (this module is the transport: app, auth, threads, disconnects). A
-client that disconnects cancels its flows (the workers free its blocks): the server's
-``http.disconnect`` message wakes a watcher task at once, no polling. A response holds at most
-``STREAM_BUFFER_EVENTS`` events between its flows and the client (a full buffer stops the flows reading their
-workers), and a streaming response whose client has not read for ``stream_stall_timeout_s`` has its connection
-aborted (``router.stream_stall``), which cancels its flows like a disconnect. Errors are OpenAI's JSON
+``core.generate``, driven as the gRPC front end drives it (``router.flow_pump``: its blocking steps on the router's
+flow pool, its streaming on the output streams' reader threads, a step's events reaching the event loop in one
+wakeup); a beam search (not streamed) runs on a thread of its own. Its ``FlowEvent``s become a JSON response or
+server-sent events ending in ``data: [DONE]``, rendered by ``router.openai_protocol`` (this module is the
+transport: app, auth, flows, disconnects). A client that disconnects cancels its flows (the workers free its
+blocks): the server's ``http.disconnect`` message wakes a watcher task at once, no polling. Events wait for the
+client in the response's queue (at most a choice's ``max_tokens`` of them: a flow never blocks on a slow client,
+as a reader thread must not), and a streaming response whose client has not read for ``stream_stall_timeout_s``
+has its connection aborted (``router.stream_stall``), which cancels its flows like a disconnect. Errors are OpenAI's JSON
 shape with the HTTP status matching the flow's status code. With API keys configured every ``/v1``,
 ``/tokenize`` and ``/detokenize`` call needs ``Authorization: Bearer <key>`` (401 otherwise); ``/health`` and
 ``/metrics`` stay open.
@@ -35,6 +36,7 @@ import socket
 import ssl
 import threading
 import time
+from concurrent.futures import Executor
 from typing import Any, AsyncIterator, Callable, Iterable, Optional, Union
 
 import grpc
@@ -50,6 +52,7 @@ from router import openai_structured as oas
 from router.core import RouterCore
 from router.quotas import Lease, QuotaBook, QuotaExceeded, max_output_tokens
 from router.events import FlowError
+from router.flow_pump import END, FlowPump, LoopInbox
 from router.stream_stall import connection_abort, send_within
 from router.validation import validate_generate
 from router.wire import structured_outputs_to_proto
@@ -67,25 +70,28 @@ _DISCONNECTED = object()
 
 
 class _Choice:
-    """One flow (one prompt, its ``n`` choices) running on its own thread, its events pushed to an asyncio queue
-    as (choice index over the whole request, item): prompt ``index`` owns choices ``index * n ..``."""
+    """One flow (one prompt, its ``n`` choices), its events pushed to an asyncio queue as (choice index over the
+    whole request, item): prompt ``index`` owns choices ``index * n ..``; ``None`` after its last item. With a
+    ``pool`` the flow is driven by a ``FlowPump`` (no thread of its own); a beam search, or no pool, runs it on a
+    thread of its own. Nothing here blocks on the client."""
 
-    def __init__(self, core: RouterCore, index: int, greq: Any, loop: asyncio.AbstractEventLoop,
+    def __init__(self, core: RouterCore, index: int, greq: Any, inbox: LoopInbox,
                  out: "asyncio.Queue[tuple[int, Any]]", timeout_s: Optional[float], n: int = 1,
-                 slots: Optional[threading.Semaphore] = None) -> None:
-        """``slots``: the response's buffer bound, shared by its choices: one slot per queued item, given back by
-        the consumer (``_events``); a full buffer stops this flow pulling tokens from its worker."""
+                 pool: Optional[Executor] = None) -> None:
         self.index = index
-        self._slots = slots
         self.n = n
         self._cancel: list[Callable[[], None]] = []
         self._cancelled = False
-        self._core, self._greq, self._loop, self._out, self._timeout_s = core, greq, loop, out, timeout_s
+        self._core, self._greq, self._inbox, self._out, self._timeout_s = core, greq, inbox, out, timeout_s
+        self._pool = pool
         self.vreq = validate_generate(greq, core.limits, core.tokenize)  # ValueError -> 400, before any work
-        self._thread = threading.Thread(target=self._run, name=f"http-{self.vreq.request_id}", daemon=True)
 
     def start(self) -> None:
-        self._thread.start()
+        if self._pool is not None and self.vreq.beam is None:
+            gen = self._core.generate(self.vreq, time.monotonic(), self._timeout_s, self._on_cancel, push=True)
+            FlowPump(gen, self._pool, self._emit).start()
+        else:
+            threading.Thread(target=self._run, name=f"http-{self.vreq.request_id}", daemon=True).start()
 
     def _on_cancel(self, cb: Callable[[], None]) -> None:
         self._cancel.append(cb)
@@ -98,31 +104,36 @@ class _Choice:
             cb()
 
     def _put(self, item: Any, choice: int = 0) -> None:
-        if self._slots is not None:
-            while not self._slots.acquire(timeout=0.5):
-                if self._cancelled:  # the response is gone: nobody takes items any more
-                    break
-        self._loop.call_soon_threadsafe(self._out.put_nowait, (self.index * self.n + choice, item))
+        self._inbox.put(self._out, (self.index * self.n + choice, item))
 
-    def _run(self) -> None:
-        try:
-            for ev in self._core.generate(self.vreq, time.monotonic(), self._timeout_s, self._on_cancel):
-                self._put(ev, ev.index)
-        except FlowError as e:
+    def _emit(self, item: Any) -> None:
+        """The pump's output (any thread, never blocks): a ``FlowEvent``, then ``END`` or what ended the flow."""
+        if item is END:
+            self._put(None)
+        elif isinstance(item, BaseException):
+            self._fail(item)
+        else:
+            self._put(item, item.index)
+
+    def _fail(self, e: BaseException) -> None:
+        if isinstance(e, FlowError):
             self._core.count_error(e.code)
             self._put(e)
-        except Exception:  # a bug: logged whole, answered without internals
-            log.exception("request %s: unexpected router error", self.vreq.request_id)
+        else:  # a bug: logged whole, answered without internals
+            log.error("request %s: unexpected router error", self.vreq.request_id, exc_info=e)
             self._core.count_error(grpc.StatusCode.UNAVAILABLE)
             self._put(FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.vreq.request_id}: the router "
                                                              f"failed to serve it (logged); retry"))
         self._put(None)
 
-
-STREAM_BUFFER_EVENTS = 64
-"""Flow events one response may hold between its flows and the client; past it the flows stop pulling tokens from
-the workers until the client reads (so a client that never reads costs the router a bounded amount of memory,
-and ``router.stream_stall`` cuts it off)."""
+    def _run(self) -> None:
+        try:
+            for ev in self._core.generate(self.vreq, time.monotonic(), self._timeout_s, self._on_cancel):
+                self._put(ev, ev.index)
+        except Exception as e:  # noqa: BLE001 - FlowError or a bug: both answered (``_fail``)
+            self._fail(e)
+            return
+        self._put(None)
 
 
 class _StallCutResponse(StreamingResponse):
@@ -211,12 +222,13 @@ class HttpApi:
     def __init__(self, core: RouterCore, host: str = "127.0.0.1", port: int = 0,
                  api_keys: Union[Iterable[str], KeySource, None] = (), tls: Optional[TlsFiles] = None,
                  max_body_bytes: int = MAX_BODY_BYTES, quotas: Optional[QuotaBook] = None,
-                 stream_stall_timeout_s: Optional[float] = 60.0) -> None:
+                 stream_stall_timeout_s: Optional[float] = 60.0, pool: Optional[Executor] = None) -> None:
         """``api_keys``: plain keys or a key source (``transport.api_keys``; the router's, shared with gRPC);
         ``tls``: serve HTTPS with the same certificate (and client CA, for mutual TLS) as the gRPC API;
         ``max_body_bytes``: larger request bodies get 413 before they are read; ``quotas``: each key name's share
         of its limits (the router's, shared with gRPC; None: no limits); ``stream_stall_timeout_s``: a streaming
-        response whose client has not read for this long is cut off (``router.stream_stall``; None: never)."""
+        response whose client has not read for this long is cut off (``router.stream_stall``; None: never);
+        ``pool``: the router's flow pool, where flows run their blocking steps (None: a thread per flow)."""
         check_port(port, "http_port")
         if max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {max_body_bytes}")
@@ -230,6 +242,9 @@ class HttpApi:
             plain = KeyTable.plain(api_keys)  # type: ignore[arg-type]
             self._keys = plain if len(plain) else None
         self.quotas = quotas if quotas is not None else QuotaBook()
+        self._pool = pool
+        self._inbox: Optional[LoopInbox] = None
+        """Flow events to the server's loop (made on the loop, at its first request)."""
         self._tls = tls
         self.app = self._build_app()
         self._server: Optional[uvicorn.Server] = None
@@ -359,9 +374,10 @@ class HttpApi:
         core = self.core
         if core.limits is None or core.draining:
             return self._error(503, "router is not serving")
-        loop = asyncio.get_running_loop()
+        if self._inbox is None:
+            self._inbox = LoopInbox(asyncio.get_running_loop())
+        inbox, pool = self._inbox, self._pool
         queue: asyncio.Queue = asyncio.Queue()
-        slots = threading.Semaphore(STREAM_BUFFER_EVENTS)  # the response's buffer bound
 
         def prepare() -> tuple[list[_Choice], oas.Plan]:  # tokenizing, compiling a constraint: off the event loop
             lim = core.limits
@@ -378,7 +394,7 @@ class HttpApi:
                 for g in greqs:
                     g.structured_outputs.CopyFrom(so)
             try:
-                return [_Choice(core, i, g, loop, queue, None, body.n, slots) for i, g in enumerate(greqs)], plan
+                return [_Choice(core, i, g, inbox, queue, None, body.n, pool) for i, g in enumerate(greqs)], plan
             except ValueError as e:
                 msg = plan.relabel(str(e))
                 if msg.startswith("token_ids"):  # the gRPC field's name; the client wrote prompt (or messages)
@@ -412,7 +428,7 @@ class HttpApi:
         try:
             for c in choices:
                 c.start()
-            events = self._events(choices, queue, request, lease, slots)
+            events = self._events(choices, queue, request, lease)
         except BaseException:
             lease.release(None)
             raise
@@ -440,7 +456,7 @@ class HttpApi:
             self.core.metrics.inc_stream_stall("http")
 
     async def _events(self, choices: list[_Choice], queue: asyncio.Queue, request: Request,
-                      lease: Lease, slots: threading.Semaphore) -> AsyncIterator[tuple[int, Any]]:
+                      lease: Lease) -> AsyncIterator[tuple[int, Any]]:
         """(choice index, FlowEvent | FlowError) until every choice ended; a disconnect cancels them all. The
         quota ``lease`` is released at the end, however it comes, with the tokens the flows reported."""
         live = len(choices)
@@ -452,7 +468,6 @@ class HttpApi:
                 if item is _DISCONNECTED:
                     log.info("HTTP client went away: cancelling %d choice(s)", live)
                     return
-                slots.release()
                 if item is None:
                     live -= 1
                     continue

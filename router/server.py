@@ -171,7 +171,7 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             tls = (TlsFiles(self.cfg.ssl_certfile, self.cfg.ssl_keyfile, self.cfg.ssl_ca_certs)
                    if self.cfg.ssl_certfile else None)
             self.http = HttpApi(self.core, self.cfg.host, self.cfg.http_port, self.keys, tls, quotas=self.quotas,
-                                stream_stall_timeout_s=self.cfg.stream_stall_timeout_s)
+                                stream_stall_timeout_s=self.cfg.stream_stall_timeout_s, pool=self._pool)
             self.http.start()
         if not self.core.draining:
             self._set_serving(True)

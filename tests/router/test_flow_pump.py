@@ -169,12 +169,44 @@ def test_loop_inbox_wakes_the_loop_once_per_burst_and_keeps_order():
     inbox.put(q, "late")  # a closed loop: dropped, no error
 
 
-def test_pushed_flows_stream_on_the_reader_thread():
-    """Through a real router and colocated worker with output streams: the flows' chunks are processed on the
-    output stream's reader thread, and each request costs the flow pool a few tasks, not one per token."""
+def _grpc_streams(roles, n: int, tokens: int) -> list[int]:
+    from proto import pdserve_pb2
+
+    calls = [roles.stub.Generate(pdserve_pb2.GenerateRequest(token_ids=[5, 6, 7], max_tokens=tokens, ignore_eos=True),
+                                 timeout=120) for _ in range(n)]
+    return [sum(len(r.token_ids) for r in c) for c in calls]
+
+
+def _http_streams(roles, n: int, tokens: int) -> list[int]:
+    """``n`` streamed completions at once through the OpenAI client; each one's usage.completion_tokens."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://{roles.router.http_address}/v1", api_key="none", max_retries=0)
+    got: list[int] = []
+
+    def one() -> None:
+        stream = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=tokens, stream=True,
+                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+                                           timeout=120)
+        got.extend(ch.usage.completion_tokens for ch in stream if ch.usage is not None)
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    client.close()
+    return got
+
+
+@pytest.mark.parametrize("api", ["grpc", "http"])
+def test_pushed_flows_stream_on_the_reader_thread(api):
+    """Through a real router and colocated worker with output streams, over gRPC and over the OpenAI HTTP API:
+    the flows' chunks are processed on the output stream's reader thread, each request costs the flow pool a few
+    tasks, not one per token, and no request gets a thread of its own."""
     from tests.roles.harness import start_colocated
 
-    roles = start_colocated(n=1, tag="pump-")
+    roles = start_colocated(n=1, tag="pump-", router={"http_port": 0} if api == "http" else None)
     try:
         router = roles.router
         submitted = []
@@ -197,18 +229,14 @@ def test_pushed_flows_stream_on_the_reader_thread():
 
         request_flow.RequestFlow._emit = recording_emit  # type: ignore[method-assign]
         try:
-            from proto import pdserve_pb2
-
-            calls = [roles.stub.Generate(pdserve_pb2.GenerateRequest(token_ids=[5, 6, 7], max_tokens=48,
-                                                                     ignore_eos=True), timeout=120)
-                     for _ in range(4)]
-            got = [sum(len(r.token_ids) for r in c) for c in calls]
+            got = (_grpc_streams if api == "grpc" else _http_streams)(roles, 4, 48)
         finally:
             request_flow.RequestFlow._emit = orig_emit  # type: ignore[method-assign]
             pool.submit = orig_submit  # type: ignore[method-assign]
         assert got == [48] * 4
         on_reader = sum(n.startswith("out-stream-") for n in seen_threads)
         assert on_reader >= 0.7 * len(seen_threads), seen_threads
+        assert not [n for n in seen_threads if n.startswith("http-")], seen_threads
         assert len(submitted) <= 4 * 12, len(submitted)  # 4 requests x 48 tokens would be 192 with a task each
     finally:
         roles.close()
