@@ -53,7 +53,7 @@ log "phase cpu14"
 timeout -s INT "$CPU14_S" python3 benchmarks/disagg_vs_colocated.py --model bench --trace "$TRACE" --num-requests 70 \
   --length-scale 0.5 --rates 1.5,3,4.5 --colocated-workers 14 --prefill-workers 7 --decode-workers 7 \
   --local-prefill-max-tokens 192 --reserve-cores 2 --out /tmp/cpu14 2>&1 | tee "$OUT/cpu14.log" | grep -v "^\s*$"
-cp /tmp/cpu14/result.json "$OUT/cpu14_result.json" 2>/dev/null
+cp /tmp/cpu14/result.json "$OUT/cpu14_result.json" 2>/dev/null || cp /tmp/cpu14/partial.json "$OUT/cpu14_partial.json" 2>/dev/null
 cleanup
 
 log "phase cpu-overhead"

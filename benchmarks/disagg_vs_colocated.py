@@ -276,6 +276,13 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _write_partial(out: Path, calib: dict, points: dict) -> None:
+    """Every point measured so far (``out/partial.json``), without the per-request records."""
+    out.mkdir(parents=True, exist_ok=True)
+    done = {m: [{k: v for k, v in p.items() if k != "records"} for p in pts] for m, pts in points.items()}
+    (out / "partial.json").write_text(json.dumps({"calibration": calib, "points": done}, indent=1, default=str))
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     from loadtest.trace import load_trace, scale_trace
@@ -319,7 +326,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"unloaded ({mode}): TTFT {calib['ttft_p50_s'] * 1e3:.1f} ms (prompt {median_prompt}), "
                       f"{calib['ttft_p90_s'] * 1e3:.1f} ms (prompt {p90_prompt}); "
                       f"TPOT {calib['tpot_s'] * 1e3:.1f} ms", flush=True)
-            points[mode] = [run_point(dep, rate, rows, lengths, limits, ns) for rate in ns.rate_list]
+            points[mode] = []
+            for rate in ns.rate_list:
+                points[mode].append(run_point(dep, rate, rows, lengths, limits, ns))
+                _write_partial(ns.out, calib, points)  # a run cut short (a deadline, a lent machine) keeps its points
     slos_ms = {"ttft": ns.ttft_slo_scale * calib["ttft_p90_s"] * 1e3, "tpot": ns.tpot_slo_scale * calib["tpot_s"] * 1e3}
     analysis = analyse(points, slos_ms, ns.goal)
     print_report(points, analysis, slos_ms, calib, ns)
