@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3, help="runs of every point (paths taking turns); medians reported")
     p.add_argument("--timeout-s", type=float, default=900.0, help="deadline of each request")
     p.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
-                   help="sample the router and every worker with py-spy for this long during the largest concurrency's gRPC point")
+                   help="sample the router and every worker with py-spy for this long during the largest concurrency's point of each API")
     p.add_argument("--paths", default="streams,per-call",
                    help="how tokens travel from worker to router: streams (one output stream per worker, a message "
                         "per step; the default since issue 31), per-call (a message per token on each request's "
@@ -300,9 +300,9 @@ def _point(dep: Any, model: str, mode: str, path: str, api: str, c: int, prompts
            spy: bool) -> dict:
     reqs = _requests(prompts[c], _tokens_for(c, ns), f"{api}{c}")
     spies = {}
-    if spy and ns.py_spy and api == "grpc" and c == max(ns.concurrency):
+    if spy and ns.py_spy and c == max(ns.concurrency):
         for name, pid in dep.pids.items():
-            raw = Path(f"/tmp/pdserve-{name}-{model}-{mode}-{path}-c{c}.txt")
+            raw = Path(f"/tmp/pdserve-{name}-{model}-{mode}-{path}-{api}-c{c}.txt")
             spies[name] = (_py_spy(pid, ns.py_spy, raw), raw)
     cpu0, self0 = cpu_seconds(dep.pids), time.process_time()
     recs = _send(api, dep, model, reqs, ns.timeout_s)
