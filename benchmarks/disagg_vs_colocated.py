@@ -279,8 +279,13 @@ def markdown_table(result: dict) -> str:
 def _write_partial(out: Path, calib: dict, points: dict) -> None:
     """Every point measured so far (``out/partial.json``), without the per-request records."""
     out.mkdir(parents=True, exist_ok=True)
-    done = {m: [{k: v for k, v in p.items() if k != "records"} for p in pts] for m, pts in points.items()}
-    (out / "partial.json").write_text(json.dumps({"calibration": calib, "points": done}, indent=1, default=str))
+    (out / "partial.json").write_text(json.dumps({"calibration": calib, "points": _without_records(points)},
+                                                 indent=1, default=str))
+
+
+def _without_records(points: dict) -> dict:
+    """Each mode's points without their per-request records (what the JSON files keep)."""
+    return {m: [{k: v for k, v in p.items() if k != "records"} for p in pts] for m, pts in points.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -338,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ns).items()},
               "machine": info, "pinning": pinning, "wall_s": time.monotonic() - t_all,
               "calibration": calib, "slos_ms": slos_ms, **analysis,
-              "points": {m: [{k: v for k, v in p.items() if k != "records"} for p in pts] for m, pts in points.items()}}
+              "points": _without_records(points)}
     (ns.out / "table.md").write_text(markdown_table(result))
     (ns.out / "result.json").write_text(json.dumps(result, indent=1, default=str))
     from disagg_plots import write_plots

@@ -82,7 +82,7 @@ class _Choice:
         self.n = n
         self._cancel: list[Callable[[], None]] = []
         self._cancelled = False
-        self._core, self._greq, self._inbox, self._out, self._timeout_s = core, greq, inbox, out, timeout_s
+        self._core, self._inbox, self._out, self._timeout_s = core, inbox, out, timeout_s
         self._pool = pool
         self.vreq = validate_generate(greq, core.limits, core.tokenize)  # ValueError -> 400, before any work
 
@@ -254,7 +254,6 @@ class HttpApi:
         if max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {max_body_bytes}")
         self.max_body_bytes = max_body_bytes
-        self.stream_stall_timeout_s = stream_stall_timeout_s
         self._stalls = StallWatch(stream_stall_timeout_s)
         self.core = core
         self.host, self._port = host, port

@@ -40,6 +40,7 @@ from router.validation import ModelLimits, validate_generate
 from router.wire import logprobs_to_public
 from router.worker_source import Pool, WorkerList
 from router.quotas import Lease, QuotaBook, QuotaExceeded, max_output_tokens
+from router.stream_stall import StallWatch
 from transport.aio_serving import AioGrpcServing
 from transport.api_keys import bearer_token, key_source
 from transport.auth import AioBearerAuth
@@ -89,8 +90,8 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         """Where flows run between their streaming stretches (``router.flow_pump``), and blocking handlers."""
         self._inbox: Optional[LoopInbox] = None
         """The flows' events to the serving loop (set at ``bind``)."""
-        self._stalls: set[_Stall] = set()
-        """The open Generate streams' pending writes (the loop's only; ``_watch_stalls``)."""
+        self._stalls = StallWatch(cfg.stream_stall_timeout_s)
+        """Cuts off Generate streams whose client stopped reading (``router.stream_stall``)."""
         self.metrics_address = ""
         self._health_serving: Optional[GrpcServing] = None
         self.health_address = ""
@@ -148,8 +149,6 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         loop = self._serving.loop
         assert loop is not None
         self._inbox = LoopInbox(loop)
-        if self.cfg.stream_stall_timeout_s is not None:
-            asyncio.run_coroutine_threadsafe(self._start_stall_watch(), loop).result(10)
         if self.cfg.health_port is not None:
             self._health_serving = GrpcServing("router-health", self.cfg.host, self.cfg.health_port, max_workers=4)
             self.health_address = self._health_serving.start(lambda server: [])
@@ -268,8 +267,7 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         inbox = self._inbox
         assert inbox is not None
         ended = False
-        stall = _Stall(asyncio.current_task())
-        self._stalls.add(stall)
+        write = self._stalls.guard(context.write, None, lambda: self._count_stall("grpc"))
         try:
             gen = core.generate(vreq, t0, context.time_remaining(), cancels.register, push=True)
             FlowPump(gen, self._pool, lambda item: inbox.put(events, item)).start()
@@ -289,52 +287,27 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
                     break
                 if item.usage is not None:
                     completion = (completion or 0) + item.usage.completion_tokens
-                await self._send(context, render(item), vreq.request_id, stall)
+                await self._send(write, render(item), vreq.request_id)
         finally:
-            self._stalls.discard(stall)
             if not ended:  # the client cancelled, the deadline passed, or the stream was cut: free the workers
                 cancels.fire()
             lease.release(completion)
         if failure is not None:
             raise _Abort(failure.code, failure.message)
 
-    async def _send(self, context: Any, msg: pdserve_pb2.GenerateResponse, rid: str, stall: "_Stall") -> None:
-        """One message to the client; a client that has not taken one for ``stream_stall_timeout_s`` is cut off
-        (``_watch_stalls`` cancels the wait): the stream ends CANCELLED and the flow is cancelled
-        (``router.stream_stall``)."""
-        stall.since = time.monotonic()
+    async def _send(self, write: Callable[[Any], Awaitable[None]], msg: pdserve_pb2.GenerateResponse,
+                    rid: str) -> None:
+        """One message to the client through ``write`` (``context.write`` under the stall watch); a client that has
+        not taken one for ``stream_stall_timeout_s`` is cut off: the stream ends CANCELLED and the flow is
+        cancelled (``router.stream_stall``)."""
         try:
-            await context.write(msg)
-        except asyncio.CancelledError:
-            if not stall.cut:
-                raise  # the client cancelled, or the deadline passed
-            task = asyncio.current_task()
-            if task is not None:
-                task.uncancel()
+            await write(msg)
+        except ConnectionAbortedError:
             log.warning("request %s: the client took no message for %.0f s; cutting its stream off", rid,
                         self.cfg.stream_stall_timeout_s or 0)
-            self._count_stall("grpc")
             raise _Abort(grpc.StatusCode.CANCELLED, f"request {rid}: the client took no message for "
                                                     f"{self.cfg.stream_stall_timeout_s:.0f} s; the stream was cut "
                                                     f"off") from None
-        stall.since = None
-
-    async def _watch_stalls(self) -> None:
-        """One task per router: every ``min(1, timeout / 4)`` s, cut off the streams whose pending write has
-        waited past ``stream_stall_timeout_s`` (a timer per write cost more than the write at one stream)."""
-        timeout = self.cfg.stream_stall_timeout_s
-        assert timeout is not None
-        while True:
-            await asyncio.sleep(min(1.0, timeout / 4))
-            now = time.monotonic()
-            for st in list(self._stalls):
-                since = st.since
-                if since is not None and not st.cut and now - since > timeout:
-                    st.cut = True
-                    st.task.cancel()
-
-    async def _start_stall_watch(self) -> None:
-        self._stall_task = asyncio.get_running_loop().create_task(self._watch_stalls())
 
     def _count_stall(self, api: str) -> None:
         if self.core.metrics is not None:
@@ -389,17 +362,6 @@ class _Abort(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code, self.message = code, message
-
-
-class _Stall:
-    """One stream's pending write, for ``RouterServer._watch_stalls``."""
-
-    __slots__ = ("task", "since", "cut")
-
-    def __init__(self, task: Any) -> None:
-        self.task = task
-        self.since: Optional[float] = None
-        self.cut = False
 
 
 class _Cancels:

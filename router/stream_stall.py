@@ -5,9 +5,10 @@ gRPC, TCP and uvicorn's write buffer for HTTP): the router stops sending, and it
 the worker, which keeps the request's KV blocks until the request's deadline, possibly forever. The watch cuts
 such a stream off once one send has waited ``timeout_s`` for the client, which frees the request on the worker.
 
-Lifecycle: both front ends are asyncio and bound each send by ``timeout_s`` (``None``: off), each with one watch
-task per event loop rather than a timer per message. The gRPC front end (``router.server``) awaits each message's
-write for at most ``timeout_s``; past it, the stream ends with
+Lifecycle: both front ends are asyncio and bound each send by ``timeout_s`` (``None``: off) through a
+``StallWatch`` of their own loop: one watch task, running while some send is pending, rather than a timer per
+message. The gRPC front end (``router.server``) guards each message's ``write`` (no abort: the cut write raises
+``ConnectionAbortedError``); past the timeout, the stream ends with
 ``CANCELLED`` (the status waits behind the messages the client has not read, so the client sees it after what it
 had buffered, as from a reset) and the flow is cancelled at once, which frees the request on the worker. gRPC's
 asyncio server has no reset of a server-side stream (its ``ServicerContext`` offers no ``cancel``), so the HTTP/2
@@ -38,13 +39,13 @@ log = logging.getLogger(__name__)
 
 
 class StallWatch:
-    """The HTTP API's stall cut for one event loop: ``guard(send, abort, on_cut)`` wraps an ASGI ``send`` (see the
-    module docstring). A guarded send marks when it started; one watch task, running only while some send is
+    """The stall cut of one front end's event loop: ``guard(send, abort, on_cut)`` wraps a send (an ASGI ``send``, a
+    gRPC ``context.write``; see the module docstring). A guarded send marks when it started; one watch task, running only while some send is
     pending, looks every ``min(1, timeout_s / 4)`` s for one that has waited past ``timeout_s``, calls ``on_cut``,
     aborts the connection (``abort``) and cancels the wait. After a cut, later messages are dropped; without
     ``abort`` the cut send raises ``ConnectionAbortedError`` instead (the server closes the connection once its
     buffer drains). One task instead of an ``asyncio.wait_for`` per send: that timer (a task per message) was 13%
-    of the router's samples at 128 HTTP streams (py-spy, 27 Nov), as the same kind of timer was for gRPC."""
+    of the router's samples at 128 HTTP streams (py-spy, 27 Nov), and cost gRPC more than the write at one stream."""
 
     def __init__(self, timeout_s: Optional[float]) -> None:
         self.timeout_s = timeout_s
@@ -111,7 +112,7 @@ class _Guarded:
     def cut_off(self, timeout_s: float) -> None:
         """Past the stall timeout (on the loop): count it, drop the connection, end the waiting send."""
         self.cut = True
-        log.info("HTTP stream stalled: the client has not read for %.0f s; closing its connection", timeout_s)
+        log.info("stream stalled: the client has not read for %.0f s; cutting it off", timeout_s)
         self._on_cut()
         if self._abort is not None:
             self._abort()
