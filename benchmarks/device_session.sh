@@ -17,6 +17,11 @@
 set -u
 OUT=${1:?usage: device_session.sh OUT_DIR}
 GPU_S=${GPU_S:-120} CPU14_S=${CPU14_S:-230} OVH_S=${OVH_S:-40}
+# which phases run (a lease split over calls runs some in each), and the GPU phase's and cpu14's load
+PHASES=${PHASES:-"gpu cpu14 cpu-overhead"}
+GPU_C=${GPU_C:-1,8,32,128} GPU_REPEAT=${GPU_REPEAT:-2} GPU_FLAGS=${GPU_FLAGS:-}
+CPU14_N=${CPU14_N:-70} CPU14_RATES=${CPU14_RATES:-1.5,3,4.5}
+has() { [[ " $PHASES " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -35,6 +40,7 @@ python3 -c "import router, decode_worker, prefill_worker, loadtest.client" || ex
 (MAX_JOBS=8 nice -n 5 python3 -m engine.kernels > "$OUT/kernels.log" 2>&1; echo "exit $?" >> "$OUT/kernels.log") &
 KBUILD=$!
 
+if has gpu; then
 log "phase gpu"
 python3 -c "
 import sys, torch; sys.path.insert(0, 'benchmarks')
@@ -42,23 +48,30 @@ from pathlib import Path
 from cuda_engine import make_checkpoint, SHAPES
 make_checkpoint(Path('/tmp/ck1b'), SHAPES['1b'], device='cuda' if torch.cuda.is_available() else 'cpu')" \
   && timeout -s INT "$GPU_S" python3 benchmarks/serving_overhead.py --models /tmp/ck1b --modes colocated --apis grpc \
-       --paths streams --repeat 2 --concurrency 1,8,32,128 --device cuda --dtype bfloat16 --kv-cache-gib 8 \
-       --json "$OUT/serving_overhead_gpu.json" 2>&1 | tee "$OUT/gpu.log" | grep -v "^\s*$"
+       --paths streams --repeat "$GPU_REPEAT" --concurrency "$GPU_C" --device cuda --dtype bfloat16 --kv-cache-gib 8 \
+       $GPU_FLAGS --json "$OUT/serving_overhead_gpu.json" 2>&1 | tee "$OUT/gpu.log" | grep -v "^\s*$"
 cleanup
+fi
 
+if has cpu14 || has cpu-overhead; then
 log "waiting for the CPU kernel build"
 wait "$KBUILD"; tail -2 "$OUT/kernels.log"
+fi
 
+if has cpu14; then
 log "phase cpu14"
-timeout -s INT "$CPU14_S" python3 benchmarks/disagg_vs_colocated.py --model bench --trace "$TRACE" --num-requests 70 \
-  --length-scale 0.5 --rates 1.5,3,4.5 --colocated-workers 14 --prefill-workers 7 --decode-workers 7 \
+timeout -s INT "$CPU14_S" python3 benchmarks/disagg_vs_colocated.py --model bench --trace "$TRACE" --num-requests "$CPU14_N" \
+  --length-scale 0.5 --rates "$CPU14_RATES" --colocated-workers 14 --prefill-workers 7 --decode-workers 7 \
   --local-prefill-max-tokens 192 --reserve-cores 2 --out /tmp/cpu14 2>&1 | tee "$OUT/cpu14.log" | grep -v "^\s*$"
 cp /tmp/cpu14/result.json "$OUT/cpu14_result.json" 2>/dev/null || cp /tmp/cpu14/partial.json "$OUT/cpu14_partial.json" 2>/dev/null
 cleanup
+fi
 
+if has cpu-overhead; then
 log "phase cpu-overhead"
 timeout -s INT "$OVH_S" python3 benchmarks/serving_overhead.py --models tiny --modes colocated,disaggregated \
   --apis grpc --paths streams --repeat 1 --concurrency 1,32,128 --json "$OUT/serving_overhead_cpu16.json" 2>&1 \
   | tee "$OUT/cpu_overhead.log" | grep -v "^\s*$" | tail -12
 cleanup
+fi
 log "done"

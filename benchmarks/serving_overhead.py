@@ -159,12 +159,14 @@ def _offline_main(model: str, core: Optional[int], prompts: dict, ns_dict: dict,
         runs = [(0, warm, 0)] + [(c, plist, rep) for c, plist in sorted(prompts.items())
                                  for rep in range(ns_dict["repeat"])]
         samples: dict[int, list] = {}
+        tokens: dict[int, list] = {}  # the first repeat's output ids, by prompt index: the cluster must equal them
         for c, plist, rep in runs:
             n = ns_dict["batch1_max_tokens"] if c == 1 else ns_dict["max_tokens"]
             params = SamplingParams(max_tokens=n if c else 8, temperature=0.0, ignore_eos=True)
             first: dict[str, float] = {}
             last: dict[str, float] = {}
             counts: dict[str, int] = {}
+            got: dict[str, list] = {}
             t0 = time.perf_counter()
             for i, ids in enumerate(plist):
                 eng.add_request(f"r{c}-{rep}-{i}", list(ids), params)
@@ -175,20 +177,24 @@ def _offline_main(model: str, core: Optional[int], prompts: dict, ns_dict: dict,
                         first.setdefault(o.request_id, now)
                         last[o.request_id] = now
                         counts[o.request_id] = counts.get(o.request_id, 0) + len(o.new_token_ids)
+                        got.setdefault(o.request_id, []).extend(o.new_token_ids)
             sync()
             t1 = time.perf_counter()
+            if c and rep == 0:
+                tokens[c] = [got.get(f"r{c}-0-{i}", []) for i in range(len(plist))]
             if c:
                 ids = sorted(counts)
                 samples.setdefault(c, []).append(rates([first[i] for i in ids], [last[i] for i in ids],
                                                        [counts[i] for i in ids], t0, t1))
         for c, pts in samples.items():
             out[c] = {k: statistics.median(p[k] for p in pts) for k in pts[0]}
-        q.put(("ok", out))
+        q.put(("ok", (out, tokens)))
     except BaseException:
         q.put(("error", traceback.format_exc()))
 
 
-def offline(model: str, prompts: dict, ns: argparse.Namespace) -> dict:
+def offline(model: str, prompts: dict, ns: argparse.Namespace) -> tuple[dict, dict]:
+    """({concurrency: rates}, {concurrency: [output ids of each prompt]}) of the offline engine."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     cores = usable_cores()
@@ -265,10 +271,24 @@ def _median_point(points: list[dict]) -> dict:
     out["cpu_ms_per_token"] = {k: statistics.median(p["cpu_ms_per_token"][k] for p in points)
                                for k in points[0]["cpu_ms_per_token"]}
     out["repeats"] = len(points)
+    for k in ("same_tokens", "compared"):  # over every repeat, not a median: one differing request must show
+        out[k] = sum(p[k] for p in points)
     return out
 
 
-def cluster_points(model: str, mode: str, prompts: dict, ns: argparse.Namespace) -> dict:
+def same_tokens(recs: list, want: list) -> tuple[int, int]:
+    """(requests whose streamed ids equal the offline engine's for the same prompt, requests compared): greedy
+    through the cluster must be the offline engine's output. Only gRPC records carry ids (HTTP streams text)."""
+    equal = compared = 0
+    for r in recs:
+        if not r.token_ids:
+            continue
+        compared += 1
+        equal += list(r.token_ids) == list(want[int(r.request_id.rsplit("-", 1)[1])])
+    return equal, compared
+
+
+def cluster_points(model: str, mode: str, prompts: dict, ns: argparse.Namespace, ref_tokens: dict) -> dict:
     """{(path, api, concurrency): point}: every path's deployment is up at once and the paths take turns at each
     point, ``--repeat`` times (medians), so a load spike on this shared host hits both sides of a ratio alike."""
     samples: dict = {}
@@ -292,12 +312,13 @@ def cluster_points(model: str, mode: str, prompts: dict, ns: argparse.Namespace)
                 for rep in range(ns.repeat):
                     for path, dep in deps.items():
                         samples.setdefault((path, api, c), []).append(
-                            _point(dep, model, mode, path, api, c, prompts, ns, spy=rep == 0))
+                            _point(dep, model, mode, path, api, c, prompts, ns, spy=rep == 0,
+                                   ref_tokens=ref_tokens.get(c)))
     return {key: _median_point(pts) for key, pts in samples.items()}
 
 
 def _point(dep: Any, model: str, mode: str, path: str, api: str, c: int, prompts: dict, ns: argparse.Namespace,
-           spy: bool) -> dict:
+           spy: bool, ref_tokens: Optional[list] = None) -> dict:
     reqs = _requests(prompts[c], _tokens_for(c, ns), f"{api}{c}")
     spies = {}
     if spy and ns.py_spy and c == max(ns.concurrency):
@@ -314,6 +335,7 @@ def _point(dep: Any, model: str, mode: str, path: str, api: str, c: int, prompts
     point = rates([r.chunk_times_s[0] for r in ok], [r.chunk_times_s[-1] for r in ok],
                   [r.output_tokens for r in ok], min(r.start_s for r in recs), max(r.end_s for r in recs))
     tokens = point["tokens"]
+    point["same_tokens"], point["compared"] = same_tokens(recs, ref_tokens) if ref_tokens else (0, 0)
     cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
     cpu["client"] = self1 - self0
     point["cpu_ms_per_token"] = {k: 1e3 * v / tokens for k, v in cpu.items()}
@@ -323,7 +345,7 @@ def _point(dep: Any, model: str, mode: str, path: str, api: str, c: int, prompts
         print(f"    py-spy {name} ({raw}): " + ", ".join(f"{f} {share:.0%}" for f, share
                                                       in point["profiles"][name][:8]), flush=True)
     print(f"  {model} {mode} {path} {api} c={c}: decode {point['decode_tok_s']:.1f} tok/s, "
-          f"e2e {point['e2e_tok_s']:.1f} tok/s, CPU ms/token "
+          f"e2e {point['e2e_tok_s']:.1f} tok/s, offline's tokens {point['same_tokens']}/{point['compared']}, CPU ms/token "
           + ", ".join(f"{k} {v:.3f}" for k, v in point["cpu_ms_per_token"].items()), flush=True)
     return point
 
@@ -356,13 +378,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                                   seed=ns.seed + c).requests]
                    for c in ns.concurrency}
         print(f"{model}: offline engine, 1 thread ...", flush=True)
-        ref = offline(model, prompts, ns)
+        ref, ref_tokens = offline(model, prompts, ns)
         for c, r in sorted(ref.items()):
             print(f"  {model} offline c={c}: decode {r['decode_tok_s']:.1f} tok/s, e2e {r['e2e_tok_s']:.1f} tok/s",
                   flush=True)
         for mode in ns.modes:
             print(f"{model}: {mode}, paths {', '.join(ns.paths)} ...", flush=True)
-            pts = cluster_points(model, mode, prompts, ns)
+            pts = cluster_points(model, mode, prompts, ns, ref_tokens)
             for (path, api, c), p in sorted(pts.items(), key=lambda kv: (ns.paths.index(kv[0][0]), kv[0][1], kv[0][2])):
                 o = ref[c]
                 results["rows"].append({
@@ -371,16 +393,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "decode_tok_s": p["decode_tok_s"], "e2e_tok_s": p["e2e_tok_s"],
                     "decode_ratio": p["decode_tok_s"] / o["decode_tok_s"], "e2e_ratio": p["e2e_tok_s"] / o["e2e_tok_s"],
                     "cpu_ms_per_token": p["cpu_ms_per_token"], "profiles": p.get("profiles", {}),
-                    "repeats": p["repeats"]})
+                    "repeats": p["repeats"], "same_tokens": p["same_tokens"], "compared": p["compared"]})
     print("\n| model | mode | path | api | streams | offline decode | cluster decode | ratio | offline e2e | cluster e2e "
-          "| ratio | router CPU ms/tok | workers CPU ms/tok |")
-    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| ratio | router CPU ms/tok | workers CPU ms/tok | offline's tokens |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results["rows"]:
         cpu = r["cpu_ms_per_token"]
         workers = sum(v for k, v in cpu.items() if k not in ("router", "client"))
         print(f"| {r['model']} | {r['mode']} | {r['path']} | {r['api']} | {r['concurrency']} | {r['offline_decode_tok_s']:.0f} "
               f"| {r['decode_tok_s']:.0f} | {r['decode_ratio']:.2f}x | {r['offline_e2e_tok_s']:.0f} "
-              f"| {r['e2e_tok_s']:.0f} | {r['e2e_ratio']:.2f}x | {cpu['router']:.3f} | {workers:.3f} |")
+              f"| {r['e2e_tok_s']:.0f} | {r['e2e_ratio']:.2f}x | {cpu['router']:.3f} | {workers:.3f} "
+              f"| {r['same_tokens']}/{r['compared']} |")
     for r in results["rows"]:
         for name, prof in r["profiles"].items():
             print(f"\n{name}, {r['model']} {r['mode']} {r['path']} {r['api']} c={r['concurrency']}: leaf functions by share of samples")
