@@ -13,7 +13,9 @@ signals the workers to stop, joins them (killing any that hang) and closes the
 store. The router and the load generator are NOT pinned: they share the machine
 with the workers.
 
-Options for the serving-overhead benchmark: ``roles`` replaces the mode's two workers (e.g. one
+Options for the serving-overhead benchmark: ``worker_kw`` adds worker config fields (``engine_process``),
+``cores_per_worker`` pins each worker to that many consecutive cores (an engine process takes all but the
+last), ``roles`` replaces the mode's two workers (e.g. one
 ``("colocated",)``), and ``router_process=True`` runs the router in its own (unpinned) process, as
 ``pdserve up`` does, so its CPU time can be read from ``/proc`` apart from the load generator's;
 ``pids`` names every process of the deployment.
@@ -33,11 +35,11 @@ def usable_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def _worker_main(role: str, worker_id: str, model: str, core: Optional[int], kv_store: str,
-                 engine_kw: dict, ready_q: Any, stop_evt: Any) -> None:
+def _worker_main(role: str, worker_id: str, model: str, cores: Optional[list[int]], kv_store: str,
+                 engine_kw: dict, ready_q: Any, stop_evt: Any, worker_kw: Optional[dict] = None) -> None:
     try:
-        if core is not None:  # before torch starts any thread: every thread inherits the mask
-            os.sched_setaffinity(0, {core})
+        if cores:  # before torch starts any thread: every thread inherits the mask
+            os.sched_setaffinity(0, set(cores))
         import torch
 
         torch.set_num_threads(1)
@@ -55,12 +57,13 @@ def _worker_main(role: str, worker_id: str, model: str, core: Optional[int], kv_
         else:
             from decode_worker import ColocatedWorker, ColocatedWorkerConfig
 
-            w = ColocatedWorker(ColocatedWorkerConfig(worker_id, engine=eng, serve_metrics=False))
+            w = ColocatedWorker(ColocatedWorkerConfig(worker_id, engine=eng, serve_metrics=False, **(worker_kw or {})))
         w.start()
     except BaseException:
-        ready_q.put((role, "", traceback.format_exc()))
+        ready_q.put((role, "", traceback.format_exc(), None))
         return
-    ready_q.put((role, w.address, sorted(os.sched_getaffinity(0))))
+    # an engine in its own process (worker_kw engine_process) is named too, so its CPU time is counted
+    ready_q.put((role, w.address, sorted(os.sched_getaffinity(0)), getattr(w.engine, "pid", None)))
     try:
         stop_evt.wait(24 * 3600)
     finally:
@@ -108,7 +111,8 @@ class Deployment:
 
     def __init__(self, mode: str, model: str, cores: Sequence[int], engine_kw: Optional[dict] = None,
                  router_kw: Optional[dict] = None, start_timeout_s: float = 300.0,
-                 roles: Optional[Sequence[str]] = None, router_process: bool = False) -> None:
+                 roles: Optional[Sequence[str]] = None, router_process: bool = False,
+                 worker_kw: Optional[dict] = None, cores_per_worker: int = 1) -> None:
         if mode not in ROLES_BY_MODE:
             raise ValueError(f"mode must be one of {tuple(ROLES_BY_MODE)}, got {mode!r}")
         self.roles = tuple(roles) if roles is not None else ROLES_BY_MODE[mode]
@@ -120,6 +124,8 @@ class Deployment:
         self.cores = list(cores)
         self.engine_kw = dict(engine_kw or {})
         self.router_kw = dict(router_kw or {})
+        self.worker_kw = dict(worker_kw or {})
+        self.cores_per_worker = cores_per_worker
         self.start_timeout_s = start_timeout_s
         self.router: Any = None
         self.pinning: dict[str, list[int]] = {}
@@ -158,23 +164,31 @@ class Deployment:
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         names = {}
+        k = self.cores_per_worker
         for i, role in enumerate(self.roles):
-            core = self.cores[i % len(self.cores)] if self.cores else None
+            mine = ([self.cores[(i * k + j) % len(self.cores)] for j in range(k)] if self.cores else None)
             stop = ctx.Event()
-            p = ctx.Process(target=_worker_main, daemon=True,
-                            args=(role, f"{role}{i}", self.model, core, url, self.engine_kw, q, stop))
+            # a worker with an engine process has a child: multiprocessing allows none to a daemonic process
+            # (close() stops and joins every worker either way)
+            p = ctx.Process(target=_worker_main, daemon=not self.worker_kw.get("engine_process"),
+                            args=(role, f"{role}{i}", self.model, mine, url, self.engine_kw, q, stop, self.worker_kw))
             p.start()
             names[p.pid] = f"{role}{i}"
             self._procs.append(p)
             self._stops.append(stop)
         workers = []
+        engines = {}
         for _ in self.roles:
-            role, addr, extra = q.get(timeout=self.start_timeout_s)
+            role, addr, extra, engine_pid = q.get(timeout=self.start_timeout_s)
             if not addr:
                 raise RuntimeError(f"{self.mode}: a {role} worker failed to start:\n{extra}")
             self.pinning[f"{role}@{addr}"] = extra
             workers.append((role, addr))
+            if engine_pid is not None:
+                engines[addr] = engine_pid
         self.pids = {name: pid for pid, name in names.items()}
+        for n, engine_pid in enumerate(engines.values()):
+            self.pids[f"engine{n}"] = engine_pid
         if self.router_process:
             stop = ctx.Event()
             p = ctx.Process(target=_router_main, daemon=True,

@@ -47,7 +47,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from disagg_deploy import Deployment, usable_cores  # noqa: E402
 
-MODES = {"colocated": ("colocated",), "disaggregated": ("prefill", "decode")}
+MODES = {"colocated": ("colocated",), "disaggregated": ("prefill", "decode"), "colocated-ep": ("colocated",)}
+# a mode's deployment: (Deployment mode, worker config fields, cores per worker). colocated-ep: the colocated
+# worker with its engine core in a process of its own (WorkerConfig.engine_process), the engine on one core and
+# the worker's gRPC and streaming threads on the next
+DEPLOY = {"colocated": ("colocated", {}, 1), "disaggregated": ("disaggregated", {}, 1),
+          "colocated-ep": ("colocated", {"engine_process": True}, 2)}
 PATHS = {"streams": True, "per-call": False}  # RouterConfig.output_streams
 
 
@@ -55,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="tiny,bench", help="built-in model names or paths, comma-separated")
-    p.add_argument("--modes", default="colocated,disaggregated", help="colocated (1 worker), disaggregated (1+1)")
+    p.add_argument("--modes", default="colocated,disaggregated", help="colocated (1 worker), disaggregated (1+1), colocated-ep (1 worker, its engine in a process of "
+                        "its own on a second core)")
     p.add_argument("--apis", default="grpc,http", help="grpc, http (OpenAI /v1/completions, streamed)")
     p.add_argument("--concurrency", default="1,8,32,128", help="streams at once, comma-separated")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of each request (random ids)")
@@ -110,7 +116,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         if getattr(ns, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if ns.device.startswith("cuda") and "disaggregated" in ns.modes:
-        raise SystemExit("--device cuda: only --modes colocated (every worker of a Deployment takes the same device, "
+        raise SystemExit("--device cuda: only --modes colocated or colocated-ep (every worker of a Deployment takes the same device, "
                          "and NCCL refuses two ranks on one GPU)")
     if ns.kv_cache_gib <= 0:
         raise SystemExit("--kv-cache-gib must be > 0")
@@ -299,8 +305,10 @@ def cluster_points(model: str, mode: str, prompts: dict, ns: argparse.Namespace,
             router_kw = {"output_streams": PATHS[path]}
             if "http" in ns.apis:  # the HTTP front end only where it is measured (its server needs the HTTP extras)
                 router_kw["http_port"] = 0
-            deps[path] = stack.enter_context(Deployment(mode, model, usable_cores(), engine_kw=ekw,
-                                                        router_kw=router_kw, roles=MODES[mode], router_process=True))
+            dmode, worker_kw, per_worker = DEPLOY[mode]
+            deps[path] = stack.enter_context(Deployment(dmode, model, usable_cores(), engine_kw=ekw,
+                                                        router_kw=router_kw, roles=MODES[mode], router_process=True,
+                                                        worker_kw=worker_kw, cores_per_worker=per_worker))
             for api in ns.apis:  # warm both APIs
                 recs = _send(api, deps[path], model, _requests(prompts[min(prompts)][:2], 8, f"warm-{api}"),
                              ns.timeout_s)

@@ -69,11 +69,12 @@ class LocalRequests(ChoiceRequestSet[_LocalReq]):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{e} (request {req.request_id})") from None
         self.hold(req)
 
-    def on_layer_done(self, layer: int, request_ids: list[str]) -> None:
-        """The engine's layer hook: layer 0 of a prompt's chunk running ends its queue time."""
+    def on_layer_done(self, layer: int, request_ids: list[str], at: Optional[float] = None) -> None:
+        """The engine's layer hook: layer 0 of a prompt's chunk running ends its queue time (``at``: when, for an
+        engine in its own process, which reports it after the step)."""
         if layer != 0:
             return
-        now = time.monotonic()
+        now = time.monotonic() if at is None else at
         for rid in request_ids:
             req = self.get(rid)
             if req is not None and req.scheduled is None:

@@ -45,6 +45,9 @@ class EngineLoop:
         self._cmds: "queue.SimpleQueue[tuple[Callable[[Any], Any], Optional[Future]]]" = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        # an engine in its own process (worker_common.engine_process) waits in step() for its next message:
+        # a queued command ends that wait
+        self._wake: Callable[[], None] = getattr(engine, "wake", None) or (lambda: None)
         self.error: Optional[BaseException] = None
 
     def start(self) -> None:
@@ -68,6 +71,7 @@ class EngineLoop:
             raise RuntimeError(f"{self.name}: engine loop is not running")
         fut: Future = Future()
         self._cmds.put((fn, fut))
+        self._wake()
         return fut.result(timeout=timeout_s)
 
     def post(self, fn: Callable[[Any], Any]) -> None:
@@ -76,6 +80,7 @@ class EngineLoop:
             fn(self.engine)
             return
         self._cmds.put((fn, None))
+        self._wake()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()

@@ -112,7 +112,14 @@ class WorkerBase:
         from engine.llm_engine import LLMEngine
         from metrics import WorkerMetrics
 
-        self.ctx.engine = LLMEngine(self.cfg.engine)
+        if self.cfg.engine_process:
+            from worker_common.engine_process import RemoteEngine
+
+            remote = RemoteEngine(self.cfg.engine, f"{self.role}-{self.cfg.worker_id}").start()
+            remote.on_error = self._on_refused
+            self.ctx.engine = remote
+        else:
+            self.ctx.engine = LLMEngine(self.cfg.engine)
         if self.needs_kv:
             self.ctx.kv = self.make_kv_endpoint()
         self.ctx.metrics = WorkerMetrics(self.cfg.served_model_name, self.role, self.cfg.worker_id)
@@ -154,6 +161,8 @@ class WorkerBase:
             self.kv_events.stop()
         if self.kv is not None:
             self.kv.shutdown()
+        if self.engine is not None and hasattr(self.engine, "shutdown"):  # an engine process
+            self.engine.shutdown()
         if self._metrics_stop is not None:
             self._metrics_stop()
 
@@ -350,6 +359,14 @@ class WorkerBase:
                         self.requests_finished_total += 1
                     rs.on_output(req, o, now)
                     break
+
+    def _on_refused(self, request_id: str, message: str) -> None:
+        """An engine in its own process refused a request it was sent (its ``add_request`` ValueError, which an
+        in-process engine raises to the handler): end that request as INVALID_ARGUMENT (loop thread)."""
+        rs = self.holder(request_id)
+        req = rs.get(request_id) if rs is not None else None
+        if req is not None:
+            rs.drop(req, RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{message} (request {request_id})"))
 
     def poll(self) -> bool:
         """Advance KV transfers and deadlines of every set; True while something is pending."""

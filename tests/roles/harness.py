@@ -118,14 +118,14 @@ def start_roles(kv: str = KV, n_prefill: int = 1, n_decode: int = 1, engine: Opt
 
 
 def start_colocated(n: int = 1, engine: Optional[dict] = None, router: Optional[dict] = None,
-                    tag: str = "", metrics: bool = False) -> Roles:
+                    tag: str = "", metrics: bool = False, worker: Optional[dict] = None) -> Roles:
     from decode_worker import ColocatedWorker, ColocatedWorkerConfig
 
     workers = []
     try:
         for i in range(n):
             workers.append(ColocatedWorker(ColocatedWorkerConfig(f"{tag}c{i}", engine=engine_config(**(engine or {})),
-                                                                 serve_metrics=metrics)).start())
+                                                                 serve_metrics=metrics, **(worker or {}))).start())
         source = StaticWorkerSource([w.info for w in workers])
         r = RouterServer(RouterConfig(serve_metrics=False, mode="colocated", **(router or {})), source).start()
     except BaseException:

@@ -1,0 +1,131 @@
+"""The engine core in its own process (``WorkerConfig.engine_process``): a colocated worker serving through it
+equals the offline engine, frees blocks on cancel, refuses what the engine refuses with INVALID_ARGUMENT and goes
+on serving, fails its requests (never hangs) when the engine process dies, and leaves no process behind."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import grpc
+import psutil
+import pytest
+import torch
+
+from decode_worker import ColocatedWorker, ColocatedWorkerConfig
+from decode_worker.config import DecodeWorkerConfig
+from engine.sampling_params import SamplingParams
+from proto import pdserve_pb2, worker_pb2, worker_pb2_grpc
+from router.wire import params_to_wire
+from tests.roles.harness import collect, engine_config, joined, offline, start_colocated
+from tests.waiting import wait_until
+
+PROMPTS = ["def add(a, b):", "x", "# " + "the quick brown fox jumps over the lazy dog " * 12, "return None"]
+
+
+@pytest.fixture(scope="module")
+def colo():
+    torch.set_num_threads(1)
+    r = start_colocated(n=1, tag="ep-", worker={"engine_process": True})
+    yield r
+    r.close()
+
+
+def _engine_pid(w: ColocatedWorker) -> int:
+    pid = w.engine.pid
+    assert pid is not None and pid != os.getpid()
+    return pid
+
+
+def test_the_engine_steps_in_a_child_process_and_greedy_equals_offline(colo):
+    w = colo.decodes[0]
+    child = psutil.Process(_engine_pid(w))
+    assert child.ppid() == os.getpid() and child.is_running()
+    ref = offline(PROMPTS, [SamplingParams(max_tokens=10, temperature=0.0)] * len(PROMPTS))
+    got = [None] * len(PROMPTS)
+
+    def run(i):
+        got[i] = collect(colo.stub, prompt=PROMPTS[i], max_tokens=10, temperature=0.0)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    for (ids, text, reason, _), resps in zip(ref, got):
+        assert joined(resps) == (ids, text, reason)
+        assert resps[-1].usage.completion_tokens == len(ids) and resps[-1].timings.ttft_s > 0
+    assert colo.wait_idle(5.0)
+    # the worker process never built an engine of its own: every step ran in the child
+    assert type(w.engine).__name__ == "RemoteEngine" and w.engine.make_stats().num_steps > 0
+
+
+def test_seeded_sampling_and_logprobs_equal_offline(colo):
+    sp = SamplingParams(max_tokens=12, temperature=0.9, seed=11, logprobs=2)
+    ref = offline([PROMPTS[0]], [sp])[0]
+    resps = collect(colo.stub, prompt=PROMPTS[0], max_tokens=12, temperature=0.9, seed=11, logprobs=2)
+    assert joined(resps)[:2] == ref[:2]
+    got_lp = [lp.logprob for r in resps for lp in r.logprobs]
+    assert got_lp == pytest.approx([lp.logprob for lp in ref[3]], abs=1e-5)
+    assert colo.wait_idle(5.0)
+
+
+def test_cancel_frees_blocks_and_load_reaches_info(colo):
+    w = colo.decodes[0]
+    s = colo.stub.Generate(pdserve_pb2.GenerateRequest(prompt="a", max_tokens=1500, ignore_eos=True,
+                                                       temperature=0.0), timeout=60)
+    next(s)
+    next(s)
+    wait_until(lambda: w.info().num_running == 1 and w.info().num_free_blocks < w.info().num_total_blocks,
+               timeout=10, interval=0.01, message="the running request in the worker's load snapshot")
+    s.cancel()
+    assert colo.wait_idle(5.0)
+
+
+def test_a_request_the_engine_refuses_is_invalid_argument_and_the_worker_goes_on(colo):
+    w = colo.decodes[0]
+    max_len = w.engine.max_model_len
+    with grpc.insecure_channel(w.address) as ch:
+        stub = worker_pb2_grpc.ColocatedWorkerStub(ch)
+        params = params_to_wire(SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(worker_pb2.ColocatedRequest(request_id="too-long", prompt_token_ids=[5] * (max_len + 8),
+                                                           params=params), timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "too-long" in e.value.details()
+        ok = list(stub.Generate(worker_pb2.ColocatedRequest(request_id="after", prompt_token_ids=[5, 6, 7],
+                                                            params=params), timeout=60))
+        assert sum(len(c.token_ids) for c in ok) == 4
+    assert colo.wait_idle(5.0)
+
+
+def test_engine_process_death_fails_requests_and_stop_leaves_no_process():
+    torch.set_num_threads(1)
+    r = start_colocated(n=1, tag="epd-", worker={"engine_process": True})
+    try:
+        w = r.decodes[0]
+        pid = _engine_pid(w)
+        s = r.stub.Generate(pdserve_pb2.GenerateRequest(prompt="a", max_tokens=1500, ignore_eos=True,
+                                                        temperature=0.0), timeout=60)
+        next(s)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in s:
+                pass
+        assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+        wait_until(lambda: not w.info().ready, timeout=10, interval=0.02, message="the worker reports not ready")
+    finally:
+        r.close()
+    r2 = start_colocated(n=1, tag="eps-", worker={"engine_process": True})
+    pid = _engine_pid(r2.decodes[0])
+    r2.close()
+    wait_until(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+               timeout=10, interval=0.05, message="the engine process gone after stop()")
+
+
+def test_config_refuses_what_the_engine_process_cannot_do_yet():
+    with pytest.raises(ValueError, match="colocated role only"):
+        DecodeWorkerConfig("d", engine=engine_config(), engine_process=True)
+    with pytest.raises(ValueError, match="kv_events_url"):
+        ColocatedWorkerConfig("c", engine=engine_config(), engine_process=True, kv_events_url="redis://127.0.0.1:1")
+    with pytest.raises(ValueError, match="engine_process must be a bool"):
+        ColocatedWorkerConfig("c", engine=engine_config(), engine_process="yes")
