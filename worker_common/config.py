@@ -77,7 +77,7 @@ class WorkerConfig:
     engine_process: bool = False
     """Run the engine core in a process of its own (``worker_common.engine_process``): its steps no longer share
     this process's GIL with the gRPC and streaming threads. With two or more usable cores the engine process gets
-    all but one. The colocated role only, without ``kv_events_url``, for now."""
+    all but one. The colocated role only, for now."""
 
     role = "worker"
 
@@ -107,9 +107,6 @@ class WorkerConfig:
         if self.engine_process and self.role != "colocated":
             raise ValueError(f"engine_process is supported by the colocated role only, not {self.role} (the "
                              "prefill and decode roles write KV transfers into the engine's cache tensors)")
-        if self.engine_process and self.kv_events_url is not None:
-            raise ValueError("engine_process cannot be combined with kv_events_url yet (the prefix cache's "
-                             "events stay in the engine process)")
         if not isinstance(self.kv_backend, str) or not self.kv_backend:
             raise ValueError(f"kv_backend must be a backend name, got {self.kv_backend!r}")
 

@@ -27,8 +27,9 @@ uses the proxy as it would the engine:
 
 CPU placement: with more than one usable core, the worker process keeps the last one for its threads and
 the child gets the rest (its torch threads are ``EngineConfig.num_threads``); on one core both share it.
-What runs only in-process for now: KV transfer (decode and prefill roles write received KV into the cache
-tensors) and KV events (the prefix cache's block events); ``WorkerConfig`` refuses those combinations.
+The prefix cache's KV events (``block_manager.enable_events()``) are recorded in the child and travel in
+the step messages; ``block_manager.take_events()`` returns them in order. What runs only in-process for now:
+KV transfer (decode and prefill roles write received KV into the cache tensors); ``WorkerConfig`` refuses it.
 """
 from __future__ import annotations
 
@@ -66,8 +67,8 @@ def _engine_main(cfg: Any, conn: Connection, cores: Optional[list[int]]) -> None
 
     eng.layer_done_callback = on_layer
     conn.send(("ready", {"num_total_blocks": eng.num_total_blocks, "block_size": eng.block_size,
-                         "kv_cache_dtype": eng.kv_cache_dtype, "max_model_len": eng.max_model_len},
-               _snapshot(eng)))
+                         "kv_cache_dtype": eng.kv_cache_dtype, "max_model_len": eng.max_model_len,
+                         "enable_caching": eng.block_manager.enable_caching}, _snapshot(eng)))
     errors: list[tuple[str, str]] = []
     seen = 0  # commands run so far: each message says it, so the parent knows its commands took effect
     try:
@@ -88,13 +89,16 @@ def _engine_main(cfg: Any, conn: Connection, cores: Optional[list[int]]) -> None
                 elif op == "abort":
                     eng.abort_request(msg[1])
                     started.pop(msg[1], None)
+                elif op == "events":
+                    eng.block_manager.enable_events()
                 elif op == "stop":
                     return
                 busy = eng.has_unfinished_requests()
             seen += ran
             outs = eng.step() if busy else []
-            if outs or errors or started or ran:
-                conn.send(("step", outs, started, errors, _snapshot(eng), seen))
+            events = eng.block_manager.take_events()
+            if outs or errors or started or ran or events:
+                conn.send(("step", outs, started, errors, _snapshot(eng), seen, events))
                 started, errors = {}, []
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the worker process went away
@@ -124,6 +128,8 @@ class RemoteEngine:
         self._seen = 0
         self._facts: dict = {}
         self._snap: tuple = (0, 0, 0, None)
+        self.block_manager = _RemoteBlocks(self)
+        """The prefix cache's side the worker uses: ``enable_caching``, ``enable_events()``, ``take_events()``."""
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self) -> "RemoteEngine":
@@ -228,7 +234,9 @@ class RemoteEngine:
         outs: list = []
         try:
             while conn.poll(0):
-                _, step_outs, started, errors, self._snap, self._seen = conn.recv()
+                _, step_outs, started, errors, self._snap, self._seen, events = conn.recv()
+                if events:
+                    self.block_manager.events.extend(events)
                 if started and self.layer_done_callback is not None:
                     at = min(started.values())
                     self.layer_done_callback(0, list(started), at)
@@ -276,3 +284,22 @@ class RemoteEngine:
 
     def make_stats(self) -> Any:
         return self._snap[3]
+
+
+class _RemoteBlocks:
+    """``RemoteEngine.block_manager``: the engine process's prefix-cache events, as ``BlockManager`` hands them."""
+
+    def __init__(self, owner: RemoteEngine) -> None:
+        self._owner = owner
+        self.events: list[tuple] = []
+
+    @property
+    def enable_caching(self) -> bool:
+        return bool(self._owner._facts.get("enable_caching"))
+
+    def enable_events(self) -> None:
+        self._owner._send(("events",))
+
+    def take_events(self) -> list[tuple]:
+        ev, self.events = self.events, []
+        return ev

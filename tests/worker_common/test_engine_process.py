@@ -122,10 +122,49 @@ def test_engine_process_death_fails_requests_and_stop_leaves_no_process():
                timeout=10, interval=0.05, message="the engine process gone after stop()")
 
 
+def test_prefix_cache_events_travel_from_the_engine_process_to_redis(redis_url):
+    """The engine process records its prefix cache's events; the worker publishes them (real Redis): a prompt's
+    full blocks appear as BlockStored with the hashes a router computes for that prompt."""
+    import redis
+
+    from engine import prefix_block_hashes
+    from engine.kv_events import KV_ENTRY_BATCH, BlockStored, decode_kv_batch, kv_stream_key
+
+    torch.set_num_threads(1)
+    ns = f"ep-{os.getpid()}"
+    w = ColocatedWorker(ColocatedWorkerConfig("epk0", engine=engine_config(enable_prefix_caching=True),
+                                              serve_metrics=False, engine_process=True, kv_events_url=redis_url,
+                                              kv_events_namespace=ns)).start()
+    r = redis.Redis.from_url(redis_url)
+    try:
+        prompt = list(range(5, 5 + 3 * w.engine.block_size + 2))
+        want = set(prefix_block_hashes(prompt, w.engine.block_size))
+        assert len(want) == 3
+        with grpc.insecure_channel(w.address) as ch:
+            stub = worker_pb2_grpc.ColocatedWorkerStub(ch)
+            params = params_to_wire(SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+            list(stub.Generate(worker_pb2.ColocatedRequest(request_id="k", prompt_token_ids=prompt, params=params),
+                               timeout=60))
+
+        def stored() -> set:
+            got = set()
+            for _id, fields in r.xrange(kv_stream_key(ns, "epk0")):
+                if KV_ENTRY_BATCH in fields:
+                    for ev in decode_kv_batch(fields[KV_ENTRY_BATCH]).events:
+                        if isinstance(ev, BlockStored):
+                            got.update(ev.block_hashes)
+            return got
+
+        wait_until(lambda: want <= stored(), timeout=15, interval=0.05,
+                   message=lambda: f"the prompt's block hashes in the worker's event stream (got {stored()})")
+    finally:
+        w.stop()
+        r.delete(kv_stream_key(ns, "epk0"))
+        r.close()
+
+
 def test_config_refuses_what_the_engine_process_cannot_do_yet():
     with pytest.raises(ValueError, match="colocated role only"):
         DecodeWorkerConfig("d", engine=engine_config(), engine_process=True)
-    with pytest.raises(ValueError, match="kv_events_url"):
-        ColocatedWorkerConfig("c", engine=engine_config(), engine_process=True, kv_events_url="redis://127.0.0.1:1")
     with pytest.raises(ValueError, match="engine_process must be a bool"):
         ColocatedWorkerConfig("c", engine=engine_config(), engine_process="yes")
