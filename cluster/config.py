@@ -103,6 +103,9 @@ class ClusterConfig:
     device: str = "auto"
     """"cpu", "cuda", or "auto" (cuda when the Ray cluster offers GPUs, else cpu). On cuda every worker actor
     asks Ray for one GPU, its engine runs there and KV moves over NCCL."""
+    engine_process: bool = False
+    """Colocated workers run their engine core in a process of their own (``WorkerConfig.engine_process``); the
+    worker actor's gRPC and streaming threads then use CPU beyond ``cpus_per_worker``. Colocated pools only."""
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_colocated"):
@@ -110,6 +113,11 @@ class ClusterConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
         check_port(self.router_port, "router_port")
+        if not isinstance(self.engine_process, bool):
+            raise ValueError(f"engine_process must be a bool, got {self.engine_process!r}")
+        if self.engine_process and not self.num_colocated:
+            raise ValueError("engine_process needs colocated workers (num_colocated > 0): the prefill and decode "
+                             "roles do not run their engine in a process of its own yet")
         if not self.cpus_per_worker > 0:
             raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker!r}")
         if not isinstance(self.model, str) or not self.model:
@@ -211,7 +219,7 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
         from decode_worker import ColocatedWorker, ColocatedWorkerConfig
 
         common.pop("kv_store")  # one engine does both phases: no KV moves
-        return ColocatedWorker(ColocatedWorkerConfig(**common))
+        return ColocatedWorker(ColocatedWorkerConfig(**common, engine_process=cfg.engine_process))
     raise ValueError(f"role must be one of {POOLS}, got {role!r}")
 
 

@@ -49,6 +49,10 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="--planner sla: profile.json of this model on this hardware (`pdserve profile`)")
     p.add_argument("--cpus-per-worker", type=float, default=1.0, help="Ray CPUs (and torch threads) per worker")
+    p.add_argument("--engine-process", action="store_true",
+                   help="with --colocated: each worker runs its engine core in a process of its own, so engine "
+                        "steps do not share a GIL with the worker's gRPC and streaming threads (vLLM v1's split; "
+                        "the worker then uses about one core beyond --cpus-per-worker)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the engines run: cuda gives every worker actor one Ray GPU and moves KV over "
                         "NCCL; auto = cuda when the Ray cluster offers GPUs, else cpu (default auto)")
@@ -225,7 +229,7 @@ def pool_config_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, served_model_name=args.served_model_name, num_prefill=args.prefill,
                 num_decode=args.decode, num_colocated=args.colocated, host=args.host, ray_address=args.address,
                 namespace=args.namespace, cpus_per_worker=args.cpus_per_worker, device=args.device,
-                engine_overrides=engine_overrides(args))
+                engine_overrides=engine_overrides(args), engine_process=args.engine_process)
 
 
 def engine_overrides(args: argparse.Namespace, checked_only: bool = False) -> dict:

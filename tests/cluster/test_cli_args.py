@@ -35,6 +35,7 @@ def test_bad_flag_is_named(argv, flag):
     (["--speculative-model", "no-such-model"], "--speculative-model: model 'no-such-model' is not a built-in"),
     (["--speculative-method", "ngram", "--speculative-model", "tiny-draft"],
      "--speculative-model is only used with method 'draft_model'"),
+    (["--engine-process"], "--engine-process needs --colocated K"),
 ])
 def test_bad_draft_model_flags_are_named(argv, message):
     args = build_parser().parse_args(["up", *argv])
@@ -152,3 +153,16 @@ def test_replica_sync_and_pending_flags_reach_the_router_config(cmd):
     assert (cfg.kv_replica_sync, cfg.kv_pending_s) == (False, 0.5)
     default = RouterConfig(**router_overrides(build_parser().parse_args([cmd] + argv[4:])))
     assert (default.kv_replica_sync, default.kv_pending_s) == (True, 2.0)
+
+
+def test_engine_process_flag_reaches_the_cluster_config():
+    from cluster.config import ClusterConfig
+    from cluster.up_flags import pool_config_kwargs
+
+    args = build_parser().parse_args(["up", "--colocated", "2", "--engine-process"])
+    check_up_args(args)
+    cfg = ClusterConfig(**pool_config_kwargs(args))
+    assert cfg.engine_process is True and cfg.num_colocated == 2
+    assert ClusterConfig(**pool_config_kwargs(build_parser().parse_args(["up"]))).engine_process is False
+    with pytest.raises(ValueError, match="engine_process needs colocated workers"):
+        ClusterConfig(num_colocated=0, engine_process=True)

@@ -1,7 +1,8 @@
 """`pdserve up` as a real subprocess: two clusters side by side, served, then SIGTERM leaves nothing behind.
 
 Cluster A (1 prefill + 1 decode) runs on its own embedded Redis; cluster B
-(one colocated worker, the baseline mode, with the planner on) uses the test session's Redis
+(one colocated worker, the baseline mode, with the planner on and its engine core in a process of its own,
+``--engine-process``, inside the Ray actor) uses the test session's Redis
 (``--redis-url``) so we can check that its keys are gone after exit.
 Both start their own private Ray instance, next to the one the test process
 may hold.
@@ -109,6 +110,13 @@ def _alive(p: psutil.Process) -> bool:
         return False
 
 
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
 def _listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
@@ -125,7 +133,7 @@ def test_two_pdserve_up_side_by_side_serve_and_sigterm_leaves_nothing(redis_url)
     http_port = pick_free_port()
     a = UpProcess("--num-kv-blocks", "128", "--http-port", str(http_port))
     b = UpProcess("--num-kv-blocks", "128", "--redis-url", redis_url, "--namespace", ns_b, "--colocated", "1",
-                  "--autoscale")
+                  "--autoscale", "--engine-process")
     try:
         a.wait_serving(240)
         b.wait_serving(240)
@@ -158,6 +166,8 @@ def test_two_pdserve_up_side_by_side_serve_and_sigterm_leaves_nothing(redis_url)
         shared_redis_port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
         ports = {up: up.ports() - {shared_redis_port} for up in (a, b)}  # B's Redis is not B's to stop
         assert all(len(p) >= 3 for p in procs.values()), procs  # Ray's processes and the worker actors
+        # B's worker actor runs its engine in a child process (multiprocessing spawn), which must go too
+        assert any("multiprocessing" in " ".join(_cmdline(p)) for p in procs[b]), [_cmdline(p) for p in procs[b]]
         assert len(ports[a]) >= 5 and len(ports[b]) >= 3, ports  # router, HTTP (A), worker + router metrics, Redis (A)
         assert http_port in ports[a]
         for up in (a, b):
