@@ -12,6 +12,9 @@
 #   2. cpu14: benchmarks/disagg_vs_colocated.py on 14 worker cores (2 left to router and client): colocated 14
 #      against 7P+7D with conditional disaggregation, the conversation trace at half length.
 #   3. cpu-overhead: benchmarks/serving_overhead.py on `tiny` with the router on cores of its own.
+#   invariance (not in the default PHASES): benchmarks/batch_invariance.py on the GPU, bf16 and fp32: does the
+#      offline engine alone give other greedy tokens when requests arrive one per step (the cluster's 27 Nov
+#      token differences on CUDA)?
 # pdserve's CPU kernels are built in the background during phase 1 (one build, cached for every worker).
 # At most 8 files come back from $OUT: the script writes only these.
 set -u
@@ -56,6 +59,17 @@ make_checkpoint(Path('/tmp/ck1b'), SHAPES['1b'], device='cuda' if torch.cuda.is_
 cleanup
 fi
 
+if has invariance; then
+log "phase invariance"
+[ -d /tmp/ck1b ] || python3 -c "
+import sys; sys.path.insert(0, 'benchmarks')
+from pathlib import Path
+from cuda_engine import make_checkpoint, SHAPES
+make_checkpoint(Path('/tmp/ck1b'), SHAPES['1b'], device='cuda')"
+timeout -s INT "${INV_S:-120}" python3 benchmarks/batch_invariance.py --model /tmp/ck1b --device cuda \
+  --dtypes bfloat16,float32 --num-prompts 128 --max-tokens 128 --kv-cache-gib 8 2>&1 | tee "$OUT/invariance.log"
+fi
+
 if has cpu14 || has cpu-overhead; then
 log "waiting for the CPU kernel build"
 wait "$KBUILD"; tail -2 "$OUT/kernels.log"
@@ -63,9 +77,13 @@ fi
 
 if has cpu14; then
 log "phase cpu14"
+# partial.json comes back even if the call's own limit ends everything: copied as it grows
+( while sleep 10; do cp /tmp/cpu14/partial.json "$OUT/cpu14_partial.json" 2>/dev/null; done ) &
+COPIER=$!
 timeout -s INT "$CPU14_S" python3 benchmarks/disagg_vs_colocated.py --model bench --trace "$TRACE" --num-requests "$CPU14_N" \
   --length-scale 0.5 --rates "$CPU14_RATES" --colocated-workers 14 --prefill-workers 7 --decode-workers 7 \
   --local-prefill-max-tokens 192 --reserve-cores 2 --out /tmp/cpu14 2>&1 | tee "$OUT/cpu14.log" | grep -v "^\s*$"
+kill "$COPIER" 2>/dev/null
 cp /tmp/cpu14/result.json "$OUT/cpu14_result.json" 2>/dev/null || cp /tmp/cpu14/partial.json "$OUT/cpu14_partial.json" 2>/dev/null
 cleanup
 fi

@@ -14,8 +14,8 @@ store. The router and the load generator are NOT pinned: they share the machine
 with the workers.
 
 Options for the serving-overhead benchmark: ``worker_kw`` adds worker config fields (``engine_process``),
-``cores_per_worker`` pins each worker to that many consecutive cores (an engine process takes all but the
-last), ``roles`` replaces the mode's two workers (e.g. one
+``cores_per_worker`` pins each worker to that many consecutive cores (an engine process's threads then take
+all but the last, the worker's threads the last), ``roles`` replaces the mode's two workers (e.g. one
 ``("colocated",)``), and ``router_process=True`` runs the router in its own (unpinned) process, as
 ``pdserve up`` does, so its CPU time can be read from ``/proc`` apart from the load generator's;
 ``pids`` names every process of the deployment.
@@ -33,6 +33,15 @@ ROLES_BY_MODE = {"disaggregated": ("prefill", "decode"), "colocated": ("colocate
 def usable_cores() -> list[int]:
     """The CPUs this process may run on, lowest first."""
     return sorted(os.sched_getaffinity(0))
+
+
+def pin_threads(pid: int, cores: Sequence[int]) -> None:
+    """Pin every thread of ``pid`` to ``cores`` (``sched_setaffinity`` of a pid moves its main thread only)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), set(cores))
+        except (ProcessLookupError, FileNotFoundError):
+            pass  # a thread that ended meanwhile
 
 
 def _worker_main(role: str, worker_id: str, model: str, cores: Optional[list[int]], kv_store: str,
@@ -62,8 +71,13 @@ def _worker_main(role: str, worker_id: str, model: str, cores: Optional[list[int
     except BaseException:
         ready_q.put((role, "", traceback.format_exc(), None))
         return
-    # an engine in its own process (worker_kw engine_process) is named too, so its CPU time is counted
-    ready_q.put((role, w.address, sorted(os.sched_getaffinity(0)), getattr(w.engine, "pid", None)))
+    # an engine in its own process (worker_kw engine_process) is named too, so its CPU time is counted; with two
+    # cores it gets the first and the worker's threads the second, each thread pinned
+    engine_pid = getattr(w.engine, "pid", None)
+    if engine_pid is not None and cores and len(cores) >= 2:
+        pin_threads(engine_pid, cores[:-1])
+        pin_threads(os.getpid(), cores[-1:])
+    ready_q.put((role, w.address, sorted(os.sched_getaffinity(0)), engine_pid))
     try:
         stop_evt.wait(24 * 3600)
     finally:

@@ -45,7 +45,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from disagg_deploy import Deployment, usable_cores  # noqa: E402
+from disagg_deploy import Deployment, pin_threads, usable_cores  # noqa: E402
 
 MODES = {"colocated": ("colocated",), "disaggregated": ("prefill", "decode"), "colocated-ep": ("colocated",)}
 # a mode's deployment: (Deployment mode, worker config fields, cores per worker). colocated-ep: the colocated
@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=3, help="runs of every point (paths taking turns); medians reported")
     p.add_argument("--timeout-s", type=float, default=900.0, help="deadline of each request")
+    p.add_argument("--pin-front", action="store_true",
+                   help="pin the router and this client to the cores no engine uses (colocated modes: all but "
+                        "the first), so the engines' cores serve nothing else: what the serving path costs when "
+                        "the host has a core for it")
     p.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
                    help="sample the router and every worker with py-spy for this long during the largest concurrency's point of each API")
     p.add_argument("--paths", default="streams,per-call",
@@ -309,6 +313,14 @@ def cluster_points(model: str, mode: str, prompts: dict, ns: argparse.Namespace,
             deps[path] = stack.enter_context(Deployment(dmode, model, usable_cores(), engine_kw=ekw,
                                                         router_kw=router_kw, roles=MODES[mode], router_process=True,
                                                         worker_kw=worker_kw, cores_per_worker=per_worker))
+            if ns.pin_front:  # the engines' cores (the first worker's first core) serve nothing else
+                cores = usable_cores()
+                front = cores[1:] if mode != "disaggregated" else cores[2:]
+                if not front:
+                    raise SystemExit(f"--pin-front: {mode} leaves no core for the router and the client")
+                pin_threads(deps[path].pids["router"], front)
+                pin_threads(os.getpid(), front)
+                stack.callback(pin_threads, os.getpid(), cores)
             for api in ns.apis:  # warm both APIs
                 recs = _send(api, deps[path], model, _requests(prompts[min(prompts)][:2], 8, f"warm-{api}"),
                              ns.timeout_s)

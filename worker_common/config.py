@@ -76,8 +76,8 @@ class WorkerConfig:
     """The deployment's namespace (the registry's) the event keys live under."""
     engine_process: bool = False
     """Run the engine core in a process of its own (``worker_common.engine_process``): its steps no longer share
-    this process's GIL with the gRPC and streaming threads. With two or more usable cores the engine process gets
-    all but one. The colocated role only, for now."""
+    this process's GIL with the gRPC and streaming threads; the OS places both processes. The colocated role only,
+    for now."""
 
     role = "worker"
 

@@ -25,8 +25,8 @@ uses the proxy as it would the engine:
   when the worker process dies: its pipe reads EOF. If the child dies, ``step()`` raises, so the loop dies
   as it would on an engine exception: the worker reports not ready and fails its requests.
 
-CPU placement: with more than one usable core, the worker process keeps the last one for its threads and
-the child gets the rest (its torch threads are ``EngineConfig.num_threads``); on one core both share it.
+CPU placement: the child inherits the worker's CPU affinity (``cores`` pins it instead); the OS places both
+processes. ``benchmarks/disagg_deploy.py`` pins every thread of each to a core of its own.
 The prefix cache's KV events (``block_manager.enable_events()``) are recorded in the child and travel in
 the step messages; ``block_manager.take_events()`` returns them in order. What runs only in-process for now:
 KV transfer (decode and prefill roles write received KV into the cache tensors); ``WorkerConfig`` refuses it.
@@ -112,9 +112,11 @@ class RemoteEngine:
     """The worker-side proxy of an engine in its own process (see module docstring). Loop thread only, except
     ``wake`` and the snapshot attributes."""
 
-    def __init__(self, cfg: Any, name: str = "engine") -> None:
+    def __init__(self, cfg: Any, name: str = "engine", cores: Optional[list[int]] = None) -> None:
         self.cfg = cfg
         self.name = name
+        self.cores = cores
+        """CPUs the engine process pins itself to before torch starts (None: it inherits this process's)."""
         self.layer_done_callback: Optional[Callable[..., None]] = None
         """Called as ``(0, request_ids, at)`` when those prompts' first layer ran (``at``: monotonic time)."""
         self.on_error: Callable[[str, str], None] = lambda rid, msg: log.warning("%s: request %s refused: %s",
@@ -136,11 +138,9 @@ class RemoteEngine:
         if mp.current_process().daemon:
             raise RuntimeError(f"{self.name}: engine_process needs a worker process that may have children; this "
                                "one is a daemonic multiprocessing process")
-        cores = sorted(os.sched_getaffinity(0))
-        child_cores = cores[:-1] if len(cores) > 1 else None
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=_engine_main, args=(self.cfg, child, child_cores), name=f"{self.name}-core",
+        self._proc = ctx.Process(target=_engine_main, args=(self.cfg, child, self.cores), name=f"{self.name}-core",
                                  daemon=True)
         self._proc.start()
         child.close()
@@ -158,8 +158,6 @@ class RemoteEngine:
             self.shutdown()
             raise RuntimeError(f"{self.name}: the engine process failed to load:\n{msg[1]}")
         self._facts, self._snap = msg[1], msg[2]
-        if child_cores:
-            os.sched_setaffinity(0, {cores[-1]})
         return self
 
     @property
