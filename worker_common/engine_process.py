@@ -125,6 +125,7 @@ class RemoteEngine:
         self._proc: Any = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)  # a full pipe already wakes the loop: never block a caller
         self._live: set[str] = set()
         self._sent = 0  # commands sent; the child's messages say how many it ran
         self._seen = 0
@@ -215,7 +216,7 @@ class RemoteEngine:
         """Any thread: end a ``step()`` that waits (the loop has a command)."""
         try:
             os.write(self._wake_w, b"\0")
-        except OSError:
+        except OSError:  # full (the loop will wake) or closed (stopped)
             pass
 
     def step(self, timeout_s: float = 0.05) -> list:
@@ -226,7 +227,8 @@ class RemoteEngine:
         ready = wait([conn, self._wake_r], timeout_s)
         if self._wake_r in ready:
             try:
-                os.read(self._wake_r, 4096)
+                while os.read(self._wake_r, 65536):
+                    pass
             except BlockingIOError:
                 pass
         outs: list = []

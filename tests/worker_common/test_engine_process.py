@@ -163,6 +163,44 @@ def test_prefix_cache_events_travel_from_the_engine_process_to_redis(redis_url):
         r.close()
 
 
+def test_the_proxy_alone_equals_the_engine_and_wake_never_blocks():
+    """``RemoteEngine`` driven as the loop drives it: greedy outputs equal an in-process engine's; 70,000 wakes
+    while idle (more than a pipe holds) return at once; an abort of an unknown id is harmless; a refused add is
+    reported through ``on_error``."""
+    from engine.llm_engine import LLMEngine
+    from worker_common.engine_process import RemoteEngine
+
+    torch.set_num_threads(1)
+    cfg = engine_config()
+    remote = RemoteEngine(cfg, "proxy-test").start()
+    refused: list = []
+    remote.on_error = lambda rid, msg: refused.append((rid, msg))
+    try:
+        for _ in range(70_000):
+            remote.wake()
+        remote.abort_request("nobody")
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        prompts = {"a": [5, 6, 7, 8, 9], "b": [11, 12, 13]}
+
+        def drive(eng) -> dict:
+            got: dict = {k: [] for k in prompts}
+            for rid, ids in prompts.items():
+                eng.add_request(rid, ids, params)
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    got[o.request_id].extend(o.new_token_ids)
+            return got
+
+        assert drive(remote) == drive(LLMEngine(cfg))
+        remote.add_request("long", [5] * (remote.max_model_len + 4), params)
+        while remote.has_unfinished_requests():
+            remote.step()
+        assert [rid for rid, _ in refused] == ["long"] and "long" not in str(remote._live)
+        assert remote.num_free_blocks == remote.num_total_blocks
+    finally:
+        remote.shutdown()
+
+
 def test_config_refuses_what_the_engine_process_cannot_do_yet():
     with pytest.raises(ValueError, match="colocated role only"):
         DecodeWorkerConfig("d", engine=engine_config(), engine_process=True)
