@@ -1,4 +1,5 @@
-"""Router in colocated mode + ColocatedWorker equal the offline engine; cancel frees blocks."""
+"""Router in colocated mode + ColocatedWorker equal the offline engine; cancel frees blocks (the engine in the
+worker's process, and in a process of its own)."""
 from __future__ import annotations
 
 import threading
@@ -14,10 +15,12 @@ from tests.roles.harness import collect, joined, offline, start_colocated
 PROMPTS = ["def add(a, b):", "x", "# " + "the quick brown fox jumps over the lazy dog " * 12, "return None"]
 
 
-@pytest.fixture(scope="module")
-def colo():
+@pytest.fixture(scope="module", params=[False, True], ids=["engine-in-process", "engine-process"])
+def colo(request):
+    """One colocated worker behind a router; its engine in the worker's process, or in one of its own
+    (``WorkerConfig.engine_process``): every test here holds for both."""
     torch.set_num_threads(1)
-    r = start_colocated(n=1, tag="colo-")
+    r = start_colocated(n=1, tag="colo-", worker={"engine_process": request.param})
     yield r
     r.close()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import grpc
 import psutil
@@ -37,27 +36,17 @@ def _engine_pid(w: ColocatedWorker) -> int:
     return pid
 
 
-def test_the_engine_steps_in_a_child_process_and_greedy_equals_offline(colo):
+def test_the_engine_steps_in_a_child_process(colo):
+    """(Greedy equality with the offline engine, cancel and load: tests/roles/test_colocated.py, both ways.)"""
     w = colo.decodes[0]
     child = psutil.Process(_engine_pid(w))
     assert child.ppid() == os.getpid() and child.is_running()
-    ref = offline(PROMPTS, [SamplingParams(max_tokens=10, temperature=0.0)] * len(PROMPTS))
-    got = [None] * len(PROMPTS)
-
-    def run(i):
-        got[i] = collect(colo.stub, prompt=PROMPTS[i], max_tokens=10, temperature=0.0)
-
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(120)
-    for (ids, text, reason, _), resps in zip(ref, got):
-        assert joined(resps) == (ids, text, reason)
-        assert resps[-1].usage.completion_tokens == len(ids) and resps[-1].timings.ttft_s > 0
+    before = w.engine.make_stats().num_steps
+    resps = collect(colo.stub, prompt=PROMPTS[1], max_tokens=5, temperature=0.0)
+    assert sum(len(r.token_ids) for r in resps) == 5
+    # the worker process never built an engine of its own: the steps ran in the child, whose stats came back
+    assert type(w.engine).__name__ == "RemoteEngine" and w.engine.make_stats().num_steps >= before + 5
     assert colo.wait_idle(5.0)
-    # the worker process never built an engine of its own: every step ran in the child
-    assert type(w.engine).__name__ == "RemoteEngine" and w.engine.make_stats().num_steps > 0
 
 
 def test_seeded_sampling_and_logprobs_equal_offline(colo):
@@ -100,7 +89,8 @@ def test_a_request_the_engine_refuses_is_invalid_argument_and_the_worker_goes_on
 
 def test_engine_process_death_fails_requests_and_stop_leaves_no_process():
     torch.set_num_threads(1)
-    r = start_colocated(n=1, tag="epd-", worker={"engine_process": True})
+    # the router waits pool_wait_s for a ready worker to migrate to; there is none here
+    r = start_colocated(n=1, tag="epd-", worker={"engine_process": True}, router={"pool_wait_s": 2.0})
     try:
         w = r.decodes[0]
         pid = _engine_pid(w)
@@ -111,7 +101,7 @@ def test_engine_process_death_fails_requests_and_stop_leaves_no_process():
         with pytest.raises(grpc.RpcError) as e:
             for _ in s:
                 pass
-        assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "no ready colocated worker" in e.value.details()
         wait_until(lambda: not w.info().ready, timeout=10, interval=0.02, message="the worker reports not ready")
     finally:
         r.close()
