@@ -1,9 +1,11 @@
 """The engine core in a process of its own (``WorkerConfig.engine_process``), vLLM v1's split.
 
-Why: in one worker process the engine's steps share one GIL with the gRPC servicer threads, the output
-streams and the per-token routing; on a GPU the decode step waits on that Python work (measured on an H100:
-the colocated worker's one core was the limit at 128 streams, 0.53x the offline engine). Here the engine
-steps in a child process with the cores it is given, while the worker process keeps everything else.
+Why: in one worker process the engine's steps share one GIL (and, pinned, one core) with the gRPC servicer
+threads, the output streams and the per-token routing. Here the engine steps in a child process, while the
+worker process keeps everything else. Measured on 27 Nov (docs/benchmarks.md, "The engine core in its own
+process"): at parity with the in-process engine on a 2-core host and in one H100 run, where the engine's own
+CPU per step (kernel launches), not the serving work, filled its core. It pays where the worker's serving work
+is what keeps the engine's core busy and the host has a core for it.
 
 Lifecycle: ``RemoteEngine(cfg).start()`` spawns ``_engine_main`` (a ``multiprocessing`` spawn child), which
 builds the ``LLMEngine`` and answers one ``ready`` message with the engine's fixed facts; a load failure
@@ -72,7 +74,7 @@ def _engine_main(cfg: Any, conn: Connection, cores: Optional[list[int]]) -> None
     errors: list[tuple[str, str]] = []
     seen = 0  # commands run so far: each message says it, so the parent knows its commands took effect
     try:
-        while True:
+        while True:  # an engine exception goes to the worker as ("failed", traceback), below
             busy = eng.has_unfinished_requests()
             ran = 0
             # the commands waiting now; idle, block until one comes (the parent's death is EOF)
@@ -93,6 +95,8 @@ def _engine_main(cfg: Any, conn: Connection, cores: Optional[list[int]]) -> None
                     eng.block_manager.enable_events()
                 elif op == "stop":
                     return
+                else:  # a protocol error is a bug: end loudly (the worker gets the traceback)
+                    raise RuntimeError(f"unknown engine process command {op!r}")
                 busy = eng.has_unfinished_requests()
             seen += ran
             outs = eng.step() if busy else []
@@ -102,6 +106,12 @@ def _engine_main(cfg: Any, conn: Connection, cores: Optional[list[int]]) -> None
                 started, errors = {}, []
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the worker process went away
+    except BaseException:
+        try:
+            conn.send(("failed", traceback.format_exc()))
+        except (OSError, ValueError):
+            pass
+        raise
 
 
 def _snapshot(eng: Any) -> tuple:
@@ -116,7 +126,7 @@ class RemoteEngine:
         self.cfg = cfg
         self.name = name
         self.cores = cores
-        """CPUs the engine process pins itself to before torch starts (None: it inherits this process's)."""
+        """CPUs the engine process pins itself to before it builds the engine (None: it inherits this process's)."""
         self.layer_done_callback: Optional[Callable[..., None]] = None
         """Called as ``(0, request_ids, at)`` when those prompts' first layer ran (``at``: monotonic time)."""
         self.on_error: Callable[[str, str], None] = lambda rid, msg: log.warning("%s: request %s refused: %s",
@@ -234,12 +244,15 @@ class RemoteEngine:
         outs: list = []
         try:
             while conn.poll(0):
-                _, step_outs, started, errors, self._snap, self._seen, events = conn.recv()
+                msg = conn.recv()
+                if msg[0] == "failed":
+                    raise RuntimeError(f"{self.name}: the engine process failed:\n{msg[1]}")
+                _, step_outs, started, errors, self._snap, self._seen, events = msg
                 if events:
                     self.block_manager.events.extend(events)
                 if started and self.layer_done_callback is not None:
-                    at = min(started.values())
-                    self.layer_done_callback(0, list(started), at)
+                    for rid, at in started.items():
+                        self.layer_done_callback(0, [rid], at)
                 for rid, msg in errors:
                     if rid in self._live:
                         self._live.discard(rid)

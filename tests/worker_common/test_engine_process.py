@@ -191,6 +191,23 @@ def test_the_proxy_alone_equals_the_engine_and_wake_never_blocks():
         remote.shutdown()
 
 
+def test_an_exception_in_the_engine_process_reaches_the_worker_with_its_traceback():
+    """Anything but a refused add ends the engine process; the proxy's next step raises with the child's
+    traceback (so the worker's log names the cause), and the child is gone."""
+    from worker_common.engine_process import RemoteEngine
+
+    remote = RemoteEngine(engine_config(), "failing").start()
+    try:
+        remote._send(("no-such-command",))  # a protocol error: the child raises
+        with pytest.raises(RuntimeError) as e:
+            for _ in range(200):
+                remote.step(0.1)
+        assert "the engine process failed" in str(e.value) and "no-such-command" in str(e.value)
+        wait_until(lambda: not remote._proc.is_alive(), timeout=10, interval=0.05, message="the child exited")
+    finally:
+        remote.shutdown()
+
+
 def test_config_refuses_what_the_engine_process_cannot_do_yet():
     with pytest.raises(ValueError, match="colocated role only"):
         DecodeWorkerConfig("d", engine=engine_config(), engine_process=True)
