@@ -191,7 +191,7 @@ class Deployment:
             self._procs.append(p)
             self._stops.append(stop)
         workers = []
-        engines = {}
+        engines = []
         for _ in self.roles:
             role, addr, extra, engine_pid = q.get(timeout=self.start_timeout_s)
             if not addr:
@@ -199,10 +199,9 @@ class Deployment:
             self.pinning[f"{role}@{addr}"] = extra
             workers.append((role, addr))
             if engine_pid is not None:
-                engines[addr] = engine_pid
+                engines.append(engine_pid)
         self.pids = {name: pid for pid, name in names.items()}
-        for n, engine_pid in enumerate(engines.values()):
-            self.pids[f"engine{n}"] = engine_pid
+        self.pids.update((f"engine{n}", pid) for n, pid in enumerate(engines))
         if self.router_process:
             stop = ctx.Event()
             p = ctx.Process(target=_router_main, daemon=True,

@@ -44,7 +44,7 @@ def check_pool_args(args: argparse.Namespace) -> None:
     for name in ("prefill", "decode", "colocated"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
-    if getattr(args, "engine_process", False) and not args.colocated:
+    if args.engine_process and not args.colocated:
         raise ValueError("--engine-process needs --colocated K: the prefill and decode roles do not run their "
                          "engine in a process of its own yet")
     if args.autoscale:

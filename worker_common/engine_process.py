@@ -27,8 +27,7 @@ uses the proxy as it would the engine:
   when the worker process dies: its pipe reads EOF. If the child dies, ``step()`` raises, so the loop dies
   as it would on an engine exception: the worker reports not ready and fails its requests.
 
-CPU placement: the child inherits the worker's CPU affinity (``cores`` pins it instead); the OS places both
-processes. ``benchmarks/disagg_deploy.py`` pins every thread of each to a core of its own.
+CPU placement: the child inherits the worker's CPU affinity; the OS places both processes. ``benchmarks/disagg_deploy.py`` pins every thread of each to a core of its own.
 The prefix cache's KV events (``block_manager.enable_events()``) are recorded in the child and travel in
 the step messages; ``block_manager.take_events()`` returns them in order. What runs only in-process for now:
 KV transfer (decode and prefill roles write received KV into the cache tensors); ``WorkerConfig`` refuses it.
@@ -48,10 +47,8 @@ log = logging.getLogger(__name__)
 _READY_TIMEOUT_S = 600.0  # building an engine compiles kernels on a fresh machine (minutes)
 
 
-def _engine_main(cfg: Any, conn: Connection, cores: Optional[list[int]]) -> None:
+def _engine_main(cfg: Any, conn: Connection) -> None:
     """The child: build the engine, then run commands and steps until ``stop`` or the parent's pipe closes."""
-    if cores:
-        os.sched_setaffinity(0, set(cores))
     try:
         from engine.llm_engine import LLMEngine
 
@@ -122,11 +119,9 @@ class RemoteEngine:
     """The worker-side proxy of an engine in its own process (see module docstring). Loop thread only, except
     ``wake`` and the snapshot attributes."""
 
-    def __init__(self, cfg: Any, name: str = "engine", cores: Optional[list[int]] = None) -> None:
+    def __init__(self, cfg: Any, name: str = "engine") -> None:
         self.cfg = cfg
         self.name = name
-        self.cores = cores
-        """CPUs the engine process pins itself to before it builds the engine (None: it inherits this process's)."""
         self.layer_done_callback: Optional[Callable[..., None]] = None
         """Called as ``(0, request_ids, at)`` when those prompts' first layer ran (``at``: monotonic time)."""
         self.on_error: Callable[[str, str], None] = lambda rid, msg: log.warning("%s: request %s refused: %s",
@@ -151,7 +146,7 @@ class RemoteEngine:
                                "one is a daemonic multiprocessing process")
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=_engine_main, args=(self.cfg, child, self.cores), name=f"{self.name}-core",
+        self._proc = ctx.Process(target=_engine_main, args=(self.cfg, child), name=f"{self.name}-core",
                                  daemon=True)
         self._proc.start()
         child.close()
