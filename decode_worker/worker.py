@@ -6,7 +6,8 @@ Lifecycle of one disaggregated request (a ``_DecodeReq`` in ``DisaggregatedReque
    the prefill worker sends a byte.
 2. ``Decode`` RPC (first token from the prefill worker) -> the request waits until ``poll()``
    sees the receive DONE, then ``engine.add_prefilled_request`` puts it in the running batch.
-   A FAILED receive (deadline, peer lost, cancelled) ends the stream with UNAVAILABLE.
+   A FAILED receive (deadline, peer lost, store away, cancelled) ends the stream with ABORTED: the
+   router resumes the request whole (on this worker too), since the worker itself is fine.
 3. Each ``engine.step()`` output goes to the handler as a DecodeChunk; the last carries the
    finish reason. A Decode that never comes is freed after ``reserve_timeout_s`` (or the
    receive deadline plus a margin, when longer).
@@ -114,8 +115,8 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
             if req.running or req.failure is not None:
                 continue
             state = kv.poll(req.handle)
-            if state == TransferState.FAILED:
-                self._fail(req, grpc.StatusCode.UNAVAILABLE,
+            if state == TransferState.FAILED:  # ABORTED: the router resumes it (this worker is fine)
+                self._fail(req, grpc.StatusCode.ABORTED,
                            f"KV for request {req.request_id} did not arrive: {kv.failure(req.handle)}")
             elif state == TransferState.DONE and req.decoding:
                 try:

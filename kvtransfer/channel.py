@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from kvtransfer.rendezvous import Rendezvous, RendezvousTimeout
+from kvtransfer.rendezvous import Rendezvous, RendezvousTimeout, StoreUnavailable
 from kvtransfer.transfer import Transfer
 from kvtransfer.transport import PairBroken, PairGroup, open_pair
 
@@ -141,10 +141,13 @@ class PairChannel:
             group = open_pair(self.host.backend, store, prefix, self.rank, wait_s, self.host.rendezvous.hub,
                               self.host.bind_host)
         except Exception as e:  # noqa: BLE001 - store down, peer gone, gloo refusal: all mean "not now"
+            store_down = isinstance(e, StoreUnavailable)
             if not isinstance(e, (PairBroken, RendezvousTimeout)):
                 e = f"{type(e).__name__}: {e}"
             log.debug("kv %s %s<->%s: build failed: %s", self.role, self.host.name, self.peer, e)
             self.build_error = str(e)
+            if store_down:
+                self._fail_waiting(str(e).replace("StoreUnavailable: ", ""))
             return False
         with self.cond:
             if self.closed is not None:
@@ -158,6 +161,22 @@ class PairChannel:
         log.debug("kv %s %s<->%s: pair %s up (gen %d)", self.role, self.host.name, self.peer, key, gen)
         self._spawn(self._gen_main, f"kv-{self.role}-gen{gen}-{self.host.name}-{self.peer}", group, gen)
         return True
+
+    def _fail_waiting(self, reason: str) -> None:
+        """The store is unreachable, so no group can be built now: fail at once (not at their deadlines) the
+        transfers that wait for one. None of their bytes went out, so no pair breaks; the next use tries again."""
+        with self.cond:
+            if self.group is not None or self.closed is not None:
+                return
+            failed = [t for t in list(self.live.values()) if not t.final and not t.started]
+            for t in failed:
+                self.expire(t, reason)
+                self.live.pop(t.transfer_id, None)
+            self.cond.notify_all()
+        if failed:
+            log.warning("kv %s %s<->%s: %d transfer(s) failed: %s", self.role, self.host.name, self.peer,
+                        len(failed), reason)
+        self._report(failed)
 
     def current(self) -> tuple[PairGroup | None, int]:
         with self.cond:

@@ -9,6 +9,11 @@ the receiver (rank 1) accepts the offer only if it names its own incarnation
 and differs from the last key it used. Both then build the group under
 ``pg/<key>``, so a rebuilt pair never reads a stale rendezvous, and an offer
 meant for a dead incarnation is never accepted by its successor.
+
+A store that cannot be reached (Redis killed, paused past its socket timeout) raises
+``StoreUnavailable`` at once, distinct from ``RendezvousTimeout`` (the store answers, the peer is not
+there yet): the channel then fails the transfers waiting for the pair without waiting for their
+deadlines, so a request learns within one store timeout that its pair cannot be built now.
 """
 from __future__ import annotations
 
@@ -23,6 +28,19 @@ import torch.distributed as dist
 
 class RendezvousTimeout(RuntimeError):
     """The peer did not show up in the store in time."""
+
+
+class StoreUnavailable(RuntimeError):
+    """The rendezvous store did not answer (connection refused, reset or timed out)."""
+
+
+def _store_call(fn: Callable[[], object], what: str) -> object:
+    try:
+        return fn()
+    except RendezvousTimeout:
+        raise
+    except Exception as e:  # noqa: BLE001 - redis-py and c10d errors arrive through torch's store trampoline
+        raise StoreUnavailable(f"rendezvous store unavailable ({what}): {type(e).__name__}: {e}") from e
 
 
 class Rendezvous:
@@ -41,14 +59,14 @@ class Rendezvous:
     def publish(self) -> None:
         """(Re)write this endpoint's incarnation. Store keys may expire (the Redis store's TTL) or vanish
         (a restarted Redis), so a receiver publishes again each time it waits for an offer."""
-        self.store.set(f"inc/{self.name}", self.incarnation)
+        _store_call(lambda: self.store.set(f"inc/{self.name}", self.incarnation), "publish")
 
     def _poll(self, fn: Callable[[], str | None], timeout_s: float, what: str,
               stop: Callable[[], bool]) -> str:
         deadline = time.monotonic() + timeout_s
         pause = 0.0005
         while True:
-            got = fn()
+            got = _store_call(fn, what)
             if got is not None:
                 return got
             if stop():
@@ -71,7 +89,7 @@ class Rendezvous:
         # the counter is per endpoint, not per channel: a channel re-created after close() must not
         # repeat a key the receiver already used
         key = f"{self.name}.{self.incarnation}>{receiver}.{inc_r}.{next(self._seq)}"
-        self.store.set(f"offer/{self.name}>{receiver}", key)
+        _store_call(lambda: self.store.set(f"offer/{self.name}>{receiver}", key), "offer")
         return key
 
     def accept(self, sender: str, last_key: str | None, timeout_s: float, stop: Callable[[], bool]) -> str:

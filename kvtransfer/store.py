@@ -77,6 +77,10 @@ def _poll_until(pred, timeout_s: float, what: str):
         pause = min(pause * 2, 0.02)
 
 
+OP_TIMEOUT_S = 1.0
+"""Socket timeout of one Redis command of the rendezvous (they answer in well under a millisecond)."""
+
+
 class RedisStore(dist.Store):
     """A ``torch.distributed.Store`` on Redis (usable by ProcessGroupGloo's rendezvous).
 
@@ -90,7 +94,9 @@ class RedisStore(dist.Store):
 
         if not key_ttl_s > timeout_s:
             raise ValueError(f"key_ttl_s must be > timeout_s ({timeout_s}), got {key_ttl_s!r}")
-        self._r = redis.Redis.from_url(url, socket_timeout=max(timeout_s, 1.0))
+        # Each command is one round trip (the waits poll); a Redis that does not answer one within
+        # OP_TIMEOUT_S is away (paused, partitioned), and the rendezvous says so instead of hanging.
+        self._r = redis.Redis.from_url(url, socket_timeout=OP_TIMEOUT_S, socket_connect_timeout=OP_TIMEOUT_S)
         self._timeout_s = timeout_s
         self._ttl_ms = int(key_ttl_s * 1000)
 

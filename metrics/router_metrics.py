@@ -75,8 +75,14 @@ class RouterMetrics(ComponentMetrics):
         self._series["request_migrations_total"].inc()
 
     def inc_degraded(self, reason: str) -> None:
-        """A request served on a fallback path (``reason``: "no_prefill" or "no_decode")."""
+        """A request served on a fallback path (``reason``: "no_prefill", "no_decode", "no_kv_pair",
+        "kv_transfer_failed")."""
         self._child("degraded_requests_total", check_label("reason", reason)).inc()
+
+    def inc_redis_fallback(self, use: str) -> None:
+        """A request-path decision made on local state because Redis was away (``use``: "cold_tie", "kv_pair",
+        "routing")."""
+        self._child("redis_fallbacks_total", check_label("use", use)).inc()
 
     def inc_local_prefill(self) -> None:
         self._series["local_prefill_requests_total"].inc()

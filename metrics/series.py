@@ -79,9 +79,16 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
                                  "Requests resumed on another worker after theirs failed mid-stream.", None),
     "local_prefill_requests_total": (ROUTER, "counter", "Requests the router had a decode worker prefill itself "
                                      "(conditional disaggregation).", None),
-    "degraded_requests_total": (ROUTER, "counter", "Requests served on a fallback path because a pool had no live "
-                                "worker (reason: no_prefill = prefilled on a decode worker; no_decode = run whole "
-                                "on a colocated worker).", "reason"),
+    "degraded_requests_total": (ROUTER, "counter", "Requests served on a fallback path (reason: no_prefill = no "
+                                "live prefill worker, prefilled on a decode worker; no_decode = run whole on a "
+                                "colocated worker; no_kv_pair = Redis away and no prefill worker paired with a decode "
+                                "worker, prefilled on the decode worker; kv_transfer_failed = the KV did not reach "
+                                "the decode worker, which resumed the request itself).", "reason"),
+    "redis_fallbacks_total": (ROUTER, "counter", "Request-path decisions that fell back to this router's own state "
+                              "because Redis did not answer within its bound (use: cold_tie = a tie drawn locally "
+                              "after at most 50 ms; kv_pair = a request kept off prefill workers with no KV pair up; "
+                              "routing = a prefill worker chosen by load only, the KV event index being stale).",
+                              "use"),
     "router_requests_in_flight": (ROUTER, "gauge", "Requests the router holds (admitted, not finished), those "
                                   "waiting for KV capacity included.", None),
     "router_requests_waiting": (ROUTER, "gauge", "Requests in the router's admission queue, waiting for KV "

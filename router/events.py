@@ -71,8 +71,11 @@ class FlowError(Exception):
     """The request ends with status ``code`` and ``message`` (which names the request, never an address)."""
 
     def __init__(self, code: grpc.StatusCode, message: str, worker_id: str = "", final: bool = False,
-                 empty_pool: Optional[Pool] = None) -> None:
+                 empty_pool: Optional[Pool] = None, fallback_reason: str = "") -> None:
         super().__init__(message)
+        self.fallback_reason = fallback_reason
+        """With ``empty_pool``: the ``degraded_requests_total`` reason when a fallback route serves the request
+        ("" = ``no_<pool>``)."""
         self.code = code
         self.message = message
         self.empty_pool = empty_pool

@@ -228,7 +228,7 @@ class KVEventConsumer:
     def __init__(self, index: KVIndex, redis_url: str, namespace: str, worker_ids: Callable[[], Iterable[str]],
                  metrics: Callable[[], Any] = lambda: None, block_ms: int = 100, resync_interval_s: float = 0.25,
                  batch_entries: int = 512, pending_s: float = 2.0, replica_sync: bool = True,
-                 ties_timeout_s: float = 0.25) -> None:
+                 ties_timeout_s: float = 0.05) -> None:
         """``worker_ids``: the workers to follow now (the router's view of the registry); ``metrics``: the
         router's ``RouterMetrics`` once it exists (None before); ``pending_s``: how long a placed prompt's blocks
         count as pending on its worker before its events confirm them (``RouterConfig.kv_pending_s``; 0: never);

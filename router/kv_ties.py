@@ -19,9 +19,10 @@ last write, and ``stop()`` deletes it). Windows come from Redis's own clock (``T
 matter.
 
 Cost and failure: one round trip per cold tie only (a warm prefix or a clear best never asks); a short socket
-timeout (``timeout_s``, 0.25 s: Redis answers in well under a millisecond, the rest is room for a busy router
-process); on any Redis error the caller draws locally as before (counted: ``pdserve:
-kv_cold_ties_total{result="local"}``) and the next ``backoff_s`` (1 s) skips Redis altogether, so Redis away delays
+timeout (``timeout_s``, 0.05 s: Redis answers in well under a millisecond; 50 ms is the most a request may gain
+while Redis is away, and a busy router that misses it only draws one tie locally); on any Redis error the caller
+draws locally as before (counted: ``pdserve:kv_cold_ties_total{result="local"}`` and
+``pdserve:redis_fallbacks_total{use="cold_tie"}``) and the next ``backoff_s`` (1 s) skips Redis altogether, so Redis away delays
 at most one placement per second, by at most the timeout. Thread-safe (redis-py's pool); the placer serialises its
 own cold decisions (``Placer``'s cold lock) so two of this router's requests sharing a new prefix do not split it.
 
@@ -73,7 +74,7 @@ class ColdTies:
     """Shared tie-breaking of cold placements across routers (see module docstring)."""
 
     def __init__(self, redis_url: str, namespace: str, window_s: float, metrics: Callable[[], Any] = lambda: None,
-                 timeout_s: float = 0.25, backoff_s: float = 1.0) -> None:
+                 timeout_s: float = 0.05, backoff_s: float = 1.0) -> None:
         if not window_s > 0 or not timeout_s > 0 or not backoff_s >= 0:
             raise ValueError("window_s and timeout_s must be > 0, backoff_s >= 0")
         self.key = kv_ties_key(namespace)
@@ -123,6 +124,8 @@ class ColdTies:
         m = self._metrics()
         if m is not None:
             m.inc_kv_cold_tie(result)
+            if result == "local":
+                m.inc_redis_fallback("cold_tie")
 
     def stop(self) -> None:
         """Delete the key (the ties it counts are seconds old; the next cold tie creates it again) and close."""

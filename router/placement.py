@@ -171,6 +171,9 @@ class Placer:
         self._lock = threading.Lock()
         self._cold_lock = threading.Lock()
         """One cold placement at a time (``_cold``)."""
+        self._pairs: set[tuple[str, str]] = set()
+        """(prefill id, decode id) pairs whose last KV transfer for this router succeeded: their pair group is up,
+        so they need no rendezvous through Redis (``pair_result``)."""
 
     # ---- route ---------------------------------------------------------------------------------
     def route(self, scope: RequestScope) -> Route:
@@ -245,6 +248,9 @@ class Placer:
         kv = self.kv_events
         if kv is not None:
             if kv.connected is False:
+                m = self._metrics()
+                if m is not None:
+                    m.inc_redis_fallback("routing")
                 return "load_only", {}, {}  # Redis unavailable: neither the index nor the registry is current
             if kv.connected and all(kv.synced(w.worker_id) for w in ranked):
                 by_bs: dict[int, list[str]] = {}
@@ -349,9 +355,19 @@ class Placer:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no ready prefill worker",
                             final=True, empty_pool=Pool.PREFILL)
         p = ranked_p[0]
+        away = self.store_away()
+        unpaired = 0
         exhausted = 0
         wrid = scope.next_worker_request_id()
         for d in sel.ranked_decode(ready, needed, self._rng):
+            if away:
+                # Redis away: a pair whose group is not up could not rendezvous (it would fail after a store
+                # timeout); use a prefill worker already paired with d, in rank order, or skip d
+                with self._lock:
+                    p = next((q for q in ranked_p if (q.worker_id, d.worker_id) in self._pairs), None)
+                if p is None:
+                    unpaired += 1
+                    continue
             # count the request against d before the call, so concurrent requests rank d as busier now
             sel.acquire(d.worker_id)
             try:
@@ -372,7 +388,32 @@ class Placer:
                              held={Hold.DECODE, Hold.PREFILL})
         if exhausted:
             return None
+        if unpaired:
+            m = self._metrics()
+            if m is not None:
+                m.inc_redis_fallback("kv_pair")
+            raise FlowError(grpc.StatusCode.UNAVAILABLE,
+                            f"request {scope.rid}: Redis is unavailable and no prefill worker has a KV pair up with "
+                            f"a ready decode worker (new pairs rendezvous through Redis)", final=True,
+                            empty_pool=Pool.PREFILL, fallback_reason="no_kv_pair")
         raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no decode worker reachable")
+
+    # ---- pairs known to work -----------------------------------------------------------------------
+    def store_away(self) -> bool:
+        """Whether Redis looks unavailable right now: the KV event consumer lost it, or the worker view could not
+        read the registry on its last refresh (the view then routes from its last good snapshot)."""
+        kv = self.kv_events
+        if kv is not None and kv.connected is False:
+            return True
+        return getattr(self.source, "last_error", None) is not None
+
+    def pair_result(self, prefill_id: str, decode_id: str, ok: bool) -> None:
+        """A KV transfer between the two ended: ``ok`` marks their pair group as up, a failure as unknown."""
+        with self._lock:
+            if ok:
+                self._pairs.add((prefill_id, decode_id))
+            else:
+                self._pairs.discard((prefill_id, decode_id))
 
     # ---- failures ----------------------------------------------------------------------------------
     def suspect(self, worker_id: str) -> None:

@@ -138,7 +138,7 @@ class RequestFlow:
                 if whole is not None:
                     log.warning("request %s: %s; running it whole on a %s worker", self.rid, e.message, whole.pool)
                     if metrics is not None:
-                        metrics.inc_degraded(f"no_{empty.value}")
+                        metrics.inc_degraded(e.fallback_reason or f"no_{empty.value}")
                     route = whole
                     continue
                 # ... or wait, bounded, for the supervisor to bring the pool back
@@ -228,8 +228,8 @@ class RequestFlow:
                     at.abort()
                     continue
                 lost = yield from self._decode(at, p_stream, ft, t_call)
-            if lost:  # D is gone mid-stream: another decode worker prefills prompt + outputs and goes on
-                yield from self._run_whole(Route.DECODE, {lost}, cfg.max_attempts - 1)
+            if lost is not None:  # another decode worker (D too, when only the KV transfer failed) prefills
+                yield from self._run_whole(Route.DECODE, lost, cfg.max_attempts - 1)  # prompt + outputs, goes on
             return
         raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: no attempt made")
 
@@ -253,9 +253,10 @@ class RequestFlow:
         return p_stream, ev.first_token, t_call
 
     def _decode(self, at: Attempt, p_stream: Any, ft: worker_pb2.FirstToken,
-                t_call: float) -> Generator[FlowEvent, None, str]:
-        """The first token, then ``Decode`` on D while the transfer watch reads P's TransferDone. Returns "" when
-        the request is done, or D's id when D was lost mid-stream and the request should migrate."""
+                t_call: float) -> Generator[FlowEvent, None, Optional[set[str]]]:
+        """The first token, then ``Decode`` on D while the transfer watch reads P's TransferDone. Returns None when
+        the request is done, or the workers to avoid when it should go on whole on a decode worker: {D} when D
+        was lost mid-stream, none when only the KV transfer failed (D is fine and may prefill it itself)."""
         cfg, placer, scope, rid = self.deps.cfg, self.deps.placer, self.scope, self.rid
         self._first_token(t_call, ft.queue_s, ft.prefill_s, ft.num_cached_tokens)
         ev = self._emit(0, [ft.token_id], [ft.logprob] if ft.HasField("logprob") else [], always=True,
@@ -263,7 +264,7 @@ class RequestFlow:
         if self.done():  # a stop string in the very first token: D is not needed
             at.abort()
             yield ev
-            return ""
+            return None
         yield ev
 
         pl = at.placement
@@ -274,7 +275,8 @@ class RequestFlow:
                 return scope.rpc_error(e, f"KV transfer from {pid}")
             return FlowError(grpc.StatusCode.UNAVAILABLE, f"request {rid}: KV transfer from {pid}: {why}")
 
-        watch = TransferWatch(p_stream, rid, lambda: at.release(Hold.PREFILL), transfer_error)
+        watch = TransferWatch(p_stream, rid, lambda: at.release(Hold.PREFILL), transfer_error,
+                              on_ok=lambda: placer.pair_result(pid, d.worker_id, True))
         d_stream = at.track(self.deps.calls.decode(scope, pl, ft))
         watch.guard(d_stream)
 
@@ -282,12 +284,28 @@ class RequestFlow:
             if watch.done():
                 self.timings.kv_transfer_s = watch.kv_transfer_s or 0.0  # the last event's timings object
 
+        def transfer_failed(err: FlowError) -> set[str]:
+            """The KV did not reach D (store away, pair broken, P lost): D resumes the request itself."""
+            placer.pair_result(pid, d.worker_id, False)
+            if recovery(err, scope, self.streamed(), cfg.max_attempts - 1) is not Recovery.MIGRATE:
+                raise err
+            log.warning("request %s: KV transfer %s -> %s failed after %d tokens; resuming whole on a decode "
+                        "worker: %s", rid, pid, d.worker_id, self.streamed(), err.message)
+            if self.deps.metrics is not None:
+                self.deps.metrics.inc_degraded("kv_transfer_failed")
+            at.abort()
+            return set()
+
         try:
             if (yield from self._consume(d_stream, at, transfer_time)):
-                return ""
+                return None
         except grpc.RpcError as e:
             if watch.error is not None:
-                raise watch.error from None
+                return transfer_failed(watch.error)
+            if e.code() == grpc.StatusCode.ABORTED:  # D's receive failed: the transfer's fault, not D's
+                return transfer_failed(FlowError(grpc.StatusCode.UNAVAILABLE,
+                                                 f"request {rid}: KV transfer from {pid} to {d.worker_id} failed: "
+                                                 f"{e.details()}"))
             err = scope.rpc_error(e, f"decode on {d.worker_id}", d.worker_id)
             placer.failed(err)
             if recovery(err, scope, self.streamed(), cfg.max_attempts - 1) is not Recovery.MIGRATE:
@@ -297,9 +315,9 @@ class RequestFlow:
             if self.deps.metrics is not None:
                 self.deps.metrics.inc_migration()
             at.abort()
-            return d.worker_id
+            return {d.worker_id}
         if watch.error is not None:
-            raise watch.error
+            return transfer_failed(watch.error)
         raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {rid}: decode stream from {d.worker_id} ended "
                                                   f"without a finish reason")
 

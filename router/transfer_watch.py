@@ -25,8 +25,11 @@ class TransferWatch:
     """Reads TransferDone (or the failure) from a prefill stream on its own thread."""
 
     def __init__(self, p_stream: Any, request_id: str, on_end: Callable[[], None],
-                 to_error: Callable[[Optional[grpc.RpcError], str], Exception]) -> None:
+                 to_error: Callable[[Optional[grpc.RpcError], str], Exception],
+                 on_ok: Optional[Callable[[], None]] = None) -> None:
+        """``on_ok`` runs (on the watch's thread, before ``on_end``) when TransferDone arrives."""
         self._stream = p_stream
+        self._on_ok = on_ok
         self._on_end = on_end
         self._to_error = to_error
         self._lock = threading.Lock()
@@ -44,6 +47,8 @@ class TransferWatch:
             ev = next(self._stream)
             if ev.HasField("transfer_done"):
                 self.kv_transfer_s = ev.transfer_done.kv_transfer_s
+                if self._on_ok is not None:
+                    self._on_ok()
             else:
                 err = self._to_error(None, f"prefill worker sent {ev.WhichOneof('event')} instead of TransferDone")
         except grpc.RpcError as e:

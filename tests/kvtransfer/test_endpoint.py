@@ -338,3 +338,59 @@ def test_receiver_republishes_its_incarnation_when_the_store_lost_it():
     finally:
         p.shutdown()
         d.shutdown()
+
+
+@pytest.mark.parametrize("outage", ["killed", "paused"])
+def test_unreachable_store_fails_waiting_transfers_at_once_and_the_pair_builds_once_it_is_back(outage):
+    """Redis away before a pair was ever built: both ends fail their waiting transfer with the store as the
+    reason, long before the transfers' 60 s deadline (a request falls back instead of hanging); once Redis
+    answers again the very next transfer builds the pair (one outage does not mark the pair failed)."""
+    import dataclasses
+    import os
+    import signal
+
+    from cluster.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    cfg = StoreConfig(server.url, namespace="kvt")
+    p = KVEndpoint("p0", cfg, backend="gloo", timeout_s=60.0)
+    d = KVEndpoint("d0", cfg, backend="gloo", timeout_s=60.0)
+    try:
+        src, dst = make_cache(SRC), make_cache(DST)
+        port = server.port
+        if outage == "killed":
+            os.kill(server.pid, signal.SIGKILL)
+            server.stop()
+        else:
+            os.kill(server.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        hr = d.recv("p0", "r1", dst, [3, 4, 5], 13)
+        hs = p.send("d0", "r1", src, [9, 1, 2, 7], 13)
+        for i in range(3):
+            p.layer_ready(hs, i)
+        # bounded by the wait, not by a wall-clock limit: a 60 s deadline failure would read differently
+        assert p.wait(hs, 50) == FAILED and d.wait(hr, 50) == FAILED
+        assert time.monotonic() - t0 < 50
+        for why in (p.failure(hs), d.failure(hr)):
+            assert "rendezvous store unavailable" in why and "deadline" not in why, why
+        # Redis back: the same pair builds and carries the next request
+        if outage == "killed":
+            server = EmbeddedRedis(dataclasses.replace(server.config, port=port)).start()
+        else:
+            os.kill(server.pid, signal.SIGCONT)
+        hr = d.recv("p0", "r2", dst, [3, 4, 5], 13)
+        hs = p.send("d0", "r2", src, [9, 1, 2, 7], 13)
+        for i in range(3):
+            p.layer_ready(hs, i)
+        assert p.wait(hs, 50) == DONE, p.failure(hs)
+        assert d.wait(hr, 50) == DONE, d.failure(hr)
+        assert token_checksum(src, [9, 1, 2, 7], 13) == token_checksum(dst, [3, 4, 5], 13)
+    finally:
+        p.shutdown()
+        d.shutdown()
+        if server.pid:
+            try:
+                os.kill(server.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        server.stop()

@@ -22,7 +22,7 @@ ROUTER_COUNTERS = ["request_success", "request_errors", "prompt_tokens", "genera
                    "local_prefill_requests", "degraded_requests", "kv_events_consumed", "kv_events_rejected",
                    "kv_events_resyncs", "kv_events_redis_errors", "kv_replica_published", "kv_replica_dropped",
                    "kv_replica_applied", "kv_cold_ties", "routing_decisions", "quota_rejections",
-                   "stream_stalls"]
+                   "stream_stalls", "redis_fallbacks"]
 ROUTER_GAUGES = ["router_requests_in_flight", "router_requests_waiting", "kv_events_consumer_lag_seconds",
                  "kv_index_blocks", "kv_index_workers"]
 WORKER_HISTOGRAMS = ["request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
@@ -91,6 +91,7 @@ ROUTER_CALLS = [
     ("inc_kv_replica_dropped", ("redis_error", 3), "kv_replica_dropped_total"),
     ("inc_kv_replica_applied", (), "kv_replica_applied_total"),
     ("inc_kv_cold_tie", ("shared",), "kv_cold_ties_total"),
+    ("inc_redis_fallback", ("cold_tie",), "redis_fallbacks_total"),
     ("set_kv_events_lag", (0.5,), "kv_events_consumer_lag_seconds"),
     ("set_kv_index_size", (3, 1), "kv_index_blocks"),
     ("inc_routing_decision", ("kv_events",), "routing_decisions_total"),
