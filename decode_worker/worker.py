@@ -136,7 +136,9 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
                 self._fail(req, grpc.StatusCode.DEADLINE_EXCEEDED,
                            f"request {req.request_id}: no Decode call within "
                            f"{req.expires_at - req.arrived:.1f} s of its reservation")
-        kv.take_completed()
+        for st in kv.take_completed():
+            if st.direction == "recv" and st.state == TransferState.DONE and self.ctx.metrics is not None:
+                self.ctx.metrics.observe_kv_transfer_phases("recv", st.phases())
         return any(not r.running and r.failure is None for r in self.records())
 
     def _sibling(self, request_id: str, params: Any) -> _DecodeReq:

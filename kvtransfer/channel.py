@@ -122,9 +122,20 @@ class PairChannel:
     def _build(self, deadline: float) -> bool:
         """Try to build a group before ``deadline``; True when one is installed."""
         stop = lambda: self.closed is not None  # noqa: E731
-        remaining = deadline - time.monotonic()
+        t0 = time.monotonic()
+        remaining = deadline - t0
         if remaining <= 0:
             return False
+        try:
+            return self._build_once(deadline, remaining, stop)
+        finally:
+            dt = time.monotonic() - t0
+            with self.cond:  # the build's time, to every transfer that waited for it
+                for t in self.live.values():
+                    if not t.final and not t.started:
+                        t.pair_wait_s += dt
+
+    def _build_once(self, deadline: float, remaining: float, stop: Callable[[], bool]) -> bool:
         if self.build_error is None:
             self.build_error = f"rendezvous with {self.peer!r} still in progress"
         try:

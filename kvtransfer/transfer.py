@@ -51,6 +51,18 @@ class TransferStats:
     num_layers: int
     layers_done: int
     failure: str | None
+    pair_wait_seconds: float = 0.0
+    """Time spent waiting for the pair group to be built (rendezvous with the peer); 0 when one was up."""
+    queue_seconds: float = 0.0
+    """Submission to the first payload byte, less ``pair_wait_seconds``: waiting for the layers to be computed
+    (send) or for the sender to start (recv), and behind other transfers' frames on the channel."""
+    ack_seconds: float = 0.0
+    """Last payload byte to DONE/FAILED: the receiver's acknowledgement (send), scattering the last chunk (recv)."""
+
+    def phases(self) -> dict[str, float]:
+        """The parts of ``seconds``: pair_wait + queue + wire + ack (the ``kv_transfer_phase_seconds`` phases)."""
+        return {"pair_wait": self.pair_wait_seconds, "queue": self.queue_seconds, "wire": self.wire_seconds,
+                "ack": self.ack_seconds}
 
 
 class Transfer:
@@ -76,6 +88,8 @@ class Transfer:
         self.wire_start: float | None = None
         self.wire_end: float | None = None
         self.num_bytes = 0
+        self.pair_wait_s = 0.0
+        """Seconds this transfer waited for its channel's pair group to be built (the channel adds them)."""
         self.layers_done: set[int] = set()
         # sender: whether (and on which pair generation) its frames went out, and which layers are queued
         self.started = False
@@ -121,9 +135,12 @@ class Transfer:
         with self.lock:
             end = self.finished if self.finished is not None else time.monotonic()
             wire = (self.wire_end - self.wire_start) if self.wire_start is not None else 0.0
+            first = self.wire_start if self.wire_start is not None else end
+            queue = max(0.0, first - self.submitted - self.pair_wait_s)
+            ack = max(0.0, end - self.wire_end) if self.wire_end is not None else 0.0
             return TransferStats(self.transfer_id, self.request_id, self.peer, self.direction, self.state,
                                  self.num_bytes, end - self.submitted, wire, self.layout.num_layers,
-                                 len(self.layers_done), self.failure)
+                                 len(self.layers_done), self.failure, self.pair_wait_s, queue, ack)
 
 
 class TransferHandle:

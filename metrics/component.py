@@ -21,8 +21,8 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, H
                                ProcessCollector, generate_latest)
 
 from metrics.exporter import serve_registry
-from metrics.series import (LABELS, MODEL_LEN_BUCKETS, OWNER_ROLES, PREFIX, ROLES, SERIES, check_label, owner_of,
-                            series_of)
+from metrics.series import (LABELS, MODEL_LEN_BUCKETS, OWNER_ROLES, PREFIX, ROLES, SERIES, Labelled, check_label,
+                            owner_of, series_of)
 
 
 class ComponentMetrics:
@@ -49,7 +49,10 @@ class ComponentMetrics:
         for name in series_of(role):
             _owner, kind, doc, extra = SERIES[name]
             full = PREFIX + (name[:-len("_total")] if kind == "counter" else name)
-            if kind == "histogram":
+            if kind == "histogram" and isinstance(extra, Labelled):
+                self._series[name] = Histogram(full, doc, LABELS + extra.labels, buckets=extra.buckets,
+                                               registry=self.registry)
+            elif kind == "histogram":
                 buckets = token_buckets if extra == MODEL_LEN_BUCKETS else extra
                 self._series[name] = Histogram(full, doc, LABELS, buckets=buckets,
                                                registry=self.registry).labels(*labels)

@@ -47,6 +47,20 @@ DEFAULT_MAX_MODEL_LEN = 1_000_000
 # spans sub-millisecond (loopback) to seconds (cross-node), like TTFT itself.
 KV_TRANSFER_BUCKETS = TTFT_BUCKETS
 
+
+
+class Labelled(tuple):
+    """A histogram's extra slot when it carries labels beyond the identity ones: ``Labelled((buckets, labels))``."""
+
+    @property
+    def buckets(self) -> Any:
+        return self[0]
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        return self[1]
+
+
 # Owners: "router" (request-level, vLLM's front end) or "worker" (engine-level: prefill, decode, colocated).
 ROUTER, WORKER = "router", "worker"
 OWNER_ROLES = {ROUTER: ("router",), WORKER: WORKER_ROLES}
@@ -137,6 +151,12 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
                                  "Histogram of KV-cache transfer time (prefill -> decode) in seconds.",
                                  KV_TRANSFER_BUCKETS),
     "kv_transfer_bytes_total": (WORKER, "counter", "Number of KV-cache bytes transferred.", None),
+    "kv_transfer_phase_seconds": (WORKER, "histogram",
+                                  "A finished KV transfer's time by part (direction: send = prefill worker, recv = "
+                                  "decode worker; phase: pair_wait = building the pair group with the peer "
+                                  "(rendezvous), queue = waiting for the layers to be computed or the sender to "
+                                  "start and behind other frames, wire = first payload byte to last, ack = last "
+                                  "byte to done).", Labelled((KV_TRANSFER_BUCKETS, ("direction", "phase")))),
     "prefix_cache_queries_total": (WORKER, "counter",
                                    "Prefix cache queries, in terms of number of queried tokens.", None),
     "prefix_cache_hits_total": (WORKER, "counter", "Prefix cache hits, in terms of number of cached tokens.", None),

@@ -16,7 +16,7 @@ from typing import Protocol, Sequence
 from prometheus_client import CollectorRegistry
 
 from metrics.component import ComponentMetrics
-from metrics.series import WORKER_ROLES, check_count, check_seconds
+from metrics.series import WORKER_ROLES, check_count, check_label, check_seconds
 from metrics.totals import RunningTotals
 
 
@@ -88,6 +88,14 @@ class WorkerMetrics(ComponentMetrics):
         seconds, num_bytes = check_seconds("kv_transfer_time", seconds), check_count("num_bytes", num_bytes)
         self._series["kv_transfer_time_seconds"].observe(seconds)
         self._series["kv_transfer_bytes_total"].inc(num_bytes)
+
+    def observe_kv_transfer_phases(self, direction: str, phases: dict[str, float]) -> None:
+        """One finished KV transfer's parts (``phase`` -> seconds), on its ``direction`` ("send" or "recv")."""
+        if direction not in ("send", "recv"):
+            raise ValueError(f"direction must be 'send' or 'recv', got {direction!r}")
+        for phase, seconds in phases.items():
+            self._child("kv_transfer_phase_seconds", direction, check_label("phase", phase)).observe(
+                check_seconds(f"kv_transfer_{phase}", seconds))
 
     def inc_kv_transfer_bytes(self, n: int) -> None:
         self._series["kv_transfer_bytes_total"].inc(check_count("kv_transfer_bytes", n))

@@ -154,6 +154,7 @@ class PrefillRequests(RequestSet[_PrefillReq]):
         for st in w.kv.take_completed():
             if st.direction == "send" and st.state == TransferState.DONE:
                 w.metrics.observe_kv_transfer(st.seconds, st.num_bytes)
+                w.metrics.observe_kv_transfer_phases("send", st.phases())
         return len(self) > 0
 
     def _fail(self, req: _PrefillReq, code: grpc.StatusCode, message: str) -> None:

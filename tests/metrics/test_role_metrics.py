@@ -26,7 +26,7 @@ ROUTER_COUNTERS = ["request_success", "request_errors", "prompt_tokens", "genera
 ROUTER_GAUGES = ["router_requests_in_flight", "router_requests_waiting", "kv_events_consumer_lag_seconds",
                  "kv_index_blocks", "kv_index_workers"]
 WORKER_HISTOGRAMS = ["request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
-                     "kv_transfer_time_seconds", "iteration_tokens_total"]
+                     "kv_transfer_time_seconds", "iteration_tokens_total", "kv_transfer_phase_seconds"]
 WORKER_COUNTERS = ["kv_transfer_bytes", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
                    "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
                    "spec_decode_num_accepted_tokens_per_pos", "kv_events_published", "kv_events_dropped"]
@@ -103,6 +103,7 @@ WORKER_CALLS = [
     ("observe_prefill_time", (0.1,), "request_prefill_time_seconds"),
     ("observe_decode_time", (0.1,), "request_decode_time_seconds"),
     ("observe_kv_transfer", (0.1, 8), "kv_transfer_time_seconds"),
+    ("observe_kv_transfer_phases", ("send", {"wire": 0.1}), "kv_transfer_phase_seconds"),
     ("inc_kv_transfer_bytes", (8,), "kv_transfer_bytes_total"),
     ("set_prefix_cache_totals", (4, 2), "prefix_cache_queries_total"),
     ("set_running", (1,), "num_requests_running"),

@@ -85,3 +85,50 @@ def test_failed_transfer_is_resumed_by_the_decode_worker_itself(roles):
         roles.source.remove_where(p.cfg.worker_id)
         roles.source.add(p.info)
     assert roles.wait_idle(4.0)
+
+
+def _hist(metrics, name: str) -> dict[tuple, tuple[float, float]]:
+    """A histogram's (count, sum) per label set (identity labels dropped), from what /metrics serves."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple, list[float]] = {}
+    for fam in text_string_to_metric_families(metrics.render().decode()):
+        if fam.name != name:
+            continue
+        for smp in fam.samples:
+            key = tuple(sorted((k, v) for k, v in smp.labels.items() if k not in ("model_name", "role", "worker",
+                                                                                  "le")))
+            if smp.name.endswith("_count"):
+                out.setdefault(key, [0.0, 0.0])[0] = smp.value
+            elif smp.name.endswith("_sum"):
+                out.setdefault(key, [0.0, 0.0])[1] = smp.value
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def test_transfer_time_is_broken_into_phases_on_both_workers(roles):
+    """Each finished transfer is observed once per phase on the prefill worker (send) and the decode worker
+    (recv), and the send side's phases add up to the transfer's total time."""
+    p, d = roles.prefills[0], roles.decodes[0]
+    before_p = _hist(p.metrics, "pdserve:kv_transfer_phase_seconds")
+    before_d = _hist(d.metrics, "pdserve:kv_transfer_phase_seconds")
+    before_t = _hist(p.metrics, "pdserve:kv_transfer_time_seconds").get((), (0.0, 0.0))
+    got = collect(roles.stub, timeout=60, prompt="def phases(t):", max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert got[-1].timings.kv_transfer_s > 0  # it went over the pair
+    phases = ("ack", "pair_wait", "queue", "wire")
+
+    def delta(now, before, direction):
+        return {ph: tuple(a - b for a, b in zip(now.get((("direction", direction), ("phase", ph)), (0.0, 0.0)),
+                                                 before.get((("direction", direction), ("phase", ph)), (0.0, 0.0))))
+                for ph in phases}
+
+    wait_until(lambda: all(c == 1 for c, _ in delta(_hist(d.metrics, "pdserve:kv_transfer_phase_seconds"),
+                                                    before_d, "recv").values()),
+               timeout=30, interval=0.05, message="the decode worker did not observe the transfer's phases")
+    wait_until(lambda: all(c == 1 for c, _ in delta(_hist(p.metrics, "pdserve:kv_transfer_phase_seconds"),
+                                                    before_p, "send").values()),
+               timeout=30, interval=0.05, message="the prefill worker did not observe the transfer's phases")
+    sent = delta(_hist(p.metrics, "pdserve:kv_transfer_phase_seconds"), before_p, "send")
+    total = _hist(p.metrics, "pdserve:kv_transfer_time_seconds")[()]
+    assert total[0] - before_t[0] == 1
+    assert sum(s for _, s in sent.values()) == pytest.approx(total[1] - before_t[1], abs=1e-6), sent
+    assert sent["wire"][1] > 0, sent  # bytes moved
