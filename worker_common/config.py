@@ -74,6 +74,10 @@ class WorkerConfig:
     a password, so it is kept out of repr."""
     kv_events_namespace: str = "pdserve"
     """The deployment's namespace (the registry's) the event keys live under."""
+    stall_timeout_s: float = 60.0
+    """A worker whose engine has requests but schedules no token for this long (a hung step, a scheduler that
+    admits nothing) reports not ready and leaves routing until it schedules again (``WorkerBase.stalled``). Above
+    the longest step the engine can take (a full prefill chunk of the largest model on the slowest device)."""
     engine_process: bool = False
     """Run the engine core in a process of its own (``worker_common.engine_process``): its steps no longer share
     this process's GIL with the gRPC and streaming threads; the OS places both processes. The colocated role only,
@@ -90,6 +94,9 @@ class WorkerConfig:
         check_port(self.metrics_port, "metrics_port")
         if not self.transfer_timeout_s > 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        if isinstance(self.stall_timeout_s, bool) or not isinstance(self.stall_timeout_s, (int, float)) \
+                or not self.stall_timeout_s > 0:
+            raise ValueError(f"stall_timeout_s must be a number > 0, got {self.stall_timeout_s!r}")
         if self.max_rpc_threads is not None and (isinstance(self.max_rpc_threads, bool)
                                                  or not isinstance(self.max_rpc_threads, int)
                                                  or self.max_rpc_threads < 2):

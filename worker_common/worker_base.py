@@ -73,6 +73,11 @@ class WorkerBase:
         # load snapshot refreshed by the loop thread, so info() never touches the engine
         self._load = worker_pb2.WorkerInfo()
         self._load_lock = threading.Lock()
+        # progress watch (``stalled``): the engine's scheduled-token total and when it last moved (or had no work)
+        self._progress_tokens = -1
+        self._progress_at = time.monotonic()
+        self._has_work = False
+        self._stall_logged = False
         self.output_tokens_total = 0
         """Tokens the engine sampled for held requests (loop thread; WorkerInfo's counter)."""
         self.requests_finished_total = 0
@@ -199,11 +204,34 @@ class WorkerBase:
             requests_total=sum(rs.requests_total for rs in self.request_sets),
             prompt_tokens_total=sum(rs.prompt_tokens_total for rs in self.request_sets),
             output_tokens_total=self.output_tokens_total, requests_finished_total=self.requests_finished_total)
+        stats = eng.make_stats()
+        now = time.monotonic()
         with self._load_lock:
             self._load = info
+            work = stats.num_running + stats.num_waiting > 0
+            if not work or stats.num_scheduled_tokens != self._progress_tokens:
+                self._progress_tokens, self._progress_at = stats.num_scheduled_tokens, now
+            self._has_work = work
         if self.metrics is not None:
             # once per loop pass, so each engine step is one iteration_tokens_total observation
-            self.metrics.record_engine(eng.make_stats())
+            self.metrics.record_engine(stats)
+
+    def stalled(self) -> float:
+        """Seconds the engine has had work (running or waiting requests) without scheduling a token, once that is
+        past ``cfg.stall_timeout_s``; else 0. A step that hangs counts too: the loop then stops refreshing the
+        snapshot, so the last progress ages while the work it saw stays. A stalled worker reports not ready (it
+        leaves routing) until its engine schedules again."""
+        with self._load_lock:
+            since = time.monotonic() - self._progress_at if self._has_work else 0.0
+        stalled = since if since > self.cfg.stall_timeout_s else 0.0
+        if bool(stalled) != self._stall_logged:
+            self._stall_logged = bool(stalled)
+            if stalled:
+                log.warning("%s %s: engine has work but scheduled nothing for %.1f s (stall_timeout_s=%g): "
+                            "reporting not ready", self.role, self.cfg.worker_id, since, self.cfg.stall_timeout_s)
+            else:
+                log.info("%s %s: engine scheduling again: ready", self.role, self.cfg.worker_id)
+        return stalled
 
     def info(self) -> worker_pb2.WorkerInfo:
         """This worker's registry record with its live load."""
@@ -216,7 +244,8 @@ class WorkerBase:
         info.kv_name = self.cfg.kv_name or ""
         info.metrics_address = self.metrics_address
         info.model_name = self.cfg.served_model_name
-        info.ready = self._ready and not self._draining and self.loop is not None and self.loop.alive
+        info.ready = (self._ready and not self._draining and self.loop is not None and self.loop.alive
+                      and not self.stalled())
         info.updated_at = time.time()
         info.node_id = self.cfg.node_id
         return info
