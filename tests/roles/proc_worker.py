@@ -10,18 +10,21 @@ import traceback
 from typing import Any
 
 
-def run_worker(role: str, worker_id: str, kv_store: str, engine_kw: dict, ready_q: Any, stop_evt: Any) -> None:
+def run_worker(role: str, worker_id: str, kv_store: str, engine_kw: dict, ready_q: Any, stop_evt: Any,
+               worker_kw: dict | None = None) -> None:
+    """``worker_kw``: more WorkerConfig fields (``transfer_timeout_s`` defaults to 20 s)."""
     import torch
 
     torch.set_num_threads(1)
     from tests.roles.harness import engine_config
 
+    kw = {"transfer_timeout_s": 20.0, **(worker_kw or {})}
     try:
         if role == "prefill":
             from prefill_worker import PrefillWorker, PrefillWorkerConfig
 
             w = PrefillWorker(PrefillWorkerConfig(worker_id, engine=engine_config(**engine_kw), kv_store=kv_store,
-                                                  serve_metrics=False, transfer_timeout_s=20.0))
+                                                  serve_metrics=False, **kw))
         elif role == "colocated":
             from decode_worker import ColocatedWorker, ColocatedWorkerConfig
 
@@ -31,7 +34,7 @@ def run_worker(role: str, worker_id: str, kv_store: str, engine_kw: dict, ready_
             from decode_worker import DecodeWorker, DecodeWorkerConfig
 
             w = DecodeWorker(DecodeWorkerConfig(worker_id, engine=engine_config(**engine_kw), kv_store=kv_store,
-                                                serve_metrics=False, transfer_timeout_s=20.0))
+                                                serve_metrics=False, **kw))
         w.start()
     except BaseException:
         ready_q.put(("error", traceback.format_exc()))
