@@ -14,6 +14,42 @@ def _never() -> None:
     return None
 
 
+class _NotifyOnly(threading.Condition):
+    """The queue's condition with the timeouts taken off its waits: a waiter wakes only when notified. A waiter
+    that wakes at all was then woken by the notify, not by the queue's 0.5 s re-check or a backoff timer, so
+    "woken promptly" needs no wall clock. ``waiting`` is set once some thread waits on it: a notify sent after
+    that reaches the waiter (the condition's lock orders the two)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout=None):
+        self.waiting.set()
+        return super().wait()
+
+
+def _notify_only(q: AdmissionQueue) -> _NotifyOnly:
+    q._cond = _NotifyOnly()
+    return q._cond
+
+
+def _in_thread(fn) -> tuple[threading.Thread, dict]:
+    """Run ``fn`` on a daemon thread (one that never wakes must not keep the test run alive); its result or
+    exception lands in the dict."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["out"] = fn()
+        except Exception as e:
+            box["err"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, box
+
+
 def test_tickets_keep_arrival_order_not_entry_order():
     changes = []
     q = AdmissionQueue(on_change=changes.append)
@@ -22,7 +58,7 @@ def test_tickets_keep_arrival_order_not_entry_order():
     t0 = q.enter(s0, "a")
     t1 = q.enter(s1, "b")
     assert len(q) == 3 and changes == [1, 2, 3]
-    until = time.monotonic() + 1
+    until = time.monotonic() + 60
     q.wait_turn(t0, until, _never)          # the head returns at once
     with pytest.raises(QueueStop) as ei:    # t1 is behind t0: it times out
         q.wait_turn(t1, time.monotonic() + 0.05, _never)
@@ -38,48 +74,45 @@ def test_tickets_keep_arrival_order_not_entry_order():
 
 def test_head_leaving_wakes_the_next_waiter_promptly():
     q = AdmissionQueue()
+    cond = _notify_only(q)
     a = q.enter(q.next_seq(), "a")
     b = q.enter(q.next_seq(), "b")
-    got = {}
-
-    def waiter():
-        q.wait_turn(b, time.monotonic() + 5, _never)
-        got["t"] = time.monotonic()
-
-    th = threading.Thread(target=waiter)
-    th.start()
-    time.sleep(0.1)
-    assert "t" not in got
-    t_leave = time.monotonic()
+    th, box = _in_thread(lambda: q.wait_turn(b, time.monotonic() + 60, _never))
+    assert cond.waiting.wait(30), "the waiter never waited"
+    assert th.is_alive() and box == {}   # b is behind a
     q.leave(a)
-    th.join(2)
-    assert got["t"] - t_leave < 0.2   # woken by the notify, not by the 0.5 s re-check
+    th.join(30)   # woken by leave's notify: with no timeouts on the waits, nothing else wakes it
+    assert not th.is_alive(), "leave() did not wake the next waiter"
+    assert box == {"out": None}
 
 
 def test_capacity_freed_ends_the_backoff_early_and_cancel_stops():
     q = AdmissionQueue()
+    cond = _notify_only(q)
     epoch = q.epoch
-    threading.Timer(0.05, q.capacity_freed).start()
+    th, box = _in_thread(lambda: q.wait_capacity(epoch, timeout_s=3.0, until=time.monotonic() + 60, stop=_never))
+    assert cond.waiting.wait(30), "the waiter never waited"
+    q.capacity_freed()
+    th.join(30)   # woken by the notify, not its 3 s backoff (no timeouts on the waits)
+    assert not th.is_alive(), "capacity_freed() did not end the backoff"
+    assert box == {"out": None} and q.epoch == epoch + 1
+
+    q._cond = threading.Condition()   # the real timeouts again: with no event, the backoff elapses
     t = time.monotonic()
-    q.wait_capacity(epoch, timeout_s=3.0, until=time.monotonic() + 5, stop=_never)
-    assert time.monotonic() - t < 1.0 and q.epoch == epoch + 1
-    t = time.monotonic()   # no event: the backoff elapses
-    q.wait_capacity(q.epoch, timeout_s=0.05, until=time.monotonic() + 5, stop=_never)
-    assert 0.04 < time.monotonic() - t < 1.0
+    q.wait_capacity(q.epoch, timeout_s=0.05, until=time.monotonic() + 60, stop=_never)   # returns, no raise
+    assert time.monotonic() - t >= 0.05
 
     flag = {"stop": None}
     tk = q.enter(q.next_seq(), "x")
     other = q.enter(-1, "ahead")   # someone ahead, so tk waits
-
-    def cancel():
-        flag["stop"] = "cancelled"
-        q.wake()
-
-    threading.Timer(0.05, cancel).start()
-    t = time.monotonic()
-    with pytest.raises(QueueStop) as ei:
-        q.wait_turn(tk, time.monotonic() + 5, lambda: flag["stop"])
-    assert ei.value.reason == "cancelled" and time.monotonic() - t < 0.3
+    cond = _notify_only(q)
+    th, box = _in_thread(lambda: q.wait_turn(tk, time.monotonic() + 60, lambda: flag["stop"]))
+    assert cond.waiting.wait(30), "the waiter never waited"
+    flag["stop"] = "cancelled"
+    q.wake()
+    th.join(30)   # woken by wake()'s notify, not the 0.5 s re-check
+    assert not th.is_alive(), "wake() did not wake the waiter"
+    assert isinstance(box.get("err"), QueueStop) and box["err"].reason == "cancelled", box
     q.leave(tk)
     q.leave(other)
     assert len(q) == 0
