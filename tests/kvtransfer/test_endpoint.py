@@ -187,15 +187,15 @@ def test_bad_arguments_raise_value_error_naming_field(pair):
             KVEndpoint("x", InprocStore(), backend="nccl")
 
 
-def _send_13_tokens(p: KVEndpoint, d: KVEndpoint) -> None:
-    """p0 -> d0: request r1's 13 tokens, every layer, landing intact in d0's blocks 3, 4, 5."""
+def _send_13_tokens(p: KVEndpoint, d: KVEndpoint, rid: str = "r1", wait_s: float = 10) -> None:
+    """p0 -> d0: request ``rid``'s 13 tokens, every layer, landing intact in d0's blocks 3, 4, 5."""
     src, dst = make_cache(SRC), make_cache(DST)
-    hr = d.recv("p0", "r1", dst, [3, 4, 5], 13)
-    hs = p.send("d0", "r1", src, [9, 1, 2, 7], 13)
+    hr = d.recv("p0", rid, dst, [3, 4, 5], 13)
+    hs = p.send("d0", rid, src, [9, 1, 2, 7], 13)
     for i in range(3):
         p.layer_ready(hs, i)
-    assert p.wait(hs, 10) == DONE, p.failure(hs)
-    assert d.wait(hr, 10) == DONE, d.failure(hr)
+    assert p.wait(hs, wait_s) == DONE, p.failure(hs)
+    assert d.wait(hr, wait_s) == DONE, d.failure(hr)
     assert token_checksum(src, [9, 1, 2, 7], 13) == token_checksum(dst, [3, 4, 5], 13)
 
 
@@ -378,13 +378,7 @@ def test_unreachable_store_fails_waiting_transfers_at_once_and_the_pair_builds_o
             server = EmbeddedRedis(dataclasses.replace(server.config, port=port)).start()
         else:
             os.kill(server.pid, signal.SIGCONT)
-        hr = d.recv("p0", "r2", dst, [3, 4, 5], 13)
-        hs = p.send("d0", "r2", src, [9, 1, 2, 7], 13)
-        for i in range(3):
-            p.layer_ready(hs, i)
-        assert p.wait(hs, 50) == DONE, p.failure(hs)
-        assert d.wait(hr, 50) == DONE, d.failure(hr)
-        assert token_checksum(src, [9, 1, 2, 7], 13) == token_checksum(dst, [3, 4, 5], 13)
+        _send_13_tokens(p, d, "r2", 50)
     finally:
         p.shutdown()
         d.shutdown()
