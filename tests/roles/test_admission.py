@@ -299,8 +299,9 @@ def test_dead_prefill_worker_before_first_token_retries_on_another():
 
 def test_kv_transfer_failure_after_first_token_is_unavailable_and_frees():
     # the registry names the wrong KV endpoint for the prefill worker: the decode worker waits for
-    # KV from "ghost", the prefill worker's send is rejected -> an error, never a hang
-    roles = start_roles(kv=KV, tag="kvfail-", transfer_timeout_s=3.0)
+    # KV from "ghost", the prefill worker's send is rejected -> an error, never a hang. With one attempt
+    # only: otherwise the decode worker resumes the request itself (tests/roles/test_transfer_watch.py)
+    roles = start_roles(kv=KV, tag="kvfail-", transfer_timeout_s=3.0, router=dict(max_attempts=1))
     try:
         p = roles.prefills[0]
         bad = p.info()
