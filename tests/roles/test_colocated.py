@@ -11,6 +11,7 @@ import torch
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2
 from tests.roles.harness import collect, joined, offline, start_colocated
+from tests.waiting import wait_until
 
 PROMPTS = ["def add(a, b):", "x", "# " + "the quick brown fox jumps over the lazy dog " * 12, "return None"]
 
@@ -37,10 +38,11 @@ def test_greedy_concurrent_equal_offline(colo):
         t.start()
     for t in ts:
         t.join(60)
+        assert not t.is_alive()
     for (ids, text, reason, _), resps in zip(ref, got):
         assert joined(resps) == (ids, text, reason)
         assert resps[-1].usage.completion_tokens == len(ids) and resps[-1].timings.ttft_s > 0
-    assert colo.wait_idle(1.0)
+    assert colo.wait_idle(30.0)
 
 
 def test_seeded_and_stop_string_equal_offline(colo):
@@ -52,18 +54,23 @@ def test_seeded_and_stop_string_equal_offline(colo):
     ref = offline([PROMPTS[3]], [SamplingParams(max_tokens=20, temperature=0.0, stop=[stop])])[0]
     got = joined(collect(colo.stub, prompt=PROMPTS[3], max_tokens=20, temperature=0.0, stop=[stop]))
     assert got[1:] == (ref[1], "stop")
-    assert colo.wait_idle(1.0)
+    assert colo.wait_idle(30.0)
 
 
 def test_cancel_frees_blocks_and_info(colo):
-    s = colo.stub.Generate(pdserve_pb2.GenerateRequest(prompt="a", max_tokens=1500, ignore_eos=True,
-                                                       temperature=0.0), timeout=30)
-    next(s)
-    next(s)
     w = colo.decodes[0]
-    assert w.info().num_running == 1 and w.info().role == "colocated"
+    tokens_before = w.info().output_tokens_total
+    s = colo.stub.Generate(pdserve_pb2.GenerateRequest(prompt="a", max_tokens=2000, ignore_eos=True,
+                                                       temperature=0.0), timeout=60)
+    next(s)
+    next(s)
+    # the load the worker reports follows its engine (a step behind when the engine has a process of its own)
+    wait_until(lambda: w.info().num_running == 1, timeout=30.0, message=lambda: f"one running: {w.info()}")
+    assert w.info().role == "colocated"
     s.cancel()
-    assert colo.wait_idle(1.0)
+    assert colo.wait_idle(30.0)
+    # idle because the cancel aborted it on the worker, not because its 2000 tokens ran out meanwhile
+    assert w.info().output_tokens_total - tokens_before < 2000
     info = colo.stub.GetModelInfo(pdserve_pb2.GetModelInfoRequest())
     assert info.mode == "colocated" and info.num_prefill_workers == 1
 
@@ -72,11 +79,12 @@ def test_no_colocated_worker_is_unavailable():
     from router import RouterConfig, RouterServer, StaticWorkerSource
     from proto import pdserve_pb2_grpc
 
-    r = RouterServer(RouterConfig(serve_metrics=False, mode="colocated"), StaticWorkerSource()).start()
+    # pool_wait_s=0: no wait for a replacement (else the answer comes 1 s before the client's deadline)
+    r = RouterServer(RouterConfig(serve_metrics=False, mode="colocated", pool_wait_s=0), StaticWorkerSource()).start()
     try:
         with grpc.insecure_channel(r.address) as ch:
             with pytest.raises(grpc.RpcError) as ei:
-                collect(pdserve_pb2_grpc.PDServeStub(ch), timeout=5, prompt="a")
+                collect(pdserve_pb2_grpc.PDServeStub(ch), timeout=30, prompt="a")
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "colocated" in ei.value.details()
     finally:
         r.stop()
