@@ -42,10 +42,14 @@ The faults and the RSS sampler are in ``soak_chaos.py``, the analysis and the
 report in ``soak_report.py`` (beside this script).
 
 ``--deployment`` runs the deployment shape instead (separate controller, routers, Ray nodes; clients that retry and
-fail over; kills of routers, the controller, Redis and the GCS; SIGSTOP): ``benchmarks/soak_deploy.py``.
+fail over; kills of routers, the controller, Redis and the GCS; SIGSTOP): ``benchmarks/soak_deploy.py``. It runs
+with today's defaults, each on unless switched off: KV events and cold ties in the routers (``--no-kv-events``,
+``--no-cold-ties``), per-key quotas with two keys, one capped below its load (``--no-quotas``), structured-output
+requests in the mix (``--structured-every 8``; 0 = none) and a colocated deployment beside the disaggregated one,
+its worker's engine in a process of its own (``--colocated 1``, ``--no-engine-process``).
 
 Usage:
-    python benchmarks/soak.py --deployment --prefill 2 --decode 2 --rate 1.5 --duration-s 1800 --fault-every-s 120
+    python benchmarks/soak.py --deployment --prefill 2 --decode 2 --rate 1 --duration-s 1800 --fault-every-s 120
     python benchmarks/soak.py                                   # the full soak: 30 min, a kill every 5 min
     python benchmarks/soak.py --duration-s 540 --kill-every-s 120 --window-s 120   # the recorded 9-min run
 """
@@ -103,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="seeds prompts and the choice of victims")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "soak" / "result.json", help="JSON result file")
     dep = ap.add_argument_group("--deployment", "the deployment shape instead (benchmarks/soak_deploy.py): "
-                                "controller + 2 routers + workers on a Ray head and worker node, clients that retry")
+                                "controller + 2 routers + workers on a Ray head and worker node, clients that retry; "
+                                "beside it a colocated deployment (--colocated); KV events, cold ties, two API keys "
+                                "with quotas and structured-output requests on by default")
     dep.add_argument("--deployment", action="store_true", help="run the deployment-shape chaos soak")
     from soak_deploy import add_args
 

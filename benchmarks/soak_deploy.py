@@ -1,28 +1,66 @@
-"""Chaos soak of the deployment shape (issue 30 item 2): ``python benchmarks/soak.py --deployment ...``.
+"""Chaos soak of the deployment shape (issue 30 item 2; today's defaults, issue 45 section 4):
+``python benchmarks/soak.py --deployment ...``.
 
-Lifecycle: ``main(argv)`` starts, each as its own process on this machine: the deployment's Redis (kill -9 and
+Lifecycle: ``main(ns)`` starts, each as its own process on this machine: the deployment's Redis (kill -9 and
 restart target) and a second Redis that holds only Ray's GCS tables (Ray passes its Redis password on the GCS's
 command line, so it gets a Redis of its own); a Ray head with GCS fault tolerance on that Redis (no CPUs) and one
-worker node (a second raylet, ``--worker-cpus``); ``pdserve controller --address`` (``--prefill`` + ``--decode``
-detached workers, its supervisor) and two ``pdserve router`` on fixed free ports, all sharing the namespace and a
-cluster secret (passed in the environment, never in argv). Then a trace-driven load (``--trace``, gaps rescaled to
-``--rate``, lengths x ``--length-scale``; greedy, ``ignore_eos``) is sent by client threads that behave like real
-clients: a request that fails before its first token with UNAVAILABLE or RESOURCE_EXHAUSTED is retried with
-exponential backoff (0.25 s doubling, at most ``--client-retries`` times), through the other router on UNAVAILABLE
-(its router is gone). Every ``--fault-every-s`` a fault thread injects the next of a shuffled cycle of: kill -9 of a
-decode worker, of a prefill worker, of a router (restarted on its port after ``--restart-after-s``, as a
-Deployment would), of the controller (restarted likewise; the new one waits for the lease and adopts), of Redis
-(restarted empty on its port), of the GCS (restarted with its own arguments, reloading from its Redis), and
-SIGSTOP of a random worker for ``--stop-s`` (then SIGCONT). After each it measures the time until the deployment
-is whole again (2 routers SERVING, the controller up, ``--prefill`` + ``--decode`` ready and fresh workers in the
-registry, the GCS up). A sampler records every process's RSS and Redis's memory and key count.
+worker node (a second raylet, ``--worker-cpus``, default one CPU per worker); the **disaggregated deployment**:
+``pdserve controller --address`` (``--prefill`` + ``--decode`` detached workers, its supervisor) and two ``pdserve
+router`` on fixed free ports; and, with ``--colocated K`` (default 1), a **colocated deployment** beside it on the
+same Redis and Ray cluster: a second ``pdserve controller --colocated K --engine-process`` in a namespace of its own
+and two ``pdserve router --mode colocated``. (One controller cannot mix the pools: ``ClusterConfig`` refuses
+``num_colocated`` with ``num_prefill``/``num_decode``, a router serves one mode, and the controller lease is one
+per namespace; so the colocated pool is a second deployment sharing Redis, Ray and the faults.) All processes of a
+deployment share its namespace and one cluster secret (passed in the environment, never in argv).
+
+Today's defaults, each on unless switched off:
+
+- KV events and cold ties (``--no-kv-events``, ``--no-cold-ties``): the routers' defaults
+  (``RouterConfig.kv_events``, ``kv_replica_sync``, ``kv_pending_s``); the soak passes no flag that turns them off
+  and, at the end, reads every live router's ``/metrics`` (KV event batches applied, routing decisions by reason,
+  cold ties by result, shared placements) so the JSON shows they were used.
+- Per-key API quotas with two keys (``--no-quotas``): each deployment's routers get ``--api-keys-file`` (a
+  throwaway TOML file, keys generated per run) and ``--quota-routers 2``. Key ``main`` carries most requests
+  with limits far above its offered load (``requests_per_s`` 20x its rate, at least 20; ``tokens_per_min`` 20x
+  its token rate; ``max_concurrent`` 64): its quota must never refuse, so a refusal is counted as lost (a quota
+  bug, e.g. a lease not released). Key ``capped`` carries ``--capped-share`` of the requests (default 0.25) with
+  ``requests_per_s`` at ``--capped-rate-factor`` (default 0.5) of its offered rate: its refusals
+  (RESOURCE_EXHAUSTED naming the key and the limit) are expected, not retried, and counted as "refused by quota",
+  apart from lost requests.
+- Structured outputs (``--structured-every N``, default 8; 0 = off): every N-th request carries a constraint in
+  ``GenerateRequest.structured_outputs``, alternately a JSON Schema and a regex; it is sent without ``ignore_eos``
+  (the constraint ends it, ``finish_reason`` stop) and with ``max_tokens`` at least 48 (the schema's answer is
+  about 32 tokens). Checked: a served constrained answer that stopped must validate (jsonschema / full regex
+  match), and the offline check (below) includes constrained requests, compared with ``engine.LLM`` under the
+  same constraint (greedy constrained decoding is deterministic offline too).
+- A colocated pool with the engine in a process of its own (``--colocated K``, default 1, 0 = off;
+  ``--no-engine-process``; ``--colocated-share``, default 0.25, of the requests go to it).
+
+Load: a trace (``--trace``, gaps rescaled to ``--rate``, lengths x ``--length-scale``; greedy) is sent by client
+threads that behave like real clients: a request that fails before its first token with UNAVAILABLE or
+RESOURCE_EXHAUSTED (not a quota refusal) is retried with exponential backoff (0.25 s doubling, at most
+``--client-retries`` times), through its deployment's other router on UNAVAILABLE (its router is gone). Every
+``--fault-every-s`` a fault thread injects the next of a shuffled cycle (``--faults``) of: kill -9 of a decode
+worker, of a prefill worker, of a colocated worker (with ``--colocated``), of a router (any of the deployments';
+restarted on its port after ``--restart-after-s``, as a Deployment would), of a controller (either; restarted
+likewise; the new one waits for the lease and adopts), of Redis (restarted empty on its port), of the GCS
+(restarted with its own arguments, reloading from its Redis), and SIGSTOP of a random worker for ``--stop-s``
+(then SIGCONT). ``kill_engine`` (kill -9 of a colocated worker's engine process, the worker itself left alive;
+healed when the worker is replaced or runs a new engine process) is drawn only when named in ``--faults``: on
+29 Nov such a worker went on reporting ready while failing every request routed to it, and nothing replaced it
+(docs/reliability.md), so in the default cycle it would fail the colocated deployment for the rest of the run.
+After each fault it measures the time until everything is whole again (each deployment's 2 routers SERVING and
+its controller up, every pool's workers ready with fresh records in its registry, the GCS up). A sampler records
+every process's RSS (a colocated worker's engine process as ``<worker>.engine``) and Redis's memory and key count.
 
 At the end: the load stops, in-flight requests finish, the workers' KV blocks must all come back (waited on,
-bounded), Redis keys are counted; then routers and controller get SIGTERM, ``pdserve down`` removes the workers,
-and the namespace's keys left are counted. Requests are classified (served; lost with the reason: the router
-died under it, an error after tokens, retries exhausted), duplicated tokens are counted (more tokens than asked,
-or a sample's tokens differing from the offline engine's), per-window p99 TTFT/ITL computed, and JSON, a log
-per process and an RSS plot written beside ``--out``.
+bounded), Redis keys are counted; the routers' counters are read; then routers and controllers get SIGTERM,
+``pdserve down`` removes each deployment's workers, and each namespace's keys left are counted. Requests are
+classified (served; refused by the capped key's quota; lost with the reason: the router died under it, an error
+after tokens, retries exhausted, a quota refusal of the main key), by deployment, key and constraint; duplicated
+tokens are counted (an unconstrained output of another length than asked, or a sample's tokens differing from
+the offline engine's), per-window p99 TTFT/ITL computed, and JSON, a log per process and an RSS plot written
+beside ``--out``.
 """
 from __future__ import annotations
 
@@ -30,10 +68,13 @@ import argparse
 import json
 import os
 import random
+import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -48,19 +89,88 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = ("kill_decode", "kill_prefill", "kill_router", "kill_controller", "kill_redis", "kill_gcs", "stop_worker")
+"""The cycle without a colocated deployment (as in the 26 Nov runs)."""
+COLOCATED_FAULTS = ("kill_colocated",)
+"""Added to the cycle with ``--colocated``."""
+OPT_IN_FAULTS = ("kill_engine",)
+"""Drawn only when named in ``--faults``."""
+ALL_FAULTS = FAULTS + COLOCATED_FAULTS + OPT_IN_FAULTS
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+QUOTA_REFUSAL = re.compile(r"key '([^']*)': .*\((requests_per_s|tokens_per_min|max_concurrent)[:)]")
+"""The router's message of a quota refusal (``router.quotas.QuotaBook.admit``): the key's name and the limit."""
+STRUCTURED_MIN_TOKENS = 48
+"""A constrained request asks at least this many tokens (the schema's answer is about 32 on ``tiny``)."""
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}}}
+REGEX = r"[0-9]{3}-[a-z]{2,5}"
+CONSTRAINTS = {"json": ("json", json.dumps(PERSON)), "regex": ("regex", REGEX)}
+"""Constraint kind -> (the StructuredOutputs field, its value), the same on the wire and offline."""
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
     """The flags of ``--deployment`` (``--rate`` is soak.py's; this mode needs it)."""
     ap.add_argument("--fault-every-s", type=float, default=120.0, help="a fault this often")
-    ap.add_argument("--faults", default=",".join(FAULTS), help="comma-separated fault kinds drawn from")
+    ap.add_argument("--faults", default=None,
+                    help=f"comma-separated fault kinds drawn from, of {','.join(ALL_FAULTS)} (default: "
+                         f"{','.join(FAULTS)}, plus {','.join(COLOCATED_FAULTS)} with --colocated; "
+                         f"{','.join(OPT_IN_FAULTS)} only when named)")
     ap.add_argument("--restart-after-s", type=float, default=5.0, help="a killed router/controller/Redis/GCS "
                     "is restarted this long after its kill")
     ap.add_argument("--stop-s", type=float, default=10.0, help="SIGSTOP length")
     ap.add_argument("--client-retries", type=int, default=6, help="retries of a request before its first token")
-    ap.add_argument("--worker-cpus", type=int, default=4, help="CPUs the Ray worker node offers")
+    ap.add_argument("--worker-cpus", type=int, default=None,
+                    help="CPUs the Ray worker node offers (default: one per worker: --prefill + --decode + "
+                         "--colocated)")
     ap.add_argument("--num-kv-blocks", type=int, default=256, help="KV blocks per worker")
+    # today's defaults (issue 45): each ON in --deployment; these flags turn them off or tune them (flags of the
+    # --deployment group itself: argparse does not show a group nested in a group)
+    d = ap
+    d.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                   help="routers ignore the workers' KV events (pdserve router --no-kv-events; default: on)")
+    d.add_argument("--no-cold-ties", dest="cold_ties", action="store_false",
+                   help="routers neither share placements nor break cold ties through Redis "
+                        "(pdserve router --no-kv-replica-sync; default: on)")
+    d.add_argument("--no-quotas", dest="quotas", action="store_false",
+                   help="no API keys: open routers (default: two keys with per-key quotas, see the docstring)")
+    d.add_argument("--capped-share", type=float, default=0.25,
+                   help="fraction of the requests sent with the capped key (default 0.25)")
+    d.add_argument("--capped-rate-factor", type=float, default=0.5,
+                   help="the capped key's requests_per_s as a fraction of its offered rate in each deployment: "
+                        "its refusals are expected (default 0.5)")
+    d.add_argument("--structured-every", type=int, default=8, metavar="N",
+                   help="every N-th request carries a JSON-schema or regex constraint (default 8; 0 = none)")
+    d.add_argument("--colocated", type=int, default=1, metavar="K",
+                   help="colocated workers in a second deployment beside the disaggregated one (its own controller "
+                        "and 2 routers --mode colocated; default 1, 0 = no colocated deployment)")
+    d.add_argument("--colocated-share", type=float, default=0.25,
+                   help="fraction of the requests sent to the colocated deployment (default 0.25)")
+    d.add_argument("--no-engine-process", dest="engine_process", action="store_false",
+                   help="colocated workers keep their engine in process (default: --engine-process)")
+
+
+def check_args(ns: argparse.Namespace) -> None:
+    """SystemExit naming the flag of a bad value; fills ``ns.faults`` and ``ns.worker_cpus`` defaults."""
+    if ns.colocated < 0:
+        raise SystemExit("--colocated must be >= 0")
+    if ns.structured_every < 0:
+        raise SystemExit("--structured-every must be >= 0")
+    for name in ("capped_share", "colocated_share"):
+        if not 0 <= getattr(ns, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be in [0, 1)")
+    if not ns.capped_rate_factor > 0:
+        raise SystemExit("--capped-rate-factor must be > 0")
+    if ns.faults is None:
+        ns.faults = ",".join(FAULTS + (COLOCATED_FAULTS if ns.colocated else ()))
+    kinds = [k for k in ns.faults.split(",") if k]
+    bad = [k for k in kinds if k not in ALL_FAULTS]
+    if bad:
+        raise SystemExit(f"--faults: unknown {bad}; known: {','.join(ALL_FAULTS)}")
+    if not ns.colocated and any(k in COLOCATED_FAULTS + OPT_IN_FAULTS for k in kinds):
+        raise SystemExit("--faults: kill_colocated and kill_engine need --colocated > 0")
+    if ns.worker_cpus is None:
+        ns.worker_cpus = ns.prefill + ns.decode + ns.colocated
 
 
 @dataclass
@@ -70,21 +180,39 @@ class Rec:
     i: int
     max_tokens: int
     t_send: float
+    stack: str = "pd"
+    """The deployment it was sent to: pd (disaggregated) or colo (colocated)."""
+    key: str = ""
+    """The API key's name (main, capped; "" without quotas)."""
+    constraint: str = ""
+    """Its structured-output constraint (json, regex; "" none)."""
     t_first: Optional[float] = None
     t_end: Optional[float] = None
     chunk_times: list = field(default_factory=list)
     tokens: list = field(default_factory=list)
+    text: str = ""
     finish: str = ""
     error: str = ""
+    quota: str = ""
+    """The limit that refused it (requests_per_s, tokens_per_min, max_concurrent; "" none)."""
     attempts: int = 0
     routers: list = field(default_factory=list)
-    """The routers tried, in order (0 or 1)."""
-    failed_on: Optional[int] = None
+    """The routers tried, in order (their process names)."""
+    failed_on: Optional[str] = None
     """The router the request was lost on."""
 
     @property
     def ok(self) -> bool:
         return bool(self.finish) and not self.error
+
+    @property
+    def refused_by_quota(self) -> bool:
+        """Refused by the capped key's quota: expected, not lost."""
+        return bool(self.quota) and self.key == "capped"
+
+    @property
+    def lost(self) -> bool:
+        return not self.ok and not self.refused_by_quota
 
 
 # ---- processes --------------------------------------------------------------------------------------------
@@ -178,10 +306,55 @@ def _wait(cond: Callable[[], Any], timeout: float, interval: float = 0.25) -> Op
 
 
 # ---- the deployment ---------------------------------------------------------------------------------------
-class Deployment:
-    """Redis x2, Ray head + worker node, controller, two routers (module docstring)."""
+@dataclass
+class Stack:
+    """One deployment: a namespace, its controller and two routers (``label`` pd: prefill/decode pools; colo:
+    a colocated pool)."""
 
-    def __init__(self, ns: argparse.Namespace, out_dir: Path) -> None:
+    label: str
+    namespace: str
+    mode: str
+    sizes: dict
+    """role -> workers the controller keeps."""
+    controller: Optional[Proc] = None
+    routers: list = field(default_factory=list)
+    ports: list = field(default_factory=list)
+    registry: Any = None
+    keys_file: Optional[Path] = None
+
+    @property
+    def targets(self) -> list[str]:
+        return [f"127.0.0.1:{p}" for p in self.ports]
+
+
+def _engine_child(pid: int) -> Optional[int]:
+    """The engine process of the colocated worker ``pid`` (``worker_common.engine_process``: a multiprocessing
+    spawn child), or None."""
+    try:
+        for c in psutil.Process(pid).children():
+            if "spawn_main" in " ".join(c.cmdline()):
+                return c.pid
+    except psutil.Error:
+        pass
+    return None
+
+
+def key_limits(ns: argparse.Namespace, rate: float, token_cost: float) -> dict[str, dict]:
+    """Each key's limits in a deployment offered ``rate`` req/s of requests costing ``token_cost`` tokens
+    (prompt + max_tokens) on average (module docstring: main far above its load, capped below it)."""
+    main_rate, capped_rate = rate * (1 - ns.capped_share), rate * ns.capped_share
+    out = {"main": {"requests_per_s": round(max(20.0, 20 * main_rate), 3),
+                    "tokens_per_min": int(max(100_000, 20 * 60 * main_rate * token_cost)),
+                    "max_concurrent": 64}}
+    if capped_rate > 0:
+        out["capped"] = {"requests_per_s": round(max(1e-3, ns.capped_rate_factor * capped_rate), 4)}
+    return out
+
+
+class Deployment:
+    """Redis x2, Ray head + worker node, and the deployments (``Stack``): pd, and colo with ``--colocated``."""
+
+    def __init__(self, ns: argparse.Namespace, out_dir: Path, token_cost: float) -> None:
         from soak_chaos import spawned_redis
 
         from ray_head import FaultTolerantHead
@@ -189,7 +362,29 @@ class Deployment:
         self.ns = ns
         self.logs = out_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.namespace = f"soakdep-{uuid.uuid4().hex[:6]}"
+        tag = uuid.uuid4().hex[:6]
+        self.namespace = f"soakdep-{tag}"
+        self.stacks = [Stack("pd", self.namespace, "disaggregated", {"prefill": ns.prefill, "decode": ns.decode})]
+        if ns.colocated:
+            self.stacks.append(Stack("colo", f"soakcolo-{tag}", "colocated", {"colocated": ns.colocated}))
+        self.shares = {"pd": 1 - (ns.colocated_share if ns.colocated else 0.0), "colo": ns.colocated_share}
+        self.secrets_dir = Path(tempfile.mkdtemp(prefix="soakkeys"))
+        self.keys: dict[str, str] = {}
+        """Key name -> the bearer token (the same tokens in every deployment; each has its own limits)."""
+        self.limits: dict[str, dict] = {}
+        """Deployment label -> key name -> limits."""
+        if ns.quotas:
+            self.keys = {name: f"pdk-{name}-{secrets.token_urlsafe(24)}" for name in ("main", "capped")}
+            for st in self.stacks:
+                lim = key_limits(ns, ns.rate * self.shares[st.label], token_cost)
+                self.limits[st.label] = lim
+                lines = []
+                for name, limits in lim.items():
+                    lines += ["[[key]]", f'name = "{name}"', f'key = "{self.keys[name]}"',
+                              *(f"{k} = {v}" for k, v in limits.items()), ""]
+                st.keys_file = self.secrets_dir / f"keys-{st.label}.toml"
+                st.keys_file.write_text("\n".join(lines))
+                st.keys_file.chmod(0o600)
         self.redis = spawned_redis()
         self.redis_incarnation = 1
         self.gcs_redis = spawned_redis()
@@ -197,37 +392,68 @@ class Deployment:
         self.env = dict(self.head.env, PDSERVE_REDIS_URL=self.redis.url,
                         PDSERVE_CLUSTER_SECRET=secrets.token_urlsafe(32), OMP_NUM_THREADS="1",
                         RAY_DEDUP_LOGS="0")
-        self.registry: Any = None
-        self.router_ports = [_free_port(), _free_port()]
-        self.routers: list[Proc] = []
-        self.controller: Optional[Proc] = None
+
+    # ---- what every deployment has ----------------------------------------------------------------------
+    @property
+    def routers(self) -> list[Proc]:
+        return [r for st in self.stacks for r in st.routers]
+
+    @property
+    def controllers(self) -> list[Proc]:
+        return [st.controller for st in self.stacks if st.controller is not None]
+
+    @property
+    def targets(self) -> list[str]:
+        return [t for st in self.stacks for t in st.targets]
+
+    def stack(self, label: str) -> Stack:
+        return next(st for st in self.stacks if st.label == label)
+
+    def router_flags(self) -> list[str]:
+        out = ["--http-port", "0"]
+        if not self.ns.kv_events:
+            out.append("--no-kv-events")
+        if not self.ns.cold_ties:
+            out.append("--no-kv-replica-sync")
+        return out
 
     def start(self) -> None:
         from cluster.registry import Registry
 
         self.head.start()
         self.head.add_node({"prefill": 1, "decode": 1}, cpus=self.ns.worker_cpus)
-        pool = ["controller", "--address", self.head.address, "--namespace", self.namespace, "--model",
-                self.ns.model, "--prefill", str(self.ns.prefill), "--decode", str(self.ns.decode),
-                "--num-kv-blocks", str(self.ns.num_kv_blocks), "--check-interval", "0.5"]
-        self.controller = Proc("controller", pool, self.env, self.logs, "pdserve CONTROLLING").start()
-        if _wait(self.controller.ready, 600) is None:
-            raise RuntimeError(f"controller did not start: {self.controller.log.read_text()[-3000:]}")
-        for k, port in enumerate(self.router_ports):
-            self.routers.append(Proc(f"router-{'ab'[k]}", ["router", "--namespace", self.namespace, "--model",
-                                                            self.ns.model, "--port", str(port), "--http-port", "0"],
-                                     self.env, self.logs, "pdserve SERVING").start())
+        for st in self.stacks:  # both controllers load at once
+            pools = (["--colocated", str(self.ns.colocated)] + (["--engine-process"] if self.ns.engine_process else [])
+                     if st.label == "colo" else ["--prefill", str(self.ns.prefill), "--decode", str(self.ns.decode)])
+            argv = ["controller", "--address", self.head.address, "--namespace", st.namespace, "--model",
+                    self.ns.model, *pools, "--num-kv-blocks", str(self.ns.num_kv_blocks), "--check-interval", "0.5"]
+            name = "controller" if st.label == "pd" else "controller-colo"
+            st.controller = Proc(name, argv, self.env, self.logs, "pdserve CONTROLLING").start()
+        for st in self.stacks:
+            if _wait(st.controller.ready, 600) is None:
+                raise RuntimeError(f"{st.controller.name} did not start: {st.controller.log.read_text()[-3000:]}")
+        for st in self.stacks:
+            st.ports = [_free_port(), _free_port()]
+            quota = (["--api-keys-file", str(st.keys_file), "--quota-routers", "2"] if st.keys_file else [])
+            for k, port in enumerate(st.ports):
+                name = f"router-{'ab'[k]}" if st.label == "pd" else f"router-colo-{'ab'[k]}"
+                st.routers.append(Proc(name, ["router", "--mode", st.mode, "--namespace", st.namespace, "--model",
+                                              self.ns.model, "--port", str(port), *self.router_flags(), *quota],
+                                       self.env, self.logs, "pdserve SERVING").start())
         for r in self.routers:
             if _wait(r.ready, 300) is None:
                 raise RuntimeError(f"{r.name} did not start: {r.log.read_text()[-3000:]}")
-        self.registry = Registry(self.redis.url, self.namespace)
+        for st in self.stacks:
+            st.registry = Registry(self.redis.url, st.namespace)
 
     @property
-    def targets(self) -> list[str]:
-        return [f"127.0.0.1:{p}" for p in self.router_ports]
+    def registry(self) -> Any:
+        """The disaggregated deployment's registry."""
+        return self.stacks[0].registry
 
     def workers(self, role: Optional[str] = None) -> list:
-        return self.registry.list(role)
+        """Every deployment's registered workers (of ``role``)."""
+        return [w for st in self.stacks if st.registry is not None for w in st.registry.list(role)]
 
     def worker_pid(self, info: Any) -> Optional[int]:
         return _listening_pid(int(info.grpc_address.rpartition(":")[2]))
@@ -236,27 +462,29 @@ class Deployment:
         """Everything serving again; ``gone``: a worker id that must have left the registry (a killed one);
         ``since``: unix time every counted worker's record must be newer than (after a SIGSTOP)."""
         now = time.time()
-        fresh = [w for w in self.workers() if w.ready and now - w.updated_at < 5 and w.updated_at > since]
-        if gone and any(w.worker_id == gone for w in self.workers()):
+        workers = self.workers()
+        if gone and any(w.worker_id == gone for w in workers):
             return False
-        roles = Counter(w.role for w in fresh)
-        return (roles["prefill"] >= self.ns.prefill and roles["decode"] >= self.ns.decode
-                and self.controller.ready() and all(_health(t) for t in self.targets)
+        fresh = Counter(w.role for w in workers if w.ready and now - w.updated_at < 5 and w.updated_at > since)
+        return (all(fresh[role] >= n for st in self.stacks for role, n in st.sizes.items())
+                and all(c.ready() for c in self.controllers) and all(_health(t) for t in self.targets)
                 and self.head.gcs() is not None)
 
     def processes(self) -> dict[str, int]:
         """name -> pid of every process of the deployment now."""
         out: dict[str, int] = {}
-        for r in self.routers:
-            if r.alive():
-                out[f"{r.name}#{r.incarnation}"] = r.popen.pid
-        if self.controller.alive():
-            out[f"controller#{self.controller.incarnation}"] = self.controller.popen.pid
+        for p in [*self.routers, *self.controllers]:
+            if p.alive():
+                out[f"{p.name}#{p.incarnation}"] = p.popen.pid
         try:
             for w in self.workers():
                 pid = self.worker_pid(w)
                 if pid:
                     out[w.worker_id] = pid
+                    if w.role == "colocated":
+                        child = _engine_child(pid)
+                        if child:
+                            out[f"{w.worker_id}.engine"] = child
         except Exception:  # Redis down: the workers are sampled next time
             pass
         if self.redis.pid:
@@ -275,84 +503,185 @@ class Deployment:
         self.redis = spawned_redis(port, password)
         self.redis_incarnation += 1
 
+    def router_counters(self) -> dict:
+        """Every live router's KV-routing and quota counters (its current incarnation's, from its /metrics)."""
+        return {f"{r.name}#{r.incarnation}": router_kv_counters(r.banner_value(r"metrics\s+http://(\S+)/metrics"))
+                for r in self.routers if r.alive()}
+
     def stop(self, res: dict) -> None:
         import redis as redis_py
 
-        for r in self.routers:
-            res.setdefault("exit_codes", {})[r.name] = r.terminate()
-        if self.controller is not None:
-            res.setdefault("exit_codes", {})["controller"] = self.controller.terminate()
-        down = subprocess.run([*_pdserve(), "down", "--address", self.head.address, "--namespace", self.namespace],
-                              cwd=REPO, env=self.env, capture_output=True, text=True, timeout=300)
-        res["down"] = {"rc": down.returncode, "stdout": down.stdout[-2000:]}
-        try:
-            c = redis_py.Redis.from_url(self.redis.url)
-            res["redis_keys_left_after_down"] = sorted(k.decode() for k in c.scan_iter(match=f"{self.namespace}:*"))
-            c.close()
-        except Exception as e:
-            res["redis_keys_left_after_down"] = f"unreadable: {e}"
-        if self.registry is not None:
-            self.registry.close()
+        for p in [*self.routers, *self.controllers]:
+            res.setdefault("exit_codes", {})[p.name] = p.terminate()
+        res["down"], res["redis_keys_left_after_down"] = {}, []
+        for st in self.stacks:
+            down = subprocess.run([*_pdserve(), "down", "--address", self.head.address, "--namespace", st.namespace],
+                                  cwd=REPO, env=self.env, capture_output=True, text=True, timeout=300)
+            res["down"][st.label] = {"rc": down.returncode, "stdout": down.stdout[-2000:]}
+            try:
+                c = redis_py.Redis.from_url(self.redis.url)
+                res["redis_keys_left_after_down"] += sorted(k.decode() for k in c.scan_iter(match=f"{st.namespace}:*"))
+                c.close()
+            except Exception as e:
+                res["redis_keys_left_after_down"].append(f"unreadable: {e}")
+            if st.registry is not None:
+                st.registry.close()
         self.head.close()
         self.redis.stop()
         self.gcs_redis.stop()
+        shutil.rmtree(self.secrets_dir, ignore_errors=True)
+
+
+def sum_counters(by_router: dict) -> dict:
+    """The routers' counters summed over the live routers (last incarnations), per deployment (pd, colo)."""
+    out: dict = {}
+    for name, counters in by_router.items():
+        label = "colo" if name.startswith("router-colo") else "pd"
+        for k, v in counters.items():
+            if k != "error":
+                out.setdefault(label, {})[k] = out.get(label, {}).get(k, 0.0) + v
+    return out
+
+
+def router_kv_counters(metrics_address: Optional[str]) -> dict:
+    """A router's cache-aware routing and quota counters from its Prometheus /metrics (``host:port``)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if not metrics_address:
+        return {"error": "no metrics address in its log"}
+    wanted = ("kv_events_consumed", "kv_events_rejected", "kv_events_resyncs", "kv_events_redis_errors",
+              "kv_replica_published", "kv_replica_applied", "kv_replica_dropped", "kv_cold_ties",
+              "routing_decisions", "quota_rejections", "request_success", "request_errors", "request_migrations")
+    out: dict = {}
+    try:
+        with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                name = s.name.removeprefix("pdserve:").removesuffix("_total")
+                if not s.name.endswith("_total") or name not in wanted:
+                    continue
+                label = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())
+                                 if k not in ("model_name", "role", "worker"))
+                key = f"{name}{{{label}}}" if label else name
+                out[key] = out.get(key, 0.0) + s.value
+    except Exception as e:
+        out["error"] = repr(e)
+    return out
 
 
 # ---- the client -------------------------------------------------------------------------------------------
+@dataclass
+class Planned:
+    """What one trace request becomes: its deployment, key, constraint and max_tokens."""
+
+    stack: str
+    key: str
+    constraint: str
+    max_tokens: int
+
+
+def plan_requests(ns: argparse.Namespace, reqs: list, limits: Any) -> list[Planned]:
+    """Each request's deployment (``--colocated-share``), key (``--capped-share``) and constraint (every
+    ``--structured-every``-th, alternately json and regex), drawn from ``--seed``; a constrained request's
+    max_tokens raised to ``STRUCTURED_MIN_TOKENS`` within the model's limits."""
+    rng = random.Random(ns.seed + 17)
+    out = []
+    every = ns.structured_every
+    for i, q in enumerate(reqs):
+        stack = "colo" if ns.colocated and rng.random() < ns.colocated_share else "pd"
+        key = ("capped" if rng.random() < ns.capped_share else "main") if ns.quotas else ""
+        constraint = ("json", "regex")[(i // every) % 2] if every and i % every == every - 1 else ""
+        mt = q.max_tokens
+        if constraint:
+            mt = max(mt, STRUCTURED_MIN_TOKENS)
+            if limits.max_new_tokens:
+                mt = min(mt, limits.max_new_tokens)
+            if limits.max_context_length:
+                mt = max(1, min(mt, limits.max_context_length - len(q.prompt_token_ids)))
+        out.append(Planned(stack, key, constraint, mt))
+    return out
+
+
+def plan_summary(plan: list[Planned]) -> dict:
+    return {"by_deployment": dict(Counter(p.stack for p in plan)), "by_key": dict(Counter(p.key for p in plan)),
+            "by_constraint": dict(Counter(p.constraint or "none" for p in plan))}
+
+
 class Client:
     """Sends each request at its time on a thread pool; retries before the first token, fails over routers."""
 
-    def __init__(self, targets: list[str], timeout_s: float, retries: int, seed: int) -> None:
+    def __init__(self, dep: "Deployment", timeout_s: float, retries: int, seed: int) -> None:
         from proto import pdserve_pb2, pdserve_pb2_grpc
+        from transport.auth import bearer_metadata
 
-        self.pb, self.targets, self.timeout_s, self.retries = pdserve_pb2, targets, timeout_s, retries
-        self.channels = [grpc.insecure_channel(t) for t in targets]
-        self.stubs = [pdserve_pb2_grpc.PDServeStub(c) for c in self.channels]
+        self.pb, self.timeout_s, self.retries = pdserve_pb2, timeout_s, retries
+        self.names = {st.label: [r.name for r in st.routers] for st in dep.stacks}
+        self.channels = {st.label: [grpc.insecure_channel(t) for t in st.targets] for st in dep.stacks}
+        self.stubs = {label: [pdserve_pb2_grpc.PDServeStub(c) for c in chs] for label, chs in self.channels.items()}
+        self.metadata = {name: bearer_metadata(tok) for name, tok in dep.keys.items()}
         self.rng = random.Random(seed)
         self.recs: list[Rec] = []
 
-    def run(self, reqs: list, t0: float, stop: threading.Event) -> None:
+    def run(self, reqs: list, plan: list[Planned], t0: float, stop: threading.Event) -> None:
         with ThreadPoolExecutor(max_workers=96, thread_name_prefix="client") as pool:
-            for i, q in enumerate(reqs):
+            for i, (q, p) in enumerate(zip(reqs, plan)):
                 delay = t0 + q.arrival_s - time.perf_counter()
                 if delay > 0 and stop.wait(delay):
                     break
-                rec = Rec(i, q.max_tokens, time.perf_counter() - t0)
+                rec = Rec(i, p.max_tokens, time.perf_counter() - t0, stack=p.stack, key=p.key,
+                          constraint=p.constraint)
                 self.recs.append(rec)
-                pool.submit(self._one, q, rec, t0, i % len(self.stubs))
+                pool.submit(self._one, q, rec, t0, i % len(self.stubs[p.stack]))
+
+    def message(self, q: Any, rec: Rec) -> Any:
+        kw: dict = dict(token_ids=q.prompt_token_ids, max_tokens=rec.max_tokens, temperature=0.0,
+                        ignore_eos=not rec.constraint)  # a constraint ends its answer itself
+        if rec.constraint:
+            fld, value = CONSTRAINTS[rec.constraint]
+            kw["structured_outputs"] = self.pb.StructuredOutputs(**{fld: value})
+        return self.pb.GenerateRequest(**kw)
 
     def _one(self, q: Any, rec: Rec, t0: float, k: int) -> None:
-        req = self.pb.GenerateRequest(token_ids=q.prompt_token_ids, max_tokens=q.max_tokens, temperature=0.0,
-                                      ignore_eos=True)
+        req = self.message(q, rec)
+        stubs, names = self.stubs[rec.stack], self.names[rec.stack]
+        md = self.metadata.get(rec.key, ())
         for attempt in range(self.retries + 1):
             rec.attempts += 1
-            rec.routers.append(k)
+            rec.routers.append(names[k])
             try:
-                for msg in self.stubs[k].Generate(req, timeout=self.timeout_s):
+                for msg in stubs[k].Generate(req, timeout=self.timeout_s, metadata=md):
                     now = time.perf_counter() - t0
                     if msg.token_ids:
                         rec.t_first = rec.t_first if rec.t_first is not None else now
                         rec.chunk_times.append(now)
                         rec.tokens.extend(msg.token_ids)
+                    rec.text += msg.text
                     if msg.finish_reason:
                         rec.finish = msg.finish_reason
                 rec.t_end = time.perf_counter() - t0
                 return
             except grpc.RpcError as e:
-                code = e.code()
-                if not rec.tokens and code in RETRYABLE and attempt < self.retries:
+                code, details = e.code(), e.details() or ""
+                quota = QUOTA_REFUSAL.search(details) if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None
+                if quota is None and not rec.tokens and code in RETRYABLE and attempt < self.retries:
                     if code == grpc.StatusCode.UNAVAILABLE:
                         k = 1 - k  # its router may be gone: the other one
                     time.sleep(min(8.0, 0.25 * 2 ** attempt) * (0.5 + self.rng.random()))
                     continue
-                rec.error = f"{code.name}: {(e.details() or '')[:160]}"
-                rec.failed_on = k
+                if quota is not None:
+                    rec.quota = quota.group(2)
+                rec.error = f"{code.name}: {details[:160]}"
+                rec.failed_on = names[k]
                 rec.t_end = time.perf_counter() - t0
                 return
 
     def close(self) -> None:
-        for c in self.channels:
-            c.close()
+        for chs in self.channels.values():
+            for c in chs:
+                c.close()
 
 
 # ---- faults and sampling ----------------------------------------------------------------------------------
@@ -390,7 +719,7 @@ class Chaos:
         """What a Deployment does: a router or controller that exits on its own (not killed by a fault) is
         restarted after ``--restart-after-s``; each such exit is recorded in ``exits``."""
         while not self.stop.wait(1.0):
-            for proc in [*self.dep.routers, self.dep.controller]:
+            for proc in [*self.dep.routers, *self.dep.controllers]:
                 if proc.held or proc.alive() or proc.popen is None:
                     continue
                 rc = proc.popen.returncode
@@ -438,9 +767,10 @@ class Chaos:
                 info = getattr(self, kind)()
             except Exception as e:  # a fault that could not be injected is reported, the soak goes on
                 info = {"error": f"{type(e).__name__}: {e}"}
-            gone = info.get("victim", "") if kind in ("kill_decode", "kill_prefill") else ""
+            gone = info.get("victim", "") if kind in ("kill_decode", "kill_prefill", "kill_colocated") else ""
             since = info.get("resumed_at", 0.0)
-            healed = _wait(lambda: self.dep.whole(gone, since), self.ns.recover_timeout_s, 0.5)
+            back = (lambda: self.engine_back(info)) if kind == "kill_engine" and "victim" in info else (lambda: True)
+            healed = _wait(lambda: back() and self.dep.whole(gone, since), self.ns.recover_timeout_s, 0.5)
             rec = {"t_s": round(t, 1), "kind": kind, **info,
                    "recovered_s": None if healed is None else round(self.now() - t, 1)}
             self.faults.append(rec)
@@ -458,6 +788,27 @@ class Chaos:
 
     def kill_prefill(self) -> dict:
         return self._kill_role("prefill")
+
+    def kill_colocated(self) -> dict:
+        return self._kill_role("colocated")
+
+    def kill_engine(self) -> dict:
+        """kill -9 of a colocated worker's engine process (``--engine-process``), the worker left alive."""
+        w = self.rng.choice([w for w in self.dep.workers("colocated") if w.ready])
+        pid = self.dep.worker_pid(w)
+        child = _engine_child(pid) if pid else None
+        if child is None:
+            raise RuntimeError(f"{w.worker_id} (pid {pid}) has no engine process (--no-engine-process?)")
+        os.kill(child, signal.SIGKILL)
+        return {"victim": w.worker_id, "pid": child, "worker_pid": pid}
+
+    def engine_back(self, info: dict) -> bool:
+        """After ``kill_engine``: the victim left the registry (replaced) or runs a new engine process. (Its own
+        record is no guide: on 29 Nov a worker whose engine process died went on reporting ready.)"""
+        if not any(w.worker_id == info["victim"] for w in self.dep.workers("colocated")):
+            return True
+        child = _engine_child(info["worker_pid"])
+        return child is not None and child != info["pid"]
 
     def _kill_restart(self, proc: Proc) -> dict:
         """kill -9, then restarts as an orchestrator would: after ``--restart-after-s``, and again (5 s later) each
@@ -490,7 +841,7 @@ class Chaos:
         return self._kill_restart(self.rng.choice(self.dep.routers))
 
     def kill_controller(self) -> dict:
-        return self._kill_restart(self.dep.controller)
+        return self._kill_restart(self.rng.choice(self.dep.controllers))
 
     def kill_redis(self) -> dict:
         pid, port, password = self.dep.redis.pid, self.dep.redis.port, self.dep.redis.password
@@ -523,26 +874,43 @@ class Chaos:
 
 # ---- analysis ---------------------------------------------------------------------------------------------
 def classify(recs: list[Rec], faults: list[dict]) -> dict:
-    """Served / lost, and why each lost one was lost."""
+    """Served / refused by the capped key's quota / lost, why each lost one was lost, and the same by
+    deployment, key and constraint."""
     kills = [(f["t_s"], f.get("victim")) for f in faults if f["kind"] == "kill_router"]
     why: Counter = Counter()
     for r in recs:
-        if r.ok:
+        if not r.lost:
             continue
-        router = f"router-{'ab'[r.failed_on]}" if r.failed_on is not None else None
-        died = any(v == router and r.t_send <= t <= (r.t_end or 1e18) for t, v in kills)
+        died = any(v == r.failed_on and r.t_send <= t <= (r.t_end or 1e18) for t, v in kills)
         if died and r.tokens:
             why["its router was killed mid-stream"] += 1
+        elif r.quota:
+            why[f"refused by the quota of key {r.key or '(none)'} ({r.quota}): a quota bug"] += 1
         elif r.tokens:
             why[f"error after {len(r.tokens)} tokens: {r.error.split(':')[0]}"] += 1
         elif r.error:
             why[f"before any token, after {r.attempts} attempts: {r.error.split(':')[0]}"] += 1
         else:
             why["unfinished at the end"] += 1
-    return {"sent": len(recs), "served": sum(r.ok for r in recs), "lost": sum(not r.ok for r in recs),
+
+    def tally(sel: Callable[[Rec], str]) -> dict:
+        out: dict = {}
+        for r in recs:
+            t = out.setdefault(sel(r) or "none", {"sent": 0, "served": 0, "refused_by_quota": 0, "lost": 0})
+            t["sent"] += 1
+            t["served"] += r.ok
+            t["refused_by_quota"] += r.refused_by_quota
+            t["lost"] += r.lost
+        return out
+
+    return {"sent": len(recs), "served": sum(r.ok for r in recs), "lost": sum(r.lost for r in recs),
+            "refused_by_quota": sum(r.refused_by_quota for r in recs),
+            "refused_by_quota_limits": dict(Counter(r.quota for r in recs if r.refused_by_quota)),
             "lost_why": dict(why), "retried_then_served": sum(r.ok and r.attempts > 1 for r in recs),
             "served_via_other_router": sum(r.ok and len(set(r.routers)) > 1 for r in recs),
-            "lost_with_router_alive": sum(v for k, v in why.items() if "router was killed" not in k)}
+            "lost_with_router_alive": sum(v for k, v in why.items() if "router was killed" not in k),
+            "by_deployment": tally(lambda r: r.stack), "by_key": tally(lambda r: r.key),
+            "by_constraint": tally(lambda r: r.constraint)}
 
 
 def windows(recs: list[Rec], window_s: float, duration_s: float) -> list[dict]:
@@ -563,20 +931,56 @@ def windows(recs: list[Rec], window_s: float, duration_s: float) -> list[dict]:
     return out
 
 
-def duplicates(recs: list[Rec], reqs: list, model: str, sample: int) -> dict:
-    """Requests with more tokens than asked, and a sample (those retried first) against the offline engine."""
-    from engine import LLM, SamplingParams
+def valid_structured(r: Rec) -> bool:
+    """A served constrained answer that stopped is one the constraint accepts (one that ran out of max_tokens is
+    a prefix and is not judged)."""
+    if r.finish != "stop":
+        return True
+    if r.constraint == "regex":
+        return re.fullmatch(REGEX, r.text) is not None
+    import jsonschema
 
-    over = [r.i for r in recs if r.ok and len(r.tokens) != r.max_tokens]
+    try:
+        jsonschema.validate(json.loads(r.text), PERSON)
+        return True
+    except (ValueError, jsonschema.ValidationError):
+        return False
+
+
+def duplicates(recs: list[Rec], reqs: list, model: str, sample: int) -> dict:
+    """Unconstrained requests with another number of tokens than asked (they run with ``ignore_eos``), constrained
+    ones with more than asked or an answer the constraint refuses, and a sample (those retried first, a quarter
+    constrained when there are some) against the offline engine: greedy, the constrained ones under the same
+    constraint (``engine.LLM``, the constraint converted as the router converts it)."""
+    from engine import LLM, SamplingParams
+    from proto import pdserve_pb2
+    from router.wire import structured_outputs_from_proto
+
     good = [r for r in recs if r.ok]
+    over = [r.i for r in good if not r.constraint and len(r.tokens) != r.max_tokens]
+    over += [r.i for r in good if r.constraint and len(r.tokens) > r.max_tokens]
+    invalid = [r.i for r in good if r.constraint and not valid_structured(r)]
     pick = [r for r in good if r.attempts > 1][: sample // 2]
-    rest = [r for r in good if r.attempts == 1]
-    pick += rest[:: max(1, len(rest) // max(1, sample - len(pick)))][: sample - len(pick)]
+    constrained = [r for r in good if r.attempts == 1 and r.constraint]
+    n_con = min(len(constrained), max(0, sample // 4 - sum(bool(r.constraint) for r in pick)))
+    pick += constrained[:: max(1, len(constrained) // max(1, n_con))][:n_con]
+    rest = [r for r in good if r.attempts == 1 and not r.constraint]
+    pick += rest[:: max(1, len(rest) // max(1, sample - len(pick)))][: max(0, sample - len(pick))]
+
+    def params(r: Rec) -> Any:
+        if not r.constraint:
+            return SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
+        fld, value = CONSTRAINTS[r.constraint]
+        so = structured_outputs_from_proto(pdserve_pb2.StructuredOutputs(**{fld: value}))
+        return SamplingParams(max_tokens=r.max_tokens, temperature=0.0, structured_outputs=so)
+
     llm = LLM(model=model, num_threads=1)
-    outs = llm.generate([{"prompt_token_ids": reqs[r.i].prompt_token_ids} for r in pick],
-                        [SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True) for r in pick])
+    outs = llm.generate([{"prompt_token_ids": reqs[r.i].prompt_token_ids} for r in pick], [params(r) for r in pick])
     bad = [r.i for r, o in zip(pick, outs) if list(o.token_ids) != r.tokens]
-    return {"wrong_length": len(over), "wrong_length_ids": over[:20], "offline_checked": len(pick),
+    return {"wrong_length": len(over), "wrong_length_ids": over[:20], "structured_served": sum(bool(r.constraint)
+            for r in good), "structured_stopped": sum(bool(r.constraint) and r.finish == "stop" for r in good),
+            "structured_invalid": len(invalid), "structured_invalid_ids": invalid[:20],
+            "offline_checked": len(pick), "offline_checked_structured": sum(bool(r.constraint) for r in pick),
             "offline_mismatched": len(bad), "offline_mismatched_ids": bad[:20]}
 
 
@@ -607,37 +1011,52 @@ def plot_rss(rss: dict, faults: list[dict], path: Path) -> None:
 def main(ns: argparse.Namespace) -> int:
     from soak import load_rows, machine_info, make_requests
 
+    check_args(ns)
     out_dir = ns.out.parent
     out_dir.mkdir(parents=True, exist_ok=True)
+    shape = (f"controller + 2 routers + {ns.prefill} prefill + {ns.decode} decode"
+             + (f"; beside it controller + 2 routers (--mode colocated) + {ns.colocated} colocated"
+                + (" (--engine-process)" if ns.engine_process else "") if ns.colocated else "")
+             + f"; Ray head + 1 worker node ({ns.worker_cpus} CPUs), GCS fault tolerance on its own Redis")
     res: dict = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(ns).items()},
-                 "machine": machine_info(), "shape": f"controller + 2 routers + {ns.prefill} prefill + "
-                 f"{ns.decode} decode, Ray head + 1 worker node, GCS fault tolerance on its own Redis"}
-    dep = Deployment(ns, out_dir)
+                 "machine": machine_info(), "shape": shape}
+    n = max(2, int(ns.rate * ns.duration_s))
+    rows = load_rows(ns, n + 1)
+    # the keys' token limits are set from the trace before the clip to the model's limits (an upper bound)
+    token_cost = sum(r.prompt_len + max(r.output_len, STRUCTURED_MIN_TOKENS) for r in rows) / len(rows)
+    dep = Deployment(ns, out_dir, token_cost)
     chaos = client = None
     t_start = time.monotonic()
     try:
         dep.start()
         from loadtest.client import fetch_model_info, limits_from_info
+        from transport.client_auth import ClientAuth
         import asyncio
 
-        limits = limits_from_info(asyncio.run(fetch_model_info(dep.targets[0], 120.0)))
+        auth = ClientAuth(api_key=dep.keys["main"]) if dep.keys else None
+        limits = limits_from_info(asyncio.run(fetch_model_info(dep.targets[0], 120.0, auth)))
         print(f"deployment {dep.namespace} up in {time.monotonic() - t_start:.0f} s: routers {dep.targets}, "
               f"ray {dep.head.address}, load average {os.getloadavg()}", flush=True)
-        n = max(2, int(ns.rate * ns.duration_s))
-        rows = load_rows(ns, n + 1)
         span = rows[-1].arrival_s - rows[0].arrival_s
         factor = n / (ns.rate * span) if span > 0 else 0.0
         arrivals = [(r.arrival_s - rows[0].arrival_s) * factor for r in rows]
         reqs, clipped = make_requests(rows[:n], limits, ns.seed, "dep", arrivals[:n])
+        plan = plan_requests(ns, reqs, limits)
         res["workload"] = {"trace": ns.trace.name, "requests": n, "rate": ns.rate, "length_scale": ns.length_scale,
                            "clipped": clipped, "prompt_len_median": sorted(len(q.prompt_token_ids) for q in reqs)[n // 2],
-                           "output_len_median": sorted(q.max_tokens for q in reqs)[n // 2]}
-        client = Client(dep.targets, ns.request_timeout, ns.client_retries, ns.seed)
+                           "output_len_median": sorted(q.max_tokens for q in reqs)[n // 2], **plan_summary(plan)}
+        res["defaults"] = {"kv_events": ns.kv_events, "cold_ties": ns.cold_ties, "router_flags": dep.router_flags(),
+                           "quotas": dep.limits, "quota_routers": 2 if dep.keys else None,
+                           "structured_every": ns.structured_every, "constraints": CONSTRAINTS,
+                           "colocated": ns.colocated, "engine_process": ns.engine_process and bool(ns.colocated),
+                           "namespaces": {st.label: st.namespace for st in dep.stacks}, "faults": ns.faults}
+        print(f"  {plan_summary(plan)}; quotas {dep.limits or 'off'}; router flags {dep.router_flags()}", flush=True)
+        client = Client(dep, ns.request_timeout, ns.client_retries, ns.seed)
         chaos = Chaos(dep, ns)
         stop = threading.Event()
         t0 = time.perf_counter()
         chaos.start(t0)
-        loader = threading.Thread(target=client.run, args=(reqs, t0, stop), name="load")
+        loader = threading.Thread(target=client.run, args=(reqs, plan, t0, stop), name="load")
         loader.start()
         last = 0.0
         while loader.is_alive():
@@ -647,7 +1066,8 @@ def main(ns: argparse.Namespace) -> int:
                 last = el
                 done = [r for r in client.recs if r.t_end is not None]
                 print(f"  [{el:6.0f} s] sent {len(client.recs)}, done {len(done)}, served "
-                      f"{sum(r.ok for r in done)}, load average {os.getloadavg()[0]:.2f}", flush=True)
+                      f"{sum(r.ok for r in done)}, refused by quota {sum(r.refused_by_quota for r in done)}, "
+                      f"lost {sum(r.lost for r in done)}, load average {os.getloadavg()[0]:.2f}", flush=True)
         chaos.join()
         res["load_wall_s"] = round(time.perf_counter() - t0, 1)
         # leaks: every block back once the load is over (the registry's records are refreshed by heartbeats)
@@ -655,7 +1075,10 @@ def main(ns: argparse.Namespace) -> int:
                                    for w in dep.workers()), 120, 1.0)
         res["kv_blocks_not_free"] = {w.worker_id: w.num_total_blocks - w.num_free_blocks for w in dep.workers()}
         res["kv_free_after_s"] = waited
-        res["redis_keys_before_down"] = sorted(dep.registry.keys()) if dep.registry else []
+        res["redis_keys_before_down"] = sorted(k for st in dep.stacks if st.registry is not None
+                                               for k in st.registry.keys())
+        res["router_counters"] = dep.router_counters()
+        res["kv_routing"] = sum_counters(res["router_counters"])
         res["faults"] = chaos.faults
         res["exits"] = chaos.exits
         res["requests"] = classify(client.recs, chaos.faults)
@@ -686,8 +1109,13 @@ def main(ns: argparse.Namespace) -> int:
         print(f"  fault {f}")
     for w in res.get("windows", []):
         print(f"  window {w}")
+    for label, c in res.get("kv_routing", {}).items():
+        print(f"  routers {label} (live incarnations, summed): {json.dumps(c)}")
+    for name, v in sorted(res.get("rss_mib", {}).items()):
+        print(f"  rss {name}: {v['first']} -> {v['last']} MiB (max {v['max']}, {v['from_s']}-{v['to_s']} s)")
     print(f"result: {ns.out} (plot {ns.out.with_suffix('.rss.png')})")
-    bad = (res.get("requests", {}).get("lost_with_router_alive", 1) or res.get("tokens", {}).get("wrong_length")
-           or res.get("tokens", {}).get("offline_mismatched") or any(res.get("kv_blocks_not_free", {}).values())
-           or res.get("redis_keys_left_after_down"))
+    tok = res.get("tokens", {})
+    bad = (res.get("requests", {}).get("lost_with_router_alive", 1) or tok.get("wrong_length")
+           or tok.get("offline_mismatched") or tok.get("structured_invalid")
+           or any(res.get("kv_blocks_not_free", {}).values()) or res.get("redis_keys_left_after_down"))
     return 1 if bad else 0
