@@ -53,6 +53,8 @@ class RoleWorker(Protocol):
 
     def info(self) -> WorkerInfo: ...
 
+    def engine_failed(self) -> Optional[str]: ...
+
     def drain(self, timeout_s: float = 30.0) -> bool: ...
 
     def stop(self) -> None: ...
@@ -189,9 +191,14 @@ class _WorkerActor:
             wait = interval
 
     def info(self) -> WorkerInfo:
-        """The live record (what the next heartbeat will publish)."""
+        """The live record (what the next heartbeat will publish). Raises once the worker's engine loop has died
+        (its record says not ready meanwhile): the supervisor counts that as a missed probe and replaces the
+        worker, as it does a hung one."""
         if self.worker is None:
             raise RuntimeError(f"worker {self.spec.worker_id} not started")
+        failed = self.worker.engine_failed()
+        if failed is not None:
+            raise RuntimeError(f"worker {self.spec.worker_id}: engine loop died: {failed}")
         return self._info()
 
     def torch_threads(self) -> int:

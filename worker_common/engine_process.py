@@ -214,7 +214,13 @@ class RemoteEngine:
             self._send(("abort", request_id))
 
     def has_unfinished_requests(self) -> bool:
-        """Requests in flight, or commands whose effect (freed blocks, a refusal) has not come back yet."""
+        """Requests in flight, or commands whose effect (freed blocks, a refusal) has not come back yet. Raises
+        once the engine process has died: the worker's loop asks this on every pass, idle or not, so a child
+        killed while the worker is idle ends the loop (the worker reports not ready and is replaced) instead of
+        failing each later request with a broken pipe."""
+        proc = self._proc
+        if proc is not None and self._conn is not None and not proc.is_alive():
+            raise RuntimeError(f"{self.name}: the engine process exited (exit code {proc.exitcode})")
         return bool(self._live) or self._seen < self._sent
 
     def wake(self) -> None:

@@ -216,6 +216,14 @@ class WorkerBase:
             # once per loop pass, so each engine step is one iteration_tokens_total observation
             self.metrics.record_engine(stats)
 
+    def engine_failed(self) -> Optional[str]:
+        """Why the engine loop died (an engine step, a hook or the engine process failed), once it has; None
+        while it runs or after a clean stop. Such a worker never serves again: the cluster replaces it."""
+        loop = self.loop
+        if loop is None or loop.alive or loop.error is None or self._stopped:
+            return None
+        return f"{type(loop.error).__name__}: {loop.error}"
+
     def stalled(self) -> float:
         """Seconds the engine has had work (running or waiting requests) without scheduling a token, once that is
         past ``cfg.stall_timeout_s``; else 0. A step that hangs counts too: the loop then stops refreshing the

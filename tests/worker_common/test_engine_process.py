@@ -213,3 +213,24 @@ def test_config_refuses_what_the_engine_process_cannot_do_yet():
         DecodeWorkerConfig("d", engine=engine_config(), engine_process=True)
     with pytest.raises(ValueError, match="engine_process must be a bool"):
         ColocatedWorkerConfig("c", engine=engine_config(), engine_process="yes")
+
+
+def test_engine_process_death_while_idle_takes_the_worker_out_and_names_the_cause():
+    """Killed while the worker serves nothing: the idle loop notices (it used to keep reporting ready and fail
+    every later request with a broken pipe), the worker reports not ready and ``engine_failed`` says why (the
+    cluster's actor then fails its probe, so the supervisor replaces the worker)."""
+    torch.set_num_threads(1)
+    r = start_colocated(n=1, tag="epi-", worker={"engine_process": True}, router={"pool_wait_s": 0.0})
+    try:
+        w = r.decodes[0]
+        assert joined(collect(r.stub, prompt="x", max_tokens=2, temperature=0.0))[2] == "length"
+        assert w.info().ready and w.engine_failed() is None
+        os.kill(_engine_pid(w), signal.SIGKILL)
+        wait_until(lambda: not w.info().ready, timeout=30, interval=0.02,
+                   message="the worker still reports ready with its engine process dead")
+        assert "engine process exited" in (w.engine_failed() or ""), w.engine_failed()
+        with pytest.raises(grpc.RpcError) as e:
+            collect(r.stub, prompt="x", max_tokens=2, temperature=0.0)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        r.close()
