@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from engine.sampling_params import SamplingParams
+from tests.waiting import wait_until
 from worker_common.engine_loop import EngineLoop
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -90,27 +90,27 @@ def test_stop_fails_commands_still_queued(tiny_engine):
     loop = EngineLoop(tiny_engine, "t5", on_outputs=lambda outs: None)
     loop.start()
     busy, release = threading.Event(), threading.Event()
-    loop.post(lambda e: (busy.set(), release.wait(10)))  # hold the loop thread inside a command
-    assert busy.wait(5)
+    loop.post(lambda e: (busy.set(), release.wait(60)))  # hold the loop thread inside a command
+    assert busy.wait(30)
     result: list = []
 
     def caller() -> None:
         try:
-            result.append(loop.call(lambda e: "ran", timeout_s=3))
+            result.append(loop.call(lambda e: "ran", timeout_s=60))
         except Exception as e:  # noqa: BLE001 - the test inspects it
             result.append(e)
 
     t = threading.Thread(target=caller)
     t.start()
-    time.sleep(0.1)  # the call is queued behind the blocked command
-    loop.stop(timeout_s=0.1)
-    release.set()
-    t.join(10)
+    # the call is queued behind the blocked command (the loop took the blocker off the queue: it is empty till then)
+    wait_until(lambda: loop._cmds.qsize() == 1, timeout=30.0, interval=0.005, message="the call queued")
+    loop.stop(timeout_s=0.1)   # the thread is still inside the blocker: the join gives up, the queue is failed
+    release.set()   # unstopped, the loop would now run the queued call ("ran")
+    t.join(30)
     assert len(result) == 1 and isinstance(result[0], RuntimeError), result
     assert "stopped" in str(result[0])
-    end = time.monotonic() + 5
-    while loop.alive and time.monotonic() < end:  # the released command returns, then the thread ends
-        time.sleep(0.01)
+    # the released command returns, then the thread ends
+    wait_until(lambda: not loop.alive, timeout=30.0, interval=0.01, message="the loop thread ended")
     with pytest.raises(RuntimeError, match="not running"):
         loop.call(lambda e: 1)
 
@@ -124,9 +124,7 @@ def test_a_failing_step_kills_the_loop_and_reports_once(tiny_engine):
     loop = EngineLoop(tiny_engine, "t6", on_outputs=lambda outs: None, on_death=died.append)
     loop.start()
     loop.call(lambda e: e.add_request("r", [5, 6], GREEDY))  # the step after the add raises
-    end = time.monotonic() + 5
-    while loop.alive and time.monotonic() < end:
-        time.sleep(0.01)
+    wait_until(lambda: not loop.alive, timeout=30.0, interval=0.01, message="the loop died")
     assert not loop.alive and isinstance(loop.error, RuntimeError) and died == [loop.error]
     with pytest.raises(RuntimeError, match="not running"):
         loop.call(lambda e: 1)
