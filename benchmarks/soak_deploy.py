@@ -45,10 +45,10 @@ worker, of a prefill worker, of a colocated worker (with ``--colocated``), of a 
 restarted on its port after ``--restart-after-s``, as a Deployment would), of a controller (either; restarted
 likewise; the new one waits for the lease and adopts), of Redis (restarted empty on its port), of the GCS
 (restarted with its own arguments, reloading from its Redis), and SIGSTOP of a random worker for ``--stop-s``
-(then SIGCONT). ``kill_engine`` (kill -9 of a colocated worker's engine process, the worker itself left alive;
-healed when the worker is replaced or runs a new engine process) is drawn only when named in ``--faults``: on
-29 Nov such a worker went on reporting ready while failing every request routed to it, and nothing replaced it
-(docs/reliability.md), so in the default cycle it would fail the colocated deployment for the rest of the run.
+(then SIGCONT), and with ``--colocated`` ``kill_engine`` (kill -9 of a colocated worker's engine process, the
+worker itself left alive; healed when the worker is replaced or runs a new engine process: until 29 Nov such a
+worker went on reporting ready while failing every request routed to it and nothing replaced it; now its loop
+ends, its probe fails and the supervisor replaces it).
 After each fault it measures the time until everything is whole again (each deployment's 2 routers SERVING and
 its controller up, every pool's workers ready with fresh records in its registry, the GCS up). A sampler records
 every process's RSS (a colocated worker's engine process as ``<worker>.engine``) and Redis's memory and key count.
@@ -90,10 +90,10 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = ("kill_decode", "kill_prefill", "kill_router", "kill_controller", "kill_redis", "kill_gcs", "stop_worker")
 """The cycle without a colocated deployment (as in the 26 Nov runs)."""
-COLOCATED_FAULTS = ("kill_colocated",)
+COLOCATED_FAULTS = ("kill_colocated", "kill_engine")
 """Added to the cycle with ``--colocated``."""
-OPT_IN_FAULTS = ("kill_engine",)
-"""Drawn only when named in ``--faults``."""
+OPT_IN_FAULTS: tuple[str, ...] = ()
+"""Drawn only when named in ``--faults`` (none now)."""
 ALL_FAULTS = FAULTS + COLOCATED_FAULTS + OPT_IN_FAULTS
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 QUOTA_REFUSAL = re.compile(r"key '([^']*)': .*\((requests_per_s|tokens_per_min|max_concurrent)[:)]")
