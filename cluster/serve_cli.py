@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import subprocess
 import sys
 from typing import Callable, Optional
 
@@ -86,6 +88,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     check_up_args(args)
     api_keys, cluster_secret, redis_url = read_up_secrets(args)
+    prepare_cpu_kernels(args)
     cfg = ClusterConfig(**pool_config_kwargs(args), router_port=args.port, redis_url=redis_url,
                         router_overrides=router_overrides(args), api_keys=api_keys,
                         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs,
@@ -97,6 +100,26 @@ def cmd_up(args: argparse.Namespace) -> int:
         _print_endpoints(cluster, planner, args, secret_source(args, cluster_secret))
 
     return _run_cluster(cluster, args, ready)
+
+
+def prepare_cpu_kernels(args: argparse.Namespace) -> None:
+    """Build (or find) this machine's CPU kernels before any worker starts, in a child process whose output reaches
+    this terminal: the first start on a machine compiles them for minutes, and from inside Ray's worker actors
+    (whose logs do not reach the driver) that looked like a hang. A start that must wait for another process's
+    build says so here (``engine.kernels``). Only for a private local Ray on CPU: elsewhere each node builds its
+    own. Ctrl-C reaches the child too; an interrupted build never blocks the next start."""
+    if getattr(args, "address", None) is not None or os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
+        return
+    device = getattr(args, "device", "auto")
+    if device == "cuda" or (device == "auto" and shutil.which("nvidia-smi") is not None):
+        return
+    # on stderr, with the child's output: stdout carries the SERVING banner that scripts read first
+    print("pdserve: preparing the CPU kernels (the first start on a machine compiles them; minutes)",
+          file=sys.stderr, flush=True)
+    rc = subprocess.run([sys.executable, "-m", "engine.kernels"], stdout=sys.stderr, check=False).returncode
+    if rc != 0:  # the workers try again and fall back to plain torch ops, as before
+        print(f"pdserve: the CPU kernel build exited with {rc}; the workers fall back to plain torch ops if they "
+              "cannot build them either", file=sys.stderr, flush=True)
 
 
 def _run_cluster(cluster, args: argparse.Namespace, ready: Callable[[object], None],

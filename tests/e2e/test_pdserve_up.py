@@ -142,6 +142,10 @@ def test_two_pdserve_up_side_by_side_serve_and_sigterm_leaves_nothing(redis_url)
             assert _health(up.router) == health_pb2.HealthCheckResponse.SERVING
             assert any("/metrics" in line for line in up.lines), up.lines
         assert any(line.startswith("  planner  colocated 1..") for line in b.lines), b.lines
+        # the CPU kernels were prepared where the user sees it (stderr), before any worker started
+        a.stderr.seek(0)
+        err = a.stderr.read()
+        assert "preparing the CPU kernels" in err and "pdserve CPU kernels:" in err, err[-2000:]
         ref = offline(["def main():"], [SamplingParams(max_tokens=8, temperature=0.0)])[0]
         assert generate(a.router, prompt="def main():", max_tokens=8, temperature=0.0)[:3] == ref
         assert generate(b.router, prompt="def main():", max_tokens=8, temperature=0.0)[:3] == ref
