@@ -414,6 +414,11 @@ class Placer:
                 self._pairs.add((prefill_id, decode_id))
             else:
                 self._pairs.discard((prefill_id, decode_id))
+            crowded = len(self._pairs) > _MAX_PAIRS
+        if crowded:  # workers come and go (ids are never reused): forget pairs of workers no longer listed
+            live = {w.worker_id for pool in (Pool.PREFILL, Pool.DECODE) for w in self.source.list(pool.value)}
+            with self._lock:
+                self._pairs = {(p, d) for p, d in self._pairs if p in live and d in live}
 
     # ---- failures ----------------------------------------------------------------------------------
     def suspect(self, worker_id: str) -> None:
@@ -465,5 +470,7 @@ class Placer:
             self.selector.release(p.prefill.worker_id, scope.num_prompt_tokens)
 
 
+_MAX_PAIRS = 1024
+"""Past this many remembered KV pairs, those of workers that left the view are forgotten."""
 _FALLBACK = {Pool.PREFILL: Pool.DECODE, Pool.DECODE: Pool.COLOCATED}
 """The pool that serves a request whole when the key pool has no live worker."""

@@ -237,3 +237,37 @@ def test_routers_choosing_at_once_spread_over_equal_decode_workers():
         for pl, p in zip(whole, ps):
             pl.release(p, _scope())
     assert herded < 20, herded
+
+
+def test_redis_away_pairs_only_over_kv_pairs_already_up():
+    """While Redis is away a new KV pair cannot rendezvous: a pair is placed only over (P, D) whose last transfer
+    succeeded, and with none the request is sent whole to the decode pool (fallback reason no_kv_pair)."""
+    import router.placement as placement
+
+    class _Source(StaticWorkerSource):
+        last_error = None
+
+    class _Calls:
+        def reserve(self, scope, wrid, d, p):
+            return None
+
+    ws = [_w("p0", "prefill"), _w("p1", "prefill", queued=100), _w("d0", "decode")]
+    src = _Source(ws)
+    rcfg = RouterConfig(serve_metrics=False)
+    pl = Placer(rcfg, src, WorkerSelector(), _Calls())
+    assert not pl.store_away() and pl._try_pair(_scope(rid="a"), set()).prefill.worker_id == "p0"
+    src.last_error = "ConnectionError: refused"  # the view could not refresh: Redis away
+    assert pl.store_away()
+    with pytest.raises(FlowError) as e:
+        pl._try_pair(_scope(rid="b"), set())
+    assert e.value.empty_pool is Pool.PREFILL and e.value.fallback_reason == "no_kv_pair"
+    pl.pair_result("p1", "d0", True)  # only the busier prefill worker has a pair up: it is chosen
+    assert pl._try_pair(_scope(rid="c"), set()).prefill.worker_id == "p1"
+    pl.pair_result("p1", "d0", False)  # its transfer failed since: no pair known again
+    with pytest.raises(FlowError):
+        pl._try_pair(_scope(rid="d"), set())
+    # pairs of workers that left the view are forgotten once many are remembered
+    for i in range(placement._MAX_PAIRS + 1):
+        pl.pair_result(f"gone-{i}", "d0", True)
+    pl.pair_result("p0", "d0", True)
+    assert pl._pairs == {("p0", "d0")}
