@@ -132,13 +132,17 @@ def test_quick_profile_of_tiny(tmp_path, capsys):
         # tens of percent (0.27 seen under load 7); a fit that is wrong, not noisy, is off by its whole value
         # (zero coefficients: 1.0), and test_fit_recovers_a_known_step_model checks the fit itself exactly
         assert float(np.median(by_kind[kind])) < 0.6, (kind, by_kind[kind])
-    # and the attention of a long prompt is priced: the longest fresh prompt too (a fit that forgets the pair
-    # term misses it by a third on this grid)
+    # the stored step model is the fit of the stored samples (the steps that filled decode batches kept out of it)
+    fit_samples = [s for s in prof.meta["samples"] if s["kind"] != "fill"]
+    assert prof.step == fit_step_model([(_features(s), s["seconds"]) for s in fit_samples], prof.step.knots)
+    # and the attention of a long prompt reaches the fit: its sample carries its n (n + 1) / 2 attention pairs
+    # (test_fit_recovers_a_known_step_model checks exactly that the fit prices them). Neither how well the fit
+    # predicts that one prompt (a single timing, which CPU hogs beside the suite inflate by tens of percent) nor
+    # the pair coefficient itself is asserted: on a loaded host the knots at the longest prompts absorb most of
+    # the attention (its share of the longest prompt's time fell from ~45% to 1% beside two hogs)
     longest = max((s for s in prof.meta["samples"] if s["kind"] == "prefill"), key=lambda s: s["tokens"])
-    assert longest["tokens"] >= 1024 and prof.step.per_prefill_pair_s > 0
-    # (30%: the suite must pass beside CPU hogs, which inflate single timings; the fit misses it by more without
-    # the pair term)
-    assert prof.step.seconds(_features(longest)) == pytest.approx(longest["seconds"], rel=0.3)
+    assert longest["tokens"] >= 1024 and longest["ctx"] == 0
+    assert longest["prefill_pairs"] == longest["tokens"] * (longest["tokens"] + 1) / 2
     decodes = [s for s in prof.meta["samples"] if s["kind"] == "decode"]
     assert {s["batch"] for s in decodes} >= {1, 4, 16}
     hits = [s for s in prof.meta["samples"] if s["kind"] == "prefill_hit"]
