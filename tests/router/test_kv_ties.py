@@ -153,22 +153,46 @@ def test_new_prefixes_through_three_routers_spread_and_stay(redis_url, redis_nam
             p.stop()
 
 
+class _ArrivalLock:
+    """Stands in for the placer's cold lock and sets ``arrived`` once a second decision comes to take it (the
+    test then knows the second request reached the cold path while the first one held it)."""
+
+    def __init__(self, lock, arrived: threading.Event) -> None:
+        self._lock, self._arrived, self._entries = lock, arrived, 0
+
+    def __enter__(self):
+        self._entries += 1
+        if self._entries >= 2:
+            self._arrived.set()
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+
 def test_one_routers_requests_on_a_new_prefix_do_not_split_it(redis_url, redis_namespace):
     """Two requests of one router share a new prefix; the second is decided while the first waits on Redis: it
-    waits for the first's decision and follows it (without the router's cold lock it would count the first's
-    draw and go to another worker)."""
+    waits for the first's decision and follows it (without the router's cold lock it would draw from Redis too,
+    after the first's draw was counted or before it, and go to another worker)."""
     pubs = [_publisher(redis_url, redis_namespace, w).start() for w in WORKERS]
     r = _Router(redis_url, redis_namespace)
     try:
         _synced([r])
         ties = r.consumer.ties
         real = ties.choose
-        entered, hold = threading.Event(), threading.Event()
+        entered, second = threading.Event(), threading.Event()
+        # the second decision "arrives" when it comes to take the cold lock, or (no lock) when it draws itself
+        r.placer._cold_lock = _ArrivalLock(r.placer._cold_lock, second)
 
         def slow_choose(ids):
             if not entered.is_set():
                 entered.set()
-                hold.wait(timeout=0.3)  # the first decision waits on "Redis" while the second arrives
+                # the first decision waits on "Redis" until the second request has come to its own decision: an
+                # ordering, not a time window a loaded host could miss
+                assert second.wait(timeout=30), "the second request never reached its cold decision"
+            else:
+                second.set()
             return real(ids)
 
         ties.choose = slow_choose
@@ -181,6 +205,7 @@ def test_one_routers_requests_on_a_new_prefix_do_not_split_it(redis_url, redis_n
         t2.start()
         t1.join(timeout=30)
         t2.join(timeout=30)
+        assert second.is_set() and set(got) == {"a", "b"}, got
         assert got["a"] == got["b"]
         assert ties.shared == 1
     finally:
