@@ -548,11 +548,13 @@ def _sim_p90_ttft(profile: Profile, reqs: list[SimRequest], prefill: int, decode
     return percentile([ttft_s(r) for r in recs], 90)
 
 
-@pytest.mark.parametrize("case", ["100-token prompts", "the conversation trace's mix"])
-def test_prefill_size_is_the_simulators_smallest_pool_meeting_the_ttft_slo_or_one_more(case):
+@pytest.mark.parametrize("case, slack", [("100-token prompts", 1), ("the conversation trace's mix", 0)])
+def test_prefill_size_is_the_simulators_smallest_pool_meeting_the_ttft_slo_or_one_more(case, slack):
     """The planner's prefill size P (headroom 1) against the simulator (pdserve's scheduler and router; a decode pool
     twice the planner's plus one, KV enough that decode never holds a prefill back): P workers meet the TTFT SLO (no
-    under-sizing) and P - 2 do not (at most one worker more than the smallest pool that does).
+    under-sizing) and P - 1 - slack do not (at most ``slack`` workers more than the smallest pool that does). The
+    slack is one in general; on the trace's mix P is 2, where "P - 2 misses" would say nothing (no pool of 0 is
+    simulated), so there the check is that P is the smallest (P - 1 = 1 worker: p90 TTFT ~9 s against the 6 s SLO).
     benchmarks/sla_prefill_sizing.py runs the same comparison over more rates, lengths and SLOs."""
     if case == "100-token prompts":  # the M/M/1 rule wanted 5 here (ceil(20 / 4.346)); 3 meet the SLO
         profile, rate, n, slo_ms, tpot_ms = make_profile(), 20.0, 1000, 1000 * TTFT_AT_HALF, 60.0
@@ -567,10 +569,12 @@ def test_prefill_size_is_the_simulators_smallest_pool_meeting_the_ttft_slo_or_on
     p = plan(SlaConfig(profile=profile, ttft_slo_ms=slo_ms, tpot_slo_ms=tpot_ms, headroom=1.0),
              Load(rate, mean_p, mean_o))
     size, decode = p.sizes["prefill"], 2 * p.sizes["decode"] + 1
+    fewer = size - 1 - slack
+    # a pool of 0 cannot be simulated: such a case could not catch over-sizing, so it must not pass silently
+    assert fewer >= 1, f"{case}: the planner's {size}P leaves no smaller pool to compare with; use a bigger load"
     at_size = _sim_p90_ttft(profile, reqs, size, decode)
-    below = _sim_p90_ttft(profile, reqs, size - 2, decode) if size > 2 else math.inf
+    below = _sim_p90_ttft(profile, reqs, fewer, decode)
     print(f"\n{case}: {rate:g} req/s, mean {mean_p:.0f}/{mean_o:.0f} tokens, TTFT SLO {slo_ms:.0f} ms: planner "
-          f"{size}P; simulated p90 TTFT {1000 * at_size:.0f} ms at {size}P"
-          + (f", {1000 * below:.0f} ms at {size - 2}P" if size > 2 else ""))
+          f"{size}P; simulated p90 TTFT {1000 * at_size:.0f} ms at {size}P, {1000 * below:.0f} ms at {fewer}P")
     assert at_size * 1000 <= slo_ms, f"{size} prefill workers miss the TTFT SLO: under-sized"
-    assert below * 1000 > slo_ms, f"{size - 2} prefill workers meet the TTFT SLO: over-sized by 2 or more"
+    assert below * 1000 > slo_ms, f"{fewer} prefill workers meet the TTFT SLO: over-sized by {slack + 1} or more"
