@@ -234,6 +234,10 @@ def test_pushed_flows_stream_on_the_reader_thread(api):
             request_flow.RequestFlow._emit = orig_emit  # type: ignore[method-assign]
             pool.submit = orig_submit  # type: ignore[method-assign]
         assert got == [48] * 4
+        # something was recorded: every token passed through a flow's _emit (4 x 48, a few per call when steps
+        # batch them), and each request took the flow pool at least once (its validation, its pump)
+        assert len(seen_threads) >= 4 * 48 // 8, seen_threads
+        assert len(submitted) >= 4, len(submitted)
         on_reader = sum(n.startswith("out-stream-") for n in seen_threads)
         assert on_reader >= 0.7 * len(seen_threads), seen_threads
         assert not [n for n in seen_threads if n.startswith("http-")], seen_threads
