@@ -196,7 +196,8 @@ class _WorkerActor:
         worker, as it does a hung one."""
         if self.worker is None:
             raise RuntimeError(f"worker {self.spec.worker_id} not started")
-        failed = self.worker.engine_failed()
+        engine_failed = getattr(self.worker, "engine_failed", None)  # role objects without an engine have none
+        failed = engine_failed() if engine_failed is not None else None
         if failed is not None:
             raise RuntimeError(f"worker {self.spec.worker_id}: engine loop died: {failed}")
         return self._info()

@@ -60,6 +60,10 @@ class StandInWorker:
                           queued_prompt_tokens=load.get("queued_prompt_tokens", 0),
                           num_running=self.inflight, ready=not self._draining, block_size=16)
 
+    def engine_failed(self) -> None:
+        """A stand-in has no engine to fail (``RoleWorker``'s contract)."""
+        return None
+
     def drain(self, timeout_s: float = 30.0) -> bool:
         self._draining = True
         self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
