@@ -255,6 +255,8 @@ class RecvChannel(PairChannel):
                     self.host.timeout_s + BACKSTOP_S)
             return
         timeout = max(t.deadline - time.monotonic(), 0.0) + BACKSTOP_S
+        with self.cond:
+            t.mark_wire(0)  # the head (with any inline rows) has arrived: the frame is on the wire from here
         inflight: deque = deque()  # (op, staging buffer or None, segments), in chunk order
         posted = staged = 0
 

@@ -173,6 +173,8 @@ class SendChannel(PairChannel):
                 t.mark_wire(view.numel())
         for op in ops:
             op.wait(timeout)
+        with self.cond:
+            t.mark_wire(0)  # the frame's last byte is gone: its wire time ends now, not when it was posted
 
     def _gen_main(self, group: PairGroup, gen: int) -> None:
         """Ack listener of one generation: one answer per transfer that put a frame on it."""

@@ -47,7 +47,8 @@ class TransferStats:
     seconds: float
     """Submission to DONE/FAILED (or to now, while in flight)."""
     wire_seconds: float
-    """First payload byte to last (0 if none moved)."""
+    """The frames' time on the wire: from the first frame posted (send) or its head arrived (recv) to the last
+    frame's bytes gone (send) or placed (recv); 0 if no frame moved."""
     num_layers: int
     layers_done: int
     failure: str | None

@@ -70,6 +70,20 @@ def test_layers_ready_shortcut_and_partial_last_block(pair):
     assert d.stats(hr).num_bytes == p.stats(hs).num_bytes > 0
 
 
+def test_a_frame_carried_whole_in_its_head_still_spends_time_on_the_wire(pair):
+    """A one-frame transfer small enough to ride inline in the head message (no payload chunks) is timed on the
+    wire from posting (send) or arrival (recv) to its bytes gone or placed; its phases add up to its total."""
+    p, d = pair
+    src, dst = make_cache(SRC), make_cache(DST)
+    hr = d.recv("p0", "tiny", dst, [4], 3)
+    hs = p.send("d0", "tiny", src, [1], 3, layers_ready=True)
+    assert p.wait(hs, 5) == DONE and d.wait(hr, 5) == DONE
+    for st in (p.stats(hs), d.stats(hr)):
+        assert st.num_bytes == 3 * 2 * 3 * 2 * 16 * 4  # layers * (k, v) * tokens * heads * head_dim * float32
+        assert st.wire_seconds > 0, st
+        assert sum(st.phases().values()) == pytest.approx(st.seconds, abs=1e-6), st
+
+
 def test_dtype_mismatch_rejected_on_both_sides_then_channel_works(pair):
     p, d = pair
     dst = make_cache(DST)
