@@ -15,16 +15,15 @@ them and no process-wide default group exists.
 """
 from __future__ import annotations
 
-import datetime
-import os
 import queue
-import socket
 import threading
 import time
 from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
+
+from transport.gloo import open_gloo, timedelta_s
 
 
 KILL_TAG = 0x7FFF  # never sent on; a timed-out receive on it closes the pair
@@ -48,9 +47,7 @@ class PairGroup(Protocol):
     def close(self) -> None: ...
 
 
-def _td(seconds: float) -> datetime.timedelta:
-    # gloo treats 0 as "use the default"; keep at least a millisecond
-    return datetime.timedelta(seconds=max(seconds, 0.001))
+_td = timedelta_s
 
 
 class _TorchOp:
@@ -133,60 +130,8 @@ class TorchPair:
                 pass
 
 
-def _socket_fds() -> set[int]:
-    out = set()
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:  # not Linux: nothing to tune
-        return out
-    for fd in names:
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                out.add(int(fd))
-        except OSError:
-            pass
-    return out
-
-
-def _set_nodelay(fds: set[int]) -> None:
-    """TCP_NODELAY on the TCP sockets among ``fds``.
-
-    Gloo leaves Nagle on for the side that accepts the pair connection, so its small
-    control messages (recv-ready notices, acks) wait for the peer's delayed ACK:
-    measured here, 4 ms per header+payload frame instead of 0.2 ms. Socket options
-    belong to the socket, so setting them through a dup of the fd is enough. Other TCP
-    sockets opened meanwhile by other threads only get NODELAY too, which is harmless.
-    """
-    for fd in fds:
-        try:
-            s = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
-        finally:
-            s.close()
-
-
-def _gloo_options(timeout_s: float, host: str | None):
-    """Options pinning gloo's listener and advertised address to ``host``.
-
-    Without a device gloo binds the address the machine's hostname resolves to, which may be any
-    interface (or none reachable); the worker's ``host`` is the interface it was told to serve on."""
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = _td(timeout_s)
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-    return opts
-
-
 def _open_gloo(store: dist.Store, rank: int, timeout_s: float, host: str | None = None) -> TorchPair:
-    before = _socket_fds()
-    pg = dist.ProcessGroupGloo(store, rank, 2, _gloo_options(timeout_s, host) if host else _td(timeout_s))
-    _set_nodelay(_socket_fds() - before)
-    return TorchPair(pg, rank)
+    return TorchPair(open_gloo(store, rank, 2, timeout_s, host), rank)
 
 
 def nccl_unavailable() -> str | None:
