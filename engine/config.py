@@ -95,6 +95,11 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     """vLLM's knob: 'auto' (the model dtype) | 'int8' (per-token, per-head scales stored in each
     cached row; ~4x the tokens of a float32 cache, ~2x of a 16-bit one in the same memory)."""
+    tensor_parallel_size: int = 1
+    """Ranks this engine's model is split over (engine/tensor_parallel.py): Megatron-style heads, MLP columns and
+    vocabulary rows, one all-reduce after attention and one after the MLP, rank 0 scheduling and sampling.
+    Each rank is a process on this node (gloo on CPU); it must divide the attention heads and the MLP width, and
+    divide or be divided by the KV heads. ``kv_cache_memory_bytes`` and ``num_threads`` are per rank."""
     speculative_config: Optional[Any] = None
     """Speculative decoding (``engine.speculative``): vLLM's dict, e.g. ``{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}``, or a
@@ -132,6 +137,9 @@ class EngineConfig:
             raise ValueError(f"quantization_group_size must be a positive multiple of 32, got {g!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         from engine.speculative import SpeculativeConfig

@@ -67,7 +67,19 @@ class LLMEngine:
         cache_dtype = config.cache_dtype
         self.kv_cache_dtype = str(cache_dtype).removeprefix("torch.")
         """The KV cache tensors' dtype by name ('float32', 'int8', ...): what a KV transfer peer must match."""
-        n_blocks = config.num_kv_blocks or num_blocks_for_budget(mc, self.block_size, cache_dtype,
+        tp = config.tensor_parallel_size
+        if tp > 1:  # cheap checks first: a split that cannot work fails before anything loads
+            from engine.tensor_parallel import TPLayout, check_tensor_parallel
+
+            check_tensor_parallel(mc, tp, device=config.device, quantization=config.quantization,
+                                  group_size=config.quantization_group_size)
+            if config.num_threads is None:
+                from engine.tensor_parallel import rank_threads
+
+                torch.set_num_threads(rank_threads(config))
+        # the KV heads this process holds (one rank's share where the model is split) size the cache
+        local_mc = TPLayout(mc, tp, 0).local_config() if tp > 1 else mc
+        n_blocks = config.num_kv_blocks or num_blocks_for_budget(local_mc, self.block_size, cache_dtype,
                                                                   config.kv_cache_memory_bytes)
         self.num_total_blocks = n_blocks
         # one sequence alone must always fit, so a sequence never waits forever for blocks
@@ -77,12 +89,26 @@ class LLMEngine:
         self.eos_token_id = default_eos(mc, self.tokenizer)
         if device.type == "cpu":
             cpu_kernels()  # build (first start on this machine) or load them now, never mid-request
-        model = load_model(config, mc, self.max_model_len)
-        self.kv_caches: list[tuple[Tensor, Tensor]] = allocate_kv_caches(mc, n_blocks, self.block_size, cache_dtype,
-                                                                             device)
+        self.tp_group = None
+        """The tensor-parallel ranks (engine.tensor_parallel.TPGroup) where tensor_parallel_size > 1."""
+        if tp > 1:
+            from engine.tensor_parallel import TPGroup
+
+            self.tp_group, model = TPGroup.start(config, mc, n_blocks, self.max_model_len)
+        else:
+            model = load_model(config, mc, self.max_model_len)
+        self.kv_caches: list[tuple[Tensor, Tensor]] = allocate_kv_caches(local_mc, n_blocks, self.block_size,
+                                                                             cache_dtype, device)
         generator = torch.Generator().manual_seed(config.seed)
-        self._init_core(n_blocks, ModelRunner(model, self.kv_caches, self.block_size,
-                                              Sampler(mc.vocab_size, config.seed), generator))
+        sampler = Sampler(mc.vocab_size, config.seed)
+        if self.tp_group is not None:
+            from engine.tensor_parallel import TPModelRunner
+
+            runner: ModelRunner = TPModelRunner(self.tp_group, model, self.kv_caches, self.block_size, sampler,
+                                                generator)
+        else:
+            runner = ModelRunner(model, self.kv_caches, self.block_size, sampler, generator)
+        self._init_core(n_blocks, runner)
         self.spec_config = config.speculative_config
         self._proposer = None
         if self.spec_config is not None and self.spec_config.method == "draft_model":
@@ -101,6 +127,13 @@ class LLMEngine:
         logger.info("engine ready: model=%s dtype=%s quantization=%s kv_cache_dtype=%s device=%s kv_blocks=%d x %d "
                     "tokens, max_model_len=%d", config.model, config.dtype, config.quantization,
                     config.kv_cache_dtype, config.device, n_blocks, self.block_size, self.max_model_len)
+
+    def close(self) -> None:
+        """End what the engine started outside this process (its tensor-parallel ranks); idempotent. An engine
+        of one rank holds nothing to end."""
+        group = getattr(self, "tp_group", None)
+        if group is not None:
+            group.close()
 
     def _init_core(self, n_blocks: int, runner: ModelRunner) -> None:
         """The bookkeeping every engine has, whatever runs its steps: blocks, scheduler, runner, request maps."""

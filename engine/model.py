@@ -122,13 +122,17 @@ class DecoderLayer(nn.Module):
         self.fused = None  # the kernels' DecodeLayer, set by CausalLM.finalize where it can run
         self.fused_max_rows = 0
         self.ops: TorchOps = TORCH_OPS  # RoPE and silu * mul (KernelOps: the fused layer's numerics)
+        self.sharded = False
+        """One rank's shard of a tensor-parallel layer (engine/tensor_parallel.py): never fused."""
+        self.tp_comm: Any = None
+        """The group's collectives where sharded: o_proj's and down_proj's partial sums are all-reduced."""
 
     def build_fused(self, kern: Any, prefetch: Any) -> bool:
         """Hand this layer's weights to the C++ decode layer (engine/csrc/decode_layer.cpp: the same kernels, one
         call per layer for a batch of single-token decodes) where every linear runs on pdserve's kernels; False,
         unchanged, elsewhere (oneDNN layouts other than panels, torch linears, no kernels, not float32 on CPU)."""
         fmts = [m.fmt for m in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)]
-        if (kern is None or self.head_dim % 16 or self.input_layernorm.weight.device.type != "cpu"
+        if (kern is None or self.sharded or self.head_dim % 16 or self.input_layernorm.weight.device.type != "cpu"
                 or self.input_layernorm.weight.dtype != torch.float32 or not all(f.on_kernels() for f in fmts)):
             return False
         self.fused = kern.DecodeLayer(*[f.fused_spec() for f in fmts], self.input_layernorm.weight.detach(),
@@ -163,19 +167,29 @@ class DecoderLayer(nn.Module):
             h = h.index_select(0, keep.rows)
             q = qk.index_select(0, keep.rows)[:, :H]
             attn = decode_attention(q, kv_cache[0], kv_cache[1], keep, self.window).reshape(q.shape[0], H * D)
-        h = h + self.o_proj(attn)
+        h = h + self._reduced(self.o_proj(attn))
         gate_up = self.gate_up_proj(self.post_attention_layernorm(h))
-        return h + self.down_proj(self.ops.silu_mul(gate_up, self.intermediate_size))
+        return h + self._reduced(self.down_proj(self.ops.silu_mul(gate_up, self.intermediate_size)))
+
+    def _reduced(self, partial: Tensor) -> Tensor:
+        """A row-parallel linear's output: this rank's partial sum, summed over the ranks where sharded."""
+        return partial if self.tp_comm is None else self.tp_comm.all_reduce(partial)
 
 
 class CausalLM(nn.Module):
     """Embedding -> decoder layers -> final norm -> LM head (optionally tied)."""
 
-    def __init__(self, mc: ModelConfig, max_positions: Optional[int] = None) -> None:
+    def __init__(self, mc: ModelConfig, max_positions: Optional[int] = None, tp: Any = None) -> None:
+        """``mc`` gives the shapes; ``tp`` (an engine.tensor_parallel.TPLayout) makes this one rank's shard, and
+        ``mc`` is then its ``local_config()``."""
         super().__init__()
         self.config = mc
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.tp_comm: Any = None
         self.embed_tokens = nn.Embedding(mc.vocab_size, mc.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(mc, i) for i in range(mc.num_hidden_layers))
+        for layer in self.layers:
+            layer.sharded = self.tp is not None
         self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
         # tied models still get their own [hidden, vocab] copy, filled from the embedding in finalize()
         self.lm_head = Linear(mc.hidden_size, mc.vocab_size, bias=False)
@@ -231,6 +245,22 @@ class CausalLM(nn.Module):
         self.rope_sin = freqs.sin().to(w.dtype)
         return self.eval().requires_grad_(False)
 
+    def attach_comm(self, comm: Any) -> None:
+        """The tensor-parallel group's collectives (engine.tensor_parallel.TPComm), once the group is open."""
+        self.tp_comm = comm
+        for layer in self.layers:
+            layer.tp_comm = comm
+
+    def _embed(self, input_ids: Tensor) -> Tensor:
+        if self.tp_comm is None:
+            return self.embed_tokens(input_ids)
+        # vocabulary-parallel: this rank's rows, zero for ids another rank holds, summed over the ranks
+        local = input_ids - self.tp.vocab_lo
+        outside = (local < 0) | (local >= self.tp.vocab_hi - self.tp.vocab_lo)
+        h = self.embed_tokens(local.masked_fill(outside, 0))
+        h.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp_comm.all_reduce(h)
+
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[Tensor, Tensor]],
                 layer_hook: Optional[Callable[[int], None]] = None) -> Tensor:
@@ -240,7 +270,7 @@ class CausalLM(nn.Module):
         (the rows that sample): the last layer then skips attention output, o_proj and MLP for
         every other row, whose hidden state nothing reads (their K/V are still written).
         """
-        h = self.embed_tokens(input_ids)
+        h = self._embed(input_ids)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         last = len(self.layers) - 1
@@ -251,8 +281,10 @@ class CausalLM(nn.Module):
         return self.norm(h)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """[N, hidden] -> float32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        """[N, hidden] -> float32 logits [N, vocab] (a tensor-parallel shard: gathered from every rank, which must
+        all call this with the same rows)."""
+        logits = self.lm_head(hidden).float()
+        return logits if self.tp_comm is None else self.tp_comm.gather_vocab(logits)
 
     # -- weights ------------------------------------------------------------------------------
 
@@ -293,6 +325,8 @@ class CausalLM(nn.Module):
                 continue
             if tied and hf_name == "lm_head.weight":
                 continue  # tied checkpoints sometimes still store it; the embedding wins
+            if self.tp is not None:
+                tensor = self.tp.shard(hf_name, tensor)  # this rank's heads, columns or vocabulary rows
             target, cols = self._map_name(hf_name, qkv_cols, gu_cols)
             if target is None or target not in left:
                 raise ValueError(f"weights: unexpected tensor {hf_name!r} for {mc.architecture}")

@@ -65,6 +65,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput,
                 layer_hook: Optional[Callable[[int], None]] = None) -> RunnerOutput:
         input_ids, positions, meta, sample_rows, sample_seqs, histories = self._prepare(sched)
+        self._before_forward(input_ids, positions, meta, len(sample_rows), bool(sample_seqs))
         masks = None
         if self.grammar is not None and any(s.matcher is not None for s in sample_seqs):
             masks = MaskBatch(self.grammar, sample_seqs).start(self.grammar.overlap_masks)
@@ -78,6 +79,11 @@ class ModelRunner:
                 for s, h in zip(sample_seqs, histories)]
         tokens, logprobs = self.sampler.sample(logits, reqs, masks.result() if masks is not None else None)
         return RunnerOutput(sample_seqs, tokens, logprobs, prompt_lps)
+
+    def _before_forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, num_sample_rows: int,
+                        samples: bool) -> None:
+        """Called with each step's inputs before the forward: nothing here; a tensor-parallel rank 0 sends them to
+        the other ranks (engine/tensor_parallel.py)."""
 
     PROMPT_LOGITS_ROWS = 256
     """Prompt rows turned into logits at a time (a long chunk's [rows, vocab] float32 logits stay bounded)."""
