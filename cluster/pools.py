@@ -175,7 +175,9 @@ class Pools:
             n = self._next_index[role]
             worker_id = f"{role}-{self.generation}-{n}" if self.config.detached else f"{role}-{n}"
             self._next_index[role] += 1
-            opts = actor_options(role, self.config.cpus_per_worker, cluster_resources=resources,
+            # a tensor-parallel worker's ranks are processes of its own: it reserves their CPUs too
+            ranks = int(self.config.engine_overrides.get("tensor_parallel_size", 1))
+            opts = actor_options(role, self.config.cpus_per_worker * ranks, cluster_resources=resources,
                                  num_gpus=1 if self.config.device == "cuda" else 0)
             if self.config.detached:  # the deployment's, by name: a later controller adopts it
                 opts.update(name=worker_id, namespace=self.namespace, lifetime="detached")

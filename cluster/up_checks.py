@@ -61,6 +61,22 @@ def check_pool_args(args: argparse.Namespace) -> None:
 
     overrides = engine_overrides(args, checked_only=True)
     check_config(EngineConfig, overrides)
+    tp = args.tensor_parallel_size
+    if tp != 1:
+        if args.prefill or args.decode or not args.colocated:
+            raise ValueError(f"--tensor-parallel-size {tp} needs a colocated deployment (--prefill 0 --decode 0 "
+                             "--colocated K): prefill and decode workers hand KV over as one whole cache, and "
+                             "resharding it between ranks is not built yet")
+        if args.engine_process:
+            raise ValueError(f"--tensor-parallel-size {tp} cannot be combined with --engine-process: the engine "
+                             "process cannot start rank processes")
+        from engine.loader import load_model_config
+        from engine.tensor_parallel import check_tensor_parallel
+
+        check_tensor_parallel(load_model_config(EngineConfig(model=args.model)), tp,
+                              device="cpu" if args.device == "auto" else args.device,
+                              quantization=args.quantization, group_size=args.quantization_group_size,
+                              flag="--tensor-parallel-size")
     spec = overrides.get("speculative_config") or {}
     if spec.get("method") == "draft_model":  # a bad draft is a flag error now, not a worker crash later
         from engine.loader import load_model_config

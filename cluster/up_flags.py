@@ -56,6 +56,11 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the engines run: cuda gives every worker actor one Ray GPU and moves KV over "
                         "NCCL; auto = cuda when the Ray cluster offers GPUs, else cpu (default auto)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="each worker's engine split over N rank processes on its node (Megatron-style tensor "
+                        "parallelism over gloo; the actor reserves N x --cpus-per-worker CPUs, each rank computes "
+                        "with --cpus-per-worker threads). Colocated pools only for now: prefill and decode "
+                        "workers hand KV over as one whole cache (default 1)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker (default: by memory)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per decode worker")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
@@ -244,6 +249,8 @@ def engine_overrides(args: argparse.Namespace, checked_only: bool = False) -> di
         out["quantization_group_size"] = args.quantization_group_size
     if args.kv_cache_dtype != "auto":
         out["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.tensor_parallel_size != 1:
+        out["tensor_parallel_size"] = args.tensor_parallel_size
     method = args.speculative_method or ("draft_model" if args.speculative_model else None)
     if method == "ngram":
         out["speculative_config"] = {"method": method, "num_speculative_tokens": args.num_speculative_tokens,

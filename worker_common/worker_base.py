@@ -117,6 +117,15 @@ class WorkerBase:
         from engine.llm_engine import LLMEngine
         from metrics import WorkerMetrics
 
+        tp = getattr(self.cfg.engine, "tensor_parallel_size", 1)
+        if tp > 1 and self.needs_kv:
+            raise ValueError(f"tensor_parallel_size={tp}: a {self.role} worker hands KV over as one whole cache; "
+                             "sharded caches (resharding KV between ranks) are not built yet: run tensor-parallel "
+                             "engines in colocated workers")
+        if tp > 1 and self.cfg.engine_process:
+            raise ValueError(f"tensor_parallel_size={tp} with engine_process: the engine process is daemonic and "
+                             "cannot start rank processes: run the tensor-parallel engine "
+                             "in the worker's own process")
         if self.cfg.engine_process:
             from worker_common.engine_process import RemoteEngine
 
@@ -168,6 +177,8 @@ class WorkerBase:
             self.kv.shutdown()
         if self.engine is not None and hasattr(self.engine, "shutdown"):  # an engine process
             self.engine.shutdown()
+        elif self.engine is not None and hasattr(self.engine, "close"):  # an engine's tensor-parallel ranks
+            self.engine.close()
         if self._metrics_stop is not None:
             self._metrics_stop()
 

@@ -166,3 +166,25 @@ def test_engine_process_flag_reaches_the_cluster_config():
     assert ClusterConfig(**pool_config_kwargs(build_parser().parse_args(["up"]))).engine_process is False
     with pytest.raises(ValueError, match="engine_process needs colocated workers"):
         ClusterConfig(num_colocated=0, engine_process=True)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be an integer >= 1"),
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 needs a colocated deployment"),
+    (["--prefill", "0", "--decode", "0", "--colocated", "1", "--tensor-parallel-size", "4"],
+     r"--tensor-parallel-size=4 must divide the model's num_attention_heads \(6\)"),
+    (["--prefill", "0", "--decode", "0", "--colocated", "1", "--tensor-parallel-size", "2", "--engine-process"],
+     "--tensor-parallel-size 2 cannot be combined with --engine-process"),
+])
+def test_a_tensor_parallel_size_that_cannot_work_is_refused_naming_the_flag(argv, message):
+    args = build_parser().parse_args(["up", *argv])
+    with pytest.raises(ValueError, match=message):
+        check_up_args(args)
+
+
+def test_tensor_parallel_size_reaches_the_colocated_engines():
+    args = build_parser().parse_args(["up", "--prefill", "0", "--decode", "0", "--colocated", "1",
+                                      "--tensor-parallel-size", "2"])
+    check_up_args(args)
+    assert engine_overrides(args)["tensor_parallel_size"] == 2
+    assert "tensor_parallel_size" not in engine_overrides(build_parser().parse_args(["up"]))

@@ -1,0 +1,143 @@
+"""Tensor parallelism on this machine: an engine at TP=2 against TP=1, step time and the collectives' share.
+
+Lifecycle: a one-shot script. For each contender (TP=1 with every core's threads, TP=1 with one thread, TP=2
+with the cores shared out among its ranks), it builds one engine on ``--model`` (default ``bench``: 12 layers,
+hidden 768, 12 query / 4 KV heads) and measures, in one run:
+
+* decode: the median ``step()`` time with B sequences decoding (B in ``--batches``, default 1, 8, 32; prompts of
+  32 tokens, prefilled first and not counted);
+* prefill: the time of the one step that prefills a ``--prefill-tokens`` prompt (default 512);
+
+and, for TP=2, the share of rank 0's step time spent in the group's collectives (``TPComm.reduce_seconds``:
+the exchanges and the waits for the other rank, which include its compute running late). Ratios are against
+TP=1 with every core, measured in the same run. Greedy outputs of all contenders are checked equal first.
+
+Usage: python benchmarks/tensor_parallel.py [--model bench] [--batches 1 8 32] [--repeats 15] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine import SamplingParams  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+
+
+def machine_info() -> dict:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    import torch
+
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+            "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def _comm_seconds(eng: LLMEngine) -> float:
+    return eng.tp_group.comm.reduce_seconds if eng.tp_group is not None else 0.0
+
+
+def greedy_tokens(eng: LLMEngine) -> dict:
+    """16 greedy tokens for two fixed prompts (the contenders must agree)."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    out: dict = {"g0": [], "g1": []}
+    eng.add_request("g0", [5, 17, 400, 23, 99, 4], params)
+    eng.add_request("g1", [300, 12, 77], params)
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+    return out
+
+
+def decode_steps(eng: LLMEngine, batch: int, repeats: int, prompt_len: int = 32) -> tuple[float, float]:
+    """(median decode step seconds, collectives' share of those steps) with ``batch`` sequences decoding."""
+    params = SamplingParams(temperature=0.0, max_tokens=repeats + 4, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"d{batch}-{i}", [(7 * i + j) % 1000 + 3 for j in range(prompt_len)], params)
+    while any(s.num_computed < len(s.prompt_token_ids) for s in eng._seqs.values()):
+        eng.step()  # prefills (not counted)
+    times, comm = [], 0.0
+    for _ in range(repeats):
+        c0, t0 = _comm_seconds(eng), time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+        comm += _comm_seconds(eng) - c0
+    while eng.has_unfinished_requests():
+        eng.step()
+    return statistics.median(times), comm / sum(times)
+
+
+def prefill_step(eng: LLMEngine, tokens: int, repeats: int) -> tuple[float, float]:
+    """(median seconds of the step that prefills a ``tokens`` prompt, collectives' share)."""
+    times, comm = [], 0.0
+    for r in range(repeats):
+        # a fresh prompt each time (no prefix-cache hit)
+        eng.add_request(f"p{r}", [(r * 31 + 11 * j) % 1000 + 3 for j in range(tokens)],
+                        SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        c0, t0 = _comm_seconds(eng), time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+        comm += _comm_seconds(eng) - c0
+        while eng.has_unfinished_requests():
+            eng.step()
+    return statistics.median(times), comm / sum(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="bench")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prefill-tokens", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--json", type=Path, default=None)
+    ns = ap.parse_args(argv)
+    cores = len(os.sched_getaffinity(0))
+    contenders = [("TP=1", 1, cores), ("TP=1 (1 thread)", 1, 1), ("TP=2", 2, max(1, cores // 2))]
+    common = dict(model=ns.model, max_num_batched_tokens=max(2048, ns.prefill_tokens),
+                  max_num_seqs=max(ns.batches), kv_cache_memory_bytes=512 * 1024 * 1024)
+    print(json.dumps(machine_info()))
+    results: dict = {}
+    ref_tokens = None
+    for name, tp, threads in contenders:
+        eng = LLMEngine(EngineConfig(tensor_parallel_size=tp, num_threads=threads, **common))
+        try:
+            toks = greedy_tokens(eng)
+            if ref_tokens is None:
+                ref_tokens = toks
+            elif toks != ref_tokens:
+                print(f"{name}: greedy tokens differ from TP=1: {toks} vs {ref_tokens}", file=sys.stderr)
+                return 1
+            row = {"threads_per_rank": threads}
+            for b in ns.batches:
+                row[f"decode_b{b}"] = decode_steps(eng, b, ns.repeats)
+            row["prefill"] = prefill_step(eng, ns.prefill_tokens, max(3, ns.repeats // 5))
+            results[name] = row
+        finally:
+            eng.close()
+    ref = results["TP=1"]
+    print(f"\nmodel {ns.model}, {cores} cores; step ms (ratio to TP=1 with {cores} threads; collectives' share "
+          "of rank 0's step)")
+    cols = [f"decode_b{b}" for b in ns.batches] + ["prefill"]
+    print(f"{'':18}" + "".join(f"{c:>26}" for c in cols))
+    for name, row in results.items():
+        cells = []
+        for c in cols:
+            sec, share = row[c]
+            cells.append(f"{sec * 1e3:8.2f} ({ref[c][0] / sec:4.2f}x" + (f", {share:4.0%})" if share else ")"))
+        print(f"{name:18}" + "".join(f"{x:>26}" for x in cells))
+    if ns.json:
+        ns.json.write_text(json.dumps({"machine": machine_info(), "args": vars(ns) | {"json": str(ns.json)},
+                                       "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
