@@ -219,3 +219,42 @@ def test_pdserve_generate_unreachable_target_fails_fast():
                        cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "UNAVAILABLE" in r.stderr, r.stderr
     assert time.monotonic() - t0 < 30
+
+
+def _rank_processes(up: UpProcess) -> list[psutil.Process]:
+    """The tensor-parallel ranks: multiprocessing spawn children of a worker actor."""
+    return [p for p in up.descendants() if "spawn_main" in " ".join(_cmdline(p)) and _alive(p)]
+
+
+def test_a_tensor_parallel_worker_serves_the_offline_tokens_and_a_killed_rank_replaces_it_whole(redis_url):
+    """`pdserve up` with one colocated worker split over two ranks: greedy output equals the one-rank offline
+    engine's through the router; SIGKILL of its second rank fails that worker's engine, the supervisor replaces
+    the worker whole (new id, new ranks, the dead one's ranks gone), and serving resumes with the same tokens."""
+    ns = f"e2e-tp-{uuid.uuid4().hex[:8]}"
+    up = UpProcess("--num-kv-blocks", "128", "--redis-url", redis_url, "--namespace", ns, "--prefill", "0",
+                   "--decode", "0", "--colocated", "1", "--tensor-parallel-size", "2", "--check-interval", "1")
+    try:
+        up.wait_serving(240)
+        ref = offline(["def main():"], [SamplingParams(max_tokens=12, temperature=0.0)])[0]
+        assert generate(up.router, prompt="def main():", max_tokens=12, temperature=0.0)[:3] == ref
+        reg = Registry(redis_url, ns)
+        (first,) = [w.worker_id for w in reg.list()]
+        ranks = _rank_processes(up)
+        assert len(ranks) == 1, [_cmdline(p) for p in up.descendants()]
+        ranks[0].kill()
+
+        def replaced() -> bool:
+            try:  # a request on the broken engine fails; the replacement serves
+                generate(up.router, timeout=30, prompt="x", max_tokens=1, temperature=0.0)
+            except grpc.RpcError:
+                return False
+            return [w.worker_id for w in reg.list()] not in ([], [first])
+
+        wait_until(replaced, timeout=240, interval=1.0, message=lambda: f"no replacement:\n{up.tail()}")
+        assert generate(up.router, prompt="def main():", max_tokens=12, temperature=0.0)[:3] == ref
+        assert len(_rank_processes(up)) == 1  # the new worker's rank; the failed worker's are gone
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(timeout=30) == 0, up.tail()
+        wait_until(lambda: reg.keys() == [], timeout=30, message="the cluster left keys in Redis")
+    finally:
+        up.close()
