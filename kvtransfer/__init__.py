@@ -6,8 +6,9 @@ decode side ``recv``; both poll handles until DONE or FAILED. See
 docs/interfaces.md (section kvtransfer) for the contract.
 """
 from kvtransfer.endpoint import KVEndpoint
+from kvtransfer.sharding import KVShards, head_pieces, rank_heads
 from kvtransfer.store import InprocStore, RedisStore, StoreConfig, open_store
-from kvtransfer.transfer import TransferHandle, TransferState, TransferStats
+from kvtransfer.transfer import TransferGroup, TransferHandle, TransferState, TransferStats
 
 __all__ = ["KVEndpoint", "StoreConfig", "RedisStore", "InprocStore", "open_store", "TransferHandle",
-           "TransferState", "TransferStats"]
+           "TransferState", "TransferStats", "TransferGroup", "KVShards", "head_pieces", "rank_heads"]

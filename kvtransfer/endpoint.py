@@ -15,6 +15,7 @@ I/O is ever done while holding it, so ``poll`` never waits on the network.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -29,9 +30,10 @@ from kvtransfer.channel import ChannelHost
 from kvtransfer.channel_recv import RecvChannel
 from kvtransfer.channel_send import SendChannel
 from kvtransfer.layout import CacheLayout, TokenRows
+from kvtransfer.sharding import KVShards, head_pieces, piece_request_id
 from kvtransfer.rendezvous import Rendezvous
 from kvtransfer.store import StoreConfig, open_store
-from kvtransfer.transfer import Transfer, TransferHandle, TransferState, TransferStats, id_source
+from kvtransfer.transfer import Transfer, TransferGroup, TransferHandle, TransferState, TransferStats, id_source
 from kvtransfer.transport import BACKENDS, nccl_unavailable
 from kvtransfer.wire import MAX_REQUEST_ID_BYTES, dtype_code
 
@@ -39,6 +41,10 @@ log = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 0.01
 COMPLETED_MEMORY = 10000
+
+
+_SIBLING = "another piece of the request,"
+"""How a group's pieces that another piece's failure cancelled say why (``failure`` reports the cause)."""
 
 
 class KVEndpoint:
@@ -137,13 +143,52 @@ class KVEndpoint:
         log.debug("kv recv %s <- %s request_id=%s id=%d", self.name, peer, request_id, t.transfer_id)
         return TransferHandle(t, ch)
 
+    # -- tensor-parallel layouts (kvtransfer/sharding.py) ------------------------------------------------
+    def send_shards(self, peer: str, request_id: str, shards: KVShards, peer_tp: int,
+                    src_block_ids: Sequence[int], num_tokens: int, *, deadline_s: float | None = None,
+                    layers_ready: bool = False) -> TransferGroup:
+        """``send`` from a cache held by ``shards.tp`` ranks to a peer whose cache is split over ``peer_tp``: one
+        transfer per piece (``head_pieces``), from head slices of the source ranks' caches, as one handle."""
+        pieces = head_pieces(shards.num_kv_heads, shards.tp, peer_tp)
+        handles: list[TransferHandle] = []
+        try:
+            for n, (lo, hi, i, _) in enumerate(pieces):
+                handles.append(self.send(peer, piece_request_id(request_id, n, len(pieces)), shards.view(i, lo, hi),
+                                         src_block_ids, num_tokens, deadline_s=deadline_s, layers_ready=layers_ready))
+        except Exception:
+            for h in handles:
+                self.cancel(h)
+            raise
+        return TransferGroup(handles, request_id, peer, "send")
+
+    def recv_shards(self, peer: str, request_id: str, shards: KVShards, peer_tp: int,
+                    dst_block_ids: Sequence[int], num_tokens: int, *,
+                    deadline_s: float | None = None) -> TransferGroup:
+        """``recv`` into a cache held by ``shards.tp`` ranks from a peer whose cache is split over ``peer_tp``:
+        one receive per piece, into head slices of the destination ranks' caches, as one handle."""
+        pieces = head_pieces(shards.num_kv_heads, peer_tp, shards.tp)
+        handles: list[TransferHandle] = []
+        try:
+            for n, (lo, hi, _, j) in enumerate(pieces):
+                handles.append(self.recv(peer, piece_request_id(request_id, n, len(pieces)), shards.view(j, lo, hi),
+                                         dst_block_ids, num_tokens, deadline_s=deadline_s))
+        except Exception:
+            for h in handles:
+                self.cancel(h)
+            raise
+        return TransferGroup(handles, request_id, peer, "recv")
+
     def _sender(self, h: TransferHandle) -> tuple[Transfer, SendChannel]:
         if not isinstance(h, TransferHandle) or h._t.direction != "send":
             raise ValueError("h must be a TransferHandle returned by send()")
         return h._t, h._owner
 
-    def layer_ready(self, h: TransferHandle, layer_idx: int) -> None:
+    def layer_ready(self, h: TransferHandle | TransferGroup, layer_idx: int) -> None:
         """Layer ``layer_idx`` of the source blocks is complete: put it on the wire."""
+        if isinstance(h, TransferGroup):
+            for p in h.handles:
+                self.layer_ready(p, layer_idx)
+            return
         t, ch = self._sender(h)
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < t.layout.num_layers:
             raise ValueError(f"layer_idx must be in [0, {t.layout.num_layers}), got {layer_idx!r}")
@@ -155,6 +200,10 @@ class KVEndpoint:
 
     def all_layers_ready(self, h: TransferHandle) -> None:
         """Every layer is complete: send all not yet queued (contiguous runs as single frames)."""
+        if isinstance(h, TransferGroup):
+            for p in h.handles:
+                self.all_layers_ready(p)
+            return
         t, ch = self._sender(h)
         with self._lock:
             if t.final:
@@ -172,28 +221,63 @@ class KVEndpoint:
 
     # -- progress --------------------------------------------------------------------------------
     def poll(self, h: TransferHandle) -> TransferState:
-        """The transfer's state now; never blocks on I/O."""
+        """The transfer's state now; never blocks on I/O. A group: FAILED once a piece failed (the rest are
+        cancelled then), DONE once every piece is, else PENDING."""
+        if isinstance(h, TransferGroup):
+            states = [self.poll(p) for p in h.handles]
+            if TransferState.FAILED in states:
+                first = h.handles[states.index(TransferState.FAILED)]
+                for p in h.handles:
+                    self._expire(p, f"{_SIBLING} {first.request_id} failed: {first._t.failure}")
+                return TransferState.FAILED
+            return TransferState.DONE if all(x == TransferState.DONE for x in states) else TransferState.PENDING
         t = h._t
         if not t.final and time.monotonic() >= t.deadline:
             self._expire(h, None)
         return t.state
 
     def failure(self, h: TransferHandle) -> str | None:
-        """Why the transfer FAILED, else None."""
+        """Why the transfer FAILED, else None (a group: its first failed piece's reason, naming the piece)."""
+        if isinstance(h, TransferGroup):
+            self.poll(h)
+            failed = [(p, p._t.failure) for p in h.handles if p._t.failure is not None]
+            own = [(p, why) for p, why in failed if not why.startswith(_SIBLING)]
+            if not failed:
+                return None
+            p, why = (own or failed)[0]
+            return why if len(h.handles) == 1 else f"{why} (piece {p.request_id})"
         self.poll(h)
         return h._t.failure
 
     def stats(self, h: TransferHandle) -> TransferStats:
-        """Bytes, seconds and layers of this transfer so far."""
+        """Bytes, seconds and layers of this transfer so far (a group: its pieces' bytes summed, the longest
+        piece's times, the fewest layers done)."""
+        if isinstance(h, TransferGroup):
+            parts = [p._t.stats() for p in h.handles]
+            first = max(parts, key=lambda st: st.seconds)
+            state = self.poll(h)
+            return dataclasses.replace(first, request_id=h.request_id, state=state,
+                                       num_bytes=sum(st.num_bytes for st in parts),
+                                       layers_done=min(st.layers_done for st in parts), failure=self.failure(h))
         return h._t.stats()
 
     def wait(self, h: TransferHandle, timeout_s: float | None = None) -> TransferState:
         """Block until DONE/FAILED or ``timeout_s``; returns the state then."""
+        if isinstance(h, TransferGroup):
+            end = None if timeout_s is None else time.monotonic() + timeout_s
+            for p in h.handles:
+                if self.wait(p, None if end is None else max(0.0, end - time.monotonic())) == TransferState.FAILED:
+                    break
+            return self.poll(h)
         h._t.done_event.wait(timeout_s if timeout_s is not None else max(h._t.deadline - time.monotonic(), 0) + 1)
         return self.poll(h)
 
     def cancel(self, h: TransferHandle) -> None:
         """Fail the transfer with reason 'cancelled'; the peer's side fails too. Idempotent."""
+        if isinstance(h, TransferGroup):
+            for p in h.handles:
+                self._expire(p, "cancelled")
+            return
         self._expire(h, "cancelled")
 
     def _expire(self, h: TransferHandle, reason: str | None) -> None:

@@ -9,7 +9,8 @@ into (sender) or scatter out of (receiver). Because the payload is addressed by
 token, not by block, the two sides may use different block sizes.
 
 Chunks whose rows are contiguous in the cache are sent from (or received into)
-the cache itself, skipping the staging copy.
+the cache itself, skipping the staging copy. A cache may also be a slice of the KV heads of a contiguous cache
+(``cache[:, :, h0:h1]``, what tensor-parallel resharding moves): its rows then always go through staging.
 """
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ class CacheLayout:
                 if t.dim() != 4:
                     raise ValueError(f"kv_caches[{i}].{name} must be [num_blocks, block_size, "
                                      f"num_kv_heads, head_dim], got shape {tuple(t.shape)}")
-                if not t.is_contiguous():
-                    raise ValueError(f"kv_caches[{i}].{name} must be contiguous")
+                if not (t.is_contiguous() or _head_slice(t)):
+                    raise ValueError(f"kv_caches[{i}].{name} must be contiguous, or a slice of the KV heads of a "
+                                     "contiguous cache")
                 if first is None:
                     first = t
                 elif t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
@@ -63,6 +65,14 @@ class CacheLayout:
         if min(nb, bs, nh, hd) <= 0:
             raise ValueError(f"kv_caches tensors must have no empty dimension, got {tuple(first.shape)}")
         return cls(len(kv_caches), nb, bs, nh, hd, first.dtype, first.device)
+
+
+def _head_slice(t: torch.Tensor) -> bool:
+    """Whether ``t`` is ``cache[:, :, h0:h1]`` of a contiguous [blocks, block_size, heads, head_dim] cache: each
+    token's row of its heads is one contiguous run, so rows gather and scatter in place (a tensor-parallel rank's
+    share of a peer's heads, kvtransfer/sharding.py)."""
+    return (t.dim() == 4 and t.stride(3) == 1 and t.stride(2) == t.shape[3]
+            and t.stride(0) == t.shape[1] * t.stride(1) and t.stride(1) >= t.shape[2] * t.shape[3])
 
 
 class TokenRows:
@@ -184,6 +194,8 @@ def direct_view(kv_caches, tokens: TokenRows, segs: list[Segment]) -> torch.Tens
     if len(segs) != 1:
         return None
     s = segs[0]
+    if not kv_caches[s.layer][s.kv].is_contiguous():  # a head slice: its rows are not one run of bytes
+        return None
     if not tokens.contiguous(s.tok_lo, s.tok_hi):
         return None
     start = int(tokens.rows[s.tok_lo])

@@ -174,6 +174,20 @@ class TransferHandle:
                 f"id={self._t.transfer_id} {self._t.state.value})")
 
 
+class TransferGroup:
+    """What send_shards()/recv_shards() return: the pieces of one request's KV between two tensor-parallel
+    layouts (kvtransfer/sharding.py), one handle to the endpoint's poll/failure/stats/cancel/layer_ready. DONE
+    when every piece is, FAILED as soon as one is (the others are then cancelled by the endpoint's poll)."""
+
+    __slots__ = ("handles", "request_id", "peer", "direction")
+
+    def __init__(self, handles: list, request_id: str, peer: str, direction: str):
+        self.handles, self.request_id, self.peer, self.direction = handles, request_id, peer, direction
+
+    def __repr__(self) -> str:
+        return f"TransferGroup({self.direction} {self.request_id!r} peer={self.peer!r} pieces={len(self.handles)})"
+
+
 def id_source(seed: int):
     """Transfer ids unique within an endpoint incarnation (the seed keeps restarts apart)."""
     return itertools.count((seed & 0xFFFF_FFFF) << 24)
