@@ -128,6 +128,25 @@ class LLMEngine:
                     "tokens, max_model_len=%d", config.model, config.dtype, config.quantization,
                     config.kv_cache_dtype, config.device, n_blocks, self.block_size, self.max_model_len)
 
+    @property
+    def rank_kv_caches(self) -> list[list[tuple[Tensor, Tensor]]]:
+        """Every tensor-parallel rank's KV cache, rank 0's first (``[kv_caches]`` for one rank): the others live
+        in shared memory this process maps, so KV transfers reach every rank from here."""
+        group = getattr(self, "tp_group", None)
+        return [self.kv_caches] + (list(group.rank_caches) if group is not None else [])
+
+    @property
+    def kv_head_ranges(self) -> list[tuple[int, int]]:
+        """The model's KV heads [lo, hi) each rank's cache holds, in rank order ([(0, Hkv)] for one rank)."""
+        tp = self.config.tensor_parallel_size if getattr(self, "tp_group", None) is not None else 1
+        hkv = self.model_config.num_key_value_heads
+        if tp == 1:
+            return [(0, hkv)]
+        from engine.tensor_parallel import TPLayout
+
+        return [(la.kv_head_lo, la.kv_head_lo + la.kv_heads) for la in (TPLayout(self.model_config, tp, r)
+                                                                       for r in range(tp))]
+
     def close(self) -> None:
         """End what the engine started outside this process (its tensor-parallel ranks); idempotent. An engine
         of one rank holds nothing to end."""

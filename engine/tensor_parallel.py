@@ -6,7 +6,8 @@ anything loads), then ``TPGroup.start`` spawns ranks 1..N-1 as child processes, 
 over a loopback ``TCPStore`` (its port chosen by the OS) and loads rank 0's shard in this process while the
 others load theirs. Rank 0 is the engine: it schedules, owns the block manager, the sampler and every request;
 the other ranks (followers) hold only their shard of the weights and of the paged KV cache (the same block ids,
-their KV heads). Each step, rank 0's ``TPModelRunner`` prepares the flat batch as a one-rank engine does, sends
+their KV heads); rank 0 allocates the followers' caches in shared memory and maps them too, so a worker's KV
+transfers (kvtransfer/sharding.py) read and write every rank's heads from rank 0's process. Each step, rank 0's ``TPModelRunner`` prepares the flat batch as a one-rank engine does, sends
 the step's inputs (token ids, positions, attention metadata, the row ranges that become logits) down one pipe
 per follower, and every rank runs the same forward: two all-reduces per layer, the vocabulary gathered on
 rank 0 for logits. Only rank 0 samples. ``TPGroup.close`` (``LLMEngine.close``) ends the followers; a follower also ends on
@@ -286,11 +287,11 @@ def rank_threads(config: EngineConfig) -> int:
     return max(1, n_cpu // config.tensor_parallel_size)
 
 
-def _follower_main(config: EngineConfig, mc: ModelConfig, rank: int, port: int, num_blocks: int,
+def _follower_main(config: EngineConfig, mc: ModelConfig, rank: int, port: int, kv: list,
                    max_positions: int, conn: Any) -> None:
-    """A follower rank: load the shard, say ready, then run every step rank 0 sends until its pipe closes."""
+    """A follower rank: load the shard, say ready, then run every step rank 0 sends until its pipe closes. ``kv``
+    is this rank's KV cache, in memory rank 0 maps too (it moves KV in and out of every rank's cache)."""
     from engine.kernels import cpu_kernels
-    from engine.kv_cache import allocate_kv_caches
 
     try:
         torch.set_num_threads(rank_threads(config))
@@ -301,8 +302,6 @@ def _follower_main(config: EngineConfig, mc: ModelConfig, rank: int, port: int, 
         conn.send(("joining", rank))
         comm = _open_group("127.0.0.1", port, rank, size)
         model = load_shard(config, mc, layout, max_positions, comm)
-        kv = allocate_kv_caches(layout.local_config(), num_blocks, config.block_size, config.cache_dtype,
-                                torch.device(config.device))
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which raises it at start
         conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}", traceback.format_exc()))
         return
@@ -328,8 +327,11 @@ def _follower_main(config: EngineConfig, mc: ModelConfig, rank: int, port: int, 
 class TPGroup:
     """Rank 0's side of the group: the follower processes, their pipes and rank 0's ``TPComm``."""
 
-    def __init__(self, comm: TPComm, procs: list, conns: list, store: Any) -> None:
+    def __init__(self, comm: TPComm, procs: list, conns: list, store: Any, rank_caches: Optional[list] = None
+                 ) -> None:
         self.comm, self._procs, self._conns, self._store = comm, procs, conns, store
+        self.rank_caches = rank_caches or []
+        """Ranks 1..N-1's KV caches (shared memory the followers compute in), for the worker's KV transfers."""
         self.closed = False
 
     @classmethod
@@ -337,16 +339,25 @@ class TPGroup:
               ) -> tuple["TPGroup", "CausalLM"]:
         """Spawn ranks 1..N-1, open the group, load rank 0's shard; returns once every rank is ready.
         Raises ``TensorParallelError`` (a rank's load failed, or it died) with the rank's own error."""
+        from engine.kv_cache import allocate_kv_caches
+
         size = config.tensor_parallel_size
-        store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=_td(START_TIMEOUT_S), wait_for_workers=False)
-        ctx = mp.get_context("spawn")
-        procs, conns = [], []
         if mp.current_process().daemon:
             raise TensorParallelError("tensor_parallel_size > 1 cannot start its ranks from a daemonic process "
                                       "(run the engine in the worker's own process)")
+        store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=_td(START_TIMEOUT_S), wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        procs, conns, rank_caches = [], [], []
         for rank in range(1, size):
+            # the follower computes in this cache; rank 0 maps it too, so a worker's KV transfers reach every rank
+            kv = allocate_kv_caches(TPLayout(mc, size, rank).local_config(), num_blocks, config.block_size,
+                                    config.cache_dtype, torch.device(config.device))
+            for k, v in kv:
+                k.share_memory_()
+                v.share_memory_()
+            rank_caches.append(kv)
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_follower_main, args=(config, mc, rank, store.port, num_blocks, max_positions,
+            p = ctx.Process(target=_follower_main, args=(config, mc, rank, store.port, kv, max_positions,
                                                          child), name=f"pdserve-tp-rank{rank}", daemon=True)
             p.start()
             child.close()
@@ -357,7 +368,7 @@ class TPGroup:
             deadline = time.monotonic() + START_TIMEOUT_S
             cls._expect(procs, conns, "joining", deadline)  # every rank is up before rank 0 blocks on the group
             comm = _open_group("127.0.0.1", store.port, 0, size, master=store)
-            group = cls(comm, procs, conns, store)
+            group = cls(comm, procs, conns, store, rank_caches)
             model = load_shard(config, mc, TPLayout(mc, size, 0), max_positions, comm)
             cls._expect(procs, conns, "ready", deadline)
         except BaseException:

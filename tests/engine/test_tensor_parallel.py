@@ -258,3 +258,27 @@ def _hold_engine(q) -> None:
     eng = LLMEngine(EngineConfig(model="tiny", tensor_parallel_size=2, num_threads=1))
     q.put([p.pid for p in eng.tp_group._procs])
     signal.pause()
+
+
+def test_rank_zero_maps_every_ranks_kv_cache(tiny_pair):
+    """What a follower computes lands in memory rank 0 maps (the worker's KV transfers read and write it there):
+    after the same prompt, rank r's cache holds the heads ``kv_head_ranges[r]`` of one rank's cache."""
+    one, two = tiny_pair
+    e1, e2 = one.llm_engine, two.llm_engine
+    prompt = list(range(40, 77))
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for e in (e1, e2):
+        e.add_request("kv-map", prompt, params, prefill_only=True)
+        while e.has_unfinished_requests():
+            e.step()
+    assert e2.kv_head_ranges == [(0, 1), (1, 2)]
+    b1, b2 = e1.get_block_table("kv-map"), e2.get_block_table("kv-map")
+    bs = e1.block_size
+    for r, (lo, hi) in enumerate(e2.kv_head_ranges):
+        for layer in range(len(e1.kv_caches)):
+            for kv in (0, 1):
+                ref = torch.stack([e1.kv_caches[layer][kv][b1[p // bs], p % bs, lo:hi] for p in range(len(prompt))])
+                got = torch.stack([e2.rank_kv_caches[r][layer][kv][b2[p // bs], p % bs] for p in range(len(prompt))])
+                assert got.abs().sum() > 0 and torch.allclose(got, ref, atol=1e-4), (r, layer, kv)
+    for e in (e1, e2):
+        e.release("kv-map")
