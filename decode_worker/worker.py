@@ -35,7 +35,7 @@ from decode_worker.config import DecodeWorkerConfig
 from kvtransfer import TransferState
 from proto import worker_pb2, worker_pb2_grpc
 from worker_common.output_stream import OutputStreamServicer
-from worker_common.request import RequestContext, RequestError, request_params
+from worker_common.request import RequestContext, RequestError, check_peer_tp, engine_kv_shards, engine_tp, request_params
 from worker_common.wire import logprob_from_proto, logprobs_to_proto
 from worker_common.worker_base import WorkerBase
 
@@ -69,7 +69,7 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
         """A reservation whose Decode never comes is freed after this long (or its receive deadline + 5 s)."""
 
     def reserve(self, eng: Any, rid: str, prompt: list[int], params: Any, peer: str,
-                kv_timeout_s: float) -> list[int]:
+                kv_timeout_s: float, peer_tp: int = 1) -> list[int]:
         """Take blocks for ``prompt`` and post the KV receive into them; the caller checked ``rid`` is new."""
         try:
             blocks = eng.reserve(rid, len(prompt))
@@ -80,7 +80,8 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
                                f"decode worker {self.ctx.worker_id}: not enough free KV blocks for "
                                f"{len(prompt)} tokens (free {eng.num_free_blocks}) (request {rid})")
         try:
-            handle = self.ctx.kv.recv(peer, rid, eng.kv_caches, blocks, len(prompt), deadline_s=kv_timeout_s)
+            handle = self.ctx.kv.recv_shards(peer, rid, engine_kv_shards(eng), peer_tp, blocks, len(prompt),
+                                             deadline_s=kv_timeout_s)
         except Exception as e:  # a bad peer name or a broken endpoint: free the blocks again
             eng.abort_request(rid)
             code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, ValueError) else grpc.StatusCode.UNAVAILABLE
@@ -226,10 +227,12 @@ class DecodeWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, 
                                    f"kv_timeout_s must be >= 0, got {request.kv_timeout_s} (request {rid})")
             kv_timeout = request.kv_timeout_s or self.cfg.transfer_timeout_s
             prompt, peer = list(request.prompt_token_ids), request.prefill_kv_name
+            peer_tp = check_peer_tp(self.engine, request.prefill_tensor_parallel_size,
+                                    "prefill_tensor_parallel_size", rid)
 
             def reserve(eng: Any) -> list[int]:
                 self.check_new(rid, "reserved")
-                blocks = self.disagg.reserve(eng, rid, prompt, params, peer, kv_timeout)
+                blocks = self.disagg.reserve(eng, rid, prompt, params, peer, kv_timeout, peer_tp)
                 self.refresh_load()  # the reply's caller sees the blocks taken in info()
                 return blocks
 
@@ -237,7 +240,7 @@ class DecodeWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, 
         except RequestError as e:
             context.abort(e.code, e.message)
         return worker_pb2.ReserveResponse(block_ids=blocks, block_size=self.engine.block_size,
-                                          kv_name=self.cfg.kv_name)
+                                          kv_name=self.cfg.kv_name, tensor_parallel_size=engine_tp(self.engine))
 
     def Decode(self, request: worker_pb2.DecodeRequest,
                context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeChunk]:

@@ -29,7 +29,8 @@ import torch
 from kvtransfer import TransferState
 from prefill_worker.config import PrefillWorkerConfig
 from proto import worker_pb2, worker_pb2_grpc
-from worker_common.request import RequestContext, RequestError, RequestSet, WorkerRequest, request_params
+from worker_common.request import (RequestContext, RequestError, RequestSet, WorkerRequest, check_peer_tp,
+                                   engine_kv_shards, request_params)
 from worker_common.wire import logprob_to_proto, prompt_logprobs_to_proto
 from worker_common.worker_base import WorkerBase
 
@@ -43,6 +44,7 @@ class _PrefillReq(WorkerRequest):
     prompt_token_ids: list[int]
     dest_kv_name: str
     block_size: int
+    dest_tp: int = 1  # ranks of the decode worker's KV cache: the send is cut into pieces by head
     scheduled: Optional[float] = None
     first_token_at: Optional[float] = None
     handle: Any = None
@@ -103,9 +105,9 @@ class PrefillRequests(RequestSet[_PrefillReq]):
     def _open_send(self, req: _PrefillReq, layers_ready: bool) -> Any:
         eng = self.ctx.engine
         src = eng.get_block_table(req.request_id)[: -(-len(req.prompt_token_ids) // eng.block_size)]
-        return self.ctx.kv.send(req.dest_kv_name, req.request_id, eng.kv_caches, src,
-                                len(req.prompt_token_ids), deadline_s=self.transfer_timeout_s,
-                                layers_ready=layers_ready)
+        return self.ctx.kv.send_shards(req.dest_kv_name, req.request_id, engine_kv_shards(eng), req.dest_tp, src,
+                                       len(req.prompt_token_ids), deadline_s=self.transfer_timeout_s,
+                                       layers_ready=layers_ready)
 
     def on_output(self, req: _PrefillReq, o: Any, now: float) -> None:
         if o.finish_reason != "prefill_done" or not o.new_token_ids:
@@ -202,7 +204,9 @@ class PrefillWorker(WorkerBase):
         if not request.dest_kv_name:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"dest_kv_name is empty (request {rid})")
         params = request_params(request.params, rid)
-        req = _PrefillReq(rid, list(request.prompt_token_ids), request.dest_kv_name, request.dest_block_size)
+        dest_tp = check_peer_tp(self.engine, request.dest_tensor_parallel_size, "dest_tensor_parallel_size", rid)
+        req = _PrefillReq(rid, list(request.prompt_token_ids), request.dest_kv_name, request.dest_block_size,
+                          dest_tp=dest_tp)
         dest_blocks = list(request.dest_block_ids)
 
         def add(eng: Any) -> None:

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "grpc_address", "kv_name", "metrics_address", "model_name", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "queued_prompt_tokens", "ready", "block_size", "updated_at", "node_id", "kv_cache_dtype", "requests_total", "prompt_tokens_total", "output_tokens_total", "requests_finished_total")
+    __slots__ = ("worker_id", "role", "grpc_address", "kv_name", "metrics_address", "model_name", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "queued_prompt_tokens", "ready", "block_size", "updated_at", "node_id", "kv_cache_dtype", "requests_total", "prompt_tokens_total", "output_tokens_total", "requests_finished_total", "tensor_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class WorkerInfo(_message.Message):
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FINISHED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     grpc_address: str
@@ -49,7 +50,8 @@ class WorkerInfo(_message.Message):
     prompt_tokens_total: int
     output_tokens_total: int
     requests_finished_total: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., kv_name: _Optional[str] = ..., metrics_address: _Optional[str] = ..., model_name: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., block_size: _Optional[int] = ..., updated_at: _Optional[float] = ..., node_id: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., requests_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., output_tokens_total: _Optional[int] = ..., requests_finished_total: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., kv_name: _Optional[str] = ..., metrics_address: _Optional[str] = ..., model_name: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., block_size: _Optional[int] = ..., updated_at: _Optional[float] = ..., node_id: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., requests_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., output_tokens_total: _Optional[int] = ..., requests_finished_total: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class WireSamplingParams(_message.Message):
     __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "logit_bias", "structured_outputs", "prompt_logprobs")
@@ -125,30 +127,34 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_kv_name", "kv_timeout_s", "prefill_kv_cache_dtype")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_kv_name", "kv_timeout_s", "prefill_kv_cache_dtype", "prefill_tensor_parallel_size")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_KV_NAME_FIELD_NUMBER: _ClassVar[int]
     KV_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: WireSamplingParams
     prefill_kv_name: str
     kv_timeout_s: float
     prefill_kv_cache_dtype: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WireSamplingParams, _Mapping]] = ..., prefill_kv_name: _Optional[str] = ..., kv_timeout_s: _Optional[float] = ..., prefill_kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    prefill_tensor_parallel_size: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WireSamplingParams, _Mapping]] = ..., prefill_kv_name: _Optional[str] = ..., kv_timeout_s: _Optional[float] = ..., prefill_kv_cache_dtype: _Optional[str] = ..., prefill_tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("block_ids", "block_size", "kv_name")
+    __slots__ = ("block_ids", "block_size", "kv_name", "tensor_parallel_size")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     kv_name: str
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_name: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_name: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprob", "siblings", "output_stream")
@@ -187,20 +193,22 @@ class DecodeChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., kv_wait_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "dest_kv_name", "dest_block_ids", "dest_block_size")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "dest_kv_name", "dest_block_ids", "dest_block_size", "dest_tensor_parallel_size")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     DEST_KV_NAME_FIELD_NUMBER: _ClassVar[int]
     DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DEST_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEST_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: WireSamplingParams
     dest_kv_name: str
     dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
     dest_block_size: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WireSamplingParams, _Mapping]] = ..., dest_kv_name: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., dest_block_size: _Optional[int] = ...) -> None: ...
+    dest_tensor_parallel_size: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WireSamplingParams, _Mapping]] = ..., dest_kv_name: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., dest_block_size: _Optional[int] = ..., dest_tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "queue_s", "prefill_s", "num_cached_tokens", "prompt_logprobs")

@@ -50,6 +50,42 @@ class RequestError(Exception):
         self.message = message
 
 
+def engine_tp(eng: Any) -> int:
+    """Ranks the engine's KV cache is split over (1 for an unsplit engine, an engine process, a stand-in)."""
+    heads = getattr(eng, "kv_head_ranges", None)
+    return len(heads) if isinstance(heads, list) and heads else 1
+
+
+def engine_kv_shards(eng: Any) -> Any:
+    """The engine's KV cache as its tensor-parallel ranks hold it (``kvtransfer.KVShards``): what the worker's
+    KV transfers read from and write into, every rank's cache mapped in this process."""
+    from kvtransfer import KVShards
+
+    caches, heads = getattr(eng, "rank_kv_caches", None), getattr(eng, "kv_head_ranges", None)
+    if isinstance(caches, list) and isinstance(heads, list) and caches and len(caches) == len(heads):
+        return KVShards(tuple(caches), tuple(heads))
+    return KVShards.whole(eng.kv_caches)
+
+
+def check_peer_tp(eng: Any, value: int, field: str, request_id: str) -> int:
+    """A KV peer's tensor-parallel size from a request (0: an older peer, 1); FAILED_PRECONDITION naming
+    ``field`` where its layout cannot be mapped onto this engine's (the sizes and the KV heads must divide one
+    another); INVALID_ARGUMENT if negative."""
+    from kvtransfer import rank_heads
+
+    if value < 0:
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{field} must be >= 0, got {value} "
+                                                             f"(request {request_id})")
+    tp = value or 1
+    try:
+        rank_heads(engine_kv_shards(eng).num_kv_heads, tp)
+    except ValueError as e:
+        raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"{field}: the peer's KV layout cannot be mapped onto this worker's: {e} "
+                           f"(request {request_id})") from None
+    return tp
+
+
 def request_params(wire: Any, request_id: str) -> Any:
     """A request's wire sampling params as engine SamplingParams; INVALID_ARGUMENT naming the field if bad."""
     from worker_common.wire import wire_to_params

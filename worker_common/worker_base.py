@@ -28,7 +28,7 @@ from transport.serving import GrpcServing
 from worker_common.config import WorkerConfig
 from worker_common.engine_loop import EngineLoop
 from worker_common.output_stream import OutputStreams, StreamedOut
-from worker_common.request import RequestContext, RequestError, RequestSet, request_params
+from worker_common.request import RequestContext, RequestError, RequestSet, engine_tp, request_params
 
 __all__ = ["RequestError", "WorkerBase", "request_params"]  # the errors and params check, re-exported
 
@@ -118,10 +118,6 @@ class WorkerBase:
         from metrics import WorkerMetrics
 
         tp = getattr(self.cfg.engine, "tensor_parallel_size", 1)
-        if tp > 1 and self.needs_kv:
-            raise ValueError(f"tensor_parallel_size={tp}: a {self.role} worker hands KV over as one whole cache; "
-                             "sharded caches (resharding KV between ranks) are not built yet: run tensor-parallel "
-                             "engines in colocated workers")
         if tp > 1 and self.cfg.engine_process:
             raise ValueError(f"tensor_parallel_size={tp} with engine_process: the engine process is daemonic and "
                              "cannot start rank processes: run the tensor-parallel engine "
@@ -211,7 +207,7 @@ class WorkerBase:
             num_total_blocks=eng.num_total_blocks, num_free_blocks=eng.num_free_blocks,
             num_running=eng.num_running, num_waiting=eng.num_waiting,
             queued_prompt_tokens=self.queued_prompt_tokens(), block_size=eng.block_size,
-            kv_cache_dtype=eng.kv_cache_dtype,
+            kv_cache_dtype=eng.kv_cache_dtype, tensor_parallel_size=engine_tp(eng),
             requests_total=sum(rs.requests_total for rs in self.request_sets),
             prompt_tokens_total=sum(rs.prompt_tokens_total for rs in self.request_sets),
             output_tokens_total=self.output_tokens_total, requests_finished_total=self.requests_finished_total)
