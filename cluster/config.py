@@ -64,6 +64,9 @@ class ClusterConfig:
     """Logical CPUs of a locally started Ray; None: enough for the pools plus headroom to scale."""
     engine_overrides: dict = field(default_factory=dict)
     """Extra engine.config.EngineConfig fields for every worker (e.g. num_kv_blocks, max_num_seqs)."""
+    pool_tensor_parallel: dict = field(default_factory=dict)
+    """Role ("prefill", "decode") -> ranks each of its workers' engines is split over, where a pool differs from
+    ``engine_overrides``' ``tensor_parallel_size`` (``--prefill-tp``, ``--decode-tp``)."""
     router_overrides: dict = field(default_factory=dict)
     """Extra router.config.RouterConfig fields."""
     ttl_s: float = 3.0
@@ -120,6 +123,11 @@ class ClusterConfig:
                              "roles do not run their engine in a process of its own yet")
         if not self.cpus_per_worker > 0:
             raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker!r}")
+        for role, n in self.pool_tensor_parallel.items():
+            if role not in ("prefill", "decode", "colocated"):
+                raise ValueError(f"pool_tensor_parallel: unknown role {role!r}")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"pool_tensor_parallel[{role!r}] must be an integer >= 1, got {n!r}")
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
         if self.served_model_name is None:
@@ -186,6 +194,11 @@ def worker_metrics_port(environ: Optional[dict] = None) -> int:
     return check_port(int(raw) if raw.isdigit() else raw, WORKER_METRICS_PORT_ENV, allow_zero=False)
 
 
+def pool_tp(cfg: "ClusterConfig", role: str) -> int:
+    """Ranks each worker of ``role``'s pool runs its engine on (its actor reserves their CPUs)."""
+    return int(cfg.pool_tensor_parallel.get(role, cfg.engine_overrides.get("tensor_parallel_size", 1)))
+
+
 def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: Any,
                       node_ip: str, node_id: str) -> Any:
     """The real prefill/decode role object for one actor (runs inside the actor)."""
@@ -197,6 +210,7 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
     overrides = dict(cfg.engine_overrides)
     if role == "prefill":
         overrides.pop("speculative_config", None)  # prefill workers never decode: no drafts, no draft model
+    overrides["tensor_parallel_size"] = pool_tp(cfg, role)
     engine = EngineConfig(model=cfg.model, num_threads=max(1, int(cfg.cpus_per_worker)),
                           **{"device": "cuda" if cuda else "cpu", **overrides})
     if isinstance(kv_store, StoreConfig):  # gloo listens on the worker's interface, not the hostname's

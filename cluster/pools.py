@@ -32,7 +32,7 @@ from typing import Any, Optional, Sequence
 
 import ray
 
-from cluster.config import POOLS, ClusterConfig, build_role_worker
+from cluster.config import POOLS, ClusterConfig, build_role_worker, pool_tp
 from cluster.registry import Registry, WorkerInfo
 from cluster.worker_actor import WorkerActor, WorkerSpec, actor_options
 
@@ -176,7 +176,7 @@ class Pools:
             worker_id = f"{role}-{self.generation}-{n}" if self.config.detached else f"{role}-{n}"
             self._next_index[role] += 1
             # a tensor-parallel worker's ranks are processes of its own: it reserves their CPUs too
-            ranks = int(self.config.engine_overrides.get("tensor_parallel_size", 1))
+            ranks = pool_tp(self.config, role)
             opts = actor_options(role, self.config.cpus_per_worker * ranks, cluster_resources=resources,
                                  num_gpus=1 if self.config.device == "cuda" else 0)
             if self.config.detached:  # the deployment's, by name: a later controller adopts it

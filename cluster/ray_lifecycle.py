@@ -49,7 +49,11 @@ class ClusterRay:
             ray.init(address=config.ray_address, namespace=namespace, log_to_driver=False)
             self.owned = True  # our driver connection; the Ray cluster itself outlives us
             return
-        want = config.num_prefill + config.num_decode + config.num_colocated
+        from cluster.config import pool_tp
+
+        # every rank of a tensor-parallel worker is a CPU its actor reserves
+        want = (config.num_prefill * pool_tp(config, "prefill") + config.num_decode * pool_tp(config, "decode")
+                + config.num_colocated * pool_tp(config, "colocated"))
         num_cpus = config.ray_num_cpus or max(os.cpu_count() or 1, int(want * config.cpus_per_worker) + 2)
         # A short private temp dir: Ray's unix sockets live under it, and it keeps two clusters apart.
         self._tmp = tempfile.mkdtemp(prefix="pdray", dir="/tmp")

@@ -61,22 +61,7 @@ def check_pool_args(args: argparse.Namespace) -> None:
 
     overrides = engine_overrides(args, checked_only=True)
     check_config(EngineConfig, overrides)
-    tp = args.tensor_parallel_size
-    if tp != 1:
-        if args.prefill or args.decode or not args.colocated:
-            raise ValueError(f"--tensor-parallel-size {tp} needs a colocated deployment (--prefill 0 --decode 0 "
-                             "--colocated K): prefill and decode workers hand KV over as one whole cache, and "
-                             "resharding it between ranks is not built yet")
-        if args.engine_process:
-            raise ValueError(f"--tensor-parallel-size {tp} cannot be combined with --engine-process: the engine "
-                             "process cannot start rank processes")
-        from engine.loader import load_model_config
-        from engine.tensor_parallel import check_tensor_parallel
-
-        check_tensor_parallel(load_model_config(EngineConfig(model=args.model)), tp,
-                              device="cpu" if args.device == "auto" else args.device,
-                              quantization=args.quantization, group_size=args.quantization_group_size,
-                              flag="--tensor-parallel-size")
+    check_pool_tp(args)
     spec = overrides.get("speculative_config") or {}
     if spec.get("method") == "draft_model":  # a bad draft is a flag error now, not a worker crash later
         from engine.loader import load_model_config
@@ -89,6 +74,26 @@ def check_pool_args(args: argparse.Namespace) -> None:
         if draft.vocab_size != target.vocab_size:
             raise ValueError(f"--speculative-model {spec['model']!r} has vocab_size {draft.vocab_size}, "
                              f"--model has {target.vocab_size}: a draft must share the target's tokenizer")
+
+
+def check_pool_tp(args: argparse.Namespace) -> None:
+    """--tensor-parallel-size, --prefill-tp, --decode-tp: each pool's split must fit the model and this node."""
+    from engine.config import EngineConfig
+    from engine.loader import load_model_config
+    from engine.tensor_parallel import check_tensor_parallel
+
+    pools = [("--tensor-parallel-size", args.tensor_parallel_size)]
+    pools += [(flag, n) for flag, n in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp))
+              if n is not None]
+    if all(n == 1 for _, n in pools):
+        return
+    if args.engine_process and args.tensor_parallel_size != 1:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} cannot be combined with "
+                         "--engine-process: the engine process cannot start rank processes")
+    mc = load_model_config(EngineConfig(model=args.model))
+    for flag, n in pools:
+        check_tensor_parallel(mc, n, device="cpu" if args.device == "auto" else args.device,
+                              quantization=args.quantization, group_size=args.quantization_group_size, flag=flag)
 
 
 def check_sla_args(args: argparse.Namespace):

@@ -59,8 +59,12 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="each worker's engine split over N rank processes on its node (Megatron-style tensor "
                         "parallelism over gloo; the actor reserves N x --cpus-per-worker CPUs, each rank computes "
-                        "with --cpus-per-worker threads). Colocated pools only for now: prefill and decode "
-                        "workers hand KV over as one whole cache (default 1)")
+                        "with --cpus-per-worker threads); --prefill-tp / --decode-tp set a pool apart, and KV "
+                        "moves between any two sizes, head by head (default 1)")
+    p.add_argument("--prefill-tp", type=int, default=None, metavar="N",
+                   help="ranks of each prefill worker (default --tensor-parallel-size)")
+    p.add_argument("--decode-tp", type=int, default=None, metavar="N",
+                   help="ranks of each decode worker (default --tensor-parallel-size)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker (default: by memory)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per decode worker")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
@@ -234,7 +238,9 @@ def pool_config_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, served_model_name=args.served_model_name, num_prefill=args.prefill,
                 num_decode=args.decode, num_colocated=args.colocated, host=args.host, ray_address=args.address,
                 namespace=args.namespace, cpus_per_worker=args.cpus_per_worker, device=args.device,
-                engine_overrides=engine_overrides(args), engine_process=args.engine_process)
+                engine_overrides=engine_overrides(args), engine_process=args.engine_process,
+                pool_tensor_parallel={role: n for role, n in (("prefill", args.prefill_tp),
+                                                              ("decode", args.decode_tp)) if n is not None})
 
 
 def engine_overrides(args: argparse.Namespace, checked_only: bool = False) -> dict:

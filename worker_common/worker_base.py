@@ -298,9 +298,11 @@ class WorkerBase:
                 item = q.get(timeout=0.25)
             except queue.Empty:
                 if self.loop is None or not self.loop.alive:
-                    raise RequestError(grpc.StatusCode.INTERNAL,
+                    # UNAVAILABLE: this worker can no longer serve (its engine died); the router migrates or
+                    # retries the request on another worker while the supervisor replaces this one
+                    raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                        f"{self.role} worker {self.cfg.worker_id}: engine loop stopped "
-                                       f"(request {request_id})")
+                                       f"({self.engine_failed() or 'stopped'}) (request {request_id})")
                 if not context.is_active():  # the caller went away: free what the request holds
                     self.loop.post(lambda e: self.abort(request_id))
                     return

@@ -170,7 +170,9 @@ def test_engine_process_flag_reaches_the_cluster_config():
 
 @pytest.mark.parametrize("argv, message", [
     (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be an integer >= 1"),
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 needs a colocated deployment"),
+    (["--prefill-tp", "0"], "--prefill-tp must be an integer >= 1"),
+    (["--decode-tp", "3"], r"--decode-tp=3 and the model's num_key_value_heads \(2\) must divide one another"),
+    (["--prefill-tp", "4"], r"--prefill-tp=4 must divide the model's num_attention_heads \(6\)"),
     (["--prefill", "0", "--decode", "0", "--colocated", "1", "--tensor-parallel-size", "4"],
      r"--tensor-parallel-size=4 must divide the model's num_attention_heads \(6\)"),
     (["--prefill", "0", "--decode", "0", "--colocated", "1", "--tensor-parallel-size", "2", "--engine-process"],
@@ -188,3 +190,17 @@ def test_tensor_parallel_size_reaches_the_colocated_engines():
     check_up_args(args)
     assert engine_overrides(args)["tensor_parallel_size"] == 2
     assert "tensor_parallel_size" not in engine_overrides(build_parser().parse_args(["up"]))
+
+
+def test_pool_tp_flags_reach_each_pool():
+    from cluster.config import pool_tp
+    from cluster.up_flags import pool_config_kwargs
+
+    args = build_parser().parse_args(["up", "--prefill-tp", "2"])
+    check_up_args(args)
+    kw = pool_config_kwargs(args)
+    assert kw["pool_tensor_parallel"] == {"prefill": 2}
+    from cluster.config import ClusterConfig
+
+    cfg = ClusterConfig(**{k: v for k, v in kw.items() if k in ClusterConfig.__dataclass_fields__})
+    assert (pool_tp(cfg, "prefill"), pool_tp(cfg, "decode")) == (2, 1)

@@ -222,37 +222,65 @@ def test_pdserve_generate_unreachable_target_fails_fast():
 
 
 def _rank_processes(up: UpProcess) -> list[psutil.Process]:
-    """The tensor-parallel ranks: multiprocessing spawn children of a worker actor."""
-    return [p for p in up.descendants() if "spawn_main" in " ".join(_cmdline(p)) and _alive(p)]
+    """The tensor-parallel ranks: multiprocessing spawn children of a worker actor (a Ray worker process)."""
+    out = []
+    for p in up.descendants():
+        if "spawn_main" in " ".join(_cmdline(p)) and _alive(p):
+            try:
+                parent = " ".join(p.parent().cmdline())
+            except psutil.Error:
+                continue
+            if "ray::" in parent:
+                out.append(p)
+    return out
 
 
-def test_a_tensor_parallel_worker_serves_the_offline_tokens_and_a_killed_rank_replaces_it_whole(redis_url):
-    """`pdserve up` with one colocated worker split over two ranks: greedy output equals the one-rank offline
-    engine's through the router; SIGKILL of its second rank fails that worker's engine, the supervisor replaces
-    the worker whole (new id, new ranks, the dead one's ranks gone), and serving resumes with the same tokens."""
+def test_tensor_parallel_decode_workers_serve_the_offline_tokens_and_a_killed_rank_migrates_its_requests(redis_url):
+    """`pdserve up` with one prefill worker at TP=1 and two decode workers at TP=2 (`--decode-tp 2`): KV moves
+    from one whole cache to two ranks' halves and greedy output equals the one-rank offline engine's. SIGKILL of
+    one decode worker's second rank while requests stream: every request still completes with the offline
+    tokens (the router migrates what that worker held), the supervisor replaces the worker whole (its ranks
+    gone, a new worker with new ranks), and SIGTERM leaves no key behind."""
+    import concurrent.futures
+
     ns = f"e2e-tp-{uuid.uuid4().hex[:8]}"
-    up = UpProcess("--num-kv-blocks", "128", "--redis-url", redis_url, "--namespace", ns, "--prefill", "0",
-                   "--decode", "0", "--colocated", "1", "--tensor-parallel-size", "2", "--check-interval", "1")
+    up = UpProcess("--num-kv-blocks", "128", "--redis-url", redis_url, "--namespace", ns, "--prefill", "1",
+                   "--decode", "2", "--decode-tp", "2", "--check-interval", "1")
     try:
-        up.wait_serving(240)
-        ref = offline(["def main():"], [SamplingParams(max_tokens=12, temperature=0.0)])[0]
-        assert generate(up.router, prompt="def main():", max_tokens=12, temperature=0.0)[:3] == ref
+        up.wait_serving(300)
+        params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
+        prompts = ["def main():", "class Stack:", "import os\n", "for i in range(10):"]
+        refs = offline(prompts, [params] * len(prompts))
+        assert generate(up.router, prompt=prompts[0], max_tokens=96, temperature=0.0, ignore_eos=True)[:3] == refs[0]
         reg = Registry(redis_url, ns)
-        (first,) = [w.worker_id for w in reg.list()]
-        ranks = _rank_processes(up)
-        assert len(ranks) == 1, [_cmdline(p) for p in up.descendants()]
-        ranks[0].kill()
+        decodes = sorted(w.worker_id for w in reg.list() if w.role == "decode")
+        assert len(decodes) == 2 and all(w.tensor_parallel_size == 2 for w in reg.list() if w.role == "decode")
+        ranks = _rank_processes(up)  # the decode workers' second ranks (the prefill worker has one rank)
+        assert len(ranks) == 2, [_cmdline(p) for p in up.descendants()]
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            futs = [pool.submit(generate, up.router, 180.0, prompt=p, max_tokens=96, temperature=0.0,
+                                ignore_eos=True) for p in prompts]
+            time.sleep(0.3)  # the requests are streaming (96 tokens at TP=2 take seconds on this box)
+            victim = ranks[0]
+            victim_parent = victim.parent().pid
+            victim.kill()
+            got = [f.result(timeout=240)[:3] for f in futs]
+        assert got == refs
+        router_metrics = next(re.search(r"(http://\S+/metrics)", line).group(1) for line in up.lines
+                              if line.strip().startswith("metrics") and " router " in line)
+        import urllib.request
 
-        def replaced() -> bool:
-            try:  # a request on the broken engine fails; the replacement serves
-                generate(up.router, timeout=30, prompt="x", max_tokens=1, temperature=0.0)
-            except grpc.RpcError:
-                return False
-            return [w.worker_id for w in reg.list()] not in ([], [first])
-
-        wait_until(replaced, timeout=240, interval=1.0, message=lambda: f"no replacement:\n{up.tail()}")
-        assert generate(up.router, prompt="def main():", max_tokens=12, temperature=0.0)[:3] == ref
-        assert len(_rank_processes(up)) == 1  # the new worker's rank; the failed worker's are gone
+        text = urllib.request.urlopen(router_metrics, timeout=10).read().decode()
+        migrated = sum(float(line.split()[-1]) for line in text.splitlines()
+                       if line.startswith("pdserve:request_migrations_total"))
+        assert migrated >= 1, "no request was streaming on the killed worker: the test proved nothing"
+        wait_until(lambda: sorted(w.worker_id for w in reg.list() if w.role == "decode") not in ([], decodes)
+                   and len([w for w in reg.list() if w.role == "decode"]) == 2, timeout=240, interval=1.0,
+                   message=lambda: f"no replacement decode worker:\n{up.tail()}")
+        assert not psutil.pid_exists(victim_parent) or not _alive(psutil.Process(victim_parent))
+        wait_until(lambda: len(_rank_processes(up)) == 2, timeout=60,
+                   message="the replaced worker's ranks")
+        assert generate(up.router, prompt=prompts[1], max_tokens=96, temperature=0.0, ignore_eos=True)[:3] == refs[1]
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(timeout=30) == 0, up.tail()
         wait_until(lambda: reg.keys() == [], timeout=30, message="the cluster left keys in Redis")
