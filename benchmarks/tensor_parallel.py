@@ -10,7 +10,9 @@ hidden 768, 12 query / 4 KV heads) and measures, in one run:
 
 and, for TP=2, the share of rank 0's step time spent in the group's collectives (``TPComm.reduce_seconds``:
 the exchanges and the waits for the other rank, which include its compute running late). Ratios are against
-TP=1 with every core, measured in the same run. Greedy outputs of all contenders are checked equal first.
+TP=1 with every core, measured in the same run. Greedy outputs of all contenders are checked equal first. Before
+the engines, it times summing one decode row between two rank processes both ways: gloo's ``allreduce`` and
+``TPComm``'s point-to-point exchange.
 
 Usage: python benchmarks/tensor_parallel.py [--model bench] [--batches 1 8 32] [--repeats 15] [--json out.json]
 """
@@ -91,6 +93,47 @@ def prefill_step(eng: LLMEngine, tokens: int, repeats: int) -> tuple[float, floa
     return statistics.median(times), comm / sum(times)
 
 
+def _collectives_peer(port: int, width: int, n: int) -> None:
+    _collective_loop(1, port, width, n)
+
+
+def _collective_loop(rank: int, port: int, width: int, n: int, master=None) -> dict:
+    """Rank ``rank`` of a 2-rank group: seconds per gloo ``allreduce`` and per ``TPComm.all_reduce`` of a
+    [1, width] float32 row, each timed over ``n`` iterations in lockstep with the peer."""
+    import torch
+
+    from engine.tensor_parallel import _open_group
+
+    torch.set_num_threads(1)
+    comm = _open_group("127.0.0.1", port, rank, 2, master=master)
+    row = torch.ones(1, width)
+    out = {}
+    for name, op in (("gloo allreduce", lambda: comm.pg.allreduce([row]).wait()),
+                     ("TPComm exchange", lambda: comm.all_reduce(row))):
+        for _ in range(50):
+            op()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            op()
+        out[name] = (time.perf_counter() - t0) / n
+    return out
+
+
+def collectives(width: int, n: int = 2000) -> dict:
+    """The two ways of summing a decode row between two rank processes, in the same run."""
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    peer = mp.get_context("spawn").Process(target=_collectives_peer, args=(store.port, width, n))
+    peer.start()
+    try:
+        return _collective_loop(0, store.port, width, n, master=store)
+    finally:
+        peer.join(60)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="bench")
@@ -104,7 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(model=ns.model, max_num_batched_tokens=max(2048, ns.prefill_tokens),
                   max_num_seqs=max(ns.batches), kv_cache_memory_bytes=512 * 1024 * 1024)
     print(json.dumps(machine_info()))
-    results: dict = {}
+    from engine.loader import load_model_config
+
+    width = load_model_config(EngineConfig(model=ns.model)).hidden_size
+    coll = collectives(width)
+    print("summing one [1, %d] float32 row between 2 rank processes: %s" % (
+        width, ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in coll.items())))
+    results: dict = {"collectives_s": coll}
     ref_tokens = None
     for name, tp, threads in contenders:
         eng = LLMEngine(EngineConfig(tensor_parallel_size=tp, num_threads=threads, **common))
@@ -128,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     cols = [f"decode_b{b}" for b in ns.batches] + ["prefill"]
     print(f"{'':18}" + "".join(f"{c:>26}" for c in cols))
     for name, row in results.items():
+        if name == "collectives_s":
+            continue
         cells = []
         for c in cols:
             sec, share = row[c]
