@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 ALLOWED: dict[str, frozenset[str]] = {
     "proto": frozenset(),  # the wire contract: conversions live with the side that owns the types
-    "engine": frozenset(),  # runs alone (offline API, benchmarks)
+    # runs alone (offline API, benchmarks); stands on transport for one thing: transport.gloo, which opens the
+    # tensor-parallel group (engine/tensor_parallel.py) as it opens kvtransfer's pair groups
+    "engine": frozenset({"transport"}),
     "transport": frozenset({"proto"}),  # ports, TLS, bearer auth, gRPC serving: the bottom both sides share
     "metrics": frozenset({"transport"}),
     "kvtransfer": frozenset({"metrics", "transport"}),

@@ -237,7 +237,7 @@ def test_redis_unavailable_is_load_only_and_recovers_by_itself():
         wait_until(lambda: s.consumer.connected is False, timeout=5, message="consumer disconnected")
         assert _counter(s.metrics, "pdserve:kv_events_redis_errors")[""] >= 1
         pub.submit([(REMOVED, _hashes(toks)[1])])  # never blocks, though Redis is away
-        server = EmbeddedRedis(RedisServerConfig(port=port, password=password)).start()
+        server = EmbeddedRedis(RedisServerConfig(port=port, password=password, spawn=True)).start()  # no fork of a threaded process
         pub.submit(_stored(list(range(50, 58))))  # a restarted, empty Redis: seqs went missing -> snapshot
         wait_until(lambda: s.consumer.connected is True and s.consumer.synced("w0")
                    and s.index.num_blocks("w0") == 3, timeout=10,

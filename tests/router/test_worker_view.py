@@ -47,7 +47,7 @@ def test_view_serves_through_a_redis_restart():
         assert _wait(lambda: view.last_error is not None)
         assert _ids(view, "decode") == ["d0"] and _ids(view, "prefill") == ["p0"]
         # back on the same port, empty: the view follows what the workers write again
-        redis = EmbeddedRedis(RedisServerConfig(port=port, password=password)).start()
+        redis = EmbeddedRedis(RedisServerConfig(port=port, password=password, spawn=True)).start()  # no fork of a threaded process
         reg.register(_info("d1", "decode"))
         # right after the restart the empty registry lists only d1; d0 and p0 stay routable for the grace
         assert _wait(lambda: view.last_error is None and "d1" in _ids(view, "decode"))
