@@ -185,7 +185,7 @@ class TPComm:
     """One rank's handle on the group's collectives, as point-to-point exchanges over one gloo group: the sum of
     the ranks' partial results (each rank sends its part to every other and adds all parts in rank order, so every
     rank holds the same bits), and the logits' vocabulary gathered on rank 0. Measured on the 2-core box, a
-    2-rank exchange of a decode row takes ~0.27 ms in a tight loop where gloo's own ``allreduce`` takes ~1.0-1.5 ms
+    2-rank exchange of a decode row takes ~0.29 ms in a tight loop where gloo's own ``allreduce`` takes ~1.3 ms
     (docs/benchmarks.md, "Tensor parallelism"). A failed collective (a rank died, or never came within ``COLLECTIVE_TIMEOUT_S``) raises
     ``TensorParallelError``."""
 
