@@ -282,3 +282,17 @@ def test_rank_zero_maps_every_ranks_kv_cache(tiny_pair):
                 assert got.abs().sum() > 0 and torch.allclose(got, ref, atol=1e-4), (r, layer, kv)
     for e in (e1, e2):
         e.release("kv-map")
+
+
+def test_two_ranks_generate_what_one_does_on_bench():
+    """The built-in `bench` (12 layers, hidden 768, 12 query / 4 KV heads: two KV heads a rank), from its seeded
+    random weights on every rank: greedy tokens equal, chosen-token log-probs close."""
+    kw = dict(num_threads=1, num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    prompts = [[5, 17, 400, 23, 99, 4], [300, 12, 77], list(range(100, 140))]
+    ref = _tokens_and_logprobs(LLM(model="bench", **kw), prompts, params)
+    two = LLM(model="bench", tensor_parallel_size=2, **kw)
+    try:
+        _assert_close_outputs(ref, _tokens_and_logprobs(two, prompts, params))
+    finally:
+        _close(two.llm_engine)
