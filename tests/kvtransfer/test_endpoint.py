@@ -18,18 +18,6 @@ torch.set_num_threads(1)
 DONE, FAILED, PENDING = TransferState.DONE, TransferState.FAILED, TransferState.PENDING
 
 
-@pytest.fixture
-def pair():
-    st = InprocStore()
-    p = KVEndpoint("p0", st, backend="inproc", timeout_s=3.0, chunk_bytes=4096)
-    d = KVEndpoint("d0", st, backend="inproc", timeout_s=3.0, chunk_bytes=4096)
-    try:
-        yield p, d
-    finally:
-        p.shutdown()
-        d.shutdown()
-
-
 SRC = CacheSpec(num_layers=3, num_blocks=32, block_size=4, seed=7)
 DST = CacheSpec(num_layers=3, num_blocks=40, block_size=6)
 

@@ -9,22 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer import InprocStore, KVEndpoint, KVShards, TransferState, head_pieces, rank_heads
+from kvtransfer import KVShards, TransferState, head_pieces, rank_heads
 from tests.kvtransfer.agent import CacheSpec, make_cache
 
 DONE, FAILED = TransferState.DONE, TransferState.FAILED
-
-
-@pytest.fixture
-def pair():
-    st = InprocStore()
-    p = KVEndpoint("p0", st, backend="inproc", timeout_s=3.0, chunk_bytes=4096)
-    d = KVEndpoint("d0", st, backend="inproc", timeout_s=3.0, chunk_bytes=4096)
-    try:
-        yield p, d
-    finally:
-        p.shutdown()
-        d.shutdown()
 
 
 def split(whole, tp: int) -> KVShards:
