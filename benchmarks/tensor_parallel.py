@@ -66,31 +66,35 @@ def decode_steps(eng: LLMEngine, batch: int, repeats: int, prompt_len: int = 32)
         eng.add_request(f"d{batch}-{i}", [(7 * i + j) % 1000 + 3 for j in range(prompt_len)], params)
     while any(s.num_computed < len(s.prompt_token_ids) for s in eng._seqs.values()):
         eng.step()  # prefills (not counted)
-    times, comm = [], 0.0
-    for _ in range(repeats):
-        c0, t0 = _comm_seconds(eng), time.perf_counter()
-        eng.step()
-        times.append(time.perf_counter() - t0)
-        comm += _comm_seconds(eng) - c0
+    timed = [_timed_step(eng) for _ in range(repeats)]
     while eng.has_unfinished_requests():
         eng.step()
-    return statistics.median(times), comm / sum(times)
+    return _summary(timed)
 
 
 def prefill_step(eng: LLMEngine, tokens: int, repeats: int) -> tuple[float, float]:
     """(median seconds of the step that prefills a ``tokens`` prompt, collectives' share)."""
-    times, comm = [], 0.0
+    timed = []
     for r in range(repeats):
         # a fresh prompt each time (no prefix-cache hit)
         eng.add_request(f"p{r}", [(r * 31 + 11 * j) % 1000 + 3 for j in range(tokens)],
                         SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-        c0, t0 = _comm_seconds(eng), time.perf_counter()
-        eng.step()
-        times.append(time.perf_counter() - t0)
-        comm += _comm_seconds(eng) - c0
+        timed.append(_timed_step(eng))
         while eng.has_unfinished_requests():
             eng.step()
-    return statistics.median(times), comm / sum(times)
+    return _summary(timed)
+
+
+def _timed_step(eng: LLMEngine) -> tuple[float, float]:
+    """(seconds, seconds of it in the group's collectives) of one ``step()``."""
+    c0, t0 = _comm_seconds(eng), time.perf_counter()
+    eng.step()
+    return time.perf_counter() - t0, _comm_seconds(eng) - c0
+
+
+def _summary(timed: list[tuple[float, float]]) -> tuple[float, float]:
+    """(median step seconds, collectives' share of all the steps' time)."""
+    return statistics.median(t for t, _ in timed), sum(c for _, c in timed) / sum(t for t, _ in timed)
 
 
 def _collectives_peer(port: int, width: int, n: int) -> None:

@@ -55,9 +55,9 @@ def load_model(cfg: EngineConfig, mc: ModelConfig, max_positions: int) -> "Causa
     with torch.device("meta"):
         model = CausalLM(mc, max_positions=max_positions)
     model = model.to_empty(device=device).to(cfg.torch_dtype)
-    if cfg.model in BUILTIN_NAMES and builtin_spec(cfg.model).checkpoint is not None:
-        model.load_weights(iter_safetensors(builtin_spec(cfg.model).checkpoint))
-    elif cfg.model in BUILTIN_NAMES:
+    if cfg.model not in BUILTIN_NAMES or builtin_spec(cfg.model).checkpoint is not None:
+        model.load_weights(iter_checkpoint(cfg))
+    else:
         spec = builtin_spec(cfg.model)
         if device.type == "cpu" and cfg.torch_dtype == torch.float32:
             model.init_random(spec.seed, spec.init_std)
@@ -68,8 +68,6 @@ def load_model(cfg: EngineConfig, mc: ModelConfig, max_positions: int) -> "Causa
             cpu = cpu.to_empty(device="cpu")
             cpu.init_random(spec.seed, spec.init_std)
             model.load_state_dict(cpu.state_dict())
-    else:
-        model.load_weights(iter_safetensors(_model_dir(cfg.model)))
     return model.finalize(cfg.cpu_gemm, cfg.quantization, cfg.quantization_group_size)
 
 
@@ -84,6 +82,19 @@ def load_tokenizer(cfg: EngineConfig):
         logger.info("model %s has no tokenizer.json: token-id prompts only", d)
         return None
     return Tokenizer.from_dir(d)
+
+
+def iter_checkpoint(cfg: EngineConfig) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """(HF name, tensor) of every weight of ``cfg.model``: a HF directory's or a trained built-in's safetensors,
+    or a seeded built-in's weights drawn whole on CPU (what a tensor-parallel rank slices its shard from)."""
+    if cfg.model in BUILTIN_NAMES:
+        spec = builtin_spec(cfg.model)
+        if spec.checkpoint is None:
+            from engine.builtin import builtin_state_dict
+
+            return iter(builtin_state_dict(cfg.model).items())
+        return iter_safetensors(spec.checkpoint)
+    return iter_safetensors(_model_dir(cfg.model))
 
 
 def iter_safetensors(d: Path) -> Iterator[tuple[str, "torch.Tensor"]]:

@@ -51,6 +51,7 @@ from torch import Tensor
 
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
+from transport.gloo import open_gloo, timedelta_s
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.model import CausalLM
@@ -87,8 +88,7 @@ def check_tensor_parallel(mc: ModelConfig, size: Any, *, device: str = "cpu", qu
     if device != "cpu":
         raise ValueError(f"{flag}={size} on device {device!r}: tensor-parallel ranks run on CPU over gloo; "
                          "NCCL ranks on GPUs are not built yet")
-    n_cpu = cpus if cpus is not None else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                           else os.cpu_count() or 1)
+    n_cpu = cpus if cpus is not None else node_cpus()
     if size > n_cpu:
         raise ValueError(f"{flag}={size} is more ranks than this node's {n_cpu} CPU cores")
     if quantization in ("int4", "w4a8"):
@@ -242,38 +242,23 @@ class TPComm:
 
 
 def _open_group(host: str, port: int, rank: int, size: int, master: Optional[dist.TCPStore] = None) -> TPComm:
-    from transport.gloo import open_gloo
-
     store = master if master is not None else dist.TCPStore(host, port, size, False,
-                                                             timeout=_td(START_TIMEOUT_S))
+                                                             timeout=timedelta_s(START_TIMEOUT_S))
     pg = open_gloo(dist.PrefixStore("tp", store), rank, size, COLLECTIVE_TIMEOUT_S, host)
     return TPComm(pg, rank, size, 0)
-
-
-def _td(seconds: float):
-    from transport.gloo import timedelta_s
-
-    return timedelta_s(seconds)
 
 
 def load_shard(config: EngineConfig, mc: ModelConfig, layout: TPLayout, max_positions: int,
                comm: TPComm) -> "CausalLM":
     """Rank ``layout.rank``'s shard of the engine's model, its weights streamed from the whole checkpoint."""
-    from engine.builtin import BUILTIN_NAMES, builtin_spec, builtin_state_dict
-    from engine.loader import _model_dir, iter_safetensors
+    from engine.loader import iter_checkpoint
     from engine.model import CausalLM
 
     device = torch.device(config.device)
     with torch.device("meta"):
         model = CausalLM(layout.local_config(), max_positions=max_positions, tp=layout)
     model = model.to_empty(device=device).to(config.torch_dtype)
-    if config.model in BUILTIN_NAMES:
-        spec = builtin_spec(config.model)
-        weights = (iter_safetensors(spec.checkpoint) if spec.checkpoint is not None
-                   else iter(builtin_state_dict(config.model).items()))
-    else:
-        weights = iter_safetensors(_model_dir(config.model))
-    model.load_weights(weights)
+    model.load_weights(iter_checkpoint(config))
     comm.vocab_size = mc.vocab_size
     model.attach_comm(comm)
     return model.finalize(config.cpu_gemm, config.quantization, config.quantization_group_size)
@@ -283,8 +268,12 @@ def rank_threads(config: EngineConfig) -> int:
     """Threads each rank computes with: ``num_threads``, else this node's cores shared out among the ranks."""
     if config.num_threads is not None:
         return config.num_threads
-    n_cpu = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, n_cpu // config.tensor_parallel_size)
+    return max(1, node_cpus() // config.tensor_parallel_size)
+
+
+def node_cpus() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _follower_main(config: EngineConfig, mc: ModelConfig, rank: int, port: int, kv: list,
@@ -345,7 +334,7 @@ class TPGroup:
         if mp.current_process().daemon:
             raise TensorParallelError("tensor_parallel_size > 1 cannot start its ranks from a daemonic process "
                                       "(run the engine in the worker's own process)")
-        store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=_td(START_TIMEOUT_S), wait_for_workers=False)
+        store = dist.TCPStore("127.0.0.1", 0, size, True, timeout=timedelta_s(START_TIMEOUT_S), wait_for_workers=False)
         ctx = mp.get_context("spawn")
         procs, conns, rank_caches = [], [], []
         for rank in range(1, size):
@@ -377,8 +366,8 @@ class TPGroup:
             else:
                 cls(None, procs, conns, store).close()  # type: ignore[arg-type]
             raise
-        log.info("tensor parallel: %d ranks ready (%s)", size, ", ".join(f"rank {p.name[-1]} pid {p.pid}"
-                                                                       for p in procs))
+        log.info("tensor parallel: %d ranks ready (%s)", size, ", ".join(f"rank {r} pid {p.pid}"
+                                                                       for r, p in enumerate(procs, start=1)))
         return group, model
 
     @staticmethod
