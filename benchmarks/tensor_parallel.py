@@ -106,10 +106,10 @@ def _collective_loop(rank: int, port: int, width: int, n: int, master=None) -> d
     [1, width] float32 row, each timed over ``n`` iterations in lockstep with the peer."""
     import torch
 
-    from engine.tensor_parallel import _open_group
+    from engine.tensor_parallel import open_comm
 
     torch.set_num_threads(1)
-    comm = _open_group("127.0.0.1", port, rank, 2, master=master)
+    comm = open_comm("127.0.0.1", port, rank, 2, master=master)
     row = torch.ones(1, width)
     out = {}
     for name, op in (("gloo allreduce", lambda: comm.pg.allreduce([row]).wait()),

@@ -121,6 +121,9 @@ class Fp32Panels(OneDNN):
     def fused_spec(self) -> tuple:
         return (self.kern.WeightFormat(int(self.code)), self.panel, None, float_bias(self.bias), 0, self.out_features)
 
+    def tensors(self) -> list[Tensor]:
+        return [t for t in super().tensors() if t is not self.panel]  # the panel is a view of the packed bytes
+
     def tune_product(self) -> Optional[tuple]:
         return (self, self.in_features, self.panel.numel() * 4)
 

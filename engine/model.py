@@ -245,6 +245,28 @@ class CausalLM(nn.Module):
         self.rope_sin = freqs.sin().to(w.dtype)
         return self.eval().requires_grad_(False)
 
+    def weight_bytes(self) -> int:
+        """Bytes of every weight this model holds as it serves (after ``finalize``): the parameters left, the
+        buffers and each linear's format's tensors (packed, quantized, scales), each storage counted once. What
+        one rank's weights take of its memory (``pdserve profile`` records it)."""
+        seen: dict[Any, int] = {}
+
+        def add(t: Any) -> None:
+            if isinstance(t, Tensor):
+                key = (str(t.device), t.data_ptr()) if t.layout == torch.strided else id(t)
+                seen[key] = max(seen.get(key, 0), t.numel() * t.element_size())
+
+        for t in (*self.parameters(), *self.buffers()):
+            add(t)
+        for m in self.modules():
+            fmt = getattr(m, "fmt", None)
+            if fmt is not None:
+                for t in fmt.tensors():
+                    add(t)
+        for name in ("rope_cos", "rope_sin"):
+            add(getattr(self, name, None))
+        return sum(seen.values())
+
     def attach_comm(self, comm: Any) -> None:
         """The tensor-parallel group's collectives (engine.tensor_parallel.TPComm), once the group is open."""
         self.tp_comm = comm

@@ -241,7 +241,9 @@ class TPComm:
         return torch.cat(outs, dim=-1)[:, :self.vocab_size]
 
 
-def _open_group(host: str, port: int, rank: int, size: int, master: Optional[dist.TCPStore] = None) -> TPComm:
+def open_comm(host: str, port: int, rank: int, size: int, master: Optional[dist.TCPStore] = None) -> TPComm:
+    """Rank ``rank``'s ``TPComm`` of a ``size``-rank group meeting at the TCPStore ``host:port`` (``master``: the
+    store itself, in the process that created it)."""
     store = master if master is not None else dist.TCPStore(host, port, size, False,
                                                              timeout=timedelta_s(START_TIMEOUT_S))
     pg = open_gloo(dist.PrefixStore("tp", store), rank, size, COLLECTIVE_TIMEOUT_S, host)
@@ -289,7 +291,7 @@ def _follower_main(config: EngineConfig, mc: ModelConfig, rank: int, port: int, 
         if config.device == "cpu":
             cpu_kernels()  # rank 0 built them before starting us: this loads them
         conn.send(("joining", rank))
-        comm = _open_group("127.0.0.1", port, rank, size)
+        comm = open_comm("127.0.0.1", port, rank, size)
         model = load_shard(config, mc, layout, max_positions, comm)
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which raises it at start
         conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}", traceback.format_exc()))
@@ -356,7 +358,7 @@ class TPGroup:
         try:
             deadline = time.monotonic() + START_TIMEOUT_S
             cls._expect(procs, conns, "joining", deadline)  # every rank is up before rank 0 blocks on the group
-            comm = _open_group("127.0.0.1", store.port, 0, size, master=store)
+            comm = open_comm("127.0.0.1", store.port, 0, size, master=store)
             group = cls(comm, procs, conns, store, rank_caches)
             model = load_shard(config, mc, TPLayout(mc, size, 0), max_positions, comm)
             cls._expect(procs, conns, "ready", deadline)

@@ -76,6 +76,11 @@ class LinearFormat:
         """(run, in_features, weight bytes) where this layer runs a panel kernel (prefetch tuning), else None."""
         return None
 
+    def tensors(self) -> list[Tensor]:
+        """The tensors that hold this format's bytes (weights, scales, bias), views of one another not listed
+        twice: what the layer takes of memory (``CausalLM.weight_bytes``)."""
+        return [v for v in vars(self).values() if isinstance(v, Tensor)]
+
 
 class KernelFormat(LinearFormat):
     """Weights stored for one of pdserve's kernels (``w``, ``scale``, ``group``): a product on CPU runs the kernel

@@ -34,7 +34,7 @@ from loadtest.trace import HASH_BLOCK_TOKENS, load_trace
 from loadtest.workload import ModelLimits, build_workload
 from simulator.cluster_sim import (DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_SEQS, PoolStats, SimConfig, SimRequest,
                                    Simulation)
-from simulator.costs import Profile, load_profile
+from simulator.costs import Profile, ProfileSet, load_profiles
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,15 @@ def add_deployment_args(p: argparse.ArgumentParser, pools: bool = True) -> None:
         g.add_argument("--prefill-queue-max-tokens", type=int, default=None, metavar="N",
                        help="conditional disaggregation: prefill on the decode worker while the prefill pool has "
                             "N prompt tokens queued")
+        g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                       help="ranks of every worker (priced by the --profile taken at N; default 1)")
+        g.add_argument("--prefill-tp", type=int, default=None, metavar="N",
+                       help="ranks of each prefill worker (default --tensor-parallel-size)")
+        g.add_argument("--decode-tp", type=int, default=None, metavar="N",
+                       help="ranks of each decode worker (default --tensor-parallel-size)")
+    g.add_argument("--rank-memory-bytes", type=int, default=None, metavar="B",
+                   help="memory of one rank (a GPU, or a process's share of a host) for weights and KV: the KV cache "
+                        "gets what the profile's weights per rank leave (default: --kv-cache-memory-bytes per rank)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker (default: by memory)")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES,
                    help="KV cache per worker when --num-kv-blocks is not given (the engine's default 256 MiB)")
@@ -80,26 +89,31 @@ def sim_config_from_args(args: argparse.Namespace, **over: Any) -> SimConfig:
               kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=not args.no_prefix_caching,
               local_prefill_max_tokens=args.local_prefill_max_tokens,
               prefill_queue_max_tokens=args.prefill_queue_max_tokens, max_num_requests=args.max_num_requests,
-              kv_link=args.kv_link, workers_per_host=args.workers_per_host, seed=args.seed)
+              kv_link=args.kv_link, workers_per_host=args.workers_per_host, seed=args.seed,
+              tensor_parallel_size=args.tensor_parallel_size, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+              rank_memory_bytes=args.rank_memory_bytes)
     kw.update(over)
     return SimConfig(**kw)
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve simulate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--profile", required=True, metavar="FILE", help="profile.json from `pdserve profile`")
+    p.add_argument("--profile", required=True, action="append", metavar="FILE",
+                   help="profile.json from `pdserve profile`; repeat it with one profile per tensor-parallel size "
+                        "the pools run")
     p.add_argument("--model", default=None, help="the model the profile must have measured (checked)")
     add_workload_args(p)
     add_deployment_args(p)
     return p
 
 
-def check_profile_args(args: argparse.Namespace) -> Profile:
-    prof = load_profile(args.profile)
-    prof.check_matches(model=args.model, kv_cache_dtype=args.kv_cache_dtype,
-                       quantization=args.quantization if args.quantization is not None else "",
-                       where=f"--profile {args.profile}")
-    return prof
+def check_profile_args(args: argparse.Namespace) -> ProfileSet:
+    """The ``--profile`` files (one per TP) as a checked ``ProfileSet``; ValueError naming the flag."""
+    profiles = load_profiles(args.profile)
+    profiles.base.check_matches(model=args.model, kv_cache_dtype=args.kv_cache_dtype,
+                                quantization=args.quantization if args.quantization is not None else "",
+                                where=profiles.where)
+    return profiles
 
 
 def _hash_prompt(hashes: tuple[int, ...], length: int, block: int, seed: int) -> list[int]:
@@ -132,7 +146,7 @@ def requests_from_args(args: argparse.Namespace, profile: Profile) -> tuple[list
     return reqs, rate, wl.num_clipped
 
 
-def run_simulation(profile: Profile, cfg: SimConfig, requests: list[SimRequest]
+def run_simulation(profile: "Profile | ProfileSet", cfg: SimConfig, requests: list[SimRequest]
                    ) -> tuple[list[RequestRecord], float, dict[str, PoolStats]]:
     """(records, duration in virtual seconds, per-pool stats)."""
     sim = Simulation(profile, cfg)
@@ -141,9 +155,11 @@ def run_simulation(profile: Profile, cfg: SimConfig, requests: list[SimRequest]
     return records, duration, sim.pool_stats()
 
 
-def simulation_block(cfg: SimConfig, pools: dict[str, PoolStats], duration: float, profile: Profile,
+def simulation_block(cfg: SimConfig, pools: dict[str, PoolStats], duration: float, profiles: ProfileSet,
                      wall_s: float) -> dict:
-    return {"deployment": cfg.label(), "pdserve_up_flags": cfg.up_flags(profile), "num_workers": cfg.num_workers,
+    profile = profiles.base
+    return {"deployment": cfg.label(), "pdserve_up_flags": cfg.up_flags(profiles), "num_workers": cfg.num_workers,
+            "num_ranks": cfg.num_ranks, "tensor_parallel": {r: cfg.pool_tp(r) for r in cfg.roles},
             "pools": {role: {"workers": s.workers, "utilisation": s.utilisation(duration), "steps": s.steps,
                              "tokens": s.tokens} for role, s in pools.items()},
             "profile": {"model": profile.model, "dtype": profile.dtype, "quantization": profile.quantization,
@@ -175,18 +191,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         check_workload_args(args)
-        profile = check_profile_args(args)
+        profiles = check_profile_args(args)
         cfg = sim_config_from_args(args)
+        for role in cfg.roles:  # a pool's TP has a profile and its weights leave room for KV: before any work
+            cfg.kv_blocks(profiles.at(cfg.pool_tp(role), cfg.tp_flag(role)))
+        profile = profiles.base
         requests, rate, clipped = requests_from_args(args, profile)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    records, duration, pools = run_simulation(profile, cfg, requests)
+    records, duration, pools = run_simulation(profiles, cfg, requests)
     wall = time.perf_counter() - t0
     settings = _settings(args, profile, cfg, rate, len(requests), clipped)
     summary = summarize(records, duration, args.percentile_list, args.slos or None, args.percentile_metric_list)
-    summary["simulation"] = simulation_block(cfg, pools, duration, profile, wall)
+    summary["simulation"] = simulation_block(cfg, pools, duration, profiles, wall)
     print_summary(summary, settings)
     util = ", ".join(f"{r} {s.utilisation(duration):.0%}" for r, s in pools.items())
     print(f"simulated {cfg.label()}: {len(requests)} requests over {duration:.1f} virtual s in {wall:.1f} s; "

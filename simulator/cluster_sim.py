@@ -60,7 +60,7 @@ from router.scope import RequestScope
 from router.selection import WorkerSelector
 from router.validation import ValidatedRequest
 from router.worker_calls import WorkerCalls
-from simulator.costs import Profile
+from simulator.costs import Profile, ProfileSet
 from simulator.engine_sim import SIM_TOKEN, sim_engine
 from transport.errors import StatusRpcError
 
@@ -97,6 +97,17 @@ class SimConfig:
     """Workers sharing one host's memory system, in creation order (one core or GPU each). Above 1 a step is
     slowed while its host's other workers run theirs, by the profile's co-run model (``Profile.corun``); 1 (the
     default, each worker alone on its host) prices no contention."""
+    tensor_parallel_size: int = 1
+    """Ranks of every worker (``pdserve up --tensor-parallel-size``); ``prefill_tp`` / ``decode_tp`` set a pool
+    apart. A pool at TP k is priced by the profile taken at k (``simulator.costs.ProfileSet``), its KV blocks
+    are each rank's budget over one rank's bytes per block, and a transfer between TP p and TP d runs on
+    min(p, d) rank pairs at once (each source rank sends its heads, each destination rank receives its own)."""
+    prefill_tp: Optional[int] = None
+    decode_tp: Optional[int] = None
+    rank_memory_bytes: Optional[int] = None
+    """Memory of one rank (a GPU, or a process's share of a host) for its weights and KV cache: the cache gets
+    what the profile's ``weight_bytes_per_rank`` leaves (the reason a model needs TP at all). None: the cache
+    is ``kv_cache_memory_bytes`` per rank whatever the weights."""
     seed: int = 0
     """Seeds the router's random draws (ties between equally good workers): the same seed, configuration and
     requests give the same simulation, so two runs of one command line agree and a test's numbers are fixed."""
@@ -122,30 +133,92 @@ class SimConfig:
             raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
         if not isinstance(self.workers_per_host, int) or self.workers_per_host < 1:
             raise ValueError(f"--workers-per-host must be an integer >= 1, got {self.workers_per_host!r}")
+        for flag, v in (("--tensor-parallel-size", self.tensor_parallel_size), ("--prefill-tp", self.prefill_tp),
+                        ("--decode-tp", self.decode_tp)):
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"{flag} must be an integer >= 1, got {v!r}")
+        if self.workers_per_host > 1 and any(self.pool_tp(r) > 1 for r in self.roles):
+            raise ValueError("--workers-per-host > 1 prices one-rank workers sharing a host; with tensor "
+                             "parallelism a worker is several ranks (co-running of TP workers is not modelled)")
+        if self.rank_memory_bytes is not None and self.rank_memory_bytes < 1:
+            raise ValueError(f"--rank-memory-bytes must be >= 1, got {self.rank_memory_bytes}")
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
+
+    def pool_tp(self, role: str) -> int:
+        """Ranks of each worker of ``role``'s pool (``cluster.config.pool_tp``'s rule)."""
+        own = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
+        return own if own is not None else self.tensor_parallel_size
+
+    def pool_size(self, role: str) -> int:
+        return {"prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}[role]
+
+    @property
+    def num_ranks(self) -> int:
+        """Engine ranks (cores or GPUs) of the deployment: a worker at TP k counts k. ``pdserve plan``'s budget."""
+        return sum(self.pool_size(r) * self.pool_tp(r) for r in self.roles)
+
+    def tp_flag(self, role: str) -> str:
+        """The flag that sets ``role``'s TP, for messages."""
+        own = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(role)
+        return f"--{role}-tp" if own is not None else "--tensor-parallel-size"
 
     @property
     def num_workers(self) -> int:
         return self.colocated if self.mode == "colocated" else self.prefill + self.decode
 
+    def _tp_label(self, role: str) -> str:
+        return f"(TP{self.pool_tp(role)})" if any(self.pool_tp(r) > 1 for r in self.roles) else ""
+
     def label(self) -> str:
         if self.mode == "colocated":
-            return f"colocated {self.colocated} (chunk {self.max_num_batched_tokens})"
+            return f"colocated {self.colocated}{self._tp_label('colocated')} (chunk {self.max_num_batched_tokens})"
         cd = f", local<={self.local_prefill_max_tokens}" if self.local_prefill_max_tokens else ""
         if self.prefill_queue_max_tokens is not None:
             cd += f", backlog>={self.prefill_queue_max_tokens}"
-        return f"disaggregated {self.prefill}P+{self.decode}D (chunk {self.max_num_batched_tokens}{cd})"
+        return (f"disaggregated {self.prefill}P{self._tp_label('prefill')}+{self.decode}D{self._tp_label('decode')} "
+                f"(chunk {self.max_num_batched_tokens}{cd})")
 
-    def kv_blocks(self, profile: Profile) -> int:
-        """KV blocks per worker: ``num_kv_blocks``, or ``kv_cache_memory_bytes`` over the profile's bytes per block."""
-        blocks = self.num_kv_blocks or self.kv_cache_memory_bytes // (profile.kv_bytes_per_token * profile.block_size)
+    def kv_blocks(self, profile: Profile, flag: str = "--kv-cache-memory-bytes") -> int:
+        """KV blocks per worker priced by ``profile`` (the one at the pool's TP): ``num_kv_blocks``, or each
+        rank's cache budget over one rank's bytes per block (every rank holds the same block ids, its heads of
+        them). The budget is ``kv_cache_memory_bytes``, or, with ``rank_memory_bytes``, what the rank's weights
+        leave of it."""
+        if self.num_kv_blocks:
+            return self.num_kv_blocks
+        per_block = profile.rank_kv_bytes_per_token * profile.block_size
+        budget = self.kv_cache_memory_bytes
+        if self.rank_memory_bytes is not None:
+            if profile.weight_bytes_per_rank is None:
+                raise ValueError(f"--rank-memory-bytes needs the profile's weight_bytes_per_rank (TP "
+                                 f"{profile.tensor_parallel_size}: take the profile again with this pdserve)")
+            budget = self.rank_memory_bytes - profile.weight_bytes_per_rank
+            flag = f"--rank-memory-bytes {self.rank_memory_bytes} at TP {profile.tensor_parallel_size}"
+            if budget < per_block:
+                raise ValueError(f"{flag}: a rank's weights ({profile.weight_bytes_per_rank} B) leave no room "
+                                 f"for a KV block of {per_block} B (the model needs more tensor parallelism)")
+        blocks = budget // per_block
         if blocks < 1:
-            raise ValueError(f"--kv-cache-memory-bytes {self.kv_cache_memory_bytes} holds no KV block of "
-                             f"{profile.kv_bytes_per_token * profile.block_size} bytes")
+            raise ValueError(f"{flag} {budget} holds no KV block of {per_block} bytes")
         return blocks
 
-    def up_flags(self, profile: Profile) -> str:
+    def fits(self, profile: Profile) -> bool:
+        """Whether a worker priced by ``profile`` has room for at least one KV block (``kv_blocks`` succeeds)."""
+        try:
+            self.kv_blocks(profile)
+        except ValueError:
+            return False
+        return True
+
+    def up_flags(self, profile: Any) -> str:
         """The ``pdserve up`` flags that run this deployment (``pdserve up`` sizes KV by blocks: a cache budget
-        other than the engine's default becomes ``--num-kv-blocks``)."""
+        other than the engine's default becomes ``--num-kv-blocks``, the smallest pool's where TP differs).
+        ``profile``: a ``Profile`` or a ``ProfileSet`` (one per TP the pools run)."""
+        from simulator.costs import ProfileSet
+
+        profiles = ProfileSet.of(profile)
         if self.mode == "colocated":
             f = f"--colocated {self.colocated}"
         else:
@@ -154,9 +227,16 @@ class SimConfig:
                 f += f" --local-prefill-max-tokens {self.local_prefill_max_tokens}"
             if self.prefill_queue_max_tokens is not None:
                 f += f" --prefill-queue-max-tokens {self.prefill_queue_max_tokens}"
+        tps = {r: self.pool_tp(r) for r in self.roles}
+        if len(set(tps.values())) == 1:
+            if self.tensor_parallel_size > 1 or next(iter(tps.values())) > 1:
+                f += f" --tensor-parallel-size {next(iter(tps.values()))}"
+        else:
+            f += f" --prefill-tp {tps['prefill']} --decode-tp {tps['decode']}"
         f += f" --max-num-batched-tokens {self.max_num_batched_tokens}"
-        if self.num_kv_blocks is not None or self.kv_cache_memory_bytes != DEFAULT_KV_CACHE_BYTES:
-            f += f" --num-kv-blocks {self.kv_blocks(profile)}"
+        if (self.num_kv_blocks is not None or self.kv_cache_memory_bytes != DEFAULT_KV_CACHE_BYTES
+                or self.rank_memory_bytes is not None):
+            f += f" --num-kv-blocks {min(self.kv_blocks(profiles.at(t)) for t in tps.values())}"
         if self.max_num_seqs != DEFAULT_MAX_NUM_SEQS:
             f += f" --max-num-seqs {self.max_num_seqs}"
         if not self.enable_prefix_caching:
@@ -181,7 +261,7 @@ class SimWorker:
         self.sim = sim
         self.worker_id = worker_id
         self.role = role
-        self.engine, self.runner = sim_engine(cfg, sim.profile, num_blocks)
+        self.engine, self.runner = sim_engine(cfg, sim.role_profiles[role], num_blocks)
         self.busy_until: Optional[float] = None
         """End of the step in progress; None when idle."""
         self.host: list[SimWorker] = [self]
@@ -398,14 +478,21 @@ class PoolStats:
 class Simulation:
     """The virtual clock, the workers and the router (see module docstring)."""
 
-    def __init__(self, profile: Profile, cfg: SimConfig) -> None:
-        self.profile = profile
+    def __init__(self, profile: "Profile | ProfileSet", cfg: SimConfig) -> None:
+        profiles = ProfileSet.of(profile)
+        self.profiles = profiles
+        self.role_profiles: dict[str, Profile] = {r: profiles.at(cfg.pool_tp(r), cfg.tp_flag(r)) for r in cfg.roles}
+        """Each pool's profile: the one taken at its TP."""
+        self.profile = profiles.base
+        """The serving path's costs (router, pair RPCs), the KV link and bytes per token: the host's, any TP."""
         self.cfg = cfg
         self.now = 0.0
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._tick = itertools.count()
-        blocks = cfg.kv_blocks(profile)
-        self.num_blocks = blocks
+        self.num_blocks = {r: cfg.kv_blocks(p) for r, p in self.role_profiles.items()}
+        """KV blocks of each pool's workers."""
+        self.transfer_ranks = min(cfg.pool_tp("prefill"), cfg.pool_tp("decode"))
+        """Rank pairs a prefill-to-decode transfer runs on at once (its bytes split among them)."""
         self.workers: dict[str, SimWorker] = {}
         """Every worker up (draining ones too), by id."""
         self.pools: dict[str, list[SimWorker]] = {}
@@ -424,15 +511,16 @@ class Simulation:
         self._created = 0
         self._hooks = 0  # periodic events queued (they never keep a run going by themselves)
         self._reaping = False
-        self._ecfg = EngineConfig(model="sim", block_size=profile.block_size, num_kv_blocks=blocks,
-                                  max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                  enable_prefix_caching=cfg.enable_prefix_caching)
+        self._ecfg = {r: EngineConfig(model="sim", block_size=self.profile.block_size, num_kv_blocks=blocks,
+                                      max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                      enable_prefix_caching=cfg.enable_prefix_caching)
+                      for r, blocks in self.num_blocks.items()}
         pools = ({"colocated": cfg.colocated} if cfg.mode == "colocated"
                  else {"prefill": cfg.prefill, "decode": cfg.decode})
         for role, n in pools.items():
             for _ in range(n):
                 self._new_worker(role)
-        self.link = profile.link(cfg.kv_link) if cfg.mode == "disaggregated" else None
+        self.link = self.profile.link(cfg.kv_link) if cfg.mode == "disaggregated" else None
         rcfg = RouterConfig(model="sim", mode=cfg.mode, serve_metrics=False,
                             max_num_requests=cfg.max_num_requests,
                             max_rpc_threads=max(256, cfg.max_num_requests + 1),
@@ -450,7 +538,7 @@ class Simulation:
     def _new_worker(self, role: str) -> SimWorker:
         n = self._next_id.get(role, 0)
         self._next_id[role] = n + 1
-        w = SimWorker(self, f"{role}-{n}", role, self._ecfg, self.num_blocks)
+        w = SimWorker(self, f"{role}-{n}", role, self._ecfg[role], self.num_blocks[role])
         if self.cfg.workers_per_host > 1:  # hosts fill in creation order
             w.host = self._hosts.setdefault(self._created // self.cfg.workers_per_host, [])
             w.host.append(w)
@@ -554,7 +642,7 @@ class Simulation:
             pw.handlers.pop(wid, None)
             pw.unprefilled.pop(wid, None)
             self._tokens(f, 1)
-            nbytes = len(prompt) * self.profile.kv_bytes_per_token
+            nbytes = len(prompt) * self.profile.kv_bytes_per_token / self.transfer_ranks
             L = self.profile.num_layers
             done = max(self.now + self.link.seconds(nbytes / L), self.now - step_s + self.link.seconds(nbytes))
             self.at(done, lambda: kv_arrived(done))

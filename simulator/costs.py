@@ -32,7 +32,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -206,6 +206,19 @@ class Profile:
     host then prices no contention)."""
     meta: dict[str, Any] = field(default_factory=dict)
     """Where and how it was measured: pdserve commit and version, torch version, CPU, flags, date, samples."""
+    tensor_parallel_size: int = 1
+    """Ranks of the measured engine (``pdserve profile --tensor-parallel-size``): its steps are a TP worker's,
+    all-reduces included. A simulation prices a pool at TP k with the profile taken at k (``ProfileSet``)."""
+    kv_bytes_per_token_rank: Optional[int] = None
+    """One rank's KV cache bytes per token (its KV heads; where ranks exceed the KV heads, a replicated head);
+    what a rank's cache budget is divided by. None: ``kv_bytes_per_token`` (one rank holds every head)."""
+    weight_bytes_per_rank: Optional[int] = None
+    """Bytes of one rank's weights in the engine's format (rank 0's shard at TP > 1); with a simulated
+    ``rank_memory_bytes`` the KV cache gets what they leave. None: not recorded (an older profile)."""
+
+    @property
+    def rank_kv_bytes_per_token(self) -> int:
+        return self.kv_bytes_per_token_rank or self.kv_bytes_per_token
 
     def step_seconds(self, f: StepFeatures) -> float:
         """One engine step as a worker runs it: the step model plus, when the step streams any token, the
@@ -231,6 +244,9 @@ class Profile:
                            **({} if self.router_per_request_pair_s is None
                               else {"per_request_pair_s": self.router_per_request_pair_s})},
                 **({} if self.corun is None else {"corun": self.corun.to_dict()}),
+                "tensor_parallel_size": self.tensor_parallel_size,
+                **({} if self.kv_bytes_per_token_rank is None else {"kv_bytes_per_token_rank": self.kv_bytes_per_token_rank}),
+                **({} if self.weight_bytes_per_rank is None else {"weight_bytes_per_rank": self.weight_bytes_per_rank}),
                 "meta": self.meta}
 
     @classmethod
@@ -255,13 +271,19 @@ class Profile:
                     router_per_step_s=float(router.get("per_step_s", 0.0)), meta=dict(d.get("meta") or {}),
                     router_per_request_pair_s=(None if router.get("per_request_pair_s") is None
                                                else float(router["per_request_pair_s"])),
-                    corun=None if d.get("corun") is None else CorunModel(**d["corun"]))
+                    corun=None if d.get("corun") is None else CorunModel(**d["corun"]),
+                    tensor_parallel_size=int(d.get("tensor_parallel_size", 1)),
+                    kv_bytes_per_token_rank=(None if d.get("kv_bytes_per_token_rank") is None
+                                             else int(d["kv_bytes_per_token_rank"])),
+                    weight_bytes_per_rank=(None if d.get("weight_bytes_per_rank") is None
+                                           else int(d["weight_bytes_per_rank"])))
         except KeyError as e:
             raise ValueError(f"{where}: missing field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: {e}") from None
-        for name in ("block_size", "num_layers", "kv_bytes_per_token", "max_model_len"):
-            if getattr(p, name) < 1:
+        for name in ("block_size", "num_layers", "kv_bytes_per_token", "max_model_len", "tensor_parallel_size",
+                     "kv_bytes_per_token_rank", "weight_bytes_per_rank"):
+            if getattr(p, name) is not None and getattr(p, name) < 1:
                 raise ValueError(f"{where}: {name} must be >= 1, got {getattr(p, name)}")
         for name, link in p.links.items():
             if not (link.latency_s >= 0 and link.bytes_per_s > 0 and math.isfinite(link.bytes_per_s)):
@@ -282,6 +304,75 @@ class Profile:
         if quantization != "" and self.quantization != quantization:
             raise ValueError(f"{where}: measured quantization={self.quantization!r}, but the run asks for "
                              f"{quantization!r}")
+
+
+class ProfileSet:
+    """Profiles of one model configuration at different tensor-parallel sizes: what prices a deployment whose
+    pools run different TP (``SimConfig.pool_tp``).
+
+    Each pool's steps come from the profile taken at its TP (``at``). The serving path (router costs) and the KV
+    link are the host's, not the TP's: a profile that did not measure them (``pdserve profile`` measures them at
+    TP 1 only) takes them from the set's lowest-TP profile that did. ValueError naming ``where`` for an empty
+    set, two profiles at one TP, or profiles of different configurations."""
+
+    SAME = ("model", "dtype", "quantization", "kv_cache_dtype", "device", "block_size", "num_layers")
+
+    def __init__(self, profiles: "list[Profile] | tuple[Profile, ...]", where: str = "--profile") -> None:
+        if not profiles:
+            raise ValueError(f"{where}: no profile given")
+        ordered = sorted(profiles, key=lambda q: q.tensor_parallel_size)
+        first = ordered[0]
+        for a, b in zip(ordered, ordered[1:]):
+            if a.tensor_parallel_size == b.tensor_parallel_size:
+                raise ValueError(f"{where}: two profiles at tensor-parallel size {a.tensor_parallel_size} "
+                                 "(give one per size)")
+        for q in ordered[1:]:
+            for name in self.SAME:
+                if getattr(q, name) != getattr(first, name):
+                    raise ValueError(f"{where}: the profiles differ in {name} ({getattr(first, name)!r} at TP "
+                                     f"{first.tensor_parallel_size}, {getattr(q, name)!r} at TP "
+                                     f"{q.tensor_parallel_size}): one set prices one model configuration")
+        serving = next((q for q in ordered if q.meta.get("router") or q.router_per_request_s), first)
+        linked = next((q for q in ordered if q.links), first)
+        self.by_tp: dict[int, Profile] = {}
+        for q in ordered:
+            over: dict[str, Any] = {}
+            if q is not serving and not (q.meta.get("router") or q.router_per_request_s):
+                over.update(router_per_request_s=serving.router_per_request_s,
+                            router_per_request_pair_s=serving.router_per_request_pair_s,
+                            router_per_token_s=serving.router_per_token_s,
+                            router_per_step_s=serving.router_per_step_s)
+            if not q.links:
+                over["links"] = dict(linked.links)
+            self.by_tp[q.tensor_parallel_size] = replace(q, **over) if over else q
+        self.where = where
+
+    @property
+    def base(self) -> Profile:
+        """The lowest-TP profile: the serving path's and the link's costs, the context length, provenance."""
+        return self.by_tp[min(self.by_tp)]
+
+    @property
+    def sizes(self) -> list[int]:
+        return sorted(self.by_tp)
+
+    def at(self, tp: int, flag: str = "--tensor-parallel-size") -> Profile:
+        """The profile that prices a worker of ``tp`` ranks; ValueError naming ``flag`` when none was taken."""
+        if tp not in self.by_tp:
+            raise ValueError(f"{flag} {tp}: no profile at tensor-parallel size {tp} (have "
+                             f"{', '.join(map(str, self.sizes))}); take one with `pdserve profile "
+                             f"--tensor-parallel-size {tp}` and pass it with another --profile")
+        return self.by_tp[tp]
+
+    @classmethod
+    def of(cls, profiles: "Profile | ProfileSet") -> "ProfileSet":
+        return profiles if isinstance(profiles, ProfileSet) else cls([profiles])
+
+
+def load_profiles(paths: "str | Path | list[str | Path]") -> ProfileSet:
+    """Read one or several ``profile.json`` (one per tensor-parallel size) into a ``ProfileSet``."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    return ProfileSet([load_profile(x) for x in paths], where="--profile " + " ".join(map(str, paths)))
 
 
 def load_profile(path: str | Path) -> Profile:

@@ -25,7 +25,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -35,7 +35,7 @@ from loadtest.cli import add_workload_args, check_workload_args
 from loadtest.stats import percentile, slo_attainment, tpot_s, ttft_s
 from simulator.cli import SIM_VOCAB, add_deployment_args, check_profile_args, requests_from_args, run_simulation
 from simulator.cluster_sim import SimConfig, SimRequest
-from simulator.costs import Profile
+from simulator.costs import Profile, ProfileSet
 
 
 @dataclass
@@ -61,13 +61,16 @@ class Candidate:
 
     @property
     def per_worker(self) -> float:
-        return self.goodput / self.cfg.num_workers
+        """Goodput per engine rank (per worker where every worker is one rank): what a budget of ranks buys."""
+        return self.goodput / self.cfg.num_ranks
 
-    def as_dict(self, profile: Profile) -> dict[str, Any]:
+    def as_dict(self, profile: "Profile | ProfileSet") -> dict[str, Any]:
         p = self.at_goodput
         return {"deployment": self.cfg.label(), "pdserve_up_flags": self.cfg.up_flags(profile), "mode": self.cfg.mode,
                 "config": asdict(self.cfg),
-                "workers": self.cfg.num_workers, "goodput_rps": self.goodput, "goodput_per_worker": self.per_worker,
+                "workers": self.cfg.num_workers, "ranks": self.cfg.num_ranks,
+                "tensor_parallel": {r: self.cfg.pool_tp(r) for r in self.cfg.roles},
+                "goodput_rps": self.goodput, "goodput_per_worker": self.per_worker,
                 "at_goodput": None if p is None else p.__dict__, "pruned_below_rps": self.pruned_below,
                 "probes": [q.__dict__ for q in self.probes]}
 
@@ -117,7 +120,7 @@ def at_rate(reqs: list[SimRequest], rate: float, burstiness: Optional[float], se
     return [replace(r, arrival_s=t) for r, t in zip(reqs, arr)]
 
 
-def simulate_point(profile: Profile, cfg: SimConfig, reqs: list[SimRequest], rate: float, slos: dict[str, float],
+def simulate_point(profile: "Profile | ProfileSet", cfg: SimConfig, reqs: list[SimRequest], rate: float, slos: dict[str, float],
                    burstiness: Optional[float], seed: int) -> Point:
     records, duration, pools = run_simulation(profile, cfg, at_rate(reqs, rate, burstiness, seed))
     ok = [r for r in records if r.success]
@@ -157,41 +160,61 @@ def goodput_of(probe: Callable[[float], Point], lo: float, hi: float, goal: floa
     return best.rate, best, probes
 
 
-def candidates(n: int, chunks: list[int], locals_: list[int], base: SimConfig, modes: list[str]) -> list[SimConfig]:
+def candidates(n: int, chunks: list[int], locals_: list[int], base: SimConfig, modes: list[str],
+               tps: Sequence[int] = (1,)) -> list[SimConfig]:
+    """Every deployment of ``n`` engine ranks to simulate: colocated at each TP in ``tps`` that divides ``n``,
+    and disaggregated at each (prefill TP, decode TP) pair for every split of the ranks into whole workers (a
+    coarse grid of prefill shares when ``n`` > 16), each at every chunk size (and local-prefill threshold)."""
     out = []
     if "colocated" in modes:
-        out += [replace(base, mode="colocated", colocated=n, prefill=0, decode=0, max_num_batched_tokens=c,
-                        local_prefill_max_tokens=0) for c in chunks]
+        out += [replace(base, mode="colocated", colocated=n // t, prefill=0, decode=0, max_num_batched_tokens=c,
+                        local_prefill_max_tokens=0, tensor_parallel_size=t, prefill_tp=None, decode_tp=None)
+                for t in tps if n % t == 0 for c in chunks]
     if "disaggregated" in modes and n >= 2:
-        if n <= 16:
-            splits = range(1, n)
-        else:  # every 1/16th of the budget; the best region is refined by ``refine_splits``
-            splits = sorted({max(1, min(n - 1, round(n * k / 16))) for k in range(1, 16)})
-        for p in splits:
-            for c in chunks:
-                for loc in locals_:
-                    out.append(replace(base, mode="disaggregated", prefill=p, decode=n - p, colocated=0,
-                                       max_num_batched_tokens=c, local_prefill_max_tokens=loc))
+        for pt in tps:
+            for dt in tps:
+                if n <= 16:
+                    ps: Any = range(1, n // pt + 1)
+                else:  # every 1/16th of the budget; the best region is refined by ``Planner.best_of``
+                    ps = sorted({max(1, round(n * k / 16 / pt)) for k in range(1, 16)})
+                for p in ps:
+                    rest = n - p * pt
+                    if rest < dt or rest % dt:
+                        continue
+                    d = rest // dt
+                    for c in chunks:
+                        for loc in locals_:
+                            out.append(replace(base, mode="disaggregated", prefill=p, decode=d, colocated=0,
+                                               max_num_batched_tokens=c, local_prefill_max_tokens=loc,
+                                               tensor_parallel_size=1, prefill_tp=pt, decode_tp=dt))
     return out
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--profile", required=True, metavar="FILE", help="profile.json from `pdserve profile`")
+    p.add_argument("--profile", required=True, action="append", metavar="FILE",
+                   help="profile.json from `pdserve profile`; repeat it with one profile per tensor-parallel size to "
+                        "search TP per pool")
     p.add_argument("--model", default=None, help="the model the profile must have measured (checked)")
     p.add_argument("--ttft-slo-ms", type=float, required=True, help="time-to-first-token SLO (ms)")
     p.add_argument("--tpot-slo-ms", type=float, required=True, help="time-per-output-token SLO (ms)")
     p.add_argument("--goal", type=float, default=0.9, help="fraction of requests that must meet both SLOs (0.9)")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--workers", type=int, help="worker budget: the best configurations of this many workers")
-    what.add_argument("--target-rate", type=float, help="req/s to serve: the fewest workers that serve it")
+    what.add_argument("--workers", type=int,
+                      help="budget in engine ranks (cores or GPUs; a worker at TP k counts k): the best "
+                           "configurations of this many")
+    what.add_argument("--target-rate", type=float, help="req/s to serve: the fewest ranks that serve it")
+    p.add_argument("--tp-sizes", default="auto",
+                   help="tensor-parallel sizes to try for each pool (comma-separated; default: every size a "
+                        "--profile was taken at)")
     p.add_argument("--chunk-sizes", default="256,512,1024,2048",
                    help="--max-num-batched-tokens values to try (comma-separated)")
     p.add_argument("--local-prefill", default="0,auto",
                    help="--local-prefill-max-tokens values to try for disaggregated configurations ('auto': the "
                         "workload's 25th and 50th percentile prompt lengths)")
     p.add_argument("--modes", default="colocated,disaggregated", help="which kinds of deployment to consider")
-    p.add_argument("--max-workers", type=int, default=1024, help="--target-rate: the largest deployment to try")
+    p.add_argument("--max-workers", type=int, default=1024,
+                   help="--target-rate: the largest deployment to try (in ranks)")
     add_workload_args(p)
     add_deployment_args(p, pools=False)
     return p
@@ -254,9 +277,10 @@ PRUNE_HI = 1.15
 class Planner:
     """Goodput of deployments for one workload, profile and SLOs."""
 
-    def __init__(self, profile: Profile, reqs: list[SimRequest], slos: dict[str, float], goal: float,
+    def __init__(self, profile: "Profile | ProfileSet", reqs: list[SimRequest], slos: dict[str, float], goal: float,
                  burstiness: Optional[float], seed: int, base: SimConfig, duration_s: Optional[float] = None,
-                 new_prompts: bool = True, rel_tol: float = 0.04, prune: bool = False) -> None:
+                 new_prompts: bool = True, rel_tol: float = 0.04, prune: bool = False,
+                 tps: Sequence[int] = (1,)) -> None:
         """``duration_s``: each probe replays ``ceil(rate * duration_s)`` requests (``reqs`` looped by
         ``loop_requests`` when it runs out, ``new_prompts`` passed on) instead of all of ``reqs``, so a probe
         lasts about as long at 1,000 req/s as at 1 req/s and queues have time to form. ``rel_tol``: the
@@ -270,7 +294,11 @@ class Planner:
             raise ValueError(f"duration_s (--probe-seconds) must be > 0, got {duration_s}")
         if not reqs:
             raise ValueError("reqs: the workload has no requests")
-        self.profile, self.reqs, self.slos, self.goal = profile, reqs, slos, goal
+        self.profiles = ProfileSet.of(profile)
+        self.profile = self.profiles.base
+        self.tps = list(tps)
+        """Tensor-parallel sizes the candidates' pools may take (each needs a profile in ``profiles``)."""
+        self.reqs, self.slos, self.goal = reqs, slos, goal
         self.burstiness, self.seed, self.base = burstiness, seed, base
         self.duration_s, self.new_prompts, self.rel_tol, self.prune = duration_s, new_prompts, rel_tol, prune
         self.refine = True
@@ -283,9 +311,14 @@ class Planner:
         # a first rate guess: what one worker could do if every step were a lone request's (an upper bound)
         mean_p = sum(len(r.prompt_token_ids) for r in reqs) / len(reqs)
         mean_o = sum(r.max_tokens for r in reqs) / len(reqs)
-        step = profile.step
+        step = self.profile.step
         one = step.lin(mean_p) + step.lin(1) * mean_o / 32  # a prefill + a share of batched decode steps
         self.rate_per_worker_guess = 1.0 / max(one, 1e-6)
+
+    def fits(self, cfg: SimConfig) -> bool:
+        """Whether every pool of ``cfg`` has a profile at its TP and room for KV beside its weights."""
+        return all(cfg.pool_tp(r) in self.profiles.by_tp and cfg.fits(self.profiles.at(cfg.pool_tp(r)))
+                   for r in cfg.roles)
 
     def requests_at(self, rate: float) -> list[SimRequest]:
         """The requests a probe at ``rate`` replays: all of them, or ``duration_s`` worth (at least 2)."""
@@ -302,10 +335,10 @@ class Planner:
             reqs = self.requests_at(rate)
             self.simulations += 1
             self.requests_simulated += len(reqs)
-            return simulate_point(self.profile, cfg, reqs, rate, self.slos, self.burstiness, self.seed)
+            return simulate_point(self.profiles, cfg, reqs, rate, self.slos, self.burstiness, self.seed)
 
         if lo is None:
-            lo = 0.05 * self.rate_per_worker_guess * cfg.num_workers
+            lo = 0.05 * self.rate_per_worker_guess * cfg.num_ranks
             g, at, probes = goodput_of(probe, lo, 4 * lo, self.goal, self.rel_tol)
         else:  # a warm bracket: grow gently past it, a probe at twice the rate costs twice the requests
             g, at, probes = goodput_of(probe, lo, 2 * lo if hi is None else hi, self.goal, self.rel_tol, grow=1.3)
@@ -316,7 +349,7 @@ class Planner:
         (its own mode's, else the other mode's, wider); (None, None): the cold start from the rate guess."""
         if not self.prune:
             return None, None
-        n = cfg.num_workers
+        n = cfg.num_ranks
         own = best.get(cfg.mode)
         if own is not None:
             return PRUNE_BELOW * own.per_worker * n, PRUNE_HI * own.per_worker * n
@@ -342,10 +375,12 @@ class Planner:
                 best[c.cfg.mode] = c
         # refine a large budget's P:D split around the best coarse one
         b = best.get("disaggregated")
-        if self.refine and b is not None and b.cfg.num_workers > 16:  # the coarse grid went in steps of n / 16
-            n, fine = b.cfg.num_workers, max(1, b.cfg.num_workers // 64)
-            ps = {min(n - 1, max(1, b.cfg.prefill + k * fine)) for k in (-3, -2, -1, 1, 2, 3)} - {b.cfg.prefill}
-            extra = [replace(b.cfg, prefill=p, decode=n - p) for p in sorted(ps)]
+        if self.refine and b is not None and b.cfg.num_ranks > 16:  # the coarse grid went in steps of n / 16
+            n, fine = b.cfg.num_ranks, max(1, b.cfg.num_ranks // 64)
+            pt, dt = b.cfg.pool_tp("prefill"), b.cfg.pool_tp("decode")
+            ps = {max(1, b.cfg.prefill + k * max(1, fine // pt)) for k in (-3, -2, -1, 1, 2, 3)} - {b.cfg.prefill}
+            extra = [replace(b.cfg, prefill=p, decode=(n - p * pt) // dt) for p in sorted(ps)
+                     if n - p * pt >= dt and (n - p * pt) % dt == 0]
             for x in extra:
                 lo, hi = self._bracket(x, best)
                 c = self.evaluate(x, lo, hi)
@@ -363,8 +398,9 @@ def _table(best: dict[str, Candidate], title: str) -> Table:
     cols = [m for m in ("disaggregated", "colocated") if m in best]
     for m in cols:
         t.add_column(f"best {m}", justify="right")
-    rows = [("deployment", lambda c: c.cfg.label()), ("workers", lambda c: str(c.cfg.num_workers)),
-            ("goodput (req/s)", lambda c: f"{c.goodput:.3g}"), ("per worker (req/s)", lambda c: f"{c.per_worker:.3g}"),
+    rows = [("deployment", lambda c: c.cfg.label()),
+            ("workers (ranks)", lambda c: f"{c.cfg.num_workers} ({c.cfg.num_ranks})"),
+            ("goodput (req/s)", lambda c: f"{c.goodput:.3g}"), ("per rank (req/s)", lambda c: f"{c.per_worker:.3g}"),
             ("p90 TTFT at goodput (ms)", lambda c: f"{c.at_goodput.p90_ttft_ms:.0f}"),
             ("mean TPOT at goodput (ms)", lambda c: f"{c.at_goodput.mean_tpot_ms:.1f}"),
             ("utilisation", lambda c: ", ".join(f"{k} {v:.0%}" for k, v in c.at_goodput.utilisation.items()))]
@@ -375,7 +411,29 @@ def _table(best: dict[str, Candidate], title: str) -> Table:
 
 def plan_budget(planner: Planner, n: int, chunks: list[int], locals_: list[int], modes: list[str]
                 ) -> tuple[list[Candidate], dict[str, Candidate]]:
-    return planner.best_of(candidates(n, chunks, locals_, planner.base, modes))
+    """The best of every deployment of ``n`` ranks whose pools' TP sizes fit (``Planner.fits``)."""
+    return planner.best_of([c for c in candidates(n, chunks, locals_, planner.base, modes, planner.tps)
+                            if planner.fits(c)])
+
+
+def _tp_sizes(text: str, profiles: ProfileSet, base: SimConfig) -> tuple[list[int], list[str]]:
+    """(the TP sizes to search, a note per size left out because its weights leave a rank no KV room)."""
+    sizes = profiles.sizes if text == "auto" else _int_list(text, "--tp-sizes")
+    for t in sizes:
+        profiles.at(t, "--tp-sizes")
+    notes = [f"TP {t} left out: {e}" for t in sizes for e in [_fit_error(base, profiles.at(t))] if e]
+    fit = [t for t in sizes if not _fit_error(base, profiles.at(t))]
+    if not fit:
+        raise ValueError("no tensor-parallel size fits: " + "; ".join(notes))
+    return fit, notes
+
+
+def _fit_error(cfg: SimConfig, profile: Profile) -> str:
+    try:
+        cfg.kv_blocks(profile)
+    except ValueError as e:
+        return str(e)
+    return ""
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -387,13 +445,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         return int(e.code or 0)
     try:
         check_args(args)
-        profile = check_profile_args(args)
+        profiles = check_profile_args(args)
+        profile = profiles.base
         reqs, _, _ = requests_from_args(args, profile)
         locals_ = _locals(args.local_prefill, reqs)
         base = SimConfig(num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                          max_num_seqs=args.max_num_seqs, enable_prefix_caching=not args.no_prefix_caching,
                          max_num_requests=args.max_num_requests, kv_link=args.kv_link,
-                         workers_per_host=args.workers_per_host, seed=args.seed)
+                         workers_per_host=args.workers_per_host, seed=args.seed,
+                         rank_memory_bytes=args.rank_memory_bytes)
+        tps, tp_notes = _tp_sizes(args.tp_sizes, profiles, base)
+        if args.workers is not None and not candidates(args.workers, args.chunk_list, [0], base, args.mode_list, tps):
+            raise ValueError(f"--workers {args.workers}: no {' or '.join(args.mode_list)} deployment of "
+                             f"{args.workers} ranks at tensor-parallel sizes {', '.join(map(str, tps))}")
         if "disaggregated" in args.mode_list:
             profile.link(args.kv_link)
     except ValueError as e:
@@ -402,13 +466,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     slos = {"ttft": args.ttft_slo_ms, "tpot": args.tpot_slo_ms}
     # a trace replayed without --request-rate keeps its own burst pattern at every probed rate
     own_gaps = args.dataset_name == "trace" and args.request_rate is None
-    planner = Planner(profile, reqs, slos, args.goal, None if own_gaps else args.burstiness, args.seed, base)
+    planner = Planner(profiles, reqs, slos, args.goal, None if own_gaps else args.burstiness, args.seed, base,
+                      tps=tps)
+    for note in tp_notes:
+        print(f"note: {note}")
     t0 = time.perf_counter()
     if args.workers is not None:
         n = args.workers
         done, best = plan_budget(planner, n, args.chunk_list, locals_, args.mode_list)
     else:
-        n, done, best = 1 if "colocated" in args.mode_list else 2, [], {}
+        n, done, best = min(tps) if "colocated" in args.mode_list else 2 * min(tps), [], {}
         while True:
             d, b = plan_budget(planner, n, args.chunk_list, locals_, args.mode_list)
             done += d
@@ -426,26 +493,27 @@ def main(argv: Optional[list[str]] = None) -> int:
         lone = min((c.probes[0] for c in done if c.probes), key=lambda p: p.p90_ttft_ms, default=None)
         hint = "" if lone is None else (f"; at the lowest rate tried the best p90 TTFT was {lone.p90_ttft_ms:.0f} ms "
                                         f"and mean TPOT {lone.mean_tpot_ms:.1f} ms")
-        print(f"error: no configuration of {n} workers meets --ttft-slo-ms {args.ttft_slo_ms:g} and --tpot-slo-ms "
+        print(f"error: no configuration of {n} ranks meets --ttft-slo-ms {args.ttft_slo_ms:g} and --tpot-slo-ms "
               f"{args.tpot_slo_ms:g} for {args.goal:.0%} of requests at any rate{hint}", file=sys.stderr)
         return 2
     title = (f"{len(reqs)} requests, SLOs TTFT {args.ttft_slo_ms:g} ms / TPOT {args.tpot_slo_ms:g} ms at "
              f"{args.goal:.0%}, profile {profile.model} on {profile.device} ({profile.meta.get('device_name', '?')})")
     Console().print(_table(best, title))
     if args.target_rate is not None and not any(c.goodput >= args.target_rate for c in best.values()):
-        print(f"note: even {n} workers (--max-workers) do not reach {args.target_rate:g} req/s")
+        print(f"note: even {n} ranks (--max-workers) do not reach {args.target_rate:g} req/s")
     for m, c in best.items():
-        print(f"{m}: pdserve up {c.cfg.up_flags(profile)}")
+        print(f"{m}: pdserve up {c.cfg.up_flags(profiles)}")
     if "disaggregated" in best and "colocated" in best:
         r = best["disaggregated"].per_worker / best["colocated"].per_worker
-        print(f"disaggregated / colocated goodput per worker: {r:.2f}x")
+        print(f"disaggregated / colocated goodput per rank: {r:.2f}x")
     print(f"{planner.simulations} simulations in {wall:.1f} s")
     if args.save_result:
         path = Path(args.save_result if isinstance(args.save_result, str) else "plan.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"slos_ms": slos, "goal": args.goal, "num_requests": len(reqs),
-                                    "best": {m: c.as_dict(profile) for m, c in best.items()},
-                                    "candidates": [c.as_dict(profile) for c in done]}, indent=1))
+                                    "tp_sizes": tps, "notes": tp_notes,
+                                    "best": {m: c.as_dict(profiles) for m, c in best.items()},
+                                    "candidates": [c.as_dict(profiles) for c in done]}, indent=1))
         print(f"plan saved to {path}")
     return 0
 

@@ -25,7 +25,15 @@ then measures, in this order, each part but the first optional:
    (``router_per_step_s``) and of each token it streams (``router_per_token_s``): excess = per_step +
    per_token x streams (all clamped at 0; the raw numbers stay in meta.router).
 
-4. **Co-running** (``--skip-corun``; CPU only): simulator/corun.py times a few decode and prefill steps
+4. **All-reduce** (``--tensor-parallel-size`` N > 1 only): ``measure_all_reduce`` times the engine's own
+   collective (``TPComm.all_reduce``) among N fresh rank processes on loopback, for one step's rows of hidden
+   size at the grid's token counts. The steps of (1) already include the all-reduces (every rank runs each
+   measured step), so the fit prices them; these samples say how much of a step they are. At N > 1 the router
+   and co-run parts are not measured (the serving path's cost is the host's, not the TP's: ``pdserve
+   simulate``/``plan`` take it from the TP 1 profile given beside it, ``simulator.costs.ProfileSet``), and the
+   profile records one rank's KV bytes per token and its weights' bytes (``--rank-memory-bytes`` pricing).
+
+5. **Co-running** (``--skip-corun``; CPU only): simulator/corun.py times a few decode and prefill steps
    alone and again beside ``--corun-siblings`` busy processes running the same engine on this host's other
    cores, and fits ``CorunModel`` (the extra per busy sibling: a constant plus a share of the solo time), which
    prices deployments of several workers per host (``pdserve simulate --workers-per-host``).
@@ -55,7 +63,7 @@ from typing import Any, Callable, Optional, Sequence
 from simulator.costs import LinkModel, Profile, StepFeatures, step_features
 from simulator.fit import _features, choose_knots, fit_errors, fit_link, fit_step_model
 from simulator.corun import fit_corun, measure_corun
-from simulator.serving_costs import measure_link, measure_router
+from simulator.serving_costs import measure_all_reduce, measure_link, measure_router
 
 MIB = 1 << 20
 RELEVANT_CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
@@ -320,7 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | int8 (default auto)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch threads of the engine, as each worker gets in a deployment (default 1; nothing pinned)")
+                   help="torch threads of the engine (of each rank with --tensor-parallel-size), as each worker gets "
+                        "in a deployment (default 1; nothing pinned)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="ranks of the measured engine (a worker of `pdserve up --tensor-parallel-size N`); take one "
+                        "profile per size a deployment may run (default 1)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="the engine's step budget: the largest prompt chunk measured (default 2048)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="the engine's largest batch (default 64)")
@@ -368,7 +380,7 @@ def _check(args: argparse.Namespace) -> None:
 
         if not torch.cuda.is_available():
             raise ValueError("--device cuda: torch sees no CUDA device here")
-    for flag, lo in (("threads", 1), ("max_num_batched_tokens", 2), ("max_num_seqs", 1), ("max_model_len", 3),
+    for flag, lo in (("threads", 1), ("tensor_parallel_size", 1), ("max_num_batched_tokens", 2), ("max_num_seqs", 1), ("max_model_len", 3),
                      ("block_size", 1), ("kv_cache_memory_bytes", 1), ("num_kv_blocks", 1), ("reps", 1),
                      ("corun_siblings", 1)):
         v = getattr(args, flag)
@@ -401,6 +413,7 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
     from engine.config import EngineConfig
     from engine.kv_cache import bytes_per_block, row_width
     from engine.llm_engine import LLMEngine
+    from engine.tensor_parallel import TPLayout
     from simulator import PDSERVE_VERSION
 
     t_start = time.perf_counter()
@@ -411,7 +424,9 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
                        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, seed=args.seed, num_threads=args.threads,
-                       quantization=quant, kv_cache_dtype=args.kv_cache_dtype)
+                       quantization=quant, kv_cache_dtype=args.kv_cache_dtype,
+                       tensor_parallel_size=args.tensor_parallel_size)
+    tp = args.tensor_parallel_size
     notes: list[str] = []
     try:
         engine = LLMEngine(cfg)
@@ -419,6 +434,9 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
         raise ValueError(f"the engine did not start: {e}") from None
     mc, cache_dtype = engine.model_config, cfg.cache_dtype
     kvbpt = bytes_per_block(mc, cfg.block_size, cache_dtype) // cfg.block_size
+    rank_mc = TPLayout(mc, tp, 0).local_config() if tp > 1 else mc
+    kvbpt_rank = bytes_per_block(rank_mc, cfg.block_size, cache_dtype) // cfg.block_size
+    weight_bytes = engine.runner.model.weight_bytes()
     elem = torch.empty((), dtype=cache_dtype).element_size()
     width = row_width(mc, cache_dtype)
     derivation = (f"2 (K,V) x {mc.num_hidden_layers} layers x {mc.num_key_value_heads} KV heads x {width} "
@@ -426,18 +444,32 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
                   f"x {elem} B ({str(cache_dtype).removeprefix('torch.')}) = {kvbpt} B")
     engine_info = {"max_model_len": engine.max_model_len, "num_kv_blocks": engine.num_total_blocks,
                    "block_size": engine.block_size}
-    do_router = not args.skip_router
+    do_router = not args.skip_router and tp == 1
     stream = (32 if args.quick else 128) if do_router else 0
-    probe = StepProbe(engine, args.device == "cuda", args.seed)
-    t0 = time.perf_counter()
-    samples, ref = measure_engine(probe, cfg, args.quick, reps, stream)
-    fill = probe.fill
-    engine_s = time.perf_counter() - t0
+    try:
+        probe = StepProbe(engine, args.device == "cuda", args.seed)
+        t0 = time.perf_counter()
+        samples, ref = measure_engine(probe, cfg, args.quick, reps, stream)
+        fill = probe.fill
+        engine_s = time.perf_counter() - t0
+    finally:
+        engine.close()  # its tensor-parallel ranks end here, whatever happened
     if engine.num_preemptions:
         notes.append(f"{engine.num_preemptions} preemption(s) while measuring steps: the KV cache is tight for the "
                      "grid (give more --kv-cache-memory-bytes)")
     del probe, engine
     gc.collect()
+    allreduce: dict = {}
+    allreduce_s = 0.0
+    if tp > 1:
+        t0 = time.perf_counter()
+        rows = [n for n in (1, 8, 64, 512, cfg.max_num_batched_tokens) if n <= cfg.max_num_batched_tokens]
+        allreduce = measure_all_reduce(tp, mc.hidden_size, sorted(set(rows)), reps, args.threads, args.dtype)
+        allreduce_s = time.perf_counter() - t0
+        per_layer = {r: 2 * mc.num_hidden_layers * sec for r, sec in zip(allreduce["rows"], allreduce["seconds"])}
+        notes.append(f"tensor parallelism {tp}: every measured step includes its 2 all-reduces per layer; alone they "
+                     f"take {per_layer[1] * 1e3:.2f} ms a step at 1 row, "
+                     f"{per_layer[max(per_layer)] * 1e3:.1f} ms at {max(per_layer)} rows (meta.allreduce)")
 
     fit_samples = [s for s in samples if s["kind"] != "fill"]
     knots = choose_knots([s["tokens"] for s in fit_samples if s["kind"] in ("decode", "prefill", "prefill_batch")])
@@ -476,6 +508,9 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
                 raise
             notes.append(f"router not measured on cuda: {type(e).__name__}: {e}")
         router_s = time.perf_counter() - t0
+    elif tp > 1:
+        notes.append(f"router not measured at tensor parallelism {tp}: the serving path's costs are the host's, "
+                     "not the TP's; pdserve simulate/plan take them from a TP 1 profile given beside this one")
     else:
         notes.append("router not measured (--skip-router): its costs are 0")
     if router:
@@ -492,6 +527,8 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
     if args.skip_corun:
         notes.append("co-running not measured (--skip-corun): a simulation with several workers per host prices "
                      "no contention")
+    elif tp > 1:
+        notes.append(f"co-running not measured at tensor parallelism {tp} (a worker's ranks already share the host)")
     elif args.device != "cpu":
         notes.append("co-running not measured: measured on CPU workers only (one GPU per worker shares no memory bus)")
     else:
@@ -514,7 +551,8 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
         "wall_s": round(time.perf_counter() - t_start, 3),
         "loadavg": {"start": load_start, "end": _loadavg()},
         "phase_s": {"engine": round(engine_s, 3), "link": round(link_s, 3), "router": round(router_s, 3),
-                    "corun": round(corun_s, 3)},
+                    "corun": round(corun_s, 3), "allreduce": round(allreduce_s, 3)},
+        "tensor_parallel_size": tp, "allreduce": allreduce,
         "kv_bytes_per_token_derivation": derivation,
         "engine": {**engine_info, "max_num_batched_tokens": cfg.max_num_batched_tokens,
                    "max_num_seqs": cfg.max_num_seqs, "kv_cache_memory_bytes": cfg.kv_cache_memory_bytes,
@@ -532,7 +570,8 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
                    router_per_step_s=max(0.0, router.get("per_step_raw_s", 0.0)),
                    router_per_request_pair_s=max(0.0, router.get("per_request_pair_raw_s",
                                                                  router.get("per_request_raw_s", 0.0))),
-                   corun=corun_model, meta=meta)
+                   corun=corun_model, meta=meta, tensor_parallel_size=tp,
+                   kv_bytes_per_token_rank=kvbpt_rank if tp > 1 else None, weight_bytes_per_rank=weight_bytes)
 
 
 def summary(p: Profile, out: str) -> str:
@@ -540,8 +579,9 @@ def summary(p: Profile, out: str) -> str:
     s, m = p.step, p.meta
     errors = ", ".join(f"{k} median {v['median_rel_err']:.1%} max {v['max_rel_err']:.1%} (n={v['n']})"
                        for k, v in m["fit"]["errors"].items())
+    tp = f", tensor parallel {p.tensor_parallel_size}" if p.tensor_parallel_size > 1 else ""
     lines = [f"pdserve profile: {p.model} {p.dtype} quantization={p.quantization} kv={p.kv_cache_dtype} on "
-             f"{p.device} ({m['device_name']}, {p.threads} thread(s)) in {m['wall_s']:.1f} s -> {out}",
+             f"{p.device} ({m['device_name']}, {p.threads} thread(s){tp}) in {m['wall_s']:.1f} s -> {out}",
              "  step lin(T): " + ", ".join(f"T={k}: {v * 1e3:.3f} ms" for k, v in zip(s.knots, s.knot_s)),
              f"  per sampled row {s.per_sampled_row_s * 1e6:.2f} us, per prefill pair "
              f"{s.per_prefill_pair_s * 1e9:.3f} ns, per decode ctx token {s.per_decode_ctx_s * 1e9:.2f} ns, "
@@ -559,6 +599,13 @@ def summary(p: Profile, out: str) -> str:
                      f"{r['engine_decode_s'] * 1e3:.3f} ms at 1 stream, "
                      f"{r.get('token_gap_batch_s', 0) * 1e3:.3f} - {r.get('engine_decode_batch_s', 0) * 1e3:.3f} ms at "
                      f"{r.get('batch', 0)})")
+    ar = m.get("allreduce") or {}
+    if ar:
+        lines.append(f"  all-reduce among {p.tensor_parallel_size} ranks (hidden {ar['width']}): "
+                     + ", ".join(f"{r} row(s) {sec * 1e3:.3f} ms" for r, sec in zip(ar["rows"], ar["seconds"])))
+    if p.weight_bytes_per_rank is not None:
+        lines.append(f"  memory per rank: weights {p.weight_bytes_per_rank / MIB:.1f} MiB, KV "
+                     f"{p.rank_kv_bytes_per_token} B/token")
     if p.corun is not None:
         c = p.corun
         lines.append(f"  co-run: per busy sibling a step takes {c.const_s * 1e3:.2f} ms + {c.ratio:.1%} longer ("

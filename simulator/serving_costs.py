@@ -16,6 +16,67 @@ import statistics
 import time
 from typing import Any, Callable, Optional, Sequence
 
+# -- all-reduce among tensor-parallel ranks ------------------------------------------------------------
+
+def _all_reduce_iters(rows: int) -> int:
+    """Calls per timed repetition at ``rows`` rows (the same on every rank: they run in lockstep)."""
+    return max(3, min(100, 8192 // rows))
+
+
+def _all_reduce_rank(rank: int, port: int, size: int, width: int, rows: list[int], reps: int, threads: int,
+                     dtype: str, master: Any = None) -> dict:
+    import torch
+
+    from engine.tensor_parallel import open_comm
+
+    torch.set_num_threads(threads)
+    comm = open_comm("127.0.0.1", port, rank, size, master=master)
+    seconds = []
+    for r in rows:
+        x = torch.ones(r, width, dtype=getattr(torch, dtype))
+        n = _all_reduce_iters(r)
+        for _ in range(3):
+            comm.all_reduce(x)
+        per_call = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                comm.all_reduce(x)
+            per_call.append((time.perf_counter() - t0) / n)
+        seconds.append(statistics.median(per_call))
+    return {"rows": rows, "seconds": seconds, "width": width, "dtype": dtype}
+
+
+def measure_all_reduce(size: int, width: int, rows: Sequence[int], reps: int, threads: int,
+                       dtype: str = "float32", timeout_s: float = 300.0) -> dict:
+    """Seconds per ``TPComm.all_reduce`` (the engine's own collective) of [rows, width] among ``size`` ranks:
+    this process and ``size - 1`` spawned ones on loopback, each timed in lockstep, the median of ``reps``
+    repetitions per row count as rank 0 sees it. RuntimeError when a peer fails or outlives ``timeout_s``."""
+    import multiprocessing as mp
+
+    import torch.distributed as dist
+
+    rows = list(rows)
+    store = dist.TCPStore("127.0.0.1", 0, size, True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    peers = [ctx.Process(target=_all_reduce_rank, args=(r, store.port, size, width, rows, reps, threads, dtype),
+                         daemon=True) for r in range(1, size)]
+    for p in peers:
+        p.start()
+    try:
+        out = _all_reduce_rank(0, store.port, size, width, rows, reps, threads, dtype, master=store)
+        for p in peers:
+            p.join(timeout_s)
+            if p.exitcode != 0:
+                raise RuntimeError(f"all-reduce rank {peers.index(p) + 1} ended with {p.exitcode}")
+        return out
+    finally:
+        for p in peers:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
 # -- KV link ---------------------------------------------------------------------------------------
 
 def _link_cache(geom: tuple, num_blocks: int, fill: bool) -> list:

@@ -212,6 +212,49 @@ def test_int8_kv_cache_bytes_include_the_row_scales(tmp_path):
     assert prof.corun is None and any("--skip-corun" in n for n in prof.meta["notes"])
 
 
+def _float32_param_bytes(mc) -> int:
+    """4 bytes x the weights of a Llama of this config as the engine holds them, counted from its shapes (not
+    from the engine): the LM head is its own packed copy even where the checkpoint ties it to the embedding."""
+    h, d, i = mc.hidden_size, mc.head_dim, mc.intermediate_size
+    attn = h * mc.num_attention_heads * d * 2 + h * mc.num_key_value_heads * d * 2  # q, o; k, v
+    layer = attn + 3 * h * i + 2 * h
+    heads = mc.vocab_size * h * 2
+    return 4 * (mc.num_hidden_layers * layer + heads + h)
+
+
+def test_weight_bytes_count_each_weight_once():
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(model="tiny"))  # fp32, oneDNN-packed with panel views of the same bytes
+    want = _float32_param_bytes(eng.model_config)
+    got = eng.runner.model.weight_bytes()
+    assert want <= got <= want * 1.03, (got, want)  # + the RoPE tables; a view counted twice would double it
+
+
+def test_quick_profile_at_tp2_records_a_ranks_memory_and_the_all_reduce(tmp_path):
+    out = tmp_path / "p2.json"
+    assert main(["--model", "tiny", "--quick", "--tensor-parallel-size", "2", "--skip-link", "--reps", "1",
+                 "--out", str(out)]) == 0
+    prof = load_profile(out)
+    assert prof.tensor_parallel_size == 2 and prof.meta["tensor_parallel_size"] == 2
+    # tiny: 4 layers, 2 KV heads of 64 float32: 2 (K, V) x 4 x 2 x 64 x 4 B a token, one head on each rank
+    assert prof.kv_bytes_per_token == 4096 and prof.kv_bytes_per_token_rank == 2048
+    from engine.config import EngineConfig
+    from engine.loader import load_model_config
+
+    whole = _float32_param_bytes(load_model_config(EngineConfig(model="tiny")))
+    # rank 0 holds half of every split matrix and whole norms: a little over half the model
+    assert 0.5 * whole < prof.weight_bytes_per_rank < 0.56 * whole, (prof.weight_bytes_per_rank, whole)
+    ar = prof.meta["allreduce"]
+    assert ar["rows"][0] == 1 and len(ar["seconds"]) == len(ar["rows"]) and all(x > 0 for x in ar["seconds"])
+    assert ar["width"] == 384
+    # the serving path is the host's: not measured at TP 2, 0 here, taken from a TP 1 profile by ProfileSet
+    assert prof.router_per_request_s == 0.0 and any("router not measured at tensor parallelism 2" in n
+                                                     for n in prof.meta["notes"])
+    assert prof.corun is None
+
+
 def test_fit_corun_recovers_a_known_model():
     # extra = 4 ms + 10% of the solo time per busy sibling, measured with 2 siblings busy
     samples = [{"kind": "decode", "size": 1, "solo_s": s, "corun_s": s + 2 * (0.004 + 0.1 * s)}
