@@ -147,6 +147,15 @@ class LLMEngine:
         return [(la.kv_head_lo, la.kv_head_lo + la.kv_heads) for la in (TPLayout(self.model_config, tp, r)
                                                                        for r in range(tp))]
 
+    def ranks_up(self) -> list[bool]:
+        """Whether each tensor-parallel rank's process is alive, rank 0 (this process) first; [True] for an
+        engine of one rank."""
+        group = getattr(self, "tp_group", None)
+        if group is None:
+            return [True]
+        dead = set(group.dead_ranks())
+        return [True] + [r not in dead for r in range(1, self.config.tensor_parallel_size)]
+
     def close(self) -> None:
         """End what the engine started outside this process (its tensor-parallel ranks); idempotent. An engine
         of one rank holds nothing to end."""

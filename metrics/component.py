@@ -56,8 +56,11 @@ class ComponentMetrics:
                 buckets = token_buckets if extra == MODEL_LEN_BUCKETS else extra
                 self._series[name] = Histogram(full, doc, LABELS, buckets=buckets,
                                                registry=self.registry).labels(*labels)
-            elif kind == "gauge":
+            elif kind == "gauge" and extra is None:
                 self._series[name] = Gauge(full, doc, LABELS, registry=self.registry).labels(*labels)
+            elif kind == "gauge":
+                more = extra if isinstance(extra, tuple) else (extra,)
+                self._series[name] = Gauge(full, doc, LABELS + more, registry=self.registry)
             elif extra is None:
                 self._series[name] = Counter(full, doc, LABELS, registry=self.registry).labels(*labels)
             else:

@@ -141,6 +141,9 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
     "num_requests_running": (WORKER, "gauge", "Number of requests in model execution batches.", None),
     "num_requests_waiting": (WORKER, "gauge", "Number of requests waiting to be processed.", None),
     "kv_cache_usage_perc": (WORKER, "gauge", "KV-cache usage. 1 means 100 percent usage.", None),
+    "tensor_parallel_rank_up": (WORKER, "gauge", "Whether each rank of the worker's engine runs (1) or its process "
+                                "has exited (0); an engine of one rank has rank 0 only. A worker with a rank down "
+                                "leaves routing and is replaced whole.", "rank"),
     "request_queue_time_seconds": (WORKER, "histogram", "Histogram of time spent in WAITING phase for request.",
                                    REQUEST_LATENCY_BUCKETS),
     "request_prefill_time_seconds": (WORKER, "histogram", "Histogram of time spent in PREFILL phase for request.",

@@ -155,6 +155,11 @@ class WorkerMetrics(ComponentMetrics):
             raise ValueError(f"kv_cache_usage must be within [0, 1], got {fraction!r}")
         self._series["kv_cache_usage_perc"].set(fraction)
 
+    def set_ranks_up(self, ups: Sequence[bool]) -> None:
+        """Each tensor-parallel rank's liveness, rank 0 first (``LLMEngine.ranks_up``)."""
+        for rank, up in enumerate(ups):
+            self._child("tensor_parallel_rank_up", str(rank)).set(1 if up else 0)
+
     # --- KV events (worker_common/kv_events.py) ---
     def inc_kv_events_published(self, n: int = 1) -> None:
         self._series["kv_events_published_total"].inc(check_count("kv_events_published", n))

@@ -222,6 +222,8 @@ class WorkerBase:
         if self.metrics is not None:
             # once per loop pass, so each engine step is one iteration_tokens_total observation
             self.metrics.record_engine(stats)
+            ranks_up = getattr(eng, "ranks_up", None)
+            self.metrics.set_ranks_up(ranks_up() if callable(ranks_up) else [True])
 
     def engine_failed(self) -> Optional[str]:
         """Why the engine loop died (an engine step, a hook or the engine process failed), once it has; None

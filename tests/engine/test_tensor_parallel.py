@@ -218,8 +218,10 @@ def test_a_killed_rank_fails_the_step_and_the_engine_ends_the_rest():
     procs = _ranks_of(eng)
     try:
         assert run_engine(eng, {"a": [5, 6, 7]}, greedy(3))["a"]
+        assert eng.ranks_up() == [True, True]
         os.kill(procs[0].pid, signal.SIGKILL)
         wait_until(lambda: not procs[0].is_alive(), timeout=30, message="rank 1 did not die")
+        assert eng.ranks_up() == [True, False]  # what pdserve:tensor_parallel_rank_up{rank="1"} reports
         eng.add_request("b", [5, 6, 7], greedy(3))
         with pytest.raises(TensorParallelError, match=r"rank\(s\) \[1\] died"):
             eng.step()

@@ -30,7 +30,7 @@ WORKER_HISTOGRAMS = ["request_queue_time_seconds", "request_prefill_time_seconds
 WORKER_COUNTERS = ["kv_transfer_bytes", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
                    "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
                    "spec_decode_num_accepted_tokens_per_pos", "kv_events_published", "kv_events_dropped"]
-WORKER_GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
+WORKER_GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "tensor_parallel_rank_up"]
 ROUTER_NAMES = ROUTER_HISTOGRAMS + ROUTER_COUNTERS + ROUTER_GAUGES
 WORKER_NAMES = WORKER_HISTOGRAMS + WORKER_COUNTERS + WORKER_GAUGES
 @pytest.mark.parametrize("role", ROLES)
@@ -116,6 +116,7 @@ WORKER_CALLS = [
                                       prefix_cache_queries=0, prefix_cache_hits=0),), "num_requests_running"),
     ("inc_kv_events_published", (), "kv_events_published_total"),
     ("inc_kv_events_dropped", ("queue_full",), "kv_events_dropped_total"),
+    ("set_ranks_up", ([True, False],), "tensor_parallel_rank_up"),
 ]
 
 

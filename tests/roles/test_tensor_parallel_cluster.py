@@ -24,6 +24,14 @@ def _sent_bytes(roles) -> float:
     return sum(counter_values(w.metrics, "pdserve:kv_transfer_bytes").get("", 0.0) for w in roles.prefills)
 
 
+def _ranks_up(worker) -> dict[str, float]:
+    """``pdserve:tensor_parallel_rank_up`` by rank, as the worker's /metrics serves it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {smp.labels["rank"]: smp.value for fam in text_string_to_metric_families(worker.metrics.render().decode())
+            if fam.name == "pdserve:tensor_parallel_rank_up" for smp in fam.samples}
+
+
 def _recv_bytes_match(roles, want: float) -> bool:
     return _sent_bytes(roles) == want
 
@@ -61,6 +69,10 @@ def test_prefill_and_decode_at_different_tp_serve_the_offline_tokens(reference, 
         wait_until(lambda: _sent_bytes(roles) == want_bytes, timeout=10.0, interval=0.02,
                    message=lambda: f"{want_bytes} KV bytes sent (sent {_sent_bytes(roles)})")
         assert roles.wait_idle(10.0)
+        # rank liveness per worker: every rank of each split engine reported up
+        for w, n in ((roles.prefills[0], p), (roles.decodes[0], d)):
+            wait_until(lambda: _ranks_up(w) == {str(r): 1.0 for r in range(n)}, timeout=10.0,
+                       message=lambda: f"{n} ranks up on {w.info().worker_id} (got {_ranks_up(w)})")
     finally:
         roles.close()
 
