@@ -346,10 +346,11 @@ class BeamSearcher:
 
             s = torch.tensor(src, dtype=torch.long, device=self.device)
             d = torch.tensor(dst, dtype=torch.long, device=self.device)
-            with torch.inference_mode():
-                for k, v in self.eng.kv_caches:
-                    k.index_copy_(0, d, k.index_select(0, s))
-                    v.index_copy_(0, d, v.index_select(0, s))
+            with torch.inference_mode():  # every tensor-parallel rank's cache: rank 0 maps them all
+                for caches in self.eng.rank_kv_caches:
+                    for k, v in caches:
+                        k.index_copy_(0, d, k.index_select(0, s))
+                        v.index_copy_(0, d, v.index_select(0, s))
 
     def _forward(self, decodes: list[_Beam], prefills: list[_Beam]) -> Tensor:
         """One forward: decodes' last tokens, then each prompt whole; float32 log-probs [rows, V], one row per
@@ -386,10 +387,9 @@ class BeamSearcher:
             meta.keep = AttentionMetadata(slot_mapping=meta.slot_mapping, num_decode=len(rows), block_size=bs,
                                           rows=torch.tensor(rows, dtype=torch.long, device=dev))
             self._decode_view(meta.keep, decodes + prefills, [len(b.tokens) for b in decodes + prefills])
+        logits = self.eng.runner.logits_of(torch.tensor(ids, dtype=torch.long, device=dev),
+                                           torch.tensor(pos, dtype=torch.long, device=dev), meta, len(rows))
         with torch.inference_mode():
-            hidden = self.eng.model(torch.tensor(ids, dtype=torch.long, device=dev),
-                                    torch.tensor(pos, dtype=torch.long, device=dev), meta, self.eng.kv_caches)
-            logits = self.eng.model.compute_logits(hidden)
             return torch.log_softmax(logits.float(), dim=-1).cpu()
 
     def _decode_view(self, meta: AttentionMetadata, beams: list[_Beam], ctx: list[int]) -> None:

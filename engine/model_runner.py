@@ -80,6 +80,15 @@ class ModelRunner:
         tokens, logprobs = self.sampler.sample(logits, reqs, masks.result() if masks is not None else None)
         return RunnerOutput(sample_seqs, tokens, logprobs, prompt_lps)
 
+    def logits_of(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, num_rows: int) -> Tensor:
+        """A forward outside the scheduler (beam search builds its own batch): the model over these inputs, every
+        rank of a split engine with it, and the logits of the first ``num_rows`` kept rows."""
+        self._prompt_rows = []
+        self._before_forward(input_ids, positions, meta, num_rows, True)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+            return self.model.compute_logits(hidden[:num_rows])
+
     def _before_forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, num_sample_rows: int,
                         samples: bool) -> None:
         """Called with each step's inputs before the forward: nothing here; a tensor-parallel rank 0 sends them to

@@ -298,3 +298,47 @@ def test_two_ranks_generate_what_one_does_on_bench():
         _assert_close_outputs(ref, _tokens_and_logprobs(two, prompts, params))
     finally:
         _close(two.llm_engine)
+
+
+def test_two_ranks_beam_search_keeps_the_same_beams(tiny_pair):
+    """Beam search runs on rank 0's sampler over the gathered logits: the same beams, scores within the log-prob
+    tolerance."""
+    from engine import BeamSearchParams
+
+    one, two = tiny_pair
+    params = BeamSearchParams(beam_width=3, max_tokens=10, ignore_eos=True)
+    a, b = one.beam_search(PROMPTS[:2], params), two.beam_search(PROMPTS[:2], params)
+    for x, y in zip(a, b):
+        assert [s.tokens for s in x.sequences] == [s.tokens for s in y.sequences]
+        assert max(abs(s.cum_logprob - t.cum_logprob) for s, t in zip(x.sequences, y.sequences)) < 10 * LOGPROB_TOL
+
+
+def test_two_ranks_with_a_draft_model_generate_the_targets_greedy_tokens(tiny_pair):
+    """The draft model (tiny-draft, unsplit, on rank 0) proposes; the split target verifies: greedy output is the
+    one-rank target's, and drafts were really accepted."""
+    one, _two = tiny_pair
+    llm = LLM(model="tiny", tensor_parallel_size=2, num_threads=1,
+              speculative_config={"method": "draft_model", "model": "tiny-draft", "num_speculative_tokens": 3})
+    try:
+        params = greedy(24)
+        assert ([o.token_ids for o in llm.generate(PROMPTS, params)]
+                == [o.token_ids for o in one.generate(PROMPTS, params)])
+        stats = llm.llm_engine.spec_stats
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    finally:
+        _close(llm.llm_engine)
+
+
+@pytest.mark.parametrize("quant,n", [("int4", 24), ("w4a8", 12)])
+def test_two_ranks_group_quantized_follow_one_rank(quant, n):
+    """int4 / w4a8 with groups of 64 (tiny's row-parallel shards are 192 and 512 inputs wide, so 128-wide groups
+    would straddle ranks: refused, tests above): a shard's groups are the whole model's groups, so int4 weights
+    are the same bits; w4a8 also scales activations over each shard's inputs, so its tokens may part late."""
+    kw = dict(model="tiny", num_threads=1, quantization=quant, quantization_group_size=64)
+    one, two = LLM(**kw), LLM(tensor_parallel_size=2, **kw)
+    try:
+        a = [o.token_ids for o in one.generate(PROMPTS, greedy(n))]
+        b = [o.token_ids for o in two.generate(PROMPTS, greedy(n))]
+        assert a == b
+    finally:
+        _close(two.llm_engine)
