@@ -5,7 +5,9 @@ functions build them: ``loadtest.cli.add_workload_args``) plus ``--profile`` and
 flags as ``pdserve up`` spells them; checks everything before any work (exit 2 with the flag
 named); builds the same requests a ``pdserve bench`` with those flags would send (same lengths,
 arrivals, seeds; prompts from the trace's ``hash_ids`` when it has them, so shared prefixes hit
-the prefix cache); runs ``simulator.cluster_sim.Simulation`` on a virtual clock; prints the same
+the prefix cache); runs ``simulator.cluster_sim.Simulation`` on a virtual clock (each pool's steps priced
+by the ``--profile`` taken at its tensor-parallel size: one file per size, ``simulator.costs.ProfileSet``);
+prints the same
 summary table and, with ``--save-result``, writes the same JSON keys as ``pdserve bench`` plus a
 ``simulation`` block (per-pool utilisation, the deployment, the profile's provenance).
 

@@ -13,6 +13,14 @@ and at each ``--local-prefill`` threshold. It prints the best disaggregated and 
 side (goodput, per worker, each pool's utilisation, p90 TTFT and mean TPOT at that rate) and the
 ``pdserve up`` flags of each, and with ``--save-result`` writes every candidate's numbers as JSON.
 
+With tensor parallelism (``--profile`` given once per TP size the pools may run, from ``pdserve profile
+--tensor-parallel-size N``), the budget counts engine ranks (a worker at TP k takes k) and the candidates also
+range over each pool's TP (``--tp-sizes``, default every size profiled): colocated at each TP dividing the
+budget, disaggregated at every (prefill TP, decode TP) pair and every split of the ranks into whole workers
+(DistServe's placement search, per pool). ``--rank-memory-bytes`` prices a rank's memory: a TP whose weights
+leave no room for one KV block is left out (with a note), and the others' KV caches get what their weights
+leave. Goodput per rank is what the recommendation compares.
+
 The same arrival seed is used for every candidate and rate, so candidates are compared on the same
 request sequence (only its time axis is rescaled).
 """

@@ -8,7 +8,14 @@ import time
 
 import pytest
 
+from tests import waiting
 from tests.waiting import wait_until
+
+
+@pytest.fixture(autouse=True)
+def idle_machine(monkeypatch):
+    """These tests time the deadlines themselves: the machine reads idle unless a test says otherwise."""
+    monkeypatch.setattr(waiting.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
 
 
 def test_returns_the_first_truthy_value():
@@ -133,3 +140,21 @@ def test_a_message_function_describes_the_state_at_the_deadline():
         wait_until(lambda: False, timeout=0.05, interval=0.01, message=describe)
     with pytest.raises(AssertionError, match=r"^\(message failed: RuntimeError: boom\) \(waited"):
         wait_until(lambda: False, timeout=0.01, message=lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+
+
+def test_a_deadline_stretches_once_with_the_machines_load(monkeypatch):
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(waiting.os, "getloadavg", lambda: (3.0 * cores, 0.0, 0.0))  # 3 runnable per core
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"waited 0.3s \+ 1s for the machine's load"):
+        wait_until(lambda: False, timeout=0.3, interval=0.01)
+    assert time.monotonic() - start >= 0.3 * 3 - 0.01  # the deadline, then twice it more (scale 3)
+    monkeypatch.setattr(waiting.os, "getloadavg", lambda: (100.0 * cores, 0.0, 0.0))
+    assert waiting.load_scale() == waiting.MAX_LOAD_SCALE  # bounded: a stuck wait still ends
+    monkeypatch.setattr(waiting.os, "getloadavg", lambda: (0.5 * cores, 0.0, 0.0))
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"waited 0.3s,"):  # an idle machine: no stretch
+        wait_until(lambda: False, timeout=0.3, interval=0.01)
+    assert time.monotonic() - start < 0.3 * 2
