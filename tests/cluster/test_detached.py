@@ -22,7 +22,7 @@ from tests.waiting import wait_until
 def _cfg(redis_url: str, ns: str, **kw) -> ClusterConfig:
     return ClusterConfig(**{"redis_url": redis_url, "namespace": ns, "detached": True, "worker_factory": StandInWorker,
                             "router_factory": False, "ttl_s": 2.0, "heartbeat_interval_s": 0.5,
-                            "start_timeout_s": 60, "num_prefill": 1, "num_decode": 1, **kw})
+                            "start_timeout_s": 600, "num_prefill": 1, "num_decode": 1, **kw})
 
 
 def test_controllers_come_and_go_workers_stay(ray_local, redis_url, redis_namespace):

@@ -87,7 +87,7 @@ def env(ray_local, reference):
     e = None
     try:
         cluster = Cluster(cfg).start()
-        supervisor = Supervisor(cluster, SupervisorConfig(check_interval_s=0.5, probe_timeout_s=5.0)).start()
+        supervisor = Supervisor(cluster, SupervisorConfig(check_interval_s=0.5, probe_timeout_s=10.0)).start()
         e = Env(cluster, supervisor, redis, redis.port, Registry(redis.url, cluster.namespace))
         yield e
     finally:

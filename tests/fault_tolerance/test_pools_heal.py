@@ -35,7 +35,7 @@ def healing(ray_local, redis_url):
     cfg = ClusterConfig(model="tiny", num_prefill=1, num_decode=1, redis_url=redis_url,
                         engine_overrides=dict(num_kv_blocks=256), start_timeout_s=600)
     cluster = Cluster(cfg).start()
-    supervisor = Supervisor(cluster, SupervisorConfig(check_interval_s=0.5, probe_timeout_s=5.0)).start()
+    supervisor = Supervisor(cluster, SupervisorConfig(check_interval_s=0.5, probe_timeout_s=10.0)).start()
     try:
         yield cluster, supervisor
     finally:
