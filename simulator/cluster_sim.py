@@ -181,7 +181,7 @@ class SimConfig:
         return (f"disaggregated {self.prefill}P{self._tp_label('prefill')}+{self.decode}D{self._tp_label('decode')} "
                 f"(chunk {self.max_num_batched_tokens}{cd})")
 
-    def kv_blocks(self, profile: Profile, flag: str = "--kv-cache-memory-bytes") -> int:
+    def kv_blocks(self, profile: Profile) -> int:
         """KV blocks per worker priced by ``profile`` (the one at the pool's TP): ``num_kv_blocks``, or each
         rank's cache budget over one rank's bytes per block (every rank holds the same block ids, its heads of
         them). The budget is ``kv_cache_memory_bytes``, or, with ``rank_memory_bytes``, what the rank's weights
@@ -189,7 +189,7 @@ class SimConfig:
         if self.num_kv_blocks:
             return self.num_kv_blocks
         per_block = profile.rank_kv_bytes_per_token * profile.block_size
-        budget = self.kv_cache_memory_bytes
+        budget, flag = self.kv_cache_memory_bytes, "--kv-cache-memory-bytes"
         if self.rank_memory_bytes is not None:
             if profile.weight_bytes_per_rank is None:
                 raise ValueError(f"--rank-memory-bytes needs the profile's weight_bytes_per_rank (TP "
@@ -212,12 +212,10 @@ class SimConfig:
             return False
         return True
 
-    def up_flags(self, profile: Any) -> str:
+    def up_flags(self, profile: "Profile | ProfileSet") -> str:
         """The ``pdserve up`` flags that run this deployment (``pdserve up`` sizes KV by blocks: a cache budget
         other than the engine's default becomes ``--num-kv-blocks``, the smallest pool's where TP differs).
         ``profile``: a ``Profile`` or a ``ProfileSet`` (one per TP the pools run)."""
-        from simulator.costs import ProfileSet
-
         profiles = ProfileSet.of(profile)
         if self.mode == "colocated":
             f = f"--colocated {self.colocated}"
@@ -229,8 +227,8 @@ class SimConfig:
                 f += f" --prefill-queue-max-tokens {self.prefill_queue_max_tokens}"
         tps = {r: self.pool_tp(r) for r in self.roles}
         if len(set(tps.values())) == 1:
-            if self.tensor_parallel_size > 1 or next(iter(tps.values())) > 1:
-                f += f" --tensor-parallel-size {next(iter(tps.values()))}"
+            tp = next(iter(tps.values()))
+            f += f" --tensor-parallel-size {tp}" if tp > 1 else ""
         else:
             f += f" --prefill-tp {tps['prefill']} --decode-tp {tps['decode']}"
         f += f" --max-num-batched-tokens {self.max_num_batched_tokens}"
