@@ -143,6 +143,10 @@ def test_sla_planner_sizes_the_pools_for_the_observed_rate_and_no_request_fails(
         seen = client.done()
         wait_until(lambda: client.done() >= seen + 3, timeout=60, interval=0.1,
                    message="three more requests at the low rate")
+        # the window holds only this rate's requests once their tokens per request read as one request's (on a
+        # loaded host the previous test's requests stayed in the 8 s window: 70 tokens a finished request)
+        wait_until(lambda: 0.7 * MAX_TOKENS <= planner.policy.last_load.output_tokens <= 1.3 * MAX_TOKENS,
+                   timeout=60, interval=0.1, message=lambda: f"a settled window at the low rate: {planner.policy.last_load}")
         low = planner.policy.last_load
         assert _sizes(cluster) == (1, 1) == _predicted(low) and planner.decisions == [], (low, planner.decisions)
 
