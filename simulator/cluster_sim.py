@@ -518,6 +518,9 @@ class Simulation:
         for role, n in pools.items():
             for _ in range(n):
                 self._new_worker(role)
+        self.max_model_len = min(w.engine.max_model_len for w in self.workers.values())
+        """The longest sequence every worker holds (a pool whose KV cache is short, by ``rank_memory_bytes``, holds
+        shorter ones than the model allows): a longer prompt fails at arrival, as the engines would refuse it."""
         self.link = self.profile.link(cfg.kv_link) if cfg.mode == "disaggregated" else None
         rcfg = RouterConfig(model="sim", mode=cfg.mode, serve_metrics=False,
                             max_num_requests=cfg.max_num_requests,
@@ -582,6 +585,10 @@ class Simulation:
 
     # -- a request ------------------------------------------------------------------------------
     def _arrive(self, f: _Flow) -> None:
+        if len(f.req.prompt_token_ids) >= self.max_model_len:  # the engines would refuse it (a short KV cache)
+            self._fail(f, f"INVALID_ARGUMENT: prompt of {len(f.req.prompt_token_ids)} tokens; the deployment's "
+                          f"max_model_len is {self.max_model_len}", admitted=False)
+            return
         if self._in_flight >= self.cfg.max_num_requests:
             self._fail(f, "RESOURCE_EXHAUSTED: router queue is full", admitted=False)
             return

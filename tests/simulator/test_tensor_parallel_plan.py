@@ -200,3 +200,13 @@ def test_simulate_cli_takes_one_profile_per_tp(tmp_path, capsys):
     assert "--decode-tp 2: no profile at tensor-parallel size 2" in capsys.readouterr().err
     assert cli.main(["--profile", one, "--profile", two, *common, "--prefill-tp", "0"]) == 2
     assert "--prefill-tp must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_a_prompt_longer_than_a_short_kv_cache_fails_as_the_engines_would():
+    # 1,010,000 B a rank beside TP 2's 500,000 B of weights: 63 blocks of 8,000 B = 1,008 tokens
+    profiles = ProfileSet([tp2(weight_bytes_per_rank=500_000), make_profile(weight_bytes_per_rank=1_000_000)])
+    sim = Simulation(profiles, SimConfig(mode="colocated", colocated=1, tensor_parallel_size=2,
+                                         rank_memory_bytes=1_010_000))
+    assert sim.max_model_len == 63 * 16
+    ok, long = sim.run([SimRequest("ok", 0.0, list(range(100)), 2), SimRequest("long", 0.0, list(range(1008)), 2)])
+    assert ok.success and not long.success and "max_model_len is 1008" in long.error
