@@ -67,6 +67,10 @@ class ClusterConfig:
     pool_tensor_parallel: dict = field(default_factory=dict)
     """Role ("prefill", "decode") -> ranks each of its workers' engines is split over, where a pool differs from
     ``engine_overrides``' ``tensor_parallel_size`` (``--prefill-tp``, ``--decode-tp``)."""
+    pool_num_kv_blocks: dict = field(default_factory=dict)
+    """Role -> KV blocks of each of its workers, where a pool differs from ``engine_overrides``' ``num_kv_blocks``
+    (``--prefill-num-kv-blocks``, ``--decode-num-kv-blocks``: pools at different TP hold different blocks in the
+    same memory; ``pdserve plan`` recommends them)."""
     router_overrides: dict = field(default_factory=dict)
     """Extra router.config.RouterConfig fields."""
     ttl_s: float = 3.0
@@ -123,11 +127,12 @@ class ClusterConfig:
                              "roles do not run their engine in a process of its own yet")
         if not self.cpus_per_worker > 0:
             raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker!r}")
-        for role, n in self.pool_tensor_parallel.items():
-            if role not in ("prefill", "decode", "colocated"):
-                raise ValueError(f"pool_tensor_parallel: unknown role {role!r}")
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise ValueError(f"pool_tensor_parallel[{role!r}] must be an integer >= 1, got {n!r}")
+        for name in ("pool_tensor_parallel", "pool_num_kv_blocks"):
+            for role, n in getattr(self, name).items():
+                if role not in ("prefill", "decode", "colocated"):
+                    raise ValueError(f"{name}: unknown role {role!r}")
+                if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                    raise ValueError(f"{name}[{role!r}] must be an integer >= 1, got {n!r}")
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty string, got {self.model!r}")
         if self.served_model_name is None:
@@ -211,6 +216,8 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
     if role == "prefill":
         overrides.pop("speculative_config", None)  # prefill workers never decode: no drafts, no draft model
     overrides["tensor_parallel_size"] = pool_tp(cfg, role)
+    if role in cfg.pool_num_kv_blocks:
+        overrides["num_kv_blocks"] = cfg.pool_num_kv_blocks[role]
     engine = EngineConfig(model=cfg.model, num_threads=max(1, int(cfg.cpus_per_worker)),
                           **{"device": "cuda" if cuda else "cpu", **overrides})
     if isinstance(kv_store, StoreConfig):  # gloo listens on the worker's interface, not the hostname's

@@ -51,6 +51,10 @@ def check_pool_args(args: argparse.Namespace) -> None:
         for name, lo, hi in (("prefill", args.prefill, args.max_prefill), ("decode", args.decode, args.max_decode)):
             if not args.colocated and hi < max(lo, 1):
                 raise ValueError(f"--max-{name} must be >= max(--{name}, 1), got {hi}")
+    for flag in ("prefill_num_kv_blocks", "decode_num_kv_blocks"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
     for flag in ("planner_interval", "planner_cooldown"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")

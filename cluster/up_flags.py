@@ -66,6 +66,11 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tp", type=int, default=None, metavar="N",
                    help="ranks of each decode worker (default --tensor-parallel-size)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker (default: by memory)")
+    p.add_argument("--prefill-num-kv-blocks", type=int, default=None, metavar="N",
+                   help="KV blocks of each prefill worker (default --num-kv-blocks)")
+    p.add_argument("--decode-num-kv-blocks", type=int, default=None, metavar="N",
+                   help="KV blocks of each decode worker (default --num-kv-blocks; pools at different TP hold "
+                        "different blocks in the same memory: `pdserve plan` recommends both)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="running sequences per decode worker")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="every engine's per-step token budget: prompts longer than N are prefilled in chunks "
@@ -240,7 +245,9 @@ def pool_config_kwargs(args: argparse.Namespace) -> dict:
                 namespace=args.namespace, cpus_per_worker=args.cpus_per_worker, device=args.device,
                 engine_overrides=engine_overrides(args), engine_process=args.engine_process,
                 pool_tensor_parallel={role: n for role, n in (("prefill", args.prefill_tp),
-                                                              ("decode", args.decode_tp)) if n is not None})
+                                                              ("decode", args.decode_tp)) if n is not None},
+                pool_num_kv_blocks={role: n for role, n in (("prefill", args.prefill_num_kv_blocks),
+                                                            ("decode", args.decode_num_kv_blocks)) if n is not None})
 
 
 def engine_overrides(args: argparse.Namespace, checked_only: bool = False) -> dict:

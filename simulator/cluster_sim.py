@@ -214,7 +214,7 @@ class SimConfig:
 
     def up_flags(self, profile: "Profile | ProfileSet") -> str:
         """The ``pdserve up`` flags that run this deployment (``pdserve up`` sizes KV by blocks: a cache budget
-        other than the engine's default becomes ``--num-kv-blocks``, the smallest pool's where TP differs).
+        other than the engine's default becomes ``--num-kv-blocks``, or each pool's where their TP differs).
         ``profile``: a ``Profile`` or a ``ProfileSet`` (one per TP the pools run)."""
         profiles = ProfileSet.of(profile)
         if self.mode == "colocated":
@@ -234,7 +234,11 @@ class SimConfig:
         f += f" --max-num-batched-tokens {self.max_num_batched_tokens}"
         if (self.num_kv_blocks is not None or self.kv_cache_memory_bytes != DEFAULT_KV_CACHE_BYTES
                 or self.rank_memory_bytes is not None):
-            f += f" --num-kv-blocks {min(self.kv_blocks(profiles.at(t)) for t in tps.values())}"
+            blocks = {r: self.kv_blocks(profiles.at(t)) for r, t in tps.items()}
+            if len(set(blocks.values())) == 1:
+                f += f" --num-kv-blocks {next(iter(blocks.values()))}"
+            else:  # pools at different TP hold different blocks in the same memory
+                f += f" --prefill-num-kv-blocks {blocks['prefill']} --decode-num-kv-blocks {blocks['decode']}"
         if self.max_num_seqs != DEFAULT_MAX_NUM_SEQS:
             f += f" --max-num-seqs {self.max_num_seqs}"
         if not self.enable_prefix_caching:

@@ -12,6 +12,7 @@ from cluster.up_flags import engine_overrides, router_overrides
     (["--local-prefill-max-tokens", "-1"], "--local-prefill-max-tokens"),
     (["--prefill-queue-max-tokens", "-3"], "--prefill-queue-max-tokens"),
     (["--num-kv-blocks", "0"], "--num-kv-blocks"),
+    (["--decode-num-kv-blocks", "0"], "--decode-num-kv-blocks"),
     (["--max-num-seqs", "0"], "--max-num-seqs"),
     (["--prefill", "-1"], "--prefill"),
     (["--max-num-requests", "0"], "--max-num-requests"),
@@ -196,11 +197,22 @@ def test_pool_tp_flags_reach_each_pool():
     from cluster.config import pool_tp
     from cluster.up_flags import pool_config_kwargs
 
-    args = build_parser().parse_args(["up", "--prefill-tp", "2"])
+    args = build_parser().parse_args(["up", "--prefill-tp", "2", "--decode-num-kv-blocks", "900",
+                                      "--num-kv-blocks", "100"])
     check_up_args(args)
     kw = pool_config_kwargs(args)
-    assert kw["pool_tensor_parallel"] == {"prefill": 2}
+    assert kw["pool_tensor_parallel"] == {"prefill": 2} and kw["pool_num_kv_blocks"] == {"decode": 900}
     from cluster.config import ClusterConfig
 
     cfg = ClusterConfig(**{k: v for k, v in kw.items() if k in ClusterConfig.__dataclass_fields__})
     assert (pool_tp(cfg, "prefill"), pool_tp(cfg, "decode")) == (2, 1)
+    with pytest.raises(ValueError, match=r"pool_num_kv_blocks\['decode'\] must be an integer >= 1"):
+        ClusterConfig(pool_num_kv_blocks={"decode": 0})
+    from cluster.config import build_role_worker
+    from kvtransfer import StoreConfig
+
+    store = StoreConfig("redis://127.0.0.1:1/0", namespace="unused")  # built, not started: never dialled
+    engines = {role: build_role_worker(role, f"{role}-0", cfg, store, "127.0.0.1", "n0").cfg.engine
+               for role in ("prefill", "decode")}
+    assert (engines["prefill"].num_kv_blocks, engines["decode"].num_kv_blocks) == (100, 900)
+    assert (engines["prefill"].tensor_parallel_size, engines["decode"].tensor_parallel_size) == (2, 1)

@@ -103,6 +103,8 @@ def test_up_flags_and_label_carry_each_pools_tp():
     assert col.up_flags(profiles) == ("--colocated 2 --tensor-parallel-size 2 --max-num-batched-tokens 2048 "
                                       "--num-kv-blocks 200")
     assert SimConfig(prefill_tp=1, decode_tp=1).up_flags(profiles) == "--prefill 1 --decode 1 --max-num-batched-tokens 2048"
+    mixed = SimConfig(prefill_tp=1, decode_tp=2, kv_cache_memory_bytes=1_600_000)
+    assert mixed.up_flags(profiles).endswith("--prefill-num-kv-blocks 100 --decode-num-kv-blocks 200")
 
 
 def test_candidates_split_a_budget_of_ranks_into_whole_workers_at_each_tp():
