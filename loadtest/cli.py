@@ -90,7 +90,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> tuple[Any, Any, Any]:
     src.add_argument("--dataset-name", choices=("random", "trace"), default=None,
                      help="random lengths, or a trace replay (default: trace when --trace is given, else random)")
     src.add_argument("--trace", "--dataset-path", dest="trace",
-                     help="CSV trace (TIMESTAMP, ContextTokens, GeneratedTokens) to replay")
+                     help="trace to replay: a CSV (TIMESTAMP, ContextTokens, GeneratedTokens), Mooncake JSON lines, or "
+                          "a packaged sample: sample:conversation, sample:code (1,000 rows each of the Azure LLM "
+                          "inference trace 2023)")
     src.add_argument("--trace-start", type=int, default=0, help="first trace row to replay (0-based)")
     src.add_argument("--length-scale", type=float, default=1.0, help="multiply trace prompt/output lengths")
     src.add_argument("--time-scale", type=float, default=1.0,

@@ -9,8 +9,11 @@ then multiplies lengths and inter-arrival gaps by stated factors, which the
 report repeats so a scaled replay is never mistaken for the original. The
 workload builder turns the rows into requests; nothing here talks to a server.
 
-Traces live in ``../shared/traces`` beside the repository and are read from
-there, never copied in.
+A trace is a file path, or the name of a sample packaged with pdserve
+(``SAMPLE_TRACES``: ``sample:conversation``, ``sample:code``, 1,000 rows each of the
+Azure LLM inference trace 2023, CC-BY 4.0; loadtest/traces/README.md says where the
+whole traces are), which ``resolve_trace`` turns into its path, so a fresh clone or a
+plain install can replay one.
 """
 from __future__ import annotations
 
@@ -23,6 +26,20 @@ from pathlib import Path
 from typing import Any, Iterator
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+SAMPLE_TRACES = {"sample:conversation": "azure_llm_2023_conv_sample.csv",
+                 "sample:code": "azure_llm_2023_code_sample.csv"}
+"""Names of the traces packaged under loadtest/traces/ -> their files."""
+
+
+def resolve_trace(trace: str | Path) -> Path:
+    """The file a ``--trace`` value names: a packaged sample's path for ``sample:...``, else the path itself.
+    ValueError listing the samples for an unknown ``sample:`` name."""
+    name = str(trace)
+    if name.startswith("sample:"):
+        if name not in SAMPLE_TRACES:
+            raise ValueError(f"trace {name!r} is not a packaged sample (have {', '.join(SAMPLE_TRACES)})")
+        return Path(__file__).resolve().parent / "traces" / SAMPLE_TRACES[name]
+    return Path(trace)
 
 
 @dataclass(frozen=True)
@@ -134,7 +151,7 @@ def load_trace(path: str | Path, start: int = 0, limit: int | None = None) -> li
         raise ValueError(f"start must be >= 0, got {start}")
     if limit is not None and limit <= 0:
         raise ValueError(f"limit must be > 0, got {limit}")
-    path = Path(path)
+    path = resolve_trace(path)
     if not path.is_file():
         raise ValueError(f"trace: no such file {str(path)!r}")
     reader = _jsonl_rows(path) if path.suffix == ".jsonl" else _csv_rows(path)

@@ -117,3 +117,30 @@ def test_synthetic_lengths_and_workload_clipping():
     # same seed -> same prompts (a rerun is comparable)
     again = build_workload([(10, 5), (100, 5), (40, 40)], [0.0, 0.1, 0.2], limits, seed=0, id_prefix="t")
     assert [r.prompt_token_ids for r in again.requests] == [r.prompt_token_ids for r in w.requests]
+
+
+def test_packaged_samples_are_the_traces_first_rows_and_replay_from_a_fresh_clone():
+    """sample:conversation is the same trace as tests/data's slice (both `head` of the Azure conversation trace):
+    its first 400 rows must equal that file's, read independently; sample:code has its own 1,000 rows."""
+    from loadtest.trace import SAMPLE_TRACES, resolve_trace
+
+    conv = load_trace("sample:conversation")
+    first400 = load_trace(Path(__file__).resolve().parents[1] / "data" / "azure_llm_2023_conv_first400.csv")
+    assert len(conv) == 1000 and conv[:400] == first400
+    code = load_trace("sample:code", start=10, limit=5)
+    assert len(code) == 5 and code[0].arrival_s == 0.0 and all(r.prompt_len > 0 for r in code)
+    assert load_trace("sample:code")[0].prompt_len == 4808  # the first row of the code CSV
+    for name in SAMPLE_TRACES:  # shipped with the package (pyproject package-data), licence beside them
+        assert resolve_trace(name).is_file()
+    assert "CC-BY 4.0" in (resolve_trace("sample:code").parent / "README.md").read_text()
+    with pytest.raises(ValueError, match="not a packaged sample .*sample:conversation"):
+        load_trace("sample:chat")
+
+
+def test_bench_flags_take_a_sample_name():
+    from loadtest.cli import build_parser, check_workload_args, workload_lengths_and_arrivals
+
+    args = build_parser().parse_args(["--trace", "sample:conversation", "--num-prompts", "20"])
+    check_workload_args(args)
+    _rate, lengths, arrivals = workload_lengths_and_arrivals(args)
+    assert len(lengths) == 20 and lengths[0] == (374, 44)  # the conversation trace's first row
