@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules when run as a script
 
 from disagg_deploy import Deployment, usable_cores  # noqa: E402
+from loadtest.machine import machine_info  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
@@ -116,14 +116,6 @@ def worker_roles(mode: str, ns: argparse.Namespace) -> tuple[str, ...]:
         return ("colocated",) * ns.colocated_workers
     return ("prefill",) * ns.prefill_workers + ("decode",) * ns.decode_workers
 
-
-def machine_info() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
-    import torch
-
-    return {"cpu": cpu, "usable_cores": usable_cores(), "python": platform.python_version(),
-            "torch": torch.__version__, "platform": platform.platform(), "loadavg_start": os.getloadavg()}
 
 
 def _run(target: str, reqs: list, timeout_s: float, max_concurrency: int | None = None) -> tuple[list, float]:

@@ -32,7 +32,6 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -46,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from disagg_deploy import Deployment, pin_threads, usable_cores  # noqa: E402
+from loadtest.machine import machine_info  # noqa: E402
 
 MODES = {"colocated": ("colocated",), "disaggregated": ("prefill", "decode"), "colocated-ep": ("colocated",)}
 # a mode's deployment: (Deployment mode, worker config fields, cores per worker). colocated-ep: the colocated
@@ -369,18 +369,6 @@ def _point(dep: Any, model: str, mode: str, path: str, api: str, c: int, prompts
           + ", ".join(f"{k} {v:.3f}" for k, v in point["cpu_ms_per_token"].items()), flush=True)
     return point
 
-
-def machine_info(device: str = "cpu") -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
-    info = {"cpu": cpu, "usable_cores": usable_cores(), "python": platform.python_version(),
-            "loadavg_start": os.getloadavg(), "device": device}
-    if device.startswith("cuda"):
-        import torch
-
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-        info["torch"] = torch.__version__
-    return info
 
 
 def main(argv: Optional[list[str]] = None) -> int:

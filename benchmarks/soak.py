@@ -60,7 +60,6 @@ import asyncio
 import json
 import logging
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -72,6 +71,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the project's packages when run as a script
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules when run as a script
 
+from loadtest.machine import machine_info  # noqa: E402
 from soak_chaos import Chaos, spawned_redis  # noqa: E402
 from soak_report import (check_offline, in_flight_at, ok, outcomes, pct, pick_check_sample, print_report,  # noqa: E402
                          router_counters, rss_summary, windows)
@@ -147,12 +147,6 @@ def replay(target: str, requests: list, timeout_s: float, max_concurrency: Optio
 
 
 # ---- main -------------------------------------------------------------------------------------------------
-def machine_info() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-            "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
-
 
 def make_requests(rows: list, limits: Any, seed: int, prefix: str, arrivals: list) -> tuple[list, int]:
     """``loadtest`` BenchRequests for trace ``rows`` at ``arrivals``, and how many were clipped to the limits."""

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -32,15 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import SamplingParams  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
+from loadtest.machine import machine_info  # noqa: E402
 
-
-def machine_info() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
-    import torch
-
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-            "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
 
 
 def _comm_seconds(eng: LLMEngine) -> float:
