@@ -97,29 +97,41 @@ class ModelRunner:
     PROMPT_LOGITS_ROWS = 256
     """Prompt rows turned into logits at a time (a long chunk's [rows, vocab] float32 logits stay bounded)."""
 
-    def _prompt_logprobs(self, hidden: Tensor) -> list[tuple[Sequence, int, list[TokenLogprob]]]:
-        """The raw log-softmax of each kept prompt row: the actual next prompt token's logprob and the top-k."""
-        out = []
-        r = 0
-        for seq, first, n in self._prompt_rows:
-            k = seq.params.prompt_logprobs
-            actual = torch.tensor(seq.prompt_token_ids[first + 1:first + 1 + n], dtype=torch.long)
-            lps: list[TokenLogprob] = []
-            for a in range(0, n, self.PROMPT_LOGITS_ROWS):
-                b = min(n, a + self.PROMPT_LOGITS_ROWS)
-                lp = torch.log_softmax(self.model.compute_logits(hidden[r + a:r + b]), dim=-1).cpu()
-                chosen_t = lp.gather(1, actual[a:b].unsqueeze(1))
-                ranks = (lp >= chosen_t).sum(dim=1).tolist()  # vLLM's rank: tokens at least as likely
-                chosen = chosen_t.squeeze(1).tolist()
-                if k:
-                    top_v, top_i = lp.topk(k, dim=-1)
-                    tops = [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
-                else:
-                    tops = [[] for _ in range(b - a)]
-                lps += [TokenLogprob(t, c, top, r) for t, c, top, r in zip(actual[a:b].tolist(), chosen, tops, ranks)]
-            out.append((seq, first, lps))
+    def prompt_chunks(self) -> list[tuple[int, int, int]]:
+        """The step's prompt-logprob rows in the order they become logits: (index into the step's prompt rows,
+        first, end) of each run of at most ``PROMPT_LOGITS_ROWS`` rows, counted from that prompt's first kept row.
+        The one plan ``_prompt_logprobs`` and a tensor-parallel step's logits gathers (``logit_ranges``) follow."""
+        return [(i, a, min(n, a + self.PROMPT_LOGITS_ROWS)) for i, (_seq, _first, n) in enumerate(self._prompt_rows)
+                for a in range(0, n, self.PROMPT_LOGITS_ROWS)]
+
+    def prompt_row_offsets(self) -> list[int]:
+        """Where each prompt's kept rows start in the prompt part of the hidden states."""
+        out, r = [], 0
+        for _seq, _first, n in self._prompt_rows:
+            out.append(r)
             r += n
         return out
+
+    def _prompt_logprobs(self, hidden: Tensor) -> list[tuple[Sequence, int, list[TokenLogprob]]]:
+        """The raw log-softmax of each kept prompt row: the actual next prompt token's logprob and the top-k."""
+        per_seq: list[list[TokenLogprob]] = [[] for _ in self._prompt_rows]
+        offsets = self.prompt_row_offsets()
+        for i, a, b in self.prompt_chunks():
+            seq, first, _n = self._prompt_rows[i]
+            k = seq.params.prompt_logprobs
+            actual = torch.tensor(seq.prompt_token_ids[first + 1 + a:first + 1 + b], dtype=torch.long)
+            r = offsets[i]
+            lp = torch.log_softmax(self.model.compute_logits(hidden[r + a:r + b]), dim=-1).cpu()
+            chosen_t = lp.gather(1, actual.unsqueeze(1))
+            ranks = (lp >= chosen_t).sum(dim=1).tolist()  # vLLM's rank: tokens at least as likely
+            chosen = chosen_t.squeeze(1).tolist()
+            if k:
+                top_v, top_i = lp.topk(k, dim=-1)
+                tops = [list(zip(ix, v)) for ix, v in zip(top_i.tolist(), top_v.tolist())]
+            else:
+                tops = [[] for _ in range(b - a)]
+            per_seq[i] += [TokenLogprob(t, c, top, rk) for t, c, top, rk in zip(actual.tolist(), chosen, tops, ranks)]
+        return [(seq, first, lps) for (seq, first, _n), lps in zip(self._prompt_rows, per_seq)]
 
     def _prepare(self, sched: SchedulerOutput):
         bs = self.block_size

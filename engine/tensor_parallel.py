@@ -448,11 +448,8 @@ class TPModelRunner(ModelRunner):
     def logit_ranges(self, num_sample_rows: int, samples: bool) -> list[tuple[int, int]]:
         """The hidden rows this step turns into logits, in the order ``execute`` does: each prompt-logprobs chunk,
         then the sampling rows (each a collective every rank must join)."""
-        out = []
-        r = num_sample_rows
-        for _, _, n in self._prompt_rows:
-            out += [(r + a, r + min(n, a + self.PROMPT_LOGITS_ROWS)) for a in range(0, n, self.PROMPT_LOGITS_ROWS)]
-            r += n
+        offsets = self.prompt_row_offsets()
+        out = [(num_sample_rows + offsets[i] + a, num_sample_rows + offsets[i] + b) for i, a, b in self.prompt_chunks()]
         if samples:
             out.append((0, num_sample_rows))
         return out
