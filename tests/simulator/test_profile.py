@@ -249,6 +249,11 @@ def test_quick_profile_at_tp2_records_a_ranks_memory_and_the_all_reduce(tmp_path
     ar = prof.meta["allreduce"]
     assert ar["rows"][0] == 1 and len(ar["seconds"]) == len(ar["rows"]) and all(x > 0 for x in ar["seconds"])
     assert ar["width"] == 384
+    # the simulator sizes a TP 2 worker's cache as the engine it measured did (a rank's budget, a rank's heads)
+    from simulator.cluster_sim import SimConfig
+
+    eng = prof.meta["engine"]
+    assert SimConfig(kv_cache_memory_bytes=eng["kv_cache_memory_bytes"]).kv_blocks(prof) == eng["num_kv_blocks"]
     # the serving path is the host's: not measured at TP 2, 0 here, taken from a TP 1 profile by ProfileSet
     assert prof.router_per_request_s == 0.0 and any("router not measured at tensor parallelism 2" in n
                                                      for n in prof.meta["notes"])
