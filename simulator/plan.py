@@ -427,10 +427,9 @@ def plan_budget(planner: Planner, n: int, chunks: list[int], locals_: list[int],
 def _tp_sizes(text: str, profiles: ProfileSet, base: SimConfig) -> tuple[list[int], list[str]]:
     """(the TP sizes to search, a note per size left out because its weights leave a rank no KV room)."""
     sizes = profiles.sizes if text == "auto" else _int_list(text, "--tp-sizes")
-    for t in sizes:
-        profiles.at(t, "--tp-sizes")
-    notes = [f"TP {t} left out: {e}" for t in sizes for e in [_fit_error(base, profiles.at(t))] if e]
-    fit = [t for t in sizes if not _fit_error(base, profiles.at(t))]
+    errors = {t: _fit_error(base, profiles.at(t, "--tp-sizes")) for t in sizes}
+    notes = [f"TP {t} left out: {e}" for t, e in errors.items() if e]
+    fit = [t for t, e in errors.items() if not e]
     if not fit:
         raise ValueError("no tensor-parallel size fits: " + "; ".join(notes))
     return fit, notes
