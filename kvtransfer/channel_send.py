@@ -150,27 +150,29 @@ class SendChannel(PairChannel):
         if plan.inline_rows:
             gather(t.kv_caches, t.tokens, plan.inline_segments(),
                    self._hdr[HEADER_BYTES:HEADER_BYTES + plan.inline_nbytes])
-        head_op = group.isend(self._hdr, TAG_HEAD)
+        # bytes are counted as each send is posted, not after: the receiver can take the last chunk and
+        # acknowledge (completing t and snapshotting its stats) before this thread would count them
         with self.cond:
             t.mark_wire(plan.inline_nbytes)
-        ops = [head_op]
+        ops = [group.isend(self._hdr, TAG_HEAD)]
         slot_ops: list = [None] * WINDOW  # the send that last used each staging buffer
         staged = 0
         for i in range(plan.num_chunks):
             segs = plan.chunk_segments(i)
-            view = direct_view(t.kv_caches, t.tokens, segs)
+            view = direct_view(t.kv_caches, t.tokens, segs)  # straight from the cache: no buffer to recycle
+            slot = None
             if view is None:
-                k = staged % WINDOW
+                slot = staged % WINDOW
                 staged += 1
-                if slot_ops[k] is not None:
-                    slot_ops[k].wait(timeout)  # its bytes must be gone before we refill the buffer
-                view = gather(t.kv_caches, t.tokens, segs, self._buf(k, plan.sizes[i], lay.device))
-                op = slot_ops[k] = group.isend(view, TAG_PAYLOAD)
-            else:
-                op = group.isend(view, TAG_PAYLOAD)  # straight from the cache: no buffer to recycle
-            ops.append(op)
+                if slot_ops[slot] is not None:
+                    slot_ops[slot].wait(timeout)  # its bytes must be gone before we refill the buffer
+                view = gather(t.kv_caches, t.tokens, segs, self._buf(slot, plan.sizes[i], lay.device))
             with self.cond:
                 t.mark_wire(view.numel())
+            op = group.isend(view, TAG_PAYLOAD)
+            if slot is not None:
+                slot_ops[slot] = op
+            ops.append(op)
         for op in ops:
             op.wait(timeout)
         with self.cond:

@@ -390,3 +390,35 @@ def test_unreachable_store_fails_waiting_transfers_at_once_and_the_pair_builds_o
             except ProcessLookupError:
                 pass
         server.stop()
+
+
+@pytest.mark.parametrize("shape", ["inline", "chunked"])
+def test_a_completed_send_reports_every_byte_even_when_the_ack_beats_the_sender_thread(pair, monkeypatch, shape):
+    """The receiver can take a frame's last message and acknowledge it (which completes the send and snapshots its
+    stats for ``take_completed``, the prefill worker's ``kv_transfer_bytes_total``) before the sending thread,
+    descheduled just after posting, gets back: the snapshot still holds every byte (it was short by the last
+    message's bytes once, on a loaded CI box)."""
+    from kvtransfer.transport import InprocPair
+
+    post = InprocPair.isend
+
+    def slow_after_posting(self, t, tag):
+        op = post(self, t, tag)
+        if threading.current_thread().name.startswith("kv-send"):
+            time.sleep(0.05)  # the receiver acks meanwhile
+        return op
+
+    monkeypatch.setattr(InprocPair, "isend", slow_after_posting)
+    p, d = pair
+    if shape == "inline":
+        src, dst, sb, db, n, row = make_cache(SRC), make_cache(DST), [1], [4], 3, 2 * 16 * 4
+    else:
+        spec = dict(num_layers=3, num_blocks=40, block_size=4, num_kv_heads=4, head_dim=64)
+        src, dst = make_cache(CacheSpec(seed=3, **spec)), make_cache(CacheSpec(**spec))
+        sb, db, n, row = [5, 6, 7], [1, 2, 3], 12, 4 * 64 * 4
+    hr = d.recv("p0", "r", dst, db, n)
+    hs = p.send("d0", "r", src, sb, n, layers_ready=True)
+    assert p.wait(hs, 5) == DONE and d.wait(hr, 5) == DONE
+    done = wait_until(lambda: p.take_completed(), timeout=5.0, interval=0.01, message="the send reported done")
+    assert [(st.request_id, st.state, st.num_bytes) for st in done] == [("r", DONE, 3 * 2 * n * row)]
+    assert token_checksum(src, sb, n) == token_checksum(dst, db, n)
