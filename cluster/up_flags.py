@@ -148,6 +148,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-pending-s", type=float, default=None, metavar="S",
                     help="a placed prompt's blocks count as pending on its worker (held, and queued prefill work) "
                          "for S seconds or until its KV events confirm them (default 2, 0 = the events alone)")
+    kv.add_argument("--no-kv-delta-transfers", dest="kv_delta_transfers", action="store_false",
+                    help="ship every prompt's whole KV, even the blocks the decode worker already holds from the "
+                         "conversation's earlier turns (default: only what it lacks)")
+    kv.add_argument("--no-decode-prefix-routing", dest="decode_prefix_routing", action="store_false",
+                    help="pick decode workers by load alone, not by the conversation history they hold")
     kv.add_argument("--no-kv-replica-sync", dest="kv_replica_sync", action="store_false",
                     help="do not share placements between routers ({ns}:kvplace) nor break cold ties through Redis "
                          "({ns}:kvties): each router counts only its own pending placements and draws alone")
@@ -299,8 +304,9 @@ def router_overrides(args: argparse.Namespace) -> dict:
         out["output_streams"] = False
     if not getattr(args, "kv_events", True):
         out["kv_events"] = False
-    if not getattr(args, "kv_replica_sync", True):
-        out["kv_replica_sync"] = False
+    for name in ("kv_replica_sync", "kv_delta_transfers", "decode_prefix_routing"):
+        if not getattr(args, name, True):
+            out[name] = False
     for name in ("kv_overlap_weight", "kv_load_weight", "kv_request_weight", "kv_tie_blocks", "kv_pending_s"):
         if getattr(args, name, None) is not None:
             out[name] = getattr(args, name)

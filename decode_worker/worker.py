@@ -69,19 +69,22 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
         """A reservation whose Decode never comes is freed after this long (or its receive deadline + 5 s)."""
 
     def reserve(self, eng: Any, rid: str, prompt: list[int], params: Any, peer: str,
-                kv_timeout_s: float, peer_tp: int = 1) -> list[int]:
-        """Take blocks for ``prompt`` and post the KV receive into them; the caller checked ``rid`` is new."""
+                kv_timeout_s: float, peer_tp: int = 1, cached_prefix: bool = False) -> tuple[list[int], int]:
+        """Take blocks for ``prompt`` and post the KV receive into them; the caller checked ``rid`` is new.
+        ``cached_prefix``: the leading blocks this worker's prefix cache holds for the prompt are reserved by
+        reference and only the positions after them are received. Returns (block ids, cached tokens)."""
         try:
-            blocks = eng.reserve(rid, len(prompt))
+            got = eng.reserve_prompt(rid, len(prompt), prompt if cached_prefix else None)
         except ValueError as e:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: {e} (request {rid})") from None
-        if blocks is None:
+        if got is None:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"decode worker {self.ctx.worker_id}: not enough free KV blocks for "
                                f"{len(prompt)} tokens (free {eng.num_free_blocks}) (request {rid})")
+        blocks, cached = got
         try:
             handle = self.ctx.kv.recv_shards(peer, rid, engine_kv_shards(eng), peer_tp, blocks, len(prompt),
-                                             deadline_s=kv_timeout_s)
+                                             deadline_s=kv_timeout_s, first_token=cached)
         except Exception as e:  # a bad peer name or a broken endpoint: free the blocks again
             eng.abort_request(rid)
             code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, ValueError) else grpc.StatusCode.UNAVAILABLE
@@ -90,7 +93,9 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
         # the router calls Decode only after the KV arrived, so wait at least that long for it
         req.expires_at = req.arrived + max(self.reserve_timeout_s, kv_timeout_s + 5.0)
         self.hold(req)
-        return list(blocks)
+        if cached and self.ctx.metrics is not None:
+            self.ctx.metrics.inc_kv_transfer_cached_tokens(cached)
+        return list(blocks), cached
 
     def activate(self, rid: str, first_token: int, first_logprob: Any, siblings: list) -> _DecodeReq:
         """The Decode call came for reserved ``rid``: its record, now streaming to that call."""
@@ -230,17 +235,19 @@ class DecodeWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, 
             peer_tp = check_peer_tp(self.engine, request.prefill_tensor_parallel_size,
                                     "prefill_tensor_parallel_size", rid)
 
-            def reserve(eng: Any) -> list[int]:
+            def reserve(eng: Any) -> tuple[list[int], int]:
                 self.check_new(rid, "reserved")
-                blocks = self.disagg.reserve(eng, rid, prompt, params, peer, kv_timeout, peer_tp)
+                got = self.disagg.reserve(eng, rid, prompt, params, peer, kv_timeout, peer_tp,
+                                          request.accept_cached_prefix)
                 self.refresh_load()  # the reply's caller sees the blocks taken in info()
-                return blocks
+                return got
 
-            blocks = self.loop.call(reserve)
+            blocks, cached = self.loop.call(reserve)
         except RequestError as e:
             context.abort(e.code, e.message)
         return worker_pb2.ReserveResponse(block_ids=blocks, block_size=self.engine.block_size,
-                                          kv_name=self.cfg.kv_name, tensor_parallel_size=engine_tp(self.engine))
+                                          kv_name=self.cfg.kv_name, tensor_parallel_size=engine_tp(self.engine),
+                                          num_cached_tokens=cached)
 
     def Decode(self, request: worker_pb2.DecodeRequest,
                context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeChunk]:

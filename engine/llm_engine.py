@@ -34,7 +34,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, block_keys
 from engine.config import EngineConfig, ModelConfig
 from engine.kernels import cpu_kernels
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
@@ -313,6 +313,45 @@ class LLMEngine:
 
     def reserve(self, request_id: str, num_tokens: int) -> Optional[list[int]]:
         """Take blocks for num_tokens of KV about to arrive; None if there are not enough free blocks."""
+        got = self.reserve_prompt(request_id, num_tokens)
+        return None if got is None else got[0]
+
+    def reserve_prompt(self, request_id: str, num_tokens: int,
+                       prompt_token_ids: Optional[list[int]] = None) -> Optional[tuple[list[int], int]]:
+        """Take blocks for ``num_tokens`` of KV about to arrive: ``(block ids, cached tokens)``, None if there are
+        not enough free blocks. With ``prompt_token_ids`` (the whole prompt) and prefix caching on, the leading
+        full blocks this cache already holds for it (at most all but the last token's, as a local prefill would
+        reuse) are taken by reference and pinned until the request ends: only positions ``cached tokens ..`` need
+        to arrive (a delta transfer), the rest of the list is fresh blocks."""
+        self._check_reservation(request_id, num_tokens)
+        cached: list[int] = []
+        keys: list = []
+        bs = self.block_size
+        if prompt_token_ids is not None:
+            if len(prompt_token_ids) != num_tokens:
+                raise ValueError(f"prompt_token_ids has {len(prompt_token_ids)} tokens, num_tokens is {num_tokens}")
+            if self.block_manager.enable_caching:
+                keys = block_keys(prompt_token_ids, bs, (num_tokens - 1) // bs)
+                cached = self.block_manager.acquire(self.block_manager.lookup(keys))
+                keys = keys[:len(cached)]
+        fresh = self.block_manager.blocks_for(num_tokens) - len(cached)
+        if not self.block_manager.can_allocate(fresh):
+            self.block_manager.free(cached)
+            return None
+        seq = Sequence(request_id, [], SamplingParams(), eos_token_id=self.eos_token_id)
+        seq.block_table = cached + self.block_manager.allocate(fresh)
+        seq.status = SeqStatus.RESERVED
+        seq.num_prefill = num_tokens
+        seq.num_cached_tokens = len(cached) * bs
+        seq.block_keys = keys
+        if prompt_token_ids is not None and self.block_manager.enable_caching:
+            self.scheduler.prefix_cache_queries += num_tokens
+            self.scheduler.prefix_cache_hits += seq.num_cached_tokens
+        self.scheduler.reserved[request_id] = seq
+        self._seqs[request_id] = seq
+        return list(seq.block_table), seq.num_cached_tokens
+
+    def _check_reservation(self, request_id: str, num_tokens: int) -> None:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._seqs:
@@ -321,16 +360,6 @@ class LLMEngine:
             raise ValueError(f"num_tokens must be a positive integer, got {num_tokens!r}")
         if num_tokens >= self.max_model_len:
             raise ValueError(f"num_tokens ({num_tokens}) must be < max_model_len ({self.max_model_len})")
-        n = self.block_manager.blocks_for(num_tokens)
-        if not self.block_manager.can_allocate(n):
-            return None
-        seq = Sequence(request_id, [], SamplingParams(), eos_token_id=self.eos_token_id)
-        seq.block_table = self.block_manager.allocate(n)
-        seq.status = SeqStatus.RESERVED
-        seq.num_prefill = num_tokens
-        self.scheduler.reserved[request_id] = seq
-        self._seqs[request_id] = seq
-        return list(seq.block_table)
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
                               params: SamplingParams, first_logprob: Optional[TokenLogprob] = None) -> None:
@@ -355,9 +384,14 @@ class LLMEngine:
         if fresh.matcher is not None and not fresh.matcher.consume([first_token_id]):
             raise ValueError(f"first_token_id {first_token_id} does not follow the request's structured_outputs "
                              f"constraint ({fresh.matcher.error()})")
+        if seq.block_keys and block_keys(fresh.prompt_token_ids, self.block_size, len(seq.block_keys)) != seq.block_keys:
+            raise ValueError(f"prompt_token_ids differ from the prompt reserved for {request_id!r} within its "
+                             f"{seq.num_cached_tokens} cached tokens")
         del self.scheduler.reserved[request_id]
         fresh.block_table = seq.block_table
+        fresh.block_keys = seq.block_keys
         fresh.num_computed = len(fresh.prompt_token_ids)
+        fresh.num_cached_tokens = seq.num_cached_tokens
         fresh.append(first_token_id)
         self._seqs[request_id] = fresh
         self.scheduler.add_prefilled(fresh)

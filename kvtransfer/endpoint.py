@@ -89,7 +89,7 @@ class KVEndpoint:
 
     # -- submission ------------------------------------------------------------------------------
     def _new(self, direction: str, peer: str, request_id: str, kv_caches, block_ids, num_tokens: int,
-             deadline_s: float | None, field: str) -> Transfer:
+             deadline_s: float | None, field: str, first_token: int = 0) -> Transfer:
         if self._stopped.is_set():
             raise RuntimeError(f"kv endpoint {self.name!r} is shut down")
         if not isinstance(peer, str) or not peer or any(c in peer for c in "/> \t\n"):
@@ -109,15 +109,17 @@ class KVEndpoint:
             raise ValueError("kv_caches must be CUDA tensors for backend 'nccl'")
         if self.backend != "nccl" and cuda:
             raise ValueError(f"kv_caches must be CPU tensors for backend {self.backend!r} (use 'nccl' for CUDA)")
-        tokens = TokenRows(layout, block_ids, num_tokens, field)
+        tokens = TokenRows(layout, block_ids, num_tokens, field, first_token)
         return Transfer(next(self._ids), direction, peer, request_id, kv_caches, layout, tokens,
                         time.monotonic() + float(deadline_s), self._lock)
 
     def send(self, peer: str, request_id: str, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
              src_block_ids: Sequence[int], num_tokens: int, *, deadline_s: float | None = None,
-             layers_ready: bool = False) -> TransferHandle:
-        """Start sending a request's KV to ``peer``; layers go out as they are marked ready."""
-        t = self._new("send", peer, request_id, kv_caches, src_block_ids, num_tokens, deadline_s, "src_block_ids")
+             layers_ready: bool = False, first_token: int = 0) -> TransferHandle:
+        """Start sending a request's KV to ``peer``; layers go out as they are marked ready. ``first_token``: the
+        positions before it are not sent (the receiver holds them: a delta transfer); both sides must agree."""
+        t = self._new("send", peer, request_id, kv_caches, src_block_ids, num_tokens, deadline_s, "src_block_ids",
+                      first_token)
         with self._lock:
             ch = self._send.get(peer)
             if ch is None or ch.closed is not None:
@@ -131,9 +133,12 @@ class KVEndpoint:
         return h
 
     def recv(self, peer: str, request_id: str, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-             dst_block_ids: Sequence[int], num_tokens: int, *, deadline_s: float | None = None) -> TransferHandle:
-        """Post a receive of a request's KV from ``peer`` into ``dst_block_ids``."""
-        t = self._new("recv", peer, request_id, kv_caches, dst_block_ids, num_tokens, deadline_s, "dst_block_ids")
+             dst_block_ids: Sequence[int], num_tokens: int, *, deadline_s: float | None = None,
+             first_token: int = 0) -> TransferHandle:
+        """Post a receive of a request's KV from ``peer`` into ``dst_block_ids`` (positions ``first_token`` ..
+        ``num_tokens - 1``: the earlier ones are already in those blocks)."""
+        t = self._new("recv", peer, request_id, kv_caches, dst_block_ids, num_tokens, deadline_s, "dst_block_ids",
+                      first_token)
         with self._lock:
             ch = self._recv.get(peer)
             if ch is None or ch.closed is not None:
@@ -146,7 +151,7 @@ class KVEndpoint:
     # -- tensor-parallel layouts (kvtransfer/sharding.py) ------------------------------------------------
     def send_shards(self, peer: str, request_id: str, shards: KVShards, peer_tp: int,
                     src_block_ids: Sequence[int], num_tokens: int, *, deadline_s: float | None = None,
-                    layers_ready: bool = False) -> TransferGroup:
+                    layers_ready: bool = False, first_token: int = 0) -> TransferGroup:
         """``send`` from a cache held by ``shards.tp`` ranks to a peer whose cache is split over ``peer_tp``: one
         transfer per piece (``head_pieces``), from head slices of the source ranks' caches, as one handle."""
         pieces = head_pieces(shards.num_kv_heads, shards.tp, peer_tp)
@@ -154,7 +159,8 @@ class KVEndpoint:
         try:
             for n, (lo, hi, i, _) in enumerate(pieces):
                 handles.append(self.send(peer, piece_request_id(request_id, n, len(pieces)), shards.view(i, lo, hi),
-                                         src_block_ids, num_tokens, deadline_s=deadline_s, layers_ready=layers_ready))
+                                         src_block_ids, num_tokens, deadline_s=deadline_s, layers_ready=layers_ready,
+                                         first_token=first_token))
         except Exception:
             for h in handles:
                 self.cancel(h)
@@ -163,7 +169,7 @@ class KVEndpoint:
 
     def recv_shards(self, peer: str, request_id: str, shards: KVShards, peer_tp: int,
                     dst_block_ids: Sequence[int], num_tokens: int, *,
-                    deadline_s: float | None = None) -> TransferGroup:
+                    deadline_s: float | None = None, first_token: int = 0) -> TransferGroup:
         """``recv`` into a cache held by ``shards.tp`` ranks from a peer whose cache is split over ``peer_tp``:
         one receive per piece, into head slices of the destination ranks' caches, as one handle."""
         pieces = head_pieces(shards.num_kv_heads, peer_tp, shards.tp)
@@ -171,7 +177,7 @@ class KVEndpoint:
         try:
             for n, (lo, hi, _, j) in enumerate(pieces):
                 handles.append(self.recv(peer, piece_request_id(request_id, n, len(pieces)), shards.view(j, lo, hi),
-                                         dst_block_ids, num_tokens, deadline_s=deadline_s))
+                                         dst_block_ids, num_tokens, deadline_s=deadline_s, first_token=first_token))
         except Exception:
             for h in handles:
                 self.cancel(h)

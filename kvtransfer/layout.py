@@ -76,11 +76,16 @@ def _head_slice(t: torch.Tensor) -> bool:
 
 
 class TokenRows:
-    """Flat cache row of every token position of one transfer, on one side."""
+    """Flat cache row of every token position of one transfer, on one side: token positions
+    ``first_token .. num_tokens - 1`` of the sequence whose blocks are ``block_ids`` (a delta transfer skips the
+    ``first_token`` positions the receiver already holds; ``self.num_tokens`` counts the positions moved)."""
 
-    def __init__(self, layout: CacheLayout, block_ids: Sequence[int], num_tokens: int, field: str):
+    def __init__(self, layout: CacheLayout, block_ids: Sequence[int], num_tokens: int, field: str,
+                 first_token: int = 0):
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
             raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        if isinstance(first_token, bool) or not isinstance(first_token, int) or not 0 <= first_token < num_tokens:
+            raise ValueError(f"first_token must be an int in [0, num_tokens={num_tokens}), got {first_token!r}")
         bs = layout.block_size
         needed = -(-num_tokens // bs)
         try:
@@ -95,16 +100,18 @@ class TokenRows:
             raise ValueError(f"{field} must not repeat a block, got {ids}")
         # built with two tensor ops: this runs on the caller's thread for every send/recv
         self.rows = (torch.tensor(ids, dtype=torch.int64)[:, None] * bs
-                     + torch.arange(bs, dtype=torch.int64)).reshape(-1)[:num_tokens].to(layout.device)
+                     + torch.arange(bs, dtype=torch.int64)).reshape(-1)[first_token:num_tokens].to(layout.device)
         # run id per block: tokens [a, b) are one contiguous stretch iff their blocks share a run
         self._run = [0] * len(ids)
         for j in range(1, len(ids)):
             self._run[j] = self._run[j - 1] + (ids[j] != ids[j - 1] + 1)
         self.block_size = bs
-        self.num_tokens = num_tokens
+        self.first_token = first_token
+        self.num_tokens = num_tokens - first_token
 
     def contiguous(self, a: int, b: int) -> bool:
-        """True when token rows a..b-1 are one contiguous stretch of the cache."""
+        """True when rows a..b-1 of this transfer (positions first_token + a ..) are one contiguous stretch."""
+        a, b = a + self.first_token, b + self.first_token
         return self._run[a // self.block_size] == self._run[(b - 1) // self.block_size]
 
 

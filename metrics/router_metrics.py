@@ -152,6 +152,14 @@ class RouterMetrics(ComponentMetrics):
         self._series["kv_index_blocks"].set(check_count("kv_index_blocks", blocks))
         self._series["kv_index_workers"].set(check_count("kv_index_workers", workers))
 
+    def inc_decode_routing_decision(self, reason: str) -> None:
+        """A decode worker ranked for a pair (``reason``: "history" or "load")."""
+        self._child("decode_routing_decisions_total", check_label("reason", reason)).inc()
+
+    def inc_decode_prefix_stale(self) -> None:
+        """A reservation found fewer cached prompt blocks on its decode worker than the KV event index said."""
+        self._series["decode_prefix_stale_total"].inc()
+
     def inc_routing_decision(self, reason: str) -> None:
         """A prefill/colocated worker chosen (``reason``: "kv_events", "mirror" or "load_only")."""
         self._child("routing_decisions_total", check_label("reason", reason)).inc()

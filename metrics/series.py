@@ -131,6 +131,13 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
                                 "(reason: kv_events, mirror = the router-local mirror while a candidate has no "
                                 "event stream in sync, load_only = prefix routing off or Redis unavailable).",
                                 "reason"),
+    "decode_routing_decisions_total": (ROUTER, "counter", "Decode worker choices by what ranked them (reason: "
+                                       "history = the prompt blocks each holds on the KV event index against its "
+                                       "load, load = by load and free blocks alone: no candidate holds any, the "
+                                       "index does not follow them all, or decode prefix routing is off).", "reason"),
+    "decode_prefix_stale_total": (ROUTER, "counter", "Reservations on a decode worker that held fewer of the prompt's "
+                                  "blocks than the KV event index said (stale events, a restarted worker): what it "
+                                  "lacked was transferred instead.", None),
     "quota_rejections_total": (ROUTER, "counter", "Requests refused because their API key's name was over one of "
                                "its limits (router.quotas; limit: requests_per_s, tokens_per_min, max_concurrent).",
                                ("key_name", "limit")),
@@ -154,6 +161,8 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
                                  "Histogram of KV-cache transfer time (prefill -> decode) in seconds.",
                                  KV_TRANSFER_BUCKETS),
     "kv_transfer_bytes_total": (WORKER, "counter", "Number of KV-cache bytes transferred.", None),
+    "kv_transfer_cached_tokens_total": (WORKER, "counter", "Prompt tokens a decode worker's reservation found in its "
+                                        "own prefix cache, so they were not transferred (delta transfers).", None),
     "kv_transfer_phase_seconds": (WORKER, "histogram",
                                   "A finished KV transfer's time by part (direction: send = prefill worker, recv = "
                                   "decode worker; phase: pair_wait = building the pair group with the peer "

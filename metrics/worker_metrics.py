@@ -100,6 +100,10 @@ class WorkerMetrics(ComponentMetrics):
     def inc_kv_transfer_bytes(self, n: int) -> None:
         self._series["kv_transfer_bytes_total"].inc(check_count("kv_transfer_bytes", n))
 
+    def inc_kv_transfer_cached_tokens(self, n: int) -> None:
+        """A decode reservation's prompt tokens already in this worker's prefix cache (not transferred)."""
+        self._series["kv_transfer_cached_tokens_total"].inc(check_count("kv_transfer_cached_tokens", n))
+
     # --- counters fed from the engine's running totals ---
     def set_prefix_cache_totals(self, queries: int, hits: int) -> None:
         """The engine's running totals of prefix-cache query and hit tokens; the counters move by

@@ -45,6 +45,7 @@ class _PrefillReq(WorkerRequest):
     dest_kv_name: str
     block_size: int
     dest_tp: int = 1  # ranks of the decode worker's KV cache: the send is cut into pieces by head
+    dest_cached: int = 0  # leading prompt positions the decode worker already holds: not sent (a delta transfer)
     scheduled: Optional[float] = None
     first_token_at: Optional[float] = None
     handle: Any = None
@@ -107,7 +108,7 @@ class PrefillRequests(RequestSet[_PrefillReq]):
         src = eng.get_block_table(req.request_id)[: -(-len(req.prompt_token_ids) // eng.block_size)]
         return self.ctx.kv.send_shards(req.dest_kv_name, req.request_id, engine_kv_shards(eng), req.dest_tp, src,
                                        len(req.prompt_token_ids), deadline_s=self.transfer_timeout_s,
-                                       layers_ready=layers_ready)
+                                       layers_ready=layers_ready, first_token=req.dest_cached)
 
     def on_output(self, req: _PrefillReq, o: Any, now: float) -> None:
         if o.finish_reason != "prefill_done" or not o.new_token_ids:
@@ -205,8 +206,12 @@ class PrefillWorker(WorkerBase):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"dest_kv_name is empty (request {rid})")
         params = request_params(request.params, rid)
         dest_tp = check_peer_tp(self.engine, request.dest_tensor_parallel_size, "dest_tensor_parallel_size", rid)
+        if not 0 <= request.dest_cached_tokens < len(request.prompt_token_ids):
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"dest_cached_tokens must be in [0, {len(request.prompt_token_ids)}) (the prompt's "
+                               f"length), got {request.dest_cached_tokens} (request {rid})")
         req = _PrefillReq(rid, list(request.prompt_token_ids), request.dest_kv_name, request.dest_block_size,
-                          dest_tp=dest_tp)
+                          dest_tp=dest_tp, dest_cached=request.dest_cached_tokens)
         dest_blocks = list(request.dest_block_ids)
 
         def add(eng: Any) -> None:

@@ -127,7 +127,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_kv_name", "kv_timeout_s", "prefill_kv_cache_dtype", "prefill_tensor_parallel_size")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "prefill_kv_name", "kv_timeout_s", "prefill_kv_cache_dtype", "prefill_tensor_parallel_size", "accept_cached_prefix")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class ReserveRequest(_message.Message):
     KV_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_CACHED_PREFIX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: WireSamplingParams
@@ -142,19 +143,22 @@ class ReserveRequest(_message.Message):
     kv_timeout_s: float
     prefill_kv_cache_dtype: str
     prefill_tensor_parallel_size: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WireSamplingParams, _Mapping]] = ..., prefill_kv_name: _Optional[str] = ..., kv_timeout_s: _Optional[float] = ..., prefill_kv_cache_dtype: _Optional[str] = ..., prefill_tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    accept_cached_prefix: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WireSamplingParams, _Mapping]] = ..., prefill_kv_name: _Optional[str] = ..., kv_timeout_s: _Optional[float] = ..., prefill_kv_cache_dtype: _Optional[str] = ..., prefill_tensor_parallel_size: _Optional[int] = ..., accept_cached_prefix: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("block_ids", "block_size", "kv_name", "tensor_parallel_size")
+    __slots__ = ("block_ids", "block_size", "kv_name", "tensor_parallel_size", "num_cached_tokens")
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_NAME_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     kv_name: str
     tensor_parallel_size: int
-    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_name: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_name: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "first_token_id", "first_logprob", "siblings", "output_stream")
@@ -193,7 +197,7 @@ class DecodeChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., kv_wait_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "dest_kv_name", "dest_block_ids", "dest_block_size", "dest_tensor_parallel_size")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "dest_kv_name", "dest_block_ids", "dest_block_size", "dest_tensor_parallel_size", "dest_cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +205,7 @@ class PrefillRequest(_message.Message):
     DEST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DEST_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEST_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: WireSamplingParams
@@ -208,7 +213,8 @@ class PrefillRequest(_message.Message):
     dest_block_ids: _containers.RepeatedScalarFieldContainer[int]
     dest_block_size: int
     dest_tensor_parallel_size: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WireSamplingParams, _Mapping]] = ..., dest_kv_name: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., dest_block_size: _Optional[int] = ..., dest_tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    dest_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WireSamplingParams, _Mapping]] = ..., dest_kv_name: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., dest_block_size: _Optional[int] = ..., dest_tensor_parallel_size: _Optional[int] = ..., dest_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "queue_s", "prefill_s", "num_cached_tokens", "prompt_logprobs")

@@ -58,6 +58,14 @@ class RouterConfig:
     where the engine's prefix cache likely still holds it (as SGLang's and llm-d's routers do), unless
     that worker's queue is more than ``prefix_balance_tokens`` prompt tokens longer than the least
     loaded one's."""
+    kv_delta_transfers: bool = True
+    """Let a decode worker reserve the leading prompt blocks its own prefix cache holds (a conversation's earlier
+    turns, which it decoded or received) and have the prefill worker send only the rest (delta transfers, issue 47).
+    False: every prompt's whole KV is shipped (the way before)."""
+    decode_prefix_routing: bool = True
+    """Score decode workers, as prefill workers are, by the prompt blocks they hold (the KV event index) against
+    their load, so a conversation's turns return to the decode worker that holds its history (with
+    ``kv_delta_transfers``, the transfer then carries only the new turn). False: decode workers by load alone."""
     prefix_balance_tokens: int = 2048
     """How much longer a queue (in prompt tokens) prefix-aware routing accepts for a cache hit."""
     output_streams: bool = True
@@ -165,6 +173,9 @@ class RouterConfig:
                 or self.prefill_queue_max_tokens < 0):
             raise ValueError(f"prefill_queue_max_tokens must be None or an int >= 0, "
                              f"got {self.prefill_queue_max_tokens!r}")
+        for name in ("kv_delta_transfers", "decode_prefix_routing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.prefix_aware_routing, bool):
             raise ValueError(f"prefix_aware_routing must be a bool, got {self.prefix_aware_routing!r}")
         if isinstance(self.prefix_balance_tokens, bool) or not isinstance(self.prefix_balance_tokens, int) \

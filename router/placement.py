@@ -359,7 +359,8 @@ class Placer:
         unpaired = 0
         exhausted = 0
         wrid = scope.next_worker_request_id()
-        for d in sel.ranked_decode(ready, needed, self._rng):
+        ranked_d, held = self._decode_by_history(scope, sel.ranked_decode(ready, needed, self._rng))
+        for d in ranked_d:
             if away:
                 # Redis away: a pair whose group is not up could not rendezvous (it would fail after a store
                 # timeout); use a prefill worker already paired with d, in rank order, or skip d
@@ -382,6 +383,13 @@ class Placer:
                     raise scope.rpc_error(e, f"reserve on decode worker {d.worker_id}") from None
                 log.debug("request %s: decode worker %s refused reserve: %s", scope.rid, d.worker_id, e.details())
                 continue
+            expected = held.get(d.worker_id, 0) * (d.block_size or DEFAULT_BLOCK_SIZE)
+            if expected and self.cfg.kv_delta_transfers and resv.num_cached_tokens < expected:
+                m = self._metrics()
+                if m is not None:  # stale events, a restarted worker: the KV it lacks is transferred instead
+                    m.inc_decode_prefix_stale()
+                log.info("request %s: decode worker %s held %d cached prompt tokens, its KV events said %d",
+                         scope.rid, d.worker_id, resv.num_cached_tokens, expected)
             self._record_prefix(scope, p)
             sel.acquire(p.worker_id, n)
             return Placement(route=Route.PAIR, request_id=wrid, decode=d, prefill=p, reservation=resv,
@@ -397,6 +405,29 @@ class Placer:
                             f"a ready decode worker (new pairs rendezvous through Redis)", final=True,
                             empty_pool=Pool.PREFILL, fallback_reason="no_kv_pair")
         raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {scope.rid}: no decode worker reachable")
+
+    def _decode_by_history(self, scope: RequestScope, ranked: list[WorkerInfo]
+                           ) -> tuple[list[WorkerInfo], dict[str, int]]:
+        """Decode candidates (``ranked``: by load and room) reordered by the prompt blocks each holds on the KV event
+        index (a conversation's earlier turns, decoded or received there) against its load, with the prefill pool's
+        score (``score_cached``; no prefill queue term) and its random draw among near ties (no herding); and worker
+        id -> blocks the index says it holds. Load order while decode prefix routing is off, the index does not
+        follow every candidate, or none holds any block. Counted by reason."""
+        kv = self.kv_events
+        if not self.cfg.decode_prefix_routing or len(ranked) < 2 or kv is None:
+            return ranked, {}
+        used, matches = False, {}
+        if kv.connected:  # Redis away: counted once, by the prefill pool's ranking
+            reason, matches, _shared = self._matches(scope, ranked)
+            used = reason == "kv_events" and any(matches.values())
+        m = self._metrics()
+        if m is not None:
+            m.inc_decode_routing_decision("history" if used else "load")
+        if not used:
+            return ranked, {}
+        fresh = {w.worker_id: kv.load(w.worker_id) for w in ranked}
+        order = self.selector.score_cached(ranked, matches, self.weights, self._rng, fresh, {})
+        return order, matches
 
     # ---- pairs known to work -----------------------------------------------------------------------
     def store_away(self) -> bool:

@@ -48,6 +48,7 @@ class WorkerCalls:
                                       params=scope.wire_params, prefill_kv_name=prefill.kv_name,
                                       prefill_kv_cache_dtype=prefill.kv_cache_dtype,
                                       prefill_tensor_parallel_size=prefill.tensor_parallel_size,
+                                      accept_cached_prefix=cfg.kv_delta_transfers,
                                       kv_timeout_s=scope.remaining(cfg.first_token_timeout_s + cfg.transfer_timeout_s)),
             timeout=scope.remaining(cfg.reserve_timeout_s))
 
@@ -59,7 +60,8 @@ class WorkerCalls:
             worker_pb2.PrefillRequest(request_id=pl.request_id, prompt_token_ids=scope.prompt_token_ids,
                                       params=scope.wire_params, dest_kv_name=resv.kv_name,
                                       dest_block_ids=resv.block_ids, dest_block_size=resv.block_size,
-                                      dest_tensor_parallel_size=resv.tensor_parallel_size),
+                                      dest_tensor_parallel_size=resv.tensor_parallel_size,
+                                      dest_cached_tokens=resv.num_cached_tokens),
             timeout=scope.remaining(cfg.first_token_timeout_s + cfg.transfer_timeout_s))
 
     def decode(self, scope: RequestScope, pl: Placement, first: worker_pb2.FirstToken) -> Any:

@@ -194,3 +194,70 @@ def test_arrived_kv_is_in_the_prefix_cache_for_sibling_requests(checkpoint):
     assert outs["r"] == want and outs["r#1"] == want
     assert cached["r#1"] == 20  # the 5 full blocks came from the arrived KV; only 3 tokens were computed
     assert d_eng.num_free_blocks == d_eng.num_total_blocks
+
+
+def _decode_all(d_eng) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    while d_eng.has_unfinished_requests():
+        for o in d_eng.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out
+
+
+def test_a_decode_reservation_reuses_the_history_it_decoded_and_needs_only_the_rest(checkpoint):
+    """Issue 47's delta transfer, engine side: a decode engine that streamed turn 1 holds turn 1's prompt and answer
+    in its prefix cache after the request ended; ``reserve_prompt`` of turn 2 (turn 1 + answer + a new question)
+    takes those full blocks by reference and only positions from the cached count on are copied in (what a delta
+    transfer ships); the continuation equals transformers' on the whole turn-2 prompt."""
+    path, hf = checkpoint
+    p_eng = make_engine(path, block_size=BS)
+    turn1 = prompts_of([9], seed=31)[0]
+    d_eng, first = _hand_off(p_eng, path, turn1, greedy(6))
+    answer = [first] + _decode_all(d_eng)["r"]
+    assert answer == hf_greedy(hf, turn1, 6)
+    turn2 = turn1 + answer + prompts_of([5], seed=32)[0]  # 9 + 6 + 5 = 20 tokens
+    p_eng.add_request("t2", turn2, greedy(1), prefill_only=True)
+    first2 = [o.new_token_ids[0] for o in _step_all(p_eng)][0]
+    hits = d_eng.prefix_cache_hits
+    table, cached = d_eng.reserve_prompt("t2", len(turn2), turn2)
+    # turn 1's 9 prompt tokens and 5 of its answer's 6 have KV on the decode side (the last sampled token never
+    # ran through the model there): 14 tokens, 3 full blocks of 4
+    assert cached == 12 and d_eng.prefix_cache_hits - hits == 12
+    assert all(d_eng.block_manager.ref_count(b) == 1 for b in table)  # the cached ones pinned by the reservation
+    src = p_eng.get_block_table("t2")
+    for (pk, pv), (dk, dv) in zip(p_eng.kv_caches, d_eng.kv_caches):
+        for pos in range(cached, len(turn2)):
+            dk[table[pos // BS], pos % BS] = pk[src[pos // BS], pos % BS]
+            dv[table[pos // BS], pos % BS] = pv[src[pos // BS], pos % BS]
+    p_eng.release("t2")
+    d_eng.add_prefilled_request("t2", turn2, first2, greedy(8))
+    assert [first2] + _decode_all(d_eng)["t2"] == hf_greedy(hf, turn2, 8)
+    assert d_eng.num_free_blocks == d_eng.num_total_blocks
+
+
+def _step_all(eng):
+    while eng.has_unfinished_requests():
+        yield from eng.step()
+
+
+def test_a_decode_reservation_that_does_not_fit_gives_its_cached_blocks_back_and_a_wrong_prompt_is_refused(checkpoint):
+    path, _hf = checkpoint
+    d_eng = make_engine(path, block_size=BS, num_kv_blocks=7)
+    prompt = prompts_of([17], seed=33)[0]
+    d_eng.reserve_prompt("a", len(prompt), prompt)
+    d_eng.add_prefilled_request("a", prompt, 5, greedy(1))
+    _decode_all(d_eng)  # ends at once (max_tokens 1): its 4 full blocks stay cached, all 7 free
+    assert d_eng.num_free_blocks == 7
+    assert len(d_eng.reserve("filler", 8)) == 2  # fresh blocks first (least recently freed): 5 left, 4 cached
+    longer = prompt + prompts_of([8], seed=34)[0]  # 25 tokens: 7 blocks, 4 cached + 3 fresh > the 1 left
+    assert d_eng.reserve_prompt("b", len(longer), longer) is None
+    assert d_eng.num_free_blocks == 5 and sum(d_eng.block_manager.ref_count(b) for b in range(7)) == 2
+    table, cached = d_eng.reserve_prompt("c", len(prompt), prompt)
+    assert cached == 16 and len(table) == 5
+    with pytest.raises(ValueError, match="differ from the prompt reserved"):
+        d_eng.add_prefilled_request("c", [prompt[0] + 1] + prompt[1:], 5, greedy(1))
+    with pytest.raises(ValueError, match="prompt_token_ids has 3 tokens"):
+        d_eng.reserve_prompt("d", 4, prompt[:3])
+    d_eng.abort_request("c")
+    assert d_eng.num_free_blocks == 5
+    assert d_eng.reserve_prompt("e", len(prompt), None) == (d_eng.get_block_table("e"), 0)

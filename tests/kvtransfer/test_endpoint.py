@@ -422,3 +422,42 @@ def test_a_completed_send_reports_every_byte_even_when_the_ack_beats_the_sender_
     done = wait_until(lambda: p.take_completed(), timeout=5.0, interval=0.01, message="the send reported done")
     assert [(st.request_id, st.state, st.num_bytes) for st in done] == [("r", DONE, 3 * 2 * n * row)]
     assert token_checksum(src, sb, n) == token_checksum(dst, db, n)
+
+
+@pytest.mark.parametrize("first", [1, 6, 12, 20])
+def test_a_delta_transfer_moves_only_the_positions_the_receiver_lacks(pair, first):
+    """``first_token``: positions before it stay as the receiver holds them (its prefix cache's blocks); the rest
+    land exactly, in chunks or inline, whatever the two block sizes (4 and 6, so the cut falls anywhere in a block)."""
+    p, d = pair
+    spec = dict(num_layers=3, num_blocks=40, num_kv_heads=4, head_dim=64)
+    src = make_cache(CacheSpec(block_size=4, seed=5, **spec))
+    dst = make_cache(CacheSpec(block_size=6, seed=6, **spec))  # the receiver's own data, to be kept
+    before = [(k.clone(), v.clone()) for k, v in dst]
+    sb, db, n = [9, 3, 4, 5, 30, 31], [7, 8, 0, 2], 22
+    hr = d.recv("p0", "delta", dst, db, n, first_token=first)
+    hs = p.send("d0", "delta", src, sb, n, first_token=first)
+    for layer in (2, 0, 1):
+        p.layer_ready(hs, layer)
+    assert p.wait(hs, 5) == DONE, p.failure(hs)
+    assert d.wait(hr, 5) == DONE, d.failure(hr)
+    for (sk, sv), (dk, dv), (bk, bv) in zip(src, dst, before):
+        for s, t, b in ((sk, dk, bk), (sv, dv, bv)):
+            for pos in range(n):
+                got = t[db[pos // 6], pos % 6]
+                want = s[sb[pos // 4], pos % 4] if pos >= first else b[db[pos // 6], pos % 6]
+                assert torch.equal(got, want), (first, pos)
+    moved = 3 * 2 * (n - first) * 4 * 64 * 4
+    assert p.stats(hs).num_bytes == d.stats(hr).num_bytes == moved
+
+
+def test_a_delta_transfer_whose_sides_disagree_on_the_cut_is_refused(pair):
+    p, d = pair
+    src, dst = make_cache(SRC), make_cache(DST)
+    hr = d.recv("p0", "cut", dst, [0, 1, 2], 10, first_token=4)
+    hs = p.send("d0", "cut", src, [0, 1, 2], 10, first_token=0, layers_ready=True)
+    assert p.wait(hs, 5) == FAILED and d.wait(hr, 5) == FAILED
+    assert "num_tokens mismatch: sender 10, receiver 6" in d.failure(hr)
+    with pytest.raises(ValueError, match="first_token"):
+        p.send("d0", "bad", src, [0, 1, 2], 10, first_token=10)
+    with pytest.raises(ValueError, match="first_token"):
+        d.recv("p0", "bad", dst, [0, 1], 10, first_token=-1)

@@ -21,13 +21,14 @@ ROUTER_HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds
 ROUTER_COUNTERS = ["request_success", "request_errors", "prompt_tokens", "generation_tokens", "request_migrations",
                    "local_prefill_requests", "degraded_requests", "kv_events_consumed", "kv_events_rejected",
                    "kv_events_resyncs", "kv_events_redis_errors", "kv_replica_published", "kv_replica_dropped",
-                   "kv_replica_applied", "kv_cold_ties", "routing_decisions", "quota_rejections",
+                   "kv_replica_applied", "kv_cold_ties", "routing_decisions", "decode_routing_decisions",
+                   "decode_prefix_stale", "quota_rejections",
                    "stream_stalls", "redis_fallbacks"]
 ROUTER_GAUGES = ["router_requests_in_flight", "router_requests_waiting", "kv_events_consumer_lag_seconds",
                  "kv_index_blocks", "kv_index_workers"]
 WORKER_HISTOGRAMS = ["request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
                      "kv_transfer_time_seconds", "iteration_tokens_total", "kv_transfer_phase_seconds"]
-WORKER_COUNTERS = ["kv_transfer_bytes", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+WORKER_COUNTERS = ["kv_transfer_bytes", "kv_transfer_cached_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
                    "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
                    "spec_decode_num_accepted_tokens_per_pos", "kv_events_published", "kv_events_dropped"]
 WORKER_GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "tensor_parallel_rank_up"]
@@ -95,6 +96,8 @@ ROUTER_CALLS = [
     ("set_kv_events_lag", (0.5,), "kv_events_consumer_lag_seconds"),
     ("set_kv_index_size", (3, 1), "kv_index_blocks"),
     ("inc_routing_decision", ("kv_events",), "routing_decisions_total"),
+    ("inc_decode_routing_decision", ("history",), "decode_routing_decisions_total"),
+    ("inc_decode_prefix_stale", (), "decode_prefix_stale_total"),
     ("inc_quota_rejection", ("team-a", "max_concurrent"), "quota_rejections_total"),
     ("inc_stream_stall", ("grpc",), "stream_stalls_total"),
 ]
@@ -105,6 +108,7 @@ WORKER_CALLS = [
     ("observe_kv_transfer", (0.1, 8), "kv_transfer_time_seconds"),
     ("observe_kv_transfer_phases", ("send", {"wire": 0.1}), "kv_transfer_phase_seconds"),
     ("inc_kv_transfer_bytes", (8,), "kv_transfer_bytes_total"),
+    ("inc_kv_transfer_cached_tokens", (16,), "kv_transfer_cached_tokens_total"),
     ("set_prefix_cache_totals", (4, 2), "prefix_cache_queries_total"),
     ("set_running", (1,), "num_requests_running"),
     ("set_waiting", (1,), "num_requests_waiting"),
