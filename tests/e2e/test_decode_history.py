@@ -1,0 +1,173 @@
+"""KV that stays where it is used (issue 47): a conversation's turns return to the decode worker that holds its
+history, and each transfer ships only the new turn.
+
+One prefill and two decode workers (real engines on ``tiny``, real gRPC, KV over gloo) publish KV events to a real
+Redis and heartbeat into the real registry; a ``RouterServer`` reads both; requests go through its public gRPC API.
+Expected bytes are computed from first principles: the decode worker that streamed turn k-1 computed or received the
+KV of turn k-1's prompt and of every answer token but the last (which never ran through the model there), and keeps
+the full blocks of it in its prefix cache; turn k ships every other position, at the bytes per token that a whole
+first turn costs. Greedy output equals the offline engine's on every turn.
+"""
+from __future__ import annotations
+
+import threading
+import uuid
+
+import grpc
+import pytest
+
+from cluster.registry import Registry
+from decode_worker import DecodeWorker, DecodeWorkerConfig
+from engine import prefix_block_hashes
+from engine.sampling_params import SamplingParams
+from prefill_worker import PrefillWorker, PrefillWorkerConfig
+from proto import pdserve_pb2, pdserve_pb2_grpc
+from router import RouterConfig, RouterServer
+from tests.roles.harness import counter_values, engine_config, make_store, offline
+from tests.waiting import wait_until
+
+BS = 16
+MAX_TOKENS = 8
+
+
+@pytest.fixture
+def cluster(redis_url):
+    ns = f"test-dhist-{uuid.uuid4().hex[:8]}"
+    store = make_store("gloo")
+    ev = dict(kv_events_url=redis_url, kv_events_namespace=ns, kv_store=store, kv_backend="gloo",
+              transfer_timeout_s=10.0)
+    workers = []
+    registry = Registry(redis_url, ns, ttl_s=2.0)
+    stop = threading.Event()
+    router = None
+    try:
+        workers.append(PrefillWorker(PrefillWorkerConfig("p0", engine=engine_config(), **ev)).start())
+        workers += [DecodeWorker(DecodeWorkerConfig(f"d{i}", engine=engine_config(), **ev)).start() for i in range(2)]
+        for w in workers:
+            registry.register(w.info())
+
+        def beats() -> None:
+            while not stop.wait(0.25):
+                for w in workers:
+                    registry.heartbeat(w.info())
+
+        threading.Thread(target=beats, daemon=True).start()
+        router = RouterServer(RouterConfig(worker_view_refresh_s=0.1), registry).start()
+        wait_until(lambda: router.core.kv_events.num_synced() == 3, timeout=30, message="router follows 3 workers")
+        yield router, workers
+    finally:
+        stop.set()
+        if router is not None:
+            router.stop()
+        for w in workers:
+            w.stop()
+        registry.clear()
+        registry.close()
+
+
+def _sends(w) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for fam in text_string_to_metric_families(w.metrics.render().decode())
+               if fam.name == "pdserve:kv_transfer_time_seconds" for s in fam.samples if s.name.endswith("_count"))
+
+
+class Turns:
+    """Runs a conversation's turns through the router and records, per turn, the KV bytes the prefill worker sent
+    and which decode worker finished it."""
+
+    def __init__(self, router, workers):
+        self.router, self.p = router, workers[0]
+        self.decodes = {w.cfg.worker_id: w for w in workers[1:]}
+        self.done = 0
+
+    def run(self, stub, prompt: list[int]) -> tuple[list[int], float, str]:
+        before_bytes = counter_values(self.p.metrics, "pdserve:kv_transfer_bytes").get("", 0.0)
+        before = {k: w.info().requests_finished_total for k, w in self.decodes.items()}
+        resps = list(stub.Generate(pdserve_pb2.GenerateRequest(token_ids=prompt, max_tokens=MAX_TOKENS,
+                                                               temperature=0.0), timeout=60))
+        self.done += 1
+        # a prefill worker records a send when its loop next polls it, which may come after the last token
+        wait_until(lambda: _sends(self.p) == self.done, timeout=10, interval=0.01, message="the KV send recorded")
+        sent = counter_values(self.p.metrics, "pdserve:kv_transfer_bytes").get("", 0.0) - before_bytes
+        ran = [k for k, w in self.decodes.items() if w.info().requests_finished_total > before[k]]
+        assert len(ran) == 1, ran
+        return [t for r in resps for t in r.token_ids], sent, ran[0]
+
+    def wait_held(self, worker_id: str, prompt: list[int], blocks: int) -> None:
+        """Until the router's index shows ``worker_id`` holding the first ``blocks`` blocks of ``prompt``."""
+        hashes = prefix_block_hashes(prompt, BS)
+        index = self.router.core.kv_index
+        wait_until(lambda: index.match([worker_id], hashes)[worker_id] >= blocks, timeout=10,
+                   message=lambda: f"{worker_id} holds {blocks} blocks (index: {index.match([worker_id], hashes)})")
+
+
+def _question(k: int, n: int = 12) -> list[int]:
+    return [(k * 37 + j * 11) % 700 + 40 for j in range(n)]
+
+
+def test_a_conversation_returns_to_its_decode_worker_and_ships_only_the_new_turn(cluster):
+    router, workers = cluster
+    turns = Turns(router, workers)
+    prompt = [(i * 13) % 800 + 30 for i in range(5 * BS)] + _question(0)  # a system prompt and a first question
+    prompts, outs, sent, ran, cached = [], [], [], [], []
+    with grpc.insecure_channel(router.address) as ch:
+        stub = pdserve_pb2_grpc.PDServeStub(ch)
+        for k in range(4):
+            if k:
+                # the decode worker of the last turn holds its prompt and its answer but the last token
+                held = (len(prompts[-1]) + len(outs[-1]) - 1) // BS
+                prompt = prompts[-1] + outs[-1] + _question(k)
+                cached.append(min(held, (len(prompt) - 1) // BS) * BS)
+                turns.wait_held(ran[-1], prompt, held)
+            else:
+                cached.append(0)
+            out, nbytes, worker = turns.run(stub, prompt)
+            prompts.append(prompt)
+            outs.append(out)
+            sent.append(nbytes)
+            ran.append(worker)
+    per_token = sent[0] / len(prompts[0])
+    assert per_token == 4 * 2 * 2 * 64 * 4  # tiny: 4 layers x (K, V) x 2 KV heads x 64 dims x float32
+    assert ran == [ran[0]] * 4, ran  # every turn back on the worker that holds the history
+    assert [s / per_token for s in sent] == [len(p) - c for p, c in zip(prompts, cached)]
+    assert sum(sent[1:]) < 0.5 * per_token * sum(len(p) for p in prompts[1:])  # issue 47's goal, for this chat
+    holder = next(w for w in workers[1:] if w.cfg.worker_id == ran[0])
+    assert counter_values(holder.metrics, "pdserve:kv_transfer_cached_tokens") == {"": float(sum(cached))}
+    decisions = counter_values(router.core.metrics, "pdserve:decode_routing_decisions", "reason")
+    assert decisions == {"load": 1.0, "history": 3.0}
+    ref = offline(prompts, [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)] * len(prompts))
+    assert outs == [r[0] for r in ref]
+
+
+def test_a_decode_worker_that_lost_the_history_gets_the_whole_prompt_and_the_router_counts_it(cluster):
+    """The router's index still names the history on the decode worker (its cache was emptied without an event, as
+    a restart whose stream the router has not caught up with looks): the reservation finds nothing cached, the whole
+    prompt is shipped, the answer is right, and the router counts the stale belief."""
+    router, workers = cluster
+    turns = Turns(router, workers)
+    first = [(i * 17) % 800 + 30 for i in range(4 * BS)] + _question(9)
+    with grpc.insecure_channel(router.address) as ch:
+        stub = pdserve_pb2_grpc.PDServeStub(ch)
+        out1, sent1, holder_id = turns.run(stub, first)
+        second = first + out1 + _question(10)
+        held = (len(first) + len(out1) - 1) // BS
+        turns.wait_held(holder_id, second, held)
+        holder = turns.decodes[holder_id]
+
+        def forget_silently(eng) -> None:
+            bm = eng.block_manager
+            events, bm._events = bm._events, None  # no CLEARED event: the router keeps believing
+            try:
+                assert bm.reset_prefix_cache()
+            finally:
+                bm._events = events
+
+        holder.loop.call(forget_silently)
+        out2, sent2, ran2 = turns.run(stub, second)
+    assert ran2 == holder_id  # the router still believed it
+    assert sent2 == sent1 / len(first) * len(second)  # the whole prompt
+    assert counter_values(router.core.metrics, "pdserve:decode_prefix_stale") == {"": 1.0}
+    assert counter_values(holder.metrics, "pdserve:kv_transfer_cached_tokens") in ({}, {"": 0.0})
+    ref = offline([first, second], [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)] * 2)
+    assert [out1, out2] == [r[0] for r in ref]
