@@ -46,9 +46,11 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     """Whole request, when the client gives no deadline."""
     local_prefill_max_tokens: int = 0
-    """Conditional disaggregation (NVIDIA Dynamo's rule), disaggregated mode only: a prompt of at most
-    this many tokens is prefilled on the decode worker itself (its colocated ``Generate``), skipping the
-    prefill pool and the KV transfer. 0 = every prompt goes through the prefill pool."""
+    """Conditional disaggregation (NVIDIA Dynamo's rule), disaggregated mode only: a prompt with at most
+    this many tokens to compute is prefilled on the decode worker itself (its colocated ``Generate``), skipping
+    the prefill pool and the KV transfer. Tokens to compute: the prompt's, less the leading ones the best-placed
+    decode worker holds on the KV event index (with ``decode_prefix_routing``), so a conversation's short next
+    turn stays on the decode worker that holds its history. 0 = every prompt goes through the prefill pool."""
     prefill_queue_max_tokens: Optional[int] = None
     """Conditional disaggregation: when even the least-loaded ready prefill worker has at least this many
     prompt tokens queued (reported, plus this router's not yet answered), any prompt is prefilled on the

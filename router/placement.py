@@ -184,11 +184,29 @@ class Placer:
             return Route.COLOCATED
         if cfg.local_prefill_max_tokens == 0 and cfg.prefill_queue_max_tokens is None:
             return Route.PAIR
+        if n > cfg.local_prefill_max_tokens > 0:
+            n -= self._held_on_decode(scope)  # only what the best-placed decode worker lacks would be prefilled there
         backlog = None
         if cfg.prefill_queue_max_tokens is not None and n > cfg.local_prefill_max_tokens:
             backlog = self.selector.prefill_backlog(self.source.list(Pool.PREFILL.value))
         return Route.DECODE if prefill_locally(cfg.local_prefill_max_tokens, cfg.prefill_queue_max_tokens, n,
                                                backlog) else Route.PAIR
+
+    def _held_on_decode(self, scope: RequestScope) -> int:
+        """The most leading prompt tokens a ready decode worker holds, on the KV event index (0 while decode prefix
+        routing is off or the index does not follow every decode worker): conditional disaggregation weighs what a
+        local prefill would compute, so a conversation's next turn whose history the decode worker holds is
+        prefilled there, with no transfer (place_whole's prefix scoring then picks that worker)."""
+        kv = self.kv_events
+        if not self.cfg.decode_prefix_routing or kv is None or not kv.connected:
+            return 0
+        ready = [w for w in self.source.list(Pool.DECODE.value) if w.ready]
+        if not ready:
+            return 0
+        reason, matches, _shared = self._matches(scope, ready)
+        if reason != "kv_events":
+            return 0
+        return max(matches.get(w.worker_id, 0) * (w.block_size or DEFAULT_BLOCK_SIZE) for w in ready)
 
     # ---- prefix-aware routing --------------------------------------------------------------------
     def _by_prefix(self, scope: RequestScope, ranked: list[WorkerInfo]) -> list[WorkerInfo]:

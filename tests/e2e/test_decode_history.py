@@ -31,7 +31,7 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture
-def cluster(redis_url):
+def cluster(redis_url, request):
     ns = f"test-dhist-{uuid.uuid4().hex[:8]}"
     store = make_store("gloo")
     ev = dict(kv_events_url=redis_url, kv_events_namespace=ns, kv_store=store, kv_backend="gloo",
@@ -52,7 +52,8 @@ def cluster(redis_url):
                     registry.heartbeat(w.info())
 
         threading.Thread(target=beats, daemon=True).start()
-        router = RouterServer(RouterConfig(worker_view_refresh_s=0.1), registry).start()
+        router = RouterServer(RouterConfig(worker_view_refresh_s=0.1, **getattr(request, "param", {})),
+                              registry).start()
         wait_until(lambda: router.core.kv_events.num_synced() == 3, timeout=30, message="router follows 3 workers")
         yield router, workers
     finally:
@@ -171,3 +172,37 @@ def test_a_decode_worker_that_lost_the_history_gets_the_whole_prompt_and_the_rou
     assert counter_values(holder.metrics, "pdserve:kv_transfer_cached_tokens") in ({}, {"": 0.0})
     ref = offline([first, second], [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)] * 2)
     assert [out1, out2] == [r[0] for r in ref]
+
+
+@pytest.mark.parametrize("cluster", [{"local_prefill_max_tokens": BS}], indirect=True)
+def test_a_short_next_turn_whose_history_the_decode_worker_holds_is_prefilled_there(cluster):
+    """Conditional disaggregation weighs what a local prefill would compute: the second turn's prompt is far longer
+    than ``local_prefill_max_tokens``, but the decode worker holding the first turn lacks only its last block, so it
+    prefills the rest itself (no prefill request, no KV byte moved); a long new turn still goes through the pool."""
+    router, workers = cluster
+    turns = Turns(router, workers)
+    first = [(i * 19) % 800 + 30 for i in range(4 * BS)] + _question(20, 9)  # 73 tokens: above the threshold
+    with grpc.insecure_channel(router.address) as ch:
+        stub = pdserve_pb2_grpc.PDServeStub(ch)
+        out1, sent1, holder_id = turns.run(stub, first)
+        assert sent1 == len(first) * 4 * 2 * 2 * 64 * 4
+        # 85 tokens; the holder computed the KV of the first 80 (the first turn's answer but its last token): 5 full
+        # blocks, so only 5 tokens are left to compute
+        second = first + out1 + _question(21, 4)
+        turns.wait_held(holder_id, second, (len(first) + len(out1) - 1) // BS)
+        holder = turns.decodes[holder_id]
+        p_requests = workers[0].info().requests_total
+        local_before = holder.info().requests_total
+        resps = list(stub.Generate(pdserve_pb2.GenerateRequest(token_ids=second, max_tokens=MAX_TOKENS,
+                                                               temperature=0.0), timeout=60))
+        out2 = [t for r in resps for t in r.token_ids]
+        assert workers[0].info().requests_total == p_requests  # the prefill pool never saw it
+        assert holder.info().requests_total == local_before + 1
+        assert resps[-1].usage.cached_tokens == 5 * BS  # the history came from the holder's cache
+        third = second + out2 + _question(22, 3 * BS)  # a long new question: through the prefill pool again
+        out3, sent3, _ran = turns.run(stub, third)
+        assert workers[0].info().requests_total == p_requests + 1
+        assert 0 < sent3 < len(third) * 4 * 2 * 2 * 64 * 4
+    assert counter_values(router.core.metrics, "pdserve:local_prefill_requests") == {"": 1.0}
+    ref = offline([first, second, third], [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)] * 3)
+    assert [out1, out2, out3] == [r[0] for r in ref]
