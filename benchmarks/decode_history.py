@@ -1,0 +1,319 @@
+"""KV that stays where it is used (issue 47): delta transfers and decode-aware routing against shipping every
+prompt's whole KV, on multi-turn conversations through a disaggregated deployment.
+
+Workload: ``--conversations`` conversations run at once (one client thread each), each of a seeded random number
+of turns in ``--turns`` (4-8 by default) and opening with one shared system prompt; every turn re-sends the whole
+history (system prompt, earlier user turns and the greedy answers) plus a new user message, as a chat client does.
+Greedy answers depend only on the history, so both policies see the same prompts and must produce the same tokens
+(checked, printed).
+
+Deployment per run (fresh, so no run inherits another's cache): ``P`` prefill and ``D`` decode worker processes
+(real engines, one torch thread each, KV over gloo) that heartbeat into a Redis registry, publish their KV events
+and rendezvous through it; one ``RouterServer`` in this process reads the registry. Policies:
+
+- ``whole``: ``RouterConfig(kv_delta_transfers=False, decode_prefix_routing=False)``: decode workers by load, every
+  prompt's KV shipped whole (pdserve before issue 47);
+- ``delta``: the defaults: decode workers scored by the history they hold on the KV event index, and a decode
+  worker's reservation takes the leading blocks it holds so the prefill worker sends only the rest.
+
+Printed per (policy, P+D): KV bytes shipped per request (the prefill workers' ``pdserve:kv_transfer_bytes_total``:
+every byte that crossed), mean KV transfer time (``pdserve:kv_transfer_time_seconds``), client-side TTFT (mean,
+p90) and TPOT (mean), tokens the decode workers found cached (``pdserve:kv_transfer_cached_tokens_total``), and
+delta against whole in the same run. TTFT and TPOT depend on the machine's load: read them as ratios within a run.
+
+    .venv/bin/python benchmarks/decode_history.py --short           # a quick check
+    .venv/bin/python benchmarks/decode_history.py --repeat 2 --json results/decode_history.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+import traceback
+import urllib.request
+import uuid
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+POLICIES = {"whole": {"kv_delta_transfers": False, "decode_prefix_routing": False}, "delta": {}}
+
+
+def _worker_main(role: str, worker_id: str, model: str, engine_kw: dict, redis_url: str, ns: str, ready_q: Any,
+                 stop_evt: Any) -> None:
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        from cluster.registry import Registry
+        from engine.config import EngineConfig
+        from kvtransfer import StoreConfig
+
+        common = dict(worker_id=worker_id, engine=EngineConfig(model=model, num_threads=1, **engine_kw),
+                      kv_store=StoreConfig(redis_url, namespace=f"{ns}:kvt", host="127.0.0.1"), host="127.0.0.1",
+                      kv_backend="gloo", kv_events_url=redis_url, kv_events_namespace=ns)
+        if role == "prefill":
+            from prefill_worker import PrefillWorker, PrefillWorkerConfig
+
+            w = PrefillWorker(PrefillWorkerConfig(**common)).start()
+        else:
+            from decode_worker import DecodeWorker, DecodeWorkerConfig
+
+            w = DecodeWorker(DecodeWorkerConfig(**common)).start()
+        reg = Registry(redis_url, ns, ttl_s=3.0)
+        reg.register(w.info())
+    except BaseException:
+        ready_q.put(("error", traceback.format_exc()))
+        return
+    ready_q.put((worker_id, w.address))
+    try:
+        while not stop_evt.wait(0.5):
+            reg.heartbeat(w.info())
+    finally:
+        reg.deregister(worker_id)
+        w.stop()
+        reg.close()
+
+
+def _scrape(address: str) -> dict[str, float]:
+    """A worker's /metrics: the pdserve series' values summed over labels (a histogram: its _sum and _count)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith("pdserve:") and not s.name.endswith("_created") and "_bucket" not in s.name:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+class Run:
+    """One fresh deployment: P prefill and D decode worker processes, a namespace, one router of one policy."""
+
+    def __init__(self, args: argparse.Namespace, redis_url: str, policy: str, n_prefill: int) -> None:
+        from cluster.registry import Registry
+
+        self.ns = f"bench-dh-{uuid.uuid4().hex[:8]}"
+        self.registry = Registry(redis_url, self.ns, ttl_s=3.0)
+        ctx = mp.get_context("spawn")
+        self.stop_evt = ctx.Event()
+        q = ctx.Queue()
+        engine_kw = dict(num_kv_blocks=args.kv_blocks, block_size=args.block_size)
+        roles = [("prefill", f"p{i}") for i in range(n_prefill)] + [("decode", f"d{i}") for i in range(args.decodes)]
+        self.procs = [ctx.Process(target=_worker_main, args=(role, wid, args.model, engine_kw, redis_url, self.ns, q,
+                                                             self.stop_evt), daemon=True) for role, wid in roles]
+        for p in self.procs:
+            p.start()
+        for _ in self.procs:
+            got = q.get(timeout=600)
+            if got[0] == "error":
+                self.close()
+                raise RuntimeError(got[1])
+        from router import RouterConfig, RouterServer
+
+        self.router = RouterServer(RouterConfig(serve_metrics=False, worker_view_refresh_s=0.25, **POLICIES[policy]),
+                                   self.registry).start()
+        t0 = time.monotonic()
+        while self.router.core.kv_events.num_synced() < len(roles):
+            if time.monotonic() - t0 > 60:
+                raise RuntimeError("the router never followed every worker's events")
+            time.sleep(0.05)
+        import grpc
+
+        from proto import pdserve_pb2_grpc
+
+        self.channel = grpc.insecure_channel(self.router.address)
+        self.stub = pdserve_pb2_grpc.PDServeStub(self.channel)
+
+    def scrape(self, role: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for w in self.registry.list(role):
+            for k, v in _scrape(w.metrics_address).items():
+                out[k] = out.get(k, 0.0) + v
+        return out
+
+    def router_counts(self) -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(self.router.core.metrics.render().decode()):
+            if fam.name in ("pdserve:decode_routing_decisions", "pdserve:decode_prefix_stale",
+                            "pdserve:local_prefill_requests"):
+                for s in fam.samples:
+                    if s.name.endswith("_total"):
+                        key = fam.name[len("pdserve:"):] + (f"/{s.labels['reason']}" if "reason" in s.labels else "")
+                        out[key] = out.get(key, 0.0) + s.value
+        return out
+
+    def close(self) -> None:
+        if getattr(self, "channel", None) is not None:
+            self.channel.close()
+        if getattr(self, "router", None) is not None:
+            self.router.stop()
+        self.stop_evt.set()
+        for p in self.procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+        self.registry.clear()
+        self.registry.close()
+
+
+def _conversation(run: Run, c: int, turns: int, args: argparse.Namespace, system: list[int]) -> list[dict]:
+    """One conversation's turns: ttft, tpot, prompt and cached tokens, and the answer, each."""
+    from proto import pdserve_pb2
+
+    history = list(system)
+    out = []
+    for turn in range(turns):
+        history += [(c * 7919 + turn * 104729 + j * 31) % 900 + 20 for j in range(args.user_tokens)]
+        t0 = time.perf_counter()
+        first = None
+        tokens: list[int] = []
+        cached = 0
+        for r in run.stub.Generate(pdserve_pb2.GenerateRequest(token_ids=history, max_tokens=args.output_tokens,
+                                                               temperature=0.0, ignore_eos=True), timeout=600):
+            if first is None and r.token_ids:
+                first = time.perf_counter()
+            tokens += list(r.token_ids)
+            if r.HasField("usage"):
+                cached = r.usage.cached_tokens
+        end = time.perf_counter()
+        out.append({"ttft": first - t0, "tpot": (end - first) / max(1, len(tokens) - 1), "prompt": len(history),
+                    "cached": cached, "answer": tokens, "turn": turn})
+        history += tokens
+    return out
+
+
+def measure(args: argparse.Namespace, redis_url: str, policy: str, n_prefill: int) -> dict:
+    run = Run(args, redis_url, policy, n_prefill)
+    try:
+        rng = random.Random(args.seed)
+        lo, hi = args.turns
+        turns = [rng.randint(lo, hi) for _ in range(args.conversations)]
+        system = [(i * 13) % 800 + 30 for i in range(args.system_tokens)]
+        results: list[list[dict]] = [[] for _ in range(args.conversations)]
+        errors: list[str] = []
+
+        def one(c: int) -> None:
+            try:
+                results[c] = _conversation(run, c, turns[c], args, system)
+            except Exception as e:  # noqa: BLE001 - reported below, the run is then invalid
+                errors.append(f"conversation {c}: {e!r}")
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(c,)) for c in range(args.conversations)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        time.sleep(1.0)  # a prefill worker records a send when its loop next polls it
+        pre, dec = run.scrape("prefill"), run.scrape("decode")
+        counts = run.router_counts()
+    finally:
+        run.close()
+    flat = [t for conv in results for t in conv]
+    later = [t for t in flat if t["turn"] > 0]
+    sends = pre.get("pdserve:kv_transfer_time_seconds_count", 0.0)
+    ttft = sorted(t["ttft"] for t in flat)
+    later_ttft = sorted(t["ttft"] for t in later)
+    return {
+        "policy": policy, "topology": f"{n_prefill}P+{args.decodes}D", "requests": len(flat), "wall_s": wall,
+        "prompt_tokens": sum(t["prompt"] for t in flat),
+        "kv_bytes": pre.get("pdserve:kv_transfer_bytes_total", 0.0),
+        "kv_bytes_per_request": pre.get("pdserve:kv_transfer_bytes_total", 0.0) / max(1, len(flat)),
+        "kv_sends": sends, "kv_transfer_mean_ms": 1e3 * pre.get("pdserve:kv_transfer_time_seconds_sum", 0.0)
+        / max(1.0, sends),
+        "decode_cached_tokens": dec.get("pdserve:kv_transfer_cached_tokens_total", 0.0),
+        "ttft_mean_ms": 1e3 * statistics.mean(ttft), "ttft_p90_ms": 1e3 * ttft[int(0.9 * (len(ttft) - 1))],
+        "later_ttft_p90_ms": 1e3 * later_ttft[int(0.9 * (len(later_ttft) - 1))] if later_ttft else 0.0,
+        "tpot_mean_ms": 1e3 * statistics.mean(t["tpot"] for t in flat),
+        "hit_rate": sum(t["cached"] for t in flat) / max(1, sum(t["prompt"] for t in flat)),
+        "router": counts, "answers": [[t["answer"] for t in conv] for conv in results],
+    }
+
+
+def main() -> None:
+    from loadtest.machine import machine_info
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--prefills", default="1,2", help="prefill pool sizes to run, comma-separated")
+    ap.add_argument("--decodes", type=int, default=2)
+    ap.add_argument("--conversations", type=int, default=8, help="conversations at once (one client thread each)")
+    ap.add_argument("--turns", type=int, nargs=2, default=(4, 8), metavar=("MIN", "MAX"))
+    ap.add_argument("--system-tokens", type=int, default=256)
+    ap.add_argument("--user-tokens", type=int, default=32)
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--kv-blocks", type=int, default=1024, help="KV blocks per worker")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0, help="seeds the turns per conversation")
+    ap.add_argument("--redis-url", default=None, help="default: an embedded redis-server")
+    ap.add_argument("--short", action="store_true", help="a quick run: 4 conversations of 4 turns, 1P+2D")
+    ap.add_argument("--repeat", type=int, default=1, help="run every row this many times (interleaved)")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args()
+    prefills = [int(x) for x in args.prefills.split(",")]
+    if args.short:
+        args.conversations, args.turns, prefills = 4, (4, 4), [1]
+    server = None
+    redis_url = args.redis_url
+    if redis_url is None:
+        from cluster.redis_server import EmbeddedRedis
+
+        server = EmbeddedRedis().start()
+        redis_url = server.url
+    rows = []
+    try:
+        for _rep in range(args.repeat):
+            for n_p in prefills:
+                for policy in POLICIES:
+                    row = measure(args, redis_url, policy, n_p)
+                    rows.append(row)
+                    print(f"{policy:<6} {row['topology']:<6} requests={row['requests']} "
+                          f"kv_bytes/request={row['kv_bytes_per_request'] / 1024:.1f}KiB "
+                          f"kv_transfer_mean={row['kv_transfer_mean_ms']:.2f}ms "
+                          f"ttft_mean={row['ttft_mean_ms']:.1f}ms ttft_p90={row['ttft_p90_ms']:.1f}ms "
+                          f"later_ttft_p90={row['later_ttft_p90_ms']:.1f}ms tpot_mean={row['tpot_mean_ms']:.2f}ms "
+                          f"decode_cached_tokens={row['decode_cached_tokens']:.0f} hit_rate={row['hit_rate']:.3f} "
+                          f"router={row['router']} wall={row['wall_s']:.1f}s", flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+    for n_p in prefills:
+        topo = f"{n_p}P+{args.decodes}D"
+        whole = [r for r in rows if r["topology"] == topo and r["policy"] == "whole"]
+        delta = [r for r in rows if r["topology"] == topo and r["policy"] == "delta"]
+        same = all(w["answers"] == d["answers"] for w in whole for d in delta)
+
+        def mean(rs: list[dict], k: str) -> float:
+            return statistics.mean(r[k] for r in rs)
+
+        print(f"{topo}: delta vs whole over {len(delta)} run(s): KV bytes x{mean(delta, 'kv_bytes') / mean(whole, 'kv_bytes'):.3f} "
+              f"({1 - mean(delta, 'kv_bytes') / mean(whole, 'kv_bytes'):.1%} saved), "
+              f"transfer time x{mean(delta, 'kv_transfer_mean_ms') / mean(whole, 'kv_transfer_mean_ms'):.2f}, "
+              f"TTFT mean x{mean(delta, 'ttft_mean_ms') / mean(whole, 'ttft_mean_ms'):.2f}, "
+              f"TTFT p90 x{mean(delta, 'ttft_p90_ms') / mean(whole, 'ttft_p90_ms'):.2f}, "
+              f"TPOT x{mean(delta, 'tpot_mean_ms') / mean(whole, 'tpot_mean_ms'):.2f}; "
+              f"greedy answers equal between policies: {same}")
+    info = machine_info()
+    print(f"machine: {info}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items()}, "rows": rows, "machine": info}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
