@@ -153,7 +153,7 @@ class RouterMetrics(ComponentMetrics):
         self._series["kv_index_workers"].set(check_count("kv_index_workers", workers))
 
     def inc_decode_routing_decision(self, reason: str) -> None:
-        """A decode worker ranked for a pair (``reason``: "history" or "load")."""
+        """A decode worker ranked for a pair (``reason``: "history", "mirror" or "load")."""
         self._child("decode_routing_decisions_total", check_label("reason", reason)).inc()
 
     def inc_decode_prefix_stale(self) -> None:

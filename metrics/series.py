@@ -133,8 +133,10 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
                                 "reason"),
     "decode_routing_decisions_total": (ROUTER, "counter", "Decode worker choices by what ranked them (reason: "
                                        "history = the prompt blocks each holds on the KV event index against its "
-                                       "load, load = by load and free blocks alone: no candidate holds any, the "
-                                       "index does not follow them all, or decode prefix routing is off).", "reason"),
+                                       "load, mirror = the same on this router's record of what it reserved where "
+                                       "while the index does not follow every candidate, load = by load and free "
+                                       "blocks alone: no candidate holds any, Redis unavailable, or decode prefix "
+                                       "routing off).", "reason"),
     "decode_prefix_stale_total": (ROUTER, "counter", "Reservations on a decode worker that held fewer of the prompt's "
                                   "blocks than the KV event index said (stale events, a restarted worker): what it "
                                   "lacked was transferred instead.", None),

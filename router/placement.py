@@ -408,6 +408,9 @@ class Placer:
                     m.inc_decode_prefix_stale()
                 log.info("request %s: decode worker %s held %d cached prompt tokens, its KV events said %d",
                          scope.rid, d.worker_id, resv.num_cached_tokens, expected)
+            if self.prefixes is not None and self.cfg.prefix_aware_routing and self.cfg.decode_prefix_routing:
+                # the mirror's guess of what d holds once the KV lands (the index's is d's own events)
+                self.prefixes.record(d.worker_id, scope.prefix_hashes(d.block_size or DEFAULT_BLOCK_SIZE))
             self._record_prefix(scope, p)
             sel.acquire(p.worker_id, n)
             return Placement(route=Route.PAIR, request_id=wrid, decode=d, prefill=p, reservation=resv,
@@ -426,26 +429,29 @@ class Placer:
 
     def _decode_by_history(self, scope: RequestScope, ranked: list[WorkerInfo]
                            ) -> tuple[list[WorkerInfo], dict[str, int]]:
-        """Decode candidates (``ranked``: by load and room) reordered by the prompt blocks each holds on the KV event
-        index (a conversation's earlier turns, decoded or received there) against its load, with the prefill pool's
-        score (``score_cached``; no prefill queue term) and its random draw among near ties (no herding); and worker
-        id -> blocks the index says it holds. Load order while decode prefix routing is off, the index does not
-        follow every candidate, or none holds any block. Counted by reason."""
-        kv = self.kv_events
-        if not self.cfg.decode_prefix_routing or len(ranked) < 2 or kv is None:
+        """Decode candidates (``ranked``: by load and room) reordered by the prompt blocks each holds (a
+        conversation's earlier turns, decoded or received there) against its load, with the prefill pool's score
+        (``score_cached``; no prefill queue term) and its random draw among near ties (no herding); and worker id ->
+        blocks the KV event index says it holds ({} when the mirror guessed). The blocks come from the KV event index
+        while it follows every candidate, else from this router's mirror of what it reserved where; load order while
+        decode prefix routing is off, Redis is unavailable, or no candidate holds a block. Counted by reason."""
+        if not (self.cfg.decode_prefix_routing and self.cfg.prefix_aware_routing) or self.prefixes is None \
+                or len(ranked) < 2:
             return ranked, {}
-        used, matches = False, {}
-        if kv.connected:  # Redis away: counted once, by the prefill pool's ranking
-            reason, matches, _shared = self._matches(scope, ranked)
-            used = reason == "kv_events" and any(matches.values())
+        kv = self.kv_events
+        reason, matches = "load", {}
+        if kv is None or kv.connected is not False:  # Redis away: counted once, by the prefill pool's ranking
+            source, matches, _shared = self._matches(scope, ranked)
+            if any(matches.values()):
+                reason = "history" if source == "kv_events" else "mirror"
         m = self._metrics()
         if m is not None:
-            m.inc_decode_routing_decision("history" if used else "load")
-        if not used:
+            m.inc_decode_routing_decision(reason)
+        if reason == "load":
             return ranked, {}
-        fresh = {w.worker_id: kv.load(w.worker_id) for w in ranked}
+        fresh = {w.worker_id: kv.load(w.worker_id) for w in ranked} if reason == "history" else None
         order = self.selector.score_cached(ranked, matches, self.weights, self._rng, fresh, {})
-        return order, matches
+        return order, (matches if reason == "history" else {})
 
     # ---- pairs known to work -----------------------------------------------------------------------
     def store_away(self) -> bool:

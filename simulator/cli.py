@@ -59,6 +59,10 @@ def add_deployment_args(p: argparse.ArgumentParser, pools: bool = True) -> None:
         g.add_argument("--prefill-queue-max-tokens", type=int, default=None, metavar="N",
                        help="conditional disaggregation: prefill on the decode worker while the prefill pool has "
                             "N prompt tokens queued")
+        g.add_argument("--no-kv-delta-transfers", dest="kv_delta_transfers", action="store_false",
+                       help="ship every prompt's whole KV, even what the decode worker holds from earlier turns")
+        g.add_argument("--no-decode-prefix-routing", dest="decode_prefix_routing", action="store_false",
+                       help="pick decode workers by load alone, not by the history they hold")
         g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                        help="ranks of every worker (priced by the --profile taken at N; default 1)")
         g.add_argument("--prefill-tp", type=int, default=None, metavar="N",
@@ -93,7 +97,9 @@ def sim_config_from_args(args: argparse.Namespace, **over: Any) -> SimConfig:
               prefill_queue_max_tokens=args.prefill_queue_max_tokens, max_num_requests=args.max_num_requests,
               kv_link=args.kv_link, workers_per_host=args.workers_per_host, seed=args.seed,
               tensor_parallel_size=args.tensor_parallel_size, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
-              rank_memory_bytes=args.rank_memory_bytes)
+              rank_memory_bytes=args.rank_memory_bytes,
+              kv_delta_transfers=getattr(args, "kv_delta_transfers", True),
+              decode_prefix_routing=getattr(args, "decode_prefix_routing", True))
     kw.update(over)
     return SimConfig(**kw)
 
@@ -163,7 +169,9 @@ def simulation_block(cfg: SimConfig, pools: dict[str, PoolStats], duration: floa
     return {"deployment": cfg.label(), "pdserve_up_flags": cfg.up_flags(profiles), "num_workers": cfg.num_workers,
             "num_ranks": cfg.num_ranks, "tensor_parallel": {r: cfg.pool_tp(r) for r in cfg.roles},
             "pools": {role: {"workers": s.workers, "utilisation": s.utilisation(duration), "steps": s.steps,
-                             "tokens": s.tokens} for role, s in pools.items()},
+                             "tokens": s.tokens,
+                             **({"kv_bytes_received": s.kv_bytes_received, "kv_cached_tokens": s.kv_cached_tokens}
+                                if role == "decode" else {})} for role, s in pools.items()},
             "profile": {"model": profile.model, "dtype": profile.dtype, "quantization": profile.quantization,
                         "device": profile.device, "threads": profile.threads,
                         **{k: profile.meta.get(k) for k in ("pdserve_commit", "date", "device_name")}},

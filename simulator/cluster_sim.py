@@ -88,6 +88,12 @@ class SimConfig:
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
     enable_prefix_caching: bool = True
     prefix_aware_routing: bool = True
+    kv_delta_transfers: bool = True
+    """The router's rule (issue 47): a decode reservation takes the prompt's leading blocks the decode worker's cache
+    holds and only the rest is transferred (and priced on the link)."""
+    decode_prefix_routing: bool = True
+    """The router's rule: decode workers ranked by the prompt blocks they hold (the simulation's router has no KV
+    event stream: its mirror of where it reserved what) against their load."""
     local_prefill_max_tokens: int = 0
     prefill_queue_max_tokens: Optional[int] = None
     max_num_requests: int = 192
@@ -225,6 +231,10 @@ class SimConfig:
                 f += f" --local-prefill-max-tokens {self.local_prefill_max_tokens}"
             if self.prefill_queue_max_tokens is not None:
                 f += f" --prefill-queue-max-tokens {self.prefill_queue_max_tokens}"
+            if not self.kv_delta_transfers:
+                f += " --no-kv-delta-transfers"
+            if not self.decode_prefix_routing:
+                f += " --no-decode-prefix-routing"
         tps = {r: self.pool_tp(r) for r in self.roles}
         if len(set(tps.values())) == 1:
             tp = next(iter(tps.values()))
@@ -431,11 +441,13 @@ class _SimStub:
 
     def Reserve(self, req: worker_pb2.ReserveRequest, timeout: float = 0.0) -> worker_pb2.ReserveResponse:
         eng = self.worker.engine
-        blocks = eng.reserve(req.request_id, len(req.prompt_token_ids))
+        prompt = list(req.prompt_token_ids)
+        got = eng.reserve_prompt(req.request_id, len(prompt), prompt if req.accept_cached_prefix else None)
         self.worker.changed()
-        if blocks is None:
+        if got is None:
             raise StatusRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.worker.worker_id}: too few free blocks")
-        return worker_pb2.ReserveResponse(block_ids=blocks, block_size=eng.block_size, kv_name=self.worker.worker_id)
+        return worker_pb2.ReserveResponse(block_ids=got[0], block_size=eng.block_size, kv_name=self.worker.worker_id,
+                                          num_cached_tokens=got[1])
 
 
 class _SimClients:
@@ -472,6 +484,10 @@ class PoolStats:
     busy_s: float
     steps: int
     tokens: int
+    kv_bytes_received: float = 0.0
+    """Decode pool: KV bytes that arrived by transfer (the prefill pool's ``kv_transfer_bytes_total``)."""
+    kv_cached_tokens: int = 0
+    """Decode pool: prompt tokens its reservations found cached, so not transferred (delta transfers)."""
 
     def utilisation(self, duration_s: float) -> float:
         return self.busy_s / (self.workers * duration_s) if self.workers and duration_s > 0 else 0.0
@@ -493,6 +509,10 @@ class Simulation:
         self._tick = itertools.count()
         self.num_blocks = {r: cfg.kv_blocks(p) for r, p in self.role_profiles.items()}
         """KV blocks of each pool's workers."""
+        self.kv_bytes = 0.0
+        """KV bytes every transfer so far shipped (all its rank pairs together)."""
+        self.kv_cached_tokens = 0
+        """Prompt tokens decode reservations found cached, so not shipped."""
         self.transfer_ranks = min(cfg.pool_tp("prefill"), cfg.pool_tp("decode"))
         """Rank pairs a prefill-to-decode transfer runs on at once (its bytes split among them)."""
         self.workers: dict[str, SimWorker] = {}
@@ -531,7 +551,8 @@ class Simulation:
                             max_rpc_threads=max(256, cfg.max_num_requests + 1),
                             local_prefill_max_tokens=cfg.local_prefill_max_tokens,
                             prefill_queue_max_tokens=cfg.prefill_queue_max_tokens,
-                            queue_timeout_s=cfg.queue_timeout_s, prefix_aware_routing=cfg.prefix_aware_routing)
+                            queue_timeout_s=cfg.queue_timeout_s, prefix_aware_routing=cfg.prefix_aware_routing,
+                            kv_delta_transfers=cfg.kv_delta_transfers, decode_prefix_routing=cfg.decode_prefix_routing)
         self.selector = WorkerSelector()
         # the router's own WorkerCalls builds the Reserve; the simulated stub answers it from the engine
         self.placer = Placer(rcfg, _SimSource(self), self.selector, WorkerCalls(rcfg, _SimClients(self)),
@@ -585,6 +606,9 @@ class Simulation:
             s.busy_s += w.runner.busy_seconds
             s.steps += w.engine.num_steps
             s.tokens += w.engine.num_scheduled_tokens
+        if "decode" in out:
+            out["decode"].kv_bytes_received = self.kv_bytes
+            out["decode"].kv_cached_tokens = self.kv_cached_tokens
         return out
 
     # -- a request ------------------------------------------------------------------------------
@@ -651,7 +675,11 @@ class Simulation:
             pw.handlers.pop(wid, None)
             pw.unprefilled.pop(wid, None)
             self._tokens(f, 1)
-            nbytes = len(prompt) * self.profile.kv_bytes_per_token / self.transfer_ranks
+            # a delta transfer ships what the decode worker's cache lacked
+            cached = p.reservation.num_cached_tokens
+            self.kv_bytes += (len(prompt) - cached) * self.profile.kv_bytes_per_token
+            self.kv_cached_tokens += cached
+            nbytes = (len(prompt) - cached) * self.profile.kv_bytes_per_token / self.transfer_ranks
             L = self.profile.num_layers
             done = max(self.now + self.link.seconds(nbytes / L), self.now - step_s + self.link.seconds(nbytes))
             self.at(done, lambda: kv_arrived(done))

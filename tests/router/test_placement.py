@@ -271,3 +271,63 @@ def test_redis_away_pairs_only_over_kv_pairs_already_up():
         pl.pair_result(f"gone-{i}", "d0", True)
     pl.pair_result("p0", "d0", True)
     assert pl._pairs == {("p0", "d0")}
+
+
+def test_decode_workers_are_ranked_by_the_history_they_hold_on_the_index_then_the_mirror_then_load():
+    """Issue 47: a pair's decode worker is the one holding the prompt's blocks (the index while it follows every
+    candidate, else this router's mirror of its own reservations) unless its load outweighs them; a reservation
+    that finds fewer cached tokens than the index said is counted stale; decode prefix routing off: load only."""
+    from engine import prefix_block_hashes
+    from metrics import RouterMetrics
+    from prometheus_client.parser import text_string_to_metric_families
+    from proto import worker_pb2
+    from router.kv_index import KVIndex
+    from router.prefix_index import PrefixIndex
+
+    class _Calls:
+        cached = 0
+
+        def reserve(self, scope, wrid, d, p):
+            return worker_pb2.ReserveResponse(block_ids=[0], block_size=16, kv_name=d.worker_id,
+                                              num_cached_tokens=self.cached)
+
+    ws = [_w("p0", "prefill"), _w("d0", "decode", running=1), _w("d1", "decode")]
+    index, mirror, calls = KVIndex(), PrefixIndex(), _Calls()
+    events = _Events(index, {"p0", "d0", "d1"})
+    metrics = RouterMetrics("tiny", process_collectors=False)
+
+    def placer(prefixes: PrefixIndex = mirror, **cfg) -> Placer:
+        rcfg = RouterConfig(serve_metrics=False, kv_pending_s=0.0, **cfg)
+        return Placer(rcfg, StaticWorkerSource(ws), WorkerSelector(), calls, prefixes=prefixes, kv_events=events,
+                      metrics=lambda: metrics)
+
+    pl = placer()
+    s = _scope(n_tokens=200)  # 12 full blocks looked up
+
+    def pick(p: Placer = pl) -> str:
+        got = p._try_pair(s, set())
+        p.release(got, s)
+        return got.decode.worker_id
+
+    assert pick(placer(PrefixIndex())) == "d1"  # nobody holds a block: load order (d0 runs a request)
+    index.store("d0", prefix_block_hashes(s.prompt_token_ids, 16))
+    calls.cached = 12 * 16
+    assert pick() == "d0"  # 12 held blocks beat one running request (2 blocks)
+    calls.cached = 0  # d0 lost them (a restart the index has not seen)
+    assert pick() == "d0"
+    assert placer(decode_prefix_routing=False)._try_pair(_scope(n_tokens=200, rid="off"), set()).decode.worker_id \
+        == "d1"
+    events._synced = {"p0", "d1"}  # d0's stream out of sync: the mirror, which recorded d0's reservations above
+    assert pick() == "d0"
+    events.connected = False  # Redis unavailable: load only (over pairs already up)
+    pl.pair_result("p0", "d0", True)
+    pl.pair_result("p0", "d1", True)
+    assert pick() == "d1"
+    counts: dict = {}
+    for fam in text_string_to_metric_families(metrics.render().decode()):
+        for smp in fam.samples:
+            if fam.name == "pdserve:decode_routing_decisions" and smp.name.endswith("_total"):
+                counts[smp.labels["reason"]] = smp.value
+            elif fam.name == "pdserve:decode_prefix_stale" and smp.name.endswith("_total"):
+                counts["stale"] = smp.value
+    assert counts == {"load": 2.0, "history": 2.0, "mirror": 1.0, "stale": 1.0}

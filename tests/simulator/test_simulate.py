@@ -378,3 +378,21 @@ def test_profile_round_trips_its_corun_model():
     bad["corun"]["ratio"] = -1
     with pytest.raises(ValueError, match="corun: ratio"):
         Profile.from_dict(bad)
+
+
+@pytest.mark.parametrize("delta", [True, False])
+def test_a_second_turn_ships_only_what_its_decode_worker_lacks(delta):
+    """Issue 47 in the simulator: turn 2 (turn 1's prompt and 40 new tokens, after turn 1 ended) goes back to turn
+    1's decode worker (the router's mirror of its own reservations; the other decode worker is idle) and its transfer
+    carries the 140 tokens less the 6 full blocks of 16 that worker holds from turn 1's prompt (its answer's tokens
+    differ from turn 2's: the simulation samples a fixed token); without delta transfers, all 140."""
+    turn1 = list(range(100))
+    reqs = [SimRequest("t1", 0.0, turn1, 4), SimRequest("t2", 5.0, turn1 + list(range(5000, 5040)), 4)]
+    sim, recs = run(SimConfig(prefill=1, decode=2, kv_delta_transfers=delta, decode_prefix_routing=delta), reqs)
+    assert all(r.success for r in recs)
+    stats = sim.pool_stats()["decode"]
+    cached = 96 if delta else 0
+    assert (stats.kv_cached_tokens, stats.kv_bytes_received) == (cached, (100 + 140 - cached) * KVB)
+    if delta:
+        busy = [w for w in sim.workers.values() if w.role == "decode" and w.engine.num_steps]
+        assert len(busy) == 1  # both turns decoded on one worker
