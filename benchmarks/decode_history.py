@@ -21,8 +21,18 @@ every byte that crossed), mean KV transfer time (``pdserve:kv_transfer_time_seco
 p90) and TPOT (mean), tokens the decode workers found cached (``pdserve:kv_transfer_cached_tokens_total``), and
 delta against whole in the same run. TTFT and TPOT depend on the machine's load: read them as ratios within a run.
 
+At scale (``--simulate PROFILE``): the same rule in ``pdserve simulate``'s cluster simulation, with the profile's
+step and link costs, on an open-loop stream of such conversations (``--rate`` new conversations a second, a turn
+``--think-s`` after the previous one's arrival; the simulated engines sample a fixed token, so a decode worker's
+cache matches a next turn's prompt over the previous prompt only, not its answer: the saving is underestimated).
+Printed per policy: KV bytes per request, p50/p90 TTFT, p90 time to the second token (the first token needs no
+KV; the second waits for it), p90 TPOT, and the ratios.
+
     .venv/bin/python benchmarks/decode_history.py --short           # a quick check
     .venv/bin/python benchmarks/decode_history.py --repeat 2 --json results/decode_history.json
+    .venv/bin/python benchmarks/decode_history.py --simulate docs/profiles/h200-llama-8b-shape-bf16.json \
+        --prefills 2 --decodes 6 --rate 2 --conversations 200 --system-tokens 1024 --user-tokens 256 \
+        --output-tokens 128
 """
 from __future__ import annotations
 
@@ -179,6 +189,7 @@ def _conversation(run: Run, c: int, turns: int, args: argparse.Namespace, system
         first = None
         tokens: list[int] = []
         cached = 0
+        timings = (0.0, 0.0, 0.0)
         for r in run.stub.Generate(pdserve_pb2.GenerateRequest(token_ids=history, max_tokens=args.output_tokens,
                                                                temperature=0.0, ignore_eos=True), timeout=600):
             if first is None and r.token_ids:
@@ -186,9 +197,11 @@ def _conversation(run: Run, c: int, turns: int, args: argparse.Namespace, system
             tokens += list(r.token_ids)
             if r.HasField("usage"):
                 cached = r.usage.cached_tokens
+            if r.HasField("timings"):
+                timings = (r.timings.queue_s, r.timings.prefill_s, r.timings.kv_transfer_s)
         end = time.perf_counter()
         out.append({"ttft": first - t0, "tpot": (end - first) / max(1, len(tokens) - 1), "prompt": len(history),
-                    "cached": cached, "answer": tokens, "turn": turn})
+                    "cached": cached, "answer": tokens, "turn": turn, "timings": timings})
         history += tokens
     return out
 
@@ -220,6 +233,7 @@ def measure(args: argparse.Namespace, redis_url: str, policy: str, n_prefill: in
             raise RuntimeError("; ".join(errors))
         time.sleep(1.0)  # a prefill worker records a send when its loop next polls it
         pre, dec = run.scrape("prefill"), run.scrape("decode")
+        spread = sorted(w.requests_finished_total for w in run.registry.list("decode"))
         counts = run.router_counts()
     finally:
         run.close()
@@ -239,9 +253,55 @@ def measure(args: argparse.Namespace, redis_url: str, policy: str, n_prefill: in
         "ttft_mean_ms": 1e3 * statistics.mean(ttft), "ttft_p90_ms": 1e3 * ttft[int(0.9 * (len(ttft) - 1))],
         "later_ttft_p90_ms": 1e3 * later_ttft[int(0.9 * (len(later_ttft) - 1))] if later_ttft else 0.0,
         "tpot_mean_ms": 1e3 * statistics.mean(t["tpot"] for t in flat),
+        # the router's own phases (Timings on the last message): admission -> prefill started (Reserve, the
+        # prefill worker's queue), the prefill, the KV transfer
+        "queue_mean_ms": 1e3 * statistics.mean(t["timings"][0] for t in flat),
+        "prefill_mean_ms": 1e3 * statistics.mean(t["timings"][1] for t in flat),
+        "router_kv_transfer_mean_ms": 1e3 * statistics.mean(t["timings"][2] for t in flat),
         "hit_rate": sum(t["cached"] for t in flat) / max(1, sum(t["prompt"] for t in flat)),
-        "router": counts, "answers": [[t["answer"] for t in conv] for conv in results],
+        "decode_requests": spread, "router": counts, "answers": [[t["answer"] for t in conv] for conv in results],
     }
+
+
+def simulate(args: argparse.Namespace, n_prefill: int) -> list[dict]:
+    """Both policies in the cluster simulation (``--simulate``): one row each."""
+    from loadtest.stats import percentile, tpot_s, ttft_s
+    from simulator.cluster_sim import SimConfig, SimRequest, Simulation
+    from simulator.costs import load_profiles
+
+    profiles = load_profiles([args.simulate])
+    rng = random.Random(args.seed)
+    lo, hi = args.turns
+    system = [(i * 13) % 30000 + 30 for i in range(args.system_tokens)]
+    reqs, t = [], 0.0
+    for c in range(args.conversations):
+        t += rng.expovariate(args.rate)
+        history = list(system)
+        for turn in range(rng.randint(lo, hi)):
+            history = history + [rng.randrange(30, 30000) for _ in range(args.user_tokens)]
+            if len(history) >= profiles.base.max_model_len - args.output_tokens:
+                break
+            reqs.append(SimRequest(f"c{c}-t{turn}", t + turn * args.think_s, list(history), args.output_tokens))
+            history = history + [rng.randrange(30, 30000) for _ in range(args.output_tokens)]  # the answer
+    reqs.sort(key=lambda r: r.arrival_s)
+    rows = []
+    for policy, kw in POLICIES.items():
+        cfg = SimConfig(prefill=n_prefill, decode=args.decodes, seed=args.seed, max_num_requests=100000, **kw)
+        sim = Simulation(profiles, cfg)
+        t0 = time.perf_counter()
+        recs = sim.run(reqs)
+        ok = [r for r in recs if r.success]
+        dec = sim.pool_stats()["decode"]
+        second = [r.chunk_times_s[1] - r.start_s for r in ok if len(r.chunk_times_s) > 1]
+        rows.append({"policy": policy, "topology": f"{n_prefill}P+{args.decodes}D (simulated)", "requests": len(recs),
+                     "failed": len(recs) - len(ok), "kv_bytes_per_request": dec.kv_bytes_received / max(1, len(recs)),
+                     "kv_cached_tokens": dec.kv_cached_tokens,
+                     "ttft_p50_ms": 1e3 * percentile([ttft_s(r) for r in ok], 50),
+                     "ttft_p90_ms": 1e3 * percentile([ttft_s(r) for r in ok], 90),
+                     "second_token_p90_ms": 1e3 * percentile(second, 90),
+                     "tpot_p90_ms": 1e3 * percentile([x for x in (tpot_s(r) for r in ok) if x is not None], 90),
+                     "wall_s": time.perf_counter() - t0})
+    return rows
 
 
 def main() -> None:
@@ -263,10 +323,32 @@ def main() -> None:
     ap.add_argument("--short", action="store_true", help="a quick run: 4 conversations of 4 turns, 1P+2D")
     ap.add_argument("--repeat", type=int, default=1, help="run every row this many times (interleaved)")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--simulate", default=None, metavar="PROFILE",
+                    help="run the cluster simulation with this `pdserve profile` instead of real workers")
+    ap.add_argument("--rate", type=float, default=1.0, help="--simulate: new conversations a second (Poisson)")
+    ap.add_argument("--think-s", type=float, default=20.0, help="--simulate: seconds between a conversation's turns")
+    ap.add_argument("--policies", default="whole,delta",
+                    help="policies in the order each repetition runs them (default whole,delta)")
     args = ap.parse_args()
+    args.policies = [x for x in args.policies.split(",") if x]
+    if sorted(args.policies) != sorted(POLICIES):
+        ap.error(f"--policies must name {', '.join(POLICIES)} once each")
     prefills = [int(x) for x in args.prefills.split(",")]
     if args.short:
         args.conversations, args.turns, prefills = 4, (4, 4), [1]
+    if args.simulate:
+        rows = [row for n_p in prefills for row in simulate(args, n_p)]
+        for row in rows:
+            print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+        for a, b in zip(rows[::2], rows[1::2]):
+            print(f"{b['topology']}: delta vs whole: KV bytes x{b['kv_bytes_per_request'] / a['kv_bytes_per_request']:.3f}, "
+                  f"TTFT p90 x{b['ttft_p90_ms'] / a['ttft_p90_ms']:.2f}, second token p90 "
+                  f"x{b['second_token_p90_ms'] / a['second_token_p90_ms']:.2f}, "
+                  f"TPOT p90 x{b['tpot_p90_ms'] / a['tpot_p90_ms']:.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        return
     server = None
     redis_url = args.redis_url
     if redis_url is None:
@@ -278,7 +360,7 @@ def main() -> None:
     try:
         for _rep in range(args.repeat):
             for n_p in prefills:
-                for policy in POLICIES:
+                for policy in args.policies:
                     row = measure(args, redis_url, policy, n_p)
                     rows.append(row)
                     print(f"{policy:<6} {row['topology']:<6} requests={row['requests']} "
@@ -286,8 +368,10 @@ def main() -> None:
                           f"kv_transfer_mean={row['kv_transfer_mean_ms']:.2f}ms "
                           f"ttft_mean={row['ttft_mean_ms']:.1f}ms ttft_p90={row['ttft_p90_ms']:.1f}ms "
                           f"later_ttft_p90={row['later_ttft_p90_ms']:.1f}ms tpot_mean={row['tpot_mean_ms']:.2f}ms "
+                          f"phases: queue={row['queue_mean_ms']:.1f}ms prefill={row['prefill_mean_ms']:.1f}ms "
+                          f"kv={row['router_kv_transfer_mean_ms']:.1f}ms "
                           f"decode_cached_tokens={row['decode_cached_tokens']:.0f} hit_rate={row['hit_rate']:.3f} "
-                          f"router={row['router']} wall={row['wall_s']:.1f}s", flush=True)
+                          f"decode_requests={row['decode_requests']} router={row['router']} wall={row['wall_s']:.1f}s", flush=True)
     finally:
         if server is not None:
             server.stop()
