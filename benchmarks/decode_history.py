@@ -286,14 +286,16 @@ def simulate(args: argparse.Namespace, n_prefill: int) -> list[dict]:
     reqs.sort(key=lambda r: r.arrival_s)
     rows = []
     for policy, kw in POLICIES.items():
-        cfg = SimConfig(prefill=n_prefill, decode=args.decodes, seed=args.seed, max_num_requests=100000, **kw)
+        cfg = SimConfig(prefill=n_prefill, decode=args.decodes, seed=args.seed, max_num_requests=100000,
+                        kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs, **kw)
         sim = Simulation(profiles, cfg)
         t0 = time.perf_counter()
         recs = sim.run(reqs)
         ok = [r for r in recs if r.success]
         dec = sim.pool_stats()["decode"]
         second = [r.chunk_times_s[1] - r.start_s for r in ok if len(r.chunk_times_s) > 1]
-        rows.append({"policy": policy, "topology": f"{n_prefill}P+{args.decodes}D (simulated)", "requests": len(recs),
+        errors = sorted({r.error for r in recs if not r.success})
+        rows.append({"policy": policy, "errors": errors[:3], "topology": f"{n_prefill}P+{args.decodes}D (simulated)", "requests": len(recs),
                      "failed": len(recs) - len(ok), "kv_bytes_per_request": dec.kv_bytes_received / max(1, len(recs)),
                      "kv_cached_tokens": dec.kv_cached_tokens,
                      "ttft_p50_ms": 1e3 * percentile([ttft_s(r) for r in ok], 50),
@@ -327,6 +329,9 @@ def main() -> None:
                     help="run the cluster simulation with this `pdserve profile` instead of real workers")
     ap.add_argument("--rate", type=float, default=1.0, help="--simulate: new conversations a second (Poisson)")
     ap.add_argument("--think-s", type=float, default=20.0, help="--simulate: seconds between a conversation's turns")
+    ap.add_argument("--kv-cache-memory-bytes", type=int, default=30_000_000_000,
+                    help="--simulate: KV cache per worker (default 30 GB, docs/capacity.md's GPU tables)")
+    ap.add_argument("--max-num-seqs", type=int, default=256, help="--simulate: running sequences per engine")
     ap.add_argument("--policies", default="whole,delta",
                     help="policies in the order each repetition runs them (default whole,delta)")
     args = ap.parse_args()
