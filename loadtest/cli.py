@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(--backend openai; the HTTP API does not report it)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="draw random prompt ids from [0, N) (--backend openai; instead of --tokenizer)")
+    p.add_argument("--pdserve-timings", action="store_true",
+                   help="--backend openai against pdserve: ask for its TTFT phases (the pdserve_timings extension) "
+                        "and print their percentiles, as the gRPC backend always does")
     add_client_auth_args(p)
     _, load, out = add_workload_args(p)  # the client-only flags join its groups
     load.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
@@ -336,7 +339,7 @@ async def _bench(args: argparse.Namespace) -> int:
                     limits.max_new_tokens)
     cfg = ClientConfig(target=args.target, temperature=args.temperature,
                        max_concurrency=args.max_concurrency, request_timeout_s=args.request_timeout,
-                       auth=args.auth)
+                       auth=args.auth, pdserve_timings=args.pdserve_timings)
 
     if args.num_warmups:
         # vLLM's warm-up: copies of the first request, at once (under the cap), before the clock starts.

@@ -45,6 +45,9 @@ class ClientConfig:
     """gRPC deadline of each Generate call."""
     auth: ClientAuth = field(default_factory=ClientAuth)
     """API key and TLS settings (``transport.client_auth``); the default is a plaintext channel without a key."""
+    pdserve_timings: bool = False
+    """OpenAI backend: ask pdserve's ``pdserve_timings`` extension for the server's TTFT phases (the gRPC API always
+    sends them)."""
 
 
 def check_target(target: str) -> str:
@@ -128,6 +131,12 @@ async def _send_one(stub: pb_grpc.PDServeStub, req: BenchRequest, cfg: ClientCon
                     rec.finish_reason = resp.finish_reason
                 if resp.HasField("usage"):
                     usage_tokens = resp.usage.completion_tokens
+                if resp.HasField("timings"):
+                    tm = resp.timings
+                    rec.ttft_phases_s = {"placement": tm.placement_s, "worker_queue": tm.worker_queue_s,
+                                         "prefill": tm.prefill_s,
+                                         "delivery": max(0.0, tm.ttft_s - tm.placement_s - tm.worker_queue_s
+                                                         - tm.prefill_s)}
             # E2EL ends at the last message, not at the stream's trailing status (vLLM: most_recent_timestamp).
             rec.end_s = last_msg_s
             rec.output_tokens = usage_tokens or sum(rec.chunk_tokens)

@@ -29,7 +29,7 @@ import httpx
 
 from transport.client_auth import ClientAuth
 from loadtest.client import ClientConfig, scheduled, send_all
-from loadtest.stats import RequestRecord
+from loadtest.stats import TTFT_PHASES, RequestRecord
 from loadtest.workload import BenchRequest
 
 log = logging.getLogger(__name__)
@@ -103,16 +103,20 @@ async def fetch_openai_info(base_url: str, timeout_s: float = 30.0, auth: Option
             return str(data[0]["id"]), int(data[0].get("max_model_len") or 0)
 
 
-def completion_body(req: BenchRequest, model: str, temperature: float) -> dict:
-    """The ``/v1/completions`` body of one benchmark request."""
-    return {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "ignore_eos": True,
+def completion_body(req: BenchRequest, model: str, temperature: float, pdserve_timings: bool = False) -> dict:
+    """The ``/v1/completions`` body of one benchmark request (``pdserve_timings``: ask pdserve's extension for the
+    server's breakdown of TTFT in the usage chunk; other servers would not know the field)."""
+    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "ignore_eos": True,
             "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+    if pdserve_timings:
+        body["pdserve_timings"] = True
+    return body
 
 
 async def _send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest, cfg: ClientConfig,
                     t0: float, sem: Optional[asyncio.Semaphore]) -> RequestRecord:
     async with scheduled(req, t0, sem) as rec:
-        body = completion_body(req, model, cfg.temperature)
+        body = completion_body(req, model, cfg.temperature, cfg.pdserve_timings)
         rec.start_s = time.perf_counter() - t0
         usage_tokens = 0
         texts: list[str] = []
@@ -144,6 +148,9 @@ async def _send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchR
                             rec.finish_reason = choice["finish_reason"]
                     if data.get("usage"):
                         usage_tokens = int(data["usage"].get("completion_tokens") or 0)
+                        timings = data["usage"].get("pdserve_timings") or []
+                        if timings and isinstance(timings[0], dict):
+                            rec.ttft_phases_s = {ph: float(timings[0].get(f"{ph}_s", 0.0)) for ph in TTFT_PHASES}
 
         try:
             await asyncio.wait_for(stream(), cfg.request_timeout_s)

@@ -67,6 +67,13 @@ def summary_table(summary: dict, settings: dict) -> Table:
         t.add_row(f"Median {short} (ms)", _fmt(summary[f"median_{key}_ms"]))
         for p in pcts:
             t.add_row(f"{p.upper()} {short} (ms)", _fmt(summary[f"{p}_{key}_ms"]))
+    phases = summary.get("ttft_phases_ms")
+    if phases:  # pdserve's breakdown of its own TTFT: mean / median / percentiles of each part
+        t.add_section()
+        t.add_row("[bold]TTFT by phase (server side, ms)[/bold]", "mean / median / " + " / ".join(
+            k.upper() for k in next(iter(phases.values())) if k not in ("mean", "median")))
+        for ph, st in phases.items():
+            t.add_row(f"  {ph}", " / ".join(_fmt(v) for v in st.values()))
     return t
 
 

@@ -58,6 +58,13 @@ class RequestRecord:
     """The text streamed back (vLLM's ``generated_texts``)."""
     token_ids: list[int] = field(default_factory=list)
     """The token ids streamed back (gRPC backend), in order: what a check against the offline engine compares."""
+    ttft_phases_s: dict[str, float] = field(default_factory=dict)
+    """Where the server says this request's TTFT went (pdserve's Timings: placement, worker_queue, prefill,
+    delivery; the gRPC backend always, the OpenAI one with ``--pdserve-timings``); empty when it did not say."""
+
+
+TTFT_PHASES = ("placement", "worker_queue", "prefill", "delivery")
+"""TTFT's parts as pdserve reports them (``router.events.Timings.phases``): they add up to the server's TTFT."""
 
 
 def ttft_s(rec: RequestRecord) -> Optional[float]:
@@ -226,6 +233,13 @@ def summarize(records: list[RequestRecord], duration_s: float, percentiles: Iter
         out[f"std_{name}_ms"] = float(np.std(ms)) if ms else 0.0
         for p in percentiles:
             out[f"p{_pword(p)}_{name}_ms"] = percentile(ms, p)
+    phased = [r.ttft_phases_s for r in ok if r.ttft_phases_s]
+    if phased:  # the server's own breakdown of TTFT (pdserve's extension; not in vLLM's result)
+        out["ttft_phases_ms"] = {
+            ph: {"mean": float(np.mean([d.get(ph, 0.0) * 1e3 for d in phased])),
+                 "median": percentile([d.get(ph, 0.0) * 1e3 for d in phased], 50),
+                 **{f"p{_pword(p)}": percentile([d.get(ph, 0.0) * 1e3 for d in phased], p) for p in percentiles}}
+            for ph in TTFT_PHASES}
     return out
 
 

@@ -152,6 +152,12 @@ class RouterMetrics(ComponentMetrics):
         self._series["kv_index_blocks"].set(check_count("kv_index_blocks", blocks))
         self._series["kv_index_workers"].set(check_count("kv_index_workers", workers))
 
+    def observe_ttft_phases(self, phases: dict[str, float]) -> None:
+        """One request's TTFT by part (``phase`` -> seconds: ``router.events.Timings.phases``)."""
+        for phase, seconds in phases.items():
+            self._child("ttft_phase_seconds", check_label("phase", phase)).observe(
+                check_seconds(f"ttft_{phase}", seconds))
+
     def inc_decode_routing_decision(self, reason: str) -> None:
         """A decode worker ranked for a pair (``reason``: "history", "mirror" or "load")."""
         self._child("decode_routing_decisions_total", check_label("reason", reason)).inc()

@@ -131,6 +131,11 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
                                 "(reason: kv_events, mirror = the router-local mirror while a candidate has no "
                                 "event stream in sync, load_only = prefix routing off or Redis unavailable).",
                                 "reason"),
+    "ttft_phase_seconds": (ROUTER, "histogram", "Where each request's time to first token went (phase: placement = "
+                           "router receive -> the call that prefills it: the router's queue, choosing workers, the "
+                           "decode Reserve; worker_queue = the prefilling worker's queue; prefill = the prefill "
+                           "itself; delivery = the first token's way back to the client stream). The phases of a "
+                           "request add up to its TTFT.", Labelled((TTFT_BUCKETS, ("phase",)))),
     "decode_routing_decisions_total": (ROUTER, "counter", "Decode worker choices by what ranked them (reason: "
                                        "history = the prompt blocks each holds on the KV event index against its "
                                        "load, mirror = the same on this router's record of what it reserved where "

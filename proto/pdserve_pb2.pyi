@@ -119,20 +119,24 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "ttft_s", "total_s", "decode_s")
+    __slots__ = ("queue_s", "prefill_s", "kv_transfer_s", "ttft_s", "total_s", "decode_s", "placement_s", "worker_queue_s")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_S_FIELD_NUMBER: _ClassVar[int]
+    WORKER_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     kv_transfer_s: float
     ttft_s: float
     total_s: float
     decode_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., decode_s: _Optional[float] = ...) -> None: ...
+    placement_s: float
+    worker_queue_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., total_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., placement_s: _Optional[float] = ..., worker_queue_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "logprobs", "finish_reason", "usage", "timings", "index", "score", "cum_logprob", "prompt_logprobs")

@@ -40,6 +40,20 @@ class Timings:
     """First token -> last token."""
     ttft_s: float = 0.0
     total_s: float = 0.0
+    placement_s: float = 0.0
+    """Arrival -> the call that prefills it: the router's queue, choosing workers, the decode Reserve."""
+    worker_queue_s: float = 0.0
+    """That call -> its prompt scheduled on the worker."""
+
+    @property
+    def delivery_s(self) -> float:
+        """The rest of TTFT: the first token's way from the worker to the router's client stream."""
+        return max(0.0, self.ttft_s - self.placement_s - self.worker_queue_s - self.prefill_s)
+
+    def phases(self) -> dict[str, float]:
+        """TTFT's parts (``pdserve:ttft_phase_seconds``'s phases), seconds; they add up to ``ttft_s``."""
+        return {"placement": self.placement_s, "worker_queue": self.worker_queue_s, "prefill": self.prefill_s,
+                "delivery": self.delivery_s}
 
 
 @dataclass

@@ -451,10 +451,12 @@ class HttpApi:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             out = oa.EventStream(rid, chat, model, n_prompt, detok, include_usage, plan.parser, echo,
                                  1 if body.use_beam_search else body.n, echo_first)
+            out.with_timings = body.pdserve_timings
             return _StallCutResponse(self._sse(events, out), self._stalls, self._count_stall,
                                      media_type="text/event-stream")
         whole = oa.ResponseBody(rid, chat, core.limits.model_name, len(choices) * body.n, n_prompt, detok,
                                 plan.parser, echo, 1 if body.use_beam_search else body.n, echo_first)
+        whole.with_timings = body.pdserve_timings
         return await self._collect(events, whole)
 
     @staticmethod

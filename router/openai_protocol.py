@@ -89,6 +89,10 @@ class _Sampling(ConstraintFields):
     early_stopping: Optional[Union[bool, str]] = None
     prompt_logprobs: Optional[int] = None
     """vLLM's: each prompt token's logprob and the top-k (not with stream, as in vLLM; 0 there is ignored)."""
+    # pdserve's extras
+    pdserve_timings: bool = False
+    """pdserve's: the usage block (the response's, or the streamed usage chunk's) gets ``pdserve_timings``, one
+    object per prompt with where its time went (``timings_json``: TTFT's phases, the KV transfer, decode)."""
 
 
 class CompletionRequest(_Sampling):
@@ -335,11 +339,25 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage_json(usages: list[Usage], prompt_tokens: int) -> dict:
+def usage_json(usages: list[Usage], prompt_tokens: int, timings: Optional[list] = None) -> dict:
+    """OpenAI's usage block; with ``timings`` (``pdserve_timings`` asked for), pdserve's phases of each prompt."""
     completion = sum(u.completion_tokens for u in usages)
     cached = max((u.cached_tokens for u in usages), default=0)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+           "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    if timings is not None:
+        out["pdserve_timings"] = [timings_json(t) for t in timings]
+    return out
+
+
+def timings_json(t: Any) -> dict:
+    """A flow's ``router.events.Timings`` as the ``pdserve_timings`` extension shows it: seconds, TTFT's parts
+    (placement + worker_queue + prefill + delivery = ttft), then the KV transfer and the decode."""
+    if t is None:
+        return {}
+    return {"ttft_s": t.ttft_s, "placement_s": t.placement_s, "worker_queue_s": t.worker_queue_s,
+            "prefill_s": t.prefill_s, "delivery_s": t.delivery_s, "kv_transfer_s": t.kv_transfer_s,
+            "decode_s": t.decode_s, "total_s": t.total_s}
 
 
 def completion_logprobs(ev: FlowEvent, detok: Any, offset: int) -> Optional[dict]:
@@ -454,6 +472,9 @@ class ResponseBody:
         self.logprobs: list[Optional[dict]] = [None] * n
         self.prompt_logprobs: list[Optional[list]] = [None] * n
         self.usages: list[Usage] = []
+        self.timings: list = []
+        self.with_timings = False
+        """``pdserve_timings`` asked for: the usage block carries each prompt's timings."""
         self._n_per, self._echo_first = n_per_prompt, echo_first
 
     def add(self, idx: int, ev: FlowEvent) -> None:
@@ -477,6 +498,7 @@ class ResponseBody:
             self.reasons[idx] = ev.finish_reason
         if ev.usage is not None:  # the last event of a flow: its choices' tokens together
             self.usages.append(ev.usage)
+            self.timings.append(ev.timings)
 
     def _message(self, i: int) -> tuple[dict, Optional[str]]:
         text, reason = self.texts[i], self.reasons[i]
@@ -507,7 +529,7 @@ class ResponseBody:
                     c["prompt_logprobs"] = prompt_logprobs_json(lps, self._detok)
             obj = "text_completion"
         body = {"id": self.rid, "object": obj, "created": created(), "model": self.model, "choices": choices,
-                "usage": usage_json(self.usages, self.n_prompt)}
+                "usage": usage_json(self.usages, self.n_prompt, self.timings if self.with_timings else None)}
         if self.chat and self.prompt_logprobs[0] is not None:  # vLLM's: the one prompt's, top level
             body["prompt_logprobs"] = prompt_logprobs_json(self.prompt_logprobs[0], self._detok)
         return body
@@ -536,6 +558,9 @@ class EventStream:
         self._started: set[int] = set()
         self._offsets: dict[int, int] = {}
         self.usages: list[Usage] = []
+        self.timings: list = []
+        self.with_timings = False
+        """``pdserve_timings`` asked for: the usage chunk carries each prompt's timings."""
         self._n_per, self._echo_first = n_per_prompt, echo_first
         self._prompt_lps: dict[int, list] = {}
         """First choice of a prompt -> its prompt logprobs (they come on that choice's first event)."""
@@ -582,6 +607,7 @@ class EventStream:
             lp = chat_logprobs(ev, self._detok)
             if ev.usage is not None:
                 self.usages.append(ev.usage)
+                self.timings.append(ev.timings)
             if not first and len(delta) == 0 and reason is None and lp is None:
                 return ""  # held back by the tool parser (the start of a tag, a call's name)
             choice = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": reason}
@@ -605,6 +631,7 @@ class EventStream:
             choice = {"index": idx, "text": text, "finish_reason": ev.finish_reason, "logprobs": lp}
             if ev.usage is not None:
                 self.usages.append(ev.usage)
+                self.timings.append(ev.timings)
         return self._data([choice])
 
     @staticmethod
@@ -613,5 +640,6 @@ class EventStream:
 
     def end(self) -> list[str]:
         """The closing events: the usage chunk (when asked for) and ``[DONE]``."""
-        tail = [self._data([], usage_json(self.usages, self.n_prompt))] if self.include_usage else []
+        usage = usage_json(self.usages, self.n_prompt, self.timings if self.with_timings else None)
+        tail = [self._data([], usage)] if self.include_usage else []
         return tail + [self.DONE]

@@ -38,11 +38,27 @@ class PromptTokensDetails(_Open):
     cached_tokens: int
 
 
+class PdserveTimings(_Open):
+    """pdserve's ``pdserve_timings`` extension (asked for with the request's ``pdserve_timings: true``): seconds;
+    ttft_s = placement_s + worker_queue_s + prefill_s + delivery_s."""
+
+    ttft_s: float
+    placement_s: float
+    worker_queue_s: float
+    prefill_s: float
+    delivery_s: float
+    kv_transfer_s: float
+    decode_s: float
+    total_s: float
+
+
 class UsageInfo(_Open):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: Optional[PromptTokensDetails] = None
+    pdserve_timings: Optional[list[PdserveTimings]] = None
+    """One per prompt, only when the request set ``pdserve_timings``."""
 
 
 class FunctionCall(_Open):

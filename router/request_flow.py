@@ -170,8 +170,10 @@ class RequestFlow:
         self.cached_tokens = cached
         t = self.timings
         t.queue_s, t.prefill_s, t.ttft_s = (t_call - self.scope.t0) + worker_queue_s, prefill_s, now - self.scope.t0
+        t.placement_s, t.worker_queue_s = max(0.0, t_call - self.scope.t0), max(0.0, worker_queue_s)
         if self.deps.metrics is not None:
             self.deps.metrics.observe_ttft(t.ttft_s)
+            self.deps.metrics.observe_ttft_phases(t.phases())
 
     def _emit(self, index: int, token_ids: Sequence[int], wire_logprobs: Sequence[Any], finish_reason: str = "",
               always: bool = False, wire_prompt_logprobs: Sequence[Any] = ()) -> Optional[FlowEvent]:

@@ -68,7 +68,8 @@ def render(ev: FlowEvent) -> pdserve_pb2.GenerateResponse:
         t = ev.timings
         resp.timings.CopyFrom(pdserve_pb2.Timings(queue_s=t.queue_s, prefill_s=t.prefill_s,
                                                   kv_transfer_s=t.kv_transfer_s, decode_s=t.decode_s,
-                                                  ttft_s=t.ttft_s, total_s=t.total_s))
+                                                  ttft_s=t.ttft_s, total_s=t.total_s, placement_s=t.placement_s,
+                                                  worker_queue_s=t.worker_queue_s))
     return resp
 
 

@@ -46,7 +46,8 @@ def test_openai_backend_against_real_router(http_cluster, tmp_path, monkeypatch,
                "--random-output-len", "6", "--num-prompts", "8", "--num-warmups", "2", "--max-concurrency", "4",
                "--request-rate", "40", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles",
                "50,90,99", "--label", "oa-test", "--metadata", "run=ci", "commit=abc", "--save-result",
-               "--result-dir", str(tmp_path / "results"), "--disable-tqdm", "--request-timeout", "60"])
+               "--result-dir", str(tmp_path / "results"), "--disable-tqdm", "--request-timeout", "60",
+               "--pdserve-timings"])
     after = http_cluster.router_counters()
     files = list((tmp_path / "results").glob("*.json"))
     assert len(files) == 1, files
@@ -76,6 +77,12 @@ def test_openai_backend_against_real_router(http_cluster, tmp_path, monkeypatch,
     assert after["pdserve:generation_tokens_total"] - before.get("pdserve:generation_tokens_total", 0) == 10 * 6
     out = capsys.readouterr().out
     assert "warm-up: 2 of 2 request(s) completed" in out and "P90 TTFT (ms)" in out and "oa-test" in out
+    # --pdserve-timings: the server's TTFT phases came back in the usage chunks and were summarized and printed
+    phases = res["ttft_phases_ms"]
+    assert list(phases) == ["placement", "worker_queue", "prefill", "delivery"]
+    assert phases["prefill"]["p90"] >= phases["prefill"]["median"] > 0
+    assert sum(st["mean"] for st in phases.values()) <= res["mean_ttft_ms"]
+    assert "TTFT by phase" in out
 
 
 def test_openai_backend_without_key_is_refused(http_cluster, monkeypatch, capsys):

@@ -131,6 +131,11 @@ def test_bench_synthetic(cluster, tmp_path):
     assert delta["pdserve:prompt_tokens_total"] == 320
     assert delta["pdserve:generation_tokens_total"] == 48
     assert (tmp_path / "plots" / "latency_cdf.png").stat().st_size > 5000
+    # the server's breakdown of its TTFT (gRPC Timings): every phase, adding up to no more than the client's TTFT
+    phases = res["ttft_phases_ms"]
+    assert list(phases) == ["placement", "worker_queue", "prefill", "delivery"]
+    assert phases["prefill"]["median"] > 0 and all(st["mean"] >= 0 for st in phases.values())
+    assert sum(st["mean"] for st in phases.values()) <= res["mean_ttft_ms"]
 
 
 def test_bench_trace_slice(cluster, tmp_path):

@@ -17,7 +17,7 @@ from tests.metrics.helpers import LABELS, ROUTER, component, families, router, s
 
 ROUTER_HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
                      "request_time_per_output_token_seconds", "request_prompt_tokens", "request_generation_tokens",
-                     "request_params_n", "request_params_max_tokens"]
+                     "request_params_n", "request_params_max_tokens", "ttft_phase_seconds"]
 ROUTER_COUNTERS = ["request_success", "request_errors", "prompt_tokens", "generation_tokens", "request_migrations",
                    "local_prefill_requests", "degraded_requests", "kv_events_consumed", "kv_events_rejected",
                    "kv_events_resyncs", "kv_events_redis_errors", "kv_replica_published", "kv_replica_dropped",
@@ -97,6 +97,7 @@ ROUTER_CALLS = [
     ("set_kv_index_size", (3, 1), "kv_index_blocks"),
     ("inc_routing_decision", ("kv_events",), "routing_decisions_total"),
     ("inc_decode_routing_decision", ("history",), "decode_routing_decisions_total"),
+    ("observe_ttft_phases", ({"placement": 0.01, "prefill": 0.02},), "ttft_phase_seconds"),
     ("inc_decode_prefix_stale", (), "decode_prefix_stale_total"),
     ("inc_quota_rejection", ("team-a", "max_concurrent"), "quota_rejections_total"),
     ("inc_stream_stall", ("grpc",), "stream_stalls_total"),

@@ -182,3 +182,58 @@ def test_n3_with_seed_is_reproducible_and_shares_one_prefill(roles, client):
                                       extra_body={"ignore_eos": True})
     assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == want
     assert r.usage.completion_tokens == 18 and r.usage.prompt_tokens == 41
+
+
+def _router_hist(roles, name: str) -> dict[str, tuple[float, float]]:
+    """label value ("" when none) -> (count, sum) of a router histogram, from the router's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://{roles.router.http_address}/metrics", timeout=10).text
+    out: dict[str, list[float]] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name != name:
+            continue
+        for s in fam.samples:
+            key = s.labels.get("phase", "")
+            if s.name.endswith("_count"):
+                out.setdefault(key, [0.0, 0.0])[0] += s.value
+            elif s.name.endswith("_sum"):
+                out.setdefault(key, [0.0, 0.0])[1] += s.value
+    return {k: (c, v) for k, (c, v) in out.items()}
+
+
+def test_ttft_phases_add_up_in_the_response_the_grpc_timings_and_the_router_histogram(roles, client):
+    """Issue 48 part 2: asked with ``pdserve_timings``, the usage block says where each prompt's TTFT went
+    (placement + worker queue + prefill + delivery = TTFT, each >= 0; prefill and the KV transfer > 0 on this
+    disaggregated pair), streamed or not, and not unless asked; the gRPC API's last message carries the same
+    phases; the router's ``pdserve:ttft_phase_seconds`` observes each phase once a request, and the phases' sums
+    move by what TTFT's does."""
+    from proto import pdserve_pb2
+
+    phases = ("placement", "worker_queue", "prefill", "delivery")
+    before_phases = _router_hist(roles, "pdserve:ttft_phase_seconds")
+    before_ttft = _router_hist(roles, "pdserve:time_to_first_token_seconds")[""]
+    r = client.completions.create(model="tiny", prompt="def mul(a, b):", max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True, "pdserve_timings": True})
+    [t] = r.usage.model_extra["pdserve_timings"]
+    assert all(t[f"{p}_s"] >= 0 for p in phases)
+    assert sum(t[f"{p}_s"] for p in phases) == pytest.approx(t["ttft_s"], abs=1e-9)
+    assert t["prefill_s"] > 0 and t["kv_transfer_s"] > 0 and t["total_s"] >= t["ttft_s"] > 0
+    chunks = list(client.completions.create(model="tiny", prompt="def sub(a, b):", max_tokens=4, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True, "pdserve_timings": True}))
+    [ts] = chunks[-1].usage.model_extra["pdserve_timings"]
+    assert sum(ts[f"{p}_s"] for p in phases) == pytest.approx(ts["ttft_s"], abs=1e-9) and ts["prefill_s"] > 0
+    plain = client.completions.create(model="tiny", prompt="def div(a, b):", max_tokens=4, temperature=0)
+    assert "pdserve_timings" not in (plain.usage.model_extra or {})
+    last = list(roles.stub.Generate(pdserve_pb2.GenerateRequest(prompt="def neg(a):", max_tokens=4,
+                                                                temperature=0.0), timeout=60,
+                                    metadata=(("authorization", f"Bearer {KEY}"),)))[-1].timings
+    assert last.placement_s + last.worker_queue_s + last.prefill_s <= last.ttft_s and last.prefill_s > 0
+    assert last.queue_s == pytest.approx(last.placement_s + last.worker_queue_s, abs=1e-9)
+    after_phases = _router_hist(roles, "pdserve:ttft_phase_seconds")
+    after_ttft = _router_hist(roles, "pdserve:time_to_first_token_seconds")[""]
+    counts = {p: after_phases[p][0] - before_phases.get(p, (0.0, 0.0))[0] for p in phases}
+    assert counts == {p: 4.0 for p in phases}  # four requests, each phase once
+    moved = sum(after_phases[p][1] - before_phases.get(p, (0.0, 0.0))[1] for p in phases)
+    assert moved == pytest.approx(after_ttft[1] - before_ttft[1], rel=1e-6, abs=1e-9)

@@ -193,7 +193,7 @@ def test_conditional_disaggregation_and_the_fallback_when_the_prefill_pool_is_em
     deps = router_parts([p0, d0], metrics=FakeMetrics(), local_prefill_max_tokens=64)
     evs = list(_flow(deps, max_tokens=1).run())  # 40 prompt tokens <= 64: prefilled on the decode worker
     assert evs[-1].usage.cached_tokens == 16 and p0.calls == [] and d0.called("Reserve") == []
-    assert deps.metrics.counts == {"inc_local_prefill": 1, "observe_ttft": 1}
+    assert deps.metrics.counts == {"inc_local_prefill": 1, "observe_ttft": 1, "observe_ttft_phases": 1}
     # no prefill worker at all: the decode pool serves it whole, counted as degraded ("no_prefill")
     d1 = FakeWorker(info("d1", "decode"), generate=lambda req: FakeStream([chunk([3], "length")]))
     deps = router_parts([d1], metrics=FakeMetrics())
