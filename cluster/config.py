@@ -73,6 +73,9 @@ class ClusterConfig:
     same memory; ``pdserve plan`` recommends them)."""
     router_overrides: dict = field(default_factory=dict)
     """Extra router.config.RouterConfig fields."""
+    otlp_traces_endpoint: Optional[str] = None
+    """OpenTelemetry collector every worker exports its request spans to (the router's is in ``router_overrides``;
+    ``--otlp-traces-endpoint`` sets both)."""
     ttl_s: float = 3.0
     """Registry TTL: a silent worker leaves routing after this long."""
     heartbeat_interval_s: float = 1.0
@@ -224,7 +227,8 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
         kv_store = dataclasses.replace(kv_store, host=host)
     common = dict(worker_id=worker_id, engine=engine, kv_store=kv_store, host=host, node_id=node_id,
                   cluster_secret=cfg.cluster_secret, cluster_tls=cfg.cluster_tls, model_name=cfg.served_model_name,
-                  metrics_port=worker_metrics_port(), kv_backend="nccl" if cuda else "gloo")
+                  metrics_port=worker_metrics_port(), kv_backend="nccl" if cuda else "gloo",
+                  otlp_traces_endpoint=cfg.otlp_traces_endpoint)
     if isinstance(kv_store, StoreConfig) and kv_store.url.startswith(("redis://", "rediss://", "unix://")):
         # KV events go to the cluster's Redis under its namespace (the rendezvous is "{namespace}:kvt")
         common.update(kv_events_url=kv_store.url, kv_events_namespace=kv_store.namespace.removesuffix(":kvt"))

@@ -207,6 +207,10 @@ def add_cluster_args(p: argparse.ArgumentParser, *, ray: bool = True, split: boo
                         "certificate must name DNS:pdserve-cluster.internal); docs/security.md")
     p.add_argument("--cluster-cert", default=None, metavar="FILE", help="PEM certificate every member presents")
     p.add_argument("--cluster-key", default=None, metavar="FILE", help="PEM key of --cluster-cert")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="HOST:PORT",
+                   help="OpenTelemetry: export every request's trace (the router's span and its phases, continued on "
+                        "each worker it crossed; a client's W3C traceparent is continued) to this OTLP/gRPC "
+                        "collector, e.g. localhost:4317 (needs the otel extra; default: no tracing)")
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for SERVING")
     p.add_argument("--log-level", default="WARNING", help="Python log level (default WARNING)")
 
@@ -252,7 +256,8 @@ def pool_config_kwargs(args: argparse.Namespace) -> dict:
                 pool_tensor_parallel={role: n for role, n in (("prefill", args.prefill_tp),
                                                               ("decode", args.decode_tp)) if n is not None},
                 pool_num_kv_blocks={role: n for role, n in (("prefill", args.prefill_num_kv_blocks),
-                                                            ("decode", args.decode_num_kv_blocks)) if n is not None})
+                                                            ("decode", args.decode_num_kv_blocks)) if n is not None},
+                otlp_traces_endpoint=getattr(args, "otlp_traces_endpoint", None))
 
 
 def engine_overrides(args: argparse.Namespace, checked_only: bool = False) -> dict:
@@ -304,6 +309,8 @@ def router_overrides(args: argparse.Namespace) -> dict:
         out["output_streams"] = False
     if not getattr(args, "kv_events", True):
         out["kv_events"] = False
+    if getattr(args, "otlp_traces_endpoint", None):
+        out["otlp_traces_endpoint"] = args.otlp_traces_endpoint
     for name in ("kv_replica_sync", "kv_delta_transfers", "decode_prefix_routing"):
         if not getattr(args, name, True):
             out[name] = False

@@ -140,8 +140,8 @@ class ChoiceRequestSet(RequestSet[R]):
         if req.choices is not None:
             self._groups.setdefault(req.choices.root, req.choices).held.add(req.request_id)
 
-    def _take(self, request_id: str) -> Optional[R]:
-        req = super()._take(request_id)
+    def _take(self, request_id: str, error: Optional[str] = None) -> Optional[R]:
+        req = super()._take(request_id, error)
         if req is not None and req.choices is not None:
             group = self._groups.get(req.choices.root)
             if group is not None:

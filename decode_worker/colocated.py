@@ -112,6 +112,12 @@ class LocalRequests(ChoiceRequestSet[_LocalReq]):
     def free(self, req: _LocalReq) -> None:
         self.ctx.engine.abort_request(req.request_id)
 
+    def trace_phases(self, req: _LocalReq, now: float) -> list:
+        scheduled = req.scheduled or (req.first_at and req.arrived)
+        return [("worker.queue", req.arrived, scheduled, {}),
+                ("worker.prefill", scheduled, req.first_at, {"gen_ai.usage.prompt_tokens": req.prompt_len}),
+                ("worker.decode", req.first_at, now if req.first_at is not None else None, {})]
+
 
 class GenerateServicer:
     """The colocated ``Generate`` RPC, for a ``WorkerBase`` with a ``local: LocalRequests`` (the colocated and
@@ -133,7 +139,8 @@ class GenerateServicer:
         if siblings and request.resume_token_ids:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"siblings cannot be combined with resume_token_ids (request {rid})")
-        req = _LocalReq(rid, prompt_len=len(request.prompt_token_ids) + len(request.resume_token_ids))
+        req = _LocalReq(rid, prompt_len=len(request.prompt_token_ids) + len(request.resume_token_ids),
+                        trace=w.trace_start(f"{w.role}_worker.generate", context, rid))
         ids, resume = list(request.prompt_token_ids), list(request.resume_token_ids)
         if siblings:
             req.prompt, req.siblings = ids, siblings

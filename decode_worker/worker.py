@@ -57,6 +57,8 @@ class _DecodeReq(ChoiceRequest):
     running: bool = False
     failure: Optional[RequestError] = None  # failed before Decode came: kept to tell it why
     siblings: list = field(default_factory=list)  # n > 1: params of choices 1..n-1, started with the KV
+    cached_tokens: int = 0  # prompt positions its reservation found in this worker's cache (not received)
+    running_at: Optional[float] = None  # the KV was in and it joined the batch
 
 
 class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
@@ -69,7 +71,8 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
         """A reservation whose Decode never comes is freed after this long (or its receive deadline + 5 s)."""
 
     def reserve(self, eng: Any, rid: str, prompt: list[int], params: Any, peer: str,
-                kv_timeout_s: float, peer_tp: int = 1, cached_prefix: bool = False) -> tuple[list[int], int]:
+                kv_timeout_s: float, peer_tp: int = 1, cached_prefix: bool = False,
+                trace: Any = None) -> tuple[list[int], int]:
         """Take blocks for ``prompt`` and post the KV receive into them; the caller checked ``rid`` is new.
         ``cached_prefix``: the leading blocks this worker's prefix cache holds for the prompt are reserved by
         reference and only the positions after them are received. Returns (block ids, cached tokens)."""
@@ -89,7 +92,7 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
             eng.abort_request(rid)
             code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, ValueError) else grpc.StatusCode.UNAVAILABLE
             raise RequestError(code, f"kv recv: {e} (request {rid})") from None
-        req = _DecodeReq(rid, prompt, params, handle)
+        req = _DecodeReq(rid, prompt, params, handle, cached_tokens=cached, trace=trace)
         # the router calls Decode only after the KV arrived, so wait at least that long for it
         req.expires_at = req.arrived + max(self.reserve_timeout_s, kv_timeout_s + 5.0)
         self.hold(req)
@@ -131,7 +134,7 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
                 except ValueError as e:
                     self._fail(req, grpc.StatusCode.INVALID_ARGUMENT, f"{e} (request {req.request_id})")
                     continue
-                req.running = True
+                req.running, req.running_at = True, now
                 try:  # n > 1: the other choices reuse the prompt's blocks that just arrived
                     self.start_siblings(eng, req, req.prompt_token_ids, req.siblings, self._sibling)
                 except RequestError as e:
@@ -146,6 +149,12 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
             if st.direction == "recv" and st.state == TransferState.DONE and self.ctx.metrics is not None:
                 self.ctx.metrics.observe_kv_transfer_phases("recv", st.phases())
         return any(not r.running and r.failure is None for r in self.records())
+
+    def trace_phases(self, req: _DecodeReq, now: float) -> list:
+        called = req.decode_called_at or None
+        return [("decode_worker.reserved", req.arrived, called, {"pdserve.kv.cached_tokens": req.cached_tokens}),
+                ("decode_worker.kv_wait", called, req.running_at, {}),
+                ("decode_worker.decode", req.running_at, now if req.running_at is not None else None, {})]
 
     def _sibling(self, request_id: str, params: Any) -> _DecodeReq:
         return _DecodeReq(request_id, [], params, None, decoding=True, running=True,
@@ -238,7 +247,8 @@ class DecodeWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, 
             def reserve(eng: Any) -> tuple[list[int], int]:
                 self.check_new(rid, "reserved")
                 got = self.disagg.reserve(eng, rid, prompt, params, peer, kv_timeout, peer_tp,
-                                          request.accept_cached_prefix)
+                                          request.accept_cached_prefix,
+                                          self.trace_start("decode_worker.request", context, rid))
                 self.refresh_load()  # the reply's caller sees the blocks taken in info()
                 return got
 

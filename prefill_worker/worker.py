@@ -163,6 +163,20 @@ class PrefillRequests(RequestSet[_PrefillReq]):
     def _fail(self, req: _PrefillReq, code: grpc.StatusCode, message: str) -> None:
         self.drop(req, RequestError(code, message))
 
+    def trace_phases(self, req: _PrefillReq, now: float) -> list:
+        kv: dict = {"pdserve.kv.peer": req.dest_kv_name, "pdserve.kv.backend": getattr(self.ctx.kv, "backend", ""),
+                    "pdserve.kv.first_token": req.dest_cached, "pdserve.kv.dest_tensor_parallel_size": req.dest_tp}
+        if req.handle is not None:
+            st = self.ctx.kv.stats(req.handle)
+            kv.update({"pdserve.kv.bytes": st.num_bytes, "pdserve.kv.layers_done": st.layers_done,
+                       "pdserve.kv.state": st.state.value,
+                       "pdserve.kv.tokens": len(req.prompt_token_ids) - req.dest_cached})
+        scheduled = req.scheduled or (req.first_token_at and req.arrived)
+        return [("prefill_worker.queue", req.arrived, scheduled, {}),
+                ("prefill_worker.prefill", scheduled, req.first_token_at,
+                 {"gen_ai.usage.prompt_tokens": len(req.prompt_token_ids)}),
+                ("kv_transfer.send", req.first_token_at, now if req.first_token_at is not None else None, kv)]
+
     def free(self, req: _PrefillReq) -> None:
         w = self.ctx
         if req.handle is not None:
@@ -211,7 +225,8 @@ class PrefillWorker(WorkerBase):
                                f"dest_cached_tokens must be in [0, {len(request.prompt_token_ids)}) (the prompt's "
                                f"length), got {request.dest_cached_tokens} (request {rid})")
         req = _PrefillReq(rid, list(request.prompt_token_ids), request.dest_kv_name, request.dest_block_size,
-                          dest_tp=dest_tp, dest_cached=request.dest_cached_tokens)
+                          dest_tp=dest_tp, dest_cached=request.dest_cached_tokens,
+                          trace=self.trace_start("prefill_worker.request", context, rid))
         dest_blocks = list(request.dest_block_ids)
 
         def add(eng: Any) -> None:

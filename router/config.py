@@ -91,6 +91,10 @@ class RouterConfig:
     confirm them: held (a burst sharing a new prefix follows the first request instead of spreading cold misses)
     and queued prefill work (the load term: blocks pending on a worker, less those the request shares). 0: the
     events alone (and the worker's reported queue as the load)."""
+    otlp_traces_endpoint: Optional[str] = None
+    """OpenTelemetry: export a trace of every request (its root span ``llm_request`` and its phases, continued on
+    the workers) to this OTLP/gRPC collector (``host:port`` or ``http(s)://host:port``; ``transport.tracing``).
+    None: no tracing."""
     kv_replica_sync: bool = True
     """Routers share their placements (``router.kv_replica``: a shared Redis stream ``{ns}:kvplace``), so each
     counts the others' just-placed blocks as pending too, as NVIDIA Dynamo's ``--router-replica-sync``: with several
@@ -175,6 +179,9 @@ class RouterConfig:
                 or self.prefill_queue_max_tokens < 0):
             raise ValueError(f"prefill_queue_max_tokens must be None or an int >= 0, "
                              f"got {self.prefill_queue_max_tokens!r}")
+        if self.otlp_traces_endpoint is not None and (not isinstance(self.otlp_traces_endpoint, str)
+                                                      or not self.otlp_traces_endpoint.strip()):
+            raise ValueError(f"otlp_traces_endpoint must be a host:port or URL, got {self.otlp_traces_endpoint!r}")
         for name in ("kv_delta_transfers", "decode_prefix_routing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")

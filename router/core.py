@@ -71,6 +71,10 @@ class RouterCore:
                                              replica_sync=cfg.kv_replica_sync)
         self.placer = Placer(cfg, self.view, self.selector, self.calls, self.admission, self.prefixes,
                              self.kv_events, lambda: self.metrics)
+        from transport.tracing import Tracing
+
+        self.tracing = Tracing(cfg.otlp_traces_endpoint, "pdserve-router")
+        """Request traces (``transport.tracing``; off without ``cfg.otlp_traces_endpoint``)."""
         self.tokenizer: Any = None
         self.limits: Optional[ModelLimits] = None
         self.metrics: Any = None
@@ -104,6 +108,7 @@ class RouterCore:
         if self.streams is not None:
             self.streams.close()
         self.clients.close()
+        self.tracing.shutdown()
 
     def tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -124,10 +129,12 @@ class RouterCore:
             self.metrics.set_router_waiting(len(self.admission))
 
     def generate(self, vreq: ValidatedRequest, t0: float, time_remaining: Optional[float],
-                 on_cancel: Callable[[Callable[[], None]], Any], push: bool = False) -> Iterator[FlowEvent]:
+                 on_cancel: Callable[[Callable[[], None]], Any], push: bool = False,
+                 trace_carrier: Optional[dict] = None) -> Iterator[FlowEvent]:
         """Run one validated request: its events, or FlowError (overload, placement, worker failures). ``push``:
         the events come with the ``router.flow_pump`` markers, for a ``FlowPump`` to drive (beam search has none:
-        its steps run as plain sub-flows)."""
+        its steps run as plain sub-flows). ``trace_carrier``: the client's W3C trace context (its request's span
+        continues that trace)."""
         if self.limits is None or self.draining:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, "router is not serving")
         with self._lock:
@@ -153,17 +160,28 @@ class RouterCore:
             else:
                 flow = RequestFlow(deps, vreq, t0, t0 + budget, self.admission.next_seq(), push=push)
             on_cancel(flow.cancel)  # client cancel / deadline: stop the worker calls at once
-            yield from self._counted(flow, vreq, t0)
+            span = self.tracing.start("llm_request", trace_carrier, start=t0, attributes={
+                "gen_ai.request.id": vreq.request_id, "gen_ai.response.model": self.limits.model_name,
+                "gen_ai.request.max_tokens": vreq.params.max_tokens, "gen_ai.request.temperature":
+                vreq.params.temperature, "gen_ai.request.top_p": vreq.params.top_p, "gen_ai.request.n": vreq.n,
+                "gen_ai.usage.prompt_tokens": len(vreq.prompt_token_ids)})
+            scope = getattr(flow, "scope", None)
+            if span is not None and scope is not None:
+                scope.trace_span, scope.trace_metadata = span, self.tracing.metadata(span)
+            yield from self._counted(flow, vreq, t0, span)
         finally:
             with self._lock:
                 self._in_flight -= 1
             self._update_gauges()
 
-    def _counted(self, flow: Any, vreq: ValidatedRequest, t0: float) -> Iterator[FlowEvent]:
+    def _counted(self, flow: Any, vreq: ValidatedRequest, t0: float, span: Any = None) -> Iterator[FlowEvent]:
         m = self.metrics
         m.inc_prompt_tokens(len(vreq.prompt_token_ids))
         n_out = 0
         per_choice: dict[int, int] = {}
+        reasons: list[str] = []
+        timings: Any = None
+        error: Optional[str] = None
         try:
             for ev in flow.run():
                 if ev is HANDOFF or type(ev) is Wait:  # a pushed flow's markers, for its pump
@@ -174,7 +192,9 @@ class RouterCore:
                 if ev.finish_reason:
                     m.observe_e2e(time.monotonic() - t0)
                     m.inc_success(ev.finish_reason)
+                    reasons.append(ev.finish_reason)
                 if ev.usage is not None:  # the request's last event: TPOT over its longest choice's decode
+                    timings = ev.timings
                     longest = max(per_choice.values())
                     tpot = ev.timings.decode_s / (longest - 1) if ev.timings is not None and longest > 1 else None
                     m.observe_finished_request(len(vreq.prompt_token_ids), n_out, tpot, vreq.n,
@@ -182,6 +202,33 @@ class RouterCore:
                 yield ev
         except FlowError as e:
             log.warning("request %s: %s %s", vreq.request_id, e.code.name, e.message)
+            error = f"{e.code.name}: {e.message}"
+            raise
+        except GeneratorExit:
+            error = "CANCELLED: the client went away"
             raise
         finally:
             m.inc_generation_tokens(n_out)
+            if span is not None:
+                self._end_trace(span, t0, timings, n_out, reasons, error)
+
+    def _end_trace(self, span: Any, t0: float, t: Any, n_out: int, reasons: list[str], error: Optional[str]) -> None:
+        """The request's phases as child spans of its root (from its measured ``Timings``), then the root ends."""
+        tr = self.tracing
+        if t is not None and t.ttft_s:
+            placed, queued = t0 + t.placement_s, t0 + t.placement_s + t.worker_queue_s
+            first = t0 + t.ttft_s
+            tr.child(span, "router.placement", t0, placed)
+            tr.child(span, "worker.queue", placed, queued)
+            tr.child(span, "prefill", queued, queued + t.prefill_s)
+            tr.child(span, "first_token.delivery", queued + t.prefill_s, first)
+            if t.kv_transfer_s:
+                tr.child(span, "kv_transfer", queued + t.prefill_s, queued + t.prefill_s + t.kv_transfer_s)
+            tr.child(span, "decode", first, first + t.decode_s)
+        tr.end(span, {"gen_ai.usage.completion_tokens": n_out,
+                      "gen_ai.response.finish_reasons": list(reasons) or None,
+                      "gen_ai.latency.time_to_first_token": t.ttft_s if t is not None else None,
+                      "gen_ai.latency.time_in_queue": t.queue_s if t is not None else None,
+                      "gen_ai.latency.time_in_model_prefill": t.prefill_s if t is not None else None,
+                      "gen_ai.latency.time_in_model_decode": t.decode_s if t is not None else None,
+                      "gen_ai.latency.e2e": time.monotonic() - t0}, error=error)

@@ -56,6 +56,7 @@ from router.flow_pump import END, FlowPump, LoopInbox
 from router.stream_stall import StallWatch, connection_abort
 from router.validation import validate_generate
 from router.wire import structured_outputs_to_proto
+from transport.tracing import Tracing
 from transport.api_keys import ApiKey, KeySource, KeyTable, bearer_token
 from transport.ports import check_port
 from transport.tls import TlsFiles
@@ -77,8 +78,9 @@ class _Choice:
 
     def __init__(self, core: RouterCore, index: int, greq: Any, inbox: LoopInbox,
                  out: "asyncio.Queue[tuple[int, Any]]", timeout_s: Optional[float], n: int = 1,
-                 pool: Optional[Executor] = None) -> None:
+                 pool: Optional[Executor] = None, trace_carrier: Optional[dict] = None) -> None:
         self.index = index
+        self._carrier = trace_carrier
         self.n = n
         self._cancel: list[Callable[[], None]] = []
         self._cancelled = False
@@ -88,7 +90,8 @@ class _Choice:
 
     def start(self) -> None:
         if self._pool is not None and self.vreq.beam is None:
-            gen = self._core.generate(self.vreq, time.monotonic(), self._timeout_s, self._on_cancel, push=True)
+            gen = self._core.generate(self.vreq, time.monotonic(), self._timeout_s, self._on_cancel, push=True,
+                                      trace_carrier=self._carrier)
             FlowPump(gen, self._pool, self._emit).start()
         else:
             threading.Thread(target=self._run, name=f"http-{self.vreq.request_id}", daemon=True).start()
@@ -128,7 +131,8 @@ class _Choice:
 
     def _run(self) -> None:
         try:
-            for ev in self._core.generate(self.vreq, time.monotonic(), self._timeout_s, self._on_cancel):
+            for ev in self._core.generate(self.vreq, time.monotonic(), self._timeout_s, self._on_cancel,
+                                          trace_carrier=self._carrier):
                 self._put(ev, ev.index)
         except Exception as e:  # noqa: BLE001 - FlowError or a bug: both answered (``_fail``)
             self._fail(e)
@@ -393,6 +397,7 @@ class HttpApi:
             self._inbox = LoopInbox(asyncio.get_running_loop())
         inbox, pool = self._inbox, self._pool
         queue: asyncio.Queue = asyncio.Queue()
+        carrier = Tracing.carrier(request.headers.items()) if core.tracing.enabled else None
 
         def prepare() -> tuple[list[_Choice], oas.Plan]:  # tokenizing, compiling a constraint: off the event loop
             lim = core.limits
@@ -409,7 +414,8 @@ class HttpApi:
                 for g in greqs:
                     g.structured_outputs.CopyFrom(so)
             try:
-                return [_Choice(core, i, g, inbox, queue, None, body.n, pool) for i, g in enumerate(greqs)], plan
+                return [_Choice(core, i, g, inbox, queue, None, body.n, pool, carrier)
+                        for i, g in enumerate(greqs)], plan
             except ValueError as e:
                 msg = plan.relabel(str(e))
                 if msg.startswith("token_ids"):  # the gRPC field's name; the client wrote prompt (or messages)

@@ -45,6 +45,7 @@ from router.transfer_watch import TransferWatch
 from router.validation import ValidatedRequest
 from router.wire import logprobs_from_wire
 from router.worker_calls import WorkerCalls
+from transport.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +161,8 @@ class RequestFlow:
         if recovery(e, self.scope, 0, attempts_left) is Recovery.FAIL:
             return False
         log.warning("request %s: attempt %d failed: %s", self.rid, attempt_no + 1, e.message)
+        Tracing.event(self.scope.trace_span, "retry", {"pdserve.attempt": attempt_no + 1,
+                                                       "pdserve.error": f"{e.code.name}: {e.message}"})
         return True
 
     # ---- output ------------------------------------------------------------------------------
@@ -316,6 +319,8 @@ class RequestFlow:
                         rid, d.worker_id, self.streamed(), err.message)
             if self.deps.metrics is not None:
                 self.deps.metrics.inc_migration()
+            Tracing.event(self.scope.trace_span, "migration", {"pdserve.from_worker": d.worker_id,
+                                                               "pdserve.streamed_tokens": self.streamed()})
             at.abort()
             return {d.worker_id}
         if watch.error is not None:
@@ -420,6 +425,8 @@ class RequestFlow:
                                 attempt_no + 1, w.worker_id, self.streamed(), move.value, err.message)
                     if move is Recovery.MIGRATE and self.deps.metrics is not None:
                         self.deps.metrics.inc_migration()
+                    Tracing.event(self.scope.trace_span, move.value, {"pdserve.from_worker": w.worker_id,
+                                                                      "pdserve.streamed_tokens": self.streamed()})
                     continue
                 raise FlowError(grpc.StatusCode.UNAVAILABLE,
                                 f"request {self.rid}: stream from {w.worker_id} ended without a finish reason")

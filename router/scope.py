@@ -35,6 +35,11 @@ def scrub(details: str) -> str:
 class RequestScope:
     """Per-request state shared by placement, the flow and its helper threads."""
 
+    @property
+    def rpc_kw(self) -> dict:
+        """Extra keyword arguments of a worker RPC: the trace context's metadata, when there is one."""
+        return {"metadata": self.trace_metadata} if self.trace_metadata else {}
+
     def __init__(self, vreq: ValidatedRequest, t0: float, deadline: float, seq: int = 0) -> None:
         self.rid = vreq.request_id
         self.prompt_token_ids: list[int] = vreq.prompt_token_ids
@@ -49,6 +54,10 @@ class RequestScope:
         """time.monotonic() when the request arrived."""
         self.deadline = deadline
         self.seq = seq
+        self.trace_span: Any = None
+        """The request's root span (``transport.tracing``), None while tracing is off."""
+        self.trace_metadata: tuple = ()
+        """The W3C trace-context pairs every worker RPC of the request carries (empty while tracing is off)."""
         """Arrival number, fixed at admission so racing requests queue in arrival order."""
         self._lock = threading.Lock()
         self._calls: list[Any] = []

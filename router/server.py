@@ -41,6 +41,7 @@ from router.wire import logprobs_to_public
 from router.worker_source import Pool, WorkerList
 from router.quotas import Lease, QuotaBook, QuotaExceeded, max_output_tokens
 from router.stream_stall import StallWatch
+from transport.tracing import Tracing
 from transport.aio_serving import AioGrpcServing
 from transport.api_keys import bearer_token, key_source
 from transport.auth import AioBearerAuth
@@ -270,7 +271,9 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         ended = False
         write = self._stalls.guard(context.write, None, lambda: self._count_stall("grpc"))
         try:
-            gen = core.generate(vreq, t0, context.time_remaining(), cancels.register, push=True)
+            carrier = Tracing.carrier(context.invocation_metadata()) if core.tracing.enabled else None
+            gen = core.generate(vreq, t0, context.time_remaining(), cancels.register, push=True,
+                                trace_carrier=carrier)
             FlowPump(gen, self._pool, lambda item: inbox.put(events, item)).start()
             while True:
                 item = await events.get()

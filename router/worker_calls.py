@@ -50,7 +50,7 @@ class WorkerCalls:
                                       prefill_tensor_parallel_size=prefill.tensor_parallel_size,
                                       accept_cached_prefix=cfg.kv_delta_transfers,
                                       kv_timeout_s=scope.remaining(cfg.first_token_timeout_s + cfg.transfer_timeout_s)),
-            timeout=scope.remaining(cfg.reserve_timeout_s))
+            timeout=scope.remaining(cfg.reserve_timeout_s), **scope.rpc_kw)
 
     # ---- streams -----------------------------------------------------------------------------------
     def prefill(self, scope: RequestScope, pl: Placement) -> Any:
@@ -62,7 +62,7 @@ class WorkerCalls:
                                       dest_block_ids=resv.block_ids, dest_block_size=resv.block_size,
                                       dest_tensor_parallel_size=resv.tensor_parallel_size,
                                       dest_cached_tokens=resv.num_cached_tokens),
-            timeout=scope.remaining(cfg.first_token_timeout_s + cfg.transfer_timeout_s))
+            timeout=scope.remaining(cfg.first_token_timeout_s + cfg.transfer_timeout_s), **scope.rpc_kw)
 
     def decode(self, scope: RequestScope, pl: Placement, first: worker_pb2.FirstToken) -> Any:
         """``Decode`` on the pair's decode worker, from the prefill worker's first token."""
@@ -71,10 +71,11 @@ class WorkerCalls:
         if first.HasField("logprob"):
             msg.first_logprob.CopyFrom(first.logprob)
         address, timeout = pl.decode.grpc_address, scope.remaining(self.cfg.request_timeout_s)
+        kw = scope.rpc_kw
 
         def send(stream_id: str) -> Any:
             msg.output_stream = stream_id
-            return self.clients.decode(address).Decode(msg, timeout=timeout)
+            return self.clients.decode(address).Decode(msg, timeout=timeout, **kw)
 
         return self._start(address, pl.request_id, send)
 
@@ -84,10 +85,11 @@ class WorkerCalls:
                                           params=scope.wire_params, resume_token_ids=resume_token_ids,
                                           siblings=scope.sibling_wires)
         address, timeout = pl.decode.grpc_address, scope.remaining(self.cfg.request_timeout_s)
+        kw = scope.rpc_kw
 
         def send(stream_id: str) -> Any:
             msg.output_stream = stream_id
-            return self.clients.colocated(address).Generate(msg, timeout=timeout)
+            return self.clients.colocated(address).Generate(msg, timeout=timeout, **kw)
 
         return self._start(address, pl.request_id, send)
 

@@ -74,6 +74,9 @@ class WorkerConfig:
     a password, so it is kept out of repr."""
     kv_events_namespace: str = "pdserve"
     """The deployment's namespace (the registry's) the event keys live under."""
+    otlp_traces_endpoint: Optional[str] = None
+    """OpenTelemetry: export each request's span on this worker (and its phases) to this OTLP/gRPC collector,
+    under the router's trace (``transport.tracing``); None: no tracing."""
     stall_timeout_s: float = 60.0
     """A worker whose engine has requests but schedules no token for this long (a hung step, a scheduler that
     admits nothing) reports not ready and leaves routing until it schedules again (``WorkerBase.stalled``). Above

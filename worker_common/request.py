@@ -39,6 +39,8 @@ class RequestContext:
     """Its kvtransfer ``KVEndpoint`` (None for a colocated worker)."""
     metrics: Any = None
     """Its ``metrics.WorkerMetrics``."""
+    tracing: Any = None
+    """Its ``transport.tracing.Tracing`` (None, or off: no spans)."""
 
 
 class RequestError(Exception):
@@ -105,6 +107,9 @@ class WorkerRequest:
     """The request's stream: items for the handler to yield, or the RequestError that ends it."""
     arrived: float = field(default_factory=time.monotonic, kw_only=True)
     """When the worker took the request (monotonic seconds): queue times and deadlines count from here."""
+    trace: Any = field(default=None, kw_only=True)
+    """Its span on this worker (``transport.tracing``: under the router's, from the RPC's trace context), ended with
+    its phases as child spans when the request leaves its set; None while tracing is off."""
 
     def fail(self, err: RequestError) -> None:
         """End the request's stream with ``err`` (the handler raises it)."""
@@ -139,8 +144,24 @@ class RequestSet(Generic[R]):
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._reqs
 
-    def _take(self, request_id: str) -> Optional[R]:
-        return self._reqs.pop(request_id, None)
+    def _take(self, request_id: str, error: Optional[str] = None) -> Optional[R]:
+        req = self._reqs.pop(request_id, None)
+        if req is not None and req.trace is not None:
+            self._end_trace(req, error)
+        return req
+
+    def _end_trace(self, req: R, error: Optional[str]) -> None:
+        """The request's span on this worker: its phases (``trace_phases``) as child spans, then its end."""
+        tr, now = self.ctx.tracing, time.monotonic()
+        span, req.trace = req.trace, None
+        try:
+            for name, start, end, attrs in self.trace_phases(req, now):
+                tr.child(span, name, start, end, attrs)
+            tr.end(span, self.trace_attributes(req), error=error)
+        except Exception as e:  # noqa: BLE001 - a trace must never fail a request
+            import logging
+
+            logging.getLogger(__name__).warning("request %s: trace not recorded: %s", req.request_id, e)
 
     def get(self, request_id: str) -> Optional[R]:
         return self._reqs.get(request_id)
@@ -169,14 +190,14 @@ class RequestSet(Generic[R]):
 
     def drop(self, req: R, err: Optional[RequestError]) -> None:
         """Stop holding ``req``, free what it holds, and end its stream with ``err`` (if any)."""
-        self._take(req.request_id)
+        self._take(req.request_id, None if err is None else f"{err.code.name}: {err.message}")
         self.free(req)
         if err is not None:
             req.fail(err)
 
     def abort_quietly(self, request_id: str) -> bool:
         """Drop a request and free what it holds without touching its stream (True if held)."""
-        req = self._take(request_id)
+        req = self._take(request_id, "CANCELLED: aborted")
         if req is None:
             return False
         self.free(req)
@@ -192,6 +213,15 @@ class RequestSet(Generic[R]):
         return True
 
     # ---- hooks (loop thread) --------------------------------------------------------
+    def trace_phases(self, req: R, now: float) -> list[tuple[str, Optional[float], Optional[float], dict]]:
+        """(name, start, end, attributes) of ``req``'s phases on this worker, monotonic seconds (None: did not
+        happen): child spans of its trace."""
+        return []
+
+    def trace_attributes(self, req: R) -> dict:
+        """Attributes of ``req``'s span on this worker, set when it ends."""
+        return {"gen_ai.request.id": req.request_id}
+
     def free(self, req: R) -> None:
         """Give back what ``req`` holds in the engine and the KV endpoint."""
         raise NotImplementedError

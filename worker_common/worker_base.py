@@ -133,6 +133,10 @@ class WorkerBase:
         if self.needs_kv:
             self.ctx.kv = self.make_kv_endpoint()
         self.ctx.metrics = WorkerMetrics(self.cfg.served_model_name, self.role, self.cfg.worker_id)
+        from transport.tracing import Tracing
+
+        self.ctx.tracing = Tracing(self.cfg.otlp_traces_endpoint, f"pdserve-{self.role}",
+                                   {"pdserve.worker_id": self.cfg.worker_id})
         if self.cfg.serve_metrics:
             self.metrics_address, self._metrics_stop = self.metrics.serve(host=self.cfg.host,
                                                                           port=self.cfg.metrics_port)
@@ -177,6 +181,8 @@ class WorkerBase:
             self.engine.close()
         if self._metrics_stop is not None:
             self._metrics_stop()
+        if self.ctx.tracing is not None:
+            self.ctx.tracing.shutdown()
 
     def _start_kv_events(self, eng: Any) -> None:
         """Publish the prefix cache's events (stored, evicted, cleared; received blocks are stored too)."""
@@ -321,6 +327,14 @@ class WorkerBase:
         """The request's ``out`` on the router's output stream ``stream_id`` (None for ""); UNAVAILABLE if that
         stream is not open here (gRPC thread, before the request is added)."""
         return self.output_streams.bind(stream_id, request_id) if stream_id else None
+
+    def trace_start(self, name: str, context: grpc.ServicerContext, request_id: str) -> Any:
+        """A request's span on this worker, under the trace context its RPC carried (None while tracing is off)."""
+        tr = self.ctx.tracing
+        if tr is None or not tr.enabled:
+            return None
+        return tr.start(name, tr.carrier(context.invocation_metadata()),
+                        attributes={"gen_ai.request.id": request_id, "pdserve.worker_id": self.cfg.worker_id})
 
     def guard(self, request_id: str, context: grpc.ServicerContext, body: Iterator[Any]) -> Iterator[Any]:
         """Run a streaming handler body: map RequestError to a status; abort the request if the RPC ends early.

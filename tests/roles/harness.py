@@ -92,7 +92,9 @@ def make_store(kv: str = KV) -> Any:
 
 def start_roles(kv: str = KV, n_prefill: int = 1, n_decode: int = 1, engine: Optional[dict] = None,
                 decode_engine: Optional[dict] = None, router: Optional[dict] = None,
-                transfer_timeout_s: float = 10.0, tag: str = "", metrics: bool = False) -> Roles:
+                transfer_timeout_s: float = 10.0, tag: str = "", metrics: bool = False,
+                worker: Optional[dict] = None) -> Roles:
+    """``worker``: extra fields of every worker's config."""
     P, D = PrefillWorker, DecodeWorker
     store = make_store(kv)
     backend = kv
@@ -101,12 +103,12 @@ def start_roles(kv: str = KV, n_prefill: int = 1, n_decode: int = 1, engine: Opt
         for i in range(n_prefill):
             prefills.append(P(PrefillWorkerConfig(f"{tag}p{i}", engine=engine_config(**(engine or {})), kv_store=store,
                                                   kv_backend=backend, transfer_timeout_s=transfer_timeout_s,
-                                                  serve_metrics=metrics)).start())
+                                                  serve_metrics=metrics, **(worker or {}))).start())
         for i in range(n_decode):
             decodes.append(D(DecodeWorkerConfig(f"{tag}d{i}", engine=engine_config(**(decode_engine or engine or {})),
                                                 kv_store=store, kv_backend=backend,
                                                 transfer_timeout_s=transfer_timeout_s,
-                                                serve_metrics=metrics)).start())
+                                                serve_metrics=metrics, **(worker or {}))).start())
         source = StaticWorkerSource([w.info for w in [*prefills, *decodes]])
         r = RouterServer(RouterConfig(serve_metrics=metrics, **(router or {})), source).start()
     except BaseException:
