@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import threading
 import urllib.request
+import uuid
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import grpc
 from prometheus_client.parser import text_string_to_metric_families
@@ -100,3 +102,47 @@ def metric_value(metrics_address: str, sample_name: str) -> float:
             if s.name == sample_name:
                 total += s.value
     return total
+
+
+@contextmanager
+def registry_deployment(redis_url: str, prefix: str, start_workers: Callable[[dict], list],
+                        router_kw: Optional[dict] = None, sync_timeout_s: float = 30.0) -> Iterator[tuple[Any, list]]:
+    """A deployment as `pdserve up` wires it, in this process: ``start_workers(common)`` starts real workers with
+    ``common`` (KV events to ``redis_url`` under a fresh namespace, a gloo KV store) and returns them; they register
+    and heartbeat into the real registry; a ``RouterServer`` reads it and follows every worker's KV events before
+    this yields (router, workers). Everything is stopped and the namespace's keys removed afterwards."""
+    from cluster.registry import Registry
+    from router import RouterConfig, RouterServer
+    from tests.roles.harness import make_store
+    from tests.waiting import wait_until
+
+    ns = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    common = dict(kv_events_url=redis_url, kv_events_namespace=ns, kv_store=make_store("gloo"), kv_backend="gloo",
+                  transfer_timeout_s=10.0)
+    workers: list = []
+    registry = Registry(redis_url, ns, ttl_s=2.0)
+    stop = threading.Event()
+    router = None
+    try:
+        workers += start_workers(common)
+        for w in workers:
+            registry.register(w.info())
+
+        def beats() -> None:
+            while not stop.wait(0.25):
+                for w in workers:
+                    registry.heartbeat(w.info())
+
+        threading.Thread(target=beats, daemon=True).start()
+        router = RouterServer(RouterConfig(worker_view_refresh_s=0.1, **(router_kw or {})), registry).start()
+        wait_until(lambda: router.core.kv_events.num_synced() == len(workers), timeout=sync_timeout_s,
+                   message=f"the router follows {len(workers)} workers' KV events")
+        yield router, workers
+    finally:
+        stop.set()
+        if router is not None:
+            router.stop()
+        for w in workers:
+            w.stop()
+        registry.clear()
+        registry.close()

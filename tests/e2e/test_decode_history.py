@@ -10,20 +10,17 @@ first turn costs. Greedy output equals the offline engine's on every turn.
 """
 from __future__ import annotations
 
-import threading
-import uuid
 
 import grpc
 import pytest
 
-from cluster.registry import Registry
 from decode_worker import DecodeWorker, DecodeWorkerConfig
 from engine import prefix_block_hashes
 from engine.sampling_params import SamplingParams
 from prefill_worker import PrefillWorker, PrefillWorkerConfig
 from proto import pdserve_pb2, pdserve_pb2_grpc
-from router import RouterConfig, RouterServer
-from tests.roles.harness import counter_values, engine_config, make_store, offline
+from tests.e2e.helpers import registry_deployment
+from tests.roles.harness import counter_values, engine_config, offline
 from tests.waiting import wait_until
 
 BS = 16
@@ -32,38 +29,13 @@ MAX_TOKENS = 8
 
 @pytest.fixture
 def cluster(redis_url, request):
-    ns = f"test-dhist-{uuid.uuid4().hex[:8]}"
-    store = make_store("gloo")
-    ev = dict(kv_events_url=redis_url, kv_events_namespace=ns, kv_store=store, kv_backend="gloo",
-              transfer_timeout_s=10.0)
-    workers = []
-    registry = Registry(redis_url, ns, ttl_s=2.0)
-    stop = threading.Event()
-    router = None
-    try:
-        workers.append(PrefillWorker(PrefillWorkerConfig("p0", engine=engine_config(), **ev)).start())
-        workers += [DecodeWorker(DecodeWorkerConfig(f"d{i}", engine=engine_config(), **ev)).start() for i in range(2)]
-        for w in workers:
-            registry.register(w.info())
+    def start(common: dict) -> list:
+        return [PrefillWorker(PrefillWorkerConfig("p0", engine=engine_config(), **common)).start(),
+                *(DecodeWorker(DecodeWorkerConfig(f"d{i}", engine=engine_config(), **common)).start()
+                  for i in range(2))]
 
-        def beats() -> None:
-            while not stop.wait(0.25):
-                for w in workers:
-                    registry.heartbeat(w.info())
-
-        threading.Thread(target=beats, daemon=True).start()
-        router = RouterServer(RouterConfig(worker_view_refresh_s=0.1, **getattr(request, "param", {})),
-                              registry).start()
-        wait_until(lambda: router.core.kv_events.num_synced() == 3, timeout=30, message="router follows 3 workers")
-        yield router, workers
-    finally:
-        stop.set()
-        if router is not None:
-            router.stop()
-        for w in workers:
-            w.stop()
-        registry.clear()
-        registry.close()
+    with registry_deployment(redis_url, "test-dhist", start, getattr(request, "param", {})) as deployment:
+        yield deployment
 
 
 def _sends(w) -> float:

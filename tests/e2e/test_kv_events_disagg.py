@@ -8,20 +8,17 @@ later prompts sharing the prefix go to that prefill worker and hit its cache; gr
 """
 from __future__ import annotations
 
-import threading
-import uuid
 
 import grpc
 import pytest
 
-from cluster.registry import Registry
 from decode_worker import DecodeWorker, DecodeWorkerConfig
 from engine import prefix_block_hashes
 from engine.sampling_params import SamplingParams
 from prefill_worker import PrefillWorker, PrefillWorkerConfig
 from proto import pdserve_pb2, pdserve_pb2_grpc
-from router import RouterConfig, RouterServer
-from tests.roles.harness import engine_config, make_store, offline
+from tests.e2e.helpers import registry_deployment
+from tests.roles.harness import engine_config, offline
 from tests.waiting import wait_until
 
 BS = 16
@@ -29,37 +26,13 @@ BS = 16
 
 @pytest.fixture
 def disagg(redis_url):
-    ns = f"test-kvdis-{uuid.uuid4().hex[:8]}"
-    store = make_store("gloo")
-    ev = dict(kv_events_url=redis_url, kv_events_namespace=ns, kv_store=store, kv_backend="gloo",
-              serve_metrics=False, transfer_timeout_s=10.0)
-    workers = []
-    registry = Registry(redis_url, ns, ttl_s=2.0)
-    stop = threading.Event()
-    router = None
-    try:
-        workers += [PrefillWorker(PrefillWorkerConfig(f"p{i}", engine=engine_config(), **ev)).start() for i in range(2)]
-        workers.append(DecodeWorker(DecodeWorkerConfig("d0", engine=engine_config(), **ev)).start())
-        for w in workers:
-            registry.register(w.info())
+    def start(common: dict) -> list:
+        ev = dict(common, serve_metrics=False)
+        return [*(PrefillWorker(PrefillWorkerConfig(f"p{i}", engine=engine_config(), **ev)).start() for i in range(2)),
+                DecodeWorker(DecodeWorkerConfig("d0", engine=engine_config(), **ev)).start()]
 
-        def beats() -> None:
-            while not stop.wait(0.25):
-                for w in workers:
-                    registry.heartbeat(w.info())
-
-        threading.Thread(target=beats, daemon=True).start()
-        router = RouterServer(RouterConfig(serve_metrics=False, worker_view_refresh_s=0.1), registry).start()
-        wait_until(lambda: router.core.kv_events.num_synced() == 3, timeout=20, message="router follows 3 workers")
-        yield router, workers
-    finally:
-        stop.set()
-        if router is not None:
-            router.stop()
-        for w in workers:
-            w.stop()
-        registry.clear()
-        registry.close()
+    with registry_deployment(redis_url, "test-kvdis", start, {"serve_metrics": False}) as deployment:
+        yield deployment
 
 
 def _generate(stub, tokens: list[int]) -> tuple[list[int], int]:
