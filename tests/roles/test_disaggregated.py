@@ -169,3 +169,23 @@ def test_inproc_kv_backend_by_name_gives_the_same_tokens():
         assert r.wait_idle(1.0)
     finally:
         r.close()
+
+
+def test_a_prefill_whose_dest_cached_tokens_is_out_of_range_is_refused_naming_the_field(roles):
+    """A delta transfer's cut (``PrefillRequest.dest_cached_tokens``) must leave at least one prompt position to
+    send: outside [0, len(prompt)) the prefill worker answers INVALID_ARGUMENT before taking any block."""
+    from proto import worker_pb2, worker_pb2_grpc
+    from router.wire import params_to_wire
+
+    p = roles.prefills[0]
+    with grpc.insecure_channel(p.address) as ch:
+        stub = worker_pb2_grpc.PrefillWorkerStub(ch)
+        for bad in (4, 9, -1):
+            msg = worker_pb2.PrefillRequest(request_id=f"cut{bad}", prompt_token_ids=[5, 6, 7, 8],
+                                            params=params_to_wire(SamplingParams(max_tokens=2)), dest_kv_name="d0",
+                                            dest_block_ids=[0], dest_block_size=16, dest_cached_tokens=bad)
+            with pytest.raises(grpc.RpcError) as ei:
+                list(stub.Prefill(msg, timeout=10))
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (bad, ei.value)
+            assert "dest_cached_tokens must be in [0, 4)" in ei.value.details(), ei.value.details()
+    assert roles.wait_idle(5.0)
