@@ -343,10 +343,7 @@ class LLMEngine:
         seq.status = SeqStatus.RESERVED
         seq.num_prefill = num_tokens
         seq.num_cached_tokens = len(cached) * bs
-        seq.block_keys = keys
-        if prompt_token_ids is not None and self.block_manager.enable_caching:
-            self.scheduler.prefix_cache_queries += num_tokens
-            self.scheduler.prefix_cache_hits += seq.num_cached_tokens
+        seq.block_keys = keys  # (not counted in prefix_cache_queries/hits: those count prompts this engine prefills)
         self.scheduler.reserved[request_id] = seq
         self._seqs[request_id] = seq
         return list(seq.block_table), seq.num_cached_tokens

@@ -218,11 +218,10 @@ def test_a_decode_reservation_reuses_the_history_it_decoded_and_needs_only_the_r
     turn2 = turn1 + answer + prompts_of([5], seed=32)[0]  # 9 + 6 + 5 = 20 tokens
     p_eng.add_request("t2", turn2, greedy(1), prefill_only=True)
     first2 = [o.new_token_ids[0] for o in _step_all(p_eng)][0]
-    hits = d_eng.prefix_cache_hits
     table, cached = d_eng.reserve_prompt("t2", len(turn2), turn2)
     # turn 1's 9 prompt tokens and 5 of its answer's 6 have KV on the decode side (the last sampled token never
     # ran through the model there): 14 tokens, 3 full blocks of 4
-    assert cached == 12 and d_eng.prefix_cache_hits - hits == 12
+    assert cached == 12
     assert all(d_eng.block_manager.ref_count(b) == 1 for b in table)  # the cached ones pinned by the reservation
     src = p_eng.get_block_table("t2")
     for (pk, pv), (dk, dv) in zip(p_eng.kv_caches, d_eng.kv_caches):
