@@ -395,7 +395,9 @@ class Placer:
                 sel.release(d.worker_id)
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     exhausted += 1
-                elif e.code() == grpc.StatusCode.UNAVAILABLE:
+                elif e.code() == grpc.StatusCode.UNAVAILABLE or (e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                                                                 and time.monotonic() < scope.deadline):
+                    # gone, or too slow to answer a Reserve within its own timeout: try the next decode worker
                     self.suspect(d.worker_id)
                 else:
                     raise scope.rpc_error(e, f"reserve on decode worker {d.worker_id}") from None

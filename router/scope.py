@@ -125,8 +125,11 @@ class RequestScope:
         details = e.details() if hasattr(e, "details") else str(e)
         if code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() >= self.deadline:
             return FlowError(code, f"request {self.rid}: deadline exceeded during {what}")
-        if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
-            code = grpc.StatusCode.UNAVAILABLE  # the worker went away mid-call, or broke: another may serve it
+        if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                    grpc.StatusCode.DEADLINE_EXCEEDED):
+            # the worker went away mid-call, broke, or did not answer within the call's own timeout while the
+            # request still has time (a starved or wedged worker): another may serve it
+            code = grpc.StatusCode.UNAVAILABLE
         return FlowError(code, f"request {self.rid}: {what} failed: {scrub(details or code.name)}", worker_id)
 
     def prefix_hashes(self, block_size: int) -> list[int]:

@@ -331,3 +331,30 @@ def test_decode_workers_are_ranked_by_the_history_they_hold_on_the_index_then_th
             elif fam.name == "pdserve:decode_prefix_stale" and smp.name.endswith("_total"):
                 counts["stale"] = smp.value
     assert counts == {"load": 2.0, "history": 2.0, "mirror": 1.0, "stale": 1.0}
+
+
+def test_a_decode_worker_too_slow_to_answer_reserve_is_passed_over_while_the_request_has_time():
+    """A Reserve that hits its own call timeout (a starved or wedged decode worker) while the request still has time
+    is not the request's deadline: the next decode worker is tried and the slow one suspected; a worker call that
+    times out in the middle of a flow reads as UNAVAILABLE (retriable), DEADLINE_EXCEEDED only once the request's
+    own deadline has passed."""
+    from proto import worker_pb2
+    from transport.errors import StatusRpcError
+
+    class _Calls:
+        def reserve(self, scope, wrid, d, p):
+            if d.worker_id == "d0":
+                raise StatusRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            return worker_pb2.ReserveResponse(block_ids=[0], block_size=16, kv_name=d.worker_id)
+
+    ws = [_w("p0", "prefill"), _w("d0", "decode"), _w("d1", "decode", running=3)]  # d0 ranks first
+    src = StaticWorkerSource(ws)
+    rcfg = RouterConfig(serve_metrics=False, prefix_aware_routing=False)
+    pl = Placer(rcfg, src, WorkerSelector(), _Calls())
+    suspected = []
+    pl.suspect = suspected.append
+    assert pl._try_pair(_scope(rid="slow"), set()).decode.worker_id == "d1" and suspected == ["d0"]
+    live, late = _scope(rid="live"), _scope(rid="late", deadline=0.0)
+    err = StatusRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+    assert live.rpc_error(err, "decode on d0", "d0").code == grpc.StatusCode.UNAVAILABLE
+    assert late.rpc_error(err, "decode on d0", "d0").code == grpc.StatusCode.DEADLINE_EXCEEDED
