@@ -43,6 +43,8 @@ from tests.e2e.helpers import offline
 from tests.roles.harness import counter_values
 from tests.waiting import wait_until
 
+pytestmark = pytest.mark.solo  # latency bounds: scripts/test runs this module alone, after the rest of the suite
+
 REDIS_BOUND_S = 0.05   # the bound: what a request may gain while Redis is away
 SLACK_S = 0.5          # this box's scheduling noise on top of the measured normal latency
 OUTAGE_S = 6.0         # how long Redis stays away in each scenario
