@@ -110,6 +110,9 @@ class WorkerConfig:
         if self.kv_events_url is not None and (not isinstance(self.kv_events_url, str) or
                                                not self.kv_events_url.startswith(("redis://", "rediss://", "unix://"))):
             raise ValueError("kv_events_url must be None or a redis://, rediss:// or unix:// URL")
+        if self.otlp_traces_endpoint is not None and (not isinstance(self.otlp_traces_endpoint, str)
+                                                      or not self.otlp_traces_endpoint.strip()):
+            raise ValueError(f"otlp_traces_endpoint must be a host:port or URL, got {self.otlp_traces_endpoint!r}")
         if not isinstance(self.kv_events_namespace, str) or not self.kv_events_namespace:
             raise ValueError(f"kv_events_namespace must be a non-empty string, got {self.kv_events_namespace!r}")
         if not isinstance(self.engine_process, bool):

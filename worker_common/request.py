@@ -15,6 +15,7 @@ when it loads; the RPC plumbing (accepting, streaming, ids unique across sets) s
 """
 from __future__ import annotations
 
+import logging
 import queue
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ import grpc
 
 if TYPE_CHECKING:
     from engine.outputs import CoreOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -159,9 +162,7 @@ class RequestSet(Generic[R]):
                 tr.child(span, name, start, end, attrs)
             tr.end(span, self.trace_attributes(req), error=error)
         except Exception as e:  # noqa: BLE001 - a trace must never fail a request
-            import logging
-
-            logging.getLogger(__name__).warning("request %s: trace not recorded: %s", req.request_id, e)
+            log.warning("request %s: trace not recorded: %s", req.request_id, e)
 
     def get(self, request_id: str) -> Optional[R]:
         return self._reqs.get(request_id)

@@ -116,3 +116,14 @@ def test_one_request_yields_one_connected_trace_under_the_clients_span(collector
     assert all(sp.parent_span_id in ids for _s, sp in spans if sp is not root)
     others = {sp.trace_id.hex() for _s, sp in c.spans} - {CLIENT_TRACE}
     assert len(others) == 1  # the second request: one trace of its own
+
+
+@pytest.mark.parametrize("bad", ["", "  ", 4317])
+def test_a_bad_otlp_endpoint_is_refused_by_the_router_and_worker_configs(bad):
+    from prefill_worker import PrefillWorkerConfig
+    from router import RouterConfig
+
+    with pytest.raises(ValueError, match="otlp_traces_endpoint"):
+        RouterConfig(otlp_traces_endpoint=bad)
+    with pytest.raises(ValueError, match="otlp_traces_endpoint"):
+        PrefillWorkerConfig("p0", otlp_traces_endpoint=bad)
