@@ -1,9 +1,11 @@
 """The decode role: reserve KV blocks, receive a prompt's KV, decode with continuous batching.
 
 Lifecycle of one disaggregated request (a ``_DecodeReq`` in ``DisaggregatedRequests``, loop-thread state):
-1. ``Reserve`` RPC -> ``engine.reserve`` (RESOURCE_EXHAUSTED when too few free blocks) and, at
+1. ``Reserve`` RPC -> ``engine.reserve_prompt`` (RESOURCE_EXHAUSTED when too few free blocks) and, at
    once, ``kv.recv`` into those blocks from the named prefill peer: the receive is posted before
-   the prefill worker sends a byte.
+   the prefill worker sends a byte. Both run on the RPC's thread beside the engine step in flight
+   (``EngineLoop.beside``: during its forward), so the reply does not wait for the step to end; the
+   record is then held by the loop thread (``post``), ahead of any Decode or Abort for it.
 2. ``Decode`` RPC (first token from the prefill worker) -> the request waits until ``poll()``
    sees the receive DONE, then ``engine.add_prefilled_request`` puts it in the running batch.
    A FAILED receive (deadline, peer lost, store away, cancelled) ends the stream with ABORTED: the
@@ -59,6 +61,7 @@ class _DecodeReq(ChoiceRequest):
     siblings: list = field(default_factory=list)  # n > 1: params of choices 1..n-1, started with the KV
     cached_tokens: int = 0  # prompt positions its reservation found in this worker's cache (not received)
     running_at: Optional[float] = None  # the KV was in and it joined the batch
+    block_ids: list[int] = field(default_factory=list)  # what the reservation took (the Reserve reply's)
 
 
 class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
@@ -72,10 +75,14 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
 
     def reserve(self, eng: Any, rid: str, prompt: list[int], params: Any, peer: str,
                 kv_timeout_s: float, peer_tp: int = 1, cached_prefix: bool = False,
-                trace: Any = None) -> tuple[list[int], int]:
+                trace: Any = None) -> _DecodeReq:
         """Take blocks for ``prompt`` and post the KV receive into them; the caller checked ``rid`` is new.
         ``cached_prefix``: the leading blocks this worker's prefix cache holds for the prompt are reserved by
-        reference and only the positions after them are received. Returns (block ids, cached tokens)."""
+        reference and only the positions after them are received. Runs beside a step (``EngineLoop.beside``):
+        returns the record (its ``block_ids`` and ``cached_tokens`` answer the RPC) for the loop thread to
+        ``hold``."""
+        if eng.has_request(rid):  # (a reservation made beside a step is held by the loop a moment later)
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already reserved here")
         try:
             got = eng.reserve_prompt(rid, len(prompt), prompt if cached_prefix else None)
         except ValueError as e:
@@ -92,13 +99,12 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
             eng.abort_request(rid)
             code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, ValueError) else grpc.StatusCode.UNAVAILABLE
             raise RequestError(code, f"kv recv: {e} (request {rid})") from None
-        req = _DecodeReq(rid, prompt, params, handle, cached_tokens=cached, trace=trace)
+        req = _DecodeReq(rid, prompt, params, handle, cached_tokens=cached, trace=trace, block_ids=list(blocks))
         # the router calls Decode only after the KV arrived, so wait at least that long for it
         req.expires_at = req.arrived + max(self.reserve_timeout_s, kv_timeout_s + 5.0)
-        self.hold(req)
         if cached and self.ctx.metrics is not None:
             self.ctx.metrics.inc_kv_transfer_cached_tokens(cached)
-        return list(blocks), cached
+        return req
 
     def activate(self, rid: str, first_token: int, first_logprob: Any, siblings: list) -> _DecodeReq:
         """The Decode call came for reserved ``rid``: its record, now streaming to that call."""
@@ -244,20 +250,33 @@ class DecodeWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, 
             peer_tp = check_peer_tp(self.engine, request.prefill_tensor_parallel_size,
                                     "prefill_tensor_parallel_size", rid)
 
-            def reserve(eng: Any) -> tuple[list[int], int]:
-                self.check_new(rid, "reserved")
-                got = self.disagg.reserve(eng, rid, prompt, params, peer, kv_timeout, peer_tp,
-                                          request.accept_cached_prefix,
-                                          self.trace_start("decode_worker.request", context, rid))
-                self.refresh_load()  # the reply's caller sees the blocks taken in info()
-                return got
+            trace = self.trace_start("decode_worker.request", context, rid)
 
-            blocks, cached = self.loop.call(reserve)
+            def reserve(eng: Any) -> _DecodeReq:
+                # beside the step in flight (EngineLoop.beside): blocks and the receive now, the record on the loop
+                self.check_new(rid, "reserved")
+                req = self.disagg.reserve(eng, rid, prompt, params, peer, kv_timeout, peer_tp,
+                                          request.accept_cached_prefix, trace)
+                self.loop.post(lambda _eng: self._adopt(req))  # before any Decode or Abort call's command
+                self.refresh_load(beside=True)  # the reply's caller sees the blocks taken in info()
+                return req
+
+            req = self.loop.beside(reserve)
         except RequestError as e:
             context.abort(e.code, e.message)
-        return worker_pb2.ReserveResponse(block_ids=blocks, block_size=self.engine.block_size,
+        return worker_pb2.ReserveResponse(block_ids=req.block_ids, block_size=self.engine.block_size,
                                           kv_name=self.cfg.kv_name, tensor_parallel_size=engine_tp(self.engine),
-                                          num_cached_tokens=cached)
+                                          num_cached_tokens=req.cached_tokens)
+
+    def _adopt(self, req: _DecodeReq) -> None:
+        """(loop thread) Hold a reservation made beside a step; the requests it counts change now."""
+        try:
+            self.disagg.hold(req)
+        except ValueError:  # never expected: the engine refuses an id it holds; free what the reservation took
+            log.error("decode %s: reservation %s is held twice; freeing it", self.cfg.worker_id, req.request_id)
+            self.disagg.free(req)
+            return
+        self.refresh_load()
 
     def Decode(self, request: worker_pb2.DecodeRequest,
                context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeChunk]:

@@ -20,6 +20,10 @@ the tokens it already has (a decode worker's first token, a migration's
 ``resume_token_ids``); the runner masks its sampling rows, drafts the grammar
 rejects are cut before verification, each accepted token advances the matcher
 and the request finishes with "stop" once the grammar is complete.
+A thread may change the engine beside a running step: an owner that serializes calls into the engine with a
+lock (``worker_common.engine_loop``) sets it as ``owner_lock``; ``step()`` releases it while the model runs
+(and takes it back before touching requests or blocks again), so a decode worker's ``reserve_prompt`` is
+answered during the forward instead of after it.
 Finished requests free their blocks at once; prefill-only requests keep theirs
 (finish_reason "prefill_done") until ``release``; ``abort_request`` frees
 everything a request holds, wherever it is. Token ids only: text, stop strings
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import threading
 from typing import Callable, Optional
 
 import torch
@@ -170,6 +175,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = runner
         self.layer_done_callback: Optional[Callable[[int, list[str]], None]] = None
+        self.owner_lock: Optional[threading.Lock] = None
+        """Held by the owner's thread while it calls into the engine; ``step()`` lets go of it while the model
+        runs, so another thread holding it can reserve blocks then (see the module docstring)."""
         self._seqs: dict[str, Sequence] = {}
         self._pending: list[CoreOutput] = []  # outputs decided outside step(), emitted by the next step
         self._num_steps = 0
@@ -296,6 +304,10 @@ class LLMEngine:
         logger.debug("request %s added: %d prompt tokens, prefill_only=%s", request_id,
                      len(seq.prompt_token_ids), prefill_only)
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is held here (waiting, running, held or reserved)."""
+        return request_id in self._seqs
+
     def abort_request(self, request_id: str) -> None:
         """Drop a request wherever it is (waiting, running, held, reserved) and free its blocks."""
         seq = self._seqs.pop(request_id, None)
@@ -413,7 +425,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
-        result = self.runner.execute(sched, self._layer_hook(sched))
+        result = self._execute(sched)
         num_tokens, num_prefill = sched.num_tokens, sched.num_prefill_tokens  # before _advance moves them
         self._num_steps += 1
         self._num_scheduled_tokens += num_tokens
@@ -426,6 +438,18 @@ class LLMEngine:
         self._last_step = (sched, num_tokens, num_prefill, spec_before,
                            spec_before if self._proposer is None else self.spec_stats.counts())
         return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """The model's forward for ``sched``, with ``owner_lock`` let go meanwhile: what runs beside it may take
+        free blocks and post requests, never touch the scheduled sequences (whose blocks it holds)."""
+        lock = self.owner_lock
+        if lock is None:
+            return self.runner.execute(sched, self._layer_hook(sched))
+        lock.release()
+        try:
+            return self.runner.execute(sched, self._layer_hook(sched))
+        finally:
+            lock.acquire()
 
     @property
     def last_step_stats(self) -> Optional[IterationStats]:

@@ -14,8 +14,8 @@ What happens to a request (times on the virtual clock):
    arrival instead) the router's ``Placer.route`` decides: colocated, whole on a
    decode worker (conditional disaggregation), or a prefill/decode pair.
 2. A pair: ``Placer._try_pair`` ranks the decode workers and reserves the prompt's blocks on one (the
-   router's ``WorkerCalls`` sends it; the simulated ``Reserve`` runs ``engine.reserve``; its answer comes
-   back at that worker's next step boundary, as the worker's engine loop answers it). No room anywhere: the request joins the router's
+   router's ``WorkerCalls`` sends it; the simulated ``Reserve`` runs ``engine.reserve`` and answers at once, as the
+   worker answers it beside the step in flight: ``EngineLoop.beside``). No room anywhere: the request joins the router's
    FIFO admission queue and its head retries whenever a pair request's decode blocks are released.
 3. The prefill worker adds the prompt as prefill-only; at the end of the step that completes it, the
    first token goes to the client and the KV transfer, which overlaps the
@@ -330,10 +330,6 @@ class SimWorker:
         self.requests_total += 1
         self.prompt_tokens_total += len(prompt)
         self.submit(lambda: self.engine.add_request(request_id, prompt, params, **kw))
-
-    def boundary(self) -> float:
-        """When a command submitted now would run."""
-        return self.sim.now if self.busy_until is None else self.busy_until
 
     def _due_kick(self) -> None:
         self._kick_due = False
@@ -696,10 +692,10 @@ class Simulation:
             pw.unprefilled[wid] = len(prompt)
             pw.add_request(wid, prompt, f.params, prefill_only=True)
 
-        # the Reserve reply comes when the decode worker's loop runs it: at its step boundary; a pair's RPCs
-        # cost the router more than a whole request's (the profile's per_request_pair_s)
+        # the Reserve reply comes at once (the worker reserves beside its step in flight); a pair's RPCs cost
+        # the router more than a whole request's (the profile's per_request_pair_s)
         pair = self.profile.router_per_request_pair_s
-        t = d.boundary() + (0.0 if pair is None else max(0.0, pair - self.profile.router_per_request_s))
+        t = self.now + (0.0 if pair is None else max(0.0, pair - self.profile.router_per_request_s))
         if t > self.now:
             self.at(t, send_prefill)
         else:

@@ -8,6 +8,14 @@ role's ``poll()`` (kvtransfer progress, deadlines), ``after()``, then one ``engi
 when there is work, handing its outputs to ``on_outputs`` (still on the loop
 thread, which routes them to per-request queues or output streams) and calling ``after()`` again. ``stop()`` ends the thread;
 commands still queued fail with RuntimeError so no caller waits forever.
+
+``beside(fn)`` runs ``fn(engine)`` on the calling thread while the loop is not inside the engine: between two
+passes, or while a step's model runs (the loop holds ``lock`` whenever it works, and an engine that has
+``owner_lock`` lets go of it for its forward: ``LLMEngine._execute``). What a decode worker's ``Reserve`` does
+(take blocks, post a KV receive) is answered that way within milliseconds instead of after the step in flight,
+which the first token waited for. ``fn`` must touch only the engine's thread-safe entry points
+(``reserve_prompt``, ``abort_request``) and thread-safe worker state; records of the loop thread are for ``post``.
+An engine without ``owner_lock`` (one in its own process) runs ``beside`` as ``call``.
 """
 from __future__ import annotations
 
@@ -49,6 +57,11 @@ class EngineLoop:
         # a queued command ends that wait
         self._wake: Callable[[], None] = getattr(engine, "wake", None) or (lambda: None)
         self.error: Optional[BaseException] = None
+        self.lock = threading.Lock()
+        """Held by the loop thread while it works (commands, polls, steps but their forwards); ``beside`` takes it."""
+        self._shares_forward = hasattr(engine, "owner_lock")
+        if self._shares_forward:
+            engine.owner_lock = self.lock
 
     def start(self) -> None:
         if self._thread is not None:
@@ -74,6 +87,22 @@ class EngineLoop:
         self._wake()
         return fut.result(timeout=timeout_s)
 
+    def beside(self, fn: Callable[[Any], T], timeout_s: Optional[float] = 30.0) -> T:
+        """Run ``fn(engine)`` on this thread while the loop thread is outside the engine or in a step's forward
+        (see the module docstring); as ``call`` where the engine cannot share its forward."""
+        if self.in_loop():
+            return fn(self.engine)
+        if not self._shares_forward:
+            return self.call(fn, timeout_s)
+        if not self.alive:
+            raise RuntimeError(f"{self.name}: engine loop is not running")
+        if not self.lock.acquire(timeout=-1 if timeout_s is None else timeout_s):
+            raise TimeoutError(f"{self.name}: the engine stayed busy for {timeout_s} s")
+        try:
+            return fn(self.engine)
+        finally:
+            self.lock.release()
+
     def post(self, fn: Callable[[Any], Any]) -> None:
         """Queue ``fn(engine)`` for the loop thread without waiting."""
         if self.in_loop():
@@ -88,6 +117,8 @@ class EngineLoop:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
         self._fail_pending()
+        if self._shares_forward and not self.alive and self.engine.owner_lock is self.lock:
+            self.engine.owner_lock = None  # whoever steps the engine next does not hold this lock
 
     def _fail_pending(self) -> None:
         while True:
@@ -110,32 +141,40 @@ class EngineLoop:
         if fut is not None:
             fut.set_result(res)
 
+    def _pass(self) -> Optional[bool]:
+        """One pass (under ``lock``): queued commands, polls, one step when there is work. None if it stepped,
+        else whether the poll has pending work (how long the idle wait may be)."""
+        while True:
+            try:
+                fn, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            self._run_cmd(fn, fut)
+        busy = bool(self._poll()) if self._poll is not None else False
+        self._after()
+        if self.engine.has_unfinished_requests():
+            outs = self.engine.step()
+            if outs:
+                self._on_outputs(outs)
+                self._after()
+            return None
+        return busy
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                busy = False
-                while True:
-                    try:
-                        fn, fut = self._cmds.get_nowait()
-                    except queue.Empty:
-                        break
-                    self._run_cmd(fn, fut)
-                if self._poll is not None:
-                    busy = bool(self._poll())
-                self._after()
-                if self.engine.has_unfinished_requests():
-                    outs = self.engine.step()
-                    if outs:
-                        self._on_outputs(outs)
-                        self._after()
+                with self.lock:
+                    busy = self._pass()
+                if busy is None:
                     continue
                 # idle: sleep on the command queue so a new request wakes us at once
                 try:
                     fn, fut = self._cmds.get(timeout=self._busy_poll_s if busy else self._idle_wait_s)
                 except queue.Empty:
                     continue
-                self._run_cmd(fn, fut)
-                self._after()
+                with self.lock:
+                    self._run_cmd(fn, fut)
+                    self._after()
         except BaseException as e:
             self.error = e
             log.exception("%s: engine loop died", self.name)

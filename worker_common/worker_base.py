@@ -203,12 +203,13 @@ class WorkerBase:
                           timeout_s=self.cfg.transfer_timeout_s)
 
     # ---- load reporting -----------------------------------------------------------
-    def refresh_load(self) -> None:
+    def refresh_load(self, beside: bool = False) -> None:
         """Re-read the engine's load now (loop thread): before replying to an RPC that changed it,
-        so ``info()`` agrees with the reply instead of lagging one loop pass behind."""
-        self._snapshot(self.engine)
+        so ``info()`` agrees with the reply instead of lagging one loop pass behind. ``beside``: from a thread
+        running beside the step (``EngineLoop.beside``): the load only, not the per-pass metrics."""
+        self._snapshot(self.engine, record=not beside)
 
-    def _snapshot(self, eng: Any) -> None:
+    def _snapshot(self, eng: Any, record: bool = True) -> None:
         info = worker_pb2.WorkerInfo(
             num_total_blocks=eng.num_total_blocks, num_free_blocks=eng.num_free_blocks,
             num_running=eng.num_running, num_waiting=eng.num_waiting,
@@ -225,7 +226,7 @@ class WorkerBase:
             if not work or stats.num_scheduled_tokens != self._progress_tokens:
                 self._progress_tokens, self._progress_at = stats.num_scheduled_tokens, now
             self._has_work = work
-        if self.metrics is not None:
+        if record and self.metrics is not None:
             # once per loop pass, so each engine step is one iteration_tokens_total observation
             self.metrics.record_engine(stats)
             ranks_up = getattr(eng, "ranks_up", None)

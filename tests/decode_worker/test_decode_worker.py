@@ -55,6 +55,44 @@ def test_reserve_abort_and_capacity(worker):
     assert stub.Abort(worker_pb2.AbortRequest(request_id="a"), timeout=5).found is False
 
 
+def test_reserve_is_answered_while_the_engine_is_inside_a_forward_and_a_twin_is_refused(worker):
+    """Reserve does not wait for the step in flight (the first token waits on its reply): it reserves beside
+    the forward; the same id again is ALREADY_EXISTS even before the loop thread holds the first."""
+    w, stub = worker
+    eng = w.engine
+    entered, release = threading.Event(), threading.Event()
+    inner = eng.runner.execute
+
+    def execute(sched, hook=None):
+        entered.set()
+        assert release.wait(60)
+        return inner(sched, hook)
+
+    eng.runner.execute = execute
+    ch = grpc.insecure_channel(w.address)
+    colo = worker_pb2_grpc.ColocatedWorkerStub(ch)
+    out: list = []
+    th = threading.Thread(target=lambda: out.extend(colo.Generate(worker_pb2.ColocatedRequest(
+        request_id="busy", prompt_token_ids=[5, 6, 7], params=PARAMS), timeout=60)))
+    try:
+        th.start()
+        assert entered.wait(30)
+        r = _reserve(stub, "beside", 20, kv_timeout_s=60.0)
+        assert len(r.block_ids) == 2 and not release.is_set()
+        with pytest.raises(grpc.RpcError) as ei:
+            _reserve(stub, "beside", 4)
+        assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS and "beside" in ei.value.details()
+        assert w.info().num_free_blocks == 8 - 2 - 1  # the reply's blocks (and the busy prompt's) are in info()
+    finally:
+        release.set()
+        eng.runner.execute = inner
+        th.join(60)
+        ch.close()
+    assert sum(len(c.token_ids) for c in out) == 4
+    assert stub.Abort(worker_pb2.AbortRequest(request_id="beside"), timeout=5).found is True
+    wait_until(lambda: w.info().num_free_blocks == 8 and not w.requests, timeout=10, message="all freed")
+
+
 def test_bad_reserve_and_unknown_decode(worker):
     w, stub = worker
     for req, field in [
@@ -169,6 +207,8 @@ def test_local_and_disaggregated_requests_are_one_id_space(worker):
     colo = worker_pb2_grpc.ColocatedWorkerStub(ch)
     try:
         _reserve(stub, "both", 20, kv_timeout_s=60.0)
+        # (answered beside the engine's step; the loop thread holds the record a moment later)
+        wait_until(lambda: "both" in w.disagg, timeout=10, message="the reservation held")
         assert "both" in w.disagg and "both" not in w.local and set(w.requests) == {"both"}
         with pytest.raises(grpc.RpcError) as ei:
             list(colo.Generate(worker_pb2.ColocatedRequest(request_id="both", prompt_token_ids=[5, 6], params=PARAMS),

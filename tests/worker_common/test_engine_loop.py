@@ -128,3 +128,74 @@ def test_a_failing_step_kills_the_loop_and_reports_once(tiny_engine):
     assert not loop.alive and isinstance(loop.error, RuntimeError) and died == [loop.error]
     with pytest.raises(RuntimeError, match="not running"):
         loop.call(lambda e: 1)
+
+
+def _blocking_forward(engine):
+    """Wrap the runner so each forward waits for ``release``; ``entered`` is set while one waits."""
+    entered, release = threading.Event(), threading.Event()
+    inner = engine.runner.execute
+
+    def execute(sched, hook=None):
+        entered.set()
+        assert release.wait(60), "the test never released the forward"
+        return inner(sched, hook)
+
+    engine.runner.execute = execute
+    return entered, release
+
+
+def test_beside_reserves_blocks_while_a_step_runs_its_forward_and_tokens_stay_equal(tiny_engine):
+    prompt = list(range(3, 40))
+    want = _offline(tiny_engine, prompt)
+    entered, release = _blocking_forward(tiny_engine)
+    got: list[int] = []
+    loop = EngineLoop(tiny_engine, "tb", on_outputs=lambda outs: got.extend(
+        t for o in outs if o.request_id == "r" for t in o.new_token_ids))
+    loop.start()
+    try:
+        loop.call(lambda e: e.add_request("r", prompt, GREEDY))
+        assert entered.wait(60)
+        # the step is inside its forward: a call would wait for it, beside does not
+        blocks, cached = loop.beside(lambda e: e.reserve_prompt("held", 20), timeout_s=30)
+        assert len(blocks) == tiny_engine.block_manager.blocks_for(20) and cached == 0
+        assert not release.is_set()
+        with pytest.raises(TimeoutError):
+            loop.call(lambda e: None, timeout_s=0.2)  # (what Reserve did before: stuck behind the forward)
+        release.set()
+        wait_until(lambda: len(got) == len(want), timeout=60, message="the request to finish")
+        assert got == want  # what ran beside changed no token
+        loop.beside(lambda e: e.abort_request("held"))
+        assert loop.call(lambda e: e.num_free_blocks) == 16
+    finally:
+        release.set()
+        loop.stop()
+    assert tiny_engine.owner_lock is None  # a stopped loop hands the engine back unlocked
+
+
+def test_beside_waits_while_the_loop_thread_works_outside_a_forward(tiny_engine):
+    loop = EngineLoop(tiny_engine, "tw", on_outputs=lambda outs: None)
+    loop.start()
+    inside, leave = threading.Event(), threading.Event()
+    try:
+        loop.post(lambda e: (inside.set(), leave.wait(60)))
+        assert inside.wait(60)
+        with pytest.raises(TimeoutError):  # a command is engine work: beside must not run inside it
+            loop.beside(lambda e: e.reserve_prompt("x", 4), timeout_s=0.2)
+        leave.set()
+        assert loop.beside(lambda e: e.reserve_prompt("x", 4), timeout_s=30)[1] == 0
+    finally:
+        leave.set()
+        loop.stop()
+
+
+def test_beside_on_an_engine_that_cannot_share_its_forward_is_a_call():
+    class Remote:  # (an engine in its own process has no owner_lock)
+        def has_unfinished_requests(self) -> bool:
+            return False
+
+    loop = EngineLoop(Remote(), "tr", on_outputs=lambda outs: None)
+    loop.start()
+    try:
+        assert loop.beside(lambda e: threading.current_thread().name) == "tr-engine"
+    finally:
+        loop.stop()
