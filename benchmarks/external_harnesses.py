@@ -104,6 +104,7 @@ class Result:
     output_tps: float
     wall_s: float
     client_cpu_s: float = 0.0
+    server_prompt_tokens: Optional[float] = None  # per request, as the router counted them (with the warm-ups)
     raw: dict = field(default_factory=dict, repr=False)
 
     def row(self) -> dict:
@@ -191,6 +192,22 @@ def _run(cmd: list[str], log_path: Path, timeout_s: float, env: Optional[dict] =
         raise RuntimeError(f"{cmd[0]} exited {rc}:\n{log_path.read_text()[-3000:]}")
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     return time.monotonic() - t0, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+
+
+def server_counts(base_url: str) -> dict[str, float]:
+    """The router's own counters at ``/metrics``: prompt and generation tokens, requests (every status)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    want = {"pdserve:prompt_tokens_total": "prompt_tokens", "pdserve:generation_tokens_total": "generation_tokens",
+            "pdserve:e2e_request_latency_seconds_count": "requests"}
+    got = dict.fromkeys(want.values(), 0.0)
+    text = httpx.get(f"{base_url}/metrics", timeout=30.0).text
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name in want:
+                got[want[smp.name]] += smp.value
+    return got
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -282,7 +299,7 @@ def run_sglang(env: Path, base_url: str, w: argparse.Namespace, out: Path) -> Re
     res = out / "sglang.jsonl"
     cmd = [str(env / "bin" / "python"), "-m", "sglang.bench_serving", "--backend", "vllm", "--base-url", base_url,
            "--model", w.model, "--tokenizer", str(TOKENIZER), "--dataset-name", "random-ids",
-           "--random-input-len", str(w.input_len), "--random-output-len", str(w.output_len),
+           "--random-input-len", str(w.sglang_input_len or w.input_len), "--random-output-len", str(w.output_len),
            "--random-range-ratio", "1.0", "--num-prompts", str(w.num_prompts), "--max-concurrency",
            str(w.concurrency), "--request-rate", "inf", "--seed", str(w.seed), "--output-file", str(res),
            "--warmup-requests", str(w.warmups), "--output-details", "--disable-tqdm"]
@@ -316,16 +333,33 @@ def _ratio(a: Optional[float], b: Optional[float]) -> str:
     return f"{a / b:.2f}x"
 
 
+def _num(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def report(title: str, results: list[Result], ref: Result) -> list[str]:
     lines = [title, f"{'tool':22} {'ok':>4} {'err':>4} {'TTFT mean':>10} {'median':>8} {'p90':>8} "
-                    f"{'TPOT mean':>10} {'out tok/s':>10} {'client CPU s':>12}   vs pdserve bench: TTFT mean / median, TPOT, tok/s"]
+                    f"{'TPOT mean':>10} {'out tok/s':>10} {'client CPU s':>12} {'server ISL':>10}   "
+                    f"vs pdserve bench: TTFT mean / median, TPOT, tok/s"]
     for r in results:
         p90 = "-" if r.ttft_p90 is None else f"{r.ttft_p90:.1f}"
+        isl = _num(r.server_prompt_tokens)
         lines.append(f"{r.tool:22} {r.completed:4d} {r.failed:4d} {r.ttft_mean:10.1f} {r.ttft_median:8.1f} {p90:>8} "
-                     f"{r.tpot_mean:10.2f} {r.output_tps:10.1f} {r.client_cpu_s:12.1f}   {_ratio(r.ttft_mean, ref.ttft_mean)} / "
+                     f"{r.tpot_mean:10.2f} {r.output_tps:10.1f} {r.client_cpu_s:12.1f} {isl:>10}   "
+                     f"{_ratio(r.ttft_mean, ref.ttft_mean)} / "
                      f"{_ratio(r.ttft_median, ref.ttft_median)}, {_ratio(r.tpot_mean, ref.tpot_mean)}, "
                      f"{_ratio(r.output_tps, ref.output_tps)}")
     return lines
+
+
+def counted(base_url: str, run: Callable[[], Result]) -> Result:
+    """``run()``, with the prompt tokens per request the server counted meanwhile (what a text prompt became)."""
+    before = server_counts(base_url)
+    r = run()
+    after = server_counts(base_url)
+    n = after["requests"] - before["requests"]
+    r.server_prompt_tokens = (after["prompt_tokens"] - before["prompt_tokens"]) / n if n else None
+    return r
 
 
 def mean_result(tool: str, rs: list[Result]) -> Result:
@@ -335,7 +369,8 @@ def mean_result(tool: str, rs: list[Result]) -> Result:
 
     return Result(tool, sum(r.completed for r in rs), sum(r.failed for r in rs), avg([r.ttft_mean for r in rs]),
                   avg([r.ttft_median for r in rs]), avg([r.ttft_p90 for r in rs]), avg([r.tpot_mean for r in rs]),
-                  avg([r.output_tps for r in rs]), sum(r.wall_s for r in rs), avg([r.client_cpu_s for r in rs]))
+                  avg([r.output_tps for r in rs]), sum(r.wall_s for r in rs), avg([r.client_cpu_s for r in rs]),
+                  avg([r.server_prompt_tokens for r in rs]))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -351,6 +386,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--sglang-input-len", type=int, default=0,
+                    help="SGLang's --random-input-len (default --input-len): its random-ids prompts are token ids decoded "
+                         "to text, which the server's tokenizer reads back longer (tiny: 256 ids -> ~281 tokens; 235 -> "
+                         "~256); the server ISL column shows what each tool's prompts became")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmups", type=int, default=4, help="uncounted requests first (pdserve bench, AIPerf, SGLang; "
                                                              "guidellm has no such flag)")
@@ -403,10 +442,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             d = out / f"rep{rep}"
             d.mkdir(exist_ok=True)
             log(f"[{rep}] pdserve bench")
-            runs["pdserve bench"].append(run_pdserve(w.base_url, w, d))
+            runs["pdserve bench"].append(counted(w.base_url, lambda: run_pdserve(w.base_url, w, d)))
             for t in names:
                 log(f"[{rep}] {t}")
-                r = runners[t](envs[t], w.base_url, w, d)
+                r = counted(w.base_url, lambda: runners[t](envs[t], w.base_url, w, d))
                 runs.setdefault(r.tool, []).append(r)
         means = {k: mean_result(k, v) for k, v in runs.items()}
         ref = means["pdserve bench"]
@@ -419,7 +458,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             trace = w.trace or write_mooncake_trace(d / "mooncake.jsonl", w.trace_rows, w.trace_length_scale,
                                                     w.trace_time_scale, 2048)
             log(f"trace replay {trace}: pdserve bench, then aiperf --fixed-schedule")
-            trace_results = [run_pdserve(w.base_url, w, d, trace), run_aiperf(envs["aiperf"], w.base_url, w, d, trace)]
+            trace_results = [counted(w.base_url, lambda: run_pdserve(w.base_url, w, d, trace)),
+                             counted(w.base_url, lambda: run_aiperf(envs["aiperf"], w.base_url, w, d, trace))]
             lines += [""] + report(f"fixed-schedule replay of {trace.name} ({w.trace_rows} rows)", trace_results,
                                    trace_results[0])
     finally:
