@@ -3,9 +3,9 @@
 Lifecycle of one disaggregated request (a ``_DecodeReq`` in ``DisaggregatedRequests``, loop-thread state):
 1. ``Reserve`` RPC -> ``engine.reserve_prompt`` (RESOURCE_EXHAUSTED when too few free blocks) and, at
    once, ``kv.recv`` into those blocks from the named prefill peer: the receive is posted before
-   the prefill worker sends a byte. Both run on the RPC's thread beside the engine step in flight
-   (``EngineLoop.beside``: during its forward), so the reply does not wait for the step to end; the
-   record is then held by the loop thread (``post``), ahead of any Decode or Abort for it.
+   the prefill worker sends a byte. Both, and holding the record, run on the RPC's thread beside the
+   engine step in flight (``EngineLoop.beside``: during its forward), so the reply does not wait for
+   the step to end.
 2. ``Decode`` RPC (first token from the prefill worker) -> the request waits until ``poll()``
    sees the receive DONE, then ``engine.add_prefilled_request`` puts it in the running batch.
    A FAILED receive (deadline, peer lost, store away, cancelled) ends the stream with ABORTED: the
@@ -79,9 +79,8 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
         """Take blocks for ``prompt`` and post the KV receive into them; the caller checked ``rid`` is new.
         ``cached_prefix``: the leading blocks this worker's prefix cache holds for the prompt are reserved by
         reference and only the positions after them are received. Runs beside a step (``EngineLoop.beside``):
-        returns the record (its ``block_ids`` and ``cached_tokens`` answer the RPC) for the loop thread to
-        ``hold``."""
-        if eng.has_request(rid):  # (a reservation made beside a step is held by the loop a moment later)
+        returns the record (its ``block_ids`` and ``cached_tokens`` answer the RPC) for the caller to ``hold``."""
+        if eng.has_request(rid):  # (a local request's id too)
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already reserved here")
         try:
             got = eng.reserve_prompt(rid, len(prompt), prompt if cached_prefix else None)
@@ -229,6 +228,7 @@ class DecodeWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, 
     # ---- RPCs (gRPC threads) ----------------------------------------------------------
     def Reserve(self, request: worker_pb2.ReserveRequest, context: grpc.ServicerContext) -> worker_pb2.ReserveResponse:
         rid = request.request_id
+        trace = None
         try:
             self.check_accepting(rid)
             if not request.prompt_token_ids:
@@ -253,30 +253,23 @@ class DecodeWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, 
             trace = self.trace_start("decode_worker.request", context, rid)
 
             def reserve(eng: Any) -> _DecodeReq:
-                # beside the step in flight (EngineLoop.beside): blocks and the receive now, the record on the loop
+                # beside the step in flight (EngineLoop.beside): the loop thread is in the forward or idle, so the
+                # engine's requests and this worker's records are ours until we return
                 self.check_new(rid, "reserved")
                 req = self.disagg.reserve(eng, rid, prompt, params, peer, kv_timeout, peer_tp,
                                           request.accept_cached_prefix, trace)
-                self.loop.post(lambda _eng: self._adopt(req))  # before any Decode or Abort call's command
+                self.disagg.hold(req)
                 self.refresh_load(beside=True)  # the reply's caller sees the blocks taken in info()
                 return req
 
             req = self.loop.beside(reserve)
         except RequestError as e:
+            if trace is not None:  # refused: the span ends here, with the refusal
+                self.ctx.tracing.end(trace, error=f"{e.code.name}: {e.message}")
             context.abort(e.code, e.message)
         return worker_pb2.ReserveResponse(block_ids=req.block_ids, block_size=self.engine.block_size,
                                           kv_name=self.cfg.kv_name, tensor_parallel_size=engine_tp(self.engine),
                                           num_cached_tokens=req.cached_tokens)
-
-    def _adopt(self, req: _DecodeReq) -> None:
-        """(loop thread) Hold a reservation made beside a step; the requests it counts change now."""
-        try:
-            self.disagg.hold(req)
-        except ValueError:  # never expected: the engine refuses an id it holds; free what the reservation took
-            log.error("decode %s: reservation %s is held twice; freeing it", self.cfg.worker_id, req.request_id)
-            self.disagg.free(req)
-            return
-        self.refresh_load()
 
     def Decode(self, request: worker_pb2.DecodeRequest,
                context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeChunk]:

@@ -12,9 +12,10 @@ commands still queued fail with RuntimeError so no caller waits forever.
 ``beside(fn)`` runs ``fn(engine)`` on the calling thread while the loop is not inside the engine: between two
 passes, or while a step's model runs (the loop holds ``lock`` whenever it works, and an engine that has
 ``owner_lock`` lets go of it for its forward: ``LLMEngine._execute``). What a decode worker's ``Reserve`` does
-(take blocks, post a KV receive) is answered that way within milliseconds instead of after the step in flight,
-which the first token waited for. ``fn`` must touch only the engine's thread-safe entry points
-(``reserve_prompt``, ``abort_request``) and thread-safe worker state; records of the loop thread are for ``post``.
+(take blocks, post a KV receive, hold its record) is answered that way within milliseconds instead of after the
+step in flight, which the first token waited for. While ``fn`` runs the loop thread is idle or inside the forward,
+so ``fn`` may change what the loop changes only under ``lock`` (the engine's requests and free blocks, the worker's
+request records), never what a forward reads (the scheduled sequences) or what the engine's layer callbacks touch.
 An engine without ``owner_lock`` (one in its own process) runs ``beside`` as ``call``.
 """
 from __future__ import annotations

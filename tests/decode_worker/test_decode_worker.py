@@ -56,8 +56,8 @@ def test_reserve_abort_and_capacity(worker):
 
 
 def test_reserve_is_answered_while_the_engine_is_inside_a_forward_and_a_twin_is_refused(worker):
-    """Reserve does not wait for the step in flight (the first token waits on its reply): it reserves beside
-    the forward; the same id again is ALREADY_EXISTS even before the loop thread holds the first."""
+    """Reserve does not wait for the step in flight (the first token waits on its reply): it reserves and holds
+    the record beside the forward; the same id again is ALREADY_EXISTS."""
     w, stub = worker
     eng = w.engine
     entered, release = threading.Event(), threading.Event()
@@ -83,6 +83,7 @@ def test_reserve_is_answered_while_the_engine_is_inside_a_forward_and_a_twin_is_
             _reserve(stub, "beside", 4)
         assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS and "beside" in ei.value.details()
         assert w.info().num_free_blocks == 8 - 2 - 1  # the reply's blocks (and the busy prompt's) are in info()
+        assert "beside" in w.disagg and not release.is_set()  # held while the forward still runs
     finally:
         release.set()
         eng.runner.execute = inner
@@ -207,8 +208,6 @@ def test_local_and_disaggregated_requests_are_one_id_space(worker):
     colo = worker_pb2_grpc.ColocatedWorkerStub(ch)
     try:
         _reserve(stub, "both", 20, kv_timeout_s=60.0)
-        # (answered beside the engine's step; the loop thread holds the record a moment later)
-        wait_until(lambda: "both" in w.disagg, timeout=10, message="the reservation held")
         assert "both" in w.disagg and "both" not in w.local and set(w.requests) == {"both"}
         with pytest.raises(grpc.RpcError) as ei:
             list(colo.Generate(worker_pb2.ColocatedRequest(request_id="both", prompt_token_ids=[5, 6], params=PARAMS),
