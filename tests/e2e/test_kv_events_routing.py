@@ -9,9 +9,9 @@ in order, on one shared set of processes:
    through one router (within ``HIT_RATE_POINTS``), no worker serves more than its share plus ``SPREAD_MARGIN``,
    every routing decision scored on the event index, and greedy output equals the offline engine's;
 1b. (on a second deployment with room for every history) multi-turn conversations, bursts of new conversations
-   per router and each turn through the next router, keep the 1-router hit rate through 3 routers
-   (``CONV_HIT_RATE_POINTS``), no worker serves more than its share plus ``CONV_SPREAD_MARGIN``, and the routers
-   hear each other's placements (replica sync);
+   per router and each turn through the next router, return to their history's worker through 3 routers about as
+   often as through one (``CONV_HISTORY_POINTS``), no worker serves more than its share plus ``CONV_SPREAD_MARGIN``,
+   and the routers hear each other's placements (replica sync);
 2. an eviction on one worker (long prompts sent straight to it through a fourth, single-worker router) is seen
    by all three routers within ``SEEN_S``, so none routes on that worker's copy of the prefix any more;
 3. a router started late catches up from the streams (replay): its index equals the others';
@@ -200,8 +200,13 @@ def test_three_routers_hit_the_cache_as_one_does_and_spread_the_load(deployment)
 CONV_SYSTEMS = 3
 CONV_PER_SYSTEM = 5
 CONV_TURNS = 4
-CONV_HIT_RATE_POINTS = 0.06
-"""Most a 3-router conversation round's hit rate may fall below the 1-router round's."""
+CONV_HISTORY_POINTS = 0.25
+"""Most the two 3-router rounds' mean share of later turns that return to their history's worker may fall below the
+1-router round's. That share, not the token hit rate, is what routing through several routers can lose (a turn
+routed blind still hits the shared system prompt on most workers). Measured 29 Nov on the 2-core host: quiet, 1.00
+in every round; beside the suite and a CPU hog (load ~8), 1 router 0.87-1.00, 3-router rounds 0.71-0.98 (means
+0.71-0.97; token hit rates 0.705-0.831, so the old 0.06 token-rate margin failed beside hogs twice, 26-29 Nov); with
+the index ignored (each router on its own mirror: the regression) 0.33 and 0.44 against 1.00."""
 CONV_SPREAD_MARGIN = 0.6
 """No worker serves more than (1 + CONV_SPREAD_MARGIN) x its share of a round's requests. At this load (tiny, 24-token
 answers: a worker runs 0 to 3 requests at a time) the score lets cache affinity win over requests served, so counts
@@ -227,34 +232,40 @@ def _conversations(d: _Deployment, stubs: list, seed: int) -> tuple[float, dict[
 
     n = CONV_SYSTEMS * CONV_PER_SYSTEM
     with ThreadPoolExecutor(n) as pool:
-        outs = [o for conv in pool.map(conversation, range(n)) for o in conv]
+        convs = list(pool.map(conversation, range(n)))
+    outs = [o for conv in convs for o in conv]
     served = {wid: w.info().requests_total - before[wid] for wid, w in d.live.items()}
     rate = sum(o.usage.cached_tokens for o in outs) / sum(o.usage.prompt_tokens for o in outs)
-    return rate, served, [list(o.token_ids) for o in outs]
+    # a later turn that found more than the shared system prompt cached landed on the worker holding its history
+    # (its user turns are its own from the first block past the system prompt on)
+    later = [o for conv in convs for o in conv[1:]]
+    history = sum(o.usage.cached_tokens > SYSTEM for o in later) / len(later)
+    return rate, served, [list(o.token_ids) for o in outs], history
 
 
 def test_conversations_through_three_routers_in_turn_hit_the_cache_as_through_one(roomy):
     """Multi-turn conversations (turns re-send their history) through one router, then twice through all three in
-    turn (fresh system prompts each round): each 3-router round within CONV_HIT_RATE_POINTS of the 1-router hit rate,
-    no worker past its share + CONV_SPREAD_MARGIN in any round, and every router heard the others' placements (replica
-    sync). Checked against broken versions: with replica sync off only the last assertion fails (hit rate and spread
+    turn (fresh system prompts each round): the 3-router rounds' turns return to their history's worker about as
+    often as the 1-router round's (CONV_HISTORY_POINTS), no worker past its share + CONV_SPREAD_MARGIN in any round,
+    and every router heard the others' placements (replica sync). Checked against broken versions: with the index
+    ignored (each router on its own mirror) the history share falls to 0.33-0.44 and fails; with replica sync off
+    only the last assertion failed (the token hit rate and spread
     stayed within the margins in 3 of 3 runs: on tiny a prefill takes milliseconds, so the workers' own events
     confirm a placement almost as soon as a shared one would arrive); the old load term and kv_pending_s 0 lower the
     1- and 3-router rates alike (tests/router/test_kv_replica.py catches those)."""
     d = roomy
-    one_rate, one_served, _ = _conversations(d, d.stubs[:1], 11)
+    one_rate, one_served, _, one_hist = _conversations(d, d.stubs[:1], 11)
     rounds = [_conversations(d, d.stubs, seed) for seed in (12, 13)]
-    print(f"conversations: 1 router {one_rate:.3f} {one_served}; 3 routers "
-          + "; ".join(f"{r:.3f} {s}" for r, s, _ in rounds))
+    seen = (f"1 router {one_rate:.3f} (history {one_hist:.2f}) {one_served}; 3 routers "
+            + "; ".join(f"{r:.3f} (history {h:.2f}) {s}" for r, s, _, h in rounds))
+    print("conversations:", seen)
     n_req = CONV_SYSTEMS * CONV_PER_SYSTEM * CONV_TURNS
     share = n_req / N_WORKERS
     assert one_rate > 0.5  # the histories are most of each prompt
-    seen = f"1 router {one_rate:.3f} {one_served}; 3 routers " + "; ".join(f"{r:.3f} {s}" for r, s, _ in rounds)
-    for served in [one_served] + [s for _r, s, _ in rounds]:
+    for served in [one_served] + [s for _r, s, _o, _h in rounds]:
         assert sum(served.values()) == n_req, seen
         assert max(served.values()) <= (1 + CONV_SPREAD_MARGIN) * share, seen
-    for rate, _s, _o in rounds:
-        assert rate >= one_rate - CONV_HIT_RATE_POINTS, seen
+    assert sum(h for _r, _s, _o, h in rounds) / len(rounds) >= one_hist - CONV_HISTORY_POINTS, seen
     for r in d.routers:
         _all_scored_on_events(r)
     assert sum(r.core.kv_events.placements_applied for r in d.routers) > 0  # the routers heard each other
