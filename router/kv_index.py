@@ -56,10 +56,13 @@ class KVIndex:
     computed, not yet confirmed by the worker's events. A pending block counts as held by ``match`` and as queued
     prefill work by ``pending_blocks`` until a ``BlockStored`` of it on that worker confirms it, or it expires."""
 
-    def __init__(self, max_pending_per_worker: int = 65536) -> None:
+    def __init__(self, max_pending_per_worker: int = 65536, clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: what pending blocks' expiries are measured on when a call passes no ``now`` (the simulator
+        passes its virtual clock)."""
         if max_pending_per_worker < 1:
             raise ValueError(f"max_pending_per_worker must be >= 1, got {max_pending_per_worker}")
         self.max_pending_per_worker = max_pending_per_worker
+        self._clock = clock
         self._lock = threading.Lock()
         self._holders: dict[int, set[str]] = {}
         self._blocks: dict[str, set[int]] = {}
@@ -117,7 +120,7 @@ class KVIndex:
         ``max_pending_per_worker`` the rest are not (a bound, not an expected case)."""
         if ttl_s <= 0 or not hashes:
             return 0
-        now = time.monotonic() if now is None else now
+        now = self._clock() if now is None else now
         until = now + ttl_s
         n = 0
         with self._lock:
@@ -140,7 +143,7 @@ class KVIndex:
     def pending_blocks(self, worker_id: str, now: Optional[float] = None) -> int:
         """Blocks pending on ``worker_id`` (prefill work placed there, not yet confirmed)."""
         with self._lock:
-            self._expire(time.monotonic() if now is None else now)
+            self._expire(self._clock() if now is None else now)
             return len(self._pending.get(worker_id, ()))
 
     def _unpend(self, h: int, worker_id: str) -> None:
@@ -165,7 +168,7 @@ class KVIndex:
     def expire(self, now: Optional[float] = None) -> None:
         """Drop pending blocks whose time is up (``match`` and ``pending_blocks`` do it too)."""
         with self._lock:
-            self._expire(time.monotonic() if now is None else now)
+            self._expire(self._clock() if now is None else now)
 
     def match(self, worker_ids: Iterable[str], hashes: Sequence[int]) -> dict[str, int]:
         """For each worker, how many leading blocks of ``hashes`` (a prompt's chained block hashes) it holds or
@@ -180,7 +183,7 @@ class KVIndex:
         live = set(out)
         pend = dict.fromkeys(out, 0)
         with self._lock:
-            self._expire(time.monotonic() if now is None else now)
+            self._expire(self._clock() if now is None else now)
             for n, h in enumerate(hashes):
                 holders = self._holders.get(h, set())
                 pending = self._pending_holders.get(h)

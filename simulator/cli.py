@@ -63,6 +63,9 @@ def add_deployment_args(p: argparse.ArgumentParser, pools: bool = True) -> None:
                        help="ship every prompt's whole KV, even what the decode worker holds from earlier turns")
         g.add_argument("--no-decode-prefix-routing", dest="decode_prefix_routing", action="store_false",
                        help="pick decode workers by load alone, not by the history they hold")
+        g.add_argument("--no-kv-events", dest="kv_events", action="store_false",
+                       help="the router scores prefixes on its mirror of where it sent what, not on the engines' KV "
+                            "events (as `pdserve router --no-kv-events`)")
         g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                        help="ranks of every worker (priced by the --profile taken at N; default 1)")
         g.add_argument("--prefill-tp", type=int, default=None, metavar="N",
@@ -99,7 +102,8 @@ def sim_config_from_args(args: argparse.Namespace, **over: Any) -> SimConfig:
               tensor_parallel_size=args.tensor_parallel_size, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
               rank_memory_bytes=args.rank_memory_bytes,
               kv_delta_transfers=getattr(args, "kv_delta_transfers", True),
-              decode_prefix_routing=getattr(args, "decode_prefix_routing", True))
+              decode_prefix_routing=getattr(args, "decode_prefix_routing", True),
+              kv_events=getattr(args, "kv_events", True))
     kw.update(over)
     return SimConfig(**kw)
 

@@ -13,6 +13,8 @@ What happens to a request (times on the virtual clock):
    bound). After ``router_per_request_s`` (a pair's prefill starts ``router_per_request_pair_s`` after the
    arrival instead) the router's ``Placer.route`` decides: colocated, whole on a
    decode worker (conditional disaggregation), or a prefill/decode pair.
+   Prefixes are scored as a deployed router scores them by default: on the router's ``KVIndex``, which every
+   simulated engine's prefix-cache events reach at the end of the step that made them (``SimConfig.kv_events``).
 2. A pair: ``Placer._try_pair`` ranks the decode workers and reserves the prompt's blocks on one (the
    router's ``WorkerCalls`` sends it; the simulated ``Reserve`` runs ``engine.reserve`` and answers at once, as the
    worker answers it beside the step in flight: ``EngineLoop.beside``). No room anywhere: the request joins the router's
@@ -43,10 +45,11 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import grpc
 
+from engine.block_manager import CLEARED, REMOVED, STORED
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from loadtest.stats import RequestRecord
@@ -54,6 +57,7 @@ from proto import worker_pb2
 from proto.worker_pb2 import WorkerInfo
 from router.config import RouterConfig
 from router.events import FlowError
+from router.kv_index import KVIndex
 from router.placement import Hold, Placement, Placer, Route
 from router.prefix_index import PrefixIndex
 from router.scope import RequestScope
@@ -92,8 +96,12 @@ class SimConfig:
     """The router's rule (issue 47): a decode reservation takes the prompt's leading blocks the decode worker's cache
     holds and only the rest is transferred (and priced on the link)."""
     decode_prefix_routing: bool = True
-    """The router's rule: decode workers ranked by the prompt blocks they hold (the simulation's router has no KV
-    event stream: its mirror of where it reserved what) against their load."""
+    """The router's rule: decode workers ranked by the prompt blocks they hold against their load."""
+    kv_events: bool = True
+    """The router scores prefixes on its KV-event index, as a deployed router does by default: every simulated
+    engine's prefix-cache events (``BlockManager.enable_events``) reach the router's own ``KVIndex`` at the end of
+    the step (or the command) that made them, and the router's placements count as pending there for
+    ``kv_pending_s``. False (``pdserve router --no-kv-events``): on its mirror of where it sent what."""
     local_prefill_max_tokens: int = 0
     prefill_queue_max_tokens: Optional[int] = None
     max_num_requests: int = 192
@@ -235,6 +243,8 @@ class SimConfig:
                 f += " --no-kv-delta-transfers"
             if not self.decode_prefix_routing:
                 f += " --no-decode-prefix-routing"
+        if not self.kv_events:
+            f += " --no-kv-events"
         tps = {r: self.pool_tp(r) for r in self.roles}
         if len(set(tps.values())) == 1:
             tp = next(iter(tps.values()))
@@ -294,6 +304,16 @@ class SimWorker:
         self.requests_total = self.prompt_tokens_total = 0
         self.output_tokens_total = self.requests_finished_total = 0
         """WorkerInfo's cumulative counters, counted as a real worker counts them (worker_common/worker_base.py)."""
+        if sim.cfg.kv_events and self.engine.block_manager.enable_caching:
+            self.engine.block_manager.enable_events()  # published to the router's index (``publish``)
+
+    def publish(self) -> None:
+        """The prefix-cache events since the last call, into the router's KV-event index (a real worker publishes
+        them after each loop pass; its router hears them a moment later)."""
+        kv = self.sim.kv_events
+        if kv is None:
+            return
+        kv.apply(self.worker_id, self.engine.block_manager.take_events())
 
     # -- what the router sees -----------------------------------------------------------------
     def info(self) -> WorkerInfo:
@@ -317,6 +337,7 @@ class SimWorker:
         """Run ``cmd`` (an engine call) now if idle, else at the end of the step in progress."""
         if self.busy_until is None:
             cmd()
+            self.publish()
             self.changed()
             if not self._kick_due:  # step once every command of this instant is in (they batch together)
                 self._kick_due = True
@@ -345,6 +366,7 @@ class SimWorker:
         outs = eng.step()
         self.changed()
         if eng.num_steps == steps:  # nothing could be scheduled: only outputs decided outside a step
+            self.publish()
             self._deliver(outs, self.sim.now)
             return
         d = self.runner.last_seconds
@@ -399,10 +421,12 @@ class SimWorker:
 
     def _step_done(self, outs: list, duration: float) -> None:
         self.busy_until = None
+        self.publish()  # what the step registered or evicted, heard at its end
         self._deliver(outs, self.sim.now, duration)
         cmds, self._commands = self._commands, []
         for c in cmds:
             c()
+        self.publish()
         self.changed()
         self._kick()
 
@@ -414,6 +438,45 @@ class SimWorker:
                 if o.finish_reason is not None and o.finish_reason != "prefill_done":
                     self.requests_finished_total += 1
                 h(o, duration)
+
+
+class _SimKVEvents:
+    """The router's KV-event consumer in the simulation (what ``Placer`` reads of ``router.kv_index.KVEventConsumer``):
+    the router's own ``KVIndex`` on the virtual clock, fed by every simulated engine's prefix-cache events as they
+    happen (``SimWorker.publish``: no Redis hop, no lost events, so always in sync); worker loads as of now; one router,
+    so no replica sync and no shared cold ties (``ties`` None, as a router without them)."""
+
+    connected = True
+    ties = None
+
+    def __init__(self, sim: "Simulation", pending_s: float) -> None:
+        self.sim = sim
+        self.index = KVIndex(clock=lambda: sim.now)
+        self.pending_s = pending_s
+
+    def synced(self, worker_id: str) -> bool:
+        return worker_id in self.sim.workers
+
+    def load(self, worker_id: str) -> Optional[tuple[int, int, int]]:
+        w = self.sim.workers.get(worker_id)
+        if w is None:
+            return None
+        e = w.engine
+        return e.num_running, e.num_waiting, sum(w.unprefilled.values())
+
+    def placed(self, worker_id: str, hashes: Sequence[int]) -> None:
+        if self.pending_s > 0:
+            self.index.add_pending(worker_id, hashes, self.pending_s)
+
+    def apply(self, worker_id: str, events: list[tuple]) -> None:
+        """A worker's ``BlockManager.take_events()``, as the router's consumer applies their published form."""
+        for ev in events:
+            if ev[0] == STORED:
+                self.index.store(worker_id, [ev[1][2]])
+            elif ev[0] == REMOVED:
+                self.index.remove(worker_id, [ev[1]])
+            elif ev[0] == CLEARED:
+                self.index.clear(worker_id)
 
 
 class _SimSource:
@@ -548,11 +611,14 @@ class Simulation:
                             local_prefill_max_tokens=cfg.local_prefill_max_tokens,
                             prefill_queue_max_tokens=cfg.prefill_queue_max_tokens,
                             queue_timeout_s=cfg.queue_timeout_s, prefix_aware_routing=cfg.prefix_aware_routing,
-                            kv_delta_transfers=cfg.kv_delta_transfers, decode_prefix_routing=cfg.decode_prefix_routing)
+                            kv_delta_transfers=cfg.kv_delta_transfers, decode_prefix_routing=cfg.decode_prefix_routing,
+                            kv_events=cfg.kv_events)
         self.selector = WorkerSelector()
+        self.kv_events = _SimKVEvents(self, rcfg.kv_pending_s) if cfg.kv_events else None
         # the router's own WorkerCalls builds the Reserve; the simulated stub answers it from the engine
         self.placer = Placer(rcfg, _SimSource(self), self.selector, WorkerCalls(rcfg, _SimClients(self)),
-                             admission=None, prefixes=PrefixIndex(), rng=random.Random(cfg.seed))
+                             admission=None, prefixes=PrefixIndex(), kv_events=self.kv_events,
+                             rng=random.Random(cfg.seed))
         self._queue: deque[_Flow] = deque()
         self._in_flight = 0
         self._arrivals = itertools.count()
@@ -792,6 +858,8 @@ class Simulation:
                     and self.selector.in_flight(w.worker_id) == 0 and not w.engine.has_unfinished_requests())
             if idle:
                 del self.workers[w.worker_id]
+                if self.kv_events is not None:
+                    self.kv_events.index.clear(w.worker_id)  # (a deregistered worker leaves the router's index)
                 self.pools[w.role].remove(w)
                 w.host.remove(w)  # its host's core is free (a later worker does not take it: hosts fill in order)
                 self.dropped[w.worker_id] = self.now

@@ -263,3 +263,14 @@ def test_a_new_generation_invalidates_the_old_entries_by_itself(redis_url, redis
     s.drain(1)
     assert s.index.workers() == {"w9"} and s.index.num_blocks("w9") == 1 and s.index.holders(5) == {"w9"}
     assert not s.consumer.synced("w9")  # seq 0..6 of the new generation are missing: no snapshot yet
+
+
+def test_pending_blocks_expire_on_the_index_clock():
+    """The simulator runs the router's index on its virtual clock: a call without ``now`` reads ``clock``."""
+    t = [100.0]
+    idx = KVIndex(clock=lambda: t[0])
+    assert idx.add_pending("w", [1, 2, 3], 2.0) == 3
+    t[0] = 101.9
+    assert idx.pending_blocks("w") == 3 and idx.match(["w"], [1, 2, 3]) == {"w": 3}
+    t[0] = 102.0
+    assert idx.pending_blocks("w") == 0 and idx.match(["w"], [1, 2, 3]) == {"w": 0}

@@ -396,3 +396,40 @@ def test_a_second_turn_ships_only_what_its_decode_worker_lacks(delta):
     if delta:
         busy = [w for w in sim.workers.values() if w.role == "decode" and w.engine.num_steps]
         assert len(busy) == 1  # both turns decoded on one worker
+
+
+def _cached_hashes(w) -> set:
+    """Block hashes a simulated engine's prefix cache holds now (the BlockManager's own map)."""
+    return {key[2] for key in w.engine.block_manager._cached}
+
+
+@pytest.mark.parametrize("kv_events", [True, False])
+def test_the_router_routes_prompts_to_the_worker_holding_their_prefix_as_deployed(kv_events):
+    """Issue 46: the simulated router scores prefixes as a deployed one does by default, on its KV-event index fed by
+    the engines' own prefix-cache events (``kv_events=False``: on its mirror, ``--no-kv-events``). Two system prompts
+    of 8 blocks, 6 requests each with a unique tail, 0.1 s apart through 2 prefill workers (each arrives while the
+    previous one still prefills, so load alone would send it to the other worker): each system prompt is computed on
+    one worker only and every later request finds it cached there; with events, the index holds exactly what every
+    engine caches. Fails with the scoring's prefix term ignored (load order) or the engines' events not fed."""
+    systems = [list(range(s * 1000, s * 1000 + 128)) for s in range(2)]
+    reqs = [SimRequest(f"s{i % 2}-{i}", 0.1 * i, systems[i % 2] + list(range(50000 + 40 * i, 50000 + 40 * i + 40)), 2)
+            for i in range(12)]
+    sim, recs = run(SimConfig(prefill=2, decode=1, kv_events=kv_events, seed=3), reqs)
+    assert all(r.success for r in recs)
+    prefill = [w for w in sim.workers.values() if w.role == "prefill"]
+    where = []
+    for sysp in systems:
+        first = tuple(sysp[:16])
+        holders = [w.worker_id for w in prefill if any(k[1] == first for k in w.engine.block_manager._cached)]
+        assert len(holders) == 1, holders  # computed once, on one worker
+        where += holders
+    assert sum(w.engine.prefix_cache_hits for w in prefill) == 10 * 128  # every later request hit its system prompt
+    if kv_events:
+        assert sim.kv_events is not None
+        index = sim.kv_events.index
+        for w in sim.workers.values():
+            cached = _cached_hashes(w)
+            assert index.num_blocks(w.worker_id) == len(cached), w.worker_id
+            assert all(w.worker_id in index.holders(h) for h in cached), w.worker_id
+    else:
+        assert sim.kv_events is None
