@@ -12,6 +12,10 @@ others wait joins the tail instead of trying, so it cannot overtake them (FIFO).
 ``wake()`` (client cancel) makes every waiter re-check its stop condition.
 The queue itself holds no worker resources: leaving it (``leave``, always in a
 ``finally``) is all the clean-up a cancelled or timed-out waiter needs.
+
+``RequestBound`` is the router-wide bound in front of it (``max_num_requests``: requests held, running or
+queued; RESOURCE_EXHAUSTED at once past it). The simulator (simulator/cluster_sim.py) holds one of each, as a
+router does, and drives the queue without blocking: ``enter``, ``head``, ``leave`` on its virtual clock.
 """
 from __future__ import annotations
 
@@ -42,10 +46,44 @@ class QueueStop(Exception):
         self.reason = reason
 
 
+class RequestBound:
+    """At most ``limit`` requests held by a router at once (see module docstring). Thread-safe."""
+
+    def __init__(self, limit: int) -> None:
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+            raise ValueError(f"limit must be an integer >= 1, got {limit!r}")
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._held = 0
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    def try_take(self) -> bool:
+        """Hold one more request; False (hold nothing) if ``limit`` are held."""
+        with self._lock:
+            if self._held >= self.limit:
+                return False
+            self._held += 1
+            return True
+
+    def give_back(self) -> None:
+        """A held request ended."""
+        with self._lock:
+            if self._held <= 0:
+                raise RuntimeError("give_back without a matching try_take")
+            self._held -= 1
+
+
 class AdmissionQueue:
     """FIFO of requests waiting for decode KV blocks (see module docstring)."""
 
-    def __init__(self, on_change: Optional[Callable[[int], None]] = None) -> None:
+    def __init__(self, on_change: Optional[Callable[[int], None]] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``clock``: what a ticket's ``entered_at`` is read from (the simulator passes its virtual clock; the
+        blocking waits always run on ``time.monotonic``)."""
+        self._clock = clock
         self._cond = threading.Condition()
         self._waiters: list[Ticket] = []  # sorted by seq; short, so a list beats a heap here
         self._seq = itertools.count()
@@ -64,9 +102,14 @@ class AdmissionQueue:
         with self._cond:
             return bool(self._waiters)
 
+    def head(self) -> Optional[Ticket]:
+        """The waiter whose turn it is (the earliest arrival), or None."""
+        with self._cond:
+            return self._waiters[0] if self._waiters else None
+
     def enter(self, seq: int, request_id: str) -> Ticket:
         """Join the queue in arrival order."""
-        t = Ticket(seq, request_id, time.monotonic())
+        t = Ticket(seq, request_id, self._clock())
         with self._cond:
             i = len(self._waiters)
             while i > 0 and self._waiters[i - 1].seq > seq:

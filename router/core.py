@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import grpc
 
-from router.admission import AdmissionQueue
+from router.admission import AdmissionQueue, RequestBound
 from router.clients import WorkerClients
 from router.config import RouterConfig
 from router.events import FlowError, FlowEvent
@@ -80,11 +80,12 @@ class RouterCore:
         self.metrics: Any = None
         self.draining = False
         self._lock = threading.Lock()
-        self._in_flight = 0
+        self.bound = RequestBound(cfg.max_num_requests)
+        """The ``max_num_requests`` bound (requests held, running or waiting for KV capacity)."""
 
     @property
     def num_in_flight(self) -> int:
-        return self._in_flight
+        return self.bound.held
 
     def load(self) -> None:
         """Tokenizer, limits and metrics (no model weights)."""
@@ -125,7 +126,7 @@ class RouterCore:
         if self.metrics is None:
             return
         with self._lock:
-            self.metrics.set_router_in_flight(self._in_flight)
+            self.metrics.set_router_in_flight(self.bound.held)
             self.metrics.set_router_waiting(len(self.admission))
 
     def generate(self, vreq: ValidatedRequest, t0: float, time_remaining: Optional[float],
@@ -137,11 +138,7 @@ class RouterCore:
         continues that trace)."""
         if self.limits is None or self.draining:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, "router is not serving")
-        with self._lock:
-            admitted = self._in_flight < self.cfg.max_num_requests
-            if admitted:
-                self._in_flight += 1
-        if not admitted:
+        if not self.bound.try_take():
             raise FlowError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"request {vreq.request_id}: router queue is full ({self.cfg.max_num_requests} requests "
                             f"in flight, {len(self.admission)} of them waiting for KV capacity)")
@@ -170,8 +167,7 @@ class RouterCore:
                 scope.trace_span, scope.trace_metadata = span, self.tracing.metadata(span)
             yield from self._counted(flow, vreq, t0, span)
         finally:
-            with self._lock:
-                self._in_flight -= 1
+            self.bound.give_back()
             self._update_gauges()
 
     def _counted(self, flow: Any, vreq: ValidatedRequest, t0: float, span: Any = None) -> Iterator[FlowEvent]:

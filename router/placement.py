@@ -317,7 +317,7 @@ class Placer:
         prefill worker; both load counts held."""
         adm = self.admission
         if adm is None or not adm.has_waiters():  # nobody ahead: try at once
-            p = self._try_pair(scope, excluded)
+            p = self.try_pair(scope, excluded)
             if p is not None:
                 return p
             if adm is None:
@@ -331,7 +331,7 @@ class Placer:
             while True:
                 adm.wait_turn(ticket, until, scope.stop_reason)
                 epoch = adm.epoch
-                p = self._try_pair(scope, excluded)
+                p = self.try_pair(scope, excluded)
                 if p is not None:
                     log.info("request %s: left the queue after %.3f s", scope.rid, time.monotonic() - ticket.entered_at)
                     return p
@@ -354,7 +354,7 @@ class Placer:
                          f"(queue_timeout_s={self.cfg.queue_timeout_s:g}); no decode worker freed "
                          f"{scope.num_prompt_tokens} prompt tokens' blocks", final=True)
 
-    def _try_pair(self, scope: RequestScope, excluded: set[str]) -> Optional[Placement]:
+    def try_pair(self, scope: RequestScope, excluded: set[str]) -> Optional[Placement]:
         """One pass over the decode workers: a placement, or None if every reachable one is full."""
         n, sel = scope.num_prompt_tokens, self.selector
         ready = [w for w in self.source.list(Pool.DECODE.value) if w.ready and w.worker_id not in excluded]

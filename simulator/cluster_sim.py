@@ -9,16 +9,17 @@ replays ``SimRequest``s (arrival time, prompt token ids, forced output length) a
 summary, the JSON and the goodput are computed by the same code as for a real run.
 
 What happens to a request (times on the virtual clock):
-1. It arrives; past ``max_num_requests`` held requests it fails with RESOURCE_EXHAUSTED (the router's
-   bound). After ``router_per_request_s`` (a pair's prefill starts ``router_per_request_pair_s`` after the
+1. It arrives; past ``max_num_requests`` held requests it fails with RESOURCE_EXHAUSTED (the router's own
+   ``RequestBound``). After ``router_per_request_s`` (a pair's prefill starts ``router_per_request_pair_s`` after the
    arrival instead) the router's ``Placer.route`` decides: colocated, whole on a
    decode worker (conditional disaggregation), or a prefill/decode pair.
    Prefixes are scored as a deployed router scores them by default: on the router's ``KVIndex``, which every
    simulated engine's prefix-cache events reach at the end of the step that made them (``SimConfig.kv_events``).
-2. A pair: ``Placer._try_pair`` ranks the decode workers and reserves the prompt's blocks on one (the
+2. A pair: ``Placer.try_pair`` ranks the decode workers and reserves the prompt's blocks on one (the
    router's ``WorkerCalls`` sends it; the simulated ``Reserve`` runs ``engine.reserve`` and answers at once, as the
    worker answers it beside the step in flight: ``EngineLoop.beside``). No room anywhere: the request joins the router's
-   FIFO admission queue and its head retries whenever a pair request's decode blocks are released.
+   admission queue (its own ``AdmissionQueue``, driven without blocking on the virtual clock) and its head
+   retries whenever a pair request's decode blocks are released.
 3. The prefill worker adds the prompt as prefill-only; at the end of the step that completes it, the
    first token goes to the client and the KV transfer, which overlaps the
    last step layer by layer, completes at ``max(end + link(bytes / layers), start + link(bytes))``.
@@ -43,7 +44,6 @@ import heapq
 import itertools
 import math
 import random
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -55,6 +55,7 @@ from engine.sampling_params import SamplingParams
 from loadtest.stats import RequestRecord
 from proto import worker_pb2
 from proto.worker_pb2 import WorkerInfo
+from router.admission import AdmissionQueue, RequestBound, Ticket
 from router.config import RouterConfig
 from router.events import FlowError
 from router.kv_index import KVIndex
@@ -530,7 +531,8 @@ class _Flow:
     scope: RequestScope
     params: SamplingParams
     placement: Optional[Placement] = None
-    queued_at: Optional[float] = None
+    ticket: Optional[Ticket] = None
+    """Its place in the router's admission queue while it waits for decode KV capacity."""
     kv_at: Optional[float] = None
     first_token_at: Optional[float] = None
 
@@ -619,9 +621,11 @@ class Simulation:
         self.placer = Placer(rcfg, _SimSource(self), self.selector, WorkerCalls(rcfg, _SimClients(self)),
                              admission=None, prefixes=PrefixIndex(), kv_events=self.kv_events,
                              rng=random.Random(cfg.seed))
-        self._queue: deque[_Flow] = deque()
-        self._in_flight = 0
-        self._arrivals = itertools.count()
+        # the router's own bound and admission queue, driven without blocking on the virtual clock
+        self.bound = RequestBound(cfg.max_num_requests)
+        self.admission = AdmissionQueue(clock=lambda: self.now)
+        self._waiting: dict[int, _Flow] = {}
+        """Arrival number -> the flow holding that ticket in ``admission``."""
 
     def _new_worker(self, role: str) -> SimWorker:
         n = self._next_id.get(role, 0)
@@ -679,21 +683,20 @@ class Simulation:
             self._fail(f, f"INVALID_ARGUMENT: prompt of {len(f.req.prompt_token_ids)} tokens; the deployment's "
                           f"max_model_len is {self.max_model_len}", admitted=False)
             return
-        if self._in_flight >= self.cfg.max_num_requests:
+        if not self.bound.try_take():
             self._fail(f, "RESOURCE_EXHAUSTED: router queue is full", admitted=False)
             return
-        self._in_flight += 1
-        f.scope.seq = next(self._arrivals)
+        f.scope.seq = self.admission.next_seq()
         self.at(self.now + self.profile.router_per_request_s, lambda: self._place(f))
 
     def _place(self, f: _Flow) -> None:
         try:
             route = self.placer.route(f.scope)
             if route is Route.PAIR:
-                if self._queue:  # others wait for decode capacity: no overtaking
+                if self.admission.has_waiters():  # others wait for decode capacity: no overtaking
                     self._enqueue(f)
                     return
-                p = self.placer._try_pair(f.scope, set())
+                p = self.placer.try_pair(f.scope, set())
                 if p is None:
                     self._enqueue(f)
                     return
@@ -704,26 +707,30 @@ class Simulation:
             self._fail(f, f"{e.code.name}: {e}")
 
     def _enqueue(self, f: _Flow) -> None:
-        f.queued_at = self.now
-        self._queue.append(f)
+        f.ticket = self.admission.enter(f.scope.seq, f.scope.rid)
+        self._waiting[f.scope.seq] = f
+
+    def _dequeue(self, f: _Flow) -> None:
+        self.admission.leave(f.ticket)
+        del self._waiting[f.scope.seq]
 
     def _drain_queue(self) -> None:
         """Decode capacity was freed: the queue's head retries, and the next while they get in."""
-        while self._queue:
-            f = self._queue[0]
-            if self.now - (f.queued_at or self.now) > self.cfg.queue_timeout_s:
-                self._queue.popleft()
+        while (t := self.admission.head()) is not None:
+            f = self._waiting[t.seq]
+            if self.now - t.entered_at > self.cfg.queue_timeout_s:
+                self._dequeue(f)
                 self._fail(f, "RESOURCE_EXHAUSTED: waited past queue_timeout_s for decode KV capacity")
                 continue
             try:
-                p = self.placer._try_pair(f.scope, set())
+                p = self.placer.try_pair(f.scope, set())
             except FlowError as e:
-                self._queue.popleft()
+                self._dequeue(f)
                 self._fail(f, f"{e.code.name}: {e}")
                 continue
             if p is None:
                 return
-            self._queue.popleft()
+            self._dequeue(f)
             self._start_pair(f, p)
 
     def _start_pair(self, f: _Flow, p: Placement) -> None:
@@ -798,7 +805,7 @@ class Simulation:
         rec.end_s = rec.chunk_times_s[-1] if rec.chunk_times_s else self.now
         rec.success = True
         rec.finish_reason = reason
-        self._in_flight -= 1
+        self.bound.give_back()
         p = f.placement
         self.placer.release(p, f.scope)
         if p is not None and p.route is Route.PAIR:
@@ -810,7 +817,7 @@ class Simulation:
         rec.success = False
         rec.error = error
         if admitted:
-            self._in_flight -= 1
+            self.bound.give_back()
 
     # -- scaling (the planner's view): workers that come and go, a periodic hook ----------------------------
     def worker_infos(self, role: Optional[str] = None) -> list[WorkerInfo]:

@@ -123,3 +123,31 @@ def test_queue_timeout_config_is_validated():
     for bad in (0, -1.0):
         with pytest.raises(ValueError, match="queue_timeout_s"):
             RouterConfig(queue_timeout_s=bad)
+
+
+def test_request_bound_holds_at_most_its_limit_and_refuses_bad_use():
+    from router.admission import RequestBound
+
+    b = RequestBound(2)
+    assert b.try_take() and b.try_take() and not b.try_take() and b.held == 2
+    b.give_back()
+    assert b.held == 1 and b.try_take() and not b.try_take()
+    b.give_back()
+    b.give_back()
+    with pytest.raises(RuntimeError, match="give_back"):
+        b.give_back()
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="limit"):
+            RequestBound(bad)
+
+
+def test_head_is_the_earliest_arrival_and_entered_at_reads_the_clock():
+    t = [5.0]
+    q = AdmissionQueue(clock=lambda: t[0])
+    assert q.head() is None
+    late = q.enter(7, "late")
+    t[0] = 6.0
+    early = q.enter(3, "early")
+    assert q.head() is early and (early.entered_at, late.entered_at) == (6.0, 5.0)
+    q.leave(early)
+    assert q.head() is late

@@ -219,7 +219,7 @@ def test_routers_choosing_at_once_spread_over_equal_decode_workers():
                for i in range(3)]
     herded = 0
     for i in range(60):
-        chosen = [pl._try_pair(_scope(rid=f"r{i}-{k}"), set()).decode.worker_id for k, pl in enumerate(routers)]
+        chosen = [pl.try_pair(_scope(rid=f"r{i}-{k}"), set()).decode.worker_id for k, pl in enumerate(routers)]
         herded += len(set(chosen)) == 1
         for pl in routers:  # each request ends before the next round: the views are equal again
             for wid in chosen:
@@ -255,17 +255,17 @@ def test_redis_away_pairs_only_over_kv_pairs_already_up():
     src = _Source(ws)
     rcfg = RouterConfig(serve_metrics=False)
     pl = Placer(rcfg, src, WorkerSelector(), _Calls())
-    assert not pl.store_away() and pl._try_pair(_scope(rid="a"), set()).prefill.worker_id == "p0"
+    assert not pl.store_away() and pl.try_pair(_scope(rid="a"), set()).prefill.worker_id == "p0"
     src.last_error = "ConnectionError: refused"  # the view could not refresh: Redis away
     assert pl.store_away()
     with pytest.raises(FlowError) as e:
-        pl._try_pair(_scope(rid="b"), set())
+        pl.try_pair(_scope(rid="b"), set())
     assert e.value.empty_pool is Pool.PREFILL and e.value.fallback_reason == "no_kv_pair"
     pl.pair_result("p1", "d0", True)  # only the busier prefill worker has a pair up: it is chosen
-    assert pl._try_pair(_scope(rid="c"), set()).prefill.worker_id == "p1"
+    assert pl.try_pair(_scope(rid="c"), set()).prefill.worker_id == "p1"
     pl.pair_result("p1", "d0", False)  # its transfer failed since: no pair known again
     with pytest.raises(FlowError):
-        pl._try_pair(_scope(rid="d"), set())
+        pl.try_pair(_scope(rid="d"), set())
     # pairs of workers that left the view are forgotten once many are remembered
     for i in range(placement._MAX_PAIRS + 1):
         pl.pair_result(f"gone-{i}", "d0", True)
@@ -305,7 +305,7 @@ def test_decode_workers_are_ranked_by_the_history_they_hold_on_the_index_then_th
     s = _scope(n_tokens=200)  # 12 full blocks looked up
 
     def pick(p: Placer = pl) -> str:
-        got = p._try_pair(s, set())
+        got = p.try_pair(s, set())
         p.release(got, s)
         return got.decode.worker_id
 
@@ -315,7 +315,7 @@ def test_decode_workers_are_ranked_by_the_history_they_hold_on_the_index_then_th
     assert pick() == "d0"  # 12 held blocks beat one running request (2 blocks)
     calls.cached = 0  # d0 lost them (a restart the index has not seen)
     assert pick() == "d0"
-    assert placer(decode_prefix_routing=False)._try_pair(_scope(n_tokens=200, rid="off"), set()).decode.worker_id \
+    assert placer(decode_prefix_routing=False).try_pair(_scope(n_tokens=200, rid="off"), set()).decode.worker_id \
         == "d1"
     events._synced = {"p0", "d1"}  # d0's stream out of sync: the mirror, which recorded d0's reservations above
     assert pick() == "d0"
@@ -353,7 +353,7 @@ def test_a_decode_worker_too_slow_to_answer_reserve_is_passed_over_while_the_req
     pl = Placer(rcfg, src, WorkerSelector(), _Calls())
     suspected = []
     pl.suspect = suspected.append
-    assert pl._try_pair(_scope(rid="slow"), set()).decode.worker_id == "d1" and suspected == ["d0"]
+    assert pl.try_pair(_scope(rid="slow"), set()).decode.worker_id == "d1" and suspected == ["d0"]
     live, late = _scope(rid="live"), _scope(rid="late", deadline=0.0)
     err = StatusRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
     assert live.rpc_error(err, "decode on d0", "d0").code == grpc.StatusCode.UNAVAILABLE

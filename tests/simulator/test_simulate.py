@@ -150,6 +150,17 @@ def test_admission_queue_waits_for_decode_blocks():
     assert ttft_s(b) + b.start_s > a.end_s  # b's prefill began only after a freed its blocks
 
 
+def test_requests_waiting_for_decode_blocks_are_served_in_arrival_order():
+    """The router's own AdmissionQueue (FIFO by arrival) orders the simulated waiters: b and c both wait for a's
+    blocks (the decode worker holds 8 blocks, one 100-token prompt at a time); b, the earlier, goes first."""
+    reqs = [SimRequest("a", 0.0, list(range(100)), 5), SimRequest("b", 0.001, list(range(200, 300)), 5),
+            SimRequest("c", 0.002, list(range(400, 500)), 5)]
+    sim, (a, b, c) = run(SimConfig(num_kv_blocks=8), reqs)
+    assert a.success and b.success and c.success
+    assert a.end_s < b.start_s + ttft_s(b) < c.start_s + ttft_s(c)
+    assert sim.bound.held == 0 and not sim.admission.has_waiters()
+
+
 def test_router_bound_refuses_at_once():
     reqs = [SimRequest("a", 0.0, list(range(10)), 5), SimRequest("b", 0.0, list(range(10)), 5)]
     _, (a, b) = run(SimConfig(mode="colocated", colocated=1, max_num_requests=1), reqs)
