@@ -6,7 +6,7 @@ of turns in ``--turns`` (4-8 by default) and opening with one shared system prom
 history (system prompt, earlier user turns and the greedy answers) plus a new user message, as a chat client does.
 Greedy answers depend only on the history, so both policies see the same prompts and must produce the same tokens
 (checked, printed). A closed loop (the default) sends each turn as soon as the previous answer is in, so a policy
-that answers faster is offered more load and queues more at the prefill pool (seen on 29 Nov: delta's TPOT 20% lower,
+that answers faster is offered more load and queues more at the prefill pool (seen on 29 Nov: delta's TPOT 0.73-0.96x,
 its runs 5-15% shorter, its TTFT higher); ``--turn-gap-s G`` paces each conversation's turns G seconds apart (an
 open-loop schedule, as chat users who read and type), which compares TTFT at one offered load.
 

@@ -37,8 +37,9 @@ way), which can differ from the forced length by a token or two.
 
 Usage (a `pdserve up` of its own on free ports, 1 prefill + 1 decode ``tiny`` workers):
     python benchmarks/external_harnesses.py --repeat 2 --json results/harnesses.json
-against a running cluster: ``--base-url http://HOST:PORT`` (and ``PDSERVE_API_KEY`` in the environment if it
-needs a key; it reaches every tool through the environment or its own key flag, never argv of this script).
+against a running cluster: ``--base-url http://HOST:PORT``, one without an API key: AIPerf and guidellm take a key
+only on their command lines (visible in ``ps``), so the script passes none and refuses to run them while
+``PDSERVE_API_KEY`` is set (pdserve bench alone, ``--tools ""``, reads it from the environment).
 Environments go to ``--env-dir`` (default ``.harness-envs/`` beside the repository's ``.venv``; git-ignored);
 ``--install-only`` prepares them and exits.
 """
@@ -202,7 +203,10 @@ def server_counts(base_url: str) -> dict[str, float]:
     want = {"pdserve:prompt_tokens_total": "prompt_tokens", "pdserve:generation_tokens_total": "generation_tokens",
             "pdserve:e2e_request_latency_seconds_count": "requests"}
     got = dict.fromkeys(want.values(), 0.0)
-    text = httpx.get(f"{base_url}/metrics", timeout=30.0).text
+    key = os.environ.get("PDSERVE_API_KEY")
+    resp = httpx.get(f"{base_url}/metrics", timeout=30.0, headers={"Authorization": f"Bearer {key}"} if key else None)
+    resp.raise_for_status()
+    text = resp.text
     for fam in text_string_to_metric_families(text):
         for smp in fam.samples:
             if smp.name in want:
@@ -414,6 +418,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     for flag in ("num_prompts", "input_len", "output_len", "concurrency", "repeat", "trace_rows"):
         if getattr(w, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')} must be >= 1")
+    for flag in ("warmups", "sglang_input_len"):
+        if getattr(w, flag) < 0:
+            ap.error(f"--{flag.replace('_', '-')} must be >= 0")
+    if names and os.environ.get("PDSERVE_API_KEY"):
+        ap.error("PDSERVE_API_KEY is set: the harnesses would need the key on their command lines; run them against "
+                 "a cluster without a key (or --tools '' for pdserve bench alone)")
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     envs = {t: ensure_env(TOOLS[t], w.env_dir, log) for t in names}
     if w.install_only:

@@ -262,7 +262,11 @@ class DecodeWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, 
                 self.refresh_load(beside=True)  # the reply's caller sees the blocks taken in info()
                 return req
 
-            req = self.loop.beside(reserve)
+            try:
+                req = self.loop.beside(reserve)
+            except (RuntimeError, TimeoutError) as e:  # the loop stopped, or stayed in the engine past the wait
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.cfg.worker_id}: {e} "
+                                                                f"(request {rid})") from None
         except RequestError as e:
             if trace is not None:  # refused: the span ends here, with the refusal
                 self.ctx.tracing.end(trace, error=f"{e.code.name}: {e.message}")

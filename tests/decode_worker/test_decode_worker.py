@@ -94,6 +94,20 @@ def test_reserve_is_answered_while_the_engine_is_inside_a_forward_and_a_twin_is_
     wait_until(lambda: w.info().num_free_blocks == 8 and not w.requests, timeout=10, message="all freed")
 
 
+def test_a_reserve_the_engine_loop_cannot_take_is_unavailable_and_takes_nothing(worker, monkeypatch):
+    """The loop stopped, or stayed inside the engine past the wait: UNAVAILABLE (the router tries another decode
+    worker), never UNKNOWN, and no block taken."""
+    w, stub = worker
+    for exc in (TimeoutError("dw0: the engine stayed busy for 30.0 s"),
+                RuntimeError("dw0: engine loop is not running")):
+        monkeypatch.setattr(w.loop, "beside", lambda fn, timeout_s=30.0, exc=exc: (_ for _ in ()).throw(exc))
+        with pytest.raises(grpc.RpcError) as ei:
+            _reserve(stub, "stuck", 20)
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "stuck" in ei.value.details()
+        monkeypatch.undo()
+    assert w.info().num_free_blocks == 8 and "stuck" not in w.disagg
+
+
 def test_bad_reserve_and_unknown_decode(worker):
     w, stub = worker
     for req, field in [
