@@ -151,6 +151,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--no-kv-delta-transfers", dest="kv_delta_transfers", action="store_false",
                     help="ship every prompt's whole KV, even the blocks the decode worker already holds from the "
                          "conversation's earlier turns (default: only what it lacks)")
+    kv.add_argument("--kv-prefix-fetch-min-tokens", type=int, default=None, metavar="N",
+                    help="when the decode worker holds at least N more of a prompt's leading tokens than the prefill "
+                         "worker, the prefill worker receives them from it instead of computing them "
+                         "(default 256, 0 = never)")
     kv.add_argument("--no-decode-prefix-routing", dest="decode_prefix_routing", action="store_false",
                     help="pick decode workers by load alone, not by the conversation history they hold")
     kv.add_argument("--no-kv-replica-sync", dest="kv_replica_sync", action="store_false",
@@ -314,7 +318,8 @@ def router_overrides(args: argparse.Namespace) -> dict:
     for name in ("kv_replica_sync", "kv_delta_transfers", "decode_prefix_routing"):
         if not getattr(args, name, True):
             out[name] = False
-    for name in ("kv_overlap_weight", "kv_load_weight", "kv_request_weight", "kv_tie_blocks", "kv_pending_s"):
+    for name in ("kv_overlap_weight", "kv_load_weight", "kv_request_weight", "kv_tie_blocks", "kv_pending_s",
+                 "kv_prefix_fetch_min_tokens"):
         if getattr(args, name, None) is not None:
             out[name] = getattr(args, name)
     return out

@@ -6,6 +6,9 @@ Lifecycle of one disaggregated request (a ``_DecodeReq`` in ``DisaggregatedReque
    the prefill worker sends a byte. Both, and holding the record, run on the RPC's thread beside the
    engine step in flight (``EngineLoop.beside``: during its forward), so the reply does not wait for
    the step to end.
+   ``SendPrefix`` RPC (optional, between the two): the prefill worker holds less of the prompt than this
+   worker's reservation found cached, so it fetches the difference: those reserved blocks (pinned by the
+   reservation) are sent to it, beside the step as the Reserve was.
 2. ``Decode`` RPC (first token from the prefill worker) -> the request waits until ``poll()``
    sees the receive DONE, then ``engine.add_prefilled_request`` puts it in the running batch.
    A FAILED receive (deadline, peer lost, store away, cancelled) ends the stream with ABORTED: the
@@ -37,7 +40,8 @@ from decode_worker.config import DecodeWorkerConfig
 from kvtransfer import TransferState
 from proto import worker_pb2, worker_pb2_grpc
 from worker_common.output_stream import OutputStreamServicer
-from worker_common.request import RequestContext, RequestError, check_peer_tp, engine_kv_shards, engine_tp, request_params
+from worker_common.request import (RequestContext, RequestError, check_peer_tp, engine_kv_shards, engine_tp,
+                                   prefix_fetch_id, request_params)
 from worker_common.wire import logprob_from_proto, logprobs_to_proto
 from worker_common.worker_base import WorkerBase
 
@@ -62,6 +66,7 @@ class _DecodeReq(ChoiceRequest):
     cached_tokens: int = 0  # prompt positions its reservation found in this worker's cache (not received)
     running_at: Optional[float] = None  # the KV was in and it joined the batch
     block_ids: list[int] = field(default_factory=list)  # what the reservation took (the Reserve reply's)
+    prefix_send: Any = None  # SendPrefix: the send of its cached prefix to the prefill worker
 
 
 class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
@@ -104,6 +109,30 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
         if cached and self.ctx.metrics is not None:
             self.ctx.metrics.inc_kv_transfer_cached_tokens(cached)
         return req
+
+    def send_prefix(self, eng: Any, rid: str, dest: str, first: int, num: int, dest_tp: int,
+                    timeout_s: float) -> None:
+        """Send positions ``first..num-1`` of reserved ``rid``'s cached prefix to the prefill worker ``dest`` (its
+        ``PrefixFetch``). Beside a step: the blocks are the reservation's, pinned, and no forward writes them."""
+        req = self.get(rid)
+        if req is None or req.failure is not None or req.handle is None:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"request {rid} is not reserved on decode worker "
+                                                          f"{self.ctx.worker_id} (expired, failed or aborted)")
+        if req.decoding or req.prefix_send is not None:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"request {rid}: its prefix was sent already, or it is decoding")
+        if not 0 <= first < num or num > req.cached_tokens:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"first_token/num_tokens: [{first}, {num}) is not a non-empty range of the "
+                               f"{req.cached_tokens} cached tokens reserved for request {rid}")
+        src = req.block_ids[: -(-num // eng.block_size)]
+        try:
+            req.prefix_send = self.ctx.kv.send_shards(dest, prefix_fetch_id(rid), engine_kv_shards(eng), dest_tp,
+                                                      src, num, deadline_s=timeout_s, layers_ready=True,
+                                                      first_token=first)
+        except Exception as e:  # a bad peer name or a broken endpoint
+            code = grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, ValueError) else grpc.StatusCode.UNAVAILABLE
+            raise RequestError(code, f"kv send of request {rid}'s prefix to {dest!r}: {e}") from None
 
     def activate(self, rid: str, first_token: int, first_logprob: Any, siblings: list) -> _DecodeReq:
         """The Decode call came for reserved ``rid``: its record, now streaming to that call."""
@@ -151,8 +180,13 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
                            f"request {req.request_id}: no Decode call within "
                            f"{req.expires_at - req.arrived:.1f} s of its reservation")
         for st in kv.take_completed():
-            if st.direction == "recv" and st.state == TransferState.DONE and self.ctx.metrics is not None:
+            if st.state != TransferState.DONE or self.ctx.metrics is None:
+                continue
+            if st.direction == "recv":
                 self.ctx.metrics.observe_kv_transfer_phases("recv", st.phases())
+            else:  # a prefix sent back to a prefill worker (SendPrefix): bytes between workers, counted by the sender
+                self.ctx.metrics.observe_kv_transfer(st.seconds, st.num_bytes)
+                self.ctx.metrics.observe_kv_transfer_phases("send", st.phases())
         return any(not r.running and r.failure is None for r in self.records())
 
     def trace_phases(self, req: _DecodeReq, now: float) -> list:
@@ -193,8 +227,9 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
         if req.failure is not None:
             return  # freed when it failed
         kv = self.ctx.kv
-        if req.handle is not None and kv.poll(req.handle) not in (TransferState.DONE, TransferState.FAILED):
-            kv.cancel(req.handle)
+        for h in (req.handle, req.prefix_send):
+            if h is not None and kv.poll(h) not in (TransferState.DONE, TransferState.FAILED):
+                kv.cancel(h)
         self.ctx.engine.abort_request(req.request_id)
 
 
@@ -274,6 +309,34 @@ class DecodeWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, 
         return worker_pb2.ReserveResponse(block_ids=req.block_ids, block_size=self.engine.block_size,
                                           kv_name=self.cfg.kv_name, tensor_parallel_size=engine_tp(self.engine),
                                           num_cached_tokens=req.cached_tokens)
+
+    def SendPrefix(self, request: worker_pb2.SendPrefixRequest,
+                   context: grpc.ServicerContext) -> worker_pb2.SendPrefixResponse:
+        rid = request.request_id
+        try:
+            if self.loop is None or not self.loop.alive:  # (a draining worker still serves what it reserved)
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.cfg.worker_id} is not serving "
+                                                                f"(request {rid})")
+            if not request.dest_kv_name:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"dest_kv_name is empty (request {rid})")
+            if request.kv_timeout_s < 0:
+                raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"kv_timeout_s must be >= 0, got {request.kv_timeout_s} (request {rid})")
+            dest_tp = check_peer_tp(self.engine, request.dest_tensor_parallel_size, "dest_tensor_parallel_size", rid)
+            timeout = request.kv_timeout_s or self.cfg.transfer_timeout_s
+
+            def send(eng: Any) -> None:
+                self.disagg.send_prefix(eng, rid, request.dest_kv_name, request.first_token, request.num_tokens,
+                                        dest_tp, timeout)
+
+            try:
+                self.loop.beside(send)
+            except (RuntimeError, TimeoutError) as e:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, f"decode worker {self.cfg.worker_id}: {e} "
+                                                                f"(request {rid})") from None
+        except RequestError as e:
+            context.abort(e.code, e.message)
+        return worker_pb2.SendPrefixResponse()
 
     def Decode(self, request: worker_pb2.DecodeRequest,
                context: grpc.ServicerContext) -> Iterator[worker_pb2.DecodeChunk]:

@@ -304,6 +304,12 @@ class LLMEngine:
         logger.debug("request %s added: %d prompt tokens, prefill_only=%s", request_id,
                      len(seq.prompt_token_ids), prefill_only)
 
+    def check_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                      prefill_only: bool = False) -> None:
+        """The checks ``add_request`` makes (ValueError naming the field), adding nothing: for a caller that must
+        refuse a bad request before work that comes ahead of adding it (a prefill worker's prefix fetch)."""
+        self._new_seq(request_id, prompt_token_ids, params, prefill_only)
+
     def has_request(self, request_id: str) -> bool:
         """Whether ``request_id`` is held here (waiting, running, held or reserved)."""
         return request_id in self._seqs
@@ -328,22 +334,25 @@ class LLMEngine:
         got = self.reserve_prompt(request_id, num_tokens)
         return None if got is None else got[0]
 
-    def reserve_prompt(self, request_id: str, num_tokens: int,
-                       prompt_token_ids: Optional[list[int]] = None) -> Optional[tuple[list[int], int]]:
+    def reserve_prompt(self, request_id: str, num_tokens: int, prompt_token_ids: Optional[list[int]] = None, *,
+                       prefix: bool = False) -> Optional[tuple[list[int], int]]:
         """Take blocks for ``num_tokens`` of KV about to arrive: ``(block ids, cached tokens)``, None if there are
         not enough free blocks. With ``prompt_token_ids`` (the whole prompt) and prefix caching on, the leading
         full blocks this cache already holds for it (at most all but the last token's, as a local prefill would
         reuse) are taken by reference and pinned until the request ends: only positions ``cached tokens ..`` need
-        to arrive (a delta transfer), the rest of the list is fresh blocks."""
+        to arrive (a delta transfer), the rest of the list is fresh blocks. ``prefix``: ``prompt_token_ids`` is a
+        prompt's leading whole blocks, fetched to be cached here (``commit_reserved``): every cached one is taken."""
         self._check_reservation(request_id, num_tokens)
         cached: list[int] = []
         keys: list = []
         bs = self.block_size
+        if prefix and (prompt_token_ids is None or num_tokens % bs):
+            raise ValueError(f"a prefix reservation needs its tokens, whole blocks of {bs}, got {num_tokens}")
         if prompt_token_ids is not None:
             if len(prompt_token_ids) != num_tokens:
                 raise ValueError(f"prompt_token_ids has {len(prompt_token_ids)} tokens, num_tokens is {num_tokens}")
             if self.block_manager.enable_caching:
-                keys = block_keys(prompt_token_ids, bs, (num_tokens - 1) // bs)
+                keys = block_keys(prompt_token_ids, bs, num_tokens // bs if prefix else (num_tokens - 1) // bs)
                 cached = self.block_manager.acquire(self.block_manager.lookup(keys))
                 keys = keys[:len(cached)]
         fresh = self.block_manager.blocks_for(num_tokens) - len(cached)
@@ -359,6 +368,27 @@ class LLMEngine:
         self.scheduler.reserved[request_id] = seq
         self._seqs[request_id] = seq
         return list(seq.block_table), seq.num_cached_tokens
+
+    def commit_reserved(self, request_id: str, prompt_token_ids: list[int]) -> int:
+        """The KV of a prefix reservation (``reserve_prompt(prefix=True)``) arrived: name its blocks in the prefix
+        cache, so a prompt added next that starts with ``prompt_token_ids`` reuses them (while the reservation
+        holds them, and after it as any cached block). Returns the tokens now cached (0 with caching off)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.status != SeqStatus.RESERVED:
+            raise ValueError(f"request_id {request_id!r} has no reservation")
+        bs = self.block_size
+        if len(prompt_token_ids) != seq.num_prefill or len(prompt_token_ids) % bs:
+            raise ValueError(f"prompt_token_ids has {len(prompt_token_ids)} tokens; the reservation of "
+                             f"{request_id!r} is {seq.num_prefill} tokens of whole blocks")
+        if not self.block_manager.enable_caching:
+            return 0
+        keys = block_keys(prompt_token_ids, bs, len(prompt_token_ids) // bs)
+        if keys[:len(seq.block_keys)] != seq.block_keys:
+            raise ValueError(f"prompt_token_ids differ from the prefix reserved for {request_id!r}")
+        for i in range(len(seq.block_keys), len(keys)):
+            self.block_manager.register(seq.block_table[i], keys[i])
+        seq.block_keys = keys
+        return len(keys) * bs
 
     def _check_reservation(self, request_id: str, num_tokens: int) -> None:
         if not isinstance(request_id, str) or not request_id:

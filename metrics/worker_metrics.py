@@ -104,6 +104,15 @@ class WorkerMetrics(ComponentMetrics):
         """A decode reservation's prompt tokens already in this worker's prefix cache (not transferred)."""
         self._series["kv_transfer_cached_tokens_total"].inc(check_count("kv_transfer_cached_tokens", n))
 
+    def inc_kv_prefix_fetch(self, outcome: str, tokens: int = 0) -> None:
+        """A prefill worker's prefix fetch ended (``outcome``: "done" with the ``tokens`` it received, or
+        "fallback": computed instead)."""
+        if outcome not in ("done", "fallback"):
+            raise ValueError(f"outcome must be 'done' or 'fallback', got {outcome!r}")
+        tokens = check_count("kv_prefix_fetch_tokens", tokens)  # (checked before anything moves)
+        self._child("kv_prefix_fetches_total", outcome).inc()
+        self._series["kv_prefix_fetch_tokens_total"].inc(tokens)
+
     # --- counters fed from the engine's running totals ---
     def set_prefix_cache_totals(self, queries: int, hits: int) -> None:
         """The engine's running totals of prefix-cache query and hit tokens; the counters move by

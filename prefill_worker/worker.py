@@ -6,6 +6,12 @@ Lifecycle of one request (a ``_PrefillReq`` in ``PrefillRequests``, loop-thread 
 2. Inside ``engine.step()``, ``on_layer_done(i, ids)`` fires as each layer's K/V is complete:
    the first call opens ``kv.send`` to the decode worker's endpoint, each call marks layer ``i``
    ready, so the transfer overlaps the remaining layers' compute.
+   Before step 1, a prompt whose leading tokens the decode worker holds (``dest_cached_tokens``) at least
+   ``fetch_min_tokens`` more of than this worker's prefix cache is first *fetched*: blocks for them are
+   reserved here, their receive from the decode worker is posted and a PrefixFetch event asks the router to
+   have the decode worker send them (``DecodeWorker.SendPrefix``); once they are in, they are named in this
+   worker's prefix cache and the prompt is added, so only what neither side had is computed. A fetch that
+   fails is computed instead (``pdserve:kv_prefix_fetches_total{outcome="fallback"}``), never a wrong token.
 3. ``step()`` returns ``finish_reason="prefill_done"`` with the first token: it goes to the
    handler at once (TTFT does not wait for the transfer).
 4. ``poll()`` watches the send: DONE -> TransferDone event; FAILED -> an UNAVAILABLE error
@@ -30,7 +36,7 @@ from kvtransfer import TransferState
 from prefill_worker.config import PrefillWorkerConfig
 from proto import worker_pb2, worker_pb2_grpc
 from worker_common.request import (RequestContext, RequestError, RequestSet, WorkerRequest, check_peer_tp,
-                                   engine_kv_shards, request_params)
+                                   engine_kv_shards, engine_tp, prefix_fetch_id, request_params)
 from worker_common.wire import logprob_to_proto, prompt_logprobs_to_proto
 from worker_common.worker_base import WorkerBase
 
@@ -51,6 +57,10 @@ class _PrefillReq(WorkerRequest):
     handle: Any = None
     error: Optional[RequestError] = None  # set inside step() (layer callback), reported after it
     in_engine: bool = True  # False once the first token is out (KV held for sending)
+    fetch_min: int = 0  # fetch the decode worker's cached prefix when it holds this many more tokens (0: never)
+    fetch: Any = None  # the prefix fetch's receive while it runs (the prompt is added to the engine after it)
+    fetch_span: tuple = ()  # (first token, tokens, started, ended) of a prefix fetch made
+    params: Any = None
 
 
 class PrefillRequests(RequestSet[_PrefillReq]):
@@ -74,11 +84,80 @@ class PrefillRequests(RequestSet[_PrefillReq]):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"dest_block_ids: {len(dest_blocks)} blocks of {req.block_size} tokens cannot "
                                f"hold {len(req.prompt_token_ids)} prompt tokens (request {req.request_id})")
+        req.params = params
+        if not self._start_fetch(eng, req):
+            self._add_to_engine(eng, req)
+        self.hold(req)
+
+    def _add_to_engine(self, eng: Any, req: _PrefillReq) -> None:
         try:
-            eng.add_request(req.request_id, req.prompt_token_ids, params, prefill_only=True)
+            eng.add_request(req.request_id, req.prompt_token_ids, req.params, prefill_only=True)
         except ValueError as e:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{e} (request {req.request_id})") from None
-        self.hold(req)
+
+    # ---- prefix fetch: the decode worker's cached prefix, received instead of computed ---------------------
+    def _start_fetch(self, eng: Any, req: _PrefillReq) -> bool:
+        """Reserve blocks for the leading whole blocks the decode worker holds, post their receive and ask for
+        them (a PrefixFetch event), when it holds at least ``fetch_min`` more than this cache; False: prefill now."""
+        bm = getattr(eng, "block_manager", None)
+        if req.fetch_min <= 0 or req.params.prompt_logprobs is not None or bm is None or not bm.enable_caching:
+            return False
+        bs = eng.block_size
+        held = req.dest_cached // bs * bs  # in this cache's whole blocks
+        if held < req.fetch_min:
+            return False
+        try:  # refuse a bad request now, not after its fetch
+            eng.check_request(req.request_id, req.prompt_token_ids, req.params, prefill_only=True)
+        except ValueError as e:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{e} (request {req.request_id})") from None
+        fid = prefix_fetch_id(req.request_id)
+        try:
+            got = eng.reserve_prompt(fid, held, req.prompt_token_ids[:held], prefix=True)
+        except ValueError as e:
+            log.info("prefill %s: request %s: no prefix fetch: %s", self.ctx.worker_id, req.request_id, e)
+            return False
+        if got is None:  # no free blocks for it: compute as before
+            return False
+        blocks, have = got
+        if held - have < req.fetch_min:
+            eng.abort_request(fid)
+            return False
+        try:
+            req.fetch = self.ctx.kv.recv_shards(req.dest_kv_name, fid, engine_kv_shards(eng), req.dest_tp, blocks,
+                                                held, deadline_s=self.transfer_timeout_s, first_token=have)
+        except Exception as e:  # a bad peer name or a broken endpoint: compute it
+            eng.abort_request(fid)
+            log.warning("prefill %s: request %s: prefix fetch not posted: %s", self.ctx.worker_id, req.request_id, e)
+            return False
+        req.fetch_span = (have, held, time.monotonic(), None)
+        req.out.put(worker_pb2.PrefillEvent(prefix_fetch=worker_pb2.PrefixFetch(
+            first_token=have, num_tokens=held, kv_name=self.ctx.kv.name, tensor_parallel_size=engine_tp(eng),
+            kv_timeout_s=self.transfer_timeout_s)))
+        return True
+
+    def _fetched(self, req: _PrefillReq, ok: bool) -> None:
+        """The fetch ended: name what arrived in the prefix cache (the reservation keeps it until the request
+        ends), or drop it; either way the prompt joins the engine's queue now."""
+        eng, w = self.ctx.engine, self.ctx
+        handle, req.fetch = req.fetch, None
+        first, held, started, _ = req.fetch_span
+        req.fetch_span = (first, held, started, time.monotonic())
+        fid = prefix_fetch_id(req.request_id)
+        if ok:
+            try:
+                eng.commit_reserved(fid, req.prompt_token_ids[:held])
+            except ValueError as e:
+                log.warning("prefill %s: request %s: fetched prefix not cached: %s", w.worker_id, req.request_id, e)
+                ok = False
+        if not ok:
+            log.info("prefill %s: request %s: prefix fetch failed (%s); computing it", w.worker_id, req.request_id,
+                     w.kv.failure(handle) if handle is not None else "not cached")
+            eng.abort_request(fid)
+        w.metrics.inc_kv_prefix_fetch("done" if ok else "fallback", held - first if ok else 0)
+        try:
+            self._add_to_engine(eng, req)
+        except RequestError as e:
+            self.drop(req, e)
 
     def on_layer_done(self, layer: int, request_ids: list[str]) -> None:
         """The engine's layer hook (inside ``engine.step()``): layer ``layer`` of these prompts is in the cache."""
@@ -142,12 +221,18 @@ class PrefillRequests(RequestSet[_PrefillReq]):
     def poll(self, now: float) -> bool:
         w = self.ctx
         for req in self.records():
+            if req.fetch is not None:
+                state = w.kv.poll(req.fetch)
+                if state in (TransferState.DONE, TransferState.FAILED):
+                    self._fetched(req, state == TransferState.DONE)
+                continue
             if req.in_engine or req.handle is None:
                 continue
             state = w.kv.poll(req.handle)
             if state == TransferState.DONE:
                 self.release(req)
                 w.engine.release(req.request_id)
+                w.engine.release(prefix_fetch_id(req.request_id))
                 req.out.put(worker_pb2.PrefillEvent(
                     transfer_done=worker_pb2.TransferDone(kv_transfer_s=time.monotonic() - req.first_token_at)))
             elif state == TransferState.FAILED:
@@ -172,7 +257,13 @@ class PrefillRequests(RequestSet[_PrefillReq]):
                        "pdserve.kv.state": st.state.value,
                        "pdserve.kv.tokens": len(req.prompt_token_ids) - req.dest_cached})
         scheduled = req.scheduled or (req.first_token_at and req.arrived)
-        return [("prefill_worker.queue", req.arrived, scheduled, {}),
+        fetch = []
+        if req.fetch_span:
+            first, held, started, ended = req.fetch_span
+            fetch = [("prefill_worker.prefix_fetch", started, ended if ended is not None else now,
+                      {"pdserve.kv.peer": req.dest_kv_name, "pdserve.kv.first_token": first,
+                       "pdserve.kv.tokens": held - first})]
+        return [*fetch, ("prefill_worker.queue", req.arrived, scheduled, {}),
                 ("prefill_worker.prefill", scheduled, req.first_token_at,
                  {"gen_ai.usage.prompt_tokens": len(req.prompt_token_ids)}),
                 ("kv_transfer.send", req.first_token_at, now if req.first_token_at is not None else None, kv)]
@@ -181,10 +272,14 @@ class PrefillRequests(RequestSet[_PrefillReq]):
         w = self.ctx
         if req.handle is not None:
             w.kv.cancel(req.handle)
+        if req.fetch is not None:
+            w.kv.cancel(req.fetch)
+            req.fetch = None
         if req.in_engine:
             w.engine.abort_request(req.request_id)
         else:
             w.engine.release(req.request_id)
+        w.engine.abort_request(prefix_fetch_id(req.request_id))
 
 
 class PrefillWorker(WorkerBase):
@@ -224,8 +319,12 @@ class PrefillWorker(WorkerBase):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
                                f"dest_cached_tokens must be in [0, {len(request.prompt_token_ids)}) (the prompt's "
                                f"length), got {request.dest_cached_tokens} (request {rid})")
+        if request.fetch_min_tokens < 0:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,
+                               f"fetch_min_tokens must be >= 0, got {request.fetch_min_tokens} (request {rid})")
         req = _PrefillReq(rid, list(request.prompt_token_ids), request.dest_kv_name, request.dest_block_size,
                           dest_tp=dest_tp, dest_cached=request.dest_cached_tokens,
+                          fetch_min=request.fetch_min_tokens,
                           trace=self.trace_start("prefill_worker.request", context, rid))
         dest_blocks = list(request.dest_block_ids)
 

@@ -196,8 +196,28 @@ class DecodeChunk(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TokenLogprob]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., kv_wait_s: _Optional[float] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., num_cached_tokens: _Optional[int] = ..., index: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
+class SendPrefixRequest(_message.Message):
+    __slots__ = ("request_id", "dest_kv_name", "first_token", "num_tokens", "dest_tensor_parallel_size", "kv_timeout_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DEST_KV_NAME_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEST_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    dest_kv_name: str
+    first_token: int
+    num_tokens: int
+    dest_tensor_parallel_size: int
+    kv_timeout_s: float
+    def __init__(self, request_id: _Optional[str] = ..., dest_kv_name: _Optional[str] = ..., first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., dest_tensor_parallel_size: _Optional[int] = ..., kv_timeout_s: _Optional[float] = ...) -> None: ...
+
+class SendPrefixResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "dest_kv_name", "dest_block_ids", "dest_block_size", "dest_tensor_parallel_size", "dest_cached_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "dest_kv_name", "dest_block_ids", "dest_block_size", "dest_tensor_parallel_size", "dest_cached_tokens", "fetch_min_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +226,7 @@ class PrefillRequest(_message.Message):
     DEST_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEST_TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEST_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FETCH_MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: WireSamplingParams
@@ -214,7 +235,22 @@ class PrefillRequest(_message.Message):
     dest_block_size: int
     dest_tensor_parallel_size: int
     dest_cached_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WireSamplingParams, _Mapping]] = ..., dest_kv_name: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., dest_block_size: _Optional[int] = ..., dest_tensor_parallel_size: _Optional[int] = ..., dest_cached_tokens: _Optional[int] = ...) -> None: ...
+    fetch_min_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[WireSamplingParams, _Mapping]] = ..., dest_kv_name: _Optional[str] = ..., dest_block_ids: _Optional[_Iterable[int]] = ..., dest_block_size: _Optional[int] = ..., dest_tensor_parallel_size: _Optional[int] = ..., dest_cached_tokens: _Optional[int] = ..., fetch_min_tokens: _Optional[int] = ...) -> None: ...
+
+class PrefixFetch(_message.Message):
+    __slots__ = ("first_token", "num_tokens", "kv_name", "tensor_parallel_size", "kv_timeout_s")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    num_tokens: int
+    kv_name: str
+    tensor_parallel_size: int
+    kv_timeout_s: float
+    def __init__(self, first_token: _Optional[int] = ..., num_tokens: _Optional[int] = ..., kv_name: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., kv_timeout_s: _Optional[float] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "queue_s", "prefill_s", "num_cached_tokens", "prompt_logprobs")
@@ -239,12 +275,14 @@ class TransferDone(_message.Message):
     def __init__(self, kv_transfer_s: _Optional[float] = ...) -> None: ...
 
 class PrefillEvent(_message.Message):
-    __slots__ = ("first_token", "transfer_done")
+    __slots__ = ("first_token", "transfer_done", "prefix_fetch")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_DONE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FETCH_FIELD_NUMBER: _ClassVar[int]
     first_token: FirstToken
     transfer_done: TransferDone
-    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ...) -> None: ...
+    prefix_fetch: PrefixFetch
+    def __init__(self, first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., transfer_done: _Optional[_Union[TransferDone, _Mapping]] = ..., prefix_fetch: _Optional[_Union[PrefixFetch, _Mapping]] = ...) -> None: ...
 
 class ColocatedRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "resume_token_ids", "siblings", "output_stream")

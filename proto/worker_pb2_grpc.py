@@ -39,6 +39,11 @@ class DecodeWorkerStub:
                 request_serializer=proto_dot_worker__pb2.ReserveRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.ReserveResponse.FromString,
                 _registered_method=True)
+        self.SendPrefix = channel.unary_unary(
+                '/pdserve.internal.v1.DecodeWorker/SendPrefix',
+                request_serializer=proto_dot_worker__pb2.SendPrefixRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.SendPrefixResponse.FromString,
+                _registered_method=True)
         self.Decode = channel.unary_stream(
                 '/pdserve.internal.v1.DecodeWorker/Decode',
                 request_serializer=proto_dot_worker__pb2.DecodeRequest.SerializeToString,
@@ -70,6 +75,12 @@ class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Reserve(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SendPrefix(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,6 +123,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Reserve,
                     request_deserializer=proto_dot_worker__pb2.ReserveRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.ReserveResponse.SerializeToString,
+            ),
+            'SendPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendPrefix,
+                    request_deserializer=proto_dot_worker__pb2.SendPrefixRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.SendPrefixResponse.SerializeToString,
             ),
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
@@ -166,6 +182,33 @@ class DecodeWorker:
             '/pdserve.internal.v1.DecodeWorker/Reserve',
             proto_dot_worker__pb2.ReserveRequest.SerializeToString,
             proto_dot_worker__pb2.ReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.DecodeWorker/SendPrefix',
+            proto_dot_worker__pb2.SendPrefixRequest.SerializeToString,
+            proto_dot_worker__pb2.SendPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -64,6 +64,11 @@ class RouterConfig:
     """Let a decode worker reserve the leading prompt blocks its own prefix cache holds (a conversation's earlier
     turns, which it decoded or received) and have the prefill worker send only the rest (delta transfers, issue 47).
     False: every prompt's whole KV is shipped (the way before)."""
+    kv_prefix_fetch_min_tokens: int = 256
+    """With ``kv_delta_transfers``: when the decode worker holds at least this many more of the prompt's leading
+    tokens than the prefill worker's cache, the prefill worker receives them from it (``DecodeWorker.SendPrefix``)
+    instead of computing them, and prefills only what neither side has. 0: the prefill worker computes whatever
+    its own cache lacks."""
     decode_prefix_routing: bool = True
     """Score decode workers, as prefill workers are, by the prompt blocks they hold (the KV event index) against
     their load, so a conversation's turns return to the decode worker that holds its history (with
@@ -174,6 +179,9 @@ class RouterConfig:
         if isinstance(self.local_prefill_max_tokens, bool) or not isinstance(self.local_prefill_max_tokens, int) \
                 or self.local_prefill_max_tokens < 0:
             raise ValueError(f"local_prefill_max_tokens must be an int >= 0, got {self.local_prefill_max_tokens!r}")
+        if isinstance(self.kv_prefix_fetch_min_tokens, bool) or not isinstance(self.kv_prefix_fetch_min_tokens, int) \
+                or self.kv_prefix_fetch_min_tokens < 0:
+            raise ValueError(f"kv_prefix_fetch_min_tokens must be an int >= 0, got {self.kv_prefix_fetch_min_tokens!r}")
         if self.prefill_queue_max_tokens is not None and (
                 isinstance(self.prefill_queue_max_tokens, bool) or not isinstance(self.prefill_queue_max_tokens, int)
                 or self.prefill_queue_max_tokens < 0):

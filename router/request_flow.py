@@ -39,7 +39,7 @@ from router.config import RouterConfig
 from router.events import FlowError, FlowEvent, Timings, Usage
 from router.flow_pump import HANDOFF, Wait
 from router.output_streams import NOT_PLAIN
-from router.placement import Hold, Placement, Placer, Recovery, Route, recovery
+from router.placement import RETRIABLE, Hold, Placement, Placer, Recovery, Route, recovery
 from router.scope import RequestScope
 from router.transfer_watch import TransferWatch
 from router.validation import ValidatedRequest
@@ -244,18 +244,31 @@ class RequestFlow:
         p = pl.prefill
         t_call = time.monotonic()
         p_stream = at.track(self.deps.calls.prefill(scope, pl))
-        try:
-            ev = next(p_stream)
-        except grpc.RpcError as e:
-            raise scope.rpc_error(e, f"prefill on {p.worker_id}", p.worker_id) from None
-        except StopIteration:
-            raise FlowError(grpc.StatusCode.UNAVAILABLE,
-                            f"request {self.rid}: prefill worker {p.worker_id} sent no first token",
-                            p.worker_id) from None
+        ev = self._next_prefill_event(p_stream, p.worker_id)
+        if ev.HasField("prefix_fetch"):  # P fetches the prompt prefix D holds: D sends it, then P goes on
+            d = pl.decode
+            try:
+                self.deps.calls.send_prefix(scope, pl, ev.prefix_fetch)
+            except grpc.RpcError as e:  # D cannot serve its own reservation: the pair cannot go on, another may
+                err = scope.rpc_error(e, f"prefix send on {d.worker_id}", d.worker_id)
+                if err.code not in RETRIABLE and err.code != grpc.StatusCode.CANCELLED:
+                    # D refused: it lost the reservation it just made (restarted, expired), so it is treated as lost
+                    err = FlowError(grpc.StatusCode.UNAVAILABLE, err.message, d.worker_id)
+                raise err from None
+            ev = self._next_prefill_event(p_stream, p.worker_id)
         if not ev.HasField("first_token"):
             raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {self.rid}: prefill worker {p.worker_id} "
                                                          f"sent {ev.WhichOneof('event')} first", p.worker_id)
         return p_stream, ev.first_token, t_call
+
+    def _next_prefill_event(self, p_stream: Any, pid: str) -> worker_pb2.PrefillEvent:
+        try:
+            return next(p_stream)
+        except grpc.RpcError as e:
+            raise self.scope.rpc_error(e, f"prefill on {pid}", pid) from None
+        except StopIteration:
+            raise FlowError(grpc.StatusCode.UNAVAILABLE,
+                            f"request {self.rid}: prefill worker {pid} sent no first token", pid) from None
 
     def _decode(self, at: Attempt, p_stream: Any, ft: worker_pb2.FirstToken,
                 t_call: float) -> Generator[FlowEvent, None, Optional[set[str]]]:

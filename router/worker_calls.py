@@ -61,8 +61,18 @@ class WorkerCalls:
                                       params=scope.wire_params, dest_kv_name=resv.kv_name,
                                       dest_block_ids=resv.block_ids, dest_block_size=resv.block_size,
                                       dest_tensor_parallel_size=resv.tensor_parallel_size,
-                                      dest_cached_tokens=resv.num_cached_tokens),
+                                      dest_cached_tokens=resv.num_cached_tokens,
+                                      fetch_min_tokens=cfg.kv_prefix_fetch_min_tokens if cfg.kv_delta_transfers else 0),
             timeout=scope.remaining(cfg.first_token_timeout_s + cfg.transfer_timeout_s), **scope.rpc_kw)
+
+    def send_prefix(self, scope: RequestScope, pl: Placement, fetch: worker_pb2.PrefixFetch) -> None:
+        """The pair's prefill worker asked for the prompt prefix its decode worker holds (raises ``grpc.RpcError``)."""
+        self.clients.decode(pl.decode.grpc_address).SendPrefix(
+            worker_pb2.SendPrefixRequest(request_id=pl.request_id, dest_kv_name=fetch.kv_name,
+                                         first_token=fetch.first_token, num_tokens=fetch.num_tokens,
+                                         dest_tensor_parallel_size=fetch.tensor_parallel_size,
+                                         kv_timeout_s=fetch.kv_timeout_s),
+            timeout=scope.remaining(self.cfg.reserve_timeout_s), **scope.rpc_kw)
 
     def decode(self, scope: RequestScope, pl: Placement, first: worker_pb2.FirstToken) -> Any:
         """``Decode`` on the pair's decode worker, from the prefill worker's first token."""

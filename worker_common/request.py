@@ -72,6 +72,12 @@ def engine_kv_shards(eng: Any) -> Any:
     return KVShards.whole(eng.kv_caches)
 
 
+def prefix_fetch_id(request_id: str) -> str:
+    """The id under which a prefill worker fetches a request's cached prefix from its decode worker: its engine
+    reservation there and the kvtransfer request id of the decode -> prefill send (``PrefixFetch``)."""
+    return f"{request_id}|prefix"
+
+
 def check_peer_tp(eng: Any, value: int, field: str, request_id: str) -> int:
     """A KV peer's tensor-parallel size from a request (0: an older peer, 1); FAILED_PRECONDITION naming
     ``field`` where its layout cannot be mapped onto this engine's (the sizes and the KV heads must divide one

@@ -238,3 +238,39 @@ def test_local_and_disaggregated_requests_are_one_id_space(worker):
         assert w.num_requests() == 0 and w.info().num_free_blocks == 8
     finally:
         ch.close()
+
+
+def test_send_prefix_serves_only_a_live_reservations_cached_blocks_and_refuses_the_rest_by_field(worker):
+    """``SendPrefix`` (a prefill worker fetching the history this worker holds) sends from a reservation's cached
+    blocks only: an unknown request is NOT_FOUND, a range beyond what the reservation found cached (a stale belief)
+    or an empty one INVALID_ARGUMENT naming the fields, a second ask FAILED_PRECONDITION; nothing leaks."""
+    w, stub = worker
+    ch = grpc.insecure_channel(w.address)
+    colo = worker_pb2_grpc.ColocatedWorkerStub(ch)
+    history = [(i * 7) % 300 + 3 for i in range(40)]
+    list(colo.Generate(worker_pb2.ColocatedRequest(request_id="hist", prompt_token_ids=history, params=PARAMS),
+                       timeout=60))
+    ch.close()
+    r = stub.Reserve(worker_pb2.ReserveRequest(request_id="turn2", prompt_token_ids=history + [9] * 8, params=PARAMS,
+                                               prefill_kv_name="some-prefill", accept_cached_prefix=True,
+                                               kv_timeout_s=30.0), timeout=10)
+    assert r.num_cached_tokens == 32  # the two full blocks of the history
+
+    def send(rid="turn2", first=0, num=32, dest="some-prefill", tp=0):
+        return stub.SendPrefix(worker_pb2.SendPrefixRequest(request_id=rid, dest_kv_name=dest, first_token=first,
+                                                            num_tokens=num, dest_tensor_parallel_size=tp), timeout=10)
+
+    for kw, code, words in [({"rid": "nobody"}, grpc.StatusCode.NOT_FOUND, "nobody"),
+                            ({"num": 48}, grpc.StatusCode.INVALID_ARGUMENT, "num_tokens"),
+                            ({"first": 32}, grpc.StatusCode.INVALID_ARGUMENT, "first_token"),
+                            ({"dest": ""}, grpc.StatusCode.INVALID_ARGUMENT, "dest_kv_name"),
+                            ({"tp": -1}, grpc.StatusCode.INVALID_ARGUMENT, "dest_tensor_parallel_size")]:
+        with pytest.raises(grpc.RpcError) as ei:
+            send(**kw)
+        assert ei.value.code() == code and words in ei.value.details(), (kw, ei.value.details())
+    send(first=16)  # posted: it waits for the (absent) peer until its deadline or an abort
+    with pytest.raises(grpc.RpcError) as ei:
+        send(first=16)
+    assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert stub.Abort(worker_pb2.AbortRequest(request_id="turn2"), timeout=5).found is True
+    wait_until(lambda: w.info().num_free_blocks == 8, timeout=10, message="every block free again")

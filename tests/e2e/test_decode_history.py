@@ -178,3 +178,87 @@ def test_a_short_next_turn_whose_history_the_decode_worker_holds_is_prefilled_th
     assert counter_values(router.core.metrics, "pdserve:local_prefill_requests") == {"": 1.0}
     ref = offline([first, second, third], [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)] * 3)
     assert [out1, out2, out3] == [r[0] for r in ref]
+
+
+def _forget_prefill_history(p) -> None:
+    """The prefill worker loses its prefix cache (as a restarted one has none): it publishes the loss."""
+    def forget(eng) -> None:
+        assert eng.block_manager.reset_prefix_cache()
+
+    wait_until(lambda: p.info().num_free_blocks == p.engine.block_manager.num_blocks, timeout=10,
+               message="the prefill worker holds no block")
+    p.loop.call(forget)
+
+
+@pytest.mark.parametrize("cluster", [{"kv_prefix_fetch_min_tokens": BS}], indirect=True)
+def test_a_prefill_worker_that_lacks_the_history_fetches_it_from_the_decode_worker_and_computes_only_the_rest(
+        cluster):
+    """Issue 47: the decode worker holds more of the prompt than the prefill worker, so the prefill worker receives
+    those blocks from it (decode -> prefill) and computes only what neither has; the KV it then ships is the new turn
+    alone, every byte between workers is counted where it was sent, the answer equals the offline engine's, and the
+    fetched blocks stay in the prefill worker's cache (its KV events name them)."""
+    router, workers = cluster
+    turns = Turns(router, workers)
+    p = workers[0]
+    per_token = 4 * 2 * 2 * 64 * 4
+    first = [(i * 23) % 800 + 30 for i in range(4 * BS)] + _question(30, 9)  # 73 tokens
+    with grpc.insecure_channel(router.address) as ch:
+        stub = pdserve_pb2_grpc.PDServeStub(ch)
+        out1, sent1, holder_id = turns.run(stub, first)
+        second = first + out1 + _question(31)  # 93 tokens; the holder has the first 80 (5 blocks)
+        held = (len(first) + len(out1) - 1) // BS * BS
+        turns.wait_held(holder_id, second, held // BS)
+        holder = turns.decodes[holder_id]
+        _forget_prefill_history(p)
+        holder_sent = counter_values(holder.metrics, "pdserve:kv_transfer_bytes").get("", 0.0)
+        hits = counter_values(p.metrics, "pdserve:prefix_cache_hits").get("", 0.0)
+        resps = list(stub.Generate(pdserve_pb2.GenerateRequest(token_ids=second, max_tokens=MAX_TOKENS,
+                                                               temperature=0.0), timeout=60))
+        out2 = [t for r in resps for t in r.token_ids]
+        turns.done += 1
+        wait_until(lambda: _sends(p) == turns.done, timeout=10, interval=0.01, message="the KV send recorded")
+        assert resps[-1].usage.cached_tokens == held  # the prefill worker computed only the last 13 tokens
+        assert counter_values(p.metrics, "pdserve:prefix_cache_hits").get("", 0.0) - hits == held
+        assert counter_values(p.metrics, "pdserve:kv_prefix_fetches", "outcome") == {"done": 1.0}
+        assert counter_values(p.metrics, "pdserve:kv_prefix_fetch_tokens") == {"": float(held)}
+        wait_until(lambda: counter_values(holder.metrics, "pdserve:kv_transfer_bytes").get("", 0.0) - holder_sent
+                   == held * per_token, timeout=10, message="the decode worker counted the prefix it sent back")
+        sent2 = counter_values(p.metrics, "pdserve:kv_transfer_bytes")[""] - sent1
+        assert sent2 == (len(second) - held) * per_token  # then only the new turn went to the holder
+        turns.wait_held(p.cfg.worker_id, second, held // BS)  # the fetched history is the prefill worker's now
+    ref = offline([first, second], [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)] * 2)
+    assert [out1, out2] == [r[0] for r in ref]
+
+
+@pytest.mark.parametrize("cluster", [{"kv_prefix_fetch_min_tokens": BS}], indirect=True)
+def test_a_prefix_fetch_that_fails_is_computed_instead_and_the_answer_is_unchanged(cluster):
+    """The decode worker's send of the history does not fit what the prefill worker posted (here: it sends from a
+    different first position, as a worker that disagrees on the cut would): the prefill worker's receive is refused,
+    it computes the history itself, counts the fallback, and the answer equals the offline engine's."""
+    router, workers = cluster
+    turns = Turns(router, workers)
+    p = workers[0]
+    first = [(i * 29) % 800 + 30 for i in range(4 * BS)] + _question(40, 9)
+    with grpc.insecure_channel(router.address) as ch:
+        stub = pdserve_pb2_grpc.PDServeStub(ch)
+        out1, _sent1, holder_id = turns.run(stub, first)
+        second = first + out1 + _question(41)
+        turns.wait_held(holder_id, second, (len(first) + len(out1) - 1) // BS)
+        holder = turns.decodes[holder_id]
+        inner = holder.disagg.send_prefix
+
+        def misplaced(eng, rid, dest, first_token, num, dest_tp, timeout_s):
+            return inner(eng, rid, dest, first_token + BS, num, dest_tp, timeout_s)
+
+        holder.disagg.send_prefix = misplaced
+        _forget_prefill_history(p)
+        resps = list(stub.Generate(pdserve_pb2.GenerateRequest(token_ids=second, max_tokens=MAX_TOKENS,
+                                                               temperature=0.0), timeout=60))
+        out2 = [t for r in resps for t in r.token_ids]
+        assert resps[-1].usage.cached_tokens == 0  # computed whole on the prefill worker
+        wait_until(lambda: counter_values(p.metrics, "pdserve:kv_prefix_fetches", "outcome") == {"fallback": 1.0},
+                   timeout=10, message="the fallback counted")
+        wait_until(lambda: p.info().num_free_blocks == p.engine.block_manager.num_blocks, timeout=10,
+                   message="the prefill worker holds no block")
+    ref = offline([first, second], [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)] * 2)
+    assert [out1, out2] == [r[0] for r in ref]

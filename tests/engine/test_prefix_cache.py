@@ -260,3 +260,42 @@ def test_a_decode_reservation_that_does_not_fit_gives_its_cached_blocks_back_and
     d_eng.abort_request("c")
     assert d_eng.num_free_blocks == 5
     assert d_eng.reserve_prompt("e", len(prompt), None) == (d_eng.get_block_table("e"), 0)
+
+
+def test_a_fetched_prefix_is_cached_by_commit_reserved_and_only_the_tail_is_computed(checkpoint):
+    """Issue 47's prefix fetch, engine side: a prefill engine that lacks a conversation's history reserves its whole
+    blocks (``prefix=True``: every cached one taken by reference, here some), the rest arrive (copied here from an
+    engine that computed them, as the decode worker's send does), ``commit_reserved`` names them in the prefix cache,
+    and the prompt added next computes only its tail: prefix hits = the fetched blocks, continuation = transformers'."""
+    path, hf = checkpoint
+    src_eng = make_engine(path, block_size=BS)
+    prompt = prompts_of([19], seed=35)[0]
+    src_eng.add_request("s", prompt, greedy(1), prefill_only=True)
+    list(_step_all(src_eng))
+    src = src_eng.get_block_table("s")
+    eng = make_engine(path, block_size=BS)
+    eng.add_request("warm", prompt[:9], greedy(1))  # leaves 2 full blocks of the history cached here
+    list(_step_all(eng))
+    with pytest.raises(ValueError, match="whole blocks"):
+        eng.reserve_prompt("f", 15, prompt[:15], prefix=True)
+    table, have = eng.reserve_prompt("f", 16, prompt[:16], prefix=True)
+    assert have == 8 and len(table) == 4
+    for (sk, sv), (dk, dv) in zip(src_eng.kv_caches, eng.kv_caches):
+        for pos in range(have, 16):
+            dk[table[pos // BS], pos % BS] = sk[src[pos // BS], pos % BS]
+            dv[table[pos // BS], pos % BS] = sv[src[pos // BS], pos % BS]
+    src_eng.release("s")
+    with pytest.raises(ValueError, match="differ from the prefix reserved"):
+        eng.commit_reserved("f", [prompt[0] + 1] + prompt[1:16])
+    with pytest.raises(ValueError, match="has no reservation"):
+        eng.commit_reserved("nobody", prompt[:16])
+    assert eng.commit_reserved("f", prompt[:16]) == 16
+    with pytest.raises(ValueError, match="max_model_len"):  # the checks add_request makes, adding nothing
+        eng.check_request("p", prompt * 100, greedy(4), prefill_only=True)
+    assert not eng.has_request("p")
+    eng.add_request("p", prompt, greedy(6))
+    outs = list(_step_all(eng))
+    assert outs[0].num_cached_tokens == 16  # the 2 blocks it had and the 2 that arrived: 3 tokens computed
+    assert [t for o in outs for t in o.new_token_ids] == hf_greedy(hf, prompt, 6)
+    eng.abort_request("f")
+    assert eng.num_free_blocks == eng.num_total_blocks

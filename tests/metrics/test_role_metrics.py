@@ -28,7 +28,8 @@ ROUTER_GAUGES = ["router_requests_in_flight", "router_requests_waiting", "kv_eve
                  "kv_index_blocks", "kv_index_workers"]
 WORKER_HISTOGRAMS = ["request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
                      "kv_transfer_time_seconds", "iteration_tokens_total", "kv_transfer_phase_seconds"]
-WORKER_COUNTERS = ["kv_transfer_bytes", "kv_transfer_cached_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+WORKER_COUNTERS = ["kv_transfer_bytes", "kv_transfer_cached_tokens", "kv_prefix_fetches", "kv_prefix_fetch_tokens",
+                   "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
                    "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
                    "spec_decode_num_accepted_tokens_per_pos", "kv_events_published", "kv_events_dropped"]
 WORKER_GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "tensor_parallel_rank_up"]
@@ -110,6 +111,7 @@ WORKER_CALLS = [
     ("observe_kv_transfer_phases", ("send", {"wire": 0.1}), "kv_transfer_phase_seconds"),
     ("inc_kv_transfer_bytes", (8,), "kv_transfer_bytes_total"),
     ("inc_kv_transfer_cached_tokens", (16,), "kv_transfer_cached_tokens_total"),
+    ("inc_kv_prefix_fetch", ("done", 32), "kv_prefix_fetches_total"),
     ("set_prefix_cache_totals", (4, 2), "prefix_cache_queries_total"),
     ("set_running", (1,), "num_requests_running"),
     ("set_waiting", (1,), "num_requests_waiting"),
@@ -278,6 +280,11 @@ def test_bad_input_names_the_field():
     with pytest.raises(ValueError, match="num_bytes"):
         m.observe_kv_transfer(0.1, -1)
     assert value(m.render(), "pdserve:kv_transfer_time_seconds_count") == 0
+    with pytest.raises(ValueError, match="outcome"):
+        m.inc_kv_prefix_fetch("maybe")
+    with pytest.raises(ValueError, match="kv_prefix_fetch_tokens"):
+        m.inc_kv_prefix_fetch("done", -2)
+    assert "kv_prefix_fetches_total{" not in m.render().decode()
 
 
 def test_http_endpoint_serves_on_free_port_and_stops():

@@ -80,6 +80,7 @@ class FakeWorker:
     prefill: Script = None
     decode: Script = None
     generate: Script = None
+    send_prefix: Script = None
     calls: list[tuple[str, Any]] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     choices_aborted: list[tuple[str, int]] = field(default_factory=list)
@@ -93,6 +94,11 @@ class FakeWorker:
     def Prefill(self, req: Any, timeout: float = 0.0) -> Any:
         self.calls.append(("Prefill", req))
         return _answer(self.prefill, req)
+
+    def SendPrefix(self, req: Any, timeout: float = 0.0) -> Any:
+        self.calls.append(("SendPrefix", req))
+        out = _answer(self.send_prefix, req)
+        return out if out is not None else worker_pb2.SendPrefixResponse()
 
     def Decode(self, req: Any, timeout: float = 0.0) -> Any:
         self.calls.append(("Decode", req))

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from engine import SamplingParams
+from proto import worker_pb2
 from router.config import RouterConfig
 from router.events import FlowError
 from router.model_info import load_model_view
@@ -76,6 +77,49 @@ def test_a_failed_prefill_retries_on_another_pair_and_aborts_the_first():
     assert [r.request_id for r in p1.called("Prefill")] == ["r1~2"]
     assert [w.worker_id for w in deps.placer.source.list("prefill")] == ["p1"]  # p0 looked gone: suspected
     assert _held(deps, "p0", "p1", "d0") == [0, 0, 0]
+
+
+def _fetch(first: int = 0, num: int = 32) -> worker_pb2.PrefillEvent:
+    return worker_pb2.PrefillEvent(prefix_fetch=worker_pb2.PrefixFetch(first_token=first, num_tokens=num,
+                                                                       kv_name="kv-p0", tensor_parallel_size=1,
+                                                                       kv_timeout_s=9.0))
+
+
+def test_a_prefix_fetch_is_answered_by_the_decode_worker_then_the_flow_goes_on():
+    """The prefill worker asks for the history its decode worker holds: the router has that worker send it
+    (SendPrefix, with the fetch's values, for the reserved request) and then reads the first token."""
+    p0 = FakeWorker(info("p0", "prefill"), prefill=_prefill(_fetch(16, 32), first_token(7, cached=32),
+                                                             transfer_done()))
+    d0 = FakeWorker(info("d0", "decode"), reserve=worker_pb2.ReserveResponse(
+        block_ids=[1, 2, 3], block_size=16, kv_name="kv-d0", num_cached_tokens=32),
+        decode=lambda req: FakeStream([chunk([8], "length")]))
+    deps = router_parts([p0, d0], kv_prefix_fetch_min_tokens=16)
+    evs = list(_flow(deps, max_tokens=2).run())
+    assert [e.token_ids for e in evs] == [[7], [8]] and evs[-1].usage.cached_tokens == 32
+    (pre,), (sp,) = p0.called("Prefill"), d0.called("SendPrefix")
+    assert (pre.dest_cached_tokens, pre.fetch_min_tokens) == (32, 16)
+    assert (sp.request_id, sp.dest_kv_name, sp.first_token, sp.num_tokens, sp.dest_tensor_parallel_size,
+            sp.kv_timeout_s) == ("r1", "kv-p0", 16, 32, 1, 9.0)
+    assert d0.aborted == p0.aborted == [] and _held(deps, "p0", "d0") == [0, 0]
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE])
+def test_a_decode_worker_that_cannot_send_the_prefix_ends_the_attempt_and_another_serves(code):
+    """SendPrefix refused (the reservation expired: NOT_FOUND) or the decode worker gone: the attempt is aborted
+    on both workers (nothing is left waiting for a prefix that will not come) and another attempt serves the request,
+    away from that decode worker (which lost the reservation it had just made); the client never sees the refusal."""
+    p0 = FakeWorker(info("p0", "prefill"), prefill=_prefill(_fetch(), first_token(7), transfer_done()))
+    d0 = FakeWorker(info("d0", "decode"), reserve=worker_pb2.ReserveResponse(
+        block_ids=[1, 2, 3], block_size=16, kv_name="kv-d0", num_cached_tokens=32),
+        send_prefix=StatusRpcError(code, "request r1 is not reserved"))
+    d1 = FakeWorker(info("d1", "decode", running=3), decode=lambda req: FakeStream([chunk([8], "length")]))
+    deps = router_parts([p0, d0, d1])
+    evs = list(_flow(deps, max_tokens=2).run())
+    assert [e.token_ids for e in evs] == [[7], [8]]
+    assert (p0.aborted, d0.aborted) == (["r1"], ["r1"])
+    assert [r.request_id for r in d1.called("Decode")] == ["r1~2"]
+    assert [w.worker_id for w in deps.placer.source.list("decode")] == ["d1"]
+    assert _held(deps, "p0", "d0", "d1") == [0, 0, 0]
 
 
 def test_a_prefill_failure_without_attempts_left_fails_with_its_status_and_frees_everything():
