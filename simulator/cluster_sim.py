@@ -65,6 +65,7 @@ from simulator.engine_sim import SIM_TOKEN
 # SimConfig, SimRequest and the workers live in their own modules; imported from here as before
 from simulator.sim_config import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_NUM_SEQS, MODES, SimConfig, SimRequest  # noqa: F401
 from simulator.sim_worker import SimWorker, _SimClients, _SimKVEvents, _SimSource  # noqa: F401
+from worker_common.request import prefix_fetch_id
 
 
 @dataclass
@@ -94,6 +95,9 @@ class PoolStats:
     """Decode pool: KV bytes that arrived by transfer (the prefill pool's ``kv_transfer_bytes_total``)."""
     kv_cached_tokens: int = 0
     """Decode pool: prompt tokens its reservations found cached, so not transferred (delta transfers)."""
+    kv_fetched_tokens: int = 0
+    """Prefill pool: prompt tokens it received from the decode worker holding them instead of computing them
+    (prefix fetches; their bytes are in the decode pool's ``kv_bytes_received``, which counts every transfer)."""
 
     def utilisation(self, duration_s: float) -> float:
         return self.busy_s / (self.workers * duration_s) if self.workers and duration_s > 0 else 0.0
@@ -119,6 +123,8 @@ class Simulation:
         """KV bytes every transfer so far shipped (all its rank pairs together)."""
         self.kv_cached_tokens = 0
         """Prompt tokens decode reservations found cached, so not shipped."""
+        self.kv_fetched_tokens = 0
+        """Prompt tokens prefill workers fetched from the decode worker holding them (decode -> prefill)."""
         self.transfer_ranks = min(cfg.pool_tp("prefill"), cfg.pool_tp("decode"))
         """Rank pairs a prefill-to-decode transfer runs on at once (its bytes split among them)."""
         self.workers: dict[str, SimWorker] = {}
@@ -159,6 +165,7 @@ class Simulation:
                             prefill_queue_max_tokens=cfg.prefill_queue_max_tokens,
                             queue_timeout_s=cfg.queue_timeout_s, prefix_aware_routing=cfg.prefix_aware_routing,
                             kv_delta_transfers=cfg.kv_delta_transfers, decode_prefix_routing=cfg.decode_prefix_routing,
+                            kv_prefix_fetch_min_tokens=cfg.kv_prefix_fetch_min_tokens,
                             kv_events=cfg.kv_events)
         self.selector = WorkerSelector()
         self.kv_events = _SimKVEvents(self, rcfg.kv_pending_s) if cfg.kv_events else None
@@ -220,6 +227,8 @@ class Simulation:
         if "decode" in out:
             out["decode"].kv_bytes_received = self.kv_bytes
             out["decode"].kv_cached_tokens = self.kv_cached_tokens
+        if "prefill" in out:
+            out["prefill"].kv_fetched_tokens = self.kv_fetched_tokens
         return out
 
     # -- a request ------------------------------------------------------------------------------
@@ -300,7 +309,12 @@ class Simulation:
 
         def kv_arrived(t: float) -> None:
             f.kv_at = t
-            pw.submit(lambda: pw.engine.release(wid))
+
+            def release() -> None:
+                pw.engine.release(wid)
+                pw.engine.release(prefix_fetch_id(wid))
+
+            pw.submit(release)
             self.placer.release(p, f.scope, (Hold.PREFILL,))
             d.handlers[wid] = lambda out, _s: self._on_output(f, out)
             d.submit(lambda: d.engine.add_prefilled_request(wid, prompt, SIM_TOKEN, f.params))
@@ -308,7 +322,8 @@ class Simulation:
         def send_prefill() -> None:
             pw.handlers[wid] = on_prefill
             pw.unprefilled[wid] = len(prompt)
-            pw.add_request(wid, prompt, f.params, prefill_only=True)
+            self._fetch_prefix(pw, wid, prompt, p.reservation.num_cached_tokens,
+                               lambda: pw.add_request(wid, prompt, f.params, prefill_only=True))
 
         # the Reserve reply comes at once (the worker reserves beside its step in flight); a pair's RPCs cost
         # the router more than a whole request's (the profile's per_request_pair_s)
@@ -318,6 +333,40 @@ class Simulation:
             self.at(t, send_prefill)
         else:
             send_prefill()
+
+    def _fetch_prefix(self, pw: SimWorker, wid: str, prompt: list[int], held_by_decode: int,
+                      then: Callable[[], None]) -> None:
+        """The prefill worker's prefix fetch (``prefill_worker.worker``), then ``then`` (the prompt joins its engine):
+        when the decode worker's reservation holds at least ``kv_prefix_fetch_min_tokens`` more leading tokens than
+        this engine caches, their blocks are reserved here, arrive over the link (decode -> prefill, counted in the
+        KV bytes) and are named in this cache, so the prefill computes only the rest. The PrefixFetch/SendPrefix
+        round trip through the router is not priced (loopback RPCs, well under a step)."""
+        cfg, eng = self.cfg, pw.engine
+        minimum = cfg.kv_prefix_fetch_min_tokens if cfg.kv_delta_transfers else 0
+        held = held_by_decode // eng.block_size * eng.block_size
+        if minimum <= 0 or held < minimum or not eng.block_manager.enable_caching:
+            then()
+            return
+
+        def start() -> None:  # on the prefill worker's loop, as the Prefill RPC's call is
+            fid = prefix_fetch_id(wid)
+            got = eng.reserve_prompt(fid, held, prompt[:held], prefix=True)
+            if got is None or held - got[1] < minimum:
+                if got is not None:
+                    eng.abort_request(fid)
+                then()
+                return
+            nbytes = (held - got[1]) * self.profile.kv_bytes_per_token
+            self.kv_bytes += nbytes
+            self.kv_fetched_tokens += held - got[1]
+
+            def arrived() -> None:
+                eng.commit_reserved(fid, prompt[:held])
+                then()
+
+            self.at(self.now + self.link.seconds(nbytes / self.transfer_ranks), lambda: pw.submit(arrived))
+
+        pw.submit(start)
 
     def _start_whole(self, f: _Flow, p: Placement) -> None:
         f.placement = p

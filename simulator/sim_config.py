@@ -41,6 +41,10 @@ class SimConfig:
     kv_delta_transfers: bool = True
     """The router's rule (issue 47): a decode reservation takes the prompt's leading blocks the decode worker's cache
     holds and only the rest is transferred (and priced on the link)."""
+    kv_prefix_fetch_min_tokens: int = 256
+    """The router's rule (issue 47, with ``kv_delta_transfers``): a prefill worker holding at least this many fewer of
+    the prompt's leading tokens than its decode worker's reservation found receives them from it (priced on the link)
+    and computes only the rest. 0: it computes whatever its own cache lacks."""
     decode_prefix_routing: bool = True
     """The router's rule: decode workers ranked by the prompt blocks they hold against their load."""
     kv_events: bool = True
@@ -89,6 +93,9 @@ class SimConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
+        if not isinstance(self.kv_prefix_fetch_min_tokens, int) or self.kv_prefix_fetch_min_tokens < 0:
+            raise ValueError(f"--kv-prefix-fetch-min-tokens must be an integer >= 0, "
+                             f"got {self.kv_prefix_fetch_min_tokens!r}")
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
         if not isinstance(self.workers_per_host, int) or self.workers_per_host < 1:
@@ -187,6 +194,8 @@ class SimConfig:
                 f += f" --prefill-queue-max-tokens {self.prefill_queue_max_tokens}"
             if not self.kv_delta_transfers:
                 f += " --no-kv-delta-transfers"
+            elif self.kv_prefix_fetch_min_tokens != 256:
+                f += f" --kv-prefix-fetch-min-tokens {self.kv_prefix_fetch_min_tokens}"
             if not self.decode_prefix_routing:
                 f += " --no-decode-prefix-routing"
         if not self.kv_events:

@@ -444,3 +444,25 @@ def test_the_router_routes_prompts_to_the_worker_holding_their_prefix_as_deploye
             assert all(w.worker_id in index.holders(h) for h in cached), w.worker_id
     else:
         assert sim.kv_events is None
+
+
+@pytest.mark.parametrize("fetch_min", [16, 0])
+def test_a_prefill_worker_that_lost_the_history_fetches_it_from_the_decode_worker(fetch_min):
+    """Issue 47's prefix fetch in the simulator: the prefill worker's cache is emptied between two turns; turn 2's
+    decode worker holds 6 full blocks (96 tokens) of turn 1's prompt, so with the rule on (16) the prefill worker
+    receives those 96 tokens over the link (bytes counted) and computes only turn 2's other 44; with it off (0) it
+    computes all 140 and nothing moves decode -> prefill."""
+    turn1 = list(range(100))
+    reqs = [SimRequest("t1", 0.0, turn1, 4), SimRequest("t2", 5.0, turn1 + list(range(5000, 5040)), 4)]
+    sim = Simulation(make_profile(), SimConfig(prefill=1, decode=1, kv_prefix_fetch_min_tokens=fetch_min))
+    (p,) = [w for w in sim.workers.values() if w.role == "prefill"]
+    sim.at(4.0, lambda: p.engine.block_manager.reset_prefix_cache() or pytest.fail("blocks still held at 4 s"))
+    recs = sim.run(reqs)
+    assert all(r.success for r in recs)
+    stats = sim.pool_stats()
+    fetched = 96 if fetch_min else 0
+    assert stats["prefill"].kv_fetched_tokens == fetched
+    assert stats["prefill"].tokens == 100 + 140 - fetched  # prompt tokens its engine computed
+    assert stats["decode"].kv_cached_tokens == 96
+    assert stats["decode"].kv_bytes_received == (100 + 140 - 96 + fetched) * KVB
+    assert p.engine.num_free_blocks == p.engine.num_total_blocks  # the fetch's reservation was given back
