@@ -16,11 +16,16 @@ and rendezvous through it; one ``RouterServer`` in this process reads the regist
 
 - ``whole``: ``RouterConfig(kv_delta_transfers=False, decode_prefix_routing=False)``: decode workers by load, every
   prompt's KV shipped whole (pdserve before issue 47);
-- ``delta``: the defaults: decode workers scored by the history they hold on the KV event index, and a decode
-  worker's reservation takes the leading blocks it holds so the prefill worker sends only the rest.
+- ``delta``: decode workers scored by the history they hold on the KV event index, and a decode worker's reservation
+  takes the leading blocks it holds so the prefill worker sends only the rest; a prefill worker computes whatever its
+  own cache lacks (``kv_prefix_fetch_min_tokens=0``);
+- ``fetch``: ``delta``, and a prefill worker that holds at least ``--fetch-min-tokens`` (default 16: any whole block)
+  fewer of the prompt's leading tokens than the decode worker receives them from it and computes only the rest (the
+  default router does so from 256 on).
 
-Printed per (policy, P+D): KV bytes shipped per request (the prefill workers' ``pdserve:kv_transfer_bytes_total``:
-every byte that crossed), mean KV transfer time (``pdserve:kv_transfer_time_seconds``), client-side TTFT (mean,
+Printed per (policy, P+D): KV bytes shipped per request (the workers' ``pdserve:kv_transfer_bytes_total``, prefill
+and decode: every byte that crossed, either way), prefix fetches (tokens the prefill workers received instead of
+computing), mean KV transfer time (``pdserve:kv_transfer_time_seconds``), client-side TTFT (mean,
 p90) and TPOT (mean), tokens the decode workers found cached (``pdserve:kv_transfer_cached_tokens_total``), and
 delta against whole in the same run. TTFT and TPOT depend on the machine's load: read them as ratios within a run.
 
@@ -55,7 +60,18 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-POLICIES = {"whole": {"kv_delta_transfers": False, "decode_prefix_routing": False}, "delta": {}}
+POLICIES = {"whole": {"kv_delta_transfers": False, "decode_prefix_routing": False},
+            "delta": {"kv_prefix_fetch_min_tokens": 0}, "fetch": {}}
+BASELINES = {"delta": "whole", "fetch": "delta"}
+"""What each policy is compared with in a run: delta against whole, fetch against delta."""
+
+
+def policy_kw(policy: str, args: argparse.Namespace) -> dict:
+    """The router (and simulator) settings of ``policy``: ``fetch`` prefetches from ``--fetch-min-tokens`` on."""
+    kw = dict(POLICIES[policy])
+    if policy == "fetch":
+        kw["kv_prefix_fetch_min_tokens"] = args.fetch_min_tokens
+    return kw
 
 
 def _worker_main(role: str, worker_id: str, model: str, engine_kw: dict, redis_url: str, ns: str, ready_q: Any,
@@ -132,7 +148,8 @@ class Run:
                 raise RuntimeError(got[1])
         from router import RouterConfig, RouterServer
 
-        self.router = RouterServer(RouterConfig(serve_metrics=False, worker_view_refresh_s=0.25, **POLICIES[policy]),
+        self.router = RouterServer(RouterConfig(serve_metrics=False, worker_view_refresh_s=0.25,
+                                                **policy_kw(policy, args)),
                                    self.registry).start()
         t0 = time.monotonic()
         while self.router.core.kv_events.num_synced() < len(roles):
@@ -253,12 +270,15 @@ def measure(args: argparse.Namespace, redis_url: str, policy: str, n_prefill: in
     later = [t for t in flat if t["turn"] > 0]
     sends = pre.get("pdserve:kv_transfer_time_seconds_count", 0.0)
     ttft = sorted(t["ttft"] for t in flat)
+    kv_bytes = pre.get("pdserve:kv_transfer_bytes_total", 0.0) + dec.get("pdserve:kv_transfer_bytes_total", 0.0)
     later_ttft = sorted(t["ttft"] for t in later)
     return {
         "policy": policy, "topology": f"{n_prefill}P+{args.decodes}D", "requests": len(flat), "wall_s": wall,
         "prompt_tokens": sum(t["prompt"] for t in flat),
-        "kv_bytes": pre.get("pdserve:kv_transfer_bytes_total", 0.0),
-        "kv_bytes_per_request": pre.get("pdserve:kv_transfer_bytes_total", 0.0) / max(1, len(flat)),
+        "kv_bytes": kv_bytes, "kv_bytes_decode_to_prefill": dec.get("pdserve:kv_transfer_bytes_total", 0.0),
+        "kv_bytes_per_request": kv_bytes / max(1, len(flat)),
+        "prefix_fetches": pre.get("pdserve:kv_prefix_fetches_total", 0.0),
+        "prefix_fetch_tokens": pre.get("pdserve:kv_prefix_fetch_tokens_total", 0.0),
         "kv_sends": sends, "kv_transfer_mean_ms": 1e3 * pre.get("pdserve:kv_transfer_time_seconds_sum", 0.0)
         / max(1.0, sends),
         "decode_cached_tokens": dec.get("pdserve:kv_transfer_cached_tokens_total", 0.0),
@@ -297,19 +317,22 @@ def simulate(args: argparse.Namespace, n_prefill: int) -> list[dict]:
             history = history + [rng.randrange(30, 30000) for _ in range(args.output_tokens)]  # the answer
     reqs.sort(key=lambda r: r.arrival_s)
     rows = []
-    for policy, kw in POLICIES.items():
+    for policy in args.policies:
         cfg = SimConfig(prefill=n_prefill, decode=args.decodes, seed=args.seed, max_num_requests=100000,
-                        kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs, **kw)
+                        kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
+                        **policy_kw(policy, args))
         sim = Simulation(profiles, cfg)
         t0 = time.perf_counter()
         recs = sim.run(reqs)
         ok = [r for r in recs if r.success]
-        dec = sim.pool_stats()["decode"]
+        pools = sim.pool_stats()
+        dec = pools["decode"]
         second = [r.chunk_times_s[1] - r.start_s for r in ok if len(r.chunk_times_s) > 1]
         errors = sorted({r.error for r in recs if not r.success})
         rows.append({"policy": policy, "errors": errors[:3], "topology": f"{n_prefill}P+{args.decodes}D (simulated)", "requests": len(recs),
                      "failed": len(recs) - len(ok), "kv_bytes_per_request": dec.kv_bytes_received / max(1, len(recs)),
-                     "kv_cached_tokens": dec.kv_cached_tokens,
+                     "kv_cached_tokens": dec.kv_cached_tokens, "prefix_fetch_tokens": pools["prefill"].kv_fetched_tokens,
+                     "prefill_tokens": pools["prefill"].tokens,
                      "ttft_p50_ms": 1e3 * percentile([ttft_s(r) for r in ok], 50),
                      "ttft_p90_ms": 1e3 * percentile([ttft_s(r) for r in ok], 90),
                      "second_token_p90_ms": 1e3 * percentile(second, 90),
@@ -349,11 +372,17 @@ def main() -> None:
                     help="--simulate: KV cache per worker (default 30 GB, docs/capacity.md's GPU tables)")
     ap.add_argument("--max-num-seqs", type=int, default=256, help="--simulate: running sequences per engine")
     ap.add_argument("--policies", default="whole,delta",
-                    help="policies in the order each repetition runs them (default whole,delta)")
+                    help=f"policies in the order each repetition runs them, two or more of {', '.join(POLICIES)} "
+                         "(default whole,delta)")
+    ap.add_argument("--fetch-min-tokens", type=int, default=16, metavar="N",
+                    help="policy fetch: prefetch the decode worker's history from N more tokens on (default 16)")
     args = ap.parse_args()
     args.policies = [x for x in args.policies.split(",") if x]
-    if sorted(args.policies) != sorted(POLICIES):
-        ap.error(f"--policies must name {', '.join(POLICIES)} once each")
+    if len(args.policies) < 2 or len(set(args.policies)) != len(args.policies) \
+            or not set(args.policies) <= set(POLICIES):
+        ap.error(f"--policies must name two or more of {', '.join(POLICIES)}, each once")
+    if args.fetch_min_tokens < 1:
+        ap.error("--fetch-min-tokens must be >= 1")
     prefills = [int(x) for x in args.prefills.split(",")]
     if args.short:
         args.conversations, args.turns, prefills = 4, (4, 4), [1]
@@ -361,10 +390,15 @@ def main() -> None:
         rows = [row for n_p in prefills for row in simulate(args, n_p)]
         for row in rows:
             print(" ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-        for a, b in zip(rows[::2], rows[1::2]):
-            print(f"{b['topology']}: delta vs whole: KV bytes x{b['kv_bytes_per_request'] / a['kv_bytes_per_request']:.3f}, "
-                  f"TTFT p90 x{b['ttft_p90_ms'] / a['ttft_p90_ms']:.2f}, second token p90 "
-                  f"x{b['second_token_p90_ms'] / a['second_token_p90_ms']:.2f}, "
+        for b in rows:
+            a = next((r for r in rows if r["topology"] == b["topology"] and r["policy"] == BASELINES.get(b["policy"])),
+                     None)
+            if a is None:
+                continue
+            print(f"{b['topology']}: {b['policy']} vs {a['policy']}: KV bytes "
+                  f"x{b['kv_bytes_per_request'] / a['kv_bytes_per_request']:.3f}, prefill tokens computed "
+                  f"x{b['prefill_tokens'] / a['prefill_tokens']:.3f}, TTFT p90 x{b['ttft_p90_ms'] / a['ttft_p90_ms']:.2f}, "
+                  f"second token p90 x{b['second_token_p90_ms'] / a['second_token_p90_ms']:.2f}, "
                   f"TPOT p90 x{b['tpot_p90_ms'] / a['tpot_p90_ms']:.2f}")
         if args.json:
             with open(args.json, "w") as f:
@@ -392,26 +426,31 @@ def main() -> None:
                           f"phases: queue={row['queue_mean_ms']:.1f}ms prefill={row['prefill_mean_ms']:.1f}ms "
                           f"kv={row['router_kv_transfer_mean_ms']:.1f}ms "
                           f"decode_cached_tokens={row['decode_cached_tokens']:.0f} hit_rate={row['hit_rate']:.3f} "
+                          f"fetches={row['prefix_fetches']:.0f} fetched_tokens={row['prefix_fetch_tokens']:.0f} "
                           f"decode_requests={row['decode_requests']} router={row['router']} wall={row['wall_s']:.1f}s", flush=True)
     finally:
         if server is not None:
             server.stop()
+    def mean(rs: list[dict], k: str) -> float:
+        return statistics.mean(r[k] for r in rs)
+
     for n_p in prefills:
         topo = f"{n_p}P+{args.decodes}D"
-        whole = [r for r in rows if r["topology"] == topo and r["policy"] == "whole"]
-        delta = [r for r in rows if r["topology"] == topo and r["policy"] == "delta"]
-        same = all(w["answers"] == d["answers"] for w in whole for d in delta)
-
-        def mean(rs: list[dict], k: str) -> float:
-            return statistics.mean(r[k] for r in rs)
-
-        print(f"{topo}: delta vs whole over {len(delta)} run(s): KV bytes x{mean(delta, 'kv_bytes') / mean(whole, 'kv_bytes'):.3f} "
-              f"({1 - mean(delta, 'kv_bytes') / mean(whole, 'kv_bytes'):.1%} saved), "
-              f"transfer time x{mean(delta, 'kv_transfer_mean_ms') / mean(whole, 'kv_transfer_mean_ms'):.2f}, "
-              f"TTFT mean x{mean(delta, 'ttft_mean_ms') / mean(whole, 'ttft_mean_ms'):.2f}, "
-              f"TTFT p90 x{mean(delta, 'ttft_p90_ms') / mean(whole, 'ttft_p90_ms'):.2f}, "
-              f"TPOT x{mean(delta, 'tpot_mean_ms') / mean(whole, 'tpot_mean_ms'):.2f}; "
-              f"greedy answers equal between policies: {same}")
+        by = {p: [r for r in rows if r["topology"] == topo and r["policy"] == p] for p in args.policies}
+        for policy in args.policies:
+            base = BASELINES.get(policy)
+            if base not in by:
+                continue
+            a, b = by[base], by[policy]
+            same = all(x["answers"] == y["answers"] for x in a for y in b)
+            print(f"{topo}: {policy} vs {base} over {len(b)} run(s): KV bytes x{mean(b, 'kv_bytes') / mean(a, 'kv_bytes'):.3f} "
+                  f"({1 - mean(b, 'kv_bytes') / mean(a, 'kv_bytes'):.1%} saved), "
+                  f"prompt tokens cached on the prefill side x{mean(b, 'hit_rate') / max(1e-9, mean(a, 'hit_rate')):.2f}, "
+                  f"transfer time x{mean(b, 'kv_transfer_mean_ms') / mean(a, 'kv_transfer_mean_ms'):.2f}, "
+                  f"TTFT mean x{mean(b, 'ttft_mean_ms') / mean(a, 'ttft_mean_ms'):.2f}, "
+                  f"TTFT p90 x{mean(b, 'ttft_p90_ms') / mean(a, 'ttft_p90_ms'):.2f}, "
+                  f"TPOT x{mean(b, 'tpot_mean_ms') / mean(a, 'tpot_mean_ms'):.2f}; "
+                  f"greedy answers equal between policies: {same}")
     info = machine_info()
     print(f"machine: {info}")
     if args.json:
