@@ -170,10 +170,10 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
     "kv_transfer_bytes_total": (WORKER, "counter", "Number of KV-cache bytes transferred.", None),
     "kv_transfer_cached_tokens_total": (WORKER, "counter", "Prompt tokens a decode worker's reservation found in its "
                                         "own prefix cache, so they were not transferred (delta transfers).", None),
-    "kv_prefix_fetches_total": (WORKER, "counter", "Prompt prefixes a prefill worker fetched from the decode worker "
-                                "that held more of them than its own cache, instead of computing them (outcome: done "
-                                "= received and reused, fallback = the fetch failed and the tokens were computed).",
-                                "outcome"),
+    "kv_prefix_fetches_total": (WORKER, "counter", "Prompt prefixes a prefill worker could fetch from the decode "
+                                "worker that held more of them than its own cache (outcome: done = received and "
+                                "reused, fallback = the fetch failed and the tokens were computed, skipped = not made: "
+                                "this worker estimated computing them faster than receiving them).", "outcome"),
     "kv_prefix_fetch_tokens_total": (WORKER, "counter", "Prompt tokens a prefill worker received from a decode worker "
                                      "instead of computing them (prefix fetches done).", None),
     "kv_transfer_phase_seconds": (WORKER, "histogram",

@@ -105,10 +105,10 @@ class WorkerMetrics(ComponentMetrics):
         self._series["kv_transfer_cached_tokens_total"].inc(check_count("kv_transfer_cached_tokens", n))
 
     def inc_kv_prefix_fetch(self, outcome: str, tokens: int = 0) -> None:
-        """A prefill worker's prefix fetch ended (``outcome``: "done" with the ``tokens`` it received, or
-        "fallback": computed instead)."""
-        if outcome not in ("done", "fallback"):
-            raise ValueError(f"outcome must be 'done' or 'fallback', got {outcome!r}")
+        """A prefill worker's prefix fetch ended (``outcome``: "done" with the ``tokens`` it received, "fallback":
+        it failed and they were computed, "skipped": not made, computing them being estimated faster)."""
+        if outcome not in ("done", "fallback", "skipped"):
+            raise ValueError(f"outcome must be 'done', 'fallback' or 'skipped', got {outcome!r}")
         tokens = check_count("kv_prefix_fetch_tokens", tokens)  # (checked before anything moves)
         self._child("kv_prefix_fetches_total", outcome).inc()
         self._series["kv_prefix_fetch_tokens_total"].inc(tokens)

@@ -11,7 +11,8 @@ Lifecycle of one request (a ``_PrefillReq`` in ``PrefillRequests``, loop-thread 
    reserved here, their receive from the decode worker is posted and a PrefixFetch event asks the router to
    have the decode worker send them (``DecodeWorker.SendPrefix``); once they are in, they are named in this
    worker's prefix cache and the prompt is added, so only what neither side had is computed. A fetch that
-   fails is computed instead (``pdserve:kv_prefix_fetches_total{outcome="fallback"}``), never a wrong token.
+   fails is computed instead (``pdserve:kv_prefix_fetches_total{outcome="fallback"}``), never a wrong token; one
+   this worker estimates slower than computing the tokens (``fetch_cost.FetchCost``) is not made ("skipped").
 3. ``step()`` returns ``finish_reason="prefill_done"`` with the first token: it goes to the
    handler at once (TTFT does not wait for the transfer).
 4. ``poll()`` watches the send: DONE -> TransferDone event; FAILED -> an UNAVAILABLE error
@@ -34,6 +35,7 @@ import torch
 
 from kvtransfer import TransferState
 from prefill_worker.config import PrefillWorkerConfig
+from prefill_worker.fetch_cost import FetchCost
 from proto import worker_pb2, worker_pb2_grpc
 from worker_common.request import (RequestContext, RequestError, RequestSet, WorkerRequest, check_peer_tp,
                                    engine_kv_shards, engine_tp, prefix_fetch_id, request_params)
@@ -70,6 +72,8 @@ class PrefillRequests(RequestSet[_PrefillReq]):
         super().__init__(ctx)
         self.transfer_timeout_s = transfer_timeout_s
         """Deadline of one KV send, from its submission."""
+        self.fetch_cost = FetchCost()
+        """Whether receiving a prefix beats computing it, from this worker's measurements (``_start_fetch``)."""
 
     def queued_prompt_tokens(self) -> int:
         return sum(len(r.prompt_token_ids) for r in self.records() if r.first_token_at is None)
@@ -122,6 +126,10 @@ class PrefillRequests(RequestSet[_PrefillReq]):
         if held - have < req.fetch_min:
             eng.abort_request(fid)
             return False
+        if not self.fetch_cost.decide(held - have):  # computing them is estimated faster here
+            eng.abort_request(fid)
+            self.ctx.metrics.inc_kv_prefix_fetch("skipped")
+            return False
         try:
             req.fetch = self.ctx.kv.recv_shards(req.dest_kv_name, fid, engine_kv_shards(eng), req.dest_tp, blocks,
                                                 held, deadline_s=self.transfer_timeout_s, first_token=have)
@@ -144,6 +152,8 @@ class PrefillRequests(RequestSet[_PrefillReq]):
         req.fetch_span = (first, held, started, time.monotonic())
         fid = prefix_fetch_id(req.request_id)
         if ok:
+            st = w.kv.stats(handle)
+            self.fetch_cost.observe_fetch(held - first, st.seconds, st.wire_seconds)
             try:
                 eng.commit_reserved(fid, req.prompt_token_ids[:held])
             except ValueError as e:
@@ -197,6 +207,8 @@ class PrefillRequests(RequestSet[_PrefillReq]):
             return
         req.first_token_at = now
         req.in_engine = False
+        self.fetch_cost.observe_prefill(len(req.prompt_token_ids) - o.num_cached_tokens,
+                                        now - (req.scheduled or req.arrived))
         if req.error is None and req.handle is None:
             try:  # no layer callback ran (prefix fully cached?): send every layer now
                 req.handle = self._open_send(req, layers_ready=True)

@@ -339,8 +339,10 @@ class Simulation:
         """The prefill worker's prefix fetch (``prefill_worker.worker``), then ``then`` (the prompt joins its engine):
         when the decode worker's reservation holds at least ``kv_prefix_fetch_min_tokens`` more leading tokens than
         this engine caches, their blocks are reserved here, arrive over the link (decode -> prefill, counted in the
-        KV bytes) and are named in this cache, so the prefill computes only the rest. The PrefixFetch/SendPrefix
-        round trip through the router is not priced (loopback RPCs, well under a step)."""
+        KV bytes) and are named in this cache, so the prefill computes only the rest, unless receiving them would
+        take longer than computing them (the worker's ``FetchCost``, priced here on the profile: the link's time for
+        their bytes against the step model's token term for them). The PrefixFetch/SendPrefix round trip through
+        the router is not priced (loopback RPCs, well under a step)."""
         cfg, eng = self.cfg, pw.engine
         minimum = cfg.kv_prefix_fetch_min_tokens if cfg.kv_delta_transfers else 0
         held = held_by_decode // eng.block_size * eng.block_size
@@ -351,12 +353,13 @@ class Simulation:
         def start() -> None:  # on the prefill worker's loop, as the Prefill RPC's call is
             fid = prefix_fetch_id(wid)
             got = eng.reserve_prompt(fid, held, prompt[:held], prefix=True)
-            if got is None or held - got[1] < minimum:
+            nbytes = 0 if got is None else (held - got[1]) * self.profile.kv_bytes_per_token
+            if got is None or held - got[1] < minimum or not self._fetch_pays(pw, len(prompt) - got[1],
+                                                                              held - got[1], nbytes):
                 if got is not None:
                     eng.abort_request(fid)
                 then()
                 return
-            nbytes = (held - got[1]) * self.profile.kv_bytes_per_token
             self.kv_bytes += nbytes
             self.kv_fetched_tokens += held - got[1]
 
@@ -367,6 +370,11 @@ class Simulation:
             self.at(self.now + self.link.seconds(nbytes / self.transfer_ranks), lambda: pw.submit(arrived))
 
         pw.submit(start)
+
+    def _fetch_pays(self, pw: SimWorker, to_compute: int, fetched: int, nbytes: float) -> bool:
+        """Receiving ``fetched`` of the ``to_compute`` prompt tokens takes less time than computing them."""
+        lin = self.role_profiles[pw.role].step.lin
+        return self.link.seconds(nbytes / self.transfer_ranks) < lin(to_compute) - lin(to_compute - fetched)
 
     def _start_whole(self, f: _Flow, p: Placement) -> None:
         f.placement = p

@@ -262,3 +262,34 @@ def test_a_prefix_fetch_that_fails_is_computed_instead_and_the_answer_is_unchang
                    message="the prefill worker holds no block")
     ref = offline([first, second], [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)] * 2)
     assert [out1, out2] == [r[0] for r in ref]
+
+
+@pytest.mark.parametrize("cluster", [{"kv_prefix_fetch_min_tokens": BS}], indirect=True)
+def test_a_prefill_worker_that_computes_faster_than_it_receives_skips_the_fetch(cluster):
+    """The prefill worker's measurements say receiving the history (5 ms a token on the wire, as its last fetch
+    went) is slower than computing it (1 us a token): it computes the history itself, counts the skip, nothing moves
+    decode -> prefill, and the answer equals the offline engine's."""
+    router, workers = cluster
+    turns = Turns(router, workers)
+    p = workers[0]
+    first = [(i * 31) % 800 + 30 for i in range(4 * BS)] + _question(50, 9)
+    with grpc.insecure_channel(router.address) as ch:
+        stub = pdserve_pb2_grpc.PDServeStub(ch)
+        out1, _sent1, holder_id = turns.run(stub, first)
+        second = first + out1 + _question(51)
+        turns.wait_held(holder_id, second, (len(first) + len(out1) - 1) // BS)
+        holder = turns.decodes[holder_id]
+
+        def slow_link(_eng) -> None:
+            cost = p.prefills.fetch_cost
+            cost.alpha = 1.0
+            cost.observe_fetch(100, 1.0, 0.5)
+            cost.observe_prefill(10**6, 1.0)
+
+        p.loop.call(slow_link)
+        _forget_prefill_history(p)
+        out2, _sent2, _ran = turns.run(stub, second)
+    assert counter_values(p.metrics, "pdserve:kv_prefix_fetches", "outcome") == {"skipped": 1.0}
+    assert counter_values(holder.metrics, "pdserve:kv_transfer_bytes") in ({}, {"": 0.0})
+    ref = offline([first, second], [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)] * 2)
+    assert [out1, out2] == [r[0] for r in ref]

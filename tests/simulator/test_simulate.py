@@ -446,21 +446,23 @@ def test_the_router_routes_prompts_to_the_worker_holding_their_prefix_as_deploye
         assert sim.kv_events is None
 
 
-@pytest.mark.parametrize("fetch_min", [16, 0])
-def test_a_prefill_worker_that_lost_the_history_fetches_it_from_the_decode_worker(fetch_min):
+@pytest.mark.parametrize("fetch_min,link_bytes_per_s,fetched", [(16, 1e7, 96), (0, 1e7, 0), (16, 1e6, 0)])
+def test_a_prefill_worker_that_lost_the_history_fetches_it_from_the_decode_worker(fetch_min, link_bytes_per_s,
+                                                                                  fetched):
     """Issue 47's prefix fetch in the simulator: the prefill worker's cache is emptied between two turns; turn 2's
     decode worker holds 6 full blocks (96 tokens) of turn 1's prompt, so with the rule on (16) the prefill worker
-    receives those 96 tokens over the link (bytes counted) and computes only turn 2's other 44; with it off (0) it
-    computes all 140 and nothing moves decode -> prefill."""
+    receives those 96 tokens over the link (bytes counted) and computes only turn 2's other 44: at 10 MB/s they
+    arrive in 2 + 9.6 ms, against 96 ms to compute them (1 ms a token). At 1 MB/s (98 ms) computing is faster, so
+    it computes all 140, as with the rule off (0), and nothing moves decode -> prefill."""
     turn1 = list(range(100))
     reqs = [SimRequest("t1", 0.0, turn1, 4), SimRequest("t2", 5.0, turn1 + list(range(5000, 5040)), 4)]
-    sim = Simulation(make_profile(), SimConfig(prefill=1, decode=1, kv_prefix_fetch_min_tokens=fetch_min))
+    prof = make_profile(links={"gloo": LinkModel(0.002, link_bytes_per_s)})
+    sim = Simulation(prof, SimConfig(prefill=1, decode=1, kv_prefix_fetch_min_tokens=fetch_min))
     (p,) = [w for w in sim.workers.values() if w.role == "prefill"]
     sim.at(4.0, lambda: p.engine.block_manager.reset_prefix_cache() or pytest.fail("blocks still held at 4 s"))
     recs = sim.run(reqs)
     assert all(r.success for r in recs)
     stats = sim.pool_stats()
-    fetched = 96 if fetch_min else 0
     assert stats["prefill"].kv_fetched_tokens == fetched
     assert stats["prefill"].tokens == 100 + 140 - fetched  # prompt tokens its engine computed
     assert stats["decode"].kv_cached_tokens == 96
