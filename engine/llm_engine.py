@@ -369,6 +369,14 @@ class LLMEngine:
         self._seqs[request_id] = seq
         return list(seq.block_table), seq.num_cached_tokens
 
+    def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
+        """How many leading tokens of ``prompt_token_ids`` (whole blocks of it) this prefix cache holds now; takes
+        nothing and evicts nothing (a caller deciding whether to fetch the rest)."""
+        if not self.block_manager.enable_caching:
+            return 0
+        bs = self.block_size
+        return len(self.block_manager.lookup(block_keys(prompt_token_ids, bs, len(prompt_token_ids) // bs))) * bs
+
     def commit_reserved(self, request_id: str, prompt_token_ids: list[int]) -> int:
         """The KV of a prefix reservation (``reserve_prompt(prefix=True)``) arrived: name its blocks in the prefix
         cache, so a prompt added next that starts with ``prompt_token_ids`` reuses them (while the reservation

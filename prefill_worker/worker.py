@@ -114,6 +114,13 @@ class PrefillRequests(RequestSet[_PrefillReq]):
             eng.check_request(req.request_id, req.prompt_token_ids, req.params, prefill_only=True)
         except ValueError as e:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{e} (request {req.request_id})") from None
+        # decided before any block is taken: a reservation given back would have evicted cached blocks for nothing
+        missing = held - eng.cached_prefix_tokens(req.prompt_token_ids[:held])
+        if missing < req.fetch_min:
+            return False
+        if not self.fetch_cost.decide(missing):
+            self.ctx.metrics.inc_kv_prefix_fetch("skipped")  # computing them is estimated faster here
+            return False
         fid = prefix_fetch_id(req.request_id)
         try:
             got = eng.reserve_prompt(fid, held, req.prompt_token_ids[:held], prefix=True)
@@ -123,13 +130,6 @@ class PrefillRequests(RequestSet[_PrefillReq]):
         if got is None:  # no free blocks for it: compute as before
             return False
         blocks, have = got
-        if held - have < req.fetch_min:
-            eng.abort_request(fid)
-            return False
-        if not self.fetch_cost.decide(held - have):  # computing them is estimated faster here
-            eng.abort_request(fid)
-            self.ctx.metrics.inc_kv_prefix_fetch("skipped")
-            return False
         try:
             req.fetch = self.ctx.kv.recv_shards(req.dest_kv_name, fid, engine_kv_shards(eng), req.dest_tp, blocks,
                                                 held, deadline_s=self.transfer_timeout_s, first_token=have)

@@ -64,11 +64,11 @@ class RouterConfig:
     """Let a decode worker reserve the leading prompt blocks its own prefix cache holds (a conversation's earlier
     turns, which it decoded or received) and have the prefill worker send only the rest (delta transfers, issue 47).
     False: every prompt's whole KV is shipped (the way before)."""
-    kv_prefix_fetch_min_tokens: int = 256
+    kv_prefix_fetch_min_tokens: int = 64
     """With ``kv_delta_transfers``: when the decode worker holds at least this many more of the prompt's leading
     tokens than the prefill worker's cache, the prefill worker receives them from it (``DecodeWorker.SendPrefix``)
-    instead of computing them, and prefills only what neither side has. 0: the prefill worker computes whatever
-    its own cache lacks."""
+    instead of computing them, and prefills only what neither side has, while its own measurements say receiving
+    them is faster (``prefill_worker.fetch_cost``). 0: the prefill worker computes whatever its own cache lacks."""
     decode_prefix_routing: bool = True
     """Score decode workers, as prefill workers are, by the prompt blocks they hold (the KV event index) against
     their load, so a conversation's turns return to the decode worker that holds its history (with

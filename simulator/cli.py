@@ -61,9 +61,9 @@ def add_deployment_args(p: argparse.ArgumentParser, pools: bool = True) -> None:
                             "N prompt tokens queued")
         g.add_argument("--no-kv-delta-transfers", dest="kv_delta_transfers", action="store_false",
                        help="ship every prompt's whole KV, even what the decode worker holds from earlier turns")
-        g.add_argument("--kv-prefix-fetch-min-tokens", type=int, default=256, metavar="N",
+        g.add_argument("--kv-prefix-fetch-min-tokens", type=int, default=64, metavar="N",
                        help="a prefill worker holding N or more fewer of a prompt's leading tokens than its decode "
-                            "worker receives them from it instead of computing them (default 256, 0 = never)")
+                            "worker receives them from it instead of computing them (and receiving them is estimated faster; default 64, 0 = never)")
         g.add_argument("--no-decode-prefix-routing", dest="decode_prefix_routing", action="store_false",
                        help="pick decode workers by load alone, not by the history they hold")
         g.add_argument("--no-kv-events", dest="kv_events", action="store_false",
@@ -106,7 +106,7 @@ def sim_config_from_args(args: argparse.Namespace, **over: Any) -> SimConfig:
               rank_memory_bytes=args.rank_memory_bytes,
               kv_delta_transfers=getattr(args, "kv_delta_transfers", True),
               decode_prefix_routing=getattr(args, "decode_prefix_routing", True),
-              kv_prefix_fetch_min_tokens=getattr(args, "kv_prefix_fetch_min_tokens", 256),
+              kv_prefix_fetch_min_tokens=getattr(args, "kv_prefix_fetch_min_tokens", 64),
               kv_events=getattr(args, "kv_events", True))
     kw.update(over)
     return SimConfig(**kw)

@@ -352,14 +352,16 @@ class Simulation:
 
         def start() -> None:  # on the prefill worker's loop, as the Prefill RPC's call is
             fid = prefix_fetch_id(wid)
-            got = eng.reserve_prompt(fid, held, prompt[:held], prefix=True)
-            nbytes = 0 if got is None else (held - got[1]) * self.profile.kv_bytes_per_token
-            if got is None or held - got[1] < minimum or not self._fetch_pays(pw, len(prompt) - got[1],
-                                                                              held - got[1], nbytes):
-                if got is not None:
-                    eng.abort_request(fid)
+            have = eng.cached_prefix_tokens(prompt[:held])  # decided before a block is taken (none is evicted)
+            nbytes = (held - have) * self.profile.kv_bytes_per_token
+            if held - have < minimum or not self._fetch_pays(pw, len(prompt) - have, held - have, nbytes):
                 then()
                 return
+            got = eng.reserve_prompt(fid, held, prompt[:held], prefix=True)
+            if got is None:
+                then()
+                return
+            nbytes = (held - got[1]) * self.profile.kv_bytes_per_token
             self.kv_bytes += nbytes
             self.kv_fetched_tokens += held - got[1]
 

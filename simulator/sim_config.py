@@ -41,7 +41,7 @@ class SimConfig:
     kv_delta_transfers: bool = True
     """The router's rule (issue 47): a decode reservation takes the prompt's leading blocks the decode worker's cache
     holds and only the rest is transferred (and priced on the link)."""
-    kv_prefix_fetch_min_tokens: int = 256
+    kv_prefix_fetch_min_tokens: int = 64
     """The router's rule (issue 47, with ``kv_delta_transfers``): a prefill worker holding at least this many fewer of
     the prompt's leading tokens than its decode worker's reservation found receives them from it (priced on the link)
     and computes only the rest. 0: it computes whatever its own cache lacks."""
@@ -194,7 +194,7 @@ class SimConfig:
                 f += f" --prefill-queue-max-tokens {self.prefill_queue_max_tokens}"
             if not self.kv_delta_transfers:
                 f += " --no-kv-delta-transfers"
-            elif self.kv_prefix_fetch_min_tokens != 256:
+            elif self.kv_prefix_fetch_min_tokens != 64:
                 f += f" --kv-prefix-fetch-min-tokens {self.kv_prefix_fetch_min_tokens}"
             if not self.decode_prefix_routing:
                 f += " --no-decode-prefix-routing"

@@ -299,3 +299,15 @@ def test_a_fetched_prefix_is_cached_by_commit_reserved_and_only_the_tail_is_comp
     assert [t for o in outs for t in o.new_token_ids] == hf_greedy(hf, prompt, 6)
     eng.abort_request("f")
     assert eng.num_free_blocks == eng.num_total_blocks
+
+
+def test_cached_prefix_tokens_looks_without_taking_or_evicting(checkpoint):
+    path, _hf = checkpoint
+    eng = make_engine(path, block_size=BS, num_kv_blocks=6)
+    prompt = prompts_of([13], seed=36)[0]
+    eng.add_request("a", prompt, greedy(1))
+    list(_step_all(eng))  # 3 full blocks cached, all 6 free
+    assert eng.cached_prefix_tokens(prompt[:12]) == 12 and eng.cached_prefix_tokens(prompt[:8]) == 8
+    assert eng.cached_prefix_tokens([prompt[0] + 1] + prompt[1:12]) == 0
+    assert eng.num_free_blocks == 6 and not any(eng.block_manager.ref_count(b) for b in range(6))
+    assert eng.cached_prefix_tokens(prompt[:12]) == 12  # still cached: looking took nothing
