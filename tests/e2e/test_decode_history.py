@@ -10,6 +10,7 @@ first turn costs. Greedy output equals the offline engine's on every turn.
 """
 from __future__ import annotations
 
+from typing import Any
 
 import grpc
 import pytest
@@ -190,6 +191,17 @@ def _forget_prefill_history(p) -> None:
     p.loop.call(forget)
 
 
+def _first_turn(turns: Turns, stub, seed: int) -> tuple[list[int], list[int], list[int], float, Any]:
+    """Turn 1 (73 tokens) of a conversation, then turn 2 (93 tokens) once the router's index shows the decode worker
+    that streamed turn 1 holding its first 80 (5 blocks): (turn 1, its answer, turn 2, the KV bytes turn 1 shipped,
+    that decode worker)."""
+    first = [(i * seed) % 800 + 30 for i in range(4 * BS)] + _question(seed, 9)
+    out1, sent1, holder_id = turns.run(stub, first)
+    second = first + out1 + _question(seed + 1)
+    turns.wait_held(holder_id, second, (len(first) + len(out1) - 1) // BS)
+    return first, out1, second, sent1, turns.decodes[holder_id]
+
+
 @pytest.mark.parametrize("cluster", [{"kv_prefix_fetch_min_tokens": BS}], indirect=True)
 def test_a_prefill_worker_that_lacks_the_history_fetches_it_from_the_decode_worker_and_computes_only_the_rest(
         cluster):
@@ -201,14 +213,10 @@ def test_a_prefill_worker_that_lacks_the_history_fetches_it_from_the_decode_work
     turns = Turns(router, workers)
     p = workers[0]
     per_token = 4 * 2 * 2 * 64 * 4
-    first = [(i * 23) % 800 + 30 for i in range(4 * BS)] + _question(30, 9)  # 73 tokens
     with grpc.insecure_channel(router.address) as ch:
         stub = pdserve_pb2_grpc.PDServeStub(ch)
-        out1, sent1, holder_id = turns.run(stub, first)
-        second = first + out1 + _question(31)  # 93 tokens; the holder has the first 80 (5 blocks)
+        first, out1, second, sent1, holder = _first_turn(turns, stub, 23)
         held = (len(first) + len(out1) - 1) // BS * BS
-        turns.wait_held(holder_id, second, held // BS)
-        holder = turns.decodes[holder_id]
         _forget_prefill_history(p)
         holder_sent = counter_values(holder.metrics, "pdserve:kv_transfer_bytes").get("", 0.0)
         hits = counter_values(p.metrics, "pdserve:prefix_cache_hits").get("", 0.0)
@@ -238,13 +246,9 @@ def test_a_prefix_fetch_that_fails_is_computed_instead_and_the_answer_is_unchang
     router, workers = cluster
     turns = Turns(router, workers)
     p = workers[0]
-    first = [(i * 29) % 800 + 30 for i in range(4 * BS)] + _question(40, 9)
     with grpc.insecure_channel(router.address) as ch:
         stub = pdserve_pb2_grpc.PDServeStub(ch)
-        out1, _sent1, holder_id = turns.run(stub, first)
-        second = first + out1 + _question(41)
-        turns.wait_held(holder_id, second, (len(first) + len(out1) - 1) // BS)
-        holder = turns.decodes[holder_id]
+        first, out1, second, _sent1, holder = _first_turn(turns, stub, 29)
         inner = holder.disagg.send_prefix
 
         def misplaced(eng, rid, dest, first_token, num, dest_tp, timeout_s):
@@ -272,13 +276,9 @@ def test_a_prefill_worker_that_computes_faster_than_it_receives_skips_the_fetch(
     router, workers = cluster
     turns = Turns(router, workers)
     p = workers[0]
-    first = [(i * 31) % 800 + 30 for i in range(4 * BS)] + _question(50, 9)
     with grpc.insecure_channel(router.address) as ch:
         stub = pdserve_pb2_grpc.PDServeStub(ch)
-        out1, _sent1, holder_id = turns.run(stub, first)
-        second = first + out1 + _question(51)
-        turns.wait_held(holder_id, second, (len(first) + len(out1) - 1) // BS)
-        holder = turns.decodes[holder_id]
+        first, out1, second, _sent1, holder = _first_turn(turns, stub, 31)
 
         def slow_link(_eng) -> None:
             cost = p.prefills.fetch_cost
