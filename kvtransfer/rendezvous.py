@@ -13,17 +13,26 @@ meant for a dead incarnation is never accepted by its successor.
 A store that cannot be reached (Redis killed, paused past its socket timeout) raises
 ``StoreUnavailable`` at once, distinct from ``RendezvousTimeout`` (the store answers, the peer is not
 there yet): the channel then fails the transfers waiting for the pair without waiting for their
-deadlines, so a request learns within one store timeout that its pair cannot be built now.
+deadlines, so a request learns within one store timeout that its pair cannot be built now. The one exception is
+the first publish, at the endpoint's start: it is retried with backoff for up to ``publish_retry_s`` (a worker
+starting while Redis is slow or restarting, e.g. on a machine whose cores are all busy, starts once it answers).
 """
 from __future__ import annotations
 
 import datetime
 import itertools
+import logging
 import time
 import uuid
 from typing import Callable
 
 import torch.distributed as dist
+
+
+log = logging.getLogger(__name__)
+
+PUBLISH_RETRY_S = 30.0
+"""How long an endpoint's first publish is retried at its start before the start fails."""
 
 
 class RendezvousTimeout(RuntimeError):
@@ -46,7 +55,7 @@ def _store_call(fn: Callable[[], object], what: str) -> object:
 class Rendezvous:
     """One endpoint's view of the store: its incarnation, and offers to and from peers."""
 
-    def __init__(self, store: dist.Store, namespace: str, name: str):
+    def __init__(self, store: dist.Store, namespace: str, name: str, publish_retry_s: float = PUBLISH_RETRY_S):
         self.store = dist.PrefixStore(namespace, store)
         self._base = store
         self._namespace = namespace
@@ -54,7 +63,17 @@ class Rendezvous:
         self.name = name
         self.incarnation = uuid.uuid4().hex[:12]
         self._seq = itertools.count(1)
-        self.publish()
+        deadline, pause = time.monotonic() + publish_retry_s, 0.05
+        while True:  # the first publish outlasts a slow or restarting store, within publish_retry_s
+            try:
+                self.publish()
+                break
+            except StoreUnavailable as e:
+                if time.monotonic() + pause > deadline:
+                    raise
+                log.warning("kv endpoint %s: %s; retrying for up to %.0f s", name, e, deadline - time.monotonic())
+                time.sleep(pause)
+                pause = min(2 * pause, 1.0)
 
     def publish(self) -> None:
         """(Re)write this endpoint's incarnation. Store keys may expire (the Redis store's TTL) or vanish

@@ -28,6 +28,17 @@ import grpc
 from loadtest.trace import load_trace, scale_trace
 from proto import pdserve_pb2, pdserve_pb2_grpc
 
+HEAL_DEADLINE_S = 30.0
+"""The bound on a pool's healing on the tiny model, where workers start as fast as on an idle machine."""
+HEAL_START_RATIO = 2.5
+"""... or this many times the test cluster's own measured start, where that is slower (beside two CPU hogs a
+replacement took 30-80 s on 29 Nov): a replacement starts a worker as the cluster's start did."""
+
+
+def heal_deadline_s(start_s: float) -> float:
+    """How long a SIGKILLed worker's pool may take to heal, for a cluster that took ``start_s`` to start."""
+    return max(HEAL_DEADLINE_S, HEAL_START_RATIO * start_s)
+
 TRACE = Path(__file__).resolve().parents[1] / "data" / "azure_llm_2023_conv_first400.csv"
 PROMPT_SCALE, PROMPT_RANGE = 0.08, (20, 120)   # 91 -> 20 (floor), 374 -> 30, 1313 -> 105, 2221+ -> 120 (cap)
 OUTPUT_SCALE, OUTPUT_RANGE = 0.15, (8, 32)     # 44 -> 8 (floor), 109 -> 16, 152 -> 23, 217 -> 32 (cap)

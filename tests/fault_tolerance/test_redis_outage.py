@@ -29,7 +29,6 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import grpc
 import pytest
