@@ -110,7 +110,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="router port, 0 = free port (default 50051)")
     p.add_argument("--http-port", type=int, default=8000, metavar="PORT",
                    help="OpenAI-compatible HTTP API port on --host (default 8000; 0 turns it off)")
-    p.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json"),  # router.tool_parsers
+    p.add_argument("--tool-call-parser", default=None, choices=("hermes", "llama3_json"),  # router.openai.tool_parsers
                    help="how the HTTP API reads tool calls out of a free answer (tool_choice auto), vLLM's names: "
                         "hermes (Hermes/Qwen <tool_call>) or llama3_json (default: none; tool_choice required or "
                         "a named function work without it)")

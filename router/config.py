@@ -124,7 +124,7 @@ class RouterConfig:
     serve_metrics: bool = True
     """Serve the router's Prometheus /metrics on a free port of ``host``."""
     http_port: Optional[int] = None
-    """OpenAI-compatible HTTP API (``router.http_api``) on this port of ``host``; 0 picks a free one;
+    """OpenAI-compatible HTTP API (``router.openai.http_api``) on this port of ``host``; 0 picks a free one;
     None: no HTTP API."""
     health_port: Optional[int] = None
     """A second, plaintext gRPC server on this port of ``host`` offering only ``grpc.health.v1`` (and reflection
@@ -132,7 +132,7 @@ class RouterConfig:
     TLS is probed here. 0 picks a free one; None: none."""
     tool_call_parser: Optional[str] = None
     """How the HTTP API reads tool calls out of a free answer (``tool_choice: "auto"``), vLLM's names:
-    "hermes" (Hermes/Qwen ``<tool_call>{...}</tool_call>``) or "llama3_json" (``router.tool_parsers``). None:
+    "hermes" (Hermes/Qwen ``<tool_call>{...}</tool_call>``) or "llama3_json" (``router.openai.tool_parsers``). None:
     requests with tools need ``tool_choice`` "none", "required" or a named function."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     """Public API keys: when any is set, every Generate/Tokenize/GetModelInfo call must carry one as
@@ -209,7 +209,7 @@ class RouterConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_context_length is not None and self.max_context_length < 2:
             raise ValueError(f"max_context_length must be >= 2, got {self.max_context_length}")
-        from router.tool_parsers import TOOL_CALL_PARSERS
+        from router.openai.tool_parsers import TOOL_CALL_PARSERS
 
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS} or None, "

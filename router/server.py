@@ -100,7 +100,7 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         """"host:port" of the plaintext health-only server (``cfg.health_port``; "" when off)."""
         self._metrics_stop: Optional[Callable[[], None]] = None
         self.http: Optional[Any] = None
-        """The OpenAI-compatible HTTP front end (``router.http_api.HttpApi``) when ``cfg.http_port`` is set."""
+        """The OpenAI-compatible HTTP front end (``router.openai.http_api.HttpApi``) when ``cfg.http_port`` is set."""
 
     @property
     def http_address(self) -> str:
@@ -167,7 +167,7 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         if self.cfg.serve_metrics:
             self.metrics_address, self._metrics_stop = self.core.metrics.serve(host=self.cfg.host, port=0)
         if self.cfg.http_port is not None:
-            from router.http_api import HttpApi
+            from router.openai.http_api import HttpApi
 
             tls = (TlsFiles(self.cfg.ssl_certfile, self.cfg.ssl_keyfile, self.cfg.ssl_ca_certs)
                    if self.cfg.ssl_certfile else None)

@@ -1,4 +1,4 @@
-"""router.http_api over a real RouterCore whose workers are in-process fakes (tests/router/fakes.py): OpenAI's
+"""router.openai.http_api over a real RouterCore whose workers are in-process fakes (tests/router/fakes.py): OpenAI's
 JSON and SSE shapes with exact usage, errors with their HTTP status, the API key, and a client that goes away
 cancelling its flows through the server's disconnect message (never ``Request.is_disconnected`` polling)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from starlette.requests import Request
 
 from router.config import RouterConfig
 from router.core import RouterCore
-from router.http_api import HttpApi
+from router.openai.http_api import HttpApi
 from router.worker_source import StaticWorkerSource
 from transport.errors import StatusRpcError
 from tests.router.fakes import FakeClients, FakeStream, FakeWorker, chunk, first_token, info, \

@@ -1,5 +1,5 @@
 """The request and response side of structured outputs and tools, one layer at a time (no cluster): what
-``router.openai_structured.plan`` makes of the request fields, the chat template rendering tools and past calls
+``router.openai.structured.plan`` makes of the request fields, the chat template rendering tools and past calls
 as transformers does, and OpenAI's tool_calls shapes out of ``ResponseBody`` / ``EventStream``."""
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import json
 import pytest
 
 from engine import Tokenizer
-from router import openai_protocol as oa
+from router.openai import protocol as oa
+from router.openai import responses as rs
 from router.events import FlowEvent
-from router.openai_structured import plan
-from router.tool_parsers import parser_for
+from router.openai.structured import plan
+from router.openai.tool_parsers import parser_for
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather <in> a city",
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -113,7 +114,7 @@ def _events(pieces: list[str], reason: str = "stop") -> list[FlowEvent]:
 
 
 def test_whole_response_has_tool_calls_and_finish_reason():
-    whole = oa.ResponseBody("id", True, "tiny", 1, 5, str, parser_for("hermes"))
+    whole = rs.ResponseBody("id", True, "tiny", 1, 5, str, parser_for("hermes"))
     for ev in _events(HERMES_OUT):
         whole.add(0, ev)
     choice = whole.json()["choices"][0]
@@ -122,7 +123,7 @@ def test_whole_response_has_tool_calls_and_finish_reason():
     (call,) = choice["message"]["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-    named = oa.ResponseBody("id", True, "tiny", 1, 5, str, parser_for("named", "get_weather"))
+    named = rs.ResponseBody("id", True, "tiny", 1, 5, str, parser_for("named", "get_weather"))
     for ev in _events(['{"city": ', '"Rome"}']):
         named.add(0, ev)
     choice = named.json()["choices"][0]
@@ -131,7 +132,7 @@ def test_whole_response_has_tool_calls_and_finish_reason():
 
 
 def test_streamed_tool_call_deltas_as_the_sdk_assembles_them():
-    s = oa.EventStream("id", True, "tiny", 5, str, tool_parser=parser_for("hermes"))
+    s = rs.EventStream("id", True, "tiny", 5, str, tool_parser=parser_for("hermes"))
     chunks = [json.loads(c[6:]) for ev in _events(HERMES_OUT) if (c := s.chunk(0, ev))]
     deltas = [c["choices"][0]["delta"] for c in chunks]
     assert deltas[0] == {"role": "assistant", "content": "Checking. "}
@@ -143,17 +144,17 @@ def test_streamed_tool_call_deltas_as_the_sdk_assembles_them():
     assert "".join(tc["function"]["arguments"] for tc in calls) == '{"city": "Paris"}'
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "tool_calls"
     # a length cut keeps "length"; text without calls stays content with the model's finish reason
-    plain = oa.EventStream("id", True, "tiny", 5, str, tool_parser=parser_for("hermes"))
+    plain = rs.EventStream("id", True, "tiny", 5, str, tool_parser=parser_for("hermes"))
     last = json.loads(plain.chunk(0, FlowEvent("r", text="no tools", finish_reason="stop"))[6:])["choices"][0]
     assert last["delta"] == {"role": "assistant", "content": "no tools"} and last["finish_reason"] == "stop"
 
 
 def test_echo_prefixes_each_choice():
-    whole = oa.ResponseBody("id", False, "tiny", 2, 3, str, echo=["p0", "p1"])
+    whole = rs.ResponseBody("id", False, "tiny", 2, 3, str, echo=["p0", "p1"])
     whole.add(0, FlowEvent("r", text=" a", finish_reason="stop"))
     whole.add(1, FlowEvent("r", text=" b", finish_reason="stop"))
     assert [c["text"] for c in whole.json()["choices"]] == ["p0 a", "p1 b"]
-    s = oa.EventStream("id", False, "tiny", 3, str, echo=["p0"])
+    s = rs.EventStream("id", False, "tiny", 3, str, echo=["p0"])
     texts = [json.loads(s.chunk(0, ev)[6:])["choices"][0]["text"] for ev in _events([" x", " y"])]
     assert texts == ["p0 x", " y"]
 
@@ -162,7 +163,7 @@ def test_tool_call_parser_flag_reaches_the_router_config():
     from cluster.cli import build_parser
     from cluster.up_flags import router_overrides
     from router.config import RouterConfig
-    from router.tool_parsers import TOOL_CALL_PARSERS
+    from router.openai.tool_parsers import TOOL_CALL_PARSERS
 
     for cmd in (["up"], ["router", "--namespace", "ns"]):
         for name in TOOL_CALL_PARSERS:  # the flag's choices are the router's parsers

@@ -1,4 +1,4 @@
-"""router.tool_parsers on fixed strings: each format's calls and content, whole and streamed in pieces of every
+"""router.openai.tool_parsers on fixed strings: each format's calls and content, whole and streamed in pieces of every
 size (a streamed answer joins to exactly the whole one), and answers that must stay content."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from router.tool_parsers import ArgsDelta, CallStart, ContentDelta, assemble, parser_for
+from router.openai.tool_parsers import ArgsDelta, CallStart, ContentDelta, assemble, parser_for
 
 HERMES = ('I will look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris </tool_call>", '
           '"days": [1, {"x": "}"}], "unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"arguments": {"q": "a\\"b"}, '

@@ -22,7 +22,7 @@ from schemathesis.checks import content_type_conformance, response_schema_confor
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from router import openai_protocol as oa
+from router.openai import protocol as oa
 from tests.loadtest.test_bench_real_cluster import Cluster
 from tests.waiting import wait_until
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from proto import pdserve_pb2, pdserve_pb2_grpc
-from router.http_api import MAX_BODY_BYTES
+from router.openai.http_api import MAX_BODY_BYTES
 from tests.loadtest.test_bench_real_cluster import Cluster
 from tests.waiting import wait_until
 

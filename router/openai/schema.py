@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API's OpenAPI document: what ``/openapi.json`` says each operation takes and answers.
 
-Lifecycle: ``install(app)`` is called once when ``router.http_api`` builds its FastAPI app; the document is
+Lifecycle: ``install(app)`` is called once when ``router.openai.http_api`` builds its FastAPI app; the document is
 built on the first ``GET /openapi.json`` and cached by FastAPI. The request bodies are the pydantic models the
-handlers validate with (``router.openai_protocol``), so the schema cannot drift from what is accepted; the
-response models below only document the JSON the handlers render (``openai_protocol.ResponseBody``,
+handlers validate with (``router.openai.protocol``), so the schema cannot drift from what is accepted; the
+response models below only document the JSON the handlers render (``responses.ResponseBody``,
 ``tokenize_json``, ``error_body``): the handlers return ``JSONResponse``s and never pass through them.
 tests/security/test_fuzz_http.py fuzzes the API from this document and checks every answer against it, so a
 renderer that drifts from these models fails there.

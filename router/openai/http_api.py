@@ -5,15 +5,15 @@ serves on a uvicorn thread of its own; ``stop()`` shuts it down. Endpoints, as v
 has them: ``GET /health`` (200 while the router serves, else 503), ``GET /metrics`` (the router's
 Prometheus series), ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, and vLLM's
 ``POST /tokenize`` and ``POST /detokenize``. The constraint and tool fields (``response_format``,
-``structured_outputs``, ``tools``, ``tool_choice``) are planned by ``router.openai_structured`` before tokenizing:
+``structured_outputs``, ``tools``, ``tool_choice``) are planned by ``router.openai.structured`` before tokenizing:
 the constraint rides in every ``GenerateRequest`` (compiled by the shared validation), and a tool-call parser
-(``router.tool_parsers``) reads each chat answer into ``tool_calls``.
+(``router.openai.tool_parsers``) reads each chat answer into ``tool_calls``.
 A request body is parsed (pydantic), turned into the gRPC-shaped ``GenerateRequest`` and validated
 by the same ``validate_generate`` as gRPC, then each choice runs as one ``RequestFlow`` through
 ``core.generate``, driven as the gRPC front end drives it (``router.flow_pump``: its blocking steps on the router's
 flow pool, its streaming on the output streams' reader threads, a step's events reaching the event loop in one
 wakeup); a beam search (not streamed) runs on a thread of its own. Its ``FlowEvent``s become a JSON response or
-server-sent events ending in ``data: [DONE]``, rendered by ``router.openai_protocol`` (this module is the
+server-sent events ending in ``data: [DONE]``, rendered by ``router.openai.protocol`` (this module is the
 transport: app, auth, flows, disconnects). A client that disconnects cancels its flows (the workers free its
 blocks): the server's ``http.disconnect`` message wakes a watcher task at once, no polling. Events wait for the
 client in the response's queue (at most a choice's ``max_tokens`` of them: a flow never blocks on a slow client,
@@ -46,9 +46,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router import openai_schema
-from router import openai_protocol as oa
-from router import openai_structured as oas
+from router.openai import schema as openai_schema
+from router.openai import protocol as oa
+from router.openai import responses as rs
+from router.openai import structured as oas
 from router.core import RouterCore
 from router.quotas import Lease, QuotaBook, QuotaExceeded, max_output_tokens
 from router.events import FlowError
@@ -180,7 +181,7 @@ class _Auth:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].startswith(_PROTECTED) and not self._authorized(Request(scope)):
-            body = json.dumps(oa.error_body(401, "missing or invalid API key (send 'Authorization: Bearer <key>')"))
+            body = json.dumps(rs.error_body(401, "missing or invalid API key (send 'Authorization: Bearer <key>')"))
             await send({"type": "http.response.start", "status": 401,
                         "headers": [(b"content-type", b"application/json"),
                                     (b"content-length", str(len(body)).encode())]})
@@ -204,7 +205,7 @@ class _BodyLimit:
         self.app, self.limit = app, limit
 
     async def _refuse(self, send: Any, status: int, message: str) -> None:
-        body = json.dumps(oa.error_body(status, message)).encode()
+        body = json.dumps(rs.error_body(status, message)).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})
@@ -329,7 +330,7 @@ class HttpApi:
         async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
             first = exc.errors()[0] if exc.errors() else {}
             where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-            return JSONResponse(oa.error_body(400, f"{where}: {first.get('msg', 'invalid request')}", where or None),
+            return JSONResponse(rs.error_body(400, f"{where}: {first.get('msg', 'invalid request')}", where or None),
                                 status_code=400)
 
         @app.exception_handler(StarletteHTTPException)
@@ -338,13 +339,13 @@ class HttpApi:
             msg = str(exc.detail)
             if exc.status_code == 400:
                 msg = f"the request body could not be read as JSON ({msg})"
-            return JSONResponse(oa.error_body(exc.status_code, msg), status_code=exc.status_code,
+            return JSONResponse(rs.error_body(exc.status_code, msg), status_code=exc.status_code,
                                 headers=getattr(exc, "headers", None))
 
         @app.exception_handler(Exception)
         async def unexpected(request: Request, exc: Exception) -> JSONResponse:
             log.error("HTTP %s %s: unexpected router error", request.method, request.url.path, exc_info=exc)
-            return JSONResponse(oa.error_body(503, "the router failed to serve this request (logged); retry"),
+            return JSONResponse(rs.error_body(503, "the router failed to serve this request (logged); retry"),
                                 status_code=503)
 
         @app.get("/health")
@@ -362,7 +363,7 @@ class HttpApi:
         @app.get("/v1/models")
         async def models() -> JSONResponse:
             lim = self.core.limits
-            data = [] if lim is None else [{"id": lim.model_name, "object": "model", "created": oa.created(),
+            data = [] if lim is None else [{"id": lim.model_name, "object": "model", "created": rs.created(),
                                             "owned_by": "pdserve", "max_model_len": lim.max_context_length}]
             return JSONResponse({"object": "list", "data": data})
 
@@ -387,7 +388,7 @@ class HttpApi:
 
     # ---- requests ----------------------------------------------------------------------------------
     def _error(self, status: int, message: str, param: Optional[str] = None) -> JSONResponse:
-        return JSONResponse(oa.error_body(status, message, param), status_code=status)
+        return JSONResponse(rs.error_body(status, message, param), status_code=status)
 
     async def _serve(self, request: Request, body: Any, chat: bool) -> Response:
         core = self.core
@@ -431,8 +432,8 @@ class HttpApi:
             core.count_error(grpc.StatusCode.INVALID_ARGUMENT)
             return self._error(400, str(e))
         n_prompt = sum(len(c.vreq.prompt_token_ids) for c in choices)
-        rid = oa.new_id("chatcmpl" if chat else "cmpl")
-        model, detok = body.model or core.limits.model_name, oa.detokenizer(core.tokenizer)
+        rid = rs.new_id("chatcmpl" if chat else "cmpl")
+        model, detok = body.model or core.limits.model_name, rs.detokenizer(core.tokenizer)
         echo = None
         if not chat and body.echo:  # each choice's answer follows its prompt's text
             echo = [c.vreq.prompt if c.vreq.prompt is not None else core.tokenizer.decode(c.vreq.prompt_token_ids, False)
@@ -445,7 +446,7 @@ class HttpApi:
         except QuotaExceeded as e:
             core.count_error(grpc.StatusCode.RESOURCE_EXHAUSTED)
             headers = {"Retry-After": e.retry_after_header} if e.retry_after_header is not None else None
-            return JSONResponse(oa.error_body(429, e.message), status_code=429, headers=headers)
+            return JSONResponse(rs.error_body(429, e.message), status_code=429, headers=headers)
         try:
             for c in choices:
                 c.start()
@@ -455,12 +456,12 @@ class HttpApi:
             raise
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            out = oa.EventStream(rid, chat, model, n_prompt, detok, include_usage, plan.parser, echo,
+            out = rs.EventStream(rid, chat, model, n_prompt, detok, include_usage, plan.parser, echo,
                                  1 if body.use_beam_search else body.n, echo_first)
             out.with_timings = body.pdserve_timings
             return _StallCutResponse(self._sse(events, out), self._stalls, self._count_stall,
                                      media_type="text/event-stream")
-        whole = oa.ResponseBody(rid, chat, core.limits.model_name, len(choices) * body.n, n_prompt, detok,
+        whole = rs.ResponseBody(rid, chat, core.limits.model_name, len(choices) * body.n, n_prompt, detok,
                                 plan.parser, echo, 1 if body.use_beam_search else body.n, echo_first)
         whole.with_timings = body.pdserve_timings
         return await self._collect(events, whole)
@@ -505,7 +506,7 @@ class HttpApi:
                 for c in choices:
                     c.cancel()
 
-    async def _collect(self, events: AsyncIterator, whole: oa.ResponseBody) -> Response:
+    async def _collect(self, events: AsyncIterator, whole: rs.ResponseBody) -> Response:
         async for idx, item in events:
             if isinstance(item, FlowError):
                 await events.aclose()
@@ -513,7 +514,7 @@ class HttpApi:
             whole.add(idx, item)
         return JSONResponse(whole.json())
 
-    async def _sse(self, events: AsyncIterator, out: oa.EventStream) -> AsyncIterator[str]:
+    async def _sse(self, events: AsyncIterator, out: rs.EventStream) -> AsyncIterator[str]:
         try:
             async for idx, item in events:
                 if isinstance(item, FlowError):
@@ -579,5 +580,5 @@ class HttpApi:
         return JSONResponse({"prompt": text})
 
     def _flow_error(self, e: FlowError) -> JSONResponse:
-        status, body = oa.flow_error(e)
+        status, body = rs.flow_error(e)
         return JSONResponse(body, status_code=status)

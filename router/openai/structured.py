@@ -1,7 +1,7 @@
 """The constraint and tool fields of OpenAI requests: ``response_format``, vLLM's ``structured_outputs`` (and its
 older ``guided_*`` names), ``tools`` and ``tool_choice``.
 
-Lifecycle: stateless. ``router.http_api`` calls ``plan(body, chat, tool_call_parser)`` once per request, before
+Lifecycle: stateless. ``router.openai.http_api`` calls ``plan(body, chat, tool_call_parser)`` once per request, before
 tokenizing: it checks these fields (``ValueError`` naming the field the client wrote), and returns a ``Plan``:
 the tools for the chat template, the ``ToolCallParser`` that reads the answer (or None), and the one output
 constraint (an ``engine.StructuredOutputsParams``) that goes into every ``GenerateRequest`` of the request as
@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine import StructuredOutputsParams
-from router.tool_parsers import ToolCallParser, parser_for
+from router.openai.tool_parsers import ToolCallParser, parser_for
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 """A tool without ``parameters`` takes none: its arguments are an empty object."""

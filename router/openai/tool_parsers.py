@@ -4,7 +4,7 @@ Lifecycle: one ``ToolCallParser`` per request that may call tools (``parser_for`
 whole answer once, ``stream()`` gives one ``ToolCallStream`` per choice of a streamed answer, fed each new piece
 of text (``feed``) and closed once (``finish``). A stream yields plain deltas (``ContentDelta``: text for
 ``message.content``; ``CallStart``: a new call's index and name; ``ArgsDelta``: more of a call's arguments
-text), which ``router.openai_protocol`` renders as OpenAI's ``tool_calls`` deltas. ``extract`` runs the same
+text), which ``router.openai.protocol`` renders as OpenAI's ``tool_calls`` deltas. ``extract`` runs the same
 stream over the whole text, so a streamed answer assembles (as the OpenAI SDK does) to exactly the whole one.
 
 Formats:
