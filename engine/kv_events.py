@@ -5,7 +5,7 @@ changes; the worker drains them after each step and hands them to its publisher
 (``worker_common.kv_events``), which turns them into one ``KVEventBatch`` (``kv_batch_from_raw``), encodes it
 (``encode_kv_batch``) and appends it, with a sequence number and its generation, to the worker's Redis stream
 (``kv_stream_key``). Every router decodes the entries (``decode_kv_batch``) into its global index
-(``router.kv_index``). A consumer that missed entries reads the worker's latest ``KVSnapshot``
+(``router.kv.index``). A consumer that missed entries reads the worker's latest ``KVSnapshot``
 (``kv_snapshot_key``) and replays the stream after it.
 
 The structs are vLLM's (``vllm/distributed/kv_events.py``: msgspec ``array_like`` structs, events tagged

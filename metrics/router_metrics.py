@@ -115,7 +115,7 @@ class RouterMetrics(ComponentMetrics):
         """A stream cut off because its client stopped reading (``router.stream_stall``); ``api``: grpc, http."""
         self._child("stream_stalls_total", check_label("api", api)).inc()
 
-    # --- cache-aware routing (router/kv_index.py) ---
+    # --- cache-aware routing (router/kv/index.py) ---
     def inc_kv_events_consumed(self, n: int = 1) -> None:
         self._series["kv_events_consumed_total"].inc(check_count("kv_events_consumed", n))
 
@@ -130,7 +130,7 @@ class RouterMetrics(ComponentMetrics):
         self._series["kv_events_redis_errors_total"].inc()
 
     def inc_kv_replica_published(self, n: int = 1) -> None:
-        """Placements this router shared with the other routers (router/kv_replica.py)."""
+        """Placements this router shared with the other routers (router/kv/replica.py)."""
         self._series["kv_replica_published_total"].inc(check_count("kv_replica_published", n))
 
     def inc_kv_replica_dropped(self, reason: str, n: int = 1) -> None:
@@ -142,7 +142,7 @@ class RouterMetrics(ComponentMetrics):
         self._series["kv_replica_applied_total"].inc(check_count("kv_replica_applied", n))
 
     def inc_kv_cold_tie(self, result: str) -> None:
-        """A cold placement's tie broken (``result``: shared, local; router/kv_ties.py)."""
+        """A cold placement's tie broken (``result``: shared, local; router/kv/ties.py)."""
         self._child("kv_cold_ties_total", check_label("result", result)).inc()
 
     def set_kv_events_lag(self, seconds: float) -> None:

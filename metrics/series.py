@@ -107,7 +107,7 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
                                   "waiting for KV capacity included.", None),
     "router_requests_waiting": (ROUTER, "gauge", "Requests in the router's admission queue, waiting for KV "
                                 "capacity on a decode worker.", None),
-    # --- router: cache-aware routing from KV events (router/kv_index.py) ---
+    # --- router: cache-aware routing from KV events (router/kv/index.py) ---
     "kv_events_consumed_total": (ROUTER, "counter", "KV event batches applied to the router's index.", None),
     "kv_events_rejected_total": (ROUTER, "counter", "KV event batches the router dropped (reason: malformed, "
                                  "out_of_order, gap = a sequence number skipped, which starts a resync).", "reason"),

@@ -79,7 +79,7 @@ class RouterConfig:
     """Take decode and colocated workers' tokens on one output stream per worker, a message per engine step
     (``router.output_streams``); False: on each request's own call, a message per token (the way before)."""
     kv_events: bool = True
-    """Cache-aware routing from the workers' KV events (``router.kv_index``): when the worker list is the Redis
+    """Cache-aware routing from the workers' KV events (``router.kv.index``): when the worker list is the Redis
     registry, follow every worker's event stream into one index of what each prefix cache really holds, and score
     prefill/colocated candidates with it (``kv_overlap_weight`` etc.); the router-local mirror
     (``prefix_balance_tokens``' rule) is used only while a candidate's stream is not in sync. False: the mirror only."""
@@ -101,11 +101,11 @@ class RouterConfig:
     the workers) to this OTLP/gRPC collector (``host:port`` or ``http(s)://host:port``; ``transport.tracing``).
     None: no tracing."""
     kv_replica_sync: bool = True
-    """Routers share their placements (``router.kv_replica``: a shared Redis stream ``{ns}:kvplace``), so each
+    """Routers share their placements (``router.kv.replica``: a shared Redis stream ``{ns}:kvplace``), so each
     counts the others' just-placed blocks as pending too, as NVIDIA Dynamo's ``--router-replica-sync``: with several
     routers the next turn of a conversation finds the blocks another router placed a moment ago. Off the request
     path (a bounded queue and a thread); Redis down drops the sharing only (counted). With it, a tie between
-    candidates for a prefix cached nowhere is broken through Redis (``router.kv_ties``, one round trip), so routers
+    candidates for a prefix cached nowhere is broken through Redis (``router.kv.ties``, one round trip), so routers
     opening new prefixes at the same instant spread. False: own placements only, and each router draws alone."""
     kv_tie_blocks: float = 1.0
     """Candidates scoring within this many blocks of the best are a tie, broken at random, so routers deciding

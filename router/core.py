@@ -27,11 +27,11 @@ from router.clients import WorkerClients
 from router.config import RouterConfig
 from router.events import FlowError, FlowEvent
 from router.flow_pump import HANDOFF, Wait
-from router.kv_index import KVEventConsumer, KVIndex
+from router.kv.index import KVEventConsumer, KVIndex
 from router.model_info import load_model_view
 from router.output_streams import OutputStreams
 from router.placement import Placer
-from router.prefix_index import PrefixIndex
+from router.kv.prefix_index import PrefixIndex
 from router.request_flow import FlowDeps, RequestFlow
 from router.selection import WorkerSelector
 from router.validation import ModelLimits, ValidatedRequest

@@ -10,9 +10,9 @@ Lifecycle: for each attempt of a request the flow asks the ``Placer`` for a plac
   ``AdmissionQueue`` while none has room), and picks P (least queued prompt tokens, then
   prefix-aware routing);
 - ``place_whole`` picks the least-loaded worker of a ``Pool`` (prefix-aware too).
-Prefix-aware routing (``_by_prefix``) scores candidates on the KV event index (``router.kv_index``: what
+Prefix-aware routing (``_by_prefix``) scores candidates on the KV event index (``router.kv.index``: what
 every worker's cache really holds, the same whichever router a request enters) while the index follows
-all of them, falls back to this router's own mirror (``router.prefix_index``) while one is out of sync,
+all of them, falls back to this router's own mirror (``router.kv.prefix_index``) while one is out of sync,
 and to load order while Redis is unavailable; each choice is counted by reason.
 A placement records the chosen workers, the reservation and which load counts this router
 holds on them (``held``, a set of ``Hold``). ``release(placement)`` gives back whatever is still
@@ -39,13 +39,13 @@ from proto.worker_pb2 import WorkerInfo
 from router.admission import AdmissionQueue, QueueStop
 from router.config import RouterConfig
 from router.events import FlowError
-from router.prefix_index import PrefixIndex
+from router.kv.prefix_index import PrefixIndex
 from router.scope import RequestScope
 from router.selection import ScoreWeights, WorkerSelector, prefill_locally, shuffle_leading_ties
 from router.worker_source import Pool, WorkerSource
 
 if TYPE_CHECKING:
-    from router.kv_index import KVEventConsumer
+    from router.kv.index import KVEventConsumer
     from router.worker_calls import WorkerCalls
 
 log = logging.getLogger(__name__)
@@ -239,7 +239,7 @@ class Placer:
         return self.selector.score_cached(ranked, matches, self.weights, self._rng, fresh, queued, choose)
 
     def _cold(self, scope: RequestScope, ranked: list[WorkerInfo], kv: "KVEventConsumer") -> list[WorkerInfo]:
-        """A prefix no candidate caches: a tie among the best goes to ``router.kv_ties`` (shared with the other
+        """A prefix no candidate caches: a tie among the best goes to ``router.kv.ties`` (shared with the other
         routers, so a burst of new prefixes through several routers spreads). One cold decision at a time in this
         router, each made pending at once: a second request of this router with the same new prefix, decided while
         the first waited on Redis, follows it instead of splitting the prefix over two workers."""

@@ -134,7 +134,7 @@ class WorkerSelector:
         best goes first, drawn at random
         among those within ``weights.tie_blocks`` of it (no herding: routers deciding at the same instant on
         the same view spread; with ``choose``, the tied candidates in that random order go to it, and its pick,
-        if any, goes first: ``router.kv_ties`` shares the draw between routers), the rest follow by score (ties keep
+        if any, goes first: ``router.kv.ties`` shares the draw between routers), the rest follow by score (ties keep
         ``ranked``'s load order)."""
         if not ranked:
             return ranked

@@ -55,7 +55,7 @@ from router.admission import AdmissionQueue, RequestBound, Ticket
 from router.config import RouterConfig
 from router.events import FlowError
 from router.placement import Hold, Placement, Placer, Route
-from router.prefix_index import PrefixIndex
+from router.kv.prefix_index import PrefixIndex
 from router.scope import RequestScope
 from router.selection import WorkerSelector
 from router.validation import ValidatedRequest

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from proto import worker_pb2
 from proto.worker_pb2 import WorkerInfo
-from router.kv_index import KVIndex
+from router.kv.index import KVIndex
 from simulator.engine_sim import sim_engine
 from transport.errors import StatusRpcError
 
@@ -190,7 +190,7 @@ class SimWorker:
 
 
 class _SimKVEvents:
-    """The router's KV-event consumer in the simulation (what ``Placer`` reads of ``router.kv_index.KVEventConsumer``):
+    """The router's KV-event consumer in the simulation (what ``Placer`` reads of ``router.kv.index.KVEventConsumer``):
     the router's own ``KVIndex`` on the virtual clock, fed by every simulated engine's prefix-cache events as they
     happen (``SimWorker.publish``: no Redis hop, no lost events, so always in sync); worker loads as of now; one router,
     so no replica sync and no shared cold ties (``ties`` None, as a router without them)."""

@@ -50,7 +50,7 @@ SPREAD_MARGIN = 0.6
 one of the two system prompts' requests, half of all, on one worker (1.5 x share: 30 of 60), while the load term
 does not outweigh its 6 cached blocks (at most 6 requests in flight); seen through one router in the full suite on
 27 Nov (15 / 15 / 30); likelier since a new prefix's first placement is pending before the next request of a burst is
-scored (``router.kv_ties``). Herding fails it: the pathologies this test was written against put 36 of 48 (2.25 x)
+scored (``router.kv.ties``). Herding fails it: the pathologies this test was written against put 36 of 48 (2.25 x)
 and 59 of 96 (1.84 x) on one worker (docs/benchmarks.md, "Prefix routing with several routers")."""
 SEEN_S = 30.0
 """How long the routers may take to hear of a worker's cache changing (milliseconds when the host is idle; a

@@ -19,7 +19,7 @@ from proto.worker_pb2 import WorkerInfo
 from router.admission import AdmissionQueue
 from router.config import RouterConfig
 from router.placement import Placer
-from router.prefix_index import PrefixIndex
+from router.kv.prefix_index import PrefixIndex
 from router.request_flow import FlowDeps
 from router.selection import WorkerSelector
 from router.worker_calls import WorkerCalls

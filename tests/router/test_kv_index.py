@@ -21,7 +21,7 @@ from engine.kv_events import (KV_ENTRY_BATCH, KV_ENTRY_GEN, KV_ENTRY_SEQ, BlockS
                               kv_stream_key)
 from metrics import RouterMetrics
 from proto.worker_pb2 import WorkerInfo
-from router.kv_index import KVEventConsumer, KVIndex
+from router.kv.index import KVEventConsumer, KVIndex
 from router.selection import ScoreWeights, WorkerSelector
 from tests.waiting import wait_until
 from worker_common.kv_events import KVEventPublisher
@@ -182,7 +182,7 @@ def test_malformed_and_out_of_order_batches_are_dropped_counted_and_logged(redis
         KVEventBatch(ts=0.0, events=[BlockStored([123], None, [1, 2, 3, 4], BS, None, None)]))})
     redis_client.xadd(key, {KV_ENTRY_SEQ: "1", KV_ENTRY_GEN: "g1", KV_ENTRY_BATCH: good})  # a replayed old one
     s = _Setup(redis_url, redis_namespace, ["bad-worker"])
-    with caplog.at_level(logging.WARNING, logger="router.kv_index"):
+    with caplog.at_level(logging.WARNING, logger="router.kv.index"):
         s.drain(2)
     assert s.rejected() == {"malformed": 2.0, "out_of_order": 1.0}
     assert all("bad-worker" in r.getMessage() for r in caplog.records if "dropped" in r.getMessage())

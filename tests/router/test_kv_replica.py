@@ -1,4 +1,4 @@
-"""Pending placements in the KV index and router replica sync (router/kv_replica.py), against a real Redis.
+"""Pending placements in the KV index and router replica sync (router/kv/replica.py), against a real Redis.
 
 The index counts a placed prompt's blocks as pending on its worker until the worker's events confirm them or the
 window ends; placement scores a pending block as held and as queued prefill work, less the blocks the request
@@ -16,8 +16,8 @@ from cluster.redis_server import EmbeddedRedis, RedisServerConfig
 from engine.block_manager import block_keys
 from metrics import RouterMetrics
 from proto.worker_pb2 import WorkerInfo
-from router.kv_index import KVEventConsumer, KVIndex
-from router.kv_replica import PlacementPublisher, decode_placement, encode_placement, kv_place_key
+from router.kv.index import KVEventConsumer, KVIndex
+from router.kv.replica import PlacementPublisher, decode_placement, encode_placement, kv_place_key
 from router.selection import ScoreWeights, WorkerSelector
 from tests.router.test_kv_index import _counter, _publisher
 from tests.waiting import wait_until

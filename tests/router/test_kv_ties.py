@@ -1,4 +1,4 @@
-"""Cold ties broken through Redis (router/kv_ties.py), against a real Redis and the real placer.
+"""Cold ties broken through Redis (router/kv/ties.py), against a real Redis and the real placer.
 
 Routers placing new prefixes (cached nowhere) at the same instant, before replica sync can tell them of each
 other's placements, must land them on different workers; one router's requests sharing a new prefix must not split
@@ -16,10 +16,10 @@ from metrics import RouterMetrics
 from proto.worker_pb2 import WorkerInfo
 from router.clients import WorkerClients
 from router.config import RouterConfig
-from router.kv_index import KVEventConsumer, KVIndex
-from router.kv_ties import ColdTies, kv_ties_key
+from router.kv.index import KVEventConsumer, KVIndex
+from router.kv.ties import ColdTies, kv_ties_key
 from router.placement import Placer
-from router.prefix_index import PrefixIndex
+from router.kv.prefix_index import PrefixIndex
 from router.worker_calls import WorkerCalls
 from router.scope import RequestScope
 from router.selection import WorkerSelector

@@ -149,11 +149,11 @@ def test_each_placement_has_its_own_worker_request_id():
 
 
 class _Events:
-    """The KV event consumer as placement sees it (``router.kv_index.KVEventConsumer``'s read side)."""
+    """The KV event consumer as placement sees it (``router.kv.index.KVEventConsumer``'s read side)."""
 
     def __init__(self, index, synced: set[str], connected: bool = True, pending_s: float = 0.0) -> None:
         self.index, self._synced, self.connected, self.pending_s = index, synced, connected, pending_s
-        self.ties = None  # cold ties drawn locally (router.kv_ties is tested with real Redis in test_kv_ties.py)
+        self.ties = None  # cold ties drawn locally (router.kv.ties is tested with real Redis in test_kv_ties.py)
 
     def placed(self, worker_id: str, hashes) -> None:
         self.index.add_pending(worker_id, hashes, self.pending_s)
@@ -168,8 +168,8 @@ class _Events:
 def test_whole_placement_scores_on_the_kv_index_falls_back_to_the_mirror_and_to_load_only():
     from engine import prefix_block_hashes
     from metrics import RouterMetrics
-    from router.kv_index import KVIndex
-    from router.prefix_index import PrefixIndex
+    from router.kv.index import KVIndex
+    from router.kv.prefix_index import PrefixIndex
 
     ws = [_w("c0", "colocated", running=1), _w("c1", "colocated")]
     index, mirror = KVIndex(), PrefixIndex()
@@ -281,8 +281,8 @@ def test_decode_workers_are_ranked_by_the_history_they_hold_on_the_index_then_th
     from metrics import RouterMetrics
     from prometheus_client.parser import text_string_to_metric_families
     from proto import worker_pb2
-    from router.kv_index import KVIndex
-    from router.prefix_index import PrefixIndex
+    from router.kv.index import KVIndex
+    from router.kv.prefix_index import PrefixIndex
 
     class _Calls:
         cached = 0

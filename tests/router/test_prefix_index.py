@@ -6,7 +6,7 @@ import pytest
 from engine.block_manager import block_keys
 from proto.worker_pb2 import WorkerInfo
 from engine import prefix_block_hashes as prompt_block_hashes
-from router.prefix_index import PrefixIndex
+from router.kv.prefix_index import PrefixIndex
 from router.selection import WorkerSelector
 
 

@@ -1,6 +1,6 @@
 """The router's Redis calls that a request waits on are bounded by 50 ms, then fall back to local state.
 
-Only one such call exists: the cold-tie script (``router.kv_ties``). Against a real, paused Redis (SIGSTOP:
+Only one such call exists: the cold-tie script (``router.kv.ties``). Against a real, paused Redis (SIGSTOP:
 the socket stays open, nothing answers) it gives up after its socket timeout, the caller draws locally, the
 draw is counted, and the next second skips Redis altogether. The whole-cluster behaviour (requests keep
 their latency while Redis is paused or killed) is tests/fault_tolerance/test_redis_outage.py.
@@ -13,7 +13,7 @@ import signal
 import pytest
 
 from cluster.redis_server import EmbeddedRedis
-from router.kv_ties import ColdTies
+from router.kv.ties import ColdTies
 
 REDIS_BOUND_S = 0.05
 

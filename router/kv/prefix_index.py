@@ -6,7 +6,7 @@ a worker it asks ``match`` how many leading blocks of the new prompt each candid
 before. Like SGLang's cache-aware router this is an approximate mirror, not a query of the
 workers: it forgets least recently used keys past ``capacity_blocks`` per worker, and a worker's
 own eviction is not seen, so a match is a hint for ranking, never a correctness input (a wrong
-hint costs a recompute, never a wrong token). Since the KV event index (``router.kv_index``) this mirror is only the
+hint costs a recompute, never a wrong token). Since the KV event index (``router.kv.index``) this mirror is only the
 fallback while a worker's events are not in sync (blocks a worker is computing now, before its events confirm them,
 are the index's pending blocks: ``KVIndex.add_pending``).
 """

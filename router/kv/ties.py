@@ -4,7 +4,7 @@ Why (measured, docs/benchmarks.md "Prefix routing with several routers"): when a
 (a *cold* prefix: a new system prompt, the first turn of a conversation, a one-off prompt), every candidate scores
 on load alone, and idle workers tie. Each router breaks the tie at random (``RouterConfig.kv_tie_blocks``). One
 router spreads a burst of new prefixes because its own placements count at once; several routers deciding within the
-replica sync's latency (``router.kv_replica``: a few milliseconds) do not see each other's placements and collide like
+replica sync's latency (``router.kv.replica``: a few milliseconds) do not see each other's placements and collide like
 a birthday draw. Three routers each opening one system prompt's conversations put two of them on one worker in
 2 of 3 draws (load spread 1.25-1.75 over three runs, where one router alone gives 1.00), and a conversation stays
 on the worker holding its history for all its turns. Redis serialises the draws: that is what makes it shared.

@@ -23,7 +23,7 @@ vLLM ``KVEventBatch`` with the publisher's generation and sequence number (``eng
 - placements: when placement sends a prompt to a worker it calls ``placed``: the prompt's blocks that worker does
   not hold yet are *pending* there for ``pending_s`` (``RouterConfig.kv_pending_s``) or until the worker's
   ``BlockStored`` confirms them; with replica sync (``RouterConfig.kv_replica_sync``) the placement is also shared
-  on ``{ns}:kvplace`` (``router.kv_replica``), and this thread reads the other routers' entries in the same ``XREAD``
+  on ``{ns}:kvplace`` (``router.kv.replica``), and this thread reads the other routers' entries in the same ``XREAD``
   and marks their blocks pending too. Pending blocks count as held (``match``) and as queued prefill work
   (``pending_blocks``).
 
@@ -44,8 +44,8 @@ import redis
 
 from engine import (KV_ENTRY_BATCH, KV_ENTRY_GEN, KV_ENTRY_LOAD, KV_ENTRY_SEQ, AllBlocksCleared, BlockRemoved,
                     BlockStored, decode_kv_batch, decode_kv_snapshot, kv_snapshot_key, kv_stream_key)
-from router.kv_replica import PlacementPublisher, decode_placement, kv_place_key
-from router.kv_ties import ColdTies
+from router.kv.replica import PlacementPublisher, decode_placement, kv_place_key
+from router.kv.ties import ColdTies
 
 log = logging.getLogger(__name__)
 
@@ -236,8 +236,8 @@ class KVEventConsumer:
         router's ``RouterMetrics`` once it exists (None before); ``pending_s``: how long a placed prompt's blocks
         count as pending on its worker before its events confirm them (``RouterConfig.kv_pending_s``; 0: never);
         ``replica_sync``: share this router's placements with the other routers and read theirs
-        (``router.kv_replica``; ``RouterConfig.kv_replica_sync``), and break cold placements' ties through Redis
-        (``router.kv_ties``, with a socket timeout of ``ties_timeout_s``)."""
+        (``router.kv.replica``; ``RouterConfig.kv_replica_sync``), and break cold placements' ties through Redis
+        (``router.kv.ties``, with a socket timeout of ``ties_timeout_s``)."""
         if block_ms < 1 or not resync_interval_s > 0 or batch_entries < 1 or not pending_s >= 0:
             raise ValueError("block_ms, resync_interval_s and batch_entries must be positive, pending_s >= 0")
         self.index = index
@@ -258,7 +258,7 @@ class KVEventConsumer:
         self.ties: Optional[ColdTies] = (
             ColdTies(redis_url, namespace, pending_s / 2, metrics, timeout_s=ties_timeout_s)
             if replica_sync and pending_s > 0 else None)
-        """Breaks cold placements' ties through Redis, shared with the other routers (``router.kv_ties``; None:
+        """Breaks cold placements' ties through Redis, shared with the other routers (``router.kv.ties``; None:
         replica sync off: each router draws alone)."""
         self._place_key = kv_place_key(namespace)
         self._place_last_id: Optional[str] = None  # None: not read yet (starts at the newest entry)
