@@ -19,7 +19,8 @@ import threading
 from types import TracebackType
 from typing import Any, Optional
 
-from router.placement import ALL_HOLDS, Hold, Placement, Placer
+from router.placement import Placer
+from router.placement_records import ALL_HOLDS, Hold, Placement
 from router.scope import RequestScope
 from router.worker_calls import WorkerCalls
 

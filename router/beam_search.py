@@ -38,7 +38,7 @@ import grpc
 
 from engine import PromptBeamSearch, SamplingParams
 from router.events import FlowError, FlowEvent, Timings, Usage
-from router.placement import Route
+from router.placement_records import Route
 from router.request_flow import FlowDeps, RequestFlow
 from router.validation import ValidatedRequest
 

@@ -39,7 +39,8 @@ from router.config import RouterConfig
 from router.events import FlowError, FlowEvent, Timings, Usage
 from router.flow_pump import HANDOFF, Wait
 from router.output_streams import NOT_PLAIN
-from router.placement import RETRIABLE, Hold, Placement, Placer, Recovery, Route, recovery
+from router.placement import Placer
+from router.placement_records import RETRIABLE, Hold, Placement, Recovery, Route, recovery
 from router.scope import RequestScope
 from router.transfer_watch import TransferWatch
 from router.validation import ValidatedRequest

@@ -19,7 +19,7 @@ import grpc
 from proto import worker_pb2
 from proto.worker_pb2 import WorkerInfo
 from router.config import RouterConfig
-from router.placement import Placement, Route
+from router.placement_records import Placement, Route
 from router.scope import RequestScope
 
 log = logging.getLogger(__name__)

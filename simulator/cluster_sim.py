@@ -54,7 +54,8 @@ from proto.worker_pb2 import WorkerInfo
 from router.admission import AdmissionQueue, RequestBound, Ticket
 from router.config import RouterConfig
 from router.events import FlowError
-from router.placement import Hold, Placement, Placer, Route
+from router.placement import Placer
+from router.placement_records import Hold, Placement, Route
 from router.kv.prefix_index import PrefixIndex
 from router.scope import RequestScope
 from router.selection import WorkerSelector

@@ -12,7 +12,8 @@ from proto.worker_pb2 import WorkerInfo
 from router.clients import WorkerClients
 from router.config import RouterConfig
 from router.events import FlowError, FlowEvent, Timings, Usage
-from router.placement import Hold, Placement, Placer, Recovery, Route, recovery
+from router.placement import Placer
+from router.placement_records import Hold, Placement, Recovery, Route, recovery
 from router.scope import RequestScope
 from router.selection import WorkerSelector
 from router.server import render
