@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, Optional, TypeVar
 import grpc
 
 if TYPE_CHECKING:
+    from engine.client import EngineCore
     from engine.outputs import CoreOutput
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,8 @@ class RequestContext:
 
     worker_id: str
     """The worker's id, for messages."""
-    engine: Any = None
-    """The worker's ``LLMEngine``."""
+    engine: Optional["EngineCore"] = None
+    """The worker's engine (``engine.client``): an ``EngineCore``; a ``KVEngine`` for the prefill and decode roles."""
     kv: Any = None
     """Its kvtransfer ``KVEndpoint`` (None for a colocated worker)."""
     metrics: Any = None

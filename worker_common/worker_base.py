@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import grpc
 
@@ -29,6 +29,9 @@ from worker_common.config import WorkerConfig
 from worker_common.engine_loop import EngineLoop
 from worker_common.output_stream import OutputStreams, StreamedOut
 from worker_common.request import RequestContext, RequestError, RequestSet, engine_tp, request_params
+
+if TYPE_CHECKING:
+    from engine.client import EngineCore
 
 __all__ = ["RequestError", "WorkerBase", "request_params"]  # the errors and params check, re-exported
 
@@ -89,8 +92,9 @@ class WorkerBase:
         return self._serving.address
 
     @property
-    def engine(self) -> Any:
-        """The ``LLMEngine`` (None before ``load``)."""
+    def engine(self) -> Optional["EngineCore"]:
+        """The engine (``engine.client``: an ``EngineCore``, a ``KVEngine`` for the prefill and decode roles; None
+        before ``load``)."""
         return self.ctx.engine
 
     @property

@@ -1,0 +1,101 @@
+"""The engine as its workers see it: the contract, written down as two protocols.
+
+Lifecycle: nothing here runs. A worker builds its engine once (``worker_common.worker_base``): an ``LLMEngine`` in
+its own process, or, for a colocated worker with ``engine_process``, a ``worker_common.engine_process.RemoteEngine``
+proxying one in a child process. The worker's request sets and its loop then use only the members below, which
+``tests/engine/test_client.py`` checks both implementations have:
+
+- ``EngineCore``: what every role uses: requests in (``add_request``, ``abort_request``), outputs out (``step``),
+  its load and capacity (the ``num_*`` counts, ``make_stats``), the prefix cache's events (``block_manager``:
+  ``enable_caching``, ``enable_events``, ``take_events``), the first-layer hook and the lock an in-process engine
+  lets go during a forward. Both implementations have it.
+- ``KVEngine``: what the prefill and decode roles use beyond that: the KV cache itself (the tensors a KV transfer
+  reads and writes, ``kv_caches``; block tables; reservations of blocks for KV that arrives from another worker and
+  naming received blocks in the prefix cache). Only the in-process ``LLMEngine`` has it: a transfer writes the
+  engine's cache tensors directly, so a prefill or decode worker's engine cannot live in another process until the
+  cache is memory both processes map (issue 46 item 2's open part).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class PrefixCacheEvents(Protocol):
+    """The prefix cache's side a worker uses (``engine.block_manager``): whether it caches, and its events."""
+
+    enable_caching: bool
+
+    def enable_events(self) -> None: ...
+
+    def take_events(self) -> list[tuple]: ...
+
+
+@runtime_checkable
+class EngineCore(Protocol):
+    """What every worker role uses of its engine (see module docstring)."""
+
+    block_manager: Any
+    """A ``PrefixCacheEvents``."""
+    layer_done_callback: Optional[Callable[..., None]]
+    """Called from inside ``step()`` as prompts' layers complete (``RemoteEngine``: once, at their first layer)."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def kv_cache_dtype(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    @property
+    def num_total_blocks(self) -> int: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any, **kw: Any) -> None: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list: ...
+
+    def make_stats(self) -> Any: ...
+
+
+@runtime_checkable
+class KVEngine(EngineCore, Protocol):
+    """What the prefill and decode roles use beyond ``EngineCore``: the KV cache (see module docstring)."""
+
+    kv_caches: list
+    """Per layer, the (k, v) cache tensors a KV transfer reads from and writes into."""
+    owner_lock: Any
+    """The worker loop's lock, let go around the model's forward (``EngineLoop.beside``); None: not shared."""
+
+    def has_request(self, request_id: str) -> bool: ...
+
+    def release(self, request_id: str) -> None: ...
+
+    def check_request(self, request_id: str, prompt_token_ids: list[int], params: Any, *,
+                      prefill_only: bool = False) -> None: ...
+
+    def get_block_table(self, request_id: str) -> list[int]: ...
+
+    def reserve_prompt(self, request_id: str, num_tokens: int, prompt_token_ids: Optional[list[int]] = None, *,
+                       prefix: bool = False) -> Optional[tuple[list[int], int]]: ...
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: Any,
+                              first_logprob: Any = None) -> None: ...
+
+    def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int: ...
+
+    def commit_reserved(self, request_id: str, prompt_token_ids: list[int]) -> int: ...

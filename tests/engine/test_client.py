@@ -1,0 +1,65 @@
+"""engine.client: both engines a worker can hold have the members the workers use (the contract written down).
+
+``LLMEngine`` (in process) is a ``KVEngine``; the engine-process proxy ``RemoteEngine`` is an ``EngineCore`` and not
+a ``KVEngine`` (its cache is in the child: why prefill and decode workers keep their engine in process). A member
+dropped from either implementation, or one the workers start using without adding it here, fails these checks
+(``runtime_checkable``: each member must exist on the live object)."""
+from __future__ import annotations
+
+import torch
+
+from engine.client import EngineCore, KVEngine, PrefixCacheEvents
+from tests.roles.harness import engine_config
+
+
+def _members(proto: type) -> set[str]:
+    names = set(getattr(proto, "__annotations__", {}))
+    for base in proto.__mro__:
+        if base.__module__ == "engine.client":
+            names |= set(getattr(base, "__annotations__", {}))
+            names |= {n for n, v in vars(base).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+    return names
+
+
+def test_the_in_process_engine_is_a_kv_engine():
+    from engine.llm_engine import LLMEngine
+
+    torch.set_num_threads(1)
+    eng = LLMEngine(engine_config())
+    assert isinstance(eng, EngineCore) and isinstance(eng, KVEngine)
+    assert isinstance(eng.block_manager, PrefixCacheEvents)
+    missing = [n for n in _members(KVEngine) if not hasattr(eng, n)]
+    assert missing == []
+
+
+def test_the_engine_process_proxy_is_an_engine_core_only():
+    from worker_common.engine_process import RemoteEngine
+
+    torch.set_num_threads(1)
+    remote = RemoteEngine(engine_config(), "client-test").start()
+    try:
+        assert isinstance(remote, EngineCore) and isinstance(remote.block_manager, PrefixCacheEvents)
+        assert not isinstance(remote, KVEngine)
+        lacks = sorted(n for n in _members(KVEngine) - _members(EngineCore) if not hasattr(remote, n))
+        assert "kv_caches" in lacks and "reserve_prompt" in lacks, lacks
+    finally:
+        remote.shutdown()
+
+
+def test_the_protocols_name_what_the_workers_call():
+    """Every engine member the worker code reaches (``eng.x``, ``engine.x``, ``ctx.engine.x``) is in a protocol."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    used: set[str] = set()
+    pattern = re.compile(r"\b(?:eng|engine|self\.engine|ctx\.engine|w\.engine|self\.ctx\.engine)\.([a-z_]+)\b")
+    for pkg in ("worker_common", "prefill_worker", "decode_worker"):
+        for f in (root / pkg).glob("*.py"):
+            for line in f.read_text().splitlines():
+                if line.lstrip().startswith(("from ", "import ", "#")) or '"""' in line or "``" in line:
+                    continue
+                used |= set(pattern.findall(line))
+    known = _members(KVEngine) | {"shutdown", "close"}  # (lifecycle: the worker's, whichever engine it built)
+    assert sorted(used - known) == [], "engine members the workers use that engine.client does not name"
+    assert {"add_request", "step", "reserve_prompt", "kv_caches"} <= used  # the scan sees the workers' calls
