@@ -252,7 +252,10 @@ class RequestFlow:
                 self.deps.calls.send_prefix(scope, pl, ev.prefix_fetch)
             except grpc.RpcError as e:  # D cannot serve its own reservation: the pair cannot go on, another may
                 err = scope.rpc_error(e, f"prefix send on {d.worker_id}", d.worker_id)
-                if err.code not in RETRIABLE and err.code != grpc.StatusCode.CANCELLED:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older D, mid-upgrade: retry, never fetching from it
+                    self.deps.calls.lacks_send_prefix(d.worker_id)
+                    err = FlowError(grpc.StatusCode.UNAVAILABLE, err.message)
+                elif err.code not in RETRIABLE and err.code != grpc.StatusCode.CANCELLED:
                     # D refused: it lost the reservation it just made (restarted, expired), so it is treated as lost
                     err = FlowError(grpc.StatusCode.UNAVAILABLE, err.message, d.worker_id)
                 raise err from None

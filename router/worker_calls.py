@@ -37,6 +37,8 @@ class WorkerCalls:
         self.cfg = cfg
         self.clients = clients
         self.streams = streams
+        self._no_send_prefix: set[str] = set()
+        """Decode workers older than ``SendPrefix`` (UNIMPLEMENTED): their pairs' prefill workers never fetch."""
 
     # ---- placing -----------------------------------------------------------------------------------
     def reserve(self, scope: RequestScope, request_id: str, decode: WorkerInfo,
@@ -62,8 +64,19 @@ class WorkerCalls:
                                       dest_block_ids=resv.block_ids, dest_block_size=resv.block_size,
                                       dest_tensor_parallel_size=resv.tensor_parallel_size,
                                       dest_cached_tokens=resv.num_cached_tokens,
-                                      fetch_min_tokens=cfg.kv_prefix_fetch_min_tokens if cfg.kv_delta_transfers else 0),
+                                      fetch_min_tokens=self._fetch_min(pl)),
             timeout=scope.remaining(cfg.first_token_timeout_s + cfg.transfer_timeout_s), **scope.rpc_kw)
+
+    def _fetch_min(self, pl: Placement) -> int:
+        cfg = self.cfg
+        if not cfg.kv_delta_transfers or pl.decode is None or pl.decode.worker_id in self._no_send_prefix:
+            return 0
+        return cfg.kv_prefix_fetch_min_tokens
+
+    def lacks_send_prefix(self, worker_id: str) -> None:
+        """``worker_id`` answered SendPrefix with UNIMPLEMENTED (an older decode worker, mid-upgrade): no prefill
+        worker is asked to fetch from it again (this router's lifetime; it is a fetch not made, nothing else)."""
+        self._no_send_prefix.add(worker_id)
 
     def send_prefix(self, scope: RequestScope, pl: Placement, fetch: worker_pb2.PrefixFetch) -> None:
         """The pair's prefill worker asked for the prompt prefix its decode worker holds (raises ``grpc.RpcError``)."""

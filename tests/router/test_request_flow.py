@@ -122,6 +122,28 @@ def test_a_decode_worker_that_cannot_send_the_prefix_ends_the_attempt_and_anothe
     assert _held(deps, "p0", "d0", "d1") == [0, 0, 0]
 
 
+def test_a_decode_worker_older_than_send_prefix_is_never_asked_again_and_stays_in_routing():
+    """Mid-upgrade, SendPrefix is UNIMPLEMENTED on an older decode worker: the attempt is retried without a fetch
+    (fetch_min_tokens 0 for pairs with that worker, from then on), and the worker is not taken for lost."""
+    def prefill(req):
+        if req.fetch_min_tokens:
+            return FakeStream([_fetch(), first_token(7), transfer_done()])
+        return FakeStream([first_token(7), transfer_done()])
+
+    p0 = FakeWorker(info("p0", "prefill"), prefill=prefill)
+    d0 = FakeWorker(info("d0", "decode"), reserve=worker_pb2.ReserveResponse(
+        block_ids=[1, 2, 3], block_size=16, kv_name="kv-d0", num_cached_tokens=32),
+        send_prefix=StatusRpcError(grpc.StatusCode.UNIMPLEMENTED, "Method not found!"),
+        decode=lambda req: FakeStream([chunk([8], "length")]))
+    deps = router_parts([p0, d0], kv_prefix_fetch_min_tokens=16)
+    for rid in ("r1", "r2"):
+        evs = list(_flow(deps, rid=rid, max_tokens=2).run())
+        assert [e.token_ids for e in evs] == [[7], [8]]
+    assert [r.fetch_min_tokens for r in p0.called("Prefill")] == [16, 0, 0]  # r1, its retry, r2
+    assert len(d0.called("SendPrefix")) == 1
+    assert [w.worker_id for w in deps.placer.source.list("decode")] == ["d0"]
+
+
 def test_a_prefill_failure_without_attempts_left_fails_with_its_status_and_frees_everything():
     p0 = FakeWorker(info("p0", "prefill"), prefill=_prefill(error=UNAVAILABLE))
     d0 = FakeWorker(info("d0", "decode"))
