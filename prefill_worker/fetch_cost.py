@@ -1,7 +1,7 @@
 """FetchCost: whether a prefill worker should receive a prompt prefix from its decode worker or compute it.
 
 Lifecycle: one per ``PrefillRequests`` (loop thread only). The worker feeds it what it measures anyway: each
-prefill's computed tokens and seconds (scheduled -> first token) and each prefix fetch's tokens, time on the wire and
+prefill's computed tokens and seconds (scheduled -> first token; from ``MIN_OBSERVED_TOKENS`` on) and each prefix fetch's tokens, time on the wire and
 total seconds; ``decide(n)`` then says whether to receive ``n`` tokens: yes while receiving is estimated to take less
 time than computing them, or while nothing was measured yet (the fetch is then measured), and once in
 ``PROBE_EVERY`` refusals (a probe keeps the estimate current as load changes). A prefill worker's own KV sends do
@@ -24,6 +24,9 @@ DEFAULT_OVERHEAD_S = 0.002
 """A fetch's fixed cost before any was measured: two loopback RPCs and the decode worker's beside-the-step wait."""
 PROBE_EVERY = 32
 """After this many refusals in a row, fetch once anyway to measure again."""
+MIN_OBSERVED_TOKENS = 64
+"""Prefills that computed fewer tokens are not measured: their time is mostly the step's fixed cost, not the cost of
+a token a fetch would spare (which adds to a prefill that runs anyway)."""
 
 
 class FetchCost:
@@ -45,8 +48,8 @@ class FetchCost:
         return new if old is None else old + self.alpha * (new - old)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        """A prompt's prefill computed ``tokens`` tokens in ``seconds``."""
-        if tokens > 0 and seconds > 0:
+        """A prompt's prefill computed ``tokens`` tokens in ``seconds`` (ignored below ``MIN_OBSERVED_TOKENS``)."""
+        if tokens >= MIN_OBSERVED_TOKENS and seconds > 0:
             self.compute_s_per_token = self._mean(self.compute_s_per_token, seconds / tokens)
 
     def observe_fetch(self, tokens: int, seconds: float, wire_seconds: float) -> None:

@@ -358,13 +358,11 @@ class Simulation:
             if held - have < minimum or not self._fetch_pays(pw, len(prompt) - have, held - have, nbytes):
                 then()
                 return
-            got = eng.reserve_prompt(fid, held, prompt[:held], prefix=True)
-            if got is None:
+            if eng.reserve_prompt(fid, held, prompt[:held], prefix=True) is None:  # (it finds the same `have`)
                 then()
                 return
-            nbytes = (held - got[1]) * self.profile.kv_bytes_per_token
             self.kv_bytes += nbytes
-            self.kv_fetched_tokens += held - got[1]
+            self.kv_fetched_tokens += held - have
 
             def arrived() -> None:
                 eng.commit_reserved(fid, prompt[:held])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefill_worker.fetch_cost import DEFAULT_OVERHEAD_S, PROBE_EVERY, FetchCost
+from prefill_worker.fetch_cost import DEFAULT_OVERHEAD_S, MIN_OBSERVED_TOKENS, PROBE_EVERY, FetchCost
 
 
 def test_an_unmeasured_worker_fetches_and_then_follows_its_measurements():
@@ -22,11 +22,12 @@ def test_an_unmeasured_worker_fetches_and_then_follows_its_measurements():
 
 def test_means_move_by_alpha_and_bad_measurements_are_ignored():
     c = FetchCost(alpha=0.5)
-    c.observe_prefill(10, 1.0)
-    c.observe_prefill(10, 3.0)
+    c.observe_prefill(100, 10.0)
+    c.observe_prefill(100, 30.0)
     assert c.compute_s_per_token == pytest.approx(0.2)
     c.observe_prefill(0, 1.0)
-    c.observe_prefill(10, 0.0)
+    c.observe_prefill(100, 0.0)
+    c.observe_prefill(MIN_OBSERVED_TOKENS - 1, 1.0)  # a short prefill: mostly the step's fixed cost
     c.observe_fetch(0, 1.0, 1.0)
     assert c.compute_s_per_token == pytest.approx(0.2) and c.wire_s_per_token is None
     assert c.overhead_s == DEFAULT_OVERHEAD_S
