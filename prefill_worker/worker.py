@@ -151,17 +151,17 @@ class PrefillRequests(RequestSet[_PrefillReq]):
         first, held, started, _ = req.fetch_span
         req.fetch_span = (first, held, started, time.monotonic())
         fid = prefix_fetch_id(req.request_id)
+        why = None if ok else w.kv.failure(handle)
         if ok:
             st = w.kv.stats(handle)
             self.fetch_cost.observe_fetch(held - first, st.seconds, st.wire_seconds)
             try:
                 eng.commit_reserved(fid, req.prompt_token_ids[:held])
             except ValueError as e:
-                log.warning("prefill %s: request %s: fetched prefix not cached: %s", w.worker_id, req.request_id, e)
-                ok = False
+                ok, why = False, f"not cached: {e}"
         if not ok:
             log.info("prefill %s: request %s: prefix fetch failed (%s); computing it", w.worker_id, req.request_id,
-                     w.kv.failure(handle) if handle is not None else "not cached")
+                     why)
             eng.abort_request(fid)
         w.metrics.inc_kv_prefix_fetch("done" if ok else "fallback", held - first if ok else 0)
         try:
