@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
-from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def generate(eng: object, prompts: list[list[int]], max_tokens: int, one_per_step: bool, tag: str) -> list[list[int]]:

@@ -34,11 +34,10 @@ from pathlib import Path
 from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from simulator.cluster_sim import SimConfig, SimRequest  # noqa: E402
-from simulator.costs import load_profile  # noqa: E402
-from simulator.plan import Planner, candidates  # noqa: E402
+from simulator.cluster_sim import SimConfig, SimRequest
+from simulator.costs import load_profile
+from simulator.plan import Planner, candidates
 
 TRACES = REPO.parent / "shared" / "traces"
 WORKLOADS = {"conversation": ("azure_llm_2023_conv.csv", 1.0), "code": ("azure_llm_2023_code.csv", 1.0),

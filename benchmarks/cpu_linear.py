@@ -15,18 +15,15 @@ Usage: python benchmarks/cpu_linear.py [--n 2048] [--k 768] [--m 1 8 32] [--copi
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.kernels import cpu_kernels  # noqa: E402
-from engine.onednn_layout import onednn_panels  # noqa: E402
-from engine.quant import (quantize_int4, quantize_int8, step_order, to_panels_int4, to_panels_int8,  # noqa: E402
+from engine.kernels import cpu_kernels
+from engine.onednn_layout import onednn_panels
+from engine.quant import (quantize_int4, quantize_int8, step_order, to_panels_int4, to_panels_int8,
                           to_panels_w4a8, to_panels_w8a8)
 
 

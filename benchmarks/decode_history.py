@@ -51,7 +51,6 @@ import multiprocessing as mp
 import os
 import random
 import statistics
-import sys
 import threading
 import time
 import traceback
@@ -59,7 +58,6 @@ import urllib.request
 import uuid
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 POLICIES = {"whole": {"kv_delta_transfers": False, "decode_prefix_routing": False},
             "delta": {"kv_prefix_fetch_min_tokens": 0}, "fetch": {}}

@@ -12,16 +12,13 @@ Usage: python benchmarks/decode_step_linears.py [--threads 2] [--repeats 12]
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.kernels import cpu_kernels  # noqa: E402
-from engine.onednn_layout import onednn_panels  # noqa: E402
+from engine.kernels import cpu_kernels
+from engine.onednn_layout import onednn_panels
 
 SHAPES = [(1280, 768), (768, 768), (4096, 768), (768, 2048)] * 12 + [(8192, 768)]
 

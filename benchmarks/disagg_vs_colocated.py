@@ -25,7 +25,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -36,13 +35,12 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules when run as a script
 
-from disagg_deploy import Deployment, usable_cores  # noqa: E402
-from loadtest.machine import machine_info  # noqa: E402
+from benchmarks.harness import (CONVERSATION_TRACE, REPO, Deployment, machine_info, replay, server_limits, usable_cores,
+                                warm_up, workload_requests)
+from benchmarks.harness import write_json
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
+DEFAULT_TRACE = CONVERSATION_TRACE
 MODES = ("colocated", "disaggregated")  # colocated first: it also hosts the unloaded calibration
 
 
@@ -118,35 +116,6 @@ def worker_roles(mode: str, ns: argparse.Namespace) -> tuple[str, ...]:
 
 
 
-def _run(target: str, reqs: list, timeout_s: float, max_concurrency: int | None = None) -> tuple[list, float]:
-    from loadtest.client import ClientConfig, run_benchmark
-
-    cfg = ClientConfig(target=target, request_timeout_s=timeout_s, max_concurrency=max_concurrency)
-    return asyncio.run(run_benchmark(cfg, reqs))
-
-
-def _limits(target: str) -> Any:
-    from loadtest.client import fetch_model_info, limits_from_info
-
-    return limits_from_info(asyncio.run(fetch_model_info(target, 60.0)))
-
-
-def _requests(lengths: list, arrivals: list, limits: Any, seed: int, prefix: str) -> list:
-    from loadtest.workload import build_workload
-
-    # the same seed gives the same prompt ids every time: identical requests across modes and rates
-    return build_workload(lengths, arrivals, limits, seed=seed, id_prefix=prefix).requests
-
-
-def warm_up(dep: Deployment, lengths: list, limits: Any, seed: int, timeout_s: float) -> None:
-    """Four requests at once, then two alone: both workers compile their paths before the clock counts."""
-    reqs = _requests(lengths[:4], [0.0] * 4, limits, seed + 1, "warm")
-    recs, _ = _run(dep.target, reqs, timeout_s)
-    recs += _run(dep.target, _requests(lengths[:2], [0.0, 0.0], limits, seed + 2, "warm2"), timeout_s, 1)[0]
-    if not all(r.success for r in recs):
-        raise RuntimeError(f"{dep.mode}: warm-up failed: {[r.error for r in recs if not r.success]}")
-
-
 def calibrate(dep: Deployment, prompt_lens: dict, limits: Any, seed: int, timeout_s: float,
               n: int = 3, out_len: int = 33) -> dict:
     """Unloaded latency: ``n`` requests per prompt length, one at a time; medians of TTFT (per length) and TPOT."""
@@ -155,8 +124,8 @@ def calibrate(dep: Deployment, prompt_lens: dict, limits: Any, seed: int, timeou
     out: dict = {"mode": dep.mode, "requests_per_length": n, "output_len": out_len, "prompt_lens": prompt_lens}
     tpots = []
     for name, plen in prompt_lens.items():
-        reqs = _requests([(plen, out_len)] * n, [0.0] * n, limits, seed + 3, f"calib-{name}")
-        recs, _ = _run(dep.target, reqs, timeout_s, max_concurrency=1)
+        reqs = workload_requests([(plen, out_len)] * n, [0.0] * n, limits, seed + 3, f"calib-{name}")
+        recs, _ = replay(dep.target, reqs, timeout_s, max_concurrency=1)
         if not all(r.success for r in recs):
             raise RuntimeError(f"calibration failed: {[r.error for r in recs if not r.success]}")
         out[f"ttft_{name}_s"] = statistics.median(ttft_s(r) for r in recs)
@@ -173,9 +142,9 @@ def run_point(dep: Deployment, rate: float, rows: list, lengths: list, limits: A
     # rescale the trace's gaps so N-1 gaps average 1/rate: same burst pattern at every rate
     factor = (len(rows) - 1) / (rate * span) if span > 0 else 0.0
     arrivals = [r.arrival_s * factor for r in rows]
-    reqs = _requests(lengths, arrivals, limits, ns.seed, f"{dep.mode[:4]}-r{rate:g}")
+    reqs = workload_requests(lengths, arrivals, limits, ns.seed, f"{dep.mode[:4]}-r{rate:g}")
     t = time.monotonic()
-    records, duration = _run(dep.target, reqs, ns.request_timeout)
+    records, duration = replay(dep.target, reqs, ns.request_timeout)
     summary = summarize(records, duration, percentiles=(50, 90, 99))
     print(f"  {dep.mode:13s} rate {rate:5.2f} req/s: {summary['completed']}/{len(records)} ok in "
           f"{time.monotonic() - t:5.1f} s, p99 TTFT {summary['p99_ttft_ms']:8.1f} ms, "
@@ -313,10 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         roles = worker_roles(mode, ns)
         with Deployment(mode, ns.model, cores[:len(roles)], engine_kw=engine_kw, router_kw=router_kw,
                         roles=roles) as dep:
-            limits = _limits(dep.target)
+            limits = server_limits(dep.target)
             pinning[mode] = dep.pinning
             print(f"{mode}: up in {time.monotonic() - t:.1f} s, workers pinned {dep.pinning}", flush=True)
-            warm_up(dep, lengths, limits, ns.seed, ns.request_timeout)
+            warm_up(dep.target, lengths, limits, ns.seed, ns.request_timeout, dep.mode)
             if not calib:
                 calib = calibrate(dep, {"p50": median_prompt, "p90": p90_prompt}, limits, ns.seed,
                                   ns.request_timeout)
@@ -337,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
               "calibration": calib, "slos_ms": slos_ms, **analysis,
               "points": _without_records(points)}
     (ns.out / "table.md").write_text(markdown_table(result))
-    (ns.out / "result.json").write_text(json.dumps(result, indent=1, default=str))
-    from disagg_plots import write_plots
+    write_json(ns.out / "result.json", result)
+    from benchmarks.disagg_plots import write_plots
 
     write_plots(result, ns.out, ns.cdf_rate, ns.goal)
     print(f"wrote {ns.out / 'result.json'} and plots in {ns.out} ({time.monotonic() - t_all:.0f} s in all)")

@@ -36,12 +36,10 @@ from typing import Callable, Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine.builtin import save_builtin  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.builtin import save_builtin
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 
 BATCHES = (1, 8, 32)
 PROMPT_LEN, NEW_TOKENS, PREFILL_LEN = 128, 64, 2048
@@ -418,7 +416,7 @@ def main() -> None:
         print("memory streaming limit readings: " + ", ".join(f"{v:.1f}" for v in limits) + " GB/s", flush=True)
 
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        Path(args.json).write_text(json.dumps(results, indent=2))  # contender -> rates (machine: printed)
     if results:
         report(results, limit, model_dir_bytes)
 

@@ -61,7 +61,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / "engine" / "assets" / "tokenizer"

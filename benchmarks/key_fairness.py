@@ -4,7 +4,7 @@ Usage:
     python benchmarks/key_fairness.py                      # defaults below, about 3 minutes on tiny
     python benchmarks/key_fairness.py --flood-threads 48 --flood-max-concurrent 4 --json out.json
 
-A deployment as ``benchmarks/disagg_deploy.py`` builds one (one colocated worker pinned to core 0, the router in
+A deployment as ``benchmarks/harness/deployment.py`` builds one (one colocated worker pinned to core 0, the router in
 its own process with ``--api-keys-file``), and two named keys: ``calm`` (no limits) and ``flood`` (at most
 ``--flood-max-concurrent`` requests at once). Three phases, the same calm schedule in each (``--calm-requests``
 requests, Poisson at ``--calm-rate`` req/s, ``--prompt-len``-token prompts, ``--calm-max-tokens`` greedy tokens):
@@ -23,10 +23,8 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import sys
 import tempfile
 import threading
 import time
@@ -35,10 +33,9 @@ from typing import Any, Optional
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from disagg_deploy import Deployment, usable_cores  # noqa: E402
+from benchmarks.harness import Deployment, usable_cores
+from benchmarks.harness import write_json
 
 CALM_KEY, FLOOD_KEY = "pdk-calm-bench-0001", "pdk-flood-bench-001"
 
@@ -187,7 +184,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         results["loadavg_end"] = os.getloadavg()
         print(f"load average at the end: {os.getloadavg()}")
         if ns.json:
-            Path(ns.json).write_text(json.dumps(results, indent=1, default=str))
+            write_json(ns.json, results)
     return 0
 
 

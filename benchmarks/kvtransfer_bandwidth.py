@@ -33,17 +33,14 @@ import argparse
 import datetime
 import json
 import multiprocessing as mp
-import os
 import random
 import socket
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 GIB = float(1 << 30)
 LAYERS, HEADS, HEAD_DIM, DTYPE = 8, 8, 128, torch.float16

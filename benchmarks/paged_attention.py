@@ -12,17 +12,14 @@ Usage: python benchmarks/paged_attention.py [--threads 2] [--repeats 20]
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.attention import AttentionMetadata, gather_decode_attention  # noqa: E402
-from engine.kernels import cpu_kernels  # noqa: E402
-from engine.quant import quantize_kv  # noqa: E402
+from engine.attention import AttentionMetadata, gather_decode_attention
+from engine.kernels import cpu_kernels
+from engine.quant import quantize_kv
 
 H, HKV, D, BS = 12, 4, 64, 16
 POINTS = [(1, 256), (8, 256), (32, 256), (32, 1024), (64, 2048)]

@@ -19,16 +19,13 @@ Usage: python benchmarks/prefill_attention.py [--n 512 2048 4096] [--heads 12] [
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.kernels import cpu_kernels  # noqa: E402
+from engine.kernels import cpu_kernels
 
 
 def main() -> None:

@@ -14,18 +14,15 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import engine.float_formats as float_formats  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+import engine.float_formats as float_formats
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 
 
 def rss_mib() -> float:

@@ -19,21 +19,19 @@ Usage: python benchmarks/prefix_hit_ttft.py [--cached 512 1536 3072] [--new 512]
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import engine.attention as attention  # noqa: E402
-from engine.builtin import save_builtin  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.kernels import cpu_kernels  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+import engine.attention as attention
+from engine.builtin import save_builtin
+from engine.config import EngineConfig
+from engine.kernels import cpu_kernels
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
 
 
 def main() -> None:

@@ -45,7 +45,6 @@ import multiprocessing as mp
 import os
 import random
 import statistics
-import sys
 import threading
 import time
 import traceback
@@ -53,7 +52,6 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _worker_main(worker_id: str, model: str, engine_kw: dict, redis_url: str, ns: str, ready_q: Any,

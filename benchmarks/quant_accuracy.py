@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import sysconfig
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import LLM  # noqa: E402
-from engine.assets.train_models import SEQ_LEN, load_corpus  # noqa: E402
-from engine.scoring import prompt_logprobs  # noqa: E402
+from engine import LLM
+from engine.assets.train_models import SEQ_LEN, load_corpus
+from engine.scoring import prompt_logprobs
 
 SETTINGS = {
     "fp32": {},

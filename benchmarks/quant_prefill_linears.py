@@ -14,16 +14,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.kernels import cpu_kernels  # noqa: E402
-from engine.quant import (fake_quantize_act, from_panels_int4, from_panels_int8, from_panels_w4a8,  # noqa: E402
+from engine.kernels import cpu_kernels
+from engine.quant import (fake_quantize_act, from_panels_int4, from_panels_int8, from_panels_w4a8,
                           from_panels_w8a8, quantize_int4, quantize_int8, to_panels_int4, to_panels_int8,
                           to_panels_w4a8, to_panels_w8a8)
 

@@ -10,7 +10,7 @@ Usage:
 For each model it first runs the offline engine (``engine.LLMEngine``, one thread, in a process pinned to
 one core, as a worker is) on C prompts at once, for every concurrency C, and records its decode tok/s
 (tokens after each request's first, over the time after the last first token) and end-to-end tok/s (every
-token over the whole wall time). Then, for each mode, it starts a deployment as ``benchmarks/disagg_deploy.py``
+token over the whole wall time). Then, for each mode, it starts a deployment as ``benchmarks/harness/deployment.py``
 builds one: ``colocated`` = one colocated worker pinned to core 0; ``disaggregated`` = a prefill worker on
 core 0 and a decode worker on core 1; workers with one torch thread each, the router in its own unpinned
 process (as ``pdserve up`` runs it), this process as the client. The same C prompts (same token ids,
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -41,11 +40,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from disagg_deploy import Deployment, pin_threads, usable_cores  # noqa: E402
-from loadtest.machine import machine_info  # noqa: E402
+from benchmarks.harness import Deployment, pin_threads, usable_cores
+from benchmarks.harness import write_json
+from loadtest.machine import machine_info
 
 MODES = {"colocated": ("colocated",), "disaggregated": ("prefill", "decode"), "colocated-ep": ("colocated",)}
 # a mode's deployment: (Deployment mode, worker config fields, cores per worker). colocated-ep: the colocated
@@ -419,7 +417,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"  {100 * share:5.1f}%  {fn}")
     print(f"\nload average at the end: {os.getloadavg()}")
     if ns.json:
-        Path(ns.json).write_text(json.dumps(results, indent=1, default=str))
+        write_json(ns.json, results)
     return 0
 
 

@@ -32,11 +32,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from disagg_deploy import usable_cores  # noqa: E402
-from serving_overhead import offline  # noqa: E402
+from benchmarks.harness import usable_cores
+from benchmarks.serving_overhead import offline
 
 
 def _sibling_main(core: Optional[int], duty: float, period_s: float, ready: Any, stop: Any) -> None:

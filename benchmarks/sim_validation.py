@@ -3,7 +3,7 @@
 Lifecycle: the script reads a profile (``pdserve profile`` taken the same day on this machine, with
 the workers' thread count) and a slice of a trace; for each configuration (colocated 2, disaggregated
 1+1, disaggregated 1+1 with conditional disaggregation; chunk size by flag) it starts a real
-``Deployment`` (benchmarks/disagg_deploy.py: pinned worker processes with one torch thread, a router
+``Deployment`` (benchmarks/harness/deployment.py: pinned worker processes with one torch thread, a router
 in this process), warms it up, and replays the slice at each request rate (the trace's own gaps
 rescaled to the mean rate, as benchmarks/disagg_vs_colocated.py does). Each point's exact requests
 (prompt ids, lengths, arrival times) are then simulated with the profile. It reports, per point, the
@@ -28,12 +28,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules when run as a script
 
-from disagg_deploy import Deployment, usable_cores  # noqa: E402
-from disagg_vs_colocated import DEFAULT_TRACE, _limits, _requests, _run, machine_info, warm_up  # noqa: E402
+from benchmarks.harness import (CONVERSATION_TRACE, REPO, Deployment, machine_info, replay, server_limits, usable_cores,
+                                warm_up, workload_requests)
+from benchmarks.harness import write_json
 
-REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TRACE = CONVERSATION_TRACE
+
+
 METRICS = ("median_ttft_ms", "p90_ttft_ms", "mean_tpot_ms", "p99_itl_ms")
 
 
@@ -136,14 +138,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = sim_config(name, ns)
         reps: list[list[dict]] = [[] for _ in range(ns.repeats)]
         with deployment(name, ns, cores) as dep:
-            limits = _limits(dep.target)
-            warm_up(dep, lengths, limits, ns.seed, ns.request_timeout)
+            limits = server_limits(dep.target)
+            warm_up(dep.target, lengths, limits, ns.seed, ns.request_timeout, dep.mode)
             for rep in range(ns.repeats):  # the whole rate sweep again: the noise between sweeps is visible
                 for rate in rates:
                     factor = (len(rows) - 1) / (rate * span) if span > 0 else 0.0
                     arrivals = [r.arrival_s * factor for r in rows]
-                    reqs = _requests(lengths, arrivals, limits, ns.seed, f"{name[:4]}-{rep}-r{rate:g}")
-                    real, duration = _run(dep.target, reqs, ns.request_timeout)
+                    reqs = workload_requests(lengths, arrivals, limits, ns.seed, f"{name[:4]}-{rep}-r{rate:g}")
+                    real, duration = replay(dep.target, reqs, ns.request_timeout)
                     end = time.monotonic() + 10
                     while dep.router.num_in_flight and time.monotonic() < end:
                         time.sleep(0.05)
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     result["wall_s"] = time.monotonic() - t_all
     info["loadavg_end"] = os.getloadavg()
     ns.out.mkdir(parents=True, exist_ok=True)
-    (ns.out / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    write_json(ns.out / "result.json", result)
     (ns.out / "table.md").write_text(markdown(result))
     print(markdown(result))
     return 0
@@ -210,11 +212,11 @@ def resimulate(ns: argparse.Namespace, profile: Any, rows: list, lengths: list, 
         for q in c["points"]:
             rate = q["rate"]
             factor = (len(rows) - 1) / (rate * span) if span > 0 else 0.0
-            reqs = _requests(lengths, [r.arrival_s * factor for r in rows], limits, ns.seed, f"{name[:4]}-r{rate:g}")
+            reqs = workload_requests(lengths, [r.arrival_s * factor for r in rows], limits, ns.seed, f"{name[:4]}-r{rate:g}")
             pts.append(_sim_point(name, ns, profile, reqs, slos, rate, q["real"], q["real_attainment"], q["real_ok"]))
         result["configs"][name] = _close(name, sim_config(name, ns).label(), pts, ns.goal)
     ns.out.mkdir(parents=True, exist_ok=True)
-    (ns.out / "result.json").write_text(json.dumps(result, indent=1, default=str))
+    write_json(ns.out / "result.json", result)
     (ns.out / "table.md").write_text(markdown(result))
     print(markdown(result))
     return 0

@@ -26,12 +26,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from cluster.sla_planner import Load, SlaConfig, plan, prefill_seconds, wait_p90  # noqa: E402
-from loadtest.stats import percentile, ttft_s  # noqa: E402
-from simulator.cluster_sim import SimConfig, SimRequest, Simulation  # noqa: E402
-from simulator.costs import LinkModel, Profile, StepModel, load_profile  # noqa: E402
+from cluster.sla_planner import Load, SlaConfig, plan, prefill_seconds, wait_p90
+from loadtest.stats import percentile, ttft_s
+from simulator.cluster_sim import SimConfig, SimRequest, Simulation
+from simulator.costs import LinkModel, Profile, StepModel, load_profile
 
 TRACE = REPO / "tests" / "data" / "azure_llm_2023_conv_first400.csv"
 QUIET = REPO / "docs" / "profiles" / "cpu-amd-epyc-bench-fp32-1thread-quiet.json"

@@ -26,19 +26,18 @@ Usage: python benchmarks/spec_decode.py [--repeats 3] [--new-tokens 96] [--json 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import sysconfig
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.assets.train_models import HELD_OUT_EVERY  # noqa: E402
-from engine.assets.train_tokenizer import corpus_files  # noqa: E402
+from engine import LLM, SamplingParams
+from engine.assets.train_models import HELD_OUT_EVERY
+from engine.assets.train_tokenizer import corpus_files
+
+from benchmarks.harness import write_json
 
 
 def code_prompts(files: list[Path], tokenizer, n: int, length: int) -> list[list[int]]:
@@ -163,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{batch:>5} {t:>4} {p:>11.1f} {rates['ngram']:>7.1f} {rates['ngram'] / p:>4.2f}x "
                   f"{rates['draft_model']:>7.1f} {rates['draft_model'] / p:>4.2f}x", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        write_json(args.json, results, indent=2)
 
 
 if __name__ == "__main__":

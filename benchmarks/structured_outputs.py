@@ -30,16 +30,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
-from engine.structured_outputs import GrammarCompiler  # noqa: E402
+from engine import LLM, SamplingParams, StructuredOutputsParams
+from engine.structured_outputs import GrammarCompiler
+
+from benchmarks.harness import write_json
 
 ITEM = {"type": "object", "additionalProperties": False, "required": ["id", "name", "kind", "score"],
         "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 100000},
@@ -211,7 +210,7 @@ def main() -> None:
     report["machine"]["loadavg_end"] = os.getloadavg()
     print(f"load average start {report['machine']['loadavg_start']}, end {report['machine']['loadavg_end']}")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        write_json(args.json, report, indent=2)
 
 
 if __name__ == "__main__":

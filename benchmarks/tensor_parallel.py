@@ -26,12 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine import SamplingParams  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.llm_engine import LLMEngine  # noqa: E402
-from loadtest.machine import machine_info  # noqa: E402
+from engine import SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from loadtest.machine import machine_info
 
 
 

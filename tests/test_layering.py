@@ -126,3 +126,38 @@ def test_a_violation_is_caught(package: str, source: str) -> None:
 ])
 def test_an_allowed_import_passes(package: str, source: str) -> None:
     assert violations(package, "synthetic.py", source) == []
+
+
+def _benchmark_sibling_imports(name: str, source: str, siblings: frozenset[str]) -> list[str]:
+    """Imports in a benchmark file that reach a sibling by its bare name (what a ``sys.path`` edit enables) and
+    ``sys.path`` edits themselves: the package is imported as ``benchmarks.<name>`` (benchmarks/__init__.py)."""
+    bad = [f"{name}:{line}: imports {module} by its bare name (use benchmarks.{module})"
+           for line, module, _ in imports_of(source) if module.split(".")[0] in siblings]
+    bad += [f"{name}:{node.lineno}: edits sys.path" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr in ("insert", "append")
+            and isinstance(node.value, ast.Attribute) and node.value.attr == "path"
+            and isinstance(node.value.value, ast.Name) and node.value.value.id == "sys"]
+    return bad
+
+
+def _benchmark_siblings() -> frozenset[str]:
+    root = ROOT / "benchmarks"
+    return frozenset(p.stem for p in root.glob("*.py") if p.stem != "__init__") | \
+        frozenset(p.name for p in root.iterdir() if (p / "__init__.py").is_file())
+
+
+def test_benchmarks_are_one_package_without_sys_path_edits() -> None:
+    siblings = _benchmark_siblings()
+    assert {"harness", "soak", "serving_overhead"} <= siblings
+    bad = [v for p in _files("benchmarks")
+           for v in _benchmark_sibling_imports(str(p.relative_to(ROOT)), p.read_text(), siblings)]
+    assert bad == []
+
+
+@pytest.mark.parametrize("source", [
+    "from disagg_plots import write_plots\n",
+    "import harness\n",
+    "import sys\nsys.path.insert(0, '/repo')\n",
+])
+def test_a_benchmark_sibling_import_is_caught(source: str) -> None:
+    assert len(_benchmark_sibling_imports("synthetic.py", source, _benchmark_siblings())) == 1

@@ -27,7 +27,7 @@ uses the proxy as it would the engine:
   when the worker process dies: its pipe reads EOF. If the child dies, ``step()`` raises, so the loop dies
   as it would on an engine exception: the worker reports not ready and fails its requests.
 
-CPU placement: the child inherits the worker's CPU affinity; the OS places both processes. ``benchmarks/disagg_deploy.py`` pins every thread of each to a core of its own.
+CPU placement: the child inherits the worker's CPU affinity; the OS places both processes. ``benchmarks/harness/deployment.py`` pins every thread of each to a core of its own.
 The prefix cache's KV events (``block_manager.enable_events()``) are recorded in the child and travel in
 the step messages; ``block_manager.take_events()`` returns them in order. What runs only in-process for now:
 KV transfer (decode and prefill roles write received KV into the cache tensors); ``WorkerConfig`` refuses it.

@@ -4,37 +4,24 @@ transformers' own generate, and its CLI runs every phase to a complete JSON repo
 (The script's point is the CUDA run; CI has no GPU, so this keeps the code path it depends on tested.)"""
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "cuda_engine.py"
+from benchmarks import cuda_engine  # noqa: E402
+from benchmarks.cuda import checkpoint, parity  # noqa: E402
+from benchmarks.cuda.context import Ctx  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("pdserve_bench_cuda_engine", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+def test_float32_parity_greedy_tokens_match_transformers(tmp_path):
+    work = checkpoint.QUICK
+    ckpt = checkpoint.make_checkpoint(tmp_path / "ckpt", checkpoint.SHAPES["tiny"], max_pos=work.max_pos, device="cpu")
+    ctx = Ctx("cpu", ckpt, checkpoint.SHAPES["tiny"], work, tmp_path / "out", {})
+    prompts = checkpoint.prompts_of(work.parity_lens, seed=11)
     try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
-
-
-def test_float32_parity_greedy_tokens_match_transformers(script, tmp_path):
-    work = script.QUICK
-    ckpt = script.make_checkpoint(tmp_path / "ckpt", script.SHAPES["tiny"], max_pos=work.max_pos, device="cpu")
-    ctx = script.Ctx("cpu", ckpt, script.SHAPES["tiny"], work, tmp_path / "out", {})
-    prompts = script.prompts_of(work.parity_lens, seed=11)
-    try:
-        res = script.parity_dtype(ctx, "float32", prompts, work.parity_new)
+        res = parity.parity_dtype(ctx, "float32", prompts, work.parity_new)
     finally:
         ctx.drop(hf=("float32",), eng=("float32",))
     hl, el, ht, et = res["_raw"]
@@ -46,14 +33,14 @@ def test_float32_parity_greedy_tokens_match_transformers(script, tmp_path):
     assert all(r["distinct_ref_tokens"] > 1 for r in res["prompts"])
 
 
-def test_cli_quick_run_writes_a_complete_report(script, tmp_path):
-    rc = script.main(["--device", "cpu", "--quick", "--out", str(tmp_path), "--ckpt", str(tmp_path / "ckpt")])
+def test_cli_quick_run_writes_a_complete_report(tmp_path):
+    rc = cuda_engine.main(["--device", "cpu", "--quick", "--out", str(tmp_path), "--ckpt", str(tmp_path / "ckpt")])
     report = json.loads((tmp_path / "cuda_engine.json").read_text())
     assert rc == 0 and report["errors"] == {}
     assert report["parity"]["float32_strict_pass"]
     assert set(report["parity"]["bfloat16_vs_float32_reference"]) == {"engine_bf16", "transformers_bf16"}
-    assert set(report["decode"]["engine"]) == {str(b) for b in script.QUICK.decode_batches}
+    assert set(report["decode"]["engine"]) == {str(b) for b in checkpoint.QUICK.decode_batches}
     assert all(r["tokens_per_s"] > 0 for r in report["decode"]["engine"].values())
-    assert set(report["prefill"]["cases"]) == {f"{b}x{n}" for b, n in script.QUICK.prefill}
+    assert set(report["prefill"]["cases"]) == {f"{b}x{n}" for b, n in checkpoint.QUICK.prefill}
     assert all(c["engine_steps"] == 1 for c in report["prefill"]["cases"].values())
     assert report["model"]["params"] > 0 and report["device"]["torch"]

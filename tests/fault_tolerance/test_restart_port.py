@@ -2,7 +2,7 @@
 
 The killed process's accepted connections stay in TIME_WAIT for a minute on the port; the servers bind with
 SO_REUSEADDR, so the port is usable, and ``pdserve``'s early port check (``check_port_free``) must agree. Found by
-the deployment soak (benchmarks/soak_deploy.py): a router restarted 5 s after its kill -9 exited with "--port ...
+the deployment soak (benchmarks/soak/deployment.py): a router restarted 5 s after its kill -9 exited with "--port ...
 is not available: Address already in use".
 """
 from __future__ import annotations

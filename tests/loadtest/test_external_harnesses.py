@@ -5,15 +5,12 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from loadtest.trace import load_trace, scale_trace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import external_harnesses as eh  # noqa: E402
+import benchmarks.external_harnesses as eh
 
 
 def test_the_mooncake_trace_is_the_samples_rows_scaled_and_fitted(tmp_path):

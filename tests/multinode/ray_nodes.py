@@ -38,16 +38,10 @@ ENV = dict(os.environ, RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", RAY_FAKE_C
 
 
 def _load_ray_head():
-    """``benchmarks/ray_head.py`` by path (benchmarks/ is scripts, not a package)."""
-    import importlib.util
-    from pathlib import Path
+    """``benchmarks.ray_head`` (the soak's fault-tolerant Ray head)."""
+    from benchmarks import ray_head
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "ray_head.py"
-    spec = importlib.util.spec_from_file_location("pdserve_bench_ray_head", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return ray_head
 
 
 _ray_head = _load_ray_head()

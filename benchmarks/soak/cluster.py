@@ -38,26 +38,25 @@ token (the requests in flight at a fault first). It prints a rich table and
 writes JSON to ``--out``; exit status 1 when requests were lost, outputs
 differed or blocks/keys leaked.
 
-The faults and the RSS sampler are in ``soak_chaos.py``, the analysis and the
-report in ``soak_report.py`` (beside this script).
+The faults and the RSS sampler are in ``chaos.py``, the analysis and the
+report in ``report.py`` (beside this module).
 
 ``--deployment`` runs the deployment shape instead (separate controller, routers, Ray nodes; clients that retry and
-fail over; kills of routers, the controller, Redis and the GCS; SIGSTOP): ``benchmarks/soak_deploy.py``. It runs
+fail over; kills of routers, the controller, Redis and the GCS; SIGSTOP): ``deployment.py`` beside this module. It runs
 with today's defaults, each on unless switched off: KV events and cold ties in the routers (``--no-kv-events``,
 ``--no-cold-ties``), per-key quotas with two keys, one capped below its load (``--no-quotas``), structured-output
 requests in the mix (``--structured-every 8``; 0 = none) and a colocated deployment beside the disaggregated one,
 its worker's engine in a process of its own (``--colocated 1``, ``--no-engine-process``).
 
 Usage:
-    python benchmarks/soak.py --deployment --prefill 2 --decode 2 --rate 1 --duration-s 1800 --fault-every-s 120
-    python benchmarks/soak.py                                   # the full soak: 30 min, a kill every 5 min
-    python benchmarks/soak.py --duration-s 540 --kill-every-s 120 --window-s 120   # the recorded 9-min run
+    python -m benchmarks.soak --deployment --prefill 2 --decode 2 --rate 1 --duration-s 1800 --fault-every-s 120
+    python -m benchmarks.soak                                   # the full soak: 30 min, a kill every 5 min
+    python -m benchmarks.soak --duration-s 540 --kill-every-s 120 --window-s 120   # the recorded 9-min run
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -67,17 +66,15 @@ from typing import Any, Optional
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the project's packages when run as a script
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling modules when run as a script
+from benchmarks.harness import CONVERSATION_TRACE, REPO, SAMPLE_TRACE, machine_info, replay
+from benchmarks.harness import load_rows as _load_rows
+from benchmarks.harness import trace_requests as make_requests
+from benchmarks.harness import write_json
+from benchmarks.soak.chaos import Chaos, spawned_redis
+from benchmarks.soak.report import (check_offline, in_flight_at, ok, outcomes, pct, pick_check_sample, print_report,
+                                    router_counters, rss_summary, windows)
 
-from loadtest.machine import machine_info  # noqa: E402
-from soak_chaos import Chaos, spawned_redis  # noqa: E402
-from soak_report import (check_offline, in_flight_at, ok, outcomes, pct, pick_check_sample, print_report,  # noqa: E402
-                         router_counters, rss_summary, windows)
-
-DEFAULT_TRACE = REPO.parent / "shared" / "traces" / "azure_llm_2023_conv.csv"
-FALLBACK_TRACE = REPO / "tests" / "data" / "azure_llm_2023_conv_first400.csv"
+DEFAULT_TRACE = CONVERSATION_TRACE if CONVERSATION_TRACE.is_file() else SAMPLE_TRACE
 
 
 
@@ -86,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="tiny", help="built-in model or HF dir (default: tiny)")
     ap.add_argument("--prefill", type=int, default=1, help="prefill workers")
     ap.add_argument("--decode", type=int, default=1, help="decode workers")
-    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE if DEFAULT_TRACE.is_file() else FALLBACK_TRACE,
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE,
                     help="Azure conversation trace CSV (default: ../shared/traces/azure_llm_2023_conv.csv)")
     ap.add_argument("--trace-start", type=int, default=0, help="first trace row replayed")
     ap.add_argument("--length-scale", type=float, default=0.1,
@@ -106,12 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--check-requests", type=int, default=32, help="successful requests checked against offline")
     ap.add_argument("--seed", type=int, default=0, help="seeds prompts and the choice of victims")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "soak" / "result.json", help="JSON result file")
-    dep = ap.add_argument_group("--deployment", "the deployment shape instead (benchmarks/soak_deploy.py): "
+    dep = ap.add_argument_group("--deployment", "the deployment shape instead (benchmarks/soak/deployment.py): "
                                 "controller + 2 routers + workers on a Ray head and worker node, clients that retry; "
                                 "beside it a colocated deployment (--colocated); KV events, cold ties, two API keys "
                                 "with quotas and structured-output requests on by default")
     dep.add_argument("--deployment", action="store_true", help="run the deployment-shape chaos soak")
-    from soak_deploy import add_args
+    from benchmarks.soak.deployment import add_args
 
     add_args(dep)
     return ap
@@ -139,36 +136,11 @@ def client_config(target: str, timeout_s: float, max_concurrency: Optional[int] 
     return ClientConfig(target=target, temperature=0.0, max_concurrency=max_concurrency, request_timeout_s=timeout_s)
 
 
-def replay(target: str, requests: list, timeout_s: float, max_concurrency: Optional[int] = None) -> tuple[list, float]:
-    """Send ``requests`` on their schedule over one channel; (records in request order, wall duration)."""
-    from loadtest.client import run_benchmark
-
-    return asyncio.run(run_benchmark(client_config(target, timeout_s, max_concurrency), requests))
-
-
 # ---- main -------------------------------------------------------------------------------------------------
 
-def make_requests(rows: list, limits: Any, seed: int, prefix: str, arrivals: list) -> tuple[list, int]:
-    """``loadtest`` BenchRequests for trace ``rows`` at ``arrivals``, and how many were clipped to the limits."""
-    from loadtest.workload import build_workload, trace_lengths
-
-    wl = build_workload(trace_lengths(rows), arrivals, limits, seed=seed, id_prefix=prefix)
-    return wl.requests, wl.num_clipped
-
-
 def load_rows(ns: argparse.Namespace, n: int) -> list:
-    """``n`` trace rows from ``--trace-start``, wrapping around the file (arrivals kept increasing)."""
-    from loadtest.trace import load_trace, scale_trace
-
-    rows = scale_trace(load_trace(ns.trace, ns.trace_start, None), ns.length_scale, 1.0)
-    if not rows:
-        raise SystemExit(f"--trace: no rows from {ns.trace_start}")
-    span = rows[-1].arrival_s + (rows[-1].arrival_s / max(1, len(rows) - 1))
-    out = []
-    for i in range(n):
-        r = rows[i % len(rows)]
-        out.append(type(r)(r.arrival_s + (i // len(rows)) * span, r.prompt_len, r.output_len))
-    return out
+    """``n`` rows of ``--trace`` from ``--trace-start``, lengths x ``--length-scale``, wrapping around the file."""
+    return _load_rows(ns.trace, ns.trace_start, ns.length_scale, n)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -176,9 +148,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if ns.deployment:
         if ns.rate is None:
             raise SystemExit("--deployment needs --rate (req/s): it has no capacity probe")
-        import soak_deploy
+        from benchmarks.soak import deployment
 
-        return soak_deploy.main(ns)
+        return deployment.main(ns)
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     log_path = ns.out.with_suffix(".log")
     logging.basicConfig(level=logging.WARNING, filename=str(log_path), filemode="w",
@@ -343,7 +315,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if ns.out.is_dir():  # a folder was given: the result goes inside it
             ns.out = ns.out / "result.json"
         ns.out.parent.mkdir(parents=True, exist_ok=True)
-        ns.out.write_text(json.dumps(res, indent=1, default=str))
+        write_json(ns.out, res)
         print(f"wrote {ns.out} (log {log_path}); {res['wall_s_total']:.0f} s in all")
         s = res["summary"]
         good = (s["lost"] == 0 and s["blocks_not_free"] == 0 and s["keys_left"] == 0
