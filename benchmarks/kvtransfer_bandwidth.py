@@ -16,6 +16,10 @@ round by round so that load changes on the host hit all of them alike:
 - ``kv shuffled``: the same with shuffled block ids on both sides, so every
   byte is gathered on the sender and scattered on the receiver.
 
+Both kv ways run twice, interleaved: over a pair of endpoints with ``shm=False`` (the socket: gloo over
+loopback, what two workers on one host used before 29 Nov) and over a pair that negotiated shared memory
+(kvtransfer/shm.py, the default on one host); the table gives shared memory / socket.
+
 With ``--kv-cache-dtype int8``, also per prompt: a prompt of each ``--prompt-tokens`` length in the
 ``bench`` model's KV geometry (12 layers, 4 KV heads x 64) sent from a float32 cache and from an int8
 cache (each row 64 values + its 4-byte float32 scale, as the engine stores it), interleaved: bytes per
@@ -78,7 +82,8 @@ def receiver(conn, store_port: int, threads: int) -> None:
     conn.send(lsock.getsockname()[1])
     sock, _ = lsock.accept()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    ep = KVEndpoint("bench-d", f"tcp://127.0.0.1:{store_port}", timeout_s=120.0)
+    eps = {"shm": KVEndpoint("bench-d", f"tcp://127.0.0.1:{store_port}", timeout_s=120.0, shm=True),
+           "sock": KVEndpoint("bench-d-sock", f"tcp://127.0.0.1:{store_port}", timeout_s=120.0, shm=False)}
     bufs: dict[int, torch.Tensor] = {}
     caches: dict[tuple, list] = {}
     pending = {}
@@ -103,19 +108,21 @@ def receiver(conn, store_port: int, threads: int) -> None:
                 got += sock.recv_into(view[got:], n - got)
             sock.sendall(b"k")
         elif cmd == "kv":  # post a receive; the sender times send() -> its DONE (our ack)
-            geom, rid, tokens, ids = args
+            geom, rid, tokens, ids, way = args
             cache = caches.get(geom)
             if cache is None:
                 caches.clear()
                 cache = caches[geom] = _cache(*geom, fill=False)
-            pending[rid] = ep.recv("bench-p", rid, cache, ids, tokens)
+            ep = eps[way]
+            pending[rid] = (ep, ep.recv("bench-p" if way == "shm" else "bench-p-sock", rid, cache, ids, tokens))
             conn.send("ready")
         elif cmd == "check":
             (rid,) = args
-            h = pending.pop(rid)
+            ep, h = pending.pop(rid)
             ep.wait(h, 120)
             conn.send(ep.poll(h).value)
-    ep.shutdown()
+    for ep in eps.values():
+        ep.shutdown()
     sock.close()
     lsock.close()
 
@@ -148,7 +155,9 @@ def main() -> None:
         pg = dist.ProcessGroupGloo(dist.PrefixStore("raw", store), 0, 2, datetime.timedelta(seconds=120))
         sock = socket.create_connection(("127.0.0.1", conn.recv()))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        ep = KVEndpoint("bench-p", store, timeout_s=120.0, chunk_bytes=int(args.chunk_mib * (1 << 20)))
+        chunk = int(args.chunk_mib * (1 << 20))
+        eps = {"shm": KVEndpoint("bench-p", store, timeout_s=120.0, chunk_bytes=chunk, shm=True),
+               "sock": KVEndpoint("bench-p-sock", store, timeout_s=120.0, chunk_bytes=chunk, shm=False)}
         ack = torch.empty(1, dtype=torch.uint8)
         seq = iter(range(1 << 30))
 
@@ -168,12 +177,14 @@ def main() -> None:
             sock.recv(1)
             return time.perf_counter() - t0
 
-        def kv(cache, ids, tokens, dst_geom, dst_ids, per_layer: bool) -> float:
+        def kv(cache, ids, tokens, dst_geom, dst_ids, per_layer: bool, way: str = "sock") -> float:
             rid = f"kv-{next(seq)}"
-            conn.send(("kv", dst_geom, rid, tokens, dst_ids))
+            conn.send(("kv", dst_geom, rid, tokens, dst_ids, way))
             assert conn.recv() == "ready"
+            ep = eps[way]
             t0 = time.perf_counter()
-            h = ep.send("bench-d", rid, cache, ids, tokens, layers_ready=not per_layer)
+            h = ep.send("bench-d" if way == "shm" else "bench-d-sock", rid, cache, ids, tokens,
+                        layers_ready=not per_layer)
             if per_layer:
                 for layer in range(len(cache)):
                     ep.layer_ready(h, layer)
@@ -192,11 +203,14 @@ def main() -> None:
             dst_geom = (dst_blocks, DST_BS)
             order_s, order_d = list(range(src_blocks)), list(range(dst_blocks))
             shuf_s, shuf_d = _shuffled(src_blocks, 1), _shuffled(dst_blocks, 2)
-            t: dict[str, list[float]] = {"gloo": [], "tcp": [], "kv_contig": [], "kv_shuffled": []}
+            t: dict[str, list[float]] = {"gloo": [], "tcp": [], "kv_contig": [], "kv_shuffled": [],
+                                         "shm_contig": [], "shm_shuffled": []}
             for rep in range(args.reps + 1):  # interleaved, so load changes hit every method alike
                 sample = {"gloo": raw(src), "tcp": tcp(src),
                           "kv_contig": kv(cache, order_s, tokens, dst_geom, order_d, True),
-                          "kv_shuffled": kv(cache, shuf_s, tokens, dst_geom, shuf_d, True)}
+                          "kv_shuffled": kv(cache, shuf_s, tokens, dst_geom, shuf_d, True),
+                          "shm_contig": kv(cache, order_s, tokens, dst_geom, order_d, True, "shm"),
+                          "shm_shuffled": kv(cache, shuf_s, tokens, dst_geom, shuf_d, True, "shm")}
                 if rep:
                     for k, v in sample.items():
                         t[k].append(v)
@@ -204,7 +218,7 @@ def main() -> None:
             row = {"bytes": n, "kv_bytes": kv_bytes}
             for k, v in t.items():
                 row[f"{k}_s"] = statistics.median(v)
-                row[f"{k}_gibps"] = (kv_bytes if k.startswith("kv") else n) / row[f"{k}_s"] / GIB
+                row[f"{k}_gibps"] = (kv_bytes if k.startswith(("kv", "shm")) else n) / row[f"{k}_s"] / GIB
             results["sizes"].append(row)
             del src, cache
         if args.kv_cache_dtype == "int8":  # per prompt, bench geometry: float32 rows vs int8 rows + scale
@@ -228,18 +242,22 @@ def main() -> None:
         small = _cache(4, 16, layers=1, heads=1, dim=64, dtype=torch.float32)
         nb = 16 * 64 * 4 * 2
         buf = torch.ones(nb, dtype=torch.uint8)
-        kv_t, raw_t = [], []
+        kv_t, raw_t, shm_t = [], [], []
         for i in range(args.small_count + 1):
             a = kv(small, [2], 16, (4, 16, 1, 1, 64, torch.float32), [1], False)
             b = raw(buf)
+            c = kv(small, [2], 16, (4, 16, 1, 1, 64, torch.float32), [1], False, "shm")
             if i:
                 kv_t.append(a)
                 raw_t.append(b)
+                shm_t.append(c)
         results["fixed"] = {"bytes": nb, "kv_one_block_s": statistics.median(kv_t),
                             "gloo_round_trip_s": statistics.median(raw_t),
-                            "kv_one_block_p90_s": sorted(kv_t)[int(0.9 * len(kv_t))]}
+                            "kv_one_block_p90_s": sorted(kv_t)[int(0.9 * len(kv_t))],
+                            "shm_one_block_s": statistics.median(shm_t)}
         conn.send(("stop",))
-        ep.shutdown()
+        for ep in eps.values():
+            ep.shutdown()
         sock.close()
     finally:
         proc.join(30)
@@ -248,18 +266,22 @@ def main() -> None:
             proc.join()
 
     table = Table(title=f"kvtransfer vs raw links on loopback, GiB/s (median of {args.reps}, interleaved)")
-    for col in ("payload", "gloo raw", "tcp", "kv contig", "kv shuffled", "contig/gloo", "shuffled/gloo"):
+    for col in ("payload", "gloo raw", "tcp", "kv contig", "kv shuffled", "contig/gloo", "shuffled/gloo",
+                "shm contig", "shm shuffled", "shm/socket contig", "shm/socket shuffled"):
         table.add_column(col, justify="right")
     for r in results["sizes"]:
         g = r["gloo_gibps"]
         table.add_row(f"{r['bytes'] >> 20} MiB", f"{g:.2f}", f"{r['tcp_gibps']:.2f}", f"{r['kv_contig_gibps']:.2f}",
                       f"{r['kv_shuffled_gibps']:.2f}", f"{r['kv_contig_gibps'] / g:.0%}",
-                      f"{r['kv_shuffled_gibps'] / g:.0%}")
+                      f"{r['kv_shuffled_gibps'] / g:.0%}", f"{r['shm_contig_gibps']:.2f}",
+                      f"{r['shm_shuffled_gibps']:.2f}", f"{r['shm_contig_gibps'] / r['kv_contig_gibps']:.2f}x",
+                      f"{r['shm_shuffled_gibps'] / r['kv_shuffled_gibps']:.2f}x")
     Console(width=130).print(table)
     f = results["fixed"]
     print(f"fixed cost, one-block transfer ({f['bytes']} B): kvtransfer median {f['kv_one_block_s'] * 1e3:.3f} ms "
           f"(p90 {f['kv_one_block_p90_s'] * 1e3:.3f} ms, n={args.small_count}); "
-          f"raw gloo send + 1-byte reply {f['gloo_round_trip_s'] * 1e3:.3f} ms")
+          f"raw gloo send + 1-byte reply {f['gloo_round_trip_s'] * 1e3:.3f} ms; "
+          f"shared memory {f['shm_one_block_s'] * 1e3:.3f} ms")
     for r in results.get("per_prompt", []):
         print(f"prompt of {r['tokens']} tokens (bench geometry): float32 {r['float32_bytes_per_token']} B/token "
               f"{r['float32_s'] * 1e3:.2f} ms, int8 {r['int8_bytes_per_token']} B/token {r['int8_s'] * 1e3:.2f} ms: "

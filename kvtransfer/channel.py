@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from kvtransfer.rendezvous import Rendezvous, RendezvousTimeout, StoreUnavailable
+from kvtransfer.rendezvous import SHM_MARK, Rendezvous, RendezvousTimeout, StoreUnavailable
 from kvtransfer.transfer import Transfer
 from kvtransfer.transport import PairBroken, PairGroup, open_pair
 
@@ -149,8 +149,9 @@ class PairChannel:
             # published address goes stale), and short attempts with fresh keys can leave the two
             # sides chasing each other's previous key forever.
             wait_s = max(deadline - time.monotonic(), 0.05)
+            shm = self.host.chunk_bytes if key.endswith(SHM_MARK) else None
             group = open_pair(self.host.backend, store, prefix, self.rank, wait_s, self.host.rendezvous.hub,
-                              self.host.bind_host)
+                              self.host.bind_host, shm)
         except Exception as e:  # noqa: BLE001 - store down, peer gone, gloo refusal: all mean "not now"
             store_down = isinstance(e, StoreUnavailable)
             if not isinstance(e, (PairBroken, RendezvousTimeout)):
@@ -169,7 +170,8 @@ class PairChannel:
             self.gen += 1
             gen = self.gen
             self.cond.notify_all()
-        log.debug("kv %s %s<->%s: pair %s up (gen %d)", self.role, self.host.name, self.peer, key, gen)
+        log.debug("kv %s %s<->%s: pair %s up (gen %d%s)", self.role, self.host.name, self.peer, key, gen,
+                  ", shared memory" if getattr(group, "shared", False) else "")
         self._spawn(self._gen_main, f"kv-{self.role}-gen{gen}-{self.host.name}-{self.peer}", group, gen)
         return True
 

@@ -31,6 +31,7 @@ from kvtransfer.channel_recv import RecvChannel
 from kvtransfer.channel_send import SendChannel
 from kvtransfer.layout import CacheLayout, TokenRows
 from kvtransfer.sharding import KVShards, head_pieces, piece_request_id
+from kvtransfer.shm import sweep_orphans
 from kvtransfer.rendezvous import Rendezvous
 from kvtransfer.store import StoreConfig, open_store
 from kvtransfer.transfer import Transfer, TransferGroup, TransferHandle, TransferState, TransferStats, id_source
@@ -51,9 +52,11 @@ class KVEndpoint:
     """One process's KV transfer endpoint (see docs/interfaces.md, section kvtransfer)."""
 
     def __init__(self, name: str, store: "str | StoreConfig | dist.Store", *, backend: str = "gloo",
-                 timeout_s: float = 10.0, chunk_bytes: int = 4 << 20, host: Optional[str] = None):
+                 timeout_s: float = 10.0, chunk_bytes: int = 4 << 20, host: Optional[str] = None, shm: bool = True):
         """``host``: the interface this endpoint's pair groups listen on and advertise (None: the store
-        config's ``host``, else torch's default, the hostname's address)."""
+        config's ``host``, else torch's default, the hostname's address). ``shm``: with backend gloo, a pair whose
+        both endpoints allow it and share ``/dev/shm`` (one host) moves its payload through shared memory
+        (kvtransfer/shm.py); False: always the socket."""
         if not isinstance(name, str) or not name or any(c in name for c in "/> \t\n"):
             raise ValueError(f"name must be a non-empty string without '/', '>' or spaces, got {name!r}")
         if backend not in BACKENDS:
@@ -62,6 +65,8 @@ class KVEndpoint:
             raise ValueError(f"backend 'nccl' cannot run here: {nccl_unavailable()}")
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        if not isinstance(shm, bool):
+            raise ValueError(f"shm must be a bool, got {shm!r}")
         if not isinstance(chunk_bytes, int) or chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes must be an int >= 4096, got {chunk_bytes!r}")
         self.name = name
@@ -75,8 +80,11 @@ class KVEndpoint:
         self.host = host
         self._store, namespace = open_store(store)
         self._lock = threading.RLock()
+        self.shm = shm and backend == "gloo"
+        if self.shm:
+            sweep_orphans()
         self._host = ChannelHost(name, backend, self.timeout_s, chunk_bytes, self._lock,
-                                 Rendezvous(self._store, namespace, name), self._finished, host)
+                                 Rendezvous(self._store, namespace, name, shm=self.shm), self._finished, host)
         self._send: dict[str, SendChannel] = {}
         self._recv: dict[str, RecvChannel] = {}
         self._live: dict[int, Transfer] = {}
@@ -85,7 +93,8 @@ class KVEndpoint:
         self._stopped = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name=f"kv-reaper-{name}", daemon=True)
         self._reaper.start()
-        log.info("kv endpoint %s up (backend %s, incarnation %s)", name, backend, self._host.rendezvous.incarnation)
+        log.info("kv endpoint %s up (backend %s%s, incarnation %s)", name, backend,
+                 ", shared memory with same-host peers" if self.shm else "", self._host.rendezvous.incarnation)
 
     # -- submission ------------------------------------------------------------------------------
     def _new(self, direction: str, peer: str, request_id: str, kv_caches, block_ids, num_tokens: int,

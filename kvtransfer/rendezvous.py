@@ -35,6 +35,10 @@ PUBLISH_RETRY_S = 30.0
 """How long an endpoint's first publish is retried at its start before the start fails."""
 
 
+SHM_MARK = ".shm"
+"""Ends a pair key whose sender offers shared memory to a receiver that publishes it (``cap/<name>``)."""
+
+
 class RendezvousTimeout(RuntimeError):
     """The peer did not show up in the store in time."""
 
@@ -55,13 +59,16 @@ def _store_call(fn: Callable[[], object], what: str) -> object:
 class Rendezvous:
     """One endpoint's view of the store: its incarnation, and offers to and from peers."""
 
-    def __init__(self, store: dist.Store, namespace: str, name: str, publish_retry_s: float = PUBLISH_RETRY_S):
+    def __init__(self, store: dist.Store, namespace: str, name: str, publish_retry_s: float = PUBLISH_RETRY_S,
+                 shm: bool = False):
         self.store = dist.PrefixStore(namespace, store)
         self._base = store
         self._namespace = namespace
         self.hub = getattr(store, "hub", None)  # only an InprocStore has one
         self.name = name
         self.incarnation = uuid.uuid4().hex[:12]
+        self.shm = shm
+        """Offer and accept same-host shared memory for pair payloads (kvtransfer/shm.py)."""
         self._seq = itertools.count(1)
         deadline, pause = time.monotonic() + publish_retry_s, 0.05
         while True:  # the first publish outlasts a slow or restarting store, within publish_retry_s
@@ -79,6 +86,8 @@ class Rendezvous:
         """(Re)write this endpoint's incarnation. Store keys may expire (the Redis store's TTL) or vanish
         (a restarted Redis), so a receiver publishes again each time it waits for an offer."""
         _store_call(lambda: self.store.set(f"inc/{self.name}", self.incarnation), "publish")
+        if self.shm:  # before nothing else: an endpoint without it (older, or shm off) never sets the key
+            _store_call(lambda: self.store.set(f"cap/{self.name}", "shm"), "publish")
 
     def _poll(self, fn: Callable[[], str | None], timeout_s: float, what: str,
               stop: Callable[[], bool]) -> str:
@@ -108,6 +117,8 @@ class Rendezvous:
         # the counter is per endpoint, not per channel: a channel re-created after close() must not
         # repeat a key the receiver already used
         key = f"{self.name}.{self.incarnation}>{receiver}.{inc_r}.{next(self._seq)}"
+        if self.shm and _store_call(lambda: self._get(f"cap/{receiver}"), "capabilities") == "shm":
+            key += SHM_MARK
         _store_call(lambda: self.store.set(f"offer/{self.name}>{receiver}", key), "offer")
         return key
 

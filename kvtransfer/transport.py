@@ -243,17 +243,28 @@ BACKENDS = ("gloo", "nccl", "inproc")
 
 
 def open_pair(backend: str, store: dist.Store, prefix: str, rank: int, timeout_s: float,
-              hub: InprocHub | None = None, host: str | None = None) -> PairGroup:
+              hub: InprocHub | None = None, host: str | None = None, shm_slot_bytes: int | None = None) -> PairGroup:
     """Build the pair group for ``prefix`` as ``rank`` (0 sender, 1 receiver); PairBroken on failure.
 
     ``hub`` is the inproc backend's meeting place (``InprocStore.hub``); other backends ignore it.
     ``host``: the interface gloo (also nccl's control group) listens on and advertises; None: torch's
     default (the hostname's address). The pair's traffic is neither authenticated nor encrypted
     (as with every torch.distributed backend): ``host`` must be on a private network.
+    ``shm_slot_bytes``: the pair was offered shared memory (gloo only; kvtransfer/shm.py): both ranks negotiate
+    it on the new pair, rank 0 with slots of this size, and use it where they share ``/dev/shm``.
     """
     try:
         if backend == "gloo":
-            return _open_gloo(dist.PrefixStore(prefix, store), rank, timeout_s, host)
+            pair = _open_gloo(dist.PrefixStore(prefix, store), rank, timeout_s, host)
+            if shm_slot_bytes is None:
+                return pair
+            from kvtransfer.shm import negotiate
+
+            try:
+                return negotiate(pair, rank, shm_slot_bytes, timeout_s)
+            except BaseException:
+                pair.close()
+                raise
         if backend == "nccl":
             return _open_nccl(dist.PrefixStore(prefix, store), rank, timeout_s, host)
         if backend == "inproc":

@@ -65,13 +65,20 @@ def untouched_except(cache, used: list[tuple[list[int], int]]) -> bool:
     return all(not t[mask].any() for pair in cache for t in pair)
 
 
-def _main(conn, name: str, store_url: str, spec: CacheSpec, timeout_s: float, chunk_bytes: int) -> None:
+def _main(conn, name: str, store_url: str, spec: CacheSpec, timeout_s: float, chunk_bytes: int, shm: bool = True,
+          shm_dir: str | None = None) -> None:
     torch.set_num_threads(1)
     from kvtransfer import KVEndpoint
 
+    if shm_dir is not None:  # this process sees another /dev/shm (as a second container on one node would)
+        import kvtransfer.shm
+        from pathlib import Path
+
+        kvtransfer.shm.SHM_DIR = Path(shm_dir)
+
     cache = make_cache(spec)
     alt = make_cache(CacheSpec(**{**spec.__dict__, "dtype": spec.alt_dtype})) if spec.alt_dtype else None
-    ep = KVEndpoint(name, store_url, backend="gloo", timeout_s=timeout_s, chunk_bytes=chunk_bytes)
+    ep = KVEndpoint(name, store_url, backend="gloo", timeout_s=timeout_s, chunk_bytes=chunk_bytes, shm=shm)
     handles = {}
     conn.send(("ready", os.getpid()))
     while True:
@@ -109,6 +116,14 @@ def _main(conn, name: str, store_url: str, spec: CacheSpec, timeout_s: float, ch
             elif cmd == "untouched":
                 (used,) = args
                 out = untouched_except(cache, used)
+            elif cmd == "pairs":  # peer -> what its channels' current groups are: "shm", "gloo" or None
+                kinds = {}
+                for side, table in (("send", ep._send), ("recv", ep._recv)):
+                    for peer, ch in table.items():
+                        g = ch.group
+                        kinds[f"{side}:{peer}"] = None if g is None else ("shm" if getattr(g, "shared", False)
+                                                                          else "gloo")
+                out = kinds
             elif cmd == "stats":
                 out = [(s.request_id, s.state.value, s.num_bytes, s.seconds) for s in ep.take_completed()]
             else:
@@ -122,7 +137,7 @@ class Agent:
     """Parent-side handle of an agent process."""
 
     def __init__(self, name: str, store_url: str, spec: CacheSpec, timeout_s: float = 5.0,
-                 chunk_bytes: int = 1 << 20):
+                 chunk_bytes: int = 1 << 20, shm: bool = True, shm_dir: str | None = None):
         # forkserver: torch is imported once by the server, then each agent is a cheap fork of a
         # process that never started a thread pool or a process group (unlike forking the test process)
         ctx = mp.get_context("forkserver")
@@ -130,15 +145,15 @@ class Agent:
         self.name = name
         self.spec = spec
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_main, args=(child, name, store_url, spec, timeout_s, chunk_bytes),
-                                daemon=True)
+        self.proc = ctx.Process(target=_main, args=(child, name, store_url, spec, timeout_s, chunk_bytes, shm,
+                                                    shm_dir), daemon=True)
         self.proc.start()
         child.close()
 
     def ready(self, timeout_s: float = 60.0) -> "Agent":
         if not self.conn.poll(timeout_s):
             raise TimeoutError(f"agent {self.name} did not start")
-        tag, _pid = self.conn.recv()
+        tag, self.pid = self.conn.recv()
         assert tag == "ready"
         return self
 

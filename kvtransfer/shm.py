@@ -1,0 +1,263 @@
+"""Same-host KV payload through shared memory: a gloo pair whose payload bytes skip the socket.
+
+Why: two workers on one host moved KV through gloo over loopback, every byte copied into the kernel's socket
+buffers and out again (2-4 GB/s here, docs/benchmarks.md). Here the payload goes through a ring of slots in a
+``/dev/shm`` file both processes map: the sender copies a chunk into a free slot and tells the receiver which
+(a 16-byte control message over the pair's gloo group), the receiver copies it out and hands the slot back.
+Head messages and acks, and everything about breaking a pair, stay gloo's (``TorchPair``).
+
+Lifecycle: the sender's endpoint offers shared memory only to a receiver that published the capability
+(``Rendezvous``: ``cap/<name>``; an older receiver never sees it) and only on a gloo backend; the offer is
+marked in the pair's key. ``negotiate`` then runs once on the freshly built gloo pair, both ranks: rank 0
+creates ``/dev/shm/pdserve-kv-<pid>-<random>`` (``SLOTS`` x ``slot_bytes`` plus a header holding a random
+nonce) and sends its name; rank 1 maps it and checks the nonce, which tells whether both processes see the
+same ``/dev/shm`` (two containers on one node may not), and answers yes or no; rank 0 unlinks the file either
+way (the mappings live on; a process killed inside that window leaves one file, which ``sweep_orphans``
+removes at the next endpoint start once its creator is dead). On yes both use a ``ShmPair``, on no the plain gloo
+pair: nothing else differs. ``close`` closes the gloo pair (waking every wait, as before) and drops the mapping.
+
+Ordering: control messages share gloo's per-tag FIFO order. A sender's payload ops are carried out in the order
+they were posted, whatever order they are waited in (a chunk is announced only after every earlier one); a
+receiver posts its control receive at ``irecv`` time, so chunks match receives in order as gloo's would. Slot
+reuse waits for the receiver's release of that slot; the sender keeps one release receive posted per slot, so
+a receiver's release never blocks on the sender.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from kvtransfer.transport import PairBroken, PairOp, TorchPair
+from kvtransfer.wire import TAG_PAYLOAD
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+SLOTS = 8
+"""Ring slots per pair: twice the channels' window of payload messages in flight."""
+TAG_SHM_HELLO, TAG_SHM_CTL, TAG_SHM_FREE = 0x7F10, 0x7F11, 0x7F12
+_HELLO_BYTES = 512
+_HEADER = 64
+"""Bytes before the first slot: the nonce rank 1 checks."""
+_NAME = re.compile(r"^pdserve-kv-(\d+)-[0-9a-f]{16}$")
+
+
+def _segment(path: Path, nbytes: int) -> torch.Tensor:
+    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def sweep_orphans(shm_dir: Optional[Path] = None) -> int:
+    """Remove ring files whose creating process is gone (it died between creating and unlinking one)."""
+    shm_dir = shm_dir or SHM_DIR
+    removed = 0
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return 0
+    for name in names:
+        m = _NAME.match(name)
+        if m is None or Path(f"/proc/{m.group(1)}").exists():
+            continue
+        try:
+            os.unlink(shm_dir / name)
+            removed += 1
+        except OSError:
+            pass
+    return removed
+
+
+def negotiate(pair: TorchPair, rank: int, slot_bytes: int, timeout_s: float,
+              shm_dir: Optional[Path] = None) -> "TorchPair | ShmPair":
+    """Run on a gloo pair just built with a shared-memory offer: the ``ShmPair`` both agreed on, or ``pair``."""
+    shm_dir = shm_dir or SHM_DIR
+    msg = torch.zeros(_HELLO_BYTES, dtype=torch.uint8)
+    answer = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:
+        path: Optional[Path] = None
+        seg = None
+        hello: dict[str, Any] = {"path": ""}
+        try:
+            path = shm_dir / f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}"
+            seg = _segment(path, _HEADER + SLOTS * slot_bytes)
+            nonce = secrets.token_bytes(16)
+            seg[:16] = torch.frombuffer(bytearray(nonce), dtype=torch.uint8)
+            hello = {"path": str(path), "nonce": nonce.hex(), "slot_bytes": slot_bytes, "slots": SLOTS}
+        except (OSError, RuntimeError) as e:  # no /dev/shm, or full: plain gloo
+            log.info("kv shared memory unavailable here (%s); the pair stays on gloo", e)
+            seg = None
+        try:
+            raw = json.dumps(hello).encode()
+            msg[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+            pair.isend(msg, TAG_SHM_HELLO).wait(timeout_s)
+            pair.irecv(answer, TAG_SHM_HELLO).wait(timeout_s)
+        finally:
+            if path is not None:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        if seg is not None and int(answer.item()) == 1:
+            return ShmPair(pair, seg, slot_bytes, SLOTS, rank)
+        return pair
+    pair.irecv(msg, TAG_SHM_HELLO).wait(timeout_s)
+    seg = None
+    try:
+        hello = json.loads(bytes(msg.tolist()).rstrip(b"\0").decode())
+        path = Path(hello.get("path", ""))
+        if path.parent == shm_dir and _NAME.match(path.name):
+            size = _HEADER + int(hello["slots"]) * int(hello["slot_bytes"])
+            if path.stat().st_size == size:
+                cand = _segment(path, size)
+                if bytes(cand[:16].tolist()) == bytes.fromhex(hello["nonce"]):
+                    seg = cand
+    except (OSError, RuntimeError, ValueError, KeyError, TypeError):
+        seg = None  # another /dev/shm (another container), or a file already gone: gloo
+    answer.fill_(1 if seg is not None else 0)
+    pair.isend(answer, TAG_SHM_HELLO).wait(timeout_s)
+    if seg is None:
+        return pair
+    return ShmPair(pair, seg, int(hello["slot_bytes"]), int(hello["slots"]), rank)
+
+
+class _Op:
+    def __init__(self, fn):
+        self._fn, self._done = fn, False
+
+    def wait(self, timeout_s: float) -> None:
+        if not self._done:
+            self._fn(timeout_s)
+            self._done = True
+
+
+class _Send:
+    """One payload send: its pieces, how many are in slots and announced, the announcements' gloo ops."""
+
+    def __init__(self, pieces: list[torch.Tensor]):
+        self.pieces, self.posted, self.ctl = pieces, 0, []
+
+
+def _completed(op: Any) -> bool:
+    work = getattr(op, "_work", None)
+    try:
+        return work is not None and bool(work.is_completed())
+    except RuntimeError:
+        return True  # failed: its wait raises PairBroken
+
+
+def _pieces(t: torch.Tensor, slot_bytes: int) -> list[torch.Tensor]:
+    flat = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else None
+    if flat is None:
+        raise PairBroken("shared-memory pair: payload tensors must be contiguous")
+    return [flat[i:i + slot_bytes] for i in range(0, flat.numel(), slot_bytes)]
+
+
+class ShmPair:
+    """A ``PairGroup`` over a gloo ``TorchPair`` whose ``TAG_PAYLOAD`` bytes move through shared slots."""
+
+    def __init__(self, pair: TorchPair, segment: torch.Tensor, slot_bytes: int, slots: int, rank: int):
+        self._pair = pair
+        self._seg = segment
+        self._slot_bytes, self._nslots = slot_bytes, slots
+        self.data_device = torch.device("cpu")
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._sends: deque = deque()  # sender: payload ops posted, not yet carried out, in order
+        self._free: deque[int] = deque(range(slots))
+        self._releases: deque = deque()  # sender: (op, buffer) release receives posted, oldest first
+        if rank == 0:
+            for _ in range(slots):
+                self._post_release()
+
+    @property
+    def shared(self) -> bool:
+        return True
+
+    def _slot(self, i: int, n: int) -> torch.Tensor:
+        if not 0 <= i < self._nslots or not 0 <= n <= self._slot_bytes:
+            raise PairBroken(f"shared-memory pair: bad slot message ({i}, {n})")
+        lo = _HEADER + i * self._slot_bytes
+        return self._seg[lo:lo + n]
+
+    def _post_release(self) -> None:
+        buf = torch.zeros(1, dtype=torch.int64)
+        self._releases.append((self._pair.irecv(buf, TAG_SHM_FREE), buf))
+
+    def _take_slot(self, timeout_s: Optional[float]) -> Optional[int]:
+        """A free slot: at once if one is free or released already; None if not and ``timeout_s`` is None; else
+        wait for the oldest release (PairBroken after ``timeout_s``)."""
+        while not self._free:
+            op, buf = self._releases[0]
+            if timeout_s is None and not _completed(op):
+                return None
+            op.wait(timeout_s if timeout_s is not None else 1.0)  # None: already completed
+            self._releases.popleft()
+            self._free.append(int(buf.item()))
+            self._post_release()
+        return self._free.popleft()
+
+    def _pump(self, timeout_s: Optional[float], upto: Optional[_Send] = None) -> None:
+        """Copy posted payload sends into slots and announce them, in order: while slots are free (``timeout_s``
+        None), or waiting for releases until ``upto`` is all announced. Holds the lock."""
+        while self._sends:
+            s = self._sends[0]
+            while s.posted < len(s.pieces):
+                i = self._take_slot(timeout_s)
+                if i is None:
+                    return
+                piece = s.pieces[s.posted]
+                self._slot(i, piece.numel()).copy_(piece)
+                ctl = torch.tensor([i, piece.numel()], dtype=torch.int64)
+                s.ctl.append(self._pair.isend(ctl, TAG_SHM_CTL))  # gloo keeps the tensor alive
+                s.posted += 1
+            self._sends.popleft()
+            if s is upto:
+                return
+
+    # -- PairGroup ----------------------------------------------------------------------------------
+    def isend(self, t: torch.Tensor, tag: int) -> PairOp:
+        """Payload: copied into free slots and announced now as far as slots allow, the rest by ``wait``."""
+        if tag != TAG_PAYLOAD or t.is_cuda:
+            return self._pair.isend(t, tag)
+        s = _Send(_pieces(t, self._slot_bytes))
+        with self._lock:
+            self._sends.append(s)
+            self._pump(None)
+
+        def wait(timeout_s: float) -> None:
+            with self._lock:
+                if s.posted < len(s.pieces) or s in self._sends:
+                    self._pump(timeout_s, s)
+            for op in s.ctl:
+                op.wait(timeout_s)
+        return _Op(wait)
+
+    def irecv(self, t: torch.Tensor, tag: int) -> PairOp:
+        if tag != TAG_PAYLOAD or t.is_cuda:
+            return self._pair.irecv(t, tag)
+        pieces = _pieces(t, self._slot_bytes)
+        posted = []
+        for piece in pieces:
+            ctl = torch.zeros(2, dtype=torch.int64)
+            posted.append((self._pair.irecv(ctl, TAG_SHM_CTL), ctl, piece))
+
+        def wait(timeout_s: float) -> None:
+            for op, ctl, piece in posted:
+                op.wait(timeout_s)
+                i, n = int(ctl[0]), int(ctl[1])
+                if n != piece.numel():
+                    raise PairBroken(f"shared-memory pair: a chunk of {n} bytes into a buffer of {piece.numel()}")
+                piece.copy_(self._slot(i, n))
+                self._pair.isend(torch.tensor([i], dtype=torch.int64), TAG_SHM_FREE).wait(timeout_s)
+        return _Op(wait)
+
+    def close(self) -> None:
+        self._pair.close()

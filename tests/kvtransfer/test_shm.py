@@ -1,0 +1,138 @@
+"""Same-host KV through shared memory (kvtransfer/shm.py): chosen when both ends allow it and see one /dev/shm,
+bit-exact, no file left behind, and the socket when either end cannot.
+
+Real processes (``tests.kvtransfer.agent``: one KVEndpoint each, a TCPStore rendezvous) for the choice and the
+bytes; one process with two threads over a real gloo pair for the ordering of payload ops.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kvtransfer.shm import SHM_DIR, ShmPair, sweep_orphans
+from kvtransfer.transport import open_pair
+from kvtransfer.wire import TAG_PAYLOAD
+from tests.kvtransfer.agent import Agent, CacheSpec, wait_state
+
+pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="this host has no /dev/shm")
+
+
+@pytest.fixture
+def store_url():
+    st = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                       timeout=datetime.timedelta(seconds=30))
+    yield f"tcp://127.0.0.1:{st.port}"
+    del st
+
+
+def _ring_files(*pids: int) -> list[str]:
+    return sorted(n for n in os.listdir(SHM_DIR) if any(n.startswith(f"pdserve-kv-{p}-") for p in pids))
+
+
+def _move(a: Agent, b: Agent, rid: str, src: list[int], dst: list[int], n: int) -> None:
+    b.call("recv", rid, "A", rid, dst, n, 20.0)
+    a.call("send", rid, "B", rid, src, n, "all", 20.0)
+    assert wait_state(a, rid, 30)[:2] == ("done", None)
+    assert wait_state(b, rid, 30)[:2] == ("done", None)
+    assert a.call("checksum", src, n) == b.call("checksum", dst, n), rid
+
+
+def _pair_of(receiver_kw: dict, store_url: str) -> tuple[dict, dict, list[str]]:
+    """A (seeded cache) sends three requests to B (zeros) with 4 KiB chunks (many more chunks than ring slots,
+    so every slot is reused); the kinds of both ends' pairs and the ring files left of either process."""
+    spec = dict(num_layers=3, num_blocks=64, block_size=16)
+    a = Agent("A", store_url, CacheSpec(seed=7, **spec), chunk_bytes=4096)
+    b = Agent("B", store_url, CacheSpec(**spec), chunk_bytes=4096, **receiver_kw)
+    try:
+        a.ready()
+        b.ready()
+        _move(a, b, "r1", [5, 9, 2, 40], [10, 11, 12, 13], 57)
+        _move(a, b, "r2", list(range(20, 28)), list(range(30, 38)), 128)
+        _move(a, b, "r3", [63], [0], 3)
+        assert b.call("untouched", [([10, 11, 12, 13], 57), (list(range(30, 38)), 128), ([0], 3)])
+        return a.call("pairs"), b.call("pairs"), _ring_files(a.pid, b.pid)
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_same_host_workers_move_kv_through_shared_memory_bit_exact_and_leave_no_file(store_url):
+    sender, receiver, left = _pair_of({}, store_url)
+    assert sender == {"send:B": "shm"} and receiver == {"recv:A": "shm"}
+    assert left == []  # unlinked once both ends mapped it
+
+
+def test_a_receiver_with_shared_memory_off_stays_on_the_socket(store_url):
+    sender, receiver, _ = _pair_of({"shm": False}, store_url)
+    assert sender == {"send:B": "gloo"} and receiver == {"recv:A": "gloo"}
+
+
+def test_a_receiver_that_sees_another_dev_shm_declines_to_the_socket(store_url, tmp_path):
+    """As a second container on one node: the offered file is not in its /dev/shm, so it answers no."""
+    sender, receiver, left = _pair_of({"shm_dir": str(tmp_path)}, store_url)
+    assert sender == {"send:B": "gloo"} and receiver == {"recv:A": "gloo"}
+    assert left == []  # the sender unlinks its file after a no too
+
+
+def test_payload_ops_are_carried_out_in_posting_order_whatever_order_they_are_waited_in():
+    """Five payloads of 3 slots each through an 8-slot ring (so slots are reused), the sender waiting the last
+    first; the receiver's receives, posted in order, get them in order."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=30))
+    pairs: dict[int, object] = {}
+
+    def build(rank: int) -> None:  # a client connection each: one TCPStore client serializes gloo's waits
+        own = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        pairs[rank] = open_pair("gloo", own, "pg/order", rank, 30.0, host="127.0.0.1", shm_slot_bytes=4096)
+
+    ths = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join(60)
+    s, r = pairs[0], pairs[1]
+    try:
+        assert isinstance(s, ShmPair) and isinstance(r, ShmPair)
+        sent = [torch.full((3 * 4096 // 4,), float(k), dtype=torch.float32) for k in range(5)]
+        got = [torch.zeros(3 * 4096 // 4) for _ in range(5)]
+        ops_r = [r.irecv(g, TAG_PAYLOAD) for g in got]
+        ops_s = [s.isend(t, TAG_PAYLOAD) for t in sent]
+        waiter = threading.Thread(target=lambda: [op.wait(30.0) for op in ops_r])
+        waiter.start()
+        for op in reversed(ops_s):
+            op.wait(30.0)
+        waiter.join(60)
+        assert not waiter.is_alive()
+        assert [float(g[0]) for g in got] == [0.0, 1.0, 2.0, 3.0, 4.0]
+        assert all(torch.equal(g, t) for g, t in zip(got, sent))
+        # a control message (not TAG_PAYLOAD) still goes over gloo as before
+        hdr, back = torch.arange(16, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8)
+        op = r.irecv(back, 0)
+        s.isend(hdr, 0).wait(10.0)
+        op.wait(10.0)
+        assert torch.equal(hdr, back)
+    finally:
+        for p in pairs.values():
+            p.close()
+        del store
+
+
+def test_sweep_removes_ring_files_of_dead_processes_only(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    orphan = tmp_path / f"pdserve-kv-{dead_pid}-{'ab' * 8}"
+    mine = tmp_path / f"pdserve-kv-{os.getpid()}-{'cd' * 8}"
+    other = tmp_path / f"something-{dead_pid}"
+    for f in (orphan, mine, other):
+        f.write_bytes(b"x")
+    assert sweep_orphans(tmp_path) == 1
+    assert sorted(p.name for p in Path(tmp_path).iterdir()) == sorted([mine.name, other.name])
