@@ -113,6 +113,9 @@ class ClusterConfig:
     device: str = "auto"
     """"cpu", "cuda", or "auto" (cuda when the Ray cluster offers GPUs, else cpu). On cuda every worker actor
     asks Ray for one GPU, its engine runs there and KV moves over NCCL."""
+    kv_shm: bool = True
+    """Workers on one host move KV through shared memory instead of the loopback socket (``WorkerConfig.kv_shm``;
+    gloo only: on cuda KV moves over NCCL)."""
     engine_process: bool = False
     """Colocated workers run their engine core in a process of their own (``WorkerConfig.engine_process``); the
     worker actor's gRPC and streaming threads then use CPU beyond ``cpus_per_worker``. Colocated pools only."""
@@ -125,6 +128,8 @@ class ClusterConfig:
         check_port(self.router_port, "router_port")
         if not isinstance(self.engine_process, bool):
             raise ValueError(f"engine_process must be a bool, got {self.engine_process!r}")
+        if not isinstance(self.kv_shm, bool):
+            raise ValueError(f"kv_shm must be a bool, got {self.kv_shm!r}")
         if self.engine_process and not self.num_colocated:
             raise ValueError("engine_process needs colocated workers (num_colocated > 0): the prefill and decode "
                              "roles do not run their engine in a process of its own yet")
@@ -227,7 +232,7 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
         kv_store = dataclasses.replace(kv_store, host=host)
     common = dict(worker_id=worker_id, engine=engine, kv_store=kv_store, host=host, node_id=node_id,
                   cluster_secret=cfg.cluster_secret, cluster_tls=cfg.cluster_tls, model_name=cfg.served_model_name,
-                  metrics_port=worker_metrics_port(), kv_backend="nccl" if cuda else "gloo",
+                  metrics_port=worker_metrics_port(), kv_backend="nccl" if cuda else "gloo", kv_shm=cfg.kv_shm,
                   otlp_traces_endpoint=cfg.otlp_traces_endpoint)
     if isinstance(kv_store, StoreConfig) and kv_store.url.startswith(("redis://", "rediss://", "unix://")):
         # KV events go to the cluster's Redis under its namespace (the rendezvous is "{namespace}:kvt")

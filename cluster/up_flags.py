@@ -53,6 +53,9 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
                    help="with --colocated: each worker runs its engine core in a process of its own, so engine "
                         "steps do not share a GIL with the worker's gRPC and streaming threads (vLLM v1's split; "
                         "the worker then uses about one core beyond --cpus-per-worker)")
+    p.add_argument("--no-kv-shm", dest="kv_shm", action="store_false",
+                   help="workers on one host move KV through the loopback socket, not shared memory (the default "
+                        "where both see one /dev/shm; gloo only)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where the engines run: cuda gives every worker actor one Ray GPU and moves KV over "
                         "NCCL; auto = cuda when the Ray cluster offers GPUs, else cpu (default auto)")
@@ -257,6 +260,7 @@ def pool_config_kwargs(args: argparse.Namespace) -> dict:
                 num_decode=args.decode, num_colocated=args.colocated, host=args.host, ray_address=args.address,
                 namespace=args.namespace, cpus_per_worker=args.cpus_per_worker, device=args.device,
                 engine_overrides=engine_overrides(args), engine_process=args.engine_process,
+                kv_shm=getattr(args, "kv_shm", True),
                 pool_tensor_parallel={role: n for role, n in (("prefill", args.prefill_tp),
                                                               ("decode", args.decode_tp)) if n is not None},
                 pool_num_kv_blocks={role: n for role, n in (("prefill", args.prefill_num_kv_blocks),

@@ -41,6 +41,10 @@ MAX_CHUNK_BYTES = 256 << 20
 ANSWERED_MEMORY = 4096
 
 
+SLOT = object()
+"""In-flight marker: the chunk is read in place from a shared-memory pair's slot (kvtransfer/shm.py)."""
+
+
 class RecvChannel(PairChannel):
     """One ordered sender -> receiver channel, receiver side."""
 
@@ -268,8 +272,13 @@ class RecvChannel(PairChannel):
                 segs = plan.chunk_segments(posted)
                 view = direct_view(t.kv_caches, t.tokens, segs)
                 buf = None
+                if view is None and sizes[posted] <= getattr(group, "slot_bytes", 0):
+                    # a shared-memory pair: scattered straight out of its slot (the sender bounds the slots)
+                    inflight.append((group.recv_staged(sizes[posted]), SLOT, segs))
+                    posted += 1
+                    continue
                 if view is None:
-                    if sum(1 for x in inflight if x[1] is not None) == WINDOW:
+                    if sum(1 for x in inflight if x[1] is not None and x[1] is not SLOT) == WINDOW:
                         return
                     buf = view = self._buf(staged % WINDOW, sizes[posted], t.layout.device)
                     staged += 1
@@ -284,8 +293,11 @@ class RecvChannel(PairChannel):
                 t.mark_wire(plan.inline_nbytes)
         for i in range(len(sizes)):
             op, buf, segs = inflight.popleft()
-            op.wait(timeout)
-            if buf is not None:
+            got = op.wait(timeout)
+            if buf is SLOT:
+                scatter(t.kv_caches, t.tokens, segs, got)
+                group.release(got, timeout)
+            elif buf is not None:
                 scatter(t.kv_caches, t.tokens, segs, buf)
             with self.cond:
                 t.mark_wire(sizes[i])

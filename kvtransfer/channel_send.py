@@ -161,7 +161,10 @@ class SendChannel(PairChannel):
             segs = plan.chunk_segments(i)
             view = direct_view(t.kv_caches, t.tokens, segs)  # straight from the cache: no buffer to recycle
             slot = None
-            if view is None:
+            if view is None and plan.sizes[i] <= getattr(group, "slot_bytes", 0):
+                # a shared-memory pair: gather straight into its slot, which the receiver reads in place
+                view = gather(t.kv_caches, t.tokens, segs, group.stage(plan.sizes[i], timeout))
+            elif view is None:
                 slot = staged % WINDOW
                 staged += 1
                 if slot_ops[slot] is not None:

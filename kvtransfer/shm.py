@@ -139,10 +139,21 @@ class _Op:
 
 
 class _Send:
-    """One payload send: its pieces, how many are in slots and announced, the announcements' gloo ops."""
+    """One payload send: its pieces, how many are in slots and announced, the announcements' gloo ops; or a chunk
+    the channel gathered straight into a slot (``staged``: slot, bytes), announced without a copy."""
 
-    def __init__(self, pieces: list[torch.Tensor]):
-        self.pieces, self.posted, self.ctl = pieces, 0, []
+    def __init__(self, pieces: list[torch.Tensor], staged: Optional[tuple[int, int]] = None):
+        self.pieces, self.posted, self.ctl, self.staged = pieces, 0, [], staged
+
+
+class _Recv:
+    def __init__(self, fn):
+        self._fn, self._view = fn, None
+
+    def wait(self, timeout_s: float) -> torch.Tensor:
+        if self._view is None:
+            self._view = self._fn(timeout_s)
+        return self._view
 
 
 def _completed(op: Any) -> bool:
@@ -181,6 +192,18 @@ class ShmPair:
     def shared(self) -> bool:
         return True
 
+    @property
+    def slot_bytes(self) -> int:
+        return self._slot_bytes
+
+    def _slot_of(self, view: torch.Tensor) -> Optional[int]:
+        """The slot ``view`` lies in (it starts at that slot's first byte), or None: not this ring's memory."""
+        base = self._seg.data_ptr() + _HEADER
+        off = view.data_ptr() - base
+        if view.device.type != "cpu" or off < 0 or off % self._slot_bytes or off // self._slot_bytes >= self._nslots:
+            return None
+        return off // self._slot_bytes
+
     def _slot(self, i: int, n: int) -> torch.Tensor:
         if not 0 <= i < self._nslots or not 0 <= n <= self._slot_bytes:
             raise PairBroken(f"shared-memory pair: bad slot message ({i}, {n})")
@@ -209,6 +232,10 @@ class ShmPair:
         None), or waiting for releases until ``upto`` is all announced. Holds the lock."""
         while self._sends:
             s = self._sends[0]
+            if s.staged is not None and not s.posted:
+                ctl = torch.tensor(list(s.staged), dtype=torch.int64)
+                s.ctl.append(self._pair.isend(ctl, TAG_SHM_CTL))
+                s.posted = len(s.pieces)
             while s.posted < len(s.pieces):
                 i = self._take_slot(timeout_s)
                 if i is None:
@@ -222,12 +249,46 @@ class ShmPair:
             if s is upto:
                 return
 
+    # -- the channels' zero-copy side ------------------------------------------------------------
+    def stage(self, nbytes: int, timeout_s: float) -> torch.Tensor:
+        """Sender: a slot to gather a chunk of ``nbytes`` (at most ``slot_bytes``) straight into; ``isend`` of it
+        (or of its first bytes) then only announces it. Earlier payload sends go out first."""
+        if not 0 < nbytes <= self._slot_bytes:
+            raise ValueError(f"stage: {nbytes} bytes do not fit a {self._slot_bytes}-byte slot")
+        with self._lock:
+            self._pump(timeout_s, self._sends[-1] if self._sends else None)
+            i = self._take_slot(timeout_s)
+        return self._slot(i, nbytes)
+
+    def recv_staged(self, nbytes: int) -> "_Recv":
+        """Receiver: the next payload chunk of ``nbytes``, left in its slot: ``wait`` returns the slot's bytes
+        (read them, then ``release``). Posted in order with ``irecv``."""
+        ctl = torch.zeros(2, dtype=torch.int64)
+        op = self._pair.irecv(ctl, TAG_SHM_CTL)
+
+        def wait(timeout_s: float) -> torch.Tensor:
+            op.wait(timeout_s)
+            i, n = int(ctl[0]), int(ctl[1])
+            if n != nbytes:
+                raise PairBroken(f"shared-memory pair: a chunk of {n} bytes where {nbytes} were expected")
+            return self._slot(i, n)
+        return _Recv(wait)
+
+    def release(self, view: torch.Tensor, timeout_s: float) -> None:
+        """Receiver: hand the slot of a ``recv_staged`` chunk back to the sender."""
+        i = self._slot_of(view)
+        if i is None:
+            raise ValueError("release: not a slot of this pair")
+        self._pair.isend(torch.tensor([i], dtype=torch.int64), TAG_SHM_FREE).wait(timeout_s)
+
     # -- PairGroup ----------------------------------------------------------------------------------
     def isend(self, t: torch.Tensor, tag: int) -> PairOp:
-        """Payload: copied into free slots and announced now as far as slots allow, the rest by ``wait``."""
+        """Payload: a staged slot is announced; other bytes are copied into free slots and announced now as far
+        as slots allow, the rest by ``wait``."""
         if tag != TAG_PAYLOAD or t.is_cuda:
             return self._pair.isend(t, tag)
-        s = _Send(_pieces(t, self._slot_bytes))
+        i = self._slot_of(t)
+        s = _Send([t], (i, t.numel())) if i is not None else _Send(_pieces(t, self._slot_bytes))
         with self._lock:
             self._sends.append(s)
             self._pump(None)

@@ -37,6 +37,9 @@ class WorkerConfig:
     """kvtransfer rendezvous: "tcp://host:port", "redis://host:port/db", a StoreConfig or a torch Store."""
     kv_backend: str = "gloo"
     """kvtransfer backend by name: "gloo", "nccl", or "inproc" (same-process tests)."""
+    kv_shm: bool = True
+    """With gloo: KV to and from a worker on the same host (one ``/dev/shm``) moves through shared memory
+    (kvtransfer/shm.py) instead of the loopback socket; False: always the socket."""
     kv_name: Optional[str] = None
     """kvtransfer endpoint name; None means worker_id."""
     host: str = "127.0.0.1"
@@ -120,6 +123,8 @@ class WorkerConfig:
         if self.engine_process and self.role != "colocated":
             raise ValueError(f"engine_process is supported by the colocated role only, not {self.role} (the "
                              "prefill and decode roles write KV transfers into the engine's cache tensors)")
+        if not isinstance(self.kv_shm, bool):
+            raise ValueError(f"kv_shm must be a bool, got {self.kv_shm!r}")
         if not isinstance(self.kv_backend, str) or not self.kv_backend:
             raise ValueError(f"kv_backend must be a backend name, got {self.kv_backend!r}")
 

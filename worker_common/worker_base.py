@@ -204,7 +204,7 @@ class WorkerBase:
         from kvtransfer import KVEndpoint
 
         return KVEndpoint(self.cfg.kv_name, self.cfg.kv_store, backend=self.cfg.kv_backend,
-                          timeout_s=self.cfg.transfer_timeout_s)
+                          timeout_s=self.cfg.transfer_timeout_s, shm=self.cfg.kv_shm)
 
     # ---- load reporting -----------------------------------------------------------
     def refresh_load(self, beside: bool = False) -> None:

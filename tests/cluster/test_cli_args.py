@@ -169,6 +169,25 @@ def test_engine_process_flag_reaches_the_cluster_config():
         ClusterConfig(num_colocated=0, engine_process=True)
 
 
+def test_no_kv_shm_flag_reaches_the_worker_configs():
+    from cluster.config import ClusterConfig
+    from cluster.up_flags import pool_config_kwargs
+    from worker_common.config import WorkerConfig
+
+    assert ClusterConfig(**pool_config_kwargs(build_parser().parse_args(["up"]))).kv_shm is True
+    cfg = ClusterConfig(**pool_config_kwargs(build_parser().parse_args(["up", "--no-kv-shm"])))
+    assert cfg.kv_shm is False
+    with pytest.raises(ValueError, match="kv_shm must be a bool"):
+        ClusterConfig(kv_shm="no")
+    with pytest.raises(ValueError, match="kv_shm must be a bool"):
+        WorkerConfig(worker_id="w", kv_shm=0)
+    from cluster.config import build_role_worker
+    from kvtransfer import StoreConfig
+
+    store = StoreConfig("redis://127.0.0.1:1/0", namespace="unused")  # built, not started: never dialled
+    assert build_role_worker("decode", "d-0", cfg, store, "127.0.0.1", "n0").cfg.kv_shm is False
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be an integer >= 1"),
     (["--prefill-tp", "0"], "--prefill-tp must be an integer >= 1"),
