@@ -46,18 +46,20 @@ def _move(a: Agent, b: Agent, rid: str, src: list[int], dst: list[int], n: int) 
 
 
 def _pair_of(receiver_kw: dict, store_url: str) -> tuple[dict, dict, list[str]]:
-    """A (seeded cache) sends three requests to B (zeros) with 4 KiB chunks (many more chunks than ring slots,
-    so every slot is reused); the kinds of both ends' pairs and the ring files left of either process."""
-    spec = dict(num_layers=3, num_blocks=64, block_size=16)
-    a = Agent("A", store_url, CacheSpec(seed=7, **spec), chunk_bytes=4096)
-    b = Agent("B", store_url, CacheSpec(**spec), chunk_bytes=4096, **receiver_kw)
+    """A (seeded cache) sends three requests to B (zeros) in 6 KiB chunks (rows of 1 KiB: many more chunks than
+    ring slots, so every slot is reused; chunks over shuffled blocks are gathered into and scattered out of the
+    slots in place, contiguous ones copied in and out); the kinds of both ends' pairs and the ring files left."""
+    spec = dict(num_layers=3, num_blocks=64, block_size=16, num_kv_heads=4, head_dim=64)
+    # 6-row chunks straddle the 16-token blocks: shuffled blocks make most chunks gathered or scattered ones
+    a = Agent("A", store_url, CacheSpec(seed=7, **spec), chunk_bytes=6144)
+    b = Agent("B", store_url, CacheSpec(**spec), chunk_bytes=6144, **receiver_kw)
     try:
         a.ready()
         b.ready()
-        _move(a, b, "r1", [5, 9, 2, 40], [10, 11, 12, 13], 57)
+        _move(a, b, "r1", [5, 9, 2, 40], [13, 11, 10, 12], 57)
         _move(a, b, "r2", list(range(20, 28)), list(range(30, 38)), 128)
         _move(a, b, "r3", [63], [0], 3)
-        assert b.call("untouched", [([10, 11, 12, 13], 57), (list(range(30, 38)), 128), ([0], 3)])
+        assert b.call("untouched", [([13, 11, 10, 12], 57), (list(range(30, 38)), 128), ([0], 3)])
         return a.call("pairs"), b.call("pairs"), _ring_files(a.pid, b.pid)
     finally:
         a.stop()
