@@ -226,6 +226,11 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
     overrides["tensor_parallel_size"] = pool_tp(cfg, role)
     if role in cfg.pool_num_kv_blocks:
         overrides["num_kv_blocks"] = cfg.pool_num_kv_blocks[role]
+    if role == "prefill" and cfg.kv_shm and not cuda and overrides["tensor_parallel_size"] == 1:
+        # a same-host decode worker reads this worker's KV in place (kvtransfer/shm.py's pull). The decode
+        # worker's own cache stays private: shared memory gets no transparent huge pages here (tmpfs), and its
+        # decode steps read the whole cache; the prefix fetch it sends goes through the ring instead
+        overrides.setdefault("kv_cache_shared", True)
     engine = EngineConfig(model=cfg.model, num_threads=max(1, int(cfg.cpus_per_worker)),
                           **{"device": "cuda" if cuda else "cpu", **overrides})
     if isinstance(kv_store, StoreConfig):  # gloo listens on the worker's interface, not the hostname's

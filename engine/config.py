@@ -100,6 +100,11 @@ class EngineConfig:
     vocabulary rows, one all-reduce after attention and one after the MLP, rank 0 scheduling and sampling.
     Each rank is a process on this node (gloo on CPU); it must divide the attention heads and the MLP width, and
     divide or be divided by the KV heads. ``kv_cache_memory_bytes`` and ``num_threads`` are per rank."""
+    kv_cache_shared: bool = False
+    """Allocate the KV cache in memory a process on this host can map (``transport.shared_memory``): a KV transfer
+    peer there then reads it in place (kvtransfer/shm.py). CPU, one rank; a cluster's prefill workers set it where
+    ``ClusterConfig.kv_shm`` is on. Such memory gets no transparent huge pages where the host's shmem setting is
+    ``never`` (the usual default), which matters to a cache decode steps read whole."""
     speculative_config: Optional[Any] = None
     """Speculative decoding (``engine.speculative``): vLLM's dict, e.g. ``{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}``, or a
@@ -125,6 +130,10 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be None or an integer >= 1, got {v!r}")
+        if not isinstance(self.kv_cache_shared, bool):
+            raise ValueError(f"kv_cache_shared must be a bool, got {self.kv_cache_shared!r}")
+        if self.kv_cache_shared and self.device != "cpu":
+            raise ValueError(f"kv_cache_shared is for CPU caches, not device {self.device!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.cpu_gemm not in ("onednn", "onednn_only", "torch", "pdserve"):

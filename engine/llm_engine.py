@@ -102,8 +102,9 @@ class LLMEngine:
             self.tp_group, model = TPGroup.start(config, mc, n_blocks, self.max_model_len)
         else:
             model = load_model(config, mc, self.max_model_len)
-        self.kv_caches: list[tuple[Tensor, Tensor]] = allocate_kv_caches(local_mc, n_blocks, self.block_size,
-                                                                             cache_dtype, device)
+        self.kv_caches: list[tuple[Tensor, Tensor]] = allocate_kv_caches(
+            local_mc, n_blocks, self.block_size, cache_dtype, device,
+            shared=config.kv_cache_shared and tp == 1 and device.type == "cpu")
         generator = torch.Generator().manual_seed(config.seed)
         sampler = Sampler(mc.vocab_size, config.seed)
         if self.tp_group is not None:

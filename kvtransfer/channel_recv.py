@@ -27,9 +27,10 @@ import torch
 
 from kvtransfer.channel import BACKSTOP_S, IDLE_WAIT_S, WINDOW, ChannelHost, PairChannel
 from kvtransfer.layout import FramePlan, direct_view, scatter
+from kvtransfer.shm import ShmPair, pull_rows
 from kvtransfer.transfer import Transfer, TransferState
 from kvtransfer.transport import PairBroken, PairGroup
-from kvtransfer.wire import (ACK_OK, ACK_REJECTED, HEAD_MSG_BYTES, HEADER_BYTES, KIND_ABORT,
+from kvtransfer.wire import (ACK_OK, ACK_REJECTED, HEAD_MSG_BYTES, HEADER_BYTES, KIND_ABORT, KIND_PULL,
                              TAG_ACK, TAG_HEAD, TAG_PAYLOAD, Ack, FrameHeader, FramingError, code_dtype)
 
 log = logging.getLogger(__name__)
@@ -250,6 +251,17 @@ class RecvChannel(PairChannel):
             self._release(f)
 
     def _receive_payload(self, group: PairGroup, hdr: FrameHeader, head: torch.Tensor, t: Transfer | None) -> None:
+        if hdr.kind == KIND_PULL:  # no payload messages: the rows are copied from the sender's cache
+            if not isinstance(group, ShmPair) or not group.pull:
+                raise FramingError("a pull frame on a pair that did not agree to pull")
+            if t is not None:
+                with self.cond:
+                    t.mark_wire(0)
+                pull_rows(group, head[HEADER_BYTES:], hdr.layer_lo, hdr.layer_hi, hdr.num_tokens, hdr.row_bytes,
+                          t.kv_caches, t.tokens)
+                with self.cond:
+                    t.mark_wire(hdr.payload_nbytes)
+            return
         plan = FramePlan(hdr.row_bytes, hdr.num_tokens, hdr.layer_lo, hdr.layer_hi, hdr.chunk_bytes,
                          hdr.inline_nbytes)
         sizes = plan.sizes

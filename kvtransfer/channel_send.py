@@ -24,10 +24,11 @@ import torch
 
 from kvtransfer.channel import BACKSTOP_S, IDLE_WAIT_S, WINDOW, ChannelHost, PairChannel
 from kvtransfer.layout import FramePlan, direct_view, gather
+from kvtransfer.shm import pull_descriptor
 from kvtransfer.transfer import Transfer, TransferState
 from kvtransfer.transport import PairBroken, PairGroup
 from kvtransfer.wire import (ACK_BYTES, ACK_OK, FLAG_LAST, HEAD_MSG_BYTES, HEADER_BYTES, INLINE_BYTES,
-                             KIND_ABORT, KIND_DATA, TAG_ACK, TAG_HEAD, TAG_PAYLOAD, Ack, FrameHeader,
+                             KIND_ABORT, KIND_DATA, KIND_PULL, TAG_ACK, TAG_HEAD, TAG_PAYLOAD, Ack, FrameHeader,
                              FramingError, dtype_code)
 
 ACK_GRACE_S = 1.0
@@ -140,6 +141,22 @@ class SendChannel(PairChannel):
             group.isend(hdr.pack(self._hdr), TAG_HEAD).wait(timeout)
             return
         lay = t.layout
+        if getattr(group, "pull", False):
+            # a shared-memory pair whose receiver maps our memory: it copies the rows from our cache itself
+            desc = pull_descriptor(t.kv_caches, t.tokens, lo, hi, INLINE_BYTES)
+            if desc is not None:
+                nbytes = (hi - lo) * 2 * t.tokens.num_tokens * lay.row_bytes
+                hdr = FrameHeader(KIND_PULL, t.transfer_id, t.request_id, lo, hi, lay.num_layers,
+                                  t.tokens.num_tokens, lay.num_kv_heads, lay.head_dim, dtype_code(lay.dtype),
+                                  lay.row_bytes, nbytes, 0, FLAG_LAST if last else 0)
+                hdr.pack(self._hdr)
+                self._hdr[HEADER_BYTES:HEADER_BYTES + len(desc)] = torch.frombuffer(bytearray(desc), dtype=torch.uint8)
+                with self.cond:
+                    t.mark_wire(nbytes)
+                group.isend(self._hdr, TAG_HEAD).wait(timeout)
+                with self.cond:
+                    t.mark_wire(0)
+                return
         # the head message is a CPU tensor: CUDA caches (nccl) send every payload byte as chunks
         inline = INLINE_BYTES if lay.device.type == "cpu" else 0
         plan = FramePlan(lay.row_bytes, t.tokens.num_tokens, lo, hi, self.host.chunk_bytes, inline)

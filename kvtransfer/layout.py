@@ -106,6 +106,8 @@ class TokenRows:
         for j in range(1, len(ids)):
             self._run[j] = self._run[j - 1] + (ids[j] != ids[j - 1] + 1)
         self.block_size = bs
+        self.block_ids = ids
+        """The blocks holding positions 0 .. num_tokens - 1 (a pull names them to the peer)."""
         self.first_token = first_token
         self.num_tokens = num_tokens - first_token
 

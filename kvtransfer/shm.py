@@ -29,15 +29,18 @@ import logging
 import os
 import re
 import secrets
+import struct
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
+from kvtransfer.layout import TokenRows, _rows
 from kvtransfer.transport import PairBroken, PairOp, TorchPair
-from kvtransfer.wire import TAG_PAYLOAD
+from kvtransfer.wire import TAG_PAYLOAD, FramingError
+from transport.shared_memory import SegmentHandle, SharedSegment, map_segment, segment_of
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,12 @@ _HELLO_BYTES = 512
 _HEADER = 64
 """Bytes before the first slot: the nonce rank 1 checks."""
 _NAME = re.compile(r"^pdserve-kv-(\d+)-[0-9a-f]{16}$")
+_RING, _PULL_OK = 1, 2
+"""Bits of rank 1's answer: the ring file is shared; it can also map rank 0's memory (pull frames)."""
+_PULL = struct.Struct("<IIQQIIII")
+"""Pull descriptor head: pid, fd, inode, segment bytes, source blocks, source block size, first_token, ids; then
+two u64 offsets (K, V) per layer of the frame, then the block ids as u32."""
+_MAPPED_MAX = 8
 
 
 def _segment(path: Path, nbytes: int) -> torch.Tensor:
@@ -85,12 +94,21 @@ def negotiate(pair: TorchPair, rank: int, slot_bytes: int, timeout_s: float,
         path: Optional[Path] = None
         seg = None
         hello: dict[str, Any] = {"path": ""}
+        probe = None
+        try:  # can the receiver map this process's memory (the same pid namespace and user)? then it may pull
+            probe = SharedSegment(64, "pdserve-kv-probe")
+            probe_nonce = secrets.token_bytes(16)
+            probe.tensor[:16] = torch.frombuffer(bytearray(probe_nonce), dtype=torch.uint8)
+            h = probe.handle
+            hello["pull"] = [h.pid, h.fd, h.inode, h.nbytes, probe_nonce.hex()]
+        except OSError as e:
+            log.info("kv pull unavailable here (%s)", e)
         try:
             path = shm_dir / f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}"
             seg = _segment(path, _HEADER + SLOTS * slot_bytes)
             nonce = secrets.token_bytes(16)
             seg[:16] = torch.frombuffer(bytearray(nonce), dtype=torch.uint8)
-            hello = {"path": str(path), "nonce": nonce.hex(), "slot_bytes": slot_bytes, "slots": SLOTS}
+            hello.update(path=str(path), nonce=nonce.hex(), slot_bytes=slot_bytes, slots=SLOTS)
         except (OSError, RuntimeError) as e:  # no /dev/shm, or full: plain gloo
             log.info("kv shared memory unavailable here (%s); the pair stays on gloo", e)
             seg = None
@@ -105,8 +123,11 @@ def negotiate(pair: TorchPair, rank: int, slot_bytes: int, timeout_s: float,
                     os.unlink(path)
                 except OSError:
                     pass
-        if seg is not None and int(answer.item()) == 1:
-            return ShmPair(pair, seg, slot_bytes, SLOTS, rank)
+            if probe is not None:
+                probe.close()
+        said = int(answer.item())
+        if seg is not None and said & _RING:
+            return ShmPair(pair, seg, slot_bytes, SLOTS, rank, pull=bool(said & _PULL_OK))
         return pair
     pair.irecv(msg, TAG_SHM_HELLO).wait(timeout_s)
     seg = None
@@ -121,11 +142,19 @@ def negotiate(pair: TorchPair, rank: int, slot_bytes: int, timeout_s: float,
                     seg = cand
     except (OSError, RuntimeError, ValueError, KeyError, TypeError):
         seg = None  # another /dev/shm (another container), or a file already gone: gloo
-    answer.fill_(1 if seg is not None else 0)
+    pull = False
+    if seg is not None and "pull" in hello:
+        try:
+            pid, fd, inode, nbytes, nonce = hello["pull"]
+            mapped = map_segment(SegmentHandle(int(pid), int(fd), int(inode), int(nbytes)))
+            pull = bytes(mapped[:16].tolist()) == bytes.fromhex(nonce)
+        except (OSError, RuntimeError, ValueError, TypeError):
+            pull = False  # another pid namespace or user: the ring only
+    answer.fill_((_RING if seg is not None else 0) | (_PULL_OK if pull else 0))
     pair.isend(answer, TAG_SHM_HELLO).wait(timeout_s)
     if seg is None:
         return pair
-    return ShmPair(pair, seg, int(hello["slot_bytes"]), int(hello["slots"]), rank)
+    return ShmPair(pair, seg, int(hello["slot_bytes"]), int(hello["slots"]), rank, pull=pull)
 
 
 class _Op:
@@ -174,7 +203,13 @@ def _pieces(t: torch.Tensor, slot_bytes: int) -> list[torch.Tensor]:
 class ShmPair:
     """A ``PairGroup`` over a gloo ``TorchPair`` whose ``TAG_PAYLOAD`` bytes move through shared slots."""
 
-    def __init__(self, pair: TorchPair, segment: torch.Tensor, slot_bytes: int, slots: int, rank: int):
+    def __init__(self, pair: TorchPair, segment: torch.Tensor, slot_bytes: int, slots: int, rank: int,
+                 pull: bool = False):
+        self.pull = pull
+        """Rank 1 can map rank 0's memory: data frames over a shared cache go as pull frames."""
+        self.counts = {"ring_chunks": 0, "pull_frames": 0}
+        """Receiver: payload chunks that came through the slots, and pull frames copied (for tests and logs)."""
+        self._mapped: dict[tuple[int, int, int], torch.Tensor] = {}
         self._pair = pair
         self._seg = segment
         self._slot_bytes, self._nslots = slot_bytes, slots
@@ -271,6 +306,7 @@ class ShmPair:
             i, n = int(ctl[0]), int(ctl[1])
             if n != nbytes:
                 raise PairBroken(f"shared-memory pair: a chunk of {n} bytes where {nbytes} were expected")
+            self.counts["ring_chunks"] += 1
             return self._slot(i, n)
         return _Recv(wait)
 
@@ -317,8 +353,91 @@ class ShmPair:
                 if n != piece.numel():
                     raise PairBroken(f"shared-memory pair: a chunk of {n} bytes into a buffer of {piece.numel()}")
                 piece.copy_(self._slot(i, n))
+                self.counts["ring_chunks"] += 1
                 self._pair.isend(torch.tensor([i], dtype=torch.int64), TAG_SHM_FREE).wait(timeout_s)
         return _Op(wait)
 
+    def peer_segment(self, handle: SegmentHandle) -> torch.Tensor:
+        """Receiver: the sender's segment, mapped once per pair (OSError if it cannot be)."""
+        key = (handle.pid, handle.fd, handle.inode)
+        seg = self._mapped.get(key)
+        if seg is None or seg.numel() != handle.nbytes:
+            if len(self._mapped) >= _MAPPED_MAX:
+                self._mapped.clear()
+            seg = self._mapped[key] = map_segment(handle)
+        return seg
+
     def close(self) -> None:
+        self._mapped.clear()
         self._pair.close()
+
+
+# -- pull frames -------------------------------------------------------------------------------------------
+def pull_descriptor(kv_caches: Sequence, tokens: TokenRows, lo: int, hi: int, room: int) -> Optional[bytes]:
+    """What a receiver needs to copy layers ``lo..hi-1`` of a transfer from this process's cache in place, or
+    None: the cache is not in one shared segment (or is a head slice), or the descriptor would not fit ``room``."""
+    seg = segment_of(kv_caches[0][0])
+    if seg is None:
+        return None
+    for layer in range(lo, hi):
+        for x in kv_caches[layer]:
+            if not x.is_contiguous() or not seg.contains(x):
+                return None
+    nb, bs = kv_caches[0][0].shape[:2]
+    h = seg.handle
+    offs = [seg.offset(kv_caches[layer][j]) for layer in range(lo, hi) for j in (0, 1)]
+    ids = tokens.block_ids
+    raw = (_PULL.pack(h.pid, h.fd, h.inode, h.nbytes, nb, bs, tokens.first_token, len(ids))
+           + struct.pack(f"<{len(offs)}Q", *offs) + struct.pack(f"<{len(ids)}I", *ids))
+    return raw if len(raw) <= room else None
+
+
+def _runs(src: torch.Tensor, dst: torch.Tensor) -> Optional[list[tuple[int, int, int]]]:
+    """(src row, dst row, count) of the stretches where both sides' rows are consecutive; None when they are so
+    short that one indexed copy (a gather and a scatter) beats a copy per stretch."""
+    n = src.numel()
+    brk = ((src[1:] - src[:-1]) != 1) | ((dst[1:] - dst[:-1]) != 1)
+    starts = [0] + (torch.nonzero(brk).flatten() + 1).tolist()
+    if len(starts) * 8 > n:
+        return None
+    s, d = src[starts].tolist(), dst[starts].tolist()
+    ends = starts[1:] + [n]
+    return [(s[i], d[i], ends[i] - starts[i]) for i in range(len(starts))]
+
+
+def pull_rows(group: ShmPair, desc: torch.Tensor, lo: int, hi: int, num_tokens: int, row_bytes: int,
+              kv_caches: Sequence, dst: TokenRows) -> None:
+    """Receiver: copy layers ``lo..hi-1`` of a pull frame from the sender's segment into ``kv_caches`` at ``dst``'s
+    rows, one copy per stretch of consecutive rows. FramingError if the descriptor does not describe them."""
+    raw = bytes(desc[:_PULL.size].tolist())
+    pid, fd, inode, nbytes, nb, bs, first, n_ids = _PULL.unpack(raw)
+    n_off = 2 * (hi - lo)
+    body = desc[_PULL.size:_PULL.size + 8 * n_off + 4 * n_ids]
+    if body.numel() != 8 * n_off + 4 * n_ids:
+        raise FramingError("pull descriptor is cut short")
+    offs = body[:8 * n_off].view(torch.int64).tolist()
+    ids = body[8 * n_off:].view(torch.int32).to(torch.int64)
+    needed = -(-(first + num_tokens) // bs) if bs else 0
+    size = nb * bs * row_bytes
+    if (not bs or n_ids < needed or (n_ids and (int(ids.min()) < 0 or int(ids.max()) >= nb))
+            or any(o < 0 or o + size > nbytes for o in offs)):
+        raise FramingError("pull descriptor names memory outside the sender's segment")
+    try:
+        seg = group.peer_segment(SegmentHandle(pid, fd, inode, nbytes))
+    except (OSError, RuntimeError) as e:
+        raise FramingError(f"cannot map the sender's KV cache: {e}") from None
+    src_rows = (ids[:needed, None] * bs + torch.arange(bs, dtype=torch.int64)).reshape(-1)[first:first + num_tokens]
+    dst_rows = dst.rows
+    runs = _runs(src_rows, dst_rows)
+    group.counts["pull_frames"] += 1
+    k = 0
+    for layer in range(lo, hi):
+        for j in (0, 1):
+            out = _rows(kv_caches[layer][j])
+            src = seg[offs[k]:offs[k] + size].view(out.dtype).view(nb * bs, -1)
+            k += 1
+            if runs is None:
+                out.index_put_((dst_rows,), src.index_select(0, src_rows))
+            else:
+                for s, d, n in runs:
+                    out[d:d + n].copy_(src[s:s + n])

@@ -37,6 +37,10 @@ MAX_REASON_BYTES = 200
 
 KIND_DATA = 1
 KIND_ABORT = 2
+KIND_PULL = 3
+"""A data frame whose rows the receiver copies from the sender's cache in shared memory (kvtransfer/shm.py): no
+payload messages follow; the head message's inline area holds the pull descriptor. Sent only on a pair whose
+receiver said at negotiation that it can map the sender's memory."""
 FLAG_LAST = 1
 
 ACK_OK = 0
@@ -146,12 +150,12 @@ class FrameHeader:
             raise FramingError(f"bad header magic 0x{magic:08x} (expected 0x{MAGIC:08x})")
         if version != VERSION:
             raise FramingError(f"unsupported wire version {version} (this side speaks {VERSION})")
-        if kind not in (KIND_DATA, KIND_ABORT):
+        if kind not in (KIND_DATA, KIND_ABORT, KIND_PULL):
             raise FramingError(f"unknown frame kind {kind}")
         if inline not in (0, nbytes) or inline > INLINE_BYTES:
             raise FramingError(f"inline_nbytes={inline} is neither 0 nor payload_nbytes={nbytes}")
         elt = _DTYPES[dt].itemsize if dt in _DTYPES else 0
-        if kind == KIND_DATA and (elt == 0 or nbytes != (hi - lo) * 2 * nt * nh * hd * elt or hi < lo):
+        if kind in (KIND_DATA, KIND_PULL) and (elt == 0 or nbytes != (hi - lo) * 2 * nt * nh * hd * elt or hi < lo):
             # without a trustworthy byte count the payload messages cannot even be drained
             raise FramingError(f"payload_nbytes={nbytes} does not match layers [{lo}, {hi}), {nt} tokens, "
                                f"{nh}x{hd} of dtype code {dt}")

@@ -186,6 +186,11 @@ def test_no_kv_shm_flag_reaches_the_worker_configs():
 
     store = StoreConfig("redis://127.0.0.1:1/0", namespace="unused")  # built, not started: never dialled
     assert build_role_worker("decode", "d-0", cfg, store, "127.0.0.1", "n0").cfg.kv_shm is False
+    assert build_role_worker("prefill", "p-0", cfg, store, "127.0.0.1", "n0").cfg.engine.kv_cache_shared is False
+    on = ClusterConfig(**pool_config_kwargs(build_parser().parse_args(["up"])))
+    # the prefill worker's cache is shared (its decode peers pull from it); the decode worker's stays private
+    assert build_role_worker("prefill", "p-0", on, store, "127.0.0.1", "n0").cfg.engine.kv_cache_shared is True
+    assert build_role_worker("decode", "d-0", on, store, "127.0.0.1", "n0").cfg.engine.kv_cache_shared is False
 
 
 @pytest.mark.parametrize("argv, message", [

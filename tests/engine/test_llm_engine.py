@@ -228,3 +228,21 @@ def test_resume_rejects_what_cannot_continue():
     with pytest.raises(ValueError, match="prefill_only"):
         eng.add_request("a", [5, 6], sp, resume_token_ids=[1], prefill_only=True)
     assert not eng.has_unfinished_requests() and eng.num_free_blocks == eng.num_total_blocks
+
+
+def test_a_shared_kv_cache_lives_in_one_segment_and_changes_no_token(prompt, free_run):
+    """kv_cache_shared: every layer's K and V are page-aligned views of one shared segment (a same-host peer maps
+    it: transport.shared_memory), and greedy decoding is the same as with the private cache."""
+    from transport.shared_memory import map_segment, segment_of
+
+    e = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=256, block_size=16, kv_cache_shared=True))
+    seg = segment_of(e.kv_caches[0][0])
+    assert seg is not None
+    assert all(seg.contains(x) and seg.offset(x) % 4096 == 0 for kv in e.kv_caches for x in kv)
+    assert run_engine(e, {"free": prompt}, greedy(40))["free"] == free_run
+    k = e.kv_caches[1][0]
+    peer = map_segment(seg.handle)  # what another process maps: the same bytes
+    off = seg.offset(k)
+    assert torch.equal(peer[off:off + k.numel() * 4].view(torch.float32).view(k.shape), k)
+    with pytest.raises(ValueError, match="kv_cache_shared"):
+        EngineConfig(kv_cache_shared=1)

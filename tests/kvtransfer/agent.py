@@ -32,11 +32,26 @@ class CacheSpec:
     """Random contents from this seed; None means zeros (a receiver)."""
     alt_dtype: str | None = None
     """Also hold a second cache of this dtype (to send mismatched transfers from)."""
+    shared: bool = False
+    """The cache lives in one ``transport.shared_memory`` segment (as an engine's with ``kv_cache_shared``)."""
 
 
 def make_cache(spec: CacheSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
     dt = getattr(torch, spec.dtype)
     shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    if spec.shared:
+        from transport.shared_memory import SharedSegment
+
+        plain = make_cache(CacheSpec(**{**spec.__dict__, "shared": False}))
+        each = plain[0][0].numel() * plain[0][0].element_size()
+        seg = SharedSegment(2 * len(plain) * each)
+        out = []
+        for i, (k, v) in enumerate(plain):
+            sk, sv = seg.view(2 * i * each, shape, dt), seg.view((2 * i + 1) * each, shape, dt)
+            sk.copy_(k)
+            sv.copy_(v)
+            out.append((sk, sv))
+        return out
     if spec.seed is None:
         return [(torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt)) for _ in range(spec.num_layers)]
     g = torch.Generator().manual_seed(spec.seed)
@@ -66,9 +81,16 @@ def untouched_except(cache, used: list[tuple[list[int], int]]) -> bool:
 
 
 def _main(conn, name: str, store_url: str, spec: CacheSpec, timeout_s: float, chunk_bytes: int, shm: bool = True,
-          shm_dir: str | None = None) -> None:
+          shm_dir: str | None = None, no_pull: bool = False) -> None:
     torch.set_num_threads(1)
     from kvtransfer import KVEndpoint
+
+    if no_pull:  # this process cannot map a peer's memory (as in another pid namespace)
+        import kvtransfer.shm
+
+        def refuse(handle):
+            raise OSError("no access to the peer's memory (test)")
+        kvtransfer.shm.map_segment = refuse
 
     if shm_dir is not None:  # this process sees another /dev/shm (as a second container on one node would)
         import kvtransfer.shm
@@ -121,8 +143,10 @@ def _main(conn, name: str, store_url: str, spec: CacheSpec, timeout_s: float, ch
                 for side, table in (("send", ep._send), ("recv", ep._recv)):
                     for peer, ch in table.items():
                         g = ch.group
-                        kinds[f"{side}:{peer}"] = None if g is None else ("shm" if getattr(g, "shared", False)
-                                                                          else "gloo")
+                        kinds[f"{side}:{peer}"] = None if g is None else (
+                            ("shm+pull" if g.pull else "shm") if getattr(g, "shared", False) else "gloo")
+                        if side == "recv" and getattr(g, "shared", False):
+                            kinds[f"{side}:{peer}:counts"] = dict(g.counts)
                 out = kinds
             elif cmd == "stats":
                 out = [(s.request_id, s.state.value, s.num_bytes, s.seconds) for s in ep.take_completed()]
@@ -137,7 +161,7 @@ class Agent:
     """Parent-side handle of an agent process."""
 
     def __init__(self, name: str, store_url: str, spec: CacheSpec, timeout_s: float = 5.0,
-                 chunk_bytes: int = 1 << 20, shm: bool = True, shm_dir: str | None = None):
+                 chunk_bytes: int = 1 << 20, shm: bool = True, shm_dir: str | None = None, no_pull: bool = False):
         # forkserver: torch is imported once by the server, then each agent is a cheap fork of a
         # process that never started a thread pool or a process group (unlike forking the test process)
         ctx = mp.get_context("forkserver")
@@ -146,7 +170,7 @@ class Agent:
         self.spec = spec
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_main, args=(child, name, store_url, spec, timeout_s, chunk_bytes, shm,
-                                                    shm_dir), daemon=True)
+                                                    shm_dir, no_pull), daemon=True)
         self.proc.start()
         child.close()
 

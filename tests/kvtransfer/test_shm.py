@@ -45,14 +45,14 @@ def _move(a: Agent, b: Agent, rid: str, src: list[int], dst: list[int], n: int) 
     assert a.call("checksum", src, n) == b.call("checksum", dst, n), rid
 
 
-def _pair_of(receiver_kw: dict, store_url: str) -> tuple[dict, dict, list[str]]:
+def _pair_of(receiver_kw: dict, store_url: str, shared: bool = False) -> tuple[dict, dict, list[str]]:
     """A (seeded cache) sends three requests to B (zeros) in 6 KiB chunks (rows of 1 KiB: many more chunks than
     ring slots, so every slot is reused; chunks over shuffled blocks are gathered into and scattered out of the
     slots in place, contiguous ones copied in and out); the kinds of both ends' pairs and the ring files left."""
     spec = dict(num_layers=3, num_blocks=64, block_size=16, num_kv_heads=4, head_dim=64)
     # 6-row chunks straddle the 16-token blocks: shuffled blocks make most chunks gathered or scattered ones
-    a = Agent("A", store_url, CacheSpec(seed=7, **spec), chunk_bytes=6144)
-    b = Agent("B", store_url, CacheSpec(**spec), chunk_bytes=6144, **receiver_kw)
+    a = Agent("A", store_url, CacheSpec(seed=7, shared=shared, **spec), chunk_bytes=6144)
+    b = Agent("B", store_url, CacheSpec(shared=shared, **spec), chunk_bytes=6144, **receiver_kw)
     try:
         a.ready()
         b.ready()
@@ -66,10 +66,32 @@ def _pair_of(receiver_kw: dict, store_url: str) -> tuple[dict, dict, list[str]]:
         b.stop()
 
 
+def _counts(receiver: dict) -> tuple[bool, bool]:
+    c = receiver.pop("recv:A:counts")
+    return c["ring_chunks"] > 0, c["pull_frames"] > 0
+
+
 def test_same_host_workers_move_kv_through_shared_memory_bit_exact_and_leave_no_file(store_url):
+    """Plain (private) caches: the pair can pull, but there is nothing to pull from; every chunk takes the ring."""
     sender, receiver, left = _pair_of({}, store_url)
-    assert sender == {"send:B": "shm"} and receiver == {"recv:A": "shm"}
+    assert _counts(receiver) == (True, False)
+    assert sender == {"send:B": "shm+pull"} and receiver == {"recv:A": "shm+pull"}
     assert left == []  # unlinked once both ends mapped it
+
+
+def test_a_sender_whose_cache_is_shared_memory_is_read_in_place_by_the_receiver(store_url):
+    """Both caches in shared segments (an engine's with kv_cache_shared): every frame is a pull (the receiver
+    copies the rows from the sender's cache, no payload messages), bit-exact into scattered and contiguous blocks."""
+    sender, receiver, left = _pair_of({}, store_url, shared=True)
+    assert _counts(receiver) == (False, True)
+    assert sender == {"send:B": "shm+pull"} and receiver == {"recv:A": "shm+pull"}
+    assert left == []
+
+
+def test_a_receiver_that_cannot_map_the_senders_memory_gets_the_bytes_through_the_ring(store_url):
+    sender, receiver, _ = _pair_of({"no_pull": True}, store_url, shared=True)
+    assert _counts(receiver) == (True, False)
+    assert sender == {"send:B": "shm"} and receiver == {"recv:A": "shm"}
 
 
 def test_a_receiver_with_shared_memory_off_stays_on_the_socket(store_url):
