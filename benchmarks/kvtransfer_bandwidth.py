@@ -16,9 +16,11 @@ round by round so that load changes on the host hit all of them alike:
 - ``kv shuffled``: the same with shuffled block ids on both sides, so every
   byte is gathered on the sender and scattered on the receiver.
 
-Both kv ways run twice, interleaved: over a pair of endpoints with ``shm=False`` (the socket: gloo over
-loopback, what two workers on one host used before 29 Nov) and over a pair that negotiated shared memory
-(kvtransfer/shm.py, the default on one host); the table gives shared memory / socket.
+Both kv ways run three times, interleaved: over a pair of endpoints with ``shm=False`` (the socket: gloo over
+loopback, what two workers on one host used before 29 Nov), over a pair that negotiated shared memory
+(kvtransfer/shm.py, the default on one host: the ring of slots), and over that pair from a sender cache in a shared
+segment (an engine's with ``kv_cache_shared``, as a cluster's prefill workers allocate it: the receiver pulls the
+rows from it in place); the table gives each against the socket.
 
 With ``--kv-cache-dtype int8``, also per prompt: a prompt of each ``--prompt-tokens`` length in the
 ``bench`` model's KV geometry (12 layers, 4 KV heads x 64) sent from a float32 cache and from an int8
@@ -56,6 +58,21 @@ def _kv_geometry(nbytes: int) -> tuple[int, int, int]:
     """Tokens, sender blocks, receiver blocks for a KV payload of about ``nbytes``."""
     tokens = max(1, nbytes // (LAYERS * 2 * ROW))
     return tokens, -(-tokens // SRC_BS), -(-tokens // DST_BS)
+
+
+def _shared(cache: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same cache, copied into one shared segment (what pull frames read in place)."""
+    from transport.shared_memory import SharedSegment
+
+    each = cache[0][0].numel() * cache[0][0].element_size()
+    seg = SharedSegment(2 * len(cache) * each)
+    out = []
+    for i, (k, v) in enumerate(cache):
+        pair = (seg.view(2 * i * each, tuple(k.shape), k.dtype), seg.view((2 * i + 1) * each, tuple(v.shape), v.dtype))
+        pair[0].copy_(k)
+        pair[1].copy_(v)
+        out.append(pair)
+    return out
 
 
 def _cache(num_blocks: int, block_size: int, layers: int = LAYERS, heads: int = HEADS, dim: int = HEAD_DIM,
@@ -200,17 +217,20 @@ def main() -> None:
             tokens, src_blocks, dst_blocks = _kv_geometry(n)
             src = torch.randint(0, 255, (n,), dtype=torch.uint8)
             cache = _cache(src_blocks, SRC_BS)
+            shared = _shared(cache)
             dst_geom = (dst_blocks, DST_BS)
             order_s, order_d = list(range(src_blocks)), list(range(dst_blocks))
             shuf_s, shuf_d = _shuffled(src_blocks, 1), _shuffled(dst_blocks, 2)
             t: dict[str, list[float]] = {"gloo": [], "tcp": [], "kv_contig": [], "kv_shuffled": [],
-                                         "shm_contig": [], "shm_shuffled": []}
+                                         "shm_contig": [], "shm_shuffled": [], "pull_contig": [], "pull_shuffled": []}
             for rep in range(args.reps + 1):  # interleaved, so load changes hit every method alike
                 sample = {"gloo": raw(src), "tcp": tcp(src),
                           "kv_contig": kv(cache, order_s, tokens, dst_geom, order_d, True),
                           "kv_shuffled": kv(cache, shuf_s, tokens, dst_geom, shuf_d, True),
                           "shm_contig": kv(cache, order_s, tokens, dst_geom, order_d, True, "shm"),
-                          "shm_shuffled": kv(cache, shuf_s, tokens, dst_geom, shuf_d, True, "shm")}
+                          "shm_shuffled": kv(cache, shuf_s, tokens, dst_geom, shuf_d, True, "shm"),
+                          "pull_contig": kv(shared, order_s, tokens, dst_geom, order_d, True, "shm"),
+                          "pull_shuffled": kv(shared, shuf_s, tokens, dst_geom, shuf_d, True, "shm")}
                 if rep:
                     for k, v in sample.items():
                         t[k].append(v)
@@ -218,9 +238,9 @@ def main() -> None:
             row = {"bytes": n, "kv_bytes": kv_bytes}
             for k, v in t.items():
                 row[f"{k}_s"] = statistics.median(v)
-                row[f"{k}_gibps"] = (kv_bytes if k.startswith(("kv", "shm")) else n) / row[f"{k}_s"] / GIB
+                row[f"{k}_gibps"] = (kv_bytes if k.startswith(("kv", "shm", "pull")) else n) / row[f"{k}_s"] / GIB
             results["sizes"].append(row)
-            del src, cache
+            del src, cache, shared
         if args.kv_cache_dtype == "int8":  # per prompt, bench geometry: float32 rows vs int8 rows + scale
             results["per_prompt"] = []
             for n_tok in args.prompt_tokens:
@@ -265,17 +285,18 @@ def main() -> None:
             proc.kill()
             proc.join()
 
-    table = Table(title=f"kvtransfer vs raw links on loopback, GiB/s (median of {args.reps}, interleaved)")
+    table = Table(title=f"kvtransfer vs raw links on loopback, GiB/s (median of {args.reps}, interleaved; ring and "
+                        "pull: x the socket's kv)")
     for col in ("payload", "gloo raw", "tcp", "kv contig", "kv shuffled", "contig/gloo", "shuffled/gloo",
-                "shm contig", "shm shuffled", "shm/socket contig", "shm/socket shuffled"):
+                "ring contig", "ring shuffled", "pull contig", "pull shuffled"):
         table.add_column(col, justify="right")
     for r in results["sizes"]:
         g = r["gloo_gibps"]
         table.add_row(f"{r['bytes'] >> 20} MiB", f"{g:.2f}", f"{r['tcp_gibps']:.2f}", f"{r['kv_contig_gibps']:.2f}",
                       f"{r['kv_shuffled_gibps']:.2f}", f"{r['kv_contig_gibps'] / g:.0%}",
-                      f"{r['kv_shuffled_gibps'] / g:.0%}", f"{r['shm_contig_gibps']:.2f}",
-                      f"{r['shm_shuffled_gibps']:.2f}", f"{r['shm_contig_gibps'] / r['kv_contig_gibps']:.2f}x",
-                      f"{r['shm_shuffled_gibps'] / r['kv_shuffled_gibps']:.2f}x")
+                      f"{r['kv_shuffled_gibps'] / g:.0%}",
+                      *(f"{r[f'{w}_{o}_gibps']:.2f} ({r[f'{w}_{o}_gibps'] / r[f'kv_{o}_gibps']:.2f}x)"
+                        for w in ("shm", "pull") for o in ("contig", "shuffled")))
     Console(width=130).print(table)
     f = results["fixed"]
     print(f"fixed cost, one-block transfer ({f['bytes']} B): kvtransfer median {f['kv_one_block_s'] * 1e3:.3f} ms "
