@@ -47,6 +47,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from engine.kv_cache import share_kv_caches
+
 
 GIB = float(1 << 30)
 LAYERS, HEADS, HEAD_DIM, DTYPE = 8, 8, 128, torch.float16
@@ -58,21 +60,6 @@ def _kv_geometry(nbytes: int) -> tuple[int, int, int]:
     """Tokens, sender blocks, receiver blocks for a KV payload of about ``nbytes``."""
     tokens = max(1, nbytes // (LAYERS * 2 * ROW))
     return tokens, -(-tokens // SRC_BS), -(-tokens // DST_BS)
-
-
-def _shared(cache: list) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The same cache, copied into one shared segment (what pull frames read in place)."""
-    from transport.shared_memory import SharedSegment
-
-    each = cache[0][0].numel() * cache[0][0].element_size()
-    seg = SharedSegment(2 * len(cache) * each)
-    out = []
-    for i, (k, v) in enumerate(cache):
-        pair = (seg.view(2 * i * each, tuple(k.shape), k.dtype), seg.view((2 * i + 1) * each, tuple(v.shape), v.dtype))
-        pair[0].copy_(k)
-        pair[1].copy_(v)
-        out.append(pair)
-    return out
 
 
 def _cache(num_blocks: int, block_size: int, layers: int = LAYERS, heads: int = HEADS, dim: int = HEAD_DIM,
@@ -217,7 +204,7 @@ def main() -> None:
             tokens, src_blocks, dst_blocks = _kv_geometry(n)
             src = torch.randint(0, 255, (n,), dtype=torch.uint8)
             cache = _cache(src_blocks, SRC_BS)
-            shared = _shared(cache)
+            shared = share_kv_caches(cache)  # as a prefill worker's: receivers pull from it
             dst_geom = (dst_blocks, DST_BS)
             order_s, order_d = list(range(src_blocks)), list(range(dst_blocks))
             shuf_s, shuf_d = _shuffled(src_blocks, 1), _shuffled(dst_blocks, 2)

@@ -45,13 +45,27 @@ def allocate_kv_caches(mc: ModelConfig, num_blocks: int, block_size: int, dtype:
     host reads in place (kvtransfer/shm.py's pull)."""
     shape = (num_blocks, block_size, mc.num_key_value_heads, row_width(mc, dtype))
     if shared and device.type == "cpu":
-        from transport.shared_memory import SharedSegment
-
-        each = num_blocks * block_size * mc.num_key_value_heads * row_width(mc, dtype) * \
-            torch.empty((), dtype=dtype).element_size()
-        each = -(-each // 4096) * 4096  # every tensor page-aligned, as an allocator's would be
-        seg = SharedSegment(2 * mc.num_hidden_layers * each)
-        return [(seg.view(2 * i * each, shape, dtype), seg.view((2 * i + 1) * each, shape, dtype))
-                for i in range(mc.num_hidden_layers)]
+        return _in_segment(mc.num_hidden_layers, shape, dtype)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(mc.num_hidden_layers)]
+
+
+def _in_segment(layers: int, shape: tuple, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
+    """Zeroed (K, V) per layer as page-aligned views of one new ``SharedSegment``."""
+    from transport.shared_memory import SharedSegment
+
+    each = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    each = -(-each // 4096) * 4096  # every tensor page-aligned, as an allocator's would be
+    seg = SharedSegment(2 * layers * each)
+    return [(seg.view(2 * i * each, shape, dtype), seg.view((2 * i + 1) * each, shape, dtype)) for i in range(layers)]
+
+
+def share_kv_caches(kv_caches: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+    """A copy of CPU ``kv_caches`` laid out as ``allocate_kv_caches(shared=True)`` lays a cache out (benchmarks and
+    tests that stand in for a prefill worker's cache)."""
+    k0 = kv_caches[0][0]
+    out = _in_segment(len(kv_caches), tuple(k0.shape), k0.dtype)
+    for (k, v), (sk, sv) in zip(kv_caches, out):
+        sk.copy_(k)
+        sv.copy_(v)
+    return out

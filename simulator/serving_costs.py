@@ -90,7 +90,14 @@ def _link_cache(geom: tuple, num_blocks: int, fill: bool) -> list:
             lambda: torch.randn(shape).to(dtype))
     else:
         mk = lambda: torch.zeros(shape, dtype=dtype)  # noqa: E731
-    return [(mk(), mk()) for _ in range(layers)]
+    cache = [(mk(), mk()) for _ in range(layers)]
+    if fill:  # the sender's cache where a prefill worker's would be: in shared memory (its peers pull from it)
+        from engine.kv_cache import share_kv_caches
+        from transport.shared_memory import shared_memory_unavailable
+
+        if shared_memory_unavailable() is None:
+            cache = share_kv_caches(cache)
+    return cache
 
 
 def _link_receiver(conn: Any, store_port: int, geom: tuple, num_blocks: int, threads: int) -> None:

@@ -39,19 +39,10 @@ class CacheSpec:
 def make_cache(spec: CacheSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
     dt = getattr(torch, spec.dtype)
     shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    if spec.shared:
-        from transport.shared_memory import SharedSegment
+    if spec.shared:  # as a prefill worker's engine lays it out (kv_cache_shared)
+        from engine.kv_cache import share_kv_caches
 
-        plain = make_cache(CacheSpec(**{**spec.__dict__, "shared": False}))
-        each = plain[0][0].numel() * plain[0][0].element_size()
-        seg = SharedSegment(2 * len(plain) * each)
-        out = []
-        for i, (k, v) in enumerate(plain):
-            sk, sv = seg.view(2 * i * each, shape, dt), seg.view((2 * i + 1) * each, shape, dt)
-            sk.copy_(k)
-            sv.copy_(v)
-            out.append((sk, sv))
-        return out
+        return share_kv_caches(make_cache(CacheSpec(**{**spec.__dict__, "shared": False})))
     if spec.seed is None:
         return [(torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt)) for _ in range(spec.num_layers)]
     g = torch.Generator().manual_seed(spec.seed)
