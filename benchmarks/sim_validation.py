@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--workers-per-host", type=int, default=2,
                     help="the simulation's workers per host (default 2: both workers share this machine, so the "
                          "profile's co-run model prices their contention; 1 prices none)")
+    ap.add_argument("--router-apart", action="store_true",
+                    help="simulate the router apart from the workers' cores (its CPU per token unpriced), as before 29 Nov")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1, help="sweeps of every rate per configuration (noise)")
     ap.add_argument("--request-timeout", type=float, default=300.0)
@@ -82,8 +84,9 @@ def sim_config(name: str, ns: argparse.Namespace) -> Any:
     from simulator.cluster_sim import SimConfig
 
     kind, chunk = parse_config(name, ns)
+    # the router and this load generator run here, unpinned, on the workers' cores: their CPU per token is priced
     base = dict(max_num_batched_tokens=chunk, enable_prefix_caching=False, prefix_aware_routing=False,
-                workers_per_host=ns.workers_per_host)
+                workers_per_host=ns.workers_per_host, router_on_worker_cores=not ns.router_apart)
     if kind == "colocated":
         return SimConfig(mode="colocated", colocated=2, prefill=0, decode=0, **base)
     return SimConfig(local_prefill_max_tokens=ns.local_prefill_max_tokens if kind == "conditional" else 0, **base)

@@ -90,6 +90,9 @@ def add_deployment_args(p: argparse.ArgumentParser, pools: bool = True) -> None:
     g.add_argument("--workers-per-host", type=int, default=1, metavar="N",
                    help="workers sharing one host (one core or GPU each; hosts fill in creation order): steps slow "
                         "while host mates step, by the profile's co-run model (default 1: no contention)")
+    g.add_argument("--router-on-worker-cores", action="store_true",
+                   help="the router (and the load's client) shares the workers' cores, as pdserve up and a load test "
+                        "on one machine do: each token's router CPU (the profile's) lengthens its worker's step")
     g.add_argument("--quantization", default=None, help="must match the profile's (checked)")
     g.add_argument("--kv-cache-dtype", default=None, help="must match the profile's (checked)")
 
@@ -102,6 +105,7 @@ def sim_config_from_args(args: argparse.Namespace, **over: Any) -> SimConfig:
               local_prefill_max_tokens=args.local_prefill_max_tokens,
               prefill_queue_max_tokens=args.prefill_queue_max_tokens, max_num_requests=args.max_num_requests,
               kv_link=args.kv_link, workers_per_host=args.workers_per_host, seed=args.seed,
+              router_on_worker_cores=getattr(args, "router_on_worker_cores", False),
               tensor_parallel_size=args.tensor_parallel_size, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
               rank_memory_bytes=args.rank_memory_bytes,
               kv_delta_transfers=getattr(args, "kv_delta_transfers", True),

@@ -44,7 +44,7 @@ import heapq
 import itertools
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
 
 from engine.config import EngineConfig
@@ -111,7 +111,12 @@ class Simulation:
         profiles = ProfileSet.of(profile)
         self.profiles = profiles
         self.role_profiles: dict[str, Profile] = {r: profiles.at(cfg.pool_tp(r), cfg.tp_flag(r)) for r in cfg.roles}
-        """Each pool's profile: the one taken at its TP."""
+        """Each pool's profile: the one taken at its TP (with the router's CPU per token added to a token's cost
+        where the router runs on the workers' cores)."""
+        if cfg.router_on_worker_cores and profiles.base.router_cpu_per_token_s > 0:
+            extra = profiles.base.router_cpu_per_token_s
+            self.role_profiles = {r: replace(p, router_per_token_s=p.router_per_token_s + extra)
+                                  for r, p in self.role_profiles.items()}
         self.profile = profiles.base
         """The serving path's costs (router, pair RPCs), the KV link and bytes per token: the host's, any TP."""
         self.cfg = cfg

@@ -201,6 +201,10 @@ class Profile:
     router_per_step_s: float = 0.0
     """Serving-path work per engine step that streams any token (the loop's pass, one output message per step
     and stream, the wakeups), whatever the number of tokens."""
+    router_cpu_per_token_s: float = 0.0
+    """CPU seconds the router process (with a client in it, as a load test on the same machine runs) spends per
+    streamed token, wherever it runs. Apart from the workers it costs them nothing; on their cores
+    (``SimConfig.router_on_worker_cores``) it lengthens each worker step by this much per token the step streams."""
     corun: Optional[CorunModel] = None
     """Steps slowed by sibling workers on the same host (None: not measured; a simulation with several workers per
     host then prices no contention)."""
@@ -240,7 +244,7 @@ class Profile:
                 "step": self.step.to_dict(),
                 "links": {k: {"latency_s": v.latency_s, "bytes_per_s": v.bytes_per_s} for k, v in self.links.items()},
                 "router": {"per_request_s": self.router_per_request_s, "per_token_s": self.router_per_token_s,
-                           "per_step_s": self.router_per_step_s,
+                           "per_step_s": self.router_per_step_s, "cpu_per_token_s": self.router_cpu_per_token_s,
                            **({} if self.router_per_request_pair_s is None
                               else {"per_request_pair_s": self.router_per_request_pair_s})},
                 **({} if self.corun is None else {"corun": self.corun.to_dict()}),
@@ -269,6 +273,7 @@ class Profile:
                     step=step, links=links, router_per_request_s=float(router.get("per_request_s", 0.0)),
                     router_per_token_s=float(router.get("per_token_s", 0.0)),
                     router_per_step_s=float(router.get("per_step_s", 0.0)), meta=dict(d.get("meta") or {}),
+                    router_cpu_per_token_s=float(router.get("cpu_per_token_s", 0.0)),
                     router_per_request_pair_s=(None if router.get("per_request_pair_s") is None
                                                else float(router["per_request_pair_s"])),
                     corun=None if d.get("corun") is None else CorunModel(**d["corun"]),
@@ -289,6 +294,7 @@ class Profile:
             if not (link.latency_s >= 0 and link.bytes_per_s > 0 and math.isfinite(link.bytes_per_s)):
                 raise ValueError(f"{where}: links.{name} needs latency_s >= 0 and bytes_per_s > 0")
         if (p.router_per_request_s < 0 or p.router_per_token_s < 0 or p.router_per_step_s < 0
+                or p.router_cpu_per_token_s < 0
                 or (p.router_per_request_pair_s or 0) < 0):
             raise ValueError(f"{where}: router costs must be >= 0")
         return p
@@ -341,7 +347,8 @@ class ProfileSet:
                 over.update(router_per_request_s=serving.router_per_request_s,
                             router_per_request_pair_s=serving.router_per_request_pair_s,
                             router_per_token_s=serving.router_per_token_s,
-                            router_per_step_s=serving.router_per_step_s)
+                            router_per_step_s=serving.router_per_step_s,
+                            router_cpu_per_token_s=serving.router_cpu_per_token_s)
             if not q.links:
                 over["links"] = dict(linked.links)
             self.by_tp[q.tensor_parallel_size] = replace(q, **over) if over else q

@@ -346,6 +346,7 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
                    step=step, links=links, router_per_request_s=max(0.0, router.get("per_request_raw_s", 0.0)),
                    router_per_token_s=max(0.0, router.get("per_token_raw_s", 0.0)),
                    router_per_step_s=max(0.0, router.get("per_step_raw_s", 0.0)),
+                   router_cpu_per_token_s=max(0.0, router.get("cpu_per_token_s", 0.0)),
                    router_per_request_pair_s=max(0.0, router.get("per_request_pair_raw_s",
                                                                  router.get("per_request_raw_s", 0.0))),
                    corun=corun_model, meta=meta, tensor_parallel_size=tp,
@@ -376,7 +377,7 @@ def summary(p: Profile, out: str) -> str:
                      f"+ per token {p.router_per_token_s * 1e6:.1f} us (gap {r['token_gap_s'] * 1e3:.3f} - engine "
                      f"{r['engine_decode_s'] * 1e3:.3f} ms at 1 stream, "
                      f"{r.get('token_gap_batch_s', 0) * 1e3:.3f} - {r.get('engine_decode_batch_s', 0) * 1e3:.3f} ms at "
-                     f"{r.get('batch', 0)})")
+                     f"{r.get('batch', 0)}); its CPU (with the client) {p.router_cpu_per_token_s * 1e6:.1f} us per token")
     ar = m.get("allreduce") or {}
     if ar:
         lines.append(f"  all-reduce among {p.tensor_parallel_size} ranks (hidden {ar['width']}): "

@@ -299,11 +299,17 @@ def measure_router(cfg: Any, model: str, ref: dict, quick: bool, seed: int) -> d
             gaps = [g for g in (gap(run(ref["stream_tokens"])) for _ in range(2 if quick else 5)) if g is not None]
             batch = int(ref.get("batch") or 0)
             batch_gaps: list[float] = []
+            cpu0, streamed = time.process_time(), 0  # this process: the router and the client
             if batch > 1:  # the same streams, `batch` at once: the worker steps them together
                 with ThreadPoolExecutor(batch) as ex:
                     for _ in range(2 if quick else 3):
                         got = list(ex.map(lambda _i: run(ref["stream_tokens"]), range(batch)))
                         batch_gaps += [g for g in map(gap, got) if g is not None]
+                        streamed += sum(k for stream in got for _, k in stream)
+            else:
+                for _ in range(2 if quick else 3):
+                    streamed += sum(k for _, k in run(ref["stream_tokens"]))
+            cpu_per_token = (time.process_time() - cpu0) / max(1, streamed)
     finally:
         if router is not None:
             router.stop()
@@ -313,7 +319,7 @@ def measure_router(cfg: Any, model: str, ref: dict, quick: bool, seed: int) -> d
     out = {**ref, "worker_apart": apart.apart, "ttft_s": ttft, "ttft_samples_s": ttfts, "token_gap_s": one,
            "token_gap_samples_s": gaps,
            "per_request_raw_s": ttft - ref["engine_prefill_s"], "pair_ttft_s": pair,
-           "per_request_pair_raw_s": pair - ref["engine_prefill_s"]}
+           "per_request_pair_raw_s": pair - ref["engine_prefill_s"], "cpu_per_token_s": cpu_per_token}
     excess1 = one - ref["engine_decode_s"]
     if batch_gaps:  # excess(B) = per_step + B x per_token, at B = 1 and B = batch
         many = statistics.median(batch_gaps)

@@ -57,6 +57,11 @@ class SimConfig:
     max_num_requests: int = 192
     queue_timeout_s: float = 300.0
     kv_link: str = "gloo"
+    router_on_worker_cores: bool = False
+    """The router process (and the clients beside it) runs on the workers' cores, as ``pdserve up`` and a load test
+    on one machine do: every worker step is lengthened by the profile's ``router_cpu_per_token_s`` per token it
+    streams (the router's CPU per token comes out of some worker's core; charged to the one whose token it is).
+    False (the default): the router runs apart and only its latency counts."""
     workers_per_host: int = 1
     """Workers sharing one host's memory system, in creation order (one core or GPU each). Above 1 a step is
     slowed while its host's other workers run theirs, by the profile's co-run model (``Profile.corun``); 1 (the
@@ -98,6 +103,8 @@ class SimConfig:
                              f"got {self.kv_prefix_fetch_min_tokens!r}")
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
+        if not isinstance(self.router_on_worker_cores, bool):
+            raise ValueError(f"router_on_worker_cores must be a bool, got {self.router_on_worker_cores!r}")
         if not isinstance(self.workers_per_host, int) or self.workers_per_host < 1:
             raise ValueError(f"--workers-per-host must be an integer >= 1, got {self.workers_per_host!r}")
         for flag, v in (("--tensor-parallel-size", self.tensor_parallel_size), ("--prefill-tp", self.prefill_tp),

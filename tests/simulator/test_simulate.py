@@ -130,6 +130,23 @@ def test_serving_path_costs_once_per_streaming_step_plus_per_token():
     assert ttft_s(c) == pytest.approx(R_REQ + chunk1 + chunk2, abs=1e-12)
 
 
+def test_the_routers_cpu_per_token_lengthens_steps_only_when_it_shares_the_workers_cores():
+    """router_cpu_per_token_s (the router process's CPU per streamed token, measured by the profile) costs the
+    workers nothing while the router runs apart; on their cores each decode step pays it once per token."""
+    cpu = 0.0004
+    prof = make_profile(router_cpu_per_token_s=cpu)
+    req = [SimRequest("a", 0.0, list(range(100)), 4)]
+    _, [apart] = run(SimConfig(mode="colocated", colocated=1), req, prof)
+    _, [shared] = run(SimConfig(mode="colocated", colocated=1, router_on_worker_cores=True), req, prof)
+    assert itls_s(apart) == pytest.approx([decode_s(c) for c in (101, 102, 103)], abs=1e-12)
+    assert itls_s(shared) == pytest.approx([decode_s(c) + cpu for c in (101, 102, 103)], abs=1e-12)
+    assert ttft_s(shared) == pytest.approx(R_REQ + prefill_s(100) + cpu, abs=1e-12)  # the first token's too
+    back = Profile.from_dict(json.loads(json.dumps(prof.to_dict())))
+    assert back.router_cpu_per_token_s == cpu
+    with pytest.raises(ValueError, match="router_on_worker_cores"):
+        SimConfig(router_on_worker_cores="yes")
+
+
 def test_preemption_when_blocks_run_out():
     # 3 blocks of 16: two 16-token prompts take one each; the first to need a second block takes the last one,
     # the other then preempts itself (the most recent) and recomputes after the first finishes
