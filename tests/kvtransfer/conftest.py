@@ -1,8 +1,12 @@
 """Fixtures of the kvtransfer tests: ``pair``, two endpoints ("p0", "d0") over the in-process backend, each test's
-own store (nothing shared between tests), shut down after the test."""
+own store (nothing shared between tests), shut down after the test; ``store_url``, a TCPStore this test process
+serves on a free port, for endpoints in other processes."""
 from __future__ import annotations
 
+import datetime
+
 import pytest
+import torch.distributed as dist
 
 from kvtransfer import InprocStore, KVEndpoint
 
@@ -17,3 +21,11 @@ def pair():
     finally:
         p.shutdown()
         d.shutdown()
+
+
+@pytest.fixture
+def store_url():
+    st = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                       timeout=datetime.timedelta(seconds=30))
+    yield f"tcp://127.0.0.1:{st.port}"
+    del st

@@ -4,22 +4,12 @@ Every agent is a spawned process with its own KVEndpoint; rendezvous is a
 TCPStore this test process serves on a free port. Each test stops or kills
 every agent it started in a finally block.
 """
-import datetime
 import random
 
-import pytest
 import torch.distributed as dist
 
 from tests.kvtransfer.agent import Agent, CacheSpec, wait_state
 from tests.waiting import wait_until
-
-
-@pytest.fixture
-def store_url():
-    st = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                       timeout=datetime.timedelta(seconds=30))
-    yield f"tcp://127.0.0.1:{st.port}"
-    del st
 
 
 def _start(*agents: Agent) -> list[Agent]:

@@ -25,14 +25,6 @@ from tests.kvtransfer.agent import Agent, CacheSpec, wait_state
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="this host has no /dev/shm")
 
 
-@pytest.fixture
-def store_url():
-    st = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                       timeout=datetime.timedelta(seconds=30))
-    yield f"tcp://127.0.0.1:{st.port}"
-    del st
-
-
 def _ring_files(*pids: int) -> list[str]:
     return sorted(n for n in os.listdir(SHM_DIR) if any(n.startswith(f"pdserve-kv-{p}-") for p in pids))
 
