@@ -1,12 +1,10 @@
 """KV transfer between real processes over gloo: bit-exact delivery, peers dying, bad headers.
 
 Every agent is a spawned process with its own KVEndpoint; rendezvous is a
-TCPStore this test process serves on a free port. Each test stops or kills
+TCPStore this test process serves on a free port (``store_url``, conftest.py). Each test stops or kills
 every agent it started in a finally block.
 """
 import random
-
-import torch.distributed as dist
 
 from tests.kvtransfer.agent import Agent, CacheSpec, wait_state
 from tests.waiting import wait_until
