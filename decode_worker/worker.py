@@ -185,7 +185,7 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
             if st.direction == "recv":
                 self.ctx.metrics.observe_kv_transfer_phases("recv", st.phases())
             else:  # a prefix sent back to a prefill worker (SendPrefix): bytes between workers, counted by the sender
-                self.ctx.metrics.observe_kv_transfer(st.seconds, st.num_bytes)
+                self.ctx.metrics.observe_kv_transfer(st.seconds, st.num_bytes, st.link)
                 self.ctx.metrics.observe_kv_transfer_phases("send", st.phases())
         return any(not r.running and r.failure is None for r in self.records())
 

@@ -257,6 +257,7 @@ class RecvChannel(PairChannel):
             if t is not None:
                 with self.cond:
                     t.mark_wire(0)
+                    t.link = "pull"
                 pull_rows(group, head[HEADER_BYTES:], hdr.layer_lo, hdr.layer_hi, hdr.num_tokens, hdr.row_bytes,
                           t.kv_caches, t.tokens)
                 with self.cond:
@@ -273,6 +274,7 @@ class RecvChannel(PairChannel):
         timeout = max(t.deadline - time.monotonic(), 0.0) + BACKSTOP_S
         with self.cond:
             t.mark_wire(0)  # the head (with any inline rows) has arrived: the frame is on the wire from here
+            t.link = "ring" if getattr(group, "shared", False) else "socket"
         inflight: deque = deque()  # (op, staging buffer or None, segments), in chunk order
         posted = staged = 0
 

@@ -153,6 +153,7 @@ class SendChannel(PairChannel):
                 self._hdr[HEADER_BYTES:HEADER_BYTES + len(desc)] = torch.frombuffer(bytearray(desc), dtype=torch.uint8)
                 with self.cond:
                     t.mark_wire(nbytes)
+                    t.link = "pull"
                 group.isend(self._hdr, TAG_HEAD).wait(timeout)
                 with self.cond:
                     t.mark_wire(0)
@@ -171,6 +172,7 @@ class SendChannel(PairChannel):
         # acknowledge (completing t and snapshotting its stats) before this thread would count them
         with self.cond:
             t.mark_wire(plan.inline_nbytes)
+            t.link = "ring" if getattr(group, "shared", False) else "socket"
         ops = [group.isend(self._hdr, TAG_HEAD)]
         slot_ops: list = [None] * WINDOW  # the send that last used each staging buffer
         staged = 0

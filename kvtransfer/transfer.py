@@ -59,6 +59,9 @@ class TransferStats:
     (send) or for the sender to start (recv), and behind other transfers' frames on the channel."""
     ack_seconds: float = 0.0
     """Last payload byte to DONE/FAILED: the receiver's acknowledgement (send), scattering the last chunk (recv)."""
+    link: str = ""
+    """What its last frame's bytes took: "socket" (gloo or NCCL), "ring" (a same-host pair's shared slots), "pull"
+    (the receiver copied them from the sender's cache in place); "" while no frame moved (kvtransfer/shm.py)."""
 
     def phases(self) -> dict[str, float]:
         """The parts of ``seconds``: pair_wait + queue + wire + ack (the ``kv_transfer_phase_seconds`` phases)."""
@@ -90,6 +93,7 @@ class Transfer:
         self.wire_end: float | None = None
         self.num_bytes = 0
         self.pair_wait_s = 0.0
+        self.link = ""
         """Seconds this transfer waited for its channel's pair group to be built (the channel adds them)."""
         self.layers_done: set[int] = set()
         # sender: whether (and on which pair generation) its frames went out, and which layers are queued
@@ -141,7 +145,7 @@ class Transfer:
             ack = max(0.0, end - self.wire_end) if self.wire_end is not None else 0.0
             return TransferStats(self.transfer_id, self.request_id, self.peer, self.direction, self.state,
                                  self.num_bytes, end - self.submitted, wire, self.layout.num_layers,
-                                 len(self.layers_done), self.failure, self.pair_wait_s, queue, ack)
+                                 len(self.layers_done), self.failure, self.pair_wait_s, queue, ack, self.link)
 
 
 class TransferHandle:

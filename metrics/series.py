@@ -168,6 +168,9 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
                                  "Histogram of KV-cache transfer time (prefill -> decode) in seconds.",
                                  KV_TRANSFER_BUCKETS),
     "kv_transfer_bytes_total": (WORKER, "counter", "Number of KV-cache bytes transferred.", None),
+    "kv_transfers_total": (WORKER, "counter", "KV transfers finished (done), by the link their bytes took: socket = "
+                           "gloo or NCCL, ring = a same-host pair's shared-memory slots, pull = the receiver copied "
+                           "them from the sender's cache in place (kvtransfer/shm.py).", "link"),
     "kv_transfer_cached_tokens_total": (WORKER, "counter", "Prompt tokens a decode worker's reservation found in its "
                                         "own prefix cache, so they were not transferred (delta transfers).", None),
     "kv_prefix_fetches_total": (WORKER, "counter", "Prompt prefixes a prefill worker could fetch from the decode "

@@ -83,11 +83,16 @@ class WorkerMetrics(ComponentMetrics):
         self._series["request_decode_time_seconds"].observe(check_seconds("decode_time", seconds))
 
     # --- KV transfer ---
-    def observe_kv_transfer(self, seconds: float, num_bytes: int) -> None:
-        """One finished KV transfer: its duration and its payload size."""
+    def observe_kv_transfer(self, seconds: float, num_bytes: int, link: str = "") -> None:
+        """One finished KV transfer: its duration, its payload size and the link its bytes took (``kvtransfer``'s
+        ``TransferStats.link``; "" counts no link)."""
         seconds, num_bytes = check_seconds("kv_transfer_time", seconds), check_count("num_bytes", num_bytes)
+        if link not in ("", "socket", "ring", "pull"):
+            raise ValueError(f"link must be socket, ring or pull, got {link!r}")
         self._series["kv_transfer_time_seconds"].observe(seconds)
         self._series["kv_transfer_bytes_total"].inc(num_bytes)
+        if link:
+            self._child("kv_transfers_total", link).inc()
 
     def observe_kv_transfer_phases(self, direction: str, phases: dict[str, float]) -> None:
         """One finished KV transfer's parts (``phase`` -> seconds), on its ``direction`` ("send" or "recv")."""

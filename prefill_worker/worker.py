@@ -253,7 +253,7 @@ class PrefillRequests(RequestSet[_PrefillReq]):
                            f"{w.kv.failure(req.handle)}")
         for st in w.kv.take_completed():
             if st.direction == "send" and st.state == TransferState.DONE:
-                w.metrics.observe_kv_transfer(st.seconds, st.num_bytes)
+                w.metrics.observe_kv_transfer(st.seconds, st.num_bytes, st.link)
                 w.metrics.observe_kv_transfer_phases("send", st.phases())
         return len(self) > 0
 
@@ -266,6 +266,7 @@ class PrefillRequests(RequestSet[_PrefillReq]):
         if req.handle is not None:
             st = self.ctx.kv.stats(req.handle)
             kv.update({"pdserve.kv.bytes": st.num_bytes, "pdserve.kv.layers_done": st.layers_done,
+                       "pdserve.kv.link": st.link,
                        "pdserve.kv.state": st.state.value,
                        "pdserve.kv.tokens": len(req.prompt_token_ids) - req.dest_cached})
         scheduled = req.scheduled or (req.first_token_at and req.arrived)

@@ -140,7 +140,7 @@ def _main(conn, name: str, store_url: str, spec: CacheSpec, timeout_s: float, ch
                             kinds[f"{side}:{peer}:counts"] = dict(g.counts)
                 out = kinds
             elif cmd == "stats":
-                out = [(s.request_id, s.state.value, s.num_bytes, s.seconds) for s in ep.take_completed()]
+                out = [(s.request_id, s.state.value, s.num_bytes, s.seconds, s.link) for s in ep.take_completed()]
             else:
                 raise ValueError(f"unknown command {cmd}")
             conn.send(("ok", out))

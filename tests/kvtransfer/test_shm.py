@@ -52,7 +52,13 @@ def _pair_of(receiver_kw: dict, store_url: str, shared: bool = False) -> tuple[d
         _move(a, b, "r2", list(range(20, 28)), list(range(30, 38)), 128)
         _move(a, b, "r3", [63], [0], 3)
         assert b.call("untouched", [([13, 11, 10, 12], 57), (list(range(30, 38)), 128), ([0], 3)])
-        return a.call("pairs"), b.call("pairs"), _ring_files(a.pid, b.pid)
+        links = {x[4] for x in a.call("stats") + b.call("stats")}  # what TransferStats.link says, both sides
+        assert len(links) == 1
+        pairs = a.call("pairs"), b.call("pairs")
+        kind = pairs[1]["recv:A"]
+        c = pairs[1].get("recv:A:counts", {"ring_chunks": 0, "pull_frames": 0})
+        assert links == {"socket" if kind == "gloo" else "pull" if c["pull_frames"] else "ring"}
+        return (*pairs, _ring_files(a.pid, b.pid))
     finally:
         a.stop()
         b.stop()

@@ -28,7 +28,7 @@ ROUTER_GAUGES = ["router_requests_in_flight", "router_requests_waiting", "kv_eve
                  "kv_index_blocks", "kv_index_workers"]
 WORKER_HISTOGRAMS = ["request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
                      "kv_transfer_time_seconds", "iteration_tokens_total", "kv_transfer_phase_seconds"]
-WORKER_COUNTERS = ["kv_transfer_bytes", "kv_transfer_cached_tokens", "kv_prefix_fetches", "kv_prefix_fetch_tokens",
+WORKER_COUNTERS = ["kv_transfer_bytes", "kv_transfers", "kv_transfer_cached_tokens", "kv_prefix_fetches", "kv_prefix_fetch_tokens",
                    "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
                    "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
                    "spec_decode_num_accepted_tokens_per_pos", "kv_events_published", "kv_events_dropped"]
@@ -238,13 +238,20 @@ def test_counters_and_gauges_move():
     assert value(r.render(), "pdserve:router_requests_in_flight", ROUTER) == 0
     m = WorkerMetrics(**LABELS)
     m.observe_kv_transfer(0.004, 4096)
+    m.observe_kv_transfer(0.002, 0, "pull")
+    m.observe_kv_transfer(0.002, 0, "pull")
+    m.observe_kv_transfer(0.002, 0, "ring")
+    with pytest.raises(ValueError, match="link"):
+        m.observe_kv_transfer(0.002, 0, "carrier pigeon")
     m.inc_kv_transfer_bytes(1024)
     m.set_running(3)
     m.set_waiting(5)
     m.set_kv_cache_usage(0.25)
     t = m.render()
     assert value(t, "pdserve:kv_transfer_bytes_total") == 4096 + 1024
-    assert value(t, "pdserve:kv_transfer_time_seconds_count") == 1
+    assert value(t, "pdserve:kv_transfer_time_seconds_count") == 4
+    assert value(t, "pdserve:kv_transfers_total", link="pull") == 2
+    assert value(t, "pdserve:kv_transfers_total", link="ring") == 1
     assert value(t, "pdserve:num_requests_running") == 3
     assert value(t, "pdserve:num_requests_waiting") == 5
     assert value(t, "pdserve:kv_cache_usage_perc") == 0.25
