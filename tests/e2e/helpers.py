@@ -92,14 +92,14 @@ def run_concurrently(fn: Callable[..., Any], calls: Sequence[tuple]) -> list[Any
         return [f.result(timeout=300) for f in futures]
 
 
-def metric_value(metrics_address: str, sample_name: str) -> float:
-    """Sum of one sample over all label sets, scraped from http://{address}/metrics."""
+def metric_value(metrics_address: str, sample_name: str, **labels: str) -> float:
+    """Sum of one sample over all label sets (those with ``labels``), scraped from http://{address}/metrics."""
     with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as r:
         text = r.read().decode()
     total = 0.0
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == sample_name:
+            if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items()):
                 total += s.value
     return total
 

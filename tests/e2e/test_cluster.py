@@ -90,9 +90,14 @@ def test_1p1d_registered_and_serving(cluster, redis_url):
     assert info.num_prefill_workers == 1 and info.num_decode_workers == 1
 
 
-def test_1p1d_32_concurrent_greedy_equal_offline(cluster):
+def test_1p1d_32_concurrent_greedy_equal_offline(cluster, redis_url):
     _greedy_batch(cluster.router_address)
     _wait_idle(cluster, 2.0)
+    # one host: the decode worker read every prompt's KV from the prefill worker's cache in place (kvtransfer/shm.py)
+    [pw] = Registry(redis_url, cluster.namespace).list("prefill")
+    by_link = {link: metric_value(pw.metrics_address, "pdserve:kv_transfers_total", link=link)
+               for link in ("socket", "ring", "pull")}
+    assert by_link["pull"] >= 32 and by_link["socket"] == by_link["ring"] == 0, by_link
 
 
 def test_1p1d_seeded_sampling_equals_offline(cluster):
