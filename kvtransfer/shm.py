@@ -61,7 +61,22 @@ _MAPPED_MAX = 8
 
 
 def _segment(path: Path, nbytes: int) -> torch.Tensor:
+    """Map the ring file at ``path`` (``nbytes``)."""
     return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def _create(path: Path, nbytes: int) -> torch.Tensor:
+    """Create the ring file (this user only) with its pages reserved, then map it. A ``/dev/shm`` too small for it (a
+    container's default is 64 MiB) fails here with ENOSPC, not later with SIGBUS on a write to a sparse file."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    return _segment(path, nbytes)
 
 
 def sweep_orphans(shm_dir: Optional[Path] = None) -> int:
@@ -105,7 +120,7 @@ def negotiate(pair: TorchPair, rank: int, slot_bytes: int, timeout_s: float,
             log.info("kv pull unavailable here (%s)", e)
         try:
             path = shm_dir / f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}"
-            seg = _segment(path, _HEADER + SLOTS * slot_bytes)
+            seg = _create(path, _HEADER + SLOTS * slot_bytes)
             nonce = secrets.token_bytes(16)
             seg[:16] = torch.frombuffer(bytearray(nonce), dtype=torch.uint8)
             hello.update(path=str(path), nonce=nonce.hex(), slot_bytes=slot_bytes, slots=SLOTS)

@@ -64,6 +64,7 @@ class SharedSegment:
         self.fd = os.memfd_create(name)
         try:
             os.ftruncate(self.fd, nbytes)
+            os.posix_fallocate(self.fd, 0, nbytes)  # its memory taken now (as zeroed tensors would), not at a write
             self.tensor = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=nbytes, dtype=torch.uint8)
         except BaseException:
             os.close(self.fd)

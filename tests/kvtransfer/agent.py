@@ -72,10 +72,16 @@ def untouched_except(cache, used: list[tuple[list[int], int]]) -> bool:
 
 
 def _main(conn, name: str, store_url: str, spec: CacheSpec, timeout_s: float, chunk_bytes: int, shm: bool = True,
-          shm_dir: str | None = None, no_pull: bool = False) -> None:
+          shm_dir: str | None = None, no_pull: bool = False, shm_full: bool = False) -> None:
     torch.set_num_threads(1)
     from kvtransfer import KVEndpoint
 
+    if shm_full:  # this process's /dev/shm has no room for a ring (a container's default is 64 MiB)
+        import errno
+
+        def full(fd, offset, length):
+            raise OSError(errno.ENOSPC, "No space left on device (test)")
+        os.posix_fallocate = full
     if no_pull:  # this process cannot map a peer's memory (as in another pid namespace)
         import kvtransfer.shm
 
@@ -152,7 +158,8 @@ class Agent:
     """Parent-side handle of an agent process."""
 
     def __init__(self, name: str, store_url: str, spec: CacheSpec, timeout_s: float = 5.0,
-                 chunk_bytes: int = 1 << 20, shm: bool = True, shm_dir: str | None = None, no_pull: bool = False):
+                 chunk_bytes: int = 1 << 20, shm: bool = True, shm_dir: str | None = None, no_pull: bool = False,
+                 shm_full: bool = False):
         # forkserver: torch is imported once by the server, then each agent is a cheap fork of a
         # process that never started a thread pool or a process group (unlike forking the test process)
         ctx = mp.get_context("forkserver")
@@ -161,7 +168,7 @@ class Agent:
         self.spec = spec
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_main, args=(child, name, store_url, spec, timeout_s, chunk_bytes, shm,
-                                                    shm_dir, no_pull), daemon=True)
+                                                    shm_dir, no_pull, shm_full), daemon=True)
         self.proc.start()
         child.close()
 

@@ -37,13 +37,14 @@ def _move(a: Agent, b: Agent, rid: str, src: list[int], dst: list[int], n: int) 
     assert a.call("checksum", src, n) == b.call("checksum", dst, n), rid
 
 
-def _pair_of(receiver_kw: dict, store_url: str, shared: bool = False) -> tuple[dict, dict, list[str]]:
+def _pair_of(receiver_kw: dict, store_url: str, shared: bool = False,
+             sender_kw: dict | None = None) -> tuple[dict, dict, list[str]]:
     """A (seeded cache) sends three requests to B (zeros) in 6 KiB chunks (rows of 1 KiB: many more chunks than
     ring slots, so every slot is reused; chunks over shuffled blocks are gathered into and scattered out of the
     slots in place, contiguous ones copied in and out); the kinds of both ends' pairs and the ring files left."""
     spec = dict(num_layers=3, num_blocks=64, block_size=16, num_kv_heads=4, head_dim=64)
     # 6-row chunks straddle the 16-token blocks: shuffled blocks make most chunks gathered or scattered ones
-    a = Agent("A", store_url, CacheSpec(seed=7, shared=shared, **spec), chunk_bytes=6144)
+    a = Agent("A", store_url, CacheSpec(seed=7, shared=shared, **spec), chunk_bytes=6144, **(sender_kw or {}))
     b = Agent("B", store_url, CacheSpec(shared=shared, **spec), chunk_bytes=6144, **receiver_kw)
     try:
         a.ready()
@@ -102,6 +103,14 @@ def test_a_receiver_that_sees_another_dev_shm_declines_to_the_socket(store_url, 
     sender, receiver, left = _pair_of({"shm_dir": str(tmp_path)}, store_url)
     assert sender == {"send:B": "gloo"} and receiver == {"recv:A": "gloo"}
     assert left == []  # the sender unlinks its file after a no too
+
+
+def test_a_sender_whose_dev_shm_is_full_stays_on_the_socket_without_a_file(store_url):
+    """The ring file's pages are reserved when it is made: a /dev/shm without room fails there (ENOSPC, here
+    simulated) and the pair keeps the socket, instead of a worker dying of SIGBUS on its first write."""
+    sender, receiver, left = _pair_of({}, store_url, sender_kw={"shm_full": True})
+    assert sender == {"send:B": "gloo"} and receiver == {"recv:A": "gloo"}
+    assert left == []
 
 
 def test_payload_ops_are_carried_out_in_posting_order_whatever_order_they_are_waited_in():
