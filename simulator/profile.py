@@ -266,6 +266,10 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
         links["gloo"] = fit_link([s["bytes"] for s in link_samples], [s["seconds"] for s in link_samples])
         for s in link_samples:
             s["predicted_s"] = links["gloo"].seconds(s["bytes"])
+        paths = sorted({s.get("link", "") for s in link_samples} - {""})
+        if paths and paths != ["socket"]:
+            notes.append(f"KV link measured between two processes on this host, over {'/'.join(paths)} (shared "
+                         "memory): a pool on another host moves KV over the socket, slower (measure it there)")
         link_s = time.perf_counter() - t0
     if args.device == "cuda" and (torch.cuda.device_count() < 2 or args.skip_link):
         notes.append(f"nccl not measured: NCCL needs two GPUs, this machine has {torch.cuda.device_count()}"

@@ -123,7 +123,8 @@ def _link_receiver(conn: Any, store_port: int, geom: tuple, num_blocks: int, thr
 
 
 def measure_link(geom: tuple, kv_bytes_per_token: int, sizes: Sequence[int], reps: int, threads: int) -> list[dict]:
-    """Seconds from ``send()`` to DONE (the receiver's acknowledgement) for each size, median of ``reps``."""
+    """Seconds from ``send()`` to DONE (the receiver's acknowledgement) for each size, median of ``reps``, and the
+    path the bytes took (``TransferStats.link``: pull where this host lets the two processes share memory)."""
     import multiprocessing as mp
 
     import torch.distributed as dist
@@ -162,13 +163,14 @@ def measure_link(geom: tuple, kv_bytes_per_token: int, sizes: Sequence[int], rep
             dt = time.perf_counter() - t0
             if state != TransferState.DONE or conn.recv() != "done":
                 raise RuntimeError(f"KV link: transfer {rid} failed: {ep.failure(h)}")
-            return dt, ep.stats(h).num_bytes
+            st = ep.stats(h)
+            return dt, st.num_bytes, st.link
 
         once(token_counts[0])  # the pair group's rendezvous and first connection
         for tokens in token_counts:
             ts = [once(tokens) for _ in range(reps + 1)][1:]
-            out.append({"tokens": tokens, "bytes": ts[0][1], "seconds": statistics.median(t for t, _ in ts),
-                        "reps_s": [t for t, _ in ts]})
+            out.append({"tokens": tokens, "bytes": ts[0][1], "seconds": statistics.median(t for t, _, _ in ts),
+                        "reps_s": [t for t, _, _ in ts], "link": ts[0][2]})
         conn.send(("stop",))
     finally:
         if ep is not None:

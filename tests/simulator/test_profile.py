@@ -152,6 +152,13 @@ def test_quick_profile_of_tiny(tmp_path, capsys):
     assert gloo.bytes_per_s > 0 and gloo.latency_s >= 0
     link = prof.meta["link_samples"]
     assert link[-1]["bytes"] > link[0]["bytes"] and link[-1]["seconds"] > link[0]["seconds"]
+    # two processes on this host: the sender's cache is a prefill worker's (shared), so the receiver pulls it, and
+    # the profile says the number is a same-host one
+    assert {s["link"] for s in link} == {"pull"}
+    assert any("over pull (shared memory)" in n for n in prof.meta["notes"])
+    # the router process's CPU per streamed token (with its client): what --router-on-worker-cores prices
+    r_cpu = prof.meta["router"]["cpu_per_token_s"]
+    assert r_cpu > 0 and prof.router_cpu_per_token_s == r_cpu
     # router costs measured, clamped at 0, raw numbers kept
     r = prof.meta["router"]
     assert r["ttft_s"] > 0 and r["token_gap_s"] > 0
