@@ -148,7 +148,7 @@ def test_quick_profile_of_tiny(tmp_path, capsys):
     hits = [s for s in prof.meta["samples"] if s["kind"] == "prefill_hit"]
     assert hits and all(s["ctx"] > 0 and s["prefill_ctx"] == s["ctx"] + s["n"] for s in hits)
     # a real link: positive bandwidth, and a bigger payload moves at a higher rate (a fixed cost dominates the
-    # small one). Not "takes longer": a 16 MiB pull (about 3 ms here) can beat a 64 KiB transfer whose fixed cost
+    # small one). Not "takes longer": a 16 MiB pull (about 3 ms here) could beat a 64 KiB transfer whose fixed cost
     # (about 0.6 ms quiet) a loaded host stretches to several
     gloo = prof.link("gloo")
     assert gloo.bytes_per_s > 0 and gloo.latency_s >= 0
