@@ -10,10 +10,14 @@ layout is part of the engine's public interface.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
 
 from engine.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 def row_width(mc: ModelConfig, dtype: torch.dtype) -> int:
@@ -45,7 +49,15 @@ def allocate_kv_caches(mc: ModelConfig, num_blocks: int, block_size: int, dtype:
     host reads in place (kvtransfer/shm.py's pull)."""
     shape = (num_blocks, block_size, mc.num_key_value_heads, row_width(mc, dtype))
     if shared and device.type == "cpu":
-        return _in_segment(mc.num_hidden_layers, shape, dtype)
+        from transport.shared_memory import shared_memory_unavailable
+
+        why = shared_memory_unavailable()
+        if why is None:
+            try:
+                return _in_segment(mc.num_hidden_layers, shape, dtype)
+            except OSError as e:
+                why = str(e)
+        log.warning("KV cache in private memory, not shared (%s): same-host peers receive its KV by copy", why)
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(mc.num_hidden_layers)]
 

@@ -246,3 +246,15 @@ def test_a_shared_kv_cache_lives_in_one_segment_and_changes_no_token(prompt, fre
     assert torch.equal(peer[off:off + k.numel() * 4].view(torch.float32).view(k.shape), k)
     with pytest.raises(ValueError, match="kv_cache_shared"):
         EngineConfig(kv_cache_shared=1)
+
+
+def test_a_shared_kv_cache_where_shared_memory_is_missing_falls_back_to_private(monkeypatch, caplog):
+    """A platform without memfd (or a segment that cannot be made) still starts the engine: a private cache, said."""
+    import transport.shared_memory as shm
+    from transport.shared_memory import segment_of
+
+    monkeypatch.setattr(shm, "shared_memory_unavailable", lambda: "this platform has no memfd_create (test)")
+    with caplog.at_level("WARNING", logger="engine.kv_cache"):
+        e = LLMEngine(EngineConfig(model="tiny", num_kv_blocks=16, block_size=16, kv_cache_shared=True))
+    assert segment_of(e.kv_caches[0][0]) is None and e.num_total_blocks == 16
+    assert "no memfd_create (test)" in caplog.text
