@@ -159,23 +159,32 @@ def _run(d: _Deployment, stubs: list, prompts: list[list[int]]) -> tuple[float, 
     return cached / total, served, outs
 
 
-def _decisions(r: RouterServer) -> dict[str, float]:
+def _counter(r: RouterServer, family: str, label: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(r.metrics.render().decode()):
-        if fam.name == "pdserve:routing_decisions":
+        if fam.name == family:
             for s in fam.samples:
                 if s.name.endswith("_total"):
-                    out[s.labels["reason"]] = s.value
+                    out[s.labels[label]] = s.value
     return out
 
 
+def _decisions(r: RouterServer) -> dict[str, float]:
+    return _counter(r, "pdserve:routing_decisions", "reason")
+
+
 def _all_scored_on_events(r: RouterServer) -> None:
-    """Every routing decision ``r`` made was scored on the KV event index (it never fell back to load only or the
-    router-local mirror), and it made some: an empty count (no decision recorded) must not pass."""
+    """Every routing decision ``r`` made was scored on the KV event index, and it made some (an empty count must not
+    pass). The one exception is a decision made by load only because Redis did not answer within the router's
+    bound, which the router counts apart (``redis_fallbacks_total{use="routing"}``): a host loaded past its cores
+    delays Redis that long now and then (hog run 8, 29 Nov: 2 of 80). A fallback to the router-local mirror, or to
+    load only for any other reason (an index out of sync), still fails."""
     got = _decisions(r)
-    assert set(got) == {"kv_events"} and got["kv_events"] > 0, got
+    away = _counter(r, "pdserve:redis_fallbacks", "use").get("routing", 0.0)
+    assert set(got) <= {"kv_events", "load_only"} and got.get("kv_events", 0) > 0, got
+    assert got.get("load_only", 0.0) == away, (got, away)
 
 
 def test_three_routers_hit_the_cache_as_one_does_and_spread_the_load(deployment):
