@@ -15,13 +15,18 @@ SAMPLE_TRACE = REPO / "tests" / "data" / "azure_llm_2023_conv_first400.csv"
 """Its first 400 rows, carried by the tests: the fallback where ``../shared`` is absent."""
 
 
-def replay(target: str, requests: list, timeout_s: float, max_concurrency: Optional[int] = None,
-           on_record: Any = None) -> tuple[list, float]:
-    """Send ``requests`` on their schedule over one channel (greedy); (records in request order, wall seconds)."""
-    from loadtest.client import ClientConfig, run_benchmark
+def client_config(target: str, timeout_s: float, max_concurrency: Optional[int] = None) -> Any:
+    """``loadtest``'s client settings the benchmarks send with: greedy, one deadline per request."""
+    from loadtest.client import ClientConfig
 
-    cfg = ClientConfig(target=target, temperature=0.0, max_concurrency=max_concurrency, request_timeout_s=timeout_s)
-    return asyncio.run(run_benchmark(cfg, requests, on_record) if on_record else run_benchmark(cfg, requests))
+    return ClientConfig(target=target, temperature=0.0, max_concurrency=max_concurrency, request_timeout_s=timeout_s)
+
+
+def replay(target: str, requests: list, timeout_s: float, max_concurrency: Optional[int] = None) -> tuple[list, float]:
+    """Send ``requests`` on their schedule over one channel (greedy); (records in request order, wall seconds)."""
+    from loadtest.client import run_benchmark
+
+    return asyncio.run(run_benchmark(client_config(target, timeout_s, max_concurrency), requests))
 
 
 def server_limits(target: str, timeout_s: float = 60.0) -> Any:

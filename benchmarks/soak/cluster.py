@@ -62,11 +62,11 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
-from benchmarks.harness import CONVERSATION_TRACE, REPO, SAMPLE_TRACE, machine_info, replay
+from benchmarks.harness import CONVERSATION_TRACE, REPO, SAMPLE_TRACE, client_config, machine_info, replay
 from benchmarks.harness import load_rows as _load_rows
 from benchmarks.harness import trace_requests as make_requests
 from benchmarks.harness import write_json
@@ -127,13 +127,6 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     if not ns.trace.is_file():
         raise SystemExit(f"--trace: no such file {ns.trace}")
     return ns
-
-
-# ---- the client: loadtest's ------------------------------------------------------------------------------
-def client_config(target: str, timeout_s: float, max_concurrency: Optional[int] = None) -> Any:
-    from loadtest.client import ClientConfig
-
-    return ClientConfig(target=target, temperature=0.0, max_concurrency=max_concurrency, request_timeout_s=timeout_s)
 
 
 # ---- main -------------------------------------------------------------------------------------------------
