@@ -60,6 +60,18 @@ two u64 offsets (K, V) per layer of the frame, then the block ids as u32."""
 _MAPPED_MAX = 8
 
 
+def _stamp(t: torch.Tensor) -> str:
+    """Write a random 16-byte nonce at the start of ``t``; its hex, for the peer to check."""
+    nonce = secrets.token_bytes(16)
+    t[:16] = torch.frombuffer(bytearray(nonce), dtype=torch.uint8)
+    return nonce.hex()
+
+
+def _stamped(t: torch.Tensor, nonce_hex: str) -> bool:
+    """Whether ``t`` starts with the nonce ``_stamp`` wrote (the peer's memory, not another's)."""
+    return bytes(t[:16].tolist()) == bytes.fromhex(nonce_hex)
+
+
 def _segment(path: Path, nbytes: int) -> torch.Tensor:
     """Map the ring file at ``path`` (``nbytes``)."""
     return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
@@ -112,18 +124,14 @@ def negotiate(pair: TorchPair, rank: int, slot_bytes: int, timeout_s: float,
         probe = None
         try:  # can the receiver map this process's memory (the same pid namespace and user)? then it may pull
             probe = SharedSegment(64, "pdserve-kv-probe")
-            probe_nonce = secrets.token_bytes(16)
-            probe.tensor[:16] = torch.frombuffer(bytearray(probe_nonce), dtype=torch.uint8)
             h = probe.handle
-            hello["pull"] = [h.pid, h.fd, h.inode, h.nbytes, probe_nonce.hex()]
-        except OSError as e:
+            hello["pull"] = [h.pid, h.fd, h.inode, h.nbytes, _stamp(probe.tensor)]
+        except (OSError, RuntimeError) as e:  # no memfd, or torch cannot map it: the ring only
             log.info("kv pull unavailable here (%s)", e)
         try:
             path = shm_dir / f"pdserve-kv-{os.getpid()}-{secrets.token_hex(8)}"
             seg = _create(path, _HEADER + SLOTS * slot_bytes)
-            nonce = secrets.token_bytes(16)
-            seg[:16] = torch.frombuffer(bytearray(nonce), dtype=torch.uint8)
-            hello.update(path=str(path), nonce=nonce.hex(), slot_bytes=slot_bytes, slots=SLOTS)
+            hello.update(path=str(path), nonce=_stamp(seg), slot_bytes=slot_bytes, slots=SLOTS)
         except (OSError, RuntimeError) as e:  # no /dev/shm, or full: plain gloo
             log.info("kv shared memory unavailable here (%s); the pair stays on gloo", e)
             seg = None
@@ -153,7 +161,7 @@ def negotiate(pair: TorchPair, rank: int, slot_bytes: int, timeout_s: float,
             size = _HEADER + int(hello["slots"]) * int(hello["slot_bytes"])
             if path.stat().st_size == size:
                 cand = _segment(path, size)
-                if bytes(cand[:16].tolist()) == bytes.fromhex(hello["nonce"]):
+                if _stamped(cand, hello["nonce"]):
                     seg = cand
     except (OSError, RuntimeError, ValueError, KeyError, TypeError):
         seg = None  # another /dev/shm (another container), or a file already gone: gloo
@@ -161,8 +169,7 @@ def negotiate(pair: TorchPair, rank: int, slot_bytes: int, timeout_s: float,
     if seg is not None and "pull" in hello:
         try:
             pid, fd, inode, nbytes, nonce = hello["pull"]
-            mapped = map_segment(SegmentHandle(int(pid), int(fd), int(inode), int(nbytes)))
-            pull = bytes(mapped[:16].tolist()) == bytes.fromhex(nonce)
+            pull = _stamped(map_segment(SegmentHandle(int(pid), int(fd), int(inode), int(nbytes))), nonce)
         except (OSError, RuntimeError, ValueError, TypeError):
             pull = False  # another pid namespace or user: the ring only
     answer.fill_((_RING if seg is not None else 0) | (_PULL_OK if pull else 0))
@@ -229,7 +236,6 @@ class ShmPair:
         self._seg = segment
         self._slot_bytes, self._nslots = slot_bytes, slots
         self.data_device = torch.device("cpu")
-        self.rank = rank
         self._lock = threading.Lock()
         self._sends: deque = deque()  # sender: payload ops posted, not yet carried out, in order
         self._free: deque[int] = deque(range(slots))
@@ -444,15 +450,18 @@ def pull_rows(group: ShmPair, desc: torch.Tensor, lo: int, hi: int, num_tokens: 
     src_rows = (ids[:needed, None] * bs + torch.arange(bs, dtype=torch.int64)).reshape(-1)[first:first + num_tokens]
     dst_rows = dst.rows
     runs = _runs(src_rows, dst_rows)
+    # every layer's source rows first, so a descriptor wrong for a later layer writes nothing
+    pairs = []
+    for k, (layer, j) in enumerate((layer, j) for layer in range(lo, hi) for j in (0, 1)):
+        out = _rows(kv_caches[layer][j])
+        try:
+            pairs.append((seg[offs[k]:offs[k] + size].view(out.dtype).view(nb * bs, out.shape[1]), out))
+        except RuntimeError as e:  # an offset not on a row word, or rows of another width
+            raise FramingError(f"pull descriptor: layer {layer} is not a cache of these rows: {e}") from None
     group.counts["pull_frames"] += 1
-    k = 0
-    for layer in range(lo, hi):
-        for j in (0, 1):
-            out = _rows(kv_caches[layer][j])
-            src = seg[offs[k]:offs[k] + size].view(out.dtype).view(nb * bs, -1)
-            k += 1
-            if runs is None:
-                out.index_put_((dst_rows,), src.index_select(0, src_rows))
-            else:
-                for s, d, n in runs:
-                    out[d:d + n].copy_(src[s:s + n])
+    for src, out in pairs:
+        if runs is None:
+            out.index_put_((dst_rows,), src.index_select(0, src_rows))
+        else:
+            for s, d, n in runs:
+                out[d:d + n].copy_(src[s:s + n])

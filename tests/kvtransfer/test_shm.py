@@ -167,3 +167,65 @@ def test_sweep_removes_ring_files_of_dead_processes_only(tmp_path):
         f.write_bytes(b"x")
     assert sweep_orphans(tmp_path) == 1
     assert sorted(p.name for p in Path(tmp_path).iterdir()) == sorted([mine.name, other.name])
+
+
+class _Peer:
+    """The receiver side ``pull_rows`` uses of a ShmPair: mapping the sender's segment, counting."""
+
+    def __init__(self):
+        self.counts = {"ring_chunks": 0, "pull_frames": 0}
+
+    def peer_segment(self, handle):
+        from transport.shared_memory import map_segment
+
+        return map_segment(handle)
+
+
+def test_a_pull_descriptor_that_names_other_memory_is_a_framing_error_and_writes_nothing():
+    """What the receiver checks before it copies a byte: offsets inside the segment and on a row word, block ids in
+    range, the descriptor whole, the segment the one named. A valid one copies the rows (positions 0..20)."""
+    import struct
+
+    from engine.kv_cache import share_kv_caches
+    from kvtransfer.layout import CacheLayout, TokenRows
+    from kvtransfer.shm import _PULL, pull_descriptor, pull_rows
+    from kvtransfer.wire import FramingError
+
+    g = torch.Generator().manual_seed(3)
+    src = share_kv_caches([(torch.randn(8, 16, 2, 16, generator=g), torch.randn(8, 16, 2, 16, generator=g))
+                           for _ in range(2)])
+    src_rows = TokenRows(CacheLayout.of(src), [5, 2], 21, "src_block_ids")
+    desc = pull_descriptor(src, src_rows, 0, 2, 32 << 10)
+    assert desc is not None
+
+    def pull(raw: bytes, dst: list) -> list:
+        rows = TokenRows(CacheLayout.of(dst), [1, 7], 21, "dst_block_ids")
+        pull_rows(_Peer(), torch.frombuffer(bytearray(raw), dtype=torch.uint8), 0, 2, 21, 2 * 16 * 4, dst, rows)
+        return dst
+
+    def zeros() -> list:
+        return [(torch.zeros(8, 16, 2, 16), torch.zeros(8, 16, 2, 16)) for _ in range(2)]
+
+    got = pull(desc, zeros())
+    for (sk, sv), (dk, dv) in zip(src, got):
+        for s, d in ((sk, dk), (sv, dv)):
+            assert torch.equal(d[1], s[5]) and torch.equal(d[7, :5], s[2, :5]) and not d[7, 5:].any()
+    head = list(_PULL.unpack(desc[:_PULL.size]))
+    offs = list(struct.unpack_from("<4Q", desc, _PULL.size))
+    ids = desc[_PULL.size + 32:]
+
+    def with_(head_=None, offs_=None, ids_=None) -> bytes:
+        return _PULL.pack(*(head_ or head)) + struct.pack("<4Q", *(offs_ or offs)) + (ids if ids_ is None else ids_)
+
+    bad = {
+        "outside": with_(offs_=[offs[0], offs[1], offs[2], head[3]]),           # past the segment's end
+        "misaligned": with_(offs_=[*offs[:3], offs[3] - 4]),                      # the last layer's V off a word
+        "block id": with_(ids_=struct.pack("<2I", 5, 8)),                          # the sender has 8 blocks
+        "cut short": with_()[:-4],
+        "another segment": with_(head_=[*head[:2], head[2] + 1, *head[3:]]),   # inode of no such segment
+    }
+    for name, raw in bad.items():
+        dst = zeros()
+        with pytest.raises(FramingError):
+            pull(raw, dst)
+        assert not any(x.any() for kv in dst for x in kv), name  # refused before any row landed
