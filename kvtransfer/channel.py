@@ -151,7 +151,7 @@ class PairChannel:
             wait_s = max(deadline - time.monotonic(), 0.05)
             shm = self.host.chunk_bytes if key.endswith(SHM_MARK) else None
             group = open_pair(self.host.backend, store, prefix, self.rank, wait_s, self.host.rendezvous.hub,
-                              self.host.bind_host, shm)
+                              self.host.bind_host, shm, self.host.rendezvous.shm)
         except Exception as e:  # noqa: BLE001 - store down, peer gone, gloo refusal: all mean "not now"
             store_down = isinstance(e, StoreUnavailable)
             if not isinstance(e, (PairBroken, RendezvousTimeout)):

@@ -274,7 +274,7 @@ class RecvChannel(PairChannel):
         timeout = max(t.deadline - time.monotonic(), 0.0) + BACKSTOP_S
         with self.cond:
             t.mark_wire(0)  # the head (with any inline rows) has arrived: the frame is on the wire from here
-            t.link = "ring" if getattr(group, "shared", False) else "socket"
+            t.link = getattr(group, "link", "socket")
         inflight: deque = deque()  # (op, staging buffer or None, segments), in chunk order
         posted = staged = 0
 

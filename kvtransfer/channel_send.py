@@ -172,7 +172,7 @@ class SendChannel(PairChannel):
         # acknowledge (completing t and snapshotting its stats) before this thread would count them
         with self.cond:
             t.mark_wire(plan.inline_nbytes)
-            t.link = "ring" if getattr(group, "shared", False) else "socket"
+            t.link = getattr(group, "link", "socket")
         ops = [group.isend(self._hdr, TAG_HEAD)]
         slot_ops: list = [None] * WINDOW  # the send that last used each staging buffer
         staged = 0

@@ -86,7 +86,7 @@ class Rendezvous:
         """(Re)write this endpoint's incarnation. Store keys may expire (the Redis store's TTL) or vanish
         (a restarted Redis), so a receiver publishes again each time it waits for an offer."""
         _store_call(lambda: self.store.set(f"inc/{self.name}", self.incarnation), "publish")
-        if self.shm:  # before nothing else: an endpoint without it (older, or shm off) never sets the key
+        if self.shm:  # an endpoint without it (older, or shm off) never sets the key
             _store_call(lambda: self.store.set(f"cap/{self.name}", "shm"), "publish")
 
     def _poll(self, fn: Callable[[], str | None], timeout_s: float, what: str,

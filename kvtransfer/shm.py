@@ -112,8 +112,10 @@ def sweep_orphans(shm_dir: Optional[Path] = None) -> int:
 
 
 def negotiate(pair: TorchPair, rank: int, slot_bytes: int, timeout_s: float,
-              shm_dir: Optional[Path] = None) -> "TorchPair | ShmPair":
-    """Run on a gloo pair just built with a shared-memory offer: the ``ShmPair`` both agreed on, or ``pair``."""
+              shm_dir: Optional[Path] = None, accept: bool = True) -> "TorchPair | ShmPair":
+    """Run on a gloo pair just built with a shared-memory offer: the ``ShmPair`` both agreed on, or ``pair``.
+    ``accept`` (rank 1): False answers no whatever is offered (this endpoint has shared memory off; a capability key
+    it published in an earlier life may still be in the store)."""
     shm_dir = shm_dir or SHM_DIR
     msg = torch.zeros(_HELLO_BYTES, dtype=torch.uint8)
     answer = torch.zeros(1, dtype=torch.int64)
@@ -155,6 +157,8 @@ def negotiate(pair: TorchPair, rank: int, slot_bytes: int, timeout_s: float,
     pair.irecv(msg, TAG_SHM_HELLO).wait(timeout_s)
     seg = None
     try:
+        if not accept:
+            raise ValueError("shared memory is off here")
         hello = json.loads(bytes(msg.tolist()).rstrip(b"\0").decode())
         path = Path(hello.get("path", ""))
         if path.parent == shm_dir and _NAME.match(path.name):
@@ -244,9 +248,9 @@ class ShmPair:
             for _ in range(slots):
                 self._post_release()
 
-    @property
-    def shared(self) -> bool:
-        return True
+    shared = True
+    link = "ring"
+    """What ``TransferStats.link`` calls a frame whose chunks take this pair's slots (a plain pair: "socket")."""
 
     @property
     def slot_bytes(self) -> int:

@@ -243,7 +243,8 @@ BACKENDS = ("gloo", "nccl", "inproc")
 
 
 def open_pair(backend: str, store: dist.Store, prefix: str, rank: int, timeout_s: float,
-              hub: InprocHub | None = None, host: str | None = None, shm_slot_bytes: int | None = None) -> PairGroup:
+              hub: InprocHub | None = None, host: str | None = None, shm_slot_bytes: int | None = None,
+              shm_accept: bool = True) -> PairGroup:
     """Build the pair group for ``prefix`` as ``rank`` (0 sender, 1 receiver); PairBroken on failure.
 
     ``hub`` is the inproc backend's meeting place (``InprocStore.hub``); other backends ignore it.
@@ -251,7 +252,8 @@ def open_pair(backend: str, store: dist.Store, prefix: str, rank: int, timeout_s
     default (the hostname's address). The pair's traffic is neither authenticated nor encrypted
     (as with every torch.distributed backend): ``host`` must be on a private network.
     ``shm_slot_bytes``: the pair was offered shared memory (gloo only; kvtransfer/shm.py): both ranks negotiate
-    it on the new pair, rank 0 with slots of this size, and use it where they share ``/dev/shm``.
+    it on the new pair, rank 0 with slots of this size, and use it where they share ``/dev/shm``; ``shm_accept``
+    False makes rank 1 answer no.
     """
     try:
         if backend == "gloo":
@@ -261,7 +263,7 @@ def open_pair(backend: str, store: dist.Store, prefix: str, rank: int, timeout_s
             from kvtransfer.shm import negotiate
 
             try:
-                return negotiate(pair, rank, shm_slot_bytes, timeout_s)
+                return negotiate(pair, rank, shm_slot_bytes, timeout_s, accept=shm_accept)
             except BaseException:
                 pair.close()
                 raise

@@ -98,6 +98,16 @@ def test_a_receiver_with_shared_memory_off_stays_on_the_socket(store_url):
     assert sender == {"send:B": "gloo"} and receiver == {"recv:A": "gloo"}
 
 
+def test_a_receiver_with_shared_memory_off_declines_even_an_offer_its_earlier_life_invited(store_url):
+    """A worker restarted under its name with shared memory off: the capability key its earlier life published may
+    still be in the store, so the sender offers; the receiver answers no and the pair keeps the socket."""
+    port = int(store_url.rsplit(":", 1)[1])
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    dist.PrefixStore("kvt", client).set("cap/B", "shm")  # kvtransfer.StoreConfig's default namespace
+    sender, receiver, _ = _pair_of({"shm": False}, store_url)
+    assert sender == {"send:B": "gloo"} and receiver == {"recv:A": "gloo"}
+
+
 def test_a_receiver_that_sees_another_dev_shm_declines_to_the_socket(store_url, tmp_path):
     """As a second container on one node: the offered file is not in its /dev/shm, so it answers no."""
     sender, receiver, left = _pair_of({"shm_dir": str(tmp_path)}, store_url)
