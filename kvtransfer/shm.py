@@ -211,14 +211,6 @@ class _Recv:
         return self._view
 
 
-def _completed(op: Any) -> bool:
-    work = getattr(op, "_work", None)
-    try:
-        return work is not None and bool(work.is_completed())
-    except RuntimeError:
-        return True  # failed: its wait raises PairBroken
-
-
 def _pieces(t: torch.Tensor, slot_bytes: int) -> list[torch.Tensor]:
     flat = t.reshape(-1).view(torch.uint8) if t.is_contiguous() else None
     if flat is None:
@@ -279,7 +271,7 @@ class ShmPair:
         wait for the oldest release (PairBroken after ``timeout_s``)."""
         while not self._free:
             op, buf = self._releases[0]
-            if timeout_s is None and not _completed(op):
+            if timeout_s is None and not op.completed():
                 return None
             op.wait(timeout_s if timeout_s is not None else 1.0)  # None: already completed
             self._releases.popleft()

@@ -55,6 +55,15 @@ class _TorchOp:
         self._work, self._device = work, device
         self._done = False
 
+    def completed(self) -> bool:
+        """Whether ``wait`` would return (or raise) at once: done, or failed."""
+        if self._done:
+            return True
+        try:
+            return bool(self._work.is_completed())
+        except RuntimeError:
+            return True  # failed: its wait raises PairBroken
+
     def wait(self, timeout_s: float) -> None:
         if self._done:  # waiting twice is allowed (a staging slot, then the frame's end)
             return
