@@ -117,8 +117,9 @@ class ClusterConfig:
     """Workers on one host move KV through shared memory instead of the loopback socket (``WorkerConfig.kv_shm``;
     gloo only: on cuda KV moves over NCCL)."""
     engine_process: bool = False
-    """Colocated workers run their engine core in a process of their own (``WorkerConfig.engine_process``); the
-    worker actor's gRPC and streaming threads then use CPU beyond ``cpus_per_worker``. Colocated pools only."""
+    """Every worker runs its engine core in a process of its own (``WorkerConfig.engine_process``); the worker
+    actor's gRPC and streaming threads then use CPU beyond ``cpus_per_worker``. The prefill and decode pools' engine
+    processes keep their KV cache in shared memory the worker maps: CPU only."""
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_colocated"):
@@ -130,9 +131,9 @@ class ClusterConfig:
             raise ValueError(f"engine_process must be a bool, got {self.engine_process!r}")
         if not isinstance(self.kv_shm, bool):
             raise ValueError(f"kv_shm must be a bool, got {self.kv_shm!r}")
-        if self.engine_process and not self.num_colocated:
-            raise ValueError("engine_process needs colocated workers (num_colocated > 0): the prefill and decode "
-                             "roles do not run their engine in a process of its own yet")
+        if self.engine_process and self.device == "cuda" and (self.num_prefill or self.num_decode):
+            raise ValueError("engine_process with prefill or decode pools needs device cpu: their engine process "
+                             "shares its KV cache with the worker through shared memory (CUDA IPC is not built)")
         if not self.cpus_per_worker > 0:
             raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker!r}")
         for name in ("pool_tensor_parallel", "pool_num_kv_blocks"):
@@ -238,7 +239,7 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
     common = dict(worker_id=worker_id, engine=engine, kv_store=kv_store, host=host, node_id=node_id,
                   cluster_secret=cfg.cluster_secret, cluster_tls=cfg.cluster_tls, model_name=cfg.served_model_name,
                   metrics_port=worker_metrics_port(), kv_backend="nccl" if cuda else "gloo", kv_shm=cfg.kv_shm,
-                  otlp_traces_endpoint=cfg.otlp_traces_endpoint)
+                  otlp_traces_endpoint=cfg.otlp_traces_endpoint, engine_process=cfg.engine_process)
     if isinstance(kv_store, StoreConfig) and kv_store.url.startswith(("redis://", "rediss://", "unix://")):
         # KV events go to the cluster's Redis under its namespace (the rendezvous is "{namespace}:kvt")
         common.update(kv_events_url=kv_store.url, kv_events_namespace=kv_store.namespace.removesuffix(":kvt"))
@@ -254,7 +255,7 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
         from decode_worker import ColocatedWorker, ColocatedWorkerConfig
 
         common.pop("kv_store")  # one engine does both phases: no KV moves
-        return ColocatedWorker(ColocatedWorkerConfig(**common, engine_process=cfg.engine_process))
+        return ColocatedWorker(ColocatedWorkerConfig(**common))
     raise ValueError(f"role must be one of {POOLS}, got {role!r}")
 
 

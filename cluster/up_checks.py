@@ -44,9 +44,9 @@ def check_pool_args(args: argparse.Namespace) -> None:
     for name in ("prefill", "decode", "colocated"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
-    if args.engine_process and not args.colocated:
-        raise ValueError("--engine-process needs --colocated K: the prefill and decode roles do not run their "
-                         "engine in a process of its own yet")
+    if args.engine_process and args.device == "cuda" and (args.prefill or args.decode or args.autoscale):
+        raise ValueError("--engine-process with prefill or decode workers needs --device cpu: their engine process "
+                         "shares its KV cache with the worker through shared memory (CUDA IPC is not built)")
     if args.autoscale:
         for name, lo, hi in (("prefill", args.prefill, args.max_prefill), ("decode", args.decode, args.max_decode)):
             if not args.colocated and hi < max(lo, 1):

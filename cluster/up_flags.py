@@ -50,9 +50,10 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
                    help="--planner sla: profile.json of this model on this hardware (`pdserve profile`)")
     p.add_argument("--cpus-per-worker", type=float, default=1.0, help="Ray CPUs (and torch threads) per worker")
     p.add_argument("--engine-process", action="store_true",
-                   help="with --colocated: each worker runs its engine core in a process of its own, so engine "
-                        "steps do not share a GIL with the worker's gRPC and streaming threads (vLLM v1's split; "
-                        "the worker then uses about one core beyond --cpus-per-worker)")
+                   help="each worker runs its engine core in a process of its own, so engine steps do not share "
+                        "a GIL with the worker's gRPC and streaming threads (vLLM v1's split; the worker then uses "
+                        "about one core beyond --cpus-per-worker); prefill and decode workers: CPU only, their KV "
+                        "cache in shared memory")
     p.add_argument("--no-kv-shm", dest="kv_shm", action="store_false",
                    help="workers on one host move KV through the loopback socket, not shared memory (the default "
                         "where both see one /dev/shm; gloo only)")

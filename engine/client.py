@@ -11,9 +11,12 @@ proxying one in a child process. The worker's request sets and its loop then use
   lets go during a forward. Both implementations have it.
 - ``KVEngine``: what the prefill and decode roles use beyond that: the KV cache itself (the tensors a KV transfer
   reads and writes, ``kv_caches``; block tables; reservations of blocks for KV that arrives from another worker and
-  naming received blocks in the prefix cache). Only the in-process ``LLMEngine`` has it: a transfer writes the
-  engine's cache tensors directly, so a prefill or decode worker's engine cannot live in another process until the
-  cache is memory both processes map (issue 46 item 2's open part).
+  naming received blocks in the prefix cache). Both implementations have it: ``RemoteEngine(kv=True)`` maps the
+  child's cache (shared memory, CPU) and answers the rest by calls into the child.
+
+An in-process engine also has ``owner_lock`` (the worker loop's lock, let go around the model's forward so a
+decode worker's ``Reserve`` runs beside it: ``EngineLoop.beside``); an engine without it is stepped and called from
+the loop thread alone.
 """
 from __future__ import annotations
 
@@ -78,8 +81,6 @@ class KVEngine(EngineCore, Protocol):
 
     kv_caches: list
     """Per layer, the (k, v) cache tensors a KV transfer reads from and writes into."""
-    owner_lock: Any
-    """The worker loop's lock, let go around the model's forward (``EngineLoop.beside``); None: not shared."""
 
     def has_request(self, request_id: str) -> bool: ...
 

@@ -7,7 +7,8 @@ The segment registers itself while it lives, so ``segment_of(tensor)`` finds the
 (kvtransfer asks it of a transfer's cache). ``handle`` says how a peer maps it: ``/proc/<pid>/fd/<fd>``, which
 the peer opens only while this process lives and only where it shares this process's pid namespace and user
 (another container's peer cannot: kvtransfer then moves bytes instead); the inode guards against a descriptor
-number reused by a later segment. ``map_segment(handle)`` is the peer's side. ``close`` (or garbage collection
+number reused by a later segment. ``map_segment(handle)`` is the peer's side; ``SharedSegment.attach(handle)`` maps
+it and registers it here under the owner's handle (a worker mapping its engine process's cache). ``close`` (or garbage collection
 of the segment) unregisters it and closes the descriptor; live tensors keep the mapping until they go.
 """
 from __future__ import annotations
@@ -73,6 +74,21 @@ class SharedSegment:
         self.base = self.tensor.data_ptr()
         with _live_lock:
             _live[self.base] = self
+
+    @classmethod
+    def attach(cls, handle: SegmentHandle) -> "SharedSegment":
+        """A peer's segment mapped here (``map_segment``) and registered under the peer's ``handle``: tensors made
+        with ``view`` are found by ``segment_of``, so a third process is told to map the segment where it lives (an
+        engine process's KV cache, which its worker's KV transfers read and write). Owns no descriptor: the
+        segment lives while the peer or a mapping does. OSError if it cannot be mapped here."""
+        self = cls.__new__(cls)
+        self.tensor = map_segment(handle)
+        self.fd = -1
+        self.handle = handle
+        self.base = self.tensor.data_ptr()
+        with _live_lock:
+            _live[self.base] = self
+        return self
 
     def contains(self, t: torch.Tensor) -> bool:
         """Whether all of ``t``'s bytes (it must be contiguous) lie in this segment."""

@@ -86,8 +86,8 @@ class WorkerConfig:
     the longest step the engine can take (a full prefill chunk of the largest model on the slowest device)."""
     engine_process: bool = False
     """Run the engine core in a process of its own (``worker_common.engine_process``): its steps no longer share
-    this process's GIL with the gRPC and streaming threads; the OS places both processes. The colocated role only,
-    for now."""
+    this process's GIL with the gRPC and streaming threads; the OS places both processes. The prefill and decode
+    roles' engine process keeps its KV cache in shared memory this process maps (CPU engines only)."""
 
     role = "worker"
 
@@ -120,9 +120,11 @@ class WorkerConfig:
             raise ValueError(f"kv_events_namespace must be a non-empty string, got {self.kv_events_namespace!r}")
         if not isinstance(self.engine_process, bool):
             raise ValueError(f"engine_process must be a bool, got {self.engine_process!r}")
-        if self.engine_process and self.role != "colocated":
-            raise ValueError(f"engine_process is supported by the colocated role only, not {self.role} (the "
-                             "prefill and decode roles write KV transfers into the engine's cache tensors)")
+        device = str(getattr(self.engine, "device", "cpu"))
+        if self.engine_process and self.role in ("prefill", "decode") and device != "cpu":
+            raise ValueError(f"engine_process for the {self.role} role needs a CPU engine, not device "
+                             f"{device!r}: its KV cache is shared memory the worker's transfers map (a "
+                             "GPU's would need CUDA IPC, which is not built)")
         if not isinstance(self.kv_shm, bool):
             raise ValueError(f"kv_shm must be a bool, got {self.kv_shm!r}")
         if not isinstance(self.kv_backend, str) or not self.kv_backend:

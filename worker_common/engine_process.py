@@ -29,30 +29,57 @@ uses the proxy as it would the engine:
 
 CPU placement: the child inherits the worker's CPU affinity; the OS places both processes. ``benchmarks/harness/deployment.py`` pins every thread of each to a core of its own.
 The prefix cache's KV events (``block_manager.enable_events()``) are recorded in the child and travel in
-the step messages; ``block_manager.take_events()`` returns them in order. What runs only in-process for now:
-KV transfer (decode and prefill roles write received KV into the cache tensors); ``WorkerConfig`` refuses it.
+the step messages; ``block_manager.take_events()`` returns them in order.
+
+**The prefill and decode roles** (``RemoteEngine(cfg, name, kv=True)``): their KV transfers read and write the
+engine's cache, so the child allocates it in shared memory (``EngineConfig.kv_cache_shared``, a memfd segment: CPU
+only) and its ``ready`` message says where (the segment's handle, each layer's K and V offsets); the proxy maps it
+(``SharedSegment.attach``) as ``kv_caches``, the same bytes the child's model reads and writes. The segment stays
+registered under the child's handle, so a same-host peer pulls a prefill's KV straight from the child's memory.
+The rest of ``engine.client.KVEngine``:
+
+- the engine's answers the worker needs at once (``has_request``, ``check_request``, ``reserve_prompt``,
+  ``cached_prefix_tokens``, ``commit_reserved``, ``get_block_table``) are calls: sent in order with the other
+  commands and answered between two steps (a call waits for the step in flight; after answering, the child waits
+  up to ``_FOLLOW_UP_S`` for the caller's next command before it steps, so a Reserve's two calls cost one step, not
+  two). A ``ValueError`` comes back as itself; messages that arrive meanwhile are kept for ``step()``, in order.
+- ``add_prefilled_request`` and ``release`` are sent as ``add_request`` is (a refused one goes to ``on_error``).
+- **per-layer completion**: the child sends a ``layer`` message from inside its forward as each layer of the
+  prompts whose prefill completes is in the cache (with their block tables at layer 0), and ``step()`` hands them to
+  ``layer_done_callback(layer, request_ids)`` as soon as they arrive: a prefill worker's send of layer ``i`` overlaps
+  the child's compute of layer ``i + 1``, as it does in process. ``get_block_table`` of those requests is answered
+  from the tables that came with layer 0.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import time
 import traceback
+from collections import deque
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 log = logging.getLogger(__name__)
 
 _READY_TIMEOUT_S = 600.0  # building an engine compiles kernels on a fresh machine (minutes)
+_FOLLOW_UP_S = 0.002
+"""After answering a call, how long the child waits for the caller's next command before it steps."""
+_CALLS = frozenset({"has_request", "check_request", "get_block_table", "reserve_prompt", "cached_prefix_tokens",
+                    "commit_reserved"})
+"""The engine methods a KV role's proxy calls and waits for (module docstring)."""
 
 
-def _engine_main(cfg: Any, conn: Connection) -> None:
+def _engine_main(cfg: Any, conn: Connection, kv: bool = False) -> None:
     """The child: build the engine, then run commands and steps until ``stop`` or the parent's pipe closes."""
     try:
         from engine.llm_engine import LLMEngine
 
         eng = LLMEngine(cfg)
+        layout = _cache_layout(eng) if kv else None
     except BaseException:
         conn.send(("failed", traceback.format_exc()))
         return
@@ -64,20 +91,28 @@ def _engine_main(cfg: Any, conn: Connection) -> None:
             for rid in request_ids:
                 started.setdefault(rid, now)
 
-    eng.layer_done_callback = on_layer
+    def on_layer_kv(layer: int, request_ids: list[str]) -> None:
+        # from inside the forward: this layer's K/V of these prompts is in the shared cache now
+        tables = {rid: eng.get_block_table(rid) for rid in request_ids} if layer == 0 else None
+        conn.send(("layer", layer, list(request_ids), tables))
+
+    eng.layer_done_callback = on_layer_kv if kv else on_layer
     conn.send(("ready", {"num_total_blocks": eng.num_total_blocks, "block_size": eng.block_size,
                          "kv_cache_dtype": eng.kv_cache_dtype, "max_model_len": eng.max_model_len,
-                         "enable_caching": eng.block_manager.enable_caching}, _snapshot(eng)))
+                         "enable_caching": eng.block_manager.enable_caching, "kv_cache": layout}, _snapshot(eng)))
     errors: list[tuple[str, str]] = []
     seen = 0  # commands run so far: each message says it, so the parent knows its commands took effect
     try:
         while True:  # an engine exception goes to the worker as ("failed", traceback), below
             busy = eng.has_unfinished_requests()
             ran = 0
+            replied = False
             # the commands waiting now; idle, block until one comes (the parent's death is EOF)
-            while conn.poll(0 if busy or errors or ran else None):
+            while conn.poll(_FOLLOW_UP_S if replied else 0 if busy or errors or ran else None):
                 msg = conn.recv()
                 ran += 1
+                seen += 1
+                replied = False
                 op = msg[0]
                 if op == "add":
                     _, rid, ids, params, kw = msg
@@ -85,9 +120,27 @@ def _engine_main(cfg: Any, conn: Connection) -> None:
                         eng.add_request(rid, ids, params, **kw)
                     except ValueError as e:
                         errors.append((rid, str(e)))
+                elif op == "prefilled":
+                    _, rid, ids, first, params, first_logprob = msg
+                    try:
+                        eng.add_prefilled_request(rid, ids, first, params, first_logprob=first_logprob)
+                    except ValueError as e:
+                        errors.append((rid, str(e)))
                 elif op == "abort":
                     eng.abort_request(msg[1])
                     started.pop(msg[1], None)
+                elif op == "release":
+                    eng.release(msg[1])
+                elif op == "call":
+                    _, name, args, kw = msg
+                    if name not in _CALLS:
+                        raise RuntimeError(f"engine process call of {name!r}: not an engine call")
+                    try:
+                        reply = ("reply", True, getattr(eng, name)(*args, **kw))
+                    except Exception as e:  # the caller's, as itself: the engine's ValueError names the field
+                        reply = ("reply", False, _portable(e))
+                    conn.send((*reply, _snapshot(eng), seen))
+                    replied = True
                 elif op == "events":
                     eng.block_manager.enable_events()
                 elif op == "stop":
@@ -95,7 +148,6 @@ def _engine_main(cfg: Any, conn: Connection) -> None:
                 else:  # a protocol error is a bug: end loudly (the worker gets the traceback)
                     raise RuntimeError(f"unknown engine process command {op!r}")
                 busy = eng.has_unfinished_requests()
-            seen += ran
             outs = eng.step() if busy else []
             events = eng.block_manager.take_events()
             if outs or errors or started or ran or events:
@@ -115,13 +167,43 @@ def _snapshot(eng: Any) -> tuple:
     return (eng.num_free_blocks, eng.num_running, eng.num_waiting, eng.make_stats())
 
 
+def _cache_layout(eng: Any) -> dict:
+    """Where the child's KV cache lies, for the proxy to map (``{"why": ...}`` when it is not in one segment)."""
+    from transport.shared_memory import segment_of
+
+    k0 = eng.kv_caches[0][0]
+    seg = segment_of(k0)
+    if seg is None:
+        return {"why": "the engine's KV cache is in private memory (see the engine process's log)"}
+    offsets = []
+    for k, v in eng.kv_caches:
+        if not (seg.contains(k) and seg.contains(v)):
+            return {"why": "the engine's KV cache spans more than one shared segment"}
+        offsets.append((seg.offset(k), seg.offset(v)))
+    return {"handle": seg.handle, "offsets": offsets, "shape": tuple(k0.shape), "dtype": k0.dtype}
+
+
+def _portable(e: Exception) -> Exception:
+    """``e`` if it survives pickling (the parent raises it as itself), else a RuntimeError saying what it was."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
 class RemoteEngine:
     """The worker-side proxy of an engine in its own process (see module docstring). Loop thread only, except
-    ``wake`` and the snapshot attributes."""
+    ``wake`` and the snapshot attributes. ``kv``: the prefill and decode roles' engine, its KV cache shared."""
 
-    def __init__(self, cfg: Any, name: str = "engine") -> None:
+    def __init__(self, cfg: Any, name: str = "engine", kv: bool = False) -> None:
+        if kv and not getattr(cfg, "kv_cache_shared", False):
+            cfg = dataclasses.replace(cfg, kv_cache_shared=True)  # (EngineConfig refuses it off CPU, naming it)
         self.cfg = cfg
         self.name = name
+        self.kv = kv
+        self.kv_caches: list = []
+        """(``kv``) Per layer, the (k, v) views of the child's cache this process maps."""
         self.layer_done_callback: Optional[Callable[..., None]] = None
         """Called as ``(0, request_ids, at)`` when those prompts' first layer ran (``at``: monotonic time)."""
         self.on_error: Callable[[str, str], None] = lambda rid, msg: log.warning("%s: request %s refused: %s",
@@ -136,6 +218,9 @@ class RemoteEngine:
         self._seen = 0
         self._facts: dict = {}
         self._snap: tuple = (0, 0, 0, None)
+        self._pending: deque = deque()  # messages that came while a call waited for its reply, for step()
+        self._held: set[str] = set()  # (kv) ids with blocks in the child the worker frees: reserved, added
+        self._tables: dict[str, list[int]] = {}  # (kv) block tables that came with a prompt's layer 0
         self.block_manager = _RemoteBlocks(self)
         """The prefix cache's side the worker uses: ``enable_caching``, ``enable_events()``, ``take_events()``."""
 
@@ -146,7 +231,7 @@ class RemoteEngine:
                                "one is a daemonic multiprocessing process")
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(target=_engine_main, args=(self.cfg, child), name=f"{self.name}-core",
+        self._proc = ctx.Process(target=_engine_main, args=(self.cfg, child, self.kv), name=f"{self.name}-core",
                                  daemon=True)
         self._proc.start()
         child.close()
@@ -164,6 +249,13 @@ class RemoteEngine:
             self.shutdown()
             raise RuntimeError(f"{self.name}: the engine process failed to load:\n{msg[1]}")
         self._facts, self._snap = msg[1], msg[2]
+        if self.kv:
+            try:
+                self.kv_caches = _map_cache(self._facts["kv_cache"])
+            except (OSError, ValueError) as e:
+                self.shutdown()
+                raise RuntimeError(f"{self.name}: the engine process's KV cache cannot be mapped here ({e}); the "
+                                   "prefill and decode roles need it in shared memory") from e
         return self
 
     @property
@@ -198,6 +290,8 @@ class RemoteEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any, **kw: Any) -> None:
         self._send(("add", request_id, list(prompt_token_ids), params, kw))
         self._live.add(request_id)
+        if self.kv:  # a prefill's blocks outlive its output, until the worker releases them
+            self._held.add(request_id)
 
     def _send(self, msg: tuple) -> None:
         if self._conn is None:
@@ -209,9 +303,93 @@ class RemoteEngine:
         self._sent += 1
 
     def abort_request(self, request_id: str) -> None:
-        if request_id in self._live:
+        if request_id in self._live or request_id in self._held:
             self._live.discard(request_id)
+            self._held.discard(request_id)
+            self._tables.pop(request_id, None)
             self._send(("abort", request_id))
+
+    # ---- the KV roles' side (``engine.client.KVEngine``; ``kv`` only) ----------------------------------
+    # (no ``owner_lock``: the child's forward cannot let go of this process's lock, so ``EngineLoop.beside`` runs
+    # as ``call`` for this engine and the pipe is used by the loop thread alone)
+
+    def has_request(self, request_id: str) -> bool:
+        return bool(self._call("has_request", request_id))
+
+    def check_request(self, request_id: str, prompt_token_ids: list[int], params: Any, *,
+                      prefill_only: bool = False) -> None:
+        self._call("check_request", request_id, list(prompt_token_ids), params, prefill_only=prefill_only)
+
+    def get_block_table(self, request_id: str) -> list[int]:
+        table = self._tables.get(request_id)
+        return list(table) if table is not None else self._call("get_block_table", request_id)
+
+    def reserve_prompt(self, request_id: str, num_tokens: int, prompt_token_ids: Optional[list[int]] = None, *,
+                       prefix: bool = False) -> Optional[tuple[list[int], int]]:
+        ids = None if prompt_token_ids is None else list(prompt_token_ids)
+        got = self._call("reserve_prompt", request_id, num_tokens, ids, prefix=prefix)
+        if got is not None:
+            self._held.add(request_id)
+        return got
+
+    def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
+        return int(self._call("cached_prefix_tokens", list(prompt_token_ids)))
+
+    def commit_reserved(self, request_id: str, prompt_token_ids: list[int]) -> int:
+        return int(self._call("commit_reserved", request_id, list(prompt_token_ids)))
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: Any,
+                              first_logprob: Any = None) -> None:
+        """Sent, not waited for: a refusal (the engine's ValueError) goes to ``on_error``, as an add's does."""
+        self._require_kv()
+        self._send(("prefilled", request_id, list(prompt_token_ids), first_token_id, params, first_logprob))
+        self._live.add(request_id)
+        self._held.add(request_id)
+
+    def release(self, request_id: str) -> None:
+        self._tables.pop(request_id, None)
+        if request_id in self._held:
+            self._held.discard(request_id)
+            self._live.discard(request_id)
+            self._send(("release", request_id))
+
+    def _require_kv(self) -> None:
+        if not self.kv:
+            raise RuntimeError(f"{self.name}: the engine process was started without its KV cache shared "
+                               "(RemoteEngine(kv=True) is the prefill and decode roles' engine)")
+
+    def _call(self, name: str, *args: Any, **kw: Any) -> Any:
+        """Run ``engine.<name>(*args, **kw)`` in the child and return its answer (raise its exception); what comes
+        meanwhile waits in ``_pending`` for ``step()``."""
+        self._require_kv()
+        self._send(("call", name, args, kw))
+        conn = self._conn
+        assert conn is not None
+        try:
+            while True:
+                if not conn.poll(1.0):
+                    if self._proc is not None and not self._proc.is_alive():
+                        raise EOFError
+                    continue
+                msg = conn.recv()
+                if msg[0] == "reply":
+                    _, ok, value, snap, seen = msg
+                    self._note(snap, seen)
+                    if ok:
+                        return value
+                    raise value
+                if msg[0] == "failed":
+                    raise RuntimeError(f"{self.name}: the engine process failed:\n{msg[1]}")
+                self._pending.append(msg)
+        except (EOFError, OSError) as e:
+            code = self._proc.exitcode if self._proc is not None else None
+            raise RuntimeError(f"{self.name}: the engine process died (exit code {code})") from e
+
+    def _note(self, snap: tuple, seen: int) -> None:
+        """A message's load snapshot, unless a later one (a call's reply, read ahead of messages kept for
+        ``step()``) is already here."""
+        if seen >= self._seen:
+            self._snap, self._seen = snap, seen
 
     def has_unfinished_requests(self) -> bool:
         """Requests in flight, or commands whose effect (freed blocks, a refusal) has not come back yet. Raises
@@ -221,7 +399,7 @@ class RemoteEngine:
         proc = self._proc
         if proc is not None and self._conn is not None and not proc.is_alive():
             raise RuntimeError(f"{self.name}: the engine process exited (exit code {proc.exitcode})")
-        return bool(self._live) or self._seen < self._sent
+        return bool(self._live) or self._seen < self._sent or bool(self._pending)
 
     def wake(self) -> None:
         """Any thread: end a ``step()`` that waits (the loop has a command)."""
@@ -235,7 +413,7 @@ class RemoteEngine:
         conn = self._conn
         if conn is None:
             raise RuntimeError(f"{self.name}: the engine process is stopped")
-        ready = wait([conn, self._wake_r], timeout_s)
+        ready = wait([conn, self._wake_r], 0 if self._pending else timeout_s)
         if self._wake_r in ready:
             try:
                 while os.read(self._wake_r, 65536):
@@ -244,28 +422,54 @@ class RemoteEngine:
                 pass
         outs: list = []
         try:
-            while conn.poll(0):
-                msg = conn.recv()
-                if msg[0] == "failed":
-                    raise RuntimeError(f"{self.name}: the engine process failed:\n{msg[1]}")
-                _, step_outs, started, errors, self._snap, self._seen, events = msg
-                if events:
-                    self.block_manager.events.extend(events)
-                if started and self.layer_done_callback is not None:
-                    for rid, at in started.items():
-                        self.layer_done_callback(0, [rid], at)
-                for rid, msg in errors:
-                    if rid in self._live:
-                        self._live.discard(rid)
-                        self.on_error(rid, msg)
-                for o in step_outs:
-                    if o.finish_reason and o.request_id in self._live:
-                        self._live.discard(o.request_id)
-                outs.extend(step_outs)
+            for msg in self._messages(conn):
+                self._take(msg, outs)
         except (EOFError, OSError) as e:
             code = self._proc.exitcode if self._proc is not None else None
             raise RuntimeError(f"{self.name}: the engine process died (exit code {code})") from e
         return outs
+
+    def _messages(self, conn: Connection) -> Iterator[tuple]:
+        """Kept messages first, then the pipe's, in order (a callback's call may keep more: they come next)."""
+        while True:
+            if self._pending:
+                yield self._pending.popleft()
+            elif conn.poll(0):
+                yield conn.recv()
+            else:
+                return
+
+    def _take(self, msg: tuple, outs: list) -> None:
+        op = msg[0]
+        if op == "failed":
+            raise RuntimeError(f"{self.name}: the engine process failed:\n{msg[1]}")
+        if op == "layer":
+            _, layer, ids, tables = msg
+            if tables:
+                self._tables.update(tables)
+            if self.layer_done_callback is not None:
+                self.layer_done_callback(layer, ids)
+            return
+        if op != "step":
+            raise RuntimeError(f"{self.name}: unexpected message {op!r} from the engine process")
+        _, step_outs, started, errors, snap, seen, events = msg
+        self._note(snap, seen)
+        if events:
+            self.block_manager.events.extend(events)
+        if started and self.layer_done_callback is not None:
+            for rid, at in started.items():
+                self.layer_done_callback(0, [rid], at)
+        for rid, text in errors:
+            if rid in self._live:
+                self._live.discard(rid)
+                self.on_error(rid, text)
+        for o in step_outs:
+            if o.finish_reason:
+                self._live.discard(o.request_id)
+                if o.finish_reason != "prefill_done":  # a prefill's blocks stay until its KV is sent (release)
+                    self._held.discard(o.request_id)
+                    self._tables.pop(o.request_id, None)
+        outs.extend(step_outs)
 
     # ---- the load snapshot of the latest step ------------------------------------------------------
     @property
@@ -298,6 +502,17 @@ class RemoteEngine:
 
     def make_stats(self) -> Any:
         return self._snap[3]
+
+
+def _map_cache(layout: Optional[dict]) -> list:
+    """The child's per-layer (k, v) cache as views of its segment mapped here (``_cache_layout``'s record)."""
+    from transport.shared_memory import SharedSegment
+
+    if not layout or "handle" not in layout:
+        raise ValueError((layout or {}).get("why", "the engine process sent no cache layout"))
+    seg = SharedSegment.attach(layout["handle"])
+    shape, dtype = tuple(layout["shape"]), layout["dtype"]
+    return [(seg.view(k, shape, dtype), seg.view(v, shape, dtype)) for k, v in layout["offsets"]]
 
 
 class _RemoteBlocks:

@@ -129,7 +129,7 @@ class WorkerBase:
         if self.cfg.engine_process:
             from worker_common.engine_process import RemoteEngine
 
-            remote = RemoteEngine(self.cfg.engine, f"{self.role}-{self.cfg.worker_id}").start()
+            remote = RemoteEngine(self.cfg.engine, f"{self.role}-{self.cfg.worker_id}", kv=self.needs_kv).start()
             remote.on_error = self._on_refused
             self.ctx.engine = remote
         else:

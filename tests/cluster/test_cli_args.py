@@ -36,7 +36,7 @@ def test_bad_flag_is_named(argv, flag):
     (["--speculative-model", "no-such-model"], "--speculative-model: model 'no-such-model' is not a built-in"),
     (["--speculative-method", "ngram", "--speculative-model", "tiny-draft"],
      "--speculative-model is only used with method 'draft_model'"),
-    (["--engine-process"], "--engine-process needs --colocated K"),
+    (["--device", "cuda", "--engine-process"], "--engine-process with prefill or decode workers needs --device cpu"),
 ])
 def test_bad_draft_model_flags_are_named(argv, message):
     args = build_parser().parse_args(["up", *argv])
@@ -165,8 +165,16 @@ def test_engine_process_flag_reaches_the_cluster_config():
     cfg = ClusterConfig(**pool_config_kwargs(args))
     assert cfg.engine_process is True and cfg.num_colocated == 2
     assert ClusterConfig(**pool_config_kwargs(build_parser().parse_args(["up"]))).engine_process is False
-    with pytest.raises(ValueError, match="engine_process needs colocated workers"):
-        ClusterConfig(num_colocated=0, engine_process=True)
+    with pytest.raises(ValueError, match="engine_process with prefill or decode pools needs device cpu"):
+        ClusterConfig(num_colocated=0, engine_process=True, device="cuda")
+    # every pool's workers get it (the prefill and decode roles' engine process shares its KV cache)
+    from cluster.config import build_role_worker
+    from kvtransfer import StoreConfig
+
+    store = StoreConfig("redis://127.0.0.1:1/0", namespace="unused")  # built, not started: never dialled
+    both = ClusterConfig(**pool_config_kwargs(build_parser().parse_args(["up", "--engine-process"])))
+    for role in ("prefill", "decode", "colocated"):
+        assert build_role_worker(role, f"{role}-0", both, store, "127.0.0.1", "n0").cfg.engine_process is True
 
 
 def test_no_kv_shm_flag_reaches_the_worker_configs():

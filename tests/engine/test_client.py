@@ -1,7 +1,7 @@
 """engine.client: both engines a worker can hold have the members the workers use (the contract written down).
 
-``LLMEngine`` (in process) is a ``KVEngine``; the engine-process proxy ``RemoteEngine`` is an ``EngineCore`` and not
-a ``KVEngine`` (its cache is in the child: why prefill and decode workers keep their engine in process). A member
+``LLMEngine`` (in process) and the engine-process proxy ``RemoteEngine`` are both ``KVEngine``s (the proxy maps the
+child's cache: ``RemoteEngine(kv=True)``). A member
 dropped from either implementation, or one the workers start using without adding it here, fails these checks
 (``runtime_checkable``: each member must exist on the live object)."""
 from __future__ import annotations
@@ -32,16 +32,21 @@ def test_the_in_process_engine_is_a_kv_engine():
     assert missing == []
 
 
-def test_the_engine_process_proxy_is_an_engine_core_only():
+def test_the_engine_process_proxy_is_a_kv_engine_and_never_shares_the_forward():
+    """``RemoteEngine`` has every member (a proxy started without ``kv`` refuses the KV calls at run time:
+    tests/worker_common/test_engine_process.py); no ``owner_lock``, so the worker's loop never runs ``beside`` on
+    another thread with the proxy's pipe."""
+    from worker_common.engine_loop import EngineLoop
     from worker_common.engine_process import RemoteEngine
 
     torch.set_num_threads(1)
-    remote = RemoteEngine(engine_config(), "client-test").start()
+    remote = RemoteEngine(engine_config(), "client-test", kv=True).start()
     try:
-        assert isinstance(remote, EngineCore) and isinstance(remote.block_manager, PrefixCacheEvents)
-        assert not isinstance(remote, KVEngine)
-        lacks = sorted(n for n in _members(KVEngine) - _members(EngineCore) if not hasattr(remote, n))
-        assert "kv_caches" in lacks and "reserve_prompt" in lacks, lacks
+        assert isinstance(remote, EngineCore) and isinstance(remote, KVEngine)
+        assert isinstance(remote.block_manager, PrefixCacheEvents)
+        assert [n for n in _members(KVEngine) if not hasattr(remote, n)] == []
+        assert len(remote.kv_caches) > 0
+        assert not hasattr(remote, "owner_lock") and not EngineLoop(remote, "t", lambda outs: None)._shares_forward
     finally:
         remote.shutdown()
 
@@ -60,6 +65,7 @@ def test_the_protocols_name_what_the_workers_call():
                 if line.lstrip().startswith(("from ", "import ", "#")) or '"""' in line or "``" in line:
                     continue
                 used |= set(pattern.findall(line))
-    known = _members(KVEngine) | {"shutdown", "close"}  # (lifecycle: the worker's, whichever engine it built)
+    # (lifecycle: the worker's, whichever engine it built; owner_lock: the in-process engine's, EngineLoop asks)
+    known = _members(KVEngine) | {"shutdown", "close", "owner_lock"}
     assert sorted(used - known) == [], "engine members the workers use that engine.client does not name"
     assert {"add_request", "step", "reserve_prompt", "kv_caches"} <= used  # the scan sees the workers' calls

@@ -191,6 +191,80 @@ def test_the_proxy_alone_equals_the_engine_and_wake_never_blocks():
         remote.shutdown()
 
 
+def test_the_kv_proxy_maps_the_childs_cache_and_hands_over_each_layer_as_it_completes():
+    """``RemoteEngine(kv=True)`` as a prefill worker's loop drives it: one ``layer`` call per layer, in order, for
+    the prompt whose prefill completes, each before the step's output; the block table answered from layer 0's
+    message equals the child's own answer; the K/V this process reads through ``kv_caches`` at those blocks equal an
+    in-process engine's after the same prefill (the child's memory, not a copy); ``release`` frees the blocks."""
+    from engine.llm_engine import LLMEngine
+    from worker_common.engine_process import RemoteEngine
+
+    torch.set_num_threads(1)
+    cfg = engine_config()
+    remote = RemoteEngine(cfg, "kv-proxy", kv=True).start()
+    try:
+        assert remote.cfg.kv_cache_shared and len(remote.kv_caches) == len(LLMEngine(cfg).kv_caches)
+        seen: list = []
+        remote.layer_done_callback = lambda layer, ids, *_: seen.append((layer, tuple(ids)))
+        prompt = list(range(3, 3 + 3 * remote.block_size + 5))
+        remote.add_request("a", prompt, SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True)
+        outs: list = []
+        while not outs:
+            outs = remote.step(1.0)
+            if not outs:
+                assert remote.has_unfinished_requests()
+        assert [o.finish_reason for o in outs] == ["prefill_done"]
+        layers = len(remote.kv_caches)
+        assert seen == [(i, ("a",)) for i in range(layers)]
+        table = remote.get_block_table("a")
+        assert table == remote._call("get_block_table", "a") and len(table) == -(-len(prompt) // remote.block_size)
+
+        local = LLMEngine(cfg)
+        local.add_request("a", prompt, SamplingParams(max_tokens=1, temperature=0.0), prefill_only=True)
+        assert [o.finish_reason for o in local.step()] == ["prefill_done"]
+        mine = local.get_block_table("a")
+        n = len(prompt)
+        for (rk, rv), (lk, lv) in zip(remote.kv_caches, local.kv_caches):
+            for got, want in ((rk, lk), (rv, lv)):
+                g = got[table].flatten(0, 1)[:n]
+                assert g.abs().sum() > 0 and torch.equal(g, want[mine].flatten(0, 1)[:n])
+        assert remote.num_free_blocks < remote.num_total_blocks  # held after prefill_done, until released
+        remote.release("a")
+        while remote.has_unfinished_requests():
+            remote.step()
+        assert remote.num_free_blocks == remote.num_total_blocks and not remote.has_request("a")
+    finally:
+        remote.shutdown()
+
+
+def test_the_kv_proxys_calls_answer_as_the_engine_does():
+    """Reservations through calls: blocks and a ValueError naming the field come back as the engine's; an id the
+    engine holds is known; an abort frees it; a proxy started without ``kv`` refuses KV calls, naming why."""
+    from worker_common.engine_process import RemoteEngine
+
+    torch.set_num_threads(1)
+    remote = RemoteEngine(engine_config(), "kv-calls", kv=True).start()
+    plain = RemoteEngine(engine_config(), "plain").start()
+    try:
+        total = remote.num_total_blocks
+        with pytest.raises(ValueError, match="num_tokens must be a positive integer"):
+            remote.reserve_prompt("r", 0)
+        blocks, cached = remote.reserve_prompt("r", 2 * remote.block_size + 1)
+        assert len(blocks) == 3 and cached == 0 and remote.has_request("r") and not remote.has_request("s")
+        assert remote.num_free_blocks == total - 3  # the reply's snapshot: taken now, not a step later
+        with pytest.raises(ValueError, match="already in use"):
+            remote.reserve_prompt("r", 4)
+        remote.abort_request("r")
+        while remote.has_unfinished_requests():
+            remote.step()
+        assert remote.num_free_blocks == total and not remote.has_request("r")
+        with pytest.raises(RuntimeError, match=r"kv=True"):
+            plain.reserve_prompt("r", 4)
+    finally:
+        remote.shutdown()
+        plain.shutdown()
+
+
 def test_an_exception_in_the_engine_process_reaches_the_worker_with_its_traceback():
     """Anything but a refused add ends the engine process; the proxy's next step raises with the child's
     traceback (so the worker's log names the cause), and the child is gone."""
@@ -209,8 +283,15 @@ def test_an_exception_in_the_engine_process_reaches_the_worker_with_its_tracebac
 
 
 def test_config_refuses_what_the_engine_process_cannot_do_yet():
-    with pytest.raises(ValueError, match="colocated role only"):
-        DecodeWorkerConfig("d", engine=engine_config(), engine_process=True)
+    from engine.config import EngineConfig
+    from prefill_worker import PrefillWorkerConfig
+
+    gpu, store = EngineConfig(model="tiny", device="cuda"), "tcp://127.0.0.1:1"  # (a store never dialled)
+    with pytest.raises(ValueError, match="engine_process for the decode role needs a CPU engine"):
+        DecodeWorkerConfig("d", engine=gpu, engine_process=True, kv_store=store)
+    with pytest.raises(ValueError, match="engine_process for the prefill role needs a CPU engine"):
+        PrefillWorkerConfig("p", engine=gpu, engine_process=True, kv_store=store)
+    assert DecodeWorkerConfig("d", engine=engine_config(), engine_process=True, kv_store=store).engine_process
     with pytest.raises(ValueError, match="engine_process must be a bool"):
         ColocatedWorkerConfig("c", engine=engine_config(), engine_process="yes")
 
