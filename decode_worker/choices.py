@@ -20,13 +20,16 @@ best-effort abort fails visibly and the choice runs to its own end, its tokens u
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
 import grpc
 
 from engine.sampling_params import SamplingParams
 from proto import worker_pb2
 from worker_common.request import RequestError, RequestSet, WorkerRequest, request_params
+
+if TYPE_CHECKING:
+    from engine.client import EngineCore
 
 MAX_CHOICES = SamplingParams.MAX_N  # the router validates n against the same constant
 """Most choices (n) one request may have on a worker."""
@@ -108,7 +111,7 @@ def start_request(w: Any, output_stream: str, request_id: str, start: Callable[[
     not open), bound in the same loop call, before any chunk; if ``start`` fails the binding is undone."""
     out = w.bind_output(output_stream, request_id)
 
-    def run(eng: Any) -> R:
+    def run(eng: EngineCore) -> R:
         req = start(eng)
         if out is not None:  # this call is now the request's lifetime only
             out.is_last, req.out = is_last(req), out
@@ -153,7 +156,7 @@ class ChoiceRequestSet(RequestSet[R]):
     def ends_request(self, req: R) -> bool:
         return req.index == 0  # a request with n choices finishes once
 
-    def start_siblings(self, eng: Any, root: R, prompt: list[int], params: Sequence[Any],
+    def start_siblings(self, eng: EngineCore, root: R, prompt: list[int], params: Sequence[Any],
                        make: Callable[[str, Any], R]) -> None:
         """Add choices 1..n-1 of ``root`` to the engine and hold them (loop thread); ``make(id, params)`` builds
         a record, which then shares ``root``'s stream. A sibling the engine refuses fails the whole request."""
@@ -227,7 +230,7 @@ class AbortChoiceServicer:
         if loop is None or not loop.alive:
             return worker_pb2.AbortResponse(found=False)
 
-        def abort(eng: Any) -> bool:
+        def abort(eng: EngineCore) -> bool:
             rs = self.holder(rid)  # type: ignore[attr-defined]
             found = isinstance(rs, ChoiceRequestSet) and rs.abort_choice(rid, index)
             self.refresh_load()  # type: ignore[attr-defined]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import grpc
 
@@ -30,6 +30,9 @@ from worker_common.output_stream import OutputStreamServicer
 from worker_common.request import RequestError, request_params
 from worker_common.wire import logprobs_to_proto, prompt_logprobs_to_proto
 from worker_common.worker_base import WorkerBase
+
+if TYPE_CHECKING:
+    from engine.client import EngineCore
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +64,7 @@ class LocalRequests(ChoiceRequestSet[_LocalReq]):
     def prefilled_prompt_tokens(self, req: _LocalReq) -> int:
         return req.prompt_len if req.index == 0 else 0  # a sibling reuses choice 0's prompt
 
-    def add(self, eng: Any, req: _LocalReq, ids: list[int], params: Any, resume: list[int]) -> None:
+    def add(self, eng: EngineCore, req: _LocalReq, ids: list[int], params: Any, resume: list[int]) -> None:
         """Put ``req`` in the engine and hold it; the caller checked its id is new on the worker."""
         try:
             eng.add_request(req.request_id, ids, params, resume_token_ids=resume or None)
@@ -145,7 +148,7 @@ class GenerateServicer:
         if siblings:
             req.prompt, req.siblings = ids, siblings
 
-        def add(eng: Any) -> _LocalReq:
+        def add(eng: EngineCore) -> _LocalReq:
             w.check_new(rid, "running")
             self.local.add(eng, req, ids, params, resume)
             return req
@@ -177,5 +180,5 @@ class ColocatedWorker(GenerateServicer, AbortChoiceServicer, OutputStreamService
     def register_services(self, server: grpc.Server) -> list[str]:
         return [register_colocated_service(self, server)]
 
-    def setup_engine(self, engine: Any) -> None:
+    def setup_engine(self, engine: EngineCore) -> None:
         engine.layer_done_callback = self.local.on_layer_done

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import grpc
 
@@ -44,6 +44,9 @@ from worker_common.request import (RequestContext, RequestError, check_peer_tp, 
                                    prefix_fetch_id, request_params)
 from worker_common.wire import logprob_from_proto, logprobs_to_proto
 from worker_common.worker_base import WorkerBase
+
+if TYPE_CHECKING:
+    from engine.client import KVEngine
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +81,7 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
         self.reserve_timeout_s = reserve_timeout_s
         """A reservation whose Decode never comes is freed after this long (or its receive deadline + 5 s)."""
 
-    def reserve(self, eng: Any, rid: str, prompt: list[int], params: Any, peer: str,
+    def reserve(self, eng: KVEngine, rid: str, prompt: list[int], params: Any, peer: str,
                 kv_timeout_s: float, peer_tp: int = 1, cached_prefix: bool = False,
                 trace: Any = None) -> _DecodeReq:
         """Take blocks for ``prompt`` and post the KV receive into them; the caller checked ``rid`` is new.
@@ -110,7 +113,7 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
             self.ctx.metrics.inc_kv_transfer_cached_tokens(cached)
         return req
 
-    def send_prefix(self, eng: Any, rid: str, dest: str, first: int, num: int, dest_tp: int,
+    def send_prefix(self, eng: KVEngine, rid: str, dest: str, first: int, num: int, dest_tp: int,
                     timeout_s: float) -> None:
         """Send positions ``first..num-1`` of reserved ``rid``'s cached prefix to the prefill worker ``dest`` (its
         ``PrefixFetch``). Beside a step: the blocks are the reservation's, pinned, and no forward writes them."""
@@ -256,7 +259,7 @@ class DecodeWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, 
         return [worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name,
                 register_colocated_service(self, server)]
 
-    def setup_engine(self, engine: Any) -> None:
+    def setup_engine(self, engine: KVEngine) -> None:
         # only local requests prefill here; the layer hook times their queue wait
         engine.layer_done_callback = self.local.on_layer_done
 
@@ -287,7 +290,7 @@ class DecodeWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, 
 
             trace = self.trace_start("decode_worker.request", context, rid)
 
-            def reserve(eng: Any) -> _DecodeReq:
+            def reserve(eng: KVEngine) -> _DecodeReq:
                 # beside the step in flight (EngineLoop.beside): the loop thread is in the forward or idle, so the
                 # engine's requests and this worker's records are ours until we return
                 self.check_new(rid, "reserved")
@@ -325,7 +328,7 @@ class DecodeWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, 
             dest_tp = check_peer_tp(self.engine, request.dest_tensor_parallel_size, "dest_tensor_parallel_size", rid)
             timeout = request.kv_timeout_s or self.cfg.transfer_timeout_s
 
-            def send(eng: Any) -> None:
+            def send(eng: KVEngine) -> None:
                 self.disagg.send_prefix(eng, rid, request.dest_kv_name, request.first_token, request.num_tokens,
                                         dest_tp, timeout)
 

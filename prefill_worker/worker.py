@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import grpc
 import torch
@@ -41,6 +41,9 @@ from worker_common.request import (RequestContext, RequestError, RequestSet, Wor
                                    engine_kv_shards, engine_tp, prefix_fetch_id, request_params)
 from worker_common.wire import logprob_to_proto, prompt_logprobs_to_proto
 from worker_common.worker_base import WorkerBase
+
+if TYPE_CHECKING:
+    from engine.client import KVEngine
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +84,7 @@ class PrefillRequests(RequestSet[_PrefillReq]):
     def prefilled_prompt_tokens(self, req: _PrefillReq) -> int:
         return len(req.prompt_token_ids)
 
-    def add(self, eng: Any, req: _PrefillReq, params: Any, dest_blocks: list[int]) -> None:
+    def add(self, eng: KVEngine, req: _PrefillReq, params: Any, dest_blocks: list[int]) -> None:
         """Queue ``req``'s prompt in the engine and hold it; the caller checked its id is new on the worker."""
         need = -(-len(req.prompt_token_ids) // max(1, req.block_size))
         if req.block_size <= 0 or len(dest_blocks) < need:
@@ -93,14 +96,14 @@ class PrefillRequests(RequestSet[_PrefillReq]):
             self._add_to_engine(eng, req)
         self.hold(req)
 
-    def _add_to_engine(self, eng: Any, req: _PrefillReq) -> None:
+    def _add_to_engine(self, eng: KVEngine, req: _PrefillReq) -> None:
         try:
             eng.add_request(req.request_id, req.prompt_token_ids, req.params, prefill_only=True)
         except ValueError as e:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{e} (request {req.request_id})") from None
 
     # ---- prefix fetch: the decode worker's cached prefix, received instead of computed ---------------------
-    def _start_fetch(self, eng: Any, req: _PrefillReq) -> bool:
+    def _start_fetch(self, eng: KVEngine, req: _PrefillReq) -> bool:
         """Reserve blocks for the leading whole blocks the decode worker holds, post their receive and ask for
         them (a PrefixFetch event), when it holds at least ``fetch_min`` more than this cache; False: prefill now."""
         bm = getattr(eng, "block_manager", None)
@@ -311,7 +314,7 @@ class PrefillWorker(WorkerBase):
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self, server)
         return [worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name]
 
-    def setup_engine(self, engine: Any) -> None:
+    def setup_engine(self, engine: KVEngine) -> None:
         engine.layer_done_callback = self.prefills.on_layer_done
 
     def Prefill(self, request: worker_pb2.PrefillRequest,
@@ -341,7 +344,7 @@ class PrefillWorker(WorkerBase):
                           trace=self.trace_start("prefill_worker.request", context, rid))
         dest_blocks = list(request.dest_block_ids)
 
-        def add(eng: Any) -> None:
+        def add(eng: KVEngine) -> None:
             self.check_new(rid, "prefilling")
             self.prefills.add(eng, req, params, dest_blocks)
 

@@ -24,9 +24,12 @@ import logging
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Any, Callable, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 from engine.outputs import CoreOutput
+
+if TYPE_CHECKING:
+    from engine.client import EngineCore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -35,7 +38,7 @@ T = TypeVar("T")
 class EngineLoop:
     """Serializes all engine access onto one thread."""
 
-    def __init__(self, engine: Any, name: str, on_outputs: Callable[[list[CoreOutput]], None],
+    def __init__(self, engine: EngineCore, name: str, on_outputs: Callable[[list[CoreOutput]], None],
                  poll: Optional[Callable[[], bool]] = None, idle_wait_s: float = 0.05,
                  busy_poll_s: float = 0.001, on_death: Optional[Callable[[BaseException], None]] = None,
                  after: Optional[Callable[[], None]] = None) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, Optional, TypeVar
 import grpc
 
 if TYPE_CHECKING:
-    from engine.client import EngineCore
+    from engine.client import EngineCore, KVEngine
     from engine.outputs import CoreOutput
 
 log = logging.getLogger(__name__)
@@ -56,13 +56,13 @@ class RequestError(Exception):
         self.message = message
 
 
-def engine_tp(eng: Any) -> int:
+def engine_tp(eng: EngineCore) -> int:
     """Ranks the engine's KV cache is split over (1 for an unsplit engine, an engine process, a stand-in)."""
     heads = getattr(eng, "kv_head_ranges", None)
     return len(heads) if isinstance(heads, list) and heads else 1
 
 
-def engine_kv_shards(eng: Any) -> Any:
+def engine_kv_shards(eng: KVEngine) -> Any:
     """The engine's KV cache as its tensor-parallel ranks hold it (``kvtransfer.KVShards``): what the worker's
     KV transfers read from and write into, every rank's cache mapped in this process."""
     from kvtransfer import KVShards
@@ -79,7 +79,7 @@ def prefix_fetch_id(request_id: str) -> str:
     return f"{request_id}|prefix"
 
 
-def check_peer_tp(eng: Any, value: int, field: str, request_id: str) -> int:
+def check_peer_tp(eng: EngineCore, value: int, field: str, request_id: str) -> int:
     """A KV peer's tensor-parallel size from a request (0: an older peer, 1); FAILED_PRECONDITION naming
     ``field`` where its layout cannot be mapped onto this engine's (the sizes and the KV heads must divide one
     another); INVALID_ARGUMENT if negative."""

@@ -188,7 +188,7 @@ class WorkerBase:
         if self.ctx.tracing is not None:
             self.ctx.tracing.shutdown()
 
-    def _start_kv_events(self, eng: Any) -> None:
+    def _start_kv_events(self, eng: EngineCore) -> None:
         """Publish the prefix cache's events (stored, evicted, cleared; received blocks are stored too)."""
         if not self.cfg.kv_events_url or not eng.block_manager.enable_caching:
             return
@@ -213,7 +213,7 @@ class WorkerBase:
         running beside the step (``EngineLoop.beside``): the load only, not the per-pass metrics."""
         self._snapshot(self.engine, record=not beside)
 
-    def _snapshot(self, eng: Any, record: bool = True) -> None:
+    def _snapshot(self, eng: EngineCore, record: bool = True) -> None:
         info = worker_pb2.WorkerInfo(
             num_total_blocks=eng.num_total_blocks, num_free_blocks=eng.num_free_blocks,
             num_running=eng.num_running, num_waiting=eng.num_waiting,
@@ -285,7 +285,7 @@ class WorkerBase:
         if self.loop is None or not self.loop.alive:
             return worker_pb2.AbortResponse(found=False)
 
-        def abort(eng: Any) -> bool:
+        def abort(eng: EngineCore) -> bool:
             found = self.abort(request.request_id)
             self.refresh_load()  # the caller's next info() already sees the blocks freed
             return found
@@ -459,7 +459,7 @@ class WorkerBase:
         """Add the role's servicers (this object, or ones it holds); return their full service names."""
         raise NotImplementedError
 
-    def setup_engine(self, engine: Any) -> None:
+    def setup_engine(self, engine: EngineCore) -> None:
         """Install engine callbacks before the loop starts (loop thread from then on)."""
 
     def _poll(self) -> bool:

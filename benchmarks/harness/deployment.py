@@ -58,11 +58,13 @@ def _worker_main(role: str, worker_id: str, model: str, cores: Optional[list[int
         if role == "prefill":
             from prefill_worker import PrefillWorker, PrefillWorkerConfig
 
-            w: Any = PrefillWorker(PrefillWorkerConfig(worker_id, engine=eng, kv_store=kv_store, serve_metrics=False))
+            w: Any = PrefillWorker(PrefillWorkerConfig(worker_id, engine=eng, kv_store=kv_store, serve_metrics=False,
+                                                       **(worker_kw or {})))
         elif role == "decode":
             from decode_worker import DecodeWorker, DecodeWorkerConfig
 
-            w = DecodeWorker(DecodeWorkerConfig(worker_id, engine=eng, kv_store=kv_store, serve_metrics=False))
+            w = DecodeWorker(DecodeWorkerConfig(worker_id, engine=eng, kv_store=kv_store, serve_metrics=False,
+                                                **(worker_kw or {})))
         else:
             from decode_worker import ColocatedWorker, ColocatedWorkerConfig
 
