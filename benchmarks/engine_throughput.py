@@ -67,6 +67,9 @@ OURS = {
     "ours_w4a8": {"quantization": "w4a8"},  # int4 weights, int8 activations (like q4_0)
     "ours_kv8": {"kv_cache_dtype": "int8"},
     "ours_int8_kv8": {"quantization": "int8", "kv_cache_dtype": "int8"},
+    # the KV cache in shared memory (a prefill worker's in a cluster, and any engine process of a KV role): 4 KiB
+    # pages (tmpfs gets no transparent huge pages here) instead of the private cache's huge ones
+    "ours_shared_kv": {"kv_cache_shared": True},
 }
 LLAMA = ("llamacpp_f32", "llamacpp_q8_0", "llamacpp_q4_0")
 
