@@ -46,15 +46,19 @@ from benchmarks.harness import write_json
 from loadtest.machine import machine_info
 
 MODES = {"colocated": ("colocated",), "disaggregated": ("prefill", "decode"), "colocated-ep": ("colocated",),
-         "disaggregated-ep": ("prefill", "decode")}
-# a mode's deployment: (Deployment mode, worker config fields, cores per worker). colocated-ep: the colocated
+         "disaggregated-ep": ("prefill", "decode"), "prefill-ep": ("prefill", "decode"),
+         "decode-ep": ("prefill", "decode")}
+# a mode's deployment: (Deployment mode, worker config fields by role, cores per worker). colocated-ep: the colocated
 # worker with its engine core in a process of its own (WorkerConfig.engine_process), the engine on one core and
 # the worker's gRPC and streaming threads on the next. disaggregated-ep: both roles' engines in processes of their
 # own, on the cores disaggregated gives each worker (one each: the worker's threads share its engine's core, so
-# the split is judged on the same cores; on a host with 4+ cores, 2 each as colocated-ep has)
+# the split is judged on the same cores; on a host with 4+ cores, 2 each as colocated-ep has). prefill-ep and
+# decode-ep: one role's engine in a process of its own, the other's in process (the verdict for each role)
+_EP = {"engine_process": True}
 DEPLOY = {"colocated": ("colocated", {}, 1), "disaggregated": ("disaggregated", {}, 1),
-          "colocated-ep": ("colocated", {"engine_process": True}, 2),
-          "disaggregated-ep": ("disaggregated", {"engine_process": True}, 1)}
+          "colocated-ep": ("colocated", {"colocated": _EP}, 2),
+          "disaggregated-ep": ("disaggregated", {"prefill": _EP, "decode": _EP}, 1),
+          "prefill-ep": ("disaggregated", {"prefill": _EP}, 1), "decode-ep": ("disaggregated", {"decode": _EP}, 1)}
 PATHS = {"streams": True, "per-call": False}  # RouterConfig.output_streams
 
 
@@ -63,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="tiny,bench", help="built-in model names or paths, comma-separated")
     p.add_argument("--modes", default="colocated,disaggregated", help="colocated (1 worker), disaggregated (1+1), colocated-ep (1 worker, its engine in a process of "
-                        "its own on a second core), disaggregated-ep (1+1, both engines in processes of their own)")
+                        "its own on a second core), disaggregated-ep (1+1, both engines in processes of their own), "
+                        "prefill-ep, decode-ep (1+1, that role's engine in a process of its own)")
     p.add_argument("--apis", default="grpc,http", help="grpc, http (OpenAI /v1/completions, streamed)")
     p.add_argument("--concurrency", default="1,8,32,128", help="streams at once, comma-separated")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of each request (random ids)")
@@ -312,14 +317,14 @@ def cluster_points(model: str, mode: str, prompts: dict, ns: argparse.Namespace,
             if "http" in ns.apis:  # the HTTP front end only where it is measured (its server needs the HTTP extras)
                 router_kw["http_port"] = 0
             dmode, worker_kw, per_worker = DEPLOY[mode]
-            if mode == "disaggregated-ep" and len(usable_cores()) >= 4:
+            if mode.endswith("-ep") and mode != "colocated-ep" and len(usable_cores()) >= 4:
                 per_worker = 2
             deps[path] = stack.enter_context(Deployment(dmode, model, usable_cores(), engine_kw=ekw,
                                                         router_kw=router_kw, roles=MODES[mode], router_process=True,
-                                                        worker_kw=worker_kw, cores_per_worker=per_worker))
+                                                        role_worker_kw=worker_kw, cores_per_worker=per_worker))
             if ns.pin_front:  # the engines' cores (the first worker's first core) serve nothing else
                 cores = usable_cores()
-                front = cores[len(MODES[mode]) * per_worker:] if mode.startswith("disaggregated") else cores[1:]
+                front = cores[len(MODES[mode]) * per_worker:] if len(MODES[mode]) > 1 else cores[1:]
                 if not front:
                     raise SystemExit(f"--pin-front: {mode} leaves no core for the router and the client")
                 pin_threads(deps[path].pids["router"], front)

@@ -5,10 +5,12 @@ its own process, or, for a colocated worker with ``engine_process``, a ``worker_
 proxying one in a child process. The worker's request sets and its loop then use only the members below, which
 ``tests/engine/test_client.py`` checks both implementations have:
 
-- ``EngineCore``: what every role uses: requests in (``add_request``, ``abort_request``), outputs out (``step``),
-  its load and capacity (the ``num_*`` counts, ``make_stats``), the prefix cache's events (``block_manager``:
-  ``enable_caching``, ``enable_events``, ``take_events``), the first-layer hook and the lock an in-process engine
-  lets go during a forward. Both implementations have it.
+- ``EngineCore``: what every role uses: requests in (``add_request``, ``abort_request``), outputs out
+  (``step_result()``: one ``StepResult`` of outputs, ``EngineLoad`` and prefix-cache events; ``step()``, the outputs
+  alone, stays for the offline API, tests and benchmarks), its load and capacity (``load()``, the ``num_*`` counts,
+  ``make_stats``), the prefix cache's events between steps (``block_manager``: ``enable_caching``,
+  ``enable_events``, ``take_events``: what commands record while no step runs) and the layer hook. Both
+  implementations have it.
 - ``KVEngine``: what the prefill and decode roles use beyond that: the KV cache itself (the tensors a KV transfer
   reads and writes, ``kv_caches``; block tables; reservations of blocks for KV that arrives from another worker and
   naming received blocks in the prefix cache). Both implementations have it: ``RemoteEngine(kv=True)`` maps the
@@ -20,7 +22,31 @@ the loop thread alone.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """The engine's load at one moment: what its worker reports (registry, load metrics, the stall watch)."""
+
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    stats: Any
+    """``engine.stats.SchedulerStats``: the state and running totals (``make_stats()``)."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one ``step_result()`` hands its worker: the step's outputs, the load after it, and the prefix cache's
+    events recorded up to its end (empty unless ``block_manager.enable_events()``), in one object."""
+
+    outputs: list
+    """``engine.outputs.CoreOutput`` of the step, in order."""
+    load: EngineLoad
+    events: list = field(default_factory=list)
 
 
 @runtime_checkable
@@ -71,6 +97,12 @@ class EngineCore(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
     def step(self) -> list: ...
+
+    def step_result(self) -> StepResult:
+        """One step as the worker's loop runs it: ``step()``'s outputs, ``load()`` after it, the events taken."""
+        ...
+
+    def load(self) -> EngineLoad: ...
 
     def make_stats(self) -> Any: ...
 

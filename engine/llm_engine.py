@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from engine.block_manager import BlockManager, block_keys
+from engine.client import EngineLoad, StepResult
 from engine.config import EngineConfig, ModelConfig
 from engine.kernels import cpu_kernels
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
@@ -262,6 +263,16 @@ class LLMEngine:
     def make_stats(self) -> SchedulerStats:
         """The engine's state now and its running totals, as one frozen record (``engine.stats``)."""
         return SchedulerStats.of(self)
+
+    def load(self) -> EngineLoad:
+        """The load a worker reports, read at once (``engine.client.EngineLoad``)."""
+        return EngineLoad(self.num_free_blocks, self.num_total_blocks, self.num_running, self.num_waiting,
+                          self.make_stats())
+
+    def step_result(self) -> StepResult:
+        """One step as a worker's loop runs it (``engine.client.StepResult``): outputs, load, prefix-cache events."""
+        outs = self.step()
+        return StepResult(outs, self.load(), self.block_manager.take_events())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)

@@ -4,9 +4,10 @@ Lifecycle: a worker builds ``EngineLoop(engine, name, on_outputs, poll)`` and
 ``start()``s it. gRPC handler threads never touch the engine: they ``call(fn)``
 (run ``fn(engine)`` on the loop thread and wait for its result) or ``post(fn)``
 (fire and forget). Each iteration the loop runs the queued commands, then the
-role's ``poll()`` (kvtransfer progress, deadlines), ``after()``, then one ``engine.step()``
+role's ``poll()`` (kvtransfer progress, deadlines), ``after()``, then one ``engine.step_result()``
 when there is work, handing its outputs to ``on_outputs`` (still on the loop
-thread, which routes them to per-request queues or output streams) and calling ``after()`` again. ``stop()`` ends the thread;
+thread, which routes them to per-request queues or output streams), the whole result to ``on_step`` and calling
+``after()`` again. ``stop()`` ends the thread;
 commands still queued fail with RuntimeError so no caller waits forever.
 
 ``beside(fn)`` runs ``fn(engine)`` on the calling thread while the loop is not inside the engine: between two
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 from engine.outputs import CoreOutput
 
 if TYPE_CHECKING:
-    from engine.client import EngineCore
+    from engine.client import EngineCore, StepResult
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,17 +42,20 @@ class EngineLoop:
     def __init__(self, engine: EngineCore, name: str, on_outputs: Callable[[list[CoreOutput]], None],
                  poll: Optional[Callable[[], bool]] = None, idle_wait_s: float = 0.05,
                  busy_poll_s: float = 0.001, on_death: Optional[Callable[[BaseException], None]] = None,
-                 after: Optional[Callable[[], None]] = None) -> None:
+                 after: Optional[Callable[[], None]] = None,
+                 on_step: Optional[Callable[[StepResult], None]] = None) -> None:
         """``poll()`` returns True while it has pending work (then the loop waits only ``busy_poll_s``);
         ``on_death(exc)`` runs on the loop thread if an engine step (or a hook) raises; ``after()`` runs after
         each pass's commands and polls, after each step, and after a command that woke an idle loop (the
-        worker's output streams send what the pass put: one message per step)."""
+        worker's output streams send what the pass put: one message per step); ``on_step(result)`` gets each
+        step's whole ``StepResult`` (its load and prefix-cache events) after ``on_outputs``."""
         self.engine = engine
         self.name = name
         self._on_outputs = on_outputs
         self._poll = poll
         self._on_death = on_death
         self._after = after or (lambda: None)
+        self._on_step = on_step
         self._idle_wait_s = idle_wait_s
         self._busy_poll_s = busy_poll_s
         self._cmds: "queue.SimpleQueue[tuple[Callable[[Any], Any], Optional[Future]]]" = queue.SimpleQueue()
@@ -157,9 +161,12 @@ class EngineLoop:
         busy = bool(self._poll()) if self._poll is not None else False
         self._after()
         if self.engine.has_unfinished_requests():
-            outs = self.engine.step()
-            if outs:
-                self._on_outputs(outs)
+            res = self.engine.step_result()
+            if res.outputs:
+                self._on_outputs(res.outputs)
+            if self._on_step is not None:
+                self._on_step(res)
+            if res.outputs:
                 self._after()
             return None
         return busy

@@ -61,7 +61,10 @@ import time
 import traceback
 from collections import deque
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+if TYPE_CHECKING:
+    from engine.client import EngineLoad, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -502,6 +505,20 @@ class RemoteEngine:
 
     def make_stats(self) -> Any:
         return self._snap[3]
+
+    def load(self) -> "EngineLoad":
+        """The latest snapshot the child sent (after its last step or the last call it answered)."""
+        from engine.client import EngineLoad
+
+        free, running, waiting, stats = self._snap
+        return EngineLoad(int(free), self.num_total_blocks, int(running), int(waiting), stats)
+
+    def step_result(self, timeout_s: float = 0.05) -> "StepResult":
+        """``step()``'s outputs with the load and prefix-cache events that came with them."""
+        from engine.client import StepResult
+
+        outs = self.step(timeout_s)
+        return StepResult(outs, self.load(), self.block_manager.take_events())
 
 
 def _map_cache(layout: Optional[dict]) -> list:

@@ -31,7 +31,7 @@ from worker_common.output_stream import OutputStreams, StreamedOut
 from worker_common.request import RequestContext, RequestError, RequestSet, engine_tp, request_params
 
 if TYPE_CHECKING:
-    from engine.client import EngineCore
+    from engine.client import EngineCore, StepResult
 
 __all__ = ["RequestError", "WorkerBase", "request_params"]  # the errors and params check, re-exported
 
@@ -147,7 +147,8 @@ class WorkerBase:
         self.setup_engine(self.engine)
         self._start_kv_events(self.engine)
         self.loop = EngineLoop(self.engine, f"{self.role}-{self.cfg.worker_id}", self.on_outputs, self._poll,
-                               on_death=lambda _e: self._serving.set_serving(False), after=self.output_streams.flush)
+                               on_death=lambda _e: self._serving.set_serving(False), after=self.output_streams.flush,
+                               on_step=self._on_step)
         self._snapshot(self.engine)
         self.loop.start()
         self._ready = True
@@ -214,15 +215,16 @@ class WorkerBase:
         self._snapshot(self.engine, record=not beside)
 
     def _snapshot(self, eng: EngineCore, record: bool = True) -> None:
+        load = eng.load()
         info = worker_pb2.WorkerInfo(
-            num_total_blocks=eng.num_total_blocks, num_free_blocks=eng.num_free_blocks,
-            num_running=eng.num_running, num_waiting=eng.num_waiting,
+            num_total_blocks=load.num_total_blocks, num_free_blocks=load.num_free_blocks,
+            num_running=load.num_running, num_waiting=load.num_waiting,
             queued_prompt_tokens=self.queued_prompt_tokens(), block_size=eng.block_size,
             kv_cache_dtype=eng.kv_cache_dtype, tensor_parallel_size=engine_tp(eng),
             requests_total=sum(rs.requests_total for rs in self.request_sets),
             prompt_tokens_total=sum(rs.prompt_tokens_total for rs in self.request_sets),
             output_tokens_total=self.output_tokens_total, requests_finished_total=self.requests_finished_total)
-        stats = eng.make_stats()
+        stats = load.stats
         now = time.monotonic()
         with self._load_lock:
             self._load = info
@@ -461,6 +463,13 @@ class WorkerBase:
 
     def setup_engine(self, engine: EngineCore) -> None:
         """Install engine callbacks before the loop starts (loop thread from then on)."""
+
+    def _on_step(self, res: StepResult) -> None:
+        """A step's prefix-cache events go out with the load after it (what commands record between steps goes out
+        from ``_poll``)."""
+        if self.kv_events is not None and res.events:
+            load = res.load
+            self.kv_events.submit(res.events, (load.num_running, load.num_waiting, self.queued_prompt_tokens()))
 
     def _poll(self) -> bool:
         busy = self.poll()

@@ -128,7 +128,9 @@ class Deployment:
     def __init__(self, mode: str, model: str, cores: Sequence[int], engine_kw: Optional[dict] = None,
                  router_kw: Optional[dict] = None, start_timeout_s: float = 300.0,
                  roles: Optional[Sequence[str]] = None, router_process: bool = False,
-                 worker_kw: Optional[dict] = None, cores_per_worker: int = 1) -> None:
+                 worker_kw: Optional[dict] = None, cores_per_worker: int = 1,
+                 role_worker_kw: Optional[dict[str, dict]] = None) -> None:
+        """``worker_kw``: config fields of every worker; ``role_worker_kw``: of one role's workers, over those."""
         if mode not in ROLES_BY_MODE:
             raise ValueError(f"mode must be one of {tuple(ROLES_BY_MODE)}, got {mode!r}")
         self.roles = tuple(roles) if roles is not None else ROLES_BY_MODE[mode]
@@ -141,6 +143,7 @@ class Deployment:
         self.engine_kw = dict(engine_kw or {})
         self.router_kw = dict(router_kw or {})
         self.worker_kw = dict(worker_kw or {})
+        self.role_worker_kw = {role: dict(kw) for role, kw in (role_worker_kw or {}).items()}
         self.cores_per_worker = cores_per_worker
         self.start_timeout_s = start_timeout_s
         self.router: Any = None
@@ -186,8 +189,9 @@ class Deployment:
             stop = ctx.Event()
             # a worker with an engine process has a child: multiprocessing allows none to a daemonic process
             # (close() stops and joins every worker either way)
-            p = ctx.Process(target=_worker_main, daemon=not self.worker_kw.get("engine_process"),
-                            args=(role, f"{role}{i}", self.model, mine, url, self.engine_kw, q, stop, self.worker_kw))
+            kw = {**self.worker_kw, **self.role_worker_kw.get(role, {})}
+            p = ctx.Process(target=_worker_main, daemon=not kw.get("engine_process"),
+                            args=(role, f"{role}{i}", self.model, mine, url, self.engine_kw, q, stop, kw))
             p.start()
             names[p.pid] = f"{role}{i}"
             self._procs.append(p)

@@ -69,3 +69,42 @@ def test_the_protocols_name_what_the_workers_call():
     known = _members(KVEngine) | {"shutdown", "close", "owner_lock"}
     assert sorted(used - known) == [], "engine members the workers use that engine.client does not name"
     assert {"add_request", "step", "reserve_prompt", "kv_caches"} <= used  # the scan sees the workers' calls
+
+
+def test_step_result_is_one_object_of_outputs_load_and_events_on_both_engines():
+    """``step_result()``: the step's outputs, the load after it (what the ``num_*`` counts and ``make_stats`` say
+    then) and the prefix cache's events recorded up to it, taken (a second take is empty): in process and through
+    the engine process alike, and the outputs equal."""
+    from engine.block_manager import STORED
+    from engine.client import EngineLoad, StepResult
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from worker_common.engine_process import RemoteEngine
+
+    torch.set_num_threads(1)
+    cfg = engine_config(enable_prefix_caching=True)
+    remote = RemoteEngine(cfg, "step-result").start()
+    try:
+        got = {}
+        for name, eng in (("local", LLMEngine(cfg)), ("remote", remote)):
+            eng.block_manager.enable_events()
+            eng.add_request("a", list(range(5, 5 + 2 * eng.block_size + 3)),
+                            SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+            ids, events, loads = [], [], []
+            while eng.has_unfinished_requests():
+                res = eng.step_result()
+                assert isinstance(res, StepResult) and isinstance(res.load, EngineLoad)
+                assert res.load.num_free_blocks == eng.num_free_blocks
+                assert res.load.num_total_blocks == eng.num_total_blocks
+                assert (res.load.num_running, res.load.num_waiting) == (eng.num_running, eng.num_waiting)
+                assert res.load.stats.num_steps == eng.make_stats().num_steps
+                ids += [t for o in res.outputs for t in o.new_token_ids]
+                events += res.events
+                loads.append(res.load)
+            assert eng.block_manager.take_events() == []  # step_result took them
+            assert [e[0] for e in events].count(STORED) >= 1, events
+            assert loads[0].num_running == 1 and loads[-1].num_running == 0  # the load after each step, not before
+            got[name] = ids
+        assert got["local"] == got["remote"] and len(got["local"]) == 4
+    finally:
+        remote.shutdown()

@@ -122,7 +122,7 @@ def test_engine_loop_death_fails_requests_and_flips_health():
         def has_unfinished_requests(self):
             return True
 
-        def step(self):
+        def step_result(self):
             raise RuntimeError("device lost")
 
     died = []
