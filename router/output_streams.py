@@ -177,6 +177,7 @@ class StreamedCall:
     def __init__(self, stream: WorkerStream, request_id: str, sink: _Sink, start: Callable[[], Any]) -> None:
         self._stream, self._rid, self._sink = stream, request_id, sink
         self._ended = False
+        self._cancelled = False  # cancelled before its iteration ended: a later __next__ says CANCELLED
         try:
             self._call = start()
         except BaseException:
@@ -212,6 +213,8 @@ class StreamedCall:
 
     def __next__(self) -> worker_pb2.DecodeChunk:
         if self._ended:
+            if self._cancelled:  # not "ended without a finish reason", which a flow reads as a lost worker
+                raise StatusRpcError(grpc.StatusCode.CANCELLED, f"request {self._rid} cancelled")
             raise StopIteration
         timeout: Optional[float] = None
         while True:
@@ -246,7 +249,10 @@ class StreamedCall:
     def cancel(self) -> None:
         """Cancel the request's call (the worker aborts it) and end the iteration: a reader waiting in
         ``__next__`` gets CANCELLED at once, as from a cancelled call (the call may have ended OK already, and
-        then its cancel wakes nobody)."""
+        then its cancel wakes nobody), and so does every later ``__next__`` (an iteration that had ended stays
+        ended)."""
+        if not self._ended:
+            self._cancelled = True
         self._end()
         self._call.cancel()
         self._sink.put(StatusRpcError(grpc.StatusCode.CANCELLED, f"request {self._rid} cancelled"))

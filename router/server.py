@@ -17,7 +17,8 @@ requests, waits for in-flight ones and stops; ``stop()`` ends serving at once.
 Why asyncio (issue 31): gRPC's synchronous server held a thread per open stream and woke three threads per
 streamed token and request; here no thread is held while a request streams and the events of a whole engine step
 reach the loop in one wakeup. Measured: less router CPU and faster decoding at 32 to 128 streams, no change at
-one (docs/benchmarks.md, "The asyncio front end").
+one (docs/benchmarks/history.md, "The asyncio front end"). Every thread, loop and lock of the router, and what one
+event loop would change: docs/router_concurrency.md.
 """
 from __future__ import annotations
 
@@ -255,7 +256,9 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         if core.limits is None or core.draining:
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "router is not serving")
         try:
-            if request.prompt:  # the tokenizer: off the loop
+            # the tokenizer, or a structured_outputs grammar to compile (a JSON schema's can take a while): off the
+            # loop, which streams every other request meanwhile
+            if request.prompt or request.HasField("structured_outputs"):
                 vreq = await loop.run_in_executor(self._pool, validate_generate, request, core.limits, core.tokenize)
             else:
                 vreq = validate_generate(request, core.limits, core.tokenize)

@@ -3,8 +3,8 @@ thread of its own (the router's public API, issue 31).
 
 Why: gRPC's synchronous server spends a thread per call and, per streamed message, two thread wakeups (the
 send's completion on its ``_serve`` thread, then the handler's); its asyncio server writes from one event loop
-and holds no thread per call. What it saves in the router is measured in docs/benchmarks.md ("The asyncio front
-end"): a third of the router's CPU per token at 128 streams, nothing at one.
+and holds no thread per call. What it saves in the router is measured in docs/benchmarks/history.md ("The asyncio
+front end"): a third of the router's CPU per token at 128 streams, nothing at one.
 
 Lifecycle: ``AioGrpcServing(name, host, port, auth=, tls=)`` -> ``start(register)`` starts an event loop on a
 daemon thread, builds the ``grpc.aio`` server there, lets the role add its handlers (``register(server)``

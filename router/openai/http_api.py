@@ -121,7 +121,8 @@ class _Choice:
 
     def _fail(self, e: BaseException) -> None:
         if isinstance(e, FlowError):
-            self._core.count_error(e.code)
+            if not self._cancelled:  # a client that went away is no error of the service (nor is it on gRPC)
+                self._core.count_error(e.code)
             self._put(e)
         else:  # a bug: logged whole, answered without internals
             log.error("request %s: unexpected router error", self.vreq.request_id, exc_info=e)

@@ -113,7 +113,8 @@ def test_errors_have_openai_shape_and_status(roles, client):
 
 def test_disconnect_cancels_and_frees_blocks(roles):
     gen = lambda: counter_values(roles.router.metrics, "pdserve:generation_tokens").get("", 0.0)  # noqa: E731
-    before = gen()
+    errors = lambda: counter_values(roles.router.metrics, "pdserve:request_errors", "code")  # noqa: E731
+    before, errors_before = gen(), errors()
     url = f"http://{roles.router.http_address}/v1/completions"
     body = {"model": "tiny", "prompt": "def forever():", "max_tokens": 1500, "temperature": 0, "stream": True,
             "ignore_eos": True}
@@ -128,6 +129,8 @@ def test_disconnect_cancels_and_frees_blocks(roles):
     wait_until(lambda: roles.router.num_in_flight == 0, timeout=20, interval=0.01,
                message="the router dropped the disconnected request")
     assert gen() - before < 1500  # it was cut short, not run to its 1500 tokens
+    # a client that went away is not an error of the service (it was counted as UNAVAILABLE: a lost worker)
+    assert errors() == errors_before, (errors_before, errors())
 
 
 def test_logit_bias_reaches_the_workers(client):

@@ -51,3 +51,37 @@ def test_health_tokenize_model_info_and_invalid_argument_before_any_worker():
         assert r.drain(1.0) is True
     finally:
         r.stop()
+
+
+def test_a_constraint_is_compiled_off_the_event_loop(monkeypatch):
+    """A token-id request's checks run on the loop (cheap), but one with ``structured_outputs`` compiles a grammar
+    (a JSON schema's can take long): that runs on the flow pool, so the loop streams every other request meanwhile.
+    A bad constraint is still INVALID_ARGUMENT naming the field."""
+    import threading
+
+    import router.server as server
+
+    threads: list[str] = []
+    real = server.validate_generate
+
+    def spy(*a, **kw):
+        threads.append(threading.current_thread().name)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(server, "validate_generate", spy)
+    r = RouterServer(RouterConfig(serve_metrics=False), StaticWorkerSource()).start()
+    try:
+        with grpc.insecure_channel(r.address) as ch:
+            stub = pdserve_pb2_grpc.PDServeStub(ch)
+            for so in (None, pdserve_pb2.StructuredOutputs(regex="[")):
+                req = pdserve_pb2.GenerateRequest(prompt_token_ids=[5, 6], max_tokens=2)
+                if so is not None:
+                    req.structured_outputs.CopyFrom(so)
+                with pytest.raises(grpc.RpcError) as ei:
+                    list(stub.Generate(req, timeout=10))
+                if so is not None:
+                    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert "structured_outputs" in ei.value.details()
+        assert threads[0] == "router-aio" and threads[1].startswith("router-flow"), threads
+    finally:
+        r.stop()
