@@ -160,7 +160,11 @@ class WorkerStream:
         lost = StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"output stream from {self.address} broke: "
                                                            f"{_details(err)}")
         for sink in sinks.values():
-            sink.put(lost)
+            try:
+                sink.put(lost)
+            except RuntimeError as e:  # the router is stopping: its flow pool takes no more flows
+                log.debug("output stream %s from %s: a flow not resumed at shutdown: %s", self.stream_id,
+                          self.address, e)
 
 
 def _details(e: Any) -> str:
