@@ -181,7 +181,7 @@ class StreamedCall:
     def __init__(self, stream: WorkerStream, request_id: str, sink: _Sink, start: Callable[[], Any]) -> None:
         self._stream, self._rid, self._sink = stream, request_id, sink
         self._ended = False
-        self._cancelled = False  # cancelled before its iteration ended: a later __next__ says CANCELLED
+        self._cancelled = False  # cancelled before its iteration ended, CANCELLED not said yet
         try:
             self._call = start()
         except BaseException:
@@ -218,6 +218,7 @@ class StreamedCall:
     def __next__(self) -> worker_pb2.DecodeChunk:
         if self._ended:
             if self._cancelled:  # not "ended without a finish reason", which a flow reads as a lost worker
+                self._cancelled = False
                 raise StatusRpcError(grpc.StatusCode.CANCELLED, f"request {self._rid} cancelled")
             raise StopIteration
         timeout: Optional[float] = None
@@ -238,6 +239,7 @@ class StreamedCall:
                 continue
             if isinstance(item, grpc.RpcError):  # the call failed, or the stream broke: end the call too
                 self.cancel()
+                self._cancelled = False  # (a cancel's CANCELLED is this one: said once)
                 raise item
             if item.error_code:
                 self.cancel()
@@ -253,8 +255,8 @@ class StreamedCall:
     def cancel(self) -> None:
         """Cancel the request's call (the worker aborts it) and end the iteration: a reader waiting in
         ``__next__`` gets CANCELLED at once, as from a cancelled call (the call may have ended OK already, and
-        then its cancel wakes nobody), and so does every later ``__next__`` (an iteration that had ended stays
-        ended)."""
+        then its cancel wakes nobody); a ``__next__`` that comes after the cancel gets it too, once (an iteration
+        that had ended stays ended)."""
         if not self._ended:
             self._cancelled = True
         self._end()

@@ -74,7 +74,7 @@ def test_a_constraint_is_compiled_off_the_event_loop(monkeypatch):
         with grpc.insecure_channel(r.address) as ch:
             stub = pdserve_pb2_grpc.PDServeStub(ch)
             for so in (None, pdserve_pb2.StructuredOutputs(regex="[")):
-                req = pdserve_pb2.GenerateRequest(prompt_token_ids=[5, 6], max_tokens=2)
+                req = pdserve_pb2.GenerateRequest(token_ids=[5, 6], max_tokens=2)
                 if so is not None:
                     req.structured_outputs.CopyFrom(so)
                 with pytest.raises(grpc.RpcError) as ei:
