@@ -243,6 +243,7 @@ class StreamedCall:
                 raise item
             if item.error_code:
                 self.cancel()
+                self._cancelled = False  # (the error is what ended it)
                 raise StatusRpcError(_code(item.error_code), item.error_message)
             if item.last:
                 self._end()

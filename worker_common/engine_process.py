@@ -57,6 +57,8 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import queue
+import threading
 import time
 import traceback
 from collections import deque
@@ -74,6 +76,37 @@ _FOLLOW_UP_S = 0.002
 _CALLS = frozenset({"has_request", "check_request", "get_block_table", "reserve_prompt", "cached_prefix_tokens",
                     "commit_reserved"})
 """The engine methods a KV role's proxy calls and waits for (module docstring)."""
+
+
+_EOF = object()
+
+
+class _Commands:
+    """The child's side of the pipe's command direction: a thread of its own reads the parent's commands as they
+    come, so a parent sending (a whole prompt, say) never waits on a child that is itself blocked sending a large
+    step message: each direction of the pipe is a bounded buffer, and two blocked senders would wait forever."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        threading.Thread(target=self._read, args=(conn,), name="engine-commands", daemon=True).start()
+
+    def _read(self, conn: Connection) -> None:
+        try:
+            while True:
+                self._q.put(conn.recv())
+        except (EOFError, OSError):
+            self._q.put(_EOF)  # the worker process went away
+
+    def get(self, timeout_s: Optional[float]) -> Optional[tuple]:
+        """The next command, waiting up to ``timeout_s`` (None: until one comes; 0: not at all); None if none came.
+        EOFError once the parent's end is closed."""
+        try:
+            msg = self._q.get(timeout=timeout_s) if timeout_s != 0 else self._q.get_nowait()
+        except queue.Empty:
+            return None
+        if msg is _EOF:
+            raise EOFError
+        return msg
 
 
 def _engine_main(cfg: Any, conn: Connection, kv: bool = False) -> None:
@@ -105,14 +138,14 @@ def _engine_main(cfg: Any, conn: Connection, kv: bool = False) -> None:
                          "enable_caching": eng.block_manager.enable_caching, "kv_cache": layout}, _snapshot(eng)))
     errors: list[tuple[str, str]] = []
     seen = 0  # commands run so far: each message says it, so the parent knows its commands took effect
+    cmds = _Commands(conn)
     try:
         while True:  # an engine exception goes to the worker as ("failed", traceback), below
             busy = eng.has_unfinished_requests()
             ran = 0
             replied = False
             # the commands waiting now; idle, block until one comes (the parent's death is EOF)
-            while conn.poll(_FOLLOW_UP_S if replied else 0 if busy or errors or ran else None):
-                msg = conn.recv()
+            while (msg := cmds.get(_FOLLOW_UP_S if replied else 0 if busy or errors or ran else None)) is not None:
                 ran += 1
                 seen += 1
                 replied = False
@@ -121,14 +154,14 @@ def _engine_main(cfg: Any, conn: Connection, kv: bool = False) -> None:
                     _, rid, ids, params, kw = msg
                     try:
                         eng.add_request(rid, ids, params, **kw)
-                    except ValueError as e:
-                        errors.append((rid, str(e)))
+                    except Exception as e:  # that request's, not the engine's: the others go on
+                        errors.append((rid, _refusal(e)))
                 elif op == "prefilled":
                     _, rid, ids, first, params, first_logprob = msg
                     try:
                         eng.add_prefilled_request(rid, ids, first, params, first_logprob=first_logprob)
-                    except ValueError as e:
-                        errors.append((rid, str(e)))
+                    except Exception as e:
+                        errors.append((rid, _refusal(e)))
                 elif op == "abort":
                     eng.abort_request(msg[1])
                     started.pop(msg[1], None)
@@ -184,6 +217,11 @@ def _cache_layout(eng: Any) -> dict:
             return {"why": "the engine's KV cache spans more than one shared segment"}
         offsets.append((seg.offset(k), seg.offset(v)))
     return {"handle": seg.handle, "offsets": offsets, "shape": tuple(k0.shape), "dtype": k0.dtype}
+
+
+def _refusal(e: Exception) -> str:
+    """What a refused add tells the worker: the engine's ValueError names the field; anything else is named too."""
+    return str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
 
 
 def _portable(e: Exception) -> Exception:
@@ -401,7 +439,15 @@ class RemoteEngine:
         failing each later request with a broken pipe."""
         proc = self._proc
         if proc is not None and self._conn is not None and not proc.is_alive():
-            raise RuntimeError(f"{self.name}: the engine process exited (exit code {proc.exitcode})")
+            why = ""
+            try:  # a child that failed sent its traceback first: name the cause, not only the exit
+                while self._conn.poll(0):
+                    msg = self._conn.recv()
+                    if msg[0] == "failed":
+                        why = f":\n{msg[1]}"
+            except (EOFError, OSError):
+                pass
+            raise RuntimeError(f"{self.name}: the engine process exited (exit code {proc.exitcode}){why}")
         return bool(self._live) or self._seen < self._sent or bool(self._pending)
 
     def wake(self) -> None:
@@ -448,8 +494,8 @@ class RemoteEngine:
             raise RuntimeError(f"{self.name}: the engine process failed:\n{msg[1]}")
         if op == "layer":
             _, layer, ids, tables = msg
-            if tables:
-                self._tables.update(tables)
+            if tables:  # (not for a request the worker let go meanwhile: nothing would remove it)
+                self._tables.update((r, t) for r, t in tables.items() if r in self._live or r in self._held)
             if self.layer_done_callback is not None:
                 self.layer_done_callback(layer, ids)
             return
