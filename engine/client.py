@@ -1,7 +1,7 @@
 """The engine as its workers see it: the contract, written down as two protocols.
 
 Lifecycle: nothing here runs. A worker builds its engine once (``worker_common.worker_base``): an ``LLMEngine`` in
-its own process, or, for a colocated worker with ``engine_process``, a ``worker_common.engine_process.RemoteEngine``
+its own process, or, for a worker with ``engine_process`` (any role), a ``worker_common.engine_process.RemoteEngine``
 proxying one in a child process. The worker's request sets and its loop then use only the members below, which
 ``tests/engine/test_client.py`` checks both implementations have:
 

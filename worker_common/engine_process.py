@@ -246,7 +246,8 @@ class RemoteEngine:
         self.kv_caches: list = []
         """(``kv``) Per layer, the (k, v) views of the child's cache this process maps."""
         self.layer_done_callback: Optional[Callable[..., None]] = None
-        """Called as ``(0, request_ids, at)`` when those prompts' first layer ran (``at``: monotonic time)."""
+        """Called as ``(0, request_ids, at)`` when those prompts' first layer ran (``at``: monotonic time); with
+        ``kv``, as ``(layer, request_ids)`` as each layer of them is in the cache (module docstring)."""
         self.on_error: Callable[[str, str], None] = lambda rid, msg: log.warning("%s: request %s refused: %s",
                                                                                name, rid, msg)
         self._conn: Optional[Connection] = None
