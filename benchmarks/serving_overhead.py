@@ -59,7 +59,8 @@ DEPLOY = {"colocated": ("colocated", {}, 1), "disaggregated": ("disaggregated", 
           "colocated-ep": ("colocated", {"colocated": _EP}, 2),
           "disaggregated-ep": ("disaggregated", {"prefill": _EP, "decode": _EP}, 1),
           "prefill-ep": ("disaggregated", {"prefill": _EP}, 1), "decode-ep": ("disaggregated", {"decode": _EP}, 1)}
-PATHS = {"streams": True, "per-call": False}  # RouterConfig.output_streams
+PATHS = {"streams": {"output_streams": True}, "per-call": {"output_streams": False},
+         "one-loop": {"output_streams": True, "one_loop": True}}  # RouterConfig fields of each path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--paths", default="streams,per-call",
                    help="how tokens travel from worker to router: streams (one output stream per worker, a message "
                         "per step; the default since issue 31), per-call (a message per token on each request's "
-                        "call, as before: the router's --no-output-streams); both: the before and after in one run")
+                        "call, as before: the router's --no-output-streams), one-loop (streams, read on the gRPC "
+                        "front end's event loop, which serves HTTP too: RouterConfig.one_loop); several: compared in "
+                        "one run")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny, colocated, gRPC, concurrency 1,8, 32 tokens")
     p.add_argument("--json", default="", help="write every number here")
     return p
@@ -313,7 +316,7 @@ def cluster_points(model: str, mode: str, prompts: dict, ns: argparse.Namespace,
     with contextlib.ExitStack() as stack:
         deps = {}
         for path in ns.paths:
-            router_kw = {"output_streams": PATHS[path]}
+            router_kw = dict(PATHS[path])
             if "http" in ns.apis:  # the HTTP front end only where it is measured (its server needs the HTTP extras)
                 router_kw["http_port"] = 0
             dmode, worker_kw, per_worker = DEPLOY[mode]

@@ -137,6 +137,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-output-streams", dest="output_streams", action="store_false",
                    help="stream each request's tokens from its worker on its own call, a message per token, instead "
                         "of one stream per worker with a message per engine step (for comparison; default: streams)")
+    p.add_argument("--one-loop", dest="one_loop", action="store_true",
+                   help="run the HTTP API on the gRPC API's event loop and read the workers' output streams there, "
+                        "instead of an HTTP loop thread and a reader thread per worker (docs/router_concurrency.md; "
+                        "default: off)")
     kv = p.add_argument_group("cache-aware routing", "Prefill/colocated workers are scored as overlap x cached "
                               "prompt blocks - load x queued prompt blocks - request x requests, on the index the "
                               "workers' KV events build in every router (docs/interfaces.md)")
@@ -318,6 +322,8 @@ def router_overrides(args: argparse.Namespace) -> dict:
         out["output_streams"] = False
     if not getattr(args, "kv_events", True):
         out["kv_events"] = False
+    if getattr(args, "one_loop", False):
+        out["one_loop"] = True
     if getattr(args, "otlp_traces_endpoint", None):
         out["otlp_traces_endpoint"] = args.otlp_traces_endpoint
     for name in ("kv_replica_sync", "kv_delta_transfers", "decode_prefix_routing"):

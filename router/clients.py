@@ -59,7 +59,9 @@ class WorkerClients:
         self._credentials = cluster_tls.channel_credentials() if cluster_tls is not None else None
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
-        self._auth = _WithMetadata(bearer_metadata(cluster_secret)) if cluster_secret else None
+        self._metadata: tuple = tuple(bearer_metadata(cluster_secret)) if cluster_secret else ()
+        self._auth = _WithMetadata(self._metadata) if cluster_secret else None
+        self._aio_channels: dict[str, grpc.aio.Channel] = {}
 
     def _channel(self, address: str) -> grpc.Channel:
         if not address:
@@ -90,3 +92,39 @@ class WorkerClients:
             channels, self._channels = list(self._channels.values()), {}
         for ch in channels:
             ch.close()
+
+    # ---- asyncio channels, for the output streams read on the router's event loop (RouterConfig.one_loop) ----
+    def aio_colocated(self, address: str) -> worker_pb2_grpc.ColocatedWorkerStub:
+        """An asyncio stub of ``address`` (call on the loop it is bound to: ``grpc.aio`` channels are per loop).
+        The cluster secret travels as each call's metadata (``aio_metadata``) rather than by an interceptor."""
+        if not address:
+            raise ValueError("worker grpc_address is empty")
+        with self._lock:
+            ch = self._aio_channels.get(address)
+            if ch is None:
+                if self._credentials is not None:
+                    ch = grpc.aio.secure_channel(address, self._credentials,
+                                                 options=_CHANNEL_OPTIONS + CHANNEL_OPTIONS)
+                else:
+                    ch = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                self._aio_channels[address] = ch
+        return _AioStub(worker_pb2_grpc.ColocatedWorkerStub(ch), self._metadata)
+
+    async def aclose(self) -> None:
+        """Close the asyncio channels (on their loop, before it ends)."""
+        with self._lock:
+            channels, self._aio_channels = list(self._aio_channels.values()), {}
+        for ch in channels:
+            await ch.close()
+
+
+class _AioStub:
+    """An asyncio stub whose ``OpenOutputStream`` carries the cluster secret."""
+
+    __slots__ = ("_stub", "_metadata")
+
+    def __init__(self, stub: Any, metadata: tuple) -> None:
+        self._stub, self._metadata = stub, metadata
+
+    def OpenOutputStream(self, request: Any) -> Any:
+        return self._stub.OpenOutputStream(request, metadata=self._metadata or None)

@@ -78,6 +78,12 @@ class RouterConfig:
     output_streams: bool = True
     """Take decode and colocated workers' tokens on one output stream per worker, a message per engine step
     (``router.output_streams``); False: on each request's own call, a message per token (the way before)."""
+    one_loop: bool = False
+    """Run the HTTP front end on the gRPC front end's event loop and read the workers' output streams there
+    (``grpc.aio``), so a flow's streaming stretch runs on that loop and its events reach both front ends without
+    a thread hop (docs/router_concurrency.md, "One event loop"). False: today's model (an HTTP loop of its own,
+    a reader thread per worker stream). Flows' blocking stretches (placement, prefill, aborts) stay on the
+    flow pool either way."""
     kv_events: bool = True
     """Cache-aware routing from the workers' KV events (``router.kv.index``): when the worker list is the Redis
     registry, follow every worker's event stream into one index of what each prefix cache really holds, and score
@@ -198,7 +204,7 @@ class RouterConfig:
         if isinstance(self.prefix_balance_tokens, bool) or not isinstance(self.prefix_balance_tokens, int) \
                 or self.prefix_balance_tokens < 0:
             raise ValueError(f"prefix_balance_tokens must be an int >= 0, got {self.prefix_balance_tokens!r}")
-        for name in ("kv_events", "kv_replica_sync", "output_streams"):
+        for name in ("kv_events", "kv_replica_sync", "output_streams", "one_loop"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("kv_overlap_weight", "kv_load_weight", "kv_request_weight", "kv_tie_blocks", "kv_pending_s"):

@@ -91,7 +91,9 @@ class FlowPump:
 
 class LoopInbox:
     """Items from any thread to asyncio queues on one loop, with one loop wakeup per burst: the first ``put``
-    after a drain schedules the drain, the ones before it runs only append."""
+    after a drain schedules the drain, the ones before it runs only append. A ``put`` made while the loop itself
+    runs (a flow run by an output stream read on that loop, ``RouterConfig.one_loop``) goes straight into its queue
+    when nothing is waiting to be drained (else behind what is, keeping each queue's order)."""
 
     __slots__ = ("_loop", "_lock", "_items")
 
@@ -103,6 +105,9 @@ class LoopInbox:
     def put(self, q: "asyncio.Queue[Any]", item: Any) -> None:
         with self._lock:
             first = not self._items
+            if first and asyncio._get_running_loop() is self._loop:  # this thread runs the loop now
+                q.put_nowait(item)
+                return
             self._items.append((q, item))
         if first:
             try:

@@ -15,10 +15,14 @@ as the abort it always was. The request's call still carries its deadline and it
 reaches the sink through the call's done callback. When a stream breaks (the worker died, restarted or
 closed it), every request on it gets the break as UNAVAILABLE (so the flow retries or migrates) and the
 next request for that address reopens it; a worker without ``OpenOutputStream`` (an older version,
-UNIMPLEMENTED) is streamed the old way, per call, and asked again after ``RETRY_UNSUPPORTED_S``.
+UNIMPLEMENTED) is streamed the old way, per call, and asked again after ``RETRY_UNSUPPORTED_S``. With
+``use_loop`` (``RouterConfig.one_loop``) a stream is read by a task of the router's event loop over an asyncio
+channel instead of by a reader thread: the same dispatch, on the loop.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -78,9 +82,13 @@ class _Sink:
 
 
 class WorkerStream:
-    """One worker's output stream in this router: the call, its reader thread and the sinks by request id."""
+    """One worker's output stream in this router: the call, its reader (a thread, or a task of the router's loop)
+    and the sinks by request id."""
 
-    def __init__(self, stub: Any, address: str, stream_id: str) -> None:
+    def __init__(self, stub: Any, address: str, stream_id: str,
+                 loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        """``loop``: read the stream as a task on that event loop (``stub`` is then an asyncio stub, made on the
+        loop by ``stub()``: ``stub`` is a callable), not on a reader thread of its own (see ``OutputStreams``)."""
         self.address, self.stream_id = address, stream_id
         self._lock = threading.Lock()
         self._sinks: dict[str, _Sink] = {}
@@ -89,9 +97,23 @@ class WorkerStream:
         """Why the stream ended (None while it is opening or open)."""
         self.unsupported = False
         """The worker answered UNIMPLEMENTED: it predates output streams."""
-        self._call = stub.OpenOutputStream(worker_pb2.OutputStreamRequest(stream_id=stream_id))
-        self._thread = threading.Thread(target=self._read, name=f"out-stream-{address}", daemon=True)
-        self._thread.start()
+        request = worker_pb2.OutputStreamRequest(stream_id=stream_id)
+        self._task: Optional[concurrent.futures.Future] = None
+        self.loop_task: Optional[asyncio.Task] = None
+        """The reading task, on the loop (None on a reader thread, or before it ran)."""
+        if loop is None:
+            self._call = stub.OpenOutputStream(request)
+            self._thread = threading.Thread(target=self._read, name=f"out-stream-{address}", daemon=True)
+            self._thread.start()
+        else:
+            self._call = None
+            self._task = asyncio.run_coroutine_threadsafe(self._read_on_loop(stub, request), loop)
+            self._task.add_done_callback(self._cancelled_unread)
+
+    def _cancelled_unread(self, fut: concurrent.futures.Future) -> None:
+        """A stream cancelled before its task ever ran breaks here (nobody else would end its waits)."""
+        if fut.cancelled() and self.loop_task is None and self.broken is None:
+            self._break(StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"output stream from {self.address} closed"))
 
     @property
     def usable(self) -> bool:
@@ -120,28 +142,16 @@ class WorkerStream:
         return len(self._sinks)
 
     def cancel(self) -> None:
-        self._call.cancel()
+        if self._task is not None:
+            self._task.cancel()  # thread-safe: the task ends at its next await, breaking its sinks
+        elif self._call is not None:
+            self._call.cancel()
 
     def _read(self) -> None:
         err: grpc.RpcError
         try:
             for msg in self._call:
-                if not self._open.is_set():
-                    self._open.set()
-                    log.info("output stream %s from %s open", self.stream_id, self.address)
-                    continue
-                ready = []
-                with self._lock:
-                    sinks = self._sinks
-                    for o in msg.outputs:
-                        sink = sinks.get(o.request_id)
-                        if sink is None:
-                            continue  # the request was cancelled here, or ended
-                        if o.last:
-                            del sinks[o.request_id]
-                        ready.append((sink, o))
-                for sink, o in ready:  # each put may switch to its handler thread (or run its flow): not under the lock
-                    sink.put(o, not (o.error_code or o.last))
+                self._dispatch(msg)
             err = StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"output stream from {self.address} ended")
         except grpc.RpcError as e:
             err = e
@@ -149,6 +159,51 @@ class WorkerStream:
         except Exception as e:  # never leave sinks waiting on a reader that died
             log.exception("output stream %s from %s: reader failed", self.stream_id, self.address)
             err = StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"output stream from {self.address} failed: {e}")
+        self._break(err)
+
+    async def _read_on_loop(self, stub: Callable[[], Any], request: worker_pb2.OutputStreamRequest) -> None:
+        """``_read`` as a task of the router's one event loop (``RouterConfig.one_loop``): each message's
+        chunks go through their flows on the loop, whose front ends take the events without a thread hop."""
+        err: grpc.RpcError
+        self.loop_task = asyncio.current_task()
+        try:
+            self._call = stub().OpenOutputStream(request)
+            async for msg in self._call:
+                self._dispatch(msg)
+            err = StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"output stream from {self.address} ended")
+        except asyncio.CancelledError:
+            err = StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"output stream from {self.address} closed")
+            if self._call is not None:
+                self._call.cancel()
+        except grpc.RpcError as e:
+            err = e
+            self.unsupported = e.code() == grpc.StatusCode.UNIMPLEMENTED
+        except Exception as e:  # never leave sinks waiting on a reader that died
+            log.exception("output stream %s from %s: reader failed", self.stream_id, self.address)
+            err = StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"output stream from {self.address} failed: {e}")
+        self._break(err)
+
+    def _dispatch(self, msg: worker_pb2.StepOutputs) -> None:
+        """One worker message: the first opens the stream; each output goes to its request's sink."""
+        if not self._open.is_set():
+            self._open.set()
+            log.info("output stream %s from %s open", self.stream_id, self.address)
+            return
+        ready = []
+        with self._lock:
+            sinks = self._sinks
+            for o in msg.outputs:
+                sink = sinks.get(o.request_id)
+                if sink is None:
+                    continue  # the request was cancelled here, or ended
+                if o.last:
+                    del sinks[o.request_id]
+                ready.append((sink, o))
+        for sink, o in ready:  # each put may switch to its handler thread (or run its flow): not under the lock
+            sink.put(o, not (o.error_code or o.last))
+
+    def _break(self, err: Any) -> None:
+        """The stream ended (``err`` says why): every request still on it gets the break."""
         with self._lock:
             self.broken = err
             sinks, self._sinks = self._sinks, {}
@@ -268,6 +323,13 @@ class StreamedCall:
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
 def _code(value: int) -> grpc.StatusCode:
     """A status code from its number (UNAVAILABLE for a number gRPC does not define: the worker is odd)."""
     return _CODES.get(value, grpc.StatusCode.UNAVAILABLE)
@@ -284,9 +346,28 @@ class OutputStreams:
         self._streams: dict[str, WorkerStream] = {}
         self._unsupported: dict[str, float] = {}  # address -> when it said UNIMPLEMENTED
         self._closed = False
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._aio_stub_for: Optional[Callable[[str], Any]] = None
+
+    def use_loop(self, loop: asyncio.AbstractEventLoop, aio_stub_for: Callable[[str], Any]) -> None:
+        """Read every stream opened from now on as a task of ``loop`` (``RouterConfig.one_loop``) instead of on a
+        reader thread: ``aio_stub_for(address)``, called on the loop, gives an asyncio stub of that address."""
+        self._loop, self._aio_stub_for = loop, aio_stub_for
+
+    def _open_stream(self, address: str) -> WorkerStream:
+        stream_id = f"{self.router_id}-{uuid.uuid4().hex[:12]}"
+        loop, aio_stub_for = self._loop, self._aio_stub_for
+        if loop is None or aio_stub_for is None:
+            return WorkerStream(self._stub_for(address), address, stream_id)
+        return WorkerStream(lambda: aio_stub_for(address), address, stream_id, loop)
 
     def stream_for(self, address: str) -> Optional[WorkerStream]:
-        """The open stream of ``address``, opening it if needed (None: the worker cannot stream this way now)."""
+        """The open stream of ``address``, opening it if needed (None: the worker cannot stream this way now).
+        May wait up to ``OPEN_TIMEOUT_S`` for a new stream to open: never called on the loop that reads streams
+        (a flow yields ``HANDOFF`` before any call), where it would wait for itself; there it answers None."""
+        if self._loop is not None and _on_loop(self._loop):
+            log.error("output stream of %s asked for on the event loop that reads it: streaming per call", address)
+            return None
         with self._lock:
             if self._closed:
                 return None
@@ -299,8 +380,7 @@ class OutputStreams:
                 if since is not None and time.monotonic() - since < RETRY_UNSUPPORTED_S:
                     return None
                 self._unsupported.pop(address, None)
-                s = self._streams[address] = WorkerStream(self._stub_for(address), address,
-                                                          f"{self.router_id}-{uuid.uuid4().hex[:12]}")
+                s = self._streams[address] = self._open_stream(address)
         if s.wait_open(OPEN_TIMEOUT_S):
             return s
         with self._lock:
@@ -319,12 +399,14 @@ class OutputStreams:
             return send("")
         return StreamedCall(s, request_id, sink, lambda: send(s.stream_id))
 
-    def close(self) -> None:
+    def close(self) -> list[WorkerStream]:
+        """Cancel every stream (each breaks its requests); the streams closed."""
         with self._lock:
             self._closed = True
             streams, self._streams = list(self._streams.values()), {}
         for s in streams:
             s.cancel()
+        return streams
 
 
 __all__ = ["OutputStreams", "StreamedCall", "WorkerStream"]

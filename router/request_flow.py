@@ -369,7 +369,12 @@ class RequestFlow:
             if chunk is None:
                 return False
             if first_chunk is not None:
-                first_chunk(chunk)
+                try:
+                    first_chunk(chunk)
+                except Exception:
+                    if push:
+                        yield HANDOFF  # the flow's end aborts its workers: not on a stream's reader
+                    raise
             if not chunk.token_ids and not chunk.finish_reason:
                 continue  # the "KV arrived, decoding" marker
             i = chunk.index

@@ -7,7 +7,8 @@ its own, ``transport.aio_serving``; port 0 = free; health NOT_SERVING, reflectio
 mirroring it, for probes that speak no TLS). Each ``Generate`` is validated on the loop (INVALID_ARGUMENT naming
 the field; a text prompt is tokenized on the flow pool), admitted against its key's quota, then run by the core
 (admission, the request flow) under a ``FlowPump`` (``router.flow_pump``): the flow's blocking steps run on the
-flow pool (``cfg.max_rpc_threads`` threads), its streaming on the output streams' reader threads, and its
+flow pool (``cfg.max_rpc_threads`` threads), its streaming on the output streams' reader threads (with
+``cfg.one_loop``: on this loop, which then serves the HTTP API too and reads the streams itself), and its
 front-end-neutral ``FlowEvent``s reach this handler through one ``LoopInbox``, which renders them as
 ``GenerateResponse``s; its ``FlowError`` becomes the call's status. When the call ends early (client cancel,
 deadline, or a client that took no message for ``cfg.stream_stall_timeout_s``: ``router.stream_stall``) the
@@ -152,10 +153,22 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         loop = self._serving.loop
         assert loop is not None
         self._inbox = LoopInbox(loop)
+        if self.cfg.one_loop and self.core.streams is not None:  # the workers' output streams read on this loop
+            self.core.streams.use_loop(loop, self.core.clients.aio_colocated)
+            self._serving.at_stop.append(self._close_loop_streams)
         if self.cfg.health_port is not None:
             self._health_serving = GrpcServing("router-health", self.cfg.host, self.cfg.health_port, max_workers=4)
             self.health_address = self._health_serving.start(lambda server: [])
         return address
+
+    async def _close_loop_streams(self) -> None:
+        """At stop, before the loop ends: the output streams read on it, then their asyncio channels. The flow pool
+        closes first, so a request whose stream breaks here is not resumed (to retry elsewhere) during the stop."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        tasks = [s.loop_task for s in self.core.streams.close() if s.loop_task is not None]
+        if tasks:  # each reader ends (breaking its requests) before its channel closes
+            await asyncio.wait(tasks, timeout=5.0)
+        await self.core.clients.aclose()
 
     def _set_serving(self, serving: bool) -> None:
         self._serving.set_serving(serving)
@@ -174,7 +187,7 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
                    if self.cfg.ssl_certfile else None)
             self.http = HttpApi(self.core, self.cfg.host, self.cfg.http_port, self.keys, tls, quotas=self.quotas,
                                 stream_stall_timeout_s=self.cfg.stream_stall_timeout_s, pool=self._pool)
-            self.http.start()
+            self.http.start(self._serving.loop if self.cfg.one_loop else None)
         if not self.core.draining:
             self._set_serving(True)
         log.info("router on %s (%s mode)", self.address, self.cfg.mode)

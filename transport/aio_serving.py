@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any, Callable, Optional, Union
+from typing import Any, Awaitable, Callable, Optional, Union
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -47,6 +47,9 @@ class AioGrpcServing:
         self._health: Any = None
         self._service_names: list[str] = []
         self.address = ""
+        self.at_stop: list[Callable[[], Awaitable[None]]] = []
+        """Coroutines ``stop`` runs on the loop after the server stopped, before the loop ends (the role's own
+        asyncio resources bound to this loop: channels, tasks)."""
 
     def start(self, register: Callable[[grpc.aio.Server], list[str]]) -> str:
         """Start the loop thread, add the role's handlers, bind, serve (NOT_SERVING); the address."""
@@ -97,6 +100,11 @@ class AioGrpcServing:
             except Exception:  # a loop already stopping: nothing left to stop
                 log.debug("%s: stop", self.name, exc_info=True)
             self._server = None
+        for at_stop in self.at_stop:
+            try:
+                asyncio.run_coroutine_threadsafe(at_stop(), self.loop).result(START_TIMEOUT_S)
+            except Exception:
+                log.warning("%s: a stop step failed", self.name, exc_info=True)
         self._end_loop()
 
     def _end_loop(self) -> None:

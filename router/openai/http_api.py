@@ -1,7 +1,8 @@
 """The router's OpenAI-compatible HTTP front end (FastAPI on uvicorn), over the same ``RouterCore`` as gRPC.
 
 Lifecycle: ``HttpApi(core, host, port, api_keys)`` -> ``start()`` binds (port 0 = a free one) and
-serves on a uvicorn thread of its own; ``stop()`` shuts it down. Endpoints, as vLLM's server
+serves on a uvicorn thread of its own, or, with ``start(loop)``, as a task of the gRPC front end's loop
+(``RouterConfig.one_loop``); ``stop()`` shuts it down. Endpoints, as vLLM's server
 has them: ``GET /health`` (200 while the router serves, else 503), ``GET /metrics`` (the router's
 Prometheus series), ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, and vLLM's
 ``POST /tokenize`` and ``POST /detokenize``. The constraint and tool fields (``response_format``,
@@ -36,6 +37,7 @@ import socket
 import ssl
 import threading
 import time
+import concurrent.futures
 from concurrent.futures import Executor
 from typing import Any, AsyncIterator, Callable, Iterable, Optional, Union
 
@@ -276,10 +278,13 @@ class HttpApi:
         self.app = self._build_app()
         self._server: Optional[uvicorn.Server] = None
         self._thread: Optional[threading.Thread] = None
+        self._task: Optional[concurrent.futures.Future] = None
         self.address = ""
 
     # ---- lifecycle ---------------------------------------------------------------------------------
-    def start(self) -> str:
+    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> str:
+        """Bind and serve; ``loop``: serve as a task of that running event loop (the gRPC front end's, with
+        ``RouterConfig.one_loop``) instead of on a ``router-http`` thread with a loop of its own."""
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self._port))
@@ -293,12 +298,17 @@ class HttpApi:
                                 lifespan="off",
                                 timeout_graceful_shutdown=1, **tls_kw)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                        name="router-http", daemon=True)
-        self._thread.start()
+        if loop is None:
+            self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                            name="router-http", daemon=True)
+            self._thread.start()
+            alive: Callable[[], bool] = self._thread.is_alive
+        else:
+            self._task = asyncio.run_coroutine_threadsafe(self._server.serve(sockets=[sock]), loop)
+            alive = lambda: not self._task.done()  # noqa: E731
         deadline = time.monotonic() + 30.0
         while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
+            if not alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"HTTP server on {self.host}:{self._port} did not start")
             time.sleep(0.01)
         self.address = f"{self.host}:{sock.getsockname()[1]}"
@@ -310,7 +320,12 @@ class HttpApi:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=10.0)
-        self._server = self._thread = None
+        if self._task is not None:
+            try:
+                self._task.result(timeout=10.0)
+            except Exception:  # (a loop that stopped first cancelled it)
+                log.debug("HTTP server's task on the shared loop", exc_info=True)
+        self._server = self._thread = self._task = None
 
     # ---- the app -----------------------------------------------------------------------------------
     def _key(self, request: Request) -> Optional[ApiKey]:

@@ -248,3 +248,12 @@ def test_pool_tp_flags_reach_each_pool():
                for role in ("prefill", "decode")}
     assert (engines["prefill"].num_kv_blocks, engines["decode"].num_kv_blocks) == (100, 900)
     assert (engines["prefill"].tensor_parallel_size, engines["decode"].tensor_parallel_size) == (2, 1)
+
+
+@pytest.mark.parametrize("cmd", ["up", "router"])
+def test_one_loop_flag_reaches_the_router_config(cmd):
+    from router.config import RouterConfig
+
+    extra = ["--namespace", "ns"] if cmd == "router" else []
+    assert RouterConfig(**router_overrides(build_parser().parse_args([cmd, "--one-loop"] + extra))).one_loop is True
+    assert RouterConfig(**router_overrides(build_parser().parse_args([cmd] + extra))).one_loop is False

@@ -169,6 +169,40 @@ def test_loop_inbox_wakes_the_loop_once_per_burst_and_keeps_order():
     inbox.put(q, "late")  # a closed loop: dropped, no error
 
 
+def test_loop_inbox_puts_straight_in_on_the_loop_thread_behind_what_waits_to_be_drained():
+    """On the loop's own thread (a flow run by an output stream read on the loop, ``RouterConfig.one_loop``) a put
+    goes into its queue at once, no drain scheduled; but never ahead of items from other threads not drained yet."""
+    loop = asyncio.new_event_loop()
+    drains = []
+    try:
+        class Counted(LoopInbox):
+            def _drain(self) -> None:
+                drains.append(1)
+                super()._drain()
+
+        inbox = Counted(loop)
+        q: asyncio.Queue = asyncio.Queue()
+        inbox.put(q, "first")  # the loop is not running (this thread runs no loop): queued, one drain
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert len(drains) == 1 and q.get_nowait() == "first"
+
+        async def on_loop() -> list:
+            inbox.put(q, "direct")
+            got = [q.get_nowait()]  # already there: no drain ran
+            t = threading.Thread(target=inbox.put, args=(q, "from a thread"))
+            t.start()
+            t.join()
+            inbox.put(q, "after it")  # behind the other thread's item, which waits for its drain
+            assert q.empty()
+            await asyncio.sleep(0.01)
+            return got + [q.get_nowait(), q.get_nowait()]
+
+        assert loop.run_until_complete(on_loop()) == ["direct", "from a thread", "after it"]
+        assert len(drains) == 2
+    finally:
+        loop.close()
+
+
 def _grpc_streams(roles, n: int, tokens: int) -> list[int]:
     from proto import pdserve_pb2
 
