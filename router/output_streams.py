@@ -153,13 +153,18 @@ class WorkerStream:
             for msg in self._call:
                 self._dispatch(msg)
             err = StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"output stream from {self.address} ended")
-        except grpc.RpcError as e:
-            err = e
-            self.unsupported = e.code() == grpc.StatusCode.UNIMPLEMENTED
-        except Exception as e:  # never leave sinks waiting on a reader that died
-            log.exception("output stream %s from %s: reader failed", self.stream_id, self.address)
-            err = StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"output stream from {self.address} failed: {e}")
+        except Exception as e:
+            err = self._failed(e)
         self._break(err)
+
+    def _failed(self, e: Exception) -> grpc.RpcError:
+        """Why a reader ended with ``e``: the call's own error, or a reader failure (never leave sinks waiting on a
+        reader that died)."""
+        if isinstance(e, grpc.RpcError):
+            self.unsupported = e.code() == grpc.StatusCode.UNIMPLEMENTED
+            return e
+        log.error("output stream %s from %s: reader failed", self.stream_id, self.address, exc_info=e)
+        return StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"output stream from {self.address} failed: {e}")
 
     async def _read_on_loop(self, stub: Callable[[], Any], request: worker_pb2.OutputStreamRequest) -> None:
         """``_read`` as a task of the router's one event loop (``RouterConfig.one_loop``): each message's
@@ -175,12 +180,8 @@ class WorkerStream:
             err = StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"output stream from {self.address} closed")
             if self._call is not None:
                 self._call.cancel()
-        except grpc.RpcError as e:
-            err = e
-            self.unsupported = e.code() == grpc.StatusCode.UNIMPLEMENTED
-        except Exception as e:  # never leave sinks waiting on a reader that died
-            log.exception("output stream %s from %s: reader failed", self.stream_id, self.address)
-            err = StatusRpcError(grpc.StatusCode.UNAVAILABLE, f"output stream from {self.address} failed: {e}")
+        except Exception as e:
+            err = self._failed(e)
         self._break(err)
 
     def _dispatch(self, msg: worker_pb2.StepOutputs) -> None:

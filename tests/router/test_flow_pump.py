@@ -145,16 +145,25 @@ def test_the_sink_refuses_a_waiter_when_an_item_is_queued_and_runs_a_kept_one_on
     assert sink.wait(calls.append) is False  # an item held back by poll counts as queued
 
 
+class _CountedInbox(LoopInbox):
+    """A LoopInbox that records each drain in ``drains``."""
+
+    __slots__ = ("drains",)
+
+    def __init__(self, loop, drains: list) -> None:
+        super().__init__(loop)
+        self.drains = drains
+
+    def _drain(self) -> None:
+        self.drains.append(1)
+        super()._drain()
+
+
 def test_loop_inbox_wakes_the_loop_once_per_burst_and_keeps_order():
     loop = asyncio.new_event_loop()
     drains = []
     try:
-        class Counted(LoopInbox):
-            def _drain(self) -> None:
-                drains.append(1)
-                super()._drain()
-
-        inbox = Counted(loop)
+        inbox = _CountedInbox(loop, drains)
         q: asyncio.Queue = asyncio.Queue()
         for i in range(100):  # the loop is not running: one burst
             inbox.put(q, i)
@@ -175,12 +184,7 @@ def test_loop_inbox_puts_straight_in_on_the_loop_thread_behind_what_waits_to_be_
     loop = asyncio.new_event_loop()
     drains = []
     try:
-        class Counted(LoopInbox):
-            def _drain(self) -> None:
-                drains.append(1)
-                super()._drain()
-
-        inbox = Counted(loop)
+        inbox = _CountedInbox(loop, drains)
         q: asyncio.Queue = asyncio.Queue()
         inbox.put(q, "first")  # the loop is not running (this thread runs no loop): queued, one drain
         loop.run_until_complete(asyncio.sleep(0.01))
