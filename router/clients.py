@@ -59,20 +59,24 @@ class WorkerClients:
         self._credentials = cluster_tls.channel_credentials() if cluster_tls is not None else None
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
-        self._metadata: tuple = tuple(bearer_metadata(cluster_secret)) if cluster_secret else ()
+        self._metadata: tuple = bearer_metadata(cluster_secret) if cluster_secret else ()
         self._auth = _WithMetadata(self._metadata) if cluster_secret else None
         self._aio_channels: dict[str, grpc.aio.Channel] = {}
 
-    def _channel(self, address: str) -> grpc.Channel:
+    def _dial(self, api: Any, address: str) -> Any:
+        """A channel to ``address`` from ``api`` (``grpc`` or ``grpc.aio``: the same two calls), mutual TLS with the
+        cluster's certificate when there is one."""
         if not address:
             raise ValueError("worker grpc_address is empty")
+        if self._credentials is not None:
+            return api.secure_channel(address, self._credentials, options=_CHANNEL_OPTIONS + CHANNEL_OPTIONS)
+        return api.insecure_channel(address, options=_CHANNEL_OPTIONS)
+
+    def _channel(self, address: str) -> grpc.Channel:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                if self._credentials is not None:
-                    ch = grpc.secure_channel(address, self._credentials, options=_CHANNEL_OPTIONS + CHANNEL_OPTIONS)
-                else:
-                    ch = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+                ch = self._dial(grpc, address)
                 if self._auth is not None:
                     ch = grpc.intercept_channel(ch, self._auth)
                 self._channels[address] = ch
@@ -96,18 +100,11 @@ class WorkerClients:
     # ---- asyncio channels, for the output streams read on the router's event loop (RouterConfig.one_loop) ----
     def aio_colocated(self, address: str) -> worker_pb2_grpc.ColocatedWorkerStub:
         """An asyncio stub of ``address`` (call on the loop it is bound to: ``grpc.aio`` channels are per loop).
-        The cluster secret travels as each call's metadata (``aio_metadata``) rather than by an interceptor."""
-        if not address:
-            raise ValueError("worker grpc_address is empty")
+        The cluster secret travels as each call's metadata (``_AioStub``) rather than by an interceptor."""
         with self._lock:
             ch = self._aio_channels.get(address)
             if ch is None:
-                if self._credentials is not None:
-                    ch = grpc.aio.secure_channel(address, self._credentials,
-                                                 options=_CHANNEL_OPTIONS + CHANNEL_OPTIONS)
-                else:
-                    ch = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-                self._aio_channels[address] = ch
+                ch = self._aio_channels[address] = self._dial(grpc.aio, address)
         return _AioStub(worker_pb2_grpc.ColocatedWorkerStub(ch), self._metadata)
 
     async def aclose(self) -> None:

@@ -324,13 +324,6 @@ class StreamedCall:
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
-def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:
-        return False
-
-
 def _code(value: int) -> grpc.StatusCode:
     """A status code from its number (UNAVAILABLE for a number gRPC does not define: the worker is odd)."""
     return _CODES.get(value, grpc.StatusCode.UNAVAILABLE)
@@ -366,7 +359,7 @@ class OutputStreams:
         """The open stream of ``address``, opening it if needed (None: the worker cannot stream this way now).
         May wait up to ``OPEN_TIMEOUT_S`` for a new stream to open: never called on the loop that reads streams
         (a flow yields ``HANDOFF`` before any call), where it would wait for itself; there it answers None."""
-        if self._loop is not None and _on_loop(self._loop):
+        if self._loop is not None and asyncio._get_running_loop() is self._loop:  # (as LoopInbox.put asks)
             log.error("output stream of %s asked for on the event loop that reads it: streaming per call", address)
             return None
         with self._lock:

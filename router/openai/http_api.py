@@ -31,13 +31,13 @@ beam search (``router.beam_search``) whose n best sequences are the choices, bes
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import socket
 import ssl
 import threading
 import time
-import concurrent.futures
 from concurrent.futures import Executor
 from typing import Any, AsyncIterator, Callable, Iterable, Optional, Union
 
