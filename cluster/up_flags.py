@@ -91,6 +91,12 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache of every worker: auto = the model dtype, int8 = quantized with per-token, "
                         "per-head scales (about 4x the tokens of float32 in the same memory, and a quarter of "
                         "the bytes shipped from prefill to decode); default auto")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs: every decode step runs eagerly (by default a CUDA worker of one "
+                        "rank replays its pure decode steps from graphs captured at start, one per batch bucket)")
+    p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes with a CUDA graph of their own, the largest at least --max-num-seqs "
+                        "(default 1 2 4 8 16 24 ... up to --max-num-seqs)")
     p.add_argument("--speculative-method", choices=("ngram", "draft_model"), default=None,
                    help="speculative decoding in the decode (and colocated) workers: ngram = prompt-lookup drafts, "
                         "draft_model = a small model's drafts (--speculative-model); drafts are verified in the "
@@ -287,6 +293,10 @@ def engine_overrides(args: argparse.Namespace, checked_only: bool = False) -> di
         out["kv_cache_dtype"] = args.kv_cache_dtype
     if args.tensor_parallel_size != 1:
         out["tensor_parallel_size"] = args.tensor_parallel_size
+    if getattr(args, "enforce_eager", False):
+        out["enforce_eager"] = True
+    if getattr(args, "cuda_graph_sizes", None) is not None:
+        out["cuda_graph_sizes"] = list(args.cuda_graph_sizes)
     method = args.speculative_method or ("draft_model" if args.speculative_model else None)
     if method == "ngram":
         out["speculative_config"] = {"method": method, "num_speculative_tokens": args.num_speculative_tokens,

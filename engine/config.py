@@ -48,6 +48,27 @@ def parse_dtype(name: Union[str, "torch.dtype"]) -> "torch.dtype":
     return getattr(torch, key)
 
 
+def default_graph_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM's shape of bucket list: 1, 2, 4, then every multiple of 8 up to ``max_num_seqs`` (and it itself)."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+def check_graph_sizes(sizes: Any, max_num_seqs: int) -> list[int]:
+    """The buckets sorted, or ValueError naming ``cuda_graph_sizes``: positive integers whose largest covers
+    ``max_num_seqs`` (a decode batch of the scheduler's largest size must have a graph)."""
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise ValueError(f"cuda_graph_sizes must be a list of batch sizes, got {sizes!r}")
+    out = list(sizes)
+    if not out or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in out):
+        raise ValueError(f"cuda_graph_sizes must be positive integers, got {list(sizes)!r}")
+    out = sorted(set(out))
+    if out[-1] < max_num_seqs:
+        raise ValueError(f"cuda_graph_sizes does not cover max_num_seqs={max_num_seqs}: its largest bucket is "
+                         f"{out[-1]} (add {max_num_seqs}, or leave cuda_graph_sizes unset)")
+    return out
+
+
 @dataclass
 class EngineConfig:
     """Everything an ``LLMEngine`` needs to start."""
@@ -105,6 +126,16 @@ class EngineConfig:
     peer there then reads it in place (kvtransfer/shm.py). CPU, one rank; a cluster's prefill workers set it where
     ``ClusterConfig.kv_shm`` is on. Such memory gets no transparent huge pages where the host's shmem setting is
     ``never`` (the usual default), which matters to a cache decode steps read whole."""
+    enforce_eager: bool = False
+    """vLLM's knob: never capture CUDA graphs; every step runs eagerly. By default a CUDA engine of one rank captures
+    its pure decode steps, one graph per ``cuda_graph_sizes`` bucket (engine/cuda_graphs.py); other devices, split
+    engines and steps with a prefill chunk always run eagerly."""
+    cuda_graph_sizes: Optional[list[int]] = None
+    """Decode batch sizes with a graph of their own (a batch is padded to the next): None is 1, 2, 4, then every
+    multiple of 8 up to ``max_num_seqs``; a list must reach ``max_num_seqs``."""
+    static_decode_buffers: bool = False
+    """Run decode steps through the graphs' static buffers and bucket padding without capturing them (any device):
+    how the graph path is tested on CPU, and a way to tell a capture problem from a padding one on a GPU."""
     speculative_config: Optional[Any] = None
     """Speculative decoding (``engine.speculative``): vLLM's dict, e.g. ``{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}``, or a
@@ -151,6 +182,11 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        for name in ("enforce_eager", "static_decode_buffers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.cuda_graph_sizes is not None:
+            self.cuda_graph_sizes = check_graph_sizes(self.cuda_graph_sizes, self.max_num_seqs)
         from engine.speculative import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

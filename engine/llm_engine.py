@@ -41,8 +41,9 @@ from torch import Tensor
 
 from engine.block_manager import BlockManager, block_keys
 from engine.client import EngineLoad, StepResult
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, default_graph_sizes
 from engine.kernels import cpu_kernels
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from engine.loader import default_eos, load_model, load_model_config, load_tokenizer
 from engine.model_runner import ModelRunner, RunnerOutput
@@ -103,8 +104,11 @@ class LLMEngine:
             self.tp_group, model = TPGroup.start(config, mc, n_blocks, self.max_model_len)
         else:
             model = load_model(config, mc, self.max_model_len)
+        # decode graphs (engine/cuda_graphs.py) pad a batch with rows whose K/V go to one scratch block past the
+        # block manager's pool
+        graphs = tp == 1 and not config.enforce_eager and (device.type == "cuda" or config.static_decode_buffers)
         self.kv_caches: list[tuple[Tensor, Tensor]] = allocate_kv_caches(
-            local_mc, n_blocks, self.block_size, cache_dtype, device,
+            local_mc, n_blocks + graphs, self.block_size, cache_dtype, device,
             shared=config.kv_cache_shared and tp == 1 and device.type == "cpu")
         generator = torch.Generator().manual_seed(config.seed)
         sampler = Sampler(mc.vocab_size, config.seed)
@@ -115,6 +119,13 @@ class LLMEngine:
                                                 generator)
         else:
             runner = ModelRunner(model, self.kv_caches, self.block_size, sampler, generator)
+        if graphs:
+            runner.graphs = DecodeGraphs(model, self.kv_caches, self.block_size,
+                                         config.cuda_graph_sizes or default_graph_sizes(config.max_num_seqs),
+                                         self.max_model_len, scratch_block=n_blocks,
+                                         capture=device.type == "cuda" and not config.static_decode_buffers)
+            runner.graphs.capture()
+            logger.info("decode graphs: %s", runner.graphs.describe())
         self._init_core(n_blocks, runner)
         self.spec_config = config.speculative_config
         self._proposer = None

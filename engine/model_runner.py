@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from engine.attention import AttentionMetadata, PrefillSpan
+from engine.cuda_graphs import DecodeGraphs
 from engine.model import CausalLM
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingRequest
@@ -45,6 +46,22 @@ class RunnerOutput:
     by this step's rows of a chunk of a request asking ``prompt_logprobs``."""
 
 
+@dataclass
+class _DecodeRows:
+    """A step's single-token rows (decodes, then verification positions) as plain lists."""
+
+    ids: list[int] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    ctx_lens: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    sample_seqs: list[Sequence] = field(default_factory=list)
+    sample_ctx: list[int] = field(default_factory=list)
+    histories: list[list[int]] = field(default_factory=list)
+    """Each sampling row's output history."""
+
+
 class ModelRunner:
     """Model + KV caches + sampler on one device."""
 
@@ -58,12 +75,18 @@ class ModelRunner:
         self.device = model.embed_tokens.weight.device
         self.grammar: Optional[GrammarCompiler] = None
         """The engine's grammar compiler once a constrained request arrived (None: no masks to compute)."""
+        self.graphs: Optional[DecodeGraphs] = None
+        """Static decode buffers and their CUDA graphs (engine/cuda_graphs.py), set by the engine where used."""
         self._prompt_rows: list[tuple[Sequence, int, int]] = []
         """Set by ``_prepare``: (sequence, first position, rows) of the prompt positions whose logprobs this step
         returns; their hidden rows follow the sampling rows."""
 
     def execute(self, sched: SchedulerOutput,
                 layer_hook: Optional[Callable[[int], None]] = None) -> RunnerOutput:
+        if self.graphs is not None and layer_hook is None:
+            rows = self._graph_rows(sched)
+            if rows is not None:
+                return self._graph_step(rows)
         input_ids, positions, meta, sample_rows, sample_seqs, histories = self._prepare(sched)
         self._before_forward(input_ids, positions, meta, len(sample_rows), bool(sample_seqs))
         masks = None
@@ -79,6 +102,19 @@ class ModelRunner:
                 for s, h in zip(sample_seqs, histories)]
         tokens, logprobs = self.sampler.sample(logits, reqs, masks.result() if masks is not None else None)
         return RunnerOutput(sample_seqs, tokens, logprobs, prompt_lps)
+
+    def _graph_step(self, r: _DecodeRows) -> RunnerOutput:
+        """One decode step through the decode graphs: the grammar masks computed while the replay runs on the
+        device (as they are beside an eager forward), then the eager sampler on the real rows' logits."""
+        self._prompt_rows = []
+        masks = None
+        if self.grammar is not None and any(s.matcher is not None for s in r.sample_seqs):
+            masks = MaskBatch(self.grammar, r.sample_seqs).start(self.grammar.overlap_masks)
+        logits = self.graphs.run(r.ids, r.pos, r.slots, r.tables, r.ctx_lens)
+        reqs = [SamplingRequest(s.params, s.prompt_token_ids, h, s.eos_token_id, generator=self.generator)
+                for s, h in zip(r.sample_seqs, r.histories)]
+        tokens, logprobs = self.sampler.sample(logits, reqs, masks.result() if masks is not None else None)
+        return RunnerOutput(r.sample_seqs, tokens, logprobs, [])
 
     def logits_of(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, num_rows: int) -> Tensor:
         """A forward outside the scheduler (beam search builds its own batch): the model over these inputs, every
@@ -133,49 +169,62 @@ class ModelRunner:
             per_seq[i] += [TokenLogprob(t, c, top, rk) for t, c, top, rk in zip(actual.tolist(), chosen, tops, ranks)]
         return [(seq, first, lps) for (seq, first, _n), lps in zip(self._prompt_rows, per_seq)]
 
-    def _prepare(self, sched: SchedulerOutput):
+    def _decode_rows(self, sched: SchedulerOutput) -> _DecodeRows:
+        """The step's single-token rows as lists: every decode, then each verification's positions."""
         bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        sample_ctx: list[int] = []
-        histories: list[list[int]] = []  # each sampling row's output history
-        B = len(sched.decodes)
-        ctx_lens: list[int] = []
-        tables: list[list[int]] = []
+        r = _DecodeRows()
         for row, seq in enumerate(sched.decodes):
             p = seq.num_computed
-            ids.append(seq.token_ids[p])
-            pos.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-            ctx_lens.append(p + 1)
-            tables.append(seq.block_table)
+            r.ids.append(seq.token_ids[p])
+            r.pos.append(p)
+            r.slots.append(seq.block_table[p // bs] * bs + p % bs)
+            r.ctx_lens.append(p + 1)
+            r.tables.append(seq.block_table)
             if p + 1 == seq.num_tokens:
-                sample_rows.append(row)
-                sample_seqs.append(seq)
-                sample_ctx.append(seq.num_tokens)
-                histories.append(seq.output_token_ids)
+                r.sample_rows.append(row)
+                r.sample_seqs.append(seq)
+                r.sample_ctx.append(seq.num_tokens)
+                r.histories.append(seq.output_token_ids)
         # verifications: the last token and the drafts of a decoding sequence, every position sampling. Each
         # position is a decode row of its own (its context ends at its position; the step writes every row's
         # K/V before any row reads), so a verified position is computed exactly as a one-token decode of it
         # would be: the same kernels on the same row, bit for bit wherever the linears give a row the same
         # bits in any batch (pdserve's CPU kernels; engine/speculative.py says what that buys)
+        B = len(sched.decodes)
         for seq in sched.verifies:
             p0 = seq.num_computed
             for j, tok in enumerate([seq.token_ids[p0], *seq.spec_token_ids]):
                 p = p0 + j
-                ids.append(tok)
-                pos.append(p)
-                slots.append(seq.block_table[p // bs] * bs + p % bs)
-                ctx_lens.append(p + 1)
-                tables.append(seq.block_table)
-                sample_rows.append(B)
-                sample_seqs.append(seq)
-                sample_ctx.append(p + 1)
-                histories.append(seq.output_token_ids + seq.spec_token_ids[:j])
+                r.ids.append(tok)
+                r.pos.append(p)
+                r.slots.append(seq.block_table[p // bs] * bs + p % bs)
+                r.ctx_lens.append(p + 1)
+                r.tables.append(seq.block_table)
+                r.sample_rows.append(B)
+                r.sample_seqs.append(seq)
+                r.sample_ctx.append(p + 1)
+                r.histories.append(seq.output_token_ids + seq.spec_token_ids[:j])
                 B += 1
+        return r
+
+    def _graph_rows(self, sched: SchedulerOutput) -> Optional[_DecodeRows]:
+        """The rows of a pure decode step the decode graphs can run (engine/cuda_graphs.py), or None where the
+        step runs eagerly (a prefill chunk, a row that does not sample, more rows than the largest bucket)."""
+        if sched.prefills:
+            return None
+        rows = len(sched.decodes) + sum(1 + len(s.spec_token_ids) for s in sched.verifies)
+        if not 0 < rows <= self.graphs.max_size:
+            return None
+        r = self._decode_rows(sched)
+        return r if len(r.sample_rows) == rows else None
+
+    def _prepare(self, sched: SchedulerOutput):
+        bs = self.block_size
+        r = self._decode_rows(sched)
+        ids, pos, slots = r.ids, r.pos, r.slots
+        sample_rows, sample_seqs, sample_ctx, histories = r.sample_rows, r.sample_seqs, r.sample_ctx, r.histories
+        ctx_lens, tables = r.ctx_lens, r.tables
+        B = len(ids)
         meta = AttentionMetadata(slot_mapping=None, num_decode=B, block_size=bs)  # type: ignore[arg-type]
         dev = self.device
         if B:

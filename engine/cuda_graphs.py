@@ -1,0 +1,152 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+Lifecycle: ``LLMEngine`` builds one ``DecodeGraphs`` per engine when it runs on CUDA with ``enforce_eager`` off and
+one rank (or, on any device, when ``static_decode_buffers`` asks for the same path without capture), after the KV
+cache exists and before the first request; ``capture`` then records, for every bucket of ``cuda_graph_sizes``
+(largest first, all in one memory pool), the model's forward and LM head over static input buffers: token ids,
+positions, slot mapping, block tables and context lengths. Each pure decode step (single-token decodes and
+speculative verification rows, every row sampling, no prefill chunk) whose row count fits a bucket is then
+``run``: the step's rows are copied into the buffers, the rest of the bucket padded, and the bucket's graph
+replayed; the logits of the real rows come back (a view of the graph's output, valid until the next step) and are
+sampled eagerly as before. Every other step runs eagerly. Nothing is captured again: buffers and graphs live as
+long as the engine.
+
+Padding rows are single-token decodes of position 0 whose K/V go to a scratch block that no sequence owns (the
+engine allocates its cache one block larger than the block manager's pool, ``scratch_block``), with a context of
+that one row: they read and write nothing of any request. Block-table columns past a step's widest row keep
+earlier steps' block ids (always valid indices); every kernel masks keys at or past a row's context length, so they
+are never read. A graph's decode attention therefore has to read K/V through the block tables with the lengths
+read on the device (pdserve's Triton kernel on CUDA, engine/triton_kernels.py; the gather+SDPA fallback is correct
+too, at the cost of the full table width).
+
+Without capture (``capture=False``: ``static_decode_buffers`` on any device, what the CPU tests use) ``run``
+calls the same forward on the same buffers each step, so bucketing, padding and buffer bookkeeping are checked
+where no GPU is; a captured graph replays exactly those ops.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from engine.attention import AttentionMetadata
+from engine.config import check_graph_sizes, default_graph_sizes  # noqa: F401  (re-exported)
+from engine.model import CausalLM
+
+log = logging.getLogger(__name__)
+
+
+class DecodeGraphs:
+    """Static decode buffers, one bucket per batch size, and (``capture``) one CUDA graph per bucket."""
+
+    def __init__(self, model: CausalLM, kv_caches: list[tuple[Tensor, Tensor]], block_size: int,
+                 sizes: Sequence[int], max_model_len: int, scratch_block: int, capture: bool) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.sizes = sorted(sizes)
+        self.scratch_block = scratch_block
+        self.capture_graphs = capture
+        self.device = model.embed_tokens.weight.device
+        n, dev = self.sizes[-1], self.device
+        self.max_blocks = -(-max_model_len // block_size)
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n,), scratch_block * block_size, dtype=torch.long, device=dev)
+        self.block_tables = torch.full((n, self.max_blocks), scratch_block, dtype=torch.long, device=dev)
+        self.ctx_lens = torch.ones(n, dtype=torch.long, device=dev)
+        self.graphs: dict[int, "torch.cuda.CUDAGraph"] = {}
+        self.outputs: dict[int, Tensor] = {}
+        """Each bucket's logits [bucket, vocab] float32: the graph's output buffer (capture) or the last run's."""
+        self.capture_seconds = 0.0
+        self.memory_bytes = 0
+        """Device memory the graphs took (the CUDA caching allocator's reserved bytes before and after capture)."""
+        self.replays = 0
+        """Steps run through a bucket (captured or static)."""
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def bucket_for(self, rows: int) -> Optional[int]:
+        """The smallest bucket holding ``rows`` rows; None past the largest (the step runs eagerly)."""
+        for s in self.sizes:
+            if s >= rows:
+                return s
+        return None
+
+    def capture(self) -> None:
+        """Record every bucket's graph (largest first, so the smaller ones reuse its pool's memory). Without
+        ``capture_graphs`` this only runs each bucket once, which checks the buffers and warms the kernels."""
+        t0 = time.perf_counter()
+        if not self.capture_graphs:
+            for s in reversed(self.sizes):
+                self._forward(s)
+            self.capture_seconds = time.perf_counter() - t0
+            return
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up off the default stream, as torch's graph docs ask
+            for s in reversed(self.sizes):
+                self._forward(s)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        for s in reversed(self.sizes):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self.outputs[s] = self._forward(s)
+            self.graphs[s] = g
+        torch.cuda.synchronize(self.device)
+        self.memory_bytes = torch.cuda.memory_reserved(self.device) - before
+        self.capture_seconds = time.perf_counter() - t0
+
+    def _forward(self, size: int) -> Tensor:
+        """The model over the first ``size`` rows of the buffers, to float32 logits. A fresh metadata each call:
+        its lazily built masks are then computed from the buffers inside the recorded ops, not cached from a
+        warm-up."""
+        meta = AttentionMetadata(slot_mapping=self.slot_mapping[:size], num_decode=size, block_size=self.block_size,
+                                 decode_block_tables=self.block_tables[:size], decode_ctx_lens=self.ctx_lens[:size])
+        with torch.inference_mode():
+            hidden = self.model(self.input_ids[:size], self.positions[:size], meta, self.kv_caches)
+            return self.model.compute_logits(hidden)
+
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+            ctx_lens: list[int]) -> Tensor:
+        """Logits [rows, vocab] of one decode step of these rows (at most ``max_size``): copied into the buffers,
+        padded to their bucket, replayed (or, uncaptured, run on the buffers)."""
+        rows = len(input_ids)
+        size = self.bucket_for(rows)
+        if size is None or rows == 0:
+            raise ValueError(f"a graph step holds 1..{self.max_size} rows, got {rows}")
+        pad = size - rows
+        width = max(len(t) for t in tables)
+        table = torch.full((size, width), self.scratch_block, dtype=torch.long)
+        for i, t in enumerate(tables):
+            table[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+        scratch_slot = self.scratch_block * self.block_size
+        vec = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [scratch_slot] * pad,
+                            ctx_lens + [1] * pad], dtype=torch.long)
+        nb = self.device.type == "cuda"
+        if nb:
+            vec, table = vec.pin_memory(), table.pin_memory()
+        self.input_ids[:size].copy_(vec[0], non_blocking=nb)
+        self.positions[:size].copy_(vec[1], non_blocking=nb)
+        self.slot_mapping[:size].copy_(vec[2], non_blocking=nb)
+        self.ctx_lens[:size].copy_(vec[3], non_blocking=nb)
+        self.block_tables[:size, :width].copy_(table, non_blocking=nb)
+        self.replays += 1
+        if self.capture_graphs:
+            self.graphs[size].replay()
+            return self.outputs[size][:rows]
+        self.outputs[size] = self._forward(size)
+        return self.outputs[size][:rows]
+
+    def describe(self) -> str:
+        return (f"{len(self.sizes)} decode buckets ({self.sizes[0]}..{self.max_size} rows) "
+                f"{'captured' if self.capture_graphs else 'static, not captured'} in {self.capture_seconds:.2f} s"
+                + (f", {self.memory_bytes / 2**20:.0f} MiB" if self.capture_graphs else ""))
