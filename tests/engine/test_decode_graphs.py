@@ -115,18 +115,24 @@ def test_padding_rows_write_only_the_scratch_block():
         v.normal_()
     before = [(k.clone(), v.clone()) for k, v in caches]
     # three rows (a bucket of 4): positions 5, 2 and 9 of sequences on blocks [3, 4], [7], [1, 2, 6]
+    # five rows first (a bucket of 8), so the next step's padding row was a real row the step before
+    graphs.run([1] * 5, [0] * 5, [8 * 4 + i for i in range(5)], [[8, 9]] * 5, [7] * 5)
+    before = [(k.clone(), v.clone()) for k, v in caches]
     tables = [[3, 4], [7], [1, 2, 6]]
     pos = [5, 2, 9]
     slots = [t[p // 4] * 4 + p % 4 for t, p in zip(tables, pos)]
     logits = graphs.run([11, 12, 13], pos, slots, tables, [p + 1 for p in pos])
     assert logits.shape[0] == 3
+    # the padding row is reset to a one-row context in the scratch block: it reads nothing of any request
     assert graphs.ctx_lens[:4].tolist() == [6, 3, 10, 1] and graphs.slot_mapping[3].item() == 16 * 4
+    assert graphs.block_tables[3, :2].tolist() == [16, 16]
     for (k0, v0), (k, v) in zip(before, caches):
         changed = sorted({int(i) for i in torch.nonzero((k0 != k).flatten(1).any(1) | (v0 != v).flatten(1).any(1))})
-        assert changed == [4, 6, 7, 16], changed
+        # (the scratch row may get the very K/V the step before wrote there: same token, same position)
+        assert set(changed) - {16} == {4, 6, 7}, changed
         flat0, flat = k0.flatten(0, 1), k.flatten(0, 1)
         rows = {int(i) for i in torch.nonzero((flat0 != flat).flatten(1).any(1))}
-        assert rows == set(slots) | {16 * 4}, rows  # the three real slots and the scratch block's first row
+        assert rows - {16 * 4} == set(slots), rows  # the three real slots, and at most the scratch block's first row
 
 
 def test_stale_table_columns_are_never_read():
