@@ -20,6 +20,9 @@ Everything goes to ``--out/cuda_engine.json``, rewritten after every phase.
   that implies (weights + the KV of every context read once per step, over the step time) and its
   fraction of the card's peak; transformers ``generate`` at batch 1 and 8 as the same-run reference
   (decode rate = batch x (N - 1) / (t_N - t_1)).
+* ``graphs``: decode with CUDA graphs (a CUDA engine's default; every other phase runs with them too) against
+  the same engine with ``enforce_eager``: capture cost, greedy bf16 tokens of both, decode step time of both at
+  each decode batch (benchmarks/cuda/graphs.py).
 * ``prefill``: time to prefill 512, 2048 and 8192 tokens (batch 1) and 8 x 1024 in one engine step,
   FLOPs = 2 x non-embedding params x tokens + causal attention (2 x layers x heads x head_dim x n(n+1)
   per sequence) + the LM head on one row per sequence, as a fraction of dense bf16 peak; transformers'
@@ -45,11 +48,12 @@ from typing import Any, Optional
 
 from benchmarks.cuda.checkpoint import FULL, QUICK, SHAPES, VOCAB, make_checkpoint
 from benchmarks.cuda.context import Ctx, log
+from benchmarks.cuda.graphs import phase_graphs
 from benchmarks.cuda.parity import phase_parity
 from benchmarks.cuda.speed import device_info, measure_ceilings, phase_decode, phase_prefill
 
 
-PHASES = {"parity": phase_parity, "decode": phase_decode, "prefill": phase_prefill}
+PHASES = {"parity": phase_parity, "decode": phase_decode, "prefill": phase_prefill, "graphs": phase_graphs}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -57,7 +61,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="results/cuda_engine")
     ap.add_argument("--quick", action="store_true", help="tiny shape, few tokens (a CPU smoke run)")
-    ap.add_argument("--phases", default="parity,decode,prefill")
+    ap.add_argument("--phases", default="parity,decode,prefill,graphs")
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default: 1b (tiny with --quick)")
     ap.add_argument("--std", type=float, default=0.02, help="weight init std (HF Llama's initializer_range)")
     ap.add_argument("--ckpt", default=None, help="checkpoint directory to write (default: a temp dir, removed)")

@@ -5,6 +5,10 @@
 # and the conversation trace in .devdata/ (both carried; .git/info/exclude ignores them):
 #     bash benchmarks/device_session.sh "$OUT"
 # Phases, each under its own deadline (SIGINT, so deployments close) and each logged as it goes:
+#   0. engine (issue 43): the decode-graph and Triton-kernel tests on the GPU (tests/engine/test_decode_graphs.py,
+#      tests/engine/test_triton_kernels.py: graph replay equals the uncaptured static path and eager greedy
+#      tokens; the kernels against SDPA on CUDA), then benchmarks/cuda_engine.py's parity (fp32 strict with graphs
+#      on), decode and graphs phases (graphs against --enforce-eager at each batch) on the 1B shape.
 #   1. gpu: the cluster on CUDA for the first time: benchmarks/serving_overhead.py with --device cuda, a colocated
 #      worker on the GPU against the offline engine on the same GPU, a Llama-3.2-1B-shaped bf16 checkpoint
 #      (benchmarks/cuda_engine.py's random weights), gRPC, 1 / 8 / 32 / 128 streams. Disaggregation is not run:
@@ -19,9 +23,9 @@
 # At most 8 files come back from $OUT: the script writes only these.
 set -u
 OUT=${1:?usage: device_session.sh OUT_DIR}
-GPU_S=${GPU_S:-120} CPU14_S=${CPU14_S:-230} OVH_S=${OVH_S:-40}
+GPU_S=${GPU_S:-120} CPU14_S=${CPU14_S:-230} OVH_S=${OVH_S:-40} ENGINE_TEST_S=${ENGINE_TEST_S:-120} ENGINE_S=${ENGINE_S:-240}
 # which phases run (a lease split over calls runs some in each), and the GPU phase's and cpu14's load
-PHASES=${PHASES:-"gpu cpu14 cpu-overhead"}
+PHASES=${PHASES:-"engine gpu"}
 GPU_C=${GPU_C:-1,8,32,128} GPU_REPEAT=${GPU_REPEAT:-2} GPU_FLAGS=${GPU_FLAGS:-}
 CPU14_N=${CPU14_N:-70} CPU14_RATES=${CPU14_RATES:-1.5,3,4.5}
 has() { [[ " $PHASES " == *" $1 "* ]]; }
@@ -44,6 +48,16 @@ KBUILD=
 if has cpu14 || has cpu-overhead; then
   (MAX_JOBS=8 nice -n 5 python3 -m engine.kernels > "$OUT/kernels.log" 2>&1; echo "exit $?" >> "$OUT/kernels.log") &
   KBUILD=$!
+fi
+
+if has engine; then
+log "phase engine"
+# the CUDA cases only (-k cuda): the CPU ones ran in CI, and would build the CPU kernels here first
+timeout -s INT "$ENGINE_TEST_S" python3 -m pytest -q -p no:cacheprovider -rs -k cuda tests/engine/test_decode_graphs.py \
+  tests/engine/test_triton_kernels.py 2>&1 | tail -25 | tee "$OUT/engine_tests.log"
+timeout -s INT "$ENGINE_S" python3 benchmarks/cuda_engine.py --phases "${ENGINE_PHASES:-parity,decode,graphs}" \
+  --out /tmp/cuda_engine 2>&1 | tee "$OUT/engine.log" | grep -v "^\s*$"
+cp /tmp/cuda_engine/cuda_engine.json "$OUT/cuda_engine.json" 2>/dev/null
 fi
 
 if has gpu; then

@@ -65,9 +65,11 @@ class Ctx:
             self._hf[dtype] = m
         return self._hf[dtype]
 
-    def engine(self, dtype: str):
-        """pdserve's offline ``LLM`` on this checkpoint, sized for every workload of the run."""
-        if dtype not in self._eng:
+    def engine(self, dtype: str, eager: bool = False):
+        """pdserve's offline ``LLM`` on this checkpoint, sized for every workload of the run; ``eager``: with
+        ``enforce_eager`` (no decode graphs; cached as ``dtype + "-eager"``)."""
+        key = dtype + ("-eager" if eager else "")
+        if key not in self._eng:
             from engine import LLM
 
             mc = self.model_config()
@@ -77,12 +79,12 @@ class Ctx:
             tokens = max(max(w.decode_batches) * (w.decode_prompt + w.decode_new + 32),
                          max(b * (n + 32) for b, n in w.prefill), sum(w.parity_lens) + 64 * len(w.parity_lens) * 2)
             step_tokens = max(max(b * n for b, n in w.prefill), sum(w.parity_lens), 2048)
-            self._eng[dtype] = LLM(model=str(self.ckpt), dtype=dtype, device=self.device,
-                                   kv_cache_memory_bytes=int(tokens * per_token * 1.25),
-                                   max_num_seqs=max(max(w.decode_batches), len(w.parity_lens), 8),
-                                   max_num_batched_tokens=step_tokens, max_model_len=w.max_pos,
-                                   enable_prefix_caching=False)
-        return self._eng[dtype]
+            self._eng[key] = LLM(model=str(self.ckpt), dtype=dtype, device=self.device,
+                                 kv_cache_memory_bytes=int(tokens * per_token * 1.25),
+                                 max_num_seqs=max(max(w.decode_batches), len(w.parity_lens), 8),
+                                 max_num_batched_tokens=step_tokens, max_model_len=w.max_pos,
+                                 enable_prefix_caching=False, enforce_eager=eager)
+        return self._eng[key]
 
     def drop(self, hf: tuple = (), eng: tuple = ()) -> None:
         for k in hf:

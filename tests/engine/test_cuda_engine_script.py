@@ -44,3 +44,7 @@ def test_cli_quick_run_writes_a_complete_report(tmp_path):
     assert set(report["prefill"]["cases"]) == {f"{b}x{n}" for b, n in checkpoint.QUICK.prefill}
     assert all(c["engine_steps"] == 1 for c in report["prefill"]["cases"].values())
     assert report["model"]["params"] > 0 and report["device"]["torch"]
+    graphs = report["graphs"]  # off a GPU: the static buffers, uncaptured, against enforce_eager
+    assert graphs["buckets"] and not graphs["captured"]
+    assert graphs["tokens"]["identical"] == graphs["tokens"]["sequences"] == 8
+    assert set(graphs["decode"]) == {str(b) for b in checkpoint.QUICK.decode_batches}
