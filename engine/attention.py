@@ -9,10 +9,14 @@ dropped at the end of the step.
 
 The flat batch holds the decode tokens first (one per sequence), then each
 prefill chunk's tokens. On CPU, decode is one call of pdserve's paged kernel
-(engine/csrc), which reads K/V in place through the block tables; elsewhere (or
-without the kernels) it attends over a padded [B, Hkv, L, D] gather of the cache
-with a length mask (one SDPA call for the whole batch, the query heads of a KV
-group folded into the query-length axis so GQA needs no K/V copies). An int8
+(engine/csrc), which reads K/V in place through the block tables; on CUDA (float
+cache, power-of-2 head_dim) it is one launch of pdserve's Triton kernel
+(engine/triton_kernels.py), which also reads K/V in place through the block
+tables and is CUDA-graph compatible; elsewhere (or without the kernels) it
+attends over a padded [B, Hkv, L, D] gather of the cache with a length mask (one
+SDPA call for the whole batch, the query heads of a KV group folded into the
+query-length axis so GQA needs no K/V copies), which also stays the kernels'
+fallback and their test reference. An int8
 cache (``kv_cache_dtype="int8"``) is written quantized and read dequantized. A
 prefill chunk with no earlier context attends to its own fresh K/V: on CPU at
 float32 through pdserve's flash-style prefill kernel (engine/csrc
@@ -25,6 +29,7 @@ dtype); elsewhere it gathers the cached K/V and uses SDPA with an explicit mask.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -148,17 +153,33 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attentio
     """One query per sequence over its cached context: q [B, H, D] -> [B, H, D].
 
     On CPU with pdserve's kernels built (engine/kernels.py) this is one C++ call that reads K/V in
-    place through the block table; elsewhere it gathers the context and runs SDPA."""
+    place through the block table; on CUDA with Triton one kernel launch that does the same (no host
+    sync, so it can be captured in a CUDA graph); elsewhere it gathers the context and runs SDPA."""
     if q.device.type == "cpu" and q.shape[-1] % 16 == 0 and k_cache.dtype in _KERNEL_CACHE_DTYPES:
         k = cpu_kernels()
         if k is not None:
             out = k.paged_decode_attention(q.float().contiguous(), k_cache, v_cache, meta.decode_block_tables,
                                            meta.decode_ctx_lens, window or 0, q.shape[-1] ** -0.5)
             return out.to(q.dtype)
+    D = q.shape[-1]
+    if q.device.type == "cuda" and q.dtype in _TRITON_DTYPES and k_cache.dtype == q.dtype \
+            and D & (D - 1) == 0 and 16 <= D <= 256:
+        tk = _triton_kernels(q.device)
+        if tk is not None:
+            return tk.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens,
+                                             window, D ** -0.5)
     return gather_decode_attention(q, k_cache, v_cache, meta, window)
 
 
+def _triton_kernels(device: torch.device) -> Optional[ModuleType]:
+    """engine/triton_kernels.py when it can run on ``device``, else None. Imported here, on CUDA only, so a
+    CPU-only process never imports triton."""
+    from engine import triton_kernels
+    return triton_kernels if triton_kernels.available(device) else None
+
+
 _KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def gather_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,

@@ -33,10 +33,24 @@ import torch
 from torch import Tensor
 
 from engine.attention import AttentionMetadata
-from engine.config import check_graph_sizes, default_graph_sizes  # noqa: F401  (re-exported)
 from engine.model import CausalLM
 
 log = logging.getLogger(__name__)
+
+
+def eager_reason(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> Optional[str]:
+    """Why a CUDA engine should not capture decode graphs, or None. Captured decode attention must read K/V through
+    the block tables (pdserve's Triton kernel); the gather + SDPA fallback would gather every row's whole table
+    width, ``max_model_len`` keys, each step: slower than eager, so the engine stays eager there (logged once)."""
+    if cache_dtype != dtype:
+        return f"the {str(cache_dtype).removeprefix('torch.')} KV cache has no Triton decode kernel"
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        return f"head_dim {head_dim} is not a power of 2 in 16..256 (the Triton decode kernel's)"
+    from engine import triton_kernels
+
+    if not triton_kernels.available(device):
+        return "Triton is not available (not installed, or PDSERVE_TRITON_KERNELS=0)"
+    return None
 
 
 class DecodeGraphs:

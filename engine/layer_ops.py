@@ -3,7 +3,9 @@
 Lifecycle: every ``RMSNorm`` and ``DecoderLayer`` starts with ``TORCH_OPS``; ``CausalLM.finalize`` gives a layer
 (and its norms) ``KernelOps`` where it built the layer's fused C++ decode layer, so the layer's Python path
 (prefill, mixed and verify steps) rounds exactly like the fused one (same kernels), and gives the final norm
-``KernelOps`` where every layer is fused. An ops object holds no state beyond the kernel module.
+``KernelOps`` where every layer is fused. On CUDA, ``TritonOps`` runs the same ops as one Triton kernel each
+(engine/triton_kernels.py) instead of torch's chain of small launches. An ops object holds no state beyond the
+kernel module.
 """
 from __future__ import annotations
 
@@ -55,6 +57,36 @@ class KernelOps(TorchOps):
     def silu_mul(self, gate_up: Tensor, intermediate: int) -> Tensor:
         if gate_up.dtype == torch.float32:
             return self.kern.silu_mul(gate_up.contiguous())
+        return super().silu_mul(gate_up, intermediate)
+
+
+class TritonOps(TorchOps):
+    """The same ops as pdserve's Triton kernels on CUDA tensors (one launch each where torch takes ~3-7, which is
+    what a launch-bound decode step, or a CUDA graph replaying it, pays for), torch elsewhere. Numerics follow
+    TorchOps: float32 math with every intermediate torch rounds rounded to the model dtype, so a 16-bit model
+    matches TorchOps to the last bit or one rounding, and float32 to reduction order."""
+
+    def __init__(self) -> None:
+        from engine import triton_kernels  # only where asked for: a CPU-only process never imports triton
+        self.tk = triton_kernels
+
+    def _runs_on(self, t: Tensor) -> bool:
+        return t.device.type == "cuda"
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        if self._runs_on(x) and x.dim() == 2 and weight.dtype == x.dtype:
+            return self.tk.rms_norm(x, weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def rope(self, qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
+        """In place (like KernelOps.rope): qkv itself, its first heads rotated."""
+        if self._runs_on(qkv) and qkv.stride(-1) == 1 and cos.dtype == sin.dtype == qkv.dtype:
+            return self.tk.rope_(qkv, cos, sin, heads)
+        return super().rope(qkv, cos, sin, heads)
+
+    def silu_mul(self, gate_up: Tensor, intermediate: int) -> Tensor:
+        if self._runs_on(gate_up) and gate_up.dim() == 2 and gate_up.shape[1] == 2 * intermediate:
+            return self.tk.silu_mul(gate_up)
         return super().silu_mul(gate_up, intermediate)
 
 

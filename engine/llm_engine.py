@@ -43,7 +43,7 @@ from engine.block_manager import BlockManager, block_keys
 from engine.client import EngineLoad, StepResult
 from engine.config import EngineConfig, ModelConfig, default_graph_sizes
 from engine.kernels import cpu_kernels
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, eager_reason
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from engine.loader import default_eos, load_model, load_model_config, load_tokenizer
 from engine.model_runner import ModelRunner, RunnerOutput
@@ -107,6 +107,11 @@ class LLMEngine:
         # decode graphs (engine/cuda_graphs.py) pad a batch with rows whose K/V go to one scratch block past the
         # block manager's pool
         graphs = tp == 1 and not config.enforce_eager and (device.type == "cuda" or config.static_decode_buffers)
+        if graphs and device.type == "cuda" and not config.static_decode_buffers:
+            why = eager_reason(device, config.torch_dtype, cache_dtype, local_mc.head_dim)
+            if why is not None:
+                logger.warning("decode graphs off, every step eager: %s", why)
+                graphs = False
         self.kv_caches: list[tuple[Tensor, Tensor]] = allocate_kv_caches(
             local_mc, n_blocks + graphs, self.block_size, cache_dtype, device,
             shared=config.kv_cache_shared and tp == 1 and device.type == "cpu")

@@ -8,7 +8,8 @@ sequences' new tokens back to back) with that step's ``AttentionMetadata`` and
 the per-layer caches, and ``compute_logits`` on the rows that sample. ``finalize`` (at
 load) chooses each linear layer's weight format once (engine/weight_formats.py), builds
 the fused C++ decode layers where every linear runs on pdserve's kernels, gives the
-norms and layers their ops (engine/layer_ops.py) and tunes the model's own panel
+norms and layers their ops (engine/layer_ops.py: pdserve's CPU kernels, or its Triton
+kernels on CUDA) and tunes the model's own panel
 prefetch distances (engine/prefetch_tuning.py).
 
 Hot-path choices (measured on the 2-core CPU box, see docs/benchmarks.md):
@@ -31,7 +32,7 @@ from engine.attention import AttentionMetadata, decode_attention, paged_attentio
 from engine.config import ModelConfig, rope_inv_freq
 from engine.float_formats import Dense, fp32_rows_format, packed_format
 from engine.kernels import cpu_kernels
-from engine.layer_ops import TORCH_OPS, KernelOps, TorchOps
+from engine.layer_ops import TORCH_OPS, KernelOps, TorchOps, TritonOps
 from engine.prefetch_tuning import tune_panel_prefetch
 from engine.quant_formats import quantized_format
 from engine.weight_formats import LinearFormat
@@ -234,6 +235,14 @@ class CausalLM(nn.Module):
         fused = [layer.build_fused(kern, self.panel_prefetch) for layer in self.layers]
         if fused and all(fused):
             self.norm.ops = KernelOps(kern)
+        if w.device.type == "cuda":
+            from engine import triton_kernels
+
+            if triton_kernels.available(w.device):  # one launch per norm, RoPE and silu * mul (engine/layer_ops.py)
+                ops = TritonOps()
+                self.norm.ops = ops
+                for layer in self.layers:
+                    layer.ops = layer.input_layernorm.ops = layer.post_attention_layernorm.ops = ops
         products = [p for _, m in linears if (p := m.fmt.tune_product()) is not None]
         if products:
             tune_panel_prefetch(products, self.panel_prefetch)

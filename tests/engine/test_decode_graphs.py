@@ -210,3 +210,17 @@ def test_captured_graphs_replay_the_static_path_on_cuda(dtype):
     g = graphs_llm.generate(PROMPTS, p)
     _exact(g, static.generate(PROMPTS, p))
     assert [o.token_ids for o in g] == [o.token_ids for o in eager.generate(PROMPTS, p)]
+
+
+def test_a_cuda_engine_without_the_triton_decode_kernel_stays_eager(monkeypatch):
+    """Captured decode attention must read through the block tables: where pdserve's Triton kernel cannot run, the
+    fallback would gather max_model_len keys per row each step, so the engine does not capture (and says why)."""
+    from engine.cuda_graphs import eager_reason
+
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    assert "int8 KV cache" in eager_reason(cuda, bf16, torch.int8, 64)
+    assert "head_dim 48" in eager_reason(cuda, bf16, bf16, 48)
+    pytest.importorskip("triton")
+    assert eager_reason(cuda, bf16, bf16, 64) is None
+    monkeypatch.setenv("PDSERVE_TRITON_KERNELS", "0")
+    assert "PDSERVE_TRITON_KERNELS=0" in eager_reason(cuda, bf16, bf16, 64)

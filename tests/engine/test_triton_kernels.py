@@ -1,0 +1,267 @@
+"""pdserve's Triton kernels (engine/triton_kernels.py), run on CPU in Triton's interpreter.
+
+The kernels are the CUDA path; here ``TRITON_INTERPRET=1`` runs the same kernel bodies on CPU tensors through
+numpy, checked against independent references: attention.gather_decode_attention (the gather + SDPA path) and a
+float64 softmax(q k^T) v written below, and layer_ops.TorchOps for the norm, RoPE and silu * mul.
+
+Tolerances: float32 to ~1e-5. float16 elementwise ops to the last bit (numpy rounds to nearest even as the GPU
+does), so they check that every intermediate is rounded where torch rounds it. bfloat16 only loosely: the
+interpreter casts float32 -> bfloat16 by truncation, not round-to-nearest as the GPU does, so each rounding
+step may be one bfloat16 ulp (2^-8 relative) off torch's.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import pytest
+import torch
+from torch import Tensor
+
+
+def _set_interpret(value: Optional[str]) -> Optional[str]:
+    old = os.environ.get("TRITON_INTERPRET")
+    if value is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = value
+    return old
+
+
+# Triton jits its own language functions (tl.sum, tl.max, tl.zeros, ...) when it is first imported, and the
+# interpreter can only call interpreted ones: so triton is imported here with the interpreter on (it stays
+# imported so for this process; nothing else in the suite uses triton), and the variable put back at once so no
+# other test module in this xdist worker sees it.
+_old = _set_interpret("1")
+try:
+    triton = pytest.importorskip("triton")
+finally:
+    _set_interpret(_old)
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+if not isinstance(triton.language.sum, InterpretedFunction):
+    raise RuntimeError("triton was imported in this process without TRITON_INTERPRET=1 before this module: its "
+                       "language functions cannot run in the interpreter (import triton after this module)")
+
+from engine import triton_kernels as tk  # noqa: E402
+from engine.attention import AttentionMetadata, apply_rope, gather_decode_attention  # noqa: E402
+from engine.layer_ops import TorchOps, TritonOps  # noqa: E402
+
+from .triton_cases import _case, _naive  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter():
+    # our kernels are jitted per interpreter mode on first use (engine/triton_kernels.py _kernels), so the
+    # interpreter on while this module runs is enough, whatever another module built before
+    old = _set_interpret("1")
+    yield
+    _set_interpret(old)
+
+
+TORCH = TorchOps()
+
+
+def test_available_and_kernels_built_per_interpreter_mode(monkeypatch):
+    assert tk.available(torch.device("cpu"))
+    assert isinstance(tk._kernels().decode, InterpretedFunction)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not tk.available(torch.device("cpu"))
+    assert tk.available(torch.device("cuda"))
+    compiled = tk._kernels()  # decorating needs no GPU
+    assert not isinstance(compiled.decode, InterpretedFunction)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert isinstance(tk._kernels().decode, InterpretedFunction)
+
+
+# -- paged decode attention ----------------------------------------------------------------------------------
+
+def _gather(q: Tensor, kc: Tensor, vc: Tensor, bt: Tensor, ctx: Tensor, window: Optional[int]) -> Tensor:
+    meta = AttentionMetadata(slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64), num_decode=q.shape[0],
+                             decode_block_tables=bt, decode_ctx_lens=ctx, block_size=kc.shape[1])
+    return gather_decode_attention(q, kc, vc, meta, window)
+
+
+def _decode(q: Tensor, kc: Tensor, vc: Tensor, bt: Tensor, ctx: Tensor, window: Optional[int]) -> Tensor:
+    return tk.paged_decode_attention(q, kc, vc, bt, ctx, window, q.shape[-1] ** -0.5)
+
+
+CASES = {  # lens, H, Hkv, D, block_size, window, extra block-table columns
+    "gqa4-d16-bs16": ([1, 17, 40], 8, 2, 16, 16, None, 0),
+    "mha-d64-bs8-padded": ([5, 33, 16], 4, 4, 64, 8, None, 2),
+    "gqa4-window-inside-block": ([1, 6, 7, 8, 40], 8, 2, 16, 8, 7, 1),
+    "gqa2-window-spans-blocks": ([3, 20, 45], 4, 2, 32, 16, 20, 0),
+    "gqa4-bs12-not-pow2": ([11, 30], 8, 2, 16, 12, None, 1),
+    "gqa3-padded-group": ([4, 19], 6, 2, 16, 8, 5, 0),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_decode_attention_float32(name):
+    lens, H, Hkv, D, bs, window, extra = CASES[name]
+    q, kc, vc, bt, ctx = _case(lens, H, Hkv, D, bs, torch.float32, extra)
+    out = _decode(q, kc, vc, bt, ctx, window)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.double(), _naive(q, kc, vc, bt, ctx, window), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, _gather(q, kc, vc, bt, ctx, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_attention_16bit(dtype, window):
+    # fp32 accumulation in the kernel, one rounding of the output: within ~2 ulps of the exact answer on the
+    # 16-bit inputs (the bf16 interpreter rounding truncates, hence 2^-7), and close to torch's 16-bit SDPA
+    q, kc, vc, bt, ctx = _case([1, 17, 40], 8, 2, 64, 16, dtype, 1, seed=1)
+    out = _decode(q, kc, vc, bt, ctx, window)
+    assert out.dtype == dtype
+    tol = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -9
+    torch.testing.assert_close(out.double(), _naive(q, kc, vc, bt, ctx, window), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), _gather(q, kc, vc, bt, ctx, window).float(), atol=2 * tol, rtol=2 * tol)
+
+
+def test_decode_attention_large_logits_stay_finite():
+    # scores in the hundreds: exp without the running-max subtraction would overflow float32
+    q, kc, vc, bt, ctx = _case([3, 25, 40], 8, 2, 16, 8, torch.float32, seed=2)
+    q *= 60
+    out = _decode(q, kc, vc, bt, ctx, None)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), _naive(q, kc, vc, bt, ctx, None), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_strided_q():
+    # the model hands q as a view of the qkv projection ([T, H + 2 Hkv, D], query heads first)
+    _, kc, vc, bt, ctx = _case([9, 31], 4, 2, 16, 8, torch.float32, seed=3)
+    qkv = torch.randn(2, 8, 16)
+    q = qkv[:, :4]
+    torch.testing.assert_close(_decode(q, kc, vc, bt, ctx, None).double(), _naive(q, kc, vc, bt, ctx, None),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_replays_after_in_place_metadata_updates():
+    # a CUDA graph replays the launch with the same tensors: the kernel must read the new lengths and tables
+    q, kc, vc, bt, ctx = _case([5, 17, 24], 8, 2, 16, 8, torch.float32, extra_cols=3, seed=4)
+    first = _decode(q, kc, vc, bt, ctx, 6)
+    torch.testing.assert_close(first.double(), _naive(q, kc, vc, bt, ctx, 6), atol=1e-5, rtol=1e-5)
+    ptrs = (bt.data_ptr(), ctx.data_ptr())
+    # one token more; a fourth block (a padding column filled); a longer context over a rewritten table
+    ctx.copy_(torch.tensor([6, 31, 47]))
+    bt[1, 3] = bt[0, 0]
+    bt[2].copy_(torch.cat([bt[1, :3], bt[2, :3]]).flip(0))
+    assert (bt.data_ptr(), ctx.data_ptr()) == ptrs
+    second = _decode(q, kc, vc, bt, ctx, 6)
+    torch.testing.assert_close(second.double(), _naive(q, kc, vc, bt, ctx, 6), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(second, _gather(q, kc, vc, bt, ctx, 6), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(first[1:], second[1:])
+
+
+def test_decode_attention_never_reads_tensors_on_host():
+    # on CUDA a host read (.item(), .tolist(), int(t), a branch on a tensor) is a sync, illegal while capturing a
+    # graph, and its value would be frozen into the graph: every such read is one aten._local_scalar_dense
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NoHostReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            assert func is not torch.ops.aten._local_scalar_dense.default, "host read of a tensor value"
+            return func(*args, **(kwargs or {}))
+
+    q, kc, vc, bt, ctx = _case([5, 17], 8, 2, 16, 8, torch.float32, extra_cols=1, seed=10)
+    with NoHostReads():
+        out = _decode(q, kc, vc, bt, ctx, 4)
+    torch.testing.assert_close(out.double(), _naive(q, kc, vc, bt, ctx, 4), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("D", [8, 48, 512])
+def test_decode_attention_rejects_head_dim(D):
+    q, kc, vc, bt, ctx = _case([3], 2, 1, D, 4, torch.float32)
+    with pytest.raises(ValueError, match="head_dim"):
+        _decode(q, kc, vc, bt, ctx, None)
+
+
+# -- RMSNorm, silu * mul, RoPE -------------------------------------------------------------------------------
+
+def _ulps_off(a: Tensor, b: Tensor) -> Tensor:
+    """|a - b| in units of the spacing of b's 16-bit dtype at b."""
+    fi = torch.finfo(b.dtype)
+    mag = b.double().abs().clamp_min(fi.smallest_normal)
+    return (a.double() - b.double()).abs() / (torch.exp2(torch.floor(torch.log2(mag))) * fi.eps)
+
+
+def test_rms_norm_float32():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 2 * 40, generator=g)[:, :40] * 3  # rows strided; h not a power of 2
+    w = torch.randn(40, generator=g)
+    y = tk.rms_norm(x, w, 1e-6)
+    torch.testing.assert_close(y, TORCH.rms_norm(x, w, 1e-6), atol=1e-6, rtol=1e-6)
+    x64 = x.double()
+    ref = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    torch.testing.assert_close(y.double(), ref, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rms_norm_16bit(dtype):
+    # the normalised value rounded to the dtype, then scaled in it (twice rounded, like TorchOps): float16 at most
+    # one ulp off (where the reduction order tips the first rounding), almost always exact
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randn(6, 96, generator=g) * 2).to(dtype)
+    w = (1 + 0.3 * torch.randn(96, generator=g)).to(dtype)
+    y, ref = tk.rms_norm(x, w, 1e-5), TORCH.rms_norm(x, w, 1e-5)
+    assert y.dtype == dtype
+    off = _ulps_off(y, ref)
+    if dtype == torch.float16:
+        assert off.max() <= 1 and (y == ref).float().mean() > 0.97
+    else:
+        assert off.max() <= 3
+
+
+@pytest.mark.parametrize("inter", [24, 1500])
+def test_silu_mul(inter):
+    g = torch.Generator().manual_seed(7)
+    gu = torch.randn(3, 2 * inter, generator=g) * 3
+    torch.testing.assert_close(tk.silu_mul(gu), TORCH.silu_mul(gu, inter), atol=1e-6, rtol=1e-6)
+    h16 = gu.half()
+    y = tk.silu_mul(h16)
+    ref = TORCH.silu_mul(h16, inter)
+    # silu rounded to float16 before the product, as torch does: exact but where numpy's exp and torch's differ
+    # in float32's last bit and tip that rounding (then <= 2 ulps of the product)
+    assert y.shape == (3, inter) and _ulps_off(y, ref).max() <= 2 and (y == ref).float().mean() > 0.99
+    b16 = gu.bfloat16()
+    assert _ulps_off(tk.silu_mul(b16), TORCH.silu_mul(b16, inter)).max() <= 3
+
+
+def _rope_inputs(T: int, total: int, D: int, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(8)
+    qkv = torch.randn(T, total, D, generator=g).to(dtype)
+    ang = torch.arange(T)[:, None] * (10000.0 ** (-torch.arange(D // 2) / (D // 2)))[None, :] + 0.3
+    return qkv, ang.cos().to(dtype)[:, None, :], ang.sin().to(dtype)[:, None, :]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [16, 40])
+def test_rope_in_place(dtype, D):
+    qkv, cos, sin = _rope_inputs(5, 7, D, dtype)
+    heads = 5  # 3 query + 2 KV heads rotated, the 2 V heads left alone
+    before = qkv.clone()
+    out = tk.rope_(qkv, cos, sin, heads)
+    assert out is qkv
+    assert torch.equal(qkv[:, heads:], before[:, heads:])
+    ref = apply_rope(before[:, :heads], cos, sin)
+    torch.testing.assert_close(TORCH.rope(before, cos, sin, heads), ref, atol=0, rtol=0)
+    if dtype == torch.bfloat16:
+        torch.testing.assert_close(qkv[:, :heads].float(), ref.float(), atol=2 ** -6, rtol=2 ** -6)
+    else:  # the same roundings as torch's products and sums: bit for bit
+        assert torch.equal(qkv[:, :heads], ref)
+
+
+def test_triton_ops_matches_torch_ops(monkeypatch):
+    # TritonOps' plumbing (it takes the kernels on CUDA only; made to take them here)
+    ops = TritonOps()
+    monkeypatch.setattr(TritonOps, "_runs_on", lambda self, t: True)
+    g = torch.Generator().manual_seed(9)
+    x, w = torch.randn(4, 32, generator=g), torch.randn(32, generator=g)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), TORCH.rms_norm(x, w, 1e-6), atol=1e-6, rtol=1e-6)
+    gu = torch.randn(4, 2 * 48, generator=g)
+    torch.testing.assert_close(ops.silu_mul(gu, 48), TORCH.silu_mul(gu, 48), atol=1e-6, rtol=1e-6)
+    qkv, cos, sin = _rope_inputs(4, 8, 16, torch.float32)
+    ref = TORCH.rope(qkv.clone(), cos, sin, 6)
+    out = ops.rope(qkv, cos, sin, 6)
+    assert out is qkv and torch.equal(out[:, :6], ref)  # the model slices q and k out of what rope returns
