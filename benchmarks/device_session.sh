@@ -6,8 +6,9 @@
 #     bash benchmarks/device_session.sh "$OUT"
 # Phases, each under its own deadline (SIGINT, so deployments close) and each logged as it goes:
 #   0. engine (issue 43): the decode-graph and Triton-kernel tests on the GPU (tests/engine/test_decode_graphs.py,
-#      tests/engine/test_triton_kernels.py: graph replay equals the uncaptured static path and eager greedy
-#      tokens; the kernels against SDPA on CUDA), then benchmarks/cuda_engine.py's parity (fp32 strict with graphs
+#      tests/engine/test_triton_kernels_cuda.py: graph replay equals the uncaptured static path and eager greedy
+#      tokens; the kernels against SDPA on CUDA; tests/kvtransfer/test_cuda_ipc.py: two processes on the GPU move
+#      KV over CUDA IPC), then benchmarks/cuda_engine.py's parity (fp32 strict with graphs
 #      on), decode and graphs phases (graphs against --enforce-eager at each batch) on the 1B shape.
 #   1. gpu: the cluster on CUDA for the first time: benchmarks/serving_overhead.py with --device cuda, a colocated
 #      worker on the GPU against the offline engine on the same GPU, a Llama-3.2-1B-shaped bf16 checkpoint
@@ -54,7 +55,8 @@ if has engine; then
 log "phase engine"
 # the CUDA cases only: the CPU ones ran in CI (and would build the CPU kernels here first); the compiled kernels in
 # a pytest process of their own (the interpreter tests import triton in interpreter mode for their process)
-for t in "tests/engine/test_decode_graphs.py -k cuda" tests/engine/test_triton_kernels_cuda.py; do
+for t in "tests/engine/test_decode_graphs.py -k cuda" tests/engine/test_triton_kernels_cuda.py \
+         "tests/kvtransfer/test_cuda_ipc.py -k gpu"; do
   timeout -s INT "$ENGINE_TEST_S" python3 -m pytest -q -p no:cacheprovider -rs $t 2>&1 | tail -20
 done | tee "$OUT/engine_tests.log"
 timeout -s INT "$ENGINE_S" python3 benchmarks/cuda_engine.py --phases "${ENGINE_PHASES:-parity,decode,graphs}" \

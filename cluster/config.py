@@ -60,6 +60,10 @@ class ClusterConfig:
     worker's node on a joined one."""
     cpus_per_worker: float = 1.0
     """Ray CPUs per worker actor (also its torch thread count)."""
+    gpus_per_worker: float = 1.0
+    """Ray GPUs per worker actor on a CUDA deployment, in (0, 1]: below 1 several workers share a GPU (Ray gives them
+    the same device), e.g. 0.5 for one prefill and one decode worker on one GPU, each with its own
+    ``kv_cache_memory_bytes``; their KV then moves over CUDA IPC (NCCL refuses two ranks on one device)."""
     ray_num_cpus: Optional[int] = None
     """Logical CPUs of a locally started Ray; None: enough for the pools plus headroom to scale."""
     engine_overrides: dict = field(default_factory=dict)
@@ -133,9 +137,13 @@ class ClusterConfig:
             raise ValueError(f"kv_shm must be a bool, got {self.kv_shm!r}")
         if self.engine_process and self.device == "cuda" and (self.num_prefill or self.num_decode):
             raise ValueError("engine_process with prefill or decode pools needs device cpu: their engine process "
-                             "shares its KV cache with the worker through shared memory (CUDA IPC is not built)")
+                             "shares its KV cache with the worker through shared memory (a CUDA cache is not shared "
+                             "between the engine process and its worker)")
         if not self.cpus_per_worker > 0:
             raise ValueError(f"cpus_per_worker must be > 0, got {self.cpus_per_worker!r}")
+        g = self.gpus_per_worker
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 < g <= 1:
+            raise ValueError(f"gpus_per_worker must be in (0, 1], got {g!r}")
         for name in ("pool_tensor_parallel", "pool_num_kv_blocks"):
             for role, n in getattr(self, name).items():
                 if role not in ("prefill", "decode", "colocated"):
@@ -229,10 +237,11 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
     overrides["tensor_parallel_size"] = pool_tp(cfg, role)
     if role in cfg.pool_num_kv_blocks:
         overrides["num_kv_blocks"] = cfg.pool_num_kv_blocks[role]
-    if role == "prefill" and cfg.kv_shm and not cuda and overrides["tensor_parallel_size"] == 1:
-        # a same-host decode worker reads this worker's KV in place (kvtransfer/shm.py's pull). The decode
-        # worker's own cache stays private: shared memory gets no transparent huge pages here (tmpfs), and its
-        # decode steps read the whole cache; the prefix fetch it sends goes through the ring instead
+    if role == "prefill" and cfg.kv_shm and overrides["tensor_parallel_size"] == 1:
+        # a same-host decode worker reads this worker's KV in place (kvtransfer/shm.py's pull; on CUDA over CUDA
+        # IPC, the cache one device allocation). The decode worker's own CPU cache stays private: shared memory
+        # gets no transparent huge pages here (tmpfs), and its decode steps read the whole cache; the prefix fetch
+        # it sends goes through the ring instead
         overrides.setdefault("kv_cache_shared", True)
     engine = EngineConfig(model=cfg.model, num_threads=max(1, int(cfg.cpus_per_worker)),
                           **{"device": "cuda" if cuda else "cpu", **overrides})

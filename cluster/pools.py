@@ -178,7 +178,7 @@ class Pools:
             # a tensor-parallel worker's ranks are processes of its own: it reserves their CPUs too
             ranks = pool_tp(self.config, role)
             opts = actor_options(role, self.config.cpus_per_worker * ranks, cluster_resources=resources,
-                                 num_gpus=1 if self.config.device == "cuda" else 0)
+                                 num_gpus=self.config.gpus_per_worker if self.config.device == "cuda" else 0)
             if self.config.detached:  # the deployment's, by name: a later controller adopts it
                 opts.update(name=worker_id, namespace=self.namespace, lifetime="detached")
             handle = WorkerActor.options(**opts).remote(self._spec(role, worker_id))

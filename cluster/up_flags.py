@@ -49,6 +49,10 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, metavar="FILE",
                    help="--planner sla: profile.json of this model on this hardware (`pdserve profile`)")
     p.add_argument("--cpus-per-worker", type=float, default=1.0, help="Ray CPUs (and torch threads) per worker")
+    p.add_argument("--gpus-per-worker", type=float, default=1.0, metavar="G",
+                   help="Ray GPUs per worker with --device cuda, in (0, 1]: 0.5 puts one prefill and one decode "
+                        "worker on one GPU, their KV over CUDA IPC (each worker's cache is --num-kv-blocks, or "
+                        "256 MiB: both must fit) (default 1)")
     p.add_argument("--engine-process", action="store_true",
                    help="each worker runs its engine core in a process of its own, so engine steps do not share "
                         "a GIL with the worker's gRPC and streaming threads (vLLM v1's split; the worker then uses "
@@ -270,6 +274,7 @@ def pool_config_kwargs(args: argparse.Namespace) -> dict:
     return dict(model=args.model, served_model_name=args.served_model_name, num_prefill=args.prefill,
                 num_decode=args.decode, num_colocated=args.colocated, host=args.host, ray_address=args.address,
                 namespace=args.namespace, cpus_per_worker=args.cpus_per_worker, device=args.device,
+                gpus_per_worker=getattr(args, "gpus_per_worker", 1.0),
                 engine_overrides=engine_overrides(args), engine_process=args.engine_process,
                 kv_shm=getattr(args, "kv_shm", True),
                 pool_tensor_parallel={role: n for role, n in (("prefill", args.prefill_tp),

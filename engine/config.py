@@ -122,9 +122,9 @@ class EngineConfig:
     Each rank is a process on this node (gloo on CPU); it must divide the attention heads and the MLP width, and
     divide or be divided by the KV heads. ``kv_cache_memory_bytes`` and ``num_threads`` are per rank."""
     kv_cache_shared: bool = False
-    """Allocate the KV cache in memory a process on this host can map (``transport.shared_memory``): a KV transfer
-    peer there then reads it in place (kvtransfer/shm.py). CPU, one rank; a cluster's prefill workers set it where
-    ``ClusterConfig.kv_shm`` is on. Such memory gets no transparent huge pages where the host's shmem setting is
+    """Allocate the KV cache in memory a process on this host can map (``transport.shared_memory`` on CPU,
+    ``transport.cuda_ipc`` on CUDA: one device allocation): a KV transfer peer there then reads it in place
+    (kvtransfer/shm.py). One rank; a cluster's prefill workers set it where ``ClusterConfig.kv_shm`` is on. Such memory gets no transparent huge pages where the host's shmem setting is
     ``never`` (the usual default), which matters to a cache decode steps read whole."""
     enforce_eager: bool = False
     """vLLM's knob: never capture CUDA graphs; every step runs eagerly. By default a CUDA engine of one rank captures
@@ -163,8 +163,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be None or an integer >= 1, got {v!r}")
         if not isinstance(self.kv_cache_shared, bool):
             raise ValueError(f"kv_cache_shared must be a bool, got {self.kv_cache_shared!r}")
-        if self.kv_cache_shared and self.device != "cpu":
-            raise ValueError(f"kv_cache_shared is for CPU caches, not device {self.device!r}")
+        if self.kv_cache_shared and not self.device.startswith(("cpu", "cuda")):
+            raise ValueError(f"kv_cache_shared is for CPU and CUDA caches, not device {self.device!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if self.cpu_gemm not in ("onednn", "onednn_only", "torch", "pdserve"):

@@ -44,10 +44,18 @@ def num_blocks_for_budget(mc: ModelConfig, block_size: int, dtype: torch.dtype, 
 def allocate_kv_caches(mc: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device, shared: bool = False) -> list[tuple[Tensor, Tensor]]:
     """Zeroed (K, V) per layer, each [num_blocks, block_size, num_kv_heads, row_width] (row_width is
-    head_dim, or head_dim + 4 for an int8 cache: each row carries its scale). ``shared`` (CPU): every tensor is a
-    view of one ``transport.shared_memory.SharedSegment`` (zeroed by the kernel), which a KV transfer peer on this
-    host reads in place (kvtransfer/shm.py's pull)."""
+    head_dim, or head_dim + 4 for an int8 cache: each row carries its scale). ``shared``: every tensor is a
+    view of one ``transport.shared_memory.SharedSegment`` (CPU; zeroed by the kernel) or one
+    ``transport.cuda_ipc.CudaSegment`` (CUDA), which a KV transfer peer on this host reads in place (kvtransfer/shm.py's
+    pull)."""
     shape = (num_blocks, block_size, mc.num_key_value_heads, row_width(mc, dtype))
+    if shared and device.type == "cuda":  # one allocation, so one CUDA IPC handle names every layer
+        from transport.cuda_ipc import CudaSegment
+
+        each = -(-torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() // 512) * 512
+        seg = CudaSegment(2 * mc.num_hidden_layers * each, device)
+        return [(seg.view(2 * i * each, shape, dtype), seg.view((2 * i + 1) * each, shape, dtype))
+                for i in range(mc.num_hidden_layers)]
     if shared and device.type == "cpu":
         from transport.shared_memory import shared_memory_unavailable
 

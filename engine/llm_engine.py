@@ -114,7 +114,7 @@ class LLMEngine:
                 graphs = False
         self.kv_caches: list[tuple[Tensor, Tensor]] = allocate_kv_caches(
             local_mc, n_blocks + graphs, self.block_size, cache_dtype, device,
-            shared=config.kv_cache_shared and tp == 1 and device.type == "cpu")
+            shared=config.kv_cache_shared and tp == 1)
         generator = torch.Generator().manual_seed(config.seed)
         sampler = Sampler(mc.vocab_size, config.seed)
         if self.tp_group is not None:

@@ -27,7 +27,7 @@ import torch
 
 from kvtransfer.channel import BACKSTOP_S, IDLE_WAIT_S, WINDOW, ChannelHost, PairChannel
 from kvtransfer.layout import FramePlan, direct_view, scatter
-from kvtransfer.shm import ShmPair, pull_rows
+from kvtransfer.shm import pull_rows
 from kvtransfer.transfer import Transfer, TransferState
 from kvtransfer.transport import PairBroken, PairGroup
 from kvtransfer.wire import (ACK_OK, ACK_REJECTED, HEAD_MSG_BYTES, HEADER_BYTES, KIND_ABORT, KIND_PULL,
@@ -252,7 +252,7 @@ class RecvChannel(PairChannel):
 
     def _receive_payload(self, group: PairGroup, hdr: FrameHeader, head: torch.Tensor, t: Transfer | None) -> None:
         if hdr.kind == KIND_PULL:  # no payload messages: the rows are copied from the sender's cache
-            if not isinstance(group, ShmPair) or not group.pull:
+            if not getattr(group, "pull", False):
                 raise FramingError("a pull frame on a pair that did not agree to pull")
             if t is not None:
                 with self.cond:

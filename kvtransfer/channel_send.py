@@ -145,6 +145,10 @@ class SendChannel(PairChannel):
             # a shared-memory pair whose receiver maps our memory: it copies the rows from our cache itself
             desc = pull_descriptor(t.kv_caches, t.tokens, lo, hi, INLINE_BYTES)
             if desc is not None:
+                if lay.device.type == "cuda":
+                    # the receiver reads our device memory once it has the head: the layers' kernels, queued on
+                    # this device's stream before layer_ready, must be done
+                    torch.cuda.current_stream(lay.device).synchronize()
                 nbytes = (hi - lo) * 2 * t.tokens.num_tokens * lay.row_bytes
                 hdr = FrameHeader(KIND_PULL, t.transfer_id, t.request_id, lo, hi, lay.num_layers,
                                   t.tokens.num_tokens, lay.num_kv_heads, lay.head_dim, dtype_code(lay.dtype),

@@ -56,7 +56,8 @@ class KVEndpoint:
         """``host``: the interface this endpoint's pair groups listen on and advertise (None: the store
         config's ``host``, else torch's default, the hostname's address). ``shm``: with backend gloo, a pair whose
         both endpoints allow it and share ``/dev/shm`` (one host) moves its payload through shared memory
-        (kvtransfer/shm.py); False: always the socket."""
+        (kvtransfer/shm.py); with backend nccl, a pair whose receiver can map the sender's device memory (one node)
+        pulls the rows over CUDA IPC; False: always the socket (NCCL)."""
         if not isinstance(name, str) or not name or any(c in name for c in "/> \t\n"):
             raise ValueError(f"name must be a non-empty string without '/', '>' or spaces, got {name!r}")
         if backend not in BACKENDS:
@@ -80,8 +81,8 @@ class KVEndpoint:
         self.host = host
         self._store, namespace = open_store(store)
         self._lock = threading.RLock()
-        self.shm = shm and backend == "gloo"
-        if self.shm:
+        self.shm = shm and backend in ("gloo", "nccl")
+        if self.shm and backend == "gloo":
             sweep_orphans()
         self._host = ChannelHost(name, backend, self.timeout_s, chunk_bytes, self._lock,
                                  Rendezvous(self._store, namespace, name, shm=self.shm), self._finished, host)
@@ -94,7 +95,8 @@ class KVEndpoint:
         self._reaper = threading.Thread(target=self._reap_loop, name=f"kv-reaper-{name}", daemon=True)
         self._reaper.start()
         log.info("kv endpoint %s up (backend %s%s, incarnation %s)", name, backend,
-                 ", shared memory with same-host peers" if self.shm else "", self._host.rendezvous.incarnation)
+                 (", shared memory with same-host peers" if backend == "gloo" else ", CUDA IPC with same-node peers")
+                 if self.shm else "", self._host.rendezvous.incarnation)
 
     # -- submission ------------------------------------------------------------------------------
     def _new(self, direction: str, peer: str, request_id: str, kv_caches, block_ids, num_tokens: int,

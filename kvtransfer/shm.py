@@ -33,7 +33,7 @@ import struct
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -58,6 +58,11 @@ _PULL = struct.Struct("<IIQQIIII")
 """Pull descriptor head: pid, fd, inode, segment bytes, source blocks, source block size, first_token, ids; then
 two u64 offsets (K, V) per layer of the frame, then the block ids as u32."""
 _MAPPED_MAX = 8
+_CUDA_MAGIC = 0x55434450
+"""b"PDCU": a pull descriptor naming a CUDA IPC segment (a pid, the first field of the other form, is < 2**22)."""
+_PULL_CUDA = struct.Struct("<IIQIIII")
+"""CUDA pull descriptor head: magic, packed handle bytes, segment bytes, source blocks, source block size,
+first_token, ids; then the packed ``transport.cuda_ipc.CudaHandle``, the offsets and the block ids as above."""
 
 
 def _stamp(t: torch.Tensor) -> str:
@@ -181,6 +186,112 @@ def negotiate(pair: TorchPair, rank: int, slot_bytes: int, timeout_s: float,
     if seg is None:
         return pair
     return ShmPair(pair, seg, int(hello["slot_bytes"]), int(hello["slots"]), rank, pull=pull)
+
+
+_CUDA_HELLO_BYTES = 1024
+
+
+def negotiate_cuda(pair: TorchPair, rank: int, timeout_s: float, accept: bool = True,
+                   export: Optional[Callable[[], tuple[bytes, str, Callable[[], None]]]] = None,
+                   opener: Optional[Callable[[bytes], torch.Tensor]] = None) -> "TorchPair | IpcPair":
+    """Run on an nccl pair (its gloo control group) just built with a same-node offer: an ``IpcPair`` where rank 1
+    can map rank 0's device memory (CUDA IPC: the same node, a device it can reach), else ``pair`` (payload over
+    NCCL, as before). Rank 0 exports a small probe segment holding a random stamp; rank 1 maps it, reads the stamp
+    back and answers. ``export`` / ``opener`` stand in for the CUDA calls (tests on CPU); the defaults use
+    ``transport.cuda_ipc``."""
+    export = export or _export_cuda_probe
+    opener = opener or _open_cuda
+    msg = torch.zeros(_CUDA_HELLO_BYTES, dtype=torch.uint8)
+    answer = torch.zeros(1, dtype=torch.int64)
+    if rank == 0:
+        hello: dict[str, Any] = {}
+        release: Callable[[], None] = lambda: None  # noqa: E731
+        try:
+            raw, nonce, release = export()
+            hello = {"handle": raw.decode(), "nonce": nonce}
+        except (OSError, RuntimeError, ValueError) as e:
+            log.info("kv CUDA IPC unavailable here (%s); the pair stays on NCCL", e)
+        try:
+            body = json.dumps(hello).encode()
+            if len(body) > _CUDA_HELLO_BYTES:
+                body = b"{}"
+            msg[:len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+            pair.isend(msg, TAG_SHM_HELLO).wait(timeout_s)
+            pair.irecv(answer, TAG_SHM_HELLO).wait(timeout_s)
+        finally:
+            release()
+        return IpcPair(pair, opener) if int(answer.item()) & _PULL_OK else pair
+    pair.irecv(msg, TAG_SHM_HELLO).wait(timeout_s)
+    ok = False
+    if accept:
+        try:
+            hello = json.loads(bytes(msg.tolist()).rstrip(b"\0").decode())
+            if "handle" in hello:
+                raw = hello["handle"].encode()
+                probe = opener(raw)
+                ok = bytes(probe[:16].cpu().tolist()).hex() == hello["nonce"]
+        except (OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError):
+            ok = False  # another node, a device out of reach, no CUDA: NCCL
+    answer.fill_(_PULL_OK if ok else 0)
+    pair.isend(answer, TAG_SHM_HELLO).wait(timeout_s)
+    return IpcPair(pair, opener) if ok else pair
+
+
+def _export_cuda_probe() -> tuple[bytes, str, Callable[[], None]]:
+    """A 64-byte CUDA segment with a random stamp in its first 16 bytes: its packed handle, the stamp (hex), and
+    how to drop it."""
+    from transport.cuda_ipc import CudaSegment
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device")
+    seg = CudaSegment(64, torch.device("cuda", torch.cuda.current_device()))
+    stamp = secrets.token_bytes(16)
+    seg.tensor[:16].copy_(torch.frombuffer(bytearray(stamp), dtype=torch.uint8))
+    torch.cuda.current_stream(seg.tensor.device).synchronize()
+    holder = [seg]
+
+    def release() -> None:
+        holder.clear()  # the allocation goes back to torch's cache (torch's IPC counter keeps it while mapped)
+
+    return seg.handle.pack(), stamp.hex(), release
+
+
+def _open_cuda(raw: bytes) -> torch.Tensor:
+    from transport.cuda_ipc import CudaHandle, open_handle
+
+    return open_handle(CudaHandle.unpack(raw))
+
+
+class IpcPair:
+    """A ``PairGroup`` over an nccl ``TorchPair`` whose receiver maps the sender's device memory (CUDA IPC): data
+    frames over a shared cache go as pull frames (the receiver copies the rows device to device); everything else
+    (head messages, acks, payload of frames that cannot pull) is the plain pair's."""
+
+    pull = True
+    shared = True
+    cuda_ipc = True
+    link = "socket"
+    """Frames that do not pull go as they would on the plain pair (NCCL payload)."""
+
+    def __init__(self, pair: TorchPair, opener: Callable[[bytes], torch.Tensor]):
+        self._pair = pair
+        self._opener = opener
+        self.counts = {"ring_chunks": 0, "pull_frames": 0}
+        self.data_device = pair.data_device
+
+    def isend(self, t: torch.Tensor, tag: int) -> PairOp:
+        return self._pair.isend(t, tag)
+
+    def irecv(self, t: torch.Tensor, tag: int) -> PairOp:
+        return self._pair.irecv(t, tag)
+
+    def peer_segment(self, handle: bytes) -> torch.Tensor:
+        """Receiver: the sender's segment (a packed CUDA handle), mapped once per process (RuntimeError/ValueError
+        if it cannot be)."""
+        return self._opener(handle)
+
+    def close(self) -> None:
+        self._pair.close()
 
 
 class _Op:
@@ -390,22 +501,38 @@ class ShmPair:
 
 
 # -- pull frames -------------------------------------------------------------------------------------------
-def pull_descriptor(kv_caches: Sequence, tokens: TokenRows, lo: int, hi: int, room: int) -> Optional[bytes]:
+def pull_descriptor(kv_caches: Sequence, tokens: TokenRows, lo: int, hi: int, room: int,
+                    segment: Any = None) -> Optional[bytes]:
     """What a receiver needs to copy layers ``lo..hi-1`` of a transfer from this process's cache in place, or
-    None: the cache is not in one shared segment (or is a head slice), or the descriptor would not fit ``room``."""
-    seg = segment_of(kv_caches[0][0])
+    None: the cache is not in one shared segment (or is a head slice), or the descriptor would not fit ``room``.
+    A ``transport.cuda_ipc`` segment gives the CUDA form (its packed handle), a shared-memory one the /proc form;
+    ``segment`` names the cache's segment instead of looking it up (tests)."""
+    seg = segment
+    if seg is None and kv_caches[0][0].device.type == "cuda":
+        from transport.cuda_ipc import cuda_segment_of
+
+        seg = cuda_segment_of(kv_caches[0][0])
+    elif seg is None:
+        seg = segment_of(kv_caches[0][0])
     if seg is None:
         return None
+    cuda = not isinstance(seg.handle, SegmentHandle)
     for layer in range(lo, hi):
         for x in kv_caches[layer]:
             if not x.is_contiguous() or not seg.contains(x):
                 return None
     nb, bs = kv_caches[0][0].shape[:2]
-    h = seg.handle
     offs = [seg.offset(kv_caches[layer][j]) for layer in range(lo, hi) for j in (0, 1)]
     ids = tokens.block_ids
-    raw = (_PULL.pack(h.pid, h.fd, h.inode, h.nbytes, nb, bs, tokens.first_token, len(ids))
-           + struct.pack(f"<{len(offs)}Q", *offs) + struct.pack(f"<{len(ids)}I", *ids))
+    tail = struct.pack(f"<{len(offs)}Q", *offs) + struct.pack(f"<{len(ids)}I", *ids)
+    if cuda:
+        packed = seg.handle.pack()
+        packed += b" " * (-len(packed) % 8)  # (still JSON) the offsets after it stay 8-byte aligned
+        raw = (_PULL_CUDA.pack(_CUDA_MAGIC, len(packed), seg.nbytes, nb, bs, tokens.first_token, len(ids)) + packed
+               + tail)
+    else:
+        h = seg.handle
+        raw = _PULL.pack(h.pid, h.fd, h.inode, h.nbytes, nb, bs, tokens.first_token, len(ids)) + tail
     return raw if len(raw) <= room else None
 
 
@@ -426,10 +553,22 @@ def pull_rows(group: ShmPair, desc: torch.Tensor, lo: int, hi: int, num_tokens: 
               kv_caches: Sequence, dst: TokenRows) -> None:
     """Receiver: copy layers ``lo..hi-1`` of a pull frame from the sender's segment into ``kv_caches`` at ``dst``'s
     rows, one copy per stretch of consecutive rows. FramingError if the descriptor does not describe them."""
-    raw = bytes(desc[:_PULL.size].tolist())
-    pid, fd, inode, nbytes, nb, bs, first, n_ids = _PULL.unpack(raw)
+    cuda_handle = None
+    if desc.numel() >= _PULL_CUDA.size and struct.unpack("<I", bytes(desc[:4].tolist()))[0] == _CUDA_MAGIC:
+        _magic, hlen, nbytes, nb, bs, first, n_ids = _PULL_CUDA.unpack(bytes(desc[:_PULL_CUDA.size].tolist()))
+        cuda_handle = bytes(desc[_PULL_CUDA.size:_PULL_CUDA.size + hlen].tolist())
+        start = _PULL_CUDA.size + hlen
+        if not getattr(group, "cuda_ipc", False):
+            raise FramingError("a CUDA pull frame on a pair that did not agree to CUDA IPC")
+    else:
+        if desc.numel() < _PULL.size:
+            raise FramingError("pull descriptor is cut short")
+        pid, fd, inode, nbytes, nb, bs, first, n_ids = _PULL.unpack(bytes(desc[:_PULL.size].tolist()))
+        start = _PULL.size
+        if getattr(group, "cuda_ipc", False):
+            raise FramingError("a shared-memory pull frame on a CUDA IPC pair")
     n_off = 2 * (hi - lo)
-    body = desc[_PULL.size:_PULL.size + 8 * n_off + 4 * n_ids]
+    body = desc[start:start + 8 * n_off + 4 * n_ids].clone()  # its own storage: 8-byte aligned for the views
     if body.numel() != 8 * n_off + 4 * n_ids:
         raise FramingError("pull descriptor is cut short")
     offs = body[:8 * n_off].view(torch.int64).tolist()
@@ -440,9 +579,12 @@ def pull_rows(group: ShmPair, desc: torch.Tensor, lo: int, hi: int, num_tokens: 
             or any(o < 0 or o + size > nbytes for o in offs)):
         raise FramingError("pull descriptor names memory outside the sender's segment")
     try:
-        seg = group.peer_segment(SegmentHandle(pid, fd, inode, nbytes))
-    except (OSError, RuntimeError) as e:
+        seg = (group.peer_segment(cuda_handle) if cuda_handle is not None
+               else group.peer_segment(SegmentHandle(pid, fd, inode, nbytes)))
+    except (OSError, RuntimeError, ValueError) as e:
         raise FramingError(f"cannot map the sender's KV cache: {e}") from None
+    if seg.numel() < nbytes:
+        raise FramingError("pull descriptor names memory outside the sender's segment")
     src_rows = (ids[:needed, None] * bs + torch.arange(bs, dtype=torch.int64)).reshape(-1)[first:first + num_tokens]
     dst_rows = dst.rows
     runs = _runs(src_rows, dst_rows)
@@ -455,9 +597,15 @@ def pull_rows(group: ShmPair, desc: torch.Tensor, lo: int, hi: int, num_tokens: 
         except RuntimeError as e:  # an offset not on a row word, or rows of another width
             raise FramingError(f"pull descriptor: layer {layer} is not a cache of these rows: {e}") from None
     group.counts["pull_frames"] += 1
+    dev = pairs[0][1].device if pairs else torch.device("cpu")
+    if dev.type == "cuda":  # the row indices where the copies run
+        dst_rows = dst_rows.to(dev)
     for src, out in pairs:
-        if runs is None:
-            out.index_put_((dst_rows,), src.index_select(0, src_rows))
+        if runs is None:  # (a peer's memory may be mapped on another device index: copies cross the link)
+            out.index_put_((dst_rows,), src.index_select(0, src_rows.to(src.device)).to(out.device))
         else:
             for s, d, n in runs:
                 out[d:d + n].copy_(src[s:s + n])
+    if dev.type == "cuda":
+        # the ack follows, and after it the sender may reuse these blocks: the copies must be done
+        torch.cuda.current_stream(dev).synchronize()

@@ -260,9 +260,10 @@ def open_pair(backend: str, store: dist.Store, prefix: str, rank: int, timeout_s
     ``host``: the interface gloo (also nccl's control group) listens on and advertises; None: torch's
     default (the hostname's address). The pair's traffic is neither authenticated nor encrypted
     (as with every torch.distributed backend): ``host`` must be on a private network.
-    ``shm_slot_bytes``: the pair was offered shared memory (gloo only; kvtransfer/shm.py): both ranks negotiate
-    it on the new pair, rank 0 with slots of this size, and use it where they share ``/dev/shm``; ``shm_accept``
-    False makes rank 1 answer no.
+    ``shm_slot_bytes``: the pair was offered shared memory (kvtransfer/shm.py): both ranks negotiate it on the new
+    pair, with gloo rank 0 with slots of this size, used where they share ``/dev/shm``; with nccl CUDA IPC (the
+    receiver maps the sender's device memory; NCCL is then never initialised); ``shm_accept`` False makes rank 1
+    answer no.
     """
     try:
         if backend == "gloo":
@@ -277,7 +278,16 @@ def open_pair(backend: str, store: dist.Store, prefix: str, rank: int, timeout_s
                 pair.close()
                 raise
         if backend == "nccl":
-            return _open_nccl(dist.PrefixStore(prefix, store), rank, timeout_s, host)
+            pair = _open_nccl(dist.PrefixStore(prefix, store), rank, timeout_s, host)
+            if shm_slot_bytes is None:
+                return pair
+            from kvtransfer.shm import negotiate_cuda
+
+            try:  # the same node: the receiver may map the sender's device memory (CUDA IPC) instead of NCCL
+                return negotiate_cuda(pair, rank, timeout_s, accept=shm_accept)
+            except BaseException:
+                pair.close()
+                raise
         if backend == "inproc":
             if hub is None:
                 raise PairBroken("backend 'inproc' needs an InprocStore shared by both endpoints")

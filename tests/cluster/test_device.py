@@ -47,6 +47,8 @@ def test_cuda_roles_run_the_engine_on_cuda_and_move_kv_over_nccl(role):
     # decode graphs where steps decode; a prefill worker never decodes, so it captures none
     assert worker.cfg.engine.enforce_eager == (role == "prefill")
     assert worker.cfg.engine.cuda_graph_sizes == (None if role == "prefill" else [1, 64])
+    # a prefill worker's cache is one device allocation a same-node decode worker maps (CUDA IPC)
+    assert worker.cfg.engine.kv_cache_shared == (role == "prefill")
     if role != "colocated":  # a colocated worker moves no KV
         assert worker.cfg.kv_backend == "nccl"
     cpu = build_role_worker(role, f"{role}-0", ClusterConfig(device="cpu"), store, "127.0.0.1", "node")
@@ -71,3 +73,18 @@ def test_auto_resolves_to_cpu_on_a_cpu_ray(ray_local, redis_url, redis_namespace
     with Cluster(cfg) as cluster:
         assert cluster.config.device == "cpu"
         assert len(cluster.worker_ids("prefill")) == 1
+
+
+def test_workers_may_share_a_gpu():
+    """--gpus-per-worker 0.5: one prefill and one decode worker on one GPU (their KV over CUDA IPC)."""
+    from cluster.cli import build_parser
+    from cluster.up_checks import check_up_args
+    from cluster.up_flags import pool_config_kwargs
+
+    assert ClusterConfig(device="cuda", gpus_per_worker=0.5).gpus_per_worker == 0.5
+    for bad in (0, 1.5, -1, True, "half"):
+        with pytest.raises(ValueError, match="gpus_per_worker must be in"):
+            ClusterConfig(gpus_per_worker=bad)
+    args = build_parser().parse_args(["up", "--gpus-per-worker", "0.5", "--prefill", "1", "--decode", "1"])
+    check_up_args(args)
+    assert pool_config_kwargs(args)["gpus_per_worker"] == 0.5

@@ -33,12 +33,29 @@ class CacheSpec:
     alt_dtype: str | None = None
     """Also hold a second cache of this dtype (to send mismatched transfers from)."""
     shared: bool = False
-    """The cache lives in one ``transport.shared_memory`` segment (as an engine's with ``kv_cache_shared``)."""
+    """The cache lives in one ``transport.shared_memory`` segment (as an engine's with ``kv_cache_shared``; on CUDA
+    one ``transport.cuda_ipc`` segment)."""
+    device: str = "cpu"
+    """Where the cache lives; "cuda" makes the agent's endpoint an nccl one."""
 
 
 def make_cache(spec: CacheSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
     dt = getattr(torch, spec.dtype)
     shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    if spec.device != "cpu":  # the same contents, then on the device (one CUDA IPC segment where shared)
+        host = make_cache(CacheSpec(**{**spec.__dict__, "device": "cpu", "shared": False}))
+        if not spec.shared:
+            return [(k.to(spec.device), v.to(spec.device)) for k, v in host]
+        from engine.config import ModelConfig
+        from engine.kv_cache import allocate_kv_caches
+
+        mc = ModelConfig(num_hidden_layers=spec.num_layers, num_key_value_heads=spec.num_kv_heads,
+                         head_dim=spec.head_dim)
+        out = allocate_kv_caches(mc, spec.num_blocks, spec.block_size, dt, torch.device(spec.device), shared=True)
+        for (k, v), (hk, hv) in zip(out, host):
+            k.copy_(hk)
+            v.copy_(hv)
+        return out
     if spec.shared:  # as a prefill worker's engine lays it out (kv_cache_shared)
         from engine.kv_cache import share_kv_caches
 
@@ -57,7 +74,7 @@ def token_checksum(cache, block_ids: list[int], num_tokens: int) -> str:
     for k, v in cache:
         for t in (k, v):
             rows = [t[block_ids[p // bs], p % bs] for p in range(num_tokens)]
-            h.update(torch.stack(rows).contiguous().view(torch.uint8).numpy().tobytes())
+            h.update(torch.stack(rows).contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -68,7 +85,7 @@ def untouched_except(cache, used: list[tuple[list[int], int]]) -> bool:
     for blocks, n in used:
         for p in range(n):
             mask[blocks[p // bs], p % bs] = False
-    return all(not t[mask].any() for pair in cache for t in pair)
+    return all(not t.cpu()[mask].any() for pair in cache for t in pair)
 
 
 def _main(conn, name: str, store_url: str, spec: CacheSpec, timeout_s: float, chunk_bytes: int, shm: bool = True,
@@ -97,7 +114,8 @@ def _main(conn, name: str, store_url: str, spec: CacheSpec, timeout_s: float, ch
 
     cache = make_cache(spec)
     alt = make_cache(CacheSpec(**{**spec.__dict__, "dtype": spec.alt_dtype})) if spec.alt_dtype else None
-    ep = KVEndpoint(name, store_url, backend="gloo", timeout_s=timeout_s, chunk_bytes=chunk_bytes, shm=shm)
+    ep = KVEndpoint(name, store_url, backend="nccl" if spec.device != "cpu" else "gloo", timeout_s=timeout_s,
+                    chunk_bytes=chunk_bytes, shm=shm)
     handles = {}
     conn.send(("ready", os.getpid()))
     while True:
@@ -140,8 +158,8 @@ def _main(conn, name: str, store_url: str, spec: CacheSpec, timeout_s: float, ch
                 for side, table in (("send", ep._send), ("recv", ep._recv)):
                     for peer, ch in table.items():
                         g = ch.group
-                        kinds[f"{side}:{peer}"] = None if g is None else (
-                            ("shm+pull" if g.pull else "shm") if getattr(g, "shared", False) else "gloo")
+                        kinds[f"{side}:{peer}"] = None if g is None else "cuda-ipc" if getattr(g, "cuda_ipc", False) \
+                            else (("shm+pull" if g.pull else "shm") if getattr(g, "shared", False) else "gloo")
                         if side == "recv" and getattr(g, "shared", False):
                             kinds[f"{side}:{peer}:counts"] = dict(g.counts)
                 out = kinds
