@@ -10,6 +10,9 @@
 #      tokens; the kernels against SDPA on CUDA; tests/kvtransfer/test_cuda_ipc.py: two processes on the GPU move
 #      KV over CUDA IPC), then benchmarks/cuda_engine.py's parity (fp32 strict with graphs
 #      on), decode and graphs phases (graphs against --enforce-eager at each batch) on the 1B shape.
+#   verdict (issue 43 item 6): benchmarks/disagg_vs_colocated.py --device cuda on the 1B checkpoint: one colocated
+#      worker against 1P+1D on the same GPU (KV over CUDA IPC), chunked prefill at 512 tokens a step, the
+#      conversation trace at full length.
 #   1. gpu: the cluster on CUDA for the first time: benchmarks/serving_overhead.py with --device cuda, a colocated
 #      worker on the GPU against the offline engine on the same GPU, a Llama-3.2-1B-shaped bf16 checkpoint
 #      (benchmarks/cuda_engine.py's random weights), gRPC, 1 / 8 / 32 / 128 streams. Disaggregation is not run:
@@ -24,9 +27,10 @@
 # At most 8 files come back from $OUT: the script writes only these.
 set -u
 OUT=${1:?usage: device_session.sh OUT_DIR}
-GPU_S=${GPU_S:-120} CPU14_S=${CPU14_S:-230} OVH_S=${OVH_S:-40} ENGINE_TEST_S=${ENGINE_TEST_S:-120} ENGINE_S=${ENGINE_S:-240}
+GPU_S=${GPU_S:-120} CPU14_S=${CPU14_S:-230} OVH_S=${OVH_S:-40} ENGINE_TEST_S=${ENGINE_TEST_S:-120} ENGINE_S=${ENGINE_S:-200}
+VERDICT_S=${VERDICT_S:-200} VERDICT_N=${VERDICT_N:-60} VERDICT_RATES=${VERDICT_RATES:-2,4,8,16}
 # which phases run (a lease split over calls runs some in each), and the GPU phase's and cpu14's load
-PHASES=${PHASES:-"engine gpu"}
+PHASES=${PHASES:-"engine verdict"}
 GPU_C=${GPU_C:-1,8,32,128} GPU_REPEAT=${GPU_REPEAT:-2} GPU_FLAGS=${GPU_FLAGS:-}
 CPU14_N=${CPU14_N:-70} CPU14_RATES=${CPU14_RATES:-1.5,3,4.5}
 has() { [[ " $PHASES " == *" $1 "* ]]; }
@@ -62,6 +66,21 @@ done | tee "$OUT/engine_tests.log"
 timeout -s INT "$ENGINE_S" python3 benchmarks/cuda_engine.py --phases "${ENGINE_PHASES:-parity,decode,graphs}" \
   --out /tmp/cuda_engine 2>&1 | tee "$OUT/engine.log" | grep -v "^\s*$"
 cp /tmp/cuda_engine/cuda_engine.json "$OUT/cuda_engine.json" 2>/dev/null
+fi
+
+if has verdict; then
+log "phase verdict"
+[ -d /tmp/ck1b ] || python3 -c "
+import sys; sys.path.insert(0, 'benchmarks')
+from pathlib import Path
+from cuda_engine import make_checkpoint, SHAPES
+make_checkpoint(Path('/tmp/ck1b'), SHAPES['1b'], device='cuda')"
+timeout -s INT "$VERDICT_S" python3 benchmarks/disagg_vs_colocated.py --device cuda --model /tmp/ck1b --trace "$TRACE" \
+  --num-requests "$VERDICT_N" --length-scale 1 --rates "$VERDICT_RATES" --colocated-workers 1 --prefill-workers 1 \
+  --decode-workers 1 --kv-cache-gib 8 --max-num-batched-tokens 512 --out /tmp/verdict 2>&1 | tee "$OUT/verdict.log" \
+  | grep -v "^\s*$"
+cp /tmp/verdict/result.json "$OUT/verdict_result.json" 2>/dev/null || cp /tmp/verdict/partial.json "$OUT/verdict_partial.json" 2>/dev/null
+cleanup
 fi
 
 if has gpu; then

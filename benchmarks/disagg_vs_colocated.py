@@ -73,6 +73,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--colocated-workers", type=int, default=2, help="workers of the colocated deployment")
     ap.add_argument("--prefill-workers", type=int, default=1, help="prefill workers of the disaggregated deployment")
     ap.add_argument("--decode-workers", type=int, default=1, help="decode workers of the disaggregated deployment")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the engines run; cuda: every worker on the one GPU (a 1P+1D deployment's KV over "
+                         "CUDA IPC, the prefill cache one shareable allocation), each still pinned to a core")
+    ap.add_argument("--dtype", default=None, help="engine dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    ap.add_argument("--kv-cache-gib", type=float, default=None,
+                    help="each worker's KV cache (default: the engine's 256 MiB); on a shared GPU all must fit")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="every engine's step budget, i.e. the chunked-prefill chunk (default: the engine's 2048)")
     ap.add_argument("--reserve-cores", type=int, default=0,
                     help="leave this many of the usable cores (the lowest) to the router and the load generator; "
                          "workers are pinned one per core on the next ones")
@@ -106,6 +114,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if ns.cdf_rate is None:
         ns.cdf_rate = ns.rate_list[len(ns.rate_list) // 2]
     return ns
+
+
+def engine_and_worker_kw(ns: argparse.Namespace) -> tuple[dict, dict]:
+    """Every worker's engine fields, and the prefill and decode workers' config fields, from the flags."""
+    engine_kw: dict = {"enable_prefix_caching": False, "kv_cache_dtype": ns.kv_cache_dtype,
+                       "quantization": ns.quantization}
+    if ns.dtype is not None or ns.device == "cuda":
+        engine_kw["dtype"] = ns.dtype or "bfloat16"
+    if ns.kv_cache_gib is not None:
+        engine_kw["kv_cache_memory_bytes"] = int(ns.kv_cache_gib * 2**30)
+    if ns.max_num_batched_tokens is not None:
+        engine_kw["max_num_batched_tokens"] = ns.max_num_batched_tokens
+    role_kw: dict = {}
+    if ns.device == "cuda":
+        # one GPU for all: a prefill cache another process maps (CUDA IPC; NCCL refuses two ranks on one device)
+        engine_kw.update(device="cuda", kv_cache_shared=True)
+        role_kw = {"prefill": {"kv_backend": "nccl"}, "decode": {"kv_backend": "nccl"}}
+    return engine_kw, role_kw
 
 
 def worker_roles(mode: str, ns: argparse.Namespace) -> tuple[str, ...]:
@@ -277,11 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         if mode == "disaggregated":
             router_kw.update(local_prefill_max_tokens=ns.local_prefill_max_tokens,
                              prefill_queue_max_tokens=ns.prefill_queue_max_tokens)
-        engine_kw = {"enable_prefix_caching": False, "kv_cache_dtype": ns.kv_cache_dtype,
-                     "quantization": ns.quantization}
+        engine_kw, role_kw = engine_and_worker_kw(ns)
         roles = worker_roles(mode, ns)
         with Deployment(mode, ns.model, cores[:len(roles)], engine_kw=engine_kw, router_kw=router_kw,
-                        roles=roles) as dep:
+                        roles=roles, role_worker_kw=role_kw) as dep:
             limits = server_limits(dep.target)
             pinning[mode] = dep.pinning
             print(f"{mode}: up in {time.monotonic() - t:.1f} s, workers pinned {dep.pinning}", flush=True)

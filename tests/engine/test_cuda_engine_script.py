@@ -48,3 +48,24 @@ def test_cli_quick_run_writes_a_complete_report(tmp_path):
     assert graphs["buckets"] and not graphs["captured"]
     assert graphs["tokens"]["identical"] == graphs["tokens"]["sequences"] == 8
     assert set(graphs["decode"]) == {str(b) for b in checkpoint.QUICK.decode_batches}
+
+
+def test_disagg_vs_colocated_on_one_gpu_asks_for_cuda_ipc(tmp_path):
+    """benchmarks/disagg_vs_colocated.py --device cuda (issue 43's verdict run): every engine on the GPU in bf16, the
+    prefill cache one shareable allocation and both roles on nccl endpoints (their pair then takes CUDA IPC); on CPU
+    nothing of that."""
+    from benchmarks import disagg_vs_colocated as dvc
+
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,100,20\n")
+    ns = dvc.parse_args(["--device", "cuda", "--trace", str(trace), "--kv-cache-gib", "8",
+                         "--max-num-batched-tokens", "512", "--colocated-workers", "1"])
+    engine_kw, role_kw = dvc.engine_and_worker_kw(ns)
+    assert engine_kw["device"] == "cuda" and engine_kw["dtype"] == "bfloat16" and engine_kw["kv_cache_shared"]
+    assert engine_kw["kv_cache_memory_bytes"] == 8 << 30 and engine_kw["max_num_batched_tokens"] == 512
+    assert role_kw == {"prefill": {"kv_backend": "nccl"}, "decode": {"kv_backend": "nccl"}}
+    from engine.config import EngineConfig
+
+    EngineConfig(**engine_kw)  # a config the workers accept
+    cpu_kw, cpu_roles = dvc.engine_and_worker_kw(dvc.parse_args(["--trace", str(trace), "--colocated-workers", "1"]))
+    assert "device" not in cpu_kw and "dtype" not in cpu_kw and cpu_roles == {}
