@@ -33,9 +33,23 @@ import torch
 from torch import Tensor
 
 from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
 from engine.model import CausalLM
 
 log = logging.getLogger(__name__)
+
+
+def graph_memory_estimate(mc: ModelConfig, max_bucket: int, dtype: torch.dtype, max_blocks: int) -> int:
+    """Bytes the decode graphs are expected to hold (taken out of ``kv_cache_memory_bytes`` before the cache is
+    sized): the graph pool keeps the largest bucket's peak activations (the logits in the model dtype and in
+    float32, one layer's projections, attention output, MLP and residual rows), doubled for the caching
+    allocator's rounding, plus the static input buffers. The capture logs what it really took beside it."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_row = (mc.vocab_size * (4 + elem)
+               + (3 * mc.intermediate_size + (2 * mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
+                  + 4 * mc.hidden_size) * elem)
+    buffers = max_bucket * (4 + max_blocks) * 8  # ids, positions, slots, lengths and the block tables, int64
+    return 2 * max_bucket * per_row + buffers
 
 
 def eager_reason(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int) -> Optional[str]:

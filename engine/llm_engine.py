@@ -43,7 +43,7 @@ from engine.block_manager import BlockManager, block_keys
 from engine.client import EngineLoad, StepResult
 from engine.config import EngineConfig, ModelConfig, default_graph_sizes
 from engine.kernels import cpu_kernels
-from engine.cuda_graphs import DecodeGraphs, eager_reason
+from engine.cuda_graphs import DecodeGraphs, eager_reason, graph_memory_estimate
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from engine.loader import default_eos, load_model, load_model_config, load_tokenizer
 from engine.model_runner import ModelRunner, RunnerOutput
@@ -86,8 +86,29 @@ class LLMEngine:
                 torch.set_num_threads(rank_threads(config))
         # the KV heads this process holds (one rank's share where the model is split) size the cache
         local_mc = TPLayout(mc, tp, 0).local_config() if tp > 1 else mc
-        n_blocks = config.num_kv_blocks or num_blocks_for_budget(local_mc, self.block_size, cache_dtype,
-                                                                  config.kv_cache_memory_bytes)
+        # decode graphs (engine/cuda_graphs.py) pad a batch with rows whose K/V go to one scratch block past the
+        # block manager's pool; captured ones hold memory the KV budget gives up
+        graphs = tp == 1 and not config.enforce_eager and (device.type == "cuda" or config.static_decode_buffers)
+        capture = graphs and device.type == "cuda" and not config.static_decode_buffers
+        if capture:
+            why = eager_reason(device, config.torch_dtype, cache_dtype, local_mc.head_dim)
+            if why is not None:
+                logger.warning("decode graphs off, every step eager: %s", why)
+                graphs = capture = False
+        graph_sizes = config.cuda_graph_sizes or default_graph_sizes(config.max_num_seqs)
+        budget = config.kv_cache_memory_bytes
+        self.graph_memory_estimate = 0
+        """Bytes of ``kv_cache_memory_bytes`` left to the decode graphs (0: none captured, or a fixed block count)."""
+        if capture and config.num_kv_blocks is None:
+            max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+            self.graph_memory_estimate = graph_memory_estimate(local_mc, graph_sizes[-1], config.torch_dtype,
+                                                               -(-max_len // self.block_size))
+            budget -= self.graph_memory_estimate
+            if budget <= 0:
+                raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} leaves nothing for the KV "
+                                 f"cache after the decode graphs' {self.graph_memory_estimate} bytes (raise it, or "
+                                 "enforce_eager)")
+        n_blocks = config.num_kv_blocks or num_blocks_for_budget(local_mc, self.block_size, cache_dtype, budget)
         self.num_total_blocks = n_blocks
         # one sequence alone must always fit, so a sequence never waits forever for blocks
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
@@ -104,14 +125,6 @@ class LLMEngine:
             self.tp_group, model = TPGroup.start(config, mc, n_blocks, self.max_model_len)
         else:
             model = load_model(config, mc, self.max_model_len)
-        # decode graphs (engine/cuda_graphs.py) pad a batch with rows whose K/V go to one scratch block past the
-        # block manager's pool
-        graphs = tp == 1 and not config.enforce_eager and (device.type == "cuda" or config.static_decode_buffers)
-        if graphs and device.type == "cuda" and not config.static_decode_buffers:
-            why = eager_reason(device, config.torch_dtype, cache_dtype, local_mc.head_dim)
-            if why is not None:
-                logger.warning("decode graphs off, every step eager: %s", why)
-                graphs = False
         self.kv_caches: list[tuple[Tensor, Tensor]] = allocate_kv_caches(
             local_mc, n_blocks + graphs, self.block_size, cache_dtype, device,
             shared=config.kv_cache_shared and tp == 1)
@@ -125,12 +138,12 @@ class LLMEngine:
         else:
             runner = ModelRunner(model, self.kv_caches, self.block_size, sampler, generator)
         if graphs:
-            runner.graphs = DecodeGraphs(model, self.kv_caches, self.block_size,
-                                         config.cuda_graph_sizes or default_graph_sizes(config.max_num_seqs),
-                                         self.max_model_len, scratch_block=n_blocks,
-                                         capture=device.type == "cuda" and not config.static_decode_buffers)
+            runner.graphs = DecodeGraphs(model, self.kv_caches, self.block_size, graph_sizes, self.max_model_len,
+                                         scratch_block=n_blocks, capture=capture)
             runner.graphs.capture()
-            logger.info("decode graphs: %s", runner.graphs.describe())
+            logger.info("decode graphs: %s%s", runner.graphs.describe(),
+                        f" (estimated {self.graph_memory_estimate / 2**20:.0f} MiB, taken out of the KV budget)"
+                        if self.graph_memory_estimate else "")
         self._init_core(n_blocks, runner)
         self.spec_config = config.speculative_config
         self._proposer = None

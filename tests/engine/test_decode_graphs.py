@@ -154,6 +154,20 @@ def test_stale_table_columns_are_never_read():
     assert g2.block_tables[0, 1:4].tolist() == [32, 32, 32] and graphs.block_tables[0, 1:4].tolist() == [2, 3, 9]
 
 
+def test_uncaptured_buffers_leave_the_kv_budget_whole_and_the_estimate_grows_with_the_bucket():
+    eager, static = LLM("tiny", max_num_seqs=8), LLM("tiny", max_num_seqs=8, static_decode_buffers=True)
+    assert static.llm_engine.graph_memory_estimate == 0
+    assert static.llm_engine.num_total_blocks == eager.llm_engine.num_total_blocks
+    from engine.config import ModelConfig
+    from engine.cuda_graphs import graph_memory_estimate
+
+    mc = ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64)
+    one, many = (graph_memory_estimate(mc, b, torch.bfloat16, 256) for b in (1, 256))
+    # at least the bucket's float32 logits, and about linear in the bucket
+    assert many >= 256 * 128256 * 4 and 200 * one < many < 300 * one
+
+
 def test_buckets_and_their_limits():
     assert default_graph_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert default_graph_sizes(5) == [1, 2, 4, 5] and default_graph_sizes(1) == [1]
@@ -206,6 +220,10 @@ def test_captured_graphs_replay_the_static_path_on_cuda(dtype):
     static = LLM("tiny", static_decode_buffers=True, **kw)
     eager = LLM("tiny", enforce_eager=True, **kw)
     assert graphs_llm.llm_engine.runner.graphs.graphs  # captured
+    # what the capture took fits what was taken out of the KV budget for it
+    eng = graphs_llm.llm_engine
+    assert 0 < eng.runner.graphs.memory_bytes <= eng.graph_memory_estimate
+    assert eng.num_total_blocks < eager.llm_engine.num_total_blocks
     p = SamplingParams(max_tokens=24, temperature=0.0, logprobs=2)
     g = graphs_llm.generate(PROMPTS, p)
     _exact(g, static.generate(PROMPTS, p))
