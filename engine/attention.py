@@ -24,7 +24,10 @@ float32 through pdserve's flash-style prefill kernel (engine/csrc
 later chunk (chunked prefill, a prefix-cache hit, re-prefill after preemption)
 attends over its whole context: on CPU at float32 the same kernel reads the
 cached K/V through the block table (``prefill_attention_paged``, any cache
-dtype); elsewhere it gathers the cached K/V and uses SDPA with an explicit mask.
+dtype); on CUDA (float cache, power-of-2 head_dim) pdserve's Triton flash kernel
+(``paged_prefill_attention``) reads it through the block table the same way, as it
+does a first chunk whose sliding window is shorter than it; elsewhere it gathers
+the cached K/V and uses SDPA with an explicit mask.
 """
 from __future__ import annotations
 
@@ -219,6 +222,14 @@ def _prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, 
             # the block table, dequantized per row, instead of gathered whole and handed to SDPA with a mask
             return kern.prefill_attention_paged(q[s:e], k_cache, v_cache, span.block_table, span.ctx_len,
                                                 window or 0, D ** -0.5)
+    if q.device.type == "cuda" and not (span.num_computed == 0 and (window is None or window >= n)) \
+            and q.dtype in _TRITON_DTYPES and k_cache.dtype == q.dtype and D & (D - 1) == 0 and 16 <= D <= 256:
+        # where SDPA below would need the explicit [n, ctx] mask (a later chunk, or a window shorter than the
+        # chunk): pdserve's Triton flash kernel reads the context through the block table, GQA in place
+        tk = _triton_kernels(q.device)
+        if tk is not None:
+            return tk.paged_prefill_attention(q[s:e], k_cache, v_cache, span.block_table, span.num_computed, window,
+                                              D ** -0.5)
     qs = q[s:e].transpose(0, 1)  # [H, n, D]
     hkv, D = k.shape[1], k.shape[2]
     if span.num_computed == 0:

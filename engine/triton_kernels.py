@@ -1,4 +1,4 @@
-"""pdserve's Triton kernels for CUDA: paged decode attention, RMSNorm, silu * mul and in-place RoPE.
+"""pdserve's Triton kernels for CUDA: paged decode and prefill attention, RMSNorm, silu * mul and in-place RoPE.
 
 Lifecycle: nothing here runs at import. The first call of a kernel decorates it with ``triton.jit`` (once per
 process and interpreter mode, see ``_kernels``); Triton then compiles it on its first launch for each
@@ -11,7 +11,8 @@ tests/engine/test_triton_kernels.py checks them. Serving never calls them on CPU
 
 The decode kernel is CUDA-graph safe: its grid is a function of tensor shapes only (batch, KV heads), and the
 context lengths and block tables are read inside the kernel, so a captured launch replays correctly after the
-runner rewrites ``ctx_lens`` / ``block_tables`` in place. Nothing here synchronises with the host.
+runner rewrites ``ctx_lens`` / ``block_tables`` in place. Nothing here synchronises with the host. The prefill
+kernel takes its chunk's ``num_computed`` as a host int (prefill metadata, never captured in a graph).
 """
 from __future__ import annotations
 
@@ -103,6 +104,78 @@ if triton is not None:
         tl.store(O + b * so_b + heads[:, None] * so_h + offs_d[None, :] * so_d,
                  out.to(O.dtype.element_ty), mask=g_ok[:, None])
 
+    def _prefill_attention_kernel(Q, K, V, BT, O, qk_scale, nc, n, window,
+                                  sq_t, sq_h, sq_d, sk_n, sk_t, sk_h, sk_d, sv_n, sv_t, sv_h, sv_d, sbt,
+                                  so_t, so_h, so_d,
+                                  G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr,
+                                  UPCAST: tl.constexpr):
+        # one program per (query tile, query head): BLOCK_M rows of the chunk against the context's keys, BLOCK_N
+        # at a time, each key's row found through the block table (so a tile may span several cache blocks or part
+        # of one: any block size); the KV head h // G read in place, no GQA copies. Scores in log2 units (qk_scale
+        # folds log2(e) in), online softmax in fp32. UPCAST (bfloat16 in the interpreter only): Triton 3.6's
+        # interpreter holds bfloat16 as its uint16 bits and its tl.dot multiplies those bits, so the operands go in
+        # as exact float32 there; the GPU's bfloat16 MMA also multiplies exactly and sums in fp32, so the numerics
+        # tested are the GPU's.
+        mt = tl.num_programs(0) - 1 - tl.program_id(0)  # the last (longest) query tiles launched first
+        h = tl.program_id(1)
+        kvh = h // G
+        offs_m = mt * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D)
+        m_ok = offs_m < n
+        q = tl.load(Q + offs_m[:, None] * sq_t + h * sq_h + offs_d[None, :] * sq_d, mask=m_ok[:, None], other=0.0)
+        pos = nc + offs_m  # the queries' positions in the sequence
+        p_first = nc + mt * BLOCK_M
+        p_last = tl.minimum(p_first + BLOCK_M, nc + n) - 1
+        # query p sees keys p - window < k <= p (window <= ctx: the host clamps "no window" to ctx). The tile's rows
+        # see keys lo .. p_last; keys in [full_lo, full_hi) are seen by every row, so tiles inside it skip the mask
+        lo = tl.maximum(p_first - window + 1, 0)
+        full_lo = p_last - window + 1
+        full_hi = p_first + 1
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        # a while loop, not range(): see _decode_attention_kernel (this also forgoes software pipelining)
+        start = (lo // BLOCK_N) * BLOCK_N
+        while start <= p_last:
+            kpos = start + offs_n
+            k_ok = kpos <= p_last  # <= ctx - 1: no block-table entry past the context is read
+            blk = tl.load(BT + (kpos // BS) * sbt, mask=k_ok, other=0).to(tl.int64)
+            off = kpos % BS
+            kt = tl.load(K + blk[None, :] * sk_n + off[None, :] * sk_t + kvh * sk_h + offs_d[:, None] * sk_d,
+                         mask=k_ok[None, :], other=0.0)  # [D, BLOCK_N]
+            if FP32:  # IEEE, not TF32: float32 matches the SDPA path to ~1e-6
+                s = tl.dot(q, kt, input_precision="ieee")
+            elif UPCAST:
+                s = tl.dot(q.to(tl.float32), kt.to(tl.float32), input_precision="ieee")
+            else:
+                s = tl.dot(q, kt)
+            s = s * qk_scale
+            if (start < full_lo) | (start + BLOCK_N > full_hi):  # some key outside some row's causal window
+                keep = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - window)
+                s = tl.where(keep, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # a row may see no key in a tile before its first live one (a window's lower edge): keep it at 0, not NaN
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_use)
+            p = tl.math.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(V + blk[:, None] * sv_n + off[:, None] * sv_t + kvh * sv_h + offs_d[None, :] * sv_d,
+                        mask=k_ok[:, None], other=0.0)  # [BLOCK_N, D]
+            if FP32:
+                acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+            elif UPCAST:
+                acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc * alpha[:, None],
+                             input_precision="ieee")
+            else:  # P rounded to the cache dtype for the tensor cores, as flash attention does
+                acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
+            start += BLOCK_N
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i > 0 on every live row (it sees its own key)
+        tl.store(O + offs_m[:, None] * so_t + h * so_h + offs_d[None, :] * so_d, out.to(O.dtype.element_ty),
+                 mask=m_ok[:, None])
+
     def _rms_norm_kernel(X, W, Y, sx, sy, h, eps, BLOCK: tl.constexpr, FP32: tl.constexpr):
         r = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
@@ -161,7 +234,8 @@ def _kernels() -> SimpleNamespace:
     k = _BUILT.get(mode)
     if k is None:
         k = _BUILT[mode] = SimpleNamespace(
-            decode=triton.jit(_decode_attention_kernel), rms_norm=triton.jit(_rms_norm_kernel),
+            decode=triton.jit(_decode_attention_kernel), prefill=triton.jit(_prefill_attention_kernel),
+            rms_norm=triton.jit(_rms_norm_kernel),
             silu_mul=triton.jit(_silu_mul_kernel), rope=triton.jit(_rope_kernel))
     return k
 
@@ -205,6 +279,69 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         *q.stride(), *k_cache.stride()[:3], k_cache.stride(3), *v_cache.stride(), *block_tables.stride(),
         *out.stride(), G=G, G_P=G_P, D=D, BS=BS, BS_P=BS_P,
         num_warps=4 if G_P * BS_P * D <= 8192 else 8)
+    return out
+
+
+def _prefill_config(n: int, D: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """BLOCK_M, BLOCK_N, num_warps of ``paged_prefill_attention`` for a chunk of n rows.
+
+    16-bit (the serving case, wgmma on Hopper): a warpgroup (4 warps) issues 64-row MMAs, so BLOCK_M = 128 on 8
+    warps is two warpgroups sharing each K/V tile (half the K/V reads per query row of 64 rows). BLOCK_N = 64: the
+    loop is not software-pipelined (a while loop), so K/V pass through registers on their way to shared memory; at
+    D = 128 the [128, 64] tiles take ~170 registers a thread, [128, 128] ~250 (at the edge of spilling). A chunk of
+    <= 64 rows (a short suffix after a prefix-cache hit) takes one warpgroup's 64 rows, wasting less; D = 256 takes
+    64 rows on 8 warps (128 rows spill). float32 runs IEEE FMA dots (no tensor cores: parity, not speed), whose
+    operand fragments grow with D: [32, 32] tiles to D = 64, [16, 16] above, 8 warps. (Register counts: ptxas -v on
+    these configurations compiled for sm_90a, no spills except float32 at D = 256, a few hundred bytes.)"""
+    if dtype == torch.float32:
+        return (32, 32, 8) if D <= 64 else (16, 16, 8)
+    if D > 128:
+        return 64, 64, 8
+    if n <= 64:
+        return 64, 64, 4
+    return 128, 64, 8
+
+
+def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, num_computed: int,
+                            window: Optional[int], scale: float) -> Tensor:
+    """One prefill chunk's causal attention over its whole context, K/V read in place through the block table.
+
+    q [n, H, D] (any strides: a view of the qkv projection does); k_cache / v_cache [N, block_size, Hkv, D] in q's
+    float dtype, holding the context's K/V including the chunk's own (written before); block_table [nb] int64
+    covering ctx = num_computed + n tokens (entries past that are never read); num_computed a host int (prefill
+    metadata; never captured in a CUDA graph). Same semantics as attention.prefill_mask: the query at position
+    p = num_computed + i attends key k iff k <= p and (no window or k > p - window; window 0 or None is no window);
+    query head h reads KV head h // (H / Hkv). Returns [n, H, D] in q's dtype. Raises ValueError for a head_dim
+    that is not a power of 2 in 16..256.
+
+    Flash attention over the paged cache (after vLLM's / SGLang's Triton prefix-prefill / extend kernels): query
+    tiles of BLOCK_M rows per head, key tiles of BLOCK_N tokens gathered through the block table, both matmuls on
+    ``tl.dot`` (fp32 at IEEE precision), no [n, ctx] mask and no K/V copies (tile sizes: ``_prefill_config``)."""
+    n, H, D = q.shape
+    N, BS, Hkv, Dk = k_cache.shape
+    if D & (D - 1) or not 16 <= D <= 256:
+        raise ValueError(f"paged_prefill_attention needs a power-of-2 head_dim in 16..256, got head_dim={D}")
+    if Dk != D or v_cache.shape != k_cache.shape or H % Hkv:
+        raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)}")
+    if q.dtype not in _FLOATS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q and the cache must share a float dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    nc = int(num_computed)
+    ctx = nc + n
+    if nc < 0 or block_table.dim() != 1 or block_table.shape[0] * BS < ctx:
+        raise ValueError(f"block_table {tuple(block_table.shape)} of {BS}-token blocks does not cover "
+                         f"num_computed={nc} + {n} tokens")
+    out = q.new_empty(n, H, D)
+    if n == 0:
+        return out
+    # no window (or one as long as the context) is the same mask as a window of ctx: keeps the arithmetic in int32
+    w = min(int(window), ctx) if window else ctx
+    BM, BN, warps = _prefill_config(n, D, q.dtype)
+    _kernels().prefill[(triton.cdiv(n, BM), H)](
+        q, k_cache, v_cache, block_table, out, float(scale) * 1.4426950408889634, nc, n, w,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0), *out.stride(),
+        G=H // Hkv, D=D, BS=BS, BLOCK_M=BM, BLOCK_N=BN, FP32=q.dtype == torch.float32,
+        UPCAST=q.dtype == torch.bfloat16 and _interpret(), num_warps=warps)
     return out
 
 

@@ -1,8 +1,9 @@
 """pdserve's Triton kernels (engine/triton_kernels.py), run on CPU in Triton's interpreter.
 
 The kernels are the CUDA path; here ``TRITON_INTERPRET=1`` runs the same kernel bodies on CPU tensors through
-numpy, checked against independent references: attention.gather_decode_attention (the gather + SDPA path) and a
-float64 softmax(q k^T) v written below, and layer_ops.TorchOps for the norm, RoPE and silu * mul.
+numpy, checked against independent references: attention.gather_decode_attention and attention._prefill's SDPA path
+(the gather + SDPA paths), float64 softmax(q k^T) v references (triton_cases.py), and layer_ops.TorchOps for the
+norm, RoPE and silu * mul.
 
 Tolerances: float32 to ~1e-5. float16 elementwise ops to the last bit (numpy rounds to nearest even as the GPU
 does), so they check that every intermediate is rounded where torch rounds it. bfloat16 only loosely: the
@@ -44,10 +45,11 @@ if not isinstance(triton.language.sum, InterpretedFunction):
                        "language functions cannot run in the interpreter (import triton after this module)")
 
 from engine import triton_kernels as tk  # noqa: E402
-from engine.attention import AttentionMetadata, apply_rope, gather_decode_attention  # noqa: E402
+from engine import attention  # noqa: E402
+from engine.attention import AttentionMetadata, PrefillSpan, apply_rope, gather_decode_attention  # noqa: E402
 from engine.layer_ops import TorchOps, TritonOps  # noqa: E402
 
-from .triton_cases import _case, _naive  # noqa: E402
+from .triton_cases import _case, _naive, _naive_prefill, _prefill_case  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -175,6 +177,129 @@ def test_decode_attention_rejects_head_dim(D):
     q, kc, vc, bt, ctx = _case([3], 2, 1, D, 4, torch.float32)
     with pytest.raises(ValueError, match="head_dim"):
         _decode(q, kc, vc, bt, ctx, None)
+
+
+# -- paged prefill attention ---------------------------------------------------------------------------------
+
+def _prefill(q: Tensor, kc: Tensor, vc: Tensor, bt: Tensor, nc: int, window: Optional[int]) -> Tensor:
+    return tk.paged_prefill_attention(q, kc, vc, bt, nc, window, q.shape[-1] ** -0.5)
+
+
+def _sdpa_prefill(monkeypatch, q: Tensor, kc: Tensor, vc: Tensor, bt: Tensor, nc: int, window: Optional[int],
+                  start: int = 0) -> Tensor:
+    """attention._prefill's SDPA path for the span q[start:start + n] (the CPU C++ kernel patched away): the gather +
+    SDPA with the explicit mask for a later chunk, SDPA is_causal on the chunk's own K/V for a first one."""
+    monkeypatch.setattr(attention, "cpu_kernels", lambda: None)
+    n, Hkv, D = q.shape[0] - start, kc.shape[2], q.shape[2]
+    fresh = lambda c: c[bt].reshape(-1, Hkv, D)[nc:nc + n]  # the chunk's K/V as write_kv wrote them  # noqa: E731
+    pad = lambda t: torch.cat([t.new_zeros(start, *t.shape[1:]), t])  # noqa: E731
+    span = PrefillSpan(start=start, end=start + n, num_computed=nc, block_table=bt)
+    return attention._prefill(q, pad(fresh(kc)), pad(fresh(vc)), kc, vc, span, window, q.shape[1] // Hkv)
+
+
+PREFILL_CASES = {  # num_computed, n, H, Hkv, D, block_size, window, tiles (BLOCK_M, BLOCK_N; None: _prefill_config's)
+    "first-chunk-mha-d16": (0, 37, 4, 4, 16, 16, None, None),
+    "later-chunk-gqa4-d64-bs8": (21, 37, 8, 2, 64, 8, None, None),
+    "one-row-gqa4": (45, 1, 8, 2, 16, 16, None, None),
+    "five-rows-gqa4-window-bs8": (13, 5, 4, 1, 16, 8, 7, None),
+    "window-spans-blocks-16-tiles": (21, 37, 8, 2, 16, 8, 20, (16, 16)),
+    "first-chunk-window-under-chunk": (0, 37, 4, 1, 16, 16, 5, (16, 16)),
+    "bs12-not-pow2-16-tiles": (50, 70, 4, 2, 32, 12, None, (16, 16)),
+    "bs32-key-tiles-inside-a-block": (40, 30, 4, 2, 16, 32, 25, (16, 16)),
+    "query-tiles-over-blocks-window": (9, 70, 2, 1, 16, 16, 19, (16, 32)),
+}
+
+
+def _tiles(monkeypatch, tiles: Optional[tuple[int, int]]) -> None:
+    # small tiles: several query tiles and key tiles (fully masked for some rows) at an interpreter-sized cost
+    if tiles is not None:
+        monkeypatch.setattr(tk, "_prefill_config", lambda n, D, dtype: (*tiles, 4))
+
+
+@pytest.mark.parametrize("name", list(PREFILL_CASES))
+def test_prefill_attention_float32(monkeypatch, name):
+    nc, n, H, Hkv, D, bs, window, tiles = PREFILL_CASES[name]
+    q, kc, vc, bt = _prefill_case(nc, n, H, Hkv, D, bs, torch.float32, extra=1, seed=20)
+    _tiles(monkeypatch, tiles)
+    out = _prefill(q, kc, vc, bt, nc, window)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.double(), _naive_prefill(q, kc, vc, bt, nc, window), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, _sdpa_prefill(monkeypatch, q, kc, vc, bt, nc, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_attention_16bit(monkeypatch, dtype, window):
+    # fp32 scores and accumulator; P rounded to the dtype for the second matmul (as on the tensor cores) and the
+    # output once: a few 16-bit ulps of the exact answer (bf16 truncated in the interpreter), and of torch's SDPA.
+    # n = 70 takes the 128-row tile; with 16 x 16 tiles several query and key tiles
+    q, kc, vc, bt = _prefill_case(29, 70, 8, 2, 64, 16, dtype, seed=21)
+    ref = _naive_prefill(q, kc, vc, bt, 29, window)
+    tol = 2 ** -6 if dtype == torch.bfloat16 else 2 ** -8
+    for tiles in (None, (16, 16)):
+        _tiles(monkeypatch, tiles)
+        out = _prefill(q, kc, vc, bt, 29, window)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), _sdpa_prefill(monkeypatch, q, kc, vc, bt, 29, window).float(),
+                               atol=2 * tol, rtol=2 * tol)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_prefill_attention_every_tile_alignment(monkeypatch, window):
+    # num_computed 0..15 against 16 x 16 tiles (two query tiles of a 21-row chunk): every offset of the diagonal,
+    # the window's lower edge and the context's end within a key tile, where an off-by-one in the tile bounds or
+    # in which tiles skip the mask would show
+    _tiles(monkeypatch, (16, 16))
+    for nc in range(16):
+        q, kc, vc, bt = _prefill_case(nc, 21, 2, 1, 16, 8, torch.float32, seed=30 + nc)
+        torch.testing.assert_close(_prefill(q, kc, vc, bt, nc, window).double(),
+                                   _naive_prefill(q, kc, vc, bt, nc, window), atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"num_computed={nc}: {m}")
+
+
+def test_prefill_attention_large_logits_stay_finite(monkeypatch):
+    # scores in the hundreds, the running max rising from key tile to key tile: the rescale of the accumulator and
+    # the sum by exp(m_old - m_new) must happen, and exp without the max subtracted would overflow
+    q, kc, vc, bt = _prefill_case(40, 20, 4, 2, 16, 8, torch.float32, seed=22)
+    kc *= torch.linspace(1, 3, kc.shape[0] * kc.shape[1]).view(kc.shape[0], kc.shape[1], 1, 1)
+    q *= 30
+    _tiles(monkeypatch, (16, 16))
+    out = _prefill(q, kc, vc, bt, 40, None)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), _naive_prefill(q, kc, vc, bt, 40, None), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("nc, window", [(0, None), (0, 6), (19, None), (19, 6)])
+def test_prefill_attention_strided_q_in_a_batch(monkeypatch, nc, window):
+    # the engine hands q as a view of the qkv projection ([T, H + 2 Hkv, D], query heads first) and the chunk at
+    # rows start..end of the flat batch; _prefill slices it and the kernel reads it through its strides
+    _, kc, vc, bt = _prefill_case(nc, 23, 4, 2, 16, 8, torch.float32, seed=23)
+    qkv = torch.randn(3 + 23, 8, 16, generator=torch.Generator().manual_seed(24))
+    q = qkv[:, :4]
+    assert not q.is_contiguous()
+    out = _prefill(q[3:], kc, vc, bt, nc, window)
+    torch.testing.assert_close(out.double(), _naive_prefill(q[3:], kc, vc, bt, nc, window), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, _sdpa_prefill(monkeypatch, q, kc, vc, bt, nc, window, start=3),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("D", [8, 48, 512])
+def test_prefill_attention_rejects_head_dim(D):
+    q, kc, vc, bt = _prefill_case(2, 3, 2, 1, D, 4, torch.float32)
+    with pytest.raises(ValueError, match="head_dim"):
+        _prefill(q, kc, vc, bt, 2, None)
+
+
+def test_prefill_attention_edges():
+    q, kc, vc, bt = _prefill_case(5, 4, 2, 1, 16, 4, torch.float32)
+    assert _prefill(q[:0], kc, vc, bt, 5, None).shape == (0, 2, 16)
+    with pytest.raises(ValueError, match="does not cover"):  # 3 blocks of 4 for 9 tokens
+        _prefill(q, kc, vc, bt[:2], 5, None)
+    with pytest.raises(ValueError, match="dtype"):
+        _prefill(q.double(), kc, vc, bt, 5, None)
+    # a window as long as the context is no window
+    torch.testing.assert_close(_prefill(q, kc, vc, bt, 5, 9), _prefill(q, kc, vc, bt, 5, None), atol=0, rtol=0)
 
 
 # -- RMSNorm, silu * mul, RoPE -------------------------------------------------------------------------------

@@ -2,17 +2,20 @@
 bodies on CPU). Skipped without CUDA; benchmarks/device_session.sh's engine phase runs this module in a pytest
 process of its own, since the interpreter tests import triton in interpreter mode for their whole process.
 
-Checked against the float64 reference (triton_cases._naive) and the gather + SDPA path on the same GPU tensors;
-then captured in a real CUDA graph, the block tables and lengths rewritten in place, and replayed.
+Decode attention: checked against the float64 reference (triton_cases._naive) and the gather + SDPA path on the same
+GPU tensors; then captured in a real CUDA graph, the block tables and lengths rewritten in place, and replayed.
+Prefill attention: against the float64 reference (triton_cases._naive_prefill), up to 300 query rows over 1000
+context tokens, and attention._prefill's dispatch against its SDPA path.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from .triton_cases import _case, _naive
+from .triton_cases import _case, _naive, _naive_prefill, _prefill_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device_session.sh)")
+DEVICE = torch.device("cuda")  # the prefill kernel test also runs on CPU in the interpreter if this is changed
 
 
 def _meta(q, kc, bt, ctx):
@@ -55,6 +58,55 @@ def test_cuda_decode_attention_replays_in_a_cuda_graph():
     torch.cuda.synchronize()
     ref = _naive(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), ctx.cpu(), None)
     torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+PREFILL_CASES = {  # num_computed, n, H, Hkv, D, block_size, window
+    "later-chunk-gqa4": (21, 37, 8, 2, 64, 16, None),
+    "first-chunk-window-under-chunk": (0, 100, 8, 2, 64, 16, 20),
+    "300-rows-over-1000-gqa4": (700, 300, 32, 8, 128, 16, None),
+    "300-rows-over-1000-window-bs8": (700, 300, 32, 8, 128, 8, 256),
+    "d256-short-chunk-window": (50, 40, 4, 1, 256, 16, 33),
+}
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("name", list(PREFILL_CASES))
+def test_cuda_prefill_attention_against_reference(name, dtype, tol):
+    from engine import triton_kernels as tk
+
+    nc, n, H, Hkv, D, bs, window = PREFILL_CASES[name]
+    q, kc, vc, bt = _prefill_case(nc, n, H, Hkv, D, bs, dtype, extra=2, seed=7)
+    ref = _naive_prefill(q, kc, vc, bt, nc, window)
+    out = tk.paged_prefill_attention(*(t.to(DEVICE) for t in (q, kc, vc, bt)), nc, window, D ** -0.5)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("nc, window, kernel", [(0, None, False), (0, 6, True), (21, None, True), (21, 6, True)])
+def test_cuda_prefill_dispatch_against_sdpa(monkeypatch, dtype, tol, nc, window, kernel):
+    # attention._prefill on CUDA: the kernel where SDPA would need the explicit mask (a later chunk, or a window
+    # shorter than the chunk), SDPA is_causal for a first chunk without one; q a view of a qkv batch, the chunk
+    # at rows 3.. of it
+    from engine import attention, triton_kernels as tk
+    from engine.attention import PrefillSpan
+
+    n, H, Hkv, D = 37, 8, 2, 64
+    q, kc, vc, bt = (t.cuda() for t in _prefill_case(nc, n, H, Hkv, D, 16, dtype, extra=1, seed=8))
+    qkv = torch.randn(3 + n, H + 2 * Hkv, D, device="cuda").to(dtype)
+    qkv[3:, :H] = q
+    fresh = [torch.cat([c.new_zeros(3, Hkv, D), c[bt].reshape(-1, Hkv, D)[nc:nc + n]]) for c in (kc, vc)]
+    span = PrefillSpan(start=3, end=3 + n, num_computed=nc, block_table=bt)
+    calls = []
+    real = tk.paged_prefill_attention
+    monkeypatch.setattr(tk, "paged_prefill_attention", lambda *a: calls.append(1) or real(*a))
+    got = attention._prefill(qkv[:, :H], *fresh, kc, vc, span, window, H // Hkv)
+    assert len(calls) == int(kernel)
+    monkeypatch.setattr(attention, "_triton_kernels", lambda device: None)
+    want = attention._prefill(qkv[:, :H], *fresh, kc, vc, span, window, H // Hkv)
+    torch.testing.assert_close(got.float(), want.float(), atol=2 * tol, rtol=2 * tol)
+    torch.testing.assert_close(got.double().cpu(), _naive_prefill(q.cpu(), kc.cpu(), vc.cpu(), bt.cpu(), nc, window),
+                               atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
