@@ -16,8 +16,11 @@ engine allocates its cache one block larger than the block manager's pool, ``scr
 that one row: they read and write nothing of any request. Block-table columns past a step's widest row keep
 earlier steps' block ids (always valid indices); every kernel masks keys at or past a row's context length, so they
 are never read. A graph's decode attention therefore has to read K/V through the block tables with the lengths
-read on the device (pdserve's Triton kernel on CUDA, engine/triton_kernels.py; the gather+SDPA fallback is correct
-too, at the cost of the full table width).
+read on the device: pdserve's Triton kernel on CUDA (engine/triton_kernels.py). Where it cannot run (``eager_reason``:
+no Triton, an int8 cache, a head_dim it does not take) the engine captures nothing and says why once: the gather +
+SDPA fallback would be correct, but would gather the whole table width, ``max_model_len`` keys a row, every step.
+Captured graphs hold memory: ``graph_memory_estimate`` of it is taken out of ``kv_cache_memory_bytes`` before the
+cache is sized, and the capture logs what it really took.
 
 Without capture (``capture=False``: ``static_decode_buffers`` on any device, what the CPU tests use) ``run``
 calls the same forward on the same buffers each step, so bucketing, padding and buffer bookkeeping are checked

@@ -14,7 +14,10 @@ under a structured-outputs constraint have their masks computed while the
 model runs (``engine.structured_outputs.MaskBatch``, on the engine's grammar
 compiler, ``grammar``, set by the engine on first use). It returns a
 plain ``RunnerOutput``; the engine does all sequence bookkeeping, including
-which drafts are accepted.
+which drafts are accepted. Where the engine gave the runner decode graphs
+(``graphs``: engine/cuda_graphs.py), a pure decode step (single-token rows that all
+sample, no prefill chunk, no per-layer hook, at most the largest bucket) is run by
+replaying its bucket's graph over static buffers instead, then sampled the same way.
 """
 from __future__ import annotations
 
