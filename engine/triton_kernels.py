@@ -244,6 +244,19 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _NO_WINDOW = 1 << 62
 
 
+def _check_attention(kind: str, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
+    """ValueError unless q [.., H, D] and the caches [N, block_size, Hkv, D] fit the attention kernels."""
+    H, D = q.shape[-2:]
+    Hkv, Dk = k_cache.shape[2], k_cache.shape[3]
+    if D & (D - 1) or not 16 <= D <= 256:
+        raise ValueError(f"paged_{kind}_attention needs a power-of-2 head_dim in 16..256, got head_dim={D}")
+    if Dk != D or v_cache.shape != k_cache.shape or H % Hkv:
+        raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)}")
+    if q.dtype not in _FLOATS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q and the cache must share a float dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+
+
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, ctx_lens: Tensor,
                            window: Optional[int], scale: float) -> Tensor:
     """One query per sequence over its paged context, K/V read in place through the block table.
@@ -260,13 +273,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     through TF32, which would break the float32 parity with the gather + SDPA path."""
     B, H, D = q.shape
     N, BS, Hkv, Dk = k_cache.shape
-    if D & (D - 1) or not 16 <= D <= 256:
-        raise ValueError(f"paged_decode_attention needs a power-of-2 head_dim in 16..256, got head_dim={D}")
-    if Dk != D or v_cache.shape != k_cache.shape or H % Hkv:
-        raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
-                         f"v_cache {tuple(v_cache.shape)}")
-    if q.dtype not in _FLOATS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q and the cache must share a float dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    _check_attention("decode", q, k_cache, v_cache)
     if block_tables.shape[0] != B or ctx_lens.shape != (B,):
         raise ValueError(f"block_tables {tuple(block_tables.shape)} / ctx_lens {tuple(ctx_lens.shape)} vs batch {B}")
     G = H // Hkv
@@ -319,13 +326,7 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     ``tl.dot`` (fp32 at IEEE precision), no [n, ctx] mask and no K/V copies (tile sizes: ``_prefill_config``)."""
     n, H, D = q.shape
     N, BS, Hkv, Dk = k_cache.shape
-    if D & (D - 1) or not 16 <= D <= 256:
-        raise ValueError(f"paged_prefill_attention needs a power-of-2 head_dim in 16..256, got head_dim={D}")
-    if Dk != D or v_cache.shape != k_cache.shape or H % Hkv:
-        raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
-                         f"v_cache {tuple(v_cache.shape)}")
-    if q.dtype not in _FLOATS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q and the cache must share a float dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    _check_attention("prefill", q, k_cache, v_cache)
     nc = int(num_computed)
     ctx = nc + n
     if nc < 0 or block_table.dim() != 1 or block_table.shape[0] * BS < ctx:

@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from transport.shared_memory import segment_view
+
 __all__ = ["CudaHandle", "CudaSegment", "cuda_segment_of", "open_handle"]
 
 
@@ -107,15 +109,7 @@ class CudaSegment:
 
     def view(self, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` over this segment from byte ``offset``; it keeps the segment alive."""
-        n = 1
-        for d in shape:
-            n *= d
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
-        if offset < 0 or offset + nbytes > self.nbytes:
-            raise ValueError(f"view of {nbytes} bytes at {offset} overruns the {self.nbytes}-byte segment")
-        out = self.tensor[offset:offset + nbytes].view(dtype).view(shape)
-        out._pdserve_segment = self
-        return out
+        return segment_view(self, self.tensor, offset, shape, dtype)
 
 
 def cuda_segment_of(t: torch.Tensor) -> Optional[CudaSegment]:

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["SegmentHandle", "SharedSegment", "map_segment", "segment_of", "shared_memory_unavailable"]
+__all__ = ["SegmentHandle", "SharedSegment", "map_segment", "segment_of", "segment_view", "shared_memory_unavailable"]
 
 
 @dataclass(frozen=True)
@@ -101,15 +101,7 @@ class SharedSegment:
 
     def view(self, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` over this segment from byte ``offset``; it keeps the segment alive."""
-        n = 1
-        for d in shape:
-            n *= d
-        nbytes = n * torch.empty((), dtype=dtype).element_size()
-        if offset < 0 or offset + nbytes > self.handle.nbytes:
-            raise ValueError(f"view of {nbytes} bytes at {offset} overruns the {self.handle.nbytes}-byte segment")
-        out = self.tensor[offset:offset + nbytes].view(dtype).view(shape)
-        out._pdserve_segment = self  # the registry holds segments weakly: the views keep theirs
-        return out
+        return segment_view(self, self.tensor, offset, shape, dtype)
 
     def close(self) -> None:
         with _live_lock:
@@ -127,6 +119,20 @@ class SharedSegment:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+def segment_view(owner: object, memory: torch.Tensor, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` over the uint8 ``memory`` from byte ``offset`` that keeps ``owner`` (the
+    segment, which registries hold weakly) alive; ValueError if it would overrun ``memory``."""
+    n = 1
+    for d in shape:
+        n *= d
+    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    if offset < 0 or offset + nbytes > memory.numel():
+        raise ValueError(f"view of {nbytes} bytes at {offset} overruns the {memory.numel()}-byte segment")
+    out = memory[offset:offset + nbytes].view(dtype).view(shape)
+    out._pdserve_segment = owner
+    return out
 
 
 def segment_of(t: torch.Tensor) -> Optional[SharedSegment]:

@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 
-import psutil
 import pytest
 
 from engine.sampling_params import SamplingParams
 from tests.e2e.helpers import generate, offline
 from tests.e2e.test_pdserve_up import UpProcess, _pdserve
-from tests.multinode.ray_nodes import procs_of
+from tests.multinode.ray_nodes import procs_of, start_head, stop_head
 from tests.waiting import wait_until
 
 # Token auth would need the head's token in the driver's environment; this private head is loopback-only.
@@ -38,35 +35,14 @@ def _ray_cli() -> str:
 def ray_head():
     """(GCS address, a function listing the head's processes)."""
     tmp = tempfile.mkdtemp(prefix="pdh", dir="/tmp")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-
-    def head_procs() -> list[psutil.Process]:
-        return procs_of(tmp, port)
-
-    r = subprocess.run([_ray_cli(), "start", "--head", f"--port={port}", "--num-cpus=4",
-                        "--resources", '{"prefill": 1, "decode": 1}', f"--temp-dir={tmp}",
-                        "--include-dashboard=false", "--disable-usage-stats"],
-                       capture_output=True, text=True, timeout=120, env=ENV)
+    port = 0
     try:
-        assert r.returncode == 0, r.stderr[-2000:]
-        yield f"127.0.0.1:{port}", head_procs
+        port = start_head(tmp, lambda _port: ["--num-cpus=4", "--resources", '{"prefill": 1, "decode": 1}',
+                                              f"--temp-dir={tmp}", "--include-dashboard=false",
+                                              "--disable-usage-stats"], env=ENV)
+        yield f"127.0.0.1:{port}", lambda: procs_of(tmp, port)
     finally:
-        procs = head_procs()
-        for p in procs:
-            try:
-                p.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(procs, timeout=3)
-        for p in alive:  # some Ray daemons linger on SIGTERM; these are ours (our temp dir), so kill them
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=5)
-        shutil.rmtree(tmp, ignore_errors=True)
+        stop_head(tmp, port)
 
 
 def _ray_status(address: str) -> str:

@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 import psutil
 
@@ -68,35 +68,60 @@ def _ray_cli() -> str:
     return os.path.join(os.path.dirname(_pdserve()[0]), "ray")
 
 
+_PORT_TAKEN = ("Failed to start the grpc server", "already in use", "Address already in use")
+
+
+def start_head(tmp: str, args_for: Callable[[int], list[str]], env: Optional[dict] = None, tries: int = 4) -> int:
+    """``ray start --head`` with its GCS on a free port (``args_for(port)``: the rest of the command line); returns
+    the port. A free port is only free until someone binds it: another test's process may take it between our pick
+    and Ray's bind, so a start that failed for its port (Ray says so) is cleaned up and retried on a new one."""
+    for attempt in range(tries):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        r = subprocess.run([_ray_cli(), "start", "--head", f"--port={port}", *args_for(port)], capture_output=True,
+                           text=True, timeout=120, env=ENV if env is None else env)
+        if r.returncode == 0:
+            return port
+        stop_head(tmp, port, keep_dir=True)
+        if attempt == tries - 1 or not any(m in r.stderr for m in _PORT_TAKEN):
+            raise AssertionError(r.stderr[-3000:])
+    raise AssertionError("unreachable")
+
+
+def stop_head(tmp: str, port: int, keep_dir: bool = False) -> None:
+    """End the processes of the head started in ``tmp`` on ``port`` (ours, by their temp dir, never by name)."""
+    procs = procs_of(tmp, port)
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=3)
+    for p in alive:  # some Ray daemons linger on SIGTERM
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=5)
+    if not keep_dir:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def autoscaling_head(node_types: dict) -> Iterator[str]:
     """``node_types``: name -> (resources incl. CPU, min_workers, max_workers). Yields the GCS address."""
     tmp = tempfile.mkdtemp(prefix="pdm", dir="/tmp")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    address = f"127.0.0.1:{port}"
     config = os.path.join(tmp, "autoscaling.json")
-    with open(config, "w") as f:
-        json.dump(_config(node_types, address), f)
+
+    def args_for(port: int) -> list[str]:
+        with open(config, "w") as f:  # the autoscaler's config names the head's address
+            json.dump(_config(node_types, f"127.0.0.1:{port}"), f)
+        return ["--node-ip-address=127.0.0.1", "--num-cpus=0", f"--temp-dir={tmp}",
+                f"--autoscaling-config={config}", "--include-dashboard=false", "--disable-usage-stats"]
+
+    port = 0
     try:
-        r = subprocess.run([_ray_cli(), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-                            "--num-cpus=0", f"--temp-dir={tmp}", f"--autoscaling-config={config}",
-                            "--include-dashboard=false", "--disable-usage-stats"],
-                           capture_output=True, text=True, timeout=120, env=ENV)
-        assert r.returncode == 0, r.stderr[-3000:]
-        yield address
+        port = start_head(tmp, args_for)
+        yield f"127.0.0.1:{port}"
     finally:
-        procs = procs_of(tmp, port)
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                p.terminate()
-        _, alive = psutil.wait_procs(procs, timeout=3)
-        for p in alive:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        psutil.wait_procs(alive, timeout=5)
-        shutil.rmtree(tmp, ignore_errors=True)
+        stop_head(tmp, port)
 
 
 _NODES = """
