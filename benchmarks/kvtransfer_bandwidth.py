@@ -31,7 +31,12 @@ Then the fixed cost: the median time of a one-block transfer (16 tokens, one
 layer, 1 head x 64 fp32 = 8 KiB) against a raw gloo send of the same bytes plus
 a 1-byte reply. Results print as a table (rich) and optionally as JSON.
 
+``--copy-bound``: instead, in this one process, the receiver's copy of a pull alone (``kvtransfer.shm.pull_rows``
+from a shared cache, its mapping cached as a pair caches it; per layer and all layers in one frame) against one
+``Tensor.copy_`` of the same bytes (this thread's memcpy): how near the pull's copy is to the copy it cannot beat.
+
 Usage: python benchmarks/kvtransfer_bandwidth.py [--sizes-mib 1 4 16 64 256] [--reps 5] [--json out.json]
+       python benchmarks/kvtransfer_bandwidth.py --copy-bound --sizes-mib 64 128 [--reps 5]
 """
 from __future__ import annotations
 
@@ -131,6 +136,49 @@ def receiver(conn, store_port: int, threads: int) -> None:
     lsock.close()
 
 
+def copy_bound(sizes_mib: list[int], reps: int) -> None:
+    """``--copy-bound`` (see the module docstring): GiB/s of pull_rows per layer, in one frame, and of memcpy."""
+    from kvtransfer.layout import CacheLayout, TokenRows
+    from kvtransfer.shm import pull_descriptor, pull_rows
+    from transport.shared_memory import map_segment
+
+    class Peer:  # the receiver side of a pair: the sender's segment mapped once
+        counts = {"pull_frames": 0}
+        mapped: dict = {}
+
+        def peer_segment(self, h):
+            if h not in self.mapped:
+                self.mapped[h] = map_segment(h)
+            return self.mapped[h]
+
+    peer = Peer()
+    for mib in sizes_mib:
+        tokens = (mib << 20) // (LAYERS * 2 * ROW)
+        nb = -(-tokens // SRC_BS)
+        src = share_kv_caches(_cache(nb, SRC_BS))
+        dst = _cache(-(-tokens // DST_BS), DST_BS)
+        sr = TokenRows(CacheLayout.of(src), list(range(nb)), tokens, "src")
+        dr = TokenRows(CacheLayout.of(dst), list(range(len(dst[0][0]))), tokens, "dst")
+        nbytes = tokens * LAYERS * 2 * ROW
+        a = torch.empty(nbytes, dtype=torch.uint8)
+        b = torch.ones_like(a)
+        rates = {}
+        for name, frames in (("pull per layer", [(i, i + 1) for i in range(LAYERS)]), ("pull one frame", [(0, LAYERS)]),
+                             ("memcpy", None)):
+            ts = []
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                if frames is None:
+                    a.copy_(b)
+                for lo, hi in frames or ():
+                    desc = pull_descriptor(src, sr, lo, hi, 32 << 10)
+                    pull_rows(peer, torch.frombuffer(bytearray(desc), dtype=torch.uint8), lo, hi, tokens, ROW, dst, dr)
+                ts.append(time.perf_counter() - t0)
+            rates[name] = nbytes / GIB / statistics.median(ts[1:])
+        print(f"{mib} MiB: " + ", ".join(f"{k} {v:.2f} GiB/s ({v / rates['memcpy']:.2f}x memcpy)"
+                                        for k, v in rates.items()), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256])
@@ -142,8 +190,13 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
                     help="int8: also compare a prompt's transfer from an int8 cache with float32 (bench geometry)")
     ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[512, 2048, 8192])
+    ap.add_argument("--copy-bound", action="store_true",
+                    help="only the receiver's copy of a pull against this thread's memcpy, in this process")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.copy_bound:
+        copy_bound(args.sizes_mib, args.reps)
+        return
     from rich.console import Console
     from rich.table import Table
 

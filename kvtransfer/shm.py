@@ -24,6 +24,7 @@ a receiver's release never blocks on the sender.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -536,47 +537,56 @@ def pull_descriptor(kv_caches: Sequence, tokens: TokenRows, lo: int, hi: int, ro
     return raw if len(raw) <= room else None
 
 
-def _runs(src: torch.Tensor, dst: torch.Tensor) -> Optional[list[tuple[int, int, int]]]:
-    """(src row, dst row, count) of the stretches where both sides' rows are consecutive; None when they are so
-    short that one indexed copy (a gather and a scatter) beats a copy per stretch."""
-    n = src.numel()
-    brk = ((src[1:] - src[:-1]) != 1) | ((dst[1:] - dst[:-1]) != 1)
-    starts = [0] + (torch.nonzero(brk).flatten() + 1).tolist()
-    if len(starts) * 8 > n:
-        return None
-    s, d = src[starts].tolist(), dst[starts].tolist()
-    ends = starts[1:] + [n]
-    return [(s[i], d[i], ends[i] - starts[i]) for i in range(len(starts))]
+@functools.lru_cache(maxsize=16)
+def _stretches(src_ids: tuple, sbs: int, sfirst: int, dst_ids: tuple, dbs: int, dfirst: int,
+               n: int) -> tuple[tuple[int, int, int], ...]:
+    """(src row, dst row, count) of the stretches of tokens 0..n-1 whose rows are consecutive on both sides, walked
+    block boundary by block boundary (plain ints: a pull's frames of one transfer, one per layer, ask the same, so
+    it is remembered)."""
+    out: list[tuple[int, int, int]] = []
+    t = 0
+    while t < n:
+        sp, dp = sfirst + t, dfirst + t
+        step = min(sbs - sp % sbs, dbs - dp % dbs, n - t)
+        s_row = src_ids[sp // sbs] * sbs + sp % sbs
+        d_row = dst_ids[dp // dbs] * dbs + dp % dbs
+        if out and out[-1][0] + out[-1][2] == s_row and out[-1][1] + out[-1][2] == d_row:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + step)
+        else:
+            out.append((s_row, d_row, step))
+        t += step
+    return tuple(out)
 
 
 def pull_rows(group: ShmPair, desc: torch.Tensor, lo: int, hi: int, num_tokens: int, row_bytes: int,
               kv_caches: Sequence, dst: TokenRows) -> None:
     """Receiver: copy layers ``lo..hi-1`` of a pull frame from the sender's segment into ``kv_caches`` at ``dst``'s
-    rows, one copy per stretch of consecutive rows. FramingError if the descriptor does not describe them."""
+    rows, one copy per stretch of consecutive rows (an indexed copy where stretches are short). FramingError if the
+    descriptor does not describe them. Parsed as plain bytes: a frame per layer pays this per layer."""
+    raw = desc.numpy() if desc.device.type == "cpu" else desc.cpu().numpy()
     cuda_handle = None
-    if desc.numel() >= _PULL_CUDA.size and struct.unpack("<I", bytes(desc[:4].tolist()))[0] == _CUDA_MAGIC:
-        _magic, hlen, nbytes, nb, bs, first, n_ids = _PULL_CUDA.unpack(bytes(desc[:_PULL_CUDA.size].tolist()))
-        cuda_handle = bytes(desc[_PULL_CUDA.size:_PULL_CUDA.size + hlen].tolist())
+    if len(raw) >= _PULL_CUDA.size and struct.unpack_from("<I", raw)[0] == _CUDA_MAGIC:
+        _magic, hlen, nbytes, nb, bs, first, n_ids = _PULL_CUDA.unpack_from(raw)
+        cuda_handle = raw[_PULL_CUDA.size:_PULL_CUDA.size + hlen].tobytes()
         start = _PULL_CUDA.size + hlen
         if not getattr(group, "cuda_ipc", False):
             raise FramingError("a CUDA pull frame on a pair that did not agree to CUDA IPC")
     else:
-        if desc.numel() < _PULL.size:
+        if len(raw) < _PULL.size:
             raise FramingError("pull descriptor is cut short")
-        pid, fd, inode, nbytes, nb, bs, first, n_ids = _PULL.unpack(bytes(desc[:_PULL.size].tolist()))
+        pid, fd, inode, nbytes, nb, bs, first, n_ids = _PULL.unpack_from(raw)
         start = _PULL.size
         if getattr(group, "cuda_ipc", False):
             raise FramingError("a shared-memory pull frame on a CUDA IPC pair")
     n_off = 2 * (hi - lo)
-    body = desc[start:start + 8 * n_off + 4 * n_ids].clone()  # its own storage: 8-byte aligned for the views
-    if body.numel() != 8 * n_off + 4 * n_ids:
+    if len(raw) < start + 8 * n_off + 4 * n_ids:
         raise FramingError("pull descriptor is cut short")
-    offs = body[:8 * n_off].view(torch.int64).tolist()
-    ids = body[8 * n_off:].view(torch.int32).to(torch.int64)
+    offs = struct.unpack_from(f"<{n_off}Q", raw, start)
+    ids = struct.unpack_from(f"<{n_ids}I", raw, start + 8 * n_off)
     needed = -(-(first + num_tokens) // bs) if bs else 0
     size = nb * bs * row_bytes
-    if (not bs or n_ids < needed or (n_ids and (int(ids.min()) < 0 or int(ids.max()) >= nb))
-            or any(o < 0 or o + size > nbytes for o in offs)):
+    if (not bs or n_ids < needed or (n_ids and max(ids) >= nb)
+            or any(o + size > nbytes for o in offs)):
         raise FramingError("pull descriptor names memory outside the sender's segment")
     try:
         seg = (group.peer_segment(cuda_handle) if cuda_handle is not None
@@ -585,9 +595,7 @@ def pull_rows(group: ShmPair, desc: torch.Tensor, lo: int, hi: int, num_tokens: 
         raise FramingError(f"cannot map the sender's KV cache: {e}") from None
     if seg.numel() < nbytes:
         raise FramingError("pull descriptor names memory outside the sender's segment")
-    src_rows = (ids[:needed, None] * bs + torch.arange(bs, dtype=torch.int64)).reshape(-1)[first:first + num_tokens]
-    dst_rows = dst.rows
-    runs = _runs(src_rows, dst_rows)
+    runs = _stretches(ids[:needed], bs, first, tuple(dst.block_ids), dst.block_size, dst.first_token, num_tokens)
     # every layer's source rows first, so a descriptor wrong for a later layer writes nothing
     pairs = []
     for k, (layer, j) in enumerate((layer, j) for layer in range(lo, hi) for j in (0, 1)):
@@ -598,14 +606,15 @@ def pull_rows(group: ShmPair, desc: torch.Tensor, lo: int, hi: int, num_tokens: 
             raise FramingError(f"pull descriptor: layer {layer} is not a cache of these rows: {e}") from None
     group.counts["pull_frames"] += 1
     dev = pairs[0][1].device if pairs else torch.device("cpu")
-    if dev.type == "cuda":  # the row indices where the copies run
-        dst_rows = dst_rows.to(dev)
-    for src, out in pairs:
-        if runs is None:  # (a peer's memory may be mapped on another device index: copies cross the link)
-            out.index_put_((dst_rows,), src.index_select(0, src_rows.to(src.device)).to(out.device))
-        else:
-            for s, d, n in runs:
-                out[d:d + n].copy_(src[s:s + n])
+    if len(runs) * 8 > num_tokens:  # short stretches: one gather and one scatter a layer beat a copy each
+        src_rows = (torch.tensor(ids[:needed], dtype=torch.int64)[:, None] * bs
+                    + torch.arange(bs, dtype=torch.int64)).reshape(-1)[first:first + num_tokens]
+        for src, out in pairs:  # (a peer's memory may be mapped on another device index: copies cross the link)
+            out.index_put_((dst.rows.to(out.device),), src.index_select(0, src_rows.to(src.device)).to(out.device))
+    else:
+        for src, out in pairs:
+            for s_row, d_row, n in runs:
+                out[d_row:d_row + n].copy_(src[s_row:s_row + n])
     if dev.type == "cuda":
         # the ack follows, and after it the sender may reuse these blocks: the copies must be done
         torch.cuda.current_stream(dev).synchronize()

@@ -239,3 +239,28 @@ def test_a_pull_descriptor_that_names_other_memory_is_a_framing_error_and_writes
         with pytest.raises(FramingError):
             pull(raw, dst)
         assert not any(x.any() for kv in dst for x in kv), name  # refused before any row landed
+
+
+@pytest.mark.parametrize("sbs, dbs, first, n", [(16, 32, 0, 200), (16, 16, 5, 40), (8, 32, 3, 77), (32, 16, 31, 1)])
+def test_pull_stretches_cover_every_token_once_and_only_consecutive_rows(sbs, dbs, first, n):
+    """kvtransfer.shm._stretches against the rows token by token: shuffled and in-order blocks, other block sizes on
+    the two sides, a delta transfer's first token."""
+    import random
+
+    from kvtransfer.shm import _stretches
+
+    rng = random.Random(sbs * 1000 + dbs + first)
+    for shuffled in (False, True):
+        src_ids = list(range(3, 3 + -(-(first + n) // sbs)))
+        dst_ids = list(range(1, 1 + -(-(first + n) // dbs)))
+        if shuffled:
+            rng.shuffle(src_ids)
+            rng.shuffle(dst_ids)
+        want = [(src_ids[p // sbs] * sbs + p % sbs, dst_ids[p // dbs] * dbs + p % dbs) for p in range(first, first + n)]
+        runs = _stretches(tuple(src_ids), sbs, first, tuple(dst_ids), dbs, first, n)
+        got = [(s + i, d + i) for s, d, c in runs for i in range(c)]
+        assert got == want
+        # maximal: two neighbouring stretches never continue each other on both sides
+        assert all(not (a[0] + a[2] == b[0] and a[1] + a[2] == b[1]) for a, b in zip(runs, runs[1:]))
+        if not shuffled and first % sbs == first % dbs:
+            assert len(runs) == 1
