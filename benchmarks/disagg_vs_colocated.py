@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--request-timeout", type=float, default=300.0, help="deadline of each request (s)")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "disagg_vs_colocated", help="JSON + PNG folder")
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of modes to run (dev aid)")
-    ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto",
                     help="every worker's KV cache (int8: a quarter of float32's bytes per transferred token)")
     ap.add_argument("--quantization", choices=("int8", "int4", "w8a8", "w4a8"), default=None, help="every worker's weights")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny model, 8 requests, 2 rates")

@@ -91,10 +91,11 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
                         "values: integer dot products); default: off, float weights")
     p.add_argument("--quantization-group-size", type=int, default=128, metavar="G",
                    help="inputs per int4 scale, a multiple of 32 (default 128)")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
+    p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto",
                    help="KV cache of every worker: auto = the model dtype, int8 = quantized with per-token, "
                         "per-head scales (about 4x the tokens of float32 in the same memory, and a quarter of "
-                        "the bytes shipped from prefill to decode); default auto")
+                        "the bytes shipped from prefill to decode), fp8 = float8 e4m3 (GPUs of compute capability "
+                        "8.9+; 2x the tokens of bf16); default auto")
     p.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs: every decode step runs eagerly (by default a CUDA worker of one "
                         "rank replays its pure decode steps from graphs captured at start, one per batch bucket)")

@@ -17,7 +17,8 @@ attends over a padded [B, Hkv, L, D] gather of the cache with a length mask (one
 SDPA call for the whole batch, the query heads of a KV group folded into the
 query-length axis so GQA needs no K/V copies), which also stays the kernels'
 fallback and their test reference. An int8
-cache (``kv_cache_dtype="int8"``) is written quantized and read dequantized. A
+cache (``kv_cache_dtype="int8"``) is written quantized and read dequantized; an fp8 one
+(``"fp8"``: float8 e4m3, scale 1) is written saturated and read widened, through the gather + SDPA paths. A
 prefill chunk with no earlier context attends to its own fresh K/V: on CPU at
 float32 through pdserve's flash-style prefill kernel (engine/csrc
 ``prefill_attention``, GQA without copies), elsewhere SDPA with ``is_causal``. A
@@ -129,8 +130,22 @@ def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mappin
     n, bs, hkv, d = k_cache.shape
     if k_cache.dtype == torch.int8:
         k, v = quantize_kv(k), quantize_kv(v)
+    elif k_cache.dtype == FP8:  # saturated, then written as bytes (torch has no float8 index_copy_ on CPU)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        k, v = to_fp8(k).view(torch.uint8), to_fp8(v).view(torch.uint8)
     k_cache.view(n * bs, hkv, d).index_copy_(0, slot_mapping, k)
     v_cache.view(n * bs, hkv, d).index_copy_(0, slot_mapping, v)
+
+
+FP8 = torch.float8_e4m3fn
+"""The fp8 KV cache's element type (``kv_cache_dtype="fp8"``)."""
+_FP8_MAX = float(torch.finfo(FP8).max)
+
+
+def to_fp8(x: Tensor) -> Tensor:
+    """K or V rows as float8 e4m3 with vLLM's default scale of 1, saturated at +-448 (torch's CPU cast saturates
+    too; the clamp makes it so whatever a device's cast does with values past the range)."""
+    return x.clamp(-_FP8_MAX, _FP8_MAX).to(FP8)
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
@@ -204,8 +219,10 @@ def gather_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: A
 
 
 def _rows(gathered: Tensor, dtype: torch.dtype) -> Tensor:
-    """Gathered cache rows as values: int8 rows are dequantized, float rows pass through."""
-    return dequantize_kv(gathered, dtype) if gathered.dtype == torch.int8 else gathered
+    """Gathered cache rows as values: int8 rows are dequantized, fp8 ones widened, float rows pass through."""
+    if gathered.dtype == torch.int8:
+        return dequantize_kv(gathered, dtype)
+    return gathered.to(dtype) if gathered.dtype == FP8 else gathered
 
 
 def _prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, span: PrefillSpan,
@@ -213,7 +230,8 @@ def _prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, 
     s, e = span.start, span.end
     n = e - s
     D = q.shape[-1]
-    if q.device.type == "cpu" and q.dtype == torch.float32 and D % 16 == 0 and D <= 256:
+    if (q.device.type == "cpu" and q.dtype == torch.float32 and D % 16 == 0 and D <= 256
+            and (span.num_computed == 0 or k_cache.dtype != FP8)):  # (the kernel reads float and int8 caches)
         kern = cpu_kernels()
         if kern is not None:  # pdserve's flash-style kernel (engine/csrc), GQA in place, q read as a strided view
             if span.num_computed == 0:  # a prompt over itself: k / v as views of the qkv projection (no copies)

@@ -25,7 +25,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")
 """``EngineConfig.quantization`` values (the formats: engine/quant.py, which re-exports this)."""
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 """``EngineConfig.kv_cache_dtype`` values."""
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -115,7 +115,9 @@ class EngineConfig:
     """Inputs per int4 scale: a multiple of 32 dividing every layer's input width."""
     kv_cache_dtype: str = "auto"
     """vLLM's knob: 'auto' (the model dtype) | 'int8' (per-token, per-head scales stored in each
-    cached row; ~4x the tokens of a float32 cache, ~2x of a 16-bit one in the same memory)."""
+    cached row; ~4x the tokens of a float32 cache, ~2x of a 16-bit one in the same memory) | 'fp8' (float8 e4m3,
+    vLLM's default scale of 1: values saturate at +-448; 2x the tokens of a 16-bit cache; the GPU counterpart of
+    int8: a CUDA engine needs compute capability 8.9+ (Ada, Hopper); on CPU a storage format read through torch)."""
     tensor_parallel_size: int = 1
     """Ranks this engine's model is split over (engine/tensor_parallel.py): Megatron-style heads, MLP columns and
     vocabulary rows, one all-reduce after attention and one after the MLP, rank 0 scheduling and sampling.
@@ -176,7 +178,7 @@ class EngineConfig:
         if not isinstance(g, int) or isinstance(g, bool) or g < 32 or g % 32:
             raise ValueError(f"quantization_group_size must be a positive multiple of 32, got {g!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be 'auto' or 'int8', got {self.kv_cache_dtype!r}")
+            raise ValueError(f"kv_cache_dtype must be 'auto', 'int8' or 'fp8', got {self.kv_cache_dtype!r}")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
@@ -203,6 +205,10 @@ class EngineConfig:
             import torch
 
             return torch.int8
+        if self.kv_cache_dtype == "fp8":
+            import torch
+
+            return torch.float8_e4m3fn
         return self.torch_dtype
 
 

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 def row_width(mc: ModelConfig, dtype: torch.dtype) -> int:
     """Elements per cached (token, KV head) row: head_dim, plus 4 bytes of float32 scale for int8
-    (engine/quant.py's ``quantize_kv``)."""
+    (engine/quant.py's ``quantize_kv``; an fp8 row has no scale of its own: vLLM's default of 1)."""
     return mc.head_dim + 4 if dtype == torch.int8 else mc.head_dim
 
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import Tensor, nn
 
-from engine.attention import AttentionMetadata, decode_attention, paged_attention, write_kv
+from engine.attention import FP8, AttentionMetadata, decode_attention, paged_attention, write_kv
 from engine.config import ModelConfig, rope_inv_freq
 from engine.float_formats import Dense, fp32_rows_format, packed_format
 from engine.kernels import cpu_kernels
@@ -151,7 +151,8 @@ class DecoderLayer(nn.Module):
         """One block. With ``keep`` (last layer only) K/V are written for every row but the rest of the
         block runs only for the rows in keep.rows, each attending as a single query over its cache."""
         T = h.shape[0]
-        if self.fused is not None and keep is None and 0 < meta.num_decode == T <= self.fused_max_rows:
+        if (self.fused is not None and keep is None and 0 < meta.num_decode == T <= self.fused_max_rows
+                and kv_cache[0].dtype != FP8):  # (the fused layer writes and reads float and int8 caches)
             # a batch of single-token decodes: the whole block in one C++ call (same kernels, same numbers)
             return self.fused.forward(h, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping,
                                       meta.decode_block_tables, meta.decode_ctx_lens)

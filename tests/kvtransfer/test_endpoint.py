@@ -461,3 +461,15 @@ def test_a_delta_transfer_whose_sides_disagree_on_the_cut_is_refused(pair):
         p.send("d0", "bad", src, [0, 1, 2], 10, first_token=10)
     with pytest.raises(ValueError, match="first_token"):
         d.recv("p0", "bad", dst, [0, 1], 10, first_token=-1)
+
+
+def test_an_fp8_cache_ships_as_it_is(pair):
+    """kv_cache_dtype="fp8" caches (float8 e4m3) move byte for byte, one byte a value."""
+    p, d = pair
+    spec = dict(num_layers=2, num_blocks=16, block_size=4, dtype="float8_e4m3fn")
+    src, dst = make_cache(CacheSpec(seed=3, **spec)), make_cache(CacheSpec(**spec))
+    hr = d.recv("p0", "f8", dst, [4, 5, 6], 10)
+    hs = p.send("d0", "f8", src, [9, 1, 2], 10, layers_ready=True)
+    assert p.wait(hs, 5) == DONE and d.wait(hr, 5) == DONE
+    assert token_checksum(src, [9, 1, 2], 10) == token_checksum(dst, [4, 5, 6], 10)
+    assert p.stats(hs).num_bytes == 2 * 2 * 10 * 2 * 16  # layers x (K, V) x tokens x heads x head_dim x 1 byte
