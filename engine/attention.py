@@ -180,7 +180,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attentio
                                            meta.decode_ctx_lens, window or 0, q.shape[-1] ** -0.5)
             return out.to(q.dtype)
     D = q.shape[-1]
-    if q.device.type == "cuda" and q.dtype in _TRITON_DTYPES and k_cache.dtype == q.dtype \
+    if q.device.type == "cuda" and q.dtype in _TRITON_DTYPES and k_cache.dtype in (q.dtype, FP8) \
             and D & (D - 1) == 0 and 16 <= D <= 256:
         tk = _triton_kernels(q.device)
         if tk is not None:

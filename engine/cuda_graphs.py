@@ -59,7 +59,7 @@ def eager_reason(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dt
     """Why a CUDA engine should not capture decode graphs, or None. Captured decode attention must read K/V through
     the block tables (pdserve's Triton kernel); the gather + SDPA fallback would gather every row's whole table
     width, ``max_model_len`` keys, each step: slower than eager, so the engine stays eager there (logged once)."""
-    if cache_dtype != dtype:
+    if cache_dtype not in (dtype, torch.float8_e4m3fn):
         return f"the {str(cache_dtype).removeprefix('torch.')} KV cache has no Triton decode kernel"
     if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
         return f"head_dim {head_dim} is not a power of 2 in 16..256 (the Triton decode kernel's)"

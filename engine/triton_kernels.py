@@ -244,8 +244,9 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _NO_WINDOW = 1 << 62
 
 
-def _check_attention(kind: str, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> None:
-    """ValueError unless q [.., H, D] and the caches [N, block_size, Hkv, D] fit the attention kernels."""
+def _check_attention(kind: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, fp8_cache: bool = False) -> None:
+    """ValueError unless q [.., H, D] and the caches [N, block_size, Hkv, D] fit the attention kernels
+    (``fp8_cache``: the cache may also be float8 e4m3, widened as it is loaded)."""
     H, D = q.shape[-2:]
     Hkv, Dk = k_cache.shape[2], k_cache.shape[3]
     if D & (D - 1) or not 16 <= D <= 256:
@@ -253,15 +254,18 @@ def _check_attention(kind: str, q: Tensor, k_cache: Tensor, v_cache: Tensor) -> 
     if Dk != D or v_cache.shape != k_cache.shape or H % Hkv:
         raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
                          f"v_cache {tuple(v_cache.shape)}")
-    if q.dtype not in _FLOATS or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q and the cache must share a float dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    cache_ok = (q.dtype, torch.float8_e4m3fn) if fp8_cache else (q.dtype,)
+    if q.dtype not in _FLOATS or k_cache.dtype not in cache_ok or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"q and the cache must share a float dtype{' (or an fp8 cache)' if fp8_cache else ''}, "
+                         f"got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, ctx_lens: Tensor,
                            window: Optional[int], scale: float) -> Tensor:
     """One query per sequence over its paged context, K/V read in place through the block table.
 
-    q [B, H, D]; k_cache / v_cache [N, block_size, Hkv, D] in q's float dtype; block_tables [B, W] int64
+    q [B, H, D]; k_cache / v_cache [N, block_size, Hkv, D] in q's float dtype or float8 e4m3 (an fp8 cache,
+    widened to float32 as it is loaded); block_tables [B, W] int64
     (padded with any block id: only the first ceil(ctx / block_size) entries are read); ctx_lens [B] int64,
     the context including the new token (>= 1). Same semantics as attention.gather_decode_attention: key k is
     attended iff k < ctx and (no window or k > ctx - 1 - window); query head h reads KV head h // (H / Hkv).
@@ -273,7 +277,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     through TF32, which would break the float32 parity with the gather + SDPA path."""
     B, H, D = q.shape
     N, BS, Hkv, Dk = k_cache.shape
-    _check_attention("decode", q, k_cache, v_cache)
+    _check_attention("decode", q, k_cache, v_cache, fp8_cache=True)
     if block_tables.shape[0] != B or ctx_lens.shape != (B,):
         raise ValueError(f"block_tables {tuple(block_tables.shape)} / ctx_lens {tuple(ctx_lens.shape)} vs batch {B}")
     G = H // Hkv

@@ -240,5 +240,6 @@ def test_a_cuda_engine_without_the_triton_decode_kernel_stays_eager(monkeypatch)
     assert "head_dim 48" in eager_reason(cuda, bf16, bf16, 48)
     pytest.importorskip("triton")
     assert eager_reason(cuda, bf16, bf16, 64) is None
+    assert eager_reason(cuda, bf16, torch.float8_e4m3fn, 64) is None  # the decode kernel widens an fp8 cache
     monkeypatch.setenv("PDSERVE_TRITON_KERNELS", "0")
     assert "PDSERVE_TRITON_KERNELS=0" in eager_reason(cuda, bf16, bf16, 64)

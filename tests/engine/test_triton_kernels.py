@@ -390,3 +390,18 @@ def test_triton_ops_matches_torch_ops(monkeypatch):
     ref = TORCH.rope(qkv.clone(), cos, sin, 6)
     out = ops.rope(qkv, cos, sin, 6)
     assert out is qkv and torch.equal(out[:, :6], ref)  # the model slices q and k out of what rope returns
+
+
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_reads_an_fp8_cache(qdtype):
+    """kv_cache_dtype="fp8": the kernel widens each float8 e4m3 value as it loads it, so it computes what the
+    float64 reference computes over the widened cache (and the engine's gather path over the same cache)."""
+    q, kc, vc, bt, ctx = _case([1, 17, 40], 8, 2, 64, 16, torch.float32, extra_cols=1, seed=21)
+    kc8, vc8 = kc.clamp(-448, 448).to(torch.float8_e4m3fn), vc.clamp(-448, 448).to(torch.float8_e4m3fn)
+    q = q.to(qdtype)
+    out = _decode(q, kc8, vc8, bt, ctx, None)
+    assert out.dtype == qdtype
+    tol = 1e-5 if qdtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), _naive(q.float(), kc8.float(), vc8.float(), bt, ctx, None),
+                               atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), _gather(q, kc8, vc8, bt, ctx, None).float(), atol=2 * tol, rtol=2 * tol)

@@ -126,3 +126,14 @@ def test_cuda_layer_ops_match_torch_ops(dtype):
     want = t.rope(qkv.clone(), cos, sin, 10)
     got = tr.rope(qkv, cos, sin, 10)
     torch.testing.assert_close(got[:, :10], want, atol=tol, rtol=tol)
+
+
+def test_cuda_decode_attention_reads_an_fp8_cache():
+    from engine import triton_kernels as tk
+
+    q, kc, vc, bt, ctx = _case([1, 17, 40, 129], 8, 2, 64, 16, torch.float32, extra_cols=2, seed=9)
+    kc8, vc8 = kc.clamp(-448, 448).to(torch.float8_e4m3fn), vc.clamp(-448, 448).to(torch.float8_e4m3fn)
+    ref = _naive(q, kc8.float(), vc8.float(), bt, ctx, None)
+    out = tk.paged_decode_attention(q.bfloat16().cuda(), kc8.cuda(), vc8.cuda(), bt.cuda(), ctx.cuda(), None,
+                                    64 ** -0.5)
+    torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
