@@ -60,7 +60,7 @@ log "phase engine"
 # the CUDA cases only: the CPU ones ran in CI (and would build the CPU kernels here first); the compiled kernels in
 # a pytest process of their own (the interpreter tests import triton in interpreter mode for their process)
 for t in "tests/engine/test_decode_graphs.py -k cuda" tests/engine/test_triton_kernels_cuda.py \
-         "tests/kvtransfer/test_cuda_ipc.py -k gpu"; do
+         tests/engine/test_fp8_cuda.py "tests/kvtransfer/test_cuda_ipc.py -k gpu"; do
   timeout -s INT "$ENGINE_TEST_S" python3 -m pytest -q -p no:cacheprovider -rs $t 2>&1 | tail -20
 done | tee "$OUT/engine_tests.log"
 timeout -s INT "$ENGINE_S" python3 benchmarks/cuda_engine.py --phases "${ENGINE_PHASES:-parity,decode,graphs}" \

@@ -85,10 +85,11 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
                         "(chunked prefill), mixed with decodes (default 2048; `pdserve plan` recommends one)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="turn off the engines' automatic prefix caching (on by default)")
-    p.add_argument("--quantization", choices=("int8", "int4", "w8a8", "w4a8"), default=None,  # engine.quant.QUANTIZATIONS
+    p.add_argument("--quantization", choices=("int8", "int4", "w8a8", "w4a8", "fp8"), default=None,  # engine.quant.QUANTIZATIONS
                    help="quantization of every worker's model at load: int8 per output channel, int4 group-wise "
                         "(weight-only), or w8a8 / w4a8 (the same weights, activations rounded to int8 per 32 "
-                        "values: integer dot products); default: off, float weights")
+                        "values: integer dot products), or fp8 (float8 e4m3 weights and activations, scaled per "
+                        "channel and per row: Hopper's FP8 GEMM; GPUs of compute capability 8.9+); default: off")
     p.add_argument("--quantization-group-size", type=int, default=128, metavar="G",
                    help="inputs per int4 scale, a multiple of 32 (default 128)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "int8", "fp8"), default="auto",

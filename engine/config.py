@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
 DTYPES = ("bfloat16", "float16", "float32")
 """The model dtypes, by name (``torch.<name>``)."""
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8")
+QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8", "fp8")
 """``EngineConfig.quantization`` values (the formats: engine/quant.py, which re-exports this)."""
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 """``EngineConfig.kv_cache_dtype`` values."""

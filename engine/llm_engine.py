@@ -74,11 +74,12 @@ class LLMEngine:
         cache_dtype = config.cache_dtype
         self.kv_cache_dtype = str(cache_dtype).removeprefix("torch.")
         """The KV cache tensors' dtype by name ('float32', 'int8', ...): what a KV transfer peer must match."""
-        if config.kv_cache_dtype == "fp8" and device.type == "cuda":
-            cap = torch.cuda.get_device_capability(device)
-            if cap < (8, 9):
-                raise ValueError(f"kv_cache_dtype='fp8' needs a GPU with FP8 (compute capability 8.9+: Ada, Hopper); "
-                                 f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]} (use 'auto')")
+        for name, fp8 in (("kv_cache_dtype", config.kv_cache_dtype == "fp8"), ("quantization",
+                                                                                config.quantization == "fp8")):
+            if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+                cap = torch.cuda.get_device_capability(device)
+                raise ValueError(f"{name}='fp8' needs a GPU with FP8 (compute capability 8.9+: Ada, Hopper); "
+                                 f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}")
         tp = config.tensor_parallel_size
         if tp > 1:  # cheap checks first: a split that cannot work fails before anything loads
             from engine.tensor_parallel import TPLayout, check_tensor_parallel

@@ -223,7 +223,7 @@ class CausalLM(nn.Module):
         linears = [(name, m) for name, m in self.named_modules() if isinstance(m, Linear)]
         for name, m in linears:
             if quantization is not None:
-                head = "w8a8" if quantization in ("w8a8", "w4a8") else "int8"
+                head = "w8a8" if quantization in ("w8a8", "w4a8") else "fp8" if quantization == "fp8" else "int8"
                 m.quantize(head if name == "lm_head" else quantization, group_size, kern, self.panel_prefetch)
             elif cpu_gemm == "pdserve" and on_cpu and w.dtype == torch.float32 and kern is not None:
                 m.quantize("fp32", kern=kern)

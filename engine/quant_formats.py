@@ -12,6 +12,10 @@ float weight once, at load, into the format the machine runs best, and every for
   integer-dot row kernel for up to ``small_m`` rows where it takes K (and the int4 group) in whole steps (w8a8
   weights then stored in the kernel's step order, ``order``), dequantize + GEMM otherwise.
 
+- fp8 (``Fp8``, the GPU counterpart of w8a8, as vLLM's "fp8"): float8 e4m3 weights with one scale per output
+  channel and float8 activations with one scale per row, one ``torch._scaled_mm`` (Hopper's FP8 GEMM; torch's
+  own on CPU, slow, there for tests).
+
 w8a8 / w4a8 round the input to int8 per 32 values (engine/quant.py ``quantize_act``): the kernels do integer
 dots; the GEMM fallback applies the same rounding to x first (``fake_quantize_act``), so both give the same
 numbers. No float copy of a layer is kept.
@@ -20,12 +24,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from torch import Tensor
 
 from engine.quant import (ACT_BLOCK, QUANTIZATIONS, dequantize_int4, dequantize_int8, fake_quantize_act,
                           from_panels_int4, from_panels_int8, from_panels_w4a8, from_panels_w8a8, quantize_int4,
                           quantize_int8, step_order, to_panels_int4, to_panels_int8, to_panels_w4a8, to_panels_w8a8)
-from engine.weight_formats import KernelFormat, WeightFormat
+from engine.weight_formats import KernelFormat, LinearFormat, WeightFormat
 
 
 class Int8(KernelFormat):
@@ -197,8 +202,56 @@ class W4A8Panels(W4A8):
         return from_panels_w4a8(self.w, self.scale, self.out_features, self.group)
 
 
+FP8 = torch.float8_e4m3fn
+_FP8_MAX = float(torch.finfo(FP8).max)
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def quantize_fp8_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """[M, K] float -> (float8 e4m3 [M, K], float32 scale [M, 1]): each row scaled so its largest value is 448."""
+    s = (x.abs().amax(dim=-1, keepdim=True).float() / _FP8_MAX).clamp_min(_TINY)
+    return (x.float() / s).clamp(-_FP8_MAX, _FP8_MAX).to(FP8), s
+
+
+class Fp8(LinearFormat):
+    """float8 e4m3 weights [N, K] with a float32 scale per output channel, and each input row rounded to float8
+    with a scale of its own on the fly (dynamic per-token, vLLM's "fp8" W8A8): y = (x8 sx) (w8 sw)^T + b in one
+    ``torch._scaled_mm`` with row-wise scales, accumulated in float32. On CUDA that needs compute capability 8.9+
+    (the engine refuses "fp8" below that at start), 16-bit output (a float32 model gets bfloat16 products, cast
+    back) and rows in multiples of 16 (padded)."""
+    method = "fp8"
+
+    def __init__(self, w8: Tensor, scale: Tensor, in_features: int, out_features: int,
+                 bias: Optional[Tensor]) -> None:
+        super().__init__(in_features, out_features, bias, None)
+        self.w8, self.scale = w8, scale  # [N, K] row-major: its transpose is the column-major B _scaled_mm takes
+
+    @classmethod
+    def pack(cls, w: Tensor, bias: Optional[Tensor]) -> "Fp8":
+        w8, s = quantize_fp8_rows(w)
+        return cls(w8, s.reshape(1, -1).contiguous(), w.shape[1], w.shape[0], bias)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, shape[-1])
+        m = x2.shape[0]
+        cuda = x.device.type == "cuda"
+        if cuda and m % 16:  # the FP8 GEMM takes rows in multiples of 16
+            x2 = torch.cat((x2, x2.new_zeros(16 - m % 16, x2.shape[1])))
+        x8, sx = quantize_fp8_rows(x2)
+        out_dtype = torch.bfloat16 if cuda and dtype == torch.float32 else dtype
+        y = torch._scaled_mm(x8, self.w8.t(), scale_a=sx, scale_b=self.scale, out_dtype=out_dtype)[:m]
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.to(dtype).reshape(*shape[:-1], self.out_features)
+
+    def dense(self) -> Tensor:
+        """The float32 [N, K] weight these bytes hold."""
+        return self.w8.float() * self.scale.reshape(-1, 1)
+
+
 def quantized_format(method: str, w: Tensor, bias: Optional[Tensor], group: int, kern: Any,
-                     prefetch: Any = None) -> KernelFormat:
+                     prefetch: Any = None) -> LinearFormat:
     """Quantize W [N, K] (float) by ``method`` (one of engine/quant.py ``QUANTIZATIONS``) into the format this
     machine runs best (see the module docstring). ``bias``: float32 or None; ``kern``: the kernel module or None;
     ``prefetch``: the model's ``PanelPrefetch`` for the panel formats (None: no prefetch)."""
@@ -208,6 +261,8 @@ def quantized_format(method: str, w: Tensor, bias: Optional[Tensor], group: int,
                          f"a linear layer with {K} inputs")
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {method!r}")
+    if method == "fp8":
+        return Fp8.pack(w, bias)
     k = kern if w.device.type == "cpu" else None  # the kernels read CPU tensors only
     integer_panels = k is not None and k.qpanel_width() > 0  # (AVX2 / AVX-512 builds)
     cls = {"int8": Int8Panels if k is not None else Int8, "int4": Int4Panels if k is not None else Int4,
