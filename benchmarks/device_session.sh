@@ -9,7 +9,8 @@
 #      tests/engine/test_triton_kernels_cuda.py: graph replay equals the uncaptured static path and eager greedy
 #      tokens; the kernels against SDPA on CUDA; tests/kvtransfer/test_cuda_ipc.py: two processes on the GPU move
 #      KV over CUDA IPC), then benchmarks/cuda_engine.py's parity (fp32 strict with graphs
-#      on), decode and graphs phases (graphs against --enforce-eager at each batch) on the 1B shape.
+#      on), decode and graphs phases (graphs against --enforce-eager at each batch) on the 1B shape, and
+#      kvtransfer_bandwidth.py --same-node cuda (an 8B-shaped 1,000-token prompt over CUDA IPC; goal >= 100 GB/s).
 #   verdict (issue 43 item 6): benchmarks/disagg_vs_colocated.py --device cuda on the 1B checkpoint: one colocated
 #      worker against 1P+1D on the same GPU (KV over CUDA IPC), chunked prefill at 512 tokens a step, the
 #      conversation trace at full length.
@@ -63,6 +64,8 @@ for t in "tests/engine/test_decode_graphs.py -k cuda" tests/engine/test_triton_k
          tests/engine/test_fp8_cuda.py "tests/kvtransfer/test_cuda_ipc.py -k gpu"; do
   timeout -s INT "$ENGINE_TEST_S" python3 -m pytest -q -p no:cacheprovider -rs $t 2>&1 | tail -20
 done | tee "$OUT/engine_tests.log"
+timeout -s INT 60 python3 benchmarks/kvtransfer_bandwidth.py --same-node cuda --reps 5 2>&1 | tail -8 \
+  | tee "$OUT/same_node.log"
 timeout -s INT "$ENGINE_S" python3 benchmarks/cuda_engine.py --phases "${ENGINE_PHASES:-parity,decode,graphs}" \
   --out /tmp/cuda_engine 2>&1 | tee "$OUT/engine.log" | grep -v "^\s*$"
 cp /tmp/cuda_engine/cuda_engine.json "$OUT/cuda_engine.json" 2>/dev/null

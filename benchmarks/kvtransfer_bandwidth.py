@@ -35,7 +35,14 @@ a 1-byte reply. Results print as a table (rich) and optionally as JSON.
 from a shared cache, its mapping cached as a pair caches it; per layer and all layers in one frame) against one
 ``Tensor.copy_`` of the same bytes (this thread's memcpy): how near the pull's copy is to the copy it cannot beat.
 
+``--same-node DEVICE``: instead, issue 43's same-node goal: an 8B-shaped prompt (32 layers, 8 KV heads x 128,
+bf16, blocks of 16; ``--prompt-tokens``, default 1,000 tokens = 131 MB) from a prefill-like sender whose cache is
+shareable (``allocate_kv_caches(shared=True)``) to a receiver process on this node, all layers ready at once and
+layer by layer: on ``cuda`` both caches on the GPU and the pair on CUDA IPC (two processes on one GPU; the goal is
+>= 100 GB/s), on ``cpu`` the shared-memory pull; against one in-process copy of the same bytes on that device.
+
 Usage: python benchmarks/kvtransfer_bandwidth.py [--sizes-mib 1 4 16 64 256] [--reps 5] [--json out.json]
+       python benchmarks/kvtransfer_bandwidth.py --same-node cuda [--prompt-tokens 1000] [--reps 5]
        python benchmarks/kvtransfer_bandwidth.py --copy-bound --sizes-mib 64 128 [--reps 5]
 """
 from __future__ import annotations
@@ -136,6 +143,112 @@ def receiver(conn, store_port: int, threads: int) -> None:
     lsock.close()
 
 
+SAME_NODE = dict(layers=32, heads=8, dim=128, dtype=torch.bfloat16, block=16)
+"""The same-node goal's prompt: Llama-3.1-8B's KV geometry."""
+
+
+def _same_node_caches(device: str, blocks: int, shared: bool) -> list:
+    from engine.config import ModelConfig
+    from engine.kv_cache import allocate_kv_caches
+
+    g = SAME_NODE
+    mc = ModelConfig(num_hidden_layers=g["layers"], num_attention_heads=4 * g["heads"], num_key_value_heads=g["heads"],
+                     head_dim=g["dim"])
+    caches = allocate_kv_caches(mc, blocks, g["block"], g["dtype"], torch.device(device), shared=shared)
+    if shared:
+        for k, v in caches:
+            k.normal_()
+            v.normal_()
+    return caches
+
+
+def same_node_receiver(conn, store_port: int, device: str, blocks: int) -> None:
+    """The decode-like side of ``--same-node``: a private cache, a receive posted per command."""
+    from kvtransfer import KVEndpoint
+
+    torch.set_num_threads(1)
+    ep = KVEndpoint("node-d", f"tcp://127.0.0.1:{store_port}", backend="nccl" if device == "cuda" else "gloo",
+                    timeout_s=120.0, shm=True)
+    cache = _same_node_caches(device, blocks, shared=False)
+    conn.send("up")
+    while True:
+        cmd, *a = conn.recv()
+        if cmd == "stop":
+            break
+        rid, tokens, ids = a
+        h = ep.recv("node-p", rid, cache, ids, tokens)
+        conn.send("ready")
+        ep.wait(h, 120)
+        conn.send((ep.poll(h).value, ep.failure(h)))
+    ep.shutdown()
+
+
+def same_node(device: str, tokens: int, reps: int) -> None:
+    """``--same-node`` (see the module docstring)."""
+    from kvtransfer import KVEndpoint, TransferState
+
+    g = SAME_NODE
+    blocks = -(-tokens // g["block"])
+    nbytes = tokens * g["layers"] * 2 * g["heads"] * g["dim"] * 2
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=same_node_receiver, args=(child, store.port, device, blocks), daemon=True)
+    proc.start()
+    try:
+        ep = KVEndpoint("node-p", f"tcp://127.0.0.1:{store.port}", backend="nccl" if device == "cuda" else "gloo",
+                        timeout_s=120.0, shm=True)
+        cache = _same_node_caches(device, blocks, shared=True)
+        assert conn.recv() == "up"
+        ids = list(range(blocks))
+        times: dict[str, list[float]] = {"all layers ready": [], "layer by layer": []}
+        links = set()
+        for rep in range(reps + 1):
+            for way in times:
+                rid = f"{way[:3]}-{rep}"
+                conn.send(("recv", rid, tokens, ids))
+                assert conn.recv() == "ready"
+                t0 = time.perf_counter()
+                h = ep.send("node-d", rid, cache, ids, tokens, layers_ready=way == "all layers ready")
+                if way == "layer by layer":
+                    for layer in range(g["layers"]):
+                        ep.layer_ready(h, layer)
+                state = ep.wait(h, 120)
+                dt = time.perf_counter() - t0
+                got = conn.recv()
+                if state != TransferState.DONE or got[0] != "done":
+                    raise RuntimeError(f"transfer {rid} failed: {ep.failure(h)} / {got[1]}")
+                links |= {s.link for s in ep.take_completed()}
+                if rep:
+                    times[way].append(dt)
+        a = cache[0][0]
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        other = torch.empty_like(flat)
+        copy_ts = []
+        for _ in range(reps + 1):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            other.copy_(flat)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            copy_ts.append(time.perf_counter() - t0)
+        copy = nbytes / statistics.median(copy_ts[1:])
+        print(f"same node, {device}: {tokens} tokens of an 8B-shaped prompt = {nbytes / 1e6:.0f} MB, link "
+              f"{'/'.join(sorted(links))}; one in-process copy {copy / 1e9:.1f} GB/s", flush=True)
+        for way, ts in times.items():
+            rate = nbytes / statistics.median(ts)
+            print(f"  {way}: {statistics.median(ts) * 1e3:.2f} ms median, {rate / 1e9:.1f} GB/s "
+                  f"({rate / copy:.2f}x the copy; goal on a GPU >= 100 GB/s)", flush=True)
+        del a
+        ep.shutdown()
+    finally:
+        conn.send(("stop",))
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
 def copy_bound(sizes_mib: list[int], reps: int) -> None:
     """``--copy-bound`` (see the module docstring): GiB/s of pull_rows per layer, in one frame, and of memcpy."""
     from kvtransfer.layout import CacheLayout, TokenRows
@@ -190,12 +303,18 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
                     help="int8: also compare a prompt's transfer from an int8 cache with float32 (bench geometry)")
     ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[512, 2048, 8192])
+    ap.add_argument("--same-node", choices=("cpu", "cuda"), default=None,
+                    help="only issue 43's same-node hand-off: an 8B-shaped prompt between two processes")
     ap.add_argument("--copy-bound", action="store_true",
                     help="only the receiver's copy of a pull against this thread's memcpy, in this process")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.copy_bound:
         copy_bound(args.sizes_mib, args.reps)
+        return
+    if args.same_node:
+        same_node(args.same_node, args.prompt_tokens[0] if args.prompt_tokens != [512, 2048, 8192] else 1000,
+                  args.reps)
         return
     from rich.console import Console
     from rich.table import Table

@@ -49,8 +49,8 @@ def make_cache(spec: CacheSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
         from engine.config import ModelConfig
         from engine.kv_cache import allocate_kv_caches
 
-        mc = ModelConfig(num_hidden_layers=spec.num_layers, num_key_value_heads=spec.num_kv_heads,
-                         head_dim=spec.head_dim)
+        mc = ModelConfig(num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_kv_heads,
+                         num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim)
         out = allocate_kv_caches(mc, spec.num_blocks, spec.block_size, dt, torch.device(spec.device), shared=True)
         for (k, v), (hk, hv) in zip(out, host):
             k.copy_(hk)
