@@ -219,7 +219,9 @@ class ModelRunner:
         if not 0 < rows <= self.graphs.max_size:
             return None
         r = self._decode_rows(sched)
-        return r if len(r.sample_rows) == rows else None
+        if len(r.sample_rows) != rows or max(len(t) for t in r.tables) > self.graphs.max_blocks:
+            return None  # (a table past max_model_len's blocks: lookahead blocks a sequence holds near its end)
+        return r
 
     def _prepare(self, sched: SchedulerOutput):
         bs = self.block_size

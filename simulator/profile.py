@@ -102,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
                                             "model configuration and write a profile for `pdserve simulate`.")
     p.add_argument("--model", default="tiny", help="built-in model (tiny, bench) or a Hugging Face model directory")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
-    p.add_argument("--quantization", default="none", help="none | int8 | int4 | w8a8 | w4a8 (default none)")
-    p.add_argument("--kv-cache-dtype", default="auto", help="auto | int8 (default auto)")
+    p.add_argument("--quantization", default="none", help="none | int8 | int4 | w8a8 | w4a8 | fp8 (default none)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | int8 | fp8 (default auto)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (default cpu)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the engine (of each rank with --tensor-parallel-size), as each worker gets "

@@ -297,7 +297,7 @@ def test_corun_phase_skips_when_the_cores_are_too_few(tmp_path):
     (["--model", "no-such-model"], "--model"),
     (["--dtype", "float8"], "--dtype"),
     (["--quantization", "int3"], "--quantization"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
+    (["--kv-cache-dtype", "fp4"], "--kv-cache-dtype"),
     (["--device", "tpu"], "--device"),
     (["--threads", "0"], "--threads"),
     (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
