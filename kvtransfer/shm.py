@@ -201,6 +201,7 @@ def negotiate_cuda(pair: TorchPair, rank: int, timeout_s: float, accept: bool = 
     back and answers. ``export`` / ``opener`` stand in for the CUDA calls (tests on CPU); the defaults use
     ``transport.cuda_ipc``."""
     export = export or _export_cuda_probe
+    probe_opener = opener or _open_cuda_probe
     opener = opener or _open_cuda
     msg = torch.zeros(_CUDA_HELLO_BYTES, dtype=torch.uint8)
     answer = torch.zeros(1, dtype=torch.int64)
@@ -229,8 +230,9 @@ def negotiate_cuda(pair: TorchPair, rank: int, timeout_s: float, accept: bool = 
             hello = json.loads(bytes(msg.tolist()).rstrip(b"\0").decode())
             if "handle" in hello:
                 raw = hello["handle"].encode()
-                probe = opener(raw)
+                probe = probe_opener(raw)
                 ok = bytes(probe[:16].cpu().tolist()).hex() == hello["nonce"]
+                del probe
         except (OSError, RuntimeError, ValueError, KeyError, TypeError, AttributeError):
             ok = False  # another node, a device out of reach, no CUDA: NCCL
     answer.fill_(_PULL_OK if ok else 0)
@@ -261,6 +263,13 @@ def _open_cuda(raw: bytes) -> torch.Tensor:
     from transport.cuda_ipc import CudaHandle, open_handle
 
     return open_handle(CudaHandle.unpack(raw))
+
+
+def _open_cuda_probe(raw: bytes) -> torch.Tensor:
+    """The probe's mapping, not kept: it would pin the allocator block the probe came from."""
+    from transport.cuda_ipc import CudaHandle, open_handle
+
+    return open_handle(CudaHandle.unpack(raw), cache=False)
 
 
 class IpcPair:

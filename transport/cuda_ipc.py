@@ -126,12 +126,13 @@ _opened: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _opened_lock = threading.Lock()
 
 
-def open_handle(h: CudaHandle) -> torch.Tensor:
+def open_handle(h: CudaHandle, cache: bool = True) -> torch.Tensor:
     """A peer's segment mapped into this process (uint8 on ``cuda:<h.device>``); RuntimeError if CUDA cannot map it
-    here (another node, a device this process cannot reach)."""
+    here (another node, a device this process cannot reach). ``cache`` False: a one-off mapping (a probe), closed
+    when the tensor goes, so it pins none of the peer's memory."""
     key = (h.handle, h.offset, h.size)
     with _opened_lock:
-        t = _opened.get(key)
+        t = _opened.get(key) if cache else None
         if t is not None:
             _opened.move_to_end(key)
             return t
@@ -140,8 +141,9 @@ def open_handle(h: CudaHandle) -> torch.Tensor:
                                                     h.ref_offset, h.event, h.event_sync)
     t = torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", h.device)).set_(
         storage, 0, (h.size,), (1,))
-    with _opened_lock:
-        _opened[key] = t
-        while len(_opened) > _OPENED_MAX:
-            _opened.popitem(last=False)
+    if cache:
+        with _opened_lock:
+            _opened[key] = t
+            while len(_opened) > _OPENED_MAX:
+                _opened.popitem(last=False)
     return t
