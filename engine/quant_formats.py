@@ -228,6 +228,9 @@ class Fp8(LinearFormat):
 
     @classmethod
     def pack(cls, w: Tensor, bias: Optional[Tensor]) -> "Fp8":
+        if w.device.type == "cuda" and (w.shape[0] % 16 or w.shape[1] % 16):
+            raise ValueError(f"quantization 'fp8': a linear layer of {w.shape[1]} inputs and {w.shape[0]} outputs; "
+                             "the GPU's FP8 GEMM takes multiples of 16")
         w8, s = quantize_fp8_rows(w)
         return cls(w8, s.reshape(1, -1).contiguous(), w.shape[1], w.shape[0], bias)
 
