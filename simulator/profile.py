@@ -265,11 +265,27 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
         link_samples = measure_link(geom, kvbpt, LINK_SIZES_QUICK if args.quick else LINK_SIZES, reps, args.threads)
         links["gloo"] = fit_link([s["bytes"] for s in link_samples], [s["seconds"] for s in link_samples])
         for s in link_samples:
-            s["predicted_s"] = links["gloo"].seconds(s["bytes"])
+            s.update(backend="gloo", predicted_s=links["gloo"].seconds(s["bytes"]))
         paths = sorted({s.get("link", "") for s in link_samples} - {""})
         if paths and paths != ["socket"]:
             notes.append(f"KV link measured between two processes on this host, over {'/'.join(paths)} (shared "
                          "memory): a pool on another host moves KV over the socket, slower (measure it there)")
+        if args.device == "cuda":  # a prefill and a decode worker sharing this GPU: CUDA IPC
+            try:
+                ipc = measure_link(geom, kvbpt, LINK_SIZES_QUICK if args.quick else LINK_SIZES, reps, args.threads,
+                                   device="cuda")
+                links["cuda_ipc"] = fit_link([s["bytes"] for s in ipc], [s["seconds"] for s in ipc])
+                for s in ipc:
+                    s.update(backend="cuda_ipc", predicted_s=links["cuda_ipc"].seconds(s["bytes"]))
+                link_samples += ipc
+                took = sorted({s.get("link", "") for s in ipc} - {""})
+                notes.append("cuda_ipc: KV between two processes on this GPU over "
+                             + ("CUDA IPC (pdserve simulate/plan --kv-link cuda_ipc: a prefill and a decode worker "
+                                "sharing it, --gpus-per-worker 0.5)" if took == ["pull"] else
+                                f"{'/'.join(took) or 'nothing'}, not CUDA IPC: the two processes could not map "
+                                "each other's memory"))
+            except Exception as e:  # noqa: BLE001 - a link we could not measure is a note, not a lost profile
+                notes.append(f"cuda_ipc not measured: {type(e).__name__}: {str(e)[:200]}")
         link_s = time.perf_counter() - t0
     if args.device == "cuda" and (torch.cuda.device_count() < 2 or args.skip_link):
         notes.append(f"nccl not measured: NCCL needs two GPUs, this machine has {torch.cuda.device_count()}"
@@ -277,7 +293,7 @@ def profile(args: argparse.Namespace, argv: Sequence[str]) -> Profile:
     elif args.skip_link:
         notes.append("links not measured (--skip-link)")
     elif args.device == "cuda":
-        notes.append("nccl not measured: pdserve profile measures the gloo link only")
+        notes.append("nccl not measured: pdserve profile measures gloo and CUDA IPC (one GPU) only")
 
     router: dict = {}
     router_s = 0.0

@@ -79,9 +79,24 @@ def measure_all_reduce(size: int, width: int, rows: Sequence[int], reps: int, th
 
 # -- KV link ---------------------------------------------------------------------------------------
 
-def _link_cache(geom: tuple, num_blocks: int, fill: bool) -> list:
+def _link_cache(geom: tuple, num_blocks: int, fill: bool, device: str = "cpu") -> list:
     import torch
 
+    if device != "cpu":  # the same contents on the GPU; the sender's as one CUDA IPC segment, as a prefill worker's
+        host = _link_cache(geom, num_blocks, fill)
+        if not fill:
+            return [(k.to(device), v.to(device)) for k, v in host]
+        from transport.cuda_ipc import CudaSegment
+
+        each = -(-host[0][0].numel() * host[0][0].element_size() // 512) * 512
+        seg = CudaSegment(2 * len(host) * each, device)
+        out = []
+        for i, (k, v) in enumerate(host):
+            sk, sv = (seg.view((2 * i + j) * each, tuple(k.shape), k.dtype) for j in (0, 1))
+            sk.copy_(k)
+            sv.copy_(v)
+            out.append((sk, sv))
+        return out
     layers, bs, heads, width, dtype_name = geom
     dtype = getattr(torch, dtype_name)
     shape = (num_blocks, bs, heads, width)
@@ -100,15 +115,17 @@ def _link_cache(geom: tuple, num_blocks: int, fill: bool) -> list:
     return cache
 
 
-def _link_receiver(conn: Any, store_port: int, geom: tuple, num_blocks: int, threads: int) -> None:
+def _link_receiver(conn: Any, store_port: int, geom: tuple, num_blocks: int, threads: int,
+                   device: str = "cpu") -> None:
     """The second process: posts one receive per command and reports its end state."""
     import torch
 
     torch.set_num_threads(threads)
     from kvtransfer import KVEndpoint
 
-    ep = KVEndpoint("profile-d", f"tcp://127.0.0.1:{store_port}", timeout_s=120.0, host="127.0.0.1")
-    cache = _link_cache(geom, num_blocks, fill=False)
+    ep = KVEndpoint("profile-d", f"tcp://127.0.0.1:{store_port}", timeout_s=120.0, host="127.0.0.1",
+                    backend="nccl" if device != "cpu" else "gloo")
+    cache = _link_cache(geom, num_blocks, fill=False, device=device)
     conn.send("up")
     while True:
         cmd = conn.recv()
@@ -122,9 +139,12 @@ def _link_receiver(conn: Any, store_port: int, geom: tuple, num_blocks: int, thr
     ep.shutdown()
 
 
-def measure_link(geom: tuple, kv_bytes_per_token: int, sizes: Sequence[int], reps: int, threads: int) -> list[dict]:
+def measure_link(geom: tuple, kv_bytes_per_token: int, sizes: Sequence[int], reps: int, threads: int,
+                 device: str = "cpu") -> list[dict]:
     """Seconds from ``send()`` to DONE (the receiver's acknowledgement) for each size, median of ``reps``, and the
-    path the bytes took (``TransferStats.link``: pull where this host lets the two processes share memory)."""
+    path the bytes took (``TransferStats.link``: pull where this host lets the two processes share memory).
+    ``device`` "cuda": both caches on this GPU and nccl endpoints, so the pair takes CUDA IPC (pull) where the two
+    processes can map each other's memory, as a prefill and a decode worker sharing the GPU do."""
     import multiprocessing as mp
 
     import torch.distributed as dist
@@ -137,7 +157,8 @@ def measure_link(geom: tuple, kv_bytes_per_token: int, sizes: Sequence[int], rep
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
-    proc = ctx.Process(target=_link_receiver, args=(child_conn, store.port, geom, num_blocks, threads), daemon=True)
+    proc = ctx.Process(target=_link_receiver, args=(child_conn, store.port, geom, num_blocks, threads, device),
+                       daemon=True)
     proc.start()
     out = []
     ep = None
@@ -148,8 +169,9 @@ def measure_link(geom: tuple, kv_bytes_per_token: int, sizes: Sequence[int], rep
                 raise RuntimeError(f"KV link: the receiving process did not start (exit code {proc.exitcode})")
         if conn.recv() != "up":
             raise RuntimeError("KV link: the receiving process did not start")
-        ep = KVEndpoint("profile-p", store, timeout_s=120.0, host="127.0.0.1")
-        cache = _link_cache(geom, num_blocks, fill=True)
+        ep = KVEndpoint("profile-p", store, timeout_s=120.0, host="127.0.0.1",
+                        backend="nccl" if device != "cpu" else "gloo")
+        cache = _link_cache(geom, num_blocks, fill=True, device=device)
         seq = iter(range(1 << 30))
 
         def once(tokens: int) -> tuple[float, int]:
