@@ -14,6 +14,8 @@
 #   verdict (issue 43 item 6): benchmarks/disagg_vs_colocated.py --device cuda on the 1B checkpoint: one colocated
 #      worker against 1P+1D on the same GPU (KV over CUDA IPC), chunked prefill at 512 tokens a step, the
 #      conversation trace at full length.
+#   profile (not in the default PHASES): `pdserve profile --device cuda --quick` on the 1B checkpoint (engine steps
+#      with the graphs, the gloo and cuda_ipc links), the input of docs/capacity.md's GPU tables.
 #   1. gpu: the cluster on CUDA for the first time: benchmarks/serving_overhead.py with --device cuda, a colocated
 #      worker on the GPU against the offline engine on the same GPU, a Llama-3.2-1B-shaped bf16 checkpoint
 #      (benchmarks/cuda_engine.py's random weights), gRPC, 1 / 8 / 32 / 128 streams. Disaggregation is not run:
@@ -84,6 +86,17 @@ timeout -s INT "$VERDICT_S" python3 benchmarks/disagg_vs_colocated.py --device c
   | grep -v "^\s*$"
 cp /tmp/verdict/result.json "$OUT/verdict_result.json" 2>/dev/null || cp /tmp/verdict/partial.json "$OUT/verdict_partial.json" 2>/dev/null
 cleanup
+fi
+
+if has profile; then
+log "phase profile"
+[ -d /tmp/ck1b ] || python3 -c "
+import sys; sys.path.insert(0, 'benchmarks')
+from pathlib import Path
+from cuda_engine import make_checkpoint, SHAPES
+make_checkpoint(Path('/tmp/ck1b'), SHAPES['1b'], device='cuda')"
+timeout -s INT "${PROFILE_S:-240}" python3 -m cluster.cli profile --device cuda --dtype bfloat16 --model /tmp/ck1b \
+  --quick --skip-router --out "$OUT/profile_cuda.json" 2>&1 | tail -15 | tee "$OUT/profile.log"
 fi
 
 if has gpu; then
