@@ -221,7 +221,6 @@ def same_node(device: str, tokens: int, reps: int) -> None:
                 links |= {s.link for s in ep.take_completed()}
                 if rep:
                     times[way].append(dt)
-        a = cache[0][0]
         flat = torch.empty(nbytes, dtype=torch.uint8, device=device)
         other = torch.empty_like(flat)
         copy_ts = []
@@ -240,7 +239,6 @@ def same_node(device: str, tokens: int, reps: int) -> None:
             rate = nbytes / statistics.median(ts)
             print(f"  {way}: {statistics.median(ts) * 1e3:.2f} ms median, {rate / 1e9:.1f} GB/s "
                   f"({rate / copy:.2f}x the copy; goal on a GPU >= 100 GB/s)", flush=True)
-        del a
         ep.shutdown()
     finally:
         conn.send(("stop",))
@@ -302,7 +300,8 @@ def main() -> None:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto",
                     help="int8: also compare a prompt's transfer from an int8 cache with float32 (bench geometry)")
-    ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[512, 2048, 8192])
+    ap.add_argument("--prompt-tokens", type=int, nargs="+", default=None,
+                    help="prompt lengths: --kv-cache-dtype int8's (default 512 2048 8192), --same-node's (default 1000)")
     ap.add_argument("--same-node", choices=("cpu", "cuda"), default=None,
                     help="only issue 43's same-node hand-off: an 8B-shaped prompt between two processes")
     ap.add_argument("--copy-bound", action="store_true",
@@ -313,8 +312,7 @@ def main() -> None:
         copy_bound(args.sizes_mib, args.reps)
         return
     if args.same_node:
-        same_node(args.same_node, args.prompt_tokens[0] if args.prompt_tokens != [512, 2048, 8192] else 1000,
-                  args.reps)
+        same_node(args.same_node, (args.prompt_tokens or [1000])[0], args.reps)
         return
     from rich.console import Console
     from rich.table import Table
@@ -402,7 +400,7 @@ def main() -> None:
             del src, cache, shared
         if args.kv_cache_dtype == "int8":  # per prompt, bench geometry: float32 rows vs int8 rows + scale
             results["per_prompt"] = []
-            for n_tok in args.prompt_tokens:
+            for n_tok in args.prompt_tokens or [512, 2048, 8192]:
                 nb = -(-n_tok // 16)
                 row = {"tokens": n_tok}
                 caches = {"float32": (_cache(nb, 16, 12, 4, 64, torch.float32), (nb, 16, 12, 4, 64, torch.float32)),

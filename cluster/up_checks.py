@@ -46,7 +46,10 @@ def check_pool_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name} must be >= 0, got {getattr(args, name)}")
     if args.engine_process and args.device == "cuda" and (args.prefill or args.decode or args.autoscale):
         raise ValueError("--engine-process with prefill or decode workers needs --device cpu: their engine process "
-                         "shares its KV cache with the worker through shared memory (CUDA IPC is not built)")
+                         "shares its KV cache with the worker through shared memory (a CUDA cache is not shared "
+                         "between the engine process and its worker)")
+    if not 0 < getattr(args, "gpus_per_worker", 1.0) <= 1:
+        raise ValueError(f"--gpus-per-worker must be in (0, 1], got {args.gpus_per_worker:g}")
     if args.autoscale:
         for name, lo, hi in (("prefill", args.prefill, args.max_prefill), ("decode", args.decode, args.max_decode)):
             if not args.colocated and hi < max(lo, 1):

@@ -88,3 +88,6 @@ def test_workers_may_share_a_gpu():
     args = build_parser().parse_args(["up", "--gpus-per-worker", "0.5", "--prefill", "1", "--decode", "1"])
     check_up_args(args)
     assert pool_config_kwargs(args)["gpus_per_worker"] == 0.5
+    for bad in ("0", "1.5"):  # refused with the flags, before Redis or Ray starts
+        with pytest.raises(ValueError, match="--gpus-per-worker must be in"):
+            check_up_args(build_parser().parse_args(["up", "--gpus-per-worker", bad]))
