@@ -180,7 +180,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attentio
                                            meta.decode_ctx_lens, window or 0, q.shape[-1] ** -0.5)
             return out.to(q.dtype)
     D = q.shape[-1]
-    if q.device.type == "cuda" and q.dtype in _TRITON_DTYPES and k_cache.dtype in (q.dtype, FP8) \
+    if q.device.type in TRITON_DEVICE_TYPES and q.dtype in _TRITON_DTYPES and k_cache.dtype in (q.dtype, FP8) \
             and D & (D - 1) == 0 and 16 <= D <= 256:
         tk = _triton_kernels(q.device)
         if tk is not None:
@@ -197,6 +197,11 @@ def _triton_kernels(device: torch.device) -> Optional[ModuleType]:
 
 
 _KERNEL_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+TRITON_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+"""Device types whose steps run pdserve's Triton kernels (the decode and prefill attention here, and
+layer_ops.TritonOps's norm, RoPE and silu * mul, which ``CausalLM.finalize`` installs there). Serving: CUDA only.
+tests/engine/test_triton_kernels.py adds "cpu" (with Triton's interpreter on and the CPU kernels off) to run the GPU
+path's composition, static decode buffers included, on CPU."""
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -240,7 +245,7 @@ def _prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, 
             # the block table, dequantized per row, instead of gathered whole and handed to SDPA with a mask
             return kern.prefill_attention_paged(q[s:e], k_cache, v_cache, span.block_table, span.ctx_len,
                                                 window or 0, D ** -0.5)
-    if q.device.type == "cuda" and not (span.num_computed == 0 and (window is None or window >= n)) \
+    if q.device.type in TRITON_DEVICE_TYPES and not (span.num_computed == 0 and (window is None or window >= n)) \
             and q.dtype in _TRITON_DTYPES and k_cache.dtype == q.dtype and D & (D - 1) == 0 and 16 <= D <= 256:
         # where SDPA below would need the explicit [n, ctx] mask (a later chunk, or a window shorter than the
         # chunk): pdserve's Triton flash kernel reads the context through the block table, GQA in place

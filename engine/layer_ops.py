@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine import attention
 from engine.attention import apply_rope
 
 
@@ -71,7 +72,7 @@ class TritonOps(TorchOps):
         self.tk = triton_kernels
 
     def _runs_on(self, t: Tensor) -> bool:
-        return t.device.type == "cuda"
+        return t.device.type in attention.TRITON_DEVICE_TYPES
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         if self._runs_on(x) and x.dim() == 2 and weight.dtype == x.dtype:

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import Tensor, nn
 
+from engine import attention
 from engine.attention import FP8, AttentionMetadata, decode_attention, paged_attention, write_kv
 from engine.config import ModelConfig, rope_inv_freq
 from engine.float_formats import Dense, fp32_rows_format, packed_format
@@ -236,7 +237,7 @@ class CausalLM(nn.Module):
         fused = [layer.build_fused(kern, self.panel_prefetch) for layer in self.layers]
         if fused and all(fused):
             self.norm.ops = KernelOps(kern)
-        if w.device.type == "cuda":
+        if w.device.type in attention.TRITON_DEVICE_TYPES:
             from engine import triton_kernels
 
             if triton_kernels.available(w.device):  # one launch per norm, RoPE and silu * mul (engine/layer_ops.py)

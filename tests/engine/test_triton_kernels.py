@@ -45,7 +45,7 @@ if not isinstance(triton.language.sum, InterpretedFunction):
                        "language functions cannot run in the interpreter (import triton after this module)")
 
 from engine import triton_kernels as tk  # noqa: E402
-from engine import attention  # noqa: E402
+from engine import SamplingParams, attention  # noqa: E402
 from engine.attention import AttentionMetadata, PrefillSpan, apply_rope, gather_decode_attention  # noqa: E402
 from engine.layer_ops import TorchOps, TritonOps  # noqa: E402
 
@@ -158,16 +158,9 @@ def test_decode_attention_replays_after_in_place_metadata_updates():
 
 def test_decode_attention_never_reads_tensors_on_host():
     # on CUDA a host read (.item(), .tolist(), int(t), a branch on a tensor) is a sync, illegal while capturing a
-    # graph, and its value would be frozen into the graph: every such read is one aten._local_scalar_dense
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class NoHostReads(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            assert func is not torch.ops.aten._local_scalar_dense.default, "host read of a tensor value"
-            return func(*args, **(kwargs or {}))
-
+    # graph, and its value would be frozen into the graph (_CaptureGuard, below, fails on each)
     q, kc, vc, bt, ctx = _case([5, 17], 8, 2, 16, 8, torch.float32, extra_cols=1, seed=10)
-    with NoHostReads():
+    with _CaptureGuard():
         out = _decode(q, kc, vc, bt, ctx, 4)
     torch.testing.assert_close(out.double(), _naive(q, kc, vc, bt, ctx, 4), atol=1e-5, rtol=1e-5)
 
@@ -405,3 +398,106 @@ def test_decode_attention_reads_an_fp8_cache(qdtype):
     torch.testing.assert_close(out.double(), _naive(q.float(), kc8.float(), vc8.float(), bt, ctx, None),
                                atol=tol, rtol=tol)
     torch.testing.assert_close(out.float(), _gather(q, kc8, vc8, bt, ctx, None).float(), atol=2 * tol, rtol=2 * tol)
+
+
+# -- the GPU path composed: a whole engine on the kernels, eager and through the static decode buffers ---------
+
+FORBIDDEN_IN_A_GRAPH = {
+    # a host read of a tensor value (.item(), .tolist(), int(t), a branch on a tensor): a sync, illegal while
+    # capturing, and its value would be frozen into the graph
+    torch.ops.aten._local_scalar_dense.default: "a host read of a tensor value",
+    torch.ops.aten.item.default: "a host read of a tensor value (.item() under inference_mode)",
+    # ops whose output size depends on the data: they sync to learn it
+    torch.ops.aten.nonzero.default: "nonzero (a data-dependent size)",
+    torch.ops.aten.masked_select.default: "masked_select (a data-dependent size)",
+    torch.ops.aten._unique2.default: "unique (a data-dependent size)",
+    torch.ops.aten.repeat_interleave.Tensor: "repeat_interleave by a tensor (a data-dependent size)",
+    # torch.tensor(python data) inside the step: a host-to-device copy from pageable memory, refused while capturing
+    torch.ops.aten.lift_fresh.default: "a tensor made from host data",
+}
+
+
+class _CaptureGuard(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on every op a CUDA graph cannot capture (FORBIDDEN_IN_A_GRAPH, indexing by a bool mask, and
+    ``Tensor.tolist``, which reads the values without dispatching an op); counts the ops it saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+
+        def tolist(t):
+            raise AssertionError("Tensor.tolist: a host read of tensor values")
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        assert func not in FORBIDDEN_IN_A_GRAPH, FORBIDDEN_IN_A_GRAPH.get(func)
+        if func is torch.ops.aten.index.Tensor:
+            assert all(i is None or i.dtype != torch.bool for i in args[1]), "indexing by a bool mask (nonzero)"
+        return func(*args, **(kwargs or {}))
+
+
+GPU_PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
+               "def fibonacci(n):\n    if n < 2:"]
+
+
+def _gpu_path_outputs(llm) -> list:
+    params = [SamplingParams(max_tokens=6, temperature=0.0, logprobs=1) for _ in GPU_PROMPTS]
+    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in llm.generate(GPU_PROMPTS, params)]
+
+
+@pytest.fixture
+def gpu_path(monkeypatch):
+    """From here on the engines this test builds run on CPU the code a CUDA engine runs: pdserve's CPU kernels off
+    (dense torch GEMMs), TritonOps for the norms, RoPE and silu * mul, the Triton paged decode and prefill
+    attention, all through the interpreter. Returns the calls each kernel got."""
+    from engine import kernels
+
+    monkeypatch.setattr(attention, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setitem(kernels._state, "mod", None)
+    calls: dict[str, int] = {}
+    for name in ("paged_decode_attention", "paged_prefill_attention", "rms_norm", "rope_", "silu_mul"):
+        def counted(*a, _f=getattr(tk, name), _n=name, **kw):
+            calls[_n] = calls.get(_n, 0) + 1
+            return _f(*a, **kw)
+        monkeypatch.setattr(tk, name, counted)
+    return calls
+
+
+def test_the_gpu_path_composed_on_cpu_gives_the_torch_tokens_and_its_static_decode_step_is_capturable(
+        monkeypatch, request):
+    """What the GPU session would otherwise find first: the kernels wired into the model (TritonOps installed by
+    ``finalize``, the attention dispatch), chunked prefill and prefix hits through the paged prefill kernel, and a
+    static decode step (what ``DecodeGraphs`` captures) that holds no op a CUDA graph refuses."""
+    from engine import LLM
+
+    kw = dict(cpu_gemm="torch", max_num_seqs=4, block_size=8, max_num_batched_tokens=16, enable_prefix_caching=True)
+    ref = _gpu_path_outputs(LLM("tiny", **kw))  # pdserve's CPU path (its kernels where built)
+    calls = request.getfixturevalue("gpu_path")
+    eager_llm = LLM("tiny", **kw)
+    assert isinstance(eager_llm.llm_engine.runner.model.layers[0].ops, TritonOps)
+    eager = _gpu_path_outputs(eager_llm)
+    # every kernel ran; a 16-token step budget splits the prompts, so later chunks read the cache in place
+    assert set(calls) == {"paged_decode_attention", "paged_prefill_attention", "rms_norm", "rope_", "silu_mul"}, calls
+    static_llm = LLM("tiny", static_decode_buffers=True, **kw)
+    static = _gpu_path_outputs(static_llm)
+    graphs = static_llm.llm_engine.runner.graphs
+    assert graphs.replays > 0
+    for a, b, c in zip(ref, eager, static, strict=True):
+        assert a[0] == b[0] == c[0]
+        # float32 throughout; torch's GEMMs are not batch-invariant (a padded bucket is another batch shape)
+        torch.testing.assert_close(torch.tensor(b[1]), torch.tensor(a[1]), atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(c[1]), torch.tensor(b[1]), atol=1e-4, rtol=0)
+    guard = _CaptureGuard()
+    before = calls["paged_decode_attention"]
+    with guard:
+        graphs._forward(graphs.bucket_for(3))
+    assert guard.ops > 50 and calls["paged_decode_attention"] == before + 4  # one launch per layer
