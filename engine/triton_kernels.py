@@ -289,27 +289,55 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         q, k_cache, v_cache, block_tables, ctx_lens, out, float(scale), int(window or _NO_WINDOW),
         *q.stride(), *k_cache.stride()[:3], k_cache.stride(3), *v_cache.stride(), *block_tables.stride(),
         *out.stride(), G=G, G_P=G_P, D=D, BS=BS, BS_P=BS_P,
-        num_warps=4 if G_P * BS_P * D <= 8192 else 8)
+        num_warps=_decode_warps(G_P * BS_P * D, D))
     return out
 
 
-def _prefill_config(n: int, D: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """BLOCK_M, BLOCK_N, num_warps of ``paged_prefill_attention`` for a chunk of n rows.
+def _decode_warps(tile: int, D: int) -> int:
+    """Warps of the decode kernel for a [G_P, BS_P, D] product tile of ``tile`` elements: enough threads that its
+    fp32 registers fit. Chosen from ptxas -v on sm_90a (tests/engine/triton_aot.py, no GPU needed): 4 warps hold
+    4,096 elements (D 64, G 4, 16-token blocks: 168 registers), 8,192 need 8 (D 128, G 4: 171; at 4 warps 255 and
+    a spill), 16,384 need 16 at D <= 128 (D 128, G 4, 32-token blocks: 127; at 8 warps 255); at D 256, 16 warps
+    spill more than 8, which keep a few bytes' spill at 32-token blocks in 16-bit. Not yet timed on a GPU."""
+    if tile <= 4096:
+        return 4
+    if tile <= 8192 or D > 128:
+        return 8
+    return 16
 
-    16-bit (the serving case, wgmma on Hopper): a warpgroup (4 warps) issues 64-row MMAs, so BLOCK_M = 128 on 8
-    warps is two warpgroups sharing each K/V tile (half the K/V reads per query row of 64 rows). BLOCK_N = 64: the
-    loop is not software-pipelined (a while loop), so K/V pass through registers on their way to shared memory; at
-    D = 128 the [128, 64] tiles take ~170 registers a thread, [128, 128] ~250 (at the edge of spilling). A chunk of
-    <= 64 rows (a short suffix after a prefix-cache hit) takes one warpgroup's 64 rows, wasting less; D = 256 takes
-    64 rows on 8 warps (128 rows spill). float32 runs IEEE FMA dots (no tensor cores: parity, not speed), whose
-    operand fragments grow with D: [32, 32] tiles to D = 64, [16, 16] above, 8 warps. (Register counts: ptxas -v on
-    these configurations compiled for sm_90a, no spills except float32 at D = 256, a few hundred bytes.)"""
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability the kernels are built for: the CUDA device's; elsewhere (the interpreter) Hopper's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)
+    return 9, 0
+
+
+def _prefill_config(n: int, D: int, dtype: torch.dtype,
+                    capability: tuple[int, int] = (9, 0)) -> tuple[int, int, int]:
+    """BLOCK_M, BLOCK_N, num_warps of ``paged_prefill_attention`` for a chunk of n rows on a GPU of ``capability``.
+
+    The loop is not software-pipelined (a while loop), so K/V pass through registers on their way to shared memory,
+    which bounds the tiles. Chosen from ptxas -v (tests/engine/triton_aot.py compiles them for sm_90a and sm_80
+    without a GPU); none of the 16-bit tiles at D <= 128 spills. Not yet timed on a GPU.
+
+    16-bit on Hopper (wgmma): a warpgroup (4 warps) issues 64-row MMAs, so BLOCK_M = 128 on 8 warps is two
+    warpgroups sharing each K/V tile (half the K/V reads per query row of 64 rows): [128, 64], 230 registers at
+    D = 128. A chunk of <= 64 rows (a short suffix after a prefix-cache hit) takes one warpgroup's 64 rows, wasting
+    less, with 32-key tiles ([64, 64] on 4 warps spills 284 bytes at D = 128; [64, 32]: 189 registers). D = 256:
+    [64, 32] on 8 warps (237; [64, 64] spills 164 bytes). Before Hopper (mma.sync, more registers per tile):
+    [64, 32] on 8 warps (216 at D = 128; Hopper's [128, 64] spills 208 bytes, its [64, 32] on 4 warps 264); at
+    D = 256 every tile spills, this one least (208 bytes). float32 runs IEEE FMA dots (no tensor cores: parity, not
+    speed): [32, 32] tiles to D = 64, [16, 16] above, 8 warps (every float32 tile spills at D = 256, [16, 16] least:
+    444 bytes)."""
     if dtype == torch.float32:
         return (32, 32, 8) if D <= 64 else (16, 16, 8)
+    if capability < (9, 0):
+        return 64, 32, 8
     if D > 128:
-        return 64, 64, 8
+        return 64, 32, 8
     if n <= 64:
-        return 64, 64, 4
+        return 64, 32, 4
     return 128, 64, 8
 
 
@@ -341,7 +369,7 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
         return out
     # no window (or one as long as the context) is the same mask as a window of ctx: keeps the arithmetic in int32
     w = min(int(window), ctx) if window else ctx
-    BM, BN, warps = _prefill_config(n, D, q.dtype)
+    BM, BN, warps = _prefill_config(n, D, q.dtype, _capability(q.device))
     _kernels().prefill[(triton.cdiv(n, BM), H)](
         q, k_cache, v_cache, block_table, out, float(scale) * 1.4426950408889634, nc, n, w,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0), *out.stride(),

@@ -206,7 +206,7 @@ PREFILL_CASES = {  # num_computed, n, H, Hkv, D, block_size, window, tiles (BLOC
 def _tiles(monkeypatch, tiles: Optional[tuple[int, int]]) -> None:
     # small tiles: several query tiles and key tiles (fully masked for some rows) at an interpreter-sized cost
     if tiles is not None:
-        monkeypatch.setattr(tk, "_prefill_config", lambda n, D, dtype: (*tiles, 4))
+        monkeypatch.setattr(tk, "_prefill_config", lambda n, D, dtype, *cap: (*tiles, 4))
 
 
 @pytest.mark.parametrize("name", list(PREFILL_CASES))
