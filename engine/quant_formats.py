@@ -217,8 +217,8 @@ class Fp8(LinearFormat):
     """float8 e4m3 weights [N, K] with a float32 scale per output channel, and each input row rounded to float8
     with a scale of its own on the fly (dynamic per-token, vLLM's "fp8" W8A8): y = (x8 sx) (w8 sw)^T + b in one
     ``torch._scaled_mm`` with row-wise scales, accumulated in float32. On CUDA that needs compute capability 8.9+
-    (the engine refuses "fp8" below that at start), 16-bit output (a float32 model gets bfloat16 products, cast
-    back) and rows in multiples of 16 (padded)."""
+    (the engine refuses "fp8" below that at start), bfloat16 output (a float16 or float32 model gets bfloat16
+    products, cast back) and rows in multiples of 16 (padded)."""
     method = "fp8"
 
     def __init__(self, w8: Tensor, scale: Tensor, in_features: int, out_features: int,
@@ -242,7 +242,7 @@ class Fp8(LinearFormat):
         if cuda and m % 16:  # the FP8 GEMM takes rows in multiples of 16
             x2 = torch.cat((x2, x2.new_zeros(16 - m % 16, x2.shape[1])))
         x8, sx = quantize_fp8_rows(x2)
-        out_dtype = torch.bfloat16 if cuda and dtype == torch.float32 else dtype
+        out_dtype = torch.bfloat16 if cuda else dtype  # CUDA's row-wise FP8 GEMM writes bfloat16 only
         y = torch._scaled_mm(x8, self.w8.t(), scale_a=sx, scale_b=self.scale, out_dtype=out_dtype)[:m]
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)

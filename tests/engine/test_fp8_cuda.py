@@ -10,7 +10,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_
                                 reason="needs a CUDA GPU with FP8 (device_session.sh)")
 
 
-def test_cuda_fp8_weights_compute_the_scaled_product_of_what_they_store():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_fp8_weights_compute_the_scaled_product_of_what_they_store(dtype):
+    # CUDA's row-wise scaled GEMM writes bfloat16 only: a float16 or float32 model gets its dtype back after it
     from engine.quant_formats import FP8, Fp8
 
     g = torch.Generator().manual_seed(4)
@@ -19,8 +21,8 @@ def test_cuda_fp8_weights_compute_the_scaled_product_of_what_they_store():
     fmt = Fp8.pack(w.cuda(), b.cuda())
     sx = x.abs().amax(-1, keepdim=True) / 448
     want = ((x / sx).to(FP8).float() * sx) @ fmt.dense().cpu().t() + b
-    got = fmt(x.cuda().bfloat16())  # 5 rows: padded to 16 for the GEMM
-    assert got.shape == (5, 256) and got.dtype == torch.bfloat16
+    got = fmt(x.cuda().to(dtype))  # 5 rows: padded to 16 for the GEMM
+    assert got.shape == (5, 256) and got.dtype == dtype
     torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2)
 
 
