@@ -39,6 +39,7 @@ the mask forbids are left out of ``top``).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -99,6 +100,7 @@ class Sampler:
             raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
         self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(seed)
+        self._events: dict[torch.device, "torch.cuda.Event"] = {}
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -129,8 +131,7 @@ class Sampler:
 
         # Fast path: plain greedy batch, the common case for evals and load tests.
         if all(p.greedy for p in params) and not need_penalty and not need_min and not need_bias:
-            tokens = raw.argmax(dim=-1)
-            return tokens.tolist(), self._logprobs(raw, tokens, params, want_lp)
+            return self._to_host(raw, raw.argmax(dim=-1), params, want_lp)
 
         x = self._process(raw, reqs, need_penalty, need_min, need_bias)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -143,7 +144,22 @@ class Sampler:
                 probs = torch.softmax(x.index_select(0, idx), dim=-1)
                 drawn = self._draw(probs, [reqs[i] for i in sampled_rows])
                 tokens = tokens.index_copy(0, idx, drawn)
-        return tokens.tolist(), self._logprobs(raw, tokens, params, want_lp)
+        return self._to_host(raw, tokens, params, want_lp)
+
+    def _to_host(self, raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams],
+                 want: list[bool]) -> tuple[list[int], list[Optional[TokenLogprob]]]:
+        """The step's one trip to the host: the logprob tensors enqueued, then (on CUDA) one wait on an event
+        made with ``blocking=True``, so this thread sleeps until the GPU is done instead of spinning a core inside
+        ``tolist`` (the engine's CPU per token would otherwise be the whole GPU step); ``PDSERVE_CUDA_SPIN=1``
+        keeps torch's default wait. Then the copies, which find the data ready."""
+        lp = self._logprob_tensors(raw, tokens, params, want)
+        if tokens.device.type == "cuda" and os.environ.get("PDSERVE_CUDA_SPIN", "0") != "1":
+            ev = self._events.get(tokens.device)
+            if ev is None:
+                ev = self._events[tokens.device] = torch.cuda.Event(blocking=True)
+            ev.record(torch.cuda.current_stream(tokens.device))
+            ev.synchronize()
+        return tokens.tolist(), self._logprob_lists(lp, params, want)
 
     @torch.inference_mode()
     def processed_logits(self, logits: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
@@ -334,23 +350,33 @@ class Sampler:
         return counts
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams],
-                  want: list[bool]) -> list[Optional[TokenLogprob]]:
+    def _logprob_tensors(raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams],
+                         want: list[bool]) -> Optional[tuple[list[int], torch.Tensor, torch.Tensor,
+                                                             Optional[torch.Tensor], Optional[torch.Tensor]]]:
+        """(rows, chosen ids, their logprobs, top values, top ids) of the rows that want logprobs, on the device."""
         if not any(want):
-            return [None] * len(params)
+            return None
         rows = [i for i, w in enumerate(want) if w]
         idx = torch.tensor(rows, device=raw.device)
         lp = torch.log_softmax(raw.index_select(0, idx), dim=-1)
         chosen = tokens.index_select(0, idx)
-        chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+        chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1)
         n_top = max(params[i].logprobs for i in rows)
         top_vals, top_ids = (lp.topk(n_top, dim=-1) if n_top > 0 else (None, None))
+        return rows, chosen, chosen_lp, top_vals, top_ids
+
+    @staticmethod
+    def _logprob_lists(lp: Optional[tuple], params: list[SamplingParams],
+                       want: list[bool]) -> list[Optional[TokenLogprob]]:
         out: list[Optional[TokenLogprob]] = [None] * len(params)
-        chosen_l = chosen.tolist()
+        if lp is None:
+            return out
+        rows, chosen, chosen_lp, top_vals, top_ids = lp
+        chosen_l, chosen_lp_l = chosen.tolist(), chosen_lp.tolist()
         tv = top_vals.tolist() if top_vals is not None else None
         ti = top_ids.tolist() if top_ids is not None else None
         for j, i in enumerate(rows):
             k = params[i].logprobs
             top = [(t, v) for t, v in zip(ti[j][:k], tv[j][:k]) if v != float("-inf")] if k else []
-            out[i] = TokenLogprob(token_id=chosen_l[j], logprob=chosen_lp[j], top=top)
+            out[i] = TokenLogprob(token_id=chosen_l[j], logprob=chosen_lp_l[j], top=top)
         return out
