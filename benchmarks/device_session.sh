@@ -10,7 +10,8 @@
 #      tokens; the kernels against SDPA on CUDA; FP8; the sampler's blocking wait; tests/kvtransfer/test_cuda_ipc.py: two processes on the GPU move
 #      KV over CUDA IPC), then benchmarks/cuda_engine.py's parity (fp32 strict with graphs
 #      on), decode and graphs phases (graphs against --enforce-eager at each batch) on the 1B shape, and
-#      kvtransfer_bandwidth.py --same-node cuda (an 8B-shaped 1,000-token prompt over CUDA IPC; goal >= 100 GB/s).
+#      kvtransfer_bandwidth.py --same-node cuda (an 8B-shaped 1,000-token prompt over CUDA IPC; goal >= 100 GB/s),
+#      benchmarks/decode_host_overhead.py (the engine's host time per graph decode step, 1B shape).
 #   verdict (issue 43 item 6): benchmarks/disagg_vs_colocated.py --device cuda on the 1B checkpoint: one colocated
 #      worker against 1P+1D on the same GPU (KV over CUDA IPC), chunked prefill at 512 tokens a step, the
 #      conversation trace at full length.
@@ -46,6 +47,14 @@ fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 TRACE=${TRACE:-.devdata/azure_llm_2023_conv.csv}
 log() { echo "[$(date -u +%T)] $*"; }
+# the 1B-shaped bf16 checkpoint (benchmarks/cuda_engine.py's random weights), made once
+ck1b() {
+  [ -d /tmp/ck1b ] || python3 -c "
+import sys, torch; sys.path.insert(0, 'benchmarks')
+from pathlib import Path
+from cuda_engine import make_checkpoint, SHAPES
+make_checkpoint(Path('/tmp/ck1b'), SHAPES['1b'], device='cuda' if torch.cuda.is_available() else 'cpu')"
+}
 cleanup() { pkill -INT -f "multiprocessing.spawn" 2>/dev/null; sleep 2; pkill -KILL -f "multiprocessing.spawn" 2>/dev/null; true; }
 
 log "host: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2); $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1)"
@@ -71,15 +80,14 @@ timeout -s INT 60 python3 benchmarks/kvtransfer_bandwidth.py --same-node cuda --
 timeout -s INT "$ENGINE_S" python3 benchmarks/cuda_engine.py --phases "${ENGINE_PHASES:-parity,decode,graphs}" \
   --out /tmp/cuda_engine 2>&1 | tee "$OUT/engine.log" | grep -v "^\s*$"
 cp /tmp/cuda_engine/cuda_engine.json "$OUT/cuda_engine.json" 2>/dev/null
+# the host's share of a graph decode step at 1 / 64 / 256 sequences: the case for async scheduling
+ck1b && timeout -s INT 90 python3 benchmarks/decode_host_overhead.py --device cuda --model /tmp/ck1b --dtype bfloat16 \
+  2>&1 | tail -6 | tee -a "$OUT/engine.log"
 fi
 
 if has verdict; then
 log "phase verdict"
-[ -d /tmp/ck1b ] || python3 -c "
-import sys; sys.path.insert(0, 'benchmarks')
-from pathlib import Path
-from cuda_engine import make_checkpoint, SHAPES
-make_checkpoint(Path('/tmp/ck1b'), SHAPES['1b'], device='cuda')"
+ck1b
 timeout -s INT "$VERDICT_S" python3 benchmarks/disagg_vs_colocated.py --device cuda --model /tmp/ck1b --trace "$TRACE" \
   --num-requests "$VERDICT_N" --length-scale 1 --rates "$VERDICT_RATES" --colocated-workers 1 --prefill-workers 1 \
   --decode-workers 1 --kv-cache-gib 8 --max-num-batched-tokens 512 --out /tmp/verdict 2>&1 | tee "$OUT/verdict.log" \
@@ -90,23 +98,14 @@ fi
 
 if has profile; then
 log "phase profile"
-[ -d /tmp/ck1b ] || python3 -c "
-import sys; sys.path.insert(0, 'benchmarks')
-from pathlib import Path
-from cuda_engine import make_checkpoint, SHAPES
-make_checkpoint(Path('/tmp/ck1b'), SHAPES['1b'], device='cuda')"
+ck1b
 timeout -s INT "${PROFILE_S:-240}" python3 -m cluster.cli profile --device cuda --dtype bfloat16 --model /tmp/ck1b \
   --quick --skip-router --out "$OUT/profile_cuda.json" 2>&1 | tail -15 | tee "$OUT/profile.log"
 fi
 
 if has gpu; then
 log "phase gpu"
-python3 -c "
-import sys, torch; sys.path.insert(0, 'benchmarks')
-from pathlib import Path
-from cuda_engine import make_checkpoint, SHAPES
-make_checkpoint(Path('/tmp/ck1b'), SHAPES['1b'], device='cuda' if torch.cuda.is_available() else 'cpu')" \
-  && timeout -s INT "$GPU_S" python3 benchmarks/serving_overhead.py --models /tmp/ck1b --modes colocated --apis grpc \
+ck1b && timeout -s INT "$GPU_S" python3 benchmarks/serving_overhead.py --models /tmp/ck1b --modes colocated --apis grpc \
        --paths streams --repeat "$GPU_REPEAT" --concurrency "$GPU_C" --device cuda --dtype bfloat16 --kv-cache-gib 8 \
        $GPU_FLAGS --json "$OUT/serving_overhead_gpu.json" 2>&1 | tee "$OUT/gpu.log" | grep -v "^\s*$"
 cleanup
@@ -114,11 +113,7 @@ fi
 
 if has invariance; then
 log "phase invariance"
-[ -d /tmp/ck1b ] || python3 -c "
-import sys; sys.path.insert(0, 'benchmarks')
-from pathlib import Path
-from cuda_engine import make_checkpoint, SHAPES
-make_checkpoint(Path('/tmp/ck1b'), SHAPES['1b'], device='cuda')"
+ck1b
 timeout -s INT "${INV_S:-120}" python3 benchmarks/batch_invariance.py --model /tmp/ck1b --device cuda \
   --dtypes bfloat16,float32 --num-prompts 128 --max-tokens 128 --kv-cache-gib 8 2>&1 | tee "$OUT/invariance.log"
 fi

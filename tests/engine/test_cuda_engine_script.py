@@ -69,3 +69,14 @@ def test_disagg_vs_colocated_on_one_gpu_asks_for_cuda_ipc(tmp_path):
     EngineConfig(**engine_kw)  # a config the workers accept
     cpu_kw, cpu_roles = dvc.engine_and_worker_kw(dvc.parse_args(["--trace", str(trace), "--colocated-workers", "1"]))
     assert "device" not in cpu_kw and "dtype" not in cpu_kw and cpu_roles == {}
+
+
+def test_decode_host_overhead_runs_every_step_through_the_static_buffers():
+    """benchmarks/decode_host_overhead.py on CPU: each timed step went through the decode buckets (it refuses to
+    report otherwise) and its host time is the step's wall less the forward."""
+    from benchmarks import decode_host_overhead
+
+    r = decode_host_overhead.measure("tiny", "cpu", batch=3, steps=4, dtype=None)
+    assert r["batch"] == 3 and 0 < r["forward_ms"] < r["wall_ms"]
+    assert r["host_ms"] == pytest.approx(r["wall_ms"] - r["forward_ms"], abs=2e-3)
+    assert 0 < r["host_share"] < 1

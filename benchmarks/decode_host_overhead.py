@@ -1,0 +1,117 @@
+"""The engine's host time per decode step, beside the model's: what a CUDA graph cannot remove.
+
+Lifecycle: a one-shot script. For each batch size it starts an ``LLM`` whose decode steps run through the decode
+graphs' static buffers (on CPU ``static_decode_buffers``: the same copies, padding and bucket a captured graph
+replays; on CUDA the captured graphs), fills the batch with requests that ignore EOS, lets every prompt finish
+prefilling, then times ``--steps`` pure decode steps. Per step it reports
+
+* wall: the whole ``LLMEngine.step`` (schedule, inputs, forward, sampler, bookkeeping);
+* forward: the model (``DecodeGraphs._forward`` on CPU; on CUDA the replay is asynchronous, so the GPU's share is
+  read from CUDA events around it);
+* host: on CPU wall - forward - the sampler's tensor work is not separable from its Python, so "host" is
+  wall - forward (the sampler included); on CUDA the process's CPU time per step (with the sampler's blocking
+  wait the thread sleeps while the GPU works, so CPU time is host work);
+
+and the ratio host / wall: the share of a step the GPU would sit idle waiting on Python, the case for async
+scheduling (issue 43: overlap step N+1's scheduling with step N where the profile shows the CPU limits).
+
+Usage: python benchmarks/decode_host_overhead.py [--device cpu|cuda] [--model tiny] [--batches 1,64,256]
+       [--steps 40] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.cuda_graphs import DecodeGraphs
+
+
+def measure(model: str, device: str, batch: int, steps: int, dtype: str) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(max_num_seqs=batch, cuda_graph_sizes=[1, batch] if batch > 1 else [1], device=device,
+                              max_model_len=1024)
+    if dtype:
+        kw["dtype"] = dtype
+    if device == "cpu":
+        kw["static_decode_buffers"] = True
+    llm = LLM(model, **kw)
+    eng = llm.llm_engine
+    graphs = eng.runner.graphs
+    if graphs is None:
+        raise SystemExit(f"no decode graphs on {device} for {model}: nothing to measure (see the engine's log)")
+    fwd = {"t": 0.0}
+    orig = DecodeGraphs._forward
+    cuda = device.startswith("cuda")
+
+    def timed(self: DecodeGraphs, size: int):
+        t = time.perf_counter()
+        out = orig(self, size)
+        fwd["t"] += time.perf_counter() - t
+        return out
+
+    if not cuda:
+        DecodeGraphs._forward = timed
+    try:
+        params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+        for i in range(batch):
+            eng.add_request(f"r{i}", [2 + (i * 7 + j) % 500 for j in range(16)], params)
+        while graphs.replays == 0:  # prefill every prompt, then the first decode step
+            eng.step()
+        gpu_ms = 0.0
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            replay = graphs.graphs[graphs.bucket_for(batch)]
+            start.record()
+            for _ in range(steps):
+                replay.replay()
+            end.record()
+            end.synchronize()
+            gpu_ms = start.elapsed_time(end) / steps
+        fwd["t"] = 0.0
+        replays0 = graphs.replays
+        c0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if graphs.replays - replays0 != steps:
+            raise SystemExit(f"batch {batch}: {graphs.replays - replays0} of {steps} steps went through the graphs")
+    finally:
+        DecodeGraphs._forward = orig
+    wall_ms = wall / steps * 1e3
+    forward_ms = gpu_ms if cuda else fwd["t"] / steps * 1e3
+    host_ms = cpu / steps * 1e3 if cuda else wall_ms - forward_ms
+    return {"batch": batch, "device": device, "model": model, "wall_ms": round(wall_ms, 3),
+            "forward_ms": round(forward_ms, 3), "host_ms": round(host_ms, 3),
+            "host_share": round(host_ms / wall_ms, 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default="tiny", help="'tiny', 'bench' or a Hugging Face model directory")
+    ap.add_argument("--dtype", default=None, help="the model's (default: the checkpoint's)")
+    ap.add_argument("--batches", default="1,64,256")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--json", default=None)
+    ns = ap.parse_args()
+    rows = []
+    print(f"{'batch':>6} {'wall ms':>9} {'forward ms':>11} {'host ms':>9} {'host/wall':>10}")
+    for b in (int(x) for x in ns.batches.split(",")):
+        r = measure(ns.model, ns.device, b, ns.steps, ns.dtype)
+        rows.append(r)
+        print(f"{b:>6} {r['wall_ms']:>9.2f} {r['forward_ms']:>11.2f} {r['host_ms']:>9.2f} {r['host_share']:>10.2f}",
+              flush=True)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"rows": rows, "args": vars(ns)}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
