@@ -2,7 +2,7 @@
 # One device lease's serving checks, in one call (a GPU host with 16 cores; see docs/benchmarks.md).
 #
 # Lifecycle: run once on the lent machine from the repository root, with the wheels the image lacks in .whl/
-# and the conversation trace in .devdata/ (both carried; .git/info/exclude ignores them):
+# and the conversation trace in .devdata/ (`bash scripts/device_wheels` puts both there, ignored; carry both):
 #     bash benchmarks/device_session.sh "$OUT"
 # Phases, each under its own deadline (SIGINT, so deployments close) and each logged as it goes:
 #   0. engine (issue 43): the decode-graph and Triton-kernel tests on the GPU (tests/engine/test_decode_graphs.py,
