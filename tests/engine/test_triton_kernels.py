@@ -472,17 +472,19 @@ def gpu_path(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("kv", [None, "fp8"])
+@pytest.mark.parametrize("dtype,kv", [("float32", None), ("float32", "fp8"), ("bfloat16", None)])
 def test_the_gpu_path_composed_on_cpu_gives_the_torch_tokens_and_its_static_decode_step_is_capturable(
-        kv, monkeypatch, request):
+        dtype, kv, monkeypatch, request):
     """What the GPU session would otherwise find first: the kernels wired into the model (TritonOps installed by
     ``finalize``, the attention dispatch), chunked prefill and prefix hits through the paged prefill kernel, and a
     static decode step (what ``DecodeGraphs`` captures) that holds no op a CUDA graph refuses. With an fp8 cache
-    the decode kernel widens it as it loads; later prefill chunks gather it for SDPA (no fp8 prefill kernel)."""
+    the decode kernel widens it as it loads; later prefill chunks gather it for SDPA (no fp8 prefill kernel).
+    bfloat16: the static path gives the eager GPU path's tokens; not compared with the CPU path, since the
+    interpreter truncates where a GPU rounds (the module docstring), which moves near-ties (4 of 32 tokens here)."""
     from engine import LLM
 
     kw = dict(cpu_gemm="torch", max_num_seqs=4, block_size=8, max_num_batched_tokens=16, enable_prefix_caching=True,
-              kv_cache_dtype=kv or "auto")
+              kv_cache_dtype=kv or "auto", dtype=dtype)
     ref = _gpu_path_outputs(LLM("tiny", **kw))  # pdserve's CPU path (its kernels where built)
     calls = request.getfixturevalue("gpu_path")
     eager_llm = LLM("tiny", **kw)
@@ -495,11 +497,14 @@ def test_the_gpu_path_composed_on_cpu_gives_the_torch_tokens_and_its_static_deco
     static = _gpu_path_outputs(static_llm)
     graphs = static_llm.llm_engine.runner.graphs
     assert graphs.replays > 0
+    tol = 1e-4 if dtype == "float32" else 5e-2
     for a, b, c in zip(ref, eager, static, strict=True):
-        assert a[0] == b[0] == c[0]
-        # float32 throughout; torch's GEMMs are not batch-invariant (a padded bucket is another batch shape)
-        torch.testing.assert_close(torch.tensor(b[1]), torch.tensor(a[1]), atol=1e-4, rtol=0)
-        torch.testing.assert_close(torch.tensor(c[1]), torch.tensor(b[1]), atol=1e-4, rtol=0)
+        assert b[0] == c[0]
+        # torch's GEMMs are not batch-invariant (a padded bucket is another batch shape)
+        torch.testing.assert_close(torch.tensor(c[1]), torch.tensor(b[1]), atol=tol, rtol=0)
+        if dtype == "float32":
+            assert a[0] == b[0]
+            torch.testing.assert_close(torch.tensor(b[1]), torch.tensor(a[1]), atol=1e-4, rtol=0)
     guard = _CaptureGuard()
     before = calls["paged_decode_attention"]
     with guard:
