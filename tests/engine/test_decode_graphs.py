@@ -243,3 +243,49 @@ def test_a_cuda_engine_without_the_triton_decode_kernel_stays_eager(monkeypatch)
     assert eager_reason(cuda, bf16, torch.float8_e4m3fn, 64) is None  # the decode kernel widens an fp8 cache
     monkeypatch.setenv("PDSERVE_TRITON_KERNELS", "0")
     assert "PDSERVE_TRITON_KERNELS=0" in eager_reason(cuda, bf16, bf16, 64)
+
+
+def test_the_block_table_mirror_follows_every_change_and_converts_only_what_changed(monkeypatch):
+    """The host mirror of the block tables is rewritten row by row where a row's table changed (a full rewrite
+    each step cost ~2 ms at 256 rows of 2K-token contexts). Every kind of change must reach the device: a new
+    block, a table trimmed and refilled to the same length with the same last block (speculative blocks freed,
+    others taken), a table cleared and refilled longer (a preemption), sequences changing rows, a row turned
+    padding."""
+    llm = LLM("tiny", max_num_seqs=8, num_kv_blocks=64, block_size=4, static_decode_buffers=True)
+    graphs, _ = _graphs(llm)
+    scratch = graphs.scratch_block
+
+    def step(tables):
+        n = len(tables)
+        graphs.run([1] * n, [0] * n, [t[0] * 4 for t in tables], tables, [1] * n)
+        for i, t in enumerate(tables):
+            assert graphs.block_tables[i, :len(t)].tolist() == t, (i, t)
+        size = graphs.bucket_for(n)
+        assert (graphs.block_tables[n:size] == scratch).all()  # padding rows: the scratch block only
+
+    a, b, c, d = [1, 2, 3], [4, 5], [6], [20, 21, 22, 23]
+    step([a, b, c, d])
+    a.append(7)
+    step([a, b, c, d])
+    a[:] = [1, 9, 3, 7]  # the same list, length and last block; its middle changed
+    step([a, b, c, d])
+    b.clear()
+    b.extend([10, 11, 12])  # refilled longer: its first entries changed too
+    step([a, b, c, d])
+    step([d, c, b, a])  # every sequence in another row
+    step([c, a, b])  # row 3, real a step ago, is padding now
+    step([c, a, b, d])
+
+    calls: list[int] = []
+    real = torch.tensor
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(torch, "tensor", counted)
+    graphs._update_tables([c, a, b, d], 4)
+    assert not calls  # nothing changed: nothing converted
+    d.append(30)
+    graphs._update_tables([c, a, b, d], 4)
+    assert len(calls) == 1 and graphs._host_tables[3, :5].tolist() == [20, 21, 22, 23, 30]
