@@ -449,9 +449,12 @@ GPU_PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n  
                "def fibonacci(n):\n    if n < 2:"]
 
 
-def _gpu_path_outputs(llm) -> list:
-    params = [SamplingParams(max_tokens=6, temperature=0.0, logprobs=1) for _ in GPU_PROMPTS]
-    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in llm.generate(GPU_PROMPTS, params)]
+def _gpu_path_outputs(llm, short: bool = False) -> list:
+    """Greedy tokens and logprobs of GPU_PROMPTS (``short``: the two sharing a prefix, 4 tokens: the
+    interpreter's bfloat16 is slow)."""
+    prompts = [GPU_PROMPTS[0], GPU_PROMPTS[3]] if short else GPU_PROMPTS
+    params = [SamplingParams(max_tokens=4 if short else 6, temperature=0.0, logprobs=1) for _ in prompts]
+    return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in llm.generate(prompts, params)]
 
 
 @pytest.fixture
@@ -485,26 +488,27 @@ def test_the_gpu_path_composed_on_cpu_gives_the_torch_tokens_and_its_static_deco
 
     kw = dict(cpu_gemm="torch", max_num_seqs=4, block_size=8, max_num_batched_tokens=16, enable_prefix_caching=True,
               kv_cache_dtype=kv or "auto", dtype=dtype)
-    ref = _gpu_path_outputs(LLM("tiny", **kw))  # pdserve's CPU path (its kernels where built)
+    # pdserve's CPU path (its kernels where built); bfloat16 is not compared with it (the docstring says why)
+    ref = _gpu_path_outputs(LLM("tiny", **kw)) if dtype == "float32" else None
     calls = request.getfixturevalue("gpu_path")
     eager_llm = LLM("tiny", **kw)
     assert isinstance(eager_llm.llm_engine.runner.model.layers[0].ops, TritonOps)
-    eager = _gpu_path_outputs(eager_llm)
+    eager = _gpu_path_outputs(eager_llm, short=dtype != "float32")
     # every kernel ran; a 16-token step budget splits the prompts, so later chunks read the cache in place
     kernels = {"paged_decode_attention", "paged_prefill_attention", "rms_norm", "rope_", "silu_mul"}
     assert set(calls) == (kernels - {"paged_prefill_attention"} if kv else kernels), calls
     static_llm = LLM("tiny", static_decode_buffers=True, **kw)
-    static = _gpu_path_outputs(static_llm)
+    static = _gpu_path_outputs(static_llm, short=dtype != "float32")
     graphs = static_llm.llm_engine.runner.graphs
     assert graphs.replays > 0
     tol = 1e-4 if dtype == "float32" else 5e-2
-    for a, b, c in zip(ref, eager, static, strict=True):
+    for i, (b, c) in enumerate(zip(eager, static, strict=True)):
         assert b[0] == c[0]
         # torch's GEMMs are not batch-invariant (a padded bucket is another batch shape)
         torch.testing.assert_close(torch.tensor(c[1]), torch.tensor(b[1]), atol=tol, rtol=0)
-        if dtype == "float32":
-            assert a[0] == b[0]
-            torch.testing.assert_close(torch.tensor(b[1]), torch.tensor(a[1]), atol=1e-4, rtol=0)
+        if ref is not None:
+            assert ref[i][0] == b[0]
+            torch.testing.assert_close(torch.tensor(b[1]), torch.tensor(ref[i][1]), atol=1e-4, rtol=0)
     guard = _CaptureGuard()
     before = calls["paged_decode_attention"]
     with guard:
