@@ -16,14 +16,14 @@ and the ratio host / wall: the share of a step the GPU would sit idle waiting on
 scheduling (issue 43: overlap step N+1's scheduling with step N where the profile shows the CPU limits).
 
 Usage: python benchmarks/decode_host_overhead.py [--device cpu|cuda] [--model tiny] [--batches 1,64,256]
-       [--steps 40] [--json out.json]
+       [--steps 40] [--prompt-tokens 16] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -31,9 +31,13 @@ from engine import LLM, SamplingParams
 from engine.cuda_graphs import DecodeGraphs
 
 
-def measure(model: str, device: str, batch: int, steps: int, dtype: str) -> dict[str, Any]:
+def measure(model: str, device: str, batch: int, steps: int, dtype: Optional[str],
+            prompt_tokens: int = 16) -> dict[str, Any]:
     kw: dict[str, Any] = dict(max_num_seqs=batch, cuda_graph_sizes=[1, batch] if batch > 1 else [1], device=device,
-                              max_model_len=1024)
+                              max_model_len=prompt_tokens + steps + 64,
+                              max_num_batched_tokens=max(2048, prompt_tokens),
+                              # every request's whole context at once (16-token blocks), whatever its length
+                              num_kv_blocks=batch * -(-(prompt_tokens + steps + 64) // 16) + 16)
     if dtype:
         kw["dtype"] = dtype
     if device == "cpu":
@@ -58,7 +62,7 @@ def measure(model: str, device: str, batch: int, steps: int, dtype: str) -> dict
     try:
         params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
         for i in range(batch):
-            eng.add_request(f"r{i}", [2 + (i * 7 + j) % 500 for j in range(16)], params)
+            eng.add_request(f"r{i}", [2 + (i * 7 + j) % 500 for j in range(prompt_tokens)], params)
         while graphs.replays == 0:  # prefill every prompt, then the first decode step
             eng.step()
         gpu_ms = 0.0
@@ -87,7 +91,8 @@ def measure(model: str, device: str, batch: int, steps: int, dtype: str) -> dict
     wall_ms = wall / steps * 1e3
     forward_ms = gpu_ms if cuda else fwd["t"] / steps * 1e3
     host_ms = cpu / steps * 1e3 if cuda else wall_ms - forward_ms
-    return {"batch": batch, "device": device, "model": model, "wall_ms": round(wall_ms, 3),
+    return {"batch": batch, "device": device, "model": model, "prompt_tokens": prompt_tokens,
+            "wall_ms": round(wall_ms, 3),
             "forward_ms": round(forward_ms, 3), "host_ms": round(host_ms, 3),
             "host_share": round(host_ms / wall_ms, 3)}
 
@@ -99,12 +104,14 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="the model's (default: the checkpoint's)")
     ap.add_argument("--batches", default="1,64,256")
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--prompt-tokens", type=int, default=16,
+                    help="each request's prompt: longer contexts mean wider block tables to send each step")
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
     rows = []
     print(f"{'batch':>6} {'wall ms':>9} {'forward ms':>11} {'host ms':>9} {'host/wall':>10}")
     for b in (int(x) for x in ns.batches.split(",")):
-        r = measure(ns.model, ns.device, b, ns.steps, ns.dtype)
+        r = measure(ns.model, ns.device, b, ns.steps, ns.dtype, ns.prompt_tokens)
         rows.append(r)
         print(f"{b:>6} {r['wall_ms']:>9.2f} {r['forward_ms']:>11.2f} {r['host_ms']:>9.2f} {r['host_share']:>10.2f}",
               flush=True)
