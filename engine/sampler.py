@@ -159,7 +159,7 @@ class Sampler:
                 ev = self._events[tokens.device] = torch.cuda.Event(blocking=True)
             ev.record(torch.cuda.current_stream(tokens.device))
             ev.synchronize()
-        return tokens.tolist(), self._logprob_lists(lp, params, want)
+        return tokens.tolist(), self._logprob_lists(lp, params)
 
     @torch.inference_mode()
     def processed_logits(self, logits: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
@@ -366,8 +366,8 @@ class Sampler:
         return rows, chosen, chosen_lp, top_vals, top_ids
 
     @staticmethod
-    def _logprob_lists(lp: Optional[tuple], params: list[SamplingParams],
-                       want: list[bool]) -> list[Optional[TokenLogprob]]:
+    def _logprob_lists(lp: Optional[tuple], params: list[SamplingParams]) -> list[Optional[TokenLogprob]]:
+        """``_logprob_tensors``' result as each row's TokenLogprob (None for rows that did not ask)."""
         out: list[Optional[TokenLogprob]] = [None] * len(params)
         if lp is None:
             return out
