@@ -103,6 +103,10 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes with a CUDA graph of their own, the largest at least --max-num-seqs "
                         "(default 1 2 4 8 16 24 ... up to --max-num-seqs)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens do not depend on what else is batched with it or how its prompt was "
+                        "chunked (on CUDA: pdserve's fixed-tile Triton GEMM and attention; float weights and KV "
+                        "only); on CPU the default kernels already are")
     p.add_argument("--speculative-method", choices=("ngram", "draft_model"), default=None,
                    help="speculative decoding in the decode (and colocated) workers: ngram = prompt-lookup drafts, "
                         "draft_model = a small model's drafts (--speculative-model); drafts are verified in the "
@@ -302,6 +306,8 @@ def engine_overrides(args: argparse.Namespace, checked_only: bool = False) -> di
         out["tensor_parallel_size"] = args.tensor_parallel_size
     if getattr(args, "enforce_eager", False):
         out["enforce_eager"] = True
+    if getattr(args, "batch_invariant", False):
+        out["batch_invariant"] = True
     if getattr(args, "cuda_graph_sizes", None) is not None:
         out["cuda_graph_sizes"] = list(args.cuda_graph_sizes)
     method = args.speculative_method or ("draft_model" if args.speculative_model else None)

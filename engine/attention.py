@@ -149,8 +149,10 @@ def to_fp8(x: Tensor) -> Tensor:
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                    meta: AttentionMetadata, window: Optional[int]) -> Tensor:
-    """Write k/v into the cache, then attend. q [T, H, D], k/v [T, Hkv, D] -> [T, H*D]."""
+                    meta: AttentionMetadata, window: Optional[int], invariant: bool = False) -> Tensor:
+    """Write k/v into the cache, then attend. q [T, H, D], k/v [T, Hkv, D] -> [T, H*D]. ``invariant``
+    (``EngineConfig.batch_invariant``): every prefill chunk, a first one too, through the Triton paged kernel with
+    its one tile shape, so a prompt's rows get the same bits however it was chunked and batched."""
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     T, H, D = q.shape
     hkv = k.shape[1]
@@ -162,7 +164,7 @@ def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: T
     if B:
         out[:B] = decode_attention(q[:B], k_cache, v_cache, meta, window)
     for span in meta.prefills:
-        out[span.start:span.end] = _prefill(q, k, v, k_cache, v_cache, span, window, group)
+        out[span.start:span.end] = _prefill(q, k, v, k_cache, v_cache, span, window, group, invariant)
     return out.view(T, H * D)
 
 
@@ -231,7 +233,7 @@ def _rows(gathered: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, span: PrefillSpan,
-             window: Optional[int], group: int) -> Tensor:
+             window: Optional[int], group: int, invariant: bool = False) -> Tensor:
     s, e = span.start, span.end
     n = e - s
     D = q.shape[-1]
@@ -245,14 +247,16 @@ def _prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, 
             # the block table, dequantized per row, instead of gathered whole and handed to SDPA with a mask
             return kern.prefill_attention_paged(q[s:e], k_cache, v_cache, span.block_table, span.ctx_len,
                                                 window or 0, D ** -0.5)
-    if q.device.type in TRITON_DEVICE_TYPES and not (span.num_computed == 0 and (window is None or window >= n)) \
+    if q.device.type in TRITON_DEVICE_TYPES and (invariant or not (span.num_computed == 0
+                                                                  and (window is None or window >= n))) \
             and q.dtype in _TRITON_DTYPES and k_cache.dtype == q.dtype and D & (D - 1) == 0 and 16 <= D <= 256:
         # where SDPA below would need the explicit [n, ctx] mask (a later chunk, or a window shorter than the
-        # chunk): pdserve's Triton flash kernel reads the context through the block table, GQA in place
+        # chunk), and every chunk where batch-invariant: pdserve's Triton flash kernel reads the context through
+        # the block table, GQA in place
         tk = _triton_kernels(q.device)
         if tk is not None:
             return tk.paged_prefill_attention(q[s:e], k_cache, v_cache, span.block_table, span.num_computed, window,
-                                              D ** -0.5)
+                                              D ** -0.5, invariant=invariant)
     qs = q[s:e].transpose(0, 1)  # [H, n, D]
     hkv, D = k.shape[1], k.shape[2]
     if span.num_computed == 0:

@@ -135,6 +135,14 @@ class EngineConfig:
     cuda_graph_sizes: Optional[list[int]] = None
     """Decode batch sizes with a graph of their own (a batch is padded to the next): None is 1, 2, 4, then every
     multiple of 8 up to ``max_num_seqs``; a list must reach ``max_num_seqs``."""
+    batch_invariant: bool = False
+    """A row's logits get the same bits whatever else is in its batch and however its prompt was chunked (SGLang's
+    deterministic inference, vLLM's batch-invariant mode), so a cluster's greedy output equals the offline engine's
+    under any load. On CUDA: every dense linear through pdserve's fixed-tile Triton GEMM (not cuBLAS, whose
+    algorithm depends on the row count) and every prefill chunk through the Triton paged kernel with one tile shape;
+    the decode kernel, norms, RoPE and the sampler already work row by row. Needs Triton, float weights and a float
+    KV cache of the model's dtype (a ValueError names what is not). On CPU pdserve's default kernels already are
+    batch-invariant; the flag changes nothing there. Not yet timed on a GPU: invariance, not speed."""
     static_decode_buffers: bool = False
     """Run decode steps through the graphs' static buffers and bucket padding without capturing them (any device):
     how the graph path is tested on CPU, and a way to tell a capture problem from a padding one on a GPU."""
@@ -184,11 +192,16 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        for name in ("enforce_eager", "static_decode_buffers"):
+        for name in ("enforce_eager", "static_decode_buffers", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.cuda_graph_sizes is not None:
             self.cuda_graph_sizes = check_graph_sizes(self.cuda_graph_sizes, self.max_num_seqs)
+        if self.batch_invariant and str(self.device).startswith("cuda"):
+            if self.quantization is not None or self.kv_cache_dtype != "auto":
+                raise ValueError("batch_invariant covers float weights and a float KV cache on CUDA (pdserve's Triton "
+                                 f"GEMM and attention), not quantization={self.quantization!r} / "
+                                 f"kv_cache_dtype={self.kv_cache_dtype!r}")
         from engine.speculative import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

@@ -22,8 +22,16 @@ class Dense(LinearFormat):
     def __init__(self, weight_t: Tensor, bias: Optional[Tensor]) -> None:
         super().__init__(weight_t.shape[0], weight_t.shape[1], bias, None)
         self.weight_t = weight_t
+        self.invariant = False
+        """Batch-invariant products (``CausalLM.finalize(batch_invariant=True)`` on a Triton device): pdserve's
+        fixed-tile Triton GEMM instead of cuBLAS, whose algorithm (split-K included) depends on the row count."""
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.invariant:
+            from engine import triton_kernels  # only where asked for: a CPU-only process never imports triton
+
+            x2 = x.reshape(-1, self.in_features)
+            return triton_kernels.matmul(x2, self.weight_t, self.bias).reshape(*x.shape[:-1], self.out_features)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)

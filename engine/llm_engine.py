@@ -80,6 +80,12 @@ class LLMEngine:
                 cap = torch.cuda.get_device_capability(device)
                 raise ValueError(f"{name}='fp8' needs a GPU with FP8 (compute capability 8.9+: Ada, Hopper); "
                                  f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}")
+        if config.batch_invariant and device.type == "cuda":
+            from engine import triton_kernels
+
+            if not triton_kernels.available(device):
+                raise ValueError("batch_invariant on CUDA needs pdserve's Triton kernels: triton is not installed, or "
+                                 "PDSERVE_TRITON_KERNELS=0")
         tp = config.tensor_parallel_size
         if tp > 1:  # cheap checks first: a split that cannot work fails before anything loads
             from engine.tensor_parallel import TPLayout, check_tensor_parallel

@@ -68,7 +68,7 @@ def load_model(cfg: EngineConfig, mc: ModelConfig, max_positions: int) -> "Causa
             cpu = cpu.to_empty(device="cpu")
             cpu.init_random(spec.seed, spec.init_std)
             model.load_state_dict(cpu.state_dict())
-    return model.finalize(cfg.cpu_gemm, cfg.quantization, cfg.quantization_group_size)
+    return model.finalize(cfg.cpu_gemm, cfg.quantization, cfg.quantization_group_size, cfg.batch_invariant)
 
 
 def load_tokenizer(cfg: EngineConfig):

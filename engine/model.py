@@ -128,6 +128,8 @@ class DecoderLayer(nn.Module):
         """One rank's shard of a tensor-parallel layer (engine/tensor_parallel.py): never fused."""
         self.tp_comm: Any = None
         """The group's collectives where sharded: o_proj's and down_proj's partial sums are all-reduced."""
+        self.batch_invariant = False
+        """Set by ``CausalLM.finalize(batch_invariant=True)`` on a Triton device: prefill chunks through one kernel."""
 
     def build_fused(self, kern: Any, prefetch: Any) -> bool:
         """Hand this layer's weights to the C++ decode layer (engine/csrc/decode_layer.cpp: the same kernels, one
@@ -162,7 +164,7 @@ class DecoderLayer(nn.Module):
         qk = self.ops.rope(qkv, cos, sin, H + Hkv)
         if keep is None:
             attn = paged_attention(qk[:, :H], qk[:, H:H + Hkv], qkv[:, H + Hkv:], kv_cache[0], kv_cache[1], meta,
-                                   self.window)
+                                   self.window, self.batch_invariant)
         else:
             write_kv(kv_cache[0], kv_cache[1], qk[:, H:H + Hkv], qkv[:, H + Hkv:], meta.slot_mapping)
             if keep.num_decode == 0:
@@ -203,7 +205,7 @@ class CausalLM(nn.Module):
         self.panel_prefetch = None
 
     def finalize(self, cpu_gemm: str = "onednn", quantization: Optional[str] = None,
-                 group_size: int = 128) -> "CausalLM":
+                 group_size: int = 128, batch_invariant: bool = False) -> "CausalLM":
         """Build the rope tables on the weights' device/dtype (after loading), choose every linear layer's weight
         format once (engine/weight_formats.py): quantized (``quantization``: 'int8' everywhere, or 'int4'
         group-wise in the decoder layers with the LM head at int8, the way llama.cpp's q4_0 keeps its output layer
@@ -211,7 +213,10 @@ class CausalLM(nn.Module):
         ``cpu_gemm == "onednn"`` (small products then run pdserve's panel kernel on the packed bytes where it can;
         ``"onednn_only"`` keeps every product on oneDNN), or dense for pdserve's row kernel with
         ``cpu_gemm == "pdserve"``, or dense through torch; build the fused decode layers where every linear runs
-        on pdserve's kernels; measure the panel kernels' prefetch for this model; and switch to eval."""
+        on pdserve's kernels; measure the panel kernels' prefetch for this model; and switch to eval.
+        ``batch_invariant`` on a Triton device (CUDA): every dense linear through ``triton_kernels.matmul`` and every
+        prefill chunk through the Triton paged kernel, so a row's logits do not depend on its batch or chunking
+        (on CPU pdserve's default kernels already give a row the same bits in any batch)."""
         w = self.embed_tokens.weight
         on_cpu = w.device.type == "cpu"
         # (only where a kernel may run: a GPU model must not build the CPU extension)
@@ -245,6 +250,12 @@ class CausalLM(nn.Module):
                 self.norm.ops = ops
                 for layer in self.layers:
                     layer.ops = layer.input_layernorm.ops = layer.post_attention_layernorm.ops = ops
+                if batch_invariant:
+                    for _, m in linears:
+                        if isinstance(m.fmt, Dense):
+                            m.fmt.invariant = True
+                    for layer in self.layers:
+                        layer.batch_invariant = True
         products = [p for _, m in linears if (p := m.fmt.tune_product()) is not None]
         if products:
             tune_panel_prefetch(products, self.panel_prefetch)

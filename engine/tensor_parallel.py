@@ -263,7 +263,8 @@ def load_shard(config: EngineConfig, mc: ModelConfig, layout: TPLayout, max_posi
     model.load_weights(iter_checkpoint(config))
     comm.vocab_size = mc.vocab_size
     model.attach_comm(comm)
-    return model.finalize(config.cpu_gemm, config.quantization, config.quantization_group_size)
+    return model.finalize(config.cpu_gemm, config.quantization, config.quantization_group_size,
+                          config.batch_invariant)
 
 
 def rank_threads(config: EngineConfig) -> int:

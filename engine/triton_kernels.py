@@ -219,6 +219,39 @@ if triton is not None:
         tl.store(base + offs, (a - b).to(dt), mask=ok)
         tl.store(base + half + offs, (e + f).to(dt), mask=ok)
 
+    def _matmul_kernel(X, W, B, Y, M, N, K, sx_m, sx_k, sw_k, sw_n, sy_m, sy_n,
+                       HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       FP32: tl.constexpr, UPCAST: tl.constexpr):
+        # y = x @ w (+ b): one program per [BM, BN] output tile, K walked in BK steps from 0 in order, fp32
+        # accumulation, no split-K. A row's result never depends on the other rows (they share only the tile),
+        # nor on M: what makes this GEMM batch-invariant. UPCAST: bfloat16 under the interpreter (see the prefill
+        # kernel).
+        offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
+        offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        offs_k = tl.arange(0, BK)
+        m_ok = offs_m < M
+        n_ok = offs_n < N
+        acc = tl.zeros([BM, BN], tl.float32)
+        k = 0
+        while k < K:  # a while loop, not range(): see _decode_attention_kernel
+            kk = k + offs_k
+            k_ok = kk < K
+            x = tl.load(X + offs_m[:, None].to(tl.int64) * sx_m + kk[None, :] * sx_k,
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(W + kk[:, None].to(tl.int64) * sw_k + offs_n[None, :] * sw_n,
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if FP32:
+                acc = tl.dot(x, w, acc, input_precision="ieee")
+            elif UPCAST:
+                acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w, acc)
+            k += BK
+        if HAS_BIAS:
+            acc += tl.load(B + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + offs_m[:, None].to(tl.int64) * sy_m + offs_n[None, :] * sy_n, acc.to(Y.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
 
 _BUILT: dict[bool, SimpleNamespace] = {}
 
@@ -236,7 +269,9 @@ def _kernels() -> SimpleNamespace:
         k = _BUILT[mode] = SimpleNamespace(
             decode=triton.jit(_decode_attention_kernel), prefill=triton.jit(_prefill_attention_kernel),
             rms_norm=triton.jit(_rms_norm_kernel),
-            silu_mul=triton.jit(_silu_mul_kernel), rope=triton.jit(_rope_kernel))
+            silu_mul=triton.jit(_silu_mul_kernel), rope=triton.jit(_rope_kernel),
+            # M unspecialised: a launch of one row compiles the same code as one of many (batch invariance)
+            matmul=triton.jit(_matmul_kernel, do_not_specialize=["M"]))
     return k
 
 
@@ -342,7 +377,7 @@ def _prefill_config(n: int, D: int, dtype: torch.dtype,
 
 
 def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, num_computed: int,
-                            window: Optional[int], scale: float) -> Tensor:
+                            window: Optional[int], scale: float, invariant: bool = False) -> Tensor:
     """One prefill chunk's causal attention over its whole context, K/V read in place through the block table.
 
     q [n, H, D] (any strides: a view of the qkv projection does); k_cache / v_cache [N, block_size, Hkv, D] in q's
@@ -369,7 +404,8 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
         return out
     # no window (or one as long as the context) is the same mask as a window of ctx: keeps the arithmetic in int32
     w = min(int(window), ctx) if window else ctx
-    BM, BN, warps = _prefill_config(n, D, q.dtype, _capability(q.device))
+    # invariant: one tile shape for any chunk length (a long chunk's), so a row's bits do not depend on its chunk
+    BM, BN, warps = _prefill_config(1 << 20 if invariant else n, D, q.dtype, _capability(q.device))
     _kernels().prefill[(triton.cdiv(n, BM), H)](
         q, k_cache, v_cache, block_table, out, float(scale) * 1.4426950408889634, nc, n, w,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0), *out.stride(),
@@ -428,3 +464,34 @@ def rope_(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
                                     half, HALF_P=_pow2(half), FP32=qkv.dtype == torch.float32,
                                     num_warps=1 if half <= 64 else 2, enable_fp_fusion=False)
     return qkv
+
+
+def _matmul_config(dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """BM, BN, BK, num_warps of ``matmul``: fixed per dtype, never by shape, so a row gets the same bits in any
+    batch. 16-bit: [64, 64] tiles over 64-wide K steps on 4 warps (one Hopper warpgroup; no spills on sm_90a or
+    sm_80, tests/engine/triton_aot.py); float32: IEEE FMA dots on [32, 32] tiles, 32-wide K steps. Not yet timed
+    on a GPU (a small batch wastes most of a 64-row tile: invariance, not speed)."""
+    if dtype == torch.float32:
+        return 32, 32, 32, 4
+    return 64, 64, 64, 4
+
+
+def matmul(x: Tensor, w: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """x [M, K] @ w [K, N] (+ bias [N]) -> [M, N] in x's dtype, batch-invariant: row i of the result has the
+    same bits whatever the other rows and however many there are (fixed tiles, K in order, no split-K; cuBLAS picks
+    its algorithm, split-K included, by M). Any strides; w is a linear layer's weight transposed (``Dense.weight_t``)."""
+    M, K = x.shape
+    K2, N = w.shape
+    if K2 != K or x.dtype != w.dtype or x.dtype not in _FLOATS or (bias is not None and bias.shape != (N,)):
+        raise ValueError(f"matmul: x {tuple(x.shape)} {x.dtype} @ w {tuple(w.shape)} {w.dtype}"
+                         + (f" + bias {tuple(bias.shape)}" if bias is not None else ""))
+    y = x.new_empty(M, N)
+    if M == 0 or N == 0:
+        return y
+    BM, BN, BK, warps = _matmul_config(x.dtype)
+    b = bias if bias is not None else y  # (never read without HAS_BIAS)
+    _kernels().matmul[(triton.cdiv(M, BM), triton.cdiv(N, BN))](
+        x, w, b, y, M, N, K, x.stride(0), x.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
+        HAS_BIAS=bias is not None, BM=BM, BN=BN, BK=BK, FP32=x.dtype == torch.float32,
+        UPCAST=x.dtype == torch.bfloat16 and _interpret(), num_warps=warps)
+    return y

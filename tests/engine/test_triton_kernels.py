@@ -467,7 +467,7 @@ def gpu_path(monkeypatch):
     monkeypatch.setattr(attention, "TRITON_DEVICE_TYPES", ("cuda", "cpu"))
     monkeypatch.setitem(kernels._state, "mod", None)
     calls: dict[str, int] = {}
-    for name in ("paged_decode_attention", "paged_prefill_attention", "rms_norm", "rope_", "silu_mul"):
+    for name in ("paged_decode_attention", "paged_prefill_attention", "rms_norm", "rope_", "silu_mul", "matmul"):
         def counted(*a, _f=getattr(tk, name), _n=name, **kw):
             calls[_n] = calls.get(_n, 0) + 1
             return _f(*a, **kw)
@@ -514,3 +514,89 @@ def test_the_gpu_path_composed_on_cpu_gives_the_torch_tokens_and_its_static_deco
     with guard:
         graphs._forward(graphs.bucket_for(3))
     assert guard.ops > 50 and calls["paged_decode_attention"] == before + 4  # one launch per layer
+
+
+# -- batch invariance (EngineConfig.batch_invariant) -------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_is_a_gemm_and_gives_a_row_the_same_bits_in_any_batch(dtype):
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(100, 200, generator=g).to(dtype)
+    w = torch.randn(200, 130, generator=g).to(dtype)
+    b = torch.randn(130, generator=g).to(dtype)
+    y = tk.matmul(x, w, b)
+    assert y.shape == (100, 130) and y.dtype == dtype
+    ref = x.double() @ w.double() + b.double()
+    tol = 1e-4 if dtype == torch.float32 else 2 ** -6 * ref.abs().max().item()  # bf16: the output's rounding
+    torch.testing.assert_close(y.double(), ref, atol=tol, rtol=0)
+    for m in (1, 3, 64, 65):  # other batch sizes, other tile splits: the shared rows to the bit
+        assert torch.equal(tk.matmul(x[:m].contiguous(), w, b), y[:m])
+    assert torch.equal(tk.matmul(x[37:90], w, b), y[37:90])  # a row in another place of its tile
+    assert torch.equal(tk.matmul(x.t().contiguous().t(), w, b), y)  # any strides
+    assert torch.equal(tk.matmul(x, w), tk.matmul(x, w, None))
+    with pytest.raises(ValueError, match="matmul"):
+        tk.matmul(x, w[:50])
+
+
+def _invariant_outputs(llm, prompts, one_by_one: bool = False) -> list:
+    params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=2)
+    outs = [o for p in prompts for o in llm.generate([p], params)] if one_by_one else llm.generate(prompts, params)
+    return [(o.token_ids, [(lp.logprob, lp.top) for lp in o.logprobs]) for o in outs]
+
+
+def test_batch_invariant_gpu_path_gives_a_request_the_same_bits_alone_batched_and_padded(request):
+    """EngineConfig.batch_invariant on the GPU path (kernels through the interpreter), float32: each prompt alone,
+    then all of them in one batch, then through the static decode buckets (padding rows): the same tokens, and
+    logprobs and alternatives to the bit. Chunked (a 16-token step budget, chunks beside decodes): the same tokens,
+    logprobs within 1e-6, not to the bit: the interpreter's tl.dot is numpy's matmul, whose rounding of a row
+    depends on its place in the query tile, which chunking moves; a GPU's MMA rounds a row the same in any place,
+    which tests/engine/test_batch_invariant_cuda.py demands to the bit."""
+    from engine import LLM
+
+    calls = request.getfixturevalue("gpu_path")
+    # the GEMM's own invariance is the test above; here (the interpreter runs it ~100x slower than the rest of the
+    # step) a stand-in with the same property, each row its own product, checks that every linear goes through it
+    monkeypatch = request.getfixturevalue("monkeypatch")
+
+    def rowwise(x, w, b=None):
+        calls["matmul"] = calls.get("matmul", 0) + 1
+        return torch.cat([r @ w if b is None else torch.addmm(b, r, w) for r in x.split(1)])
+
+    monkeypatch.setattr(tk, "matmul", rowwise)
+    kw = dict(cpu_gemm="torch", max_num_seqs=4, block_size=8, enable_prefix_caching=False, batch_invariant=True)
+    prompts = GPU_PROMPTS[:3]
+    llm = LLM("tiny", **kw)
+    alone = _invariant_outputs(llm, prompts, one_by_one=True)
+    # every step sampled here, so each ran all 17 linears (4 a layer, the LM head) through the GEMM, and every
+    # prompt's one chunk went through the paged prefill kernel (not SDPA, as it would without the flag)
+    assert calls["matmul"] == 17 * llm.llm_engine._num_steps and calls.get("paged_prefill_attention", 0) > 0
+    batched = _invariant_outputs(LLM("tiny", **kw), prompts)
+    padded = _invariant_outputs(LLM("tiny", static_decode_buffers=True, **kw), prompts)
+    assert alone == batched == padded
+    chunked = _invariant_outputs(LLM("tiny", max_num_batched_tokens=16, **kw), prompts)
+    for a, c in zip(alone, chunked, strict=True):
+        assert a[0] == c[0]
+        for (lp_a, top_a), (lp_c, top_c) in zip(a[1], c[1], strict=True):
+            assert abs(lp_a - lp_c) <= 1e-6 and [t for t, _ in top_a] == [t for t, _ in top_c]
+
+
+def test_batch_invariant_prefill_tiles_do_not_depend_on_the_chunk_and_bad_combinations_are_refused(monkeypatch):
+    from cluster.cli import build_parser
+    from cluster.up_flags import engine_overrides
+    from engine import EngineConfig
+
+    seen = []
+    real = tk._prefill_config
+    monkeypatch.setattr(tk, "_prefill_config", lambda n, *a: seen.append(real(n, *a)) or real(n, *a))
+    for n in (5, 40, 300):
+        q, kc, vc, bt = _prefill_case(0, n, 4, 2, 64, 16, torch.bfloat16)[:4]
+        tk.paged_prefill_attention(q, kc, vc, bt, 0, None, 0.125, invariant=True)
+        tk.paged_prefill_attention(q, kc, vc, bt, 0, None, 0.125)
+    assert seen[0] == seen[2] == seen[4] and seen[1] != seen[5]  # invariant: one tile shape; otherwise by length
+    for bad in ({"quantization": "fp8"}, {"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "int8"}):
+        with pytest.raises(ValueError, match="batch_invariant covers float weights"):
+            EngineConfig(device="cuda", batch_invariant=True, **bad)
+    EngineConfig(device="cpu", batch_invariant=True, kv_cache_dtype="int8")  # CPU: the kernels already are
+    with pytest.raises(ValueError, match="batch_invariant must be a bool"):
+        EngineConfig(batch_invariant=1)
+    assert engine_overrides(build_parser().parse_args(["up", "--batch-invariant"])) == {"batch_invariant": True}

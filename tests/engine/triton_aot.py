@@ -123,6 +123,10 @@ def model_launches(arch: int) -> list[tuple[str, Callable[[], None]]]:
         for inter in ((1024, 8192, 14336) if dt == BF16 else (8192,)):
             out.append((f"silu_mul {str(dt)[6:]} I{inter}",
                         lambda inter=inter, dt=dt: tk.silu_mul(torch.empty(4, 2 * inter, dtype=dt))))
+        # the batch-invariant GEMM (one tile shape per dtype: the shapes change no code, a few are enough)
+        for K, N in (((2048, 3072), (8192, 2048), (4096, 128256)) if dt == BF16 else ((2048, 3072),)):
+            out.append((f"matmul {str(dt)[6:]} K{K} N{N}",
+                        lambda K=K, N=N, dt=dt: tk.matmul(torch.empty(5, K, dtype=dt), torch.empty(K, N, dtype=dt))))
         for D in ((64, 128, 256) if dt == BF16 else (128,)):
             def rope(D=D, dt=dt) -> None:
                 tk.rope_(torch.empty(4, 48, D, dtype=dt), torch.empty(4, 1, D // 2, dtype=dt),
