@@ -60,6 +60,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--kv-cache-gib", type=float, default=None, help="CUDA: KV cache size (default: the engine's)")
+    p.add_argument("--batch-invariant", default="off", choices=("off", "on", "both"),
+                   help="EngineConfig.batch_invariant (CUDA: pdserve's fixed-tile GEMM and attention); both: each "
+                        "dtype without, then with")
     ns = p.parse_args(argv)
     if ns.num_prompts < 1 or ns.prompt_len < 1 or ns.max_tokens < 1:
         raise SystemExit("--num-prompts, --prompt-len and --max-tokens must be >= 1")
@@ -72,16 +75,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     vocab = load_model_config(EngineConfig(model=ns.model)).vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(5, vocab) for _ in range(ns.prompt_len)] for _ in range(ns.num_prompts)]
-    for dtype in [d for d in ns.dtypes.split(",") if d]:
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[ns.batch_invariant]
+    for dtype, invariant in [(d, m) for d in ns.dtypes.split(",") if d for m in modes]:
         kw = {"kv_cache_memory_bytes": int(ns.kv_cache_gib * 2**30)} if ns.kv_cache_gib else {}
-        eng = LLMEngine(EngineConfig(model=ns.model, num_threads=1, device=ns.device, dtype=dtype, **kw))
+        eng = LLMEngine(EngineConfig(model=ns.model, num_threads=1, device=ns.device, dtype=dtype,
+                                     batch_invariant=invariant, **kw))
         a = generate(eng, prompts, ns.max_tokens, False, "all")
         b = generate(eng, prompts, ns.max_tokens, True, "step")
         c = generate(eng, prompts, ns.max_tokens, False, "again")
         diffs = [first_difference(x, y) for x, y in zip(a, b)]
         same = sum(d is None for d in diffs)
         repeat = sum(x == y for x, y in zip(a, c))
-        print(f"{ns.model} {ns.device} {dtype}: all at once vs one per step: {same}/{len(a)} equal "
+        print(f"{ns.model} {ns.device} {dtype}{' batch_invariant' if invariant else ''}: all at once vs one per step: {same}/{len(a)} equal "
               f"(first differences at {sorted(d for d in diffs if d is not None)[:12]}); all at once twice: "
               f"{repeat}/{len(a)} equal", flush=True)
     return 0

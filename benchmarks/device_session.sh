@@ -27,7 +27,7 @@
 #   3. cpu-overhead: benchmarks/serving_overhead.py on `tiny` with the router on cores of its own.
 #   invariance (not in the default PHASES): benchmarks/batch_invariance.py on the GPU, bf16 and fp32: does the
 #      offline engine alone give other greedy tokens when requests arrive one per step (the cluster's 27 Nov
-#      token differences on CUDA)?
+#      token differences on CUDA)? Without and with --batch-invariant.
 # pdserve's CPU kernels are built in the background during phase 1 (one build, cached for every worker).
 # At most 8 files come back from $OUT: the script writes only these.
 set -u
@@ -117,7 +117,8 @@ if has invariance; then
 log "phase invariance"
 ck1b
 timeout -s INT "${INV_S:-120}" python3 benchmarks/batch_invariance.py --model /tmp/ck1b --device cuda \
-  --dtypes bfloat16,float32 --num-prompts 128 --max-tokens 128 --kv-cache-gib 8 2>&1 | tee "$OUT/invariance.log"
+  --dtypes bfloat16,float32 --num-prompts 128 --max-tokens 128 --kv-cache-gib 8 --batch-invariant both 2>&1 \
+  | tee "$OUT/invariance.log"
 fi
 
 if has cpu14 || has cpu-overhead; then
