@@ -67,7 +67,8 @@ def check_pool_args(args: argparse.Namespace) -> None:
     from engine.config import EngineConfig
 
     overrides = engine_overrides(args, checked_only=True)
-    check_config(EngineConfig, overrides)
+    # an explicit --device cuda is checked as the workers will be (batch_invariant's limits are CUDA's)
+    check_config(EngineConfig, {**overrides, "device": "cuda"} if getattr(args, "device", None) == "cuda" else overrides)
     check_pool_tp(args)
     spec = overrides.get("speculative_config") or {}
     if spec.get("method") == "draft_model":  # a bad draft is a flag error now, not a worker crash later

@@ -600,3 +600,8 @@ def test_batch_invariant_prefill_tiles_do_not_depend_on_the_chunk_and_bad_combin
     with pytest.raises(ValueError, match="batch_invariant must be a bool"):
         EngineConfig(batch_invariant=1)
     assert engine_overrides(build_parser().parse_args(["up", "--batch-invariant"])) == {"batch_invariant": True}
+    from cluster.up_checks import check_up_args
+
+    with pytest.raises(ValueError, match="--batch-invariant covers float weights"):  # at `pdserve up`, not in a worker
+        check_up_args(build_parser().parse_args(["up", "--device", "cuda", "--batch-invariant", "--kv-cache-dtype",
+                                                 "int8"]))
