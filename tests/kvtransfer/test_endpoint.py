@@ -226,17 +226,24 @@ def test_gloo_pairs_listen_and_connect_on_the_given_host_only(redis_url, redis_n
     me = psutil.Process()
     before = {(c.laddr, c.raddr) for c in me.net_connections("tcp")}
     cfg = StoreConfig(redis_url, namespace=f"{redis_namespace}:kvt", host="127.0.0.2")
-    p = KVEndpoint("p0", cfg, backend="gloo", timeout_s=5.0)
+    # a generous pair timeout: under a loaded suite a 5 s one could break the pair and leave it being rebuilt
+    # (listening, not yet connected) when the sockets are read
+    p = KVEndpoint("p0", cfg, backend="gloo", timeout_s=30.0)
     d = KVEndpoint("d0", StoreConfig(redis_url, namespace=f"{redis_namespace}:kvt"), backend="gloo",
-                   timeout_s=5.0, host="127.0.0.2")
+                   timeout_s=30.0, host="127.0.0.2")
     try:
-        _send_13_tokens(p, d)
+        _send_13_tokens(p, d, wait_s=60)
         redis_port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
-        new = [c for c in me.net_connections("tcp") if (c.laddr, c.raddr) not in before
-               and redis_port not in (c.laddr.port, c.raddr.port if c.raddr else None)]
+
+        def new_sockets() -> list:
+            return [c for c in me.net_connections("tcp") if (c.laddr, c.raddr) not in before
+                    and redis_port not in (c.laddr.port, c.raddr.port if c.raddr else None)]
+
         # Listeners bind 127.0.0.2; connections go to 127.0.0.2 (the kernel picks the connecting side's
-        # source address, 127.0.0.1 on loopback).
-        assert any(c.raddr for c in new), new  # the pair's connection(s)
+        # source address, 127.0.0.1 on loopback). The pair's connection(s), waited for: a pair is rebuilt after a
+        # failure, connecting again
+        new = wait_until(lambda: (lambda n: n if any(c.raddr for c in n) else None)(new_sockets()), 30,
+                         message=lambda: f"no connected socket of the pair: {new_sockets()}")
         assert all(c.laddr.ip == "127.0.0.2" for c in new if c.status == psutil.CONN_LISTEN), new
         assert all("127.0.0.2" in (c.laddr.ip, c.raddr.ip) for c in new if c.raddr), new
     finally:
