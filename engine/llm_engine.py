@@ -74,12 +74,10 @@ class LLMEngine:
         cache_dtype = config.cache_dtype
         self.kv_cache_dtype = str(cache_dtype).removeprefix("torch.")
         """The KV cache tensors' dtype by name ('float32', 'int8', ...): what a KV transfer peer must match."""
-        for name, fp8 in (("kv_cache_dtype", config.kv_cache_dtype == "fp8"), ("quantization",
-                                                                                config.quantization == "fp8")):
-            if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-                cap = torch.cuda.get_device_capability(device)
-                raise ValueError(f"{name}='fp8' needs a GPU with FP8 (compute capability 8.9+: Ada, Hopper); "
-                                 f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}")
+        fp8 = [name for name in ("kv_cache_dtype", "quantization") if getattr(config, name) == "fp8"]
+        if fp8 and device.type == "cuda" and (cap := torch.cuda.get_device_capability(device)) < (8, 9):
+            raise ValueError(f"{fp8[0]}='fp8' needs a GPU with FP8 (compute capability 8.9+: Ada, Hopper); "
+                             f"{torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}")
         if config.batch_invariant and device.type == "cuda":
             from engine import triton_kernels
 

@@ -285,3 +285,18 @@ def test_fp8_weights_compute_the_scaled_product_of_what_they_store():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(got[2], b) and (got - (x @ w.t() + b)).abs().max() < 0.1 * (x @ w.t()).abs().max()
     assert (fmt.dense() - w).abs().max() <= w.abs().amax(1).max() / 8  # e4m3: within half a step of 2^-3 relative
+
+
+@pytest.mark.parametrize("kw, field", [({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+                                       ({"quantization": "fp8"}, "quantization"),
+                                       ({"kv_cache_dtype": "fp8", "quantization": "fp8"}, "kv_cache_dtype")])
+def test_fp8_on_a_gpu_without_fp8_is_refused_at_start_naming_the_field_and_the_gpu(kw, field, monkeypatch):
+    """A GPU below compute capability 8.9 (an A100 here, stood in: the check runs before anything touches CUDA)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=rf"^{field}='fp8' needs a GPU with FP8 .* NVIDIA A100-SXM4-80GB is 8\.0"):
+        LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", **kw))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    with pytest.raises(Exception) as e:  # past the check, this CPU box has no CUDA to go on with
+        LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", **kw))
+    assert "needs a GPU with FP8" not in str(e.value)
