@@ -103,6 +103,10 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes with a CUDA graph of their own, the largest at least --max-num-seqs "
                         "(default 1 2 4 8 16 24 ... up to --max-num-seqs)")
+    p.add_argument("--cuda-graph-token-sizes", type=int, nargs="*", default=None, metavar="N",
+                   help="token counts with piecewise CUDA graphs of their own: a step with a prefill chunk of up to "
+                        "the largest replays everything but attention from graphs (default 8 16 32 64 96 128 192 "
+                        "256 384 512, up to --max-num-batched-tokens; the flag alone turns them off)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens do not depend on what else is batched with it or how its prompt was "
                         "chunked (on CUDA: pdserve's fixed-tile Triton GEMM and attention; float weights and KV "
@@ -310,6 +314,8 @@ def engine_overrides(args: argparse.Namespace, checked_only: bool = False) -> di
         out["batch_invariant"] = True
     if getattr(args, "cuda_graph_sizes", None) is not None:
         out["cuda_graph_sizes"] = list(args.cuda_graph_sizes)
+    if getattr(args, "cuda_graph_token_sizes", None) is not None:
+        out["cuda_graph_token_sizes"] = list(args.cuda_graph_token_sizes)
     method = args.speculative_method or ("draft_model" if args.speculative_model else None)
     if method == "ngram":
         out["speculative_config"] = {"method": method, "num_speculative_tokens": args.num_speculative_tokens,

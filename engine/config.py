@@ -54,6 +54,32 @@ def default_graph_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes + [max_num_seqs]))
 
 
+TOKEN_BUCKETS = (8, 16, 32, 64, 96, 128, 192, 256, 384, 512)
+"""The default token-count buckets of the piecewise graphs: up to 512 tokens (vLLM's largest capture size), each
+at most 1.5x the one before past 64 (a step pads at most half again)."""
+
+
+def default_token_sizes(max_num_batched_tokens: int) -> list[int]:
+    """The piecewise graphs' buckets (``TOKEN_BUCKETS``) up to ``max_num_batched_tokens``, which ends the list
+    where it is smaller than 512 (every step then has a bucket)."""
+    return sorted({s for s in TOKEN_BUCKETS if s < max_num_batched_tokens} | {min(max_num_batched_tokens, 512)})
+
+
+def check_token_sizes(sizes: Any, max_num_batched_tokens: int) -> list[int]:
+    """The buckets sorted, or ValueError naming ``cuda_graph_token_sizes``: positive integers, none past
+    ``max_num_batched_tokens`` (no step holds more tokens); empty turns the piecewise graphs off."""
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise ValueError(f"cuda_graph_token_sizes must be a list of token counts, got {sizes!r}")
+    out = list(sizes)
+    if any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in out):
+        raise ValueError(f"cuda_graph_token_sizes must be positive integers, got {out!r}")
+    out = sorted(set(out))
+    if out and out[-1] > max_num_batched_tokens:
+        raise ValueError(f"cuda_graph_token_sizes has {out[-1]}, past max_num_batched_tokens="
+                         f"{max_num_batched_tokens}: no step holds that many tokens")
+    return out
+
+
 def check_graph_sizes(sizes: Any, max_num_seqs: int) -> list[int]:
     """The buckets sorted, or ValueError naming ``cuda_graph_sizes``: positive integers whose largest covers
     ``max_num_seqs`` (a decode batch of the scheduler's largest size must have a graph)."""
@@ -130,11 +156,17 @@ class EngineConfig:
     ``never`` (the usual default), which matters to a cache decode steps read whole."""
     enforce_eager: bool = False
     """vLLM's knob: never capture CUDA graphs; every step runs eagerly. By default a CUDA engine of one rank captures
-    its pure decode steps, one graph per ``cuda_graph_sizes`` bucket (engine/cuda_graphs.py); other devices, split
-    engines and steps with a prefill chunk always run eagerly."""
+    its pure decode steps, one graph per ``cuda_graph_sizes`` bucket (engine/cuda_graphs.py), and the other steps of
+    up to 512 tokens piecewise (``cuda_graph_token_sizes``, engine/piecewise_graphs.py); other devices and split
+    engines always run eagerly."""
     cuda_graph_sizes: Optional[list[int]] = None
     """Decode batch sizes with a graph of their own (a batch is padded to the next): None is 1, 2, 4, then every
     multiple of 8 up to ``max_num_seqs``; a list must reach ``max_num_seqs``."""
+    cuda_graph_token_sizes: Optional[list[int]] = None
+    """Token counts with piecewise graphs of their own (engine/piecewise_graphs.py: every step the decode graphs do
+    not take, a prefill chunk's included, replays everything but attention from graphs, padded to the next
+    count; attention runs eagerly): None is ``default_token_sizes`` (8, 16, 32, 64, 96, ... up to 512 or
+    ``max_num_batched_tokens``); [] turns them off. Steps with more tokens run eagerly."""
     batch_invariant: bool = False
     """A row's logits get the same bits whatever else is in its batch and however its prompt was chunked (SGLang's
     deterministic inference, vLLM's batch-invariant mode), so a cluster's greedy output equals the offline engine's
@@ -144,8 +176,9 @@ class EngineConfig:
     KV cache of the model's dtype (a ValueError names what is not). On CPU pdserve's default kernels already are
     batch-invariant; the flag changes nothing there. Not yet timed on a GPU: invariance, not speed."""
     static_decode_buffers: bool = False
-    """Run decode steps through the graphs' static buffers and bucket padding without capturing them (any device):
-    how the graph path is tested on CPU, and a way to tell a capture problem from a padding one on a GPU."""
+    """Run decode steps, and the steps the piecewise graphs take, through the graphs' static buffers and bucket
+    padding without capturing them (any device): how the graph paths are tested on CPU, and a way to tell a
+    capture problem from a padding one on a GPU."""
     speculative_config: Optional[Any] = None
     """Speculative decoding (``engine.speculative``): vLLM's dict, e.g. ``{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}``, or a
@@ -197,6 +230,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.cuda_graph_sizes is not None:
             self.cuda_graph_sizes = check_graph_sizes(self.cuda_graph_sizes, self.max_num_seqs)
+        if self.cuda_graph_token_sizes is not None:
+            self.cuda_graph_token_sizes = check_token_sizes(self.cuda_graph_token_sizes, self.max_num_batched_tokens)
         if self.batch_invariant and str(self.device).startswith("cuda"):
             if self.quantization is not None or self.kv_cache_dtype != "auto":
                 raise ValueError("batch_invariant covers float weights and a float KV cache on CUDA (pdserve's Triton "

@@ -41,9 +41,10 @@ from torch import Tensor
 
 from engine.block_manager import BlockManager, block_keys
 from engine.client import EngineLoad, StepResult
-from engine.config import EngineConfig, ModelConfig, default_graph_sizes
+from engine.config import EngineConfig, ModelConfig, default_graph_sizes, default_token_sizes
 from engine.kernels import cpu_kernels
 from engine.cuda_graphs import DecodeGraphs, eager_reason, graph_memory_estimate
+from engine.piecewise_graphs import PiecewiseGraphs, piecewise_memory_estimate
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from engine.loader import default_eos, load_model, load_model_config, load_tokenizer
 from engine.model_runner import ModelRunner, RunnerOutput
@@ -106,6 +107,8 @@ class LLMEngine:
                 logger.warning("decode graphs off, every step eager: %s", why)
                 graphs = capture = False
         graph_sizes = config.cuda_graph_sizes or default_graph_sizes(config.max_num_seqs)
+        token_sizes = (config.cuda_graph_token_sizes if config.cuda_graph_token_sizes is not None
+                       else default_token_sizes(config.max_num_batched_tokens)) if graphs else []
         budget = config.kv_cache_memory_bytes
         self.graph_memory_estimate = 0
         """Bytes of ``kv_cache_memory_bytes`` left to the decode graphs (0: none captured, or a fixed block count)."""
@@ -113,6 +116,8 @@ class LLMEngine:
             max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
             self.graph_memory_estimate = graph_memory_estimate(local_mc, graph_sizes[-1], config.torch_dtype,
                                                                -(-max_len // self.block_size))
+            if token_sizes:
+                self.graph_memory_estimate += piecewise_memory_estimate(local_mc, token_sizes[-1], config.torch_dtype)
             budget -= self.graph_memory_estimate
             if budget <= 0:
                 raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} leaves nothing for the KV "
@@ -151,7 +156,11 @@ class LLMEngine:
             runner.graphs = DecodeGraphs(model, self.kv_caches, self.block_size, graph_sizes, self.max_model_len,
                                          scratch_block=n_blocks, capture=capture)
             runner.graphs.capture()
-            logger.info("decode graphs: %s%s", runner.graphs.describe(),
+            if token_sizes:
+                runner.piecewise = PiecewiseGraphs(model, self.kv_caches, token_sizes, capture=capture)
+                runner.piecewise.capture()
+            logger.info("decode graphs: %s%s%s", runner.graphs.describe(),
+                        f"; {runner.piecewise.describe()}" if runner.piecewise is not None else "",
                         f" (estimated {self.graph_memory_estimate / 2**20:.0f} MiB, taken out of the KV budget)"
                         if self.graph_memory_estimate else "")
         self._init_core(n_blocks, runner)

@@ -159,19 +159,39 @@ class DecoderLayer(nn.Module):
             # a batch of single-token decodes: the whole block in one C++ call (same kernels, same numbers)
             return self.fused.forward(h, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping,
                                       meta.decode_block_tables, meta.decode_ctx_lens)
+        q, k, v = self.pre_attention(h, cos, sin)
+        h, attn = self.attend(h, q, k, v, meta, kv_cache, keep)
+        if attn is None:
+            return h
+        return self.post_attention(h, attn)
+
+    def pre_attention(self, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The block up to attention: q [T, H, D] and k [T, Hkv, D] rotated, v [T, Hkv, D] (views of one qkv
+        projection). With ``attend`` and ``post_attention``, the three parts ``forward`` runs; piecewise graphs
+        (engine/piecewise_graphs.py) capture this and ``post_attention`` and run ``attend`` eagerly."""
+        T = h.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(self.input_layernorm(h)).view(T, H + 2 * Hkv, D)
         qk = self.ops.rope(qkv, cos, sin, H + Hkv)
+        return qk[:, :H], qk[:, H:H + Hkv], qkv[:, H + Hkv:]
+
+    def attend(self, h: Tensor, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
+               kv_cache: tuple[Tensor, Tensor], keep: Optional[AttentionMetadata] = None
+               ) -> tuple[Tensor, Optional[Tensor]]:
+        """Write the rows' K/V and attend: (the residual rows that go on, their attention output [rows, H * D]).
+        With ``keep`` only its rows go on (None for the output where no row does: ``h[:0]`` is then the block's
+        result)."""
         if keep is None:
-            attn = paged_attention(qk[:, :H], qk[:, H:H + Hkv], qkv[:, H + Hkv:], kv_cache[0], kv_cache[1], meta,
-                                   self.window, self.batch_invariant)
-        else:
-            write_kv(kv_cache[0], kv_cache[1], qk[:, H:H + Hkv], qkv[:, H + Hkv:], meta.slot_mapping)
-            if keep.num_decode == 0:
-                return h[:0]
-            h = h.index_select(0, keep.rows)
-            q = qk.index_select(0, keep.rows)[:, :H]
-            attn = decode_attention(q, kv_cache[0], kv_cache[1], keep, self.window).reshape(q.shape[0], H * D)
+            return h, paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.window, self.batch_invariant)
+        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+        if keep.num_decode == 0:
+            return h[:0], None
+        q = q.index_select(0, keep.rows)
+        attn = decode_attention(q, kv_cache[0], kv_cache[1], keep, self.window)
+        return h.index_select(0, keep.rows), attn.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def post_attention(self, h: Tensor, attn: Tensor) -> Tensor:
+        """The block after attention: o_proj and the residual, the MLP and its residual."""
         h = h + self._reduced(self.o_proj(attn))
         gate_up = self.gate_up_proj(self.post_attention_layernorm(h))
         return h + self._reduced(self.down_proj(self.ops.silu_mul(gate_up, self.intermediate_size)))

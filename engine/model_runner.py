@@ -17,7 +17,9 @@ plain ``RunnerOutput``; the engine does all sequence bookkeeping, including
 which drafts are accepted. Where the engine gave the runner decode graphs
 (``graphs``: engine/cuda_graphs.py), a pure decode step (single-token rows that all
 sample, no prefill chunk, no per-layer hook, at most the largest bucket) is run by
-replaying its bucket's graph over static buffers instead, then sampled the same way.
+replaying its bucket's graph over static buffers instead, then sampled the same way; where it also gave
+piecewise graphs (``piecewise``: engine/piecewise_graphs.py), any other step of up to their largest bucket's tokens
+without a per-layer hook runs the model through them (attention eagerly between the pieces).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from torch import Tensor
 
 from engine.attention import AttentionMetadata, PrefillSpan
 from engine.cuda_graphs import DecodeGraphs
+from engine.piecewise_graphs import PiecewiseGraphs
 from engine.model import CausalLM
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, SamplingRequest
@@ -80,6 +83,9 @@ class ModelRunner:
         """The engine's grammar compiler once a constrained request arrived (None: no masks to compute)."""
         self.graphs: Optional[DecodeGraphs] = None
         """Static decode buffers and their CUDA graphs (engine/cuda_graphs.py), set by the engine where used."""
+        self.piecewise: Optional[PiecewiseGraphs] = None
+        """Static step buffers and their piecewise CUDA graphs (engine/piecewise_graphs.py) for the other steps of
+        up to its largest bucket's tokens, set by the engine where used."""
         self._prompt_rows: list[tuple[Sequence, int, int]] = []
         """Set by ``_prepare``: (sequence, first position, rows) of the prompt positions whose logprobs this step
         returns; their hidden rows follow the sampling rows."""
@@ -96,7 +102,11 @@ class ModelRunner:
         if self.grammar is not None and any(s.matcher is not None for s in sample_seqs):
             masks = MaskBatch(self.grammar, sample_seqs).start(self.grammar.overlap_masks)
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, meta, self.kv_caches, layer_hook)
+            pw = self.piecewise
+            if pw is not None and layer_hook is None and 0 < input_ids.shape[0] <= pw.max_size:
+                hidden = pw.run(input_ids, positions, meta)
+            else:
+                hidden = self.model(input_ids, positions, meta, self.kv_caches, layer_hook)
             prompt_lps = self._prompt_logprobs(hidden[len(sample_rows):]) if self._prompt_rows else []
             if not sample_seqs:
                 return RunnerOutput(prompt_logprobs=prompt_lps)

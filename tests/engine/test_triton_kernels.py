@@ -514,6 +514,15 @@ def test_the_gpu_path_composed_on_cpu_gives_the_torch_tokens_and_its_static_deco
     with guard:
         graphs._forward(graphs.bucket_for(3))
     assert guard.ops > 50 and calls["paged_decode_attention"] == before + 4  # one launch per layer
+    # the steps with a prefill chunk went through the piecewise graphs' static buffers, and each piece (what
+    # PiecewiseGraphs captures: a layer's MLP, the next one's norm, projection and RoPE) holds nothing a graph refuses
+    pw = static_llm.llm_engine.runner.piecewise
+    assert pw.replays > 0 and pw.sizes == [8, 16]
+    norms = calls["rms_norm"]
+    with _CaptureGuard() as guard:
+        for i in range(len(static_llm.llm_engine.runner.model.layers)):
+            pw._piece(i, 8)
+    assert guard.ops > 40 and calls["rms_norm"] == norms + 7  # two norms a layer but the first's post-attention
 
 
 # -- batch invariance (EngineConfig.batch_invariant) -------------------------------------------------------------

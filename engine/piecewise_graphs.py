@@ -1,0 +1,180 @@
+"""Steps with a prefill chunk replayed piecewise from CUDA graphs: everything but attention (vLLM's piecewise mode).
+
+Lifecycle: ``LLMEngine`` builds one ``PiecewiseGraphs`` beside its ``DecodeGraphs`` (the same conditions: CUDA, one
+rank, ``enforce_eager`` off and the decode graphs' ``eager_reason`` None; or ``static_decode_buffers`` on any
+device, without capture) when ``cuda_graph_token_sizes`` is not empty, after the KV cache exists and before the
+first request. ``capture`` records, for every token-count bucket, one graph per decoder layer over static buffers
+(token ids, positions, the rope rows, the residual stream, the q/k/v projection and the attention output): piece 0
+is the embedding, the rope rows and layer 0 up to attention; piece i is layer i - 1 after attention (o_proj, the
+residuals, the MLP) and layer i up to attention. Every step the decode graphs do not take (a prefill chunk, a row
+that does not sample, more rows than the largest decode bucket) that runs no per-layer hook and holds at most the
+largest bucket's tokens is then ``run``: its ids and positions are copied into the buffers, and per layer the
+bucket's piece is replayed and attention runs eagerly on the step's real rows, with the metadata the runner built
+for them (its kernels take the step's spans and lengths, which a graph would freeze: vLLM splits its graphs at
+attention for the same reason), its output copied into the buffer the next piece reads. The last layer's
+attention and what follows it (only for the rows that sample, as ``CausalLM.forward`` does) and the final norm run
+eagerly too. Steps past the largest bucket run eagerly: there the GPU's work per launch hides the launches.
+
+Padding rows (a step of 70 tokens runs the 96-token bucket) hold whatever ids and positions an earlier step left
+in the buffers (valid values): the pieces compute them, but attention never sees them, so they write no K/V and
+read none, and every op of a piece works row by row, so they change no real row. Nothing is captured again:
+buffers and graphs live as long as the engine. Without capture (``static_decode_buffers``: the CPU tests) ``run``
+calls each piece on the same buffers, the ops a captured graph replays.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
+from engine.model import CausalLM
+
+
+def piecewise_memory_estimate(mc: ModelConfig, max_bucket: int, dtype: torch.dtype) -> int:
+    """Bytes the piecewise graphs are expected to hold (taken out of ``kv_cache_memory_bytes`` with the decode
+    graphs' before the cache is sized): the pool keeps one piece's peak temporaries at the largest bucket (the
+    residual rows, the q/k/v projection, the MLP's gate/up and product rows), doubled for the caching allocator's
+    rounding, plus the static buffers. The capture logs what it really took."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    qkv = (mc.num_attention_heads + 2 * mc.num_key_value_heads) * mc.head_dim
+    per_row = (3 * mc.intermediate_size + 2 * qkv + 6 * mc.hidden_size) * elem
+    buffers = max_bucket * ((mc.hidden_size + qkv + mc.num_attention_heads * mc.head_dim + mc.head_dim) * elem + 16)
+    return 2 * max_bucket * per_row + buffers
+
+
+class PiecewiseGraphs:
+    """Static buffers for steps of up to ``sizes[-1]`` tokens, and (``capture``) per bucket one graph a layer."""
+
+    def __init__(self, model: CausalLM, kv_caches: list[tuple[Tensor, Tensor]], sizes: Sequence[int],
+                 capture: bool) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.sizes = sorted(sizes)
+        self.capture_graphs = capture
+        w = model.embed_tokens.weight
+        self.device, dtype = w.device, w.dtype
+        layer = model.layers[0]
+        self.heads = (layer.num_heads, layer.num_kv_heads, layer.head_dim)
+        H, Hkv, D = self.heads
+        n, dev = self.sizes[-1], self.device
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        rot = model.rope_cos.shape[-1]
+        self.cos = torch.zeros(n, 1, rot, dtype=model.rope_cos.dtype, device=dev)
+        self.sin = torch.zeros(n, 1, rot, dtype=model.rope_sin.dtype, device=dev)
+        self.hidden = torch.zeros(n, model.config.hidden_size, dtype=dtype, device=dev)
+        """The residual stream: each piece reads it and writes the next layer's."""
+        self.qkv = torch.zeros(n, H + 2 * Hkv, D, dtype=dtype, device=dev)
+        """The layer's q and k (rotated) and v, written by a piece, read by the eager attention."""
+        self.attn = torch.zeros(n, H * D, dtype=dtype, device=dev)
+        """The attention output of the step's real rows, written eagerly, read by the next piece."""
+        self.graphs: dict[int, list["torch.cuda.CUDAGraph"]] = {}
+        self.capture_seconds = 0.0
+        self.memory_bytes = 0
+        """Device memory the graphs took (the caching allocator's reserved bytes before and after capture)."""
+        self.replays = 0
+        """Steps run through a bucket (captured or static)."""
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def bucket_for(self, tokens: int) -> int | None:
+        """The smallest bucket holding ``tokens``; None past the largest (the step runs eagerly)."""
+        for s in self.sizes:
+            if s >= tokens:
+                return s
+        return None
+
+    def _piece(self, i: int, n: int) -> None:
+        """Piece ``i`` over the first ``n`` rows of the buffers: layer i - 1 after attention (i = 0: the embedding
+        and the rope rows), then layer i up to attention, its q/k/v left in ``qkv``."""
+        m = self.model
+        H, Hkv, _ = self.heads
+        with torch.inference_mode():
+            if i == 0:
+                pos = self.positions[:n]
+                self.cos[:n].copy_(m.rope_cos[pos].unsqueeze(1))
+                self.sin[:n].copy_(m.rope_sin[pos].unsqueeze(1))
+                h = m.embed_tokens(self.input_ids[:n])
+            else:
+                h = m.layers[i - 1].post_attention(self.hidden[:n], self.attn[:n])
+            self.hidden[:n].copy_(h)
+            q, k, v = m.layers[i].pre_attention(h, self.cos[:n], self.sin[:n])
+            self.qkv[:n, :H].copy_(q)
+            self.qkv[:n, H:H + Hkv].copy_(k)
+            self.qkv[:n, H + Hkv:].copy_(v)
+
+    def capture(self) -> None:
+        """Record every bucket's pieces (largest first) in one memory pool: a piece's outputs are copied into the
+        static buffers, so the pool holds only temporaries, which every piece may reuse. Without
+        ``capture_graphs`` this runs each piece once (checking the buffers, warming the kernels)."""
+        t0 = time.perf_counter()
+        layers = range(len(self.model.layers))
+        if not self.capture_graphs:
+            for s in reversed(self.sizes):
+                for i in layers:
+                    self._piece(i, s)
+            self.capture_seconds = time.perf_counter() - t0
+            return
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):  # warm-up (Triton compiles per shape) off the default stream
+            for s in reversed(self.sizes):
+                for i in layers:
+                    self._piece(i, s)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        for s in reversed(self.sizes):
+            pieces = []
+            for i in layers:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self._piece(i, s)
+                pieces.append(g)
+            self.graphs[s] = pieces
+        torch.cuda.synchronize(self.device)
+        self.memory_bytes = torch.cuda.memory_reserved(self.device) - before
+        self.capture_seconds = time.perf_counter() - t0
+
+    def run(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+        """``CausalLM.forward`` of one step of at most ``max_size`` tokens: the final-normed hidden states of every
+        row, or of ``meta.keep``'s rows where set. The pieces run padded to the step's bucket; attention and the
+        last layer's rest run eagerly on the real rows."""
+        T = input_ids.shape[0]
+        n = self.bucket_for(T)
+        if n is None or T == 0:
+            raise ValueError(f"a piecewise step holds 1..{self.max_size} tokens, got {T}")
+        self.input_ids[:T].copy_(input_ids)
+        self.positions[:T].copy_(positions)
+        self.replays += 1
+        H, Hkv, _ = self.heads
+        layers = self.model.layers
+        last = len(layers) - 1
+        q, k, v = self.qkv[:T, :H], self.qkv[:T, H:H + Hkv], self.qkv[:T, H + Hkv:]
+        with torch.inference_mode():
+            for i, layer in enumerate(layers):
+                if self.capture_graphs:
+                    self.graphs[n][i].replay()
+                else:
+                    self._piece(i, n)
+                if i < last:
+                    self.attn[:T].copy_(layer.attend(self.hidden[:T], q, k, v, meta, self.kv_caches[i])[1])
+                    continue
+                h, attn = layer.attend(self.hidden[:T], q, k, v, meta, self.kv_caches[i], meta.keep)
+                if attn is not None:
+                    h = layer.post_attention(h, attn)
+                return self.model.norm(h)
+        raise AssertionError("unreachable: a model has at least one layer")
+
+    def describe(self) -> str:
+        return (f"{len(self.sizes)} piecewise token buckets ({self.sizes[0]}..{self.max_size} tokens, "
+                f"{len(self.model.layers)} pieces each) "
+                f"{'captured' if self.capture_graphs else 'static, not captured'} in {self.capture_seconds:.2f} s"
+                + (f", {self.memory_bytes / 2**20:.0f} MiB" if self.capture_graphs else ""))
