@@ -6,11 +6,12 @@
 #     bash benchmarks/device_session.sh "$OUT"
 # Phases, each under its own deadline (SIGINT, so deployments close) and each logged as it goes:
 #   0. engine (issue 43): the decode-graph and Triton-kernel tests on the GPU (tests/engine/test_decode_graphs.py,
-#      tests/engine/test_triton_kernels_cuda.py: graph replay equals the uncaptured static path and eager greedy
-#      tokens; the kernels against SDPA on CUDA; FP8; the sampler's blocking wait; batch invariance;
+#      test_piecewise_cuda.py, tests/engine/test_triton_kernels_cuda.py: decode graph and piecewise replay equal
+#      the uncaptured static path and eager greedy tokens; the kernels against SDPA on CUDA; FP8; the sampler's blocking wait; batch invariance;
 #      tests/kvtransfer/test_cuda_ipc.py: two processes on the GPU move
 #      KV over CUDA IPC), then benchmarks/cuda_engine.py's parity (fp32 strict with graphs
-#      on), decode and graphs phases (graphs against --enforce-eager at each batch) on the 1B shape, and
+#      on), decode and graphs phases (graphs against --enforce-eager at each batch, and mixed steps piecewise
+#      against eager) on the 1B shape, and
 #      kvtransfer_bandwidth.py --same-node cuda (an 8B-shaped 1,000-token prompt over CUDA IPC; goal >= 100 GB/s),
 #      benchmarks/decode_host_overhead.py (the engine's host time per graph decode step, 1B shape).
 #   verdict (issue 43 item 6): benchmarks/disagg_vs_colocated.py --device cuda on the 1B checkpoint: one colocated
@@ -72,7 +73,8 @@ if has engine; then
 log "phase engine"
 # the CUDA cases only: the CPU ones ran in CI (and would build the CPU kernels here first); the compiled kernels in
 # a pytest process of their own (the interpreter tests import triton in interpreter mode for their process)
-for t in "tests/engine/test_decode_graphs.py -k cuda" tests/engine/test_triton_kernels_cuda.py \
+for t in "tests/engine/test_decode_graphs.py -k cuda" tests/engine/test_piecewise_cuda.py \
+         tests/engine/test_triton_kernels_cuda.py \
          tests/engine/test_fp8_cuda.py tests/engine/test_sampler_cuda.py tests/engine/test_batch_invariant_cuda.py \
          "tests/kvtransfer/test_cuda_ipc.py -k gpu"; do
   timeout -s INT "$ENGINE_TEST_S" python3 -m pytest -q -p no:cacheprovider -rs $t 2>&1 | tail -20

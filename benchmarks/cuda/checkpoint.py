@@ -40,11 +40,16 @@ class Workload:
     prefill: tuple = ((1, 512), (1, 2048), (1, 8192), (8, 1024))
     repeats: int = 3
     max_pos: int = 16384
+    mixed: tuple = ((32, 32), (32, 224), (8, 504))
+    """(decodes, prompt tokens) of the graphs phase's mixed steps: each step decodes that many sequences and
+    prefills one new prompt whole (32 + 224 = a 256-token step)."""
+    mixed_steps: int = 24
 
 
 FULL = Workload()
 QUICK = Workload(parity_lens=(5, 19, 60), parity_new=32, decode_batches=(1, 4), hf_decode_batches=(1, 4),
-                 decode_prompt=32, decode_new=16, prefill=((1, 64), (1, 256), (4, 64)), repeats=2, max_pos=2048)
+                 decode_prompt=32, decode_new=16, prefill=((1, 64), (1, 256), (4, 64)), repeats=2, max_pos=2048,
+                 mixed=((4, 20),), mixed_steps=3)
 
 
 # -- the checkpoint ----------------------------------------------------------------------------------

@@ -48,6 +48,9 @@ def test_cli_quick_run_writes_a_complete_report(tmp_path):
     assert graphs["buckets"] and not graphs["captured"]
     assert graphs["tokens"]["identical"] == graphs["tokens"]["sequences"] == 8
     assert set(graphs["decode"]) == {str(b) for b in checkpoint.QUICK.decode_batches}
+    # the mixed steps (a decode batch and a whole new prompt each) went through the piecewise graphs' buffers
+    mixed = graphs["mixed"]["4+20"]
+    assert mixed["graphs"]["piecewise_steps"] == checkpoint.QUICK.mixed_steps and mixed["eager"]["piecewise_steps"] == 0
 
 
 def test_disagg_vs_colocated_on_one_gpu_asks_for_cuda_ipc(tmp_path):
