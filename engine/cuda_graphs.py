@@ -42,6 +42,13 @@ from engine.model import CausalLM
 log = logging.getLogger(__name__)
 
 
+GRAPH_POOL_SLACK = 2 * 20 * 2**20
+"""Bytes added once to the graphs' estimate for the CUDA caching allocator's granularity: a graph pool reserves
+whole segments (2 MiB for small blocks, 20 MiB for blocks of 1-10 MiB) whatever its blocks need, and the
+warm-up's temporaries may take fresh segments of the general pool. On a small model this is most of what the graphs
+take; on a 1B one it is little beside the KV budget."""
+
+
 def graph_memory_estimate(mc: ModelConfig, max_bucket: int, dtype: torch.dtype, max_blocks: int) -> int:
     """Bytes the decode graphs are expected to hold (taken out of ``kv_cache_memory_bytes`` before the cache is
     sized): the graph pool keeps the largest bucket's peak activations (the logits in the model dtype and in

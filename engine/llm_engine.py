@@ -43,7 +43,7 @@ from engine.block_manager import BlockManager, block_keys
 from engine.client import EngineLoad, StepResult
 from engine.config import EngineConfig, ModelConfig, default_graph_sizes, default_token_sizes
 from engine.kernels import cpu_kernels
-from engine.cuda_graphs import DecodeGraphs, eager_reason, graph_memory_estimate
+from engine.cuda_graphs import GRAPH_POOL_SLACK, DecodeGraphs, eager_reason, graph_memory_estimate
 from engine.piecewise_graphs import PiecewiseGraphs, piecewise_memory_estimate
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from engine.loader import default_eos, load_model, load_model_config, load_tokenizer
@@ -118,6 +118,7 @@ class LLMEngine:
                                                                -(-max_len // self.block_size))
             if token_sizes:
                 self.graph_memory_estimate += piecewise_memory_estimate(local_mc, token_sizes[-1], config.torch_dtype)
+            self.graph_memory_estimate += GRAPH_POOL_SLACK
             budget -= self.graph_memory_estimate
             if budget <= 0:
                 raise ValueError(f"kv_cache_memory_bytes={config.kv_cache_memory_bytes} leaves nothing for the KV "

@@ -157,3 +157,15 @@ def test_the_flag_reaches_decode_workers_only():
     with pytest.raises(ValueError, match="--cuda-graph-token-sizes has 4096, past max_num_batched_tokens"):
         check_up_args(build_parser().parse_args(["up", "--cuda-graph-token-sizes", "4096"]))
 
+
+
+def test_the_memory_estimate_covers_a_pieces_peak_and_grows_with_the_bucket():
+    from engine.config import ModelConfig
+    from engine.piecewise_graphs import piecewise_memory_estimate
+
+    mc = ModelConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64)
+    small, big = (piecewise_memory_estimate(mc, n, torch.bfloat16) for n in (8, 512))
+    # at least the MLP's gate/up and product rows and the residual and qkv rows a piece holds at once, in bf16
+    assert big >= 512 * (3 * 8192 + 3 * 2048 + 3072) * 2
+    assert 60 * small < big < 70 * small  # linear in the bucket (no logits: the last layer runs eagerly)
