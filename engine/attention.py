@@ -149,32 +149,43 @@ def to_fp8(x: Tensor) -> Tensor:
 
 
 def paged_attention(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-                    meta: AttentionMetadata, window: Optional[int], invariant: bool = False) -> Tensor:
+                    meta: AttentionMetadata, window: Optional[int], invariant: bool = False,
+                    out: Optional[Tensor] = None, kv_written: bool = False) -> Tensor:
     """Write k/v into the cache, then attend. q [T, H, D], k/v [T, Hkv, D] -> [T, H*D]. ``invariant``
     (``EngineConfig.batch_invariant``): every prefill chunk, a first one too, through the Triton paged kernel with
-    its one tile shape, so a prompt's rows get the same bits however it was chunked and batched."""
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    its one tile shape, so a prompt's rows get the same bits however it was chunked and batched. ``out`` [T, H, D]
+    (contiguous: the piecewise graphs' buffer): the result goes there, the Triton kernels writing it in place, and
+    the return value is its [T, H*D] view. ``kv_written``: k/v are in the cache already (written by a piece)."""
+    if not kv_written:
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     T, H, D = q.shape
     hkv = k.shape[1]
     group = H // hkv
     B = meta.num_decode
-    if B == T:
+    if B == T and out is None:
         return decode_attention(q, k_cache, v_cache, meta, window).reshape(T, H * D)
-    out = q.new_empty(T, H, D)
+    o = q.new_empty(T, H, D) if out is None else out
     if B:
-        out[:B] = decode_attention(q[:B], k_cache, v_cache, meta, window)
+        ob = o[:B]
+        r = decode_attention(q[:B], k_cache, v_cache, meta, window, out=ob)
+        if r is not ob:
+            ob.copy_(r)
     for span in meta.prefills:
-        out[span.start:span.end] = _prefill(q, k, v, k_cache, v_cache, span, window, group, invariant)
-    return out.view(T, H * D)
+        oc = o[span.start:span.end]
+        r = _prefill(q, k, v, k_cache, v_cache, span, window, group, invariant, out=oc)
+        if r is not oc:
+            oc.copy_(r)
+    return o.view(T, H * D)
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata,
-                     window: Optional[int]) -> Tensor:
+                     window: Optional[int], out: Optional[Tensor] = None) -> Tensor:
     """One query per sequence over its cached context: q [B, H, D] -> [B, H, D].
 
     On CPU with pdserve's kernels built (engine/kernels.py) this is one C++ call that reads K/V in
     place through the block table; on CUDA with Triton one kernel launch that does the same (no host
-    sync, so it can be captured in a CUDA graph); elsewhere it gathers the context and runs SDPA."""
+    sync, so it can be captured in a CUDA graph); elsewhere it gathers the context and runs SDPA. ``out``: where the
+    Triton kernel writes its result (then returned); the other paths return a new tensor, which the caller copies."""
     if q.device.type == "cpu" and q.shape[-1] % 16 == 0 and k_cache.dtype in _KERNEL_CACHE_DTYPES:
         k = cpu_kernels()
         if k is not None:
@@ -187,7 +198,7 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: Attentio
         tk = _triton_kernels(q.device)
         if tk is not None:
             return tk.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_ctx_lens,
-                                             window, D ** -0.5)
+                                             window, D ** -0.5, out=out)
     return gather_decode_attention(q, k_cache, v_cache, meta, window)
 
 
@@ -233,7 +244,7 @@ def _rows(gathered: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, span: PrefillSpan,
-             window: Optional[int], group: int, invariant: bool = False) -> Tensor:
+             window: Optional[int], group: int, invariant: bool = False, out: Optional[Tensor] = None) -> Tensor:
     s, e = span.start, span.end
     n = e - s
     D = q.shape[-1]
@@ -256,7 +267,7 @@ def _prefill(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, 
         tk = _triton_kernels(q.device)
         if tk is not None:
             return tk.paged_prefill_attention(q[s:e], k_cache, v_cache, span.block_table, span.num_computed, window,
-                                              D ** -0.5, invariant=invariant)
+                                              D ** -0.5, invariant=invariant, out=out)
     qs = q[s:e].transpose(0, 1)  # [H, n, D]
     hkv, D = k.shape[1], k.shape[2]
     if span.num_computed == 0:

@@ -158,7 +158,8 @@ class LLMEngine:
                                          scratch_block=n_blocks, capture=capture)
             runner.graphs.capture()
             if token_sizes:
-                runner.piecewise = PiecewiseGraphs(model, self.kv_caches, token_sizes, capture=capture)
+                runner.piecewise = PiecewiseGraphs(model, self.kv_caches, token_sizes, self.block_size,
+                                                   scratch_block=n_blocks, capture=capture)
                 runner.piecewise.capture()
             logger.info("decode graphs: %s%s%s", runner.graphs.describe(),
                         f"; {runner.piecewise.describe()}" if runner.piecewise is not None else "",

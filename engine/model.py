@@ -176,14 +176,16 @@ class DecoderLayer(nn.Module):
         return qk[:, :H], qk[:, H:H + Hkv], qkv[:, H + Hkv:]
 
     def attend(self, h: Tensor, q: Tensor, k: Tensor, v: Tensor, meta: AttentionMetadata,
-               kv_cache: tuple[Tensor, Tensor], keep: Optional[AttentionMetadata] = None
-               ) -> tuple[Tensor, Optional[Tensor]]:
-        """Write the rows' K/V and attend: (the residual rows that go on, their attention output [rows, H * D]).
-        With ``keep`` only its rows go on (None for the output where no row does: ``h[:0]`` is then the block's
-        result)."""
+               kv_cache: tuple[Tensor, Tensor], keep: Optional[AttentionMetadata] = None,
+               out: Optional[Tensor] = None, kv_written: bool = False) -> tuple[Tensor, Optional[Tensor]]:
+        """Write the rows' K/V (unless ``kv_written``) and attend: (the residual rows that go on, their attention
+        output [rows, H * D], in ``out`` [T, H, D] where given without ``keep``). With ``keep`` only its rows go on
+        (None for the output where no row does: ``h[:0]`` is then the block's result)."""
         if keep is None:
-            return h, paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.window, self.batch_invariant)
-        write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+            return h, paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.window, self.batch_invariant,
+                                      out=out, kv_written=kv_written)
+        if not kv_written:
+            write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         if keep.num_decode == 0:
             return h[:0], None
         q = q.index_select(0, keep.rows)

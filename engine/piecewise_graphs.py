@@ -4,20 +4,23 @@ Lifecycle: ``LLMEngine`` builds one ``PiecewiseGraphs`` beside its ``DecodeGraph
 rank, ``enforce_eager`` off and the decode graphs' ``eager_reason`` None; or ``static_decode_buffers`` on any
 device, without capture) when ``cuda_graph_token_sizes`` is not empty, after the KV cache exists and before the
 first request. ``capture`` records, for every token-count bucket, one graph per decoder layer over static buffers
-(token ids, positions, the rope rows, the residual stream, the q/k/v projection and the attention output): piece 0
-is the embedding, the rope rows and layer 0 up to attention; piece i is layer i - 1 after attention (o_proj, the
-residuals, the MLP) and layer i up to attention. Every step the decode graphs do not take (a prefill chunk, a row
+(token ids, positions, slot mapping, the rope rows, the residual stream, the q/k/v projection and the attention
+output): piece 0 is the embedding, the rope rows and layer 0 up to attention; piece i is layer i - 1 after
+attention (o_proj, the residuals, the MLP) and layer i up to attention; each piece ends by writing its layer's
+K/V into the cache through the slot mapping. Every step the decode graphs do not take (a prefill chunk, a row
 that does not sample, more rows than the largest decode bucket) that runs no per-layer hook and holds at most the
-largest bucket's tokens is then ``run``: its ids and positions are copied into the buffers, and per layer the
-bucket's piece is replayed and attention runs eagerly on the step's real rows, with the metadata the runner built
-for them (its kernels take the step's spans and lengths, which a graph would freeze: vLLM splits its graphs at
-attention for the same reason), its output copied into the buffer the next piece reads. The last layer's
+largest bucket's tokens is then ``run``: its ids, positions and slots are copied into the buffers, and per layer
+the bucket's piece is replayed and attention runs eagerly on the step's real rows, with the metadata the runner
+built for them (its kernels take the step's spans and lengths, which a graph would freeze: vLLM splits its graphs
+at attention for the same reason), the Triton kernels writing into the buffer the next piece reads (one launch for
+the decode rows and one a prefill chunk: nothing else of a layer runs eagerly). The last layer's
 attention and what follows it (only for the rows that sample, as ``CausalLM.forward`` does) and the final norm run
 eagerly too. Steps past the largest bucket run eagerly: there the GPU's work per launch hides the launches.
 
 Padding rows (a step of 70 tokens runs the 96-token bucket) hold whatever ids and positions an earlier step left
-in the buffers (valid values): the pieces compute them, but attention never sees them, so they write no K/V and
-read none, and every op of a piece works row by row, so they change no real row. Nothing is captured again:
+in the buffers (valid values) and the slot of the scratch block (the decode graphs' block past the block
+manager's pool, which no sequence owns): the pieces compute them and write their K/V there, attention never sees
+them, and every op of a piece works row by row, so they change no real row and no request's KV. Nothing is captured again:
 buffers and graphs live as long as the engine. Without capture (``static_decode_buffers``: the CPU tests) ``run``
 calls each piece on the same buffers, the ops a captured graph replays.
 """
@@ -29,7 +32,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from engine.attention import AttentionMetadata
+from engine.attention import AttentionMetadata, write_kv
 from engine.config import ModelConfig
 from engine.model import CausalLM
 
@@ -50,11 +53,12 @@ class PiecewiseGraphs:
     """Static buffers for steps of up to ``sizes[-1]`` tokens, and (``capture``) per bucket one graph a layer."""
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[Tensor, Tensor]], sizes: Sequence[int],
-                 capture: bool) -> None:
+                 block_size: int, scratch_block: int, capture: bool) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = sorted(sizes)
         self.capture_graphs = capture
+        self.scratch_slot = scratch_block * block_size
         w = model.embed_tokens.weight
         self.device, dtype = w.device, w.dtype
         layer = model.layers[0]
@@ -63,6 +67,9 @@ class PiecewiseGraphs:
         n, dev = self.sizes[-1], self.device
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n,), self.scratch_slot, dtype=torch.long, device=dev)
+        self._live = 0
+        """Rows of ``slot_mapping`` that may hold a real slot (from the last step); the rest hold the scratch slot."""
         rot = model.rope_cos.shape[-1]
         self.cos = torch.zeros(n, 1, rot, dtype=model.rope_cos.dtype, device=dev)
         self.sin = torch.zeros(n, 1, rot, dtype=model.rope_sin.dtype, device=dev)
@@ -71,7 +78,8 @@ class PiecewiseGraphs:
         self.qkv = torch.zeros(n, H + 2 * Hkv, D, dtype=dtype, device=dev)
         """The layer's q and k (rotated) and v, written by a piece, read by the eager attention."""
         self.attn = torch.zeros(n, H * D, dtype=dtype, device=dev)
-        """The attention output of the step's real rows, written eagerly, read by the next piece."""
+        """The attention output of the step's real rows, written eagerly (in place by the Triton kernels), read by
+        the next piece."""
         self.graphs: dict[int, list["torch.cuda.CUDAGraph"]] = {}
         self.capture_seconds = 0.0
         self.memory_bytes = 0
@@ -92,7 +100,8 @@ class PiecewiseGraphs:
 
     def _piece(self, i: int, n: int) -> None:
         """Piece ``i`` over the first ``n`` rows of the buffers: layer i - 1 after attention (i = 0: the embedding
-        and the rope rows), then layer i up to attention, its q/k/v left in ``qkv``."""
+        and the rope rows), then layer i up to attention, its q/k/v left in ``qkv`` and its K/V written into the
+        layer's cache (padding rows' into the scratch slot)."""
         m = self.model
         H, Hkv, _ = self.heads
         with torch.inference_mode():
@@ -108,6 +117,7 @@ class PiecewiseGraphs:
             self.qkv[:n, :H].copy_(q)
             self.qkv[:n, H:H + Hkv].copy_(k)
             self.qkv[:n, H + Hkv:].copy_(v)
+            write_kv(*self.kv_caches[i], k, v, self.slot_mapping[:n])
 
     def capture(self) -> None:
         """Record every bucket's pieces (largest first) in one memory pool: a piece's outputs are copied into the
@@ -153,11 +163,16 @@ class PiecewiseGraphs:
             raise ValueError(f"a piecewise step holds 1..{self.max_size} tokens, got {T}")
         self.input_ids[:T].copy_(input_ids)
         self.positions[:T].copy_(positions)
+        self.slot_mapping[:T].copy_(meta.slot_mapping)
+        if self._live > T:  # rows the last step wrote real slots into are padding now: back to the scratch slot
+            self.slot_mapping[T:self._live].fill_(self.scratch_slot)
+        self._live = T
         self.replays += 1
-        H, Hkv, _ = self.heads
+        H, Hkv, D = self.heads
         layers = self.model.layers
         last = len(layers) - 1
         q, k, v = self.qkv[:T, :H], self.qkv[:T, H:H + Hkv], self.qkv[:T, H + Hkv:]
+        out = self.attn[:T].view(T, H, D)
         with torch.inference_mode():
             for i, layer in enumerate(layers):
                 if self.capture_graphs:
@@ -165,9 +180,10 @@ class PiecewiseGraphs:
                 else:
                     self._piece(i, n)
                 if i < last:
-                    self.attn[:T].copy_(layer.attend(self.hidden[:T], q, k, v, meta, self.kv_caches[i])[1])
+                    layer.attend(self.hidden[:T], q, k, v, meta, self.kv_caches[i], out=out, kv_written=True)
                     continue
-                h, attn = layer.attend(self.hidden[:T], q, k, v, meta, self.kv_caches[i], meta.keep)
+                h, attn = layer.attend(self.hidden[:T], q, k, v, meta, self.kv_caches[i], meta.keep,
+                                       kv_written=True)
                 if attn is not None:
                     h = layer.post_attention(h, attn)
                 return self.model.norm(h)

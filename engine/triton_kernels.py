@@ -296,7 +296,7 @@ def _check_attention(kind: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, fp8
 
 
 def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, ctx_lens: Tensor,
-                           window: Optional[int], scale: float) -> Tensor:
+                           window: Optional[int], scale: float, out: Optional[Tensor] = None) -> Tensor:
     """One query per sequence over its paged context, K/V read in place through the block table.
 
     q [B, H, D]; k_cache / v_cache [N, block_size, Hkv, D] in q's float dtype or float8 e4m3 (an fp8 cache,
@@ -304,7 +304,8 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     (padded with any block id: only the first ceil(ctx / block_size) entries are read); ctx_lens [B] int64,
     the context including the new token (>= 1). Same semantics as attention.gather_decode_attention: key k is
     attended iff k < ctx and (no window or k > ctx - 1 - window); query head h reads KV head h // (H / Hkv).
-    Returns [B, H, D] in q's dtype. Raises ValueError for a head_dim that is not a power of 2 in 16..256.
+    Returns [B, H, D] in q's dtype: ``out`` where given (any strides; a view of a step's output buffer), written in
+    place. Raises ValueError for a head_dim that is not a power of 2 in 16..256.
 
     The G query heads of a KV group are one [G, D] tile scored against a [block_size, D] block by broadcast
     products and sums rather than ``tl.dot``: decode is bandwidth-bound, tl.dot would need G and block_size
@@ -316,7 +317,7 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
     if block_tables.shape[0] != B or ctx_lens.shape != (B,):
         raise ValueError(f"block_tables {tuple(block_tables.shape)} / ctx_lens {tuple(ctx_lens.shape)} vs batch {B}")
     G = H // Hkv
-    out = torch.empty_like(q)
+    out = _out(out, q, (B, H, D))
     if B == 0:
         return out
     G_P, BS_P = _pow2(G), _pow2(BS)
@@ -325,6 +326,16 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         *q.stride(), *k_cache.stride()[:3], k_cache.stride(3), *v_cache.stride(), *block_tables.stride(),
         *out.stride(), G=G, G_P=G_P, D=D, BS=BS, BS_P=BS_P,
         num_warps=_decode_warps(G_P * BS_P * D, D))
+    return out
+
+
+def _out(out: Optional[Tensor], q: Tensor, shape: tuple[int, int, int]) -> Tensor:
+    """An attention kernel's output: a new tensor, or the caller's ``out`` once its shape, dtype and device are
+    checked (a kernel writes through its strides)."""
+    if out is None:
+        return q.new_empty(shape)
+    if tuple(out.shape) != shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} on {out.device} is not {shape} {q.dtype} on {q.device}")
     return out
 
 
@@ -377,7 +388,8 @@ def _prefill_config(n: int, D: int, dtype: torch.dtype,
 
 
 def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor, num_computed: int,
-                            window: Optional[int], scale: float, invariant: bool = False) -> Tensor:
+                            window: Optional[int], scale: float, invariant: bool = False,
+                            out: Optional[Tensor] = None) -> Tensor:
     """One prefill chunk's causal attention over its whole context, K/V read in place through the block table.
 
     q [n, H, D] (any strides: a view of the qkv projection does); k_cache / v_cache [N, block_size, Hkv, D] in q's
@@ -385,8 +397,8 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     covering ctx = num_computed + n tokens (entries past that are never read); num_computed a host int (prefill
     metadata; never captured in a CUDA graph). Same semantics as attention.prefill_mask: the query at position
     p = num_computed + i attends key k iff k <= p and (no window or k > p - window; window 0 or None is no window);
-    query head h reads KV head h // (H / Hkv). Returns [n, H, D] in q's dtype. Raises ValueError for a head_dim
-    that is not a power of 2 in 16..256.
+    query head h reads KV head h // (H / Hkv). Returns [n, H, D] in q's dtype (``out`` where given, written in
+    place). Raises ValueError for a head_dim that is not a power of 2 in 16..256.
 
     Flash attention over the paged cache (after vLLM's / SGLang's Triton prefix-prefill / extend kernels): query
     tiles of BLOCK_M rows per head, key tiles of BLOCK_N tokens gathered through the block table, both matmuls on
@@ -399,7 +411,7 @@ def paged_prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_t
     if nc < 0 or block_table.dim() != 1 or block_table.shape[0] * BS < ctx:
         raise ValueError(f"block_table {tuple(block_table.shape)} of {BS}-token blocks does not cover "
                          f"num_computed={nc} + {n} tokens")
-    out = q.new_empty(n, H, D)
+    out = _out(out, q, (n, H, D))
     if n == 0:
         return out
     # no window (or one as long as the context) is the same mask as a window of ctx: keeps the arithmetic in int32

@@ -85,8 +85,8 @@ def test_steps_past_the_largest_bucket_run_eagerly_and_agree():
 @pytest.mark.parametrize("keep_rows", [None, [0, 2], []], ids=["every-row", "sampling-rows", "no-row"])
 def test_padding_rows_change_no_real_row_and_write_no_kv(keep_rows):
     """A step of a decode and a two-token prompt chunk (3 tokens, the 8-token bucket) with NaN in every padding row
-    of the buffers and stale ids and positions there: the eager model's hidden states to the bit, and only the
-    step's three K/V slots written."""
+    of the buffers and stale ids, positions and slots there: the eager model's hidden states to the bit, and only
+    the step's three K/V slots written (and the scratch block's, which no sequence owns)."""
     llm = LLM("tiny", num_kv_blocks=16, block_size=4, static_decode_buffers=True, cuda_graph_token_sizes=[8])
     runner = llm.llm_engine.runner
     pw, model, caches = runner.piecewise, runner.model, llm.llm_engine.kv_caches
@@ -114,16 +114,20 @@ def test_padding_rows_change_no_real_row_and_write_no_kv(keep_rows):
         buf.fill_(float("nan"))
     pw.input_ids.fill_(99)
     pw.positions.fill_(50)
+    pw.slot_mapping.fill_(5 * 4)  # real slots a step of 8 rows left behind
+    pw._live = 8
     with torch.inference_mode():
         got = pw.run(ids, pos, meta())
         want = model(ids, pos, meta(), twin)
     assert got.shape[0] == (3 if keep_rows is None else len(keep_rows))
     assert torch.equal(got, want) and not got.isnan().any()
+    assert caches[0][0].shape[0] == 17  # the pool's 16 blocks and the scratch block the padding rows write
     for (k, v), (k2, v2) in zip(caches, twin, strict=True):
-        assert torch.equal(k, k2) and torch.equal(v, v2)  # the eager step wrote the same slots, the same values
+        # the eager step wrote the same slots, the same values
+        assert torch.equal(k[:16], k2[:16]) and torch.equal(v[:16], v2[:16])
     for k, k0 in zip((k for k, _ in caches), orig):
         changed = {int(i) for i in torch.nonzero((k0 != k).flatten(0, 1).flatten(1).any(1))}
-        assert changed == {3 * 4 + 2, 7 * 4, 7 * 4 + 1}, changed
+        assert changed - {16 * 4} == {3 * 4 + 2, 7 * 4, 7 * 4 + 1}, changed  # and the scratch block's first slot
     with pytest.raises(ValueError, match="1..8 tokens, got 9"):
         pw.run(torch.zeros(9, dtype=torch.long), torch.zeros(9, dtype=torch.long), meta())
 

@@ -277,6 +277,27 @@ def test_prefill_attention_strided_q_in_a_batch(monkeypatch, nc, window):
                                atol=1e-5, rtol=1e-5)
 
 
+def test_both_kernels_write_a_given_output_buffer_in_place_and_check_it(monkeypatch):
+    """``out`` (the piecewise graphs' attention buffer): the kernels write the caller's rows through their strides,
+    touch nothing else of the buffer, return that very tensor, and refuse a buffer of another shape or dtype."""
+    q, kc, vc, bt, ctx = _case([3, 20], 4, 2, 16, 8, torch.float32, 1, seed=3)
+    buf = torch.full((5, 4, 16), 7.0)
+    got = tk.paged_decode_attention(q, kc, vc, bt, ctx, None, 0.25, out=buf[1:3])
+    assert got.data_ptr() == buf[1:3].data_ptr()
+    assert torch.equal(buf[1:3], tk.paged_decode_attention(q, kc, vc, bt, ctx, None, 0.25))
+    assert (buf[0] == 7).all() and (buf[3:] == 7).all()
+    pq, pkc, pvc, pbt = _prefill_case(5, 6, 4, 2, 16, 8, torch.float32, seed=4)
+    _tiles(monkeypatch, (16, 16))
+    pbuf = torch.full((8, 4, 16), 7.0)
+    got = tk.paged_prefill_attention(pq, pkc, pvc, pbt, 5, None, 0.25, out=pbuf[2:])
+    assert got.data_ptr() == pbuf[2:].data_ptr() and (pbuf[:2] == 7).all()
+    assert torch.equal(pbuf[2:], tk.paged_prefill_attention(pq, pkc, pvc, pbt, 5, None, 0.25))
+    with pytest.raises(ValueError, match=r"out \(2, 4, 16\) torch.bfloat16"):
+        tk.paged_decode_attention(q, kc, vc, bt, ctx, None, 0.25, out=buf[:2].bfloat16())
+    with pytest.raises(ValueError, match=r"is not \(6, 4, 16\)"):
+        tk.paged_prefill_attention(pq, pkc, pvc, pbt, 5, None, 0.25, out=pbuf[:5])
+
+
 @pytest.mark.parametrize("D", [8, 48, 512])
 def test_prefill_attention_rejects_head_dim(D):
     q, kc, vc, bt = _prefill_case(2, 3, 2, 1, D, 4, torch.float32)
