@@ -292,6 +292,20 @@ class LLMEngine:
         return self._num_steps
 
     @property
+    def graph_steps(self) -> int:
+        """Steps whose model ran through a decode graph bucket (engine/cuda_graphs.py; static buffers where not
+        captured) so far."""
+        graphs = getattr(self.runner, "graphs", None)
+        return graphs.replays if graphs is not None else 0
+
+    @property
+    def piecewise_steps(self) -> int:
+        """Steps whose model ran through the piecewise graphs (engine/piecewise_graphs.py) so far; the rest of
+        ``num_steps`` ran eagerly."""
+        pw = getattr(self.runner, "piecewise", None)
+        return pw.replays if pw is not None else 0
+
+    @property
     def num_scheduled_tokens(self) -> int:
         """Tokens computed over all steps so far: prompt chunks plus one per decoding sequence."""
         return self._num_scheduled_tokens

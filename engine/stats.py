@@ -97,6 +97,10 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     spec_decode: SpecDecodeTotals = SpecDecodeTotals()
+    graph_steps: int = 0
+    """Of ``num_steps``, those whose model ran through a decode CUDA graph bucket."""
+    piecewise_steps: int = 0
+    """Of ``num_steps``, those whose model ran through the piecewise graphs (the rest ran eagerly)."""
     last_step: Optional[IterationStats] = None
     """The latest step's record (None before the first step)."""
 
@@ -108,6 +112,7 @@ class SchedulerStats:
                    num_steps=engine.num_steps, num_scheduled_tokens=engine.num_scheduled_tokens,
                    num_preemptions=engine.num_preemptions, prefix_cache_queries=engine.prefix_cache_queries,
                    prefix_cache_hits=engine.prefix_cache_hits, spec_decode=SpecDecodeTotals.of(engine.spec_stats),
+                   graph_steps=engine.graph_steps, piecewise_steps=engine.piecewise_steps,
                    last_step=engine.last_step_stats)
 
     @property

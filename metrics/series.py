@@ -189,6 +189,9 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
                                    "Prefix cache queries, in terms of number of queried tokens.", None),
     "prefix_cache_hits_total": (WORKER, "counter", "Prefix cache hits, in terms of number of cached tokens.", None),
     "num_preemptions_total": (WORKER, "counter", "Cumulative number of preemption from the engine.", None),
+    "engine_steps_total": (WORKER, "counter", "Engine steps by how the model ran (path: decode_graph = a decode "
+                           "CUDA graph bucket, piecewise = the piecewise CUDA graphs, attention eager, eager = "
+                           "neither).", "path"),
     "iteration_tokens_total": (WORKER, "histogram", "Histogram of number of tokens per engine_step.",
                                ITERATION_TOKENS_BUCKETS),
     "kv_events_published_total": (WORKER, "counter", "KV event batches the worker appended to its stream.", None),

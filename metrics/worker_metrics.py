@@ -40,6 +40,8 @@ class EngineRecord(Protocol):
     num_scheduled_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    graph_steps: int
+    piecewise_steps: int
 
     @property
     def kv_cache_usage(self) -> float: ...
@@ -59,6 +61,7 @@ class WorkerMetrics(ComponentMetrics):
         self._prefix_cache = RunningTotals("prefix_cache_queries", "prefix_cache_hits")
         self._preemptions = RunningTotals("num_preemptions")
         self._steps = RunningTotals("num_steps", "num_scheduled_tokens")
+        self._paths = RunningTotals("num_steps", "graph_steps", "piecewise_steps")
         self._spec = RunningTotals("num_drafts", "num_draft_tokens", "num_accepted_tokens", tail="accepted_per_pos")
 
     def record_engine(self, stats: EngineRecord) -> None:
@@ -69,6 +72,7 @@ class WorkerMetrics(ComponentMetrics):
         self.set_prefix_cache_totals(stats.prefix_cache_queries, stats.prefix_cache_hits)
         # once per loop pass, so each engine step is one iteration_tokens_total observation
         self.set_engine_totals(stats.num_preemptions, stats.num_steps, stats.num_scheduled_tokens)
+        self.set_step_path_totals(stats.num_steps, stats.graph_steps, stats.piecewise_steps)
         sd = stats.spec_decode
         self.set_spec_decode_totals(sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens, sd.accepted_per_pos)
 
@@ -143,6 +147,15 @@ class WorkerMetrics(ComponentMetrics):
             hist = self._series["iteration_tokens_total"]
             for _ in range(ds):
                 hist.observe(per_step)
+
+    def set_step_path_totals(self, steps: int, graph_steps: int, piecewise_steps: int) -> None:
+        """The engine's running totals of steps and of those that ran through its decode graphs and its piecewise
+        graphs: ``engine_steps_total{path}`` moves by the differences (path ``eager``: the other steps, never
+        below zero); smaller totals (a new engine) restart the base."""
+        ds, dg, dp = self._paths.advance((steps, graph_steps, piecewise_steps))
+        for path, d in (("decode_graph", dg), ("piecewise", dp), ("eager", ds - dg - dp)):
+            if d > 0:
+                self._child("engine_steps_total", path).inc(d)
 
     def set_spec_decode_totals(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
                                accepted_per_pos: Sequence[int]) -> None:

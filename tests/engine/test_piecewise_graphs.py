@@ -61,6 +61,11 @@ def test_static_pieces_give_the_eager_tokens_bit_for_bit(kw):
     assert runner.piecewise.sizes == [8, 16, 24] and not runner.piecewise.graphs  # nothing captured on CPU
     assert runner.piecewise.replays >= 10 and runner.graphs.replays >= 10, (runner.piecewise.replays,
                                                                             runner.graphs.replays)
+    # the engine's record (what a worker's engine_steps_total{path} counts) has them, and only them
+    stats = static.llm_engine.make_stats()
+    assert (stats.graph_steps, stats.piecewise_steps) == (runner.graphs.replays, runner.piecewise.replays)
+    assert stats.graph_steps + stats.piecewise_steps <= stats.num_steps
+    assert (eager.llm_engine.make_stats().graph_steps, eager.llm_engine.make_stats().piecewise_steps) == (0, 0)
 
 
 def test_steps_past_the_largest_bucket_run_eagerly_and_agree():

@@ -85,7 +85,7 @@ def test_record_engine_takes_the_engines_record():
         return SchedulerStats(**{**base, **kw})
 
     m.record_engine(record())
-    m.record_engine(record(num_running=3, num_waiting=2, num_free_blocks=6, num_steps=1, num_scheduled_tokens=40,
+    m.record_engine(record(graph_steps=0, piecewise_steps=1, num_running=3, num_waiting=2, num_free_blocks=6, num_steps=1, num_scheduled_tokens=40,
                            prefix_cache_queries=48, prefix_cache_hits=16,
                            last_step=IterationStats(num_prefill_tokens=40, num_running=3)))
     t = m.render()
@@ -96,6 +96,7 @@ def test_record_engine_takes_the_engines_record():
     assert value(t, "pdserve:prefix_cache_hits_total") == 16
     assert value(t, "pdserve:iteration_tokens_total_count") == 1
     assert value(t, "pdserve:iteration_tokens_total_sum") == 40
+    assert value(t, "pdserve:engine_steps_total", path="piecewise") == 1
     m.record_engine(record(num_running=3, num_free_blocks=0, num_steps=2, num_scheduled_tokens=43,
                            num_preemptions=1, prefix_cache_queries=48, prefix_cache_hits=16,
                            spec_decode=SpecDecodeTotals(2, 6, 4, (2, 2, 0))))
@@ -113,3 +114,18 @@ def test_record_engine_takes_the_engines_record():
                            num_preemptions=1, prefix_cache_queries=48, prefix_cache_hits=16,
                            spec_decode=SpecDecodeTotals(2, 6, 4, (2, 2, 0))))
     assert value(m.render(), "pdserve:kv_cache_usage_perc") == 1.0
+
+
+def test_steps_are_counted_by_how_the_model_ran():
+    """engine_steps_total{path}: decode graph and piecewise replays from the engine's totals, the other steps
+    eager; a new engine's smaller totals restart the base; a record that counts more replays than steps moves
+    eager by nothing (never a negative increment, never an error in the worker's loop)."""
+    m = WorkerMetrics(**LABELS)
+    m.set_step_path_totals(10, 6, 3)
+    m.set_step_path_totals(15, 8, 5)
+    t = m.render()
+    assert [value(t, "pdserve:engine_steps_total", path=p) for p in ("decode_graph", "piecewise", "eager")] == [8, 5, 2]
+    m.set_step_path_totals(4, 4, 0)  # a restarted engine
+    m.set_step_path_totals(5, 5, 1)
+    t = m.render()
+    assert [value(t, "pdserve:engine_steps_total", path=p) for p in ("decode_graph", "piecewise", "eager")] == [13, 6, 2]

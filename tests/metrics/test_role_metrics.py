@@ -31,7 +31,8 @@ WORKER_HISTOGRAMS = ["request_queue_time_seconds", "request_prefill_time_seconds
 WORKER_COUNTERS = ["kv_transfer_bytes", "kv_transfers", "kv_transfer_cached_tokens", "kv_prefix_fetches", "kv_prefix_fetch_tokens",
                    "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
                    "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-                   "spec_decode_num_accepted_tokens_per_pos", "kv_events_published", "kv_events_dropped"]
+                   "spec_decode_num_accepted_tokens_per_pos", "kv_events_published", "kv_events_dropped",
+                   "engine_steps"]
 WORKER_GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "tensor_parallel_rank_up"]
 ROUTER_NAMES = ROUTER_HISTOGRAMS + ROUTER_COUNTERS + ROUTER_GAUGES
 WORKER_NAMES = WORKER_HISTOGRAMS + WORKER_COUNTERS + WORKER_GAUGES
@@ -117,6 +118,7 @@ WORKER_CALLS = [
     ("set_waiting", (1,), "num_requests_waiting"),
     ("set_kv_cache_usage", (0.5,), "kv_cache_usage_perc"),
     ("set_engine_totals", (1, 1, 8), "num_preemptions_total"),
+    ("set_step_path_totals", (3, 1, 1), "engine_steps_total"),
     ("set_spec_decode_totals", (1, 2, 1, [1, 0]), "spec_decode_num_drafts_total"),
     ("record_engine", (SchedulerStats(num_running=2, num_waiting=1, num_free_blocks=3, num_total_blocks=4,
                                       num_steps=1, num_scheduled_tokens=3, num_preemptions=0,
