@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -77,18 +77,68 @@ def eager_reason(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dt
     return None
 
 
-class DecodeGraphs:
+class GraphBuckets:
+    """What the decode graphs and the piecewise graphs (engine/piecewise_graphs.py) share: the sorted buckets, the
+    smallest one holding a count, and capture with its bookkeeping."""
+
+    def __init__(self, sizes: Sequence[int], capture: bool, device: torch.device) -> None:
+        self.sizes = sorted(sizes)
+        self.capture_graphs = capture
+        self.device = device
+        self.capture_seconds = 0.0
+        self.memory_bytes = 0
+        """Device memory the graphs took (the CUDA caching allocator's reserved bytes before and after capture)."""
+        self.replays = 0
+        """Steps run through a bucket (captured or static)."""
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def bucket_for(self, count: int) -> Optional[int]:
+        """The smallest bucket holding ``count`` rows or tokens; None past the largest (the step runs eagerly)."""
+        for s in self.sizes:
+            if s >= count:
+                return s
+        return None
+
+    def _capture(self, run: Callable[[int], None], record: Callable[[int, Any], None]) -> None:
+        """Every bucket, largest first (the smaller ones reuse the pool's memory): ``run(size)`` once each as a
+        warm-up off the default stream (Triton compiles per shape; torch's graph docs ask for a side stream), then
+        ``record(size, pool)`` captures it into one shared pool. Without ``capture_graphs`` only ``run`` (checking
+        the buffers, warming the kernels)."""
+        t0 = time.perf_counter()
+        if not self.capture_graphs:
+            for s in reversed(self.sizes):
+                run(s)
+            self.capture_seconds = time.perf_counter() - t0
+            return
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_reserved(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for s in reversed(self.sizes):
+                run(s)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        for s in reversed(self.sizes):
+            record(s, pool)
+        torch.cuda.synchronize(self.device)
+        self.memory_bytes = torch.cuda.memory_reserved(self.device) - before
+        self.capture_seconds = time.perf_counter() - t0
+
+
+class DecodeGraphs(GraphBuckets):
     """Static decode buffers, one bucket per batch size, and (``capture``) one CUDA graph per bucket."""
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[Tensor, Tensor]], block_size: int,
                  sizes: Sequence[int], max_model_len: int, scratch_block: int, capture: bool) -> None:
+        super().__init__(sizes, capture, model.embed_tokens.weight.device)
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
-        self.sizes = sorted(sizes)
         self.scratch_block = scratch_block
-        self.capture_graphs = capture
-        self.device = model.embed_tokens.weight.device
         n, dev = self.sizes[-1], self.device
         self.max_blocks = -(-max_model_len // block_size)
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
@@ -111,49 +161,16 @@ class DecodeGraphs:
         self.graphs: dict[int, "torch.cuda.CUDAGraph"] = {}
         self.outputs: dict[int, Tensor] = {}
         """Each bucket's logits [bucket, vocab] float32: the graph's output buffer (capture) or the last run's."""
-        self.capture_seconds = 0.0
-        self.memory_bytes = 0
-        """Device memory the graphs took (the CUDA caching allocator's reserved bytes before and after capture)."""
-        self.replays = 0
-        """Steps run through a bucket (captured or static)."""
-
-    @property
-    def max_size(self) -> int:
-        return self.sizes[-1]
-
-    def bucket_for(self, rows: int) -> Optional[int]:
-        """The smallest bucket holding ``rows`` rows; None past the largest (the step runs eagerly)."""
-        for s in self.sizes:
-            if s >= rows:
-                return s
-        return None
 
     def capture(self) -> None:
-        """Record every bucket's graph (largest first, so the smaller ones reuse its pool's memory). Without
-        ``capture_graphs`` this only runs each bucket once, which checks the buffers and warms the kernels."""
-        t0 = time.perf_counter()
-        if not self.capture_graphs:
-            for s in reversed(self.sizes):
-                self._forward(s)
-            self.capture_seconds = time.perf_counter() - t0
-            return
-        torch.cuda.synchronize(self.device)
-        before = torch.cuda.memory_reserved(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up off the default stream, as torch's graph docs ask
-            for s in reversed(self.sizes):
-                self._forward(s)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        for s in reversed(self.sizes):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.outputs[s] = self._forward(s)
-            self.graphs[s] = g
-        torch.cuda.synchronize(self.device)
-        self.memory_bytes = torch.cuda.memory_reserved(self.device) - before
-        self.capture_seconds = time.perf_counter() - t0
+        """Record every bucket's graph (``GraphBuckets._capture``); uncaptured, run each bucket once."""
+        self._capture(self._forward, self._record)
+
+    def _record(self, size: int, pool: Any) -> None:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            self.outputs[size] = self._forward(size)
+        self.graphs[size] = g
 
     def _forward(self, size: int) -> Tensor:
         """The model over the first ``size`` rows of the buffers, to float32 logits. A fresh metadata each call:

@@ -26,14 +26,14 @@ calls each piece on the same buffers, the ops a captured graph replays.
 """
 from __future__ import annotations
 
-import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
 from engine.attention import AttentionMetadata, write_kv
 from engine.config import ModelConfig
+from engine.cuda_graphs import GraphBuckets
 from engine.model import CausalLM
 
 
@@ -49,18 +49,17 @@ def piecewise_memory_estimate(mc: ModelConfig, max_bucket: int, dtype: torch.dty
     return 2 * max_bucket * per_row + buffers
 
 
-class PiecewiseGraphs:
+class PiecewiseGraphs(GraphBuckets):
     """Static buffers for steps of up to ``sizes[-1]`` tokens, and (``capture``) per bucket one graph a layer."""
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[Tensor, Tensor]], sizes: Sequence[int],
                  block_size: int, scratch_block: int, capture: bool) -> None:
+        w = model.embed_tokens.weight
+        super().__init__(sizes, capture, w.device)
         self.model = model
         self.kv_caches = kv_caches
-        self.sizes = sorted(sizes)
-        self.capture_graphs = capture
         self.scratch_slot = scratch_block * block_size
-        w = model.embed_tokens.weight
-        self.device, dtype = w.device, w.dtype
+        dtype = w.dtype
         layer = model.layers[0]
         self.heads = (layer.num_heads, layer.num_kv_heads, layer.head_dim)
         H, Hkv, D = self.heads
@@ -81,22 +80,6 @@ class PiecewiseGraphs:
         """The attention output of the step's real rows, written eagerly (in place by the Triton kernels), read by
         the next piece."""
         self.graphs: dict[int, list["torch.cuda.CUDAGraph"]] = {}
-        self.capture_seconds = 0.0
-        self.memory_bytes = 0
-        """Device memory the graphs took (the caching allocator's reserved bytes before and after capture)."""
-        self.replays = 0
-        """Steps run through a bucket (captured or static)."""
-
-    @property
-    def max_size(self) -> int:
-        return self.sizes[-1]
-
-    def bucket_for(self, tokens: int) -> int | None:
-        """The smallest bucket holding ``tokens``; None past the largest (the step runs eagerly)."""
-        for s in self.sizes:
-            if s >= tokens:
-                return s
-        return None
 
     def _piece(self, i: int, n: int) -> None:
         """Piece ``i`` over the first ``n`` rows of the buffers: layer i - 1 after attention (i = 0: the embedding
@@ -120,38 +103,23 @@ class PiecewiseGraphs:
             write_kv(*self.kv_caches[i], k, v, self.slot_mapping[:n])
 
     def capture(self) -> None:
-        """Record every bucket's pieces (largest first) in one memory pool: a piece's outputs are copied into the
-        static buffers, so the pool holds only temporaries, which every piece may reuse. Without
-        ``capture_graphs`` this runs each piece once (checking the buffers, warming the kernels)."""
-        t0 = time.perf_counter()
-        layers = range(len(self.model.layers))
-        if not self.capture_graphs:
-            for s in reversed(self.sizes):
-                for i in layers:
-                    self._piece(i, s)
-            self.capture_seconds = time.perf_counter() - t0
-            return
-        torch.cuda.synchronize(self.device)
-        before = torch.cuda.memory_reserved(self.device)
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up (Triton compiles per shape) off the default stream
-            for s in reversed(self.sizes):
-                for i in layers:
-                    self._piece(i, s)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        for s in reversed(self.sizes):
-            pieces = []
-            for i in layers:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
-                    self._piece(i, s)
-                pieces.append(g)
-            self.graphs[s] = pieces
-        torch.cuda.synchronize(self.device)
-        self.memory_bytes = torch.cuda.memory_reserved(self.device) - before
-        self.capture_seconds = time.perf_counter() - t0
+        """Record every bucket's pieces (``GraphBuckets._capture``) in one memory pool: a piece's outputs go to the
+        static buffers and the cache, so the pool holds only temporaries, which every piece may reuse. Uncaptured,
+        run each piece once."""
+        self._capture(self._pieces, self._record)
+
+    def _pieces(self, n: int) -> None:
+        for i in range(len(self.model.layers)):
+            self._piece(i, n)
+
+    def _record(self, n: int, pool: Any) -> None:
+        pieces = []
+        for i in range(len(self.model.layers)):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self._piece(i, n)
+            pieces.append(g)
+        self.graphs[n] = pieces
 
     def run(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
         """``CausalLM.forward`` of one step of at most ``max_size`` tokens: the final-normed hidden states of every
