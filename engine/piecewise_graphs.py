@@ -20,8 +20,8 @@ eagerly too. Steps past the largest bucket run eagerly: there the GPU's work per
 Padding rows (a step of 70 tokens runs the 96-token bucket) hold whatever ids and positions an earlier step left
 in the buffers (valid values) and the slot of the scratch block (the decode graphs' block past the block
 manager's pool, which no sequence owns): the pieces compute them and write their K/V there, attention never sees
-them, and every op of a piece works row by row, so they change no real row and no request's KV. Nothing is captured again:
-buffers and graphs live as long as the engine. Without capture (``static_decode_buffers``: the CPU tests) ``run``
+them, and every op of a piece works row by row, so they change no real row and no request's KV. Nothing is
+captured again: buffers and graphs live as long as the engine. Without capture (``static_decode_buffers``: the CPU tests) ``run``
 calls each piece on the same buffers, the ops a captured graph replays.
 """
 from __future__ import annotations

@@ -576,8 +576,8 @@ def _invariant_outputs(llm, prompts, one_by_one: bool = False) -> list:
 
 def test_batch_invariant_gpu_path_gives_a_request_the_same_bits_alone_batched_and_padded(monkeypatch, request):
     """EngineConfig.batch_invariant on the GPU path (kernels through the interpreter), float32: each prompt alone,
-    then all of them in one batch, then through the static decode buckets (padding rows): the same tokens, and
-    logprobs and alternatives to the bit. Chunked (a 16-token step budget, chunks beside decodes): the same tokens,
+    then all of them in one batch, then through the static decode and piecewise buckets (padding rows): the same
+    tokens, and logprobs and alternatives to the bit. Chunked (a 16-token step budget, chunks beside decodes): the same tokens,
     logprobs within 1e-6, not to the bit: the interpreter's tl.dot is numpy's matmul, whose rounding of a row
     depends on its place in the query tile, which chunking moves; a GPU's MMA rounds a row the same in any place,
     which tests/engine/test_batch_invariant_cuda.py demands to the bit."""
@@ -599,8 +599,12 @@ def test_batch_invariant_gpu_path_gives_a_request_the_same_bits_alone_batched_an
     # prompt's one chunk went through the paged prefill kernel (not SDPA, as it would without the flag)
     assert calls["matmul"] == 17 * llm.llm_engine._num_steps and calls.get("paged_prefill_attention", 0) > 0
     batched = _invariant_outputs(LLM("tiny", **kw), prompts)
-    padded = _invariant_outputs(LLM("tiny", static_decode_buffers=True, **kw), prompts)
+    # (the prompts' prefill step padded in the piecewise graphs' 64-token bucket, decodes in the decode buckets; small
+    # buckets: the interpreter would take minutes to warm up the default ones, up to 512 tokens)
+    static = LLM("tiny", static_decode_buffers=True, cuda_graph_token_sizes=[8, 64], **kw)
+    padded = _invariant_outputs(static, prompts)
     assert alone == batched == padded
+    assert static.llm_engine.piecewise_steps > 0 and static.llm_engine.graph_steps > 0
     chunked = _invariant_outputs(LLM("tiny", max_num_batched_tokens=16, **kw), prompts)
     for a, c in zip(alone, chunked, strict=True):
         assert a[0] == c[0]

@@ -85,7 +85,8 @@ def test_record_engine_takes_the_engines_record():
         return SchedulerStats(**{**base, **kw})
 
     m.record_engine(record())
-    m.record_engine(record(graph_steps=0, piecewise_steps=1, num_running=3, num_waiting=2, num_free_blocks=6, num_steps=1, num_scheduled_tokens=40,
+    m.record_engine(record(graph_steps=0, piecewise_steps=1, num_running=3, num_waiting=2, num_free_blocks=6,
+                           num_steps=1, num_scheduled_tokens=40,
                            prefix_cache_queries=48, prefix_cache_hits=16,
                            last_step=IterationStats(num_prefill_tokens=40, num_running=3)))
     t = m.render()
@@ -128,4 +129,5 @@ def test_steps_are_counted_by_how_the_model_ran():
     m.set_step_path_totals(4, 4, 0)  # a restarted engine
     m.set_step_path_totals(5, 5, 1)
     t = m.render()
-    assert [value(t, "pdserve:engine_steps_total", path=p) for p in ("decode_graph", "piecewise", "eager")] == [13, 6, 2]
+    paths = ("decode_graph", "piecewise", "eager")
+    assert [value(t, "pdserve:engine_steps_total", path=p) for p in paths] == [13, 6, 2]
