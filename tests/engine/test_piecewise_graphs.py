@@ -153,7 +153,8 @@ def test_buckets_defaults_and_bad_lists():
     assert pw.sizes == [8, 16, 32, 64] and (pw.bucket_for(1), pw.bucket_for(33), pw.bucket_for(65)) == (8, 64, None)
 
 
-def test_the_flag_reaches_decode_workers_only():
+def test_the_flag_reaches_the_engine_overrides_and_a_bad_count_is_a_flag_error():
+    # (that prefill workers drop it, as they run eagerly: tests/cluster/test_device.py)
     from cluster.cli import build_parser
     from cluster.up_checks import check_up_args
     from cluster.up_flags import engine_overrides
