@@ -175,6 +175,16 @@ class EngineConfig:
     the decode kernel, norms, RoPE and the sampler already work row by row. Needs Triton, float weights and a float
     KV cache of the model's dtype (a ValueError names what is not). On CPU pdserve's default kernels already are
     batch-invariant; the flag changes nothing there. Not yet timed on a GPU: invariance, not speed."""
+    async_scheduling: bool = False
+    """vLLM's async scheduling: while the device runs a pure decode step, the host schedules and launches the next one
+    (its input ids are the sampled ids, read on the device) and only then reads the first one back, so the host's
+    per-step work (scheduling, inputs, output bookkeeping) overlaps the GPU instead of adding to every step. Only
+    the decode graphs' steps are launched ahead (engine/cuda_graphs.py): it needs their path (a CUDA engine of one
+    rank without ``enforce_eager``, or ``static_decode_buffers``, which tests it on CPU) and no speculative decoding.
+    A step is launched ahead while every running sequence decodes one token, none may end by length in the step in
+    flight, nothing waits and no row has a grammar or a penalty over its history; any other step waits for the
+    one in flight first. A sequence that stops at step N has step N + 1 compute one token that is thrown away (its
+    blocks are freed once that step is done). Off by default: not yet timed on a GPU."""
     static_decode_buffers: bool = False
     """Run decode steps, and the steps the piecewise graphs take, through the graphs' static buffers and bucket
     padding without capturing them (any device): how the graph paths are tested on CPU, and a way to tell a
@@ -225,7 +235,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        for name in ("enforce_eager", "static_decode_buffers", "batch_invariant"):
+        for name in ("enforce_eager", "static_decode_buffers", "batch_invariant", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.cuda_graph_sizes is not None:
@@ -240,6 +250,19 @@ class EngineConfig:
         from engine.speculative import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.async_scheduling:
+            why = None
+            if self.speculative_config is not None:
+                why = "speculative decoding (a verification's accepted count is known only once it is read back)"
+            elif self.enforce_eager:
+                why = "enforce_eager (only decode-graph steps are launched ahead)"
+            elif self.tensor_parallel_size > 1:
+                why = "tensor_parallel_size > 1 (a split engine runs eagerly: no decode graphs)"
+            elif not str(self.device).startswith("cuda") and not self.static_decode_buffers:
+                why = (f"device {self.device!r}: a CPU forward runs on the thread that schedules, so there is nothing "
+                       "to overlap (static_decode_buffers runs the path for tests)")
+            if why is not None:
+                raise ValueError(f"async_scheduling does not work with {why}")
 
     @property
     def torch_dtype(self) -> "torch.dtype":

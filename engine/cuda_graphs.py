@@ -148,11 +148,13 @@ class DecodeGraphs(GraphBuckets):
         self.ctx_lens = torch.ones(n, dtype=torch.long, device=dev)
         # the block tables' host mirror, rewritten row by row only where a row's table changed (a row's table is
         # re-sent whole only when its sequence or its blocks changed; a new block appends one entry): converting
-        # every row's list each step cost ~2 ms at 256 rows of 2K-token contexts. Pinned on CUDA; one buffer is
-        # safe because the step's sampler waits on the device before the next step writes it.
+        # every row's list each step cost ~2 ms at 256 rows of 2K-token contexts. Pinned on CUDA; the device copy
+        # goes from ``_stage``, which the next step refills only once that copy is done (``_staged``).
         self._host_tables = torch.full((n, self.max_blocks), scratch_block, dtype=torch.long)
         self._stage: Optional[Tensor] = None
         """CUDA: a pinned buffer the step's [size, width] tables are packed into for one asynchronous copy."""
+        self._staged: Optional["torch.cuda.Event"] = None
+        """CUDA: recorded after the staging buffer's copy; the next step waits for it before refilling the buffer."""
         if dev.type == "cuda":
             self._host_tables = self._host_tables.pin_memory()
             self._stage = torch.empty(n * self.max_blocks, dtype=torch.long).pin_memory()
@@ -183,9 +185,14 @@ class DecodeGraphs(GraphBuckets):
             return self.model.compute_logits(hidden)
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            ctx_lens: list[int]) -> Tensor:
+            ctx_lens: list[int], carry: Optional[tuple[list[int], Tensor, list[int]]] = None) -> Tensor:
         """Logits [rows, vocab] of one decode step of these rows (at most ``max_size``): copied into the buffers,
-        padded to their bucket, replayed (or, uncaptured, run on the buffers)."""
+        padded to their bucket, replayed (or, uncaptured, run on the buffers).
+
+        ``carry`` (an async engine: engine/llm_engine.py): ``(rows, tokens, indices)``: the input ids of these rows
+        are ``tokens[indices]``, a tensor on the device that the previous step's sampler is still filling; their
+        entries in ``input_ids`` are placeholders. The copy is enqueued after that step's draw and before this
+        replay, so the host never reads them."""
         rows = len(input_ids)
         size = self.bucket_for(rows)
         if size is None or rows == 0:
@@ -193,13 +200,24 @@ class DecodeGraphs(GraphBuckets):
         pad = size - rows
         width = max(len(t) for t in tables)
         scratch_slot = self.scratch_block * self.block_size
+        n_carry = len(carry[0]) if carry else 0
         host = torch.tensor(input_ids + [0] * pad + positions + [0] * pad + slots + [scratch_slot] * pad
-                            + ctx_lens + [1] * pad, dtype=torch.long).view(4, size)
-        self._update_tables(tables, size)
+                            + ctx_lens + [1] * pad + (carry[0] + carry[2] if carry else []), dtype=torch.long)
         nb = self.device.type == "cuda"
+        if self._staged is not None:
+            # the previous step's tables may still be on their way up from the staging buffer (an async engine
+            # launches this step before it waited for that one): that copy is the first thing that step did
+            self._staged.synchronize()
+        self._update_tables(tables, size)
         if nb:
             host = host.pin_memory()
+        if n_carry:
+            moved = host[4 * size:].to(self.device, non_blocking=nb)
+            host = host[:4 * size]
+        host = host.view(4, size)
         self.input_ids[:size].copy_(host[0], non_blocking=nb)
+        if n_carry:
+            self.input_ids.index_copy_(0, moved[:n_carry], carry[1].index_select(0, moved[n_carry:]))
         self.positions[:size].copy_(host[1], non_blocking=nb)
         self.slot_mapping[:size].copy_(host[2], non_blocking=nb)
         self.ctx_lens[:size].copy_(host[3], non_blocking=nb)
@@ -207,6 +225,9 @@ class DecodeGraphs(GraphBuckets):
             stage = self._stage[:size * width].view(size, width)
             stage.copy_(self._host_tables[:size, :width])
             self.block_tables[:size, :width].copy_(stage, non_blocking=True)
+            if self._staged is None:
+                self._staged = torch.cuda.Event()
+            self._staged.record(torch.cuda.current_stream(self.device))
         else:
             self.block_tables[:size, :width].copy_(self._host_tables[:size, :width])
         self.replays += 1

@@ -24,6 +24,11 @@ A thread may change the engine beside a running step: an owner that serializes c
 lock (``worker_common.engine_loop``) sets it as ``owner_lock``; ``step()`` releases it while the model runs
 (and takes it back before touching requests or blocks again), so a decode worker's ``reserve_prompt`` is
 answered during the forward instead of after it.
+With ``async_scheduling`` (engine/config.py) a pure decode step of the decode graphs is launched and left running:
+the next ``step()`` schedules and launches the step after it (each sequence's unread token a placeholder, its id
+read on the device), then reads the first one back and returns its outputs, so outputs come one call later and a
+sequence that stopped has one wasted token computed (its blocks freed when that step is done); any step that cannot
+run ahead waits for the one in flight first.
 Finished requests free their blocks at once; prefill-only requests keep theirs
 (finish_reason "prefill_done") until ``release``; ``abort_request`` frees
 everything a request holds, wherever it is. Token ids only: text, stop strings
@@ -34,6 +39,7 @@ from __future__ import annotations
 import logging
 import numbers
 import threading
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -47,7 +53,7 @@ from engine.cuda_graphs import GRAPH_POOL_SLACK, DecodeGraphs, eager_reason, gra
 from engine.piecewise_graphs import PiecewiseGraphs, piecewise_memory_estimate
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from engine.loader import default_eos, load_model, load_model_config, load_tokenizer
-from engine.model_runner import ModelRunner, RunnerOutput
+from engine.model_runner import ModelRunner, PendingStep, RunnerOutput
 from engine.outputs import CoreOutput, TokenLogprob
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -57,6 +63,25 @@ from engine.structured_outputs import GrammarCompiler
 from engine.stats import IterationStats, SchedulerStats
 
 logger = logging.getLogger(__name__)
+
+
+PLACEHOLDER = -1
+"""A run-ahead step's stand-in for a token still on the device (never a model input: the runner reads the real id
+there; an embedding of -1 would fail loudly)."""
+
+
+@dataclass
+class _InFlight:
+    """A step launched and not read back (async scheduling)."""
+
+    sched: SchedulerOutput
+    pending: PendingStep
+    seq_ids: set[int]
+    """id() of its sequences (it holds them, so the ids stay theirs)."""
+    deferred: list[list[int]] = field(default_factory=list)
+    """Block tables of its sequences that ended while it ran: freed once it is done (the device still writes them)."""
+    ahead: bool = False
+    """The next step was scheduled before this one was read: each of its live sequences has a placeholder."""
 
 
 class LLMEngine:
@@ -166,6 +191,9 @@ class LLMEngine:
                         f" (estimated {self.graph_memory_estimate / 2**20:.0f} MiB, taken out of the KV budget)"
                         if self.graph_memory_estimate else "")
         self._init_core(n_blocks, runner)
+        self._async = config.async_scheduling and runner.graphs is not None
+        if config.async_scheduling and not self._async:
+            logger.warning("async scheduling off: it runs decode-graph steps ahead, and this engine has none")
         self.spec_config = config.speculative_config
         self._proposer = None
         if self.spec_config is not None and self.spec_config.method == "draft_model":
@@ -237,6 +265,10 @@ class LLMEngine:
         self._grammar: Optional[GrammarCompiler] = None
         self._last_step: Optional[tuple] = None  # what ``last_step_stats`` is built from, on demand
         """What the latest step that ran a batch did (``engine.stats``); None before the first."""
+        self._async = False
+        """Async scheduling is on (``config.async_scheduling`` and the runner has decode graphs)."""
+        self._inflight: Optional[_InFlight] = None
+        self._ahead_steps = 0
 
     @classmethod
     def with_runner(cls, config: EngineConfig, model_config: ModelConfig, runner: "ModelRunner",
@@ -306,6 +338,11 @@ class LLMEngine:
         return pw.replays if pw is not None else 0
 
     @property
+    def ahead_steps(self) -> int:
+        """Steps scheduled and launched before the step in flight was read back (async scheduling), since start."""
+        return self._ahead_steps
+
+    @property
     def num_scheduled_tokens(self) -> int:
         """Tokens computed over all steps so far: prompt chunks plus one per decoding sequence."""
         return self._num_scheduled_tokens
@@ -339,7 +376,7 @@ class LLMEngine:
         return StepResult(outs, self.load(), self.block_manager.take_events())
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.scheduler.has_work() or bool(self._pending) or self._inflight is not None
 
     def get_block_table(self, request_id: str) -> list[int]:
         seq = self._seqs.get(request_id)
@@ -395,6 +432,7 @@ class LLMEngine:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return
+        self._defer_free(seq)
         self.scheduler.finish(seq)
         if self._proposer is not None:
             self._proposer.release(request_id)
@@ -532,26 +570,121 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[CoreOutput]:
-        """One scheduling step: schedule -> run -> postprocess."""
+        """One scheduling step: schedule -> run -> postprocess. With async scheduling: complete the step in flight
+        unless this one can run ahead of it, schedule, launch, then (running ahead) read the one before back."""
         outputs, self._pending = self._pending, []
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            if self._can_run_ahead(prev):
+                prev.ahead = True
+                self._ahead_steps += 1
+                for seq in prev.pending.seqs:
+                    if seq.status is SeqStatus.RUNNING:
+                        seq.append(PLACEHOLDER)
+            else:
+                outputs += self._complete(prev)
+                prev = None
         if self._proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return outputs
-        result = self._execute(sched)
+        pending = self._launch(sched, prev) if self._async else None
+        if pending is None:
+            if prev is not None:
+                raise RuntimeError("async scheduling: a step scheduled ahead could not be launched ahead")
+            result = self._execute(sched)
         num_tokens, num_prefill = sched.num_tokens, sched.num_prefill_tokens  # before _advance moves them
         self._num_steps += 1
         self._num_scheduled_tokens += num_tokens
         self._advance(sched)
-        self.scheduler.commit(sched)
         spec_before = self.spec_stats.counts()
-        outputs += self._postprocess(result)
+        if pending is not None:
+            self._inflight = _InFlight(sched, pending, {id(s) for s in pending.seqs})
+            if prev is not None:  # its tokens replace the placeholders before this step's blocks are named
+                outputs += self._complete(prev)
+            self.scheduler.commit(sched)
+        else:
+            self.scheduler.commit(sched)
+            outputs += self._postprocess(result)
         # the record is built when asked for (metrics read it once a scrape, the simulator never): a step only
         # keeps its inputs, which it must freeze now (the speculative counts move on)
         self._last_step = (sched, num_tokens, num_prefill, spec_before,
                            spec_before if self._proposer is None else self.spec_stats.counts())
         return outputs
+
+    def _can_run_ahead(self, prev: _InFlight) -> bool:
+        """Whether the next step can be scheduled and launched before ``prev`` is read back: nothing waits, every
+        running sequence decodes one token through the decode graphs (prev's with a placeholder for its unread
+        token, which must not be its last by length), none under a grammar or a penalty over its history, no
+        block short (so no preemption) and no table past the graphs' width."""
+        sch, bm, graphs = self.scheduler, self.block_manager, self.runner.graphs
+        if sch.waiting or not sch.running or len(sch.running) > min(graphs.max_size, sch.max_num_batched_tokens):
+            return False
+        need = 0
+        for seq in sch.running:
+            p = seq.params
+            if (seq.matcher is not None or seq.prefill_only or p.repetition_penalty != 1.0
+                    or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+                return False
+            if id(seq) in prev.seq_ids:
+                if (seq.num_tokens != seq.num_computed or len(seq.output_token_ids) + 1 >= p.max_tokens
+                        or seq.num_tokens + 1 >= self.max_model_len):
+                    return False
+            elif seq.num_tokens - seq.num_computed != 1 or seq.num_computed < seq.num_prefill:
+                return False
+            blocks = bm.blocks_for(seq.num_computed + 1)
+            if max(blocks, len(seq.block_table)) > graphs.max_blocks:
+                return False
+            need += max(0, blocks - len(seq.block_table))
+        return need <= bm.num_free_blocks
+
+    def _launch(self, sched: SchedulerOutput, prev: Optional[_InFlight]) -> Optional[PendingStep]:
+        """``runner.launch`` (owner_lock let go meanwhile, as for ``_execute``); None where the step runs eagerly."""
+        if self._layer_hook(sched) is not None:
+            return None
+        lock = self.owner_lock
+        carry = prev.pending if prev is not None else None
+        if lock is None:
+            return self.runner.launch(sched, carry)
+        lock.release()
+        try:
+            return self.runner.launch(sched, carry)
+        finally:
+            lock.acquire()
+
+    def _complete(self, prev: _InFlight) -> list[CoreOutput]:
+        """Read a launched step back (owner_lock let go while waiting), free what ended while it ran, put its
+        tokens in place of the placeholders and postprocess its live sequences (a sequence that ended meanwhile
+        loses its wasted token)."""
+        lock = self.owner_lock
+        if lock is None:
+            result = prev.pending.output()
+        else:
+            lock.release()
+            try:
+                result = prev.pending.output()
+            finally:
+                lock.acquire()
+        for table in prev.deferred:
+            self.block_manager.free(table)
+        live = [i for i, seq in enumerate(result.seqs) if seq.status is not SeqStatus.FINISHED]
+        if prev.ahead:
+            for i in live:
+                seq = result.seqs[i]
+                seq.token_ids.pop()
+                seq.output_token_ids.pop()
+        if len(live) < len(result.seqs):
+            result = RunnerOutput([result.seqs[i] for i in live], [result.token_ids[i] for i in live],
+                                  [result.logprobs[i] for i in live])
+        return self._postprocess(result)
+
+    def _defer_free(self, seq: Sequence) -> None:
+        """A sequence ending while a launched step still computes it: its blocks go back once that step is done."""
+        fl = self._inflight
+        if fl is not None and id(seq) in fl.seq_ids and seq.block_table:
+            fl.deferred.append(seq.block_table)
+            seq.block_table = []
 
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """The model's forward for ``sched``, with ``owner_lock`` let go meanwhile: what runs beside it may take
@@ -691,6 +824,7 @@ class LLMEngine:
             self.block_manager.free(tail)
 
     def _finish(self, seq: Sequence) -> None:
+        self._defer_free(seq)
         self.scheduler.finish(seq)
         if self._proposer is not None:
             self._proposer.release(seq.request_id)

@@ -34,7 +34,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.piecewise_graphs import PiecewiseGraphs
 from engine.model import CausalLM
 from engine.outputs import TokenLogprob
-from engine.sampler import Sampler, SamplingRequest
+from engine.sampler import SampleHandle, Sampler, SamplingRequest
 from engine.scheduler import SchedulerOutput, Sequence
 from engine.structured_outputs import GrammarCompiler, MaskBatch
 
@@ -50,6 +50,23 @@ class RunnerOutput:
     prompt_logprobs: list[tuple[Sequence, int, list[TokenLogprob]]] = field(default_factory=list)
     """(sequence, first position, logprobs): the prompt tokens at positions first + 1, first + 2, ... as predicted
     by this step's rows of a chunk of a request asking ``prompt_logprobs``."""
+
+
+class PendingStep:
+    """A step launched on the device and not yet read back (``ModelRunner.launch``): its sampling sequences in row
+    order and the sampler's handle; ``output()`` waits and gives the ``RunnerOutput``."""
+
+    def __init__(self, seqs: list[Sequence], handle: SampleHandle) -> None:
+        self.seqs = seqs
+        self.handle = handle
+
+    def row_of(self) -> dict[int, int]:
+        """id(sequence) -> its row (every row of a launched step is one sequence's single token)."""
+        return {id(s): i for i, s in enumerate(self.seqs)}
+
+    def output(self) -> RunnerOutput:
+        tokens, logprobs = self.handle.result()
+        return RunnerOutput(self.seqs, tokens, logprobs, [])
 
 
 @dataclass
@@ -119,15 +136,43 @@ class ModelRunner:
     def _graph_step(self, r: _DecodeRows) -> RunnerOutput:
         """One decode step through the decode graphs: the grammar masks computed while the replay runs on the
         device (as they are beside an eager forward), then the eager sampler on the real rows' logits."""
-        self._prompt_rows = []
         masks = None
         if self.grammar is not None and any(s.matcher is not None for s in r.sample_seqs):
             masks = MaskBatch(self.grammar, r.sample_seqs).start(self.grammar.overlap_masks)
-        logits = self.graphs.run(r.ids, r.pos, r.slots, r.tables, r.ctx_lens)
+        return self._graph_launch(r, None, masks).output()
+
+    def _graph_launch(self, r: _DecodeRows, carry: Optional[tuple[list[int], Tensor, list[int]]],
+                      masks: Optional[MaskBatch] = None) -> "PendingStep":
+        self._prompt_rows = []
+        logits = self.graphs.run(r.ids, r.pos, r.slots, r.tables, r.ctx_lens, carry)
         reqs = [SamplingRequest(s.params, s.prompt_token_ids, h, s.eos_token_id, generator=self.generator)
                 for s, h in zip(r.sample_seqs, r.histories)]
-        tokens, logprobs = self.sampler.sample(logits, reqs, masks.result() if masks is not None else None)
-        return RunnerOutput(r.sample_seqs, tokens, logprobs, [])
+        return PendingStep(r.sample_seqs, self.sampler.launch(logits, reqs, masks.result() if masks is not None
+                                                              else None))
+
+    def launch(self, sched: SchedulerOutput, carry: Optional["PendingStep"] = None) -> Optional["PendingStep"]:
+        """An async engine's step (engine/llm_engine.py): a pure decode step the decode graphs take, with no
+        structured-outputs row, enqueued on the device and not waited for; None where it must run by ``execute``.
+        ``carry``: the step launched before this one, not yet read back: each of this step's sequences that
+        sampled there has a placeholder as its last token, and its input id is taken from that step's sampled
+        ids on the device."""
+        if self.graphs is None or sched.verifies:
+            return None
+        r = self._graph_rows(sched)
+        if r is None or any(s.matcher is not None for s in r.sample_seqs):
+            return None
+        moved = None
+        if carry is not None:
+            row_of = carry.row_of()
+            dst, src = [], []
+            for i, seq in enumerate(r.sample_seqs):
+                j = row_of.get(id(seq))
+                if j is not None:
+                    dst.append(i)
+                    src.append(j)
+            if dst:
+                moved = (dst, carry.handle.tokens, src)
+        return self._graph_launch(r, moved)
 
     def logits_of(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, num_rows: int) -> Tensor:
         """A forward outside the scheduler (beam search builds its own batch): the model over these inputs, every

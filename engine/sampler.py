@@ -92,6 +92,38 @@ class SamplingRequest:
     """Alias of ``generator`` (the name docs/interfaces.md uses); either may be set."""
 
 
+def _to_device(values: Any, dtype: Optional[torch.dtype], device: torch.device) -> torch.Tensor:
+    """A host list (or CPU tensor) on ``device``: on CUDA through pinned memory and a non-blocking copy (a copy from
+    pageable memory synchronises the host with the stream, so the sampler would wait for the step's forward)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class SampleHandle:
+    """A launched draw (``Sampler.launch``): ``tokens`` on the device, ``result()`` the host lists once the device
+    is done (on CUDA the wait on the launch's event; elsewhere everything already ran)."""
+
+    def __init__(self, tokens: torch.Tensor, lp: Optional[tuple], params: list[SamplingParams],
+                 event: Optional[Any], host_tokens: Optional[torch.Tensor] = None) -> None:
+        self.tokens = tokens
+        """[rows] long on the logits' device: the sampled ids, readable by later device work without a wait."""
+        self._lp = lp
+        self._params = params
+        self._event = event
+        self._host_tokens = host_tokens if host_tokens is not None else tokens
+        self._result: Optional[tuple[list[int], list[Optional[TokenLogprob]]]] = None
+
+    def result(self) -> tuple[list[int], list[Optional[TokenLogprob]]]:
+        """(token id per row, TokenLogprob or None per row); waits once, then returns the same lists."""
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._result = (self._host_tokens.tolist(), Sampler._logprob_lists(self._lp, self._params))
+        return self._result
+
+
 class Sampler:
     """Picks the next token for each row of a logits batch (see the module docstring)."""
 
@@ -100,29 +132,42 @@ class Sampler:
             raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
         self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(seed)
-        self._events: dict[torch.device, "torch.cuda.Event"] = {}
+        self._events: dict[torch.device, list] = {}
+        """CUDA: per device, two events (blocking waits) the draws end with, used in turn: an async engine waits for
+        step N's after it launched step N + 1, so N + 1 must not re-record N's."""
+        self._spin_events: dict[torch.device, list] = {}
 
     # -- public ---------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, reqs: list[SamplingRequest],
                masks: Optional[Any] = None) -> tuple[list[int], list[Optional[TokenLogprob]]]:
-        """Next token id per row and, for rows whose params ask for logprobs, a TokenLogprob.
+        """Next token id per row and, for rows whose params ask for logprobs, a TokenLogprob (``launch`` then
+        ``SampleHandle.result``).
 
         ``masks``: the step's structured-outputs masks (``engine.structured_outputs.MaskBatch``: ``rows`` and
         an int32 ``bitmask``, one row each), applied to the raw logits before anything else."""
+        return self.launch(logits, reqs, masks).result()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, reqs: list[SamplingRequest],
+               masks: Optional[Any] = None) -> "SampleHandle":
+        """The draw enqueued on the logits' device, nothing read back yet: on CUDA no host synchronisation (the
+        per-row parameters go up by pinned, non-blocking copies; no branch reads a device value), then the tokens
+        and logprob tensors are copied to pinned host memory without blocking and an event marks the end. The
+        handle's ``tokens`` stay on the device (an async engine feeds them to the next step's inputs);
+        ``result()`` waits for the event and returns the lists."""
         if logits.dim() != 2 or logits.shape[0] != len(reqs):
             raise ValueError(f"logits must be [len(reqs)={len(reqs)}, V], got {tuple(logits.shape)}")
         if logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits have {logits.shape[1]} columns, fewer than vocab_size {self.vocab_size}")
         B = len(reqs)
+        params = [r.params for r in reqs]
         if B == 0:
-            return [], []
+            return SampleHandle(logits.new_zeros(0, dtype=torch.long), None, params, None)
         # Padded model vocabularies have columns no tokenizer id maps to; never sample them.
         raw = logits[:, : self.vocab_size].float()
         if masks:
             raw = apply_bitmask(raw, masks.bitmask, masks.rows)
-        params = [r.params for r in reqs]
         want_lp = [p.logprobs is not None for p in params]
         need_penalty = any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
                            or p.presence_penalty != 0.0 for p in params)
@@ -140,26 +185,34 @@ class Sampler:
         else:
             tokens = x.argmax(dim=-1)
             if sampled_rows:
-                idx = torch.tensor(sampled_rows, device=x.device)
+                idx = _to_device(sampled_rows, torch.long, x.device)
                 probs = torch.softmax(x.index_select(0, idx), dim=-1)
                 drawn = self._draw(probs, [reqs[i] for i in sampled_rows])
                 tokens = tokens.index_copy(0, idx, drawn)
         return self._to_host(raw, tokens, params, want_lp)
 
     def _to_host(self, raw: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams],
-                 want: list[bool]) -> tuple[list[int], list[Optional[TokenLogprob]]]:
-        """The step's one trip to the host: the logprob tensors enqueued, then (on CUDA) one wait on an event
-        made with ``blocking=True``, so this thread sleeps until the GPU is done instead of spinning a core inside
-        ``tolist`` (the engine's CPU per token would otherwise be the whole GPU step); ``PDSERVE_CUDA_SPIN=1``
-        keeps torch's default wait. Then the copies, which find the data ready."""
+                 want: list[bool]) -> "SampleHandle":
+        """The step's one trip to the host, enqueued: the logprob tensors, then (on CUDA) non-blocking copies of
+        everything the host reads into pinned memory and one event after them. The event is made with
+        ``blocking=True``, so ``SampleHandle.result`` sleeps until the GPU is done instead of spinning a core
+        (the engine's CPU per token would otherwise be the whole GPU step); ``PDSERVE_CUDA_SPIN=1`` keeps a
+        spinning wait."""
         lp = self._logprob_tensors(raw, tokens, params, want)
-        if tokens.device.type == "cuda" and os.environ.get("PDSERVE_CUDA_SPIN", "0") != "1":
-            ev = self._events.get(tokens.device)
-            if ev is None:
-                ev = self._events[tokens.device] = torch.cuda.Event(blocking=True)
-            ev.record(torch.cuda.current_stream(tokens.device))
-            ev.synchronize()
-        return tokens.tolist(), self._logprob_lists(lp, params)
+        if tokens.device.type != "cuda":
+            return SampleHandle(tokens, lp, params, None, host_tokens=tokens)
+        host_tokens = tokens.to("cpu", non_blocking=True)
+        if lp is not None:
+            lp = (lp[0], *(t.to("cpu", non_blocking=True) if t is not None else None for t in lp[1:]))
+        spin = os.environ.get("PDSERVE_CUDA_SPIN", "0") == "1"
+        events = self._spin_events if spin else self._events
+        pair = events.get(tokens.device)
+        if pair is None:
+            pair = events[tokens.device] = [torch.cuda.Event(blocking=not spin), torch.cuda.Event(blocking=not spin)]
+        pair.reverse()
+        ev = pair[0]
+        ev.record(torch.cuda.current_stream(tokens.device))
+        return SampleHandle(tokens, lp, params, ev, host_tokens=host_tokens)
 
     @torch.inference_mode()
     def processed_logits(self, logits: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
@@ -185,7 +238,7 @@ class Sampler:
         if len(sampled_rows) == len(reqs):
             x = self._warp(x, [r.params for r in reqs])
         elif sampled_rows:
-            idx = torch.tensor(sampled_rows, device=x.device)
+            idx = _to_device(sampled_rows, torch.long, x.device)
             warped = self._warp(x.index_select(0, idx), [reqs[i].params for i in sampled_rows])
             x = x.index_copy(0, idx, warped)
         return x
@@ -195,11 +248,11 @@ class Sampler:
     def _apply_penalties(self, x: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
         B, V = x.shape
         dev = x.device
-        rep = torch.tensor([r.params.repetition_penalty for r in reqs], device=dev).unsqueeze(1)
-        freq = torch.tensor([r.params.frequency_penalty for r in reqs], device=dev).unsqueeze(1)
-        pres = torch.tensor([r.params.presence_penalty for r in reqs], device=dev).unsqueeze(1)
+        rep = _to_device([r.params.repetition_penalty for r in reqs], torch.float32, dev).unsqueeze(1)
+        freq = _to_device([r.params.frequency_penalty for r in reqs], torch.float32, dev).unsqueeze(1)
+        pres = _to_device([r.params.presence_penalty for r in reqs], torch.float32, dev).unsqueeze(1)
         out_counts = self._counts([r.output_token_ids for r in reqs], B, V, dev)
-        if bool((rep != 1.0).any()):
+        if any(r.params.repetition_penalty != 1.0 for r in reqs):
             seen = self._counts([r.prompt_token_ids for r in reqs], B, V, dev) + out_counts > 0
             # transformers: shrink a seen token's logit toward "less likely" whatever its sign.
             penalised = torch.where(x < 0, x * rep, x / rep)
@@ -220,8 +273,8 @@ class Sampler:
                     vals.append(b)
         if rows:
             dev = x.device
-            x = x.index_put((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                            torch.tensor(vals, device=dev, dtype=x.dtype), accumulate=True)
+            x = x.index_put((_to_device(rows, torch.long, dev), _to_device(cols, torch.long, dev)),
+                            _to_device(vals, x.dtype, dev), accumulate=True)
         return x
 
     def _apply_min_tokens(self, x: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
@@ -240,10 +293,11 @@ class Sampler:
         if rows:
             before = x
             x = x.clone()
-            x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = float("-inf")
+            x[_to_device(rows, torch.long, x.device), _to_device(cols, torch.long, x.device)] = float("-inf")
+            # a grammar that allows only EOS here: the constraint wins over min_tokens (a select, not a branch on
+            # a device value: no host synchronisation)
             dead = torch.isneginf(x).all(dim=-1)
-            if bool(dead.any()):  # a grammar that allows only EOS here: the constraint wins over min_tokens
-                x = torch.where(dead.unsqueeze(1), before, x)
+            x = torch.where(dead.unsqueeze(1), before, x)
         return x
 
     def _warp(self, x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -251,28 +305,28 @@ class Sampler:
         B, V = x.shape
         dev = x.device
         neg_inf = float("-inf")
-        temp = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
+        temp = _to_device([p.temperature for p in params], torch.float32, dev).unsqueeze(1)
         x = x / temp
         top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
         if any(k < V for k in top_k):
             # k-th largest value per row from one topk; ties with it are kept, as in TopKLogitsWarper.
             vals = torch.topk(x, max(k for k in top_k if k < V), dim=-1).values
-            pos = torch.tensor([min(k, vals.shape[1]) - 1 for k in top_k], device=dev).unsqueeze(1)
-            kth = torch.where(torch.tensor(top_k, device=dev).unsqueeze(1) < V, vals.gather(1, pos),
+            pos = _to_device([min(k, vals.shape[1]) - 1 for k in top_k], torch.long, dev).unsqueeze(1)
+            kth = torch.where(_to_device(top_k, torch.long, dev).unsqueeze(1) < V, vals.gather(1, pos),
                               torch.full_like(pos, neg_inf, dtype=x.dtype))
             x = x.masked_fill(x < kth, neg_inf)
         if any(p.top_p < 1.0 for p in params):
-            x = self._top_p(x, torch.tensor([p.top_p for p in params], device=dev).unsqueeze(1))
+            x = self._top_p(x, _to_device([p.top_p for p in params], torch.float32, dev).unsqueeze(1))
         if any(p.min_p > 0.0 for p in params):
             probs = torch.softmax(x, dim=-1)
-            mp = torch.tensor([p.min_p for p in params], device=dev).unsqueeze(1)
+            mp = _to_device([p.min_p for p in params], torch.float32, dev).unsqueeze(1)
             remove = probs < mp * probs.amax(dim=-1, keepdim=True)
             remove.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
             x = x.masked_fill(remove, neg_inf)
         typical_rows = [i for i, p in enumerate(params) if p.typical_p < 1.0]
         if typical_rows:
-            idx = torch.tensor(typical_rows, device=dev)
-            mass = torch.tensor([params[i].typical_p for i in typical_rows], device=dev).unsqueeze(1)
+            idx = _to_device(typical_rows, torch.long, dev)
+            mass = _to_device([params[i].typical_p for i in typical_rows], torch.float32, dev).unsqueeze(1)
             x = x.index_copy(0, idx, self._typical(x.index_select(0, idx), mass))
         return x
 
@@ -281,7 +335,9 @@ class Sampler:
         """TopPLogitsWarper: drop a token when the mass of the tokens above it reaches top_p."""
         V = x.shape[1]
         lse = torch.logsumexp(x, dim=-1, keepdim=True)
-        k = min(candidates, V)
+        # off the CPU every row is sorted whole: whether the candidates reach the mass is a device value, and a
+        # branch on it would synchronise the host with the step (a GPU sorts a vocabulary row in microseconds)
+        k = min(candidates, V) if x.device.type == "cpu" else V
         vals = torch.topk(x, k, dim=-1).values          # sorted, most likely first
         probs = (vals - lse).exp()
         above = probs.cumsum(dim=-1) - probs             # mass strictly above each candidate
@@ -290,7 +346,7 @@ class Sampler:
         resolved = (~keep).any(dim=-1) | (k == V)
         n_keep = keep.sum(dim=-1, keepdim=True).clamp_(min=1)
         cut = vals.gather(1, n_keep - 1)
-        if not bool(resolved.all()):
+        if k < V and not bool(resolved.all()):
             rows = (~resolved).nonzero().squeeze(1)
             full = torch.sort(x.index_select(0, rows), dim=-1, descending=True).values
             fp = (full - lse.index_select(0, rows)).exp()
@@ -331,7 +387,7 @@ class Sampler:
         # float64 cumsum: boundaries within 1e-12 of where exact arithmetic puts them, so
         # the same u picks the same token on any device.
         cdf = probs.double().cumsum(dim=-1)
-        target = torch.tensor(u, dtype=torch.float64, device=probs.device).unsqueeze(1) * cdf[:, -1:]
+        target = _to_device(u, torch.float64, probs.device).unsqueeze(1) * cdf[:, -1:]
         # right=True: first index whose cdf exceeds target, which always has p > 0.
         return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
@@ -346,7 +402,8 @@ class Sampler:
         rows = torch.repeat_interleave(torch.arange(B), torch.tensor(lens))
         valid = (flat >= 0) & (flat < V)  # ids outside the vocabulary can't be penalised
         flat, rows = flat[valid], rows[valid]
-        counts.index_put_((rows.to(dev), flat.to(dev)), torch.ones(len(flat), device=dev), accumulate=True)
+        counts.index_put_((_to_device(rows, torch.long, dev), _to_device(flat, torch.long, dev)),
+                          torch.ones(len(flat), device=dev), accumulate=True)
         return counts
 
     @staticmethod
@@ -357,7 +414,7 @@ class Sampler:
         if not any(want):
             return None
         rows = [i for i, w in enumerate(want) if w]
-        idx = torch.tensor(rows, device=raw.device)
+        idx = _to_device(rows, torch.long, raw.device)
         lp = torch.log_softmax(raw.index_select(0, idx), dim=-1)
         chosen = tokens.index_select(0, idx)
         chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1)
