@@ -1,0 +1,147 @@
+"""Async scheduling (``EngineConfig.async_scheduling``, engine/llm_engine.py): a decode-graph step is scheduled and
+launched before the step in flight is read back, its input ids taken from that step's sampled ids on the device.
+
+On CPU the path runs through the decode graphs' static buffers (``static_decode_buffers``): the forward is
+synchronous there, so nothing overlaps, but every piece of bookkeeping a GPU run needs is the same: the placeholders
+a run-ahead schedule gives each sequence, the ids carried on the device (a placeholder reaching the model would
+fail: it is -1), the wasted token of a sequence that stopped while the next step ran, its blocks freed only after
+that step, and the fallbacks to a waited step. The tests demand the synchronous engine's outputs bit for bit and
+that the engine really ran ahead (``ahead_steps``). tests/engine/test_async_cuda.py runs it on a GPU.
+"""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, LLMEngine, EngineConfig, SamplingParams
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
+           "for i in range(10):\n", "x = [", "def binary_search(items, target):\n", "while True:", "# a",
+           "print(", "y", "with open(path) as f:\n", "try:\n    pass\n", "lambda"]
+
+
+def _llm(async_: bool, **kw) -> LLM:
+    return LLM("tiny", max_num_seqs=8, static_decode_buffers=True, async_scheduling=async_,
+               enable_prefix_caching=True, **kw)
+
+
+def _params(ref: list) -> list[SamplingParams]:
+    """Greedy with logprobs, seeded draws, min_tokens, and stop tokens that end requests mid-stream (each the
+    reference's 4th..9th token, so a request stops while the step after it already runs ahead)."""
+    out = []
+    for i, r in enumerate(ref):
+        stop = [r.token_ids[3 + i % 6]] if i % 3 else []
+        if i % 4 == 1:
+            out.append(SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=100 + i, logprobs=2,
+                                      stop_token_ids=stop))
+        else:
+            out.append(SamplingParams(max_tokens=18 + i, temperature=0.0, logprobs=1, min_tokens=2,
+                                      stop_token_ids=stop))
+    return out
+
+
+def _same(a: list, b: list) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason)
+        assert [(t.token_id, t.logprob, t.top) for t in x.logprobs or []] == [(t.token_id, t.logprob, t.top)
+                                                                              for t in y.logprobs or []]
+
+
+def test_async_scheduling_gives_the_sync_engine_outputs_bit_for_bit():
+    sync, run_ahead = _llm(False), _llm(True)
+    ref = sync.generate(PROMPTS, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    params = _params(ref)
+    eng, sync_eng = run_ahead.llm_engine, sync.llm_engine
+    computed = sync_eng.num_scheduled_tokens
+    a = sync.generate(PROMPTS, params)
+    b = run_ahead.generate(PROMPTS, params)
+    _same(a, b)
+    assert sum(o.finish_reason == "stop" for o in a) >= 6  # the stop tokens really ended requests mid-stream
+    assert eng.ahead_steps >= 20, eng.ahead_steps
+    # a request that stopped while the next step ran had that step compute one token for nothing
+    assert eng.num_scheduled_tokens > sync_eng.num_scheduled_tokens - computed
+    assert eng.num_free_blocks == eng.num_total_blocks and not eng.has_unfinished_requests()
+    # prompts that continue the outputs hit the blocks the first pass named, generated tokens included (a run-ahead
+    # step names its blocks only once the tokens the step before sampled are in place)
+    more = [{"prompt_token_ids": o.prompt_token_ids + o.token_ids} for o in a]
+    hits = (sync_eng.prefix_cache_hits, eng.prefix_cache_hits)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    _same(sync.generate(more, params), run_ahead.generate(more, params))
+    assert eng.prefix_cache_hits - hits[1] == sync_eng.prefix_cache_hits - hits[0] >= 16 * 8
+
+
+def test_requests_that_end_by_length_cost_no_wasted_token():
+    """A step that may be a sequence's last by length is never run ahead: nothing past max_tokens is computed."""
+    sync, run_ahead = _llm(False), _llm(True)
+    params = [SamplingParams(max_tokens=5 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
+    _same(sync.generate(PROMPTS, params), run_ahead.generate(PROMPTS, params))
+    assert run_ahead.llm_engine.ahead_steps >= 10
+    assert run_ahead.llm_engine.num_scheduled_tokens == sync.llm_engine.num_scheduled_tokens
+
+
+def test_an_abort_while_a_step_runs_ahead_frees_the_blocks_once_that_step_is_done():
+    eng = LLMEngine(EngineConfig(model="tiny", max_num_seqs=4, static_decode_buffers=True, async_scheduling=True))
+    ids = [[5 + i, 40 + i, 41, 42, 43] for i in range(3)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(ids):
+        eng.add_request(f"r{i}", p, params)
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+
+    def step() -> None:
+        for out in eng.step():
+            got[out.request_id] += out.new_token_ids
+
+    while eng.ahead_steps < 3:
+        step()
+    assert eng._inflight is not None and len(got["r1"]) >= 3
+    held = len(eng.get_block_table("r1"))
+    free = eng.num_free_blocks
+    eng.abort_request("r1")
+    assert eng.num_free_blocks == free  # the step in flight still writes r1's next K/V
+    n = len(got["r1"])
+    step()
+    assert eng.num_free_blocks >= free + held - 3  # back (less what the other two took meanwhile)
+    while eng.has_unfinished_requests():
+        step()
+    assert len(got["r1"]) == n and eng.num_free_blocks == eng.num_total_blocks
+    ref = LLM("tiny").generate([{"prompt_token_ids": p} for p in ids], params)
+    assert [got["r0"], got["r2"]] == [ref[0].token_ids, ref[2].token_ids]
+    assert got["r1"] == ref[1].token_ids[:n]
+
+
+@pytest.mark.parametrize("case", ["penalty", "grammar"])
+def test_rows_that_need_their_history_wait_for_the_step_in_flight(case):
+    """A penalty over the outputs, or a grammar, needs the unread token: such batches never run ahead."""
+    if case == "penalty":
+        params = SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5)
+    else:
+        params = SamplingParams(max_tokens=16, temperature=0.0, structured_outputs={"regex": "[a-z ]{4,12}"})
+    sync, run_ahead = _llm(False), _llm(True)
+    _same(sync.generate(PROMPTS[:5], params), run_ahead.generate(PROMPTS[:5], params))
+    assert run_ahead.llm_engine.ahead_steps == 0
+
+
+def test_preemption_and_admissions_fall_back_and_agree():
+    """Few blocks: running sequences preempt one another and waiting ones are admitted mid-run, steps a schedule
+    ahead cannot take; between them the engine runs ahead again."""
+    kw = dict(num_kv_blocks=14, max_num_batched_tokens=64)
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True) for _ in PROMPTS]
+    sync, run_ahead = _llm(False, **kw), _llm(True, **kw)
+    a, b = sync.generate(PROMPTS, params), run_ahead.generate(PROMPTS, params)
+    _same(a, b)
+    assert sync.llm_engine.num_preemptions > 0 and run_ahead.llm_engine.num_preemptions > 0
+    assert run_ahead.llm_engine.ahead_steps >= 10
+    assert run_ahead.llm_engine.num_free_blocks == run_ahead.llm_engine.num_total_blocks
+
+
+@pytest.mark.parametrize("kw, named", [
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative"),
+    ({"enforce_eager": True, "static_decode_buffers": True}, "enforce_eager"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"static_decode_buffers": False}, "device 'cpu'"),
+    ({"async_scheduling": "yes"}, "async_scheduling must be a bool"),
+])
+def test_async_scheduling_refuses_what_it_cannot_run_ahead(kw, named):
+    base = {"model": "tiny", "static_decode_buffers": True, "async_scheduling": True}
+    with pytest.raises(ValueError, match="async_scheduling") as e:
+        EngineConfig(**{**base, **kw})
+    assert named in str(e.value)
