@@ -234,6 +234,7 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
         overrides.pop("speculative_config", None)  # prefill workers never decode: no drafts, no draft model
         overrides.pop("cuda_graph_sizes", None)
         overrides.pop("cuda_graph_token_sizes", None)
+        overrides.pop("async_scheduling", None)  # it runs decode steps ahead, and needs the graphs
         overrides["enforce_eager"] = True  # nor decode graphs: their capture would only take time and memory
     overrides["tensor_parallel_size"] = pool_tp(cfg, role)
     if role in cfg.pool_num_kv_blocks:

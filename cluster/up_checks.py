@@ -67,6 +67,9 @@ def check_pool_args(args: argparse.Namespace) -> None:
     from engine.config import EngineConfig
 
     overrides = engine_overrides(args, checked_only=True)
+    if overrides.get("async_scheduling") and getattr(args, "device", None) != "cuda":
+        raise ValueError("--async-scheduling needs --device cuda: it overlaps the host's work with a GPU's decode "
+                         "steps (a CPU forward runs on the thread that schedules)")
     # an explicit --device cuda is checked as the workers will be (batch_invariant's limits are CUDA's)
     check_config(EngineConfig, {**overrides, "device": "cuda"} if getattr(args, "device", None) == "cuda" else overrides)
     check_pool_tp(args)

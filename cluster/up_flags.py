@@ -107,6 +107,11 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
                    help="token counts with piecewise CUDA graphs of their own: a step with a prefill chunk of up to "
                         "the largest replays everything but attention from graphs (default 8 16 32 64 96 128 192 "
                         "256 384 512, up to --max-num-batched-tokens; the flag alone turns them off)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="decode and colocated workers on CUDA schedule and launch each decode step while the one "
+                        "before it still runs on the GPU, so the host's per-step work overlaps it (vLLM's async "
+                        "scheduling; needs --device cuda, not with speculative decoding; off by default: not yet "
+                        "timed on a GPU)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a request's tokens do not depend on what else is batched with it or how its prompt was "
                         "chunked (on CUDA: pdserve's fixed-tile Triton GEMM and attention; float weights and KV "
@@ -312,6 +317,8 @@ def engine_overrides(args: argparse.Namespace, checked_only: bool = False) -> di
         out["enforce_eager"] = True
     if getattr(args, "batch_invariant", False):
         out["batch_invariant"] = True
+    if getattr(args, "async_scheduling", False):
+        out["async_scheduling"] = True
     if getattr(args, "cuda_graph_sizes", None) is not None:
         out["cuda_graph_sizes"] = list(args.cuda_graph_sizes)
     if getattr(args, "cuda_graph_token_sizes", None) is not None:

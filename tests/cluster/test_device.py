@@ -41,7 +41,8 @@ def test_actor_options_ask_ray_for_the_gpu():
 def test_cuda_roles_run_the_engine_on_cuda_and_move_kv_over_nccl(role):
     # Built, not started: nothing touches CUDA until start() loads the model.
     cfg = ClusterConfig(device="cuda", engine_overrides={"num_kv_blocks": 8, "cuda_graph_sizes": [1, 64],
-                                                         "cuda_graph_token_sizes": [16, 64]})
+                                                         "cuda_graph_token_sizes": [16, 64],
+                                                         "async_scheduling": True})
     store = StoreConfig("redis://127.0.0.1:1/0", namespace="unused")  # never dialled: nothing starts
     worker = build_role_worker(role, f"{role}-0", cfg, store, "127.0.0.1", "node")
     assert worker.cfg.engine.device == "cuda"
@@ -49,6 +50,7 @@ def test_cuda_roles_run_the_engine_on_cuda_and_move_kv_over_nccl(role):
     assert worker.cfg.engine.enforce_eager == (role == "prefill")
     assert worker.cfg.engine.cuda_graph_sizes == (None if role == "prefill" else [1, 64])
     assert worker.cfg.engine.cuda_graph_token_sizes == (None if role == "prefill" else [16, 64])
+    assert worker.cfg.engine.async_scheduling == (role != "prefill")
     # a prefill worker's cache is one device allocation a same-node decode worker maps (CUDA IPC)
     assert worker.cfg.engine.kv_cache_shared == (role == "prefill")
     if role != "colocated":  # a colocated worker moves no KV

@@ -145,3 +145,20 @@ def test_async_scheduling_refuses_what_it_cannot_run_ahead(kw, named):
     with pytest.raises(ValueError, match="async_scheduling") as e:
         EngineConfig(**{**base, **kw})
     assert named in str(e.value)
+
+
+def test_the_flag_reaches_the_engine_overrides_and_needs_a_gpu():
+    # (that prefill workers drop it, as they run eagerly: tests/cluster/test_device.py)
+    from cluster.cli import build_parser
+    from cluster.up_checks import check_up_args
+    from cluster.up_flags import engine_overrides
+
+    args = build_parser().parse_args(["up", "--async-scheduling", "--device", "cuda"])
+    check_up_args(args)
+    assert engine_overrides(args) == {"async_scheduling": True}
+    assert engine_overrides(build_parser().parse_args(["up"])) == {}
+    with pytest.raises(ValueError, match="--async-scheduling needs --device cuda"):
+        check_up_args(build_parser().parse_args(["up", "--async-scheduling"]))
+    with pytest.raises(ValueError, match="--async-scheduling does not work with speculative decoding"):
+        check_up_args(build_parser().parse_args(["up", "--async-scheduling", "--device", "cuda",
+                                                 "--speculative-method", "ngram"]))
