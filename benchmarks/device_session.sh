@@ -13,7 +13,8 @@
 #      on), decode and graphs phases (graphs against --enforce-eager at each batch, and mixed steps piecewise
 #      against eager) on the 1B shape, and
 #      kvtransfer_bandwidth.py --same-node cuda (an 8B-shaped 1,000-token prompt over CUDA IPC; goal >= 100 GB/s),
-#      benchmarks/decode_host_overhead.py (the engine's host time per graph decode step, 1B shape).
+#      benchmarks/decode_host_overhead.py (the engine's host time per graph decode step, 1B shape, and the step's
+#      wall with async scheduling against without; tests/engine/test_async_cuda.py checks its tokens first).
 #   verdict (issue 43 item 6): benchmarks/disagg_vs_colocated.py --device cuda on the 1B checkpoint: one colocated
 #      worker against 1P+1D on the same GPU (KV over CUDA IPC), chunked prefill at 512 tokens a step, the
 #      conversation trace at full length.
@@ -73,7 +74,7 @@ if has engine; then
 log "phase engine"
 # the CUDA cases only: the CPU ones ran in CI (and would build the CPU kernels here first); the compiled kernels in
 # a pytest process of their own (the interpreter tests import triton in interpreter mode for their process)
-for t in "tests/engine/test_decode_graphs.py -k cuda" tests/engine/test_piecewise_cuda.py \
+for t in "tests/engine/test_decode_graphs.py -k cuda" tests/engine/test_piecewise_cuda.py tests/engine/test_async_cuda.py \
          tests/engine/test_triton_kernels_cuda.py \
          tests/engine/test_fp8_cuda.py tests/engine/test_sampler_cuda.py tests/engine/test_batch_invariant_cuda.py \
          "tests/kvtransfer/test_cuda_ipc.py -k gpu"; do
@@ -84,9 +85,9 @@ timeout -s INT 60 python3 benchmarks/kvtransfer_bandwidth.py --same-node cuda --
 timeout -s INT "$ENGINE_S" python3 benchmarks/cuda_engine.py --phases "${ENGINE_PHASES:-parity,decode,graphs}" \
   --out /tmp/cuda_engine 2>&1 | tee "$OUT/engine.log" | grep -v "^\s*$"
 cp /tmp/cuda_engine/cuda_engine.json "$OUT/cuda_engine.json" 2>/dev/null
-# the host's share of a graph decode step at 1 / 64 / 256 sequences: the case for async scheduling
-ck1b && timeout -s INT 90 python3 benchmarks/decode_host_overhead.py --device cuda --model /tmp/ck1b --dtype bfloat16 \
-  2>&1 | tail -6 | tee -a "$OUT/engine.log"
+# the host's share of a graph decode step at 1 / 64 / 256 sequences, and what async scheduling gains there
+ck1b && timeout -s INT 150 python3 benchmarks/decode_host_overhead.py --device cuda --model /tmp/ck1b --dtype bfloat16 \
+  --async-scheduling both 2>&1 | tail -12 | tee -a "$OUT/engine.log"
 fi
 
 if has verdict; then

@@ -85,3 +85,8 @@ def test_decode_host_overhead_runs_every_step_through_the_static_buffers():
     assert r["batch"] == 3 and 0 < r["forward_ms"] < r["wall_ms"]  # the forward was timed, and is part of a step
     assert 0 < r["host_share"] < 1
     assert DecodeGraphs._forward is forward  # its timing wrapper is taken off again
+    # with async scheduling every timed step was launched ahead of the one before, on one engine for two batches
+    llm = decode_host_overhead.build("tiny", "cpu", [2, 3], 4, None, async_scheduling=True)
+    rows = [decode_host_overhead.measure("tiny", "cpu", b, 4, None, llm=llm) for b in (3, 2)]
+    assert [(r["batch"], r["async_scheduling"], r["ahead_steps"]) for r in rows] == [(3, True, 4), (2, True, 4)]
+    assert llm.llm_engine.num_free_blocks == llm.llm_engine.num_total_blocks
