@@ -101,6 +101,8 @@ class SchedulerStats:
     """Of ``num_steps``, those whose model ran through a decode CUDA graph bucket."""
     piecewise_steps: int = 0
     """Of ``num_steps``, those whose model ran through the piecewise graphs (the rest ran eagerly)."""
+    ahead_steps: int = 0
+    """Of ``num_steps``, those launched before the step in flight was read back (async scheduling)."""
     last_step: Optional[IterationStats] = None
     """The latest step's record (None before the first step)."""
 
@@ -113,6 +115,7 @@ class SchedulerStats:
                    num_preemptions=engine.num_preemptions, prefix_cache_queries=engine.prefix_cache_queries,
                    prefix_cache_hits=engine.prefix_cache_hits, spec_decode=SpecDecodeTotals.of(engine.spec_stats),
                    graph_steps=engine.graph_steps, piecewise_steps=engine.piecewise_steps,
+                   ahead_steps=engine.ahead_steps,
                    last_step=engine.last_step_stats)
 
     @property

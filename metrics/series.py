@@ -192,6 +192,8 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
     "engine_steps_total": (WORKER, "counter", "Engine steps by how the model ran (path: decode_graph = a decode "
                            "CUDA graph bucket, piecewise = the piecewise CUDA graphs, attention eager, eager = "
                            "neither).", "path"),
+    "engine_steps_ahead_total": (WORKER, "counter", "Decode steps launched before the step in flight was read "
+                                 "back (async scheduling: their host work overlapped the GPU's).", None),
     "iteration_tokens_total": (WORKER, "histogram", "Histogram of number of tokens per engine_step.",
                                ITERATION_TOKENS_BUCKETS),
     "kv_events_published_total": (WORKER, "counter", "KV event batches the worker appended to its stream.", None),

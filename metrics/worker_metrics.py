@@ -42,6 +42,7 @@ class EngineRecord(Protocol):
     prefix_cache_hits: int
     graph_steps: int
     piecewise_steps: int
+    ahead_steps: int
 
     @property
     def kv_cache_usage(self) -> float: ...
@@ -62,6 +63,7 @@ class WorkerMetrics(ComponentMetrics):
         self._preemptions = RunningTotals("num_preemptions")
         self._steps = RunningTotals("num_steps", "num_scheduled_tokens")
         self._paths = RunningTotals("num_steps", "graph_steps", "piecewise_steps")
+        self._ahead = RunningTotals("ahead_steps")
         self._spec = RunningTotals("num_drafts", "num_draft_tokens", "num_accepted_tokens", tail="accepted_per_pos")
 
     def record_engine(self, stats: EngineRecord) -> None:
@@ -73,6 +75,7 @@ class WorkerMetrics(ComponentMetrics):
         # once per loop pass, so each engine step is one iteration_tokens_total observation
         self.set_engine_totals(stats.num_preemptions, stats.num_steps, stats.num_scheduled_tokens)
         self.set_step_path_totals(stats.num_steps, stats.graph_steps, stats.piecewise_steps)
+        self.set_ahead_steps_total(stats.ahead_steps)
         sd = stats.spec_decode
         self.set_spec_decode_totals(sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens, sd.accepted_per_pos)
 
@@ -156,6 +159,13 @@ class WorkerMetrics(ComponentMetrics):
         for path, d in (("decode_graph", dg), ("piecewise", dp), ("eager", ds - dg - dp)):
             if d > 0:
                 self._child("engine_steps_total", path).inc(d)
+
+    def set_ahead_steps_total(self, ahead_steps: int) -> None:
+        """The engine's running total of steps launched ahead of the one in flight (async scheduling):
+        ``engine_steps_ahead_total`` moves by the difference (a smaller total, a new engine, restarts the base)."""
+        (d,) = self._ahead.advance((ahead_steps,))
+        if d:
+            self._series["engine_steps_ahead_total"].inc(d)
 
     def set_spec_decode_totals(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
                                accepted_per_pos: Sequence[int]) -> None:

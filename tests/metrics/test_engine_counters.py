@@ -85,7 +85,7 @@ def test_record_engine_takes_the_engines_record():
         return SchedulerStats(**{**base, **kw})
 
     m.record_engine(record())
-    m.record_engine(record(graph_steps=0, piecewise_steps=1, num_running=3, num_waiting=2, num_free_blocks=6,
+    m.record_engine(record(graph_steps=0, piecewise_steps=1, ahead_steps=0, num_running=3, num_waiting=2, num_free_blocks=6,
                            num_steps=1, num_scheduled_tokens=40,
                            prefix_cache_queries=48, prefix_cache_hits=16,
                            last_step=IterationStats(num_prefill_tokens=40, num_running=3)))
@@ -99,9 +99,10 @@ def test_record_engine_takes_the_engines_record():
     assert value(t, "pdserve:iteration_tokens_total_sum") == 40
     assert value(t, "pdserve:engine_steps_total", path="piecewise") == 1
     m.record_engine(record(num_running=3, num_free_blocks=0, num_steps=2, num_scheduled_tokens=43,
-                           num_preemptions=1, prefix_cache_queries=48, prefix_cache_hits=16,
+                           num_preemptions=1, prefix_cache_queries=48, prefix_cache_hits=16, ahead_steps=1,
                            spec_decode=SpecDecodeTotals(2, 6, 4, (2, 2, 0))))
     t = m.render()
+    assert value(t, "pdserve:engine_steps_ahead_total") == 1
     assert value(t, "pdserve:num_requests_waiting") == 0
     assert value(t, "pdserve:kv_cache_usage_perc") == 1.0
     assert value(t, "pdserve:num_preemptions_total") == 1

@@ -32,7 +32,7 @@ WORKER_COUNTERS = ["kv_transfer_bytes", "kv_transfers", "kv_transfer_cached_toke
                    "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
                    "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
                    "spec_decode_num_accepted_tokens_per_pos", "kv_events_published", "kv_events_dropped",
-                   "engine_steps"]
+                   "engine_steps", "engine_steps_ahead"]
 WORKER_GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "tensor_parallel_rank_up"]
 ROUTER_NAMES = ROUTER_HISTOGRAMS + ROUTER_COUNTERS + ROUTER_GAUGES
 WORKER_NAMES = WORKER_HISTOGRAMS + WORKER_COUNTERS + WORKER_GAUGES
@@ -119,6 +119,7 @@ WORKER_CALLS = [
     ("set_kv_cache_usage", (0.5,), "kv_cache_usage_perc"),
     ("set_engine_totals", (1, 1, 8), "num_preemptions_total"),
     ("set_step_path_totals", (3, 1, 1), "engine_steps_total"),
+    ("set_ahead_steps_total", (2,), "engine_steps_ahead_total"),
     ("set_spec_decode_totals", (1, 2, 1, [1, 0]), "spec_decode_num_drafts_total"),
     ("record_engine", (SchedulerStats(num_running=2, num_waiting=1, num_free_blocks=3, num_total_blocks=4,
                                       num_steps=1, num_scheduled_tokens=3, num_preemptions=0,
