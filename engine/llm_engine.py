@@ -618,26 +618,29 @@ class LLMEngine:
         running sequence decodes one token through the decode graphs (prev's with a placeholder for its unread
         token, which must not be its last by length), none under a grammar or a penalty over its history, no
         block short (so no preemption) and no table past the graphs' width."""
-        sch, bm, graphs = self.scheduler, self.block_manager, self.runner.graphs
+        sch, graphs = self.scheduler, self.runner.graphs
         if sch.waiting or not sch.running or len(sch.running) > min(graphs.max_size, sch.max_num_batched_tokens):
             return False
+        # (once per step over every running sequence: written for speed, the host's work being what this overlaps)
+        in_prev, bs, max_blocks, max_len = prev.seq_ids, self.block_size, graphs.max_blocks, self.max_model_len
         need = 0
         for seq in sch.running:
             p = seq.params
             if (seq.matcher is not None or seq.prefill_only or p.repetition_penalty != 1.0
                     or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
                 return False
-            if id(seq) in prev.seq_ids:
-                if (seq.num_tokens != seq.num_computed or len(seq.output_token_ids) + 1 >= p.max_tokens
-                        or seq.num_tokens + 1 >= self.max_model_len):
+            n, t = seq.num_computed, len(seq.token_ids)
+            if id(seq) in in_prev:  # its unread token becomes a placeholder: that must not be its last by length
+                if t != n or len(seq.output_token_ids) + 1 >= p.max_tokens or t + 1 >= max_len:
                     return False
-            elif seq.num_tokens - seq.num_computed != 1 or seq.num_computed < seq.num_prefill:
+            elif t - n != 1 or n < seq.num_prefill:
                 return False
-            blocks = bm.blocks_for(seq.num_computed + 1)
-            if max(blocks, len(seq.block_table)) > graphs.max_blocks:
+            blocks, have = n // bs + 1, len(seq.block_table)  # blocks for n + 1 tokens
+            if blocks > max_blocks or have > max_blocks:
                 return False
-            need += max(0, blocks - len(seq.block_table))
-        return need <= bm.num_free_blocks
+            if blocks > have:
+                need += blocks - have
+        return need <= self.block_manager.num_free_blocks
 
     def _launch(self, sched: SchedulerOutput, prev: Optional[_InFlight]) -> Optional[PendingStep]:
         """``runner.launch`` (owner_lock let go meanwhile, as for ``_execute``); None where the step runs eagerly."""
