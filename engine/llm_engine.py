@@ -644,15 +644,14 @@ class LLMEngine:
 
     def _launch(self, sched: SchedulerOutput, prev: Optional[_InFlight]) -> Optional[PendingStep]:
         """``runner.launch`` (owner_lock let go meanwhile, as for ``_execute``); None where the step runs eagerly."""
-        if self._layer_hook(sched) is not None:
-            return None
         lock = self.owner_lock
         carry = prev.pending if prev is not None else None
+        hook = self._layer_hook(sched)
         if lock is None:
-            return self.runner.launch(sched, carry)
+            return self.runner.launch(sched, carry, hook)
         lock.release()
         try:
-            return self.runner.launch(sched, carry)
+            return self.runner.launch(sched, carry, hook)
         finally:
             lock.acquire()
 

@@ -16,10 +16,11 @@ compiler, ``grammar``, set by the engine on first use). It returns a
 plain ``RunnerOutput``; the engine does all sequence bookkeeping, including
 which drafts are accepted. Where the engine gave the runner decode graphs
 (``graphs``: engine/cuda_graphs.py), a pure decode step (single-token rows that all
-sample, no prefill chunk, no per-layer hook, at most the largest bucket) is run by
+sample, no prefill chunk, at most the largest bucket) is run by
 replaying its bucket's graph over static buffers instead, then sampled the same way; where it also gave
 piecewise graphs (``piecewise``: engine/piecewise_graphs.py), any other step of up to their largest bucket's tokens
-without a per-layer hook runs the model through them (attention eagerly between the pieces).
+runs the model through them (attention eagerly between the pieces). A per-layer hook (a worker's
+``layer_done_callback``) is called on either path as on the eager one: after layer i's K/V are written.
 """
 from __future__ import annotations
 
@@ -109,10 +110,10 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput,
                 layer_hook: Optional[Callable[[int], None]] = None) -> RunnerOutput:
-        if self.graphs is not None and layer_hook is None:
+        if self.graphs is not None:
             rows = self._graph_rows(sched)
             if rows is not None:
-                return self._graph_step(rows)
+                return self._graph_step(rows, layer_hook)
         input_ids, positions, meta, sample_rows, sample_seqs, histories = self._prepare(sched)
         self._before_forward(input_ids, positions, meta, len(sample_rows), bool(sample_seqs))
         masks = None
@@ -120,8 +121,8 @@ class ModelRunner:
             masks = MaskBatch(self.grammar, sample_seqs).start(self.grammar.overlap_masks)
         with torch.inference_mode():
             pw = self.piecewise
-            if pw is not None and layer_hook is None and 0 < input_ids.shape[0] <= pw.max_size:
-                hidden = pw.run(input_ids, positions, meta)
+            if pw is not None and 0 < input_ids.shape[0] <= pw.max_size:
+                hidden = pw.run(input_ids, positions, meta, layer_hook)
             else:
                 hidden = self.model(input_ids, positions, meta, self.kv_caches, layer_hook)
             prompt_lps = self._prompt_logprobs(hidden[len(sample_rows):]) if self._prompt_rows else []
@@ -133,24 +134,29 @@ class ModelRunner:
         tokens, logprobs = self.sampler.sample(logits, reqs, masks.result() if masks is not None else None)
         return RunnerOutput(sample_seqs, tokens, logprobs, prompt_lps)
 
-    def _graph_step(self, r: _DecodeRows) -> RunnerOutput:
+    def _graph_step(self, r: _DecodeRows, layer_hook: Optional[Callable[[int], None]] = None) -> RunnerOutput:
         """One decode step through the decode graphs: the grammar masks computed while the replay runs on the
         device (as they are beside an eager forward), then the eager sampler on the real rows' logits."""
         masks = None
         if self.grammar is not None and any(s.matcher is not None for s in r.sample_seqs):
             masks = MaskBatch(self.grammar, r.sample_seqs).start(self.grammar.overlap_masks)
-        return self._graph_launch(r, None, masks).output()
+        return self._graph_launch(r, None, masks, layer_hook).output()
 
     def _graph_launch(self, r: _DecodeRows, carry: Optional[tuple[list[int], Tensor, list[int]]],
-                      masks: Optional[MaskBatch] = None) -> "PendingStep":
+                      masks: Optional[MaskBatch] = None,
+                      layer_hook: Optional[Callable[[int], None]] = None) -> "PendingStep":
         self._prompt_rows = []
         logits = self.graphs.run(r.ids, r.pos, r.slots, r.tables, r.ctx_lens, carry)
+        if layer_hook is not None:  # (a row completing a prompt: the replay wrote every layer's K/V, in order)
+            for i in range(len(self.model.layers)):
+                layer_hook(i)
         reqs = [SamplingRequest(s.params, s.prompt_token_ids, h, s.eos_token_id, generator=self.generator)
                 for s, h in zip(r.sample_seqs, r.histories)]
         return PendingStep(r.sample_seqs, self.sampler.launch(logits, reqs, masks.result() if masks is not None
                                                               else None))
 
-    def launch(self, sched: SchedulerOutput, carry: Optional["PendingStep"] = None) -> Optional["PendingStep"]:
+    def launch(self, sched: SchedulerOutput, carry: Optional["PendingStep"] = None,
+               layer_hook: Optional[Callable[[int], None]] = None) -> Optional["PendingStep"]:
         """An async engine's step (engine/llm_engine.py): a pure decode step the decode graphs take, with no
         structured-outputs row, enqueued on the device and not waited for; None where it must run by ``execute``.
         ``carry``: the step launched before this one, not yet read back: each of this step's sequences that
@@ -172,7 +178,7 @@ class ModelRunner:
                     src.append(j)
             if dst:
                 moved = (dst, carry.handle.tokens, src)
-        return self._graph_launch(r, moved)
+        return self._graph_launch(r, moved, None, layer_hook)
 
     def logits_of(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, num_rows: int) -> Tensor:
         """A forward outside the scheduler (beam search builds its own batch): the model over these inputs, every

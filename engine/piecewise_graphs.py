@@ -8,7 +8,7 @@ first request. ``capture`` records, for every token-count bucket, one graph per 
 output): piece 0 is the embedding, the rope rows and layer 0 up to attention; piece i is layer i - 1 after
 attention (o_proj, the residuals, the MLP) and layer i up to attention; each piece ends by writing its layer's
 K/V into the cache through the slot mapping. Every step the decode graphs do not take (a prefill chunk, a row
-that does not sample, more rows than the largest decode bucket) that runs no per-layer hook and holds at most the
+that does not sample, more rows than the largest decode bucket) that holds at most the
 largest bucket's tokens is then ``run``: its ids, positions and slots are copied into the buffers, and per layer
 the bucket's piece is replayed and attention runs eagerly on the step's real rows, with the metadata the runner
 built for them (its kernels take the step's spans and lengths, which a graph would freeze: vLLM splits its graphs
@@ -26,7 +26,7 @@ calls each piece on the same buffers, the ops a captured graph replays.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -121,10 +121,13 @@ class PiecewiseGraphs(GraphBuckets):
             pieces.append(g)
         self.graphs[n] = pieces
 
-    def run(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata) -> Tensor:
+    def run(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
+            layer_hook: Optional[Callable[[int], None]] = None) -> Tensor:
         """``CausalLM.forward`` of one step of at most ``max_size`` tokens: the final-normed hidden states of every
         row, or of ``meta.keep``'s rows where set. The pieces run padded to the step's bucket; attention and the
-        last layer's rest run eagerly on the real rows."""
+        last layer's rest run eagerly on the real rows. ``layer_hook(i)`` is called once layer i's K/V are written
+        and its attention ran (as ``CausalLM.forward`` calls it after each layer): a worker's hook that times or
+        ships a prompt's layers does not keep its step off the pieces."""
         T = input_ids.shape[0]
         n = self.bucket_for(T)
         if n is None or T == 0:
@@ -149,11 +152,15 @@ class PiecewiseGraphs(GraphBuckets):
                     self._piece(i, n)
                 if i < last:
                     layer.attend(self.hidden[:T], q, k, v, meta, self.kv_caches[i], out=out, kv_written=True)
+                    if layer_hook is not None:
+                        layer_hook(i)
                     continue
                 h, attn = layer.attend(self.hidden[:T], q, k, v, meta, self.kv_caches[i], meta.keep,
                                        kv_written=True)
                 if attn is not None:
                     h = layer.post_attention(h, attn)
+                if layer_hook is not None:
+                    layer_hook(i)
                 return self.model.norm(h)
         raise AssertionError("unreachable: a model has at least one layer")
 

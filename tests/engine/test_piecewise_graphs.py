@@ -153,6 +153,28 @@ def test_buckets_defaults_and_bad_lists():
     assert pw.sizes == [8, 16, 32, 64] and (pw.bucket_for(1), pw.bucket_for(33), pw.bucket_for(65)) == (8, 64, None)
 
 
+def test_a_workers_layer_hook_keeps_its_steps_on_the_graphs():
+    """Decode and colocated workers set ``layer_done_callback`` (it times a prompt's queue wait): a step that
+    completes a prompt calls it, and must still run through the pieces (or a decode bucket), calling it for each
+    layer in order with the prompts done, as the eager model does."""
+    def hooked(llm: LLM) -> list:
+        calls: list = []
+        llm.llm_engine.layer_done_callback = lambda layer, ids: calls.append((layer, tuple(ids)))
+        return calls
+
+    eager = LLM("tiny", **SMALL_STEPS)
+    static = LLM("tiny", static_decode_buffers=True, **SMALL_STEPS)
+    want, got = hooked(eager), hooked(static)
+    params = [SamplingParams(max_tokens=6, temperature=0.0, logprobs=1) for _ in PROMPTS]
+    _same(eager.generate(PROMPTS, params), static.generate(PROMPTS, params))
+    layers = len(static.llm_engine.runner.model.layers)
+    assert got == want and len({rid for _, ids in got for rid in ids}) == len(PROMPTS)  # every prompt's completion
+    assert [layer for layer, _ in got] == list(range(layers)) * (len(got) // layers)  # every layer, in order
+    # every step with a prompt's last chunk fit a bucket: none ran eagerly
+    eng = static.llm_engine
+    assert eng.graph_steps + eng.piecewise_steps == eng.num_steps
+
+
 def test_the_flag_reaches_the_engine_overrides_and_a_bad_count_is_a_flag_error():
     # (that prefill workers drop it, as they run eagerly: tests/cluster/test_device.py)
     from cluster.cli import build_parser
