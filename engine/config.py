@@ -176,15 +176,14 @@ class EngineConfig:
     KV cache of the model's dtype (a ValueError names what is not). On CPU pdserve's default kernels already are
     batch-invariant; the flag changes nothing there. Not yet timed on a GPU: invariance, not speed."""
     async_scheduling: bool = False
-    """vLLM's async scheduling: while the device runs a pure decode step, the host schedules and launches the next one
-    (its input ids are the sampled ids, read on the device) and only then reads the first one back, so the host's
-    per-step work (scheduling, inputs, output bookkeeping) overlaps the GPU instead of adding to every step. Only
-    the decode graphs' steps are launched ahead (engine/cuda_graphs.py): it needs their path (a CUDA engine of one
-    rank without ``enforce_eager``, or ``static_decode_buffers``, which tests it on CPU) and no speculative decoding.
-    A step is launched ahead while every running sequence decodes one token, none may end by length in the step in
-    flight, nothing waits and no row has a grammar or a penalty over its history; any other step waits for the
-    one in flight first. A sequence that stops at step N has step N + 1 compute one token that is thrown away (its
-    blocks are freed once that step is done). Off by default: not yet timed on a GPU."""
+    """vLLM's async scheduling: while the device runs step N, the host schedules and launches step N + 1 (the input
+    ids of N's sampled rows are read on the device) and only then reads N back, so the host's per-step work
+    (scheduling, inputs, output bookkeeping) overlaps the GPU instead of adding to every step. Any step may run
+    ahead (decode graphs, piecewise or eager) unless a sequence that sampled in N has a grammar or a penalty over its
+    history or may end by length there, a running sequence would have to be preempted, or one is prefill-only; such
+    a step waits for N first. A sequence that stops at N has N + 1 compute one token that is thrown away (its blocks
+    are freed once N + 1 is done). Needs a CUDA engine of one rank (``static_decode_buffers`` runs it on CPU, for
+    tests) and no speculative decoding. Off by default: not yet timed on a GPU."""
     static_decode_buffers: bool = False
     """Run decode steps, and the steps the piecewise graphs take, through the graphs' static buffers and bucket
     padding without capturing them (any device): how the graph paths are tested on CPU, and a way to tell a
@@ -254,10 +253,8 @@ class EngineConfig:
             why = None
             if self.speculative_config is not None:
                 why = "speculative decoding (a verification's accepted count is known only once it is read back)"
-            elif self.enforce_eager:
-                why = "enforce_eager (only decode-graph steps are launched ahead)"
             elif self.tensor_parallel_size > 1:
-                why = "tensor_parallel_size > 1 (a split engine runs eagerly: no decode graphs)"
+                why = "tensor_parallel_size > 1 (its ranks are CPU processes that take each step's inputs from rank 0)"
             elif not str(self.device).startswith("cuda") and not self.static_decode_buffers:
                 why = (f"device {self.device!r}: a CPU forward runs on the thread that schedules, so there is nothing "
                        "to overlap (static_decode_buffers runs the path for tests)")

@@ -24,11 +24,11 @@ A thread may change the engine beside a running step: an owner that serializes c
 lock (``worker_common.engine_loop``) sets it as ``owner_lock``; ``step()`` releases it while the model runs
 (and takes it back before touching requests or blocks again), so a decode worker's ``reserve_prompt`` is
 answered during the forward instead of after it.
-With ``async_scheduling`` (engine/config.py) a pure decode step of the decode graphs is launched and left running:
-the next ``step()`` schedules and launches the step after it (each sequence's unread token a placeholder, its id
-read on the device), then reads the first one back and returns its outputs, so outputs come one call later and a
-sequence that stopped has one wasted token computed (its blocks freed when that step is done); any step that cannot
-run ahead waits for the one in flight first.
+With ``async_scheduling`` (engine/config.py) each step is launched and left running: the next ``step()`` schedules
+and launches the step after it (each sequence's unread token a placeholder, its id read on the device), then reads
+the first one back and returns its outputs, so outputs come one call later and a sequence that stopped has one
+wasted token computed (its blocks freed when that step is done); a step that cannot run ahead (``_can_run_ahead``)
+waits for the one in flight first.
 Finished requests free their blocks at once; prefill-only requests keep theirs
 (finish_reason "prefill_done") until ``release``; ``abort_request`` frees
 everything a request holds, wherever it is. Token ids only: text, stop strings
@@ -77,7 +77,9 @@ class _InFlight:
     sched: SchedulerOutput
     pending: PendingStep
     seq_ids: set[int]
-    """id() of its sequences (it holds them, so the ids stay theirs)."""
+    """id() of every sequence it computes (it holds them, so the ids stay theirs): their blocks are in use."""
+    sampled: set[int]
+    """id() of those that sample in it: each has a token the host has not read."""
     deferred: list[list[int]] = field(default_factory=list)
     """Block tables of its sequences that ended while it ran: freed once it is done (the device still writes them)."""
     ahead: bool = False
@@ -191,9 +193,7 @@ class LLMEngine:
                         f" (estimated {self.graph_memory_estimate / 2**20:.0f} MiB, taken out of the KV budget)"
                         if self.graph_memory_estimate else "")
         self._init_core(n_blocks, runner)
-        self._async = config.async_scheduling and runner.graphs is not None
-        if config.async_scheduling and not self._async:
-            logger.warning("async scheduling off: it runs decode-graph steps ahead, and this engine has none")
+        self._async = config.async_scheduling
         self.spec_config = config.speculative_config
         self._proposer = None
         if self.spec_config is not None and self.spec_config.method == "draft_model":
@@ -266,7 +266,7 @@ class LLMEngine:
         self._last_step: Optional[tuple] = None  # what ``last_step_stats`` is built from, on demand
         """What the latest step that ran a batch did (``engine.stats``); None before the first."""
         self._async = False
-        """Async scheduling is on (``config.async_scheduling`` and the runner has decode graphs)."""
+        """Async scheduling is on (``config.async_scheduling``; an engine built ``with_runner`` never)."""
         self._inflight: Optional[_InFlight] = None
         self._ahead_steps = 0
 
@@ -591,8 +591,6 @@ class LLMEngine:
             return outputs
         pending = self._launch(sched, prev) if self._async else None
         if pending is None:
-            if prev is not None:
-                raise RuntimeError("async scheduling: a step scheduled ahead could not be launched ahead")
             result = self._execute(sched)
         num_tokens, num_prefill = sched.num_tokens, sched.num_prefill_tokens  # before _advance moves them
         self._num_steps += 1
@@ -600,7 +598,8 @@ class LLMEngine:
         self._advance(sched)
         spec_before = self.spec_stats.counts()
         if pending is not None:
-            self._inflight = _InFlight(sched, pending, {id(s) for s in pending.seqs})
+            computed = [*sched.decodes, *(s for s, _ in sched.prefills), *sched.verifies]
+            self._inflight = _InFlight(sched, pending, {id(s) for s in computed}, {id(s) for s in pending.seqs})
             if prev is not None:  # its tokens replace the placeholders before this step's blocks are named
                 outputs += self._complete(prev)
             self.scheduler.commit(sched)
@@ -614,36 +613,44 @@ class LLMEngine:
         return outputs
 
     def _can_run_ahead(self, prev: _InFlight) -> bool:
-        """Whether the next step can be scheduled and launched before ``prev`` is read back: nothing waits, every
-        running sequence decodes one token through the decode graphs (prev's with a placeholder for its unread
-        token, which must not be its last by length), none under a grammar or a penalty over its history, no
-        block short (so no preemption) and no table past the graphs' width."""
-        sch, graphs = self.scheduler, self.runner.graphs
-        if sch.waiting or not sch.running or len(sch.running) > min(graphs.max_size, sch.max_num_batched_tokens):
+        """Whether the next step can be scheduled and launched before ``prev`` is read back: each running sequence
+        that sampled in ``prev`` gets a placeholder for its unread token (so it must decode: no grammar, no penalty
+        over its history, and that token must not be its last by length), every other running sequence has known
+        tokens to compute, nothing is prefill-only, and the running sequences the step's budget reaches get their
+        blocks without a preemption (a preempted sequence would re-prefill its placeholder). Waiting requests may
+        be admitted meanwhile: they only take blocks that are free."""
+        sch = self.scheduler
+        if not sch.running:
             return False
         # (once per step over every running sequence: written for speed, the host's work being what this overlaps)
-        in_prev, bs, max_blocks, max_len = prev.seq_ids, self.block_size, graphs.max_blocks, self.max_model_len
-        need = 0
+        sampled, bs, max_len = prev.sampled, self.block_size, self.max_model_len
+        budget, need = sch.max_num_batched_tokens, 0
         for seq in sch.running:
-            p = seq.params
-            if (seq.matcher is not None or seq.prefill_only or p.repetition_penalty != 1.0
-                    or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0):
+            if budget <= 0:
+                break  # the scheduler stops here too: the rest wait a step (a placeholder is only read back)
+            if seq.prefill_only:
                 return False
             n, t = seq.num_computed, len(seq.token_ids)
-            if id(seq) in in_prev:  # its unread token becomes a placeholder: that must not be its last by length
+            if id(seq) in sampled:
+                p = seq.params
+                if (seq.matcher is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                        or p.presence_penalty != 0.0):
+                    return False
                 if t != n or len(seq.output_token_ids) + 1 >= p.max_tokens or t + 1 >= max_len:
                     return False
-            elif t - n != 1 or n < seq.num_prefill:
+                k = 1
+            elif t > n:
+                k = min(t - n, budget)
+            else:
                 return False
-            blocks, have = n // bs + 1, len(seq.block_table)  # blocks for n + 1 tokens
-            if blocks > max_blocks or have > max_blocks:
-                return False
+            blocks, have = -(-(n + k) // bs), len(seq.block_table)
             if blocks > have:
                 need += blocks - have
+            budget -= k
         return need <= self.block_manager.num_free_blocks
 
-    def _launch(self, sched: SchedulerOutput, prev: Optional[_InFlight]) -> Optional[PendingStep]:
-        """``runner.launch`` (owner_lock let go meanwhile, as for ``_execute``); None where the step runs eagerly."""
+    def _launch(self, sched: SchedulerOutput, prev: Optional[_InFlight]) -> PendingStep:
+        """``runner.launch`` (owner_lock let go meanwhile, as for ``_execute``)."""
         lock = self.owner_lock
         carry = prev.pending if prev is not None else None
         hook = self._layer_hook(sched)
@@ -678,7 +685,7 @@ class LLMEngine:
                 seq.output_token_ids.pop()
         if len(live) < len(result.seqs):
             result = RunnerOutput([result.seqs[i] for i in live], [result.token_ids[i] for i in live],
-                                  [result.logprobs[i] for i in live])
+                                  [result.logprobs[i] for i in live], result.prompt_logprobs)
         return self._postprocess(result)
 
     def _defer_free(self, seq: Sequence) -> None:

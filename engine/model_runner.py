@@ -35,7 +35,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.piecewise_graphs import PiecewiseGraphs
 from engine.model import CausalLM
 from engine.outputs import TokenLogprob
-from engine.sampler import SampleHandle, Sampler, SamplingRequest
+from engine.sampler import SampleHandle, Sampler, SamplingRequest, to_device
 from engine.scheduler import SchedulerOutput, Sequence
 from engine.structured_outputs import GrammarCompiler, MaskBatch
 
@@ -55,19 +55,24 @@ class RunnerOutput:
 
 class PendingStep:
     """A step launched on the device and not yet read back (``ModelRunner.launch``): its sampling sequences in row
-    order and the sampler's handle; ``output()`` waits and gives the ``RunnerOutput``."""
+    order, the sampler's handle (None: no row sampled) and the prompt logprobs already read; ``output()`` waits
+    and gives the ``RunnerOutput``."""
 
-    def __init__(self, seqs: list[Sequence], handle: SampleHandle) -> None:
+    def __init__(self, seqs: list[Sequence], handle: Optional[SampleHandle],
+                 prompt_logprobs: Optional[list] = None) -> None:
         self.seqs = seqs
         self.handle = handle
+        self.prompt_logprobs = prompt_logprobs or []
 
     def row_of(self) -> dict[int, int]:
-        """id(sequence) -> its row (every row of a launched step is one sequence's single token)."""
+        """id(sequence) -> its row (a sampling sequence of a step that verifies nothing has one row)."""
         return {id(s): i for i, s in enumerate(self.seqs)}
 
     def output(self) -> RunnerOutput:
+        if self.handle is None:
+            return RunnerOutput(prompt_logprobs=self.prompt_logprobs)
         tokens, logprobs = self.handle.result()
-        return RunnerOutput(self.seqs, tokens, logprobs, [])
+        return RunnerOutput(self.seqs, tokens, logprobs, self.prompt_logprobs)
 
 
 @dataclass
@@ -110,13 +115,32 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput,
                 layer_hook: Optional[Callable[[int], None]] = None) -> RunnerOutput:
-        if self.graphs is not None:
-            rows = self._graph_rows(sched)
-            if rows is not None:
-                return self._graph_step(rows, layer_hook)
-        input_ids, positions, meta, sample_rows, sample_seqs, histories = self._prepare(sched)
-        self._before_forward(input_ids, positions, meta, len(sample_rows), bool(sample_seqs))
+        """One step, run and read back: ``launch(sched).output()``."""
+        return self.launch(sched, None, layer_hook).output()
+
+    def launch(self, sched: SchedulerOutput, carry: Optional["PendingStep"] = None,
+               layer_hook: Optional[Callable[[int], None]] = None) -> "PendingStep":
+        """One step enqueued on the device and not read back: through a decode graph bucket, the piecewise graphs
+        or eagerly (whichever takes it), then the sampler's draw. On CUDA nothing here waits for the device
+        (inputs go up through pinned memory; the sampler's launch does not synchronise), except a step with prompt
+        logprobs (their lists are read here) or a grammar mask (its bitmask goes up from pageable memory); an async
+        engine (engine/llm_engine.py) launches the next step before reading this one. ``carry``: the step launched
+        before this one and not read back yet: each of this step's decodes that sampled there has a placeholder as
+        its last token, and its input id is read from that step's sampled ids on the device."""
+        moved = self._carry(sched, carry) if carry is not None else None
         masks = None
+        if self.graphs is not None:
+            r = self._graph_rows(sched)
+            if r is not None:
+                if self.grammar is not None and any(s.matcher is not None for s in r.sample_seqs):
+                    masks = MaskBatch(self.grammar, r.sample_seqs).start(self.grammar.overlap_masks)
+                return self._graph_launch(r, moved, masks, layer_hook)
+        input_ids, positions, meta, sample_rows, sample_seqs, histories = self._prepare(sched)
+        if moved is not None:
+            dst, tokens, src = moved
+            idx = to_device(dst + src, torch.long, input_ids.device)
+            input_ids.index_copy_(0, idx[:len(dst)], tokens.index_select(0, idx[len(dst):]))
+        self._before_forward(input_ids, positions, meta, len(sample_rows), bool(sample_seqs))
         if self.grammar is not None and any(s.matcher is not None for s in sample_seqs):
             masks = MaskBatch(self.grammar, sample_seqs).start(self.grammar.overlap_masks)
         with torch.inference_mode():
@@ -127,24 +151,31 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions, meta, self.kv_caches, layer_hook)
             prompt_lps = self._prompt_logprobs(hidden[len(sample_rows):]) if self._prompt_rows else []
             if not sample_seqs:
-                return RunnerOutput(prompt_logprobs=prompt_lps)
+                return PendingStep([], None, prompt_lps)
             logits = self.model.compute_logits(hidden[:len(sample_rows)])  # hidden holds only kept rows
         reqs = [SamplingRequest(s.params, s.prompt_token_ids, h, s.eos_token_id, generator=self.generator)
                 for s, h in zip(sample_seqs, histories)]
-        tokens, logprobs = self.sampler.sample(logits, reqs, masks.result() if masks is not None else None)
-        return RunnerOutput(sample_seqs, tokens, logprobs, prompt_lps)
+        return PendingStep(sample_seqs, self.sampler.launch(logits, reqs, masks.result() if masks is not None
+                                                            else None), prompt_lps)
 
-    def _graph_step(self, r: _DecodeRows, layer_hook: Optional[Callable[[int], None]] = None) -> RunnerOutput:
-        """One decode step through the decode graphs: the grammar masks computed while the replay runs on the
-        device (as they are beside an eager forward), then the eager sampler on the real rows' logits."""
-        masks = None
-        if self.grammar is not None and any(s.matcher is not None for s in r.sample_seqs):
-            masks = MaskBatch(self.grammar, r.sample_seqs).start(self.grammar.overlap_masks)
-        return self._graph_launch(r, None, masks, layer_hook).output()
+    @staticmethod
+    def _carry(sched: SchedulerOutput, carry: "PendingStep") -> Optional[tuple[list[int], Tensor, list[int]]]:
+        """(rows, the step before's sampled ids on the device, their rows there) for this step's decodes that
+        sampled in ``carry``: a decode's row is its index in ``sched.decodes`` on every path."""
+        row_of = carry.row_of()
+        dst, src = [], []
+        for i, seq in enumerate(sched.decodes):
+            j = row_of.get(id(seq))
+            if j is not None:
+                dst.append(i)
+                src.append(j)
+        return (dst, carry.handle.tokens, src) if dst else None
 
     def _graph_launch(self, r: _DecodeRows, carry: Optional[tuple[list[int], Tensor, list[int]]],
                       masks: Optional[MaskBatch] = None,
                       layer_hook: Optional[Callable[[int], None]] = None) -> "PendingStep":
+        """A decode step through the decode graphs (the grammar masks, where started, computed while the replay
+        runs), then the sampler on the real rows' logits."""
         self._prompt_rows = []
         logits = self.graphs.run(r.ids, r.pos, r.slots, r.tables, r.ctx_lens, carry)
         if layer_hook is not None:  # (a row completing a prompt: the replay wrote every layer's K/V, in order)
@@ -154,31 +185,6 @@ class ModelRunner:
                 for s, h in zip(r.sample_seqs, r.histories)]
         return PendingStep(r.sample_seqs, self.sampler.launch(logits, reqs, masks.result() if masks is not None
                                                               else None))
-
-    def launch(self, sched: SchedulerOutput, carry: Optional["PendingStep"] = None,
-               layer_hook: Optional[Callable[[int], None]] = None) -> Optional["PendingStep"]:
-        """An async engine's step (engine/llm_engine.py): a pure decode step the decode graphs take, with no
-        structured-outputs row, enqueued on the device and not waited for; None where it must run by ``execute``.
-        ``carry``: the step launched before this one, not yet read back: each of this step's sequences that
-        sampled there has a placeholder as its last token, and its input id is taken from that step's sampled
-        ids on the device."""
-        if self.graphs is None or sched.verifies:
-            return None
-        r = self._graph_rows(sched)
-        if r is None or any(s.matcher is not None for s in r.sample_seqs):
-            return None
-        moved = None
-        if carry is not None:
-            row_of = carry.row_of()
-            dst, src = [], []
-            for i, seq in enumerate(r.sample_seqs):
-                j = row_of.get(id(seq))
-                if j is not None:
-                    dst.append(i)
-                    src.append(j)
-            if dst:
-                moved = (dst, carry.handle.tokens, src)
-        return self._graph_launch(r, moved, None, layer_hook)
 
     def logits_of(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, num_rows: int) -> Tensor:
         """A forward outside the scheduler (beam search builds its own batch): the model over these inputs, every
@@ -297,8 +303,8 @@ class ModelRunner:
             width = max(len(t) for t in tables)
             # pad with block 0: those positions are masked out, the values never matter
             padded = [t + [0] * (width - len(t)) for t in tables]
-            meta.decode_block_tables = torch.tensor(padded, dtype=torch.long, device=dev)
-            meta.decode_ctx_lens = torch.tensor(ctx_lens, dtype=torch.long, device=dev)
+            meta.decode_block_tables = to_device(padded, torch.long, dev)
+            meta.decode_ctx_lens = to_device(ctx_lens, torch.long, dev)
         row = B
         prefill_slots: list[Tensor] = []
         self._prompt_rows = []
@@ -310,7 +316,7 @@ class ModelRunner:
             p0 = seq.num_computed
             ids.extend(chunk_ids)
             pos.extend(range(p0, p0 + n))
-            bt = torch.tensor(seq.block_table, dtype=torch.long, device=dev)
+            bt = to_device(seq.block_table, torch.long, dev)
             pr = torch.arange(p0, p0 + n, device=dev)
             prefill_slots.append(bt[pr // bs] * bs + pr % bs)
             meta.prefills.append(PrefillSpan(row, row + n, p0, bt))
@@ -334,10 +340,10 @@ class ModelRunner:
                                         sample_ctx + prompt_ctx, bs)
         elif len(sample_rows) != row:
             meta.keep = self._keep_view(sample_rows, sample_seqs, sample_ctx, bs)
-        slot_t = torch.tensor(slots, dtype=torch.long, device=dev)
+        slot_t = to_device(slots, torch.long, dev)
         meta.slot_mapping = torch.cat([slot_t, *prefill_slots]) if prefill_slots else slot_t
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        input_ids = to_device(ids, torch.long, dev)
+        positions = to_device(pos, torch.long, dev)
         if meta.keep is not None:
             meta.keep.slot_mapping = meta.slot_mapping
         return input_ids, positions, meta, sample_rows, sample_seqs, histories
@@ -347,11 +353,10 @@ class ModelRunner:
         the row's own position) for the last layer."""
         dev = self.device
         keep = AttentionMetadata(slot_mapping=None, num_decode=len(rows), block_size=bs,  # type: ignore[arg-type]
-                                 rows=torch.tensor(rows, dtype=torch.long, device=dev))
+                                 rows=to_device(rows, torch.long, dev))
         if rows:
             tables = [s.block_table for s in seqs]
             width = max(len(t) for t in tables)
-            keep.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
-                                                    dtype=torch.long, device=dev)
-            keep.decode_ctx_lens = torch.tensor(ctx, dtype=torch.long, device=dev)
+            keep.decode_block_tables = to_device([t + [0] * (width - len(t)) for t in tables], torch.long, dev)
+            keep.decode_ctx_lens = to_device(ctx, torch.long, dev)
         return keep

@@ -92,7 +92,7 @@ class SamplingRequest:
     """Alias of ``generator`` (the name docs/interfaces.md uses); either may be set."""
 
 
-def _to_device(values: Any, dtype: Optional[torch.dtype], device: torch.device) -> torch.Tensor:
+def to_device(values: Any, dtype: Optional[torch.dtype], device: torch.device) -> torch.Tensor:
     """A host list (or CPU tensor) on ``device``: on CUDA through pinned memory and a non-blocking copy (a copy from
     pageable memory synchronises the host with the stream, so the sampler would wait for the step's forward)."""
     t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
@@ -185,7 +185,7 @@ class Sampler:
         else:
             tokens = x.argmax(dim=-1)
             if sampled_rows:
-                idx = _to_device(sampled_rows, torch.long, x.device)
+                idx = to_device(sampled_rows, torch.long, x.device)
                 probs = torch.softmax(x.index_select(0, idx), dim=-1)
                 drawn = self._draw(probs, [reqs[i] for i in sampled_rows])
                 tokens = tokens.index_copy(0, idx, drawn)
@@ -238,7 +238,7 @@ class Sampler:
         if len(sampled_rows) == len(reqs):
             x = self._warp(x, [r.params for r in reqs])
         elif sampled_rows:
-            idx = _to_device(sampled_rows, torch.long, x.device)
+            idx = to_device(sampled_rows, torch.long, x.device)
             warped = self._warp(x.index_select(0, idx), [reqs[i].params for i in sampled_rows])
             x = x.index_copy(0, idx, warped)
         return x
@@ -248,9 +248,9 @@ class Sampler:
     def _apply_penalties(self, x: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
         B, V = x.shape
         dev = x.device
-        rep = _to_device([r.params.repetition_penalty for r in reqs], torch.float32, dev).unsqueeze(1)
-        freq = _to_device([r.params.frequency_penalty for r in reqs], torch.float32, dev).unsqueeze(1)
-        pres = _to_device([r.params.presence_penalty for r in reqs], torch.float32, dev).unsqueeze(1)
+        rep = to_device([r.params.repetition_penalty for r in reqs], torch.float32, dev).unsqueeze(1)
+        freq = to_device([r.params.frequency_penalty for r in reqs], torch.float32, dev).unsqueeze(1)
+        pres = to_device([r.params.presence_penalty for r in reqs], torch.float32, dev).unsqueeze(1)
         out_counts = self._counts([r.output_token_ids for r in reqs], B, V, dev)
         if any(r.params.repetition_penalty != 1.0 for r in reqs):
             seen = self._counts([r.prompt_token_ids for r in reqs], B, V, dev) + out_counts > 0
@@ -273,8 +273,8 @@ class Sampler:
                     vals.append(b)
         if rows:
             dev = x.device
-            x = x.index_put((_to_device(rows, torch.long, dev), _to_device(cols, torch.long, dev)),
-                            _to_device(vals, x.dtype, dev), accumulate=True)
+            x = x.index_put((to_device(rows, torch.long, dev), to_device(cols, torch.long, dev)),
+                            to_device(vals, x.dtype, dev), accumulate=True)
         return x
 
     def _apply_min_tokens(self, x: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
@@ -293,7 +293,7 @@ class Sampler:
         if rows:
             before = x
             x = x.clone()
-            x[_to_device(rows, torch.long, x.device), _to_device(cols, torch.long, x.device)] = float("-inf")
+            x[to_device(rows, torch.long, x.device), to_device(cols, torch.long, x.device)] = float("-inf")
             # a grammar that allows only EOS here: the constraint wins over min_tokens (a select, not a branch on
             # a device value: no host synchronisation)
             dead = torch.isneginf(x).all(dim=-1)
@@ -305,28 +305,28 @@ class Sampler:
         B, V = x.shape
         dev = x.device
         neg_inf = float("-inf")
-        temp = _to_device([p.temperature for p in params], torch.float32, dev).unsqueeze(1)
+        temp = to_device([p.temperature for p in params], torch.float32, dev).unsqueeze(1)
         x = x / temp
         top_k = [p.top_k if 0 < p.top_k < V else V for p in params]
         if any(k < V for k in top_k):
             # k-th largest value per row from one topk; ties with it are kept, as in TopKLogitsWarper.
             vals = torch.topk(x, max(k for k in top_k if k < V), dim=-1).values
-            pos = _to_device([min(k, vals.shape[1]) - 1 for k in top_k], torch.long, dev).unsqueeze(1)
-            kth = torch.where(_to_device(top_k, torch.long, dev).unsqueeze(1) < V, vals.gather(1, pos),
+            pos = to_device([min(k, vals.shape[1]) - 1 for k in top_k], torch.long, dev).unsqueeze(1)
+            kth = torch.where(to_device(top_k, torch.long, dev).unsqueeze(1) < V, vals.gather(1, pos),
                               torch.full_like(pos, neg_inf, dtype=x.dtype))
             x = x.masked_fill(x < kth, neg_inf)
         if any(p.top_p < 1.0 for p in params):
-            x = self._top_p(x, _to_device([p.top_p for p in params], torch.float32, dev).unsqueeze(1))
+            x = self._top_p(x, to_device([p.top_p for p in params], torch.float32, dev).unsqueeze(1))
         if any(p.min_p > 0.0 for p in params):
             probs = torch.softmax(x, dim=-1)
-            mp = _to_device([p.min_p for p in params], torch.float32, dev).unsqueeze(1)
+            mp = to_device([p.min_p for p in params], torch.float32, dev).unsqueeze(1)
             remove = probs < mp * probs.amax(dim=-1, keepdim=True)
             remove.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
             x = x.masked_fill(remove, neg_inf)
         typical_rows = [i for i, p in enumerate(params) if p.typical_p < 1.0]
         if typical_rows:
-            idx = _to_device(typical_rows, torch.long, dev)
-            mass = _to_device([params[i].typical_p for i in typical_rows], torch.float32, dev).unsqueeze(1)
+            idx = to_device(typical_rows, torch.long, dev)
+            mass = to_device([params[i].typical_p for i in typical_rows], torch.float32, dev).unsqueeze(1)
             x = x.index_copy(0, idx, self._typical(x.index_select(0, idx), mass))
         return x
 
@@ -387,7 +387,7 @@ class Sampler:
         # float64 cumsum: boundaries within 1e-12 of where exact arithmetic puts them, so
         # the same u picks the same token on any device.
         cdf = probs.double().cumsum(dim=-1)
-        target = _to_device(u, torch.float64, probs.device).unsqueeze(1) * cdf[:, -1:]
+        target = to_device(u, torch.float64, probs.device).unsqueeze(1) * cdf[:, -1:]
         # right=True: first index whose cdf exceeds target, which always has p > 0.
         return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
@@ -402,7 +402,7 @@ class Sampler:
         rows = torch.repeat_interleave(torch.arange(B), torch.tensor(lens))
         valid = (flat >= 0) & (flat < V)  # ids outside the vocabulary can't be penalised
         flat, rows = flat[valid], rows[valid]
-        counts.index_put_((_to_device(rows, torch.long, dev), _to_device(flat, torch.long, dev)),
+        counts.index_put_((to_device(rows, torch.long, dev), to_device(flat, torch.long, dev)),
                           torch.ones(len(flat), device=dev), accumulate=True)
         return counts
 
@@ -414,7 +414,7 @@ class Sampler:
         if not any(want):
             return None
         rows = [i for i, w in enumerate(want) if w]
-        idx = _to_device(rows, torch.long, raw.device)
+        idx = to_device(rows, torch.long, raw.device)
         lp = torch.log_softmax(raw.index_select(0, idx), dim=-1)
         chosen = tokens.index_select(0, idx)
         chosen_lp = lp.gather(1, chosen.unsqueeze(1)).squeeze(1)

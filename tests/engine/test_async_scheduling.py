@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, LLMEngine, EngineConfig, SamplingParams
+from engine.llm_engine import PLACEHOLDER
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
            "for i in range(10):\n", "x = [", "def binary_search(items, target):\n", "while True:", "# a",
@@ -25,8 +26,9 @@ def _llm(async_: bool, **kw) -> LLM:
 
 
 def _params(ref: list) -> list[SamplingParams]:
-    """Greedy with logprobs, seeded draws, min_tokens, and stop tokens that end requests mid-stream (each the
-    reference's 4th..9th token, so a request stops while the step after it already runs ahead)."""
+    """Greedy with logprobs (some with prompt logprobs), seeded draws, min_tokens, and stop tokens that end requests
+    mid-stream (each the reference's 4th..9th token, so a request stops while the step after it already runs
+    ahead)."""
     out = []
     for i, r in enumerate(ref):
         stop = [r.token_ids[3 + i % 6]] if i % 3 else []
@@ -35,28 +37,52 @@ def _params(ref: list) -> list[SamplingParams]:
                                       stop_token_ids=stop))
         else:
             out.append(SamplingParams(max_tokens=18 + i, temperature=0.0, logprobs=1, min_tokens=2,
-                                      stop_token_ids=stop))
+                                      stop_token_ids=stop, prompt_logprobs=1 if i % 4 == 2 else None))
     return out
 
 
-def _same(a: list, b: list) -> None:
+def _same(a: list, b: list, tol: float = 0.0) -> None:
+    """The same tokens and finish reasons; logprobs (and prompt logprobs) equal to ``tol`` with the same top ids."""
+    def lps(xs: list) -> list:
+        return [(t.token_id, [i for i, _ in t.top]) for t in xs]
+
     for x, y in zip(a, b, strict=True):
         assert (x.token_ids, x.finish_reason) == (y.token_ids, y.finish_reason)
-        assert [(t.token_id, t.logprob, t.top) for t in x.logprobs or []] == [(t.token_id, t.logprob, t.top)
-                                                                              for t in y.logprobs or []]
+        assert lps(x.logprobs or []) == lps(y.logprobs or [])
+        assert [t.logprob for t in x.logprobs or []] == pytest.approx([t.logprob for t in y.logprobs or []],
+                                                                      abs=tol, rel=0)
+        assert (x.prompt_logprobs is None) == (y.prompt_logprobs is None)
+        if x.prompt_logprobs is not None:
+            assert [t.token_id for t in x.prompt_logprobs[1:]] == [t.token_id for t in y.prompt_logprobs[1:]]
+            assert [t.logprob for t in x.prompt_logprobs[1:]] == pytest.approx(
+                [t.logprob for t in y.prompt_logprobs[1:]], abs=tol, rel=0)
 
 
-def test_async_scheduling_gives_the_sync_engine_outputs_bit_for_bit():
-    sync, run_ahead = _llm(False), _llm(True)
+# every path a step can take ahead: decode graph buckets and the piecewise graphs' static buffers (default), the
+# eager model (enforce_eager: no graphs), and chunked prefill in 12-token steps with 8-token blocks (most steps mix
+# a chunk with decodes, through the pieces). There a run-ahead step is not always the synchronous one: a request that
+# stopped still takes its wasted row of the budget, and one that finished keeps its place in the batch until it is
+# read back, so a prompt may be admitted a step later or cut into other chunks, and a chunk's attention sums in
+# another order: the tokens are the same, logprobs agree to float rounding (as any change of batching gives)
+PATHS = {"graphs": {}, "eager": {"enforce_eager": True}, "chunked": {"max_num_batched_tokens": 12, "block_size": 8}}
+TOL = {"graphs": 0.0, "eager": 0.0, "chunked": 1e-5}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_async_scheduling_gives_the_sync_engine_outputs_bit_for_bit(path):
+    sync, run_ahead = _llm(False, **PATHS[path]), _llm(True, **PATHS[path])
     ref = sync.generate(PROMPTS, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     params = _params(ref)
     eng, sync_eng = run_ahead.llm_engine, sync.llm_engine
     computed = sync_eng.num_scheduled_tokens
     a = sync.generate(PROMPTS, params)
     b = run_ahead.generate(PROMPTS, params)
-    _same(a, b)
+    _same(a, b, TOL[path])
     assert sum(o.finish_reason == "stop" for o in a) >= 6  # the stop tokens really ended requests mid-stream
     assert eng.ahead_steps >= 20, eng.ahead_steps
+    ran = {"graphs": eng.graph_steps, "eager": eng.num_steps - eng.graph_steps - eng.piecewise_steps,
+           "chunked": eng.piecewise_steps}[path]
+    assert ran >= 10 and (path != "eager" or eng.graph_steps == eng.piecewise_steps == 0)
     # a request that stopped while the next step ran had that step compute one token for nothing
     assert eng.num_scheduled_tokens > sync_eng.num_scheduled_tokens - computed
     assert eng.num_free_blocks == eng.num_total_blocks and not eng.has_unfinished_requests()
@@ -65,7 +91,7 @@ def test_async_scheduling_gives_the_sync_engine_outputs_bit_for_bit():
     more = [{"prompt_token_ids": o.prompt_token_ids + o.token_ids} for o in a]
     hits = (sync_eng.prefix_cache_hits, eng.prefix_cache_hits)
     params = SamplingParams(max_tokens=4, temperature=0.0)
-    _same(sync.generate(more, params), run_ahead.generate(more, params))
+    _same(sync.generate(more, params), run_ahead.generate(more, params), TOL[path])
     assert eng.prefix_cache_hits - hits[1] == sync_eng.prefix_cache_hits - hits[0] >= 16 * 8
 
 
@@ -108,6 +134,30 @@ def test_an_abort_while_a_step_runs_ahead_frees_the_blocks_once_that_step_is_don
     assert got["r1"] == ref[1].token_ids[:n]
 
 
+def test_an_abort_mid_prefill_while_a_step_runs_ahead_frees_after_that_step():
+    """A prompt being prefilled in chunks has its K/V written by the step in flight too: aborted meanwhile, its
+    blocks go back only once that step is done."""
+    eng = LLMEngine(EngineConfig(model="tiny", max_num_seqs=4, max_num_batched_tokens=8, block_size=8,
+                                 static_decode_buffers=True, async_scheduling=True))
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    eng.add_request("short", [5, 6, 7], params)
+    while eng.num_running == 0 or not eng.get_block_table("short"):
+        eng.step()
+    eng.add_request("long", [9 + i % 50 for i in range(60)], params)
+    while not (eng._inflight is not None and eng._inflight.sched.prefills and eng.ahead_steps
+               and eng._inflight.sched.prefills[0][0].request_id == "long" and len(eng.get_block_table("long")) >= 3):
+        eng.step()
+    free, held = eng.num_free_blocks, len(eng.get_block_table("long"))
+    assert eng._seqs["long"].num_computed < 60  # still prefilling
+    eng.abort_request("long")
+    assert eng.num_free_blocks == free  # the step in flight is still writing its chunk
+    eng.step()
+    assert eng.num_free_blocks >= free + held - 1
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.num_free_blocks == eng.num_total_blocks
+
+
 @pytest.mark.parametrize("case", ["penalty", "grammar"])
 def test_rows_that_need_their_history_wait_for_the_step_in_flight(case):
     """A penalty over the outputs, or a grammar, needs the unread token: such batches never run ahead."""
@@ -120,14 +170,26 @@ def test_rows_that_need_their_history_wait_for_the_step_in_flight(case):
     assert run_ahead.llm_engine.ahead_steps == 0
 
 
-def test_preemption_and_admissions_fall_back_and_agree():
-    """Few blocks: running sequences preempt one another and waiting ones are admitted mid-run, steps a schedule
-    ahead cannot take; between them the engine runs ahead again."""
+def test_preemption_falls_back_and_agrees():
+    """Few blocks: running sequences preempt one another (a step a schedule ahead cannot take: the preempted one
+    would re-prefill its placeholder) and waiting ones are admitted mid-run; between them the engine runs ahead."""
     kw = dict(num_kv_blocks=14, max_num_batched_tokens=64)
     params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True) for _ in PROMPTS]
     sync, run_ahead = _llm(False, **kw), _llm(True, **kw)
+    sch = run_ahead.llm_engine.scheduler
+    schedule, ahead_preemptions = sch.schedule, []
+
+    def watched():  # a schedule made ahead (placeholders in the batch) must never preempt: the step in flight
+        ahead = any(s.token_ids[-1] == PLACEHOLDER for s in sch.running)  # still writes the victim's blocks
+        out = schedule()
+        if ahead and out.preempted:
+            ahead_preemptions.append(len(out.preempted))
+        return out
+
+    sch.schedule = watched
     a, b = sync.generate(PROMPTS, params), run_ahead.generate(PROMPTS, params)
     _same(a, b)
+    assert not ahead_preemptions
     assert sync.llm_engine.num_preemptions > 0 and run_ahead.llm_engine.num_preemptions > 0
     assert run_ahead.llm_engine.ahead_steps >= 10
     assert run_ahead.llm_engine.num_free_blocks == run_ahead.llm_engine.num_total_blocks
@@ -135,7 +197,6 @@ def test_preemption_and_admissions_fall_back_and_agree():
 
 @pytest.mark.parametrize("kw, named", [
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative"),
-    ({"enforce_eager": True, "static_decode_buffers": True}, "enforce_eager"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"static_decode_buffers": False}, "device 'cpu'"),
     ({"async_scheduling": "yes"}, "async_scheduling must be a bool"),
