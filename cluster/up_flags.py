@@ -108,8 +108,8 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
                         "the largest replays everything but attention from graphs (default 8 16 32 64 96 128 192 "
                         "256 384 512, up to --max-num-batched-tokens; the flag alone turns them off)")
     p.add_argument("--async-scheduling", action="store_true",
-                   help="decode and colocated workers on CUDA schedule and launch each decode step while the one "
-                        "before it still runs on the GPU, so the host's per-step work overlaps it (vLLM's async "
+                   help="decode and colocated workers on CUDA schedule and launch each step while the one before "
+                        "it still runs on the GPU, so the host's per-step work overlaps it (vLLM's async "
                         "scheduling; needs --device cuda, not with speculative decoding; off by default: not yet "
                         "timed on a GPU)")
     p.add_argument("--batch-invariant", action="store_true",
