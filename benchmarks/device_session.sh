@@ -17,7 +17,7 @@
 #      wall with async scheduling against without; tests/engine/test_async_cuda.py checks its tokens first).
 #   verdict (issue 43 item 6): benchmarks/disagg_vs_colocated.py --device cuda on the 1B checkpoint: one colocated
 #      worker against 1P+1D on the same GPU (KV over CUDA IPC), chunked prefill at 512 tokens a step, the
-#      conversation trace at full length.
+#      conversation trace at full length (VERDICT_FLAGS=--async-scheduling: both sides' decoding engines run ahead).
 #   profile (not in the default PHASES): `pdserve profile --device cuda --quick` on the 1B checkpoint (engine steps
 #      with the graphs, the gloo and cuda_ipc links), the input of docs/capacity.md's GPU tables.
 #   1. gpu: the cluster on CUDA for the first time: benchmarks/serving_overhead.py with --device cuda, a colocated
@@ -95,7 +95,8 @@ log "phase verdict"
 ck1b
 timeout -s INT "$VERDICT_S" python3 benchmarks/disagg_vs_colocated.py --device cuda --model /tmp/ck1b --trace "$TRACE" \
   --num-requests "$VERDICT_N" --length-scale 1 --rates "$VERDICT_RATES" --colocated-workers 1 --prefill-workers 1 \
-  --decode-workers 1 --kv-cache-gib 8 --max-num-batched-tokens 512 --out /tmp/verdict 2>&1 | tee "$OUT/verdict.log" \
+  --decode-workers 1 --kv-cache-gib 8 --max-num-batched-tokens 512 ${VERDICT_FLAGS:-} --out /tmp/verdict 2>&1 \
+  | tee "$OUT/verdict.log" \
   | grep -v "^\s*$"
 cp /tmp/verdict/result.json "$OUT/verdict_result.json" 2>/dev/null || cp /tmp/verdict/partial.json "$OUT/verdict_partial.json" 2>/dev/null
 cleanup

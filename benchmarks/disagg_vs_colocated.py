@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="each worker's KV cache (default: the engine's 256 MiB); on a shared GPU all must fit")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="every engine's step budget, i.e. the chunked-prefill chunk (default: the engine's 2048)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="colocated and decode workers launch each step while the one before runs (--device cuda)")
     ap.add_argument("--reserve-cores", type=int, default=0,
                     help="leave this many of the usable cores (the lowest) to the router and the load generator; "
                          "workers are pinned one per core on the next ones")
@@ -99,6 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise SystemExit(f"--rates: need positive rates, got {ns.rates!r}")
     if ns.num_requests < 2:
         raise SystemExit(f"--num-requests must be >= 2, got {ns.num_requests}")
+    if ns.async_scheduling and ns.device != "cuda":
+        raise SystemExit("--async-scheduling needs --device cuda (a CPU forward runs on the thread that schedules)")
     if not ns.trace.is_file():
         raise SystemExit(f"--trace: no such file {ns.trace}")
     ns.mode_list = [m for m in MODES if m in ns.modes.split(",")]
@@ -130,6 +134,8 @@ def engine_and_worker_kw(ns: argparse.Namespace) -> tuple[dict, dict]:
     if ns.device == "cuda":
         # one GPU for all: a prefill cache another process maps (CUDA IPC; NCCL refuses two ranks on one device)
         engine_kw.update(device="cuda", kv_cache_shared=True)
+        if ns.async_scheduling:  # (the harness's prefill workers drop it, as the cluster's do)
+            engine_kw["async_scheduling"] = True
         role_kw = {"prefill": {"kv_backend": "nccl"}, "decode": {"kv_backend": "nccl"}}
     return engine_kw, role_kw
 

@@ -55,7 +55,8 @@ def _worker_main(role: str, worker_id: str, model: str, cores: Optional[list[int
         from engine.config import EngineConfig
 
         if role == "prefill":  # it never decodes: no decode graphs to capture (as the cluster's prefill pools)
-            engine_kw = {**engine_kw, "enforce_eager": True}
+            engine_kw = {k: v for k, v in engine_kw.items() if k != "async_scheduling"}
+            engine_kw["enforce_eager"] = True
         eng = EngineConfig(model=model, num_threads=1, **engine_kw)
         if role == "prefill":
             from prefill_worker import PrefillWorker, PrefillWorkerConfig

@@ -72,6 +72,12 @@ def test_disagg_vs_colocated_on_one_gpu_asks_for_cuda_ipc(tmp_path):
     EngineConfig(**engine_kw)  # a config the workers accept
     cpu_kw, cpu_roles = dvc.engine_and_worker_kw(dvc.parse_args(["--trace", str(trace), "--colocated-workers", "1"]))
     assert "device" not in cpu_kw and "dtype" not in cpu_kw and cpu_roles == {}
+    assert "async_scheduling" not in engine_kw
+    ahead, _ = dvc.engine_and_worker_kw(dvc.parse_args(["--device", "cuda", "--trace", str(trace), "--async-scheduling"]))
+    assert ahead["async_scheduling"] is True
+    EngineConfig(**ahead)
+    with pytest.raises(SystemExit, match="--async-scheduling needs --device cuda"):
+        dvc.parse_args(["--trace", str(trace), "--async-scheduling"])
 
 
 def test_decode_host_overhead_runs_every_step_through_the_static_buffers():
