@@ -588,6 +588,8 @@ class LLMEngine:
             self._propose()
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if prev is not None:  # (never: a step ahead schedules the first running sequence at least)
+                outputs += self._complete(prev)
             return outputs
         pending = self._launch(sched, prev) if self._async else None
         if pending is None:
