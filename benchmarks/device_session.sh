@@ -22,8 +22,9 @@
 #      with the graphs, the gloo and cuda_ipc links), the input of docs/capacity.md's GPU tables.
 #   1. gpu: the cluster on CUDA for the first time: benchmarks/serving_overhead.py with --device cuda, a colocated
 #      worker on the GPU against the offline engine on the same GPU, a Llama-3.2-1B-shaped bf16 checkpoint
-#      (benchmarks/cuda_engine.py's random weights), gRPC, 1 / 8 / 32 / 128 streams. Disaggregation is not run:
-#      one GPU, and NCCL refuses two ranks on one device.
+#      (benchmarks/cuda_engine.py's random weights), gRPC, 1 / 8 / 32 / 128 streams (GPU_FLAGS=--async-scheduling:
+#      both engines run ahead). Disaggregation is not run here: NCCL refuses two ranks on one device (the verdict
+#      phase moves KV over CUDA IPC instead).
 #   2. cpu14: benchmarks/disagg_vs_colocated.py on 14 worker cores (2 left to router and client): colocated 14
 #      against 7P+7D with conditional disaggregation, the conversation trace at half length.
 #   3. cpu-overhead: benchmarks/serving_overhead.py on `tiny` with the router on cores of its own.

@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                    "(one GPU: colocated only, NCCL needs a GPU per worker)")
     p.add_argument("--dtype", default="float32", help="engine dtype (offline and workers alike): float32, bfloat16")
     p.add_argument("--kv-cache-gib", type=float, default=0.25, help="each engine's KV cache budget (GiB)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="the offline engine and every worker launch each step while the one before runs (cuda)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=3, help="runs of every point (paths taking turns); medians reported")
     p.add_argument("--timeout-s", type=float, default=900.0, help="deadline of each request")
@@ -134,6 +136,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
                          "and NCCL refuses two ranks on one GPU)")
     if ns.kv_cache_gib <= 0:
         raise SystemExit("--kv-cache-gib must be > 0")
+    if ns.async_scheduling and not ns.device.startswith("cuda"):
+        raise SystemExit("--async-scheduling needs --device cuda (a CPU forward runs on the thread that schedules)")
     if ns.py_spy and _py_spy_bin() is None:
         raise SystemExit("--py-spy: the py-spy command is not on PATH (pip install 'pdserve[bench]')")
     return ns
@@ -141,8 +145,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def engine_kw(ns: dict) -> dict:
     """The EngineConfig fields the offline engine and every worker share (``ns``: the parsed flags, as a dict)."""
-    return {"max_num_seqs": ns["max_num_seqs"], "device": ns["device"], "dtype": ns["dtype"],
-            "kv_cache_memory_bytes": int(ns["kv_cache_gib"] * 2**30)}
+    kw = {"max_num_seqs": ns["max_num_seqs"], "device": ns["device"], "dtype": ns["dtype"],
+          "kv_cache_memory_bytes": int(ns["kv_cache_gib"] * 2**30)}
+    if ns.get("async_scheduling"):
+        kw["async_scheduling"] = True
+    return kw
 
 
 def _tokens_for(c: int, ns: argparse.Namespace) -> int:

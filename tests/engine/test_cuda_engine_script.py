@@ -96,3 +96,16 @@ def test_decode_host_overhead_runs_every_step_through_the_static_buffers():
     rows = [decode_host_overhead.measure("tiny", "cpu", b, 4, None, llm=llm) for b in (3, 2)]
     assert [(r["batch"], r["async_scheduling"], r["ahead_steps"]) for r in rows] == [(3, True, 4), (2, True, 4)]
     assert llm.llm_engine.num_free_blocks == llm.llm_engine.num_total_blocks
+
+
+def test_serving_overhead_passes_async_scheduling_to_every_engine_on_cuda_only():
+    from benchmarks import serving_overhead as so
+    from engine.config import EngineConfig
+
+    ns = so.parse_args(["--device", "cuda", "--dtype", "bfloat16", "--modes", "colocated", "--async-scheduling"])
+    kw = so.engine_kw(vars(ns))
+    assert kw["async_scheduling"] is True
+    EngineConfig(model="tiny", **kw)  # a config the offline engine and the workers accept
+    assert "async_scheduling" not in so.engine_kw(vars(so.parse_args(["--device", "cuda", "--modes", "colocated"])))
+    with pytest.raises(SystemExit, match="--async-scheduling needs --device cuda"):
+        so.parse_args(["--async-scheduling"])

@@ -72,3 +72,14 @@ def test_a_cancel_mid_stream_frees_every_block(cluster):
     s.cancel()
     assert cluster.wait_idle(30.0)
     assert w.engine.num_free_blocks == w.engine.num_total_blocks and not w.engine.has_unfinished_requests()
+
+
+def test_a_stop_string_ends_the_stream_as_offline_and_frees_the_worker(cluster):
+    """The router matches stop strings and ends the request on the worker, usually while a step that computes it
+    runs ahead: the text is offline's and its blocks come back once that step is done."""
+    full = offline([PROMPTS[2]], [SamplingParams(max_tokens=24, temperature=0.0)])[0][1]
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    ref = offline([PROMPTS[2]], [SamplingParams(max_tokens=24, temperature=0.0, stop=[stop])])[0]
+    got = joined(collect(cluster.stub, prompt=PROMPTS[2], max_tokens=24, temperature=0.0, stop=[stop]))
+    assert got[1:] == (ref[1], "stop")
+    assert cluster.wait_idle(30.0)
