@@ -94,11 +94,15 @@ fi
 if has verdict; then
 log "phase verdict"
 ck1b
+# partial.json comes back even if the call's own limit ends everything (the engine phase may leave it little time)
+( while sleep 10; do cp /tmp/verdict/partial.json "$OUT/verdict_partial.json" 2>/dev/null; done ) &
+VCOPIER=$!
 timeout -s INT "$VERDICT_S" python3 benchmarks/disagg_vs_colocated.py --device cuda --model /tmp/ck1b --trace "$TRACE" \
   --num-requests "$VERDICT_N" --length-scale 1 --rates "$VERDICT_RATES" --colocated-workers 1 --prefill-workers 1 \
   --decode-workers 1 --kv-cache-gib 8 --max-num-batched-tokens 512 ${VERDICT_FLAGS:-} --out /tmp/verdict 2>&1 \
   | tee "$OUT/verdict.log" \
   | grep -v "^\s*$"
+kill "$VCOPIER" 2>/dev/null
 cp /tmp/verdict/result.json "$OUT/verdict_result.json" 2>/dev/null || cp /tmp/verdict/partial.json "$OUT/verdict_partial.json" 2>/dev/null
 cleanup
 fi
