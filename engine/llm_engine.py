@@ -210,8 +210,9 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         """Speculative decoding counters (drafts, draft tokens, accepted tokens, per position)."""
         logger.info("engine ready: model=%s dtype=%s quantization=%s kv_cache_dtype=%s device=%s kv_blocks=%d x %d "
-                    "tokens, max_model_len=%d", config.model, config.dtype, config.quantization,
-                    config.kv_cache_dtype, config.device, n_blocks, self.block_size, self.max_model_len)
+                    "tokens, max_model_len=%d%s", config.model, config.dtype, config.quantization,
+                    config.kv_cache_dtype, config.device, n_blocks, self.block_size, self.max_model_len,
+                    ", async scheduling" if self._async else "")
 
     @property
     def rank_kv_caches(self) -> list[list[tuple[Tensor, Tensor]]]:

@@ -41,6 +41,15 @@ def _params(ref: list) -> list[SamplingParams]:
     return out
 
 
+def _step_until(done, step, limit: int = 500) -> None:
+    """``step()`` until ``done()``: at most ``limit`` steps (a state the engine never reaches fails, never hangs)."""
+    for _ in range(limit):
+        if done():
+            return
+        step()
+    raise AssertionError(f"not reached in {limit} steps")
+
+
 def _same(a: list, b: list, tol: float = 0.0) -> None:
     """The same tokens and finish reasons; logprobs (and prompt logprobs) equal to ``tol`` with the same top ids."""
     def lps(xs: list) -> list:
@@ -116,8 +125,7 @@ def test_an_abort_while_a_step_runs_ahead_frees_the_blocks_once_that_step_is_don
         for out in eng.step():
             got[out.request_id] += out.new_token_ids
 
-    while eng.ahead_steps < 3:
-        step()
+    _step_until(lambda: eng.ahead_steps >= 3, step)
     assert eng._inflight is not None and len(got["r1"]) >= 3
     held = len(eng.get_block_table("r1"))
     free = eng.num_free_blocks
@@ -126,8 +134,7 @@ def test_an_abort_while_a_step_runs_ahead_frees_the_blocks_once_that_step_is_don
     n = len(got["r1"])
     step()
     assert eng.num_free_blocks >= free + held - 3  # back (less what the other two took meanwhile)
-    while eng.has_unfinished_requests():
-        step()
+    _step_until(lambda: not eng.has_unfinished_requests(), step)
     assert len(got["r1"]) == n and eng.num_free_blocks == eng.num_total_blocks
     ref = LLM("tiny").generate([{"prompt_token_ids": p} for p in ids], params)
     assert [got["r0"], got["r2"]] == [ref[0].token_ids, ref[2].token_ids]
@@ -141,20 +148,18 @@ def test_an_abort_mid_prefill_while_a_step_runs_ahead_frees_after_that_step():
                                  static_decode_buffers=True, async_scheduling=True))
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     eng.add_request("short", [5, 6, 7], params)
-    while eng.num_running == 0 or not eng.get_block_table("short"):
-        eng.step()
+    _step_until(lambda: eng.num_running and eng.get_block_table("short"), eng.step)
     eng.add_request("long", [9 + i % 50 for i in range(60)], params)
-    while not (eng._inflight is not None and eng._inflight.sched.prefills and eng.ahead_steps
-               and eng._inflight.sched.prefills[0][0].request_id == "long" and len(eng.get_block_table("long")) >= 3):
-        eng.step()
+    _step_until(lambda: (eng._inflight is not None and eng._inflight.sched.prefills and eng.ahead_steps
+                         and eng._inflight.sched.prefills[0][0].request_id == "long"
+                         and len(eng.get_block_table("long")) >= 3), eng.step)
     free, held = eng.num_free_blocks, len(eng.get_block_table("long"))
     assert eng._seqs["long"].num_computed < 60  # still prefilling
     eng.abort_request("long")
     assert eng.num_free_blocks == free  # the step in flight is still writing its chunk
     eng.step()
     assert eng.num_free_blocks >= free + held - 1
-    while eng.has_unfinished_requests():
-        eng.step()
+    _step_until(lambda: not eng.has_unfinished_requests(), eng.step)
     assert eng.num_free_blocks == eng.num_total_blocks
 
 
