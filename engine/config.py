@@ -179,10 +179,11 @@ class EngineConfig:
     """vLLM's async scheduling: while the device runs step N, the host schedules and launches step N + 1 (the input
     ids of N's sampled rows are read on the device) and only then reads N back, so the host's per-step work
     (scheduling, inputs, output bookkeeping) overlaps the GPU instead of adding to every step. Any step may run
-    ahead (decode graphs, piecewise or eager) unless a sequence that sampled in N has a grammar or a penalty over its
-    history or may end by length there, a running sequence would have to be preempted, or one is prefill-only; such
-    a step waits for N first. A sequence that stops at N has N + 1 compute one token that is thrown away (its blocks
-    are freed once N + 1 is done). Needs a CUDA engine of one rank (``static_decode_buffers`` runs it on CPU, for
+    ahead (decode graphs, piecewise or eager) unless a sequence that sampled in N may end by length there, a running
+    sequence would have to be preempted, or one is prefill-only; such a step waits for N first. Where a sequence that
+    sampled in N has a grammar or a penalty over its history, N + 1's forward runs ahead and its draw waits for N.
+    A sequence that stops at N has N + 1 compute one token that is thrown away (its blocks are freed once N + 1 is
+    done). Needs a CUDA engine of one rank (``static_decode_buffers`` runs it on CPU, for
     tests) and no speculative decoding. Off by default: not yet timed on a GPU."""
     static_decode_buffers: bool = False
     """Run decode steps, and the steps the piecewise graphs take, through the graphs' static buffers and bucket

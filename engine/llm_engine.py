@@ -575,8 +575,10 @@ class LLMEngine:
         unless this one can run ahead of it, schedule, launch, then (running ahead) read the one before back."""
         outputs, self._pending = self._pending, []
         prev, self._inflight = self._inflight, None
+        late = False
         if prev is not None:
-            if self._can_run_ahead(prev):
+            ahead, late = self._can_run_ahead(prev)
+            if ahead:
                 prev.ahead = True
                 self._ahead_steps += 1
                 for seq in prev.pending.seqs:
@@ -592,7 +594,7 @@ class LLMEngine:
             if prev is not None:  # (never: a step ahead schedules the first running sequence at least)
                 outputs += self._complete(prev)
             return outputs
-        pending = self._launch(sched, prev) if self._async else None
+        pending = self._launch(sched, prev, not late) if self._async else None
         if pending is None:
             result = self._execute(sched)
         num_tokens, num_prefill = sched.num_tokens, sched.num_prefill_tokens  # before _advance moves them
@@ -605,6 +607,8 @@ class LLMEngine:
             self._inflight = _InFlight(sched, pending, {id(s) for s in computed}, {id(s) for s in pending.seqs})
             if prev is not None:  # its tokens replace the placeholders before this step's blocks are named
                 outputs += self._complete(prev)
+            if late:  # a grammar's state or a penalty's history needed prev's tokens: the draw comes now
+                pending.sample()
             self.scheduler.commit(sched)
         else:
             self.scheduler.commit(sched)
@@ -615,53 +619,56 @@ class LLMEngine:
                            spec_before if self._proposer is None else self.spec_stats.counts())
         return outputs
 
-    def _can_run_ahead(self, prev: _InFlight) -> bool:
-        """Whether the next step can be scheduled and launched before ``prev`` is read back: each running sequence
-        that sampled in ``prev`` gets a placeholder for its unread token (so it must decode: no grammar, no penalty
-        over its history, and that token must not be its last by length), every other running sequence has known
-        tokens to compute, nothing is prefill-only, and the running sequences the step's budget reaches get their
-        blocks without a preemption (a preempted sequence would re-prefill its placeholder). Waiting requests may
-        be admitted meanwhile: they only take blocks that are free."""
+    def _can_run_ahead(self, prev: _InFlight) -> tuple[bool, bool]:
+        """(whether the next step can be scheduled and launched before ``prev`` is read back, whether its draw must
+        then wait until ``prev`` is read). Each running sequence that sampled in ``prev`` gets a placeholder for its
+        unread token (so it must decode, and that token must not be its last by length); one under a grammar or
+        with a penalty over its history makes the draw wait (the forward still runs ahead); every other running
+        sequence has known tokens to compute; nothing is prefill-only; and the running sequences the step's
+        budget reaches get their blocks without a preemption (the step in flight still writes a victim's blocks,
+        and it would re-prefill its placeholder). Waiting requests may be admitted: they take only free blocks."""
         sch = self.scheduler
         if not sch.running:
-            return False
+            return False, False
         # (once per step over every running sequence: written for speed, the host's work being what this overlaps)
         sampled, bs, max_len = prev.sampled, self.block_size, self.max_model_len
-        budget, need = sch.max_num_batched_tokens, 0
+        budget, need, late = sch.max_num_batched_tokens, 0, False
         for seq in sch.running:
             if budget <= 0:
                 break  # the scheduler stops here too: the rest wait a step (a placeholder is only read back)
             if seq.prefill_only:
-                return False
+                return False, False
             n, t = seq.num_computed, len(seq.token_ids)
             if id(seq) in sampled:
                 p = seq.params
+                if t != n or len(seq.output_token_ids) + 1 >= p.max_tokens or t + 1 >= max_len:
+                    return False, False
                 if (seq.matcher is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
                         or p.presence_penalty != 0.0):
-                    return False
-                if t != n or len(seq.output_token_ids) + 1 >= p.max_tokens or t + 1 >= max_len:
-                    return False
+                    late = True
                 k = 1
             elif t > n:
                 k = min(t - n, budget)
             else:
-                return False
+                return False, False
             blocks, have = -(-(n + k) // bs), len(seq.block_table)
             if blocks > have:
                 need += blocks - have
             budget -= k
-        return need <= self.block_manager.num_free_blocks
+        if need > self.block_manager.num_free_blocks:
+            return False, False
+        return True, late
 
-    def _launch(self, sched: SchedulerOutput, prev: Optional[_InFlight]) -> PendingStep:
+    def _launch(self, sched: SchedulerOutput, prev: Optional[_InFlight], sample: bool = True) -> PendingStep:
         """``runner.launch`` (owner_lock let go meanwhile, as for ``_execute``)."""
         lock = self.owner_lock
         carry = prev.pending if prev is not None else None
         hook = self._layer_hook(sched)
         if lock is None:
-            return self.runner.launch(sched, carry, hook)
+            return self.runner.launch(sched, carry, hook, sample)
         lock.release()
         try:
-            return self.runner.launch(sched, carry, hook)
+            return self.runner.launch(sched, carry, hook, sample)
         finally:
             lock.acquire()
 

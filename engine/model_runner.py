@@ -36,7 +36,7 @@ from engine.piecewise_graphs import PiecewiseGraphs
 from engine.model import CausalLM
 from engine.outputs import TokenLogprob
 from engine.sampler import SampleHandle, Sampler, SamplingRequest, to_device
-from engine.scheduler import SchedulerOutput, Sequence
+from engine.scheduler import SchedulerOutput, SeqStatus, Sequence
 from engine.structured_outputs import GrammarCompiler, MaskBatch
 
 
@@ -55,20 +55,39 @@ class RunnerOutput:
 
 class PendingStep:
     """A step launched on the device and not yet read back (``ModelRunner.launch``): its sampling sequences in row
-    order, the sampler's handle (None: no row sampled) and the prompt logprobs already read; ``output()`` waits
-    and gives the ``RunnerOutput``."""
+    order, the sampler's handle (None: no row sampled, or the draw waits for ``sample``) and the prompt logprobs
+    already read; ``output()`` waits and gives the ``RunnerOutput``."""
 
-    def __init__(self, seqs: list[Sequence], handle: Optional[SampleHandle],
-                 prompt_logprobs: Optional[list] = None) -> None:
+    def __init__(self, seqs: list[Sequence], handle: Optional[SampleHandle], prompt_logprobs: Optional[list] = None,
+                 later: Optional[tuple["ModelRunner", Tensor, list[list[int]]]] = None) -> None:
         self.seqs = seqs
         self.handle = handle
         self.prompt_logprobs = prompt_logprobs or []
+        self._later = later
+        """(runner, logits, histories) of a draw left to ``sample``."""
 
     def row_of(self) -> dict[int, int]:
         """id(sequence) -> its row (a sampling sequence of a step that verifies nothing has one row)."""
         return {id(s): i for i, s in enumerate(self.seqs)}
 
+    def sample(self) -> None:
+        """The draw of a step launched with ``sample=False``, now that what it depends on is on the host (an async
+        engine read the step before back: its tokens, the grammars' states, the histories penalties count). Rows of
+        sequences that finished meanwhile are left out (their tokens would be thrown away)."""
+        if self._later is None:
+            return
+        runner, logits, histories = self._later
+        self._later = None
+        keep = [i for i, s in enumerate(self.seqs) if s.status is not SeqStatus.FINISHED]
+        if len(keep) < len(self.seqs):
+            self.seqs = [self.seqs[i] for i in keep]
+            histories = [histories[i] for i in keep]
+            logits = logits.index_select(0, to_device(keep, torch.long, logits.device))
+        if self.seqs:
+            self.handle = runner.draw(self.seqs, histories, logits)
+
     def output(self) -> RunnerOutput:
+        self.sample()
         if self.handle is None:
             return RunnerOutput(prompt_logprobs=self.prompt_logprobs)
         tokens, logprobs = self.handle.result()
@@ -119,29 +138,31 @@ class ModelRunner:
         return self.launch(sched, None, layer_hook).output()
 
     def launch(self, sched: SchedulerOutput, carry: Optional["PendingStep"] = None,
-               layer_hook: Optional[Callable[[int], None]] = None) -> "PendingStep":
+               layer_hook: Optional[Callable[[int], None]] = None, sample: bool = True) -> "PendingStep":
         """One step enqueued on the device and not read back: through a decode graph bucket, the piecewise graphs
         or eagerly (whichever takes it), then the sampler's draw. On CUDA nothing here waits for the device
         (inputs go up through pinned memory; the sampler's launch does not synchronise), except a step with prompt
         logprobs (their lists are read here) or a grammar mask (its bitmask goes up from pageable memory); an async
         engine (engine/llm_engine.py) launches the next step before reading this one. ``carry``: the step launched
         before this one and not read back yet: each of this step's decodes that sampled there has a placeholder as
-        its last token, and its input id is read from that step's sampled ids on the device."""
+        its last token, and its input id is read from that step's sampled ids on the device. ``sample=False``: only
+        the forward is launched; the draw waits for ``PendingStep.sample`` (an async engine calls it once the step
+        before is read back, when a row's grammar or penalty needs that step's token)."""
         moved = self._carry(sched, carry) if carry is not None else None
         masks = None
         if self.graphs is not None:
             r = self._graph_rows(sched)
             if r is not None:
-                if self.grammar is not None and any(s.matcher is not None for s in r.sample_seqs):
+                if sample and self.grammar is not None and any(s.matcher is not None for s in r.sample_seqs):
                     masks = MaskBatch(self.grammar, r.sample_seqs).start(self.grammar.overlap_masks)
-                return self._graph_launch(r, moved, masks, layer_hook)
+                return self._graph_launch(r, moved, masks, layer_hook, sample)
         input_ids, positions, meta, sample_rows, sample_seqs, histories = self._prepare(sched)
         if moved is not None:
             dst, tokens, src = moved
             idx = to_device(dst + src, torch.long, input_ids.device)
             input_ids.index_copy_(0, idx[:len(dst)], tokens.index_select(0, idx[len(dst):]))
         self._before_forward(input_ids, positions, meta, len(sample_rows), bool(sample_seqs))
-        if self.grammar is not None and any(s.matcher is not None for s in sample_seqs):
+        if sample and self.grammar is not None and any(s.matcher is not None for s in sample_seqs):
             masks = MaskBatch(self.grammar, sample_seqs).start(self.grammar.overlap_masks)
         with torch.inference_mode():
             pw = self.piecewise
@@ -153,10 +174,19 @@ class ModelRunner:
             if not sample_seqs:
                 return PendingStep([], None, prompt_lps)
             logits = self.model.compute_logits(hidden[:len(sample_rows)])  # hidden holds only kept rows
+        if not sample:
+            return PendingStep(sample_seqs, None, prompt_lps, later=(self, logits, histories))
+        return PendingStep(sample_seqs, self.draw(sample_seqs, histories, logits, masks), prompt_lps)
+
+    def draw(self, seqs: list[Sequence], histories: list[list[int]], logits: Tensor,
+             masks: Optional[MaskBatch] = None) -> SampleHandle:
+        """The sampler's launch over a step's sampling rows (``masks``: started beside the forward; None computes
+        the grammar rows' masks now)."""
+        if masks is None and self.grammar is not None and any(s.matcher is not None for s in seqs):
+            masks = MaskBatch(self.grammar, seqs).start(False)
         reqs = [SamplingRequest(s.params, s.prompt_token_ids, h, s.eos_token_id, generator=self.generator)
-                for s, h in zip(sample_seqs, histories)]
-        return PendingStep(sample_seqs, self.sampler.launch(logits, reqs, masks.result() if masks is not None
-                                                            else None), prompt_lps)
+                for s, h in zip(seqs, histories)]
+        return self.sampler.launch(logits, reqs, masks.result() if masks is not None else None)
 
     @staticmethod
     def _carry(sched: SchedulerOutput, carry: "PendingStep") -> Optional[tuple[list[int], Tensor, list[int]]]:
@@ -172,19 +202,19 @@ class ModelRunner:
         return (dst, carry.handle.tokens, src) if dst else None
 
     def _graph_launch(self, r: _DecodeRows, carry: Optional[tuple[list[int], Tensor, list[int]]],
-                      masks: Optional[MaskBatch] = None,
-                      layer_hook: Optional[Callable[[int], None]] = None) -> "PendingStep":
+                      masks: Optional[MaskBatch] = None, layer_hook: Optional[Callable[[int], None]] = None,
+                      sample: bool = True) -> "PendingStep":
         """A decode step through the decode graphs (the grammar masks, where started, computed while the replay
-        runs), then the sampler on the real rows' logits."""
+        runs), then the sampler on the real rows' logits (a view of the graph's output, valid until its next replay:
+        a draw left to ``PendingStep.sample`` is made before the next step is launched)."""
         self._prompt_rows = []
         logits = self.graphs.run(r.ids, r.pos, r.slots, r.tables, r.ctx_lens, carry)
         if layer_hook is not None:  # (a row completing a prompt: the replay wrote every layer's K/V, in order)
             for i in range(len(self.model.layers)):
                 layer_hook(i)
-        reqs = [SamplingRequest(s.params, s.prompt_token_ids, h, s.eos_token_id, generator=self.generator)
-                for s, h in zip(r.sample_seqs, r.histories)]
-        return PendingStep(r.sample_seqs, self.sampler.launch(logits, reqs, masks.result() if masks is not None
-                                                              else None))
+        if not sample:
+            return PendingStep(r.sample_seqs, None, later=(self, logits, r.histories))
+        return PendingStep(r.sample_seqs, self.draw(r.sample_seqs, r.histories, logits, masks))
 
     def logits_of(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata, num_rows: int) -> Tensor:
         """A forward outside the scheduler (beam search builds its own batch): the model over these inputs, every
