@@ -23,8 +23,10 @@ def test_async_scheduling_replays_the_sync_engine_on_cuda(dtype):
     kw = dict(device="cuda", dtype=dtype, max_num_seqs=8, enable_prefix_caching=True)
     sync, ahead = LLM("tiny", **kw), LLM("tiny", async_scheduling=True, **kw)
     assert ahead.llm_engine.runner.graphs.graphs  # captured, not the static path
+    # (every third request with a penalty: its rows' draws wait for the step in flight, the forward still runs ahead)
     params = [SamplingParams(max_tokens=12 + 2 * i, temperature=0.0 if i % 2 else 0.8, seed=i, logprobs=1,
-                             ignore_eos=True) for i in range(len(PROMPTS))]
+                             ignore_eos=True, frequency_penalty=1.0 if i % 3 == 1 else 0.0)
+              for i in range(len(PROMPTS))]
     _same(sync.generate(PROMPTS, params), ahead.generate(PROMPTS, params))
     eng = ahead.llm_engine
     assert eng.ahead_steps >= 10
