@@ -40,7 +40,7 @@ import logging
 import numbers
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 from torch import Tensor
@@ -63,6 +63,7 @@ from engine.structured_outputs import GrammarCompiler
 from engine.stats import IterationStats, SchedulerStats
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 PLACEHOLDER = -1
@@ -74,7 +75,6 @@ there; an embedding of -1 would fail loudly)."""
 class _InFlight:
     """A step launched and not read back (async scheduling)."""
 
-    sched: SchedulerOutput
     pending: PendingStep
     seq_ids: set[int]
     """id() of every sequence it computes (it holds them, so the ids stay theirs): their blocks are in use."""
@@ -604,7 +604,7 @@ class LLMEngine:
         spec_before = self.spec_stats.counts()
         if pending is not None:
             computed = [*sched.decodes, *(s for s, _ in sched.prefills), *sched.verifies]
-            self._inflight = _InFlight(sched, pending, {id(s) for s in computed}, {id(s) for s in pending.seqs})
+            self._inflight = _InFlight(pending, {id(s) for s in computed}, {id(s) for s in pending.seqs})
             if prev is not None:  # its tokens replace the placeholders before this step's blocks are named
                 outputs += self._complete(prev)
             if late:  # a grammar's state or a penalty's history needed prev's tokens: the draw comes now
@@ -660,31 +660,15 @@ class LLMEngine:
         return True, late
 
     def _launch(self, sched: SchedulerOutput, prev: Optional[_InFlight], sample: bool = True) -> PendingStep:
-        """``runner.launch`` (owner_lock let go meanwhile, as for ``_execute``)."""
-        lock = self.owner_lock
-        carry = prev.pending if prev is not None else None
-        hook = self._layer_hook(sched)
-        if lock is None:
-            return self.runner.launch(sched, carry, hook, sample)
-        lock.release()
-        try:
-            return self.runner.launch(sched, carry, hook, sample)
-        finally:
-            lock.acquire()
+        """``runner.launch``, owner_lock let go meanwhile."""
+        return self._unlocked(self.runner.launch, sched, prev.pending if prev is not None else None,
+                              self._layer_hook(sched), sample)
 
     def _complete(self, prev: _InFlight) -> list[CoreOutput]:
         """Read a launched step back (owner_lock let go while waiting), free what ended while it ran, put its
         tokens in place of the placeholders and postprocess its live sequences (a sequence that ended meanwhile
         loses its wasted token)."""
-        lock = self.owner_lock
-        if lock is None:
-            result = prev.pending.output()
-        else:
-            lock.release()
-            try:
-                result = prev.pending.output()
-            finally:
-                lock.acquire()
+        result = self._unlocked(prev.pending.output)
         for table in prev.deferred:
             self.block_manager.free(table)
         live = [i for i, seq in enumerate(result.seqs) if seq.status is not SeqStatus.FINISHED]
@@ -706,14 +690,19 @@ class LLMEngine:
             seq.block_table = []
 
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """The model's forward for ``sched``, with ``owner_lock`` let go meanwhile: what runs beside it may take
-        free blocks and post requests, never touch the scheduled sequences (whose blocks it holds)."""
+        """The model's forward for ``sched``, read back."""
+        return self._unlocked(self.runner.execute, sched, self._layer_hook(sched))
+
+    def _unlocked(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` with ``owner_lock`` let go meanwhile (a forward, a launch, a wait on the device): what runs
+        beside it may take free blocks and post requests, never touch the scheduled sequences (whose blocks the
+        step holds)."""
         lock = self.owner_lock
         if lock is None:
-            return self.runner.execute(sched, self._layer_hook(sched))
+            return fn(*args)
         lock.release()
         try:
-            return self.runner.execute(sched, self._layer_hook(sched))
+            return fn(*args)
         finally:
             lock.acquire()
 

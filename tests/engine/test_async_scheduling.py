@@ -150,9 +150,15 @@ def test_an_abort_mid_prefill_while_a_step_runs_ahead_frees_after_that_step():
     eng.add_request("short", [5, 6, 7], params)
     _step_until(lambda: eng.num_running and eng.get_block_table("short"), eng.step)
     eng.add_request("long", [9 + i % 50 for i in range(60)], params)
-    _step_until(lambda: (eng._inflight is not None and eng._inflight.sched.prefills and eng.ahead_steps
-                         and eng._inflight.sched.prefills[0][0].request_id == "long"
-                         and len(eng.get_block_table("long")) >= 3), eng.step)
+    long, computed = eng._seqs["long"], [0]
+
+    def step() -> None:  # (records how far "long" had been computed before the step)
+        computed[0] = long.num_computed
+        eng.step()
+
+    # the step just launched (in flight) took a chunk of "long", which is still prefilling
+    _step_until(lambda: (eng.ahead_steps and eng._inflight is not None and long.num_computed > computed[0]
+                         and len(long.block_table) >= 3), step)
     free, held = eng.num_free_blocks, len(eng.get_block_table("long"))
     assert eng._seqs["long"].num_computed < 60  # still prefilling
     eng.abort_request("long")
