@@ -122,13 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``pdserve`` argument parser (``bench`` is parsed by loadtest)."""
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{up,controller,router,down,generate,bench,profile,simulate,plan}")
+                                metavar="{up,controller,router,down,generate,bench,profile,roofline,simulate,plan}")
     add_serve_commands(sub)
     _add_down(sub)
     _add_generate(sub)
     sub.add_parser("bench", help="load-test a running cluster (see `pdserve bench --help`)", add_help=False)
     sub.add_parser("profile", help="measure this machine's step, KV link and router costs into profile.json "
                                    "(see `pdserve profile --help`)", add_help=False)
+    sub.add_parser("roofline", help="write a profile from a model's shape and a device's datasheet, for hardware "
+                                    "you cannot measure (see `pdserve roofline --help`)", add_help=False)
     sub.add_parser("simulate", help="simulate a deployment on a profile (see `pdserve simulate --help`)",
                    add_help=False)
     sub.add_parser("plan", help="size a deployment for a workload and SLOs (see `pdserve plan --help`)",
@@ -194,6 +196,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from simulator.profile import main as profile_main
 
         return profile_main(argv[1:])
+    if argv and argv[0] == "roofline":
+        from simulator.roofline import main as roofline_main
+
+        return roofline_main(argv[1:])
     if argv and argv[0] == "simulate":
         from simulator.cli import main as simulate_main
 
