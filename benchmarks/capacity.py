@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full-search-max", type=int, default=32)
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=256 * 1024 * 1024)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--kv-link", default="gloo", help="the profile's KV link the split prices (default gloo)")
     ap.add_argument("--traces", type=Path, default=TRACES)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--probe-seconds", type=float, default=None,
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     for wname in names:
         fname, burst = WORKLOADS[wname]
         base = SimConfig(kv_cache_memory_bytes=ns.kv_cache_memory_bytes, max_num_seqs=ns.max_num_seqs,
-                         max_num_requests=100_000)
+                         max_num_requests=100_000, kv_link=ns.kv_link)
         won: dict = {}
         hints: dict[str, float] = {}
         if ns.won_from is not None:  # the largest fully searched budget's winners of this workload

@@ -106,6 +106,11 @@ SHAPES: dict[str, dict[str, Any]] = {
                           head_dim=128, intermediate_size=28672, vocab_size=128256, tie_word_embeddings=False,
                           max_position_embeddings=131072),
 }
+# the random-weight checkpoints of benchmarks/cuda_engine.py (pdserve's GPU benchmarks and the H200 profiles in
+# docs/profiles/): the same decoders with the built-in tokenizer's 8,192-token vocabulary
+SHAPES["cuda-bench-1b"] = {**SHAPES["llama-3.2-1b"], "vocab_size": 8192, "tie_word_embeddings": False,
+                           "max_position_embeddings": 16384}
+SHAPES["cuda-bench-8b"] = {**SHAPES["llama-3.1-8b"], "vocab_size": 8192, "max_position_embeddings": 16384}
 """Named model shapes (meta-llama's config.json values) for planning without the checkpoint."""
 
 WEIGHT_BYTES = {"int8": 1.0, "w8a8": 1.0, "fp8": 1.0, "int4": 0.5, "w4a8": 0.5}
@@ -248,8 +253,11 @@ def roofline_profile(mc: Any, hw: Hardware, *, model: str, dtype: str = "bfloat1
     full = rank_shape(mc, 1, dtype, quantization, kv_cache_dtype, block_size) if tp > 1 else shape
     links = {name: LinkModel(LINK_LATENCY_S, link_bw) for name in ("cuda_ipc", "nccl")}
     router = router_from
+    from simulator import PDSERVE_VERSION
+    from simulator.profile import _git_commit
+
     meta = {
-        "synthetic": "roofline",
+        "synthetic": "roofline", "pdserve_version": PDSERVE_VERSION, "pdserve_commit": _git_commit(),
         "roofline": {"hardware": asdict(hw), "efficiency": asdict(eff), "math_dtype": math_dtype,
                      "weight_bytes_per_rank": shape.weight_bytes, "weight_parts": shape.parts,
                      "linear_params_per_rank": shape.linear_params, "allreduce_latency_s": ALLREDUCE_LATENCY_S,
