@@ -172,6 +172,13 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--out {args.out!r}: {str(parent)!r} is not a writable directory")
 
 
+def save_profile(prof: Profile, path: Path) -> None:
+    """Write ``prof`` as ``load_profile`` will read it (a round trip checks it first), through a temporary file
+    renamed over ``path``: never half a profile. OSError when it cannot be written."""
+    Profile.from_dict(json.loads(json.dumps(prof.to_dict())), where="the new profile")
+    _write_atomic(path, prof.to_dict())
+
+
 def _write_atomic(path: Path, data: dict) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
     try:
@@ -486,9 +493,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as e:  # a part that could not run here: say which and why, write nothing
         print(f"pdserve profile: failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    Profile.from_dict(json.loads(json.dumps(prof.to_dict())), where="the new profile")  # what load_profile reads
     try:
-        _write_atomic(Path(args.out), prof.to_dict())
+        save_profile(prof, Path(args.out))
     except OSError as e:
         print(f"pdserve profile: error: --out {args.out!r}: {e}", file=sys.stderr)
         return 2

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import shlex
 import sys
@@ -394,7 +393,7 @@ def summary(p: Profile, out: str) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``pdserve roofline ...``: 0 when the profile is written, 2 for bad input (nothing written)."""
-    from simulator.profile import _write_atomic
+    from simulator.profile import save_profile
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -414,8 +413,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                 eff=eff, block_size=args.block_size, max_model_len=args.max_model_len,
                                 router_from=router)
         prof.meta["command"] = shlex.join(["pdserve", "roofline", *argv])
-        Profile.from_dict(json.loads(json.dumps(prof.to_dict())), where="the new profile")
-        _write_atomic(Path(args.out), prof.to_dict())
+        save_profile(prof, Path(args.out))
     except ValueError as e:
         print(f"pdserve roofline: error: {e}", file=sys.stderr)
         return 2
