@@ -150,3 +150,27 @@ def test_cli_bad_input_exits_2_naming_the_flag_and_writes_nothing(tmp_path, caps
     argv = ["roofline", *(args if "--model" in args else ["--model", "llama-3.1-8b", *args]), "--out", str(out)]
     assert pdserve_cli.main(argv) == 2
     assert needle in capsys.readouterr().err and not out.exists()
+
+
+def test_a_70b_on_h100s_is_planned_from_roofline_profiles_one_per_tp(tmp_path, capsys):
+    """The question a platform team asks first (issue 44): Llama-3.1-70B on 8 H100s, which TP per pool and which
+    split. TP 1 does not fit a rank and is refused; TP 2, 4 and 8 profiles feed `pdserve plan` as measured ones do."""
+    from simulator import plan
+
+    assert pdserve_cli.main(["roofline", "--model", "llama-3.1-70b", "--hardware", "h100-sxm",
+                             "--out", str(tmp_path / "tp1.json")]) == 2
+    assert "raise --tensor-parallel-size" in capsys.readouterr().err
+    paths = []
+    for tp in (2, 4, 8):
+        paths.append(str(tmp_path / f"tp{tp}.json"))
+        assert pdserve_cli.main(["roofline", "--model", "llama-3.1-70b", "--hardware", "h100-sxm",
+                                 "--tensor-parallel-size", str(tp), "--out", paths[-1]]) == 0
+    out = tmp_path / "plan.json"
+    rc = plan.main([*(a for p in paths for a in ("--profile", p)), "--dataset-name", "random", "--input-len", "500",
+                    "--output-len", "50", "--num-prompts", "40", "--chunk-sizes", "2048", "--local-prefill", "0",
+                    "--workers", "8", "--rank-memory-bytes", str(72 * 10 ** 9), "--kv-link", "nccl",
+                    "--ttft-slo-ms", "2000", "--tpot-slo-ms", "100", "--save-result", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    d = json.loads(out.read_text())
+    assert d["tp_sizes"] == [2, 4, 8] and all(c["ranks"] == 8 for c in d["candidates"])
+    assert all(c["goodput_rps"] > 0 for c in d["best"].values())
