@@ -251,7 +251,7 @@ def roofline_profile(mc: Any, hw: Hardware, *, model: str, dtype: str = "bfloat1
                      per_prefill_chunk_s=eff.chunk_overhead_s)
     full = rank_shape(mc, 1, dtype, quantization, kv_cache_dtype, block_size) if tp > 1 else shape
     links = {name: LinkModel(LINK_LATENCY_S, link_bw) for name in ("cuda_ipc", "nccl")}
-    router = router_from
+    router = router_from  # the serving path's costs, when a measured profile lends them
     from simulator import PDSERVE_VERSION
     from simulator.profile import _git_commit
 
