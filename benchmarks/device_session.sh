@@ -19,7 +19,8 @@
 #      worker against 1P+1D on the same GPU (KV over CUDA IPC), chunked prefill at 512 tokens a step, the
 #      conversation trace at full length (VERDICT_FLAGS=--async-scheduling: both sides' decoding engines run ahead).
 #   profile (not in the default PHASES): `pdserve profile --device cuda --quick` on the 1B checkpoint (engine steps
-#      with the graphs, the gloo and cuda_ipc links), the input of docs/capacity.md's GPU tables.
+#      with the graphs, the gloo and cuda_ipc links), the input of docs/capacity.md's GPU tables, then
+#      benchmarks/roofline_check.py: its steps against the device's roofline.
 #   1. gpu: the cluster on CUDA for the first time: benchmarks/serving_overhead.py with --device cuda, a colocated
 #      worker on the GPU against the offline engine on the same GPU, a Llama-3.2-1B-shaped bf16 checkpoint
 #      (benchmarks/cuda_engine.py's random weights), gRPC, 1 / 8 / 32 / 128 streams (GPU_FLAGS=--async-scheduling:
@@ -112,6 +113,10 @@ log "phase profile"
 ck1b
 timeout -s INT "${PROFILE_S:-240}" python3 -m cluster.cli profile --device cuda --dtype bfloat16 --model /tmp/ck1b \
   --quick --skip-router --out "$OUT/profile_cuda.json" 2>&1 | tail -15 | tee "$OUT/profile.log"
+# how far those steps are from the device's roofline (datasheet peaks; a second of CPU)
+HW=h200; nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && HW=h100-sxm
+python3 benchmarks/roofline_check.py --profile "$OUT/profile_cuda.json" --hardware "$HW" --model cuda-bench-1b 2>&1 \
+  | tee -a "$OUT/profile.log"
 fi
 
 if has gpu; then
