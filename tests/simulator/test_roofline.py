@@ -174,3 +174,20 @@ def test_a_70b_on_h100s_is_planned_from_roofline_profiles_one_per_tp(tmp_path, c
     d = json.loads(out.read_text())
     assert d["tp_sizes"] == [2, 4, 8] and all(c["ranks"] == 8 for c in d["candidates"])
     assert all(c["goodput_rps"] > 0 for c in d["best"].values())
+
+
+@pytest.mark.parametrize("name, shape", [("h200-llama-1b-shape-bf16", "cuda-bench-1b"),
+                                         ("h200-llama-8b-shape-bf16", "cuda-bench-8b")])
+def test_no_step_measured_on_the_h200_beats_its_roofline_floor(tmp_path, capsys, name, shape):
+    """Physics, not a number from the code: at 100% of the datasheet's bandwidth and peak and no overhead, the
+    roofline is a floor no measured step can go under. A roofline that overcounts bytes or FLOPs (or a profile of
+    another shape than the one named) would put some measured steps below it."""
+    from benchmarks import roofline_check
+
+    out = tmp_path / "check.json"
+    assert roofline_check.main(["--profile", f"docs/profiles/{name}.json", "--hardware", "h200", "--model", shape,
+                                "--json", str(out)]) == 0
+    kinds = json.loads(out.read_text())["kinds"]
+    assert {"decode", "prefill", "mixed"} <= set(kinds)
+    assert all(k["min_ratio"] > 1.0 for k in kinds.values()), kinds
+    assert "of the step is the roofline's" in capsys.readouterr().out
