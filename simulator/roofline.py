@@ -11,13 +11,14 @@ from is in ``meta.roofline``.
 
 The model (one step of one rank; Williams et al.'s roofline, as LLM-Viewer and the inference literature use it):
 
-    lin(T) = max(W / (B x mbu), 2 x P x T / (F x mfu)) + L x 2 x allreduce(T) + step_overhead
+    lin(T) = max(W' / (B x mbu), 2 x P x T / (F x mfu)) + L x 2 x allreduce(T) + step_overhead
     per_sampled_row_s = 2 x hidden x vocab / (F_dtype x mfu)      the LM head's rows (its bytes are in W)
     per_decode_ctx_s = per_prefill_ctx_s = kv_bytes_per_token / (B x mbu)   every context key read once
     per_prefill_pair_s = 4 x heads x head_dim x L / (F_attn x attention_mfu)  QK^T and PV, 2 FLOPs a MAC
     per_prefill_chunk_s = chunk_overhead                            an attention call's fixed cost
 
-with W the rank's weight bytes (embedding, layers, LM head; quantization scales not counted), P its linear
+with W' the rank's weight bytes a step reads (layers and LM head; the embedding only where the LM head shares it,
+a step gathering just its rows otherwise; quantization scales not counted), P its linear
 layers' parameters (the LM head apart), F the device's dense peak for the layers' arithmetic (bfloat16, or int8 /
 fp8 where the weights and activations are), F_attn = F_dtype the model dtype's peak, B the memory bandwidth, L the layers,
 and allreduce(T) = 20 us + 2 (N - 1) / N x T x hidden x dtype bytes / (interconnect x link_efficiency) at
@@ -151,6 +152,9 @@ class RankShape:
     """One rank's share of the model, in the numbers the roofline needs."""
 
     weight_bytes: float
+    step_bytes: float
+    """What a step reads of them: all but the embedding table (a step gathers its T rows; tied, the LM head reads
+    it whole anyway)."""
     linear_params: float
     """The decoder layers' linear parameters (q, k, v, o, gate, up, down): 2 FLOPs each per token."""
     head_rows: int
@@ -204,7 +208,9 @@ def rank_shape(mc: Any, tp: int, dtype: str, quantization: Optional[str], kv_cac
     norms = (2 * local.num_hidden_layers + 1) * h * elem
     parts = {"embedding": embed, "layers": linear * wq + norms, "lm_head": head}
     kvbpt = bytes_per_block(local, block_size, cache_dtype_of(dtype, kv_cache_dtype)) // block_size
-    return RankShape(weight_bytes=sum(parts.values()), linear_params=linear, head_rows=local.vocab_size,
+    step_bytes = sum(parts.values()) - (0 if local.tie_word_embeddings else embed)
+    return RankShape(weight_bytes=sum(parts.values()), step_bytes=step_bytes, linear_params=linear,
+                     head_rows=local.vocab_size,
                      kv_bytes_per_token=kvbpt, heads=local.num_attention_heads, parts=parts)
 
 
@@ -241,7 +247,7 @@ def roofline_profile(mc: Any, hw: Hardware, *, model: str, dtype: str = "bfloat1
             return 0.0
         return ALLREDUCE_LATENCY_S + 2 * (tp - 1) / tp * tokens * mc.hidden_size * elem / link_bw
 
-    knot_s = [max(shape.weight_bytes / bw, 2 * shape.linear_params * t / flops)
+    knot_s = [max(shape.step_bytes / bw, 2 * shape.linear_params * t / flops)
               + mc.num_hidden_layers * 2 * allreduce(t) + eff.step_overhead_s for t in KNOTS]
     step = StepModel(knots=list(KNOTS), knot_s=knot_s,
                      per_sampled_row_s=2 * mc.hidden_size * shape.head_rows / head_flops,

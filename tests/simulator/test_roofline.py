@@ -19,6 +19,7 @@ TOY = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hi
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)
 TOY_LINEAR = 2 * (64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 128)  # q, k, v, o, gate/up/down: 73,728
 TOY_BYTES = 4 * (1000 * 64 + TOY_LINEAR + 5 * 64 + 1000 * 64)  # embedding, layers, 5 norms, LM head: 808,192
+TOY_STEP = TOY_BYTES - 4 * 1000 * 64  # what a step reads: not the embedding table (it gathers its rows)
 FLAT = Hardware("flat", {"float32": 1e9}, memory_bytes_per_s=1e8, memory_bytes=1e9, interconnect_bytes_per_s=1e7)
 IDEAL = Efficiency(mbu=1.0, mfu=1.0, attention_mfu=1.0, step_overhead_s=0.0, chunk_overhead_s=0.0,
                    link_efficiency=1.0)
@@ -32,8 +33,8 @@ def test_the_toy_models_steps_are_its_roofline_by_hand():
     p = toy()
     s = p.step
     assert p.weight_bytes_per_rank == TOY_BYTES
-    assert s.lin(1) == pytest.approx(TOY_BYTES / 1e8)                   # the weights once: memory-bound
-    assert s.lin(32) == pytest.approx(TOY_BYTES / 1e8)                  # still below the ridge (~55 tokens)
+    assert s.lin(1) == pytest.approx(TOY_STEP / 1e8)                    # the weights once: memory-bound
+    assert s.lin(32) == pytest.approx(TOY_STEP / 1e8)                   # still below the ridge (~38 tokens)
     assert s.lin(64) == pytest.approx(2 * TOY_LINEAR * 64 / 1e9)        # past it: compute-bound
     assert s.lin(32768) == pytest.approx(2 * TOY_LINEAR * 32768 / 1e9)
     assert p.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4                    # K and V x layers x KV heads x dim x fp32
@@ -49,7 +50,7 @@ def test_efficiencies_and_overheads_scale_what_they_name():
     p = toy(eff=Efficiency(mbu=0.5, mfu=0.25, attention_mfu=0.5, step_overhead_s=1e-3, chunk_overhead_s=2e-4,
                            link_efficiency=0.5))
     s = p.step
-    assert s.lin(1) == pytest.approx(TOY_BYTES / 0.5e8 + 1e-3)
+    assert s.lin(1) == pytest.approx(TOY_STEP / 0.5e8 + 1e-3)
     assert s.lin(32768) == pytest.approx(2 * TOY_LINEAR * 32768 / 0.25e9 + 1e-3)
     assert s.per_prefill_pair_s == pytest.approx(4 * 4 * 16 * 2 / 0.5e9)
     assert s.per_prefill_chunk_s == pytest.approx(2e-4)
@@ -62,7 +63,7 @@ def test_tensor_parallel_ranks_hold_half_and_pay_two_all_reduces_a_layer():
     assert p.weight_bytes_per_rank == rank_bytes
     assert p.rank_kv_bytes_per_token == 256 and p.kv_bytes_per_token == 512  # one KV head a rank
     allreduce = 20e-6 + 2 * (2 - 1) / 2 * 1 * 64 * 4 / 1e7  # one row of hidden 64 in fp32
-    assert p.step.lin(1) == pytest.approx(rank_bytes / 1e8 + 2 * 2 * allreduce)
+    assert p.step.lin(1) == pytest.approx((rank_bytes - 4 * 500 * 64) / 1e8 + 2 * 2 * allreduce)
     assert p.step.per_prefill_pair_s == pytest.approx(4 * 2 * 16 * 2 / 1e9)  # two query heads a rank
 
 
@@ -86,7 +87,7 @@ def test_quantized_weights_shrink_the_decode_step_and_fp8_doubles_the_math():
     embed_and_head = 2 * 2 * 128256 * 4096  # both stay bfloat16
     layers = bf16.weight_bytes_per_rank - embed_and_head
     assert int4.weight_bytes_per_rank == pytest.approx(embed_and_head + layers / 4, rel=1e-4)  # norms aside
-    assert int4.step.lin(1) == pytest.approx(int4.weight_bytes_per_rank / 3.35e12)
+    assert int4.step.lin(1) == pytest.approx((int4.weight_bytes_per_rank - 2 * 128256 * 4096) / 3.35e12)
     assert bf16.step.lin(32768) / fp8.step.lin(32768) == pytest.approx(1978.9 / 989.4)  # the datasheet's peaks
     assert int4.step.lin(32768) == pytest.approx(bf16.step.lin(32768))         # weight-only: bf16 math
 
