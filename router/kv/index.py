@@ -269,6 +269,9 @@ class KVEventConsumer:
         self._thread: Optional[threading.Thread] = None
         self.connected: Optional[bool] = None
         """None before the first read; then whether the last read of the streams succeeded."""
+        self.redis_errors = 0
+        """Reads of the streams that Redis failed (each routes by load only until one succeeds; the metric
+        ``kv_events_redis_errors_total`` counts the same)."""
         self.applied = 0
         """Batches applied (tests and the metrics read it)."""
 
@@ -328,6 +331,7 @@ class KVEventConsumer:
                 if self.connected is not False:
                     log.warning("KV events: Redis unavailable (%s); routing by load only until it answers", e)
                 self.connected = False
+                self.redis_errors += 1
                 m = self._metrics()
                 if m is not None:
                     m.inc_kv_events_redis_error()

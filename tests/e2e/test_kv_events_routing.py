@@ -19,6 +19,7 @@ in order, on one shared set of processes:
 """
 from __future__ import annotations
 
+import random
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -227,7 +228,8 @@ def _conversations(d: _Deployment, stubs: list, seed: int) -> tuple[float, dict[
     """CONV_SYSTEMS x CONV_PER_SYSTEM conversations at once, each CONV_TURNS turns re-sending its history. The first
     turns of one system prompt's conversations all enter the same router (a burst each router must spread
     knowing what the others just placed); turn t of conversation c enters router (c + t) mod len(stubs)."""
-    systems = [[(seed * 1000 + s * 100 + i) % 900 + 20 for i in range(SYSTEM)] for s in range(CONV_SYSTEMS)]
+    draw = random.Random(seed)  # every seed its own system prompts (a round run again must not find them cached)
+    systems = [[draw.randrange(20, 920) for _ in range(SYSTEM)] for _ in range(CONV_SYSTEMS)]
     before = {wid: w.info().requests_total for wid, w in d.live.items()}
 
     def conversation(c: int) -> list:
@@ -261,10 +263,29 @@ def test_conversations_through_three_routers_in_turn_hit_the_cache_as_through_on
     only the last assertion failed (the token hit rate and spread
     stayed within the margins in 3 of 3 runs: on tiny a prefill takes milliseconds, so the workers' own events
     confirm a placement almost as soon as a shared one would arrive); the old load term and kv_pending_s 0 lower the
-    1- and 3-router rates alike (tests/router/test_kv_replica.py catches those)."""
+    1- and 3-router rates alike (tests/router/test_kv_replica.py catches those). Rounds during which Redis failed the
+    routers (they then route by load only, by design) are run again: the property compares routers sharing an index."""
     d = roomy
-    one_rate, one_served, _, one_hist = _conversations(d, d.stubs[:1], 11)
-    rounds = [_conversations(d, d.stubs, seed) for seed in (12, 13)]
+
+    def trouble() -> int:
+        """Times the routers found Redis away (a stream read failed, a cold tie was drawn locally): the designed
+        fallback, routing by load only, which no longer compares routers sharing an index."""
+        return sum(r.core.kv_events.redis_errors + (r.core.kv_events.ties.local if r.core.kv_events.ties else 0)
+                   for r in d.routers)
+
+    def clean_round(stubs: list, seeds: list[int]) -> tuple:
+        """A round during which Redis always answered; on a starved host (two busy processes beside the suite,
+        Redis timing out for seconds) a round that fell back is run again with the next seed, a few times."""
+        for seed in seeds:
+            before = trouble()
+            got = _conversations(d, stubs, seed)
+            if trouble() == before:
+                return got
+            print(f"conversations: round of seed {seed} fell back to load-only routing (Redis away); again")
+        raise AssertionError(f"Redis failed the routers in each of {len(seeds)} rounds: nothing to compare")
+
+    one_rate, one_served, _, one_hist = clean_round(d.stubs[:1], [11, 21, 31, 41])
+    rounds = [clean_round(d.stubs, [seed, seed + 10, seed + 20, seed + 30]) for seed in (12, 13)]
     seen = (f"1 router {one_rate:.3f} (history {one_hist:.2f}) {one_served}; 3 routers "
             + "; ".join(f"{r:.3f} (history {h:.2f}) {s}" for r, s, _, h in rounds))
     print("conversations:", seen)

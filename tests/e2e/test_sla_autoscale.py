@@ -158,6 +158,11 @@ def test_sla_planner_sizes_the_pools_for_the_observed_rate_and_no_request_fails(
         seen = client.done()
         wait_until(lambda: client.done() >= seen + 8, timeout=60, interval=0.1,
                    message="eight requests on the grown pools")
+        # the estimate the accuracy checks below read: a window of this rate's requests alone (just after the
+        # pools grew, a loaded host's window still counts the slow requests of the move: 46 tokens a request)
+        wait_until(lambda: 0.7 * MAX_TOKENS <= planner.policy.last_load.output_tokens <= 1.3 * MAX_TOKENS,
+                   timeout=60, interval=0.1, message=lambda: f"a settled window at the high rate: {planner.policy.last_load}")
+        high = planner.policy.last_load
 
         client.rate = LOW
         wait_until(lambda: _sizes(cluster) == (1, 1), timeout=150, interval=0.1,
