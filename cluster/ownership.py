@@ -84,14 +84,28 @@ class ControllerLease:
         ttl_ms = max(1, int(self.ttl_s * 1000))
         deadline = time.monotonic() + wait_s
         announced = False
-        while not self._redis.set(self.key, self.generation, nx=True, px=ttl_ms):
-            holder = self.holder()
+        redis_error: Optional[redis.RedisError] = None
+        while True:
+            # Redis slow or away for a moment (a restart, a starved host) delays the start; it does not end it
+            try:
+                if self._redis.set(self.key, self.generation, nx=True, px=ttl_ms):
+                    break
+                holder = self.holder()
+                redis_error = None
+            except redis.RedisError as e:
+                if redis_error is None:
+                    log.warning("deployment %s: Redis at %s did not answer (%s); trying again until the start "
+                                "deadline", self.namespace, self._display, e)
+                redis_error, holder = e, None
             if holder == self.generation:  # ours already (a retry after a lost reply)
                 break
             if time.monotonic() >= deadline:
+                if redis_error is not None:
+                    raise TimeoutError(f"Redis at {self._display} did not answer for the controller lease of "
+                                       f"deployment {self.namespace} within {wait_s:g} s: {redis_error}")
                 raise TimeoutError(f"deployment {self.namespace} is managed by controller generation {holder} "
                                    f"(lease {self.key} on {self._display}); it did not leave within {wait_s:g} s")
-            if not announced:
+            if not announced and holder is not None:
                 log.warning("deployment %s: waiting for controller generation %s to leave", self.namespace, holder)
                 announced = True
             time.sleep(poll_s)

@@ -8,6 +8,8 @@ take the lease while the first holds it; teardown stops every worker and deletes
 """
 from __future__ import annotations
 
+import threading
+import time
 
 import pytest
 import ray
@@ -118,3 +120,37 @@ def test_a_lost_lease_says_why(redis_url, redis_namespace):
         assert "did not answer" in lease.lost_reason and "took" not in lease.lost_reason
     finally:
         lease._stop.set()
+
+
+def test_a_lease_taken_while_redis_is_paused_waits_for_it_and_says_so_when_it_never_answers(redis_namespace):
+    """A controller started while its Redis stalls (paused, as a starved host or a failover leaves it) waits for it
+    until the start deadline instead of exiting on the first socket timeout (a controller of the head-loss test
+    died so beside busy cores: "failed: TimeoutError: Timeout reading from socket"); one that never answers ends at
+    the deadline with a message naming Redis."""
+    import os
+    import signal
+
+    from cluster.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis().start()
+    resumed = None
+    try:
+        os.kill(server.pid, signal.SIGSTOP)
+        # 12 s: past the client's own retries (4 tries of a 2 s socket timeout), so only the lease's waiting helps
+        resumed = threading.Timer(12.0, os.kill, (server.pid, signal.SIGCONT))
+        resumed.start()
+        t0 = time.monotonic()
+        lease = ControllerLease(server.url, redis_namespace, "paused1", ttl_s=5.0).acquire(wait_s=120.0)
+        try:
+            assert time.monotonic() - t0 >= 11.0 and lease.holder() == "paused1"
+        finally:
+            lease.release()
+        resumed.join()
+        os.kill(server.pid, signal.SIGSTOP)
+        with pytest.raises(TimeoutError, match=r"Redis at .* did not answer for the controller lease"):
+            ControllerLease(server.url, redis_namespace, "paused2", ttl_s=5.0).acquire(wait_s=3.0)
+    finally:
+        if resumed is not None:
+            resumed.cancel()
+        os.kill(server.pid, signal.SIGCONT)
+        server.stop()
