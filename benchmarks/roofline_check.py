@@ -22,10 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from simulator.costs import StepFeatures, load_profile  # noqa: E402
-from simulator.roofline import GB, HARDWARE, TFLOP, Efficiency, Hardware, model_config_of, roofline_profile  # noqa: E402
+from simulator.costs import StepFeatures, load_profile
+from simulator.roofline import GB, HARDWARE, TFLOP, Efficiency, Hardware, model_config_of, roofline_profile
 
 FEATURES = ("tokens", "sampled", "prefill_pairs", "decode_ctx", "prefill_ctx", "prefill_cached_pairs",
             "prefill_chunks")
