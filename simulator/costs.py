@@ -220,6 +220,14 @@ class Profile:
     """Bytes of one rank's weights in the engine's format (rank 0's shard at TP > 1); with a simulated
     ``rank_memory_bytes`` the KV cache gets what they leave. None: not recorded (an older profile)."""
 
+    SERVING = ("router_per_request_s", "router_per_request_pair_s", "router_per_token_s", "router_per_step_s",
+               "router_cpu_per_token_s")
+    """The serving path's costs: the host's, whatever the TP or the engine (``serving_costs``)."""
+
+    def serving_costs(self) -> dict[str, Any]:
+        """The serving path's costs, to lend another profile (``dataclasses.replace(other, **these)``)."""
+        return {name: getattr(self, name) for name in self.SERVING}
+
     @property
     def rank_kv_bytes_per_token(self) -> int:
         return self.kv_bytes_per_token_rank or self.kv_bytes_per_token
@@ -344,11 +352,7 @@ class ProfileSet:
         for q in ordered:
             over: dict[str, Any] = {}
             if q is not serving and not (q.meta.get("router") or q.router_per_request_s):
-                over.update(router_per_request_s=serving.router_per_request_s,
-                            router_per_request_pair_s=serving.router_per_request_pair_s,
-                            router_per_token_s=serving.router_per_token_s,
-                            router_per_step_s=serving.router_per_step_s,
-                            router_cpu_per_token_s=serving.router_cpu_per_token_s)
+                over.update(serving.serving_costs())
             if not q.links:
                 over["links"] = dict(linked.links)
             self.by_tp[q.tensor_parallel_size] = replace(q, **over) if over else q

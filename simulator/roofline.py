@@ -220,6 +220,8 @@ def roofline_profile(mc: Any, hw: Hardware, *, model: str, dtype: str = "bfloat1
                      router_from: Optional[Profile] = None) -> Profile:
     """The roofline ``Profile`` of ``mc`` on ``hw`` (module docstring). ValueError naming the flag when the
     device lacks the arithmetic, or one rank's weights do not fit its memory."""
+    from engine.config import parse_dtype
+
     eff.check()
     tp = tensor_parallel_size
     math_dtype = MATH.get(quantization or "", dtype)
@@ -240,7 +242,7 @@ def roofline_profile(mc: Any, hw: Hardware, *, model: str, dtype: str = "bfloat1
     attn_flops = hw.flops[dtype] * eff.attention_mfu
     head_flops = hw.flops[dtype] * eff.mfu  # the LM head stays in the model dtype under every quantization
     link_bw = hw.interconnect_bytes_per_s * eff.link_efficiency
-    elem = _elem(dtype)
+    elem = parse_dtype(dtype).itemsize
 
     def allreduce(tokens: int) -> float:
         if tp == 1:
@@ -257,7 +259,6 @@ def roofline_profile(mc: Any, hw: Hardware, *, model: str, dtype: str = "bfloat1
                      per_prefill_chunk_s=eff.chunk_overhead_s)
     full = rank_shape(mc, 1, dtype, quantization, kv_cache_dtype, block_size) if tp > 1 else shape
     links = {name: LinkModel(LINK_LATENCY_S, link_bw) for name in ("cuda_ipc", "nccl")}
-    router = router_from  # the serving path's costs, when a measured profile lends them
     from simulator import PDSERVE_VERSION
     from simulator.profile import _git_commit
 
@@ -274,24 +275,14 @@ def roofline_profile(mc: Any, hw: Hardware, *, model: str, dtype: str = "bfloat1
                   "router costs from " + (router_from.meta.get("command", "a measured profile") if router_from
                                           else "nowhere: 0 (pass --router-from a measured profile)")],
     }
-    return Profile(model=model, dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+    return Profile(**(router_from.serving_costs() if router_from else {}),
+                   model=model, dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                    device="cuda" if hw.name.startswith("NVIDIA") else "custom", threads=None, block_size=block_size,
                    num_layers=mc.num_hidden_layers, kv_bytes_per_token=full.kv_bytes_per_token,
                    max_model_len=int(max_model_len or mc.max_position_embeddings), step=step, links=links,
-                   router_per_request_s=router.router_per_request_s if router else 0.0,
-                   router_per_request_pair_s=router.router_per_request_pair_s if router else None,
-                   router_per_token_s=router.router_per_token_s if router else 0.0,
-                   router_per_step_s=router.router_per_step_s if router else 0.0,
-                   router_cpu_per_token_s=router.router_cpu_per_token_s if router else 0.0,
                    meta=meta, tensor_parallel_size=tp,
                    kv_bytes_per_token_rank=shape.kv_bytes_per_token if tp > 1 else None,
                    weight_bytes_per_rank=int(shape.weight_bytes))
-
-
-def _elem(dtype: str) -> int:
-    from engine.config import parse_dtype
-
-    return parse_dtype(dtype).itemsize
 
 
 def hardware_from_args(args: argparse.Namespace) -> Hardware:
