@@ -198,17 +198,20 @@ if triton is not None:
             a = a.to(Y.dtype.element_ty).to(tl.float32)
         tl.store(Y + r * sy + offs, (a * u).to(Y.dtype.element_ty), mask=ok)
 
-    def _rope_kernel(X, COS, SIN, sx_t, sx_h, sc, ss, half, HALF_P: tl.constexpr, FP32: tl.constexpr):
-        # one program per (token, head); every product and difference rounded to x's dtype as torch does
+    def _rope_kernel(X, COS, SIN, sx_t, sx_h, sc, ss, half, heads, HB: tl.constexpr, HALF_P: tl.constexpr,
+                     FP32: tl.constexpr):
+        # one program per (token, group of HB heads), as vLLM's rotary kernel takes a token a block: the token's
+        # cos / sin row loaded once for its heads; every product and difference rounded to x's dtype as torch does
         t = tl.program_id(0)
-        h = tl.program_id(1)
+        hs = tl.program_id(1) * HB + tl.arange(0, HB)
         offs = tl.arange(0, HALF_P)
-        ok = offs < half
-        base = X + t * sx_t + h * sx_h
-        x1 = tl.load(base + offs, mask=ok, other=0.0)
-        x2 = tl.load(base + half + offs, mask=ok, other=0.0)
-        c = tl.load(COS + t * sc + offs, mask=ok, other=0.0).to(tl.float32)
-        s = tl.load(SIN + t * ss + offs, mask=ok, other=0.0).to(tl.float32)
+        ok_d = offs < half
+        ok = (hs < heads)[:, None] & ok_d[None, :]
+        base = X + t * sx_t + hs[:, None] * sx_h + offs[None, :]
+        x1 = tl.load(base, mask=ok, other=0.0)
+        x2 = tl.load(base + half, mask=ok, other=0.0)
+        c = tl.load(COS + t * sc + offs, mask=ok_d, other=0.0).to(tl.float32)[None, :]
+        s = tl.load(SIN + t * ss + offs, mask=ok_d, other=0.0).to(tl.float32)[None, :]
         dt = X.dtype.element_ty
         x1 = x1.to(tl.float32)
         x2 = x2.to(tl.float32)
@@ -216,8 +219,8 @@ if triton is not None:
         if not FP32:
             a, b = a.to(dt).to(tl.float32), b.to(dt).to(tl.float32)
             e, f = e.to(dt).to(tl.float32), f.to(dt).to(tl.float32)
-        tl.store(base + offs, (a - b).to(dt), mask=ok)
-        tl.store(base + half + offs, (e + f).to(dt), mask=ok)
+        tl.store(base, (a - b).to(dt), mask=ok)
+        tl.store(base + half, (e + f).to(dt), mask=ok)
 
     def _matmul_kernel(X, W, B, Y, M, N, K, sx_m, sx_k, sw_k, sw_n, sy_m, sy_n,
                        HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -472,10 +475,19 @@ def rope_(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
     if sin.stride(1) != 1:
         sin = sin.contiguous()
     if T and heads:
-        _kernels().rope[(T, heads)](qkv, cos, sin, qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0),
-                                    half, HALF_P=_pow2(half), FP32=qkv.dtype == torch.float32,
-                                    num_warps=1 if half <= 64 else 2, enable_fp_fusion=False)
+        HB, HALF_P, warps = _rope_config(heads, half)
+        _kernels().rope[(T, triton.cdiv(heads, HB))](
+            qkv, cos, sin, qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0), half, heads, HB=HB,
+            HALF_P=HALF_P, FP32=qkv.dtype == torch.float32, num_warps=warps, enable_fp_fusion=False)
     return qkv
+
+
+def _rope_config(heads: int, half: int) -> tuple[int, int, int]:
+    """HB (heads a program rotates), HALF_P, num_warps of ``rope_``: up to 1024 elements a program, 8 a thread (no
+    spills at any head_dim, tests/engine/triton_aot.py). A Llama-3 8B token (40 heads of 128) takes 3 programs."""
+    HALF_P = _pow2(half)
+    HB = min(_pow2(heads), max(2, 1024 // HALF_P))
+    return HB, HALF_P, max(1, min(4, HB * HALF_P // 256))
 
 
 def _matmul_config(dtype: torch.dtype) -> tuple[int, int, int, int]:

@@ -375,10 +375,12 @@ def _rope_inputs(T: int, total: int, D: int, dtype: torch.dtype) -> tuple[Tensor
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("D", [16, 40])
-def test_rope_in_place(dtype, D):
-    qkv, cos, sin = _rope_inputs(5, 7, D, dtype)
-    heads = 5  # 3 query + 2 KV heads rotated, the 2 V heads left alone
+@pytest.mark.parametrize("D,total,heads", [(16, 7, 5), (40, 7, 5), (256, 24, 19)])
+def test_rope_in_place(dtype, D, total, heads):
+    # 3 query + 2 KV heads rotated, the 2 V heads left alone; at head_dim 256 a program takes 8 heads (_rope_config),
+    # so 19 of 24 are three programs a token, the last one with 3 heads
+    assert tk._rope_config(heads, D // 2)[0] < heads or D < 256
+    qkv, cos, sin = _rope_inputs(5, total, D, dtype)
     before = qkv.clone()
     out = tk.rope_(qkv, cos, sin, heads)
     assert out is qkv
