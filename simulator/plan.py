@@ -140,23 +140,39 @@ def simulate_point(profile: "Profile | ProfileSet", cfg: SimConfig, reqs: list[S
                  {role: s.utilisation(duration) for role, s in pools.items()})
 
 
+COLD_SHRINK = 3
+"""A cold bisection (no bracket from another candidate) that misses at its first rate, a twentieth of the
+optimistic guess, tries a quarter of it up to this many times (down to 1/64): a 70B's ranks or a bursty trace's
+arrivals can serve far less than the guess, and "no configuration meets the SLOs at any rate" must mean it."""
+
+
 def goodput_of(probe: Callable[[float], Point], lo: float, hi: float, goal: float, rel_tol: float = 0.04,
-               max_probes: int = 14, grow: float = 2.0) -> tuple[float, Optional[Point], list[Point]]:
-    """Bisection for the highest passing rate in [lo, hi] (hi grows ``grow``-fold while it still passes)."""
+               max_probes: int = 14, grow: float = 2.0, shrink: int = 0) -> tuple[float, Optional[Point], list[Point]]:
+    """Bisection for the highest passing rate in [lo, hi] (hi grows ``grow``-fold while it still passes). Where lo
+    misses, up to ``shrink`` more probes at a quarter of the rate each before giving up (goodput 0): a first guess
+    can be far above what a slow deployment (a 70B, a bursty trace) serves."""
     if not grow > 1:
         raise ValueError(f"grow must be > 1, got {grow}")
     probes: list[Point] = []
     first = probe(lo)
     probes.append(first)
+    missed_at = None
+    while first.attainment < goal and len(probes) <= shrink:
+        missed_at, lo = lo, lo / 4
+        first = probe(lo)
+        probes.append(first)
     if first.attainment < goal:
         return 0.0, None, probes
     best = first
-    top = probe(hi)
-    probes.append(top)
-    while top.attainment >= goal and len(probes) < max_probes:
-        best, lo, hi = top, hi, hi * grow
+    if missed_at is not None:
+        hi = missed_at  # known to miss: bisect below it
+    else:
         top = probe(hi)
         probes.append(top)
+        while top.attainment >= goal and len(probes) < max_probes:
+            best, lo, hi = top, hi, hi * grow
+            top = probe(hi)
+            probes.append(top)
     while hi - lo > rel_tol * lo and len(probes) < max_probes:
         mid = math.sqrt(lo * hi)
         p = probe(mid)
@@ -347,7 +363,7 @@ class Planner:
 
         if lo is None:
             lo = 0.05 * self.rate_per_worker_guess * cfg.num_ranks
-            g, at, probes = goodput_of(probe, lo, 4 * lo, self.goal, self.rel_tol)
+            g, at, probes = goodput_of(probe, lo, 4 * lo, self.goal, self.rel_tol, shrink=COLD_SHRINK)
         else:  # a warm bracket: grow gently past it, a probe at twice the rate costs twice the requests
             g, at, probes = goodput_of(probe, lo, 2 * lo if hi is None else hi, self.goal, self.rel_tol, grow=1.3)
         return Candidate(cfg, g, at, probes)
@@ -497,9 +513,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             n = min(args.max_workers, max(n + 1, math.ceil(n * args.target_rate / top)) if top > 0 else 2 * n)
     wall = time.perf_counter() - t0
     if not best:
-        lone = min((c.probes[0] for c in done if c.probes), key=lambda p: p.p90_ttft_ms, default=None)
-        hint = "" if lone is None else (f"; at the lowest rate tried the best p90 TTFT was {lone.p90_ttft_ms:.0f} ms "
-                                        f"and mean TPOT {lone.mean_tpot_ms:.1f} ms")
+        lowest = [min(c.probes, key=lambda p: p.rate) for c in done if c.probes]
+        lone = min(lowest, key=lambda p: p.p90_ttft_ms, default=None)
+        hint = "" if lone is None else (f" (the lowest tried: {min(p.rate for p in lowest):.3g} req/s); there the best "
+                                        f"p90 TTFT was {lone.p90_ttft_ms:.0f} ms and mean TPOT "
+                                        f"{lone.mean_tpot_ms:.1f} ms")
         print(f"error: no configuration of {n} ranks meets --ttft-slo-ms {args.ttft_slo_ms:g} and --tpot-slo-ms "
               f"{args.tpot_slo_ms:g} for {args.goal:.0%} of requests at any rate{hint}", file=sys.stderr)
         return 2

@@ -319,6 +319,23 @@ def test_goodput_bisection_finds_the_threshold():
     assert g == 0.0 and at is None
 
 
+def test_goodput_bisection_looks_below_a_first_rate_that_misses():
+    # a deployment that serves 0.1 req/s where the first guess was 1: gone looking below it, not called useless
+    from simulator.plan import COLD_SHRINK, Point, goodput_of
+
+    def probe(rate: float) -> Point:
+        return Point(rate, 1.0 if rate <= 0.1 else 0.2, 0.0, 0.0, {})
+
+    assert goodput_of(probe, 1.0, 4.0, 0.9)[0] == 0.0  # (without shrink: one probe, goodput 0)
+    g, at, probes = goodput_of(probe, 1.0, 4.0, 0.9, shrink=COLD_SHRINK)
+    assert 0.1 * 0.96 <= g <= 0.1 and at.rate == g and len(probes) <= 14
+    assert [p.rate for p in probes[:3]] == [1.0, 0.25, 0.0625]
+    assert all(0.0625 < p.rate < 0.25 for p in probes[3:])  # bisected between the last miss and the first pass
+    # it stops at 1/4^shrink of the first rate
+    g, _, probes = goodput_of(probe, 1000.0, 4000.0, 0.9, shrink=COLD_SHRINK)
+    assert g == 0.0 and len(probes) == COLD_SHRINK + 1 and min(p.rate for p in probes) == 1000.0 / 4 ** COLD_SHRINK
+
+
 def test_plan_cli(tmp_path, capsys):
     from simulator import plan
 
