@@ -195,7 +195,9 @@ class RequestFlow:
         if token_ids and not was_finished:
             if not_first and self.deps.metrics is not None:
                 self.deps.metrics.observe_itl(now - self._last_tok[index])
-            self._last_tok[index] = now
+            # the request's first token counts from its TTFT stamp (TPOT's base too), not from this later clock
+            # read: a request's ITLs then sum to its decode time exactly, however long the TTFT metrics took
+            self._last_tok[index] = self._t_first if index == 0 and not not_first and self._t_first else now
         ev = FlowEvent(self.rid, delta.token_ids, delta.text, delta.logprobs, index=index)
         if index == 0 and token_ids and not not_first and self.scope.choice_params[0].prompt_logprobs is not None:
             ev.prompt_logprobs = [None, *logprobs_from_wire(wire_prompt_logprobs)]

@@ -3,6 +3,7 @@ request-level ones on the router, engine-level ones on the workers (metrics.OWNE
 from __future__ import annotations
 
 import threading
+import time
 import urllib.request
 
 import torch
@@ -48,8 +49,14 @@ def _no_threads_left(tag: str) -> None:
                timeout=10.0, message=f"threads named {tag!r} ended")
 
 
-def test_router_and_workers_export_their_series():
+def test_router_and_workers_export_their_series(monkeypatch):
+    from metrics.router_metrics import RouterMetrics
+
     torch.set_num_threads(1)
+    # a router thread held up between the first token's TTFT stamp and its output (a busy host: the relation
+    # below failed by 10% beside two CPU hogs on 30 Nov): a request's ITLs must still sum to its decode time
+    phases = RouterMetrics.observe_ttft_phases
+    monkeypatch.setattr(RouterMetrics, "observe_ttft_phases", lambda self, p: (time.sleep(0.05), phases(self, p))[1])
     roles = start_roles(kv=KV, tag="met-", metrics=True)
     try:
         addrs = [roles.router.metrics_address, roles.prefills[0].metrics_address, roles.decodes[0].metrics_address]
@@ -81,7 +88,7 @@ def test_router_and_workers_export_their_series():
         assert _total(r, "pdserve:request_time_per_output_token_seconds_count") == 2
         tpot_sum = _total(r, "pdserve:request_time_per_output_token_seconds_sum")
         itl_sum = _total(r, "pdserve:inter_token_latency_seconds_sum")
-        assert tpot_sum > 0 and abs(tpot_sum * 4 - itl_sum) <= 0.05 * itl_sum, (tpot_sum, itl_sum)
+        assert tpot_sum > 0 and abs(tpot_sum * 4 - itl_sum) <= 1e-6 * itl_sum, (tpot_sum, itl_sum)
         # engine steps: the prefill worker ran each prompt in one step, the decode worker 4 one-token steps each
         assert _total(p, "pdserve:iteration_tokens_total_count") == 2
         assert _total(p, "pdserve:iteration_tokens_total_sum") == 2 * n_prompt
