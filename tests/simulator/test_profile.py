@@ -174,9 +174,12 @@ def test_quick_profile_of_tiny(tmp_path, capsys):
     excess1, excess8 = r["token_gap_s"] - r["engine_decode_s"], r["token_gap_batch_s"] - r["engine_decode_batch_s"]
     assert r["per_token_raw_s"] == pytest.approx((excess8 - excess1) / 7)
     assert prof.router_per_step_s == max(0.0, r["per_step_raw_s"])
-    # the pair path (Reserve + Prefill stream + first token) was measured on its own, and costs the router more
+    # the pair path (Reserve + Prefill stream + first token) was measured on its own: its TTFT less the engine's
+    # prefill. Not "pair TTFT > engine prefill": two timings taken at different moments, which CPU hogs beside the
+    # suite reorder (30 Nov: 11.3 ms through the pair against a 13.6 ms offline prefill, the latter taken under load)
+    assert r["pair_ttft_s"] > 0 and r["pair_ttft_s"] != r["ttft_s"]
+    assert r["per_request_pair_raw_s"] == pytest.approx(r["pair_ttft_s"] - r["engine_prefill_s"])
     assert prof.router_per_request_pair_s == max(0.0, r["per_request_pair_raw_s"])
-    assert r["pair_ttft_s"] > r["engine_prefill_s"]
     # co-running measured beside one busy sibling on another core (CI has 2), fitted, and this process's
     # affinity given back
     c = prof.meta["corun"]
