@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 from simulator.cluster_sim import SimConfig, SimRequest
 from simulator.costs import load_profile
-from simulator.plan import Planner, candidates
+from simulator.plan import Planner, candidates, usable_cores
 
 TRACES = REPO.parent / "shared" / "traces"
 WORKLOADS = {"conversation": ("azure_llm_2023_conv.csv", 1.0), "code": ("azure_llm_2023_code.csv", 1.0),
@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prune", action="store_true",
                     help="start each candidate's bisection at 0.75x the best of its mode so far; drop it there if "
                          "it misses (one probe per loser)")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="processes simulating candidates side by side (default: every core this process may use; "
+                         "without --prune only: a pruned search is sequential)")
     ap.add_argument("--share-window", type=int, default=3,
                     help="past --full-search-max: P shares tried = the winner's +- k/32, k <= this")
     ap.add_argument("--won-from", type=Path, default=None,
@@ -98,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     if ns.probe_seconds is not None and not ns.probe_seconds > 0:
         ap.error(f"--probe-seconds must be > 0, got {ns.probe_seconds}")
+    if ns.jobs is not None and ns.jobs < 1:
+        ap.error(f"--jobs must be >= 1, got {ns.jobs}")
     from simulator.plan import _locals
 
     prof = load_profile(ns.profile)
@@ -137,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             reqs = whole or trace_requests(ns.traces / fname, max(ns.min_requests, ns.requests_per_worker * n),
                                            prof.max_model_len, ns.seed)
             planner = Planner(prof, reqs, slos, 0.9, burst, ns.seed, base, duration_s=ns.probe_seconds,
-                              rel_tol=ns.rel_tol, prune=ns.prune)
+                              rel_tol=ns.rel_tol, prune=ns.prune, jobs=ns.jobs or usable_cores())
             planner.hints = dict(hints)
             planner.refine = n <= ns.full_search_max  # past it, --share-window chose the splits
             locals_ = _locals(ns.local_prefill, reqs)
@@ -160,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                                          abs(c.prefill - (won["disaggregated"].prefill * n
                                                           // won["disaggregated"].num_workers
                                                           if "disaggregated" in won else n // 2))))
-            done, best = planner.best_of(cfgs)
+            with planner:  # (its worker processes end with the budget)
+                done, best = planner.best_of(cfgs)
             if n <= ns.full_search_max:
                 won = {m: c.cfg for m, c in best.items()}
             hints = {m: c.per_worker for m, c in best.items()}

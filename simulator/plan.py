@@ -22,15 +22,22 @@ leave no room for one KV block is left out (with a note), and the others' KV cac
 leave. Goodput per rank is what the recommendation compares.
 
 The same arrival seed is used for every candidate and rate, so candidates are compared on the same
-request sequence (only its time axis is rescaled).
+request sequence (only its time axis is rescaled). Candidates are independent of one another (without
+``prune``), so ``--jobs N`` (default: every core this process may use) evaluates them in N spawned processes;
+each holds a copy of the planner made at its first parallel search, and the answer is the one a single
+process gives, candidate for candidate (``Planner.close`` ends the processes).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import multiprocessing
+import os
+import signal
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -239,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="colocated,disaggregated", help="which kinds of deployment to consider")
     p.add_argument("--max-workers", type=int, default=1024,
                    help="--target-rate: the largest deployment to try (in ranks)")
+    p.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="processes that simulate candidates side by side (default: every core this process may "
+                        "use; the answer is the same at any N)")
     add_workload_args(p)
     add_deployment_args(p, pools=False)
     return p
@@ -264,12 +274,24 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--workers must be >= 1 (a budget of {args.workers} workers serves nothing)")
     if args.target_rate is not None and not args.target_rate > 0:
         raise ValueError(f"--target-rate must be > 0, got {args.target_rate}")
+    if args.jobs is None:
+        args.jobs = usable_cores()
+    elif args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     args.chunk_list = _int_list(args.chunk_sizes, "--chunk-sizes")
     args.mode_list = [m for m in args.modes.split(",") if m]
     if not args.mode_list or any(m not in ("colocated", "disaggregated") for m in args.mode_list):
         raise ValueError(f"--modes: expected colocated and/or disaggregated, got {args.modes!r}")
     if args.workers == 1 and args.mode_list == ["disaggregated"]:
         raise ValueError("--workers 1 cannot be disaggregated (it needs a prefill and a decode worker)")
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, which a container's cpuset narrows)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # (not Linux)
+        return os.cpu_count() or 1
 
 
 def _locals(text: str, reqs: list[SimRequest]) -> list[int]:
@@ -304,20 +326,27 @@ class Planner:
     def __init__(self, profile: "Profile | ProfileSet", reqs: list[SimRequest], slos: dict[str, float], goal: float,
                  burstiness: Optional[float], seed: int, base: SimConfig, duration_s: Optional[float] = None,
                  new_prompts: bool = True, rel_tol: float = 0.04, prune: bool = False,
-                 tps: Sequence[int] = (1,)) -> None:
+                 tps: Sequence[int] = (1,), jobs: int = 1) -> None:
         """``duration_s``: each probe replays ``ceil(rate * duration_s)`` requests (``reqs`` looped by
         ``loop_requests`` when it runs out, ``new_prompts`` passed on) instead of all of ``reqs``, so a probe
         lasts about as long at 1,000 req/s as at 1 req/s and queues have time to form. ``rel_tol``: the
         bisection stops when its bracket is that narrow (relative). ``prune``: ``best_of`` starts each
         candidate's bisection at ``PRUNE_BELOW`` x the best goodput per worker of its mode found so far and
         gives up on a candidate that misses there (goodput 0, ``pruned_below`` set): it cannot be the best, and
-        a search over many candidates then costs about one probe for each loser."""
+        a search over many candidates then costs about one probe for each loser. ``jobs``: processes that
+        evaluate a search's candidates side by side (without ``prune``; with it each candidate starts from the
+        ones before it, so they run one after another here)."""
         if not 0 < rel_tol < 1:
             raise ValueError(f"rel_tol must be within (0, 1), got {rel_tol}")
         if duration_s is not None and not duration_s > 0:
             raise ValueError(f"duration_s (--probe-seconds) must be > 0, got {duration_s}")
         if not reqs:
             raise ValueError("reqs: the workload has no requests")
+        if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+            raise ValueError(f"jobs (--jobs) must be an integer >= 1, got {jobs!r}")
+        self.jobs = jobs
+        self._pool: Optional[ProcessPoolExecutor] = None
+        self._pool_size = 0
         self.profiles = ProfileSet.of(profile)
         self.profile = self.profiles.base
         self.tps = list(tps)
@@ -384,9 +413,61 @@ class Planner:
             return 0.2 * other.per_worker * n, other.per_worker * n
         return None, None
 
-    def best_of(self, cfgs: list[SimConfig]) -> tuple[list[Candidate], dict[str, Candidate]]:
-        done: list[Candidate] = []
-        best: dict[str, Candidate] = {}
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_pool": None}  # a worker process gets the planner, not its pool
+
+    def evaluate_all(self, cfgs: list[SimConfig]) -> list[Candidate]:
+        """Every ``cfg``'s goodput from a cold start, in ``cfgs``' order: in up to ``jobs`` processes at once
+        (the same answers as one after another: each evaluation is a function of the planner and its ``cfg``)."""
+        if self.jobs == 1 or len(cfgs) < 2:
+            return [self.evaluate(cfg) for cfg in cfgs]
+        want = min(self.jobs, len(cfgs))
+        if self._pool is not None and self._pool_size < want:  # (a --target-rate search's budgets grow)
+            self.close()
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(want, mp_context=multiprocessing.get_context("spawn"),
+                                             initializer=_serve, initargs=(self,))
+            self._pool_size = want
+        try:
+            out = []
+            for c, sims, reqs in self._pool.map(_evaluate_in_worker, cfgs):
+                self.simulations += sims
+                self.requests_simulated += reqs
+                out.append(c)
+            return out
+        except BaseException:  # (KeyboardInterrupt included) the workers' candidates are not wanted any more
+            self.close(kill=True)
+            raise
+
+    def close(self, kill: bool = False) -> None:
+        """End the worker processes (``kill``: now, mid-simulation); a later parallel search starts new ones."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        if kill:
+            terminate = getattr(pool, "terminate_workers", None)  # Python 3.14; before it, the pool's own table
+            if terminate is not None:
+                terminate()
+            else:
+                for proc in list(getattr(pool, "_processes", {}).values()):
+                    proc.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> "Planner":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close(kill=exc[0] is not None)
+
+    def _search(self, cfgs: list[SimConfig], best: dict[str, Candidate]) -> list[Candidate]:
+        """``cfgs`` evaluated, each kept in ``best`` (per mode) if it beats it; pruned (one after another, each
+        from the best so far) or cold (side by side with ``jobs``)."""
+        if not self.prune:
+            done = self.evaluate_all(cfgs)
+            for c in done:
+                _keep(best, c)
+            return done
+        done = []
         for cfg in cfgs:
             lo, hi = self._bracket(cfg, best)
             c = self.evaluate(cfg, lo, hi)
@@ -395,8 +476,12 @@ class Planner:
             elif c.goodput == 0 and lo is not None:  # the first of its mode missed a warm bracket: start cold
                 c = self.evaluate(cfg)
             done.append(c)
-            if c.goodput > 0 and (c.cfg.mode not in best or c.goodput > best[c.cfg.mode].goodput):
-                best[c.cfg.mode] = c
+            _keep(best, c)
+        return done
+
+    def best_of(self, cfgs: list[SimConfig]) -> tuple[list[Candidate], dict[str, Candidate]]:
+        best: dict[str, Candidate] = {}
+        done = self._search(cfgs, best)
         # refine a large budget's P:D split around the best coarse one
         b = best.get("disaggregated")
         if self.refine and b is not None and b.cfg.num_ranks > 16:  # the coarse grid went in steps of n / 16
@@ -405,15 +490,33 @@ class Planner:
             ps = {max(1, b.cfg.prefill + k * max(1, fine // pt)) for k in (-3, -2, -1, 1, 2, 3)} - {b.cfg.prefill}
             extra = [replace(b.cfg, prefill=p, decode=(n - p * pt) // dt) for p in sorted(ps)
                      if n - p * pt >= dt and (n - p * pt) % dt == 0]
-            for x in extra:
-                lo, hi = self._bracket(x, best)
-                c = self.evaluate(x, lo, hi)
-                if c.goodput == 0 and lo is not None:
-                    c.pruned_below = lo
-                done.append(c)
-                if c.goodput > best["disaggregated"].goodput:
-                    best["disaggregated"] = c
+            done += self._search(extra, best)
         return done, best
+
+
+def _keep(best: dict[str, Candidate], c: Candidate) -> None:
+    """``c`` becomes its mode's best if it serves more (the first of equals stays)."""
+    if c.goodput > 0 and (c.cfg.mode not in best or c.goodput > best[c.cfg.mode].goodput):
+        best[c.cfg.mode] = c
+
+
+_WORKER_PLANNER: Optional[Planner] = None
+"""In a ``Planner.evaluate_all`` worker process only: the planner it evaluates candidates for."""
+
+
+def _serve(planner: Planner) -> None:
+    global _WORKER_PLANNER
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle (it ends us)
+    _WORKER_PLANNER = planner
+
+
+def _evaluate_in_worker(cfg: SimConfig) -> tuple[Candidate, int, int]:
+    """(the candidate, the simulations and requests it took)."""
+    p = _WORKER_PLANNER
+    assert p is not None, "_evaluate_in_worker runs only in a Planner's worker process"
+    sims, reqs = p.simulations, p.requests_simulated
+    c = p.evaluate(cfg)
+    return c, p.simulations - sims, p.requests_simulated - reqs
 
 
 def _table(best: dict[str, Candidate], title: str) -> Table:
@@ -459,6 +562,24 @@ def _fit_error(cfg: SimConfig, profile: Profile) -> str:
     return ""
 
 
+def _search(planner: Planner, args: argparse.Namespace, tps: list[int], locals_: list[int]
+            ) -> tuple[int, list[Candidate], dict[str, Candidate]]:
+    """(the budget searched last, every candidate evaluated, the best per mode): ``--workers``'s budget, or
+    budgets growing until one serves ``--target-rate``."""
+    if args.workers is not None:
+        done, best = plan_budget(planner, args.workers, args.chunk_list, locals_, args.mode_list)
+        return args.workers, done, best
+    n, done = min(tps) if "colocated" in args.mode_list else 2 * min(tps), []
+    while True:
+        d, b = plan_budget(planner, n, args.chunk_list, locals_, args.mode_list)
+        done += d
+        if any(c.goodput >= args.target_rate for c in b.values()) or n >= args.max_workers:
+            return n, done, b
+        top = max([c.goodput for c in b.values()] + [0.0])
+        # next budget: proportional to the shortfall (goodput grows about linearly with workers), at least +1
+        n = min(args.max_workers, max(n + 1, math.ceil(n * args.target_rate / top)) if top > 0 else 2 * n)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of `pdserve plan`; 0 with a recommendation, 2 on bad input or SLOs nothing meets."""
     parser = build_parser()
@@ -490,27 +611,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     # a trace replayed without --request-rate keeps its own burst pattern at every probed rate
     own_gaps = args.dataset_name == "trace" and args.request_rate is None
     planner = Planner(profiles, reqs, slos, args.goal, None if own_gaps else args.burstiness, args.seed, base,
-                      tps=tps)
+                      tps=tps, jobs=args.jobs)
     for note in tp_notes:
         print(f"note: {note}")
     t0 = time.perf_counter()
-    if args.workers is not None:
-        n = args.workers
-        done, best = plan_budget(planner, n, args.chunk_list, locals_, args.mode_list)
-    else:
-        n, done, best = min(tps) if "colocated" in args.mode_list else 2 * min(tps), [], {}
-        while True:
-            d, b = plan_budget(planner, n, args.chunk_list, locals_, args.mode_list)
-            done += d
-            if any(c.goodput >= args.target_rate for c in b.values()):
-                best = {m: c for m, c in b.items()}
-                break
-            if n >= args.max_workers:
-                best = b
-                break
-            top = max([c.goodput for c in b.values()] + [0.0])
-            # next budget: proportional to the shortfall (goodput grows about linearly with workers), at least +1
-            n = min(args.max_workers, max(n + 1, math.ceil(n * args.target_rate / top)) if top > 0 else 2 * n)
+    try:
+        with planner:
+            n, done, best = _search(planner, args, tps, locals_)
+    except KeyboardInterrupt:  # Ctrl-C: the workers are ended (``Planner.__exit__``), a shell's status for it
+        print(f"interrupted after {planner.simulations} simulations: no plan", file=sys.stderr)
+        return 130
     wall = time.perf_counter() - t0
     if not best:
         lowest = [min(c.probes, key=lambda p: p.rate) for c in done if c.probes]
@@ -531,7 +641,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "disaggregated" in best and "colocated" in best:
         r = best["disaggregated"].per_worker / best["colocated"].per_worker
         print(f"disaggregated / colocated goodput per rank: {r:.2f}x")
-    print(f"{planner.simulations} simulations in {wall:.1f} s")
+    print(f"{planner.simulations} simulations in {wall:.1f} s ({args.jobs} process{'es' if args.jobs > 1 else ''})")
     if args.save_result:
         path = Path(args.save_result if isinstance(args.save_result, str) else "plan.json")
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,103 @@
+"""`pdserve plan --jobs N`: candidates simulated in N spawned processes give the answer one process gives,
+candidate for candidate, count every simulation, and leave no process behind (simulator/plan.py,
+``Planner.evaluate_all``). Real processes (the ``spawn`` context `pdserve plan` uses), the hand-made profile of
+test_simulate.py."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from simulator import plan
+from simulator.cluster_sim import SimConfig, SimRequest
+from tests.simulator.test_simulate import make_profile
+from tests.waiting import wait_until
+
+
+def _plan(tmp_path, capsys, jobs: str, *extra: str) -> tuple[int, dict, str]:
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps(make_profile().to_dict()))
+    out = tmp_path / f"plan-{jobs}.json"
+    rc = plan.main(["--profile", str(prof), "--dataset-name", "random", "--input-len", "200", "--output-len", "20",
+                    "--num-prompts", "40", "--chunk-sizes", "256,512", "--local-prefill", "0,100", "--workers", "3",
+                    "--ttft-slo-ms", "2000", "--tpot-slo-ms", "100", "--jobs", jobs, "--save-result", str(out),
+                    *extra])
+    captured = capsys.readouterr()
+    return rc, (json.loads(out.read_text()) if out.exists() else {}), captured.out + captured.err
+
+
+def test_plan_in_two_processes_answers_what_one_does(tmp_path, capsys):
+    rc1, one, out1 = _plan(tmp_path, capsys, "1")
+    rc2, two, out2 = _plan(tmp_path, capsys, "2")
+    assert rc1 == rc2 == 0
+    # 2 colocated and 2 x 2 x 2 split candidates (1P+2D, 2P+1D at two chunks and two local-prefill thresholds)
+    assert len(one["candidates"]) == 10 and all(c["goodput_rps"] > 0 for c in one["candidates"])
+    assert len({c["goodput_rps"] for c in one["candidates"]}) > 2  # candidates that differ, so order matters
+    assert two == one  # every candidate's probes, in the same order, and the same recommendation
+    sims = [line for line in out1.splitlines() if " simulations in " in line]
+    assert sims and sims[0].split()[0] == str(sum(len(c["probes"]) for c in one["candidates"]))
+    # the parent counts the workers' simulations
+    assert [line.split()[0] for line in out2.splitlines() if " simulations in " in line] == [sims[0].split()[0]]
+    assert "(2 processes)" in out2
+
+
+def test_plan_jobs_is_checked(tmp_path, capsys):
+    rc, d, out = _plan(tmp_path, capsys, "0")
+    assert rc == 2 and d == {} and "--jobs" in out
+    with pytest.raises(ValueError, match="jobs"):
+        plan.Planner(make_profile(), [SimRequest("a", 0.0, [1, 2], 2)], {"ttft": 1.0}, 0.9, 1.0, 0, SimConfig(),
+                     jobs=0)
+
+
+def test_planner_ends_its_worker_processes(tmp_path):
+    reqs = [SimRequest(f"r{i}", 0.0, [1 + i] * 50, 5) for i in range(12)]
+    cfgs = plan.candidates(2, [256, 512], [0], SimConfig(), ["colocated", "disaggregated"])
+    planner = plan.Planner(make_profile(), reqs, {"ttft": 2.0, "tpot": 0.1}, 0.9, 1.0, 0, SimConfig(), jobs=2)
+    with planner:
+        got = planner.evaluate_all(cfgs)
+        pool = planner._pool  # (held here: a pool dropped unreferenced would end its workers anyway)
+        procs = list(pool._processes.values())
+        assert len(procs) == 2 and all(p.is_alive() for p in procs)
+    assert planner._pool is None and pool is not None
+    wait_until(lambda: not any(p.is_alive() for p in procs), timeout=60, message="the planner's workers to exit")
+    # and what they found is what this process finds
+    alone = plan.Planner(make_profile(), reqs, {"ttft": 2.0, "tpot": 0.1}, 0.9, 1.0, 0, SimConfig())
+    assert [(c.goodput, c.probes) for c in got] == [(c.goodput, c.probes) for c in alone.evaluate_all(cfgs)]
+    assert planner.simulations == alone.simulations > len(cfgs)
+
+
+def test_ctrl_c_ends_a_parallel_plan_and_its_workers(tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the whole process group) mid-search: `pdserve plan` exits promptly (130, a
+    line saying so, no traceback), and its worker processes (which ignore SIGINT, so the parent ends them) are gone: none keeps simulating."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps(make_profile().to_dict()))
+    # a search of many minutes: 4000 requests a probe, 10 candidates
+    proc = subprocess.Popen([sys.executable, "-m", "simulator.plan", "--profile", str(prof), "--dataset-name", "random",
+                             "--input-len", "200", "--output-len", "200", "--num-prompts", "4000", "--chunk-sizes",
+                             "256,512", "--local-prefill", "0,100", "--workers", "3", "--ttft-slo-ms", "2000",
+                             "--tpot-slo-ms", "100", "--jobs", "2"],
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        parent = psutil.Process(proc.pid)
+        # the workers are simulating: past their start (importing pdserve takes ~2.3 s of CPU here)
+        workers = wait_until(lambda: [c for c in parent.children() if c.cpu_times().user > 6] or None, timeout=240,
+                             message="two busy plan workers")
+        kids = parent.children(recursive=True)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, out[-2000:]  # interrupted (a shell's status for SIGINT), not finished
+    assert b"interrupted after" in out and b"Traceback" not in out
+    assert workers
+    _, alive = psutil.wait_procs(kids, timeout=30)
+    assert not alive, [p.pid for p in alive]
