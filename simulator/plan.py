@@ -25,7 +25,8 @@ The same arrival seed is used for every candidate and rate, so candidates are co
 request sequence (only its time axis is rescaled). Candidates are independent of one another (without
 ``prune``), so ``--jobs N`` (default: every core this process may use) evaluates them in N spawned processes;
 each holds a copy of the planner made at its first parallel search, and the answer is the one a single
-process gives, candidate for candidate (``Planner.close`` ends the processes).
+process gives, candidate for candidate (``Planner.close`` ends the processes). ``Planner.progress`` hears of
+each candidate as it finishes (a progress bar on a terminal's stderr).
 """
 from __future__ import annotations
 
@@ -37,12 +38,13 @@ import os
 import signal
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from loadtest.arrivals import gamma_arrivals
@@ -347,6 +349,10 @@ class Planner:
         self.jobs = jobs
         self._pool: Optional[ProcessPoolExecutor] = None
         self._pool_size = 0
+        self.progress: Optional[Callable[[int, int], None]] = None
+        """Called with (candidates evaluated, candidates planned so far) as each one finishes (`pdserve plan`'s
+        progress bar); a later budget or the refinement of a split adds to the second."""
+        self._evaluated = self._planned = 0
         self.profiles = ProfileSet.of(profile)
         self.profile = self.profiles.base
         self.tps = list(tps)
@@ -414,13 +420,18 @@ class Planner:
         return None, None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_pool": None}  # a worker process gets the planner, not its pool
+        return {**self.__dict__, "_pool": None, "progress": None}  # a worker gets the planner, not its pool
 
     def evaluate_all(self, cfgs: list[SimConfig]) -> list[Candidate]:
         """Every ``cfg``'s goodput from a cold start, in ``cfgs``' order: in up to ``jobs`` processes at once
         (the same answers as one after another: each evaluation is a function of the planner and its ``cfg``)."""
+        self._planned += len(cfgs)
         if self.jobs == 1 or len(cfgs) < 2:
-            return [self.evaluate(cfg) for cfg in cfgs]
+            out = []
+            for cfg in cfgs:
+                out.append(self.evaluate(cfg))
+                self._tick()
+            return out
         want = min(self.jobs, len(cfgs))
         if self._pool is not None and self._pool_size < want:  # (a --target-rate search's budgets grow)
             self.close()
@@ -429,8 +440,13 @@ class Planner:
                                              initializer=_serve, initargs=(self,))
             self._pool_size = want
         try:
+            futures = [self._pool.submit(_evaluate_in_worker, cfg) for cfg in cfgs]
+            for f in as_completed(futures):
+                f.result()  # (a worker's error, raised here)
+                self._tick()
             out = []
-            for c, sims, reqs in self._pool.map(_evaluate_in_worker, cfgs):
+            for f in futures:  # in cfgs' order, whichever finished first
+                c, sims, reqs = f.result()
                 self.simulations += sims
                 self.requests_simulated += reqs
                 out.append(c)
@@ -468,6 +484,7 @@ class Planner:
                 _keep(best, c)
             return done
         done = []
+        self._planned += len(cfgs)
         for cfg in cfgs:
             lo, hi = self._bracket(cfg, best)
             c = self.evaluate(cfg, lo, hi)
@@ -477,7 +494,13 @@ class Planner:
                 c = self.evaluate(cfg)
             done.append(c)
             _keep(best, c)
+            self._tick()
         return done
+
+    def _tick(self) -> None:
+        self._evaluated += 1
+        if self.progress is not None:
+            self.progress(self._evaluated, self._planned)
 
     def best_of(self, cfgs: list[SimConfig]) -> tuple[list[Candidate], dict[str, Candidate]]:
         best: dict[str, Candidate] = {}
@@ -615,8 +638,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     for note in tp_notes:
         print(f"note: {note}")
     t0 = time.perf_counter()
+    err = Console(stderr=True)  # a progress bar where stderr is a terminal (a long search is minutes)
+    bar = Progress(TextColumn("simulating candidates"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=err, transient=True, disable=not err.is_terminal)
+    task = bar.add_task("plan", total=None)
+    planner.progress = lambda evaluated, planned: bar.update(task, completed=evaluated, total=planned)
     try:
-        with planner:
+        with bar, planner:
             n, done, best = _search(planner, args, tps, locals_)
     except KeyboardInterrupt:  # Ctrl-C: the workers are ended (``Planner.__exit__``), a shell's status for it
         print(f"interrupted after {planner.simulations} simulations: no plan", file=sys.stderr)

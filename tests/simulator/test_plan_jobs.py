@@ -101,3 +101,17 @@ def test_ctrl_c_ends_a_parallel_plan_and_its_workers(tmp_path):
     assert workers
     _, alive = psutil.wait_procs(kids, timeout=30)
     assert not alive, [p.pid for p in alive]
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_planner_reports_each_candidate_as_it_finishes(jobs):
+    """``Planner.progress`` (`pdserve plan`'s progress bar): called once per candidate with (evaluated, planned),
+    the count rising by one to the number of candidates, in one process or several."""
+    reqs = [SimRequest(f"r{i}", 0.0, [1 + i] * 50, 5) for i in range(8)]
+    cfgs = plan.candidates(2, [256, 512], [0], SimConfig(), ["colocated", "disaggregated"])
+    calls: list[tuple[int, int]] = []
+    with plan.Planner(make_profile(), reqs, {"ttft": 2.0, "tpot": 0.1}, 0.9, 1.0, 0, SimConfig(), jobs=jobs) as p:
+        p.progress = lambda evaluated, planned: calls.append((evaluated, planned))
+        done, _ = p.best_of(cfgs)
+    assert len(done) == len(cfgs) == 4
+    assert calls == [(i, len(cfgs)) for i in range(1, len(cfgs) + 1)]
