@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 from simulator.cluster_sim import SimConfig, SimRequest
 from simulator.costs import load_profile
-from simulator.plan import Planner, candidates, usable_cores
+from simulator.plan import Planner, candidates, default_jobs
 
 TRACES = REPO.parent / "shared" / "traces"
 WORKLOADS = {"conversation": ("azure_llm_2023_conv.csv", 1.0), "code": ("azure_llm_2023_code.csv", 1.0),
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="start each candidate's bisection at 0.75x the best of its mode so far; drop it there if "
                          "it misses (one probe per loser)")
     ap.add_argument("--jobs", type=int, default=None,
-                    help="processes simulating candidates side by side (default: every core this process may use; "
+                    help="processes simulating candidates side by side (default: as pdserve plan's; "
                          "without --prune only: a pruned search is sequential)")
     ap.add_argument("--share-window", type=int, default=3,
                     help="past --full-search-max: P shares tried = the winner's +- k/32, k <= this")
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             reqs = whole or trace_requests(ns.traces / fname, max(ns.min_requests, ns.requests_per_worker * n),
                                            prof.max_model_len, ns.seed)
             planner = Planner(prof, reqs, slos, 0.9, burst, ns.seed, base, duration_s=ns.probe_seconds,
-                              rel_tol=ns.rel_tol, prune=ns.prune, jobs=ns.jobs or usable_cores())
+                              rel_tol=ns.rel_tol, prune=ns.prune, jobs=ns.jobs or default_jobs())
             planner.hints = dict(hints)
             planner.refine = n <= ns.full_search_max  # past it, --share-window chose the splits
             locals_ = _locals(ns.local_prefill, reqs)

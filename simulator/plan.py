@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+import psutil
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -250,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--target-rate: the largest deployment to try (in ranks)")
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="processes that simulate candidates side by side (default: every core this process may "
-                        "use; the answer is the same at any N)")
+                        "use, at most one per GiB of available memory; the answer is the same at any N)")
     add_workload_args(p)
     add_deployment_args(p, pools=False)
     return p
@@ -277,7 +278,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.target_rate is not None and not args.target_rate > 0:
         raise ValueError(f"--target-rate must be > 0, got {args.target_rate}")
     if args.jobs is None:
-        args.jobs = usable_cores()
+        args.jobs = default_jobs()
     elif args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
     args.chunk_list = _int_list(args.chunk_sizes, "--chunk-sizes")
@@ -288,12 +289,19 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--workers 1 cannot be disaggregated (it needs a prefill and a decode worker)")
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask, which a container's cpuset narrows)."""
+JOB_MEMORY_BYTES = 1 << 30
+"""What the default ``--jobs`` allows a worker process: pdserve's imports and a 1,000-request simulation of a
+70B plan took ~0.55 GB resident (30 Nov), so a many-core host with little memory gets fewer processes."""
+
+
+def default_jobs() -> int:
+    """``--jobs``'s default: the cores this process may run on (its affinity mask, which a container's cpuset
+    narrows), at most one per ``JOB_MEMORY_BYTES`` of the memory available now."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # (not Linux)
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, psutil.virtual_memory().available // JOB_MEMORY_BYTES))
 
 
 def _locals(text: str, reqs: list[SimRequest]) -> list[int]:

@@ -115,3 +115,16 @@ def test_planner_reports_each_candidate_as_it_finishes(jobs):
         done, _ = p.best_of(cfgs)
     assert len(done) == len(cfgs) == 4
     assert calls == [(i, len(cfgs)) for i in range(1, len(cfgs) + 1)]
+
+
+def test_default_jobs_follows_the_cores_this_process_may_use():
+    """`--jobs`'s default counts the affinity mask (a container's cpuset), not the host's cores."""
+    import os
+
+    mask = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(mask)})
+        assert plan.default_jobs() == 1
+    finally:
+        os.sched_setaffinity(0, mask)
+    assert 1 <= plan.default_jobs() <= len(mask)
