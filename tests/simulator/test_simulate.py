@@ -342,7 +342,7 @@ def test_plan_cli(tmp_path, capsys):
     prof = _write_profile(tmp_path)
     out = tmp_path / "plan.json"
     common = ["--profile", str(prof), "--dataset-name", "random", "--input-len", "200", "--output-len", "20",
-              "--num-prompts", "60", "--chunk-sizes", "512", "--local-prefill", "0"]
+              "--num-prompts", "60", "--chunk-sizes", "512", "--local-prefill", "0", "--jobs", "1"]
     assert plan.main([*common, "--workers", "2", "--ttft-slo-ms", "2000", "--tpot-slo-ms", "100",
                       "--save-result", str(out)]) == 0
     d = json.loads(out.read_text())

@@ -133,7 +133,8 @@ def _plan(tmp_path, capsys, profiles: list[str], *extra: str) -> tuple[int, dict
     args = [a for p in profiles for a in ("--profile", p)]
     rc = plan.main([*args, "--dataset-name", "random", "--input-len", "200", "--output-len", "20",
                     "--num-prompts", "40", "--chunk-sizes", "512", "--local-prefill", "0", "--workers", "4",
-                    "--ttft-slo-ms", "2000", "--tpot-slo-ms", "100", "--save-result", str(out), *extra])
+                    "--ttft-slo-ms", "2000", "--tpot-slo-ms", "100", "--save-result", str(out), "--jobs", "1",
+                    *extra])
     captured = capsys.readouterr()
     return rc, (json.loads(out.read_text()) if out.exists() else {}), captured.out + captured.err
 
