@@ -39,6 +39,7 @@ import signal
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -593,7 +594,7 @@ def _fit_error(cfg: SimConfig, profile: Profile) -> str:
     return ""
 
 
-def _search(planner: Planner, args: argparse.Namespace, tps: list[int], locals_: list[int]
+def _search_budgets(planner: Planner, args: argparse.Namespace, tps: list[int], locals_: list[int]
             ) -> tuple[int, list[Candidate], dict[str, Candidate]]:
     """(the budget searched last, every candidate evaluated, the best per mode): ``--workers``'s budget, or
     budgets growing until one serves ``--target-rate``."""
@@ -612,7 +613,8 @@ def _search(planner: Planner, args: argparse.Namespace, tps: list[int], locals_:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of `pdserve plan`; 0 with a recommendation, 2 on bad input or SLOs nothing meets."""
+    """Entry point of `pdserve plan`; 0 with a recommendation, 2 on bad input or SLOs nothing meets, 1 when a
+    worker process died, 130 on Ctrl-C."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -653,10 +655,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     planner.progress = lambda evaluated, planned: bar.update(task, completed=evaluated, total=planned)
     try:
         with bar, planner:
-            n, done, best = _search(planner, args, tps, locals_)
+            n, done, best = _search_budgets(planner, args, tps, locals_)
     except KeyboardInterrupt:  # Ctrl-C: the workers are ended (``Planner.__exit__``), a shell's status for it
         print(f"interrupted after {planner.simulations} simulations: no plan", file=sys.stderr)
         return 130
+    except BrokenProcessPool:  # a worker killed (the OOM killer, a signal): the search cannot be trusted to finish
+        print(f"error: a worker process of the search (--jobs {args.jobs}) died, killed or out of memory: no plan; "
+              f"run with fewer --jobs", file=sys.stderr)
+        return 1
     wall = time.perf_counter() - t0
     if not best:
         lowest = [min(c.probes, key=lambda p: p.rate) for c in done if c.probes]

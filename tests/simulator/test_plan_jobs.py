@@ -66,11 +66,9 @@ def test_planner_ends_its_worker_processes(tmp_path):
     assert planner.simulations == alone.simulations > len(cfgs)
 
 
-def test_ctrl_c_ends_a_parallel_plan_and_its_workers(tmp_path):
-    """A terminal's Ctrl-C (SIGINT to the whole process group) mid-search: `pdserve plan` exits promptly (130, a
-    line saying so, no traceback), and its worker processes (which ignore SIGINT, so the parent ends them) are gone: none keeps simulating."""
-    import os
-    import signal
+def _busy_plan(tmp_path):
+    """`python -m simulator.plan --jobs 2` on a search of many minutes (4000 requests a probe, 10 candidates), in a
+    session of its own, once both workers simulate: (the process, its psutil handle, its workers)."""
     import subprocess
     import sys
 
@@ -78,27 +76,47 @@ def test_ctrl_c_ends_a_parallel_plan_and_its_workers(tmp_path):
 
     prof = tmp_path / "profile.json"
     prof.write_text(json.dumps(make_profile().to_dict()))
-    # a search of many minutes: 4000 requests a probe, 10 candidates
     proc = subprocess.Popen([sys.executable, "-m", "simulator.plan", "--profile", str(prof), "--dataset-name", "random",
                              "--input-len", "200", "--output-len", "200", "--num-prompts", "4000", "--chunk-sizes",
                              "256,512", "--local-prefill", "0,100", "--workers", "3", "--ttft-slo-ms", "2000",
                              "--tpot-slo-ms", "100", "--jobs", "2"],
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    parent = psutil.Process(proc.pid)
+    # the workers are simulating: past their start (importing pdserve takes ~2.3 s of CPU here)
+    workers = wait_until(lambda: [c for c in parent.children() if c.cpu_times().user > 6][:2] or None, timeout=240,
+                         message="two busy plan workers")
+    return proc, parent, workers
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "worker killed"])
+def test_a_parallel_plan_interrupted_or_losing_a_worker_ends_with_its_workers(tmp_path, how):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-search: `pdserve plan` exits promptly
+    (130, a line saying so, no traceback), and its worker processes (which ignore SIGINT, so the parent ends them)
+    are gone: none keeps simulating. A worker SIGKILLed (the OOM killer): exit 1 naming --jobs, the other ended."""
+    import os
+    import signal
+
+    import psutil
+
+    proc, parent, workers = _busy_plan(tmp_path)
     try:
-        parent = psutil.Process(proc.pid)
-        # the workers are simulating: past their start (importing pdserve takes ~2.3 s of CPU here)
-        workers = wait_until(lambda: [c for c in parent.children() if c.cpu_times().user > 6] or None, timeout=240,
-                             message="two busy plan workers")
         kids = parent.children(recursive=True)
-        os.killpg(proc.pid, signal.SIGINT)
+        if how == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            workers[0].kill()
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 130, out[-2000:]  # interrupted (a shell's status for SIGINT), not finished
-    assert b"interrupted after" in out and b"Traceback" not in out
-    assert workers
+    if how == "ctrl-c":
+        assert proc.returncode == 130, out[-2000:]  # interrupted (a shell's status for SIGINT), not finished
+        assert b"interrupted after" in out
+    else:
+        assert proc.returncode == 1, out[-2000:]
+        assert b"worker process of the search (--jobs 2) died" in out
+    assert b"Traceback" not in out
     _, alive = psutil.wait_procs(kids, timeout=30)
     assert not alive, [p.pid for p in alive]
 
