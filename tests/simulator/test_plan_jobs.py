@@ -83,8 +83,11 @@ def _busy_plan(tmp_path):
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     parent = psutil.Process(proc.pid)
     # the workers are simulating: past their start (importing pdserve takes ~2.3 s of CPU here)
-    workers = wait_until(lambda: [c for c in parent.children() if c.cpu_times().user > 6][:2] or None, timeout=240,
-                         message="two busy plan workers")
+    def busy():
+        found = [c for c in parent.children() if c.cpu_times().user > 6]  # (not the resource tracker: it idles)
+        return found if len(found) == 2 else None
+
+    workers = wait_until(busy, timeout=240, message="two busy plan workers")
     return proc, parent, workers
 
 
