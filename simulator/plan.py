@@ -34,6 +34,7 @@ import argparse
 import json
 import math
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -358,6 +359,8 @@ class Planner:
         self.jobs = jobs
         self._pool: Optional[ProcessPoolExecutor] = None
         self._pool_size = 0
+        self._handoff: Any = None
+        """The queue that hands the planner to the pool's workers as they start."""
         self.progress: Optional[Callable[[int, int], None]] = None
         """Called with (candidates evaluated, candidates planned so far) as each one finishes (`pdserve plan`'s
         progress bar); a later budget or the refinement of a split adds to the second."""
@@ -429,7 +432,7 @@ class Planner:
         return None, None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_pool": None, "progress": None}  # a worker gets the planner, not its pool
+        return {**self.__dict__, "_pool": None, "_handoff": None, "progress": None}  # the planner, not its pool
 
     def evaluate_all(self, cfgs: list[SimConfig]) -> list[Candidate]:
         """Every ``cfg``'s goodput from a cold start, in ``cfgs``' order: in up to ``jobs`` processes at once
@@ -445,8 +448,14 @@ class Planner:
         if self._pool is not None and self._pool_size < want:  # (a --target-rate search's budgets grow)
             self.close()
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(want, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=_serve, initargs=(self,))
+            # the planner (megabytes: every request) goes through a queue its feeder thread writes in the
+            # background, not in the workers' start arguments: those are written to each child's pipe while it
+            # imports pdserve (seconds), which would hold this thread inside submit, half-way through a spawn
+            ctx = multiprocessing.get_context("spawn")
+            self._handoff = ctx.Queue()
+            for _ in range(want):
+                self._handoff.put(self)
+            self._pool = ProcessPoolExecutor(want, mp_context=ctx, initializer=_serve, initargs=(self._handoff,))
             self._pool_size = want
         try:
             futures = [self._pool.submit(_evaluate_in_worker, cfg) for cfg in cfgs]
@@ -467,16 +476,26 @@ class Planner:
     def close(self, kill: bool = False) -> None:
         """End the worker processes (``kill``: now, mid-simulation); a later parallel search starts new ones."""
         pool, self._pool = self._pool, None
+        handoff, self._handoff = self._handoff, None
         if pool is None:
             return
-        if kill:
-            terminate = getattr(pool, "terminate_workers", None)  # Python 3.14; before it, the pool's own table
-            if terminate is not None:
-                terminate()
-            else:
-                for proc in list(getattr(pool, "_processes", {}).values()):
-                    proc.terminate()
-        pool.shutdown(wait=True, cancel_futures=True)
+        if handoff is not None:  # (copies no worker took, had one died first, are dropped, not waited on)
+            handoff.cancel_join_thread()
+            handoff.close()
+        if not kill:
+            pool.shutdown(wait=True, cancel_futures=True)
+            return
+        # ended here, not through the executor's own shutdown, which joins its manager thread: the workers are
+        # what must not outlive us, and Python before 3.14 has no public way to end them
+        procs = list((getattr(pool, "_processes", None) or {}).values())
+        for proc in procs:
+            proc.terminate()
+        multiprocessing.connection.wait([proc.sentinel for proc in procs], timeout=10)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
+        pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "Planner":
         return self
@@ -536,10 +555,12 @@ _WORKER_PLANNER: Optional[Planner] = None
 """In a ``Planner.evaluate_all`` worker process only: the planner it evaluates candidates for."""
 
 
-def _serve(planner: Planner) -> None:
+def _serve(handoff: Any) -> None:
     global _WORKER_PLANNER
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the parent's to handle (it ends us)
-    _WORKER_PLANNER = planner
+    # a terminal's Ctrl-C is the parent's to handle (it ends us); one during a worker's start (its imports, before
+    # this runs) ends that worker with a traceback of its own, and the parent then ends the rest
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _WORKER_PLANNER = handoff.get()
 
 
 def _evaluate_in_worker(cfg: SimConfig) -> tuple[Candidate, int, int]:
