@@ -66,6 +66,12 @@ def test_planner_ends_its_worker_processes(tmp_path):
     assert planner.simulations == alone.simulations > len(cfgs)
 
 
+def _sigint_default() -> None:
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _busy_plan(tmp_path, cpu_s: float):
     """`python -m simulator.plan --jobs 2` on a search of many minutes (4000 requests a probe, 10 candidates), in a
     session of its own, once both workers have used ``cpu_s`` of CPU (0: once both exist, still starting; 6: past
@@ -82,7 +88,10 @@ def _busy_plan(tmp_path, cpu_s: float):
                              "--input-len", "200", "--output-len", "200", "--num-prompts", "4000", "--chunk-sizes",
                              "256,512", "--local-prefill", "0,100", "--workers", "3", "--ttft-slo-ms", "2000",
                              "--tpot-slo-ms", "100", "--jobs", "2"],
-                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            # as from a terminal: a suite started in the background (`cmd &`: SIGINT ignored, and so
+                            # inherited, and Python keeps an ignored SIGINT ignored) would make Ctrl-C a no-op
+                            preexec_fn=_sigint_default)
     parent = psutil.Process(proc.pid)
     def busy():
         found = [c for c in parent.children() if "spawn_main" in " ".join(c.cmdline())  # (not the resource tracker)
