@@ -490,7 +490,8 @@ class Planner:
         procs = list((getattr(pool, "_processes", None) or {}).values())
         for proc in procs:
             proc.terminate()
-        multiprocessing.connection.wait([proc.sentinel for proc in procs], timeout=10)
+        if procs:  # (an empty wait would sleep its whole timeout)
+            multiprocessing.connection.wait([proc.sentinel for proc in procs], timeout=10)
         for proc in procs:
             if proc.is_alive():
                 proc.kill()
