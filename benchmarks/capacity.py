@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="start each candidate's bisection at 0.75x the best of its mode so far; drop it there if "
                          "it misses (one probe per loser)")
     ap.add_argument("--jobs", type=int, default=None,
-                    help="processes simulating candidates side by side (default: as pdserve plan's; "
-                         "without --prune only: a pruned search is sequential)")
+                    help="processes simulating candidates side by side (default: as pdserve plan's; with "
+                         "--prune candidates are evaluated ahead of their turn: the same answer at any N)")
     ap.add_argument("--share-window", type=int, default=3,
                     help="past --full-search-max: P shares tried = the winner's +- k/32, k <= this")
     ap.add_argument("--won-from", type=Path, default=None,

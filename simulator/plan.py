@@ -22,10 +22,12 @@ leave no room for one KV block is left out (with a note), and the others' KV cac
 leave. Goodput per rank is what the recommendation compares.
 
 The same arrival seed is used for every candidate and rate, so candidates are compared on the same
-request sequence (only its time axis is rescaled). Candidates are independent of one another (without
-``prune``), so ``--jobs N`` (default: every core this process may use) evaluates them in N spawned processes;
-each holds a copy of the planner made at its first parallel search, and the answer is the one a single
-process gives, candidate for candidate (``Planner.close`` ends the processes). ``Planner.progress`` hears of
+request sequence (only its time axis is rescaled). ``--jobs N`` (default: every core this process may use)
+evaluates candidates in N spawned processes; each holds a copy of the planner made at its first parallel search,
+and the answer is the one a single process gives, candidate for candidate (``Planner.close`` ends the
+processes). A full search's candidates are independent of one another; a pruned one's (``--prune``) each start
+from the best found before them, so they are evaluated ahead of their turn from the search as it stands, and
+one whose start a newly found best changes is evaluated again (``Planner._pruned_ahead``). ``Planner.progress`` hears of
 each candidate as it finishes (a progress bar on a terminal's stderr).
 """
 from __future__ import annotations
@@ -254,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="processes that simulate candidates side by side (default: every core this process may "
                         "use, at most one per GiB of available memory; the answer is the same at any N)")
+    p.add_argument("--prune", action="store_true",
+                   help="a faster search: each candidate's bisection starts near the best of its kind so far, and "
+                        "one that misses the SLOs at 0.75x that is dropped after one probe (it cannot win); the "
+                        "goodputs found differ from a full search's within its bisection tolerance")
     add_workload_args(p)
     add_deployment_args(p, pools=False)
     return p
@@ -330,6 +336,8 @@ PRUNE_BELOW = 0.75
 """A pruned search's first probe of a candidate: this fraction of the best goodput of its mode so far."""
 PRUNE_HI = 1.15
 """... and its second: this fraction (doubling on from there while it passes)."""
+COLD: tuple[Optional[float], Optional[float], bool] = (None, None, False)
+"""The ``Planner._prune_key`` of a cold evaluation: no bracket (``Planner.pruned`` is then ``evaluate``)."""
 
 
 class Planner:
@@ -346,8 +354,7 @@ class Planner:
         candidate's bisection at ``PRUNE_BELOW`` x the best goodput per worker of its mode found so far and
         gives up on a candidate that misses there (goodput 0, ``pruned_below`` set): it cannot be the best, and
         a search over many candidates then costs about one probe for each loser. ``jobs``: processes that
-        evaluate a search's candidates side by side (without ``prune``; with it each candidate starts from the
-        ones before it, so they run one after another here)."""
+        evaluate a search's candidates side by side (the answer does not depend on how many)."""
         if not 0 < rel_tol < 1:
             raise ValueError(f"rel_tol must be within (0, 1), got {rel_tol}")
         if duration_s is not None and not duration_s > 0:
@@ -379,6 +386,8 @@ class Planner:
         self._looped: list[SimRequest] = reqs
         self.simulations = 0
         self.requests_simulated = 0
+        self.speculation_wasted = 0
+        """Evaluations a parallel pruned search started ahead of their turn and dropped (``_pruned_ahead``)."""
         # a first rate guess: what one worker could do if every step were a lone request's (an upper bound)
         mean_p = sum(len(r.prompt_token_ids) for r in reqs) / len(reqs)
         mean_o = sum(r.max_tokens for r in reqs) / len(reqs)
@@ -444,21 +453,9 @@ class Planner:
                 out.append(self.evaluate(cfg))
                 self._tick()
             return out
-        want = min(self.jobs, len(cfgs))
-        if self._pool is not None and self._pool_size < want:  # (a --target-rate search's budgets grow)
-            self.close()
-        if self._pool is None:
-            # the planner (megabytes: every request) goes through a queue its feeder thread writes in the
-            # background, not in the workers' start arguments: those are written to each child's pipe while it
-            # imports pdserve (seconds), which would hold this thread inside submit, half-way through a spawn
-            ctx = multiprocessing.get_context("spawn")
-            self._handoff = ctx.Queue()
-            for _ in range(want):
-                self._handoff.put(self)
-            self._pool = ProcessPoolExecutor(want, mp_context=ctx, initializer=_serve, initargs=(self._handoff,))
-            self._pool_size = want
+        pool = self._ensure_pool(min(self.jobs, len(cfgs)))
         try:
-            futures = [self._pool.submit(_evaluate_in_worker, cfg) for cfg in cfgs]
+            futures = [pool.submit(_pruned_in_worker, cfg, COLD) for cfg in cfgs]
             for f in as_completed(futures):
                 f.result()  # (a worker's error, raised here)
                 self._tick()
@@ -472,6 +469,22 @@ class Planner:
         except BaseException:  # (KeyboardInterrupt included) the workers' candidates are not wanted any more
             self.close(kill=True)
             raise
+
+    def _ensure_pool(self, want: int) -> ProcessPoolExecutor:
+        """The worker processes, at least ``want`` of them (started on first use, restarted larger)."""
+        if self._pool is not None and self._pool_size < want:  # (a --target-rate search's budgets grow)
+            self.close()
+        if self._pool is None:
+            # the planner (megabytes: every request) goes through a queue its feeder thread writes in the
+            # background, not in the workers' start arguments: those are written to each child's pipe while it
+            # imports pdserve (seconds), which would hold this thread inside submit, half-way through a spawn
+            ctx = multiprocessing.get_context("spawn")
+            self._handoff = ctx.Queue()
+            for _ in range(want):
+                self._handoff.put(self)
+            self._pool = ProcessPoolExecutor(want, mp_context=ctx, initializer=_serve, initargs=(self._handoff,))
+            self._pool_size = want
+        return self._pool
 
     def close(self, kill: bool = False) -> None:
         """End the worker processes (``kill``: now, mid-simulation); a later parallel search starts new ones."""
@@ -512,19 +525,69 @@ class Planner:
             for c in done:
                 _keep(best, c)
             return done
-        done = []
         self._planned += len(cfgs)
+        if self.jobs > 1 and len(cfgs) > 1:
+            return self._pruned_ahead(cfgs, best)
+        done = []
         for cfg in cfgs:
-            lo, hi = self._bracket(cfg, best)
-            c = self.evaluate(cfg, lo, hi)
-            if c.goodput == 0 and lo is not None and cfg.mode in best:
-                c.pruned_below = lo
-            elif c.goodput == 0 and lo is not None:  # the first of its mode missed a warm bracket: start cold
-                c = self.evaluate(cfg)
+            c = self.pruned(cfg, *self._prune_key(cfg, best))
             done.append(c)
             _keep(best, c)
             self._tick()
         return done
+
+    def _prune_key(self, cfg: SimConfig, best: dict[str, Candidate]) -> tuple[Optional[float], Optional[float], bool]:
+        """Everything a pruned evaluation of ``cfg`` reads of the search so far: its bracket (``_bracket``) and
+        whether its mode has a best yet."""
+        return (*self._bracket(cfg, best), cfg.mode in best)
+
+    def pruned(self, cfg: SimConfig, lo: Optional[float], hi: Optional[float], known: bool) -> Candidate:
+        """One candidate of a pruned search, from its ``_prune_key``: bisected from the warm bracket; a miss there
+        drops it (``pruned_below``) when its mode has a best (``known``), else it is bisected again cold."""
+        c = self.evaluate(cfg, lo, hi)
+        if c.goodput == 0 and lo is not None and known:
+            c.pruned_below = lo
+        elif c.goodput == 0 and lo is not None:  # the first of its mode missed a warm bracket: start cold
+            c = self.evaluate(cfg)
+        return c
+
+    def _pruned_ahead(self, cfgs: list[SimConfig], best: dict[str, Candidate]) -> list[Candidate]:
+        """A pruned search on the worker processes, speculatively: candidates are evaluated ahead of their turn
+        (up to twice as many as there are workers) with the ``_prune_key`` of the search as it stands, and taken
+        in order; when taking one changes the key of a candidate already under way (a new best of its mode), that
+        evaluation is dropped and started again from the new key. So every candidate is evaluated from exactly
+        the key a search one after another gives it, and the answer, probes and simulation counts are that
+        search's (the dropped evaluations are not counted: ``speculation_wasted`` says how many there were)."""
+        pool = self._ensure_pool(min(self.jobs, len(cfgs)))
+        window = 2 * self._pool_size
+        ahead: dict[int, tuple[tuple, Any]] = {}
+        done: list[Candidate] = []
+        nxt = 0
+        try:
+            for k, cfg in enumerate(cfgs):
+                while nxt < len(cfgs) and nxt < k + window:
+                    key = self._prune_key(cfgs[nxt], best)
+                    ahead[nxt] = (key, pool.submit(_pruned_in_worker, cfgs[nxt], key))
+                    nxt += 1
+                key, fut = ahead.pop(k)
+                assert key == self._prune_key(cfg, best), "a candidate was taken from a stale key"
+                c, sims, reqs = fut.result()
+                self.simulations += sims
+                self.requests_simulated += reqs
+                done.append(c)
+                _keep(best, c)
+                self._tick()
+                for j in sorted(ahead):  # (in order: the executor starts what was submitted first)
+                    old, f = ahead[j]
+                    new = self._prune_key(cfgs[j], best)
+                    if new != old:
+                        f.cancel()  # (not started: never runs; running: its result is dropped)
+                        self.speculation_wasted += 1
+                        ahead[j] = (new, pool.submit(_pruned_in_worker, cfgs[j], new))
+            return done
+        except BaseException:  # (KeyboardInterrupt included) as in evaluate_all
+            self.close(kill=True)
+            raise
 
     def _tick(self) -> None:
         self._evaluated += 1
@@ -564,12 +627,14 @@ def _serve(handoff: Any) -> None:
     _WORKER_PLANNER = handoff.get()
 
 
-def _evaluate_in_worker(cfg: SimConfig) -> tuple[Candidate, int, int]:
-    """(the candidate, the simulations and requests it took)."""
+def _pruned_in_worker(cfg: SimConfig, key: tuple[Optional[float], Optional[float], bool]
+                      ) -> tuple[Candidate, int, int]:
+    """``Planner.pruned`` in a worker (``COLD``: a plain cold evaluation): (the candidate, the simulations and
+    requests it took)."""
     p = _WORKER_PLANNER
-    assert p is not None, "_evaluate_in_worker runs only in a Planner's worker process"
+    assert p is not None, "_pruned_in_worker runs only in a Planner's worker process"
     sims, reqs = p.simulations, p.requests_simulated
-    c = p.evaluate(cfg)
+    c = p.pruned(cfg, *key)
     return c, p.simulations - sims, p.requests_simulated - reqs
 
 
@@ -666,7 +731,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # a trace replayed without --request-rate keeps its own burst pattern at every probed rate
     own_gaps = args.dataset_name == "trace" and args.request_rate is None
     planner = Planner(profiles, reqs, slos, args.goal, None if own_gaps else args.burstiness, args.seed, base,
-                      tps=tps, jobs=args.jobs)
+                      tps=tps, jobs=args.jobs, prune=args.prune)
     for note in tp_notes:
         print(f"note: {note}")
     t0 = time.perf_counter()

@@ -41,6 +41,39 @@ def test_plan_in_two_processes_answers_what_one_does(tmp_path, capsys):
     assert "(2 processes)" in out2
 
 
+def test_a_pruned_plan_in_two_processes_answers_what_one_does(tmp_path, capsys):
+    """--prune: each candidate starts from the best found before it, so two processes evaluate candidates ahead of
+    their turn and again when a new best moves their start; the JSON is still one process's."""
+    rc1, one, out1 = _plan(tmp_path, capsys, "1", "--prune")
+    rc2, two, out2 = _plan(tmp_path, capsys, "2", "--prune")
+    assert rc1 == rc2 == 0
+    assert len(one["candidates"]) == 10 and len({c["goodput_rps"] for c in one["candidates"]}) > 2
+    assert two == one
+    sims = [line.split()[0] for out in (out1, out2) for line in out.splitlines() if " simulations in " in line]
+    assert sims[0] == sims[1] == str(sum(len(c["probes"]) for c in one["candidates"]))
+
+
+def test_a_parallel_pruned_search_starts_again_what_a_new_best_moved():
+    """``Planner._pruned_ahead``: the best split first (2P+1D: its kind's first best moves the start of every
+    candidate under way), then the 1P+2D ones (pruned below it), then colocated (the first of its kind starts from
+    the split's best, the second from its own): each candidate is evaluated from the start the sequential search
+    gives it, so its probes are that search's."""
+    reqs = [SimRequest(f"r{i}", 0.0, [1 + i] * 200, 20) for i in range(40)]
+    cfgs = plan.candidates(3, [256, 512], [0, 100], SimConfig(), ["colocated", "disaggregated"])[::-1]
+    slos = {"ttft": 2000.0, "tpot": 100.0}
+    alone = plan.Planner(make_profile(), reqs, slos, 0.9, 1.0, 0, SimConfig(), prune=True)
+    done1, best1 = alone.best_of(cfgs)
+    with plan.Planner(make_profile(), reqs, slos, 0.9, 1.0, 0, SimConfig(), prune=True, jobs=2) as two:
+        done2, best2 = two.best_of(cfgs)
+    assert [(c.cfg, c.goodput, c.probes, c.pruned_below) for c in done2] == \
+        [(c.cfg, c.goodput, c.probes, c.pruned_below) for c in done1]
+    assert {m: c.cfg for m, c in best2.items()} == {m: c.cfg for m, c in best1.items()}
+    assert two.simulations == alone.simulations and two.requests_simulated == alone.requests_simulated
+    assert two.speculation_wasted > 0  # the path that starts a candidate again was taken
+    pruned = [c for c in done1 if c.pruned_below is not None]
+    assert pruned and len(pruned) < len(cfgs)  # a search that dropped some candidates and bisected others
+
+
 def test_plan_jobs_is_checked(tmp_path, capsys):
     rc, d, out = _plan(tmp_path, capsys, "0")
     assert rc == 2 and d == {} and "--jobs" in out
