@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{wname:36s} N={n:4d}: disagg {d.cfg.label() if d else '-'} {d.goodput if d else 0:.3g} req/s | "
                   f"coloc {c.cfg.label() if c else '-'} {c.goodput if c else 0:.3g} req/s | ratio "
                   f"{'-' if ratio is None else f'{ratio:.2f}'} ({planner.simulations} sims, "
+                  f"{planner.speculation_wasted} evaluations started ahead and dropped, "
                   f"{time.monotonic() - t0:.0f} s)", flush=True)
             lines.append(f"| {wname} | {n} | {d.cfg.label() if d else 'none meets the SLOs'} | "
                          f"{d.goodput if d else 0:.3g} | {d.per_worker if d else 0:.3g} | "

@@ -388,6 +388,11 @@ class Planner:
         self.requests_simulated = 0
         self.speculation_wasted = 0
         """Evaluations a parallel pruned search started ahead of their turn and dropped (``_pruned_ahead``)."""
+        self._dropped: Optional[Callable[[], bool]] = None
+        """In a worker process, during an evaluation the parent may drop: true once it did (checked before each
+        probe, which then raises ``_Dropped``)."""
+        self._flags: Any = None
+        """The shared array through which the parent drops evaluations under way (one slot each)."""
         # a first rate guess: what one worker could do if every step were a lone request's (an upper bound)
         mean_p = sum(len(r.prompt_token_ids) for r in reqs) / len(reqs)
         mean_o = sum(r.max_tokens for r in reqs) / len(reqs)
@@ -412,6 +417,8 @@ class Planner:
     def evaluate(self, cfg: SimConfig, lo: Optional[float] = None, hi: Optional[float] = None) -> Candidate:
         """``cfg``'s goodput by bisection from ``lo`` (default: a twentieth of the rate guess) and ``hi`` (4 lo)."""
         def probe(rate: float) -> Point:
+            if self._dropped is not None and self._dropped():
+                raise _Dropped
             reqs = self.requests_at(rate)
             self.simulations += 1
             self.requests_simulated += len(reqs)
@@ -441,7 +448,8 @@ class Planner:
         return None, None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_pool": None, "_handoff": None, "progress": None}  # the planner, not its pool
+        return {**self.__dict__, "_pool": None, "_handoff": None, "_flags": None, "_dropped": None,
+                "progress": None}  # the planner, not its pool
 
     def evaluate_all(self, cfgs: list[SimConfig]) -> list[Candidate]:
         """Every ``cfg``'s goodput from a cold start, in ``cfgs``' order: in up to ``jobs`` processes at once
@@ -482,7 +490,9 @@ class Planner:
             self._handoff = ctx.Queue()
             for _ in range(want):
                 self._handoff.put(self)
-            self._pool = ProcessPoolExecutor(want, mp_context=ctx, initializer=_serve, initargs=(self._handoff,))
+            self._flags = ctx.Array("q", 4 * want + 8, lock=False)  # (more slots than evaluations under way)
+            self._pool = ProcessPoolExecutor(want, mp_context=ctx, initializer=_serve,
+                                             initargs=(self._handoff, self._flags))
             self._pool_size = want
         return self._pool
 
@@ -555,35 +565,52 @@ class Planner:
         """A pruned search on the worker processes, speculatively: candidates are evaluated ahead of their turn
         (up to twice as many as there are workers) with the ``_prune_key`` of the search as it stands, and taken
         in order; when taking one changes the key of a candidate already under way (a new best of its mode), that
-        evaluation is dropped and started again from the new key. So every candidate is evaluated from exactly
-        the key a search one after another gives it, and the answer, probes and simulation counts are that
-        search's (the dropped evaluations are not counted: ``speculation_wasted`` says how many there were)."""
+        evaluation is dropped (a worker running it stops before its next probe) and started again from the new
+        key. So every candidate is evaluated from exactly the key a search one after another gives it, and the
+        answer, probes and simulation counts are that search's (the dropped evaluations are not counted:
+        ``speculation_wasted`` says how many there were)."""
         pool = self._ensure_pool(min(self.jobs, len(cfgs)))
+        flags = self._flags
         window = 2 * self._pool_size
-        ahead: dict[int, tuple[tuple, Any]] = {}
+        free = list(range(len(flags)))
+        dropped: list[tuple[int, Any]] = []  # (slot, future) of dropped evaluations that may still be running
+        tokens = iter(range(1, 1 << 62))
+        ahead: dict[int, tuple[tuple, int, Any]] = {}
+
+        def launch(j: int) -> tuple[tuple, int, Any]:
+            for sl, f in [d for d in dropped if d[1].done()]:  # their slots are free again
+                dropped.remove((sl, f))
+                free.append(sl)
+            key, slot, token = self._prune_key(cfgs[j], best), free.pop(), next(tokens)
+            flags[slot] = token
+            return key, slot, pool.submit(_pruned_in_worker, cfgs[j], key, slot, token)
+
         done: list[Candidate] = []
         nxt = 0
         try:
             for k, cfg in enumerate(cfgs):
                 while nxt < len(cfgs) and nxt < k + window:
-                    key = self._prune_key(cfgs[nxt], best)
-                    ahead[nxt] = (key, pool.submit(_pruned_in_worker, cfgs[nxt], key))
+                    ahead[nxt] = launch(nxt)
                     nxt += 1
-                key, fut = ahead.pop(k)
+                key, slot, fut = ahead.pop(k)
                 assert key == self._prune_key(cfg, best), "a candidate was taken from a stale key"
                 c, sims, reqs = fut.result()
+                free.append(slot)
                 self.simulations += sims
                 self.requests_simulated += reqs
                 done.append(c)
                 _keep(best, c)
                 self._tick()
                 for j in sorted(ahead):  # (in order: the executor starts what was submitted first)
-                    old, f = ahead[j]
-                    new = self._prune_key(cfgs[j], best)
-                    if new != old:
-                        f.cancel()  # (not started: never runs; running: its result is dropped)
+                    old, slot, f = ahead[j]
+                    if self._prune_key(cfgs[j], best) != old:
+                        flags[slot] = 0  # a worker running it stops at its next probe
+                        if f.cancel():  # (not handed to a worker yet: never runs)
+                            free.append(slot)
+                        else:
+                            dropped.append((slot, f))
                         self.speculation_wasted += 1
-                        ahead[j] = (new, pool.submit(_pruned_in_worker, cfgs[j], new))
+                        ahead[j] = launch(j)
             return done
         except BaseException:  # (KeyboardInterrupt included) as in evaluate_all
             self.close(kill=True)
@@ -619,22 +646,35 @@ _WORKER_PLANNER: Optional[Planner] = None
 """In a ``Planner.evaluate_all`` worker process only: the planner it evaluates candidates for."""
 
 
-def _serve(handoff: Any) -> None:
+class _Dropped(Exception):
+    """Raised in a worker's probe once the parent dropped the evaluation under way (``Planner._pruned_ahead``)."""
+
+
+def _serve(handoff: Any, flags: Any = None) -> None:
     global _WORKER_PLANNER
     # a terminal's Ctrl-C is the parent's to handle (it ends us); one during a worker's start (its imports, before
     # this runs) ends that worker with a traceback of its own, and the parent then ends the rest
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER_PLANNER = handoff.get()
+    _WORKER_PLANNER._flags = flags
 
 
-def _pruned_in_worker(cfg: SimConfig, key: tuple[Optional[float], Optional[float], bool]
-                      ) -> tuple[Candidate, int, int]:
+def _pruned_in_worker(cfg: SimConfig, key: tuple[Optional[float], Optional[float], bool], slot: Optional[int] = None,
+                      token: int = 0) -> Optional[tuple[Candidate, int, int]]:
     """``Planner.pruned`` in a worker (``COLD``: a plain cold evaluation): (the candidate, the simulations and
-    requests it took)."""
+    requests it took); None when the parent dropped it (``slot`` of the shared flags no longer holds ``token``)."""
     p = _WORKER_PLANNER
     assert p is not None, "_pruned_in_worker runs only in a Planner's worker process"
     sims, reqs = p.simulations, p.requests_simulated
-    c = p.pruned(cfg, *key)
+    flags = p._flags
+    if slot is not None:
+        p._dropped = lambda: flags[slot] != token
+    try:
+        c = p.pruned(cfg, *key)
+    except _Dropped:
+        return None
+    finally:
+        p._dropped = None
     return c, p.simulations - sims, p.requests_simulated - reqs
 
 

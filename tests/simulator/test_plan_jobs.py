@@ -74,6 +74,31 @@ def test_a_parallel_pruned_search_starts_again_what_a_new_best_moved():
     assert pruned and len(pruned) < len(cfgs)  # a search that dropped some candidates and bisected others
 
 
+def test_a_dropped_evaluation_stops_before_its_next_probe(monkeypatch):
+    """The worker side of dropping (``_pruned_in_worker``, run here in this process): an evaluation whose slot no
+    longer holds its token returns None before simulating anything more; one whose slot holds it runs to the end."""
+    reqs = [SimRequest(f"r{i}", 0.0, [1 + i] * 50, 5) for i in range(12)]
+    planner = plan.Planner(make_profile(), reqs, {"ttft": 2000.0, "tpot": 100.0}, 0.9, 1.0, 0, SimConfig())
+    cfg = plan.candidates(2, [256], [0], SimConfig(), ["colocated"])[0]
+    planner._flags = [0, 7]
+    monkeypatch.setattr(plan, "_WORKER_PLANNER", planner)
+    c, sims, _ = plan._pruned_in_worker(cfg, plan.COLD, 1, 7)
+    assert c.goodput > 0 and sims == len(c.probes) > 1
+    assert plan._pruned_in_worker(cfg, plan.COLD, 0, 7) is None and planner.simulations == sims  # nothing more ran
+    probes = []
+    real = plan.simulate_point
+
+    def drop_after_two(*a, **kw):  # the parent drops it while its second probe runs
+        probes.append(1)
+        if len(probes) == 2:
+            planner._flags[1] = 0
+        return real(*a, **kw)
+
+    monkeypatch.setattr(plan, "simulate_point", drop_after_two)
+    assert plan._pruned_in_worker(cfg, plan.COLD, 1, 7) is None and len(probes) == 2
+    assert planner._dropped is None  # (the hook does not outlive the evaluation)
+
+
 def test_plan_jobs_is_checked(tmp_path, capsys):
     rc, d, out = _plan(tmp_path, capsys, "0")
     assert rc == 2 and d == {} and "--jobs" in out
