@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 from simulator.cluster_sim import SimConfig, SimRequest
 from simulator.costs import load_profile
-from simulator.plan import Planner, candidates, default_jobs
+from simulator.plan import Planner, candidates, default_jobs, prune_order
 
 TRACES = REPO.parent / "shared" / "traces"
 WORKLOADS = {"conversation": ("azure_llm_2023_conv.csv", 1.0), "code": ("azure_llm_2023_code.csv", 1.0),
@@ -161,10 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                     p0 = min(n - 1, max(1, round(n * share)))
                     cfgs += [replace(d, prefill=p, decode=n - p) for p in sorted(ps, key=lambda p: abs(p - p0))]
             if ns.prune:  # colocated first, then the disaggregated ones from the likeliest winners out
-                cfgs.sort(key=lambda c: (c.mode != "colocated", -c.local_prefill_max_tokens,
-                                         abs(c.prefill - (won["disaggregated"].prefill * n
-                                                          // won["disaggregated"].num_workers
-                                                          if "disaggregated" in won else n // 2))))
+                w = won.get("disaggregated")
+                cfgs = prune_order(cfgs, w.prefill / w.num_workers if w is not None else 0.5)
             with planner:  # (its worker processes end with the budget)
                 done, best = planner.best_of(cfgs)
             if n <= ns.full_search_max:

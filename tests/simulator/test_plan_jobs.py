@@ -99,6 +99,20 @@ def test_a_dropped_evaluation_stops_before_its_next_probe(monkeypatch):
     assert planner._dropped is None  # (the hook does not outlive the evaluation)
 
 
+def test_prune_order_puts_the_likeliest_winners_first():
+    """Colocated first, then the splits at the highest local-prefill threshold, each from the given prefill share of
+    ranks outwards (counted in ranks: a prefill worker at TP 2 is two), ties in their order."""
+    cfgs = plan.candidates(8, [512], [0, 100], SimConfig(), ["disaggregated", "colocated"], tps=(1, 2))
+    got = [(c.mode, c.local_prefill_max_tokens, c.prefill * c.pool_tp("prefill")) for c in plan.prune_order(cfgs)]
+    assert got[:2] == [("colocated", 0, 0)] * 2
+    split = got[2:]
+    assert [loc for _, loc, _ in split] == sorted((loc for _, loc, _ in split), reverse=True)
+    at100 = [ranks for _, loc, ranks in split if loc == 100]
+    assert at100[:2] == [4, 4] and [abs(r - 4) for r in at100] == sorted(abs(r - 4) for r in at100)
+    first = plan.prune_order(cfgs, 0.75)[2]
+    assert first.local_prefill_max_tokens == 100 and first.prefill * first.pool_tp("prefill") == 6
+
+
 def test_plan_jobs_is_checked(tmp_path, capsys):
     rc, d, out = _plan(tmp_path, capsys, "0")
     assert rc == 2 and d == {} and "--jobs" in out
