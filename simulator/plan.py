@@ -27,8 +27,8 @@ evaluates candidates in N spawned processes; each holds a copy of the planner ma
 and the answer is the one a single process gives, candidate for candidate (``Planner.close`` ends the
 processes). A full search's candidates are independent of one another; a pruned one's (``--prune``) each start
 from the best found before them, so they are evaluated ahead of their turn from the search as it stands, and
-one whose start a newly found best changes is evaluated again (``Planner._pruned_ahead``). ``Planner.progress`` hears of
-each candidate as it finishes (a progress bar on a terminal's stderr).
+one whose start a newly found best changes is evaluated again (``Planner._pruned_ahead``).
+``Planner.progress`` hears of each candidate as it finishes (a progress bar on a terminal's stderr).
 """
 from __future__ import annotations
 
@@ -654,7 +654,7 @@ def _keep(best: dict[str, Candidate], c: Candidate) -> None:
 
 
 _WORKER_PLANNER: Optional[Planner] = None
-"""In a ``Planner.evaluate_all`` worker process only: the planner it evaluates candidates for."""
+"""In a Planner's worker process only (``Planner._ensure_pool``): the planner it evaluates candidates for."""
 
 
 class _Dropped(Exception):
