@@ -144,7 +144,7 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _busy_plan(tmp_path, cpu_s: float):
+def _busy_plan(tmp_path, cpu_s: float, *extra: str):
     """`python -m simulator.plan --jobs 2` on a search of many minutes (4000 requests a probe, 10 candidates), in a
     session of its own, once both workers have used ``cpu_s`` of CPU (0: once both exist, still starting; 6: past
     their start, simulating: importing pdserve takes ~2.3 s of CPU here): (the process, its psutil handle, its
@@ -159,7 +159,7 @@ def _busy_plan(tmp_path, cpu_s: float):
     proc = subprocess.Popen([sys.executable, "-m", "simulator.plan", "--profile", str(prof), "--dataset-name", "random",
                              "--input-len", "200", "--output-len", "200", "--num-prompts", "4000", "--chunk-sizes",
                              "256,512", "--local-prefill", "0,100", "--workers", "3", "--ttft-slo-ms", "2000",
-                             "--tpot-slo-ms", "100", "--jobs", "2"],
+                             "--tpot-slo-ms", "100", "--jobs", "2", *extra],
                             start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             # as from a terminal: a suite started in the background (`cmd &`: SIGINT ignored, and so
                             # inherited, and Python keeps an ignored SIGINT ignored) would make Ctrl-C a no-op
@@ -174,18 +174,20 @@ def _busy_plan(tmp_path, cpu_s: float):
     return proc, parent, workers
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "ctrl-c at start", "worker killed"])
+@pytest.mark.parametrize("how", ["ctrl-c", "ctrl-c at start", "worker killed", "worker killed, pruned"])
 def test_a_parallel_plan_interrupted_or_losing_a_worker_ends_with_its_workers(tmp_path, how):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) mid-search: `pdserve plan` exits promptly
     (130, a line saying so, no traceback), and its worker processes (which ignore SIGINT, so the parent ends them)
     are gone: none keeps simulating; at their start too (where SIGINT reaches a worker still importing, which
-    prints its own traceback). A worker SIGKILLed (the OOM killer): exit 1 naming --jobs, the other ended."""
+    prints its own traceback). A worker SIGKILLed (the OOM killer): exit 1 naming --jobs, the other ended; in a
+    pruned search too (``Planner._pruned_ahead``, where evaluations run ahead of their turn)."""
     import os
     import signal
 
     import psutil
 
-    proc, parent, workers = _busy_plan(tmp_path, 0 if how == "ctrl-c at start" else 6)
+    proc, parent, workers = _busy_plan(tmp_path, 0 if how == "ctrl-c at start" else 6,
+                                       *(["--prune"] if how.endswith("pruned") else []))
     try:
         kids = parent.children(recursive=True)
         if how.startswith("ctrl-c"):
