@@ -150,6 +150,16 @@ def _hash_prompt(hashes: tuple[int, ...], length: int, block: int, seed: int) ->
     return out[:length]
 
 
+def hashed_trace_rows(args: argparse.Namespace) -> Optional[list]:
+    """The trace's rows when their ``hash_ids`` name the prompts' blocks (only JSON lines carry them), else None:
+    the simulated prompts are then made from those ids, so requests sharing ids share prefixes."""
+    if args.dataset_name == "trace" and str(args.trace).endswith(".jsonl"):
+        rows = load_trace(args.trace, args.trace_start, args.num_prompts)
+        if any(r.hash_ids for r in rows):
+            return rows
+    return None
+
+
 def requests_from_args(args: argparse.Namespace, profile: Profile) -> tuple[list[SimRequest], Any, int]:
     """(requests, request rate as reported, how many were clipped to the model's length): what `pdserve bench`
     with the same flags would send."""
@@ -157,12 +167,11 @@ def requests_from_args(args: argparse.Namespace, profile: Profile) -> tuple[list
     limits = ModelLimits(vocab_size=SIM_VOCAB, max_context_length=profile.max_model_len)
     wl = build_workload(lengths, arrivals, limits, seed=args.seed, id_prefix="sim", prefix_len=args.random_prefix_len)
     reqs = [SimRequest(r.request_id, r.arrival_s, r.prompt_token_ids, r.max_tokens) for r in wl.requests]
-    if args.dataset_name == "trace" and str(args.trace).endswith(".jsonl"):  # only JSON lines carry hash_ids
-        rows = load_trace(args.trace, args.trace_start, args.num_prompts)
-        if any(r.hash_ids for r in rows):
-            block = max(1, int(round(HASH_BLOCK_TOKENS * args.length_scale)))
-            for r, row in zip(reqs, rows):
-                r.prompt_token_ids = _hash_prompt(row.hash_ids, len(r.prompt_token_ids), block, args.seed)
+    rows = hashed_trace_rows(args)
+    if rows is not None:
+        block = max(1, int(round(HASH_BLOCK_TOKENS * args.length_scale)))
+        for r, row in zip(reqs, rows):
+            r.prompt_token_ids = _hash_prompt(row.hash_ids, len(r.prompt_token_ids), block, args.seed)
     return reqs, rate, wl.num_clipped
 
 

@@ -55,7 +55,8 @@ from rich.table import Table
 from loadtest.arrivals import gamma_arrivals
 from loadtest.cli import add_workload_args, check_workload_args
 from loadtest.stats import percentile, slo_attainment, tpot_s, ttft_s
-from simulator.cli import SIM_VOCAB, add_deployment_args, check_profile_args, requests_from_args, run_simulation
+from simulator.cli import (SIM_VOCAB, add_deployment_args, check_profile_args, hashed_trace_rows,
+                           requests_from_args, run_simulation)
 from simulator.cluster_sim import SimConfig, SimRequest
 from simulator.costs import Profile, ProfileSet
 
@@ -271,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a faster search: each candidate's bisection starts near the best of its kind so far, and "
                         "one that misses the SLOs at 0.75x that is dropped after one probe (it cannot win); the "
                         "goodputs found differ from a full search's within its bisection tolerance")
+    p.add_argument("--probe-seconds", type=float, default=None, metavar="T",
+                   help="each probe at rate R simulates ceil(R x T) requests, the workload looped as often as it "
+                        "takes (each pass's prompts new, unless a trace's hash_ids name them), so a probe lasts T "
+                        "seconds at any rate and queues have time to form (default: the workload once, however "
+                        "short it is at a high rate)")
     add_workload_args(p)
     add_deployment_args(p, pools=False)
     return p
@@ -296,6 +302,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--workers must be >= 1 (a budget of {args.workers} workers serves nothing)")
     if args.target_rate is not None and not args.target_rate > 0:
         raise ValueError(f"--target-rate must be > 0, got {args.target_rate}")
+    if args.probe_seconds is not None and not args.probe_seconds > 0:
+        raise ValueError(f"--probe-seconds must be > 0, got {args.probe_seconds}")
     if args.jobs is None:
         args.jobs = default_jobs()
     elif args.jobs < 1:
@@ -783,7 +791,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     # a trace replayed without --request-rate keeps its own burst pattern at every probed rate
     own_gaps = args.dataset_name == "trace" and args.request_rate is None
     planner = Planner(profiles, reqs, slos, args.goal, None if own_gaps else args.burstiness, args.seed, base,
-                      tps=tps, jobs=args.jobs, prune=args.prune)
+                      tps=tps, jobs=args.jobs, prune=args.prune, duration_s=args.probe_seconds,
+                      new_prompts=hashed_trace_rows(args) is None)
     for note in tp_notes:
         print(f"note: {note}")
     t0 = time.perf_counter()
@@ -822,7 +831,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "disaggregated" in best and "colocated" in best:
         r = best["disaggregated"].per_worker / best["colocated"].per_worker
         print(f"disaggregated / colocated goodput per rank: {r:.2f}x")
-    print(f"{planner.simulations} simulations in {wall:.1f} s ({args.jobs} process{'es' if args.jobs > 1 else ''})")
+    print(f"{planner.simulations} simulations of {planner.requests_simulated} requests in {wall:.1f} s "
+          f"({args.jobs} process{'es' if args.jobs > 1 else ''})")
     if args.save_result:
         path = Path(args.save_result if isinstance(args.save_result, str) else "plan.json")
         path.parent.mkdir(parents=True, exist_ok=True)

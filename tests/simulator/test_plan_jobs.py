@@ -34,10 +34,10 @@ def test_plan_in_two_processes_answers_what_one_does(tmp_path, capsys):
     assert len(one["candidates"]) == 10 and all(c["goodput_rps"] > 0 for c in one["candidates"])
     assert len({c["goodput_rps"] for c in one["candidates"]}) > 2  # candidates that differ, so order matters
     assert two == one  # every candidate's probes, in the same order, and the same recommendation
-    sims = [line for line in out1.splitlines() if " simulations in " in line]
+    sims = [line for line in out1.splitlines() if " simulations of " in line]
     assert sims and sims[0].split()[0] == str(sum(len(c["probes"]) for c in one["candidates"]))
     # the parent counts the workers' simulations
-    assert [line.split()[0] for line in out2.splitlines() if " simulations in " in line] == [sims[0].split()[0]]
+    assert [line.split()[0] for line in out2.splitlines() if " simulations of " in line] == [sims[0].split()[0]]
     assert "(2 processes)" in out2
 
 
@@ -49,7 +49,7 @@ def test_a_pruned_plan_in_two_processes_answers_what_one_does(tmp_path, capsys):
     assert rc1 == rc2 == 0
     assert len(one["candidates"]) == 10 and len({c["goodput_rps"] for c in one["candidates"]}) > 2
     assert two == one
-    sims = [line.split()[0] for out in (out1, out2) for line in out.splitlines() if " simulations in " in line]
+    sims = [line.split()[0] for out in (out1, out2) for line in out.splitlines() if " simulations of " in line]
     assert sims[0] == sims[1] == str(sum(len(c["probes"]) for c in one["candidates"]))
 
 
@@ -111,6 +111,51 @@ def test_prune_order_puts_the_likeliest_winners_first():
     assert at100[:2] == [4, 4] and [abs(r - 4) for r in at100] == sorted(abs(r - 4) for r in at100)
     first = plan.prune_order(cfgs, 0.75)[2]
     assert first.local_prefill_max_tokens == 100 and first.prefill * first.pool_tp("prefill") == 6
+
+
+def test_plan_probe_seconds_sizes_each_probe_by_its_rate(tmp_path, capsys):
+    """--probe-seconds T: a probe at rate R simulates ceil(R x T) requests (the workload looped), counted in the
+    printed total; here 40 requests last about 2.5 s at the split's goodput, too short for queues to form, and 20 s
+    of arrivals serve less within the SLOs (what the flag is for). --probe-seconds 0: exit 2 naming it."""
+    import math
+
+    rc1, once, out1 = _plan(tmp_path, capsys, "1")
+    rc2, long, out2 = _plan(tmp_path, capsys, "1", "--probe-seconds", "20")
+    assert rc1 == rc2 == 0
+    want = sum(max(2, math.ceil(p["rate"] * 20)) for c in long["candidates"] for p in c["probes"])
+    assert f" simulations of {want} requests in " in out2
+    assert f"of {40 * sum(len(c['probes']) for c in once['candidates'])} requests" in out1  # (the workload once)
+    pairs = [(a["goodput_rps"], b["goodput_rps"]) for a, b in zip(once["candidates"], long["candidates"])]
+    assert all(g_long <= g_once for g_once, g_long in pairs)
+    assert long["best"]["disaggregated"]["goodput_rps"] < 0.8 * once["best"]["disaggregated"]["goodput_rps"]
+    (tmp_path / "plan-1.json").unlink()
+    rc, d, out = _plan(tmp_path, capsys, "1", "--probe-seconds", "0")
+    assert rc == 2 and d == {} and "--probe-seconds" in out
+
+
+def test_plan_probe_seconds_loops_a_hash_id_trace_with_its_own_prompts(tmp_path, capsys, monkeypatch):
+    """A trace whose hash_ids name its prompts' blocks is looped with the very prompts (its prefix sharing is what the
+    trace says); random prompts are made new on every pass (a looped copy would be a prefix-cache hit)."""
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps(make_profile().to_dict()))
+    tr = tmp_path / "m.jsonl"
+    tr.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": 300, "output_length": 4,
+                                      "hash_ids": [7, 100 + i]}) + "\n" for i in range(6)))
+    seen: list[dict] = []
+    real = plan.Planner
+
+    def spy(*a, **kw):
+        seen.append(kw)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(plan, "Planner", spy)
+    common = ["--profile", str(prof), "--workers", "2", "--modes", "colocated", "--chunk-sizes", "512",
+              "--ttft-slo-ms", "2000", "--tpot-slo-ms", "100", "--jobs", "1", "--probe-seconds", "2"]
+    assert plan.main(common + ["--dataset-name", "trace", "--trace", str(tr)]) == 0
+    assert plan.main(common + ["--dataset-name", "random", "--input-len", "300", "--output-len", "4",
+                               "--num-prompts", "6"]) == 0
+    capsys.readouterr()
+    assert [(kw["duration_s"], kw["new_prompts"]) for kw in seen] == [(2.0, False), (2.0, True)]
 
 
 def test_plan_jobs_is_checked(tmp_path, capsys):
