@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                          "the search of larger budgets, so small budgets need not be searched again")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "capacity")
     ns = ap.parse_args(argv)
-    if ns.probe_seconds is not None and not ns.probe_seconds > 0:
-        ap.error(f"--probe-seconds must be > 0, got {ns.probe_seconds}")
+    if ns.probe_seconds is not None and not 0 < ns.probe_seconds < float("inf"):
+        ap.error(f"--probe-seconds must be a finite number > 0, got {ns.probe_seconds}")
     if ns.jobs is not None and ns.jobs < 1:
         ap.error(f"--jobs must be >= 1, got {ns.jobs}")
     from simulator.plan import _locals

@@ -33,6 +33,7 @@ one whose start a newly found best changes is evaluated again (``Planner._pruned
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import multiprocessing
@@ -302,8 +303,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--workers must be >= 1 (a budget of {args.workers} workers serves nothing)")
     if args.target_rate is not None and not args.target_rate > 0:
         raise ValueError(f"--target-rate must be > 0, got {args.target_rate}")
-    if args.probe_seconds is not None and not args.probe_seconds > 0:
-        raise ValueError(f"--probe-seconds must be > 0, got {args.probe_seconds}")
+    if args.probe_seconds is not None and not 0 < args.probe_seconds < math.inf:
+        raise ValueError(f"--probe-seconds must be a finite number > 0, got {args.probe_seconds}")
     if args.jobs is None:
         args.jobs = default_jobs()
     elif args.jobs < 1:
@@ -376,8 +377,8 @@ class Planner:
         evaluate a search's candidates side by side (the answer does not depend on how many)."""
         if not 0 < rel_tol < 1:
             raise ValueError(f"rel_tol must be within (0, 1), got {rel_tol}")
-        if duration_s is not None and not duration_s > 0:
-            raise ValueError(f"duration_s (--probe-seconds) must be > 0, got {duration_s}")
+        if duration_s is not None and not 0 < duration_s < math.inf:
+            raise ValueError(f"duration_s (--probe-seconds) must be a finite number > 0, got {duration_s}")
         if not reqs:
             raise ValueError("reqs: the workload has no requests")
         if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
@@ -593,7 +594,7 @@ class Planner:
         window = 2 * self._pool_size
         free = list(range(len(flags)))
         dropped: list[tuple[int, Any]] = []  # (slot, future) of dropped evaluations that may still be running
-        tokens = iter(range(1, 1 << 62))
+        tokens = itertools.count(1)
         ahead: dict[int, tuple[tuple, int, Any]] = {}
 
         def launch(j: int) -> tuple[tuple, int, Any]:
@@ -669,7 +670,7 @@ class _Dropped(Exception):
     """Raised in a worker's probe once the parent dropped the evaluation under way (``Planner._pruned_ahead``)."""
 
 
-def _serve(handoff: Any, flags: Any = None) -> None:
+def _serve(handoff: Any, flags: Any) -> None:
     global _WORKER_PLANNER
     # a terminal's Ctrl-C is the parent's to handle (it ends us); one during a worker's start (its imports, before
     # this runs) ends that worker with a traceback of its own, and the parent then ends the rest

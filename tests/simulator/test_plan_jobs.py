@@ -116,7 +116,8 @@ def test_prune_order_puts_the_likeliest_winners_first():
 def test_plan_probe_seconds_sizes_each_probe_by_its_rate(tmp_path, capsys):
     """--probe-seconds T: a probe at rate R simulates ceil(R x T) requests (the workload looped), counted in the
     printed total; here 40 requests last about 2.5 s at the split's goodput, too short for queues to form, and 20 s
-    of arrivals serve less within the SLOs (what the flag is for). --probe-seconds 0: exit 2 naming it."""
+    of arrivals serve less within the SLOs (what the flag is for). --probe-seconds 0, negative, inf or nan:
+    exit 2 naming it."""
     import math
 
     rc1, once, out1 = _plan(tmp_path, capsys, "1")
@@ -129,8 +130,9 @@ def test_plan_probe_seconds_sizes_each_probe_by_its_rate(tmp_path, capsys):
     assert all(g_long <= g_once for g_once, g_long in pairs)
     assert long["best"]["disaggregated"]["goodput_rps"] < 0.8 * once["best"]["disaggregated"]["goodput_rps"]
     (tmp_path / "plan-1.json").unlink()
-    rc, d, out = _plan(tmp_path, capsys, "1", "--probe-seconds", "0")
-    assert rc == 2 and d == {} and "--probe-seconds" in out
+    for bad in ("0", "-1", "inf", "nan"):
+        rc, d, out = _plan(tmp_path, capsys, "1", "--probe-seconds", bad)
+        assert rc == 2 and d == {} and "--probe-seconds" in out and "Traceback" not in out, bad
 
 
 def test_plan_probe_seconds_loops_a_hash_id_trace_with_its_own_prompts(tmp_path, capsys, monkeypatch):
