@@ -36,14 +36,24 @@
 # At most 8 files come back from $OUT: the script writes only these.
 set -u
 OUT=${1:?usage: device_session.sh OUT_DIR}
-GPU_S=${GPU_S:-120} CPU14_S=${CPU14_S:-230} OVH_S=${OVH_S:-40} ENGINE_TEST_S=${ENGINE_TEST_S:-120} ENGINE_S=${ENGINE_S:-200}
-VERDICT_S=${VERDICT_S:-200} VERDICT_N=${VERDICT_N:-60} VERDICT_RATES=${VERDICT_RATES:-2,4,8,16}
+# one deadline for the whole call (the tool's limit is 600 s a call): a phase gets its own cap or what is left of
+# SESSION_S (less what the phases after it are promised), so a phase that ends early leaves its time to the next
+SESSION_S=${SESSION_S:-570}
+GPU_S=${GPU_S:-120} CPU14_S=${CPU14_S:-230} OVH_S=${OVH_S:-40} ENGINE_TEST_S=${ENGINE_TEST_S:-150} ENGINE_S=${ENGINE_S:-130}
+VERDICT_S=${VERDICT_S:-200} VERDICT_N=${VERDICT_N:-60} VERDICT_RATES=${VERDICT_RATES:-4,8,16,32}
 # which phases run (a lease split over calls runs some in each), and the GPU phase's and cpu14's load
-PHASES=${PHASES:-"engine verdict"}
-GPU_C=${GPU_C:-1,8,32,128} GPU_REPEAT=${GPU_REPEAT:-2} GPU_FLAGS=${GPU_FLAGS:-}
+PHASES=${PHASES:-"engine profile verdict gpu"}
+GPU_C=${GPU_C:-1,32} GPU_REPEAT=${GPU_REPEAT:-1} GPU_FLAGS=${GPU_FLAGS:-}
 CPU14_N=${CPU14_N:-70} CPU14_RATES=${CPU14_RATES:-1.5,3,4.5}
 has() { [[ " $PHASES " == *" $1 "* ]]; }
+# cap WANT [PROMISED]: WANT seconds, or what is left before the deadline less PROMISED (later phases' minimum)
+cap() { local want=$1 left=$(( SESSION_S - SECONDS - ${2:-0} - 3 )); (( left < want )) && want=$left; (( want < 1 )) && want=1; echo $want; }
+# enough MIN [PROMISED]: is there at least MIN seconds for this phase? (else it is skipped, and logged so)
+enough() { (( $(cap 100000 "${2:-0}") >= $1 )) || { log "skipped: $(( SESSION_S - SECONDS )) s left"; false; }; }
 export PYTHONUNBUFFERED=1
+# every line of this script's own output also lands in session.log (at most 8 files come back from $OUT:
+# session.log, engine_tests.log and the phases' JSON)
+exec > >(tee -a "$OUT/session.log") 2>&1
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
@@ -51,10 +61,11 @@ if compgen -G ".whl/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 TRACE=${TRACE:-.devdata/azure_llm_2023_conv.csv}
-log() { echo "[$(date -u +%T)] $*"; }
-# the 1B-shaped bf16 checkpoint (benchmarks/cuda_engine.py's random weights), made once
+log() { echo "[$(date -u +%T) +${SECONDS}s] $*"; }
+# the 1B-shaped bf16 checkpoint (benchmarks/cuda_engine.py's random weights), made once (the engine phase's
+# cuda_engine.py writes the same one there)
 ck1b() {
-  [ -d /tmp/ck1b ] || python3 -c "
+  [ -f /tmp/ck1b/model.safetensors ] || python3 -c "
 import sys, torch; sys.path.insert(0, 'benchmarks')
 from pathlib import Path
 from cuda_engine import make_checkpoint, SHAPES
@@ -68,96 +79,99 @@ python3 -c "import router, decode_worker, prefill_worker, loadtest.client" || ex
 
 KBUILD=
 if has cpu14 || has cpu-overhead; then
-  (MAX_JOBS=8 nice -n 5 python3 -m engine.kernels > "$OUT/kernels.log" 2>&1; echo "exit $?" >> "$OUT/kernels.log") &
+  (MAX_JOBS=8 nice -n 5 python3 -m engine.kernels > /tmp/kernels.log 2>&1; echo "exit $?" >> /tmp/kernels.log) &
   KBUILD=$!
 fi
 
 if has engine; then
 log "phase engine"
-# the CUDA cases only: the CPU ones ran in CI (and would build the CPU kernels here first); the compiled kernels in
-# a pytest process of their own (the interpreter tests import triton in interpreter mode for their process)
-for t in "tests/engine/test_decode_graphs.py -k cuda" tests/engine/test_piecewise_cuda.py tests/engine/test_async_cuda.py \
-         tests/engine/test_triton_kernels_cuda.py \
-         tests/engine/test_fp8_cuda.py tests/engine/test_sampler_cuda.py tests/engine/test_batch_invariant_cuda.py \
-         "tests/kvtransfer/test_cuda_ipc.py -k gpu"; do
-  timeout -s INT "$ENGINE_TEST_S" python3 -m pytest -q -p no:cacheprovider -rs $t 2>&1 | tail -20
-done | tee "$OUT/engine_tests.log"
-timeout -s INT 60 python3 benchmarks/kvtransfer_bandwidth.py --same-node cuda --reps 5 2>&1 | tail -8 \
-  | tee "$OUT/same_node.log"
-timeout -s INT "$ENGINE_S" python3 benchmarks/cuda_engine.py --phases "${ENGINE_PHASES:-parity,decode,graphs}" \
-  --out /tmp/cuda_engine 2>&1 | tee "$OUT/engine.log" | grep -v "^\s*$"
+# the CUDA cases only: the CPU ones ran in CI (and would build the CPU kernels here first); the compiled Triton kernels
+# in a pytest process of their own (the interpreter tests import triton in interpreter mode for their process), the
+# rest in one process (one CUDA start); every test under a 90-s limit of its own, full output in engine_tests.log
+PT="python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --timeout 90"
+timeout -s INT "$(cap "$ENGINE_TEST_S" 395)" $PT tests/engine/test_triton_kernels_cuda.py \
+  >> "$OUT/engine_tests.log" 2>&1; tail -3 "$OUT/engine_tests.log"
+timeout -s INT "$(cap "$ENGINE_TEST_S" 335)" $PT -k "cuda or gpu" tests/engine/test_decode_graphs.py tests/engine/test_piecewise_cuda.py \
+  tests/engine/test_async_cuda.py tests/engine/test_fp8_cuda.py tests/engine/test_sampler_cuda.py \
+  tests/engine/test_batch_invariant_cuda.py tests/kvtransfer/test_cuda_ipc.py >> "$OUT/engine_tests.log" 2>&1
+grep -E "passed|failed|^FAILED|^ERROR|^SKIPPED" "$OUT/engine_tests.log" | tail -20
+log "cuda_engine.py"
+timeout -s INT "$(cap "$ENGINE_S" 245)" python3 benchmarks/cuda_engine.py --phases "${ENGINE_PHASES:-parity,decode,graphs,prefill}" \
+  --ckpt /tmp/ck1b --out /tmp/cuda_engine 2>&1 | grep -v "^\s*$"
 cp /tmp/cuda_engine/cuda_engine.json "$OUT/cuda_engine.json" 2>/dev/null
 # the host's share of a graph decode step at 1 / 64 / 256 sequences, and what async scheduling gains there
-ck1b && timeout -s INT 150 python3 benchmarks/decode_host_overhead.py --device cuda --model /tmp/ck1b --dtype bfloat16 \
-  --async-scheduling both 2>&1 | tail -12 | tee -a "$OUT/engine.log"
-fi
-
-if has verdict; then
-log "phase verdict"
-ck1b
-# partial.json comes back even if the call's own limit ends everything (the engine phase may leave it little time)
-( while sleep 10; do cp /tmp/verdict/partial.json "$OUT/verdict_partial.json" 2>/dev/null; done ) &
-VCOPIER=$!
-timeout -s INT "$VERDICT_S" python3 benchmarks/disagg_vs_colocated.py --device cuda --model /tmp/ck1b --trace "$TRACE" \
-  --num-requests "$VERDICT_N" --length-scale 1 --rates "$VERDICT_RATES" --colocated-workers 1 --prefill-workers 1 \
-  --decode-workers 1 --kv-cache-gib 8 --max-num-batched-tokens 512 ${VERDICT_FLAGS:-} --out /tmp/verdict 2>&1 \
-  | tee "$OUT/verdict.log" \
-  | grep -v "^\s*$"
-kill "$VCOPIER" 2>/dev/null
-cp /tmp/verdict/result.json "$OUT/verdict_result.json" 2>/dev/null || cp /tmp/verdict/partial.json "$OUT/verdict_partial.json" 2>/dev/null
+log "decode_host_overhead.py"
+ck1b && timeout -s INT "$(cap 60 205)" python3 benchmarks/decode_host_overhead.py --device cuda --model /tmp/ck1b \
+  --dtype bfloat16 --async-scheduling both --json "$OUT/host_overhead.json" 2>&1 | tail -12
+log "kvtransfer_bandwidth.py --same-node cuda"
+timeout -s INT "$(cap 40 185)" python3 benchmarks/kvtransfer_bandwidth.py --same-node cuda --reps 5 2>&1 | tail -8
 cleanup
 fi
 
-if has profile; then
+if has profile && enough 40 135; then
 log "phase profile"
 ck1b
-timeout -s INT "${PROFILE_S:-240}" python3 -m cluster.cli profile --device cuda --dtype bfloat16 --model /tmp/ck1b \
-  --quick --skip-router --out "$OUT/profile_cuda.json" 2>&1 | tail -15 | tee "$OUT/profile.log"
+timeout -s INT "$(cap "${PROFILE_S:-120}" 135)" python3 -m cluster.cli profile --device cuda --dtype bfloat16 --model /tmp/ck1b \
+  --quick --skip-router --out "$OUT/profile_cuda.json" 2>&1 | tail -15
 # how far those steps are from the device's roofline (datasheet peaks; a second of CPU)
 HW=h200; nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && HW=h100-sxm
-python3 benchmarks/roofline_check.py --profile "$OUT/profile_cuda.json" --hardware "$HW" --model cuda-bench-1b 2>&1 \
-  | tee -a "$OUT/profile.log"
-fi
-
-if has gpu; then
-log "phase gpu"
-ck1b && timeout -s INT "$GPU_S" python3 benchmarks/serving_overhead.py --models /tmp/ck1b --modes colocated --apis grpc \
-       --paths streams --repeat "$GPU_REPEAT" --concurrency "$GPU_C" --device cuda --dtype bfloat16 --kv-cache-gib 8 \
-       $GPU_FLAGS --json "$OUT/serving_overhead_gpu.json" 2>&1 | tee "$OUT/gpu.log" | grep -v "^\s*$"
+python3 benchmarks/roofline_check.py --profile "$OUT/profile_cuda.json" --hardware "$HW" --model cuda-bench-1b 2>&1
 cleanup
 fi
 
-if has invariance; then
+if has verdict && enough 60 45; then
+log "phase verdict"
+ck1b
+# partial.json comes back even if the call's own limit ends everything
+( while sleep 10; do cp /tmp/verdict/partial.json "$OUT/verdict_partial.json" 2>/dev/null; done ) &
+VCOPIER=$!
+timeout -s INT "$(cap "$VERDICT_S" 45)" python3 benchmarks/disagg_vs_colocated.py --device cuda --model /tmp/ck1b --trace "$TRACE" \
+  --num-requests "$VERDICT_N" --length-scale 1 --rates "$VERDICT_RATES" --colocated-workers 1 --prefill-workers 1 \
+  --decode-workers 1 --kv-cache-gib 8 --max-num-batched-tokens 512 ${VERDICT_FLAGS:-} --out /tmp/verdict 2>&1 \
+  | grep -v "^\s*$"
+kill "$VCOPIER" 2>/dev/null
+cp /tmp/verdict/result.json "$OUT/verdict_result.json" 2>/dev/null && rm -f "$OUT/verdict_partial.json" \
+  || cp /tmp/verdict/partial.json "$OUT/verdict_partial.json" 2>/dev/null
+cleanup
+fi
+
+if has gpu && enough 45; then
+log "phase gpu"
+ck1b && timeout -s INT "$(cap "$GPU_S")" python3 benchmarks/serving_overhead.py --models /tmp/ck1b --modes colocated --apis grpc \
+       --paths streams --repeat "$GPU_REPEAT" --concurrency "$GPU_C" --device cuda --dtype bfloat16 --kv-cache-gib 8 \
+       $GPU_FLAGS --json "$OUT/serving_overhead_gpu.json" 2>&1 | grep -v "^\s*$"
+cleanup
+fi
+
+if has invariance && enough 30; then
 log "phase invariance"
 ck1b
-timeout -s INT "${INV_S:-120}" python3 benchmarks/batch_invariance.py --model /tmp/ck1b --device cuda \
-  --dtypes bfloat16,float32 --num-prompts 128 --max-tokens 128 --kv-cache-gib 8 --batch-invariant both 2>&1 \
-  | tee "$OUT/invariance.log"
+timeout -s INT "$(cap "${INV_S:-120}")" python3 benchmarks/batch_invariance.py --model /tmp/ck1b --device cuda \
+  --dtypes bfloat16,float32 --num-prompts 128 --max-tokens 128 --kv-cache-gib 8 --batch-invariant both 2>&1
 fi
 
 if has cpu14 || has cpu-overhead; then
 log "waiting for the CPU kernel build"
-wait "$KBUILD"; tail -2 "$OUT/kernels.log"
+wait "$KBUILD"; tail -2 /tmp/kernels.log
 fi
 
-if has cpu14; then
+if has cpu14 && enough 60; then
 log "phase cpu14"
-# partial.json comes back even if the call's own limit ends everything: copied as it grows
 ( while sleep 10; do cp /tmp/cpu14/partial.json "$OUT/cpu14_partial.json" 2>/dev/null; done ) &
 COPIER=$!
-timeout -s INT "$CPU14_S" python3 benchmarks/disagg_vs_colocated.py --model bench --trace "$TRACE" --num-requests "$CPU14_N" \
+timeout -s INT "$(cap "$CPU14_S")" python3 benchmarks/disagg_vs_colocated.py --model bench --trace "$TRACE" --num-requests "$CPU14_N" \
   --length-scale 0.5 --rates "$CPU14_RATES" --colocated-workers 14 --prefill-workers 7 --decode-workers 7 \
-  --local-prefill-max-tokens 192 --reserve-cores 2 --out /tmp/cpu14 2>&1 | tee "$OUT/cpu14.log" | grep -v "^\s*$"
+  --local-prefill-max-tokens 192 --reserve-cores 2 --out /tmp/cpu14 2>&1 | grep -v "^\s*$"
 kill "$COPIER" 2>/dev/null
 cp /tmp/cpu14/result.json "$OUT/cpu14_result.json" 2>/dev/null || cp /tmp/cpu14/partial.json "$OUT/cpu14_partial.json" 2>/dev/null
 cleanup
 fi
 
-if has cpu-overhead; then
+if has cpu-overhead && enough 30; then
 log "phase cpu-overhead"
-timeout -s INT "$OVH_S" python3 benchmarks/serving_overhead.py --models tiny --modes colocated,disaggregated \
+timeout -s INT "$(cap "$OVH_S")" python3 benchmarks/serving_overhead.py --models tiny --modes colocated,disaggregated \
   --apis grpc --paths streams --repeat 1 --concurrency 1,32,128 --json "$OUT/serving_overhead_cpu16.json" 2>&1 \
-  | tee "$OUT/cpu_overhead.log" | grep -v "^\s*$" | tail -12
+  | grep -v "^\s*$" | tail -12
 cleanup
 fi
 log "done"
