@@ -83,18 +83,21 @@ if has cpu14 || has cpu-overhead; then
   KBUILD=$!
 fi
 
-if has engine; then
-log "phase engine"
+if has engine || has tests; then
+log "phase engine$(has engine || echo ': tests only')"
 # the CUDA cases only: the CPU ones ran in CI (and would build the CPU kernels here first); the compiled Triton kernels
 # in a pytest process of their own (the interpreter tests import triton in interpreter mode for their process), the
 # rest in one process (one CUDA start); every test under a 90-s limit of its own, full output in engine_tests.log
 PT="python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --timeout 90"
-timeout -s INT "$(cap "$ENGINE_TEST_S" 395)" $PT tests/engine/test_triton_kernels_cuda.py \
+timeout -s INT "$(cap "$ENGINE_TEST_S" "${TESTS_PROMISED_1:-395}")" $PT tests/engine/test_triton_kernels_cuda.py \
   >> "$OUT/engine_tests.log" 2>&1; tail -3 "$OUT/engine_tests.log"
-timeout -s INT "$(cap "$ENGINE_TEST_S" 335)" $PT -k "cuda or gpu" tests/engine/test_decode_graphs.py tests/engine/test_piecewise_cuda.py \
+timeout -s INT "$(cap "$ENGINE_TEST_S" "${TESTS_PROMISED_2:-335}")" $PT -k "cuda or gpu" tests/engine/test_decode_graphs.py tests/engine/test_piecewise_cuda.py \
   tests/engine/test_async_cuda.py tests/engine/test_fp8_cuda.py tests/engine/test_sampler_cuda.py \
   tests/engine/test_batch_invariant_cuda.py tests/kvtransfer/test_cuda_ipc.py >> "$OUT/engine_tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR|^SKIPPED" "$OUT/engine_tests.log" | tail -20
+fi
+
+if has engine; then
 log "cuda_engine.py"
 timeout -s INT "$(cap "$ENGINE_S" 245)" python3 benchmarks/cuda_engine.py --phases "${ENGINE_PHASES:-parity,decode,graphs,prefill}" \
   --ckpt /tmp/ck1b --out /tmp/cuda_engine 2>&1 | grep -v "^\s*$"
@@ -119,13 +122,13 @@ python3 benchmarks/roofline_check.py --profile "$OUT/profile_cuda.json" --hardwa
 cleanup
 fi
 
-if has verdict && enough 60 45; then
+if has verdict && enough 60 "${VERDICT_PROMISED:-45}"; then
 log "phase verdict"
 ck1b
 # partial.json comes back even if the call's own limit ends everything
 ( while sleep 10; do cp /tmp/verdict/partial.json "$OUT/verdict_partial.json" 2>/dev/null; done ) &
 VCOPIER=$!
-timeout -s INT "$(cap "$VERDICT_S" 45)" python3 benchmarks/disagg_vs_colocated.py --device cuda --model /tmp/ck1b --trace "$TRACE" \
+timeout -s INT "$(cap "$VERDICT_S" "${VERDICT_PROMISED:-45}")" python3 benchmarks/disagg_vs_colocated.py --device cuda --model /tmp/ck1b --trace "$TRACE" \
   --num-requests "$VERDICT_N" --length-scale 1 --rates "$VERDICT_RATES" --colocated-workers 1 --prefill-workers 1 \
   --decode-workers 1 --kv-cache-gib 8 --max-num-batched-tokens 512 ${VERDICT_FLAGS:-} --out /tmp/verdict 2>&1 \
   | grep -v "^\s*$"
@@ -133,6 +136,33 @@ kill "$VCOPIER" 2>/dev/null
 cp /tmp/verdict/result.json "$OUT/verdict_result.json" 2>/dev/null && rm -f "$OUT/verdict_partial.json" \
   || cp /tmp/verdict/partial.json "$OUT/verdict_partial.json" 2>/dev/null
 cleanup
+fi
+
+if has verdict-ep && enough 40; then
+log "phase verdict-ep: colocated, its engine core in a process of its own"
+ck1b
+timeout -s INT "$(cap "${VERDICT_EP_S:-90}" "${VERDICT_EP_PROMISED:-0}")" python3 benchmarks/disagg_vs_colocated.py --device cuda \
+  --model /tmp/ck1b --trace "$TRACE" --num-requests "$VERDICT_N" --length-scale 1 --rates "$VERDICT_RATES" \
+  --modes colocated --colocated-workers 1 --kv-cache-gib 8 --max-num-batched-tokens 512 --engine-process \
+  ${VERDICT_FLAGS:-} --out /tmp/verdict_ep 2>&1 | grep -v "^\s*$"
+cp /tmp/verdict_ep/result.json "$OUT/verdict_ep_result.json" 2>/dev/null
+cleanup
+fi
+
+if has probe && enough 20; then
+log "phase probe: where batch invariance breaks (benchmarks/invariance_probe.py)"
+timeout -s INT "$(cap "${PROBE_S:-60}" "${PROBE_PROMISED:-0}")" python3 benchmarks/invariance_probe.py 2>&1
+fi
+
+if has graphmem && enough 15; then
+log "phase graphmem: the 1B engine's graph memory against its estimate"
+ck1b
+timeout -s INT "$(cap 40)" python3 -c "
+from engine import LLM
+e = LLM('/tmp/ck1b', device='cuda', dtype='bfloat16', kv_cache_memory_bytes=8 << 30).llm_engine
+r = e.runner
+print('1B bf16 graphs: estimate', e.graph_memory_estimate >> 20, 'MiB; decode graphs', r.graphs.memory_bytes >> 20,
+      'MiB; piecewise', (r.piecewise.memory_bytes >> 20) if r.piecewise is not None else None, 'MiB')" 2>&1 | tail -3
 fi
 
 if has gpu && enough 45; then

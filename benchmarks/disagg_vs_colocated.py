@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--reserve-cores", type=int, default=0,
                     help="leave this many of the usable cores (the lowest) to the router and the load generator; "
                          "workers are pinned one per core on the next ones")
+    ap.add_argument("--cores-per-worker", type=int, default=1,
+                    help="pin each worker to this many consecutive cores (a GPU worker's engine thread, gRPC threads "
+                         "and, with --engine-process, its engine process share them); every mode gets the same")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="colocated workers run their engine core in a process of their own (vLLM v1's split; "
+                         "prefill and decode workers keep it in process: their KV cache is shared with the link)")
     return ap
 
 
@@ -111,10 +117,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("colocated_workers", "prefill_workers", "decode_workers"):
         if getattr(ns, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(ns, name)}")
-    need = ns.reserve_cores + max(ns.colocated_workers, ns.prefill_workers + ns.decode_workers)
+    if ns.cores_per_worker < 1:
+        raise SystemExit(f"--cores-per-worker must be >= 1, got {ns.cores_per_worker}")
+    need = ns.reserve_cores + ns.cores_per_worker * max(len(worker_roles(m, ns)) for m in ns.mode_list)
     if ns.reserve_cores < 0 or need > len(usable_cores()):
-        raise SystemExit(f"--reserve-cores {ns.reserve_cores} + the largest deployment need {need} cores; "
-                         f"{len(usable_cores())} are usable here")
+        raise SystemExit(f"--reserve-cores {ns.reserve_cores} + {ns.cores_per_worker} core(s) for each worker of the "
+                         f"largest deployment need {need} cores; {len(usable_cores())} are usable here")
     if ns.cdf_rate is None:
         ns.cdf_rate = ns.rate_list[len(ns.rate_list) // 2]
     return ns
@@ -137,6 +145,8 @@ def engine_and_worker_kw(ns: argparse.Namespace) -> tuple[dict, dict]:
         if ns.async_scheduling:  # (the harness's prefill workers drop it, as the cluster's do)
             engine_kw["async_scheduling"] = True
         role_kw = {"prefill": {"kv_backend": "nccl"}, "decode": {"kv_backend": "nccl"}}
+    if ns.engine_process:
+        role_kw["colocated"] = {"engine_process": True}
     return engine_kw, role_kw
 
 
@@ -295,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     p90_prompt = int(round(float(np.percentile(plens, 90))))
     print(f"{len(rows)} requests from {ns.trace.name}, lengths x{ns.length_scale:g}: prompt median {median_prompt}, "
           f"p90 {p90_prompt}, max {max(p for p, _ in lengths)}; output median {int(statistics.median(o for _, o in lengths))}; "
-          f"worker cores {cores[:max(len(worker_roles(m, ns)) for m in MODES)]}; load average {info['loadavg_start']}", flush=True)
+          f"worker cores {cores[:ns.cores_per_worker * max(len(worker_roles(m, ns)) for m in ns.mode_list)]} "
+          f"({ns.cores_per_worker} a worker); load average {info['loadavg_start']}", flush=True)
     points: dict = {}
     calib: dict = {}
     pinning: dict = {}
@@ -311,8 +322,9 @@ def main(argv: list[str] | None = None) -> int:
                              prefill_queue_max_tokens=ns.prefill_queue_max_tokens)
         engine_kw, role_kw = engine_and_worker_kw(ns)
         roles = worker_roles(mode, ns)
-        with Deployment(mode, ns.model, cores[:len(roles)], engine_kw=engine_kw, router_kw=router_kw,
-                        roles=roles, role_worker_kw=role_kw) as dep:
+        with Deployment(mode, ns.model, cores[:ns.cores_per_worker * len(roles)], engine_kw=engine_kw,
+                        router_kw=router_kw, roles=roles, role_worker_kw=role_kw,
+                        cores_per_worker=ns.cores_per_worker) as dep:
             limits = server_limits(dep.target)
             pinning[mode] = dep.pinning
             print(f"{mode}: up in {time.monotonic() - t:.1f} s, workers pinned {dep.pinning}", flush=True)

@@ -28,6 +28,7 @@ where no GPU is; a captured graph replays exactly those ops.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -113,8 +114,6 @@ class GraphBuckets:
                 run(s)
             self.capture_seconds = time.perf_counter() - t0
             return
-        torch.cuda.synchronize(self.device)
-        before = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -122,6 +121,13 @@ class GraphBuckets:
             for s in reversed(self.sizes):
                 run(s)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        # what the pool takes: reserved memory from here on (the warm-ups' freed temporaries released first, as
+        # ``torch.cuda.graph`` itself releases them when a capture starts; measured before the warm-ups, an H200
+        # run saw a negative size)
+        torch.cuda.synchronize(self.device)
+        gc.collect()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved(self.device)
         for s in reversed(self.sizes):
             record(s, pool)
         torch.cuda.synchronize(self.device)

@@ -368,7 +368,10 @@ class ModelRunner:
         if prompt_rows:  # a keep view, as any step with a prefill chunk (rows that do not sample) has
             meta.keep = self._keep_view(sample_rows + prompt_rows, sample_seqs + prompt_seqs,
                                         sample_ctx + prompt_ctx, bs)
-        elif len(sample_rows) != row:
+        elif len(sample_rows) != row or meta.prefills:
+            # with a prefill chunk, always: a prompt's sampled row then attends through the decode kernel in the
+            # last layer whether its chunk was one token (every row samples) or more, so its logits do not depend
+            # on where the scheduler cut the prompt (batch invariance: the H200 run of 1 Dec, and CPU float32 too)
             meta.keep = self._keep_view(sample_rows, sample_seqs, sample_ctx, bs)
         slot_t = to_device(slots, torch.long, dev)
         meta.slot_mapping = torch.cat([slot_t, *prefill_slots]) if prefill_slots else slot_t

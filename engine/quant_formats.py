@@ -232,7 +232,9 @@ class Fp8(LinearFormat):
             raise ValueError(f"quantization 'fp8': a linear layer of {w.shape[1]} inputs and {w.shape[0]} outputs; "
                              "the GPU's FP8 GEMM takes multiples of 16")
         w8, s = quantize_fp8_rows(w)
-        return cls(w8, s.reshape(1, -1).contiguous(), w.shape[1], w.shape[0], bias)
+        # row-major whatever w's strides (a Linear hands its [in, out] weight transposed, and the rounding keeps
+        # those strides): cuBLASLt's FP8 GEMM takes a row-major A and a column-major B only (an H200 refused it)
+        return cls(w8.contiguous(), s.reshape(1, -1).contiguous(), w.shape[1], w.shape[0], bias)
 
     def __call__(self, x: Tensor) -> Tensor:
         shape, dtype = x.shape, x.dtype
@@ -241,7 +243,7 @@ class Fp8(LinearFormat):
         cuda = x.device.type == "cuda"
         if cuda and m % 16:  # the FP8 GEMM takes rows in multiples of 16
             x2 = torch.cat((x2, x2.new_zeros(16 - m % 16, x2.shape[1])))
-        x8, sx = quantize_fp8_rows(x2)
+        x8, sx = quantize_fp8_rows(x2.contiguous())
         out_dtype = torch.bfloat16 if cuda else dtype  # CUDA's row-wise FP8 GEMM writes bfloat16 only
         y = torch._scaled_mm(x8, self.w8.t(), scale_a=sx, scale_b=self.scale, out_dtype=out_dtype)[:m]
         if self.bias is not None:

@@ -293,7 +293,10 @@ class Sampler:
         if rows:
             before = x
             x = x.clone()
-            x[to_device(rows, torch.long, x.device), to_device(cols, torch.long, x.device)] = float("-inf")
+            # the value as a device tensor: a Python scalar would be copied from pageable host memory, which
+            # synchronises the host with the stream (torch's sync debug mode caught it on an H200)
+            x.index_put_((to_device(rows, torch.long, x.device), to_device(cols, torch.long, x.device)),
+                         x.new_full((), float("-inf")))
             # a grammar that allows only EOS here: the constraint wins over min_tokens (a select, not a branch on
             # a device value: no host synchronisation)
             dead = torch.isneginf(x).all(dim=-1)

@@ -298,7 +298,10 @@ class Scheduler:
 
     @staticmethod
     def _take(out: SchedulerOutput, seq: Sequence, n: int) -> None:
-        if n == 1:
+        # one output token is a decode; a prompt's last token alone (a chunk cut one short of it, a prefix-cache
+        # hit on all the rest, a one-token prompt) stays a prefill chunk: it runs the prefill kernels as it would
+        # have inside a longer chunk, so where the scheduler cut the prompt changes none of its bits
+        if n == 1 and seq.num_computed >= len(seq.prompt_token_ids):
             out.decodes.append(seq)
         else:
             out.prefills.append((seq, n))

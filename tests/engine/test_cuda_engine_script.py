@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import os
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -78,6 +80,15 @@ def test_disagg_vs_colocated_on_one_gpu_asks_for_cuda_ipc(tmp_path):
     EngineConfig(**ahead)
     with pytest.raises(SystemExit, match="--async-scheduling needs --device cuda"):
         dvc.parse_args(["--trace", str(trace), "--async-scheduling"])
+    # --engine-process: the colocated workers' engine core in a process of its own; the KV roles keep theirs
+    _, ep_roles = dvc.engine_and_worker_kw(dvc.parse_args(["--device", "cuda", "--trace", str(trace), "--engine-process"]))
+    assert ep_roles == {"prefill": {"kv_backend": "nccl"}, "decode": {"kv_backend": "nccl"},
+                        "colocated": {"engine_process": True}}
+    # --cores-per-worker: every worker of the largest deployment gets that many cores, or the run is refused
+    with pytest.raises(SystemExit, match="--cores-per-worker must be >= 1"):
+        dvc.parse_args(["--trace", str(trace), "--cores-per-worker", "0"])
+    with pytest.raises(SystemExit, match=r"core\(s\) for each worker"):
+        dvc.parse_args(["--trace", str(trace), "--cores-per-worker", str(len(os.sched_getaffinity(0)))])
 
 
 def test_decode_host_overhead_runs_every_step_through_the_static_buffers():

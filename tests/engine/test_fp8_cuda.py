@@ -18,9 +18,10 @@ def test_cuda_fp8_weights_compute_the_scaled_product_of_what_they_store(dtype):
     g = torch.Generator().manual_seed(4)
     w, b = torch.randn(256, 512, generator=g), torch.randn(256, generator=g)
     x = torch.randn(5, 512, generator=g)
-    fmt = Fp8.pack(w.cuda(), b.cuda())
-    sx = x.abs().amax(-1, keepdim=True) / 448
-    want = ((x / sx).to(FP8).float() * sx) @ fmt.dense().cpu().t() + b
+    fmt = Fp8.pack(w.t().contiguous().cuda().t(), b.cuda())  # transposed, as a Linear hands its weight over
+    xr = x.to(dtype).float()  # what the format rounds to float8 is the model-dtype input
+    sx = xr.abs().amax(-1, keepdim=True) / 448
+    want = ((xr / sx).to(FP8).float() * sx) @ fmt.dense().cpu().t() + b
     got = fmt(x.cuda().to(dtype))  # 5 rows: padded to 16 for the GEMM
     assert got.shape == (5, 256) and got.dtype == dtype
     torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2)

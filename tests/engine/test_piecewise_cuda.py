@@ -28,7 +28,8 @@ def test_captured_pieces_replay_the_static_path(dtype):
     params = _params()
     got = graphs_llm.generate(PROMPTS, params)
     _same(got, static.generate(PROMPTS, params))
-    assert pw.replays >= 10
+    # the same tokens make the same schedule: as many steps through the captured pieces as through the static ones
+    assert pw.replays == static.llm_engine.runner.piecewise.replays > 0
     if dtype == "float32":
         eager = LLM("tiny", enforce_eager=True, **kw)
         greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]

@@ -300,3 +300,18 @@ def test_fp8_on_a_gpu_without_fp8_is_refused_at_start_naming_the_field_and_the_g
     with pytest.raises(Exception) as e:  # past the check, this CPU box has no CUDA to go on with
         LLMEngine(EngineConfig(device="cuda", dtype="bfloat16", **kw))
     assert "needs a GPU with FP8" not in str(e.value)
+
+
+def test_fp8_weights_are_stored_row_major_whatever_the_strides_they_came_in():
+    """cuBLASLt's FP8 GEMM (``torch._scaled_mm`` on CUDA) takes a row-major A and a column-major B only, and a
+    Linear hands its weight over transposed (it stores [in, out]): the format must keep w8 row-major, so that
+    ``w8.t()`` is the column-major B (an H200 refused the engine's first FP8 GEMM when it did not)."""
+    from engine.quant_formats import Fp8
+
+    w = torch.randn(64, 32)
+    fmt = Fp8.pack(w.t().contiguous().t(), None)  # w's values, column-major storage
+    assert fmt.w8.is_contiguous() and fmt.w8.t().stride() == (1, 32)
+    torch.testing.assert_close(fmt.dense(), Fp8.pack(w.contiguous(), None).dense(), rtol=0, atol=0)
+    model = LLM("tiny", quantization="fp8").llm_engine.runner.model
+    fmts = [m.fmt for m in model.modules() if isinstance(getattr(m, "fmt", None), Fp8)]
+    assert fmts and all(f.w8.is_contiguous() for f in fmts)

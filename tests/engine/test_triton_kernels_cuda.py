@@ -99,7 +99,7 @@ def test_cuda_prefill_dispatch_against_sdpa(monkeypatch, dtype, tol, nc, window,
     span = PrefillSpan(start=3, end=3 + n, num_computed=nc, block_table=bt)
     calls = []
     real = tk.paged_prefill_attention
-    monkeypatch.setattr(tk, "paged_prefill_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(tk, "paged_prefill_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     got = attention._prefill(qkv[:, :H], *fresh, kc, vc, span, window, H // Hkv)
     assert len(calls) == int(kernel)
     monkeypatch.setattr(attention, "_triton_kernels", lambda device: None)
