@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import numbers
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TypeVar
 
@@ -180,6 +181,8 @@ class LLMEngine:
                                                 generator)
         else:
             runner = ModelRunner(model, self.kv_caches, self.block_size, sampler, generator)
+        if device.type == "cuda":
+            self._warm_up_kernels(config, local_mc, cache_dtype)
         if graphs:
             runner.graphs = DecodeGraphs(model, self.kv_caches, self.block_size, graph_sizes, self.max_model_len,
                                          scratch_block=n_blocks, capture=capture)
@@ -248,6 +251,24 @@ class LLMEngine:
         group = getattr(self, "tp_group", None)
         if group is not None:
             group.close()
+
+    def _warm_up_kernels(self, config: EngineConfig, mc: ModelConfig, cache_dtype: torch.dtype) -> None:
+        """Compile pdserve's Triton attention kernels (or load them from Triton's cache) now, once per variant this
+        engine can launch, so no request's step waits for a compile (triton_kernels.warm_up); where they cannot
+        run here (no Triton, a head_dim or dtype they do not take) the engine uses torch's paths and this does
+        nothing."""
+        from engine import attention, triton_kernels
+
+        device = torch.device(config.device)
+        D = mc.head_dim
+        if (not triton_kernels.available(device) or config.torch_dtype not in attention._TRITON_DTYPES
+                or D & (D - 1) or not 16 <= D <= 256):
+            return
+        t0 = time.perf_counter()
+        n = triton_kernels.warm_up(device, config.torch_dtype, cache_dtype, mc.num_attention_heads,
+                                   mc.num_key_value_heads, D, self.block_size, config.max_num_batched_tokens,
+                                   invariant=config.batch_invariant)
+        logger.info("attention kernels warmed up: %d launches in %.2f s", n, time.perf_counter() - t0)
 
     def _init_core(self, n_blocks: int, runner: ModelRunner) -> None:
         """The bookkeeping every engine has, whatever runs its steps: blocks, scheduler, runner, request maps."""

@@ -270,7 +270,12 @@ def _kernels() -> SimpleNamespace:
     k = _BUILT.get(mode)
     if k is None:
         k = _BUILT[mode] = SimpleNamespace(
-            decode=triton.jit(_decode_attention_kernel), prefill=triton.jit(_prefill_attention_kernel),
+            # the ints that change from step to step unspecialised (Triton compiles a variant per value class of an
+            # int: 1, a multiple of 16, other): a chunk's start, length and window, a step's block-table width.
+            # Each variant compiled mid-request stalls that step (the H200 verdict runs of 1 Dec queued prompts
+            # for tens of ms at 4 req/s); with these, one compile per tile config, done by ``warm_up`` at start
+            decode=triton.jit(_decode_attention_kernel, do_not_specialize=["sbt_b"]),
+            prefill=triton.jit(_prefill_attention_kernel, do_not_specialize=["nc", "n", "window"]),
             rms_norm=triton.jit(_rms_norm_kernel),
             silu_mul=triton.jit(_silu_mul_kernel), rope=triton.jit(_rope_kernel),
             # M unspecialised: a launch of one row compiles the same code as one of many (batch invariance)
@@ -330,6 +335,41 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
         *out.stride(), G=G, G_P=G_P, D=D, BS=BS, BS_P=BS_P,
         num_warps=_decode_warps(G_P * BS_P * D, D))
     return out
+
+
+def warm_up(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype, heads: int, kv_heads: int,
+            head_dim: int, block_size: int, max_tokens: int, invariant: bool = False) -> int:
+    """Launch the attention kernels once per variant an engine of this shape can launch, on scratch tensors, so
+    that each is compiled (or loaded from Triton's cache) at start, never while a request waits: the decode kernel,
+    and the prefill kernel at every tile config (``_prefill_config``) a chunk of 1..``max_tokens`` rows takes (one
+    under ``invariant``). Where the prefill kernel never runs (a cache in another dtype: gather + SDPA) it is
+    skipped. Returns the number of launches."""
+    H, Hkv, D, BS = heads, kv_heads, head_dim, block_size
+    scale = D ** -0.5
+    cap = _capability(device)
+    configs: dict[tuple[int, int, int], int] = {}
+    if cache_dtype == dtype:
+        for n in range(1, max_tokens + 1):  # the fewest rows that take each tile config
+            configs.setdefault(_prefill_config(1 << 20 if invariant else n, D, dtype, cap), n)
+    width = -(-max(configs.values(), default=1) // BS) + 1
+    k_cache = torch.zeros(width, BS, Hkv, D, dtype=cache_dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    table = torch.arange(width, device=device)
+    launches = 0
+    for n in configs.values():
+        # q as the engine passes it: the first H heads of a step's [T, H + 2 Hkv, D] projection, a chunk after
+        # one block of context (nc > 0: the path a later chunk takes)
+        qkv = torch.zeros(n, H + 2 * Hkv, D, dtype=dtype, device=device)
+        paged_prefill_attention(qkv[:, :H], k_cache, v_cache, table, BS, None, scale, invariant=invariant)
+        launches += 1
+    if cache_dtype in (dtype, torch.float8_e4m3fn):  # (an int8 cache decodes by gather + SDPA)
+        q = torch.zeros(1, H + 2 * Hkv, D, dtype=dtype, device=device)[:, :H]
+        paged_decode_attention(q, k_cache, v_cache, table[None, :1], torch.ones(1, dtype=torch.long, device=device),
+                               None, scale)
+        launches += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return launches
 
 
 def _out(out: Optional[Tensor], q: Tensor, shape: tuple[int, int, int]) -> Tensor:

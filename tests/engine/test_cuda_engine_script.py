@@ -120,3 +120,31 @@ def test_serving_overhead_passes_async_scheduling_to_every_engine_on_cuda_only()
     assert "async_scheduling" not in so.engine_kw(vars(so.parse_args(["--device", "cuda", "--modes", "colocated"])))
     with pytest.raises(SystemExit, match="--async-scheduling needs --device cuda"):
         so.parse_args(["--async-scheduling"])
+
+
+def test_verdict_slos_rescores_a_result_at_other_slos(tmp_path, capsys):
+    """benchmarks/verdict_slos.py: a request meets (TTFT, TPOT) when both hold, TPOT over the tokens after the
+    first; a failed request misses; goodput is the highest rate with it and every lower one at the goal."""
+    from benchmarks import verdict_slos as vs
+
+    # rate 4: TTFT 0.1 s, 11 tokens in 0.6 s (TPOT 50 ms), and TTFT 0.3 s, 2 tokens in 0.31 s (TPOT 10 ms);
+    # rate 8: the first again, and a failed request
+    a = {"ttft": 0.1, "lat": 0.6, "out": 11}
+    b = {"ttft": 0.3, "lat": 0.31, "out": 2}
+    pt = lambda rate, rows, errs: {"rate": rate, "ttfts": [r["ttft"] for r in rows], "errors": errs,  # noqa: E731
+                                   "latencies": [r["lat"] for r in rows], "output_lens": [r["out"] for r in rows]}
+    p4, p8 = pt(4.0, [a, b], ["", ""]), pt(8.0, [a, a], ["", "timeout"])
+    assert vs.attainment(p4, 500, 60) == 1.0
+    assert vs.attainment(p4, 200, 60) == 0.5       # b's TTFT is over
+    assert vs.attainment(p4, 500, 40) == 0.5       # a's TPOT is over
+    assert vs.attainment(p8, 500, 60) == 0.5       # the failed one misses
+    assert vs.goodput([p8, p4], 500, 60, 0.5) == 8.0 and vs.goodput([p8, p4], 500, 60, 0.9) == 4.0
+    assert vs.goodput([p4, p8], 200, 60, 0.9) == 0.0
+    res = tmp_path / "r.json"
+    res.write_text(json.dumps({"slos_ms": {"ttft": 500, "tpot": 60}, "points": {"colocated": [p4, p8]}}))
+    assert vs.main([str(res), "--slos", "200:60"]) == 0
+    out = capsys.readouterr().out
+    assert "TTFT <= 500 ms, TPOT <= 60.0 ms: colocated goodput 4 req/s (4:100% 8:50%)" in out
+    assert "TTFT <= 200 ms, TPOT <= 60.0 ms: colocated goodput 0 req/s (4:50% 8:50%)" in out
+    with pytest.raises(SystemExit, match="--slos"):
+        vs.parse_slos("200")
