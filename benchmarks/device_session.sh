@@ -18,7 +18,7 @@
 #   verdict (issue 43 item 6): benchmarks/disagg_vs_colocated.py --device cuda on the 1B checkpoint: one colocated
 #      worker against 1P+1D on the same GPU (KV over CUDA IPC), chunked prefill at 512 tokens a step, the
 #      conversation trace at full length (VERDICT_FLAGS=--async-scheduling: both sides' decoding engines run ahead).
-#   profile (not in the default PHASES): `pdserve profile --device cuda --quick` on the 1B checkpoint (engine steps
+#   profile (in the default PHASES, engine profile verdict gpu): `pdserve profile --device cuda --quick` on the 1B checkpoint (engine steps
 #      with the graphs, the gloo and cuda_ipc links), the input of docs/capacity.md's GPU tables, then
 #      benchmarks/roofline_check.py: its steps against the device's roofline.
 #   1. gpu: the cluster on CUDA for the first time: benchmarks/serving_overhead.py with --device cuda, a colocated
@@ -32,6 +32,14 @@
 #   invariance (not in the default PHASES): benchmarks/batch_invariance.py on the GPU, bf16 and fp32: does the
 #      offline engine alone give other greedy tokens when requests arrive one per step (the cluster's 27 Nov
 #      token differences on CUDA)? Without and with --batch-invariant.
+#   tests: the engine phase's CUDA tests alone (no benchmarks). verdict-ep: the verdict's colocated side again with
+#      its engine core in a process of its own (--engine-process). probe: benchmarks/invariance_probe.py (which kernel
+#      or step breaks batch invariance). graphmem: the 1B engine's graph memory against its estimate.
+# One deadline for the call (SESSION_S, default 570 s): each phase runs under its own cap or what the deadline leaves
+# after the minimum the later phases are promised (*_PROMISED), so an early finish gives its time to the next one.
+# The 1 Dec H200 lease ran, in three calls: the default phases (296 s); the verdict with
+# VERDICT_FLAGS=--async-scheduling, 80 requests (149 s); PHASES="tests verdict verdict-ep probe graphmem" with
+# VERDICT_FLAGS="--async-scheduling --cores-per-worker 4", rates 4,8,16, SESSION_S=320 (289 s).
 # pdserve's CPU kernels are built in the background during phase 1 (one build, cached for every worker).
 # At most 8 files come back from $OUT: the script writes only these.
 set -u
