@@ -32,7 +32,7 @@
 #   invariance (not in the default PHASES): benchmarks/batch_invariance.py on the GPU, bf16 and fp32: does the
 #      offline engine alone give other greedy tokens when requests arrive one per step (the cluster's 27 Nov
 #      token differences on CUDA)? Without and with --batch-invariant.
-#   tests: the engine phase's CUDA tests alone (no benchmarks). verdict-ep: the verdict's colocated side again with
+#   engine8b: cuda_engine.py --shape 8b (decode, graphs, prefill). tests: the engine phase's CUDA tests alone. verdict-ep: the verdict's colocated side again with
 #      its engine core in a process of its own (--engine-process). probe: benchmarks/invariance_probe.py (which kernel
 #      or step breaks batch invariance). graphmem: the 1B engine's graph memory against its estimate.
 # One deadline for the call (SESSION_S, default 570 s): each phase runs under its own cap or what the deadline leaves
@@ -117,6 +117,13 @@ ck1b && timeout -s INT "$(cap 60 205)" python3 benchmarks/decode_host_overhead.p
 log "kvtransfer_bandwidth.py --same-node cuda"
 timeout -s INT "$(cap 40 185)" python3 benchmarks/kvtransfer_bandwidth.py --same-node cuda --reps 5 2>&1 | tail -8
 cleanup
+fi
+
+if has engine8b && enough 60; then
+log "phase engine8b: cuda_engine.py on the Llama-3.1-8B shape (issue 43: <= 4.5 ms a decode step at batch 1-8)"
+timeout -s INT "$(cap "${ENGINE8B_S:-180}" "${ENGINE8B_PROMISED:-0}")" python3 benchmarks/cuda_engine.py --shape 8b \
+  --phases "${ENGINE8B_PHASES:-decode,graphs,prefill}" --out /tmp/cuda_engine_8b 2>&1 | grep -v "^\s*$"
+cp /tmp/cuda_engine_8b/cuda_engine.json "$OUT/cuda_engine_8b.json" 2>/dev/null
 fi
 
 if has profile && enough 40 135; then

@@ -22,6 +22,10 @@ SHAPES = {
     # Llama-3.2-1B's decoder (vocab aside): 16 x (2048 hidden, 32 q / 8 kv heads of 64, SwiGLU 8192)
     "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                intermediate_size=8192, head_dim=64),
+    # Llama-3.1-8B's decoder: 32 x (4096 hidden, 32 q / 8 kv heads of 128, SwiGLU 14336); issue 43's 8B goal
+    # (<= 4.5 ms a decode step at batch 1-8): `--shape 8b --phases decode,graphs,prefill` (16 GB of bf16 weights)
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               intermediate_size=14336, head_dim=128),
     "small": dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
                   intermediate_size=4096, head_dim=64),
     "tiny": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -148,3 +148,14 @@ def test_verdict_slos_rescores_a_result_at_other_slos(tmp_path, capsys):
     assert "TTFT <= 200 ms, TPOT <= 60.0 ms: colocated goodput 0 req/s (4:50% 8:50%)" in out
     with pytest.raises(SystemExit, match="--slos"):
         vs.parse_slos("200")
+
+
+@pytest.mark.parametrize("shape, vocab, published", [("1b", 128256, 1.24e9), ("8b", 128256, 8.03e9)])
+def test_the_benchmark_shapes_are_the_llama_models_they_name(shape, vocab, published):
+    """benchmarks/cuda/checkpoint.py's shapes with Llama 3's 128,256-token vocabulary (untied for the 8B, tied for the
+    3.2-1B) hold the parameter counts Meta publishes (Llama-3.2-1B 1.24B, Llama-3.1-8B 8.03B), within 1%."""
+    from engine.config import ModelConfig
+
+    cfg = checkpoint.hf_config(checkpoint.SHAPES[shape], 8192, 0.02)
+    cfg.update(vocab_size=vocab, tie_word_embeddings=shape == "1b")
+    assert ModelConfig.from_hf_dict(cfg).num_params == pytest.approx(published, rel=0.01)
