@@ -46,13 +46,15 @@ MAX_TOKENS = 24
 """Long enough that a request outlives a heartbeat or so: the reported loads mean something."""
 HIT_RATE_POINTS = 0.06
 """Most the 3-router hit rate may fall below the 1-router one (fraction of prompt tokens)."""
-SPREAD_MARGIN = 0.6
+SPREAD_MARGIN = 0.75
 """No worker serves more than (1 + SPREAD_MARGIN) x its share of a run's requests. Cache affinity may by design put
 one of the two system prompts' requests, half of all, on one worker (1.5 x share: 30 of 60), while the load term
 does not outweigh its 6 cached blocks (at most 6 requests in flight); seen through one router in the full suite on
 27 Nov (15 / 15 / 30); likelier since a new prefix's first placement is pending before the next request of a burst is
-scored (``router.kv.ties``). Herding fails it: the pathologies this test was written against put 36 of 48 (2.25 x)
-and 59 of 96 (1.84 x) on one worker (docs/benchmarks.md, "Prefix routing with several routers")."""
+scored (``router.kv.ties``). That worker may also take a few of the other prompt's requests when their worker looks
+busier: 0 / 26 / 34 (1.7 x) in a fresh-clone CI run on 1 Dec, the two groups on two workers, so 0.6 (32 of 60) was
+too tight. Herding still fails it: the pathologies this test was written against put 36 of 48 (2.25 x) and 59 of 96
+(1.84 x) on one worker (docs/benchmarks.md, "Prefix routing with several routers")."""
 SEEN_S = 30.0
 """How long the routers may take to hear of a worker's cache changing (milliseconds when the host is idle; a
 generous deadline, since a wait returns as soon as the condition holds and a loaded host must not fail it)."""
