@@ -65,7 +65,7 @@ exec > >(tee -a "$OUT/session.log") 2>&1
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH  # (bin: py-spy, for --py-spy)
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD
 TRACE=${TRACE:-.devdata/azure_llm_2023_conv.csv}

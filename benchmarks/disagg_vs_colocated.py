@@ -38,7 +38,7 @@ import numpy as np
 
 from benchmarks.harness import (CONVERSATION_TRACE, REPO, Deployment, machine_info, replay, server_limits, usable_cores,
                                 warm_up, workload_requests)
-from benchmarks.harness import write_json
+from benchmarks.harness import spy, write_json
 
 DEFAULT_TRACE = CONVERSATION_TRACE
 MODES = ("colocated", "disaggregated")  # colocated first: it also hosts the unloaded calibration
@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--cores-per-worker", type=int, default=1,
                     help="pin each worker to this many consecutive cores (a GPU worker's engine thread, gRPC threads "
                          "and, with --engine-process, its engine process share them); every mode gets the same")
+    ap.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
+                    help="sample every worker (and engine process) with py-spy, idle threads too, for this long "
+                         "during each mode's lowest-rate point: top leaf functions printed, stacks in --out")
     ap.add_argument("--engine-process", action="store_true",
                     help="colocated workers run their engine core in a process of their own (vLLM v1's split; "
                          "prefill and decode workers keep it in process: their KV cache is shared with the link)")
@@ -109,6 +112,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise SystemExit(f"--num-requests must be >= 2, got {ns.num_requests}")
     if ns.async_scheduling and ns.device != "cuda":
         raise SystemExit("--async-scheduling needs --device cuda (a CPU forward runs on the thread that schedules)")
+    if ns.py_spy < 0 or (ns.py_spy and spy.py_spy_bin() is None):
+        raise SystemExit("--py-spy: needs a positive number of seconds and the py-spy command (pdserve[bench])")
     if not ns.trace.is_file():
         raise SystemExit(f"--trace: no such file {ns.trace}")
     ns.mode_list = [m for m in MODES if m in ns.modes.split(",")]
@@ -148,6 +153,26 @@ def engine_and_worker_kw(ns: argparse.Namespace) -> tuple[dict, dict]:
     if ns.engine_process:
         role_kw["colocated"] = {"engine_process": True}
     return engine_kw, role_kw
+
+
+def _spy_on(dep: Deployment, mode: str, rate: float, ns: argparse.Namespace) -> dict:
+    """py-spy on every worker and engine process of ``dep`` (not the router) for ``--py-spy`` seconds, from now."""
+    ns.out.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, pid in dep.pids.items():
+        if name != "router":
+            raw = ns.out / f"py-spy-{mode}-{name}-rate{rate:g}.txt"
+            out[name] = (spy.start(pid, ns.py_spy, raw, idle=True), raw)
+    return out
+
+
+def _spy_report(spies: dict, point: dict, ns: argparse.Namespace) -> None:
+    """Wait for ``spies`` (``_spy_on``), print each process's top leaf functions and keep them in ``point``."""
+    for name, (proc, raw) in spies.items():
+        proc.wait(ns.py_spy + 60)
+        top = spy.top_functions(raw) if raw.exists() else []
+        point.setdefault("profiles", {})[name] = top
+        print(f"    py-spy {name} ({raw}): " + ", ".join(f"{f} {share:.0%}" for f, share in top[:8]), flush=True)
 
 
 def worker_roles(mode: str, ns: argparse.Namespace) -> tuple[str, ...]:
@@ -337,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"TPOT {calib['tpot_s'] * 1e3:.1f} ms", flush=True)
             points[mode] = []
             for rate in ns.rate_list:
+                spies = _spy_on(dep, mode, rate, ns) if ns.py_spy and rate == ns.rate_list[0] else {}
                 points[mode].append(run_point(dep, rate, rows, lengths, limits, ns))
+                _spy_report(spies, points[mode][-1], ns)
                 _write_partial(ns.out, calib, points)  # a run cut short (a deadline, a lent machine) keeps its points
     slos_ms = {"ttft": ns.ttft_slo_scale * calib["ttft_p90_s"] * 1e3, "tpot": ns.tpot_slo_scale * calib["tpot_s"] * 1e3}
     analysis = analyse(points, slos_ms, ns.goal)

@@ -31,10 +31,7 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import os
-import shutil
 import statistics
-import subprocess
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -42,6 +39,7 @@ from typing import Any, Optional
 
 
 from benchmarks.harness import Deployment, pin_threads, usable_cores
+from benchmarks.harness import spy as py_spy
 from benchmarks.harness import write_json
 from loadtest.machine import machine_info
 
@@ -138,7 +136,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
         raise SystemExit("--kv-cache-gib must be > 0")
     if ns.async_scheduling and not ns.device.startswith("cuda"):
         raise SystemExit("--async-scheduling needs --device cuda (a CPU forward runs on the thread that schedules)")
-    if ns.py_spy and _py_spy_bin() is None:
+    if ns.py_spy and py_spy.py_spy_bin() is None:
         raise SystemExit("--py-spy: the py-spy command is not on PATH (pip install 'pdserve[bench]')")
     return ns
 
@@ -263,32 +261,6 @@ def _send(api: str, dep: Deployment, model: str, reqs: list, timeout_s: float) -
     return asyncio.run(run_openai_benchmark(cfg, f"http://{dep.http_target}", model, reqs))[0]
 
 
-def _py_spy_bin() -> Optional[str]:
-    """py-spy on PATH, or beside this interpreter (a venv's bin/ when it is not activated)."""
-    beside = Path(sys.executable).parent / "py-spy"
-    return shutil.which("py-spy") or (str(beside) if beside.exists() else None)
-
-
-def _py_spy(pid: int, seconds: float, path: Path) -> subprocess.Popen:
-    return subprocess.Popen([str(_py_spy_bin()), "record", "--pid", str(pid), "--duration", str(int(max(1, seconds))),
-                             "--format", "raw", "--output", str(path), "--nonblocking"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-
-
-def top_functions(raw: Path, n: int = 15) -> list[tuple[str, float]]:
-    """Share of samples in which each function is on the stack's leaf (py-spy's raw = collapsed stacks)."""
-    leaf: dict[str, int] = {}
-    total = 0
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames = stack.split(";")
-        total += int(count)
-        leaf[frames[-1]] = leaf.get(frames[-1], 0) + int(count)
-    return [(f, c / total) for f, c in sorted(leaf.items(), key=lambda kv: -kv[1])[:n]] if total else []
-
-
 def _median_point(points: list[dict]) -> dict:
     """Each number of the points' median (CPU per process too); profiles from the first point that has them."""
     out = dict(points[0])
@@ -363,7 +335,7 @@ def _point(dep: Any, model: str, mode: str, path: str, api: str, c: int, prompts
     if spy and ns.py_spy and c == max(ns.concurrency):
         for name, pid in dep.pids.items():
             raw = Path(f"/tmp/pdserve-{name}-{model}-{mode}-{path}-{api}-c{c}.txt")
-            spies[name] = (_py_spy(pid, ns.py_spy, raw), raw)
+            spies[name] = (py_spy.start(pid, ns.py_spy, raw), raw)
     cpu0, self0 = cpu_seconds(dep.pids), time.process_time()
     recs = _send(api, dep, model, reqs, ns.timeout_s)
     cpu1, self1 = cpu_seconds(dep.pids), time.process_time()
@@ -380,7 +352,7 @@ def _point(dep: Any, model: str, mode: str, path: str, api: str, c: int, prompts
     point["cpu_ms_per_token"] = {k: 1e3 * v / tokens for k, v in cpu.items()}
     for name, (proc, raw) in spies.items():
         proc.wait(ns.py_spy + 60)
-        point.setdefault("profiles", {})[name] = top_functions(raw) if raw.exists() else []
+        point.setdefault("profiles", {})[name] = py_spy.top_functions(raw) if raw.exists() else []
         print(f"    py-spy {name} ({raw}): " + ", ".join(f"{f} {share:.0%}" for f, share
                                                       in point["profiles"][name][:8]), flush=True)
     print(f"  {model} {mode} {path} {api} c={c}: decode {point['decode_tok_s']:.1f} tok/s, "

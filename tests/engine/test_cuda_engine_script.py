@@ -159,3 +159,20 @@ def test_the_benchmark_shapes_are_the_llama_models_they_name(shape, vocab, publi
     cfg = checkpoint.hf_config(checkpoint.SHAPES[shape], 8192, 0.02)
     cfg.update(vocab_size=vocab, tie_word_embeddings=shape == "1b")
     assert ModelConfig.from_hf_dict(cfg).num_params == pytest.approx(published, rel=0.01)
+
+
+def test_py_spy_stacks_are_read_as_leaf_shares_and_bad_seconds_are_refused(tmp_path):
+    """benchmarks/harness/spy.py's reader (serving_overhead.py and disagg_vs_colocated.py --py-spy): each sample's
+    leaf frame, weighted by its count, as a share of all samples; lines that are not stacks are skipped."""
+    from benchmarks import disagg_vs_colocated as dvc
+    from benchmarks.harness import spy
+
+    raw = tmp_path / "raw.txt"
+    raw.write_text("main (a.py:1);step (b.py:2) 6\nmain (a.py:1);wait (c.py:3) 3\nmain (a.py:1);step (b.py:2) 1\n"
+                   "garbage\n")
+    assert spy.top_functions(raw) == [("step (b.py:2)", 0.7), ("wait (c.py:3)", 0.3)]
+    assert spy.top_functions(raw, n=1) == [("step (b.py:2)", 0.7)]
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,100,20\n")
+    with pytest.raises(SystemExit, match="--py-spy"):
+        dvc.parse_args(["--trace", str(trace), "--py-spy", "-1"])
