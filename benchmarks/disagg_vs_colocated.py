@@ -216,6 +216,10 @@ def run_point(dep: Deployment, rate: float, rows: list, lengths: list, limits: A
     print(f"  {dep.mode:13s} rate {rate:5.2f} req/s: {summary['completed']}/{len(records)} ok in "
           f"{time.monotonic() - t:5.1f} s, p99 TTFT {summary['p99_ttft_ms']:8.1f} ms, "
           f"p99 ITL {summary['p99_itl_ms']:7.1f} ms, mean TPOT {summary['mean_tpot_ms']:6.1f} ms", flush=True)
+    phases = summary.get("ttft_phases_ms")
+    if phases:  # the server's own TTFT breakdown: where the first token's time went (1 Dec: the worker queue)
+        print("    TTFT p50 by phase: " + ", ".join(f"{ph} {v['median']:.1f} ms" for ph, v in phases.items()),
+              flush=True)
     # a finished request's decode blocks are freed right after its last token: let the workers settle
     end = time.monotonic() + 10
     while dep.router.num_in_flight and time.monotonic() < end:
