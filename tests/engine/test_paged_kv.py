@@ -170,6 +170,26 @@ def test_a_prompt_cut_one_token_short_gets_the_same_bits(budget):
     assert lps(tiny(max_num_batched_tokens=budget)) == want
 
 
+def test_a_step_with_a_prefill_chunk_always_attends_its_sampled_rows_as_single_queries(monkeypatch):
+    """The last layer of a step that holds a prefill chunk runs only its sampled rows, each as a single query over its
+    cache (``meta.keep``), also when every row of the step samples (a prompt's last token alone in its chunk): so a
+    prompt's sampled row meets the same attention kernel whether its chunk was one token or many (on a GPU the
+    decode and prefill kernels round differently; benchmarks/invariance_probe.py)."""
+    from engine.model_runner import ModelRunner
+
+    metas = []
+    real = ModelRunner._prepare
+    monkeypatch.setattr(ModelRunner, "_prepare", lambda self, sched: metas.append(out := real(self, sched)) or out)
+    eng = tiny(max_num_batched_tokens=22)
+    eng.add_request("x", prompts_of([23], seed=6, vocab=8192)[0], greedy(2))
+    while eng.has_unfinished_requests():
+        eng.step()
+    with_prefill = [(m[2], m[3]) for m in metas if m[2].prefills]
+    # the prompt cut one short: its last token alone, the one row of its step, which samples
+    assert [m.prefills[0].end - m.prefills[0].start for m, _ in with_prefill] == [22, 1]
+    assert all(m.keep is not None and m.keep.num_decode == len(rows) for m, rows in with_prefill)
+
+
 def run_engine_lp(eng, prompt, params):
     eng.add_request("x", prompt, params)
     lps = []
