@@ -60,8 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--goal", type=float, default=0.9)
     args = ap.parse_args(argv)
     slos = parse_slos(args.slos)
+    if not 0 < args.goal <= 1:
+        raise SystemExit(f"--goal: a fraction of requests in (0, 1], got {args.goal}")
     for path in args.results:
-        d = json.loads(path.read_text())
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"{path}: not a disagg_vs_colocated.py result ({e})")
+        if not isinstance(d, dict) or not isinstance(d.get("points"), dict) or "tpot" not in d.get("slos_ms", {}):
+            raise SystemExit(f"{path}: not a disagg_vs_colocated.py result (no points or slos_ms)")
         own = (d["slos_ms"]["ttft"], d["slos_ms"]["tpot"])
         print(f"{path}:")
         for ttft, tpot in [own, *slos]:

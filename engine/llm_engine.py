@@ -255,19 +255,17 @@ class LLMEngine:
     def _warm_up_kernels(self, config: EngineConfig, mc: ModelConfig, cache_dtype: torch.dtype) -> None:
         """Compile pdserve's Triton attention kernels (or load them from Triton's cache) now, once per variant this
         engine can launch, so no request's step waits for a compile (triton_kernels.warm_up); where they cannot
-        run here (no Triton, a head_dim or dtype they do not take) the engine uses torch's paths and this does
-        nothing."""
-        from engine import attention, triton_kernels
+        run here (``eager_reason``: no Triton, a head_dim or KV cache they do not take) the engine uses torch's
+        paths and this does nothing."""
+        from engine import triton_kernels
 
         device = torch.device(config.device)
-        D = mc.head_dim
-        if (not triton_kernels.available(device) or config.torch_dtype not in attention._TRITON_DTYPES
-                or D & (D - 1) or not 16 <= D <= 256):
+        if eager_reason(device, config.torch_dtype, cache_dtype, mc.head_dim) is not None:
             return
         t0 = time.perf_counter()
         n = triton_kernels.warm_up(device, config.torch_dtype, cache_dtype, mc.num_attention_heads,
-                                   mc.num_key_value_heads, D, self.block_size, config.max_num_batched_tokens,
-                                   invariant=config.batch_invariant)
+                                   mc.num_key_value_heads, mc.head_dim, self.block_size,
+                                   config.max_num_batched_tokens, invariant=config.batch_invariant)
         logger.info("attention kernels warmed up: %d launches in %.2f s", n, time.perf_counter() - t0)
 
     def _init_core(self, n_blocks: int, runner: ModelRunner) -> None:

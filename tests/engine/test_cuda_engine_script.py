@@ -148,6 +148,11 @@ def test_verdict_slos_rescores_a_result_at_other_slos(tmp_path, capsys):
     assert "TTFT <= 200 ms, TPOT <= 60.0 ms: colocated goodput 0 req/s (4:50% 8:50%)" in out
     with pytest.raises(SystemExit, match="--slos"):
         vs.parse_slos("200")
+    with pytest.raises(SystemExit, match="--goal"):
+        vs.main([str(res), "--goal", "90"])
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(SystemExit, match="not a disagg_vs_colocated.py result"):
+        vs.main([str(tmp_path / "other.json")])
 
 
 @pytest.mark.parametrize("shape, vocab, published", [("1b", 128256, 1.24e9), ("8b", 128256, 8.03e9)])
