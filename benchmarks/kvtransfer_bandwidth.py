@@ -37,8 +37,8 @@ from a shared cache, its mapping cached as a pair caches it; per layer and all l
 
 ``--same-node DEVICE``: instead, issue 43's same-node goal: an 8B-shaped prompt (32 layers, 8 KV heads x 128,
 bf16, blocks of 16; ``--prompt-tokens``, default 1,000 tokens = 131 MB) from a prefill-like sender whose cache is
-shareable (``allocate_kv_caches(shared=True)``) to a receiver process on this node, all layers ready at once and
-layer by layer: on ``cuda`` both caches on the GPU and the pair on CUDA IPC (two processes on one GPU; the goal is
+shareable (``allocate_kv_caches(shared=True)``) to a receiver process on this node, all layers ready at once,
+layer by layer, and all at once into scattered decode-side blocks (as a running decode worker's are): on ``cuda`` both caches on the GPU and the pair on CUDA IPC (two processes on one GPU; the goal is
 >= 100 GB/s), on ``cpu`` the shared-memory pull; against one in-process copy of the same bytes on that device.
 
 Usage: python benchmarks/kvtransfer_bandwidth.py [--sizes-mib 1 4 16 64 256] [--reps 5] [--json out.json]
@@ -201,15 +201,18 @@ def same_node(device: str, tokens: int, reps: int) -> None:
         cache = _same_node_caches(device, blocks, shared=True)
         assert conn.recv() == "up"
         ids = list(range(blocks))
-        times: dict[str, list[float]] = {"all layers ready": [], "layer by layer": []}
+        # the decode side's blocks as a running server hands them out: anywhere in its cache, so every block is a
+        # stretch of its own (the first two ways have the same order on both sides: one stretch)
+        scattered = random.Random(0).sample(range(blocks), blocks)
+        times: dict[str, list[float]] = {"all layers ready": [], "layer by layer": [], "scattered blocks": []}
         links = set()
         for rep in range(reps + 1):
             for way in times:
                 rid = f"{way[:3]}-{rep}"
-                conn.send(("recv", rid, tokens, ids))
+                conn.send(("recv", rid, tokens, scattered if way == "scattered blocks" else ids))
                 assert conn.recv() == "ready"
                 t0 = time.perf_counter()
-                h = ep.send("node-d", rid, cache, ids, tokens, layers_ready=way == "all layers ready")
+                h = ep.send("node-d", rid, cache, ids, tokens, layers_ready=way != "layer by layer")
                 if way == "layer by layer":
                     for layer in range(g["layers"]):
                         ep.layer_ready(h, layer)

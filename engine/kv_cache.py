@@ -44,7 +44,8 @@ def num_blocks_for_budget(mc: ModelConfig, block_size: int, dtype: torch.dtype, 
 def allocate_kv_caches(mc: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device, shared: bool = False) -> list[tuple[Tensor, Tensor]]:
     """Zeroed (K, V) per layer, each [num_blocks, block_size, num_kv_heads, row_width] (row_width is
-    head_dim, or head_dim + 4 for an int8 cache: each row carries its scale). ``shared``: every tensor is a
+    head_dim, or head_dim + 4 for an int8 cache: each row carries its scale), all views of one allocation at equal
+    distances (aligned to 512 bytes or more), so one copy can take every layer. ``shared``: every tensor is a
     view of one ``transport.shared_memory.SharedSegment`` (CPU; zeroed by the kernel) or one
     ``transport.cuda_ipc.CudaSegment`` (CUDA), which a KV transfer peer on this host reads in place (kvtransfer/shm.py's
     pull)."""
@@ -66,8 +67,14 @@ def allocate_kv_caches(mc: ModelConfig, num_blocks: int, block_size: int, dtype:
             except OSError as e:
                 why = str(e)
         log.warning("KV cache in private memory, not shared (%s): same-host peers receive its KV by copy", why)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(mc.num_hidden_layers)]
+    # private memory, still one allocation with the layers at equal distances: a same-host pull into it copies every
+    # layer of a stretch at once (kvtransfer/shm.py's _layer_stack)
+    esize = torch.empty((), dtype=dtype).element_size()
+    each = -(-torch.Size(shape).numel() * esize // 512) * 512 // esize
+    flat = torch.zeros(2 * mc.num_hidden_layers * each, dtype=dtype, device=device)
+    numel = torch.Size(shape).numel()
+    return [(flat[2 * i * each:2 * i * each + numel].view(shape), flat[(2 * i + 1) * each:(2 * i + 1) * each + numel]
+             .view(shape)) for i in range(mc.num_hidden_layers)]
 
 
 def _in_segment(layers: int, shape: tuple, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:

@@ -259,7 +259,7 @@ class RecvChannel(PairChannel):
                     t.mark_wire(0)
                     t.link = "pull"
                 pull_rows(group, head[HEADER_BYTES:], hdr.layer_lo, hdr.layer_hi, hdr.num_tokens, hdr.row_bytes,
-                          t.kv_caches, t.tokens)
+                          t.kv_caches, t.tokens, t.layout)
                 with self.cond:
                     t.mark_wire(hdr.payload_nbytes)
             return

@@ -143,7 +143,7 @@ class SendChannel(PairChannel):
         lay = t.layout
         if getattr(group, "pull", False):
             # a shared-memory pair whose receiver maps our memory: it copies the rows from our cache itself
-            desc = pull_descriptor(t.kv_caches, t.tokens, lo, hi, INLINE_BYTES)
+            desc = pull_descriptor(t.kv_caches, t.tokens, lo, hi, INLINE_BYTES, layout=t.layout)
             if desc is not None:
                 if lay.device.type == "cuda":
                     # the receiver reads our device memory once it has the head: the layers' kernels, queued on

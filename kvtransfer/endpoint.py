@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 0.01
 COMPLETED_MEMORY = 10000
+LAYOUT_MEMORY = 4
+"""kv_caches lists whose layouts an endpoint remembers (``_layout_of``)."""
 
 
 _SIBLING = "another piece of the request,"
@@ -90,6 +92,8 @@ class KVEndpoint:
         self._recv: dict[str, RecvChannel] = {}
         self._live: dict[int, Transfer] = {}
         self._completed: deque[TransferStats] = deque(maxlen=COMPLETED_MEMORY)
+        self._layouts: dict[int, tuple[Sequence, tuple, CacheLayout]] = {}
+        """``_layout_of``'s memory: id of a kv_caches list -> (the list, its tensors then, its layout)."""
         self._ids = id_source(random.getrandbits(32))
         self._stopped = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name=f"kv-reaper-{name}", daemon=True)
@@ -113,7 +117,7 @@ class KVEndpoint:
             deadline_s = self.timeout_s
         if isinstance(deadline_s, bool) or not isinstance(deadline_s, (int, float)) or not deadline_s > 0:
             raise ValueError(f"deadline_s must be a positive number of seconds, got {deadline_s!r}")
-        layout = CacheLayout.of(kv_caches)
+        layout = self._layout_of(kv_caches)
         dtype_code(layout.dtype)
         cuda = layout.device.type == "cuda"
         if self.backend == "nccl" and not cuda:
@@ -123,6 +127,24 @@ class KVEndpoint:
         tokens = TokenRows(layout, block_ids, num_tokens, field, first_token)
         return Transfer(next(self._ids), direction, peer, request_id, kv_caches, layout, tokens,
                         time.monotonic() + float(deadline_s), self._lock)
+
+    def _layout_of(self, kv_caches) -> CacheLayout:
+        """``CacheLayout.of(kv_caches)``, remembered for the last ``LAYOUT_MEMORY`` lists: a worker hands over its one
+        cache on every send and receive, and working the layout out costs tens of microseconds a transfer. A list
+        is worked out again if it holds other tensors than when it was seen (the memory holds the list, so its id
+        names no other list meanwhile)."""
+        with self._lock:
+            hit = self._layouts.get(id(kv_caches))
+        if (hit is not None and hit[0] is kv_caches and len(kv_caches) * 2 == len(hit[1])
+                and all(isinstance(p, (list, tuple)) and len(p) == 2 and p[0] is hit[1][2 * i]
+                        and p[1] is hit[1][2 * i + 1] for i, p in enumerate(kv_caches))):
+            return hit[2]
+        layout = CacheLayout.of(kv_caches)  # ValueError on a bad cache: nothing remembered
+        with self._lock:
+            while len(self._layouts) >= LAYOUT_MEMORY:
+                del self._layouts[next(iter(self._layouts))]
+            self._layouts[id(kv_caches)] = (kv_caches, tuple(x for p in kv_caches for x in p), layout)
+        return layout
 
     def send(self, peer: str, request_id: str, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
              src_block_ids: Sequence[int], num_tokens: int, *, deadline_s: float | None = None,
@@ -357,6 +379,7 @@ class KVEndpoint:
         self._stopped.set()
         with self._lock:
             peers = set(self._send) | set(self._recv)
+            self._layouts.clear()
         for p in peers:
             self.close(p)
         self._reaper.join(2.0)

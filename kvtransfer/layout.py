@@ -14,8 +14,8 @@ the cache itself, skipping the staging copy. A cache may also be a slice of the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import torch
 
@@ -31,6 +31,10 @@ class CacheLayout:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    layer_step: Optional[int] = field(default=None, compare=False)
+    """Bytes from each tensor to the next in the order K0, V0, K1, V1, ... where all are contiguous and lie at that
+    equal distance (one allocation, as ``engine.kv_cache.allocate_kv_caches`` makes a cache), else None: a copy
+    may then take every layer at once through one strided view (kvtransfer/shm.py's pull)."""
 
     @property
     def row_bytes(self) -> int:
@@ -64,7 +68,22 @@ class CacheLayout:
         nb, bs, nh, hd = first.shape
         if min(nb, bs, nh, hd) <= 0:
             raise ValueError(f"kv_caches tensors must have no empty dimension, got {tuple(first.shape)}")
-        return cls(len(kv_caches), nb, bs, nh, hd, first.dtype, first.device)
+        return cls(len(kv_caches), nb, bs, nh, hd, first.dtype, first.device, _equal_step(kv_caches))
+
+
+def _equal_step(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optional[int]:
+    """``CacheLayout.layer_step`` of caches ``of`` has checked (one shape, dtype and device)."""
+    first = kv_caches[0][0]
+    step = kv_caches[0][1].data_ptr() - first.data_ptr()
+    if step < first.numel() * first.element_size():
+        return None
+    p0, k = first.data_ptr(), 0
+    for pair in kv_caches:
+        for t in pair:
+            if t.data_ptr() != p0 + k * step or not t.is_contiguous():
+                return None
+            k += 1
+    return step
 
 
 def _head_slice(t: torch.Tensor) -> bool:

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kvtransfer.layout import TokenRows, _rows
+from kvtransfer.layout import CacheLayout, TokenRows, _rows
 from kvtransfer.transport import PairBroken, PairOp, TorchPair
 from kvtransfer.wire import TAG_PAYLOAD, FramingError
 from transport.shared_memory import SegmentHandle, SharedSegment, map_segment, segment_of
@@ -59,6 +59,8 @@ _PULL = struct.Struct("<IIQQIIII")
 """Pull descriptor head: pid, fd, inode, segment bytes, source blocks, source block size, first_token, ids; then
 two u64 offsets (K, V) per layer of the frame, then the block ids as u32."""
 _MAPPED_MAX = 8
+_GPU_STRETCHES = 16
+"""A GPU pull with more stretches than this gathers and scatters (``_gathered``)."""
 _CUDA_MAGIC = 0x55434450
 """b"PDCU": a pull descriptor naming a CUDA IPC segment (a pid, the first field of the other form, is < 2**22)."""
 _PULL_CUDA = struct.Struct("<IIQIIII")
@@ -512,11 +514,13 @@ class ShmPair:
 
 # -- pull frames -------------------------------------------------------------------------------------------
 def pull_descriptor(kv_caches: Sequence, tokens: TokenRows, lo: int, hi: int, room: int,
-                    segment: Any = None) -> Optional[bytes]:
+                    segment: Any = None, layout: Optional[CacheLayout] = None) -> Optional[bytes]:
     """What a receiver needs to copy layers ``lo..hi-1`` of a transfer from this process's cache in place, or
     None: the cache is not in one shared segment (or is a head slice), or the descriptor would not fit ``room``.
     A ``transport.cuda_ipc`` segment gives the CUDA form (its packed handle), a shared-memory one the /proc form;
-    ``segment`` names the cache's segment instead of looking it up (tests)."""
+    ``segment`` names the cache's segment instead of looking it up (tests). ``layout``: the cache's (the
+    transfer's); where its ``layer_step`` says the layers lie at equal distances, only the first and last are
+    checked against the segment (the rest lie between them), else every one is."""
     seg = segment
     if seg is None and kv_caches[0][0].device.type == "cuda":
         from transport.cuda_ipc import cuda_segment_of
@@ -527,12 +531,19 @@ def pull_descriptor(kv_caches: Sequence, tokens: TokenRows, lo: int, hi: int, ro
     if seg is None:
         return None
     cuda = not isinstance(seg.handle, SegmentHandle)
-    for layer in range(lo, hi):
-        for x in kv_caches[layer]:
-            if not x.is_contiguous() or not seg.contains(x):
-                return None
+    step = (layout or CacheLayout.of(kv_caches)).layer_step
+    if step is not None:
+        if not (seg.contains(kv_caches[lo][0]) and seg.contains(kv_caches[hi - 1][1])):
+            return None
+        off0 = seg.offset(kv_caches[lo][0])
+        offs = [off0 + k * step for k in range(2 * (hi - lo))]
+    else:
+        for layer in range(lo, hi):
+            for x in kv_caches[layer]:
+                if not x.is_contiguous() or not seg.contains(x):
+                    return None
+        offs = [seg.offset(kv_caches[layer][j]) for layer in range(lo, hi) for j in (0, 1)]
     nb, bs = kv_caches[0][0].shape[:2]
-    offs = [seg.offset(kv_caches[layer][j]) for layer in range(lo, hi) for j in (0, 1)]
     ids = tokens.block_ids
     tail = struct.pack(f"<{len(offs)}Q", *offs) + struct.pack(f"<{len(ids)}I", *ids)
     if cuda:
@@ -567,11 +578,53 @@ def _stretches(src_ids: tuple, sbs: int, sfirst: int, dst_ids: tuple, dbs: int, 
     return tuple(out)
 
 
+def _gathered(runs: tuple, num_tokens: int, dev: torch.device) -> bool:
+    """Whether a pull copies by one gather and one scatter rather than a copy per stretch: stretches short on average
+    (fewer than 8 rows), or on a GPU more than a few (each copy is a launch; the gather's extra pass is cheap there)."""
+    return len(runs) * 8 > num_tokens or (dev.type == "cuda" and len(runs) > _GPU_STRETCHES)
+
+
+def _row_ids(ids: Sequence[int], needed: int, bs: int, first: int, num_tokens: int) -> torch.Tensor:
+    """The sender's cache rows of tokens 0..num_tokens-1 (blocks ``ids`` of ``bs`` rows, starting at ``first``)."""
+    return (torch.tensor(ids[:needed], dtype=torch.int64)[:, None] * bs
+            + torch.arange(bs, dtype=torch.int64)).reshape(-1)[first:first + num_tokens]
+
+
+def _src_stack(seg: torch.Tensor, offs: Sequence[int], rows: int, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """The sender's layers at byte offsets ``offs`` of ``seg`` (each ``rows`` rows of ``like``'s words) as one view
+    [len(offs), rows, words], where they lie at equal distances (a cache in one allocation), else None. The
+    offsets were checked against the segment's size; ``as_strided`` checks the view's bounds again."""
+    n, words, w = len(offs), like.shape[1], like.element_size()
+    step = offs[1] - offs[0] if n > 1 else rows * words * w
+    if step < rows * words * w or any(o != offs[0] + k * step for k, o in enumerate(offs)):
+        return None
+    try:
+        first = seg[offs[0]:offs[0] + rows * words * w].view(like.dtype)
+        return first.as_strided((n, rows, words), (step // w, words, 1))
+    except RuntimeError:
+        return None
+
+
+def _layer_stack(words: torch.Tensor, n: int, step: Optional[int]) -> Optional[torch.Tensor]:
+    """``n`` tensors from one of a cache's K or V tensors (``words``: it as ``_rows``), each ``step`` bytes after the
+    one before (``CacheLayout.layer_step``, None: not so laid out) as one view [n, rows, words], else None. Equal
+    addresses are the same memory, and ``as_strided`` checks the view stays in the first tensor's storage, so the
+    view writes exactly where the per-layer tensors would."""
+    w = words.element_size()
+    if step is None or step % w:
+        return None
+    try:
+        return words.as_strided((n, *words.shape), (step // w, *words.stride()))
+    except RuntimeError:
+        return None
+
 def pull_rows(group: ShmPair, desc: torch.Tensor, lo: int, hi: int, num_tokens: int, row_bytes: int,
-              kv_caches: Sequence, dst: TokenRows) -> None:
+              kv_caches: Sequence, dst: TokenRows, layout: Optional[CacheLayout] = None) -> None:
     """Receiver: copy layers ``lo..hi-1`` of a pull frame from the sender's segment into ``kv_caches`` at ``dst``'s
-    rows, one copy per stretch of consecutive rows (an indexed copy where stretches are short). FramingError if the
-    descriptor does not describe them. Parsed as plain bytes: a frame per layer pays this per layer."""
+    rows, one copy per stretch of consecutive rows (an indexed copy where stretches are short or, on a GPU, many).
+    Where both caches lie in one allocation each, every layer of the frame goes in the same copy (``_src_stack``,
+    ``_layer_stack``); else layer by layer. FramingError if the descriptor does not describe them. Parsed as plain
+    bytes: a frame per layer pays this per layer. ``layout``: ``kv_caches``' (the transfer's; None: worked out)."""
     raw = desc.numpy() if desc.device.type == "cpu" else desc.cpu().numpy()
     cuda_handle = None
     if len(raw) >= _PULL_CUDA.size and struct.unpack_from("<I", raw)[0] == _CUDA_MAGIC:
@@ -605,25 +658,43 @@ def pull_rows(group: ShmPair, desc: torch.Tensor, lo: int, hi: int, num_tokens: 
     if seg.numel() < nbytes:
         raise FramingError("pull descriptor names memory outside the sender's segment")
     runs = _stretches(ids[:needed], bs, first, tuple(dst.block_ids), dst.block_size, dst.first_token, num_tokens)
-    # every layer's source rows first, so a descriptor wrong for a later layer writes nothing
-    pairs = []
-    for k, (layer, j) in enumerate((layer, j) for layer in range(lo, hi) for j in (0, 1)):
-        out = _rows(kv_caches[layer][j])
-        try:
-            pairs.append((seg[offs[k]:offs[k] + size].view(out.dtype).view(nb * bs, out.shape[1]), out))
-        except RuntimeError as e:  # an offset not on a row word, or rows of another width
-            raise FramingError(f"pull descriptor: layer {layer} is not a cache of these rows: {e}") from None
-    group.counts["pull_frames"] += 1
-    dev = pairs[0][1].device if pairs else torch.device("cpu")
-    if len(runs) * 8 > num_tokens:  # short stretches: one gather and one scatter a layer beat a copy each
-        src_rows = (torch.tensor(ids[:needed], dtype=torch.int64)[:, None] * bs
-                    + torch.arange(bs, dtype=torch.int64)).reshape(-1)[first:first + num_tokens]
-        for src, out in pairs:  # (a peer's memory may be mapped on another device index: copies cross the link)
-            out.index_put_((dst.rows.to(out.device),), src.index_select(0, src_rows.to(src.device)).to(out.device))
-    else:
-        for src, out in pairs:
+    words = _rows(kv_caches[lo][0])
+    w = words.element_size()
+    if row_bytes != words.shape[1] * w or any(o % w for o in offs):
+        raise FramingError(f"pull descriptor: the sender's layers are not caches of these rows ({row_bytes}-byte rows "
+                           f"into {words.shape[1] * w}-byte ones, or an offset off the row words)")
+    dev = words.device
+    step = (layout or CacheLayout.of(kv_caches)).layer_step
+    src_all, dst_all = _src_stack(seg, offs, nb * bs, words), _layer_stack(words, 2 * (hi - lo), step)
+    if src_all is not None and dst_all is not None:
+        # both sides in one allocation each (allocate_kv_caches): every layer in one copy a stretch (a CPU copy) or
+        # one gather and one scatter (many stretches, or launch-bound on a GPU), not one copy per layer and stretch
+        group.counts["pull_frames"] += 1
+        if _gathered(runs, num_tokens, dev):
+            src_rows, dst_rows = _row_ids(ids, needed, bs, first, num_tokens), dst.rows
+            got = src_all.index_select(1, src_rows.to(src_all.device)).to(dev)
+            dst_all.index_copy_(1, dst_rows.to(dev), got)
+        else:
             for s_row, d_row, n in runs:
-                out[d_row:d_row + n].copy_(src[s_row:s_row + n])
+                dst_all[:, d_row:d_row + n].copy_(src_all[:, s_row:s_row + n])
+    else:
+        # every layer's source rows first, so a descriptor wrong for a later layer writes nothing
+        pairs = []
+        for k, (layer, j) in enumerate((layer, j) for layer in range(lo, hi) for j in (0, 1)):
+            out = _rows(kv_caches[layer][j])
+            try:
+                pairs.append((seg[offs[k]:offs[k] + size].view(out.dtype).view(nb * bs, out.shape[1]), out))
+            except RuntimeError as e:  # (checked above; kept as the backstop the stacked path has in as_strided)
+                raise FramingError(f"pull descriptor: layer {layer} is not a cache of these rows: {e}") from None
+        group.counts["pull_frames"] += 1
+        if _gathered(runs, num_tokens, dev):
+            src_rows = _row_ids(ids, needed, bs, first, num_tokens)
+            for src, out in pairs:  # (a peer's memory may be mapped on another device index: copies cross the link)
+                out.index_put_((dst.rows.to(out.device),), src.index_select(0, src_rows.to(src.device)).to(out.device))
+        else:
+            for src, out in pairs:
+                for s_row, d_row, n in runs:
+                    out[d_row:d_row + n].copy_(src[s_row:s_row + n])
     if dev.type == "cuda":
         # the ack follows, and after it the sender may reuse these blocks: the copies must be done
         torch.cuda.current_stream(dev).synchronize()

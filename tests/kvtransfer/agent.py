@@ -37,6 +37,9 @@ class CacheSpec:
     one ``transport.cuda_ipc`` segment)."""
     device: str = "cpu"
     """Where the cache lives; "cuda" makes the agent's endpoint an nccl one."""
+    one_allocation: bool = True
+    """A zeros cache is laid out as an engine lays one out (``allocate_kv_caches``: every layer in one allocation);
+    False: a tensor per layer."""
 
 
 def make_cache(spec: CacheSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -60,6 +63,13 @@ def make_cache(spec: CacheSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
         from engine.kv_cache import share_kv_caches
 
         return share_kv_caches(make_cache(CacheSpec(**{**spec.__dict__, "shared": False})))
+    if spec.seed is None and spec.one_allocation:
+        from engine.config import ModelConfig
+        from engine.kv_cache import allocate_kv_caches
+
+        mc = ModelConfig(num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_kv_heads,
+                         num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim)
+        return allocate_kv_caches(mc, spec.num_blocks, spec.block_size, dt, torch.device("cpu"))
     if spec.seed is None:
         return [(torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt)) for _ in range(spec.num_layers)]
     g = torch.Generator().manual_seed(spec.seed)

@@ -189,6 +189,31 @@ def test_bad_arguments_raise_value_error_naming_field(pair):
             KVEndpoint("x", InprocStore(), backend="nccl")
 
 
+def test_a_cache_list_changed_since_its_last_transfer_is_checked_again(pair):
+    """The endpoint remembers a cache list's layout (a worker hands over the same list every time); once one of the
+    list's layers holds other tensors it is validated again: a bad one is refused naming kv_caches, a good one
+    moves its own bytes."""
+    p, d = pair
+    src, dst = make_cache(SRC), make_cache(DST)
+    assert p._layout_of(src) is p._layout_of(src)  # remembered, not worked out again
+    hr = d.recv("p0", "a", dst, [4, 5], 7)
+    hs = p.send("d0", "a", src, [1, 2], 7, layers_ready=True)
+    assert p.wait(hs, 5) == DONE and d.wait(hr, 5) == DONE
+    good = src[1]
+    src[1] = (good[0][:, :, :1], good[1][:, :, :1])  # a layer swapped for a slice of fewer heads
+    with pytest.raises(ValueError, match=r"kv_caches\[1\]"):
+        p.send("d0", "b", src, [1, 2], 7)
+    dst[2] = (dst[2][0].to(torch.float16), dst[2][1].to(torch.float16))
+    with pytest.raises(ValueError, match=r"kv_caches\[2\]"):
+        d.recv("p0", "b", dst, [6, 7], 7)
+    src[1] = (good[0].clone() + 1, good[1].clone() + 1)  # a good layer, other bytes: those arrive
+    dst = make_cache(DST)
+    hr = d.recv("p0", "c", dst, [4, 5], 7)
+    hs = p.send("d0", "c", src, [1, 2], 7, layers_ready=True)
+    assert p.wait(hs, 5) == DONE and d.wait(hr, 5) == DONE
+    assert token_checksum(src, [1, 2], 7) == token_checksum(dst, [4, 5], 7)
+
+
 def _send_13_tokens(p: KVEndpoint, d: KVEndpoint, rid: str = "r1", wait_s: float = 10) -> None:
     """p0 -> d0: request ``rid``'s 13 tokens, every layer, landing intact in d0's blocks 3, 4, 5."""
     src, dst = make_cache(SRC), make_cache(DST)

@@ -38,14 +38,15 @@ def _move(a: Agent, b: Agent, rid: str, src: list[int], dst: list[int], n: int) 
 
 
 def _pair_of(receiver_kw: dict, store_url: str, shared: bool = False,
-             sender_kw: dict | None = None) -> tuple[dict, dict, list[str]]:
+             sender_kw: dict | None = None, receiver_cache: dict | None = None) -> tuple[dict, dict, list[str]]:
     """A (seeded cache) sends three requests to B (zeros) in 6 KiB chunks (rows of 1 KiB: many more chunks than
     ring slots, so every slot is reused; chunks over shuffled blocks are gathered into and scattered out of the
     slots in place, contiguous ones copied in and out); the kinds of both ends' pairs and the ring files left."""
     spec = dict(num_layers=3, num_blocks=64, block_size=16, num_kv_heads=4, head_dim=64)
     # 6-row chunks straddle the 16-token blocks: shuffled blocks make most chunks gathered or scattered ones
     a = Agent("A", store_url, CacheSpec(seed=7, shared=shared, **spec), chunk_bytes=6144, **(sender_kw or {}))
-    b = Agent("B", store_url, CacheSpec(shared=shared, **spec), chunk_bytes=6144, **receiver_kw)
+    b = Agent("B", store_url, CacheSpec(**{"shared": shared, **spec, **(receiver_cache or {})}), chunk_bytes=6144,
+              **receiver_kw)
     try:
         a.ready()
         b.ready()
@@ -84,6 +85,16 @@ def test_a_sender_whose_cache_is_shared_memory_is_read_in_place_by_the_receiver(
     sender, receiver, left = _pair_of({}, store_url, shared=True)
     assert _counts(receiver) == (False, True)
     assert sender == {"send:B": "shm+pull"} and receiver == {"recv:A": "shm+pull"}
+    assert left == []
+
+
+@pytest.mark.parametrize("one_allocation", [True, False], ids=["engine-layout", "tensor-per-layer"])
+def test_a_receiver_with_a_private_cache_pulls_from_a_shared_one_bit_exact(store_url, one_allocation):
+    """A decode worker's cache is private: pulled into it in one copy for all layers (the engine's layout, every
+    layer in one allocation) or layer by layer (a tensor per layer), bit-exact either way."""
+    sender, receiver, left = _pair_of({}, store_url, shared=True,
+                                      receiver_cache={"shared": False, "one_allocation": one_allocation})
+    assert _counts(receiver) == (False, True)
     assert left == []
 
 
@@ -239,6 +250,68 @@ def test_a_pull_descriptor_that_names_other_memory_is_a_framing_error_and_writes
         with pytest.raises(FramingError):
             pull(raw, dst)
         assert not any(x.any() for kv in dst for x in kv), name  # refused before any row landed
+
+
+@pytest.mark.parametrize("dst_bs, shuffled", [(16, False), (16, True), (4, True)],
+                         ids=["one-stretch", "a-copy-a-stretch", "gather-scatter"])
+def test_a_pull_takes_every_layer_at_once_where_both_caches_are_one_allocation(monkeypatch, dst_bs, shuffled):
+    """pull_rows into a cache laid out as the engine lays one out (every layer in one allocation) goes through one
+    view of all layers (spied), into one of a tensor per layer layer by layer; both land every row where a
+    token-by-token copy puts it, and nothing else, for one stretch, a stretch per block, and stretches short
+    enough to gather (blocks of 4)."""
+    import random
+
+    from engine.config import ModelConfig
+    from engine.kv_cache import allocate_kv_caches, share_kv_caches
+    from kvtransfer import shm
+    from kvtransfer.layout import CacheLayout, TokenRows
+
+    g = torch.Generator().manual_seed(11)
+    layers, sbs, n, first = 3, 16, 45, 2
+    src = share_kv_caches([(torch.randn(8, sbs, 2, 16, generator=g), torch.randn(8, sbs, 2, 16, generator=g))
+                           for _ in range(layers)])
+    src_ids = [5, 2, 7]
+    dst_blocks = 40 * 16 // dst_bs
+    dst_ids = list(range(3, 3 + -(-n // dst_bs)))
+    if shuffled:
+        dst_ids = random.Random(dst_bs).sample(range(dst_blocks), len(dst_ids))
+    stacks: list = []
+    real = shm._layer_stack
+    monkeypatch.setattr(shm, "_layer_stack", lambda *a: stacks.append(real(*a)) or stacks[-1])
+    desc = shm.pull_descriptor(src, TokenRows(CacheLayout.of(src), src_ids, n, "src", first), 0, layers, 32 << 10)
+    assert desc is not None
+    mc = ModelConfig(num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    for one in (True, False):
+        dst = (allocate_kv_caches(mc, dst_blocks, dst_bs, torch.float32, torch.device("cpu")) if one else
+               [(torch.zeros(dst_blocks, dst_bs, 2, 16), torch.zeros(dst_blocks, dst_bs, 2, 16)) for _ in range(layers)])
+        rows = TokenRows(CacheLayout.of(dst), dst_ids, n, "dst", first)
+        stacks.clear()
+        shm.pull_rows(_Peer(), torch.frombuffer(bytearray(desc), dtype=torch.uint8), 0, layers, rows.num_tokens,
+                      2 * 16 * 4, dst, rows)
+        assert (stacks[0] is not None) == one
+        for (sk, sv), (dk, dv) in zip(src, dst):
+            for s, d in ((sk, dk), (sv, dv)):
+                want = torch.zeros_like(d)
+                for p in range(first, n):  # token by token: where the sender has it, where the receiver wants it
+                    want[dst_ids[p // dst_bs], p % dst_bs] = s[src_ids[p // sbs], p % sbs]
+                assert torch.equal(d, want)
+
+
+def test_a_cache_layout_knows_when_its_layers_lie_at_equal_distances():
+    """``CacheLayout.layer_step``: the engine's caches (private or shared) have one; a tensor per layer, a list out of
+    memory order, or head slices do not."""
+    from engine.config import ModelConfig
+    from engine.kv_cache import allocate_kv_caches
+    from kvtransfer.layout import CacheLayout
+
+    mc = ModelConfig(num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    for shared in (False, True):
+        kv = allocate_kv_caches(mc, 10, 16, torch.float32, torch.device("cpu"), shared=shared)
+        step = kv[0][1].data_ptr() - kv[0][0].data_ptr()
+        assert step >= 10 * 16 * 2 * 16 * 4 and CacheLayout.of(kv).layer_step == step
+        assert CacheLayout.of(kv[::-1]).layer_step is None
+        assert CacheLayout.of([(k[:, :, :1], v[:, :, :1]) for k, v in kv]).layer_step is None
+    assert CacheLayout.of([(torch.zeros(4, 16, 2, 16), torch.zeros(4, 16, 2, 16)) for _ in range(3)]).layer_step is None
 
 
 @pytest.mark.parametrize("sbs, dbs, first, n", [(16, 32, 0, 200), (16, 16, 5, 40), (8, 32, 3, 77), (32, 16, 31, 1)])
