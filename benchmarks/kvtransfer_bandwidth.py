@@ -59,7 +59,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from engine.kv_cache import share_kv_caches
+from engine.config import ModelConfig
+from engine.kv_cache import allocate_kv_caches, share_kv_caches
 
 
 GIB = float(1 << 30)
@@ -76,9 +77,14 @@ def _kv_geometry(nbytes: int) -> tuple[int, int, int]:
 
 def _cache(num_blocks: int, block_size: int, layers: int = LAYERS, heads: int = HEADS, dim: int = HEAD_DIM,
            dtype=DTYPE, fill: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    mk = (lambda: torch.randn(num_blocks, block_size, heads, dim).to(dtype)) if fill else (
-        lambda: torch.zeros(num_blocks, block_size, heads, dim, dtype=dtype))
-    return [(mk(), mk()) for _ in range(layers)]
+    """A sender's cache (random, a tensor per layer), or with ``fill`` False a receiver's: zeros laid out as a
+    decode worker's engine lays its cache out (``allocate_kv_caches``: every layer in one allocation)."""
+    if not fill:  # (``dim`` is the row's width: an int8 row carries its 4-byte scale after head_dim values)
+        mc = ModelConfig(num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         head_dim=dim - 4 if dtype == torch.int8 else dim)
+        return allocate_kv_caches(mc, num_blocks, block_size, dtype, torch.device("cpu"))
+    return [(torch.randn(num_blocks, block_size, heads, dim).to(dtype),
+             torch.randn(num_blocks, block_size, heads, dim).to(dtype)) for _ in range(layers)]
 
 
 def _shuffled(n: int, seed: int) -> list[int]:
@@ -148,9 +154,6 @@ SAME_NODE = dict(layers=32, heads=8, dim=128, dtype=torch.bfloat16, block=16)
 
 
 def _same_node_caches(device: str, blocks: int, shared: bool) -> list:
-    from engine.config import ModelConfig
-    from engine.kv_cache import allocate_kv_caches
-
     g = SAME_NODE
     mc = ModelConfig(num_hidden_layers=g["layers"], num_attention_heads=4 * g["heads"], num_key_value_heads=g["heads"],
                      head_dim=g["dim"])
