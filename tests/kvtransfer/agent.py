@@ -46,15 +46,16 @@ def make_cache(spec: CacheSpec) -> list[tuple[torch.Tensor, torch.Tensor]]:
     dt = getattr(torch, spec.dtype)
     shape = (spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
     if spec.device != "cpu":  # the same contents, then on the device (one CUDA IPC segment where shared)
-        host = make_cache(CacheSpec(**{**spec.__dict__, "device": "cpu", "shared": False}))
-        if not spec.shared:
+        host = make_cache(CacheSpec(**{**spec.__dict__, "device": "cpu", "shared": False, "one_allocation": False}))
+        if not spec.shared and not (spec.seed is None and spec.one_allocation):
             return [(k.to(spec.device), v.to(spec.device)) for k, v in host]
         from engine.config import ModelConfig
         from engine.kv_cache import allocate_kv_caches
 
         mc = ModelConfig(num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_kv_heads,
                          num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim)
-        out = allocate_kv_caches(mc, spec.num_blocks, spec.block_size, dt, torch.device(spec.device), shared=True)
+        out = allocate_kv_caches(mc, spec.num_blocks, spec.block_size, dt, torch.device(spec.device),
+                                 shared=spec.shared)
         for (k, v), (hk, hv) in zip(out, host):
             k.copy_(hk)
             v.copy_(hv)

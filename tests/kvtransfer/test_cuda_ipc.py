@@ -134,8 +134,11 @@ class _IpcReceiver:
         return map_segment(self.seg.handle)
 
 
-def test_a_cuda_pull_descriptor_copies_the_rows_and_is_checked_like_the_shared_memory_one():
-    from engine.kv_cache import share_kv_caches
+@pytest.mark.parametrize("dst_layout", ["engine", "tensor-per-layer"])
+def test_a_cuda_pull_descriptor_copies_the_rows_and_is_checked_like_the_shared_memory_one(dst_layout):
+    """Into a cache laid out as an engine's (one allocation: every layer in one copy) and one of a tensor per layer."""
+    from engine.config import ModelConfig
+    from engine.kv_cache import allocate_kv_caches, share_kv_caches
     from kvtransfer.layout import CacheLayout, TokenRows
 
     g = torch.Generator().manual_seed(5)
@@ -147,7 +150,10 @@ def test_a_cuda_pull_descriptor_copies_the_rows_and_is_checked_like_the_shared_m
     assert desc is not None and struct.unpack_from("<I", desc)[0] == _CUDA_MAGIC
 
     def pull(raw: bytes, group) -> list:
-        dst = [(torch.zeros(8, 16, 2, 16), torch.zeros(8, 16, 2, 16)) for _ in range(2)]
+        mc = ModelConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+        dst = (allocate_kv_caches(mc, 8, 16, torch.float32, torch.device("cpu")) if dst_layout == "engine" else
+               [(torch.zeros(8, 16, 2, 16), torch.zeros(8, 16, 2, 16)) for _ in range(2)])
+        assert (CacheLayout.of(dst).layer_step is not None) == (dst_layout == "engine")
         rows = TokenRows(CacheLayout.of(dst), [1, 7], 21, "dst")
         pull_rows(group, torch.frombuffer(bytearray(raw), dtype=torch.uint8), 0, 2, 21, 2 * 16 * 4, dst, rows)
         return dst
@@ -181,6 +187,19 @@ def test_a_cuda_pull_descriptor_copies_the_rows_and_is_checked_like_the_shared_m
         pull(desc, type("ShmLike", (), {"counts": {"pull_frames": 0}, "peer_segment": None})())
 
 
+def test_a_gpu_pull_gathers_once_where_a_copy_a_stretch_would_be_many_launches():
+    """``_gathered``: on a GPU more than a few stretches (a decode worker's scattered blocks) go as one gather and one
+    scatter; on CPU only stretches shorter than 8 rows on average do (a copy a stretch moves each byte once)."""
+    from kvtransfer.shm import _GPU_STRETCHES, _gathered
+
+    blocks = tuple((16 * i, 16 * (3 * i + 1), 16) for i in range(63))  # 1,008 tokens, a stretch a block
+    assert _gathered(blocks, 1008, torch.device("cuda")) and not _gathered(blocks, 1008, torch.device("cpu"))
+    few = blocks[:_GPU_STRETCHES]
+    assert not _gathered(few, 16 * len(few), torch.device("cuda"))
+    short = tuple((4 * i, 8 * i, 4) for i in range(10))  # 4-row stretches: gathered anywhere
+    assert _gathered(short, 40, torch.device("cpu"))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device_session.sh)")
 def test_two_processes_on_one_gpu_move_kv_over_cuda_ipc_bit_exact(store_url):
     from tests.kvtransfer.agent import Agent, CacheSpec, wait_state
@@ -192,7 +211,11 @@ def test_two_processes_on_one_gpu_move_kv_over_cuda_ipc_bit_exact(store_url):
     try:
         a.ready(120)
         b.ready(120)
-        for rid, src, dst, n in (("r1", [5, 9, 2, 40], [13, 11, 10, 12], 57), ("r2", list(range(8)), list(range(30, 38)), 128)):
+        # a few stretches (a copy each), one stretch, and 20 scattered blocks (on a GPU: one gather and one scatter)
+        scattered = [63, 41, 17, 50, 8, 33, 26, 59, 2, 45, 12, 38, 21, 55, 5, 29, 48, 14, 36, 61]
+        for rid, src, dst, n in (("r1", [5, 9, 2, 40], [13, 11, 10, 12], 57),
+                                 ("r2", list(range(8)), list(range(30, 38)), 128),
+                                 ("r3", list(range(40, 60)), scattered, 320)):
             b.call("recv", rid, "A", rid, dst, n, 60.0)
             a.call("send", rid, "B", rid, src, n, "all", 60.0)
             assert wait_state(a, rid, 60)[:2] == ("done", None)
