@@ -32,6 +32,9 @@
 #   invariance (not in the default PHASES): benchmarks/batch_invariance.py on the GPU, bf16 and fp32: does the
 #      offline engine alone give other greedy tokens when requests arrive one per step (the cluster's 27 Nov
 #      token differences on CUDA)? Without and with --batch-invariant.
+#   samenode: the engine phase's same-node KV hand-off alone (kvtransfer_bandwidth.py --same-node cuda: all layers,
+#      layer by layer, into scattered decode blocks). Next lease, suggested: PHASES="tests samenode engine8b verdict
+#      profile" VERDICT_FLAGS="--async-scheduling --cores-per-worker 4".
 #   engine8b: cuda_engine.py --shape 8b (decode, graphs, prefill). tests: the engine phase's CUDA tests alone. verdict-ep: the verdict's colocated side again with
 #      its engine core in a process of its own (--engine-process). probe: benchmarks/invariance_probe.py (which kernel
 #      or step breaks batch invariance). graphmem: the 1B engine's graph memory against its estimate.
@@ -116,6 +119,13 @@ ck1b && timeout -s INT "$(cap 60 205)" python3 benchmarks/decode_host_overhead.p
   --dtype bfloat16 --async-scheduling both --json "$OUT/host_overhead.json" 2>&1 | tail -12
 log "kvtransfer_bandwidth.py --same-node cuda"
 timeout -s INT "$(cap 40 185)" python3 benchmarks/kvtransfer_bandwidth.py --same-node cuda --reps 5 2>&1 | tail -8
+cleanup
+fi
+
+if has samenode && enough 20; then
+log "phase samenode: kvtransfer_bandwidth.py --same-node cuda (one copy a stretch for all layers since 1 Dec)"
+timeout -s INT "$(cap 45 "${SAMENODE_PROMISED:-0}")" python3 benchmarks/kvtransfer_bandwidth.py --same-node cuda --reps 5 \
+  2>&1 | tail -8
 cleanup
 fi
 
