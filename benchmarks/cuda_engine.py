@@ -27,6 +27,8 @@ Everything goes to ``--out/cuda_engine.json``, rewritten after every phase.
   FLOPs = 2 x non-embedding params x tokens + causal attention (2 x layers x heads x head_dim x n(n+1)
   per sequence) + the LM head on one row per sequence, as a fraction of dense bf16 peak; transformers'
   forward on the same input (``logits_to_keep=1``) as reference.
+* ``kernels`` (not in the default phases): where a prefill step's and a decode step's device time goes, by kernel
+  class, and how much of the step the device idles (benchmarks/cuda/kernels.py: ``torch.profiler``).
 
 Peaks are looked up from ``torch.cuda.get_device_name`` (H200 4.8 TB/s, H100 SXM 3.35 TB/s, both 989
 TFLOP/s dense bf16) and printed; on CUDA the run also measures a device copy and a large bf16 GEMM, as
@@ -49,11 +51,13 @@ from typing import Any, Optional
 from benchmarks.cuda.checkpoint import FULL, QUICK, SHAPES, VOCAB, make_checkpoint
 from benchmarks.cuda.context import Ctx, log
 from benchmarks.cuda.graphs import phase_graphs
+from benchmarks.cuda.kernels import phase_kernels
 from benchmarks.cuda.parity import phase_parity
 from benchmarks.cuda.speed import device_info, measure_ceilings, phase_decode, phase_prefill
 
 
-PHASES = {"parity": phase_parity, "decode": phase_decode, "prefill": phase_prefill, "graphs": phase_graphs}
+PHASES = {"parity": phase_parity, "decode": phase_decode, "prefill": phase_prefill, "graphs": phase_graphs,
+          "kernels": phase_kernels}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

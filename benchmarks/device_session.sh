@@ -11,7 +11,8 @@
 #      tests/kvtransfer/test_cuda_ipc.py: two processes on the GPU move
 #      KV over CUDA IPC), then benchmarks/cuda_engine.py's parity (fp32 strict with graphs
 #      on), decode and graphs phases (graphs against --enforce-eager at each batch, and mixed steps piecewise
-#      against eager) on the 1B shape, and
+#      against eager) on the 1B shape, its kernels phase (torch.profiler: each prefill's and decode batch's device
+#      time by kernel class, and the device's idle share of a step), and
 #      kvtransfer_bandwidth.py --same-node cuda (an 8B-shaped 1,000-token prompt over CUDA IPC; goal >= 100 GB/s),
 #      benchmarks/decode_host_overhead.py (the engine's host time per graph decode step, 1B shape, and the step's
 #      wall with async scheduling against without; tests/engine/test_async_cuda.py checks its tokens first).
@@ -35,7 +36,7 @@
 #   samenode: the engine phase's same-node KV hand-off alone (kvtransfer_bandwidth.py --same-node cuda: all layers,
 #      layer by layer, into scattered decode blocks). Next lease, suggested: PHASES="tests samenode engine8b verdict
 #      profile" VERDICT_FLAGS="--async-scheduling --cores-per-worker 4".
-#   engine8b: cuda_engine.py --shape 8b (decode, graphs, prefill). tests: the engine phase's CUDA tests alone. verdict-ep: the verdict's colocated side again with
+#   engine8b: cuda_engine.py --shape 8b (decode, graphs, prefill, kernels). tests: the engine phase's CUDA tests alone. verdict-ep: the verdict's colocated side again with
 #      its engine core in a process of its own (--engine-process). probe: benchmarks/invariance_probe.py (which kernel
 #      or step breaks batch invariance). graphmem: the 1B engine's graph memory against its estimate.
 # One deadline for the call (SESSION_S, default 570 s): each phase runs under its own cap or what the deadline leaves
@@ -110,7 +111,7 @@ fi
 
 if has engine; then
 log "cuda_engine.py"
-timeout -s INT "$(cap "$ENGINE_S" 245)" python3 benchmarks/cuda_engine.py --phases "${ENGINE_PHASES:-parity,decode,graphs,prefill}" \
+timeout -s INT "$(cap "$ENGINE_S" 245)" python3 benchmarks/cuda_engine.py --phases "${ENGINE_PHASES:-parity,decode,graphs,prefill,kernels}" \
   --ckpt /tmp/ck1b --out /tmp/cuda_engine 2>&1 | grep -v "^\s*$"
 cp /tmp/cuda_engine/cuda_engine.json "$OUT/cuda_engine.json" 2>/dev/null
 # the host's share of a graph decode step at 1 / 64 / 256 sequences, and what async scheduling gains there
@@ -132,7 +133,7 @@ fi
 if has engine8b && enough 60; then
 log "phase engine8b: cuda_engine.py on the Llama-3.1-8B shape (issue 43: <= 4.5 ms a decode step at batch 1-8)"
 timeout -s INT "$(cap "${ENGINE8B_S:-180}" "${ENGINE8B_PROMISED:-0}")" python3 benchmarks/cuda_engine.py --shape 8b \
-  --phases "${ENGINE8B_PHASES:-decode,graphs,prefill}" --out /tmp/cuda_engine_8b 2>&1 | grep -v "^\s*$"
+  --phases "${ENGINE8B_PHASES:-decode,graphs,prefill,kernels}" --out /tmp/cuda_engine_8b 2>&1 | grep -v "^\s*$"
 cp /tmp/cuda_engine_8b/cuda_engine.json "$OUT/cuda_engine_8b.json" 2>/dev/null
 fi
 

@@ -192,3 +192,38 @@ def test_invariance_probe_engine_part_finds_every_configuration_equal_on_cpu(cap
     assert invariance_probe.main(["--device", "cpu", "--dtypes", "float32"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  [float32]")]
     assert len(lines) == 6 and all("8 of 8 outputs equal the reference" in ln for ln in lines), lines
+
+
+def test_the_kernels_phase_profiles_prefill_and_decode_steps(tmp_path):
+    """``--phases kernels`` on CPU (operators' self time stand in for kernels): a case for every single-sequence
+    prefill and every decode batch of the workload, its time split into classes that add up to its busy time, a
+    top list, an idle share in [0, 1]; the decode cases' steps all pure decode steps of their batch."""
+    rc = cuda_engine.main(["--device", "cpu", "--quick", "--phases", "kernels", "--out", str(tmp_path),
+                           "--ckpt", str(tmp_path / "ckpt")])
+    report = json.loads((tmp_path / "cuda_engine.json").read_text())
+    assert rc == 0 and report["errors"] == {}
+    k = report["kernels"]
+    assert set(k["prefill"]) == {str(n) for b, n in checkpoint.QUICK.prefill if b == 1}
+    assert set(k["decode"]) == {str(b) for b in checkpoint.QUICK.decode_batches}
+    for case in [*k["prefill"].values(), *k["decode"].values()]:
+        assert case["busy_ms"] > 0 and case["wall_ms"] > 0 and 0 <= case["idle_share"] <= 1
+        assert sum(case["classes_ms"].values()) == pytest.approx(case["busy_ms"], rel=1e-3)
+        assert 0 < len(case["top"]) <= 12 and case["top"][0][2] >= case["top"][-1][2]
+    # a linear layer's matmuls are most of a step's operator time even in this tiny shape
+    assert "gemm" in k["decode"]["1"]["classes_ms"]
+
+
+def test_kernel_names_fall_into_the_classes_a_profile_is_read_by():
+    from benchmarks.cuda.kernels import classify
+
+    assert classify("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1") == "gemm"
+    assert classify("nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT") == "gemm"
+    assert classify("mkldnn::_linear_pointwise") == "gemm"
+    # engine/triton_kernels.py's own
+    for name, cls in (("_decode_attention_kernel", "attention"), ("_prefill_attention_kernel", "attention"),
+                      ("_rms_norm_kernel", "norm"), ("_rope_kernel", "rope"), ("_silu_mul_kernel", "activation"),
+                      ("_matmul_kernel", "gemm")):
+        assert classify(name) == cls, name
+    assert classify("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert classify("Memcpy HtoD (Pageable -> Device)") == "copy"
+    assert classify("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>") == "other"
