@@ -14,6 +14,7 @@ the cache itself, skipping the staging copy. A cache may also be a slice of the 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -32,9 +33,9 @@ class CacheLayout:
     dtype: torch.dtype
     device: torch.device
     layer_step: Optional[int] = field(default=None, compare=False)
-    """Bytes from each tensor to the next in the order K0, V0, K1, V1, ... where all are contiguous and lie at that
-    equal distance (one allocation, as ``engine.kv_cache.allocate_kv_caches`` makes a cache), else None: a copy
-    may then take every layer at once through one strided view (kvtransfer/shm.py's pull)."""
+    """Bytes from each tensor to the next in the order K0, V0, K1, V1, ... where all are contiguous views of one
+    storage at that equal distance (one allocation, as ``engine.kv_cache.allocate_kv_caches`` makes a cache), else
+    None: a copy may then take every layer at once through one strided view (kvtransfer/shm.py's pull)."""
 
     @property
     def row_bytes(self) -> int:
@@ -77,10 +78,10 @@ def _equal_step(kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Optio
     step = kv_caches[0][1].data_ptr() - first.data_ptr()
     if step < first.numel() * first.element_size():
         return None
-    p0, k = first.data_ptr(), 0
+    p0, k, base = first.data_ptr(), 0, first.untyped_storage().data_ptr()
     for pair in kv_caches:
-        for t in pair:
-            if t.data_ptr() != p0 + k * step or not t.is_contiguous():
+        for t in pair:  # (separate allocations may happen to lie at equal distances: one storage is asked for)
+            if t.data_ptr() != p0 + k * step or not t.is_contiguous() or t.untyped_storage().data_ptr() != base:
                 return None
             k += 1
     return step
@@ -92,6 +93,13 @@ def _head_slice(t: torch.Tensor) -> bool:
     share of a peer's heads, kvtransfer/sharding.py)."""
     return (t.dim() == 4 and t.stride(3) == 1 and t.stride(2) == t.shape[3]
             and t.stride(0) == t.shape[1] * t.stride(1) and t.stride(1) >= t.shape[2] * t.shape[3])
+
+
+def block_rows(block_ids: Sequence[int], block_size: int, lo: int, hi: int) -> torch.Tensor:
+    """[hi - lo] int64 (CPU): the flat cache rows of positions lo..hi-1 of a sequence whose blocks are ``block_ids``
+    (two tensor ops, whatever the length)."""
+    return (torch.tensor(block_ids, dtype=torch.int64)[:, None] * block_size
+            + torch.arange(block_size, dtype=torch.int64)).reshape(-1)[lo:hi]
 
 
 class TokenRows:
@@ -117,18 +125,28 @@ class TokenRows:
             raise ValueError(f"{field} must be in [0, {layout.num_blocks}), got {ids}")
         if len(set(ids)) != len(ids):
             raise ValueError(f"{field} must not repeat a block, got {ids}")
-        # built with two tensor ops: this runs on the caller's thread for every send/recv
-        self.rows = (torch.tensor(ids, dtype=torch.int64)[:, None] * bs
-                     + torch.arange(bs, dtype=torch.int64)).reshape(-1)[first_token:num_tokens].to(layout.device)
-        # run id per block: tokens [a, b) are one contiguous stretch iff their blocks share a run
-        self._run = [0] * len(ids)
-        for j in range(1, len(ids)):
-            self._run[j] = self._run[j - 1] + (ids[j] != ids[j - 1] + 1)
+        self._device = layout.device
         self.block_size = bs
         self.block_ids = ids
         """The blocks holding positions 0 .. num_tokens - 1 (a pull names them to the peer)."""
         self.first_token = first_token
         self.num_tokens = num_tokens - first_token
+
+    @functools.cached_property
+    def rows(self) -> torch.Tensor:
+        """[num_tokens] int64 on the cache's device: the flat cache row of each moved position. Built on first use
+        (a pull between caches in one allocation each never needs it; the checks above run at send/recv time)."""
+        return block_rows(self.block_ids, self.block_size, self.first_token,
+                          self.first_token + self.num_tokens).to(self._device)
+
+    @functools.cached_property
+    def _run(self) -> list[int]:
+        """Run id per block: tokens [a, b) are one contiguous stretch iff their blocks share a run."""
+        ids = self.block_ids
+        run = [0] * len(ids)
+        for j in range(1, len(ids)):
+            run[j] = run[j - 1] + (ids[j] != ids[j - 1] + 1)
+        return run
 
     def contiguous(self, a: int, b: int) -> bool:
         """True when rows a..b-1 of this transfer (positions first_token + a ..) are one contiguous stretch."""

@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from kvtransfer.layout import CacheLayout, TokenRows, _rows
+from kvtransfer.layout import CacheLayout, TokenRows, _rows, block_rows
 from kvtransfer.transport import PairBroken, PairOp, TorchPair
 from kvtransfer.wire import TAG_PAYLOAD, FramingError
 from transport.shared_memory import SegmentHandle, SharedSegment, map_segment, segment_of
@@ -584,12 +584,6 @@ def _gathered(runs: tuple, num_tokens: int, dev: torch.device) -> bool:
     return len(runs) * 8 > num_tokens or (dev.type == "cuda" and len(runs) > _GPU_STRETCHES)
 
 
-def _row_ids(ids: Sequence[int], needed: int, bs: int, first: int, num_tokens: int) -> torch.Tensor:
-    """The sender's cache rows of tokens 0..num_tokens-1 (blocks ``ids`` of ``bs`` rows, starting at ``first``)."""
-    return (torch.tensor(ids[:needed], dtype=torch.int64)[:, None] * bs
-            + torch.arange(bs, dtype=torch.int64)).reshape(-1)[first:first + num_tokens]
-
-
 def _src_stack(seg: torch.Tensor, offs: Sequence[int], rows: int, like: torch.Tensor) -> Optional[torch.Tensor]:
     """The sender's layers at byte offsets ``offs`` of ``seg`` (each ``rows`` rows of ``like``'s words) as one view
     [len(offs), rows, words], where they lie at equal distances (a cache in one allocation), else None. The
@@ -671,7 +665,7 @@ def pull_rows(group: ShmPair, desc: torch.Tensor, lo: int, hi: int, num_tokens: 
         # one gather and one scatter (many stretches, or launch-bound on a GPU), not one copy per layer and stretch
         group.counts["pull_frames"] += 1
         if _gathered(runs, num_tokens, dev):
-            src_rows, dst_rows = _row_ids(ids, needed, bs, first, num_tokens), dst.rows
+            src_rows, dst_rows = block_rows(ids[:needed], bs, first, first + num_tokens), dst.rows
             got = src_all.index_select(1, src_rows.to(src_all.device)).to(dev)
             dst_all.index_copy_(1, dst_rows.to(dev), got)
         else:
@@ -688,7 +682,7 @@ def pull_rows(group: ShmPair, desc: torch.Tensor, lo: int, hi: int, num_tokens: 
                 raise FramingError(f"pull descriptor: layer {layer} is not a cache of these rows: {e}") from None
         group.counts["pull_frames"] += 1
         if _gathered(runs, num_tokens, dev):
-            src_rows = _row_ids(ids, needed, bs, first, num_tokens)
+            src_rows = block_rows(ids[:needed], bs, first, first + num_tokens)
             for src, out in pairs:  # (a peer's memory may be mapped on another device index: copies cross the link)
                 out.index_put_((dst.rows.to(out.device),), src.index_select(0, src_rows.to(src.device)).to(out.device))
         else:
