@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from benchmarks.cuda.checkpoint import prompts_of
 from benchmarks.cuda.context import Ctx, log
-from benchmarks.cuda.speed import prefill_flops
+from benchmarks.cuda.speed import prefill_flops, submit_greedy
 
 TOP = 12
 DECODE_STEPS = 5
@@ -109,30 +109,18 @@ def _summary(r: dict) -> str:
 
 
 def phase_kernels(ctx: Ctx) -> dict:
-    from engine import SamplingParams
-
     w = ctx.work
     mc = ctx.model_config()
     peak = ctx.report.get("device", {}).get("peak_bf16_flops")
     eng = ctx.engine("bfloat16").llm_engine
     out: dict[str, Any] = {"what": "CUDA: kernels' device time; CPU: operators' self CPU time", "prefill": {},
                            "decode": {}}
-    rid = [0]
-
-    def submit(prompts: list[list[int]], new: int) -> list[str]:
-        params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-        ids = []
-        for p in prompts:
-            rid[0] += 1
-            ids.append(f"k{rid[0]}")
-            eng.add_request(ids[-1], p, params)
-        return ids
 
     for n in sorted({n for b, n in w.prefill if b == 1}):
         seeds = iter(range(10_000))
 
         def prefill() -> None:
-            submit(prompts_of([n], seed=7000 + n + next(seeds)), 1)
+            submit_greedy(eng, prompts_of([n], seed=7000 + n + next(seeds)), 1)
             while eng.has_unfinished_requests():
                 eng.step()
 
@@ -148,7 +136,7 @@ def phase_kernels(ctx: Ctx) -> dict:
         ctx.save()
 
     for b in w.decode_batches:
-        ids = submit(prompts_of([w.decode_prompt] * b, seed=8000 + b), 3 * DECODE_STEPS + 8)
+        ids = submit_greedy(eng, prompts_of([w.decode_prompt] * b, seed=8000 + b), 3 * DECODE_STEPS + 8)
         graphs = getattr(eng.runner, "graphs", None)
         while _prefilling(eng):  # every prompt prefilled, then two steps: the ones after are pure decode
             eng.step()

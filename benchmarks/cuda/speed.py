@@ -24,9 +24,8 @@ from benchmarks.cuda.context import Ctx, log
 _rid = [0]
 
 
-def engine_timed(ctx: Ctx, eng, prompts: list[list[int]], n_new: int) -> dict:
-    """Run prompts through LLMEngine.step to completion, timing each step; the decode steps are those
-    where every sequence already has its first token."""
+def submit_greedy(eng, prompts: list[list[int]], n_new: int) -> list[str]:
+    """Add each prompt to ``eng`` (an ``LLMEngine``) for ``n_new`` greedy tokens, EOS ignored; their request ids."""
     from engine import SamplingParams
 
     params = SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
@@ -35,6 +34,13 @@ def engine_timed(ctx: Ctx, eng, prompts: list[list[int]], n_new: int) -> dict:
         _rid[0] += 1
         ids.append(f"b{_rid[0]}")
         eng.add_request(ids[-1], p, params)
+    return ids
+
+
+def engine_timed(ctx: Ctx, eng, prompts: list[list[int]], n_new: int) -> dict:
+    """Run prompts through LLMEngine.step to completion, timing each step; the decode steps are those
+    where every sequence already has its first token."""
+    ids = submit_greedy(eng, prompts, n_new)
     plen = dict(zip(ids, map(len, prompts)))
     got = {r: 0 for r in ids}
     done: set = set()
