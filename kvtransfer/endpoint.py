@@ -22,6 +22,7 @@ import operator
 import random
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Optional, Sequence
 
@@ -94,8 +95,8 @@ class KVEndpoint:
         self._recv: dict[str, RecvChannel] = {}
         self._live: dict[int, Transfer] = {}
         self._completed: deque[TransferStats] = deque(maxlen=COMPLETED_MEMORY)
-        self._layouts: dict[int, tuple[Sequence, tuple, CacheLayout]] = {}
-        """``_layout_of``'s memory: id of a kv_caches list -> (the list, its tensors then, its layout)."""
+        self._layouts: dict[int, tuple[tuple, CacheLayout]] = {}
+        """``_layout_of``'s memory: id of a kv_caches list -> (weak references to its tensors then, its layout)."""
         self._ids = id_source(random.getrandbits(32))
         self._stopped = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name=f"kv-reaper-{name}", daemon=True)
@@ -132,23 +133,24 @@ class KVEndpoint:
 
     def _layout_of(self, kv_caches) -> CacheLayout:
         """``CacheLayout.of(kv_caches)``, remembered for the last ``LAYOUT_MEMORY`` lists: a worker hands over its one
-        cache on every send and receive, and working the layout out costs tens of microseconds a transfer. A list
-        is worked out again if it holds other tensors than when it was seen (the memory holds the list, so its id
-        names no other list meanwhile)."""
+        cache on every send and receive, and working the layout out costs tens of microseconds a transfer. What is
+        remembered, by the list's id, is weak references to its tensors: a hit is a list of that id holding exactly
+        those tensors, in that order (so a reused id or a changed list is worked out again), and the memory never
+        keeps a cache alive."""
         with self._lock:
             hit = self._layouts.get(id(kv_caches))
-        if hit is not None and hit[0] is kv_caches:
-            try:  # (C-level loops: a few microseconds for a 32-layer cache)
-                if (len(kv_caches) * 2 == len(hit[1]) and all(map((2).__eq__, map(len, kv_caches)))
-                        and all(map(operator.is_, itertools.chain.from_iterable(kv_caches), hit[1]))):
-                    return hit[2]
+        if hit is not None:
+            try:  # (C-level loops but one: a few microseconds for a 32-layer cache)
+                if (len(kv_caches) * 2 == len(hit[0]) and all(map((2).__eq__, map(len, kv_caches)))
+                        and all(map(operator.is_, itertools.chain.from_iterable(kv_caches), [r() for r in hit[0]]))):
+                    return hit[1]
             except TypeError:
                 pass  # a pair that is no sequence: CacheLayout.of says which
         layout = CacheLayout.of(kv_caches)  # ValueError on a bad cache: nothing remembered
         with self._lock:
             while len(self._layouts) >= LAYOUT_MEMORY:
                 del self._layouts[next(iter(self._layouts))]
-            self._layouts[id(kv_caches)] = (kv_caches, tuple(x for p in kv_caches for x in p), layout)
+            self._layouts[id(kv_caches)] = (tuple(weakref.ref(x) for p in kv_caches for x in p), layout)
         return layout
 
     def send(self, peer: str, request_id: str, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],

@@ -214,6 +214,21 @@ def test_a_cache_list_changed_since_its_last_transfer_is_checked_again(pair):
     assert token_checksum(src, [1, 2], 7) == token_checksum(dst, [4, 5], 7)
 
 
+def test_the_remembered_layout_keeps_no_cache_alive(pair):
+    """An engine that drops its cache frees it, even though the endpoint remembers that cache's layout."""
+    import gc
+    import weakref
+
+    p, _ = pair
+    cache = make_cache(SRC)
+    lay = p._layout_of(cache)
+    assert p._layout_of(cache) is lay and p._layout_of(list(cache)) == lay  # (another list: worked out again)
+    ref = weakref.ref(cache[0][0])
+    del cache
+    gc.collect()
+    assert ref() is None
+
+
 def _send_13_tokens(p: KVEndpoint, d: KVEndpoint, rid: str = "r1", wait_s: float = 10) -> None:
     """p0 -> d0: request ``rid``'s 13 tokens, every layer, landing intact in d0's blocks 3, 4, 5."""
     src, dst = make_cache(SRC), make_cache(DST)
