@@ -612,6 +612,7 @@ def _layer_stack(words: torch.Tensor, n: int, step: Optional[int]) -> Optional[t
     except RuntimeError:
         return None
 
+
 def pull_rows(group: ShmPair, desc: torch.Tensor, lo: int, hi: int, num_tokens: int, row_bytes: int,
               kv_caches: Sequence, dst: TokenRows, layout: Optional[CacheLayout] = None) -> None:
     """Receiver: copy layers ``lo..hi-1`` of a pull frame from the sender's segment into ``kv_caches`` at ``dst``'s
