@@ -36,7 +36,8 @@ def test_float32_parity_greedy_tokens_match_transformers(tmp_path):
 
 
 def test_cli_quick_run_writes_a_complete_report(tmp_path):
-    rc = cuda_engine.main(["--device", "cpu", "--quick", "--out", str(tmp_path), "--ckpt", str(tmp_path / "ckpt")])
+    rc = cuda_engine.main(["--device", "cpu", "--quick", "--out", str(tmp_path), "--ckpt", str(tmp_path / "ckpt"),
+                           "--phases", "parity,decode,prefill,graphs,kernels"])
     report = json.loads((tmp_path / "cuda_engine.json").read_text())
     assert rc == 0 and report["errors"] == {}
     assert report["parity"]["float32_strict_pass"]
@@ -53,6 +54,16 @@ def test_cli_quick_run_writes_a_complete_report(tmp_path):
     # the mixed steps (a decode batch and a whole new prompt each) went through the piecewise graphs' buffers
     mixed = graphs["mixed"]["4+20"]
     assert mixed["graphs"]["piecewise_steps"] == checkpoint.QUICK.mixed_steps and mixed["eager"]["piecewise_steps"] == 0
+    # the kernels phase (on CPU, operators' self time stand in for kernels): a case for every single-sequence prefill
+    # and every decode batch, its time split into classes that add up to its busy time, a top list, an idle share
+    k = report["kernels"]
+    assert set(k["prefill"]) == {str(n) for b, n in checkpoint.QUICK.prefill if b == 1}
+    assert set(k["decode"]) == {str(b) for b in checkpoint.QUICK.decode_batches}
+    for case in [*k["prefill"].values(), *k["decode"].values()]:
+        assert case["busy_ms"] > 0 and case["wall_ms"] > 0 and 0 <= case["idle_share"] <= 1
+        assert sum(case["classes_ms"].values()) == pytest.approx(case["busy_ms"], rel=1e-3)
+        assert 0 < len(case["top"]) <= 12 and case["top"][0][2] >= case["top"][-1][2]
+    assert "gemm" in k["decode"]["1"]["classes_ms"]  # a linear layer's matmuls, even in this tiny shape
 
 
 def test_disagg_vs_colocated_on_one_gpu_asks_for_cuda_ipc(tmp_path):
@@ -192,25 +203,6 @@ def test_invariance_probe_engine_part_finds_every_configuration_equal_on_cpu(cap
     assert invariance_probe.main(["--device", "cpu", "--dtypes", "float32"]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("  [float32]")]
     assert len(lines) == 6 and all("8 of 8 outputs equal the reference" in ln for ln in lines), lines
-
-
-def test_the_kernels_phase_profiles_prefill_and_decode_steps(tmp_path):
-    """``--phases kernels`` on CPU (operators' self time stand in for kernels): a case for every single-sequence
-    prefill and every decode batch of the workload, its time split into classes that add up to its busy time, a
-    top list, an idle share in [0, 1]; the decode cases' steps all pure decode steps of their batch."""
-    rc = cuda_engine.main(["--device", "cpu", "--quick", "--phases", "kernels", "--out", str(tmp_path),
-                           "--ckpt", str(tmp_path / "ckpt")])
-    report = json.loads((tmp_path / "cuda_engine.json").read_text())
-    assert rc == 0 and report["errors"] == {}
-    k = report["kernels"]
-    assert set(k["prefill"]) == {str(n) for b, n in checkpoint.QUICK.prefill if b == 1}
-    assert set(k["decode"]) == {str(b) for b in checkpoint.QUICK.decode_batches}
-    for case in [*k["prefill"].values(), *k["decode"].values()]:
-        assert case["busy_ms"] > 0 and case["wall_ms"] > 0 and 0 <= case["idle_share"] <= 1
-        assert sum(case["classes_ms"].values()) == pytest.approx(case["busy_ms"], rel=1e-3)
-        assert 0 < len(case["top"]) <= 12 and case["top"][0][2] >= case["top"][-1][2]
-    # a linear layer's matmuls are most of a step's operator time even in this tiny shape
-    assert "gemm" in k["decode"]["1"]["classes_ms"]
 
 
 def test_kernel_names_fall_into_the_classes_a_profile_is_read_by():
