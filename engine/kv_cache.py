@@ -11,6 +11,7 @@ layout is part of the engine's public interface.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -50,41 +51,49 @@ def allocate_kv_caches(mc: ModelConfig, num_blocks: int, block_size: int, dtype:
     ``transport.cuda_ipc.CudaSegment`` (CUDA), which a KV transfer peer on this host reads in place (kvtransfer/shm.py's
     pull)."""
     shape = (num_blocks, block_size, mc.num_key_value_heads, row_width(mc, dtype))
+    layers = mc.num_hidden_layers
     if shared and device.type == "cuda":  # one allocation, so one CUDA IPC handle names every layer
         from transport.cuda_ipc import CudaSegment
 
-        each = -(-torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() // 512) * 512
-        seg = CudaSegment(2 * mc.num_hidden_layers * each, device)
-        return [(seg.view(2 * i * each, shape, dtype), seg.view((2 * i + 1) * each, shape, dtype))
-                for i in range(mc.num_hidden_layers)]
+        each = _stride_bytes(shape, dtype, 512)
+        seg = CudaSegment(2 * layers * each, device)
+        return _layer_views(lambda off: seg.view(off, shape, dtype), layers, each)
     if shared and device.type == "cpu":
         from transport.shared_memory import shared_memory_unavailable
 
         why = shared_memory_unavailable()
         if why is None:
             try:
-                return _in_segment(mc.num_hidden_layers, shape, dtype)
+                return _in_segment(layers, shape, dtype)
             except OSError as e:
                 why = str(e)
         log.warning("KV cache in private memory, not shared (%s): same-host peers receive its KV by copy", why)
     # private memory, still one allocation with the layers at equal distances: a same-host pull into it copies every
     # layer of a stretch at once (kvtransfer/shm.py's _layer_stack)
-    esize = torch.empty((), dtype=dtype).element_size()
-    each = -(-torch.Size(shape).numel() * esize // 512) * 512 // esize
-    flat = torch.zeros(2 * mc.num_hidden_layers * each, dtype=dtype, device=device)
-    numel = torch.Size(shape).numel()
-    return [(flat[2 * i * each:2 * i * each + numel].view(shape), flat[(2 * i + 1) * each:(2 * i + 1) * each + numel]
-             .view(shape)) for i in range(mc.num_hidden_layers)]
+    each = _stride_bytes(shape, dtype, 512)
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    flat = torch.zeros(2 * layers * each, dtype=torch.uint8, device=device)
+    return _layer_views(lambda off: flat[off:off + nbytes].view(dtype).view(shape), layers, each)
+
+
+def _stride_bytes(shape: tuple, dtype: torch.dtype, align: int) -> int:
+    """Bytes from one of a cache's K or V tensors to the next: one tensor's bytes, rounded up to ``align``."""
+    return -(-torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() // align) * align
+
+
+def _layer_views(view: Callable[[int], Tensor], layers: int, each: int) -> list[tuple[Tensor, Tensor]]:
+    """(K, V) per layer, ``view(byte offset)`` at 0, ``each``, 2 x ``each``, ... in the order K0, V0, K1, V1: the
+    layout whose layers kvtransfer copies at once (``CacheLayout.layer_step``)."""
+    return [(view(2 * i * each), view((2 * i + 1) * each)) for i in range(layers)]
 
 
 def _in_segment(layers: int, shape: tuple, dtype: torch.dtype) -> list[tuple[Tensor, Tensor]]:
     """Zeroed (K, V) per layer as page-aligned views of one new ``SharedSegment``."""
     from transport.shared_memory import SharedSegment
 
-    each = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    each = -(-each // 4096) * 4096  # every tensor page-aligned, as an allocator's would be
+    each = _stride_bytes(shape, dtype, 4096)  # every tensor page-aligned, as an allocator's would be
     seg = SharedSegment(2 * layers * each)
-    return [(seg.view(2 * i * each, shape, dtype), seg.view((2 * i + 1) * each, shape, dtype)) for i in range(layers)]
+    return _layer_views(lambda off: seg.view(off, shape, dtype), layers, each)
 
 
 def share_kv_caches(kv_caches: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:

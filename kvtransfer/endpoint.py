@@ -254,16 +254,16 @@ class KVEndpoint:
         with self._lock:
             if t.final:
                 return
-            runs: list[list[int]] = []
-            if not t.layers_queued:  # the common case: every layer at once, one frame
-                runs.append([0, t.layout.num_layers])
-            for i in range(t.layout.num_layers) if t.layers_queued else ():
-                if i in t.layers_queued:
-                    continue
-                if runs and runs[-1][1] == i:
-                    runs[-1][1] = i + 1
-                else:
-                    runs.append([i, i + 1])
+            runs: list[list[int]] = [[0, t.layout.num_layers]]  # the common case: every layer at once, one frame
+            if t.layers_queued:
+                runs = []
+                for i in range(t.layout.num_layers):
+                    if i in t.layers_queued:
+                        continue
+                    if runs and runs[-1][1] == i:
+                        runs[-1][1] = i + 1
+                    else:
+                        runs.append([i, i + 1])
             for k, (lo, hi) in enumerate(runs):
                 t.layers_queued.update(range(lo, hi))
                 ch.enqueue(t, lo, hi, k == len(runs) - 1)

@@ -588,8 +588,8 @@ def _src_stack(seg: torch.Tensor, offs: Sequence[int], rows: int, like: torch.Te
     """The sender's layers at byte offsets ``offs`` of ``seg`` (each ``rows`` rows of ``like``'s words) as one view
     [len(offs), rows, words], where they lie at equal distances (a cache in one allocation), else None. The
     offsets were checked against the segment's size; ``as_strided`` checks the view's bounds again."""
-    n, words, w = len(offs), like.shape[1], like.element_size()
-    step = offs[1] - offs[0] if n > 1 else rows * words * w
+    n, words, w = len(offs), like.shape[1], like.element_size()  # (n >= 2: a frame's layers' K and V)
+    step = offs[1] - offs[0]
     if step < rows * words * w or any(o != offs[0] + k * step for k, o in enumerate(offs)):
         return None
     try:
