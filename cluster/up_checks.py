@@ -30,12 +30,22 @@ def check_up_args(args: argparse.Namespace) -> None:
 
 
 def check_model_args(args: argparse.Namespace) -> None:
-    """--model (a built-in name or a directory) and --served-model-name."""
+    """--model (a built-in name or a directory), --served-model-name and --max-model-len."""
     if args.model not in BUILTIN_MODELS and not os.path.isdir(args.model):
         raise ValueError(f"--model must be one of {BUILTIN_MODELS} or a model directory, got {args.model!r}")
     if args.served_model_name is not None and (not args.served_model_name.strip()
                                                or not args.served_model_name.isprintable()):
         raise ValueError(f"--served-model-name must be a non-empty printable name, got {args.served_model_name!r}")
+    n = getattr(args, "max_model_len", None)
+    if n is not None:
+        if n < 2:  # one prompt token and one output token
+            raise ValueError(f"--max-model-len must be >= 2, got {n}")
+        from engine.config import EngineConfig
+        from engine.loader import load_model_config
+
+        positions = load_model_config(EngineConfig(model=args.model)).max_position_embeddings
+        if n > positions:  # as vLLM: the model was not trained for positions past its own
+            raise ValueError(f"--max-model-len {n} is longer than the model's max_position_embeddings ({positions})")
 
 
 def check_pool_args(args: argparse.Namespace) -> None:

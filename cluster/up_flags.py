@@ -16,8 +16,12 @@ from transport.client_auth import API_KEY_ENV
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model, --served-model-name."""
+    """--model, --served-model-name, --max-model-len."""
     p.add_argument("--model", default="tiny", help="tiny | bench | path to a Hugging Face model dir (default tiny)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="context length of one request, prompt and output together: the workers' engines and the "
+                        "router's checks (a longer prompt is refused by name, a chat without max_tokens may take "
+                        "the rest); at most the model's max_position_embeddings (default: that)")
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model's name to clients (/v1/models, ModelInfo, the requests' model field) and in "
                         "metric labels (default: the built-in name or the model directory's basename)")
@@ -302,7 +306,8 @@ def pool_config_kwargs(args: argparse.Namespace) -> dict:
 def engine_overrides(args: argparse.Namespace, checked_only: bool = False) -> dict:
     """The EngineConfig fields the pool flags set."""
     out = {k: v for k, v in (("num_kv_blocks", args.num_kv_blocks), ("max_num_seqs", args.max_num_seqs),
-                             ("max_num_batched_tokens", args.max_num_batched_tokens))
+                             ("max_num_batched_tokens", args.max_num_batched_tokens),
+                             ("max_model_len", getattr(args, "max_model_len", None)))
            if v is not None}
     if args.no_prefix_caching and not checked_only:
         out["enable_prefix_caching"] = False
@@ -342,6 +347,8 @@ def router_overrides(args: argparse.Namespace) -> dict:
            "prefill_queue_max_tokens": args.prefill_queue_max_tokens}
     if args.max_num_requests is not None:
         out["max_num_requests"] = args.max_num_requests
+    if getattr(args, "max_model_len", None) is not None:  # the workers' context, so the router refuses by name
+        out["max_context_length"] = args.max_model_len
     out["http_port"] = args.http_port or None  # 0: no HTTP API
     out["health_port"] = args.health_port or None
     if args.tool_call_parser is not None:

@@ -346,8 +346,9 @@ class HttpApi:
         async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
             first = exc.errors()[0] if exc.errors() else {}
             where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-            return JSONResponse(rs.error_body(400, f"{where}: {first.get('msg', 'invalid request')}", where or None),
-                                status_code=400)
+            # a body that is not an object at all (JSON null, a list, a number) has no field to name: the body
+            return JSONResponse(rs.error_body(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}",
+                                              where or None), status_code=400)
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

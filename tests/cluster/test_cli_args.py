@@ -96,6 +96,29 @@ def test_max_num_requests_reaches_the_router_config():
     assert "max_num_requests" not in router_overrides(build_parser().parse_args(["up"]))  # router default
 
 
+def test_max_model_len_reaches_the_router_and_every_worker_engine():
+    """`--max-model-len` (vLLM's flag) is one context length for the engines and the router's checks: a router that
+    allowed more than its workers let a too-long prompt through to a worker, whose refusal named no API field."""
+    from cluster.config import ClusterConfig, build_role_worker, build_router
+    from router import StaticWorkerSource
+    from router.model_info import load_model_view
+
+    args = build_parser().parse_args(["up", "--max-model-len", "128"])
+    check_up_args(args)
+    cfg = ClusterConfig(model="tiny", engine_overrides=engine_overrides(args), router_overrides=router_overrides(args))
+    assert load_model_view(build_router(cfg, StaticWorkerSource([])).cfg)[1].max_context_length == 128
+    assert build_role_worker("colocated", "c0", cfg, None, "127.0.0.1", "n0").cfg.engine.max_model_len == 128
+    router_args = build_parser().parse_args(["router", "--namespace", "ns", "--max-model-len", "96"])
+    assert router_overrides(router_args)["max_context_length"] == 96
+    plain = build_parser().parse_args(["up"])  # unset: the model's own length everywhere
+    assert "max_model_len" not in engine_overrides(plain) and "max_context_length" not in router_overrides(plain)
+    for n, message in (("1", "--max-model-len must be >= 2, got 1"),
+                       ("4096", "--max-model-len 4096 is longer than the model's max_position_embeddings (2048)")):
+        with pytest.raises(ValueError) as e:
+            check_up_args(build_parser().parse_args(["up", "--max-model-len", n]))
+        assert str(e.value) == message
+
+
 def test_served_model_name_reaches_router_and_workers(tmp_path):
     """`--served-model-name` names the model everywhere (router ModelInfo and /v1/models, metric labels, the
     workers' records); without it the name is the built-in one or the model directory's basename, no path."""

@@ -26,17 +26,20 @@ SUMMARY_KEYS = ["completed", "failed", "duration", "request_throughput", "output
                                               for s in ("mean", "median", "std", "p99")]
 
 
-def _engine():
+def _engine(max_model_len: int | None = None):
     from engine.config import EngineConfig
 
-    return EngineConfig(model="tiny", num_kv_blocks=256, num_threads=1, max_num_batched_tokens=512)
+    return EngineConfig(model="tiny", num_kv_blocks=256, num_threads=1, max_num_batched_tokens=512,
+                        max_model_len=max_model_len)
 
 
 class Cluster:
     """Router in front of real workers, started in this process; ``close()`` stops them all."""
 
-    def __init__(self, mode: str, redis_url: str, http: bool = False, api_keys: tuple[str, ...] = ()) -> None:
-        """``http``: the router serves the OpenAI-compatible HTTP API too, on a free port (``http_url``)."""
+    def __init__(self, mode: str, redis_url: str, http: bool = False, api_keys: tuple[str, ...] = (),
+                 max_model_len: int | None = None) -> None:
+        """``http``: the router serves the OpenAI-compatible HTTP API too, on a free port (``http_url``);
+        ``max_model_len``: the workers' context length (the model's own by default)."""
         from router import RouterConfig, RouterServer, StaticWorkerSource
 
         self.workers: list = []
@@ -51,15 +54,17 @@ class Cluster:
                 # The cluster's Redis is the rendezvous store, as in `pdserve up`; a fresh namespace per cluster.
                 self.store = StoreConfig(redis_url, namespace=f"kvt-bench-{uuid.uuid4().hex[:8]}")
                 self.workers.append(PrefillWorker(PrefillWorkerConfig(
-                    "bench-p0", engine=_engine(), kv_store=self.store, transfer_timeout_s=10.0)).start())
+                    "bench-p0", engine=_engine(max_model_len), kv_store=self.store, transfer_timeout_s=10.0)).start())
                 self.workers.append(DecodeWorker(DecodeWorkerConfig(
-                    "bench-d0", engine=_engine(), kv_store=self.store, transfer_timeout_s=10.0)).start())
+                    "bench-d0", engine=_engine(max_model_len), kv_store=self.store, transfer_timeout_s=10.0)).start())
             else:
                 from decode_worker import ColocatedWorker, ColocatedWorkerConfig
 
-                self.workers.append(ColocatedWorker(ColocatedWorkerConfig("bench-c0", engine=_engine())).start())
+                self.workers.append(ColocatedWorker(ColocatedWorkerConfig(
+                    "bench-c0", engine=_engine(max_model_len))).start())
             source = StaticWorkerSource([w.info for w in self.workers])
-            cfg = RouterConfig(mode=mode, http_port=0 if http else None, api_keys=api_keys)
+            cfg = RouterConfig(mode=mode, http_port=0 if http else None, api_keys=api_keys,
+                               max_context_length=max_model_len)  # as `pdserve up --max-model-len` sets both
             self.router = RouterServer(cfg, source).start()
         except BaseException:
             self.close()

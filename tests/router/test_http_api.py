@@ -93,6 +93,10 @@ def test_errors_have_openai_shape_and_the_matching_status(server, workers):
     assert (r.status_code, r.json()["error"]["param"]) == (404, "model")
     assert _post(api, "/v1/completions", {"prompt": PROMPT}, key="wrong").status_code == 401
     assert httpx.get(f"http://{api.address}/health", timeout=10).status_code == 200  # open without a key
+    for raw in ("null", "[1, 2]", "7"):  # JSON, but no object: nothing to name but the body (found by the fuzz)
+        r = httpx.post(f"http://{api.address}/v1/chat/completions", content=raw, timeout=30,
+                       headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith("body: "), (raw, r.text)
     # a flow's failure: every decode worker refuses for good -> its status as HTTP
     workers[1].reserve = StatusRpcError(grpc.StatusCode.INVALID_ARGUMENT, "bad params")
     r = _post(api, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3})
