@@ -34,7 +34,12 @@ from tests.e2e.test_pdserve_up import _pdserve
 from tests.waiting import wait_until
 
 ENV = dict(os.environ, RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", RAY_FAKE_CLUSTER="1",
-           AUTOSCALER_UPDATE_INTERVAL_S="1")
+           AUTOSCALER_UPDATE_INTERVAL_S="1",
+           # the GCS declares a raylet dead after 3 failed health checks a second apart, not Ray's 5 three seconds
+           # apart: a killed node's actors fail (and the supervisor replaces them) in ~3 s instead of ~15 s, the
+           # knobs a deployment that wants faster failover turns too. The checks' 10 s timeout stays: a raylet
+           # merely slow on this loaded box is not declared dead.
+           RAY_health_check_period_ms="1000", RAY_health_check_failure_threshold="3")
 
 
 def _load_ray_head():
