@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "grpc_address", "kv_name", "metrics_address", "model_name", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "queued_prompt_tokens", "ready", "block_size", "updated_at", "node_id", "kv_cache_dtype", "requests_total", "prompt_tokens_total", "output_tokens_total", "requests_finished_total", "tensor_parallel_size")
+    __slots__ = ("worker_id", "role", "grpc_address", "kv_name", "metrics_address", "model_name", "num_total_blocks", "num_free_blocks", "num_running", "num_waiting", "queued_prompt_tokens", "ready", "block_size", "updated_at", "node_id", "kv_cache_dtype", "requests_total", "prompt_tokens_total", "output_tokens_total", "requests_finished_total", "tensor_parallel_size", "max_model_len")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     GRPC_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class WorkerInfo(_message.Message):
     OUTPUT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FINISHED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     grpc_address: str
@@ -51,7 +52,8 @@ class WorkerInfo(_message.Message):
     output_tokens_total: int
     requests_finished_total: int
     tensor_parallel_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., kv_name: _Optional[str] = ..., metrics_address: _Optional[str] = ..., model_name: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., block_size: _Optional[int] = ..., updated_at: _Optional[float] = ..., node_id: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., requests_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., output_tokens_total: _Optional[int] = ..., requests_finished_total: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    max_model_len: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., grpc_address: _Optional[str] = ..., kv_name: _Optional[str] = ..., metrics_address: _Optional[str] = ..., model_name: _Optional[str] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., ready: _Optional[bool] = ..., block_size: _Optional[int] = ..., updated_at: _Optional[float] = ..., node_id: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., requests_total: _Optional[int] = ..., prompt_tokens_total: _Optional[int] = ..., output_tokens_total: _Optional[int] = ..., requests_finished_total: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class WireSamplingParams(_message.Message):
     __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "logit_bias", "structured_outputs", "prompt_logprobs")

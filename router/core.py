@@ -12,6 +12,9 @@ search, which runs its steps as sub-flows), hands its
 keeps the request metrics (tokens, success, end-to-end latency, in-flight gauges). A front end
 reports every error it answers with through ``count_error`` so ``request_errors_total``
 sees them all. ``draining`` makes ``generate`` refuse new requests (UNAVAILABLE).
+``limits`` is the model's, shortened to the smallest context length a live worker publishes
+(``WorkerInfo.max_model_len``, re-read at most every view refresh): a router started without the workers'
+``--max-model-len`` still refuses a prompt they would refuse, by name, before placing it.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from router.config import RouterConfig
 from router.events import FlowError, FlowEvent
 from router.flow_pump import HANDOFF, Wait
 from router.kv.index import KVEventConsumer, KVIndex
-from router.model_info import load_model_view
+from router.model_info import load_model_view, within_workers_context
 from router.output_streams import OutputStreams
 from router.placement import Placer
 from router.kv.prefix_index import PrefixIndex
@@ -76,7 +79,10 @@ class RouterCore:
         self.tracing = Tracing(cfg.otlp_traces_endpoint, "pdserve-router")
         """Request traces (``transport.tracing``; off without ``cfg.otlp_traces_endpoint``)."""
         self.tokenizer: Any = None
-        self.limits: Optional[ModelLimits] = None
+        self._model_limits: Optional[ModelLimits] = None
+        """The model's limits as the router's config gives them (``limits`` adds the workers' context length)."""
+        self._limits: Optional[ModelLimits] = None
+        self._limits_at = float("-inf")
         self.metrics: Any = None
         self.draining = False
         self._lock = threading.Lock()
@@ -87,13 +93,32 @@ class RouterCore:
     def num_in_flight(self) -> int:
         return self.bound.held
 
+    @property
+    def limits(self) -> Optional[ModelLimits]:
+        """What requests are checked against (None before ``load``): the model's limits, with the context length
+        of the shortest-context live worker where that is shorter (see module docstring)."""
+        base = self._model_limits
+        if base is None:
+            return None
+        now = time.monotonic()
+        if now - self._limits_at >= self.view.refresh_s:
+            self._limits_at = now
+            n = self.view.max_model_len()
+            current = self._limits
+            self._limits = within_workers_context(base, n)
+            if current is not None and self._limits.max_context_length != current.max_context_length:
+                log.warning("router: requests are now checked against a context of %d tokens (the model's %d%s)",
+                            self._limits.max_context_length, base.max_context_length,
+                            f"; a worker serves {n}" if n else "")
+        return self._limits
+
     def load(self) -> None:
         """Tokenizer, limits and metrics (no model weights)."""
         from metrics import RouterMetrics
 
-        self.tokenizer, self.limits = load_model_view(self.cfg)
+        self.tokenizer, self._model_limits = load_model_view(self.cfg)
         self.metrics = RouterMetrics(self.cfg.served_model_name, "router",
-                                     max_model_len=self.limits.max_context_length)
+                                     max_model_len=self._model_limits.max_context_length)
         self.view.start()
         if self.kv_events is not None:
             self.kv_events.start()

@@ -123,6 +123,12 @@ class WorkerView:
             out.append(w)
         return out
 
+    def max_model_len(self) -> int:
+        """The shortest context length a listed worker publishes (``WorkerInfo.max_model_len``); 0 when none
+        does (no workers yet, or workers older than the field)."""
+        lens = [w.max_model_len for role in ROLES for w in self.list(role) if w.max_model_len > 0]
+        return min(lens, default=0)
+
     def suspect(self, worker_id: str) -> None:
         """A call to ``worker_id`` failed as if it were gone: hide it until a newer record arrives."""
         with self._lock:

@@ -63,8 +63,8 @@ class Cluster:
                 self.workers.append(ColocatedWorker(ColocatedWorkerConfig(
                     "bench-c0", engine=_engine(max_model_len))).start())
             source = StaticWorkerSource([w.info for w in self.workers])
-            cfg = RouterConfig(mode=mode, http_port=0 if http else None, api_keys=api_keys,
-                               max_context_length=max_model_len)  # as `pdserve up --max-model-len` sets both
+            # (the router learns a shorter ``max_model_len`` from the workers' records: RouterCore.limits)
+            cfg = RouterConfig(mode=mode, http_port=0 if http else None, api_keys=api_keys)
             self.router = RouterServer(cfg, source).start()
         except BaseException:
             self.close()

@@ -125,3 +125,32 @@ def test_a_client_that_goes_away_cancels_its_flow_without_polling(server, worker
     wait_until(lambda: d_stream.cancelled, timeout=20, message="the disconnect cancelled the decode call")
     wait_until(lambda: api.core.num_in_flight == 0, timeout=20, message="the request left the router")
     assert len(d0.aborted) == 1 and d0.aborted == p0.aborted  # both workers free its blocks
+
+
+def test_a_context_shorter_than_the_models_on_the_workers_is_checked_by_the_router(server, workers):
+    """Workers publish their engines' context length (``WorkerInfo.max_model_len``); a router started without their
+    ``--max-model-len`` checks requests against the shortest one: a prompt that fits the model but not the workers
+    is refused by the router, naming the prompt, before any worker is asked (the HTTP fuzz found the worker's own
+    refusal reaching clients naming no field). Workers that publish nothing (0, older ones) leave the model's."""
+    api, p0, d0 = server
+    model_len = api.core.limits.max_context_length
+    prompt = list(range(100, 150))  # 50 tokens: within the model's context, not within the workers' 48
+    try:
+        for w in (p0, d0):
+            w.info.max_model_len = 48
+        wait_until(lambda: api.core.limits.max_context_length == 48, timeout=30, interval=0.05,
+                   message="the router checking against the workers' context")
+        r = _post(api, "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == "prompt has 50 tokens; the context length is 48", r.text
+        assert p0.calls == [] and d0.calls == []  # refused before placement
+        models = httpx.get(f"http://{api.address}/v1/models", headers={"authorization": f"Bearer {KEY}"}, timeout=30)
+        assert models.json()["data"][0]["max_model_len"] == 48
+        p0.info.max_model_len = model_len + 100  # the shortest counts, and a longer one than the model's is not used
+        assert api.core.view.max_model_len() == 48
+        d0.info.max_model_len = 0
+        wait_until(lambda: api.core.limits.max_context_length == model_len, timeout=30, interval=0.05,
+                   message="the model's context again once no worker publishes a shorter one")
+        assert _post(api, "/v1/completions", {"prompt": prompt, "max_tokens": 2}).status_code == 200
+    finally:
+        p0.info.max_model_len = d0.info.max_model_len = 0

@@ -121,3 +121,6 @@ def test_cluster_is_clean_after_the_fuzz(http_cluster):
                    for i in (w.info() for w in http_cluster.workers))
 
     wait_until(idle, timeout=60, message="every worker idle with all KV blocks free after the HTTP fuzz")
+    # the workers' short context reached the router through their records (it was not configured with it)
+    assert [w.info().max_model_len for w in http_cluster.workers] == [MAX_MODEL_LEN] * 2
+    assert http_cluster.router.core.limits.max_context_length == MAX_MODEL_LEN
