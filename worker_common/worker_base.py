@@ -220,7 +220,8 @@ class WorkerBase:
             num_total_blocks=load.num_total_blocks, num_free_blocks=load.num_free_blocks,
             num_running=load.num_running, num_waiting=load.num_waiting,
             queued_prompt_tokens=self.queued_prompt_tokens(), block_size=eng.block_size,
-            kv_cache_dtype=eng.kv_cache_dtype, tensor_parallel_size=engine_tp(eng), max_model_len=eng.max_model_len,
+            kv_cache_dtype=eng.kv_cache_dtype, tensor_parallel_size=engine_tp(eng),
+            max_model_len=getattr(self.cfg.engine, "max_model_len", None) or 0,  # as set: a short KV cache is capacity
             requests_total=sum(rs.requests_total for rs in self.request_sets),
             prompt_tokens_total=sum(rs.prompt_tokens_total for rs in self.request_sets),
             output_tokens_total=self.output_tokens_total, requests_finished_total=self.requests_finished_total)
