@@ -221,6 +221,17 @@ def pool_tp(cfg: "ClusterConfig", role: str) -> int:
     return int(cfg.pool_tensor_parallel.get(role, cfg.engine_overrides.get("tensor_parallel_size", 1)))
 
 
+def auto_dtype(cuda: bool) -> str:
+    """``pdserve up --dtype auto``: float32 on CPU (pdserve's CPU kernels are built for it); on CUDA bfloat16, what
+    the GPU engine's kernels and benchmarks are built and measured for, or float16 on a GPU without bfloat16
+    (before Ampere). Call on the worker's node (it asks its GPU)."""
+    if not cuda:
+        return "float32"
+    import torch
+
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+
+
 def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: Any,
                       node_ip: str, node_id: str) -> Any:
     """The real prefill/decode role object for one actor (runs inside the actor)."""
@@ -237,6 +248,7 @@ def build_role_worker(role: str, worker_id: str, cfg: ClusterConfig, kv_store: A
         overrides.pop("async_scheduling", None)  # it runs decode steps ahead, and needs the graphs
         overrides["enforce_eager"] = True  # nor decode graphs: their capture would only take time and memory
     overrides["tensor_parallel_size"] = pool_tp(cfg, role)
+    overrides.setdefault("dtype", auto_dtype(cuda))
     if role in cfg.pool_num_kv_blocks:
         overrides["num_kv_blocks"] = cfg.pool_num_kv_blocks[role]
     if role == "prefill" and cfg.kv_shm and overrides["tensor_parallel_size"] == 1:

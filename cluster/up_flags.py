@@ -77,6 +77,13 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
                    help="ranks of each prefill worker (default --tensor-parallel-size)")
     p.add_argument("--decode-tp", type=int, default=None, metavar="N",
                    help="ranks of each decode worker (default --tensor-parallel-size)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="weights, activations and KV cache of every worker: auto = float32 on CPU (what pdserve's "
+                        "CPU kernels are built for), bfloat16 on CUDA (float16 on a GPU without bfloat16); "
+                        "default auto")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, metavar="BYTES",
+                   help="memory of each worker's KV cache (per rank), which sets its blocks unless --num-kv-blocks "
+                        "does (default 256 MiB); on a GPU the decode graphs' memory comes out of it")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per worker (default: by memory)")
     p.add_argument("--prefill-num-kv-blocks", type=int, default=None, metavar="N",
                    help="KV blocks of each prefill worker (default --num-kv-blocks)")
@@ -307,8 +314,11 @@ def engine_overrides(args: argparse.Namespace, checked_only: bool = False) -> di
     """The EngineConfig fields the pool flags set."""
     out = {k: v for k, v in (("num_kv_blocks", args.num_kv_blocks), ("max_num_seqs", args.max_num_seqs),
                              ("max_num_batched_tokens", args.max_num_batched_tokens),
-                             ("max_model_len", getattr(args, "max_model_len", None)))
+                             ("max_model_len", getattr(args, "max_model_len", None)),
+                             ("kv_cache_memory_bytes", getattr(args, "kv_cache_memory_bytes", None)))
            if v is not None}
+    if getattr(args, "dtype", "auto") != "auto":  # auto: by the device, once it is known (cluster.config)
+        out["dtype"] = args.dtype
     if args.no_prefix_caching and not checked_only:
         out["enable_prefix_caching"] = False
     if args.quantization is not None:
@@ -387,7 +397,8 @@ def sla_config(args: argparse.Namespace):
     prof, eng = args.sla_profile, EngineConfig
     blocks = args.num_kv_blocks
     kv_tokens = (blocks * prof.block_size if blocks is not None
-                 else EngineConfig.kv_cache_memory_bytes // prof.kv_bytes_per_token)
+                 else (getattr(args, "kv_cache_memory_bytes", None) or EngineConfig.kv_cache_memory_bytes)
+                 // prof.kv_bytes_per_token)
     link = "nccl" if args.device == "cuda" and "nccl" in prof.links else ("gloo" if "gloo" in prof.links
                                                                          else next(iter(prof.links), "gloo"))
     return SlaConfig(profile=prof, ttft_slo_ms=args.ttft_slo_ms, tpot_slo_ms=args.tpot_slo_ms,

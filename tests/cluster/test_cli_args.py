@@ -12,6 +12,7 @@ from cluster.up_flags import engine_overrides, router_overrides
     (["--local-prefill-max-tokens", "-1"], "--local-prefill-max-tokens"),
     (["--prefill-queue-max-tokens", "-3"], "--prefill-queue-max-tokens"),
     (["--num-kv-blocks", "0"], "--num-kv-blocks"),
+    (["--kv-cache-memory-bytes", "0"], "--kv-cache-memory-bytes"),
     (["--decode-num-kv-blocks", "0"], "--decode-num-kv-blocks"),
     (["--max-num-seqs", "0"], "--max-num-seqs"),
     (["--prefill", "-1"], "--prefill"),
@@ -117,6 +118,30 @@ def test_max_model_len_reaches_the_router_and_every_worker_engine():
         with pytest.raises(ValueError) as e:
             check_up_args(build_parser().parse_args(["up", "--max-model-len", n]))
         assert str(e.value) == message
+
+
+def test_dtype_and_kv_cache_memory_flags_reach_every_worker_engine(monkeypatch):
+    """`--dtype` and `--kv-cache-memory-bytes` (vLLM's names) set every worker's engine; `--dtype auto` (the default)
+    is float32 on CPU and bfloat16 on CUDA (float16 on a GPU without it): before the flag a CUDA deployment ran
+    float32 weights, twice the memory and none of the bf16 kernels the GPU engine is measured with."""
+    import torch
+
+    from cluster.config import ClusterConfig, auto_dtype, build_role_worker
+
+    args = build_parser().parse_args(["up", "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(1 << 22)])
+    check_up_args(args)
+    assert engine_overrides(args) == {"dtype": "bfloat16", "kv_cache_memory_bytes": 1 << 22}
+    cfg = ClusterConfig(model="tiny", engine_overrides=engine_overrides(args))
+    engine = build_role_worker("colocated", "c0", cfg, None, "127.0.0.1", "n0").cfg.engine
+    assert (engine.dtype, engine.kv_cache_memory_bytes) == ("bfloat16", 1 << 22)
+    plain = build_parser().parse_args(["up"])
+    assert "dtype" not in engine_overrides(plain) and "kv_cache_memory_bytes" not in engine_overrides(plain)
+    engine = build_role_worker("colocated", "c1", ClusterConfig(model="tiny"), None, "127.0.0.1", "n0").cfg.engine
+    assert engine.dtype == "float32"  # auto on CPU
+    for bf16, want in ((True, "bfloat16"), (False, "float16")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda bf16=bf16: bf16)
+        assert auto_dtype(cuda=True) == want
+    assert auto_dtype(cuda=False) == "float32"
 
 
 def test_served_model_name_reaches_router_and_workers(tmp_path):

@@ -366,6 +366,11 @@ def test_good_sla_flags_build_the_planner_config(tmp_path):
     assert (cfg.ttft_slo_ms, cfg.tpot_slo_ms, cfg.max_num_seqs, cfg.kv_tokens, cfg.kv_link) == (500, 50, 32, 1600,
                                                                                                 "gloo")
     assert cfg.profile.model == "tiny"
+    by_memory = build_parser().parse_args(["up", "--autoscale", "--planner", "sla", "--ttft-slo-ms", "500",
+                                           "--tpot-slo-ms", "50", "--profile", path, "--kv-cache-memory-bytes",
+                                           str(1 << 24)])
+    check_pool_args(by_memory)  # the workers' KV budget, not the engine's default, sizes the planner's capacity
+    assert sla_config(by_memory).kv_tokens == (1 << 24) // cfg.profile.kv_bytes_per_token
     plain = build_parser().parse_args(["up", "--autoscale"])
     check_pool_args(plain)
     assert plain.planner == "threshold" and plain.sla_profile is None
