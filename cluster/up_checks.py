@@ -46,6 +46,12 @@ def check_model_args(args: argparse.Namespace) -> None:
         positions = load_model_config(EngineConfig(model=args.model)).max_position_embeddings
         if n > positions:  # as vLLM: the model was not trained for positions past its own
             raise ValueError(f"--max-model-len {n} is longer than the model's max_position_embeddings ({positions})")
+        block = EngineConfig.block_size
+        for flag in ("--num-kv-blocks", "--prefill-num-kv-blocks", "--decode-num-kv-blocks"):
+            blocks = getattr(args, flag[2:].replace("-", "_"), None)
+            if blocks is not None and blocks * block < n:  # each engine would refuse to start (engine.llm_engine)
+                raise ValueError(f"--max-model-len {n} does not fit {flag} {blocks} ({blocks * block} tokens of "
+                                 f"{block}-token blocks): one sequence of --max-model-len must fit a worker's cache")
 
 
 def check_pool_args(args: argparse.Namespace) -> None:

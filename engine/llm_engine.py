@@ -154,9 +154,16 @@ class LLMEngine:
                                  "enforce_eager)")
         n_blocks = config.num_kv_blocks or num_blocks_for_budget(local_mc, self.block_size, cache_dtype, budget)
         self.num_total_blocks = n_blocks
-        # one sequence alone must always fit, so a sequence never waits forever for blocks
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings, n_blocks * self.block_size)
+        # one sequence alone must always fit, so a sequence never waits forever for blocks: the model's context is
+        # cut to the cache; a context asked for explicitly that the cache cannot hold is refused (vLLM does too),
+        # since the router checks requests against it (WorkerInfo.max_model_len)
+        asked = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if config.max_model_len is not None and asked > n_blocks * self.block_size:
+            raise ValueError(f"max_model_len={asked} does not fit this engine's KV cache: {n_blocks} blocks of "
+                             f"{self.block_size} tokens hold {n_blocks * self.block_size} (one sequence of "
+                             "max_model_len must fit: raise num_kv_blocks or kv_cache_memory_bytes, or lower "
+                             "max_model_len)")
+        self.max_model_len = min(asked, n_blocks * self.block_size)
         self.tokenizer = load_tokenizer(config)
         self.eos_token_id = default_eos(mc, self.tokenizer)
         if device.type == "cpu":

@@ -113,11 +113,15 @@ def test_max_model_len_reaches_the_router_and_every_worker_engine():
     assert router_overrides(router_args)["max_context_length"] == 96
     plain = build_parser().parse_args(["up"])  # unset: the model's own length everywhere
     assert "max_model_len" not in engine_overrides(plain) and "max_context_length" not in router_overrides(plain)
-    for n, message in (("1", "--max-model-len must be >= 2, got 1"),
-                       ("4096", "--max-model-len 4096 is longer than the model's max_position_embeddings (2048)")):
+    for argv, message in (
+            (["1"], "--max-model-len must be >= 2, got 1"),
+            (["4096"], "--max-model-len 4096 is longer than the model's max_position_embeddings (2048)"),
+            (["512", "--decode-num-kv-blocks", "16"], "--max-model-len 512 does not fit --decode-num-kv-blocks 16 "
+             "(256 tokens of 16-token blocks): one sequence of --max-model-len must fit a worker's cache")):
         with pytest.raises(ValueError) as e:
-            check_up_args(build_parser().parse_args(["up", "--max-model-len", n]))
+            check_up_args(build_parser().parse_args(["up", "--max-model-len", *argv]))
         assert str(e.value) == message
+    check_up_args(build_parser().parse_args(["up", "--max-model-len", "256", "--num-kv-blocks", "16"]))  # just fits
 
 
 def test_dtype_and_kv_cache_memory_flags_reach_every_worker_engine(monkeypatch):

@@ -49,6 +49,13 @@ def test_config_and_cache_layout():
     assert len(e.kv_caches) == 4
     assert all(k.shape == v.shape == (10, 16, 2, 64) for k, v in e.kv_caches)
     assert e.tokenizer is not None and e.tokenizer.vocab_size == 8192
+    # the context: the model's, cut to what the cache holds (10 blocks of 16); one asked for that the cache cannot
+    # hold is refused at start, naming both knobs, rather than published to the router and refused per request
+    assert e.max_model_len == 160
+    assert LLMEngine(EngineConfig(model="tiny", num_kv_blocks=10, max_model_len=160)).max_model_len == 160
+    with pytest.raises(ValueError, match=r"max_model_len=161 does not fit .* 10 blocks of 16 tokens hold 160 .*"
+                                         r"raise num_kv_blocks or kv_cache_memory_bytes"):
+        LLMEngine(EngineConfig(model="tiny", num_kv_blocks=10, max_model_len=161))
 
 
 def test_bad_requests_raise_value_error(eng, prompt):
