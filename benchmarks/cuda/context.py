@@ -82,8 +82,10 @@ class Ctx:
             self._eng[key] = LLM(model=str(self.ckpt), dtype=dtype, device=self.device,
                                  kv_cache_memory_bytes=int(tokens * per_token * 1.25),
                                  max_num_seqs=max(max(w.decode_batches), len(w.parity_lens), 8),
-                                 max_num_batched_tokens=step_tokens, max_model_len=w.max_pos,
-                                 enable_prefix_caching=False, enforce_eager=eager)
+                                 # (no max_model_len: the checkpoint's positions, cut to what this cache holds;
+                                 # an explicit one the cache cannot hold is refused)
+                                 max_num_batched_tokens=step_tokens, enable_prefix_caching=False,
+                                 enforce_eager=eager)
         return self._eng[key]
 
     def drop(self, hf: tuple = (), eng: tuple = ()) -> None:
