@@ -104,9 +104,9 @@ class RouterCore:
         if now - self._limits_at >= self.view.refresh_s:
             self._limits_at = now
             n = self.view.max_model_len()
-            current = self._limits
+            before = (self._limits or base).max_context_length
             self._limits = within_workers_context(base, n)
-            if current is not None and self._limits.max_context_length != current.max_context_length:
+            if self._limits.max_context_length != before:
                 log.warning("router: requests are now checked against a context of %d tokens (the model's %d%s)",
                             self._limits.max_context_length, base.max_context_length,
                             f"; a worker serves {n}" if n else "")
