@@ -145,6 +145,12 @@ def test_dtype_and_kv_cache_memory_flags_reach_every_worker_engine(monkeypatch):
     for bf16, want in ((True, "bfloat16"), (False, "float16")):
         monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda bf16=bf16: bf16)
         assert auto_dtype(cuda=True) == want
+        # (a worker on CUDA is built, not started, so this box can check what its engine would run)
+        cuda = build_role_worker("colocated", "g0", ClusterConfig(model="tiny", device="cuda"), None, "127.0.0.1",
+                                 "n0").cfg.engine
+        assert (cuda.device, cuda.dtype) == ("cuda", want)
+    chosen = ClusterConfig(model="tiny", device="cuda", engine_overrides={"dtype": "float32"})
+    assert build_role_worker("colocated", "g1", chosen, None, "127.0.0.1", "n0").cfg.engine.dtype == "float32"
     assert auto_dtype(cuda=False) == "float32"
 
 
