@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +87,9 @@ class AttentionMetadata:
     keep: Optional["AttentionMetadata"] = None
     """Rows that need hidden states after the last layer (the sampling rows), described as
     single-query decodes over their whole context; None when every row is needed."""
+    lora: Optional[Any] = None
+    """``engine.lora.StepLoRA``: these rows' LoRA adapters (a keep view: its rows'); None where every row is the
+    base model's."""
 
     def decode_mask(self, window: Optional[int]) -> Tensor:
         m = self.decode_masks.get(window)

@@ -49,10 +49,11 @@ def block_hash(parent: int, token_ids: Sequence[int]) -> int:
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int,
-               parent: Optional[BlockKey] = None) -> list[BlockKey]:
-    """Chained keys of the first ``num_blocks`` full blocks of token_ids (after ``parent``)."""
+               parent: Optional[BlockKey] = None, root: int = ROOT_HASH) -> list[BlockKey]:
+    """Chained keys of the first ``num_blocks`` full blocks of token_ids (after ``parent``; the first block's
+    parent hash is ``root``: ``ROOT_HASH``, or a LoRA adapter's, engine/lora.py)."""
     out: list[BlockKey] = []
-    h = ROOT_HASH if parent is None else parent[2]
+    h = root if parent is None else parent[2]
     for i in range(num_blocks):
         toks = tuple(token_ids[i * block_size:(i + 1) * block_size])
         nh = block_hash(h, toks)
@@ -61,13 +62,14 @@ def block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int,
     return out
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, root: int = ROOT_HASH) -> list[int]:
     """Hashes of the prefix-cache keys of a prompt's full blocks, as an engine with ``block_size`` names
-    them (the last token always recomputes, so a prompt of exactly k blocks yields k - 1). Routers match
-    these against the engines' KV events (and their own mirror), without knowing the keys' shape."""
+    them (the last token always recomputes, so a prompt of exactly k blocks yields k - 1; ``root``: a LoRA
+    adapter's, ``engine.lora.lora_key_root``). Routers match these against the engines' KV events (and their own
+    mirror), without knowing the keys' shape."""
     if block_size < 1:
         return []
-    return [k[2] for k in block_keys(token_ids, block_size, (len(token_ids) - 1) // block_size)]
+    return [k[2] for k in block_keys(token_ids, block_size, (len(token_ids) - 1) // block_size, root=root)]
 
 
 class BlockManager:

@@ -189,6 +189,10 @@ class EngineConfig:
     """Run decode steps, and the steps the piecewise graphs take, through the graphs' static buffers and bucket
     padding without capturing them (any device): how the graph paths are tested on CPU, and a way to tell a
     capture problem from a padding one on a GPU."""
+    lora_modules: Optional[Any] = None
+    """LoRA adapters served beside the base model (engine/lora.py; vLLM's ``--lora-modules``): a mapping name ->
+    PEFT adapter directory, or a list of ``name=path``; normalised to a dict here. Every adapter is loaded at
+    start; a request picks one by ``SamplingParams.lora_name``. CPU engines of one rank."""
     speculative_config: Optional[Any] = None
     """Speculative decoding (``engine.speculative``): vLLM's dict, e.g. ``{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}``, or a
@@ -247,6 +251,17 @@ class EngineConfig:
                 raise ValueError("batch_invariant covers float weights and a float KV cache on CUDA (pdserve's Triton "
                                  f"GEMM and attention), not quantization={self.quantization!r} / "
                                  f"kv_cache_dtype={self.kv_cache_dtype!r}")
+        from engine.lora import parse_lora_modules
+
+        self.lora_modules = parse_lora_modules(self.lora_modules) or None
+        if self.lora_modules:
+            why = None
+            if self.tensor_parallel_size > 1:
+                why = "tensor_parallel_size > 1 (the adapters are not sharded)"
+            elif not str(self.device).startswith("cpu"):
+                why = f"device {self.device!r} (LoRA adapters run on CPU engines; not yet on a GPU)"
+            if why is not None:
+                raise ValueError(f"lora_modules do not work with {why}")
         from engine.speculative import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

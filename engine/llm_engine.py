@@ -54,6 +54,7 @@ from engine.cuda_graphs import GRAPH_POOL_SLACK, DecodeGraphs, eager_reason, gra
 from engine.piecewise_graphs import PiecewiseGraphs, piecewise_memory_estimate
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from engine.loader import default_eos, load_model, load_model_config, load_tokenizer
+from engine.lora import LoRASet, load_adapters, lora_key_root
 from engine.model_runner import ModelRunner, PendingStep, RunnerOutput
 from engine.outputs import CoreOutput, TokenLogprob
 from engine.sampler import Sampler
@@ -168,6 +169,8 @@ class LLMEngine:
         self.eos_token_id = default_eos(mc, self.tokenizer)
         if device.type == "cpu":
             cpu_kernels()  # build (first start on this machine) or load them now, never mid-request
+        self.lora: Optional[LoRASet] = load_adapters(config.lora_modules, mc) if config.lora_modules else None
+        """The LoRA adapters this engine serves (engine/lora.py), checked before the model loads; None: none."""
         self.tp_group = None
         """The tensor-parallel ranks (engine.tensor_parallel.TPGroup) where tensor_parallel_size > 1."""
         if tp > 1:
@@ -176,6 +179,8 @@ class LLMEngine:
             self.tp_group, model = TPGroup.start(config, mc, n_blocks, self.max_model_len)
         else:
             model = load_model(config, mc, self.max_model_len)
+            if self.lora is not None:
+                self.lora.attach(model, device, config.torch_dtype)
         self.kv_caches: list[tuple[Tensor, Tensor]] = allocate_kv_caches(
             local_mc, n_blocks + graphs, self.block_size, cache_dtype, device,
             shared=config.kv_cache_shared and tp == 1)
@@ -220,9 +225,10 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         """Speculative decoding counters (drafts, draft tokens, accepted tokens, per position)."""
         logger.info("engine ready: model=%s dtype=%s quantization=%s kv_cache_dtype=%s device=%s kv_blocks=%d x %d "
-                    "tokens, max_model_len=%d%s", config.model, config.dtype, config.quantization,
+                    "tokens, max_model_len=%d%s%s", config.model, config.dtype, config.quantization,
                     config.kv_cache_dtype, config.device, n_blocks, self.block_size, self.max_model_len,
-                    ", async scheduling" if self._async else "")
+                    ", async scheduling" if self._async else "",
+                    f", LoRA adapters {self.lora.names}" if self.lora is not None else "")
 
     @property
     def rank_kv_caches(self) -> list[list[tuple[Tensor, Tensor]]]:
@@ -476,14 +482,17 @@ class LLMEngine:
         return None if got is None else got[0]
 
     def reserve_prompt(self, request_id: str, num_tokens: int, prompt_token_ids: Optional[list[int]] = None, *,
-                       prefix: bool = False) -> Optional[tuple[list[int], int]]:
+                       prefix: bool = False, lora_name: Optional[str] = None) -> Optional[tuple[list[int], int]]:
         """Take blocks for ``num_tokens`` of KV about to arrive: ``(block ids, cached tokens)``, None if there are
         not enough free blocks. With ``prompt_token_ids`` (the whole prompt) and prefix caching on, the leading
         full blocks this cache already holds for it (at most all but the last token's, as a local prefill would
         reuse) are taken by reference and pinned until the request ends: only positions ``cached tokens ..`` need
         to arrive (a delta transfer), the rest of the list is fresh blocks. ``prefix``: ``prompt_token_ids`` is a
-        prompt's leading whole blocks, fetched to be cached here (``commit_reserved``): every cached one is taken."""
+        prompt's leading whole blocks, fetched to be cached here (``commit_reserved``): every cached one is taken.
+        ``lora_name``: the request's LoRA adapter (its K/V is cached under that adapter's keys)."""
         self._check_reservation(request_id, num_tokens)
+        self._lora_slot(lora_name)
+        root = lora_key_root(lora_name)
         cached: list[int] = []
         keys: list = []
         bs = self.block_size
@@ -493,7 +502,8 @@ class LLMEngine:
             if len(prompt_token_ids) != num_tokens:
                 raise ValueError(f"prompt_token_ids has {len(prompt_token_ids)} tokens, num_tokens is {num_tokens}")
             if self.block_manager.enable_caching:
-                keys = block_keys(prompt_token_ids, bs, num_tokens // bs if prefix else (num_tokens - 1) // bs)
+                keys = block_keys(prompt_token_ids, bs, num_tokens // bs if prefix else (num_tokens - 1) // bs,
+                                  root=root)
                 cached = self.block_manager.acquire(self.block_manager.lookup(keys))
                 keys = keys[:len(cached)]
         fresh = self.block_manager.blocks_for(num_tokens) - len(cached)
@@ -506,17 +516,20 @@ class LLMEngine:
         seq.num_prefill = num_tokens
         seq.num_cached_tokens = len(cached) * bs
         seq.block_keys = keys  # (not counted in prefix_cache_queries/hits: those count prompts this engine prefills)
+        seq.key_root = root
         self.scheduler.reserved[request_id] = seq
         self._seqs[request_id] = seq
         return list(seq.block_table), seq.num_cached_tokens
 
-    def cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
-        """How many leading tokens of ``prompt_token_ids`` (whole blocks of it) this prefix cache holds now; takes
-        nothing and evicts nothing (a caller deciding whether to fetch the rest)."""
+    def cached_prefix_tokens(self, prompt_token_ids: list[int], lora_name: Optional[str] = None) -> int:
+        """How many leading tokens of ``prompt_token_ids`` (whole blocks of it) this prefix cache holds now (under
+        LoRA adapter ``lora_name``); takes nothing and evicts nothing (a caller deciding whether to fetch the
+        rest)."""
         if not self.block_manager.enable_caching:
             return 0
         bs = self.block_size
-        return len(self.block_manager.lookup(block_keys(prompt_token_ids, bs, len(prompt_token_ids) // bs))) * bs
+        keys = block_keys(prompt_token_ids, bs, len(prompt_token_ids) // bs, root=lora_key_root(lora_name))
+        return len(self.block_manager.lookup(keys)) * bs
 
     def commit_reserved(self, request_id: str, prompt_token_ids: list[int]) -> int:
         """The KV of a prefix reservation (``reserve_prompt(prefix=True)``) arrived: name its blocks in the prefix
@@ -531,7 +544,7 @@ class LLMEngine:
                              f"{request_id!r} is {seq.num_prefill} tokens of whole blocks")
         if not self.block_manager.enable_caching:
             return 0
-        keys = block_keys(prompt_token_ids, bs, len(prompt_token_ids) // bs)
+        keys = block_keys(prompt_token_ids, bs, len(prompt_token_ids) // bs, root=seq.key_root)
         if keys[:len(seq.block_keys)] != seq.block_keys:
             raise ValueError(f"prompt_token_ids differ from the prefix reserved for {request_id!r}")
         for i in range(len(seq.block_keys), len(keys)):
@@ -572,7 +585,11 @@ class LLMEngine:
         if fresh.matcher is not None and not fresh.matcher.consume([first_token_id]):
             raise ValueError(f"first_token_id {first_token_id} does not follow the request's structured_outputs "
                              f"constraint ({fresh.matcher.error()})")
-        if seq.block_keys and block_keys(fresh.prompt_token_ids, self.block_size, len(seq.block_keys)) != seq.block_keys:
+        if seq.block_keys and fresh.key_root != seq.key_root:
+            raise ValueError(f"params.lora_name ({params.lora_name!r}) is not the adapter {request_id!r} reserved its "
+                             "cached blocks under")
+        if seq.block_keys and block_keys(fresh.prompt_token_ids, self.block_size, len(seq.block_keys),
+                                         root=fresh.key_root) != seq.block_keys:
             raise ValueError(f"prompt_token_ids differ from the prompt reserved for {request_id!r} within its "
                              f"{seq.num_cached_tokens} cached tokens")
         del self.scheduler.reserved[request_id]
@@ -880,6 +897,14 @@ class LLMEngine:
             ids[j] = int(t)  # numpy / tensor-item ints become plain ints
         return ids
 
+    def _lora_slot(self, name: Optional[str]) -> int:
+        """The slot of LoRA adapter ``name`` here (None: 0, the base model); ValueError naming ``lora_name``."""
+        if name is None:
+            return 0
+        if self.lora is None:
+            raise ValueError(f"lora_name: this engine serves no LoRA adapters (asked for {name!r})")
+        return self.lora.resolve(name)
+
     def _new_seq(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prefill_only: bool, check_id: bool = True) -> Sequence:
         if not isinstance(request_id, str) or not request_id:
@@ -897,6 +922,9 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(prompt plus at least one new token)")
         seq = Sequence(request_id, ids, params, prefill_only=prefill_only, eos_token_id=self.eos_token_id)
+        if params.lora_name is not None:
+            seq.lora_slot = self._lora_slot(params.lora_name)
+            seq.key_root = lora_key_root(params.lora_name)
         if params.structured_outputs is not None:
             seq.matcher = self.grammar.new_matcher(params.structured_outputs)  # ValueError names the field
         return seq

@@ -34,6 +34,7 @@ from engine.config import ModelConfig, rope_inv_freq
 from engine.float_formats import Dense, fp32_rows_format, packed_format
 from engine.kernels import cpu_kernels
 from engine.layer_ops import TORCH_OPS, KernelOps, TorchOps, TritonOps
+from engine.lora import LayerLoRA, StepLoRA
 from engine.prefetch_tuning import tune_panel_prefetch
 from engine.quant_formats import quantized_format
 from engine.weight_formats import LinearFormat
@@ -130,6 +131,8 @@ class DecoderLayer(nn.Module):
         """The group's collectives where sharded: o_proj's and down_proj's partial sums are all-reduced."""
         self.batch_invariant = False
         """Set by ``CausalLM.finalize(batch_invariant=True)`` on a Triton device: prefill chunks through one kernel."""
+        self.lora: Optional[LayerLoRA] = None
+        """This layer's LoRA adapters (engine/lora.py), attached by an engine that serves some."""
 
     def build_fused(self, kern: Any, prefetch: Any) -> bool:
         """Hand this layer's weights to the C++ decode layer (engine/csrc/decode_layer.cpp: the same kernels, one
@@ -155,23 +158,30 @@ class DecoderLayer(nn.Module):
         block runs only for the rows in keep.rows, each attending as a single query over its cache."""
         T = h.shape[0]
         if (self.fused is not None and keep is None and 0 < meta.num_decode == T <= self.fused_max_rows
-                and kv_cache[0].dtype != FP8):  # (the fused layer writes and reads float and int8 caches)
-            # a batch of single-token decodes: the whole block in one C++ call (same kernels, same numbers)
+                and kv_cache[0].dtype != FP8 and meta.lora is None):
+            # a batch of single-token decodes: the whole block in one C++ call (same kernels, same numbers; it
+            # writes and reads float and int8 caches; a row with a LoRA adapter runs the Python path)
             return self.fused.forward(h, cos, sin, kv_cache[0], kv_cache[1], meta.slot_mapping,
                                       meta.decode_block_tables, meta.decode_ctx_lens)
-        q, k, v = self.pre_attention(h, cos, sin)
+        q, k, v = self.pre_attention(h, cos, sin, meta.lora)
         h, attn = self.attend(h, q, k, v, meta, kv_cache, keep)
         if attn is None:
             return h
-        return self.post_attention(h, attn)
+        return self.post_attention(h, attn, (keep if keep is not None else meta).lora)
 
-    def pre_attention(self, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def pre_attention(self, h: Tensor, cos: Tensor, sin: Tensor,
+                      lora: Optional[StepLoRA] = None) -> tuple[Tensor, Tensor, Tensor]:
         """The block up to attention: q [T, H, D] and k [T, Hkv, D] rotated, v [T, Hkv, D] (views of one qkv
         projection). With ``attend`` and ``post_attention``, the three parts ``forward`` runs; piecewise graphs
-        (engine/piecewise_graphs.py) capture this and ``post_attention`` and run ``attend`` eagerly."""
+        (engine/piecewise_graphs.py) capture this and ``post_attention`` and run ``attend`` eagerly. ``lora``: the
+        rows' adapters (engine/lora.py)."""
         T = h.shape[0]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(self.input_layernorm(h)).view(T, H + 2 * Hkv, D)
+        x = self.input_layernorm(h)
+        qkv = self.qkv_proj(x)
+        if lora is not None and self.lora is not None:
+            qkv = self.lora.apply("qkv_proj", x, qkv, lora)
+        qkv = qkv.view(T, H + 2 * Hkv, D)
         qk = self.ops.rope(qkv, cos, sin, H + Hkv)
         return qk[:, :H], qk[:, H:H + Hkv], qkv[:, H + Hkv:]
 
@@ -192,11 +202,18 @@ class DecoderLayer(nn.Module):
         attn = decode_attention(q, kv_cache[0], kv_cache[1], keep, self.window)
         return h.index_select(0, keep.rows), attn.reshape(q.shape[0], self.num_heads * self.head_dim)
 
-    def post_attention(self, h: Tensor, attn: Tensor) -> Tensor:
-        """The block after attention: o_proj and the residual, the MLP and its residual."""
-        h = h + self._reduced(self.o_proj(attn))
-        gate_up = self.gate_up_proj(self.post_attention_layernorm(h))
-        return h + self._reduced(self.down_proj(self.ops.silu_mul(gate_up, self.intermediate_size)))
+    def post_attention(self, h: Tensor, attn: Tensor, lora: Optional[StepLoRA] = None) -> Tensor:
+        """The block after attention: o_proj and the residual, the MLP and its residual (``lora``: the rows'
+        adapters)."""
+        if lora is None or self.lora is None:
+            h = h + self._reduced(self.o_proj(attn))
+            gate_up = self.gate_up_proj(self.post_attention_layernorm(h))
+            return h + self._reduced(self.down_proj(self.ops.silu_mul(gate_up, self.intermediate_size)))
+        ll = self.lora
+        h = h + ll.apply("o_proj", attn, self.o_proj(attn), lora)
+        x = self.post_attention_layernorm(h)
+        act = self.ops.silu_mul(ll.apply("gate_up_proj", x, self.gate_up_proj(x), lora), self.intermediate_size)
+        return h + ll.apply("down_proj", act, self.down_proj(act), lora)
 
     def _reduced(self, partial: Tensor) -> Tensor:
         """A row-parallel linear's output: this rank's partial sum, summed over the ranks where sharded."""

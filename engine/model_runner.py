@@ -32,6 +32,7 @@ from torch import Tensor
 
 from engine.attention import AttentionMetadata, PrefillSpan
 from engine.cuda_graphs import DecodeGraphs
+from engine.lora import StepLoRA
 from engine.piecewise_graphs import PiecewiseGraphs
 from engine.model import CausalLM
 from engine.outputs import TokenLogprob
@@ -166,7 +167,7 @@ class ModelRunner:
             masks = MaskBatch(self.grammar, sample_seqs).start(self.grammar.overlap_masks)
         with torch.inference_mode():
             pw = self.piecewise
-            if pw is not None and 0 < input_ids.shape[0] <= pw.max_size:
+            if pw is not None and 0 < input_ids.shape[0] <= pw.max_size and meta.lora is None:
                 hidden = pw.run(input_ids, positions, meta, layer_hook)
             else:
                 hidden = self.model(input_ids, positions, meta, self.kv_caches, layer_hook)
@@ -315,6 +316,8 @@ class ModelRunner:
         rows = len(sched.decodes) + sum(1 + len(s.spec_token_ids) for s in sched.verifies)
         if not 0 < rows <= self.graphs.max_size:
             return None
+        if any(s.lora_slot for s in sched.decodes) or any(s.lora_slot for s in sched.verifies):
+            return None  # (LoRA adapters run eagerly: engine/lora.py)
         r = self._decode_rows(sched)
         if len(r.sample_rows) != rows or max(len(t) for t in r.tables) > self.graphs.max_blocks:
             return None  # (a table past max_model_len's blocks: lookahead blocks a sequence holds near its end)
@@ -379,6 +382,13 @@ class ModelRunner:
         positions = to_device(pos, torch.long, dev)
         if meta.keep is not None:
             meta.keep.slot_mapping = meta.slot_mapping
+        if (any(s.lora_slot for s in sched.decodes) or any(s.lora_slot for s in sched.verifies)
+                or any(s.lora_slot for s, _ in sched.prefills)):
+            # each row's adapter, in the rows' order: decodes, each verification's positions, prefill chunks
+            slots = [s.lora_slot for s in sched.decodes]
+            slots += [s.lora_slot for s in sched.verifies for _ in range(1 + len(s.spec_token_ids))]
+            slots += [s.lora_slot for s, n in sched.prefills for _ in range(n)]
+            meta.lora = StepLoRA.of(slots, dev)
         return input_ids, positions, meta, sample_rows, sample_seqs, histories
 
     def _keep_view(self, rows: list[int], seqs: list[Sequence], ctx: list[int], bs: int) -> AttentionMetadata:
@@ -392,4 +402,6 @@ class ModelRunner:
             width = max(len(t) for t in tables)
             keep.decode_block_tables = to_device([t + [0] * (width - len(t)) for t in tables], torch.long, dev)
             keep.decode_ctx_lens = to_device(ctx, torch.long, dev)
+            if any(s.lora_slot for s in seqs):
+                keep.lora = StepLoRA.of([s.lora_slot for s in seqs], dev)
         return keep

@@ -64,6 +64,10 @@ class SamplingParams:
     """Constrain the output to a JSON Schema, regex, choice list or grammar (``engine.structured_outputs``);
     the mask applies before every other processor, so logprobs describe the constrained distribution."""
 
+    lora_name: Optional[str] = None
+    """The LoRA adapter this request runs under (engine/lora.py), by the name the engine serves it as
+    (``EngineConfig.lora_modules``); None: the base model. Its K/V is cached apart from other adapters'."""
+
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 1024
     MAX_N = 16
@@ -104,6 +108,10 @@ class SamplingParams:
             self._check_int("prompt_logprobs", 0, self.MAX_LOGPROBS)
         if self.logit_bias is not None:
             self._check_logit_bias()
+        if self.lora_name is not None:
+            from engine.lora import check_lora_name
+
+            check_lora_name(self.lora_name, "lora_name")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs,
                                                                   StructuredOutputsParams):
             if isinstance(self.structured_outputs, dict):

@@ -77,6 +77,10 @@ class Sequence:
     matcher: Optional[Matcher] = None
     """The grammar state of a structured-outputs request (``engine.structured_outputs``): it has consumed
     exactly ``output_token_ids``; it stays with the sequence through preemption and prefix-cache hits."""
+    lora_slot: int = 0
+    """The request's LoRA adapter slot in its engine (engine/lora.py; 0: the base model)."""
+    key_root: int = 0
+    """The parent hash of its first prefix-cache block: ``ROOT_HASH``, or its adapter's (``lora_key_root``)."""
     prompt_logprobs: Optional[list] = None
     """With ``params.prompt_logprobs``: entry j is the ``TokenLogprob`` of prompt token j + 1 (from position j's
     logits), filled chunk by chunk until the first output emits them (then None again)."""
@@ -266,7 +270,7 @@ class Scheduler:
         if seq.prompt_logprobs is not None:
             return None  # it needs the logits of every prompt position, which a cached block does not have
         bs = self.bm.block_size
-        keys = block_keys(seq.token_ids, bs, (seq.num_tokens - 1) // bs)
+        keys = block_keys(seq.token_ids, bs, (seq.num_tokens - 1) // bs, root=seq.key_root)
         blocks = self.bm.lookup(keys)
         if not seq.output_token_ids:  # what the request reports: its first admission, not a recompute
             seq.num_cached_tokens = len(blocks) * bs
@@ -291,7 +295,7 @@ class Scheduler:
         if full <= have:
             return
         parent = seq.block_keys[-1] if have else None
-        new = block_keys(seq.token_ids[have * bs:full * bs], bs, full - have, parent)
+        new = block_keys(seq.token_ids[have * bs:full * bs], bs, full - have, parent, root=seq.key_root)
         for i, key in enumerate(new, have):
             self.bm.register(seq.block_table[i], key)
         seq.block_keys.extend(new)

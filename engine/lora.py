@@ -1,0 +1,326 @@
+"""LoRA adapters served beside the base model (multi-LoRA, as vLLM's ``--enable-lora --lora-modules``).
+
+Lifecycle: an engine started with ``EngineConfig.lora_modules`` (adapter name -> directory) loads every adapter
+once, at start, after its model (``load_adapters``: PEFT's on-disk format, ``adapter_config.json`` and
+``adapter_model.safetensors``, checked against the model's shapes before anything is kept), and attaches them
+to the model's decoder layers (``attach``: each layer gets a ``LayerLoRA`` holding, per adapter slot and
+projection, A transposed and B transposed with the adapter's scaling folded in). A request names its adapter in
+``SamplingParams.lora_name`` (None: the base model); the engine resolves it to a slot once, when the request is
+added (``LoRASet.resolve``: ValueError naming ``lora_name`` for a name it does not serve), and every step the
+model runner hands the model the slot of each of the step's rows (``StepLoRA``: the rows grouped by adapter;
+None where every row is the base model's, so a base-only step costs nothing). Each targeted projection then adds
+``scaling * (x A^T) B^T`` to the base product for the rows of each adapter in the batch (the punica/S-LoRA
+idea, grouped per adapter, not merged into the weights), so one batch mixes the base model and any adapters.
+
+A request's adapter is part of its prefix-cache identity: its blocks' chained keys start from the adapter's own
+root hash (``key_root``), not the base model's, so K/V computed under one adapter is never reused under another
+(engine/block_manager.py); a router computing block hashes for KV-aware routing uses the same root.
+
+What is refused at load, by name: DoRA, bias training, ``fan_in_fan_out``, per-module rank or alpha patterns,
+adapters on anything but the seven Llama projections (q, k, v, o, gate, up, down: no embedding, LM head or
+``modules_to_save``), shapes that do not fit the model, ``.bin`` checkpoints (pickles; safetensors only), and, in
+the engine, tensor parallelism and devices other than CPU (docs/interfaces.md, "LoRA adapters").
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from hashlib import blake2b
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence
+
+from engine.config import ModelConfig
+
+if TYPE_CHECKING:  # (names and config are checked where torch is not imported: a router)
+    import torch
+    from torch import Tensor
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections an adapter may target (PEFT's names for a Llama-family model)."""
+
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+_TENSOR_RE = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
+
+
+def lora_key_root(name: Optional[str]) -> int:
+    """The parent hash of the first prefix-cache block of a prompt under adapter ``name`` (None: the base model's,
+    ``ROOT_HASH``): blake2b-64 of the adapter's name, so engines and routers agree without sharing state."""
+    if name is None:
+        return 0
+    return int.from_bytes(blake2b(b"pdserve-lora\0" + name.encode(), digest_size=8).digest(), "little") or 1
+
+
+def check_lora_name(name: str, field_name: str = "lora_modules") -> str:
+    """An adapter name as a user gives it: 1-128 characters of letters, digits and ``._:/-``, starting with a
+    letter or digit (it is a ``model`` name on the OpenAI API)."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"{field_name}: adapter name must be 1-128 characters of letters, digits and '._:/-', "
+                         f"starting with a letter or digit, got {name!r}")
+    return name
+
+
+def parse_lora_modules(value: object) -> dict[str, str]:
+    """``EngineConfig.lora_modules`` in its accepted spellings: a mapping name -> directory, or vLLM's CLI form, a
+    list of ``name=path`` strings (or of ``{"name": ..., "path": ...}``). Names are checked, paths are not (the
+    engine loads them)."""
+    if value is None:
+        return {}
+    out: dict[str, str] = {}
+    items: list[tuple[object, object]]
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = []
+        for v in value:
+            if isinstance(v, str) and "=" in v:
+                items.append(tuple(v.split("=", 1)))  # type: ignore[arg-type]
+            elif isinstance(v, Mapping) and set(v) == {"name", "path"}:
+                items.append((v["name"], v["path"]))
+            else:
+                raise ValueError(f"lora_modules: each entry must be 'name=path' or {{'name': ..., 'path': ...}}, "
+                                 f"got {v!r}")
+    else:
+        raise ValueError(f"lora_modules must be a mapping name -> path or a list of 'name=path', got {value!r}")
+    for name, path in items:
+        check_lora_name(name)  # type: ignore[arg-type]
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"lora_modules: adapter {name!r} needs a non-empty path, got {path!r}")
+        if name in out:
+            raise ValueError(f"lora_modules: adapter {name!r} is given twice")
+        out[name] = path  # type: ignore[index]
+    return out
+
+
+@dataclass
+class LoRAAdapter:
+    """One adapter as loaded: per (layer, projection), A [r, in] and B [out, r] (float32), and its scaling."""
+
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    weights: dict[tuple[int, str], tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+    @property
+    def targets(self) -> list[str]:
+        """The projections it adapts (in ``PROJECTIONS`` order)."""
+        have = {p for _, p in self.weights}
+        return [p for p in PROJECTIONS if p in have]
+
+
+def _proj_shape(mc: ModelConfig, proj: str) -> tuple[int, int]:
+    """(out, in) of a projection of ``mc``."""
+    H, Hkv, D, h, inter = (mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, mc.hidden_size,
+                           mc.intermediate_size)
+    return {"q_proj": (H * D, h), "k_proj": (Hkv * D, h), "v_proj": (Hkv * D, h), "o_proj": (h, H * D),
+            "gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}[proj]
+
+
+def load_adapter(name: str, path: str, mc: ModelConfig) -> LoRAAdapter:
+    """Read a PEFT LoRA adapter directory and check it against ``mc``; ValueError naming the adapter and what is
+    wrong (missing files, an unsupported option or target, a shape that does not fit)."""
+    import torch
+    from safetensors import safe_open
+
+    where = f"lora_modules: adapter {name!r} ({path})"
+    d = Path(path)
+    cfg_path, st_path = d / "adapter_config.json", d / "adapter_model.safetensors"
+    if not cfg_path.is_file():
+        raise ValueError(f"{where}: no adapter_config.json (a PEFT LoRA adapter directory is expected)")
+    if not st_path.is_file():
+        extra = " (adapter_model.bin is a pickle: convert it to safetensors)" if (d / "adapter_model.bin").exists() else ""
+        raise ValueError(f"{where}: no adapter_model.safetensors{extra}")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{where}: adapter_config.json is not readable JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{where}: adapter_config.json must be an object")
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{where}: peft_type {cfg.get('peft_type')!r} is not supported (LORA only)")
+    for key, ok in (("use_dora", False), ("fan_in_fan_out", False)):
+        if bool(cfg.get(key, False)) != ok:
+            raise ValueError(f"{where}: {key}=true is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise ValueError(f"{where}: bias={cfg.get('bias')!r} is not supported (only 'none')")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if cfg.get(key):
+            raise ValueError(f"{where}: {key} (per-module rank or alpha) is not supported")
+    if cfg.get("modules_to_save"):
+        raise ValueError(f"{where}: modules_to_save {cfg['modules_to_save']!r} is not supported (full copies of "
+                         "modules; only LoRA projections are)")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ValueError(f"{where}: r must be a positive integer, got {r!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise ValueError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    scaling = alpha / math.sqrt(r) if cfg.get("use_rslora", False) else alpha / r
+    adapter = LoRAAdapter(name, path, r, float(scaling))
+    parts: dict[tuple[int, str], dict[str, Tensor]] = {}
+    try:
+        with safe_open(str(st_path), framework="pt") as f:
+            for key in f.keys():
+                m = _TENSOR_RE.match(key)
+                if m is None or m.group(3) not in PROJECTIONS:
+                    raise ValueError(f"{where}: tensor {key!r} is not a LoRA A/B weight of a Llama projection "
+                                     f"({', '.join(PROJECTIONS)})")
+                layer = int(m.group(1))
+                if layer >= mc.num_hidden_layers:
+                    raise ValueError(f"{where}: tensor {key!r} names layer {layer}; the model has "
+                                     f"{mc.num_hidden_layers}")
+                parts.setdefault((layer, m.group(3)), {})[m.group(4)] = f.get_tensor(key)
+    except ValueError:
+        raise
+    except Exception as e:  # a truncated or foreign file: safetensors' own errors
+        raise ValueError(f"{where}: adapter_model.safetensors cannot be read: {e}") from None
+    if not parts:
+        raise ValueError(f"{where}: adapter_model.safetensors holds no LoRA weights")
+    for (layer, proj), ab in sorted(parts.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"{where}: layer {layer} {proj} has lora_{''.join(ab)} without its pair")
+        out, inp = _proj_shape(mc, proj)
+        a, b = ab["A"], ab["B"]
+        if tuple(a.shape) != (r, inp) or tuple(b.shape) != (out, r):
+            raise ValueError(f"{where}: layer {layer} {proj}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do "
+                             f"not fit r={r} and the model's {proj} ({out} x {inp}): expected ({r}, {inp}) / "
+                             f"({out}, {r})")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise ValueError(f"{where}: layer {layer} {proj} holds non-finite values")
+        adapter.weights[(layer, proj)] = (a.float(), b.float())
+    return adapter
+
+
+@dataclass
+class _Piece:
+    """One targeted projection inside a fused linear: output columns [lo, hi) take ``t[:, a:b] @ b_t``."""
+
+    lo: int
+    hi: int
+    a: int
+    b: int
+    b_t: Tensor  # [rank, hi - lo], scaling folded in
+
+
+@dataclass
+class _SlotWeights:
+    """One adapter's share of one fused linear: A^T of every targeted part side by side, and the pieces."""
+
+    a_t: Tensor  # [in, rank * parts]
+    pieces: list[_Piece]
+
+
+class LayerLoRA:
+    """The adapters of one decoder layer, per fused linear ('qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj') and
+    adapter slot."""
+
+    def __init__(self) -> None:
+        self.by_linear: dict[str, dict[int, _SlotWeights]] = {}
+
+    def apply(self, linear: str, x: Tensor, y: Tensor, step: Optional["StepLoRA"]) -> Tensor:
+        """``y`` (the base product of ``x``) plus each adapter's delta for its rows, in place."""
+        slots = self.by_linear.get(linear)
+        if step is None or not slots:
+            return y
+        for slot, rows in step.groups:
+            w = slots.get(slot)
+            if w is None:
+                continue
+            xs = (x if rows is None else x.index_select(0, rows)).reshape(-1, w.a_t.shape[0])
+            t = xs.to(w.a_t.dtype) @ w.a_t
+            for p in w.pieces:
+                d = (t[:, p.a:p.b] @ p.b_t).to(y.dtype)
+                if rows is None:
+                    y[:, p.lo:p.hi] += d
+                else:
+                    y[:, p.lo:p.hi].index_add_(0, rows, d)
+        return y
+
+
+@dataclass
+class StepLoRA:
+    """One forward's rows by adapter: (slot, rows) for each adapter present, rows None where it is every row. The
+    model runner builds one for the step's rows (``AttentionMetadata.lora``) and one for the rows its last layer
+    keeps (``keep.lora``)."""
+
+    groups: list[tuple[int, Optional[Tensor]]]
+
+    @classmethod
+    def of(cls, slots: Sequence[int], device: torch.device) -> Optional["StepLoRA"]:
+        """From each row's slot (0: the base model); None where no row has an adapter."""
+        import torch
+
+        present = sorted({s for s in slots if s})
+        if not present:
+            return None
+        if len(present) == 1 and all(s == present[0] for s in slots):
+            return cls([(present[0], None)])
+        groups = []
+        for s in present:
+            rows = [i for i, v in enumerate(slots) if v == s]
+            groups.append((s, torch.tensor(rows, dtype=torch.long, device=device)))
+        return cls(groups)
+
+
+class LoRASet:
+    """The adapters an engine serves: name -> slot (1, 2, ...; 0 is the base model)."""
+
+    def __init__(self, adapters: list[LoRAAdapter]) -> None:
+        self.adapters = adapters
+        self.slot_of = {a.name: i + 1 for i, a in enumerate(adapters)}
+
+    @property
+    def names(self) -> list[str]:
+        return [a.name for a in self.adapters]
+
+    def resolve(self, name: Optional[str]) -> int:
+        """The slot of adapter ``name`` (None: 0, the base model); ValueError naming ``lora_name`` otherwise."""
+        if name is None:
+            return 0
+        slot = self.slot_of.get(name)
+        if slot is None:
+            served = ", ".join(map(repr, self.names)) or "none"
+            raise ValueError(f"lora_name: this engine serves no LoRA adapter {name!r} (adapters: {served})")
+        return slot
+
+    def attach(self, model: "torch.nn.Module", device: torch.device, dtype: torch.dtype) -> None:
+        """Give each decoder layer of ``model`` (engine.model.CausalLM) its ``LayerLoRA``, in ``dtype`` on
+        ``device``."""
+        import torch
+
+        mc = model.config
+        H, Hkv, D, inter = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, mc.intermediate_size
+        cols = {"q_proj": (0, H * D), "k_proj": (H * D, (H + Hkv) * D), "v_proj": ((H + Hkv) * D, (H + 2 * Hkv) * D),
+                "o_proj": (0, mc.hidden_size), "gate_proj": (0, inter), "up_proj": (inter, 2 * inter),
+                "down_proj": (0, mc.hidden_size)}
+        for i, layer in enumerate(model.layers):
+            ll = LayerLoRA()
+            for slot, ad in enumerate(self.adapters, start=1):
+                per_linear: dict[str, tuple[list[Tensor], list[_Piece]]] = {}
+                for proj in PROJECTIONS:
+                    ab = ad.weights.get((i, proj))
+                    if ab is None:
+                        continue
+                    a, b = ab
+                    a_ts, pieces = per_linear.setdefault(_FUSED[proj], ([], []))
+                    off = sum(t.shape[1] for t in a_ts)
+                    a_ts.append(a.t())
+                    lo, hi = cols[proj]
+                    pieces.append(_Piece(lo, hi, off, off + ad.rank,
+                                         (b.t() * ad.scaling).to(device=device, dtype=dtype).contiguous()))
+                for linear, (a_ts, pieces) in per_linear.items():
+                    ll.by_linear.setdefault(linear, {})[slot] = _SlotWeights(
+                        torch.cat(a_ts, dim=1).to(device=device, dtype=dtype).contiguous(), pieces)
+            layer.lora = ll
+
+    def weight_bytes(self) -> int:
+        """Bytes the adapters' weights take (float32 as loaded)."""
+        return sum(a.numel() * 4 + b.numel() * 4 for ad in self.adapters for a, b in ad.weights.values())
+
+
+def load_adapters(modules: Mapping[str, str], mc: ModelConfig) -> LoRASet:
+    """Every adapter of ``modules`` (name -> directory), loaded and checked, in the given order."""
+    return LoRASet([load_adapter(name, path, mc) for name, path in modules.items()])

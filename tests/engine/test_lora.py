@@ -1,0 +1,213 @@
+"""LoRA adapters (engine/lora.py) against Hugging Face PEFT, the reference implementation.
+
+A random Llama checkpoint (tests/engine/conftest.py) gets two adapters made with PEFT itself (``get_peft_model``,
+random A and B: ``init_lora_weights=False``) and saved in PEFT's format: ``all`` (every projection, r=8, alpha 16)
+and ``qv`` (q_proj and v_proj, r=4, rsLoRA). The engine serves both beside the base model; each request's logprobs,
+prompt logprobs and greedy tokens must equal PEFT's model with that adapter (``PeftModel.from_pretrained``), with
+the base model and both adapters mixed in one continuously batched run (chunked prefills, fused decode steps for
+base rows), and a prefix cached under one adapter must never serve another.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.lora import lora_key_root
+from engine.sampling_params import SamplingParams
+
+from tests.engine.conftest import hf_greedy, make_checkpoint, make_engine, prompts_of, run_engine
+
+peft = pytest.importorskip("peft")
+
+ADAPTERS = {
+    "all": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                     "down_proj"]),
+    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True),
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(checkpoint dir, {adapter: dir}, {None | adapter: the transformers/PEFT reference model})."""
+    import transformers
+
+    root = tmp_path_factory.mktemp("lora")
+    ckpt, base = make_checkpoint(root / "base", "llama")
+    dirs, refs = {}, {None: base}
+    for i, (name, kw) in enumerate(ADAPTERS.items()):
+        torch.manual_seed(100 + i)
+        fresh = transformers.LlamaForCausalLM.from_pretrained(ckpt).eval()
+        pm = peft.get_peft_model(fresh, peft.LoraConfig(init_lora_weights=False, lora_dropout=0.0, **kw))
+        with torch.no_grad():  # B of magnitude O(0.1): the adapters change the answers, observably
+            for pname, p in pm.named_parameters():
+                if "lora_B" in pname:
+                    p.normal_(0, 0.1)
+        pm.save_pretrained(root / name)
+        dirs[name] = str(root / name)
+        refs[name] = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(ckpt).eval(),
+                                                    root / name).eval()
+    return ckpt, dirs, refs
+
+
+@pytest.fixture(scope="module")
+def engine(setup):
+    ckpt, dirs, _ = setup
+    return make_engine(ckpt, lora_modules=dirs, max_num_batched_tokens=48)
+
+
+def _ref_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+@pytest.mark.parametrize("name", [None, "all", "qv"])
+def test_logprobs_and_prompt_logprobs_match_peft(setup, engine, name):
+    _, _, refs = setup
+    prompt = prompts_of([21], seed=11)[0]
+    ref = torch.log_softmax(_ref_logits(refs[name], prompt), -1)
+    engine.add_request(f"lp-{name}", prompt, SamplingParams(max_tokens=1, temperature=0.0, logprobs=5,
+                                                             prompt_logprobs=3, lora_name=name))
+    (out,) = run_steps(engine)
+    top = ref[-1].topk(5)
+    assert [t for t, _ in out.logprobs[0].top] == top.indices.tolist()
+    assert max(abs(lp - r) for (_, lp), r in zip(out.logprobs[0].top, top.values.tolist())) < 1e-4
+    # every prompt position (the chunked prefill's rows, all of them adapted)
+    got = [p.logprob for p in out.prompt_logprobs[1:]]
+    want = [ref[j, prompt[j + 1]].item() for j in range(len(prompt) - 1)]
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def run_steps(eng: LLMEngine):
+    """Step until done; the finished outputs (one per request, the last, with everything accumulated)."""
+    outs = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            prev = outs.get(o.request_id)
+            if prev is not None and o.prompt_logprobs is None:
+                o.prompt_logprobs = prev.prompt_logprobs
+            outs[o.request_id] = o
+    return list(outs.values())
+
+
+def test_adapters_change_the_answer(setup):
+    """The test's adapters are not no-ops: each one's greedy answer differs from the base model's."""
+    _, _, refs = setup
+    prompt = prompts_of([9], seed=5)[0]
+    answers = {name: hf_greedy(m, prompt, 16) for name, m in refs.items()}
+    assert answers[None] != answers["all"] and answers[None] != answers["qv"] and answers["all"] != answers["qv"]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static-buffers"])
+def test_mixed_batch_greedy_matches_peft(setup, engine, static):
+    """Base, 'all' and 'qv' requests in one continuous batch (48-token steps: chunked prefills beside decodes;
+    base-only decode steps take the fused C++ layer) each equal PEFT's greedy answer under its adapter. With the
+    decode graphs' static buffers (the CUDA graph path, run on CPU), steps with an adapter's row run eagerly."""
+    ckpt, dirs, refs = setup
+    if static:
+        engine = make_engine(ckpt, lora_modules=dirs, max_num_batched_tokens=48, static_decode_buffers=True)
+    lengths = [3, 9, 17, 30, 12, 5, 26, 8, 19, 4]
+    prompts = prompts_of(lengths, seed=23)
+    names = [None, "all", "qv"] * 3 + [None]
+    expected = [hf_greedy(refs[n], p, 30 if i == 9 else 20) for i, (n, p) in enumerate(zip(names, prompts))]
+    for i, (p, n) in enumerate(zip(prompts, names)):
+        engine.add_request(f"m{i}", p, SamplingParams(max_tokens=30 if i == 9 else 20, temperature=0.0,
+                                                      ignore_eos=True, lora_name=n))
+    got: dict[str, list[int]] = {f"m{i}": [] for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+    for i, n in enumerate(names):
+        assert got[f"m{i}"] == expected[i], f"prompt {i} under {n!r} differs from PEFT"
+    assert engine.num_free_blocks == engine.num_total_blocks
+    if static:
+        assert engine.graph_steps > 0  # the base-only steps at the end went through the static buffers
+
+
+def test_prefix_cache_is_per_adapter(setup):
+    """A prompt cached under one adapter is a miss under another and under the base model (whose answer stays the
+    base model's), and a hit under the same adapter again."""
+    ckpt, dirs, refs = setup
+    eng = make_engine(ckpt, lora_modules=dirs)
+    prompt = prompts_of([33], seed=31)[0]
+
+    def ask(name):
+        before = eng.prefix_cache_hits
+        out = run_engine(eng, {"p": prompt}, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                            lora_name=name))["p"]
+        return out, eng.prefix_cache_hits - before
+
+    out_all, hits = ask("all")
+    assert hits == 0 and out_all == hf_greedy(refs["all"], prompt, 8)
+    out_base, hits = ask(None)
+    assert hits == 0 and out_base == hf_greedy(refs[None], prompt, 8)
+    out_qv, hits = ask("qv")
+    assert hits == 0 and out_qv == hf_greedy(refs["qv"], prompt, 8)
+    out_again, hits = ask("all")
+    assert hits == 32 and out_again == out_all
+    assert eng.cached_prefix_tokens(prompt[:32], lora_name="all") == 32
+    assert eng.cached_prefix_tokens(prompt[:32], lora_name="qv") == 32
+    eng2 = make_engine(ckpt, lora_modules={"all": dirs["all"]})
+    assert eng2.cached_prefix_tokens(prompt[:32], lora_name="all") == 0
+    # the roots routers hash with: the base model's is 0, each adapter's its own
+    assert lora_key_root(None) == 0 and len({lora_key_root(None), lora_key_root("all"), lora_key_root("qv")}) == 3
+
+
+def test_reserved_blocks_are_per_adapter(setup):
+    """A decode worker's reservation reuses cached blocks of the request's own adapter only, and its prefilled
+    request must name the adapter it reserved under."""
+    ckpt, dirs, _ = setup
+    eng = make_engine(ckpt, lora_modules=dirs)
+    prompt = prompts_of([25], seed=41)[0]
+    run_engine(eng, {"warm": prompt}, SamplingParams(max_tokens=2, temperature=0.0, lora_name="qv"))
+    _, cached = eng.reserve_prompt("r1", len(prompt), prompt, lora_name="all")
+    assert cached == 0
+    _, cached = eng.reserve_prompt("r2", len(prompt), prompt, lora_name="qv")
+    assert cached == 24
+    with pytest.raises(ValueError, match="lora_name"):
+        eng.add_prefilled_request("r2", prompt, 5, SamplingParams(max_tokens=4, lora_name="all"))
+    eng.add_prefilled_request("r2", prompt, 5, SamplingParams(max_tokens=4, temperature=0.0, lora_name="qv"))
+    eng.abort_request("r1")
+    eng.abort_request("r2")
+    assert eng.num_free_blocks == eng.num_total_blocks
+
+
+def test_bad_requests_and_configs(setup, tmp_path):
+    ckpt, dirs, _ = setup
+    eng = make_engine(ckpt, lora_modules=dirs)
+    with pytest.raises(ValueError, match=r"lora_name: this engine serves no LoRA adapter 'nope' \(adapters: 'all', 'qv'\)"):
+        eng.add_request("x", [5, 6], SamplingParams(lora_name="nope"))
+    with pytest.raises(ValueError, match="lora_name"):
+        eng.reserve_prompt("y", 2, [5, 6], lora_name="nope")
+    assert not eng.has_request("x") and not eng.has_request("y")
+    plain = make_engine(ckpt)
+    with pytest.raises(ValueError, match="serves no LoRA adapters"):
+        plain.add_request("x", [5, 6], SamplingParams(lora_name="all"))
+    with pytest.raises(ValueError, match="lora_name: adapter name"):
+        SamplingParams(lora_name="")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(model=str(ckpt), lora_modules=dirs, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="'name=path'"):
+        EngineConfig(model=str(ckpt), lora_modules=["all"])
+    with pytest.raises(ValueError, match="given twice"):
+        EngineConfig(model=str(ckpt), lora_modules=[f"a={dirs['all']}", f"a={dirs['qv']}"])
+    # a directory that is not an adapter, and adapters that do not fit: refused at start, naming the adapter
+    with pytest.raises(ValueError, match=r"adapter 'none' .*no adapter_config.json"):
+        make_engine(ckpt, lora_modules={"none": str(tmp_path)})
+    bad = tmp_path / "dora"
+    bad.mkdir()
+    cfg = json.loads(open(f"{dirs['qv']}/adapter_config.json").read())
+    (bad / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    (bad / "adapter_model.safetensors").write_bytes(open(f"{dirs['qv']}/adapter_model.safetensors", "rb").read())
+    with pytest.raises(ValueError, match="adapter 'dora'.*use_dora=true is not supported"):
+        make_engine(ckpt, lora_modules={"dora": str(bad)})
+    (bad / "adapter_config.json").write_text(json.dumps({**cfg, "r": 8}))
+    with pytest.raises(ValueError, match=r"q_proj: lora_A \(4, 64\) / lora_B \(64, 4\) do not fit r=8"):
+        make_engine(ckpt, lora_modules={"dora": str(bad)})
+    other, _ = make_checkpoint(tmp_path / "wide", "llama", hidden_size=96)
+    with pytest.raises(ValueError, match="adapter 'qv'.*do not fit"):
+        make_engine(other, lora_modules={"qv": dirs["qv"]})
