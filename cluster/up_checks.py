@@ -30,7 +30,8 @@ def check_up_args(args: argparse.Namespace) -> None:
 
 
 def check_model_args(args: argparse.Namespace) -> None:
-    """--model (a built-in name or a directory), --served-model-name and --max-model-len."""
+    """--model (a built-in name or a directory), --served-model-name, --max-model-len and --lora-modules (each
+    adapter read and checked against the model's shapes)."""
     if args.model not in BUILTIN_MODELS and not os.path.isdir(args.model):
         raise ValueError(f"--model must be one of {BUILTIN_MODELS} or a model directory, got {args.model!r}")
     if args.served_model_name is not None and (not args.served_model_name.strip()
@@ -52,6 +53,23 @@ def check_model_args(args: argparse.Namespace) -> None:
             if blocks is not None and blocks * block < n:  # each engine would refuse to start (engine.llm_engine)
                 raise ValueError(f"--max-model-len {n} does not fit {flag} {blocks} ({blocks * block} tokens of "
                                  f"{block}-token blocks): one sequence of --max-model-len must fit a worker's cache")
+    if getattr(args, "lora_modules", None):
+        from engine.config import EngineConfig
+        from engine.loader import load_model_config
+        from engine.lora import load_adapter, parse_lora_modules
+
+        try:
+            modules = parse_lora_modules(args.lora_modules)
+            from engine.names import default_served_model_name
+
+            served = args.served_model_name or default_served_model_name(args.model)
+            if served in modules:
+                raise ValueError(f"adapter name {served!r} is the served model name")
+            mc = load_model_config(EngineConfig(model=args.model))
+            for name, path in modules.items():
+                load_adapter(name, path, mc)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules: {str(e).removeprefix('lora_modules: ')}") from None
 
 
 def check_pool_args(args: argparse.Namespace) -> None:

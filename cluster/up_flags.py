@@ -10,6 +10,7 @@ namespace only: nothing starts here, and nothing heavy is imported before a comm
 from __future__ import annotations
 
 import argparse
+import os
 
 from cluster.up_secrets import CLUSTER_SECRET_ENV, REDIS_URL_ENV
 from transport.client_auth import API_KEY_ENV
@@ -28,6 +29,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_pool_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters every worker serves beside the base model (PEFT directories: "
+                        "adapter_config.json and adapter_model.safetensors, present on every node); a request picks "
+                        "one by its model field (OpenAI's model, GenerateRequest.model); CPU workers of one rank")
     """The worker pools: sizes, planner bounds, engine knobs, supervisor, device."""
     p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
@@ -317,6 +322,10 @@ def engine_overrides(args: argparse.Namespace, checked_only: bool = False) -> di
                              ("max_model_len", getattr(args, "max_model_len", None)),
                              ("kv_cache_memory_bytes", getattr(args, "kv_cache_memory_bytes", None)))
            if v is not None}
+    if getattr(args, "lora_modules", None):  # (absolute: a Ray worker's working directory is not this one)
+        from engine.lora import parse_lora_modules
+
+        out["lora_modules"] = {n: os.path.abspath(p) for n, p in parse_lora_modules(args.lora_modules).items()}
     if getattr(args, "dtype", "auto") != "auto":  # auto: by the device, once it is known (cluster.config)
         out["dtype"] = args.dtype
     if args.no_prefix_caching and not checked_only:

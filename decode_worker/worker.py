@@ -91,9 +91,11 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
         if eng.has_request(rid):  # (a local request's id too)
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already reserved here")
         try:
-            got = eng.reserve_prompt(rid, len(prompt), prompt if cached_prefix else None)
+            got = eng.reserve_prompt(rid, len(prompt), prompt if cached_prefix else None,
+                                     lora_name=getattr(params, "lora_name", None))
         except ValueError as e:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids: {e} (request {rid})") from None
+            field = "" if str(e).startswith("lora_name") else "prompt_token_ids: "
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}{e} (request {rid})") from None
         if got is None:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"decode worker {self.ctx.worker_id}: not enough free KV blocks for "

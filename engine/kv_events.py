@@ -125,9 +125,12 @@ def decode_kv_snapshot(data: bytes) -> KVSnapshot:
 
 
 def kv_batch_from_raw(raw: Sequence[tuple], block_size: int, medium: Optional[str] = None,
-                   ts: Optional[float] = None) -> KVEventBatch:
+                   ts: Optional[float] = None, lora_roots: Optional[dict[int, int]] = None) -> KVEventBatch:
     """vLLM events from ``BlockManager.take_events()`` tuples, in order: consecutive stores of one chain
-    become one ``BlockStored``, consecutive removals one ``BlockRemoved``."""
+    become one ``BlockStored``, consecutive removals one ``BlockRemoved``. ``lora_roots`` (a LoRA adapter's
+    first-block parent hash -> its id, engine/lora.py): a chain starting at one is reported as a prompt's first
+    blocks (no parent) with that ``lora_id``, as vLLM reports an adapter's blocks."""
+    roots = lora_roots or {}
     events: list[Any] = []
     for ev in raw:
         kind = ev[0]
@@ -138,7 +141,8 @@ def kv_batch_from_raw(raw: Sequence[tuple], block_size: int, medium: Optional[st
                 last.block_hashes.append(h)
                 last.token_ids.extend(toks)
             else:
-                events.append(BlockStored([h], None if parent == ROOT_HASH else parent, list(toks), block_size, None,
+                first = parent == ROOT_HASH or parent in roots
+                events.append(BlockStored([h], None if first else parent, list(toks), block_size, roots.get(parent),
                                           medium))
         elif kind == REMOVED:
             if isinstance(last, BlockRemoved):

@@ -18,6 +18,7 @@ sees them all. ``draining`` makes ``generate`` refuse new requests (UNAVAILABLE)
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -104,12 +105,14 @@ class RouterCore:
         if now - self._limits_at >= self.view.refresh_s:
             self._limits_at = now
             n = self.view.max_model_len()
-            before = (self._limits or base).max_context_length
-            self._limits = within_workers_context(base, n)
-            if self._limits.max_context_length != before:
+            before = self._limits or base
+            self._limits = dataclasses.replace(within_workers_context(base, n), lora_adapters=self.view.lora_adapters())
+            if self._limits.max_context_length != before.max_context_length:
                 log.warning("router: requests are now checked against a context of %d tokens (the model's %d%s)",
                             self._limits.max_context_length, base.max_context_length,
                             f"; a worker serves {n}" if n else "")
+            if self._limits.lora_adapters != before.lora_adapters:
+                log.info("router: LoRA adapters served: %s", list(self._limits.lora_adapters) or "none")
         return self._limits
 
     def load(self) -> None:

@@ -135,7 +135,9 @@ class RequestScope:
     def prefix_hashes(self, block_size: int) -> list[int]:
         """The prompt's prefix-cache block hashes for workers with this block size (computed once)."""
         from engine import prefix_block_hashes
+        from engine.lora import lora_key_root
 
         if block_size not in self._hashes_by_bs:
-            self._hashes_by_bs[block_size] = prefix_block_hashes(self.prompt_token_ids, block_size)
+            root = lora_key_root(self.params.lora_name)  # an adapter's blocks are its own (engine/lora.py)
+            self._hashes_by_bs[block_size] = prefix_block_hashes(self.prompt_token_ids, block_size, root)
         return self._hashes_by_bs[block_size]

@@ -277,6 +277,8 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
                 vreq = validate_generate(request, core.limits, core.tokenize)
         except ValueError as e:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        except LookupError as e:  # a model (LoRA adapter) no worker serves
+            raise _Abort(grpc.StatusCode.NOT_FOUND, str(e)) from None
         lease = self._admit(vreq, context)
         failure: Optional[FlowError] = None
         completion: Optional[int] = None
@@ -373,7 +375,7 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             model_name=lim.model_name, max_context_length=lim.max_context_length, vocab_size=lim.vocab_size,
             max_new_tokens=lim.max_tokens_limit, max_prompt_tokens=lim.max_context_length - 1,
             max_logprobs=SamplingParams.MAX_LOGPROBS, eos_token_id=lim.eos_token_id,
-            num_prefill_workers=n_p, num_decode_workers=n_d, mode=self.cfg.mode)
+            num_prefill_workers=n_p, num_decode_workers=n_d, mode=self.cfg.mode, lora_adapters=lim.lora_adapters)
 
 
 class _Abort(Exception):

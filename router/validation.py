@@ -48,6 +48,9 @@ class ModelLimits:
     max_prompt_bytes: Optional[int] = None
     """A prompt text longer than this (UTF-8 bytes) cannot fit the context whatever it says, so it is
     rejected before tokenizing; None: no such bound (no tokenizer)."""
+    lora_adapters: tuple[str, ...] = ()
+    """LoRA adapters every live worker serves (``WorkerInfo.lora_adapters``): names a request may give as its
+    ``model`` besides ``model_name``."""
 
     def __post_init__(self) -> None:
         if self.max_context_length < 2:
@@ -58,6 +61,16 @@ class ModelLimits:
     @property
     def max_tokens_limit(self) -> int:
         return self.max_new_tokens if self.max_new_tokens is not None else self.max_context_length - 1
+
+    def lora_of(self, model: Optional[str]) -> Optional[str]:
+        """The LoRA adapter a request's ``model`` names: None for none given or the served model name, the adapter
+        for one of ``lora_adapters``; LookupError (NOT_FOUND, HTTP 404) naming what is served for anything else."""
+        if not model or model == self.model_name:
+            return None
+        if model in self.lora_adapters:
+            return model
+        served = ", ".join(repr(m) for m in (self.model_name, *self.lora_adapters))
+        raise LookupError(f"model {model!r} does not exist; this server serves {served}")
 
 
 @dataclass
@@ -116,7 +129,7 @@ def _tokenizer_of(tokenize: Callable[[str], list[int]]) -> Any:
 
 def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
                       tokenize: Callable[[str], list[int]], tokenizer: Any = None) -> ValidatedRequest:
-    """Check ``req`` against ``limits``; raise ValueError naming the field.
+    """Check ``req`` against ``limits``; raise ValueError naming the field (LookupError: a ``model`` not served).
 
     ``structured_outputs`` is compiled against the model's vocabulary here (``engine.check_structured_outputs``,
     bounded by llguidance's limits) so a bad constraint never reaches a worker; ``tokenizer`` is the model's
@@ -124,6 +137,9 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
     request_id = req.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
         raise ValueError(f"request_id must be printable and at most {MAX_REQUEST_ID_LEN} characters")
+    lora = limits.lora_of(req.model)  # LookupError: NOT_FOUND
+    if lora is not None and req.HasField("beam_width"):
+        raise ValueError(f"beam_width: beam search runs on the base model only, not on LoRA adapter {lora!r}")
     has_prompt, has_ids = req.prompt != "", len(req.token_ids) > 0
     if has_prompt and has_ids:
         raise ValueError("prompt and token_ids are both set: give one, not both")
@@ -165,7 +181,7 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
             raise ValueError(f"logit_bias key {t} is outside the vocabulary [0, {limits.vocab_size})")
 
     kw: dict = dict(max_tokens=max_tokens, stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
-                    ignore_eos=req.ignore_eos, skip_special_tokens=not req.skip_special_tokens_off)
+                    ignore_eos=req.ignore_eos, skip_special_tokens=not req.skip_special_tokens_off, lora_name=lora)
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                  "presence_penalty", "typical_p"):
         if req.HasField(name):

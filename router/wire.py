@@ -33,6 +33,8 @@ def params_to_wire(p: SamplingParams) -> worker_pb2.WireSamplingParams:
         w.logit_bias.update(p.logit_bias)
     if p.structured_outputs is not None:
         w.structured_outputs.CopyFrom(structured_outputs_to_proto(p.structured_outputs))
+    if p.lora_name is not None:
+        w.lora_name = p.lora_name
     return w
 
 

@@ -129,6 +129,15 @@ class WorkerView:
         lens = [w.max_model_len for role in ROLES for w in self.list(role) if w.max_model_len > 0]
         return min(lens, default=0)
 
+    def lora_adapters(self) -> tuple[str, ...]:
+        """The LoRA adapters every listed worker publishes (``WorkerInfo.lora_adapters``), sorted: a request for one
+        of them can go to any worker. () with no workers."""
+        common: Optional[set[str]] = None
+        for role in ROLES:
+            for w in self.list(role):
+                common = set(w.lora_adapters) if common is None else common & set(w.lora_adapters)
+        return tuple(sorted(common or ()))
+
     def suspect(self, worker_id: str) -> None:
         """A call to ``worker_id`` failed as if it were gone: hide it until a newer record arrives."""
         with self._lock:

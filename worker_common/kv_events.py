@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import redis
 
@@ -43,7 +43,8 @@ class KVEventPublisher:
 
     def __init__(self, redis_url: str, namespace: str, worker_id: str, block_size: int, *, medium: str = "CPU",
                  max_queue: int = 1024, stream_maxlen: int = 10000, ttl_s: float = 10.0,
-                 snapshot_interval_s: float = 2.0, load_interval_s: float = 0.0, metrics: Any = None) -> None:
+                 snapshot_interval_s: float = 2.0, load_interval_s: float = 0.0, metrics: Any = None,
+                 lora_names: Sequence[str] = ()) -> None:
         if not isinstance(redis_url, str) or not redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("kv_events_url must be a redis://, rediss:// or unix:// URL")
         if block_size < 1:
@@ -56,6 +57,10 @@ class KVEventPublisher:
         self.worker_id = worker_id
         self.block_size = block_size
         self.medium = medium
+        from engine.lora import lora_key_root
+
+        # the engine's adapters by slot (1, 2, ... in its lora_modules' order): their chains' lora_id
+        self.lora_roots = {lora_key_root(name): i for i, name in enumerate(lora_names, start=1)}
         self.stream = kv_stream_key(namespace, worker_id)
         self.snapshot = kv_snapshot_key(namespace, worker_id)
         self.stream_maxlen = stream_maxlen
@@ -148,7 +153,8 @@ class KVEventPublisher:
                     seq, ts, raw, load = item
                     published_seq = seq
                     fields = {KV_ENTRY_SEQ: str(seq), KV_ENTRY_GEN: self.generation,
-                              KV_ENTRY_BATCH: encode_kv_batch(kv_batch_from_raw(raw, self.block_size, self.medium, ts))}
+                              KV_ENTRY_BATCH: encode_kv_batch(kv_batch_from_raw(raw, self.block_size, self.medium, ts,
+                                                                         self.lora_roots))}
                     if load is not None:
                         fields[KV_ENTRY_LOAD] = ",".join(map(str, load))
                     pipe = self._redis.pipeline(transaction=False)

@@ -34,6 +34,7 @@ def wire_to_params(w: worker_pb2.WireSamplingParams) -> SamplingParams:
         logit_bias=dict(w.logit_bias) or None,
         structured_outputs=(structured_outputs_from_proto(w.structured_outputs)
                             if w.HasField("structured_outputs") else None),
+        lora_name=w.lora_name or None,
     )
 
 

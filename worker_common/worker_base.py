@@ -198,7 +198,8 @@ class WorkerBase:
         eng.block_manager.enable_events()
         medium = "GPU" if str(getattr(self.cfg.engine, "device", "cpu")).startswith("cuda") else "CPU"
         self.kv_events = KVEventPublisher(self.cfg.kv_events_url, self.cfg.kv_events_namespace, self.cfg.worker_id,
-                                          eng.block_size, medium=medium, metrics=self.metrics).start()
+                                          eng.block_size, medium=medium, metrics=self.metrics,
+                                          lora_names=list(getattr(self.cfg.engine, "lora_modules", None) or ())).start()
 
     def make_kv_endpoint(self) -> Any:
         """This worker's kvtransfer endpoint (one per worker, named ``cfg.kv_name``)."""
@@ -222,6 +223,7 @@ class WorkerBase:
             queued_prompt_tokens=self.queued_prompt_tokens(), block_size=eng.block_size,
             kv_cache_dtype=eng.kv_cache_dtype, tensor_parallel_size=engine_tp(eng),
             max_model_len=getattr(self.cfg.engine, "max_model_len", None) or 0,  # as set: a short KV cache is capacity
+            lora_adapters=sorted(getattr(self.cfg.engine, "lora_modules", None) or ()),  # all loaded, or no start
             requests_total=sum(rs.requests_total for rs in self.request_sets),
             prompt_tokens_total=sum(rs.prompt_tokens_total for rs in self.request_sets),
             output_tokens_total=self.output_tokens_total, requests_finished_total=self.requests_finished_total)

@@ -381,7 +381,12 @@ class HttpApi:
         async def models() -> JSONResponse:
             lim = self.core.limits
             data = [] if lim is None else [{"id": lim.model_name, "object": "model", "created": rs.created(),
-                                            "owned_by": "pdserve", "max_model_len": lim.max_context_length}]
+                                            "owned_by": "pdserve", "root": lim.model_name, "parent": None,
+                                            "max_model_len": lim.max_context_length}]
+            if lim is not None:  # LoRA adapters, as vLLM lists them: their base model is the parent
+                data += [{"id": name, "object": "model", "created": rs.created(), "owned_by": "pdserve",
+                          "root": name, "parent": lim.model_name, "max_model_len": lim.max_context_length}
+                         for name in lim.lora_adapters]
             return JSONResponse({"object": "list", "data": data})
 
         @app.post("/v1/completions")
@@ -420,7 +425,7 @@ class HttpApi:
         def prepare() -> tuple[list[_Choice], oas.Plan]:  # tokenizing, compiling a constraint: off the event loop
             lim = core.limits
             plan = oas.plan(body, chat, core.cfg.tool_call_parser)
-            greqs = oa.to_generate_requests(body, chat, lim.model_name,
+            greqs = oa.to_generate_requests(body, chat, lim,
                                             lambda b: oa.chat_prompt_ids(b, core.tokenizer, lim, plan.tools))
             if chat and body.max_tokens is None and body.max_completion_tokens is None and not body.use_beam_search:
                 for g in greqs:  # vLLM's chat default: the answer may take the rest of the context
@@ -478,7 +483,7 @@ class HttpApi:
             out.with_timings = body.pdserve_timings
             return _StallCutResponse(self._sse(events, out), self._stalls, self._count_stall,
                                      media_type="text/event-stream")
-        whole = rs.ResponseBody(rid, chat, core.limits.model_name, len(choices) * body.n, n_prompt, detok,
+        whole = rs.ResponseBody(rid, chat, model, len(choices) * body.n, n_prompt, detok,
                                 plan.parser, echo, 1 if body.use_beam_search else body.n, echo_first)
         whole.with_timings = body.pdserve_timings
         return await self._collect(events, whole)
@@ -568,9 +573,10 @@ class HttpApi:
             return self._error(503, "router is not serving")
         if core.tokenizer is None:
             return self._error(400, "this model has no tokenizer")
-        if body.model is not None and body.model != core.limits.model_name:
-            return self._error(404, f"model {body.model!r} does not exist; this server serves "
-                                    f"{core.limits.model_name!r}", "model")
+        try:
+            core.limits.lora_of(body.model)  # an adapter's tokenizer is its base model's
+        except LookupError as e:
+            return self._error(404, str(e), "model")
         try:
             out = await asyncio.to_thread(oa.tokenize_json, body, core.tokenizer, core.limits)
         except ValueError as e:
@@ -581,9 +587,10 @@ class HttpApi:
         core = self.core
         if core.limits is None or core.draining:
             return self._error(503, "router is not serving")
-        if body.model is not None and body.model != core.limits.model_name:
-            return self._error(404, f"model {body.model!r} does not exist; this server serves "
-                                    f"{core.limits.model_name!r}", "model")
+        try:
+            core.limits.lora_of(body.model)  # an adapter's tokenizer is its base model's
+        except LookupError as e:
+            return self._error(404, str(e), "model")
         if core.tokenizer is None:
             return self._error(400, "this model has no tokenizer")
         if len(body.tokens) > core.limits.max_context_length:

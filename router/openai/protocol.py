@@ -187,12 +187,12 @@ def to_generate_request(req: _Sampling, *, prompt: Optional[str] = None, token_i
     return g
 
 
-def to_generate_requests(body: _Sampling, chat: bool, model_name: str,
+def to_generate_requests(body: _Sampling, chat: bool, limits: ModelLimits,
                          chat_ids: Callable[[ChatCompletionRequest], list[int]]) -> list[pdserve_pb2.GenerateRequest]:
     """One GenerateRequest per prompt, whose ``n`` choices share its prefill (choice i samples with seed + i).
-    ``chat_ids`` renders a chat's messages to prompt ids. LookupError: another model; ValueError names the field."""
-    if body.model is not None and body.model != model_name:
-        raise LookupError(f"model {body.model!r} does not exist; this server serves {model_name!r}")
+    ``chat_ids`` renders a chat's messages to prompt ids. LookupError: a model not served (neither the model nor
+    one of its LoRA adapters); ValueError names the field."""
+    lora = limits.lora_of(body.model)
     if not 1 <= body.n <= SamplingParams.MAX_N:
         raise ValueError(f"n must be in [1, {SamplingParams.MAX_N}], got {body.n}")
     prompt_lp = body.prompt_logprobs
@@ -221,6 +221,8 @@ def to_generate_requests(body: _Sampling, chat: bool, model_name: str,
     for prompt in prompts:
         kw = dict(prompt=prompt) if isinstance(prompt, str) else dict(token_ids=list(prompt))
         g = to_generate_request(body, logprobs=lp, max_tokens=max_tokens, seed=body.seed, **kw)
+        if lora is not None:
+            g.model = lora
         if prompt_lp is not None:
             _put("prompt_logprobs", lambda: setattr(g, "prompt_logprobs", prompt_lp))
         if body.use_beam_search:

@@ -119,6 +119,8 @@ class ModelCard(_Open):
     object: Literal["model"]
     created: int
     owned_by: str
+    root: str
+    parent: Optional[str] = None  # a LoRA adapter's base model (None: the base model itself)
     max_model_len: int
 
 

@@ -1,0 +1,142 @@
+"""LoRA adapters through the cluster: a request's ``model`` picks the adapter, the prefill worker computes the
+prompt under it, the KV goes to the decode worker over gloo and decoding goes on under the same adapter.
+
+Two adapters for the built-in ``tiny`` model, made by PEFT (random A and B, so each changes the answers), serve
+beside the base model on a real prefill worker, decode worker and router (gRPC and the OpenAI HTTP API). The
+reference is the offline engine with the same adapters (tests/engine/test_lora.py checks that engine against
+PEFT): greedy answers through the cluster, base and adapters mixed and concurrent, each equal to it; a prompt
+first cached under one adapter does not serve another (the decode worker's delta transfer reuses only the
+request's own adapter's blocks). A model no worker serves is NOT_FOUND / 404 naming what is served.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import openai
+import pytest
+import torch
+
+from engine import SamplingParams
+from proto import pdserve_pb2
+from tests.roles.harness import start_colocated, start_roles
+from tests.waiting import wait_until
+
+peft = pytest.importorskip("peft")
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main():\n    path = os.path.join(",
+           "class Stack:\n    def __init__(self):", "for i in range(10):\n    print("]
+MODELS = ["", "py", "alt"]
+
+
+def make_tiny_adapters(root) -> dict[str, str]:
+    """Two PEFT adapters of the built-in tiny model: ``py`` (every projection, r=8) and ``alt`` (q, v, r=4)."""
+    import transformers
+
+    from engine.builtin import builtin_spec
+
+    out = {}
+    for seed, (name, kw) in enumerate({"py": dict(r=8, lora_alpha=16, target_modules="all-linear"),
+                                       "alt": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])}.items()):
+        torch.manual_seed(seed)
+        base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**builtin_spec("tiny").hf_config))
+        pm = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **kw))
+        with torch.no_grad():
+            for pname, p in pm.named_parameters():
+                if "lora_B" in pname:
+                    p.normal_(0, 0.5)
+        pm.save_pretrained(root / name)
+        out[name] = str(root / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    return make_tiny_adapters(tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="module")
+def reference(adapters):
+    from engine import LLM
+
+    return LLM(model="tiny", num_kv_blocks=256, num_threads=1, lora_modules=adapters)
+
+
+def _offline(reference, prompt: str, model: str, n: int) -> tuple[list[int], str]:
+    (o,) = reference.generate([prompt], [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                                        lora_name=model or None)])
+    return list(o.token_ids), o.text
+
+
+@pytest.fixture(scope="module")
+def roles(adapters):
+    torch.set_num_threads(1)
+    r = start_roles(tag="lora-", engine=dict(lora_modules=adapters), router=dict(http_port=0))
+    yield r
+    r.close()
+
+
+def _generate(stub, prompt: str, model: str, n: int = 16) -> list[int]:
+    resps = stub.Generate(pdserve_pb2.GenerateRequest(prompt=prompt, model=model, max_tokens=n, temperature=0.0,
+                                                      ignore_eos=True), timeout=120)
+    return [t for r in resps for t in r.token_ids]
+
+
+def test_grpc_greedy_per_adapter_equals_offline(roles, reference):
+    calls = [(p, m) for p in PROMPTS for m in MODELS]
+    want = [_offline(reference, p, m, 16)[0] for p, m in calls]
+    assert len({tuple(w) for w in want}) == len(want)  # the adapters change every answer
+    for _ in range(2):  # the second round finds every prompt cached (per adapter) on both workers
+        with ThreadPoolExecutor(len(calls)) as pool:
+            got = list(pool.map(lambda c: _generate(roles.stub, *c), calls))
+        assert got == want
+    info = roles.stub.GetModelInfo(pdserve_pb2.GetModelInfoRequest(), timeout=10)
+    assert list(info.lora_adapters) == ["alt", "py"]
+    wait_until(roles.idle, 60, message=lambda: f"blocks still held: {roles.busy()}")
+    assert list(roles.prefills[0].info().lora_adapters) == ["alt", "py"]
+
+
+def test_prompt_cached_under_one_adapter_does_not_serve_another(roles, reference):
+    """A 3-block prompt under 'py' first (both workers cache it), then the base model and 'alt' on the same
+    prompt: each equals its own offline answer (a delta transfer of 'py''s blocks would not)."""
+    prompt = PROMPTS[1] * 3
+    for model in ["py", "", "alt", "py"]:
+        assert _generate(roles.stub, prompt, model, 12) == _offline(reference, prompt, model, 12)[0], model
+
+
+def test_openai_client_picks_the_adapter_by_model(roles, reference):
+    client = openai.OpenAI(base_url=f"http://{roles.router.http_address}/v1", api_key="none", max_retries=0,
+                           timeout=60)
+    cards = {m.id: m for m in client.models.list().data}
+    assert set(cards) == {"tiny", "py", "alt"}
+    assert cards["py"].parent == "tiny" and cards["tiny"].parent is None
+    for model in ["py", "alt", "tiny"]:
+        _, text = _offline(reference, PROMPTS[0], "" if model == "tiny" else model, 10)
+        r = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=10, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert (r.choices[0].text, r.model) == (text, model)
+    streamed = client.completions.create(model="alt", prompt=PROMPTS[2], max_tokens=10, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == _offline(reference, PROMPTS[2], "alt", 10)[1]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert "model 'nope' does not exist; this server serves 'tiny', 'alt', 'py'" in str(e.value)
+
+
+def test_unknown_model_and_beam_search_refused_by_name(roles):
+    with pytest.raises(grpc.RpcError) as e:
+        _generate(roles.stub, "x", "nope")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "model 'nope' does not exist" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        list(roles.stub.Generate(pdserve_pb2.GenerateRequest(prompt="x", model="py", beam_width=2, max_tokens=2),
+                                 timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("beam_width:")
+
+
+def test_colocated_worker_serves_adapters(adapters, reference):
+    r = start_colocated(tag="lora-c-", engine=dict(lora_modules=adapters))
+    try:
+        for model in MODELS:
+            assert _generate(r.stub, PROMPTS[3], model, 12) == _offline(reference, PROMPTS[3], model, 12)[0]
+    finally:
+        r.close()
