@@ -100,7 +100,10 @@ def check_pool_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--check-interval must be > 0, got {args.check_interval}")
     from engine.config import EngineConfig
 
-    overrides = engine_overrides(args, checked_only=True)
+    try:
+        overrides = engine_overrides(args, checked_only=True)
+    except ValueError as e:  # (--lora-modules' entries are parsed there)
+        raise as_flag_error(e, {"lora_modules": None}) from None
     if overrides.get("async_scheduling") and getattr(args, "device", None) != "cuda":
         raise ValueError("--async-scheduling needs --device cuda: it overlaps the host's work with a GPU's decode "
                          "steps (a CPU forward runs on the thread that schedules)")
@@ -225,7 +228,7 @@ def as_flag_error(e: ValueError, fields: dict) -> ValueError:
             name, "--" + name.replace("_", "-"))
         return ValueError(flag + rest[len(name):])
     for name in fields:
-        if msg.startswith(name + " "):
+        if msg.startswith((name + " ", name + ":")):
             return ValueError("--" + name.replace("_", "-") + msg[len(name):])
     return e
 

@@ -315,3 +315,29 @@ def test_one_loop_flag_reaches_the_router_config(cmd):
     extra = ["--namespace", "ns"] if cmd == "router" else []
     assert RouterConfig(**router_overrides(build_parser().parse_args([cmd, "--one-loop"] + extra))).one_loop is True
     assert RouterConfig(**router_overrides(build_parser().parse_args([cmd] + extra))).one_loop is False
+
+
+def test_lora_modules_flag_reaches_every_worker_engine_and_bad_adapters_are_refused_first(tmp_path, monkeypatch):
+    """`--lora-modules NAME=PATH ...` (vLLM's flag): every worker engine gets the adapters by absolute path (a Ray
+    worker's working directory is not the CLI's); an adapter that cannot be read or does not fit the model, or that
+    takes the served model's name, is refused before anything starts, naming the flag and the adapter."""
+    pytest.importorskip("peft")
+    from cluster.config import ClusterConfig, build_role_worker
+    from tests.roles.test_lora_cluster import make_tiny_adapters
+
+    dirs = make_tiny_adapters(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["up", "--lora-modules", "py=py", f"alt={dirs['alt']}"])
+    check_up_args(args)
+    assert engine_overrides(args)["lora_modules"] == {"py": dirs["py"], "alt": dirs["alt"]}
+    cfg = ClusterConfig(model="tiny", engine_overrides=engine_overrides(args))
+    assert build_role_worker("colocated", "c0", cfg, None, "127.0.0.1", "n0").cfg.engine.lora_modules == dirs
+    assert "lora_modules" not in engine_overrides(build_parser().parse_args(["up"]))
+    for argv, message in (
+            (["py"], "--lora-modules: each entry must be 'name=path'"),
+            (["tiny=py"], "--lora-modules: adapter name 'tiny' is the served model name"),
+            ([f"x={tmp_path}"], "--lora-modules: adapter 'x' ("),
+            ([f"py={dirs['py']}", "--model", "bench"], "--lora-modules: adapter 'py' (")):
+        with pytest.raises(ValueError) as e:
+            check_up_args(build_parser().parse_args(["up", "--lora-modules", *argv]))
+        assert str(e.value).startswith(message), str(e.value)

@@ -128,12 +128,15 @@ def _health(address: str) -> int:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status
 
 
-def test_two_pdserve_up_side_by_side_serve_and_sigterm_leaves_nothing(redis_url):
+def test_two_pdserve_up_side_by_side_serve_and_sigterm_leaves_nothing(redis_url, tmp_path):
+    from tests.roles.test_lora_cluster import make_tiny_adapters
+
     ns_b = f"e2e-up-{uuid.uuid4().hex[:8]}"
     http_port = pick_free_port()
+    adapters = make_tiny_adapters(tmp_path)  # B serves LoRA adapters (in its worker's engine process)
     a = UpProcess("--num-kv-blocks", "128", "--http-port", str(http_port))
     b = UpProcess("--num-kv-blocks", "128", "--redis-url", redis_url, "--namespace", ns_b, "--colocated", "1",
-                  "--autoscale", "--engine-process")
+                  "--autoscale", "--engine-process", "--lora-modules", *(f"{n}={p}" for n, p in adapters.items()))
     try:
         a.wait_serving(240)
         b.wait_serving(240)
@@ -149,6 +152,14 @@ def test_two_pdserve_up_side_by_side_serve_and_sigterm_leaves_nothing(redis_url)
         ref = offline(["def main():"], [SamplingParams(max_tokens=8, temperature=0.0)])[0]
         assert generate(a.router, prompt="def main():", max_tokens=8, temperature=0.0)[:3] == ref
         assert generate(b.router, prompt="def main():", max_tokens=8, temperature=0.0)[:3] == ref
+        from engine import LLM
+
+        lora_ref = LLM(model="tiny", num_kv_blocks=128, num_threads=1, lora_modules=adapters).generate(
+            ["def main():"], [SamplingParams(max_tokens=8, temperature=0.0, lora_name="py")])[0]
+        assert lora_ref.token_ids != ref[0]
+        got = wait_until(lambda: generate(b.router, prompt="def main():", max_tokens=8, temperature=0.0, model="py"),
+                         30, message="the router has not learned B's adapters")  # (its view refreshes)
+        assert got[0] == lora_ref.token_ids
         # The CLI client streams the same text to stdout.
         r = subprocess.run([*_pdserve(), "generate", "def main():", "--target", a.router, "--max-tokens", "8",
                             "--temperature", "0"], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -16,6 +16,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.block_manager import prefix_block_hashes
+from engine.kv_events import BlockStored, kv_batch_from_raw
 from engine.lora import lora_key_root
 from engine.sampling_params import SamplingParams
 
@@ -155,6 +157,23 @@ def test_prefix_cache_is_per_adapter(setup):
     assert eng2.cached_prefix_tokens(prompt[:32], lora_name="all") == 0
     # the roots routers hash with: the base model's is 0, each adapter's its own
     assert lora_key_root(None) == 0 and len({lora_key_root(None), lora_key_root("all"), lora_key_root("qv")}) == 3
+
+
+def test_kv_events_name_the_adapter_and_match_the_routers_hashes(setup):
+    """The blocks a request stores under an adapter are the hashes a router computes for it
+    (``prefix_block_hashes`` with the adapter's root), reported as vLLM does: the chain's first block without a
+    parent, with the adapter's ``lora_id`` (its slot)."""
+    ckpt, dirs, _ = setup
+    eng = make_engine(ckpt, lora_modules=dirs)
+    eng.block_manager.enable_events()
+    prompt = prompts_of([21], seed=51)[0]
+    run_engine(eng, {"a": prompt}, SamplingParams(max_tokens=2, temperature=0.0, lora_name="qv"))
+    roots = {lora_key_root(name): slot for name, slot in eng.lora.slot_of.items()}
+    (stored,) = [e for e in kv_batch_from_raw(eng.block_manager.take_events(), 4, lora_roots=roots).events
+                 if isinstance(e, BlockStored)]
+    assert stored.block_hashes == prefix_block_hashes(prompt, 4, lora_key_root("qv"))
+    assert stored.parent_block_hash is None and stored.lora_id == eng.lora.slot_of["qv"] == 2
+    assert not set(stored.block_hashes) & set(prefix_block_hashes(prompt, 4))
 
 
 def test_reserved_blocks_are_per_adapter(setup):
