@@ -230,3 +230,21 @@ def test_bad_requests_and_configs(setup, tmp_path):
     other, _ = make_checkpoint(tmp_path / "wide", "llama", hidden_size=96)
     with pytest.raises(ValueError, match="adapter 'qv'.*do not fit"):
         make_engine(other, lora_modules={"qv": dirs["qv"]})
+
+
+def test_speculative_verification_runs_under_the_adapter(setup):
+    """n-gram drafts verified under each request's adapter: the greedy answers are PEFT's, drafts were made."""
+    ckpt, dirs, refs = setup
+    eng = make_engine(ckpt, lora_modules=dirs, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                                      "prompt_lookup_max": 2})
+    prompts = [p * 3 for p in prompts_of([4, 5, 6], seed=61)]  # repeats: the proposer finds n-grams
+    names = ["all", None, "qv"]
+    for i, (p, n) in enumerate(zip(prompts, names)):
+        eng.add_request(f"s{i}", p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, lora_name=n))
+    got: dict[str, list[int]] = {f"s{i}": [] for i in range(3)}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            got[o.request_id] += o.new_token_ids
+    for i, (p, n) in enumerate(zip(prompts, names)):
+        assert got[f"s{i}"] == hf_greedy(refs[n], p, 16), n
+    assert eng.spec_stats.num_draft_tokens > 0

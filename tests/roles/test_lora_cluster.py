@@ -96,6 +96,24 @@ def test_grpc_greedy_per_adapter_equals_offline(roles, reference):
     assert list(roles.prefills[0].info().lora_adapters) == ["alt", "py"]
 
 
+def test_n_choices_sample_under_the_adapter(roles, reference):
+    """n = 3 seeded choices of an adapter's request (one prefill, one KV transfer, two siblings started on the decode
+    worker) each equal the offline engine's draw with seed + i under that adapter."""
+    prompt = PROMPTS[2]
+    resps = list(roles.stub.Generate(pdserve_pb2.GenerateRequest(prompt=prompt, model="alt", n=3, max_tokens=12,
+                                                                  temperature=0.9, seed=7, ignore_eos=True),
+                                     timeout=120))
+    got: dict[int, list[int]] = {}
+    for r in resps:
+        got.setdefault(r.index, []).extend(r.token_ids)
+    want = [list(o.token_ids) for o in reference.generate(
+        [prompt] * 3, [SamplingParams(max_tokens=12, temperature=0.9, seed=7 + i, ignore_eos=True, lora_name="alt")
+                       for i in range(3)])]
+    base = [list(o.token_ids) for o in reference.generate(
+        [prompt] * 3, [SamplingParams(max_tokens=12, temperature=0.9, seed=7 + i, ignore_eos=True) for i in range(3)])]
+    assert [got[i] for i in range(3)] == want and want != base
+
+
 def test_prompt_cached_under_one_adapter_does_not_serve_another(roles, reference):
     """A 3-block prompt under 'py' first (both workers cache it), then the base model and 'alt' on the same
     prompt: each equals its own offline answer (a delta transfer of 'py''s blocks would not)."""
