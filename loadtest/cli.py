@@ -43,7 +43,8 @@ from loadtest.openai_client import check_base_url, fetch_openai_info, run_openai
 from loadtest.report import default_result_name, print_summary, save_result, write_plots
 from loadtest.stats import parse_goodput, parse_percentile_metrics, summarize
 from loadtest.trace import load_trace, scale_trace
-from loadtest.workload import BenchRequest, ModelLimits, build_workload, synthetic_lengths, trace_lengths
+from loadtest.workload import (BenchRequest, ModelLimits, assign_models, build_workload, synthetic_lengths,
+                               trace_lengths)
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "http://localhost:8000")
     p.add_argument("--model", default=None,
                    help="model name sent with --backend openai (default: the first of GET /v1/models)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="LoRA adapters the target serves: each request names one of them, drawn at random "
+                        "(seeded by --seed), as vLLM's serving benchmark does")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="tokenizer.json, or a folder holding one, whose vocabulary random prompts draw from "
                         "(--backend openai; the HTTP API does not report it)")
@@ -252,6 +256,8 @@ def _settings(args: argparse.Namespace, model_name: str, mode: str, request_rate
          "percentile_metrics": ",".join(args.percentile_metric_list),
          "metric_percentiles": ",".join(f"{p:g}" for p in args.percentile_list),
          "num_clipped_to_model_limits": num_clipped}
+    if args.lora_modules:
+        s["lora_modules"] = list(args.lora_modules)
     if args.backend == "grpc":
         s["target"] = args.target
     else:
@@ -333,6 +339,9 @@ async def _bench(args: argparse.Namespace) -> int:
     id_prefix = f"bench-{uuid.uuid4().hex[:8]}"
     workload = build_workload(lengths, arrivals, limits, seed=args.seed, id_prefix=id_prefix,
                               prefix_len=args.random_prefix_len)
+    if args.lora_modules:
+        counts = assign_models(workload.requests, list(args.lora_modules), args.seed)
+        print("LoRA adapters, requests each: " + ", ".join(f"{m} {n}" for m, n in counts.items()))
     if workload.num_clipped:
         log.warning("%d of %d requests clipped to the model's limits (context %d, prompt %d, new %d)",
                     workload.num_clipped, len(lengths), limits.max_context_length, limits.max_prompt_tokens,
@@ -344,7 +353,7 @@ async def _bench(args: argparse.Namespace) -> int:
     if args.num_warmups:
         # vLLM's warm-up: copies of the first request, at once (under the cap), before the clock starts.
         first = workload.requests[0]
-        warm = [BenchRequest(f"{id_prefix}-warmup-{i}", first.prompt_token_ids, first.max_tokens, 0.0)
+        warm = [BenchRequest(f"{id_prefix}-warmup-{i}", first.prompt_token_ids, first.max_tokens, 0.0, first.model)
                 for i in range(args.num_warmups)]
         warm_records, _ = await _run(args, cfg, model_name, warm)
         failed = [r for r in warm_records if not r.success]

@@ -114,7 +114,8 @@ async def _send_one(stub: pb_grpc.PDServeStub, req: BenchRequest, cfg: ClientCon
                     sem: Optional[asyncio.Semaphore]) -> RequestRecord:
     async with scheduled(req, t0, sem) as rec:
         message = pb.GenerateRequest(request_id=req.request_id, token_ids=req.prompt_token_ids,
-                                     max_tokens=req.max_tokens, temperature=cfg.temperature, ignore_eos=True)
+                                     max_tokens=req.max_tokens, temperature=cfg.temperature, ignore_eos=True,
+                                     model=req.model)
         rec.start_s = time.perf_counter() - t0
         usage_tokens = 0
         call = stub.Generate(message, timeout=cfg.request_timeout_s, metadata=cfg.auth.metadata())

@@ -106,7 +106,7 @@ async def fetch_openai_info(base_url: str, timeout_s: float = 30.0, auth: Option
 def completion_body(req: BenchRequest, model: str, temperature: float, pdserve_timings: bool = False) -> dict:
     """The ``/v1/completions`` body of one benchmark request (``pdserve_timings``: ask pdserve's extension for the
     server's breakdown of TTFT in the usage chunk; other servers would not know the field)."""
-    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "ignore_eos": True,
+    body = {"model": req.model or model, "prompt": req.prompt_token_ids, "max_tokens": req.max_tokens, "ignore_eos": True,
             "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
     if pdserve_timings:
         body["pdserve_timings"] = True

@@ -38,6 +38,8 @@ class BenchRequest:
     prompt_token_ids: list[int]
     max_tokens: int
     arrival_s: float
+    model: str = ""
+    """The model the request names ("" : the target's own; a LoRA adapter's name with ``--lora-modules``)."""
 
 
 @dataclass
@@ -46,6 +48,17 @@ class Workload:
 
     requests: list[BenchRequest]
     num_clipped: int = 0
+
+
+def assign_models(requests: list[BenchRequest], models: list[str], seed: int = 0) -> dict[str, int]:
+    """Give each request one of ``models`` drawn at random (seeded: vLLM's ``--lora-modules`` in its serving
+    benchmark); returns how many each got."""
+    rng = np.random.default_rng([seed, 0x10A])
+    counts = dict.fromkeys(models, 0)
+    for r, i in zip(requests, rng.integers(len(models), size=len(requests)).tolist()):
+        r.model = models[i]
+        counts[r.model] += 1
+    return counts
 
 
 def synthetic_lengths(num: int, input_len: int, output_len: int, range_ratio: float = 0.0,

@@ -158,3 +158,28 @@ def test_colocated_worker_serves_adapters(adapters, reference):
             assert _generate(r.stub, PROMPTS[3], model, 12) == _offline(reference, PROMPTS[3], model, 12)[0]
     finally:
         r.close()
+
+
+@pytest.mark.parametrize("backend", ["grpc", "openai"])
+def test_bench_sends_each_request_under_a_drawn_adapter(roles, tmp_path, capsys, backend):
+    """`pdserve bench --lora-modules py nope`: each request names one of them (drawn, seeded): the 'py' ones
+    complete, the 'nope' ones are refused by the router as a model it does not serve (NOT_FOUND / 404), and the
+    counts printed are what happened."""
+    import json
+
+    from loadtest.cli import main
+
+    target = (["--target", roles.router.address] if backend == "grpc"
+              else ["--backend", "openai", "--base-url", f"http://{roles.router.http_address}", "--vocab-size",
+                    "4096"])
+    out = tmp_path / "r.json"
+    rc = main([*target, "--num-prompts", "12", "--input-len", "8", "--output-len", "3", "--seed", "3",
+               "--lora-modules", "py", "nope", "--disable-tqdm", "--save-result", str(out)])
+    printed = capsys.readouterr().out
+    counts = dict(part.rsplit(" ", 1) for part in printed.split("LoRA adapters, requests each: ")[1]
+                  .splitlines()[0].split(", "))
+    res = json.loads(out.read_text())
+    assert rc == 0 and res["lora_modules"] == ["py", "nope"]
+    assert 0 < int(counts["nope"]) < 12 and res["completed"] == int(counts["py"])
+    assert res["failed"] == int(counts["nope"])
+    assert all(("NOT_FOUND" if backend == "grpc" else "404") in e for e in res["errors"] if e), res["errors"]
