@@ -230,13 +230,12 @@ class LayerLoRA:
             if w is None:
                 continue
             xs = (x if rows is None else x.index_select(0, rows)).reshape(-1, w.a_t.shape[0])
-            t = xs.to(w.a_t.dtype) @ w.a_t
-            for p in w.pieces:
-                d = (t[:, p.a:p.b] @ p.b_t).to(y.dtype)
+            t = xs.to(w.a_t.dtype) @ w.a_t  # (one shrink for every targeted part: their A^T side by side)
+            for p in w.pieces:  # (each part's expand reads only its own B: no zero blocks)
                 if rows is None:
-                    y[:, p.lo:p.hi] += d
+                    y[:, p.lo:p.hi].addmm_(t[:, p.a:p.b], p.b_t)
                 else:
-                    y[:, p.lo:p.hi].index_add_(0, rows, d)
+                    y[:, p.lo:p.hi].index_add_(0, rows, t[:, p.a:p.b] @ p.b_t)
         return y
 
 
