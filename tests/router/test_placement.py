@@ -359,3 +359,16 @@ def test_a_decode_worker_too_slow_to_answer_reserve_is_passed_over_while_the_req
     err = StatusRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
     assert live.rpc_error(err, "decode on d0", "d0").code == grpc.StatusCode.UNAVAILABLE
     assert late.rpc_error(err, "decode on d0", "d0").code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_an_adapters_request_hashes_its_prompt_under_the_adapter():
+    """KV-aware routing looks up an adapter's request by the hashes its workers store it under (the adapter's root,
+    engine/lora.py), never by the base model's: a base-model prefix on a worker is not a hit for it."""
+    from engine import prefix_block_hashes
+    from engine.lora import lora_key_root
+
+    ids = list(range(1, 41))
+    lora = RequestScope(ValidatedRequest("a", None, ids, SamplingParams(max_tokens=4, lora_name="sql")), 0.0, 1e12)
+    assert lora.prefix_hashes(16) == prefix_block_hashes(ids, 16, lora_key_root("sql"))
+    assert not set(lora.prefix_hashes(16)) & set(_scope(40).prefix_hashes(16))
+    assert _scope(40).prefix_hashes(16) == prefix_block_hashes(ids, 16)

@@ -27,8 +27,10 @@ FUZZ = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                        HealthCheck.data_too_large])
 ACCEPTABLE = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-              grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED}
-"""What a fuzzed call may end with. DEADLINE_EXCEEDED is the client's own deadline on a valid long request."""
+              grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.NOT_FOUND}
+"""What a fuzzed call may end with. DEADLINE_EXCEEDED is the client's own deadline on a valid long request;
+NOT_FOUND a ``model`` the cluster does not serve."""
 
 I32 = st.one_of(st.integers(-3, 40), st.sampled_from([-2**31, 2**31 - 1, 4096, 100_000]))
 F32 = st.one_of(st.floats(-3.0, 3.0, width=32), st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e30,
@@ -59,7 +61,7 @@ def _optional(strategy: st.SearchStrategy) -> st.SearchStrategy:
 def valid_requests(draw: st.DrawFn) -> pdserve_pb2.GenerateRequest:
     """A request the API accepts (short): each knob either unset or inside its documented range."""
     fields: dict = {"prompt": draw(st.sampled_from(["def main(", "import os\n", "x = 1", "🙂 hello"])),
-                    "max_tokens": draw(st.integers(1, 4))}
+                    "max_tokens": draw(st.integers(1, 4)), "model": draw(st.sampled_from(["", "tiny"]))}
     knobs = {"temperature": st.floats(0.0, 2.0, width=32), "top_p": st.floats(0.0625, 1.0, width=32),
              "top_k": st.integers(0, 50), "min_p": st.floats(0.0, 1.0, width=32),
              "repetition_penalty": st.floats(0.5, 2.0, width=32), "seed": st.integers(0, 2**63 - 1),
@@ -123,6 +125,7 @@ def requests(draw: st.DrawFn) -> pdserve_pb2.GenerateRequest:
     fields["ignore_eos"] = draw(st.booleans())
     fields["skip_special_tokens_off"] = draw(st.booleans())
     fields["early_stopping"] = draw(st.sampled_from(["", "true", "false", "never", "sometimes"]))
+    fields["model"] = draw(st.one_of(st.sampled_from(["", "tiny", "tiny ", "py"]), TEXT))
     fields["logit_bias"] = draw(st.dictionaries(I32, F32, max_size=6))
     so = draw(CONSTRAINTS)
     if so is not None:
@@ -184,8 +187,8 @@ def _status_of(call) -> tuple[grpc.StatusCode, str]:
 
 def _check(code: grpc.StatusCode, details: str, what: object) -> None:
     assert code in ACCEPTABLE, f"{code.name} ({details!r}) for {what!r}"
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        assert len(details) >= 8, f"INVALID_ARGUMENT without an explanation for {what!r}"
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+        assert len(details) >= 8, f"{code.name} without an explanation for {what!r}"
 
 
 def _cluster_is_clean(cluster: Cluster, channel: grpc.Channel) -> None:
