@@ -111,6 +111,10 @@ class RouterMetrics(ComponentMetrics):
         limit it was over."""
         self._child("quota_rejections_total", check_label("key_name", key_name), check_label("limit", limit)).inc()
 
+    def inc_lora_request(self, lora_name: str) -> None:
+        """A request admitted under LoRA adapter ``lora_name`` (one of the adapters the workers serve: bounded)."""
+        self._child("lora_requests_total", check_label("lora_name", lora_name)).inc()
+
     def inc_stream_stall(self, api: str) -> None:
         """A stream cut off because its client stopped reading (``router.stream_stall``); ``api``: grpc, http."""
         self._child("stream_stalls_total", check_label("api", api)).inc()

@@ -148,6 +148,9 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
     "quota_rejections_total": (ROUTER, "counter", "Requests refused because their API key's name was over one of "
                                "its limits (router.quotas; limit: requests_per_s, tokens_per_min, max_concurrent).",
                                ("key_name", "limit")),
+    "lora_requests_total": (ROUTER, "counter", "Requests served under each LoRA adapter (its name; the base model's "
+                            "requests are not counted here): the share of the load each adapter brings.",
+                            "lora_name"),
     "stream_stalls_total": (ROUTER, "counter", "Streams cut off because the client stopped reading: one response "
                             "message waited past the router's stall timeout (router.stream_stall; api: grpc, http).",
                             "api"),

@@ -201,6 +201,8 @@ class RouterCore:
     def _counted(self, flow: Any, vreq: ValidatedRequest, t0: float, span: Any = None) -> Iterator[FlowEvent]:
         m = self.metrics
         m.inc_prompt_tokens(len(vreq.prompt_token_ids))
+        if vreq.params.lora_name is not None:
+            m.inc_lora_request(vreq.params.lora_name)
         n_out = 0
         per_choice: dict[int, int] = {}
         reasons: list[str] = []

@@ -103,6 +103,7 @@ ROUTER_CALLS = [
     ("inc_decode_prefix_stale", (), "decode_prefix_stale_total"),
     ("inc_quota_rejection", ("team-a", "max_concurrent"), "quota_rejections_total"),
     ("inc_stream_stall", ("grpc",), "stream_stalls_total"),
+    ("inc_lora_request", ("sql",), "lora_requests_total"),
 ]
 WORKER_CALLS = [
     ("observe_queue_time", (0.1,), "request_queue_time_seconds"),

@@ -19,7 +19,7 @@ import torch
 
 from engine import SamplingParams
 from proto import pdserve_pb2
-from tests.roles.harness import start_colocated, start_roles
+from tests.roles.harness import counter_values, start_colocated, start_roles
 from tests.waiting import wait_until
 
 peft = pytest.importorskip("peft")
@@ -83,6 +83,7 @@ def _generate(stub, prompt: str, model: str, n: int = 16) -> list[int]:
 
 
 def test_grpc_greedy_per_adapter_equals_offline(roles, reference):
+    before = counter_values(roles.router.metrics, "pdserve:lora_requests", "lora_name")
     calls = [(p, m) for p in PROMPTS for m in MODELS]
     want = [_offline(reference, p, m, 16)[0] for p, m in calls]
     assert len({tuple(w) for w in want}) == len(want)  # the adapters change every answer
@@ -90,6 +91,8 @@ def test_grpc_greedy_per_adapter_equals_offline(roles, reference):
         with ThreadPoolExecutor(len(calls)) as pool:
             got = list(pool.map(lambda c: _generate(roles.stub, *c), calls))
         assert got == want
+    after = counter_values(roles.router.metrics, "pdserve:lora_requests", "lora_name")
+    assert {k: after[k] - before.get(k, 0.0) for k in after} == {"py": 8, "alt": 8}  # the base model's: not here
     info = roles.stub.GetModelInfo(pdserve_pb2.GetModelInfoRequest(), timeout=10)
     assert list(info.lora_adapters) == ["alt", "py"]
     wait_until(roles.idle, 60, message=lambda: f"blocks still held: {roles.busy()}")
