@@ -23,7 +23,7 @@ ROUTER_COUNTERS = ["request_success", "request_errors", "prompt_tokens", "genera
                    "kv_events_resyncs", "kv_events_redis_errors", "kv_replica_published", "kv_replica_dropped",
                    "kv_replica_applied", "kv_cold_ties", "routing_decisions", "decode_routing_decisions",
                    "decode_prefix_stale", "quota_rejections",
-                   "stream_stalls", "redis_fallbacks"]
+                   "stream_stalls", "redis_fallbacks", "lora_requests"]
 ROUTER_GAUGES = ["router_requests_in_flight", "router_requests_waiting", "kv_events_consumer_lag_seconds",
                  "kv_index_blocks", "kv_index_workers"]
 WORKER_HISTOGRAMS = ["request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
