@@ -139,6 +139,14 @@ def test_openai_client_picks_the_adapter_by_model(roles, reference):
     streamed = client.completions.create(model="alt", prompt=PROMPTS[2], max_tokens=10, temperature=0, stream=True,
                                          extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in streamed if c.choices) == _offline(reference, PROMPTS[2], "alt", 10)[1]
+    # a chat under an adapter: the rendered prompt continues as the offline engine continues it under 'py'
+    tok = roles.router.tokenizer
+    msgs = [{"role": "user", "content": "A loop, please."}]
+    ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True), add_special_tokens=False)
+    (want,) = reference.generate([ids], [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, lora_name="py")])
+    chat = client.chat.completions.create(model="py", messages=msgs, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert (chat.choices[0].message.content, chat.model) == (want.text, "py")
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="nope", prompt="x", max_tokens=2)
     assert "model 'nope' does not exist; this server serves 'tiny', 'alt', 'py'" in str(e.value)
