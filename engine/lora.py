@@ -194,57 +194,72 @@ def load_adapter(name: str, path: str, mc: ModelConfig) -> LoRAAdapter:
     return adapter
 
 
+KERNEL_MAX_ROWS = 128
+"""Rows up to which a step that mixes adapters goes through pdserve's kernel (engine/csrc/lora.cpp: one call a linear,
+each adapter's weights read once); a larger one (a prefill) and a step of one adapter take torch's GEMMs per adapter.
+Measured in benchmarks/lora_overhead.py: a `bench` decode step of 8 rows over 4 adapters 1.85x the base model's through
+torch, 1.30x through the kernel; a 512-token prefill 1.07x through torch, 1.22x through the kernel."""
+
+
 @dataclass
 class _Piece:
-    """One targeted projection inside a fused linear: output columns [lo, hi) take ``t[:, a:b] @ b_t``."""
+    """One adapted projection of one adapter inside a fused linear: output columns [lo, hi) of the rows under adapter
+    ``slot`` take ``(x a^T) b``."""
 
+    slot: int
     lo: int
     hi: int
-    a: int
-    b: int
-    b_t: Tensor  # [rank, hi - lo], scaling folded in
-
-
-@dataclass
-class _SlotWeights:
-    """One adapter's share of one fused linear: A^T of every targeted part side by side, and the pieces."""
-
-    a_t: Tensor  # [in, rank * parts]
-    pieces: list[_Piece]
+    a: Tensor  # [rank, in]: PEFT's lora_A
+    b: Tensor  # [rank, hi - lo]: lora_B^T, scaling folded in
 
 
 class LayerLoRA:
-    """The adapters of one decoder layer, per fused linear ('qkv_proj', 'o_proj', 'gate_up_proj', 'down_proj') and
-    adapter slot."""
+    """The adapters of one decoder layer: the pieces of each fused linear ('qkv_proj', 'o_proj', 'gate_up_proj',
+    'down_proj'). A step that mixes adapters over at most ``KERNEL_MAX_ROWS`` rows, with pdserve's CPU kernels (float32
+    on CPU): one ``lora_apply_`` call a linear adds every row's delta (engine/csrc/lora.cpp); otherwise torch, one
+    shrink and expand a piece per adapter present."""
 
-    def __init__(self) -> None:
-        self.by_linear: dict[str, dict[int, _SlotWeights]] = {}
+    def __init__(self, kern: object = None) -> None:
+        self.kern = kern
+        self.by_linear: dict[str, list[_Piece]] = {}
+        self._kernel_args: dict[str, tuple[list, list, list, list]] = {}
+
+    def add(self, linear: str, piece: _Piece) -> None:
+        self.by_linear.setdefault(linear, []).append(piece)
+        ps = self.by_linear[linear]
+        self._kernel_args[linear] = ([p.a for p in ps], [p.b for p in ps], [p.lo for p in ps], [p.slot for p in ps])
 
     def apply(self, linear: str, x: Tensor, y: Tensor, step: Optional["StepLoRA"]) -> Tensor:
-        """``y`` (the base product of ``x``) plus each adapter's delta for its rows, in place."""
-        slots = self.by_linear.get(linear)
-        if step is None or not slots:
+        """``y`` (the base product of ``x``) plus each row's adapter's delta, in place."""
+        pieces = self.by_linear.get(linear)
+        if step is None or not pieces:
+            return y
+        x2 = x.reshape(-1, pieces[0].a.shape[1])
+        y2 = y.view(-1, y.shape[-1])
+        if self.kern is not None and len(step.groups) > 1 and x2.shape[0] <= KERNEL_MAX_ROWS:
+            self.kern.lora_apply_(x2.contiguous(), y2, step.row_slots, *self._kernel_args[linear])
             return y
         for slot, rows in step.groups:
-            w = slots.get(slot)
-            if w is None:
-                continue
-            xs = (x if rows is None else x.index_select(0, rows)).reshape(-1, w.a_t.shape[0])
-            t = xs.to(w.a_t.dtype) @ w.a_t  # (one shrink for every targeted part: their A^T side by side)
-            for p in w.pieces:  # (each part's expand reads only its own B: no zero blocks)
+            xs = None
+            for p in pieces:
+                if p.slot != slot:
+                    continue
+                if xs is None:
+                    xs = (x2 if rows is None else x2.index_select(0, rows)).to(p.a.dtype)
                 if rows is None:
-                    y[:, p.lo:p.hi].addmm_(t[:, p.a:p.b], p.b_t)
+                    y2[:, p.lo:p.hi].addmm_(xs @ p.a.t(), p.b)
                 else:
-                    y[:, p.lo:p.hi].index_add_(0, rows, t[:, p.a:p.b] @ p.b_t)
+                    y2[:, p.lo:p.hi].index_add_(0, rows, (xs @ p.a.t()) @ p.b)
         return y
 
 
 @dataclass
 class StepLoRA:
-    """One forward's rows by adapter: (slot, rows) for each adapter present, rows None where it is every row. The
-    model runner builds one for the step's rows (``AttentionMetadata.lora``) and one for the rows its last layer
-    keeps (``keep.lora``)."""
+    """One forward's rows by adapter: each row's slot (``row_slots``, 0: the base model) and (slot, rows) for each
+    adapter present, rows None where it is every row. The model runner builds one for the step's rows
+    (``AttentionMetadata.lora``) and one for the rows its last layer keeps (``keep.lora``)."""
 
+    row_slots: Tensor
     groups: list[tuple[int, Optional[Tensor]]]
 
     @classmethod
@@ -255,13 +270,10 @@ class StepLoRA:
         present = sorted({s for s in slots if s})
         if not present:
             return None
+        slot_t = torch.tensor(list(slots), dtype=torch.long, device=device)
         if len(present) == 1 and all(s == present[0] for s in slots):
-            return cls([(present[0], None)])
-        groups = []
-        for s in present:
-            rows = [i for i, v in enumerate(slots) if v == s]
-            groups.append((s, torch.tensor(rows, dtype=torch.long, device=device)))
-        return cls(groups)
+            return cls(slot_t, [(present[0], None)])
+        return cls(slot_t, [(s, (slot_t == s).nonzero().squeeze(1)) for s in present])
 
 
 class LoRASet:
@@ -295,24 +307,21 @@ class LoRASet:
         cols = {"q_proj": (0, H * D), "k_proj": (H * D, (H + Hkv) * D), "v_proj": ((H + Hkv) * D, (H + 2 * Hkv) * D),
                 "o_proj": (0, mc.hidden_size), "gate_proj": (0, inter), "up_proj": (inter, 2 * inter),
                 "down_proj": (0, mc.hidden_size)}
+        kern = None
+        if device.type == "cpu" and dtype == torch.float32:
+            from engine.kernels import cpu_kernels
+
+            kern = cpu_kernels()  # (None where they cannot be built, or PDSERVE_CPU_KERNELS=0: torch then)
         for i, layer in enumerate(model.layers):
-            ll = LayerLoRA()
+            ll = LayerLoRA(kern)
             for slot, ad in enumerate(self.adapters, start=1):
-                per_linear: dict[str, tuple[list[Tensor], list[_Piece]]] = {}
                 for proj in PROJECTIONS:
                     ab = ad.weights.get((i, proj))
-                    if ab is None:
-                        continue
-                    a, b = ab
-                    a_ts, pieces = per_linear.setdefault(_FUSED[proj], ([], []))
-                    off = sum(t.shape[1] for t in a_ts)
-                    a_ts.append(a.t())
-                    lo, hi = cols[proj]
-                    pieces.append(_Piece(lo, hi, off, off + ad.rank,
-                                         (b.t() * ad.scaling).to(device=device, dtype=dtype).contiguous()))
-                for linear, (a_ts, pieces) in per_linear.items():
-                    ll.by_linear.setdefault(linear, {})[slot] = _SlotWeights(
-                        torch.cat(a_ts, dim=1).to(device=device, dtype=dtype).contiguous(), pieces)
+                    if ab is not None:
+                        lo, hi = cols[proj]
+                        a, b = ab
+                        ll.add(_FUSED[proj], _Piece(slot, lo, hi, a.to(device=device, dtype=dtype).contiguous(),
+                                                    (b.t() * ad.scaling).to(device=device, dtype=dtype).contiguous()))
             layer.lora = ll
 
     def weight_bytes(self) -> int:

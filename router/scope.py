@@ -134,8 +134,7 @@ class RequestScope:
 
     def prefix_hashes(self, block_size: int) -> list[int]:
         """The prompt's prefix-cache block hashes for workers with this block size (computed once)."""
-        from engine import prefix_block_hashes
-        from engine.lora import lora_key_root
+        from engine import lora_key_root, prefix_block_hashes
 
         if block_size not in self._hashes_by_bs:
             root = lora_key_root(self.params.lora_name)  # an adapter's blocks are its own (engine/lora.py)

@@ -62,6 +62,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "(WeightFormat, w, scale or None, bias or None, group, N)")
       .def("forward", &DecodeLayer::forward, "one decoder layer for T single-token decodes (see decode_layer.cpp)");
   m.def("rope_", &rope_, "RoPE in place on the first heads of x [T, Hx, D] float32 (see norm_act.cpp)");
+  m.def("lora_apply_", &lora_apply_, "y[t, lo_k:] += (x[t] A_k^T) B_k for the rows t of each piece's slot (lora.cpp)");
   m.def("prefill_attention_paged", &prefill_attention_paged,
         "(q [n, H, D], k_cache, v_cache, block_table, ctx_len, window, scale): the context's last n queries over "
         "its ctx_len cached keys (see prefill_attention.cpp)");

@@ -19,8 +19,8 @@
 // Files: simd.h (the one SIMD vocabulary, where every instruction-set choice is made), linear_rows.cpp (fp32 / int8 /
 // int4 weights as rows), panels.cpp (fp32 on oneDNN's packed panels, int8 / int4 in the same panels), int_dots.cpp
 // (w8a8 / w4a8: rows and integer panels), norm_act.cpp (RMSNorm, silu * mul, RoPE), decode_attention.cpp,
-// prefill_attention.cpp, decode_layer.cpp (a whole decoder layer per call), bindings.cpp (the Python module, the
-// weight-format enum).
+// prefill_attention.cpp, decode_layer.cpp (a whole decoder layer per call), lora.cpp (LoRA adapters' deltas),
+// bindings.cpp (the Python module, the weight-format enum).
 #pragma once
 #include "simd.h"
 
@@ -136,6 +136,9 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 torch::Tensor silu_mul(torch::Tensor gu);
 void rope_rows(float* x, int64_t heads, int64_t D, const float* c, const float* s);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads);
+// lora.cpp
+void lora_apply_(torch::Tensor x, torch::Tensor y, torch::Tensor row_slot, std::vector<torch::Tensor> a,
+                 std::vector<torch::Tensor> b, std::vector<int64_t> lo, std::vector<int64_t> slot);
 // decode_attention.cpp
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor ctx_lens, int64_t window,

@@ -23,7 +23,12 @@ from engine.sampling_params import SamplingParams
 
 from tests.engine.conftest import hf_greedy, make_checkpoint, make_engine, prompts_of, run_engine
 
-peft = pytest.importorskip("peft")
+
+
+def _peft():
+    """PEFT, imported when a test needs it, not at collection: it imports triton, which must not be imported before
+    tests/engine/test_triton_kernels.py sets up Triton's interpreter (xdist workers collect every file)."""
+    return pytest.importorskip("peft")
 
 ADAPTERS = {
     "all": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
@@ -37,6 +42,7 @@ def setup(tmp_path_factory):
     """(checkpoint dir, {adapter: dir}, {None | adapter: the transformers/PEFT reference model})."""
     import transformers
 
+    peft = _peft()
     root = tmp_path_factory.mktemp("lora")
     ckpt, base = make_checkpoint(root / "base", "llama")
     dirs, refs = {}, {None: base}
@@ -104,14 +110,21 @@ def test_adapters_change_the_answer(setup):
     assert answers[None] != answers["all"] and answers[None] != answers["qv"] and answers["all"] != answers["qv"]
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["eager", "static-buffers"])
-def test_mixed_batch_greedy_matches_peft(setup, engine, static):
+@pytest.mark.parametrize("variant", ["kernel", "static-buffers", "torch"])
+def test_mixed_batch_greedy_matches_peft(setup, engine, variant, monkeypatch):
     """Base, 'all' and 'qv' requests in one continuous batch (48-token steps: chunked prefills beside decodes;
-    base-only decode steps take the fused C++ layer) each equal PEFT's greedy answer under its adapter. With the
-    decode graphs' static buffers (the CUDA graph path, run on CPU), steps with an adapter's row run eagerly."""
+    base-only decode steps take the fused C++ layer) each equal PEFT's greedy answer under its adapter: through
+    pdserve's CPU kernel (one call a linear), through torch where it is not built, and with the decode graphs'
+    static buffers (the CUDA graph path, run on CPU), where steps with an adapter's row run eagerly."""
     ckpt, dirs, refs = setup
-    if static:
-        engine = make_engine(ckpt, lora_modules=dirs, max_num_batched_tokens=48, static_decode_buffers=True)
+    static = variant == "static-buffers"
+    if variant == "torch":
+        import engine.kernels as kernels_module
+
+        monkeypatch.setattr(kernels_module, "cpu_kernels", lambda: None)  # (read by engine/lora.py at attach)
+    if variant != "kernel":
+        engine = make_engine(ckpt, lora_modules=dirs, max_num_batched_tokens=48, static_decode_buffers=static)
+    assert (engine.model.layers[0].lora.kern is None) == (variant == "torch")
     lengths = [3, 9, 17, 30, 12, 5, 26, 8, 19, 4]
     prompts = prompts_of(lengths, seed=23)
     names = [None, "all", "qv"] * 3 + [None]
@@ -248,3 +261,35 @@ def test_speculative_verification_runs_under_the_adapter(setup):
     for i, (p, n) in enumerate(zip(prompts, names)):
         assert got[f"s{i}"] == hf_greedy(refs[n], p, 16), n
     assert eng.spec_stats.num_draft_tokens > 0
+
+
+def test_the_kernel_adds_what_torch_adds():
+    """engine/csrc/lora.cpp against the torch path on the same pieces: widths that are not multiples of 16, ranks 1-9,
+    rows of three adapters, the base model's and none of one adapter's, a slot with no row."""
+    from engine.kernels import cpu_kernels
+    from engine.lora import LayerLoRA, StepLoRA, _Piece
+
+    kern = cpu_kernels()
+    if kern is None:
+        pytest.skip("pdserve's CPU kernels are not built here")
+    g = torch.Generator().manual_seed(5)
+    K, N = 37, 53
+    pieces = [_Piece(1, 0, 20, torch.randn(3, K, generator=g), torch.randn(3, 20, generator=g)),
+              _Piece(1, 20, 53, torch.randn(3, K, generator=g), torch.randn(3, 33, generator=g)),
+              _Piece(2, 5, 45, torch.randn(9, K, generator=g), torch.randn(9, 40, generator=g)),
+              _Piece(3, 0, 53, torch.randn(1, K, generator=g), torch.randn(1, 53, generator=g)),
+              _Piece(4, 0, 16, torch.randn(2, K, generator=g), torch.randn(2, 16, generator=g))]
+    with_kern, with_torch = LayerLoRA(kern), LayerLoRA(None)
+    for p in pieces:
+        with_kern.add("o_proj", p)
+        with_torch.add("o_proj", p)
+    for slots in ([2, 0, 1, 3, 2, 1, 0], [1] * 5, [0, 3]):
+        x = torch.randn(len(slots), K, generator=g)
+        y = torch.randn(len(slots), N, generator=g)
+        step = StepLoRA.of(slots, torch.device("cpu"))
+        got = with_kern.apply("o_proj", x, y.clone(), step)
+        want = with_torch.apply("o_proj", x, y.clone(), step)
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-5), (got - want).abs().max()
+        assert not torch.equal(got, y)
+        base_rows = [i for i, s in enumerate(slots) if s == 0]
+        assert torch.equal(got[base_rows], y[base_rows])  # the base model's rows: untouched, to the bit

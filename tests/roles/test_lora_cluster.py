@@ -22,7 +22,6 @@ from proto import pdserve_pb2
 from tests.roles.harness import counter_values, start_colocated, start_roles
 from tests.waiting import wait_until
 
-peft = pytest.importorskip("peft")
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main():\n    path = os.path.join(",
            "class Stack:\n    def __init__(self):", "for i in range(10):\n    print("]
@@ -34,6 +33,8 @@ def make_tiny_adapters(root) -> dict[str, str]:
     import transformers
 
     from engine.builtin import builtin_spec
+
+    peft = pytest.importorskip("peft")  # (here, not at collection: it imports triton; see tests/engine/test_lora.py)
 
     out = {}
     for seed, (name, kw) in enumerate({"py": dict(r=8, lora_alpha=16, target_modules="all-linear"),
