@@ -192,7 +192,7 @@ class EngineConfig:
     lora_modules: Optional[Any] = None
     """LoRA adapters served beside the base model (engine/lora.py; vLLM's ``--lora-modules``): a mapping name ->
     PEFT adapter directory, or a list of ``name=path``; normalised to a dict here. Every adapter is loaded at
-    start; a request picks one by ``SamplingParams.lora_name``. CPU engines of one rank."""
+    start; a request picks one by ``SamplingParams.lora_name``. CPU engines (each tensor-parallel rank its shard)."""
     speculative_config: Optional[Any] = None
     """Speculative decoding (``engine.speculative``): vLLM's dict, e.g. ``{"method": "ngram",
     "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}``, or a
@@ -255,13 +255,9 @@ class EngineConfig:
 
         self.lora_modules = parse_lora_modules(self.lora_modules) or None
         if self.lora_modules:
-            why = None
-            if self.tensor_parallel_size > 1:
-                why = "tensor_parallel_size > 1 (the adapters are not sharded)"
-            elif not str(self.device).startswith("cpu"):
-                why = f"device {self.device!r} (LoRA adapters run on CPU engines; not yet on a GPU)"
-            if why is not None:
-                raise ValueError(f"lora_modules do not work with {why}")
+            if not str(self.device).startswith("cpu"):
+                raise ValueError(f"lora_modules do not work with device {self.device!r} (LoRA adapters run on CPU "
+                                 "engines; not yet on a GPU)")
         from engine.speculative import SpeculativeConfig
 
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

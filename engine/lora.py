@@ -19,7 +19,8 @@ root hash (``key_root``), not the base model's, so K/V computed under one adapte
 What is refused at load, by name: DoRA, bias training, ``fan_in_fan_out``, per-module rank or alpha patterns,
 adapters on anything but the seven Llama projections (q, k, v, o, gate, up, down: no embedding, LM head or
 ``modules_to_save``), shapes that do not fit the model, ``.bin`` checkpoints (pickles; safetensors only), and, in
-the engine, tensor parallelism and devices other than CPU (docs/interfaces.md, "LoRA adapters").
+the engine, devices other than CPU (docs/interfaces.md, "LoRA adapters"). A tensor-parallel engine's ranks each hold
+their shard of every adapter (``LoRASet.sharded``).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:  # (names and config are checked where torch is not imported: 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The projections an adapter may target (PEFT's names for a Llama-family model)."""
 
+_MLP = ("gate_proj", "up_proj", "down_proj")
 _FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
           "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 _TENSOR_RE = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
@@ -323,6 +325,24 @@ class LoRASet:
                         ll.add(_FUSED[proj], _Piece(slot, lo, hi, a.to(device=device, dtype=dtype).contiguous(),
                                                     (b.t() * ad.scaling).to(device=device, dtype=dtype).contiguous()))
             layer.lora = ll
+
+    def sharded(self, layout: object) -> "LoRASet":
+        """The adapters as one tensor-parallel rank holds them (``layout``: an engine.tensor_parallel.TPLayout): a
+        column-parallel projection's (q, k, v, gate, up) B cut to this rank's output rows, a row-parallel one's (o,
+        down) A to its input columns, as the base weights are; the other half whole. A row-parallel delta is then a
+        partial sum, all-reduced with the base product's."""
+        out = []
+        for ad in self.adapters:
+            weights = {}
+            for (i, proj), (a, b) in ad.weights.items():
+                name = f"model.layers.{i}.{'mlp' if proj in _MLP else 'self_attn'}.{proj}.weight"
+                if proj in ("o_proj", "down_proj"):
+                    a = layout.shard(name, a)  # type: ignore[attr-defined]
+                else:
+                    b = layout.shard(name, b)  # type: ignore[attr-defined]
+                weights[(i, proj)] = (a.contiguous(), b.contiguous())
+            out.append(LoRAAdapter(ad.name, ad.path, ad.rank, ad.scaling, weights))
+        return LoRASet(out)
 
     def weight_bytes(self) -> int:
         """Bytes the adapters' weights take (float32 as loaded)."""

@@ -209,11 +209,11 @@ class DecoderLayer(nn.Module):
             h = h + self._reduced(self.o_proj(attn))
             gate_up = self.gate_up_proj(self.post_attention_layernorm(h))
             return h + self._reduced(self.down_proj(self.ops.silu_mul(gate_up, self.intermediate_size)))
-        ll = self.lora
-        h = h + ll.apply("o_proj", attn, self.o_proj(attn), lora)
+        ll = self.lora  # (a row-parallel shard's delta is partial too: reduced with the base product's)
+        h = h + self._reduced(ll.apply("o_proj", attn, self.o_proj(attn), lora))
         x = self.post_attention_layernorm(h)
         act = self.ops.silu_mul(ll.apply("gate_up_proj", x, self.gate_up_proj(x), lora), self.intermediate_size)
-        return h + ll.apply("down_proj", act, self.down_proj(act), lora)
+        return h + self._reduced(ll.apply("down_proj", act, self.down_proj(act), lora))
 
     def _reduced(self, partial: Tensor) -> Tensor:
         """A row-parallel linear's output: this rank's partial sum, summed over the ranks where sharded."""

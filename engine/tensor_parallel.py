@@ -263,8 +263,13 @@ def load_shard(config: EngineConfig, mc: ModelConfig, layout: TPLayout, max_posi
     model.load_weights(iter_checkpoint(config))
     comm.vocab_size = mc.vocab_size
     model.attach_comm(comm)
-    return model.finalize(config.cpu_gemm, config.quantization, config.quantization_group_size,
-                          config.batch_invariant)
+    model = model.finalize(config.cpu_gemm, config.quantization, config.quantization_group_size,
+                           config.batch_invariant)
+    if config.lora_modules:  # every rank its shard of every adapter (each step's rows' adapters come with its meta)
+        from engine.lora import load_adapters
+
+        load_adapters(config.lora_modules, mc).sharded(layout).attach(model, device, config.torch_dtype)
+    return model
 
 
 def rank_threads(config: EngineConfig) -> int:

@@ -221,8 +221,8 @@ def test_bad_requests_and_configs(setup, tmp_path):
         plain.add_request("x", [5, 6], SamplingParams(lora_name="all"))
     with pytest.raises(ValueError, match="lora_name: adapter name"):
         SamplingParams(lora_name="")
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(model=str(ckpt), lora_modules=dirs, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="lora_modules do not work with device 'cuda'"):
+        EngineConfig(model=str(ckpt), lora_modules=dirs, device="cuda")
     with pytest.raises(ValueError, match="'name=path'"):
         EngineConfig(model=str(ckpt), lora_modules=["all"])
     with pytest.raises(ValueError, match="given twice"):
@@ -293,3 +293,24 @@ def test_the_kernel_adds_what_torch_adds():
         assert not torch.equal(got, y)
         base_rows = [i for i, s in enumerate(slots) if s == 0]
         assert torch.equal(got[base_rows], y[base_rows])  # the base model's rows: untouched, to the bit
+
+
+def test_tensor_parallel_ranks_serve_their_shard_of_each_adapter(setup):
+    """Two ranks (a follower process, gloo): each holds its heads' and MLP columns' share of every adapter (B of q,
+    k, v, gate, up by output rows; A of o, down by input columns, whose partial deltas are all-reduced with the base
+    product's); base and both adapters mixed in one batch give PEFT's greedy answers."""
+    ckpt, dirs, refs = setup
+    eng = make_engine(ckpt, lora_modules=dirs, tensor_parallel_size=2, num_threads=1, max_num_batched_tokens=48)
+    try:
+        prompts = prompts_of([7, 19, 12, 26], seed=71)
+        names = ["all", None, "qv", "all"]
+        for i, (p, n) in enumerate(zip(prompts, names)):
+            eng.add_request(f"t{i}", p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, lora_name=n))
+        got: dict[str, list[int]] = {f"t{i}": [] for i in range(4)}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                got[o.request_id] += o.new_token_ids
+        for i, (p, n) in enumerate(zip(prompts, names)):
+            assert got[f"t{i}"] == hf_greedy(refs[n], p, 12), n
+    finally:
+        eng.close()
