@@ -228,7 +228,8 @@ class LLMEngine:
                     "tokens, max_model_len=%d%s%s", config.model, config.dtype, config.quantization,
                     config.kv_cache_dtype, config.device, n_blocks, self.block_size, self.max_model_len,
                     ", async scheduling" if self._async else "",
-                    f", LoRA adapters {self.lora.names}" if self.lora is not None else "")
+                    f", LoRA adapters {self.lora.names} ({self.lora.weight_bytes() / 2**20:.1f} MiB)"
+                    if self.lora is not None else "")
 
     @property
     def rank_kv_caches(self) -> list[list[tuple[Tensor, Tensor]]]:
