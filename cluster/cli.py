@@ -33,6 +33,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream a completion from a running cluster")
     p.add_argument("prompt", help="prompt text")
     p.add_argument("--target", default="127.0.0.1:50051", help="router host:port (default 127.0.0.1:50051)")
+    p.add_argument("--model", default="", metavar="NAME",
+                   help="a LoRA adapter the cluster serves (pdserve up --lora-modules); default: the base model")
     p.add_argument("--max-tokens", type=int, default=None, help="new tokens (server default 16)")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (server default 1.0)")
     p.add_argument("--top-p", type=float, default=None)
@@ -148,7 +150,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if not args.timeout > 0:
         raise ValueError(f"--timeout must be > 0, got {args.timeout}")
-    req = pdserve_pb2.GenerateRequest(prompt=args.prompt, stop=args.stop, ignore_eos=args.ignore_eos)
+    req = pdserve_pb2.GenerateRequest(prompt=args.prompt, stop=args.stop, ignore_eos=args.ignore_eos, model=args.model)
     for field, value in (("max_tokens", args.max_tokens), ("temperature", args.temperature),
                          ("top_p", args.top_p), ("top_k", args.top_k), ("min_p", args.min_p),
                          ("seed", args.seed)):

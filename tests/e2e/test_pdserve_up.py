@@ -160,6 +160,10 @@ def test_two_pdserve_up_side_by_side_serve_and_sigterm_leaves_nothing(redis_url,
         got = wait_until(lambda: generate(b.router, prompt="def main():", max_tokens=8, temperature=0.0, model="py"),
                          30, message="the router has not learned B's adapters")  # (its view refreshes)
         assert got[0] == lora_ref.token_ids
+        r = subprocess.run([*_pdserve(), "generate", "def main():", "--target", b.router, "--model", "py",
+                            "--max-tokens", "8", "--temperature", "0"], cwd=REPO, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0 and r.stdout == lora_ref.text + "\n", (r.stdout, r.stderr)
         # The CLI client streams the same text to stdout.
         r = subprocess.run([*_pdserve(), "generate", "def main():", "--target", a.router, "--max-tokens", "8",
                             "--temperature", "0"], cwd=REPO, capture_output=True, text=True, timeout=60)
