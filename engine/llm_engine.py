@@ -193,6 +193,7 @@ class LLMEngine:
                                                 generator)
         else:
             runner = ModelRunner(model, self.kv_caches, self.block_size, sampler, generator)
+        runner.serves_lora = self.lora is not None
         if device.type == "cuda":
             self._warm_up_kernels(config, local_mc, cache_dtype)
         if graphs:

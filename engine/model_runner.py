@@ -129,6 +129,8 @@ class ModelRunner:
         self.piecewise: Optional[PiecewiseGraphs] = None
         """Static step buffers and their piecewise CUDA graphs (engine/piecewise_graphs.py) for the other steps of
         up to its largest bucket's tokens, set by the engine where used."""
+        self.serves_lora = False
+        """Set by an engine with LoRA adapters (engine/lora.py): only then are the step's rows' adapters looked at."""
         self._prompt_rows: list[tuple[Sequence, int, int]] = []
         """Set by ``_prepare``: (sequence, first position, rows) of the prompt positions whose logprobs this step
         returns; their hidden rows follow the sampling rows."""
@@ -316,7 +318,7 @@ class ModelRunner:
         rows = len(sched.decodes) + sum(1 + len(s.spec_token_ids) for s in sched.verifies)
         if not 0 < rows <= self.graphs.max_size:
             return None
-        if any(s.lora_slot for s in sched.decodes) or any(s.lora_slot for s in sched.verifies):
+        if self.serves_lora and (any(s.lora_slot for s in sched.decodes) or any(s.lora_slot for s in sched.verifies)):
             return None  # (LoRA adapters run eagerly: engine/lora.py)
         r = self._decode_rows(sched)
         if len(r.sample_rows) != rows or max(len(t) for t in r.tables) > self.graphs.max_blocks:
@@ -382,8 +384,8 @@ class ModelRunner:
         positions = to_device(pos, torch.long, dev)
         if meta.keep is not None:
             meta.keep.slot_mapping = meta.slot_mapping
-        if (any(s.lora_slot for s in sched.decodes) or any(s.lora_slot for s in sched.verifies)
-                or any(s.lora_slot for s, _ in sched.prefills)):
+        if self.serves_lora and (any(s.lora_slot for s in sched.decodes) or any(s.lora_slot for s in sched.verifies)
+                                 or any(s.lora_slot for s, _ in sched.prefills)):
             # each row's adapter, in the rows' order: decodes, each verification's positions, prefill chunks
             slots = [s.lora_slot for s in sched.decodes]
             slots += [s.lora_slot for s in sched.verifies for _ in range(1 + len(s.spec_token_ids))]
@@ -402,6 +404,6 @@ class ModelRunner:
             width = max(len(t) for t in tables)
             keep.decode_block_tables = to_device([t + [0] * (width - len(t)) for t in tables], torch.long, dev)
             keep.decode_ctx_lens = to_device(ctx, torch.long, dev)
-            if any(s.lora_slot for s in seqs):
+            if self.serves_lora and any(s.lora_slot for s in seqs):
                 keep.lora = StepLoRA.of([s.lora_slot for s in seqs], dev)
         return keep
