@@ -1,16 +1,18 @@
 """LoRA adapters served beside the base model (multi-LoRA, as vLLM's ``--enable-lora --lora-modules``).
 
 Lifecycle: an engine started with ``EngineConfig.lora_modules`` (adapter name -> directory) loads every adapter
-once, at start, after its model (``load_adapters``: PEFT's on-disk format, ``adapter_config.json`` and
+once, at start, before its model (``load_adapters``: PEFT's on-disk format, ``adapter_config.json`` and
 ``adapter_model.safetensors``, checked against the model's shapes before anything is kept), and attaches them
-to the model's decoder layers (``attach``: each layer gets a ``LayerLoRA`` holding, per adapter slot and
-projection, A transposed and B transposed with the adapter's scaling folded in). A request names its adapter in
+to the model's decoder layers once it is loaded (``attach``: each layer gets a ``LayerLoRA`` holding, per fused
+linear, a piece per adapter and projection: A as PEFT stores it, B transposed with the adapter's scaling folded
+in). A request names its adapter in
 ``SamplingParams.lora_name`` (None: the base model); the engine resolves it to a slot once, when the request is
 added (``LoRASet.resolve``: ValueError naming ``lora_name`` for a name it does not serve), and every step the
 model runner hands the model the slot of each of the step's rows (``StepLoRA``: the rows grouped by adapter;
 None where every row is the base model's, so a base-only step costs nothing). Each targeted projection then adds
 ``scaling * (x A^T) B^T`` to the base product for the rows of each adapter in the batch (the punica/S-LoRA
-idea, grouped per adapter, not merged into the weights), so one batch mixes the base model and any adapters.
+idea, not merged into the weights: a step mixing adapters through one kernel call a linear, engine/csrc/lora.cpp,
+otherwise torch per adapter), so one batch mixes the base model and any adapters.
 
 A request's adapter is part of its prefix-cache identity: its blocks' chained keys start from the adapter's own
 root hash (``key_root``), not the base model's, so K/V computed under one adapter is never reused under another
@@ -199,8 +201,9 @@ def load_adapter(name: str, path: str, mc: ModelConfig) -> LoRAAdapter:
 KERNEL_MAX_ROWS = 128
 """Rows up to which a step that mixes adapters goes through pdserve's kernel (engine/csrc/lora.cpp: one call a linear,
 each adapter's weights read once); a larger one (a prefill) and a step of one adapter take torch's GEMMs per adapter.
-Measured in benchmarks/lora_overhead.py: a `bench` decode step of 8 rows over 4 adapters 1.85x the base model's through
-torch, 1.30x through the kernel; a 512-token prefill 1.07x through torch, 1.22x through the kernel."""
+Measured in benchmarks/lora_overhead.py (1 Dec, 2-vCPU EPYC): a `bench` decode step of 8 rows over base + 4 adapters
+1.84-1.86x the base model's through torch, 1.29-1.31x through the kernel; a 512-token prefill under one adapter
+1.07x through torch, 1.21-1.24x through the kernel."""
 
 
 @dataclass
