@@ -148,6 +148,9 @@ def test_openai_client_picks_the_adapter_by_model(roles, reference):
     chat = client.chat.completions.create(model="py", messages=msgs, max_tokens=8, temperature=0,
                                           extra_body={"ignore_eos": True})
     assert (chat.choices[0].message.content, chat.model) == (want.text, "py")
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model="py", prompt="x", max_tokens=2, extra_body={"use_beam_search": True})
+    assert "use_beam_search: beam search runs on the base model only, not on LoRA adapter 'py'" in str(bad.value)
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="nope", prompt="x", max_tokens=2)
     assert "model 'nope' does not exist; this server serves 'tiny', 'alt', 'py'" in str(e.value)
