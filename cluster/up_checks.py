@@ -57,11 +57,10 @@ def check_model_args(args: argparse.Namespace) -> None:
         from engine.config import EngineConfig
         from engine.loader import load_model_config
         from engine.lora import load_adapter, parse_lora_modules
+        from engine.names import default_served_model_name
 
         try:
             modules = parse_lora_modules(args.lora_modules)
-            from engine.names import default_served_model_name
-
             served = args.served_model_name or default_served_model_name(args.model)
             if served in modules:
                 raise ValueError(f"adapter name {served!r} is the served model name")

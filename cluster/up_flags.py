@@ -29,11 +29,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_pool_args(p: argparse.ArgumentParser) -> None:
+    """The worker pools: sizes, planner bounds, engine knobs, supervisor, device."""
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters every worker serves beside the base model (PEFT directories: "
                         "adapter_config.json and adapter_model.safetensors, present on every node); a request picks "
-                        "one by its model field (OpenAI's model, GenerateRequest.model); CPU workers (any tensor-parallel size)")
-    """The worker pools: sizes, planner bounds, engine knobs, supervisor, device."""
+                        "one by its model field (OpenAI's model, GenerateRequest.model); CPU workers (any "
+                        "tensor-parallel size)")
     p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=1, metavar="M", help="decode workers (default 1)")
     p.add_argument("--colocated", type=int, default=0, metavar="K",
