@@ -58,6 +58,17 @@ def lora_key_root(name: Optional[str]) -> int:
     return int.from_bytes(blake2b(b"pdserve-lora\0" + name.encode(), digest_size=8).digest(), "little") or 1
 
 
+def lora_slots(names: Sequence[str]) -> dict[str, int]:
+    """Each adapter's slot in an engine serving ``names`` (in ``lora_modules``' order): 1, 2, ...; 0 is the base
+    model. Its KV events' ``lora_id`` too."""
+    return {name: i for i, name in enumerate(names, start=1)}
+
+
+def lora_event_ids(names: Sequence[str]) -> dict[int, int]:
+    """The first-block parent hash of each adapter of ``names`` -> its ``lora_id`` (``kv_batch_from_raw``)."""
+    return {lora_key_root(name): slot for name, slot in lora_slots(names).items()}
+
+
 def check_lora_name(name: str, field_name: str = "lora_modules") -> str:
     """An adapter name as a user gives it: 1-128 characters of letters, digits and ``._:/-``, starting with a
     letter or digit (it is a ``model`` name on the OpenAI API)."""
@@ -286,7 +297,7 @@ class LoRASet:
 
     def __init__(self, adapters: list[LoRAAdapter]) -> None:
         self.adapters = adapters
-        self.slot_of = {a.name: i + 1 for i, a in enumerate(adapters)}
+        self.slot_of = lora_slots([a.name for a in adapters])
 
     @property
     def names(self) -> list[str]:

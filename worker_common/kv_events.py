@@ -57,10 +57,9 @@ class KVEventPublisher:
         self.worker_id = worker_id
         self.block_size = block_size
         self.medium = medium
-        from engine.lora import lora_key_root
+        from engine.lora import lora_event_ids
 
-        # the engine's adapters by slot (1, 2, ... in its lora_modules' order): their chains' lora_id
-        self.lora_roots = {lora_key_root(name): i for i, name in enumerate(lora_names, start=1)}
+        self.lora_roots = lora_event_ids(lora_names)  # (the engine numbers its adapters the same way)
         self.stream = kv_stream_key(namespace, worker_id)
         self.snapshot = kv_snapshot_key(namespace, worker_id)
         self.stream_maxlen = stream_maxlen

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.block_manager import prefix_block_hashes
 from engine.kv_events import BlockStored, kv_batch_from_raw
-from engine.lora import lora_key_root
+from engine.lora import lora_event_ids, lora_key_root
 from engine.sampling_params import SamplingParams
 
 from tests.engine.conftest import hf_greedy, make_checkpoint, make_engine, prompts_of, run_engine
@@ -190,7 +190,7 @@ def test_kv_events_name_the_adapter_and_match_the_routers_hashes(setup):
     eng.block_manager.enable_events()
     prompt = prompts_of([21], seed=51)[0]
     run_engine(eng, {"a": prompt}, SamplingParams(max_tokens=2, temperature=0.0, lora_name="qv"))
-    roots = {lora_key_root(name): slot for name, slot in eng.lora.slot_of.items()}
+    roots = lora_event_ids(list(dirs))  # what a worker's publisher is given: the lora_modules' names, in order
     (stored,) = [e for e in kv_batch_from_raw(eng.block_manager.take_events(), 4, lora_roots=roots).events
                  if isinstance(e, BlockStored)]
     assert stored.block_hashes == prefix_block_hashes(prompt, 4, lora_key_root("qv"))
