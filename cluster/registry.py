@@ -15,6 +15,10 @@ Layout (one namespace per cluster, so two clusters can share one Redis):
   scans the whole keyspace; it carries the same TTL (refreshed by every live
   worker) and entries whose worker key expired are pruned by ``list``, so
   nothing of a cluster is left in Redis once its workers are gone.
+- ``{namespace}:lora_adapters``: the cluster's LoRA adapters loaded at run time (a hash: name -> a serialized
+  ``proto.worker_pb2.LoRARuntimeEntry``, path, load id and state; router/lora_admin.py writes it, every worker's heartbeat reads it and follows it,
+  worker_common/lora_sync.py). It has no TTL: it is the cluster's configuration, kept while the cluster runs, so a
+  worker started later (scaled up, replaced) loads the same adapters; ``clear`` removes it with the rest.
 
 Transient connection errors are retried by redis-py with exponential backoff.
 The URL may carry a password (``redis://:PASSWORD@host:port/db``) and TLS
@@ -120,6 +124,58 @@ class Registry:
         pipe.srem(self.index_key, worker_id)
         pipe.execute()
         log.info("deregistered worker %s from %s", worker_id, self.namespace)
+
+    # the runtime LoRA set ---------------------------------------------------------
+    @property
+    def lora_key(self) -> str:
+        """Redis key of the cluster's runtime LoRA adapters (a hash)."""
+        return f"{self.namespace}:lora_adapters"
+
+    def lora_entries(self) -> dict[str, worker_pb2.LoRARuntimeEntry]:
+        """The runtime LoRA adapters, name -> entry (an unreadable field is skipped, with a warning)."""
+        out = {}
+        for k, v in self._redis.hgetall(self.lora_key).items():
+            try:
+                out[k.decode()] = worker_pb2.LoRARuntimeEntry.FromString(v)
+            except (DecodeError, UnicodeDecodeError) as e:
+                log.warning("runtime LoRA entry %r in %s is unreadable (skipped): %s", k, self.lora_key, e)
+        return out
+
+    def lora_add(self, name: str, entry: worker_pb2.LoRARuntimeEntry) -> bool:
+        """Add ``name`` to the runtime set unless it is there already (False then): one load of a name at a time,
+        whichever router gets there first."""
+        return bool(self._redis.hsetnx(self.lora_key, name, entry.SerializeToString()))
+
+    def lora_update(self, name: str, entry: worker_pb2.LoRARuntimeEntry) -> bool:
+        """Replace ``name``'s entry if it is still the same load (``entry.load_id``); False if not."""
+        return self._lora_cas(name, entry.load_id, entry.SerializeToString())
+
+    def lora_remove(self, name: str, load_id: str) -> bool:
+        """Remove ``name`` from the runtime set if it is still load ``load_id``; False if not."""
+        return self._lora_cas(name, load_id, None)
+
+    def _lora_cas(self, name: str, load_id: str, value: Optional[bytes]) -> bool:
+        with self._redis.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    pipe.watch(self.lora_key)
+                    cur = pipe.hget(self.lora_key, name)
+                    try:
+                        same = cur is not None and worker_pb2.LoRARuntimeEntry.FromString(cur).load_id == load_id
+                    except DecodeError:
+                        same = False
+                    if not same:
+                        pipe.unwatch()
+                        return False
+                    pipe.multi()
+                    if value is None:
+                        pipe.hdel(self.lora_key, name)
+                    else:
+                        pipe.hset(self.lora_key, name, value)
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue
 
     # reads ----------------------------------------------------------------
     def list(self, role: Optional[str] = None) -> list[WorkerInfo]:

@@ -163,6 +163,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--health-port", type=int, default=0, metavar="PORT",
                    help="a plaintext gRPC port on --host offering only grpc.health.v1, for probes that speak no "
                         "TLS (the kubelet's) when the API serves TLS (default 0: none)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (and gRPC LoadLoRAAdapter / "
+                        "UnloadLoRAAdapter): LoRA adapters loaded on every worker while the cluster runs, from a "
+                        "path on the workers' hosts (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; off by default)")
     p.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
                    help="conditional disaggregation: prompts of at most N tokens are prefilled on the decode "
                         "worker itself (default 0: always use the prefill pool)")
@@ -387,6 +391,8 @@ def router_overrides(args: argparse.Namespace) -> dict:
         out["kv_events"] = False
     if getattr(args, "one_loop", False):
         out["one_loop"] = True
+    if getattr(args, "allow_runtime_lora_updating", False):
+        out["allow_runtime_lora_updating"] = True
     if getattr(args, "otlp_traces_endpoint", None):
         out["otlp_traces_endpoint"] = args.otlp_traces_endpoint
     for name in ("kv_replica_sync", "kv_delta_transfers", "decode_prefix_routing"):

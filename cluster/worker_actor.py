@@ -176,6 +176,9 @@ class _WorkerActor:
             try:
                 # A full write (record + index set), so it also re-registers into a restarted, empty Redis.
                 self.registry.heartbeat(self._info())
+                sync_lora = getattr(self.worker, "sync_lora", None)
+                if sync_lora is not None:  # the cluster's runtime LoRA adapters (worker_common/lora_sync.py)
+                    sync_lora(self.registry.lora_entries())
             except Exception as e:  # never let Redis (or a role hiccup) end the loop: the worker stays up
                 failures += 1
                 self.failing = failures

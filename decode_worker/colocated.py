@@ -137,7 +137,7 @@ class GenerateServicer:
         w: Any = self
         rid = request.request_id
         w.check_accepting(rid)
-        params = request_params(request.params, rid)
+        params = request_params(request.params, rid, w.ctx.lora_roots)
         siblings = choices.sibling_params(request.siblings, rid)
         if siblings and request.resume_token_ids:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,

@@ -275,7 +275,7 @@ class DecodeWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, 
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids is empty (request {rid})")
             if not request.prefill_kv_name:
                 raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prefill_kv_name is empty (request {rid})")
-            params = request_params(request.params, rid)
+            params = request_params(request.params, rid, self.ctx.lora_roots)
             mine = self.engine.kv_cache_dtype
             if request.prefill_kv_cache_dtype and request.prefill_kv_cache_dtype != mine:
                 raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,

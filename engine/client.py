@@ -106,6 +106,22 @@ class EngineCore(Protocol):
 
     def make_stats(self) -> Any: ...
 
+    def add_lora(self, name: str, path: str) -> int:
+        """Load a LoRA adapter and serve it as ``name``; its prefix-cache root (engine/lora.py)."""
+        ...
+
+    def remove_lora(self, name: str) -> int:
+        """Stop serving adapter ``name``; how many requests still run under it."""
+        ...
+
+    def lora_adapters(self) -> dict[str, int]:
+        """The adapters served, name -> prefix-cache root."""
+        ...
+
+    def lora_event_ids(self) -> dict[int, int]:
+        """Every adapter's prefix-cache root -> its KV events' ``lora_id``."""
+        ...
+
 
 @runtime_checkable
 class KVEngine(EngineCore, Protocol):

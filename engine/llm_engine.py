@@ -54,7 +54,8 @@ from engine.cuda_graphs import GRAPH_POOL_SLACK, DecodeGraphs, eager_reason, gra
 from engine.piecewise_graphs import PiecewiseGraphs, piecewise_memory_estimate
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
 from engine.loader import default_eos, load_model, load_model_config, load_tokenizer
-from engine.lora import LoRASet, load_adapters, lora_key_root
+from engine.lora import (LoRASet, attach_adapter, check_lora_name, detach_adapter, load_adapter, load_adapters,
+                         shard_adapter)
 from engine.model_runner import ModelRunner, PendingStep, RunnerOutput
 from engine.outputs import CoreOutput, TokenLogprob
 from engine.sampler import Sampler
@@ -169,8 +170,9 @@ class LLMEngine:
         self.eos_token_id = default_eos(mc, self.tokenizer)
         if device.type == "cpu":
             cpu_kernels()  # build (first start on this machine) or load them now, never mid-request
-        self.lora: Optional[LoRASet] = load_adapters(config.lora_modules, mc) if config.lora_modules else None
-        """The LoRA adapters this engine serves (engine/lora.py), checked before the model loads; None: none."""
+        self.lora: LoRASet = load_adapters(config.lora_modules, mc) if config.lora_modules else LoRASet()
+        """The LoRA adapters this engine serves (engine/lora.py): those of ``lora_modules``, checked before the model
+        loads, and those ``add_lora`` loaded since."""
         self.tp_group = None
         """The tensor-parallel ranks (engine.tensor_parallel.TPGroup) where tensor_parallel_size > 1."""
         if tp > 1:
@@ -179,8 +181,7 @@ class LLMEngine:
             self.tp_group, model = TPGroup.start(config, mc, n_blocks, self.max_model_len)
         else:
             model = load_model(config, mc, self.max_model_len)
-            if self.lora is not None:
-                self.lora.attach(model, device, config.torch_dtype)
+            self.lora.attach(model, device, config.torch_dtype)
         self.kv_caches: list[tuple[Tensor, Tensor]] = allocate_kv_caches(
             local_mc, n_blocks + graphs, self.block_size, cache_dtype, device,
             shared=config.kv_cache_shared and tp == 1)
@@ -193,7 +194,7 @@ class LLMEngine:
                                                 generator)
         else:
             runner = ModelRunner(model, self.kv_caches, self.block_size, sampler, generator)
-        runner.serves_lora = self.lora is not None
+        runner.serves_lora = bool(self.lora.by_slot)
         if device.type == "cuda":
             self._warm_up_kernels(config, local_mc, cache_dtype)
         if graphs:
@@ -230,7 +231,7 @@ class LLMEngine:
                     config.kv_cache_dtype, config.device, n_blocks, self.block_size, self.max_model_len,
                     ", async scheduling" if self._async else "",
                     f", LoRA adapters {self.lora.names} ({self.lora.weight_bytes() / 2**20:.1f} MiB)"
-                    if self.lora is not None else "")
+                    if self.lora.by_slot else "")
 
     @property
     def rank_kv_caches(self) -> list[list[tuple[Tensor, Tensor]]]:
@@ -493,8 +494,7 @@ class LLMEngine:
         prompt's leading whole blocks, fetched to be cached here (``commit_reserved``): every cached one is taken.
         ``lora_name``: the request's LoRA adapter (its K/V is cached under that adapter's keys)."""
         self._check_reservation(request_id, num_tokens)
-        self._lora_slot(lora_name)
-        root = lora_key_root(lora_name)
+        root = self._lora_root(lora_name)
         cached: list[int] = []
         keys: list = []
         bs = self.block_size
@@ -530,7 +530,7 @@ class LLMEngine:
         if not self.block_manager.enable_caching:
             return 0
         bs = self.block_size
-        keys = block_keys(prompt_token_ids, bs, len(prompt_token_ids) // bs, root=lora_key_root(lora_name))
+        keys = block_keys(prompt_token_ids, bs, len(prompt_token_ids) // bs, root=self._lora_root(lora_name))
         return len(self.block_manager.lookup(keys)) * bs
 
     def commit_reserved(self, request_id: str, prompt_token_ids: list[int]) -> int:
@@ -618,6 +618,8 @@ class LLMEngine:
     def step(self) -> list[CoreOutput]:
         """One scheduling step: schedule -> run -> postprocess. With async scheduling: complete the step in flight
         unless this one can run ahead of it, schedule, launch, then (running ahead) read the one before back."""
+        if self.lora.retired:
+            self._reap_loras()  # (unloaded adapters whose last request has left)
         outputs, self._pending = self._pending, []
         prev, self._inflight = self._inflight, None
         late = False
@@ -903,9 +905,89 @@ class LLMEngine:
         """The slot of LoRA adapter ``name`` here (None: 0, the base model); ValueError naming ``lora_name``."""
         if name is None:
             return 0
-        if self.lora is None:
+        if not self.lora.slot_of:
             raise ValueError(f"lora_name: this engine serves no LoRA adapters (asked for {name!r})")
         return self.lora.resolve(name)
+
+    def _lora_root(self, name: Optional[str]) -> int:
+        """The prefix-cache root of adapter ``name``'s chains here (0 for the base model); ValueError naming
+        ``lora_name``."""
+        slot = self._lora_slot(name)
+        return self.lora.by_slot[slot].key_root if slot else 0
+
+    # -- LoRA adapters at run time ---------------------------------------------------------------
+
+    def lora_adapters(self) -> dict[str, int]:
+        """The adapters requests may name here, each with its prefix-cache root (``LoRAAdapter.key_root``: a router
+        hashes an adapter's prompts with it, and checks that every worker holds the same weights under a name)."""
+        return self.lora.roots()
+
+    def lora_event_ids(self) -> dict[int, int]:
+        """Every adapter's prefix-cache root -> its slot (the ``lora_id`` of its blocks' KV events), those unloaded
+        since too (their blocks may still be cached)."""
+        return dict(self.lora.event_ids)
+
+    def add_lora(self, name: str, path: str) -> int:
+        """Load the PEFT LoRA adapter in directory ``path`` and serve it as ``name`` from the next step (vLLM's
+        ``/v1/load_lora_adapter``); returns its prefix-cache root. ValueError naming ``lora_name`` or the adapter's
+        problem (engine/lora.py's checks), with nothing changed. Running requests are unaffected; the adapter
+        runs eagerly as those given at start do."""
+        check_lora_name(name, "lora_name")
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"lora_path must be a non-empty path, got {path!r}")
+        device = torch.device(self.config.device)
+        if device.type != "cpu":
+            raise ValueError(f"lora_name: LoRA adapters run on CPU engines only (this one is on {device.type})")
+        if name in self.lora.slot_of:
+            raise ValueError(f"lora_name: adapter {name!r} is already loaded")
+        adapter = load_adapter(name, path, self.model_config)
+        slot = self.lora.add(adapter)
+        try:
+            if self.tp_group is not None:
+                self.tp_group.lora_add(slot, adapter)  # every follower its shard; rank 0's below
+                from engine.tensor_parallel import TPLayout
+
+                adapter = shard_adapter(adapter, TPLayout(self.model_config, self.config.tensor_parallel_size, 0))
+            attach_adapter(self.runner.model, slot, adapter, device, self.config.torch_dtype)
+        except BaseException:
+            self.lora.retire(name)
+            self._drop_lora(slot)
+            raise
+        self.runner.serves_lora = True
+        logger.info("LoRA adapter %r loaded from %s (slot %d, rank %d, %.1f MiB)", name, path, slot, adapter.rank,
+                    sum(a.numel() + b.numel() for a, b in adapter.weights.values()) * 4 / 2**20)
+        return adapter.key_root
+
+    def remove_lora(self, name: str) -> int:
+        """Stop serving adapter ``name`` (vLLM's ``/v1/unload_lora_adapter``): requests naming it are refused from
+        now on (ValueError naming ``lora_name``); those already admitted under it finish under it, and its weights
+        are freed once the last has left. Returns how many requests still run under it. ValueError naming
+        ``lora_name`` if it is not served."""
+        slot = self.lora.retire(name)
+        left = self._lora_users(slot)
+        if not left and self._inflight is None:
+            self._drop_lora(slot)
+        logger.info("LoRA adapter %r unloaded (%d request(s) still running under it)", name, left)
+        return left
+
+    def _lora_users(self, slot: int) -> int:
+        return sum(1 for s in self._seqs.values() if s.lora_slot == slot)
+
+    def _drop_lora(self, slot: int) -> None:
+        """Free an unloaded adapter's weights on every rank."""
+        detach_adapter(self.runner.model, slot)
+        if self.tp_group is not None and self.lora.by_slot.get(slot) is not None:
+            self.tp_group.lora_drop(slot)
+        self.lora.drop(slot)
+        self.runner.serves_lora = bool(self.lora.by_slot)
+
+    def _reap_loras(self) -> None:
+        """Drop unloaded adapters no request (nor the step in flight) uses any more."""
+        if self._inflight is not None:
+            return
+        for slot in sorted(self.lora.retired):
+            if not self._lora_users(slot):
+                self._drop_lora(slot)
 
     def _new_seq(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  prefill_only: bool, check_id: bool = True) -> Sequence:
@@ -926,7 +1008,7 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, prefill_only=prefill_only, eos_token_id=self.eos_token_id)
         if params.lora_name is not None:
             seq.lora_slot = self._lora_slot(params.lora_name)
-            seq.key_root = lora_key_root(params.lora_name)
+            seq.key_root = self.lora.by_slot[seq.lora_slot].key_root
         if params.structured_outputs is not None:
             seq.matcher = self.grammar.new_matcher(params.structured_outputs)  # ValueError names the field
         return seq

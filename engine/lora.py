@@ -50,23 +50,16 @@ _TENSOR_RE = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_a
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
 
-def lora_key_root(name: Optional[str]) -> int:
+def lora_key_root(name: Optional[str], digest: bytes = b"") -> int:
     """The parent hash of the first prefix-cache block of a prompt under adapter ``name`` (None: the base model's,
-    ``ROOT_HASH``): blake2b-64 of the adapter's name, so engines and routers agree without sharing state."""
+    ``ROOT_HASH``): blake2b-64 of the adapter's name and ``digest``, its files' content (``LoRAAdapter.digest``).
+    Every engine that loads the same files under the same name agrees, without sharing state; an adapter reloaded
+    under its name with other weights starts a chain of its own, so no K/V computed under the old weights is
+    reused under the new ones."""
     if name is None:
         return 0
-    return int.from_bytes(blake2b(b"pdserve-lora\0" + name.encode(), digest_size=8).digest(), "little") or 1
-
-
-def lora_slots(names: Sequence[str]) -> dict[str, int]:
-    """Each adapter's slot in an engine serving ``names`` (in ``lora_modules``' order): 1, 2, ...; 0 is the base
-    model. Its KV events' ``lora_id`` too."""
-    return {name: i for i, name in enumerate(names, start=1)}
-
-
-def lora_event_ids(names: Sequence[str]) -> dict[int, int]:
-    """The first-block parent hash of each adapter of ``names`` -> its ``lora_id`` (``kv_batch_from_raw``)."""
-    return {lora_key_root(name): slot for name, slot in lora_slots(names).items()}
+    h = blake2b(b"pdserve-lora\0" + name.encode() + b"\0" + digest, digest_size=8)
+    return int.from_bytes(h.digest(), "little") or 1
 
 
 def check_lora_name(name: str, field_name: str = "lora_modules") -> str:
@@ -119,6 +112,13 @@ class LoRAAdapter:
     rank: int
     scaling: float
     weights: dict[tuple[int, str], tuple[Tensor, Tensor]] = field(default_factory=dict)
+    digest: bytes = b""
+    """blake2b-128 of its two files (``adapter_config.json``, ``adapter_model.safetensors``): what it is."""
+
+    @property
+    def key_root(self) -> int:
+        """Its prefix-cache chains' root (``lora_key_root``)."""
+        return lora_key_root(self.name, self.digest)
 
     @property
     def targets(self) -> list[str]:
@@ -174,7 +174,16 @@ def load_adapter(name: str, path: str, mc: ModelConfig) -> LoRAAdapter:
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
         raise ValueError(f"{where}: lora_alpha must be a number, got {alpha!r}")
     scaling = alpha / math.sqrt(r) if cfg.get("use_rslora", False) else alpha / r
-    adapter = LoRAAdapter(name, path, r, float(scaling))
+    h = blake2b(digest_size=16)
+    try:
+        for fp in (cfg_path, st_path):
+            with open(fp, "rb") as fh:
+                while chunk := fh.read(1 << 22):
+                    h.update(chunk)
+                h.update(b"\0")
+    except OSError as e:
+        raise ValueError(f"{where}: cannot read its files: {e}") from None
+    adapter = LoRAAdapter(name, path, r, float(scaling), digest=h.digest())
     parts: dict[tuple[int, str], dict[str, Tensor]] = {}
     try:
         with safe_open(str(st_path), framework="pt") as f:
@@ -242,6 +251,19 @@ class LayerLoRA:
 
     def add(self, linear: str, piece: _Piece) -> None:
         self.by_linear.setdefault(linear, []).append(piece)
+        self._index(linear)
+
+    def remove(self, slot: int) -> None:
+        """Take adapter ``slot``'s pieces out (it was unloaded)."""
+        for linear, ps in list(self.by_linear.items()):
+            self.by_linear[linear] = [p for p in ps if p.slot != slot]
+            if not self.by_linear[linear]:
+                del self.by_linear[linear]
+                self._kernel_args.pop(linear, None)
+            else:
+                self._index(linear)
+
+    def _index(self, linear: str) -> None:
         ps = self.by_linear[linear]
         self._kernel_args[linear] = ([p.a for p in ps], [p.b for p in ps], [p.lo for p in ps], [p.slot for p in ps])
 
@@ -293,15 +315,63 @@ class StepLoRA:
 
 
 class LoRASet:
-    """The adapters an engine serves: name -> slot (1, 2, ...; 0 is the base model)."""
+    """The adapters an engine serves: name -> slot (1, 2, ...; 0 is the base model), each slot used once.
 
-    def __init__(self, adapters: list[LoRAAdapter]) -> None:
-        self.adapters = adapters
-        self.slot_of = lora_slots([a.name for a in adapters])
+    Adapters given at start take slots 1..n in their order; one loaded later (``add``) the next unused slot. One
+    unloaded (``retire``) stops resolving by name at once but keeps its slot and weights while requests admitted
+    under it still run; the engine ``drop``s it when the last has left. ``event_ids`` (root -> slot, the KV events'
+    ``lora_id``) keeps every adapter ever loaded, so the cache's blocks of an unloaded one are still reported as
+    its."""
+
+    def __init__(self, adapters: Sequence[LoRAAdapter] = ()) -> None:
+        self.by_slot: dict[int, LoRAAdapter] = {}
+        self.slot_of: dict[str, int] = {}
+        self.event_ids: dict[int, int] = {}
+        self.retired: set[int] = set()
+        self._next = 1
+        for ad in adapters:
+            self.add(ad)
+
+    @property
+    def adapters(self) -> list[LoRAAdapter]:
+        """The adapters requests may name, in slot order."""
+        return [self.by_slot[s] for s in sorted(self.slot_of.values())]
 
     @property
     def names(self) -> list[str]:
         return [a.name for a in self.adapters]
+
+    def roots(self) -> dict[str, int]:
+        """Each servable adapter's prefix-cache root (``LoRAAdapter.key_root``), by name."""
+        return {a.name: a.key_root for a in self.adapters}
+
+    def add(self, adapter: LoRAAdapter, slot: Optional[int] = None) -> int:
+        """Serve ``adapter`` under its name in a new slot (the next unused one, or ``slot``: a tensor-parallel
+        follower takes the leader's); ValueError naming ``lora_name`` if the name is served already."""
+        if adapter.name in self.slot_of:
+            raise ValueError(f"lora_name: adapter {adapter.name!r} is already loaded")
+        slot = self._next if slot is None else slot
+        if slot in self.by_slot or slot < 1:
+            raise ValueError(f"LoRA slot {slot} is taken")
+        self._next = max(self._next, slot + 1)
+        self.by_slot[slot] = adapter
+        self.slot_of[adapter.name] = slot
+        self.event_ids[adapter.key_root] = slot
+        return slot
+
+    def retire(self, name: str) -> int:
+        """Stop serving ``name`` (its slot stays until ``drop``); ValueError naming ``lora_name`` if not served."""
+        slot = self.resolve(name)
+        if slot == 0:
+            raise ValueError("lora_name: the base model is not an adapter")
+        del self.slot_of[name]
+        self.retired.add(slot)
+        return slot
+
+    def drop(self, slot: int) -> LoRAAdapter:
+        """Forget a retired adapter's weights (no request under it is left)."""
+        self.retired.discard(slot)
+        return self.by_slot.pop(slot)
 
     def resolve(self, name: Optional[str]) -> int:
         """The slot of adapter ``name`` (None: 0, the base model); ValueError naming ``lora_name`` otherwise."""
@@ -314,53 +384,72 @@ class LoRASet:
         return slot
 
     def attach(self, model: "torch.nn.Module", device: torch.device, dtype: torch.dtype) -> None:
-        """Give each decoder layer of ``model`` (engine.model.CausalLM) its ``LayerLoRA``, in ``dtype`` on
-        ``device``."""
-        import torch
-
-        mc = model.config
-        H, Hkv, D, inter = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, mc.intermediate_size
-        cols = {"q_proj": (0, H * D), "k_proj": (H * D, (H + Hkv) * D), "v_proj": ((H + Hkv) * D, (H + 2 * Hkv) * D),
-                "o_proj": (0, mc.hidden_size), "gate_proj": (0, inter), "up_proj": (inter, 2 * inter),
-                "down_proj": (0, mc.hidden_size)}
-        kern = None
-        if device.type == "cpu" and dtype == torch.float32:
-            from engine.kernels import cpu_kernels
-
-            kern = cpu_kernels()  # (None where they cannot be built, or PDSERVE_CPU_KERNELS=0: torch then)
-        for i, layer in enumerate(model.layers):
-            ll = LayerLoRA(kern)
-            for slot, ad in enumerate(self.adapters, start=1):
-                for proj in PROJECTIONS:
-                    ab = ad.weights.get((i, proj))
-                    if ab is not None:
-                        lo, hi = cols[proj]
-                        a, b = ab
-                        ll.add(_FUSED[proj], _Piece(slot, lo, hi, a.to(device=device, dtype=dtype).contiguous(),
-                                                    (b.t() * ad.scaling).to(device=device, dtype=dtype).contiguous()))
-            layer.lora = ll
+        """Give each decoder layer of ``model`` (engine.model.CausalLM) its ``LayerLoRA`` holding every adapter
+        here, in ``dtype`` on ``device``."""
+        for slot, ad in sorted(self.by_slot.items()):
+            attach_adapter(model, slot, ad, device, dtype)
 
     def sharded(self, layout: object) -> "LoRASet":
-        """The adapters as one tensor-parallel rank holds them (``layout``: an engine.tensor_parallel.TPLayout): a
-        column-parallel projection's (q, k, v, gate, up) B cut to this rank's output rows, a row-parallel one's (o,
-        down) A to its input columns, as the base weights are; the other half whole. A row-parallel delta is then a
-        partial sum, all-reduced with the base product's."""
-        out = []
-        for ad in self.adapters:
-            weights = {}
-            for (i, proj), (a, b) in ad.weights.items():
-                name = f"model.layers.{i}.{'mlp' if proj in _MLP else 'self_attn'}.{proj}.weight"
-                if proj in ("o_proj", "down_proj"):
-                    a = layout.shard(name, a)  # type: ignore[attr-defined]
-                else:
-                    b = layout.shard(name, b)  # type: ignore[attr-defined]
-                weights[(i, proj)] = (a.contiguous(), b.contiguous())
-            out.append(LoRAAdapter(ad.name, ad.path, ad.rank, ad.scaling, weights))
-        return LoRASet(out)
+        """The adapters as one tensor-parallel rank holds them (``shard_adapter``), in the same slots."""
+        out = LoRASet()
+        for slot, ad in sorted(self.by_slot.items()):
+            out.add(shard_adapter(ad, layout), slot)
+        return out
 
     def weight_bytes(self) -> int:
         """Bytes the adapters' weights take (float32 as loaded)."""
-        return sum(a.numel() * 4 + b.numel() * 4 for ad in self.adapters for a, b in ad.weights.values())
+        return sum(a.numel() * 4 + b.numel() * 4 for ad in self.by_slot.values() for a, b in ad.weights.values())
+
+
+def attach_adapter(model: "torch.nn.Module", slot: int, ad: LoRAAdapter, device: torch.device,
+                   dtype: torch.dtype) -> None:
+    """Add adapter ``ad``'s pieces, as slot ``slot``, to each decoder layer of ``model`` (its ``LayerLoRA``, made
+    on first use), in ``dtype`` on ``device``: A as PEFT stores it, B transposed with the scaling folded in."""
+    import torch
+
+    mc = model.config
+    H, Hkv, D, inter = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, mc.intermediate_size
+    cols = {"q_proj": (0, H * D), "k_proj": (H * D, (H + Hkv) * D), "v_proj": ((H + Hkv) * D, (H + 2 * Hkv) * D),
+            "o_proj": (0, mc.hidden_size), "gate_proj": (0, inter), "up_proj": (inter, 2 * inter),
+            "down_proj": (0, mc.hidden_size)}
+    kern = None
+    if device.type == "cpu" and dtype == torch.float32:
+        from engine.kernels import cpu_kernels
+
+        kern = cpu_kernels()  # (None where they cannot be built, or PDSERVE_CPU_KERNELS=0: torch then)
+    for i, layer in enumerate(model.layers):
+        if layer.lora is None:
+            layer.lora = LayerLoRA(kern)
+        for proj in PROJECTIONS:
+            ab = ad.weights.get((i, proj))
+            if ab is not None:
+                lo, hi = cols[proj]
+                a, b = ab
+                layer.lora.add(_FUSED[proj], _Piece(slot, lo, hi, a.to(device=device, dtype=dtype).contiguous(),
+                                                    (b.t() * ad.scaling).to(device=device, dtype=dtype).contiguous()))
+
+
+def detach_adapter(model: "torch.nn.Module", slot: int) -> None:
+    """Take slot ``slot``'s pieces out of every decoder layer of ``model``."""
+    for layer in model.layers:
+        if layer.lora is not None:
+            layer.lora.remove(slot)
+
+
+def shard_adapter(ad: LoRAAdapter, layout: object) -> LoRAAdapter:
+    """Adapter ``ad`` as one tensor-parallel rank holds it (``layout``: an engine.tensor_parallel.TPLayout): a
+    column-parallel projection's (q, k, v, gate, up) B cut to this rank's output rows, a row-parallel one's (o,
+    down) A to its input columns, as the base weights are; the other half whole. A row-parallel delta is then a
+    partial sum, all-reduced with the base product's."""
+    weights = {}
+    for (i, proj), (a, b) in ad.weights.items():
+        name = f"model.layers.{i}.{'mlp' if proj in _MLP else 'self_attn'}.{proj}.weight"
+        if proj in ("o_proj", "down_proj"):
+            a = layout.shard(name, a)  # type: ignore[attr-defined]
+        else:
+            b = layout.shard(name, b)  # type: ignore[attr-defined]
+        weights[(i, proj)] = (a.contiguous(), b.contiguous())
+    return LoRAAdapter(ad.name, ad.path, ad.rank, ad.scaling, weights, ad.digest)
 
 
 def load_adapters(modules: Mapping[str, str], mc: ModelConfig) -> LoRASet:

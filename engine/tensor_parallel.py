@@ -311,6 +311,9 @@ def _follower_main(config: EngineConfig, mc: ModelConfig, rank: int, port: int, 
         step = pickle.loads(msg)
         if step is None:
             return
+        if isinstance(step, dict):  # a LoRA adapter loaded or unloaded at run time (LLMEngine.add_lora)
+            conn.send(_follower_lora(step, model, mc, layout, config))
+            continue
         input_ids, positions, meta, ranges = step
         try:
             with torch.inference_mode():
@@ -319,6 +322,26 @@ def _follower_main(config: EngineConfig, mc: ModelConfig, rank: int, port: int, 
                     model.compute_logits(hidden[lo:hi])
         except TensorParallelError:
             return  # another rank is gone: rank 0 fails its step and replaces the group
+
+
+def _follower_lora(cmd: dict, model: "CausalLM", mc: ModelConfig, layout: TPLayout, config: EngineConfig) -> tuple:
+    """Run one LoRA command on a follower: ``add`` loads the adapter from its directory (the same files rank 0 read:
+    their digest must match), takes this rank's shard and attaches it in rank 0's slot; ``drop`` detaches a slot.
+    Answers ("ok",) or ("error", message)."""
+    from engine.lora import attach_adapter, detach_adapter, load_adapter, shard_adapter
+
+    try:
+        if cmd["op"] == "add":
+            ad = load_adapter(cmd["name"], cmd["path"], mc)
+            if ad.digest != cmd["digest"]:
+                raise ValueError(f"adapter {cmd['name']!r} at {cmd['path']} changed while it was being loaded")
+            attach_adapter(model, cmd["slot"], shard_adapter(ad, layout), torch.device(config.device),
+                           config.torch_dtype)
+        else:
+            detach_adapter(model, cmd["slot"])
+        return ("ok",)
+    except Exception as e:  # noqa: BLE001 - rank 0 raises it for the caller
+        return ("error", f"rank {layout.rank}: {e}")
 
 
 class TPGroup:
@@ -412,6 +435,36 @@ class TPGroup:
                 c.send_bytes(msg)
         except (OSError, ValueError) as e:
             raise TensorParallelError(f"tensor-parallel ranks {self.dead_ranks() or '?'} gone: {e}") from e
+
+    def lora_add(self, slot: int, adapter: Any) -> None:
+        """Every follower loads ``adapter`` (engine.lora.LoRAAdapter, as rank 0 read it) from its directory and
+        attaches its shard in ``slot``; the first follower's refusal is raised as ValueError (those that attached
+        it detach it again)."""
+        self._lora({"op": "add", "slot": slot, "name": adapter.name, "path": adapter.path,
+                    "digest": adapter.digest}, undo={"op": "drop", "slot": slot})
+
+    def lora_drop(self, slot: int) -> None:
+        """Every follower detaches the adapter in ``slot``."""
+        self._lora({"op": "drop", "slot": slot})
+
+    def _lora(self, cmd: dict, undo: Optional[dict] = None, timeout_s: float = 120.0) -> None:
+        msg = pickle.dumps(cmd, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for c in self._conns:
+                c.send_bytes(msg)
+            replies = []
+            for rank, c in enumerate(self._conns, start=1):
+                if not c.poll(timeout_s):
+                    raise TensorParallelError(f"tensor-parallel rank {rank} did not answer a LoRA {cmd['op']} in "
+                                              f"{timeout_s:g} s")
+                replies.append(c.recv())
+        except (OSError, EOFError, ValueError) as e:
+            raise TensorParallelError(f"tensor-parallel ranks {self.dead_ranks() or '?'} gone: {e}") from e
+        errors = [r[1] for r in replies if r[0] != "ok"]
+        if errors:
+            if undo is not None:
+                self._lora(undo)
+            raise ValueError(errors[0])
 
     def close(self, timeout_s: float = 5.0) -> None:
         """End every follower (a closed pipe ends its loop; past ``timeout_s`` it is killed). Idempotent."""

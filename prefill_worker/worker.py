@@ -330,7 +330,7 @@ class PrefillWorker(WorkerBase):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"prompt_token_ids is empty (request {rid})")
         if not request.dest_kv_name:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"dest_kv_name is empty (request {rid})")
-        params = request_params(request.params, rid)
+        params = request_params(request.params, rid, self.ctx.lora_roots)
         dest_tp = check_peer_tp(self.engine, request.dest_tensor_parallel_size, "dest_tensor_parallel_size", rid)
         if not 0 <= request.dest_cached_tokens < len(request.prompt_token_ids):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT,

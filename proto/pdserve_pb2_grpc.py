@@ -49,6 +49,16 @@ class PDServeStub:
                 request_serializer=proto_dot_pdserve__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.PDServe/LoadLoRAAdapter',
+                request_serializer=proto_dot_pdserve__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/pdserve.v1.PDServe/UnloadLoRAAdapter',
+                request_serializer=proto_dot_pdserve__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class PDServeServicer:
@@ -74,6 +84,21 @@ class PDServeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """LoRA adapters loaded and unloaded while the cluster runs (vLLM's /v1/load_lora_adapter and
+        /v1/unload_lora_adapter): only on a router started with --allow-runtime-lora-updating (else UNIMPLEMENTED).
+        Load answers once every live worker serves the adapter; unload once no request runs under it any more.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PDServeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +116,16 @@ def add_PDServeServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=proto_dot_pdserve__pb2.GetModelInfoRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.ModelInfo.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=proto_dot_pdserve__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=proto_dot_pdserve__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +209,60 @@ class PDServe:
             '/pdserve.v1.PDServe/GetModelInfo',
             proto_dot_pdserve__pb2.GetModelInfoRequest.SerializeToString,
             proto_dot_pdserve__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PDServe/LoadLoRAAdapter',
+            proto_dot_pdserve__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            proto_dot_pdserve__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PDServe/UnloadLoRAAdapter',
+            proto_dot_pdserve__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            proto_dot_pdserve__pb2.LoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -125,6 +125,12 @@ class RouterConfig:
     max_rpc_threads: int = 256
     """Threads of the flow pool: a request holds one while it waits on something that blocks (the admission
     queue, a placement, its prefill, a migration); its token streaming holds none (``router.flow_pump``)."""
+    allow_runtime_lora_updating: bool = False
+    """Serve ``LoadLoRAAdapter`` / ``UnloadLoRAAdapter`` and vLLM's ``/v1/load_lora_adapter`` /
+    ``/v1/unload_lora_adapter`` (router/lora_admin.py); off: UNIMPLEMENTED / 404, as vLLM without
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (a load names a path on the workers' hosts)."""
+    lora_update_timeout_s: float = 120.0
+    """Longest a runtime LoRA load waits for every worker, and an unload for the adapter's requests to finish."""
     worker_view_refresh_s: float = 0.25
     """How often the router re-reads the worker registry in the background (requests never wait on it)."""
     serve_metrics: bool = True
@@ -179,7 +185,7 @@ class RouterConfig:
             raise ValueError(f"pool_wait_s must be >= 0, got {self.pool_wait_s}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
-        for name in ("worker_view_refresh_s", "queue_timeout_s", "reserve_timeout_s", "first_token_timeout_s", "transfer_timeout_s", "request_timeout_s"):
+        for name in ("worker_view_refresh_s", "queue_timeout_s", "reserve_timeout_s", "first_token_timeout_s", "transfer_timeout_s", "request_timeout_s", "lora_update_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if isinstance(self.local_prefill_max_tokens, bool) or not isinstance(self.local_prefill_max_tokens, int) \

@@ -89,6 +89,12 @@ class RouterCore:
         self._lock = threading.Lock()
         self.bound = RequestBound(cfg.max_num_requests)
         """The ``max_num_requests`` bound (requests held, running or waiting for KV capacity)."""
+        from router.lora_admin import LoRAAdmin
+
+        self.lora_admin = LoRAAdmin(self)
+        """Runtime LoRA loads and unloads (router/lora_admin.py)."""
+        self._lora_in_flight: dict[str, int] = {}
+        self._lora_lock = threading.Lock()
 
     @property
     def num_in_flight(self) -> int:
@@ -106,7 +112,9 @@ class RouterCore:
             self._limits_at = now
             n = self.view.max_model_len()
             before = self._limits or base
-            self._limits = dataclasses.replace(within_workers_context(base, n), lora_adapters=self.view.lora_adapters())
+            roots = {k: v for k, v in self.view.lora_roots().items() if k not in self.lora_unloading}
+            self._limits = dataclasses.replace(within_workers_context(base, n), lora_adapters=tuple(sorted(roots)),
+                                               lora_roots=tuple(sorted(roots.items())))
             if self._limits.max_context_length != before.max_context_length:
                 log.warning("router: requests are now checked against a context of %d tokens (the model's %d%s)",
                             self._limits.max_context_length, base.max_context_length,
@@ -114,6 +122,21 @@ class RouterCore:
             if self._limits.lora_adapters != before.lora_adapters:
                 log.info("router: LoRA adapters served: %s", list(self._limits.lora_adapters) or "none")
         return self._limits
+
+    @property
+    def lora_unloading(self) -> set[str]:
+        """Adapters being unloaded (router/lora_admin.py): refused from now on, though workers still serve them."""
+        return {n for n, e in self.view.lora_entries.items() if e.state == "unloading"} | self.lora_admin.unloading
+
+    def lora_in_flight(self, name: str) -> int:
+        """This router's requests under adapter ``name`` now."""
+        with self._lora_lock:
+            return self._lora_in_flight.get(name, 0)
+
+    def refresh_workers(self) -> None:
+        """Re-read the pools now and recompute ``limits`` at the next read (after a runtime LoRA change)."""
+        self.view.refresh()
+        self._limits_at = float("-inf")
 
     def load(self) -> None:
         """Tokenizer, limits and metrics (no model weights)."""
@@ -201,8 +224,11 @@ class RouterCore:
     def _counted(self, flow: Any, vreq: ValidatedRequest, t0: float, span: Any = None) -> Iterator[FlowEvent]:
         m = self.metrics
         m.inc_prompt_tokens(len(vreq.prompt_token_ids))
-        if vreq.params.lora_name is not None:
-            m.inc_lora_request(vreq.params.lora_name)
+        lora = vreq.params.lora_name
+        if lora is not None:
+            m.inc_lora_request(lora)
+            with self._lora_lock:
+                self._lora_in_flight[lora] = self._lora_in_flight.get(lora, 0) + 1
         n_out = 0
         per_choice: dict[int, int] = {}
         reasons: list[str] = []
@@ -235,6 +261,13 @@ class RouterCore:
             raise
         finally:
             m.inc_generation_tokens(n_out)
+            if lora is not None:
+                with self._lora_lock:
+                    left = self._lora_in_flight[lora] - 1
+                    if left:
+                        self._lora_in_flight[lora] = left
+                    else:
+                        del self._lora_in_flight[lora]
             if span is not None:
                 self._end_trace(span, t0, timings, n_out, reasons, error)
 

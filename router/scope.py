@@ -47,8 +47,9 @@ class RequestScope:
         self.n = vreq.n
         self.choice_params: list[SamplingParams] = vreq.choice_params()
         """Each choice's params (choice i: seed + i); choice 0's are the request's own."""
-        self.wire_params = params_to_wire(self.choice_params[0])
-        self.sibling_wires = [params_to_wire(p) for p in self.choice_params[1:]]
+        self.lora_root = vreq.lora_root
+        self.wire_params = params_to_wire(self.choice_params[0], vreq.lora_root)
+        self.sibling_wires = [params_to_wire(p, vreq.lora_root) for p in self.choice_params[1:]]
         """The wire params of choices 1..n-1 (what a worker's ``siblings`` field carries)."""
         self.t0 = t0
         """time.monotonic() when the request arrived."""
@@ -137,6 +138,7 @@ class RequestScope:
         from engine import lora_key_root, prefix_block_hashes
 
         if block_size not in self._hashes_by_bs:
-            root = lora_key_root(self.params.lora_name)  # an adapter's blocks are its own (engine/lora.py)
+            # an adapter's blocks are its own (engine/lora.py): rooted where its workers root them
+            root = self.lora_root or lora_key_root(self.params.lora_name)
             self._hashes_by_bs[block_size] = prefix_block_hashes(self.prompt_token_ids, block_size, root)
         return self._hashes_by_bs[block_size]

@@ -205,6 +205,12 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                 self._parsed(self._in_pool(self.GetModelInfo), P.GetModelInfoRequest),
                 response_serializer=P.ModelInfo.SerializeToString),
+            "LoadLoRAAdapter": grpc.unary_unary_rpc_method_handler(
+                self._parsed(self._in_pool(self.LoadLoRAAdapter), P.LoadLoRAAdapterRequest),
+                response_serializer=P.LoRAAdapterResponse.SerializeToString),
+            "UnloadLoRAAdapter": grpc.unary_unary_rpc_method_handler(
+                self._parsed(self._in_pool(self.UnloadLoRAAdapter), P.UnloadLoRAAdapterRequest),
+                response_serializer=P.LoRAAdapterResponse.SerializeToString),
         }
         name = P.DESCRIPTOR.services_by_name["PDServe"].full_name
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
@@ -376,6 +382,28 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             max_new_tokens=lim.max_tokens_limit, max_prompt_tokens=lim.max_context_length - 1,
             max_logprobs=SamplingParams.MAX_LOGPROBS, eos_token_id=lim.eos_token_id,
             num_prefill_workers=n_p, num_decode_workers=n_d, mode=self.cfg.mode, lora_adapters=lim.lora_adapters)
+
+
+    def LoadLoRAAdapter(self, request: pdserve_pb2.LoadLoRAAdapterRequest,
+                        context: grpc.ServicerContext) -> pdserve_pb2.LoRAAdapterResponse:
+        """Load a LoRA adapter on every worker (router/lora_admin.py)."""
+        from router.lora_admin import LoRAAdminError
+
+        try:
+            return pdserve_pb2.LoRAAdapterResponse(message=self.core.lora_admin.load(request.lora_name,
+                                                                                     request.lora_path))
+        except LoRAAdminError as e:
+            raise _Abort(e.code, e.message) from None
+
+    def UnloadLoRAAdapter(self, request: pdserve_pb2.UnloadLoRAAdapterRequest,
+                          context: grpc.ServicerContext) -> pdserve_pb2.LoRAAdapterResponse:
+        """Unload a runtime LoRA adapter once its requests are done (router/lora_admin.py)."""
+        from router.lora_admin import LoRAAdminError
+
+        try:
+            return pdserve_pb2.LoRAAdapterResponse(message=self.core.lora_admin.unload(request.lora_name))
+        except LoRAAdminError as e:
+            raise _Abort(e.code, e.message) from None
 
 
 class _Abort(Exception):

@@ -51,6 +51,8 @@ class ModelLimits:
     lora_adapters: tuple[str, ...] = ()
     """LoRA adapters every live worker serves (``WorkerInfo.lora_adapters``): names a request may give as its
     ``model`` besides ``model_name``."""
+    lora_roots: tuple[tuple[str, int], ...] = ()
+    """(name, prefix-cache root) of those adapters whose root every worker publishes alike (``LoRAStatus``)."""
 
     def __post_init__(self) -> None:
         if self.max_context_length < 2:
@@ -85,6 +87,9 @@ class ValidatedRequest:
     """Choices for this prompt: one prefill, one KV transfer, ``n`` decoded sequences."""
     beam: Optional[BeamSearchParams] = None
     """Set for a beam search request (``beam_width``): the router runs the search (``router.beam_search``)."""
+    lora_root: int = 0
+    """Its LoRA adapter's prefix-cache root as the workers publish it (0: the base model, or not known): its
+    prompt's block hashes start there, and workers check it (``WireSamplingParams.lora_root``)."""
 
     def choice_params(self) -> list[SamplingParams]:
         """Each choice's params: choice i samples with ``seed + i`` when a seed is set (so choice 0 is the
@@ -209,8 +214,9 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
     n = req.n if req.HasField("n") else 1
     if not 1 <= n <= SamplingParams.MAX_N:
         raise ValueError(f"n must be in [1, {SamplingParams.MAX_N}], got {n}")
+    lora_root = dict(limits.lora_roots).get(lora, 0) if lora is not None else 0
     return ValidatedRequest(request_id=request_id, prompt=req.prompt if has_prompt else None,
-                            prompt_token_ids=ids, params=params, n=n)
+                            prompt_token_ids=ids, params=params, n=n, lora_root=lora_root)
 
 
 def _beam_request(req: pdserve_pb2.GenerateRequest, request_id: str, ids: list[int], has_prompt: bool,

@@ -14,7 +14,7 @@ from engine import SamplingParams, StructuredOutputsParams, TokenLogprob
 from proto import pdserve_pb2, worker_pb2
 
 
-def params_to_wire(p: SamplingParams) -> worker_pb2.WireSamplingParams:
+def params_to_wire(p: SamplingParams, lora_root: int = 0) -> worker_pb2.WireSamplingParams:
     """Every field set explicitly, so defaults on either side never matter."""
     w = worker_pb2.WireSamplingParams(
         max_tokens=p.max_tokens, min_tokens=p.min_tokens, temperature=p.temperature, top_p=p.top_p,
@@ -35,6 +35,7 @@ def params_to_wire(p: SamplingParams) -> worker_pb2.WireSamplingParams:
         w.structured_outputs.CopyFrom(structured_outputs_to_proto(p.structured_outputs))
     if p.lora_name is not None:
         w.lora_name = p.lora_name
+        w.lora_root = lora_root  # (the adapter's weights as admitted: workers check it)
     return w
 
 

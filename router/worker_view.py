@@ -14,6 +14,8 @@ at its next heartbeat). An in-process source (``StaticWorkerSource``, whose
 it were gone (UNAVAILABLE): it stays hidden until a record newer than the failure arrives
 (a live worker's next heartbeat), so a dead worker leaves routing without waiting for its
 registry key's TTL, and a live one that hiccupped comes back within a heartbeat.
+The cluster's runtime LoRA set (``lora_entries``, router/lora_admin.py) is read with the pools, when the source has
+one.
 ``stop()`` ends the thread.
 """
 from __future__ import annotations
@@ -56,6 +58,8 @@ class WorkerView:
         """time.monotonic() of the last successful refresh (0: none yet)."""
         self.last_error: Optional[str] = None
         """Why the last refresh failed (None once one succeeds again)."""
+        self.lora_entries: dict = {}
+        """The cluster's runtime LoRA adapters (``Registry.lora_entries``: name -> entry), read with the pools."""
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> "WorkerView":
@@ -79,6 +83,8 @@ class WorkerView:
         """Re-read every role from the source; False (and the old view kept) if the source failed."""
         try:
             snap = {r: list(self.source.list(r)) for r in ROLES}
+            lora_entries = getattr(self.source, "lora_entries", None)
+            lora = dict(lora_entries()) if lora_entries is not None else {}
         except Exception as e:  # any client error: keep serving from the last view
             if self.last_error is None:
                 log.warning("worker view: source unavailable, routing from the last view: %s", type(e).__name__)
@@ -98,6 +104,7 @@ class WorkerView:
             else:
                 self._back_at = None
             self._snapshot = snap
+            self.lora_entries = lora
             self.last_error = None
             self.last_refresh = time.monotonic()
         return True
@@ -131,12 +138,19 @@ class WorkerView:
 
     def lora_adapters(self) -> tuple[str, ...]:
         """The LoRA adapters every listed worker publishes (``WorkerInfo.lora_adapters``), sorted: a request for one
-        of them can go to any worker. () with no workers."""
-        common: Optional[set[str]] = None
+        of them can go to any worker. () with no workers. An adapter whose workers publish different weights
+        (``LoRAStatus.key_root``: reloaded, some workers not yet) is left out until they agree."""
+        return tuple(sorted(self.lora_roots()))
+
+    def lora_roots(self) -> dict[str, int]:
+        """``lora_adapters``, each with the prefix-cache root its workers publish (0 where they publish none)."""
+        common: Optional[dict[str, int]] = None
         for role in ROLES:
             for w in self.list(role):
-                common = set(w.lora_adapters) if common is None else common & set(w.lora_adapters)
-        return tuple(sorted(common or ()))
+                roots = {s.name: s.key_root for s in w.lora_status if not s.error}
+                mine = {n: roots.get(n, 0) for n in w.lora_adapters}
+                common = mine if common is None else {n: r for n, r in common.items() if mine.get(n) == r}
+        return common or {}
 
     def suspect(self, worker_id: str) -> None:
         """A call to ``worker_id`` failed as if it were gone: hide it until a newer record arrives."""

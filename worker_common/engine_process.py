@@ -74,8 +74,10 @@ _READY_TIMEOUT_S = 600.0  # building an engine compiles kernels on a fresh machi
 _FOLLOW_UP_S = 0.002
 """After answering a call, how long the child waits for the caller's next command before it steps."""
 _CALLS = frozenset({"has_request", "check_request", "get_block_table", "reserve_prompt", "cached_prefix_tokens",
-                    "commit_reserved"})
-"""The engine methods a KV role's proxy calls and waits for (module docstring)."""
+                    "commit_reserved", "add_lora", "remove_lora", "lora_adapters", "lora_event_ids"})
+"""The engine methods a proxy calls and waits for (module docstring): the KV roles' and, for every role, the LoRA
+adapters' (loaded and unloaded at run time)."""
+_ANY_ROLE = frozenset({"add_lora", "remove_lora", "lora_adapters", "lora_event_ids"})
 
 
 _EOF = object()
@@ -395,6 +397,18 @@ class RemoteEngine:
             self._live.discard(request_id)
             self._send(("release", request_id))
 
+    def add_lora(self, name: str, path: str) -> int:
+        return int(self._call("add_lora", name, path))
+
+    def remove_lora(self, name: str) -> int:
+        return int(self._call("remove_lora", name))
+
+    def lora_adapters(self) -> dict[str, int]:
+        return dict(self._call("lora_adapters"))
+
+    def lora_event_ids(self) -> dict[int, int]:
+        return dict(self._call("lora_event_ids"))
+
     def _require_kv(self) -> None:
         if not self.kv:
             raise RuntimeError(f"{self.name}: the engine process was started without its KV cache shared "
@@ -403,7 +417,8 @@ class RemoteEngine:
     def _call(self, name: str, *args: Any, **kw: Any) -> Any:
         """Run ``engine.<name>(*args, **kw)`` in the child and return its answer (raise its exception); what comes
         meanwhile waits in ``_pending`` for ``step()``."""
-        self._require_kv()
+        if name not in _ANY_ROLE:
+            self._require_kv()
         self._send(("call", name, args, kw))
         conn = self._conn
         assert conn is not None

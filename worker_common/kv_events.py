@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import redis
 
@@ -44,7 +44,7 @@ class KVEventPublisher:
     def __init__(self, redis_url: str, namespace: str, worker_id: str, block_size: int, *, medium: str = "CPU",
                  max_queue: int = 1024, stream_maxlen: int = 10000, ttl_s: float = 10.0,
                  snapshot_interval_s: float = 2.0, load_interval_s: float = 0.0, metrics: Any = None,
-                 lora_names: Sequence[str] = ()) -> None:
+                 lora_roots: Optional[dict[int, int]] = None) -> None:
         if not isinstance(redis_url, str) or not redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("kv_events_url must be a redis://, rediss:// or unix:// URL")
         if block_size < 1:
@@ -57,9 +57,9 @@ class KVEventPublisher:
         self.worker_id = worker_id
         self.block_size = block_size
         self.medium = medium
-        from engine.lora import lora_event_ids
-
-        self.lora_roots = lora_event_ids(lora_names)  # (the engine numbers its adapters the same way)
+        self.lora_roots = dict(lora_roots or {})
+        """Each LoRA adapter's prefix-cache root -> its ``lora_id`` (``LLMEngine.lora_event_ids``): replaced whole
+        when adapters are loaded at run time (worker_common/lora_sync.py)."""
         self.stream = kv_stream_key(namespace, worker_id)
         self.snapshot = kv_snapshot_key(namespace, worker_id)
         self.stream_maxlen = stream_maxlen

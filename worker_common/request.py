@@ -45,6 +45,8 @@ class RequestContext:
     """Its ``metrics.WorkerMetrics``."""
     tracing: Any = None
     """Its ``transport.tracing.Tracing`` (None, or off: no spans)."""
+    lora_roots: dict = field(default_factory=dict)
+    """LoRA adapter name -> prefix-cache root of each adapter its engine serves now (worker_common/lora_sync.py)."""
 
 
 class RequestError(Exception):
@@ -98,14 +100,27 @@ def check_peer_tp(eng: EngineCore, value: int, field: str, request_id: str) -> i
     return tp
 
 
-def request_params(wire: Any, request_id: str) -> Any:
-    """A request's wire sampling params as engine SamplingParams; INVALID_ARGUMENT naming the field if bad."""
+def request_params(wire: Any, request_id: str, lora_roots: Optional[dict] = None) -> Any:
+    """A request's wire sampling params as engine SamplingParams; INVALID_ARGUMENT naming the field if bad.
+    ``lora_roots`` (the worker's adapters, name -> prefix-cache root): a request under an adapter this worker does
+    not serve, or serves with other weights than the router admitted it under (``lora_root``: it was reloaded
+    meanwhile), is NOT_FOUND."""
     from worker_common.wire import wire_to_params
 
     try:
-        return wire_to_params(wire)
+        params = wire_to_params(wire)
     except ValueError as e:
         raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"params: {e} (request {request_id})") from None
+    name = params.lora_name
+    if name is not None and lora_roots is not None:
+        root = lora_roots.get(name)
+        if root is None:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"params.lora_name: this worker serves no LoRA adapter "
+                                                          f"{name!r} (request {request_id})")
+        if wire.lora_root and root != wire.lora_root:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, f"params.lora_name: LoRA adapter {name!r} was reloaded "
+                                                          f"with other weights while request {request_id} ran")
+    return params
 
 
 @dataclass

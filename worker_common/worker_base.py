@@ -58,6 +58,8 @@ class WorkerBase:
         self.ctx = RequestContext(cfg.worker_id)
         """Engine, KV endpoint and metrics: all a request set sees of this worker (filled by ``load``)."""
         self.loop: Optional[EngineLoop] = None
+        self.lora: Any = None
+        """Its ``worker_common.lora_sync.LoRASync`` (the adapters loaded at run time), after ``load``."""
         self.kv_events: Any = None
         """The KV event publisher (``worker_common.kv_events``) when ``cfg.kv_events_url`` is set, after ``load``."""
         self.metrics_address = ""
@@ -149,6 +151,10 @@ class WorkerBase:
         self.loop = EngineLoop(self.engine, f"{self.role}-{self.cfg.worker_id}", self.on_outputs, self._poll,
                                on_death=lambda _e: self._serving.set_serving(False), after=self.output_streams.flush,
                                on_step=self._on_step)
+        from worker_common.lora_sync import LoRASync
+
+        self.lora = LoRASync(self)
+        self.ctx.lora_roots = self.lora.roots
         self._snapshot(self.engine)
         self.loop.start()
         self._ready = True
@@ -173,6 +179,8 @@ class WorkerBase:
         self._stopped = True
         self._ready = False
         self.output_streams.close_all()
+        if self.lora is not None:
+            self.lora.stop()
         self._serving.stop(0.5)
         if self.loop is not None:
             self.loop.stop()
@@ -199,7 +207,7 @@ class WorkerBase:
         medium = "GPU" if str(getattr(self.cfg.engine, "device", "cpu")).startswith("cuda") else "CPU"
         self.kv_events = KVEventPublisher(self.cfg.kv_events_url, self.cfg.kv_events_namespace, self.cfg.worker_id,
                                           eng.block_size, medium=medium, metrics=self.metrics,
-                                          lora_names=list(getattr(self.cfg.engine, "lora_modules", None) or ())).start()
+                                          lora_roots=eng.lora_event_ids()).start()
 
     def make_kv_endpoint(self) -> Any:
         """This worker's kvtransfer endpoint (one per worker, named ``cfg.kv_name``)."""
@@ -223,7 +231,7 @@ class WorkerBase:
             queued_prompt_tokens=self.queued_prompt_tokens(), block_size=eng.block_size,
             kv_cache_dtype=eng.kv_cache_dtype, tensor_parallel_size=engine_tp(eng),
             max_model_len=getattr(self.cfg.engine, "max_model_len", None) or 0,  # as set: a short KV cache is capacity
-            lora_adapters=sorted(getattr(self.cfg.engine, "lora_modules", None) or ()),  # all loaded, or no start
+            lora_adapters=sorted(self.ctx.lora_roots),
             requests_total=sum(rs.requests_total for rs in self.request_sets),
             prompt_tokens_total=sum(rs.prompt_tokens_total for rs in self.request_sets),
             output_tokens_total=self.output_tokens_total, requests_finished_total=self.requests_finished_total)
@@ -281,7 +289,15 @@ class WorkerBase:
                       and not self.stalled())
         info.updated_at = time.time()
         info.node_id = self.cfg.node_id
+        if self.lora is not None:
+            info.lora_status.extend(self.lora.status())
         return info
+
+    def sync_lora(self, entries: Any) -> None:
+        """Follow the cluster's runtime LoRA set (``cluster.registry.Registry.lora_entries``), in the background
+        (worker_common/lora_sync.py); before ``load`` it does nothing."""
+        if self.lora is not None and not self._stopped:
+            self.lora.sync(entries)
 
     def GetInfo(self, request: Any, context: grpc.ServicerContext) -> worker_pb2.WorkerInfo:
         return self.info()

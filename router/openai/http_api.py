@@ -45,7 +45,7 @@ import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.openai import schema as openai_schema
@@ -68,6 +68,13 @@ log = logging.getLogger(__name__)
 
 _PROTECTED = ("/v1", "/tokenize", "/detokenize")
 """Paths that need the API key when keys are configured."""
+
+_LORA_HTTP = {grpc.StatusCode.UNIMPLEMENTED: 404, grpc.StatusCode.NOT_FOUND: 404,
+              grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.ALREADY_EXISTS: 400,
+              grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.UNAVAILABLE: 503,
+              grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+"""A runtime LoRA call's gRPC status as its HTTP status (vLLM answers 400 for a name already loaded, 404 for one
+not found)."""
 
 _DISCONNECTED = object()
 """Put on a response's event queue when its client went away."""
@@ -397,6 +404,14 @@ class HttpApi:
         async def chat(body: oa.ChatCompletionRequest, request: Request) -> Response:
             return await self._serve(request, body, chat=True)
 
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: oa.LoadLoRAAdapterRequest) -> Response:
+            return await self._lora_admin("load", body.lora_name, body.lora_path)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: oa.UnloadLoRAAdapterRequest) -> Response:
+            return await self._lora_admin("unload", body.lora_name)
+
         @app.post("/tokenize")
         async def tokenize(request: Request) -> Response:
             return await self._tokenize(await self._body(request, oa.TokenizeCompletionRequest,
@@ -566,6 +581,20 @@ class HttpApi:
             return model.model_validate(raw)
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
+
+    async def _lora_admin(self, op: str, *args: str) -> Response:
+        """A runtime LoRA load or unload (router/lora_admin.py): vLLM's plain-text success message, or the error
+        with its HTTP status (off: 404, as vLLM without ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``)."""
+        from router.lora_admin import LoRAAdminError
+
+        admin = self.core.lora_admin
+        try:
+            msg = await asyncio.to_thread(admin.load if op == "load" else admin.unload, *args)
+        except LoRAAdminError as e:
+            status = _LORA_HTTP.get(e.code, 400)
+            param = e.message.split(":", 1)[0] if e.message.startswith(("lora_name", "lora_path")) else None
+            return self._error(status, e.message, param)
+        return PlainTextResponse(msg)
 
     async def _tokenize(self, body: Any) -> Response:
         core = self.core

@@ -292,6 +292,25 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` (router/lora_admin.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/unload_lora_adapter`` (``lora_int_id``, vLLM's engine-internal id, is accepted and
+    ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_int_id: Optional[int] = None
+
+
 def tokenize_json(body: Union[TokenizeCompletionRequest, TokenizeChatRequest], tokenizer: Any,
                   limits: ModelLimits) -> dict:
     """vLLM's /tokenize answer: ``count``, ``max_model_len``, ``tokens`` (and ``token_strs`` when asked). A text

@@ -178,6 +178,8 @@ def install(app: FastAPI, completion_request: type[BaseModel], chat_request: typ
             "/tokenize": {"application/json": {"schema": _ref(TokenizeResponse)}},
             "/detokenize": {"application/json": {"schema": _ref(DetokenizeResponse)}},
             "/metrics": {"text/plain": {"schema": {"type": "string", "description": "Prometheus exposition"}}},
+            "/v1/load_lora_adapter": {"text/plain": {"schema": {"type": "string", "description": "success"}}},
+            "/v1/unload_lora_adapter": {"text/plain": {"schema": {"type": "string", "description": "success"}}},
         }
         bodies = {"/tokenize": {"anyOf": [_ref(m) for m in tokenize_requests]}, "/detokenize": _ref(detokenize_request)}
         for path, ops in doc.get("paths", {}).items():

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.block_manager import prefix_block_hashes
 from engine.kv_events import BlockStored, kv_batch_from_raw
-from engine.lora import lora_event_ids, lora_key_root
+from engine.lora import lora_key_root
 from engine.sampling_params import SamplingParams
 
 from tests.engine.conftest import hf_greedy, make_checkpoint, make_engine, prompts_of, run_engine
@@ -177,8 +177,11 @@ def test_prefix_cache_is_per_adapter(setup):
     assert eng.cached_prefix_tokens(prompt[:32], lora_name="qv") == 32
     eng2 = make_engine(ckpt, lora_modules={"all": dirs["all"]})
     assert eng2.cached_prefix_tokens(prompt[:32], lora_name="all") == 0
-    # the roots routers hash with: the base model's is 0, each adapter's its own
-    assert lora_key_root(None) == 0 and len({lora_key_root(None), lora_key_root("all"), lora_key_root("qv")}) == 3
+    # the roots routers hash with: the base model's is 0, each adapter's its own, from its name and its files
+    roots = eng.lora_adapters()
+    assert lora_key_root(None) == 0 and len({0, roots["all"], roots["qv"]}) == 3
+    assert roots["all"] == eng2.lora_adapters()["all"]  # the same files: the same root on every engine
+    assert roots["all"] == lora_key_root("all", eng.lora.by_slot[eng.lora.slot_of["all"]].digest)
 
 
 def test_kv_events_name_the_adapter_and_match_the_routers_hashes(setup):
@@ -190,10 +193,10 @@ def test_kv_events_name_the_adapter_and_match_the_routers_hashes(setup):
     eng.block_manager.enable_events()
     prompt = prompts_of([21], seed=51)[0]
     run_engine(eng, {"a": prompt}, SamplingParams(max_tokens=2, temperature=0.0, lora_name="qv"))
-    roots = lora_event_ids(list(dirs))  # what a worker's publisher is given: the lora_modules' names, in order
+    roots = eng.lora_event_ids()  # what a worker's publisher is given
     (stored,) = [e for e in kv_batch_from_raw(eng.block_manager.take_events(), 4, lora_roots=roots).events
                  if isinstance(e, BlockStored)]
-    assert stored.block_hashes == prefix_block_hashes(prompt, 4, lora_key_root("qv"))
+    assert stored.block_hashes == prefix_block_hashes(prompt, 4, eng.lora_adapters()["qv"])
     assert stored.parent_block_hash is None and stored.lora_id == eng.lora.slot_of["qv"] == 2
     assert not set(stored.block_hashes) & set(prefix_block_hashes(prompt, 4))
 

@@ -368,7 +368,10 @@ def test_an_adapters_request_hashes_its_prompt_under_the_adapter():
     from engine.lora import lora_key_root
 
     ids = list(range(1, 41))
-    lora = RequestScope(ValidatedRequest("a", None, ids, SamplingParams(max_tokens=4, lora_name="sql")), 0.0, 1e12)
-    assert lora.prefix_hashes(16) == prefix_block_hashes(ids, 16, lora_key_root("sql"))
+    root = lora_key_root("sql", b"the adapter's files")  # as its workers publish it (WorkerInfo.lora_status)
+    lora = RequestScope(ValidatedRequest("a", None, ids, SamplingParams(max_tokens=4, lora_name="sql"),
+                                         lora_root=root), 0.0, 1e12)
+    assert lora.prefix_hashes(16) == prefix_block_hashes(ids, 16, root)
+    assert lora.wire_params.lora_root == root and lora.wire_params.lora_name == "sql"
     assert not set(lora.prefix_hashes(16)) & set(_scope(40).prefix_hashes(16))
     assert _scope(40).prefix_hashes(16) == prefix_block_hashes(ids, 16)

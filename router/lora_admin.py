@@ -1,0 +1,192 @@
+"""LoRA adapters loaded and unloaded while the cluster runs: the router's ``LoadLoRAAdapter`` / ``UnloadLoRAAdapter``
+(gRPC) and vLLM's ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter`` (HTTP).
+
+Lifecycle: ``RouterCore`` builds one ``LoRAAdmin``; it answers only on a router started with
+``allow_runtime_lora_updating`` (``--allow-runtime-lora-updating``, vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``: a
+load names a path on the workers' hosts, so it is off unless asked for) and with the cluster's Redis registry as
+its worker source. The cluster's runtime set is one Redis hash (``cluster.registry.Registry.lora_entries``); every
+worker's heartbeat follows it (worker_common/lora_sync.py), so a worker started later loads the same adapters.
+
+- **load** (name, absolute path): checked first (name, path, not served already, some worker live); the entry is
+  added (``HSETNX``: one load of a name at a time, whichever router gets there first) under a fresh load id; the
+  call then waits until every live worker publishes the adapter from that load (``WorkerInfo.lora_status``) with
+  the same weights (``key_root``), and answers; a worker's refusal (a missing directory, a shape that does not fit
+  the model: engine/lora.py's checks) removes the entry and comes back as INVALID_ARGUMENT naming the worker and
+  the reason; no answer within ``lora_update_timeout_s``, DEADLINE_EXCEEDED (the entry removed, so nothing half
+  loaded stays). Every router serves an adapter once every live worker publishes it (router/core.py ``limits``).
+- **unload** (name): the entry is marked ``unloading``: every router refuses new requests under it (NOT_FOUND) at
+  its next view refresh, this one at once, while workers keep it; once no request runs under it (no worker
+  publishes one running, none of this router's is in flight; at most ``lora_update_timeout_s``) the entry goes and
+  the workers unload it (a request still running then finishes under it: the engine frees the weights after its
+  last one). Adapters given at start (``--lora-modules``) are not unloaded (FAILED_PRECONDITION).
+
+Errors are ``LoRAAdminError`` with the gRPC status (the HTTP API maps it: 400, 404, 501, 503, 504), never a bare
+exception; Redis unreachable is UNAVAILABLE and changes nothing.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from proto.worker_pb2 import LoRARuntimeEntry as LoRAEntry
+
+if TYPE_CHECKING:
+    from router.core import RouterCore
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.1
+"""How often a load or unload re-reads the workers' records while it waits."""
+
+
+class LoRAAdminError(Exception):
+    """A refused or failed load/unload: ``code`` (a gRPC status) and a message naming the field or the cause."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class LoRAAdmin:
+    """The router's runtime LoRA calls (see module docstring)."""
+
+    def __init__(self, core: "RouterCore") -> None:
+        self.core = core
+        self.unloading: set[str] = set()
+        """Adapters this router is unloading now: refused at once, before the view shows the entry's state."""
+        self._lock = threading.Lock()
+
+    # ---- checks -------------------------------------------------------------------------------
+    def _registry(self) -> Any:
+        if not self.core.cfg.allow_runtime_lora_updating:
+            raise LoRAAdminError(grpc.StatusCode.UNIMPLEMENTED, "loading LoRA adapters at run time is off: start the "
+                                 "router with --allow-runtime-lora-updating")
+        reg = self.core.view.source
+        if not callable(getattr(reg, "lora_add", None)):
+            raise LoRAAdminError(grpc.StatusCode.UNIMPLEMENTED, "loading LoRA adapters at run time needs the "
+                                 "cluster's Redis registry as the router's worker source")
+        return reg
+
+    @staticmethod
+    def _name(name: object) -> str:
+        from engine import check_lora_name
+
+        try:
+            return check_lora_name(name, "lora_name")  # type: ignore[arg-type]
+        except ValueError as e:
+            raise LoRAAdminError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+
+    def _redis(self, what: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except LoRAAdminError:
+            raise
+        except Exception as e:  # redis-py's connection and timeout errors (after its retries)
+            raise LoRAAdminError(grpc.StatusCode.UNAVAILABLE, f"{what}: the cluster registry (Redis) did not answer: "
+                                 f"{type(e).__name__}") from None
+
+    # ---- load ---------------------------------------------------------------------------------
+    def load(self, name: object, path: object) -> str:
+        """Load adapter ``name`` from ``path`` on every worker; the success message (vLLM's words)."""
+        reg = self._registry()
+        name = self._name(name)
+        if not isinstance(path, str) or not path:
+            raise LoRAAdminError(grpc.StatusCode.INVALID_ARGUMENT, "lora_path: a PEFT LoRA adapter directory is "
+                                 "required")
+        if not os.path.isabs(path) or "\0" in path:
+            raise LoRAAdminError(grpc.StatusCode.INVALID_ARGUMENT, f"lora_path must be an absolute path (each worker "
+                                 f"reads it on its own host), got {path!r}")
+        limits = self.core.limits
+        if limits is not None and name == limits.model_name:
+            raise LoRAAdminError(grpc.StatusCode.INVALID_ARGUMENT, f"lora_name: {name!r} is the served model's "
+                                 "name")
+        if (limits is not None and name in limits.lora_adapters) or name in self.core.view.lora_entries:
+            raise LoRAAdminError(grpc.StatusCode.ALREADY_EXISTS, f"The lora adapter '{name}' has already been "
+                                 "loaded.")
+        if not self._redis("load", reg.list):
+            raise LoRAAdminError(grpc.StatusCode.UNAVAILABLE, "no live worker to load the adapter on")
+        load_id = uuid.uuid4().hex[:16]
+        if not self._redis("load", reg.lora_add, name, LoRAEntry(path=path, load_id=load_id, state="serving")):
+            raise LoRAAdminError(grpc.StatusCode.ALREADY_EXISTS, f"The lora adapter '{name}' has already been "
+                                 "loaded.")
+        log.info("router: loading LoRA adapter %r from %s (load %s)", name, path, load_id)
+        deadline = time.monotonic() + self.core.cfg.lora_update_timeout_s
+        try:
+            while True:
+                workers = self._redis("load", reg.list)
+                ours = [[s for s in w.lora_status if s.name == name and s.load_id == load_id] for w in workers]
+                for w, st in zip(workers, ours):
+                    if st and st[0].error:
+                        raise LoRAAdminError(grpc.StatusCode.INVALID_ARGUMENT,
+                                             f"lora_path: worker {w.worker_id} could not load adapter {name!r}: "
+                                             f"{st[0].error}")
+                if workers and all(st for st in ours) and len({st[0].key_root for st in ours}) == 1:
+                    break
+                if len({st[0].key_root for st in ours if st}) > 1:
+                    raise LoRAAdminError(grpc.StatusCode.FAILED_PRECONDITION,
+                                         f"lora_path: the workers read different files at {path} (the adapter's "
+                                         "weights differ between hosts)")
+                if time.monotonic() > deadline:
+                    missing = [w.worker_id for w, st in zip(workers, ours) if not st]
+                    raise LoRAAdminError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                         f"adapter {name!r} not loaded on {missing} within "
+                                         f"{self.core.cfg.lora_update_timeout_s:g} s")
+                time.sleep(POLL_S)
+        except BaseException:
+            try:
+                reg.lora_remove(name, load_id)
+            except Exception as e:  # noqa: BLE001 - the workers keep whatever they loaded until Redis answers
+                log.warning("router: LoRA adapter %r (load %s) not removed after a failed load: %s", name, load_id,
+                            type(e).__name__)
+            raise
+        self.core.refresh_workers()
+        log.info("router: LoRA adapter %r loaded on %d worker(s)", name, len(workers))
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    # ---- unload -------------------------------------------------------------------------------
+    def unload(self, name: object) -> str:
+        """Stop serving adapter ``name`` once its requests are done; the success message (vLLM's words)."""
+        reg = self._registry()
+        name = self._name(name)
+        entry = self._redis("unload", reg.lora_entries).get(name)
+        if entry is None:
+            limits = self.core.limits
+            if limits is not None and name in limits.lora_adapters:
+                raise LoRAAdminError(grpc.StatusCode.FAILED_PRECONDITION, f"lora_name: adapter {name!r} was given at "
+                                     "start (--lora-modules); it is not unloaded at run time")
+            raise LoRAAdminError(grpc.StatusCode.NOT_FOUND, f"The lora adapter '{name}' cannot be found.")
+        with self._lock:
+            self.unloading.add(name)
+        try:
+            self.core.refresh_workers()
+            if entry.state != "unloading":
+                self._redis("unload", reg.lora_update, name, LoRAEntry(path=entry.path, load_id=entry.load_id,
+                                                                       state="unloading"))
+            deadline = time.monotonic() + self.core.cfg.lora_update_timeout_s
+            while time.monotonic() < deadline:
+                running = sum(s.running for w in self._redis("unload", reg.list) for s in w.lora_status
+                              if s.name == name)
+                if not running and not self.core.lora_in_flight(name):
+                    break
+                time.sleep(POLL_S)
+            else:
+                log.warning("router: LoRA adapter %r still has requests after %g s: unloading it anyway (they "
+                            "finish under it where they run)", name, self.core.cfg.lora_update_timeout_s)
+            self._redis("unload", reg.lora_remove, name, entry.load_id)
+            while time.monotonic() < deadline:  # the workers let it go at their next heartbeat
+                if not any(name in w.lora_adapters for w in self._redis("unload", reg.list)):
+                    break
+                time.sleep(POLL_S)
+            self.core.refresh_workers()
+        finally:
+            with self._lock:
+                self.unloading.discard(name)
+        log.info("router: LoRA adapter %r unloaded", name)
+        return f"Success: LoRA adapter '{name}' removed successfully."
