@@ -310,3 +310,104 @@ def test_tensor_parallel_ranks_serve_their_shard_of_each_adapter(setup):
         assert_greedy_is_peft(eng, refs, prompts_of([7, 19, 12, 26], seed=71), ["all", None, "qv", "all"], [12] * 4)
     finally:
         eng.close()
+
+
+def test_an_adapter_loaded_at_run_time_serves_peft_answers(setup):
+    """``add_lora`` on an engine started without adapters (vLLM's /v1/load_lora_adapter): from the next step the
+    adapter answers as PEFT's model does, mixed with the base model and an adapter loaded after it; its root is the
+    one an engine given it at start computes (same files, same root: workers agree)."""
+    ckpt, dirs, refs = setup
+    eng = make_engine(ckpt, max_num_batched_tokens=48)
+    assert eng.lora_adapters() == {} and not eng.runner.serves_lora
+    prompts = prompts_of([13, 22, 9], seed=81)
+    assert_greedy_is_peft(eng, refs, prompts[:1], [None], [8])
+    root = eng.add_lora("all", dirs["all"])
+    assert eng.lora_adapters() == {"all": root} and eng.runner.serves_lora
+    assert root == make_engine(ckpt, lora_modules={"all": dirs["all"]}).lora_adapters()["all"]
+    eng.add_lora("qv", dirs["qv"])
+    assert_greedy_is_peft(eng, refs, prompts, ["all", None, "qv"], [10, 10, 10])
+
+
+def test_an_unloaded_adapter_finishes_its_requests_then_lets_go(setup):
+    """``remove_lora``: a new request under the adapter is refused at once (ValueError naming lora_name), one
+    already running finishes under it with PEFT's answer, and its weights leave every layer after its last
+    request."""
+    ckpt, dirs, refs = setup
+    eng = make_engine(ckpt)
+    eng.add_lora("all", dirs["all"])
+    prompt = prompts_of([17], seed=91)[0]
+    eng.add_request("r", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, lora_name="all"))
+    got = []
+    for _ in range(3):
+        got += [t for o in eng.step() for t in o.new_token_ids]
+    assert eng.remove_lora("all") == 1
+    with pytest.raises(ValueError, match="lora_name"):
+        eng.add_request("late", prompt, SamplingParams(max_tokens=2, lora_name="all"))
+    with pytest.raises(ValueError, match="lora_name"):
+        eng.remove_lora("all")
+    assert eng.lora_adapters() == {}
+    while eng.has_unfinished_requests():
+        got += [t for o in eng.step() for t in o.new_token_ids]
+    assert got == hf_greedy(refs["all"], prompt, 12)
+    eng.step()  # (the step after the last one lets the weights go)
+    assert eng.lora.by_slot == {} and not eng.runner.serves_lora
+    assert all(layer.lora is None or not layer.lora.by_linear for layer in eng.runner.model.layers)
+    assert run_engine(eng, {"b": prompt}, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))["b"] == \
+        hf_greedy(refs[None], prompt, 6)
+
+
+def test_a_name_reloaded_with_other_weights_reuses_none_of_its_old_kv(setup):
+    """The same name loaded again from other files starts a prefix-cache chain of its own (the root hashes the
+    files): no block computed under the old weights serves the new ones, whose answers are the new adapter's. The
+    same files loaded again share the old blocks (equal weights, equal K/V)."""
+    ckpt, dirs, refs = setup
+    eng = make_engine(ckpt)
+    prompt = prompts_of([33], seed=93)[0]
+
+    def ask():
+        before = eng.prefix_cache_hits
+        out = run_engine(eng, {"p": prompt}, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                                            lora_name="x"))["p"]
+        return out, eng.prefix_cache_hits - before
+
+    first = eng.add_lora("x", dirs["all"])
+    assert ask() == (hf_greedy(refs["all"], prompt, 8), 0)
+    eng.remove_lora("x")
+    assert eng.add_lora("x", dirs["qv"]) != first
+    assert ask() == (hf_greedy(refs["qv"], prompt, 8), 0)
+    eng.remove_lora("x")
+    assert eng.add_lora("x", dirs["all"]) == first
+    out, hits = ask()
+    assert out == hf_greedy(refs["all"], prompt, 8) and hits == 32
+
+
+def test_run_time_loads_refused_by_name_change_nothing(setup, tmp_path):
+    ckpt, dirs, _ = setup
+    eng = make_engine(ckpt, lora_modules={"all": dirs["all"]})
+    before = eng.lora_adapters()
+    for name, path, match in [("bad name", dirs["qv"], "lora_name"), ("all", dirs["qv"], "already loaded"),
+                              ("new", str(tmp_path / "nowhere"), "adapter_config.json"), ("new", "", "lora_path")]:
+        with pytest.raises(ValueError, match=match):
+            eng.add_lora(name, path)
+    with pytest.raises(ValueError, match="lora_name"):
+        eng.remove_lora("qv")
+    assert eng.lora_adapters() == before and sorted(eng.lora.by_slot) == [1]
+
+
+def test_tensor_parallel_ranks_load_and_unload_at_run_time(setup):
+    """A two-rank engine loads an adapter at run time on both ranks (each its shard, in rank 0's slot) and answers
+    as PEFT; unloaded, both ranks let it go and the base model's answer is the base model's."""
+    ckpt, dirs, refs = setup
+    eng = make_engine(ckpt, tensor_parallel_size=2, num_threads=1, max_num_batched_tokens=48)
+    try:
+        eng.add_lora("qv", dirs["qv"])
+        prompts = prompts_of([11, 20], seed=97)
+        assert_greedy_is_peft(eng, refs, prompts, ["qv", None], [10, 10])
+        assert eng.remove_lora("qv") == 0 and eng.lora.by_slot == {}
+        assert_greedy_is_peft(eng, refs, prompts[:1], [None], [10])
+        with pytest.raises(ValueError, match="adapter_config.json"):
+            eng.add_lora("gone", dirs["qv"] + "-missing")
+        eng.add_lora("all", dirs["all"])
+        assert_greedy_is_peft(eng, refs, prompts[1:], ["all"], [10])
+    finally:
+        eng.close()
