@@ -149,12 +149,28 @@ class _WorkerActor:
                 raise RuntimeError(f"worker {self.spec.worker_id} already started")
             self.worker = self.spec.factory(self._node_ip, self._node_id)
             self.worker.start()
+            self._join_lora()
             info = self._info()
             self.registry.register(info)
             self._beat = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{self.spec.worker_id}",
                                           daemon=True)
             self._beat.start()
             return info
+
+    def _join_lora(self) -> None:
+        """Load the cluster's runtime LoRA adapters before registering (worker_common/lora_sync.py), so a worker that
+        joins (scaled up, replaced) never takes an adapter out of what the routers serve. Redis unreachable: it
+        starts with none and follows the set from its heartbeats."""
+        sync_lora = getattr(self.worker, "sync_lora", None)
+        if sync_lora is None:
+            return
+        try:
+            entries = self.registry.lora_entries()
+        except Exception as e:  # noqa: BLE001 - the heartbeat tries again
+            log.warning("worker %s: the cluster's LoRA adapters not read at start: %s", self.spec.worker_id, e)
+            return
+        if entries:
+            sync_lora(entries, wait=True)
 
     def _info(self) -> WorkerInfo:
         info = self.worker.info()

@@ -53,12 +53,17 @@ class LoRASync:
         """Name -> (load id, message) of loads the engine refused."""
         self._want: Optional[Mapping[str, LoRAEntry]] = None
         self._lock = threading.Lock()
+        self._apply_lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
-    def sync(self, entries: Mapping[str, LoRAEntry]) -> None:
-        """Bring the engine to ``entries`` (the cluster's runtime set), in the background; returns at once."""
+    def sync(self, entries: Mapping[str, LoRAEntry], wait: bool = False) -> None:
+        """Bring the engine to ``entries`` (the cluster's runtime set), in the background; returns at once, or, with
+        ``wait``, once done (a worker starting up, before it registers: it joins serving the cluster's adapters)."""
+        if wait:
+            self._apply(dict(entries))
+            return
         with self._lock:
             self._want = dict(entries)
             if self._thread is None:
@@ -85,6 +90,10 @@ class LoRASync:
                 log.warning("worker %s: LoRA sync stopped: %s", self.worker.cfg.worker_id, e)
 
     def _apply(self, want: Mapping[str, LoRAEntry]) -> None:
+        with self._apply_lock:
+            self._apply_locked(want)
+
+    def _apply_locked(self, want: Mapping[str, LoRAEntry]) -> None:
         loop = self.worker.loop
         if loop is None or not loop.alive:
             return

@@ -231,7 +231,6 @@ class WorkerBase:
             queued_prompt_tokens=self.queued_prompt_tokens(), block_size=eng.block_size,
             kv_cache_dtype=eng.kv_cache_dtype, tensor_parallel_size=engine_tp(eng),
             max_model_len=getattr(self.cfg.engine, "max_model_len", None) or 0,  # as set: a short KV cache is capacity
-            lora_adapters=sorted(self.ctx.lora_roots),
             requests_total=sum(rs.requests_total for rs in self.request_sets),
             prompt_tokens_total=sum(rs.prompt_tokens_total for rs in self.request_sets),
             output_tokens_total=self.output_tokens_total, requests_finished_total=self.requests_finished_total)
@@ -289,15 +288,16 @@ class WorkerBase:
                       and not self.stalled())
         info.updated_at = time.time()
         info.node_id = self.cfg.node_id
+        info.lora_adapters[:] = sorted(self.ctx.lora_roots)  # (as served now: a load changes it between steps)
         if self.lora is not None:
             info.lora_status.extend(self.lora.status())
         return info
 
-    def sync_lora(self, entries: Any) -> None:
+    def sync_lora(self, entries: Any, wait: bool = False) -> None:
         """Follow the cluster's runtime LoRA set (``cluster.registry.Registry.lora_entries``), in the background
-        (worker_common/lora_sync.py); before ``load`` it does nothing."""
+        (worker_common/lora_sync.py), or at once with ``wait``; before ``load`` it does nothing."""
         if self.lora is not None and not self._stopped:
-            self.lora.sync(entries)
+            self.lora.sync(entries, wait)
 
     def GetInfo(self, request: Any, context: grpc.ServicerContext) -> worker_pb2.WorkerInfo:
         return self.info()
