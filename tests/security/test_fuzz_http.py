@@ -28,9 +28,12 @@ from tests.waiting import wait_until
 
 KEY = "fuzz-http-key-1"
 FIELD_NAMES = sorted({name for model in (oa.CompletionRequest, oa.ChatCompletionRequest, oa.TokenizeCompletionRequest,
-                                         oa.TokenizeChatRequest, oa.DetokenizeRequest)
-                      for name in model.model_fields} | {"body", "JSON"}, key=len, reverse=True)
-"""What an error message may name: any request field of the API, or the body as a whole."""
+                                         oa.TokenizeChatRequest, oa.DetokenizeRequest, oa.LoadLoRAAdapterRequest,
+                                         oa.UnloadLoRAAdapterRequest)
+                      for name in model.model_fields} | {"body", "JSON", "allow-runtime-lora-updating"},
+                     key=len, reverse=True)
+"""What an error message may name: any request field of the API, or the body as a whole (or, for the runtime LoRA
+calls on this router, which does not allow them, the flag that would)."""
 EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "25"))
 MAX_MODEL_LEN = 64
 
