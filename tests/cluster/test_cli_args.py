@@ -341,3 +341,14 @@ def test_lora_modules_flag_reaches_every_worker_engine_and_bad_adapters_are_refu
         with pytest.raises(ValueError) as e:
             check_up_args(build_parser().parse_args(["up", "--lora-modules", *argv]))
         assert str(e.value).startswith(message), str(e.value)
+
+
+@pytest.mark.parametrize("cmd", ["up", "router"])
+def test_runtime_lora_flag_reaches_the_router_config(cmd):
+    from router.config import RouterConfig
+
+    extra = ["--namespace", "ns"] if cmd == "router" else []
+    cfg = RouterConfig(**router_overrides(build_parser().parse_args([cmd, "--allow-runtime-lora-updating", *extra])))
+    assert cfg.allow_runtime_lora_updating is True
+    assert RouterConfig(**router_overrides(build_parser().parse_args([cmd, *extra]))).allow_runtime_lora_updating \
+        is False

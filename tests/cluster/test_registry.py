@@ -161,3 +161,26 @@ def test_unreachable_redis_fails_fast_instead_of_hanging():
     with pytest.raises(redis.ConnectionError):
         reg.list()
     assert time.monotonic() - start < 5.0
+
+
+def test_runtime_lora_set_adds_once_and_changes_only_the_same_load(redis_url, redis_namespace):
+    """The cluster's runtime LoRA set (router/lora_admin.py writes it, workers follow it): a name is added once
+    (a second add, from any router, is refused), changed or removed only by the load that added it (a later load of
+    the name is not undone by an earlier one's cleanup), and ``clear`` removes it with the cluster's other keys."""
+    from proto.worker_pb2 import LoRARuntimeEntry
+
+    reg = Registry(redis_url, redis_namespace)
+    first = LoRARuntimeEntry(path="/a", load_id="one", state="serving")
+    assert reg.lora_add("sql", first) and not reg.lora_add("sql", LoRARuntimeEntry(path="/b", load_id="two"))
+    assert reg.lora_entries() == {"sql": first}
+    assert not reg.lora_update("sql", LoRARuntimeEntry(path="/a", load_id="two", state="unloading"))
+    assert reg.lora_update("sql", LoRARuntimeEntry(path="/a", load_id="one", state="unloading"))
+    assert reg.lora_entries()["sql"].state == "unloading"
+    assert not reg.lora_remove("sql", "two") and reg.lora_remove("sql", "one") and reg.lora_entries() == {}
+    assert not reg.lora_remove("sql", "one")
+    reg.lora_add("chat", first)
+    reg._redis.hset(reg.lora_key, "garbled", b"\xff\xfe not a message")
+    assert list(reg.lora_entries()) == ["chat"]  # (the unreadable field skipped, with a warning)
+    assert reg.lora_key in reg.keys()
+    reg.clear()
+    assert reg.lora_entries() == {} and reg.keys() == []

@@ -198,3 +198,31 @@ def test_bench_sends_each_request_under_a_drawn_adapter(roles, tmp_path, capsys,
     assert 0 < int(counts["nope"]) < 12 and res["completed"] == int(counts["py"])
     assert res["failed"] == int(counts["nope"])
     assert all(("NOT_FOUND" if backend == "grpc" else "404") in e for e in res["errors"] if e), res["errors"]
+
+
+def test_runtime_lora_calls_are_off_unless_the_router_allows_them(roles, adapters):
+    """Without ``allow_runtime_lora_updating`` the load and unload calls change nothing: HTTP 404 and gRPC
+    UNIMPLEMENTED, both naming the flag (vLLM, without VLLM_ALLOW_RUNTIME_LORA_UPDATING, has no such routes). A router
+    allowed them but fed by a static worker list (no Redis registry to hold the cluster's set) is UNIMPLEMENTED too,
+    naming why. The e2e test (tests/e2e/test_lora_runtime.py) runs them on a whole cluster."""
+    import httpx
+
+    r = httpx.post(f"http://{roles.router.http_address}/v1/load_lora_adapter",
+                   json={"lora_name": "extra", "lora_path": adapters["alt"]}, timeout=30)
+    assert r.status_code == 404 and "--allow-runtime-lora-updating" in r.json()["error"]["message"], r.text
+    for call, req in ((roles.stub.LoadLoRAAdapter, pdserve_pb2.LoadLoRAAdapterRequest(lora_name="extra",
+                                                                                        lora_path=adapters["alt"])),
+                      (roles.stub.UnloadLoRAAdapter, pdserve_pb2.UnloadLoRAAdapterRequest(lora_name="py"))):
+        with pytest.raises(grpc.RpcError) as e:
+            call(req, timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "--allow-runtime-lora-updating" in e.value.details()
+    assert _generate(roles.stub, PROMPTS[0], "py", 4)  # still served: the unload did nothing
+    allowed = start_colocated(n=1, tag="lora-static-", engine=dict(lora_modules=adapters),
+                              router=dict(allow_runtime_lora_updating=True))
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            allowed.stub.LoadLoRAAdapter(pdserve_pb2.LoadLoRAAdapterRequest(lora_name="extra",
+                                                                           lora_path=adapters["alt"]), timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "registry" in e.value.details()
+    finally:
+        allowed.close()
