@@ -469,6 +469,8 @@ class LLMEngine:
         if seq is None:
             return
         self._defer_free(seq)
+        if seq.lora_slot in self.lora.retired:
+            self._reap_loras()
         self.scheduler.finish(seq)
         if self._proposer is not None:
             self._proposer.release(request_id)
@@ -884,6 +886,8 @@ class LLMEngine:
         if self._proposer is not None:
             self._proposer.release(seq.request_id)
         self._seqs.pop(seq.request_id, None)
+        if seq.lora_slot in self.lora.retired:
+            self._reap_loras()  # (its last request gone: an unloaded adapter's weights go now)
 
     # -- validation -----------------------------------------------------------------------------
 

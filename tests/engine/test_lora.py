@@ -349,7 +349,6 @@ def test_an_unloaded_adapter_finishes_its_requests_then_lets_go(setup):
     while eng.has_unfinished_requests():
         got += [t for o in eng.step() for t in o.new_token_ids]
     assert got == hf_greedy(refs["all"], prompt, 12)
-    eng.step()  # (the step after the last one lets the weights go)
     assert eng.lora.by_slot == {} and not eng.runner.serves_lora
     assert all(layer.lora is None or not layer.lora.by_linear for layer in eng.runner.model.layers)
     assert run_engine(eng, {"b": prompt}, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))["b"] == \
