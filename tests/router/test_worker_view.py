@@ -99,3 +99,28 @@ def test_in_process_source_is_read_directly():
         view.list("router")
     with pytest.raises(ValueError, match="refresh_s"):
         WorkerView(StaticWorkerSource(), refresh_s=0)
+
+
+def test_an_adapter_is_served_where_every_worker_holds_the_same_weights():
+    """``lora_roots``: an adapter counts once every listed worker publishes it with one root (``LoRAStatus.key_root``,
+    its files' digest); a worker without it, or with other weights under the name (a reload half done), or whose
+    load failed, keeps it out; with no workers nothing is served."""
+    from proto.worker_pb2 import LoRAStatus
+
+    def worker(wid: str, role: str, **adapters) -> WorkerInfo:
+        info = _info(wid, role)
+        for name, root in adapters.items():
+            if isinstance(root, str):  # a refused load: published as an error, not served
+                info.lora_status.append(LoRAStatus(name=name, load_id="l1", error=root))
+                continue
+            info.lora_adapters.append(name)
+            info.lora_status.append(LoRAStatus(name=name, key_root=root))
+        return info
+
+    assert WorkerView(StaticWorkerSource([])).lora_roots() == {}
+    view = WorkerView(StaticWorkerSource([worker("p0", "prefill", sql=7, chat=9, old=3, bad=5),
+                                          worker("d0", "decode", sql=7, chat=9, old=4, bad="no adapter_config.json"),
+                                          worker("d1", "decode", sql=7, chat=9, old=3)]))
+    assert view.lora_roots() == {"sql": 7, "chat": 9} and view.lora_adapters() == ("chat", "sql")
+    view = WorkerView(StaticWorkerSource([worker("p0", "prefill", sql=7), worker("d0", "decode")]))
+    assert view.lora_roots() == {}
