@@ -105,3 +105,20 @@ def test_request_params_bad_values_are_invalid_argument_naming_params(change, fi
     e = ei.value
     assert e.code == grpc.StatusCode.INVALID_ARGUMENT
     assert e.message.startswith("params: ") and field in e.message and "req-9" in e.message
+
+
+def test_request_params_refuse_an_adapter_not_served_here_or_with_other_weights():
+    """A request under a LoRA adapter the worker does not serve is NOT_FOUND naming ``lora_name``; one the router
+    admitted under other weights of that name (``lora_root``: the adapter was reloaded meanwhile) is NOT_FOUND too,
+    rather than run a prompt's prefill and decode under two versions. 0 (a caller that did not say) is unchecked."""
+    wire = worker_pb2.WireSamplingParams(max_tokens=4, temperature=0.0, top_p=1.0, typical_p=1.0,
+                                         repetition_penalty=1.0, lora_name="sql", lora_root=7)
+    assert request_params(wire, "r", {"sql": 7}).lora_name == "sql"
+    assert request_params(wire, "r").lora_name == "sql"  # (no roots given: the engine checks the name)
+    for roots, what in (({"chat": 7}, "serves no LoRA adapter 'sql'"), ({"sql": 8}, "reloaded with other weights")):
+        with pytest.raises(RequestError) as e:
+            request_params(wire, "r", roots)
+        assert e.value.code == grpc.StatusCode.NOT_FOUND and what in e.value.message
+        assert e.value.message.startswith("params.lora_name")
+    wire.lora_root = 0
+    assert request_params(wire, "r", {"sql": 8}).lora_name == "sql"
