@@ -28,24 +28,13 @@ import pytest
 import torch
 
 from cluster.launcher import Cluster, ClusterConfig
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from tests.e2e.helpers import generate
+from tests.roles.test_lora_cluster import adapters, reference  # noqa: F401 - the module's fixtures
 from tests.waiting import wait_until
 
 PROMPT = "def fibonacci(n):"
-
-
-@pytest.fixture(scope="module")
-def adapters(tmp_path_factory):
-    from tests.roles.test_lora_cluster import make_tiny_adapters
-
-    return make_tiny_adapters(tmp_path_factory.mktemp("adapters"))
-
-
-@pytest.fixture(scope="module")
-def reference(adapters):
-    return LLM(model="tiny", num_kv_blocks=256, num_threads=1, lora_modules=adapters)
 
 
 def _offline(reference, name, n: int = 12) -> tuple[list[int], str]:
