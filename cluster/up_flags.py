@@ -167,6 +167,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (and gRPC LoadLoRAAdapter / "
                         "UnloadLoRAAdapter): LoRA adapters loaded on every worker while the cluster runs, from a "
                         "path on the workers' hosts (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; off by default)")
+    p.add_argument("--lora-resolver-dir", default=None, metavar="DIR",
+                   help="with --allow-runtime-lora-updating: a request whose model names no served adapter first "
+                        "loads DIR/<model> on every worker (vLLM's filesystem LoRA resolver); DIR absolute, on the "
+                        "workers' hosts")
     p.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
                    help="conditional disaggregation: prompts of at most N tokens are prefilled on the decode "
                         "worker itself (default 0: always use the prefill pool)")
@@ -393,6 +397,13 @@ def router_overrides(args: argparse.Namespace) -> dict:
         out["one_loop"] = True
     if getattr(args, "allow_runtime_lora_updating", False):
         out["allow_runtime_lora_updating"] = True
+    resolver = getattr(args, "lora_resolver_dir", None)
+    if resolver is not None:
+        if not out.get("allow_runtime_lora_updating"):
+            raise ValueError("--lora-resolver-dir needs --allow-runtime-lora-updating (it loads adapters at run time)")
+        if not os.path.isabs(resolver):
+            raise ValueError(f"--lora-resolver-dir must be an absolute path (the workers read it), got {resolver!r}")
+        out["lora_resolver_dir"] = resolver
     if getattr(args, "otlp_traces_endpoint", None):
         out["otlp_traces_endpoint"] = args.otlp_traces_endpoint
     for name in ("kv_replica_sync", "kv_delta_transfers", "decode_prefix_routing"):

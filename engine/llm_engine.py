@@ -330,6 +330,8 @@ class LLMEngine:
         self.tokenizer = None
         self.eos_token_id = eos_token_id
         self.kv_caches = []
+        self.lora = LoRASet()  # (no model: no adapters)
+        self.tp_group = None
         self._init_core(num_blocks, runner)
         self.spec_config = None
         self._proposer = None

@@ -129,6 +129,10 @@ class RouterConfig:
     """Serve ``LoadLoRAAdapter`` / ``UnloadLoRAAdapter`` and vLLM's ``/v1/load_lora_adapter`` /
     ``/v1/unload_lora_adapter`` (router/lora_admin.py); off: UNIMPLEMENTED / 404, as vLLM without
     ``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` (a load names a path on the workers' hosts)."""
+    lora_resolver_dir: Optional[str] = None
+    """With ``allow_runtime_lora_updating``: a request whose ``model`` names no served adapter first loads
+    ``lora_resolver_dir/<model>`` on every worker (vLLM's filesystem LoRA resolver, ``VLLM_LORA_RESOLVER_CACHE_DIR``);
+    an absolute path on the workers' hosts. None: off."""
     lora_update_timeout_s: float = 120.0
     """Longest a runtime LoRA load waits for every worker, and an unload for the adapter's requests to finish."""
     worker_view_refresh_s: float = 0.25
@@ -185,6 +189,11 @@ class RouterConfig:
             raise ValueError(f"pool_wait_s must be >= 0, got {self.pool_wait_s}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.lora_resolver_dir is not None:
+            if not self.allow_runtime_lora_updating:
+                raise ValueError("lora_resolver_dir needs allow_runtime_lora_updating (it loads adapters at run time)")
+            if not isinstance(self.lora_resolver_dir, str) or not self.lora_resolver_dir.startswith("/"):
+                raise ValueError(f"lora_resolver_dir must be an absolute path, got {self.lora_resolver_dir!r}")
         for name in ("worker_view_refresh_s", "queue_timeout_s", "reserve_timeout_s", "first_token_timeout_s", "transfer_timeout_s", "request_timeout_s", "lora_update_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.1
 """How often a load or unload re-reads the workers' records while it waits."""
+RESOLVER_MISS_S = 30.0
+"""How long a name the resolver could not load is answered NOT_FOUND without trying again."""
+RESOLVER_CONCURRENCY = 4
+"""Resolutions (loads on first use) one router runs at once; a request finding them all busy is UNAVAILABLE."""
 
 
 class LoRAAdminError(Exception):
@@ -62,6 +66,8 @@ class LoRAAdmin:
         self.unloading: set[str] = set()
         """Adapters this router is unloading now: refused at once, before the view shows the entry's state."""
         self._lock = threading.Lock()
+        self._misses: dict[str, float] = {}  # name -> monotonic time until which the resolver does not retry it
+        self._resolving = threading.BoundedSemaphore(RESOLVER_CONCURRENCY)
 
     # ---- checks -------------------------------------------------------------------------------
     def _registry(self) -> Any:
@@ -107,7 +113,7 @@ class LoRAAdmin:
         if limits is not None and name == limits.model_name:
             raise LoRAAdminError(grpc.StatusCode.INVALID_ARGUMENT, f"lora_name: {name!r} is the served model's "
                                  "name")
-        if (limits is not None and name in limits.lora_adapters) or name in self.core.view.lora_entries:
+        if limits is not None and name in limits.lora_adapters:  # (one being loaded: HSETNX below says so)
             raise LoRAAdminError(grpc.StatusCode.ALREADY_EXISTS, f"The lora adapter '{name}' has already been "
                                  "loaded.")
         if not self._redis("load", reg.list):
@@ -145,10 +151,68 @@ class LoRAAdmin:
             except Exception as e:  # noqa: BLE001 - the workers keep whatever they loaded until Redis answers
                 log.warning("router: LoRA adapter %r (load %s) not removed after a failed load: %s", name, load_id,
                             type(e).__name__)
+            self.core.refresh_workers()
             raise
         self.core.refresh_workers()
         log.info("router: LoRA adapter %r loaded on %d worker(s)", name, len(workers))
         return f"Success: LoRA adapter '{name}' added successfully."
+
+    # ---- load on first use (the resolver) ---------------------------------------------------------
+    def resolvable(self, model: str) -> bool:
+        """Whether a request for ``model`` should wait for ``resolve``: the resolver is on
+        (``lora_resolver_dir``), ``model`` is a valid adapter name that is neither the served model nor served now,
+        and it has not failed to load within ``RESOLVER_MISS_S``."""
+        cfg, limits = self.core.cfg, self.core.limits
+        if not cfg.lora_resolver_dir or not cfg.allow_runtime_lora_updating or not model or limits is None:
+            return False
+        if model == limits.model_name or model in limits.lora_adapters or model in self.unloading:
+            return False
+        try:
+            self._name(model)
+        except LoRAAdminError:
+            return False
+        with self._lock:
+            until = self._misses.get(model)
+            if until is not None and until <= time.monotonic():
+                del self._misses[model]
+                until = None
+        return until is None
+
+    def resolve(self, model: str) -> None:
+        """Load adapter ``model`` from ``lora_resolver_dir/model`` on every worker before its first request is
+        checked (vLLM's filesystem LoRA resolver): when this returns the adapter is served, or the request's check
+        answers NOT_FOUND as for any unknown model (a directory the workers cannot load is not tried again for
+        ``RESOLVER_MISS_S``). A load of the name already in progress (another request, another router) is waited
+        for. LoRAAdminError: UNAVAILABLE (Redis, or this router busy resolving others), DEADLINE_EXCEEDED."""
+        if not self._resolving.acquire(timeout=self.core.cfg.lora_update_timeout_s):
+            raise LoRAAdminError(grpc.StatusCode.UNAVAILABLE, f"model {model!r}: the router is busy loading other "
+                                 "LoRA adapters; retry")
+        try:
+            path = os.path.join(self.core.cfg.lora_resolver_dir, model)
+            try:
+                self.load(model, path)
+                return
+            except LoRAAdminError as e:
+                if e.code == grpc.StatusCode.INVALID_ARGUMENT:
+                    log.info("router: LoRA resolver: no adapter %r loaded from %s: %s", model, path, e.message)
+                    with self._lock:
+                        self._misses[model] = time.monotonic() + RESOLVER_MISS_S
+                    return
+                if e.code != grpc.StatusCode.ALREADY_EXISTS:
+                    raise
+            # a load of it is in progress elsewhere: served once it is done, or its entry goes
+            deadline = time.monotonic() + self.core.cfg.lora_update_timeout_s
+            reg = self._registry()
+            while time.monotonic() < deadline:
+                self.core.refresh_workers()
+                limits = self.core.limits
+                if limits is not None and model in limits.lora_adapters:
+                    return
+                if model not in self._redis("resolve", reg.lora_entries):
+                    return
+                time.sleep(POLL_S)
+        finally:
+            self._resolving.release()
 
     # ---- unload -------------------------------------------------------------------------------
     def unload(self, name: object) -> str:

@@ -274,6 +274,13 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         core, loop = self.core, asyncio.get_running_loop()
         if core.limits is None or core.draining:
             raise _Abort(grpc.StatusCode.UNAVAILABLE, "router is not serving")
+        if core.lora_admin.resolvable(request.model):  # an adapter loaded on first use (router/lora_admin.py)
+            from router.lora_admin import LoRAAdminError
+
+            try:
+                await loop.run_in_executor(self._pool, core.lora_admin.resolve, request.model)
+            except LoRAAdminError as e:
+                raise _Abort(e.code, e.message) from None
         try:
             # the tokenizer, or a structured_outputs grammar to compile (a JSON schema's can take a while): off the
             # loop, which streams every other request meanwhile

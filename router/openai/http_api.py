@@ -460,6 +460,14 @@ class HttpApi:
                     msg = ("messages" if chat else "prompt") + msg[len("token_ids"):]
                 raise ValueError(msg) from None
 
+        if isinstance(body.model, str) and core.lora_admin.resolvable(body.model):  # loaded on first use
+            from router.lora_admin import LoRAAdminError
+
+            try:
+                await asyncio.to_thread(core.lora_admin.resolve, body.model)
+            except LoRAAdminError as e:
+                core.count_error(e.code)
+                return self._error(_LORA_HTTP.get(e.code, 503), e.message, "model")
         try:
             choices, plan = await asyncio.to_thread(prepare)
         except LookupError as e:

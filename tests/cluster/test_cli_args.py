@@ -352,3 +352,16 @@ def test_runtime_lora_flag_reaches_the_router_config(cmd):
     assert cfg.allow_runtime_lora_updating is True
     assert RouterConfig(**router_overrides(build_parser().parse_args([cmd, *extra]))).allow_runtime_lora_updating \
         is False
+
+
+def test_lora_resolver_dir_needs_runtime_updating_and_an_absolute_path():
+    from router.config import RouterConfig
+
+    ok = build_parser().parse_args(["up", "--allow-runtime-lora-updating", "--lora-resolver-dir", "/srv/adapters"])
+    assert RouterConfig(**router_overrides(ok)).lora_resolver_dir == "/srv/adapters"
+    for argv, flag in ((["--lora-resolver-dir", "/srv/adapters"], "--allow-runtime-lora-updating"),
+                       (["--allow-runtime-lora-updating", "--lora-resolver-dir", "adapters"], "absolute")):
+        with pytest.raises(ValueError, match=flag):
+            router_overrides(build_parser().parse_args(["up", *argv]))
+    with pytest.raises(ValueError, match="allow_runtime_lora_updating"):
+        RouterConfig(lora_resolver_dir="/srv/adapters")

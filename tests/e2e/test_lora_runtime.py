@@ -15,10 +15,14 @@ adapter at start. In order:
    serves it (the router serves an adapter only once every live worker publishes it);
 4. an unload while a request streams under the adapter waits for that request, which ends with the offline
    engine's answer; then the model is 404 and the cluster's set is empty; the gRPC calls do the same;
-5. the same name loaded from other files answers as the other adapter (no K/V of the old weights reused).
+5. the same name loaded from other files answers as the other adapter (no K/V of the old weights reused);
+6. the router's resolver (``lora_resolver_dir``, vLLM's filesystem LoRA resolver): a request naming an adapter found
+   there is served by it on first use (two at once: one loads, the other waits for that load), one naming nothing
+   there is NOT_FOUND and leaves nothing behind.
 """
 from __future__ import annotations
 
+import shutil
 import threading
 
 import grpc
@@ -30,7 +34,7 @@ import torch
 from cluster.launcher import Cluster, ClusterConfig
 from engine import SamplingParams
 from proto import pdserve_pb2, pdserve_pb2_grpc
-from tests.e2e.helpers import generate
+from tests.e2e.helpers import generate, run_concurrently
 from tests.roles.test_lora_cluster import adapters, reference  # noqa: F401 - the module's fixtures
 from tests.waiting import wait_until
 
@@ -44,12 +48,21 @@ def _offline(reference, name, n: int = 12) -> tuple[list[int], str]:
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_local, redis_url):
+def resolver_dir(adapters, tmp_path_factory):
+    """What the router's LoRA resolver loads from: alt's files under two other names."""
+    root = tmp_path_factory.mktemp("resolvable")
+    for name in ("auto", "auto2"):
+        shutil.copytree(adapters["alt"], root / name)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_local, redis_url, resolver_dir):
     torch.set_num_threads(1)
     cfg = ClusterConfig(model="tiny", num_prefill=1, num_decode=1, redis_url=redis_url, engine_process=True,
                         engine_overrides=dict(num_kv_blocks=256, max_num_batched_tokens=256),
                         router_overrides=dict(allow_runtime_lora_updating=True, http_port=0,
-                                              lora_update_timeout_s=120.0),
+                                              lora_update_timeout_s=120.0, lora_resolver_dir=resolver_dir),
                         start_timeout_s=600)
     c = Cluster(cfg).start()
     try:
@@ -170,3 +183,25 @@ def test_grpc_calls_and_a_name_reloaded_from_other_files(cluster, adapters, refe
         got = stub.UnloadLoRAAdapter(pdserve_pb2.UnloadLoRAAdapterRequest(lora_name="py"), timeout=180)
         assert got.message == "Success: LoRA adapter 'py' removed successfully."
         assert list(stub.GetModelInfo(pdserve_pb2.GetModelInfoRequest(), timeout=10).lora_adapters) == []
+
+
+def test_the_resolver_loads_an_adapter_on_its_first_request(cluster, http, reference):
+    alt = _offline(reference, "alt")[0]
+    assert _ids(cluster, "auto") == alt  # loaded from resolver_dir/auto on every worker, then served
+    assert "auto" in _models(http) and cluster.registry.lora_entries()["auto"].path.endswith("/auto")
+    oai = openai.OpenAI(base_url=f"http://{cluster.router.http_address}/v1", api_key="none", max_retries=0,
+                        timeout=120)
+
+    def first_use(_: int) -> str:
+        return oai.completions.create(model="auto2", prompt=PROMPT, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+
+    texts = run_concurrently(first_use, [(0,), (1,)])
+    assert texts == [_offline(reference, "alt")[1]] * 2
+    for _ in range(2):  # (the second time from the resolver's memory of the miss)
+        with pytest.raises(grpc.RpcError) as e:
+            _ids(cluster, "not-there")
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "not-there" in e.value.details()
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="not-there", prompt=PROMPT, max_tokens=2)
+    assert sorted(cluster.registry.lora_entries()) == ["auto", "auto2"]
