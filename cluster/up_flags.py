@@ -167,6 +167,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (and gRPC LoadLoRAAdapter / "
                         "UnloadLoRAAdapter): LoRA adapters loaded on every worker while the cluster runs, from a "
                         "path on the workers' hosts (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; off by default)")
+    p.add_argument("--max-loras", type=int, default=None, metavar="N",
+                   help="with --allow-runtime-lora-updating: at most N adapters loaded at run time; a load beyond it "
+                        "first unloads the least recently used idle one (default: no bound)")
     p.add_argument("--lora-resolver-dir", default=None, metavar="DIR",
                    help="with --allow-runtime-lora-updating: a request whose model names no served adapter first "
                         "loads DIR/<model> on every worker (vLLM's filesystem LoRA resolver); DIR absolute, on the "
@@ -397,6 +400,13 @@ def router_overrides(args: argparse.Namespace) -> dict:
         out["one_loop"] = True
     if getattr(args, "allow_runtime_lora_updating", False):
         out["allow_runtime_lora_updating"] = True
+    if getattr(args, "max_loras", None) is not None:
+        if not out.get("allow_runtime_lora_updating"):
+            raise ValueError("--max-loras needs --allow-runtime-lora-updating (it bounds the adapters loaded at run "
+                             "time)")
+        if args.max_loras < 1:
+            raise ValueError(f"--max-loras must be >= 1, got {args.max_loras}")
+        out["max_loras"] = args.max_loras
     resolver = getattr(args, "lora_resolver_dir", None)
     if resolver is not None:
         if not out.get("allow_runtime_lora_updating"):

@@ -133,6 +133,11 @@ class RouterConfig:
     """With ``allow_runtime_lora_updating``: a request whose ``model`` names no served adapter first loads
     ``lora_resolver_dir/<model>`` on every worker (vLLM's filesystem LoRA resolver, ``VLLM_LORA_RESOLVER_CACHE_DIR``);
     an absolute path on the workers' hosts. None: off."""
+    max_loras: Optional[int] = None
+    """Most LoRA adapters loaded at run time (the cluster's Redis set; those of ``--lora-modules`` not counted): a load
+    beyond it first unloads the least recently used one no request runs under (RESOURCE_EXHAUSTED when all are in
+    use). None: no bound. Each router keeps it for its own loads (several routers loading at once may pass it by one
+    each)."""
     lora_update_timeout_s: float = 120.0
     """Longest a runtime LoRA load waits for every worker, and an unload for the adapter's requests to finish."""
     worker_view_refresh_s: float = 0.25
@@ -189,6 +194,9 @@ class RouterConfig:
             raise ValueError(f"pool_wait_s must be >= 0, got {self.pool_wait_s}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.max_loras is not None and (isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int)
+                                           or self.max_loras < 1):
+            raise ValueError(f"max_loras must be an integer >= 1 or None, got {self.max_loras!r}")
         if self.lora_resolver_dir is not None:
             if not self.allow_runtime_lora_updating:
                 raise ValueError("lora_resolver_dir needs allow_runtime_lora_updating (it loads adapters at run time)")

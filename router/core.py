@@ -227,6 +227,7 @@ class RouterCore:
         lora = vreq.params.lora_name
         if lora is not None:
             m.inc_lora_request(lora)
+            self.lora_admin.touch(lora)
             with self._lora_lock:
                 self._lora_in_flight[lora] = self._lora_in_flight.get(lora, 0) + 1
         n_out = 0

@@ -30,7 +30,7 @@ import os
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import grpc
 
@@ -47,6 +47,11 @@ RESOLVER_MISS_S = 30.0
 """How long a name the resolver could not load is answered NOT_FOUND without trying again."""
 RESOLVER_CONCURRENCY = 4
 """Resolutions (loads on first use) one router runs at once; a request finding them all busy is UNAVAILABLE."""
+
+
+def pick_lru(names: list[str], last_used: dict[str, float]) -> Optional[str]:
+    """The least recently used of ``names`` (never used here first, then by name); None for none."""
+    return min(names, key=lambda n: (last_used.get(n, float("-inf")), n), default=None)
 
 
 class LoRAAdminError(Exception):
@@ -66,6 +71,8 @@ class LoRAAdmin:
         self.unloading: set[str] = set()
         """Adapters this router is unloading now: refused at once, before the view shows the entry's state."""
         self._lock = threading.Lock()
+        self._last_used: dict[str, float] = {}
+        self._room_lock = threading.Lock()
         self._misses: dict[str, float] = {}  # name -> monotonic time until which the resolver does not retry it
         self._resolving = threading.BoundedSemaphore(RESOLVER_CONCURRENCY)
 
@@ -118,6 +125,9 @@ class LoRAAdmin:
                                  "loaded.")
         if not self._redis("load", reg.list):
             raise LoRAAdminError(grpc.StatusCode.UNAVAILABLE, "no live worker to load the adapter on")
+        if self.core.cfg.max_loras is not None:
+            with self._room_lock:  # (this router's loads make room one at a time)
+                self._make_room(reg, name)
         load_id = uuid.uuid4().hex[:16]
         if not self._redis("load", reg.lora_add, name, LoRAEntry(path=path, load_id=load_id, state="serving")):
             raise LoRAAdminError(grpc.StatusCode.ALREADY_EXISTS, f"The lora adapter '{name}' has already been "
@@ -154,8 +164,40 @@ class LoRAAdmin:
             self.core.refresh_workers()
             raise
         self.core.refresh_workers()
+        self.touch(name)  # (a fresh load is not the first one max_loras evicts)
         log.info("router: LoRA adapter %r loaded on %d worker(s)", name, len(workers))
         return f"Success: LoRA adapter '{name}' added successfully."
+
+    # ---- the bound on runtime adapters (max_loras) -------------------------------------------------
+    def touch(self, name: str) -> None:
+        """A request under adapter ``name`` was admitted here (what ``max_loras`` evicts by: least recently used)."""
+        self._last_used[name] = time.monotonic()
+
+    def _make_room(self, reg: Any, name: str) -> None:
+        """With ``max_loras`` runtime adapters loaded, unload the least recently used ones no request runs under
+        until there is room for ``name``; RESOURCE_EXHAUSTED when every one is in use."""
+        cap = self.core.cfg.max_loras
+        while True:
+            loaded = [n for n, e in self._redis("load", reg.lora_entries).items() if n != name]
+            if len(loaded) < cap:
+                return
+            running: dict[str, int] = {}
+            for w in self._redis("load", reg.list):
+                for s in w.lora_status:
+                    running[s.name] = running.get(s.name, 0) + s.running
+            idle = [n for n in loaded if not running.get(n) and not self.core.lora_in_flight(n)
+                    and n not in self.unloading]
+            victim = pick_lru(idle, self._last_used)
+            if victim is None:
+                raise LoRAAdminError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"lora_name: max_loras={cap} LoRA adapters are loaded and every one has requests "
+                                     f"running; unload one, or retry (adapters: {', '.join(sorted(loaded))})")
+            log.info("router: max_loras=%d reached: unloading %r (least recently used) to load %r", cap, victim, name)
+            try:
+                self.unload(victim)
+            except LoRAAdminError as e:
+                if e.code != grpc.StatusCode.NOT_FOUND:  # (gone meanwhile: another router made room)
+                    raise
 
     # ---- load on first use (the resolver) ---------------------------------------------------------
     def resolvable(self, model: str) -> bool:

@@ -72,7 +72,7 @@ _PROTECTED = ("/v1", "/tokenize", "/detokenize")
 _LORA_HTTP = {grpc.StatusCode.UNIMPLEMENTED: 404, grpc.StatusCode.NOT_FOUND: 404,
               grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.ALREADY_EXISTS: 400,
               grpc.StatusCode.FAILED_PRECONDITION: 400, grpc.StatusCode.UNAVAILABLE: 503,
-              grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+              grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.RESOURCE_EXHAUSTED: 429}
 """A runtime LoRA call's gRPC status as its HTTP status (vLLM answers 400 for a name already loaded, 404 for one
 not found)."""
 

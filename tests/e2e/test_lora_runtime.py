@@ -18,7 +18,8 @@ adapter at start. In order:
 5. the same name loaded from other files answers as the other adapter (no K/V of the old weights reused);
 6. the router's resolver (``lora_resolver_dir``, vLLM's filesystem LoRA resolver): a request naming an adapter found
    there is served by it on first use (two at once: one loads, the other waits for that load), one naming nothing
-   there is NOT_FOUND and leaves nothing behind.
+   there is NOT_FOUND and leaves nothing behind;
+7. ``max_loras=2``: a third adapter loaded (by the resolver or by a call) first unloads the least recently used one.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def _offline(reference, name, n: int = 12) -> tuple[list[int], str]:
 def resolver_dir(adapters, tmp_path_factory):
     """What the router's LoRA resolver loads from: alt's files under two other names."""
     root = tmp_path_factory.mktemp("resolvable")
-    for name in ("auto", "auto2"):
+    for name in ("auto", "auto2", "auto3"):
         shutil.copytree(adapters["alt"], root / name)
     return str(root)
 
@@ -62,7 +63,8 @@ def cluster(ray_local, redis_url, resolver_dir):
     cfg = ClusterConfig(model="tiny", num_prefill=1, num_decode=1, redis_url=redis_url, engine_process=True,
                         engine_overrides=dict(num_kv_blocks=256, max_num_batched_tokens=256),
                         router_overrides=dict(allow_runtime_lora_updating=True, http_port=0,
-                                              lora_update_timeout_s=120.0, lora_resolver_dir=resolver_dir),
+                                              lora_update_timeout_s=120.0, lora_resolver_dir=resolver_dir,
+                                              max_loras=2),
                         start_timeout_s=600)
     c = Cluster(cfg).start()
     try:
@@ -205,3 +207,15 @@ def test_the_resolver_loads_an_adapter_on_its_first_request(cluster, http, refer
     with pytest.raises(openai.NotFoundError):
         oai.completions.create(model="not-there", prompt=PROMPT, max_tokens=2)
     assert sorted(cluster.registry.lora_entries()) == ["auto", "auto2"]
+
+
+def test_max_loras_unloads_the_least_recently_used_adapter_to_load_another(cluster, http, adapters, reference):
+    assert sorted(cluster.registry.lora_entries()) == ["auto", "auto2"]  # (auto2 used last, by the test before)
+    alt = _offline(reference, "alt")[0]
+    assert _ids(cluster, "auto3") == alt  # a third: auto (least recently used) goes to make room
+    assert sorted(cluster.registry.lora_entries()) == ["auto2", "auto3"]
+    assert sorted(_models(http)) == ["auto2", "auto3", "tiny"]
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "py", "lora_path": adapters["py"]})
+    assert r.status_code == 200, r.text  # auto2 is now the least recently used
+    assert sorted(cluster.registry.lora_entries()) == ["auto3", "py"]
+    assert _ids(cluster, "py") == _offline(reference, "py")[0] and _ids(cluster, "auto3") == alt
