@@ -10,7 +10,9 @@ in that engine, for each batch size B in ``--batches`` (the three in turn, ``--r
 * ``mixed``: B sequences spread round-robin over every adapter and the base model (one group per adapter);
 
 and the one step that prefills a ``--prefill-tokens`` prompt on the base model and under one adapter. Ratios are
-against ``base`` in the same run. Prompts of 32 tokens are prefilled first and not counted.
+against ``base`` in the same run. Prompts of 32 tokens are prefilled first and not counted. Last, a load at run time
+(``LLMEngine.add_lora`` of one more adapter, then ``remove_lora``, ``--rounds`` times): what it holds the engine loop
+for between two steps, as milliseconds and as base decode steps of the first batch size.
 
 Usage: python benchmarks/lora_overhead.py [--model bench] [--rank 16] [--adapters 4] [--batches 1 8 32]
        [--repeats 10] [--rounds 3] [--json out.json]
@@ -125,6 +127,21 @@ def main() -> None:
         result["prefill"] = {"tokens": args.prefill_tokens, "base_ms": base * 1e3, "one_ms": one * 1e3}
         print(f"  prefill {args.prefill_tokens} tokens: base {base * 1e3:.1f}  one adapter {one * 1e3:.1f} "
               f"({one / base:.2f}x)")
+        rt = Path(tmp) / "runtime"
+        write_adapter(rt, mc, args.rank, seed=1000)
+        loads, unloads = [], []
+        for r in range(args.rounds):
+            t0 = time.perf_counter()
+            eng.add_lora("runtime", str(rt))
+            t1 = time.perf_counter()
+            eng.remove_lora("runtime")
+            loads.append(t1 - t0)
+            unloads.append(time.perf_counter() - t1)
+        step = result["decode"][args.batches[0]]["base_ms"] / 1e3
+        load, unload = statistics.median(loads), statistics.median(unloads)
+        result["runtime_load"] = {"add_ms": load * 1e3, "remove_ms": unload * 1e3, "per_base_step": load / step}
+        print(f"  load at run time: add_lora {load * 1e3:.1f} ms ({load / step:.1f} base decode steps of "
+              f"B={args.batches[0]}), remove_lora {unload * 1e3:.2f} ms")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -169,7 +169,7 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "path on the workers' hosts (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; off by default)")
     p.add_argument("--max-loras", type=int, default=None, metavar="N",
                    help="with --allow-runtime-lora-updating: at most N adapters loaded at run time; a load beyond it "
-                        "first unloads the least recently used idle one (default: no bound)")
+                        "then unloads the least recently used idle one (default: no bound)")
     p.add_argument("--lora-resolver-dir", default=None, metavar="DIR",
                    help="with --allow-runtime-lora-updating: a request whose model names no served adapter first "
                         "loads DIR/<model> on every worker (vLLM's filesystem LoRA resolver); DIR absolute, on the "

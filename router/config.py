@@ -135,8 +135,8 @@ class RouterConfig:
     an absolute path on the workers' hosts. None: off."""
     max_loras: Optional[int] = None
     """Most LoRA adapters loaded at run time (the cluster's Redis set; those of ``--lora-modules`` not counted): a load
-    beyond it first unloads the least recently used one no request runs under (RESOURCE_EXHAUSTED when all are in
-    use). None: no bound. Each router keeps it for its own loads (several routers loading at once may pass it by one
+    beyond it, once loaded, unloads the least recently used other one no request runs under (all in use: the new one
+    goes again, RESOURCE_EXHAUSTED). None: no bound. Each router keeps it for its own loads (several routers loading at once may pass it by one
     each)."""
     lora_update_timeout_s: float = 120.0
     """Longest a runtime LoRA load waits for every worker, and an unload for the adapter's requests to finish."""

@@ -19,6 +19,8 @@ worker's heartbeat follows it (worker_common/lora_sync.py), so a worker started 
   publishes one running, none of this router's is in flight; at most ``lora_update_timeout_s``) the entry goes and
   the workers unload it (a request still running then finishes under it: the engine frees the weights after its
   last one). Adapters given at start (``--lora-modules``) are not unloaded (FAILED_PRECONDITION).
+- **resolve** (``lora_resolver_dir``): a request naming an adapter nothing serves loads ``DIR/<name>`` first.
+- **max_loras**: a load that takes the runtime set past the bound then unloads the least recently used idle other.
 
 Errors are ``LoRAAdminError`` with the gRPC status (the HTTP API maps it: 400, 404, 501, 503, 504), never a bare
 exception; Redis unreachable is UNAVAILABLE and changes nothing.
@@ -125,9 +127,6 @@ class LoRAAdmin:
                                  "loaded.")
         if not self._redis("load", reg.list):
             raise LoRAAdminError(grpc.StatusCode.UNAVAILABLE, "no live worker to load the adapter on")
-        if self.core.cfg.max_loras is not None:
-            with self._room_lock:  # (this router's loads make room one at a time)
-                self._make_room(reg, name)
         load_id = uuid.uuid4().hex[:16]
         if not self._redis("load", reg.lora_add, name, LoRAEntry(path=path, load_id=load_id, state="serving")):
             raise LoRAAdminError(grpc.StatusCode.ALREADY_EXISTS, f"The lora adapter '{name}' has already been "
@@ -166,6 +165,16 @@ class LoRAAdmin:
         self.core.refresh_workers()
         self.touch(name)  # (a fresh load is not the first one max_loras evicts)
         log.info("router: LoRA adapter %r loaded on %d worker(s)", name, len(workers))
+        if self.core.cfg.max_loras is not None:
+            # room is made once the new adapter loaded (a directory the workers refuse evicts nothing): the set
+            # holds one more than max_loras for as long as that takes
+            with self._room_lock:
+                try:
+                    self._make_room(reg, name)
+                except LoRAAdminError as e:
+                    if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        self.unload(name)
+                    raise
         return f"Success: LoRA adapter '{name}' added successfully."
 
     # ---- the bound on runtime adapters (max_loras) -------------------------------------------------
@@ -174,8 +183,9 @@ class LoRAAdmin:
         self._last_used[name] = time.monotonic()
 
     def _make_room(self, reg: Any, name: str) -> None:
-        """With ``max_loras`` runtime adapters loaded, unload the least recently used ones no request runs under
-        until there is room for ``name``; RESOURCE_EXHAUSTED when every one is in use."""
+        """With more than ``max_loras`` runtime adapters loaded (``name``, just loaded, among them), unload the least
+        recently used others no request runs under until the set is within the bound; RESOURCE_EXHAUSTED when every
+        one is in use (the caller then unloads ``name`` again)."""
         cap = self.core.cfg.max_loras
         while True:
             loaded = [n for n, e in self._redis("load", reg.lora_entries).items() if n != name]

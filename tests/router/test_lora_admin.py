@@ -48,7 +48,7 @@ def test_pick_lru_takes_the_never_used_then_the_oldest():
 
 
 def test_room_is_made_by_unloading_the_least_recently_used_idle_adapter():
-    reg = _Registry(["a", "b"], {"a": 0, "b": 0})
+    reg = _Registry(["a", "b", "c"], {"a": 0, "b": 0})  # c just loaded: one over the bound
     admin, unloaded = _admin(reg, {})
     admin.touch("a")
     admin.touch("b")
@@ -59,7 +59,7 @@ def test_room_is_made_by_unloading_the_least_recently_used_idle_adapter():
 
 
 def test_an_adapter_in_use_is_not_unloaded_and_all_in_use_is_resource_exhausted():
-    reg = _Registry(["a", "b"], {"a": 1, "b": 0})  # a worker runs a request under a
+    reg = _Registry(["a", "b", "c"], {"a": 1, "b": 0})  # a worker runs a request under a
     admin, unloaded = _admin(reg, {"b": 1})  # and this router has one in flight under b
     for n in ("a", "b"):
         admin.touch(n)
