@@ -60,7 +60,10 @@ def resolver_dir(adapters, tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(ray_local, redis_url, resolver_dir):
     torch.set_num_threads(1)
+    # heartbeats every 0.25 s (1 s by default): workers follow the runtime set at each, so every load and unload here
+    # waits a quarter of what it would (the suite's time)
     cfg = ClusterConfig(model="tiny", num_prefill=1, num_decode=1, redis_url=redis_url, engine_process=True,
+                        heartbeat_interval_s=0.25,
                         engine_overrides=dict(num_kv_blocks=256, max_num_batched_tokens=256),
                         router_overrides=dict(allow_runtime_lora_updating=True, http_port=0,
                                               lora_update_timeout_s=120.0, lora_resolver_dir=resolver_dir,
