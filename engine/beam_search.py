@@ -243,9 +243,11 @@ class BeamSearcher:
     """Runs a batch of prompts' beam searches on one engine (see the module docstring)."""
 
     def __init__(self, engine: "LLMEngine", params: BeamSearchParams,
-                 on_step: Optional[Callable[[list[list[int]]], None]] = None) -> None:
+                 on_step: Optional[Callable[[list[list[int]]], None]] = None, lora_name: Optional[str] = None) -> None:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        self.lora_slot = engine._lora_slot(lora_name)  # ValueError naming lora_name for one not served
+        """Every beam's LoRA adapter slot (engine/lora.py; 0: the base model)."""
         if engine.has_unfinished_requests():
             raise ValueError("beam search needs the engine to itself: it has unfinished requests")
         self.eng, self.params, self.on_step = engine, params, on_step
@@ -387,6 +389,12 @@ class BeamSearcher:
             meta.keep = AttentionMetadata(slot_mapping=meta.slot_mapping, num_decode=len(rows), block_size=bs,
                                           rows=torch.tensor(rows, dtype=torch.long, device=dev))
             self._decode_view(meta.keep, decodes + prefills, [len(b.tokens) for b in decodes + prefills])
+        if self.lora_slot:  # every row under the search's adapter
+            from engine.lora import StepLoRA
+
+            meta.lora = StepLoRA.of([self.lora_slot] * len(ids), dev)
+            if meta.keep is not None:
+                meta.keep.lora = StepLoRA.of([self.lora_slot] * len(rows), dev)
         logits = self.eng.runner.logits_of(torch.tensor(ids, dtype=torch.long, device=dev),
                                            torch.tensor(pos, dtype=torch.long, device=dev), meta, len(rows))
         with torch.inference_mode():
@@ -406,6 +414,8 @@ class BeamSearcher:
 
 
 def run_beam_search(engine: "LLMEngine", prompts: list[list[int]], params: BeamSearchParams,
-                    on_step: Optional[Callable[[list[list[int]]], None]] = None) -> list[list[BeamSearchSequence]]:
-    """Beam-search every prompt (token ids) on ``engine``; per prompt its beam_width best sequences, best first."""
-    return BeamSearcher(engine, params, on_step).run(prompts)
+                    on_step: Optional[Callable[[list[list[int]]], None]] = None,
+                    lora_name: Optional[str] = None) -> list[list[BeamSearchSequence]]:
+    """Beam-search every prompt (token ids) on ``engine``, under LoRA adapter ``lora_name`` (None: the base model);
+    per prompt its beam_width best sequences, best first."""
+    return BeamSearcher(engine, params, on_step, lora_name).run(prompts)

@@ -108,15 +108,17 @@ class LLM:
                 prompt_logprobs=prompt_lps.get(rid)))
         return results
 
-    def beam_search(self, prompts: PromptsType, params: BeamSearchParams) -> list[BeamSearchOutput]:
-        """Beam-search every prompt (vLLM's ``LLM.beam_search``; transformers' beam search semantics).
+    def beam_search(self, prompts: PromptsType, params: BeamSearchParams,
+                    lora_name: Optional[str] = None) -> list[BeamSearchOutput]:
+        """Beam-search every prompt (vLLM's ``LLM.beam_search``; transformers' beam search semantics), under LoRA
+        adapter ``lora_name`` (vLLM's ``lora_request``; None: the base model).
 
         ``prompts`` as for ``generate``. Returns one ``BeamSearchOutput`` per prompt, in order, each with
         ``params.beam_width`` sequences ranked best first. ValueError if the engine is busy (requests of
         another caller still unfinished), for bad prompts, or when one prompt's beams cannot fit the KV cache.
         """
         texts, token_lists = self._normalize_prompts(prompts)
-        results = run_beam_search(self.llm_engine, token_lists, params)
+        results = run_beam_search(self.llm_engine, token_lists, params, lora_name=lora_name)
         return [BeamSearchOutput(seqs, text, list(ids)) for seqs, text, ids in zip(results, texts, token_lists)]
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],

@@ -66,7 +66,7 @@ class BeamFlow:
         self.search = PromptBeamSearch(list(vreq.prompt_token_ids), self.params.max_tokens, self.params,
                                        eos_token_id)
         self._sub_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * self.params.beam_width,
-                                          ignore_eos=True)
+                                          ignore_eos=True, lora_name=vreq.params.lora_name)  # (its adapter's scores)
         self._lock = threading.Lock()
         self._live: list[RequestFlow] = []
         self._cancelled = False
@@ -118,7 +118,8 @@ class BeamFlow:
 
     def _top(self, beam: _Beam, sub_id: str, route: Optional[Route]) -> list[tuple[int, float]]:
         """The top 2W (token, log-prob) of the token after ``beam``, from one sub-request."""
-        sub = ValidatedRequest(request_id=sub_id, prompt=None, prompt_token_ids=beam.tokens, params=self._sub_params)
+        sub = ValidatedRequest(request_id=sub_id, prompt=None, prompt_token_ids=beam.tokens, params=self._sub_params,
+                               lora_root=self.vreq.lora_root)
         flow = RequestFlow(FlowDeps(self.deps.cfg, self.deps.placer, self.deps.calls, None, None), sub, self.t0,
                            self.deadline,
                            self._next_seq(), route=route)

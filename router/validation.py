@@ -143,8 +143,6 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
     if len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
         raise ValueError(f"request_id must be printable and at most {MAX_REQUEST_ID_LEN} characters")
     lora = limits.lora_of(req.model)  # LookupError: NOT_FOUND
-    if lora is not None and req.HasField("beam_width"):
-        raise ValueError(f"beam_width: beam search runs on the base model only, not on LoRA adapter {lora!r}")
     has_prompt, has_ids = req.prompt != "", len(req.token_ids) > 0
     if has_prompt and has_ids:
         raise ValueError("prompt and token_ids are both set: give one, not both")
@@ -204,8 +202,9 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
         check_structured_outputs(so, tokenizer if tokenizer is not None else _tokenizer_of(tokenize),
                                  limits.vocab_size)
         kw["structured_outputs"] = so
+    lora_root = dict(limits.lora_roots).get(lora, 0) if lora is not None else 0
     if req.HasField("beam_width"):
-        return _beam_request(req, request_id, ids, has_prompt, kw)
+        return _beam_request(req, request_id, ids, has_prompt, kw, lora_root)
     for name, given in (("length_penalty", req.HasField("length_penalty")), ("early_stopping", req.early_stopping)):
         if given:
             raise ValueError(f"{name} is a beam search parameter: set beam_width too")
@@ -214,13 +213,12 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
     n = req.n if req.HasField("n") else 1
     if not 1 <= n <= SamplingParams.MAX_N:
         raise ValueError(f"n must be in [1, {SamplingParams.MAX_N}], got {n}")
-    lora_root = dict(limits.lora_roots).get(lora, 0) if lora is not None else 0
     return ValidatedRequest(request_id=request_id, prompt=req.prompt if has_prompt else None,
                             prompt_token_ids=ids, params=params, n=n, lora_root=lora_root)
 
 
 def _beam_request(req: pdserve_pb2.GenerateRequest, request_id: str, ids: list[int], has_prompt: bool,
-                  kw: dict) -> ValidatedRequest:
+                  kw: dict, lora_root: int = 0) -> ValidatedRequest:
     """A beam search request: deterministic, no sampling knobs, width bounded by what a worker reports."""
     width = req.beam_width
     if not 1 <= width <= MAX_BEAM_WIDTH:
@@ -241,6 +239,6 @@ def _beam_request(req: pdserve_pb2.GenerateRequest, request_id: str, ids: list[i
     beam = BeamSearchParams(beam_width=width, max_tokens=kw["max_tokens"], ignore_eos=req.ignore_eos,
                             length_penalty=length_penalty, early_stopping=early)
     params = SamplingParams(max_tokens=kw["max_tokens"], temperature=0.0, ignore_eos=req.ignore_eos,
-                            skip_special_tokens=kw["skip_special_tokens"])
+                            skip_special_tokens=kw["skip_special_tokens"], lora_name=kw["lora_name"])
     return ValidatedRequest(request_id=request_id, prompt=req.prompt if has_prompt else None,
-                            prompt_token_ids=ids, params=params, n=width, beam=beam)
+                            prompt_token_ids=ids, params=params, n=width, beam=beam, lora_root=lora_root)

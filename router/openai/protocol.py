@@ -193,8 +193,6 @@ def to_generate_requests(body: _Sampling, chat: bool, limits: ModelLimits,
     ``chat_ids`` renders a chat's messages to prompt ids. LookupError: a model not served (neither the model nor
     one of its LoRA adapters); ValueError names the field."""
     lora = limits.lora_of(body.model)
-    if lora is not None and body.use_beam_search:  # (the gRPC check names beam_width, which this API does not have)
-        raise ValueError(f"use_beam_search: beam search runs on the base model only, not on LoRA adapter {lora!r}")
     if not 1 <= body.n <= SamplingParams.MAX_N:
         raise ValueError(f"n must be in [1, {SamplingParams.MAX_N}], got {body.n}")
     prompt_lp = body.prompt_logprobs

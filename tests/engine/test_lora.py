@@ -410,3 +410,27 @@ def test_tensor_parallel_ranks_load_and_unload_at_run_time(setup):
         assert_greedy_is_peft(eng, refs, prompts[1:], ["all"], [10])
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("name", ["all", "qv"])
+def test_beam_search_under_an_adapter_matches_peft(setup, name):
+    """``LLM.beam_search(..., lora_name=)`` (vLLM's ``lora_request``): every beam scored under the adapter, the ranked
+    sequences and scores PEFT's model's own ``generate(num_beams=W)`` gives; the base model's search differs."""
+    from engine import LLM, BeamSearchParams
+    from tests.engine.test_beam_search import hf_search
+
+    ckpt, dirs, refs = setup
+    llm = LLM(str(ckpt), num_kv_blocks=128, block_size=4, lora_modules=dirs)
+    prompts = prompts_of([6, 11], seed=101)
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    outs = llm.beam_search(prompts, params, lora_name=name)
+    for p, out in zip(prompts, outs):
+        ref = hf_search(refs[name], p, 3, 1.0, False, None, 6)
+        assert [s.tokens for s in out.sequences] == [t for t, _ in ref]
+        assert max(abs(s.score - r) for s, (_, r) in zip(out.sequences, ref)) < 1e-4
+    base = llm.beam_search(prompts, params)
+    assert [s.tokens for s in base[0].sequences] != [s.tokens for s in outs[0].sequences]
+    with pytest.raises(ValueError, match="lora_name"):
+        llm.beam_search(prompts, params, lora_name="nope")
+    eng = llm.llm_engine
+    assert eng.num_free_blocks == eng.num_total_blocks and not eng.has_unfinished_requests()

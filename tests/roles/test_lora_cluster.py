@@ -148,22 +148,40 @@ def test_openai_client_picks_the_adapter_by_model(roles, reference):
     chat = client.chat.completions.create(model="py", messages=msgs, max_tokens=8, temperature=0,
                                           extra_body={"ignore_eos": True})
     assert (chat.choices[0].message.content, chat.model) == (want.text, "py")
-    with pytest.raises(openai.BadRequestError) as bad:
-        client.completions.create(model="py", prompt="x", max_tokens=2, extra_body={"use_beam_search": True})
-    assert "use_beam_search: beam search runs on the base model only, not on LoRA adapter 'py'" in str(bad.value)
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="nope", prompt="x", max_tokens=2)
     assert "model 'nope' does not exist; this server serves 'tiny', 'alt', 'py'" in str(e.value)
 
 
-def test_unknown_model_and_beam_search_refused_by_name(roles):
+def test_unknown_model_refused_by_name(roles):
     with pytest.raises(grpc.RpcError) as e:
         _generate(roles.stub, "x", "nope")
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "model 'nope' does not exist" in e.value.details()
-    with pytest.raises(grpc.RpcError) as e:
-        list(roles.stub.Generate(pdserve_pb2.GenerateRequest(prompt="x", model="py", beam_width=2, max_tokens=2),
-                                 timeout=30))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("beam_width:")
+
+
+def test_beam_search_under_an_adapter_equals_the_offline_search(roles, reference):
+    """A beam search naming an adapter (gRPC ``beam_width`` + ``model``; OpenAI ``use_beam_search``): every
+    sub-request the router sends scores its beam under the adapter, on the prefill and the decode workers; the
+    ranked answer is the offline engine's ``beam_search(..., lora_name=)`` (tests/engine/test_lora.py checks that
+    against PEFT), and differs from the base model's."""
+    from engine import BeamSearchParams
+
+    ids = roles.router.tokenizer.encode(PROMPTS[1])
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    (want,) = reference.beam_search([ids], params, lora_name="py")
+    (base,) = reference.beam_search([ids], params)
+    assert [s.tokens for s in want.sequences] != [s.tokens for s in base.sequences]
+    resps = list(roles.stub.Generate(pdserve_pb2.GenerateRequest(token_ids=ids, model="py", beam_width=3, max_tokens=6,
+                                                                 ignore_eos=True), timeout=120))
+    assert [r.index for r in resps] == [0, 1, 2]
+    for r, w in zip(resps, want.sequences):
+        assert list(r.token_ids) == w.tokens[len(ids):]
+        assert r.score == pytest.approx(w.score, abs=1e-4)
+    client = openai.OpenAI(base_url=f"http://{roles.router.http_address}/v1", api_key="none", max_retries=0,
+                           timeout=60)
+    r = client.completions.create(model="py", prompt=ids, max_tokens=6, n=3,
+                                  extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert [c.text for c in r.choices] == [w.text for w in want.sequences] and r.model == "py"
 
 
 def test_colocated_worker_serves_adapters(adapters, reference):
