@@ -223,12 +223,20 @@ class LoRAAdmin:
             self._name(model)
         except LoRAAdminError:
             return False
+        if self._resolver_path(model) is None:
+            return False
         with self._lock:
             until = self._misses.get(model)
             if until is not None and until <= time.monotonic():
                 del self._misses[model]
                 until = None
         return until is None
+
+    def _resolver_path(self, model: str) -> Optional[str]:
+        """``lora_resolver_dir/model``, or None where the name would lead out of that directory ('..' parts)."""
+        root = os.path.normpath(self.core.cfg.lora_resolver_dir)
+        path = os.path.normpath(os.path.join(root, model))
+        return path if path.startswith(root + os.sep) else None
 
     def resolve(self, model: str) -> None:
         """Load adapter ``model`` from ``lora_resolver_dir/model`` on every worker before its first request is
@@ -240,7 +248,9 @@ class LoRAAdmin:
             raise LoRAAdminError(grpc.StatusCode.UNAVAILABLE, f"model {model!r}: the router is busy loading other "
                                  "LoRA adapters; retry")
         try:
-            path = os.path.join(self.core.cfg.lora_resolver_dir, model)
+            path = self._resolver_path(model)
+            if path is None:
+                return
             try:
                 self.load(model, path)
                 return

@@ -7,8 +7,9 @@ router's ``LoadLoRAAdapter`` / ``UnloadLoRAAdapter``, router/lora_admin.py) and 
 at once: one thread of its own then brings the engine to it, each change a command on the engine loop
 (``LLMEngine.add_lora`` / ``remove_lora``, between two steps): an entry not yet loaded (or loaded by an earlier
 load id: reloaded) is loaded, a runtime adapter no entry names is unloaded (its running requests finish under it).
-A load the engine refuses is not retried for the same load id; its message is published (``status``: the
-router's load call reports it). Entries naming an adapter given at start are left alone. ``roots`` (name ->
+A load the engine refuses is published (``status``: the router's load call reports it) and tried again only after
+``RETRY_FAILED_S``. A worker that lacks an adapter of the set takes it out of every router's service (they serve
+what every live worker holds) until it loads it. Entries naming an adapter given at start are left alone. ``roots`` (name ->
 prefix-cache root of what the engine serves now) is what the worker checks each request's ``lora_root`` against
 and publishes; the KV event publisher's ids follow each change.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from proto import worker_pb2
@@ -30,6 +32,10 @@ log = logging.getLogger(__name__)
 
 LOAD_TIMEOUT_S = 600.0
 """Longest one adapter's load may hold the sync thread (it waits for the engine loop, then reads the files)."""
+RETRY_FAILED_S = 30.0
+"""A load the engine refused is tried again (same load id) this long after: its files may have arrived on this host
+since (a volume mounted late); the router's load call has long answered, but the adapter, out of service while this
+worker lacks it, comes back."""
 
 
 LoRAEntry = worker_pb2.LoRARuntimeEntry
@@ -49,8 +55,8 @@ class LoRASync:
         changed in place)."""
         self.loaded: dict[str, str] = {}
         """Runtime adapters loaded here -> the load id they came from."""
-        self.failed: dict[str, tuple[str, str]] = {}
-        """Name -> (load id, message) of loads the engine refused."""
+        self.failed: dict[str, tuple[str, str, float]] = {}
+        """Name -> (load id, message, monotonic time) of loads the engine refused."""
         self._want: Optional[Mapping[str, LoRAEntry]] = None
         self._lock = threading.Lock()
         self._apply_lock = threading.Lock()
@@ -99,22 +105,21 @@ class LoRASync:
             return
         changed = False
         for name in sorted(set(self.loaded) - set(want)):
-            loop.call(lambda eng, n=name: eng.remove_lora(n), timeout_s=LOAD_TIMEOUT_S)
-            del self.loaded[name]
+            self._unload(loop, name)
             changed = True
         for name, e in sorted(want.items()):
             if name in self.static or self.loaded.get(name) == e.load_id:
                 continue
-            if self.failed.get(name, ("",))[0] == e.load_id:
+            failed = self.failed.get(name)
+            if failed is not None and failed[0] == e.load_id and time.monotonic() - failed[2] < RETRY_FAILED_S:
                 continue
             if name in self.loaded:  # loaded again under the same name (another load id): the new weights
-                loop.call(lambda eng, n=name: eng.remove_lora(n), timeout_s=LOAD_TIMEOUT_S)
-                del self.loaded[name]
+                self._unload(loop, name)
                 changed = True
             try:
                 loop.call(lambda eng, n=name, p=e.path: eng.add_lora(n, p), timeout_s=LOAD_TIMEOUT_S)
             except ValueError as err:
-                self.failed[name] = (e.load_id, str(err))
+                self.failed[name] = (e.load_id, str(err), time.monotonic())
                 log.warning("worker %s: LoRA adapter %r (load %s) refused: %s", self.worker.cfg.worker_id, name,
                             e.load_id, err)
                 continue
@@ -135,6 +140,17 @@ class LoRASync:
             self.worker.ctx.lora_roots = self.roots
             log.info("worker %s: LoRA adapters served: %s", self.worker.cfg.worker_id, sorted(self.roots) or "none")
 
+    def _unload(self, loop: Any, name: str) -> None:
+        """Unload a runtime adapter: requests naming it are refused here first (``roots``), then the engine lets it go
+        (those running finish under it)."""
+        self.roots = {n: r for n, r in self.roots.items() if n != name}
+        self.worker.ctx.lora_roots = self.roots
+        try:
+            loop.call(lambda eng: eng.remove_lora(name), timeout_s=LOAD_TIMEOUT_S)
+        except ValueError as e:  # (not served there: nothing to let go)
+            log.warning("worker %s: LoRA adapter %r not unloaded: %s", self.worker.cfg.worker_id, name, e)
+        del self.loaded[name]
+
     def status(self) -> list[worker_pb2.LoRAStatus]:
         """What ``WorkerInfo.lora_status`` publishes: each adapter served (with the requests held under it) and each
         refused load."""
@@ -147,5 +163,6 @@ class LoRASync:
         out = [worker_pb2.LoRAStatus(name=n, key_root=root, load_id=self.loaded.get(n, ""),
                                      running=running.get(n, 0))
                for n, root in sorted(self.roots.items())]
-        out += [worker_pb2.LoRAStatus(name=n, load_id=lid, error=msg) for n, (lid, msg) in sorted(self.failed.items())]
+        out += [worker_pb2.LoRAStatus(name=n, load_id=lid, error=msg)
+                for n, (lid, msg, _) in sorted(self.failed.items())]
         return out

@@ -244,3 +244,32 @@ def test_runtime_lora_calls_are_off_unless_the_router_allows_them(roles, adapter
         assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "registry" in e.value.details()
     finally:
         allowed.close()
+
+
+def test_a_worker_retries_a_refused_runtime_load_once_its_files_arrive(roles, adapters, tmp_path, monkeypatch):
+    """A worker following the cluster's runtime set (worker_common/lora_sync.py) whose load is refused (the
+    directory is not on its host yet) publishes why (``LoRAStatus.error``) and does not hammer the disk: the same
+    load is tried again only after ``RETRY_FAILED_S``; then, the files there, it loads it. An entry gone from the set
+    is unloaded."""
+    import shutil
+
+    from proto.worker_pb2 import LoRARuntimeEntry
+    from worker_common import lora_sync
+
+    w = roles.prefills[0]
+    path = tmp_path / "late"
+    want = {"late": LoRARuntimeEntry(path=str(path), load_id="l1", state="serving")}
+
+    def status() -> dict:
+        return {s.name: s for s in w.info().lora_status}
+
+    w.sync_lora(want, wait=True)
+    assert "adapter_config.json" in status()["late"].error and "late" not in w.info().lora_adapters
+    shutil.copytree(adapters["alt"], path)
+    w.sync_lora(want, wait=True)  # within RETRY_FAILED_S: not tried again
+    assert status()["late"].error and "late" not in w.info().lora_adapters
+    monkeypatch.setattr(lora_sync, "RETRY_FAILED_S", 0.0)
+    w.sync_lora(want, wait=True)
+    assert not status()["late"].error and status()["late"].load_id == "l1" and "late" in w.info().lora_adapters
+    w.sync_lora({}, wait=True)
+    assert "late" not in status() and "late" not in w.info().lora_adapters

@@ -70,3 +70,16 @@ def test_an_adapter_in_use_is_not_unloaded_and_all_in_use_is_resource_exhausted(
     reg.running["a"] = 0  # a's request ended: a goes (b still has one in flight here)
     admin._make_room(reg, "c")
     assert unloaded == ["a"]
+
+
+def test_the_resolver_loads_only_from_inside_its_directory():
+    """A model name may hold '/' (vLLM's adapter names do), so the resolver normalizes ``DIR/<model>`` and takes only
+    what stays inside DIR: '..' parts never lead a request's name to another directory of the workers' hosts."""
+    core = SimpleNamespace(cfg=SimpleNamespace(lora_resolver_dir="/srv/adapters", allow_runtime_lora_updating=True),
+                           limits=SimpleNamespace(model_name="tiny", lora_adapters=("served",)))
+    admin = LoRAAdmin(core)  # type: ignore[arg-type]
+    assert admin.resolvable("team/sql-v2") and admin._resolver_path("team/sql-v2") == "/srv/adapters/team/sql-v2"
+    for name in ("a/../../etc", "a/..", "x/../../srv/adapters-other/y", "tiny", "served", "", "bad name"):
+        assert not admin.resolvable(name), name
+    core.cfg.allow_runtime_lora_updating = False
+    assert not admin.resolvable("team/sql-v2")
