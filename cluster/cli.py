@@ -11,7 +11,8 @@ lifecycles; their flags in ``cluster.up_flags``): ``up`` runs a whole cluster in
 teardown of a ``pdserve controller`` deployment).
 
 ``pdserve generate PROMPT`` is a thin client of the public API (streams text
-deltas to stdout); ``pdserve bench ...`` hands its arguments to
+deltas to stdout); ``pdserve lora {list,load,unload}`` another (the LoRA adapters a cluster serves, loaded and
+unloaded at run time: router/lora_admin.py); ``pdserve bench ...`` hands its arguments to
 ``loadtest.cli.main``; ``pdserve profile ...`` (measure this machine's step, KV
 link and router costs into ``profile.json``) to ``simulator.profile.main``.
 """
@@ -46,6 +47,60 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=120.0, help="request deadline in seconds (default 120)")
     p.add_argument("--usage", action="store_true", help="print finish reason, usage and timings to stderr")
     add_client_auth_args(p)
+
+
+def _add_lora(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("lora", help="list, load or unload a running cluster's LoRA adapters")
+    p.add_argument("action", choices=("list", "load", "unload"),
+                   help="list: the adapters served; load NAME PATH / unload NAME: at run time (the router must run "
+                        "with --allow-runtime-lora-updating)")
+    p.add_argument("name", nargs="?", default=None, help="the adapter's name (load, unload)")
+    p.add_argument("path", nargs="?", default=None,
+                   help="load: the PEFT adapter directory, an absolute path on every worker's host")
+    p.add_argument("--target", default="127.0.0.1:50051", help="router host:port (default 127.0.0.1:50051)")
+    p.add_argument("--timeout", type=float, default=180.0,
+                   help="seconds to wait for the cluster (a load waits for every worker; default 180)")
+    add_client_auth_args(p)
+
+
+def cmd_lora(args: argparse.Namespace) -> int:
+    """``pdserve lora``: the router's ``GetModelInfo`` / ``LoadLoRAAdapter`` / ``UnloadLoRAAdapter``."""
+    import grpc
+
+    from proto import pdserve_pb2, pdserve_pb2_grpc
+
+    if args.action == "list" and (args.name or args.path):
+        raise ValueError("list takes no NAME or PATH")
+    if args.action in ("load", "unload") and not args.name:
+        raise ValueError(f"{args.action} needs the adapter's NAME")
+    if args.action == "unload" and args.path:
+        raise ValueError("unload takes NAME only")
+    if args.action == "load":
+        if not args.path:
+            raise ValueError("load needs NAME and PATH (the adapter directory on the workers' hosts)")
+        args.path = os.path.abspath(args.path)  # (the workers read it: say it whole)
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be > 0, got {args.timeout}")
+    auth = client_auth_from_args(args)
+    with auth.channel(args.target) as ch:
+        stub = pdserve_pb2_grpc.PDServeStub(ch)
+        kw = dict(timeout=args.timeout, metadata=auth.metadata())
+        try:
+            if args.action == "list":
+                info = stub.GetModelInfo(pdserve_pb2.GetModelInfoRequest(), **kw)
+                for name in info.lora_adapters:
+                    print(name)
+                return 0
+            if args.action == "load":
+                r = stub.LoadLoRAAdapter(pdserve_pb2.LoadLoRAAdapterRequest(lora_name=args.name,
+                                                                          lora_path=args.path), **kw)
+            else:
+                r = stub.UnloadLoRAAdapter(pdserve_pb2.UnloadLoRAAdapterRequest(lora_name=args.name), **kw)
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    print(r.message)
+    return 0
 
 
 _DOWN_EPILOG = """\
@@ -124,10 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``pdserve`` argument parser (``bench`` is parsed by loadtest)."""
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{up,controller,router,down,generate,bench,profile,roofline,simulate,plan}")
+                                metavar="{up,controller,router,down,generate,lora,bench,profile,roofline,simulate,plan}")
     add_serve_commands(sub)
     _add_down(sub)
     _add_generate(sub)
+    _add_lora(sub)
     sub.add_parser("bench", help="load-test a running cluster (see `pdserve bench --help`)", add_help=False)
     sub.add_parser("profile", help="measure this machine's step, KV link and router costs into profile.json "
                                    "(see `pdserve profile --help`)", add_help=False)
@@ -223,6 +279,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _COMMANDS[args.command](args)
         if args.command == "down":
             return cmd_down(args)
+        if args.command == "lora":
+            return cmd_lora(args)
         return cmd_generate(args)
     except ValueError as e:
         print(f"pdserve {args.command}: {e}", file=sys.stderr)

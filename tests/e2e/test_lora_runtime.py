@@ -19,7 +19,8 @@ adapter at start. In order:
 6. the router's resolver (``lora_resolver_dir``, vLLM's filesystem LoRA resolver): a request naming an adapter found
    there is served by it on first use (two at once: one loads, the other waits for that load), one naming nothing
    there is NOT_FOUND and leaves nothing behind;
-7. ``max_loras=2``: a third adapter loaded (by the resolver or by a call) first unloads the least recently used one.
+7. ``max_loras=2``: a third adapter loaded (by the resolver or by a call) then unloads the least recently used one;
+8. ``pdserve lora list / load / unload`` (the CLI client of those calls) against the same router.
 """
 from __future__ import annotations
 
@@ -222,3 +223,20 @@ def test_max_loras_unloads_the_least_recently_used_adapter_to_load_another(clust
     assert r.status_code == 200, r.text  # auto2 is now the least recently used
     assert sorted(cluster.registry.lora_entries()) == ["auto3", "py"]
     assert _ids(cluster, "py") == _offline(reference, "py")[0] and _ids(cluster, "auto3") == alt
+
+
+def test_pdserve_lora_lists_loads_and_unloads_from_the_command_line(cluster, adapters, capsys):
+    from cluster.cli import main
+
+    target = ["--target", cluster.router_address]
+    assert main(["lora", "list", *target]) == 0
+    assert capsys.readouterr().out.split() == ["auto3", "py"]
+    assert main(["lora", "unload", "auto3", *target]) == 0
+    assert capsys.readouterr().out == "Success: LoRA adapter 'auto3' removed successfully.\n"
+    assert main(["lora", "load", "again", adapters["alt"], *target]) == 0  # (max_loras=2: py and again)
+    assert capsys.readouterr().out == "Success: LoRA adapter 'again' added successfully.\n"
+    assert main(["lora", "load", "missing", "/nonexistent/adapter", *target]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: INVALID_ARGUMENT: lora_path: worker ") and "adapter_config.json" in err, err
+    assert main(["lora", "unload", *target]) == 2  # (no NAME: refused before any call)
+    assert sorted(cluster.registry.lora_entries()) == ["again", "py"]
