@@ -34,6 +34,7 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import re
 import socket
 import ssl
 import threading
@@ -51,6 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from router.openai import schema as openai_schema
 from router.openai import protocol as oa
 from router.openai import responses as rs
+from router.openai import responses_api as ora
 from router.openai import structured as oas
 from router.core import RouterCore
 from router.quotas import Lease, QuotaBook, QuotaExceeded, max_output_tokens
@@ -404,6 +406,17 @@ class HttpApi:
         async def chat(body: oa.ChatCompletionRequest, request: Request) -> Response:
             return await self._serve(request, body, chat=True)
 
+        @app.post("/v1/responses")
+        async def responses(body: ora.ResponsesRequest, request: Request) -> Response:
+            try:
+                chat_body = ora.to_chat_request(body)
+            except ValueError as e:  # (a pydantic ValidationError is one too: a field's value the chat body refuses)
+                self.core.count_error(grpc.StatusCode.INVALID_ARGUMENT)
+                msg = str(e)  # (it starts with the field: its top-level name is the error's param)
+                field = re.match(r"[A-Za-z_]+", msg)
+                return self._error(400, msg, field.group(0) if field else None)
+            return await self._serve(request, chat_body, chat=True, responses=body)
+
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(body: oa.LoadLoRAAdapterRequest) -> Response:
             return await self._lora_admin("load", body.lora_name, body.lora_path)
@@ -427,7 +440,10 @@ class HttpApi:
     def _error(self, status: int, message: str, param: Optional[str] = None) -> JSONResponse:
         return JSONResponse(rs.error_body(status, message, param), status_code=status)
 
-    async def _serve(self, request: Request, body: Any, chat: bool) -> Response:
+    async def _serve(self, request: Request, body: Any, chat: bool,
+                     responses: Optional["ora.ResponsesRequest"] = None) -> Response:
+        """A completion or chat request (``chat``); with ``responses``, the Responses API request it came from
+        (router/openai/responses_api.py): served as a chat, answered as a ``response``."""
         core = self.core
         if core.limits is None or core.draining:
             return self._error(503, "router is not serving")
@@ -499,6 +515,18 @@ class HttpApi:
         except BaseException:
             lease.release(None)
             raise
+        if responses is not None:
+            if body.stream:
+                rstream = ora.ResponseEventStream(responses, model, n_prompt)
+                return _StallCutResponse(self._sse(events, rstream), self._stalls, self._count_stall,
+                                         media_type="text/event-stream")
+            collected = ora.ResponseCollector(responses, model, n_prompt)
+            async for _, item in events:
+                if isinstance(item, FlowError):
+                    await events.aclose()
+                    return self._flow_error(item)
+                collected.add(item)
+            return JSONResponse(collected.json_body())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             out = rs.EventStream(rid, chat, model, n_prompt, detok, include_usage, plan.parser, echo,
@@ -559,7 +587,8 @@ class HttpApi:
             whole.add(idx, item)
         return JSONResponse(whole.json())
 
-    async def _sse(self, events: AsyncIterator, out: rs.EventStream) -> AsyncIterator[str]:
+    async def _sse(self, events: AsyncIterator, out: Any) -> AsyncIterator[str]:
+        """``out``: an ``rs.EventStream`` (completions, chat) or ``ora.ResponseEventStream`` (/v1/responses)."""
         try:
             async for idx, item in events:
                 if isinstance(item, FlowError):

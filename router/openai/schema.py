@@ -178,6 +178,10 @@ def install(app: FastAPI, completion_request: type[BaseModel], chat_request: typ
             "/tokenize": {"application/json": {"schema": _ref(TokenizeResponse)}},
             "/detokenize": {"application/json": {"schema": _ref(DetokenizeResponse)}},
             "/metrics": {"text/plain": {"schema": {"type": "string", "description": "Prometheus exposition"}}},
+            "/v1/responses": {"application/json": {"schema": {"type": "object", "description": "OpenAI's response "
+                                                                          "object"}},
+                              "text/event-stream": {"schema": {"type": "string", "description": "stream: true: "
+                                                               "OpenAI's Responses events, one per `data:` line"}}},
             "/v1/load_lora_adapter": {"text/plain": {"schema": {"type": "string", "description": "success"}}},
             "/v1/unload_lora_adapter": {"text/plain": {"schema": {"type": "string", "description": "success"}}},
         }

@@ -240,3 +240,64 @@ def test_ttft_phases_add_up_in_the_response_the_grpc_timings_and_the_router_hist
     assert counts == {p: 4.0 for p in phases}  # four requests, each phase once
     moved = sum(after_phases[p][1] - before_phases.get(p, (0.0, 0.0))[1] for p in phases)
     assert moved == pytest.approx(after_ttft[1] - before_ttft[1], rel=1e-6, abs=1e-9)
+
+
+def _chat_reference(roles, msgs: list[dict], n: int) -> tuple[str, int]:
+    """The offline engine's greedy answer to ``msgs`` rendered with the model's template, and the prompt's length."""
+    tok = roles.router.tokenizer
+    ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True), add_special_tokens=False)
+    return offline([ids], [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)])[0][1], len(ids)
+
+
+def test_responses_api_answers_as_the_chat_path_whole_and_streamed(roles, client):
+    """OpenAI's Responses API through the official client (``client.responses.create``): ``instructions`` are the
+    system message and ``input`` the conversation, so the answer is the offline engine's greedy continuation of the
+    rendered chat; whole, and streamed as typed events (created .. deltas .. completed, numbered in order), whose
+    deltas add up to the same text. ``max_output_tokens`` cutting it makes it ``incomplete``, as OpenAI says it."""
+    want, n_prompt = _chat_reference(roles, [{"role": "system", "content": "You write Python."},
+                                             {"role": "user", "content": "A loop, please."}], 8)
+    r = client.responses.create(model="tiny", instructions="You write Python.", input="A loop, please.",
+                                max_output_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert r.output_text == want and r.object == "response" and r.id.startswith("resp_")
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == (n_prompt, 8, n_prompt + 8)
+    assert r.output[0].type == "message" and r.output[0].role == "assistant"
+    events = list(client.responses.create(model="tiny", instructions="You write Python.",
+                                          input=[{"role": "user", "content": [{"type": "input_text",
+                                                                               "text": "A loop, please."}]}],
+                                          max_output_tokens=8, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True}))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == want
+    assert events[-1].response.output_text == want and events[-1].response.usage.output_tokens == 8
+    # a conversation with an earlier assistant turn, answered to its end (EOS or the budget): "completed"
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "Count to three."}]
+    r = client.responses.create(model="tiny", input=msgs, max_output_tokens=6, temperature=0,
+                                extra_body={"ignore_eos": True})
+    assert r.output_text == _chat_reference(roles, msgs, 6)[0]
+    # text.format: the answer follows the schema (the chat path's structured outputs)
+    r = client.responses.create(model="tiny", input="Yes or no?", max_output_tokens=8, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "answer",
+                                                 "schema": {"type": "string", "enum": ["yes", "no"]}}})
+    assert json.loads(r.output_text) in ("yes", "no") and r.status == "completed"
+
+
+def test_responses_api_refuses_what_it_does_not_serve_by_name(client):
+    for kw, field in ((dict(previous_response_id="resp_x"), "previous_response_id"),
+                      (dict(tools=[{"type": "function", "name": "f", "parameters": {}}]), "tools"),
+                      (dict(input=[{"type": "function_call_output", "call_id": "c", "output": "1"}]), "input"),
+                      (dict(input=[{"role": "robot", "content": "x"}]), "input"),
+                      (dict(max_output_tokens=0), "max_output_tokens"),
+                      (dict(text={"format": {"type": "xml"}}), "text")):
+        args = {"model": "tiny", "input": "x", **kw}
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(**args)
+        assert e.value.body["param"] == field and e.value.body["message"].startswith(field), (kw, e.value.body)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="nope", input="x")

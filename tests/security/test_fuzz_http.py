@@ -23,13 +23,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from router.openai import protocol as oa
+from router.openai.responses_api import ResponsesRequest
 from tests.loadtest.test_bench_real_cluster import Cluster
 from tests.waiting import wait_until
 
 KEY = "fuzz-http-key-1"
 FIELD_NAMES = sorted({name for model in (oa.CompletionRequest, oa.ChatCompletionRequest, oa.TokenizeCompletionRequest,
                                          oa.TokenizeChatRequest, oa.DetokenizeRequest, oa.LoadLoRAAdapterRequest,
-                                         oa.UnloadLoRAAdapterRequest)
+                                         oa.UnloadLoRAAdapterRequest, ResponsesRequest)
                       for name in model.model_fields} | {"body", "JSON", "allow-runtime-lora-updating"},
                      key=len, reverse=True)
 """What an error message may name: any request field of the API, or the body as a whole (or, for the runtime LoRA
@@ -71,7 +72,7 @@ def test_openapi_document_describes_the_api(http_cluster):
 def _short(case) -> None:
     """Accepted requests stay short and whole (their bodies are checked against the schema)."""
     if isinstance(case.body, dict):
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if isinstance(case.body.get(name), int) and case.body[name] > 4:
                 case.body[name] = 4
         case.body.pop("stream", None)
