@@ -78,6 +78,13 @@ _LORA_HTTP = {grpc.StatusCode.UNIMPLEMENTED: 404, grpc.StatusCode.NOT_FOUND: 404
 """A runtime LoRA call's gRPC status as its HTTP status (vLLM answers 400 for a name already loaded, 404 for one
 not found)."""
 
+def _leading_field(message: str) -> Optional[str]:
+    """The request field an error message starts with (its top-level name: ``input`` of ``input[0].role ...``), as
+    the error body's ``param``; None for a message that starts with no name."""
+    m = re.match(r"[A-Za-z_]+", message)
+    return m.group(0) if m else None
+
+
 _DISCONNECTED = object()
 """Put on a response's event queue when its client went away."""
 
@@ -412,9 +419,7 @@ class HttpApi:
                 chat_body = ora.to_chat_request(body)
             except ValueError as e:  # (a pydantic ValidationError is one too: a field's value the chat body refuses)
                 self.core.count_error(grpc.StatusCode.INVALID_ARGUMENT)
-                msg = str(e)  # (it starts with the field: its top-level name is the error's param)
-                field = re.match(r"[A-Za-z_]+", msg)
-                return self._error(400, msg, field.group(0) if field else None)
+                return self._error(400, str(e), _leading_field(str(e)))
             return await self._serve(request, chat_body, chat=True, responses=body)
 
         @app.post("/v1/load_lora_adapter")
@@ -629,8 +634,8 @@ class HttpApi:
             msg = await asyncio.to_thread(admin.load if op == "load" else admin.unload, *args)
         except LoRAAdminError as e:
             status = _LORA_HTTP.get(e.code, 400)
-            param = e.message.split(":", 1)[0] if e.message.startswith(("lora_name", "lora_path")) else None
-            return self._error(status, e.message, param)
+            param = _leading_field(e.message)
+            return self._error(status, e.message, param if param in ("lora_name", "lora_path") else None)
         return PlainTextResponse(msg)
 
     async def _tokenize(self, body: Any) -> Response:

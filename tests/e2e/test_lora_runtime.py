@@ -123,6 +123,7 @@ def test_bad_loads_and_unloads_are_refused_by_name_and_leave_nothing(cluster, ht
                         ({"lora_name": "tiny", "lora_path": adapters["alt"]}, "lora_name")]:
         r = http.post("/v1/load_lora_adapter", json=body)
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(field), r.text
+        assert r.json()["error"]["param"] == field, r.text
     r = http.post("/v1/load_lora_adapter", json={"lora_name": "alt"})
     assert r.status_code == 400, r.text  # (lora_path missing: the body's own check)
     r = http.post("/v1/unload_lora_adapter", json={"lora_name": "never-loaded"})
