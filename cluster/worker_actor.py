@@ -149,28 +149,13 @@ class _WorkerActor:
                 raise RuntimeError(f"worker {self.spec.worker_id} already started")
             self.worker = self.spec.factory(self._node_ip, self._node_id)
             self.worker.start()
-            self._join_lora()
+            self._follow_lora(wait=True)  # (a joining worker serves the cluster's adapters before it registers)
             info = self._info()
             self.registry.register(info)
             self._beat = threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{self.spec.worker_id}",
                                           daemon=True)
             self._beat.start()
             return info
-
-    def _join_lora(self) -> None:
-        """Load the cluster's runtime LoRA adapters before registering (worker_common/lora_sync.py), so a worker that
-        joins (scaled up, replaced) never takes an adapter out of what the routers serve. Redis unreachable: it
-        starts with none and follows the set from its heartbeats."""
-        sync_lora = getattr(self.worker, "sync_lora", None)
-        if sync_lora is None:
-            return
-        try:
-            entries = self.registry.lora_entries()
-        except Exception as e:  # noqa: BLE001 - the heartbeat tries again
-            log.warning("worker %s: the cluster's LoRA adapters not read at start: %s", self.spec.worker_id, e)
-            return
-        if entries:
-            sync_lora(entries, wait=True)
 
     def _info(self) -> WorkerInfo:
         info = self.worker.info()
@@ -192,9 +177,6 @@ class _WorkerActor:
             try:
                 # A full write (record + index set), so it also re-registers into a restarted, empty Redis.
                 self.registry.heartbeat(self._info())
-                sync_lora = getattr(self.worker, "sync_lora", None)
-                if sync_lora is not None:  # the cluster's runtime LoRA adapters (worker_common/lora_sync.py)
-                    sync_lora(self.registry.lora_entries())
             except Exception as e:  # never let Redis (or a role hiccup) end the loop: the worker stays up
                 failures += 1
                 self.failing = failures
@@ -208,6 +190,26 @@ class _WorkerActor:
                 self.reregistrations += 1
                 failures = self.failing = 0
             wait = interval
+            self._follow_lora()
+
+    def _follow_lora(self, wait: bool = False) -> None:
+        """Hand the cluster's runtime LoRA set to the worker (worker_common/lora_sync.py): after each heartbeat that
+        got through, and with ``wait`` once at start, before the worker registers, so a worker that joins (scaled
+        up, replaced) never takes an adapter out of what the routers serve. A failed read is not a failed heartbeat:
+        the worker keeps what it serves (at start: none) and the next beat reads the set again."""
+        sync_lora = getattr(self.worker, "sync_lora", None)
+        if sync_lora is None:
+            return
+        try:
+            entries = self.registry.lora_entries()
+            if not wait:
+                sync_lora(entries)  # (returns at once: a thread of the worker's loads)
+                return
+        except Exception as e:  # noqa: BLE001 - Redis went away between two calls; never ends the heartbeat
+            (log.warning if wait else log.debug)("worker %s: the cluster's LoRA adapters not read: %s",
+                                                 self.spec.worker_id, e)
+            return
+        sync_lora(entries, wait=True)
 
     def info(self) -> WorkerInfo:
         """The live record (what the next heartbeat will publish). Raises once the worker's engine loop has died

@@ -67,6 +67,8 @@ class LoRASync:
     def sync(self, entries: Mapping[str, LoRAEntry], wait: bool = False) -> None:
         """Bring the engine to ``entries`` (the cluster's runtime set), in the background; returns at once, or, with
         ``wait``, once done (a worker starting up, before it registers: it joins serving the cluster's adapters)."""
+        if not entries and not self.loaded and not self.failed:
+            return  # (the common case, a cluster with no runtime adapters: no thread, no pass)
         if wait:
             self._apply(dict(entries))
             return
@@ -129,14 +131,12 @@ class LoRASync:
         for name in [n for n in self.failed if n not in want]:
             del self.failed[name]
         if changed:
-            def settle(eng: Any) -> tuple[dict, dict]:
-                roots, ids = eng.lora_adapters(), eng.lora_event_ids()
+            def settle(eng: Any) -> dict[str, int]:
                 if self.worker.kv_events is not None:
-                    self.worker.kv_events.lora_roots = ids
-                return roots, ids
+                    self.worker.kv_events.lora_roots = eng.lora_event_ids()
+                return eng.lora_adapters()
 
-            roots, _ = loop.call(settle, timeout_s=LOAD_TIMEOUT_S)
-            self.roots = dict(roots)
+            self.roots = dict(loop.call(settle, timeout_s=LOAD_TIMEOUT_S))
             self.worker.ctx.lora_roots = self.roots
             log.info("worker %s: LoRA adapters served: %s", self.worker.cfg.worker_id, sorted(self.roots) or "none")
 
@@ -154,6 +154,8 @@ class LoRASync:
     def status(self) -> list[worker_pb2.LoRAStatus]:
         """What ``WorkerInfo.lora_status`` publishes: each adapter served (with the requests held under it) and each
         refused load."""
+        if not self.roots and not self.failed:
+            return []  # (no adapter: no pass over the requests, which info() would pay every heartbeat)
         running: dict[str, int] = {}
         for rs in self.worker.request_sets:
             for r in rs.snapshot().values():
