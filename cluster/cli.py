@@ -56,7 +56,8 @@ def _add_lora(sub: argparse._SubParsersAction) -> None:
                         "with --allow-runtime-lora-updating)")
     p.add_argument("name", nargs="?", default=None, help="the adapter's name (load, unload)")
     p.add_argument("path", nargs="?", default=None,
-                   help="load: the PEFT adapter directory, an absolute path on every worker's host")
+                   help="load: the PEFT adapter directory, on every worker's host (a relative PATH is made "
+                        "absolute here)")
     p.add_argument("--target", default="127.0.0.1:50051", help="router host:port (default 127.0.0.1:50051)")
     p.add_argument("--timeout", type=float, default=180.0,
                    help="seconds to wait for the cluster (a load waits for every worker; default 180)")

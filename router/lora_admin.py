@@ -177,6 +177,14 @@ class LoRAAdmin:
                     raise
         return f"Success: LoRA adapter '{name}' added successfully."
 
+    def _running(self, reg: Any, what: str) -> dict[str, int]:
+        """Requests the live workers hold now under each adapter (``LoRAStatus.running``, summed)."""
+        running: dict[str, int] = {}
+        for w in self._redis(what, reg.list):
+            for s in w.lora_status:
+                running[s.name] = running.get(s.name, 0) + s.running
+        return running
+
     # ---- the bound on runtime adapters (max_loras) -------------------------------------------------
     def touch(self, name: str) -> None:
         """A request under adapter ``name`` was admitted here (what ``max_loras`` evicts by: least recently used)."""
@@ -191,10 +199,7 @@ class LoRAAdmin:
             loaded = [n for n, e in self._redis("load", reg.lora_entries).items() if n != name]
             if len(loaded) < cap:
                 return
-            running: dict[str, int] = {}
-            for w in self._redis("load", reg.list):
-                for s in w.lora_status:
-                    running[s.name] = running.get(s.name, 0) + s.running
+            running = self._running(reg, "load")
             idle = [n for n in loaded if not running.get(n) and not self.core.lora_in_flight(n)
                     and n not in self.unloading]
             victim = pick_lru(idle, self._last_used)
@@ -297,9 +302,7 @@ class LoRAAdmin:
                                                                        state="unloading"))
             deadline = time.monotonic() + self.core.cfg.lora_update_timeout_s
             while time.monotonic() < deadline:
-                running = sum(s.running for w in self._redis("unload", reg.list) for s in w.lora_status
-                              if s.name == name)
-                if not running and not self.core.lora_in_flight(name):
+                if not self._running(reg, "unload").get(name) and not self.core.lora_in_flight(name):
                     break
                 time.sleep(POLL_S)
             else:
@@ -314,5 +317,6 @@ class LoRAAdmin:
         finally:
             with self._lock:
                 self.unloading.discard(name)
+        self._last_used.pop(name, None)
         log.info("router: LoRA adapter %r unloaded", name)
         return f"Success: LoRA adapter '{name}' removed successfully."

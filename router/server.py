@@ -390,7 +390,6 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             max_logprobs=SamplingParams.MAX_LOGPROBS, eos_token_id=lim.eos_token_id,
             num_prefill_workers=n_p, num_decode_workers=n_d, mode=self.cfg.mode, lora_adapters=lim.lora_adapters)
 
-
     def LoadLoRAAdapter(self, request: pdserve_pb2.LoadLoRAAdapterRequest,
                         context: grpc.ServicerContext) -> pdserve_pb2.LoRAAdapterResponse:
         """Load a LoRA adapter on every worker (router/lora_admin.py)."""

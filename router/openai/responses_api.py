@@ -147,8 +147,9 @@ def _usage(usage: Any, n_prompt: int) -> dict:
             "total_tokens": n_prompt + out}
 
 
-class _Response:
-    """One response's identity and the request fields it echoes (OpenAI's ``response`` object)."""
+class ResponseCollector:
+    """One response's identity, the request fields it echoes and its answer so far (OpenAI's ``response`` object):
+    a whole (non-streamed) one is ``add`` of each event, then ``json_body()``."""
 
     def __init__(self, body: ResponsesRequest, model: str, n_prompt: int) -> None:
         self.body, self.model, self.n_prompt = body, model, n_prompt
@@ -193,15 +194,11 @@ class _Response:
     def status(self) -> str:
         return "incomplete" if self.reason == "length" else "completed"
 
-
-class ResponseCollector(_Response):
-    """A whole (non-streamed) response: ``add`` each event, then ``json_body()``."""
-
     def json_body(self) -> dict:
         return self.json(self.status)
 
 
-class ResponseEventStream(_Response):
+class ResponseEventStream(ResponseCollector):
     """A streamed response: the same ``chunk`` / ``error`` / ``end`` the chat path's ``EventStream`` has, speaking
     OpenAI's Responses events (module docstring)."""
 
