@@ -416,11 +416,11 @@ class HttpApi:
         @app.post("/v1/responses")
         async def responses(body: ora.ResponsesRequest, request: Request) -> Response:
             try:
-                chat_body = ora.to_chat_request(body)
+                translation = ora.to_chat_request(body)
             except ValueError as e:  # (a pydantic ValidationError is one too: a field's value the chat body refuses)
                 self.core.count_error(grpc.StatusCode.INVALID_ARGUMENT)
                 return self._error(400, str(e), _leading_field(str(e)))
-            return await self._serve(request, chat_body, chat=True, responses=body)
+            return await self._serve(request, translation.chat, chat=True, responses=translation)
 
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(body: oa.LoadLoRAAdapterRequest) -> Response:
@@ -446,9 +446,10 @@ class HttpApi:
         return JSONResponse(rs.error_body(status, message, param), status_code=status)
 
     async def _serve(self, request: Request, body: Any, chat: bool,
-                     responses: Optional["ora.ResponsesRequest"] = None) -> Response:
+                     responses: Optional["ora.ChatTranslation"] = None) -> Response:
         """A completion or chat request (``chat``); with ``responses``, the Responses API request it came from
-        (router/openai/responses_api.py): served as a chat, answered as a ``response``."""
+        (router/openai/responses_api.py): served as a chat, answered as a ``response``, its errors naming the
+        Responses API's fields."""
         core = self.core
         if core.limits is None or core.draining:
             return self._error(503, "router is not serving")
@@ -496,6 +497,9 @@ class HttpApi:
             return self._error(404, str(e), "model")
         except ValueError as e:
             core.count_error(grpc.StatusCode.INVALID_ARGUMENT)
+            if responses is not None:
+                msg = responses.relabel(str(e))
+                return self._error(400, msg, _leading_field(msg))
             return self._error(400, str(e))
         n_prompt = sum(len(c.vreq.prompt_token_ids) for c in choices)
         rid = rs.new_id("chatcmpl" if chat else "cmpl")
@@ -522,10 +526,10 @@ class HttpApi:
             raise
         if responses is not None:
             if body.stream:
-                rstream = ora.ResponseEventStream(responses, model, n_prompt)
+                rstream = ora.ResponseEventStream(responses.request, model, n_prompt, plan.parser)
                 return _StallCutResponse(self._sse(events, rstream), self._stalls, self._count_stall,
                                          media_type="text/event-stream")
-            collected = ora.ResponseCollector(responses, model, n_prompt)
+            collected = ora.ResponseCollector(responses.request, model, n_prompt, plan.parser)
             async for _, item in events:
                 if isinstance(item, FlowError):
                     await events.aclose()

@@ -2,25 +2,41 @@
 
 Lifecycle: stateless. ``router.openai.http_api`` parses the body into ``ResponsesRequest`` and ``to_chat_request``
 turns it into the ``ChatCompletionRequest`` the chat path already serves (``instructions`` as the system message,
-``input`` as the conversation, ``max_output_tokens`` as ``max_tokens``, ``text.format`` as ``response_format``), so
-validation, the chat template, LoRA adapters, structured outputs, quotas and cancellation are the chat path's. The
-answer is rendered here instead of as a chat completion: ``ResponseCollector`` gathers the flow's events into one
-``response`` object, ``ResponseEventStream`` streams OpenAI's events (``response.created``, ``response.in_progress``,
-``response.output_item.added``, ``response.content_part.added``, ``response.output_text.delta`` per piece of text,
-``response.output_text.done``, ``response.content_part.done``, ``response.output_item.done``, then
-``response.completed``, or ``response.incomplete`` when ``max_output_tokens`` cut it, each with its
-``sequence_number``), as the OpenAI SDK's ``client.responses.create`` reads them.
+``input`` as the conversation, ``max_output_tokens`` as ``max_tokens``, ``text.format`` as ``response_format``,
+function ``tools`` and ``tool_choice`` as chat's), so validation, the chat template, LoRA adapters, structured
+outputs, tool-call parsing, quotas and cancellation are the chat path's; its error messages are relabelled with
+the Responses field they came from (``ChatTranslation.relabel``). The answer is rendered here instead of as a chat
+completion: ``ResponseCollector`` gathers the flow's events into one ``response`` object, ``ResponseEventStream``
+streams OpenAI's events (``response.created``, ``response.in_progress``, ``response.output_item.added``,
+``response.content_part.added``, ``response.output_text.delta`` per piece of text, ``response.output_text.done``,
+``response.content_part.done``, ``response.output_item.done``, then ``response.completed``, or
+``response.incomplete`` when ``max_output_tokens`` cut it, each with its ``sequence_number``), as the OpenAI SDK's
+``client.responses.create`` reads them.
+
+Function calling, as agents use it (OpenAI's Agents SDK, Codex-style loops that send the whole conversation each
+turn): ``tools`` of ``type: "function"`` (flat: ``name``, ``description``, ``parameters``, ``strict``) and
+``tool_choice`` (``none``, ``auto``, ``required``, ``{"type": "function", "name": ...}``, with
+``parallel_tool_calls``) mean what they mean on /v1/chat/completions (``auto`` reads calls with the router's
+``--tool-call-parser``; ``required`` and a named function are forced by a grammar). A call comes back as a
+``function_call`` output item (``call_id``, ``name``, ``arguments`` as JSON text), streamed as
+``response.output_item.added``, ``response.function_call_arguments.delta`` ..., ``...arguments.done``,
+``response.output_item.done``. The next turn's ``input`` carries the ``function_call`` items back and a
+``function_call_output`` for each (``call_id``, ``output``): they render as the assistant turn's ``tool_calls``
+and ``tool`` messages through the model's chat template, exactly as the chat API's messages would.
 
 What is refused, naming the field (400): ``previous_response_id`` and ``conversation`` (this server keeps no
-responses: send the whole conversation as ``input``), ``tools`` and ``tool_choice`` other than none (function calls
-are served on /v1/chat/completions), ``background``, input items other than messages with text parts, ``n``-like
-fields (one answer per response). ``store`` is accepted and answered ``false`` (nothing is kept).
+responses: send the whole conversation as ``input``), tools other than functions (web search, file search...),
+``background``, input items other than messages with text parts, ``function_call`` and ``function_call_output``
+(an output whose ``call_id`` no earlier call has, too), ``n``-like fields (one answer per response). ``store`` is
+accepted and answered ``false`` (nothing is kept).
 """
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
@@ -28,6 +44,8 @@ from pydantic import BaseModel, ConfigDict
 from router.events import FlowError, FlowEvent
 from router.openai.protocol import ChatCompletionRequest
 from router.openai.responses import flow_error
+from router.openai.tool_parsers import ArgsDelta, CallStart, ContentDelta, ToolCallParser, ToolCallStream, \
+    new_tool_call_id
 
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -39,7 +57,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Optional[str] = None
-    input: Union[str, list[dict[str, Any]]]
+    input: Union[str, list[Any]]
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = None
     temperature: Optional[float] = None
@@ -52,47 +70,121 @@ class ResponsesRequest(BaseModel):
     previous_response_id: Optional[str] = None
     conversation: Optional[Any] = None
     background: Optional[bool] = None
-    tools: Optional[list[dict[str, Any]]] = None
+    tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
     # vLLM's extras
     seed: Optional[int] = None
     top_k: Optional[int] = None
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     ignore_eos: bool = False
+    structured_outputs: Optional[dict[str, Any]] = None
+    """vLLM's output constraint (regex, choice, grammar, json), as on the chat path."""
 
 
-def _messages(body: ResponsesRequest) -> list[dict]:
+def _text(value: Any, where: str) -> str:
+    """A message's (or a call output's) text: a string, or a list of text parts joined."""
+    if isinstance(value, list):
+        texts = []
+        for j, part in enumerate(value):
+            if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or \
+                    not isinstance(part.get("text"), str):
+                raise ValueError(f"{where}[{j}]: only text parts ({', '.join(_TEXT_PARTS)}) are served")
+            texts.append(part["text"])
+        value = "".join(texts)
+    if not isinstance(value, str):
+        raise ValueError(f"{where} must be text or a list of text parts")
+    return value
+
+
+def _string(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or (key != "arguments" and not value):
+        raise ValueError(f"{where}.{key} must be a non-empty string" if key != "arguments"
+                         else f"{where}.arguments must be the call's arguments as JSON text")
+    return value
+
+
+def _messages(body: ResponsesRequest) -> tuple[list[dict], list[str]]:
+    """The chat messages of ``instructions`` and ``input``, and each one's field (for error messages). A
+    ``function_call`` item is an assistant turn's call (joined to the assistant turn before it, as a chat
+    completion carries content and calls in one message); a ``function_call_output`` is the ``tool`` turn
+    answering it, by ``call_id``."""
     msgs: list[dict] = []
+    where: list[str] = []
     if body.instructions:
         msgs.append({"role": "system", "content": body.instructions})
+        where.append("instructions")
     if isinstance(body.input, str):
         if not body.input:
             raise ValueError("input: must not be empty")
-        return msgs + [{"role": "user", "content": body.input}]
+        return msgs + [{"role": "user", "content": body.input}], where + ["input"]
     if not body.input:
         raise ValueError("input: must not be empty")
+    calls: set[str] = set()
     for i, item in enumerate(body.input):
+        at = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise ValueError(f"{at} must be an object")
         kind = item.get("type", "message")
-        if kind != "message":
-            raise ValueError(f"input[{i}].type: {kind!r} items are not served here (messages with text only)")
-        role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
-        if role is None:
-            raise ValueError(f"input[{i}].role must be one of {sorted(_ROLES)}, got {item.get('role')!r}")
-        content = item.get("content")
-        if isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or \
-                        not isinstance(part.get("text"), str):
-                    raise ValueError(f"input[{i}].content[{j}]: only text parts ({', '.join(_TEXT_PARTS)}) are "
-                                     "served")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if not isinstance(content, str):
-            raise ValueError(f"input[{i}].content must be text or a list of text parts")
-        msgs.append({"role": role, "content": content})
-    return msgs
+        if kind == "message":
+            role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            if role is None:
+                raise ValueError(f"{at}.role must be one of {sorted(_ROLES)}, got {item.get('role')!r}")
+            msgs.append({"role": role, "content": _text(item.get("content"), f"{at}.content")})
+            where.append(at)
+        elif kind == "function_call":
+            call_id = _string(item, "call_id", at)
+            if call_id in calls:
+                raise ValueError(f"{at}.call_id: {call_id!r} is the id of an earlier call too")
+            calls.add(call_id)
+            call = {"id": call_id, "type": "function",
+                    "function": {"name": _string(item, "name", at), "arguments": _string(item, "arguments", at)}}
+            if msgs and msgs[-1]["role"] == "assistant" and where[-1] != "instructions":
+                msgs[-1].setdefault("tool_calls", []).append(call)
+            else:
+                msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                where.append(at)
+        elif kind == "function_call_output":
+            call_id = _string(item, "call_id", at)
+            if call_id not in calls:
+                raise ValueError(f"{at}.call_id: no function_call item before it has call_id {call_id!r}")
+            msgs.append({"role": "tool", "tool_call_id": call_id, "content": _text(item.get("output"),
+                                                                                   f"{at}.output")})
+            where.append(at)
+        else:
+            raise ValueError(f"{at}.type: {kind!r} items are not served here (messages with text, function_call "
+                             "and function_call_output)")
+    return msgs, where
+
+
+def _tools(body: ResponsesRequest) -> Optional[list[dict]]:
+    """The Responses API's function tools (flat: ``name``, ``parameters`` beside ``type``) as chat's."""
+    if not body.tools:
+        return None
+    out = []
+    for i, tool in enumerate(body.tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise ValueError(f"tools[{i}].type: only function tools are served here, got {kind!r}")
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"tools[{i}].name must be a non-empty string")
+        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters",
+                                                                          "strict") if tool.get(k) is not None}})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice is None or choice in ("none", "auto", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        if not isinstance(choice.get("name"), str):
+            raise ValueError("tool_choice.name must be the name of one of the tools")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise ValueError(f'tool_choice must be "none", "auto", "required" or {{"type": "function", "name": ...}}, '
+                     f"got {choice!r}")
 
 
 def _response_format(text: Optional[dict]) -> Optional[dict]:
@@ -113,59 +205,116 @@ def _response_format(text: Optional[dict]) -> Optional[dict]:
     raise ValueError(f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
-def to_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+@dataclass
+class ChatTranslation:
+    """A Responses request as the chat request that serves it, and how to name the Responses field in the chat
+    path's error messages (``relabel``)."""
+
+    request: ResponsesRequest
+    chat: ChatCompletionRequest
+    where: list[str]
+    """Each chat message's Responses field (``instructions``, ``input[3]``)."""
+
+    def relabel(self, message: str) -> str:
+        """A chat path's message naming ``messages[k]``, ``tools[i].function.x``, ``tool_choice.function.name``
+        or ``response_format`` -> the Responses field it came from."""
+        m = re.match(r"messages\[(\d+)\]", message)
+        if m and int(m.group(1)) < len(self.where):
+            return self.where[int(m.group(1))] + message[m.end():]
+        if message.startswith("messages"):
+            return "input" + message[len("messages"):]
+        message = re.sub(r"^tools\[(\d+)\]\.function\.", r"tools[\1].", message)
+        for chat_name, name in (("tool_choice.function.name", "tool_choice.name"),
+                                ("response_format.json_schema.", "text.format."),
+                                ("response_format", "text.format"), ("max_tokens", "max_output_tokens")):
+            if message.startswith(chat_name):
+                return name + message[len(chat_name):]
+        return message
+
+
+def to_chat_request(body: ResponsesRequest) -> ChatTranslation:
     """The chat request that serves ``body``; ValueError naming the field for what this server does not serve."""
     for field in ("previous_response_id", "conversation"):
         if getattr(body, field) is not None:
             raise ValueError(f"{field}: this server keeps no responses; send the whole conversation as input")
     if body.background:
         raise ValueError("background: responses are answered in the request, not in the background")
-    if body.tools:
-        raise ValueError("tools: function calling is served on /v1/chat/completions, not here yet")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise ValueError(f"tool_choice: no tools are served here (got {body.tool_choice!r})")
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
         raise ValueError(f"max_output_tokens must be >= 1, got {body.max_output_tokens}")
-    chat: dict[str, Any] = {"messages": _messages(body), "model": body.model, "stream": body.stream,
+    msgs, where = _messages(body)
+    chat: dict[str, Any] = {"messages": msgs, "model": body.model, "stream": body.stream,
                             "ignore_eos": body.ignore_eos}
+    tools = _tools(body)
+    if tools is not None:
+        chat["tools"] = tools
+    choice = _tool_choice(body.tool_choice)
+    if choice is not None:
+        chat["tool_choice"] = choice
     for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                      ("seed", "seed"), ("top_k", "top_k"), ("min_p", "min_p"),
-                     ("repetition_penalty", "repetition_penalty")):
+                     ("repetition_penalty", "repetition_penalty"), ("parallel_tool_calls", "parallel_tool_calls"),
+                     ("structured_outputs", "structured_outputs")):
         if getattr(body, src) is not None:
             chat[dst] = getattr(body, src)
     fmt = _response_format(body.text)
     if fmt is not None:
         chat["response_format"] = fmt
-    return ChatCompletionRequest.model_validate(chat)
+    return ChatTranslation(body, ChatCompletionRequest.model_validate(chat), where)
 
 
 def _usage(usage: Any, n_prompt: int) -> dict:
     out = usage.completion_tokens if usage is not None else 0
     cached = getattr(usage, "cached_tokens", 0) if usage is not None else 0
-    return {"input_tokens": n_prompt, "input_tokens_details": {"cached_tokens": cached or 0},
+    return {"input_tokens": n_prompt,
+            "input_tokens_details": {"cached_tokens": cached or 0, "cache_write_tokens": 0},
             "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": n_prompt + out}
 
 
+def _call_item(call_id: str, name: str, arguments: str, item_id: str, status: str) -> dict:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
 class ResponseCollector:
     """One response's identity, the request fields it echoes and its answer so far (OpenAI's ``response`` object):
-    a whole (non-streamed) one is ``add`` of each event, then ``json_body()``."""
+    a whole (non-streamed) one is ``add`` of each event, then ``json_body()``. With a ``tool_parser`` (the chat
+    path's plan for the request's tools) the answer is read into a message (its content, when any) and one
+    ``function_call`` item per call, as the chat path reads ``tool_calls`` (a call that does not parse leaves the
+    whole text as the message)."""
 
-    def __init__(self, body: ResponsesRequest, model: str, n_prompt: int) -> None:
-        self.body, self.model, self.n_prompt = body, model, n_prompt
+    def __init__(self, body: ResponsesRequest, model: str, n_prompt: int,
+                 tool_parser: Optional[ToolCallParser] = None) -> None:
+        self.body, self.model, self.n_prompt, self.tool_parser = body, model, n_prompt, tool_parser
         self.id = f"resp_{uuid.uuid4().hex}"
         self.msg_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self.text = ""
         self.reason: Optional[str] = None
         self.usage: Any = None
+        self._output: Optional[list[dict]] = None
 
-    def message(self, status: str) -> dict:
-        content = [] if status == "in_progress" else [self.part()]
-        return {"type": "message", "id": self.msg_id, "status": status, "role": "assistant", "content": content}
+    def message(self, status: str, text: Optional[str] = None, msg_id: Optional[str] = None) -> dict:
+        content = [] if status == "in_progress" else [self.part(self.text if text is None else text)]
+        return {"type": "message", "id": msg_id or self.msg_id, "status": status, "role": "assistant",
+                "content": content}
 
-    def part(self) -> dict:
-        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+    @staticmethod
+    def part(text: str) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def output(self) -> list[dict]:
+        """The finished answer's output items (read once: their ids stay)."""
+        if self._output is None:
+            if self.tool_parser is None:
+                self._output = [self.message("completed")]
+            else:
+                found = self.tool_parser.extract(self.text)
+                self._output = [self.message("completed", found.content)] if found.content or not found.calls \
+                    else []
+                self._output += [_call_item(c.id, c.name, c.arguments, f"fc_{uuid.uuid4().hex}", "completed")
+                                 for c in found.calls]
+        return self._output
 
     def json(self, status: str) -> dict:
         """The ``response`` object: ``in_progress`` (no output yet), ``completed`` or ``incomplete``."""
@@ -177,9 +326,11 @@ class ResponseCollector:
             "background": False, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "metadata": b.metadata or {},
-            "model": self.model, "output": [self.message(status)] if done else [], "parallel_tool_calls": True,
-            "previous_response_id": None, "reasoning": None, "store": False, "temperature": b.temperature,
-            "text": {"format": fmt}, "tool_choice": "auto", "tools": [], "top_p": b.top_p, "truncation": "disabled",
+            "model": self.model, "output": self.output() if done else [],
+            "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id": None,
+            "reasoning": None, "store": False, "temperature": b.temperature, "text": {"format": fmt},
+            "tool_choice": b.tool_choice if b.tool_choice is not None else "auto", "tools": b.tools or [],
+            "top_p": b.top_p, "truncation": "disabled",
             "usage": _usage(self.usage, self.n_prompt) if done else None, "user": b.user,
         }
 
@@ -200,12 +351,24 @@ class ResponseCollector:
 
 class ResponseEventStream(ResponseCollector):
     """A streamed response: the same ``chunk`` / ``error`` / ``end`` the chat path's ``EventStream`` has, speaking
-    OpenAI's Responses events (module docstring)."""
+    OpenAI's Responses events (module docstring). With a ``tool_parser`` the text goes through its
+    ``ToolCallStream``: content opens a message item (``response.output_text.delta``), a call closes the open item
+    and opens a ``function_call`` item (``response.output_item.added`` with its name, then
+    ``response.function_call_arguments.delta`` per piece of its arguments, ``...arguments.done`` and
+    ``response.output_item.done`` when the next item starts or the answer ends), as the OpenAI SDK and the
+    Agents SDK read them."""
 
-    def __init__(self, body: ResponsesRequest, model: str, n_prompt: int) -> None:
-        super().__init__(body, model, n_prompt)
+    def __init__(self, body: ResponsesRequest, model: str, n_prompt: int,
+                 tool_parser: Optional[ToolCallParser] = None) -> None:
+        super().__init__(body, model, n_prompt, tool_parser)
         self._seq = 0
         self._started = False
+        self._stream: Optional[ToolCallStream] = tool_parser.stream() if tool_parser is not None else None
+        self._items: list[dict] = []
+        """The output items so far; the last is open until the next starts or the answer ends."""
+        self._open = False
+        self._calls: dict[int, int] = {}
+        """A call's index (the parser's) -> its output index."""
 
     def _event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self._seq, **fields}
@@ -213,35 +376,81 @@ class ResponseEventStream(ResponseCollector):
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
     def _ids(self) -> dict:
-        return {"item_id": self.msg_id, "output_index": 0, "content_index": 0}
+        return {"item_id": self._items[-1]["id"], "output_index": len(self._items) - 1, "content_index": 0}
+
+    def _close(self) -> str:
+        if not self._open:
+            return ""
+        self._open = False
+        item, index = self._items[-1], len(self._items) - 1
+        if item["type"] == "message":
+            text = item["content"][0]["text"]
+            return (self._event("response.output_text.done", **self._ids(), text=text, logprobs=[])
+                    + self._event("response.content_part.done", **self._ids(), part=self.part(text))
+                    + self._event("response.output_item.done", output_index=index,
+                                  item={**item, "status": "completed"}))
+        item["status"] = "completed"
+        return (self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                            arguments=item["arguments"])
+                + self._event("response.output_item.done", output_index=index, item=item))
+
+    def _text(self, text: str) -> str:
+        out = ""
+        if not (self._open and self._items[-1]["type"] == "message"):
+            out += self._close()
+            msg_id = self.msg_id if not self._items else f"msg_{uuid.uuid4().hex}"
+            self._items.append({**self.message("in_progress", msg_id=msg_id), "content": [self.part("")]})
+            self._open = True
+            out += (self._event("response.output_item.added", output_index=len(self._items) - 1,
+                                item=self.message("in_progress", msg_id=msg_id))
+                    + self._event("response.content_part.added", **self._ids(), part=self.part("")))
+        if text:
+            self._items[-1]["content"][0]["text"] += text
+            out += self._event("response.output_text.delta", **self._ids(), delta=text, logprobs=[])
+        return out
 
     def start(self) -> str:
         self._started = True
-        return (self._event("response.created", response=self.json("in_progress"))
-                + self._event("response.in_progress", response=self.json("in_progress"))
-                + self._event("response.output_item.added", output_index=0, item=self.message("in_progress"))
-                + self._event("response.content_part.added", **self._ids(),
-                              part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+        out = (self._event("response.created", response=self.json("in_progress"))
+               + self._event("response.in_progress", response=self.json("in_progress")))
+        return out if self._stream is not None else out + self._text("")
 
     def chunk(self, idx: int, ev: FlowEvent) -> str:
         out = "" if self._started else self.start()
         self.add(ev)
-        if ev.text:
-            out += self._event("response.output_text.delta", **self._ids(), delta=ev.text, logprobs=[])
+        if self._stream is None:
+            return out + (self._text(ev.text) if ev.text else "")
+        for d in self._stream.feed(ev.text) + (self._stream.finish() if ev.finish_reason else []):
+            if isinstance(d, ContentDelta):
+                out += self._text(d.text)
+            elif isinstance(d, CallStart):
+                out += self._close()
+                item = _call_item(new_tool_call_id(), d.name, "", f"fc_{uuid.uuid4().hex}", "in_progress")
+                self._items.append(item)
+                self._calls[d.index], self._open = len(self._items) - 1, True
+                out += self._event("response.output_item.added", output_index=len(self._items) - 1, item=item)
+            elif isinstance(d, ArgsDelta):
+                index = self._calls[d.index]
+                self._items[index]["arguments"] += d.text
+                out += self._event("response.function_call_arguments.delta", item_id=self._items[index]["id"],
+                                   output_index=index, delta=d.text)
         return out
 
     def error(self, e: FlowError) -> str:
         body = flow_error(e)[1]["error"]
         return self._event("error", code=body.get("type"), message=body.get("message"), param=body.get("param"))
 
+    def output(self) -> list[dict]:
+        return [{**i, "status": "completed"} for i in self._items]
+
     def end(self) -> list[str]:
         if self.reason is None:  # (an error ended it: its event is out already)
             return []
         out = [] if self._started else [self.start()]
+        if not self._items:  # nothing at all was said: an empty message, as a whole response has
+            out.append(self._text(""))
+        out.append(self._close())
         status = self.status
-        out += [self._event("response.output_text.done", **self._ids(), text=self.text, logprobs=[]),
-                self._event("response.content_part.done", **self._ids(), part=self.part()),
-                self._event("response.output_item.done", output_index=0, item=self.message("completed")),
-                self._event("response.completed" if status == "completed" else "response.incomplete",
-                            response=self.json(status))]
+        out.append(self._event("response.completed" if status == "completed" else "response.incomplete",
+                               response=self.json(status)))
         return out

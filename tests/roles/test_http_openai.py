@@ -290,7 +290,7 @@ def test_responses_api_answers_as_the_chat_path_whole_and_streamed(roles, client
 
 def test_responses_api_refuses_what_it_does_not_serve_by_name(client):
     for kw, field in ((dict(previous_response_id="resp_x"), "previous_response_id"),
-                      (dict(tools=[{"type": "function", "name": "f", "parameters": {}}]), "tools"),
+                      (dict(tools=[{"type": "web_search_preview"}]), "tools"),
                       (dict(input=[{"type": "function_call_output", "call_id": "c", "output": "1"}]), "input"),
                       (dict(input=[{"role": "robot", "content": "x"}]), "input"),
                       (dict(max_output_tokens=0), "max_output_tokens"),

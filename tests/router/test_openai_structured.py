@@ -265,3 +265,74 @@ def test_readme_structured_outputs_example_runs(client):
         exec(m.group(1), scope)  # noqa: S102 - our own README
     assert isinstance(scope["r"].choices[0].message.parsed, scope["City"])
     assert out.getvalue().startswith("name=")
+
+
+def _flat(tool: dict) -> dict:
+    """A chat tool as the Responses API writes it (the function's fields beside ``type``)."""
+    return {"type": "function", **tool["function"]}
+
+
+def test_responses_api_function_calls_forced_read_and_answered(client):
+    """Function calling on /v1/responses through the OpenAI SDK: a named tool_choice and "required" force calls
+    whose arguments validate against the tool's schema, whole and streamed alike (the streamed argument deltas add
+    up to the whole answer's); "auto" reads a Hermes call out of the text (a grammar makes the tiny model write
+    one); the agent's next turn, sending the call and its output back as input items, gets the answer the chat API
+    gives the same conversation (so both render it through the chat template the same way)."""
+    tools = [_flat(t) for t in TOOLS]
+    kw = dict(model="tiny", input="What is the weather in Paris?", tools=tools, temperature=0, max_output_tokens=40)
+    r = client.responses.create(**kw, tool_choice={"type": "function", "name": "get_time"})
+    (call,) = r.output
+    assert call.type == "function_call" and call.name == "get_time" and r.status == "completed"
+    assert [t.name for t in r.tools] == ["get_weather", "get_time"] and r.tool_choice.name == "get_time"
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS["get_time"])
+    events = list(client.responses.create(**kw, tool_choice={"type": "function", "name": "get_time"}, stream=True))
+    done = events[-1].response
+    assert [(i.type, i.name, i.arguments) for i in done.output] == [("function_call", "get_time", call.arguments)]
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == call.arguments
+    assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"] == [call.arguments]
+    req = client.responses.create(**{**kw, "max_output_tokens": 120}, tool_choice="required",
+                                  parallel_tool_calls=False)
+    (only,) = req.output  # parallel_tool_calls false: exactly one call
+    jsonschema.validate(json.loads(only.arguments), SCHEMAS[only.name])
+    auto = client.responses.create(**{**kw, "max_output_tokens": 80},
+                                   extra_body={"structured_outputs": {"grammar": AUTO_GRAMMAR}})
+    assert [(i.type, i.name) for i in auto.output] == [("function_call", "get_weather")]
+    (weather,) = auto.output
+    jsonschema.validate(json.loads(weather.arguments), SCHEMAS["get_weather"])
+    # the next turn: the call and its output go back as input; the answer is the chat API's to the same turns
+    turn = [{"role": "user", "content": "What is the weather in Paris?"},
+            {"type": "function_call", "call_id": weather.call_id, "name": weather.name,
+             "arguments": weather.arguments},
+            {"type": "function_call_output", "call_id": weather.call_id, "output": "sunny, 21 C"}]
+    answer = client.responses.create(model="tiny", input=turn, tools=tools, tool_choice="none", temperature=0,
+                                     max_output_tokens=12, extra_body={"ignore_eos": True})
+    chat = client.chat.completions.create(
+        model="tiny", tools=TOOLS, tool_choice="none", temperature=0, max_tokens=12, extra_body={"ignore_eos": True},
+        messages=[ASK[0], {"role": "assistant", "content": None, "tool_calls": [
+            {"id": weather.call_id, "type": "function",
+             "function": {"name": weather.name, "arguments": weather.arguments}}]},
+            {"role": "tool", "tool_call_id": weather.call_id, "content": "sunny, 21 C"}])
+    assert answer.output_text == chat.choices[0].message.content and answer.usage.input_tokens == \
+        chat.usage.prompt_tokens
+    # and a different tool output is a different prompt (the output item is rendered, not dropped)
+    other = client.responses.create(model="tiny", input=turn[:2] + [{**turn[2], "output": "snow"}], tools=tools,
+                                    tool_choice="none", temperature=0, max_output_tokens=12,
+                                    extra_body={"ignore_eos": True})
+    assert other.usage.input_tokens != answer.usage.input_tokens or other.output_text != answer.output_text
+
+
+def test_responses_api_tool_errors_name_the_responses_field(roles, client):
+    p_eng, d_eng = roles.prefills[0].engine, roles.decodes[0].engine
+    before = (p_eng.prefix_cache_queries, d_eng.prefix_cache_queries)
+    tools = [_flat(t) for t in TOOLS]
+    for kw, field, head in (
+            (dict(tools=tools, tool_choice={"type": "function", "name": "nope"}), "tool_choice", "tool_choice.name"),
+            (dict(tools=[tools[0], tools[0]]), "tools", "tools[1].name"),
+            (dict(tools=[{"type": "web_search_preview"}]), "tools", "tools[0].type"),
+            (dict(tool_choice="required"), "tool_choice", "tool_choice"),
+            (dict(tools=tools, tool_choice="required", text={"format": {"type": "json_object"}}), "text",
+             "text.format")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.responses.create(model="tiny", input="x", **kw)
+        assert e.value.body["param"] == field and e.value.body["message"].startswith(head), (kw, e.value.body)
+    assert (p_eng.prefix_cache_queries, d_eng.prefix_cache_queries) == before
