@@ -174,6 +174,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="with --allow-runtime-lora-updating: a request whose model names no served adapter first "
                         "loads DIR/<model> on every worker (vLLM's filesystem LoRA resolver); DIR absolute, on the "
                         "workers' hosts")
+    p.add_argument("--responses-store-ttl-s", type=float, default=0.0, metavar="S",
+                   help="keep finished /v1/responses answers S seconds in the cluster's Redis, so a request can "
+                        "continue one (previous_response_id) and GET/DELETE /v1/responses/{id} find it (default "
+                        "0: off, as vLLM's; each kept response holds its whole conversation)")
     p.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
                    help="conditional disaggregation: prompts of at most N tokens are prefilled on the decode "
                         "worker itself (default 0: always use the prefill pool)")
@@ -414,6 +418,11 @@ def router_overrides(args: argparse.Namespace) -> dict:
         if not os.path.isabs(resolver):
             raise ValueError(f"--lora-resolver-dir must be an absolute path (the workers read it), got {resolver!r}")
         out["lora_resolver_dir"] = resolver
+    store_ttl = getattr(args, "responses_store_ttl_s", 0.0)
+    if store_ttl < 0:
+        raise ValueError(f"--responses-store-ttl-s must be >= 0 (0: off), got {store_ttl:g}")
+    if store_ttl:
+        out["responses_store_ttl_s"] = store_ttl
     if getattr(args, "otlp_traces_endpoint", None):
         out["otlp_traces_endpoint"] = args.otlp_traces_endpoint
     for name in ("kv_replica_sync", "kv_delta_transfers", "decode_prefix_routing"):

@@ -140,6 +140,11 @@ class RouterConfig:
     each)."""
     lora_update_timeout_s: float = 120.0
     """Longest a runtime LoRA load waits for every worker, and an unload for the adapter's requests to finish."""
+    responses_store_ttl_s: Optional[float] = None
+    """Keep finished Responses API answers (``store``, OpenAI's default) this long, so a request can continue one
+    (``previous_response_id``) and ``GET`` / ``DELETE /v1/responses/{id}`` find it (router/response_store.py: in
+    the cluster's Redis, shared by every router; in this router's memory with a static worker list). None: off,
+    as vLLM's default (each kept response holds its whole conversation)."""
     worker_view_refresh_s: float = 0.25
     """How often the router re-reads the worker registry in the background (requests never wait on it)."""
     serve_metrics: bool = True
@@ -197,6 +202,8 @@ class RouterConfig:
         if self.max_loras is not None and (isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int)
                                            or self.max_loras < 1):
             raise ValueError(f"max_loras must be an integer >= 1 or None, got {self.max_loras!r}")
+        if self.responses_store_ttl_s is not None and not self.responses_store_ttl_s > 0:
+            raise ValueError(f"responses_store_ttl_s must be > 0 or None, got {self.responses_store_ttl_s}")
         if self.lora_resolver_dir is not None:
             if not self.allow_runtime_lora_updating:
                 raise ValueError("lora_resolver_dir needs allow_runtime_lora_updating (it loads adapters at run time)")

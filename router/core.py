@@ -40,6 +40,7 @@ from router.request_flow import FlowDeps, RequestFlow
 from router.selection import WorkerSelector
 from router.validation import ModelLimits, ValidatedRequest
 from router.worker_calls import WorkerCalls
+from router.response_store import ResponseStore
 from router.worker_source import ROLES, WorkerList
 from router.worker_view import WorkerView
 
@@ -95,6 +96,13 @@ class RouterCore:
         """Runtime LoRA loads and unloads (router/lora_admin.py)."""
         self._lora_in_flight: dict[str, int] = {}
         self._lora_lock = threading.Lock()
+        self.responses: Optional[ResponseStore] = None
+        """Stored responses of the Responses API (router/response_store.py): in the cluster's Redis when the
+        worker source is the registry, else in memory; None when ``cfg.responses_store_ttl_s`` is not set."""
+        if cfg.responses_store_ttl_s is not None:
+            shared = isinstance(redis_url, str) and isinstance(namespace, str)
+            self.responses = ResponseStore(cfg.responses_store_ttl_s, redis_url if shared else None,
+                                           namespace if shared else None)
 
     @property
     def num_in_flight(self) -> int:
@@ -161,6 +169,8 @@ class RouterCore:
             self.streams.close()
         self.clients.close()
         self.tracing.shutdown()
+        if self.responses is not None:
+            self.responses.close()
 
     def tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:

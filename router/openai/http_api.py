@@ -53,6 +53,7 @@ from router.openai import schema as openai_schema
 from router.openai import protocol as oa
 from router.openai import responses as rs
 from router.openai import responses_api as ora
+from router.response_store import StoreUnavailable, StoredResponse, owner_of
 from router.openai import structured as oas
 from router.core import RouterCore
 from router.quotas import Lease, QuotaBook, QuotaExceeded, max_output_tokens
@@ -415,12 +416,29 @@ class HttpApi:
 
         @app.post("/v1/responses")
         async def responses(body: ora.ResponsesRequest, request: Request) -> Response:
+            history = None
+            if body.previous_response_id is not None and self.core.responses is not None:
+                found = await self._stored(body.previous_response_id, request, "previous_response_id")
+                if isinstance(found, Response):
+                    return found
+                history = found.conversation
             try:
-                translation = ora.to_chat_request(body)
+                translation = ora.to_chat_request(body, history)
             except ValueError as e:  # (a pydantic ValidationError is one too: a field's value the chat body refuses)
                 self.core.count_error(grpc.StatusCode.INVALID_ARGUMENT)
                 return self._error(400, str(e), _leading_field(str(e)))
             return await self._serve(request, translation.chat, chat=True, responses=translation)
+
+        @app.get("/v1/responses/{response_id}")
+        async def get_response(response_id: str, request: Request) -> Response:
+            found = await self._stored(response_id, request, "response_id")
+            return found if isinstance(found, Response) else JSONResponse(found.response)
+
+        @app.delete("/v1/responses/{response_id}")
+        async def delete_response(response_id: str, request: Request) -> Response:
+            found = await self._stored(response_id, request, "response_id", delete=True)
+            return found if isinstance(found, Response) else JSONResponse(
+                {"id": response_id, "object": "response", "deleted": True})
 
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(body: oa.LoadLoRAAdapterRequest) -> Response:
@@ -525,16 +543,21 @@ class HttpApi:
             lease.release(None)
             raise
         if responses is not None:
+            collected = (ora.ResponseEventStream if body.stream else ora.ResponseCollector)(
+                responses.request, model, n_prompt, plan.parser)
+            if self.core.responses is not None and responses.request.store is not False:  # OpenAI's default: kept
+                owner = self._owner(request)
+                collected.keep = lambda: self._keep(collected, responses, owner)
             if body.stream:
-                rstream = ora.ResponseEventStream(responses.request, model, n_prompt, plan.parser)
-                return _StallCutResponse(self._sse(events, rstream), self._stalls, self._count_stall,
+                return _StallCutResponse(self._sse(events, collected), self._stalls, self._count_stall,
                                          media_type="text/event-stream")
-            collected = ora.ResponseCollector(responses.request, model, n_prompt, plan.parser)
             async for _, item in events:
                 if isinstance(item, FlowError):
                     await events.aclose()
                     return self._flow_error(item)
                 collected.add(item)
+            if collected.keep is not None:
+                await collected.keep()
             return JSONResponse(collected.json_body())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -606,6 +629,9 @@ class HttpApi:
                 data = out.chunk(idx, item)
                 if data:
                     yield data
+            keep = getattr(out, "keep", None)  # a Responses answer to keep: before its last event says it is kept
+            if keep is not None:
+                await keep()
             for tail in out.end():
                 yield tail
         finally:
@@ -627,6 +653,50 @@ class HttpApi:
             return model.model_validate(raw)
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
+
+    def _owner(self, request: Request) -> str:
+        key = self._key(request)
+        return owner_of(key.secret if key is not None else None)
+
+    async def _stored(self, rid: str, request: Request, field: str,
+                      delete: bool = False) -> Union[Response, StoredResponse]:
+        """The stored response ``rid`` of the request's key (router/response_store.py), deleted with ``delete``;
+        or the error answer naming ``field``: 404 when the router keeps none or has none of that id for this key,
+        503 when the store is unreachable."""
+        store = self.core.responses
+        if store is None:
+            self.core.count_error(grpc.StatusCode.NOT_FOUND if field == "response_id"
+                                  else grpc.StatusCode.INVALID_ARGUMENT)
+            return self._error(404 if field == "response_id" else 400,
+                               f"{field}: this router keeps no responses (start it with --responses-store-ttl-s)",
+                               field)
+        owner = self._owner(request)
+        try:
+            found = await asyncio.to_thread(store.get, rid, owner)
+            if found is not None and delete and not await asyncio.to_thread(store.delete, rid, owner):
+                found = None  # (deleted meanwhile)
+        except StoreUnavailable as e:
+            self.core.count_error(grpc.StatusCode.UNAVAILABLE)
+            return self._error(503, str(e))
+        if found is None:
+            self.core.count_error(grpc.StatusCode.NOT_FOUND)
+            return self._error(404, f"{field}: no response {rid[:80]!r} is kept for this key (never made, expired "
+                                    "or deleted)", field)
+        return found
+
+    async def _keep(self, collected: "ora.ResponseCollector", translation: "ora.ChatTranslation",
+                    owner: str) -> None:
+        """Store a finished response with its conversation (router/response_store.py); a failure is logged and
+        the answer says ``store: false``."""
+        if collected.reason is None or self.core.responses is None:
+            return
+        collected.stored = True
+        stored = StoredResponse(collected.json_body(), translation.conversation + collected.output(), owner)
+        try:
+            await asyncio.to_thread(self.core.responses.put, collected.id, stored)
+        except StoreUnavailable as e:
+            collected.stored = False
+            log.warning("response %s answered but not kept: %s", collected.id, e)
 
     async def _lora_admin(self, op: str, *args: str) -> Response:
         """A runtime LoRA load or unload (router/lora_admin.py): vLLM's plain-text success message, or the error

@@ -24,11 +24,17 @@ turn): ``tools`` of ``type: "function"`` (flat: ``name``, ``description``, ``par
 ``function_call_output`` for each (``call_id``, ``output``): they render as the assistant turn's ``tool_calls``
 and ``tool`` messages through the model's chat template, exactly as the chat API's messages would.
 
-What is refused, naming the field (400): ``previous_response_id`` and ``conversation`` (this server keeps no
-responses: send the whole conversation as ``input``), tools other than functions (web search, file search...),
+Stored responses: on a router started with ``--responses-store-ttl-s`` a finished response is kept with its
+conversation unless ``store`` is false (router/response_store.py; in the cluster's Redis), and a request with
+``previous_response_id`` continues it: ``to_chat_request`` gets the kept conversation (its input items, then its
+output items) as ``history``, put before this request's ``input`` (the earlier ``instructions`` are not carried
+over, as OpenAI has it). Without the flag nothing is kept: ``store`` is answered ``false`` and
+``previous_response_id`` is refused naming the flag.
+
+What is refused, naming the field (400): ``conversation`` (conversation objects are not kept),
+``previous_response_id`` where nothing is kept, tools other than functions (web search, file search...),
 ``background``, input items other than messages with text parts, ``function_call`` and ``function_call_output``
-(an output whose ``call_id`` no earlier call has, too), ``n``-like fields (one answer per response). ``store`` is
-accepted and answered ``false`` (nothing is kept).
+(an output whose ``call_id`` no earlier call has, too), ``n``-like fields (one answer per response).
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Awaitable, Callable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict
 
@@ -106,25 +112,32 @@ def _string(item: dict, key: str, where: str) -> str:
     return value
 
 
-def _messages(body: ResponsesRequest) -> tuple[list[dict], list[str]]:
-    """The chat messages of ``instructions`` and ``input``, and each one's field (for error messages). A
-    ``function_call`` item is an assistant turn's call (joined to the assistant turn before it, as a chat
-    completion carries content and calls in one message); a ``function_call_output`` is the ``tool`` turn
-    answering it, by ``call_id``."""
-    msgs: list[dict] = []
-    where: list[str] = []
-    if body.instructions:
-        msgs.append({"role": "system", "content": body.instructions})
-        where.append("instructions")
+def input_items(body: ResponsesRequest) -> list[Any]:
+    """``input`` as a list of items (a string is one user message)."""
     if isinstance(body.input, str):
         if not body.input:
             raise ValueError("input: must not be empty")
-        return msgs + [{"role": "user", "content": body.input}], where + ["input"]
+        return [{"type": "message", "role": "user", "content": body.input}]
     if not body.input:
         raise ValueError("input: must not be empty")
+    return list(body.input)
+
+
+def _messages(instructions: Optional[str], items: list[Any], n_history: int,
+              string_input: bool) -> tuple[list[dict], list[str]]:
+    """The chat messages of ``instructions`` and the input items (the first ``n_history`` of them a previous
+    response's conversation), and each one's field (for error messages). A ``function_call`` item is an assistant
+    turn's call (joined to the assistant turn before it, as a chat completion carries content and calls in one
+    message); a ``function_call_output`` is the ``tool`` turn answering it, by ``call_id``."""
+    msgs: list[dict] = []
+    where: list[str] = []
+    if instructions:
+        msgs.append({"role": "system", "content": instructions})
+        where.append("instructions")
     calls: set[str] = set()
-    for i, item in enumerate(body.input):
-        at = f"input[{i}]"
+    for k, item in enumerate(items):
+        i = k - n_history
+        at = "previous_response_id" if i < 0 else "input" if string_input else f"input[{i}]"
         if not isinstance(item, dict):
             raise ValueError(f"{at} must be an object")
         kind = item.get("type", "message")
@@ -214,6 +227,8 @@ class ChatTranslation:
     chat: ChatCompletionRequest
     where: list[str]
     """Each chat message's Responses field (``instructions``, ``input[3]``)."""
+    conversation: list[Any]
+    """The input items answered (a previous response's conversation first): what a stored response keeps."""
 
     def relabel(self, message: str) -> str:
         """A chat path's message naming ``messages[k]``, ``tools[i].function.x``, ``tool_choice.function.name``
@@ -232,16 +247,22 @@ class ChatTranslation:
         return message
 
 
-def to_chat_request(body: ResponsesRequest) -> ChatTranslation:
-    """The chat request that serves ``body``; ValueError naming the field for what this server does not serve."""
-    for field in ("previous_response_id", "conversation"):
-        if getattr(body, field) is not None:
-            raise ValueError(f"{field}: this server keeps no responses; send the whole conversation as input")
+def to_chat_request(body: ResponsesRequest, history: Optional[list[dict]] = None) -> ChatTranslation:
+    """The chat request that serves ``body`` (``history``: the conversation of its ``previous_response_id``, read
+    from the response store); ValueError naming the field for what this server does not serve."""
+    if body.conversation is not None:
+        raise ValueError("conversation: this server keeps no conversations; send the whole conversation as input "
+                         "(or continue a stored response with previous_response_id)")
+    if body.previous_response_id is not None and history is None:
+        raise ValueError("previous_response_id: this router keeps no responses (start it with "
+                         "--responses-store-ttl-s); send the whole conversation as input")
     if body.background:
         raise ValueError("background: responses are answered in the request, not in the background")
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
         raise ValueError(f"max_output_tokens must be >= 1, got {body.max_output_tokens}")
-    msgs, where = _messages(body)
+    history = history or []
+    items = history + input_items(body)
+    msgs, where = _messages(body.instructions, items, len(history), isinstance(body.input, str))
     chat: dict[str, Any] = {"messages": msgs, "model": body.model, "stream": body.stream,
                             "ignore_eos": body.ignore_eos}
     tools = _tools(body)
@@ -259,7 +280,7 @@ def to_chat_request(body: ResponsesRequest) -> ChatTranslation:
     fmt = _response_format(body.text)
     if fmt is not None:
         chat["response_format"] = fmt
-    return ChatTranslation(body, ChatCompletionRequest.model_validate(chat), where)
+    return ChatTranslation(body, ChatCompletionRequest.model_validate(chat), where, items)
 
 
 def _usage(usage: Any, n_prompt: int) -> dict:
@@ -293,6 +314,10 @@ class ResponseCollector:
         self.reason: Optional[str] = None
         self.usage: Any = None
         self._output: Optional[list[dict]] = None
+        self.stored = False
+        """The response is kept (the response store is on, ``store`` not false, and keeping it worked)."""
+        self.keep: Optional[Callable[[], Awaitable[None]]] = None
+        """Keeps the finished response (before its last event or its body goes out); set by the HTTP API."""
 
     def message(self, status: str, text: Optional[str] = None, msg_id: Optional[str] = None) -> dict:
         content = [] if status == "in_progress" else [self.part(self.text if text is None else text)]
@@ -327,8 +352,9 @@ class ResponseCollector:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "metadata": b.metadata or {},
             "model": self.model, "output": self.output() if done else [],
-            "parallel_tool_calls": b.parallel_tool_calls is not False, "previous_response_id": None,
-            "reasoning": None, "store": False, "temperature": b.temperature, "text": {"format": fmt},
+            "parallel_tool_calls": b.parallel_tool_calls is not False,
+            "previous_response_id": b.previous_response_id, "reasoning": None, "store": self.stored,
+            "temperature": b.temperature, "text": {"format": fmt},
             "tool_choice": b.tool_choice if b.tool_choice is not None else "auto", "tools": b.tools or [],
             "top_p": b.top_p, "truncation": "disabled",
             "usage": _usage(self.usage, self.n_prompt) if done else None, "user": b.user,
@@ -434,6 +460,8 @@ class ResponseEventStream(ResponseCollector):
                 self._items[index]["arguments"] += d.text
                 out += self._event("response.function_call_arguments.delta", item_id=self._items[index]["id"],
                                    output_index=index, delta=d.text)
+        if ev.finish_reason and not self._items:  # nothing at all was said: an empty message, as a whole one has
+            out += self._text("")
         return out
 
     def error(self, e: FlowError) -> str:
@@ -446,10 +474,7 @@ class ResponseEventStream(ResponseCollector):
     def end(self) -> list[str]:
         if self.reason is None:  # (an error ended it: its event is out already)
             return []
-        out = [] if self._started else [self.start()]
-        if not self._items:  # nothing at all was said: an empty message, as a whole response has
-            out.append(self._text(""))
-        out.append(self._close())
+        out = [self._close()]
         status = self.status
         out.append(self._event("response.completed" if status == "completed" else "response.incomplete",
                                response=self.json(status)))

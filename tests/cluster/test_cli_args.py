@@ -365,3 +365,17 @@ def test_lora_resolver_dir_needs_runtime_updating_and_an_absolute_path():
             router_overrides(build_parser().parse_args(["up", *argv]))
     with pytest.raises(ValueError, match="allow_runtime_lora_updating"):
         RouterConfig(lora_resolver_dir="/srv/adapters")
+
+
+@pytest.mark.parametrize("cmd", ["up", "router"])
+def test_responses_store_flag_reaches_the_router_config(cmd):
+    from router.config import RouterConfig
+
+    extra = ["--namespace", "ns"] if cmd == "router" else []
+    cfg = RouterConfig(**router_overrides(build_parser().parse_args([cmd, "--responses-store-ttl-s", "90", *extra])))
+    assert cfg.responses_store_ttl_s == 90
+    assert RouterConfig(**router_overrides(build_parser().parse_args([cmd, *extra]))).responses_store_ttl_s is None
+    with pytest.raises(ValueError, match="^--responses-store-ttl-s must be >= 0"):
+        router_overrides(build_parser().parse_args([cmd, "--responses-store-ttl-s", "-1", *extra]))
+    with pytest.raises(ValueError, match="responses_store_ttl_s must be > 0"):
+        RouterConfig(responses_store_ttl_s=0)
