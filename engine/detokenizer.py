@@ -19,7 +19,7 @@ completion.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from engine.outputs import TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -130,6 +130,18 @@ class OutputProcessor:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def stop_reason(self) -> Optional[Union[str, int]]:
+        """vLLM's ``stop_reason`` of a finished request: the stop string that ended it, or the id of the
+        ``stop_token_ids`` token that did; None for EOS, the length limit, or while running."""
+        if self.finish_reason != "stop":
+            return None
+        if self.stop_matched is not None:
+            return self.stop_matched
+        if self.token_ids and self.token_ids[-1] in self.params.stop_token_ids:
+            return self.token_ids[-1]
+        return None
 
     def process(self, new_token_ids: Sequence[int], logprobs: Optional[Sequence[TokenLogprob]] = None,
                 finish_reason: Optional[str] = None) -> Delta:

@@ -9,7 +9,7 @@ HTTP status). Nothing here knows gRPC messages or JSON: each front end renders t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import grpc
 
@@ -79,6 +79,9 @@ class FlowEvent:
     """Beam search: the sum of its generated tokens' log-probabilities."""
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
     """With ``prompt_logprobs`` asked, on choice 0's first event: one per prompt token, None for the first."""
+    stop_reason: Optional[Union[str, int]] = None
+    """On a choice's last event when ``finish_reason`` is "stop": the stop string or ``stop_token_ids`` id that
+    ended it (None: EOS); vLLM's ``stop_reason``."""
 
 
 class FlowError(Exception):

@@ -204,6 +204,7 @@ class RequestFlow:
             always = True  # the event carries them even when its token completes no text yet
         if proc.finished and not was_finished:
             ev.finish_reason = proc.finish_reason
+            ev.stop_reason = proc.stop_reason
             if self.done():
                 t = self.timings
                 t.total_s, t.decode_s = now - self.scope.t0, now - self._t_first

@@ -16,7 +16,7 @@ import itertools
 import json
 import time
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import grpc
 
@@ -178,6 +178,7 @@ class ResponseBody:
         self.tool_parser = tool_parser
         self.texts: list[str] = list(echo) if echo is not None else [""] * n
         self.reasons: list[Optional[str]] = [None] * n
+        self.stop_reasons: list[Optional[Union[str, int]]] = [None] * n
         self.logprobs: list[Optional[dict]] = [None] * n
         self.prompt_logprobs: list[Optional[list]] = [None] * n
         self.usages: list[Usage] = []
@@ -205,6 +206,7 @@ class ResponseBody:
                     self.logprobs[idx][k] = self.logprobs[idx][k] + v
         if ev.finish_reason:
             self.reasons[idx] = ev.finish_reason
+            self.stop_reasons[idx] = ev.stop_reason
         if ev.usage is not None:  # the last event of a flow: its choices' tokens together
             self.usages.append(ev.usage)
             self.timings.append(ev.timings)
@@ -225,14 +227,15 @@ class ResponseBody:
             choices = []
             for i in range(n):
                 msg, reason = self._message(i)
-                choices.append({"index": i, "message": msg, "logprobs": self.logprobs[i], "finish_reason": reason})
+                choices.append({"index": i, "message": msg, "logprobs": self.logprobs[i], "finish_reason": reason,
+                                "stop_reason": self.stop_reasons[i]})
             obj = "chat.completion"
         else:
             if self._echo_first is not None:
                 for block in self.logprobs:
                     _cumulative_offsets(block)
             choices = [{"index": i, "text": self.texts[i], "logprobs": self.logprobs[i],
-                        "finish_reason": self.reasons[i]} for i in range(n)]
+                        "finish_reason": self.reasons[i], "stop_reason": self.stop_reasons[i]} for i in range(n)]
             for c, lps in zip(choices, self.prompt_logprobs):
                 if lps is not None:  # (only when asked for: a plain answer keeps OpenAI's exact shape)
                     c["prompt_logprobs"] = prompt_logprobs_json(lps, self._detok)
@@ -320,6 +323,8 @@ class EventStream:
             if not first and len(delta) == 0 and reason is None and lp is None:
                 return ""  # held back by the tool parser (the start of a tag, a call's name)
             choice = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": reason}
+            if reason is not None:
+                choice["stop_reason"] = ev.stop_reason
         else:
             offset = self._offsets.get(idx, 0)
             g0 = idx - idx % self._n_per
@@ -338,6 +343,8 @@ class EventStream:
             else:
                 self._offsets[idx] = offset + len(text)
             choice = {"index": idx, "text": text, "finish_reason": ev.finish_reason, "logprobs": lp}
+            if ev.finish_reason is not None:
+                choice["stop_reason"] = ev.stop_reason
             if ev.usage is not None:
                 self.usages.append(ev.usage)
                 self.timings.append(ev.timings)

@@ -83,6 +83,8 @@ class ChatChoice(_Open):
     message: AssistantMessage
     logprobs: Optional[dict[str, Any]] = None
     finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    """vLLM's: the stop string or ``stop_token_ids`` id that ended the choice (null: EOS or the length limit)."""
 
 
 class ChatCompletionResponse(_Open):
@@ -101,6 +103,8 @@ class CompletionChoice(_Open):
     text: str
     logprobs: Optional[dict[str, Any]] = None
     finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    """vLLM's: the stop string or ``stop_token_ids`` id that ended the choice (null: EOS or the length limit)."""
     prompt_logprobs: Optional[list[Optional[dict[str, Any]]]] = None
     """vLLM's, when asked: null, then per prompt token {token id: {logprob, rank, decoded_token}}."""
 

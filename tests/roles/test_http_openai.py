@@ -301,3 +301,31 @@ def test_responses_api_refuses_what_it_does_not_serve_by_name(client):
         assert e.value.body["param"] == field and e.value.body["message"].startswith(field), (kw, e.value.body)
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="nope", input="x")
+
+
+def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice(client):
+    """vLLM's ``stop_reason``: the stop string that ended the choice, or the ``stop_token_ids`` id; null when the
+    length limit (or EOS) did: whole and streamed, completions and chat."""
+    ids, text, _ = _offline_text("def add(a, b):", max_tokens=12, temperature=0.0, ignore_eos=True)
+    stop = text[4:7]
+    assert stop and text.index(stop) == 4, text  # (the first place it shows: the text is cut there)
+    kw = dict(model="tiny", prompt="def add(a, b):", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    c = client.completions.create(**kw, stop=[stop, "\x00never"]).choices[0]
+    assert (c.finish_reason, c.stop_reason, c.text) == ("stop", stop, text[:4])
+    k = next(i for i in range(2, 12) if ids[i] not in ids[:i])  # a token whose first showing ends the answer
+    c = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "stop_token_ids": [ids[k]]}}).choices[0]
+    assert (c.finish_reason, c.stop_reason) == ("stop", ids[k])
+    c = client.completions.create(**kw).choices[0]
+    assert (c.finish_reason, c.stop_reason) == ("length", None)
+    last = list(client.completions.create(**kw, stop=[stop], stream=True))[-1].choices[0]
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop)
+    msgs = [{"role": "user", "content": "Hi"}]
+    chat_text = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                               extra_body={"ignore_eos": True}).choices[0].message.content
+    cut = chat_text[2:5]
+    ch = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0, stop=cut,
+                                        extra_body={"ignore_eos": True}).choices[0]
+    assert (ch.finish_reason, ch.stop_reason, ch.message.content) == ("stop", cut, chat_text[:chat_text.index(cut)])
+    last = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0, stop=cut,
+                                               stream=True, extra_body={"ignore_eos": True}))[-1].choices[0]
+    assert (last.finish_reason, last.stop_reason) == ("stop", cut)
