@@ -62,7 +62,8 @@ def test_completion_json_with_exact_usage(server, workers):
     assert r.status_code == 200
     body = r.json()
     assert (body["object"], body["model"], body["id"][:5]) == ("text_completion", "tiny", "cmpl-")
-    assert body["choices"] == [{"index": 0, "text": " hello", "logprobs": None, "finish_reason": "length"}]
+    assert body["choices"] == [{"index": 0, "text": " hello", "logprobs": None, "finish_reason": "length",
+                               "stop_reason": None}]
     assert body["usage"] == {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43,
                              "prompt_tokens_details": {"cached_tokens": 32}}
     assert api.core.num_in_flight == 0
