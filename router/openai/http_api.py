@@ -4,8 +4,11 @@ Lifecycle: ``HttpApi(core, host, port, api_keys)`` -> ``start()`` binds (port 0 
 serves on a uvicorn thread of its own, or, with ``start(loop)``, as a task of the gRPC front end's loop
 (``RouterConfig.one_loop``); ``stop()`` shuts it down. Endpoints, as vLLM's server
 has them: ``GET /health`` (200 while the router serves, else 503), ``GET /metrics`` (the router's
-Prometheus series), ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, and vLLM's
-``POST /tokenize`` and ``POST /detokenize``. The constraint and tool fields (``response_format``,
+Prometheus series), ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, vLLM's
+``POST /tokenize`` and ``POST /detokenize``, OpenAI's Responses API (``POST /v1/responses``, and ``GET`` /
+``DELETE /v1/responses/{id}`` of stored ones: router/openai/responses_api.py, router/response_store.py) and
+Anthropic's Messages API (``POST /v1/messages``, ``POST /v1/messages/count_tokens``:
+router/openai/anthropic_api.py; its errors in Anthropic's shape), both served as chats. The constraint and tool fields (``response_format``,
 ``structured_outputs``, ``tools``, ``tool_choice``) are planned by ``router.openai.structured`` before tokenizing:
 the constraint rides in every ``GenerateRequest`` (compiled by the shared validation), and a tool-call parser
 (``router.openai.tool_parsers``) reads each chat answer into ``tool_calls``.
@@ -21,8 +24,8 @@ client in the response's queue (at most a choice's ``max_tokens`` of them: a flo
 as a reader thread must not), and a streaming response whose client has not read for ``stream_stall_timeout_s``
 has its connection aborted (``router.stream_stall``), which cancels its flows like a disconnect. Errors are OpenAI's JSON
 shape with the HTTP status matching the flow's status code. With API keys configured every ``/v1``,
-``/tokenize`` and ``/detokenize`` call needs ``Authorization: Bearer <key>`` (401 otherwise); ``/health`` and
-``/metrics`` stay open.
+``/tokenize`` and ``/detokenize`` call needs ``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (as
+Anthropic's SDK sends it; 401 otherwise); ``/health`` and ``/metrics`` stay open.
 
 ``n`` > 1 is one flow per prompt whose n choices share one prefill and one KV transfer (choice i
 samples with ``seed + i``), as in gRPC. ``use_beam_search`` (vLLM's) makes ``n`` the beam width: the flow is a
@@ -52,6 +55,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from router.openai import schema as openai_schema
 from router.openai import protocol as oa
 from router.openai import responses as rs
+from router.openai import anthropic_api as aa
+from router.openai.structured import template_tools
 from router.openai import responses_api as ora
 from router.response_store import StoreUnavailable, StoredResponse, owner_of
 from router.openai import structured as oas
@@ -189,6 +194,22 @@ class _ExposeAbort:
         await self.app(scope, receive, send)
 
 
+_ANTHROPIC = "/v1/messages"
+"""Anthropic's Messages API (router/openai/anthropic_api.py): its errors come in Anthropic's shape."""
+
+
+def _anthropic_error(response: Response, request: Optional[Request] = None) -> Response:
+    """An OpenAI-shaped error answer of a Messages API call (``request`` None: it is one) in Anthropic's shape
+    (``{"type": "error", "error": {"type", "message"}}``), same status and headers; anything else as it is."""
+    if response.status_code < 400 or not isinstance(response, JSONResponse) or (
+            request is not None and not request.url.path.startswith(_ANTHROPIC)):
+        return response
+    message = json.loads(response.body).get("error", {}).get("message", "")
+    headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+    return JSONResponse(aa.error_body(response.status_code, message), status_code=response.status_code,
+                        headers=headers or None)
+
+
 class _Auth:
     """ASGI wrapper: with API keys configured, a request for a protected path (``/v1``, ``/tokenize``,
     ``/detokenize``) without a valid ``Authorization: Bearer`` key is answered 401 before its body is read or the
@@ -201,7 +222,9 @@ class _Auth:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"].startswith(_PROTECTED) and not self._authorized(Request(scope)):
-            body = json.dumps(rs.error_body(401, "missing or invalid API key (send 'Authorization: Bearer <key>')"))
+            msg = "missing or invalid API key (send 'Authorization: Bearer <key>' or 'x-api-key: <key>')"
+            body = json.dumps(aa.error_body(401, msg) if scope["path"].startswith(_ANTHROPIC)
+                              else rs.error_body(401, msg))
             await send({"type": "http.response.start", "status": 401,
                         "headers": [(b"content-type", b"application/json"),
                                     (b"content-length", str(len(body)).encode())]})
@@ -349,7 +372,9 @@ class HttpApi:
         """The key the request presents (None: none, a wrong one, or an open API)."""
         if self._keys is None:
             return None
-        return self._keys.identify(bearer_token(request.headers.get("authorization", "")))
+        token = bearer_token(request.headers.get("authorization", "")) or \
+            request.headers.get("x-api-key", "").strip().encode()  # (Anthropic's SDK sends its key so)
+        return self._keys.identify(token)
 
     def _authorized(self, request: Request) -> bool:
         return self._keys is None or self._key(request) is not None
@@ -364,8 +389,9 @@ class HttpApi:
             first = exc.errors()[0] if exc.errors() else {}
             where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
             # a body that is not an object at all (JSON null, a list, a number) has no field to name: the body
-            return JSONResponse(rs.error_body(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}",
-                                              where or None), status_code=400)
+            return _anthropic_error(JSONResponse(rs.error_body(400, f"{where or 'body'}: "
+                                                                    f"{first.get('msg', 'invalid request')}",
+                                                               where or None), status_code=400), request)
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -373,14 +399,14 @@ class HttpApi:
             msg = str(exc.detail)
             if exc.status_code == 400:
                 msg = f"the request body could not be read as JSON ({msg})"
-            return JSONResponse(rs.error_body(exc.status_code, msg), status_code=exc.status_code,
-                                headers=getattr(exc, "headers", None))
+            return _anthropic_error(JSONResponse(rs.error_body(exc.status_code, msg), status_code=exc.status_code,
+                                                 headers=getattr(exc, "headers", None)), request)
 
         @app.exception_handler(Exception)
         async def unexpected(request: Request, exc: Exception) -> JSONResponse:
             log.error("HTTP %s %s: unexpected router error", request.method, request.url.path, exc_info=exc)
-            return JSONResponse(rs.error_body(503, "the router failed to serve this request (logged); retry"),
-                                status_code=503)
+            return _anthropic_error(JSONResponse(rs.error_body(503, "the router failed to serve this request "
+                                                                    "(logged); retry"), status_code=503), request)
 
         @app.get("/health")
         async def health() -> Response:
@@ -429,6 +455,19 @@ class HttpApi:
                 return self._error(400, str(e), _leading_field(str(e)))
             return await self._serve(request, translation.chat, chat=True, responses=translation)
 
+        @app.post("/v1/messages")
+        async def messages(body: aa.MessagesRequest, request: Request) -> Response:
+            try:
+                translation = aa.to_chat_request(body)
+            except ValueError as e:
+                self.core.count_error(grpc.StatusCode.INVALID_ARGUMENT)
+                return _anthropic_error(self._error(400, str(e), _leading_field(str(e))))
+            return _anthropic_error(await self._serve(request, translation.chat, chat=True, messages=translation))
+
+        @app.post("/v1/messages/count_tokens")
+        async def count_tokens(body: aa.CountTokensRequest) -> Response:
+            return _anthropic_error(await self._count_tokens(body))
+
         @app.get("/v1/responses/{response_id}")
         async def get_response(response_id: str, request: Request) -> Response:
             found = await self._stored(response_id, request, "response_id")
@@ -464,10 +503,12 @@ class HttpApi:
         return JSONResponse(rs.error_body(status, message, param), status_code=status)
 
     async def _serve(self, request: Request, body: Any, chat: bool,
-                     responses: Optional["ora.ChatTranslation"] = None) -> Response:
+                     responses: Optional["ora.ChatTranslation"] = None,
+                     messages: Optional["aa.MessagesTranslation"] = None) -> Response:
         """A completion or chat request (``chat``); with ``responses``, the Responses API request it came from
         (router/openai/responses_api.py): served as a chat, answered as a ``response``, its errors naming the
-        Responses API's fields."""
+        Responses API's fields; with ``messages`` likewise the Messages API's (router/openai/anthropic_api.py),
+        answered as a ``message`` (its errors are put in Anthropic's shape by the route)."""
         core = self.core
         if core.limits is None or core.draining:
             return self._error(503, "router is not serving")
@@ -515,8 +556,9 @@ class HttpApi:
             return self._error(404, str(e), "model")
         except ValueError as e:
             core.count_error(grpc.StatusCode.INVALID_ARGUMENT)
-            if responses is not None:
-                msg = responses.relabel(str(e))
+            api = responses or messages
+            if api is not None:
+                msg = api.relabel(str(e))
                 return self._error(400, msg, _leading_field(msg))
             return self._error(400, str(e))
         n_prompt = sum(len(c.vreq.prompt_token_ids) for c in choices)
@@ -542,6 +584,18 @@ class HttpApi:
         except BaseException:
             lease.release(None)
             raise
+        if messages is not None:
+            answer = (aa.MessageEventStream if body.stream else aa.ResponseMessage)(
+                messages.request, model, n_prompt, plan.parser)
+            if body.stream:
+                return _StallCutResponse(self._sse(events, answer), self._stalls, self._count_stall,
+                                         media_type="text/event-stream")
+            async for _, item in events:
+                if isinstance(item, FlowError):
+                    await events.aclose()
+                    return self._flow_error(item)
+                answer.add(item)
+            return JSONResponse(answer.json_body())
         if responses is not None:
             collected = (ora.ResponseEventStream if body.stream else ora.ResponseCollector)(
                 responses.request, model, n_prompt, plan.parser)
@@ -653,6 +707,29 @@ class HttpApi:
             return model.model_validate(raw)
         except ValidationError as e:
             raise RequestValidationError(e.errors()) from None
+
+    async def _count_tokens(self, body: "aa.CountTokensRequest") -> Response:
+        """Anthropic's ``count_tokens``: the prompt's length as the Messages request would render it."""
+        core = self.core
+        lim = core.limits
+        if lim is None or core.draining:
+            return self._error(503, "router is not serving")
+        if core.tokenizer is None:
+            return self._error(400, "this model has no tokenizer")
+        try:
+            lim.lora_of(body.model)  # an adapter's tokenizer is its base model's
+        except LookupError as e:
+            return self._error(404, str(e), "model")
+        try:
+            chat, translation = aa.count_tokens_chat(body)
+        except ValueError as e:
+            return self._error(400, str(e), _leading_field(str(e)))
+        try:
+            ids = await asyncio.to_thread(oa.chat_prompt_ids, chat, core.tokenizer, lim, template_tools(chat))
+        except ValueError as e:
+            msg = translation.relabel(str(e))
+            return self._error(400, msg, _leading_field(msg))
+        return JSONResponse({"input_tokens": len(ids)})
 
     def _owner(self, request: Request) -> str:
         key = self._key(request)

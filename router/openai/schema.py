@@ -34,6 +34,18 @@ class ErrorResponse(_Open):
     error: ErrorDetail
 
 
+class AnthropicErrorDetail(_Open):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(_Open):
+    """Anthropic's error body (every 4xx and 5xx of /v1/messages)."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
 class PromptTokensDetails(_Open):
     cached_tokens: int
 
@@ -166,7 +178,7 @@ def install(app: FastAPI, completion_request: type[BaseModel], chat_request: typ
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
                           description="pdserve's OpenAI-compatible API (vLLM's extensions included)")
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        models: list[type[BaseModel]] = [ErrorResponse, ChatCompletionResponse, CompletionResponse, ModelList,
+        models: list[type[BaseModel]] = [ErrorResponse, AnthropicErrorResponse, ChatCompletionResponse, CompletionResponse, ModelList,
                                          TokenizeResponse, DetokenizeResponse, *tokenize_requests,
                                          detokenize_request]
         for m in models:
@@ -186,6 +198,12 @@ def install(app: FastAPI, completion_request: type[BaseModel], chat_request: typ
                                                                           "object"}},
                               "text/event-stream": {"schema": {"type": "string", "description": "stream: true: "
                                                                "OpenAI's Responses events, one per `data:` line"}}},
+            "/v1/messages": {"application/json": {"schema": {"type": "object", "description": "Anthropic's message"}},
+                             "text/event-stream": {"schema": {"type": "string", "description": "stream: true: "
+                                                              "Anthropic's message events"}}},
+            "/v1/messages/count_tokens": {"application/json": {"schema": {
+                "type": "object", "required": ["input_tokens"],
+                "properties": {"input_tokens": {"type": "integer"}}}}},
             "/v1/load_lora_adapter": {"text/plain": {"schema": {"type": "string", "description": "success"}}},
             "/v1/unload_lora_adapter": {"text/plain": {"schema": {"type": "string", "description": "success"}}},
         }
@@ -203,9 +221,10 @@ def install(app: FastAPI, completion_request: type[BaseModel], chat_request: typ
                 if path in bodies:
                     op["requestBody"] = {"required": True, "content": {"application/json": {"schema": bodies[path]}}}
                 if method == "post" or path.startswith("/v1"):
+                    shape = AnthropicErrorResponse if path.startswith("/v1/messages") else ErrorResponse
                     for status, what in _ERRORS.items():
                         responses[str(status)] = {"description": what,
-                                                  "content": {"application/json": {"schema": _ref(ErrorResponse)}}}
+                                                  "content": {"application/json": {"schema": _ref(shape)}}}
         app.openapi_schema = doc
         return doc
 

@@ -23,6 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from router.openai import protocol as oa
+from router.openai import anthropic_api as aa
 from router.openai.responses_api import ResponsesRequest
 from tests.loadtest.test_bench_real_cluster import Cluster
 from tests.waiting import wait_until
@@ -30,7 +31,8 @@ from tests.waiting import wait_until
 KEY = "fuzz-http-key-1"
 FIELD_NAMES = sorted({name for model in (oa.CompletionRequest, oa.ChatCompletionRequest, oa.TokenizeCompletionRequest,
                                          oa.TokenizeChatRequest, oa.DetokenizeRequest, oa.LoadLoRAAdapterRequest,
-                                         oa.UnloadLoRAAdapterRequest, ResponsesRequest)
+                                         oa.UnloadLoRAAdapterRequest, ResponsesRequest, aa.MessagesRequest,
+                                         aa.CountTokensRequest)
                       for name in model.model_fields} | {"body", "JSON", "allow-runtime-lora-updating", "response_id"},
                      key=len, reverse=True)
 """What an error message may name: any request field of the API, or the body as a whole (or, for the runtime LoRA
