@@ -584,9 +584,17 @@ class HttpApi:
         except BaseException:
             lease.release(None)
             raise
-        if messages is not None:
-            answer = (aa.MessageEventStream if body.stream else aa.ResponseMessage)(
-                messages.request, model, n_prompt, plan.parser)
+        if messages is not None or responses is not None:  # another API's answer, rendered by its module
+            answer: Any
+            if messages is not None:
+                answer = (aa.MessageEventStream if body.stream else aa.ResponseMessage)(
+                    messages.request, model, n_prompt, plan.parser)
+            else:
+                answer = (ora.ResponseEventStream if body.stream else ora.ResponseCollector)(
+                    responses.request, model, n_prompt, plan.parser)
+                if self.core.responses is not None and responses.request.store is not False:  # OpenAI's default
+                    owner = self._owner(request)
+                    answer.keep = lambda: self._keep(answer, responses, owner)
             if body.stream:
                 return _StallCutResponse(self._sse(events, answer), self._stalls, self._count_stall,
                                          media_type="text/event-stream")
@@ -595,24 +603,9 @@ class HttpApi:
                     await events.aclose()
                     return self._flow_error(item)
                 answer.add(item)
+            if getattr(answer, "keep", None) is not None:
+                await answer.keep()
             return JSONResponse(answer.json_body())
-        if responses is not None:
-            collected = (ora.ResponseEventStream if body.stream else ora.ResponseCollector)(
-                responses.request, model, n_prompt, plan.parser)
-            if self.core.responses is not None and responses.request.store is not False:  # OpenAI's default: kept
-                owner = self._owner(request)
-                collected.keep = lambda: self._keep(collected, responses, owner)
-            if body.stream:
-                return _StallCutResponse(self._sse(events, collected), self._stalls, self._count_stall,
-                                         media_type="text/event-stream")
-            async for _, item in events:
-                if isinstance(item, FlowError):
-                    await events.aclose()
-                    return self._flow_error(item)
-                collected.add(item)
-            if collected.keep is not None:
-                await collected.keep()
-            return JSONResponse(collected.json_body())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             out = rs.EventStream(rid, chat, model, n_prompt, detok, include_usage, plan.parser, echo,
