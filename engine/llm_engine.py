@@ -41,7 +41,7 @@ import numbers
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, TypeVar
+from typing import Callable, Iterable, Optional, TypeVar
 
 import torch
 from torch import Tensor
@@ -398,6 +398,19 @@ class LLMEngine:
     @property
     def model(self):
         return self.runner.model
+
+    def lora_requests(self) -> dict:
+        """The adapters of the running and waiting requests and how many adapters the engine holds
+        (``SchedulerStats``'s LoRA fields); nothing to count, and no pass over the requests, without adapters."""
+        if not self.lora.by_slot:
+            return {}
+        names = {slot: a.name for slot, a in self.lora.by_slot.items()}
+
+        def of(seqs: Iterable) -> tuple[str, ...]:
+            return tuple(sorted({names[s.lora_slot] for s in seqs if s.lora_slot in names}))
+
+        return {"running_lora_adapters": of(self.scheduler.running),
+                "waiting_lora_adapters": of(self.scheduler.waiting), "num_lora_adapters": len(names)}
 
     def make_stats(self) -> SchedulerStats:
         """The engine's state now and its running totals, as one frozen record (``engine.stats``)."""

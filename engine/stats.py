@@ -105,6 +105,12 @@ class SchedulerStats:
     """Of ``num_steps``, those launched before the step in flight was read back (async scheduling)."""
     last_step: Optional[IterationStats] = None
     """The latest step's record (None before the first step)."""
+    running_lora_adapters: tuple[str, ...] = ()
+    """The LoRA adapters of the running requests (sorted, each once): vLLM's ``lora_requests_info`` labels."""
+    waiting_lora_adapters: tuple[str, ...] = ()
+    """The LoRA adapters of the waiting requests."""
+    num_lora_adapters: int = 0
+    """Adapters the engine holds (serving or draining)."""
 
     @classmethod
     def of(cls, engine: "LLMEngine") -> "SchedulerStats":
@@ -116,7 +122,7 @@ class SchedulerStats:
                    prefix_cache_hits=engine.prefix_cache_hits, spec_decode=SpecDecodeTotals.of(engine.spec_stats),
                    graph_steps=engine.graph_steps, piecewise_steps=engine.piecewise_steps,
                    ahead_steps=engine.ahead_steps,
-                   last_step=engine.last_step_stats)
+                   last_step=engine.last_step_stats, **engine.lora_requests())
 
     @property
     def kv_cache_usage(self) -> float:

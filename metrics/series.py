@@ -158,6 +158,11 @@ SERIES: dict[str, tuple[str, str, str, Any]] = {
     "num_requests_running": (WORKER, "gauge", "Number of requests in model execution batches.", None),
     "num_requests_waiting": (WORKER, "gauge", "Number of requests waiting to be processed.", None),
     "kv_cache_usage_perc": (WORKER, "gauge", "KV-cache usage. 1 means 100 percent usage.", None),
+    "lora_requests_info": (WORKER, "gauge", "Running stats on LoRA requests (vLLM's lora_requests_info, as LoRA-aware "
+                           "schedulers read it): the adapters of the requests running and waiting on this worker "
+                           "(comma separated), and max_lora, the adapters this worker holds (every worker of a "
+                           "pdserve cluster holds them all); the value is when the labels last changed.",
+                           ("max_lora", "running_lora_adapters", "waiting_lora_adapters")),
     "tensor_parallel_rank_up": (WORKER, "gauge", "Whether each rank of the worker's engine runs (1) or its process "
                                 "has exited (0); an engine of one rank has rank 0 only. A worker with a rank down "
                                 "leaves routing and is replaced whole.", "rank"),

@@ -11,6 +11,7 @@ back). The role's request handling records per-request phase times and KV transf
 """
 from __future__ import annotations
 
+import time
 from typing import Protocol, Sequence
 
 from prometheus_client import CollectorRegistry
@@ -50,6 +51,10 @@ class EngineRecord(Protocol):
     @property
     def spec_decode(self) -> SpecDecodeRecord: ...
 
+    running_lora_adapters: tuple[str, ...]
+    waiting_lora_adapters: tuple[str, ...]
+    num_lora_adapters: int
+
 
 class WorkerMetrics(ComponentMetrics):
     """The worker-owned series (``series_of(role)``) of one prefill, decode or colocated worker."""
@@ -64,6 +69,7 @@ class WorkerMetrics(ComponentMetrics):
         self._steps = RunningTotals("num_steps", "num_scheduled_tokens")
         self._paths = RunningTotals("num_steps", "graph_steps", "piecewise_steps")
         self._ahead = RunningTotals("ahead_steps")
+        self._lora_key: tuple[str, str, str] | None = None
         self._spec = RunningTotals("num_drafts", "num_draft_tokens", "num_accepted_tokens", tail="accepted_per_pos")
 
     def record_engine(self, stats: EngineRecord) -> None:
@@ -76,6 +82,7 @@ class WorkerMetrics(ComponentMetrics):
         self.set_engine_totals(stats.num_preemptions, stats.num_steps, stats.num_scheduled_tokens)
         self.set_step_path_totals(stats.num_steps, stats.graph_steps, stats.piecewise_steps)
         self.set_ahead_steps_total(stats.ahead_steps)
+        self.set_lora_requests(stats.num_lora_adapters, stats.running_lora_adapters, stats.waiting_lora_adapters)
         sd = stats.spec_decode
         self.set_spec_decode_totals(sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens, sd.accepted_per_pos)
 
@@ -195,6 +202,18 @@ class WorkerMetrics(ComponentMetrics):
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"kv_cache_usage must be within [0, 1], got {fraction!r}")
         self._series["kv_cache_usage_perc"].set(fraction)
+
+    def set_lora_requests(self, max_lora: int, running: Sequence[str], waiting: Sequence[str]) -> None:
+        """vLLM's ``lora_requests_info``: one series whose labels name the adapters of the running and waiting
+        requests (comma-separated) and the adapters held (``max_lora``), its value the time they were last seen
+        changed. Only the current label set is exposed (the old one is removed), so the series count stays one."""
+        key = (str(check_count("max_lora", max_lora)), ",".join(running), ",".join(waiting))
+        if key == self._lora_key:
+            return
+        gauge = self._series["lora_requests_info"]
+        gauge.clear()
+        gauge.labels(*self._labels, *key).set(time.time())
+        self._lora_key = key
 
     def set_ranks_up(self, ups: Sequence[bool]) -> None:
         """Each tensor-parallel rank's liveness, rank 0 first (``LLMEngine.ranks_up``)."""

@@ -434,3 +434,24 @@ def test_beam_search_under_an_adapter_matches_peft(setup, name):
         llm.beam_search(prompts, params, lora_name="nope")
     eng = llm.llm_engine
     assert eng.num_free_blocks == eng.num_total_blocks and not eng.has_unfinished_requests()
+
+
+def test_stats_name_the_adapters_of_running_and_waiting_requests(setup):
+    """``make_stats()`` carries what vLLM's ``lora_requests_info`` shows: the adapters of the running requests and
+    of the waiting ones (one batch slot: the second request waits), and how many adapters the engine holds; an
+    engine without adapters counts nothing."""
+    ckpt, dirs, _ = setup
+    eng = make_engine(ckpt, lora_modules=dirs, max_num_seqs=1)
+    prompt = prompts_of([9], seed=5)[0]
+    eng.add_request("a", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, lora_name="qv"))
+    eng.add_request("b", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, lora_name="all"))
+    eng.add_request("c", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    eng.step()
+    s = eng.make_stats()
+    assert (s.running_lora_adapters, s.waiting_lora_adapters, s.num_lora_adapters) == (("qv",), ("all",), 2)
+    while eng.has_unfinished_requests():
+        eng.step()
+    s = eng.make_stats()
+    assert (s.running_lora_adapters, s.waiting_lora_adapters, s.num_lora_adapters) == ((), (), 2)
+    plain = make_engine(ckpt).make_stats()
+    assert (plain.running_lora_adapters, plain.waiting_lora_adapters, plain.num_lora_adapters) == ((), (), 0)

@@ -33,7 +33,8 @@ WORKER_COUNTERS = ["kv_transfer_bytes", "kv_transfers", "kv_transfer_cached_toke
                    "spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
                    "spec_decode_num_accepted_tokens_per_pos", "kv_events_published", "kv_events_dropped",
                    "engine_steps", "engine_steps_ahead"]
-WORKER_GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "tensor_parallel_rank_up"]
+WORKER_GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "tensor_parallel_rank_up",
+                 "lora_requests_info"]
 ROUTER_NAMES = ROUTER_HISTOGRAMS + ROUTER_COUNTERS + ROUTER_GAUGES
 WORKER_NAMES = WORKER_HISTOGRAMS + WORKER_COUNTERS + WORKER_GAUGES
 @pytest.mark.parametrize("role", ROLES)
@@ -128,6 +129,7 @@ WORKER_CALLS = [
     ("inc_kv_events_published", (), "kv_events_published_total"),
     ("inc_kv_events_dropped", ("queue_full",), "kv_events_dropped_total"),
     ("set_ranks_up", ([True, False],), "tensor_parallel_rank_up"),
+    ("set_lora_requests", (2, ["py"], []), "lora_requests_info"),
 ]
 
 
@@ -392,3 +394,24 @@ def test_serve_checks_host_and_port():
         m.serve(port=True)
     with pytest.raises(ValueError, match="host"):
         m.serve(host="")
+
+
+def test_lora_requests_info_keeps_one_series_with_the_adapters_now():
+    """vLLM's lora_requests_info, as a LoRA-aware scheduler reads it: one series, whose labels name the adapters of
+    the running and waiting requests now; the old label set goes when they change, and the value (when they last
+    changed) stays while they do not."""
+    m = WorkerMetrics(**LABELS)
+
+    def series() -> list:
+        return [(s.labels["max_lora"], s.labels["running_lora_adapters"], s.labels["waiting_lora_adapters"], s.value)
+                for s in families(m)["pdserve:lora_requests_info"].samples]
+
+    m.set_lora_requests(2, ["alt", "py"], ["py"])
+    ((max_lora, running, waiting, t0),) = series()
+    assert (max_lora, running, waiting) == ("2", "alt,py", "py") and t0 > 1.7e9
+    m.set_lora_requests(2, ["alt", "py"], ["py"])
+    assert series() == [("2", "alt,py", "py", t0)]
+    m.set_lora_requests(2, [], [])
+    assert [x[:3] for x in series()] == [("2", "", "")]
+    with pytest.raises(ValueError):
+        m.set_lora_requests(-1, [], [])

@@ -273,3 +273,18 @@ def test_a_worker_retries_a_refused_runtime_load_once_its_files_arrive(roles, ad
     assert not status()["late"].error and status()["late"].load_id == "l1" and "late" in w.info().lora_adapters
     w.sync_lora({}, wait=True)
     assert "late" not in status() and "late" not in w.info().lora_adapters
+
+
+def test_a_workers_lora_requests_info_names_the_adapter_while_it_runs(roles):
+    """vLLM's ``lora_requests_info`` on the decode worker (what a LoRA-aware scheduler scrapes): while a request
+    under ``py`` decodes, the series names it among the running adapters, with the two adapters held; once it is
+    done, none."""
+    render = roles.decodes[0].metrics.render
+    stream = roles.stub.Generate(pdserve_pb2.GenerateRequest(prompt=PROMPTS[0], model="py", max_tokens=400,
+                                                             temperature=0.0, ignore_eos=True), timeout=120)
+    next(stream)  # the first token: the request is on the decode worker
+    wait_until(lambda: 'max_lora="2",' in render().decode() and 'running_lora_adapters="py"' in render().decode(),
+               30, message=lambda: render().decode()[-3000:])
+    assert sum(len(r.token_ids) for r in stream) >= 1
+    wait_until(lambda: 'running_lora_adapters="",waiting_lora_adapters=""' in render().decode(), 30,
+               message=lambda: render().decode()[-3000:])
