@@ -61,6 +61,10 @@ def render(ev: FlowEvent) -> pdserve_pb2.GenerateResponse:
         resp.prompt_logprobs.extend(logprobs_to_public(ev.prompt_logprobs[1:]))
     if ev.finish_reason:
         resp.finish_reason = ev.finish_reason
+    if isinstance(ev.stop_reason, str):
+        resp.stop_string = ev.stop_reason
+    elif isinstance(ev.stop_reason, int):
+        resp.stop_token_id = ev.stop_reason
     if ev.score is not None:
         resp.score, resp.cum_logprob = ev.score, ev.cum_logprob
     if ev.usage is not None:

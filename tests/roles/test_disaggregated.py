@@ -103,6 +103,16 @@ def test_stop_string_same_text_as_offline_and_frees_decode(roles):
     assert reason == "stop" == ref[2]
     assert text == ref[1] and stop not in text
     assert len(text) < len(full)
+    # the last message says what stopped it (vLLM's stop_reason): the stop string; a stop token's id; EOS: neither
+    assert (resps[-1].WhichOneof("stop_reason"), resps[-1].stop_string) == ("stop_string", stop)
+    ids_full = offline([PROMPTS[0]], [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)])[0][0]
+    k = next(i for i in range(2, 24) if ids_full[i] not in ids_full[:i])
+    by_token = collect(roles.stub, prompt=PROMPTS[0], max_tokens=24, temperature=0.0, ignore_eos=True,
+                       stop_token_ids=[ids_full[k]])
+    assert (by_token[-1].finish_reason, by_token[-1].WhichOneof("stop_reason"), by_token[-1].stop_token_id) == \
+        ("stop", "stop_token_id", ids_full[k])
+    plain = collect(roles.stub, prompt=PROMPTS[0], max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert plain[-1].finish_reason == "length" and plain[-1].WhichOneof("stop_reason") is None
     assert roles.wait_idle(1.0)
 
 
