@@ -173,7 +173,9 @@ def test_a_broken_stream_cancels_the_requests_call():
     """The router's end: when a worker's stream breaks, each request on it fails UNAVAILABLE (to retry or
     migrate) and its own call is cancelled, so the worker stops generating it."""
     torch.set_num_threads(1)
-    r = start_colocated(n=1, tag="ostream-stop-")
+    # (pool_wait_s: the request, its worker excluded, finds the pool empty; 15 s of waiting for a worker to come
+    # back would show nothing more)
+    r = start_colocated(n=1, tag="ostream-stop-", router=dict(pool_wait_s=1.0))
     try:
         w = r.decodes[0]
         tokens0 = w.output_tokens_total
