@@ -104,7 +104,8 @@ class LLM:
             proc = procs[rid]
             results.append(RequestOutput(
                 request_id=rid, prompt=text, prompt_token_ids=list(ids), token_ids=list(proc.token_ids),
-                text=proc.text, finish_reason=proc.finish_reason, logprobs=proc.logprobs, finished=True,
+                text=proc.text, finish_reason=proc.finish_reason, stop_reason=proc.stop_reason, logprobs=proc.logprobs,
+                finished=True,
                 prompt_logprobs=prompt_lps.get(rid)))
         return results
 

@@ -8,7 +8,7 @@ collects ``RequestOutput``s. Workers forward ``CoreOutput`` fields over gRPC.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 
 @dataclass
@@ -52,6 +52,8 @@ class RequestOutput:
     finish_reason: Optional[str]
     logprobs: Optional[list[TokenLogprob]] = None
     finished: bool = True
+    stop_reason: Optional[Union[str, int]] = None
+    """vLLM's: the stop string or ``stop_token_ids`` id that ended it (None: EOS or the length limit)."""
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
     """vLLM's ``RequestOutput.prompt_logprobs`` when asked for: None first, then per prompt position a
     ``TokenLogprob`` whose ``token_id``/``logprob`` are the actual prompt token's and ``top`` its top-k (vLLM

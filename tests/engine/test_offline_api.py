@@ -95,7 +95,7 @@ def test_stop_string_ends_request_and_frees_blocks(llm):
     stop = text[len(text) // 2: len(text) // 2 + 4]
     cut = text.index(stop)
     out = llm.generate(PROMPTS[0], greedy(24, stop=[stop]))[0]
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason == stop and full.stop_reason is None
     assert out.text == text[:cut]
     assert out.token_ids == full.token_ids[: len(out.token_ids)]
     assert len(out.token_ids) < len(full.token_ids)
@@ -114,6 +114,7 @@ def test_stop_token_ids_and_logprobs(llm):
     first = full.token_ids.index(stop_id)
     out = llm.generate(PROMPTS[3], greedy(10, stop_token_ids=[stop_id]))[0]
     assert out.finish_reason == "stop" and out.token_ids == full.token_ids[: first + 1]
+    assert out.stop_reason == stop_id  # vLLM's: the stop token's id
     assert out.logprobs is None
     assert_engine_clean(llm)
 
