@@ -115,15 +115,15 @@ def test_prune_order_puts_the_likeliest_winners_first():
 
 def test_plan_probe_seconds_sizes_each_probe_by_its_rate(tmp_path, capsys):
     """--probe-seconds T: a probe at rate R simulates ceil(R x T) requests (the workload looped), counted in the
-    printed total; here 40 requests last about 2.5 s at the split's goodput, too short for queues to form, and 20 s
+    printed total; here 40 requests last about 2.5 s at the split's goodput, too short for queues to form, and 10 s
     of arrivals serve less within the SLOs (what the flag is for). --probe-seconds 0, negative, inf or nan:
     exit 2 naming it."""
     import math
 
     rc1, once, out1 = _plan(tmp_path, capsys, "1")
-    rc2, long, out2 = _plan(tmp_path, capsys, "1", "--probe-seconds", "20")
+    rc2, long, out2 = _plan(tmp_path, capsys, "1", "--probe-seconds", "10")
     assert rc1 == rc2 == 0
-    want = sum(max(2, math.ceil(p["rate"] * 20)) for c in long["candidates"] for p in c["probes"])
+    want = sum(max(2, math.ceil(p["rate"] * 10)) for c in long["candidates"] for p in c["probes"])
     assert f" simulations of {want} requests in " in out2
     assert f"of {40 * sum(len(c['probes']) for c in once['candidates'])} requests" in out1  # (the workload once)
     pairs = [(a["goodput_rps"], b["goodput_rps"]) for a, b in zip(once["candidates"], long["candidates"])]
