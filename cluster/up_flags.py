@@ -10,6 +10,7 @@ namespace only: nothing starts here, and nothing heavy is imported before a comm
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from cluster.up_secrets import CLUSTER_SECRET_ENV, REDIS_URL_ENV
@@ -419,8 +420,8 @@ def router_overrides(args: argparse.Namespace) -> dict:
             raise ValueError(f"--lora-resolver-dir must be an absolute path (the workers read it), got {resolver!r}")
         out["lora_resolver_dir"] = resolver
     store_ttl = getattr(args, "responses_store_ttl_s", 0.0)
-    if store_ttl < 0:
-        raise ValueError(f"--responses-store-ttl-s must be >= 0 (0: off), got {store_ttl:g}")
+    if not math.isfinite(store_ttl) or store_ttl < 0:
+        raise ValueError(f"--responses-store-ttl-s must be a finite number of seconds >= 0 (0: off), got {store_ttl:g}")
     if store_ttl:
         out["responses_store_ttl_s"] = store_ttl
     if getattr(args, "otlp_traces_endpoint", None):

@@ -202,7 +202,7 @@ class RouterConfig:
         if self.max_loras is not None and (isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int)
                                            or self.max_loras < 1):
             raise ValueError(f"max_loras must be an integer >= 1 or None, got {self.max_loras!r}")
-        if self.responses_store_ttl_s is not None and not self.responses_store_ttl_s > 0:
+        if self.responses_store_ttl_s is not None and not 0 < self.responses_store_ttl_s < float("inf"):
             raise ValueError(f"responses_store_ttl_s must be > 0 or None, got {self.responses_store_ttl_s}")
         if self.lora_resolver_dir is not None:
             if not self.allow_runtime_lora_updating:

@@ -375,7 +375,8 @@ def test_responses_store_flag_reaches_the_router_config(cmd):
     cfg = RouterConfig(**router_overrides(build_parser().parse_args([cmd, "--responses-store-ttl-s", "90", *extra])))
     assert cfg.responses_store_ttl_s == 90
     assert RouterConfig(**router_overrides(build_parser().parse_args([cmd, *extra]))).responses_store_ttl_s is None
-    with pytest.raises(ValueError, match="^--responses-store-ttl-s must be >= 0"):
-        router_overrides(build_parser().parse_args([cmd, "--responses-store-ttl-s", "-1", *extra]))
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(ValueError, match="^--responses-store-ttl-s must be a finite number"):
+            router_overrides(build_parser().parse_args([cmd, "--responses-store-ttl-s", bad, *extra]))
     with pytest.raises(ValueError, match="responses_store_ttl_s must be > 0"):
         RouterConfig(responses_store_ttl_s=0)
