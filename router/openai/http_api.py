@@ -8,8 +8,9 @@ Prometheus series), ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/cha
 ``POST /tokenize`` and ``POST /detokenize``, OpenAI's Responses API (``POST /v1/responses``, and ``GET`` /
 ``DELETE /v1/responses/{id}`` of stored ones: router/openai/responses_api.py, router/response_store.py) and
 Anthropic's Messages API (``POST /v1/messages``, ``POST /v1/messages/count_tokens``:
-router/openai/anthropic_api.py; its errors in Anthropic's shape), both served as chats. The constraint and tool fields (``response_format``,
-``structured_outputs``, ``tools``, ``tool_choice``) are planned by ``router.openai.structured`` before tokenizing:
+router/openai/anthropic_api.py; its errors in Anthropic's shape), both served as chats. The constraint and tool
+fields (``response_format``, ``structured_outputs``, ``tools``, ``tool_choice``) are planned by
+``router.openai.structured`` before tokenizing:
 the constraint rides in every ``GenerateRequest`` (compiled by the shared validation), and a tool-call parser
 (``router.openai.tool_parsers``) reads each chat answer into ``tool_calls``.
 A request body is parsed (pydantic), turned into the gRPC-shaped ``GenerateRequest`` and validated
@@ -52,14 +53,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from router.openai import anthropic_api as aa
 from router.openai import schema as openai_schema
 from router.openai import protocol as oa
 from router.openai import responses as rs
-from router.openai import anthropic_api as aa
-from router.openai.structured import template_tools
 from router.openai import responses_api as ora
-from router.response_store import StoreUnavailable, StoredResponse, owner_of
 from router.openai import structured as oas
+from router.openai.structured import template_tools
+from router.response_store import StoreUnavailable, StoredResponse, owner_of
 from router.core import RouterCore
 from router.quotas import Lease, QuotaBook, QuotaExceeded, max_output_tokens
 from router.events import FlowError
