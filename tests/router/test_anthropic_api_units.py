@@ -167,3 +167,19 @@ def test_a_call_cut_off_by_max_tokens_stays_text_and_an_empty_answer_is_an_empty
     assert [b.type for b in whole.content] == ["text"] and whole.stop_reason == "max_tokens"
     _, streamed, whole = _run([""], None)
     assert [(b.type, b.text) for b in whole.content] == [(b.type, b.text) for b in streamed.content] == [("text", "")]
+
+
+def test_a_failure_mid_stream_is_an_error_event_in_anthropics_shape_and_nothing_follows():
+    import grpc
+    from anthropic.types import ErrorResponse
+
+    from router.events import FlowError
+
+    stream = aa.MessageEventStream(_req(), "m", 3)
+    stream.chunk(0, FlowEvent("r", text="Hel"))
+    sse = stream.error(FlowError(grpc.StatusCode.UNAVAILABLE, "request r: the decode worker went away"))
+    assert sse.startswith("event: error\n")
+    err = ErrorResponse.model_validate(json.loads(sse.split("data: ", 1)[1]))
+    assert err.error.type == "overloaded_error" and "went away" in err.error.message
+    assert stream.end() == []  # no message_delta / message_stop after the error
+    assert aa.error_body(400, "x")["error"]["type"] == "invalid_request_error"

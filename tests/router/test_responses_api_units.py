@@ -164,3 +164,16 @@ def test_a_forced_call_has_no_message_and_plain_text_has_no_call():
     assert Response.model_validate(whole.json_body()).output_text == "No tools needed."
     events, _ = _stream(["cut"], None, reason="length")
     assert events[-1]["type"] == "response.incomplete"
+
+
+def test_a_failure_mid_stream_is_an_error_event_and_nothing_follows():
+    import grpc
+
+    from router.events import FlowError
+
+    out = ora.ResponseEventStream(_req(), "m", 3)
+    out.chunk(0, FlowEvent("r", text="Hel"))
+    (event,) = _events(out.error(FlowError(grpc.StatusCode.DEADLINE_EXCEEDED, "request r: deadline passed")))
+    TypeAdapter(ResponseStreamEvent).validate_python(event)
+    assert event["type"] == "error" and "deadline" in event["message"]
+    assert out.end() == []  # no response.completed after the error
