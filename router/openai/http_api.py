@@ -454,6 +454,10 @@ class HttpApi:
             except ValueError as e:  # (a pydantic ValidationError is one too: a field's value the chat body refuses)
                 self.core.count_error(grpc.StatusCode.INVALID_ARGUMENT)
                 return self._error(400, str(e), _leading_field(str(e)))
+            lim = self.core.limits
+            if body.truncation == "auto" and lim is not None and self.core.tokenizer is not None:
+                translation = await asyncio.to_thread(ora.truncate, translation, self._prompt_length,
+                                                      lim.max_context_length)
             return await self._serve(request, translation.chat, chat=True, responses=translation)
 
         @app.post("/v1/messages")
@@ -724,6 +728,14 @@ class HttpApi:
             msg = translation.relabel(str(e))
             return self._error(400, msg, _leading_field(msg))
         return JSONResponse({"input_tokens": len(ids)})
+
+    def _prompt_length(self, chat: oa.ChatCompletionRequest) -> Optional[int]:
+        """A chat's prompt length in tokens as the chat path renders it (None: it cannot be rendered within the
+        context, or at all)."""
+        try:
+            return len(oa.chat_prompt_ids(chat, self.core.tokenizer, self.core.limits, template_tools(chat)))
+        except ValueError:
+            return None
 
     def _owner(self, request: Request) -> str:
         key = self._key(request)

@@ -31,6 +31,9 @@ output items) as ``history``, put before this request's ``input`` (the earlier `
 over, as OpenAI has it). Without the flag nothing is kept: ``store`` is answered ``false`` and
 ``previous_response_id`` is refused naming the flag.
 
+``truncation: "auto"`` (``truncate``): a conversation (a long chain of stored responses, say) longer than the
+context drops its earliest whole turns, the instructions kept, until it leaves room for ``max_output_tokens``.
+
 What is refused, naming the field (400): ``conversation`` (conversation objects are not kept),
 ``previous_response_id`` where nothing is kept, tools other than functions (web search, file search...),
 ``background``, input items other than messages with text parts, ``function_call`` and ``function_call_output``
@@ -38,6 +41,7 @@ What is refused, naming the field (400): ``conversation`` (conversation objects 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -79,6 +83,9 @@ class ResponsesRequest(BaseModel):
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
     parallel_tool_calls: Optional[bool] = None
+    truncation: Optional[str] = None
+    """"auto": a conversation longer than the context drops its earliest turns until it fits (``truncate``);
+    "disabled" (the default): it is refused."""
     # vLLM's extras
     seed: Optional[int] = None
     top_k: Optional[int] = None
@@ -260,6 +267,8 @@ def to_chat_request(body: ResponsesRequest, history: Optional[list[dict]] = None
         raise ValueError("background: responses are answered in the request, not in the background")
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
         raise ValueError(f"max_output_tokens must be >= 1, got {body.max_output_tokens}")
+    if body.truncation not in (None, "auto", "disabled"):
+        raise ValueError(f"truncation must be 'auto' or 'disabled', got {body.truncation!r}")
     history = history or []
     items = history + input_items(body)
     msgs, where = _messages(body.instructions, items, len(history), isinstance(body.input, str))
@@ -281,6 +290,40 @@ def to_chat_request(body: ResponsesRequest, history: Optional[list[dict]] = None
     if fmt is not None:
         chat["response_format"] = fmt
     return ChatTranslation(body, ChatCompletionRequest.model_validate(chat), where, items)
+
+
+def truncate(translation: ChatTranslation, count: Callable[[ChatCompletionRequest], Optional[int]],
+             context: int) -> ChatTranslation:
+    """``truncation: "auto"``, as OpenAI has it: a conversation whose prompt (``count``: its tokens, None when it
+    cannot even be rendered within the context) leaves no room for ``max_output_tokens`` (else one token) in
+    ``context`` drops its earliest turns (whole: from the first user message after the instructions up to the next
+    one, so no tool output is left without its call) until it fits; the instructions stay. The shortest that still
+    does not fit (the last turn alone) is left as it is, for the chat path to refuse by name."""
+    msgs = translation.chat.messages
+    lead = 1 if msgs and translation.where[0] == "instructions" else 0
+    budget = translation.request.max_output_tokens or 1
+
+    def cut(start: int) -> ChatCompletionRequest:
+        return translation.chat.model_copy(update={"messages": msgs[:lead] + msgs[start:]})
+
+    def fits(start: int) -> bool:
+        n = count(cut(start))
+        return n is not None and n + budget <= context
+
+    if fits(lead):
+        return translation
+    starts = [i for i in range(lead + 1, len(msgs)) if msgs[i].role == "user"]
+    lo, hi = 0, len(starts)  # the first start that fits, by bisection (a later start is a shorter prompt)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(starts[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo == len(starts):
+        return translation
+    start = starts[lo]
+    return dataclasses.replace(translation, chat=cut(start), where=translation.where[:lead] + translation.where[start:])
 
 
 def _usage(usage: Any, n_prompt: int) -> dict:
@@ -356,7 +399,7 @@ class ResponseCollector:
             "previous_response_id": b.previous_response_id, "reasoning": None, "store": self.stored,
             "temperature": b.temperature, "text": {"format": fmt},
             "tool_choice": b.tool_choice if b.tool_choice is not None else "auto", "tools": b.tools or [],
-            "top_p": b.top_p, "truncation": "disabled",
+            "top_p": b.top_p, "truncation": b.truncation or "disabled",
             "usage": _usage(self.usage, self.n_prompt) if done else None, "user": b.user,
         }
 

@@ -208,3 +208,41 @@ def test_a_router_without_a_store_names_its_flag(roles):
             c.responses.retrieve(r.id)
     finally:
         bare.stop()
+
+
+def test_truncation_auto_drops_the_earliest_turns_until_the_conversation_fits(roles, client):
+    """``truncation: "auto"`` (OpenAI's): a conversation longer than the context drops whole turns from its start
+    (the instructions stay) until it leaves room for max_output_tokens; the answer is the offline engine's to what
+    was kept. "disabled" (the default) refuses it naming the input."""
+    ctx = roles.router.core.limits.max_context_length
+    tok = roles.router.tokenizer
+    para = "the quick brown fox jumps over the lazy dog while " * 8
+    turns: list[dict] = []
+    for i in range(12):
+        turns += [{"role": "user", "content": f"Turn {i}: {para}"}, {"role": "assistant", "content": f"Noted {i}."}]
+    turns.append({"role": "user", "content": "Summarise."})
+    system = [{"role": "system", "content": "Be brief."}]
+
+    def length(msgs: list[dict]) -> int:
+        return len(tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True), add_special_tokens=False))
+
+    room = 120  # max_output_tokens: the room the kept turns must leave (a few turns' worth)
+    assert length(system + turns) + room > ctx  # (else there is nothing to truncate)
+    with pytest.raises(openai.BadRequestError) as e:
+        _ask(client, instructions="Be brief.", input=turns)
+    assert e.value.body["param"] in ("input", "max_output_tokens"), e.value.body
+    start = 0  # the reference: whole turns off the front, one at a time, until it fits
+    while length(system + turns[start:]) + room > ctx:
+        start += 2
+    kept = system + turns[start:]
+    assert length(system + turns[start - 2:]) + room > ctx >= length(kept) + room
+    r = client.responses.create(model="tiny", temperature=0, max_output_tokens=room, extra_body={"ignore_eos": True},
+                                instructions="Be brief.", input=turns, truncation="auto")
+    assert r.truncation == "auto" and 0 < start < len(turns) - 1
+    assert r.output_text == _reference(roles, kept, room) and r.usage.input_tokens == length(kept)
+    # a conversation that fits is not touched
+    short = _ask(client, input=turns[-3:], truncation="auto")
+    assert short.output_text == _reference(roles, turns[-3:])
+    with pytest.raises(openai.BadRequestError) as e:
+        _ask(client, input="x", truncation="sometimes")
+    assert e.value.body["param"] == "truncation"
