@@ -35,6 +35,7 @@ built-in ``bash``, ``web_search``... types), a ``tool_result`` for a call no ear
 """
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import uuid
@@ -288,6 +289,16 @@ def count_tokens_chat(body: CountTokensRequest) -> tuple[ChatCompletionRequest, 
     req = ChatCompletionRequest.model_validate(chat)
     shell = MessagesRequest(model=body.model, messages=body.messages, max_tokens=1)
     return req, MessagesTranslation(shell, req, where)
+
+
+def models_json(names: list[str], context: int, max_tokens: int) -> dict:
+    """``GET /v1/models`` as Anthropic's SDK reads it (``client.models.list()``; asked with an
+    ``anthropic-version`` header): the served model, then its LoRA adapters."""
+    now = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    data = [{"id": n, "type": "model", "display_name": n, "created_at": now, "lifecycle": "active",
+             "max_input_tokens": context, "max_tokens": max_tokens} for n in names]
+    return {"data": data, "has_more": False, "first_id": names[0] if names else None,
+            "last_id": names[-1] if names else None}
 
 
 def _new_id(prefix: str) -> str:

@@ -422,7 +422,7 @@ class HttpApi:
             return Response(body, media_type=CONTENT_TYPE_LATEST)
 
         @app.get("/v1/models")
-        async def models() -> JSONResponse:
+        async def models(request: Request) -> JSONResponse:
             lim = self.core.limits
             data = [] if lim is None else [{"id": lim.model_name, "object": "model", "created": rs.created(),
                                             "owned_by": "pdserve", "root": lim.model_name, "parent": None,
@@ -431,6 +431,9 @@ class HttpApi:
                 data += [{"id": name, "object": "model", "created": rs.created(), "owned_by": "pdserve",
                           "root": name, "parent": lim.model_name, "max_model_len": lim.max_context_length}
                          for name in lim.lora_adapters]
+            if "anthropic-version" in request.headers and lim is not None:  # Anthropic's SDK asking: its list
+                return JSONResponse(aa.models_json([m["id"] for m in data], lim.max_context_length,
+                                                   lim.max_tokens_limit))
             return JSONResponse({"object": "list", "data": data})
 
         @app.post("/v1/completions")

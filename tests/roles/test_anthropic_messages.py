@@ -90,6 +90,8 @@ def test_text_whole_and_streamed_equals_offline(roles, client):
     parsed = client.messages.parse(model="tiny", max_tokens=30, messages=[{"role": "user", "content": "Yes?"}],
                                    output_format=Answer, extra_body={"temperature": 0})
     assert isinstance(parsed.parsed_output, Answer), parsed.content
+    # the model list, as Anthropic's SDK reads it (an OpenAI client still gets OpenAI's)
+    assert [(m.id, m.type, m.display_name) for m in client.models.list()] == [("tiny", "model", "tiny")]
     # count_tokens: what that request sends
     assert client.messages.count_tokens(model="tiny", messages=turns).input_tokens == _reference(roles, turns, 1)[1]
 
