@@ -1,5 +1,6 @@
 """Stored responses of OpenAI's Responses API: ``store``, ``previous_response_id``, ``GET`` and ``DELETE
-/v1/responses/{id}`` (router/openai/http_api.py, router/openai/responses_api.py).
+/v1/responses/{id}``, ``GET /v1/responses/{id}/input_items`` (router/openai/http_api.py,
+router/openai/responses_api.py).
 
 Lifecycle: ``RouterCore`` builds one ``ResponseStore`` when ``RouterConfig.responses_store_ttl_s`` is set (off by
 default, as vLLM's ``VLLM_ENABLE_RESPONSES_API_STORE``: every stored response holds its whole conversation). A

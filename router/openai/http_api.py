@@ -481,6 +481,18 @@ class HttpApi:
             found = await self._stored(response_id, request, "response_id")
             return found if isinstance(found, Response) else JSONResponse(found.response)
 
+        @app.get("/v1/responses/{response_id}/input_items")
+        async def response_input_items(response_id: str, request: Request, limit: int = 20, order: str = "desc",
+                                       after: Optional[str] = None) -> Response:
+            found = await self._stored(response_id, request, "response_id")
+            if isinstance(found, Response):
+                return found
+            inputs = found.conversation[:len(found.conversation) - len(found.response.get("output", []))]
+            try:
+                return JSONResponse(ora.page_items(inputs, limit, order, after))
+            except ValueError as e:
+                return self._error(400, str(e), _leading_field(str(e)))
+
         @app.delete("/v1/responses/{response_id}")
         async def delete_response(response_id: str, request: Request) -> Response:
             found = await self._stored(response_id, request, "response_id", delete=True)
@@ -777,7 +789,8 @@ class HttpApi:
         if collected.reason is None or self.core.responses is None:
             return
         collected.stored = True
-        stored = StoredResponse(collected.json_body(), translation.conversation + collected.output(), owner)
+        stored = StoredResponse(collected.json_body(), ora.kept_items(translation.conversation) + collected.output(),
+                                owner)
         try:
             await asyncio.to_thread(self.core.responses.put, collected.id, stored)
         except StoreUnavailable as e:

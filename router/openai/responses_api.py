@@ -292,6 +292,48 @@ def to_chat_request(body: ResponsesRequest, history: Optional[list[dict]] = None
     return ChatTranslation(body, ChatCompletionRequest.model_validate(chat), where, items)
 
 
+def kept_items(items: list[Any]) -> list[dict]:
+    """Input items as a stored response keeps them (and ``GET /v1/responses/{id}/input_items`` lists them): each
+    with an id, a message's content as typed parts (``input_text``, or ``output_text`` on an assistant turn), as
+    OpenAI lists them; ``_messages`` reads them back to the same chat messages."""
+    out = []
+    for item in items:
+        item = dict(item)
+        kind = item.setdefault("type", "message")
+        if kind == "message":
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            content = item.get("content")
+            if isinstance(content, str):
+                item["content"] = [{"type": part, "text": content, **({"annotations": []} if part == "output_text"
+                                                                       else {})}]
+            item.setdefault("status", "completed")
+        item.setdefault("id", f"{_ITEM_PREFIX.get(kind, 'item')}_{uuid.uuid4().hex}")
+        out.append(item)
+    return out
+
+
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def page_items(items: list[dict], limit: int, order: str, after: Optional[str]) -> dict:
+    """One page of ``GET /v1/responses/{id}/input_items`` (OpenAI's list: newest first by default; ``after`` an
+    item id of the previous page; ValueError naming the parameter)."""
+    if not 1 <= limit <= 100:
+        raise ValueError(f"limit must be in [1, 100], got {limit}")
+    if order not in ("asc", "desc"):
+        raise ValueError(f"order must be 'asc' or 'desc', got {order!r}")
+    seq = items if order == "asc" else items[::-1]
+    start = 0
+    if after is not None:
+        ids = [i.get("id") for i in seq]
+        if after not in ids:
+            raise ValueError(f"after: no input item {after[:80]!r} in this response")
+        start = ids.index(after) + 1
+    page = seq[start:start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(seq)}
+
+
 def truncate(translation: ChatTranslation, count: Callable[[ChatCompletionRequest], Optional[int]],
              context: int) -> ChatTranslation:
     """``truncation: "auto"``, as OpenAI has it: a conversation whose prompt (``count``: its tokens, None when it

@@ -71,6 +71,20 @@ def test_a_kept_response_continues_as_the_whole_conversation_would(roles, client
     got = client.responses.retrieve(first.id)
     assert (got.id, got.output_text, got.status, got.usage.output_tokens) == \
         (first.id, first.output_text, first.status, N)
+    # its input items, as client.responses.input_items.list pages them (newest first by default): the second's are
+    # the first's input, the first's answer, then its own
+    items = list(client.responses.input_items.list(second.id, order="asc"))
+    assert [(i.type, i.role, "".join(c.text for c in i.content)) for i in items] == [
+        ("message", "user", "A loop, please."), ("message", "assistant", first.output_text),
+        ("message", "user", "Shorter.")]
+    assert all(i.id for i in items) and len({i.id for i in items}) == 3
+    paged = list(client.responses.input_items.list(second.id, limit=1))  # three pages of one, newest first
+    assert [i.id for i in paged] == [i.id for i in reversed(items)]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.input_items.list(second.id, limit=0)
+    assert e.value.body["param"] == "limit"
+    with pytest.raises(openai.NotFoundError):
+        _client(roles.router, OTHER).responses.input_items.list(second.id)
 
 
 def test_streamed_responses_are_kept_before_their_last_event(roles, client):

@@ -33,7 +33,8 @@ FIELD_NAMES = sorted({name for model in (oa.CompletionRequest, oa.ChatCompletion
                                          oa.TokenizeChatRequest, oa.DetokenizeRequest, oa.LoadLoRAAdapterRequest,
                                          oa.UnloadLoRAAdapterRequest, ResponsesRequest, aa.MessagesRequest,
                                          aa.CountTokensRequest)
-                      for name in model.model_fields} | {"body", "JSON", "allow-runtime-lora-updating", "response_id"},
+                      for name in model.model_fields} | {"body", "JSON", "allow-runtime-lora-updating", "response_id",
+                                                         "limit", "order", "after"},
                      key=len, reverse=True)
 """What an error message may name: any request field of the API, or the body as a whole (or, for the runtime LoRA
 calls on this router, which does not allow them, the flag that would)."""
