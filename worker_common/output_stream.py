@@ -83,8 +83,14 @@ class OutputStream:
             self._woken = False
             return items
 
+    @property
+    def idle(self) -> bool:
+        """Nothing put waits for the sender."""
+        return not self._pending
+
     def close(self) -> None:
-        """Stop sending: the sender wakes and ends (any thread, e.g. the call's termination callback)."""
+        """Stop sending: the sender wakes and ends (any thread, e.g. the call's termination callback); what it
+        had not taken is not sent (a drain waits for ``OutputStreams.sent`` first)."""
         self.closed = True
         self._wake.put(True)
 
@@ -182,6 +188,12 @@ class OutputStreams:
         """Wake every stream with something pending (the engine loop, after each pass)."""
         for s in list(self._streams.values()):
             s.flush()
+
+    def sent(self) -> bool:
+        """Whether every stream's put chunks were taken by its sender (nothing waits to be sent)."""
+        with self._lock:
+            streams = list(self._streams.values())
+        return all(s.idle for s in streams)
 
     def close_all(self) -> None:
         """Close every stream (the worker stops): each sender ends, and with it the router's stream."""

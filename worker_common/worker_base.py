@@ -170,6 +170,12 @@ class WorkerBase:
         while self.num_requests() and time.monotonic() < deadline and self.loop is not None and self.loop.alive:
             time.sleep(0.02)
         clean = not self.num_requests()
+        # the last chunks of the requests just finished may still wait on their output streams: let the senders
+        # take them (at most 2 s) before the streams close, so no router sees its stream end a token early
+        self.output_streams.flush()
+        sent_by = min(deadline, time.monotonic() + 2.0)
+        while not self.output_streams.sent() and time.monotonic() < sent_by:
+            time.sleep(0.01)
         self.stop()
         return clean
 

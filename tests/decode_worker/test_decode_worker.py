@@ -161,8 +161,20 @@ def test_reservation_lives_as_long_as_its_receive_deadline():
         w.stop()
 
 
-def test_drain_finishes_inflight_request_while_not_serving():
-    roles = start_roles(tag="drain-")
+@pytest.mark.parametrize("slow_sender", [False, True])
+def test_drain_finishes_inflight_request_while_not_serving(slow_sender, monkeypatch):
+    """A drain lets the in-flight request finish, its last chunk included. ``slow_sender``: each output stream
+    message takes 0.2 s to go (a loaded box), so the request ends, and the drain with it, while the sender still
+    sends an earlier message: the drain waits for the last chunk to be taken before it closes the stream (without
+    that the router saw the stream end a token early and, with no other decode worker, failed the request)."""
+    if slow_sender:
+        import time as _time
+
+        from worker_common import output_stream
+
+        real = output_stream.step_message
+        monkeypatch.setattr(output_stream, "step_message", lambda items: (_time.sleep(0.2), real(items))[1])
+    roles = start_roles(tag=f"drain{int(slow_sender)}-")
     try:
         d = roles.decodes[0]
         s = roles.stub.Generate(pdserve_pb2.GenerateRequest(prompt="a", max_tokens=60, ignore_eos=True,
