@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -45,7 +44,7 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict
 
 from router.events import FlowError, FlowEvent
-from router.openai.protocol import ChatCompletionRequest
+from router.openai.protocol import ChatCompletionRequest, relabel_chat_error
 from router.openai.responses import flow_error
 from router.openai.tool_parsers import ArgsDelta, CallStart, ContentDelta, ToolCallParser, ToolCallStream
 
@@ -233,19 +232,14 @@ class MessagesTranslation:
     """Each chat message's Messages field (``system``, ``messages[2]``, ``messages[3].content[0]``)."""
 
     def relabel(self, message: str) -> str:
-        m = re.match(r"messages\[(\d+)\]", message)
-        if m and int(m.group(1)) < len(self.where):
-            return self.where[int(m.group(1))] + message[m.end():]
-        m = re.match(r"tools\[(\d+)\]\.function\.parameters", message)
-        if m:
-            return f"tools[{m.group(1)}].input_schema" + message[m.end():]
-        message = re.sub(r"^tools\[(\d+)\]\.function\.", r"tools[\1].", message)
-        for chat_name, name in (("tool_choice.function.name", "tool_choice.name"), ("stop", "stop_sequences"),
-                                ("response_format.json_schema.schema", "output_config.format.schema"),
-                                ("response_format", "output_config.format")):
-            if re.match(rf"{re.escape(chat_name)}\b", message) and not message.startswith(name):
-                return name + message[len(chat_name):]
-        return message
+        """A chat path's error message -> naming the Messages field it came from (``relabel_chat_error``)."""
+        return relabel_chat_error(message, self.where, _RENAMES, parameters_field="input_schema")
+
+
+_RENAMES = (("tool_choice.function.name", "tool_choice.name"), ("stop", "stop_sequences"),
+            ("response_format.json_schema.schema", "output_config.format.schema"),
+            ("response_format", "output_config.format"))
+"""Chat fields -> the Messages API's, in error messages."""
 
 
 def to_chat_request(body: MessagesRequest) -> MessagesTranslation:

@@ -11,7 +11,8 @@ with vLLM's names. The answers are rendered by ``router.openai.responses``.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional, Union
+import re
+from typing import Any, Callable, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -92,6 +93,26 @@ class ChatCompletionRequest(_Sampling, ToolFields):
     # vLLM's chat extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+
+
+def relabel_chat_error(message: str, where: Sequence[str], renames: Sequence[tuple[str, str]],
+                       messages_field: str = "messages", parameters_field: str = "parameters") -> str:
+    """A chat-path error message about a request translated from another API (Responses, Anthropic's Messages) ->
+    naming that API's field: ``messages[k]`` -> ``where[k]`` (the field chat message k came from; past them,
+    ``messages_field``), ``tools[i].function.parameters`` -> ``tools[i].<parameters_field>``, other
+    ``tools[i].function.x`` -> ``tools[i].x``, then the first of ``renames`` (a chat field, that API's name) that
+    leads the message as a whole name."""
+    m = re.match(r"messages\[(\d+)\]", message)
+    if m and int(m.group(1)) < len(where):
+        return where[int(m.group(1))] + message[m.end():]
+    if message.startswith("messages"):
+        return messages_field + message[len("messages"):]
+    message = re.sub(r"^tools\[(\d+)\]\.function\.parameters\b", rf"tools[\1].{parameters_field}", message)
+    message = re.sub(r"^tools\[(\d+)\]\.function\.", r"tools[\1].", message)
+    for chat_name, name in renames:
+        if re.match(rf"{re.escape(chat_name)}\b", message):
+            return name + message[len(chat_name):]
+    return message
 
 
 def message_dicts(req: ChatCompletionRequest) -> list[dict]:

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -52,7 +51,7 @@ from typing import Any, Awaitable, Callable, Optional, Union
 from pydantic import BaseModel, ConfigDict
 
 from router.events import FlowError, FlowEvent
-from router.openai.protocol import ChatCompletionRequest
+from router.openai.protocol import ChatCompletionRequest, relabel_chat_error
 from router.openai.responses import flow_error
 from router.openai.tool_parsers import ArgsDelta, CallStart, ContentDelta, ToolCallParser, ToolCallStream, \
     new_tool_call_id
@@ -238,20 +237,13 @@ class ChatTranslation:
     """The input items answered (a previous response's conversation first): what a stored response keeps."""
 
     def relabel(self, message: str) -> str:
-        """A chat path's message naming ``messages[k]``, ``tools[i].function.x``, ``tool_choice.function.name``
-        or ``response_format`` -> the Responses field it came from."""
-        m = re.match(r"messages\[(\d+)\]", message)
-        if m and int(m.group(1)) < len(self.where):
-            return self.where[int(m.group(1))] + message[m.end():]
-        if message.startswith("messages"):
-            return "input" + message[len("messages"):]
-        message = re.sub(r"^tools\[(\d+)\]\.function\.", r"tools[\1].", message)
-        for chat_name, name in (("tool_choice.function.name", "tool_choice.name"),
-                                ("response_format.json_schema.", "text.format."),
-                                ("response_format", "text.format"), ("max_tokens", "max_output_tokens")):
-            if message.startswith(chat_name):
-                return name + message[len(chat_name):]
-        return message
+        """A chat path's error message -> naming the Responses field it came from (``relabel_chat_error``)."""
+        return relabel_chat_error(message, self.where, _RENAMES, messages_field="input")
+
+
+_RENAMES = (("tool_choice.function.name", "tool_choice.name"), ("response_format.json_schema", "text.format"),
+            ("response_format", "text.format"), ("max_tokens", "max_output_tokens"))
+"""Chat fields -> the Responses API's, in error messages."""
 
 
 def to_chat_request(body: ResponsesRequest, history: Optional[list[dict]] = None) -> ChatTranslation:
