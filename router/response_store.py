@@ -65,7 +65,7 @@ def owner_of(secret: Optional[bytes]) -> str:
 
 class ResponseStore:
     """Stored responses, in the cluster's Redis (``redis_url`` and ``namespace``) or in memory (see module
-    docstring). Thread-safe; every call is one Redis round trip at most."""
+    docstring). Thread-safe; a call is one Redis round trip (``delete``: two, the owner read first)."""
 
     def __init__(self, ttl_s: float, redis_url: Optional[str] = None, namespace: Optional[str] = None,
                  max_local: int = 1024, timeout_s: float = 2.0) -> None:
@@ -81,11 +81,6 @@ class ResponseStore:
         self._local: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self._max_local = max_local
         self._lock = threading.Lock()
-
-    @property
-    def shared(self) -> bool:
-        """True when every router of the cluster sees the same store (Redis)."""
-        return self._redis is not None
 
     def put(self, rid: str, stored: StoredResponse) -> None:
         raw = stored.to_bytes()

@@ -53,7 +53,6 @@ def test_memory_keeps_the_most_recent_and_owners_are_key_digests():
     for rid in ids:
         s.put(rid, _stored(rid))
     assert s.get(ids[0], "a") is None and all(s.get(r, "a") is not None for r in ids[1:])
-    assert not s.shared
     assert owner_of(None) == "" and owner_of(b"k1") != owner_of(b"k2") and b"k1".hex() not in owner_of(b"k1")
     assert owner_of(b"k1") == owner_of(b"k1")
 
