@@ -144,6 +144,7 @@ def _messages(body: Union[MessagesRequest, CountTokensRequest]) -> tuple[list[di
             raise ValueError(f"{at}.content must be text or a list of content blocks")
         texts: list[str] = []
         tool_calls: list[dict] = []
+        results = 0
         for j, block in enumerate(content):
             bat = f"{at}.content[{j}]"
             kind = block.get("type") if isinstance(block, dict) else None
@@ -169,10 +170,11 @@ def _messages(body: Union[MessagesRequest, CountTokensRequest]) -> tuple[list[di
                 msgs.append({"role": "tool", "tool_call_id": call_id,
                              "content": _text(block.get("content", ""), f"{bat}.content")})
                 where.append(bat)
+                results += 1
             else:
                 raise ValueError(f"{bat}.type: {kind!r} blocks are not served on a {role} turn here (text"
                                  + (", tool_use" if role == "assistant" else ", tool_result") + ")")
-        if texts or tool_calls or not any(w.startswith(at + ".") for w in where):
+        if texts or tool_calls or not results:  # (a turn of tool results alone is its tool messages)
             msg: dict[str, Any] = {"role": role, "content": "".join(texts)}
             if tool_calls:
                 msg["tool_calls"] = tool_calls
