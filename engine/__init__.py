@@ -20,6 +20,8 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 _EXPORTS = {
     "LLM": "engine.llm",
     "SamplingParams": "engine.sampling_params",
+    "bad_words_token_ids": "engine.sampling_params",
+    "truncated_prompt": "engine.sampling_params",
     "StructuredOutputsParams": "engine.structured_outputs",
     "check_structured_outputs": "engine.structured_outputs",
     "BeamSearchParams": "engine.beam_search",
@@ -71,7 +73,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from engine.llm import LLM
     from engine.llm_engine import LLMEngine
     from engine.outputs import CoreOutput, RequestOutput, TokenLogprob
-    from engine.sampling_params import SamplingParams
+    from engine.sampling_params import SamplingParams, bad_words_token_ids, truncated_prompt
     from engine.structured_outputs import StructuredOutputsParams, check_structured_outputs
     from engine.tokenizer import Tokenizer
 

@@ -67,7 +67,8 @@ class LLM:
         prompt_lps: dict[str, list] = {}
         pending: set[str] = set()
         try:
-            for ids, p in zip(token_lists, plist):
+            for k, (ids, p) in enumerate(zip(token_lists, plist)):
+                ids = token_lists[k] = p.truncate_prompt(list(ids), eng.max_model_len)
                 rid = f"llm-{self._next_id}"
                 self._next_id += 1
                 proc = OutputProcessor(eng.tokenizer, ids, p)

@@ -36,6 +36,7 @@ and detokenization live in ``engine.detokenizer``.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 import threading
@@ -59,7 +60,7 @@ from engine.lora import (LoRASet, attach_adapter, check_lora_name, detach_adapte
 from engine.model_runner import ModelRunner, PendingStep, RunnerOutput
 from engine.outputs import CoreOutput, TokenLogprob
 from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, bad_words_token_ids
 from engine.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence, check_stop
 from engine.speculative import NgramProposer, SpecDecodeStats, accept
 from engine.structured_outputs import GrammarCompiler
@@ -687,7 +688,7 @@ class LLMEngine:
         """(whether the next step can be scheduled and launched before ``prev`` is read back, whether its draw must
         then wait until ``prev`` is read). Each running sequence that sampled in ``prev`` gets a placeholder for its
         unread token (so it must decode, and that token must not be its last by length); one under a grammar or
-        with a penalty over its history makes the draw wait (the forward still runs ahead); every other running
+        with a penalty or a bad word over its history makes the draw wait (the forward still runs ahead); every other running
         sequence has known tokens to compute; nothing is prefill-only; and the running sequences the step's
         budget reaches get their blocks without a preemption (the step in flight still writes a victim's blocks,
         and it would re-prefill its placeholder). Waiting requests may be admitted: they take only free blocks."""
@@ -707,8 +708,7 @@ class LLMEngine:
                 p = seq.params
                 if t != n or len(seq.output_token_ids) + 1 >= p.max_tokens or t + 1 >= max_len:
                     return False, False
-                if (seq.matcher is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
-                        or p.presence_penalty != 0.0):
+                if seq.matcher is not None or p.needs_history:
                     late = True
                 k = 1
             elif t > n:
@@ -1019,8 +1019,21 @@ class LLMEngine:
         ids = self._check_ids("prompt_token_ids", prompt_token_ids)
         if not ids:
             raise ValueError("prompt_token_ids must not be empty")
+        ids = params.truncate_prompt(ids, self.max_model_len)
         if params.logit_bias:
             self._check_ids("logit_bias", params.logit_bias.keys())
+        if params.allowed_token_ids is not None:
+            self._check_ids("allowed_token_ids", params.allowed_token_ids)
+        if params.bad_words_token_ids:
+            for i, seq in enumerate(params.bad_words_token_ids):
+                self._check_ids(f"bad_words_token_ids[{i}]", seq)
+        elif params.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words needs the model's tokenizer, and this engine has none (give "
+                                 "bad_words_token_ids)")
+            # a copy: the caller's params (shared by its other requests) stay as given
+            params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
+                params.bad_words, self.tokenizer, self.model_config.vocab_size))
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt_token_ids has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              "(prompt plus at least one new token)")

@@ -13,8 +13,9 @@ structured-outputs mask first (``engine.structured_outputs``: forbidden tokens
 become -inf in the raw logits, so every later step, logprobs included, sees
 the constrained distribution; vLLM applies its grammar bitmask the same way), then
 repetition penalty (over prompt + output, transformers' semantics), frequency
-and presence penalties (over output only, OpenAI's semantics), min_tokens (EOS
-and stop_token_ids masked), then for sampled rows temperature, top-k, top-p,
+and presence penalties (over output only, OpenAI's semantics), logit_bias, vLLM's
+allowed_token_ids and bad words (each giving way where it would leave a row no
+token), min_tokens (EOS and stop_token_ids masked), then for sampled rows temperature, top-k, top-p,
 min-p, typical-p, and finally the draw. Greedy rows (temperature 0) take the
 argmax after the penalties. Every step is a tensor op over the whole batch with
 per-row parameters; rows whose parameter is neutral pass through unchanged.
@@ -136,6 +137,8 @@ class Sampler:
         """CUDA: per device, two events (blocking waits) the draws end with, used in turn: an async engine waits for
         step N's after it launched step N + 1, so N + 1 must not re-record N's."""
         self._spin_events: dict[torch.device, list] = {}
+        self._allowed_cache: dict[int, tuple[SamplingParams, torch.Tensor]] = {}
+        """id(params) -> (params, its allowed_token_ids on the device): ``_allowed_ids``."""
 
     # -- public ---------------------------------------------------------------------------------
 
@@ -173,12 +176,13 @@ class Sampler:
                            or p.presence_penalty != 0.0 for p in params)
         need_min = any(len(r.output_token_ids) < r.params.min_tokens for r in reqs)
         need_bias = any(p.logit_bias for p in params)
+        need_ban = any(p.allowed_token_ids is not None or p.bad_words_token_ids for p in params)
 
         # Fast path: plain greedy batch, the common case for evals and load tests.
-        if all(p.greedy for p in params) and not need_penalty and not need_min and not need_bias:
+        if all(p.greedy for p in params) and not (need_penalty or need_min or need_bias or need_ban):
             return self._to_host(raw, raw.argmax(dim=-1), params, want_lp)
 
-        x = self._process(raw, reqs, need_penalty, need_min, need_bias)
+        x = self._process(raw, reqs, need_penalty, need_min, need_bias, need_ban)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled_rows) == B:  # all sampled: no row shuffling
             tokens = self._draw(torch.softmax(x, dim=-1), reqs)
@@ -223,15 +227,18 @@ class Sampler:
         """
         if logits.dim() != 2 or logits.shape[0] != len(reqs):
             raise ValueError(f"logits must be [len(reqs)={len(reqs)}, V], got {tuple(logits.shape)}")
-        return self._process(logits[:, : self.vocab_size].float(), reqs, True, True, True)
+        return self._process(logits[:, : self.vocab_size].float(), reqs, True, True, True, True)
 
     def _process(self, raw: torch.Tensor, reqs: list[SamplingRequest], need_penalty: bool,
-                 need_min: bool, need_bias: bool = False) -> torch.Tensor:
+                 need_min: bool, need_bias: bool = False, need_ban: bool = False) -> torch.Tensor:
         x = raw.clone()
         if need_penalty:
             x = self._apply_penalties(x, reqs)
         if need_bias:
             x = self._apply_logit_bias(x, reqs)
+        if need_ban:
+            x = self._apply_allowed(x, reqs)
+            x = self._apply_bad_words(x, reqs)
         if need_min:
             x = self._apply_min_tokens(x, reqs)
         sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
@@ -276,6 +283,56 @@ class Sampler:
             x = x.index_put((to_device(rows, torch.long, dev), to_device(cols, torch.long, dev)),
                             to_device(vals, x.dtype, dev), accumulate=True)
         return x
+
+    def _allowed_ids(self, p: SamplingParams, device: torch.device) -> torch.Tensor:
+        """A request's ``allowed_token_ids`` (those in the vocabulary) as a device tensor, made once per request
+        (a list of thousands is not rebuilt every step): cached by its params object, which is held with it so its
+        id cannot be reused meanwhile; the cache is emptied when it outgrows a batch's worth of requests."""
+        hit = self._allowed_cache.get(id(p))
+        if hit is not None and hit[0] is p and hit[1].device == device:
+            return hit[1]
+        if len(self._allowed_cache) >= 1024:
+            self._allowed_cache.clear()
+        ids = to_device([t for t in p.allowed_token_ids if t < self.vocab_size], torch.long, device)
+        self._allowed_cache[id(p)] = (p, ids)
+        return ids
+
+    def _apply_allowed(self, x: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
+        """vLLM's allowed_token_ids: every other logit of such a row is -inf. A row the structured-outputs mask
+        (applied before) and its list leave empty keeps the mask's logits: the constraint wins."""
+        rows = [i for i, r in enumerate(reqs) if r.params.allowed_token_ids is not None]
+        if not rows:
+            return x
+        keep = torch.ones_like(x, dtype=torch.bool)
+        for i in rows:
+            keep[i].fill_(False).index_fill_(0, self._allowed_ids(reqs[i].params, x.device), True)
+        banned = x.masked_fill(~keep, float("-inf"))
+        return torch.where(torch.isneginf(banned).all(dim=-1, keepdim=True), x, banned)
+
+    def _apply_bad_words(self, x: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
+        """vLLM's bad words: a word's last token is -inf where the output so far ends with the tokens before it
+        (a one-token word: everywhere). A row this would leave with nothing to pick keeps its logits (the ban
+        gives way to allowed_token_ids or a constraint that leave only banned tokens)."""
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, r in enumerate(reqs):
+            words = r.params.bad_words_token_ids
+            if not words:
+                continue
+            out = r.output_token_ids
+            for word in words:
+                k = len(word) - 1
+                if k > len(out) or (k and out[-k:] != word[:-1]):
+                    continue
+                if word[-1] < self.vocab_size:
+                    rows.append(i)
+                    cols.append(word[-1])
+        if not rows:
+            return x
+        dev = x.device
+        banned = x.index_put((to_device(rows, torch.long, dev), to_device(cols, torch.long, dev)),
+                             x.new_full((), float("-inf")))
+        return torch.where(torch.isneginf(banned).all(dim=-1, keepdim=True), x, banned)
 
     def _apply_min_tokens(self, x: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
         rows: list[int] = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from engine.structured_outputs import StructuredOutputsParams
 
@@ -60,6 +60,23 @@ class SamplingParams:
     """OpenAI semantics: added to the model's logit of each token id before sampling (in [-100, 100]; -100
     in effect bans a token, +100 forces it); logprobs still describe the model's own distribution."""
 
+    allowed_token_ids: Optional[list[int]] = None
+    """vLLM's: only these token ids can be generated (every other logit is -inf before sampling); logprobs still
+    describe the model's own distribution. With a ``structured_outputs`` constraint that allows none of them at
+    some step, the constraint wins there."""
+    bad_words: list[str] = field(default_factory=list)
+    """vLLM's: words never generated. Each is tokenized as at the start of a text and after a space
+    (``bad_words_token_ids``); a word's last token is banned wherever the output so far ends with the tokens
+    before it. Where that would leave a row nothing to pick (with ``allowed_token_ids`` or a constraint), the ban
+    gives way."""
+    bad_words_token_ids: Optional[list[list[int]]] = None
+    """``bad_words`` as token sequences: filled by the engine from its tokenizer when the request is added
+    (``bad_words_token_ids()``), or given directly (the router tokenizes once and ships these)."""
+    truncate_prompt_tokens: Optional[int] = None
+    """vLLM's: keep only the last k prompt tokens (left truncation; k >= 1); -1: the most that leaves room for
+    ``max_tokens`` in the context. Applied where the prompt is tokenized (the engine's add_request, the router's
+    validation), so the prompt a response reports is the kept one."""
+
     structured_outputs: Optional[StructuredOutputsParams] = None
     """Constrain the output to a JSON Schema, regex, choice list or grammar (``engine.structured_outputs``);
     the mask applies before every other processor, so logprobs describe the constrained distribution."""
@@ -70,6 +87,9 @@ class SamplingParams:
 
     MAX_LOGPROBS = 20
     MAX_LOGIT_BIAS = 1024
+    MAX_ALLOWED_TOKEN_IDS = 131072
+    MAX_BAD_WORDS = 128
+    MAX_BAD_WORD_CHARS = 512
     MAX_N = 16
     """Choices one request may ask for (n): the router's bound and a decode worker's (1 + siblings); the one
     constant both sides read."""
@@ -108,6 +128,7 @@ class SamplingParams:
             self._check_int("prompt_logprobs", 0, self.MAX_LOGPROBS)
         if self.logit_bias is not None:
             self._check_logit_bias()
+        self._check_token_lists()
         if self.lora_name is not None:
             from engine.lora import check_lora_name
 
@@ -138,6 +159,60 @@ class SamplingParams:
             clean[t] = float(b)
         self.logit_bias = clean or None
 
+    def _check_token_lists(self) -> None:
+        """allowed_token_ids, bad_words, bad_words_token_ids and truncate_prompt_tokens (ranges against the
+        vocabulary are the engine's and the router's checks)."""
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                raise ValueError(f"allowed_token_ids must be a list of token ids, got {type(ids).__name__}")
+            ids = list(ids)
+            if not ids:
+                raise ValueError("allowed_token_ids is empty: no token could be generated")
+            if len(ids) > self.MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids has {len(ids)} ids; at most {self.MAX_ALLOWED_TOKEN_IDS}")
+            for i, t in enumerate(ids):
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    raise ValueError(f"allowed_token_ids[{i}] must be a non-negative token id, got {t!r}")
+            self.allowed_token_ids = ids
+        if self.bad_words is None:
+            self.bad_words = []
+        if isinstance(self.bad_words, str):
+            raise ValueError("bad_words must be a list of strings, not one string")
+        self.bad_words = list(self.bad_words)
+        if len(self.bad_words) > self.MAX_BAD_WORDS:
+            raise ValueError(f"bad_words has {len(self.bad_words)} words; at most {self.MAX_BAD_WORDS}")
+        for i, w in enumerate(self.bad_words):
+            if not isinstance(w, str) or not w.strip():
+                raise ValueError(f"bad_words[{i}] must be a string with a non-space character, got {w!r}")
+            if len(w) > self.MAX_BAD_WORD_CHARS:
+                raise ValueError(f"bad_words[{i}] is {len(w)} characters; at most {self.MAX_BAD_WORD_CHARS}")
+        if self.bad_words_token_ids is not None:
+            seqs = [list(s) for s in self.bad_words_token_ids]
+            if len(seqs) > 2 * self.MAX_BAD_WORDS:
+                raise ValueError(f"bad_words_token_ids has {len(seqs)} sequences; at most {2 * self.MAX_BAD_WORDS}")
+            for i, seq in enumerate(seqs):
+                if not seq or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in seq):
+                    raise ValueError(f"bad_words_token_ids[{i}] must be a non-empty list of token ids, got {seq!r}")
+            self.bad_words_token_ids = seqs or None
+        if self.truncate_prompt_tokens is not None:
+            k = self.truncate_prompt_tokens
+            if not isinstance(k, int) or isinstance(k, bool) or (k < 1 and k != -1):
+                raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 (as much as fits), "
+                                 f"got {k!r}")
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether a draw depends on the tokens generated so far (penalties, multi-token bad words): an async
+        engine waits for the step before's tokens to draw such a row."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or any(len(s) > 1 for s in self.bad_words_token_ids or ()))
+
+    def truncate_prompt(self, prompt_token_ids: list[int], context_length: int) -> list[int]:
+        """The prompt as ``truncate_prompt_tokens`` keeps it: its last k tokens (-1: the last
+        ``context_length - max_tokens``); ValueError when -1 leaves no room for any prompt token."""
+        return truncated_prompt(prompt_token_ids, self.truncate_prompt_tokens, self.max_tokens, context_length)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -160,3 +235,39 @@ class SamplingParams:
             raise ValueError(f"{name} must be {bound}, got {v}")
         if hi is not None and v > hi:
             raise ValueError(f"{name} must be <= {hi}, got {v}")
+
+
+def bad_words_token_ids(words: list[str], tokenizer: Any, vocab_size: int) -> Optional[list[list[int]]]:
+    """``SamplingParams.bad_words`` as the token sequences the sampler bans (vLLM's rule, so a word list means
+    the same on both): each word (leading spaces stripped) as tokenized alone, and after a space where that is
+    another tokenization of the same length (a tokenizer whose words carry their leading space has two
+    spellings of every word). None for no words; ValueError naming ``bad_words[i]`` for a word that tokenizes
+    to nothing or past ``vocab_size``."""
+    out: list[list[int]] = []
+    for i, word in enumerate(words):
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not alone:
+            raise ValueError(f"bad_words[{i}] tokenizes to no tokens")
+        spellings = [list(alone)]
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            spellings.append(list(spaced))
+        for t in (t for seq in spellings for t in seq):
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"bad_words[{i}] tokenizes to id {t}, outside the vocabulary [0, {vocab_size})")
+        out += spellings
+    return out or None
+
+
+def truncated_prompt(prompt_token_ids: list[int], keep: Optional[int], max_tokens: int,
+                     context_length: int) -> list[int]:
+    """``truncate_prompt_tokens`` (``keep``) applied: the prompt's last ``keep`` tokens (None: all; -1: the last
+    ``context_length - max_tokens``); ValueError when -1 leaves no room for any prompt token."""
+    if keep is None:
+        return prompt_token_ids
+    if keep == -1:
+        keep = context_length - max_tokens
+        if keep < 1:
+            raise ValueError(f"truncate_prompt_tokens: -1 keeps what fits beside max_tokens ({max_tokens}), and "
+                             f"the context ({context_length} tokens) leaves no room")
+    return prompt_token_ids[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids

@@ -286,9 +286,9 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             except LoRAAdminError as e:
                 raise _Abort(e.code, e.message) from None
         try:
-            # the tokenizer, or a structured_outputs grammar to compile (a JSON schema's can take a while): off the
+            # the tokenizer (a prompt, bad words), or a structured_outputs grammar to compile (a JSON schema's can take a while): off the
             # loop, which streams every other request meanwhile
-            if request.prompt or request.HasField("structured_outputs"):
+            if request.prompt or request.bad_words or request.HasField("structured_outputs"):
                 vreq = await loop.run_in_executor(self._pool, validate_generate, request, core.limits, core.tokenize)
             else:
                 vreq = validate_generate(request, core.limits, core.tokenize)

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from engine import BeamSearchParams, SamplingParams, check_structured_outputs
+from engine import BeamSearchParams, SamplingParams, bad_words_token_ids, check_structured_outputs, truncated_prompt
 from proto import pdserve_pb2
 from router.wire import structured_outputs_from_proto
 
@@ -149,14 +149,19 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
     if not has_prompt and not has_ids:
         raise ValueError("prompt is empty and token_ids is empty: give one of them")
     _check_stops(req)
+    truncate = req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None
+    if truncate is not None and truncate < 1 and truncate != -1:
+        raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1 (as much as fits), got {truncate}")
     if has_ids:
-        if len(req.token_ids) >= limits.max_context_length:
+        if len(req.token_ids) >= limits.max_context_length and truncate is None:
             raise ValueError(f"token_ids has {len(req.token_ids)} tokens; the context length is "
                              f"{limits.max_context_length}")
         ids = list(req.token_ids)
         _check_ids("token_ids", ids, limits.vocab_size)
     else:
-        if limits.max_prompt_bytes is not None and len(req.prompt) > limits.max_prompt_bytes // 4:
+        # (a prompt to truncate may be longer than the context: the request body's own bound limits its work)
+        if (limits.max_prompt_bytes is not None and truncate is None
+                and len(req.prompt) > limits.max_prompt_bytes // 4):
             n_bytes = len(req.prompt.encode("utf-8", "surrogatepass"))
             if n_bytes > limits.max_prompt_bytes:
                 raise ValueError(f"prompt is {n_bytes} bytes: more than the context length "
@@ -171,6 +176,10 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if max_tokens > limits.max_tokens_limit:
         raise ValueError(f"max_tokens must be <= {limits.max_tokens_limit}, got {max_tokens}")
+    if truncate is not None:
+        kept = truncated_prompt(ids, truncate, max_tokens, limits.max_context_length)
+        if len(kept) < len(ids):
+            ids, has_prompt = kept, False  # (the response's prompt, echo's included, is the kept tokens' text)
     if len(ids) >= limits.max_context_length:
         raise ValueError(f"prompt is {len(ids)} tokens; the context length is {limits.max_context_length}")
     if len(ids) + max_tokens > limits.max_context_length:
@@ -194,6 +203,19 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
             kw[name] = getattr(req, name)
     if req.logit_bias:
         kw["logit_bias"] = {int(t): _decimal(b) for t, b in req.logit_bias.items()}
+    if req.allowed_token_ids:
+        if len(req.allowed_token_ids) > SamplingParams.MAX_ALLOWED_TOKEN_IDS:
+            raise ValueError(f"allowed_token_ids has {len(req.allowed_token_ids)} ids; at most "
+                             f"{SamplingParams.MAX_ALLOWED_TOKEN_IDS}")
+        kw["allowed_token_ids"] = list(req.allowed_token_ids)
+        _check_ids("allowed_token_ids", kw["allowed_token_ids"], limits.vocab_size)
+    if req.bad_words:
+        kw["bad_words"] = list(req.bad_words)
+        SamplingParams(bad_words=kw["bad_words"])  # its checks (count, length, blank words) before tokenizing
+        tok = tokenizer if tokenizer is not None else _tokenizer_of(tokenize)
+        if tok is None:
+            raise ValueError("bad_words needs the model's tokenizer, and this model has none")
+        kw["bad_words_token_ids"] = bad_words_token_ids(kw["bad_words"], tok, limits.vocab_size)
     if req.HasField("structured_outputs"):
         if req.HasField("beam_width"):
             raise ValueError("structured_outputs cannot be used with beam_width: beam search keeps no grammar "
@@ -227,7 +249,7 @@ def _beam_request(req: pdserve_pb2.GenerateRequest, request_id: str, ids: list[i
         if req.HasField(name):
             raise ValueError(f"{name} cannot be used with beam_width: beam search is deterministic and "
                              f"returns its beam_width best sequences")
-    for name in ("stop", "stop_token_ids", "logit_bias"):
+    for name in ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words"):
         if len(getattr(req, name)):
             raise ValueError(f"{name} cannot be used with beam_width: beam search stops on EOS or max_tokens")
     if req.HasField("temperature") and req.temperature != 0.0:

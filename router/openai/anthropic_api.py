@@ -89,6 +89,8 @@ class MessagesRequest(BaseModel):
     repetition_penalty: Optional[float] = None
     ignore_eos: bool = False
     structured_outputs: Optional[dict[str, Any]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
 
 
 class CountTokensRequest(BaseModel):
@@ -269,7 +271,8 @@ def to_chat_request(body: MessagesRequest) -> MessagesTranslation:
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
             raise ValueError('output_config.format must be {"type": "json_schema", "schema": {...}}')
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
-    for name in ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "structured_outputs"):
+    for name in ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "structured_outputs",
+                 "allowed_token_ids", "bad_words"):
         if getattr(body, name) is not None:
             chat[name] = getattr(body, name)
     return MessagesTranslation(body, ChatCompletionRequest.model_validate(chat), where)

@@ -75,6 +75,16 @@ from transport.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 
+def _package_version() -> str:
+    """pdserve's installed version ("0.1.0", pyproject's, from a checkout never installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        return "0.1.0"
+
+
 _PROTECTED = ("/v1", "/tokenize", "/detokenize")
 """Paths that need the API key when keys are configured."""
 
@@ -413,6 +423,14 @@ class HttpApi:
         async def health() -> Response:
             ok = self.core.limits is not None and not self.core.draining
             return Response(status_code=200 if ok else 503)
+
+        @app.api_route("/ping", methods=["GET", "POST"])
+        async def ping() -> Response:  # vLLM's (SageMaker's health check): /health's answer
+            return await health()
+
+        @app.get("/version")
+        async def version() -> JSONResponse:  # vLLM's shape: the serving package's version
+            return JSONResponse({"version": _package_version()})
 
         @app.get("/metrics")
         async def metrics() -> Response:

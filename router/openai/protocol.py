@@ -59,6 +59,12 @@ class _Sampling(ConstraintFields):
     early_stopping: Optional[Union[bool, str]] = None
     prompt_logprobs: Optional[int] = None
     """vLLM's: each prompt token's logprob and the top-k (not with stream, as in vLLM; 0 there is ignored)."""
+    allowed_token_ids: Optional[list[int]] = None
+    """vLLM's: only these token ids can be generated."""
+    bad_words: Optional[list[str]] = None
+    """vLLM's: words never generated."""
+    truncate_prompt_tokens: Optional[int] = None
+    """vLLM's: keep only the prompt's last k tokens (a chat's: of the rendered conversation); -1: what fits."""
     # pdserve's extras
     pdserve_timings: bool = False
     """pdserve's: the usage block (the response's, or the streamed usage chunk's) gets ``pdserve_timings``, one
@@ -205,6 +211,14 @@ def to_generate_request(req: _Sampling, *, prompt: Optional[str] = None, token_i
             g.logit_bias[int(t)] = b
         except (ValueError, OverflowError):
             raise ValueError(f"logit_bias keys must be token ids, got {t!r}") from None
+    if req.allowed_token_ids is not None:
+        if not req.allowed_token_ids:
+            raise ValueError("allowed_token_ids is empty: no token could be generated")
+        _put("allowed_token_ids", lambda: g.allowed_token_ids.extend(req.allowed_token_ids))
+    if req.bad_words:
+        g.bad_words.extend(req.bad_words)
+    if req.truncate_prompt_tokens is not None:
+        _put("truncate_prompt_tokens", lambda: setattr(g, "truncate_prompt_tokens", req.truncate_prompt_tokens))
     return g
 
 
@@ -272,7 +286,8 @@ def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any, limits: ModelLi
                     tools: Optional[list[dict]] = None) -> list[int]:
     """A chat's messages through the model's chat template, as prompt token ids (ValueError names the field)."""
     text = render_chat(body, tokenizer, tools)
-    if limits.max_prompt_bytes is not None and len(text.encode("utf-8", "surrogatepass")) > limits.max_prompt_bytes:
+    if (limits.max_prompt_bytes is not None and getattr(body, "truncate_prompt_tokens", None) is None
+            and len(text.encode("utf-8", "surrogatepass")) > limits.max_prompt_bytes):
         raise ValueError(f"messages: the conversation is longer than the context length "
                          f"({limits.max_context_length} tokens) can hold")
     return tokenizer.encode(text, add_special_tokens=False)  # the template already has the special tokens

@@ -93,6 +93,8 @@ class ResponsesRequest(BaseModel):
     ignore_eos: bool = False
     structured_outputs: Optional[dict[str, Any]] = None
     """vLLM's output constraint (regex, choice, grammar, json), as on the chat path."""
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
 
 
 def _text(value: Any, where: str) -> str:
@@ -275,7 +277,8 @@ def to_chat_request(body: ResponsesRequest, history: Optional[list[dict]] = None
     for src, dst in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                      ("seed", "seed"), ("top_k", "top_k"), ("min_p", "min_p"),
                      ("repetition_penalty", "repetition_penalty"), ("parallel_tool_calls", "parallel_tool_calls"),
-                     ("structured_outputs", "structured_outputs")):
+                     ("structured_outputs", "structured_outputs"), ("allowed_token_ids", "allowed_token_ids"),
+                     ("bad_words", "bad_words")):
         if getattr(body, src) is not None:
             chat[dst] = getattr(body, src)
     fmt = _response_format(body.text)

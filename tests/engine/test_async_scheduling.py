@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, LLMEngine, EngineConfig, SamplingParams
+from engine import LLM, LLMEngine, EngineConfig, SamplingParams, bad_words_token_ids
 from engine.llm_engine import PLACEHOLDER
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n",
@@ -169,14 +169,18 @@ def test_an_abort_mid_prefill_while_a_step_runs_ahead_frees_after_that_step():
     assert eng.num_free_blocks == eng.num_total_blocks
 
 
-@pytest.mark.parametrize("case", ["penalty", "grammar"])
+@pytest.mark.parametrize("case", ["penalty", "grammar", "bad_words"])
 def test_rows_that_need_the_unread_token_run_ahead_and_draw_after_it(case):
-    """A penalty over the outputs, or a grammar, needs the token the step in flight samples: the next step's forward
-    still runs ahead, and its draw waits until that token is read back (the histories and the grammar's state are
-    then the synchronous engine's)."""
+    """A penalty over the outputs, a multi-token bad word, or a grammar, needs the token the step in flight samples:
+    the next step's forward still runs ahead, and its draw waits until that token is read back (the histories and
+    the grammar's state are then the synchronous engine's)."""
     if case == "penalty":
         special = SamplingParams(max_tokens=16, temperature=0.0, repetition_penalty=1.5, frequency_penalty=0.8,
                                  presence_penalty=0.4, logprobs=1)
+    elif case == "bad_words":
+        # "import os" is two tokens; "import os\nimport sys\n" greedily continues with it again and again, so its
+        # second token is banned exactly when the token before (unread while the next step runs) is "import"
+        special = SamplingParams(max_tokens=16, temperature=0.0, bad_words=["import os"], logprobs=1)
     else:
         special = SamplingParams(max_tokens=16, temperature=0.0, structured_outputs={"regex": "[a-z ]{4,12}"},
                                  logprobs=1)
@@ -188,6 +192,15 @@ def test_rows_that_need_the_unread_token_run_ahead_and_draw_after_it(case):
     _same(a, b)
     assert all(o.finish_reason in ("stop", "length") for o in b)  # (a grammar that lost its state would "abort")
     assert run_ahead.llm_engine.ahead_steps >= 8
+    if case == "bad_words":  # the ban fired: the unrestricted continuation has the word's tokens, the banned never
+        words = bad_words_token_ids(["import os"], sync.get_tokenizer(), sync.llm_engine.model_config.vocab_size)
+        assert any(len(w) > 1 for w in words)
+
+        def has_word(ids: list[int]) -> bool:
+            return any(ids[i:i + len(w)] == w for w in words for i in range(len(ids)))
+
+        plain = sync.generate([PROMPTS[1]], SamplingParams(max_tokens=16, temperature=0.0))[0]
+        assert has_word(plain.token_ids) and not any(has_word(o.token_ids) for o in a[1::2])
 
 
 def test_preemption_falls_back_and_agrees():

@@ -166,6 +166,29 @@ def test_verification_is_bit_identical_to_plain_decoding(wrong_at):
     assert llm.llm_engine.spec_stats.num_accepted_tokens > 0
 
 
+def test_drafts_of_banned_words_are_rejected_and_outputs_equal_plain_decoding():
+    """Drafts of the unrestricted continuation verified under bad words and allowed_token_ids: each position's draw
+    sees the drafts before it as history, so a banned word's last token is never accepted, and the outputs are
+    plain decoding's under the same restrictions."""
+    base = _base()
+    plain = base.generate(PROMPTS, GREEDY)
+    tok = base.get_tokenizer()
+    words = [tok.decode(plain[0].token_ids[8:10]).strip(), tok.decode(plain[2].token_ids[2:3]).strip()]
+    allowed = sorted(set(range(5, 400)) - {plain[3].token_ids[5]})
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, bad_words=words),
+              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, bad_words=words),
+              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, bad_words=words),
+              SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, allowed_token_ids=allowed)]
+    llm = _spec_llm(None, GREEDY)  # (the oracle drafts the unrestricted continuation)
+    spec, want = llm.generate(PROMPTS, params), base.generate(PROMPTS, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in want]
+    changed = [a.token_ids != b.token_ids for a, b in zip(want, plain)]
+    assert changed[0] and changed[2] and changed[3], changed  # the restrictions bit where drafts proposed otherwise
+    st = llm.llm_engine.spec_stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+    assert llm.llm_engine.num_free_blocks == llm.llm_engine.num_total_blocks
+
+
 def test_real_ngram_proposer_keeps_outputs_identical():
     prompts = ["a b a b a b a b a b", SRC * 2]
     llm = LLM("tiny", num_kv_blocks=256, speculative_config=NGRAM)

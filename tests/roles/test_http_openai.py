@@ -40,6 +40,11 @@ def test_models_health_metrics(roles, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     base = f"http://{roles.router.http_address}"
     assert httpx.get(f"{base}/health", timeout=10).status_code == 200  # open without a key
+    # vLLM's /ping (GET and POST, SageMaker's health check) and /version
+    assert httpx.get(f"{base}/ping", timeout=10).status_code == httpx.post(f"{base}/ping", timeout=10).status_code == 200
+    from importlib.metadata import version
+
+    assert httpx.get(f"{base}/version", timeout=10).json() == {"version": version("pdserve")}
     m = httpx.get(f"{base}/metrics", timeout=10)
     assert m.status_code == 200 and "pdserve:request_success_total" in m.text
 
@@ -144,6 +149,45 @@ def test_logit_bias_reaches_the_workers(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="x", max_tokens=2, logit_bias={"99999": 1})
     assert "logit_bias" in e.value.body["message"]
+
+
+def test_vllm_token_restrictions_reach_the_worker_that_draws_each_token(client):
+    """vLLM's allowed_token_ids, bad_words and truncate_prompt_tokens through the split: the prefill worker draws
+    the first token and the decode worker the rest (the router ships the words' tokens to both), the router cuts
+    the prompt. Each answer equals the offline engine's under the same restrictions, which really change the
+    plain answer: its first token (drawn by prefill) is not allowed, a word it says later is banned."""
+    from tests.roles.harness import _offline_llm
+
+    prompt = "def parse(argv):"
+    base = dict(max_tokens=10, temperature=0.0, ignore_eos=True)
+    plain_ids, plain, _, _ = offline([prompt], [SamplingParams(**base)])[0]
+    allowed = [t for t in range(5, 300) if t != plain_ids[0]]
+    words = plain.split()[:2]
+    want_a = offline([prompt], [SamplingParams(**base, allowed_token_ids=allowed)])[0]
+    want_b = offline([prompt], [SamplingParams(**base, bad_words=words)])[0]
+    assert want_a[0][0] != plain_ids[0] and want_b[0][0] == plain_ids[0] and want_b[1] != plain
+    extra = {"ignore_eos": True}
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0,
+                                  extra_body={**extra, "allowed_token_ids": allowed})
+    assert r.choices[0].text == want_a[1]
+    chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True,
+                                       extra_body={**extra, "bad_words": words})
+    assert "".join(c.choices[0].text for c in chunks) == want_b[1]
+    # the prompt's last 4 tokens only: usage counts them, echo shows their text
+    ids = _offline_llm().get_tokenizer().encode(prompt * 3)
+    want_t = offline([ids[-4:]], [SamplingParams(**base)])[0]
+    r = client.completions.create(model="tiny", prompt=prompt * 3, max_tokens=10, temperature=0, echo=True,
+                                  extra_body={**extra, "truncate_prompt_tokens": 4})
+    assert r.usage.prompt_tokens == 4
+    assert r.choices[0].text == _offline_llm().get_tokenizer().decode(ids[-4:], False) + want_t[1]
+    for body, field in (({"allowed_token_ids": [1, 10**6]}, "allowed_token_ids[1]"),
+                        ({"allowed_token_ids": []}, "allowed_token_ids"),
+                        ({"bad_words": ["ok", "  "]}, "bad_words[1]"),
+                        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                        ({"use_beam_search": True, "n": 2, "bad_words": ["x"]}, "bad_words")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, extra_body=body)
+        assert field in e.value.body["message"], (body, e.value.body)
 
 
 def test_async_client_streams_equal_offline(roles):

@@ -41,6 +41,11 @@ def v(**kw):
     (dict(prompt="ab", stop=[""]), "stop"),
     (dict(prompt="ab", stop_token_ids=[100]), "stop_token_ids[0]"),
     (dict(prompt="ab", request_id="x" * 300), "request_id"),
+    (dict(prompt="ab", allowed_token_ids=[3, 100]), "allowed_token_ids[1]"),
+    (dict(prompt="ab", bad_words=["ok", " "]), "bad_words[1]"),
+    (dict(prompt="ab", truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    (dict(prompt="ab", beam_width=2, bad_words=["x"]), "bad_words"),
+    (dict(prompt="ab", beam_width=2, allowed_token_ids=[5]), "allowed_token_ids"),
 ])
 def test_bad_field_is_named(kw, field):
     with pytest.raises(ValueError) as ei:
@@ -70,3 +75,40 @@ def test_exactly_fits_context():
 def test_limits_are_checked():
     with pytest.raises(ValueError, match="vocab_size"):
         ModelLimits(model_name="m", max_context_length=8, vocab_size=0)
+
+
+class CharTokenizer:
+    """A stand-in tokenizer object (what bad_words need): one id per character, except that a space and the
+    character after it are one id (ord % 50), as words carry their leading space in a BPE vocabulary."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        out, i = [], 0
+        while i < len(text):
+            if text[i] == " " and i + 1 < len(text):
+                out.append(ord(text[i + 1]) % 50)
+                i += 2
+            else:
+                out.append(ord(text[i]) % 100)
+                i += 1
+        return out
+
+
+def test_vllm_token_restrictions_carry_over_and_truncation_keeps_the_last_tokens():
+    r = validate_generate(pdserve_pb2.GenerateRequest(prompt="hi", allowed_token_ids=[5, 9], bad_words=[" ab", "c"]),
+                          LIMITS, tok, CharTokenizer())
+    # each word (leading space stripped) alone, then after a space: " a" is one id (97 % 50), so both spellings
+    assert r.params.allowed_token_ids == [5, 9]
+    assert r.params.bad_words_token_ids == [[97, 98], [47, 98], [99], [49]]
+    # a spelling after a space of another length is not a second spelling (vLLM's rule)
+    assert validate_generate(pdserve_pb2.GenerateRequest(prompt="hi", bad_words=["ab"]), LIMITS, tok,
+                             type("Plain", (), {"encode": lambda self, t, add_special_tokens=True: tok(t)})()
+                             ).params.bad_words_token_ids == [[97, 98]]
+    assert r.params.truncate_prompt_tokens is None and r.prompt == "hi"
+    with pytest.raises(ValueError, match="bad_words needs the model's tokenizer"):
+        v(prompt="hi", bad_words=["c"])
+    # a prompt longer than the context is cut to its last tokens (the response's prompt is the kept tokens)
+    cut = v(prompt="x" * 100 + "yz", truncate_prompt_tokens=5)
+    assert cut.prompt_token_ids == tok("xxxyz") and cut.prompt is None
+    assert v(prompt="abc", truncate_prompt_tokens=5).prompt == "abc"  # nothing cut: the text stays
+    fit = v(token_ids=list(range(1, 81)), truncate_prompt_tokens=-1, max_tokens=4)
+    assert fit.prompt_token_ids == list(range(21, 81))
