@@ -175,6 +175,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="with --allow-runtime-lora-updating: a request whose model names no served adapter first "
                         "loads DIR/<model> on every worker (vLLM's filesystem LoRA resolver); DIR absolute, on the "
                         "workers' hosts")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="vLLM's: fcfs (default; a request's non-zero priority is refused) or priority (lower "
+                        "priority values are served first and preempted last, in the router's queue and on every "
+                        "worker)")
     p.add_argument("--responses-store-ttl-s", type=float, default=0.0, metavar="S",
                    help="keep finished /v1/responses answers S seconds in the cluster's Redis, so a request can "
                         "continue one (previous_response_id) and GET/DELETE /v1/responses/{id} find it (default "
@@ -419,6 +423,8 @@ def router_overrides(args: argparse.Namespace) -> dict:
         if not os.path.isabs(resolver):
             raise ValueError(f"--lora-resolver-dir must be an absolute path (the workers read it), got {resolver!r}")
         out["lora_resolver_dir"] = resolver
+    if getattr(args, "scheduling_policy", "fcfs") != "fcfs":
+        out["scheduling_policy"] = args.scheduling_policy
     store_ttl = getattr(args, "responses_store_ttl_s", 0.0)
     if not math.isfinite(store_ttl) or store_ttl < 0:
         raise ValueError(f"--responses-store-ttl-s must be a finite number of seconds >= 0 (0: off), got {store_ttl:g}")

@@ -15,6 +15,7 @@ block it took before it returns or raises.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Optional, Sequence, Union
 
@@ -52,15 +53,20 @@ class LLM:
 
     def generate(self, prompts: PromptsType,
                  params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in the order of ``prompts``.
 
         ``prompts``: a string, a list of strings, one prompt as a list of token ids,
         a list of such lists, or ``{"prompt": str}`` / ``{"prompt_token_ids": [...]}`` dicts.
         ``params``: one SamplingParams for all, or one per prompt (None: defaults).
+        ``priority``: vLLM's, one per prompt (lower first; ``SamplingParams.priority`` of each prompt's params).
         """
         texts, token_lists = self._normalize_prompts(prompts)
         plist = self._normalize_params(params, len(token_lists))
+        if priority is not None:
+            if len(priority) != len(plist):
+                raise ValueError(f"priority has {len(priority)} entries for {len(plist)} prompts")
+            plist = [dataclasses.replace(p, priority=q) for p, q in zip(plist, priority)]
         eng = self.llm_engine
         rids: list[str] = []
         procs: dict[str, OutputProcessor] = {}

@@ -77,6 +77,12 @@ class SamplingParams:
     ``max_tokens`` in the context. Applied where the prompt is tokenized (the engine's add_request, the router's
     validation), so the prompt a response reports is the kept one."""
 
+    priority: int = 0
+    """vLLM's request priority (its ``add_request(priority=)``; here it rides the params, so it crosses every process
+    boundary with the request): lower values are scheduled first, and when KV blocks run out the worst priority is
+    preempted first; equal priorities are first-come-first-served. A cluster accepts non-zero values only when
+    started with ``--scheduling-policy priority``."""
+
     structured_outputs: Optional[StructuredOutputsParams] = None
     """Constrain the output to a JSON Schema, regex, choice list or grammar (``engine.structured_outputs``);
     the mask applies before every other processor, so logprobs describe the constrained distribution."""
@@ -129,6 +135,7 @@ class SamplingParams:
         if self.logit_bias is not None:
             self._check_logit_bias()
         self._check_token_lists()
+        self._check_int("priority", -(2**31), 2**31 - 1)
         if self.lora_name is not None:
             from engine.lora import check_lora_name
 

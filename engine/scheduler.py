@@ -10,12 +10,17 @@ released). Decode-role requests skip the queue: ``reserve`` takes blocks for a
 prompt prefilled elsewhere and ``add_prefilled`` puts it straight into the
 running batch.
 
+Priority (vLLM's priority policy; ``SamplingParams.priority``, lower first, default 0): both the waiting queue and
+the running batch are kept in (priority, arrival) order, so with every priority equal everything below is plain
+first-come-first-served, and otherwise "arrival order" reads "priority, then arrival order".
+
 Policy, each step (vLLM v1 style, decode-first, mixed batches):
 1. Running sequences in arrival order get their tokens first: one per decoding
    sequence, the next chunk for one still prefilling. A sequence that needs a new
-   block when none is free preempts the most recently admitted running sequence
-   (recompute: its blocks are freed and it goes to the FRONT of the waiting
-   queue with prompt + generated tokens to re-prefill), possibly itself. Then
+   block when none is free preempts the last running sequence (the most recently
+   admitted of the worst priority; recompute: its blocks are freed and it goes to
+   the FRONT of the waiting queue's part of its priority with prompt + generated
+   tokens to re-prefill), possibly itself. Then
    decoding sequences with speculative drafts (``spec_token_ids``) get as many
    extra positions as the leftover budget and free blocks allow (never by
    preempting; none if anyone was preempted); they run as ``verifies``.
@@ -164,12 +169,12 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        _insert_by_priority(self.waiting, seq)
 
     def add_prefilled(self, seq: Sequence) -> None:
         """A reserved sequence whose prompt KV has arrived joins the running batch."""
         seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        _insert_by_priority(self.running, seq)
 
     def hold(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -230,7 +235,7 @@ class Scheduler:
                 out.prefix_cache_hits += seq.num_computed
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            _insert_by_priority(self.running, seq)
             self._take(out, seq, n)
             budget -= n
         self.prefix_cache_queries += out.prefix_cache_queries
@@ -321,7 +326,23 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        _insert_by_priority(self.waiting, seq, ahead=True)
+
+
+def _insert_by_priority(queue: "deque[Sequence] | list[Sequence]", seq: Sequence, ahead: bool = False) -> None:
+    """Put ``seq`` into a queue kept in priority order (lower ``params.priority`` first): after every sequence of
+    its priority or better (arrival order within a priority), or with ``ahead`` (a preempted one) before every
+    one of its priority or worse. With every priority equal (the default 0) this is append / appendleft."""
+    p = seq.params.priority
+    if ahead:
+        i = 0
+        while i < len(queue) and queue[i].params.priority < p:
+            i += 1
+    else:
+        i = len(queue)
+        while i > 0 and queue[i - 1].params.priority > p:
+            i -= 1
+    queue.insert(i, seq)
 
 
 def check_stop(seq: Sequence, max_model_len: int) -> Optional[str]:

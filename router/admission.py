@@ -8,7 +8,9 @@ sleeps on a condition that ``capacity_freed()`` wakes (this router's requests
 finishing or aborting on a decode worker) or a backoff timer fires (blocks freed by
 other routers, or a decode worker's reservation expiring). The head leaving, with
 or without blocks, lets the next one try at once. A request that arrives while
-others wait joins the tail instead of trying, so it cannot overtake them (FIFO).
+others wait joins the tail instead of trying, so it cannot overtake them (FIFO). With the router's
+"priority" scheduling policy the order is (priority, arrival): a request of a better (lower) priority than every
+waiter tries at once, and otherwise queues ahead of the worse ones.
 ``wake()`` (client cancel) makes every waiter re-check its stop condition.
 The queue itself holds no worker resources: leaving it (``leave``, always in a
 ``finally``) is all the clean-up a cancelled or timed-out waiter needs.
@@ -28,8 +30,10 @@ from typing import Callable, Optional
 
 @dataclass(order=True)
 class Ticket:
-    """One request's place in the queue; ordered by arrival number."""
+    """One request's place in the queue; ordered by priority (lower first), then arrival number."""
 
+    priority: int
+    """The request's ``priority`` (0 unless the router's scheduling policy is "priority")."""
     seq: int
     """Arrival number (``next_seq()`` when the request arrived)."""
     request_id: str = field(compare=False)
@@ -77,7 +81,7 @@ class RequestBound:
 
 
 class AdmissionQueue:
-    """FIFO of requests waiting for decode KV blocks (see module docstring)."""
+    """Requests waiting for decode KV blocks, FIFO within a priority (see module docstring)."""
 
     def __init__(self, on_change: Optional[Callable[[int], None]] = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -85,7 +89,7 @@ class AdmissionQueue:
         blocking waits always run on ``time.monotonic``)."""
         self._clock = clock
         self._cond = threading.Condition()
-        self._waiters: list[Ticket] = []  # sorted by seq; short, so a list beats a heap here
+        self._waiters: list[Ticket] = []  # sorted (priority, seq); short, so a list beats a heap here
         self._seq = itertools.count()
         self._epoch = 0  # bumped by capacity_freed: a waiter that saw it change retries at once
         self._on_change = on_change
@@ -98,21 +102,24 @@ class AdmissionQueue:
         with self._cond:
             return len(self._waiters)
 
-    def has_waiters(self) -> bool:
+    def has_waiters(self, priority: Optional[int] = None) -> bool:
+        """Whether anyone waits (with ``priority``: anyone a request of that priority would queue behind)."""
         with self._cond:
-            return bool(self._waiters)
+            if priority is None:
+                return bool(self._waiters)
+            return bool(self._waiters) and self._waiters[0].priority <= priority
 
     def head(self) -> Optional[Ticket]:
-        """The waiter whose turn it is (the earliest arrival), or None."""
+        """The waiter whose turn it is (the best priority's earliest arrival), or None."""
         with self._cond:
             return self._waiters[0] if self._waiters else None
 
-    def enter(self, seq: int, request_id: str) -> Ticket:
-        """Join the queue in arrival order."""
-        t = Ticket(seq, request_id, self._clock())
+    def enter(self, seq: int, request_id: str, priority: int = 0) -> Ticket:
+        """Join the queue in (priority, arrival) order."""
+        t = Ticket(priority, seq, request_id, self._clock())
         with self._cond:
             i = len(self._waiters)
-            while i > 0 and self._waiters[i - 1].seq > seq:
+            while i > 0 and self._waiters[i - 1] > t:
                 i -= 1
             self._waiters.insert(i, t)
             n = len(self._waiters)

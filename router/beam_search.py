@@ -66,7 +66,8 @@ class BeamFlow:
         self.search = PromptBeamSearch(list(vreq.prompt_token_ids), self.params.max_tokens, self.params,
                                        eos_token_id)
         self._sub_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * self.params.beam_width,
-                                          ignore_eos=True, lora_name=vreq.params.lora_name)  # (its adapter's scores)
+                                          ignore_eos=True, lora_name=vreq.params.lora_name,  # (its adapter's scores)
+                                          priority=vreq.params.priority)
         self._lock = threading.Lock()
         self._live: list[RequestFlow] = []
         self._cancelled = False

@@ -145,6 +145,11 @@ class RouterConfig:
     (``previous_response_id``) and ``GET`` / ``DELETE /v1/responses/{id}`` find it (router/response_store.py: in
     the cluster's Redis, shared by every router; in this router's memory with a static worker list). None: off,
     as vLLM's default (each kept response holds its whole conversation)."""
+    scheduling_policy: str = "fcfs"
+    """vLLM's ``--scheduling-policy``: "fcfs" (requests giving a non-zero ``priority`` are refused, naming it, as
+    vLLM's server refuses them) or "priority" (lower ``priority`` first in this router's queue for decode KV
+    capacity and in every worker's waiting queue; the worst priority is preempted first). Workers always order by
+    priority: only routers let one through."""
     worker_view_refresh_s: float = 0.25
     """How often the router re-reads the worker registry in the background (requests never wait on it)."""
     serve_metrics: bool = True
@@ -202,6 +207,8 @@ class RouterConfig:
         if self.max_loras is not None and (isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int)
                                            or self.max_loras < 1):
             raise ValueError(f"max_loras must be an integer >= 1 or None, got {self.max_loras!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.responses_store_ttl_s is not None and not 0 < self.responses_store_ttl_s < float("inf"):
             raise ValueError(f"responses_store_ttl_s must be > 0 or None, got {self.responses_store_ttl_s}")
         if self.lora_resolver_dir is not None:

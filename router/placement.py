@@ -225,14 +225,15 @@ class Placer:
         """Reserve the prompt's blocks on a decode worker (queueing while none has room), pick the
         prefill worker; both load counts held."""
         adm = self.admission
-        if adm is None or not adm.has_waiters():  # nobody ahead: try at once
+        priority = scope.params.priority
+        if adm is None or not adm.has_waiters(priority):  # nobody ahead (of its priority): try at once
             p = self.try_pair(scope, excluded)
             if p is not None:
                 return p
             if adm is None:
                 raise FlowError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {scope.rid}: no decode worker can "
                                                                     f"hold {scope.num_prompt_tokens} prompt tokens")
-        ticket = adm.enter(scope.seq, scope.rid)
+        ticket = adm.enter(scope.seq, scope.rid, priority)
         log.info("request %s: queued for decode KV capacity (%d waiting)", scope.rid, len(adm))
         until = min(ticket.entered_at + self.cfg.queue_timeout_s, scope.deadline)
         backoff = _FIRST_BACKOFF_S

@@ -24,6 +24,7 @@ event loop would change: docs/router_concurrency.md.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -288,10 +289,12 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         try:
             # the tokenizer (a prompt, bad words), or a structured_outputs grammar to compile (a JSON schema's can take a while): off the
             # loop, which streams every other request meanwhile
+            check = functools.partial(validate_generate, request, core.limits, core.tokenize,
+                                      allow_priority=core.cfg.scheduling_policy == "priority")
             if request.prompt or request.bad_words or request.HasField("structured_outputs"):
-                vreq = await loop.run_in_executor(self._pool, validate_generate, request, core.limits, core.tokenize)
+                vreq = await loop.run_in_executor(self._pool, check)
             else:
-                vreq = validate_generate(request, core.limits, core.tokenize)
+                vreq = check()
         except ValueError as e:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
         except LookupError as e:  # a model (LoRA adapter) no worker serves

@@ -133,8 +133,10 @@ def _tokenizer_of(tokenize: Callable[[str], list[int]]) -> Any:
 
 
 def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
-                      tokenize: Callable[[str], list[int]], tokenizer: Any = None) -> ValidatedRequest:
+                      tokenize: Callable[[str], list[int]], tokenizer: Any = None, *,
+                      allow_priority: bool = False) -> ValidatedRequest:
     """Check ``req`` against ``limits``; raise ValueError naming the field (LookupError: a ``model`` not served).
+    ``allow_priority``: the router's scheduling policy is "priority" (otherwise a non-zero ``priority`` is refused).
 
     ``structured_outputs`` is compiled against the model's vocabulary here (``engine.check_structured_outputs``,
     bounded by llguidance's limits) so a bad constraint never reaches a worker; ``tokenizer`` is the model's
@@ -149,6 +151,9 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
     if not has_prompt and not has_ids:
         raise ValueError("prompt is empty and token_ids is empty: give one of them")
     _check_stops(req)
+    if req.priority and not allow_priority:
+        raise ValueError(f"priority ({req.priority}) needs a cluster started with --scheduling-policy priority; this "
+                         f"one serves requests first-come-first-served (leave priority unset or 0)")
     truncate = req.truncate_prompt_tokens if req.HasField("truncate_prompt_tokens") else None
     if truncate is not None and truncate < 1 and truncate != -1:
         raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1 (as much as fits), got {truncate}")
@@ -193,7 +198,8 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
             raise ValueError(f"logit_bias key {t} is outside the vocabulary [0, {limits.vocab_size})")
 
     kw: dict = dict(max_tokens=max_tokens, stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
-                    ignore_eos=req.ignore_eos, skip_special_tokens=not req.skip_special_tokens_off, lora_name=lora)
+                    ignore_eos=req.ignore_eos, skip_special_tokens=not req.skip_special_tokens_off, lora_name=lora,
+                    priority=req.priority)
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                  "presence_penalty", "typical_p"):
         if req.HasField(name):
@@ -261,6 +267,7 @@ def _beam_request(req: pdserve_pb2.GenerateRequest, request_id: str, ids: list[i
     beam = BeamSearchParams(beam_width=width, max_tokens=kw["max_tokens"], ignore_eos=req.ignore_eos,
                             length_penalty=length_penalty, early_stopping=early)
     params = SamplingParams(max_tokens=kw["max_tokens"], temperature=0.0, ignore_eos=req.ignore_eos,
-                            skip_special_tokens=kw["skip_special_tokens"], lora_name=kw["lora_name"])
+                            skip_special_tokens=kw["skip_special_tokens"], lora_name=kw["lora_name"],
+                            priority=kw["priority"])
     return ValidatedRequest(request_id=request_id, prompt=req.prompt if has_prompt else None,
                             prompt_token_ids=ids, params=params, n=width, beam=beam, lora_root=lora_root)

@@ -122,7 +122,8 @@ class _Choice:
         self._cancelled = False
         self._core, self._inbox, self._out, self._timeout_s = core, inbox, out, timeout_s
         self._pool = pool
-        self.vreq = validate_generate(greq, core.limits, core.tokenize)  # ValueError -> 400, before any work
+        self.vreq = validate_generate(greq, core.limits, core.tokenize,  # ValueError -> 400, before any work
+                                      allow_priority=core.cfg.scheduling_policy == "priority")
 
     def start(self) -> None:
         if self._pool is not None and self.vreq.beam is None:

@@ -65,6 +65,8 @@ class _Sampling(ConstraintFields):
     """vLLM's: words never generated."""
     truncate_prompt_tokens: Optional[int] = None
     """vLLM's: keep only the prompt's last k tokens (a chat's: of the rendered conversation); -1: what fits."""
+    priority: int = 0
+    """vLLM's: lower is served first (a cluster started with --scheduling-policy priority; 0 otherwise)."""
     # pdserve's extras
     pdserve_timings: bool = False
     """pdserve's: the usage block (the response's, or the streamed usage chunk's) gets ``pdserve_timings``, one
@@ -217,6 +219,8 @@ def to_generate_request(req: _Sampling, *, prompt: Optional[str] = None, token_i
         _put("allowed_token_ids", lambda: g.allowed_token_ids.extend(req.allowed_token_ids))
     if req.bad_words:
         g.bad_words.extend(req.bad_words)
+    if req.priority:
+        _put("priority", lambda: setattr(g, "priority", req.priority))
     if req.truncate_prompt_tokens is not None:
         _put("truncate_prompt_tokens", lambda: setattr(g, "truncate_prompt_tokens", req.truncate_prompt_tokens))
     return g

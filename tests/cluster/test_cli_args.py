@@ -97,6 +97,19 @@ def test_max_num_requests_reaches_the_router_config():
     assert "max_num_requests" not in router_overrides(build_parser().parse_args(["up"]))  # router default
 
 
+def test_scheduling_policy_reaches_the_router_config():
+    from router.config import RouterConfig
+
+    args = build_parser().parse_args(["up", "--scheduling-policy", "priority"])
+    check_up_args(args)
+    assert RouterConfig(**router_overrides(args)).scheduling_policy == "priority"
+    assert RouterConfig(**router_overrides(build_parser().parse_args(["up"]))).scheduling_policy == "fcfs"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--scheduling-policy", "lifo"])
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        RouterConfig(scheduling_policy="lifo")
+
+
 def test_max_model_len_reaches_the_router_and_every_worker_engine():
     """`--max-model-len` (vLLM's flag) is one context length for the engines and the router's checks: a router that
     allowed more than its workers let a too-long prompt through to a worker, whose refusal named no API field."""

@@ -93,9 +93,9 @@ def _entered_queue(monkeypatch, router) -> list:
     adm = router.admission
     real, seen = adm.enter, []
 
-    def enter(seq, request_id):
+    def enter(seq, request_id, *priority):
         seen.append(request_id)
-        return real(seq, request_id)
+        return real(seq, request_id, *priority)
 
     monkeypatch.setattr(adm, "enter", enter)
     return seen
@@ -138,6 +138,53 @@ def test_decode_worker_full_queues_then_served_equal_offline(small):
     assert box["out"][-1].timings.queue_s >= t_release - t_seen > 0.3
     assert box["out"][-1].timings.ttft_s >= box["out"][-1].timings.queue_s
     assert small.router.num_waiting == 0 and _gauge(small, "router_requests_waiting") == 0.0
+    assert small.wait_idle(30.0)
+
+
+def test_with_the_priority_policy_a_better_priority_is_placed_first_and_fcfs_refuses_it(small):
+    """Decode KV full (a hold of 7 of 8 blocks): "low" (priority 5) queues, then "high" (priority -1) queues ahead
+    of it; each needs 7 blocks, so once the hold goes they are served one after the other, "high" first, both equal
+    to offline. The fcfs router (the fixture's) refuses a non-zero priority by name."""
+    with pytest.raises(grpc.RpcError) as ei:
+        collect(small.stub, timeout=30, token_ids=[5] * 4, max_tokens=2, priority=1)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "priority" in ei.value.details()
+    r2 = RouterServer(RouterConfig(serve_metrics=False, scheduling_policy="priority"), small.source).start()
+    ch = grpc.insecure_channel(r2.address)
+    hold = None
+    try:
+        from proto import pdserve_pb2_grpc
+
+        stub = pdserve_pb2_grpc.PDServeStub(ch)
+        hold = _Hold(small, 100)
+        done: list[str] = []
+
+        def run(rid, priority):
+            out = collect(stub, timeout=60, token_ids=[9] * 100, max_tokens=3, temperature=0.0, ignore_eos=True,
+                          request_id=rid, priority=priority)
+            done.append(rid)
+            return out
+
+        t_low, box_low = _in_thread(lambda: run("req-low", 5))
+        wait_until(lambda: r2.num_waiting == 1, timeout=30.0, interval=0.005, message="req-low queued")
+        t_high, box_high = _in_thread(lambda: run("req-high", -1))
+        wait_until(lambda: r2.num_waiting == 2, timeout=30.0, interval=0.005, message="req-high queued")
+        assert r2.admission.head().request_id == "req-high"
+        hold.release()
+        hold = None
+        for t in (t_high, t_low):
+            t.join(60)
+            assert not t.is_alive()
+        assert "err" not in box_low and "err" not in box_high, (box_low.get("err"), box_high.get("err"))
+        assert done == ["req-high", "req-low"]
+        ref = offline([[9] * 100], [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)])[0]
+        for box in (box_high, box_low):
+            ids, _text, reason = joined(box["out"])
+            assert (ids, reason) == (ref[0], ref[2])
+    finally:
+        if hold is not None:
+            hold.release()
+        ch.close()
+        r2.stop()
     assert small.wait_idle(30.0)
 
 

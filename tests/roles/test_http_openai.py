@@ -184,6 +184,7 @@ def test_vllm_token_restrictions_reach_the_worker_that_draws_each_token(client):
                         ({"allowed_token_ids": []}, "allowed_token_ids"),
                         ({"bad_words": ["ok", "  "]}, "bad_words[1]"),
                         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                        ({"priority": 3}, "priority"),  # (this cluster schedules first-come-first-served)
                         ({"use_beam_search": True, "n": 2, "bad_words": ["x"]}, "bad_words")):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, extra_body=body)

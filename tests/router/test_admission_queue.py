@@ -151,3 +151,21 @@ def test_head_is_the_earliest_arrival_and_entered_at_reads_the_clock():
     assert q.head() is early and (early.entered_at, late.entered_at) == (6.0, 5.0)
     q.leave(early)
     assert q.head() is late
+
+
+def test_a_better_priority_queues_ahead_and_only_waits_behind_its_equals_or_betters():
+    """The "priority" scheduling policy: (priority, arrival) order; ``has_waiters(p)`` says whether a request of
+    priority p would queue behind anyone (placement tries at once when it would not)."""
+    q = AdmissionQueue()
+    low1 = q.enter(q.next_seq(), "low1", 5)
+    low2 = q.enter(q.next_seq(), "low2", 5)
+    assert q.has_waiters() and q.has_waiters(5) and q.has_waiters(9) and not q.has_waiters(0)
+    high = q.enter(q.next_seq(), "high", 0)
+    mid = q.enter(q.next_seq(), "mid", 3)
+    assert [t.request_id for t in (q.head(),)] == ["high"]
+    order = []
+    while q.head() is not None:
+        order.append(q.head().request_id)
+        q.leave(q.head())
+    assert order == ["high", "mid", "low1", "low2"]
+    assert (low1 < low2 and high < mid < low1)  # the tickets compare as (priority, arrival)

@@ -112,3 +112,14 @@ def test_vllm_token_restrictions_carry_over_and_truncation_keeps_the_last_tokens
     assert v(prompt="abc", truncate_prompt_tokens=5).prompt == "abc"  # nothing cut: the text stays
     fit = v(token_ids=list(range(1, 81)), truncate_prompt_tokens=-1, max_tokens=4)
     assert fit.prompt_token_ids == list(range(21, 81))
+
+
+def test_priority_needs_the_priority_policy():
+    with pytest.raises(ValueError, match="--scheduling-policy priority"):
+        v(prompt="hi", priority=-3)
+    assert v(prompt="hi").params.priority == 0
+    r = validate_generate(pdserve_pb2.GenerateRequest(prompt="hi", priority=-3), LIMITS, tok, allow_priority=True)
+    assert r.params.priority == -3
+    beams = validate_generate(pdserve_pb2.GenerateRequest(prompt="hi", priority=4, beam_width=2), LIMITS, tok,
+                              allow_priority=True)
+    assert beams.params.priority == 4  # (each beam step's sub-requests run at it: router/beam_search.py)
