@@ -92,7 +92,8 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already reserved here")
         try:
             got = eng.reserve_prompt(rid, len(prompt), prompt if cached_prefix else None,
-                                     lora_name=getattr(params, "lora_name", None))
+                                     lora_name=getattr(params, "lora_name", None),
+                                     cache_salt=getattr(params, "cache_salt", None))
         except ValueError as e:
             field = "" if str(e).startswith("lora_name") else "prompt_token_ids: "
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}{e} (request {rid})") from None

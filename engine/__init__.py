@@ -36,6 +36,7 @@ _EXPORTS = {
     "Tokenizer": "engine.tokenizer",
     "OutputProcessor": "engine.detokenizer",
     "prefix_block_hashes": "engine.block_manager",
+    "salted_root": "engine.block_manager",
     "lora_key_root": "engine.lora",
     "check_lora_name": "engine.lora",
     "KVEventBatch": "engine.kv_events",
@@ -61,7 +62,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover
     from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, PromptBeamSearch
-    from engine.block_manager import prefix_block_hashes
+    from engine.block_manager import prefix_block_hashes, salted_root
     from engine.lora import check_lora_name, lora_key_root
     from engine.kv_events import (KV_ENTRY_BATCH, KV_ENTRY_GEN, KV_ENTRY_LOAD, KV_ENTRY_SEQ, AllBlocksCleared,
                                   BlockRemoved, BlockStored, KVEventBatch, KVSnapshot, decode_kv_batch,

@@ -48,6 +48,17 @@ def block_hash(parent: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(blake2b(array("Q", (parent, *token_ids)).tobytes(), digest_size=8).digest(), "little")
 
 
+def salted_root(root: int, cache_salt: Optional[str]) -> int:
+    """The prefix-cache root of a request with vLLM's ``cache_salt`` (None or "": ``root`` itself): blake2b-64 of
+    the root and the salt, so prompts under different salts share no cached block (one tenant cannot learn another's
+    prompts from cache hits), and every engine and router computes the same root from the same salt."""
+    if not cache_salt:
+        return root
+    h = blake2b(b"pdserve-salt\0" + root.to_bytes(8, "little") + cache_salt.encode("utf-8", "surrogatepass"),
+                digest_size=8)
+    return int.from_bytes(h.digest(), "little") or 1
+
+
 def block_keys(token_ids: Sequence[int], block_size: int, num_blocks: int,
                parent: Optional[BlockKey] = None, root: int = ROOT_HASH) -> list[BlockKey]:
     """Chained keys of the first ``num_blocks`` full blocks of token_ids (after ``parent``; the first block's

@@ -47,7 +47,7 @@ from typing import Callable, Iterable, Optional, TypeVar
 import torch
 from torch import Tensor
 
-from engine.block_manager import BlockManager, block_keys
+from engine.block_manager import BlockManager, block_keys, salted_root
 from engine.client import EngineLoad, StepResult
 from engine.config import EngineConfig, ModelConfig, default_graph_sizes, default_token_sizes
 from engine.kernels import cpu_kernels
@@ -503,16 +503,18 @@ class LLMEngine:
         return None if got is None else got[0]
 
     def reserve_prompt(self, request_id: str, num_tokens: int, prompt_token_ids: Optional[list[int]] = None, *,
-                       prefix: bool = False, lora_name: Optional[str] = None) -> Optional[tuple[list[int], int]]:
+                       prefix: bool = False, lora_name: Optional[str] = None,
+                       cache_salt: Optional[str] = None) -> Optional[tuple[list[int], int]]:
         """Take blocks for ``num_tokens`` of KV about to arrive: ``(block ids, cached tokens)``, None if there are
         not enough free blocks. With ``prompt_token_ids`` (the whole prompt) and prefix caching on, the leading
         full blocks this cache already holds for it (at most all but the last token's, as a local prefill would
         reuse) are taken by reference and pinned until the request ends: only positions ``cached tokens ..`` need
         to arrive (a delta transfer), the rest of the list is fresh blocks. ``prefix``: ``prompt_token_ids`` is a
         prompt's leading whole blocks, fetched to be cached here (``commit_reserved``): every cached one is taken.
-        ``lora_name``: the request's LoRA adapter (its K/V is cached under that adapter's keys)."""
+        ``lora_name``: the request's LoRA adapter (its K/V is cached under that adapter's keys); ``cache_salt``: its
+        salt (``SamplingParams.cache_salt``)."""
         self._check_reservation(request_id, num_tokens)
-        root = self._lora_root(lora_name)
+        root = salted_root(self._lora_root(lora_name), cache_salt)
         cached: list[int] = []
         keys: list = []
         bs = self.block_size
@@ -541,14 +543,16 @@ class LLMEngine:
         self._seqs[request_id] = seq
         return list(seq.block_table), seq.num_cached_tokens
 
-    def cached_prefix_tokens(self, prompt_token_ids: list[int], lora_name: Optional[str] = None) -> int:
+    def cached_prefix_tokens(self, prompt_token_ids: list[int], lora_name: Optional[str] = None,
+                             cache_salt: Optional[str] = None) -> int:
         """How many leading tokens of ``prompt_token_ids`` (whole blocks of it) this prefix cache holds now (under
-        LoRA adapter ``lora_name``); takes nothing and evicts nothing (a caller deciding whether to fetch the
-        rest)."""
+        LoRA adapter ``lora_name`` and ``cache_salt``); takes nothing and evicts nothing (a caller deciding whether
+        to fetch the rest)."""
         if not self.block_manager.enable_caching:
             return 0
         bs = self.block_size
-        keys = block_keys(prompt_token_ids, bs, len(prompt_token_ids) // bs, root=self._lora_root(lora_name))
+        keys = block_keys(prompt_token_ids, bs, len(prompt_token_ids) // bs,
+                          root=salted_root(self._lora_root(lora_name), cache_salt))
         return len(self.block_manager.lookup(keys)) * bs
 
     def commit_reserved(self, request_id: str, prompt_token_ids: list[int]) -> int:
@@ -606,8 +610,8 @@ class LLMEngine:
             raise ValueError(f"first_token_id {first_token_id} does not follow the request's structured_outputs "
                              f"constraint ({fresh.matcher.error()})")
         if seq.block_keys and fresh.key_root != seq.key_root:
-            raise ValueError(f"params.lora_name ({params.lora_name!r}) is not the adapter {request_id!r} reserved its "
-                             "cached blocks under")
+            raise ValueError(f"params.lora_name ({params.lora_name!r}) or params.cache_salt is not what {request_id!r} "
+                             "reserved its cached blocks under")
         if seq.block_keys and block_keys(fresh.prompt_token_ids, self.block_size, len(seq.block_keys),
                                          root=fresh.key_root) != seq.block_keys:
             raise ValueError(f"prompt_token_ids differ from the prompt reserved for {request_id!r} within its "
@@ -1041,6 +1045,7 @@ class LLMEngine:
         if params.lora_name is not None:
             seq.lora_slot = self._lora_slot(params.lora_name)
             seq.key_root = self.lora.by_slot[seq.lora_slot].key_root
+        seq.key_root = salted_root(seq.key_root, params.cache_salt)
         if params.structured_outputs is not None:
             seq.matcher = self.grammar.new_matcher(params.structured_outputs)  # ValueError names the field
         return seq

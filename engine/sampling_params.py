@@ -77,6 +77,9 @@ class SamplingParams:
     ``max_tokens`` in the context. Applied where the prompt is tokenized (the engine's add_request, the router's
     validation), so the prompt a response reports is the kept one."""
 
+    cache_salt: Optional[str] = None
+    """vLLM's: the request's prompt blocks are cached under this salt (``engine.block_manager.salted_root``), so only
+    requests with the same salt (a tenant's) share prefix-cache hits. None: the shared cache."""
     priority: int = 0
     """vLLM's request priority (its ``add_request(priority=)``; here it rides the params, so it crosses every process
     boundary with the request): lower values are scheduled first, and when KV blocks run out the worst priority is
@@ -96,6 +99,7 @@ class SamplingParams:
     MAX_ALLOWED_TOKEN_IDS = 131072
     MAX_BAD_WORDS = 128
     MAX_BAD_WORD_CHARS = 512
+    MAX_CACHE_SALT_CHARS = 1024
     MAX_N = 16
     """Choices one request may ask for (n): the router's bound and a decode worker's (1 + siblings); the one
     constant both sides read."""
@@ -136,6 +140,10 @@ class SamplingParams:
             self._check_logit_bias()
         self._check_token_lists()
         self._check_int("priority", -(2**31), 2**31 - 1)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > self.MAX_CACHE_SALT_CHARS):
+            raise ValueError(f"cache_salt must be a non-empty string of at most {self.MAX_CACHE_SALT_CHARS} characters, "
+                             f"got {self.cache_salt!r:.80}")
         if self.lora_name is not None:
             from engine.lora import check_lora_name
 

@@ -118,7 +118,8 @@ class PrefillRequests(RequestSet[_PrefillReq]):
         except ValueError as e:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{e} (request {req.request_id})") from None
         # decided before any block is taken: a reservation given back would have evicted cached blocks for nothing
-        missing = held - eng.cached_prefix_tokens(req.prompt_token_ids[:held], lora_name=req.params.lora_name)
+        missing = held - eng.cached_prefix_tokens(req.prompt_token_ids[:held], lora_name=req.params.lora_name,
+                                                  cache_salt=req.params.cache_salt)
         if missing < req.fetch_min:
             return False
         if not self.fetch_cost.decide(missing):
@@ -127,7 +128,7 @@ class PrefillRequests(RequestSet[_PrefillReq]):
         fid = prefix_fetch_id(req.request_id)
         try:
             got = eng.reserve_prompt(fid, held, req.prompt_token_ids[:held], prefix=True,
-                                     lora_name=req.params.lora_name)
+                                     lora_name=req.params.lora_name, cache_salt=req.params.cache_salt)
         except ValueError as e:
             log.info("prefill %s: request %s: no prefix fetch: %s", self.ctx.worker_id, req.request_id, e)
             return False

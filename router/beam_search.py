@@ -67,7 +67,7 @@ class BeamFlow:
                                        eos_token_id)
         self._sub_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * self.params.beam_width,
                                           ignore_eos=True, lora_name=vreq.params.lora_name,  # (its adapter's scores)
-                                          priority=vreq.params.priority)
+                                          priority=vreq.params.priority, cache_salt=vreq.params.cache_salt)
         self._lock = threading.Lock()
         self._live: list[RequestFlow] = []
         self._cancelled = False

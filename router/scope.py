@@ -135,10 +135,10 @@ class RequestScope:
 
     def prefix_hashes(self, block_size: int) -> list[int]:
         """The prompt's prefix-cache block hashes for workers with this block size (computed once)."""
-        from engine import lora_key_root, prefix_block_hashes
+        from engine import lora_key_root, prefix_block_hashes, salted_root
 
         if block_size not in self._hashes_by_bs:
-            # an adapter's blocks are its own (engine/lora.py): rooted where its workers root them
-            root = self.lora_root or lora_key_root(self.params.lora_name)
+            # an adapter's blocks are its own (engine/lora.py), a salt's too: rooted where its workers root them
+            root = salted_root(self.lora_root or lora_key_root(self.params.lora_name), self.params.cache_salt)
             self._hashes_by_bs[block_size] = prefix_block_hashes(self.prompt_token_ids, block_size, root)
         return self._hashes_by_bs[block_size]

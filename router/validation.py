@@ -199,7 +199,7 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
 
     kw: dict = dict(max_tokens=max_tokens, stop=list(req.stop), stop_token_ids=list(req.stop_token_ids),
                     ignore_eos=req.ignore_eos, skip_special_tokens=not req.skip_special_tokens_off, lora_name=lora,
-                    priority=req.priority)
+                    priority=req.priority, cache_salt=req.cache_salt or None)
     for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
                  "presence_penalty", "typical_p"):
         if req.HasField(name):
@@ -268,6 +268,6 @@ def _beam_request(req: pdserve_pb2.GenerateRequest, request_id: str, ids: list[i
                             length_penalty=length_penalty, early_stopping=early)
     params = SamplingParams(max_tokens=kw["max_tokens"], temperature=0.0, ignore_eos=req.ignore_eos,
                             skip_special_tokens=kw["skip_special_tokens"], lora_name=kw["lora_name"],
-                            priority=kw["priority"])
+                            priority=kw["priority"], cache_salt=kw["cache_salt"])
     return ValidatedRequest(request_id=request_id, prompt=req.prompt if has_prompt else None,
                             prompt_token_ids=ids, params=params, n=width, beam=beam, lora_root=lora_root)

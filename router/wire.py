@@ -32,6 +32,8 @@ def params_to_wire(p: SamplingParams, lora_root: int = 0) -> worker_pb2.WireSamp
     if p.logit_bias:
         w.logit_bias.update(p.logit_bias)
     w.priority = p.priority
+    if p.cache_salt:
+        w.cache_salt = p.cache_salt
     if p.allowed_token_ids is not None:
         w.allowed_token_ids.extend(p.allowed_token_ids)
     for seq in p.bad_words_token_ids or ():

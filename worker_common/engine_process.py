@@ -369,15 +369,19 @@ class RemoteEngine:
         return list(table) if table is not None else self._call("get_block_table", request_id)
 
     def reserve_prompt(self, request_id: str, num_tokens: int, prompt_token_ids: Optional[list[int]] = None, *,
-                       prefix: bool = False, lora_name: Optional[str] = None) -> Optional[tuple[list[int], int]]:
+                       prefix: bool = False, lora_name: Optional[str] = None,
+                       cache_salt: Optional[str] = None) -> Optional[tuple[list[int], int]]:
         ids = None if prompt_token_ids is None else list(prompt_token_ids)
-        got = self._call("reserve_prompt", request_id, num_tokens, ids, prefix=prefix, lora_name=lora_name)
+        got = self._call("reserve_prompt", request_id, num_tokens, ids, prefix=prefix, lora_name=lora_name,
+                         cache_salt=cache_salt)
         if got is not None:
             self._held.add(request_id)
         return got
 
-    def cached_prefix_tokens(self, prompt_token_ids: list[int], lora_name: Optional[str] = None) -> int:
-        return int(self._call("cached_prefix_tokens", list(prompt_token_ids), lora_name=lora_name))
+    def cached_prefix_tokens(self, prompt_token_ids: list[int], lora_name: Optional[str] = None,
+                             cache_salt: Optional[str] = None) -> int:
+        return int(self._call("cached_prefix_tokens", list(prompt_token_ids), lora_name=lora_name,
+                              cache_salt=cache_salt))
 
     def commit_reserved(self, request_id: str, prompt_token_ids: list[int]) -> int:
         return int(self._call("commit_reserved", request_id, list(prompt_token_ids)))

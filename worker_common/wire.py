@@ -34,6 +34,7 @@ def wire_to_params(w: worker_pb2.WireSamplingParams) -> SamplingParams:
         logit_bias=dict(w.logit_bias) or None,
         allowed_token_ids=list(w.allowed_token_ids) or None,
         priority=w.priority,
+        cache_salt=w.cache_salt or None,
         bad_words_token_ids=[list(s.ids) for s in w.bad_words_token_ids] or None,
         structured_outputs=(structured_outputs_from_proto(w.structured_outputs)
                             if w.HasField("structured_outputs") else None),

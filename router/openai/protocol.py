@@ -65,6 +65,8 @@ class _Sampling(ConstraintFields):
     """vLLM's: words never generated."""
     truncate_prompt_tokens: Optional[int] = None
     """vLLM's: keep only the prompt's last k tokens (a chat's: of the rendered conversation); -1: what fits."""
+    cache_salt: Optional[str] = None
+    """vLLM's: prefix-cache hits only among requests with the same salt."""
     priority: int = 0
     """vLLM's: lower is served first (a cluster started with --scheduling-policy priority; 0 otherwise)."""
     # pdserve's extras
@@ -221,6 +223,10 @@ def to_generate_request(req: _Sampling, *, prompt: Optional[str] = None, token_i
         g.bad_words.extend(req.bad_words)
     if req.priority:
         _put("priority", lambda: setattr(g, "priority", req.priority))
+    if req.cache_salt is not None:
+        if not req.cache_salt:
+            raise ValueError("cache_salt must be a non-empty string")
+        g.cache_salt = req.cache_salt
     if req.truncate_prompt_tokens is not None:
         _put("truncate_prompt_tokens", lambda: setattr(g, "truncate_prompt_tokens", req.truncate_prompt_tokens))
     return g

@@ -311,3 +311,34 @@ def test_cached_prefix_tokens_looks_without_taking_or_evicting(checkpoint):
     assert eng.cached_prefix_tokens([prompt[0] + 1] + prompt[1:12]) == 0
     assert eng.num_free_blocks == 6 and not any(eng.block_manager.ref_count(b) for b in range(6))
     assert eng.cached_prefix_tokens(prompt[:12]) == 12  # still cached: looking took nothing
+
+
+def test_a_cache_salt_shares_cached_blocks_only_with_its_own_salt(checkpoint):
+    """vLLM's cache_salt: a prompt cached under one salt is a hit for that salt only (not for another salt, nor
+    unsalted, nor the other way round), in ``add_request``, ``cached_prefix_tokens`` and ``reserve_prompt`` alike;
+    the tokens are the same whatever the salt."""
+    path, _hf = checkpoint
+    eng = make_engine(path, block_size=BS)
+    prompt = prompts_of([30], seed=41)[0]
+    outs = {}
+
+    def run(rid: str, salt):
+        hits = eng.prefix_cache_hits
+        outs[rid] = run_engine(eng, {rid: prompt}, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                                                   cache_salt=salt))[rid]
+        return eng.prefix_cache_hits - hits
+
+    assert run("a1", "tenant-a") == 0 and run("b1", "tenant-b") == 0 and run("n1", None) == 0
+    assert run("a2", "tenant-a") == 28 and run("b2", "tenant-b") == 28 and run("n2", None) == 28
+    assert len({tuple(v) for v in outs.values()}) == 1
+    assert eng.cached_prefix_tokens(prompt[:24], cache_salt="tenant-a") == 24
+    assert eng.cached_prefix_tokens(prompt[:24], cache_salt="tenant-c") == 0
+    got = eng.reserve_prompt("r", 24, prompt[:24], prefix=True, cache_salt="tenant-c")
+    assert got is not None and got[1] == 0  # nothing of tenant-c's is cached: every block is fresh
+    eng.abort_request("r")
+    got = eng.reserve_prompt("r", 24, prompt[:24], prefix=True, cache_salt="tenant-b")
+    assert got is not None and got[1] == 24
+    eng.abort_request("r")
+    assert eng.num_free_blocks == eng.num_total_blocks
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")

@@ -191,6 +191,27 @@ def test_vllm_token_restrictions_reach_the_worker_that_draws_each_token(client):
         assert field in e.value.body["message"], (body, e.value.body)
 
 
+def test_cache_salt_keeps_each_tenants_prefix_cache_hits_to_itself(client):
+    """vLLM's cache_salt through the split: a prompt's second request under the same salt hits the cache, the
+    first under another salt (or none) does not, and the text is the offline engine's every time."""
+    prompt = list(range(700, 741))  # 41 ids: 2 full blocks of 16
+    want = offline([prompt], [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)])[0][1]
+
+    def cached(salt) -> int:
+        extra = {"ignore_eos": True, **({"cache_salt": salt} if salt else {})}
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, extra_body=extra)
+        assert r.choices[0].text == want
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0 and cached(None) == 0
+    assert cached(None) > 0 and cached("tenant-b") > 0
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2, extra_body={"cache_salt": ""})
+    assert "cache_salt" in e.value.body["message"]
+
+
 def test_async_client_streams_equal_offline(roles):
     import asyncio
 

@@ -375,3 +375,26 @@ def test_an_adapters_request_hashes_its_prompt_under_the_adapter():
     assert lora.wire_params.lora_root == root and lora.wire_params.lora_name == "sql"
     assert not set(lora.prefix_hashes(16)) & set(_scope(40).prefix_hashes(16))
     assert _scope(40).prefix_hashes(16) == prefix_block_hashes(ids, 16)
+
+
+def test_a_salted_requests_hashes_are_those_its_engine_stores_its_blocks_under():
+    """vLLM's cache_salt: the router's prefix hashes of a salted request are the hashes an engine's KV events name
+    its blocks by (so KV-aware routing finds a tenant's own cached prefix), and none is an unsalted one."""
+    import torch
+
+    from engine import LLM
+
+    torch.set_num_threads(1)
+    eng = LLM("tiny", num_kv_blocks=32, block_size=16, num_threads=1).llm_engine
+    eng.block_manager.enable_events()
+    ids = list(range(300, 341))
+    params = SamplingParams(max_tokens=1, temperature=0.0, cache_salt="tenant-a")
+    eng.add_request("r", ids, params)
+    while eng.has_unfinished_requests():
+        eng.step()
+    stored = [e[1][2] for e in eng.block_manager.take_events() if e[0] == "stored"]
+    salted = RequestScope(ValidatedRequest("a", None, ids, params), 0.0, 1e12)
+    assert salted.prefix_hashes(16) == stored[:2] and len(stored) >= 2
+    assert salted.wire_params.cache_salt == "tenant-a"
+    plain = RequestScope(ValidatedRequest("b", None, ids, SamplingParams(max_tokens=1)), 0.0, 1e12)
+    assert not set(salted.prefix_hashes(16)) & set(plain.prefix_hashes(16))
