@@ -91,6 +91,8 @@ class MessagesRequest(BaseModel):
     structured_outputs: Optional[dict[str, Any]] = None
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
+    cache_salt: Optional[str] = None
+    priority: Optional[int] = None
 
 
 class CountTokensRequest(BaseModel):
@@ -272,7 +274,7 @@ def to_chat_request(body: MessagesRequest) -> MessagesTranslation:
             raise ValueError('output_config.format must be {"type": "json_schema", "schema": {...}}')
         chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
     for name in ("temperature", "top_p", "top_k", "seed", "min_p", "repetition_penalty", "structured_outputs",
-                 "allowed_token_ids", "bad_words"):
+                 "allowed_token_ids", "bad_words", "cache_salt", "priority"):
         if getattr(body, name) is not None:
             chat[name] = getattr(body, name)
     return MessagesTranslation(body, ChatCompletionRequest.model_validate(chat), where)

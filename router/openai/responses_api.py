@@ -95,6 +95,8 @@ class ResponsesRequest(BaseModel):
     """vLLM's output constraint (regex, choice, grammar, json), as on the chat path."""
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
+    cache_salt: Optional[str] = None
+    priority: Optional[int] = None
 
 
 def _text(value: Any, where: str) -> str:
@@ -278,7 +280,7 @@ def to_chat_request(body: ResponsesRequest, history: Optional[list[dict]] = None
                      ("seed", "seed"), ("top_k", "top_k"), ("min_p", "min_p"),
                      ("repetition_penalty", "repetition_penalty"), ("parallel_tool_calls", "parallel_tool_calls"),
                      ("structured_outputs", "structured_outputs"), ("allowed_token_ids", "allowed_token_ids"),
-                     ("bad_words", "bad_words")):
+                     ("bad_words", "bad_words"), ("cache_salt", "cache_salt"), ("priority", "priority")):
         if getattr(body, src) is not None:
             chat[dst] = getattr(body, src)
     fmt = _response_format(body.text)

@@ -183,3 +183,11 @@ def test_a_failure_mid_stream_is_an_error_event_in_anthropics_shape_and_nothing_
     assert err.error.type == "overloaded_error" and "went away" in err.error.message
     assert stream.end() == []  # no message_delta / message_stop after the error
     assert aa.error_body(400, "x")["error"]["type"] == "invalid_request_error"
+
+
+def test_vllms_request_extras_reach_the_generate_request():
+    """allowed_token_ids, bad_words, cache_salt and priority pass through the translation to the GenerateRequest the
+    router validates (as on the chat path)."""
+    t = aa.to_chat_request(_req(allowed_token_ids=[5, 6], bad_words=["no"], cache_salt="t", priority=2))
+    g = oa.to_generate_request(t.chat, token_ids=[1, 2])
+    assert (list(g.allowed_token_ids), list(g.bad_words), g.cache_salt, g.priority) == ([5, 6], ["no"], "t", 2)

@@ -177,3 +177,11 @@ def test_a_failure_mid_stream_is_an_error_event_and_nothing_follows():
     TypeAdapter(ResponseStreamEvent).validate_python(event)
     assert event["type"] == "error" and "deadline" in event["message"]
     assert out.end() == []  # no response.completed after the error
+
+
+def test_vllms_request_extras_reach_the_generate_request():
+    """allowed_token_ids, bad_words, cache_salt and priority pass through the translation to the GenerateRequest the
+    router validates (as on the chat path)."""
+    t = ora.to_chat_request(_req(allowed_token_ids=[5, 6], bad_words=["no"], cache_salt="t", priority=2))
+    g = oa.to_generate_request(t.chat, token_ids=[1, 2])
+    assert (list(g.allowed_token_ids), list(g.bad_words), g.cache_salt, g.priority) == ([5, 6], ["no"], "t", 2)
