@@ -159,3 +159,18 @@ def test_ids_outside_the_vocabulary_are_refused_before_any_work(llm):
         with pytest.raises(ValueError, match=match):
             eng.add_request("r", [5, 6], greedy(**kw))
     assert not eng.has_unfinished_requests() and eng.num_free_blocks == eng.num_total_blocks
+
+
+def test_a_structured_outputs_constraint_wins_over_allowed_token_ids_it_leaves_nothing_of(llm):
+    """allowed_token_ids naming only letters under a digits-only regex: every step's intersection is empty, so the
+    constraint's logits are kept (its output is the unrestricted constrained one); a list that meets the regex
+    restricts it."""
+    tok = llm.get_tokenizer()
+    letters = [tok.encode(c, add_special_tokens=False)[0] for c in "abc"]
+    digits = [tok.encode(c, add_special_tokens=False)[0] for c in "13"]
+    regex = {"regex": "[0-9]{3}"}
+    free = llm.generate(PROMPTS[0], greedy(8, structured_outputs=regex))[0]
+    boxed = llm.generate(PROMPTS[0], greedy(8, structured_outputs=regex, allowed_token_ids=letters))[0]
+    some = llm.generate(PROMPTS[0], greedy(8, structured_outputs=regex, allowed_token_ids=digits))[0]
+    assert boxed.text == free.text and len(free.text) == 3 and free.text.isdigit()
+    assert len(some.text) == 3 and set(some.text) <= set("13")
