@@ -49,7 +49,9 @@ def test_a_launch_never_synchronises_the_host(monkeypatch):
               SamplingParams(temperature=0.7, min_p=0.05, seed=9, logprobs=1),
               SamplingParams(temperature=0.9, typical_p=0.8, seed=10),
               SamplingParams(temperature=1.2, top_p=0.999, seed=11),  # past the CPU's 256 candidates
-              SamplingParams(temperature=0.6, seed=12, logprobs=0)]
+              SamplingParams(temperature=0.6, seed=12, logprobs=0),
+              SamplingParams(temperature=0.0, allowed_token_ids=[7, 70, 700], bad_words_token_ids=[[5, 70]]),
+              SamplingParams(temperature=0.8, seed=13, bad_words_token_ids=[[4], [9, 10]])]
     reqs = [SamplingRequest(p, [1, 2, 3], [4, 5], eos_token_id=2) for p in params]
     want = Sampler(1000).sample(logits, reqs)
     cuda = Sampler(1000)
