@@ -425,8 +425,12 @@ class HttpApi:
             ok = self.core.limits is not None and not self.core.draining
             return Response(status_code=200 if ok else 503)
 
-        @app.api_route("/ping", methods=["GET", "POST"])
+        @app.get("/ping")
         async def ping() -> Response:  # vLLM's (SageMaker's health check): /health's answer
+            return await health()
+
+        @app.post("/ping", include_in_schema=False)  # (the same, as SageMaker may POST it; no body to document)
+        async def ping_post() -> Response:
             return await health()
 
         @app.get("/version")

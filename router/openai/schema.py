@@ -206,6 +206,8 @@ def install(app: FastAPI, completion_request: type[BaseModel], chat_request: typ
                 "properties": {"input_tokens": {"type": "integer"}}}}},
             "/v1/load_lora_adapter": {"text/plain": {"schema": {"type": "string", "description": "success"}}},
             "/v1/unload_lora_adapter": {"text/plain": {"schema": {"type": "string", "description": "success"}}},
+            "/version": {"application/json": {"schema": {"type": "object", "required": ["version"],
+                                                         "properties": {"version": {"type": "string"}}}}},
         }
         bodies = {"/tokenize": {"anyOf": [_ref(m) for m in tokenize_requests]}, "/detokenize": _ref(detokenize_request)}
         for path, ops in doc.get("paths", {}).items():
@@ -214,7 +216,7 @@ def install(app: FastAPI, completion_request: type[BaseModel], chat_request: typ
                 responses.pop("422", None)
                 if path in ok:
                     responses["200"] = {"description": "the answer", "content": ok[path]}
-                if path == "/health":  # no body: the status is the answer
+                if path in ("/health", "/ping"):  # no body: the status is the answer
                     responses.clear()
                     responses["200"] = {"description": "serving"}
                     responses["503"] = {"description": "starting or draining"}
