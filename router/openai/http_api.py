@@ -607,6 +607,8 @@ class HttpApi:
         n_prompt = sum(len(c.vreq.prompt_token_ids) for c in choices)
         rid = rs.new_id("chatcmpl" if chat else "cmpl")
         model, detok = body.model or core.limits.model_name, rs.detokenizer(core.tokenizer)
+        if body.return_tokens_as_token_ids:  # vLLM's: logprobs name each token "token_id:<id>"
+            detok = rs.token_id_strings
         echo = None
         if not chat and body.echo:  # each choice's answer follows its prompt's text
             echo = [c.vreq.prompt if c.vreq.prompt is not None else core.tokenizer.decode(c.vreq.prompt_token_ids, False)

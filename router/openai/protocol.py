@@ -67,6 +67,8 @@ class _Sampling(ConstraintFields):
     """vLLM's: keep only the prompt's last k tokens (a chat's: of the rendered conversation); -1: what fits."""
     cache_salt: Optional[str] = None
     """vLLM's: prefix-cache hits only among requests with the same salt."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM's: logprobs name each token "token_id:<id>" instead of its text."""
     priority: int = 0
     """vLLM's: lower is served first (a cluster started with --scheduling-policy priority; 0 otherwise)."""
     # pdserve's extras

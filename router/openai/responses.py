@@ -133,6 +133,13 @@ def detokenizer(tokenizer: Any) -> Callable[[int], str]:
     return (lambda t: tokenizer.decode([t], skip_special_tokens=False)) if tokenizer is not None else str
 
 
+def token_id_strings(t: int) -> str:
+    """vLLM's ``return_tokens_as_token_ids``: a logprobs block names a token "token_id:<id>" (its text may not be
+    JSON-encodable, or may be one of several tokens spelling the same text), text offsets and bytes counted on
+    that string as vLLM counts them."""
+    return f"token_id:{t}"
+
+
 def flow_error(e: FlowError) -> tuple[int, dict]:
     """The HTTP status and OpenAI error body of a flow's failure."""
     status = HTTP_STATUS.get(e.code, 500)

@@ -191,6 +191,34 @@ def test_vllm_token_restrictions_reach_the_worker_that_draws_each_token(client):
         assert field in e.value.body["message"], (body, e.value.body)
 
 
+def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(client):
+    """vLLM's return_tokens_as_token_ids (what RL trainers read exact token ids from): the completions and chat
+    logprobs blocks name every token, chosen and alternative, "token_id:<id>", the ids the offline engine gives."""
+    kw = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ids = offline(["def add(a, b):"], [SamplingParams(**kw, logprobs=2)])[0]
+    want = [f"token_id:{t}" for t in ids[0]]
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    r = client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=6, temperature=0, logprobs=2,
+                                  extra_body=extra)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == want and r.choices[0].text == ids[1]
+    assert all(k.startswith("token_id:") for top in lp.top_logprobs for k in top) and lp.top_logprobs[0]
+    assert lp.top_logprobs[0][want[0]] == pytest.approx(lp.token_logprobs[0])  # greedy: the top one is chosen
+    plain = client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=6, temperature=0,
+                                      logprobs=2, extra_body={"ignore_eos": True})
+    assert plain.choices[0].logprobs.tokens != want  # without the flag: the tokens' text
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hi."}],
+                                          max_tokens=4, temperature=0, logprobs=True, top_logprobs=1,
+                                          extra_body=extra)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(c.token.startswith("token_id:") for c in content)
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    from tests.roles.harness import _offline_llm
+
+    chat_ids = [int(c.token.removeprefix("token_id:")) for c in content]
+    assert _offline_llm().get_tokenizer().decode(chat_ids) == chat.choices[0].message.content
+
+
 def test_cache_salt_keeps_each_tenants_prefix_cache_hits_to_itself(client):
     """vLLM's cache_salt through the split: a prompt's second request under the same salt hits the cache, the
     first under another salt (or none) does not, and the text is the offline engine's every time."""
