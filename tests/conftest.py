@@ -67,7 +67,10 @@ def ray_local():
     temp_dir = tempfile.mkdtemp(prefix="pdr", dir="/tmp")
     # 6 logical CPUs: a 2+2 cluster plus room to scale (actors are mostly idle; 2 real cores suffice).
     # The node offers the pool labels, so worker actors really request {"prefill"|"decode": 0.01}.
+    from cluster.ray_lifecycle import NO_PRESTART
+
     ctx = ray.init(num_cpus=6, resources={"prefill": 1, "decode": 1}, include_dashboard=False,
+                   _system_config=NO_PRESTART,
                    _temp_dir=temp_dir,
                    namespace=f"pdserve-test-{uuid.uuid4().hex[:8]}", logging_level="ERROR",
                    log_to_driver=False,

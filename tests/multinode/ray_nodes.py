@@ -30,6 +30,7 @@ from typing import Callable, Iterator, Optional
 
 import psutil
 
+from cluster.ray_lifecycle import NO_PRESTART
 from tests.e2e.test_pdserve_up import _pdserve
 from tests.waiting import wait_until
 
@@ -84,7 +85,9 @@ def start_head(tmp: str, args_for: Callable[[int], list[str]], env: Optional[dic
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        r = subprocess.run([_ray_cli(), "start", "--head", f"--port={port}", *args_for(port)], capture_output=True,
+        # no prestarted idle workers: pdserve's actors never use them (cluster.ray_lifecycle.NO_PRESTART)
+        r = subprocess.run([_ray_cli(), "start", "--head", f"--port={port}", *args_for(port),
+                            f"--system-config={json.dumps(NO_PRESTART)}"], capture_output=True,
                            text=True, timeout=120, env=ENV if env is None else env)
         if r.returncode == 0:
             return port
