@@ -105,7 +105,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 def prepare_cpu_kernels(args: argparse.Namespace) -> None:
     """Build (or find) this machine's CPU kernels before any worker starts, in a child process whose output reaches
     this terminal: the first start on a machine compiles them for minutes, and from inside Ray's worker actors
-    (whose logs do not reach the driver) that looked like a hang. A start that must wait for another process's
+    (whose logs do not reach the driver) that looked like a hang. A build an earlier load noted
+    (``engine.kernels.built_without_torch``: found without importing torch) needs no child: that saves the child's
+    torch import, ~1.5 s of every later start. A start that must wait for another process's
     build says so here (``engine.kernels``). Only for a private local Ray on CPU: elsewhere each node builds its
     own. Ctrl-C reaches the child too; an interrupted build never blocks the next start."""
     if getattr(args, "address", None) is not None or os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
@@ -116,6 +118,11 @@ def prepare_cpu_kernels(args: argparse.Namespace) -> None:
     # on stderr, with the child's output: stdout carries the SERVING banner that scripts read first
     print("pdserve: preparing the CPU kernels (the first start on a machine compiles them; minutes)",
           file=sys.stderr, flush=True)
+    from engine.kernels import built_without_torch, report
+
+    if built_without_torch() is not None:  # a finished build a load noted: no child (its torch import) needed
+        print(report(True), file=sys.stderr, flush=True)
+        return
     rc = subprocess.run([sys.executable, "-m", "engine.kernels"], stdout=sys.stderr, check=False).returncode
     if rc != 0:  # the workers try again and fall back to plain torch ops, as before
         print(f"pdserve: the CPU kernel build exited with {rc}; the workers fall back to plain torch ops if they "

@@ -23,6 +23,11 @@ torch's extensions root (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensi
    stays mapped). Private directories of builders that died (their ``owner`` file is no longer flocked)
    are deleted by the next build.
 
+Each load notes its build in ``~/.cache/pdserve/cpu-kernels-<key>`` (the key hashes what the name hashes, torch's
+version read from its ``version.py``), so ``built_without_torch()`` finds a finished build without importing torch:
+``pdserve up`` then skips the child it would start to build or find one (that child's torch import is most of its
+cost). A note naming a build that is gone is ignored.
+
 ``scripts/setup`` calls ``python -m engine.kernels`` so a fresh machine builds it before the tests and the
 service run. Where it cannot build (no compiler, an exotic platform) or ``PDSERVE_CPU_KERNELS=0`` is set,
 ``cpu_kernels()`` returns None after one warning and every caller falls back to plain torch ops
@@ -233,16 +238,60 @@ def _load_or_build() -> ModuleType:
     root = extensions_root()
     so = root / name / f"{name}.so"
     if so.exists():
-        return _import(so, name)
+        return _stamped(_import(so, name), so)
     root.mkdir(parents=True, exist_ok=True)
     fd = _acquire_build_lock(root / f"{name}.lock", BUILD_WAIT_S, so.exists)
     try:
         if so.exists():
-            return _import(so, name)
-        return _build(name, root, locked=fd is not None)
+            return _stamped(_import(so, name), so)
+        return _stamped(_build(name, root, locked=fd is not None), so)
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def _stamp_path() -> Optional[Path]:
+    """Where a finished build is noted for ``built_without_torch``: ``~/.cache/pdserve/cpu-kernels-<key>``, the
+    key hashing what ``_build_name`` hashes (torch's version as its ``version.py`` file says it, with its CUDA and
+    HIP versions) plus where torch puts extensions; read without importing torch. None where torch is absent."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return None
+    h = hashlib.sha256()
+    for f in _hashed_files():
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    h.update(" ".join(cpu_isa_flags() + _cflags() + list(_LDFLAGS)).encode())
+    h.update((Path(spec.origin).parent / "version.py").read_bytes())
+    for part in (sys.implementation.cache_tag, os.environ.get("TORCH_EXTENSIONS_DIR", ""),
+                 os.environ.get("XDG_CACHE_HOME", ""), str(Path.home())):
+        h.update(b"\0" + part.encode())
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "pdserve" / f"cpu-kernels-{h.hexdigest()[:16]}"
+
+
+def _stamped(mod: ModuleType, so: Path) -> ModuleType:
+    """Note that ``so`` is this machine's finished build (best effort: a start that cannot write it only loses
+    the shortcut)."""
+    with contextlib.suppress(OSError):
+        stamp = _stamp_path()
+        if stamp is not None and not (stamp.exists() and stamp.read_text() == str(so)):
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            tmp = stamp.with_name(f"{stamp.name}.{os.getpid()}")
+            tmp.write_text(str(so))
+            os.replace(tmp, stamp)
+    return mod
+
+
+def built_without_torch() -> Optional[Path]:
+    """The finished build for this machine, these sources and this torch, when a load noted it and it is still
+    there, found without importing torch (``pdserve up`` asks before it would start a child to build or find it:
+    that child's torch import is most of a second start's cost); None otherwise (then ``cpu_kernels()`` decides)."""
+    try:
+        stamp = _stamp_path()
+        so = Path(stamp.read_text()) if stamp is not None else None
+    except (OSError, ValueError):
+        return None
+    return so if so is not None and so.is_file() else None
 
 
 def cpu_kernels() -> Optional[ModuleType]:
@@ -266,8 +315,12 @@ def cpu_kernels() -> Optional[ModuleType]:
         return mod
 
 
+def report(built: bool) -> str:
+    """The line ``python -m engine.kernels`` (and ``pdserve up``) prints: built or not, for which vector ISA."""
+    return (f"pdserve CPU kernels: {'built' if built else 'NOT built (fallback)'} "
+            f"for {' '.join(f for f in cpu_isa_flags() if f.startswith('avx')) or platform.machine()}")
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    m = cpu_kernels()
-    print(f"pdserve CPU kernels: {'built' if m is not None else 'NOT built (fallback)'} "
-          f"for {' '.join(f for f in cpu_isa_flags() if f.startswith('avx')) or platform.machine()}")
+    print(report(cpu_kernels() is not None))

@@ -42,3 +42,41 @@ def test_no_preparation_where_the_workers_build_their_own_or_none(address, devic
     out = _run(address, device, env)
     assert "preparing" not in out and "pdserve CPU kernels:" not in out, out
 
+
+
+def test_a_build_a_load_noted_is_found_without_torch_and_without_a_child(tmp_path):
+    """After a load (which notes its build), ``pdserve up``'s preparation finds the build without importing torch
+    and without its child process; a note naming a build that is gone, or made for other flags, is not trusted."""
+    from engine.kernels import extensions_root
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "TORCH_EXTENSIONS_DIR": str(extensions_root())}
+    probe = textwrap.dedent("""
+        import argparse, subprocess, sys
+        from engine.kernels import built_without_torch
+        print("FOUND", built_without_torch(), "torch" in sys.modules)
+        def no_child(*a, **k):
+            raise AssertionError("a child was started")
+        subprocess.run = no_child
+        from cluster.serve_cli import prepare_cpu_kernels
+        try:
+            prepare_cpu_kernels(argparse.Namespace(address=None, device="cpu"))
+            print("NO CHILD", "torch" in sys.modules)
+        except AssertionError:
+            print("STARTED A CHILD")
+    """)
+
+    def run(code: str, **extra: str) -> str:
+        out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**env, **extra}, capture_output=True,
+                             text=True, timeout=1200)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout + out.stderr
+
+    assert "FOUND None False" in run(probe) and "STARTED A CHILD" in run(probe)
+    run("import runpy; runpy.run_module('engine.kernels', run_name='__main__')")  # loads the build: notes it
+    out = run(probe)
+    assert ".so False" in out and "NO CHILD False" in out and "pdserve CPU kernels: built" in out, out
+    (stamp,) = (tmp_path / "pdserve").glob("cpu-kernels-*")
+    assert stamp.read_text().endswith(".so")
+    assert "FOUND None" in run(probe, PDSERVE_CPU_KERNELS_MARCH="haswell")  # other flags: another build's key
+    stamp.write_text(str(tmp_path / "gone.so"))
+    assert "FOUND None" in run(probe) and "STARTED A CHILD" in run(probe)
