@@ -71,6 +71,11 @@ def valid_requests(draw: st.DrawFn) -> pdserve_pb2.GenerateRequest:
         fields[name] = draw(knobs[name])
     if draw(st.booleans()):
         fields["stop"] = draw(st.lists(st.sampled_from(["\n", "main", ")"]), max_size=2))
+    if draw(st.booleans()):  # vLLM's extras, inside their ranges
+        fields["allowed_token_ids"] = draw(st.lists(st.integers(5, 300), min_size=1, max_size=40))
+        fields["bad_words"] = draw(st.lists(st.sampled_from(["main", " os", "🙂", "x = "]), max_size=2))
+        fields["truncate_prompt_tokens"] = draw(st.sampled_from([-1, 1, 3, 64]))
+        fields["cache_salt"] = draw(st.sampled_from(["", "tenant-a", "🙂"]))
     if draw(st.integers(0, 3)) == 0:
         fields["structured_outputs"] = draw(st.sampled_from([
             pdserve_pb2.StructuredOutputs(choice=pdserve_pb2.StructuredOutputs.Choices(choice=["yes", "no"])),
@@ -127,6 +132,13 @@ def requests(draw: st.DrawFn) -> pdserve_pb2.GenerateRequest:
     fields["early_stopping"] = draw(st.sampled_from(["", "true", "false", "never", "sometimes"]))
     fields["model"] = draw(st.one_of(st.sampled_from(["", "tiny", "tiny ", "py"]), TEXT))
     fields["logit_bias"] = draw(st.dictionaries(I32, F32, max_size=6))
+    fields["allowed_token_ids"] = draw(st.one_of(st.just([]), TOKENS))
+    fields["bad_words"] = draw(st.lists(TEXT, max_size=4))
+    for name, strategy in (("truncate_prompt_tokens", I32), ("priority", I32)):
+        v = draw(_optional(strategy))
+        if v is not None:
+            fields[name] = v
+    fields["cache_salt"] = draw(st.one_of(st.just(""), TEXT))
     so = draw(CONSTRAINTS)
     if so is not None:
         fields["structured_outputs"] = so
