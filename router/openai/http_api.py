@@ -656,6 +656,9 @@ class HttpApi:
             out = rs.EventStream(rid, chat, model, n_prompt, detok, include_usage, plan.parser, echo,
                                  1 if body.use_beam_search else body.n, echo_first)
             out.with_timings = body.pdserve_timings
+            if include_usage and body.stream_options.continuous_usage_stats:
+                out.prompt_lens = [len(c.vreq.prompt_token_ids) for c in choices
+                                   for _ in range(1 if body.use_beam_search else body.n)]
             return _StallCutResponse(self._sse(events, out), self._stalls, self._count_stall,
                                      media_type="text/event-stream")
         whole = rs.ResponseBody(rid, chat, model, len(choices) * body.n, n_prompt, detok,

@@ -24,6 +24,8 @@ from router.validation import MAX_BEAM_WIDTH, ModelLimits
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: with include_usage, every chunk carries its choice's usage so far (not only the last)."""
 
 
 class _Sampling(ConstraintFields):

@@ -283,6 +283,18 @@ class EventStream:
         self._n_per, self._echo_first = n_per_prompt, echo_first
         self._prompt_lps: dict[int, list] = {}
         """First choice of a prompt -> its prompt logprobs (they come on that choice's first event)."""
+        self.prompt_lens: Optional[list[int]] = None
+        """vLLM's ``continuous_usage_stats``: each choice's prompt tokens; set, every chunk carries that choice's
+        usage so far (``_generated``: its tokens until then)."""
+        self._generated: dict[int, int] = {}
+
+    def _running_usage(self, idx: int, ev: FlowEvent) -> Optional[dict]:
+        """A chunk's usage under ``continuous_usage_stats`` (vLLM's: the choice's prompt and its tokens so far)."""
+        if self.prompt_lens is None:
+            return None
+        done = self._generated[idx] = self._generated.get(idx, 0) + len(ev.token_ids)
+        n = self.prompt_lens[idx] if idx < len(self.prompt_lens) else 0
+        return {"prompt_tokens": n, "completion_tokens": done, "total_tokens": n + done}
 
     def _data(self, choices: list, usage: Optional[dict] = None) -> str:
         body: dict = {"id": self.rid, "object": self.obj, "created": created(), "model": self.model,
@@ -312,6 +324,7 @@ class EventStream:
             delta["tool_calls"] = list(calls.values())
 
     def chunk(self, idx: int, ev: FlowEvent) -> str:
+        usage = self._running_usage(idx, ev)  # (counted even for a chunk the tool parser holds back)
         if self.chat:
             first = idx not in self._started
             delta: dict = {"role": "assistant"} if first else {}
@@ -332,6 +345,7 @@ class EventStream:
             choice = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": reason}
             if reason is not None:
                 choice["stop_reason"] = ev.stop_reason
+            return self._data([choice], usage)
         else:
             offset = self._offsets.get(idx, 0)
             g0 = idx - idx % self._n_per
@@ -355,7 +369,7 @@ class EventStream:
             if ev.usage is not None:
                 self.usages.append(ev.usage)
                 self.timings.append(ev.timings)
-        return self._data([choice])
+        return self._data([choice], usage)
 
     @staticmethod
     def error(e: FlowError) -> str:

@@ -219,6 +219,39 @@ def test_return_tokens_as_token_ids_names_each_logprob_token_by_its_id(client):
     assert _offline_llm().get_tokenizer().decode(chat_ids) == chat.choices[0].message.content
 
 
+def test_continuous_usage_stats_give_every_chunk_its_choices_usage_so_far(client):
+    """vLLM's stream_options.continuous_usage_stats: each chunk's usage counts its choice's tokens so far (rising to
+    the final usage chunk's), its prompt's tokens and their sum; without it only the last chunk has usage."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    for kind in ("completions", "chat"):
+        if kind == "chat":
+            stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                    max_tokens=7, temperature=0, stream=True, stream_options=opts,
+                                                    extra_body={"ignore_eos": True})
+        else:
+            stream = client.completions.create(model="tiny", prompt=["def f(", "import os"], n=2, max_tokens=7,
+                                               temperature=0, stream=True, stream_options=opts,
+                                               extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        *body, last = chunks
+        assert last.choices == [] and last.usage.completion_tokens == 7 * (1 if kind == "chat" else 4)
+        seen: dict[int, int] = {}
+        for c in body:
+            (choice,) = c.choices
+            assert c.usage is not None and c.usage.completion_tokens >= seen.get(choice.index, 0)
+            assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+            seen[choice.index] = c.usage.completion_tokens
+        assert seen == ({0: 7} if kind == "chat" else {0: 7, 1: 7, 2: 7, 3: 7}), seen
+        if kind == "chat":
+            assert {c.usage.prompt_tokens for c in body} == {last.usage.prompt_tokens}
+        else:  # each choice counts its own prompt ("def f(" and "import os" differ in length)
+            assert sum({c.choices[0].index // 2: c.usage.prompt_tokens for c in body}.values()) \
+                == last.usage.prompt_tokens
+    plain = list(client.completions.create(model="tiny", prompt="def f(", max_tokens=3, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 3
+
+
 def test_cache_salt_keeps_each_tenants_prefix_cache_hits_to_itself(client):
     """vLLM's cache_salt through the split: a prompt's second request under the same salt hits the cache, the
     first under another salt (or none) does not, and the text is the offline engine's every time."""
