@@ -175,6 +175,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="with --allow-runtime-lora-updating: a request whose model names no served adapter first "
                         "loads DIR/<model> on every worker (vLLM's filesystem LoRA resolver); DIR absolute, on the "
                         "workers' hosts")
+    p.add_argument("--allow-prefix-cache-reset", action="store_true",
+                   help="serve vLLM's POST /reset_prefix_cache (every worker forgets its cached prompt blocks; for "
+                        "cold-cache benchmarks and after weight changes); off: 404, as vLLM outside its dev mode")
     p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="vLLM's: fcfs (default; a request's non-zero priority is refused) or priority (lower "
                         "priority values are served first and preempted last, in the router's queue and on every "
@@ -423,6 +426,8 @@ def router_overrides(args: argparse.Namespace) -> dict:
         if not os.path.isabs(resolver):
             raise ValueError(f"--lora-resolver-dir must be an absolute path (the workers read it), got {resolver!r}")
         out["lora_resolver_dir"] = resolver
+    if getattr(args, "allow_prefix_cache_reset", False):
+        out["allow_prefix_cache_reset"] = True
     if getattr(args, "scheduling_policy", "fcfs") != "fcfs":
         out["scheduling_policy"] = args.scheduling_policy
     store_ttl = getattr(args, "responses_store_ttl_s", 0.0)

@@ -200,6 +200,12 @@ class BlockManager:
             if self._events is not None:
                 self._events.append((STORED, key))
 
+    @property
+    def num_blocks_in_use(self) -> int:
+        """Blocks some sequence holds now (cached free blocks not counted): what keeps ``reset_prefix_cache`` from
+        running."""
+        return sum(1 for r in self._refs if r)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached key (vLLM's reset_prefix_cache): only while no block is held; False otherwise."""
         if any(self._refs):

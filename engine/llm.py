@@ -51,6 +51,11 @@ class LLM:
     def get_tokenizer(self) -> Optional[Tokenizer]:
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``LLM.reset_prefix_cache``: forget every cached prompt block (between ``generate`` calls, when no
+        request holds one); False when some block is still held."""
+        return self.llm_engine.reset_prefix_cache()[0]
+
     def generate(self, prompts: PromptsType,
                  params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = False, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:

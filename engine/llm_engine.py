@@ -543,6 +543,15 @@ class LLMEngine:
         self._seqs[request_id] = seq
         return list(seq.block_table), seq.num_cached_tokens
 
+    def reset_prefix_cache(self) -> tuple[bool, int]:
+        """vLLM's ``reset_prefix_cache``: forget every cached prompt block (a CLEARED KV event tells the routers).
+        Only while no block is held (a running, held or reserved request's, a step in flight's): then
+        ``(False, blocks held)`` and nothing changes; ``(True, 0)`` otherwise."""
+        bm = self.block_manager
+        if self._inflight is not None or not bm.reset_prefix_cache():
+            return False, max(1, bm.num_blocks_in_use)
+        return True, 0
+
     def cached_prefix_tokens(self, prompt_token_ids: list[int], lora_name: Optional[str] = None,
                              cache_salt: Optional[str] = None) -> int:
         """How many leading tokens of ``prompt_token_ids`` (whole blocks of it) this prefix cache holds now (under

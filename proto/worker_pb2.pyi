@@ -264,6 +264,18 @@ class SendPrefixResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("reset", "blocks_in_use")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_IN_USE_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    blocks_in_use: int
+    def __init__(self, reset: _Optional[bool] = ..., blocks_in_use: _Optional[int] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "params", "dest_kv_name", "dest_block_ids", "dest_block_size", "dest_tensor_parallel_size", "dest_cached_tokens", "fetch_min_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

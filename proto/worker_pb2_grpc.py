@@ -69,6 +69,11 @@ class DecodeWorkerStub:
                 request_serializer=proto_dot_worker__pb2.OutputStreamRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.StepOutputs.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/pdserve.internal.v1.DecodeWorker/ResetPrefixCache',
+                request_serializer=proto_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -116,6 +121,12 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +164,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.OpenOutputStream,
                     request_deserializer=proto_dot_worker__pb2.OutputStreamRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.StepOutputs.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=proto_dot_worker__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -354,6 +370,33 @@ class DecodeWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.DecodeWorker/ResetPrefixCache',
+            proto_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+            proto_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -379,6 +422,11 @@ class PrefillWorkerStub:
                 request_serializer=proto_dot_worker__pb2.GetInfoRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/pdserve.internal.v1.PrefillWorker/ResetPrefixCache',
+                request_serializer=proto_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -402,6 +450,12 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -419,6 +473,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.GetInfo,
                     request_deserializer=proto_dot_worker__pb2.GetInfoRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=proto_dot_worker__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -512,6 +571,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.PrefillWorker/ResetPrefixCache',
+            proto_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+            proto_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class ColocatedWorkerStub:
     """Missing associated documentation comment in .proto file."""
@@ -546,6 +632,11 @@ class ColocatedWorkerStub:
                 '/pdserve.internal.v1.ColocatedWorker/OpenOutputStream',
                 request_serializer=proto_dot_worker__pb2.OutputStreamRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.StepOutputs.FromString,
+                _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/pdserve.internal.v1.ColocatedWorker/ResetPrefixCache',
+                request_serializer=proto_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
                 _registered_method=True)
 
 
@@ -583,6 +674,12 @@ class ColocatedWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResetPrefixCache(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ColocatedWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -610,6 +707,11 @@ def add_ColocatedWorkerServicer_to_server(servicer, server):
                     servicer.OpenOutputStream,
                     request_deserializer=proto_dot_worker__pb2.OutputStreamRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.StepOutputs.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=proto_dot_worker__pb2.ResetPrefixCacheRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.ResetPrefixCacheResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -747,6 +849,33 @@ class ColocatedWorker:
             '/pdserve.internal.v1.ColocatedWorker/OpenOutputStream',
             proto_dot_worker__pb2.OutputStreamRequest.SerializeToString,
             proto_dot_worker__pb2.StepOutputs.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.ColocatedWorker/ResetPrefixCache',
+            proto_dot_worker__pb2.ResetPrefixCacheRequest.SerializeToString,
+            proto_dot_worker__pb2.ResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -145,6 +145,9 @@ class RouterConfig:
     (``previous_response_id``) and ``GET`` / ``DELETE /v1/responses/{id}`` find it (router/response_store.py: in
     the cluster's Redis, shared by every router; in this router's memory with a static worker list). None: off,
     as vLLM's default (each kept response holds its whole conversation)."""
+    allow_prefix_cache_reset: bool = False
+    """Serve vLLM's ``POST /reset_prefix_cache`` (router/cache_reset.py: every worker forgets its cached prompt
+    blocks). Off: 404, as vLLM outside its dev mode (a reset costs every tenant its cache hits)."""
     scheduling_policy: str = "fcfs"
     """vLLM's ``--scheduling-policy``: "fcfs" (requests giving a non-zero ``priority`` are refused, naming it, as
     vLLM's server refuses them) or "priority" (lower ``priority`` first in this router's queue for decode KV

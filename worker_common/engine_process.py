@@ -74,10 +74,11 @@ _READY_TIMEOUT_S = 600.0  # building an engine compiles kernels on a fresh machi
 _FOLLOW_UP_S = 0.002
 """After answering a call, how long the child waits for the caller's next command before it steps."""
 _CALLS = frozenset({"has_request", "check_request", "get_block_table", "reserve_prompt", "cached_prefix_tokens",
-                    "commit_reserved", "add_lora", "remove_lora", "lora_adapters", "lora_event_ids"})
+                    "commit_reserved", "add_lora", "remove_lora", "lora_adapters", "lora_event_ids",
+                    "reset_prefix_cache"})
 """The engine methods a proxy calls and waits for (module docstring): the KV roles' and, for every role, the LoRA
 adapters' (loaded and unloaded at run time)."""
-_ANY_ROLE = frozenset({"add_lora", "remove_lora", "lora_adapters", "lora_event_ids"})
+_ANY_ROLE = frozenset({"add_lora", "remove_lora", "lora_adapters", "lora_event_ids", "reset_prefix_cache"})
 
 
 _EOF = object()
@@ -412,6 +413,10 @@ class RemoteEngine:
 
     def lora_event_ids(self) -> dict[int, int]:
         return dict(self._call("lora_event_ids"))
+
+    def reset_prefix_cache(self) -> tuple[bool, int]:
+        ok, held = self._call("reset_prefix_cache")
+        return bool(ok), int(held)
 
     def _require_kv(self) -> None:
         if not self.kv:

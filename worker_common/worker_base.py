@@ -319,6 +319,17 @@ class WorkerBase:
 
         return worker_pb2.AbortResponse(found=bool(self.loop.call(abort)))
 
+    def ResetPrefixCache(self, request: worker_pb2.ResetPrefixCacheRequest,
+                         context: grpc.ServicerContext) -> worker_pb2.ResetPrefixCacheResponse:
+        """vLLM's reset_prefix_cache on this worker's engine, between two of its steps (``EngineCore``'s
+        ``reset_prefix_cache``: refused while a request holds blocks). UNAVAILABLE when the engine is not running."""
+        if self.loop is None or not self.loop.alive:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.cfg.worker_id}: its engine is not running")
+        ok, held = self.loop.call(lambda eng: eng.reset_prefix_cache())
+        if ok:
+            log.info("worker %s: prefix cache reset", self.cfg.worker_id)
+        return worker_pb2.ResetPrefixCacheResponse(reset=bool(ok), blocks_in_use=int(held))
+
     # ---- helpers for handlers -------------------------------------------------------
     def check_accepting(self, request_id: str) -> None:
         if not request_id:

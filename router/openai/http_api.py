@@ -85,7 +85,7 @@ def _package_version() -> str:
         return "0.1.0"
 
 
-_PROTECTED = ("/v1", "/tokenize", "/detokenize")
+_PROTECTED = ("/v1", "/tokenize", "/detokenize", "/reset_prefix_cache")
 """Paths that need the API key when keys are configured."""
 
 _LORA_HTTP = {grpc.StatusCode.UNIMPLEMENTED: 404, grpc.StatusCode.NOT_FOUND: 404,
@@ -530,6 +530,10 @@ class HttpApi:
         async def unload_lora_adapter(body: oa.UnloadLoRAAdapterRequest) -> Response:
             return await self._lora_admin("unload", body.lora_name)
 
+        @app.post("/reset_prefix_cache", include_in_schema=False)  # (an operator's route, not the API's)
+        async def reset_prefix_cache() -> Response:
+            return await self._reset_prefix_cache()
+
         @app.post("/tokenize")
         async def tokenize(request: Request) -> Response:
             return await self._tokenize(await self._body(request, oa.TokenizeCompletionRequest,
@@ -838,6 +842,26 @@ class HttpApi:
             param = _leading_field(e.message)
             return self._error(status, e.message, param if param in ("lora_name", "lora_path") else None)
         return PlainTextResponse(msg)
+
+    async def _reset_prefix_cache(self) -> Response:
+        """vLLM's ``POST /reset_prefix_cache`` on every ready worker (router/cache_reset.py): 200 with the workers
+        reset; 409 naming those whose requests held blocks (the rest were reset); 503 naming those that did not
+        answer; 404 unless ``allow_prefix_cache_reset``."""
+        from router.cache_reset import reset_all
+
+        if not self.core.cfg.allow_prefix_cache_reset:
+            return self._error(404, "POST /reset_prefix_cache is off: start the cluster with "
+                                    "--allow-prefix-cache-reset (RouterConfig.allow_prefix_cache_reset)")
+        out = await asyncio.to_thread(reset_all, self.core)
+        if out.failed:
+            return self._error(503, "prefix cache reset: no answer from " + ", ".join(
+                f"{w} ({why})" for w, why in out.failed.items()) + f"; reset: {', '.join(out.reset) or 'none'}")
+        if out.busy:
+            return self._error(409, "prefix cache reset refused while requests hold blocks on " + ", ".join(
+                f"{w} ({n} blocks)" for w, n in out.busy.items()) + f"; reset: {', '.join(out.reset) or 'none'}; "
+                "retry when they finish")
+        log.info("prefix cache reset on %s", ", ".join(out.reset) or "no worker")
+        return JSONResponse({"reset": out.reset})
 
     async def _tokenize(self, body: Any) -> Response:
         core = self.core

@@ -108,6 +108,9 @@ def test_scheduling_policy_reaches_the_router_config():
         build_parser().parse_args(["up", "--scheduling-policy", "lifo"])
     with pytest.raises(ValueError, match="scheduling_policy"):
         RouterConfig(scheduling_policy="lifo")
+    reset = build_parser().parse_args(["up", "--allow-prefix-cache-reset"])
+    assert RouterConfig(**router_overrides(reset)).allow_prefix_cache_reset
+    assert not RouterConfig(**router_overrides(args)).allow_prefix_cache_reset
 
 
 def test_max_model_len_reaches_the_router_and_every_worker_engine():

@@ -342,3 +342,29 @@ def test_a_cache_salt_shares_cached_blocks_only_with_its_own_salt(checkpoint):
     assert eng.num_free_blocks == eng.num_total_blocks
     with pytest.raises(ValueError, match="cache_salt"):
         SamplingParams(cache_salt="")
+
+
+def test_reset_prefix_cache_forgets_cached_blocks_only_when_none_is_held(checkpoint):
+    """vLLM's reset_prefix_cache: refused (with the blocks held) while a request runs, nothing forgotten; once idle,
+    every cached block is forgotten (the next identical prompt computes all of it) and a CLEARED event says so."""
+    path, _hf = checkpoint
+    eng = make_engine(path, block_size=BS)
+    eng.block_manager.enable_events()
+    prompt = prompts_of([30], seed=43)[0]
+    run_engine(eng, {"a": prompt}, greedy(4))
+    eng.add_request("b", prompt, greedy(8))
+    eng.step()
+    ok, held = eng.reset_prefix_cache()
+    assert not ok and held >= 2
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert eng.cached_prefix_tokens(prompt[:28]) == 28  # the refused reset forgot nothing
+    eng.block_manager.take_events()
+    assert eng.reset_prefix_cache() == (True, 0)
+    assert eng.block_manager.take_events() == [("cleared",)]
+    assert eng.cached_prefix_tokens(prompt[:28]) == 0
+    hits = eng.prefix_cache_hits
+    out = run_engine(eng, {"c": prompt}, greedy(4))["c"]
+    assert eng.prefix_cache_hits == hits and out == run_engine(make_engine(path, block_size=BS), {"d": prompt},
+                                                               greedy(4))["d"]
+    assert eng.num_free_blocks == eng.num_total_blocks

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -21,7 +22,8 @@ KEY = "http-test-key-0123456789"
 @pytest.fixture(scope="module")
 def roles():
     torch.set_num_threads(1)
-    r = start_roles(tag="http-", router=dict(http_port=0, api_keys=(KEY,), max_num_requests=8))
+    r = start_roles(tag="http-", router=dict(http_port=0, api_keys=(KEY,), max_num_requests=8,
+                                             allow_prefix_cache_reset=True))
     yield r
     r.close()
 
@@ -250,6 +252,47 @@ def test_continuous_usage_stats_give_every_chunk_its_choices_usage_so_far(client
     plain = list(client.completions.create(model="tiny", prompt="def f(", max_tokens=3, temperature=0, stream=True,
                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 3
+
+
+def test_reset_prefix_cache_forgets_every_workers_cached_blocks_and_refuses_where_blocks_are_held(roles, client):
+    """vLLM's POST /reset_prefix_cache (--allow-prefix-cache-reset): a prompt that hit the cache computes all of it
+    again after a reset, with the same text; a decode worker holding a reservation's blocks refuses by name (the
+    prefill worker is reset) and accepts once they are freed."""
+    from proto import worker_pb2, worker_pb2_grpc
+    from router.wire import params_to_wire
+
+    base, hdr = f"http://{roles.router.http_address}", {"authorization": f"Bearer {KEY}"}
+    prompt = list(range(800, 841))  # 41 ids: 2 full blocks of 16
+    want = offline([prompt], [SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)])[0][1]
+
+    def cached() -> int:
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    cached()
+    assert cached() > 0
+    ids = sorted(w.cfg.worker_id for w in (*roles.prefills, *roles.decodes))
+    r = httpx.post(f"{base}/reset_prefix_cache", headers=hdr, timeout=30)
+    assert (r.status_code, r.json()) == (200, {"reset": ids})
+    assert cached() == 0
+    decode = roles.decodes[0]
+    ch = grpc.insecure_channel(decode.address)
+    stub = worker_pb2_grpc.DecodeWorkerStub(ch)
+    try:
+        stub.Reserve(worker_pb2.ReserveRequest(request_id="held", prompt_token_ids=[5] * 40,
+                                               params=params_to_wire(SamplingParams(max_tokens=1)),
+                                               prefill_kv_name=roles.prefills[0].cfg.worker_id, kv_timeout_s=30.0),
+                     timeout=10)
+        busy = httpx.post(f"{base}/reset_prefix_cache", headers=hdr, timeout=30)
+        message = busy.json()["error"]["message"]
+        assert busy.status_code == 409 and f"{decode.cfg.worker_id} (3 blocks)" in message, message
+        assert f"reset: {roles.prefills[0].cfg.worker_id}" in message
+    finally:
+        stub.Abort(worker_pb2.AbortRequest(request_id="held"), timeout=10)
+        ch.close()
+    assert httpx.post(f"{base}/reset_prefix_cache", headers=hdr, timeout=30).status_code == 200
 
 
 def test_cache_salt_keeps_each_tenants_prefix_cache_hits_to_itself(client):

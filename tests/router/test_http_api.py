@@ -155,3 +155,10 @@ def test_a_context_shorter_than_the_models_on_the_workers_is_checked_by_the_rout
         assert _post(api, "/v1/completions", {"prompt": prompt, "max_tokens": 2}).status_code == 200
     finally:
         p0.info.max_model_len = d0.info.max_model_len = 0
+
+
+def test_prefix_cache_reset_is_off_by_default_and_needs_the_key(server, workers):
+    api = server[0]
+    off = _post(api, "/reset_prefix_cache", {})
+    assert off.status_code == 404 and "--allow-prefix-cache-reset" in off.json()["error"]["message"]
+    assert _post(api, "/reset_prefix_cache", {}, key="wrong-key-0123456789").status_code == 401

@@ -254,10 +254,12 @@ def test_the_kv_proxys_calls_answer_as_the_engine_does():
         assert remote.num_free_blocks == total - 3  # the reply's snapshot: taken now, not a step later
         with pytest.raises(ValueError, match="already in use"):
             remote.reserve_prompt("r", 4)
+        assert remote.reset_prefix_cache() == (False, 3)  # the reservation holds its blocks
         remote.abort_request("r")
         while remote.has_unfinished_requests():
             remote.step()
         assert remote.num_free_blocks == total and not remote.has_request("r")
+        assert remote.reset_prefix_cache() == (True, 0) and plain.reset_prefix_cache() == (True, 0)  # any role
         with pytest.raises(RuntimeError, match=r"kv=True"):
             plain.reserve_prompt("r", 4)
     finally:
