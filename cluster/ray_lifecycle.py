@@ -6,8 +6,8 @@ Lifecycle of a ``ClusterRay()``:
    app) and never shut down here; else ``config.ray_address`` is joined (``"auto"`` joins ``ray start`` or
    KubeRay: this process owns only its driver connection); else a private local instance starts in its own
    short temp dir (Ray's unix sockets live under it, and it keeps two clusters apart), with no dashboard and
-   no prestarted idle workers (``NO_PRESTART``), and this object owns it. A detached cluster (its workers outlive this process) refuses to start a
-   private Ray.
+   no prestarted idle workers (``NO_PRESTART``), and this object owns it. A detached cluster (its workers
+   outlive this process) refuses to start a private Ray.
 2. ``resolve_device(requested)``: "auto" becomes "cuda" when the Ray cluster offers GPUs, else "cpu".
 3. ``shutdown()``: disconnects a Ray this object started or joined; for a private instance it also makes
    sure the processes ``ray.init`` spawned (GCS, raylet, their workers) are gone, killing stragglers, and

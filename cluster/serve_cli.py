@@ -107,7 +107,7 @@ def prepare_cpu_kernels(args: argparse.Namespace) -> None:
     this terminal: the first start on a machine compiles them for minutes, and from inside Ray's worker actors
     (whose logs do not reach the driver) that looked like a hang. A build an earlier load noted
     (``engine.kernels.built_without_torch``: found without importing torch) needs no child: that saves the child's
-    torch import, ~1.5 s of every later start. A start that must wait for another process's
+    torch import, 1.6 s of a start here (1 Dec). A start that must wait for another process's
     build says so here (``engine.kernels``). Only for a private local Ray on CPU: elsewhere each node builds its
     own. Ctrl-C reaches the child too; an interrupted build never blocks the next start."""
     if getattr(args, "address", None) is not None or os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":

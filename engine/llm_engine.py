@@ -549,7 +549,7 @@ class LLMEngine:
         ``(False, blocks held)`` and nothing changes; ``(True, 0)`` otherwise."""
         bm = self.block_manager
         if self._inflight is not None or not bm.reset_prefix_cache():
-            return False, max(1, bm.num_blocks_in_use)
+            return False, bm.num_blocks_in_use
         return True, 0
 
     def cached_prefix_tokens(self, prompt_token_ids: list[int], lora_name: Optional[str] = None,
@@ -701,8 +701,8 @@ class LLMEngine:
         """(whether the next step can be scheduled and launched before ``prev`` is read back, whether its draw must
         then wait until ``prev`` is read). Each running sequence that sampled in ``prev`` gets a placeholder for its
         unread token (so it must decode, and that token must not be its last by length); one under a grammar or
-        with a penalty or a bad word over its history makes the draw wait (the forward still runs ahead); every other running
-        sequence has known tokens to compute; nothing is prefill-only; and the running sequences the step's
+        with a penalty or a bad word over its history (``SamplingParams.needs_history``) makes the draw wait (the
+        forward still runs ahead); every other running sequence has known tokens to compute; nothing is prefill-only; and the running sequences the step's
         budget reaches get their blocks without a preemption (the step in flight still writes a victim's blocks,
         and it would re-prefill its placeholder). Waiting requests may be admitted: they take only free blocks."""
         sch = self.scheduler

@@ -142,8 +142,8 @@ class SamplingParams:
         self._check_int("priority", -(2**31), 2**31 - 1)
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
                                             or len(self.cache_salt) > self.MAX_CACHE_SALT_CHARS):
-            raise ValueError(f"cache_salt must be a non-empty string of at most {self.MAX_CACHE_SALT_CHARS} characters, "
-                             f"got {self.cache_salt!r:.80}")
+            raise ValueError(f"cache_salt must be a non-empty string of at most {self.MAX_CACHE_SALT_CHARS} "
+                             f"characters, got {self.cache_salt!r:.80}")
         if self.lora_name is not None:
             from engine.lora import check_lora_name
 
@@ -186,9 +186,10 @@ class SamplingParams:
                 raise ValueError("allowed_token_ids is empty: no token could be generated")
             if len(ids) > self.MAX_ALLOWED_TOKEN_IDS:
                 raise ValueError(f"allowed_token_ids has {len(ids)} ids; at most {self.MAX_ALLOWED_TOKEN_IDS}")
-            for i, t in enumerate(ids):
-                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
-                    raise ValueError(f"allowed_token_ids[{i}] must be a non-negative token id, got {t!r}")
+            if not (all(type(t) is int for t in ids) and min(ids) >= 0):  # (the common case at C speed)
+                for i, t in enumerate(ids):
+                    if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                        raise ValueError(f"allowed_token_ids[{i}] must be a non-negative token id, got {t!r}")
             self.allowed_token_ids = ids
         if self.bad_words is None:
             self.bad_words = []
@@ -220,8 +221,9 @@ class SamplingParams:
     def needs_history(self) -> bool:
         """Whether a draw depends on the tokens generated so far (penalties, multi-token bad words): an async
         engine waits for the step before's tokens to draw such a row."""
+        # (read for every running sequence each step of an async engine: no generator unless there are bad words)
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or any(len(s) > 1 for s in self.bad_words_token_ids or ()))
+                or (self.bad_words_token_ids is not None and any(len(s) > 1 for s in self.bad_words_token_ids)))
 
     def truncate_prompt(self, prompt_token_ids: list[int], context_length: int) -> list[int]:
         """The prompt as ``truncate_prompt_tokens`` keeps it: its last k tokens (-1: the last

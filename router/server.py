@@ -287,8 +287,8 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             except LoRAAdminError as e:
                 raise _Abort(e.code, e.message) from None
         try:
-            # the tokenizer (a prompt, bad words), or a structured_outputs grammar to compile (a JSON schema's can take a while): off the
-            # loop, which streams every other request meanwhile
+            # the tokenizer (a prompt, bad words), or a structured_outputs grammar to compile (a JSON schema's can
+            # take a while): off the loop, which streams every other request meanwhile
             check = functools.partial(validate_generate, request, core.limits, core.tokenize,
                                       allow_priority=core.cfg.scheduling_policy == "priority")
             if request.prompt or request.bad_words or request.HasField("structured_outputs"):

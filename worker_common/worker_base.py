@@ -325,7 +325,10 @@ class WorkerBase:
         ``reset_prefix_cache``: refused while a request holds blocks). UNAVAILABLE when the engine is not running."""
         if self.loop is None or not self.loop.alive:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.cfg.worker_id}: its engine is not running")
-        ok, held = self.loop.call(lambda eng: eng.reset_prefix_cache())
+        try:
+            ok, held = self.loop.call(lambda eng: eng.reset_prefix_cache())
+        except (RuntimeError, TimeoutError) as e:  # the loop stopped meanwhile, or no step boundary in 30 s
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"worker {self.cfg.worker_id}: no prefix cache reset ({e})")
         if ok:
             log.info("worker %s: prefix cache reset", self.cfg.worker_id)
         return worker_pb2.ResetPrefixCacheResponse(reset=bool(ok), blocks_in_use=int(held))
