@@ -19,7 +19,9 @@ its sequence (``engine.structured_outputs``), built from the constraint plus
 the tokens it already has (a decode worker's first token, a migration's
 ``resume_token_ids``); the runner masks its sampling rows, drafts the grammar
 rejects are cut before verification, each accepted token advances the matcher
-and the request finishes with "stop" once the grammar is complete.
+and the request finishes with "stop" once the grammar is complete. A request whose answer opens with a
+reasoning block (``SamplingParams.reasoning_end_token_ids``, ``engine.reasoning``) gets its matcher only when
+the block closes: the grammar constrains the answer after the thinking.
 A thread may change the engine beside a running step: an owner that serializes calls into the engine with a
 lock (``worker_common.engine_loop``) sets it as ``owner_lock``; ``step()`` releases it while the model runs
 (and takes it back before touching requests or blocks again), so a decode worker's ``reserve_prompt`` is
@@ -60,6 +62,7 @@ from engine.lora import (LoRASet, attach_adapter, check_lora_name, detach_adapte
 from engine.model_runner import ModelRunner, PendingStep, RunnerOutput
 from engine.outputs import CoreOutput, TokenLogprob
 from engine.sampler import Sampler
+from engine.reasoning import drafts_before_end, ends_with, reasoning_end
 from engine.sampling_params import SamplingParams, bad_words_token_ids
 from engine.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence, check_stop
 from engine.speculative import NgramProposer, SpecDecodeStats, accept
@@ -456,9 +459,7 @@ class LLMEngine:
             if len(seq.prompt_token_ids) + len(outs) >= self.max_model_len:
                 raise ValueError(f"prompt ({len(seq.prompt_token_ids)}) plus resume_token_ids ({len(outs)}) "
                                  f"leave no room under max_model_len ({self.max_model_len})")
-            if seq.matcher is not None and not seq.matcher.consume(outs):
-                raise ValueError("resume_token_ids do not follow the request's structured_outputs constraint "
-                                 f"({seq.matcher.error()})")
+            self._grammar_over(seq, outs, "resume_token_ids do")
             for t in outs:
                 seq.append(t)
             seq.num_prefill = seq.num_tokens
@@ -615,9 +616,7 @@ class LLMEngine:
         if not isinstance(first_token_id, int) or not 0 <= first_token_id < self.model_config.vocab_size:
             raise ValueError(f"first_token_id must be a token id in [0, {self.model_config.vocab_size}), "
                              f"got {first_token_id!r}")
-        if fresh.matcher is not None and not fresh.matcher.consume([first_token_id]):
-            raise ValueError(f"first_token_id {first_token_id} does not follow the request's structured_outputs "
-                             f"constraint ({fresh.matcher.error()})")
+        self._grammar_over(fresh, [first_token_id], f"first_token_id {first_token_id} does")
         if seq.block_keys and fresh.key_root != seq.key_root:
             raise ValueError(f"params.lora_name ({params.lora_name!r}) or params.cache_salt is not what {request_id!r} "
                              "reserved its cached blocks under")
@@ -810,6 +809,8 @@ class LLMEngine:
         for seq, drafts in zip(todo, self._proposer.propose_many(items)):
             if seq.matcher is not None and drafts:
                 drafts = list(drafts)[:seq.matcher.valid_prefix(drafts)]  # what the grammar rejects is no draft
+            elif seq.grammar_waits and drafts:  # the grammar's first token is drawn with its mask, never drafted
+                drafts = drafts_before_end(seq.output_token_ids, drafts, seq.params.reasoning_end_token_ids)
             seq.spec_token_ids = drafts
 
     def _layer_hook(self, sched: SchedulerOutput) -> Optional[Callable[[int], None]]:
@@ -853,6 +854,8 @@ class LLMEngine:
                 reason = check_stop(seq, self.max_model_len)
                 if seq.matcher is not None:
                     reason = self._advance_matcher(seq, tok, reason)
+                elif seq.grammar_waits and ends_with(seq.output_token_ids, seq.params.reasoning_end_token_ids):
+                    seq.matcher, seq.grammar_waits = self.grammar.new_matcher(seq.params.structured_outputs), False
                 if reason is not None:
                     break
             if n > 1:
@@ -1056,5 +1059,25 @@ class LLMEngine:
             seq.key_root = self.lora.by_slot[seq.lora_slot].key_root
         seq.key_root = salted_root(seq.key_root, params.cache_salt)
         if params.structured_outputs is not None:
-            seq.matcher = self.grammar.new_matcher(params.structured_outputs)  # ValueError names the field
+            matcher = self.grammar.new_matcher(params.structured_outputs)  # ValueError names the field
+            if params.reasoning_end_token_ids is None:
+                seq.matcher = matcher
+            else:  # (compiled now all the same: a bad constraint is refused before any work)
+                seq.grammar_waits = True
         return seq
+
+    def _grammar_over(self, seq: Sequence, outs: list[int], what: str) -> None:
+        """Set a fresh sequence's grammar state as after ``outs`` (tokens produced elsewhere: a migration's resume,
+        the prefill worker's first token), before they are appended: consumed by its matcher, or, where a
+        reasoning block was open, the matcher made from what follows the block's end; ValueError naming ``what``
+        (with its verb) when they break the constraint."""
+        if seq.grammar_waits:
+            end = seq.params.reasoning_end_token_ids
+            at = reasoning_end(outs, end)
+            if at is None:
+                return
+            seq.matcher, seq.grammar_waits = self.grammar.new_matcher(seq.params.structured_outputs), False
+            outs = outs[at:]
+        if seq.matcher is not None and not seq.matcher.consume(outs):
+            raise ValueError(f"{what} not follow the request's structured_outputs constraint "
+                             f"({seq.matcher.error()})")

@@ -15,7 +15,8 @@ the constrained distribution; vLLM applies its grammar bitmask the same way), th
 repetition penalty (over prompt + output, transformers' semantics), frequency
 and presence penalties (over output only, OpenAI's semantics), logit_bias, vLLM's
 allowed_token_ids and bad words (each giving way where it would leave a row no
-token), min_tokens (EOS and stop_token_ids masked), then for sampled rows temperature, top-k, top-p,
+token), min_tokens (EOS and stop_token_ids masked), a spent thinking_token_budget (the reasoning block's end
+token forced, ``engine.reasoning``), then for sampled rows temperature, top-k, top-p,
 min-p, typical-p, and finally the draw. Greedy rows (temperature 0) take the
 argmax after the penalties. Every step is a tensor op over the whole batch with
 per-row parameters; rows whose parameter is neutral pass through unchanged.
@@ -47,6 +48,7 @@ from typing import Any, Optional
 import torch
 
 from engine.outputs import TokenLogprob
+from engine.reasoning import forced_token
 from engine.sampling_params import SamplingParams
 from engine.structured_outputs import apply_bitmask
 
@@ -177,12 +179,13 @@ class Sampler:
         need_min = any(len(r.output_token_ids) < r.params.min_tokens for r in reqs)
         need_bias = any(p.logit_bias for p in params)
         need_ban = any(p.allowed_token_ids is not None or p.bad_words_token_ids for p in params)
+        need_force = any(p.thinking_token_budget is not None for p in params)
 
         # Fast path: plain greedy batch, the common case for evals and load tests.
-        if all(p.greedy for p in params) and not (need_penalty or need_min or need_bias or need_ban):
+        if all(p.greedy for p in params) and not (need_penalty or need_min or need_bias or need_ban or need_force):
             return self._to_host(raw, raw.argmax(dim=-1), params, want_lp)
 
-        x = self._process(raw, reqs, need_penalty, need_min, need_bias, need_ban)
+        x = self._process(raw, reqs, need_penalty, need_min, need_bias, need_ban, need_force)
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled_rows) == B:  # all sampled: no row shuffling
             tokens = self._draw(torch.softmax(x, dim=-1), reqs)
@@ -227,10 +230,11 @@ class Sampler:
         """
         if logits.dim() != 2 or logits.shape[0] != len(reqs):
             raise ValueError(f"logits must be [len(reqs)={len(reqs)}, V], got {tuple(logits.shape)}")
-        return self._process(logits[:, : self.vocab_size].float(), reqs, True, True, True, True)
+        return self._process(logits[:, : self.vocab_size].float(), reqs, True, True, True, True, True)
 
     def _process(self, raw: torch.Tensor, reqs: list[SamplingRequest], need_penalty: bool,
-                 need_min: bool, need_bias: bool = False, need_ban: bool = False) -> torch.Tensor:
+                 need_min: bool, need_bias: bool = False, need_ban: bool = False,
+                 need_force: bool = False) -> torch.Tensor:
         x = raw.clone()
         if need_penalty:
             x = self._apply_penalties(x, reqs)
@@ -241,6 +245,8 @@ class Sampler:
             x = self._apply_bad_words(x, reqs)
         if need_min:
             x = self._apply_min_tokens(x, reqs)
+        if need_force:
+            x = self._apply_thinking_budget(x, reqs)
         sampled_rows = [i for i, r in enumerate(reqs) if not r.params.greedy]
         if len(sampled_rows) == len(reqs):
             x = self._warp(x, [r.params for r in reqs])
@@ -333,6 +339,28 @@ class Sampler:
         banned = x.index_put((to_device(rows, torch.long, dev), to_device(cols, torch.long, dev)),
                              x.new_full((), float("-inf")))
         return torch.where(torch.isneginf(banned).all(dim=-1, keepdim=True), x, banned)
+
+    def _apply_thinking_budget(self, x: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
+        """vLLM's thinking_token_budget: a row whose reasoning block has used its budget gets the block's end
+        sequence, one forced token a position (``engine.reasoning.forced_token``): every other logit -inf, over
+        every other restriction (the block must close for the answer to come)."""
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, r in enumerate(reqs):
+            p = r.params
+            if p.thinking_token_budget is None:
+                continue
+            t = forced_token(r.output_token_ids, p.reasoning_end_token_ids, p.reasoning_start_token_ids,
+                             p.thinking_token_budget)
+            if t is not None and t < self.vocab_size:
+                rows.append(i)
+                cols.append(t)
+        if not rows:
+            return x
+        dev = x.device
+        r_idx, c_idx = to_device(rows, torch.long, dev), to_device(cols, torch.long, dev)
+        x = x.index_fill(0, r_idx, float("-inf"))
+        return x.index_put((r_idx, c_idx), x.new_zeros(len(rows)))
 
     def _apply_min_tokens(self, x: torch.Tensor, reqs: list[SamplingRequest]) -> torch.Tensor:
         rows: list[int] = []

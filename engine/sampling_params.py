@@ -90,6 +90,17 @@ class SamplingParams:
     """Constrain the output to a JSON Schema, regex, choice list or grammar (``engine.structured_outputs``);
     the mask applies before every other processor, so logprobs describe the constrained distribution."""
 
+    reasoning_end_token_ids: Optional[list[int]] = None
+    """The answer opens inside a reasoning block that this token sequence closes (a thinking model's ``</think>``
+    as the router's reasoning parser tokenizes it; ``engine.reasoning``): ``structured_outputs`` then constrains
+    only what follows it, and ``thinking_token_budget`` counts the tokens before it. None: no reasoning block."""
+    reasoning_start_token_ids: Optional[list[int]] = None
+    """The block's opening sequence (``<think>``): where the answer begins with it (the model writing its own),
+    those tokens are not counted against ``thinking_token_budget``."""
+    thinking_token_budget: Optional[int] = None
+    """vLLM's: at most this many tokens of reasoning; then the end sequence is forced (over every other
+    restriction), one token a step. Needs ``reasoning_end_token_ids``."""
+
     lora_name: Optional[str] = None
     """The LoRA adapter this request runs under (engine/lora.py), by the name the engine serves it as
     (``EngineConfig.lora_modules``); None: the base model. Its K/V is cached apart from other adapters'."""
@@ -100,6 +111,7 @@ class SamplingParams:
     MAX_BAD_WORDS = 128
     MAX_BAD_WORD_CHARS = 512
     MAX_CACHE_SALT_CHARS = 1024
+    MAX_REASONING_MARKER_TOKENS = 64
     MAX_N = 16
     """Choices one request may ask for (n): the router's bound and a decode worker's (1 + siblings); the one
     constant both sides read."""
@@ -139,6 +151,7 @@ class SamplingParams:
         if self.logit_bias is not None:
             self._check_logit_bias()
         self._check_token_lists()
+        self._check_reasoning()
         self._check_int("priority", -(2**31), 2**31 - 1)
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
                                             or len(self.cache_salt) > self.MAX_CACHE_SALT_CHARS):
@@ -217,12 +230,37 @@ class SamplingParams:
                 raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 (as much as fits), "
                                  f"got {k!r}")
 
+    def _check_reasoning(self) -> None:
+        for name in ("reasoning_end_token_ids", "reasoning_start_token_ids"):
+            ids = getattr(self, name)
+            if ids is None:
+                continue
+            if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+                raise ValueError(f"{name} must be a list of token ids, got {type(ids).__name__}")
+            ids = list(ids)
+            if not ids or len(ids) > self.MAX_REASONING_MARKER_TOKENS:
+                raise ValueError(f"{name} must hold 1 to {self.MAX_REASONING_MARKER_TOKENS} token ids, got {len(ids)}")
+            for i, t in enumerate(ids):
+                if not isinstance(t, int) or isinstance(t, bool) or t < 0:
+                    raise ValueError(f"{name}[{i}] must be a non-negative token id, got {t!r}")
+            setattr(self, name, ids)
+        if self.thinking_token_budget is not None:
+            self._check_int("thinking_token_budget", 0, None)
+            if self.reasoning_end_token_ids is None:
+                raise ValueError("thinking_token_budget needs reasoning_end_token_ids (the sequence that ends the "
+                                 "reasoning block; a cluster takes it from its --reasoning-parser)")
+        if self.reasoning_start_token_ids is not None and self.reasoning_end_token_ids is None:
+            raise ValueError("reasoning_start_token_ids needs reasoning_end_token_ids")
+
     @property
     def needs_history(self) -> bool:
-        """Whether a draw depends on the tokens generated so far (penalties, multi-token bad words): an async
-        engine waits for the step before's tokens to draw such a row."""
+        """Whether a draw depends on the tokens generated so far (penalties, multi-token bad words, a thinking
+        budget, a grammar waiting for the reasoning block to close): an async engine waits for the step before's
+        tokens to draw such a row."""
         # (read for every running sequence each step of an async engine: no generator unless there are bad words)
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or (self.reasoning_end_token_ids is not None
+                    and (self.thinking_token_budget is not None or self.structured_outputs is not None))
                 or (self.bad_words_token_ids is not None and any(len(s) > 1 for s in self.bad_words_token_ids)))
 
     def truncate_prompt(self, prompt_token_ids: list[int], context_length: int) -> list[int]:

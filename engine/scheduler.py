@@ -81,7 +81,11 @@ class Sequence:
     """Draft tokens to verify this step (speculative decoding); set before ``schedule``, trimmed by it."""
     matcher: Optional[Matcher] = None
     """The grammar state of a structured-outputs request (``engine.structured_outputs``): it has consumed
-    exactly ``output_token_ids``; it stays with the sequence through preemption and prefix-cache hits."""
+    exactly ``output_token_ids`` (after the reasoning block, where there is one); it stays with the sequence
+    through preemption and prefix-cache hits."""
+    grammar_waits: bool = False
+    """A structured-outputs request whose reasoning block (``params.reasoning_end_token_ids``) is still open: no
+    matcher yet; the engine makes it when the block's end sequence is accepted (``engine.reasoning``)."""
     lora_slot: int = 0
     """The request's LoRA adapter slot in its engine (engine/lora.py; 0: the base model)."""
     key_root: int = 0

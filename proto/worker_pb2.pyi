@@ -84,7 +84,7 @@ class LoRAStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., key_root: _Optional[int] = ..., load_id: _Optional[str] = ..., error: _Optional[str] = ..., running: _Optional[int] = ...) -> None: ...
 
 class WireSamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "logit_bias", "structured_outputs", "prompt_logprobs", "lora_name", "lora_root", "allowed_token_ids", "bad_words_token_ids", "priority", "cache_salt")
+    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "typical_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "skip_special_tokens", "logit_bias", "structured_outputs", "prompt_logprobs", "lora_name", "lora_root", "allowed_token_ids", "bad_words_token_ids", "priority", "cache_salt", "reasoning_end_token_ids", "reasoning_start_token_ids", "thinking_token_budget")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,9 @@ class WireSamplingParams(_message.Message):
     BAD_WORDS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    REASONING_END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_START_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    THINKING_TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     min_tokens: int
     temperature: float
@@ -142,7 +145,10 @@ class WireSamplingParams(_message.Message):
     bad_words_token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
     priority: int
     cache_salt: str
-    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., structured_outputs: _Optional[_Union[_pdserve_pb2.StructuredOutputs, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_root: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    reasoning_end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    reasoning_start_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    thinking_token_budget: int
+    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., typical_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., structured_outputs: _Optional[_Union[_pdserve_pb2.StructuredOutputs, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., lora_name: _Optional[str] = ..., lora_root: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., reasoning_end_token_ids: _Optional[_Iterable[int]] = ..., reasoning_start_token_ids: _Optional[_Iterable[int]] = ..., thinking_token_budget: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)

@@ -38,6 +38,11 @@ def params_to_wire(p: SamplingParams, lora_root: int = 0) -> worker_pb2.WireSamp
         w.allowed_token_ids.extend(p.allowed_token_ids)
     for seq in p.bad_words_token_ids or ():
         w.bad_words_token_ids.add(ids=seq)
+    if p.reasoning_end_token_ids is not None:
+        w.reasoning_end_token_ids.extend(p.reasoning_end_token_ids)
+        w.reasoning_start_token_ids.extend(p.reasoning_start_token_ids or ())
+        if p.thinking_token_budget is not None:
+            w.thinking_token_budget = p.thinking_token_budget
     if p.structured_outputs is not None:
         w.structured_outputs.CopyFrom(structured_outputs_to_proto(p.structured_outputs))
     if p.lora_name is not None:

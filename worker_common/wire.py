@@ -39,6 +39,9 @@ def wire_to_params(w: worker_pb2.WireSamplingParams) -> SamplingParams:
         structured_outputs=(structured_outputs_from_proto(w.structured_outputs)
                             if w.HasField("structured_outputs") else None),
         lora_name=w.lora_name or None,
+        reasoning_end_token_ids=list(w.reasoning_end_token_ids) or None,
+        reasoning_start_token_ids=list(w.reasoning_start_token_ids) or None,
+        thinking_token_budget=w.thinking_token_budget if w.HasField("thinking_token_budget") else None,
     )
 
 

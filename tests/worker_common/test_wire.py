@@ -59,3 +59,13 @@ def test_logprobs_to_proto_of_none_is_empty_and_keeps_order():
     assert logprobs_to_proto(None) == [] and logprobs_to_proto([]) == []
     lps = [TokenLogprob(3, -0.5), TokenLogprob(8, -0.75, [(8, -0.75)])]
     assert [logprob_from_proto(m) for m in logprobs_to_proto(lps)] == lps
+
+
+def test_reasoning_fields_round_trip_and_a_zero_budget_stays_apart_from_none():
+    for budget in (None, 0, 7):
+        p = SamplingParams(max_tokens=9, reasoning_end_token_ids=[5, 6, 7], reasoning_start_token_ids=[3, 4],
+                           thinking_token_budget=budget)
+        assert wire_to_params(params_to_wire(p)) == p
+    plain = wire_to_params(params_to_wire(SamplingParams(max_tokens=9, reasoning_end_token_ids=[8])))
+    assert plain.reasoning_end_token_ids == [8] and plain.reasoning_start_token_ids is None
+    assert plain.thinking_token_budget is None
