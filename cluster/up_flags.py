@@ -10,6 +10,7 @@ namespace only: nothing starts here, and nothing heavy is imported before a comm
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 
@@ -152,6 +153,17 @@ def add_pool_args(p: argparse.ArgumentParser) -> None:
                         "worker is replaced under a new id (default 1)")
 
 
+def _json_object(text: str) -> dict:
+    """An argparse type: a JSON object (argparse reports the ValueError as a usage error naming the flag)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 def add_router_args(p: argparse.ArgumentParser) -> None:
     """The public front end: ports, admission, conditional disaggregation, TLS and API keys."""
     p.add_argument("--port", type=int, default=50051, help="router port, 0 = free port (default 50051)")
@@ -161,6 +173,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="how the HTTP API reads tool calls out of a free answer (tool_choice auto), vLLM's names: "
                         "hermes (Hermes/Qwen <tool_call>) or llama3_json (default: none; tool_choice required or "
                         "a named function work without it)")
+    p.add_argument("--reasoning-parser", default=None, choices=("deepseek_r1", "qwen3"),  # router.openai.reasoning
+                   help="split a thinking model's chat answers into reasoning and content, vLLM's names: "
+                        "deepseek_r1 (DeepSeek-R1, QwQ) or qwen3; structured outputs then constrain the answer "
+                        "after the reasoning, and requests may set thinking_token_budget (default: none)")
+    p.add_argument("--default-chat-template-kwargs", default=None, type=_json_object, metavar="JSON",
+                   help="extra chat template variables for every request, as a JSON object (e.g. "
+                        "'{\"enable_thinking\": false}'); a request's chat_template_kwargs override them")
     p.add_argument("--health-port", type=int, default=0, metavar="PORT",
                    help="a plaintext gRPC port on --host offering only grpc.health.v1, for probes that speak no "
                         "TLS (the kubelet's) when the API serves TLS (default 0: none)")
@@ -396,6 +415,10 @@ def router_overrides(args: argparse.Namespace) -> dict:
     out["health_port"] = args.health_port or None
     if args.tool_call_parser is not None:
         out["tool_call_parser"] = args.tool_call_parser
+    if getattr(args, "reasoning_parser", None) is not None:
+        out["reasoning_parser"] = args.reasoning_parser
+    if getattr(args, "default_chat_template_kwargs", None) is not None:
+        out["default_chat_template_kwargs"] = args.default_chat_template_kwargs
     if getattr(args, "api_keys_file", None):
         out["api_keys_file"] = args.api_keys_file
     stall = getattr(args, "stream_stall_timeout_s", 60.0)

@@ -168,6 +168,13 @@ class RouterConfig:
     """How the HTTP API reads tool calls out of a free answer (``tool_choice: "auto"``), vLLM's names:
     "hermes" (Hermes/Qwen ``<tool_call>{...}</tool_call>``) or "llama3_json" (``router.openai.tool_parsers``). None:
     requests with tools need ``tool_choice`` "none", "required" or a named function."""
+    reasoning_parser: Optional[str] = None
+    """vLLM's ``--reasoning-parser``: how the HTTP chat APIs split a thinking model's answer into reasoning and
+    content, "deepseek_r1" or "qwen3" (``router.openai.reasoning``); with it, structured outputs constrain the
+    answer after the reasoning, and ``thinking_token_budget`` is accepted. None: the answer is all content."""
+    default_chat_template_kwargs: Optional[dict] = None
+    """vLLM's ``--default-chat-template-kwargs``: extra variables for every chat template render (e.g.
+    ``{"enable_thinking": false}``); a request's ``chat_template_kwargs`` override them key by key."""
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     """Public API keys: when any is set, every Generate/Tokenize/GetModelInfo call must carry one as
     ``authorization: Bearer <key>`` (UNAUTHENTICATED otherwise); health and reflection stay open."""
@@ -260,6 +267,15 @@ class RouterConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS} or None, "
                              f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None:
+            from router.openai.reasoning import format_of
+
+            format_of(self.reasoning_parser)  # ValueError naming the known ones
+        if self.default_chat_template_kwargs is not None:
+            from router.openai.protocol import check_template_kwargs
+
+            self.default_chat_template_kwargs = check_template_kwargs(self.default_chat_template_kwargs,
+                                                                      "default_chat_template_kwargs")
         self._check_security()
 
     def _check_security(self) -> None:

@@ -81,6 +81,9 @@ class RouterCore:
         self.tracing = Tracing(cfg.otlp_traces_endpoint, "pdserve-router")
         """Request traces (``transport.tracing``; off without ``cfg.otlp_traces_endpoint``)."""
         self.tokenizer: Any = None
+        self.reasoning: Any = None
+        """(``router.openai.reasoning.ReasoningFormat``, its ``ReasoningMarkers``) of ``cfg.reasoning_parser``, made
+        at ``load``; None: no reasoning parser."""
         self._model_limits: Optional[ModelLimits] = None
         """The model's limits as the router's config gives them (``limits`` adds the workers' context length)."""
         self._limits: Optional[ModelLimits] = None
@@ -151,6 +154,13 @@ class RouterCore:
         from metrics import RouterMetrics
 
         self.tokenizer, self._model_limits = load_model_view(self.cfg)
+        if self.cfg.reasoning_parser is not None:
+            from router.openai.reasoning import format_of
+
+            if self.tokenizer is None:
+                raise ValueError("reasoning_parser needs the model's tokenizer, and this model has none")
+            fmt = format_of(self.cfg.reasoning_parser)
+            self.reasoning = (fmt, fmt.markers(self.tokenizer))
         self.metrics = RouterMetrics(self.cfg.served_model_name, "router",
                                      max_model_len=self._model_limits.max_context_length)
         self.view.start()
@@ -171,6 +181,11 @@ class RouterCore:
         self.tracing.shutdown()
         if self.responses is not None:
             self.responses.close()
+
+    @property
+    def reasoning_markers(self) -> Any:
+        """The reasoning parser's markers as token ids (``validate_generate``'s ``reasoning``); None without one."""
+        return self.reasoning[1] if self.reasoning is not None else None
 
     def tokenize(self, text: str) -> list[int]:
         if self.tokenizer is None:

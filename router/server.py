@@ -290,7 +290,8 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             # the tokenizer (a prompt, bad words), or a structured_outputs grammar to compile (a JSON schema's can
             # take a while): off the loop, which streams every other request meanwhile
             check = functools.partial(validate_generate, request, core.limits, core.tokenize,
-                                      allow_priority=core.cfg.scheduling_policy == "priority")
+                                      allow_priority=core.cfg.scheduling_policy == "priority",
+                                      reasoning=core.reasoning_markers)
             if request.prompt or request.bad_words or request.HasField("structured_outputs"):
                 vreq = await loop.run_in_executor(self._pool, check)
             else:

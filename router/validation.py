@@ -132,11 +132,20 @@ def _tokenizer_of(tokenize: Callable[[str], list[int]]) -> Any:
     return getattr(owner, "tokenizer", None) if owner is not None else None
 
 
+def _opens_block(ids: list[int], start: list[int]) -> bool:
+    """Whether the prompt's last tokens hold the reasoning block's start marker (DeepSeek-R1's template ends its
+    generation prompt with ``<think>\n``): the answer then opens inside the block without writing the marker."""
+    k = len(start)
+    return any(ids[i:i + k] == start for i in range(max(0, len(ids) - k - 4), len(ids) - k + 1))
+
+
 def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
                       tokenize: Callable[[str], list[int]], tokenizer: Any = None, *,
-                      allow_priority: bool = False) -> ValidatedRequest:
+                      allow_priority: bool = False, reasoning: Any = None) -> ValidatedRequest:
     """Check ``req`` against ``limits``; raise ValueError naming the field (LookupError: a ``model`` not served).
     ``allow_priority``: the router's scheduling policy is "priority" (otherwise a non-zero ``priority`` is refused).
+    ``reasoning``: the router's reasoning markers (``router.openai.reasoning.ReasoningMarkers``: token ids of the
+    block's start and end), needed by a request that sets ``reasoning``; None: no reasoning parser.
 
     ``structured_outputs`` is compiled against the model's vocabulary here (``engine.check_structured_outputs``,
     bounded by llguidance's limits) so a bad constraint never reaches a worker; ``tokenizer`` is the model's
@@ -209,6 +218,19 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
             kw[name] = getattr(req, name)
     if req.logit_bias:
         kw["logit_bias"] = {int(t): _decimal(b) for t, b in req.logit_bias.items()}
+    if req.reasoning:
+        if reasoning is None:
+            raise ValueError("reasoning needs a router started with --reasoning-parser; this one has none")
+        kw["reasoning_end_token_ids"] = list(reasoning.end)
+        if not _opens_block(ids, list(reasoning.start)):  # (else the model writes its own start marker first)
+            kw["reasoning_start_token_ids"] = list(reasoning.start)
+    if req.HasField("thinking_token_budget"):
+        if not req.reasoning:
+            raise ValueError("thinking_token_budget needs reasoning (an answer that opens with the model's "
+                             "reasoning, on a router started with --reasoning-parser)")
+        if req.thinking_token_budget < 0:
+            raise ValueError(f"thinking_token_budget must be >= 0, got {req.thinking_token_budget}")
+        kw["thinking_token_budget"] = req.thinking_token_budget
     if req.allowed_token_ids:
         if len(req.allowed_token_ids) > SamplingParams.MAX_ALLOWED_TOKEN_IDS:
             raise ValueError(f"allowed_token_ids has {len(req.allowed_token_ids)} ids; at most "
@@ -255,6 +277,8 @@ def _beam_request(req: pdserve_pb2.GenerateRequest, request_id: str, ids: list[i
         if req.HasField(name):
             raise ValueError(f"{name} cannot be used with beam_width: beam search is deterministic and "
                              f"returns its beam_width best sequences")
+    if req.HasField("thinking_token_budget"):
+        raise ValueError("thinking_token_budget cannot be used with beam_width: beam search forces no tokens")
     for name in ("stop", "stop_token_ids", "logit_bias", "allowed_token_ids", "bad_words"):
         if len(getattr(req, name)):
             raise ValueError(f"{name} cannot be used with beam_width: beam search stops on EOS or max_tokens")

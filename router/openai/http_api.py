@@ -59,6 +59,7 @@ from router.openai import protocol as oa
 from router.openai import responses as rs
 from router.openai import responses_api as ora
 from router.openai import structured as oas
+from router.openai.reasoning import opens_in_reasoning
 from router.openai.structured import template_tools
 from router.response_store import StoreUnavailable, StoredResponse, owner_of
 from router.core import RouterCore
@@ -123,7 +124,8 @@ class _Choice:
         self._core, self._inbox, self._out, self._timeout_s = core, inbox, out, timeout_s
         self._pool = pool
         self.vreq = validate_generate(greq, core.limits, core.tokenize,  # ValueError -> 400, before any work
-                                      allow_priority=core.cfg.scheduling_policy == "priority")
+                                      allow_priority=core.cfg.scheduling_policy == "priority",
+                                      reasoning=core.reasoning_markers)
 
     def start(self) -> None:
         if self._pool is not None and self.vreq.beam is None:
@@ -565,11 +567,18 @@ class HttpApi:
         queue: asyncio.Queue = asyncio.Queue()
         carrier = Tracing.carrier(request.headers.items()) if core.tracing.enabled else None
 
+        if chat:
+            self._template_defaults(body)
+        reasoning: Optional[tuple] = None  # (format, whether the answer opens in reasoning, include_reasoning)
+
         def prepare() -> tuple[list[_Choice], oas.Plan]:  # tokenizing, compiling a constraint: off the event loop
+            nonlocal reasoning
             lim = core.limits
             plan = oas.plan(body, chat, core.cfg.tool_call_parser)
             greqs = oa.to_generate_requests(body, chat, lim,
                                             lambda b: oa.chat_prompt_ids(b, core.tokenizer, lim, plan.tools))
+            if chat:
+                reasoning = self._reasoning_of(body, greqs)
             if chat and body.max_tokens is None and body.max_completion_tokens is None and not body.use_beam_search:
                 for g in greqs:  # vLLM's chat default: the answer may take the rest of the context
                     room = min(lim.max_tokens_limit, lim.max_context_length - len(g.token_ids))
@@ -658,7 +667,7 @@ class HttpApi:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             out = rs.EventStream(rid, chat, model, n_prompt, detok, include_usage, plan.parser, echo,
-                                 1 if body.use_beam_search else body.n, echo_first)
+                                 1 if body.use_beam_search else body.n, echo_first, reasoning)
             out.with_timings = body.pdserve_timings
             if include_usage and body.stream_options.continuous_usage_stats:
                 out.prompt_lens = [len(c.vreq.prompt_token_ids) for c in choices
@@ -666,7 +675,7 @@ class HttpApi:
             return _StallCutResponse(self._sse(events, out), self._stalls, self._count_stall,
                                      media_type="text/event-stream")
         whole = rs.ResponseBody(rid, chat, model, len(choices) * body.n, n_prompt, detok,
-                                plan.parser, echo, 1 if body.use_beam_search else body.n, echo_first)
+                                plan.parser, echo, 1 if body.use_beam_search else body.n, echo_first, reasoning)
         whole.with_timings = body.pdserve_timings
         return await self._collect(events, whole)
 
@@ -769,6 +778,7 @@ class HttpApi:
             chat, translation = aa.count_tokens_chat(body)
         except ValueError as e:
             return self._error(400, str(e), _leading_field(str(e)))
+        self._template_defaults(chat)
         try:
             ids = await asyncio.to_thread(oa.chat_prompt_ids, chat, core.tokenizer, lim, template_tools(chat))
         except ValueError as e:
@@ -776,9 +786,42 @@ class HttpApi:
             return self._error(400, msg, _leading_field(msg))
         return JSONResponse({"input_tokens": len(ids)})
 
+    def _template_defaults(self, body: Any) -> None:
+        """The server's ``default_chat_template_kwargs`` under a chat body's own ``chat_template_kwargs``."""
+        defaults = self.core.cfg.default_chat_template_kwargs
+        if defaults and hasattr(body, "chat_template_kwargs"):
+            body.chat_template_kwargs = {**defaults, **(body.chat_template_kwargs or {})}
+
+    def _reasoning_of(self, body: Any, greqs: list) -> Optional[tuple]:
+        """With a reasoning parser: (its format, whether the answer opens in reasoning, include_reasoning), each
+        GenerateRequest marked (``reasoning``, ``thinking_token_budget``) when the answer opens in a block; None
+        without one (a ``thinking_token_budget`` is then refused by name)."""
+        budget = getattr(body, "thinking_token_budget", None)
+        if self.core.reasoning is None:
+            if budget is not None:
+                raise ValueError("thinking_token_budget needs a router started with --reasoning-parser; this one "
+                                 "has none")
+            return None
+        fmt = self.core.reasoning[0]
+        if budget is not None and budget < 0:
+            raise ValueError(f"thinking_token_budget must be >= 0, got {budget}")
+        continued = None
+        if body.continue_final_message:
+            final = body.messages[-1].content
+            continued = final if isinstance(final, str) else ""
+        tail = self.core.tokenizer.decode(list(greqs[0].token_ids[-32:]), False) if greqs[0].token_ids else ""
+        open_ = opens_in_reasoning(fmt, tail, body.chat_template_kwargs, continued)
+        if open_:
+            for g in greqs:
+                g.reasoning = True
+                if budget is not None:
+                    g.thinking_token_budget = budget
+        return fmt, open_, body.include_reasoning
+
     def _prompt_length(self, chat: oa.ChatCompletionRequest) -> Optional[int]:
         """A chat's prompt length in tokens as the chat path renders it (None: it cannot be rendered within the
         context, or at all)."""
+        self._template_defaults(chat)
         try:
             return len(oa.chat_prompt_ids(chat, self.core.tokenizer, self.core.limits, template_tools(chat)))
         except ValueError:
@@ -873,6 +916,7 @@ class HttpApi:
             core.limits.lora_of(body.model)  # an adapter's tokenizer is its base model's
         except LookupError as e:
             return self._error(404, str(e), "model")
+        self._template_defaults(body)
         try:
             out = await asyncio.to_thread(oa.tokenize_json, body, core.tokenizer, core.limits)
         except ValueError as e:

@@ -107,6 +107,38 @@ class ChatCompletionRequest(_Sampling, ToolFields):
     # vLLM's chat extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    """vLLM's: extra variables for the chat template (e.g. ``{"enable_thinking": false}`` for Qwen3), over the
+    server's ``--default-chat-template-kwargs``."""
+    include_reasoning: bool = True
+    """vLLM's: with a reasoning parser, false leaves the reasoning out of the answer (it is still generated)."""
+    thinking_token_budget: Optional[int] = None
+    """vLLM's: at most this many reasoning tokens, then the end of the block is forced (needs a reasoning parser)."""
+
+
+TEMPLATE_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
+                               "bos_token", "eos_token", "raise_exception", "strftime_now"})
+"""Template variables the server sets itself: ``chat_template_kwargs`` cannot replace them."""
+MAX_TEMPLATE_KWARGS_BYTES = 16384
+
+
+def check_template_kwargs(kwargs: Any, field: str = "chat_template_kwargs") -> dict:
+    """``chat_template_kwargs`` checked (ValueError naming ``field``): an object of at most 16 KiB of JSON whose keys
+    are identifiers the server does not set itself."""
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"{field} must be an object, got {type(kwargs).__name__}")
+    for k in kwargs:
+        if not isinstance(k, str) or not k.isidentifier():
+            raise ValueError(f"{field}: {k!r} is not a template variable name")
+        if k in TEMPLATE_RESERVED:
+            raise ValueError(f"{field}.{k} is set by the server and cannot be given")
+    try:
+        size = len(json.dumps(kwargs))
+    except (TypeError, ValueError):
+        raise ValueError(f"{field} must hold JSON values") from None
+    if size > MAX_TEMPLATE_KWARGS_BYTES:
+        raise ValueError(f"{field} is {size} bytes of JSON; at most {MAX_TEMPLATE_KWARGS_BYTES}")
+    return dict(kwargs)
 
 
 def relabel_chat_error(message: str, where: Sequence[str], renames: Sequence[tuple[str, str]],
@@ -289,9 +321,11 @@ def render_chat(body: Any, tokenizer: Any, tools: Optional[list[dict]] = None) -
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError("messages: this model has no chat template; use /v1/completions")
     add_gen = body.add_generation_prompt and not body.continue_final_message
+    extra = getattr(body, "chat_template_kwargs", None)
+    extra = check_template_kwargs(extra) if extra else {}
     try:
         return tokenizer.apply_chat_template(message_dicts(body), add_generation_prompt=add_gen, tools=tools,
-                                             continue_final_message=body.continue_final_message)
+                                             continue_final_message=body.continue_final_message, **extra)
     except ValueError as e:
         raise ValueError(f"messages: {e}") from None
 
@@ -327,6 +361,7 @@ class TokenizeChatRequest(ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
     add_special_tokens: bool = False
     return_token_strs: bool = False
 

@@ -22,6 +22,7 @@ import grpc
 
 from engine import TokenLogprob
 from router.events import FlowError, FlowEvent, Usage
+from router.openai.reasoning import ReasoningStream, split
 from router.openai.tool_parsers import ArgsDelta, CallStart, ContentDelta, ToolCallParser, ToolCallStream, new_tool_call_id
 
 HTTP_STATUS = {
@@ -180,9 +181,13 @@ class ResponseBody:
 
     def __init__(self, rid: str, chat: bool, model: str, n: int, n_prompt: int, detok: Callable[[int], str],
                  tool_parser: Optional[ToolCallParser] = None, echo: Optional[list[str]] = None,
-                 n_per_prompt: int = 1, echo_first: Optional[list[int]] = None) -> None:
+                 n_per_prompt: int = 1, echo_first: Optional[list[int]] = None,
+                 reasoning: Optional[tuple] = None) -> None:
+        """``reasoning``: (``ReasoningFormat``, whether answers open in reasoning, include_reasoning) of a chat on
+        a router with a reasoning parser (``router.openai.reasoning``)."""
         self.rid, self.chat, self.model, self.n_prompt, self._detok = rid, chat, model, n_prompt, detok
         self.tool_parser = tool_parser
+        self._reasoning = reasoning
         self.texts: list[str] = list(echo) if echo is not None else [""] * n
         self.reasons: list[Optional[str]] = [None] * n
         self.stop_reasons: list[Optional[Union[str, int]]] = [None] * n
@@ -220,13 +225,23 @@ class ResponseBody:
 
     def _message(self, i: int) -> tuple[dict, Optional[str]]:
         text, reason = self.texts[i], self.reasons[i]
+        thought: Optional[str] = None
+        if self._reasoning is not None:
+            fmt, open_, include = self._reasoning
+            thought, text = split(fmt, text, open_)
+            thought = thought if include else None
         if self.tool_parser is None:
-            return {"role": "assistant", "content": text}, reason
-        found = self.tool_parser.extract(text)
-        msg: dict = {"role": "assistant", "content": found.content}
-        if found.calls:
-            msg["tool_calls"] = tool_calls_json(found.calls)
-        return msg, _finish_reason(reason, self.tool_parser, bool(found.calls))
+            msg: dict = {"role": "assistant",
+                         "content": text if text or self._reasoning is None or not self._reasoning[1] else None}
+        else:
+            found = self.tool_parser.extract(text)
+            msg = {"role": "assistant", "content": found.content}
+            if found.calls:
+                msg["tool_calls"] = tool_calls_json(found.calls)
+            reason = _finish_reason(reason, self.tool_parser, bool(found.calls))
+        if thought is not None:  # vLLM's name, and its older one (clients read either)
+            msg["reasoning"] = msg["reasoning_content"] = thought
+        return msg, reason
 
     def json(self) -> dict:
         n = len(self.texts)
@@ -265,9 +280,12 @@ class EventStream:
     def __init__(self, rid: str, chat: bool, model: str, n_prompt: int, detok: Callable[[int], str],
                  include_usage: bool = False, tool_parser: Optional[ToolCallParser] = None,
                  echo: Optional[list[str]] = None, n_per_prompt: int = 1,
-                 echo_first: Optional[list[int]] = None) -> None:
-        """``echo_first``: as ``ResponseBody``'s (each choice's first chunk then holds its prompt's logprobs)."""
+                 echo_first: Optional[list[int]] = None, reasoning: Optional[tuple] = None) -> None:
+        """``echo_first``, ``reasoning``: as ``ResponseBody``'s (each choice's first chunk then holds its prompt's
+        logprobs; each chat choice's text goes through a ``ReasoningStream``: ``reasoning`` deltas, then content)."""
         self.rid, self.chat, self.model, self.n_prompt, self._detok = rid, chat, model, n_prompt, detok
+        self._reasoning = reasoning
+        self._thinking: dict[int, ReasoningStream] = {}
         self.include_usage = include_usage
         self.obj = "chat.completion.chunk" if chat else "text_completion"
         self.tool_parser = tool_parser
@@ -303,11 +321,26 @@ class EventStream:
             body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
-    def _tool_delta(self, idx: int, ev: FlowEvent, delta: dict) -> None:
+    def _reasoning_delta(self, idx: int, ev: FlowEvent, delta: dict) -> str:
+        """The event's text through the choice's ``ReasoningStream``: its reasoning into ``delta``; the content
+        returned."""
+        fmt, open_, include = self._reasoning
+        stream = self._thinking.get(idx)
+        if stream is None:
+            stream = self._thinking[idx] = ReasoningStream(fmt, open_)
+        thought, text = stream.feed(ev.text)
+        if ev.finish_reason:
+            more, rest = stream.finish()
+            thought, text = thought + more, text + rest
+        if thought and include:
+            delta["reasoning"] = delta["reasoning_content"] = thought
+        return text
+
+    def _tool_delta(self, idx: int, text: str, final: bool, delta: dict) -> None:
         stream = self._streams.get(idx)
         if stream is None:
             stream = self._streams[idx] = self.tool_parser.stream()
-        parts = stream.feed(ev.text) + (stream.finish() if ev.finish_reason else [])
+        parts = stream.feed(text) + (stream.finish() if final else [])
         content = "".join(p.text for p in parts if isinstance(p, ContentDelta))
         if content:
             delta["content"] = content
@@ -329,19 +362,20 @@ class EventStream:
             first = idx not in self._started
             delta: dict = {"role": "assistant"} if first else {}
             self._started.add(idx)
+            text = self._reasoning_delta(idx, ev, delta) if self._reasoning is not None else ev.text
             if self.tool_parser is not None:
-                self._tool_delta(idx, ev, delta)
+                self._tool_delta(idx, text, bool(ev.finish_reason), delta)
                 reason = _finish_reason(ev.finish_reason, self.tool_parser, idx in self._called)
             else:
-                if ev.text:
-                    delta["content"] = ev.text
+                if text:
+                    delta["content"] = text
                 reason = ev.finish_reason
             lp = chat_logprobs(ev, self._detok)
             if ev.usage is not None:
                 self.usages.append(ev.usage)
                 self.timings.append(ev.timings)
             if not first and len(delta) == 0 and reason is None and lp is None:
-                return ""  # held back by the tool parser (the start of a tag, a call's name)
+                return ""  # held back by a parser (the start of a tag or a marker, a call's name)
             choice = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": reason}
             if reason is not None:
                 choice["stop_reason"] = ev.stop_reason

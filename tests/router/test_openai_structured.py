@@ -28,7 +28,11 @@ KEY = "structured-test-key-0123456789"
 @pytest.fixture(scope="module")
 def roles():
     torch.set_num_threads(1)
-    r = start_roles(tag="so-", router=dict(http_port=0, api_keys=(KEY,), tool_call_parser="hermes"))
+    # qwen3's reasoning parser with thinking off by default (as --default-chat-template-kwargs sets it): plain chats
+    # stay all content; a request turns thinking on with chat_template_kwargs
+    r = start_roles(tag="so-", router=dict(http_port=0, api_keys=(KEY,), tool_call_parser="hermes",
+                                           reasoning_parser="qwen3",
+                                           default_chat_template_kwargs={"enable_thinking": False}))
     yield r
     r.close()
 
@@ -240,6 +244,10 @@ BAD = [
     ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ("/v1/completions", {"use_beam_search": True, "n": 2, "response_format": {"type": "json_object"}},
      "response_format cannot be used with beam_width"),
+    ("/v1/chat/completions", {"thinking_token_budget": -1, "chat_template_kwargs": {"enable_thinking": True}},
+     "thinking_token_budget must be >= 0"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages is set by"),
+    ("/v1/chat/completions", {"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs: 'not a name'"),
 ]
 
 
@@ -336,3 +344,79 @@ def test_responses_api_tool_errors_name_the_responses_field(roles, client):
             client.responses.create(model="tiny", input="x", **kw)
         assert e.value.body["param"] == field and e.value.body["message"].startswith(head), (kw, e.value.body)
     assert (p_eng.prefix_cache_queries, d_eng.prefix_cache_queries) == before
+
+
+THINK = {"chat_template_kwargs": {"enable_thinking": True}}
+
+
+def _thinking_reference(roles, msgs: list[dict], budget: int, n: int, tools=None) -> tuple[str, str]:
+    """The offline engine's greedy answer to ``msgs`` rendered with thinking on, under the same budget, split at
+    the first ``</think>`` by plain string partition: (reasoning, content)."""
+    tok = roles.router.tokenizer
+    ids = tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tools=tools, enable_thinking=True),
+                     add_special_tokens=False)
+    end, start = (tok.encode(m, add_special_tokens=False) for m in ("</think>", "<think>"))
+    text = offline([ids], [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, reasoning_end_token_ids=end,
+                                          reasoning_start_token_ids=start, thinking_token_budget=budget)])[0][1]
+    reasoning, sep, content = text.partition("</think>")
+    assert sep
+    return reasoning, content
+
+
+def _extra(obj, name: str):
+    return (obj.model_extra or {}).get(name)
+
+
+def test_reasoning_is_split_from_the_answer_whole_and_streamed(roles, client):
+    """vLLM's reasoning parser (qwen3): with thinking on, the text before ``</think>`` is ``message.reasoning`` (and
+    ``reasoning_content``), the rest ``content``; the budget closed the block after 5 tokens on the workers."""
+    want_r, want_c = _thinking_reference(roles, ASK, 5, 30)
+    kw = dict(model="tiny", messages=ASK, max_tokens=30, temperature=0,
+              extra_body={**THINK, "thinking_token_budget": 5, "ignore_eos": True})
+    msg = client.chat.completions.create(**kw).choices[0].message
+    assert (_extra(msg, "reasoning"), _extra(msg, "reasoning_content"), msg.content) == (want_r, want_r, want_c)
+    thought = content = ""
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        d = chunk.choices[0].delta if chunk.choices else None
+        if d is not None:
+            thought += _extra(d, "reasoning") or ""
+            content += d.content or ""
+            assert _extra(d, "reasoning") == _extra(d, "reasoning_content")
+    assert (thought, content) == (want_r, want_c)
+    # include_reasoning false: the same content, no reasoning
+    kw["extra_body"] = {**kw["extra_body"], "include_reasoning": False}
+    quiet = client.chat.completions.create(**kw).choices[0].message
+    assert quiet.content == want_c and _extra(quiet, "reasoning") is None
+    # thinking off (the server's default here): all content, as the plain engine writes it
+    plain = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=12, temperature=0,
+                                           extra_body={"ignore_eos": True, "thinking_token_budget": 3})
+    assert _extra(plain.choices[0].message, "reasoning") is None
+    tok = roles.router.tokenizer
+    ids = tok.encode(tok.apply_chat_template(ASK, add_generation_prompt=True), add_special_tokens=False)
+    assert plain.choices[0].message.content == offline([ids], [SamplingParams(max_tokens=12, temperature=0.0,
+                                                                            ignore_eos=True)])[0][1]
+
+
+def test_structured_outputs_constrain_the_answer_after_the_reasoning(roles, client):
+    """With a reasoning parser the grammar waits for the block to close (vLLM's rule): the reasoning is what the
+    unconstrained model writes, the answer after it parses as the Pydantic model, streamed or not."""
+    want_r, _ = _thinking_reference(roles, MSGS, 6, 12)
+    kw = dict(model="tiny", messages=MSGS, response_format=Reading, temperature=0, max_completion_tokens=150,
+              extra_body={**THINK, "thinking_token_budget": 6})
+    r = client.chat.completions.parse(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and isinstance(c.message.parsed, Reading), c.message.content
+    assert _extra(c.message, "reasoning") == want_r
+    with client.chat.completions.stream(**kw) as s:
+        final = s.get_final_completion()
+    assert final.choices[0].message.parsed == c.message.parsed
+
+
+def test_tool_calls_are_read_from_the_content_after_the_reasoning(client):
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, temperature=0, max_tokens=120,
+              extra_body={**THINK, "thinking_token_budget": 4, "structured_outputs": {"grammar": AUTO_GRAMMAR}})
+    c = client.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "tool_calls" and [t.function.name for t in c.message.tool_calls] == ["get_weather"]
+    _check_calls(c.message.tool_calls)
+    assert _extra(c.message, "reasoning") and "<tool_call>" not in _extra(c.message, "reasoning")
+    assert not c.message.content

@@ -123,3 +123,28 @@ def test_priority_needs_the_priority_policy():
     beams = validate_generate(pdserve_pb2.GenerateRequest(prompt="hi", priority=4, beam_width=2), LIMITS, tok,
                               allow_priority=True)
     assert beams.params.priority == 4  # (each beam step's sub-requests run at it: router/beam_search.py)
+
+
+def test_reasoning_takes_the_routers_markers_and_the_budget_needs_it():
+    from router.openai.reasoning import ReasoningMarkers
+
+    marks = ReasoningMarkers(start=(60, 61), end=(62, 63))
+
+    def r(**kw):
+        return validate_generate(pdserve_pb2.GenerateRequest(**kw), LIMITS, tok, reasoning=marks)
+
+    p = r(token_ids=[5, 6, 7], reasoning=True, thinking_token_budget=4).params
+    assert (p.reasoning_end_token_ids, p.reasoning_start_token_ids, p.thinking_token_budget) == ([62, 63], [60, 61], 4)
+    # a prompt that opened the block itself (DeepSeek-R1's "<think>\n"): the answer writes no start marker
+    p = r(token_ids=[5, 60, 61, 10], reasoning=True, thinking_token_budget=0).params
+    assert p.reasoning_start_token_ids is None and p.thinking_token_budget == 0
+    plain = r(token_ids=[5, 6]).params
+    assert plain.reasoning_end_token_ids is None and plain.thinking_token_budget is None
+    with pytest.raises(ValueError, match="^thinking_token_budget needs reasoning"):
+        r(token_ids=[5], thinking_token_budget=3)
+    with pytest.raises(ValueError, match="^thinking_token_budget must be >= 0"):
+        r(token_ids=[5], reasoning=True, thinking_token_budget=-1)
+    with pytest.raises(ValueError, match="^reasoning needs a router started with --reasoning-parser"):
+        v(token_ids=[5], reasoning=True)
+    with pytest.raises(ValueError, match="^thinking_token_budget cannot be used with beam_width"):
+        r(token_ids=[5], reasoning=True, thinking_token_budget=2, beam_width=2)
