@@ -11,8 +11,13 @@ Request, as the chat path takes it: ``system`` (text, or text blocks) is the sys
 is a ``user`` or ``assistant`` turn whose ``content`` is text or blocks: ``text``; on an assistant turn ``tool_use``
 (``id``, ``name``, ``input``) becomes that turn's ``tool_calls``; on a user turn each ``tool_result``
 (``tool_use_id``, ``content`` text or text blocks) becomes a ``tool`` message answering that call, before the
-turn's text. ``thinking`` / ``redacted_thinking`` blocks of earlier turns are dropped (this server's models do not
-take them back), and the ``thinking`` field is accepted and ignored (no thinking blocks come back). ``max_tokens``
+turn's text. ``thinking`` / ``redacted_thinking`` blocks of earlier turns are dropped (thinking models' templates
+do not take them back). ``thinking``: on a router with a reasoning parser (``--reasoning-parser``),
+``{"type": "enabled", "budget_tokens": N}`` turns the model's thinking on (the template variables
+``enable_thinking`` and ``thinking`` true) with N as its ``thinking_token_budget`` (less than ``max_tokens``, as
+Anthropic has it), ``{"type": "adaptive"}`` on without a budget, ``{"type": "disabled"}`` off; the answer's
+reasoning comes back as a ``thinking`` block before the text (streamed as ``thinking_delta``s; its
+``signature`` is empty: nothing is signed). Without a reasoning parser the field is accepted and ignored. ``max_tokens``
 (required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, and vLLM's sampling extras. ``tools``
 (``name``, ``description``, ``input_schema``) and ``tool_choice`` (``auto``, ``any``, ``tool`` with its
 ``name``, ``none``; ``disable_parallel_tool_use``) mean what chat's ``tools`` / ``tool_choice`` (auto, required,
@@ -45,6 +50,7 @@ from pydantic import BaseModel, ConfigDict
 
 from router.events import FlowError, FlowEvent
 from router.openai.protocol import ChatCompletionRequest, relabel_chat_error
+from router.openai.reasoning import ReasoningPlan, ReasoningStream
 from router.openai.responses import flow_error
 from router.openai.tool_parsers import ArgsDelta, CallStart, ContentDelta, ToolCallParser, ToolCallStream
 
@@ -77,7 +83,8 @@ class MessagesRequest(BaseModel):
     tool_choice: Optional[Any] = None
     metadata: Optional[dict[str, Any]] = None
     thinking: Optional[Any] = None
-    """Accepted and ignored: this server's answers have no thinking blocks."""
+    """Anthropic's extended thinking (module docstring): with a reasoning parser, the model's thinking on or off and
+    its budget; ignored without one."""
     output_config: Optional[dict[str, Any]] = None
     """``format`` (``{"type": "json_schema", "schema": ...}``): the answer follows the schema (structured outputs,
     as ``client.messages.parse`` asks); ``effort`` is accepted and ignored."""
@@ -248,8 +255,25 @@ _RENAMES = (("tool_choice.function.name", "tool_choice.name"), ("stop", "stop_se
 """Chat fields -> the Messages API's, in error messages."""
 
 
-def to_chat_request(body: MessagesRequest) -> MessagesTranslation:
-    """The chat request that serves ``body``; ValueError naming the field for what this server does not serve."""
+def _thinking(body: MessagesRequest, chat: dict) -> None:
+    """Anthropic's ``thinking`` as the chat path's template switch and ``thinking_token_budget``."""
+    t = body.thinking
+    kind = t.get("type") if isinstance(t, dict) else None
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise ValueError(f"thinking.type must be 'enabled', 'adaptive' or 'disabled', got {kind!r}")
+    on = kind != "disabled"
+    chat["chat_template_kwargs"] = {"enable_thinking": on, "thinking": on}
+    if kind == "enabled":
+        budget = t.get("budget_tokens")
+        if not isinstance(budget, int) or isinstance(budget, bool) or not 0 <= budget < body.max_tokens:
+            raise ValueError(f"thinking.budget_tokens must be an integer >= 0 and less than max_tokens "
+                             f"({body.max_tokens}), got {budget!r}")
+        chat["thinking_token_budget"] = budget
+
+
+def to_chat_request(body: MessagesRequest, reasoning: bool = False) -> MessagesTranslation:
+    """The chat request that serves ``body`` (``reasoning``: the router has a reasoning parser, which ``thinking``
+    drives); ValueError naming the field for what this server does not serve."""
     for field in ("mcp_servers", "container"):
         if getattr(body, field):
             raise ValueError(f"{field}: not served by this server")
@@ -277,6 +301,8 @@ def to_chat_request(body: MessagesRequest) -> MessagesTranslation:
                  "allowed_token_ids", "bad_words", "cache_salt", "priority"):
         if getattr(body, name) is not None:
             chat[name] = getattr(body, name)
+    if reasoning and body.thinking is not None:
+        _thinking(body, chat)
     return MessagesTranslation(body, ChatCompletionRequest.model_validate(chat), where)
 
 
@@ -318,8 +344,9 @@ class ResponseMessage:
     """One answer as Anthropic's ``message`` (see module docstring): ``add`` each event, then ``json_body()``."""
 
     def __init__(self, body: MessagesRequest, model: str, n_prompt: int,
-                 tool_parser: Optional[ToolCallParser] = None) -> None:
+                 tool_parser: Optional[ToolCallParser] = None, reasoning: Optional[ReasoningPlan] = None) -> None:
         self.body, self.model, self.n_prompt, self.tool_parser = body, model, n_prompt, tool_parser
+        self.reasoning = reasoning
         self.id = _new_id("msg")
         self.text = ""
         self.reason: Optional[str] = None
@@ -356,15 +383,20 @@ class ResponseMessage:
                 "usage": {**self.usage_json(), "output_tokens": 0}}
 
     def content(self) -> list[dict]:
+        text, head = self.text, []
+        if self.reasoning is not None:
+            thought, text = self.reasoning.split(text)
+            if thought is not None:
+                head = [{"type": "thinking", "thinking": thought, "signature": ""}]
         if self.tool_parser is None:
-            return [{"type": "text", "text": self.text}]
-        found = self.tool_parser.extract(self.text)
+            return head + [{"type": "text", "text": text}]
+        found = self.tool_parser.extract(text)
         calls = [(c, _input(c.arguments)) for c in found.calls]
         if any(args is None for _, args in calls):  # cut off mid-call (max_tokens): the text as it came
-            return [{"type": "text", "text": self.text}]
+            return head + [{"type": "text", "text": text}]
         blocks = [{"type": "text", "text": found.content}] if found.content else []
-        return blocks + [{"type": "tool_use", "id": _new_id("toolu"), "name": c.name, "input": args}
-                         for c, args in calls]
+        return head + blocks + [{"type": "tool_use", "id": _new_id("toolu"), "name": c.name, "input": args}
+                                for c, args in calls]
 
     def json_body(self) -> dict:
         content = self.content()
@@ -379,8 +411,9 @@ class MessageEventStream(ResponseMessage):
     a ``tool_use`` block whose arguments stream as ``input_json_delta``; a block stops when the next starts."""
 
     def __init__(self, body: MessagesRequest, model: str, n_prompt: int,
-                 tool_parser: Optional[ToolCallParser] = None) -> None:
-        super().__init__(body, model, n_prompt, tool_parser)
+                 tool_parser: Optional[ToolCallParser] = None, reasoning: Optional[ReasoningPlan] = None) -> None:
+        super().__init__(body, model, n_prompt, tool_parser, reasoning)
+        self._thinking: Optional[ReasoningStream] = reasoning.stream() if reasoning is not None else None
         self._started = False
         self._stream: Optional[ToolCallStream] = tool_parser.stream() if tool_parser is not None else None
         self._blocks: list[str] = []
@@ -420,10 +453,23 @@ class MessageEventStream(ResponseMessage):
             self._started = True
             out += self._event("message_start", message=self.head()) + self._event("ping")
         self.add(ev)
+        text = ev.text
+        if self._thinking is not None:
+            thought, text = self._thinking.feed(text)
+            if ev.finish_reason:
+                more, rest = self._thinking.finish()
+                thought, text = thought + more, text + rest
+            if thought and self.reasoning.include:
+                if not (self._open and self._blocks[-1] == "thinking"):
+                    out += self._begin({"type": "thinking", "thinking": "", "signature": ""})
+                out += self._event("content_block_delta", index=len(self._blocks) - 1,
+                                   delta={"type": "thinking_delta", "thinking": thought})
         if self._stream is None:
-            out += self._text(ev.text) if ev.text or not self._blocks else ""
+            said = any(b != "thinking" for b in self._blocks)
+            if text or (not said and (ev.finish_reason or self._thinking is None)):
+                out += self._text(text)
         else:
-            for d in self._stream.feed(ev.text) + (self._stream.finish() if ev.finish_reason else []):
+            for d in self._stream.feed(text) + (self._stream.finish() if ev.finish_reason else []):
                 if isinstance(d, ContentDelta):
                     out += self._text(d.text)
                 elif isinstance(d, CallStart):
@@ -432,8 +478,8 @@ class MessageEventStream(ResponseMessage):
                 elif isinstance(d, ArgsDelta):
                     out += self._event("content_block_delta", index=self._calls[d.index],
                                        delta={"type": "input_json_delta", "partial_json": d.text})
-        if ev.finish_reason and not self._blocks:  # nothing was said: an empty text block, as a whole answer has
-            out += self._text("")
+        if ev.finish_reason and all(b == "thinking" for b in self._blocks):
+            out += self._text("")  # nothing was said: an empty text block, as a whole answer has
         return out
 
     def error(self, e: FlowError) -> str:

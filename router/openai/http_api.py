@@ -59,7 +59,7 @@ from router.openai import protocol as oa
 from router.openai import responses as rs
 from router.openai import responses_api as ora
 from router.openai import structured as oas
-from router.openai.reasoning import opens_in_reasoning
+from router.openai.reasoning import ReasoningPlan, opens_in_reasoning
 from router.openai.structured import template_tools
 from router.response_store import StoreUnavailable, StoredResponse, owner_of
 from router.core import RouterCore
@@ -491,7 +491,7 @@ class HttpApi:
         @app.post("/v1/messages")
         async def messages(body: aa.MessagesRequest, request: Request) -> Response:
             try:
-                translation = aa.to_chat_request(body)
+                translation = aa.to_chat_request(body, self.core.reasoning is not None)
             except ValueError as e:
                 self.core.count_error(grpc.StatusCode.INVALID_ARGUMENT)
                 return _anthropic_error(self._error(400, str(e), _leading_field(str(e))))
@@ -569,7 +569,7 @@ class HttpApi:
 
         if chat:
             self._template_defaults(body)
-        reasoning: Optional[tuple] = None  # (format, whether the answer opens in reasoning, include_reasoning)
+        reasoning: Optional[ReasoningPlan] = None
 
         def prepare() -> tuple[list[_Choice], oas.Plan]:  # tokenizing, compiling a constraint: off the event loop
             nonlocal reasoning
@@ -646,10 +646,10 @@ class HttpApi:
             answer: Any
             if messages is not None:
                 answer = (aa.MessageEventStream if body.stream else aa.ResponseMessage)(
-                    messages.request, model, n_prompt, plan.parser)
+                    messages.request, model, n_prompt, plan.parser, reasoning)
             else:
                 answer = (ora.ResponseEventStream if body.stream else ora.ResponseCollector)(
-                    responses.request, model, n_prompt, plan.parser)
+                    responses.request, model, n_prompt, plan.parser, reasoning)
                 if self.core.responses is not None and responses.request.store is not False:  # OpenAI's default
                     owner = self._owner(request)
                     answer.keep = lambda: self._keep(answer, responses, owner)
@@ -792,9 +792,8 @@ class HttpApi:
         if defaults and hasattr(body, "chat_template_kwargs"):
             body.chat_template_kwargs = {**defaults, **(body.chat_template_kwargs or {})}
 
-    def _reasoning_of(self, body: Any, greqs: list) -> Optional[tuple]:
-        """With a reasoning parser: (its format, whether the answer opens in reasoning, include_reasoning), each
-        GenerateRequest marked (``reasoning``, ``thinking_token_budget``) when the answer opens in a block; None
+    def _reasoning_of(self, body: Any, greqs: list) -> Optional[ReasoningPlan]:
+        """With a reasoning parser: the request's ``ReasoningPlan`` for its renderers, each GenerateRequest marked (``reasoning``, ``thinking_token_budget``) when the answer opens in a block; None
         without one (a ``thinking_token_budget`` is then refused by name)."""
         budget = getattr(body, "thinking_token_budget", None)
         if self.core.reasoning is None:
@@ -816,7 +815,7 @@ class HttpApi:
                 g.reasoning = True
                 if budget is not None:
                     g.thinking_token_budget = budget
-        return fmt, open_, body.include_reasoning
+        return ReasoningPlan(fmt, open_, body.include_reasoning, self.core.reasoning[1].end)
 
     def _prompt_length(self, chat: oa.ChatCompletionRequest) -> Optional[int]:
         """A chat's prompt length in tokens as the chat path renders it (None: it cannot be rendered within the

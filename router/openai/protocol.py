@@ -117,8 +117,10 @@ class ChatCompletionRequest(_Sampling, ToolFields):
 
 
 TEMPLATE_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
-                               "bos_token", "eos_token", "raise_exception", "strftime_now"})
-"""Template variables the server sets itself: ``chat_template_kwargs`` cannot replace them."""
+                               "bos_token", "eos_token", "raise_exception", "strftime_now",
+                               "range", "dict", "namespace", "cycler", "joiner", "lipsum"})
+"""Template variables the server sets itself, and jinja's own functions: ``chat_template_kwargs`` cannot replace
+them (a template calling a replaced ``namespace`` would fail as the server's error, not the request's)."""
 MAX_TEMPLATE_KWARGS_BYTES = 16384
 
 

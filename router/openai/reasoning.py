@@ -83,6 +83,38 @@ def opens_in_reasoning(fmt: ReasoningFormat, prompt_tail: str, template_kwargs: 
     return not prompt_tail.rstrip().endswith(fmt.end)
 
 
+@dataclass(frozen=True)
+class ReasoningPlan:
+    """One chat request's reasoning, as its renderers read it."""
+
+    fmt: ReasoningFormat
+    open: bool
+    """The answer opens inside a block (else it is all content)."""
+    include: bool = True
+    """``include_reasoning``: the reasoning is shown."""
+    end_ids: tuple[int, ...] = ()
+    """The end marker's token ids (``reasoning_tokens`` counts the answer's tokens up to and through it)."""
+
+    def stream(self) -> "ReasoningStream":
+        return ReasoningStream(self.fmt, self.open)
+
+    def split(self, text: str) -> tuple[Optional[str], str]:
+        """``split`` of a whole answer; the reasoning None when there is none or it is not to be shown."""
+        thought, content = split(self.fmt, text, self.open)
+        return (thought if self.include else None), content
+
+    def reasoning_tokens(self, ids: list[int]) -> int:
+        """How many of an answer's tokens are its reasoning block (through the end marker; all of them when the
+        block never closed), as OpenAI's ``reasoning_tokens`` counts them."""
+        if not self.open:
+            return 0
+        k = len(self.end_ids)
+        for i in range(len(ids) - k + 1):
+            if tuple(ids[i:i + k]) == self.end_ids:
+                return i + k
+        return len(ids)
+
+
 def _held(text: str, marker: str) -> int:
     """The length of the longest end of ``text`` that is a proper beginning of ``marker``."""
     for k in range(min(len(text), len(marker) - 1), 0, -1):

@@ -22,7 +22,7 @@ import grpc
 
 from engine import TokenLogprob
 from router.events import FlowError, FlowEvent, Usage
-from router.openai.reasoning import ReasoningStream, split
+from router.openai.reasoning import ReasoningPlan, ReasoningStream
 from router.openai.tool_parsers import ArgsDelta, CallStart, ContentDelta, ToolCallParser, ToolCallStream, new_tool_call_id
 
 HTTP_STATUS = {
@@ -182,9 +182,8 @@ class ResponseBody:
     def __init__(self, rid: str, chat: bool, model: str, n: int, n_prompt: int, detok: Callable[[int], str],
                  tool_parser: Optional[ToolCallParser] = None, echo: Optional[list[str]] = None,
                  n_per_prompt: int = 1, echo_first: Optional[list[int]] = None,
-                 reasoning: Optional[tuple] = None) -> None:
-        """``reasoning``: (``ReasoningFormat``, whether answers open in reasoning, include_reasoning) of a chat on
-        a router with a reasoning parser (``router.openai.reasoning``)."""
+                 reasoning: Optional[ReasoningPlan] = None) -> None:
+        """``reasoning``: a chat's ``ReasoningPlan`` on a router with a reasoning parser (``router.openai.reasoning``)."""
         self.rid, self.chat, self.model, self.n_prompt, self._detok = rid, chat, model, n_prompt, detok
         self.tool_parser = tool_parser
         self._reasoning = reasoning
@@ -227,12 +226,10 @@ class ResponseBody:
         text, reason = self.texts[i], self.reasons[i]
         thought: Optional[str] = None
         if self._reasoning is not None:
-            fmt, open_, include = self._reasoning
-            thought, text = split(fmt, text, open_)
-            thought = thought if include else None
+            thought, text = self._reasoning.split(text)
         if self.tool_parser is None:
             msg: dict = {"role": "assistant",
-                         "content": text if text or self._reasoning is None or not self._reasoning[1] else None}
+                         "content": text if text or self._reasoning is None or not self._reasoning.open else None}
         else:
             found = self.tool_parser.extract(text)
             msg = {"role": "assistant", "content": found.content}
@@ -280,7 +277,7 @@ class EventStream:
     def __init__(self, rid: str, chat: bool, model: str, n_prompt: int, detok: Callable[[int], str],
                  include_usage: bool = False, tool_parser: Optional[ToolCallParser] = None,
                  echo: Optional[list[str]] = None, n_per_prompt: int = 1,
-                 echo_first: Optional[list[int]] = None, reasoning: Optional[tuple] = None) -> None:
+                 echo_first: Optional[list[int]] = None, reasoning: Optional[ReasoningPlan] = None) -> None:
         """``echo_first``, ``reasoning``: as ``ResponseBody``'s (each choice's first chunk then holds its prompt's
         logprobs; each chat choice's text goes through a ``ReasoningStream``: ``reasoning`` deltas, then content)."""
         self.rid, self.chat, self.model, self.n_prompt, self._detok = rid, chat, model, n_prompt, detok
@@ -324,15 +321,14 @@ class EventStream:
     def _reasoning_delta(self, idx: int, ev: FlowEvent, delta: dict) -> str:
         """The event's text through the choice's ``ReasoningStream``: its reasoning into ``delta``; the content
         returned."""
-        fmt, open_, include = self._reasoning
         stream = self._thinking.get(idx)
         if stream is None:
-            stream = self._thinking[idx] = ReasoningStream(fmt, open_)
+            stream = self._thinking[idx] = self._reasoning.stream()
         thought, text = stream.feed(ev.text)
         if ev.finish_reason:
             more, rest = stream.finish()
             thought, text = thought + more, text + rest
-        if thought and include:
+        if thought and self._reasoning.include:
             delta["reasoning"] = delta["reasoning_content"] = thought
         return text
 

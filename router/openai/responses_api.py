@@ -52,6 +52,7 @@ from pydantic import BaseModel, ConfigDict
 
 from router.events import FlowError, FlowEvent
 from router.openai.protocol import ChatCompletionRequest, relabel_chat_error
+from router.openai.reasoning import ReasoningPlan, ReasoningStream
 from router.openai.responses import flow_error
 from router.openai.tool_parsers import ArgsDelta, CallStart, ContentDelta, ToolCallParser, ToolCallStream, \
     new_tool_call_id
@@ -97,6 +98,12 @@ class ResponsesRequest(BaseModel):
     bad_words: Optional[list[str]] = None
     cache_salt: Optional[str] = None
     priority: Optional[int] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    """vLLM's: extra chat template variables (``{"enable_thinking": true}``), as on the chat path."""
+    thinking_token_budget: Optional[int] = None
+    """vLLM's: at most this many reasoning tokens (a router with a reasoning parser)."""
+    include_reasoning: bool = True
+    """vLLM's: false leaves the reasoning item out."""
 
 
 def _text(value: Any, where: str) -> str:
@@ -169,6 +176,8 @@ def _messages(instructions: Optional[str], items: list[Any], n_history: int,
             else:
                 msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
                 where.append(at)
+        elif kind == "reasoning":  # an earlier answer's reasoning, sent back: thinking templates leave it out
+            continue
         elif kind == "function_call_output":
             call_id = _string(item, "call_id", at)
             if call_id not in calls:
@@ -177,8 +186,8 @@ def _messages(instructions: Optional[str], items: list[Any], n_history: int,
                                                                                    f"{at}.output")})
             where.append(at)
         else:
-            raise ValueError(f"{at}.type: {kind!r} items are not served here (messages with text, function_call "
-                             "and function_call_output)")
+            raise ValueError(f"{at}.type: {kind!r} items are not served here (messages with text, function_call, "
+                             "function_call_output and reasoning)")
     return msgs, where
 
 
@@ -268,6 +277,8 @@ def to_chat_request(body: ResponsesRequest, history: Optional[list[dict]] = None
     history = history or []
     items = history + input_items(body)
     msgs, where = _messages(body.instructions, items, len(history), isinstance(body.input, str))
+    if not msgs:
+        raise ValueError("input: holds no message to answer (reasoning items alone are not a conversation)")
     chat: dict[str, Any] = {"messages": msgs, "model": body.model, "stream": body.stream,
                             "ignore_eos": body.ignore_eos}
     tools = _tools(body)
@@ -280,7 +291,9 @@ def to_chat_request(body: ResponsesRequest, history: Optional[list[dict]] = None
                      ("seed", "seed"), ("top_k", "top_k"), ("min_p", "min_p"),
                      ("repetition_penalty", "repetition_penalty"), ("parallel_tool_calls", "parallel_tool_calls"),
                      ("structured_outputs", "structured_outputs"), ("allowed_token_ids", "allowed_token_ids"),
-                     ("bad_words", "bad_words"), ("cache_salt", "cache_salt"), ("priority", "priority")):
+                     ("bad_words", "bad_words"), ("cache_salt", "cache_salt"), ("priority", "priority"),
+                     ("chat_template_kwargs", "chat_template_kwargs"),
+                     ("thinking_token_budget", "thinking_token_budget"), ("include_reasoning", "include_reasoning")):
         if getattr(body, src) is not None:
             chat[dst] = getattr(body, src)
     fmt = _response_format(body.text)
@@ -309,7 +322,7 @@ def kept_items(items: list[Any]) -> list[dict]:
     return out
 
 
-_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+_ITEM_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
 
 
 def page_items(items: list[dict], limit: int, order: str, after: Optional[str]) -> dict:
@@ -365,13 +378,20 @@ def truncate(translation: ChatTranslation, count: Callable[[ChatCompletionReques
     return dataclasses.replace(translation, chat=cut(start), where=translation.where[:lead] + translation.where[start:])
 
 
-def _usage(usage: Any, n_prompt: int) -> dict:
+def _usage(usage: Any, n_prompt: int, reasoning_tokens: int = 0) -> dict:
     out = usage.completion_tokens if usage is not None else 0
     cached = getattr(usage, "cached_tokens", 0) if usage is not None else 0
     return {"input_tokens": n_prompt,
             "input_tokens_details": {"cached_tokens": cached or 0, "cache_write_tokens": 0},
-            "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": out, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": n_prompt + out}
+
+
+def _reasoning_item(text: str, item_id: str, status: str) -> dict:
+    """OpenAI's reasoning output item with the model's own reasoning text (``reasoning_text`` content, as vLLM
+    serves it; no summary)."""
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "encrypted_content": None, "status": status}
 
 
 def _call_item(call_id: str, name: str, arguments: str, item_id: str, status: str) -> dict:
@@ -384,11 +404,14 @@ class ResponseCollector:
     a whole (non-streamed) one is ``add`` of each event, then ``json_body()``. With a ``tool_parser`` (the chat
     path's plan for the request's tools) the answer is read into a message (its content, when any) and one
     ``function_call`` item per call, as the chat path reads ``tool_calls`` (a call that does not parse leaves the
-    whole text as the message)."""
+    whole text as the message). With a ``reasoning`` plan (a router with a reasoning parser) the reasoning comes
+    first, as a ``reasoning`` item, and ``reasoning_tokens`` counts it."""
 
     def __init__(self, body: ResponsesRequest, model: str, n_prompt: int,
-                 tool_parser: Optional[ToolCallParser] = None) -> None:
+                 tool_parser: Optional[ToolCallParser] = None, reasoning: Optional[ReasoningPlan] = None) -> None:
         self.body, self.model, self.n_prompt, self.tool_parser = body, model, n_prompt, tool_parser
+        self.reasoning = reasoning
+        self.token_ids: list[int] = []
         self.id = f"resp_{uuid.uuid4().hex}"
         self.msg_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
@@ -413,12 +436,17 @@ class ResponseCollector:
     def output(self) -> list[dict]:
         """The finished answer's output items (read once: their ids stay)."""
         if self._output is None:
+            text, self._output = self.text, []
+            if self.reasoning is not None:
+                thought, text = self.reasoning.split(text)
+                if thought is not None:
+                    self._output.append(_reasoning_item(thought, f"rs_{uuid.uuid4().hex}", "completed"))
             if self.tool_parser is None:
-                self._output = [self.message("completed")]
+                self._output.append(self.message("completed", text))
             else:
-                found = self.tool_parser.extract(self.text)
-                self._output = [self.message("completed", found.content)] if found.content or not found.calls \
-                    else []
+                found = self.tool_parser.extract(text)
+                if found.content or not found.calls:
+                    self._output.append(self.message("completed", found.content))
                 self._output += [_call_item(c.id, c.name, c.arguments, f"fc_{uuid.uuid4().hex}", "completed")
                                  for c in found.calls]
         return self._output
@@ -439,11 +467,13 @@ class ResponseCollector:
             "temperature": b.temperature, "text": {"format": fmt},
             "tool_choice": b.tool_choice if b.tool_choice is not None else "auto", "tools": b.tools or [],
             "top_p": b.top_p, "truncation": b.truncation or "disabled",
-            "usage": _usage(self.usage, self.n_prompt) if done else None, "user": b.user,
+            "usage": _usage(self.usage, self.n_prompt, self.reasoning.reasoning_tokens(self.token_ids)
+                            if self.reasoning is not None else 0) if done else None, "user": b.user,
         }
 
     def add(self, ev: FlowEvent) -> None:
         self.text += ev.text
+        self.token_ids += ev.token_ids
         if ev.finish_reason:
             self.reason = ev.finish_reason
         if ev.usage is not None:
@@ -467,8 +497,9 @@ class ResponseEventStream(ResponseCollector):
     Agents SDK read them."""
 
     def __init__(self, body: ResponsesRequest, model: str, n_prompt: int,
-                 tool_parser: Optional[ToolCallParser] = None) -> None:
-        super().__init__(body, model, n_prompt, tool_parser)
+                 tool_parser: Optional[ToolCallParser] = None, reasoning: Optional[ReasoningPlan] = None) -> None:
+        super().__init__(body, model, n_prompt, tool_parser, reasoning)
+        self._thinking: Optional[ReasoningStream] = reasoning.stream() if reasoning is not None else None
         self._seq = 0
         self._started = False
         self._stream: Optional[ToolCallStream] = tool_parser.stream() if tool_parser is not None else None
@@ -491,6 +522,11 @@ class ResponseEventStream(ResponseCollector):
             return ""
         self._open = False
         item, index = self._items[-1], len(self._items) - 1
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            return (self._event("response.reasoning_text.done", **self._ids(), text=text)
+                    + self._event("response.output_item.done", output_index=index,
+                                  item={**item, "status": "completed"}))
         if item["type"] == "message":
             text = item["content"][0]["text"]
             return (self._event("response.output_text.done", **self._ids(), text=text, logprobs=[])
@@ -517,18 +553,44 @@ class ResponseEventStream(ResponseCollector):
             out += self._event("response.output_text.delta", **self._ids(), delta=text, logprobs=[])
         return out
 
+    def _thought(self, text: str) -> str:
+        """Reasoning text: into the open reasoning item (opened first, before anything else is said)."""
+        out = ""
+        if not (self._open and self._items[-1]["type"] == "reasoning"):
+            out += self._close()
+            item = _reasoning_item("", f"rs_{uuid.uuid4().hex}", "in_progress")
+            self._items.append(item)
+            self._open = True
+            out += self._event("response.output_item.added", output_index=len(self._items) - 1,
+                               item={**item, "content": []})
+        self._items[-1]["content"][0]["text"] += text
+        return out + self._event("response.reasoning_text.delta", **self._ids(), delta=text)
+
     def start(self) -> str:
         self._started = True
         out = (self._event("response.created", response=self.json("in_progress"))
                + self._event("response.in_progress", response=self.json("in_progress")))
-        return out if self._stream is not None else out + self._text("")
+        if self._stream is not None or (self.reasoning is not None and self.reasoning.open):
+            return out  # (the message opens with its first text: reasoning or a call may come first)
+        return out + self._text("")
 
     def chunk(self, idx: int, ev: FlowEvent) -> str:
         out = "" if self._started else self.start()
         self.add(ev)
+        text = ev.text
+        if self._thinking is not None:
+            thought, text = self._thinking.feed(text)
+            if ev.finish_reason:
+                more, rest = self._thinking.finish()
+                thought, text = thought + more, text + rest
+            if thought and self.reasoning.include:
+                out += self._thought(thought)
         if self._stream is None:
-            return out + (self._text(ev.text) if ev.text else "")
-        for d in self._stream.feed(ev.text) + (self._stream.finish() if ev.finish_reason else []):
+            out += self._text(text) if text else ""
+            if ev.finish_reason and not any(i["type"] == "message" for i in self._items):
+                out += self._text("")  # (a whole answer has its message, empty or not)
+            return out
+        for d in self._stream.feed(text) + (self._stream.finish() if ev.finish_reason else []):
             if isinstance(d, ContentDelta):
                 out += self._text(d.text)
             elif isinstance(d, CallStart):
@@ -542,8 +604,8 @@ class ResponseEventStream(ResponseCollector):
                 self._items[index]["arguments"] += d.text
                 out += self._event("response.function_call_arguments.delta", item_id=self._items[index]["id"],
                                    output_index=index, delta=d.text)
-        if ev.finish_reason and not self._items:  # nothing at all was said: an empty message, as a whole one has
-            out += self._text("")
+        if ev.finish_reason and not any(i["type"] != "reasoning" for i in self._items):
+            out += self._text("")  # nothing at all was said: an empty message, as a whole one has
         return out
 
     def error(self, e: FlowError) -> str:

@@ -113,6 +113,27 @@ def test_scheduling_policy_reaches_the_router_config():
     assert not RouterConfig(**router_overrides(args)).allow_prefix_cache_reset
 
 
+def test_reasoning_parser_and_default_template_kwargs_reach_the_router_config(capsys):
+    from router.config import RouterConfig
+
+    args = build_parser().parse_args(["up", "--reasoning-parser", "qwen3",
+                                      "--default-chat-template-kwargs", '{"enable_thinking": false}'])
+    check_up_args(args)
+    cfg = RouterConfig(**router_overrides(args))
+    assert (cfg.reasoning_parser, cfg.default_chat_template_kwargs) == ("qwen3", {"enable_thinking": False})
+    plain = RouterConfig(**router_overrides(build_parser().parse_args(["up"])))
+    assert plain.reasoning_parser is None and plain.default_chat_template_kwargs is None
+    for argv in (["--reasoning-parser", "granite"], ["--default-chat-template-kwargs", "[1]"],
+                 ["--default-chat-template-kwargs", "{nope"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["up", *argv])
+        assert argv[0] in capsys.readouterr().err
+    with pytest.raises(ValueError, match="default_chat_template_kwargs.messages is set by the server"):
+        RouterConfig(default_chat_template_kwargs={"messages": []})
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        RouterConfig(reasoning_parser="granite")
+
+
 def test_max_model_len_reaches_the_router_and_every_worker_engine():
     """`--max-model-len` (vLLM's flag) is one context length for the engines and the router's checks: a router that
     allowed more than its workers let a too-long prompt through to a worker, whose refusal named no API field."""

@@ -420,3 +420,46 @@ def test_tool_calls_are_read_from_the_content_after_the_reasoning(client):
     _check_calls(c.message.tool_calls)
     assert _extra(c.message, "reasoning") and "<tool_call>" not in _extra(c.message, "reasoning")
     assert not c.message.content
+
+
+def test_responses_and_messages_apis_answer_the_reasoning_in_their_own_items(roles, client):
+    """The same split on OpenAI's Responses API (a ``reasoning`` output item before the message, its tokens in
+    ``reasoning_tokens``) and Anthropic's Messages API (``thinking: enabled`` with ``budget_tokens``: a
+    ``thinking`` block before the text), whole and streamed through each vendor's SDK."""
+    import anthropic
+
+    want_r, want_c = _thinking_reference(roles, ASK, 5, 30)
+    n_end = len(roles.router.tokenizer.encode("</think>", add_special_tokens=False))
+    kw = dict(model="tiny", input=ASK[0]["content"], max_output_tokens=30, temperature=0,
+              extra_body={**THINK, "thinking_token_budget": 5, "ignore_eos": True})
+    r = client.responses.create(**kw)
+    assert [i.type for i in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == want_r and r.output_text == want_c
+    assert r.usage.output_tokens_details.reasoning_tokens == 5 + n_end
+    events = list(client.responses.create(**kw, stream=True))
+    final = events[-1].response  # (response.incomplete: max_output_tokens ended it)
+    assert events[-1].type == "response.incomplete" and [i.type for i in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == want_r and final.output_text == want_c
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    assert "".join(deltas) == want_r and [e.text for e in events if e.type == "response.reasoning_text.done"] == [want_r]
+    # a reasoning item sent back with the conversation (as the Agents SDK does) is taken and left out of the prompt
+    again = client.responses.create(model="tiny", input=[*[i.model_dump(exclude_none=True) for i in r.output],
+                                                         {"role": "user", "content": "and Rome?"}],
+                                    max_output_tokens=4, temperature=0)
+    assert again.status in ("completed", "incomplete")
+
+    ant = anthropic.Anthropic(base_url=f"http://{roles.router.http_address}", api_key=KEY, max_retries=0)
+    akw = dict(model="tiny", max_tokens=30, messages=ASK, thinking={"type": "enabled", "budget_tokens": 5},
+               extra_body={"temperature": 0, "ignore_eos": True})
+    m = ant.messages.create(**akw)
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == [
+        ("thinking", want_r), ("text", want_c)]
+    with ant.messages.stream(**akw) as s:
+        streamed = s.get_final_message()
+    assert [b.model_dump(exclude={"signature"}) for b in streamed.content] == [
+        b.model_dump(exclude={"signature"}) for b in m.content]
+    # thinking disabled: the template closes the block, the answer is all text
+    off = ant.messages.create(**{**akw, "thinking": {"type": "disabled"}})
+    assert [b.type for b in off.content] == ["text"]
+    with pytest.raises(anthropic.BadRequestError, match="thinking.budget_tokens"):
+        ant.messages.create(**{**akw, "thinking": {"type": "enabled", "budget_tokens": 30}})

@@ -76,7 +76,8 @@ def test_a_tool_turn_renders_as_the_chat_apis_messages_would():
     (dict(input=[{**CALL, "name": ""}]), "input[0].name"),
     (dict(input=[{**CALL, "arguments": {"city": "Paris"}}]), "input[0].arguments"),
     (dict(input=[CALL, {"type": "function_call_output", "call_id": "call_1", "output": 3}]), "input[1].output"),
-    (dict(input=[{"type": "reasoning", "summary": []}]), "input[0].type"),
+    (dict(input=[{"type": "image_generation_call"}]), "input[0].type"),
+    (dict(input=[{"type": "reasoning", "summary": []}]), "input: holds no message"),
     (dict(input=["hi"]), "input[0]"),
 ])
 def test_what_is_not_served_is_refused_naming_the_responses_field(kw, field):
@@ -185,3 +186,14 @@ def test_vllms_request_extras_reach_the_generate_request():
     t = ora.to_chat_request(_req(allowed_token_ids=[5, 6], bad_words=["no"], cache_salt="t", priority=2))
     g = oa.to_generate_request(t.chat, token_ids=[1, 2])
     assert (list(g.allowed_token_ids), list(g.bad_words), g.cache_salt, g.priority) == ([5, 6], ["no"], "t", 2)
+
+
+def test_reasoning_items_sent_back_are_left_out_of_the_conversation():
+    """A client replaying a response's output (the Agents SDK does) sends its reasoning item back: thinking models'
+    templates leave earlier reasoning out, so the chat is the same as without it."""
+    item = {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]}
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+             {"role": "user", "content": "and?"}]
+    with_item = ora.to_chat_request(_req(input=[turns[0], item, *turns[1:]]))
+    assert oa.message_dicts(with_item.chat) == oa.message_dicts(ora.to_chat_request(_req(input=turns)).chat)
+    assert with_item.where == ["input[0]", "input[2]", "input[3]"]

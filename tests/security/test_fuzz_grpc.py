@@ -134,7 +134,8 @@ def requests(draw: st.DrawFn) -> pdserve_pb2.GenerateRequest:
     fields["logit_bias"] = draw(st.dictionaries(I32, F32, max_size=6))
     fields["allowed_token_ids"] = draw(st.one_of(st.just([]), TOKENS))
     fields["bad_words"] = draw(st.lists(TEXT, max_size=4))
-    for name, strategy in (("truncate_prompt_tokens", I32), ("priority", I32)):
+    fields["reasoning"] = draw(st.booleans())
+    for name, strategy in (("truncate_prompt_tokens", I32), ("priority", I32), ("thinking_token_budget", I32)):
         v = draw(_optional(strategy))
         if v is not None:
             fields[name] = v
