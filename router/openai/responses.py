@@ -49,12 +49,16 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage_json(usages: list[Usage], prompt_tokens: int, timings: Optional[list] = None) -> dict:
-    """OpenAI's usage block; with ``timings`` (``pdserve_timings`` asked for), pdserve's phases of each prompt."""
+def usage_json(usages: list[Usage], prompt_tokens: int, timings: Optional[list] = None,
+               reasoning_tokens: Optional[int] = None) -> dict:
+    """OpenAI's usage block; with ``timings`` (``pdserve_timings`` asked for), pdserve's phases of each prompt;
+    with ``reasoning_tokens`` (a reasoning parser), ``completion_tokens_details``."""
     completion = sum(u.completion_tokens for u in usages)
     cached = max((u.cached_tokens for u in usages), default=0)
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
            "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     if timings is not None:
         out["pdserve_timings"] = [timings_json(t) for t in timings]
     return out
@@ -155,6 +159,11 @@ def _finish_reason(reason: Optional[str], parser: Optional[ToolCallParser], call
     return reason
 
 
+def _reasoning_tokens(plan: Optional[ReasoningPlan], ids: dict[int, list[int]]) -> Optional[int]:
+    """Every choice's reasoning tokens together (None without a reasoning plan: no details block)."""
+    return None if plan is None else sum(plan.reasoning_tokens(t) for t in ids.values())
+
+
 def tool_calls_json(calls: list) -> list[dict]:
     return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
 
@@ -187,6 +196,8 @@ class ResponseBody:
         self.rid, self.chat, self.model, self.n_prompt, self._detok = rid, chat, model, n_prompt, detok
         self.tool_parser = tool_parser
         self._reasoning = reasoning
+        self._ids: dict[int, list[int]] = {}
+        """A chat choice's tokens (with a reasoning plan: ``reasoning_tokens`` counts each choice's block)."""
         self.texts: list[str] = list(echo) if echo is not None else [""] * n
         self.reasons: list[Optional[str]] = [None] * n
         self.stop_reasons: list[Optional[Union[str, int]]] = [None] * n
@@ -207,6 +218,8 @@ class ResponseBody:
                     self.logprobs[j] = _joined(echo_logprobs(self._echo_first[j], ev.prompt_logprobs, self._detok),
                                                self.logprobs[j])
         self.texts[idx] += ev.text
+        if self._reasoning is not None:
+            self._ids.setdefault(idx, []).extend(ev.token_ids)
         if ev.logprobs is not None:
             block = (chat_logprobs(ev, self._detok) if self.chat
                      else completion_logprobs(ev, self._detok, len(self.texts[idx])))
@@ -260,7 +273,8 @@ class ResponseBody:
                     c["prompt_logprobs"] = prompt_logprobs_json(lps, self._detok)
             obj = "text_completion"
         body = {"id": self.rid, "object": obj, "created": created(), "model": self.model, "choices": choices,
-                "usage": usage_json(self.usages, self.n_prompt, self.timings if self.with_timings else None)}
+                "usage": usage_json(self.usages, self.n_prompt, self.timings if self.with_timings else None,
+                                    _reasoning_tokens(self._reasoning, self._ids))}
         if self.chat and self.prompt_logprobs[0] is not None:  # vLLM's: the one prompt's, top level
             body["prompt_logprobs"] = prompt_logprobs_json(self.prompt_logprobs[0], self._detok)
         return body
@@ -283,6 +297,7 @@ class EventStream:
         self.rid, self.chat, self.model, self.n_prompt, self._detok = rid, chat, model, n_prompt, detok
         self._reasoning = reasoning
         self._thinking: dict[int, ReasoningStream] = {}
+        self._ids: dict[int, list[int]] = {}
         self.include_usage = include_usage
         self.obj = "chat.completion.chunk" if chat else "text_completion"
         self.tool_parser = tool_parser
@@ -324,6 +339,7 @@ class EventStream:
         stream = self._thinking.get(idx)
         if stream is None:
             stream = self._thinking[idx] = self._reasoning.stream()
+        self._ids.setdefault(idx, []).extend(ev.token_ids)
         thought, text = stream.feed(ev.text)
         if ev.finish_reason:
             more, rest = stream.finish()
@@ -407,6 +423,7 @@ class EventStream:
 
     def end(self) -> list[str]:
         """The closing events: the usage chunk (when asked for) and ``[DONE]``."""
-        usage = usage_json(self.usages, self.n_prompt, self.timings if self.with_timings else None)
+        usage = usage_json(self.usages, self.n_prompt, self.timings if self.with_timings else None,
+                           _reasoning_tokens(self._reasoning, self._ids))
         tail = [self._data([], usage)] if self.include_usage else []
         return tail + [self.DONE]

@@ -373,10 +373,15 @@ def test_reasoning_is_split_from_the_answer_whole_and_streamed(roles, client):
     want_r, want_c = _thinking_reference(roles, ASK, 5, 30)
     kw = dict(model="tiny", messages=ASK, max_tokens=30, temperature=0,
               extra_body={**THINK, "thinking_token_budget": 5, "ignore_eos": True})
-    msg = client.chat.completions.create(**kw).choices[0].message
+    whole = client.chat.completions.create(**kw)
+    msg = whole.choices[0].message
     assert (_extra(msg, "reasoning"), _extra(msg, "reasoning_content"), msg.content) == (want_r, want_r, want_c)
+    n_end = len(roles.router.tokenizer.encode("</think>", add_special_tokens=False))
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 5 + n_end  # the block and its end marker
     thought = content = ""
-    for chunk in client.chat.completions.create(**kw, stream=True):
+    for chunk in client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            assert chunk.usage.completion_tokens_details.reasoning_tokens == 5 + n_end
         d = chunk.choices[0].delta if chunk.choices else None
         if d is not None:
             thought += _extra(d, "reasoning") or ""
