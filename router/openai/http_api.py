@@ -43,6 +43,7 @@ import socket
 import ssl
 import threading
 import time
+import uuid
 from concurrent.futures import Executor
 from typing import Any, AsyncIterator, Callable, Iterable, Optional, Union
 
@@ -67,7 +68,7 @@ from router.quotas import Lease, QuotaBook, QuotaExceeded, max_output_tokens
 from router.events import FlowError
 from router.flow_pump import END, FlowPump, LoopInbox
 from router.stream_stall import StallWatch, connection_abort
-from router.validation import validate_generate
+from router.validation import MAX_REQUEST_ID_LEN, validate_generate
 from router.wire import structured_outputs_to_proto
 from transport.tracing import Tracing
 from transport.api_keys import ApiKey, KeySource, KeyTable, bearer_token
@@ -554,6 +555,23 @@ class HttpApi:
     async def _serve(self, request: Request, body: Any, chat: bool,
                      responses: Optional["ora.ChatTranslation"] = None,
                      messages: Optional["aa.MessagesTranslation"] = None) -> Response:
+        """``_answer`` under the request's id (vLLM's): the body's ``request_id``, else the ``X-Request-Id`` header,
+        else a new one; the response (errors too) carries it back as ``X-Request-Id``, the completion's ``id`` is
+        built from it, and every worker log line of the request starts with it (each prompt's id adds a short
+        unique suffix, so two requests with the same header never collide on a worker)."""
+        base = getattr(body, "request_id", None) or request.headers.get("x-request-id")
+        if base is not None and (not base or len(base) > MAX_REQUEST_ID_LEN - 24 or not base.isprintable()):
+            self.core.count_error(grpc.StatusCode.INVALID_ARGUMENT)
+            return self._error(400, f"request_id (or the X-Request-Id header) must be 1 to "
+                                    f"{MAX_REQUEST_ID_LEN - 24} printable characters", "request_id")
+        base = base or uuid.uuid4().hex
+        response = await self._answer(request, body, chat, base, responses, messages)
+        response.headers["X-Request-Id"] = base
+        return response
+
+    async def _answer(self, request: Request, body: Any, chat: bool, base: str,
+                      responses: Optional["ora.ChatTranslation"] = None,
+                      messages: Optional["aa.MessagesTranslation"] = None) -> Response:
         """A completion or chat request (``chat``); with ``responses``, the Responses API request it came from
         (router/openai/responses_api.py): served as a chat, answered as a ``response``, its errors naming the
         Responses API's fields; with ``messages`` likewise the Messages API's (router/openai/anthropic_api.py),
@@ -577,6 +595,9 @@ class HttpApi:
             plan = oas.plan(body, chat, core.cfg.tool_call_parser)
             greqs = oa.to_generate_requests(body, chat, lim,
                                             lambda b: oa.chat_prompt_ids(b, core.tokenizer, lim, plan.tools))
+            for i, g in enumerate(greqs):  # (the client's id first, so the logs find it)
+                tag = f"{i}-" if len(greqs) > 1 else ""
+                g.request_id = f"{base}-{tag}{uuid.uuid4().hex[:8]}"
             if chat:
                 reasoning = self._reasoning_of(body, greqs)
             if chat and body.max_tokens is None and body.max_completion_tokens is None and not body.use_beam_search:
@@ -618,7 +639,7 @@ class HttpApi:
                 return self._error(400, msg, _leading_field(msg))
             return self._error(400, str(e))
         n_prompt = sum(len(c.vreq.prompt_token_ids) for c in choices)
-        rid = rs.new_id("chatcmpl" if chat else "cmpl")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{base}"
         model, detok = body.model or core.limits.model_name, rs.detokenizer(core.tokenizer)
         if body.return_tokens_as_token_ids:  # vLLM's: logprobs name each token "token_id:<id>"
             detok = rs.token_id_strings

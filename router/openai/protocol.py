@@ -73,6 +73,9 @@ class _Sampling(ConstraintFields):
     """vLLM's: logprobs name each token "token_id:<id>" instead of its text."""
     priority: int = 0
     """vLLM's: lower is served first (a cluster started with --scheduling-policy priority; 0 otherwise)."""
+    request_id: Optional[str] = None
+    """vLLM's: the request's id (else the ``X-Request-Id`` header's, else a new one): the answer's ``id`` is built
+    from it, it comes back as the ``X-Request-Id`` header, and the workers' log lines of the request start with it."""
     # pdserve's extras
     pdserve_timings: bool = False
     """pdserve's: the usage block (the response's, or the streamed usage chunk's) gets ``pdserve_timings``, one

@@ -4,7 +4,9 @@ engine's; errors come back in OpenAI's shape with the matching HTTP status; a cl
 request's blocks on both workers."""
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import re
 
 import grpc
 import httpx
@@ -499,3 +501,32 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_a_choice(client):
     last = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0, stop=cut,
                                                stream=True, extra_body={"ignore_eos": True}))[-1].choices[0]
     assert (last.finish_reason, last.stop_reason) == ("stop", cut)
+
+
+def test_x_request_id_names_the_answer_and_leads_every_worker_log_line(roles, client, caplog):
+    """vLLM's request ids: the ``X-Request-Id`` header (or the body's ``request_id``) is the answer's id and comes
+    back as the header; the workers know the request by it plus a unique suffix, so two requests with the same
+    header both run; a bad one is a 400 naming ``request_id`` before any work."""
+    import logging
+
+    url = f"http://{roles.router.http_address}/v1/chat/completions"
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    auth = {"authorization": f"Bearer {KEY}"}
+    with caplog.at_level(logging.DEBUG, logger="engine.llm_engine"):
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda _: httpx.post(url, json=body, timeout=60,
+                                                     headers={**auth, "X-Request-Id": "trace-7f3a"}), range(2)))
+    for r in got:
+        assert r.status_code == 200 and r.headers["x-request-id"] == "trace-7f3a", r.text
+        assert r.json()["id"] == "chatcmpl-trace-7f3a"
+    ids = {m for rec in caplog.records for m in re.findall(r"request (trace-7f3a-\w+) added", rec.getMessage())}
+    assert len(ids) == 2  # one per request, each unique, each led by the client's id
+    # the body's request_id wins over the header; a streamed answer carries it too; none given: one is made
+    with httpx.stream("POST", url, json={**body, "stream": True, "request_id": "mine-1"}, timeout=60,
+                      headers={**auth, "X-Request-Id": "theirs"}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert r.headers["x-request-id"] == "mine-1" and {c["id"] for c in chunks} == {"chatcmpl-mine-1"}
+    made = httpx.post(url, json=body, headers=auth, timeout=60)
+    assert made.json()["id"] == "chatcmpl-" + made.headers["x-request-id"]
+    bad = httpx.post(url, json={**body, "request_id": "x" * 300}, headers=auth, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
