@@ -27,7 +27,7 @@ QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8", "fp8")
 """``EngineConfig.quantization`` values (the formats: engine/quant.py, which re-exports this)."""
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 """``EngineConfig.kv_cache_dtype`` values."""
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 def dtype_name(dtype: Union[str, "torch.dtype"]) -> str:
@@ -324,6 +324,8 @@ class ModelConfig:
     """LM head shares the embedding matrix."""
     attention_bias: bool = False
     """q/k/v projections have biases (Qwen2)."""
+    qk_norm: bool = False
+    """Each query and key head is RMS-normalised (its own weight, shared by the heads) before RoPE (Qwen3)."""
     sliding_windows: list = field(default_factory=list)
     """Per layer: None (full attention) or the window size W (keys with q - k < W)."""
     dtype: str = "float32"
@@ -365,7 +367,7 @@ class ModelConfig:
     def num_params(self) -> int:
         h, i, v, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
         qkv = h * d * (self.num_attention_heads + 2 * self.num_key_value_heads)
-        per_layer = qkv + self.num_attention_heads * d * h + 3 * h * i + 2 * h
+        per_layer = qkv + self.num_attention_heads * d * h + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer + h
 
     @classmethod
@@ -374,7 +376,8 @@ class ModelConfig:
         (a name or a torch dtype), not config.json's."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                       "qwen2": "Qwen2ForCausalLM"}.get(cfg.get("model_type", ""), "")
+                                       "qwen2": "Qwen2ForCausalLM",
+                                       "qwen3": "Qwen3ForCausalLM"}.get(cfg.get("model_type", ""), "")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architectures: unsupported {arch or cfg.get('model_type')!r}; "
                              f"supported: {SUPPORTED_ARCHITECTURES}")
@@ -409,6 +412,7 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=params,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
             sliding_windows=windows, dtype=dtype_name(dtype), bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids)
 
@@ -422,7 +426,7 @@ def _sliding_windows(arch: str, cfg: dict, n_layers: int) -> list:
     layer_types = cfg.get("layer_types")
     if layer_types:
         return [w if t == "sliding_attention" else None for t in layer_types]
-    if arch == "Qwen2ForCausalLM":
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         if not cfg.get("use_sliding_window", False):
             return [None] * n_layers
         first = int(cfg.get("max_window_layers", n_layers))

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) running over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) running over a paged KV cache.
 
 Lifecycle: ``engine.loader`` builds a ``CausalLM`` from a ``ModelConfig`` on the
 target device and dtype, fills it with ``load_weights`` (HF tensor names in,
@@ -10,7 +10,8 @@ load) chooses each linear layer's weight format once (engine/weight_formats.py),
 the fused C++ decode layers where every linear runs on pdserve's kernels, gives the
 norms and layers their ops (engine/layer_ops.py: pdserve's CPU kernels, or its Triton
 kernels on CUDA) and tunes the model's own panel
-prefetch distances (engine/prefetch_tuning.py).
+prefetch distances (engine/prefetch_tuning.py). Qwen3's per-head query and key RMSNorms run before RoPE on every
+path (the fused C++ decode layer applies them with the same row function as the kernels' RMSNorm).
 
 Hot-path choices (measured on the 2-core CPU box, see docs/benchmarks.md):
 fused projections (one [h, (H+2Hkv)D] and one [h, 2I] GEMM per layer instead of
@@ -121,6 +122,9 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(mc.intermediate_size, mc.hidden_size, bias=False)
         self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, mc.rms_norm_eps) if mc.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, mc.rms_norm_eps) if mc.qk_norm else None
+        """Qwen3's per-head query and key norms (before RoPE); None elsewhere."""
         self.intermediate_size = mc.intermediate_size
         self.fused = None  # the kernels' DecodeLayer, set by CausalLM.finalize where it can run
         self.fused_max_rows = 0
@@ -145,11 +149,15 @@ class DecoderLayer(nn.Module):
         self.fused = kern.DecodeLayer(*[f.fused_spec() for f in fmts], self.input_layernorm.weight.detach(),
                                       self.post_attention_layernorm.weight.detach(), self.input_layernorm.eps,
                                       self.num_heads, self.num_kv_heads, self.head_dim, self.window or 0,
-                                      self.head_dim ** -0.5, prefetch)
+                                      self.head_dim ** -0.5, prefetch,
+                                      *((self.q_norm.weight.detach(), self.k_norm.weight.detach())
+                                        if self.q_norm is not None else ()))
         self.fused_max_rows = min(f.small_m for f in fmts)
         # the Python path of this layer (prefill, mixed and verify steps) then uses the same norm, RoPE and
         # silu * mul kernels as the fused one
         self.ops = self.input_layernorm.ops = self.post_attention_layernorm.ops = KernelOps(kern)
+        if self.q_norm is not None:
+            self.q_norm.ops = self.k_norm.ops = self.ops
         return True
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata,
@@ -182,6 +190,11 @@ class DecoderLayer(nn.Module):
         if lora is not None and self.lora is not None:
             qkv = self.lora.apply("qkv_proj", x, qkv, lora)
         qkv = qkv.view(T, H + 2 * Hkv, D)
+        if self.q_norm is not None:  # Qwen3: each head normalised before RoPE (rows of D for the 2-D kernels)
+            q = self.q_norm(qkv[:, :H].reshape(T * H, D)).view(T, H, D)
+            k = self.k_norm(qkv[:, H:H + Hkv].reshape(T * Hkv, D)).view(T, Hkv, D)
+            qk = self.ops.rope(torch.cat([q, k], dim=1), cos, sin, H + Hkv)
+            return qk[:, :H], qk[:, H:H + Hkv], qkv[:, H + Hkv:]
         qk = self.ops.rope(qkv, cos, sin, H + Hkv)
         return qk[:, :H], qk[:, H:H + Hkv], qkv[:, H + Hkv:]
 
@@ -289,6 +302,8 @@ class CausalLM(nn.Module):
                 self.norm.ops = ops
                 for layer in self.layers:
                     layer.ops = layer.input_layernorm.ops = layer.post_attention_layernorm.ops = ops
+                    if layer.q_norm is not None:
+                        layer.q_norm.ops = layer.k_norm.ops = ops
                 if batch_invariant:
                     for _, m in linears:
                         if isinstance(m.fmt, Dense):
@@ -381,7 +396,7 @@ class CausalLM(nn.Module):
             for name, p in sorted(self.named_parameters()):
                 if name.startswith("lm_head") and self.config.tie_word_embeddings:
                     continue  # copied from the embedding in finalize()
-                if name.endswith("layernorm.weight") or name == "norm.weight":
+                if name.endswith("norm.weight"):  # (every RMSNorm: the layers', q/k's and the final one)
                     p.fill_(1.0)
                 elif name.endswith(".bias"):
                     p.zero_()
@@ -444,6 +459,8 @@ class CausalLM(nn.Module):
         if block in ("input_layernorm", "post_attention_layernorm"):
             return f"layers.{i}.{block}.{rest}", None
         proj, _, kind = rest.partition(".")
+        if block == "self_attn" and proj in ("q_norm", "k_norm"):
+            return f"layers.{i}.{proj}.{kind}", None
         kind = "weight_t" if kind == "weight" else kind
         if proj in qkv_cols:
             return f"layers.{i}.qkv_proj.{kind}", qkv_cols[proj]

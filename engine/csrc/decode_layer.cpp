@@ -67,12 +67,23 @@ static void add_into(torch::Tensor& a, const torch::Tensor& b) {
 
 DecodeLayer::DecodeLayer(const KLinearSpec& qkv_, const KLinearSpec& o_, const KLinearSpec& gu_, const KLinearSpec& down_,
                          torch::Tensor in_norm_, torch::Tensor post_norm_, double eps_, int64_t H_, int64_t Hkv_, int64_t D_,
-                         int64_t window_, double sm_scale_, std::shared_ptr<PanelPrefetch> pf_)
+                         int64_t window_, double sm_scale_, std::shared_ptr<PanelPrefetch> pf_,
+                         c10::optional<torch::Tensor> q_norm_, c10::optional<torch::Tensor> k_norm_)
     : qkv(make_linear(qkv_)), o(make_linear(o_)), gate_up(make_linear(gu_)), down(make_linear(down_)),
-      in_norm(in_norm_), post_norm(post_norm_), eps(eps_), H(H_), Hkv(Hkv_), D(D_), window(window_), sm_scale(sm_scale_),
-      pf(std::move(pf_)) {
+      in_norm(in_norm_), post_norm(post_norm_), q_norm(q_norm_), k_norm(k_norm_), eps(eps_), H(H_), Hkv(Hkv_), D(D_),
+      window(window_), sm_scale(sm_scale_), pf(std::move(pf_)) {
   TORCH_CHECK(D % 16 == 0 && H % Hkv == 0, "head_dim must be a multiple of 16 and H a multiple of Hkv");
   TORCH_CHECK(pf != nullptr, "a fused layer needs its model's PanelPrefetch");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
+  for (const auto* w : {&q_norm, &k_norm})
+    TORCH_CHECK(!w->has_value() || ((*w)->scalar_type() == torch::kFloat && (*w)->is_contiguous() && (*w)->numel() == D),
+                "q_norm / k_norm must be float32 [head_dim]");
+}
+
+// RMSNorm of `heads` rows of D in place, each by rms_norm's own row function (norm_act.cpp), so the fused layer
+// rounds exactly like the Python path's q/k norms on the kernels
+static void norm_heads(float* x, int64_t heads, int64_t D, const float* w, float eps) {
+  for (int64_t j = 0; j < heads; ++j) rms_norm_row(x + j * D, x + j * D, D, w, eps);
 }
 
 torch::Tensor DecodeLayer::forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
@@ -99,8 +110,14 @@ torch::Tensor DecodeLayer::forward(torch::Tensor h, torch::Tensor cos, torch::Te
   auto* kb = static_cast<uint8_t*>(k_cache.data_ptr());
   auto* vb = static_cast<uint8_t*>(v_cache.data_ptr());
   const int64_t row_bytes = Dp * esize;
+  const float* qn = q_norm ? q_norm->data_ptr<float>() : nullptr;
+  const float* kn = k_norm ? k_norm->data_ptr<float>() : nullptr;
   for (int64_t t = 0; t < T; ++t) {
     float* r = p + t * W;
+    if (qn != nullptr) {
+      norm_heads(r, H, D, qn, static_cast<float>(eps));
+      norm_heads(r + H * D, Hkv, D, kn, static_cast<float>(eps));
+    }
     rope_rows(r, H + Hkv, D, cp + t * half, sp + t * half);
     std::memcpy(qp + t * H * D, r, H * D * sizeof(float));
     for (int64_t j = 0; j < Hkv; ++j) {

@@ -5,6 +5,15 @@ namespace pdserve {
 
 // ---- small per-layer ops at float32 (torch runs each as several kernels: ~16 us for an RMSNorm at batch 1) ----
 
+// one row of rms_norm (y may be x): every RMSNorm of the kernels, the fused decode layer's q/k norms included, goes
+// through this one function, so they round alike whatever the compiler makes of the loops
+void rms_norm_row(const float* xr, float* yr, int64_t H, const float* wp, float feps) {
+  float ss = 0.f;
+  for (int64_t k = 0; k < H; ++k) ss += xr[k] * xr[k];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + feps);
+  for (int64_t k = 0; k < H; ++k) yr[k] = wp[k] * (xr[k] * r);
+}
+
 // y = w * (x / sqrt(mean(x^2) + eps)) row by row: HF's LlamaRMSNorm at float32
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous float32 [M, H]");
@@ -14,13 +23,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const float* xp = x.data_ptr<float>(); const float* wp = w.data_ptr<float>(); float* yp = y.data_ptr<float>();
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(H, 1)), [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* xr = xp + m * H; float* yr = yp + m * H;
-      float ss = 0.f;
-      for (int64_t k = 0; k < H; ++k) ss += xr[k] * xr[k];
-      const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + feps);
-      for (int64_t k = 0; k < H; ++k) yr[k] = wp[k] * (xr[k] * r);
-    }
+    for (int64_t m = m0; m < m1; ++m) rms_norm_row(xp + m * H, yp + m * H, H, wp, feps);
   });
   return y;
 }

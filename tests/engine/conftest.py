@@ -35,7 +35,7 @@ def hf_config(arch: str, **over):
                 initializer_range=0.1, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
     base.update(over)
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config}[arch]
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
     return cls(**base)
 
 
@@ -45,9 +45,14 @@ def make_checkpoint(tmp: Path, arch: str, seed: int = 0, max_shard_size: Optiona
 
     cfg = hf_config(arch, **over)
     cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-           "qwen2": transformers.Qwen2ForCausalLM}[arch]
+           "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[arch]
     torch.manual_seed(seed)
     model = cls(cfg).eval()
+    if arch == "qwen3":  # HF initialises the q/k norms at 1; other weights make their loading observable
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.normal_(1.0, 0.3)
     if getattr(cfg, "attention_bias", False) or arch == "qwen2":
         # HF zero-initialises biases; random ones make the bias path observable
         with torch.no_grad():

@@ -1,7 +1,7 @@
 """The engine's model matches Hugging Face transformers on the same checkpoint.
 
 Reference: transformers' own LlamaForCausalLM / MistralForCausalLM /
-Qwen2ForCausalLM, random-initialised and saved with save_pretrained. We check
+Qwen2ForCausalLM / Qwen3ForCausalLM, random-initialised and saved with save_pretrained. We check
 float32 logits for every prompt position and for 20 decode steps through the
 paged cache (1e-4 max-abs), and greedy continuations token for token, both as
 one continuous batch and one prompt at a time.
@@ -25,6 +25,8 @@ CASES = {
                               "rope_theta": 500000.0}),
     "mistral_window": ("mistral", {"sliding_window": 8}),
     "qwen2_bias": ("qwen2", {}),
+    # q/k norms before RoPE, a head width that is not hidden / heads (q_proj 128 wide over a 64 hidden), tied
+    "qwen3_qk_norm": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
 }
 
 
