@@ -100,6 +100,11 @@ class ChatMessage(BaseModel):
     """An assistant turn's calls, as a response gave them (``function.arguments`` as JSON text)."""
     tool_call_id: Optional[str] = None
     """A ``tool`` turn: the call it answers."""
+    reasoning: Optional[str] = None
+    """An assistant turn's reasoning as a response gave it (vLLM's ``reasoning``)..."""
+    reasoning_content: Optional[str] = None
+    """... or by its older name: either reaches the template as ``reasoning_content`` (Qwen3's template puts it
+    back, in a think block, for the turns of a tool loop)."""
 
 
 class ChatCompletionRequest(_Sampling, ToolFields):
@@ -185,6 +190,9 @@ def message_dicts(req: ChatCompletionRequest) -> list[dict]:
             d["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
             d["tool_calls"] = [_template_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(m.tool_calls)]
+        thought = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+        if thought is not None:
+            d["reasoning_content"] = thought
         out.append(d)
     return out
 

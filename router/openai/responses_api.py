@@ -36,8 +36,10 @@ context drops its earliest whole turns, the instructions kept, until it leaves r
 
 What is refused, naming the field (400): ``conversation`` (conversation objects are not kept),
 ``previous_response_id`` where nothing is kept, tools other than functions (web search, file search...),
-``background``, input items other than messages with text parts, ``function_call`` and ``function_call_output``
-(an output whose ``call_id`` no earlier call has, too), ``n``-like fields (one answer per response).
+``background``, input items other than messages with text parts, ``function_call``, ``function_call_output``
+(an output whose ``call_id`` no earlier call has, too) and ``reasoning`` (sent back, its text becomes the next
+assistant turn's ``reasoning_content``, which thinking templates such as Qwen3's put back in tool loops), ``n``-like
+fields (one answer per response).
 """
 from __future__ import annotations
 
@@ -152,6 +154,14 @@ def _messages(instructions: Optional[str], items: list[Any], n_history: int,
         msgs.append({"role": "system", "content": instructions})
         where.append("instructions")
     calls: set[str] = set()
+    thought: Optional[str] = None  # a reasoning item's text, for the assistant turn after it
+
+    def assistant(msg: dict) -> dict:
+        nonlocal thought
+        if thought is not None:
+            msg["reasoning_content"], thought = thought, None
+        return msg
+
     for k, item in enumerate(items):
         i = k - n_history
         at = "previous_response_id" if i < 0 else "input" if string_input else f"input[{i}]"
@@ -162,7 +172,12 @@ def _messages(instructions: Optional[str], items: list[Any], n_history: int,
             role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
             if role is None:
                 raise ValueError(f"{at}.role must be one of {sorted(_ROLES)}, got {item.get('role')!r}")
-            msgs.append({"role": role, "content": _text(item.get("content"), f"{at}.content")})
+            msg = {"role": role, "content": _text(item.get("content"), f"{at}.content")}
+            if role == "assistant":
+                assistant(msg)
+            else:
+                thought = None  # (reasoning with no answer after it: nothing to attach it to)
+            msgs.append(msg)
             where.append(at)
         elif kind == "function_call":
             call_id = _string(item, "call_id", at)
@@ -171,13 +186,14 @@ def _messages(instructions: Optional[str], items: list[Any], n_history: int,
             calls.add(call_id)
             call = {"id": call_id, "type": "function",
                     "function": {"name": _string(item, "name", at), "arguments": _string(item, "arguments", at)}}
-            if msgs and msgs[-1]["role"] == "assistant" and where[-1] != "instructions":
+            if msgs and msgs[-1]["role"] == "assistant" and where[-1] != "instructions" and thought is None:
                 msgs[-1].setdefault("tool_calls", []).append(call)
             else:
-                msgs.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                msgs.append(assistant({"role": "assistant", "content": "", "tool_calls": [call]}))
                 where.append(at)
-        elif kind == "reasoning":  # an earlier answer's reasoning, sent back: thinking templates leave it out
-            continue
+        elif kind == "reasoning":  # an earlier answer's reasoning, sent back: its assistant turn's reasoning_content
+            parts = [p.get("text") for p in item.get("content") or () if isinstance(p, dict)]
+            thought = "".join(t for t in parts if isinstance(t, str)) or None
         elif kind == "function_call_output":
             call_id = _string(item, "call_id", at)
             if call_id not in calls:

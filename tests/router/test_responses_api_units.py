@@ -188,12 +188,27 @@ def test_vllms_request_extras_reach_the_generate_request():
     assert (list(g.allowed_token_ids), list(g.bad_words), g.cache_salt, g.priority) == ([5, 6], ["no"], "t", 2)
 
 
-def test_reasoning_items_sent_back_are_left_out_of_the_conversation():
-    """A client replaying a response's output (the Agents SDK does) sends its reasoning item back: thinking models'
-    templates leave earlier reasoning out, so the chat is the same as without it."""
+def test_reasoning_items_sent_back_become_the_next_assistant_turns_reasoning_content():
+    """A client replaying a response's output (the Agents SDK does) sends its reasoning item back: its text is the
+    following assistant turn's ``reasoning_content`` (what thinking templates read, Qwen3's in tool loops), a message
+    or a call; reasoning with no assistant turn after it is dropped."""
     item = {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]}
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
              {"role": "user", "content": "and?"}]
     with_item = ora.to_chat_request(_req(input=[turns[0], item, *turns[1:]]))
-    assert oa.message_dicts(with_item.chat) == oa.message_dicts(ora.to_chat_request(_req(input=turns)).chat)
-    assert with_item.where == ["input[0]", "input[2]", "input[3]"]
+    plain = oa.message_dicts(ora.to_chat_request(_req(input=turns)).chat)
+    got = oa.message_dicts(with_item.chat)
+    assert got[-2] == {**plain[-2], "reasoning_content": "hm"} and got[:-2] + got[-1:] == plain[:-2] + plain[-1:]
+    assert with_item.where == [*with_item.where[:-3], "input[0]", "input[2]", "input[3]"]
+    call = ora.to_chat_request(_req(input=[turns[0], item, CALL]))
+    assert oa.message_dicts(call.chat)[-1]["reasoning_content"] == "hm"
+    dropped = ora.to_chat_request(_req(input=[turns[0], item, turns[2]]))
+    assert all("reasoning_content" not in m for m in oa.message_dicts(dropped.chat))
+
+
+def test_chat_messages_carry_reasoning_to_the_template_by_either_name():
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": "r1"},
+            {"role": "user", "content": "q2"}, {"role": "assistant", "content": "b", "reasoning_content": "r2"},
+            {"role": "user", "content": "q3"}]
+    got = oa.message_dicts(oa.ChatCompletionRequest(messages=msgs))
+    assert [m.get("reasoning_content") for m in got] == [None, "r1", None, "r2", None]
