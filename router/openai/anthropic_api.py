@@ -11,8 +11,8 @@ Request, as the chat path takes it: ``system`` (text, or text blocks) is the sys
 is a ``user`` or ``assistant`` turn whose ``content`` is text or blocks: ``text``; on an assistant turn ``tool_use``
 (``id``, ``name``, ``input``) becomes that turn's ``tool_calls``; on a user turn each ``tool_result``
 (``tool_use_id``, ``content`` text or text blocks) becomes a ``tool`` message answering that call, before the
-turn's text. ``thinking`` / ``redacted_thinking`` blocks of earlier turns are dropped (thinking models' templates
-do not take them back). ``thinking``: on a router with a reasoning parser (``--reasoning-parser``),
+turn's text. An earlier assistant turn's ``thinking`` blocks become its ``reasoning_content`` (what thinking
+templates such as Qwen3's read back in tool loops); ``redacted_thinking`` blocks are dropped. ``thinking``: on a router with a reasoning parser (``--reasoning-parser``),
 ``{"type": "enabled", "budget_tokens": N}`` turns the model's thinking on (the template variables
 ``enable_thinking`` and ``thinking`` true) with N as its ``thinking_token_budget`` (less than ``max_tokens``, as
 Anthropic has it), ``{"type": "adaptive"}`` on without a budget, ``{"type": "disabled"}`` off; the answer's
@@ -154,6 +154,7 @@ def _messages(body: Union[MessagesRequest, CountTokensRequest]) -> tuple[list[di
         if not isinstance(content, list):
             raise ValueError(f"{at}.content must be text or a list of content blocks")
         texts: list[str] = []
+        thoughts: list[str] = []
         tool_calls: list[dict] = []
         results = 0
         for j, block in enumerate(content):
@@ -161,8 +162,9 @@ def _messages(body: Union[MessagesRequest, CountTokensRequest]) -> tuple[list[di
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
-            elif kind in _SKIPPED_BLOCKS:
-                continue
+            elif kind in _SKIPPED_BLOCKS:  # (an assistant turn's thinking: its reasoning_content; redacted: dropped)
+                if kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
+                    thoughts.append(block["thinking"])
             elif kind == "tool_use" and role == "assistant":
                 call_id, name, args = block.get("id"), block.get("name"), block.get("input", {})
                 if not isinstance(call_id, str) or not call_id or call_id in calls:
@@ -189,6 +191,8 @@ def _messages(body: Union[MessagesRequest, CountTokensRequest]) -> tuple[list[di
             msg: dict[str, Any] = {"role": role, "content": "".join(texts)}
             if tool_calls:
                 msg["tool_calls"] = tool_calls
+            if thoughts:
+                msg["reasoning_content"] = "".join(thoughts)
             msgs.append(msg)
             where.append(at)
     return msgs, where

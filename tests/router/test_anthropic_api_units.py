@@ -42,7 +42,7 @@ def test_a_tool_turn_renders_as_the_chat_apis_messages_would():
     chat = oa.ChatCompletionRequest.model_validate({"messages": [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris and Lyon?"},
-        {"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "two calls", "tool_calls": [
             {"id": "toolu_1", "type": "function",
              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
             {"id": "toolu_2", "type": "function",
