@@ -136,12 +136,17 @@ class LLM:
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool = False, chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
         """Generate replies to one conversation ([{role, content}, ...]) or a list of them.
 
         Each conversation is rendered with the model's chat template (which carries
-        its own bos) and encoded without adding special tokens, as transformers does.
+        its own bos) and encoded without adding special tokens, as transformers does;
+        ``chat_template_kwargs`` (vLLM's) are extra template variables, e.g.
+        ``{"enable_thinking": False}`` for Qwen3.
         """
+        extra = dict(chat_template_kwargs or {})
+        if not all(isinstance(k, str) and k.isidentifier() for k in extra):
+            raise ValueError("chat_template_kwargs keys must be template variable names")
         tok = self.tokenizer
         if tok is None:
             raise ValueError("messages need a tokenizer with a chat_template; this model has none")
@@ -149,7 +154,7 @@ class LLM:
             messages = [messages]
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a conversation (list of dicts) or a list of conversations")
-        texts = [tok.apply_chat_template(conv, add_generation_prompt=True) for conv in messages]
+        texts = [tok.apply_chat_template(conv, add_generation_prompt=True, **extra) for conv in messages]
         outs = self.generate([tok.encode(t, add_special_tokens=False) for t in texts], params, use_tqdm)
         for out, text in zip(outs, texts):
             out.prompt = text

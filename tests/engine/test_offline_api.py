@@ -132,6 +132,21 @@ def test_chat_renders_template_once_with_one_bos(llm):
     assert_engine_clean(llm)
 
 
+def test_chat_template_kwargs_reach_the_template():
+    """vLLM's ``LLM.chat(chat_template_kwargs=...)``: a template switch (Qwen3's ``enable_thinking`` style) sees them."""
+    llm = LLM("tiny", num_kv_blocks=64)
+    tok = llm.get_tokenizer()
+    tok.chat_template = tok.chat_template + "{% if enable_thinking is defined and enable_thinking is false %}" \
+                                            "<think>\n\n</think>\n\n{% endif %}"
+    tok._template_cache = None
+    conv = [{"role": "user", "content": "hi"}]
+    off = llm.chat(conv, greedy(1), chat_template_kwargs={"enable_thinking": False})[0].prompt
+    on = llm.chat(conv, greedy(1))[0].prompt
+    assert off == on + "<think>\n\n</think>\n\n"
+    with pytest.raises(ValueError, match="chat_template_kwargs"):
+        llm.chat(conv, greedy(1), chat_template_kwargs={"not a name": 1})
+
+
 def test_bad_inputs_raise_and_leave_engine_clean(llm):
     assert llm.generate([]) == []
     with pytest.raises(ValueError, match="prompts"):
