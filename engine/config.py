@@ -355,8 +355,11 @@ class ModelConfig:
         if len(self.sliding_windows) != self.num_hidden_layers:
             raise ValueError("sliding_windows must have one entry per layer")
         rt = (self.rope_scaling or {}).get("rope_type", "default")
-        if rt not in ("default", "llama3", "linear"):
-            raise ValueError(f"rope_scaling.rope_type {rt!r} is not supported (default, linear, llama3)")
+        if rt not in ("default", "llama3", "linear", "yarn"):
+            raise ValueError(f"rope_scaling.rope_type {rt!r} is not supported (default, linear, llama3, yarn)")
+        if rt == "yarn" and not float(self.rope_scaling.get("factor") or 0) > 0 and not self.rope_scaling.get(
+                "original_max_position_embeddings"):
+            raise ValueError("rope_scaling: yarn needs factor (or original_max_position_embeddings)")
 
     @property
     def torch_dtype(self) -> "torch.dtype":
@@ -399,8 +402,12 @@ class ModelConfig:
             params["rope_type"] = params.pop("type")
         if params.get("rope_type", "default") == "default":
             params = None
-        if params and params.get("rope_type") == "llama3":
+        if params and params.get("rope_type") in ("llama3", "yarn"):
             params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+        partial = float((params or {}).pop("partial_rotary_factor", None) or rope.get("partial_rotary_factor")
+                        or cfg.get("partial_rotary_factor") or 1.0)
+        if partial != 1.0:
+            raise ValueError(f"partial_rotary_factor {partial} is not supported (RoPE over the whole head only)")
         windows = _sliding_windows(arch, cfg, n_layers)
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([int(x) for x in eos] if isinstance(eos, list) else [int(eos)])
@@ -434,8 +441,35 @@ def _sliding_windows(arch: str, cfg: dict, n_layers: int) -> list:
     return [w] * n_layers
 
 
+def rope_attention_factor(mc: ModelConfig) -> float:
+    """What the cos/sin tables are scaled by: YaRN's attention factor (HF's ``_compute_yarn_parameters``: given, or
+    from ``factor`` and DeepSeek's ``mscale`` / ``mscale_all_dim``); 1 for every other scaling."""
+    sc = mc.rope_scaling or {}
+    if sc.get("rope_type") != "yarn":
+        return 1.0
+    if sc.get("attention_factor") is not None:
+        return float(sc["attention_factor"])
+    factor = _yarn_factor(mc)
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    mscale, mscale_all_dim = sc.get("mscale"), sc.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(get_mscale(factor, float(mscale)) / get_mscale(factor, float(mscale_all_dim)))
+    return get_mscale(factor)
+
+
+def _yarn_factor(mc: ModelConfig) -> float:
+    sc = mc.rope_scaling or {}
+    if sc.get("factor") is not None:
+        return float(sc["factor"])
+    return mc.max_position_embeddings / float(sc["original_max_position_embeddings"])  # (DeepSeek-V3's rule)
+
+
 def rope_inv_freq(mc: ModelConfig) -> "torch.Tensor":
-    """Inverse frequencies [head_dim/2] in float32, with HF's default/linear/llama3 scaling (the model's, at load)."""
+    """Inverse frequencies [head_dim/2] in float32, with HF's default/linear/llama3/yarn scaling (the model's, at
+    load); YaRN also scales the tables (``rope_attention_factor``)."""
     import torch
 
     d = mc.head_dim
@@ -455,5 +489,23 @@ def rope_inv_freq(mc: ModelConfig) -> "torch.Tensor":
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wl) * ~(wavelen > low_wl)
         inv = torch.where(medium, smoothed, scaled)
+    elif rt == "yarn":  # HF's _compute_yarn_parameters: interpolated where the ramp says, extrapolated elsewhere
+        base, factor = mc.rope_theta, _yarn_factor(mc)
+        old = float(sc["original_max_position_embeddings"])
+        fast, slow = float(sc.get("beta_fast") or 32), float(sc.get("beta_slow") or 1)
+
+        def correction_dim(rotations: float) -> float:
+            return (d * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+        low, high = correction_dim(fast), correction_dim(slow)
+        if sc.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        pos_freqs = base ** (torch.arange(0, d, 2).float() / d)
+        extrapolation = 1 - ramp
+        inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
     return inv
 

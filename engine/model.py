@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from engine import attention
 from engine.attention import FP8, AttentionMetadata, decode_attention, paged_attention, write_kv
-from engine.config import ModelConfig, rope_inv_freq
+from engine.config import ModelConfig, rope_attention_factor, rope_inv_freq
 from engine.float_formats import Dense, fp32_rows_format, packed_format
 from engine.kernels import cpu_kernels
 from engine.layer_ops import TORCH_OPS, KernelOps, TorchOps, TritonOps
@@ -317,8 +317,9 @@ class CausalLM(nn.Module):
         # float32 and cast like HF does
         inv = rope_inv_freq(self.config).to(w.device)
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device=w.device), inv)
-        self.rope_cos = freqs.cos().to(w.dtype)
-        self.rope_sin = freqs.sin().to(w.dtype)
+        scale = rope_attention_factor(self.config)  # (YaRN's; 1 elsewhere, and then no multiply: same bits)
+        self.rope_cos = (freqs.cos() * scale if scale != 1.0 else freqs.cos()).to(w.dtype)
+        self.rope_sin = (freqs.sin() * scale if scale != 1.0 else freqs.sin()).to(w.dtype)
         return self.eval().requires_grad_(False)
 
     def weight_bytes(self) -> int:

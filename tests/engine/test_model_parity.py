@@ -27,6 +27,13 @@ CASES = {
     "qwen2_bias": ("qwen2", {}),
     # q/k norms before RoPE, a head width that is not hidden / heads (q_proj 128 wide over a 64 hidden), tied
     "qwen3_qk_norm": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+    # YaRN (Qwen3's long-context setting): blended frequencies and tables scaled by its attention factor; and with
+    # DeepSeek's mscale pair
+    "qwen3_yarn": ("qwen3", {"head_dim": 32, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                             "original_max_position_embeddings": 16}}),
+    "llama_yarn_mscale": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "mscale": 0.8,
+                                                     "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2,
+                                                     "original_max_position_embeddings": 32}}),
 }
 
 
@@ -128,3 +135,19 @@ def test_bad_checkpoints_raise_value_error(tmp_path):
         make_engine(d)
     with pytest.raises(ValueError, match="dtype"):
         make_engine(tmp_path / "ok", dtype="int8")
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic' is not supported"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}, "'longrope'"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+])
+def test_rope_the_engine_cannot_compute_is_refused_not_approximated(over, match):
+    """A checkpoint whose RoPE the engine does not implement is refused by name at load: silently running it with
+    default frequencies would give another model's numbers."""
+    from engine.config import ModelConfig
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 64, **over}
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_dict(cfg)
