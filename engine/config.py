@@ -27,7 +27,8 @@ QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8", "fp8")
 """``EngineConfig.quantization`` values (the formats: engine/quant.py, which re-exports this)."""
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 """``EngineConfig.kv_cache_dtype`` values."""
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Phi3ForCausalLM")
 
 
 def dtype_name(dtype: Union[str, "torch.dtype"]) -> str:
@@ -380,7 +381,8 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                        "qwen2": "Qwen2ForCausalLM",
-                                       "qwen3": "Qwen3ForCausalLM"}.get(cfg.get("model_type", ""), "")
+                                       "qwen3": "Qwen3ForCausalLM",
+                                       "phi3": "Phi3ForCausalLM"}.get(cfg.get("model_type", ""), "")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architectures: unsupported {arch or cfg.get('model_type')!r}; "
                              f"supported: {SUPPORTED_ARCHITECTURES}")

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) running over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) running over a paged KV cache.
 
 Lifecycle: ``engine.loader`` builds a ``CausalLM`` from a ``ModelConfig`` on the
 target device and dtype, fills it with ``load_weights`` (HF tensor names in,
@@ -463,6 +463,8 @@ class CausalLM(nn.Module):
         if block == "self_attn" and proj in ("q_norm", "k_norm"):
             return f"layers.{i}.{proj}.{kind}", None
         kind = "weight_t" if kind == "weight" else kind
+        if proj in ("qkv_proj", "gate_up_proj"):  # Phi-3 stores them fused, in our order (q, k, v; gate, up)
+            return f"layers.{i}.{proj}.{kind}", None
         if proj in qkv_cols:
             return f"layers.{i}.qkv_proj.{kind}", qkv_cols[proj]
         if proj in gu_cols:

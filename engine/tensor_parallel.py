@@ -158,6 +158,14 @@ class TPLayout:
         if m is None:
             return t
         proj = m.group(1)
+        if proj in ("qkv_proj", "gate_up_proj"):  # (Phi-3's fused tensors: each part's share, in the same order)
+            names = ("q_proj", "k_proj", "v_proj") if proj == "qkv_proj" else ("gate_proj", "up_proj")
+            H, Hkv, inter = mc.num_attention_heads * D, mc.num_key_value_heads * D, mc.intermediate_size
+            sizes = [H, Hkv, Hkv] if proj == "qkv_proj" else [inter, inter]
+            self._expect(hf_name, t, 0, sum(sizes))
+            prefix = hf_name[:m.start(1)]
+            return torch.cat([self.shard(f"{prefix}{n}.{m.group(2)}", part)
+                              for n, part in zip(names, t.split(sizes, dim=0))], dim=0)
         if proj == "q_proj":
             self._expect(hf_name, t, 0, mc.num_attention_heads * D)
             return t[self.rank * self.heads * D:(self.rank + 1) * self.heads * D]

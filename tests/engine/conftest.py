@@ -35,7 +35,10 @@ def hf_config(arch: str, **over):
                 initializer_range=0.1, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
     base.update(over)
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "phi3": transformers.Phi3Config}[arch]
+    if arch == "phi3":
+        base["pad_token_id"] = 0  # (Phi-3's default pad id is past this vocabulary)
     return cls(**base)
 
 
@@ -45,7 +48,8 @@ def make_checkpoint(tmp: Path, arch: str, seed: int = 0, max_shard_size: Optiona
 
     cfg = hf_config(arch, **over)
     cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-           "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[arch]
+           "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+           "phi3": transformers.Phi3ForCausalLM}[arch]
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     if arch == "qwen3":  # HF initialises the q/k norms at 1; other weights make their loading observable

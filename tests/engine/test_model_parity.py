@@ -31,6 +31,8 @@ CASES = {
     # DeepSeek's mscale pair
     "qwen3_yarn": ("qwen3", {"head_dim": 32, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                              "original_max_position_embeddings": 16}}),
+    # Phi-3: q/k/v and gate/up stored fused, a sliding window
+    "phi3_fused_window": ("phi3", {"sliding_window": 8}),
     "llama_yarn_mscale": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "mscale": 0.8,
                                                      "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2,
                                                      "original_max_position_embeddings": 32}}),

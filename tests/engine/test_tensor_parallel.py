@@ -110,6 +110,7 @@ def test_two_ranks_with_ngram_speculation_and_a_json_schema(tiny_pair):
     ("llama", dict(num_attention_heads=4, num_key_value_heads=1, vocab_size=511)),  # replicated, uneven vocab
     ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2)),                 # q/k/v biases
     ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),     # q/k norms, replicated
+    ("phi3", dict(num_attention_heads=4, num_key_value_heads=2)),                  # fused q/k/v, gate/up split
 ])
 def test_two_ranks_match_transformers_on_an_unseen_checkpoint(tmp_path, arch, over):
     path, hf = make_checkpoint(tmp_path, arch, seed=3, **over)
