@@ -459,10 +459,7 @@ class MessageEventStream(ResponseMessage):
         self.add(ev)
         text = ev.text
         if self._thinking is not None:
-            thought, text = self._thinking.feed(text)
-            if ev.finish_reason:
-                more, rest = self._thinking.finish()
-                thought, text = thought + more, text + rest
+            thought, text = self._thinking.step(text, bool(ev.finish_reason))
             if thought and self.reasoning.include:
                 if not (self._open and self._blocks[-1] == "thinking"):
                     out += self._begin({"type": "thinking", "thinking": "", "signature": ""})

@@ -159,6 +159,14 @@ class ReasoningStream:
         rest, self._buf = self._buf, ""
         return (rest, "") if self.open else ("", rest)
 
+    def step(self, text: str, final: bool) -> tuple[str, str]:
+        """``feed`` of one event's text, and ``finish`` too on the answer's last event."""
+        thought, content = self.feed(text)
+        if final:
+            more, rest = self.finish()
+            thought, content = thought + more, content + rest
+        return thought, content
+
 
 def split(fmt: ReasoningFormat, text: str, open_: bool) -> tuple[Optional[str], str]:
     """A whole answer's (reasoning, content): reasoning None when there is none (as vLLM answers it)."""

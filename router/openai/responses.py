@@ -340,10 +340,7 @@ class EventStream:
         if stream is None:
             stream = self._thinking[idx] = self._reasoning.stream()
         self._ids.setdefault(idx, []).extend(ev.token_ids)
-        thought, text = stream.feed(ev.text)
-        if ev.finish_reason:
-            more, rest = stream.finish()
-            thought, text = thought + more, text + rest
+        thought, text = stream.step(ev.text, bool(ev.finish_reason))
         if thought and self._reasoning.include:
             delta["reasoning"] = delta["reasoning_content"] = thought
         return text

@@ -595,10 +595,7 @@ class ResponseEventStream(ResponseCollector):
         self.add(ev)
         text = ev.text
         if self._thinking is not None:
-            thought, text = self._thinking.feed(text)
-            if ev.finish_reason:
-                more, rest = self._thinking.finish()
-                thought, text = thought + more, text + rest
+            thought, text = self._thinking.step(text, bool(ev.finish_reason))
             if thought and self.reasoning.include:
                 out += self._thought(thought)
         if self._stream is None:
