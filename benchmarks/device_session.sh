@@ -106,6 +106,7 @@ timeout -s INT "$(cap "$ENGINE_TEST_S" "${TESTS_PROMISED_1:-395}")" $PT tests/en
 timeout -s INT "$(cap "$ENGINE_TEST_S" "${TESTS_PROMISED_2:-335}")" $PT -k "cuda or gpu" tests/engine/test_decode_graphs.py tests/engine/test_piecewise_cuda.py \
   tests/engine/test_async_cuda.py tests/engine/test_fp8_cuda.py tests/engine/test_sampler_cuda.py \
   tests/engine/test_batch_invariant_cuda.py tests/kvtransfer/test_cuda_ipc.py tests/cluster/test_dtype_cuda.py \
+  tests/engine/test_architectures_cuda.py \
   >> "$OUT/engine_tests.log" 2>&1
 grep -E "passed|failed|^FAILED|^ERROR|^SKIPPED" "$OUT/engine_tests.log" | tail -20
 fi

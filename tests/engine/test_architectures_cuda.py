@@ -1,0 +1,30 @@
+"""The newer architectures on a GPU (Qwen3's q/k norms as Triton ops, YaRN's scaled tables, Phi-3's fused weights
+and window under decode graphs): logits of a float32 engine on CUDA within 1e-3 of transformers' on the CPU, and
+greedy tokens equal. Skipped without a GPU; benchmarks/device_session.sh's tests phase runs it. The same checks run
+on CPU in test_model_parity.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .conftest import hf_greedy, make_checkpoint, make_engine, prompts_of, greedy, run_engine
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (device_session.sh)")
+
+CASES = {
+    "qwen3": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+    "qwen3_yarn": ("qwen3", {"head_dim": 32, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                             "original_max_position_embeddings": 16}}),
+    "phi3_window": ("phi3", {"sliding_window": 8}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_cuda_engine_matches_transformers(tmp_path, name):
+    arch, over = CASES[name]
+    d, hf = make_checkpoint(tmp_path, arch, seed=4, **over)
+    prompts = prompts_of([5, 17, 30], seed=9)
+    want = {f"r{i}": hf_greedy(hf, p, 24) for i, p in enumerate(prompts)}
+    eng = make_engine(d, device="cuda", max_num_seqs=4)
+    assert run_engine(eng, {f"r{i}": p for i, p in enumerate(prompts)}, greedy(24)) == want
+    assert eng.num_free_blocks == eng.num_total_blocks
