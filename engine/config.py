@@ -28,7 +28,7 @@ QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 """``EngineConfig.kv_cache_dtype`` values."""
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM")
+                           "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 def dtype_name(dtype: Union[str, "torch.dtype"]) -> str:
@@ -327,6 +327,17 @@ class ModelConfig:
     """q/k/v projections have biases (Qwen2)."""
     qk_norm: bool = False
     """Each query and key head is RMS-normalised (its own weight, shared by the heads) before RoPE (Qwen3)."""
+    num_experts: int = 0
+    """Mixture of experts (Qwen3-MoE, Mixtral): experts per MoE layer; 0: every MLP is dense."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k of the router's softmax)."""
+    moe_intermediate_size: int = 0
+    """Each expert's SwiGLU inner width."""
+    norm_topk_prob: bool = True
+    """The top-k routing weights are renormalised to sum to 1 (Mixtral always; Qwen3-MoE by its config)."""
+    moe_layers: list = field(default_factory=list)
+    """Per layer: True where its MLP is the MoE block (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``
+    keep some dense); empty: none."""
     sliding_windows: list = field(default_factory=list)
     """Per layer: None (full attention) or the window size W (keys with q - k < W)."""
     dtype: str = "float32"
@@ -355,6 +366,14 @@ class ModelConfig:
             self.sliding_windows = [None] * self.num_hidden_layers
         if len(self.sliding_windows) != self.num_hidden_layers:
             raise ValueError("sliding_windows must have one entry per layer")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts or self.moe_intermediate_size < 1:
+                raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts "
+                                 f"({self.num_experts})] and moe_intermediate_size >= 1")
+            if len(self.moe_layers) != self.num_hidden_layers:
+                raise ValueError("moe_layers must have one entry per layer")
+        else:
+            self.moe_layers = [False] * self.num_hidden_layers
         rt = (self.rope_scaling or {}).get("rope_type", "default")
         if rt not in ("default", "llama3", "linear", "yarn"):
             raise ValueError(f"rope_scaling.rope_type {rt!r} is not supported (default, linear, llama3, yarn)")
@@ -371,8 +390,10 @@ class ModelConfig:
     def num_params(self) -> int:
         h, i, v, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
         qkv = h * d * (self.num_attention_heads + 2 * self.num_key_value_heads)
-        per_layer = qkv + self.num_attention_heads * d * h + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
-        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer + h
+        per_layer = qkv + self.num_attention_heads * d * h + 2 * h + (2 * d if self.qk_norm else 0)
+        moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)
+        mlps = sum(moe if sparse else 3 * h * i for sparse in self.moe_layers)
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer + mlps + h
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], dtype: Union[str, "torch.dtype"] = "float32") -> "ModelConfig":
@@ -382,7 +403,8 @@ class ModelConfig:
         arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                        "qwen2": "Qwen2ForCausalLM",
                                        "qwen3": "Qwen3ForCausalLM",
-                                       "phi3": "Phi3ForCausalLM"}.get(cfg.get("model_type", ""), "")
+                                       "phi3": "Phi3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                                       "mixtral": "MixtralForCausalLM"}.get(cfg.get("model_type", ""), "")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architectures: unsupported {arch or cfg.get('model_type')!r}; "
                              f"supported: {SUPPORTED_ARCHITECTURES}")
@@ -421,9 +443,27 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=params,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), **_moe_fields(arch, cfg, n_layers),
             sliding_windows=windows, dtype=dtype_name(dtype), bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids)
+
+
+def _moe_fields(arch: str, cfg: dict, n_layers: int) -> dict:
+    """The MoE fields of a Qwen3-MoE or Mixtral config.json (HF's rules for which layers are sparse); {} else."""
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=int(cfg["num_local_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+                    moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
+                    moe_layers=[True] * n_layers)
+    if arch == "Qwen3MoeForCausalLM":
+        # (the Hub's checkpoints say num_experts; transformers 5 writes num_local_experts)
+        e = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or ())
+        return dict(num_experts=e, num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+                    moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+                    norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                    moe_layers=[e > 0 and i not in dense and (i + 1) % step == 0 for i in range(n_layers)])
+    return {}
 
 
 def _sliding_windows(arch: str, cfg: dict, n_layers: int) -> list:
@@ -435,7 +475,7 @@ def _sliding_windows(arch: str, cfg: dict, n_layers: int) -> list:
     layer_types = cfg.get("layer_types")
     if layer_types:
         return [w if t == "sliding_attention" else None for t in layer_types]
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         if not cfg.get("use_sliding_window", False):
             return [None] * n_layers
         first = int(cfg.get("max_window_layers", n_layers))

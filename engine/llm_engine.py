@@ -134,6 +134,9 @@ class LLMEngine:
         # decode graphs (engine/cuda_graphs.py) pad a batch with rows whose K/V go to one scratch block past the
         # block manager's pool; captured ones hold memory the KV budget gives up
         graphs = tp == 1 and not config.enforce_eager and (device.type == "cuda" or config.static_decode_buffers)
+        if graphs and mc.num_experts:  # (its experts are chosen on the host each step: nothing to capture)
+            logger.info("decode graphs off for a mixture-of-experts model: every step eager")
+            graphs = False
         capture = graphs and device.type == "cuda" and not config.static_decode_buffers
         if capture:
             why = eager_reason(device, config.torch_dtype, cache_dtype, local_mc.head_dim)

@@ -142,6 +142,9 @@ def load_adapter(name: str, path: str, mc: ModelConfig) -> LoRAAdapter:
     from safetensors import safe_open
 
     where = f"lora_modules: adapter {name!r} ({path})"
+    if mc.num_experts:
+        raise ValueError(f"{where}: LoRA adapters on a mixture-of-experts model ({mc.architecture}) are not "
+                         "supported yet")
     d = Path(path)
     cfg_path, st_path = d / "adapter_config.json", d / "adapter_model.safetensors"
     if not cfg_path.is_file():

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3) running over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3; Qwen3-MoE and Mixtral MLPs) over a paged KV cache.
 
 Lifecycle: ``engine.loader`` builds a ``CausalLM`` from a ``ModelConfig`` on the
 target device and dtype, fills it with ``load_weights`` (HF tensor names in,
@@ -27,6 +27,7 @@ import re
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine import attention
@@ -108,6 +109,41 @@ class Linear(nn.Module):
         self.register_parameter("weight_t", None)
 
 
+class MoE(nn.Module):
+    """A sparse MoE MLP (Qwen3-MoE's, Mixtral's): a router picks each token's top-k experts from its softmax (the
+    weights renormalised where the model does), each expert is a SwiGLU, and a token's output is its experts'
+    outputs weighted. Computed as transformers computes it (per hit expert: its tokens' rows through ``F.linear``,
+    weighted, added back in), so float32 results agree with it to rounding. The weights stay dense in the model's
+    dtype (no quantized format yet); the loop over hit experts reads the routing on the host, so MoE steps run
+    eagerly (no CUDA graphs)."""
+
+    def __init__(self, mc: ModelConfig) -> None:
+        super().__init__()
+        E, H, I = mc.num_experts, mc.hidden_size, mc.moe_intermediate_size
+        self.top_k, self.norm_topk_prob = mc.num_experts_per_tok, mc.norm_topk_prob
+        self.cast_weights = mc.architecture != "MixtralForCausalLM"
+        """Routing weights rounded to the model dtype before use (Qwen3-MoE; Mixtral keeps them float32)."""
+        self.router = nn.Parameter(torch.empty(E, H))
+        self.gate_up = nn.Parameter(torch.empty(E, 2 * I, H))
+        """Each expert's gate then up projection, [2I, H] as HF's ``experts.gate_up_proj``."""
+        self.down = nn.Parameter(torch.empty(E, H, I))
+
+    def forward(self, x: Tensor) -> Tensor:
+        probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.cast_weights:
+            weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in torch.unique(experts).tolist():
+            rows, slot = torch.where(experts == e)
+            gate, up = F.linear(x[rows], self.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down[e]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention + SwiGLU block with residuals."""
 
@@ -118,8 +154,10 @@ class DecoderLayer(nn.Module):
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.qkv_proj = Linear(mc.hidden_size, qkv_out, bias=mc.attention_bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, mc.hidden_size, bias=False)
-        self.gate_up_proj = Linear(mc.hidden_size, 2 * mc.intermediate_size, bias=False)
-        self.down_proj = Linear(mc.intermediate_size, mc.hidden_size, bias=False)
+        self.moe: Optional[MoE] = MoE(mc) if mc.moe_layers[layer_idx] else None
+        """The layer's MoE MLP (then no dense gate_up_proj / down_proj)."""
+        self.gate_up_proj = Linear(mc.hidden_size, 2 * mc.intermediate_size, bias=False) if self.moe is None else None
+        self.down_proj = Linear(mc.intermediate_size, mc.hidden_size, bias=False) if self.moe is None else None
         self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
         self.q_norm = RMSNorm(self.head_dim, mc.rms_norm_eps) if mc.qk_norm else None
@@ -142,6 +180,8 @@ class DecoderLayer(nn.Module):
         """Hand this layer's weights to the C++ decode layer (engine/csrc/decode_layer.cpp: the same kernels, one
         call per layer for a batch of single-token decodes) where every linear runs on pdserve's kernels; False,
         unchanged, elsewhere (oneDNN layouts other than panels, torch linears, no kernels, not float32 on CPU)."""
+        if self.moe is not None:
+            return False
         fmts = [m.fmt for m in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)]
         if (kern is None or self.sharded or self.head_dim % 16 or self.input_layernorm.weight.device.type != "cpu"
                 or self.input_layernorm.weight.dtype != torch.float32 or not all(f.on_kernels() for f in fmts)):
@@ -218,6 +258,9 @@ class DecoderLayer(nn.Module):
     def post_attention(self, h: Tensor, attn: Tensor, lora: Optional[StepLoRA] = None) -> Tensor:
         """The block after attention: o_proj and the residual, the MLP and its residual (``lora``: the rows'
         adapters)."""
+        if self.moe is not None:  # (no LoRA on MoE models: refused at load)
+            h = h + self._reduced(self.o_proj(attn))
+            return h + self.moe(self.post_attention_layernorm(h))
         if lora is None or self.lora is None:
             h = h + self._reduced(self.o_proj(attn))
             gate_up = self.gate_up_proj(self.post_attention_layernorm(h))
@@ -271,6 +314,9 @@ class CausalLM(nn.Module):
         (on CPU pdserve's default kernels already give a row the same bits in any batch)."""
         w = self.embed_tokens.weight
         on_cpu = w.device.type == "cpu"
+        if quantization is not None and self.config.num_experts:
+            raise ValueError(f"quantization {quantization!r}: a mixture-of-experts model's experts have no "
+                             "quantized format yet (serve it unquantized)")
         # (only where a kernel may run: a GPU model must not build the CPU extension)
         kern = cpu_kernels() if on_cpu and (quantization is not None or (w.dtype == torch.float32
                                                                            and cpu_gemm != "torch")) else None
@@ -417,13 +463,27 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters())
         tied = mc.tie_word_embeddings
         # target name -> output features still to fill (weights are [in, out]: fused parts are column ranges)
-        left = {n: (p.shape[-1] if n.endswith(".weight_t") else p.shape[0]) for n, p in params.items()
-                if not (tied and n.startswith("lm_head"))}
+        # (rows, over every leading dimension: an MoE tensor's experts are filled a part at a time)
+        left = {n: (p.shape[-1] if n.endswith(".weight_t") else p.numel() // p.shape[-1] if p.dim() > 1 else p.shape[0])
+                for n, p in params.items() if not (tied and n.startswith("lm_head"))}
         for hf_name, tensor in weights:
             if "rotary_emb" in hf_name:
                 continue
             if tied and hf_name == "lm_head.weight":
                 continue  # tied checkpoints sometimes still store it; the embedding wins
+            moe = self._moe_target(hf_name, mc)
+            if moe is not None:  # an expert's projection or a router: copied as HF stores it
+                target, index = moe
+                if target not in left:
+                    raise ValueError(f"weights: unexpected tensor {hf_name!r} for {mc.architecture}")
+                dst = params[target].data[index]
+                if tuple(dst.shape) != tuple(tensor.shape):
+                    raise ValueError(f"weights: {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(dst.shape)}")
+                with torch.no_grad():
+                    dst.copy_(tensor.to(dtype=dst.dtype, device=dst.device))
+                left[target] -= dst.numel() // dst.shape[-1]
+                continue
             if self.tp is not None:
                 tensor = self.tp.shard(hf_name, tensor)  # this rank's heads, columns or vocabulary rows
             target, cols = self._map_name(hf_name, qkv_cols, gu_cols)
@@ -445,6 +505,25 @@ class CausalLM(nn.Module):
         missing = sorted(n for n, v in left.items() if v != 0)
         if missing:
             raise ValueError(f"weights: missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    _MOE_RE = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(?:gate|experts\.(\d+)\.(\w+))\.weight$")
+    _EXPERT_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+    """Qwen3-MoE's and Mixtral's names of an expert's gate, up and down projections."""
+
+    def _moe_target(self, hf_name: str, mc: ModelConfig) -> Optional[tuple[str, Any]]:
+        """(parameter, index into it) of an MoE tensor (a router, or one expert's projection); None for others."""
+        m = self._MOE_RE.match(hf_name)
+        if m is None or not mc.num_experts or not mc.moe_layers[int(m.group(1))]:
+            return None
+        i, e, part = m.group(1), m.group(2), m.group(3)
+        if e is None:
+            return f"layers.{i}.moe.router", slice(None)
+        kind, I = self._EXPERT_PART.get(part), mc.moe_intermediate_size
+        if kind is None or int(e) >= mc.num_experts:
+            return f"layers.{i}.moe.unknown", None
+        if kind == 2:
+            return f"layers.{i}.moe.down", int(e)
+        return f"layers.{i}.moe.gate_up", (int(e), slice(kind * I, (kind + 1) * I))
 
     def _map_name(self, hf_name: str, qkv_cols: dict, gu_cols: dict) -> tuple[Optional[str], Optional[tuple]]:
         if hf_name == "model.embed_tokens.weight":

@@ -77,6 +77,9 @@ def check_tensor_parallel(mc: ModelConfig, size: Any, *, device: str = "cpu", qu
         raise ValueError(f"{flag} must be an integer >= 1, got {size!r}")
     if size == 1:
         return
+    if mc.num_experts:
+        raise ValueError(f"{flag}={size}: tensor parallelism does not split mixture-of-experts models "
+                         f"({mc.architecture}) yet; run them on one rank")
     H, Hkv, I = mc.num_attention_heads, mc.num_key_value_heads, mc.intermediate_size
     if H % size:
         raise ValueError(f"{flag}={size} must divide the model's num_attention_heads ({H})")

@@ -1,5 +1,5 @@
 """The newer architectures on a GPU (Qwen3's q/k norms as Triton ops, YaRN's scaled tables, Phi-3's fused weights
-and window under decode graphs): logits of a float32 engine on CUDA within 1e-3 of transformers' on the CPU, and
+and window under decode graphs, a Qwen3-MoE layer's experts eagerly): logits of a float32 engine on CUDA within 1e-3 of transformers' on the CPU, and
 greedy tokens equal. Skipped without a GPU; benchmarks/device_session.sh's tests phase runs it. The same checks run
 on CPU in test_model_parity.py."""
 from __future__ import annotations
@@ -16,6 +16,8 @@ CASES = {
     "qwen3_yarn": ("qwen3", {"head_dim": 32, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                              "original_max_position_embeddings": 16}}),
     "phi3_window": ("phi3", {"sliding_window": 8}),
+    "qwen3_moe": ("qwen3_moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "mlp_only_layers": [1]}),
 }
 
 

@@ -31,6 +31,11 @@ CASES = {
     # DeepSeek's mscale pair
     "qwen3_yarn": ("qwen3", {"head_dim": 32, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                              "original_max_position_embeddings": 16}}),
+    # mixture of experts: Qwen3-MoE (top-2 of 4, weights not renormalised, layer 1 dense by mlp_only_layers) and
+    # Mixtral (top-2 of 4, renormalised)
+    "qwen3_moe": ("qwen3_moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "norm_topk_prob": False, "mlp_only_layers": [1]}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # Phi-3: q/k/v and gate/up stored fused, a sliding window
     "phi3_fused_window": ("phi3", {"sliding_window": 8}),
     "llama_yarn_mscale": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "mscale": 0.8,
@@ -153,3 +158,24 @@ def test_rope_the_engine_cannot_compute_is_refused_not_approximated(over, match)
            "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 64, **over}
     with pytest.raises(ValueError, match=match):
         ModelConfig.from_hf_dict(cfg)
+
+
+def test_what_moe_models_do_not_support_yet_is_refused_by_name(tmp_path):
+    """No quantized expert format, no tensor-parallel split of experts and no LoRA on MoE models yet: each is a
+    ValueError naming it at load, not a model that runs with part of it ignored."""
+    from engine.config import ModelConfig
+    from engine.lora import load_adapter
+    from engine.tensor_parallel import check_tensor_parallel
+
+    d, _ = make_checkpoint(tmp_path, "mixtral", num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="quantization 'int8': a mixture-of-experts"):
+        make_engine(d, quantization="int8")
+    import json
+    mc = ModelConfig.from_hf_dict(json.loads((d / "config.json").read_text()))
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: tensor parallelism does not split mixture"):
+        check_tensor_parallel(mc, 2)
+    with pytest.raises(ValueError, match="LoRA adapters on a mixture-of-experts model"):
+        load_adapter("a", str(tmp_path), mc)
+    # decode graphs (static buffers here) are off: the steps run eagerly and still match
+    eng = make_engine(d, static_decode_buffers=True)
+    assert eng.runner.graphs is None
