@@ -28,7 +28,7 @@ QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 """``EngineConfig.kv_cache_dtype`` values."""
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                           "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
 
 
 def dtype_name(dtype: Union[str, "torch.dtype"]) -> str:
@@ -335,6 +335,8 @@ class ModelConfig:
     """Each expert's SwiGLU inner width."""
     norm_topk_prob: bool = True
     """The top-k routing weights are renormalised to sum to 1 (Mixtral always; Qwen3-MoE by its config)."""
+    shared_expert_intermediate_size: int = 0
+    """Qwen2-MoE's shared expert (every token, gated by a sigmoid), its SwiGLU width; 0: none."""
     moe_layers: list = field(default_factory=list)
     """Per layer: True where its MLP is the MoE block (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``
     keep some dense); empty: none."""
@@ -392,6 +394,7 @@ class ModelConfig:
         qkv = h * d * (self.num_attention_heads + 2 * self.num_key_value_heads)
         per_layer = qkv + self.num_attention_heads * d * h + 2 * h + (2 * d if self.qk_norm else 0)
         moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)
+        moe += (3 * self.shared_expert_intermediate_size + 1) * h if self.shared_expert_intermediate_size else 0
         mlps = sum(moe if sparse else 3 * h * i for sparse in self.moe_layers)
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * per_layer + mlps + h
 
@@ -404,7 +407,8 @@ class ModelConfig:
                                        "qwen2": "Qwen2ForCausalLM",
                                        "qwen3": "Qwen3ForCausalLM",
                                        "phi3": "Phi3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                                       "mixtral": "MixtralForCausalLM"}.get(cfg.get("model_type", ""), "")
+                                       "mixtral": "MixtralForCausalLM",
+                                       "qwen2_moe": "Qwen2MoeForCausalLM"}.get(cfg.get("model_type", ""), "")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architectures: unsupported {arch or cfg.get('model_type')!r}; "
                              f"supported: {SUPPORTED_ARCHITECTURES}")
@@ -442,7 +446,8 @@ class ModelConfig:
             head_dim=int(head_dim), max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=params,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch in ("Qwen2ForCausalLM",
+                                                                                      "Qwen2MoeForCausalLM")))),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), **_moe_fields(arch, cfg, n_layers),
             sliding_windows=windows, dtype=dtype_name(dtype), bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids)
@@ -454,7 +459,7 @@ def _moe_fields(arch: str, cfg: dict, n_layers: int) -> dict:
         return dict(num_experts=int(cfg["num_local_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
                     moe_layers=[True] * n_layers)
-    if arch == "Qwen3MoeForCausalLM":
+    if arch in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         # (the Hub's checkpoints say num_experts; transformers 5 writes num_local_experts)
         e = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
         step = int(cfg.get("decoder_sparse_step") or 1)
@@ -462,6 +467,7 @@ def _moe_fields(arch: str, cfg: dict, n_layers: int) -> dict:
         return dict(num_experts=e, num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
                     moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
                     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                    shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
                     moe_layers=[e > 0 and i not in dense and (i + 1) % step == 0 for i in range(n_layers)])
     return {}
 
@@ -475,7 +481,7 @@ def _sliding_windows(arch: str, cfg: dict, n_layers: int) -> list:
     layer_types = cfg.get("layer_types")
     if layer_types:
         return [w if t == "sliding_attention" else None for t in layer_types]
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
         if not cfg.get("use_sliding_window", False):
             return [None] * n_layers
         first = int(cfg.get("max_window_layers", n_layers))

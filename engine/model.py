@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3; Qwen3-MoE and Mixtral MLPs) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3; Qwen2/3-MoE, Mixtral MLPs) over a paged KV cache.
 
 Lifecycle: ``engine.loader`` builds a ``CausalLM`` from a ``ModelConfig`` on the
 target device and dtype, fills it with ``load_weights`` (HF tensor names in,
@@ -127,6 +127,11 @@ class MoE(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(E, 2 * I, H))
         """Each expert's gate then up projection, [2I, H] as HF's ``experts.gate_up_proj``."""
         self.down = nn.Parameter(torch.empty(E, H, I))
+        S = mc.shared_expert_intermediate_size
+        self.shared_gate_up = nn.Parameter(torch.empty(2 * S, H)) if S else None
+        """Qwen2-MoE's shared expert (gate then up, [2S, H]), its down projection and its sigmoid gate [1, H]."""
+        self.shared_down = nn.Parameter(torch.empty(H, S)) if S else None
+        self.shared_gate = nn.Parameter(torch.empty(1, H)) if S else None
 
     def forward(self, x: Tensor) -> Tensor:
         probs = torch.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float)
@@ -141,6 +146,9 @@ class MoE(nn.Module):
             gate, up = F.linear(x[rows], self.gate_up[e]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down[e]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
+        if self.shared_gate_up is not None:
+            gate, up = F.linear(x, self.shared_gate_up).chunk(2, dim=-1)
+            out = out + torch.sigmoid(F.linear(x, self.shared_gate)) * F.linear(F.silu(gate) * up, self.shared_down)
         return out
 
 
@@ -506,7 +514,8 @@ class CausalLM(nn.Module):
         if missing:
             raise ValueError(f"weights: missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
-    _MOE_RE = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(?:gate|experts\.(\d+)\.(\w+))\.weight$")
+    _MOE_RE = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(gate|shared_expert_gate|"
+                         r"experts\.(\d+)\.(\w+)|shared_expert\.(\w+))\.weight$")
     _EXPERT_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
     """Qwen3-MoE's and Mixtral's names of an expert's gate, up and down projections."""
 
@@ -515,9 +524,18 @@ class CausalLM(nn.Module):
         m = self._MOE_RE.match(hf_name)
         if m is None or not mc.num_experts or not mc.moe_layers[int(m.group(1))]:
             return None
-        i, e, part = m.group(1), m.group(2), m.group(3)
-        if e is None:
+        i, what, e, part, shared = m.group(1), m.group(2), m.group(3), m.group(4), m.group(5)
+        if what == "gate":
             return f"layers.{i}.moe.router", slice(None)
+        if what == "shared_expert_gate":
+            return f"layers.{i}.moe.shared_gate", slice(None)
+        if shared is not None:
+            kind, S = self._EXPERT_PART.get(shared), mc.shared_expert_intermediate_size
+            if kind is None:
+                return f"layers.{i}.moe.unknown", None
+            if kind == 2:
+                return f"layers.{i}.moe.shared_down", slice(None)
+            return f"layers.{i}.moe.shared_gate_up", slice(kind * S, (kind + 1) * S)
         kind, I = self._EXPERT_PART.get(part), mc.moe_intermediate_size
         if kind is None or int(e) >= mc.num_experts:
             return f"layers.{i}.moe.unknown", None

@@ -37,7 +37,7 @@ def hf_config(arch: str, **over):
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "phi3": transformers.Phi3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
-           "mixtral": transformers.MixtralConfig}[arch]
+           "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig}[arch]
     if arch == "phi3":
         base["pad_token_id"] = 0  # (Phi-3's default pad id is past this vocabulary)
     return cls(**base)
@@ -51,7 +51,7 @@ def make_checkpoint(tmp: Path, arch: str, seed: int = 0, max_shard_size: Optiona
     cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
            "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
            "phi3": transformers.Phi3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
-           "mixtral": transformers.MixtralForCausalLM}[arch]
+           "mixtral": transformers.MixtralForCausalLM, "qwen2_moe": transformers.Qwen2MoeForCausalLM}[arch]
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     if arch in ("qwen3", "qwen3_moe"):  # HF initialises the q/k norms at 1; other weights make their loading observable
@@ -59,12 +59,12 @@ def make_checkpoint(tmp: Path, arch: str, seed: int = 0, max_shard_size: Optiona
             for name, p in model.named_parameters():
                 if name.endswith(("q_norm.weight", "k_norm.weight")):
                     p.normal_(1.0, 0.3)
-    if arch in ("qwen3_moe", "mixtral"):  # a router at zero ties every expert: spread it so routing is observable
+    if arch in ("qwen3_moe", "mixtral", "qwen2_moe"):  # a router at zero ties every expert: spread it
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("gate.weight"):
                     p.normal_(0.0, 1.0)
-    if getattr(cfg, "attention_bias", False) or arch == "qwen2":
+    if getattr(cfg, "attention_bias", False) or arch in ("qwen2", "qwen2_moe"):
         # HF zero-initialises biases; random ones make the bias path observable
         with torch.no_grad():
             for name, p in model.named_parameters():

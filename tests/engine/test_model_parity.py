@@ -36,6 +36,9 @@ CASES = {
     "qwen3_moe": ("qwen3_moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                 "norm_topk_prob": False, "mlp_only_layers": [1]}),
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # Qwen2-MoE: a shared expert beside the routed ones, gated by a sigmoid; q/k/v biases; renormalised top-2
+    "qwen2_moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "shared_expert_intermediate_size": 48, "norm_topk_prob": True}),
     # Phi-3: q/k/v and gate/up stored fused, a sliding window
     "phi3_fused_window": ("phi3", {"sliding_window": 8}),
     "llama_yarn_mscale": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "mscale": 0.8,
