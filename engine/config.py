@@ -28,7 +28,8 @@ QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8", "fp8")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 """``EngineConfig.kv_cache_dtype`` values."""
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM")
+                           "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                           "GraniteForCausalLM")
 
 
 def dtype_name(dtype: Union[str, "torch.dtype"]) -> str:
@@ -335,6 +336,14 @@ class ModelConfig:
     """Each expert's SwiGLU inner width."""
     norm_topk_prob: bool = True
     """The top-k routing weights are renormalised to sum to 1 (Mixtral always; Qwen3-MoE by its config)."""
+    embedding_multiplier: float = 1.0
+    """Granite's scalars: the embeddings are multiplied by this, ..."""
+    residual_multiplier: float = 1.0
+    """... each block's attention and MLP outputs by this before the residual add, ..."""
+    attention_multiplier: Optional[float] = None
+    """... attention scores by this instead of 1 / sqrt(head_dim) (None: that), ..."""
+    logits_scaling: float = 1.0
+    """... and the logits divided by this. The engine folds them into the weights at load (``CausalLM``)."""
     shared_expert_intermediate_size: int = 0
     """Qwen2-MoE's shared expert (every token, gated by a sigmoid), its SwiGLU width; 0: none."""
     moe_layers: list = field(default_factory=list)
@@ -408,7 +417,8 @@ class ModelConfig:
                                        "qwen3": "Qwen3ForCausalLM",
                                        "phi3": "Phi3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                                        "mixtral": "MixtralForCausalLM",
-                                       "qwen2_moe": "Qwen2MoeForCausalLM"}.get(cfg.get("model_type", ""), "")
+                                       "qwen2_moe": "Qwen2MoeForCausalLM",
+                                       "granite": "GraniteForCausalLM"}.get(cfg.get("model_type", ""), "")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architectures: unsupported {arch or cfg.get('model_type')!r}; "
                              f"supported: {SUPPORTED_ARCHITECTURES}")
@@ -449,6 +459,9 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch in ("Qwen2ForCausalLM",
                                                                                       "Qwen2MoeForCausalLM")))),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), **_moe_fields(arch, cfg, n_layers),
+            **({k: float(cfg[k]) for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                                          "logits_scaling") if cfg.get(k) is not None}
+               if arch == "GraniteForCausalLM" else {}),
             sliding_windows=windows, dtype=dtype_name(dtype), bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids)
 

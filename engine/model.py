@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3; Qwen2/3-MoE, Mixtral MLPs) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2/3, Phi-3, Granite; Qwen2/3-MoE, Mixtral MLPs) over a paged KV cache.
 
 Lifecycle: ``engine.loader`` builds a ``CausalLM`` from a ``ModelConfig`` on the
 target device and dtype, fills it with ``load_weights`` (HF tensor names in,
@@ -332,6 +332,11 @@ class CausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             with torch.no_grad():
                 self.lm_head.weight_t.copy_(w.t())
+                if self.config.logits_scaling != 1.0:  # (Granite: folded, as load_weights does for an untied head)
+                    self.lm_head.weight_t.div_(self.config.logits_scaling)
+        if self.config.embedding_multiplier != 1.0:  # (Granite; after the tied head took its copy)
+            with torch.no_grad():
+                w.mul_(self.config.embedding_multiplier)
         linears = [(name, m) for name, m in self.named_modules() if isinstance(m, Linear)]
         for name, m in linears:
             if quantization is not None:
@@ -494,6 +499,7 @@ class CausalLM(nn.Module):
                 continue
             if self.tp is not None:
                 tensor = self.tp.shard(hf_name, tensor)  # this rank's heads, columns or vocabulary rows
+            tensor = self._folded(hf_name, tensor, mc)
             target, cols = self._map_name(hf_name, qkv_cols, gu_cols)
             if target is None or target not in left:
                 raise ValueError(f"weights: unexpected tensor {hf_name!r} for {mc.architecture}")
@@ -542,6 +548,22 @@ class CausalLM(nn.Module):
         if kind == 2:
             return f"layers.{i}.moe.down", int(e)
         return f"layers.{i}.moe.gate_up", (int(e), slice(kind * I, (kind + 1) * I))
+
+    @staticmethod
+    def _folded(hf_name: str, tensor: Tensor, mc: ModelConfig) -> Tensor:
+        """Granite's scalars folded into the weights as they load: the query projection carries the attention
+        multiplier (over the kernels' 1 / sqrt(head_dim)), o_proj and down_proj the residual multiplier, an untied LM
+        head 1 / logits_scaling (a tied one gets it in ``finalize``). Exact up to float rounding; nothing else changes
+        (the fused layers, TP shards and every kernel see ordinary weights)."""
+        scale = 1.0
+        if mc.attention_multiplier is not None and hf_name.endswith(("self_attn.q_proj.weight",
+                                                                     "self_attn.q_proj.bias")):
+            scale = mc.attention_multiplier * mc.head_dim ** 0.5
+        elif mc.residual_multiplier != 1.0 and hf_name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
+            scale = mc.residual_multiplier
+        elif mc.logits_scaling != 1.0 and hf_name == "lm_head.weight":
+            scale = 1.0 / mc.logits_scaling
+        return tensor if scale == 1.0 else tensor * scale
 
     def _map_name(self, hf_name: str, qkv_cols: dict, gu_cols: dict) -> tuple[Optional[str], Optional[tuple]]:
         if hf_name == "model.embed_tokens.weight":

@@ -12,8 +12,8 @@ is a ``user`` or ``assistant`` turn whose ``content`` is text or blocks: ``text`
 (``id``, ``name``, ``input``) becomes that turn's ``tool_calls``; on a user turn each ``tool_result``
 (``tool_use_id``, ``content`` text or text blocks) becomes a ``tool`` message answering that call, before the
 turn's text. An earlier assistant turn's ``thinking`` blocks become its ``reasoning_content`` (what thinking
-templates such as Qwen3's read back in tool loops); ``redacted_thinking`` blocks are dropped. ``thinking``: on a router with a reasoning parser (``--reasoning-parser``),
-``{"type": "enabled", "budget_tokens": N}`` turns the model's thinking on (the template variables
+templates such as Qwen3's read back in tool loops); ``redacted_thinking`` blocks are dropped. ``thinking``: on a
+router with a reasoning parser (``--reasoning-parser``), ``{"type": "enabled", "budget_tokens": N}`` turns the model's thinking on (the template variables
 ``enable_thinking`` and ``thinking`` true) with N as its ``thinking_token_budget`` (less than ``max_tokens``, as
 Anthropic has it), ``{"type": "adaptive"}`` on without a budget, ``{"type": "disabled"}`` off; the answer's
 reasoning comes back as a ``thinking`` block before the text (streamed as ``thinking_delta``s; its

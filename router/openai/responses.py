@@ -192,7 +192,8 @@ class ResponseBody:
                  tool_parser: Optional[ToolCallParser] = None, echo: Optional[list[str]] = None,
                  n_per_prompt: int = 1, echo_first: Optional[list[int]] = None,
                  reasoning: Optional[ReasoningPlan] = None) -> None:
-        """``reasoning``: a chat's ``ReasoningPlan`` on a router with a reasoning parser (``router.openai.reasoning``)."""
+        """``reasoning``: a chat's ``ReasoningPlan`` on a router with a reasoning parser
+        (``router.openai.reasoning``)."""
         self.rid, self.chat, self.model, self.n_prompt, self._detok = rid, chat, model, n_prompt, detok
         self.tool_parser = tool_parser
         self._reasoning = reasoning

@@ -37,7 +37,8 @@ def hf_config(arch: str, **over):
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "phi3": transformers.Phi3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
-           "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig}[arch]
+           "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+           "granite": transformers.GraniteConfig}[arch]
     if arch == "phi3":
         base["pad_token_id"] = 0  # (Phi-3's default pad id is past this vocabulary)
     return cls(**base)
@@ -51,7 +52,8 @@ def make_checkpoint(tmp: Path, arch: str, seed: int = 0, max_shard_size: Optiona
     cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
            "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
            "phi3": transformers.Phi3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
-           "mixtral": transformers.MixtralForCausalLM, "qwen2_moe": transformers.Qwen2MoeForCausalLM}[arch]
+           "mixtral": transformers.MixtralForCausalLM, "qwen2_moe": transformers.Qwen2MoeForCausalLM,
+           "granite": transformers.GraniteForCausalLM}[arch]
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     if arch in ("qwen3", "qwen3_moe"):  # HF initialises the q/k norms at 1; other weights make their loading observable

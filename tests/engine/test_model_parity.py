@@ -39,6 +39,11 @@ CASES = {
     # Qwen2-MoE: a shared expert beside the routed ones, gated by a sigmoid; q/k/v biases; renormalised top-2
     "qwen2_moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                 "shared_expert_intermediate_size": 48, "norm_topk_prob": True}),
+    # Granite: embedding, residual and attention multipliers and logits scaling (folded into the weights), tied and not
+    "granite_tied": ("granite", {"embedding_multiplier": 1.5, "residual_multiplier": 1.2, "attention_multiplier": 0.3,
+                                 "logits_scaling": 1.5, "tie_word_embeddings": True}),
+    "granite": ("granite", {"embedding_multiplier": 6.0, "residual_multiplier": 0.5, "attention_multiplier": 0.3,
+                            "logits_scaling": 2.0}),
     # Phi-3: q/k/v and gate/up stored fused, a sliding window
     "phi3_fused_window": ("phi3", {"sliding_window": 8}),
     "llama_yarn_mscale": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "mscale": 0.8,
