@@ -62,7 +62,7 @@ from engine.lora import (LoRASet, attach_adapter, check_lora_name, detach_adapte
 from engine.model_runner import ModelRunner, PendingStep, RunnerOutput
 from engine.outputs import CoreOutput, TokenLogprob
 from engine.sampler import Sampler
-from engine.reasoning import drafts_before_end, ends_with, reasoning_end
+from engine.reasoning import drafts_before_end, ends_with, find_end
 from engine.sampling_params import SamplingParams, bad_words_token_ids
 from engine.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence, check_stop
 from engine.speculative import NgramProposer, SpecDecodeStats, accept
@@ -1043,6 +1043,9 @@ class LLMEngine:
             self._check_ids("logit_bias", params.logit_bias.keys())
         if params.allowed_token_ids is not None:
             self._check_ids("allowed_token_ids", params.allowed_token_ids)
+        for name in ("reasoning_end_token_ids", "reasoning_start_token_ids"):
+            if getattr(params, name) is not None:
+                self._check_ids(name, getattr(params, name))
         if params.bad_words_token_ids:
             for i, seq in enumerate(params.bad_words_token_ids):
                 self._check_ids(f"bad_words_token_ids[{i}]", seq)
@@ -1062,10 +1065,10 @@ class LLMEngine:
             seq.key_root = self.lora.by_slot[seq.lora_slot].key_root
         seq.key_root = salted_root(seq.key_root, params.cache_salt)
         if params.structured_outputs is not None:
-            matcher = self.grammar.new_matcher(params.structured_outputs)  # ValueError names the field
             if params.reasoning_end_token_ids is None:
-                seq.matcher = matcher
+                seq.matcher = self.grammar.new_matcher(params.structured_outputs)  # ValueError names the field
             else:  # (compiled now all the same: a bad constraint is refused before any work)
+                self.grammar.compile(params.structured_outputs)
                 seq.grammar_waits = True
         return seq
 
@@ -1076,7 +1079,7 @@ class LLMEngine:
         (with its verb) when they break the constraint."""
         if seq.grammar_waits:
             end = seq.params.reasoning_end_token_ids
-            at = reasoning_end(outs, end)
+            at = find_end(outs, end)
             if at is None:
                 return
             seq.matcher, seq.grammar_waits = self.grammar.new_matcher(seq.params.structured_outputs), False

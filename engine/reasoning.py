@@ -3,7 +3,7 @@
 Lifecycle: stateless functions over a sequence's output token ids, read wherever a token is drawn or accepted.
 A request whose ``SamplingParams.reasoning_end_token_ids`` is set starts its answer inside a reasoning block (a
 thinking model's ``<think>...</think>``, as a reasoning parser reads it): the block ends at the first
-occurrence of that token sequence in the output (``reasoning_end``). Two things follow from it:
+occurrence of that token sequence in the output (``find_end``). Two things follow from it:
 
 * ``structured_outputs`` constrains only what follows the block (vLLM's rule with a reasoning parser: the model
   thinks freely, the answer keeps the schema). The engine makes the sequence's grammar matcher when the block
@@ -35,14 +35,6 @@ def find_end(out: Sequence[int], end: Sequence[int]) -> Optional[int]:
             return i + k
         i += 1
     return None
-
-
-def reasoning_end(out: Sequence[int], end: Optional[Sequence[int]]) -> Optional[int]:
-    """Where the reasoning block of ``out`` ends (the index just past its end sequence); 0 for a request with no
-    block (``end`` None); None while the block is open."""
-    if end is None:
-        return 0
-    return find_end(out, end)
 
 
 def ends_with(out: Sequence[int], end: Sequence[int]) -> bool:

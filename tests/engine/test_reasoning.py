@@ -172,3 +172,13 @@ def test_a_resumed_request_rebuilds_its_grammar_after_the_block(llm, marks):
 def test_bad_reasoning_params_are_refused_by_name(kw, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kw)
+
+
+def test_markers_outside_the_vocabulary_are_refused_at_add_request(llm):
+    eng = llm.llm_engine
+    V = eng.model_config.vocab_size
+    for kw in (dict(reasoning_end_token_ids=[5, V]), dict(reasoning_end_token_ids=[5], reasoning_start_token_ids=[V])):
+        name = "reasoning_start_token_ids" if "reasoning_start_token_ids" in kw else "reasoning_end_token_ids"
+        with pytest.raises(ValueError, match=f"{name}: {V} is not a token id"):
+            eng.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=2, **kw))
+    assert not eng.has_unfinished_requests()
