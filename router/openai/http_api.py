@@ -560,6 +560,7 @@ class HttpApi:
         built from it, and every worker log line of the request starts with it (each prompt's id adds a short
         unique suffix, so two requests with the same header never collide on a worker)."""
         base = getattr(body, "request_id", None) or request.headers.get("x-request-id")
+        # (24 characters left for the suffixes: "-<prompt>-<8 hex>" here, "~<n>" for a retried placement)
         if base is not None and (not base or len(base) > MAX_REQUEST_ID_LEN - 24 or not base.isprintable()):
             self.core.count_error(grpc.StatusCode.INVALID_ARGUMENT)
             return self._error(400, f"request_id (or the X-Request-Id header) must be 1 to "
@@ -814,8 +815,10 @@ class HttpApi:
             body.chat_template_kwargs = {**defaults, **(body.chat_template_kwargs or {})}
 
     def _reasoning_of(self, body: Any, greqs: list) -> Optional[ReasoningPlan]:
-        """With a reasoning parser: the request's ``ReasoningPlan`` for its renderers, each GenerateRequest marked (``reasoning``, ``thinking_token_budget``) when the answer opens in a block; None
-        without one (a ``thinking_token_budget`` is then refused by name)."""
+        """With a reasoning parser: the request's ``ReasoningPlan`` for its renderers, each GenerateRequest marked
+        (``reasoning``, ``thinking_token_budget``) when the answer opens in a block; None without one (a
+        ``thinking_token_budget`` is then refused by name). The budget is checked here even where the prompt closed
+        the block and it goes unused."""
         budget = getattr(body, "thinking_token_budget", None)
         if self.core.reasoning is None:
             if budget is not None:
@@ -823,8 +826,8 @@ class HttpApi:
                                  "has none")
             return None
         fmt = self.core.reasoning[0]
-        if budget is not None and budget < 0:
-            raise ValueError(f"thinking_token_budget must be >= 0, got {budget}")
+        if budget is not None and not 0 <= budget < 2**31:
+            raise ValueError(f"thinking_token_budget must be in [0, 2**31), got {budget}")
         continued = None
         if body.continue_final_message:
             final = body.messages[-1].content

@@ -340,7 +340,8 @@ class EventStream:
         stream = self._thinking.get(idx)
         if stream is None:
             stream = self._thinking[idx] = self._reasoning.stream()
-        self._ids.setdefault(idx, []).extend(ev.token_ids)
+        if self.include_usage:  # (only the usage chunk counts reasoning tokens)
+            self._ids.setdefault(idx, []).extend(ev.token_ids)
         thought, text = stream.step(ev.text, bool(ev.finish_reason))
         if thought and self._reasoning.include:
             delta["reasoning"] = delta["reasoning_content"] = thought

@@ -245,7 +245,9 @@ BAD = [
     ("/v1/completions", {"use_beam_search": True, "n": 2, "response_format": {"type": "json_object"}},
      "response_format cannot be used with beam_width"),
     ("/v1/chat/completions", {"thinking_token_budget": -1, "chat_template_kwargs": {"enable_thinking": True}},
-     "thinking_token_budget must be >= 0"),
+     "thinking_token_budget must be in [0, 2**31)"),
+    ("/v1/chat/completions", {"thinking_token_budget": 2**40, "chat_template_kwargs": {"enable_thinking": True}},
+     "thinking_token_budget must be in [0, 2**31)"),
     ("/v1/chat/completions", {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages is set by"),
     ("/v1/chat/completions", {"chat_template_kwargs": {"not a name": 1}}, "chat_template_kwargs: 'not a name'"),
 ]
