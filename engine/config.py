@@ -329,7 +329,7 @@ class ModelConfig:
     qk_norm: bool = False
     """Each query and key head is RMS-normalised (its own weight, shared by the heads) before RoPE (Qwen3)."""
     num_experts: int = 0
-    """Mixture of experts (Qwen3-MoE, Mixtral): experts per MoE layer; 0: every MLP is dense."""
+    """Mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral): experts per MoE layer; 0: every MLP is dense."""
     num_experts_per_tok: int = 0
     """Experts each token is routed to (top-k of the router's softmax)."""
     moe_intermediate_size: int = 0
@@ -388,9 +388,10 @@ class ModelConfig:
         rt = (self.rope_scaling or {}).get("rope_type", "default")
         if rt not in ("default", "llama3", "linear", "yarn"):
             raise ValueError(f"rope_scaling.rope_type {rt!r} is not supported (default, linear, llama3, yarn)")
-        if rt == "yarn" and not float(self.rope_scaling.get("factor") or 0) > 0 and not self.rope_scaling.get(
-                "original_max_position_embeddings"):
-            raise ValueError("rope_scaling: yarn needs factor (or original_max_position_embeddings)")
+        if rt == "yarn" and not self.rope_scaling.get("original_max_position_embeddings"):
+            # (from_hf_dict supplies it from max_position_embeddings, as transformers does; factor may then be
+            # derived from the two, DeepSeek-V3's rule)
+            raise ValueError("rope_scaling: yarn needs original_max_position_embeddings")
 
     @property
     def torch_dtype(self) -> "torch.dtype":
@@ -467,7 +468,7 @@ class ModelConfig:
 
 
 def _moe_fields(arch: str, cfg: dict, n_layers: int) -> dict:
-    """The MoE fields of a Qwen3-MoE or Mixtral config.json (HF's rules for which layers are sparse); {} else."""
+    """The MoE fields of a Qwen2/3-MoE or Mixtral config.json (HF's rules for which layers are sparse); {} else."""
     if arch == "MixtralForCausalLM":
         return dict(num_experts=int(cfg["num_local_experts"]), num_experts_per_tok=int(cfg["num_experts_per_tok"]),
                     moe_intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,

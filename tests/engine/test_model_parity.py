@@ -187,3 +187,11 @@ def test_what_moe_models_do_not_support_yet_is_refused_by_name(tmp_path):
     # decode graphs (static buffers here) are off: the steps run eagerly and still match
     eng = make_engine(d, static_decode_buffers=True)
     assert eng.runner.graphs is None
+
+
+def test_a_yarn_config_built_by_hand_needs_its_original_context():
+    from engine.config import ModelConfig
+
+    with pytest.raises(ValueError, match="yarn needs original_max_position_embeddings"):
+        ModelConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    ModelConfig(rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 512})  # factor derived
