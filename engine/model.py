@@ -110,8 +110,8 @@ class Linear(nn.Module):
 
 
 class MoE(nn.Module):
-    """A sparse MoE MLP (Qwen2-MoE's, with its shared expert; Qwen3-MoE's; Mixtral's): a router picks each token's top-k experts from its softmax (the
-    weights renormalised where the model does), each expert is a SwiGLU, and a token's output is its experts'
+    """A sparse MoE MLP (Qwen2-MoE's, with its shared expert; Qwen3-MoE's; Mixtral's): a router picks each token's
+    top-k experts from its softmax (the weights renormalised where the model does), each expert is a SwiGLU, and a token's output is its experts'
     outputs weighted. Computed as transformers computes it (per hit expert: its tokens' rows through ``F.linear``,
     weighted, added back in), so float32 results agree with it to rounding. The weights stay dense in the model's
     dtype (no quantized format yet); the loop over hit experts reads the routing on the host, so MoE steps run

@@ -13,11 +13,12 @@ is a ``user`` or ``assistant`` turn whose ``content`` is text or blocks: ``text`
 (``tool_use_id``, ``content`` text or text blocks) becomes a ``tool`` message answering that call, before the
 turn's text. An earlier assistant turn's ``thinking`` blocks become its ``reasoning_content`` (what thinking
 templates such as Qwen3's read back in tool loops); ``redacted_thinking`` blocks are dropped. ``thinking``: on a
-router with a reasoning parser (``--reasoning-parser``), ``{"type": "enabled", "budget_tokens": N}`` turns the model's thinking on (the template variables
-``enable_thinking`` and ``thinking`` true) with N as its ``thinking_token_budget`` (less than ``max_tokens``, as
-Anthropic has it), ``{"type": "adaptive"}`` on without a budget, ``{"type": "disabled"}`` off; the answer's
-reasoning comes back as a ``thinking`` block before the text (streamed as ``thinking_delta``s; its
-``signature`` is empty: nothing is signed). Without a reasoning parser the field is accepted and ignored. ``max_tokens``
+router with a reasoning parser (``--reasoning-parser``), ``{"type": "enabled", "budget_tokens": N}`` turns the
+model's thinking on (the template variables ``enable_thinking`` and ``thinking`` true) with N as its
+``thinking_token_budget`` (less than ``max_tokens``, as Anthropic has it), ``{"type": "adaptive"}`` on without a
+budget, ``{"type": "disabled"}`` off; the answer's reasoning comes back as a ``thinking`` block before the text
+(streamed as ``thinking_delta``s; its ``signature`` is empty: nothing is signed). Without a reasoning parser the
+field is accepted and ignored. ``max_tokens``
 (required), ``stop_sequences``, ``temperature``, ``top_p``, ``top_k``, and vLLM's sampling extras. ``tools``
 (``name``, ``description``, ``input_schema``) and ``tool_choice`` (``auto``, ``any``, ``tool`` with its
 ``name``, ``none``; ``disable_parallel_tool_use``) mean what chat's ``tools`` / ``tool_choice`` (auto, required,

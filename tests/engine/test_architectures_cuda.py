@@ -1,7 +1,7 @@
 """The newer architectures on a GPU (Qwen3's q/k norms as Triton ops, YaRN's scaled tables, Phi-3's fused weights
-and window under decode graphs, a Qwen3-MoE layer's experts eagerly): logits of a float32 engine on CUDA within 1e-3 of transformers' on the CPU, and
-greedy tokens equal. Skipped without a GPU; benchmarks/device_session.sh's tests phase runs it. The same checks run
-on CPU in test_model_parity.py."""
+and window under decode graphs, a Qwen3-MoE layer's experts eagerly): a float32 engine on CUDA gives transformers'
+greedy tokens (the CPU model's), batched. Skipped without a GPU; benchmarks/device_session.sh's tests phase runs
+it. The same checks run on CPU in test_model_parity.py."""
 from __future__ import annotations
 
 import pytest

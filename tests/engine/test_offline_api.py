@@ -133,7 +133,8 @@ def test_chat_renders_template_once_with_one_bos(llm):
 
 
 def test_chat_template_kwargs_reach_the_template():
-    """vLLM's ``LLM.chat(chat_template_kwargs=...)``: a template switch (Qwen3's ``enable_thinking`` style) sees them."""
+    """vLLM's ``LLM.chat(chat_template_kwargs=...)``: a template switch (Qwen3's ``enable_thinking`` style) sees
+    them."""
     llm = LLM("tiny", num_kv_blocks=64)
     tok = llm.get_tokenizer()
     tok.chat_template = tok.chat_template + "{% if enable_thinking is defined and enable_thinking is false %}" \

@@ -448,7 +448,8 @@ def test_responses_and_messages_apis_answer_the_reasoning_in_their_own_items(rol
     assert events[-1].type == "response.incomplete" and [i.type for i in final.output] == ["reasoning", "message"]
     assert final.output[0].content[0].text == want_r and final.output_text == want_c
     deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
-    assert "".join(deltas) == want_r and [e.text for e in events if e.type == "response.reasoning_text.done"] == [want_r]
+    done = [e.text for e in events if e.type == "response.reasoning_text.done"]
+    assert "".join(deltas) == want_r and done == [want_r]
     # a reasoning item sent back with the conversation (as the Agents SDK does) is taken and left out of the prompt
     again = client.responses.create(model="tiny", input=[*[i.model_dump(exclude_none=True) for i in r.output],
                                                          {"role": "user", "content": "and Rome?"}],
