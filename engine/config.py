@@ -29,7 +29,7 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 """``EngineConfig.kv_cache_dtype`` values."""
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                           "GraniteForCausalLM")
+                           "GraniteForCausalLM", "Gemma3ForCausalLM")
 
 
 def dtype_name(dtype: Union[str, "torch.dtype"]) -> str:
@@ -358,6 +358,15 @@ class ModelConfig:
     """From config.json; the tokenizer's wins when present."""
     eos_token_ids: list = field(default_factory=list)
     """From config.json; the tokenizer's wins when present."""
+    hidden_act: str = "silu"
+    """The MLP's activation: 'silu' (SwiGLU) or 'gelu_pytorch_tanh' (Gemma's GeGLU, tanh-approximated)."""
+    gemma_norms: bool = False
+    """Gemma 3's norms: every RMSNorm scales by (1 + weight) in float32 before rounding to the model dtype, and the
+    attention and MLP outputs are normalised again before their residual adds (four norms a layer)."""
+    rope_local_theta: Optional[float] = None
+    """RoPE base of the sliding-window layers, unscaled (Gemma 3's local layers); None: every layer the model's."""
+    final_logit_softcapping: Optional[float] = None
+    """Logits become cap * tanh(logits / cap) (Gemma's); None: as they are."""
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype)
@@ -385,6 +394,8 @@ class ModelConfig:
                 raise ValueError("moe_layers must have one entry per layer")
         else:
             self.moe_layers = [False] * self.num_hidden_layers
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_act must be 'silu' or 'gelu_pytorch_tanh', got {self.hidden_act!r}")
         rt = (self.rope_scaling or {}).get("rope_type", "default")
         if rt not in ("default", "llama3", "linear", "yarn"):
             raise ValueError(f"rope_scaling.rope_type {rt!r} is not supported (default, linear, llama3, yarn)")
@@ -402,7 +413,8 @@ class ModelConfig:
     def num_params(self) -> int:
         h, i, v, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
         qkv = h * d * (self.num_attention_heads + 2 * self.num_key_value_heads)
-        per_layer = qkv + self.num_attention_heads * d * h + 2 * h + (2 * d if self.qk_norm else 0)
+        per_layer = (qkv + self.num_attention_heads * d * h + (4 if self.gemma_norms else 2) * h
+                     + (2 * d if self.qk_norm else 0))
         moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)
         moe += (3 * self.shared_expert_intermediate_size + 1) * h if self.shared_expert_intermediate_size else 0
         mlps = sum(moe if sparse else 3 * h * i for sparse in self.moe_layers)
@@ -419,13 +431,20 @@ class ModelConfig:
                                        "phi3": "Phi3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                                        "mixtral": "MixtralForCausalLM",
                                        "qwen2_moe": "Qwen2MoeForCausalLM",
-                                       "granite": "GraniteForCausalLM"}.get(cfg.get("model_type", ""), "")
+                                       "granite": "GraniteForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                                       "gemma3": "Gemma3ForConditionalGeneration",
+                                       "gemma2": "Gemma2ForCausalLM"}.get(cfg.get("model_type", ""), "")
+        if arch == "Gemma2ForCausalLM":
+            raise ValueError("architectures: Gemma2ForCausalLM soft-caps its attention scores, which pdserve's "
+                             "attention kernels do not do; Gemma 3 (Gemma3ForCausalLM) is supported")
+        if arch in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
+            cfg, arch = _gemma3_text(cfg), "Gemma3ForCausalLM"
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"architectures: unsupported {arch or cfg.get('model_type')!r}; "
                              f"supported: {SUPPORTED_ARCHITECTURES}")
         act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act must be 'silu', got {act!r}")
+        if act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"hidden_act must be 'silu' or 'gelu_pytorch_tanh', got {act!r}")
         if cfg.get("mlp_bias"):
             raise ValueError("mlp_bias=true is not supported")
         n_heads = int(cfg["num_attention_heads"])
@@ -459,12 +478,69 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch in ("Qwen2ForCausalLM",
                                                                                       "Qwen2MoeForCausalLM")))),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"), **_moe_fields(arch, cfg, n_layers),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"), **_moe_fields(arch, cfg, n_layers),
             **({k: float(cfg[k]) for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
                                           "logits_scaling") if cfg.get(k) is not None}
                if arch == "GraniteForCausalLM" else {}),
+            **cfg.get("_gemma", {}), hidden_act=act,
             sliding_windows=windows, dtype=dtype_name(dtype), bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids)
+
+
+_GEMMA3_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072,
+                        rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+                        bos_token_id=2, eos_token_id=1)
+"""transformers' ``Gemma3TextConfig`` defaults: the Hub's multimodal checkpoints' ``text_config`` leaves some out."""
+
+
+def _gemma3_text(cfg: dict) -> dict:
+    """A Gemma 3 config.json (``Gemma3ForCausalLM``'s, or the text part of ``Gemma3ForConditionalGeneration``'s: the
+    engine serves its language model, without the vision tower) as the plain layout ``from_hf_dict`` reads: the
+    global layers' RoPE as the model's, the local layers' base in ``_gemma``, with HF's defaults and rules (the
+    sliding-window pattern, transformers 4.x's ``rope_local_base_freq`` and 5.x's per-layer-type
+    ``rope_parameters``). ValueError for what the engine cannot compute (soft-capped attention, bidirectional
+    attention)."""
+    text = dict(cfg.get("text_config") or cfg) if "text_config" in cfg else dict(cfg)
+    for k, v in _GEMMA3_DEFAULTS.items():
+        text.setdefault(k, cfg.get(k, v) if k in ("bos_token_id", "eos_token_id") else v)
+    if text.get("attn_logit_softcapping") is not None:
+        raise ValueError(f"attn_logit_softcapping={text['attn_logit_softcapping']}: soft-capped attention scores "
+                         "are not supported by pdserve's attention kernels")
+    if text.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention: bidirectional (embedding) Gemma 3 models are not supported")
+    if not text.get("layer_types"):  # (HF's rule: every pattern-th layer global, the rest sliding)
+        pattern = int(text.get("sliding_window_pattern") or 6)
+        text["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                               for i in range(int(text["num_hidden_layers"]))]
+    rope = dict(text.get("rope_parameters") or {})
+    if "full_attention" in rope or "sliding_attention" in rope:  # transformers 5: one dict per layer type
+        full, local = dict(rope.get("full_attention") or {}), dict(rope.get("sliding_attention") or {})
+    else:  # transformers 4.x: rope_theta and rope_scaling are the global layers', rope_local_base_freq the local's
+        full = {**(text.get("rope_scaling") or {}), **rope}
+        full.setdefault("rope_theta", text.get("rope_theta"))
+        local = {"rope_theta": text.get("rope_local_base_freq")}
+    if full.get("rope_theta") is None:
+        full["rope_theta"] = 1_000_000.0
+    if local.get("rope_theta") is None:
+        local["rope_theta"] = 10_000.0
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise ValueError(f"rope_parameters.sliding_attention: rope_type {local.get('rope_type')!r} is not supported "
+                         "on Gemma 3's local layers (default only)")
+    text.pop("rope_scaling", None)
+    text.pop("rope_theta", None)
+    text["rope_parameters"] = full
+    text["architectures"] = ["Gemma3ForCausalLM"]
+    text["hidden_act"] = text.get("hidden_activation") or text.get("hidden_act") or "gelu_pytorch_tanh"
+    head_dim, qpas = int(text["head_dim"]), float(text["query_pre_attn_scalar"])
+    cap = text.get("final_logit_softcapping")
+    text["_gemma"] = dict(
+        gemma_norms=True, rope_local_theta=float(local["rope_theta"]),
+        final_logit_softcapping=None if cap is None else float(cap),
+        # scores scaled by query_pre_attn_scalar ** -0.5 (folded into the query norm where it is not head_dim's)
+        attention_multiplier=None if qpas == head_dim else qpas ** -0.5,
+        embedding_multiplier=float(int(text["hidden_size"]) ** 0.5))
+    return text
 
 
 def _moe_fields(arch: str, cfg: dict, n_layers: int) -> dict:

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2/3, Phi-3, Granite; Qwen2/3-MoE, Mixtral MLPs) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2/3, Phi-3, Granite, Gemma 3; Qwen2/3-MoE, Mixtral MLPs) over a paged KV
+cache.
 
 Lifecycle: ``engine.loader`` builds a ``CausalLM`` from a ``ModelConfig`` on the
 target device and dtype, fills it with ``load_weights`` (HF tensor names in,
@@ -11,7 +12,8 @@ the fused C++ decode layers where every linear runs on pdserve's kernels, gives 
 norms and layers their ops (engine/layer_ops.py: pdserve's CPU kernels, or its Triton
 kernels on CUDA) and tunes the model's own panel
 prefetch distances (engine/prefetch_tuning.py). Qwen3's per-head query and key RMSNorms run before RoPE on every
-path (the fused C++ decode layer applies them with the same row function as the kernels' RMSNorm).
+path (the fused C++ decode layer applies them with the same row function as the kernels' RMSNorm). Gemma 3's layers
+(``GemmaRMSNorm``s, four a layer; GeGLU; local layers with a RoPE table of their own) run the Python path only.
 
 Hot-path choices (measured on the 2-core CPU box, see docs/benchmarks.md):
 fused projections (one [h, (H+2Hkv)D] and one [h, 2I] GEMM per layer instead of
@@ -55,6 +57,23 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.ops.rms_norm(x, self.weight, self.eps)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the weight is stored as HF stores it (zero-centred) and the row scaled by (1 + weight) in
+    float32 before rounding to the model dtype, as HF's ``Gemma3RMSNorm`` (Llama rounds first, then scales).
+    ``scale``: a constant folded into the (1 + weight) vector (the query norm carries Gemma's attention scale over
+    the kernels' 1 / sqrt(head_dim)). Always torch: no kernel computes this rounding."""
+
+    def __init__(self, size: int, eps: float, scale: float = 1.0) -> None:
+        super().__init__(size, eps)
+        self.scale = scale
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = 1.0 + self.weight.float()
+        if self.scale != 1.0:
+            w = w * self.scale
+        return F.rms_norm(x.float(), w.shape, w, self.eps).to(x.dtype)
 
 
 class Linear(nn.Module):
@@ -153,7 +172,8 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + SwiGLU block with residuals."""
+    """Pre-norm attention + SwiGLU (or Gemma's GeGLU) block with residuals; Gemma 3's also normalises the attention
+    and MLP outputs before each residual add."""
 
     def __init__(self, mc: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -166,11 +186,24 @@ class DecoderLayer(nn.Module):
         """The layer's MoE MLP (then no dense gate_up_proj / down_proj)."""
         self.gate_up_proj = Linear(mc.hidden_size, 2 * mc.intermediate_size, bias=False) if self.moe is None else None
         self.down_proj = Linear(mc.intermediate_size, mc.hidden_size, bias=False) if self.moe is None else None
-        self.input_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
-        self.q_norm = RMSNorm(self.head_dim, mc.rms_norm_eps) if mc.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, mc.rms_norm_eps) if mc.qk_norm else None
-        """Qwen3's per-head query and key norms (before RoPE); None elsewhere."""
+        norm = GemmaRMSNorm if mc.gemma_norms else RMSNorm
+        self.input_layernorm = norm(mc.hidden_size, mc.rms_norm_eps)
+        self.post_attention_layernorm = norm(mc.hidden_size, mc.rms_norm_eps)
+        """The norm before the MLP (Gemma's checkpoints call it ``pre_feedforward_layernorm``)."""
+        self.attn_out_norm = norm(mc.hidden_size, mc.rms_norm_eps) if mc.gemma_norms else None
+        self.mlp_out_norm = norm(mc.hidden_size, mc.rms_norm_eps) if mc.gemma_norms else None
+        """Gemma 3's norms of the attention output (its checkpoints' ``post_attention_layernorm``) and of the MLP
+        output (``post_feedforward_layernorm``), each before its residual add; None elsewhere."""
+        q_scale = (mc.attention_multiplier * self.head_dim ** 0.5
+                   if mc.gemma_norms and mc.attention_multiplier is not None else 1.0)
+        self.q_norm = (GemmaRMSNorm(self.head_dim, mc.rms_norm_eps, q_scale) if mc.gemma_norms
+                       else RMSNorm(self.head_dim, mc.rms_norm_eps)) if mc.qk_norm else None
+        self.k_norm = norm(self.head_dim, mc.rms_norm_eps) if mc.qk_norm else None
+        """Qwen3's and Gemma 3's per-head query and key norms (before RoPE); None elsewhere."""
+        self.gelu = mc.hidden_act == "gelu_pytorch_tanh"
+        """GeGLU (tanh-approximated GELU of the gate, times up: Gemma) instead of SwiGLU."""
+        self.local_rope = mc.rope_local_theta is not None and self.window is not None
+        """This layer rotates with the model's local RoPE table (Gemma 3's sliding-window layers)."""
         self.intermediate_size = mc.intermediate_size
         self.fused = None  # the kernels' DecodeLayer, set by CausalLM.finalize where it can run
         self.fused_max_rows = 0
@@ -188,7 +221,7 @@ class DecoderLayer(nn.Module):
         """Hand this layer's weights to the C++ decode layer (engine/csrc/decode_layer.cpp: the same kernels, one
         call per layer for a batch of single-token decodes) where every linear runs on pdserve's kernels; False,
         unchanged, elsewhere (oneDNN layouts other than panels, torch linears, no kernels, not float32 on CPU)."""
-        if self.moe is not None:
+        if self.moe is not None or self.attn_out_norm is not None or self.gelu:
             return False
         fmts = [m.fmt for m in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)]
         if (kern is None or self.sharded or self.head_dim % 16 or self.input_layernorm.weight.device.type != "cpu"
@@ -269,15 +302,36 @@ class DecoderLayer(nn.Module):
         if self.moe is not None:  # (no LoRA on MoE models: refused at load)
             h = h + self._reduced(self.o_proj(attn))
             return h + self.moe(self.post_attention_layernorm(h))
+        if self.attn_out_norm is not None:  # Gemma 3: each output normalised before its residual add
+            o = self._reduced(self.o_proj(attn) if lora is None or self.lora is None
+                              else self.lora.apply("o_proj", attn, self.o_proj(attn), lora))
+            h = h + self.attn_out_norm(o)
+            x = self.post_attention_layernorm(h)
+            gate_up = self.gate_up_proj(x)
+            if lora is not None and self.lora is not None:
+                gate_up = self.lora.apply("gate_up_proj", x, gate_up, lora)
+            act = self._act_mul(gate_up)
+            down = self.down_proj(act)
+            if lora is not None and self.lora is not None:
+                down = self.lora.apply("down_proj", act, down, lora)
+            return h + self.mlp_out_norm(self._reduced(down))
         if lora is None or self.lora is None:
             h = h + self._reduced(self.o_proj(attn))
             gate_up = self.gate_up_proj(self.post_attention_layernorm(h))
-            return h + self._reduced(self.down_proj(self.ops.silu_mul(gate_up, self.intermediate_size)))
+            return h + self._reduced(self.down_proj(self._act_mul(gate_up)))
         ll = self.lora  # (a row-parallel shard's delta is partial too: reduced with the base product's)
         h = h + self._reduced(ll.apply("o_proj", attn, self.o_proj(attn), lora))
         x = self.post_attention_layernorm(h)
-        act = self.ops.silu_mul(ll.apply("gate_up_proj", x, self.gate_up_proj(x), lora), self.intermediate_size)
+        act = self._act_mul(ll.apply("gate_up_proj", x, self.gate_up_proj(x), lora))
         return h + self._reduced(ll.apply("down_proj", act, self.down_proj(act), lora))
+
+    def _act_mul(self, gate_up: Tensor) -> Tensor:
+        """act(gate) * up of the [rows, 2I] gate/up product: SwiGLU through the layer's ops, or GeGLU through torch
+        (as HF's ``gelu_pytorch_tanh``)."""
+        if not self.gelu:
+            return self.ops.silu_mul(gate_up, self.intermediate_size)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def _reduced(self, partial: Tensor) -> Tensor:
         """A row-parallel linear's output: this rank's partial sum, summed over the ranks where sharded."""
@@ -298,12 +352,15 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(mc, i) for i in range(mc.num_hidden_layers))
         for layer in self.layers:
             layer.sharded = self.tp is not None
-        self.norm = RMSNorm(mc.hidden_size, mc.rms_norm_eps)
+        self.norm = (GemmaRMSNorm if mc.gemma_norms else RMSNorm)(mc.hidden_size, mc.rms_norm_eps)
         # tied models still get their own [hidden, vocab] copy, filled from the embedding in finalize()
         self.lm_head = Linear(mc.hidden_size, mc.vocab_size, bias=False)
         self.max_positions = max_positions or mc.max_position_embeddings
         self.rope_cos: Optional[Tensor] = None
         self.rope_sin: Optional[Tensor] = None
+        self.rope_local_cos: Optional[Tensor] = None
+        self.rope_local_sin: Optional[Tensor] = None
+        """The local layers' tables where they rotate with a base of their own (Gemma 3); None elsewhere."""
         # the panel kernels' prefetch distances, measured for this model at load (engine/prefetch_tuning.py)
         self.panel_prefetch = None
 
@@ -334,9 +391,12 @@ class CausalLM(nn.Module):
                 self.lm_head.weight_t.copy_(w.t())
                 if self.config.logits_scaling != 1.0:  # (Granite: folded, as load_weights does for an untied head)
                     self.lm_head.weight_t.div_(self.config.logits_scaling)
-        if self.config.embedding_multiplier != 1.0:  # (Granite; after the tied head took its copy)
+        if self.config.embedding_multiplier != 1.0:  # (Granite, Gemma; after the tied head took its copy)
+            mult = self.config.embedding_multiplier
+            if self.config.gemma_norms:  # (Gemma scales by sqrt(hidden) rounded to the model dtype first, as HF)
+                mult = torch.tensor(mult, dtype=torch.float32).to(w.dtype).item()
             with torch.no_grad():
-                w.mul_(self.config.embedding_multiplier)
+                w.mul_(mult)
         linears = [(name, m) for name, m in self.named_modules() if isinstance(m, Linear)]
         for name, m in linears:
             if quantization is not None:
@@ -379,6 +439,11 @@ class CausalLM(nn.Module):
         scale = rope_attention_factor(self.config)  # (YaRN's; 1 elsewhere, and then no multiply: same bits)
         self.rope_cos = (freqs.cos() * scale if scale != 1.0 else freqs.cos()).to(w.dtype)
         self.rope_sin = (freqs.sin() * scale if scale != 1.0 else freqs.sin()).to(w.dtype)
+        if self.config.rope_local_theta is not None:
+            d = self.config.head_dim
+            inv = 1.0 / (self.config.rope_local_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+            freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32, device=w.device), inv.to(w.device))
+            self.rope_local_cos, self.rope_local_sin = freqs.cos().to(w.dtype), freqs.sin().to(w.dtype)
         return self.eval().requires_grad_(False)
 
     def weight_bytes(self) -> int:
@@ -399,7 +464,7 @@ class CausalLM(nn.Module):
             if fmt is not None:
                 for t in fmt.tensors():
                     add(t)
-        for name in ("rope_cos", "rope_sin"):
+        for name in ("rope_cos", "rope_sin", "rope_local_cos", "rope_local_sin"):
             add(getattr(self, name, None))
         return sum(seen.values())
 
@@ -431,9 +496,12 @@ class CausalLM(nn.Module):
         h = self._embed(input_ids)
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
+        if self.rope_local_cos is not None:
+            local = (self.rope_local_cos[positions].unsqueeze(1), self.rope_local_sin[positions].unsqueeze(1))
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, meta, kv_caches[i], meta.keep if i == last else None)
+            c, s = local if layer.local_rope else (cos, sin)
+            h = layer(h, c, s, meta, kv_caches[i], meta.keep if i == last else None)
             if layer_hook is not None:
                 layer_hook(i)
         return self.norm(h)
@@ -442,7 +510,10 @@ class CausalLM(nn.Module):
         """[N, hidden] -> float32 logits [N, vocab] (a tensor-parallel shard: gathered from every rank, which must
         all call this with the same rows)."""
         logits = self.lm_head(hidden).float()
-        return logits if self.tp_comm is None else self.tp_comm.gather_vocab(logits)
+        if self.tp_comm is not None:
+            logits = self.tp_comm.gather_vocab(logits)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # -- weights ------------------------------------------------------------------------------
 
@@ -457,7 +528,7 @@ class CausalLM(nn.Module):
                 if name.startswith("lm_head") and self.config.tie_word_embeddings:
                     continue  # copied from the embedding in finalize()
                 if name.endswith("norm.weight"):  # (every RMSNorm: the layers', q/k's and the final one)
-                    p.fill_(1.0)
+                    p.fill_(0.0 if self.config.gemma_norms else 1.0)  # (Gemma's scale by 1 + weight)
                 elif name.endswith(".bias"):
                     p.zero_()
                 elif name.endswith(".weight_t"):
@@ -465,7 +536,30 @@ class CausalLM(nn.Module):
                 else:
                     p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
 
-    _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp|input_layernorm|post_attention_layernorm)\.?(.*)$")
+    _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp|input_layernorm|post_attention_layernorm|"
+                           r"pre_feedforward_layernorm|post_feedforward_layernorm)\.?(.*)$")
+    _GEMMA_NORMS = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "attn_out_norm",
+                    "pre_feedforward_layernorm": "post_attention_layernorm",
+                    "post_feedforward_layernorm": "mlp_out_norm"}
+    """Gemma 3's four norms of a layer, as its checkpoints name them -> this model's."""
+    _MULTIMODAL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                            ("language_model.lm_head.", "lm_head."))
+    """A multimodal checkpoint's language-model names (transformers 4.x's, then 5.x's) -> a causal LM's."""
+    _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                        "model.multi_modal_projector.")
+    """What a multimodal checkpoint holds besides its language model (not loaded: the engine serves text)."""
+
+    def _canonical(self, hf_name: str) -> Optional[str]:
+        """``hf_name`` as a causal LM's checkpoint names it (Gemma 3's multimodal checkpoints hold the language
+        model under a prefix); None for a vision tower's or projector's tensor, which is not loaded."""
+        if not self.config.gemma_norms:
+            return hf_name
+        if hf_name.startswith(self._VISION_PREFIXES):
+            return None
+        for old, new in self._MULTIMODAL_PREFIXES:
+            if hf_name.startswith(old):
+                return new + hf_name[len(old):]
+        return hf_name
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; raises ValueError on missing/unknown/mis-shaped."""
@@ -480,7 +574,7 @@ class CausalLM(nn.Module):
         left = {n: (p.shape[-1] if n.endswith(".weight_t") else p.numel() // p.shape[-1] if p.dim() > 1 else p.shape[0])
                 for n, p in params.items() if not (tied and n.startswith("lm_head"))}
         for hf_name, tensor in weights:
-            if "rotary_emb" in hf_name:
+            if "rotary_emb" in hf_name or (hf_name := self._canonical(hf_name)) is None:
                 continue
             if tied and hf_name == "lm_head.weight":
                 continue  # tied checkpoints sometimes still store it; the embedding wins
@@ -556,8 +650,9 @@ class CausalLM(nn.Module):
         head 1 / logits_scaling (a tied one gets it in ``finalize``). Exact up to float rounding; nothing else changes
         (the fused layers, TP shards and every kernel see ordinary weights)."""
         scale = 1.0
-        if mc.attention_multiplier is not None and hf_name.endswith(("self_attn.q_proj.weight",
-                                                                     "self_attn.q_proj.bias")):
+        if mc.attention_multiplier is not None and not mc.qk_norm and hf_name.endswith(("self_attn.q_proj.weight",
+                                                                                        "self_attn.q_proj.bias")):
+            # (a model with query norms carries it in its query norm: Gemma 3's ``GemmaRMSNorm.scale``)
             scale = mc.attention_multiplier * mc.head_dim ** 0.5
         elif mc.residual_multiplier != 1.0 and hf_name.endswith(("self_attn.o_proj.weight", "mlp.down_proj.weight")):
             scale = mc.residual_multiplier
@@ -576,8 +671,12 @@ class CausalLM(nn.Module):
         if not m:
             return None, None
         i, block, rest = m.group(1), m.group(2), m.group(3)
-        if block in ("input_layernorm", "post_attention_layernorm"):
-            return f"layers.{i}.{block}.{rest}", None
+        if block.endswith("layernorm"):
+            if self.config.gemma_norms:
+                return f"layers.{i}.{self._GEMMA_NORMS[block]}.{rest}", None
+            if block in ("input_layernorm", "post_attention_layernorm"):
+                return f"layers.{i}.{block}.{rest}", None
+            return None, None
         proj, _, kind = rest.partition(".")
         if block == "self_attn" and proj in ("q_norm", "k_norm"):
             return f"layers.{i}.{proj}.{kind}", None

@@ -72,6 +72,10 @@ class PiecewiseGraphs(GraphBuckets):
         rot = model.rope_cos.shape[-1]
         self.cos = torch.zeros(n, 1, rot, dtype=model.rope_cos.dtype, device=dev)
         self.sin = torch.zeros(n, 1, rot, dtype=model.rope_sin.dtype, device=dev)
+        local = model.rope_local_cos is not None
+        self.local_cos = torch.zeros_like(self.cos) if local else None
+        self.local_sin = torch.zeros_like(self.sin) if local else None
+        """The rows of the local layers' table (Gemma 3), where the model has one."""
         self.hidden = torch.zeros(n, model.config.hidden_size, dtype=dtype, device=dev)
         """The residual stream: each piece reads it and writes the next layer's."""
         self.qkv = torch.zeros(n, H + 2 * Hkv, D, dtype=dtype, device=dev)
@@ -92,11 +96,15 @@ class PiecewiseGraphs(GraphBuckets):
                 pos = self.positions[:n]
                 self.cos[:n].copy_(m.rope_cos[pos].unsqueeze(1))
                 self.sin[:n].copy_(m.rope_sin[pos].unsqueeze(1))
+                if self.local_cos is not None:
+                    self.local_cos[:n].copy_(m.rope_local_cos[pos].unsqueeze(1))
+                    self.local_sin[:n].copy_(m.rope_local_sin[pos].unsqueeze(1))
                 h = m.embed_tokens(self.input_ids[:n])
             else:
                 h = m.layers[i - 1].post_attention(self.hidden[:n], self.attn[:n])
             self.hidden[:n].copy_(h)
-            q, k, v = m.layers[i].pre_attention(h, self.cos[:n], self.sin[:n])
+            cos, sin = (self.local_cos, self.local_sin) if m.layers[i].local_rope else (self.cos, self.sin)
+            q, k, v = m.layers[i].pre_attention(h, cos[:n], sin[:n])
             self.qkv[:n, :H].copy_(q)
             self.qkv[:n, H:H + Hkv].copy_(k)
             self.qkv[:n, H + Hkv:].copy_(v)

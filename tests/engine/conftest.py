@@ -38,7 +38,9 @@ def hf_config(arch: str, **over):
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "phi3": transformers.Phi3Config, "qwen3_moe": transformers.Qwen3MoeConfig,
            "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
-           "granite": transformers.GraniteConfig}[arch]
+           "granite": transformers.GraniteConfig, "gemma3": transformers.Gemma3TextConfig}[arch]
+    if arch == "gemma3":
+        base["pad_token_id"] = 0
     if arch == "phi3":
         base["pad_token_id"] = 0  # (Phi-3's default pad id is past this vocabulary)
     return cls(**base)
@@ -53,13 +55,19 @@ def make_checkpoint(tmp: Path, arch: str, seed: int = 0, max_shard_size: Optiona
            "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
            "phi3": transformers.Phi3ForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM,
            "mixtral": transformers.MixtralForCausalLM, "qwen2_moe": transformers.Qwen2MoeForCausalLM,
-           "granite": transformers.GraniteForCausalLM}[arch]
+           "granite": transformers.GraniteForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}[arch]
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     if arch in ("qwen3", "qwen3_moe"):  # HF initialises the q/k norms at 1; other weights make their loading observable
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.normal_(1.0, 0.3)
+    if arch == "gemma3":  # HF initialises Gemma's (1 + weight) norms at 0: random ones make each norm observable,
+        # and scales near 2 keep a tied model's greedy continuations from repeating its input token
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
                     p.normal_(1.0, 0.3)
     if arch in ("qwen3_moe", "mixtral", "qwen2_moe"):  # a router at zero ties every expert: spread it
         with torch.no_grad():

@@ -16,6 +16,8 @@ CASES = {
     "qwen3_yarn": ("qwen3", {"head_dim": 32, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                              "original_max_position_embeddings": 16}}),
     "phi3_window": ("phi3", {"sliding_window": 8}),
+    "gemma3": ("gemma3", {"head_dim": 32, "num_hidden_layers": 3, "sliding_window": 8, "query_pre_attn_scalar": 20,
+                          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}),
     "qwen3_moe": ("qwen3_moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                 "mlp_only_layers": [1]}),
 }

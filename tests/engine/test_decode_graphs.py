@@ -100,6 +100,18 @@ def test_sliding_window_model_through_static_buffers(tmp_path):
     assert static.llm_engine.runner.graphs.replays > 0
 
 
+def test_gemma3_local_and_global_rope_through_static_buffers(tmp_path):
+    """Gemma 3's local layers rotate with a table of their own: the piecewise graphs' buffers hold both."""
+    path, _ = make_checkpoint(tmp_path, "gemma3", head_dim=32, num_hidden_layers=3, sliding_window=6,
+                              layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    eager, static = _pair(str(path), num_kv_blocks=128, block_size=4)
+    assert static.llm_engine.model.rope_local_cos is not None
+    prompts = [[5 + i, 9, 200 + i, 17, 33][: 1 + i % 5] * (1 + i % 4) for i in range(11)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1, ignore_eos=True)
+    assert outputs_of(eager, prompts, params) == outputs_of(static, prompts, params)
+    assert static.llm_engine.runner.graphs.replays > 0 and static.llm_engine.piecewise_steps > 0
+
+
 def _graphs(llm: LLM) -> tuple[DecodeGraphs, list[tuple[torch.Tensor, torch.Tensor]]]:
     eng = llm.llm_engine
     return eng.runner.graphs, eng.kv_caches

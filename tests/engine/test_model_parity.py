@@ -1,7 +1,7 @@
 """The engine's model matches Hugging Face transformers on the same checkpoint.
 
 Reference: transformers' own LlamaForCausalLM / MistralForCausalLM /
-Qwen2ForCausalLM / Qwen3ForCausalLM, random-initialised and saved with save_pretrained. We check
+Qwen2ForCausalLM / Qwen3ForCausalLM / ... / Gemma3ForCausalLM, random-initialised and saved with save_pretrained. We check
 float32 logits for every prompt position and for 20 decode steps through the
 paged cache (1e-4 max-abs), and greedy continuations token for token, both as
 one continuous batch and one prompt at a time.
@@ -46,6 +46,16 @@ CASES = {
                             "logits_scaling": 2.0}),
     # Phi-3: q/k/v and gate/up stored fused, a sliding window
     "phi3_fused_window": ("phi3", {"sliding_window": 8}),
+    # Gemma 3: (1 + w) norms in float32, four a layer; GeGLU; sqrt(hidden)-scaled embeddings; query/key norms and a
+    # query_pre_attn_scalar that is not head_dim; local (sliding, base 10k) and global (linear-scaled) layers
+    "gemma3": ("gemma3", {"head_dim": 32, "num_hidden_layers": 3, "sliding_window": 8, "query_pre_attn_scalar": 20,
+                          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                          "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                 "rope_theta": 1000000.0},
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}),
+    # and its final logit soft-capping, untied
+    "gemma3_softcap": ("gemma3", {"final_logit_softcapping": 2.0, "tie_word_embeddings": False,
+                                  "sliding_window": 6}),
     "llama_yarn_mscale": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "mscale": 0.8,
                                                      "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2,
                                                      "original_max_position_embeddings": 32}}),
@@ -195,3 +205,107 @@ def test_a_yarn_config_built_by_hand_needs_its_original_context():
     with pytest.raises(ValueError, match="yarn needs original_max_position_embeddings"):
         ModelConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0})
     ModelConfig(rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 512})  # factor derived
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_language_model(tmp_path):
+    """Gemma 3 from 4B up ships as ``Gemma3ForConditionalGeneration`` (a vision tower, a projector and the language
+    model under ``language_model.``, the text config nested): the engine loads the language model alone and its
+    greedy text continuations equal transformers' multimodal model's on the same text."""
+    import json
+
+    import transformers
+
+    from tests.engine.conftest import VOCAB, hf_config
+
+    text = hf_config("gemma3", head_dim=32, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=20).to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    # (image and boundary tokens outside this vocabulary: a text-only prompt never holds one)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    image_token_id=VOCAB + 10, boi_token_id=VOCAB + 11, eoi_token_id=VOCAB + 12)
+    torch.manual_seed(2)
+    hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight") and "vision" not in name:
+                p.normal_(1.0, 0.3)
+    hf.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["architectures"] == ["Gemma3ForConditionalGeneration"] and "text_config" in saved
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert any(n.startswith(("vision_tower.", "model.vision_tower.")) for n in names)  # (skipped, not a mismatch)
+    eng = make_engine(tmp_path)
+    assert eng.model.config.architecture == "Gemma3ForCausalLM" and eng.model.config.num_hidden_layers == 3
+    prompts = prompts_of([4, 11, 19], seed=5)
+    got = run_engine(eng, {str(i): p for i, p in enumerate(prompts)}, greedy(16))
+    for i, p in enumerate(prompts):
+        assert got[str(i)] == hf_greedy(hf, p, 16), i
+    assert len(set(got["2"])) > 4
+
+
+def test_gemma3_bfloat16_norms_and_embeddings_round_as_transformers(tmp_path):
+    """In bfloat16 Gemma scales a norm's row by (1 + weight) before rounding (Llama rounds first) and multiplies the
+    embeddings by sqrt(hidden) rounded to bfloat16 (sqrt(48) is not a bfloat16 number): the engine's rows equal
+    transformers' to the bit."""
+    import transformers
+
+    d, _ = make_checkpoint(tmp_path, "gemma3", hidden_size=48, head_dim=16)
+    hf = transformers.Gemma3ForCausalLM.from_pretrained(d, dtype=torch.bfloat16).eval()
+    eng = make_engine(d, dtype="bfloat16")
+    ids = torch.arange(3, 200)
+    with torch.inference_mode():
+        assert torch.equal(eng.model.embed_tokens(ids), hf.model.embed_tokens(ids))
+        x = hf.model.embed_tokens(ids)
+        hl, el = hf.model.layers[1], eng.model.layers[1]
+        assert el.post_attention_layernorm.weight.abs().max() > 0.5  # (HF's pre_feedforward_layernorm, loaded)
+        for ours, theirs in ((el.input_layernorm, hl.input_layernorm),
+                             (el.attn_out_norm, hl.post_attention_layernorm),
+                             (el.post_attention_layernorm, hl.pre_feedforward_layernorm),
+                             (el.mlp_out_norm, hl.post_feedforward_layernorm), (eng.model.norm, hf.model.norm)):
+            assert torch.equal(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"architectures": ["Gemma2ForCausalLM"]}, "Gemma2ForCausalLM soft-caps its attention scores"),
+    ({"architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+    ({"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"architectures": ["Gemma3ForCausalLM"], "rope_parameters": {
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0}}}, "sliding_attention: rope_type 'linear'"),
+])
+def test_gemma_variants_the_engine_cannot_compute_are_refused_by_name(cfg, match):
+    from engine.config import ModelConfig
+
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf_dict({"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, **cfg})
+
+
+def test_gemma3_config_follows_transformers_defaults_and_both_rope_layouts():
+    """The Hub's Gemma 3 configs leave fields to transformers' defaults and write RoPE in 4.x's layout
+    (rope_theta, rope_local_base_freq, rope_scaling for the global layers) or 5.x's (per layer type): the engine
+    reads what transformers reads."""
+    import transformers
+
+    from engine.config import ModelConfig
+
+    v4 = {"architectures": ["Gemma3ForConditionalGeneration"],
+          "text_config": {"hidden_size": 2560, "num_hidden_layers": 34, "intermediate_size": 10240,
+                          "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 1024,
+                          "model_type": "gemma3_text"}}
+    mc = ModelConfig.from_hf_dict(v4)
+    ref = transformers.Gemma3TextConfig(**v4["text_config"])
+    assert (mc.vocab_size, mc.head_dim, mc.num_attention_heads, mc.num_key_value_heads) == (
+        ref.vocab_size, ref.head_dim, ref.num_attention_heads, ref.num_key_value_heads)
+    assert mc.sliding_windows == [1024 if t == "sliding_attention" else None for t in ref.layer_types]
+    assert mc.rope_theta == ref.rope_parameters["full_attention"]["rope_theta"] == 1e6
+    assert mc.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert mc.rope_local_theta == ref.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
+    assert mc.hidden_act == ref.hidden_activation and mc.tie_word_embeddings and mc.gemma_norms
+    assert mc.attention_multiplier is None  # (query_pre_attn_scalar 256 = head_dim)
+    v5 = ref.to_dict()
+    v5["architectures"] = ["Gemma3ForCausalLM"]
+    mc5 = ModelConfig.from_hf_dict(v5)
+    assert (mc5.rope_theta, mc5.rope_scaling, mc5.rope_local_theta, mc5.sliding_windows) == (
+        mc.rope_theta, mc.rope_scaling, mc.rope_local_theta, mc.sliding_windows)

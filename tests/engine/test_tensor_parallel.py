@@ -111,6 +111,8 @@ def test_two_ranks_with_ngram_speculation_and_a_json_schema(tiny_pair):
     ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2)),                 # q/k/v biases
     ("qwen3", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),     # q/k norms, replicated
     ("phi3", dict(num_attention_heads=4, num_key_value_heads=2)),                  # fused q/k/v, gate/up split
+    ("gemma3", dict(head_dim=32, num_hidden_layers=3, sliding_window=8,           # four norms, local RoPE, GeGLU
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 ])
 def test_two_ranks_match_transformers_on_an_unseen_checkpoint(tmp_path, arch, over):
     path, hf = make_checkpoint(tmp_path, arch, seed=3, **over)
