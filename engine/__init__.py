@@ -54,6 +54,11 @@ _EXPORTS = {
     "KV_ENTRY_LOAD": "engine.kv_events",
     "load_model_config": "engine.loader",
     "load_tokenizer": "engine.loader",
+    "load_pooling_config": "engine.loader",
+    "PoolingConfig": "engine.pooling",
+    "check_dimensions": "engine.pooling",
+    "finish_embedding": "engine.pooling",
+    "EmbeddingRequestOutput": "engine.outputs",
     "default_eos": "engine.loader",
     "default_served_model_name": "engine.names",
 }

@@ -425,7 +425,7 @@ class ModelConfig:
         """Read a HF ``config.json`` dict (transformers 4.x and 5.x rope layouts); ``dtype`` is the runtime dtype
         (a name or a torch dtype), not config.json's."""
         archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+        arch = _BASE_MODELS.get(archs[0], archs[0]) if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                        "qwen2": "Qwen2ForCausalLM",
                                        "qwen3": "Qwen3ForCausalLM",
                                        "phi3": "Phi3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -486,6 +486,11 @@ class ModelConfig:
             sliding_windows=windows, dtype=dtype_name(dtype), bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids)
 
+
+_BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",
+                "Qwen3Model": "Qwen3ForCausalLM", "Phi3Model": "Phi3ForCausalLM", "Gemma3TextModel": "Gemma3ForCausalLM"}
+"""Base models (no LM head: how embedding models such as e5-mistral are saved) -> the causal LM the engine builds;
+their checkpoints' tensor names have no ``model.`` prefix and no ``lm_head`` (engine/model.py loads them)."""
 
 _GEMMA3_DEFAULTS = dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
                         num_attention_heads=8, num_key_value_heads=4, head_dim=256, max_position_embeddings=131_072,

@@ -9,6 +9,7 @@ processor, exactly as the router does it, so offline text equals cluster text;
 when a stop string ends a request the core request is aborted so its blocks go
 back at once. If anything fails mid-way, every request this call added is
 aborted before the error propagates, so the engine is left clean.
+``embed`` adds each prompt as an embedding request (engine/pooling.py) and returns its vector.
 ``beam_search`` drives the same engine through ``engine.beam_search`` (no
 scheduler; the prompts' KV blocks are shared by their beams) and frees every
 block it took before it returns or raises.
@@ -25,7 +26,8 @@ from engine.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_sear
 from engine.config import EngineConfig
 from engine.detokenizer import OutputProcessor
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from engine.pooling import check_dimensions, finish_embedding
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -120,6 +122,41 @@ class LLM:
                 finished=True,
                 prompt_logprobs=prompt_lps.get(rid)))
         return results
+
+    def embed(self, prompts: PromptsType, *, normalize: Optional[bool] = None, dimensions: Optional[int] = None,
+              lora_name: Optional[str] = None, truncate_prompt_tokens: Optional[int] = None,
+              use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """vLLM's ``LLM.embed``: each prompt's embedding (its last token's final hidden state, cut to ``dimensions``
+        for a Matryoshka model and L2-normalised unless ``normalize`` is False; None: the model's default), in the
+        order of ``prompts`` (the forms ``generate`` takes)."""
+        eng = self.llm_engine
+        check_dimensions(eng.pooling, dimensions, eng.model_config.hidden_size)
+        norm = eng.pooling.normalize if normalize is None else bool(normalize)
+        texts, token_lists = self._normalize_prompts(prompts)
+        params = SamplingParams(lora_name=lora_name, truncate_prompt_tokens=truncate_prompt_tokens)
+        rids: list[str] = []
+        got: dict[str, list[float]] = {}
+        try:
+            for k, ids in enumerate(token_lists):
+                ids = token_lists[k] = params.truncate_prompt(list(ids), eng.max_model_len)
+                rid = f"llm-{self._next_id}"
+                self._next_id += 1
+                eng.add_request(rid, ids, params, pooling=True)
+                rids.append(rid)
+            with tqdm(total=len(rids), desc="embed", unit="req", disable=not use_tqdm) as bar:
+                while len(got) < len(rids):
+                    if not eng.has_unfinished_requests():
+                        raise RuntimeError(f"engine idle with {len(rids) - len(got)} embeddings unfinished")
+                    for out in eng.step():
+                        if out.embedding is not None:
+                            got[out.request_id] = finish_embedding(out.embedding, norm, dimensions)
+                            bar.update(1)
+        finally:
+            for rid in rids:
+                if rid not in got:
+                    eng.abort_request(rid)
+        return [EmbeddingRequestOutput(rid, list(ids), EmbeddingOutput(got[rid]), text)
+                for rid, text, ids in zip(rids, texts, token_lists)]
 
     def beam_search(self, prompts: PromptsType, params: BeamSearchParams,
                     lora_name: Optional[str] = None) -> list[BeamSearchOutput]:

@@ -56,11 +56,12 @@ from engine.kernels import cpu_kernels
 from engine.cuda_graphs import GRAPH_POOL_SLACK, DecodeGraphs, eager_reason, graph_memory_estimate
 from engine.piecewise_graphs import PiecewiseGraphs, piecewise_memory_estimate
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
-from engine.loader import default_eos, load_model, load_model_config, load_tokenizer
+from engine.loader import default_eos, load_model, load_model_config, load_pooling_config, load_tokenizer
 from engine.lora import (LoRASet, attach_adapter, check_lora_name, detach_adapter, load_adapter, load_adapters,
                          shard_adapter)
 from engine.model_runner import ModelRunner, PendingStep, RunnerOutput
 from engine.outputs import CoreOutput, TokenLogprob
+from engine.pooling import PoolingConfig
 from engine.sampler import Sampler
 from engine.reasoning import drafts_before_end, ends_with, find_end
 from engine.sampling_params import SamplingParams, bad_words_token_ids
@@ -174,6 +175,8 @@ class LLMEngine:
                              "max_model_len)")
         self.max_model_len = min(asked, n_blocks * self.block_size)
         self.tokenizer = load_tokenizer(config)
+        self.pooling = load_pooling_config(config)
+        """How this model's embeddings are made (engine/pooling.py)."""
         self.eos_token_id = default_eos(mc, self.tokenizer)
         if device.type == "cpu":
             cpu_kernels()  # build (first start on this machine) or load them now, never mid-request
@@ -335,6 +338,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings, num_blocks * self.block_size)
         self.tokenizer = None
+        self.pooling = PoolingConfig()
         self.eos_token_id = eos_token_id
         self.kv_caches = []
         self.lora = LoRASet()  # (no model: no adapters)
@@ -445,13 +449,28 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    prefill_only: bool = False, resume_token_ids: Optional[list[int]] = None) -> None:
+                    prefill_only: bool = False, resume_token_ids: Optional[list[int]] = None,
+                    pooling: bool = False) -> None:
         """Queue a prompt; ValueError for a duplicate id, bad tokens or a prompt that cannot fit.
 
         ``resume_token_ids`` (migration): outputs this request already produced elsewhere. They are
         prefilled with the prompt and sampling goes on at output index len(resume_token_ids), exactly
-        as after a recompute preemption, so seeded draws and penalties continue where they left off."""
+        as after a recompute preemption, so seeded draws and penalties continue where they left off.
+        ``pooling``: an embedding request (engine/pooling.py): the prompt is computed and the request ends with one
+        output carrying its last token's final hidden state (``CoreOutput.embedding``); of ``params`` only
+        ``lora_name``, ``truncate_prompt_tokens``, ``cache_salt`` and ``priority`` apply."""
+        if pooling:
+            if self.pooling.unsupported is not None:
+                raise ValueError(f"embeddings: this model cannot serve them: {self.pooling.unsupported}")
+            if prefill_only or resume_token_ids:
+                raise ValueError("pooling cannot be combined with prefill_only or resume_token_ids")
+            params = SamplingParams(max_tokens=1, temperature=0.0, lora_name=params.lora_name,
+                                    truncate_prompt_tokens=params.truncate_prompt_tokens,
+                                    cache_salt=params.cache_salt, priority=params.priority)
+        elif not getattr(self.model, "has_lm_head", True):  # (a simulated engine's stand-in has none to lack)
+            raise ValueError("this model's checkpoint has no LM head (lm_head.weight): it serves embeddings only")
         seq = self._new_seq(request_id, prompt_token_ids, params, prefill_only)
+        seq.pooling = pooling
         if resume_token_ids:
             if prefill_only:
                 raise ValueError("resume_token_ids cannot be combined with prefill_only")
@@ -846,6 +865,12 @@ class LLMEngine:
             n = 1 + len(seq.spec_token_ids)
             toks, lps = result.token_ids[i:i + n], result.logprobs[i:i + n]
             i += n
+            if seq.pooling:  # its prompt is computed: the pooled state is its answer (the sampled token is not)
+                outputs.append(CoreOutput(seq.request_id, [], None, "stop", len(seq.prompt_token_ids),
+                                          seq.num_cached_tokens, embedding=seq.pooled))
+                seq.pooled = None
+                self._finish(seq)
+                continue
             if n > 1:
                 toks = accept(seq.spec_token_ids, toks)
                 self.spec_stats.record(n - 1, len(toks) - 1)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from engine.model import CausalLM
+    from engine.pooling import PoolingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,16 @@ def load_tokenizer(cfg: EngineConfig):
         logger.info("model %s has no tokenizer.json: token-id prompts only", d)
         return None
     return Tokenizer.from_dir(d)
+
+
+def load_pooling_config(cfg: EngineConfig) -> "PoolingConfig":
+    """How the model's embeddings are made (engine/pooling.py): from its sentence-transformers files and
+    config.json; a built-in model's: last token, normalised. Needs no torch."""
+    from engine.pooling import PoolingConfig, read_pooling_config
+
+    if cfg.model in BUILTIN_NAMES:
+        return PoolingConfig()
+    return read_pooling_config(_model_dir(cfg.model))
 
 
 def iter_checkpoint(cfg: EngineConfig) -> Iterator[tuple[str, "torch.Tensor"]]:

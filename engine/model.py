@@ -355,6 +355,9 @@ class CausalLM(nn.Module):
         self.norm = (GemmaRMSNorm if mc.gemma_norms else RMSNorm)(mc.hidden_size, mc.rms_norm_eps)
         # tied models still get their own [hidden, vocab] copy, filled from the embedding in finalize()
         self.lm_head = Linear(mc.hidden_size, mc.vocab_size, bias=False)
+        self.has_lm_head = True
+        """False for an untied checkpoint without ``lm_head.weight`` (an embedding model saved as its base model,
+        Qwen3-Embedding-8B's way): the head is zero and the engine serves only embeddings (engine/pooling.py)."""
         self.max_positions = max_positions or mc.max_position_embeddings
         self.rope_cos: Optional[Tensor] = None
         self.rope_sin: Optional[Tensor] = None
@@ -550,8 +553,11 @@ class CausalLM(nn.Module):
     """What a multimodal checkpoint holds besides its language model (not loaded: the engine serves text)."""
 
     def _canonical(self, hf_name: str) -> Optional[str]:
-        """``hf_name`` as a causal LM's checkpoint names it (Gemma 3's multimodal checkpoints hold the language
-        model under a prefix); None for a vision tower's or projector's tensor, which is not loaded."""
+        """``hf_name`` as a causal LM's checkpoint names it (a base model's, as embedding models are saved, has no
+        ``model.`` prefix; Gemma 3's multimodal checkpoints hold the language model under one); None for a vision
+        tower's or projector's tensor, which is not loaded."""
+        if hf_name.startswith("layers.") or hf_name in ("embed_tokens.weight", "norm.weight"):
+            return "model." + hf_name
         if not self.config.gemma_norms:
             return hf_name
         if hf_name.startswith(self._VISION_PREFIXES):
@@ -611,6 +617,14 @@ class CausalLM(nn.Module):
                 dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
             left[target] -= dst.shape[-1] if target.endswith(".weight_t") else dst.shape[0]
         missing = sorted(n for n, v in left.items() if v != 0)
+        head = params["lm_head.weight_t"]
+        if missing == ["lm_head.weight_t"] and left["lm_head.weight_t"] == head.shape[-1]:  # (none of it given)
+            log.warning("the checkpoint has no lm_head.weight and does not tie it: an embedding model, served for "
+                        "embeddings only")
+            with torch.no_grad():
+                head.data.zero_()
+            self.has_lm_head = False
+            missing = []
         if missing:
             raise ValueError(f"weights: missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 

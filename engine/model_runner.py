@@ -174,6 +174,9 @@ class ModelRunner:
             else:
                 hidden = self.model(input_ids, positions, meta, self.kv_caches, layer_hook)
             prompt_lps = self._prompt_logprobs(hidden[len(sample_rows):]) if self._prompt_rows else []
+            for i, s in enumerate(sample_seqs):
+                if s.pooling:  # an embedding request: its last prompt row's final hidden state (engine/pooling.py)
+                    s.pooled = hidden[i].float().cpu()
             if not sample_seqs:
                 return PendingStep([], None, prompt_lps)
             logits = self.model.compute_logits(hidden[:len(sample_rows)])  # hidden holds only kept rows

@@ -8,7 +8,7 @@ collects ``RequestOutput``s. Workers forward ``CoreOutput`` fields over gRPC.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 
 @dataclass
@@ -38,6 +38,27 @@ class CoreOutput:
     prompt_logprobs: Optional[list[Optional[TokenLogprob]]] = None
     """With ``SamplingParams.prompt_logprobs``, on the request's first output only: one per prompt token, None
     for the first (nothing predicts it), then the actual token's logprob and its top-k alternatives."""
+    embedding: Optional[Any] = None
+    """An embedding request's (``add_request(pooling=True)``) only output: its pooled hidden state, float32
+    [hidden] on the host, not normalised (engine/pooling.py); finish_reason "stop", no tokens."""
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's ``EmbeddingOutput``: one prompt's vector."""
+
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The offline API's embedding of one prompt (vLLM's shape: ``.outputs.embedding``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    prompt: Optional[str] = None
+    finished: bool = True
 
 
 @dataclass

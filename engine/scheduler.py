@@ -39,7 +39,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from engine.block_manager import BlockKey, BlockManager, block_keys
 from engine.sampling_params import SamplingParams
@@ -90,6 +90,11 @@ class Sequence:
     """The request's LoRA adapter slot in its engine (engine/lora.py; 0: the base model)."""
     key_root: int = 0
     """The parent hash of its first prefix-cache block: ``ROOT_HASH``, or its adapter's (``lora_key_root``)."""
+    pooling: bool = False
+    """An embedding request (``LLMEngine.add_request(pooling=True)``): its prompt is computed, its last token's final
+    hidden state kept (``pooled``) and it ends there; its one sampled token is thrown away."""
+    pooled: Optional[Any] = None
+    """The pooled hidden state (float32 [hidden], on the host), set by the step that computed the last prompt token."""
     prompt_logprobs: Optional[list] = None
     """With ``params.prompt_logprobs``: entry j is the ``TokenLogprob`` of prompt token j + 1 (from position j's
     logits), filled chunk by chunk until the first output emits them (then None again)."""
