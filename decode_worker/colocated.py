@@ -26,6 +26,7 @@ from decode_worker import choices
 from decode_worker.choices import AbortChoiceServicer, ChoiceRequest, ChoiceRequestSet
 from proto import worker_pb2, worker_pb2_grpc
 from worker_common.config import WorkerConfig
+from worker_common.embeddings import EmbedRequests, EmbedServicer
 from worker_common.output_stream import OutputStreamServicer
 from worker_common.request import RequestError, request_params
 from worker_common.wire import logprobs_to_proto, prompt_logprobs_to_proto
@@ -164,7 +165,7 @@ def register_colocated_service(servicer: Any, server: grpc.Server) -> str:
     return worker_pb2.DESCRIPTOR.services_by_name["ColocatedWorker"].full_name
 
 
-class ColocatedWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, WorkerBase):
+class ColocatedWorker(GenerateServicer, EmbedServicer, AbortChoiceServicer, OutputStreamServicer, WorkerBase):
     """gRPC worker that serves whole requests on one engine (see module docstring)."""
 
     role = "colocated"
@@ -175,7 +176,8 @@ class ColocatedWorker(GenerateServicer, AbortChoiceServicer, OutputStreamService
             raise ValueError(f"cfg must be a ColocatedWorkerConfig, got {type(cfg).__name__}")
         super().__init__(cfg)
         self.local = LocalRequests(self.ctx)
-        self.request_sets = [self.local]
+        self.embeds = EmbedRequests(self.ctx)
+        self.request_sets = [self.local, self.embeds]
 
     def register_services(self, server: grpc.Server) -> list[str]:
         return [register_colocated_service(self, server)]

@@ -39,6 +39,7 @@ from decode_worker.colocated import GenerateServicer, LocalRequests, register_co
 from decode_worker.config import DecodeWorkerConfig
 from kvtransfer import TransferState
 from proto import worker_pb2, worker_pb2_grpc
+from worker_common.embeddings import EmbedRequests, EmbedServicer
 from worker_common.output_stream import OutputStreamServicer
 from worker_common.request import (RequestContext, RequestError, check_peer_tp, engine_kv_shards, engine_tp,
                                    prefix_fetch_id, request_params)
@@ -239,7 +240,7 @@ class DisaggregatedRequests(ChoiceRequestSet[_DecodeReq]):
         self.ctx.engine.abort_request(req.request_id)
 
 
-class DecodeWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, WorkerBase):
+class DecodeWorker(GenerateServicer, EmbedServicer, AbortChoiceServicer, OutputStreamServicer, WorkerBase):
     """gRPC decode worker around one engine (see module docstring).
 
     Two request sets: ``disagg`` (Reserve/Decode: KV from a prefill worker) and ``local`` (the
@@ -255,7 +256,8 @@ class DecodeWorker(GenerateServicer, AbortChoiceServicer, OutputStreamServicer, 
         super().__init__(cfg)
         self.disagg = DisaggregatedRequests(self.ctx, cfg.reserve_timeout_s)
         self.local = LocalRequests(self.ctx)
-        self.request_sets = [self.disagg, self.local]
+        self.embeds = EmbedRequests(self.ctx)
+        self.request_sets = [self.disagg, self.local, self.embeds]
 
     def register_services(self, server: grpc.Server) -> list[str]:
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self, server)

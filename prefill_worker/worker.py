@@ -39,6 +39,7 @@ from prefill_worker.fetch_cost import FetchCost
 from proto import worker_pb2, worker_pb2_grpc
 from worker_common.request import (RequestContext, RequestError, RequestSet, WorkerRequest, check_peer_tp,
                                    engine_kv_shards, engine_tp, prefix_fetch_id, request_params)
+from worker_common.embeddings import EmbedRequests, EmbedServicer
 from worker_common.wire import logprob_to_proto, prompt_logprobs_to_proto
 from worker_common.worker_base import WorkerBase
 
@@ -300,7 +301,7 @@ class PrefillRequests(RequestSet[_PrefillReq]):
         w.engine.abort_request(prefix_fetch_id(req.request_id))
 
 
-class PrefillWorker(WorkerBase):
+class PrefillWorker(EmbedServicer, WorkerBase):
     """gRPC prefill worker around one engine (see module docstring)."""
 
     role = "prefill"
@@ -310,7 +311,8 @@ class PrefillWorker(WorkerBase):
             raise ValueError(f"cfg must be a PrefillWorkerConfig, got {type(cfg).__name__}")
         super().__init__(cfg)
         self.prefills = PrefillRequests(self.ctx, cfg.transfer_timeout_s)
-        self.request_sets = [self.prefills]
+        self.embeds = EmbedRequests(self.ctx)
+        self.request_sets = [self.prefills, self.embeds]
 
     def register_services(self, server: grpc.Server) -> list[str]:
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(self, server)

@@ -412,6 +412,11 @@ class PrefillWorkerStub:
                 request_serializer=proto_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.PrefillEvent.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdserve.internal.v1.PrefillWorker/Embed',
+                request_serializer=proto_dot_worker__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.internal.v1.PrefillWorker/Abort',
                 request_serializer=proto_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -433,6 +438,12 @@ class PrefillWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -463,6 +474,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=proto_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.PrefillEvent.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=proto_dot_worker__pb2.EmbedRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.EmbedResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -507,6 +523,33 @@ class PrefillWorker:
             '/pdserve.internal.v1.PrefillWorker/Prefill',
             proto_dot_worker__pb2.PrefillRequest.SerializeToString,
             proto_dot_worker__pb2.PrefillEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.PrefillWorker/Embed',
+            proto_dot_worker__pb2.EmbedRequest.SerializeToString,
+            proto_dot_worker__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -613,6 +656,11 @@ class ColocatedWorkerStub:
                 request_serializer=proto_dot_worker__pb2.ColocatedRequest.SerializeToString,
                 response_deserializer=proto_dot_worker__pb2.DecodeChunk.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdserve.internal.v1.ColocatedWorker/Embed',
+                request_serializer=proto_dot_worker__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=proto_dot_worker__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.internal.v1.ColocatedWorker/Abort',
                 request_serializer=proto_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -646,6 +694,12 @@ class ColocatedWorkerServicer:
     def Generate(self, request, context):
         """Streams every token, the first one included, as DecodeChunks.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -687,6 +741,11 @@ def add_ColocatedWorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=proto_dot_worker__pb2.ColocatedRequest.FromString,
                     response_serializer=proto_dot_worker__pb2.DecodeChunk.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=proto_dot_worker__pb2.EmbedRequest.FromString,
+                    response_serializer=proto_dot_worker__pb2.EmbedResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -741,6 +800,33 @@ class ColocatedWorker:
             '/pdserve.internal.v1.ColocatedWorker/Generate',
             proto_dot_worker__pb2.ColocatedRequest.SerializeToString,
             proto_dot_worker__pb2.DecodeChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.internal.v1.ColocatedWorker/Embed',
+            proto_dot_worker__pb2.EmbedRequest.SerializeToString,
+            proto_dot_worker__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
