@@ -19,7 +19,7 @@ from router.validation import ModelLimits
 
 def load_model_view(cfg: RouterConfig) -> tuple[Any, ModelLimits]:
     """(tokenizer or None, limits) of ``cfg.model``; ValueError naming ``model`` when it cannot be read."""
-    from engine import EngineConfig, default_eos, load_model_config, load_tokenizer
+    from engine import EngineConfig, default_eos, load_model_config, load_pooling_config, load_tokenizer
 
     ecfg = EngineConfig(model=cfg.model)
     mc = load_model_config(ecfg)
@@ -31,7 +31,7 @@ def load_model_view(cfg: RouterConfig) -> tuple[Any, ModelLimits]:
     max_bytes = None if tok is None else (ctx - 1) * tok.max_input_bytes_per_token()
     limits = ModelLimits(model_name=cfg.served_model_name, max_context_length=ctx, vocab_size=mc.vocab_size,
                          eos_token_id=-1 if eos is None else eos, max_new_tokens=cfg.max_new_tokens,
-                         max_prompt_bytes=max_bytes)
+                         max_prompt_bytes=max_bytes, hidden_size=mc.hidden_size, pooling=load_pooling_config(ecfg))
     return tok, limits
 
 

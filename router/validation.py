@@ -53,6 +53,10 @@ class ModelLimits:
     ``model`` besides ``model_name``."""
     lora_roots: tuple[tuple[str, int], ...] = ()
     """(name, prefix-cache root) of those adapters whose root every worker publishes alike (``LoRAStatus``)."""
+    hidden_size: int = 0
+    """The model's hidden size: an embedding's length (0: unknown)."""
+    pooling: Any = None
+    """How the model's embeddings are made (``engine.PoolingConfig``; None: as its defaults say)."""
 
     def __post_init__(self) -> None:
         if self.max_context_length < 2:

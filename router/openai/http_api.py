@@ -55,6 +55,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.openai import anthropic_api as aa
+from router.openai import embeddings_api as oemb
 from router.openai import schema as openai_schema
 from router.openai import protocol as oa
 from router.openai import responses as rs
@@ -397,7 +398,8 @@ class HttpApi:
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
         openai_schema.install(app, oa.CompletionRequest, oa.ChatCompletionRequest,
-                              (oa.TokenizeCompletionRequest, oa.TokenizeChatRequest), oa.DetokenizeRequest)
+                              (oa.TokenizeCompletionRequest, oa.TokenizeChatRequest), oa.DetokenizeRequest,
+                              oemb.EmbeddingRequest)
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -537,6 +539,10 @@ class HttpApi:
         async def reset_prefix_cache() -> Response:
             return await self._reset_prefix_cache()
 
+        @app.post("/v1/embeddings")
+        async def embeddings(request: Request) -> Response:
+            return await self._embeddings(request, await self._body(request, oemb.EmbeddingRequest))
+
         @app.post("/tokenize")
         async def tokenize(request: Request) -> Response:
             return await self._tokenize(await self._body(request, oa.TokenizeCompletionRequest,
@@ -559,14 +565,31 @@ class HttpApi:
         else a new one; the response (errors too) carries it back as ``X-Request-Id``, the completion's ``id`` is
         built from it, and every worker log line of the request starts with it (each prompt's id adds a short
         unique suffix, so two requests with the same header never collide on a worker)."""
+        base = self._request_id(request, body)
+        if isinstance(base, Response):
+            return base
+        response = await self._answer(request, body, chat, base, responses, messages)
+        response.headers["X-Request-Id"] = base
+        return response
+
+    def _request_id(self, request: Request, body: Any) -> Union[str, Response]:
+        """The request's id (the body's ``request_id``, else the ``X-Request-Id`` header, else a new one), or the
+        400 that refuses a bad one."""
         base = getattr(body, "request_id", None) or request.headers.get("x-request-id")
         # (24 characters left for the suffixes: "-<prompt>-<8 hex>" here, "~<n>" for a retried placement)
         if base is not None and (not base or len(base) > MAX_REQUEST_ID_LEN - 24 or not base.isprintable()):
             self.core.count_error(grpc.StatusCode.INVALID_ARGUMENT)
             return self._error(400, f"request_id (or the X-Request-Id header) must be 1 to "
                                     f"{MAX_REQUEST_ID_LEN - 24} printable characters", "request_id")
-        base = base or uuid.uuid4().hex
-        response = await self._answer(request, body, chat, base, responses, messages)
+        return base or uuid.uuid4().hex
+
+    async def _embeddings(self, request: Request, body: "oemb.EmbeddingRequest") -> Response:
+        """``POST /v1/embeddings`` (router/openai/embeddings_api.py), under the request's id as ``_serve``."""
+        base = self._request_id(request, body)
+        if isinstance(base, Response):
+            return base
+        status, out = await oemb.serve(self.core, body, base)
+        response = JSONResponse(out, status_code=status)
         response.headers["X-Request-Id"] = base
         return response
 

@@ -156,6 +156,27 @@ class DetokenizeResponse(_Open):
     prompt: str
 
 
+class EmbeddingData(_Open):
+    object: str
+    index: int
+    embedding: Union[list[float], str]
+    """The vector's floats, or (``encoding_format: "base64"``) the base64 of its little-endian float32 bytes."""
+
+
+class EmbeddingUsage(_Open):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Open):
+    id: str
+    object: str
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
+
+
 _ERRORS = {400: "invalid request (the message names the field)", 401: "missing or invalid API key",
            404: "no such model", 429: "overloaded: retry later", 503: "not serving (starting or draining)",
            504: "the request's deadline passed"}
@@ -169,7 +190,8 @@ def _ref(model: type[BaseModel]) -> dict:
 
 
 def install(app: FastAPI, completion_request: type[BaseModel], chat_request: type[BaseModel],
-            tokenize_requests: tuple[type[BaseModel], ...], detokenize_request: type[BaseModel]) -> None:
+            tokenize_requests: tuple[type[BaseModel], ...], detokenize_request: type[BaseModel],
+            embedding_request: Optional[type[BaseModel]] = None) -> None:
     """Give ``app`` an ``openapi()`` that documents the real request and response bodies."""
 
     def openapi() -> dict[str, Any]:
@@ -179,8 +201,8 @@ def install(app: FastAPI, completion_request: type[BaseModel], chat_request: typ
                           description="pdserve's OpenAI-compatible API (vLLM's extensions included)")
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         models: list[type[BaseModel]] = [ErrorResponse, AnthropicErrorResponse, ChatCompletionResponse, CompletionResponse, ModelList,
-                                         TokenizeResponse, DetokenizeResponse, *tokenize_requests,
-                                         detokenize_request]
+                                         TokenizeResponse, DetokenizeResponse, EmbeddingResponse, *tokenize_requests,
+                                         detokenize_request, *([embedding_request] if embedding_request else [])]
         for m in models:
             js = m.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(js.pop("$defs", {}))
@@ -193,6 +215,7 @@ def install(app: FastAPI, completion_request: type[BaseModel], chat_request: typ
             "/v1/models": {"application/json": {"schema": _ref(ModelList)}},
             "/tokenize": {"application/json": {"schema": _ref(TokenizeResponse)}},
             "/detokenize": {"application/json": {"schema": _ref(DetokenizeResponse)}},
+            "/v1/embeddings": {"application/json": {"schema": _ref(EmbeddingResponse)}},
             "/metrics": {"text/plain": {"schema": {"type": "string", "description": "Prometheus exposition"}}},
             "/v1/responses": {"application/json": {"schema": {"type": "object", "description": "OpenAI's response "
                                                                           "object"}},
@@ -209,7 +232,8 @@ def install(app: FastAPI, completion_request: type[BaseModel], chat_request: typ
             "/version": {"application/json": {"schema": {"type": "object", "required": ["version"],
                                                          "properties": {"version": {"type": "string"}}}}},
         }
-        bodies = {"/tokenize": {"anyOf": [_ref(m) for m in tokenize_requests]}, "/detokenize": _ref(detokenize_request)}
+        bodies = {"/tokenize": {"anyOf": [_ref(m) for m in tokenize_requests]}, "/detokenize": _ref(detokenize_request),
+                  **({"/v1/embeddings": _ref(embedding_request)} if embedding_request else {})}
         for path, ops in doc.get("paths", {}).items():
             for method, op in ops.items():
                 responses = op.setdefault("responses", {})

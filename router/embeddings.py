@@ -1,0 +1,185 @@
+"""Embedding requests through the router: what the OpenAI ``/v1/embeddings`` route shares with any other front end.
+
+Lifecycle: a front end turns its body into an ``EmbedJob`` (each input as token ids, checked against the model's
+limits by ``check_inputs``; the adapter its ``model`` names; ``dimensions`` checked by ``engine.check_dimensions``)
+and calls ``run_embed(core, job, deadline)`` on a thread of its own (it blocks). That takes one of the router's
+``max_num_requests`` slots for the whole request (RESOURCE_EXHAUSTED past it), then sends every input at once as an
+``Embed`` call to the least-loaded worker of the prefill pool (prompts are prefill work; the colocated pool where
+there is no prefill pool, the decode pool's workers as a last resort), each worker batching what it gets with its
+other prompts. An input whose worker is unavailable or full goes to the next worker (at most ``ATTEMPTS`` tries);
+any other failure, or the deadline, cancels the rest (their workers free them) and ends the request with that
+status. The answers come back raw; ``engine.finish_embedding`` cuts and normalises each (cheap, no torch).
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import grpc
+
+from engine import finish_embedding
+from proto import worker_pb2
+from router.events import FlowError
+from router.scope import scrub
+from router.validation import ModelLimits
+from router.wire import params_to_wire
+
+log = logging.getLogger(__name__)
+
+MAX_INPUTS = 2048
+"""Inputs one request may hold (OpenAI's limit)."""
+ATTEMPTS = 3
+"""Workers an input is tried on before its request fails (UNAVAILABLE or RESOURCE_EXHAUSTED answers)."""
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+@dataclass
+class EmbedJob:
+    """One validated embedding request."""
+
+    request_id: str
+    inputs: list[list[int]]
+    lora_name: Optional[str] = None
+    lora_root: int = 0
+    dimensions: Optional[int] = None
+    normalize: bool = True
+
+
+@dataclass
+class Embedded:
+    """One input's answer: its vector (cut and normalised as asked) and its prompt's tokens."""
+
+    embedding: list[float]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+def check_inputs(inputs: list[list[int]], limits: ModelLimits, field: str = "input") -> None:
+    """ValueError naming ``field`` (and the input's index) unless every input is a non-empty list of token ids in
+    the vocabulary that fits the context."""
+    if not inputs:
+        raise ValueError(f"{field} must not be empty")
+    if len(inputs) > MAX_INPUTS:
+        raise ValueError(f"{field} holds {len(inputs)} inputs; at most {MAX_INPUTS} in one request")
+    for i, ids in enumerate(inputs):
+        name = f"{field}[{i}]" if len(inputs) > 1 else field
+        if not ids:
+            raise ValueError(f"{name} is empty")
+        if len(ids) >= limits.max_context_length:
+            raise ValueError(f"{name} has {len(ids)} tokens; the context length is {limits.max_context_length} "
+                             "(give truncate_prompt_tokens to keep only its last tokens)")
+        for t in ids:
+            if not 0 <= t < limits.vocab_size:
+                raise ValueError(f"{name}: {t} is not a token id in [0, {limits.vocab_size})")
+
+
+def _pool(core: Any) -> tuple[str, list[Any]]:
+    """(role, ready workers) that embed: the prefill pool, else the colocated, else the decode pool."""
+    for role in ("prefill", "colocated", "decode"):
+        workers = [w for w in core.view.list(role) if w.ready]
+        if workers:
+            return role, workers
+    raise FlowError(grpc.StatusCode.UNAVAILABLE, "no worker is serving embeddings (every pool is empty)")
+
+
+class _Input:
+    """One input's call: where it went, how many tries it has had, its future."""
+
+    def __init__(self, index: int, ids: list[int]) -> None:
+        self.index, self.ids = index, ids
+        self.tries = 0
+        self.tried: set[str] = set()
+        self.worker: Any = None
+        self.future: Any = None
+        self.held = False
+        """Its tokens count on ``worker``'s load in the router's selector (``acquire``d, not yet released)."""
+
+    def release(self, core: Any) -> None:
+        if self.held:
+            core.selector.release(self.worker.worker_id, len(self.ids))
+            self.held = False
+
+
+def run_embed(core: Any, job: EmbedJob, deadline: float) -> list[Embedded]:
+    """Every input's embedding, in order; FlowError with the status to answer otherwise (see module docstring).
+    ``deadline``: monotonic seconds."""
+    if core.limits is None or core.draining:
+        raise FlowError(grpc.StatusCode.UNAVAILABLE, "router is not serving")
+    if not core.bound.try_take():
+        raise FlowError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"request {job.request_id}: router queue is full ({core.cfg.max_num_requests} requests "
+                        "in flight)")
+    from engine import SamplingParams
+
+    wire = params_to_wire(SamplingParams(max_tokens=1, lora_name=job.lora_name), job.lora_root)
+    tag = secrets.token_hex(4)  # (clients may reuse a request id: each call's id on the workers is unique)
+    calls = [_Input(i, ids) for i, ids in enumerate(job.inputs)]
+    lock = threading.Lock()
+    try:
+        for c in calls:
+            _send(core, job, c, wire, tag, deadline, lock)
+        out: list[Optional[Embedded]] = [None] * len(calls)
+        for c in calls:
+            while out[c.index] is None:
+                out[c.index] = _result(core, job, c, wire, tag, deadline, lock)
+        return [o for o in out if o is not None]
+    finally:
+        for c in calls:
+            if c.future is not None and not c.future.done():
+                c.future.cancel()  # (its worker aborts the request when the call ends)
+            c.release(core)
+        core.bound.give_back()
+
+
+def _send(core: Any, job: EmbedJob, c: _Input, wire: Any, tag: str, deadline: float, lock: threading.Lock) -> None:
+    """Start ``c``'s call on the least-loaded worker it has not tried."""
+    role, workers = _pool(core)
+    with lock:
+        ranked = [w for w in core.selector.ranked_prefill(workers) if w.worker_id not in c.tried] or \
+            core.selector.ranked_prefill(workers)
+        w = ranked[0]
+        core.selector.acquire(w.worker_id, len(c.ids))
+    c.worker, c.tries, c.held = w, c.tries + 1, True
+    c.tried.add(w.worker_id)
+    stub = core.clients.prefill(w.grpc_address) if role == "prefill" else core.clients.colocated(w.grpc_address)
+    req = worker_pb2.EmbedRequest(request_id=f"{job.request_id}-{c.index}-{tag}-{c.tries}",
+                                  prompt_token_ids=c.ids, params=wire)
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        c.release(core)
+        raise FlowError(grpc.StatusCode.DEADLINE_EXCEEDED, f"request {job.request_id}: deadline exceeded")
+    c.future = stub.Embed.future(req, timeout=remaining)
+
+
+def _result(core: Any, job: EmbedJob, c: _Input, wire: Any, tag: str, deadline: float,
+            lock: threading.Lock) -> Optional[Embedded]:
+    """``c``'s answer; None after sending it again (its worker could not take it); FlowError for the rest."""
+    try:
+        resp = c.future.result()
+    except grpc.RpcError as e:
+        c.release(core)
+        code = e.code()
+        log.warning("request %s: input %d on worker %s: %s %s", job.request_id, c.index, c.worker.worker_id,
+                    code.name, scrub(e.details() or ""))
+        if code in _RETRIED and c.tries < ATTEMPTS and time.monotonic() < deadline:
+            if code is grpc.StatusCode.UNAVAILABLE:
+                core.view.suspect(c.worker.worker_id)
+            _send(core, job, c, wire, tag, deadline, lock)
+            return None
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise FlowError(code, f"request {job.request_id}: deadline exceeded") from None
+        details = scrub(e.details() or code.name)
+        if code in _RETRIED:
+            raise FlowError(code, f"request {job.request_id}: input {c.index}: {details}") from None
+        if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):  # (a worker's bug: not the client's)
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {job.request_id}: input {c.index}: the worker "
+                                                         f"failed ({details})") from None
+        # (the worker's message names the field: INVALID_ARGUMENT, NOT_FOUND, ...)
+        raise FlowError(code, details) from None
+    c.release(core)
+    vec = finish_embedding(resp.embedding, job.normalize, job.dimensions)
+    return Embedded(vec, resp.num_prompt_tokens, resp.num_cached_tokens)

@@ -1,0 +1,165 @@
+"""``POST /v1/embeddings`` through the cluster (router/embeddings.py, worker_common/embeddings.py), with the client
+users run (``openai``): real prefill and decode workers, gRPC between them, the router's HTTP front end.
+
+The reference is the offline engine's ``LLM.embed`` on the same model (tests/engine/test_pooling.py checks that
+against transformers): the SDK's default base64 answers and float answers both equal it, for text and token-id
+inputs, batched and beside generating requests whose answers do not change; bad input is a 400 naming the field,
+an unknown model a 404, and nothing is left held; an input whose worker is gone is served by another; the colocated
+pool serves them where there is no prefill pool; and an embedding model saved without an LM head serves embeddings
+and refuses generation by name.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import requests
+import torch
+
+from engine import LLM, SamplingParams
+
+from .harness import collect, joined, start_colocated, start_roles
+
+TEXTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n" * 4]
+
+
+def _client(roles) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{roles.router.http_address}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _close(a, b, tol: float = 1e-6) -> bool:
+    return len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < tol
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return LLM("tiny", num_kv_blocks=256, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def roles():
+    torch.set_num_threads(1)
+    r = start_roles(tag="emb-", n_prefill=2, router=dict(http_port=0))
+    yield r
+    r.close()
+
+
+def test_embeddings_through_the_split_equal_the_offline_engine(roles, reference):
+    client = _client(roles)
+    want = [o.outputs.embedding for o in reference.embed(TEXTS)]
+    got = client.embeddings.create(model="tiny", input=TEXTS)  # (the SDK asks for base64 and decodes it)
+    assert [d.index for d in got.data] == [0, 1, 2]
+    assert all(_close(d.embedding, w) for d, w in zip(got.data, want))
+    n_tokens = sum(len(reference.get_tokenizer().encode(t)) for t in TEXTS)
+    assert got.usage.prompt_tokens == got.usage.total_tokens == n_tokens
+    ids = reference.get_tokenizer().encode(TEXTS[1])
+    one = client.embeddings.create(model="tiny", input=ids, encoding_format="float")
+    assert _close(one.data[0].embedding, want[1])
+    raw = client.embeddings.create(model="tiny", input=[ids], encoding_format="float", extra_body={"normalize": False})
+    assert _close(raw.data[0].embedding, reference.embed([ids], normalize=False)[0].outputs.embedding, 1e-4)
+    cut = client.embeddings.create(model="tiny", input=[ids], extra_body={"truncate_prompt_tokens": 3})
+    assert _close(cut.data[0].embedding, reference.embed([ids[-3:]])[0].outputs.embedding)
+    assert roles.wait_idle(10.0)
+
+
+def test_embeddings_beside_generation_leave_its_answers_unchanged(roles, reference):
+    client = _client(roles)
+    prompts = ["for i in range(10):\n    print(", "while True:\n"]
+    want = reference.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    vectors = [o.outputs.embedding for o in reference.embed(TEXTS)]
+    with ThreadPoolExecutor(6) as pool:
+        gens = [pool.submit(lambda p=p: joined(collect(roles.stub, prompt=p, max_tokens=24, temperature=0.0,
+                                                       ignore_eos=True))) for p in prompts]
+        embs = [pool.submit(client.embeddings.create, model="tiny", input=TEXTS) for _ in range(4)]
+        for f, o in zip(gens, want):
+            assert f.result()[0] == o.token_ids
+        for f in embs:
+            assert all(_close(d.embedding, v) for d, v in zip(f.result().data, vectors))
+    assert roles.wait_idle(10.0)
+
+
+@pytest.mark.parametrize("body, status, param, match", [
+    ({"input": []}, 400, "input", "input must not be empty"),
+    ({"input": [[5, 6], []]}, 400, "input", r"input\[1\] is empty"),
+    ({"input": [3, 99999]}, 400, "input", "99999 is not a token id"),
+    ({"input": [[1] * 5000]}, 400, "input", "the context length is"),
+    ({"input": "x", "dimensions": 8}, 400, "dimensions", "not a Matryoshka embedding model"),
+    ({"input": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens", ">= 1 or -1"),
+    ({"input": "x", "model": "nope"}, 404, "model", "'nope' does not exist"),
+    ({"input": [1, "a"]}, 400, None, ""),
+    ({"input": "x", "encoding_format": "int8"}, 400, None, ""),
+])
+def test_bad_embedding_requests_get_a_status_naming_the_field_and_leave_nothing(roles, body, status, param, match):
+    r = requests.post(f"http://{roles.router.http_address}/v1/embeddings", json={"model": "tiny", **body},
+                      timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    if param is not None:
+        assert err["param"] == param and __import__("re").search(match, err["message"]), err
+    assert roles.wait_idle(10.0)
+
+
+def test_an_input_whose_worker_is_gone_is_embedded_by_another(reference):
+    torch.set_num_threads(1)
+    r = start_roles(tag="embf-", n_prefill=2, router=dict(http_port=0))
+    try:
+        gone = r.prefills[0]
+        last = gone.info()  # (as a registry would still list a worker that died without a word)
+        gone.stop()
+        r.source.remove_where(last.worker_id)
+        r.source.add(last)
+        got = _client(r).embeddings.create(model="tiny", input=TEXTS * 2)
+        want = [o.outputs.embedding for o in reference.embed(TEXTS * 2)]
+        assert all(_close(d.embedding, w) for d, w in zip(got.data, want))
+        assert not r.prefills[1].requests
+    finally:
+        r.close()
+
+
+def test_the_colocated_pool_serves_embeddings(reference):
+    torch.set_num_threads(1)
+    r = start_colocated(tag="embc-", router=dict(http_port=0))
+    try:
+        got = _client(r).embeddings.create(model="tiny", input=TEXTS[:2])
+        assert all(_close(d.embedding, o.outputs.embedding) for d, o in zip(got.data, reference.embed(TEXTS[:2])))
+        assert r.wait_idle(10.0)
+    finally:
+        r.close()
+
+
+def test_an_embedding_model_without_an_lm_head_serves_embeddings_and_refuses_generation(tmp_path):
+    """An embedding model saved as its base model (``Qwen3Model``: no LM head, as Qwen3-Embedding-8B), with the
+    built-in tokenizer beside it and sentence-transformers' last-token pooling."""
+    import transformers
+
+    from engine.builtin import tokenizer_dir
+
+    cfg = transformers.Qwen3Config(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=0,
+                                   eos_token_id=1)
+    torch.manual_seed(3)
+    transformers.Qwen3Model(cfg).save_pretrained(tmp_path)
+    for f in tokenizer_dir().iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
+    want = [o.outputs.embedding for o in LLM(str(tmp_path), num_kv_blocks=64).embed(TEXTS)]
+    torch.set_num_threads(1)
+    r = start_roles(tag="embq-", engine=dict(model=str(tmp_path)), router=dict(model=str(tmp_path), http_port=0))
+    try:
+        client = _client(r)
+        name = client.models.list().data[0].id
+        got = client.embeddings.create(model=name, input=TEXTS)
+        assert all(_close(d.embedding, w) for d, w in zip(got.data, want))
+        with pytest.raises(openai.BadRequestError, match="no LM head .* embeddings only"):
+            client.completions.create(model=name, prompt="hello", max_tokens=4)
+        assert r.wait_idle(10.0)
+    finally:
+        r.close()
