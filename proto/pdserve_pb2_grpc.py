@@ -44,6 +44,11 @@ class PDServeStub:
                 request_serializer=proto_dot_pdserve__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdserve.v1.PDServe/Embed',
+                request_serializer=proto_dot_pdserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/pdserve.v1.PDServe/GetModelInfo',
                 request_serializer=proto_dot_pdserve__pb2.GetModelInfoRequest.SerializeToString,
@@ -74,6 +79,14 @@ class PDServeServicer:
 
     def Tokenize(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """Embeddings (OpenAI's /v1/embeddings): each input's last token's final hidden state, cut to dimensions for a
+        Matryoshka model and L2-normalised unless normalize is false (engine/pooling.py).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -111,6 +124,11 @@ def add_PDServeServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=proto_dot_pdserve__pb2.TokenizeRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=proto_dot_pdserve__pb2.EmbedRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.EmbedResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -182,6 +200,33 @@ class PDServe:
             '/pdserve.v1.PDServe/Tokenize',
             proto_dot_pdserve__pb2.TokenizeRequest.SerializeToString,
             proto_dot_pdserve__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PDServe/Embed',
+            proto_dot_pdserve__pb2.EmbedRequest.SerializeToString,
+            proto_dot_pdserve__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,8 +1,10 @@
 """Embedding requests through the router: what the OpenAI ``/v1/embeddings`` route shares with any other front end.
 
-Lifecycle: a front end turns its body into an ``EmbedJob`` (each input as token ids, checked against the model's
-limits by ``check_inputs``; the adapter its ``model`` names; ``dimensions`` checked by ``engine.check_dimensions``)
-and calls ``run_embed(core, job, deadline)`` on a thread of its own (it blocks). That takes one of the router's
+Lifecycle: a front end hands its body's fields to ``prepare_job`` (blocking: it tokenizes; cheap checks first: the
+model or adapter, ``dimensions`` against the model's Matryoshka sizes, ``truncate_prompt_tokens``, a text that
+cannot fit; then each input as token ids, its last ``truncate_prompt_tokens`` kept, checked against the context and
+vocabulary), which gives an ``EmbedJob`` or raises ``EmbedInvalid`` (the status and the field it names), admits it
+against its key's quota, and calls ``run_embed(core, job, deadline)`` on a thread of its own (it blocks). That takes one of the router's
 ``max_num_requests`` slots for the whole request (RESOURCE_EXHAUSTED past it), then sends every input at once as an
 ``Embed`` call to the least-loaded worker of the prefill pool (prompts are prefill work; the colocated pool where
 there is no prefill pool, the decode pool's workers as a last resort), each worker batching what it gets with its
@@ -21,7 +23,7 @@ from typing import Any, Optional
 
 import grpc
 
-from engine import finish_embedding
+from engine import PoolingConfig, check_dimensions, finish_embedding, truncated_prompt
 from proto import worker_pb2
 from router.events import FlowError
 from router.scope import scrub
@@ -47,6 +49,59 @@ class EmbedJob:
     lora_root: int = 0
     dimensions: Optional[int] = None
     normalize: bool = True
+
+
+class EmbedInvalid(Exception):
+    """A request refused before any worker works: the status to answer and the field it names."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, field: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.field = code, message, field
+
+
+def prepare_job(core: Any, request_id: str, model: Optional[str], texts: Optional[list[str]],
+                token_lists: Optional[list[list[int]]], dimensions: Optional[int] = None,
+                normalize: Optional[bool] = None, truncate_prompt_tokens: Optional[int] = None,
+                add_special_tokens: bool = True) -> EmbedJob:
+    """The ``EmbedJob`` of a request's fields (``texts`` or ``token_lists``); ``EmbedInvalid`` otherwise (see module
+    docstring). Blocking: it tokenizes."""
+    lim = core.limits
+    if lim is None or core.draining:
+        raise EmbedInvalid(grpc.StatusCode.UNAVAILABLE, "router is not serving")
+    try:
+        lora = lim.lora_of(model)
+    except LookupError as e:
+        raise EmbedInvalid(grpc.StatusCode.NOT_FOUND, str(e), "model") from None
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    pooling = lim.pooling if lim.pooling is not None else PoolingConfig()
+    if pooling.unsupported is not None:
+        raise EmbedInvalid(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"this model cannot serve embeddings: {pooling.unsupported}", "model")
+    try:
+        check_dimensions(pooling, dimensions, lim.hidden_size or 1 << 30)
+    except ValueError as e:
+        raise EmbedInvalid(bad, str(e), "dimensions") from None
+    keep = truncate_prompt_tokens
+    if keep is not None and keep < 1 and keep != -1:
+        raise EmbedInvalid(bad, f"truncate_prompt_tokens must be >= 1 or -1, got {keep}", "truncate_prompt_tokens")
+    if texts is not None:
+        if core.tokenizer is None:
+            raise EmbedInvalid(bad, "input: this model has no tokenizer; give token ids", "input")
+        if keep is None and lim.max_prompt_bytes is not None:
+            for i, t in enumerate(texts):
+                if len(t.encode()) > lim.max_prompt_bytes:  # (cannot fit whatever it says: before tokenizing)
+                    raise EmbedInvalid(bad, f"input[{i}] is longer than the context ({lim.max_context_length} "
+                                            "tokens) can hold (give truncate_prompt_tokens to keep only its last "
+                                            "tokens)", "input")
+        token_lists = [core.tokenizer.encode(t, add_special_tokens) for t in texts]
+    try:
+        ids = [truncated_prompt(list(t), keep, 1, lim.max_context_length) for t in token_lists or []]
+        check_inputs(ids, lim)
+    except ValueError as e:
+        raise EmbedInvalid(bad, str(e), "truncate_prompt_tokens" if str(e).startswith("truncate") else "input") \
+            from None
+    return EmbedJob(request_id, ids, lora, dict(lim.lora_roots).get(lora, 0) if lora else 0, dimensions,
+                    pooling.normalize if normalize is None else bool(normalize))
 
 
 @dataclass

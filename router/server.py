@@ -28,6 +28,7 @@ import functools
 import logging
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, Optional
 
@@ -39,7 +40,7 @@ from router.config import RouterConfig
 from router.core import RouterCore
 from router.events import FlowError, FlowEvent
 from router.flow_pump import END, FlowPump, LoopInbox
-from router.validation import ModelLimits, validate_generate
+from router.validation import MAX_REQUEST_ID_LEN, ModelLimits, validate_generate
 from router.wire import logprobs_to_public
 from router.worker_source import Pool, WorkerList
 from router.quotas import Lease, QuotaBook, QuotaExceeded, max_output_tokens
@@ -207,6 +208,9 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
             "Tokenize": grpc.unary_unary_rpc_method_handler(
                 self._parsed(self._in_pool(self.Tokenize), P.TokenizeRequest),
                 response_serializer=P.TokenizeResponse.SerializeToString),
+            "Embed": grpc.unary_unary_rpc_method_handler(
+                self._parsed(self._in_pool(self.Embed), P.EmbedRequest),
+                response_serializer=P.EmbedResponse.SerializeToString),
             "GetModelInfo": grpc.unary_unary_rpc_method_handler(
                 self._parsed(self._in_pool(self.GetModelInfo), P.GetModelInfoRequest),
                 response_serializer=P.ModelInfo.SerializeToString),
@@ -363,12 +367,15 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
     def _admit(self, vreq: Any, context: Any) -> Lease:
         """The request's hold on its key's quota; RESOURCE_EXHAUSTED (with ``retry-after`` trailing metadata, in
         seconds) when the key is over one of its limits."""
+        return self._admit_tokens(len(vreq.prompt_token_ids), max_output_tokens(vreq), context)
+
+    def _admit_tokens(self, prompt_tokens: int, output_tokens: int, context: Any) -> Lease:
         key = None
         if self.keys is not None:
             token = next((bearer_token(v) for k, v in context.invocation_metadata() or () if k == "authorization"), b"")
             key = self.keys.identify(token)
         try:
-            return self.quotas.admit(key, len(vreq.prompt_token_ids), max_output_tokens(vreq))
+            return self.quotas.admit(key, prompt_tokens, output_tokens)
         except QuotaExceeded as e:
             if e.retry_after_header is not None:
                 context.set_trailing_metadata((("retry-after", e.retry_after_header),))
@@ -381,6 +388,41 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         ids = tok.encode(request.text, add_special_tokens=request.add_special_tokens)
         toks = tok.convert_ids_to_tokens(ids)
         return pdserve_pb2.TokenizeResponse(token_ids=ids, tokens=[t or "" for t in toks])
+
+    def Embed(self, request: pdserve_pb2.EmbedRequest, context: grpc.ServicerContext) -> pdserve_pb2.EmbedResponse:
+        """Embeddings (router/embeddings.py): validated, admitted against the key's quota, then every input on the
+        least-loaded prefill (or colocated) worker."""
+        from router.embeddings import EmbedInvalid, prepare_job, run_embed
+
+        core = self.core
+        rid = request.request_id or uuid.uuid4().hex
+        if len(rid) > MAX_REQUEST_ID_LEN - 24 or not rid.isprintable():
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"request_id must be printable and at most {MAX_REQUEST_ID_LEN - 24} characters")
+        if request.texts and request.inputs:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "give texts or inputs, not both")
+        try:
+            job = prepare_job(core, rid, request.model or None, list(request.texts) if request.texts else None,
+                              [list(i.token_ids) for i in request.inputs],
+                              request.dimensions if request.HasField("dimensions") else None,
+                              request.normalize if request.HasField("normalize") else None,
+                              request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None,
+                              request.add_special_tokens if request.HasField("add_special_tokens") else True)
+        except EmbedInvalid as e:
+            raise _Abort(e.code, e.message) from None
+        lease = self._admit_tokens(sum(len(ids) for ids in job.inputs), 0, context)
+        remaining = context.time_remaining()
+        budget = core.cfg.request_timeout_s if remaining is None else min(remaining, core.cfg.request_timeout_s)
+        try:
+            got = run_embed(core, job, time.monotonic() + budget)
+        except FlowError as e:
+            raise _Abort(e.code, e.message) from None
+        finally:
+            lease.release(0)
+        return pdserve_pb2.EmbedResponse(
+            request_id=rid, model=request.model or core.limits.model_name, prompt_tokens=sum(g.num_prompt_tokens
+                                                                                           for g in got),
+            data=[pdserve_pb2.Embedding(values=g.embedding, num_prompt_tokens=g.num_prompt_tokens) for g in got])
 
     def GetModelInfo(self, request: pdserve_pb2.GetModelInfoRequest, context: grpc.ServicerContext) -> pdserve_pb2.ModelInfo:
         lim = self.core.limits

@@ -588,8 +588,7 @@ class HttpApi:
         base = self._request_id(request, body)
         if isinstance(base, Response):
             return base
-        status, out = await oemb.serve(self.core, body, base)
-        response = JSONResponse(out, status_code=status)
+        response = await oemb.serve(self.core, body, base, lambda n: self.quotas.admit(self._key(request), n, 0))
         response.headers["X-Request-Id"] = base
         return response
 

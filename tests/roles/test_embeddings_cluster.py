@@ -65,6 +65,34 @@ def test_embeddings_through_the_split_equal_the_offline_engine(roles, reference)
     assert roles.wait_idle(10.0)
 
 
+def test_the_grpc_embed_call_answers_as_the_http_route(roles, reference):
+    """pdserve's gRPC API (``PDServe.Embed``) for gRPC clients: the same vectors, and its refusals as statuses
+    naming the field."""
+    import grpc
+
+    from proto import pdserve_pb2
+
+    want = reference.embed(TEXTS)
+    got = roles.stub.Embed(pdserve_pb2.EmbedRequest(texts=TEXTS), timeout=60)
+    assert [len(d.values) for d in got.data] == [384] * 3 and got.model == "tiny"
+    assert all(_close(d.values, o.outputs.embedding) for d, o in zip(got.data, want))
+    assert got.prompt_tokens == sum(len(o.prompt_token_ids) for o in want)
+    ids = want[0].prompt_token_ids
+    one = roles.stub.Embed(pdserve_pb2.EmbedRequest(inputs=[pdserve_pb2.EmbedInput(token_ids=ids)], normalize=False),
+                           timeout=60)
+    assert _close(one.data[0].values, reference.embed([ids], normalize=False)[0].outputs.embedding, 1e-4)
+    for req, code, match in [
+            (pdserve_pb2.EmbedRequest(), grpc.StatusCode.INVALID_ARGUMENT, "input must not be empty"),
+            (pdserve_pb2.EmbedRequest(texts=["a"], inputs=[pdserve_pb2.EmbedInput(token_ids=[1])]),
+             grpc.StatusCode.INVALID_ARGUMENT, "texts or inputs, not both"),
+            (pdserve_pb2.EmbedRequest(texts=["a"], dimensions=4), grpc.StatusCode.INVALID_ARGUMENT, "dimensions"),
+            (pdserve_pb2.EmbedRequest(texts=["a"], model="nope"), grpc.StatusCode.NOT_FOUND, "'nope'")]:
+        with pytest.raises(grpc.RpcError) as e:
+            roles.stub.Embed(req, timeout=30)
+        assert e.value.code() == code and match in e.value.details(), e.value.details()
+    assert roles.wait_idle(10.0)
+
+
 def test_embeddings_beside_generation_leave_its_answers_unchanged(roles, reference):
     client = _client(roles)
     prompts = ["for i in range(10):\n    print(", "while True:\n"]

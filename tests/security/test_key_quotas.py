@@ -140,6 +140,42 @@ def test_http_answers_429_with_retry_after(deployment, tmp_path):
     wait_until(lambda: router.quotas.in_flight("flooder") == 0, timeout=30, message="HTTP leases released")
 
 
+def test_embeddings_are_held_to_the_keys_quota_too(deployment):
+    """Embedding requests (HTTP and gRPC) take their key's quota like completions: refused at the limit, served
+    under it, their leases given back."""
+    router, _, _ = deployment
+    leases = [router.quotas.admit(router.keys.identify(FLOOD.encode()), 1, 1) for _ in range(2)]
+
+    def http(key: str) -> tuple[int, dict]:
+        req = urllib.request.Request(f"http://{router.http_address}/v1/embeddings", method="POST",
+                                     data=json.dumps({"input": ["import os", "def main("]}).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.load(r)
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def grpc_embed(key: str):
+        with grpc.insecure_channel(router.address) as ch:
+            return pdserve_pb2_grpc.PDServeStub(ch).Embed(pdserve_pb2.EmbedRequest(texts=["import os"]),
+                                                          metadata=(("authorization", f"Bearer {key}"),), timeout=120)
+
+    try:
+        status, body = http(FLOOD)
+        assert status == 429 and "max_concurrent" in body["error"]["message"], body
+        with pytest.raises(grpc.RpcError) as e:
+            grpc_embed(FLOOD)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "flooder" in e.value.details()
+        status, body = http(CALM)
+        assert status == 200 and len(body["data"]) == 2
+    finally:
+        for lease in leases:
+            lease.release(1)
+    assert http(FLOOD)[0] == 200 and len(grpc_embed(FLOOD).data) == 1
+    wait_until(lambda: router.quotas.in_flight("flooder") == 0, timeout=30, message="embedding leases released")
+
+
 def test_editing_the_keys_file_adds_rotates_and_revokes_without_a_restart(deployment):
     router, _, path = deployment
     new = "pdk-newkey-001"
