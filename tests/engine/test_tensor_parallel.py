@@ -71,6 +71,13 @@ def test_two_ranks_generate_what_one_does_on_tiny(tiny_pair):
     assert two.llm_engine.tp_group.comm.reduce_seconds > 0  # the ranks really exchanged partial sums
 
 
+def test_two_ranks_embed_what_one_does(tiny_pair):
+    """An embedding is rank 0's final hidden state, complete after the last all-reduce: the same vector."""
+    one, two = tiny_pair
+    for a, b in zip(one.embed(PROMPTS + [LONG]), two.embed(PROMPTS + [LONG])):
+        assert max(abs(x - y) for x, y in zip(a.outputs.embedding, b.outputs.embedding)) < 1e-5
+
+
 def test_two_ranks_prompt_logprobs_prefix_cache_and_seeded_sampling(tiny_pair):
     """The logits-row plan (prompt-logprob chunks, then sampling rows) and rank 0's prefix cache and sampler."""
     one, two = tiny_pair

@@ -5,7 +5,7 @@ The reference is the offline engine's ``LLM.embed`` on the same model (tests/eng
 against transformers): the SDK's default base64 answers and float answers both equal it, for text and token-id
 inputs, batched and beside generating requests whose answers do not change; bad input is a 400 naming the field,
 an unknown model a 404, and nothing is left held; an input whose worker is gone is served by another; the colocated
-pool serves them where there is no prefill pool; and an embedding model saved without an LM head serves embeddings
+pool serves them where there is no prefill pool (its engine in a process of its own); and an embedding model saved without an LM head serves embeddings
 and refuses generation by name.
 """
 from __future__ import annotations
@@ -147,12 +147,15 @@ def test_an_input_whose_worker_is_gone_is_embedded_by_another(reference):
         r.close()
 
 
-def test_the_colocated_pool_serves_embeddings(reference):
+def test_the_colocated_pool_serves_embeddings_from_an_engine_in_its_own_process(reference):
+    """Where there is no prefill pool the colocated workers embed; the vector crosses the engine process's pipe."""
     torch.set_num_threads(1)
-    r = start_colocated(tag="embc-", router=dict(http_port=0))
+    r = start_colocated(tag="embc-", router=dict(http_port=0), worker=dict(engine_process=True))
     try:
         got = _client(r).embeddings.create(model="tiny", input=TEXTS[:2])
         assert all(_close(d.embedding, o.outputs.embedding) for d, o in zip(got.data, reference.embed(TEXTS[:2])))
+        with pytest.raises(openai.BadRequestError, match="the context length is"):
+            _client(r).embeddings.create(model="tiny", input=[[1] * 3000])
         assert r.wait_idle(10.0)
     finally:
         r.close()
