@@ -10,7 +10,9 @@ against its key's quota, and calls ``run_embed(core, job, deadline)`` on a threa
 there is no prefill pool, the decode pool's workers as a last resort), each worker batching what it gets with its
 other prompts. An input whose worker is unavailable or full goes to the next worker (at most ``ATTEMPTS`` tries);
 any other failure, or the deadline, cancels the rest (their workers free them) and ends the request with that
-status. The answers come back raw; ``engine.finish_embedding`` cuts and normalises each (cheap, no torch).
+status. The answers come back raw; ``engine.finish_embedding`` cuts and normalises each (cheap, no torch). A request
+served counts as vLLM counts a pooling request: ``request_success_total{finished_reason="stop"}``, its prompt tokens in
+``prompt_tokens_total``, its latency in ``e2e_request_latency_seconds`` (errors: the front ends, as for the rest).
 """
 from __future__ import annotations
 
@@ -170,6 +172,7 @@ def run_embed(core: Any, job: EmbedJob, deadline: float) -> list[Embedded]:
                         "in flight)")
     from engine import SamplingParams
 
+    t0 = time.monotonic()
     wire = params_to_wire(SamplingParams(max_tokens=1, lora_name=job.lora_name), job.lora_root)
     tag = secrets.token_hex(4)  # (clients may reuse a request id: each call's id on the workers is unique)
     calls = [_Input(i, ids) for i, ids in enumerate(job.inputs)]
@@ -181,7 +184,13 @@ def run_embed(core: Any, job: EmbedJob, deadline: float) -> list[Embedded]:
         for c in calls:
             while out[c.index] is None:
                 out[c.index] = _result(core, job, c, wire, tag, deadline, lock)
-        return [o for o in out if o is not None]
+        done = [o for o in out if o is not None]
+        m = core.metrics
+        if m is not None:  # (as vLLM counts a pooling request: a success, its prompt tokens, its latency)
+            m.inc_success("stop")
+            m.inc_prompt_tokens(sum(o.num_prompt_tokens for o in done))
+            m.observe_e2e(time.monotonic() - t0)
+        return done
     finally:
         for c in calls:
             if c.future is not None and not c.future.done():

@@ -21,7 +21,7 @@ import torch
 
 from engine import LLM, SamplingParams
 
-from .harness import collect, joined, start_colocated, start_roles
+from .harness import collect, counter_values, joined, start_colocated, start_roles
 
 TEXTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):\n" * 4]
 
@@ -49,12 +49,16 @@ def roles():
 
 def test_embeddings_through_the_split_equal_the_offline_engine(roles, reference):
     client = _client(roles)
+    success = counter_values(roles.router.metrics, "pdserve:request_success", "finished_reason").get("stop", 0)
+    prompt = counter_values(roles.router.metrics, "pdserve:prompt_tokens").get("", 0)
     want = [o.outputs.embedding for o in reference.embed(TEXTS)]
     got = client.embeddings.create(model="tiny", input=TEXTS)  # (the SDK asks for base64 and decodes it)
     assert [d.index for d in got.data] == [0, 1, 2]
     assert all(_close(d.embedding, w) for d, w in zip(got.data, want))
     n_tokens = sum(len(reference.get_tokenizer().encode(t)) for t in TEXTS)
     assert got.usage.prompt_tokens == got.usage.total_tokens == n_tokens
+    assert counter_values(roles.router.metrics, "pdserve:request_success", "finished_reason")["stop"] == success + 1
+    assert counter_values(roles.router.metrics, "pdserve:prompt_tokens")[""] == prompt + n_tokens
     ids = reference.get_tokenizer().encode(TEXTS[1])
     one = client.embeddings.create(model="tiny", input=ids, encoding_format="float")
     assert _close(one.data[0].embedding, want[1])
