@@ -64,9 +64,10 @@ class EmbedInvalid(Exception):
 def prepare_job(core: Any, request_id: str, model: Optional[str], texts: Optional[list[str]],
                 token_lists: Optional[list[list[int]]], dimensions: Optional[int] = None,
                 normalize: Optional[bool] = None, truncate_prompt_tokens: Optional[int] = None,
-                add_special_tokens: bool = True) -> EmbedJob:
+                add_special_tokens: bool = True, names: Optional[list[str]] = None) -> EmbedJob:
     """The ``EmbedJob`` of a request's fields (``texts`` or ``token_lists``); ``EmbedInvalid`` otherwise (see module
-    docstring). Blocking: it tokenizes."""
+    docstring). Blocking: it tokenizes. ``names``: what each input is called in refusals (the score and rerank
+    APIs' fields; default ``input[i]``)."""
     lim = core.limits
     if lim is None or core.draining:
         raise EmbedInvalid(grpc.StatusCode.UNAVAILABLE, "router is not serving")
@@ -92,15 +93,17 @@ def prepare_job(core: Any, request_id: str, model: Optional[str], texts: Optiona
         if keep is None and lim.max_prompt_bytes is not None:
             for i, t in enumerate(texts):
                 if len(t.encode()) > lim.max_prompt_bytes:  # (cannot fit whatever it says: before tokenizing)
-                    raise EmbedInvalid(bad, f"input[{i}] is longer than the context ({lim.max_context_length} "
+                    name = names[i] if names is not None else f"input[{i}]"
+                    raise EmbedInvalid(bad, f"{name} is longer than the context ({lim.max_context_length} "
                                             "tokens) can hold (give truncate_prompt_tokens to keep only its last "
-                                            "tokens)", "input")
+                                            "tokens)", name.split("[")[0])
         token_lists = [core.tokenizer.encode(t, add_special_tokens) for t in texts]
     try:
         ids = [truncated_prompt(list(t), keep, 1, lim.max_context_length) for t in token_lists or []]
-        check_inputs(ids, lim)
+        check_inputs(ids, lim, names=names)
     except ValueError as e:
-        raise EmbedInvalid(bad, str(e), "truncate_prompt_tokens" if str(e).startswith("truncate") else "input") \
+        field = str(e).split(" ")[0].split("[")[0].rstrip(":")
+        raise EmbedInvalid(bad, str(e), field if names is not None or field == "truncate_prompt_tokens" else "input") \
             from None
     return EmbedJob(request_id, ids, lora, dict(lim.lora_roots).get(lora, 0) if lora else 0, dimensions,
                     pooling.normalize if normalize is None else bool(normalize))
@@ -115,15 +118,16 @@ class Embedded:
     num_cached_tokens: int
 
 
-def check_inputs(inputs: list[list[int]], limits: ModelLimits, field: str = "input") -> None:
-    """ValueError naming ``field`` (and the input's index) unless every input is a non-empty list of token ids in
-    the vocabulary that fits the context."""
+def check_inputs(inputs: list[list[int]], limits: ModelLimits, field: str = "input",
+                 names: Optional[list[str]] = None) -> None:
+    """ValueError naming ``field`` (and the input's index; ``names``: each input's name instead) unless every input
+    is a non-empty list of token ids in the vocabulary that fits the context."""
     if not inputs:
         raise ValueError(f"{field} must not be empty")
     if len(inputs) > MAX_INPUTS:
         raise ValueError(f"{field} holds {len(inputs)} inputs; at most {MAX_INPUTS} in one request")
     for i, ids in enumerate(inputs):
-        name = f"{field}[{i}]" if len(inputs) > 1 else field
+        name = names[i] if names is not None else f"{field}[{i}]" if len(inputs) > 1 else field
         if not ids:
             raise ValueError(f"{name} is empty")
         if len(ids) >= limits.max_context_length:

@@ -56,6 +56,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.openai import anthropic_api as aa
 from router.openai import embeddings_api as oemb
+from router.openai import score_api as oscore
 from router.openai import schema as openai_schema
 from router.openai import protocol as oa
 from router.openai import responses as rs
@@ -399,7 +400,9 @@ class HttpApi:
         app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
         openai_schema.install(app, oa.CompletionRequest, oa.ChatCompletionRequest,
                               (oa.TokenizeCompletionRequest, oa.TokenizeChatRequest), oa.DetokenizeRequest,
-                              oemb.EmbeddingRequest)
+                              {"/v1/embeddings": oemb.EmbeddingRequest,
+                               **{p: oscore.ScoreRequest for p in ("/v1/score", "/score")},
+                               **{p: oscore.RerankRequest for p in ("/v1/rerank", "/rerank", "/v2/rerank")}})
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -541,7 +544,18 @@ class HttpApi:
 
         @app.post("/v1/embeddings")
         async def embeddings(request: Request) -> Response:
-            return await self._embeddings(request, await self._body(request, oemb.EmbeddingRequest))
+            return await self._scored(request, await self._body(request, oemb.EmbeddingRequest), oemb.serve)
+
+        @app.post("/v1/score")
+        @app.post("/score")
+        async def score(request: Request) -> Response:
+            return await self._scored(request, await self._body(request, oscore.ScoreRequest), oscore.score)
+
+        @app.post("/v1/rerank")
+        @app.post("/rerank")
+        @app.post("/v2/rerank")
+        async def rerank(request: Request) -> Response:
+            return await self._scored(request, await self._body(request, oscore.RerankRequest), oscore.rerank)
 
         @app.post("/tokenize")
         async def tokenize(request: Request) -> Response:
@@ -583,12 +597,13 @@ class HttpApi:
                                     f"{MAX_REQUEST_ID_LEN - 24} printable characters", "request_id")
         return base or uuid.uuid4().hex
 
-    async def _embeddings(self, request: Request, body: "oemb.EmbeddingRequest") -> Response:
-        """``POST /v1/embeddings`` (router/openai/embeddings_api.py), under the request's id as ``_serve``."""
+    async def _scored(self, request: Request, body: Any, serve: Callable[..., Any]) -> Response:
+        """An embeddings, score or rerank request (``serve``: its module's) under the request's id as ``_serve``,
+        admitted against the key's quota for its prompt tokens."""
         base = self._request_id(request, body)
         if isinstance(base, Response):
             return base
-        response = await oemb.serve(self.core, body, base, lambda n: self.quotas.admit(self._key(request), n, 0))
+        response = await serve(self.core, body, base, lambda n: self.quotas.admit(self._key(request), n, 0))
         response.headers["X-Request-Id"] = base
         return response
 

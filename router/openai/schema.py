@@ -177,6 +177,34 @@ class EmbeddingResponse(_Open):
     usage: EmbeddingUsage
 
 
+class ScoreData(_Open):
+    object: str
+    index: int
+    score: float
+
+
+class ScoreResponse(_Open):
+    id: str
+    object: str
+    created: int
+    model: str
+    data: list[ScoreData]
+    usage: EmbeddingUsage
+
+
+class RerankResult(_Open):
+    index: int
+    relevance_score: float
+    document: Optional[dict[str, str]] = None
+
+
+class RerankResponse(_Open):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: EmbeddingUsage
+
+
 _ERRORS = {400: "invalid request (the message names the field)", 401: "missing or invalid API key",
            404: "no such model", 429: "overloaded: retry later", 503: "not serving (starting or draining)",
            504: "the request's deadline passed"}
@@ -191,7 +219,8 @@ def _ref(model: type[BaseModel]) -> dict:
 
 def install(app: FastAPI, completion_request: type[BaseModel], chat_request: type[BaseModel],
             tokenize_requests: tuple[type[BaseModel], ...], detokenize_request: type[BaseModel],
-            embedding_request: Optional[type[BaseModel]] = None) -> None:
+            extra_bodies: Optional[dict[str, type[BaseModel]]] = None) -> None:
+    """``extra_bodies``: the request body of each further route (path -> its model)."""
     """Give ``app`` an ``openapi()`` that documents the real request and response bodies."""
 
     def openapi() -> dict[str, Any]:
@@ -202,7 +231,8 @@ def install(app: FastAPI, completion_request: type[BaseModel], chat_request: typ
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         models: list[type[BaseModel]] = [ErrorResponse, AnthropicErrorResponse, ChatCompletionResponse, CompletionResponse, ModelList,
                                          TokenizeResponse, DetokenizeResponse, EmbeddingResponse, *tokenize_requests,
-                                         detokenize_request, *([embedding_request] if embedding_request else [])]
+                                         detokenize_request, ScoreResponse, RerankResponse,
+                                         *dict.fromkeys((extra_bodies or {}).values())]
         for m in models:
             js = m.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(js.pop("$defs", {}))
@@ -216,6 +246,9 @@ def install(app: FastAPI, completion_request: type[BaseModel], chat_request: typ
             "/tokenize": {"application/json": {"schema": _ref(TokenizeResponse)}},
             "/detokenize": {"application/json": {"schema": _ref(DetokenizeResponse)}},
             "/v1/embeddings": {"application/json": {"schema": _ref(EmbeddingResponse)}},
+            **{p: {"application/json": {"schema": _ref(ScoreResponse)}} for p in ("/v1/score", "/score")},
+            **{p: {"application/json": {"schema": _ref(RerankResponse)}} for p in ("/v1/rerank", "/rerank",
+                                                                                     "/v2/rerank")},
             "/metrics": {"text/plain": {"schema": {"type": "string", "description": "Prometheus exposition"}}},
             "/v1/responses": {"application/json": {"schema": {"type": "object", "description": "OpenAI's response "
                                                                           "object"}},
@@ -233,7 +266,7 @@ def install(app: FastAPI, completion_request: type[BaseModel], chat_request: typ
                                                          "properties": {"version": {"type": "string"}}}}},
         }
         bodies = {"/tokenize": {"anyOf": [_ref(m) for m in tokenize_requests]}, "/detokenize": _ref(detokenize_request),
-                  **({"/v1/embeddings": _ref(embedding_request)} if embedding_request else {})}
+                  **{path: _ref(m) for path, m in (extra_bodies or {}).items()}}
         for path, ops in doc.get("paths", {}).items():
             for method, op in ops.items():
                 responses = op.setdefault("responses", {})

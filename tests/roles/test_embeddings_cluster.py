@@ -97,6 +97,43 @@ def test_the_grpc_embed_call_answers_as_the_http_route(roles, reference):
     assert roles.wait_idle(10.0)
 
 
+def _post(roles, path: str, body: dict) -> tuple[int, dict]:
+    r = requests.post(f"http://{roles.router.http_address}{path}", json={"model": "tiny", **body}, timeout=60)
+    return r.status_code, r.json()
+
+
+def _cos(a, b) -> float:
+    return sum(x * y for x, y in zip(a, b))
+
+
+def test_score_and_rerank_are_the_cosines_of_the_offline_embeddings(roles, reference):
+    """vLLM's ``/v1/score`` and the Jina/Cohere ``/v1/rerank`` with an embedding model: cosine similarities."""
+    vec = {t: o.outputs.embedding for t, o in zip(TEXTS, reference.embed(TEXTS))}
+    status, body = _post(roles, "/v1/score", {"text_1": TEXTS[0], "text_2": TEXTS})
+    assert status == 200 and [d["index"] for d in body["data"]] == [0, 1, 2], body
+    assert all(abs(d["score"] - _cos(vec[TEXTS[0]], vec[t])) < 1e-5 for d, t in zip(body["data"], TEXTS))
+    assert abs(body["data"][0]["score"] - 1) < 1e-5
+    status, body = _post(roles, "/score", {"text_1": TEXTS[1:], "text_2": TEXTS[:2]})  # pairwise
+    assert status == 200 and abs(body["data"][1]["score"] - _cos(vec[TEXTS[2]], vec[TEXTS[1]])) < 1e-5
+    query = TEXTS[2]
+    want = sorted(range(3), key=lambda i: -_cos(vec[query], vec[TEXTS[i]]))
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        status, body = _post(roles, path, {"query": query, "documents": TEXTS, "top_n": 2})
+        assert status == 200 and [r["index"] for r in body["results"]] == want[:2], body
+        assert body["results"][0]["document"]["text"] == TEXTS[want[0]]
+    status, body = _post(roles, "/v1/rerank", {"query": query, "documents": TEXTS, "return_documents": False})
+    assert [r["index"] for r in body["results"]] == want and "document" not in body["results"][0]
+    assert body["usage"]["prompt_tokens"] == sum(len(reference.get_tokenizer().encode(t)) for t in TEXTS)
+    for path, bad, param in [("/v1/score", {"text_1": "a", "text_2": []}, "text_2"),
+                             ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+                             ("/v1/rerank", {"query": "a", "documents": []}, "documents"),
+                             ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
+                             ("/v1/rerank", {"query": "a", "documents": ["b", "c" * 40000]}, "documents")]:
+        status, body = _post(roles, path, bad)
+        assert status == 400 and body["error"]["param"] == param, (bad, body)
+    assert roles.wait_idle(10.0)
+
+
 def test_embeddings_beside_generation_leave_its_answers_unchanged(roles, reference):
     client = _client(roles)
     prompts = ["for i in range(10):\n    print(", "while True:\n"]

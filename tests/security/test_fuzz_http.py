@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from router.openai import protocol as oa
 from router.openai import anthropic_api as aa
 from router.openai.embeddings_api import EmbeddingRequest
+from router.openai.score_api import RerankRequest, ScoreRequest
 from router.openai.responses_api import ResponsesRequest
 from tests.loadtest.test_bench_real_cluster import Cluster
 from tests.waiting import wait_until
@@ -33,7 +34,7 @@ KEY = "fuzz-http-key-1"
 FIELD_NAMES = sorted({name for model in (oa.CompletionRequest, oa.ChatCompletionRequest, oa.TokenizeCompletionRequest,
                                          oa.TokenizeChatRequest, oa.DetokenizeRequest, oa.LoadLoRAAdapterRequest,
                                          oa.UnloadLoRAAdapterRequest, ResponsesRequest, aa.MessagesRequest,
-                                         aa.CountTokensRequest, EmbeddingRequest)
+                                         aa.CountTokensRequest, EmbeddingRequest, ScoreRequest, RerankRequest)
                       for name in model.model_fields} | {"body", "JSON", "allow-runtime-lora-updating", "response_id",
                                                          "limit", "order", "after"},
                      key=len, reverse=True)
