@@ -1,4 +1,5 @@
-"""The small per-layer ops of the decoder (RMSNorm, RoPE, silu * mul): plain torch, or pdserve's CPU kernels.
+"""The small per-layer ops of the decoder (RMSNorm, RoPE, silu * mul, Gemma's gelu * mul): plain torch, or pdserve's
+CPU kernels.
 
 Lifecycle: every ``RMSNorm`` and ``DecoderLayer`` starts with ``TORCH_OPS``; ``CausalLM.finalize`` gives a layer
 (and its norms) ``KernelOps`` where it built the layer's fused C++ decode layer, so the layer's Python path
@@ -35,6 +36,11 @@ class TorchOps:
         gate, up = gate_up.split(intermediate, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_mul(self, gate_up: Tensor, intermediate: int) -> Tensor:
+        """Gemma's GeGLU: HF's gelu_pytorch_tanh of the gate, times up."""
+        gate, up = gate_up.split(intermediate, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 class KernelOps(TorchOps):
     """The same ops on pdserve's kernels where the input is float32 on CPU (one call each instead of torch's
@@ -59,6 +65,11 @@ class KernelOps(TorchOps):
         if gate_up.dtype == torch.float32:
             return self.kern.silu_mul(gate_up.contiguous())
         return super().silu_mul(gate_up, intermediate)
+
+    def gelu_mul(self, gate_up: Tensor, intermediate: int) -> Tensor:
+        if gate_up.dtype == torch.float32 and gate_up.device.type == "cpu":
+            return self.kern.gelu_tanh_mul(gate_up.contiguous())
+        return super().gelu_mul(gate_up, intermediate)
 
 
 class TritonOps(TorchOps):

@@ -13,7 +13,8 @@ norms and layers their ops (engine/layer_ops.py: pdserve's CPU kernels, or its T
 kernels on CUDA) and tunes the model's own panel
 prefetch distances (engine/prefetch_tuning.py). Qwen3's per-head query and key RMSNorms run before RoPE on every
 path (the fused C++ decode layer applies them with the same row function as the kernels' RMSNorm). Gemma 3's layers
-(``GemmaRMSNorm``s, four a layer; GeGLU; local layers with a RoPE table of their own) run the Python path only.
+(``GemmaRMSNorm``s, four a layer, folded to (1 + w) * scale for the kernels in float32; GeGLU; local layers with a
+RoPE table of their own) fuse too.
 
 Hot-path choices (measured on the 2-core CPU box, see docs/benchmarks.md):
 fused projections (one [h, (H+2Hkv)D] and one [h, 2I] GEMM per layer instead of
@@ -63,13 +64,24 @@ class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the weight is stored as HF stores it (zero-centred) and the row scaled by (1 + weight) in
     float32 before rounding to the model dtype, as HF's ``Gemma3RMSNorm`` (Llama rounds first, then scales).
     ``scale``: a constant folded into the (1 + weight) vector (the query norm carries Gemma's attention scale over
-    the kernels' 1 / sqrt(head_dim)). Always torch: no kernel computes this rounding."""
+    the kernels' 1 / sqrt(head_dim)). In 16 bits always torch (no kernel rounds this way); in float32, where both
+    orders round alike, a layer on pdserve's kernels scales by the folded vector (``fold``)."""
 
     def __init__(self, size: int, eps: float, scale: float = 1.0) -> None:
         super().__init__(size, eps)
         self.scale = scale
+        self.folded: Optional[Tensor] = None
+        """(1 + weight) * scale in float32, made once the weights are in (``fold``): what a float32 layer on pdserve's
+        kernels scales by (the fused decode layer and the Python path alike; float32 rounds as HF's there)."""
+
+    def fold(self) -> Tensor:
+        w = 1.0 + self.weight.detach().float()
+        self.folded = (w * self.scale if self.scale != 1.0 else w).contiguous()
+        return self.folded
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.folded is not None and x.dtype == torch.float32:
+            return self.ops.rms_norm(x, self.folded, self.eps)
         w = 1.0 + self.weight.float()
         if self.scale != 1.0:
             w = w * self.scale
@@ -221,24 +233,30 @@ class DecoderLayer(nn.Module):
         """Hand this layer's weights to the C++ decode layer (engine/csrc/decode_layer.cpp: the same kernels, one
         call per layer for a batch of single-token decodes) where every linear runs on pdserve's kernels; False,
         unchanged, elsewhere (oneDNN layouts other than panels, torch linears, no kernels, not float32 on CPU)."""
-        if self.moe is not None or self.attn_out_norm is not None or self.gelu:
+        if self.moe is not None:
             return False
         fmts = [m.fmt for m in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)]
         if (kern is None or self.sharded or self.head_dim % 16 or self.input_layernorm.weight.device.type != "cpu"
                 or self.input_layernorm.weight.dtype != torch.float32 or not all(f.on_kernels() for f in fmts)):
             return False
-        self.fused = kern.DecodeLayer(*[f.fused_spec() for f in fmts], self.input_layernorm.weight.detach(),
-                                      self.post_attention_layernorm.weight.detach(), self.input_layernorm.eps,
+        def w(norm: Optional[RMSNorm]) -> Optional[Tensor]:  # (Gemma's: (1 + weight) * scale, folded once)
+            if norm is None:
+                return None
+            return norm.fold() if isinstance(norm, GemmaRMSNorm) else norm.weight.detach()
+
+        self.fused = kern.DecodeLayer(*[f.fused_spec() for f in fmts], w(self.input_layernorm),
+                                      w(self.post_attention_layernorm), self.input_layernorm.eps,
                                       self.num_heads, self.num_kv_heads, self.head_dim, self.window or 0,
-                                      self.head_dim ** -0.5, prefetch,
-                                      *((self.q_norm.weight.detach(), self.k_norm.weight.detach())
-                                        if self.q_norm is not None else ()))
+                                      self.head_dim ** -0.5, prefetch, w(self.q_norm), w(self.k_norm),
+                                      w(self.attn_out_norm), w(self.mlp_out_norm), self.gelu)
         self.fused_max_rows = min(f.small_m for f in fmts)
         # the Python path of this layer (prefill, mixed and verify steps) then uses the same norm, RoPE and
-        # silu * mul kernels as the fused one
-        self.ops = self.input_layernorm.ops = self.post_attention_layernorm.ops = KernelOps(kern)
-        if self.q_norm is not None:
-            self.q_norm.ops = self.k_norm.ops = self.ops
+        # silu * mul (gelu * mul) kernels as the fused one
+        self.ops = KernelOps(kern)
+        for norm in (self.input_layernorm, self.post_attention_layernorm, self.q_norm, self.k_norm,
+                     self.attn_out_norm, self.mlp_out_norm):
+            if norm is not None:
+                norm.ops = self.ops
         return True
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata,
@@ -326,12 +344,11 @@ class DecoderLayer(nn.Module):
         return h + self._reduced(ll.apply("down_proj", act, self.down_proj(act), lora))
 
     def _act_mul(self, gate_up: Tensor) -> Tensor:
-        """act(gate) * up of the [rows, 2I] gate/up product: SwiGLU through the layer's ops, or GeGLU through torch
-        (as HF's ``gelu_pytorch_tanh``)."""
+        """act(gate) * up of the [rows, 2I] gate/up product through the layer's ops: SwiGLU, or GeGLU (HF's
+        ``gelu_pytorch_tanh``)."""
         if not self.gelu:
             return self.ops.silu_mul(gate_up, self.intermediate_size)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
+        return self.ops.gelu_mul(gate_up, self.intermediate_size)
 
     def _reduced(self, partial: Tensor) -> Tensor:
         """A row-parallel linear's output: this rank's partial sum, summed over the ranks where sharded."""
@@ -416,6 +433,8 @@ class CausalLM(nn.Module):
         fused = [layer.build_fused(kern, self.panel_prefetch) for layer in self.layers]
         if fused and all(fused):
             self.norm.ops = KernelOps(kern)
+            if isinstance(self.norm, GemmaRMSNorm):
+                self.norm.fold()
         if w.device.type in attention.TRITON_DEVICE_TYPES:
             from engine import triton_kernels
 

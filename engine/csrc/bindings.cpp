@@ -55,16 +55,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qstep", &qstep, "values per step of linear_w8a8 / linear_w4a8 (see int_dots.cpp)");
   m.def("rms_norm", &rms_norm, "w * x / sqrt(mean(x^2) + eps) per row, float32");
   m.def("silu_mul", &silu_mul, "silu(gate) * up from gate_up [M, 2I], float32");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up from gate_up [M, 2I], float32 (Gemma's GeGLU)");
   py::class_<DecodeLayer>(m, "DecodeLayer")
       .def(py::init<const KLinearSpec&, const KLinearSpec&, const KLinearSpec&, const KLinearSpec&, torch::Tensor,
                     torch::Tensor, double, int64_t, int64_t, int64_t, int64_t, double, std::shared_ptr<PanelPrefetch>,
-                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>(),
-           "(qkv, o, gate_up, down, in_norm, post_norm, eps, H, Hkv, D, window, sm_scale, prefetch, q_norm, k_norm); "
-           "a linear is (WeightFormat, w, scale or None, bias or None, group, N); q_norm / k_norm None but for "
-           "Qwen3's per-head norms",
+                    c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                    c10::optional<torch::Tensor>, bool>(),
+           "(qkv, o, gate_up, down, in_norm, post_norm, eps, H, Hkv, D, window, sm_scale, prefetch, q_norm, k_norm, "
+           "attn_out_norm, mlp_out_norm, gelu); a linear is (WeightFormat, w, scale or None, bias or None, group, N); "
+           "q_norm / k_norm None but for Qwen3's and Gemma 3's per-head norms, attn_out_norm / mlp_out_norm None but "
+           "for Gemma 3's norms of the attention and MLP outputs; gelu: GeGLU instead of SwiGLU",
            py::arg("qkv"), py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("in_norm"), py::arg("post_norm"),
            py::arg("eps"), py::arg("H"), py::arg("Hkv"), py::arg("D"), py::arg("window"), py::arg("sm_scale"),
-           py::arg("prefetch"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none())
+           py::arg("prefetch"), py::arg("q_norm") = py::none(), py::arg("k_norm") = py::none(),
+           py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(), py::arg("gelu") = false)
       .def("forward", &DecodeLayer::forward, "one decoder layer for T single-token decodes (see decode_layer.cpp)");
   m.def("rope_", &rope_, "RoPE in place on the first heads of x [T, Hx, D] float32 (see norm_act.cpp)");
   m.def("lora_apply_", &lora_apply_, "y[t, lo_k:] += (x[t] A_k^T) B_k for the rows t of each piece's slot (lora.cpp)");

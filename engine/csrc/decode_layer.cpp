@@ -68,16 +68,24 @@ static void add_into(torch::Tensor& a, const torch::Tensor& b) {
 DecodeLayer::DecodeLayer(const KLinearSpec& qkv_, const KLinearSpec& o_, const KLinearSpec& gu_, const KLinearSpec& down_,
                          torch::Tensor in_norm_, torch::Tensor post_norm_, double eps_, int64_t H_, int64_t Hkv_, int64_t D_,
                          int64_t window_, double sm_scale_, std::shared_ptr<PanelPrefetch> pf_,
-                         c10::optional<torch::Tensor> q_norm_, c10::optional<torch::Tensor> k_norm_)
+                         c10::optional<torch::Tensor> q_norm_, c10::optional<torch::Tensor> k_norm_,
+                         c10::optional<torch::Tensor> attn_out_norm_, c10::optional<torch::Tensor> mlp_out_norm_,
+                         bool gelu_)
     : qkv(make_linear(qkv_)), o(make_linear(o_)), gate_up(make_linear(gu_)), down(make_linear(down_)),
-      in_norm(in_norm_), post_norm(post_norm_), q_norm(q_norm_), k_norm(k_norm_), eps(eps_), H(H_), Hkv(Hkv_), D(D_),
-      window(window_), sm_scale(sm_scale_), pf(std::move(pf_)) {
+      in_norm(in_norm_), post_norm(post_norm_), q_norm(q_norm_), k_norm(k_norm_), attn_out_norm(attn_out_norm_),
+      mlp_out_norm(mlp_out_norm_), gelu(gelu_), eps(eps_), H(H_), Hkv(Hkv_), D(D_), window(window_),
+      sm_scale(sm_scale_), pf(std::move(pf_)) {
   TORCH_CHECK(D % 16 == 0 && H % Hkv == 0, "head_dim must be a multiple of 16 and H a multiple of Hkv");
   TORCH_CHECK(pf != nullptr, "a fused layer needs its model's PanelPrefetch");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm come together");
   for (const auto* w : {&q_norm, &k_norm})
     TORCH_CHECK(!w->has_value() || ((*w)->scalar_type() == torch::kFloat && (*w)->is_contiguous() && (*w)->numel() == D),
                 "q_norm / k_norm must be float32 [head_dim]");
+  TORCH_CHECK(attn_out_norm.has_value() == mlp_out_norm.has_value(), "attn_out_norm and mlp_out_norm come together");
+  for (const auto* w : {&attn_out_norm, &mlp_out_norm})
+    TORCH_CHECK(!w->has_value() || ((*w)->scalar_type() == torch::kFloat && (*w)->is_contiguous() &&
+                                    (*w)->numel() == in_norm.numel()),
+                "attn_out_norm / mlp_out_norm must be float32 [hidden]");
 }
 
 // RMSNorm of `heads` rows of D in place, each by rms_norm's own row function (norm_act.cpp), so the fused layer
@@ -127,8 +135,11 @@ torch::Tensor DecodeLayer::forward(torch::Tensor h, torch::Tensor cos, torch::Te
   }
   auto attn = paged_decode_attention(q, k_cache, v_cache, block_tables, ctx_lens, window, sm_scale);
   torch::Tensor h2 = o(attn.view({T, H * D}), *pf);
+  if (attn_out_norm) h2 = rms_norm(h2, *attn_out_norm, eps);  // (Gemma 3: before the residual add)
   add_into(h2, h);
-  torch::Tensor out = down(silu_mul(gate_up(rms_norm(h2, post_norm, eps), *pf)), *pf);
+  torch::Tensor gu = gate_up(rms_norm(h2, post_norm, eps), *pf);
+  torch::Tensor out = down(gelu ? gelu_tanh_mul(gu) : silu_mul(gu), *pf);
+  if (mlp_out_norm) out = rms_norm(out, *mlp_out_norm, eps);
   add_into(out, h2);
   return out;
 }

@@ -49,6 +49,8 @@ struct DecodeLayer {
   KLinear qkv, o, gate_up, down;
   torch::Tensor in_norm, post_norm;
   c10::optional<torch::Tensor> q_norm, k_norm;  // Qwen3: each query / key head RMS-normalised before RoPE
+  c10::optional<torch::Tensor> attn_out_norm, mlp_out_norm;  // Gemma 3: the outputs normalised before the residual
+  bool gelu;  // GeGLU (Gemma) instead of SwiGLU
   double eps;
   int64_t H, Hkv, D, window;
   double sm_scale;
@@ -57,7 +59,9 @@ struct DecodeLayer {
   DecodeLayer(const KLinearSpec& qkv_, const KLinearSpec& o_, const KLinearSpec& gu_, const KLinearSpec& down_,
               torch::Tensor in_norm_, torch::Tensor post_norm_, double eps_, int64_t H_, int64_t Hkv_, int64_t D_,
               int64_t window_, double sm_scale_, std::shared_ptr<PanelPrefetch> pf_,
-              c10::optional<torch::Tensor> q_norm_ = c10::nullopt, c10::optional<torch::Tensor> k_norm_ = c10::nullopt);
+              c10::optional<torch::Tensor> q_norm_ = c10::nullopt, c10::optional<torch::Tensor> k_norm_ = c10::nullopt,
+              c10::optional<torch::Tensor> attn_out_norm_ = c10::nullopt,
+              c10::optional<torch::Tensor> mlp_out_norm_ = c10::nullopt, bool gelu_ = false);
 
   // h [T, hidden] float32, every row one decode; cos/sin [T, 1, D/2]; slots [T]; block_tables/ctx_lens as
   // paged_decode_attention. Writes this step's K/V into the caches and returns the layer's output [T, hidden].

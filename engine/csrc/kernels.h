@@ -135,6 +135,7 @@ bool qpanel_unsigned();
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 void rms_norm_row(const float* xr, float* yr, int64_t H, const float* wp, float feps);
 torch::Tensor silu_mul(torch::Tensor gu);
+torch::Tensor gelu_tanh_mul(torch::Tensor gu);
 void rope_rows(float* x, int64_t heads, int64_t D, const float* c, const float* s);
 void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t heads);
 // lora.cpp

@@ -49,6 +49,33 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   return y;
 }
 
+// gate_up [M, 2I] (gate, then up) -> gelu_tanh(gate) * up [M, I]: Gemma's GeGLU (HF's gelu_pytorch_tanh)
+torch::Tensor gelu_tanh_mul(torch::Tensor gu) {
+  TORCH_CHECK(gu.dim() == 2 && gu.scalar_type() == torch::kFloat && gu.is_contiguous() && gu.size(1) % 2 == 0,
+              "gate_up must be contiguous float32 [M, 2I]");
+  const int64_t M = gu.size(0), I = gu.size(1) / 2;
+  auto y = torch::empty({M, I}, gu.options());
+  const float* g = gu.data_ptr<float>(); float* yp = y.data_ptr<float>();
+  constexpr float kAlpha = 0.7978845608028654f;  // sqrt(2 / pi)
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* gr = g + m * 2 * I; const float* ur = gr + I; float* yr = yp + m * I;
+      int64_t j = 0;
+      for (; j + 16 <= I; j += 16) {  // tanh(u) = 1 - 2 / (e^2u + 1), through exp16 (libm's tanhf is not vectorized)
+        const v16f x = load<v16f>(gr + j);
+        const v16f u = (x + x * x * x * 0.044715f) * (2.f * kAlpha);
+        const v16f t = splat<v16f>(1.f) - splat<v16f>(2.f) / (exp16(u) + 1.f);
+        store(yr + j, x * 0.5f * (t + 1.f) * load<v16f>(ur + j));
+      }
+      for (; j < I; ++j) {
+        const float x = gr[j];
+        yr[j] = 0.5f * x * (1.f + std::tanh(kAlpha * (x + 0.044715f * x * x * x))) * ur[j];
+      }
+    }
+  });
+  return y;
+}
+
 #pragma GCC push_options
 #pragma GCC optimize("no-fast-math", "fp-contract=off")
 // rotate-half RoPE in place on `heads` rows of D floats: x1 * cos - x2 * sin, x2 * cos + x1 * sin (HF layout)

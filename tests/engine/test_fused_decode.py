@@ -80,8 +80,10 @@ def test_fused_layers_with_speculation_and_mixed_batches():
     assert sum(c.calls for c in counters) > 0
 
 
-@pytest.mark.parametrize("arch,over", [("qwen2", {}), ("mistral", {"sliding_window": 8}), ("qwen3", {"head_dim": 32})],
-                         ids=["qwen2-bias", "window", "qwen3-qk-norm"])
+@pytest.mark.parametrize("arch,over", [("qwen2", {}), ("mistral", {"sliding_window": 8}), ("qwen3", {"head_dim": 32}),
+                                      ("gemma3", {"head_dim": 32, "num_hidden_layers": 3, "sliding_window": 8,
+                                                  "query_pre_attn_scalar": 20})],
+                         ids=["qwen2-bias", "window", "qwen3-qk-norm", "gemma3"])
 def test_fused_layers_on_bias_and_sliding_window_checkpoints(tmp_path, arch, over):
     ckpt, _ = make_checkpoint(tmp_path, arch, seed=3, **over)
     fused, plain, counters = _pair(str(ckpt), quantization="int8")
