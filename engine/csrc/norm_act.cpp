@@ -61,11 +61,10 @@ torch::Tensor gelu_tanh_mul(torch::Tensor gu) {
     for (int64_t m = m0; m < m1; ++m) {
       const float* gr = g + m * 2 * I; const float* ur = gr + I; float* yr = yp + m * I;
       int64_t j = 0;
-      for (; j + 16 <= I; j += 16) {  // tanh(u) = 1 - 2 / (e^2u + 1), through exp16 (libm's tanhf is not vectorized)
+      for (; j + 16 <= I; j += 16) {  // 0.5 (1 + tanh(u)) = 1 / (1 + e^-2u): exp16, as silu (tanhf is not vectorized)
         const v16f x = load<v16f>(gr + j);
-        const v16f u = (x + x * x * x * 0.044715f) * (2.f * kAlpha);
-        const v16f t = splat<v16f>(1.f) - splat<v16f>(2.f) / (exp16(u) + 1.f);
-        store(yr + j, x * 0.5f * (t + 1.f) * load<v16f>(ur + j));
+        const v16f u2 = (x + x * x * x * 0.044715f) * (2.f * kAlpha);
+        store(yr + j, x / (exp16(splat<v16f>(0.f) - u2) + 1.f) * load<v16f>(ur + j));
       }
       for (; j < I; ++j) {
         const float x = gr[j];

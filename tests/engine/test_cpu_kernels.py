@@ -347,6 +347,12 @@ def test_rms_norm_and_silu_mul_match_torch(kern, M):
     gu[:, :4] = torch.tensor([-120.0, -90.0, 90.0, 120.0])  # past exp's float range either way
     gate, up = gu.split(170, dim=-1)
     torch.testing.assert_close(kern.silu_mul(gu), F.silu(gate) * up, rtol=1e-5, atol=1e-6)
+    # Gemma's GeGLU: torch's tanh-approximated gelu (HF's gelu_pytorch_tanh), the same extremes; the kernel's
+    # sigmoid form rounds its negative tail better than 0.5 x (1 + tanh) does, so the float64 formula is the reference
+    g64, u64 = gate.double(), up.double()
+    want = 0.5 * g64 * (1 + torch.tanh(0.7978845608028654 * (g64 + 0.044715 * g64 ** 3))) * u64
+    torch.testing.assert_close(kern.gelu_tanh_mul(gu).double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kern.gelu_tanh_mul(gu), F.gelu(gate, approximate="tanh") * up, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="w must be"):
         kern.rms_norm(x, w[:10], 1e-6)
 
