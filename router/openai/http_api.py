@@ -547,13 +547,13 @@ class HttpApi:
             return await self._scored(request, await self._body(request, oemb.EmbeddingRequest), oemb.serve)
 
         @app.post("/v1/score")
-        @app.post("/score")
+        @app.post("/score", include_in_schema=False)  # (aliases, as vLLM serves them; documented once)
         async def score(request: Request) -> Response:
             return await self._scored(request, await self._body(request, oscore.ScoreRequest), oscore.score)
 
         @app.post("/v1/rerank")
-        @app.post("/rerank")
-        @app.post("/v2/rerank")
+        @app.post("/rerank", include_in_schema=False)
+        @app.post("/v2/rerank", include_in_schema=False)
         async def rerank(request: Request) -> Response:
             return await self._scored(request, await self._body(request, oscore.RerankRequest), oscore.rerank)
 
