@@ -48,16 +48,17 @@ from loadtest.workload import (BenchRequest, ModelLimits, assign_models, build_w
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("grpc", "openai")
-BACKEND_NAMES = {"grpc": "pdserve-grpc", "openai": "openai"}
+BACKENDS = ("grpc", "openai", "openai-embeddings")
+BACKEND_NAMES = {"grpc": "pdserve-grpc", "openai": "openai", "openai-embeddings": "openai-embeddings"}
 """What ``backend`` in the result JSON says (vLLM writes its ``--backend`` there)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=BACKENDS, default="grpc",
-                   help="front end to load: grpc (pdserve's Generate at --target) or openai "
-                        "(POST /v1/completions at --base-url); default grpc")
+                   help="front end to load: grpc (pdserve's Generate at --target), openai "
+                        "(POST /v1/completions at --base-url) or openai-embeddings (POST /v1/embeddings there); "
+                        "default grpc")
     p.add_argument("--target", default="localhost:50051",
                    help="HOST:PORT of the router's gRPC API (default localhost:50051, where `pdserve up` puts it)")
     p.add_argument("--base-url", default=None, metavar="URL",
@@ -323,7 +324,8 @@ async def _run(args: argparse.Namespace, cfg: ClientConfig, model: str, requests
                on_done=None):
     if args.backend == "grpc":
         return await run_benchmark(cfg, requests, on_done=on_done)
-    return await run_openai_benchmark(cfg, args.base_url, model, requests, on_done=on_done)
+    return await run_openai_benchmark(cfg, args.base_url, model, requests, on_done=on_done,
+                                      embeddings=args.backend == "openai-embeddings")
 
 
 async def _bench(args: argparse.Namespace) -> int:

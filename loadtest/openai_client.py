@@ -12,7 +12,11 @@ forced), ``stream: true`` and ``stream_options.include_usage``. Each server-sent
 event that carries a choice is stamped on arrival, as the gRPC client stamps each
 token-carrying message (vLLM's ``async_request_openai_completions`` does the same);
 the final usage chunk gives the output token count, ``data: [DONE]`` ends the
-stream. Records are the same ``RequestRecord``s, so stats and reports do not care
+stream. With ``embeddings`` (``--backend openai-embeddings``, vLLM's ``openai-embeddings``)
+each request is one ``POST /v1/embeddings`` of its prompt's token ids instead: no tokens come
+back, its one answer is stamped as its only chunk (so TTFT and E2EL are its latency) and the
+report's request and input-token throughput are what an embedding server is measured by.
+Records are the same ``RequestRecord``s, so stats and reports do not care
 which front end was measured. A request error never ends the run: it is recorded
 as ``HTTP <status>: <message>`` (or the transport's error).
 """
@@ -35,6 +39,7 @@ from loadtest.workload import BenchRequest
 log = logging.getLogger(__name__)
 
 COMPLETIONS_PATH = "/v1/completions"
+EMBEDDINGS_PATH = "/v1/embeddings"
 
 
 def check_base_url(base_url: str) -> str:
@@ -176,15 +181,46 @@ async def _send_one(client: httpx.AsyncClient, url: str, model: str, req: BenchR
     return rec
 
 
+async def _embed_one(client: httpx.AsyncClient, url: str, model: str, req: BenchRequest, cfg: ClientConfig,
+                     t0: float, sem: Optional[asyncio.Semaphore]) -> RequestRecord:
+    """One ``POST /v1/embeddings`` of ``req``'s prompt (see module docstring)."""
+    async with scheduled(req, t0, sem) as rec:
+        body = {"model": req.model or model, "input": req.prompt_token_ids, "encoding_format": "base64"}
+        rec.start_s = time.perf_counter() - t0
+        try:
+            resp = await client.post(url, json=body, headers={"X-Request-Id": req.request_id},
+                                     timeout=cfg.request_timeout_s)
+            now = time.perf_counter() - t0
+            if resp.status_code != 200:
+                rec.error = _error_text(resp.status_code, resp.content)
+            elif not (resp.json().get("data") or [{}])[0].get("embedding"):
+                rec.error = "BAD_ANSWER: no embedding in the answer"
+            else:
+                rec.chunk_times_s.append(now)
+                rec.chunk_tokens.append(0)
+                rec.success, rec.finish_reason = True, "stop"
+            rec.end_s = now
+        except httpx.TimeoutException:
+            rec.error = f"DEADLINE_EXCEEDED: no answer within {cfg.request_timeout_s} s"
+        except (httpx.HTTPError, ValueError) as e:
+            rec.error = f"{type(e).__name__}: {e}"
+        if rec.error:
+            rec.end_s = time.perf_counter() - t0
+            log.warning("request %s failed: %s", req.request_id, rec.error)
+    return rec
+
+
 async def run_openai_benchmark(cfg: ClientConfig, base_url: str, model: str, requests: list[BenchRequest],
-                               on_done: Optional[Callable[[RequestRecord], None]] = None
-                               ) -> tuple[list[RequestRecord], float]:
-    """Send ``requests`` to ``base_url``'s ``/v1/completions`` on their schedule; (records, wall duration s)."""
-    url = check_base_url(base_url) + COMPLETIONS_PATH
+                               on_done: Optional[Callable[[RequestRecord], None]] = None,
+                               embeddings: bool = False) -> tuple[list[RequestRecord], float]:
+    """Send ``requests`` to ``base_url``'s ``/v1/completions`` (``embeddings``: ``/v1/embeddings``) on their
+    schedule; (records, wall duration s)."""
+    url = check_base_url(base_url) + (EMBEDDINGS_PATH if embeddings else COMPLETIONS_PATH)
     if cfg.max_concurrency is not None and cfg.max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {cfg.max_concurrency}")
     if not cfg.request_timeout_s > 0:
         raise ValueError(f"request_timeout must be > 0 s, got {cfg.request_timeout_s}")
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     async with _client(cfg.auth, cfg.request_timeout_s) as client:
-        return await send_all(requests, lambda req, t0: _send_one(client, url, model, req, cfg, t0, sem), on_done)
+        one = _embed_one if embeddings else _send_one
+        return await send_all(requests, lambda req, t0: one(client, url, model, req, cfg, t0, sem), on_done)

@@ -85,6 +85,26 @@ def test_openai_backend_against_real_router(http_cluster, tmp_path, monkeypatch,
     assert "TTFT by phase" in out
 
 
+def test_openai_embeddings_backend_against_real_router(http_cluster, tmp_path, monkeypatch, capsys):
+    """vLLM's ``--backend openai-embeddings``: each request one ``POST /v1/embeddings``; the router's counters
+    tally the requests and their exact prompt tokens, nothing is generated."""
+    monkeypatch.setenv("PDSERVE_API_KEY", KEY)
+    before = http_cluster.router_counters()
+    rc = main(["--backend", "openai-embeddings", "--base-url", http_cluster.http_url, "--vocab-size", "512",
+               "--dataset-name", "random", "--random-input-len", "20", "--num-prompts", "6", "--max-concurrency", "3",
+               "--save-result", "--result-dir", str(tmp_path / "results"), "--disable-tqdm", "--request-timeout",
+               "60"])
+    after = http_cluster.router_counters()
+    res = json.loads(next((tmp_path / "results").glob("*.json")).read_text())
+    assert rc == 0 and res["completed"] == 6 and res["failed"] == 0, res["errors"]
+    assert res["backend"] == "openai-embeddings" and res["input_lens"] == [20] * 6 and res["total_output_tokens"] == 0
+    assert res["request_throughput"] > 0 and all(lat > 0 for lat in res["latencies"])
+    assert after["pdserve:request_success_total"] - before.get("pdserve:request_success_total", 0) == 6
+    assert after["pdserve:prompt_tokens_total"] - before.get("pdserve:prompt_tokens_total", 0) == 6 * 20
+    assert after.get("pdserve:generation_tokens_total", 0) == before.get("pdserve:generation_tokens_total", 0)
+    assert "Request throughput" in capsys.readouterr().out
+
+
 def test_openai_backend_without_key_is_refused(http_cluster, monkeypatch, capsys):
     monkeypatch.delenv("PDSERVE_API_KEY", raising=False)
     rc = main(["--backend", "openai", "--base-url", http_cluster.http_url, "--vocab-size", "100", "--num-prompts",
