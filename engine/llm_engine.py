@@ -467,7 +467,7 @@ class LLMEngine:
             params = SamplingParams(max_tokens=1, temperature=0.0, lora_name=params.lora_name,
                                     truncate_prompt_tokens=params.truncate_prompt_tokens,
                                     cache_salt=params.cache_salt, priority=params.priority)
-        elif not getattr(self.model, "has_lm_head", True):  # (a simulated engine's stand-in has none to lack)
+        elif not getattr(getattr(self.runner, "model", None), "has_lm_head", True):  # (a simulator's runner has none)
             raise ValueError("this model's checkpoint has no LM head (lm_head.weight): it serves embeddings only")
         seq = self._new_seq(request_id, prompt_token_ids, params, prefill_only)
         seq.pooling = pooling
