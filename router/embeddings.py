@@ -4,15 +4,16 @@ Lifecycle: a front end hands its body's fields to ``prepare_job`` (blocking: it 
 model or adapter, ``dimensions`` against the model's Matryoshka sizes, ``truncate_prompt_tokens``, a text that
 cannot fit; then each input as token ids, its last ``truncate_prompt_tokens`` kept, checked against the context and
 vocabulary), which gives an ``EmbedJob`` or raises ``EmbedInvalid`` (the status and the field it names), admits it
-against its key's quota, and calls ``run_embed(core, job, deadline)`` on a thread of its own (it blocks). That takes one of the router's
-``max_num_requests`` slots for the whole request (RESOURCE_EXHAUSTED past it), then sends every input at once as an
-``Embed`` call to the least-loaded worker of the prefill pool (prompts are prefill work; the colocated pool where
-there is no prefill pool, the decode pool's workers as a last resort), each worker batching what it gets with its
-other prompts. An input whose worker is unavailable or full goes to the next worker (at most ``ATTEMPTS`` tries);
-any other failure, or the deadline, cancels the rest (their workers free them) and ends the request with that
-status. The answers come back raw; ``engine.finish_embedding`` cuts and normalises each (cheap, no torch). A request
-served counts as vLLM counts a pooling request: ``request_success_total{finished_reason="stop"}``, its prompt tokens in
-``prompt_tokens_total``, its latency in ``e2e_request_latency_seconds`` (errors: the front ends, as for the rest).
+against its key's quota, and calls ``run_embed(core, job, deadline)`` on a thread of its own (it blocks). That
+takes one of the router's ``max_num_requests`` slots for the whole request (RESOURCE_EXHAUSTED past it), then sends
+every input at once as an ``Embed`` call to the least-loaded worker of the prefill pool (prompts are prefill work;
+the colocated pool where there is no prefill pool, the decode pool's workers as a last resort), each worker
+batching what it gets with its other prompts. An input whose worker is unavailable, full or stopping goes to the
+next worker (at most ``ATTEMPTS`` tries); any other failure, or the deadline, cancels the rest (their workers free
+them) and ends the request with that status. The answers come back raw; ``engine.finish_embedding`` cuts and
+normalises each (cheap, no torch). A request served counts as vLLM counts a pooling request:
+``request_success_total{finished_reason="stop"}``, its prompt tokens in ``prompt_tokens_total``, its latency in
+``e2e_request_latency_seconds`` (errors: the front ends, as for the rest).
 """
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ log = logging.getLogger(__name__)
 MAX_INPUTS = 2048
 """Inputs one request may hold (OpenAI's limit)."""
 ATTEMPTS = 3
-"""Workers an input is tried on before its request fails (UNAVAILABLE or RESOURCE_EXHAUSTED answers)."""
-_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+"""Workers an input is tried on before its request fails (UNAVAILABLE, RESOURCE_EXHAUSTED or CANCELLED answers)."""
+_RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
+"""A worker that is gone or stopping (a draining worker cancels what it holds) or full: another may serve it."""
 
 
 @dataclass
@@ -241,8 +243,9 @@ def _result(core: Any, job: EmbedJob, c: _Input, wire: Any, tag: str, deadline: 
         if code is grpc.StatusCode.DEADLINE_EXCEEDED:
             raise FlowError(code, f"request {job.request_id}: deadline exceeded") from None
         details = scrub(e.details() or code.name)
-        if code in _RETRIED:
-            raise FlowError(code, f"request {job.request_id}: input {c.index}: {details}") from None
+        if code in _RETRIED:  # (tries used up: the cluster cannot serve it now; a worker's cancel is not the client's)
+            raise FlowError(code if code is grpc.StatusCode.RESOURCE_EXHAUSTED else grpc.StatusCode.UNAVAILABLE,
+                            f"request {job.request_id}: input {c.index}: {details}") from None
         if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):  # (a worker's bug: not the client's)
             raise FlowError(grpc.StatusCode.UNAVAILABLE, f"request {job.request_id}: input {c.index}: the worker "
                                                          f"failed ({details})") from None
