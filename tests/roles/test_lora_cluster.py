@@ -153,6 +153,22 @@ def test_openai_client_picks_the_adapter_by_model(roles, reference):
     assert "model 'nope' does not exist; this server serves 'tiny', 'alt', 'py'" in str(e.value)
 
 
+def test_embeddings_under_an_adapter_are_its_own(roles, reference):
+    """``model`` names the adapter of an embedding request too: its vectors are the offline engine's under that
+    adapter (and not the base model's, which an adapter that changes the answers must change)."""
+    client = openai.OpenAI(base_url=f"http://{roles.router.http_address}/v1", api_key="none", max_retries=0,
+                           timeout=60)
+    for model in ["py", "tiny"]:
+        want = reference.embed(PROMPTS[:2], lora_name=None if model == "tiny" else model)
+        got = client.embeddings.create(model=model, input=PROMPTS[:2])
+        assert got.model == model
+        for d, w in zip(got.data, want):
+            assert max(abs(a - b) for a, b in zip(d.embedding, w.outputs.embedding)) < 1e-5
+    base, py = (reference.embed(PROMPTS[:1], lora_name=n)[0].outputs.embedding for n in (None, "py"))
+    assert max(abs(a - b) for a, b in zip(base, py)) > 1e-3
+    assert roles.wait_idle(10.0)
+
+
 def test_unknown_model_refused_by_name(roles):
     with pytest.raises(grpc.RpcError) as e:
         _generate(roles.stub, "x", "nope")
