@@ -3,7 +3,8 @@
 Lifecycle: the route (router/openai/http_api.py) parses the body into ``EmbeddingRequest`` and calls ``serve`` under
 the request's id. ``serve`` validates it off the event loop (``router.embeddings.prepare_job``: cheap checks first,
 then the text inputs tokenized; a refusal is the status it maps to, naming the field), takes the API key's quota
-for its prompt tokens (429 past it), and runs it through ``router.embeddings.run_embed`` on a thread. The answer is OpenAI's list of ``embedding`` objects, each vector as floats or, with
+for its prompt tokens (429 past it), and runs it through ``router.embeddings.run_embed`` on a thread of the
+router's flow pool. The answer is OpenAI's list of ``embedding`` objects, each vector as floats or, with
 ``encoding_format: "base64"`` (what the ``openai`` SDK asks for by default), as the base64 of its little-endian
 float32 bytes; errors are OpenAI's JSON with the status the failure maps to.
 """
@@ -13,7 +14,7 @@ import asyncio
 import base64
 import struct
 import time
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Awaitable, Callable, Literal, Optional, Union
 
 import grpc
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
@@ -61,9 +62,12 @@ def _error(status: int, message: str, param: Optional[str] = None,
     return JSONResponse(rs.error_body(status, message, param), status_code=status, headers=headers)
 
 
-async def serve(core: Any, body: EmbeddingRequest, request_id: str, admit: Callable[[int], Any]) -> JSONResponse:
+async def serve(core: Any, body: EmbeddingRequest, request_id: str, admit: Callable[[int], Any],
+                blocking: Callable[..., Awaitable[Any]]) -> JSONResponse:
     """One embeddings request (see module docstring); ``admit(prompt_tokens)``: the key's quota lease
-    (``router.quotas``), or QuotaExceeded."""
+    (``router.quotas``), or QuotaExceeded; ``blocking(fn, *args)``: ``fn`` run where the router's flows run their
+    blocking steps (its flow pool: a request waiting on its workers must not hold one of the HTTP loop's few
+    default threads, which every completion's preparation shares)."""
     texts, token_lists = _inputs(body)
     try:
         job = await asyncio.to_thread(prepare_job, core, request_id, body.model, texts, token_lists, body.dimensions,
@@ -78,7 +82,7 @@ async def serve(core: Any, body: EmbeddingRequest, request_id: str, admit: Calla
         return _error(429, e.message, headers={"Retry-After": e.retry_after_header}
                       if e.retry_after_header is not None else None)
     try:
-        got = await asyncio.to_thread(run_embed, core, job, time.monotonic() + core.cfg.request_timeout_s)
+        got = await blocking(run_embed, core, job, time.monotonic() + core.cfg.request_timeout_s)
     except FlowError as e:
         core.count_error(e.code)
         status, err = rs.flow_error(e)

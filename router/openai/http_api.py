@@ -35,6 +35,7 @@ beam search (``router.beam_search``) whose n best sequences are the choices, bes
 from __future__ import annotations
 
 import asyncio
+import functools
 import concurrent.futures
 import json
 import logging
@@ -603,9 +604,16 @@ class HttpApi:
         base = self._request_id(request, body)
         if isinstance(base, Response):
             return base
-        response = await serve(self.core, body, base, lambda n: self.quotas.admit(self._key(request), n, 0))
+        response = await serve(self.core, body, base, lambda n: self.quotas.admit(self._key(request), n, 0),
+                               self._blocking)
         response.headers["X-Request-Id"] = base
         return response
+
+    async def _blocking(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the router's flow pool (a thread of its own without one), awaited."""
+        if self._pool is None:
+            return await asyncio.to_thread(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
     async def _answer(self, request: Request, body: Any, chat: bool, base: str,
                       responses: Optional["ora.ChatTranslation"] = None,

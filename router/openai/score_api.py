@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from typing import Any, Callable, Optional, Union
+from typing import Any, Awaitable, Callable, Optional, Union
 
 import grpc
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
@@ -80,7 +80,8 @@ def _cosine(a: list[float], b: list[float]) -> float:
 
 async def _scores(core: Any, request_id: str, model: Optional[str], pairs: list[tuple[str, str]],
                   names: tuple[Callable[[int], str], Callable[[int], str]], truncate: Optional[int],
-                  admit: Callable[[int], Any]) -> Union[JSONResponse, tuple[list[float], int]]:
+                  admit: Callable[[int], Any], blocking: Callable[..., Awaitable[Any]]
+                  ) -> Union[JSONResponse, tuple[list[float], int]]:
     """(each pair's cosine, prompt tokens embedded), or the error response; ``names``: what the left and right text
     of pair i are called in refusals."""
     label: dict[str, str] = {}
@@ -101,7 +102,7 @@ async def _scores(core: Any, request_id: str, model: Optional[str], pairs: list[
         return _error(429, e.message, headers={"Retry-After": e.retry_after_header}
                       if e.retry_after_header is not None else None)
     try:
-        got = await asyncio.to_thread(run_embed, core, job, time.monotonic() + core.cfg.request_timeout_s)
+        got = await blocking(run_embed, core, job, time.monotonic() + core.cfg.request_timeout_s)
     except FlowError as e:
         core.count_error(e.code)
         status, err = rs.flow_error(e)
@@ -112,8 +113,9 @@ async def _scores(core: Any, request_id: str, model: Optional[str], pairs: list[
     return [_cosine(vec[a], vec[b]) for a, b in pairs], sum(g.num_prompt_tokens for g in got)
 
 
-async def score(core: Any, body: ScoreRequest, request_id: str, admit: Callable[[int], Any]) -> JSONResponse:
-    """``POST /v1/score`` (see module docstring)."""
+async def score(core: Any, body: ScoreRequest, request_id: str, admit: Callable[[int], Any],
+                blocking: Callable[..., Awaitable[Any]]) -> JSONResponse:
+    """``POST /v1/score`` (see module docstring; ``admit`` and ``blocking`` as ``embeddings_api.serve``'s)."""
     try:
         pairs = score_pairs(body.text_1, body.text_2)
     except EmbedInvalid as e:
@@ -122,7 +124,7 @@ async def score(core: Any, body: ScoreRequest, request_id: str, admit: Callable[
     one = isinstance(body.text_1, str) or len(body.text_1) == 1
     names = ((lambda i: "text_1") if one else (lambda i: f"text_1[{i}]"),
              (lambda i: "text_2") if isinstance(body.text_2, str) else (lambda i: f"text_2[{i}]"))
-    out = await _scores(core, request_id, body.model, pairs, names, body.truncate_prompt_tokens, admit)
+    out = await _scores(core, request_id, body.model, pairs, names, body.truncate_prompt_tokens, admit, blocking)
     if isinstance(out, JSONResponse):
         return out
     values, n = out
@@ -132,8 +134,9 @@ async def score(core: Any, body: ScoreRequest, request_id: str, admit: Callable[
                          "usage": {"prompt_tokens": n, "total_tokens": n}})
 
 
-async def rerank(core: Any, body: RerankRequest, request_id: str, admit: Callable[[int], Any]) -> JSONResponse:
-    """``POST /v1/rerank`` (see module docstring)."""
+async def rerank(core: Any, body: RerankRequest, request_id: str, admit: Callable[[int], Any],
+                 blocking: Callable[..., Awaitable[Any]]) -> JSONResponse:
+    """``POST /v1/rerank`` (see module docstring; ``admit`` and ``blocking`` as ``embeddings_api.serve``'s)."""
     if not body.documents:
         core.count_error(grpc.StatusCode.INVALID_ARGUMENT)
         return _error(400, "documents must not be empty", "documents")
@@ -141,7 +144,7 @@ async def rerank(core: Any, body: RerankRequest, request_id: str, admit: Callabl
         core.count_error(grpc.StatusCode.INVALID_ARGUMENT)
         return _error(400, f"top_n must be >= 0 (0: every document), got {body.top_n}", "top_n")
     out = await _scores(core, request_id, body.model, [(body.query, d) for d in body.documents],
-                        (lambda i: "query", lambda i: f"documents[{i}]"), body.truncate_prompt_tokens, admit)
+                        (lambda i: "query", lambda i: f"documents[{i}]"), body.truncate_prompt_tokens, admit, blocking)
     if isinstance(out, JSONResponse):
         return out
     values, n = out

@@ -69,6 +69,25 @@ def test_embeddings_through_the_split_equal_the_offline_engine(roles, reference)
     assert roles.wait_idle(10.0)
 
 
+def test_an_http_embedding_request_waits_on_the_routers_flow_pool(roles, monkeypatch):
+    """It holds a thread while its workers compute: one of the router's flow pool (bounded by max_rpc_threads, as
+    flows are), never one of the HTTP loop's few default threads, which every completion's preparation needs."""
+    import threading
+
+    from router.openai import embeddings_api
+
+    names = []
+    real = embeddings_api.run_embed
+
+    def spy(*args):
+        names.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(embeddings_api, "run_embed", spy)
+    _client(roles).embeddings.create(model="tiny", input=TEXTS[:1])
+    assert len(names) == 1 and names[0].startswith("router-flow"), names
+
+
 def test_the_grpc_embed_call_answers_as_the_http_route(roles, reference):
     """pdserve's gRPC API (``PDServe.Embed``) for gRPC clients: the same vectors, and its refusals as statuses
     naming the field."""
