@@ -102,11 +102,9 @@ def prepare_job(core: Any, request_id: str, model: Optional[str], texts: Optiona
         token_lists = [core.tokenizer.encode(t, add_special_tokens) for t in texts]
     try:
         ids = [truncated_prompt(list(t), keep, 1, lim.max_context_length) for t in token_lists or []]
-        check_inputs(ids, lim, names=names)
     except ValueError as e:
-        field = str(e).split(" ")[0].split("[")[0].rstrip(":")
-        raise EmbedInvalid(bad, str(e), field if names is not None or field == "truncate_prompt_tokens" else "input") \
-            from None
+        raise EmbedInvalid(bad, str(e), "truncate_prompt_tokens") from None
+    check_inputs(ids, lim, names=names)
     return EmbedJob(request_id, ids, lora, dict(lim.lora_roots).get(lora, 0) if lora else 0, dimensions,
                     pooling.normalize if normalize is None else bool(normalize))
 
@@ -122,22 +120,26 @@ class Embedded:
 
 def check_inputs(inputs: list[list[int]], limits: ModelLimits, field: str = "input",
                  names: Optional[list[str]] = None) -> None:
-    """ValueError naming ``field`` (and the input's index; ``names``: each input's name instead) unless every input
-    is a non-empty list of token ids in the vocabulary that fits the context."""
+    """``EmbedInvalid`` (INVALID_ARGUMENT) naming ``field`` and the input's index (``names``: each input's name
+    instead; the field named is its part before ``[``) unless every input is a non-empty list of token ids in the
+    vocabulary that fits the context."""
+    def refuse(message: str, name: str) -> EmbedInvalid:
+        return EmbedInvalid(grpc.StatusCode.INVALID_ARGUMENT, message, name.split("[")[0])
+
     if not inputs:
-        raise ValueError(f"{field} must not be empty")
+        raise refuse(f"{field} must not be empty", field)
     if len(inputs) > MAX_INPUTS:
-        raise ValueError(f"{field} holds {len(inputs)} inputs; at most {MAX_INPUTS} in one request")
+        raise refuse(f"{field} holds {len(inputs)} inputs; at most {MAX_INPUTS} in one request", field)
     for i, ids in enumerate(inputs):
         name = names[i] if names is not None else f"{field}[{i}]" if len(inputs) > 1 else field
         if not ids:
-            raise ValueError(f"{name} is empty")
+            raise refuse(f"{name} is empty", name)
         if len(ids) >= limits.max_context_length:
-            raise ValueError(f"{name} has {len(ids)} tokens; the context length is {limits.max_context_length} "
-                             "(give truncate_prompt_tokens to keep only its last tokens)")
+            raise refuse(f"{name} has {len(ids)} tokens; the context length is {limits.max_context_length} "
+                         "(give truncate_prompt_tokens to keep only its last tokens)", name)
         for t in ids:
             if not 0 <= t < limits.vocab_size:
-                raise ValueError(f"{name}: {t} is not a token id in [0, {limits.vocab_size})")
+                raise refuse(f"{name}: {t} is not a token id in [0, {limits.vocab_size})", name)
 
 
 def _pool(core: Any) -> tuple[str, list[Any]]:

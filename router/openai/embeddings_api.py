@@ -20,7 +20,7 @@ import grpc
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 from starlette.responses import JSONResponse
 
-from router.embeddings import EmbedInvalid, prepare_job, run_embed
+from router.embeddings import EmbedInvalid, Embedded, prepare_job, run_embed
 from router.events import FlowError
 from router.openai import responses as rs
 from router.quotas import QuotaExceeded
@@ -57,9 +57,36 @@ def _inputs(body: EmbeddingRequest) -> tuple[Optional[list[str]], Optional[list[
     return None, [list(t) for t in x]  # type: ignore[union-attr]
 
 
-def _error(status: int, message: str, param: Optional[str] = None,
-           headers: Optional[dict] = None) -> JSONResponse:
+def error(status: int, message: str, param: Optional[str] = None,
+          headers: Optional[dict] = None) -> JSONResponse:
+    """OpenAI's error response (``param``: the field it names)."""
     return JSONResponse(rs.error_body(status, message, param), status_code=status, headers=headers)
+
+
+async def embed(core: Any, admit: Callable[[int], Any], blocking: Callable[..., Awaitable[Any]],
+                *fields: Any) -> Union[JSONResponse, list[Embedded]]:
+    """A request's embeddings (``fields``: ``router.embeddings.prepare_job``'s after the core and the request id),
+    or the error response: validated off the event loop, admitted against the key's quota, run on ``blocking``
+    (``serve``'s arguments). What the embeddings, score and rerank routes share."""
+    try:
+        job = await asyncio.to_thread(prepare_job, core, *fields)
+    except EmbedInvalid as e:
+        core.count_error(e.code)
+        return error(rs.HTTP_STATUS.get(e.code, 400), e.message, e.field)
+    try:
+        lease = admit(sum(len(ids) for ids in job.inputs))
+    except QuotaExceeded as e:
+        core.count_error(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        return error(429, e.message, headers={"Retry-After": e.retry_after_header}
+                      if e.retry_after_header is not None else None)
+    try:
+        return await blocking(run_embed, core, job, time.monotonic() + core.cfg.request_timeout_s)
+    except FlowError as e:
+        core.count_error(e.code)
+        status, err = rs.flow_error(e)
+        return JSONResponse(err, status_code=status)
+    finally:
+        lease.release(0)
 
 
 async def serve(core: Any, body: EmbeddingRequest, request_id: str, admit: Callable[[int], Any],
@@ -69,26 +96,10 @@ async def serve(core: Any, body: EmbeddingRequest, request_id: str, admit: Calla
     blocking steps (its flow pool: a request waiting on its workers must not hold one of the HTTP loop's few
     default threads, which every completion's preparation shares)."""
     texts, token_lists = _inputs(body)
-    try:
-        job = await asyncio.to_thread(prepare_job, core, request_id, body.model, texts, token_lists, body.dimensions,
-                                      body.normalize, body.truncate_prompt_tokens, body.add_special_tokens)
-    except EmbedInvalid as e:
-        core.count_error(e.code)
-        return _error(rs.HTTP_STATUS.get(e.code, 400), e.message, e.field)
-    try:
-        lease = admit(sum(len(ids) for ids in job.inputs))
-    except QuotaExceeded as e:
-        core.count_error(grpc.StatusCode.RESOURCE_EXHAUSTED)
-        return _error(429, e.message, headers={"Retry-After": e.retry_after_header}
-                      if e.retry_after_header is not None else None)
-    try:
-        got = await blocking(run_embed, core, job, time.monotonic() + core.cfg.request_timeout_s)
-    except FlowError as e:
-        core.count_error(e.code)
-        status, err = rs.flow_error(e)
-        return JSONResponse(err, status_code=status)
-    finally:
-        lease.release(0)
+    got = await embed(core, admit, blocking, request_id, body.model, texts, token_lists, body.dimensions,
+                      body.normalize, body.truncate_prompt_tokens, body.add_special_tokens)
+    if isinstance(got, JSONResponse):
+        return got
     data = []
     for i, g in enumerate(got):
         vec: Any = g.embedding

@@ -401,9 +401,8 @@ class HttpApi:
         app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
         openai_schema.install(app, oa.CompletionRequest, oa.ChatCompletionRequest,
                               (oa.TokenizeCompletionRequest, oa.TokenizeChatRequest), oa.DetokenizeRequest,
-                              {"/v1/embeddings": oemb.EmbeddingRequest,
-                               **{p: oscore.ScoreRequest for p in ("/v1/score", "/score")},
-                               **{p: oscore.RerankRequest for p in ("/v1/rerank", "/rerank", "/v2/rerank")}})
+                              {"/v1/embeddings": oemb.EmbeddingRequest, "/v1/score": oscore.ScoreRequest,
+                               "/v1/rerank": oscore.RerankRequest})
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -246,9 +246,8 @@ def install(app: FastAPI, completion_request: type[BaseModel], chat_request: typ
             "/tokenize": {"application/json": {"schema": _ref(TokenizeResponse)}},
             "/detokenize": {"application/json": {"schema": _ref(DetokenizeResponse)}},
             "/v1/embeddings": {"application/json": {"schema": _ref(EmbeddingResponse)}},
-            **{p: {"application/json": {"schema": _ref(ScoreResponse)}} for p in ("/v1/score", "/score")},
-            **{p: {"application/json": {"schema": _ref(RerankResponse)}} for p in ("/v1/rerank", "/rerank",
-                                                                                     "/v2/rerank")},
+            "/v1/score": {"application/json": {"schema": _ref(ScoreResponse)}},
+            "/v1/rerank": {"application/json": {"schema": _ref(RerankResponse)}},
             "/metrics": {"text/plain": {"schema": {"type": "string", "description": "Prometheus exposition"}}},
             "/v1/responses": {"application/json": {"schema": {"type": "object", "description": "OpenAI's response "
                                                                           "object"}},

@@ -11,7 +11,6 @@ Refusals name the field (``text_1``, ``text_2``, ``query``, ``documents``, ``top
 """
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from typing import Any, Awaitable, Callable, Optional, Union
@@ -20,10 +19,8 @@ import grpc
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 from starlette.responses import JSONResponse
 
-from router.embeddings import EmbedInvalid, prepare_job, run_embed
-from router.events import FlowError
-from router.openai import responses as rs
-from router.quotas import QuotaExceeded
+from router.embeddings import EmbedInvalid
+from router.openai.embeddings_api import embed, error
 
 
 class ScoreRequest(BaseModel):
@@ -50,11 +47,6 @@ class RerankRequest(BaseModel):
     return_documents: bool = True
     truncate_prompt_tokens: Optional[StrictInt] = None
     request_id: Optional[str] = None
-
-
-def _error(status: int, message: str, param: Optional[str] = None,
-           headers: Optional[dict] = None) -> JSONResponse:
-    return JSONResponse(rs.error_body(status, message, param), status_code=status, headers=headers)
 
 
 def score_pairs(text_1: Union[str, list[str]], text_2: Union[str, list[str]]) -> list[tuple[str, str]]:
@@ -89,26 +81,10 @@ async def _scores(core: Any, request_id: str, model: Optional[str], pairs: list[
         label.setdefault(a, names[0](i))
         label.setdefault(b, names[1](i))
     texts = list(label)
-    try:
-        job = await asyncio.to_thread(prepare_job, core, request_id, model, texts, None, None, True, truncate, True,
-                                      [label[t] for t in texts])
-    except EmbedInvalid as e:
-        core.count_error(e.code)
-        return _error(rs.HTTP_STATUS.get(e.code, 400), e.message, e.field)
-    try:
-        lease = admit(sum(len(ids) for ids in job.inputs))
-    except QuotaExceeded as e:
-        core.count_error(grpc.StatusCode.RESOURCE_EXHAUSTED)
-        return _error(429, e.message, headers={"Retry-After": e.retry_after_header}
-                      if e.retry_after_header is not None else None)
-    try:
-        got = await blocking(run_embed, core, job, time.monotonic() + core.cfg.request_timeout_s)
-    except FlowError as e:
-        core.count_error(e.code)
-        status, err = rs.flow_error(e)
-        return JSONResponse(err, status_code=status)
-    finally:
-        lease.release(0)
+    got = await embed(core, admit, blocking, request_id, model, texts, None, None, True, truncate, True,
+                      [label[t] for t in texts])
+    if isinstance(got, JSONResponse):
+        return got
     vec = {t: g.embedding for t, g in zip(texts, got)}
     return [_cosine(vec[a], vec[b]) for a, b in pairs], sum(g.num_prompt_tokens for g in got)
 
@@ -120,7 +96,7 @@ async def score(core: Any, body: ScoreRequest, request_id: str, admit: Callable[
         pairs = score_pairs(body.text_1, body.text_2)
     except EmbedInvalid as e:
         core.count_error(e.code)
-        return _error(400, e.message, e.field)
+        return error(400, e.message, e.field)
     one = isinstance(body.text_1, str) or len(body.text_1) == 1
     names = ((lambda i: "text_1") if one else (lambda i: f"text_1[{i}]"),
              (lambda i: "text_2") if isinstance(body.text_2, str) else (lambda i: f"text_2[{i}]"))
@@ -139,10 +115,10 @@ async def rerank(core: Any, body: RerankRequest, request_id: str, admit: Callabl
     """``POST /v1/rerank`` (see module docstring; ``admit`` and ``blocking`` as ``embeddings_api.serve``'s)."""
     if not body.documents:
         core.count_error(grpc.StatusCode.INVALID_ARGUMENT)
-        return _error(400, "documents must not be empty", "documents")
+        return error(400, "documents must not be empty", "documents")
     if body.top_n < 0:
         core.count_error(grpc.StatusCode.INVALID_ARGUMENT)
-        return _error(400, f"top_n must be >= 0 (0: every document), got {body.top_n}", "top_n")
+        return error(400, f"top_n must be >= 0 (0: every document), got {body.top_n}", "top_n")
     out = await _scores(core, request_id, body.model, [(body.query, d) for d in body.documents],
                         (lambda i: "query", lambda i: f"documents[{i}]"), body.truncate_prompt_tokens, admit, blocking)
     if isinstance(out, JSONResponse):
