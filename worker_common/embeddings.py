@@ -42,9 +42,9 @@ class EmbedRequests(RequestSet[_EmbedReq]):
         self.hold(req)
 
     def on_output(self, req: _EmbedReq, out: "CoreOutput", now: float) -> None:
-        if out.embedding is None:  # (an abort's output: its stream was ended already)
-            if out.finish_reason is not None:
-                self.release(req)
+        if out.embedding is None:  # (never: a pooling request's one output carries it; a bug ends it, not the loop)
+            self.drop(req, RequestError(grpc.StatusCode.UNAVAILABLE, f"request {req.request_id}: the engine ended "
+                                                                      "it without its embedding"))
             return
         req.done = True
         self.release(req)
