@@ -11,6 +11,7 @@ and refuses generation by name.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -186,7 +187,7 @@ def test_bad_embedding_requests_get_a_status_naming_the_field_and_leave_nothing(
     assert r.status_code == status, r.text
     err = r.json()["error"]
     if param is not None:
-        assert err["param"] == param and __import__("re").search(match, err["message"]), err
+        assert err["param"] == param and re.search(match, err["message"]), err
     assert roles.wait_idle(10.0)
 
 
