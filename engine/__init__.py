@@ -59,6 +59,8 @@ _EXPORTS = {
     "check_dimensions": "engine.pooling",
     "finish_embedding": "engine.pooling",
     "EmbeddingRequestOutput": "engine.outputs",
+    "ScoringRequestOutput": "engine.outputs",
+    "cross_encoder_score": "engine.pooling",
     "default_eos": "engine.loader",
     "default_served_model_name": "engine.names",
 }

@@ -27,9 +27,13 @@ QUANTIZATIONS = ("int8", "int4", "w8a8", "w4a8", "fp8")
 """``EngineConfig.quantization`` values (the formats: engine/quant.py, which re-exports this)."""
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 """``EngineConfig.kv_cache_dtype`` values."""
+ENCODER_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "BertForSequenceClassification",
+                         "RobertaForSequenceClassification", "XLMRobertaForSequenceClassification")
+"""Bidirectional encoders (engine/encoder.py): embedding models (bge, e5, all-MiniLM, bge-m3, ...) and
+cross-encoder rerankers (``...ForSequenceClassification``: bge-reranker, ms-marco cross-encoders); no generation."""
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                           "GraniteForCausalLM", "Gemma3ForCausalLM")
+                           "GraniteForCausalLM", "Gemma3ForCausalLM", *ENCODER_ARCHITECTURES)
 
 
 def dtype_name(dtype: Union[str, "torch.dtype"]) -> str:
@@ -367,6 +371,20 @@ class ModelConfig:
     """RoPE base of the sliding-window layers, unscaled (Gemma 3's local layers); None: every layer the model's."""
     final_logit_softcapping: Optional[float] = None
     """Logits become cap * tanh(logits / cap) (Gemma's); None: as they are."""
+    is_encoder: bool = False
+    """A bidirectional encoder (``ENCODER_ARCHITECTURES``, engine/encoder.py): learned absolute positions,
+    post-LayerNorm blocks, GELU MLP; it serves embeddings or pair scores, never generates."""
+    layer_norm_eps: float = 1e-12
+    """An encoder's LayerNorm epsilon."""
+    type_vocab_size: int = 0
+    """An encoder's token-type (segment) embeddings: 2 for BERT (a pair's second text is type 1), 1 for RoBERTa."""
+    position_offset: int = 0
+    """An encoder's first position id: RoBERTa / XLM-R count positions from ``pad_token_id + 1`` (a pad token
+    inside a prompt takes ``pad_token_id`` and does not advance the count, as transformers does); 0 for BERT."""
+    pad_token_id: Optional[int] = None
+    """config.json's ``pad_token_id`` (RoBERTa's positions)."""
+    num_labels: int = 0
+    """A cross-encoder's (``...ForSequenceClassification``) outputs; 0: an embedding model."""
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype)
@@ -380,7 +398,7 @@ class ModelConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
-        if self.head_dim % 2:
+        if self.head_dim % 2 and not self.is_encoder:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if not self.sliding_windows:
             self.sliding_windows = [None] * self.num_hidden_layers
@@ -394,8 +412,9 @@ class ModelConfig:
                 raise ValueError("moe_layers must have one entry per layer")
         else:
             self.moe_layers = [False] * self.num_hidden_layers
-        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
-            raise ValueError(f"hidden_act must be 'silu' or 'gelu_pytorch_tanh', got {self.hidden_act!r}")
+        if self.hidden_act not in (("gelu",) if self.is_encoder else ("silu", "gelu_pytorch_tanh")):
+            raise ValueError(f"hidden_act must be 'silu' or 'gelu_pytorch_tanh' ('gelu' for an encoder), got "
+                             f"{self.hidden_act!r}")
         rt = (self.rope_scaling or {}).get("rope_type", "default")
         if rt not in ("default", "llama3", "linear", "yarn"):
             raise ValueError(f"rope_scaling.rope_type {rt!r} is not supported (default, linear, llama3, yarn)")
@@ -434,6 +453,8 @@ class ModelConfig:
                                        "granite": "GraniteForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                                        "gemma3": "Gemma3ForConditionalGeneration",
                                        "gemma2": "Gemma2ForCausalLM"}.get(cfg.get("model_type", ""), "")
+        if arch in ENCODER_ARCHITECTURES:
+            return cls._encoder(cfg, arch, dtype)
         if arch == "Gemma2ForCausalLM":
             raise ValueError("architectures: Gemma2ForCausalLM soft-caps its attention scores, which pdserve's "
                              "attention kernels do not do; Gemma 3 (Gemma3ForCausalLM) is supported")
@@ -485,6 +506,39 @@ class ModelConfig:
             **cfg.get("_gemma", {}), hidden_act=act,
             sliding_windows=windows, dtype=dtype_name(dtype), bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids)
+
+    @classmethod
+    def _encoder(cls, cfg: dict[str, Any], arch: str, dtype: Union[str, "torch.dtype"]) -> "ModelConfig":
+        """A BERT / RoBERTa / XLM-R config.json (engine/encoder.py); ValueError naming what it cannot compute."""
+        pos_type = cfg.get("position_embedding_type", "absolute")
+        if pos_type != "absolute":
+            raise ValueError(f"position_embedding_type {pos_type!r} is not supported (absolute only)")
+        if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
+            raise ValueError("is_decoder / add_cross_attention: only plain encoders are supported")
+        act = cfg.get("hidden_act", "gelu")
+        if act != "gelu":
+            raise ValueError(f"hidden_act {act!r} is not supported for an encoder ('gelu' only)")
+        roberta = arch.startswith(("Roberta", "XLMRoberta"))
+        pad = cfg.get("pad_token_id", 1 if roberta else 0)
+        num_labels = 0
+        if arch.endswith("ForSequenceClassification"):
+            num_labels = len(cfg["id2label"]) if cfg.get("id2label") else int(cfg.get("num_labels", 2))
+        n_heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
+        if hidden % n_heads:
+            raise ValueError(f"hidden_size ({hidden}) must be a multiple of num_attention_heads ({n_heads})")
+        offset = int(pad) + 1 if roberta else 0
+        positions = int(cfg.get("max_position_embeddings", 512)) - offset
+        if positions < 1:
+            raise ValueError(f"max_position_embeddings leaves no position after the pad offset {offset}")
+        return cls(
+            architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]), num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=n_heads, num_key_value_heads=n_heads, head_dim=hidden // n_heads,
+            max_position_embeddings=positions, is_encoder=True, hidden_act=act,
+            layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+            type_vocab_size=int(cfg.get("type_vocab_size", 2)), position_offset=offset,
+            pad_token_id=None if pad is None else int(pad), num_labels=num_labels, dtype=dtype_name(dtype),
+            bos_token_id=cfg.get("bos_token_id"), eos_token_ids=[])
 
 
 _BASE_MODELS = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM", "Qwen2Model": "Qwen2ForCausalLM",

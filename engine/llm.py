@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -26,8 +27,9 @@ from engine.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_sear
 from engine.config import EngineConfig
 from engine.detokenizer import OutputProcessor
 from engine.llm_engine import LLMEngine
-from engine.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from engine.pooling import check_dimensions, finish_embedding
+from engine.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
+                            ScoringRequestOutput)
+from engine.pooling import check_dimensions, cross_encoder_score, finish_embedding
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -126,37 +128,96 @@ class LLM:
     def embed(self, prompts: PromptsType, *, normalize: Optional[bool] = None, dimensions: Optional[int] = None,
               lora_name: Optional[str] = None, truncate_prompt_tokens: Optional[int] = None,
               use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
-        """vLLM's ``LLM.embed``: each prompt's embedding (its last token's final hidden state, cut to ``dimensions``
-        for a Matryoshka model and L2-normalised unless ``normalize`` is False; None: the model's default), in the
-        order of ``prompts`` (the forms ``generate`` takes)."""
+        """vLLM's ``LLM.embed``: each prompt's embedding (pooled as the model says: engine/pooling.py), cut to
+        ``dimensions`` for a Matryoshka model and L2-normalised unless ``normalize`` is False (None: the model's
+        default), in the order of ``prompts`` (the forms ``generate`` takes). ``truncate_prompt_tokens`` keeps a
+        decoder's last tokens, an encoder's first (its tokenizer's truncation, special tokens kept)."""
         eng = self.llm_engine
+        if eng.pooling.num_labels:
+            raise ValueError("this model is a cross-encoder: it scores text pairs (LLM.score), it has no embeddings")
         check_dimensions(eng.pooling, dimensions, eng.model_config.hidden_size)
         norm = eng.pooling.normalize if normalize is None else bool(normalize)
-        texts, token_lists = self._normalize_prompts(prompts)
+        if eng.model_config.is_encoder and truncate_prompt_tokens is not None:
+            texts, token_lists = self._encoder_inputs(prompts, truncate_prompt_tokens)
+            truncate_prompt_tokens = None
+        else:
+            texts, token_lists = self._normalize_prompts(prompts)
         params = SamplingParams(lora_name=lora_name, truncate_prompt_tokens=truncate_prompt_tokens)
+        token_lists = [params.truncate_prompt(list(ids), eng.max_model_len) for ids in token_lists]
+        rids, got = self._pool(token_lists, params, use_tqdm, "embed")
+        return [EmbeddingRequestOutput(rid, list(ids), EmbeddingOutput(finish_embedding(got[rid], norm, dimensions)),
+                                       text) for rid, text, ids in zip(rids, texts, token_lists)]
+
+    def score(self, text_1: Union[str, Sequence[str]], text_2: Union[str, Sequence[str]], *,
+              truncate_prompt_tokens: Optional[int] = None, use_tqdm: bool = False) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score``: one ``text_1`` against each ``text_2``, or the two lists pairwise. A cross-encoder
+        (engine/encoder.py) reads each pair as one input and scores it (``cross_encoder_score``); an embedding
+        model scores the cosine similarity of the two texts' normalised embeddings. ``truncate_prompt_tokens``: a
+        cross-encoder's pair cut to that many tokens, longest text first."""
+        left = [text_1] if isinstance(text_1, str) else list(text_1)
+        right = [text_2] if isinstance(text_2, str) else list(text_2)
+        if not left or not right:
+            raise ValueError(f"{'text_1' if not left else 'text_2'} must not be empty")
+        if len(left) != 1 and len(left) != len(right):
+            raise ValueError(f"text_1 has {len(left)} texts and text_2 {len(right)}: give one text_1, or as many "
+                             "as text_2")
+        pairs = [(left[0], b) for b in right] if len(left) == 1 else list(zip(left, right))
+        eng = self.llm_engine
+        if not eng.pooling.num_labels:
+            a = self.embed([p[0] for p in pairs], normalize=True, truncate_prompt_tokens=truncate_prompt_tokens)
+            b = self.embed([p[1] for p in pairs], normalize=True, truncate_prompt_tokens=truncate_prompt_tokens)
+            return [ScoringRequestOutput(y.request_id, y.prompt_token_ids, ScoringOutput(
+                math.fsum(u * v for u, v in zip(x.outputs.embedding, y.outputs.embedding))))
+                for x, y in zip(a, b)]
+        tok = eng.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer: a cross-encoder scores text pairs")
+        limit = truncate_prompt_tokens if truncate_prompt_tokens not in (None, -1) else None
+        token_lists = [tok.encode_encoder(a, b, limit if limit is not None else
+                                          (eng.max_model_len if truncate_prompt_tokens == -1 else None))
+                       for a, b in pairs]
+        rids, got = self._pool(token_lists, SamplingParams(), use_tqdm, "score")
+        return [ScoringRequestOutput(rid, ids, ScoringOutput(cross_encoder_score(got[rid])))
+                for rid, ids in zip(rids, token_lists)]
+
+    def _encoder_inputs(self, prompts: PromptsType, keep: int) -> tuple[list[Optional[str]], list[list[int]]]:
+        """An encoder's prompts cut to ``keep`` tokens (-1: the context) from their end: texts by the tokenizer
+        (special tokens kept), token ids as given."""
+        eng = self.llm_engine
+        keep = eng.max_model_len if keep == -1 else keep
+        if keep < 1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1, got {keep}")
+        texts, token_lists = self._normalize_prompts(prompts)
+        if eng.tokenizer is not None:
+            token_lists = [eng.tokenizer.encode_encoder(t, max_tokens=keep) if t is not None else list(ids)[:keep]
+                           for t, ids in zip(texts, token_lists)]
+        return texts, [list(ids)[:keep] for ids in token_lists]
+
+    def _pool(self, token_lists: list[list[int]], params: SamplingParams, use_tqdm: bool,
+              desc: str) -> tuple[list[str], dict[str, Any]]:
+        """Each token list as a pooling request: (their ids, request id -> the raw pooled output)."""
+        eng = self.llm_engine
         rids: list[str] = []
-        got: dict[str, list[float]] = {}
+        got: dict[str, Any] = {}
         try:
-            for k, ids in enumerate(token_lists):
-                ids = token_lists[k] = params.truncate_prompt(list(ids), eng.max_model_len)
+            for ids in token_lists:
                 rid = f"llm-{self._next_id}"
                 self._next_id += 1
-                eng.add_request(rid, ids, params, pooling=True)
+                eng.add_request(rid, list(ids), params, pooling=True)
                 rids.append(rid)
-            with tqdm(total=len(rids), desc="embed", unit="req", disable=not use_tqdm) as bar:
+            with tqdm(total=len(rids), desc=desc, unit="req", disable=not use_tqdm) as bar:
                 while len(got) < len(rids):
                     if not eng.has_unfinished_requests():
-                        raise RuntimeError(f"engine idle with {len(rids) - len(got)} embeddings unfinished")
+                        raise RuntimeError(f"engine idle with {len(rids) - len(got)} pooling requests unfinished")
                     for out in eng.step():
                         if out.embedding is not None:
-                            got[out.request_id] = finish_embedding(out.embedding, norm, dimensions)
+                            got[out.request_id] = out.embedding
                             bar.update(1)
         finally:
             for rid in rids:
                 if rid not in got:
                     eng.abort_request(rid)
-        return [EmbeddingRequestOutput(rid, list(ids), EmbeddingOutput(got[rid]), text)
-                for rid, text, ids in zip(rids, texts, token_lists)]
+        return rids, got
 
     def beam_search(self, prompts: PromptsType, params: BeamSearchParams,
                     lora_name: Optional[str] = None) -> list[BeamSearchOutput]:

@@ -43,7 +43,7 @@ import logging
 import numbers
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Optional, TypeVar
 
 import torch
@@ -79,6 +79,32 @@ PLACEHOLDER = -1
 there; an embedding of -1 would fail loudly)."""
 
 
+def encoder_engine_config(config: EngineConfig, mc: ModelConfig) -> EngineConfig:
+    """The config an encoder (engine/encoder.py) runs with: every prompt whole in one step (the step budget raised
+    to the context where it is smaller), no prefix cache, eager steps, a KV block pool that only meters the tokens
+    in flight (unless ``num_kv_blocks`` says otherwise); ValueError naming what an encoder cannot do."""
+    refused = [name for name, on in (("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
+                                     ("quantization", config.quantization is not None),
+                                     ("kv_cache_dtype", config.kv_cache_dtype != "auto"),
+                                     ("lora_modules", bool(config.lora_modules)),
+                                     ("speculative_config", config.speculative_config is not None)) if on]
+    if mc.num_labels > 1:
+        raise ValueError(f"model: a {mc.num_labels}-label {mc.architecture} is a classifier; pdserve serves "
+                         "one-label cross-encoders (rerankers: a pair's score) and embedding encoders")
+    if refused:
+        raise ValueError(f"{refused[0]}: not available for an encoder ({mc.architecture}), which serves embeddings "
+                         "and scores on one device, unquantized")
+    max_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    budget = max(config.max_num_batched_tokens, max_len)
+    if budget != config.max_num_batched_tokens:
+        logger.info("encoder: max_num_batched_tokens raised to %d, one whole prompt of the context (attention is "
+                    "bidirectional: prompts are not chunked)", budget)
+    blocks = config.num_kv_blocks or -(-budget // config.block_size) + config.max_num_seqs
+    return replace(config, enable_prefix_caching=False, enforce_eager=True, static_decode_buffers=False,
+                   async_scheduling=False, max_num_batched_tokens=budget, num_kv_blocks=blocks,
+                   cuda_graph_token_sizes=None)
+
+
 @dataclass
 class _InFlight:
     """A step launched and not read back (async scheduling)."""
@@ -105,6 +131,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.model_config: ModelConfig = load_model_config(config)
         mc = self.model_config
+        if mc.is_encoder:  # (engine/encoder.py: whole prompts, no prefix cache, no graphs, its few blocks)
+            config = self.config = encoder_engine_config(config, mc)
         self.block_size = config.block_size
         device = torch.device(config.device)
         cache_dtype = config.cache_dtype
@@ -177,6 +205,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config)
         self.pooling = load_pooling_config(config)
         """How this model's embeddings are made (engine/pooling.py)."""
+        if mc.is_encoder and self.pooling.unsupported is not None:
+            raise ValueError(f"model: this encoder cannot be served: {self.pooling.unsupported}")
         self.eos_token_id = default_eos(mc, self.tokenizer)
         if device.type == "cpu":
             cpu_kernels()  # build (first start on this machine) or load them now, never mid-request
@@ -192,6 +222,10 @@ class LLMEngine:
         else:
             model = load_model(config, mc, self.max_model_len)
             self.lora.attach(model, device, config.torch_dtype)
+            if mc.is_encoder:
+                model.pooling_mode = self.pooling.mode
+                if self.tokenizer is not None:
+                    model.sep_token_id = self.tokenizer.convert_tokens_to_ids("[SEP]")
         self.kv_caches: list[tuple[Tensor, Tensor]] = allocate_kv_caches(
             local_mc, n_blocks + graphs, self.block_size, cache_dtype, device,
             shared=config.kv_cache_shared and tp == 1)
@@ -205,7 +239,7 @@ class LLMEngine:
         else:
             runner = ModelRunner(model, self.kv_caches, self.block_size, sampler, generator)
         runner.serves_lora = bool(self.lora.by_slot)
-        if device.type == "cuda":
+        if device.type == "cuda" and not mc.is_encoder:
             self._warm_up_kernels(config, local_mc, cache_dtype)
         if graphs:
             runner.graphs = DecodeGraphs(model, self.kv_caches, self.block_size, graph_sizes, self.max_model_len,
@@ -299,6 +333,7 @@ class LLMEngine:
         config = self.config
         self.block_manager = BlockManager(n_blocks, self.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler.whole_prompts = self.model_config.is_encoder
         self.runner = runner
         self.layer_done_callback: Optional[Callable[[int, list[str]], None]] = None
         self.owner_lock: Optional[threading.Lock] = None
@@ -467,6 +502,10 @@ class LLMEngine:
             params = SamplingParams(max_tokens=1, temperature=0.0, lora_name=params.lora_name,
                                     truncate_prompt_tokens=params.truncate_prompt_tokens,
                                     cache_salt=params.cache_salt, priority=params.priority)
+        elif self.model_config.is_encoder:
+            raise ValueError(f"this model is an encoder ({self.model_config.architecture}): it serves "
+                             + ("pair scores (score, rerank)" if self.model_config.num_labels else "embeddings")
+                             + ", not generation")
         elif not getattr(getattr(self.runner, "model", None), "has_lm_head", True):  # (a simulator's runner has none)
             raise ValueError("this model's checkpoint has no LM head (lm_head.weight): it serves embeddings only")
         seq = self._new_seq(request_id, prompt_token_ids, params, prefill_only)

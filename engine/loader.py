@@ -53,6 +53,14 @@ def load_model(cfg: EngineConfig, mc: ModelConfig, max_positions: int) -> "Causa
     from engine.model import CausalLM
 
     device = torch.device(cfg.device)
+    if mc.is_encoder:  # (engine/encoder.py; a HF directory's, never a built-in)
+        from engine.encoder import EncoderModel
+
+        with torch.device("meta"):
+            enc = EncoderModel(mc)
+        enc = enc.to_empty(device=device).to(cfg.torch_dtype)
+        enc.load_weights(iter_checkpoint(cfg))
+        return enc  # type: ignore[return-value]
     with torch.device("meta"):
         model = CausalLM(mc, max_positions=max_positions)
     model = model.to_empty(device=device).to(cfg.torch_dtype)

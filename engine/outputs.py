@@ -62,6 +62,24 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ScoringOutput:
+    """vLLM's ``ScoringOutput``: one pair's score."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """The offline API's score of one text pair (vLLM's shape: ``.outputs.score``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    """The pair as the model read it (a cross-encoder's), or the second text's ids (an embedding model's)."""
+    outputs: ScoringOutput
+    finished: bool = True
+
+
+@dataclass
 class RequestOutput:
     """The offline API's result for one prompt (vLLM shape, flattened to n=1)."""
 

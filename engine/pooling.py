@@ -2,15 +2,20 @@
 
 Lifecycle: ``read_pooling_config`` reads a model directory once (the engine at start, the router for its checks):
 the sentence-transformers files beside the checkpoint (``modules.json``, the Pooling module's ``config.json``,
-a ``Normalize`` module) and config.json's Matryoshka fields. An embedding request goes through the engine like any
-prompt (``LLMEngine.add_request(pooling=True)``: scheduled, chunked, prefix-cached, batched with generation); the
-step that computes its last prompt token keeps that row's final (normed) hidden state, and the request ends there
+a ``Normalize`` module) and config.json's Matryoshka fields and architecture. An embedding request goes through the
+engine like any prompt (``LLMEngine.add_request(pooling=True)``: scheduled, chunked, prefix-cached, batched with
+generation); the step that computes its last prompt token keeps that row's pooled state, and the request ends there
 with it (``CoreOutput.embedding``). ``finish_embedding`` then cuts it to the requested Matryoshka ``dimensions`` and
 normalises it, where the answer is made (``LLM.embed``, the router).
 
-Last-token pooling is what the decoder embedding models (Qwen3-Embedding, e5-mistral, gte-Qwen2, ...) use, and the
-only pooling computed: a model whose sentence-transformers config asks for another (mean, CLS, ...) is refused by
-name (``PoolingConfig.unsupported``), never served with the wrong pooling.
+Pooling: a decoder (Qwen3-Embedding, e5-mistral, gte-Qwen2, ...) pools its last token, the only pooling computed
+for one (its prompt may be chunked and prefix-cached; a decoder model whose sentence-transformers config asks for
+mean or CLS pooling is refused by name, ``PoolingConfig.unsupported``). An encoder (engine/encoder.py: BERT,
+RoBERTa, XLM-R) computes each prompt whole, so it pools as its config says: CLS, mean or last token (CLS where it
+has no sentence-transformers files, as vLLM does for BERT). A cross-encoder (``...ForSequenceClassification``,
+``num_labels``) answers its classifier's logits instead of an embedding: the router's score and rerank APIs use it
+(engine/encoder.py), its embeddings API refuses it. A sentence-transformers pipeline with a module after pooling
+that the engine does not compute (``Dense``: a projection) is refused, never served without it.
 """
 from __future__ import annotations
 
@@ -20,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-POOLING_MODES = ("lasttoken",)
-"""sentence-transformers' pooling modes the engine computes (``pooling_mode_lasttoken``)."""
+_ST_MODES = {"lasttoken": "lasttoken", "cls_token": "cls", "mean_tokens": "mean"}
+"""sentence-transformers' pooling modes (``pooling_mode_<key>``) the engine computes, by the name it gives them."""
 
 
 @dataclass(frozen=True)
@@ -38,20 +43,31 @@ class PoolingConfig:
     """The prefixes it was trained for, where config.json names them (then only those); None: any."""
     unsupported: Optional[str] = None
     """Why this model cannot serve embeddings (its pooling is one the engine does not compute); None: it can."""
+    mode: str = "lasttoken"
+    """How a prompt's states become its vector: 'lasttoken', 'cls' or 'mean' (the last two: encoders only)."""
+    num_labels: int = 0
+    """A cross-encoder's outputs (it scores text pairs and serves no embeddings); 0: an embedding model."""
 
 
 def read_pooling_config(model_dir: Optional[Path], hf_config: Optional[dict] = None) -> PoolingConfig:
     """The pooling of the model in ``model_dir`` (None: a built-in model: last token, normalised). ``hf_config``:
     its config.json, where the caller has it read."""
+    from engine.config import ENCODER_ARCHITECTURES
+
     cfg = hf_config or {}
     if model_dir is not None and not cfg:
         try:
             cfg = json.loads((Path(model_dir) / "config.json").read_text())
         except (OSError, ValueError):
             cfg = {}
+    archs = cfg.get("architectures") or [""]
+    encoder = archs[0] in ENCODER_ARCHITECTURES
     dims = cfg.get("matryoshka_dimensions")
     kw: dict[str, Any] = dict(matryoshka=bool(cfg.get("is_matryoshka") or dims),
-                              matryoshka_dimensions=tuple(int(d) for d in dims) if dims else None)
+                              matryoshka_dimensions=tuple(int(d) for d in dims) if dims else None,
+                              mode="cls" if encoder else "lasttoken")
+    if encoder and archs[0].endswith("ForSequenceClassification"):
+        kw["num_labels"] = len(cfg["id2label"]) if cfg.get("id2label") else int(cfg.get("num_labels", 2))
     modules = _read_json(model_dir, "modules.json") if model_dir is not None else None
     if not isinstance(modules, list):
         return PoolingConfig(**kw)
@@ -61,9 +77,19 @@ def read_pooling_config(model_dir: Optional[Path], hf_config: Optional[dict] = N
         pc = _read_json(model_dir, f"{pool.get('path', '')}/config.json") or {}
         modes = sorted(k.removeprefix("pooling_mode_") for k, v in pc.items()
                        if k.startswith("pooling_mode_") and v is True)
-        if modes and modes != ["lasttoken"]:
+        ours = [_ST_MODES.get(m) for m in modes]
+        if len(modes) == 1 and ours[0] is not None and (encoder or ours[0] == "lasttoken"):
+            kw["mode"] = ours[0]
+        elif modes:
             kw["unsupported"] = (f"its sentence-transformers pooling is {' + '.join(modes)}; the engine computes "
-                                 "last-token pooling only")
+                                 + ("CLS, mean or last-token pooling" if encoder else
+                                    "last-token pooling only for a decoder"))
+        if pc.get("include_prompt") is False:
+            kw["unsupported"] = "its sentence-transformers pooling leaves the prompt out (include_prompt: false)"
+    extra = sorted(set(types) - {"Transformer", "Pooling", "Normalize"})
+    if extra and kw.get("unsupported") is None:
+        kw["unsupported"] = (f"its sentence-transformers pipeline has {', '.join(extra)} module(s) the engine does "
+                             "not compute")
     return PoolingConfig(normalize="Normalize" in types, **kw)
 
 
@@ -99,3 +125,10 @@ def finish_embedding(vec: Sequence[float], normalize: bool = True, dimensions: O
         norm = math.sqrt(math.fsum(x * x for x in out))
         out = [x / max(norm, 1e-12) for x in out]  # (torch's F.normalize eps)
     return out
+
+
+def cross_encoder_score(logits: Sequence[float]) -> float:
+    """A cross-encoder's score of a pair from its classifier's logits: the sigmoid of its one logit (what
+    sentence-transformers' CrossEncoder and vLLM answer for a one-label model)."""
+    x = float(logits[0])
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))

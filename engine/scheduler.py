@@ -173,6 +173,9 @@ class Scheduler:
         """Tokens of sequences admitted with nothing computed (looked up in the prefix cache)."""
         self.prefix_cache_hits = 0
         """Of those, tokens whose K/V came from the prefix cache."""
+        self.whole_prompts = False
+        """Admit a prompt only into a step with budget for all of it (an encoder's, engine/encoder.py: attention
+        is bidirectional, so a prompt is never chunked); the engine keeps the budget at least one context."""
 
     # -- queues ---------------------------------------------------------------------------------
 
@@ -233,6 +236,8 @@ class Scheduler:
             seq = self.waiting[0]
             hit = self._take_cached_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed, budget)
+            if self.whole_prompts and n < seq.num_tokens - seq.num_computed:
+                break  # (it waits for a step with room for all of it)
             if not self.bm.ensure(seq.block_table, seq.num_computed + n):
                 if hit:  # give the cached blocks back: it retries from scratch next step
                     self.bm.free(seq.block_table)

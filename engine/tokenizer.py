@@ -50,6 +50,22 @@ def _tojson(x: Any, ensure_ascii: bool = False, indent: Optional[int] = None,
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def _longest_first(n1: int, n2: int, target: int) -> tuple[int, int]:
+    """The lengths ``tokenizers``' LongestFirst truncation keeps of a pair of ``n1`` and ``n2`` tokens within
+    ``target``: the shorter kept whole where the longer can take the cut, else an even split (the second gets
+    the odd one); a lone text (``n2`` 0) its first ``target``."""
+    if n1 + n2 <= target:
+        return n1, n2
+    swap = n1 > n2
+    if swap:
+        n1, n2 = n2, n1
+    n2 = n1 if n1 > target else max(n1, target - n1)
+    if n1 + n2 > target:
+        n1 = target // 2
+        n2 = n1 + target % 2
+    return (n2, n1) if swap else (n1, n2)
+
+
 class Tokenizer:
     """A fast tokenizer plus the special-token and chat-template settings of one model."""
 
@@ -124,6 +140,27 @@ class Tokenizer:
         if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
             ids = [self.bos_token_id] + ids
         return ids
+
+    def encode_encoder(self, first: str, second: Optional[str] = None, max_tokens: Optional[int] = None) -> list[int]:
+        """An encoder's input (engine/encoder.py): ``first``, or the pair (``first``, ``second``) a cross-encoder
+        scores, through the tokenizer's own template (``[CLS] a [SEP] b [SEP]``, ``<s> a </s></s> b </s>``). With
+        ``max_tokens`` the texts are cut at their ends, longest first (transformers' ``truncation=True`` for an
+        encoder's right-side tokenizer), so the special tokens stay; ValueError if they alone do not fit."""
+        for name, t in (("first", first), ("second", second)):
+            if t is not None and not isinstance(t, str):
+                raise ValueError(f"{name} must be a string, got {type(t).__name__}")
+        a = self._tok.encode(first, add_special_tokens=False)
+        b = self._tok.encode(second, add_special_tokens=False) if second is not None else None
+        if max_tokens is not None:
+            post = self._tok.post_processor
+            room = max_tokens - (post.num_special_tokens_to_add(b is not None) if post is not None else 0)
+            if room < 1:
+                raise ValueError(f"truncate_prompt_tokens={max_tokens} leaves no room past the special tokens")
+            la, lb = _longest_first(len(a.ids), len(b.ids) if b is not None else 0, room)
+            a.truncate(la)
+            if b is not None:
+                b.truncate(lb)
+        return self._tok.post_process(a, b, add_special_tokens=True).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; invalid UTF-8 byte runs decode to U+FFFD (as in transformers)."""
