@@ -30,7 +30,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
                             ScoringRequestOutput)
 from engine.pooling import check_dimensions, cross_encoder_score, finish_embedding
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, truncated_prompt
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -142,8 +142,9 @@ class LLM:
             truncate_prompt_tokens = None
         else:
             texts, token_lists = self._normalize_prompts(prompts)
-        params = SamplingParams(lora_name=lora_name, truncate_prompt_tokens=truncate_prompt_tokens)
-        token_lists = [params.truncate_prompt(list(ids), eng.max_model_len) for ids in token_lists]
+        params = SamplingParams(lora_name=lora_name)  # (truncated here: -1 keeps the whole context)
+        token_lists = [truncated_prompt(list(ids), truncate_prompt_tokens, 0, eng.max_model_len)
+                       for ids in token_lists]
         rids, got = self._pool(token_lists, params, use_tqdm, "embed")
         return [EmbeddingRequestOutput(rid, list(ids), EmbeddingOutput(finish_embedding(got[rid], norm, dimensions)),
                                        text) for rid, text, ids in zip(rids, texts, token_lists)]

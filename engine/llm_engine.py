@@ -508,7 +508,7 @@ class LLMEngine:
                              + ", not generation")
         elif not getattr(getattr(self.runner, "model", None), "has_lm_head", True):  # (a simulator's runner has none)
             raise ValueError("this model's checkpoint has no LM head (lm_head.weight): it serves embeddings only")
-        seq = self._new_seq(request_id, prompt_token_ids, params, prefill_only)
+        seq = self._new_seq(request_id, prompt_token_ids, params, prefill_only, pooling=pooling)
         seq.pooling = pooling
         if resume_token_ids:
             if prefill_only:
@@ -1092,7 +1092,7 @@ class LLMEngine:
                 self._drop_lora(slot)
 
     def _new_seq(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prefill_only: bool, check_id: bool = True) -> Sequence:
+                 prefill_only: bool, check_id: bool = True, pooling: bool = False) -> Sequence:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if check_id and request_id in self._seqs:
@@ -1120,9 +1120,10 @@ class LLMEngine:
             # a copy: the caller's params (shared by its other requests) stay as given
             params = dataclasses.replace(params, bad_words_token_ids=bad_words_token_ids(
                 params.bad_words, self.tokenizer, self.model_config.vocab_size))
-        if len(ids) >= self.max_model_len:
+        if len(ids) > self.max_model_len or (len(ids) == self.max_model_len and not pooling):
             raise ValueError(f"prompt_token_ids has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                             "(prompt plus at least one new token)")
+                             + ("(an embedding's prompt fills it at most)" if pooling else
+                                "(prompt plus at least one new token)"))
         seq = Sequence(request_id, ids, params, prefill_only=prefill_only, eos_token_id=self.eos_token_id)
         if params.lora_name is not None:
             seq.lora_slot = self._lora_slot(params.lora_name)

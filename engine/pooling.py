@@ -47,6 +47,9 @@ class PoolingConfig:
     """How a prompt's states become its vector: 'lasttoken', 'cls' or 'mean' (the last two: encoders only)."""
     num_labels: int = 0
     """A cross-encoder's outputs (it scores text pairs and serves no embeddings); 0: an embedding model."""
+    encoder: bool = False
+    """The model is an encoder (engine/encoder.py): a text is cut by its tokenizer, keeping its first tokens and
+    its special tokens, where a decoder's prompt keeps its last tokens."""
 
 
 def read_pooling_config(model_dir: Optional[Path], hf_config: Optional[dict] = None) -> PoolingConfig:
@@ -65,7 +68,7 @@ def read_pooling_config(model_dir: Optional[Path], hf_config: Optional[dict] = N
     dims = cfg.get("matryoshka_dimensions")
     kw: dict[str, Any] = dict(matryoshka=bool(cfg.get("is_matryoshka") or dims),
                               matryoshka_dimensions=tuple(int(d) for d in dims) if dims else None,
-                              mode="cls" if encoder else "lasttoken")
+                              mode="cls" if encoder else "lasttoken", encoder=encoder)
     if encoder and archs[0].endswith("ForSequenceClassification"):
         kw["num_labels"] = len(cfg["id2label"]) if cfg.get("id2label") else int(cfg.get("num_labels", 2))
     modules = _read_json(model_dir, "modules.json") if model_dir is not None else None

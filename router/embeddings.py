@@ -82,6 +82,10 @@ def prepare_job(core: Any, request_id: str, model: Optional[str], texts: Optiona
     if pooling.unsupported is not None:
         raise EmbedInvalid(grpc.StatusCode.FAILED_PRECONDITION,
                            f"this model cannot serve embeddings: {pooling.unsupported}", "model")
+    if pooling.num_labels:
+        raise EmbedInvalid(grpc.StatusCode.FAILED_PRECONDITION, "this model is a cross-encoder: it scores text "
+                                                                "pairs (/v1/score, /v1/rerank), it has no embeddings",
+                           "model")
     try:
         check_dimensions(pooling, dimensions, lim.hidden_size or 1 << 30)
     except ValueError as e:
@@ -99,14 +103,65 @@ def prepare_job(core: Any, request_id: str, model: Optional[str], texts: Optiona
                     raise EmbedInvalid(bad, f"{name} is longer than the context ({lim.max_context_length} "
                                             "tokens) can hold (give truncate_prompt_tokens to keep only its last "
                                             "tokens)", name.split("[")[0])
-        token_lists = [core.tokenizer.encode(t, add_special_tokens) for t in texts]
+        if pooling.encoder and keep is not None and add_special_tokens:  # (its first tokens, specials kept)
+            try:
+                token_lists = [core.tokenizer.encode_encoder(t, max_tokens=_encoder_keep(keep, lim))
+                               for t in texts]
+            except ValueError as e:
+                raise EmbedInvalid(bad, str(e), "truncate_prompt_tokens") from None
+            keep = None
+        else:
+            token_lists = [core.tokenizer.encode(t, add_special_tokens) for t in texts]
+    if pooling.encoder and keep is not None:  # (token ids: an encoder keeps their first tokens)
+        token_lists = [list(t)[:_encoder_keep(keep, lim)] for t in token_lists or []]
+        keep = None
     try:
-        ids = [truncated_prompt(list(t), keep, 1, lim.max_context_length) for t in token_lists or []]
+        ids = [truncated_prompt(list(t), keep, 0, lim.max_context_length) for t in token_lists or []]
     except ValueError as e:
         raise EmbedInvalid(bad, str(e), "truncate_prompt_tokens") from None
     check_inputs(ids, lim, names=names)
     return EmbedJob(request_id, ids, lora, dict(lim.lora_roots).get(lora, 0) if lora else 0, dimensions,
                     pooling.normalize if normalize is None else bool(normalize))
+
+
+def _encoder_keep(keep: int, lim: ModelLimits) -> int:
+    """An encoder's token limit for ``truncate_prompt_tokens`` (-1: as many as the context takes)."""
+    return lim.max_context_length if keep == -1 else keep
+
+
+def prepare_pair_job(core: Any, request_id: str, model: Optional[str], pairs: list[tuple[str, str]],
+                     truncate_prompt_tokens: Optional[int], names: list[str]) -> EmbedJob:
+    """A cross-encoder's ``EmbedJob``: each text pair as one input through the tokenizer's pair template (cut
+    longest text first to ``truncate_prompt_tokens``, special tokens kept: ``Tokenizer.encode_encoder``); its
+    answers are the classifier's raw logits (``engine.cross_encoder_score`` makes the score). ``names``: what each
+    pair's second text is called in refusals. ``EmbedInvalid`` as ``prepare_job``'s. Blocking: it tokenizes."""
+    lim = core.limits
+    if lim is None or core.draining:
+        raise EmbedInvalid(grpc.StatusCode.UNAVAILABLE, "router is not serving")
+    try:
+        lora = lim.lora_of(model)
+    except LookupError as e:
+        raise EmbedInvalid(grpc.StatusCode.NOT_FOUND, str(e), "model") from None
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    keep = truncate_prompt_tokens
+    if keep is not None and keep < 1 and keep != -1:
+        raise EmbedInvalid(bad, f"truncate_prompt_tokens must be >= 1 or -1, got {keep}", "truncate_prompt_tokens")
+    if core.tokenizer is None:
+        raise EmbedInvalid(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer: a cross-encoder "
+                                                                "scores texts", "model")
+    if keep is None and lim.max_prompt_bytes is not None:
+        for (a, b), name in zip(pairs, names):
+            if len(a.encode()) + len(b.encode()) > lim.max_prompt_bytes:  # (cannot fit: before tokenizing)
+                raise EmbedInvalid(bad, f"{name} and its pair are longer than the context "
+                                        f"({lim.max_context_length} tokens) can hold (give truncate_prompt_tokens "
+                                        "to cut them)", name.split("[")[0])
+    try:
+        ids = [core.tokenizer.encode_encoder(a, b, None if keep is None else _encoder_keep(keep, lim))
+               for a, b in pairs]
+    except ValueError as e:
+        raise EmbedInvalid(bad, str(e), "truncate_prompt_tokens") from None
+    check_inputs(ids, lim, names=names)
+    return EmbedJob(request_id, ids, lora, dict(lim.lora_roots).get(lora, 0) if lora else 0, None, False)
 
 
 @dataclass
@@ -134,7 +189,7 @@ def check_inputs(inputs: list[list[int]], limits: ModelLimits, field: str = "inp
         name = names[i] if names is not None else f"{field}[{i}]" if len(inputs) > 1 else field
         if not ids:
             raise refuse(f"{name} is empty", name)
-        if len(ids) >= limits.max_context_length:
+        if len(ids) > limits.max_context_length:  # (an embedding's prompt may fill the context: nothing follows)
             raise refuse(f"{name} has {len(ids)} tokens; the context length is {limits.max_context_length} "
                          "(give truncate_prompt_tokens to keep only its last tokens)", name)
         for t in ids:

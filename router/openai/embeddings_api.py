@@ -64,12 +64,13 @@ def error(status: int, message: str, param: Optional[str] = None,
 
 
 async def embed(core: Any, admit: Callable[[int], Any], blocking: Callable[..., Awaitable[Any]],
-                *fields: Any) -> Union[JSONResponse, list[Embedded]]:
-    """A request's embeddings (``fields``: ``router.embeddings.prepare_job``'s after the core and the request id),
-    or the error response: validated off the event loop, admitted against the key's quota, run on ``blocking``
-    (``serve``'s arguments). What the embeddings, score and rerank routes share."""
+                *fields: Any, prepare: Callable[..., Any] = prepare_job) -> Union[JSONResponse, list[Embedded]]:
+    """A request's embeddings (``fields``: ``prepare``'s after the core and the request id: by default
+    ``router.embeddings.prepare_job``, a cross-encoder's ``prepare_pair_job``), or the error response: validated
+    off the event loop, admitted against the key's quota, run on ``blocking`` (``serve``'s arguments). What the
+    embeddings, score and rerank routes share."""
     try:
-        job = await asyncio.to_thread(prepare_job, core, *fields)
+        job = await asyncio.to_thread(prepare, core, *fields)
     except EmbedInvalid as e:
         core.count_error(e.code)
         return error(rs.HTTP_STATUS.get(e.code, 400), e.message, e.field)

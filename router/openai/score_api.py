@@ -1,11 +1,15 @@
 """vLLM's ``POST /v1/score`` (``/score``) and the Jina/Cohere-style ``POST /v1/rerank`` (``/rerank``, ``/v2/rerank``)
-for embedding models, on the router's HTTP front end.
+for cross-encoders and embedding models, on the router's HTTP front end.
 
-As vLLM scores with an embedding model: a pair's score is the cosine similarity of its two texts' embeddings
-(engine/pooling.py's last-token vectors, normalised). Lifecycle: the route parses the body and calls ``score`` or
-``rerank`` under the request's id; each collects the distinct texts (a query shared by every pair is embedded once),
-validates and embeds them as one embeddings request (``router.embeddings.prepare_job``, the key's quota, then
-``run_embed``), and answers vLLM's shapes: ``score`` objects in the pairs' order; rerank ``results`` best first,
+As vLLM scores: with a cross-encoder (engine/encoder.py: bge-reranker, ms-marco cross-encoders) each pair is one
+input through the tokenizer's pair template and its score the sigmoid of the classifier's logit
+(``router.embeddings.prepare_pair_job``, ``engine.cross_encoder_score``); with an embedding model it is the cosine
+similarity of its two texts' embeddings (engine/pooling.py's vectors, normalised).
+
+Lifecycle: the route parses the body and calls ``score`` or ``rerank`` under the request's id; each validates and
+computes its pairs as one embeddings request (a cross-encoder's pairs each one input; an embedding model's distinct
+texts, a query shared by every pair embedded once: ``router.embeddings.prepare_job``), under the key's quota, then
+``run_embed``, and answers vLLM's shapes: ``score`` objects in the pairs' order; rerank ``results`` best first,
 ``top_n`` of them (0: all), each with its document's index (and text, unless ``return_documents`` is false).
 Refusals name the field (``text_1``, ``text_2``, ``query``, ``documents``, ``top_n``).
 """
@@ -19,7 +23,8 @@ import grpc
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 from starlette.responses import JSONResponse
 
-from router.embeddings import EmbedInvalid
+from engine import cross_encoder_score
+from router.embeddings import EmbedInvalid, prepare_pair_job
 from router.openai.embeddings_api import embed, error
 
 
@@ -74,8 +79,15 @@ async def _scores(core: Any, request_id: str, model: Optional[str], pairs: list[
                   names: tuple[Callable[[int], str], Callable[[int], str]], truncate: Optional[int],
                   admit: Callable[[int], Any], blocking: Callable[..., Awaitable[Any]]
                   ) -> Union[JSONResponse, tuple[list[float], int]]:
-    """(each pair's cosine, prompt tokens embedded), or the error response; ``names``: what the left and right text
+    """(each pair's score, prompt tokens computed), or the error response; ``names``: what the left and right text
     of pair i are called in refusals."""
+    pooling = core.limits.pooling if core.limits is not None else None
+    if pooling is not None and pooling.num_labels:  # a cross-encoder: each pair one input
+        got = await embed(core, admit, blocking, request_id, model, pairs, truncate,
+                          [names[1](i) for i in range(len(pairs))], prepare=prepare_pair_job)
+        if isinstance(got, JSONResponse):
+            return got
+        return [cross_encoder_score(g.embedding) for g in got], sum(g.num_prompt_tokens for g in got)
     label: dict[str, str] = {}
     for i, (a, b) in enumerate(pairs):  # (each distinct text embedded once, named where it first stands)
         label.setdefault(a, names[0](i))

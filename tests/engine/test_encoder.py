@@ -82,7 +82,8 @@ def _hidden(model: torch.nn.Module, ids: list[int], types: list[int] | None = No
 @pytest.mark.parametrize("pooling", ["mean_tokens", "cls_token", "lasttoken", None])
 def test_bert_embeddings_pool_as_sentence_transformers_says(pooling, tmp_path):
     """Each prompt alone through transformers, pooled as its sentence-transformers config says (none: CLS,
-    normalised, as vLLM does for BERT); here batched, with a 16-token step budget the engine raises to the context (prompts whole)."""
+    normalised, as vLLM does for BERT); here batched, with a 16-token step budget the engine raises to the context
+    (prompts whole)."""
     from engine import LLM
 
     model, tok = _bert(), _tokenizer("bert")
@@ -180,3 +181,22 @@ def test_encoders_refuse_what_they_cannot_do(tmp_path):
     rel = _save(_bert(position_embedding_type="relative_key"), tok, tmp_path / "rel")
     with pytest.raises(ValueError, match="position_embedding_type 'relative_key'"):
         LLM(str(rel))
+
+
+def test_an_embedding_prompt_may_fill_the_context(tmp_path):
+    """Nothing follows an embedding's prompt, so one of exactly max_model_len tokens is computed (BERT reads 512 of
+    512), one more is refused; a generating request still needs room for a token."""
+    from engine import LLM, SamplingParams
+
+    model = _bert()
+    llm = LLM(str(_save(model, _tokenizer("bert"), tmp_path / "m")))
+    full = [2] + [5 + i % 20 for i in range(62)] + [3]
+    assert len(full) == llm.llm_engine.max_model_len == 64
+    got = llm.embed([full], normalize=False)[0].outputs.embedding
+    torch.testing.assert_close(torch.tensor(got), _hidden(model, full)[0], atol=2e-6, rtol=0)
+    with pytest.raises(ValueError, match="has 65 tokens; max_model_len is 64"):
+        llm.embed([full + [5]])
+    dec = LLM("tiny", max_model_len=32, num_kv_blocks=16)
+    assert len(dec.embed([list(range(5, 37))])[0].outputs.embedding) == dec.llm_engine.model_config.hidden_size
+    with pytest.raises(ValueError, match="prompt plus at least one new token"):
+        dec.generate([list(range(5, 37))], SamplingParams(max_tokens=1))
