@@ -158,6 +158,11 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
     if len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
         raise ValueError(f"request_id must be printable and at most {MAX_REQUEST_ID_LEN} characters")
     lora = limits.lora_of(req.model)  # LookupError: NOT_FOUND
+    pooling = limits.pooling
+    if pooling is not None and pooling.encoder:  # (engine/encoder.py: before any worker is asked)
+        raise ValueError(f"model: {limits.model_name} is an encoder: it serves "
+                         + ("pair scores (/v1/score, /v1/rerank)" if pooling.num_labels else
+                            "embeddings (/v1/embeddings, /v1/score, /v1/rerank)") + ", not generation")
     has_prompt, has_ids = req.prompt != "", len(req.token_ids) > 0
     if has_prompt and has_ids:
         raise ValueError("prompt and token_ids are both set: give one, not both")

@@ -7,12 +7,14 @@ tests/engine/test_encoder.py holds to transformers' numbers.
 """
 from __future__ import annotations
 
+import grpc
 import openai
 import pytest
 import requests
 import torch
 
 from engine import LLM
+from proto import pdserve_pb2
 
 from ..engine.test_encoder import _bert, _save, _tokenizer, _xlmr
 from .harness import start_colocated, start_roles
@@ -59,7 +61,7 @@ def test_a_bert_embedding_model_serves_embeddings_and_scores_and_refuses_generat
         q = ref.embed([QUERY])[0].outputs.embedding
         cos = [sum(x * y for x, y in zip(q, w)) for w in want]
         assert [x["index"] for x in body["results"]] == sorted(range(len(DOCS)), key=lambda i: -cos[i])
-        with pytest.raises(openai.BadRequestError, match="encoder .*BertModel.*embeddings, not generation"):
+        with pytest.raises(openai.BadRequestError, match="is an encoder: it serves embeddings .*not generation"):
             client.completions.create(model=name, prompt="the cat", max_tokens=4)
         assert r.wait_idle(10.0)
     finally:
@@ -98,6 +100,11 @@ def test_a_cross_encoder_reranks_as_the_offline_engine_scores(dirs):
         emb = requests.post(f"{base}/v1/embeddings", json={"model": name, "input": "a"}, timeout=30)
         assert emb.status_code == 400 and emb.json()["error"]["param"] == "model", emb.text
         assert "cross-encoder" in emb.json()["error"]["message"]
+        gen = requests.post(f"{base}/v1/completions", json={"model": name, "prompt": "a", "max_tokens": 2}, timeout=30)
+        assert gen.status_code == 400 and "serves pair scores" in gen.json()["error"]["message"], gen.text
+        with pytest.raises(grpc.RpcError) as e:
+            list(r.stub.Generate(pdserve_pb2.GenerateRequest(prompt="a", max_tokens=2), timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "is an encoder" in e.value.details()
         assert r.wait_idle(10.0)
     finally:
         r.close()
