@@ -37,7 +37,7 @@ import sys
 from typing import Callable, Optional
 
 from cluster.serve_loop import run_until_signal, wait_listening, wait_serving
-from cluster.up_checks import check_model_args, check_pool_args, check_router_args, check_up_args
+from cluster.up_checks import check_model_args, check_pool_args, check_router_args, check_up_args, encoder_pools
 from cluster.up_flags import pool_config_kwargs, router_overrides, sla_config
 from cluster.up_secrets import read_cluster_tls, read_split_secrets, read_up_secrets, secret_source
 
@@ -87,6 +87,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from cluster.launcher import Cluster, ClusterConfig
 
     check_up_args(args)
+    encoder_pools(args)
     api_keys, cluster_secret, redis_url = read_up_secrets(args)
     prepare_cpu_kernels(args)
     cfg = ClusterConfig(**pool_config_kwargs(args), router_port=args.port, redis_url=redis_url,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import sys
 from typing import Callable
 
 from cluster.up_flags import engine_overrides, router_overrides
@@ -27,6 +28,24 @@ def check_up_args(args: argparse.Namespace) -> None:
     check_pool_args(args)
     check_model_args(args)
     check_router_args(args)
+
+
+def encoder_pools(args: argparse.Namespace) -> bool:
+    """An encoder (engine/encoder.py) does only prefill work: its embeddings and scores run where prompts run, and a
+    decode worker would hold a model it never uses. So ``pdserve up`` with one runs its --prefill + --decode workers
+    as one colocated pool (unless --colocated says how many); True where it changed ``args`` (said on stderr)."""
+    if args.colocated or args.model in BUILTIN_MODELS:
+        return False
+    from engine.config import EngineConfig
+    from engine.loader import load_model_config
+
+    if not load_model_config(EngineConfig(model=args.model)).is_encoder:
+        return False
+    args.colocated = max(1, args.prefill + args.decode)
+    print(f"pdserve up: {args.model} is an encoder (embeddings and scores are prompt work): running "
+          f"{args.colocated} colocated worker(s) instead of prefill and decode pools (--colocated K sets it)",
+          file=sys.stderr)
+    return True
 
 
 def check_model_args(args: argparse.Namespace) -> None:

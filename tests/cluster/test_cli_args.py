@@ -417,3 +417,23 @@ def test_responses_store_flag_reaches_the_router_config(cmd):
             router_overrides(build_parser().parse_args([cmd, "--responses-store-ttl-s", bad, *extra]))
     with pytest.raises(ValueError, match="responses_store_ttl_s must be > 0"):
         RouterConfig(responses_store_ttl_s=0)
+
+
+def test_pdserve_up_runs_an_encoder_as_one_colocated_pool(tmp_path, capsys):
+    """An encoder's work is all prompts: its --prefill + --decode workers become one colocated pool (said on
+    stderr), unless --colocated says how many; a decoder keeps its two pools."""
+    from cluster.cli import build_parser
+    from cluster.up_checks import encoder_pools
+    from cluster.up_flags import pool_config_kwargs
+
+    from ..engine.test_encoder import _bert, _save, _tokenizer
+
+    d = str(_save(_bert(), _tokenizer("bert"), tmp_path / "bge"))
+    args = build_parser().parse_args(["up", "--model", d, "--decode", "2"])
+    assert encoder_pools(args) and "is an encoder" in capsys.readouterr().err
+    kw = pool_config_kwargs(args)
+    assert (kw["num_colocated"], kw["num_prefill"], kw["num_decode"]) == (3, 0, 0)
+    args = build_parser().parse_args(["up", "--model", d, "--colocated", "2"])
+    assert not encoder_pools(args) and args.colocated == 2
+    args = build_parser().parse_args(["up", "--model", "tiny"])
+    assert not encoder_pools(args) and (args.colocated, args.prefill, args.decode) == (0, 1, 1)
