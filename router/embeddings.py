@@ -63,6 +63,25 @@ class EmbedInvalid(Exception):
         self.code, self.message, self.field = code, message, field
 
 
+def _limits_and_adapter(core: Any, model: Optional[str]) -> tuple[ModelLimits, Optional[str]]:
+    """(the router's model limits, the LoRA adapter ``model`` names); ``EmbedInvalid`` while not serving
+    (UNAVAILABLE) or for a model not served (NOT_FOUND)."""
+    lim = core.limits
+    if lim is None or core.draining:
+        raise EmbedInvalid(grpc.StatusCode.UNAVAILABLE, "router is not serving")
+    try:
+        return lim, lim.lora_of(model)
+    except LookupError as e:
+        raise EmbedInvalid(grpc.StatusCode.NOT_FOUND, str(e), "model") from None
+
+
+def _checked_keep(keep: Optional[int]) -> Optional[int]:
+    if keep is not None and keep < 1 and keep != -1:
+        raise EmbedInvalid(grpc.StatusCode.INVALID_ARGUMENT, f"truncate_prompt_tokens must be >= 1 or -1, got {keep}",
+                           "truncate_prompt_tokens")
+    return keep
+
+
 def prepare_job(core: Any, request_id: str, model: Optional[str], texts: Optional[list[str]],
                 token_lists: Optional[list[list[int]]], dimensions: Optional[int] = None,
                 normalize: Optional[bool] = None, truncate_prompt_tokens: Optional[int] = None,
@@ -70,13 +89,7 @@ def prepare_job(core: Any, request_id: str, model: Optional[str], texts: Optiona
     """The ``EmbedJob`` of a request's fields (``texts`` or ``token_lists``); ``EmbedInvalid`` otherwise (see module
     docstring). Blocking: it tokenizes. ``names``: what each input is called in refusals (the score and rerank
     APIs' fields; default ``input[i]``)."""
-    lim = core.limits
-    if lim is None or core.draining:
-        raise EmbedInvalid(grpc.StatusCode.UNAVAILABLE, "router is not serving")
-    try:
-        lora = lim.lora_of(model)
-    except LookupError as e:
-        raise EmbedInvalid(grpc.StatusCode.NOT_FOUND, str(e), "model") from None
+    lim, lora = _limits_and_adapter(core, model)
     bad = grpc.StatusCode.INVALID_ARGUMENT
     pooling = lim.pooling if lim.pooling is not None else PoolingConfig()
     if pooling.unsupported is not None:
@@ -90,9 +103,7 @@ def prepare_job(core: Any, request_id: str, model: Optional[str], texts: Optiona
         check_dimensions(pooling, dimensions, lim.hidden_size or 1 << 30)
     except ValueError as e:
         raise EmbedInvalid(bad, str(e), "dimensions") from None
-    keep = truncate_prompt_tokens
-    if keep is not None and keep < 1 and keep != -1:
-        raise EmbedInvalid(bad, f"truncate_prompt_tokens must be >= 1 or -1, got {keep}", "truncate_prompt_tokens")
+    keep = _checked_keep(truncate_prompt_tokens)
     if texts is not None:
         if core.tokenizer is None:
             raise EmbedInvalid(bad, "input: this model has no tokenizer; give token ids", "input")
@@ -135,17 +146,9 @@ def prepare_pair_job(core: Any, request_id: str, model: Optional[str], pairs: li
     longest text first to ``truncate_prompt_tokens``, special tokens kept: ``Tokenizer.encode_encoder``); its
     answers are the classifier's raw logits (``engine.cross_encoder_score`` makes the score). ``names``: what each
     pair's second text is called in refusals. ``EmbedInvalid`` as ``prepare_job``'s. Blocking: it tokenizes."""
-    lim = core.limits
-    if lim is None or core.draining:
-        raise EmbedInvalid(grpc.StatusCode.UNAVAILABLE, "router is not serving")
-    try:
-        lora = lim.lora_of(model)
-    except LookupError as e:
-        raise EmbedInvalid(grpc.StatusCode.NOT_FOUND, str(e), "model") from None
+    lim, lora = _limits_and_adapter(core, model)
     bad = grpc.StatusCode.INVALID_ARGUMENT
-    keep = truncate_prompt_tokens
-    if keep is not None and keep < 1 and keep != -1:
-        raise EmbedInvalid(bad, f"truncate_prompt_tokens must be >= 1 or -1, got {keep}", "truncate_prompt_tokens")
+    keep = _checked_keep(truncate_prompt_tokens)
     if core.tokenizer is None:
         raise EmbedInvalid(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer: a cross-encoder "
                                                                 "scores texts", "model")

@@ -63,6 +63,8 @@ def test_a_bert_embedding_model_serves_embeddings_and_scores_and_refuses_generat
         assert [x["index"] for x in body["results"]] == sorted(range(len(DOCS)), key=lambda i: -cos[i])
         with pytest.raises(openai.BadRequestError, match="is an encoder: it serves embeddings .*not generation"):
             client.completions.create(model=name, prompt="the cat", max_tokens=4)
+        with pytest.raises(openai.BadRequestError, match="is an encoder: it serves embeddings and scores, not chat"):
+            client.chat.completions.create(model=name, messages=[{"role": "user", "content": "a"}])
         assert r.wait_idle(10.0)
     finally:
         r.close()
@@ -105,6 +107,9 @@ def test_a_cross_encoder_reranks_as_the_offline_engine_scores(dirs):
         with pytest.raises(grpc.RpcError) as e:
             list(r.stub.Generate(pdserve_pb2.GenerateRequest(prompt="a", max_tokens=2), timeout=30))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "is an encoder" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            r.stub.Embed(pdserve_pb2.EmbedRequest(texts=["a"]), timeout=30)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "cross-encoder" in e.value.details()
         assert r.wait_idle(10.0)
     finally:
         r.close()
