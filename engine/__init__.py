@@ -61,6 +61,8 @@ _EXPORTS = {
     "EmbeddingRequestOutput": "engine.outputs",
     "ScoringRequestOutput": "engine.outputs",
     "cross_encoder_score": "engine.pooling",
+    "classify_probs": "engine.pooling",
+    "ClassificationRequestOutput": "engine.outputs",
     "default_eos": "engine.loader",
     "default_served_model_name": "engine.names",
 }

@@ -27,9 +27,9 @@ from engine.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_sear
 from engine.config import EngineConfig
 from engine.detokenizer import OutputProcessor
 from engine.llm_engine import LLMEngine
-from engine.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
-                            ScoringRequestOutput)
-from engine.pooling import check_dimensions, cross_encoder_score, finish_embedding
+from engine.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
+                            EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
+from engine.pooling import check_dimensions, classify_probs, cross_encoder_score, finish_embedding
 from engine.sampling_params import SamplingParams, truncated_prompt
 from engine.tokenizer import Tokenizer
 
@@ -134,7 +134,9 @@ class LLM:
         decoder's last tokens, an encoder's first (its tokenizer's truncation, special tokens kept)."""
         eng = self.llm_engine
         if eng.pooling.num_labels:
-            raise ValueError("this model is a cross-encoder: it scores text pairs (LLM.score), it has no embeddings")
+            raise ValueError("this model is a " + ("cross-encoder: it scores text pairs (LLM.score)"
+                                                   if eng.pooling.num_labels == 1 else "classifier (LLM.classify)")
+                             + ", it has no embeddings")
         check_dimensions(eng.pooling, dimensions, eng.model_config.hidden_size)
         norm = eng.pooling.normalize if normalize is None else bool(normalize)
         if eng.model_config.is_encoder and truncate_prompt_tokens is not None:
@@ -164,6 +166,9 @@ class LLM:
                              "as text_2")
         pairs = [(left[0], b) for b in right] if len(left) == 1 else list(zip(left, right))
         eng = self.llm_engine
+        if eng.pooling.num_labels > 1:
+            raise ValueError(f"this model is a {eng.pooling.num_labels}-label classifier: it classifies texts "
+                             "(LLM.classify); a pair's score needs a one-label cross-encoder or an embedding model")
         if not eng.pooling.num_labels:
             a = self.embed([p[0] for p in pairs], normalize=True, truncate_prompt_tokens=truncate_prompt_tokens)
             b = self.embed([p[1] for p in pairs], normalize=True, truncate_prompt_tokens=truncate_prompt_tokens)
@@ -180,6 +185,27 @@ class LLM:
         rids, got = self._pool(token_lists, SamplingParams(), use_tqdm, "score")
         return [ScoringRequestOutput(rid, ids, ScoringOutput(cross_encoder_score(got[rid])))
                 for rid, ids in zip(rids, token_lists)]
+
+    def classify(self, prompts: PromptsType, *, truncate_prompt_tokens: Optional[int] = None,
+                 use_tqdm: bool = False) -> list[ClassificationRequestOutput]:
+        """vLLM's ``LLM.classify``: each prompt's label probabilities from a sequence classifier (engine/encoder.py:
+        softmax over its labels; sigmoid each for a one-label or ``multi_label`` model) and its best label, in the
+        order of ``prompts``. ``truncate_prompt_tokens``: its first tokens kept, special tokens too."""
+        eng = self.llm_engine
+        if not eng.pooling.num_labels:
+            raise ValueError("this model is not a classifier (a ...ForSequenceClassification encoder): it has no "
+                             "labels to classify into")
+        if truncate_prompt_tokens is not None:
+            texts, token_lists = self._encoder_inputs(prompts, truncate_prompt_tokens)
+        else:
+            texts, token_lists = self._normalize_prompts(prompts)
+        rids, got = self._pool(token_lists, SamplingParams(), use_tqdm, "classify")
+        out = []
+        for rid, text, ids in zip(rids, texts, token_lists):
+            probs = classify_probs(got[rid], eng.pooling.multi_label)
+            out.append(ClassificationRequestOutput(rid, list(ids), ClassificationOutput(probs),
+                                                   eng.pooling.labels[probs.index(max(probs))], text))
+        return out
 
     def _encoder_inputs(self, prompts: PromptsType, keep: int) -> tuple[list[Optional[str]], list[list[int]]]:
         """An encoder's prompts cut to ``keep`` tokens (-1: the context) from their end: texts by the tokenizer

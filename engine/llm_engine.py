@@ -88,9 +88,6 @@ def encoder_engine_config(config: EngineConfig, mc: ModelConfig) -> EngineConfig
                                      ("kv_cache_dtype", config.kv_cache_dtype != "auto"),
                                      ("lora_modules", bool(config.lora_modules)),
                                      ("speculative_config", config.speculative_config is not None)) if on]
-    if mc.num_labels > 1:
-        raise ValueError(f"model: a {mc.num_labels}-label {mc.architecture} is a classifier; pdserve serves "
-                         "one-label cross-encoders (rerankers: a pair's score) and embedding encoders")
     if refused:
         raise ValueError(f"{refused[0]}: not available for an encoder ({mc.architecture}), which serves embeddings "
                          "and scores on one device, unquantized")
@@ -503,8 +500,9 @@ class LLMEngine:
                                     truncate_prompt_tokens=params.truncate_prompt_tokens,
                                     cache_salt=params.cache_salt, priority=params.priority)
         elif self.model_config.is_encoder:
+            n = self.model_config.num_labels
             raise ValueError(f"this model is an encoder ({self.model_config.architecture}): it serves "
-                             + ("pair scores (score, rerank)" if self.model_config.num_labels else "embeddings")
+                             + ("pair scores (score, rerank)" if n == 1 else "classifications" if n else "embeddings")
                              + ", not generation")
         elif not getattr(getattr(self.runner, "model", None), "has_lm_head", True):  # (a simulator's runner has none)
             raise ValueError("this model's checkpoint has no LM head (lm_head.weight): it serves embeddings only")

@@ -80,6 +80,30 @@ class ScoringRequestOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    """vLLM's ``ClassificationOutput``: one input's probabilities, by label."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """The offline API's classification of one prompt (vLLM's shape: ``.outputs.probs``), with its best label's
+    name (config.json ``id2label``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    label: str
+    prompt: Optional[str] = None
+    finished: bool = True
+
+
+@dataclass
 class RequestOutput:
     """The offline API's result for one prompt (vLLM shape, flattened to n=1)."""
 

@@ -12,9 +12,10 @@ Pooling: a decoder (Qwen3-Embedding, e5-mistral, gte-Qwen2, ...) pools its last 
 for one (its prompt may be chunked and prefix-cached; a decoder model whose sentence-transformers config asks for
 mean or CLS pooling is refused by name, ``PoolingConfig.unsupported``). An encoder (engine/encoder.py: BERT,
 RoBERTa, XLM-R) computes each prompt whole, so it pools as its config says: CLS, mean or last token (CLS where it
-has no sentence-transformers files, as vLLM does for BERT). A cross-encoder (``...ForSequenceClassification``,
-``num_labels``) answers its classifier's logits instead of an embedding: the router's score and rerank APIs use it
-(engine/encoder.py), its embeddings API refuses it. A sentence-transformers pipeline with a module after pooling
+has no sentence-transformers files, as vLLM does for BERT). A sequence classifier (``...ForSequenceClassification``,
+``num_labels``) answers its classifier's logits instead of an embedding: a one-label one is a cross-encoder, whose
+score and rerank APIs read text pairs (``cross_encoder_score``); any classifier answers ``/classify``
+(``classify_probs``); the embeddings API refuses them. A sentence-transformers pipeline with a module after pooling
 that the engine does not compute (``Dense``: a projection) is refused, never served without it.
 """
 from __future__ import annotations
@@ -47,6 +48,10 @@ class PoolingConfig:
     """How a prompt's states become its vector: 'lasttoken', 'cls' or 'mean' (the last two: encoders only)."""
     num_labels: int = 0
     """A cross-encoder's outputs (it scores text pairs and serves no embeddings); 0: an embedding model."""
+    labels: tuple[str, ...] = ()
+    """A classifier's label names, by output (config.json ``id2label``; ``LABEL_i`` where it has none)."""
+    multi_label: bool = False
+    """Its labels are independent (``problem_type: multi_label_classification``): a sigmoid each, not a softmax."""
     encoder: bool = False
     """The model is an encoder (engine/encoder.py): a text is cut by its tokenizer, keeping its first tokens and
     its special tokens, where a decoder's prompt keeps its last tokens."""
@@ -70,7 +75,10 @@ def read_pooling_config(model_dir: Optional[Path], hf_config: Optional[dict] = N
                               matryoshka_dimensions=tuple(int(d) for d in dims) if dims else None,
                               mode="cls" if encoder else "lasttoken", encoder=encoder)
     if encoder and archs[0].endswith("ForSequenceClassification"):
-        kw["num_labels"] = len(cfg["id2label"]) if cfg.get("id2label") else int(cfg.get("num_labels", 2))
+        kw["num_labels"] = n = len(cfg["id2label"]) if cfg.get("id2label") else int(cfg.get("num_labels", 2))
+        names = {str(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
+        kw["labels"] = tuple(names.get(str(i), f"LABEL_{i}") for i in range(n))
+        kw["multi_label"] = cfg.get("problem_type") == "multi_label_classification"
     modules = _read_json(model_dir, "modules.json") if model_dir is not None else None
     if not isinstance(modules, list):
         return PoolingConfig(**kw)
@@ -135,3 +143,15 @@ def cross_encoder_score(logits: Sequence[float]) -> float:
     sentence-transformers' CrossEncoder and vLLM answer for a one-label model)."""
     x = float(logits[0])
     return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+def classify_probs(logits: Sequence[float], multi_label: bool = False) -> list[float]:
+    """A classifier's probabilities from its logits: a softmax over the labels, or (one label, or
+    ``multi_label``) a sigmoid each (what vLLM's ``/classify`` and transformers' pipelines answer)."""
+    xs = [float(x) for x in logits]
+    if multi_label or len(xs) == 1:
+        return [cross_encoder_score([x]) for x in xs]
+    top = max(xs)
+    exps = [math.exp(x - top) for x in xs]
+    total = math.fsum(exps)
+    return [e / total for e in exps]

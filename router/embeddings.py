@@ -85,20 +85,27 @@ def _checked_keep(keep: Optional[int]) -> Optional[int]:
 def prepare_job(core: Any, request_id: str, model: Optional[str], texts: Optional[list[str]],
                 token_lists: Optional[list[list[int]]], dimensions: Optional[int] = None,
                 normalize: Optional[bool] = None, truncate_prompt_tokens: Optional[int] = None,
-                add_special_tokens: bool = True, names: Optional[list[str]] = None) -> EmbedJob:
+                add_special_tokens: bool = True, names: Optional[list[str]] = None,
+                classify: bool = False) -> EmbedJob:
     """The ``EmbedJob`` of a request's fields (``texts`` or ``token_lists``); ``EmbedInvalid`` otherwise (see module
     docstring). Blocking: it tokenizes. ``names``: what each input is called in refusals (the score and rerank
-    APIs' fields; default ``input[i]``)."""
+    APIs' fields; default ``input[i]``). ``classify``: a classifier's inputs (``/classify``: its raw logits come
+    back; ``engine.classify_probs`` makes the answer), refused unless the model is one."""
     lim, lora = _limits_and_adapter(core, model)
     bad = grpc.StatusCode.INVALID_ARGUMENT
     pooling = lim.pooling if lim.pooling is not None else PoolingConfig()
     if pooling.unsupported is not None:
         raise EmbedInvalid(grpc.StatusCode.FAILED_PRECONDITION,
                            f"this model cannot serve embeddings: {pooling.unsupported}", "model")
-    if pooling.num_labels:
-        raise EmbedInvalid(grpc.StatusCode.FAILED_PRECONDITION, "this model is a cross-encoder: it scores text "
-                                                                "pairs (/v1/score, /v1/rerank), it has no embeddings",
-                           "model")
+    if classify and not pooling.num_labels:
+        raise EmbedInvalid(grpc.StatusCode.FAILED_PRECONDITION, "this model is not a classifier (a "
+                                                                "...ForSequenceClassification encoder)", "model")
+    if pooling.num_labels and not classify:
+        raise EmbedInvalid(grpc.StatusCode.FAILED_PRECONDITION, "this model is a " + (
+            "cross-encoder: it scores text pairs (/v1/score, /v1/rerank)" if pooling.num_labels == 1 else
+            "classifier (/classify)") + ", it has no embeddings", "model")
+    if classify:
+        dimensions, normalize = None, False
     try:
         check_dimensions(pooling, dimensions, lim.hidden_size or 1 << 30)
     except ValueError as e:
@@ -149,6 +156,11 @@ def prepare_pair_job(core: Any, request_id: str, model: Optional[str], pairs: li
     lim, lora = _limits_and_adapter(core, model)
     bad = grpc.StatusCode.INVALID_ARGUMENT
     keep = _checked_keep(truncate_prompt_tokens)
+    labels = lim.pooling.num_labels if lim.pooling is not None else 0
+    if labels != 1:
+        raise EmbedInvalid(grpc.StatusCode.FAILED_PRECONDITION, f"this model is a {labels}-label classifier: it "
+                                                                "classifies texts (/classify); a pair's score needs a "
+                                                                "one-label cross-encoder", "model")
     if core.tokenizer is None:
         raise EmbedInvalid(grpc.StatusCode.FAILED_PRECONDITION, "this model has no tokenizer: a cross-encoder "
                                                                 "scores texts", "model")

@@ -45,16 +45,16 @@ class EmbeddingRequest(BaseModel):
     request_id: Optional[str] = None
 
 
-def _inputs(body: EmbeddingRequest) -> tuple[Optional[list[str]], Optional[list[list[int]]]]:
-    """(texts, token-id lists), one of them None, of ``body.input``."""
-    x = body.input
+def split_inputs(x: Any) -> tuple[Optional[list[str]], Optional[list[list[int]]]]:
+    """(texts, token-id lists), one of them None, of a request's ``input`` (a text, texts, token ids, lists of
+    them)."""
     if isinstance(x, str):
         return [x], None
     if x and all(isinstance(t, str) for t in x):
-        return list(x), None  # type: ignore[arg-type]
+        return list(x), None
     if x and all(isinstance(t, int) for t in x):
-        return None, [list(x)]  # type: ignore[arg-type]
-    return None, [list(t) for t in x]  # type: ignore[union-attr]
+        return None, [list(x)]
+    return None, [list(t) for t in x]
 
 
 def error(status: int, message: str, param: Optional[str] = None,
@@ -96,7 +96,7 @@ async def serve(core: Any, body: EmbeddingRequest, request_id: str, admit: Calla
     (``router.quotas``), or QuotaExceeded; ``blocking(fn, *args)``: ``fn`` run where the router's flows run their
     blocking steps (its flow pool: a request waiting on its workers must not hold one of the HTTP loop's few
     default threads, which every completion's preparation shares)."""
-    texts, token_lists = _inputs(body)
+    texts, token_lists = split_inputs(body.input)
     got = await embed(core, admit, blocking, request_id, body.model, texts, token_lists, body.dimensions,
                       body.normalize, body.truncate_prompt_tokens, body.add_special_tokens)
     if isinstance(got, JSONResponse):

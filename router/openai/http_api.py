@@ -57,6 +57,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from router.openai import anthropic_api as aa
 from router.openai import embeddings_api as oemb
+from router.openai import classify_api as ocls
 from router.openai import score_api as oscore
 from router.openai import schema as openai_schema
 from router.openai import protocol as oa
@@ -402,7 +403,7 @@ class HttpApi:
         openai_schema.install(app, oa.CompletionRequest, oa.ChatCompletionRequest,
                               (oa.TokenizeCompletionRequest, oa.TokenizeChatRequest), oa.DetokenizeRequest,
                               {"/v1/embeddings": oemb.EmbeddingRequest, "/v1/score": oscore.ScoreRequest,
-                               "/v1/rerank": oscore.RerankRequest})
+                               "/v1/rerank": oscore.RerankRequest, "/v1/classify": ocls.ClassifyRequest})
 
         @app.exception_handler(RequestValidationError)
         async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -545,6 +546,11 @@ class HttpApi:
         @app.post("/v1/embeddings")
         async def embeddings(request: Request) -> Response:
             return await self._scored(request, await self._body(request, oemb.EmbeddingRequest), oemb.serve)
+
+        @app.post("/v1/classify")
+        @app.post("/classify", include_in_schema=False)  # (vLLM's path; documented once)
+        async def classify(request: Request) -> Response:
+            return await self._scored(request, await self._body(request, ocls.ClassifyRequest), ocls.serve)
 
         @app.post("/v1/score")
         @app.post("/score", include_in_schema=False)  # (aliases, as vLLM serves them; documented once)

@@ -205,6 +205,22 @@ class RerankResponse(_Open):
     usage: EmbeddingUsage
 
 
+class ClassificationData(_Open):
+    index: int
+    label: str
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(_Open):
+    id: str
+    object: str
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: EmbeddingUsage
+
+
 _ERRORS = {400: "invalid request (the message names the field)", 401: "missing or invalid API key",
            404: "no such model", 429: "overloaded: retry later", 503: "not serving (starting or draining)",
            504: "the request's deadline passed"}
@@ -231,7 +247,7 @@ def install(app: FastAPI, completion_request: type[BaseModel], chat_request: typ
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
         models: list[type[BaseModel]] = [ErrorResponse, AnthropicErrorResponse, ChatCompletionResponse, CompletionResponse, ModelList,
                                          TokenizeResponse, DetokenizeResponse, EmbeddingResponse, *tokenize_requests,
-                                         detokenize_request, ScoreResponse, RerankResponse,
+                                         detokenize_request, ScoreResponse, RerankResponse, ClassificationResponse,
                                          *dict.fromkeys((extra_bodies or {}).values())]
         for m in models:
             js = m.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -248,6 +264,7 @@ def install(app: FastAPI, completion_request: type[BaseModel], chat_request: typ
             "/v1/embeddings": {"application/json": {"schema": _ref(EmbeddingResponse)}},
             "/v1/score": {"application/json": {"schema": _ref(ScoreResponse)}},
             "/v1/rerank": {"application/json": {"schema": _ref(RerankResponse)}},
+            "/v1/classify": {"application/json": {"schema": _ref(ClassificationResponse)}},
             "/metrics": {"text/plain": {"schema": {"type": "string", "description": "Prometheus exposition"}}},
             "/v1/responses": {"application/json": {"schema": {"type": "object", "description": "OpenAI's response "
                                                                           "object"}},

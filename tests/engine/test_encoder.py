@@ -66,9 +66,10 @@ def _bert(cls_name: str = "BertModel", **kw) -> torch.nn.Module:
 
 def _xlmr(cls_name: str = "XLMRobertaForSequenceClassification", **kw) -> torch.nn.Module:
     torch.manual_seed(11)
+    kw.setdefault("num_labels", 1)
     cfg = transformers.XLMRobertaConfig(vocab_size=80, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                         intermediate_size=64, max_position_embeddings=66, pad_token_id=1,
-                                        bos_token_id=0, eos_token_id=2, type_vocab_size=1, num_labels=1, **kw)
+                                        bos_token_id=0, eos_token_id=2, type_vocab_size=1, **kw)
     return getattr(transformers, cls_name)(cfg).eval()
 
 
@@ -169,9 +170,15 @@ def test_encoders_refuse_what_they_cannot_do(tmp_path):
     ce = _save(_bert("BertForSequenceClassification", num_labels=1), tok, tmp_path / "ce")
     with pytest.raises(ValueError, match="cross-encoder: it scores text pairs"):
         LLM(str(ce)).embed(["the cat"])
-    two = _save(_bert("BertForSequenceClassification", num_labels=2), tok, tmp_path / "two")
-    with pytest.raises(ValueError, match="2-label BertForSequenceClassification is a classifier"):
-        LLM(str(two))
+    with pytest.raises(ValueError, match="not a classifier"):
+        llm.classify(["the cat"])
+    two = LLM(str(_save(_bert("BertForSequenceClassification", num_labels=2), tok, tmp_path / "two")))
+    with pytest.raises(ValueError, match="2-label classifier: it classifies texts"):
+        two.score("a", "b")
+    with pytest.raises(ValueError, match="classifier .LLM.classify., it has no embeddings"):
+        two.embed(["a"])
+    with pytest.raises(ValueError, match="serves classifications, not generation"):
+        two.generate(["a"], SamplingParams(max_tokens=1))
     dense = _save(_bert(), tok, tmp_path / "dense", "mean_tokens", extra_modules=("Dense",))
     with pytest.raises(ValueError, match="Dense module"):
         LLM(str(dense))
@@ -200,3 +207,24 @@ def test_an_embedding_prompt_may_fill_the_context(tmp_path):
     assert len(dec.embed([list(range(5, 37))])[0].outputs.embedding) == dec.llm_engine.model_config.hidden_size
     with pytest.raises(ValueError, match="prompt plus at least one new token"):
         dec.generate([list(range(5, 37))], SamplingParams(max_tokens=1))
+
+
+@pytest.mark.parametrize("multi", [False, True], ids=["softmax", "multi-label"])
+def test_a_sequence_classifier_gives_transformers_probabilities_and_its_label(multi, tmp_path):
+    """A sentiment-style RoBERTa with three named labels: the softmax of transformers' logits; a multi-label one
+    (``problem_type``, toxic-bert's way): a sigmoid per label."""
+    from engine import LLM
+
+    labels = {0: "negative", 1: "neutral", 2: "positive"}
+    model = _xlmr(num_labels=3, id2label=labels, label2id={v: k for k, v in labels.items()},
+                  problem_type="multi_label_classification" if multi else None)
+    with torch.no_grad():  # (spread the logits apart: transformers' init leaves the three near equal)
+        model.classifier.out_proj.weight.normal_(0, 1)
+    tok = _tokenizer("roberta")
+    llm = LLM(str(_save(model, tok, tmp_path / "m")))
+    got = llm.classify(TEXTS)
+    for text, g in zip(TEXTS, got, strict=True):
+        logits = _hidden(model, tok.encode(text).ids)
+        ref = torch.sigmoid(logits) if multi else torch.softmax(logits, 0)
+        torch.testing.assert_close(torch.tensor(g.outputs.probs, dtype=torch.float32), ref, atol=1e-6, rtol=0)
+        assert g.label == labels[int(ref.argmax())] and g.outputs.num_classes == 3

@@ -50,6 +50,8 @@ def test_a_bert_embedding_model_serves_embeddings_and_scores_and_refuses_generat
         # an encoder's text is cut at its end, its [CLS] and [SEP] kept (what its tokenizer does)
         short = client.embeddings.create(model=name, input=DOCS, extra_body={"truncate_prompt_tokens": 4})
         assert all(_close(d.embedding, w) for d, w in zip(short.data, cut, strict=True))
+        not_cls = requests.post(f"http://{r.router.http_address}/v1/classify", json={"input": "a"}, timeout=30)
+        assert not_cls.status_code == 400 and not_cls.json()["error"]["param"] == "model", not_cls.text
         assert short.usage.prompt_tokens == 4 * len(DOCS)
         full = [2] + [5 + i % 20 for i in range(62)] + [3]  # (exactly the context: nothing follows an embedding)
         got = client.embeddings.create(model=name, input=[full], encoding_format="float")
@@ -99,6 +101,13 @@ def test_a_cross_encoder_reranks_as_the_offline_engine_scores(dirs):
         cut = requests.post(f"{base}/v1/rerank", json={"model": name, "query": QUERY, "documents": [long_doc],
                                                        "truncate_prompt_tokens": -1}, timeout=60).json()
         assert abs(cut["results"][0]["relevance_score"] - want_cut) < 1e-6, cut
+        # vLLM's /classify: a one-label model's sigmoid, as LLM.classify answers it
+        cls = requests.post(f"{base}/classify", json={"model": name, "input": DOCS[:2]}, timeout=60).json()
+        offline = ref.classify(DOCS[:2])
+        assert [d["index"] for d in cls["data"]] == [0, 1] and cls["data"][0]["num_classes"] == 1, cls
+        assert all(abs(d["probs"][0] - o.outputs.probs[0]) < 1e-6 and d["label"] == o.label
+                   for d, o in zip(cls["data"], offline))
+        assert cls["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in offline)
         emb = requests.post(f"{base}/v1/embeddings", json={"model": name, "input": "a"}, timeout=30)
         assert emb.status_code == 400 and emb.json()["error"]["param"] == "model", emb.text
         assert "cross-encoder" in emb.json()["error"]["message"]

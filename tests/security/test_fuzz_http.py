@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 
 from router.openai import protocol as oa
 from router.openai import anthropic_api as aa
+from router.openai.classify_api import ClassifyRequest
 from router.openai.embeddings_api import EmbeddingRequest
 from router.openai.score_api import RerankRequest, ScoreRequest
 from router.openai.responses_api import ResponsesRequest
@@ -34,7 +35,8 @@ KEY = "fuzz-http-key-1"
 FIELD_NAMES = sorted({name for model in (oa.CompletionRequest, oa.ChatCompletionRequest, oa.TokenizeCompletionRequest,
                                          oa.TokenizeChatRequest, oa.DetokenizeRequest, oa.LoadLoRAAdapterRequest,
                                          oa.UnloadLoRAAdapterRequest, ResponsesRequest, aa.MessagesRequest,
-                                         aa.CountTokensRequest, EmbeddingRequest, ScoreRequest, RerankRequest)
+                                         aa.CountTokensRequest, EmbeddingRequest, ScoreRequest, RerankRequest,
+                                         ClassifyRequest)
                       for name in model.model_fields} | {"body", "JSON", "allow-runtime-lora-updating", "response_id",
                                                          "limit", "order", "after"},
                      key=len, reverse=True)
