@@ -239,9 +239,12 @@ class _Input:
             self.held = False
 
 
-def run_embed(core: Any, job: EmbedJob, deadline: float) -> list[Embedded]:
+def run_embed(core: Any, job: EmbedJob, deadline: float,
+              cancelled: Optional[threading.Event] = None) -> list[Embedded]:
     """Every input's embedding, in order; FlowError with the status to answer otherwise (see module docstring).
-    ``deadline``: monotonic seconds."""
+    ``deadline``: monotonic seconds. ``cancelled``: set when the client went away (an HTTP disconnect): the
+    inputs' calls still out are cancelled (their workers abort them) and this ends with CANCELLED within
+    ``CANCEL_POLL_S``."""
     if core.limits is None or core.draining:
         raise FlowError(grpc.StatusCode.UNAVAILABLE, "router is not serving")
     if not core.bound.try_take():
@@ -261,6 +264,7 @@ def run_embed(core: Any, job: EmbedJob, deadline: float) -> list[Embedded]:
         out: list[Optional[Embedded]] = [None] * len(calls)
         for c in calls:
             while out[c.index] is None:
+                _wait(job, c, cancelled)
                 out[c.index] = _result(core, job, c, wire, tag, deadline, lock)
         done = [o for o in out if o is not None]
         m = core.metrics
@@ -275,6 +279,22 @@ def run_embed(core: Any, job: EmbedJob, deadline: float) -> list[Embedded]:
                 c.future.cancel()  # (its worker aborts the request when the call ends)
             c.release(core)
         core.bound.give_back()
+
+
+CANCEL_POLL_S = 0.1
+"""How often a request whose client may go away looks whether it did, while it waits on its workers."""
+
+
+def _wait(job: EmbedJob, c: _Input, cancelled: Optional[threading.Event]) -> None:
+    """Until ``c``'s call is done; FlowError(CANCELLED) once ``cancelled`` is set (``run_embed``'s ``finally``
+    cancels what is still out)."""
+    if cancelled is None:
+        return
+    done = threading.Event()
+    c.future.add_done_callback(lambda _f: done.set())
+    while not done.wait(CANCEL_POLL_S):
+        if cancelled.is_set():
+            raise FlowError(grpc.StatusCode.CANCELLED, f"request {job.request_id}: the client went away")
 
 
 def _send(core: Any, job: EmbedJob, c: _Input, wire: Any, tag: str, deadline: float, lock: threading.Lock) -> None:

@@ -604,13 +604,29 @@ class HttpApi:
         return base or uuid.uuid4().hex
 
     async def _scored(self, request: Request, body: Any, serve: Callable[..., Any]) -> Response:
-        """An embeddings, score or rerank request (``serve``: its module's) under the request's id as ``_serve``,
-        admitted against the key's quota for its prompt tokens."""
+        """An embeddings, score, rerank or classify request (``serve``: its module's) under the request's id as
+        ``_serve``, admitted against the key's quota for its prompt tokens; a client that disconnects meanwhile
+        cancels its inputs on the workers (``run_embed``'s ``cancelled``)."""
         base = self._request_id(request, body)
         if isinstance(base, Response):
             return base
-        response = await serve(self.core, body, base, lambda n: self.quotas.admit(self._key(request), n, 0),
-                               self._blocking)
+        gone = threading.Event()
+
+        async def blocking(fn: Callable[..., Any], *args: Any) -> Any:  # (``run_embed``, told when the client left)
+            return await self._blocking(functools.partial(fn, cancelled=gone), *args)
+
+        async def watch() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            log.info("HTTP client went away: cancelling request %s's inputs", base)
+            gone.set()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            response = await serve(self.core, body, base, lambda n: self.quotas.admit(self._key(request), n, 0),
+                                   blocking)
+        finally:
+            watcher.cancel()
         response.headers["X-Request-Id"] = base
         return response
 

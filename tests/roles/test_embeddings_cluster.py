@@ -80,9 +80,9 @@ def test_an_http_embedding_request_waits_on_the_routers_flow_pool(roles, monkeyp
     names = []
     real = embeddings_api.run_embed
 
-    def spy(*args):
+    def spy(*args, **kw):
         names.append(threading.current_thread().name)
-        return real(*args)
+        return real(*args, **kw)
 
     monkeypatch.setattr(embeddings_api, "run_embed", spy)
     _client(roles).embeddings.create(model="tiny", input=TEXTS[:1])
@@ -189,6 +189,26 @@ def test_bad_embedding_requests_get_a_status_naming_the_field_and_leave_nothing(
     if param is not None:
         assert err["param"] == param and re.search(match, err["message"]), err
     assert roles.wait_idle(10.0)
+
+
+def test_a_client_that_goes_away_cancels_its_inputs_on_the_workers(roles):
+    """An embeddings request far longer than its client waits (200 inputs of 500 tokens): the client's disconnect
+    cancels the inputs still out (their workers abort them) instead of computing the rest for nobody, and the
+    cluster serves the next request."""
+    def computed() -> int:
+        return sum(w.ctx.engine.make_stats().num_scheduled_tokens for w in roles.prefills)
+
+    before = computed()
+    inputs = [[5 + (i + j) % 4000 for j in range(500)] for i in range(200)]
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"http://{roles.router.http_address}/v1/embeddings", json={"model": "tiny", "input": inputs},
+                      timeout=1.0)
+    assert roles.wait_idle(60.0)
+    done = computed() - before
+    assert done < 0.75 * 200 * 500, f"{done} tokens computed for a client that left"
+    assert not any(w.requests for w in roles.prefills)
+    got = _client(roles).embeddings.create(model="tiny", input=TEXTS[:1])
+    assert len(got.data) == 1
 
 
 def test_an_input_whose_worker_is_gone_is_embedded_by_another(reference):
