@@ -56,6 +56,16 @@ def check_model_args(args: argparse.Namespace) -> None:
     if args.served_model_name is not None and (not args.served_model_name.strip()
                                                or not args.served_model_name.isprintable()):
         raise ValueError(f"--served-model-name must be a non-empty printable name, got {args.served_model_name!r}")
+    if args.model not in BUILTIN_MODELS:  # (a quantized checkpoint the engine cannot load: said before anything starts)
+        from engine.prequantized import read_prequantized_dir
+
+        try:
+            spec = read_prequantized_dir(args.model)
+        except ValueError as e:
+            raise ValueError(f"--model {args.model}: {e}") from None
+        if spec is not None and getattr(args, "quantization", None):
+            raise ValueError(f"--quantization: {args.model} is a {spec.describe()} checkpoint, served as it is "
+                             "(leave --quantization unset)")
     n = getattr(args, "max_model_len", None)
     if n is not None:
         if n < 2:  # one prompt token and one output token

@@ -56,7 +56,8 @@ from engine.kernels import cpu_kernels
 from engine.cuda_graphs import GRAPH_POOL_SLACK, DecodeGraphs, eager_reason, graph_memory_estimate
 from engine.piecewise_graphs import PiecewiseGraphs, piecewise_memory_estimate
 from engine.kv_cache import allocate_kv_caches, num_blocks_for_budget
-from engine.loader import default_eos, load_model, load_model_config, load_pooling_config, load_tokenizer
+from engine.loader import (default_eos, load_model, load_model_config, load_pooling_config, load_prequantized,
+                           load_tokenizer)
 from engine.lora import (LoRASet, attach_adapter, check_lora_name, detach_adapter, load_adapter, load_adapters,
                          shard_adapter)
 from engine.model_runner import ModelRunner, PendingStep, RunnerOutput
@@ -130,6 +131,16 @@ class LLMEngine:
         mc = self.model_config
         if mc.is_encoder:  # (engine/encoder.py: whole prompts, no prefix cache, no graphs, its few blocks)
             config = self.config = encoder_engine_config(config, mc)
+        self.prequantized = load_prequantized(config)
+        """The checkpoint's own quantization (engine/prequantized.py: GPTQ int4), or None."""
+        if self.prequantized is not None:
+            refused = [name for name, on in (("quantization", config.quantization is not None),
+                                             ("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
+                                             ("device 'cuda'", torch.device(config.device).type == "cuda")) if on]
+            if refused:
+                raise ValueError(f"{refused[0]}: not available with a {self.prequantized.describe()} checkpoint "
+                                 "(it loads as it is, on CPU, one device: leave quantization unset, or serve the float "
+                                 "checkpoint)")
         self.block_size = config.block_size
         device = torch.device(config.device)
         cache_dtype = config.cache_dtype
@@ -268,7 +279,8 @@ class LLMEngine:
         self.spec_stats = SpecDecodeStats()
         """Speculative decoding counters (drafts, draft tokens, accepted tokens, per position)."""
         logger.info("engine ready: model=%s dtype=%s quantization=%s kv_cache_dtype=%s device=%s kv_blocks=%d x %d "
-                    "tokens, max_model_len=%d%s%s", config.model, config.dtype, config.quantization,
+                    "tokens, max_model_len=%d%s%s", config.model, config.dtype,
+                    config.quantization or (self.prequantized.describe() if self.prequantized else None),
                     config.kv_cache_dtype, config.device, n_blocks, self.block_size, self.max_model_len,
                     ", async scheduling" if self._async else "",
                     f", LoRA adapters {self.lora.names} ({self.lora.weight_bytes() / 2**20:.1f} MiB)"

@@ -64,6 +64,14 @@ def load_model(cfg: EngineConfig, mc: ModelConfig, max_positions: int) -> "Causa
     with torch.device("meta"):
         model = CausalLM(mc, max_positions=max_positions)
     model = model.to_empty(device=device).to(cfg.torch_dtype)
+    spec = load_prequantized(cfg)
+    if spec is not None:  # a GPTQ int4 checkpoint (engine/prequantized.py): float weights + their group scales
+        from engine.prequantized import GptqReader
+
+        reader = GptqReader(spec)
+        model.load_weights(reader.iter(iter_checkpoint(cfg)), int4_scales=reader.scales)
+        return model.finalize(cfg.cpu_gemm, None, spec.group_size, cfg.batch_invariant,
+                              prequantized_group=spec.group_size)
     if cfg.model not in BUILTIN_NAMES or builtin_spec(cfg.model).checkpoint is not None:
         model.load_weights(iter_checkpoint(cfg))
     else:
@@ -91,6 +99,16 @@ def load_tokenizer(cfg: EngineConfig):
         logger.info("model %s has no tokenizer.json: token-id prompts only", d)
         return None
     return Tokenizer.from_dir(d)
+
+
+def load_prequantized(cfg: EngineConfig):
+    """The model's prequantized format (engine/prequantized.py ``GptqSpec``; None: float weights, or a built-in);
+    ValueError for a quantized checkpoint the engine cannot load. Needs no torch beyond the import."""
+    if cfg.model in BUILTIN_NAMES:
+        return None
+    from engine.prequantized import read_prequantized_dir
+
+    return read_prequantized_dir(_model_dir(cfg.model))
 
 
 def load_pooling_config(cfg: EngineConfig) -> "PoolingConfig":

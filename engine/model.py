@@ -41,7 +41,7 @@ from engine.kernels import cpu_kernels
 from engine.layer_ops import TORCH_OPS, KernelOps, TorchOps, TritonOps
 from engine.lora import LayerLoRA, StepLoRA
 from engine.prefetch_tuning import tune_panel_prefetch
-from engine.quant_formats import quantized_format
+from engine.quant_formats import int4_format, quantized_format
 from engine.weight_formats import LinearFormat
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,9 @@ class Linear(nn.Module):
         self.weight_t = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.fmt: Optional[LinearFormat] = None
+        self.int4_scale: Optional[Tensor] = None
+        """A prequantized checkpoint's group scales [out, in / group] (engine/prequantized.py), set as it loads;
+        ``load_int4`` packs the weight with them."""
 
     def forward(self, x: Tensor) -> Tensor:
         return self.fmt(x)
@@ -125,6 +128,26 @@ class Linear(nn.Module):
             return False
         self.fmt = fmt
         self.register_parameter("weight_t", None)
+        return True
+
+    def load_int4(self, group: int, kern: Any = None, prefetch: Any = None) -> bool:
+        """Pack the weight as int4 with the checkpoint's own scales (``int4_scale``): the stored integers come back
+        exactly. False, and nothing changed, where they do not (the weight is not (q - 8) x scale with q in 0..15,
+        e.g. a scale folded into it since): the caller quantizes it afresh."""
+        w = self._weight().float()
+        N, K = w.shape
+        s = self.int4_scale
+        if s is None or tuple(s.shape) != (N, K // group) or K % group:
+            return False
+        q = torch.round(w.view(N, K // group, group) / s[..., None])
+        if not bool(((q >= -8) & (q <= 7)).all()) or not torch.equal((q * s[..., None]).view(N, K), w):
+            return False
+        if self.bias is not None:
+            self.bias.data = self.bias.data.float()
+        self.fmt = int4_format(q.view(N, K).to(torch.int16), s, group, self.bias, kern if w.device.type == "cpu" else None,
+                               prefetch)
+        self.register_parameter("weight_t", None)
+        self.int4_scale = None
         return True
 
     def quantize(self, method: str, group: int = 128, kern: Any = None, prefetch: Any = None) -> None:
@@ -385,7 +408,8 @@ class CausalLM(nn.Module):
         self.panel_prefetch = None
 
     def finalize(self, cpu_gemm: str = "onednn", quantization: Optional[str] = None,
-                 group_size: int = 128, batch_invariant: bool = False) -> "CausalLM":
+                 group_size: int = 128, batch_invariant: bool = False,
+                 prequantized_group: Optional[int] = None) -> "CausalLM":
         """Build the rope tables on the weights' device/dtype (after loading), choose every linear layer's weight
         format once (engine/weight_formats.py): quantized (``quantization``: 'int8' everywhere, or 'int4'
         group-wise in the decoder layers with the LM head at int8, the way llama.cpp's q4_0 keeps its output layer
@@ -403,8 +427,8 @@ class CausalLM(nn.Module):
             raise ValueError(f"quantization {quantization!r}: a mixture-of-experts model's experts have no "
                              "quantized format yet (serve it unquantized)")
         # (only where a kernel may run: a GPU model must not build the CPU extension)
-        kern = cpu_kernels() if on_cpu and (quantization is not None or (w.dtype == torch.float32
-                                                                           and cpu_gemm != "torch")) else None
+        kern = cpu_kernels() if on_cpu and (quantization is not None or prequantized_group is not None
+                                            or (w.dtype == torch.float32 and cpu_gemm != "torch")) else None
         self.panel_prefetch = kern.PanelPrefetch() if kern is not None else None
         if self.config.tie_word_embeddings:
             with torch.no_grad():
@@ -419,7 +443,15 @@ class CausalLM(nn.Module):
                 w.mul_(mult)
         linears = [(name, m) for name, m in self.named_modules() if isinstance(m, Linear)]
         for name, m in linears:
-            if quantization is not None:
+            if prequantized_group is not None and m.int4_scale is not None:
+                # a prequantized checkpoint's layer (engine/prequantized.py): its own integers and scales
+                if m.load_int4(prequantized_group, kern, self.panel_prefetch):
+                    continue
+                log.warning("%s: the checkpoint's int4 levels do not come back from its weight (a scale was folded "
+                            "in): quantized afresh, int4 group %d", name, prequantized_group)
+                m.int4_scale = None
+                m.quantize("int4", prequantized_group, kern, self.panel_prefetch)
+            elif quantization is not None:
                 head = "w8a8" if quantization in ("w8a8", "w4a8") else "fp8" if quantization == "fp8" else "int8"
                 m.quantize(head if name == "lm_head" else quantization, group_size, kern, self.panel_prefetch)
             elif cpu_gemm == "pdserve" and on_cpu and w.dtype == torch.float32 and kern is not None:
@@ -586,8 +618,11 @@ class CausalLM(nn.Module):
                 return new + hf_name[len(old):]
         return hf_name
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up; raises ValueError on missing/unknown/mis-shaped."""
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]],
+                     int4_scales: Optional[dict[str, Tensor]] = None) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; raises ValueError on missing/unknown/mis-shaped.
+        ``int4_scales``: a prequantized checkpoint's group scales by tensor name (engine/prequantized.py, filled
+        as ``weights`` is read): each such weight's linear layer keeps its rows of them (``Linear.int4_scale``)."""
         mc = self.config
         H, Hkv, D, I = mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim, mc.intermediate_size
         qkv_cols = {"q_proj": (0, H * D), "k_proj": (H * D, (H + Hkv) * D), "v_proj": ((H + Hkv) * D, (H + 2 * Hkv) * D)}
@@ -599,6 +634,7 @@ class CausalLM(nn.Module):
         left = {n: (p.shape[-1] if n.endswith(".weight_t") else p.numel() // p.shape[-1] if p.dim() > 1 else p.shape[0])
                 for n, p in params.items() if not (tied and n.startswith("lm_head"))}
         for hf_name, tensor in weights:
+            scale = int4_scales.pop(hf_name, None) if int4_scales else None
             if "rotary_emb" in hf_name or (hf_name := self._canonical(hf_name)) is None:
                 continue
             if tied and hf_name == "lm_head.weight":
@@ -635,6 +671,11 @@ class CausalLM(nn.Module):
             with torch.no_grad():
                 dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
             left[target] -= dst.shape[-1] if target.endswith(".weight_t") else dst.shape[0]
+            if scale is not None and target.endswith(".weight_t"):
+                lin = self.get_submodule(target.removesuffix(".weight_t"))
+                if lin.int4_scale is None:
+                    lin.int4_scale = torch.zeros(lin.out_features, scale.shape[1], dtype=torch.float32)
+                lin.int4_scale[slice(*cols) if cols is not None else slice(None)] = scale
         missing = sorted(n for n, v in left.items() if v != 0)
         head = params["lm_head.weight_t"]
         if missing == ["lm_head.weight_t"] and left["lm_head.weight_t"] == head.shape[-1]:  # (none of it given)

@@ -61,10 +61,16 @@ def quantize_int4(w: Tensor, group: int) -> tuple[Tensor, Tensor]:
     idx = g.abs().argmax(dim=2, keepdim=True)
     d = (g.gather(2, idx) / -8.0).squeeze(2)
     d = torch.where(d == 0, torch.ones_like(d), d)
-    q = torch.round(g / d[..., None]).clamp_(-8, 7).to(torch.int16) + 8  # 0..15
-    runs = q.reshape(N, K // 32, 2, 16)
-    packed = (runs[:, :, 0] | (runs[:, :, 1] << 4)).to(torch.uint8).reshape(N, K // 2)
-    return packed.contiguous(), d.contiguous()
+    q = torch.round(g / d[..., None]).clamp_(-8, 7).to(torch.int16)
+    return pack_int4(q.reshape(N, K)), d.contiguous()
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """Levels [N, K] in -8..7 -> the int4 format's bytes [N, K/2]: stored as level + 8, in each run of 32 inputs
+    the first 16 in the low nibbles and the next 16 in the high ones."""
+    N, K = q.shape
+    runs = (q.to(torch.int16) + 8).reshape(N, K // 32, 2, 16)
+    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).to(torch.uint8).reshape(N, K // 2).contiguous()
 
 
 def dequantize_int4(packed: Tensor, scale: Tensor, group: int) -> Tensor:

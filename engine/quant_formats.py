@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from engine.quant import (ACT_BLOCK, QUANTIZATIONS, dequantize_int4, dequantize_int8, fake_quantize_act,
+from engine.quant import (ACT_BLOCK, QUANTIZATIONS, dequantize_int4, dequantize_int8, fake_quantize_act, pack_int4,
                           from_panels_int4, from_panels_int8, from_panels_w4a8, from_panels_w8a8, quantize_int4,
                           quantize_int8, step_order, to_panels_int4, to_panels_int8, to_panels_w4a8, to_panels_w8a8)
 from engine.weight_formats import KernelFormat, LinearFormat, WeightFormat
@@ -273,3 +273,15 @@ def quantized_format(method: str, w: Tensor, bias: Optional[Tensor], group: int,
     cls = {"int8": Int8Panels if k is not None else Int8, "int4": Int4Panels if k is not None else Int4,
            "w8a8": W8A8Panels if integer_panels else W8A8, "w4a8": W4A8Panels if integer_panels else W4A8}[method]
     return cls.pack(w, bias, group, k, prefetch)
+
+
+def int4_format(q: Tensor, scale: Tensor, group: int, bias: Optional[Tensor], kern: Any,
+                prefetch: Any = None) -> LinearFormat:
+    """The int4 format of integers already chosen (a prequantized checkpoint's, engine/prequantized.py): ``q``
+    [N, K] in -8..7, ``scale`` [N, K / group] float32, w = q x scale; panels where the kernels are built."""
+    N, K = q.shape
+    packed = pack_int4(q)
+    s = scale.float().contiguous()
+    if kern is not None:
+        return Int4Panels(*to_panels_int4(packed, s, group), group, K, N, bias, kern, prefetch)
+    return Int4(packed, s, group, K, N, bias, kern)

@@ -437,3 +437,19 @@ def test_pdserve_up_runs_an_encoder_as_one_colocated_pool(tmp_path, capsys):
     assert not encoder_pools(args) and args.colocated == 2
     args = build_parser().parse_args(["up", "--model", "tiny"])
     assert not encoder_pools(args) and (args.colocated, args.prefill, args.decode) == (0, 1, 1)
+
+
+def test_pdserve_up_refuses_a_quantized_checkpoint_it_cannot_load_before_anything_starts(tmp_path):
+    from cluster.cli import build_parser
+    from cluster.up_checks import check_model_args
+
+    from ..engine.test_prequantized import _gptq_checkpoint
+
+    _gptq_checkpoint(tmp_path / "awq", quant_method="awq")
+    with pytest.raises(ValueError, match="--model .*awq.*quant_method 'awq' checkpoints are not loaded"):
+        check_model_args(build_parser().parse_args(["up", "--model", str(tmp_path / "awq")]))
+    _gptq_checkpoint(tmp_path / "gptq")
+    check_model_args(build_parser().parse_args(["up", "--model", str(tmp_path / "gptq")]))
+    with pytest.raises(ValueError, match="--quantization: .* gptq int4 g32 checkpoint"):
+        check_model_args(build_parser().parse_args(["up", "--model", str(tmp_path / "gptq"), "--quantization",
+                                                    "int4"]))

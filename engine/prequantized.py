@@ -1,0 +1,134 @@
+"""Checkpoints quantized before they were published: GPTQ int4 (the ``-GPTQ-Int4`` repositories vLLM serves as they
+are), loaded into pdserve's own int4 group-wise format without losing or changing a weight.
+
+Lifecycle: ``read_prequantized`` reads config.json's ``quantization_config`` once (the engine at start) and says
+whether the checkpoint is GPTQ int4 the engine can take (``GptqSpec``) or refuses it by name (AWQ, other bit
+widths, asymmetric or act-order GPTQ, other methods). ``GptqReader.iter`` then sits between the safetensors stream
+and ``CausalLM.load_weights``: it buffers each layer's ``qweight`` / ``qzeros`` / ``scales`` / ``g_idx`` until all
+four are in, and yields the layer's weight dequantized to float32 (w = (q - zero) * scale, exactly: small integers
+times float16 scales) under its ``.weight`` name, keeping the scales [out, in / group] in ``scales``; every other
+tensor (embeddings, norms, biases, a float LM head) passes through. ``load_weights`` gives each linear layer its
+scales (fused q/k/v and gate/up rows included) and ``CausalLM.finalize(prequantized_group=G)`` packs those layers
+with them (``Linear.load_int4``: the stored integers come back exactly, checked), leaving every layer the checkpoint
+kept in float (the LM head, usually) in float, as vLLM does.
+
+The GPTQ layout (AutoGPTQ / GPTQModel, ``checkpoint_format`` "gptq"): ``qweight`` int32 [in / 8, out], eight 4-bit
+values per word along the input axis, lowest bits first; ``qzeros`` int32 [groups, out / 8], packed along the output
+axis, stored as zero - 1 ("gptq_v2": as zero); ``scales`` float16 [groups, out]; ``g_idx`` int32 [in] (each input's
+group; k // group_size unless the checkpoint was quantized in activation order).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+import torch
+from torch import Tensor
+
+_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+@dataclass(frozen=True)
+class GptqSpec:
+    """A GPTQ int4 checkpoint the engine loads."""
+
+    group_size: int
+    v2: bool = False
+    """``checkpoint_format: gptq_v2``: zeros stored as they are (v1 stores zero - 1)."""
+
+    def describe(self) -> str:
+        return f"gptq int4 g{self.group_size}"
+
+
+def read_prequantized(hf_config: dict) -> Optional[GptqSpec]:
+    """The checkpoint's quantization as the engine loads it (None: a float checkpoint); ValueError naming what it
+    cannot load."""
+    qc = hf_config.get("quantization_config")
+    if not qc:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+    if method != "gptq":
+        raise ValueError(f"quantization_config: quant_method {method!r} checkpoints are not loaded (pdserve loads "
+                         "symmetric GPTQ int4; serve the float checkpoint with --quantization int4 or int8 instead)")
+    bits, group = qc.get("bits"), qc.get("group_size")
+    if bits != 4:
+        raise ValueError(f"quantization_config: GPTQ with bits={bits} is not loaded (4 bits only)")
+    if not qc.get("sym", True):
+        raise ValueError("quantization_config: asymmetric GPTQ (sym: false) is not loaded (symmetric only: pdserve's "
+                         "int4 format has no zero points)")
+    if qc.get("desc_act"):
+        raise ValueError("quantization_config: GPTQ in activation order (desc_act: true) is not loaded")
+    if not isinstance(group, int) or group <= 0 or group % 32:
+        raise ValueError(f"quantization_config: group_size {group} is not loaded (a positive multiple of 32; "
+                         "pdserve's int4 kernels read groups of 32 values)")
+    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"quantization_config: checkpoint_format {fmt!r} is not loaded (gptq, gptq_v2)")
+    return GptqSpec(group, v2=fmt == "gptq_v2")
+
+
+def read_prequantized_dir(model_dir: Path) -> Optional[GptqSpec]:
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return read_prequantized(cfg)
+
+
+def _unpack(words: Tensor, axis: int) -> Tensor:
+    """int32 words holding eight 4-bit values each (lowest bits first) -> the values (int16), ``axis`` 8x longer."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    if axis == 0:  # [R, C] -> [R * 8, C]
+        return ((w[:, None, :] >> shifts[None, :, None]) & 15).reshape(-1, w.shape[1]).to(torch.int16)
+    return ((w[:, :, None] >> shifts[None, None, :]) & 15).reshape(w.shape[0], -1).to(torch.int16)
+
+
+@dataclass
+class GptqReader:
+    """Turns a GPTQ checkpoint's tensor stream into float weights plus their group scales (module docstring)."""
+
+    spec: GptqSpec
+    scales: dict[str, Tensor] = field(default_factory=dict)
+    """``<layer>.weight`` -> its scales [out, in / group] float32, for each layer yielded dequantized."""
+
+    def iter(self, weights: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        pending: dict[str, dict[str, Tensor]] = {}
+        for name, tensor in weights:
+            prefix, _, part = name.rpartition(".")
+            if part not in _PARTS:
+                yield name, tensor
+                continue
+            got = pending.setdefault(prefix, {})
+            got[part] = tensor
+            if len(got) == len(_PARTS):
+                del pending[prefix]
+                yield f"{prefix}.weight", self._dequantize(prefix, got)
+        for prefix, got in pending.items():  # (a layer whose g_idx is absent: GPTQModel may leave it out)
+            missing = [p for p in _PARTS[:3] if p not in got]
+            if missing:
+                raise ValueError(f"weights: GPTQ layer {prefix!r} lacks {missing}")
+            yield f"{prefix}.weight", self._dequantize(prefix, got)
+
+    def _dequantize(self, prefix: str, got: dict[str, Tensor]) -> Tensor:
+        q = _unpack(got["qweight"], 0)  # [K, N]
+        K, N = q.shape
+        g = self.spec.group_size
+        if K % g:
+            raise ValueError(f"weights: GPTQ layer {prefix!r} has {K} inputs, not a multiple of group_size {g}")
+        zeros = _unpack(got["qzeros"], 1)[:, :N] + (0 if self.spec.v2 else 1)  # [K / g, N]
+        scales = got["scales"].float()
+        if tuple(scales.shape) != (K // g, N) or tuple(zeros.shape) != (K // g, N):
+            raise ValueError(f"weights: GPTQ layer {prefix!r}: scales {tuple(scales.shape)} / qzeros "
+                             f"{tuple(zeros.shape)} do not fit {K} inputs x {N} outputs in groups of {g}")
+        if "g_idx" in got and not torch.equal(got["g_idx"].long(), torch.arange(K) // g):
+            raise ValueError(f"weights: GPTQ layer {prefix!r}: g_idx is not in input order (act-order checkpoints "
+                             "are not loaded)")
+        if not bool((zeros == 8).all()):
+            raise ValueError(f"weights: GPTQ layer {prefix!r} has zero points other than 8 (asymmetric), which "
+                             "pdserve's int4 format cannot hold")
+        w = (q.float() - 8.0) * scales.repeat_interleave(g, dim=0)  # [K, N]
+        self.scales[f"{prefix}.weight"] = scales.t().contiguous()
+        return w.t().contiguous()

@@ -1,0 +1,118 @@
+"""GPTQ int4 checkpoints loaded as they are (engine/prequantized.py).
+
+The checkpoint is written here in GPTQ's published layout (AutoGPTQ / GPTQModel: ``qweight`` packed along the
+inputs, ``qzeros`` along the outputs and stored as zero - 1 in v1, float16 ``scales``, ``g_idx``) from integer
+levels and scales drawn here; the reference is transformers' float model holding w = (level - 8) x scale, the
+dequantization GPTQ defines. pdserve must give its greedy tokens (and logits to float rounding) while running its
+own int4 kernels on the checkpoint's integers.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import save_file  # noqa: E402
+
+GROUP = 32
+PROMPTS = [[5, 17, 300, 42, 9], [1000, 2000, 3000], list(range(100, 140))]
+
+
+def _pack(levels: torch.Tensor, axis: int) -> torch.Tensor:
+    """Values 0..15 -> int32 words of eight (lowest bits first) along ``axis``."""
+    v = levels.to(torch.int64)
+    if axis == 0:
+        v = v.reshape(-1, 8, v.shape[1])
+        words = sum(v[:, j, :] << (4 * j) for j in range(8))
+    else:
+        v = v.reshape(v.shape[0], -1, 8)
+        words = sum(v[:, :, j] << (4 * j) for j in range(8))
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _gptq_checkpoint(d: Path, v2: bool = False, **qc) -> transformers.PreTrainedModel:
+    """A small Llama whose every decoder linear is GPTQ int4 (symmetric, group 32), saved in GPTQ's layout in
+    ``d``; returns transformers' float model with the dequantized weights (the reference)."""
+    torch.manual_seed(5)
+    cfg = transformers.LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    tensors = {}
+    g = torch.Generator().manual_seed(9)
+    for name, lin in model.named_modules():
+        if not isinstance(lin, torch.nn.Linear) or name == "lm_head":
+            continue
+        N, K = lin.weight.shape
+        levels = torch.randint(0, 16, (K, N), generator=g)
+        scales = (torch.rand(K // GROUP, N, generator=g) * 0.04 + 0.01).half()
+        with torch.no_grad():  # GPTQ's dequantization: (level - zero) x scale, zero 8 for symmetric
+            lin.weight.copy_(((levels.float() - 8) * scales.float().repeat_interleave(GROUP, 0)).t())
+        tensors[f"{name}.qweight"] = _pack(levels, 0)
+        tensors[f"{name}.qzeros"] = _pack(torch.full((K // GROUP, N), 8 if v2 else 7), 1)
+        tensors[f"{name}.scales"] = scales
+        tensors[f"{name}.g_idx"] = (torch.arange(K) // GROUP).to(torch.int32)
+    for name, p in model.named_parameters():
+        if not name.endswith(".weight") or f"{name[:-7]}.qweight" not in tensors:
+            tensors[name] = p.detach().clone()
+    d.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(d)
+    raw = json.loads((d / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": True,
+                                  "desc_act": False, **({"checkpoint_format": "gptq_v2"} if v2 else {}), **qc}
+    (d / "config.json").write_text(json.dumps(raw))
+    save_file(tensors, str(d / "model.safetensors"))
+    return model
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["gptq", "gptq_v2"])
+def test_a_gptq_checkpoint_runs_its_own_integers_and_gives_the_float_models_tokens(v2, tmp_path):
+    from engine import LLM, SamplingParams
+    from engine.quant_formats import Int4, Int4Panels
+
+    ref = _gptq_checkpoint(tmp_path / "m", v2=v2)
+    llm = LLM(str(tmp_path / "m"), num_kv_blocks=64)
+    model = llm.llm_engine.runner.model
+    fmts = {name: type(m.fmt) for name, m in model.named_modules() if hasattr(m, "fmt") and m.fmt is not None}
+    assert all(issubclass(f, Int4) for n, f in fmts.items() if n != "lm_head") and len(fmts) == 9, fmts
+    assert not issubclass(fmts["lm_head"], Int4)  # (the checkpoint kept it in float: so does the engine)
+    # every stored integer and scale came back: the int4 weights equal the float reference's, bit for bit
+    q = model.layers[0].qkv_proj.fmt
+    want = torch.cat([ref.model.layers[0].self_attn.q_proj.weight, ref.model.layers[0].self_attn.k_proj.weight,
+                      ref.model.layers[0].self_attn.v_proj.weight])
+    assert torch.equal(q.dense(), want.float())
+    assert isinstance(q, Int4Panels) or not llm.llm_engine.config.device == "cpu"
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    for prompt, o in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            hf = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        assert o.token_ids == hf
+
+
+@pytest.mark.parametrize("qc, match", [
+    ({"quant_method": "awq"}, "quant_method 'awq' checkpoints are not loaded"),
+    ({"bits": 8}, "bits=8 is not loaded"),
+    ({"sym": False}, "asymmetric GPTQ"),
+    ({"desc_act": True}, "activation order"),
+    ({"group_size": 48}, "group_size 48"),
+])
+def test_gptq_checkpoints_the_engine_cannot_load_are_refused_by_name(qc, match, tmp_path):
+    from engine import LLM
+
+    _gptq_checkpoint(tmp_path / "m", **qc)
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tmp_path / "m"), num_kv_blocks=64)
+
+
+def test_a_gptq_checkpoint_is_not_quantized_again_or_split(tmp_path):
+    from engine import LLM
+
+    _gptq_checkpoint(tmp_path / "m")
+    for kw, match in (({"quantization": "int8"}, "quantization: not available with a gptq int4 g32 checkpoint"),
+                      ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1: not available")):
+        with pytest.raises(ValueError, match=match):
+            LLM(str(tmp_path / "m"), num_kv_blocks=64, **kw)
