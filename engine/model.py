@@ -134,13 +134,17 @@ class Linear(nn.Module):
         """Pack the weight as int4 with the checkpoint's own scales (``int4_scale``): the stored integers come back
         exactly. False, and nothing changed, where they do not (the weight is not (q - 8) x scale with q in 0..15,
         e.g. a scale folded into it since): the caller quantizes it afresh."""
-        w = self._weight().float()
+        w0 = self._weight()
+        w = w0.float()
         N, K = w.shape
         s = self.int4_scale
         if s is None or tuple(s.shape) != (N, K // group) or K % group:
             return False
+        # (a 16-bit model holds (q - 8) x scale rounded to its dtype: the integers still come back, and rounding
+        # them times the scales to that dtype must give the weight it holds)
         q = torch.round(w.view(N, K // group, group) / s[..., None])
-        if not bool(((q >= -8) & (q <= 7)).all()) or not torch.equal((q * s[..., None]).view(N, K), w):
+        if not bool(((q >= -8) & (q <= 7)).all()) or \
+                not torch.equal((q * s[..., None]).view(N, K).to(w0.dtype), w0):
             return False
         if self.bias is not None:
             self.bias.data = self.bias.data.float()

@@ -116,3 +116,16 @@ def test_a_gptq_checkpoint_is_not_quantized_again_or_split(tmp_path):
                       ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1: not available")):
         with pytest.raises(ValueError, match=match):
             LLM(str(tmp_path / "m"), num_kv_blocks=64, **kw)
+
+
+def test_a_bfloat16_engine_keeps_the_checkpoints_exact_integers(tmp_path):
+    """In a 16-bit model the dequantized weight is rounded to bfloat16 on its way in; the integers and scales
+    still come back exactly, so the int4 layers hold the checkpoint's values, not the rounded ones."""
+    from engine import LLM
+    from engine.quant_formats import Int4
+
+    ref = _gptq_checkpoint(tmp_path / "m")
+    llm = LLM(str(tmp_path / "m"), num_kv_blocks=64, dtype="bfloat16")
+    layer = llm.llm_engine.runner.model.layers[1]
+    assert isinstance(layer.down_proj.fmt, Int4)
+    assert torch.equal(layer.down_proj.fmt.dense(), ref.model.layers[1].mlp.down_proj.weight.float())
