@@ -70,7 +70,7 @@ def load_model(cfg: EngineConfig, mc: ModelConfig, max_positions: int) -> "Causa
 
         reader = GptqReader(spec)
         model.load_weights(reader.iter(iter_checkpoint(cfg)), int4_scales=reader.scales)
-        return model.finalize(cfg.cpu_gemm, None, spec.group_size, cfg.batch_invariant,
+        return model.finalize(cfg.cpu_gemm, None, cfg.quantization_group_size, cfg.batch_invariant,
                               prequantized_group=spec.group_size)
     if cfg.model not in BUILTIN_NAMES or builtin_spec(cfg.model).checkpoint is not None:
         model.load_weights(iter_checkpoint(cfg))

@@ -448,13 +448,15 @@ class CausalLM(nn.Module):
         linears = [(name, m) for name, m in self.named_modules() if isinstance(m, Linear)]
         for name, m in linears:
             if prequantized_group is not None and m.int4_scale is not None:
-                # a prequantized checkpoint's layer (engine/prequantized.py): its own integers and scales
-                if m.load_int4(prequantized_group, kern, self.panel_prefetch):
+                # a prequantized checkpoint's layer (engine/prequantized.py): its own integers and scales (group 0:
+                # one per output channel, a group of all its inputs)
+                g = prequantized_group or m.in_features
+                if m.load_int4(g, kern, self.panel_prefetch):
                     continue
                 log.warning("%s: the checkpoint's int4 levels do not come back from its weight (a scale was folded "
-                            "in): quantized afresh, int4 group %d", name, prequantized_group)
+                            "in): quantized afresh, int4 group %d", name, g)
                 m.int4_scale = None
-                m.quantize("int4", prequantized_group, kern, self.panel_prefetch)
+                m.quantize("int4", g, kern, self.panel_prefetch)
             elif quantization is not None:
                 head = "w8a8" if quantization in ("w8a8", "w4a8") else "fp8" if quantization == "fp8" else "int8"
                 m.quantize(head if name == "lm_head" else quantization, group_size, kern, self.panel_prefetch)

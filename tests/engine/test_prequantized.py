@@ -1,9 +1,10 @@
-"""GPTQ int4 checkpoints loaded as they are (engine/prequantized.py).
+"""GPTQ and compressed-tensors int4 checkpoints loaded as they are (engine/prequantized.py).
 
-The checkpoint is written here in GPTQ's published layout (AutoGPTQ / GPTQModel: ``qweight`` packed along the
-inputs, ``qzeros`` along the outputs and stored as zero - 1 in v1, float16 ``scales``, ``g_idx``) from integer
-levels and scales drawn here; the reference is transformers' float model holding w = (level - 8) x scale, the
-dequantization GPTQ defines. pdserve must give its greedy tokens (and logits to float rounding) while running its
+The checkpoint is written here in the published layout, GPTQ's (AutoGPTQ / GPTQModel: ``qweight`` packed along the
+inputs, ``qzeros`` along the outputs and stored as zero - 1 in v1, float16 ``scales``, ``g_idx``) or
+compressed-tensors' ``pack-quantized`` (``weight_packed`` [out, in / 8] of level + 8, ``weight_scale``,
+``weight_shape``), from integer levels and scales drawn here; the reference is transformers' float model holding
+w = (level - 8) x scale, the dequantization both formats define. pdserve must give its greedy tokens (and logits to float rounding) while running its
 own int4 kernels on the checkpoint's integers.
 """
 from __future__ import annotations
@@ -33,7 +34,8 @@ def _pack(levels: torch.Tensor, axis: int) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def _gptq_checkpoint(d: Path, v2: bool = False, **qc) -> transformers.PreTrainedModel:
+def _gptq_checkpoint(d: Path, v2: bool = False, layout: str = "gptq", group: int = GROUP,
+                     **qc) -> transformers.PreTrainedModel:
     """A small Llama whose every decoder linear is GPTQ int4 (symmetric, group 32), saved in GPTQ's layout in
     ``d``; returns transformers' float model with the dequantized weights (the reference)."""
     torch.manual_seed(5)
@@ -47,33 +49,51 @@ def _gptq_checkpoint(d: Path, v2: bool = False, **qc) -> transformers.PreTrained
         if not isinstance(lin, torch.nn.Linear) or name == "lm_head":
             continue
         N, K = lin.weight.shape
+        G = group or K  # (0: one scale per output channel)
         levels = torch.randint(0, 16, (K, N), generator=g)
-        scales = (torch.rand(K // GROUP, N, generator=g) * 0.04 + 0.01).half()
-        with torch.no_grad():  # GPTQ's dequantization: (level - zero) x scale, zero 8 for symmetric
-            lin.weight.copy_(((levels.float() - 8) * scales.float().repeat_interleave(GROUP, 0)).t())
-        tensors[f"{name}.qweight"] = _pack(levels, 0)
-        tensors[f"{name}.qzeros"] = _pack(torch.full((K // GROUP, N), 8 if v2 else 7), 1)
-        tensors[f"{name}.scales"] = scales
-        tensors[f"{name}.g_idx"] = (torch.arange(K) // GROUP).to(torch.int32)
+        # (float16 scales as GPTQ stores them; compressed-tensors' in bfloat16, as llm-compressor saves them)
+        scales = (torch.rand(K // G, N, generator=g) * 0.04 + 0.01).to(
+            torch.bfloat16 if layout != "gptq" and group else torch.float16)
+        with torch.no_grad():  # the dequantization: (level - zero) x scale, zero 8 for symmetric
+            lin.weight.copy_(((levels.float() - 8) * scales.float().repeat_interleave(G, 0)).t())
+        if layout == "gptq":
+            tensors[f"{name}.qweight"] = _pack(levels, 0)
+            tensors[f"{name}.qzeros"] = _pack(torch.full((K // G, N), 8 if v2 else 7), 1)
+            tensors[f"{name}.scales"] = scales
+            tensors[f"{name}.g_idx"] = (torch.arange(K) // G).to(torch.int32)
+        else:  # compressed-tensors: [out, in / 8] words of level + 8 (our levels are stored values already)
+            tensors[f"{name}.weight_packed"] = _pack(levels.t().contiguous(), 1)
+            tensors[f"{name}.weight_scale"] = scales.t().contiguous()
+            tensors[f"{name}.weight_shape"] = torch.tensor([N, K], dtype=torch.int32)
+    quantized = {k.rsplit(".", 1)[0] for k in tensors}
     for name, p in model.named_parameters():
-        if not name.endswith(".weight") or f"{name[:-7]}.qweight" not in tensors:
+        if not name.endswith(".weight") or name[:-7] not in quantized:
             tensors[name] = p.detach().clone()
     d.mkdir(parents=True, exist_ok=True)
     model.config.save_pretrained(d)
     raw = json.loads((d / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": True,
-                                  "desc_act": False, **({"checkpoint_format": "gptq_v2"} if v2 else {}), **qc}
+    if layout == "gptq":
+        raw["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": True,
+                                      "desc_act": False, **({"checkpoint_format": "gptq_v2"} if v2 else {}), **qc}
+    else:
+        weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group" if group else "channel",
+                   "group_size": group or None, "actorder": None, "dynamic": False, **qc}
+        raw["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                      "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                                    "input_activations": None}},
+                                      "ignore": ["lm_head"], "quantization_status": "compressed"}
     (d / "config.json").write_text(json.dumps(raw))
     save_file(tensors, str(d / "model.safetensors"))
     return model
 
 
-@pytest.mark.parametrize("v2", [False, True], ids=["gptq", "gptq_v2"])
-def test_a_gptq_checkpoint_runs_its_own_integers_and_gives_the_float_models_tokens(v2, tmp_path):
+@pytest.mark.parametrize("kw", [{}, {"v2": True}, {"layout": "ct"}, {"layout": "ct", "group": 0}],
+                         ids=["gptq", "gptq_v2", "compressed-tensors", "compressed-tensors-channel"])
+def test_a_prequantized_checkpoint_runs_its_own_integers_and_gives_the_float_models_tokens(kw, tmp_path):
     from engine import LLM, SamplingParams
     from engine.quant_formats import Int4, Int4Panels
 
-    ref = _gptq_checkpoint(tmp_path / "m", v2=v2)
+    ref = _gptq_checkpoint(tmp_path / "m", **kw)
     llm = LLM(str(tmp_path / "m"), num_kv_blocks=64)
     model = llm.llm_engine.runner.model
     fmts = {name: type(m.fmt) for name, m in model.named_modules() if hasattr(m, "fmt") and m.fmt is not None}
@@ -99,8 +119,11 @@ def test_a_gptq_checkpoint_runs_its_own_integers_and_gives_the_float_models_toke
     ({"sym": False}, "asymmetric GPTQ"),
     ({"desc_act": True}, "activation order"),
     ({"group_size": 48}, "group_size 48"),
+    ({"layout": "ct", "symmetric": False}, "asymmetric compressed-tensors"),
+    ({"layout": "ct", "num_bits": 8}, "weights of 8 bits"),
+    ({"layout": "ct", "actorder": "group"}, "actorder 'group'"),
 ])
-def test_gptq_checkpoints_the_engine_cannot_load_are_refused_by_name(qc, match, tmp_path):
+def test_quantized_checkpoints_the_engine_cannot_load_are_refused_by_name(qc, match, tmp_path):
     from engine import LLM
 
     _gptq_checkpoint(tmp_path / "m", **qc)
