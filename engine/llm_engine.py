@@ -135,12 +135,16 @@ class LLMEngine:
         """The checkpoint's own quantization (engine/prequantized.py: GPTQ int4), or None."""
         if self.prequantized is not None:
             refused = [name for name, on in (("quantization", config.quantization is not None),
-                                             ("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
                                              ("device 'cuda'", torch.device(config.device).type == "cuda")) if on]
             if refused:
                 raise ValueError(f"{refused[0]}: not available with a {self.prequantized.describe()} checkpoint "
-                                 "(it loads as it is, on CPU, one device: leave quantization unset, or serve the float "
+                                 "(it loads as it is, on CPU: leave quantization unset, or serve the float "
                                  "checkpoint)")
+            if config.tensor_parallel_size > 1 and self.prequantized.group_size:  # (groups may not straddle ranks)
+                from engine.tensor_parallel import check_tensor_parallel
+
+                check_tensor_parallel(mc, config.tensor_parallel_size, device=config.device, quantization="int4",
+                                      group_size=self.prequantized.group_size)
         self.block_size = config.block_size
         device = torch.device(config.device)
         cache_dtype = config.cache_dtype

@@ -64,15 +64,12 @@ def load_model(cfg: EngineConfig, mc: ModelConfig, max_positions: int) -> "Causa
     with torch.device("meta"):
         model = CausalLM(mc, max_positions=max_positions)
     model = model.to_empty(device=device).to(cfg.torch_dtype)
-    spec = load_prequantized(cfg)
-    if spec is not None:  # a GPTQ int4 checkpoint (engine/prequantized.py): float weights + their group scales
-        from engine.prequantized import GptqReader
-
-        reader = GptqReader(spec)
-        model.load_weights(reader.iter(iter_checkpoint(cfg)), int4_scales=reader.scales)
-        return model.finalize(cfg.cpu_gemm, None, cfg.quantization_group_size, cfg.batch_invariant,
-                              prequantized_group=spec.group_size)
-    if cfg.model not in BUILTIN_NAMES or builtin_spec(cfg.model).checkpoint is not None:
+    if cfg.model not in BUILTIN_NAMES:
+        group = fill_weights(model, cfg)
+        if group is not None:
+            return model.finalize(cfg.cpu_gemm, None, cfg.quantization_group_size, cfg.batch_invariant,
+                                  prequantized_group=group)
+    elif builtin_spec(cfg.model).checkpoint is not None:
         model.load_weights(iter_checkpoint(cfg))
     else:
         spec = builtin_spec(cfg.model)
@@ -99,6 +96,21 @@ def load_tokenizer(cfg: EngineConfig):
         logger.info("model %s has no tokenizer.json: token-id prompts only", d)
         return None
     return Tokenizer.from_dir(d)
+
+
+def fill_weights(model: "CausalLM", cfg: EngineConfig) -> Optional[int]:
+    """Stream a HF directory's checkpoint into ``model`` (a tensor-parallel rank's shard too); for a prequantized
+    one (engine/prequantized.py) its layers' group scales come with them, and the group size to give
+    ``CausalLM.finalize(prequantized_group=)`` is returned (0: per channel); None for a float checkpoint."""
+    spec = load_prequantized(cfg)
+    if spec is None:
+        model.load_weights(iter_checkpoint(cfg))
+        return None
+    from engine.prequantized import GptqReader
+
+    reader = GptqReader(spec)
+    model.load_weights(reader.iter(iter_checkpoint(cfg)), int4_scales=reader.scales)
+    return spec.group_size
 
 
 def load_prequantized(cfg: EngineConfig):

@@ -660,6 +660,8 @@ class CausalLM(nn.Module):
                 continue
             if self.tp is not None:
                 tensor = self.tp.shard(hf_name, tensor)  # this rank's heads, columns or vocabulary rows
+                if scale is not None:
+                    scale = self.tp.shard_scale(hf_name, scale)
             tensor = self._folded(hf_name, tensor, mc)
             target, cols = self._map_name(hf_name, qkv_cols, gu_cols)
             if target is None or target not in left:

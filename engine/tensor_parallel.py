@@ -186,6 +186,27 @@ class TPLayout:
             return t[:, self.rank * self.intermediate:(self.rank + 1) * self.intermediate]
         return t
 
+    def shard_scale(self, hf_name: str, s: Tensor) -> Tensor:
+        """This rank's part of a prequantized layer's group scales ``s`` [out, in / group] (engine/prequantized.py):
+        the rows of an output-split layer (as ``shard``), the whole groups of an input-split one's columns
+        (o_proj, down_proj: a group may not straddle two ranks; per channel (one group): all of it, each rank's
+        columns then one group). ValueError where a group would be cut."""
+        m = self._PROJ.match(hf_name)
+        proj = m.group(1) if m is not None else None
+        if proj not in ("o_proj", "down_proj"):
+            return self.shard(hf_name, s)
+        mc = self.full
+        width, lo = ((mc.num_attention_heads * mc.head_dim, self.rank * self.heads * mc.head_dim)
+                     if proj == "o_proj" else (mc.intermediate_size, self.rank * self.intermediate))
+        n = self.intermediate if proj == "down_proj" else self.heads * mc.head_dim
+        if s.shape[1] == 1:
+            return s
+        group = width // s.shape[1]
+        if lo % group or n % group:
+            raise ValueError(f"tensor parallelism: {hf_name} splits its {width} inputs {n} a rank, across its "
+                             f"quantization groups of {group}")
+        return s[:, lo // group:(lo + n) // group]
+
     @staticmethod
     def _expect(name: str, t: Tensor, dim: int, n: int) -> None:
         if t.dim() <= dim or t.shape[dim] != n:
@@ -264,18 +285,23 @@ def open_comm(host: str, port: int, rank: int, size: int, master: Optional[dist.
 def load_shard(config: EngineConfig, mc: ModelConfig, layout: TPLayout, max_positions: int,
                comm: TPComm) -> "CausalLM":
     """Rank ``layout.rank``'s shard of the engine's model, its weights streamed from the whole checkpoint."""
-    from engine.loader import iter_checkpoint
+    from engine.builtin import BUILTIN_NAMES
+    from engine.loader import fill_weights, iter_checkpoint
     from engine.model import CausalLM
 
     device = torch.device(config.device)
     with torch.device("meta"):
         model = CausalLM(layout.local_config(), max_positions=max_positions, tp=layout)
     model = model.to_empty(device=device).to(config.torch_dtype)
-    model.load_weights(iter_checkpoint(config))
+    group = None
+    if config.model in BUILTIN_NAMES:
+        model.load_weights(iter_checkpoint(config))
+    else:  # (a prequantized checkpoint's scales are sharded with their weights: ``TPLayout.shard_scale``)
+        group = fill_weights(model, config)
     comm.vocab_size = mc.vocab_size
     model.attach_comm(comm)
     model = model.finalize(config.cpu_gemm, config.quantization, config.quantization_group_size,
-                           config.batch_invariant)
+                           config.batch_invariant, prequantized_group=group)
     if config.lora_modules:  # every rank its shard of every adapter (each step's rows' adapters come with its meta)
         from engine.lora import load_adapters
 
@@ -411,6 +437,27 @@ class TPGroup:
         log.info("tensor parallel: %d ranks ready (%s)", size, ", ".join(f"rank {r} pid {p.pid}"
                                                                        for r, p in enumerate(procs, start=1)))
         return group, model
+
+    def shard_scale(self, hf_name: str, s: Tensor) -> Tensor:
+        """This rank's part of a prequantized layer's group scales ``s`` [out, in / group] (engine/prequantized.py):
+        the rows of an output-split layer (as ``shard``), the whole groups of an input-split one's columns
+        (o_proj, down_proj: a group may not straddle two ranks; per channel (one group): all of it, each rank's
+        columns then one group). ValueError where a group would be cut."""
+        m = self._PROJ.match(hf_name)
+        proj = m.group(1) if m is not None else None
+        if proj not in ("o_proj", "down_proj"):
+            return self.shard(hf_name, s)
+        mc = self.full
+        width, lo = ((mc.num_attention_heads * mc.head_dim, self.rank * self.heads * mc.head_dim)
+                     if proj == "o_proj" else (mc.intermediate_size, self.rank * self.intermediate))
+        n = self.intermediate if proj == "down_proj" else self.heads * mc.head_dim
+        if s.shape[1] == 1:
+            return s
+        group = width // s.shape[1]
+        if lo % group or n % group:
+            raise ValueError(f"tensor parallelism: {hf_name} splits its {width} inputs {n} a rank, across its "
+                             f"quantization groups of {group}")
+        return s[:, lo // group:(lo + n) // group]
 
     @staticmethod
     def _expect(procs: list, conns: list, what: str, deadline: float) -> None:

@@ -131,14 +131,35 @@ def test_quantized_checkpoints_the_engine_cannot_load_are_refused_by_name(qc, ma
         LLM(str(tmp_path / "m"), num_kv_blocks=64)
 
 
-def test_a_gptq_checkpoint_is_not_quantized_again_or_split(tmp_path):
+def test_a_prequantized_checkpoint_is_not_quantized_again(tmp_path):
     from engine import LLM
 
     _gptq_checkpoint(tmp_path / "m")
-    for kw, match in (({"quantization": "int8"}, "quantization: not available with a gptq int4 g32 checkpoint"),
-                      ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1: not available")):
-        with pytest.raises(ValueError, match=match):
-            LLM(str(tmp_path / "m"), num_kv_blocks=64, **kw)
+    with pytest.raises(ValueError, match="quantization: not available with a gptq int4 g32 checkpoint"):
+        LLM(str(tmp_path / "m"), num_kv_blocks=64, quantization="int8")
+    _gptq_checkpoint(tmp_path / "g64", group=64)  # (o_proj's 64 inputs split 32 a rank: a group would straddle)
+    with pytest.raises(ValueError, match="each rank's .* not a multiple of quantization_group_size .64."):
+        LLM(str(tmp_path / "g64"), num_kv_blocks=64, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("kw", [{}, {"layout": "ct", "group": 0}], ids=["gptq", "compressed-tensors-channel"])
+def test_two_ranks_split_a_prequantized_checkpoint_with_its_scales(kw, tmp_path):
+    """Each rank holds its rows (q/k/v, gate/up) or its whole groups of inputs (o_proj, down_proj) of the
+    checkpoint's integers and scales, still int4: the greedy tokens of the float model."""
+    from engine import LLM, SamplingParams
+
+    ref = _gptq_checkpoint(tmp_path / "m", **kw)
+    llm = LLM(str(tmp_path / "m"), num_kv_blocks=64, tensor_parallel_size=2)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    for prompt, o in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            hf = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        assert o.token_ids == hf
+    # rank 0's shards hold the checkpoint's values exactly: its first half of o_proj's and down_proj's inputs
+    layer, want = llm.llm_engine.runner.model.layers[0], ref.model.layers[0]
+    assert torch.equal(layer.o_proj.fmt.dense(), want.self_attn.o_proj.weight[:, :32].float())
+    assert torch.equal(layer.down_proj.fmt.dense(), want.mlp.down_proj.weight[:, :64].float())
 
 
 def test_a_bfloat16_engine_keeps_the_checkpoints_exact_integers(tmp_path):
