@@ -438,27 +438,6 @@ class TPGroup:
                                                                        for r, p in enumerate(procs, start=1)))
         return group, model
 
-    def shard_scale(self, hf_name: str, s: Tensor) -> Tensor:
-        """This rank's part of a prequantized layer's group scales ``s`` [out, in / group] (engine/prequantized.py):
-        the rows of an output-split layer (as ``shard``), the whole groups of an input-split one's columns
-        (o_proj, down_proj: a group may not straddle two ranks; per channel (one group): all of it, each rank's
-        columns then one group). ValueError where a group would be cut."""
-        m = self._PROJ.match(hf_name)
-        proj = m.group(1) if m is not None else None
-        if proj not in ("o_proj", "down_proj"):
-            return self.shard(hf_name, s)
-        mc = self.full
-        width, lo = ((mc.num_attention_heads * mc.head_dim, self.rank * self.heads * mc.head_dim)
-                     if proj == "o_proj" else (mc.intermediate_size, self.rank * self.intermediate))
-        n = self.intermediate if proj == "down_proj" else self.heads * mc.head_dim
-        if s.shape[1] == 1:
-            return s
-        group = width // s.shape[1]
-        if lo % group or n % group:
-            raise ValueError(f"tensor parallelism: {hf_name} splits its {width} inputs {n} a rank, across its "
-                             f"quantization groups of {group}")
-        return s[:, lo // group:(lo + n) // group]
-
     @staticmethod
     def _expect(procs: list, conns: list, what: str, deadline: float) -> None:
         """Wait for message ``what`` from every follower; a rank's reported error, exit or lateness raises."""

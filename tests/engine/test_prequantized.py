@@ -87,10 +87,21 @@ def _gptq_checkpoint(d: Path, v2: bool = False, layout: str = "gptq", group: int
     return model
 
 
+def _same_greedy_tokens(llm, ref, n: int) -> None:
+    from engine import SamplingParams
+
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    for prompt, o in zip(PROMPTS, outs, strict=True):
+        with torch.no_grad():
+            hf = ref.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        assert o.token_ids == hf
+
+
 @pytest.mark.parametrize("kw", [{}, {"v2": True}, {"layout": "ct"}, {"layout": "ct", "group": 0}],
                          ids=["gptq", "gptq_v2", "compressed-tensors", "compressed-tensors-channel"])
 def test_a_prequantized_checkpoint_runs_its_own_integers_and_gives_the_float_models_tokens(kw, tmp_path):
-    from engine import LLM, SamplingParams
+    from engine import LLM
     from engine.quant_formats import Int4, Int4Panels
 
     ref = _gptq_checkpoint(tmp_path / "m", **kw)
@@ -105,12 +116,7 @@ def test_a_prequantized_checkpoint_runs_its_own_integers_and_gives_the_float_mod
                       ref.model.layers[0].self_attn.v_proj.weight])
     assert torch.equal(q.dense(), want.float())
     assert isinstance(q, Int4Panels) or not llm.llm_engine.config.device == "cpu"
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    for prompt, o in zip(PROMPTS, outs, strict=True):
-        with torch.no_grad():
-            hf = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0, len(prompt):].tolist()
-        assert o.token_ids == hf
+    _same_greedy_tokens(llm, ref, 12)
 
 
 @pytest.mark.parametrize("qc, match", [
@@ -146,16 +152,11 @@ def test_a_prequantized_checkpoint_is_not_quantized_again(tmp_path):
 def test_two_ranks_split_a_prequantized_checkpoint_with_its_scales(kw, tmp_path):
     """Each rank holds its rows (q/k/v, gate/up) or its whole groups of inputs (o_proj, down_proj) of the
     checkpoint's integers and scales, still int4: the greedy tokens of the float model."""
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     ref = _gptq_checkpoint(tmp_path / "m", **kw)
     llm = LLM(str(tmp_path / "m"), num_kv_blocks=64, tensor_parallel_size=2)
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    for prompt, o in zip(PROMPTS, outs, strict=True):
-        with torch.no_grad():
-            hf = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0, len(prompt):].tolist()
-        assert o.token_ids == hf
+    _same_greedy_tokens(llm, ref, 8)
     # rank 0's shards hold the checkpoint's values exactly: its first half of o_proj's and down_proj's inputs
     layer, want = llm.llm_engine.runner.model.layers[0], ref.model.layers[0]
     assert torch.equal(layer.o_proj.fmt.dense(), want.self_attn.o_proj.weight[:, :32].float())
