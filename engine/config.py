@@ -29,8 +29,17 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 """``EngineConfig.kv_cache_dtype`` values."""
 ENCODER_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "BertForSequenceClassification",
                          "RobertaForSequenceClassification", "XLMRobertaForSequenceClassification")
-"""Bidirectional encoders (engine/encoder.py): embedding models (bge, e5, all-MiniLM, bge-m3, ...) and
-cross-encoder rerankers (``...ForSequenceClassification``: bge-reranker, ms-marco cross-encoders); no generation."""
+"""Bidirectional encoders (engine/encoder.py): embedding models (bge, e5, all-MiniLM, bge-m3, ...) and sequence
+classifiers (``...ForSequenceClassification``: one label, a cross-encoder reranker such as bge-reranker; more, a
+sentiment or intent classifier); no generation."""
+
+
+def classifier_labels(cfg: dict[str, Any]) -> tuple[str, ...]:
+    """A ``...ForSequenceClassification`` config.json's label names, by output: ``id2label``'s, else transformers'
+    default (``num_labels``, 2 when absent) named ``LABEL_i``."""
+    names = {str(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
+    n = len(names) if names else int(cfg.get("num_labels", 2))
+    return tuple(names.get(str(i), f"LABEL_{i}") for i in range(n))
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Phi3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                            "GraniteForCausalLM", "Gemma3ForCausalLM", *ENCODER_ARCHITECTURES)
@@ -384,7 +393,8 @@ class ModelConfig:
     pad_token_id: Optional[int] = None
     """config.json's ``pad_token_id`` (RoBERTa's positions)."""
     num_labels: int = 0
-    """A cross-encoder's (``...ForSequenceClassification``) outputs; 0: an embedding model."""
+    """A sequence classifier's (``...ForSequenceClassification``) outputs (1: a cross-encoder); 0: an embedding
+    model."""
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype)
@@ -520,9 +530,7 @@ class ModelConfig:
             raise ValueError(f"hidden_act {act!r} is not supported for an encoder ('gelu' only)")
         roberta = arch.startswith(("Roberta", "XLMRoberta"))
         pad = cfg.get("pad_token_id", 1 if roberta else 0)
-        num_labels = 0
-        if arch.endswith("ForSequenceClassification"):
-            num_labels = len(cfg["id2label"]) if cfg.get("id2label") else int(cfg.get("num_labels", 2))
+        num_labels = len(classifier_labels(cfg)) if arch.endswith("ForSequenceClassification") else 0
         n_heads, hidden = int(cfg["num_attention_heads"]), int(cfg["hidden_size"])
         if hidden % n_heads:
             raise ValueError(f"hidden_size ({hidden}) must be a multiple of num_attention_heads ({n_heads})")

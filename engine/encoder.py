@@ -35,9 +35,6 @@ from engine.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
-POOLING_MODES = ("cls", "mean", "lasttoken")
-
-
 class _SelfAttention(nn.Module):
     def __init__(self, h: int) -> None:
         super().__init__()
@@ -134,8 +131,8 @@ class EncoderModel(nn.Module):
                 self.classifier = nn.Linear(mc.hidden_size, mc.num_labels)
         self.has_lm_head = False
         self.pooling_mode = "cls"
-        """How a prompt's states become its embedding (``POOLING_MODES``; the engine sets it from the model's
-        sentence-transformers files); a cross-encoder's classifier reads the first token's state whatever it is."""
+        """How a prompt's states become its embedding ('cls', 'mean' or 'lasttoken': ``PoolingConfig.mode``, which
+        the engine sets it from); a classifier's head reads the first token's state whatever it is."""
         self.sep_token_id: Optional[int] = None
         """BERT's ``[SEP]`` (set by the engine from the tokenizer): tokens after the first one are token type 1."""
 
@@ -146,11 +143,6 @@ class EncoderModel(nn.Module):
     @property
     def layers(self) -> nn.ModuleList:
         return self.encoder.layer
-
-    @property
-    def out_features(self) -> int:
-        """The width of what a prompt answers: its embedding, or a cross-encoder's logits."""
-        return self.config.num_labels or self.config.hidden_size
 
     def finalize(self, *args: object, **kwargs: object) -> "EncoderModel":
         """(``CausalLM.finalize``'s place in ``load_model``: nothing to pack; quantization is refused earlier.)"""
@@ -179,7 +171,7 @@ class EncoderModel(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[Tensor, Tensor]],
                 layer_hook: Optional[Callable[[int], None]] = None) -> Tensor:
-        """A step of whole prompts -> [prompts, out_features]: each prompt's answer in its sampling row's order
+        """A step of whole prompts -> [prompts, hidden or num_labels]: each prompt's answer in its sampling row's order
         (``meta.keep.rows``: each prompt's last row). ``positions`` and ``kv_caches`` are not read."""
         if meta.num_decode or any(p.num_computed for p in meta.prefills):
             raise RuntimeError("an encoder computes whole prompts only (a decode row or a partial prompt reached it)")
@@ -224,14 +216,14 @@ class EncoderModel(nn.Module):
         skipped = 0
         for name, tensor in weights:
             for prefix in ("bert.", "roberta.", "model."):
-                if name.startswith(prefix) and not name.startswith("classifier"):
+                if name.startswith(prefix):
                     name = name[len(prefix):]
                     break
             if name.startswith(self._SKIPPED) or (name.startswith("pooler.") and self.pooler is None):
                 skipped += 1
                 continue
-            if name.endswith(".gamma") or name.endswith(".beta"):  # (the oldest BERT checkpoints' LayerNorm names)
-                name = name[:-6] + (".weight" if name.endswith(".gamma") else ".bias")
+            if name.endswith((".gamma", ".beta")):  # (the oldest BERT checkpoints' LayerNorm names)
+                name = name.rpartition(".")[0] + (".weight" if name.endswith(".gamma") else ".bias")
             p = params.get(name)
             if p is None:
                 raise ValueError(f"weights: unexpected tensor {name!r} for {self.config.architecture}")
@@ -245,16 +237,3 @@ class EncoderModel(nn.Module):
             raise ValueError(f"weights: missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         if skipped:
             log.info("encoder checkpoint: %d tensors not used (an MLM head, saved buffers or the pooler)", skipped)
-
-    def init_random(self, seed: int, std: float) -> None:
-        """Deterministic weights (tests): N(0, std) matrices, LayerNorms at 1 / 0, biases at 0."""
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
-                if "LayerNorm" in name:
-                    p.fill_(1.0 if name.endswith("weight") else 0.0)
-                elif name.endswith("bias"):
-                    p.zero_()
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g) * std)
-

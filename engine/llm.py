@@ -178,10 +178,8 @@ class LLM:
         tok = eng.tokenizer
         if tok is None:
             raise ValueError("this model has no tokenizer: a cross-encoder scores text pairs")
-        limit = truncate_prompt_tokens if truncate_prompt_tokens not in (None, -1) else None
-        token_lists = [tok.encode_encoder(a, b, limit if limit is not None else
-                                          (eng.max_model_len if truncate_prompt_tokens == -1 else None))
-                       for a, b in pairs]
+        limit = eng.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        token_lists = [tok.encode_encoder(a, b, limit) for a, b in pairs]
         rids, got = self._pool(token_lists, SamplingParams(), use_tqdm, "score")
         return [ScoringRequestOutput(rid, ids, ScoringOutput(cross_encoder_score(got[rid])))
                 for rid, ids in zip(rids, token_lists)]
@@ -215,10 +213,9 @@ class LLM:
         if keep < 1:
             raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1, got {keep}")
         texts, token_lists = self._normalize_prompts(prompts)
-        if eng.tokenizer is not None:
-            token_lists = [eng.tokenizer.encode_encoder(t, max_tokens=keep) if t is not None else list(ids)[:keep]
-                           for t, ids in zip(texts, token_lists)]
-        return texts, [list(ids)[:keep] for ids in token_lists]
+        tok = eng.tokenizer
+        return texts, [tok.encode_encoder(t, max_tokens=keep) if t is not None and tok is not None else list(ids)[:keep]
+                       for t, ids in zip(texts, token_lists)]
 
     def _pool(self, token_lists: list[list[int]], params: SamplingParams, use_tqdm: bool,
               desc: str) -> tuple[list[str], dict[str, Any]]:

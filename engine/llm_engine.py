@@ -132,7 +132,10 @@ class LLMEngine:
         if mc.is_encoder:  # (engine/encoder.py: whole prompts, no prefix cache, no graphs, its few blocks)
             config = self.config = encoder_engine_config(config, mc)
         self.prequantized = load_prequantized(config)
-        """The checkpoint's own quantization (engine/prequantized.py: GPTQ int4), or None."""
+        """The checkpoint's own quantization (engine/prequantized.py: GPTQ or compressed-tensors int4), or None."""
+        if self.prequantized is not None and mc.is_encoder:
+            raise ValueError(f"model: a {self.prequantized.describe()} encoder checkpoint is not loaded (encoders are "
+                             "served unquantized)")
         if self.prequantized is not None:
             refused = [name for name, on in (("quantization", config.quantization is not None),
                                              ("device 'cuda'", torch.device(config.device).type == "cuda")) if on]

@@ -106,15 +106,15 @@ def fill_weights(model: "CausalLM", cfg: EngineConfig) -> Optional[int]:
     if spec is None:
         model.load_weights(iter_checkpoint(cfg))
         return None
-    from engine.prequantized import GptqReader
+    from engine.prequantized import Int4Reader
 
-    reader = GptqReader(spec)
+    reader = Int4Reader(spec)
     model.load_weights(reader.iter(iter_checkpoint(cfg)), int4_scales=reader.scales)
     return spec.group_size
 
 
 def load_prequantized(cfg: EngineConfig):
-    """The model's prequantized format (engine/prequantized.py ``GptqSpec``; None: float weights, or a built-in);
+    """The model's prequantized format (engine/prequantized.py ``Int4Spec``; None: float weights, or a built-in);
     ValueError for a quantized checkpoint the engine cannot load. Needs no torch beyond the import."""
     if cfg.model in BUILTIN_NAMES:
         return None

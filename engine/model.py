@@ -148,8 +148,8 @@ class Linear(nn.Module):
             return False
         if self.bias is not None:
             self.bias.data = self.bias.data.float()
-        self.fmt = int4_format(q.view(N, K).to(torch.int16), s, group, self.bias, kern if w.device.type == "cpu" else None,
-                               prefetch)
+        self.fmt = int4_format(q.view(N, K).to(torch.int16), s, group, self.bias,
+                               kern if w.device.type == "cpu" else None, prefetch)
         self.register_parameter("weight_t", None)
         self.int4_scale = None
         return True

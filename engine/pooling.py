@@ -47,7 +47,8 @@ class PoolingConfig:
     mode: str = "lasttoken"
     """How a prompt's states become its vector: 'lasttoken', 'cls' or 'mean' (the last two: encoders only)."""
     num_labels: int = 0
-    """A cross-encoder's outputs (it scores text pairs and serves no embeddings); 0: an embedding model."""
+    """A sequence classifier's outputs (1: a cross-encoder, which scores text pairs); it serves no embeddings. 0: an
+    embedding model."""
     labels: tuple[str, ...] = ()
     """A classifier's label names, by output (config.json ``id2label``; ``LABEL_i`` where it has none)."""
     multi_label: bool = False
@@ -60,7 +61,7 @@ class PoolingConfig:
 def read_pooling_config(model_dir: Optional[Path], hf_config: Optional[dict] = None) -> PoolingConfig:
     """The pooling of the model in ``model_dir`` (None: a built-in model: last token, normalised). ``hf_config``:
     its config.json, where the caller has it read."""
-    from engine.config import ENCODER_ARCHITECTURES
+    from engine.config import ENCODER_ARCHITECTURES, classifier_labels
 
     cfg = hf_config or {}
     if model_dir is not None and not cfg:
@@ -75,9 +76,8 @@ def read_pooling_config(model_dir: Optional[Path], hf_config: Optional[dict] = N
                               matryoshka_dimensions=tuple(int(d) for d in dims) if dims else None,
                               mode="cls" if encoder else "lasttoken", encoder=encoder)
     if encoder and archs[0].endswith("ForSequenceClassification"):
-        kw["num_labels"] = n = len(cfg["id2label"]) if cfg.get("id2label") else int(cfg.get("num_labels", 2))
-        names = {str(k): str(v) for k, v in (cfg.get("id2label") or {}).items()}
-        kw["labels"] = tuple(names.get(str(i), f"LABEL_{i}") for i in range(n))
+        kw["labels"] = classifier_labels(cfg)
+        kw["num_labels"] = len(kw["labels"])
         kw["multi_label"] = cfg.get("problem_type") == "multi_label_classification"
     modules = _read_json(model_dir, "modules.json") if model_dir is not None else None
     if not isinstance(modules, list):

@@ -3,11 +3,12 @@ compressed-tensors' ``pack-quantized`` W4A16 (llm-compressor's, the ``-quantized
 serves as they are, loaded into pdserve's own int4 group-wise format without losing or changing a weight.
 
 Lifecycle: ``read_prequantized`` reads config.json's ``quantization_config`` once (the engine at start) and says
-whether the checkpoint is GPTQ int4 the engine can take (``GptqSpec``) or refuses it by name (AWQ, other bit
-widths, asymmetric or act-order GPTQ, other methods). ``GptqReader.iter`` then sits between the safetensors stream
-and ``CausalLM.load_weights``: it buffers each layer's ``qweight`` / ``qzeros`` / ``scales`` / ``g_idx`` until all
-four are in, and yields the layer's weight dequantized to float32 (w = (q - zero) * scale, exactly: small integers
-times float16 scales) under its ``.weight`` name, keeping the scales [out, in / group] in ``scales``; every other
+whether the checkpoint is one the engine can take (``Int4Spec``) or refuses it by name (AWQ, other bit widths,
+asymmetric or act-order weights, quantized activations, other methods). ``Int4Reader.iter`` then sits between the
+safetensors stream and ``CausalLM.load_weights``: it buffers each layer's parts (GPTQ's ``qweight`` / ``qzeros`` /
+``scales`` / ``g_idx``, compressed-tensors' ``weight_packed`` / ``weight_scale`` / ``weight_shape``) until all are
+in, and yields the layer's weight dequantized to float32 (w = (q - zero) * scale, exactly: small integers times
+16-bit scales) under its ``.weight`` name, keeping the scales [out, in / group] in ``scales``; every other
 tensor (embeddings, norms, biases, a float LM head) passes through. ``load_weights`` gives each linear layer its
 scales (fused q/k/v and gate/up rows included) and ``CausalLM.finalize(prequantized_group=G)`` packs those layers
 with them (``Linear.load_int4``: the stored integers come back exactly, checked), leaving every layer the checkpoint
@@ -37,7 +38,7 @@ _CT_PARTS = ("weight_packed", "weight_scale", "weight_shape")
 
 
 @dataclass(frozen=True)
-class GptqSpec:
+class Int4Spec:
     """A symmetric int4 checkpoint the engine loads: GPTQ's layout, or compressed-tensors' (``method``)."""
 
     group_size: int
@@ -52,7 +53,7 @@ class GptqSpec:
         return f"{self.method} int4 " + ("per channel" if self.channel else f"g{self.group_size}")
 
 
-def read_prequantized(hf_config: dict) -> Optional[GptqSpec]:
+def read_prequantized(hf_config: dict) -> Optional[Int4Spec]:
     """The checkpoint's quantization as the engine loads it (None: a float checkpoint); ValueError naming what it
     cannot load."""
     qc = hf_config.get("quantization_config")
@@ -77,7 +78,7 @@ def read_prequantized(hf_config: dict) -> Optional[GptqSpec]:
     fmt = str(qc.get("checkpoint_format", "gptq")).lower()
     if fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"quantization_config: checkpoint_format {fmt!r} is not loaded (gptq, gptq_v2)")
-    return GptqSpec(group, v2=fmt == "gptq_v2")
+    return Int4Spec(group, v2=fmt == "gptq_v2")
 
 
 def _check_group(group: object) -> None:
@@ -86,7 +87,7 @@ def _check_group(group: object) -> None:
                          "pdserve's int4 kernels read groups of 32 values)")
 
 
-def _compressed_tensors(qc: dict) -> GptqSpec:
+def _compressed_tensors(qc: dict) -> Int4Spec:
     """compressed-tensors' W4A16 (``pack-quantized``, symmetric int4 weights by group or channel, float
     activations); ValueError naming anything else."""
     fmt = qc.get("format")
@@ -114,14 +115,14 @@ def _compressed_tensors(qc: dict) -> GptqSpec:
         raise ValueError(f"quantization_config: actorder {w.get('actorder')!r} is not loaded")
     strategy = w.get("strategy")
     if strategy == "channel":
-        return GptqSpec(0, method="compressed-tensors", channel=True)
+        return Int4Spec(0, method="compressed-tensors", channel=True)
     if strategy != "group":
         raise ValueError(f"quantization_config: strategy {strategy!r} is not loaded (group, channel)")
     _check_group(w.get("group_size"))
-    return GptqSpec(int(w["group_size"]), method="compressed-tensors")
+    return Int4Spec(int(w["group_size"]), method="compressed-tensors")
 
 
-def read_prequantized_dir(model_dir: Path) -> Optional[GptqSpec]:
+def read_prequantized_dir(model_dir: Path) -> Optional[Int4Spec]:
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
@@ -139,10 +140,11 @@ def _unpack(words: Tensor, axis: int) -> Tensor:
 
 
 @dataclass
-class GptqReader:
-    """Turns a GPTQ checkpoint's tensor stream into float weights plus their group scales (module docstring)."""
+class Int4Reader:
+    """Turns a prequantized checkpoint's tensor stream into float weights plus their group scales (module
+    docstring)."""
 
-    spec: GptqSpec
+    spec: Int4Spec
     scales: dict[str, Tensor] = field(default_factory=dict)
     """``<layer>.weight`` -> its scales [out, in / group] float32, for each layer yielded dequantized."""
 
@@ -152,26 +154,25 @@ class GptqReader:
         pending: dict[str, dict[str, Tensor]] = {}
         for name, tensor in weights:
             prefix, _, part = name.rpartition(".")
-            if part not in parts and not (ct and part in ("weight_zero_point", "weight_g_idx")):
+            if ct and part in ("weight_zero_point", "weight_g_idx"):
+                raise ValueError(f"weights: layer {prefix!r} has {part} (asymmetric or act-order), which the config "
+                                 "did not say and pdserve's int4 format cannot hold")
+            if part not in parts:
                 yield name, tensor
                 continue
             got = pending.setdefault(prefix, {})
             got[part] = tensor
-            if len(got) == len(parts) and all(p in got for p in parts):
+            if len(got) == len(parts):
                 del pending[prefix]
-                yield f"{prefix}.weight", self._compressed(prefix, got) if ct else self._dequantize(prefix, got)
+                yield f"{prefix}.weight", self._compressed(prefix, got) if ct else self._gptq(prefix, got)
         for prefix, got in pending.items():  # (a GPTQ layer whose g_idx is absent: GPTQModel may leave it out)
-            missing = [p for p in parts[:3] if p not in got]
-            if missing or ct:
-                raise ValueError(f"weights: quantized layer {prefix!r} lacks {missing or sorted(got)}")
-            yield f"{prefix}.weight", self._dequantize(prefix, got)
+            missing = [p for p in parts if p not in got and p != "g_idx"]
+            if missing:
+                raise ValueError(f"weights: quantized layer {prefix!r} lacks {missing}")
+            yield f"{prefix}.weight", self._gptq(prefix, got)
 
     def _compressed(self, prefix: str, got: dict[str, Tensor]) -> Tensor:
         """A compressed-tensors layer: levels [N, K] (stored - 8) times its scales."""
-        for extra in ("weight_zero_point", "weight_g_idx"):
-            if extra in got:
-                raise ValueError(f"weights: layer {prefix!r} has {extra} (asymmetric or act-order), which the "
-                                 "config did not say and pdserve's int4 format cannot hold")
         N, K = (int(x) for x in got["weight_shape"].tolist())
         q = _unpack(got["weight_packed"], 1)[:, :K]  # [N, K]
         scales = got["weight_scale"].float()
@@ -182,7 +183,8 @@ class GptqReader:
         self.scales[f"{prefix}.weight"] = scales.contiguous()
         return (q.float() - 8.0) * scales.repeat_interleave(g, dim=1)
 
-    def _dequantize(self, prefix: str, got: dict[str, Tensor]) -> Tensor:
+    def _gptq(self, prefix: str, got: dict[str, Tensor]) -> Tensor:
+        """A GPTQ layer: (level - zero) times its scales, [N, K]."""
         q = _unpack(got["qweight"], 0)  # [K, N]
         K, N = q.shape
         g = self.spec.group_size

@@ -119,22 +119,17 @@ def prepare_job(core: Any, request_id: str, model: Optional[str], texts: Optiona
                 if len(t.encode()) > lim.max_prompt_bytes:  # (cannot fit whatever it says: before tokenizing)
                     name = names[i] if names is not None else f"input[{i}]"
                     raise EmbedInvalid(bad, f"{name} is longer than the context ({lim.max_context_length} "
-                                            "tokens) can hold (give truncate_prompt_tokens to keep only its last "
-                                            "tokens)", name.split("[")[0])
-        if pooling.encoder and keep is not None and add_special_tokens:  # (its first tokens, specials kept)
-            try:
-                token_lists = [core.tokenizer.encode_encoder(t, max_tokens=_encoder_keep(keep, lim))
-                               for t in texts]
-            except ValueError as e:
-                raise EmbedInvalid(bad, str(e), "truncate_prompt_tokens") from None
-            keep = None
-        else:
-            token_lists = [core.tokenizer.encode(t, add_special_tokens) for t in texts]
-    if pooling.encoder and keep is not None:  # (token ids: an encoder keeps their first tokens)
-        token_lists = [list(t)[:_encoder_keep(keep, lim)] for t in token_lists or []]
-        keep = None
+                                            "tokens) can hold (give truncate_prompt_tokens to cut it)",
+                                       name.split("[")[0])
+    encoder_cut = pooling.encoder and keep is not None  # (an encoder keeps its first tokens, a decoder its last)
     try:
-        ids = [truncated_prompt(list(t), keep, 0, lim.max_context_length) for t in token_lists or []]
+        if encoder_cut and texts is not None and add_special_tokens:  # (its tokenizer's cut: specials kept)
+            ids = [core.tokenizer.encode_encoder(t, max_tokens=_encoder_keep(keep, lim)) for t in texts]
+        else:
+            if texts is not None:
+                token_lists = [core.tokenizer.encode(t, add_special_tokens) for t in texts]
+            ids = [list(t)[:_encoder_keep(keep, lim)] if encoder_cut
+                   else truncated_prompt(list(t), keep, 0, lim.max_context_length) for t in token_lists or []]
     except ValueError as e:
         raise EmbedInvalid(bad, str(e), "truncate_prompt_tokens") from None
     check_inputs(ids, lim, names=names)
@@ -206,7 +201,7 @@ def check_inputs(inputs: list[list[int]], limits: ModelLimits, field: str = "inp
             raise refuse(f"{name} is empty", name)
         if len(ids) > limits.max_context_length:  # (an embedding's prompt may fill the context: nothing follows)
             raise refuse(f"{name} has {len(ids)} tokens; the context length is {limits.max_context_length} "
-                         "(give truncate_prompt_tokens to keep only its last tokens)", name)
+                         "(give truncate_prompt_tokens to cut it)", name)
         for t in ids:
             if not 0 <= t < limits.vocab_size:
                 raise refuse(f"{name}: {t} is not a token id in [0, {limits.vocab_size})", name)

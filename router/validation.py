@@ -143,6 +143,17 @@ def _opens_block(ids: list[int], start: list[int]) -> bool:
     return any(ids[i:i + k] == start for i in range(max(0, len(ids) - k - 4), len(ids) - k + 1))
 
 
+def check_generates(limits: ModelLimits, what: str) -> None:
+    """ValueError naming ``model`` where the model is an encoder (engine/encoder.py), which serves ``what`` (a
+    generation, a chat) never: said before any worker is asked, with what it does serve."""
+    p = limits.pooling
+    if p is None or not p.encoder:
+        return
+    serves = ("classifications (/classify)" if p.num_labels > 1 else "pair scores (/v1/score, /v1/rerank)"
+              if p.num_labels else "embeddings (/v1/embeddings, /v1/score, /v1/rerank)")
+    raise ValueError(f"model: {limits.model_name} is an encoder: it serves {serves}, not {what}")
+
+
 def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
                       tokenize: Callable[[str], list[int]], tokenizer: Any = None, *,
                       allow_priority: bool = False, reasoning: Any = None) -> ValidatedRequest:
@@ -158,11 +169,7 @@ def validate_generate(req: pdserve_pb2.GenerateRequest, limits: ModelLimits,
     if len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
         raise ValueError(f"request_id must be printable and at most {MAX_REQUEST_ID_LEN} characters")
     lora = limits.lora_of(req.model)  # LookupError: NOT_FOUND
-    pooling = limits.pooling
-    if pooling is not None and pooling.encoder:  # (engine/encoder.py: before any worker is asked)
-        raise ValueError(f"model: {limits.model_name} is an encoder: it serves "
-                         + ("pair scores (/v1/score, /v1/rerank)" if pooling.num_labels else
-                            "embeddings (/v1/embeddings, /v1/score, /v1/rerank)") + ", not generation")
+    check_generates(limits, "generation")
     has_prompt, has_ids = req.prompt != "", len(req.token_ids) > 0
     if has_prompt and has_ids:
         raise ValueError("prompt and token_ids are both set: give one, not both")

@@ -11,6 +11,7 @@ multi-label model), ``num_classes`` and its best ``label`` (config.json ``id2lab
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Awaitable, Callable, Optional, Union
 
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 from starlette.responses import JSONResponse
 
 from engine import classify_probs
+from router.embeddings import prepare_job
 from router.openai.embeddings_api import embed, split_inputs
 
 
@@ -37,8 +39,10 @@ async def serve(core: Any, body: ClassifyRequest, request_id: str, admit: Callab
                 blocking: Callable[..., Awaitable[Any]]) -> JSONResponse:
     """One classification request (see module docstring; ``admit`` and ``blocking`` as ``embeddings_api.serve``'s)."""
     texts, token_lists = split_inputs(body.input)
-    got = await embed(core, admit, blocking, request_id, body.model, texts, token_lists, None, None,
-                      body.truncate_prompt_tokens, body.add_special_tokens, None, True)
+    got = await embed(core, admit, blocking, request_id, body.model, texts, token_lists,
+                      prepare=functools.partial(prepare_job, classify=True,
+                                                truncate_prompt_tokens=body.truncate_prompt_tokens,
+                                                add_special_tokens=body.add_special_tokens))
     if isinstance(got, JSONResponse):
         return got
     pooling = core.limits.pooling

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine import SamplingParams
 from proto import pdserve_pb2
 from router.openai.structured import ConstraintFields, ToolFields, template_tools
-from router.validation import MAX_BEAM_WIDTH, ModelLimits
+from router.validation import MAX_BEAM_WIDTH, ModelLimits, check_generates
 
 
 class StreamOptions(BaseModel):
@@ -346,8 +346,7 @@ def render_chat(body: Any, tokenizer: Any, tools: Optional[list[dict]] = None) -
 def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Any, limits: ModelLimits,
                     tools: Optional[list[dict]] = None) -> list[int]:
     """A chat's messages through the model's chat template, as prompt token ids (ValueError names the field)."""
-    if limits.pooling is not None and limits.pooling.encoder:  # (said before the template is looked for)
-        raise ValueError(f"model: {limits.model_name} is an encoder: it serves embeddings and scores, not chat")
+    check_generates(limits, "chat")  # (said before the template is looked for)
     text = render_chat(body, tokenizer, tools)
     if (limits.max_prompt_bytes is not None and getattr(body, "truncate_prompt_tokens", None) is None
             and len(text.encode("utf-8", "surrogatepass")) > limits.max_prompt_bytes):

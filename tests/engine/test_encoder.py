@@ -228,3 +228,23 @@ def test_a_sequence_classifier_gives_transformers_probabilities_and_its_label(mu
         ref = torch.sigmoid(logits) if multi else torch.softmax(logits, 0)
         torch.testing.assert_close(torch.tensor(g.outputs.probs, dtype=torch.float32), ref, atol=1e-6, rtol=0)
         assert g.label == labels[int(ref.argmax())] and g.outputs.num_classes == 3
+
+
+def test_the_oldest_bert_checkpoints_layernorm_names_load(tmp_path):
+    """Early BERT checkpoints (the TF port's) name a LayerNorm's weight ``gamma`` and its bias ``beta``, under a
+    ``bert.`` prefix: the same model as the modern names."""
+    from safetensors.torch import load_file, save_file
+
+    from engine import LLM
+
+    model, tok = _bert(), _tokenizer("bert")
+    d = _save(model, tok, tmp_path / "m")
+    want = LLM(str(d)).embed(TEXTS[:2])
+    tensors = load_file(str(d / "model.safetensors"))
+    old = {"bert." + k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+           for k, v in tensors.items()}
+    assert sum(k.endswith(".beta") for k in old) == 5  # (embeddings + two per layer)
+    (d / "model.safetensors").unlink()
+    save_file(old, str(d / "model.safetensors"))
+    got = LLM(str(d)).embed(TEXTS[:2])
+    assert [g.outputs.embedding for g in got] == [w.outputs.embedding for w in want]

@@ -65,7 +65,7 @@ def test_a_bert_embedding_model_serves_embeddings_and_scores_and_refuses_generat
         assert [x["index"] for x in body["results"]] == sorted(range(len(DOCS)), key=lambda i: -cos[i])
         with pytest.raises(openai.BadRequestError, match="is an encoder: it serves embeddings .*not generation"):
             client.completions.create(model=name, prompt="the cat", max_tokens=4)
-        with pytest.raises(openai.BadRequestError, match="is an encoder: it serves embeddings and scores, not chat"):
+        with pytest.raises(openai.BadRequestError, match="is an encoder: it serves embeddings .*not chat"):
             client.chat.completions.create(model=name, messages=[{"role": "user", "content": "a"}])
         assert r.wait_idle(10.0)
     finally:

@@ -148,3 +148,18 @@ def test_reasoning_takes_the_routers_markers_and_the_budget_needs_it():
         v(token_ids=[5], reasoning=True)
     with pytest.raises(ValueError, match="^thinking_token_budget cannot be used with beam_width"):
         r(token_ids=[5], reasoning=True, thinking_token_budget=2, beam_width=2)
+
+
+@pytest.mark.parametrize("labels, serves", [(0, r"embeddings \(/v1/embeddings"), (1, r"pair scores \(/v1/score"),
+                                            (3, r"classifications \(/classify\)")])
+def test_generation_to_an_encoder_is_refused_naming_what_it_serves(labels, serves):
+    import dataclasses
+
+    from engine import PoolingConfig
+
+    enc = dataclasses.replace(LIMITS, pooling=PoolingConfig(encoder=True, num_labels=labels))
+    with pytest.raises(ValueError, match=rf"^model: m is an encoder: it serves {serves}.*, not generation$"):
+        validate_generate(pdserve_pb2.GenerateRequest(prompt="a", max_tokens=2), enc, lambda s: [1])
+    # a decoder embedding model (pooling known, not an encoder) still generates
+    dec = dataclasses.replace(LIMITS, pooling=PoolingConfig())
+    assert validate_generate(pdserve_pb2.GenerateRequest(prompt="a", max_tokens=2), dec, lambda s: [1]) is not None
