@@ -413,8 +413,10 @@ class RouterServer(pdserve_pb2_grpc.PDServeServicer):
         lease = self._admit_tokens(sum(len(ids) for ids in job.inputs), 0, context)
         remaining = context.time_remaining()
         budget = core.cfg.request_timeout_s if remaining is None else min(remaining, core.cfg.request_timeout_s)
+        gone = threading.Event()  # (a client that cancels its call cancels its inputs on the workers)
+        context.add_done_callback(lambda _ctx: gone.set())  # (grpc.aio: run on the loop when the call ends)
         try:
-            got = run_embed(core, job, time.monotonic() + budget)
+            got = run_embed(core, job, time.monotonic() + budget, cancelled=gone)
         except FlowError as e:
             raise _Abort(e.code, e.message) from None
         finally:

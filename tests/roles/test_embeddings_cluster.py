@@ -193,22 +193,38 @@ def test_bad_embedding_requests_get_a_status_naming_the_field_and_leave_nothing(
 
 def test_a_client_that_goes_away_cancels_its_inputs_on_the_workers(roles):
     """An embeddings request far longer than its client waits (200 inputs of 500 tokens): the client's disconnect
-    cancels the inputs still out (their workers abort them) instead of computing the rest for nobody, and the
+    (HTTP) or cancelled call (gRPC) cancels the inputs still out (their workers abort them) instead of computing the rest for nobody, and the
     cluster serves the next request."""
     def computed() -> int:
         return sum(w.ctx.engine.make_stats().num_scheduled_tokens for w in roles.prefills)
 
-    before = computed()
+    import grpc
+
+    from proto import pdserve_pb2
+
     inputs = [[5 + (i + j) % 4000 for j in range(500)] for i in range(200)]
-    with pytest.raises(requests.exceptions.ReadTimeout):
-        requests.post(f"http://{roles.router.http_address}/v1/embeddings", json={"model": "tiny", "input": inputs},
-                      timeout=1.0)
-    assert roles.wait_idle(60.0)
-    done = computed() - before
-    assert done < 0.75 * 200 * 500, f"{done} tokens computed for a client that left"
-    assert not any(w.requests for w in roles.prefills)
-    got = _client(roles).embeddings.create(model="tiny", input=TEXTS[:1])
-    assert len(got.data) == 1
+
+    def http_client_leaves() -> None:
+        with pytest.raises(requests.exceptions.ReadTimeout):
+            requests.post(f"http://{roles.router.http_address}/v1/embeddings",
+                          json={"model": "tiny", "input": inputs}, timeout=1.0)
+
+    def grpc_client_cancels() -> None:  # (PDServe.Embed: the call cancelled, no deadline of its own)
+        call = roles.stub.Embed.future(pdserve_pb2.EmbedRequest(
+            inputs=[pdserve_pb2.EmbedInput(token_ids=ids) for ids in inputs]))
+        with pytest.raises(grpc.FutureTimeoutError):
+            call.result(timeout=1.0)
+        call.cancel()
+
+    for leave in (http_client_leaves, grpc_client_cancels):
+        before = computed()
+        leave()
+        assert roles.wait_idle(60.0)
+        done = computed() - before
+        assert done < 0.75 * 200 * 500, f"{leave.__name__}: {done} tokens computed for a client that left"
+        assert not any(w.requests for w in roles.prefills)
+        got = _client(roles).embeddings.create(model="tiny", input=TEXTS[:1])
+        assert len(got.data) == 1
 
 
 def test_an_input_whose_worker_is_gone_is_embedded_by_another(reference):
